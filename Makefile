@@ -1,0 +1,52 @@
+# attnres — two commands set everything up: `make run` and `make test`.
+#
+# Set-up never replaces an installed torch and never pulls a CUDA build onto a
+# machine without one: where no torch is importable, TORCH_SPEC (a CPU build
+# that lies on this machine's disk) is installed; every later install is
+# constrained to the torch that is there.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.attnres-installed
+PYTEST_ARGS ?=
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: setup run test test-deep golden bench lint typecheck docs clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
+	$(PIP) install -c $(VENV)/torch-pin.txt -e ".[dev]"
+	touch $@
+
+run: $(STAMP)
+	$(PY) -m attnres plan examples/audio-video.toml
+	$(PY) -m attnres plan examples/audio-video.toml --platform "cuda:sm90+all" --attention-backend sage_attn
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-deep: $(STAMP)
+	HYPOTHESIS_PROFILE=deep $(PY) -m pytest $(PYTEST_ARGS)
+
+golden: $(STAMP)
+	$(PY) -m pytest tests/test_golden.py --update-golden -q
+
+bench: $(STAMP)
+	$(PY) -m pytest benchmarks -p no:randomly --benchmark-only \
+		--benchmark-json=benchmarks/results/latest.json --benchmark-storage=benchmarks/results -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks scripts
+	$(PY) -m mypy src
+
+docs: $(STAMP)
+	$(PY) scripts/gen_state_diagram.py --write
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

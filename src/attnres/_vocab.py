@@ -1,0 +1,109 @@
+"""The small closed vocabularies every other module speaks: roles, requirement
+names, platform kinds and dtype names.
+
+Nothing here imports torch: a ``torch.dtype`` is recognised by its string form
+(``"torch.bfloat16"``), so the resolver stays importable without loading torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+__all__ = [
+    "DTYPES",
+    "PLATFORM_KINDS",
+    "REQUIREMENT_PHRASES",
+    "Requirement",
+    "Role",
+    "normalize_dtype",
+]
+
+
+class Role(str, enum.Enum):
+    """Whether a layer attends to its own sequence or to another one."""
+
+    SELF = "self"
+    CROSS = "cross"
+
+    @classmethod
+    def parse(cls, value: Role | str) -> Role:
+        if isinstance(value, Role):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        raise ValueError(f"role must be 'self' or 'cross', got {value!r}")
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Requirement(str, enum.Enum):
+    """A semantic feature a layer needs from its kernel."""
+
+    CAUSAL = "causal"
+    ATTN_MASK = "attn_mask"
+    PACKED_VARLEN = "packed_varlen"
+    GQA = "gqa"
+    DROPOUT = "dropout"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: How an error message names a requirement ("does not implement <phrase>").
+REQUIREMENT_PHRASES: dict[Requirement, str] = {
+    Requirement.CAUSAL: "causal attention",
+    Requirement.ATTN_MASK: "attention masks",
+    Requirement.PACKED_VARLEN: "packed varlen attention",
+    Requirement.GQA: "grouped-query attention",
+    Requirement.DROPOUT: "attention dropout",
+}
+
+#: Device kinds, in the order the docs list them.
+PLATFORM_KINDS: tuple[str, ...] = ("cpu", "cuda", "rocm", "mps", "xpu", "npu")
+
+#: Canonical dtype names (torch's own spelling) and the aliases users type.
+DTYPES: tuple[str, ...] = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+_DTYPE_ALIASES: dict[str, str] = {
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "fp64": "float64",
+    "double": "float64",
+    "f64": "float64",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+_DTYPE_LOOKUP: dict[str, str] = {**{d: d for d in DTYPES}, **_DTYPE_ALIASES}
+
+
+def normalize_dtype(value: Any) -> str:
+    """Map ``"bf16"``, ``"bfloat16"`` or ``torch.bfloat16`` to ``"bfloat16"``."""
+    text = value if isinstance(value, str) else str(value)
+    key = text.strip().lower()
+    key = key.removeprefix("torch.")
+    try:
+        return _DTYPE_LOOKUP[key]
+    except KeyError:
+        valid = ", ".join(DTYPES)
+        raise ValueError(
+            f"dtype: unknown dtype {value!r}; use one of {valid} "
+            f"(or an alias such as bf16, fp16, fp32, or a torch.dtype)"
+        ) from None

@@ -1,0 +1,154 @@
+"""Audit events, emitted through ``structlog.get_logger("attnres")``.
+
+attnres never configures structlog and never prints on its own. When the
+application has configured structlog, every event goes through its
+configuration (and ``structlog.testing.capture_logs`` sees it). When it has
+not, events go to the standard ``logging`` logger ``attnres``, which is silent
+unless the application turns it on.
+
+Events (SPEC 5):
+
+- one DEBUG event ``attention record`` per record of a resolution that ran the
+  machine (keys: ``component``, ``layer``, ``index`` and the record's fields);
+- one INFO event ``attention backend selected`` per resolution (keys
+  ``backend``, ``reason``, ``origin``, ``component``, ``layer``), or a WARNING
+  ``attention backend rejected`` with ``error`` and ``code`` too;
+- one DEBUG event ``attention cache hit`` per cached resolution;
+- one INFO summary line per component scope on exit
+  (``Attention backends for audio_vae: torch_sdpa (global backend fallback)``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from attnres._vocab import Role
+
+if TYPE_CHECKING:
+    from attnres.ledger import Decision
+    from attnres.scope import ScopeState
+    from attnres.trace import Trace
+
+__all__ = ["LOGGER_NAME", "emit_cache_hit", "emit_resolution", "emit_summary", "summary_line"]
+
+LOGGER_NAME = "attnres"
+_STDLIB = logging.getLogger(LOGGER_NAME)
+_FALLBACK = structlog.wrap_logger(
+    _STDLIB,
+    processors=[structlog.processors.KeyValueRenderer(key_order=["event"], sort_keys=True)],
+    wrapper_class=structlog.stdlib.BoundLogger,
+).bind()
+
+
+def _logger(level: int) -> Any | None:
+    """A bound logger that will emit at ``level``, or ``None`` when it would drop it."""
+    if structlog.is_configured():
+        log = structlog.get_logger(LOGGER_NAME).bind()
+        enabled = getattr(log, "is_enabled_for", None) or getattr(log, "isEnabledFor", None)
+        if enabled is not None:
+            try:
+                if not enabled(level):
+                    return None
+            except Exception:  # an unusual wrapper: let it decide itself
+                return log
+        return log
+    if not _STDLIB.isEnabledFor(level):
+        return None
+    return _FALLBACK
+
+
+def _debug_enabled() -> bool:
+    if structlog.is_configured():
+        return _logger(logging.DEBUG) is not None
+    return _STDLIB.isEnabledFor(logging.DEBUG)
+
+
+def emit_resolution(trace: Trace, decision: Decision) -> None:
+    """The DEBUG record events and the INFO/WARNING outcome of one cold resolution."""
+    info = _logger(logging.INFO)
+    if info is None:
+        return
+    common = {"component": decision.component, "layer": decision.layer}
+    debug = _logger(logging.DEBUG)
+    if debug is not None:
+        from attnres.trace import record_to_dict
+
+        for index, record in enumerate(trace.records):
+            debug.debug("attention record", index=index, **common, **record_to_dict(record))
+    outcome = trace.outcome
+    if outcome.status == "selected":
+        info.info(
+            "attention backend selected",
+            backend=decision.backend,
+            reason=decision.reason,
+            origin=decision.origin,
+            **common,
+        )
+    else:
+        info.warning(
+            "attention backend rejected",
+            backend=None,
+            requested=_requested(trace),
+            reason=None,
+            origin=decision.origin,
+            error=outcome.error,
+            code=outcome.code,
+            **common,
+        )
+
+
+def _requested(trace: Trace) -> str | None:
+    first = trace.records[0] if trace.records else None
+    backend = getattr(first, "backend", None)
+    return None if backend is None else str(backend)
+
+
+def emit_cache_hit(decision: Decision) -> None:
+    if structlog.is_configured():
+        log = _logger(logging.DEBUG)
+        if log is None:
+            return
+    elif not _STDLIB.isEnabledFor(logging.DEBUG):
+        return
+    else:
+        log = _FALLBACK
+    log.debug(
+        "attention cache hit",
+        backend=decision.backend,
+        reason=decision.reason,
+        origin=decision.origin,
+        component=decision.component,
+        layer=decision.layer,
+    )
+
+
+def summary_line(component: str, entries: Sequence[tuple[Role, Decision]]) -> str:
+    """``Attention backends for vae: torch_sdpa (global backend fallback)``."""
+    if not entries:
+        return f"Attention backends for {component}: no attention layers"
+    counts: Counter[tuple[str, str | None]] = Counter()
+    for _, d in entries:
+        counts[(d.backend or "rejected", d.reason)] += 1
+    parts = []
+    for (backend, reason), n in counts.items():
+        text = backend + (f" ({reason})" if reason else "")
+        parts.append(text + (f" x{n}" if n > 1 else ""))
+    return f"Attention backends for {component}: " + ", ".join(parts)
+
+
+def emit_summary(state: ScopeState, entries: Sequence[tuple[Role, Decision]]) -> None:
+    log = _logger(logging.INFO)
+    if log is None:
+        return
+    log.info(
+        summary_line(state.component, entries),
+        component=state.component,
+        kind=state.kind,
+        layers=len(entries),
+        summary=True,
+    )

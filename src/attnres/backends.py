@@ -1,0 +1,677 @@
+"""The backend catalogue: names, declarative capability specs, the registry.
+
+A backend's facts are data (a frozen :class:`BackendSpec`), kept in one
+catalogue (``BUILTIN_SPECS`` below) with the source of every fact in
+``docs/backends.md``. The checks that read these facts live in
+:mod:`attnres.machine`; this module only states them.
+
+Third-party backends arrive through :func:`register_backend` or the entry-point
+group ``attnres.backends`` (a ``BackendSpec``, an iterable of them, or a
+callable returning either). A plugin that fails to load is recorded, never
+raised; two plugins claiming one name is a :class:`PluginError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+from attrs import field, frozen
+
+from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement
+from attnres.errors import PluginError, UnknownBackendError
+
+__all__ = [
+    "BUILTIN_SPECS",
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendSpec",
+    "CapabilityRule",
+    "HeadSizeRule",
+    "PluginFailure",
+    "get_spec",
+    "plugin_failures",
+    "register_backend",
+    "registered_backends",
+    "unregister_backend",
+]
+
+ENTRY_POINT_GROUP = "attnres.backends"
+
+
+@frozen(cache_hash=True, order=False)
+class Backend:
+    """A registered attention backend, by its canonical lower-case name.
+
+    ``Backend.parse("SAGE_ATTN")`` and ``Backend.parse("sdpa")`` accept any case
+    and the registered aliases; an unknown name raises
+    :class:`~attnres.errors.UnknownBackendError` listing the valid names.
+    """
+
+    name: str
+
+    @classmethod
+    def parse(cls, value: Backend | str) -> Backend:
+        if isinstance(value, Backend):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"backend must be a Backend or a str, got {type(value).__name__}")
+        return _REGISTRY.lookup(value)
+
+    @property
+    def spec(self) -> BackendSpec:
+        return get_spec(self)
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.spec.sparse
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+
+def _to_frozenset_str(value: Iterable[Any] | None) -> frozenset[str] | None:
+    return None if value is None else frozenset(str(v) for v in value)
+
+
+def _int_set(value: Iterable[int] | None) -> frozenset[int] | None:
+    return None if value is None else frozenset(int(v) for v in value)
+
+
+def _capability_set(
+    value: Iterable[tuple[int, int]] | None,
+) -> frozenset[tuple[int, int]] | None:
+    return None if value is None else frozenset((int(a), int(b)) for a, b in value)
+
+
+def _groups(value: Iterable[Iterable[str]]) -> tuple[frozenset[str], ...]:
+    return tuple(frozenset(g) for g in value)
+
+
+@frozen
+class HeadSizeRule:
+    """Which head sizes a kernel takes: bounds, a multiple, or an explicit set."""
+
+    min: int = 1
+    max: int | None = None
+    multiple_of: int | None = None
+    allowed: frozenset[int] | None = field(default=None, converter=_int_set)
+    power_of_two: bool = False
+
+    def failures(self, head_size: int) -> list[str]:
+        """Every way ``head_size`` misses this rule (empty when it fits)."""
+        out: list[str] = []
+        if self.allowed is not None and head_size not in self.allowed:
+            out.append(f"head size {head_size} is not one of {sorted(self.allowed)}")
+        if head_size < self.min:
+            out.append(f"head size {head_size} is below the minimum {self.min}")
+        if self.max is not None and head_size > self.max:
+            out.append(f"head size {head_size} exceeds the maximum {self.max}")
+        if self.multiple_of is not None and head_size % self.multiple_of:
+            out.append(f"head size {head_size} is not a multiple of {self.multiple_of}")
+        if self.power_of_two and head_size & (head_size - 1):
+            out.append(f"head size {head_size} is not a power of two")
+        return out
+
+    def describe(self) -> str:
+        if self.allowed is not None:
+            return "{" + ", ".join(str(s) for s in sorted(self.allowed)) + "}"
+        parts: list[str] = []
+        if self.max is not None:
+            parts.append(f"<= {self.max}")
+        if self.min > 1:
+            parts.append(f">= {self.min}")
+        if self.multiple_of is not None:
+            parts.append(f"multiple of {self.multiple_of}")
+        if self.power_of_two:
+            parts.append("power of two")
+        return ", ".join(parts) or "any"
+
+
+@frozen
+class CapabilityRule:
+    """Which devices of a kind a kernel runs on.
+
+    For CUDA: an inclusive compute-capability range and/or an explicit set of
+    capabilities. For ROCm (and other kinds with named architectures): a set of
+    architecture names such as ``gfx942``.
+    """
+
+    min: tuple[int, int] | None = None
+    max: tuple[int, int] | None = None
+    exact: frozenset[tuple[int, int]] | None = field(default=None, converter=_capability_set)
+    archs: frozenset[str] | None = field(default=None, converter=_to_frozenset_str)
+
+    def describe(self) -> str:
+        parts: list[str] = []
+        if self.exact is not None:
+            parts.append("sm" + "/".join(f"{a}{b}" for a, b in sorted(self.exact)))
+        if self.min is not None or self.max is not None:
+            lo = f"sm{self.min[0]}{self.min[1]}" if self.min else ""
+            hi = f"sm{self.max[0]}{self.max[1]}" if self.max else ""
+            parts.append(f"{lo}-{hi}" if hi else f">= {lo}")
+        if self.archs is not None:
+            parts.append("/".join(sorted(self.archs)))
+        return ", ".join(parts) or "any"
+
+
+#: A canonical backend name: ASCII lower-case letters, digits and '_'.
+_NAME_RE = re.compile(r"[a-z0-9_]*[a-z0-9][a-z0-9_]*")
+
+
+def _key(text: str) -> str:
+    """How a name or alias is matched: case-insensitive, '-' is '_'."""
+    return text.strip().lower().replace("-", "_")
+
+
+def _requirements(value: Iterable[Requirement | str]) -> frozenset[Requirement]:
+    return frozenset(Requirement(v) for v in value)
+
+
+def _platforms(value: Iterable[str]) -> frozenset[str]:
+    kinds = frozenset(value)
+    unknown = kinds - set(PLATFORM_KINDS)
+    if unknown:
+        raise ValueError(f"platforms: unknown platform kinds {sorted(unknown)}")
+    return kinds
+
+
+def _dtypes(value: Iterable[str]) -> frozenset[str]:
+    names = frozenset(value)
+    unknown = names - set(DTYPES)
+    if unknown:
+        raise ValueError(f"dtypes: unknown dtype names {sorted(unknown)}")
+    return names
+
+
+@frozen
+class BackendSpec:
+    """Everything the resolver may know about one backend, as plain data.
+
+    - ``capabilities`` maps a platform kind to the devices of that kind the
+      kernel runs on (a kind missing from the map has no restriction);
+    - ``package`` is the optional kernel package whose presence it needs
+      (``None``: built into torch);
+    - ``satisfies``: groups of backend names; the backend counts as supported
+      by a layer whose supported set contains every name of one group
+      (``torch_cudnn_sdpa`` satisfies ``{torch_sdpa}``, ``dynamic_cudnn_sdpa``
+      needs ``{fa, torch_sdpa}``);
+    - ``min_torch``: per platform kind, the oldest torch that ships the kernel.
+    """
+
+    name: str = field()
+    sparse: bool = field()
+    platforms: frozenset[str] = field(converter=_platforms)
+    dtypes: frozenset[str] = field(converter=_dtypes)
+    head_sizes: HeadSizeRule = HeadSizeRule()
+    implements: frozenset[Requirement] = field(default=(), converter=_requirements)
+    package: str | None = None
+    capabilities: dict[str, CapabilityRule] = field(factory=dict, hash=False)
+    satisfies: tuple[frozenset[str], ...] = field(default=(), converter=_groups)
+    aliases: tuple[str, ...] = ()
+    min_torch: dict[str, tuple[int, int]] = field(factory=dict, hash=False)
+    description: str = ""
+
+    @name.validator
+    def _check_name(self, _: attrs.Attribute[str], value: str) -> None:
+        if not _NAME_RE.fullmatch(value):
+            raise ValueError(
+                f"backend name must be lower-case letters, digits and '_', got {value!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return "sparse" if self.sparse else "dense"
+
+    @property
+    def backend(self) -> Backend:
+        return Backend(self.name)
+
+
+_ALL = PLATFORM_KINDS
+_HALF = ("float16", "bfloat16")
+_FULL = ("float16", "bfloat16", "float32", "float64")
+R = Requirement
+_AMPERE_UP = CapabilityRule(min=(8, 0))
+_HOPPER = CapabilityRule(exact={(9, 0)})
+
+#: The built-in catalogue (SPEC 2a). Every fact is cited in docs/backends.md.
+BUILTIN_SPECS: tuple[BackendSpec, ...] = (
+    BackendSpec(
+        name="torch_sdpa",
+        sparse=False,
+        platforms=_ALL,
+        dtypes=_FULL,
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
+        description="torch.nn.functional.scaled_dot_product_attention",
+    ),
+    BackendSpec(
+        name="eager",
+        sparse=False,
+        platforms=_ALL,
+        dtypes=_FULL,
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        aliases=("math", "reference"),
+        description="reference math: matmul, softmax, matmul (float32 accumulation)",
+    ),
+    BackendSpec(
+        name="torch_cudnn_sdpa",
+        sparse=False,
+        platforms=("cuda",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(max=128, multiple_of=8),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        capabilities={"cuda": CapabilityRule(min=(8, 0), max=(12, 1))},
+        satisfies=[{"torch_sdpa"}],
+        aliases=("cudnn", "cudnn_sdpa"),
+        description="torch SDPA restricted to the cuDNN backend",
+    ),
+    BackendSpec(
+        name="dynamic_cudnn_sdpa",
+        sparse=False,
+        platforms=("cuda",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(max=128, multiple_of=8),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        capabilities={"cuda": CapabilityRule(min=(8, 0), max=(12, 1))},
+        satisfies=[{"fa", "torch_sdpa"}],
+        aliases=("dynamic_cudnn",),
+        description="cuDNN SDPA chosen per shape, standing in for fa and torch_sdpa",
+    ),
+    BackendSpec(
+        name="flex_attention",
+        sparse=False,
+        platforms=("cpu", "cuda"),
+        dtypes=("float16", "bfloat16", "float32"),
+        head_sizes=HeadSizeRule(min=16, max=1024, power_of_two=True),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA),
+        min_torch={"cuda": (2, 5), "cpu": (2, 6)},
+        aliases=("flex",),
+        description="torch.nn.attention.flex_attention",
+    ),
+    BackendSpec(
+        name="fa",
+        sparse=False,
+        platforms=("cuda", "rocm"),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(max=256),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        package="flash_attn",
+        capabilities={
+            "cuda": _AMPERE_UP,
+            "rocm": CapabilityRule(archs={"gfx90a", "gfx942", "gfx950"}),
+        },
+        aliases=("flash_attn", "flash_attention", "flash_attention_2", "fa2", "flash_attn_2"),
+        description="flash-attn 2.x (flash_attn_func / flash_attn_varlen_func)",
+    ),
+    BackendSpec(
+        name="fa3",
+        sparse=False,
+        platforms=("cuda",),
+        dtypes=(*_HALF, "float8_e4m3fn"),
+        head_sizes=HeadSizeRule(max=256, multiple_of=8),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN),
+        package="flash_attn_interface",
+        capabilities={"cuda": _HOPPER},
+        aliases=("flash_attn_3", "flash_attention_3"),
+        description="FlashAttention-3 (flash_attn_interface, built from hopper/)",
+    ),
+    BackendSpec(
+        name="fa4",
+        sparse=False,
+        platforms=("cuda",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(max=128, multiple_of=8),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN),
+        package="flash_attn_4",
+        capabilities={"cuda": CapabilityRule(min=(9, 0), max=(12, 1))},
+        aliases=("flash_attn_4", "flash_attention_4", "flash_attn_cute"),
+        description="FlashAttention-4 (flash_attn.cute, PyPI flash-attn-4)",
+    ),
+    BackendSpec(
+        name="sage_attn",
+        sparse=False,
+        platforms=("cuda",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(max=128),
+        implements=(R.CAUSAL, R.GQA),
+        package="sageattention",
+        capabilities={
+            "cuda": CapabilityRule(exact={(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)})
+        },
+        aliases=("sage", "sageattention", "sage_attention", "sageattn"),
+        description="SageAttention 2/2++ (sageattention.sageattn)",
+    ),
+    BackendSpec(
+        name="sage_attn_3",
+        sparse=False,
+        platforms=("cuda",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(allowed={64, 128}),
+        implements=(R.CAUSAL,),
+        package="sageattn3",
+        capabilities={"cuda": CapabilityRule(exact={(12, 0)})},
+        aliases=("sage3", "sageattn3", "sage_attention_3"),
+        description="SageAttention3 for Blackwell (sageattn3)",
+    ),
+    BackendSpec(
+        name="xformers",
+        sparse=False,
+        platforms=("cuda",),
+        dtypes=("float16", "bfloat16", "float32"),
+        head_sizes=HeadSizeRule(multiple_of=8),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        package="xformers",
+        capabilities={"cuda": CapabilityRule(min=(5, 0), max=(9, 0))},
+        aliases=("xformers_attn", "memory_efficient_attention"),
+        description="xformers.ops.memory_efficient_attention (cutlass)",
+    ),
+    BackendSpec(
+        name="aiter",
+        sparse=False,
+        platforms=("rocm",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(max=256),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        package="aiter",
+        capabilities={"rocm": CapabilityRule(archs={"gfx942", "gfx950"})},
+        aliases=("aiter_fa", "rocm_aiter"),
+        description="AMD aiter flash attention (aiter.flash_attn_func)",
+    ),
+    BackendSpec(
+        name="ascend_fa",
+        sparse=False,
+        platforms=("npu",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(max=512, multiple_of=16),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        package="torch_npu",
+        aliases=("npu_fa", "npu_fusion_attention", "ascend"),
+        description="Ascend torch_npu.npu_fusion_attention",
+    ),
+    BackendSpec(
+        name="sliding_tile_attn",
+        sparse=True,
+        platforms=("cuda",),
+        dtypes=("bfloat16",),
+        head_sizes=HeadSizeRule(allowed={64, 128}),
+        package="st_attn",
+        capabilities={"cuda": _HOPPER},
+        aliases=("sta", "sliding_tile_attention"),
+        description="Sliding Tile Attention (FastVideo st_attn)",
+    ),
+    BackendSpec(
+        name="video_sparse_attn",
+        sparse=True,
+        platforms=("cuda",),
+        dtypes=("bfloat16",),
+        head_sizes=HeadSizeRule(allowed={64, 128}),
+        package="vsa",
+        capabilities={"cuda": CapabilityRule(exact={(9, 0), (10, 0)})},
+        aliases=("vsa", "video_sparse_attention"),
+        description="Video Sparse Attention (FastVideo vsa)",
+    ),
+    BackendSpec(
+        name="vmoba_attn",
+        sparse=True,
+        platforms=("cuda",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(max=256),
+        package="flash_attn",
+        capabilities={"cuda": _AMPERE_UP},
+        aliases=("vmoba",),
+        description="VMoBA sparse attention over flash-attn varlen",
+    ),
+    BackendSpec(
+        name="sparse_video_gen_2_attn",
+        sparse=True,
+        platforms=("cuda",),
+        dtypes=_HALF,
+        head_sizes=HeadSizeRule(allowed={64, 128, 256}),
+        package="svg",
+        capabilities={"cuda": _HOPPER},
+        aliases=("svg2", "sparse_videogen_2", "svg"),
+        description="Sparse VideoGen 2 (svg)",
+    ),
+)
+
+
+@frozen
+class PluginFailure:
+    """A plugin entry point that could not be loaded, and why."""
+
+    entry_point: str
+    error: str
+
+
+class _Registry:
+    """Name -> spec, alias -> name, in registration order. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._specs: dict[str, BackendSpec] = {}
+        self._aliases: dict[str, str] = {}
+        self._order: dict[str, int] = {}
+        self._failures: list[PluginFailure] = []
+        self._plugins_loaded = False
+        self._loading = False
+        self._plugin_owner: dict[str, str] = {}
+        for spec in BUILTIN_SPECS:
+            self.add(spec)
+
+    # -- registration -------------------------------------------------------
+    def add(self, spec: BackendSpec, *, replace: bool = False, owner: str | None = None) -> None:
+        if not isinstance(spec, BackendSpec):
+            raise TypeError(f"register_backend takes a BackendSpec, got {type(spec).__name__}")
+        with self._lock:
+            names = (spec.name, *(_key(a) for a in spec.aliases))
+            for n in names:
+                taken = self._aliases.get(n)
+                # replace=True overrides a backend of the same name only: taking
+                # another backend's name or alias would leave that one unparseable.
+                if taken is not None and taken != spec.name:
+                    raise PluginError(
+                        f"cannot register backend {spec.name!r}: the name {n!r} already "
+                        f"belongs to backend {taken!r}; pick another name or alias"
+                    )
+            if spec.name in self._specs and not replace:
+                prev = self._plugin_owner.get(spec.name, "the built-in catalogue")
+                by = f" (from {owner})" if owner else ""
+                raise PluginError(
+                    f"backend {spec.name!r}{by} is already registered by {prev}; two "
+                    f"registrations cannot claim one name (pass replace=True to override "
+                    f"it deliberately)"
+                )
+            if spec.name in self._specs:
+                old = self._specs[spec.name]
+                for a in old.aliases:
+                    if self._aliases.get(_key(a)) == spec.name:
+                        del self._aliases[_key(a)]
+            self._specs[spec.name] = spec
+            # after a removal len() may repeat a live position: count past the top
+            self._order.setdefault(spec.name, max(self._order.values(), default=-1) + 1)
+            for n in names:
+                self._aliases[n] = spec.name
+            if owner:
+                self._plugin_owner[spec.name] = owner
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            spec = self._specs.pop(name, None)
+            if spec is None:
+                raise KeyError(name)
+            for n in (spec.name, *(_key(a) for a in spec.aliases)):
+                if self._aliases.get(n) == spec.name:
+                    del self._aliases[n]
+            self._order.pop(name, None)
+            self._plugin_owner.pop(name, None)
+
+    def load_plugins(self) -> None:
+        if self._plugins_loaded:
+            return
+        with self._lock:
+            # ``_plugins_loaded`` turns true only once every plugin is in, so a
+            # lookup on another thread waits on the lock instead of missing a
+            # plugin that is still loading; ``_loading`` stops a plugin that
+            # parses a backend name while it loads (same thread, re-entrant
+            # lock) from starting the load again.
+            if self._plugins_loaded or self._loading:
+                return
+            self._loading = True
+            try:
+                self._load_entry_points()
+            finally:
+                self._loading = False
+                self._plugins_loaded = True
+
+    def _load_entry_points(self) -> None:
+        from importlib import metadata
+
+        try:
+            eps = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+        except Exception as exc:  # a broken distribution must not stop start-up
+            self._failures.append(PluginFailure("<entry points>", _describe(exc)))
+            return
+        for ep in sorted(eps, key=lambda e: (e.name, e.value)):
+            label = f"{ep.name} = {ep.value}"
+            try:
+                loaded = ep.load()
+                specs = _specs_from_plugin(loaded)
+            except BaseException as exc:  # SystemExit in a plugin too
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                self._failures.append(PluginFailure(label, _describe(exc)))
+                continue
+            for spec in specs:
+                try:
+                    self.add(spec, owner=f"plugin {label}")
+                except (PluginError, TypeError, ValueError) as exc:
+                    self._failures.append(PluginFailure(label, _describe(exc)))
+
+    # -- lookup -------------------------------------------------------------
+    def lookup(self, text: str) -> Backend:
+        key = _key(text)
+        name = self._aliases.get(key)
+        if name is None and not self._plugins_loaded:
+            self.load_plugins()
+            name = self._aliases.get(key)
+        if name is None:
+            raise self.unknown(text)
+        return Backend(name)
+
+    def unknown(self, text: str) -> UnknownBackendError:
+        valid = sorted(self._specs)
+        close = difflib.get_close_matches(
+            _key(text), [*valid, *self._aliases], n=1, cutoff=0.5
+        )
+        suggestion = self._aliases[close[0]] if close else None
+        hint = f" Did you mean {suggestion!r}?" if suggestion else ""
+        return UnknownBackendError(
+            f"Unknown attention backend {text!r}.{hint} Valid backends: {', '.join(valid)}",
+            text,
+            suggestion,
+        )
+
+    def spec(self, name: str) -> BackendSpec | None:
+        return self._specs.get(name)
+
+    def order(self, name: str) -> int:
+        return self._order.get(name, max(self._order.values(), default=-1) + 1)
+
+    def specs(self) -> tuple[BackendSpec, ...]:
+        self.load_plugins()
+        return tuple(sorted(self._specs.values(), key=lambda s: self._order[s.name]))
+
+    def failures(self) -> tuple[PluginFailure, ...]:
+        self.load_plugins()
+        return tuple(self._failures)
+
+    def reset_plugins(self) -> None:
+        """Forget plugin state so entry points load again (tests use this)."""
+        with self._lock:
+            for name in list(self._plugin_owner):
+                if self._plugin_owner[name].startswith("plugin "):
+                    self.remove(name)
+            self._failures.clear()
+            self._plugins_loaded = False
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _specs_from_plugin(obj: Any) -> list[BackendSpec]:
+    if callable(obj) and not isinstance(obj, BackendSpec):
+        obj = obj()
+    if isinstance(obj, BackendSpec):
+        return [obj]
+    if isinstance(obj, Iterable):
+        items = list(obj)
+        if all(isinstance(i, BackendSpec) for i in items):
+            return items
+    raise TypeError(
+        f"an {ENTRY_POINT_GROUP} entry point must give a BackendSpec, an iterable of them, "
+        f"or a callable returning either; got {type(obj).__name__}"
+    )
+
+
+_REGISTRY = _Registry()
+
+
+def register_backend(spec: BackendSpec, *, replace: bool = False) -> Backend:
+    """Add a backend to the registry; returns its :class:`Backend`."""
+    _REGISTRY.load_plugins()
+    _REGISTRY.add(spec, replace=replace, owner="register_backend()")
+    return Backend(spec.name)
+
+
+def unregister_backend(backend: Backend | str) -> None:
+    """Remove a backend that :func:`register_backend` added."""
+    name = backend.name if isinstance(backend, Backend) else backend.strip().lower()
+    try:
+        _REGISTRY.remove(name)
+    except KeyError:
+        raise _REGISTRY.unknown(name) from None
+
+
+def get_spec(backend: Backend | str) -> BackendSpec:
+    """The spec of a registered backend (raises for an unknown one)."""
+    b = Backend.parse(backend)
+    spec = _REGISTRY.spec(b.name)
+    if spec is None:
+        raise _REGISTRY.unknown(b.name)
+    return spec
+
+
+def lookup_spec(backend: Backend) -> BackendSpec | None:
+    """The spec, or ``None`` when the backend is no longer registered."""
+    return _REGISTRY.spec(backend.name)
+
+
+def catalogue_order(backend: Backend) -> int:
+    """Position in the catalogue: the deterministic order of supported-set candidates."""
+    return _REGISTRY.order(backend.name)
+
+
+def registered_backends() -> tuple[BackendSpec, ...]:
+    """Every registered spec, built-ins first, in registration order."""
+    return _REGISTRY.specs()
+
+
+def plugin_failures() -> tuple[PluginFailure, ...]:
+    """Plugins from the ``attnres.backends`` group that failed to load, with why."""
+    return _REGISTRY.failures()
+
+
+def reload_plugins() -> tuple[PluginFailure, ...]:
+    """Drop plugin-registered backends and load the entry points again."""
+    _REGISTRY.reset_plugins()
+    return plugin_failures()

@@ -1,0 +1,61 @@
+"""Every exception attnres raises on purpose.
+
+All of them are ``ValueError`` subclasses: each is the answer to an input that
+cannot be served, and each message says what was asked, what failed and what
+to do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnres.trace import Trace
+
+__all__ = [
+    "BackendNotAppliedError",
+    "ConsensusError",
+    "PluginError",
+    "ResolutionError",
+    "TraceFormatError",
+    "UnknownBackendError",
+]
+
+
+class UnknownBackendError(ValueError):
+    """A backend name that is not registered (the message lists the valid ones)."""
+
+    def __init__(self, message: str, name: str, suggestion: str | None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.suggestion = suggestion
+
+
+class PluginError(ValueError):
+    """A backend registration that conflicts with another one."""
+
+
+class ResolutionError(ValueError):
+    """No backend could serve a layer; ``.trace`` holds every step that led here."""
+
+    def __init__(self, message: str, trace: Trace, code: str) -> None:
+        super().__init__(message)
+        self.trace = trace
+        self.code = code
+
+
+class BackendNotAppliedError(ValueError):
+    """An explicit component (or role) backend controlled none of its scope's layers."""
+
+
+class TraceFormatError(ValueError):
+    """A trace file that is malformed or of an unsupported schema version."""
+
+    def __init__(self, message: str, path: str | None = None, where: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.where = where
+
+
+class ConsensusError(RuntimeError):
+    """Ranks of one job decided differently (or a rank never arrived)."""

@@ -1,0 +1,190 @@
+"""The resolver's inputs: what a layer is and what the operator asked for.
+
+All of them are frozen attrs classes with validators; backends and sets may be
+given as :class:`~attnres.backends.Backend` or as strings, dtypes as strings
+(``"bf16"``, ``"bfloat16"``) or ``torch.dtype``. A bad value is a
+``ValueError`` whose message starts with the field's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from attrs import field, frozen
+
+from attnres._vocab import Requirement, Role, normalize_dtype
+from attnres.backends import Backend
+from attnres.errors import UnknownBackendError
+
+__all__ = ["LayerSpec", "Requirements", "Role", "SelectionConfig"]
+
+
+def _parse_backend(value: Backend | str, what: str) -> Backend:
+    try:
+        return Backend.parse(value)
+    except UnknownBackendError as exc:
+        raise UnknownBackendError(f"{what}: {exc}", exc.name, exc.suggestion) from None
+    except TypeError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+def optional_backend(what: str) -> Callable[[Backend | str | None], Backend | None]:
+    def convert(value: Backend | str | None) -> Backend | None:
+        return None if value is None else _parse_backend(value, what)
+
+    return convert
+
+
+def _backend_set(value: Iterable[Backend | str] | str | None) -> frozenset[Backend] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, Backend)):
+        value = [value]
+    if not isinstance(value, Iterable):
+        raise ValueError(f"supported: expected a set of backend names, got {value!r}")
+    out = frozenset(_parse_backend(v, "supported") for v in value)
+    if not out:
+        raise ValueError(
+            "supported: an empty set admits no backend; pass None for a layer without a "
+            "supported-set constraint"
+        )
+    return out
+
+
+def _positive_head_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"head_size: expected a positive integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"head_size: must be at least 1, got {value}")
+    return int(value)
+
+
+def _default_backend(value: Backend | str | None) -> Backend | None:
+    return None if value is None else _parse_backend(value, "default")
+
+
+def _global_backend(value: Backend | str | None) -> Backend | None:
+    return None if value is None else _parse_backend(value, "global_backend")
+
+
+def _forced_backend(value: Backend | str | None) -> Backend | None:
+    return None if value is None else _parse_backend(value, "forced_backend")
+
+
+def _role(value: Role | str) -> Role:
+    return Role.parse(value)
+
+
+def _name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"name: expected a string, got {value!r}")
+    return value
+
+
+@frozen(cache_hash=True)
+class Requirements:
+    """The semantic features a layer needs from its kernel."""
+
+    causal: bool = field(default=False, converter=bool)
+    attn_mask: bool = field(default=False, converter=bool)
+    packed_varlen: bool = field(default=False, converter=bool)
+    gqa: bool = field(default=False, converter=bool)
+    dropout: bool = field(default=False, converter=bool)
+
+    def needed(self) -> tuple[Requirement, ...]:
+        """The requirements that are on, in the canonical order."""
+        return tuple(r for r in Requirement if getattr(self, r.value))
+
+    @classmethod
+    def of(cls, value: Requirements | Iterable[Requirement | str] | None) -> Requirements:
+        """From a ``Requirements``, ``None``, or names such as ``["causal", "gqa"]``."""
+        if value is None:
+            return cls()
+        if isinstance(value, Requirements):
+            return value
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        names: dict[str, bool] = {}
+        for item in value:
+            key = item.value if isinstance(item, Requirement) else str(item).strip().lower()
+            try:
+                names[Requirement(key).value] = True
+            except ValueError:
+                valid = ", ".join(r.value for r in Requirement)
+                raise ValueError(
+                    f"requirements: unknown requirement {item!r}; valid: {valid}"
+                ) from None
+        return cls(**names)
+
+
+def _requirements(value: Any) -> Requirements:
+    return Requirements.of(value)
+
+
+@frozen(cache_hash=True)
+class LayerSpec:
+    """One attention call site, as the resolver sees it."""
+
+    head_size: int = field(converter=_positive_head_size)
+    dtype: str = field(converter=normalize_dtype)
+    supported: frozenset[Backend] | None = field(default=None, converter=_backend_set)
+    default: Backend | None = field(default=None, converter=_default_backend)
+    role: Role = field(default=Role.SELF, converter=_role)
+    requirements: Requirements = field(factory=Requirements, converter=_requirements)
+    name: str | None = field(default=None, converter=_name)
+
+
+@frozen(cache_hash=True)
+class SelectionConfig:
+    """What the operator asked for, process-wide.
+
+    ``global_backend_explicit`` tells an operator's typed ``--attention-backend``
+    (origin ``global_cli``) from a derived or defaulted preference (origin
+    ``global_preference``). ``component_backends`` is the per-component form of
+    the flag (``--attention-backend vae=torch_sdpa``): it acts as that
+    component's override.
+    """
+
+    global_backend: Backend | None = field(default=None, converter=_global_backend)
+    global_backend_explicit: bool = field(default=True, converter=bool)
+    forced_backend: Backend | None = field(default=None, converter=_forced_backend)
+    component_backends: tuple[tuple[str, Backend], ...] = field(default=(), converter=_component_backends)
+
+    def component_backend(self, component: str | None) -> Backend | None:
+        if component is None:
+            return None
+        for name, backend in self.component_backends:
+            if name == component:
+                return backend
+        return None
+
+    @classmethod
+    def from_args(cls, namespace: Any) -> SelectionConfig:
+        """Build from an argparse namespace filled by ``cli.add_selection_arguments``."""
+        from attnres.cli import selection_config_from_args
+
+        config = selection_config_from_args(namespace)
+        if not isinstance(config, SelectionConfig):  # pragma: no cover - defensive
+            raise TypeError("selection_config_from_args must return a SelectionConfig")
+        return config
+
+
+def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    out: dict[str, Backend] = {}
+    for pair in items:
+        try:
+            name, backend = pair
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"component_backends: expected (component, backend) pairs, got {pair!r}"
+            ) from None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"component_backends: component name must be a string: {name!r}")
+        out[name] = _parse_backend(backend, f"component_backends[{name!r}]")
+    return tuple(sorted(out.items()))

@@ -1,0 +1,408 @@
+"""Platform facts: what device this is and which kernel packages work here.
+
+:meth:`Platform.detect` probes the real machine once per process. A probe never
+raises: an import that fails with ``ImportError``, ``OSError`` ("undefined
+symbol" after a torch upgrade), ``RuntimeError``, ``SystemExit`` or anything
+else becomes a recorded :class:`PackageFact` with the exception's type and
+message, and a ``torch.cuda`` that raises on query becomes a note.
+
+:meth:`Platform.simulate` builds hermetic facts from the grammar
+``KIND[:ARCH][+PACKAGE...]`` (``cuda:sm90+flash_attn+sageattention``,
+``rocm:gfx942+aiter``, ``npu+torch_npu``, ``cuda:sm100+all``), so a trace
+recorded on a GPU replays on a laptop.
+
+The per-kind default preference chain (SPEC 3.4, stage ``platform_default``)
+lives here too: :meth:`Platform.default_chain`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.metadata as metadata
+import importlib.util
+import re
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from attrs import field, frozen
+
+from attnres._vocab import PLATFORM_KINDS
+from attnres.backends import Backend, registered_backends
+
+__all__ = [
+    "GRAMMAR",
+    "KNOWN_PACKAGES",
+    "PackageFact",
+    "PackageProbe",
+    "Platform",
+]
+
+#: The simulation grammar, as shown in every parse error.
+GRAMMAR = (
+    "KIND[:ARCH][+PACKAGE...] where KIND is one of "
+    + ", ".join(PLATFORM_KINDS)
+    + "; ARCH is a CUDA compute capability (sm80, sm90, sm100, 9.0) or a device "
+    "architecture (gfx942 on rocm); each +PACKAGE marks an optional kernel package "
+    "present, +all marks every one. Examples: cpu, cuda:sm90+flash_attn+sageattention, "
+    "rocm:gfx942+aiter, npu+torch_npu"
+)
+
+#: The torch version recorded in simulated platforms (hermetic on purpose).
+SIMULATED_TORCH_VERSION = "2.13.0"
+
+
+@frozen
+class PackageProbe:
+    """How to find one optional kernel package: its import and its distributions."""
+
+    name: str
+    module: str
+    distributions: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    #: a distribution that also installs ``module`` but is *not* this package
+    impostors: tuple[str, ...] = ()
+
+
+#: Every optional kernel package the built-in catalogue needs.
+KNOWN_PACKAGES: tuple[PackageProbe, ...] = (
+    PackageProbe("aiter", "aiter", ("amd-aiter", "aiter"), ("amd-aiter", "amd_aiter")),
+    PackageProbe(
+        "flash_attn",
+        "flash_attn",
+        ("flash-attn", "flash_attn"),
+        ("flash-attn", "flash_attn_2", "flash-attn-2"),
+        impostors=("flash-attn-4",),
+    ),
+    PackageProbe(
+        "flash_attn_4",
+        "flash_attn.cute",
+        ("flash-attn-4", "flash_attn_4"),
+        ("flash-attn-4", "flash_attn.cute", "fa4"),
+    ),
+    PackageProbe(
+        "flash_attn_interface",
+        "flash_attn_interface",
+        ("flash-attn-3", "flash_attn_3"),
+        ("flash_attn_3", "flash-attn-3", "fa3"),
+    ),
+    PackageProbe("sageattention", "sageattention", ("sageattention",), ("sage",)),
+    PackageProbe("sageattn3", "sageattn3", ("sageattn3",), ("sageattention3",)),
+    PackageProbe("st_attn", "st_attn", ("st_attn", "st-attn", "fastvideo-kernel")),
+    PackageProbe("svg", "svg", ("svg", "sparse-videogen")),
+    PackageProbe("torch_npu", "torch_npu", ("torch-npu", "torch_npu")),
+    PackageProbe("vsa", "vsa", ("vsa", "fastvideo-kernel")),
+    PackageProbe("xformers", "xformers", ("xformers",)),
+)
+
+_CHAINS: dict[str, tuple[str, ...]] = {
+    "cuda": ("fa", "torch_sdpa"),
+    "rocm": ("aiter", "torch_sdpa"),
+    "npu": ("ascend_fa", "torch_sdpa"),
+    "cpu": ("torch_sdpa",),
+    "mps": ("torch_sdpa",),
+    "xpu": ("torch_sdpa",),
+}
+
+
+@frozen
+class PackageFact:
+    """One optional kernel package: present with a version, or absent with why."""
+
+    name: str
+    status: str  # "present" | "missing" | "broken"
+    version: str | None = None
+    detail: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.status == "present"
+
+    def describe(self) -> str:
+        if self.status == "present":
+            return f"{self.version or 'unknown version'}"
+        return f"{self.status}: {self.detail}" if self.detail else self.status
+
+
+def _package_probes() -> tuple[PackageProbe, ...]:
+    known = {p.name: p for p in KNOWN_PACKAGES}
+    for spec in registered_backends():
+        if spec.package and spec.package not in known:
+            known[spec.package] = PackageProbe(spec.package, spec.package, (spec.package,))
+    return tuple(sorted(known.values(), key=lambda p: p.name))
+
+
+def _package_alias_map() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for p in _package_probes():
+        for n in (p.name, p.module, *p.aliases):
+            out[n.lower()] = p.name
+    return out
+
+
+def _parse_capability(arch: str) -> tuple[int, int] | None:
+    m = re.fullmatch(r"(?:sm_?|compute_)?(\d+)([a-z]?)", arch.lower())
+    if m and len(m.group(1)) >= 2:
+        digits = m.group(1)
+        return int(digits[:-1]), int(digits[-1])
+    m = re.fullmatch(r"(\d+)\.(\d+)", arch)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    return None
+
+
+def _facts(value: Iterable[PackageFact]) -> tuple[PackageFact, ...]:
+    return tuple(value)
+
+
+def _notes(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+@frozen(cache_hash=True)
+class Platform:
+    """Frozen, serialisable facts about a device and its kernel packages."""
+
+    kind: str = field()
+    device_name: str = ""
+    capability: tuple[int, int] | None = None
+    arch: str | None = None
+    torch_version: str | None = None
+    packages: tuple[PackageFact, ...] = field(default=(), converter=_facts)
+    notes: tuple[str, ...] = field(default=(), converter=_notes)
+    simulated: bool = False
+
+    @kind.validator
+    def _check_kind(self, _: Any, value: str) -> None:
+        if value not in PLATFORM_KINDS:
+            raise ValueError(
+                f"platform kind must be one of {', '.join(PLATFORM_KINDS)}, got {value!r}"
+            )
+
+    # -- queries ------------------------------------------------------------
+    def package(self, name: str) -> PackageFact:
+        for fact in self.packages:
+            if fact.name == name:
+                return fact
+        return PackageFact(name, "missing", None, "not probed on this platform")
+
+    def default_chain(self) -> tuple[Backend, ...]:
+        """The platform's preference chain (stage ``platform_default``)."""
+        return tuple(Backend(n) for n in _CHAINS[self.kind])
+
+    def torch_at_least(self, version: tuple[int, int]) -> bool | None:
+        if not self.torch_version:
+            return None
+        m = re.match(r"(\d+)\.(\d+)", self.torch_version)
+        if not m:
+            return None
+        return (int(m.group(1)), int(m.group(2))) >= version
+
+    def describe(self) -> str:
+        where = self.kind
+        if self.capability is not None:
+            where += f" sm{self.capability[0]}{self.capability[1]}"
+        elif self.arch:
+            where += f" {self.arch}"
+        if self.device_name:
+            where += f" ({self.device_name})"
+        return where
+
+    # -- construction -------------------------------------------------------
+    @classmethod
+    def simulate(cls, text: str) -> Platform:
+        """Hermetic facts from ``KIND[:ARCH][+PACKAGE...]``; see :data:`GRAMMAR`."""
+        if not isinstance(text, str):
+            raise ValueError(f"platform spec must be a string in the form {GRAMMAR}")
+        raw = text.strip()
+        m = re.fullmatch(
+            r"(?P<kind>[A-Za-z]+)(?::(?P<arch>[A-Za-z0-9_.]+))?(?P<pkgs>(?:\+[A-Za-z0-9_.\-]+)*)",
+            raw,
+        )
+        if not m:
+            raise ValueError(f"cannot parse platform spec {text!r}; expected {GRAMMAR}")
+        kind = m.group("kind").lower()
+        if kind not in PLATFORM_KINDS:
+            raise ValueError(
+                f"unknown platform kind {m.group('kind')!r} in {text!r}; expected {GRAMMAR}"
+            )
+        arch = m.group("arch")
+        capability: tuple[int, int] | None = None
+        if arch is not None:
+            arch = arch.lower()
+            if kind == "cuda":
+                capability = _parse_capability(arch)
+                if capability is None:
+                    raise ValueError(
+                        f"cannot parse CUDA architecture {m.group('arch')!r} in {text!r} "
+                        f"(use sm80, sm90, sm100, sm120 or 9.0); expected {GRAMMAR}"
+                    )
+                arch = f"sm{capability[0]}{capability[1]}"
+            elif kind == "rocm" and not re.fullmatch(r"gfx[0-9a-f]+", arch):
+                raise ValueError(
+                    f"cannot parse ROCm architecture {m.group('arch')!r} in {text!r} "
+                    f"(use gfx90a, gfx942, gfx950); expected {GRAMMAR}"
+                )
+        aliases = _package_alias_map()
+        present: set[str] = set()
+        for token in filter(None, m.group("pkgs").split("+")):
+            low = token.lower()
+            if low == "all":
+                present.update(aliases.values())
+                continue
+            if low not in aliases:
+                known = ", ".join(sorted(set(aliases.values())))
+                raise ValueError(
+                    f"unknown kernel package {token!r} in platform spec {text!r}; "
+                    f"known packages: {known}, all; expected {GRAMMAR}"
+                )
+            present.add(aliases[low])
+        packages = tuple(
+            PackageFact(p.name, "present", "simulated", None)
+            if p.name in present
+            else PackageFact(p.name, "missing", None, "not installed")
+            for p in _package_probes()
+        )
+        name = f"simulated {kind}" + (f" {arch}" if arch else "")
+        return cls(
+            kind=kind,
+            device_name=name,
+            capability=capability,
+            arch=arch,
+            torch_version=SIMULATED_TORCH_VERSION,
+            packages=packages,
+            simulated=True,
+        )
+
+    @classmethod
+    def detect(cls, *, refresh: bool = False) -> Platform:
+        """Probe this machine (once per process unless ``refresh``)."""
+        global _DETECTED
+        with _DETECT_LOCK:
+            if _DETECTED is None or refresh:
+                _DETECTED = _probe()
+            return _DETECTED
+
+
+_DETECTED: Platform | None = None
+_DETECT_LOCK = threading.Lock()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _dist_version(names: Iterable[str]) -> tuple[str, str] | None:
+    for dist in names:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        except Exception:  # a corrupt METADATA must not stop start-up
+            continue
+    return None
+
+
+def _submodule_exists(module: str) -> bool:
+    """Whether ``a.b.c`` can be found on disk, without importing ``a`` or ``a.b``.
+
+    (``importlib.util.find_spec("a.b")`` imports ``a``, whose import may be the
+    very thing that is broken.)
+    """
+    parts = module.split(".")
+    spec = importlib.util.find_spec(parts[0])
+    for i in range(1, len(parts)):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(
+            ".".join(parts[: i + 1]), list(spec.submodule_search_locations)
+        )
+    return spec is not None
+
+
+def probe_package(probe: PackageProbe) -> PackageFact:
+    """Probe one package; never raises (KeyboardInterrupt aside)."""
+    try:
+        top = probe.module.split(".")[0]
+        if importlib.util.find_spec(top) is None:
+            return PackageFact(probe.name, "missing", None, "not installed")
+        dist = _dist_version(probe.distributions)
+        if dist is None and not _submodule_exists(probe.module):
+            # The parent package is there (flash_attn 2.x) but the submodule
+            # (flash_attn.cute) is not, and no distribution claims it: this
+            # package is simply not installed, not broken.
+            return PackageFact(probe.name, "missing", None, "not installed")
+        impostor = _dist_version(probe.impostors)
+        if dist is None and impostor is not None:
+            return PackageFact(
+                probe.name,
+                "missing",
+                None,
+                f"module {probe.module!r} belongs to {impostor[0]} {impostor[1]}, "
+                f"not to {probe.distributions[0]}",
+            )
+        module = importlib.import_module(probe.module)
+        version = dist[1] if dist else getattr(module, "__version__", None)
+        return PackageFact(probe.name, "present", str(version) if version else None, None)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return PackageFact(probe.name, "broken", None, f"import failed: {_describe(exc)}")
+
+
+def _probe() -> Platform:
+    notes: list[str] = []
+    kind, device, capability, arch = "cpu", "cpu", None, None
+    torch_version: str | None = None
+    try:
+        import torch
+
+        torch_version = str(torch.__version__).split("+")[0]
+        try:
+            if torch.cuda.is_available():
+                props = torch.cuda.get_device_properties(0)
+                device = str(props.name)
+                if getattr(torch.version, "hip", None):
+                    kind = "rocm"
+                    arch = str(getattr(props, "gcnArchName", "")).split(":")[0] or None
+                else:
+                    kind = "cuda"
+                    major, minor = torch.cuda.get_device_capability(0)
+                    capability = (int(major), int(minor))
+                    arch = f"sm{capability[0]}{capability[1]}"
+        except Exception as exc:
+            notes.append(f"torch.cuda query failed: {_describe(exc)}")
+            kind, device, capability, arch = "cpu", "cpu", None, None
+        if kind == "cpu":
+            for name in ("mps", "xpu", "npu"):
+                try:
+                    backend_mod = getattr(torch.backends, name, None) if name == "mps" else None
+                    available = (
+                        backend_mod.is_available()
+                        if backend_mod is not None
+                        else bool(getattr(torch, name, None) and getattr(torch, name).is_available())
+                    )
+                except Exception as exc:
+                    notes.append(f"torch.{name} query failed: {_describe(exc)}")
+                    continue
+                if available:
+                    kind, device = name, name
+                    break
+    except Exception as exc:
+        notes.append(f"torch import failed: {_describe(exc)}")
+    packages = tuple(probe_package(p) for p in _package_probes())
+    from attnres.backends import plugin_failures
+
+    for failure in plugin_failures():
+        notes.append(f"plugin {failure.entry_point} failed to load: {failure.error}")
+    return Platform(
+        kind=kind,
+        device_name=device,
+        capability=capability,
+        arch=arch,
+        torch_version=torch_version,
+        packages=packages,
+        notes=tuple(notes),
+    )
