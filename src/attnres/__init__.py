@@ -3,6 +3,8 @@
 The public surface is this module's ``__all__``; see ``docs/index.md``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from attnres._vocab import Role
 from attnres.backends import Backend, BackendSpec, register_backend, unregister_backend
 from attnres.errors import (
@@ -28,7 +30,31 @@ from attnres.trace import Trace, dump_trace, load_trace
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from attnres import distributed, kernels
+    from attnres.modules import Attention
+    from attnres.replayer import ReplayResult, replay
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the layer and the kernels import torch, the resolver does not, so
+    # ``import attnres`` (and the CLI) stays fast until a layer is built.
+    if name == "Attention":
+        from attnres.modules import Attention
+
+        return Attention
+    if name in ("replay", "ReplayResult"):
+        from attnres import replayer
+
+        return getattr(replayer, name)
+    if name in ("distributed", "kernels"):
+        import importlib
+
+        return importlib.import_module(f"attnres.{name}")
+    raise AttributeError(f"module 'attnres' has no attribute {name!r}")
+
 __all__ = [
+    "Attention",
     "Backend",
     "BackendNotAppliedError",
     "BackendSpec",
@@ -38,6 +64,7 @@ __all__ = [
     "Platform",
     "Requirements",
     "Resolution",
+    "ReplayResult",
     "ResolutionError",
     "Role",
     "SelectionConfig",
@@ -49,11 +76,13 @@ __all__ = [
     "clear_decisions",
     "component_scope",
     "decisions",
+    "distributed",
     "dump_trace",
     "force_backend",
     "load_trace",
     "register_backend",
     "register_component_kind",
+    "replay",
     "resolve",
     "selection_config",
     "set_selection_config",

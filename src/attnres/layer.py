@@ -137,6 +137,24 @@ class LayerSpec:
     name: str | None = field(default=None, converter=_name)
 
 
+def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    out: dict[str, Backend] = {}
+    for pair in items:
+        try:
+            name, backend = pair
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"component_backends: expected (component, backend) pairs, got {pair!r}"
+            ) from None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"component_backends: component name must be a string: {name!r}")
+        out[name] = _parse_backend(backend, f"component_backends[{name!r}]")
+    return tuple(sorted(out.items()))
+
+
 @frozen(cache_hash=True)
 class SelectionConfig:
     """What the operator asked for, process-wide.
@@ -170,21 +188,3 @@ class SelectionConfig:
         if not isinstance(config, SelectionConfig):  # pragma: no cover - defensive
             raise TypeError("selection_config_from_args must return a SelectionConfig")
         return config
-
-
-def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
-    if not value:
-        return ()
-    items = value.items() if isinstance(value, Mapping) else value
-    out: dict[str, Backend] = {}
-    for pair in items:
-        try:
-            name, backend = pair
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"component_backends: expected (component, backend) pairs, got {pair!r}"
-            ) from None
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"component_backends: component name must be a string: {name!r}")
-        out[name] = _parse_backend(backend, f"component_backends[{name!r}]")
-    return tuple(sorted(out.items()))
