@@ -1,0 +1,78 @@
+"""The docs cannot drift: the state diagram is generated from the table, and
+every relative link in docs/ and the README resolves."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gen_state_diagram.py"
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "CHANGELOG.md"]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _load_script():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_state_diagram", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_state_diagram_in_docs_matches_the_transition_table() -> None:
+    rendered = _load_script().render()
+    current = (ROOT / "docs" / "state-machine.md").read_text(encoding="utf-8")
+    assert current == rendered, "docs/state-machine.md is stale: run `make docs`"
+
+
+def test_state_diagram_has_one_arrow_per_table_entry() -> None:
+    from attnres.machine import TRANSITIONS
+
+    rendered = _load_script().render()
+    arrows = [line for line in rendered.splitlines() if " --> " in line and "[*]" not in line]
+    assert len(arrows) == sum(len(events) for events in TRANSITIONS.values())
+    for source, events in TRANSITIONS.items():
+        for event, (target, _) in events.items():
+            assert any(
+                a.strip().startswith(f"{source.value} --> {target.value}: {event.value}")
+                for a in arrows
+            ), (source, event)
+
+
+def test_diagram_changes_when_the_table_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnres import machine
+    from attnres._states import Event, State
+
+    patched = {k: dict(v) for k, v in machine.TRANSITIONS.items()}
+    patched[State.SUPPORTED_SET][Event.EXHAUSTED] = (State.SELECTED, None)
+    monkeypatch.setattr(machine, "TRANSITIONS", patched)
+    rendered = _load_script().render()
+    assert "supported_set --> selected: exhausted" in rendered
+    assert rendered != (ROOT / "docs" / "state-machine.md").read_text(encoding="utf-8")
+
+
+def test_check_mode_of_the_script_passes() -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc: Path) -> None:
+    text = doc.read_text(encoding="utf-8")
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        if path and not (doc.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{doc.relative_to(ROOT)} links to missing files: {broken}"
