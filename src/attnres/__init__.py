@@ -3,6 +3,7 @@
 The public surface is this module's ``__all__``; see ``docs/index.md``.
 """
 
+import logging as _logging
 from typing import TYPE_CHECKING, Any
 
 from attnres._vocab import Role
@@ -29,6 +30,11 @@ from attnres.scope import component_scope, register_component_kind
 from attnres.trace import Trace, dump_trace, load_trace
 
 __version__ = "0.1.0"
+
+# A library never prints on its own: without this, Python's last-resort handler
+# would write attnres WARNING events to stderr when the application configured
+# no logging. An application that configures logging still sees every event.
+_logging.getLogger("attnres").addHandler(_logging.NullHandler())
 
 if TYPE_CHECKING:
     from attnres import distributed, kernels

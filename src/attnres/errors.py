@@ -1,8 +1,9 @@
 """Every exception attnres raises on purpose.
 
-All of them are ``ValueError`` subclasses: each is the answer to an input that
-cannot be served, and each message says what was asked, what failed and what
-to do.
+Every error about an input (a backend name, a layer, a trace file, a scope) is
+a ``ValueError`` subclass; :class:`ConsensusError` is a ``RuntimeError``, since
+it reports a disagreement between processes at run time, not a bad argument.
+Each message says what was asked, what failed and what to do.
 """
 
 from __future__ import annotations
