@@ -9,7 +9,8 @@ unless the application turns it on.
 Events (SPEC 5):
 
 - one DEBUG event ``attention record`` per record of a resolution that ran the
-  machine (keys: ``component``, ``layer``, ``index`` and the record's fields);
+  machine (keys: ``component``, ``layer``, ``index`` and the record's fields; a
+  transition's ``event`` field is logged as ``machine_event``);
 - one INFO event ``attention backend selected`` per resolution (keys
   ``backend``, ``reason``, ``origin``, ``component``, ``layer``), or a WARNING
   ``attention backend rejected`` with ``error`` and ``code`` too;
@@ -38,9 +39,19 @@ __all__ = ["LOGGER_NAME", "emit_cache_hit", "emit_resolution", "emit_summary", "
 
 LOGGER_NAME = "attnres"
 _STDLIB = logging.getLogger(LOGGER_NAME)
+_KEY_VALUES = structlog.processors.KeyValueRenderer(sort_keys=True)
+
+
+def _render_plain(logger: Any, method_name: str, event_dict: Any) -> str:
+    """``<event> key=value ...``: the event text first and unquoted, for stdlib logging."""
+    event = str(event_dict.pop("event", ""))
+    rest = _KEY_VALUES(logger, method_name, event_dict)
+    return f"{event} {rest}" if rest else event
+
+
 _FALLBACK = structlog.wrap_logger(
     _STDLIB,
-    processors=[structlog.processors.KeyValueRenderer(key_order=["event"], sort_keys=True)],
+    processors=[_render_plain],
     wrapper_class=structlog.stdlib.BoundLogger,
 ).bind()
 
@@ -70,7 +81,10 @@ def _debug_enabled() -> bool:
 
 def emit_resolution(trace: Trace, decision: Decision) -> None:
     """The DEBUG record events and the INFO/WARNING outcome of one cold resolution."""
-    info = _logger(logging.INFO)
+    outcome = trace.outcome
+    # the outcome's own level gates it: a rejection (WARNING) is seen by an
+    # application that filters at WARNING; DEBUG on implies both are on
+    info = _logger(logging.INFO if outcome.status == "selected" else logging.WARNING)
     if info is None:
         return
     common = {"component": decision.component, "layer": decision.layer}
@@ -79,8 +93,10 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
         from attnres.trace import record_to_dict
 
         for index, record in enumerate(trace.records):
-            debug.debug("attention record", index=index, **common, **record_to_dict(record))
-    outcome = trace.outcome
+            fields = record_to_dict(record)
+            if "event" in fields:  # a transition's event: not the log event's name
+                fields["machine_event"] = fields.pop("event")
+            debug.debug("attention record", index=index, **common, **fields)
     if outcome.status == "selected":
         info.info(
             "attention backend selected",

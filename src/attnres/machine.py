@@ -339,7 +339,10 @@ def _check_role(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
         return [
             Failure(
                 Code.SPARSE_CROSS_ATTENTION,
-                f"sparse backend {spec.name!r} cannot serve cross-attention",
+                # SPEC 3.5's searchable wording: the only place it can reach a
+                # user is this failure, since a sparse-on-cross request always
+                # falls back (3.3) and is never a strict rejection
+                f"Sparse attention backend {spec.name!r} cannot serve cross-attention",
             )
         ]
     return []
