@@ -5,34 +5,53 @@ scope snapshot, platform facts, per-layer backend), the ordered records the
 machine emitted, the outcome, and a schema version. Its digest is the SHA-256
 of its canonical JSON (sorted keys, two-space indent, trailing newline) without
 the digest field. Nothing in a trace differs between two runs of the same
-input: no timestamps, addresses or ids.
+input: no timestamps, addresses or ids. ``docs/trace-format.md`` documents the
+schema.
+
+One cattrs converter (``_CONVERTER``) turns traces into JSON documents and back.
+Its structuring hooks are strict: every field must be present and of its JSON
+type (no ``"64"`` for ``64``, no ``"false"`` for ``false``), every closed
+vocabulary (states, events, origins, checks, codes, reasons, platform kinds)
+is checked, and the first problem becomes a :class:`TraceFormatError` whose
+message names the file and the JSON path (``traces/x.json:
+$.input.layer.head_size: expected an integer, got the string "64"``).
 
 Loading a trace reads JSON and looks backend names up in the registry; it never
-imports a module, unpickles, or evaluates anything.
+imports a module, unpickles, or evaluates anything. A backend name must look
+like one (letters, digits, ``_``, ``-``) before the registry is even asked, so a
+name such as ``os:system`` is an error, never an import path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import functools
 import hashlib
 import json
 import os
+import re
 import tempfile
+import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union
 
+import attrs
 import cattrs
 from attrs import field, frozen
 
-from attnres._states import Check, Event, Origin, State
-from attnres._vocab import Role
+from attnres._states import Check, Code, Event, Origin, Reason, State
+from attnres._vocab import PLATFORM_KINDS, Requirement, Role, normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
-from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.platform import PackageFact, Platform
 from attnres.scope import ScopeState
 
 __all__ = [
+    "RECORD_KINDS",
     "SCHEMA_VERSION",
     "CheckRecord",
     "Failure",
@@ -45,14 +64,18 @@ __all__ = [
     "Trace",
     "TraceInput",
     "TransitionRecord",
+    "atomic_write_text",
     "canonical_json",
     "dump_trace",
     "load_trace",
     "record_to_dict",
     "trace_from_dict",
+    "trace_from_json",
     "trace_to_dict",
 ]
 
+#: The schema version this attnres writes, and the newest it reads. Bumped when
+#: a field is added, removed, renamed or changes meaning (docs/trace-format.md).
 SCHEMA_VERSION = 1
 
 
@@ -129,9 +152,9 @@ class RejectedRecord:
     kind: str = field(default="rejected", init=False)
 
 
-Record = Union[
-    OriginRecord, TransitionRecord, CheckRecord, SkipRecord, SelectedRecord, RejectedRecord
-]
+Record = (
+    OriginRecord | TransitionRecord | CheckRecord | SkipRecord | SelectedRecord | RejectedRecord
+)
 RECORD_KINDS: dict[str, type[Any]] = {
     "origin": OriginRecord,
     "transition": TransitionRecord,
@@ -142,6 +165,10 @@ RECORD_KINDS: dict[str, type[Any]] = {
 }
 
 
+def _input_backend(value: Backend | str | None) -> Backend | None:
+    return optional_backend("backend")(value)
+
+
 @frozen(cache_hash=True)
 class TraceInput:
     """Everything a resolution depends on."""
@@ -150,7 +177,8 @@ class TraceInput:
     config: SelectionConfig
     scope: ScopeState | None
     platform: Platform
-    backend: Backend | None = None
+    #: the backend passed explicitly for this one layer (a name is parsed)
+    backend: Backend | None = field(default=None, converter=_input_backend)
 
 
 @frozen
@@ -185,18 +213,441 @@ class Trace:
         return canonical_json(trace_to_dict(self))
 
 
-# -- canonical JSON -----------------------------------------------------------
+# =============================================================================
+# Canonical JSON
+# =============================================================================
 
 
 def canonical_json(obj: Any) -> str:
-    """Sorted keys, two-space indent, ``": "`` separators, trailing newline."""
+    """Sorted keys, two-space indent, ``": "`` separators, UTF-8 text, trailing newline."""
     return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+# =============================================================================
+# Structuring errors: a message and the JSON path it applies to
+# =============================================================================
+
+
+class _Invalid(Exception):
+    """A value that is not what the schema says, at ``path`` (relative, ``.a[0].b``)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _key_path(key: str) -> str:
+    """The JSON-path step for an object key: ``.name`` or ``["odd key"]``."""
+    return f".{key}" if _IDENT.fullmatch(key) else f"[{json.dumps(key, ensure_ascii=True)}]"
+
+
+def _got(value: Any) -> str:
+    """A short, printable, unambiguous description of a JSON value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=True)
+        if len(text) > 60:
+            text = text[:56] + '..."'
+        return f"the string {text}"
+    if isinstance(value, list):
+        return f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _locate(exc: BaseException) -> tuple[str, str]:
+    """The relative path and message of the first leaf failure inside ``exc``."""
+    if isinstance(exc, _Invalid):
+        return exc.path, exc.message
+    if isinstance(exc, cattrs.ClassValidationError):  # defensive: hooks here never make these
+        with_notes, without = exc.group_exceptions()
+        if with_notes:
+            sub, note = with_notes[0]
+            inner, message = _locate(sub)
+            return _key_path(note.name) + inner, message
+        if without:
+            return _locate(without[0])
+    if isinstance(exc, cattrs.IterableValidationError):
+        with_idx, without = exc.group_exceptions()
+        if with_idx:
+            sub, idx_note = with_idx[0]
+            inner, message = _locate(sub)
+            return f"[{idx_note.index}]" + inner, message
+        if without:
+            return _locate(without[0])
+    return "", str(exc) or type(exc).__name__
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# =============================================================================
+# Strict structuring hooks (JSON -> attrs), all on one converter
+# =============================================================================
+
+#: What a backend name in a trace may look like before the registry is asked.
+_BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
+
+_NONE_TYPE = type(None)
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _Invalid("", f"{what} must be a JSON object, got {_got(value)}")
+    return value
+
+
+def _exact_keys(value: dict[str, Any], keys: typing.Collection[str], what: str) -> None:
+    for key in sorted(keys):
+        if key not in value:
+            raise _Invalid(_key_path(key), f"missing field ({what} has: {', '.join(sorted(keys))})")
+    for key in sorted(set(value) - set(keys)):
+        raise _Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(sorted(keys))})")
+
+
+def _structure_str(value: Any, _: Any = None) -> str:
+    if not isinstance(value, str):
+        raise _Invalid("", f"expected a string, got {_got(value)}")
+    return value
+
+
+def _structure_int(value: Any, _: Any = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Invalid("", f"expected an integer, got {_got(value)}")
+    return value
+
+
+def _structure_bool(value: Any, _: Any = None) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid("", f"expected true or false, got {_got(value)}")
+    return value
+
+
+def _structure_backend(value: Any, _: Any = None) -> Backend:
+    """A backend by name, from the registry only (never an import path)."""
+    if not isinstance(value, str):
+        raise _Invalid("", f"expected a backend name (a string), got {_got(value)}")
+    if not _BACKEND_NAME.fullmatch(value):
+        raise _Invalid(
+            "",
+            f"{_got(value)} is not a backend name (names are letters, digits, '_' and '-'; "
+            f"a trace names registered backends, never code to import)",
+        )
+    try:
+        return Backend.parse(value)
+    except UnknownBackendError as exc:
+        raise _Invalid("", f"{exc} (a trace can only name registered backends)") from None
+
+
+def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
+    values = [str(m.value) for m in cls]
+    what = {
+        State: "state",
+        Event: "event",
+        Origin: "origin",
+        Check: "check",
+    }.get(cls, cls.__name__)
+
+    def structure(value: Any, _: Any) -> Any:
+        if not isinstance(value, str):
+            raise _Invalid("", f"expected a {what} name (a string), got {_got(value)}")
+        try:
+            return cls(value)
+        except ValueError:
+            raise _Invalid(
+                "",
+                f"unknown {what} {json.dumps(value, ensure_ascii=True)}; "
+                f"expected one of: {', '.join(values)}",
+            ) from None
+
+    return structure
+
+
+def _one_of(
+    what: str, allowed: typing.Iterable[str], optional: bool = False
+) -> Callable[[Any], str | None]:
+    names = list(allowed)
+
+    def check(value: Any) -> str | None:
+        if value is None and optional:
+            return None
+        if value not in names:
+            shown = json.dumps(value, ensure_ascii=True) if isinstance(value, str) else _got(value)
+            return (
+                f"unknown {what} {shown}; expected one of: "
+                + ", ".join(json.dumps(n) if " " in n else n for n in names)
+                + (" or null" if optional else "")
+            )
+        return None
+
+    return check
+
+
+_CODES = [c.value for c in Code]
+_REASONS = [r.value for r in Reason]
+
+#: Closed vocabularies checked after a field's JSON type (class, field) -> check.
+_FIELD_CHECKS: dict[tuple[type[Any], str], Callable[[Any], str | None]] = {}
+
+
+def _optional_inner(tp: Any) -> Any | None:
+    """``X`` when ``tp`` is ``X | None`` (or ``Optional[X]``), else ``None``."""
+    origin = typing.get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(tp) if a is not _NONE_TYPE]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def _structure_at(conv: cattrs.Converter, value: Any, tp: Any, path: str) -> Any:
+    """Structure ``value`` as ``tp``; failures come out as ``_Invalid`` under ``path``."""
+    try:
+        inner = _optional_inner(tp)
+        if inner is not None:
+            return None if value is None else conv.structure(value, inner)
+        if value is None:
+            raise _Invalid("", f"expected {_expected(tp)}, got null")
+        return conv.structure(value, tp)
+    except _Invalid as exc:
+        raise _Invalid(path + exc.path, exc.message) from None
+    except Exception as exc:
+        inner_path, message = _locate(exc)
+        raise _Invalid(path + inner_path, message) from None
+
+
+def _expected(tp: Any) -> str:
+    if tp is str:
+        return "a string"
+    if tp is int:
+        return "an integer"
+    if tp is bool:
+        return "true or false"
+    if typing.get_origin(tp) is tuple:
+        return "a list"
+    if tp is Backend:
+        return "a backend name"
+    return "an object" if attrs.has(tp) else "a value"
+
+
+def _is_tuple_type(tp: Any) -> bool:
+    return typing.get_origin(tp) is tuple
+
+
+def _is_homogeneous_tuple(tp: Any) -> bool:
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], Any]:
+    if _is_homogeneous_tuple(tp):
+        item = typing.get_args(tp)[0]
+
+        def structure_many(value: Any, _: Any) -> tuple[Any, ...]:
+            if not isinstance(value, list):
+                raise _Invalid("", f"expected a list, got {_got(value)}")
+            return tuple(_structure_at(conv, v, item, f"[{i}]") for i, v in enumerate(value))
+
+        return structure_many
+    items = typing.get_args(tp)
+
+    def structure_fixed(value: Any, _: Any) -> tuple[Any, ...]:
+        if not isinstance(value, list) or len(value) != len(items):
+            raise _Invalid("", f"expected a list of {len(items)} items, got {_got(value)}")
+        return tuple(
+            _structure_at(conv, v, t, f"[{i}]")
+            for i, (v, t) in enumerate(zip(value, items, strict=True))
+        )
+
+    return structure_fixed
+
+
+def _make_attrs_hook(
+    conv: cattrs.Converter, cls: type[Any], what: str, tag: str | None = None
+) -> Callable[[Any, Any], Any]:
+    """A strict hook for an attrs class: every init field present, typed, checked."""
+    fields = [a for a in attrs.fields(attrs.resolve_types(cls)) if a.init]
+    keys = [a.name for a in fields] + ([] if tag is None else ["kind"])
+
+    def structure(value: Any, _: Any) -> Any:
+        obj = _object(value, what)
+        _exact_keys(obj, keys, what)
+        kwargs: dict[str, Any] = {}
+        for a in fields:
+            path = _key_path(a.name)
+            v = _structure_at(conv, obj[a.name], a.type, path)
+            check = _FIELD_CHECKS.get((cls, a.name))
+            problem = None if check is None else check(v)
+            if problem is not None:
+                raise _Invalid(path, problem)
+            kwargs[a.name] = v
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise _Invalid("", f"not a valid {what}: {exc}") from None
+
+    return structure
+
+
+_LAYER_KEYS = ("head_size", "dtype", "supported", "default", "role", "requirements", "name")
+_CONFIG_KEYS = ("global_backend", "global_backend_explicit", "forced_backend", "component_backends")
+_SCOPE_KEYS = (
+    "component",
+    "kind",
+    "loader",
+    "backend",
+    "role_backends",
+    "allow_global_fallback",
+    "require_selection",
+)
+
+
+def _field(obj: dict[str, Any], key: str, fn: Callable[[Any], Any]) -> Any:
+    try:
+        return fn(obj[key])
+    except _Invalid as exc:
+        raise _Invalid(_key_path(key) + exc.path, exc.message) from None
+
+
+def _optional(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else fn(v)
+
+
+def _backend_list(value: Any) -> list[Backend]:
+    if not isinstance(value, list):
+        raise _Invalid("", f"expected a list of backend names or null, got {_got(value)}")
+    if not value:
+        raise _Invalid("", "an empty supported set admits no backend; use null for no constraint")
+    out: list[Backend] = []
+    for i, item in enumerate(value):
+        try:
+            out.append(_structure_backend(item))
+        except _Invalid as exc:
+            raise _Invalid(f"[{i}]" + exc.path, exc.message) from None
+    return out
+
+
+def _backend_map(value: Any, key_check: Callable[[str], str | None]) -> dict[str, Backend]:
+    obj = _object(value, "this mapping")
+    out: dict[str, Backend] = {}
+    for key in sorted(obj):
+        problem = key_check(key)
+        if problem is not None:
+            raise _Invalid(_key_path(key), problem)
+        out[key] = _field(obj, key, _structure_backend)
+    return out
+
+
+def _head_size(value: Any) -> int:
+    n = _structure_int(value)
+    if n < 1:
+        raise _Invalid("", f"a head size must be at least 1, got {n}")
+    return n
+
+
+def _dtype(value: Any) -> str:
+    text = _structure_str(value)
+    try:
+        return normalize_dtype(text)
+    except ValueError as exc:
+        raise _Invalid("", str(exc).removeprefix("dtype: ")) from None
+
+
+def _role(value: Any) -> Role:
+    text = _structure_str(value)
+    try:
+        return Role(text)
+    except ValueError:
+        raise _Invalid("", f"unknown role {json.dumps(text)}; expected self or cross") from None
+
+
+def _requirements(value: Any) -> Requirements:
+    obj = _object(value, "requirements")
+    names = [r.value for r in Requirement]
+    _exact_keys(obj, names, "requirements")
+    flags = {name: _field(obj, name, _structure_bool) for name in names}
+    return Requirements(**flags)
+
+
+def _structure_layer(value: Any, _: Any) -> LayerSpec:
+    obj = _object(value, "a layer")
+    _exact_keys(obj, _LAYER_KEYS, "a layer")
+    return LayerSpec(
+        head_size=_field(obj, "head_size", _head_size),
+        dtype=_field(obj, "dtype", _dtype),
+        supported=_field(obj, "supported", _optional(_backend_list)),
+        default=_field(obj, "default", _optional(_structure_backend)),
+        role=_field(obj, "role", _role),
+        requirements=_field(obj, "requirements", _requirements),
+        name=_field(obj, "name", _optional(_structure_str)),
+    )
+
+
+def _component_name(key: str) -> str | None:
+    return None if key else "a component name must not be empty"
+
+
+def _role_name(key: str) -> str | None:
+    return (
+        None
+        if key in ("self", "cross")
+        else (f"unknown role {json.dumps(key)}; expected self or cross")
+    )
+
+
+def _structure_config(value: Any, _: Any) -> SelectionConfig:
+    obj = _object(value, "a selection config")
+    _exact_keys(obj, _CONFIG_KEYS, "a selection config")
+    return SelectionConfig(
+        global_backend=_field(obj, "global_backend", _optional(_structure_backend)),
+        global_backend_explicit=_field(obj, "global_backend_explicit", _structure_bool),
+        forced_backend=_field(obj, "forced_backend", _optional(_structure_backend)),
+        component_backends=_field(
+            obj, "component_backends", lambda v: _backend_map(v, _component_name)
+        ),
+    )
+
+
+def _structure_scope(value: Any, _: Any) -> ScopeState:
+    obj = _object(value, "a scope")
+    _exact_keys(obj, _SCOPE_KEYS, "a scope")
+    roles = _field(obj, "role_backends", lambda v: _backend_map(v, _role_name))
+    return ScopeState(
+        component=_field(obj, "component", _structure_str),
+        kind=_field(obj, "kind", _structure_str),
+        loader=_field(obj, "loader", _structure_str),
+        backend=_field(obj, "backend", _optional(_structure_backend)),
+        role_backends=tuple(sorted(((Role(r), b) for r, b in roles.items()), key=_role_key)),
+        allow_global_fallback=_field(obj, "allow_global_fallback", _structure_bool),
+        require_selection=_field(obj, "require_selection", _structure_bool),
+    )
+
+
+def _role_key(pair: tuple[Role, Backend]) -> str:
+    return pair[0].value
+
+
+# =============================================================================
+# The converter
+# =============================================================================
 
 
 def _make_converter() -> cattrs.Converter:
     conv = cattrs.Converter(forbid_extra_keys=True)
+
+    # -- unstructure (attrs -> JSON) ------------------------------------------
     conv.register_unstructure_hook(Backend, lambda b: b.name)
-    conv.register_structure_hook(Backend, lambda v, _: _structure_backend(v))
 
     def unstructure_backend_set(value: frozenset[Backend] | None) -> list[str] | None:
         return None if value is None else sorted(b.name for b in value)
@@ -213,7 +664,6 @@ def _make_converter() -> cattrs.Converter:
             "name": s.name,
         },
     )
-    conv.register_structure_hook(LayerSpec, lambda v, _: _structure_layer(conv, v))
     conv.register_unstructure_hook(
         SelectionConfig,
         lambda c: {
@@ -223,7 +673,6 @@ def _make_converter() -> cattrs.Converter:
             "component_backends": {n: b.name for n, b in c.component_backends},
         },
     )
-    conv.register_structure_hook(SelectionConfig, lambda v, _: _structure_config(v))
     conv.register_unstructure_hook(
         ScopeState,
         lambda s: {
@@ -236,28 +685,12 @@ def _make_converter() -> cattrs.Converter:
             "require_selection": s.require_selection,
         },
     )
-    conv.register_structure_hook(ScopeState, lambda v, _: _structure_scope(v))
+    for cls in RECORD_KINDS.values():
+        conv.register_unstructure_hook(cls, _record_unstructurer(conv, cls))
 
     def unstructure_record(rec: Any) -> dict[str, Any]:
         out: dict[str, Any] = conv.unstructure(rec, unstructure_as=type(rec))
         return out
-
-    def structure_record(value: Any, _: Any) -> Any:
-        if not isinstance(value, dict):
-            raise ValueError(f"a record must be an object, got {type(value).__name__}")
-        kind = value.get("kind")
-        cls = RECORD_KINDS.get(kind) if isinstance(kind, str) else None
-        if cls is None:
-            raise ValueError(
-                f"unknown record kind {kind!r}; known kinds: {', '.join(sorted(RECORD_KINDS))}"
-            )
-        body = {k: v for k, v in value.items() if k != "kind"}
-        return conv.structure(body, cls)
-
-    conv.register_unstructure_hook(Record, unstructure_record)
-    conv.register_structure_hook(Record, structure_record)
-    for cls in RECORD_KINDS.values():
-        conv.register_unstructure_hook(cls, _record_unstructurer(conv, cls))
 
     def unstructure_trace(t: Trace) -> dict[str, Any]:
         return {
@@ -268,127 +701,80 @@ def _make_converter() -> cattrs.Converter:
         }
 
     conv.register_unstructure_hook(Trace, unstructure_trace)
+
+    # -- structure (JSON -> attrs), strict -------------------------------------
+    conv.register_structure_hook(str, _structure_str)
+    conv.register_structure_hook(int, _structure_int)
+    conv.register_structure_hook(bool, _structure_bool)
+    conv.register_structure_hook(Backend, _structure_backend)
+    for enum_cls in (State, Event, Origin, Check):
+        conv.register_structure_hook(enum_cls, _structure_enum(enum_cls))
+    conv.register_structure_hook_factory(_is_tuple_type, lambda t: _make_tuple_hook(conv, t))
+    conv.register_structure_hook(LayerSpec, _structure_layer)
+    conv.register_structure_hook(SelectionConfig, _structure_config)
+    conv.register_structure_hook(ScopeState, _structure_scope)
+    for cls, what in (
+        (TraceInput, "a trace input"),
+        (Outcome, "an outcome"),
+        (Platform, "a platform"),
+        (PackageFact, "a package fact"),
+        (Failure, "a failure"),
+    ):
+        conv.register_structure_hook(cls, _make_attrs_hook(conv, cls, what))
+    record_hooks = {
+        kind: _make_attrs_hook(conv, cls, f"a {kind!r} record", tag=kind)
+        for kind, cls in RECORD_KINDS.items()
+    }
+
+    def structure_record(value: Any, _: Any) -> Any:
+        obj = _object(value, "a record")
+        if "kind" not in obj:
+            raise _Invalid(".kind", "missing field (every record is tagged by its kind)")
+        kind = obj["kind"]
+        if not isinstance(kind, str) or kind not in record_hooks:
+            raise _Invalid(
+                ".kind",
+                f"unknown record kind {json.dumps(kind, ensure_ascii=True)}; known kinds: "
+                + ", ".join(RECORD_KINDS),
+            )
+        return record_hooks[kind](obj, None)
+
+    conv.register_structure_hook_func(lambda t: bool(t == Record), structure_record)
     return conv
 
 
-def _record_unstructurer(conv: cattrs.Converter, cls: type[Any]) -> Any:
-    import attrs
-
+def _record_unstructurer(conv: cattrs.Converter, cls: type[Any]) -> Callable[[Any], Any]:
     names = [a.name for a in attrs.fields(cls)]
 
     def unstructure(rec: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for n in names:
-            v = getattr(rec, n)
-            out[n] = conv.unstructure(v)
-        return out
+        return {n: conv.unstructure(getattr(rec, n)) for n in names}
 
     return unstructure
 
 
-def _structure_backend(value: Any) -> Backend:
-    if not isinstance(value, str):
-        raise ValueError(f"a backend must be a name (string), got {type(value).__name__}")
-    try:
-        return Backend.parse(value)
-    except UnknownBackendError as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _structure_layer(conv: cattrs.Converter, v: Any) -> LayerSpec:
-    if not isinstance(v, dict):
-        raise ValueError(f"layer must be an object, got {type(v).__name__}")
-    _exact_keys(v, {"head_size", "dtype", "supported", "default", "role", "requirements", "name"})
-    head_size = v["head_size"]
-    if isinstance(head_size, bool) or not isinstance(head_size, int):
-        raise ValueError(f"head_size must be an integer, got {head_size!r}")
-    for key in ("dtype", "role"):
-        if not isinstance(v[key], str):
-            raise ValueError(f"{key} must be a string, got {v[key]!r}")
-    supported = v["supported"]
-    if supported is not None and not isinstance(supported, list):
-        raise ValueError(f"supported must be a list or null, got {supported!r}")
-    reqs = v["requirements"]
-    if not isinstance(reqs, dict):
-        raise ValueError(f"requirements must be an object, got {reqs!r}")
-    _exact_keys(reqs, {"causal", "attn_mask", "packed_varlen", "gqa", "dropout"})
-    for key, flag in reqs.items():
-        if not isinstance(flag, bool):
-            raise ValueError(f"requirements.{key} must be true or false, got {flag!r}")
-    return LayerSpec(
-        head_size=head_size,
-        dtype=v["dtype"],
-        supported=None if supported is None else [_structure_backend(b) for b in supported],
-        default=None if v["default"] is None else _structure_backend(v["default"]),
-        role=v["role"],
-        requirements=Requirements(**reqs),
-        name=v["name"],
-    )
-
-
-def _structure_config(v: Any) -> SelectionConfig:
-    if not isinstance(v, dict):
-        raise ValueError(f"config must be an object, got {type(v).__name__}")
-    _exact_keys(v, {"global_backend", "global_backend_explicit", "forced_backend",
-                    "component_backends"})
-    if not isinstance(v["global_backend_explicit"], bool):
-        raise ValueError("global_backend_explicit must be true or false")
-    cb = v["component_backends"]
-    if not isinstance(cb, dict):
-        raise ValueError("component_backends must be an object")
-    return SelectionConfig(
-        global_backend=_opt_backend(v["global_backend"]),
-        global_backend_explicit=v["global_backend_explicit"],
-        forced_backend=_opt_backend(v["forced_backend"]),
-        component_backends={k: _structure_backend(b) for k, b in cb.items()},
-    )
-
-
-def _structure_scope(v: Any) -> ScopeState:
-    if not isinstance(v, dict):
-        raise ValueError(f"scope must be an object or null, got {type(v).__name__}")
-    _exact_keys(v, {"component", "kind", "loader", "backend", "role_backends",
-                    "allow_global_fallback", "require_selection"})
-    for key in ("component", "kind", "loader"):
-        if not isinstance(v[key], str):
-            raise ValueError(f"{key} must be a string, got {v[key]!r}")
-    for key in ("allow_global_fallback", "require_selection"):
-        if not isinstance(v[key], bool):
-            raise ValueError(f"{key} must be true or false, got {v[key]!r}")
-    rb = v["role_backends"]
-    if not isinstance(rb, dict):
-        raise ValueError("role_backends must be an object")
-    return ScopeState(
-        component=v["component"],
-        kind=v["kind"],
-        loader=v["loader"],
-        backend=_opt_backend(v["backend"]),
-        role_backends=_sorted_roles(
-            [(Role.parse(r), _structure_backend(b)) for r, b in rb.items()]
-        ),
-        allow_global_fallback=v["allow_global_fallback"],
-        require_selection=v["require_selection"],
-    )
-
-
-def _sorted_roles(pairs: list[tuple[Role, Backend]]) -> tuple[tuple[Role, Backend], ...]:
-    return tuple(sorted(pairs, key=lambda kv: kv[0].value))
-
-
-def _opt_backend(v: Any) -> Backend | None:
-    return None if v is None else _structure_backend(v)
-
-
-def _exact_keys(v: dict[str, Any], keys: set[str]) -> None:
-    missing = keys - set(v)
-    extra = set(v) - keys
-    if missing:
-        raise ValueError(f"missing field(s): {', '.join(sorted(missing))}")
-    if extra:
-        raise ValueError(f"unexpected field(s): {', '.join(sorted(extra))}")
-
+_FIELD_CHECKS.update(
+    {
+        (Platform, "kind"): _one_of("platform kind", PLATFORM_KINDS),
+        (PackageFact, "status"): _one_of("package status", ("present", "missing", "broken")),
+        (Outcome, "status"): _one_of("outcome status", ("selected", "rejected")),
+        (Outcome, "code"): _one_of("code", _CODES, optional=True),
+        (Outcome, "reason"): _one_of("reason", _REASONS, optional=True),
+        (Failure, "code"): _one_of("code", _CODES),
+        (RejectedRecord, "code"): _one_of("code", _CODES),
+        (SelectedRecord, "reason"): _one_of("reason", _REASONS, optional=True),
+        (TransitionRecord, "reason"): _one_of("reason", _REASONS, optional=True),
+    }
+)
 
 _CONVERTER = _make_converter()
+
+
+# =============================================================================
+# Documents: trace <-> dict <-> text <-> file
+# =============================================================================
+
+_TOP_KEYS = ("schema_version", "input", "records", "outcome", "digest")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def trace_to_dict(trace: Trace) -> dict[str, Any]:
@@ -398,82 +784,147 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
     return doc
 
 
+def record_to_dict(record: Record) -> dict[str, Any]:
+    """One record as its JSON object (``kind`` included)."""
+    out: dict[str, Any] = _CONVERTER.unstructure(record, unstructure_as=type(record))
+    return out
+
+
+def _format_error(source: str, where: str, message: str) -> TraceFormatError:
+    return TraceFormatError(_one_line(f"{source}: {where}: {message}"), source, where)
+
+
 def trace_from_dict(doc: Any, *, source: str = "<trace>") -> Trace:
-    """Rebuild a trace from its JSON document; :class:`TraceFormatError` if invalid."""
+    """Rebuild a trace from its JSON document; :class:`TraceFormatError` if invalid.
+
+    The error's message is one line: ``SOURCE: JSONPATH: what is wrong``; its
+    ``.path`` is ``source`` and its ``.where`` the JSON path.
+    """
+    try:
+        return _structure_trace(doc)
+    except _Invalid as exc:
+        raise _format_error(source, "$" + exc.path, exc.message) from None
+
+
+def _structure_trace(doc: Any) -> Trace:
     if not isinstance(doc, dict):
-        raise TraceFormatError(
-            f"{source}: $: a trace must be a JSON object, got {type(doc).__name__}", source, "$"
-        )
-    version = doc.get("schema_version")
+        raise _Invalid("", f"a trace must be a JSON object, got {_got(doc)}")
+    if "schema_version" not in doc:
+        raise _Invalid(".schema_version", "missing field; this is not an attnres trace")
+    version = doc["schema_version"]
     if isinstance(version, bool) or not isinstance(version, int):
-        raise TraceFormatError(
-            f"{source}: $.schema_version: missing or not an integer", source, "$.schema_version"
-        )
+        raise _Invalid(".schema_version", f"expected an integer, got {_got(version)}")
     if version > SCHEMA_VERSION:
-        raise TraceFormatError(
-            f"{source}: $.schema_version: schema version {version} is newer than this attnres "
-            f"understands ({SCHEMA_VERSION}); upgrade attnres to read it",
-            source,
-            "$.schema_version",
+        raise _Invalid(
+            ".schema_version",
+            f"schema version {version} is newer than this attnres reads (up to "
+            f"{SCHEMA_VERSION}); upgrade attnres to read this trace",
         )
     if version < 1:
-        raise TraceFormatError(
-            f"{source}: $.schema_version: unsupported schema version {version}",
-            source,
-            "$.schema_version",
-        )
-    expected = {"schema_version", "input", "records", "outcome", "digest"}
-    for key in sorted(expected - set(doc)):
-        raise TraceFormatError(f"{source}: $.{key}: missing field", source, f"$.{key}")
-    for key in sorted(set(doc) - expected):
-        raise TraceFormatError(f"{source}: $.{key}: unexpected field", source, f"$.{key}")
-    inp = _structure_at(doc["input"], TraceInput, source, "$.input")
+        raise _Invalid(".schema_version", f"unsupported schema version {version}")
+    _exact_keys(doc, _TOP_KEYS, "a trace")
+    inp = _structure_at(_CONVERTER, doc["input"], TraceInput, ".input")
     records_doc = doc["records"]
     if not isinstance(records_doc, list):
-        raise TraceFormatError(f"{source}: $.records: must be a list", source, "$.records")
+        raise _Invalid(".records", f"expected a list of records, got {_got(records_doc)}")
+    if not records_doc:
+        raise _Invalid(".records", "a trace has at least one record (origin detection)")
     records = tuple(
-        _structure_at(r, Record, source, f"$.records[{i}]")
-        for i, r in enumerate(records_doc)
+        _structure_at(_CONVERTER, r, Record, f".records[{i}]") for i, r in enumerate(records_doc)
     )
-    outcome = _structure_at(doc["outcome"], Outcome, source, "$.outcome")
+    outcome = _structure_at(_CONVERTER, doc["outcome"], Outcome, ".outcome")
     trace = Trace(input=inp, records=records, outcome=outcome, schema_version=version)
     digest = doc["digest"]
-    if not isinstance(digest, str):
-        raise TraceFormatError(f"{source}: $.digest: must be a string", source, "$.digest")
+    if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+        raise _Invalid(
+            ".digest",
+            f"expected a SHA-256 hex digest (64 lower-case hex digits), got {_got(digest)}",
+        )
     if digest != trace.digest:
-        raise TraceFormatError(
-            f"{source}: $.digest: recorded digest {digest[:12]}... does not match the content "
-            f"({trace.digest[:12]}...); the file was edited or corrupted - regenerate it "
-            f"(attnres replay --update, or make golden)",
-            source,
-            "$.digest",
+        raise _Invalid(
+            ".digest",
+            f"recorded digest {digest[:12]}... does not match the content "
+            f"(sha256 {trace.digest[:12]}...): the file was edited by hand or corrupted; "
+            f"regenerate it (make golden for traces/, or re-run the command that wrote it)",
         )
     return trace
 
 
-def _structure_at(value: Any, cls: Any, source: str, where: str) -> Any:
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Invalid("", f"duplicate key {json.dumps(key, ensure_ascii=True)} in an object")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise _Invalid("", f"{name} is not valid JSON")
+
+
+def trace_from_json(text: str, *, source: str = "<trace>") -> Trace:
+    """Parse a trace from its JSON text; :class:`TraceFormatError` if invalid."""
+    if not text.strip():
+        raise _format_error(source, "$", "the file is empty, not a trace")
     try:
-        return _CONVERTER.structure(value, cls)
-    except Exception as exc:
-        raise TraceFormatError(f"{source}: {where}: {_explain(exc)}", source, where) from None
+        doc = json.loads(
+            text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant
+        )
+    except _Invalid as exc:
+        raise _format_error(source, "$" + exc.path, exc.message) from None
+    except json.JSONDecodeError as exc:
+        truncated = exc.pos >= len(text.rstrip())
+        raise _format_error(
+            source,
+            "$",
+            f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+            + ("; the file looks truncated" if truncated else ""),
+        ) from None
+    except RecursionError:
+        raise _format_error(source, "$", "not a trace: JSON nested too deeply") from None
+    return trace_from_dict(doc, source=source)
 
 
-def _explain(exc: BaseException) -> str:
-    if isinstance(exc, cattrs.BaseValidationError):
-        msgs = cattrs.transform_error(exc)
-        return "; ".join(msgs) if msgs else str(exc)
-    return str(exc) or type(exc).__name__
+def load_trace(path: str | os.PathLike[str]) -> Trace:
+    """Read a trace file; any problem is a :class:`TraceFormatError` naming the file.
+
+    Reading is data only: JSON is parsed, backend names are looked up in the
+    registry; nothing is imported, unpickled or evaluated.
+    """
+    source = os.fspath(path)
+    try:
+        raw = Path(source).read_bytes()
+    except OSError as exc:
+        raise TraceFormatError(
+            _one_line(f"{source}: cannot read the trace file: {exc.strerror or exc}"), source, None
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _format_error(
+            source,
+            "$",
+            f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            f"a trace file is UTF-8 JSON",
+        ) from None
+    return trace_from_json(text, source=source)
 
 
 def dump_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
     """Write ``trace`` as canonical JSON, atomically (temporary file, then rename)."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"dump_trace takes a Trace, got {type(trace).__name__}")
     target = Path(path)
-    text = canonical_json(trace_to_dict(trace))
-    atomic_write_text(target, text)
+    atomic_write_text(target, canonical_json(trace_to_dict(trace)))
     return target
 
 
 def atomic_write_text(target: Path, text: str) -> None:
+    """Write ``text`` (UTF-8, ``\\n`` line ends) to ``target`` via a temporary file and a rename.
+
+    A reader sees the old file or the new one, never a half-written one.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -483,43 +934,6 @@ def atomic_write_text(target: Path, text: str) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
-
-
-def load_trace(path: str | os.PathLike[str]) -> Trace:
-    """Read a trace file; any problem is a :class:`TraceFormatError` naming the file."""
-    source = os.fspath(path)
-    try:
-        raw = Path(source).read_bytes()
-    except OSError as exc:
-        raise TraceFormatError(
-            f"{source}: cannot read trace file: {exc.strerror or exc}", source, None
-        ) from None
-    if not raw.strip():
-        raise TraceFormatError(f"{source}: $: the file is empty, not a trace", source, "$")
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{source}: $: not UTF-8 text ({exc.reason})", source, "$") from None
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(
-            f"{source}: $: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-            f"the file may be truncated",
-            source,
-            "$",
-        ) from None
-    return trace_from_dict(doc, source=source)
-
-
-# cattrs needs these to be importable for PackageFact structuring
-_ = PackageFact
-
-
-def record_to_dict(record: Record) -> dict[str, Any]:
-    """One record as its JSON object (``kind`` included)."""
-    out: dict[str, Any] = _CONVERTER.unstructure(record, unstructure_as=type(record))
-    return out

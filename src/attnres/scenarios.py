@@ -1,0 +1,944 @@
+"""The golden scenarios: one table of resolutions that ``traces/`` pins.
+
+Each :class:`Scenario` is the full input of one resolution (layer, selection
+config, component-scope snapshot, platform facts, per-layer backend) plus the
+outcome it is meant to show. ``make golden`` (``pytest tests/test_golden.py
+--update-golden``) runs every scenario through the machine and writes
+``traces/<name>.json``; ``tests/test_golden.py`` replays every file, checks
+each scenario still does what its name says, and that files and scenarios
+match one to one.
+
+Together the scenarios cover every origin, every candidate stage (reached and
+accepting), every reason, every rejection code a loadable trace can carry,
+every platform kind, role overrides, backend aliases, requirements, broken
+packages and the seed incident (a global ``--attention-backend sage_attn``
+that must relax for auxiliary components and stay strict for the main model).
+
+Scopes are given as the :class:`~attnres.scope.ScopeState` snapshot that
+:func:`~attnres.scope.component_scope` would build (:func:`scope_state`), and
+platforms as :meth:`~attnres.platform.Platform.simulate` strings or as
+``Platform`` objects built directly (a broken package, an old torch).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import attrs
+from attrs import field, frozen
+
+from attnres._vocab import Role
+from attnres.backends import Backend
+from attnres.layer import LayerSpec, SelectionConfig
+from attnres.platform import PackageFact, Platform
+from attnres.scope import ScopeState, component_kind, loader_for
+from attnres.trace import Trace, TraceInput, atomic_write_text, canonical_json, trace_to_dict
+
+__all__ = [
+    "SCENARIOS",
+    "CorpusChange",
+    "Expect",
+    "Scenario",
+    "corpus_status",
+    "rejects",
+    "scenario_by_name",
+    "scope_state",
+    "selects",
+    "update_corpus",
+]
+
+#: A scenario name: lower-case words joined by '-' (it is also the file name).
+NAME_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+
+
+# =============================================================================
+# Building blocks
+# =============================================================================
+
+
+def scope_state(
+    name: str,
+    backend: Backend | str | None = None,
+    role_backends: Mapping[Role | str, Backend | str] | None = None,
+    allow_global_fallback: bool | None = None,
+    require_selection: bool | None = None,
+    *,
+    kind: str | None = None,
+) -> ScopeState:
+    """The snapshot ``component_scope(name, ...)`` would give its layers."""
+    resolved_kind = component_kind(name) if kind is None else kind
+    loader = loader_for(resolved_kind)
+    parsed = None if backend is None else Backend.parse(backend)
+    roles = tuple(
+        sorted(
+            ((Role.parse(r), Backend.parse(b)) for r, b in (role_backends or {}).items()),
+            key=lambda kv: kv[0].value,
+        )
+    )
+    explicit = parsed is not None or bool(roles)
+    return ScopeState(
+        component=name,
+        kind=resolved_kind,
+        loader=loader.__name__,
+        backend=parsed,
+        role_backends=roles,
+        allow_global_fallback=(
+            loader.allow_global_fallback
+            if allow_global_fallback is None
+            else bool(allow_global_fallback)
+        ),
+        require_selection=explicit if require_selection is None else bool(require_selection),
+    )
+
+
+@frozen
+class Expect:
+    """What a scenario must produce: selected backend and reason, or a rejection code."""
+
+    status: str
+    origin: str
+    backend: str | None = None
+    reason: str | None = None
+    code: str | None = None
+    #: substrings the rejection message must contain
+    error_contains: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.status == "selected":
+            why = f" ({self.reason})" if self.reason else ""
+            return f"selected {self.backend}{why} via {self.origin}"
+        return f"rejected ({self.code}) via {self.origin}"
+
+
+def selects(backend: str, reason: str | None = None, *, origin: str) -> Expect:
+    return Expect("selected", origin, backend=backend, reason=reason)
+
+
+def rejects(code: str, *, origin: str, error_contains: Iterable[str] = ()) -> Expect:
+    return Expect("rejected", origin, code=code, error_contains=tuple(error_contains))
+
+
+def _platform(value: Platform | str) -> Platform:
+    return value if isinstance(value, Platform) else Platform.simulate(value)
+
+
+def _backend(value: Backend | str | None) -> Backend | None:
+    return None if value is None else Backend.parse(value)
+
+
+@frozen
+class Scenario:
+    """One golden resolution: its full input and the outcome its name promises."""
+
+    name: str
+    description: str
+    layer: LayerSpec
+    config: SelectionConfig
+    scope: ScopeState | None
+    platform: Platform = field(converter=_platform)
+    backend: Backend | None = field(converter=_backend)
+    expect: Expect = field(kw_only=True)
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.json"
+
+    def input(self) -> TraceInput:
+        return TraceInput(self.layer, self.config, self.scope, self.platform, self.backend)
+
+    def run(self) -> Trace:
+        from attnres.machine import run_machine
+
+        return run_machine(self.input())
+
+    def render(self) -> str:
+        """The golden file's text: the canonical JSON of the scenario's trace."""
+        return canonical_json(trace_to_dict(self.run()))
+
+    def problems(self, trace: Trace) -> list[str]:
+        """How ``trace`` misses what this scenario promises (empty: it does what it says)."""
+        out = trace.outcome
+        exp = self.expect
+        got = {
+            "status": out.status,
+            "origin": str(out.origin),
+            "backend": None if out.backend is None else out.backend.name,
+            "reason": out.reason,
+            "code": out.code,
+        }
+        want = {
+            "status": exp.status,
+            "origin": exp.origin,
+            "backend": exp.backend,
+            "reason": exp.reason,
+            "code": exp.code,
+        }
+        problems = [
+            f"{self.name}: {key} is {got[key]!r}, the scenario expects {want[key]!r}"
+            for key in want
+            if got[key] != want[key]
+        ]
+        for text in exp.error_contains:
+            if text not in (out.error or ""):
+                problems.append(f"{self.name}: the error does not contain {text!r}: {out.error!r}")
+        return problems
+
+
+def _layer(
+    head_size: int = 128,
+    dtype: str = "bfloat16",
+    supported: Iterable[str] | None = None,
+    default: str | None = None,
+    role: str = "self",
+    requires: Iterable[str] = (),
+    name: str | None = None,
+) -> LayerSpec:
+    return LayerSpec(
+        head_size=head_size,
+        dtype=dtype,
+        supported=None if supported is None else list(supported),
+        default=default,
+        role=role,
+        requirements=list(requires),
+        name=name,
+    )
+
+
+def _cli(backend: str) -> SelectionConfig:
+    """An operator's explicit ``--attention-backend``."""
+    return SelectionConfig(global_backend=backend, global_backend_explicit=True)
+
+
+def _preference(backend: str) -> SelectionConfig:
+    """The same setting, derived or defaulted (origin ``global_preference``)."""
+    return SelectionConfig(global_backend=backend, global_backend_explicit=False)
+
+
+_NOTHING = SelectionConfig()
+_HOPPER_ALL = "cuda:sm90+all"
+_DENSE_PAIR = ("fa", "torch_sdpa")
+
+
+def _with_package(base: str, fact: PackageFact) -> Platform:
+    platform = Platform.simulate(base)
+    packages = tuple(fact if p.name == fact.name else p for p in platform.packages)
+    return attrs.evolve(
+        platform,
+        packages=packages,
+        device_name=f"{platform.device_name}, {fact.name} {fact.status}",
+    )
+
+
+_SAGE_BROKEN = _with_package(
+    "cuda:sm90+flash_attn",
+    PackageFact(
+        "sageattention",
+        "broken",
+        None,
+        "import failed: OSError: libcudart.so.12: undefined symbol: cudaGetDriverEntryPoint",
+    ),
+)
+
+_CPU_OLD_TORCH = attrs.evolve(
+    Platform.simulate("cpu"), torch_version="2.5.1", device_name="simulated cpu, torch 2.5.1"
+)
+
+
+# =============================================================================
+# The table
+# =============================================================================
+
+SCENARIOS: tuple[Scenario, ...] = (
+    # -- the seed incident: a global --attention-backend sage_attn ------------
+    Scenario(
+        "audio-vae-global-sage-falls-back-to-default",
+        "Seed incident: --attention-backend sage_attn; the audio VAE's layers support "
+        "{fa, torch_sdpa} and default to torch_sdpa, so the audio VAE (a loader that allows "
+        "global fallback) runs torch_sdpa with the reason 'global backend fallback'.",
+        _layer(supported=_DENSE_PAIR, default="torch_sdpa", name="decoder.mid.attn"),
+        _cli("sage_attn"),
+        scope_state("audio_vae"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "transformer-global-sage-not-supported-rejected",
+        "Seed incident: the transformer is the model the flag is aimed at; its layer supports "
+        "{fa, torch_sdpa} and declares no default, so sage_attn is rejected with the error "
+        "users search for, naming the component.",
+        _layer(supported=_DENSE_PAIR, name="blocks.0.attn1"),
+        _cli("sage_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=rejects(
+            "not_in_supported_set",
+            origin="global_cli",
+            error_contains=(
+                "Attention backend 'sage_attn' is not supported by this attention layer; "
+                "supported backends: ['fa', 'torch_sdpa']",
+                "for component 'transformer'",
+            ),
+        ),
+    ),
+    Scenario(
+        "video-vae-global-sage-falls-back-to-platform-default",
+        "Seed incident: a video VAE (kind vae) allows global fallback; with no layer default "
+        "it falls back to the platform's chain and runs fa ('global backend fallback').",
+        _layer(supported=_DENSE_PAIR, name="decoder.mid.attn"),
+        _cli("sage_attn"),
+        scope_state("video_vae"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "audio-vae-component-override-sage-stays-strict",
+        "Seed incident: an explicit component override is strict even in a scope that allows "
+        "global fallback: audio_vae=sage_attn on a {fa, torch_sdpa} layer is rejected.",
+        _layer(supported=_DENSE_PAIR, default="torch_sdpa", name="decoder.mid.attn"),
+        _cli("sage_attn"),
+        scope_state("audio_vae", backend="sage_attn"),
+        _HOPPER_ALL,
+        None,
+        expect=rejects(
+            "not_in_supported_set",
+            origin="component_override",
+            error_contains=(
+                "is not supported by this attention layer",
+                "for component 'audio_vae'",
+            ),
+        ),
+    ),
+    Scenario(
+        "unknown-component-global-sage-stays-strict",
+        "Seed incident: a component of unknown kind (generic loader) may be the main model, "
+        "so the explicit global flag stays strict for it.",
+        _layer(supported=_DENSE_PAIR, name="head.attn"),
+        _cli("sage_attn"),
+        scope_state("motion_prior"),
+        _HOPPER_ALL,
+        None,
+        expect=rejects(
+            "not_in_supported_set",
+            origin="global_cli",
+            error_contains=("for component 'motion_prior'",),
+        ),
+    ),
+    Scenario(
+        "transformer-cross-global-sparse-falls-back-to-dense",
+        "Seed incident: a sparse global backend never serves cross-attention, even on a layer "
+        "with no supported set in the strict transformer: it falls back to dense fa with "
+        "'dense cross-attention fallback'.",
+        _layer(role="cross", name="blocks.0.attn2"),
+        _cli("sliding_tile_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("fa", "dense cross-attention fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "transformer-sage-preference-falls-back-to-platform-default",
+        "Seed incident: a derived (not typed) sage_attn preference is relaxed everywhere: the "
+        "transformer layer falls back to the platform default fa ('platform default fallback').",
+        _layer(supported=_DENSE_PAIR, name="blocks.0.attn1"),
+        _preference("sage_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("fa", "platform default fallback", origin="global_preference"),
+    ),
+    Scenario(
+        "transformer-global-sage-selected-when-supported",
+        "The explicit global flag is accepted at the requested stage when the transformer "
+        "layer supports it (reason none).",
+        _layer(supported=("sage_attn", "fa", "torch_sdpa"), name="blocks.0.attn1"),
+        _cli("sage_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("sage_attn", origin="global_cli"),
+    ),
+    Scenario(
+        "no-scope-global-sage-without-default-stays-strict",
+        "Outside any component scope the component's kind is unknown: the explicit global "
+        "flag stays strict for a layer that declares no default.",
+        _layer(supported=_DENSE_PAIR),
+        _cli("sage_attn"),
+        None,
+        _HOPPER_ALL,
+        None,
+        expect=rejects("not_in_supported_set", origin="global_cli"),
+    ),
+    Scenario(
+        "no-scope-global-sage-with-layer-default-falls-back",
+        "A layer that declares a default relaxes the explicit global flag even outside a scope.",
+        _layer(supported=_DENSE_PAIR, default="torch_sdpa"),
+        _cli("sage_attn"),
+        None,
+        _HOPPER_ALL,
+        None,
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "text-encoder-2-global-sage-attn-mask-falls-back-to-torch-sdpa",
+        "text_encoder_2 is a text_encoder; its masked layer needs attention masks, which "
+        "sage_attn and fa do not implement, so the fallback walks the platform chain to "
+        "torch_sdpa ('global backend fallback').",
+        _layer(head_size=64, dtype="float16", requires=("attn_mask",), name="layers.0.attn"),
+        _cli("sage_attn"),
+        scope_state("text_encoder_2"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "audio-vae-global-sage-default-fa-missing-falls-back-to-torch-sdpa",
+        "The audio VAE's default fa is not installed either: the fallback passes the layer "
+        "default (candidate failed) and the platform chain to torch_sdpa.",
+        _layer(supported=_DENSE_PAIR, default="fa", name="decoder.mid.attn"),
+        _cli("sage_attn"),
+        scope_state("audio_vae"),
+        "cuda:sm90",
+        None,
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "bridge-global-sage-on-blackwell-falls-back-to-fa",
+        "sage_attn (2.x) has no sm100 kernel: on a Blackwell B200 the bridge component falls "
+        "back to fa.",
+        _layer(supported=_DENSE_PAIR, name="proj.attn"),
+        _cli("sage_attn"),
+        scope_state("bridge"),
+        "cuda:sm100+all",
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "connector-global-xformers-unsupported-head-size-falls-back",
+        "xformers needs a head size that is a multiple of 8: the connector's head size 36 "
+        "falls back to torch_sdpa (fa does not take float32 either).",
+        _layer(head_size=36, dtype="float32", name="connector.attn"),
+        _cli("xformers"),
+        scope_state("connector"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "transformer-global-video-sparse-self-attention-selected",
+        "A sparse backend serves self-attention: video_sparse_attn is selected for the "
+        "transformer's self-attention layer on Hopper.",
+        _layer(name="blocks.0.attn1"),
+        _cli("video_sparse_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("video_sparse_attn", origin="global_cli"),
+    ),
+    # -- origin: layer (an explicit per-layer backend, strict) ----------------
+    Scenario(
+        "layer-fa-selected-on-hopper",
+        "A backend passed for one layer is accepted at the requested stage.",
+        _layer(requires=("causal",)),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        "fa",
+        expect=selects("fa", origin="layer"),
+    ),
+    Scenario(
+        "layer-fa-on-cpu-rejected-platform-kind",
+        "fa runs on cuda and rocm only: asking for it on a CPU is rejected (platform_kind), "
+        "even with the package installed.",
+        _layer(),
+        _NOTHING,
+        None,
+        "cpu+flash_attn",
+        "fa",
+        expect=rejects(
+            "platform_kind", origin="layer", error_contains=("runs on cuda, rocm, not on cpu",)
+        ),
+    ),
+    Scenario(
+        "layer-fa-without-flash-attn-rejected-package-missing",
+        "fa on Hopper without flash-attn installed is rejected (package_missing).",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm90",
+        "fa",
+        expect=rejects(
+            "package_missing",
+            origin="layer",
+            error_contains=("package 'flash_attn' is not installed",),
+        ),
+    ),
+    Scenario(
+        "layer-sage-broken-package-rejected-package-broken",
+        "sageattention is installed but fails to import (an undefined symbol after a CUDA "
+        "upgrade): the recorded import error becomes the rejection (package_broken).",
+        _layer(),
+        _NOTHING,
+        None,
+        _SAGE_BROKEN,
+        "sage_attn",
+        expect=rejects("package_broken", origin="layer", error_contains=("undefined symbol",)),
+    ),
+    Scenario(
+        "layer-fa-on-turing-rejected-compute-capability",
+        "flash-attn 2 needs Ampere or newer: fa on a T4 (sm75) is rejected (compute_capability).",
+        _layer(dtype="float16"),
+        _NOTHING,
+        None,
+        "cuda:sm75+flash_attn",
+        "fa",
+        expect=rejects("compute_capability", origin="layer"),
+    ),
+    Scenario(
+        "layer-fa-on-unknown-cuda-device-rejected-compute-capability",
+        "A CUDA platform whose compute capability is unknown cannot prove fa runs there.",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda+flash_attn",
+        "fa",
+        expect=rejects("compute_capability", origin="layer", error_contains=("unknown",)),
+    ),
+    Scenario(
+        "layer-aiter-on-mi250-rejected-architecture",
+        "aiter's flash attention targets gfx942/gfx950: on an MI250 (gfx90a) it is rejected "
+        "(architecture).",
+        _layer(),
+        _NOTHING,
+        None,
+        "rocm:gfx90a+aiter",
+        "aiter",
+        expect=rejects("architecture", origin="layer"),
+    ),
+    Scenario(
+        "layer-fa-float32-rejected-dtype",
+        "flash-attn takes fp16/bf16 only: a float32 layer is rejected (dtype).",
+        _layer(dtype="float32"),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        "fa",
+        expect=rejects("dtype", origin="layer"),
+    ),
+    Scenario(
+        "layer-sage-head-size-256-rejected-head-size",
+        "sage_attn takes head sizes up to 128: a 256-wide head is rejected (head_size).",
+        _layer(head_size=256),
+        _NOTHING,
+        None,
+        "cuda:sm90+sageattention",
+        "sage_attn",
+        expect=rejects("head_size", origin="layer"),
+    ),
+    Scenario(
+        "layer-torch-sdpa-packed-varlen-rejected-requirement",
+        "torch_sdpa has no packed varlen entry point: a layer that needs it is rejected with "
+        "the message users search for (requirement_unmet).",
+        _layer(requires=("packed_varlen", "causal")),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        "torch_sdpa",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "Attention backend 'torch_sdpa' does not implement packed varlen attention",
+            ),
+        ),
+    ),
+    Scenario(
+        "layer-fa-packed-varlen-selected",
+        "fa implements packed varlen attention (flash_attn_varlen_func): accepted.",
+        _layer(requires=("packed_varlen", "causal")),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        "fa",
+        expect=selects("fa", origin="layer"),
+    ),
+    Scenario(
+        "layer-flex-attention-old-torch-rejected-torch-version",
+        "flex_attention on CPU needs torch >= 2.6: a platform recording torch 2.5.1 rejects it "
+        "(torch_version).",
+        _layer(head_size=64, dtype="float32"),
+        _NOTHING,
+        None,
+        _CPU_OLD_TORCH,
+        "flex_attention",
+        expect=rejects("torch_version", origin="layer"),
+    ),
+    Scenario(
+        "layer-sparse-on-cross-attention-falls-back-to-dense",
+        "Even a strict per-layer request for a sparse backend falls back to dense on a "
+        "cross-attention layer (SPEC 3.3, the one exception to strictness).",
+        _layer(role="cross"),
+        _NOTHING,
+        None,
+        _HOPPER_ALL,
+        "video_sparse_attn",
+        expect=selects("fa", "dense cross-attention fallback", origin="layer"),
+    ),
+    Scenario(
+        "layer-sparse-on-cpu-cross-attention-falls-back-to-torch-sdpa",
+        "A sparse backend requested for a cross-attention layer on a CPU: dense fallback "
+        "through the platform chain.",
+        _layer(role="cross", dtype="float32", head_size=64),
+        _NOTHING,
+        None,
+        "cpu",
+        "sliding_tile_attn",
+        expect=selects("torch_sdpa", "dense cross-attention fallback", origin="layer"),
+    ),
+    Scenario(
+        "cross-layer-supporting-only-sparse-backends-rejected",
+        "A cross-attention layer whose supported set holds only sparse backends has no dense "
+        "fallback: no compatible backend.",
+        _layer(role="cross", supported=("sliding_tile_attn", "video_sparse_attn")),
+        _NOTHING,
+        None,
+        _HOPPER_ALL,
+        "sliding_tile_attn",
+        expect=rejects("no_compatible_backend", origin="layer"),
+    ),
+    # -- origin: forced ---------------------------------------------------------
+    Scenario(
+        "forced-torch-sdpa-selected-on-rocm",
+        "A process-wide forced backend wins over the platform chain (aiter) on ROCm.",
+        _layer(),
+        SelectionConfig(forced_backend="torch_sdpa"),
+        None,
+        "rocm:gfx942+aiter",
+        None,
+        expect=selects("torch_sdpa", origin="forced"),
+    ),
+    Scenario(
+        "forced-sage-rejected-on-layer-without-it",
+        "A forced backend is strict: sage_attn forced onto a {fa, torch_sdpa} layer is "
+        "rejected, even inside an auxiliary component.",
+        _layer(supported=_DENSE_PAIR, default="torch_sdpa"),
+        SelectionConfig(forced_backend="sage_attn"),
+        scope_state("vae"),
+        _HOPPER_ALL,
+        None,
+        expect=rejects(
+            "not_in_supported_set", origin="forced", error_contains=("for component 'vae'",)
+        ),
+    ),
+    # -- origin: role_override / component_override ----------------------------
+    Scenario(
+        "transformer-cross-role-override-torch-sdpa-selected",
+        "transformer.cross=torch_sdpa: the cross-attention layer runs torch_sdpa although the "
+        "component override is fa.",
+        _layer(role="cross", name="blocks.0.attn2"),
+        _cli("sage_attn"),
+        scope_state("transformer", backend="fa", role_backends={"cross": "torch_sdpa"}),
+        _HOPPER_ALL,
+        None,
+        expect=selects("torch_sdpa", origin="role_override"),
+    ),
+    Scenario(
+        "transformer-self-layer-uses-component-override-not-cross-role",
+        "The cross role override does not touch self-attention layers: they take the "
+        "component override fa.",
+        _layer(role="self", name="blocks.0.attn1"),
+        _cli("sage_attn"),
+        scope_state("transformer", backend="fa", role_backends={"cross": "torch_sdpa"}),
+        _HOPPER_ALL,
+        None,
+        expect=selects("fa", origin="component_override"),
+    ),
+    Scenario(
+        "transformer-cross-role-override-sage-attn-mask-rejected",
+        "A role override is strict: transformer.cross=sage_attn on a masked cross-attention "
+        "layer is rejected (sage_attn does not implement attention masks).",
+        _layer(role="cross", requires=("attn_mask",), name="blocks.0.attn2"),
+        _NOTHING,
+        scope_state("transformer", role_backends={"cross": "sage_attn"}),
+        _HOPPER_ALL,
+        None,
+        expect=rejects(
+            "requirement_unmet",
+            origin="role_override",
+            error_contains=("does not implement attention masks", "for component 'transformer'"),
+        ),
+    ),
+    Scenario(
+        "vae-component-override-torch-sdpa-selected",
+        "component_scope('vae', backend='torch_sdpa') is accepted at the requested stage.",
+        _layer(supported=_DENSE_PAIR, default="fa"),
+        _NOTHING,
+        scope_state("vae", backend="torch_sdpa"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("torch_sdpa", origin="component_override"),
+    ),
+    Scenario(
+        "vocoder-config-component-backend-eager-selected",
+        "--attention-backend vocoder=eager (the per-component form of the flag) acts as the "
+        "vocoder's component override.",
+        _layer(head_size=64, dtype="float32"),
+        SelectionConfig(global_backend="sage_attn", component_backends={"vocoder": "eager"}),
+        scope_state("vocoder"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("eager", origin="component_override"),
+    ),
+    # -- origin: layer_default / none -------------------------------------------
+    Scenario(
+        "layer-default-torch-sdpa-selected",
+        "Nothing requested: the layer's declared default is accepted first (reason none).",
+        _layer(head_size=64, dtype="float32", default="torch_sdpa"),
+        _NOTHING,
+        None,
+        "cpu",
+        None,
+        expect=selects("torch_sdpa", origin="layer_default"),
+    ),
+    Scenario(
+        "layer-default-fa-on-cpu-falls-back-to-platform-default",
+        "A layer default that cannot run here (fa on a CPU) is relaxed: the platform chain "
+        "gives torch_sdpa ('platform default fallback'); the default is not evaluated twice.",
+        _layer(default="fa"),
+        _NOTHING,
+        None,
+        "cpu",
+        None,
+        expect=selects("torch_sdpa", "platform default fallback", origin="layer_default"),
+    ),
+    Scenario(
+        "none-cuda-hopper-picks-fa",
+        "Nothing requested, no default: the CUDA chain's first backend, fa, is accepted.",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        None,
+        expect=selects("fa", origin="none"),
+    ),
+    Scenario(
+        "none-cuda-without-flash-attn-falls-back-to-torch-sdpa",
+        "Nothing requested on CUDA without flash-attn: fa fails (package_missing) and the "
+        "chain gives torch_sdpa ('platform default fallback').",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm90",
+        None,
+        expect=selects("torch_sdpa", "platform default fallback", origin="none"),
+    ),
+    Scenario(
+        "none-single-supported-backend-component-constraint",
+        "Nothing requested and the layer supports exactly one backend: it is chosen with the "
+        "reason 'component constraint'.",
+        _layer(head_size=64, dtype="float32", supported=("eager",)),
+        _NOTHING,
+        None,
+        "cpu",
+        None,
+        expect=selects("eager", "component constraint", origin="none"),
+    ),
+    Scenario(
+        "none-single-supported-fa-on-cpu-rejected",
+        "The single supported backend cannot run here: no compatible backend.",
+        _layer(supported=("fa",)),
+        _NOTHING,
+        None,
+        "cpu",
+        None,
+        expect=rejects(
+            "no_compatible_backend",
+            origin="none",
+            error_contains=("No compatible attention backend is available",),
+        ),
+    ),
+    Scenario(
+        "none-supported-set-reached-picks-eager",
+        "The platform chain (torch_sdpa) is outside the layer's supported set {eager, fa}: the "
+        "supported-set stage picks eager.",
+        _layer(head_size=64, dtype="float32", supported=("fa", "eager")),
+        _NOTHING,
+        None,
+        "cpu",
+        None,
+        expect=selects("eager", "platform default fallback", origin="none"),
+    ),
+    Scenario(
+        "none-supported-set-exhausted-rejected",
+        "No backend of the supported set {fa, sage_attn} runs on a CPU: every stage is "
+        "exhausted (no_compatible_backend).",
+        _layer(supported=("fa", "sage_attn")),
+        _NOTHING,
+        None,
+        "cpu",
+        None,
+        expect=rejects("no_compatible_backend", origin="none"),
+    ),
+    # -- aliases ------------------------------------------------------------------
+    Scenario(
+        "alias-torch-cudnn-sdpa-satisfies-torch-sdpa",
+        "torch_cudnn_sdpa counts as torch_sdpa: it is accepted on a layer that supports only "
+        "torch_sdpa.",
+        _layer(dtype="float16", supported=("torch_sdpa",)),
+        _NOTHING,
+        None,
+        "cuda:sm90",
+        "torch_cudnn_sdpa",
+        expect=selects("torch_cudnn_sdpa", origin="layer"),
+    ),
+    Scenario(
+        "alias-dynamic-cudnn-sdpa-satisfies-fa-and-torch-sdpa",
+        "dynamic_cudnn_sdpa stands in for fa and torch_sdpa together: accepted on a "
+        "{fa, torch_sdpa} layer.",
+        _layer(supported=_DENSE_PAIR),
+        _NOTHING,
+        scope_state("transformer", backend="dynamic_cudnn_sdpa"),
+        "cuda:sm90",
+        None,
+        expect=selects("dynamic_cudnn_sdpa", origin="component_override"),
+    ),
+    Scenario(
+        "alias-dynamic-cudnn-sdpa-rejected-with-torch-sdpa-only",
+        "dynamic_cudnn_sdpa needs both fa and torch_sdpa in the supported set: a layer that "
+        "supports only torch_sdpa rejects it.",
+        _layer(supported=("torch_sdpa",)),
+        _NOTHING,
+        scope_state("transformer", backend="dynamic_cudnn_sdpa"),
+        "cuda:sm90",
+        None,
+        expect=rejects("not_in_supported_set", origin="component_override"),
+    ),
+    # -- platform kinds -------------------------------------------------------------
+    Scenario(
+        "rocm-mi300-picks-aiter",
+        "ROCm's chain starts with aiter: an MI300 (gfx942) with aiter installed runs it.",
+        _layer(),
+        _NOTHING,
+        None,
+        "rocm:gfx942+aiter",
+        None,
+        expect=selects("aiter", origin="none"),
+    ),
+    Scenario(
+        "mps-picks-torch-sdpa",
+        "Apple MPS: torch_sdpa, the only entry of its chain.",
+        _layer(head_size=64, dtype="float16"),
+        _NOTHING,
+        None,
+        "mps",
+        None,
+        expect=selects("torch_sdpa", origin="none"),
+    ),
+    Scenario(
+        "xpu-fa-preference-falls-back-to-torch-sdpa",
+        "Intel XPU with a defaulted fa preference: fa does not run on xpu, torch_sdpa does.",
+        _layer(dtype="bfloat16"),
+        _preference("fa"),
+        None,
+        "xpu",
+        None,
+        expect=selects("torch_sdpa", "platform default fallback", origin="global_preference"),
+    ),
+    Scenario(
+        "npu-picks-ascend-fa",
+        "Ascend NPU with torch_npu: the chain's ascend_fa is accepted.",
+        _layer(),
+        _NOTHING,
+        None,
+        "npu+torch_npu",
+        None,
+        expect=selects("ascend_fa", origin="none"),
+    ),
+    Scenario(
+        "npu-without-torch-npu-falls-back-to-torch-sdpa",
+        "Ascend NPU without torch_npu recorded: ascend_fa is unavailable, torch_sdpa serves.",
+        _layer(),
+        _NOTHING,
+        None,
+        "npu",
+        None,
+        expect=selects("torch_sdpa", "platform default fallback", origin="none"),
+    ),
+)
+
+
+def scenario_by_name(name: str) -> Scenario:
+    for scenario in SCENARIOS:
+        if scenario.name == name:
+            return scenario
+    raise KeyError(name)
+
+
+# =============================================================================
+# The corpus on disk
+# =============================================================================
+
+
+@frozen
+class CorpusChange:
+    """What regenerating the corpus did (or would do), by scenario name."""
+
+    new: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    unchanged: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        lines = [
+            f"golden traces: {len(self.new)} new, {len(self.changed)} changed, "
+            f"{len(self.unchanged)} unchanged, {len(self.removed)} removed"
+        ]
+        for label, names in (
+            ("new", self.new),
+            ("changed", self.changed),
+            ("removed", self.removed),
+        ):
+            lines += [f"  {label:<8}{name}.json" for name in names]
+        return "\n".join(lines)
+
+
+def corpus_status(
+    directory: str | os.PathLike[str], scenarios: Iterable[Scenario] = SCENARIOS
+) -> tuple[CorpusChange, dict[str, str]]:
+    """Compare ``directory`` with what the scenarios render; no file is touched.
+
+    Returns the change set and the rendered text of every scenario by name.
+    """
+    folder = Path(directory)
+    rendered = {s.name: s.render() for s in scenarios}
+    existing = {p.stem for p in folder.glob("*.json")} if folder.is_dir() else set()
+    new, changed, unchanged = [], [], []
+    for name, text in sorted(rendered.items()):
+        path = folder / f"{name}.json"
+        if name not in existing:
+            new.append(name)
+        elif path.read_bytes() != text.encode("utf-8"):
+            changed.append(name)
+        else:
+            unchanged.append(name)
+    removed = sorted(existing - set(rendered))
+    return CorpusChange(tuple(new), tuple(changed), tuple(unchanged), tuple(removed)), rendered
+
+
+def update_corpus(
+    directory: str | os.PathLike[str], scenarios: Iterable[Scenario] = SCENARIOS
+) -> CorpusChange:
+    """Regenerate ``directory`` from the scenarios: write new and changed files
+    atomically, delete files no scenario produces; unchanged files are not touched."""
+    folder = Path(directory)
+    change, rendered = corpus_status(folder, scenarios)
+    for name in (*change.new, *change.changed):
+        atomic_write_text(folder / f"{name}.json", rendered[name])
+    for name in change.removed:
+        (folder / f"{name}.json").unlink()
+    return change
