@@ -761,16 +761,24 @@ def test_rule_3_4_candidates_evaluated_in_stage_order_skipping_duplicates() -> N
         "layer_default",
         "platform default fallback",
     )
+    # fa is preferred by the cuda chain only where usable: flash_attn is not
+    # installed, so it is passed over (a skip record says why), not evaluated.
     assert evaluated(res.trace) == [
         ("requested", "torch_sdpa"),
-        ("platform_default", "fa"),
         ("supported_set", "xformers"),
     ]
     assert skipped(res.trace) == [
         ("component_default", "torch_sdpa"),
+        ("platform_default", "fa"),
         ("platform_default", "torch_sdpa"),
         ("supported_set", "torch_sdpa"),
     ]
+    fa_skip = next(
+        r for r in res.trace.records if isinstance(r, SkipRecord) and r.candidate.name == "fa"
+    )
+    assert fa_skip.detail == (
+        "preferred on cuda only where usable: package 'flash_attn' is not installed"
+    )
     skip = next(r for r in res.trace.records if isinstance(r, SkipRecord))
     assert skip.detail == "already evaluated at requested"
     assert_well_formed(res.trace)
@@ -786,12 +794,14 @@ def test_rule_3_4_stage_order_requested_default_platform_supported() -> None:
     assert evaluated(err.trace) == [
         ("requested", "sage_attn"),
         ("component_default", "fa3"),
-        ("platform_default", "fa"),
         ("platform_default", "torch_sdpa"),
         ("supported_set", "eager"),
         ("supported_set", "torch_cudnn_sdpa"),
+        ("supported_set", "fa"),
     ]
-    assert skipped(err.trace) == [("supported_set", "fa")]
+    # flash_attn is not installed: the cuda chain passes over fa (not usable
+    # here), so fa is first evaluated in the supported-set stage.
+    assert skipped(err.trace) == [("platform_default", "fa")]
     assert [s.value for s in M.CANDIDATE_STAGES] == [
         "requested",
         "component_default",
@@ -812,7 +822,9 @@ def test_rule_3_4_supported_set_order_is_deterministic() -> None:
     ta = M.run_machine(TraceInput(a, SelectionConfig(), None, CUDA))
     tb = M.run_machine(TraceInput(b, SelectionConfig(), None, CUDA))
     assert ta == tb and ta.digest == tb.digest
-    assert [n for _, n in evaluated(ta)] == ["fa", "torch_sdpa", "eager"]
+    # fa (not installed) is passed over by the chain, torch_sdpa is not in the
+    # supported set, then the supported set in catalogue order: eager first.
+    assert [n for _, n in evaluated(ta)] == ["torch_sdpa", "eager"]
 
 
 def test_rule_3_4_checks_run_in_order_and_collect_every_failure() -> None:
@@ -929,12 +941,13 @@ def test_rule_3_4_alias_does_not_work_the_other_way() -> None:
     [
         ("cuda:sm90+flash_attn", "fa", None),
         ("cuda:sm80+flash_attn", "fa", None),
-        ("cuda:sm90", "torch_sdpa", "platform default fallback"),
-        ("cuda:sm70+flash_attn", "torch_sdpa", "platform default fallback"),
+        # a preference that is not usable here is passed over, not a fallback
+        ("cuda:sm90", "torch_sdpa", None),
+        ("cuda:sm70+flash_attn", "torch_sdpa", None),
         ("rocm:gfx942+aiter", "aiter", None),
-        ("rocm:gfx942", "torch_sdpa", "platform default fallback"),
+        ("rocm:gfx942", "torch_sdpa", None),
         ("npu+torch_npu", "ascend_fa", None),
-        ("npu", "torch_sdpa", "platform default fallback"),
+        ("npu", "torch_sdpa", None),
         ("cpu", "torch_sdpa", None),
         ("cpu+all", "torch_sdpa", None),
         ("mps", "torch_sdpa", None),
@@ -1103,8 +1116,22 @@ def test_rule_3_5_reason_global_backend_fallback() -> None:
 
 
 def test_rule_3_5_reason_platform_default_fallback() -> None:
+    # the layer's default (a relaxed request) cannot run here: the platform
+    # default serves, and the reason says so
+    res = resolve(LayerSpec(64, "bf16", default="fa"), platform=CUDA)
+    assert (res.backend.name, res.origin, res.reason) == (
+        "torch_sdpa", "layer_default", "platform default fallback"
+    )
+
+
+def test_rule_3_4_unusable_platform_preference_is_passed_over_without_a_reason() -> None:
     res = resolve(LayerSpec(64, "bf16"), platform=CUDA)
-    assert (res.backend.name, res.reason) == ("torch_sdpa", "platform default fallback")
+    assert (res.backend.name, res.reason) == ("torch_sdpa", None)
+    assert skipped(res.trace) == [("platform_default", "fa")]
+    # fp32 on a machine with flash-attn: fa does not take fp32, passed over too
+    res32 = resolve(LayerSpec(64, "fp32"), platform=CUDA_ALL)
+    assert (res32.backend.name, res32.reason) == ("torch_sdpa", None)
+    assert skipped(res32.trace) == [("platform_default", "fa")]
 
 
 def test_rule_3_5_reason_dense_cross_attention_fallback() -> None:
@@ -1640,3 +1667,19 @@ def test_cache_rejection_is_cached_and_reraised_with_the_trace() -> None:
 def test_resolve_rejects_a_non_layer() -> None:
     with pytest.raises(TypeError, match="LayerSpec"):
         resolve({"head_size": 64}, platform=CPU)  # type: ignore[arg-type]
+
+
+def test_rule_3_4_requirements_causal_cross_attention_needs_top_left_alignment() -> None:
+    # flash-attn aligns its causal mask bottom-right when lengths differ; SDPA's
+    # convention (the layer's) is top-left: a causal cross layer never gets fa.
+    causal_cross = LayerSpec(64, "bf16", role="cross", requirements=["causal"])
+    res = resolve(causal_cross, platform=CUDA_ALL)
+    assert res.backend.name == "torch_sdpa"
+    fa_checks = [r for r in checks_of(res.trace, "fa") if r.check is Check.REQUIREMENTS]
+    assert fa_checks and not fa_checks[0].passed
+    assert "bottom-right" in fa_checks[0].failures[0].message
+    # a causal self-attention layer (equal lengths) still gets fa
+    causal_self = LayerSpec(64, "bf16", requirements=["causal"])
+    assert resolve(causal_self, platform=CUDA_ALL).backend.name == "fa"
+    with pytest.raises(ResolutionError, match="top-left aligned causal cross-attention"):
+        resolve(causal_cross, platform=CUDA_ALL, backend="fa")

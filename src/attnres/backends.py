@@ -218,6 +218,9 @@ class BackendSpec:
     aliases: tuple[str, ...] = ()
     min_torch: dict[str, tuple[int, int]] = field(factory=dict, hash=False)
     description: str = ""
+    #: whether a causal mask keeps torch SDPA's top-left alignment when query and
+    #: key lengths differ (cross-attention); flash-attn aligns it bottom-right
+    causal_top_left: bool = True
 
     @name.validator
     def _check_name(self, _: attrs.Attribute[str], value: str) -> None:
@@ -311,6 +314,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         },
         aliases=("flash_attn", "flash_attention", "flash_attention_2", "fa2", "flash_attn_2"),
         description="flash-attn 2.x (flash_attn_func / flash_attn_varlen_func)",
+        causal_top_left=False,
     ),
     BackendSpec(
         name="fa3",
@@ -323,6 +327,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         capabilities={"cuda": _HOPPER},
         aliases=("flash_attn_3", "flash_attention_3"),
         description="FlashAttention-3 (flash_attn_interface, built from hopper/)",
+        causal_top_left=False,
     ),
     BackendSpec(
         name="fa4",
@@ -335,6 +340,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         capabilities={"cuda": CapabilityRule(min=(9, 0), max=(12, 1))},
         aliases=("flash_attn_4", "flash_attention_4", "flash_attn_cute"),
         description="FlashAttention-4 (flash_attn.cute, PyPI flash-attn-4)",
+        causal_top_left=False,
     ),
     BackendSpec(
         name="sage_attn",
@@ -349,6 +355,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         },
         aliases=("sage", "sageattention", "sage_attention", "sageattn"),
         description="SageAttention 2/2++ (sageattention.sageattn)",
+        causal_top_left=False,
     ),
     BackendSpec(
         name="sage_attn_3",
@@ -361,6 +368,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         capabilities={"cuda": CapabilityRule(exact={(12, 0)})},
         aliases=("sage3", "sageattn3", "sage_attention_3"),
         description="SageAttention3 for Blackwell (sageattn3)",
+        causal_top_left=False,
     ),
     BackendSpec(
         name="xformers",
@@ -385,6 +393,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         capabilities={"rocm": CapabilityRule(archs={"gfx942", "gfx950"})},
         aliases=("aiter_fa", "rocm_aiter"),
         description="AMD aiter flash attention (aiter.flash_attn_func)",
+        causal_top_left=False,
     ),
     BackendSpec(
         name="ascend_fa",

@@ -42,7 +42,7 @@ from attrs import field, frozen
 
 from attnres import platform as _platform_mod
 from attnres._states import Check, Code, Event, Origin, Reason, State
-from attnres._vocab import REQUIREMENT_PHRASES, Role
+from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.errors import ResolutionError
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
@@ -370,11 +370,25 @@ def _check_supported(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
 
 
 def _check_requirements(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
-    return [
+    out = [
         Failure(Code.REQUIREMENT_UNMET, f"does not implement {REQUIREMENT_PHRASES[req]}")
         for req in layer.requirements.needed()
         if req not in spec.implements
     ]
+    if (
+        layer.requirements.causal
+        and layer.role is Role.CROSS
+        and Requirement.CAUSAL in spec.implements
+        and not spec.causal_top_left
+    ):
+        out.append(
+            Failure(
+                Code.REQUIREMENT_UNMET,
+                "does not implement top-left aligned causal cross-attention (its causal mask "
+                "is bottom-right aligned when query and key lengths differ)",
+            )
+        )
+    return out
 
 
 def check_candidate(
@@ -401,6 +415,20 @@ def check_candidate(
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
         (Check.REQUIREMENTS, tuple(_check_requirements(spec, layer))),
     )
+
+
+def _unusable_here(backend: Backend, layer: LayerSpec, platform: Platform) -> str:
+    """Why a conditional platform preference does not apply ('' when it does).
+
+    A platform's chain prefers a kernel "when it is usable" (SPEC 3.4: cuda -> fa
+    when flash-attn is usable): its package works and the device, dtype and head
+    size fit. Only the last entry of a chain is unconditional.
+    """
+    spec = lookup_spec(backend)
+    if spec is None:
+        return f"backend {backend.name!r} is not registered"
+    failures = _check_available(spec, platform) + _check_platform(spec, layer, platform)
+    return "; ".join(f.message for f in failures)
 
 
 # =============================================================================
@@ -510,12 +538,24 @@ def run_machine(inp: TraceInput) -> Trace:
     while state not in (State.SELECTED, State.REJECTED):
         stage = state
         accepted: Backend | None = None
-        for candidate in stage_candidates(stage, inp, found.backend):
+        candidates = stage_candidates(stage, inp, found.backend)
+        for position, candidate in enumerate(candidates):
             if candidate in seen:
                 records.append(
                     SkipRecord(stage, candidate, f"already evaluated at {seen[candidate].value}")
                 )
                 continue
+            if stage is State.PLATFORM_DEFAULT and position < len(candidates) - 1:
+                unusable = _unusable_here(candidate, layer, platform)
+                if unusable:
+                    records.append(
+                        SkipRecord(
+                            stage,
+                            candidate,
+                            f"preferred on {platform.kind} only where usable: {unusable}",
+                        )
+                    )
+                    continue
             seen[candidate] = stage
             results = check_candidate(candidate, layer, platform)
             for check, failures in results:

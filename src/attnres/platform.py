@@ -188,7 +188,13 @@ class Platform:
         return PackageFact(name, "missing", None, "not probed on this platform")
 
     def default_chain(self) -> tuple[Backend, ...]:
-        """The platform's preference chain (stage ``platform_default``)."""
+        """The platform's preference chain (stage ``platform_default``).
+
+        Every entry but the last is preferred only where it is usable for the
+        layer (its package present, the device, dtype and head size fit): the
+        machine passes over an unusable one with a recorded reason, and does not
+        count that as a fallback. The last entry is the unconditional default.
+        """
         return tuple(Backend(n) for n in _CHAINS[self.kind])
 
     def torch_at_least(self, version: tuple[int, int]) -> bool | None:

@@ -727,15 +727,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("fa", origin="none"),
     ),
     Scenario(
-        "none-cuda-without-flash-attn-falls-back-to-torch-sdpa",
-        "Nothing requested on CUDA without flash-attn: fa fails (package_missing) and the "
-        "chain gives torch_sdpa ('platform default fallback').",
+        "none-cuda-without-flash-attn-passes-over-fa-to-torch-sdpa",
+        "Nothing requested on CUDA without flash-attn: the chain prefers fa only where it is "
+        "usable, so it is passed over (a skip record says why) and torch_sdpa serves with no "
+        "fallback reason.",
         _layer(),
         _NOTHING,
         None,
         "cuda:sm90",
         None,
-        expect=selects("torch_sdpa", "platform default fallback", origin="none"),
+        expect=selects("torch_sdpa", None, origin="none"),
     ),
     Scenario(
         "none-single-supported-backend-component-constraint",
@@ -860,14 +861,15 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("ascend_fa", origin="none"),
     ),
     Scenario(
-        "npu-without-torch-npu-falls-back-to-torch-sdpa",
-        "Ascend NPU without torch_npu recorded: ascend_fa is unavailable, torch_sdpa serves.",
+        "npu-without-torch-npu-passes-over-ascend-fa-to-torch-sdpa",
+        "Ascend NPU without torch_npu recorded: ascend_fa is not usable, so the chain passes "
+        "over it and torch_sdpa serves with no fallback reason.",
         _layer(),
         _NOTHING,
         None,
         "npu",
         None,
-        expect=selects("torch_sdpa", "platform default fallback", origin="none"),
+        expect=selects("torch_sdpa", None, origin="none"),
     ),
 )
 

@@ -1,0 +1,127 @@
+"""``fa``: flash-attn 2.x (``flash_attn.flash_attn_func`` / ``flash_attn_varlen_func``).
+
+Source facts (Dao-AILab/flash-attention, flash_attn/flash_attn_interface.py and
+csrc/flash_attn/flash_api.cpp):
+- ``flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+  return_attn_probs=False)``; q (batch, seqlen, nheads, headdim), k/v (batch,
+  seqlen_k, nheads_k, headdim) -- attnres's layout, no transpose; returns ``out``
+  only unless ``return_attn_probs`` (then ``(out, softmax_lse, S_dmask)``);
+- GQA/MQA: nheads % nheads_k == 0, query heads grouped like repeat_interleave
+  ("Number of heads in key/value must divide number of heads in query");
+- "FlashAttention only support fp16 and bf16 data type"; "FlashAttention forward
+  only supports head dimension at most 256"; the Python wrapper pads head dims
+  that are not a multiple of 8;
+- ``causal=True`` is aligned to the BOTTOM-RIGHT corner when seqlen_q != seqlen_k
+  (docstring of flash_attn_func). attnres is top-left, so causal with
+  seq_q != seq_kv is refused here (same numbers when the lengths are equal);
+- no attention mask argument at all (only ALiBi slopes): ``attn_mask`` is a
+  ``ValueError``;
+- ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False, ...)`` takes
+  packed (total, nheads, headdim) tensors and cumulative lengths of shape
+  (batch + 1,) with "dtype torch.int32"; its causal mask is bottom-right per
+  sequence.
+- Install: ``pip install flash-attn --no-build-isolation``. flash-attn-4 also
+  installs under the ``flash_attn`` name (only ``flash_attn.cute``), so a
+  ``flash_attn`` without ``flash_attn_func`` is reported as that case.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from attnres.kernels._common import (
+    causal_alignment_error,
+    import_kernel_package,
+    no_mask_error,
+    require_attribute,
+)
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from attnres.kernels import KernelFn, VarlenKernelFn
+
+__all__ = ["make_kernel", "make_varlen_kernel"]
+
+BACKEND = "fa"
+PACKAGE = "flash_attn"
+INSTALL = "pip install flash-attn --no-build-isolation  (flash-attn 2.x; needs CUDA or ROCm)"
+_NOT_FA2 = (
+    "This is not flash-attn 2.x: flash-attn-4 installs only 'flash_attn.cute' under the same "
+    "name (use backend 'fa4' for it), or the flash_attn build is broken. Install flash-attn 2 "
+    "with: " + INSTALL
+)
+
+
+def _function(name: str) -> Any:
+    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    return require_attribute(module, name, backend=BACKEND, hint=_NOT_FA2)
+
+
+def make_kernel() -> KernelFn:
+    """Import flash_attn and bind ``flash_attn_func``."""
+    flash_attn_func = _function("flash_attn_func")
+
+    def attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        if attn_mask is not None:
+            raise no_mask_error(BACKEND, "flash_attn_func has no mask argument")
+        if causal and q.shape[1] != k.shape[1]:
+            raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
+        out: Tensor = flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)
+        return out
+
+    return attention
+
+
+def make_varlen_kernel() -> VarlenKernelFn:
+    """Import flash_attn and bind ``flash_attn_varlen_func`` (packed sequences).
+
+    The returned function takes q (total_q, heads_q, head_size), k/v (total_kv,
+    heads_kv, head_size), cumulative sequence lengths of shape (batch + 1,) (any
+    integer dtype: they are passed on as contiguous int32, as flash-attn
+    requires), the longest q/kv sequence lengths, ``causal`` and ``scale``. Its
+    causal mask is flash-attn's: bottom-right aligned within each sequence.
+    """
+    import torch
+
+    varlen_func = _function("flash_attn_varlen_func")
+
+    def varlen_attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        if cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous():
+            cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
+        if cu_seqlens_k.dtype != torch.int32 or not cu_seqlens_k.is_contiguous():
+            cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+        out: Tensor = varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+        )
+        return out
+
+    return varlen_attention

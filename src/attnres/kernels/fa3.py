@@ -1,0 +1,90 @@
+"""``fa3``: FlashAttention-3 (``flash_attn_interface.flash_attn_func``, built from hopper/).
+
+Source facts (Dao-AILab/flash-attention hopper/flash_attn_interface.py):
+- ``flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None,
+  q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1),
+  attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+  deterministic=False, sm_margin=0, return_attn_probs=False)`` -- there is no
+  ``dropout_p`` (FA3 has no dropout);
+- return value: older builds always return ``(out, softmax_lse)``; since
+  flash-attention PR #1851 (2025-08, "Allow returning LSE via kwarg") it returns
+  ``out`` unless ``return_attn_probs=True`` (diffusers PR #13173 / #12851 fixed
+  the resulting "not enough values to unpack"). The adapter accepts both;
+- layout (batch, seqlen, nheads, headdim), GQA with nheads % nheads_k == 0;
+- fp16, bf16 (and fp8 e4m3 forward); head dim <= 256;
+- ``causal=True`` is bottom-right aligned when seqlen_q != seqlen_k (docstring),
+  so causal with seq_q != seq_kv is refused; no mask argument: ``attn_mask`` is
+  refused.
+- Module name: ``flash_attn_interface`` (distribution ``flash_attn_3``, built
+  with ``cd hopper && python setup.py install``); newer builds also ship it as
+  ``flash_attn_3.flash_attn_interface``, tried second.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from attnres.kernels._common import (
+    KernelUnavailableError,
+    causal_alignment_error,
+    import_kernel_package,
+    no_mask_error,
+    require_attribute,
+)
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from attnres.kernels import KernelFn
+
+__all__ = ["make_kernel"]
+
+BACKEND = "fa3"
+PACKAGE = "flash_attn_interface"
+INSTALL = (
+    "git clone https://github.com/Dao-AILab/flash-attention && "
+    "cd flash-attention/hopper && python setup.py install  (FlashAttention-3, Hopper GPUs)"
+)
+
+
+def _import() -> ModuleType:
+    try:
+        return import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    except KernelUnavailableError as first:
+        try:
+            return import_kernel_package(
+                "flash_attn_3.flash_attn_interface", backend=BACKEND, install=INSTALL
+            )
+        except KernelUnavailableError:
+            raise first from first.__cause__
+
+
+def make_kernel() -> KernelFn:
+    """Import flash_attn_interface and bind ``flash_attn_func``."""
+    flash_attn_func = require_attribute(
+        _import(),
+        "flash_attn_func",
+        backend=BACKEND,
+        hint="The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL,
+    )
+
+    def attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        if attn_mask is not None:
+            raise no_mask_error(
+                BACKEND, "flash_attn_interface.flash_attn_func has no mask argument"
+            )
+        if causal and q.shape[1] != k.shape[1]:
+            raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
+        result = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        out: Tensor = result[0] if isinstance(result, tuple) else result
+        return out
+
+    return attention

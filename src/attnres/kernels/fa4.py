@@ -1,0 +1,71 @@
+"""``fa4``: FlashAttention-4 (``flash_attn.cute.flash_attn_func``, PyPI flash-attn-4).
+
+Source facts (Dao-AILab/flash-attention flash_attn/cute/interface.py and
+flash_attn/cute/pyproject.toml; PyPI page of flash-attn-4):
+- ``pip install flash-attn-4``; ``from flash_attn.cute import flash_attn_func``;
+- ``flash_attn_func(q, k, v, softmax_scale=None, causal=False,
+  window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+  pack_gqa=None, deterministic=False, mask_mod=None, full_block_cnt=None,
+  full_block_idx=None, mask_block_cnt=None, mask_block_idx=None, block_size=None,
+  return_lse=False)`` -- no ``dropout_p``; older betas lack ``return_lse``;
+- return value: ``FlashAttnFunc.forward`` returns ``(out, lse)`` always (lse is
+  None when not needed); flash-attention PR #2700 proposes returning ``out``
+  alone unless ``return_lse``. The adapter accepts both;
+- asserts: "inputs must be float16 or bfloat16", "head_dim must be less than or
+  equal to 256", head_dim divisible by 16 // element_size (8 for fp16/bf16),
+  "num_head must be divisible by num_head_kv" (GQA), CUDA arch 9.x-11.x;
+- causal is bottom-right aligned (mask.py: ``causal_row_offset = 1 + seqlen_k -
+  n_block * tile_n - seqlen_q``): causal with seq_q != seq_kv is refused; masks
+  exist only as CuTe ``mask_mod`` callables, not tensors: ``attn_mask`` is refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attnres.kernels._common import (
+    causal_alignment_error,
+    import_kernel_package,
+    no_mask_error,
+    require_attribute,
+)
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from attnres.kernels import KernelFn
+
+__all__ = ["make_kernel"]
+
+BACKEND = "fa4"
+PACKAGE = "flash_attn.cute"
+INSTALL = "pip install flash-attn-4  (FlashAttention-4, Hopper/Blackwell GPUs)"
+
+
+def make_kernel() -> KernelFn:
+    """Import flash_attn.cute and bind ``flash_attn_func``."""
+    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    flash_attn_func = require_attribute(
+        module,
+        "flash_attn_func",
+        backend=BACKEND,
+        hint="The flash-attn-4 install looks incomplete; reinstall it with: " + INSTALL,
+    )
+
+    def attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        if attn_mask is not None:
+            raise no_mask_error(BACKEND, "flash_attn.cute takes masks only as CuTe mask_mod")
+        if causal and q.shape[1] != k.shape[1]:
+            raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
+        result = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        out: Tensor = result[0] if isinstance(result, tuple) else result
+        return out
+
+    return attention

@@ -1,0 +1,65 @@
+"""``sage_attn``: SageAttention 2/2++ (``sageattention.sageattn``).
+
+Source facts (thu-ml/SageAttention sageattention/core.py, README):
+- ``sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None,
+  return_lse=False, **kwargs)``; ``tensor_layout="NHD"`` is (batch, seq, heads,
+  head_dim) -- attnres's layout, no transpose; returns ``out`` (plus lse only with
+  ``return_lse=True``);
+- ``**kwargs`` swallows anything else: ``sageattn(..., attn_mask=m)`` runs and
+  silently ignores the mask. The adapter therefore refuses ``attn_mask``;
+- "``is_causal``: Only applicable when qo_len == kv_len": causal with
+  seq_q != seq_kv is refused;
+- dtypes fp16/bf16 ("Input tensors must be in dtype of torch.float16 or
+  torch.bfloat16"); head_dim <= 128 (pads < 64 to 64 and 65..127 to 128; larger
+  raises "Unsupported head_dim"); num_qo_heads divisible by num_kv_heads (GQA);
+- dispatches by GPU arch: sm80, sm86, sm89, sm90, sm120 (others raise
+  "Unsupported CUDA architecture").
+- Install: ``pip install sageattention``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attnres.kernels._common import (
+    causal_alignment_error,
+    import_kernel_package,
+    no_mask_error,
+    require_attribute,
+)
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from attnres.kernels import KernelFn
+
+__all__ = ["make_kernel"]
+
+BACKEND = "sage_attn"
+PACKAGE = "sageattention"
+INSTALL = "pip install sageattention  (needs a CUDA GPU and a matching torch)"
+
+
+def make_kernel() -> KernelFn:
+    """Import sageattention and bind ``sageattn`` (NHD layout)."""
+    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    sageattn = require_attribute(
+        module, "sageattn", backend=BACKEND, hint="Reinstall it with: " + INSTALL
+    )
+
+    def attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        if attn_mask is not None:
+            raise no_mask_error(BACKEND, "sageattn accepts attn_mask and silently ignores it")
+        if causal and q.shape[1] != k.shape[1]:
+            raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
+        out: Tensor = sageattn(q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale)
+        return out
+
+    return attention

@@ -1,0 +1,931 @@
+"""Kernel adapters for optional packages, run against faithful fakes of those packages.
+
+The real kernels need CUDA or ROCm. Each fake below is installed in
+``sys.modules`` under the real module name and enforces the documented API of
+its package (sources in the adapter modules' headers): the exact keyword names
+(the fakes have the real signatures, so a misspelt keyword is a ``TypeError``),
+the (batch, seq, heads, head_size) layout (shapes are checked against each
+other), the dtype rules (flash-attn, FA3, FA4, sage and aiter refuse fp32 the way
+the real kernel does), head-size limits, GQA divisibility, and the real causal
+alignment (flash-attn family: bottom-right; xformers' LowerTriangularMask:
+top-left). They compute in float64 on the CPU and cast back, so the tests also
+check the numbers each adapter produces.
+
+Deviations from the real packages, on purpose: the fakes run on CPU tensors, and
+``sageattn`` with ``is_causal`` and ``qo_len != kv_len`` (documented as "only
+applicable when qo_len == kv_len", behaviour otherwise unspecified) raises.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import attnres.kernels as kernels
+from attnres.kernels import KernelUnavailableError, clear_kernel_cache, get_kernel
+from attnres.kernels import fa as fa_adapter
+
+OPTIONAL_MODULES = (
+    "flash_attn",
+    "flash_attn_interface",
+    "flash_attn_3",
+    "sageattention",
+    "xformers",
+    "aiter",
+)
+
+# --------------------------------------------------------------------------- math
+
+
+def _fake_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: str | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What the fakes compute: float64, per (batch, head), in q's dtype.
+
+    ``causal``: None, "top_left" (xformers LowerTriangularMask) or "bottom_right"
+    (flash-attn family). ``bias``: (B, H, Sq, Skv) added to the scores.
+    """
+    batch, seq_q, heads_q, _ = q.shape
+    seq_kv, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    out = torch.zeros(batch, seq_q, heads_q, v.shape[-1], dtype=torch.float64)
+    rows = torch.arange(seq_q).unsqueeze(1)
+    cols = torch.arange(seq_kv).unsqueeze(0)
+    offset = seq_kv - seq_q if causal == "bottom_right" else 0
+    for b in range(batch):
+        for h in range(heads_q):
+            scores = q[b, :, h].double() @ k[b, :, h // group].double().T * scale
+            if bias is not None:
+                scores = scores + bias[b, h].double()
+            if causal is not None:
+                scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+            finite_max = scores.max(dim=-1, keepdim=True).values
+            finite_max = torch.where(torch.isfinite(finite_max), finite_max, 0.0)
+            weights = torch.exp(scores - finite_max)
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = torch.where(total > 0, weights / total, 0.0)  # empty rows: 0
+            out[b, :, h] = weights @ v[b, :, h // group].double()
+    return out.to(q.dtype)
+
+
+def expected(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """The attnres calling convention, vectorised in float64 (SDPA semantics)."""
+    group = q.shape[2] // k.shape[2]
+    qh = q.double().transpose(1, 2)
+    kh = k.double().transpose(1, 2).repeat_interleave(group, dim=1)
+    vh = v.double().transpose(1, 2).repeat_interleave(group, dim=1)
+    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.einsum("bhqd,bhkd->bhqk", qh, kh) * factor
+    if causal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.double()
+    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(dim=-1), vh).transpose(1, 2)
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return float(((out.double() - reference).norm() / reference.norm()).item())
+
+
+TOLERANCE = {torch.float16: 1.5e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+# ------------------------------------------------------------------- fake packages
+
+
+def _check_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, label: str) -> None:
+    """(batch, seq, heads, head_size) consistency, as the kernels' CHECK_SHAPE does."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise RuntimeError(f"{label}: q, k, v must be 4-D (batch, seqlen, nheads, headdim)")
+    batch, _, heads, head_size = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_size:
+        raise RuntimeError(f"{label}: k must have shape (batch_size, seqlen_k, nheads_k, headdim)")
+    if v.shape != k.shape:
+        raise RuntimeError(f"{label}: v must have the shape of k")
+    if heads % k.shape[2] != 0:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+
+
+def _check_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, message: str) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(message)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise RuntimeError("query and key must have the same dtype")
+
+
+def _scale(softmax_scale: float | None, head_size: int) -> float:
+    return head_size**-0.5 if softmax_scale is None else softmax_scale
+
+
+class Calls:
+    """Records the keyword arguments each fake saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+
+def fake_flash_attn(calls: Calls) -> types.ModuleType:
+    """flash-attn 2.x: flash_attn_func / flash_attn_varlen_func (bottom-right causal)."""
+
+    def flash_attn_func(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None,
+        deterministic: bool = False,
+        return_attn_probs: bool = False,
+    ) -> Any:
+        calls.seen.append(
+            {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal}
+        )
+        _check_half(q, k, v, "FlashAttention only support fp16 and bf16 data type")
+        _check_bshd(q, k, v, "flash_attn_func")
+        if q.shape[-1] > 256:
+            raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+        if dropout_p != 0.0:
+            raise NotImplementedError("the fake implements dropout_p == 0 only")
+        out = _fake_core(
+            q, k, v, scale=_scale(softmax_scale, q.shape[-1]),
+            causal="bottom_right" if causal else None,
+        )  # fmt: skip
+        return (out, None, None) if return_attn_probs else out
+
+    def flash_attn_varlen_func(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None,
+        deterministic: bool = False,
+        return_attn_probs: bool = False,
+        block_table: torch.Tensor | None = None,
+    ) -> Any:
+        calls.seen.append(
+            {
+                "cu_seqlens_q": cu_seqlens_q,
+                "cu_seqlens_k": cu_seqlens_k,
+                "max_seqlen_q": max_seqlen_q,
+                "max_seqlen_k": max_seqlen_k,
+            }
+        )
+        _check_half(q, k, v, "FlashAttention only support fp16 and bf16 data type")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu.dtype != torch.int32:
+                raise RuntimeError(f"{name} must have dtype int32")
+            if not cu.is_contiguous():
+                raise RuntimeError(f"{name} must be contiguous")
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise RuntimeError("varlen q, k, v must be (total, nheads, headdim)")
+        if not isinstance(max_seqlen_q, int) or not isinstance(max_seqlen_k, int):
+            raise TypeError("max_seqlen_q / max_seqlen_k must be int")
+        starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        if (
+            len(starts_q) != len(starts_k)
+            or starts_q[-1] != q.shape[0]
+            or starts_k[-1] != k.shape[0]
+        ):
+            raise RuntimeError("cu_seqlens do not match the packed tensors")
+        out = torch.empty_like(q)
+        for i in range(len(starts_q) - 1):
+            qs, ks = slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], starts_k[i + 1])
+            if qs.stop - qs.start > max_seqlen_q or ks.stop - ks.start > max_seqlen_k:
+                raise RuntimeError("a sequence is longer than max_seqlen")
+            out[qs] = _fake_core(
+                q[qs].unsqueeze(0), k[ks].unsqueeze(0), v[ks].unsqueeze(0),
+                scale=_scale(softmax_scale, q.shape[-1]),
+                causal="bottom_right" if causal else None,
+            )[0]  # fmt: skip
+        return out
+
+    module = types.ModuleType("flash_attn")
+    module.__version__ = "2.8.3"  # type: ignore[attr-defined]
+    module.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+    module.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
+    return module
+
+
+def fake_flash_attn_interface(calls: Calls, *, always_tuple: bool) -> types.ModuleType:
+    """FlashAttention-3; ``always_tuple``: the pre-PR-#1851 ``(out, softmax_lse)`` return."""
+
+    def flash_attn_func(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        qv: torch.Tensor | None = None,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+        v_descale: torch.Tensor | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        attention_chunk: int = 0,
+        softcap: float = 0.0,
+        num_splits: int = 1,
+        pack_gqa: bool | None = None,
+        deterministic: bool = False,
+        sm_margin: int = 0,
+        return_attn_probs: bool = False,
+    ) -> Any:
+        calls.seen.append({"softmax_scale": softmax_scale, "causal": causal})
+        _check_half(q, k, v, "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
+        _check_bshd(q, k, v, "flash_attn_func")
+        if q.shape[-1] > 256:
+            raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+        if q.shape[-1] % 8 != 0:
+            raise RuntimeError("head_size should be a multiple of 8")
+        out = _fake_core(
+            q, k, v, scale=_scale(softmax_scale, q.shape[-1]),
+            causal="bottom_right" if causal else None,
+        )  # fmt: skip
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        if always_tuple or return_attn_probs:
+            return out, lse
+        return out
+
+    module = types.ModuleType("flash_attn_interface")
+    module.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+    return module
+
+
+def fake_flash_attn_cute(calls: Calls, *, returns_tuple: bool) -> dict[str, types.ModuleType]:
+    """flash-attn-4 alone: a ``flash_attn`` package that only holds ``cute``.
+
+    ``returns_tuple``: today's ``(out, lse)`` (lse None); False: ``out`` alone
+    (flash-attention PR #2700's proposal).
+    """
+
+    def flash_attn_func(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int | None, int | None] = (None, None),
+        learnable_sink: torch.Tensor | None = None,
+        softcap: float = 0.0,
+        num_splits: int = 1,
+        pack_gqa: bool | None = None,
+        deterministic: bool = False,
+        mask_mod: Callable[..., Any] | None = None,
+        full_block_cnt: torch.Tensor | None = None,
+        full_block_idx: torch.Tensor | None = None,
+        mask_block_cnt: torch.Tensor | None = None,
+        mask_block_idx: torch.Tensor | None = None,
+        block_size: tuple[int, int] | None = None,
+        return_lse: bool = False,
+    ) -> Any:
+        calls.seen.append({"softmax_scale": softmax_scale, "causal": causal})
+        assert q.dtype in [torch.float16, torch.bfloat16], "inputs must be float16 or bfloat16"
+        assert q.dtype == k.dtype == v.dtype, "inputs must have the same dtype"
+        _check_bshd(q, k, v, "flash_attn_func")
+        assert q.shape[2] % k.shape[2] == 0, "num_head must be divisible by num_head_kv"
+        assert q.shape[-1] <= 256, "head_dim must be less than or equal to 256"
+        alignment = 16 // q.element_size()
+        assert q.shape[-1] % alignment == 0, f"head_dim must be divisible by {alignment}"
+        out = _fake_core(
+            q, k, v, scale=_scale(softmax_scale, q.shape[-1]),
+            causal="bottom_right" if causal else None,
+        )  # fmt: skip
+        return (out, None) if returns_tuple else out
+
+    parent = types.ModuleType("flash_attn")  # no flash_attn_func: FA4 is alone here
+    parent.__path__ = []
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+    parent.cute = cute  # type: ignore[attr-defined]
+    return {"flash_attn": parent, "flash_attn.cute": cute}
+
+
+def fake_sageattention(calls: Calls) -> types.ModuleType:
+    """SageAttention 2: ``sageattn`` swallows unknown keywords -- attn_mask included."""
+
+    def sageattn(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tensor_layout: str = "HND",
+        is_causal: bool = False,
+        sm_scale: float | None = None,
+        return_lse: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        calls.seen.append({"tensor_layout": tensor_layout, "is_causal": is_causal, **kwargs})
+        if tensor_layout not in ("HND", "NHD"):
+            raise ValueError(f"Unknown tensor layout: {tensor_layout}")
+        if tensor_layout == "HND":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        assert q.dtype in [torch.float16, torch.bfloat16], (
+            "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
+        )
+        assert q.dtype == k.dtype == v.dtype, "All tensors must have the same dtype."
+        _check_bshd(q, k, v, "sageattn")
+        if q.shape[-1] > 128:
+            raise ValueError(f"Unsupported head_dim: {q.shape[-1]}")
+        if is_causal and q.shape[1] != k.shape[1]:
+            raise AssertionError("fake: is_causal is only applicable when qo_len == kv_len")
+        out = _fake_core(
+            q, k, v, scale=_scale(sm_scale, q.shape[-1]),
+            causal="top_left" if is_causal else None,
+        )  # fmt: skip
+        if tensor_layout == "HND":
+            out = out.transpose(1, 2)
+        return (out, None) if return_lse else out
+
+    module = types.ModuleType("sageattention")
+    module.sageattn = sageattn  # type: ignore[attr-defined]
+    return module
+
+
+class LowerTriangularMask:
+    """xformers' causal bias: top-left aligned ("a query Q cannot attend to a key
+    which is farther from the initial key than Q is from the initial query")."""
+
+    def add_bias(self, bias: torch.Tensor) -> LowerTriangularMaskWithTensorBias:
+        return LowerTriangularMaskWithTensorBias(bias)
+
+
+class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
+    def __init__(self, bias: torch.Tensor) -> None:
+        self._bias = bias
+
+
+def fake_xformers(calls: Calls) -> dict[str, types.ModuleType]:
+    def memory_efficient_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_bias: Any = None,
+        p: float = 0.0,
+        scale: float | None = None,
+        *,
+        op: Any = None,
+        output_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        calls.seen.append({"attn_bias": attn_bias, "p": p, "scale": scale})
+        if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise NotImplementedError(f"No operator found for dtype {query.dtype}")
+        if not query.dtype == key.dtype == value.dtype:
+            raise ValueError("Query/Key/Value should all have the same dtype")
+        batch, seq_q, heads, head_size = query.shape
+        seq_kv = key.shape[1]
+        if key.shape != (batch, seq_kv, heads, head_size) or value.shape[:3] != key.shape[:3]:
+            raise ValueError(
+                "Incompatible shapes for attention inputs:\n"
+                f"  query.shape: {query.shape}\n  key.shape  : {key.shape}\n"
+                f"  value.shape: {value.shape}\nHINT: We don't support broadcasting, "
+                "please use `expand` yourself before calling `memory_efficient_attention`"
+            )
+        if p != 0.0:
+            raise NotImplementedError("the fake implements p == 0 only")
+        causal = None
+        tensor_bias = None
+        if isinstance(attn_bias, LowerTriangularMaskWithTensorBias):
+            causal, tensor_bias = "top_left", attn_bias._bias
+        elif isinstance(attn_bias, LowerTriangularMask):
+            causal = "top_left"
+        elif isinstance(attn_bias, torch.Tensor):
+            tensor_bias = attn_bias
+        elif attn_bias is not None:
+            raise NotImplementedError(f"unsupported attn_bias {type(attn_bias).__name__}")
+        if tensor_bias is not None:
+            if tensor_bias.dtype != query.dtype:
+                raise ValueError(
+                    f"attn_bias dtype {tensor_bias.dtype} must match query dtype {query.dtype}"
+                )
+            if tuple(tensor_bias.shape) != (batch, heads, seq_q, seq_kv):
+                raise ValueError(
+                    f"attn_bias shape {tuple(tensor_bias.shape)} is not (B, H, Mq, Mkv)"
+                )
+            alignment = 128 // torch.finfo(tensor_bias.dtype).bits
+            for d in range(tensor_bias.dim() - 1):
+                if tensor_bias.stride(d) % alignment != 0:
+                    raise ValueError(
+                        f"attn_bias.stride(-2) % {alignment} != 0 "
+                        f"(attn_bias.stride() = {tensor_bias.stride()})"
+                    )
+        return _fake_core(
+            query, key, value, scale=_scale(scale, head_size), causal=causal, bias=tensor_bias
+        )
+
+    ops = types.ModuleType("xformers.ops")
+    ops.memory_efficient_attention = memory_efficient_attention  # type: ignore[attr-defined]
+    ops.LowerTriangularMask = LowerTriangularMask  # type: ignore[attr-defined]
+    package = types.ModuleType("xformers")
+    package.__path__ = []
+    package.ops = ops  # type: ignore[attr-defined]
+    return {"xformers": package, "xformers.ops": ops}
+
+
+def fake_aiter(calls: Calls, *, one_tuple: bool) -> types.ModuleType:
+    """AMD aiter; ``one_tuple``: older releases returned ``(out,)``."""
+
+    def flash_attn_func(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        bias: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        deterministic: bool = True,
+        return_lse: bool = False,
+        return_attn_probs: bool = False,
+    ) -> Any:
+        calls.seen.append(
+            {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal}
+        )
+        _check_half(q, k, v, "FlashAttention only support fp16 and bf16 data type")
+        _check_bshd(q, k, v, "flash_attn_func")
+        if q.shape[-1] > 256:
+            raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+        if dropout_p != 0.0:
+            raise NotImplementedError("the fake implements dropout_p == 0 only")
+        out = _fake_core(
+            q, k, v, scale=_scale(softmax_scale, q.shape[-1]),
+            causal="bottom_right" if causal else None,
+        )  # fmt: skip
+        result = [out]
+        if return_lse:
+            result.append(torch.zeros(q.shape[0], q.shape[2], q.shape[1]))
+        return tuple(result) if one_tuple or len(result) > 1 else result[0]
+
+    module = types.ModuleType("aiter")
+    module.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+    return module
+
+
+# ----------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test builds its kernels against the fakes it installs, and no real package."""
+    for name in list(sys.modules):
+        if name.split(".")[0] in OPTIONAL_MODULES:
+            monkeypatch.delitem(sys.modules, name)
+    clear_kernel_cache()
+    yield
+    clear_kernel_cache()
+
+
+def install(monkeypatch: pytest.MonkeyPatch, modules: dict[str, types.ModuleType]) -> None:
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def make_inputs(
+    seed: int,
+    *,
+    dtype: torch.dtype,
+    batch: int = 2,
+    seq_q: int = 24,
+    seq_kv: int = 24,
+    heads_q: int = 4,
+    heads_kv: int = 4,
+    head_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    return (
+        randn(batch, seq_q, heads_q, head_size),
+        randn(batch, seq_kv, heads_kv, head_size),
+        randn(batch, seq_kv, heads_kv, head_size),
+    )
+
+
+def _seed() -> int:
+    pinned = os.environ.get("ATTNRES_TEST_SEED")
+    return int(pinned) if pinned else int.from_bytes(os.urandom(6), "little")
+
+
+# Each variant: backend name, and a function installing its fake(s).
+Installer = Callable[[pytest.MonkeyPatch, Calls], None]
+VARIANTS: dict[str, tuple[str, Installer]] = {
+    "fa": ("fa", lambda mp, c: install(mp, {"flash_attn": fake_flash_attn(c)})),
+    "fa3": (
+        "fa3",
+        lambda mp, c: install(
+            mp, {"flash_attn_interface": fake_flash_attn_interface(c, always_tuple=False)}
+        ),
+    ),
+    "fa3-tuple-return": (
+        "fa3",
+        lambda mp, c: install(
+            mp, {"flash_attn_interface": fake_flash_attn_interface(c, always_tuple=True)}
+        ),
+    ),
+    "fa4": ("fa4", lambda mp, c: install(mp, fake_flash_attn_cute(c, returns_tuple=True))),
+    "fa4-tensor-return": (
+        "fa4",
+        lambda mp, c: install(mp, fake_flash_attn_cute(c, returns_tuple=False)),
+    ),
+    "sage_attn": ("sage_attn", lambda mp, c: install(mp, {"sageattention": fake_sageattention(c)})),
+    "xformers": ("xformers", lambda mp, c: install(mp, fake_xformers(c))),
+    "aiter": ("aiter", lambda mp, c: install(mp, {"aiter": fake_aiter(c, one_tuple=False)})),
+    "aiter-one-tuple": (
+        "aiter",
+        lambda mp, c: install(mp, {"aiter": fake_aiter(c, one_tuple=True)}),
+    ),
+}
+HALF_ONLY = ("fa", "fa3", "fa4", "sage_attn", "aiter")
+BOTTOM_RIGHT_CAUSAL = ("fa", "fa3", "fa4", "aiter")
+
+
+def kernel_for(variant: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Calls]:
+    backend, installer = VARIANTS[variant]
+    calls = Calls()
+    installer(monkeypatch, calls)
+    kernel = get_kernel(backend)
+    assert kernel is not None
+    return kernel, calls
+
+
+SHAPES = {
+    "self": {},
+    "cross": {"seq_q": 17, "seq_kv": 40},
+    "gqa": {"heads_q": 8, "heads_kv": 2},
+    "mqa_cross": {"heads_q": 6, "heads_kv": 1, "seq_q": 9, "seq_kv": 31},
+    "head_128": {"head_size": 128, "seq_q": 13, "seq_kv": 13},
+}
+
+# ------------------------------------------------------------------------- tests
+
+
+def _is_cross(shape: str) -> bool:
+    return SHAPES[shape].get("seq_q", 24) != SHAPES[shape].get("seq_kv", 24)
+
+
+# Causal cross attention only where the kernel's causal is top-left (xformers);
+# the others refuse it (test_causal_cross_attention_is_refused).
+MATCH_CASES = [
+    pytest.param(variant, causal, shape, id=f"{variant}-{'causal' if causal else 'full'}-{shape}")
+    for variant in VARIANTS
+    for causal in (False, True)
+    for shape in SHAPES
+    if not (causal and _is_cross(shape) and VARIANTS[variant][0] != "xformers")
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("variant", "causal", "shape"), MATCH_CASES)
+def test_adapter_matches_reference_through_fake(
+    variant: str, causal: bool, shape: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel, calls = kernel_for(variant, monkeypatch)
+    seed = _seed()
+    q, k, v = make_inputs(seed, dtype=dtype, **SHAPES[shape])
+    scale = None if shape != "gqa" else 0.2
+    out = kernel(q, k, v, None, causal, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    error = relative_error(out, expected(q, k, v, None, causal, scale))
+    assert error < TOLERANCE[dtype], f"{variant}: {error:.2e} (ATTNRES_TEST_SEED={seed})"
+    assert len(calls.seen) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("mask_kind", "mask_shape", "causal", "seq_q", "seq_kv"),
+    [
+        ("bool", (2, 4, 19, 37), False, 19, 37),
+        ("bool", (19, 37), True, 19, 37),
+        ("float", (1, 4, 21, 21), False, 21, 21),
+        ("float", (2, 1, 1, 29), True, 33, 29),
+        (None, None, True, 11, 27),  # causal cross: top-left, like SDPA
+    ],
+)
+def test_xformers_masks_and_causal(
+    mask_kind: str | None,
+    mask_shape: tuple[int, ...] | None,
+    causal: bool,
+    seq_q: int,
+    seq_kv: int,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kernel, calls = kernel_for("xformers", monkeypatch)
+    seed = _seed()
+    q, k, v = make_inputs(seed, dtype=dtype, seq_q=seq_q, seq_kv=seq_kv, heads_q=4, heads_kv=2)
+    generator = torch.Generator().manual_seed(seed + 1)
+    mask: torch.Tensor | None = None
+    if mask_kind == "bool" and mask_shape is not None:
+        mask = torch.rand(*mask_shape, generator=generator) > 0.3
+        mask[..., 0] = True
+    elif mask_kind == "float" and mask_shape is not None:
+        mask = torch.randn(*mask_shape, generator=generator).to(dtype)
+    out = kernel(q, k, v, mask, causal, 0.17)
+    error = relative_error(out, expected(q, k, v, mask, causal, 0.17))
+    assert error < TOLERANCE[dtype], f"xformers: {error:.2e} (ATTNRES_TEST_SEED={seed})"
+    bias = calls.seen[0]["attn_bias"]
+    if mask is not None and causal:
+        assert type(bias) is LowerTriangularMaskWithTensorBias
+    elif causal:
+        assert type(bias) is LowerTriangularMask
+
+
+@pytest.mark.parametrize("variant", ["fa", "fa3", "fa4", "sage_attn", "aiter"])
+def test_adapters_without_masks_refuse_one(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel, calls = kernel_for(variant, monkeypatch)
+    q, k, v = make_inputs(_seed(), dtype=torch.float16)
+    mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool)
+    with pytest.raises(ValueError, match=rf"'{VARIANTS[variant][0]}' does not support attn_mask"):
+        kernel(q, k, v, mask, False, None)
+    assert calls.seen == [], "the kernel must not be called with a mask it would drop"
+
+
+def test_sageattn_really_drops_masks_silently(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the sage adapter refuses masks: sageattn(**kwargs) accepts and ignores one."""
+    sage = fake_sageattention(Calls())
+    q, k, v = make_inputs(_seed(), dtype=torch.float16, seq_q=8, seq_kv=8)
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask[:, 0] = True
+    masked = sage.sageattn(q, k, v, tensor_layout="NHD", attn_mask=mask)
+    unmasked = sage.sageattn(q, k, v, tensor_layout="NHD")
+    assert torch.equal(masked, unmasked)
+    assert relative_error(masked, expected(q, k, v, mask, False, None)) > 0.1
+
+
+@pytest.mark.parametrize("variant", [*BOTTOM_RIGHT_CAUSAL, "sage_attn"])
+def test_causal_cross_attention_is_refused(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel, calls = kernel_for(variant, monkeypatch)
+    q, k, v = make_inputs(_seed(), dtype=torch.bfloat16, seq_q=7, seq_kv=19)
+    with pytest.raises(ValueError, match="seq_q != seq_kv"):
+        kernel(q, k, v, None, True, None)
+    assert calls.seen == []
+
+
+def test_bottom_right_causal_would_give_other_numbers() -> None:
+    """The hazard behind the refusal: flash-attn's causal differs from SDPA's for cross."""
+    flash_attn = fake_flash_attn(Calls())
+    q, k, v = make_inputs(_seed(), dtype=torch.float16, seq_q=7, seq_kv=19)
+    bottom_right = flash_attn.flash_attn_func(q, k, v, causal=True)
+    assert relative_error(bottom_right, expected(q, k, v, None, True, None)) > 0.1
+
+
+@pytest.mark.parametrize("variant", HALF_ONLY)
+def test_fakes_refuse_fp32_like_the_kernels(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel, _ = kernel_for(variant, monkeypatch)
+    q, k, v = make_inputs(_seed(), dtype=torch.float32)
+    with pytest.raises((RuntimeError, AssertionError), match=r"(?i)float16|fp16"):
+        kernel(q, k, v, None, False, None)
+
+
+@pytest.mark.parametrize(
+    ("variant", "head_size", "error"),
+    [
+        ("fa", 288, "at most 256"),
+        ("fa3", 72 + 4, "multiple of 8"),
+        ("fa4", 264, "less than or equal to 256"),
+        ("sage_attn", 160, "Unsupported head_dim"),
+        ("aiter", 320, "at most 256"),
+    ],
+)
+def test_fakes_enforce_head_size_limits(
+    variant: str, head_size: int, error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel, _ = kernel_for(variant, monkeypatch)
+    q, k, v = make_inputs(_seed(), dtype=torch.float16, head_size=head_size, seq_q=4, seq_kv=4)
+    with pytest.raises((RuntimeError, AssertionError, ValueError), match=error):
+        kernel(q, k, v, None, False, None)
+
+
+def test_xformers_gets_equal_heads_and_an_aligned_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GQA is expanded for xformers, and an odd-length mask is copied to aligned memory."""
+    kernel, calls = kernel_for("xformers", monkeypatch)
+    q, k, v = make_inputs(_seed(), dtype=torch.float16, heads_q=6, heads_kv=3, seq_kv=13)
+    mask = torch.randn(2, 6, q.shape[1], 13).to(torch.float16)  # strides (.., 13, 1): unaligned
+    out = kernel(q, k, v, mask, False, None)
+    bias = calls.seen[0]["attn_bias"]
+    assert bias.dtype == torch.float16 and bias.shape == (2, 6, q.shape[1], 13)
+    assert all(bias.stride(d) % 8 == 0 for d in range(3))
+    assert relative_error(out, expected(q, k, v, mask, False, None)) < TOLERANCE[torch.float16]
+
+
+def test_fa_varlen_passes_int32_cu_seqlens(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = Calls()
+    install(monkeypatch, {"flash_attn": fake_flash_attn(calls)})
+    varlen = fa_adapter.make_varlen_kernel()
+    seed = _seed()
+    generator = torch.Generator().manual_seed(seed)
+    lengths_q, lengths_k = [5, 9, 3], [7, 9, 12]
+    heads_q, heads_kv, head_size = 4, 2, 32
+
+    def packed(total: int, heads: int) -> torch.Tensor:
+        return torch.randn(total, heads, head_size, generator=generator).to(torch.bfloat16)
+
+    q = packed(sum(lengths_q), heads_q)
+    k, v = packed(sum(lengths_k), heads_kv), packed(sum(lengths_k), heads_kv)
+    cu_q = torch.tensor([0, 5, 14, 17], dtype=torch.int64)  # int64 on purpose
+    cu_k = torch.tensor([0, 7, 16, 28], dtype=torch.int64)
+    out = varlen(q, k, v, cu_q, cu_k, 9, 12, False, None)
+    seen = calls.seen[0]
+    assert seen["cu_seqlens_q"].dtype == torch.int32
+    assert seen["cu_seqlens_k"].dtype == torch.int32
+    assert isinstance(seen["max_seqlen_q"], int) and seen["max_seqlen_k"] == 12
+    for i in range(3):
+        qs = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        ks = slice(int(cu_k[i]), int(cu_k[i + 1]))
+        reference = expected(
+            q[qs].unsqueeze(0), k[ks].unsqueeze(0), v[ks].unsqueeze(0), None, False, None
+        )[0]
+        error = relative_error(out[qs], reference)
+        assert error < TOLERANCE[torch.bfloat16], f"sequence {i}: {error:.2e} (seed {seed})"
+
+
+def test_fa_refuses_a_flash_attn_that_is_only_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn-4 installs ``flash_attn.cute`` alone under the ``flash_attn`` name."""
+    install(monkeypatch, fake_flash_attn_cute(Calls(), returns_tuple=True))
+    with pytest.raises(KernelUnavailableError, match="flash-attn-4") as raised:
+        get_kernel("fa")
+    assert "pip install flash-attn" in str(raised.value)
+    assert get_kernel("fa4") is not None
+
+
+def test_aiter_refuses_the_unrelated_pypi_aiter(monkeypatch: pytest.MonkeyPatch) -> None:
+    async_iterators = types.ModuleType("aiter")  # PyPI 'aiter': async iterator helpers
+    install(monkeypatch, {"aiter": async_iterators})
+    with pytest.raises(KernelUnavailableError, match="unrelated PyPI package 'aiter'") as raised:
+        get_kernel("aiter")
+    assert "amd-aiter" in str(raised.value)
+
+
+MISSING = [
+    ("fa", "flash_attn", "pip install flash-attn"),
+    ("fa3", "flash_attn_interface", "hopper"),
+    ("fa4", "flash_attn.cute", "pip install flash-attn-4"),
+    ("sage_attn", "sageattention", "pip install sageattention"),
+    ("xformers", "xformers.ops", "pip install xformers"),
+    ("aiter", "aiter", "pip install amd-aiter"),
+]
+
+
+@pytest.mark.parametrize(("backend", "package", "install_hint"), MISSING)
+def test_missing_package_is_a_clear_import_error(
+    backend: str, package: str, install_hint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in {package.split(".")[0], package, "flash_attn_3"}:
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
+    with pytest.raises(ImportError) as raised:
+        get_kernel(backend)
+    assert isinstance(raised.value, KernelUnavailableError)
+    message = str(raised.value)
+    assert repr(backend) in message and repr(package) in message
+    assert install_hint in message, message
+
+
+def test_broken_build_is_reported_not_crashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package built against another torch fails at import with OSError/ImportError."""
+    package = tmp_path / "sageattention"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise OSError('libsage.so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KernelUnavailableError, match="undefined symbol") as raised:
+        get_kernel("sage_attn")
+    assert isinstance(raised.value.__cause__, OSError)
+    assert "pip install sageattention" in str(raised.value)
+
+
+@pytest.mark.parametrize("backend", sorted(kernels.SPARSE_BACKENDS))
+def test_sparse_backends_have_no_kernel(backend: str) -> None:
+    assert get_kernel(backend) is None
+    assert backend not in kernels.kernel_names()
+
+
+def test_unknown_and_adapterless_names_have_no_kernel() -> None:
+    assert get_kernel("no_such_backend") is None
+    assert get_kernel("ascend_fa") is None
+
+
+def test_importing_kernels_imports_no_optional_package() -> None:
+    probe = textwrap.dedent(
+        f"""
+        import sys
+        import attnres.kernels as kernels
+        kernels.get_kernel("torch_sdpa")
+        kernels.get_kernel("eager")
+        kernels.kernel_names()
+        optional = {OPTIONAL_MODULES!r}
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in optional)
+        adapters = sorted(
+            m for m in sys.modules
+            if m.startswith("attnres.kernels.") and m.split(".")[-1] in
+            ("fa", "fa3", "fa4", "sage_attn", "xformers", "aiter")
+        )
+        print(loaded, adapters)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "[] []", result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------- registry
+
+
+def _dummy(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    return q
+
+
+def test_builtin_names() -> None:
+    assert set(kernels.kernel_names()) >= {
+        "torch_sdpa",
+        "eager",
+        "torch_cudnn_sdpa",
+        "flex_attention",
+        "fa",
+        "fa3",
+        "fa4",
+        "sage_attn",
+        "xformers",
+        "aiter",
+    }
+
+
+def test_register_kernel_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "my_kernel_for_tests"
+    try:
+        kernels.register_kernel(name, _dummy)
+        assert get_kernel("My_Kernel_For_Tests") is _dummy
+        assert name in kernels.kernel_names()
+        with pytest.raises(ValueError, match="already registered"):
+            kernels.register_kernel(name, _dummy)
+        with pytest.raises(ValueError, match="already registered"):
+            kernels.register_kernel("torch_sdpa", _dummy)
+        kernels.register_kernel(name, "attnres.kernels.eager:make_kernel", replace=True)
+        built = get_kernel(name)
+        assert built is not None and built is get_kernel(name)  # built once, then cached
+        with pytest.raises(ValueError, match="module:factory"):
+            kernels.register_kernel(name, "attnres.kernels.eager", replace=True)
+        with pytest.raises(TypeError):
+            kernels.register_kernel(name, 42, replace=True)  # type: ignore[arg-type]
+    finally:
+        kernels.unregister_kernel(name)
+    assert get_kernel(name) is None
+
+
+def test_replacing_a_builtin_and_restoring_it() -> None:
+    original = get_kernel("torch_sdpa")
+    try:
+        kernels.register_kernel("torch_sdpa", _dummy, replace=True)
+        assert get_kernel("torch_sdpa") is _dummy
+    finally:
+        kernels.register_kernel(
+            "torch_sdpa", "attnres.kernels.torch_sdpa:make_kernel", replace=True
+        )
+    restored = get_kernel("torch_sdpa")
+    assert restored is not None and restored is not _dummy and original is not None
