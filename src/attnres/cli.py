@@ -1,0 +1,1263 @@
+"""The ``attnres`` command line (SPEC 6), thin over the library.
+
+Commands: ``explain`` (one layer, every check of every candidate), ``plan`` (a
+pipeline file), ``replay`` (golden traces), ``doctor`` (this machine) and
+``backends`` (the catalogue). No selection rule lives here: every decision
+comes from :func:`attnres.machine.resolve` and is rendered from its trace.
+
+Conventions (``docs/cli.md``):
+
+- stdout carries only the requested output (one JSON document with ``--json``);
+  logs and errors go to stderr.
+- Exit codes: 0 success, 1 a resolution was rejected (or a replay diverged),
+  2 bad usage or bad input -- one paragraph on stderr, no traceback. An
+  unexpected failure inside attnres is exit 70 with a one-line message (the
+  traceback is logged at ERROR, so ``--log-level error`` or lower shows it).
+- ``--log-format console|json`` and ``--log-level LEVEL`` configure structlog
+  for this process only, writing to stderr. Without ``--log-level`` nothing is
+  logged: the command's own output already reports every decision.
+
+Embedding in another program's command line::
+
+    parser = argparse.ArgumentParser()
+    attnres.cli.add_selection_arguments(parser, default="fa")
+    args = parser.parse_args()
+    attnres.set_selection_config(attnres.SelectionConfig.from_args(args))
+
+``--attention-backend BACKEND`` sets the global backend (typed by the operator:
+origin ``global_cli``; left at the program's ``default``: ``global_preference``),
+and ``--attention-backend COMPONENT=BACKEND`` (repeatable) overrides one
+component.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import attrs
+
+from attnres._states import Event, State
+from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement
+from attnres.backends import (
+    ENTRY_POINT_GROUP,
+    Backend,
+    BackendSpec,
+    plugin_failures,
+    registered_backends,
+)
+from attnres.errors import ResolutionError
+from attnres.layer import LayerSpec, SelectionConfig
+from attnres.platform import Platform
+from attnres.scope import component_scope
+from attnres.trace import (
+    CheckRecord,
+    OriginRecord,
+    SkipRecord,
+    Trace,
+    TransitionRecord,
+    dump_trace,
+    trace_to_dict,
+)
+
+if TYPE_CHECKING:
+    from attnres.plan import PlanResult
+
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_OK",
+    "EXIT_REJECTED",
+    "EXIT_USAGE",
+    "add_selection_arguments",
+    "build_parser",
+    "main",
+    "selection_config_from_args",
+]
+
+EXIT_OK = 0
+EXIT_REJECTED = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 70
+
+#: Namespace attributes that :func:`add_selection_arguments` fills.
+DEST_BACKEND = "attention_backend"
+DEST_COMPONENTS = "attention_backend_components"
+DEST_EXPLICIT = "attention_backend_explicit"
+
+_LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+_MAX_WIDTH = 100
+
+
+class UsageError(ValueError):
+    """A command-line mistake the parser cannot see (exit 2)."""
+
+
+# =============================================================================
+# Selection arguments, for attnres and for the programs that embed it
+# =============================================================================
+
+
+def _canonical_backend(action: argparse.Action, text: str) -> str:
+    try:
+        return Backend.parse(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentError(action, str(exc)) from None
+
+
+class _AttentionBackendAction(argparse.Action):
+    """``--attention-backend [COMPONENT=]BACKEND``; records that the operator typed it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        text = str(values).strip()
+        if "=" in text:
+            component, _, backend = (part.strip() for part in text.partition("="))
+            if not component or not backend:
+                raise argparse.ArgumentError(
+                    self, f"expected BACKEND or COMPONENT=BACKEND, got {text!r}"
+                )
+            components = dict(getattr(namespace, DEST_COMPONENTS, None) or {})
+            components[component] = _canonical_backend(self, backend)
+            setattr(namespace, DEST_COMPONENTS, components)
+            return
+        name = _canonical_backend(self, text)
+        previous = getattr(namespace, self.dest, None)
+        if getattr(namespace, DEST_EXPLICIT, False) and previous not in (None, name):
+            raise argparse.ArgumentError(
+                self,
+                f"the global backend was given twice ({previous!r} and {name!r}); give it "
+                f"once, and COMPONENT=BACKEND for a single component",
+            )
+        setattr(namespace, self.dest, name)
+        setattr(namespace, DEST_EXPLICIT, True)
+
+
+def add_selection_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    default: Backend | str | None = None,
+) -> argparse.Action:
+    """Add ``--attention-backend [COMPONENT=]BACKEND`` (repeatable) to ``parser``.
+
+    ``default`` is the program's own preference: used when the operator does not
+    type the flag, and recorded as *not explicit* (origin ``global_preference``,
+    relaxed everywhere). A typed value is explicit (origin ``global_cli``).
+    ``COMPONENT=BACKEND`` overrides one component (origin ``component_override``).
+    Unknown backend names are parse errors that suggest the closest name.
+    Read the result with :func:`selection_config_from_args`.
+    """
+    default_name = None if default is None else Backend.parse(default).name
+    action = parser.add_argument(
+        "--attention-backend",
+        dest=DEST_BACKEND,
+        action=_AttentionBackendAction,
+        metavar="[COMPONENT=]BACKEND",
+        default=default_name,
+        help=(
+            "attention backend for every layer (relaxed for auxiliary components), or "
+            "COMPONENT=BACKEND for one component (repeatable)"
+            + (f"; default: {default_name} (a preference, not explicit)" if default_name else "")
+        ),
+    )
+    parser.set_defaults(**{DEST_EXPLICIT: False, DEST_COMPONENTS: None})
+    return action
+
+
+def selection_config_from_args(namespace: argparse.Namespace | Any) -> SelectionConfig:
+    """Build the :class:`SelectionConfig` from a namespace that
+    :func:`add_selection_arguments` filled.
+
+    ``global_backend_explicit`` is true only when the operator typed the flag;
+    a program default left in place is a preference (false).
+    """
+    global_backend = getattr(namespace, DEST_BACKEND, None)
+    explicit = bool(getattr(namespace, DEST_EXPLICIT, False))
+    components = getattr(namespace, DEST_COMPONENTS, None) or {}
+    return SelectionConfig(
+        global_backend=global_backend,
+        global_backend_explicit=explicit if global_backend is not None else True,
+        component_backends=dict(components),
+    )
+
+
+# =============================================================================
+# Logging: structlog for this process only, to stderr
+# =============================================================================
+
+
+@contextmanager
+def _cli_logging(log_format: str, level: str | None, stream: TextIO) -> Iterator[None]:
+    import structlog
+
+    saved = structlog.get_config() if structlog.is_configured() else None
+    # structlog filters on the standard levels only: "off" is CRITICAL plus a
+    # processor that drops what is left (attnres itself never logs CRITICAL).
+    threshold = _LOG_LEVELS[level] if level else logging.CRITICAL
+    processors: list[Any] = [] if level else [_drop_everything]
+    processors += [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if log_format == "json":
+        processors += [
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(sort_keys=True, default=str),
+        ]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=_isatty(stream)))
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=False,
+    )
+    try:
+        yield
+    finally:
+        if saved is None:
+            structlog.reset_defaults()
+        else:
+            structlog.configure(**saved)
+
+
+def _drop_everything(logger: Any, method: str, event: Any) -> Any:
+    import structlog
+
+    raise structlog.DropEvent
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _log() -> Any:
+    import structlog
+
+    return structlog.get_logger("attnres.cli")
+
+
+# =============================================================================
+# Text helpers: 100 columns, wrapped
+# =============================================================================
+
+
+def _width() -> int:
+    columns = shutil.get_terminal_size((_MAX_WIDTH, 24)).columns
+    return max(60, min(_MAX_WIDTH, columns))
+
+
+def _wrap(text: str, width: int, indent: str = "", subsequent: str | None = None) -> list[str]:
+    lines = textwrap.wrap(
+        text,
+        width,
+        initial_indent=indent,
+        subsequent_indent=indent if subsequent is None else subsequent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    return lines or [indent.rstrip()]
+
+
+def _field(label: str, value: str, width: int, label_width: int = 11) -> list[str]:
+    head = f"{label:<{label_width}}"
+    return _wrap(value, width, head, " " * label_width)
+
+
+def _table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int,
+    wrap: Sequence[int],
+    indent: int = 2,
+    gap: int = 2,
+    min_width: int = 12,
+    right: Sequence[int] = (),
+    notes: Sequence[str] | None = None,
+    ordered: bool = False,
+) -> list[str]:
+    """Left-aligned columns; the ``wrap`` columns shrink and wrap to fit ``width``.
+
+    The widest wrappable column shrinks first (``ordered``: the first one of
+    ``wrap`` does, down to its floor, then the next). ``notes`` (one per row,
+    optional) are printed under their row, indented.
+    """
+    count = len(headers)
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    available = width - indent - gap * (count - 1)
+    shrinkable = [i for i in wrap if i < count]
+    # The widest wrappable column gives up a character at a time, down to its
+    # floor: its header, its longest word (capped), or min_width.
+    floors = {
+        i: max(
+            min_width,
+            len(headers[i]),
+            min(24, max((len(w) for row in rows for w in row[i].split()), default=0)),
+        )
+        for i in shrinkable
+    }
+    while sum(widths) > available:
+        candidates = [i for i in shrinkable if widths[i] > floors[i]]
+        if not candidates:
+            break
+        widest = candidates[0] if ordered else max(candidates, key=lambda i: widths[i])
+        widths[widest] -= 1
+    pad = " " * indent
+    sep = " " * gap
+    out = [
+        pad
+        + sep.join(
+            h.rjust(widths[i]) if i in right else h.ljust(widths[i])
+            for i, h in enumerate(headers)
+        ).rstrip()
+    ]
+    out.append(pad + sep.join("-" * widths[i] for i in range(count)))
+    for index, row in enumerate(rows):
+        cells = [
+            (_wrap_cell(cell, widths[i]) if i in shrinkable else [cell]) or [""]
+            for i, cell in enumerate(row)
+        ]
+        height = max(len(c) for c in cells)
+        for line in range(height):
+            parts = [
+                (cells[i][line] if line < len(cells[i]) else "").rjust(widths[i])
+                if i in right
+                else (cells[i][line] if line < len(cells[i]) else "").ljust(widths[i])
+                for i in range(count)
+            ]
+            out.append(pad + sep.join(parts).rstrip())
+        note = notes[index] if notes is not None else ""
+        if note:
+            out += _wrap(note, width, pad + "    ", pad + "    ")
+    return out
+
+
+def _wrap_cell(text: str, width: int) -> list[str]:
+    """Wrap at spaces; a word wider than the column (a dotted layer name, a list
+    such as ``sm80/86/89``) at its dots and slashes, and only then anywhere."""
+    if len(text) <= width:
+        return [text]
+    pieces: list[str] = []
+    for word in re.findall(r"\S+\s*", text):
+        if len(word.rstrip()) <= width:
+            pieces.append(word)
+            continue
+        for part in re.findall(r"[^./]+[./]?\s*|[./]\s*", word):
+            while len(part.rstrip()) > width:
+                pieces.append(part[:width])
+                part = part[width:]
+            pieces.append(part)
+    lines: list[str] = []
+    current = ""
+    for piece in pieces:
+        if current and len(current + piece.rstrip()) > width:
+            lines.append(current.rstrip())
+            current = ""
+        current += piece
+    if current.strip():
+        lines.append(current.rstrip())
+    return lines
+
+
+def _emit(stream: TextIO, lines: Sequence[str]) -> None:
+    stream.write("\n".join(lines) + "\n")
+
+
+def _emit_json(stream: TextIO, doc: Any) -> None:
+    stream.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
+def _error(stream: TextIO, message: str, prog: str = "attnres") -> None:
+    text = " ".join(message.split()) if "\n" not in message else message
+    lines: list[str] = []
+    for i, paragraph in enumerate(text.split("\n")):
+        prefix = f"{prog}: error: " if i == 0 else "  "
+        lines += _wrap(paragraph, _width(), prefix, "  ")
+    _emit(stream, lines)
+
+
+# =============================================================================
+# Shared arguments
+# =============================================================================
+
+
+def _platform(spec: str | None) -> Platform:
+    if spec is None:
+        platform = Platform.detect()
+        _log().debug("platform detected", platform=platform.describe())
+        return platform
+    return Platform.simulate(spec)
+
+
+def _platform_text(platform: Platform) -> str:
+    where = platform.kind
+    if platform.capability is not None:
+        where += f" sm{platform.capability[0]}{platform.capability[1]}"
+    elif platform.arch:
+        where += f" {platform.arch}"
+    if platform.device_name and not platform.simulated and platform.device_name != platform.kind:
+        where += f" ({platform.device_name})"
+    present = [f.name for f in platform.packages if f.status == "present"]
+    if platform.simulated:
+        how = "simulated"
+        packages = ", ".join(present) if present else "none"
+    else:
+        how = "detected"
+        packages = (
+            ", ".join(f"{f.name} {f.version or ''}".rstrip()
+                      for f in platform.packages if f.status == "present")
+            or "none"
+        )
+    return f"{where}, {how}; kernel packages present: {packages}"
+
+
+def _split(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _opt(value: object) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+# =============================================================================
+# explain
+# =============================================================================
+
+
+def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    config = selection_config_from_args(args)
+    if args.implicit:
+        if config.global_backend is None:
+            raise UsageError(
+                "--implicit marks --attention-backend as derived or defaulted (origin "
+                "global_preference); give --attention-backend BACKEND as well"
+            )
+        config = attrs.evolve(config, global_backend_explicit=False)
+    if args.component_backend is not None and args.component is None:
+        raise UsageError(
+            "--component-backend is the override of one component: give --component NAME too"
+        )
+    layer = LayerSpec(
+        head_size=args.head_size,
+        dtype=args.dtype,
+        supported=_split(args.supported),
+        default=args.default,
+        role=args.role,
+        requirements=args.requires or (),
+        name=args.layer_name,
+    )
+    platform = _platform(args.platform)
+    if args.component is not None:
+        with component_scope(
+            args.component, backend=args.component_backend, require_selection=False
+        ):
+            trace = _explain_trace(layer, config, platform)
+    else:
+        trace = _explain_trace(layer, config, platform)
+    if args.trace_out is not None:
+        _write_trace(trace, Path(args.trace_out))
+    outcome = trace.outcome
+    if args.json:
+        _emit_json(
+            out,
+            {
+                "status": outcome.status,
+                "backend": None if outcome.backend is None else outcome.backend.name,
+                "reason": outcome.reason,
+                "origin": str(outcome.origin),
+                "error": outcome.error,
+                "code": outcome.code,
+                "trace": trace_to_dict(trace),
+            },
+        )
+    else:
+        _emit(out, _render_explain(trace))
+    return EXIT_OK if outcome.status == "selected" else EXIT_REJECTED
+
+
+def _explain_trace(layer: LayerSpec, config: SelectionConfig, platform: Platform) -> Trace:
+    from attnres.machine import resolve
+
+    try:
+        return resolve(layer, config=config, platform=platform).trace
+    except ResolutionError as exc:
+        return exc.trace
+
+
+def _write_trace(trace: Trace, path: Path) -> None:
+    try:
+        dump_trace(trace, path)
+    except OSError as exc:
+        raise UsageError(f"cannot write trace file {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def _describe_layer(layer: LayerSpec) -> str:
+    supported = (
+        "any" if layer.supported is None else ", ".join(sorted(b.name for b in layer.supported))
+    )
+    needed = ", ".join(r.value for r in layer.requirements.needed()) or "nothing"
+    name = f"{layer.name}: " if layer.name else ""
+    return (
+        f"{name}head size {layer.head_size}, {layer.dtype}, {layer.role.value}-attention; "
+        f"supported: {supported}; default: {layer.default.name if layer.default else 'none'}; "
+        f"requires: {needed}"
+    )
+
+
+def _render_explain(trace: Trace) -> list[str]:
+    width = _width()
+    inp, outcome = trace.input, trace.outcome
+    origin = next((r for r in trace.records if isinstance(r, OriginRecord)), None)
+    lines: list[str] = []
+    if outcome.status == "selected":
+        assert outcome.backend is not None
+        lines.append(f"Decision:  selected {outcome.backend.name}")
+    else:
+        lines.append(f"Decision:  rejected ({outcome.code})")
+    lines += _field("Origin:", f"{outcome.origin}" + (f" - {origin.detail}" if origin else ""),
+                    width)
+    lines += _field("Reason:", _opt(outcome.reason), width)
+    lines.append("")
+    lines += _field("Layer:", _describe_layer(inp.layer), width)
+    scope = inp.scope
+    if scope is None:
+        lines += _field("Component:", "none (no component scope)", width)
+    else:
+        policy = "allows" if scope.allow_global_fallback else "does not allow"
+        override = f"; override {scope.backend.name}" if scope.backend else ""
+        lines += _field(
+            "Component:",
+            f"{scope.component} (kind {scope.kind}, {scope.loader}: {policy} global fallback"
+            f"{override})",
+            width,
+        )
+    lines += _field("Platform:", _platform_text(inp.platform), width)
+    cfg = inp.config
+    if cfg.global_backend is None:
+        request = "no --attention-backend"
+    else:
+        how = "typed by the operator" if cfg.global_backend_explicit else "implicit preference"
+        request = f"--attention-backend {cfg.global_backend.name} ({how})"
+    if cfg.component_backends:
+        request += "; per component: " + ", ".join(f"{n}={b.name}" for n, b in
+                                                    cfg.component_backends)
+    lines += _field("Request:", request, width)
+    lines.append("")
+    lines.append("Candidates (every check in order; '->' rows are the machine's transitions):")
+    rows: list[list[str]] = []
+    last: tuple[str, str] | None = None
+    for record in trace.records:
+        if isinstance(record, CheckRecord):
+            key = (record.stage.value, record.candidate.name)
+            stage, cand = key if key != last else ("", "")
+            last = key
+            reason = "; ".join(f.message for f in record.failures)
+            rows.append(
+                [stage, cand, record.check.value, "pass" if record.passed else "FAIL", reason]
+            )
+        elif isinstance(record, SkipRecord):
+            last = None
+            rows.append([record.stage.value, record.candidate.name, "(skipped)", "", record.detail])
+        elif isinstance(record, TransitionRecord):
+            last = None
+            text = f"{record.event.value}: to {record.target.value}"
+            if record.reason:
+                text += f" (sets reason: {record.reason})"
+            rows.append(["", "", "", "->", text])
+    lines += _table(
+        ["stage", "candidate", "check", "verdict", "reason"],
+        rows,
+        width=width,
+        wrap=[4],
+    )
+    lines.append("")
+    lines += _wrap(_why(trace), width, "Why: ", "     ")
+    return lines
+
+
+def _fallback_failures(trace: Trace) -> str:
+    """Why the candidates before the chosen one failed: the requested backend's
+    failures when it was requested, else every failed candidate's."""
+    failed = [r for r in trace.records if isinstance(r, CheckRecord) and not r.passed]
+    requested = [r for r in failed if r.stage is State.REQUESTED]
+    chosen = requested or failed
+    by_candidate: dict[str, list[str]] = {}
+    for record in chosen:
+        by_candidate.setdefault(record.candidate.name, []).extend(
+            f.message for f in record.failures
+        )
+    return "; ".join(f"{name}: {'; '.join(msgs)}" for name, msgs in by_candidate.items())
+
+
+def _why(trace: Trace) -> str:
+    outcome = trace.outcome
+    if outcome.status != "selected":
+        return str(outcome.error)
+    assert outcome.backend is not None
+    chosen = outcome.backend.name
+    origin = next((r for r in trace.records if isinstance(r, OriginRecord)), None)
+    requested = None if origin is None or origin.backend is None else origin.backend.name
+    stage = next(
+        (
+            r.source.value
+            for r in trace.records
+            if isinstance(r, TransitionRecord) and r.event is Event.ACCEPTED
+        ),
+        "?",
+    )
+    failed = [
+        r
+        for r in trace.records
+        if isinstance(r, CheckRecord) and not r.passed
+    ]
+    requested_failures = "; ".join(
+        f.message
+        for r in failed
+        if r.stage is State.REQUESTED
+        for f in r.failures
+    )
+    others = sorted({r.candidate.name for r in failed if r.stage is not State.REQUESTED})
+    skipped = f" (after {', '.join(others)} failed)" if others else ""
+    reason = outcome.reason
+    if reason is None:
+        if requested is None:
+            return (
+                f"nothing was requested and the layer declares no default; {chosen} is the "
+                f"first candidate of stage {stage} and passed every check."
+            )
+        return f"{chosen} was requested (origin {outcome.origin}) and passed every check."
+    if reason == "global backend fallback":
+        detail = origin.detail.split("; ", 1)[-1].removeprefix("relaxed: ") if origin else ""
+        return (
+            f"the operator's --attention-backend {requested} cannot serve this layer "
+            f"({requested_failures}). The flag is relaxed here ({detail}), so the machine "
+            f"fell back to {chosen}, accepted at stage {stage}{skipped}."
+        )
+    if reason == "dense cross-attention fallback":
+        return (
+            f"{requested} is a sparse backend and sparse backends never serve "
+            f"cross-attention, so the machine fell back to the dense {chosen}, accepted at "
+            f"stage {stage}{skipped}."
+        )
+    if reason == "component constraint":
+        return (
+            f"nothing was requested and the layer supports exactly one backend, {chosen}, "
+            f"which passed every check."
+        )
+    if requested is not None and requested_failures:
+        return (
+            f"{requested} (origin {outcome.origin}) cannot serve this layer "
+            f"({requested_failures}); as a preference it may fall back, and {chosen} was "
+            f"accepted at stage {stage}{skipped} ({reason})."
+        )
+    return f"{chosen} was accepted at stage {stage}{skipped} ({reason})."
+
+
+# =============================================================================
+# plan
+# =============================================================================
+
+
+def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from attnres.plan import load_pipeline, plan_pipeline, trace_file_name
+
+    pipeline = load_pipeline(args.pipeline)
+    config = selection_config_from_args(args)
+    names = [c.name for c in pipeline.components]
+    for component, backend in config.component_backends:
+        if component not in names:
+            raise UsageError(
+                f"--attention-backend {component}={backend.name}: the pipeline "
+                f"{pipeline.name!r} ({pipeline.path}) has no component {component!r}; its "
+                f"components: {', '.join(names)}"
+            )
+    platform = _platform(args.platform)
+    result = plan_pipeline(pipeline, config, platform)
+    doc = result.to_dict()
+    written: list[str] = []
+    if args.trace_out is not None:
+        directory = Path(args.trace_out)
+        used: set[str] = set()
+        for component_doc, planned in zip(doc["components"], result.components, strict=True):
+            for layer_doc, layer in zip(component_doc["layers"], planned.layers, strict=True):
+                name = trace_file_name(planned.name, layer.name)
+                stem, n = name[: -len(".json")], 2
+                while name in used:
+                    name, n = f"{stem}-{n}.json", n + 1
+                used.add(name)
+                _write_trace(layer.trace, directory / name)
+                layer_doc["trace_file"] = str(directory / name)
+                written.append(name)
+    _log().info(
+        "plan finished",
+        pipeline=pipeline.name,
+        status=result.status,
+        layers=len(result.layers),
+    )
+    if args.json:
+        _emit_json(out, doc)
+    else:
+        lines = _render_plan(result)
+        if written:
+            lines.append(f"Traces: {len(written)} files written to {args.trace_out}")
+        _emit(out, lines)
+    return EXIT_OK if result.ok else EXIT_REJECTED
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _render_plan(result: PlanResult) -> list[str]:
+    width = _width()
+    pipeline, config = result.pipeline, result.config
+    lines = [f"Plan for pipeline {pipeline.name!r} ({pipeline.path})"]
+    lines += _field("Platform:", _platform_text(result.platform), width)
+    if config.global_backend is None:
+        request = "no --attention-backend"
+    else:
+        how = "typed by the operator" if config.global_backend_explicit else "a preference"
+        request = f"--attention-backend {config.global_backend.name} ({how})"
+    if config.component_backends:
+        request += "; " + ", ".join(
+            f"--attention-backend {n}={b.name}" for n, b in config.component_backends
+        )
+    lines += _field("Request:", request, width)
+    fallbacks: dict[str, int] = {}
+    for component in result.components:
+        entry = next(c for c in pipeline.components if c.name == component.name)
+        policy = (
+            "may fall back from the global flag"
+            if component.allow_global_fallback
+            else "the global flag is strict here"
+        )
+        extras = []
+        if entry.backend is not None:
+            extras.append(f"override {entry.backend.name}")
+        for role, backend in entry.role_backends:
+            extras.append(f"{role.value}-attention override {backend.name}")
+        header = f"{component.name}  [{component.kind}, {component.loader}: {policy}"
+        header += "".join(f"; {e}" for e in extras) + "]"
+        lines.append("")
+        lines += _wrap(header, width, "", "  ")
+        rows = []
+        for layer in component.layers:
+            if layer.status == "selected":
+                detail = _opt(layer.reason)
+                if layer.reason:
+                    fallbacks[layer.reason] = fallbacks.get(layer.reason, 0) + layer.count
+                    why = _fallback_failures(layer.trace)
+                    if why:
+                        detail += f" ({why})"
+            else:
+                detail = str(layer.error)
+            rows.append(
+                [
+                    layer.name,
+                    str(layer.count),
+                    layer.backend if layer.backend else "REJECTED",
+                    layer.origin,
+                    detail,
+                ]
+            )
+        lines += _table(
+            ["layer", "count", "backend", "origin", "reason / error"],
+            rows,
+            width=width,
+            wrap=[4, 0],
+            right=[1],
+            min_width=28,
+            ordered=True,
+        )
+        if component.error:
+            lines += _wrap(component.error, width, "  problem: ", "           ")
+    lines.append("")
+    layers = result.layers
+    total = sum(layer.count for layer in layers)
+    scope = (
+        f"{_plural(total, 'layer')} ({len(layers)} distinct) in "
+        f"{_plural(len(result.components), 'component')}"
+    )
+    if result.ok:
+        fell = (
+            "fallbacks: " + ", ".join(f"{r} {n}" for r, n in sorted(fallbacks.items()))
+            if fallbacks
+            else "no fallback"
+        )
+        verdict = f"Verdict: ok - {scope}; {fell}"
+    else:
+        rejected = [la for la in layers if la.status != "selected"]
+        problems = [c.name for c in result.components if c.error]
+        parts = []
+        if rejected:
+            count = sum(la.count for la in rejected)
+            parts.append(
+                f"{len(rejected)} of {len(layers)} distinct layers ({_plural(count, 'layer')}) "
+                f"rejected: " + ", ".join(f"{la.component}/{la.name}" for la in rejected)
+            )
+        if problems:
+            parts.append(f"override not applied in {', '.join(problems)}")
+        verdict = "Verdict: rejected - " + "; ".join(parts)
+    lines += _wrap(verdict, width, "", "  ")
+    return lines
+
+
+# =============================================================================
+# replay
+# =============================================================================
+
+
+def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        module = importlib.import_module("attnres.replayer")
+    except ModuleNotFoundError as exc:
+        if exc.name != "attnres.replayer":
+            raise
+        raise UsageError(
+            "replay is not available in this installation (the module attnres.replayer "
+            "is missing)"
+        ) from None
+    code = module.run_replay_command(list(args.paths), update=args.update, stdout=out, stderr=err)
+    return int(code)
+
+
+# =============================================================================
+# doctor
+# =============================================================================
+
+
+def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import attnres
+
+    platform = Platform.detect()
+    failures = plugin_failures()
+    chain = [b.name for b in platform.default_chain()]
+    doc: dict[str, Any] = {
+        "attnres_version": attnres.__version__,
+        "python": sys.version.split()[0],
+        "platform": {
+            "kind": platform.kind,
+            "device_name": platform.device_name,
+            "capability": (
+                None if platform.capability is None else list(platform.capability)
+            ),
+            "arch": platform.arch,
+            "torch_version": platform.torch_version,
+            "simulated": platform.simulated,
+            "description": platform.describe(),
+        },
+        "default_chain": chain,
+        "packages": [
+            {
+                "name": fact.name,
+                "backends": [
+                    spec.name for spec in registered_backends() if spec.package == fact.name
+                ],
+                "status": fact.status,
+                "version": fact.version,
+                "detail": fact.detail,
+            }
+            for fact in platform.packages
+        ],
+        "plugin_failures": [
+            {"entry_point": f.entry_point, "error": f.error} for f in failures
+        ],
+        "notes": list(platform.notes),
+    }
+    if args.json:
+        _emit_json(out, doc)
+        return EXIT_OK
+    width = _width()
+    cap = platform.capability
+    lines = [f"attnres {attnres.__version__} (python {doc['python']})", "", "Platform"]
+    lines += _field("  kind:", platform.kind, width, 18)
+    lines += _field("  device:", _opt(platform.device_name), width, 18)
+    lines += _field(
+        "  capability:",
+        f"sm{cap[0]}{cap[1]}" if cap else _opt(platform.arch),
+        width,
+        18,
+    )
+    lines += _field("  torch:", _opt(platform.torch_version), width, 18)
+    lines += _field(
+        "  default chain:", " -> ".join(chain) or "-", width, 18
+    )
+    lines += ["", "Optional kernel packages"]
+    users: dict[str, list[str]] = {}
+    for spec in registered_backends():
+        if spec.package is not None:
+            users.setdefault(spec.package, []).append(spec.name)
+    rows = [
+        [
+            fact.name,
+            ", ".join(users.get(fact.name, [])) or "-",
+            fact.status,
+            _opt(fact.version) if fact.status == "present" else _opt(fact.detail),
+        ]
+        for fact in platform.packages
+    ]
+    lines += _table(
+        ["package", "backends", "status", "version / why unusable"],
+        rows,
+        width=width,
+        wrap=[3, 1],
+    )
+    lines += ["", f"Plugins (entry-point group {ENTRY_POINT_GROUP})"]
+    if failures:
+        lines += _table(
+            ["entry point", "error"],
+            [[f.entry_point, f.error] for f in failures],
+            width=width,
+            wrap=[0, 1],
+        )
+    else:
+        lines.append("  no plugin failed to load")
+    lines += ["", "Platform notes"]
+    if platform.notes:
+        for note in platform.notes:
+            lines += _wrap(note, width, "  - ", "    ")
+    else:
+        lines.append("  none")
+    _emit(out, lines)
+    return EXIT_OK
+
+
+# =============================================================================
+# backends
+# =============================================================================
+
+_DTYPE_SHORT = {
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "float64": "fp64",
+    "float8_e4m3fn": "fp8e4m3",
+    "float8_e5m2": "fp8e5m2",
+}
+_REQ_SHORT = {
+    Requirement.CAUSAL: "causal",
+    Requirement.ATTN_MASK: "mask",
+    Requirement.PACKED_VARLEN: "varlen",
+    Requirement.GQA: "gqa",
+    Requirement.DROPOUT: "dropout",
+}
+
+
+def _ordered(values: Sequence[str] | frozenset[str], order: Sequence[str]) -> list[str]:
+    return sorted(values, key=lambda v: (order.index(v) if v in order else len(order), v))
+
+
+def _runs_on(spec: BackendSpec) -> str:
+    if len(spec.platforms) == len(PLATFORM_KINDS) and not spec.capabilities:
+        return "all"
+    parts = []
+    for kind in _ordered(spec.platforms, PLATFORM_KINDS):
+        rule = spec.capabilities.get(kind)
+        parts.append(kind if rule is None else f"{kind} {rule.describe()}")
+    return ", ".join(parts)
+
+
+def _backend_note(spec: BackendSpec) -> str:
+    implements = ", ".join(_REQ_SHORT[r] for r in Requirement if r in spec.implements)
+    parts = [f"implements: {implements or 'none of the requirements'}"]
+    parts.append(f"package: {spec.package or 'torch'}")
+    if spec.min_torch:
+        parts.append(
+            "needs "
+            + ", ".join(
+                f"torch >= {major}.{minor} on {kind}"
+                for kind, (major, minor) in sorted(spec.min_torch.items())
+            )
+        )
+    if spec.satisfies:
+        parts.append(
+            "counts as "
+            + " or ".join("+".join(sorted(group)) for group in spec.satisfies)
+            + " in a supported set"
+        )
+    if spec.aliases:
+        parts.append(f"aliases: {', '.join(spec.aliases)}")
+    return "; ".join(parts)
+
+
+def _spec_doc(spec: BackendSpec) -> dict[str, Any]:
+    rule = spec.head_sizes
+    return {
+        "name": spec.name,
+        "kind": spec.kind,
+        "platforms": _ordered(spec.platforms, PLATFORM_KINDS),
+        "capabilities": {
+            kind: {
+                "min": None if c.min is None else list(c.min),
+                "max": None if c.max is None else list(c.max),
+                "exact": None if c.exact is None else sorted(list(x) for x in c.exact),
+                "archs": None if c.archs is None else sorted(c.archs),
+                "description": c.describe(),
+            }
+            for kind, c in sorted(spec.capabilities.items())
+        },
+        "min_torch": {kind: list(v) for kind, v in sorted(spec.min_torch.items())},
+        "dtypes": _ordered(spec.dtypes, DTYPES),
+        "head_sizes": {
+            "min": rule.min,
+            "max": rule.max,
+            "multiple_of": rule.multiple_of,
+            "allowed": None if rule.allowed is None else sorted(rule.allowed),
+            "power_of_two": rule.power_of_two,
+            "description": rule.describe(),
+        },
+        "implements": [r.value for r in Requirement if r in spec.implements],
+        "package": spec.package,
+        "aliases": list(spec.aliases),
+        "satisfies": [sorted(group) for group in spec.satisfies],
+        "description": spec.description,
+    }
+
+
+def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    specs = registered_backends()
+    failures = plugin_failures()
+    if args.json:
+        _emit_json(
+            out,
+            {
+                "backends": [_spec_doc(s) for s in specs],
+                "plugin_failures": [
+                    {"entry_point": f.entry_point, "error": f.error} for f in failures
+                ],
+            },
+        )
+        return EXIT_OK
+    width = _width()
+    rows = []
+    for spec in specs:
+        rows.append(
+            [
+                spec.name,
+                spec.kind,
+                _runs_on(spec),
+                " ".join(_DTYPE_SHORT.get(d, d) for d in _ordered(spec.dtypes, DTYPES)),
+                spec.head_sizes.describe(),
+            ]
+        )
+    lines = [f"{len(specs)} registered attention backends"]
+    lines += _table(
+        ["name", "kind", "runs on", "dtypes", "head size"],
+        rows,
+        width=width,
+        wrap=[2, 3, 4],
+        indent=0,
+        min_width=10,
+        notes=[_backend_note(spec) for spec in specs],
+    )
+    lines += [
+        "",
+        "requirements: causal, mask (attention masks), varlen (packed varlen), gqa "
+        "(grouped-query), dropout",
+    ]
+    if failures:
+        lines += ["", f"Plugins that failed to load (entry-point group {ENTRY_POINT_GROUP}):"]
+        for f in failures:
+            lines += _wrap(f"{f.entry_point}: {f.error}", width, "  - ", "    ")
+    _emit(out, lines)
+    return EXIT_OK
+
+
+# =============================================================================
+# The parser and main()
+# =============================================================================
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=_width(), max_help_position=32)
+
+
+def _logging_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    default: Any = None if top else argparse.SUPPRESS
+    parser.add_argument(
+        "--log-format",
+        choices=("console", "json"),
+        default="console" if top else argparse.SUPPRESS,
+        help="how log events are rendered on stderr (default: console)",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=tuple(_LOG_LEVELS),
+        default=default,
+        help="log attnres events at this level and above to stderr (default: no logging)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``attnres`` argument parser."""
+    import attnres
+
+    parser = argparse.ArgumentParser(
+        prog="attnres",
+        description=(
+            "Decide which attention kernel every layer of a pipeline runs, and show why."
+        ),
+        epilog=(
+            "exit codes: 0 success, 1 a resolution was rejected or a replay diverged, "
+            "2 bad usage or bad input"
+        ),
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"attnres {attnres.__version__}")
+    _logging_options(parser, top=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _logging_options(common, top=False)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_text: str, handler: Callable[..., int]) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            parents=[common],
+            formatter_class=_Formatter,
+        )
+        sub.set_defaults(handler=handler)
+        return sub
+
+    explain = command(
+        "explain", "resolve one layer and show every check of every candidate", _cmd_explain
+    )
+    layer = explain.add_argument_group("the layer")
+    layer.add_argument("--head-size", type=int, required=True, metavar="N", help="size of one head")
+    layer.add_argument(
+        "--dtype", required=True, metavar="D", help=f"one of {', '.join(DTYPES)} or bf16, fp16..."
+    )
+    layer.add_argument("--role", default="self", metavar="self|cross", help="default: self")
+    layer.add_argument("--supported", metavar="A,B", help="the backends the layer supports")
+    layer.add_argument("--default", metavar="X", help="the layer's declared default backend")
+    layer.add_argument(
+        "--requires",
+        metavar="R,...",
+        help="requirements: " + ", ".join(r.value for r in Requirement),
+    )
+    layer.add_argument("--layer-name", metavar="NAME", help="a name for the layer (in traces)")
+    where = explain.add_argument_group("where and how it is resolved")
+    where.add_argument(
+        "--component", metavar="NAME", help="resolve inside this component's scope"
+    )
+    where.add_argument(
+        "--component-backend", metavar="X", help="the component's override (needs --component)"
+    )
+    add_selection_arguments(where)
+    where.add_argument(
+        "--implicit",
+        action="store_true",
+        help="treat --attention-backend as derived or defaulted, not typed (origin "
+        "global_preference)",
+    )
+    where.add_argument(
+        "--platform", metavar="SPEC", help="simulate a platform, e.g. cuda:sm90+flash_attn "
+        "(default: detect this machine)"
+    )
+    output = explain.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument("--trace-out", metavar="FILE", help="write the replayable trace here")
+
+    plan = command("plan", "plan every layer of a pipeline file (TOML)", _cmd_plan)
+    plan.add_argument("pipeline", metavar="PIPELINE.toml")
+    add_selection_arguments(plan)
+    plan.add_argument(
+        "--platform", metavar="SPEC", help="simulate a platform (default: detect this machine)"
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument(
+        "--trace-out", metavar="DIR", help="write one trace per distinct layer into DIR"
+    )
+
+    replay = command(
+        "replay", "replay golden trace files and compare (--update rewrites them)", _cmd_replay
+    )
+    replay.add_argument("paths", nargs="+", metavar="PATH")
+    replay.add_argument("--update", action="store_true", help="rewrite traces that diverge")
+
+    doctor = command(
+        "doctor", "show this machine's platform, kernel packages and plugins", _cmd_doctor
+    )
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+
+    backends = command("backends", "show the registered backend catalogue", _cmd_backends)
+    backends.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``attnres``; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out, err = sys.stdout, sys.stderr
+    prog = f"attnres {args.command}"
+    with _cli_logging(args.log_format, args.log_level, err):
+        try:
+            handler: Callable[[argparse.Namespace, TextIO, TextIO], int] = args.handler
+            code = handler(args, out, err)
+            out.flush()
+            return code
+        except ValueError as exc:  # UsageError and every attnres input error
+            _error(err, str(exc), prog)
+            return EXIT_USAGE
+        except OSError as exc:
+            if isinstance(exc, BrokenPipeError):
+                _silence_stdout()
+                return EXIT_OK
+            where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+            _error(err, f"{where}{exc.strerror or exc}", prog)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            _error(err, "interrupted", prog)
+            return 130
+        except Exception as exc:
+            _log().error("internal error", command=args.command, exc_info=True)
+            _error(
+                err,
+                f"internal error: {type(exc).__name__}: {exc} (this is a bug in attnres; "
+                f"run again with --log-level error to see the traceback)",
+                prog,
+            )
+            return EXIT_INTERNAL
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

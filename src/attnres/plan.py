@@ -1,0 +1,631 @@
+"""Pipeline files -> plans: which backend every layer of every component runs.
+
+A pipeline file (TOML, SPEC 6) lists a pipeline's components and their
+attention layers. :func:`load_pipeline` reads and validates one strictly (every
+mistake is a :class:`PipelineError` naming the file, the component and the
+layer); :func:`plan_pipeline` resolves every layer the way a runtime would --
+inside its component's :func:`~attnres.scope.component_scope`, through
+:func:`~attnres.machine.resolve` -- and reports every layer, rejected or not.
+
+No selection rule lives here: the machine decides, this module only builds its
+inputs from the file and collects its outcomes.
+
+Decisions (documented in ``docs/cli.md``):
+
+- Identical layers are declared once with ``count``; each entry is resolved
+  once and its count reported.
+- Component overrides keep the library's default ``require_selection`` (on for
+  an explicit ``backend`` or ``role_backends``), so a plan predicts what the
+  runtime would do on scope exit: an override that controls none of its
+  component's layers (a ``role_backends`` entry for a role the component has no
+  layer of, say) is reported as that component's ``error`` and makes the plan
+  ``rejected`` -- it is never raised. When a layer of the component was
+  rejected, the rejection already says why the override did not apply, and the
+  component error is not repeated.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from attrs import frozen
+
+from attnres._vocab import Role
+from attnres.backends import Backend
+from attnres.errors import BackendNotAppliedError, ResolutionError
+from attnres.layer import LayerSpec, SelectionConfig
+from attnres.machine import resolve, selection_config
+from attnres.platform import Platform
+from attnres.scope import component_kind, component_scope, loader_for
+from attnres.trace import Trace
+
+__all__ = [
+    "ComponentEntry",
+    "ComponentPlan",
+    "LayerEntry",
+    "LayerPlan",
+    "Pipeline",
+    "PipelineError",
+    "PlanResult",
+    "load_pipeline",
+    "parse_pipeline",
+    "plan_pipeline",
+    "trace_file_name",
+]
+
+_tomllib: Any = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
+
+_TOP_KEYS = ("pipeline", "components")
+_PIPELINE_KEYS = ("name", "description")
+_COMPONENT_KEYS = ("name", "kind", "backend", "role_backends", "allow_global_fallback", "layers")
+_LAYER_KEYS = (
+    "name",
+    "count",
+    "head_size",
+    "dtype",
+    "role",
+    "supported",
+    "default",
+    "requires",
+    "backend",
+)
+
+
+class PipelineError(ValueError):
+    """A pipeline file that cannot be read or does not follow the format.
+
+    The message names the file, and where it applies the component, the layer
+    and the line (``path``, ``component``, ``layer`` and ``line`` hold them).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str,
+        component: str | None = None,
+        layer: str | None = None,
+        line: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.component = component
+        self.layer = layer
+        self.line = line
+
+
+# =============================================================================
+# The pipeline, as read from its file
+# =============================================================================
+
+
+@frozen
+class LayerEntry:
+    """One ``[[components.layers]]`` entry: ``count`` identical layers."""
+
+    name: str
+    count: int
+    spec: LayerSpec
+    backend: Backend | None = None
+
+
+@frozen
+class ComponentEntry:
+    """One ``[[components]]`` entry."""
+
+    name: str
+    kind: str | None
+    backend: Backend | None
+    role_backends: tuple[tuple[Role, Backend], ...]
+    allow_global_fallback: bool | None
+    layers: tuple[LayerEntry, ...]
+
+    @property
+    def resolved_kind(self) -> str:
+        """The kind given in the file, else the one inferred from the name."""
+        return self.kind if self.kind is not None else component_kind(self.name)
+
+
+@frozen
+class Pipeline:
+    """A validated pipeline file."""
+
+    name: str
+    path: str
+    components: tuple[ComponentEntry, ...]
+    description: str | None = None
+
+    @property
+    def layer_count(self) -> int:
+        return sum(layer.count for c in self.components for layer in c.layers)
+
+
+# =============================================================================
+# Reading and validation
+# =============================================================================
+
+
+def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
+    """Read and validate a pipeline file; any problem is a :class:`PipelineError`."""
+    source = os.fspath(path)
+    try:
+        raw = Path(source).read_bytes()
+    except IsADirectoryError:
+        raise PipelineError(f"{source}: is a directory, not a pipeline file", path=source) from None
+    except OSError as exc:
+        raise PipelineError(
+            f"{source}: cannot read pipeline file: {exc.strerror or exc}", path=source
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PipelineError(
+            f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})", path=source
+        ) from None
+    try:
+        doc: dict[str, Any] = _tomllib.loads(text)
+    except _tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        line = getattr(exc, "lineno", None)
+        if line is None:
+            m = re.search(r"\(at line (\d+), column (\d+)\)", message)
+            line = int(m.group(1)) if m else None
+        where = f"{source}:{line}" if line is not None else source
+        raise PipelineError(
+            f"{where}: invalid TOML: {message}", path=source, line=line
+        ) from None
+    return parse_pipeline(doc, source=source)
+
+
+def parse_pipeline(doc: Mapping[str, Any], *, source: str = "<pipeline>") -> Pipeline:
+    """Validate an already-parsed pipeline document (the TOML as a mapping)."""
+    return _Parser(source).pipeline(doc)
+
+
+class _Parser:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    # -- errors ---------------------------------------------------------------
+    def fail(
+        self,
+        what: str,
+        *,
+        component: tuple[int, str | None] | None = None,
+        layer: tuple[int, str | None] | None = None,
+    ) -> PipelineError:
+        where = [self.source]
+        if component is not None:
+            index, name = component
+            where.append(
+                f"component {name!r} (components[{index}])"
+                if name
+                else f"components[{index}]"
+            )
+        if layer is not None:
+            index, name = layer
+            where.append(f"layer {name!r} (layers[{index}])" if name else f"layers[{index}]")
+        return PipelineError(
+            ": ".join(where) + ": " + what,
+            path=self.source,
+            component=None if component is None else component[1],
+            layer=None if layer is None else layer[1],
+        )
+
+    def check_keys(
+        self,
+        table: Mapping[str, Any],
+        allowed: tuple[str, ...],
+        what: str,
+        **where: Any,
+    ) -> None:
+        for key in table:
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise self.fail(
+                    f"unknown key {key!r} in {what}{hint}; allowed keys: {', '.join(allowed)}",
+                    **where,
+                )
+
+    # -- the document ---------------------------------------------------------
+    def pipeline(self, doc: Mapping[str, Any]) -> Pipeline:
+        if not isinstance(doc, Mapping):
+            raise self.fail(f"a pipeline file must be a TOML table, got {_type(doc)}")
+        self.check_keys(doc, _TOP_KEYS, "the top level")
+        header = doc.get("pipeline", {})
+        if not isinstance(header, Mapping):
+            raise self.fail(f"[pipeline] must be a table, got {_type(header)}")
+        self.check_keys(header, _PIPELINE_KEYS, "[pipeline]")
+        name = header.get("name", Path(self.source).stem)
+        if not isinstance(name, str) or not name.strip():
+            raise self.fail(f"[pipeline] name must be a non-empty string, got {name!r}")
+        description = header.get("description")
+        if description is not None and not isinstance(description, str):
+            raise self.fail(f"[pipeline] description must be a string, got {_type(description)}")
+        components = doc.get("components")
+        if components is None:
+            raise self.fail(
+                "no components: add at least one [[components]] table with its "
+                "[[components.layers]]"
+            )
+        if not isinstance(components, list) or not components:
+            raise self.fail(
+                f"components must be a non-empty array of tables ([[components]]), got "
+                f"{_type(components)}"
+            )
+        parsed: list[ComponentEntry] = []
+        seen: set[str] = set()
+        for index, table in enumerate(components):
+            entry = self.component(index, table)
+            if entry.name in seen:
+                raise self.fail(
+                    f"duplicate component name {entry.name!r}: each component appears once",
+                    component=(index, entry.name),
+                )
+            seen.add(entry.name)
+            parsed.append(entry)
+        return Pipeline(name=name, path=self.source, components=tuple(parsed),
+                        description=description)
+
+    def component(self, index: int, table: Any) -> ComponentEntry:
+        where: dict[str, Any] = {"component": (index, None)}
+        if not isinstance(table, Mapping):
+            raise self.fail(f"a component must be a table, got {_type(table)}", **where)
+        raw_name = table.get("name")
+        if isinstance(raw_name, str) and raw_name.strip():
+            where["component"] = (index, raw_name)
+        self.check_keys(table, _COMPONENT_KEYS, "a component", **where)
+        if raw_name is None:
+            raise self.fail("missing required key 'name'", **where)
+        if not isinstance(raw_name, str) or not raw_name.strip():
+            raise self.fail(f"name must be a non-empty string, got {raw_name!r}", **where)
+        name: str = raw_name
+        kind = table.get("kind")
+        if kind is not None:
+            if not isinstance(kind, str):
+                raise self.fail(f"kind must be a string, got {_type(kind)}", **where)
+            try:
+                loader_for(kind)
+            except ValueError as exc:
+                raise self.fail(f"kind: {exc}", **where) from None
+        backend = self.backend(table.get("backend"), "backend", where)
+        role_backends = self.role_backends(table.get("role_backends"), where)
+        allow = table.get("allow_global_fallback")
+        if allow is not None and not isinstance(allow, bool):
+            raise self.fail(
+                f"allow_global_fallback must be true or false, got {allow!r}", **where
+            )
+        layers_doc = table.get("layers")
+        if layers_doc is None:
+            raise self.fail(
+                "no layers: add its attention layers as [[components.layers]] tables", **where
+            )
+        if not isinstance(layers_doc, list) or not layers_doc:
+            raise self.fail(
+                f"layers must be a non-empty array of tables ([[components.layers]]), got "
+                f"{_type(layers_doc)}",
+                **where,
+            )
+        layers: list[LayerEntry] = []
+        seen: set[str] = set()
+        for layer_index, layer_doc in enumerate(layers_doc):
+            layer = self.layer(layer_index, layer_doc, where)
+            if layer.name in seen:
+                raise self.fail(
+                    f"duplicate layer name {layer.name!r} in this component; declare "
+                    f"identical layers once with count = N",
+                    layer=(layer_index, layer.name),
+                    **where,
+                )
+            seen.add(layer.name)
+            layers.append(layer)
+        return ComponentEntry(
+            name=name,
+            kind=kind,
+            backend=backend,
+            role_backends=role_backends,
+            allow_global_fallback=allow,
+            layers=tuple(layers),
+        )
+
+    def backend(self, value: Any, key: str, where: Mapping[str, Any]) -> Backend | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise self.fail(f"{key} must be a backend name (string), got {_type(value)}", **where)
+        try:
+            return Backend.parse(value)
+        except ValueError as exc:
+            raise self.fail(f"{key}: {exc}", **where) from None
+
+    def role_backends(
+        self, value: Any, where: Mapping[str, Any]
+    ) -> tuple[tuple[Role, Backend], ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, Mapping):
+            raise self.fail(
+                f"role_backends must be a table such as {{ cross = \"torch_sdpa\" }}, got "
+                f"{_type(value)}",
+                **where,
+            )
+        out: dict[Role, Backend] = {}
+        for role_name, backend_name in value.items():
+            try:
+                role = Role.parse(role_name)
+            except ValueError as exc:
+                raise self.fail(f"role_backends: {exc}", **where) from None
+            parsed = self.backend(backend_name, f"role_backends.{role_name}", where)
+            assert parsed is not None
+            out[role] = parsed
+        return tuple(sorted(out.items(), key=lambda kv: kv[0].value))
+
+    def layer(self, index: int, table: Any, component_where: Mapping[str, Any]) -> LayerEntry:
+        where: dict[str, Any] = dict(component_where)
+        where["layer"] = (index, None)
+        if not isinstance(table, Mapping):
+            raise self.fail(f"a layer must be a table, got {_type(table)}", **where)
+        raw_name = table.get("name")
+        if isinstance(raw_name, str) and raw_name.strip():
+            where["layer"] = (index, raw_name)
+        self.check_keys(table, _LAYER_KEYS, "a layer", **where)
+        if raw_name is None:
+            raise self.fail("missing required key 'name'", **where)
+        if not isinstance(raw_name, str) or not raw_name.strip():
+            raise self.fail(f"name must be a non-empty string, got {raw_name!r}", **where)
+        for key in ("head_size", "dtype"):
+            if key not in table:
+                raise self.fail(f"missing required key {key!r}", **where)
+        count = table.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise self.fail(f"count must be a positive integer, got {count!r}", **where)
+        head_size = table["head_size"]
+        if isinstance(head_size, bool) or not isinstance(head_size, int):
+            raise self.fail(f"head_size must be an integer, got {_type(head_size)}", **where)
+        for key in ("dtype", "role", "default", "backend"):
+            if key in table and not isinstance(table[key], str):
+                raise self.fail(f"{key} must be a string, got {_type(table[key])}", **where)
+        for key in ("supported", "requires"):
+            if key in table:
+                items = table[key]
+                if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                    raise self.fail(
+                        f"{key} must be an array of strings, got {_type(items)}", **where
+                    )
+        try:
+            spec = LayerSpec(
+                head_size=head_size,
+                dtype=table["dtype"],
+                supported=table.get("supported"),
+                default=table.get("default"),
+                role=table.get("role", "self"),
+                requirements=table.get("requires", ()),
+                name=raw_name,
+            )
+        except ValueError as exc:
+            raise self.fail(str(exc), **where) from None
+        backend = self.backend(table.get("backend"), "backend", where)
+        return LayerEntry(name=raw_name, count=count, spec=spec, backend=backend)
+
+
+def _type(value: Any) -> str:
+    names = {
+        str: "a string",
+        int: "an integer",
+        float: "a float",
+        bool: "a boolean",
+        list: "an array",
+        dict: "a table",
+    }
+    for cls, text in names.items():
+        if type(value) is cls:
+            return f"{text} ({value!r})" if cls in (str, int, float, bool) else text
+    return type(value).__name__
+
+
+# =============================================================================
+# Planning
+# =============================================================================
+
+
+@frozen
+class LayerPlan:
+    """The outcome for one layer entry (``count`` identical layers)."""
+
+    component: str
+    name: str
+    count: int
+    status: str  # "selected" | "rejected"
+    backend: str | None
+    reason: str | None
+    origin: str
+    error: str | None
+    code: str | None
+    trace: Trace
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "count": self.count,
+            "status": self.status,
+            "backend": self.backend,
+            "reason": self.reason,
+            "origin": self.origin,
+            "error": self.error,
+            "code": self.code,
+            "digest": self.trace.digest,
+        }
+
+
+@frozen
+class ComponentPlan:
+    """The outcomes for one component, and any problem with its overrides."""
+
+    name: str
+    kind: str
+    loader: str
+    allow_global_fallback: bool
+    layers: tuple[LayerPlan, ...]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(layer.status == "selected" for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "status": "ok" if self.ok else "rejected",
+            "error": self.error,
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+
+@frozen
+class PlanResult:
+    """Every component's plan, with the inputs it was made for."""
+
+    pipeline: Pipeline
+    platform: Platform
+    config: SelectionConfig
+    components: tuple[ComponentPlan, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.components)
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.ok else "rejected"
+
+    @property
+    def layers(self) -> tuple[LayerPlan, ...]:
+        return tuple(layer for c in self.components for layer in c.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        config = self.config
+        return {
+            "status": self.status,
+            "pipeline": self.pipeline.name,
+            "file": self.pipeline.path,
+            "platform": self.platform.describe(),
+            "simulated": self.platform.simulated,
+            "attention_backend": (
+                None if config.global_backend is None else config.global_backend.name
+            ),
+            "attention_backend_explicit": (
+                None if config.global_backend is None else config.global_backend_explicit
+            ),
+            "components": [c.to_dict() for c in self.components],
+        }
+
+
+def plan_pipeline(
+    pipeline: Pipeline,
+    config: SelectionConfig | None = None,
+    platform: Platform | None = None,
+) -> PlanResult:
+    """Resolve every layer of every component; never raises for a rejected layer.
+
+    ``config`` defaults to the process-wide selection config, ``platform`` to
+    :meth:`Platform.detect`. Each component's layers are resolved inside its
+    :func:`~attnres.scope.component_scope`, once per layer entry, through
+    :func:`~attnres.machine.resolve` -- so, as for any resolution, the decisions
+    are recorded in :func:`attnres.decisions` and the audit events emitted.
+    """
+    cfg = selection_config() if config is None else config
+    plat = Platform.detect() if platform is None else platform
+    components: list[ComponentPlan] = []
+    for entry in pipeline.components:
+        layers: list[LayerPlan] = []
+        error: str | None = None
+        kind = entry.resolved_kind
+        loader = loader_for(kind)
+        allow = (
+            loader.allow_global_fallback
+            if entry.allow_global_fallback is None
+            else entry.allow_global_fallback
+        )
+        try:
+            with component_scope(
+                entry.name,
+                backend=entry.backend,
+                role_backends=dict(entry.role_backends) or None,
+                allow_global_fallback=entry.allow_global_fallback,
+                kind=kind,
+            ) as scope:
+                allow = scope.state.allow_global_fallback
+                for layer in entry.layers:
+                    layers.append(_plan_layer(entry.name, layer, cfg, plat))
+        except BackendNotAppliedError as exc:
+            if all(layer.status == "selected" for layer in layers):
+                error = str(exc)
+        components.append(
+            ComponentPlan(
+                name=entry.name,
+                kind=kind,
+                loader=loader.__name__,
+                allow_global_fallback=allow,
+                layers=tuple(layers),
+                error=error,
+            )
+        )
+    return PlanResult(pipeline=pipeline, platform=plat, config=cfg, components=tuple(components))
+
+
+def _plan_layer(
+    component: str,
+    layer: LayerEntry,
+    config: SelectionConfig,
+    platform: Platform,
+) -> LayerPlan:
+    try:
+        resolution = resolve(layer.spec, config=config, platform=platform, backend=layer.backend)
+    except ResolutionError as exc:
+        trace: Trace = exc.trace
+        outcome = trace.outcome
+        return LayerPlan(
+            component=component,
+            name=layer.name,
+            count=layer.count,
+            status="rejected",
+            backend=None,
+            reason=None,
+            origin=str(outcome.origin),
+            error=str(exc),
+            code=exc.code,
+            trace=trace,
+        )
+    return LayerPlan(
+        component=component,
+        name=layer.name,
+        count=layer.count,
+        status="selected",
+        backend=resolution.backend.name,
+        reason=resolution.reason,
+        origin=resolution.origin,
+        error=None,
+        code=None,
+        trace=resolution.trace,
+    )
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def trace_file_name(component: str, layer: str) -> str:
+    """A safe file name for one layer's trace: ``<component>__<layer>.json``."""
+
+    def clean(text: str) -> str:
+        return _UNSAFE.sub("_", text).strip("._") or "_"
+
+    return f"{clean(component)}__{clean(layer)}.json"
