@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 _logging.getLogger("attnres").addHandler(_logging.NullHandler())
 
 if TYPE_CHECKING:
-    from attnres import distributed, kernels
+    from attnres import distributed, kernels  # noqa: F401 - lazily exported
     from attnres.modules import Attention
     from attnres.replayer import ReplayResult, replay
 
@@ -68,9 +68,9 @@ __all__ = [
     "Decision",
     "LayerSpec",
     "Platform",
+    "ReplayResult",
     "Requirements",
     "Resolution",
-    "ReplayResult",
     "ResolutionError",
     "Role",
     "SelectionConfig",

@@ -169,7 +169,9 @@ class SelectionConfig:
     global_backend: Backend | None = field(default=None, converter=_global_backend)
     global_backend_explicit: bool = field(default=True, converter=bool)
     forced_backend: Backend | None = field(default=None, converter=_forced_backend)
-    component_backends: tuple[tuple[str, Backend], ...] = field(default=(), converter=_component_backends)
+    component_backends: tuple[tuple[str, Backend], ...] = field(
+        default=(), converter=_component_backends
+    )
 
     def component_backend(self, component: str | None) -> Backend | None:
         if component is None:

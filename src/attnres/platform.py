@@ -211,7 +211,9 @@ class Platform:
             where += f" sm{self.capability[0]}{self.capability[1]}"
         elif self.arch:
             where += f" {self.arch}"
-        if self.device_name:
+        if self.simulated:
+            where += " (simulated)"
+        elif self.device_name and self.device_name != self.kind:
             where += f" ({self.device_name})"
         return where
 
@@ -388,7 +390,9 @@ def _probe() -> Platform:
                     available = (
                         backend_mod.is_available()
                         if backend_mod is not None
-                        else bool(getattr(torch, name, None) and getattr(torch, name).is_available())
+                        else bool(
+                            getattr(torch, name, None) and getattr(torch, name).is_available()
+                        )
                     )
                 except Exception as exc:
                     notes.append(f"torch.{name} query failed: {_describe(exc)}")

@@ -187,7 +187,9 @@ def loader_for(kind: str) -> type[ComponentLoader]:
             ) from None
 
 
-def _role_backends(value: Mapping[Role | str, Backend | str] | None) -> tuple[tuple[Role, Backend], ...]:
+def _role_backends(
+    value: Mapping[Role | str, Backend | str] | None,
+) -> tuple[tuple[Role, Backend], ...]:
     if not value:
         return ()
     if not isinstance(value, Mapping):
@@ -323,6 +325,16 @@ def _check_applied(handle: ScopeHandle) -> None:
                 problems.append(
                     f"backend {state.backend.name!r} was requested for component "
                     f"{state.component!r}, but the scope built no attnres attention layer"
+                )
+            elif any(d.origin == "component_override" for _, d in entries):
+                rejected = [d.layer or "<unnamed>" for _, d in entries
+                            if d.origin == "component_override" and d.backend is None]
+                problems.append(
+                    f"backend {state.backend.name!r} was requested for component "
+                    f"{state.component!r}, but it was rejected for "
+                    f"{len(rejected)} layer(s) ({', '.join(rejected[:5])}"
+                    f"{', ...' if len(rejected) > 5 else ''}) and no layer runs it "
+                    f"(each rejection raised a ResolutionError saying why)"
                 )
             else:
                 origins = sorted({d.origin for _, d in entries})
