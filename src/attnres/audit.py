@@ -56,49 +56,57 @@ _FALLBACK = structlog.wrap_logger(
 ).bind()
 
 
-def _logger(level: int) -> Any | None:
-    """A bound logger that will emit at ``level``, or ``None`` when it would drop it."""
+def _always(_level: int) -> bool:
+    return True
+
+
+def _sink() -> tuple[Any, Any]:
+    """The logger to emit through and its level test, fetched once per emission.
+
+    A configured structlog gets a fresh logger each time (never one cached at
+    import, so a later ``structlog.configure`` or ``capture_logs`` is honoured);
+    otherwise the stdlib ``attnres`` logger decides.
+    """
     if structlog.is_configured():
         log = structlog.get_logger(LOGGER_NAME).bind()
         enabled = getattr(log, "is_enabled_for", None) or getattr(log, "isEnabledFor", None)
-        if enabled is not None:
-            try:
-                if not enabled(level):
-                    return None
-            except Exception:  # an unusual wrapper: let it decide itself
-                return log
+        return log, (enabled if enabled is not None else _always)
+    return _FALLBACK, _STDLIB.isEnabledFor
+
+
+def _logger(level: int) -> Any | None:
+    """A bound logger that will emit at ``level``, or ``None`` when it would drop it."""
+    log, enabled = _sink()
+    try:
+        return log if enabled(level) else None
+    except Exception:  # an unusual wrapper: let it decide itself
         return log
-    if not _STDLIB.isEnabledFor(level):
-        return None
-    return _FALLBACK
-
-
-def _debug_enabled() -> bool:
-    if structlog.is_configured():
-        return _logger(logging.DEBUG) is not None
-    return _STDLIB.isEnabledFor(logging.DEBUG)
 
 
 def emit_resolution(trace: Trace, decision: Decision) -> None:
     """The DEBUG record events and the INFO/WARNING outcome of one cold resolution."""
     outcome = trace.outcome
-    # the outcome's own level gates it: a rejection (WARNING) is seen by an
-    # application that filters at WARNING; DEBUG on implies both are on
-    info = _logger(logging.INFO if outcome.status == "selected" else logging.WARNING)
-    if info is None:
+    log, enabled = _sink()
+    try:
+        # the outcome's own level gates it: a rejection (WARNING) is seen by an
+        # application that filters at WARNING
+        outcome_on = enabled(logging.INFO if outcome.status == "selected" else logging.WARNING)
+        debug_on = outcome_on and enabled(logging.DEBUG)
+    except Exception:  # an unusual wrapper: let it decide itself
+        outcome_on = debug_on = True
+    if not outcome_on:
         return
     common = {"component": decision.component, "layer": decision.layer}
-    debug = _logger(logging.DEBUG)
-    if debug is not None:
+    if debug_on:
         from attnres.trace import record_to_dict
 
         for index, record in enumerate(trace.records):
             fields = record_to_dict(record)
             if "event" in fields:  # a transition's event: not the log event's name
                 fields["machine_event"] = fields.pop("event")
-            debug.debug("attention record", index=index, **common, **fields)
+            log.debug("attention record", index=index, **common, **fields)
     if outcome.status == "selected":
-        info.info(
+        log.info(
             "attention backend selected",
             backend=decision.backend,
             reason=decision.reason,
@@ -106,7 +114,7 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
             **common,
         )
     else:
-        info.warning(
+        log.warning(
             "attention backend rejected",
             backend=None,
             requested=_requested(trace),
@@ -125,14 +133,14 @@ def _requested(trace: Trace) -> str | None:
 
 
 def emit_cache_hit(decision: Decision) -> None:
-    if structlog.is_configured():
+    if not structlog.is_configured():
+        if not _STDLIB.isEnabledFor(logging.DEBUG):
+            return  # the common production case: one cheap check
+        log: Any = _FALLBACK
+    else:
         log = _logger(logging.DEBUG)
         if log is None:
             return
-    elif not _STDLIB.isEnabledFor(logging.DEBUG):
-        return
-    else:
-        log = _FALLBACK
     log.debug(
         "attention cache hit",
         backend=decision.backend,
