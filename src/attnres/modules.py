@@ -1,0 +1,528 @@
+"""``attnres.Attention``: a ``torch.nn.Module`` that runs the resolved kernel.
+
+The layer resolves once, at construction, inside the current component scope
+(:func:`attnres.resolve` with the layer's :class:`~attnres.LayerSpec`; the
+scope's role override reaches the resolver through the spec's role), and binds
+the kernel then. ``forward`` makes no decision, looks nothing up and builds no
+dicts: it checks the input shapes and dtype against the layer with a handful of
+integer comparisons and calls the bound kernel.
+
+Errors
+------
+- construction: a bad argument is a ``ValueError`` naming it; a rejected
+  resolution is :class:`~attnres.ResolutionError` (a ``ValueError``);
+- construction: the selected backend has no kernel adapter (a sparse backend, or
+  a third-party backend registered without a kernel) is
+  :class:`KernelNotRegisteredError`, a ``RuntimeError``: the arguments are fine
+  (the same call works once a kernel is registered), the process lacks an
+  implementation. Its message says how to register one;
+- construction: the selected backend's kernel package cannot be imported (the
+  platform facts said it could) is
+  :class:`~attnres.kernels.KernelUnavailableError`, an ``ImportError``;
+- ``forward``: inputs that do not match the layer (rank, batch, heads, head
+  size, k/v shapes, a dtype the kernel cannot take, q/k/v dtypes that differ)
+  are a ``ValueError`` saying which.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, Final, NamedTuple, overload
+
+import torch
+import torch.nn.modules.module as _nn_module
+from torch import Tensor, nn
+
+from attnres._vocab import Role
+from attnres.backends import Backend, lookup_spec
+from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel
+from attnres.layer import LayerSpec, Requirements
+from attnres.machine import Resolution, resolve
+from attnres.platform import Platform
+
+__all__ = ["Attention", "KernelNotRegisteredError"]
+
+
+class KernelNotRegisteredError(RuntimeError):
+    """The resolver selected a backend for which no kernel is registered.
+
+    Sparse backends (``sliding_tile_attn``, ``video_sparse_attn``, ...) need
+    layout metadata the dense calling convention does not carry, so attnres
+    ships no adapter for them; a third-party backend added with
+    :func:`attnres.register_backend` needs its kernel too. Register one with
+    :func:`attnres.kernels.register_kernel`. ``.backend`` names the backend and
+    ``.resolution`` holds the decision (already in :func:`attnres.decisions`).
+    """
+
+    def __init__(self, message: str, backend: Backend, resolution: Resolution) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.resolution = resolution
+
+
+_TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+# Memos for the construction path (a 48-block model builds the same layer 48
+# times). Both map hashable, immutable inputs to immutable outputs, so a stale
+# entry is impossible; they are bounded and cleared wholesale when full.
+_MEMO_MAX: Final = 1024
+_MEMO_LOCK = threading.Lock()
+_SPECS: dict[tuple[object, ...], LayerSpec] = {}
+_DTYPE_SETS: dict[frozenset[str], frozenset[torch.dtype]] = {}
+
+
+def _memo_put(memo: dict[Any, Any], key: object, value: object) -> None:
+    with _MEMO_LOCK:
+        if len(memo) >= _MEMO_MAX:
+            memo.clear()
+        memo[key] = value
+
+
+# nn.Module.__call__ costs about a microsecond before it reaches forward (two
+# Python frames, *args re-packing, eight hook lookups): 5% of a (1, 16, 8, 64)
+# SDPA call on CPU. Attention.__call__ runs forward directly when nn.Module
+# would do nothing else -- no hooks on the layer, no global module hooks, not
+# compiled with Module.compile(), not being traced by torch.jit -- and is
+# nn.Module.__call__ in every other case. The global hook registries are
+# module-level dicts that torch mutates in place (never rebinds); on a torch
+# without them, the stand-ins below are never empty, so every call takes
+# nn.Module.__call__.
+_ALWAYS_SLOW: Final[dict[Any, Any]] = {"torch without global hook registries": True}
+_G_BWD_PRE: dict[Any, Any] = getattr(_nn_module, "_global_backward_pre_hooks", _ALWAYS_SLOW)
+_G_BWD: dict[Any, Any] = getattr(_nn_module, "_global_backward_hooks", _ALWAYS_SLOW)
+_G_FWD_PRE: dict[Any, Any] = getattr(_nn_module, "_global_forward_pre_hooks", _ALWAYS_SLOW)
+_G_FWD: dict[Any, Any] = getattr(_nn_module, "_global_forward_hooks", _ALWAYS_SLOW)
+_tracing_state = torch._C._get_tracing_state
+_module_call = nn.Module.__call__
+
+
+def _positive_int(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _merge_requirements(given: Requirements | Any, *, causal: bool, gqa: bool) -> Requirements:
+    base = Requirements.of(given)
+    if (causal and not base.causal) or (gqa and not base.gqa):
+        return Requirements(
+            causal=base.causal or causal,
+            attn_mask=base.attn_mask,
+            packed_varlen=base.packed_varlen,
+            gqa=base.gqa or gqa,
+            dropout=base.dropout,
+        )
+    return base
+
+
+def _layer_spec(
+    head_size: int,
+    dtype: torch.dtype | str,
+    supported: Any,
+    default: Backend | str | None,
+    role: Role | str,
+    requirements: Any,
+    causal: bool,
+    gqa: bool,
+    name: str | None,
+) -> LayerSpec:
+    """The layer's spec, memoised on its (hashable) arguments."""
+    key: tuple[object, ...] = (
+        head_size,
+        dtype,
+        supported,
+        default,
+        role,
+        requirements,
+        causal,
+        gqa,
+        name,
+    )
+    try:
+        spec = _SPECS.get(key)
+        hashable = True
+    except TypeError:  # an unhashable argument (a list of backends): no memo
+        spec, hashable = None, False
+    if spec is not None:
+        return spec
+    spec = LayerSpec(
+        head_size=head_size,
+        dtype=dtype,
+        supported=supported,
+        default=default,
+        role=role,
+        requirements=_merge_requirements(requirements, causal=causal, gqa=gqa),
+        name=name,
+    )
+    if hashable:
+        _memo_put(_SPECS, key, spec)
+    return spec
+
+
+def _torch_dtypes(names: frozenset[str]) -> frozenset[torch.dtype]:
+    found = _DTYPE_SETS.get(names)
+    if found is None:
+        found = frozenset(_TORCH_DTYPES[n] for n in names if n in _TORCH_DTYPES)
+        _memo_put(_DTYPE_SETS, names, found)
+    return found
+
+
+def _describe_dtypes(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention over (batch, seq, heads, head_size) tensors.
+
+    Resolves its backend once, at construction, in the current
+    :func:`~attnres.component_scope` (and under :func:`~attnres.force_backend`
+    and the process-wide :class:`~attnres.SelectionConfig`); ``.backend`` and
+    ``.resolution`` say what it chose and why, and the decision is recorded in
+    :func:`attnres.decisions` under ``name``.
+
+    ``forward(q, k, v, attn_mask=None)``: ``q`` is (batch, seq, num_heads,
+    head_size); ``k`` and ``v`` are (batch, seq_kv, num_kv_heads, head_size);
+    returns ``q``'s shape. ``attn_mask`` follows torch SDPA: boolean ``True``
+    takes part, a float mask is added to the scores; it broadcasts to
+    (batch, num_heads, seq, seq_kv). A layer that will receive masks should
+    declare ``requirements=Requirements(attn_mask=True)`` so that it is never
+    given a kernel that cannot apply them. ``causal`` is top-left aligned like
+    SDPA's ``is_causal``; ``softmax_scale`` defaults to ``1/sqrt(head_size)``.
+    ``num_kv_heads < num_heads`` is grouped-query attention (the layer then
+    requires ``gqa``; ``causal=True`` requires ``causal``).
+
+    ``dtype`` (default: torch's default dtype) is what the layer is resolved for;
+    ``forward`` accepts any dtype the bound kernel can take.
+
+    Extensions of the SPEC signature: ``backend`` (a request for this one layer,
+    origin ``layer``, strict), ``platform`` (resolve against these platform facts
+    instead of the detected ones) and ``is_cross_attention`` (a synonym of
+    ``role="cross"``; ``False`` means ``role="self"``).
+
+    Raises at construction: ``ValueError`` for a bad argument,
+    :class:`~attnres.ResolutionError` (a ``ValueError``) when no backend can serve
+    the layer, :class:`KernelNotRegisteredError` (a ``RuntimeError``) when the
+    selected backend has no kernel (sparse backends), and
+    :class:`~attnres.kernels.KernelUnavailableError` (an ``ImportError``) when
+    its kernel package cannot be imported.
+    """
+
+    layer_spec: LayerSpec
+    resolution: Resolution
+    kernel: KernelFn
+    _shape: _LayerShape
+    _run: Callable[..., Tensor]
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        *,
+        num_kv_heads: int | None = None,
+        role: Role | str = Role.SELF,
+        causal: bool = False,
+        supported: Any = None,
+        default: Backend | str | None = None,
+        requirements: Requirements | Any = None,
+        dtype: torch.dtype | str | None = None,
+        softmax_scale: float | None = None,
+        name: str | None = None,
+        backend: Backend | str | None = None,
+        is_cross_attention: bool | None = None,
+        platform: Platform | None = None,
+    ) -> None:
+        super().__init__()
+        _positive_int("num_heads", num_heads)
+        _positive_int("head_size", head_size)
+        kv_heads = (
+            num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        )
+        if num_heads % kv_heads:
+            raise ValueError(
+                f"num_kv_heads: {kv_heads} does not divide num_heads {num_heads}; grouped-query "
+                f"attention needs num_heads to be a multiple of num_kv_heads"
+            )
+        if is_cross_attention is not None:
+            if not isinstance(is_cross_attention, bool):
+                raise ValueError(
+                    f"is_cross_attention: expected True, False or None, got {is_cross_attention!r}"
+                )
+            implied = Role.CROSS if is_cross_attention else Role.SELF
+            if Role.parse(role) is not implied and Role.parse(role) is not Role.SELF:
+                raise ValueError(
+                    f"role={role!r} contradicts is_cross_attention={is_cross_attention}"
+                )
+            role = implied
+        if type(causal) is not bool:
+            if not isinstance(causal, (bool, int)) or causal not in (0, 1):
+                raise ValueError(f"causal: expected a bool, got {causal!r}")
+            causal = bool(causal)
+        scale: float | None = None
+        if softmax_scale is not None:
+            if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+                raise ValueError(f"softmax_scale: expected a number or None, got {softmax_scale!r}")
+            scale = float(softmax_scale)
+            if not math.isfinite(scale):
+                raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale!r}")
+        spec = _layer_spec(
+            head_size,
+            torch.get_default_dtype() if dtype is None else dtype,
+            supported,
+            default,
+            role,
+            requirements,
+            causal,
+            kv_heads != num_heads,
+            name,
+        )
+        resolution = resolve(spec, platform=platform, backend=backend)
+        kernel, dtypes = _bind(resolution, spec)
+        shape = _LayerShape(
+            num_heads, kv_heads, head_size, causal, scale, resolution.backend.name, spec.dtype
+        )
+        # Plain attributes, set without nn.Module.__setattr__'s parameter/module
+        # bookkeeping (none of them is a tensor or a module).
+        self.__dict__.update(
+            layer_spec=spec,
+            resolution=resolution,
+            kernel=kernel,
+            _shape=shape,
+            _run=_make_run(shape, kernel, dtypes),
+        )
+
+    # The configuration is fixed at construction (forward binds it): read-only.
+    @property
+    def num_heads(self) -> int:
+        return self._shape.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._shape.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self._shape.head_size
+
+    @property
+    def causal(self) -> bool:
+        return self._shape.causal
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The scale given at construction; ``None`` means ``1/sqrt(head_size)``."""
+        return self._shape.softmax_scale
+
+    @property
+    def role(self) -> Role:
+        return self.layer_spec.role
+
+    @property
+    def backend(self) -> Backend:
+        """The backend this layer runs (``.resolution`` says why)."""
+        return self.resolution.backend
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        if (
+            self._forward_hooks
+            or self._forward_pre_hooks
+            or self._backward_hooks
+            or self._backward_pre_hooks
+            or self._compiled_call_impl is not None
+            or _G_BWD_PRE
+            or _G_BWD
+            or _G_FWD_PRE
+            or _G_FWD
+            or _tracing_state()
+        ):
+            out: Tensor = _module_call(self, *args, **kwargs)
+            return out
+        return self._run(*args, **kwargs)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        return self._run(q, k, v, attn_mask)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, role={self.role.value}, "
+            f"causal={self.causal}, backend={self.backend.name}"
+            + (f", reason={self.resolution.reason!r}" if self.resolution.reason else "")
+        )
+
+    # The bound kernel and the forward closure are not picklable: pickling keeps
+    # the decision and binds the same backend's kernel again on load, without
+    # resolving.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("kernel", "_run"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        kernel, dtypes = _bind(self.resolution, self.layer_spec)
+        self.__dict__.update(kernel=kernel, _run=_make_run(self._shape, kernel, dtypes))
+
+
+class _LayerShape(NamedTuple):
+    """What ``forward`` checks and passes on: fixed at construction."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    causal: bool
+    softmax_scale: float | None
+    backend: str
+    dtype: str  # the dtype the layer was resolved for
+
+
+def _make_run(
+    shape: _LayerShape, kernel: KernelFn, dtypes: frozenset[torch.dtype]
+) -> Callable[..., Tensor]:
+    """The body of ``forward``, with everything it reads bound as closure cells.
+
+    On an ``nn.Module`` every ``self.x`` goes through the class's ``__getattr__``
+    hook (about 20 ns each); a closure cell costs nothing, and the closure holds
+    no reference to the layer.
+    """
+    heads_q, heads_kv, head_size, causal, scale = shape[:5]
+
+    def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        # Three shapes and one dtype are read; anything else a kernel would refuse
+        # (q/k/v dtypes that differ, ...) is diagnosed only if the kernel raises.
+        try:
+            batch, _, heads, size = q.shape
+            kv_shape = k.shape
+            kv_batch, _, kv_heads, kv_size = kv_shape
+        except ValueError:
+            raise _mismatch(shape, dtypes, q, k, v) from None
+        if (
+            heads != heads_q
+            or size != head_size
+            or kv_heads != heads_kv
+            or kv_size != head_size
+            or kv_batch != batch
+            or v.shape != kv_shape
+            or q.dtype not in dtypes
+        ):
+            raise _mismatch(shape, dtypes, q, k, v)
+        try:
+            out = kernel(q, k, v, attn_mask, causal, scale)
+        except (RuntimeError, TypeError) as exc:
+            mismatch = _mismatch(shape, dtypes, q, k, v, strict=True)
+            if mismatch is None:
+                raise
+            raise mismatch from exc
+        return out
+
+    return run
+
+
+@overload
+def _mismatch(
+    shape: _LayerShape, dtypes: frozenset[torch.dtype], q: Tensor, k: Tensor, v: Tensor
+) -> ValueError: ...
+@overload
+def _mismatch(
+    shape: _LayerShape,
+    dtypes: frozenset[torch.dtype],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    strict: bool,
+) -> ValueError | None: ...
+
+
+def _mismatch(
+    shape: _LayerShape,
+    dtypes: frozenset[torch.dtype],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    strict: bool = False,
+) -> ValueError | None:
+    """What did not match the layer, as a ``ValueError``.
+
+    For inputs ``forward`` refused; with ``strict``, after the kernel raised:
+    ``None`` when the inputs match the layer (the kernel's own error stands).
+    """
+    h, hk, d = shape.num_heads, shape.num_kv_heads, shape.head_size
+    shapes = f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    expect = f"this layer takes q (batch, seq, {h}, {d}) and k, v (batch, seq_kv, {hk}, {d})"
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            return ValueError(
+                f"rank: {label} must have 4 dims (batch, seq, heads, head_size), got "
+                f"{t.dim()}; {shapes}"
+            )
+    if q.shape[3] != d or k.shape[3] != d or v.shape[3] != d:
+        return ValueError(f"head size: expected {d}; {shapes}; {expect}")
+    if q.shape[2] != h:
+        return ValueError(f"heads: q has {q.shape[2]} heads, expected {h}; {shapes}; {expect}")
+    if k.shape[2] != hk or v.shape[2] != hk:
+        gqa = f" (grouped-query: {h} query heads share {hk})" if hk != h else ""
+        return ValueError(f"heads: k and v must have {hk} heads{gqa}; {shapes}; {expect}")
+    if q.shape[0] != k.shape[0] or v.shape[0] != k.shape[0]:
+        return ValueError(f"batch: q, k and v must have the same batch size; {shapes}")
+    if v.shape != k.shape:
+        return ValueError(f"seq_kv: k and v must have the same shape; {shapes}")
+    if q.dtype not in dtypes:
+        return ValueError(
+            f"dtype: backend {shape.backend!r} cannot take {q.dtype} (it takes "
+            f"{_describe_dtypes(dtypes)}); this layer was resolved for {shape.dtype}"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return ValueError(
+            f"dtype: q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if strict:
+        return None
+    raise AssertionError(f"forward refused inputs that match the layer; {shapes}")
+
+
+def _bind(resolution: Resolution, spec: LayerSpec) -> tuple[KernelFn, frozenset[torch.dtype]]:
+    """The kernel of the selected backend and the torch dtypes it takes."""
+    backend = resolution.backend
+    name = backend.name
+    where = f" for layer {spec.name!r}" if spec.name else ""
+    if resolution.component is not None:
+        where += f" of component {resolution.component!r}"
+    try:
+        kernel = get_kernel(name)
+    except KernelUnavailableError as exc:
+        raise KernelUnavailableError(
+            f"Attention backend {name!r} was selected{where} (origin {resolution.origin}), but "
+            f"its kernel cannot be loaded: {exc}",
+            name=exc.name,
+        ) from exc
+    backend_spec = lookup_spec(backend)
+    if kernel is None or backend_spec is None:
+        kind = "sparse " if backend_spec is not None and backend_spec.sparse else ""
+        why = (
+            "sparse kernels need model-specific layout metadata that the dense calling "
+            "convention does not carry"
+            if kind
+            else "no kernel is registered for it"
+        )
+        raise KernelNotRegisteredError(
+            f"Attention backend {name!r} was selected{where} (origin {resolution.origin}), but "
+            f"attnres has no kernel for this {kind}backend ({why}). Register one with "
+            f"attnres.kernels.register_kernel({name!r}, fn), where fn(q, k, v, attn_mask, "
+            f"causal, scale) takes (batch, seq, heads, head_size) tensors and returns q's "
+            f"shape, or choose a dense backend for this layer; see docs/layers.md",
+            backend,
+            resolution,
+        )
+    return kernel, _torch_dtypes(backend_spec.dtypes)
