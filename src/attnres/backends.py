@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -473,6 +473,8 @@ class _Registry:
         self._plugins_loaded = False
         self._loading = False
         self._plugin_owner: dict[str, str] = {}
+        #: bumped on every registration change; see :func:`on_registry_change`
+        self.generation = 0
         for spec in BUILTIN_SPECS:
             self.add(spec)
 
@@ -511,6 +513,7 @@ class _Registry:
                 self._aliases[n] = spec.name
             if owner:
                 self._plugin_owner[spec.name] = owner
+            self._changed()
 
     def remove(self, name: str) -> None:
         with self._lock:
@@ -522,6 +525,15 @@ class _Registry:
                     del self._aliases[n]
             self._order.pop(name, None)
             self._plugin_owner.pop(name, None)
+            self._changed()
+
+    def _changed(self) -> None:
+        # What the registry says decides resolutions (the known, platform and
+        # supported checks, the supported-set order): a cached resolution made
+        # before a change must not outlive it (the resolver's cache listens).
+        self.generation += 1
+        for hook in _CHANGE_HOOKS:
+            hook()
 
     def load_plugins(self) -> None:
         if self._plugins_loaded:
@@ -614,7 +626,10 @@ class _Registry:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    # escaped, not lone surrogates (a path that is not UTF-8): the text ends up in
+    # Platform.notes, hence in every trace, its digest and its UTF-8 file
+    text = str(exc).encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"{type(exc).__name__}: {text}"
 
 
 def _specs_from_plugin(obj: Any) -> list[BackendSpec]:
@@ -632,7 +647,18 @@ def _specs_from_plugin(obj: Any) -> list[BackendSpec]:
     )
 
 
+_CHANGE_HOOKS: list[Callable[[], None]] = []
 _REGISTRY = _Registry()
+
+
+def on_registry_change(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` after every registration change (the resolver clears its cache)."""
+    _CHANGE_HOOKS.append(hook)
+
+
+def registry_generation() -> int:
+    """A counter bumped by every registration change."""
+    return _REGISTRY.generation
 
 
 def register_backend(spec: BackendSpec, *, replace: bool = False) -> Backend:

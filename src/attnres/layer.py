@@ -150,7 +150,9 @@ def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
                 f"component_backends: expected (component, backend) pairs, got {pair!r}"
             ) from None
         if not isinstance(name, str) or not name:
-            raise ValueError(f"component_backends: component name must be a string: {name!r}")
+            raise ValueError(
+                f"component_backends: component name must be a non-empty string, got {name!r}"
+            )
         out[name] = _parse_backend(backend, f"component_backends[{name!r}]")
     return tuple(sorted(out.items()))
 

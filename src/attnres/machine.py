@@ -43,7 +43,14 @@ from attrs import field, frozen
 from attnres import platform as _platform_mod
 from attnres._states import Check, Code, Event, Origin, Reason, State
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
-from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
+from attnres.backends import (
+    Backend,
+    BackendSpec,
+    catalogue_order,
+    lookup_spec,
+    on_registry_change,
+    registry_generation,
+)
 from attnres.errors import ResolutionError
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision
@@ -672,6 +679,12 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
+# A registration change (register_backend, unregister_backend, a plugin loading)
+# can change any answer: the cache forgets everything, and _resolve_cold stores
+# nothing computed against an older registry.
+on_registry_change(clear_cache)
+
+
 def cache_info() -> dict[str, int]:
     return {"size": len(_CACHE), "max_size": _CACHE_MAX}
 
@@ -693,7 +706,8 @@ def resolve(
         raise TypeError(f"resolve() takes a LayerSpec, got {type(layer).__name__}")
     cfg = _CONFIG if config is None else config
     forced = _FORCED.get()
-    if forced is not None and cfg.forced_backend != forced:
+    # (getattr: a config of the wrong type is reported on the cold path below)
+    if forced is not None and getattr(cfg, "forced_backend", forced) != forced:
         cfg = attrs.evolve(cfg, forced_backend=forced)
     if platform is None:
         platform = _platform_mod._DETECTED or Platform.detect()
@@ -702,8 +716,14 @@ def resolve(
     handle = current_handle()
     scope = None if handle is None else handle.state
     key = (layer, cfg, scope, platform, backend)
-    entry = _CACHE.get(key)
+    try:
+        entry = _CACHE.get(key)
+    except TypeError:  # an unhashable argument (a dict for a config, say): say which
+        _check_arguments(cfg, platform)
+        raise
     if entry is None:
+        # argument types are checked on the cold path only: a hit costs nothing more
+        _check_arguments(cfg, platform)
         entry = _resolve_cold(TraceInput(layer, cfg, scope, platform, backend), key)
     else:
         from attnres.audit import emit_cache_hit
@@ -718,7 +738,20 @@ def resolve(
     return resolution
 
 
+def _check_arguments(config: object, platform: object) -> None:
+    if not isinstance(config, SelectionConfig):
+        raise TypeError(
+            f"resolve(): config must be an attnres.SelectionConfig, got {type(config).__name__}"
+        )
+    if not isinstance(platform, Platform):
+        raise TypeError(
+            f"resolve(): platform must be an attnres.Platform (Platform.detect() or "
+            f"Platform.simulate('cuda:sm90+flash_attn')), got {type(platform).__name__}"
+        )
+
+
 def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
+    generation = registry_generation()
     trace = run_machine(inp)
     outcome = trace.outcome
     component = None if inp.scope is None else inp.scope.component
@@ -738,6 +771,8 @@ def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
     emit_resolution(trace, decision)
     entry: _CacheEntry = (resolution, decision, trace)
     with _CACHE_LOCK:
+        if generation != registry_generation():  # the registry changed meanwhile
+            return entry
         if len(_CACHE) >= _CACHE_MAX:
             for old in list(_CACHE)[: _CACHE_MAX // 8]:
                 del _CACHE[old]

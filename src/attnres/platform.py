@@ -299,6 +299,9 @@ _DETECT_LOCK = threading.Lock()
 
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    # A path that is not UTF-8 comes back with surrogate escapes (\udcff), which
+    # no UTF-8 trace, digest or log line can hold: keep them visible, escaped.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -219,8 +219,14 @@ class Trace:
 
 
 def canonical_json(obj: Any) -> str:
-    """Sorted keys, two-space indent, ``": "`` separators, UTF-8 text, trailing newline."""
-    return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+    """Sorted keys, two-space indent, ``": "`` separators, UTF-8 text, trailing newline.
+
+    A lone surrogate (a non-UTF-8 path decoded with ``surrogateescape``) has no
+    UTF-8 form: it is written as its JSON escape (``\\udcff``), which loads back
+    as the same string, so every trace has a digest and a file.
+    """
+    text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # =============================================================================
@@ -874,11 +880,15 @@ def trace_from_json(text: str, *, source: str = "<trace>") -> Trace:
     except _Invalid as exc:
         raise _format_error(source, "$" + exc.path, exc.message) from None
     except json.JSONDecodeError as exc:
-        truncated = exc.pos >= len(text.rstrip())
+        # json reports a string cut off by the end of the text at its start
+        # ("Unterminated string starting at"): that is a truncated file too
+        unterminated = exc.msg.startswith("Unterminated string")
+        truncated = unterminated or exc.pos >= len(text.rstrip())
         raise _format_error(
             source,
             "$",
-            f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+            f"not valid JSON: {exc.msg.removesuffix(' at')} at line {exc.lineno}, "
+            f"column {exc.colno}"
             + ("; the file looks truncated" if truncated else ""),
         ) from None
     except RecursionError:

@@ -1,0 +1,597 @@
+"""The bad-input catalogue: every malformed input attnres accepts from users, in
+one table, with the exact error it gives and a piece of the message users see.
+
+Each case is one of:
+
+- ``call``: a library call that must raise exactly ``expected`` (the exception's
+  type, not a subclass of it);
+- ``argv``: an ``attnres`` command line that must exit with ``expected`` (2: bad
+  usage or input), print nothing on stdout, and explain itself on stderr in one
+  paragraph without a traceback;
+- ``file``: a file's content (a pipeline ``.toml`` or a trace ``.json``): the
+  library's loader must raise ``expected`` and the command that reads such a
+  file (``attnres plan`` / ``attnres replay``) must exit 2, with the same
+  message on stderr.
+
+``docs/errors.md`` documents the catalogue: the error types, each mistake's
+message and what to do, the exit codes and the rejection codes.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import attnres
+from attnres import (
+    Attention,
+    Backend,
+    BackendNotAppliedError,
+    LayerSpec,
+    Platform,
+    Requirements,
+    ResolutionError,
+    SelectionConfig,
+    TraceFormatError,
+    UnknownBackendError,
+    component_scope,
+    force_backend,
+    resolve,
+)
+from attnres.backends import BackendSpec, register_backend, unregister_backend
+from attnres.cli import main
+from attnres.errors import PluginError
+from attnres.machine import run_machine
+from attnres.modules import KernelNotRegisteredError
+from attnres.plan import PipelineError, load_pipeline
+from attnres.scope import register_component_kind
+from attnres.trace import TraceInput, load_trace
+
+CPU = Platform.simulate("cpu")
+H100 = Platform.simulate("cuda:sm90+all")
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    expected: type[BaseException] | int
+    fragment: str
+    call: Callable[[], object] | None = None
+    argv: tuple[str, ...] | None = None
+    file: tuple[str, str | bytes] | None = None  # (suffix, content)
+
+    def __repr__(self) -> str:
+        return self.id
+
+
+def _scope(*args: Any, **kwargs: Any) -> None:
+    with component_scope(*args, **kwargs):
+        pass
+
+
+def _forward(q: tuple[int, ...], kv: tuple[int, ...] | None = None, *, dtype: Any = None,
+             kv_dtype: Any = None) -> object:
+    layer = Attention(8, 64, platform=CPU)
+    kv = q if kv is None else kv
+    qt = torch.zeros(q, dtype=dtype or torch.float32)
+    kt = torch.zeros(kv, dtype=kv_dtype or dtype or torch.float32)
+    return layer(qt, kt, kt)
+
+
+def _enter_forced(name: Any) -> None:
+    with force_backend(name):
+        pass
+
+
+_SPEC = dict(sparse=False, platforms=("cpu",), dtypes=("float32",))
+
+
+def _pipeline(layer: str = "", component: str = "", top: str = "") -> str:
+    """A valid pipeline file with extra lines in the layer, the component, the top."""
+    return (
+        textwrap.dedent(
+            """\
+            [pipeline]
+            name = "bad-inputs"
+            {top}
+            [[components]]
+            name = "vae"
+            {component}
+            [[components.layers]]
+            name = "mid.attn"
+            {layer}
+            """
+        ).format(top=top, component=component, layer=layer)
+    )
+
+
+_LAYER_OK = 'head_size = 64\ndtype = "float32"'
+
+
+def _valid_trace_doc() -> dict[str, Any]:
+    return run_machine(
+        TraceInput(LayerSpec(64, "float32", name="mid.attn"), SelectionConfig(), None, CPU)
+    ).to_dict()
+
+
+def _trace(edit: Callable[[dict[str, Any]], object]) -> str:
+    doc = _valid_trace_doc()
+    edit(doc)
+    return json.dumps(doc, indent=2)
+
+
+_VALID_TRACE = json.dumps(_valid_trace_doc(), indent=2)
+_UNKNOWN = "Unknown attention backend"
+
+CASES: list[Case] = [
+    # -- layer specs ----------------------------------------------------------
+    Case("layer-head-size-0", ValueError, "head_size: must be at least 1, got 0",
+         call=lambda: LayerSpec(0, "fp32")),
+    Case("layer-head-size-negative", ValueError, "head_size: must be at least 1, got -1",
+         call=lambda: LayerSpec(-1, "fp32")),
+    Case("layer-head-size-bool", ValueError, "head_size: expected a positive integer, got True",
+         call=lambda: LayerSpec(True, "fp32")),
+    Case("layer-head-size-str", ValueError, "head_size: expected a positive integer, got '64'",
+         call=lambda: LayerSpec("64", "fp32")),
+    Case("layer-head-size-float", ValueError, "head_size: expected a positive integer, got 64.0",
+         call=lambda: LayerSpec(64.0, "fp32")),
+    Case("layer-unknown-dtype", ValueError, "dtype: unknown dtype 'int8'; use one of float16",
+         call=lambda: LayerSpec(64, "int8")),
+    Case("layer-unsupported-torch-dtype", ValueError, "dtype: unknown dtype torch.int8",
+         call=lambda: LayerSpec(64, torch.int8)),
+    Case("layer-unknown-backend-in-supported", UnknownBackendError,
+         "supported: Unknown attention backend 'flash_atn'. Did you mean 'fa'? Valid backends: ",
+         call=lambda: LayerSpec(64, "fp32", supported=["torch_sdpa", "flash_atn"])),
+    Case("layer-empty-supported", ValueError,
+         "supported: an empty set admits no backend; pass None",
+         call=lambda: LayerSpec(64, "fp32", supported=[])),
+    Case("layer-supported-not-a-set", ValueError,
+         "supported: expected a set of backend names, got 5",
+         call=lambda: LayerSpec(64, "fp32", supported=5)),
+    Case("layer-supported-non-string", ValueError,
+         "supported: backend must be a Backend or a str, got int",
+         call=lambda: LayerSpec(64, "fp32", supported=[3])),
+    Case("layer-unknown-default", UnknownBackendError,
+         "default: Unknown attention backend 'sage_atn'. Did you mean 'sage_attn'?",
+         call=lambda: LayerSpec(64, "fp32", default="sage_atn")),
+    Case("layer-bad-role", ValueError, "role must be 'self' or 'cross', got 'bidirectional'",
+         call=lambda: LayerSpec(64, "fp32", role="bidirectional")),
+    Case("layer-unknown-requirement", ValueError,
+         "requirements: unknown requirement 'casual'; valid: causal, attn_mask, packed_varlen",
+         call=lambda: LayerSpec(64, "fp32", requirements=["casual"])),
+    Case("requirements-from-a-string", ValueError, "requirements: unknown requirement 'casual'",
+         call=lambda: Requirements.of("causal,casual")),
+    Case("layer-name-not-a-string", ValueError, "name: expected a string, got 5",
+         call=lambda: LayerSpec(64, "fp32", name=5)),
+    # -- platform strings -----------------------------------------------------
+    Case("platform-unknown-kind", ValueError,
+         "unknown platform kind 'gpu' in 'gpu'; expected KIND[:ARCH][+PACKAGE...]",
+         call=lambda: Platform.simulate("gpu")),
+    Case("platform-bad-cuda-arch", ValueError,
+         "cannot parse CUDA architecture 'hopper' in 'cuda:hopper' (use sm80, sm90",
+         call=lambda: Platform.simulate("cuda:hopper")),
+    Case("platform-bad-rocm-arch", ValueError,
+         "cannot parse ROCm architecture 'mi300' in 'rocm:mi300' (use gfx90a",
+         call=lambda: Platform.simulate("rocm:mi300")),
+    Case("platform-unknown-package", ValueError,
+         "unknown kernel package 'flashattn' in platform spec 'cuda:sm90+flashattn'; known "
+         "packages: aiter, flash_attn,",
+         call=lambda: Platform.simulate("cuda:sm90+flashattn")),
+    Case("platform-empty", ValueError, "cannot parse platform spec ''; expected KIND[:ARCH]",
+         call=lambda: Platform.simulate("")),
+    Case("platform-space", ValueError, "cannot parse platform spec 'cuda sm90'; expected ",
+         call=lambda: Platform.simulate("cuda sm90")),
+    Case("platform-not-a-string", ValueError,
+         "platform spec must be a string in the form KIND[:ARCH][+PACKAGE...]",
+         call=lambda: Platform.simulate(None)),  # type: ignore[arg-type]
+    Case("platform-kind-field", ValueError, "platform kind must be one of cpu, cuda, rocm",
+         call=lambda: Platform(kind="tpu")),
+    # -- backend names --------------------------------------------------------
+    Case("backend-unknown-with-suggestion", UnknownBackendError,
+         "Unknown attention backend 'sage_atn'. Did you mean 'sage_attn'? Valid backends: aiter,",
+         call=lambda: Backend.parse("sage_atn")),
+    Case("backend-unknown-no-suggestion", UnknownBackendError,
+         "Unknown attention backend 'zzzz'. Valid backends: aiter, ascend_fa,",
+         call=lambda: Backend.parse("zzzz")),
+    Case("backend-not-a-string", TypeError, "backend must be a Backend or a str, got int",
+         call=lambda: Backend.parse(3)),  # type: ignore[arg-type]
+    Case("resolve-unknown-layer-backend", UnknownBackendError,
+         "backend: Unknown attention backend 'fz'. Did you mean 'fa'?",
+         call=lambda: resolve(LayerSpec(64, "fp32"), platform=CPU, backend="fz")),
+    Case("force-backend-unknown", UnknownBackendError, "backend: Unknown attention backend 'nope'",
+         call=lambda: _enter_forced("nope")),
+    Case("force-backend-none", ValueError, "force_backend: backend must be a backend name",
+         call=lambda: _enter_forced(None)),
+    Case("unregister-unknown", UnknownBackendError, "Unknown attention backend 'nope'",
+         call=lambda: unregister_backend("nope")),
+    # -- selection configs ----------------------------------------------------
+    Case("config-unknown-global-backend", UnknownBackendError,
+         "global_backend: Unknown attention backend 'flash'. Did you mean 'fa'?",
+         call=lambda: SelectionConfig(global_backend="flash")),
+    Case("config-global-backend-not-a-string", ValueError,
+         "global_backend: backend must be a Backend or a str, got int",
+         call=lambda: SelectionConfig(global_backend=5)),  # type: ignore[arg-type]
+    Case("config-unknown-forced-backend", UnknownBackendError,
+         "forced_backend: Unknown attention backend 'nope'",
+         call=lambda: SelectionConfig(forced_backend="nope")),
+    Case("config-unknown-component-backend", UnknownBackendError,
+         "component_backends['vae']: Unknown attention backend 'nope'",
+         call=lambda: SelectionConfig(component_backends={"vae": "nope"})),
+    Case("config-empty-component-name", ValueError,
+         "component_backends: component name must be a non-empty string, got ''",
+         call=lambda: SelectionConfig(component_backends={"": "fa"})),
+    Case("set-selection-config-not-a-config", TypeError, "expected a SelectionConfig, got dict",
+         call=lambda: attnres.set_selection_config({"global_backend": "fa"})),  # type: ignore
+    # -- resolve() arguments --------------------------------------------------
+    Case("resolve-not-a-layer", TypeError, "resolve() takes a LayerSpec, got dict",
+         call=lambda: resolve({"head_size": 64})),  # type: ignore[arg-type]
+    Case("resolve-config-not-a-config", TypeError,
+         "resolve(): config must be an attnres.SelectionConfig, got dict",
+         call=lambda: resolve(LayerSpec(64, "fp32"), config={"a": 1}, platform=CPU)),  # type: ignore
+    Case("resolve-platform-string", TypeError,
+         "resolve(): platform must be an attnres.Platform (Platform.detect() or "
+         "Platform.simulate('cuda:sm90+flash_attn')), got str",
+         call=lambda: resolve(LayerSpec(64, "fp32"), platform="cpu")),  # type: ignore[arg-type]
+    # -- rejections (ResolutionError, a ValueError carrying the trace) ---------
+    Case("rejected-not-supported", ResolutionError,
+         "Attention backend 'torch_sdpa' is not supported by this attention layer; supported "
+         "backends: ['fa']",
+         call=lambda: resolve(LayerSpec(64, "bf16", supported=["fa"]), platform=H100,
+                              backend="torch_sdpa")),
+    Case("rejected-packed-varlen", ResolutionError,
+         "Attention backend 'torch_sdpa' does not implement packed varlen attention",
+         call=lambda: resolve(LayerSpec(64, "bf16", requirements=["packed_varlen"]),
+                              platform=H100, backend="torch_sdpa")),
+    Case("rejected-platform", ResolutionError,
+         "Attention backend 'fa' cannot run this layer on cpu (simulated): runs on cuda, rocm, "
+         "not on cpu",
+         call=lambda: resolve(LayerSpec(64, "fp32"), platform=CPU, backend="fa")),
+    Case("rejected-no-compatible-backend", ResolutionError,
+         "No compatible attention backend is available: tried torch_sdpa (platform_default): "
+         "does not take dtype float8_e4m3fn",
+         call=lambda: resolve(LayerSpec(64, "fp8"), platform=CPU)),
+    Case("rejected-sparse-cross-only", ResolutionError,
+         "No compatible attention backend is available: tried sliding_tile_attn (supported_set): "
+         "Sparse attention backend 'sliding_tile_attn' cannot serve cross-attention",
+         call=lambda: resolve(LayerSpec(64, "bf16", role="cross", supported=["sliding_tile_attn"]),
+                              platform=H100)),
+    # -- component_scope arguments --------------------------------------------
+    Case("scope-empty-name", ValueError,
+         "component_scope: name must be a non-empty string, got ''",
+         call=lambda: _scope("")),
+    Case("scope-blank-name", ValueError,
+         "component_scope: name must be a non-empty string, got '   '",
+         call=lambda: _scope("   ")),
+    Case("scope-name-none", ValueError,
+         "component_scope: name must be a non-empty string, got None",
+         call=lambda: _scope(None)),
+    Case("scope-unknown-role", ValueError, "role must be 'self' or 'cross', got 'bidirectional'",
+         call=lambda: _scope("vae", role_backends={"bidirectional": "fa"})),
+    Case("scope-role-backends-not-a-mapping", ValueError,
+         "role_backends: expected a mapping role -> backend, got ['cross']",
+         call=lambda: _scope("vae", role_backends=["cross"])),
+    Case("scope-role-backend-none", ValueError, "role_backends['cross']: backend must not be None",
+         call=lambda: _scope("vae", role_backends={"cross": None})),
+    Case("scope-role-backend-unknown", UnknownBackendError,
+         "role_backends['cross']: Unknown attention backend 'nope'",
+         call=lambda: _scope("vae", role_backends={"cross": "nope"})),
+    Case("scope-unknown-backend", UnknownBackendError, "backend: Unknown attention backend 'nope'",
+         call=lambda: _scope("vae", backend="nope")),
+    Case("scope-bad-kind", ValueError,
+         "unknown component kind 'vea'; registered kinds: audio_vae, bridge, component",
+         call=lambda: _scope("vae", kind="vea")),
+    Case("scope-override-not-applied", BackendNotAppliedError,
+         "backend 'fa' was requested for component 'vae', but the scope built no attnres "
+         "attention layer",
+         call=lambda: _scope("vae", backend="fa")),
+    Case("component-kind-bad-name", ValueError,
+         "component kind must be lower-case snake_case, got 'Bad Kind'",
+         call=lambda: register_component_kind("Bad Kind")),
+    Case("component-kind-bad-loader", TypeError, "loader must be a ComponentLoader subclass",
+         call=lambda: register_component_kind("ok_kind", loader=int)),  # type: ignore[arg-type]
+    # -- backend registration ---------------------------------------------------
+    Case("backend-spec-bad-name", ValueError,
+         "backend name must be lower-case letters, digits and '_', got 'Bad-Name'",
+         call=lambda: BackendSpec(name="Bad-Name", **_SPEC)),  # type: ignore[arg-type]
+    Case("backend-spec-unknown-platform", ValueError, "platforms: unknown platform kinds ['gpu']",
+         call=lambda: BackendSpec(name="k", sparse=False, platforms=("gpu",),
+                                  dtypes=("float32",))),
+    Case("register-builtin-name", PluginError,
+         "backend 'fa' (from register_backend()) is already registered by the built-in "
+         "catalogue",
+         call=lambda: register_backend(BackendSpec(name="fa", **_SPEC))),  # type: ignore[arg-type]
+    Case("register-taken-alias", PluginError,
+         "the name 'sdpa' already belongs to backend 'torch_sdpa'",
+         call=lambda: register_backend(
+             BackendSpec(name="my_kernel", aliases=("sdpa",), **_SPEC))),  # type: ignore[arg-type]
+    # -- Attention construction -------------------------------------------------
+    Case("attention-kv-heads-not-dividing", ValueError,
+         "num_kv_heads: 3 does not divide num_heads 8; grouped-query attention needs",
+         call=lambda: Attention(8, 64, num_kv_heads=3, platform=CPU)),
+    Case("attention-bad-dtype", ValueError, "dtype: unknown dtype 'int8'",
+         call=lambda: Attention(8, 64, dtype="int8", platform=CPU)),
+    Case("attention-zero-heads", ValueError, "num_heads: expected a positive integer, got 0",
+         call=lambda: Attention(0, 64, platform=CPU)),
+    Case("attention-negative-head-size", ValueError,
+         "head_size: expected a positive integer, got -64",
+         call=lambda: Attention(8, -64, platform=CPU)),
+    Case("attention-causal-not-bool", ValueError, "causal: expected a bool, got 'yes'",
+         call=lambda: Attention(8, 64, causal="yes", platform=CPU)),  # type: ignore[arg-type]
+    Case("attention-scale-nan", ValueError, "softmax_scale: expected a finite number, got nan",
+         call=lambda: Attention(8, 64, softmax_scale=float("nan"), platform=CPU)),
+    Case("attention-sparse-backend-has-no-kernel", KernelNotRegisteredError,
+         "Attention backend 'sliding_tile_attn' was selected (origin layer), but attnres has no "
+         "kernel for this sparse backend",
+         call=lambda: Attention(8, 64, dtype="bf16", backend="sliding_tile_attn", platform=H100)),
+    # -- Attention.forward inputs -------------------------------------------------
+    Case("forward-wrong-head-size", ValueError, "head size: expected 64; got q (1, 4, 8, 32)",
+         call=lambda: _forward((1, 4, 8, 32))),
+    Case("forward-wrong-heads", ValueError, "heads: q has 4 heads, expected 8",
+         call=lambda: _forward((1, 4, 4, 64), (1, 4, 8, 64))),
+    Case("forward-wrong-kv-heads", ValueError, "heads: k and v must have 8 heads",
+         call=lambda: _forward((1, 4, 8, 64), (1, 4, 4, 64))),
+    Case("forward-wrong-rank", ValueError,
+         "rank: q must have 4 dims (batch, seq, heads, head_size), got 3",
+         call=lambda: _forward((4, 8, 64), (1, 4, 8, 64))),
+    Case("forward-wrong-dtype", ValueError,
+         "dtype: backend 'torch_sdpa' cannot take torch.int32 (it takes bfloat16, float16, "
+         "float32, float64); this layer was resolved for float32",
+         call=lambda: _forward((1, 4, 8, 64), dtype=torch.int32)),
+    Case("forward-mixed-dtypes", ValueError,
+         "dtype: q, k and v must have the same dtype, got torch.float32, torch.float64",
+         call=lambda: _forward((1, 4, 8, 64), kv_dtype=torch.float64)),
+    Case("forward-batch-mismatch", ValueError,
+         "batch: q, k and v must have the same batch size",
+         call=lambda: _forward((1, 4, 8, 64), (2, 4, 8, 64))),
+    # -- pipeline files (attnres plan) ---------------------------------------------
+    Case("toml-syntax-error", PipelineError, "input.toml:10: invalid TOML: Illegal character",
+         file=(".toml", _pipeline('head_size = 64\ndtype = "float32'))),
+    Case("toml-not-utf8", PipelineError, "input.toml: not UTF-8 text",
+         file=(".toml", b'[pipeline]\nname = "\xff"\n')),
+    Case("toml-empty", PipelineError,
+         "input.toml: no components: add at least one [[components]] table",
+         file=(".toml", "")),
+    Case("toml-missing-head-size", PipelineError,
+         "component 'vae' (components[0]): layer 'mid.attn' (layers[0]): missing required key "
+         "'head_size'",
+         file=(".toml", _pipeline('dtype = "float32"'))),
+    Case("toml-unknown-layer-key", PipelineError,
+         "unknown key 'head_sizes' in a layer (did you mean 'head_size'?); allowed keys: name,",
+         file=(".toml", _pipeline('head_sizes = 64\ndtype = "float32"'))),
+    Case("toml-unknown-top-key", PipelineError, "unknown key 'component' in the top level",
+         file=(".toml", _pipeline(_LAYER_OK, top='[component]\nname = "x"'))),
+    Case("toml-head-size-string", PipelineError,
+         "head_size must be an integer, got a string ('64')",
+         file=(".toml", _pipeline('head_size = "64"\ndtype = "float32"'))),
+    Case("toml-head-size-zero", PipelineError, "head_size: must be at least 1, got 0",
+         file=(".toml", _pipeline('head_size = 0\ndtype = "float32"'))),
+    Case("toml-count-zero", PipelineError, "count must be a positive integer, got 0",
+         file=(".toml", _pipeline(_LAYER_OK + "\ncount = 0"))),
+    Case("toml-bad-role", PipelineError, "role must be 'self' or 'cross', got 'both'",
+         file=(".toml", _pipeline(_LAYER_OK + '\nrole = "both"'))),
+    Case("toml-bad-role-in-role-backends", PipelineError,
+         "role_backends: role must be 'self' or 'cross', got 'both'",
+         file=(".toml", _pipeline(_LAYER_OK, component='role_backends = { both = "fa" }'))),
+    Case("toml-unknown-backend", PipelineError,
+         "component 'vae' (components[0]): backend: Unknown attention backend 'sage_atn'. Did "
+         "you mean 'sage_attn'?",
+         file=(".toml", _pipeline(_LAYER_OK, component='backend = "sage_atn"'))),
+    Case("toml-unknown-backend-in-supported", PipelineError,
+         "layer 'mid.attn' (layers[0]): supported: Unknown attention backend 'flash_atn'",
+         file=(".toml", _pipeline(_LAYER_OK + '\nsupported = ["flash_atn"]'))),
+    Case("toml-unknown-dtype", PipelineError, "dtype: unknown dtype 'int8'",
+         file=(".toml", _pipeline('head_size = 64\ndtype = "int8"'))),
+    Case("toml-unknown-kind", PipelineError, "kind: unknown component kind 'vea'",
+         file=(".toml", _pipeline(_LAYER_OK, component='kind = "vea"'))),
+    Case("toml-duplicate-component", PipelineError, "duplicate component name 'vae'",
+         file=(".toml", _pipeline(_LAYER_OK) + '[[components]]\nname = "vae"\n'
+               '[[components.layers]]\nname = "x"\n' + _LAYER_OK + "\n")),
+    Case("toml-allow-global-fallback-string", PipelineError,
+         "allow_global_fallback must be true or false, got 'no'",
+         file=(".toml", _pipeline(_LAYER_OK, component='allow_global_fallback = "no"'))),
+    Case("pipeline-is-a-directory", PipelineError, "is a directory, not a pipeline file",
+         call=lambda: load_pipeline(Path(__file__).parent)),
+    # -- trace files (attnres replay) -------------------------------------------------
+    Case("trace-empty", TraceFormatError, "input.json: $: the file is empty, not a trace",
+         file=(".json", "")),
+    Case("trace-truncated-between-values", TraceFormatError,
+         "input.json: $: not valid JSON: Expecting ',' delimiter at line 4, column 1; the file "
+         "looks truncated",
+         file=(".json", '{\n  "digest": "00",\n  "input": {}\n')),
+    Case("trace-truncated-in-a-string", TraceFormatError,
+         "input.json: $: not valid JSON: Unterminated string starting at line 3, column 12; the "
+         "file looks truncated",
+         file=(".json", '{\n  "digest": "00",\n  "input": "abc')),
+    Case("trace-not-json", TraceFormatError, "input.json: $: not valid JSON: Expecting value",
+         file=(".json", "schema_version: 1\n")),
+    Case("trace-not-utf8", TraceFormatError, "input.json: $: not UTF-8 text (byte 0xff",
+         file=(".json", b'{"schema_version": 1, "x": "\xff"}')),
+    Case("trace-nan", TraceFormatError, "NaN is not valid JSON",
+         file=(".json", '{"schema_version": NaN}')),
+    Case("trace-not-an-object", TraceFormatError, "$: a trace must be a JSON object, got a list",
+         file=(".json", "[]")),
+    Case("trace-not-a-trace", TraceFormatError,
+         "$.schema_version: missing field; this is not an attnres trace",
+         file=(".json", '{"name": "x"}')),
+    Case("trace-wrong-type", TraceFormatError,
+         '$.input.layer.head_size: expected an integer, got the string "64"',
+         file=(".json", _trace(lambda d: d["input"]["layer"].update(head_size="64")))),
+    Case("trace-wrong-bool", TraceFormatError,
+         '$.input.config.global_backend_explicit: expected true or false, got the string "true"',
+         file=(".json", _trace(
+             lambda d: d["input"]["config"].update(global_backend_explicit="true")))),
+    Case("trace-unknown-record-kind", TraceFormatError,
+         '$.records[0].kind: unknown record kind "teleport"; known kinds: origin, transition',
+         file=(".json", _trace(lambda d: d["records"][0].update(kind="teleport")))),
+    Case("trace-newer-schema", TraceFormatError,
+         "$.schema_version: schema version 2 is newer than this attnres reads (up to 1); "
+         "upgrade attnres",
+         file=(".json", _trace(lambda d: d.update(schema_version=2)))),
+    Case("trace-unknown-field", TraceFormatError, "$.extra: unexpected field",
+         file=(".json", _trace(lambda d: d.update(extra=1)))),
+    Case("trace-import-path-as-backend", TraceFormatError,
+         '$.input.layer.default: the string "os:system" is not a backend name',
+         file=(".json", _trace(lambda d: d["input"]["layer"].update(default="os:system")))),
+    Case("trace-unknown-backend", TraceFormatError,
+         "$.input.layer.default: Unknown attention backend 'nope'",
+         file=(".json", _trace(lambda d: d["input"]["layer"].update(default="nope")))),
+    Case("trace-edited-by-hand", TraceFormatError,
+         "$.digest: recorded digest",
+         file=(".json", _trace(lambda d: d["input"]["layer"].update(name="edited")))),
+    Case("trace-missing-file", TraceFormatError, "cannot read the trace file: No such file",
+         call=lambda: load_trace(Path(__file__).parent / "no-such-trace.json")),
+    Case("trace-is-a-directory", TraceFormatError, "cannot read the trace file: Is a directory",
+         call=lambda: load_trace(Path(__file__).parent)),
+    # -- command-line flags ---------------------------------------------------------------
+    Case("cli-head-size-not-an-int", 2, "argument --head-size: invalid int value: 'abc'",
+         argv=("explain", "--head-size", "abc", "--dtype", "fp32", "--platform", "cpu")),
+    Case("cli-head-size-zero", 2, "head_size: must be at least 1, got 0",
+         argv=("explain", "--head-size", "0", "--dtype", "fp32", "--platform", "cpu")),
+    Case("cli-missing-head-size", 2, "the following arguments are required: --head-size",
+         argv=("explain", "--dtype", "fp32", "--platform", "cpu")),
+    Case("cli-unknown-dtype", 2, "dtype: unknown dtype 'int8'",
+         argv=("explain", "--head-size", "64", "--dtype", "int8", "--platform", "cpu")),
+    Case("cli-bad-requires", 2,
+         "requirements: unknown requirement 'casual'; valid: causal, attn_mask, packed_varlen",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--requires", "causal,casual",
+               "--platform", "cpu")),
+    Case("cli-bad-role", 2, "role must be 'self' or 'cross', got 'both'",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--role", "both",
+               "--platform", "cpu")),
+    Case("cli-bad-platform", 2,
+         "unknown platform kind 'gpu' in 'gpu'; expected KIND[:ARCH][+PACKAGE...]",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--platform", "gpu")),
+    Case("cli-bad-platform-arch", 2, "cannot parse CUDA architecture 'h100'",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "cpu-small.toml"),
+               "--platform", "cuda:h100")),
+    Case("cli-unknown-backend", 2,
+         "argument --attention-backend: Unknown attention backend 'sage_atn'. Did you mean "
+         "'sage_attn'?",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--platform", "cpu",
+               "--attention-backend", "sage_atn")),
+    Case("cli-bad-component-assignment", 2,
+         "argument --attention-backend: expected BACKEND or COMPONENT=BACKEND, got '=fa'",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--platform", "cpu",
+               "--attention-backend", "=fa")),
+    Case("cli-global-backend-twice", 2, "the global backend was given twice ('fa' and 'eager')",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--platform", "cpu",
+               "--attention-backend", "fa", "--attention-backend", "eager")),
+    Case("cli-unknown-supported", 2, "supported: Unknown attention backend 'nope'",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--supported", "fa,nope",
+               "--platform", "cpu")),
+    Case("cli-component-backend-without-component", 2,
+         "--component-backend is the override of one component: give --component NAME too",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--component-backend", "fa",
+               "--platform", "cpu")),
+    Case("cli-implicit-without-backend", 2,
+         "--implicit marks --attention-backend as derived or defaulted",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--implicit",
+               "--platform", "cpu")),
+    Case("cli-empty-component", 2, "component_scope: name must be a non-empty string, got ''",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--component", "",
+               "--platform", "cpu")),
+    Case("cli-plan-unknown-component", 2, "has no component 'unet'; its components: transformer",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "audio-video.toml"),
+               "--platform", "cpu", "--attention-backend", "unet=fa")),
+    Case("cli-plan-missing-file", 2, "cannot read pipeline file: No such file or directory",
+         argv=("plan", "no-such-pipeline.toml", "--platform", "cpu")),
+    Case("cli-replay-missing-file", 2, "no-such-trace.json: no such file or folder",
+         argv=("replay", "no-such-trace.json")),
+    Case("cli-unknown-command", 2, "argument COMMAND: invalid choice: 'frobnicate'",
+         argv=("frobnicate",)),
+    Case("cli-unknown-flag", 2, "unrecognized arguments: --head_size",
+         argv=("explain", "--head-size", "64", "--dtype", "fp32", "--head_size", "64")),
+]
+
+
+def _one_paragraph(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _check_cli(argv: list[str], expected: int, fragment: str,
+               capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run_cli(argv, capsys)
+    assert code == expected, (argv, code, err)
+    assert "Traceback" not in err
+    if argv[0] == "replay" and out:
+        # replay's own output is one status line per file; the error is on stderr
+        assert out == f"ERR  {argv[1]}\n", out
+    else:
+        assert out == "", out
+    assert fragment in _one_paragraph(err), err
+    # one paragraph: argparse's usage lines, then the message; no blank line inside
+    assert "\n\n" not in err.strip()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # relative paths in messages and argv stay short
+    assert sum(x is not None for x in (case.call, case.argv, case.file)) == 1, case.id
+    if case.argv is not None:
+        assert isinstance(case.expected, int)
+        _check_cli(list(case.argv), case.expected, case.fragment, capsys)
+        return
+    assert isinstance(case.expected, type)
+    if case.call is not None:
+        with pytest.raises(BaseException) as info:
+            case.call()
+        assert type(info.value) is case.expected, repr(info.value)
+        assert case.fragment in str(info.value), str(info.value)
+        return
+    assert case.file is not None
+    suffix, content = case.file
+    path = Path("input" + suffix)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    loader = load_pipeline if suffix == ".toml" else load_trace
+    with pytest.raises(BaseException) as info:
+        loader(path)
+    assert type(info.value) is case.expected, repr(info.value)
+    assert case.fragment in str(info.value), str(info.value)
+    # the command that reads this kind of file: exit 2, the same message
+    argv = ["plan", str(path), "--platform", "cpu"] if suffix == ".toml" else ["replay", str(path)]
+    _check_cli(argv, 2, case.fragment, capsys)
+
+
+def test_every_input_error_is_a_value_error() -> None:
+    """The catalogue's library errors about inputs are ValueErrors (SPEC 3.5, 5)."""
+    for cls in (UnknownBackendError, ResolutionError, BackendNotAppliedError, TraceFormatError,
+                PipelineError, PluginError):
+        assert issubclass(cls, ValueError), cls
+    assert issubclass(attnres.ConsensusError, RuntimeError)
+    assert issubclass(KernelNotRegisteredError, RuntimeError)
+    expected = {c.expected for c in CASES if isinstance(c.expected, type)}
+    assert expected <= {ValueError, TypeError, UnknownBackendError, ResolutionError,
+                        BackendNotAppliedError, TraceFormatError, PipelineError, PluginError,
+                        KernelNotRegisteredError}
+
+
+def test_the_catalogue_is_documented() -> None:
+    """docs/errors.md names every error type the catalogue expects."""
+    text = (Path(__file__).parents[1] / "docs" / "errors.md").read_text(encoding="utf-8")
+    for cls in {c.expected for c in CASES if isinstance(c.expected, type)}:
+        assert f"`{cls.__name__}`" in text, cls.__name__
+    from attnres._states import Code
+
+    for code in Code:
+        assert f"`{code.value}`" in text, code.value
