@@ -248,8 +248,19 @@ def test_selection_config_component_backends_malformed(bad: object) -> None:
 
 
 def test_selection_config_explicit_flag_is_a_bool() -> None:
-    cfg = SelectionConfig(global_backend="fa", global_backend_explicit=0)
+    cfg = SelectionConfig(global_backend="fa", global_backend_explicit=False)
     assert cfg.global_backend_explicit is False
+    # strict: bool("no") would be True, silently turning the flag on
+    for bad in (0, "no", None):
+        with pytest.raises(ValueError, match=r"^global_backend_explicit: expected True or False"):
+            SelectionConfig(global_backend="fa", global_backend_explicit=bad)
+
+
+@pytest.mark.parametrize("field", ["causal", "attn_mask", "packed_varlen", "gqa", "dropout"])
+def test_requirements_flags_are_strict_bools(field: str) -> None:
+    assert getattr(Requirements(**{field: True}), field) is True
+    with pytest.raises(ValueError, match=rf"^{field}: expected True or False, got 'yes'"):
+        Requirements(**{field: "yes"})
 
 
 def test_selection_config_is_hashable_and_equal_by_value() -> None:

@@ -411,3 +411,10 @@ def test_summary_line_through_stdlib_logging_when_structlog_is_not_configured(
         "Attention backends for audio_vae: torch_sdpa (global backend fallback)" in line
         for line in lines
     ), lines
+
+
+@pytest.mark.parametrize("flag", ["allow_global_fallback", "require_selection"])
+def test_scope_flags_are_strict(flag: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{flag}: expected True, False or None, got 'no'"):
+        with component_scope("vae", **{flag: "no"}):
+            pass

@@ -84,15 +84,22 @@ def _name(value: Any) -> str | None:
     return value
 
 
+def _is_bool(_: Any, attribute: Any, value: Any) -> None:
+    # strict on purpose: bool("no") is True, and a flag that silently turns on
+    # is worse than an error
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name}: expected True or False, got {value!r}")
+
+
 @frozen(cache_hash=True)
 class Requirements:
     """The semantic features a layer needs from its kernel."""
 
-    causal: bool = field(default=False, converter=bool)
-    attn_mask: bool = field(default=False, converter=bool)
-    packed_varlen: bool = field(default=False, converter=bool)
-    gqa: bool = field(default=False, converter=bool)
-    dropout: bool = field(default=False, converter=bool)
+    causal: bool = field(default=False, validator=_is_bool)
+    attn_mask: bool = field(default=False, validator=_is_bool)
+    packed_varlen: bool = field(default=False, validator=_is_bool)
+    gqa: bool = field(default=False, validator=_is_bool)
+    dropout: bool = field(default=False, validator=_is_bool)
 
     def needed(self) -> tuple[Requirement, ...]:
         """The requirements that are on, in the canonical order."""
@@ -169,7 +176,7 @@ class SelectionConfig:
     """
 
     global_backend: Backend | None = field(default=None, converter=_global_backend)
-    global_backend_explicit: bool = field(default=True, converter=bool)
+    global_backend_explicit: bool = field(default=True, validator=_is_bool)
     forced_backend: Backend | None = field(default=None, converter=_forced_backend)
     component_backends: tuple[tuple[str, Backend], ...] = field(
         default=(), converter=_component_backends

@@ -113,6 +113,12 @@ _LOADERS: dict[str, type[ComponentLoader]] = {}
 _NAME_ALIASES: dict[str, str] = {}
 
 
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True, False or None, got {value!r}")
+    return value
+
+
 def register_component_kind(
     kind: str,
     loader: type[ComponentLoader] | None = None,
@@ -128,7 +134,9 @@ def register_component_kind(
     if not isinstance(kind, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", kind):
         raise ValueError(f"component kind must be lower-case snake_case, got {kind!r}")
     if loader is None:
-        policy = True if allow_global_fallback is None else bool(allow_global_fallback)
+        policy = True if allow_global_fallback is None else _flag(
+            "allow_global_fallback", allow_global_fallback
+        )
         loader = type(
             f"{kind.title().replace('_', '')}Loader",
             (ComponentLoader,),
@@ -293,9 +301,11 @@ def component_scope(
         allow_global_fallback=(
             loader.allow_global_fallback
             if allow_global_fallback is None
-            else bool(allow_global_fallback)
+            else _flag("allow_global_fallback", allow_global_fallback)
         ),
-        require_selection=explicit if require_selection is None else bool(require_selection),
+        require_selection=(
+            explicit if require_selection is None else _flag("require_selection", require_selection)
+        ),
     )
     handle = ScopeHandle(state)
     token = _SCOPE.set(handle)
