@@ -37,7 +37,12 @@ test-deep: $(STAMP)
 golden: $(STAMP)
 	$(PY) -m pytest tests/test_golden.py --update-golden -q
 
-bench: $(STAMP)
+$(VENV)/.attnres-bench: $(STAMP)
+	$(PIP) install -c $(VENV)/torch-pin.txt -e ".[dev,bench]"
+	touch $@
+
+bench: $(VENV)/.attnres-bench
+	mkdir -p benchmarks/results
 	$(PY) -m pytest benchmarks -p no:randomly --benchmark-only \
 		--benchmark-json=benchmarks/results/latest.json --benchmark-storage=benchmarks/results -q
 

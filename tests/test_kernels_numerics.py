@@ -301,3 +301,43 @@ def test_cudnn_adapter_never_falls_back_to_another_sdpa_kernel() -> None:
     sdpa = get_kernel("torch_sdpa")
     assert sdpa is not None
     assert torch.isfinite(sdpa(q, q, q, None, False, None)).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_specialized_torch_sdpa_equals_the_general_kernel(
+    causal: bool, scale: float | None, gqa: bool, mask: str | None
+) -> None:
+    from attnres.kernels import get_kernel, specialized
+
+    kernel = get_kernel("torch_sdpa")
+    assert kernel is not None and hasattr(kernel, "specialize")
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 5, 4, 16, generator=gen)
+    k = torch.randn(2, 7, 2 if gqa else 4, 16, generator=gen)
+    v = torch.randn(2, 7, 2 if gqa else 4, 16, generator=gen)
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(2, 1, 5, 7, generator=gen) > 0.3
+        attn_mask[..., 0] = True  # no fully masked row
+    elif mask == "float":
+        attn_mask = torch.randn(2, 1, 5, 7, generator=gen)
+    bound = specialized(kernel, causal, scale, gqa)
+    expected = kernel(q, k, v, attn_mask, causal, scale)
+    torch.testing.assert_close(bound(q, k, v, attn_mask), expected, rtol=0, atol=0)
+
+
+def test_specialized_wraps_a_kernel_without_specialize() -> None:
+    from attnres.kernels import specialized
+
+    seen: list[tuple[object, ...]] = []
+
+    def plain(q, k, v, attn_mask, causal, scale):  # type: ignore[no-untyped-def]
+        seen.append((attn_mask, causal, scale))
+        return q
+
+    q = torch.zeros(1, 2, 1, 4)
+    assert specialized(plain, True, 0.5, False)(q, q, q, None) is q
+    assert seen == [(None, True, 0.5)]

@@ -1683,3 +1683,52 @@ def test_rule_3_4_requirements_causal_cross_attention_needs_top_left_alignment()
     assert resolve(causal_self, platform=CUDA_ALL).backend.name == "fa"
     with pytest.raises(ResolutionError, match="top-left aligned causal cross-attention"):
         resolve(causal_cross, platform=CUDA_ALL, backend="fa")
+
+
+def test_cache_layers_differing_only_by_name_run_the_machine_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str | None] = []
+    real = M.run_machine
+
+    def counting(inp: TraceInput) -> Trace:
+        calls.append(inp.layer.name)
+        return real(inp)
+
+    monkeypatch.setattr(M, "run_machine", counting)
+    config = SelectionConfig(global_backend="sage_attn")
+    with component_scope("audio_vae") as scope:
+        results = [
+            resolve(
+                LayerSpec(128, "bf16", supported={"fa", "torch_sdpa"}, default="torch_sdpa",
+                          name=f"blocks.{i}.attn"),
+                platform=CUDA_ALL, config=config,
+            )
+            for i in range(5)
+        ]
+    assert calls == ["blocks.0.attn"]
+    assert [r.layer for r in results] == [f"blocks.{i}.attn" for i in range(5)]
+    assert {(r.backend.name, r.reason) for r in results} == {
+        ("torch_sdpa", "global backend fallback")
+    }
+    assert [d.layer for d in scope.decisions] == [f"blocks.{i}.attn" for i in range(5)]
+    # each trace is the machine's own for that named input: replays, own digest
+    for r in results:
+        assert r.trace.input.layer.name == r.layer
+        assert r.trace == real(r.trace.input)
+    assert len({r.trace.digest for r in results}) == 5
+    assert M.cache_info()["size"] == 5 and M.cache_info()["shapes"] == 1
+
+
+def test_cache_renamed_rejection_is_raised_with_its_own_trace() -> None:
+    config = SelectionConfig(global_backend="sage_attn")
+    layers = [LayerSpec(128, "bf16", supported={"fa"}, name=f"b{i}") for i in range(2)]
+    with component_scope("transformer"):
+        errors = []
+        for layer in layers:
+            with pytest.raises(ResolutionError) as info:
+                resolve(layer, platform=CUDA_ALL, config=config)
+            errors.append(info.value)
+    assert [e.trace.input.layer.name for e in errors] == ["b0", "b1"]
+    assert str(errors[0]) == str(errors[1])
+    assert "for component 'transformer'" in str(errors[1])

@@ -43,6 +43,7 @@ from attrs import field, frozen
 from attnres import platform as _platform_mod
 from attnres._states import Check, Code, Event, Origin, Reason, State
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
+from attnres.audit import emit_cache_hit, emit_resolution
 from attnres.backends import (
     Backend,
     BackendSpec,
@@ -55,7 +56,7 @@ from attnres.errors import ResolutionError
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision
 from attnres.platform import Platform
-from attnres.scope import current_handle
+from attnres.scope import ScopeState, current_handle
 from attnres.trace import (
     CheckRecord,
     Failure,
@@ -670,6 +671,8 @@ def force_backend(backend: Backend | str) -> Iterator[Backend]:
 _CacheEntry = tuple[Resolution | None, Decision, Trace]
 _CACHE_MAX: Final = 4096
 _CACHE: dict[tuple[object, ...], _CacheEntry] = {}
+#: the same resolutions keyed without the layer's name (see _shape_key)
+_SHAPES: dict[tuple[object, ...], _CacheEntry] = {}
 _CACHE_LOCK = threading.Lock()
 
 
@@ -677,6 +680,7 @@ def clear_cache() -> None:
     """Forget every cached resolution (decisions already recorded stay)."""
     with _CACHE_LOCK:
         _CACHE.clear()
+        _SHAPES.clear()
 
 
 # A registration change (register_backend, unregister_backend, a plugin loading)
@@ -686,7 +690,8 @@ on_registry_change(clear_cache)
 
 
 def cache_info() -> dict[str, int]:
-    return {"size": len(_CACHE), "max_size": _CACHE_MAX}
+    """``size``: cached inputs; ``shapes``: distinct inputs up to the layer name."""
+    return {"size": len(_CACHE), "shapes": len(_SHAPES), "max_size": _CACHE_MAX}
 
 
 def resolve(
@@ -724,10 +729,10 @@ def resolve(
     if entry is None:
         # argument types are checked on the cold path only: a hit costs nothing more
         _check_arguments(cfg, platform)
-        entry = _resolve_cold(TraceInput(layer, cfg, scope, platform, backend), key)
+        entry = _resolve_renamed(layer, cfg, scope, platform, backend, key)
+        if entry is None:
+            entry = _resolve_cold(TraceInput(layer, cfg, scope, platform, backend), key)
     else:
-        from attnres.audit import emit_cache_hit
-
         emit_cache_hit(entry[1])
     resolution, decision, trace = entry
     record_decision(decision)
@@ -750,10 +755,58 @@ def _check_arguments(config: object, platform: object) -> None:
         )
 
 
-def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
+def _shape_key(
+    layer: LayerSpec, cfg: object, scope: object, platform: object, backend: object
+) -> tuple[object, ...]:
+    """The cache key without the layer's name.
+
+    The machine never reads a layer's name (it is carried in the trace's input
+    only), so layers that differ by name alone -- ``blocks.0.attn1`` ...
+    ``blocks.47.attn1`` -- share one run of the machine.
+    """
+    return (
+        _SHAPE_MARK,
+        layer.head_size,
+        layer.dtype,
+        layer.supported,
+        layer.default,
+        layer.role,
+        layer.requirements,
+        cfg,
+        scope,
+        platform,
+        backend,
+    )
+
+
+_SHAPE_MARK: Final = object()
+
+
+def _resolve_renamed(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    scope: ScopeState | None,
+    platform: Platform,
+    backend: Backend | None,
+    key: tuple[object, ...],
+) -> _CacheEntry | None:
+    """A resolution of an identical layer under another name, renamed; or ``None``."""
+    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend))
+    if twin is None:
+        return None
     generation = registry_generation()
-    trace = run_machine(inp)
-    outcome = trace.outcome
+    recorded = twin[2]
+    trace = Trace(
+        TraceInput(layer, cfg, scope, platform, backend), recorded.records, recorded.outcome
+    )
+    entry = _entry_for(trace)
+    emit_cache_hit(entry[1])
+    _store(key, entry, generation)
+    return entry
+
+
+def _entry_for(trace: Trace) -> _CacheEntry:
+    inp, outcome = trace.input, trace.outcome
     component = None if inp.scope is None else inp.scope.component
     backend_name = None if outcome.backend is None else outcome.backend.name
     decision = Decision(
@@ -766,15 +819,33 @@ def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
             outcome.backend, outcome.reason, str(outcome.origin), trace, component, inp.layer.name
         )
     )
-    from attnres.audit import emit_resolution
+    return (resolution, decision, trace)
 
-    emit_resolution(trace, decision)
-    entry: _CacheEntry = (resolution, decision, trace)
+
+def _store(
+    key: tuple[object, ...],
+    entry: _CacheEntry,
+    generation: int,
+    cache: dict[tuple[object, ...], _CacheEntry] | None = None,
+) -> None:
+    target = _CACHE if cache is None else cache
     with _CACHE_LOCK:
         if generation != registry_generation():  # the registry changed meanwhile
-            return entry
-        if len(_CACHE) >= _CACHE_MAX:
-            for old in list(_CACHE)[: _CACHE_MAX // 8]:
-                del _CACHE[old]
-        _CACHE[key] = entry
+            return
+        if len(target) >= _CACHE_MAX:
+            for old in list(target)[: _CACHE_MAX // 8]:
+                del target[old]
+        target[key] = entry
+
+
+def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
+    generation = registry_generation()
+    trace = run_machine(inp)
+    entry = _entry_for(trace)
+    emit_resolution(trace, entry[1])
+    _store(key, entry, generation)
+    layer = inp.layer
+    if layer.name is not None:
+        shape = _shape_key(layer, inp.config, inp.scope, inp.platform, inp.backend)
+        _store(shape, entry, generation, _SHAPES)
     return entry

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from attnres._vocab import Role
 from attnres.backends import Backend, lookup_spec
-from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel
+from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements
 from attnres.machine import Resolution, resolve
 from attnres.platform import Platform
@@ -331,7 +331,10 @@ class Attention(nn.Module):
         """The backend this layer runs (``.resolution`` says why)."""
         return self.resolution.backend
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None
+    ) -> Tensor:
+        # explicit parameters, not *args/**kwargs: no tuple/dict packing per call
         if (
             self._forward_hooks
             or self._forward_pre_hooks
@@ -344,9 +347,9 @@ class Attention(nn.Module):
             or _G_FWD
             or _tracing_state()
         ):
-            out: Tensor = _module_call(self, *args, **kwargs)
+            out: Tensor = _module_call(self, q, k, v, attn_mask)
             return out
-        return self._run(*args, **kwargs)
+        return self._run(q, k, v, attn_mask)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         return self._run(q, k, v, attn_mask)
@@ -396,6 +399,7 @@ def _make_run(
     no reference to the layer.
     """
     heads_q, heads_kv, head_size, causal, scale = shape[:5]
+    call = specialized(kernel, causal, scale, heads_q != heads_kv)
 
     def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         # Three shapes and one dtype are read; anything else a kernel would refuse
@@ -417,7 +421,7 @@ def _make_run(
         ):
             raise _mismatch(shape, dtypes, q, k, v)
         try:
-            out = kernel(q, k, v, attn_mask, causal, scale)
+            out = call(q, k, v, attn_mask)
         except (RuntimeError, TypeError) as exc:
             mismatch = _mismatch(shape, dtypes, q, k, v, strict=True)
             if mismatch is None:

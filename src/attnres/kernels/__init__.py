@@ -13,6 +13,12 @@ import, lookup or dispatch of its own. The calling convention is fixed::
     # causal: top-left aligned, like SDPA's is_causal; scale: None = 1/sqrt(head_size)
     # returns (batch, seq_q, heads_q, head_size) in q's dtype
 
+A kernel may also carry a ``specialize(causal, scale, gqa)`` attribute that
+returns ``attention(q, k, v, attn_mask) -> Tensor`` with the layer's fixed
+settings bound (no per-call argument plumbing); :func:`specialized` uses it when
+present and otherwise wraps the general kernel. ``gqa`` says whether the layer
+has fewer key/value heads than query heads.
+
 The registry maps a backend name to a built kernel. Built-in adapters are
 registered by name as ``"module:factory"`` strings and built on first
 :func:`get_kernel`; third-party kernels come in through :func:`register_kernel`.
@@ -43,6 +49,7 @@ __all__ = [
     "get_kernel",
     "kernel_names",
     "register_kernel",
+    "specialized",
     "unregister_kernel",
 ]
 
@@ -152,6 +159,22 @@ def get_kernel(backend_name: str) -> KernelFn | None:
         if _entries.get(key) == entry:  # not replaced while we were building
             kernel = _built.setdefault(key, kernel)
     return kernel
+
+
+def specialized(
+    kernel: KernelFn, causal: bool, scale: float | None, gqa: bool
+) -> Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]:
+    """``kernel`` with a layer's fixed settings bound: ``fn(q, k, v, attn_mask)``."""
+    specialize = getattr(kernel, "specialize", None)
+    if specialize is not None:
+        bound: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+        bound = specialize(causal, scale, gqa)
+        return bound
+
+    def call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+        return kernel(q, k, v, attn_mask, causal, scale)
+
+    return call
 
 
 def kernel_names() -> tuple[str, ...]:

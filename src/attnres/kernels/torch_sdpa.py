@@ -19,6 +19,7 @@ the same transposes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,14 +49,52 @@ def make_kernel() -> KernelFn:
         if attn_mask is not None and causal:
             attn_mask = mask_with_causal(attn_mask, q.shape[1], k.shape[1])
             causal = False
+        # attn_mask, dropout_p and is_causal positionally: measurably cheaper at
+        # small shapes, where Python overhead is the cost (scale and enable_gqa
+        # are keyword-only in SDPA's schema)
         return sdpa(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=attn_mask,
-            is_causal=causal,
+            attn_mask,
+            0.0,
+            causal,
             scale=scale,
             enable_gqa=q.shape[2] != k.shape[2],
         ).transpose(1, 2)
 
+    def specialize(
+        causal: bool, scale: float | None, gqa: bool
+    ) -> Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]:
+        """``attention`` with the layer's fixed settings bound (see attnres.kernels)."""
+        if scale is None and not gqa:
+
+            def attention_plain(
+                q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
+            ) -> Tensor:
+                if attn_mask is not None and causal:
+                    return attention(q, k, v, attn_mask, causal, None)
+                return sdpa(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, 0.0, causal
+                ).transpose(1, 2)
+
+            return attention_plain
+
+        def attention_bound(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+            if attn_mask is not None and causal:
+                return attention(q, k, v, attn_mask, causal, scale)
+            return sdpa(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask,
+                0.0,
+                causal,
+                scale=scale,
+                enable_gqa=gqa,
+            ).transpose(1, 2)
+
+        return attention_bound
+
+    attention.specialize = specialize  # type: ignore[attr-defined]
     return attention
