@@ -38,17 +38,17 @@ _logging.getLogger("attnres").addHandler(_logging.NullHandler())
 
 if TYPE_CHECKING:
     from attnres import distributed, kernels  # noqa: F401 - lazily exported
-    from attnres.modules import Attention
+    from attnres.modules import Attention, KernelNotRegisteredError
     from attnres.replayer import ReplayResult, replay
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: the layer and the kernels import torch, the resolver does not, so
     # ``import attnres`` (and the CLI) stays fast until a layer is built.
-    if name == "Attention":
-        from attnres.modules import Attention
+    if name in ("Attention", "KernelNotRegisteredError"):
+        from attnres import modules
 
-        return Attention
+        return getattr(modules, name)
     if name in ("replay", "ReplayResult"):
         from attnres import replayer
 
@@ -66,6 +66,7 @@ __all__ = [
     "BackendSpec",
     "ConsensusError",
     "Decision",
+    "KernelNotRegisteredError",
     "LayerSpec",
     "Platform",
     "ReplayResult",

@@ -8,6 +8,7 @@ per-call helpers work through the methods of the tensors they are given.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KernelUnavailableError",
     "causal_alignment_error",
+    "flash_style_kernel",
     "import_kernel_package",
     "mask_with_causal",
     "no_mask_error",
@@ -78,6 +80,39 @@ def causal_alignment_error(backend: str, seq_q: int, seq_kv: int) -> ValueError:
         "top-left alignment of torch SDPA's is_causal; refusing to return different "
         "numbers. Use torch_sdpa, flex_attention, xformers or eager for this layer"
     )
+
+
+def flash_style_kernel(
+    backend: str,
+    mask_detail: str,
+    call: Callable[[Tensor, Tensor, Tensor, bool, float | None], Any],
+) -> Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float | None], Tensor]:
+    """The adapter shape shared by the flash-attn family, aiter and SageAttention.
+
+    They take (batch, seq, heads, head_size) as is, take no SDPA-style mask, and
+    align a causal mask bottom-right when lengths differ, so the adapter refuses
+    both cases rather than return other numbers. ``call(q, k, v, causal, scale)``
+    is the kernel call; a tuple result (``(out, lse)`` in some releases) is
+    unwrapped to ``out``.
+    """
+
+    def attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        if attn_mask is not None:
+            raise no_mask_error(backend, mask_detail)
+        if causal and q.shape[1] != k.shape[1]:
+            raise causal_alignment_error(backend, q.shape[1], k.shape[1])
+        result = call(q, k, v, causal, scale)
+        out: Tensor = result[0] if isinstance(result, tuple) else result
+        return out
+
+    return attention
 
 
 def mask_with_causal(attn_mask: Tensor, seq_q: int, seq_kv: int) -> Tensor:

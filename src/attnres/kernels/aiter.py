@@ -27,14 +27,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from attnres.kernels._common import (
-    causal_alignment_error,
+    flash_style_kernel,
     import_kernel_package,
-    no_mask_error,
     require_attribute,
 )
 
 if TYPE_CHECKING:
-    from torch import Tensor
 
     from attnres.kernels import KernelFn
 
@@ -58,20 +56,10 @@ def make_kernel() -> KernelFn:
         ),
     )
 
-    def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-    ) -> Tensor:
-        if attn_mask is not None:
-            raise no_mask_error(BACKEND, "aiter.flash_attn_func takes no SDPA-style mask")
-        if causal and q.shape[1] != k.shape[1]:
-            raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
-        result = flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)
-        out: Tensor = result[0] if isinstance(result, tuple) else result
-        return out
-
-    return attention
+    return flash_style_kernel(
+        BACKEND,
+        "aiter.flash_attn_func takes no SDPA-style mask",
+        lambda q, k, v, causal, scale: flash_attn_func(
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal
+        ),
+    )

@@ -32,9 +32,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
-    causal_alignment_error,
+    flash_style_kernel,
     import_kernel_package,
-    no_mask_error,
     require_attribute,
 )
 
@@ -64,22 +63,13 @@ def make_kernel() -> KernelFn:
     """Import flash_attn and bind ``flash_attn_func``."""
     flash_attn_func = _function("flash_attn_func")
 
-    def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-    ) -> Tensor:
-        if attn_mask is not None:
-            raise no_mask_error(BACKEND, "flash_attn_func has no mask argument")
-        if causal and q.shape[1] != k.shape[1]:
-            raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
-        out: Tensor = flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)
-        return out
-
-    return attention
+    return flash_style_kernel(
+        BACKEND,
+        "flash_attn_func has no mask argument",
+        lambda q, k, v, causal, scale: flash_attn_func(
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal
+        ),
+    )
 
 
 def make_varlen_kernel() -> VarlenKernelFn:

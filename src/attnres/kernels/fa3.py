@@ -27,14 +27,12 @@ from typing import TYPE_CHECKING
 
 from attnres.kernels._common import (
     KernelUnavailableError,
-    causal_alignment_error,
+    flash_style_kernel,
     import_kernel_package,
-    no_mask_error,
     require_attribute,
 )
 
 if TYPE_CHECKING:
-    from torch import Tensor
 
     from attnres.kernels import KernelFn
 
@@ -69,22 +67,8 @@ def make_kernel() -> KernelFn:
         hint="The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL,
     )
 
-    def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-    ) -> Tensor:
-        if attn_mask is not None:
-            raise no_mask_error(
-                BACKEND, "flash_attn_interface.flash_attn_func has no mask argument"
-            )
-        if causal and q.shape[1] != k.shape[1]:
-            raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
-        result = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
-        out: Tensor = result[0] if isinstance(result, tuple) else result
-        return out
-
-    return attention
+    return flash_style_kernel(
+        BACKEND,
+        "flash_attn_interface.flash_attn_func has no mask argument",
+        lambda q, k, v, causal, scale: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal),
+    )

@@ -22,14 +22,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from attnres.kernels._common import (
-    causal_alignment_error,
+    flash_style_kernel,
     import_kernel_package,
-    no_mask_error,
     require_attribute,
 )
 
 if TYPE_CHECKING:
-    from torch import Tensor
 
     from attnres.kernels import KernelFn
 
@@ -47,19 +45,10 @@ def make_kernel() -> KernelFn:
         module, "sageattn", backend=BACKEND, hint="Reinstall it with: " + INSTALL
     )
 
-    def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-    ) -> Tensor:
-        if attn_mask is not None:
-            raise no_mask_error(BACKEND, "sageattn accepts attn_mask and silently ignores it")
-        if causal and q.shape[1] != k.shape[1]:
-            raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
-        out: Tensor = sageattn(q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale)
-        return out
-
-    return attention
+    return flash_style_kernel(
+        BACKEND,
+        "sageattn accepts attn_mask and silently ignores it",
+        lambda q, k, v, causal, scale: sageattn(
+            q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale
+        ),
+    )
