@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
 from attrs import field, frozen
 
-from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.platform import PackageFact, Platform
-from attnres.scope import ScopeState, component_kind, loader_for
+from attnres.scope import ScopeState, scope_state
 from attnres.trace import Trace, TraceInput, atomic_write_text, canonical_json, trace_to_dict
 
 __all__ = [
@@ -57,41 +56,6 @@ NAME_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 # =============================================================================
 # Building blocks
 # =============================================================================
-
-
-def scope_state(
-    name: str,
-    backend: Backend | str | None = None,
-    role_backends: Mapping[Role | str, Backend | str] | None = None,
-    allow_global_fallback: bool | None = None,
-    require_selection: bool | None = None,
-    *,
-    kind: str | None = None,
-) -> ScopeState:
-    """The snapshot ``component_scope(name, ...)`` would give its layers."""
-    resolved_kind = component_kind(name) if kind is None else kind
-    loader = loader_for(resolved_kind)
-    parsed = None if backend is None else Backend.parse(backend)
-    roles = tuple(
-        sorted(
-            ((Role.parse(r), Backend.parse(b)) for r, b in (role_backends or {}).items()),
-            key=lambda kv: kv[0].value,
-        )
-    )
-    explicit = parsed is not None or bool(roles)
-    return ScopeState(
-        component=name,
-        kind=resolved_kind,
-        loader=loader.__name__,
-        backend=parsed,
-        role_backends=roles,
-        allow_global_fallback=(
-            loader.allow_global_fallback
-            if allow_global_fallback is None
-            else bool(allow_global_fallback)
-        ),
-        require_selection=explicit if require_selection is None else bool(require_selection),
-    )
 
 
 @frozen

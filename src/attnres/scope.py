@@ -56,6 +56,7 @@ __all__ = [
     "current_scope",
     "loader_for",
     "register_component_kind",
+    "scope_state",
 ]
 
 
@@ -267,6 +268,43 @@ def current_handle() -> ScopeHandle | None:
     return _SCOPE.get()
 
 
+def scope_state(
+    name: str,
+    backend: Backend | str | None = None,
+    role_backends: Mapping[Role | str, Backend | str] | None = None,
+    allow_global_fallback: bool | None = None,
+    require_selection: bool | None = None,
+    *,
+    kind: str | None = None,
+) -> ScopeState:
+    """The snapshot ``component_scope(name, ...)`` gives its layers (validated).
+
+    Also how traces and the golden scenarios build a scope without entering it.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"component_scope: name must be a non-empty string, got {name!r}")
+    resolved_kind = component_kind(name) if kind is None else kind
+    loader = loader_for(resolved_kind)
+    parsed_backend = optional_backend("backend")(backend)
+    roles = _role_backends(role_backends)
+    explicit = parsed_backend is not None or bool(roles)
+    return ScopeState(
+        component=name,
+        kind=resolved_kind,
+        loader=loader.__name__,
+        backend=parsed_backend,
+        role_backends=roles,
+        allow_global_fallback=(
+            loader.allow_global_fallback
+            if allow_global_fallback is None
+            else _flag("allow_global_fallback", allow_global_fallback)
+        ),
+        require_selection=(
+            explicit if require_selection is None else _flag("require_selection", require_selection)
+        ),
+    )
+
+
 @contextmanager
 def component_scope(
     name: str,
@@ -285,27 +323,8 @@ def component_scope(
     :class:`~attnres.errors.BackendNotAppliedError` on exit when the explicit
     backend controlled none of the scope's layers.
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"component_scope: name must be a non-empty string, got {name!r}")
-    resolved_kind = component_kind(name) if kind is None else kind
-    loader = loader_for(resolved_kind)
-    parsed_backend = optional_backend("backend")(backend)
-    roles = _role_backends(role_backends)
-    explicit = parsed_backend is not None or bool(roles)
-    state = ScopeState(
-        component=name,
-        kind=resolved_kind,
-        loader=loader.__name__,
-        backend=parsed_backend,
-        role_backends=roles,
-        allow_global_fallback=(
-            loader.allow_global_fallback
-            if allow_global_fallback is None
-            else _flag("allow_global_fallback", allow_global_fallback)
-        ),
-        require_selection=(
-            explicit if require_selection is None else _flag("require_selection", require_selection)
-        ),
+    state = scope_state(
+        name, backend, role_backends, allow_global_fallback, require_selection, kind=kind
     )
     handle = ScopeHandle(state)
     token = _SCOPE.set(handle)
