@@ -236,7 +236,6 @@ def test_explain_trace_out_is_loadable_and_matches_the_json(tmp_path: Path) -> N
 
 
 def test_replay_wiring(tmp_path: Path) -> None:
-    pytest.importorskip("attnres.replayer")
     path = tmp_path / "t.json"
     made = run(*SEED, "--trace-out", str(path))
     assert made.returncode == 0
