@@ -415,6 +415,8 @@ def test_summary_line_through_stdlib_logging_when_structlog_is_not_configured(
 
 @pytest.mark.parametrize("flag", ["allow_global_fallback", "require_selection"])
 def test_scope_flags_are_strict(flag: str) -> None:
-    with pytest.raises(ValueError, match=rf"^{flag}: expected True, False or None, got 'no'"):
-        with component_scope("vae", **{flag: "no"}):
-            pass
+    with (
+        pytest.raises(ValueError, match=rf"^{flag}: expected True, False or None, got 'no'"),
+        component_scope("vae", **{flag: "no"}),
+    ):
+        pass
