@@ -7,8 +7,8 @@ sdp_utils.cpp ``check_cudnn_*``):
   SDPA use cuDNN or raise (no silent fallback to another kernel);
 - cuDNN attention is CUDA-only (sm80+), fp16/bf16, head size a multiple of 8 and
   at most 128 on most setups (256 on sm90/sm10x with recent cuDNN);
-- layout, masks, scale and GQA are SDPA's (see ``torch_sdpa``); the adapter folds
-  a causal mask into ``attn_mask`` when both are given, as ``torch_sdpa`` does.
+- layout, masks, scale and GQA are SDPA's: the adapter is the ``torch_sdpa``
+  one, called inside the cuDNN-only selection.
 
 The backend list is built once in ``make_kernel``; each call enters the
 ``sdpa_kernel`` context (a cheap flag save/restore) around one SDPA call.
@@ -17,10 +17,6 @@ The backend list is built once in ``make_kernel``; each call enters the
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
-import torch
-
-from attnres.kernels._common import mask_with_causal
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -31,10 +27,12 @@ __all__ = ["make_kernel"]
 
 
 def make_kernel() -> KernelFn:
-    """Bind SDPA and the cuDNN-only backend selection."""
+    """Bind the ``torch_sdpa`` adapter and the cuDNN-only backend selection."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    from attnres.kernels import torch_sdpa
+
+    sdpa_attention = torch_sdpa.make_kernel()
     backends = [SDPBackend.CUDNN_ATTENTION]
 
     def attention(
@@ -45,19 +43,7 @@ def make_kernel() -> KernelFn:
         causal: bool,
         scale: float | None,
     ) -> Tensor:
-        if attn_mask is not None and causal:
-            attn_mask = mask_with_causal(attn_mask, q.shape[1], k.shape[1])
-            causal = False
         with sdpa_kernel(backends):
-            out = sdpa(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=attn_mask,
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=q.shape[2] != k.shape[2],
-            )
-        return out.transpose(1, 2)
+            return sdpa_attention(q, k, v, attn_mask, causal, scale)
 
     return attention
