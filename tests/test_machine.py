@@ -1732,3 +1732,19 @@ def test_cache_renamed_rejection_is_raised_with_its_own_trace() -> None:
     assert [e.trace.input.layer.name for e in errors] == ["b0", "b1"]
     assert str(errors[0]) == str(errors[1])
     assert "for component 'transformer'" in str(errors[1])
+
+
+def test_rule_3_4_platform_check_torch_version() -> None:
+    # flex_attention ships on CPU from torch 2.6: a platform recording 2.5.1 refuses it
+    import attrs
+
+    old_torch = attrs.evolve(Platform.simulate("cpu"), torch_version="2.5.1")
+    layer = LayerSpec(64, "fp32")
+    with pytest.raises(ResolutionError) as info:
+        resolve(layer, platform=old_torch, backend="flex_attention")
+    assert info.value.code == "torch_version"
+    assert "needs torch >= 2.6 on cpu, this platform has torch 2.5.1" in str(info.value)
+    # the same request on the simulated (current) torch is accepted
+    assert resolve(layer, platform=Platform.simulate("cpu"), backend="flex_attention").backend == (
+        Backend("flex_attention")
+    )

@@ -118,7 +118,7 @@ def test_scope_records_its_decisions() -> None:
 # -- exceptions and nesting -------------------------------------------------------
 
 
-def test_scope_reset_on_exit_when_the_body_raised_and_the_exception_is_unchanged() -> None:
+def test_rule_3_6_reset_on_exit_when_the_body_raised_and_the_exception_is_unchanged() -> None:
     boom = RuntimeError("boom")
     with pytest.raises(RuntimeError) as info, component_scope("vae"):
         assert current_scope() is not None
@@ -127,7 +127,7 @@ def test_scope_reset_on_exit_when_the_body_raised_and_the_exception_is_unchanged
     assert current_scope() is None
 
 
-def test_scope_body_exception_wins_over_not_applied() -> None:
+def test_rule_3_6_body_exception_wins_over_not_applied() -> None:
     boom = KeyError("boom")
     with pytest.raises(KeyError) as info, component_scope("vae", backend="fa"):
         raise boom
@@ -146,7 +146,7 @@ def test_scope_resolution_error_in_body_propagates_unchanged() -> None:
     assert current_scope() is None
 
 
-def test_scope_nested_innermost_is_visible_and_outer_restored() -> None:
+def test_rule_3_6_nested_innermost_is_visible_and_outer_restored() -> None:
     with component_scope("transformer") as outer:
         with component_scope("text_encoder") as inner:
             assert current_scope() is inner.state
@@ -170,7 +170,7 @@ def test_scope_nested_outer_restored_after_inner_raised() -> None:
 # -- threads and tasks ---------------------------------------------------------------
 
 
-def test_scope_isolated_across_16_threads() -> None:
+def test_rule_3_6_isolated_across_16_threads() -> None:
     n = 16
     barrier = threading.Barrier(n + 1)
     errors: list[BaseException] = []
@@ -216,7 +216,7 @@ def test_scope_isolated_across_16_threads() -> None:
     assert by_component == {f"text_encoder_{i}": 20 for i in range(n)}
 
 
-def test_scope_isolated_across_asyncio_tasks() -> None:
+def test_rule_3_6_isolated_across_asyncio_tasks() -> None:
     n = 16
 
     async def task(i: int) -> tuple[str, list[str | None], list[str | None]]:
@@ -250,7 +250,7 @@ def test_scope_isolated_across_asyncio_tasks() -> None:
 # -- BackendNotAppliedError ---------------------------------------------------------
 
 
-def test_not_applied_component_backend_with_no_layers_built() -> None:
+def test_rule_3_6_not_applied_component_backend_with_no_layers_built() -> None:
     with pytest.raises(BackendNotAppliedError) as info, component_scope("vae", backend="fa"):
         pass
     assert isinstance(info.value, ValueError)
@@ -261,7 +261,7 @@ def test_not_applied_component_backend_with_no_layers_built() -> None:
     assert current_scope() is None
 
 
-def test_not_applied_when_every_layer_had_a_layer_level_backend() -> None:
+def test_rule_3_6_not_applied_when_every_layer_had_a_layer_level_backend() -> None:
     with pytest.raises(BackendNotAppliedError) as info, component_scope(
         "vae", backend="eager"
     ):
@@ -279,7 +279,7 @@ def test_not_applied_when_a_forced_backend_decided_every_layer() -> None:
         resolve(LayerSpec(64, "fp32"), platform=CPU)
 
 
-def test_not_applied_role_override_whose_role_built_no_layer() -> None:
+def test_rule_3_6_not_applied_role_override_whose_role_built_no_layer() -> None:
     with pytest.raises(BackendNotAppliedError) as info, component_scope(
         "transformer", role_backends={"cross": "torch_sdpa"}
     ):
@@ -289,7 +289,7 @@ def test_not_applied_role_override_whose_role_built_no_layer() -> None:
     assert "'transformer'" in text
 
 
-def test_not_applied_names_both_problems() -> None:
+def test_rule_3_6_not_applied_names_both_problems() -> None:
     with pytest.raises(BackendNotAppliedError) as info, component_scope(
         "transformer", backend="eager", role_backends={"cross": "torch_sdpa"}
     ):
@@ -299,7 +299,7 @@ def test_not_applied_names_both_problems() -> None:
     assert "cross-attention layers" in text
 
 
-def test_applied_component_and_role_backends_do_not_raise() -> None:
+def test_rule_3_6_applied_component_and_role_backends_do_not_raise() -> None:
     with component_scope(
         "transformer", backend="eager", role_backends={"cross": "torch_sdpa"}
     ) as handle:
@@ -315,7 +315,7 @@ def test_applied_when_some_layers_used_it() -> None:
     assert [d.backend for d in handle.decisions] == ["torch_sdpa", "eager"]
 
 
-def test_not_raised_when_a_fallback_with_a_reason_happened() -> None:
+def test_rule_3_6_not_raised_when_a_fallback_with_a_reason_happened() -> None:
     with component_scope("transformer", backend="sliding_tile_attn") as handle:
         res = resolve(CROSS_128, platform=CUDA_ALL)
     assert (res.backend.name, res.reason) == ("fa", "dense cross-attention fallback")
@@ -328,7 +328,7 @@ def test_not_raised_when_a_role_override_fell_back_with_a_reason() -> None:
     assert (res.origin, res.reason) == ("role_override", "dense cross-attention fallback")
 
 
-def test_not_raised_with_require_selection_false() -> None:
+def test_rule_3_6_not_raised_with_require_selection_false() -> None:
     with component_scope("vae", backend="fa", require_selection=False):
         pass
     with component_scope("vae", backend="eager", require_selection=False):
@@ -337,7 +337,7 @@ def test_not_raised_with_require_selection_false() -> None:
         pass
 
 
-def test_not_raised_when_the_body_raised() -> None:
+def test_rule_3_6_not_raised_when_the_body_raised() -> None:
     boom = RuntimeError("from the body")
     with pytest.raises(RuntimeError) as info, component_scope(
         "vae", backend="fa", role_backends={"cross": "eager"}
@@ -359,7 +359,7 @@ def _summaries(logs: list[dict[str, object]]) -> list[dict[str, object]]:
 
 
 @pytest.mark.usefixtures("fresh_structlog")
-def test_summary_line_per_component_on_exit() -> None:
+def test_rule_3_6_summary_line_per_component_on_exit() -> None:
     with capture_logs() as logs, component_scope("audio_vae"):
         resolve(FA_SDPA_DEFAULT, config=SAGE, platform=CUDA_SAGE)
     summaries = _summaries(logs)
@@ -372,7 +372,7 @@ def test_summary_line_per_component_on_exit() -> None:
 
 
 @pytest.mark.usefixtures("fresh_structlog")
-def test_summary_line_counts_and_mixes() -> None:
+def test_rule_3_6_summary_line_counts_and_mixes() -> None:
     with capture_logs() as logs, component_scope("transformer"):
         resolve(LayerSpec(64, "fp32", name="a"), platform=CPU)
         resolve(LayerSpec(64, "fp32", name="b"), platform=CPU)

@@ -532,6 +532,34 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("fa", origin="layer"),
     ),
     Scenario(
+        "causal-cross-attention-never-gets-bottom-right-aligned-fa",
+        "Nothing requested for a causal cross-attention layer on Hopper with flash-attn: the "
+        "chain's fa is usable here (package, device, dtype, head size), is evaluated, and fails "
+        "the requirements check (its causal mask is bottom-right aligned when lengths differ); "
+        "torch_sdpa (top-left, the layer's convention) serves ('platform default fallback').",
+        _layer(role="cross", requires=("causal",)),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        None,
+        expect=selects("torch_sdpa", "platform default fallback", origin="none"),
+    ),
+    Scenario(
+        "layer-fa-causal-cross-attention-rejected-requirement",
+        "fa requested for a causal cross-attention layer: its causal mask is bottom-right aligned "
+        "when lengths differ, so the strict request is rejected (requirement_unmet).",
+        _layer(role="cross", requires=("causal",)),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        "fa",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=("does not implement top-left aligned causal cross-attention",),
+        ),
+    ),
+    Scenario(
         "layer-flex-attention-old-torch-rejected-torch-version",
         "flex_attention on CPU needs torch >= 2.6: a platform recording torch 2.5.1 rejects it "
         "(torch_version).",
