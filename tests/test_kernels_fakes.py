@@ -18,7 +18,6 @@ applicable when qo_len == kv_len", behaviour otherwise unspecified) raises.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from typing import Any
 
 import pytest
 import torch
+from reference import reference as expected
+from reference import relative_error
 
 import attnres.kernels as kernels
 from attnres.kernels import KernelUnavailableError, clear_kernel_cache, get_kernel
@@ -82,36 +83,6 @@ def _fake_core(
             weights = torch.where(total > 0, weights / total, 0.0)  # empty rows: 0
             out[b, :, h] = weights @ v[b, :, h // group].double()
     return out.to(q.dtype)
-
-
-def expected(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    """The attnres calling convention, vectorised in float64 (SDPA semantics)."""
-    group = q.shape[2] // k.shape[2]
-    qh = q.double().transpose(1, 2)
-    kh = k.double().transpose(1, 2).repeat_interleave(group, dim=1)
-    vh = v.double().transpose(1, 2).repeat_interleave(group, dim=1)
-    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.einsum("bhqd,bhkd->bhqk", qh, kh) * factor
-    if causal:
-        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask.double()
-    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(dim=-1), vh).transpose(1, 2)
-
-
-def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
-    return float(((out.double() - reference).norm() / reference.norm()).item())
 
 
 TOLERANCE = {torch.float16: 1.5e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference import reference, relative_error
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -45,42 +46,7 @@ CPU_BACKENDS = ("torch_sdpa", "eager", "flex_attention")
 FP32_RELATIVE_ERROR = 1e-5
 
 
-# =============================================================================
-# The float64 reference
-# =============================================================================
-
-
-def reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-) -> Tensor:
-    """Attention in float64 over (batch, seq, heads, head_size), SDPA semantics."""
-    q64, k64, v64 = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))
-    groups = q64.shape[1] // k64.shape[1]
-    k64 = k64.repeat_interleave(groups, dim=1)
-    v64 = v64.repeat_interleave(groups, dim=1)
-    factor = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q64 @ k64.transpose(-2, -1)) * factor
-    seq_q, seq_kv = q.shape[1], k.shape[1]
-    if causal:
-        keep = torch.ones(seq_q, seq_kv, dtype=torch.bool).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.to(torch.float64)
-    weights = torch.softmax(scores, dim=-1)
-    return (weights @ v64).transpose(1, 2)
-
-
-def relative_error(out: Tensor, ref: Tensor) -> float:
-    return float((out.to(torch.float64) - ref).norm() / ref.norm())
+# The float64 reference and relative_error come from tests/reference.py.
 
 
 @dataclass(frozen=True)
@@ -157,7 +123,7 @@ def test_output_matches_float64_reference(case: Case, backend: str) -> None:
     assert out.shape == q.shape
     assert out.dtype == torch.float32
     assert torch.isfinite(out).all()
-    ref = reference(q, k, v, mask=mask, causal=case.causal, scale=case.scale)
+    ref = reference(q, k, v, mask, causal=case.causal, scale=case.scale)
     error = relative_error(out, ref)
     assert error < FP32_RELATIVE_ERROR, f"{backend} {case.name}: relative error {error:.3g}"
 
