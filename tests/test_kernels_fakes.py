@@ -810,8 +810,30 @@ def test_sparse_backends_have_no_kernel(backend: str) -> None:
 
 
 def test_unknown_and_adapterless_names_have_no_kernel() -> None:
+    from attnres.backends import BackendSpec, register_backend, unregister_backend
+
     assert get_kernel("no_such_backend") is None
-    assert get_kernel("ascend_fa") is None
+    assert kernels.kernel_source("no_such_backend") is kernels.KernelSource.NONE
+    register_backend(BackendSpec(name="plugin_without_kernel", sparse=False,
+                                 platforms=("cpu",), dtypes=("float32",)))  # fmt: skip
+    try:
+        assert get_kernel("plugin_without_kernel") is None
+        assert kernels.kernel_source("plugin_without_kernel") is kernels.KernelSource.NONE
+        kernels.register_kernel("plugin_without_kernel", _dummy)
+        assert kernels.kernel_source("plugin_without_kernel") is kernels.KernelSource.REGISTERED
+    finally:
+        kernels.unregister_kernel("plugin_without_kernel")
+        unregister_backend("plugin_without_kernel")
+
+
+def test_sparse_is_derived_from_the_catalogue() -> None:
+    from attnres.backends import BUILTIN_SPECS
+
+    assert {s.name for s in BUILTIN_SPECS if s.sparse} == kernels.SPARSE_BACKENDS
+    assert all(s.kernel is None for s in BUILTIN_SPECS if s.sparse)
+    for spec in BUILTIN_SPECS:
+        want = kernels.KernelSource.NONE if spec.sparse else kernels.KernelSource.BUILTIN
+        assert kernels.kernel_source(spec.name) is want, spec.name
 
 
 def test_importing_kernels_imports_no_optional_package() -> None:
@@ -864,6 +886,9 @@ def test_builtin_names() -> None:
         "sage_attn",
         "xformers",
         "aiter",
+        "dynamic_cudnn_sdpa",
+        "sage_attn_3",
+        "ascend_fa",
     }
 
 
@@ -900,3 +925,15 @@ def test_replacing_a_builtin_and_restoring_it() -> None:
         )
     restored = get_kernel("torch_sdpa")
     assert restored is not None and restored is not _dummy and original is not None
+    assert kernels.kernel_source("torch_sdpa") is kernels.KernelSource.BUILTIN
+
+
+def test_unregistering_an_adapter_makes_the_backend_kernel_less() -> None:
+    try:
+        kernels.unregister_kernel("eager")
+        assert get_kernel("eager") is None
+        assert kernels.kernel_source("eager") is kernels.KernelSource.NONE
+        assert "eager" not in kernels.kernel_names()
+    finally:
+        kernels.register_kernel("eager", "attnres.kernels.eager:make_kernel")
+    assert kernels.kernel_source("eager") is kernels.KernelSource.BUILTIN

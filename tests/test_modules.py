@@ -368,9 +368,10 @@ def test_unknown_backend_name_is_a_value_error() -> None:
         Attention(4, 64, backend="flahs_attn")
 
 
-def test_sparse_backend_without_adapter_fails_at_construction() -> None:
+def test_rule_no_kernel_strict_request_is_rejected_saying_how_to_register() -> None:
+    """Selected means runnable: a strict request for a kernel-less backend is rejected."""
     platform = Platform.simulate("cuda:sm90+all")
-    with pytest.raises(KernelNotRegisteredError) as info:
+    with pytest.raises(attnres.ResolutionError) as info:
         Attention(
             8,
             128,
@@ -380,27 +381,66 @@ def test_sparse_backend_without_adapter_fails_at_construction() -> None:
             platform=platform,
         )
     error = info.value
-    # a RuntimeError: the arguments are fine, the process lacks a kernel
-    assert isinstance(error, RuntimeError)
-    assert not isinstance(error, ValueError)
+    assert error.code == "no_kernel"
     message = str(error)
-    assert "'sliding_tile_attn' was selected for layer 'blocks.0.attn1'" in message
-    assert "sparse backend" in message
+    assert message.startswith("Attention backend 'sliding_tile_attn' is not available")
+    assert "a sparse backend" in message
     assert "attnres.kernels.register_kernel('sliding_tile_attn', fn)" in message
-    assert "fn(q, k, v, attn_mask, causal, scale)" in message
-    assert error.backend == Backend("sliding_tile_attn")
-    assert error.resolution.backend == Backend("sliding_tile_attn")
-    (decision,) = attnres.decisions()  # the resolver did select it
-    assert decision.backend == "sliding_tile_attn"
+    assert error.trace.input.needs_kernel is True
+    (decision,) = attnres.decisions()  # the resolver rejected it: no backend recorded
+    assert decision.backend is None
 
 
-def test_sparse_backend_in_a_scope_names_the_component() -> None:
+def test_rule_no_kernel_in_a_scope_names_the_component() -> None:
     platform = Platform.simulate("cuda:sm90+all")
     with (
-        pytest.raises(KernelNotRegisteredError, match=r"of component 'transformer'"),
+        pytest.raises(attnres.ResolutionError, match=r"for component 'transformer'$"),
         component_scope("transformer", backend="video_sparse_attn", require_selection=False),
     ):
         Attention(8, 128, dtype="bf16", platform=platform, name="attn1")
+
+
+def test_rule_no_kernel_relaxed_request_falls_back() -> None:
+    """A relaxed origin (the operator's global flag here) falls back, reason and all."""
+    platform = Platform.simulate("cuda:sm90+all")
+    config = attnres.SelectionConfig(
+        global_backend="sliding_tile_attn", global_backend_explicit=True
+    )
+    previous = attnres.set_selection_config(config)
+    try:
+        with component_scope("text_encoder"):
+            layer = Attention(8, 64, dtype="float32", platform=platform, name="attn")
+    finally:
+        attnres.set_selection_config(previous)
+    assert layer.backend == Backend("torch_sdpa")
+    assert layer.resolution.reason == "global backend fallback"
+    codes = [
+        f.code
+        for r in layer.resolution.trace.records
+        if getattr(r, "check", None) == "available"
+        for f in r.failures
+    ]
+    assert "no_kernel" in codes
+
+
+def test_kernel_removed_after_resolution_is_kernel_not_registered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The defensive path: a kernel gone between resolve() and binding (another thread)."""
+    monkeypatch.setattr(modules_mod, "get_kernel", lambda name: None)
+    with pytest.raises(KernelNotRegisteredError, match="no kernel is registered") as info:
+        Attention(4, 32, dtype="float32", name="attn")
+    assert isinstance(info.value, RuntimeError)
+    assert info.value.backend == Backend("torch_sdpa")
+
+
+def test_a_plan_that_does_not_run_still_selects_a_kernel_less_backend() -> None:
+    """resolve() without needs_kernel plans (a plugin may supply the kernel)."""
+    platform = Platform.simulate("cuda:sm90+all")
+    spec = attnres.LayerSpec(head_size=128, dtype="bf16")
+    res = attnres.resolve(spec, platform=platform, backend="sliding_tile_attn")
+    assert res.backend == Backend("sliding_tile_attn")
+    assert res.trace.input.needs_kernel is False
 
 
 def test_sparse_backend_with_a_registered_kernel_is_used() -> None:
@@ -492,9 +532,13 @@ def test_custom_backend_without_kernel_says_how_to_register_one(
 ) -> None:
     name, _ = custom_backend
     unregister_kernel(name)
-    with pytest.raises(KernelNotRegisteredError, match=r"no kernel is registered for it") as info:
+    with pytest.raises(attnres.ResolutionError, match=r"no kernel is registered for it") as info:
         Attention(4, 32, backend=name)
+    assert info.value.code == "no_kernel"
     assert f"attnres.kernels.register_kernel('{name}', fn)" in str(info.value)
+    # registering the kernel changes the answer at once (the resolver's cache forgets)
+    register_kernel(name, "attnres.kernels.eager:make_kernel")
+    assert Attention(4, 32, backend=name).backend == Backend(name)
 
 
 # =============================================================================

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Check", "Code", "Event", "Origin", "Reason", "State"]
+__all__ = ["Check", "Code", "Event", "KernelSource", "Origin", "Reason", "State"]
 
 
 class _StrEnum(str, enum.Enum):
@@ -81,4 +81,17 @@ class Code(_StrEnum):
     SPARSE_CROSS_ATTENTION = "sparse_cross_attention"
     NOT_IN_SUPPORTED_SET = "not_in_supported_set"
     REQUIREMENT_UNMET = "requirement_unmet"
+    #: the layer will run, and this process has no kernel for the backend
+    NO_KERNEL = "no_kernel"
     NO_COMPATIBLE_BACKEND = "no_compatible_backend"
+
+
+class KernelSource(_StrEnum):
+    """Where the kernel that runs a backend comes from, in this process."""
+
+    #: attnres's own adapter (``BackendSpec.kernel``, built on first use)
+    BUILTIN = "builtin"
+    #: a kernel given to :func:`attnres.kernels.register_kernel`
+    REGISTERED = "registered"
+    #: no kernel: a layer that will run cannot be handed this backend
+    NONE = "none"

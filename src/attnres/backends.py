@@ -16,8 +16,8 @@ from __future__ import annotations
 import difflib
 import re
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 import attrs
 from attrs import field, frozen
@@ -31,6 +31,7 @@ __all__ = [
     "Backend",
     "BackendSpec",
     "CapabilityRule",
+    "FrozenMap",
     "HeadSizeRule",
     "PluginFailure",
     "get_spec",
@@ -93,6 +94,66 @@ def _capability_set(
 
 def _groups(value: Iterable[Iterable[str]]) -> tuple[frozenset[str], ...]:
     return tuple(frozenset(g) for g in value)
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class FrozenMap(Mapping[_K, _V], Generic[_K, _V]):
+    """A read-only, hashable mapping (the per-kind tables of a :class:`BackendSpec`).
+
+    Built from a dict or pairs; it cannot be changed after construction, so a
+    spec in the registry stays what it was registered as.
+    """
+
+    __slots__ = ("_data", "_hash")
+
+    def __init__(self, items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()) -> None:
+        self._data: dict[_K, _V] = dict(items)
+        self._hash: int | None = None
+
+    def __getitem__(self, key: _K) -> _V:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[_K]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self._data.items()))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self._data == dict(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMap, (self._data,))
+
+
+def _capability_map(value: Mapping[str, CapabilityRule]) -> FrozenMap[str, CapabilityRule]:
+    return value if isinstance(value, FrozenMap) else FrozenMap(value)
+
+
+def _min_torch_map(value: Mapping[str, tuple[int, int]]) -> FrozenMap[str, tuple[int, int]]:
+    return FrozenMap({str(k): (int(v[0]), int(v[1])) for k, v in dict(value).items()})
+
+
+def _kernel_path(value: str | None) -> str | None:
+    if value is None:
+        return None
+    module, sep, factory = str(value).partition(":")
+    if not (module and sep and factory):
+        raise ValueError(f"kernel: expected 'package.module:factory' or None, got {value!r}")
+    return str(value)
 
 
 @frozen
@@ -203,7 +264,16 @@ class BackendSpec:
       by a layer whose supported set contains every name of one group
       (``torch_cudnn_sdpa`` satisfies ``{torch_sdpa}``, ``dynamic_cudnn_sdpa``
       needs ``{fa, torch_sdpa}``);
-    - ``min_torch``: per platform kind, the oldest torch that ships the kernel.
+    - ``min_torch``: per platform kind, the oldest torch that ships the kernel;
+    - ``kernel``: the ``"package.module:factory"`` of the adapter that runs it
+      (``None``: no adapter ships with the spec; a kernel may still be given to
+      :func:`attnres.kernels.register_kernel`). Whether a kernel serves the
+      backend in this process is :func:`attnres.kernels.kernel_source`;
+    - ``sparse``: a sparse kernel (needs layout metadata; never serves
+      cross-attention).
+
+    The per-kind tables are :class:`FrozenMap` (read-only): a spec is data
+    that cannot change once registered.
     """
 
     name: str = field()
@@ -213,14 +283,19 @@ class BackendSpec:
     head_sizes: HeadSizeRule = HeadSizeRule()
     implements: frozenset[Requirement] = field(default=(), converter=_requirements)
     package: str | None = None
-    capabilities: dict[str, CapabilityRule] = field(factory=dict, hash=False)
+    capabilities: FrozenMap[str, CapabilityRule] = field(
+        factory=FrozenMap, converter=_capability_map
+    )
     satisfies: tuple[frozenset[str], ...] = field(default=(), converter=_groups)
     aliases: tuple[str, ...] = ()
-    min_torch: dict[str, tuple[int, int]] = field(factory=dict, hash=False)
+    min_torch: FrozenMap[str, tuple[int, int]] = field(
+        factory=FrozenMap, converter=_min_torch_map
+    )
     description: str = ""
     #: whether a causal mask keeps torch SDPA's top-left alignment when query and
     #: key lengths differ (cross-attention); flash-attn aligns it bottom-right
     causal_top_left: bool = True
+    kernel: str | None = field(default=None, converter=_kernel_path)
 
     @name.validator
     def _check_name(self, _: attrs.Attribute[str], value: str) -> None:
@@ -255,6 +330,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
         aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
         description="torch.nn.functional.scaled_dot_product_attention",
+        kernel="attnres.kernels.torch_sdpa:make_kernel",
     ),
     BackendSpec(
         name="eager",
@@ -264,6 +340,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",
+        kernel="attnres.kernels.eager:make_kernel",
     ),
     BackendSpec(
         name="torch_cudnn_sdpa",
@@ -276,6 +353,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         satisfies=[{"torch_sdpa"}],
         aliases=("cudnn", "cudnn_sdpa"),
         description="torch SDPA restricted to the cuDNN backend",
+        kernel="attnres.kernels.torch_cudnn_sdpa:make_kernel",
     ),
     BackendSpec(
         name="dynamic_cudnn_sdpa",
@@ -288,6 +366,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         satisfies=[{"fa", "torch_sdpa"}],
         aliases=("dynamic_cudnn",),
         description="cuDNN SDPA chosen per shape, standing in for fa and torch_sdpa",
+        kernel="attnres.kernels.dynamic_cudnn_sdpa:make_kernel",
     ),
     BackendSpec(
         name="flex_attention",
@@ -299,6 +378,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         min_torch={"cuda": (2, 5), "cpu": (2, 6)},
         aliases=("flex",),
         description="torch.nn.attention.flex_attention",
+        kernel="attnres.kernels.flex_attention:make_kernel",
     ),
     BackendSpec(
         name="fa",
@@ -315,6 +395,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         aliases=("flash_attn", "flash_attention", "flash_attention_2", "fa2", "flash_attn_2"),
         description="flash-attn 2.x (flash_attn_func / flash_attn_varlen_func)",
         causal_top_left=False,
+        kernel="attnres.kernels.fa:make_kernel",
     ),
     BackendSpec(
         name="fa3",
@@ -328,6 +409,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         aliases=("flash_attn_3", "flash_attention_3"),
         description="FlashAttention-3 (flash_attn_interface, built from hopper/)",
         causal_top_left=False,
+        kernel="attnres.kernels.fa3:make_kernel",
     ),
     BackendSpec(
         name="fa4",
@@ -341,6 +423,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         aliases=("flash_attn_4", "flash_attention_4", "flash_attn_cute"),
         description="FlashAttention-4 (flash_attn.cute, PyPI flash-attn-4)",
         causal_top_left=False,
+        kernel="attnres.kernels.fa4:make_kernel",
     ),
     BackendSpec(
         name="sage_attn",
@@ -356,6 +439,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         aliases=("sage", "sageattention", "sage_attention", "sageattn"),
         description="SageAttention 2/2++ (sageattention.sageattn)",
         causal_top_left=False,
+        kernel="attnres.kernels.sage_attn:make_kernel",
     ),
     BackendSpec(
         name="sage_attn_3",
@@ -369,6 +453,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         aliases=("sage3", "sageattn3", "sage_attention_3"),
         description="SageAttention3 for Blackwell (sageattn3)",
         causal_top_left=False,
+        kernel="attnres.kernels.sage_attn_3:make_kernel",
     ),
     BackendSpec(
         name="xformers",
@@ -381,6 +466,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         capabilities={"cuda": CapabilityRule(min=(5, 0), max=(9, 0))},
         aliases=("xformers_attn", "memory_efficient_attention"),
         description="xformers.ops.memory_efficient_attention (cutlass)",
+        kernel="attnres.kernels.xformers:make_kernel",
     ),
     BackendSpec(
         name="aiter",
@@ -394,6 +480,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         aliases=("aiter_fa", "rocm_aiter"),
         description="AMD aiter flash attention (aiter.flash_attn_func)",
         causal_top_left=False,
+        kernel="attnres.kernels.aiter:make_kernel",
     ),
     BackendSpec(
         name="ascend_fa",
@@ -405,6 +492,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         package="torch_npu",
         aliases=("npu_fa", "npu_fusion_attention", "ascend"),
         description="Ascend torch_npu.npu_fusion_attention",
+        kernel="attnres.kernels.ascend_fa:make_kernel",
     ),
     BackendSpec(
         name="sliding_tile_attn",
@@ -654,6 +742,16 @@ _REGISTRY = _Registry()
 def on_registry_change(hook: Callable[[], None]) -> None:
     """Call ``hook()`` after every registration change (the resolver clears its cache)."""
     _CHANGE_HOOKS.append(hook)
+
+
+def kernels_changed() -> None:
+    """A kernel was registered or removed: what a running layer may get changed.
+
+    Called by :mod:`attnres.kernels`; bumps the generation and runs the change
+    hooks exactly as a backend registration does (the resolver clears its cache).
+    """
+    with _REGISTRY._lock:
+        _REGISTRY._changed()
 
 
 def registry_generation() -> int:

@@ -783,6 +783,9 @@ def _render_plan(result: PlanResult) -> list[str]:
                         detail += f" ({why})"
             else:
                 detail = str(layer.error)
+            if layer.needs_kernel:
+                missing = f"no kernel for {layer.backend} in this install (register one to run)"
+                detail = missing if detail == "-" else f"{detail}; {missing}"
             rows.append(
                 [
                     layer.name,
@@ -817,6 +820,13 @@ def _render_plan(result: PlanResult) -> list[str]:
             else "no fallback"
         )
         verdict = f"Verdict: ok - {scope}; {fell}"
+        lacking = [la for la in layers if la.needs_kernel]
+        if lacking:
+            names = sorted({str(la.backend) for la in lacking})
+            verdict += (
+                f"; {_plural(sum(la.count for la in lacking), 'layer')} need a kernel this "
+                f"install lacks ({', '.join(names)})"
+            )
     else:
         rejected = [la for la in layers if la.status != "selected"]
         problems = [c.name for c in result.components if c.error]

@@ -53,6 +53,7 @@ from attnres.backends import (
     registry_generation,
 )
 from attnres.errors import ResolutionError
+from attnres.kernels import KernelSource, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision
 from attnres.platform import Platform
@@ -269,7 +270,33 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
 # =============================================================================
 
 
-def _check_available(spec: BackendSpec, platform: Platform) -> list[Failure]:
+def _check_kernel(spec: BackendSpec, needs_kernel: bool) -> list[Failure]:
+    """A layer that will run needs a kernel for the backend in this process."""
+    if not needs_kernel or kernel_source(spec.name) is not KernelSource.NONE:
+        return []
+    why = (
+        "a sparse backend: attnres ships no adapter, its kernels need model-specific "
+        "layout metadata"
+        if spec.sparse
+        else "no kernel is registered for it"
+    )
+    return [
+        Failure(
+            Code.NO_KERNEL,
+            f"no kernel in this process ({why}); register one with "
+            f"attnres.kernels.register_kernel({spec.name!r}, fn) before building the layer "
+            f"(docs/layers.md)",
+        )
+    ]
+
+
+def _check_available(
+    spec: BackendSpec, platform: Platform, needs_kernel: bool = False
+) -> list[Failure]:
+    return _check_package(spec, platform) + _check_kernel(spec, needs_kernel)
+
+
+def _check_package(spec: BackendSpec, platform: Platform) -> list[Failure]:
     if spec.package is None:
         return []
     fact = platform.package(spec.package)
@@ -400,12 +427,14 @@ def _check_requirements(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
 
 
 def check_candidate(
-    backend: Backend, layer: LayerSpec, platform: Platform
+    backend: Backend, layer: LayerSpec, platform: Platform, needs_kernel: bool = False
 ) -> tuple[tuple[Check, tuple[Failure, ...]], ...]:
     """Run every check of SPEC 3.4 on one candidate; every failure is kept.
 
     Returns ``(check, failures)`` pairs in :data:`CHECK_ORDER`; a check passed
     when its failures are empty. An unknown backend stops after ``known``.
+    ``needs_kernel``: the layer will run, so ``available`` also needs a kernel
+    for the backend in this process (code ``no_kernel``).
     """
     spec = lookup_spec(backend)
     if spec is None:
@@ -417,7 +446,7 @@ def check_candidate(
         )
     return (
         (Check.KNOWN, ()),
-        (Check.AVAILABLE, tuple(_check_available(spec, platform))),
+        (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel))),
         (Check.PLATFORM, tuple(_check_platform(spec, layer, platform))),
         (Check.ROLE, tuple(_check_role(spec, layer))),
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
@@ -425,17 +454,22 @@ def check_candidate(
     )
 
 
-def _unusable_here(backend: Backend, layer: LayerSpec, platform: Platform) -> str:
+def _unusable_here(
+    backend: Backend, layer: LayerSpec, platform: Platform, needs_kernel: bool = False
+) -> str:
     """Why a conditional platform preference does not apply ('' when it does).
 
     A platform's chain prefers a kernel "when it is usable" (SPEC 3.4: cuda -> fa
-    when flash-attn is usable): its package works and the device, dtype and head
-    size fit. Only the last entry of a chain is unconditional.
+    when flash-attn is usable): its package works, a layer that will run has a
+    kernel for it, and the device, dtype and head size fit. Only the last entry
+    of a chain is unconditional.
     """
     spec = lookup_spec(backend)
     if spec is None:
         return f"backend {backend.name!r} is not registered"
-    failures = _check_available(spec, platform) + _check_platform(spec, layer, platform)
+    failures = _check_available(spec, platform, needs_kernel) + _check_platform(
+        spec, layer, platform
+    )
     return "; ".join(f.message for f in failures)
 
 
@@ -554,7 +588,7 @@ def run_machine(inp: TraceInput) -> Trace:
                 )
                 continue
             if stage is State.PLATFORM_DEFAULT and position < len(candidates) - 1:
-                unusable = _unusable_here(candidate, layer, platform)
+                unusable = _unusable_here(candidate, layer, platform, inp.needs_kernel)
                 if unusable:
                     records.append(
                         SkipRecord(
@@ -565,7 +599,7 @@ def run_machine(inp: TraceInput) -> Trace:
                     )
                     continue
             seen[candidate] = stage
-            results = check_candidate(candidate, layer, platform)
+            results = check_candidate(candidate, layer, platform, inp.needs_kernel)
             for check, failures in results:
                 records.append(CheckRecord(stage, candidate, check, not failures, failures))
             all_failures = tuple(f for _, failures in results for f in failures)
@@ -700,8 +734,14 @@ def resolve(
     config: SelectionConfig | None = None,
     platform: Platform | None = None,
     backend: Backend | str | None = None,
+    needs_kernel: bool = False,
 ) -> Resolution:
     """Decide which backend ``layer`` runs, inside the current component scope.
+
+    ``needs_kernel=True`` resolves for a layer that will run (``attnres.Attention``
+    passes it): a backend with no kernel in this process then fails like any
+    other capability (code ``no_kernel``) -- a relaxed request falls back, a
+    strict one is rejected with a message saying how to register a kernel.
 
     Raises :class:`~attnres.errors.ResolutionError` (with ``.trace``) when no
     backend can serve it. Resolutions are cached on their full input; a hit
@@ -720,7 +760,8 @@ def resolve(
         backend = optional_backend("backend")(backend)
     handle = current_handle()
     scope = None if handle is None else handle.state
-    key = (layer, cfg, scope, platform, backend)
+    needs_kernel = needs_kernel is True
+    key = (layer, cfg, scope, platform, backend, needs_kernel)
     try:
         entry = _CACHE.get(key)
     except TypeError:  # an unhashable argument (a dict for a config, say): say which
@@ -729,9 +770,11 @@ def resolve(
     if entry is None:
         # argument types are checked on the cold path only: a hit costs nothing more
         _check_arguments(cfg, platform)
-        entry = _resolve_renamed(layer, cfg, scope, platform, backend, key)
+        entry = _resolve_renamed(layer, cfg, scope, platform, backend, needs_kernel, key)
         if entry is None:
-            entry = _resolve_cold(TraceInput(layer, cfg, scope, platform, backend), key)
+            entry = _resolve_cold(
+                TraceInput(layer, cfg, scope, platform, backend, needs_kernel), key
+            )
     else:
         emit_cache_hit(entry[1])
     resolution, decision, trace = entry
@@ -756,7 +799,12 @@ def _check_arguments(config: object, platform: object) -> None:
 
 
 def _shape_key(
-    layer: LayerSpec, cfg: object, scope: object, platform: object, backend: object
+    layer: LayerSpec,
+    cfg: object,
+    scope: object,
+    platform: object,
+    backend: object,
+    needs_kernel: bool,
 ) -> tuple[object, ...]:
     """The cache key without the layer's name.
 
@@ -776,6 +824,7 @@ def _shape_key(
         scope,
         platform,
         backend,
+        needs_kernel,
     )
 
 
@@ -788,16 +837,19 @@ def _resolve_renamed(
     scope: ScopeState | None,
     platform: Platform,
     backend: Backend | None,
+    needs_kernel: bool,
     key: tuple[object, ...],
 ) -> _CacheEntry | None:
     """A resolution of an identical layer under another name, renamed; or ``None``."""
-    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend))
+    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend, needs_kernel))
     if twin is None:
         return None
     generation = registry_generation()
     recorded = twin[2]
     trace = Trace(
-        TraceInput(layer, cfg, scope, platform, backend), recorded.records, recorded.outcome
+        TraceInput(layer, cfg, scope, platform, backend, needs_kernel),
+        recorded.records,
+        recorded.outcome,
     )
     entry = _entry_for(trace)
     emit_cache_hit(entry[1])
@@ -846,6 +898,8 @@ def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
     _store(key, entry, generation)
     layer = inp.layer
     if layer.name is not None:
-        shape = _shape_key(layer, inp.config, inp.scope, inp.platform, inp.backend)
+        shape = _shape_key(
+            layer, inp.config, inp.scope, inp.platform, inp.backend, inp.needs_kernel
+        )
         _store(shape, entry, generation, _SHAPES)
     return entry

@@ -285,7 +285,7 @@ class Attention(nn.Module):
             kv_heads != num_heads,
             name,
         )
-        resolution = resolve(spec, platform=platform, backend=backend)
+        resolution = resolve(spec, platform=platform, backend=backend, needs_kernel=True)
         kernel, dtypes = _bind(resolution, spec)
         shape = _LayerShape(
             num_heads, kv_heads, head_size, causal, scale, resolution.backend.name, spec.dtype

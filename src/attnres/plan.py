@@ -37,9 +37,11 @@ from typing import Any
 
 from attrs import frozen
 
+from attnres._states import KernelSource
 from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import BackendNotAppliedError, ResolutionError
+from attnres.kernels import kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.machine import resolve, selection_config
 from attnres.platform import Platform
@@ -450,6 +452,15 @@ class LayerPlan:
     error: str | None
     code: str | None
     trace: Trace
+    #: for a selected layer, whether a kernel serves its backend in this install
+    #: (``none``: the plan holds, but running it needs a kernel registered first,
+    #: e.g. a sparse backend an operator supplies by plugin); ``None`` if rejected
+    kernel: KernelSource | None = None
+
+    @property
+    def needs_kernel(self) -> bool:
+        """Selected, but this install has no kernel to run it."""
+        return self.kernel is KernelSource.NONE
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -461,6 +472,7 @@ class LayerPlan:
             "origin": self.origin,
             "error": self.error,
             "code": self.code,
+            "kernel": None if self.kernel is None else self.kernel.value,
             "digest": self.trace.digest,
         }
 
@@ -616,6 +628,7 @@ def _plan_layer(
         error=None,
         code=None,
         trace=resolution.trace,
+        kernel=kernel_source(resolution.backend.name),
     )
 
 

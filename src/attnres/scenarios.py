@@ -105,13 +105,17 @@ class Scenario:
     platform: Platform = field(converter=_platform)
     backend: Backend | None = field(converter=_backend)
     expect: Expect = field(kw_only=True)
+    #: resolved for a layer that will run (``attnres.Attention``)
+    needs_kernel: bool = field(default=False, kw_only=True)
 
     @property
     def filename(self) -> str:
         return f"{self.name}.json"
 
     def input(self) -> TraceInput:
-        return TraceInput(self.layer, self.config, self.scope, self.platform, self.backend)
+        return TraceInput(
+            self.layer, self.config, self.scope, self.platform, self.backend, self.needs_kernel
+        )
 
     def run(self) -> Trace:
         from attnres.machine import run_machine
@@ -602,6 +606,40 @@ SCENARIOS: tuple[Scenario, ...] = (
         _HOPPER_ALL,
         "sliding_tile_attn",
         expect=rejects("no_compatible_backend", origin="layer"),
+    ),
+    # -- selected means runnable: layers that will run need a kernel --------------
+    Scenario(
+        "attention-layer-sparse-request-rejected-no-kernel",
+        "A layer that will run (attnres.Attention) asks for a sparse backend on self-attention: "
+        "attnres ships no kernel for it, so the strict request is rejected (no_kernel) with "
+        "a message saying how to register one.",
+        _layer(name="blocks.0.attn1"),
+        _NOTHING,
+        None,
+        _HOPPER_ALL,
+        "sliding_tile_attn",
+        expect=rejects(
+            "no_kernel",
+            origin="layer",
+            error_contains=(
+                "Attention backend 'sliding_tile_attn' is not available: no kernel in this "
+                "process",
+                "attnres.kernels.register_kernel('sliding_tile_attn', fn)",
+            ),
+        ),
+        needs_kernel=True,
+    ),
+    Scenario(
+        "attention-layer-global-sparse-falls-back-no-kernel",
+        "The operator's global sparse backend, relaxed for a text encoder whose layers will "
+        "run: no kernel, so it falls back to the platform chain ('global backend fallback').",
+        _layer(name="encoder.layers.0.attn"),
+        _cli("video_sparse_attn"),
+        scope_state("text_encoder"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+        needs_kernel=True,
     ),
     # -- origin: forced ---------------------------------------------------------
     Scenario(

@@ -179,6 +179,10 @@ class TraceInput:
     platform: Platform
     #: the backend passed explicitly for this one layer (a name is parsed)
     backend: Backend | None = field(default=None, converter=_input_backend)
+    #: the layer will run (``attnres.Attention``): a backend with no kernel in
+    #: this process fails the ``available`` check (code ``no_kernel``). Written
+    #: to a trace only when true (older traces, and plans, omit it).
+    needs_kernel: bool = field(default=False, metadata={"omit_default": True})
 
 
 @frozen
@@ -314,9 +318,14 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _exact_keys(value: dict[str, Any], keys: typing.Collection[str], what: str) -> None:
+def _exact_keys(
+    value: dict[str, Any],
+    keys: typing.Collection[str],
+    what: str,
+    optional: typing.Collection[str] = (),
+) -> None:
     for key in sorted(keys):
-        if key not in value:
+        if key not in value and key not in optional:
             raise _Invalid(_key_path(key), f"missing field ({what} has: {', '.join(sorted(keys))})")
     for key in sorted(set(value) - set(keys)):
         raise _Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(sorted(keys))})")
@@ -485,12 +494,15 @@ def _make_attrs_hook(
     """A strict hook for an attrs class: every init field present, typed, checked."""
     fields = [a for a in attrs.fields(attrs.resolve_types(cls)) if a.init]
     keys = [a.name for a in fields] + ([] if tag is None else ["kind"])
+    optional = [a.name for a in fields if a.metadata.get("omit_default")]
 
     def structure(value: Any, _: Any) -> Any:
         obj = _object(value, what)
-        _exact_keys(obj, keys, what)
+        _exact_keys(obj, keys, what, optional)
         kwargs: dict[str, Any] = {}
         for a in fields:
+            if a.name not in obj:  # an omitted optional field: its default
+                continue
             path = _key_path(a.name)
             v = _structure_at(conv, obj[a.name], a.type, path)
             check = _FIELD_CHECKS.get((cls, a.name))
@@ -693,6 +705,7 @@ def _make_converter() -> cattrs.Converter:
     )
     for cls in RECORD_KINDS.values():
         conv.register_unstructure_hook(cls, _record_unstructurer(conv, cls))
+    conv.register_unstructure_hook(TraceInput, _record_unstructurer(conv, TraceInput))
 
     def unstructure_record(rec: Any) -> dict[str, Any]:
         out: dict[str, Any] = conv.unstructure(rec, unstructure_as=type(rec))
@@ -750,10 +763,18 @@ def _make_converter() -> cattrs.Converter:
 
 
 def _record_unstructurer(conv: cattrs.Converter, cls: type[Any]) -> Callable[[Any], Any]:
-    names = [a.name for a in attrs.fields(cls)]
+    """Every field, in order; a field marked ``omit_default`` only when not its default."""
+    fields = attrs.fields(cls)
+    names = [a.name for a in fields if not a.metadata.get("omit_default")]
+    omissible = [(a.name, a.default) for a in fields if a.metadata.get("omit_default")]
 
     def unstructure(rec: Any) -> dict[str, Any]:
-        return {n: conv.unstructure(getattr(rec, n)) for n in names}
+        out = {n: conv.unstructure(getattr(rec, n)) for n in names}
+        for name, default in omissible:
+            value = getattr(rec, name)
+            if value != default:
+                out[name] = conv.unstructure(value)
+        return out
 
     return unstructure
 

@@ -19,13 +19,19 @@ settings bound (no per-call argument plumbing); :func:`specialized` uses it when
 present and otherwise wraps the general kernel. ``gqa`` says whether the layer
 has fewer key/value heads than query heads.
 
-The registry maps a backend name to a built kernel. Built-in adapters are
-registered by name as ``"module:factory"`` strings and built on first
-:func:`get_kernel`; third-party kernels come in through :func:`register_kernel`.
-Sparse backends have no adapter here (their kernels need layout metadata this
-convention does not carry): :func:`get_kernel` returns ``None`` for them.
+The registry maps a backend name to a built kernel. A backend's spec names its
+adapter (``BackendSpec.kernel``, a lazy ``"module:factory"`` string built on
+first :func:`get_kernel`); third-party kernels come in through
+:func:`register_kernel`, which overrides the spec's adapter.
+:func:`kernel_source` says which of the two serves a backend, or that none
+does: sparse backends ship no adapter (their kernels need layout metadata this
+convention does not carry), and :func:`get_kernel` returns ``None`` for them.
+A registration change is a registry change (:func:`attnres.backends.kernels_changed`):
+the resolver, which checks that a layer that will run gets a backend with a
+kernel, forgets its cached answers.
 
-Kernels import nothing from attnres outside this package.
+Adapters import nothing from attnres outside this package; the registry reads
+the backend catalogue (:mod:`attnres.backends`, which imports no torch).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Union
 
+from attnres._states import KernelSource
+from attnres.backends import BUILTIN_SPECS, kernels_changed, lookup_spec, registered_backends
+from attnres.backends import Backend as _Backend
 from attnres.kernels._common import KernelUnavailableError
 
 if TYPE_CHECKING:
@@ -43,11 +52,13 @@ if TYPE_CHECKING:
 __all__ = [
     "SPARSE_BACKENDS",
     "KernelFn",
+    "KernelSource",
     "KernelUnavailableError",
     "VarlenKernelFn",
     "clear_kernel_cache",
     "get_kernel",
     "kernel_names",
+    "kernel_source",
     "register_kernel",
     "specialized",
     "unregister_kernel",
@@ -66,29 +77,31 @@ VarlenKernelFn = Callable[
     "Tensor",
 ]
 
-#: Sparse backends of the catalogue: no dense adapter, ``get_kernel`` answers ``None``.
-SPARSE_BACKENDS: frozenset[str] = frozenset(
-    {"sliding_tile_attn", "video_sparse_attn", "vmoba_attn", "sparse_video_gen_2_attn"}
-)
-
-_BUILTIN: dict[str, str] = {
-    "torch_sdpa": "attnres.kernels.torch_sdpa:make_kernel",
-    "eager": "attnres.kernels.eager:make_kernel",
-    "torch_cudnn_sdpa": "attnres.kernels.torch_cudnn_sdpa:make_kernel",
-    "flex_attention": "attnres.kernels.flex_attention:make_kernel",
-    "fa": "attnres.kernels.fa:make_kernel",
-    "fa3": "attnres.kernels.fa3:make_kernel",
-    "fa4": "attnres.kernels.fa4:make_kernel",
-    "sage_attn": "attnres.kernels.sage_attn:make_kernel",
-    "xformers": "attnres.kernels.xformers:make_kernel",
-    "aiter": "attnres.kernels.aiter:make_kernel",
-}
+#: Sparse backends of the built-in catalogue (derived from ``BackendSpec.sparse``):
+#: they ship no dense adapter, ``get_kernel`` answers ``None``.
+SPARSE_BACKENDS: frozenset[str] = frozenset(s.name for s in BUILTIN_SPECS if s.sparse)
 
 _lock = threading.Lock()
-# name -> a kernel callable, or a lazy "module:factory" string
-_entries: dict[str, KernelFn | str] = dict(_BUILTIN)
+# name -> a kernel given to register_kernel (a callable or a lazy "module:factory")
+_entries: dict[str, KernelFn | str] = {}
+# names whose spec adapter was removed with unregister_kernel
+_removed: set[str] = set()
 # name -> the kernel built from a lazy entry
 _built: dict[str, KernelFn] = {}
+
+
+def _spec_adapter(key: str) -> str | None:
+    """The adapter the registered spec of ``key`` names, if any."""
+    spec = lookup_spec(_Backend(key)) if key else None
+    return None if spec is None else spec.kernel
+
+
+def _entry(key: str) -> KernelFn | str | None:
+    """What serves ``key``: a registration, else the spec's adapter (caller holds _lock)."""
+    entry = _entries.get(key)
+    if entry is not None or key in _removed:
+        return entry
+    return _spec_adapter(key)
 
 
 def _key(backend_name: str) -> str:
@@ -115,25 +128,30 @@ def register_kernel(backend_name: str, fn: KernelFn | str, *, replace: bool = Fa
     elif not callable(fn):
         raise TypeError(f"fn must be a kernel callable or a 'module:factory' string, got {fn!r}")
     with _lock:
-        if key in _entries and not replace:
+        if _entry(key) is not None and not replace:
             raise ValueError(
                 f"a kernel is already registered for backend {key!r}; "
                 "pass replace=True to override it"
             )
         _entries[key] = fn
+        _removed.discard(key)
         _built.pop(key, None)
+    kernels_changed()
 
 
 def unregister_kernel(backend_name: str) -> None:
     """Forget the kernel of ``backend_name``; unknown names are ignored.
 
     A built-in adapter can be put back with
-    ``register_kernel(name, "attnres.kernels.<module>:make_kernel")``.
+    ``register_kernel(name, "attnres.kernels.<module>:make_kernel")`` (its
+    :func:`kernel_source` is then ``builtin`` again).
     """
     key = _key(backend_name)
     with _lock:
         _entries.pop(key, None)
+        _removed.add(key)
         _built.pop(key, None)
+    kernels_changed()
 
 
 def get_kernel(backend_name: str) -> KernelFn | None:
@@ -146,7 +164,7 @@ def get_kernel(backend_name: str) -> KernelFn | None:
     """
     key = _key(backend_name)
     with _lock:
-        entry = _entries.get(key)
+        entry = _entry(key)
         built = _built.get(key)
     if entry is None or not isinstance(entry, str):
         return entry
@@ -156,7 +174,7 @@ def get_kernel(backend_name: str) -> KernelFn | None:
     factory: Callable[[], KernelFn] = getattr(importlib.import_module(module_name), factory_name)
     kernel = factory()
     with _lock:
-        if _entries.get(key) == entry:  # not replaced while we were building
+        if _entry(key) == entry:  # not replaced while we were building
             kernel = _built.setdefault(key, kernel)
     return kernel
 
@@ -177,10 +195,33 @@ def specialized(
     return call
 
 
-def kernel_names() -> tuple[str, ...]:
-    """The backend names that have a kernel (built or lazy), sorted."""
+def kernel_source(backend_name: str) -> KernelSource:
+    """Whether a kernel serves ``backend_name`` in this process, and whose.
+
+    ``registered``: a kernel given to :func:`register_kernel` (one that
+    re-registers the spec's own adapter string counts as ``builtin``);
+    ``builtin``: the adapter the backend's spec names; ``none``: no kernel (a
+    sparse backend, a plugin backend registered without one, or an adapter
+    removed with :func:`unregister_kernel`). Nothing is imported: a ``builtin``
+    kernel whose package is missing is the platform check's business.
+    """
+    key = _key(backend_name)
     with _lock:
-        return tuple(sorted(_entries))
+        entry = _entries.get(key)
+        removed = key in _removed
+    adapter = _spec_adapter(key)
+    if entry is not None:
+        return KernelSource.BUILTIN if entry == adapter else KernelSource.REGISTERED
+    if removed or adapter is None:
+        return KernelSource.NONE
+    return KernelSource.BUILTIN
+
+
+def kernel_names() -> tuple[str, ...]:
+    """The backend names that have a kernel (registered or named by a spec), sorted."""
+    with _lock:
+        named = {s.name for s in registered_backends() if s.kernel is not None} - _removed
+        return tuple(sorted(named | set(_entries)))
 
 
 def clear_kernel_cache() -> None:
