@@ -39,7 +39,7 @@ from structlog.processors import JSONRenderer, TimeStamper, add_log_level
 from structlog.testing import capture_logs
 
 import attnres
-from attnres import machine
+from attnres import runtime
 from attnres.ledger import record_decision
 from attnres.trace import canonical_json, trace_to_dict
 
@@ -160,8 +160,8 @@ def _chunked(
 def test_cache_hit_vs_dict_lookup(benchmark: Any, ratios: RatioRegistry, paired: Paired) -> None:
     first = _resolve()
     key = (LAYER, CONFIG, None, PLATFORM, None)  # resolve()'s cache key, outside a scope
-    assert key in machine._CACHE, "the reference must use the key the cache uses"
-    plain = {key: machine._CACHE[key]}
+    assert key in runtime._CACHE, "the reference must use the key the cache uses"
+    plain = {key: runtime._CACHE[key]}
 
     def dict_lookup() -> object:
         return plain[key]
@@ -345,7 +345,7 @@ def _fill_cache(count: int) -> None:
 
 
 def test_cache_memory_when_full(benchmark: Any, ratios: RatioRegistry) -> None:
-    size = machine._CACHE_MAX
+    size = runtime._CACHE_MAX
     attnres.clear_cache()
     attnres.clear_decisions()
     gc.collect()
@@ -358,7 +358,7 @@ def test_cache_memory_when_full(benchmark: Any, ratios: RatioRegistry) -> None:
         after = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
-    assert machine.cache_info()["size"] == size
+    assert runtime.cache_info()["size"] == size
     grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
     per_entry = grown / size
     ratios.record(
@@ -371,7 +371,7 @@ def test_cache_memory_when_full(benchmark: Any, ratios: RatioRegistry) -> None:
     ratios.record("resolution cache per entry", per_entry, unit="bytes")
     # bounded: more distinct inputs never grow it past _CACHE_MAX
     _fill_cache(size + size // 4)
-    assert machine.cache_info()["size"] <= size
+    assert runtime.cache_info()["size"] <= size
     attnres.clear_decisions()
     benchmark.extra_info["cache_bytes_when_full"] = grown
     benchmark.extra_info["cache_max"] = size

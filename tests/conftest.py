@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import attnres
-from attnres.machine import set_selection_config
+from attnres.runtime import set_selection_config
 
 settings.register_profile(
     "default",

@@ -326,9 +326,9 @@ CASES: list[Case] = [
          call=lambda: Attention(8, 64, causal="yes", platform=CPU)),  # type: ignore[arg-type]
     Case("attention-scale-nan", ValueError, "softmax_scale: expected a finite number, got nan",
          call=lambda: Attention(8, 64, softmax_scale=float("nan"), platform=CPU)),
-    Case("attention-sparse-backend-has-no-kernel", KernelNotRegisteredError,
-         "Attention backend 'sliding_tile_attn' was selected (origin layer), but attnres has no "
-         "kernel for this sparse backend",
+    Case("attention-sparse-backend-has-no-kernel", ResolutionError,
+         "Attention backend 'sliding_tile_attn' is not available: no kernel in this process "
+         "(a sparse backend",
          call=lambda: Attention(8, 64, dtype="bf16", backend="sliding_tile_attn", platform=H100)),
     # -- Attention.forward inputs -------------------------------------------------
     Case("forward-wrong-head-size", ValueError, "head size: expected 64; got q (1, 4, 8, 32)",

@@ -23,6 +23,7 @@ import pytest
 import attnres
 from attnres import LayerSpec, Platform, Role, component_scope, resolve
 from attnres import machine as M
+from attnres import runtime as R
 from attnres.scope import current_scope
 from attnres.trace import TraceInput
 
@@ -171,10 +172,11 @@ def _check_ledger_and_cache(log: _Log) -> None:
         assert d.origin == str(outcome.origin)
         assert d.reason == outcome.reason
     # the cache holds exactly one entry per distinct input, each the machine's answer
-    config = M.selection_config()
-    assert set(M._CACHE) == {(layer, config, scope, CPU, None) for scope, layer in log.inputs}
-    assert M.cache_info()["size"] <= M.cache_info()["max_size"]
-    for key, (resolution, decision, trace) in M._CACHE.items():
+    config = R.selection_config()
+    expected = {(layer, config, scope, CPU, None, False) for scope, layer in log.inputs}
+    assert set(R._CACHE) == expected
+    assert R.cache_info()["size"] <= R.cache_info()["max_size"]
+    for key, (resolution, decision, trace) in R._CACHE.items():
         assert trace == M.run_machine(TraceInput(*key))
         assert resolution is not None and resolution.trace is trace
         assert decision.trace is trace

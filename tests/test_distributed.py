@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dist_workers import build_decisions, worker
 
 import attnres
 from attnres import distributed
-from attnres._dist_workers import build_decisions, worker
 from attnres.distributed import ConsensusError, ConsensusReport, verify_consensus
 
 # Per test: process start-up (importing torch) plus the scenario's own waits.

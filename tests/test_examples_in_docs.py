@@ -39,7 +39,7 @@ import attnres
 from attnres import kernels as K
 from attnres import scope as S
 from attnres.backends import registered_backends
-from attnres.machine import set_selection_config
+from attnres.runtime import set_selection_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [

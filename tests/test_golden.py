@@ -3,7 +3,7 @@ file (and every file its scenario), each scenario does what its name says, and
 together they cover the whole selection contract.
 
 ``pytest tests/test_golden.py --update-golden`` (``make golden``) regenerates
-traces/ from ``attnres.scenarios.SCENARIOS`` (atomically, touching only what
+traces/ from ``tests/scenarios.py`` (SCENARIOS) (atomically, touching only what
 changed) and prints what changed.
 """
 
@@ -14,12 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from attnres import machine
-from attnres._states import Code, Event, Origin, Reason, State
-from attnres._vocab import PLATFORM_KINDS
-from attnres.replayer import replay
-from attnres.scenarios import (
+from scenarios import (
     NAME_RE,
     SCENARIOS,
     CorpusChange,
@@ -27,6 +22,11 @@ from attnres.scenarios import (
     corpus_status,
     update_corpus,
 )
+
+from attnres import machine
+from attnres._states import Code, Event, Origin, Reason, State
+from attnres._vocab import PLATFORM_KINDS
+from attnres.replayer import replay
 from attnres.trace import CheckRecord, SkipRecord, Trace, TransitionRecord, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def test_golden_file_replays(name: str, corpus: Path) -> None:
         if not path.exists():
             pytest.skip(f"traces/{name}.json was removed by --update-golden")
         pytest.fail(
-            f"traces/{name}.json has no scenario in attnres.scenarios.SCENARIOS: add one, or "
+            f"traces/{name}.json has no scenario in tests/scenarios.py (SCENARIOS): add one, or "
             f"run `make golden` to delete the file"
         )
     assert path.exists(), (

@@ -34,6 +34,7 @@ from attnres import (
     resolve,
 )
 from attnres import machine as M
+from attnres import runtime as R
 from attnres import scope as S
 from attnres._states import Check, Event, Origin, Reason, State
 from attnres._vocab import DTYPES
@@ -1581,7 +1582,7 @@ def test_cache_hit_returns_the_same_resolution_object() -> None:
     first = resolve(layer, platform=CPU)
     second = resolve(LayerSpec(64, "float32", name="blocks.0.attn"), platform=CPU)
     assert second is first
-    assert M.cache_info()["size"] == 1
+    assert R.cache_info()["size"] == 1
 
 
 def test_cache_hit_still_records_the_decision() -> None:
@@ -1628,9 +1629,9 @@ def test_cache_entries_are_not_shared_across_scopes_configs_platforms() -> None:
 def test_clear_cache_forgets_every_entry() -> None:
     layer = LayerSpec(64, "fp32")
     first = resolve(layer, platform=CPU)
-    assert M.cache_info()["size"] == 1
+    assert R.cache_info()["size"] == 1
     attnres.clear_cache()
-    assert M.cache_info()["size"] == 0
+    assert R.cache_info()["size"] == 0
     second = resolve(layer, platform=CPU)
     assert second is not first and second == first
     # decisions already recorded stay
@@ -1638,13 +1639,13 @@ def test_clear_cache_forgets_every_entry() -> None:
 
 
 def test_cache_is_bounded() -> None:
-    limit = M._CACHE_MAX
-    assert M.cache_info()["max_size"] == limit
+    limit = R._CACHE_MAX
+    assert R.cache_info()["max_size"] == limit
     last: Resolution | None = None
     for i in range(limit + limit // 4):
         last = resolve(LayerSpec(64, "fp32", name=f"layer.{i}"), platform=CPU)
-        assert M.cache_info()["size"] <= limit
-    assert M.cache_info()["size"] > 0
+        assert R.cache_info()["size"] <= limit
+    assert R.cache_info()["size"] > 0
     # the newest entry is still cached
     assert resolve(LayerSpec(64, "fp32", name=f"layer.{limit + limit // 4 - 1}"),
                    platform=CPU) is last
@@ -1653,7 +1654,7 @@ def test_cache_is_bounded() -> None:
 def test_cache_rejection_is_cached_and_reraised_with_the_trace() -> None:
     layer = LayerSpec(64, "fp32", name="attn")
     first = rejected(layer, platform=CPU, backend="fa")
-    assert M.cache_info()["size"] == 1
+    assert R.cache_info()["size"] == 1
     second = rejected(layer, platform=CPU, backend="fa")
     assert first is not second
     assert second.trace is first.trace
@@ -1717,7 +1718,7 @@ def test_cache_layers_differing_only_by_name_run_the_machine_once(
         assert r.trace.input.layer.name == r.layer
         assert r.trace == real(r.trace.input)
     assert len({r.trace.digest for r in results}) == 5
-    assert M.cache_info()["size"] == 5 and M.cache_info()["shapes"] == 1
+    assert R.cache_info()["size"] == 5 and R.cache_info()["shapes"] == 1
 
 
 def test_cache_renamed_rejection_is_raised_with_its_own_trace() -> None:

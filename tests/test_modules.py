@@ -589,7 +589,7 @@ def test_forward_makes_no_decision_and_no_lookup(monkeypatch: pytest.MonkeyPatch
         raise AssertionError("forward must not resolve or look anything up")
 
     for target, attr in [
-        (machine_mod, "resolve"),
+        (attnres.runtime, "resolve"),
         (machine_mod, "run_machine"),
         (machine_mod, "detect_origin"),
         (modules_mod, "resolve"),

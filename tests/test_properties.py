@@ -35,6 +35,7 @@ from hypothesis.stateful import (
 import attnres
 from attnres import LayerSpec, ResolutionError, Role, component_scope, resolve
 from attnres import machine as M
+from attnres import runtime as R
 from attnres._states import Check, Code, Origin, Reason, State
 from attnres.backends import (
     Backend,
@@ -119,15 +120,17 @@ def test_resolve_raises_exactly_when_the_machine_rejects(inp: TraceInput) -> Non
         assert resolution.origin == str(trace.outcome.origin)
 
 
-def _resolve_in(inp: TraceInput) -> M.Resolution:
+def _resolve_in(inp: TraceInput) -> R.Resolution:
     """``resolve`` with ``inp.scope`` as the visible scope snapshot."""
-    from attnres.scope import _SCOPE, ScopeHandle
+    from attnres.scope import enter_scope, exit_scope
 
-    token = _SCOPE.set(ScopeHandle(inp.scope))  # type: ignore[arg-type]
+    if inp.scope is None:
+        return resolve(inp.layer, config=inp.config, platform=inp.platform, backend=inp.backend)
+    _, token = enter_scope(inp.scope)
     try:
         return resolve(inp.layer, config=inp.config, platform=inp.platform, backend=inp.backend)
     finally:
-        _SCOPE.reset(token)
+        exit_scope(token)
 
 
 # =============================================================================
@@ -347,7 +350,7 @@ def _answer(layer: LayerSpec, **kwargs: Any) -> tuple[str, Trace, Any]:
 def test_the_cache_never_changes_an_answer(
     cases: list[tuple[Any, ...]], order: list[int]
 ) -> None:
-    M.clear_cache()
+    R.clear_cache()
     for index in [i % len(cases) for i in order] + list(range(len(cases))):
         layer, config, args, platform, backend = cases[index]
         with contextlib.ExitStack() as stack:
@@ -359,10 +362,10 @@ def test_the_cache_never_changes_an_answer(
             cached_or_cold = _answer(layer, **kwargs)
             hit = _answer(layer, **kwargs)
             expected = M.run_machine(TraceInput(layer, config, scope, platform, backend))
-            saved = dict(M._CACHE)
-            M.clear_cache()
+            saved = dict(R._CACHE)
+            R.clear_cache()
             cold = _answer(layer, **kwargs)
-            M._CACHE.update(saved)
+            R._CACHE.update(saved)
         for status, trace, fields in (cached_or_cold, hit, cold):
             assert status == expected.outcome.status
             assert trace == expected
@@ -415,7 +418,7 @@ def test_the_cache_never_outlives_a_registry_change(ops: list[tuple[str, Any]]) 
     """register_backend / unregister_backend between two resolutions of one layer:
     the second answer is the machine's answer for the registry as it is now."""
     platform = attnres.Platform.simulate("cpu")
-    M.clear_cache()  # each example on its own (the bug needs no help from another one)
+    R.clear_cache()  # each example on its own (the bug needs no help from another one)
     registered = False
     try:
         for op, arg in ops:
@@ -431,7 +434,7 @@ def test_the_cache_never_outlives_a_registry_change(ops: list[tuple[str, Any]]) 
                 for _ in range(2):  # cold (or cached from an earlier op), then a hit
                     status, trace, _ = _answer(arg, platform=platform, backend=backend)
                     expected = M.run_machine(
-                        TraceInput(arg, M.selection_config(), None, platform, backend)
+                        TraceInput(arg, R.selection_config(), None, platform, backend)
                     )
                     assert (status, trace) == (expected.outcome.status, expected)
     finally:
@@ -485,7 +488,7 @@ class NestedScopes(RuleBasedStateMachine):
     @precondition(lambda self: len(self.stack) < 12)
     @rule(backend=st.sampled_from(["torch_sdpa", "eager"]))
     def enter_forced(self, backend: str) -> None:
-        cm = M.force_backend(backend)
+        cm = R.force_backend(backend)
         self.stack.append(("forced", cm, cm.__enter__()))
 
     @precondition(lambda self: bool(self.stack))
@@ -528,7 +531,7 @@ class NestedScopes(RuleBasedStateMachine):
     @rule()
     def another_thread_sees_nothing(self) -> None:
         seen: list[Any] = []
-        t = threading.Thread(target=lambda: seen.append((current_scope(), M._FORCED.get())))
+        t = threading.Thread(target=lambda: seen.append((current_scope(), R._FORCED.get())))
         t.start()
         t.join()
         assert seen == [(None, None)]
@@ -539,13 +542,13 @@ class NestedScopes(RuleBasedStateMachine):
         expected = scopes[-1].state if scopes else None
         assert current_scope() is expected
         forced = self._forced()
-        assert M._FORCED.get() == (forced[-1] if forced else None)
+        assert R._FORCED.get() == (forced[-1] if forced else None)
 
     def teardown(self) -> None:
         while self.stack:
             self.stack.pop()[1].__exit__(None, None, None)
         assert current_scope() is None
-        assert M._FORCED.get() is None
+        assert R._FORCED.get() is None
 
 
 TestNestedScopes = NestedScopes.TestCase
@@ -556,7 +559,7 @@ def _no_scope_leaks() -> Iterator[None]:
     assert current_scope() is None
     yield
     assert current_scope() is None
-    assert M._FORCED.get() is None
+    assert R._FORCED.get() is None
 
 
 def test_origin_vocabulary_matches_the_strict_set() -> None:

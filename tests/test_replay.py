@@ -11,12 +11,12 @@ from typing import Any
 
 import attrs
 import pytest
+from scenarios import SCENARIOS, scenario_by_name
 
 import attnres
 from attnres import TraceFormatError, machine
 from attnres._states import Event, Reason, State
 from attnres.replayer import ReplayResult, describe_outcome, diff_traces, replay, run_replay_command
-from attnres.scenarios import SCENARIOS, scenario_by_name
 from attnres.trace import Outcome, SelectedRecord, Trace, dump_trace, load_trace, trace_to_dict
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,13 +16,13 @@ import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from scenarios import SCENARIOS, scenario_by_name, scope_state
 
 import attnres
 from attnres import LayerSpec, Platform, SelectionConfig, TraceFormatError
 from attnres.machine import run_machine
 from attnres.platform import PackageFact
 from attnres.replayer import replay
-from attnres.scenarios import SCENARIOS, scenario_by_name, scope_state
 from attnres.trace import (
     RECORD_KINDS,
     SCHEMA_VERSION,
@@ -54,7 +54,10 @@ def seed_file(tmp_path: Path, seed_trace: Trace) -> Path:
 
 def _subprocess_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [env.get("PYTHONPATH")])])
+    tests = str(Path(__file__).resolve().parent)  # the scenario table lives in tests/
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(SRC), tests, *filter(None, [env.get("PYTHONPATH")])]
+    )
     env.update(extra)
     return env
 
@@ -226,7 +229,7 @@ _WRITE_ALL = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from attnres.scenarios import SCENARIOS
+    from scenarios import SCENARIOS
     from attnres.trace import dump_trace
     out = Path(sys.argv[1])
     for s in SCENARIOS:

@@ -17,16 +17,17 @@ from attnres.errors import (
 )
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.ledger import Decision, clear_decisions, decisions
-from attnres.machine import (
+from attnres.platform import Platform
+from attnres.runtime import (
     Resolution,
     clear_cache,
+    component_scope,
     force_backend,
     resolve,
     selection_config,
     set_selection_config,
 )
-from attnres.platform import Platform
-from attnres.scope import component_scope, register_component_kind
+from attnres.scope import register_component_kind
 from attnres.trace import Trace, dump_trace, load_trace
 
 __version__ = "0.1.0"

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from attnres._vocab import Role
+from attnres.trace import record_to_dict
 
 if TYPE_CHECKING:
     from attnres.ledger import Decision
@@ -98,8 +99,6 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
         return
     common = {"component": decision.component, "layer": decision.layer}
     if debug_on:
-        from attnres.trace import record_to_dict
-
         for index, record in enumerate(trace.records):
             fields = record_to_dict(record)
             if "event" in fields:  # a transition's event: not the log event's name

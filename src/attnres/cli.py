@@ -3,7 +3,7 @@
 Commands: ``explain`` (one layer, every check of every candidate), ``plan`` (a
 pipeline file), ``replay`` (golden traces), ``doctor`` (this machine) and
 ``backends`` (the catalogue). No selection rule lives here: every decision
-comes from :func:`attnres.machine.resolve` and is rendered from its trace.
+comes from :func:`attnres.runtime.resolve` and is rendered from its trace.
 
 Conventions (``docs/cli.md``):
 
@@ -58,9 +58,15 @@ from attnres.backends import (
     registered_backends,
 )
 from attnres.errors import ResolutionError
-from attnres.layer import LayerSpec, SelectionConfig
+from attnres.layer import (
+    DEST_BACKEND,
+    DEST_COMPONENTS,
+    DEST_EXPLICIT,
+    LayerSpec,
+    SelectionConfig,
+)
 from attnres.platform import Platform
-from attnres.scope import component_scope
+from attnres.runtime import component_scope, resolve
 from attnres.trace import (
     CheckRecord,
     OriginRecord,
@@ -91,9 +97,7 @@ EXIT_USAGE = 2
 EXIT_INTERNAL = 70
 
 #: Namespace attributes that :func:`add_selection_arguments` fills.
-DEST_BACKEND = "attention_backend"
-DEST_COMPONENTS = "attention_backend_components"
-DEST_EXPLICIT = "attention_backend_explicit"
+# (the namespace contract lives with SelectionConfig.from_args)
 
 _LOG_LEVELS = {
     "debug": logging.DEBUG,
@@ -192,14 +196,7 @@ def selection_config_from_args(namespace: argparse.Namespace | Any) -> Selection
     ``global_backend_explicit`` is true only when the operator typed the flag;
     a program default left in place is a preference (false).
     """
-    global_backend = getattr(namespace, DEST_BACKEND, None)
-    explicit = bool(getattr(namespace, DEST_EXPLICIT, False))
-    components = getattr(namespace, DEST_COMPONENTS, None) or {}
-    return SelectionConfig(
-        global_backend=global_backend,
-        global_backend_explicit=explicit if global_backend is not None else True,
-        component_backends=dict(components),
-    )
+    return SelectionConfig.from_args(namespace)
 
 
 # =============================================================================
@@ -508,7 +505,6 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _explain_trace(layer: LayerSpec, config: SelectionConfig, platform: Platform) -> Trace:
-    from attnres.machine import resolve
 
     try:
         return resolve(layer, config=config, platform=platform).trace

@@ -19,6 +19,12 @@ from attnres.errors import UnknownBackendError
 
 __all__ = ["LayerSpec", "Requirements", "Role", "SelectionConfig"]
 
+#: Where :func:`attnres.cli.add_selection_arguments` leaves the selection flags
+#: in an argparse namespace (:meth:`SelectionConfig.from_args` reads them).
+DEST_BACKEND = "attention_backend"
+DEST_COMPONENTS = "attention_backend_components"
+DEST_EXPLICIT = "attention_backend_explicit"
+
 
 def _parse_backend(value: Backend | str, what: str) -> Backend:
     try:
@@ -192,10 +198,16 @@ class SelectionConfig:
 
     @classmethod
     def from_args(cls, namespace: Any) -> SelectionConfig:
-        """Build from an argparse namespace filled by ``cli.add_selection_arguments``."""
-        from attnres.cli import selection_config_from_args
+        """Build from an argparse namespace filled by ``cli.add_selection_arguments``.
 
-        config = selection_config_from_args(namespace)
-        if not isinstance(config, SelectionConfig):  # pragma: no cover - defensive
-            raise TypeError("selection_config_from_args must return a SelectionConfig")
-        return config
+        ``global_backend_explicit`` is true only when the operator typed the flag;
+        a program default left in place is a preference (false).
+        """
+        global_backend = getattr(namespace, DEST_BACKEND, None)
+        explicit = bool(getattr(namespace, DEST_EXPLICIT, False))
+        components = getattr(namespace, DEST_COMPONENTS, None) or {}
+        return cls(
+            global_backend=global_backend,
+            global_backend_explicit=explicit if global_backend is not None else True,
+            component_backends=dict(components),
+        )

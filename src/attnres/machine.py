@@ -1,10 +1,13 @@
-"""The resolution machine: states, the transition table, the checks, resolve().
+"""The decision core: the transition table, origin detection, the checks, run_machine().
 
 Everything that decides which backend a layer runs lives in this module: the
 transition table (``TRANSITIONS``), origin detection (``detect_origin``), the
 candidate lists of each stage (``stage_candidates``), the checks
 (``check_candidate``) and the rejection messages. Other modules only name
-things (``_states``), record them (``trace``), or act on the outcome.
+things (``_states``), record them (``trace``), or act on the outcome. The
+core is pure: no context variables, cache, ledger, logging or I/O -- those are
+:mod:`attnres.runtime`, which gathers a :class:`~attnres.trace.TraceInput` and
+calls :func:`run_machine`.
 
 Theory of operation
 -------------------
@@ -24,40 +27,26 @@ Reasons come from the table too: the first transition that carries a reason
 fixes the outcome's reason (``None`` when the first candidate was accepted).
 
 The machine itself (:func:`run_machine`) is a pure function of its input
-(:class:`~attnres.trace.TraceInput`); :func:`resolve` gathers the input from the
-caller's context (scope, config, platform), caches the outcome, records the
-decision and emits the audit events.
+(:class:`~attnres.trace.TraceInput`) and of the registries it reads (backend
+specs, kernels), whose changes clear the runtime's cache;
+:func:`attnres.runtime.resolve` gathers the input from the caller's context
+(scope, config, platform), caches the outcome, records the decision and emits
+the audit events.
 """
 
 from __future__ import annotations
 
-import contextvars
-import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Final
 
-import attrs
-from attrs import field, frozen
+from attrs import frozen
 
-from attnres import platform as _platform_mod
 from attnres._states import Check, Code, Event, Origin, Reason, State
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
-from attnres.audit import emit_cache_hit, emit_resolution
-from attnres.backends import (
-    Backend,
-    BackendSpec,
-    catalogue_order,
-    lookup_spec,
-    on_registry_change,
-    registry_generation,
-)
-from attnres.errors import ResolutionError
+from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
-from attnres.layer import LayerSpec, SelectionConfig, optional_backend
-from attnres.ledger import Decision, record_decision
+from attnres.layer import LayerSpec
 from attnres.platform import Platform
-from attnres.scope import ScopeState, current_handle
 from attnres.trace import (
     CheckRecord,
     Failure,
@@ -77,16 +66,10 @@ __all__ = [
     "CHECK_ORDER",
     "STRICT_ORIGINS",
     "TRANSITIONS",
-    "Resolution",
-    "cache_info",
     "check_candidate",
-    "clear_cache",
     "detect_origin",
-    "force_backend",
-    "resolve",
     "run_machine",
-    "selection_config",
-    "set_selection_config",
+    "stage_candidates",
 ]
 
 # =============================================================================
@@ -644,262 +627,3 @@ def _finish_rejected(
     records.append(RejectedRecord(found.origin, code, message))
     outcome = Outcome("rejected", found.origin, None, None, code, message)
     return Trace(inp, tuple(records), outcome)
-
-
-# =============================================================================
-# resolve(): context, cache, ledger, audit
-# =============================================================================
-
-
-@frozen
-class Resolution:
-    """The backend a layer runs, why, and the trace that proves it."""
-
-    backend: Backend
-    reason: str | None
-    origin: str
-    trace: Trace = field(eq=False, repr=False)
-    component: str | None = None
-    layer: str | None = None
-
-
-_CONFIG_LOCK = threading.Lock()
-_CONFIG: SelectionConfig = SelectionConfig()
-_FORCED: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
-    "attnres_forced_backend", default=None
-)
-
-
-def selection_config() -> SelectionConfig:
-    """The process-wide selection config that :func:`resolve` uses by default."""
-    return _CONFIG
-
-
-def set_selection_config(config: SelectionConfig) -> SelectionConfig:
-    """Replace the process-wide config; returns the previous one."""
-    global _CONFIG
-    if not isinstance(config, SelectionConfig):
-        raise TypeError(f"expected a SelectionConfig, got {type(config).__name__}")
-    with _CONFIG_LOCK:
-        previous, _CONFIG = _CONFIG, config
-    return previous
-
-
-@contextmanager
-def force_backend(backend: Backend | str) -> Iterator[Backend]:
-    """Force every resolution in this block (this thread / task) to ``backend``.
-
-    The origin is ``forced``, which is strict: a layer that cannot run it is
-    rejected (a sparse backend on a cross-attention layer falls back to dense).
-    """
-    parsed = optional_backend("backend")(backend)
-    if parsed is None:
-        raise ValueError("force_backend: backend must be a backend name, not None")
-    token = _FORCED.set(parsed)
-    try:
-        yield parsed
-    finally:
-        _FORCED.reset(token)
-
-
-_CacheEntry = tuple[Resolution | None, Decision, Trace]
-_CACHE_MAX: Final = 4096
-_CACHE: dict[tuple[object, ...], _CacheEntry] = {}
-#: the same resolutions keyed without the layer's name (see _shape_key)
-_SHAPES: dict[tuple[object, ...], _CacheEntry] = {}
-_CACHE_LOCK = threading.Lock()
-
-
-def clear_cache() -> None:
-    """Forget every cached resolution (decisions already recorded stay)."""
-    with _CACHE_LOCK:
-        _CACHE.clear()
-        _SHAPES.clear()
-
-
-# A registration change (register_backend, unregister_backend, a plugin loading)
-# can change any answer: the cache forgets everything, and _resolve_cold stores
-# nothing computed against an older registry.
-on_registry_change(clear_cache)
-
-
-def cache_info() -> dict[str, int]:
-    """``size``: cached inputs; ``shapes``: distinct inputs up to the layer name."""
-    return {"size": len(_CACHE), "shapes": len(_SHAPES), "max_size": _CACHE_MAX}
-
-
-def resolve(
-    layer: LayerSpec,
-    *,
-    config: SelectionConfig | None = None,
-    platform: Platform | None = None,
-    backend: Backend | str | None = None,
-    needs_kernel: bool = False,
-) -> Resolution:
-    """Decide which backend ``layer`` runs, inside the current component scope.
-
-    ``needs_kernel=True`` resolves for a layer that will run (``attnres.Attention``
-    passes it): a backend with no kernel in this process then fails like any
-    other capability (code ``no_kernel``) -- a relaxed request falls back, a
-    strict one is rejected with a message saying how to register a kernel.
-
-    Raises :class:`~attnres.errors.ResolutionError` (with ``.trace``) when no
-    backend can serve it. Resolutions are cached on their full input; a hit
-    returns the same :class:`Resolution` and still records the decision.
-    """
-    if type(layer) is not LayerSpec and not isinstance(layer, LayerSpec):
-        raise TypeError(f"resolve() takes a LayerSpec, got {type(layer).__name__}")
-    cfg = _CONFIG if config is None else config
-    forced = _FORCED.get()
-    # (getattr: a config of the wrong type is reported on the cold path below)
-    if forced is not None and getattr(cfg, "forced_backend", forced) != forced:
-        cfg = attrs.evolve(cfg, forced_backend=forced)
-    if platform is None:
-        platform = _platform_mod._DETECTED or Platform.detect()
-    if backend is not None and type(backend) is not Backend:
-        backend = optional_backend("backend")(backend)
-    handle = current_handle()
-    scope = None if handle is None else handle.state
-    needs_kernel = needs_kernel is True
-    key = (layer, cfg, scope, platform, backend, needs_kernel)
-    try:
-        entry = _CACHE.get(key)
-    except TypeError:  # an unhashable argument (a dict for a config, say): say which
-        _check_arguments(cfg, platform)
-        raise
-    if entry is None:
-        # argument types are checked on the cold path only: a hit costs nothing more
-        _check_arguments(cfg, platform)
-        entry = _resolve_renamed(layer, cfg, scope, platform, backend, needs_kernel, key)
-        if entry is None:
-            entry = _resolve_cold(
-                TraceInput(layer, cfg, scope, platform, backend, needs_kernel), key
-            )
-    else:
-        emit_cache_hit(entry[1])
-    resolution, decision, trace = entry
-    record_decision(decision)
-    if handle is not None:
-        handle.entries.append((layer.role, decision))
-    if resolution is None:
-        raise ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
-    return resolution
-
-
-def _check_arguments(config: object, platform: object) -> None:
-    if not isinstance(config, SelectionConfig):
-        raise TypeError(
-            f"resolve(): config must be an attnres.SelectionConfig, got {type(config).__name__}"
-        )
-    if not isinstance(platform, Platform):
-        raise TypeError(
-            f"resolve(): platform must be an attnres.Platform (Platform.detect() or "
-            f"Platform.simulate('cuda:sm90+flash_attn')), got {type(platform).__name__}"
-        )
-
-
-def _shape_key(
-    layer: LayerSpec,
-    cfg: object,
-    scope: object,
-    platform: object,
-    backend: object,
-    needs_kernel: bool,
-) -> tuple[object, ...]:
-    """The cache key without the layer's name.
-
-    The machine never reads a layer's name (it is carried in the trace's input
-    only), so layers that differ by name alone -- ``blocks.0.attn1`` ...
-    ``blocks.47.attn1`` -- share one run of the machine.
-    """
-    return (
-        _SHAPE_MARK,
-        layer.head_size,
-        layer.dtype,
-        layer.supported,
-        layer.default,
-        layer.role,
-        layer.requirements,
-        cfg,
-        scope,
-        platform,
-        backend,
-        needs_kernel,
-    )
-
-
-_SHAPE_MARK: Final = object()
-
-
-def _resolve_renamed(
-    layer: LayerSpec,
-    cfg: SelectionConfig,
-    scope: ScopeState | None,
-    platform: Platform,
-    backend: Backend | None,
-    needs_kernel: bool,
-    key: tuple[object, ...],
-) -> _CacheEntry | None:
-    """A resolution of an identical layer under another name, renamed; or ``None``."""
-    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend, needs_kernel))
-    if twin is None:
-        return None
-    generation = registry_generation()
-    recorded = twin[2]
-    trace = Trace(
-        TraceInput(layer, cfg, scope, platform, backend, needs_kernel),
-        recorded.records,
-        recorded.outcome,
-    )
-    entry = _entry_for(trace)
-    emit_cache_hit(entry[1])
-    _store(key, entry, generation)
-    return entry
-
-
-def _entry_for(trace: Trace) -> _CacheEntry:
-    inp, outcome = trace.input, trace.outcome
-    component = None if inp.scope is None else inp.scope.component
-    backend_name = None if outcome.backend is None else outcome.backend.name
-    decision = Decision(
-        component, inp.layer.name, backend_name, outcome.reason, str(outcome.origin), trace
-    )
-    resolution = (
-        None
-        if outcome.backend is None
-        else Resolution(
-            outcome.backend, outcome.reason, str(outcome.origin), trace, component, inp.layer.name
-        )
-    )
-    return (resolution, decision, trace)
-
-
-def _store(
-    key: tuple[object, ...],
-    entry: _CacheEntry,
-    generation: int,
-    cache: dict[tuple[object, ...], _CacheEntry] | None = None,
-) -> None:
-    target = _CACHE if cache is None else cache
-    with _CACHE_LOCK:
-        if generation != registry_generation():  # the registry changed meanwhile
-            return
-        if len(target) >= _CACHE_MAX:
-            for old in list(target)[: _CACHE_MAX // 8]:
-                del target[old]
-        target[key] = entry
-
-
-def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
-    generation = registry_generation()
-    trace = run_machine(inp)
-    entry = _entry_for(trace)
-    emit_resolution(trace, entry[1])
-    _store(key, entry, generation)
-    layer = inp.layer
-    if layer.name is not None:
-        shape = _shape_key(
-            layer, inp.config, inp.scope, inp.platform, inp.backend, inp.needs_kernel
-        )
-        _store(shape, entry, generation, _SHAPES)
-    return entry

@@ -40,8 +40,8 @@ from attnres._vocab import Role
 from attnres.backends import Backend, lookup_spec
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements
-from attnres.machine import Resolution, resolve
 from attnres.platform import Platform
+from attnres.runtime import Resolution, resolve
 
 __all__ = ["Attention", "KernelNotRegisteredError"]
 

@@ -4,8 +4,8 @@ A pipeline file (TOML, SPEC 6) lists a pipeline's components and their
 attention layers. :func:`load_pipeline` reads and validates one strictly (every
 mistake is a :class:`PipelineError` naming the file, the component and the
 layer); :func:`plan_pipeline` resolves every layer the way a runtime would --
-inside its component's :func:`~attnres.scope.component_scope`, through
-:func:`~attnres.machine.resolve` -- and reports every layer, rejected or not.
+inside its component's :func:`~attnres.runtime.component_scope`, through
+:func:`~attnres.runtime.resolve` -- and reports every layer, rejected or not.
 
 No selection rule lives here: the machine decides, this module only builds its
 inputs from the file and collects its outcomes.
@@ -43,9 +43,9 @@ from attnres.backends import Backend
 from attnres.errors import BackendNotAppliedError, ResolutionError
 from attnres.kernels import kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
-from attnres.machine import resolve, selection_config
 from attnres.platform import Platform
-from attnres.scope import component_kind, component_scope, loader_for
+from attnres.runtime import component_scope, resolve, selection_config
+from attnres.scope import component_kind, loader_for
 from attnres.trace import Trace
 
 __all__ = [
@@ -551,7 +551,7 @@ def plan_pipeline(
     ``config`` defaults to the process-wide selection config, ``platform`` to
     :meth:`Platform.detect`. Each component's layers are resolved inside its
     :func:`~attnres.scope.component_scope`, once per layer entry, through
-    :func:`~attnres.machine.resolve` -- so, as for any resolution, the decisions
+    :func:`~attnres.runtime.resolve` -- so, as for any resolution, the decisions
     are recorded in :func:`attnres.decisions` and the audit events emitted.
     """
     cfg = selection_config() if config is None else config

@@ -29,7 +29,7 @@ from typing import Any
 from attrs import field, frozen
 
 from attnres._vocab import PLATFORM_KINDS
-from attnres.backends import Backend, registered_backends
+from attnres.backends import Backend, plugin_failures, registered_backends
 
 __all__ = [
     "GRAMMAR",
@@ -37,6 +37,7 @@ __all__ = [
     "PackageFact",
     "PackageProbe",
     "Platform",
+    "detected_platform",
 ]
 
 #: The simulation grammar, as shown in every parse error.
@@ -294,6 +295,13 @@ class Platform:
 
 
 _DETECTED: Platform | None = None
+
+
+def detected_platform() -> Platform:
+    """This machine's facts, probed once: :meth:`Platform.detect` without the lock
+    once they are known (the resolver asks on every call)."""
+    detected = _DETECTED
+    return detected if detected is not None else Platform.detect()
 _DETECT_LOCK = threading.Lock()
 
 
@@ -406,8 +414,6 @@ def _probe() -> Platform:
     except Exception as exc:
         notes.append(f"torch import failed: {_describe(exc)}")
     packages = tuple(probe_package(p) for p in _package_probes())
-    from attnres.backends import plugin_failures
-
     for failure in plugin_failures():
         notes.append(f"plugin {failure.entry_point} failed to load: {failure.error}")
     return Platform(

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from attrs import field, frozen
 
+from attnres import machine as _machine
 from attnres.errors import TraceFormatError
 from attnres.trace import Outcome, Trace, dump_trace, load_trace, record_to_dict
 
@@ -53,7 +54,6 @@ def replay(path_or_trace: str | os.PathLike[str] | Trace) -> ReplayResult:
     valid trace. The platform facts come from the trace, never from this
     machine.
     """
-    from attnres.machine import run_machine  # the machine imports trace; keep this lazy
 
     if isinstance(path_or_trace, Trace):
         recorded, path = path_or_trace, None
@@ -64,7 +64,7 @@ def replay(path_or_trace: str | os.PathLike[str] | Trace) -> ReplayResult:
         raise TypeError(
             f"replay() takes a trace file path or a Trace, got {type(path_or_trace).__name__}"
         )
-    replayed = run_machine(recorded.input)
+    replayed = _machine.run_machine(recorded.input)
     first, diff = diff_traces(recorded, replayed, label=path or "<trace>")
     return ReplayResult(
         ok=not diff,

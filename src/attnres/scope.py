@@ -1,4 +1,10 @@
-"""Component scopes and the loader policies behind them (SPEC 3.2, 3.6).
+"""Component scopes and the loader policies behind them (SPEC 3.2, 3.6): the data.
+
+This module holds what a scope *is*: the component kinds and their loader
+policies, the :class:`ScopeState` snapshot a resolution sees, and the
+context variable holding the open scopes. Opening one with bookkeeping (the
+summary line on exit, the "was the override applied" check) is
+:func:`attnres.runtime.component_scope`.
 
 A component scope says "the layers built now belong to component X": it
 carries X's kind, its loader's global-fallback policy, and any explicit
@@ -26,15 +32,13 @@ from __future__ import annotations
 import contextvars
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 from attrs import field, frozen
 
 from attnres._vocab import Role
 from attnres.backends import Backend
-from attnres.errors import BackendNotAppliedError
 from attnres.layer import optional_backend
 from attnres.ledger import Decision
 
@@ -52,8 +56,10 @@ __all__ = [
     "VAELoader",
     "VocoderLoader",
     "component_kind",
-    "component_scope",
+    "current_handle",
     "current_scope",
+    "enter_scope",
+    "exit_scope",
     "loader_for",
     "register_component_kind",
     "scope_state",
@@ -250,6 +256,7 @@ class ScopeHandle:
         return tuple(d for _, d in self.entries)
 
     def record(self, role: Role, decision: Decision) -> None:
+        """Note that a layer of ``role`` was decided inside this scope."""
         self.entries.append((role, decision))
 
 
@@ -265,7 +272,18 @@ def current_scope() -> ScopeState | None:
 
 
 def current_handle() -> ScopeHandle | None:
+    """The innermost open scope's handle (its state and the layers it recorded)."""
     return _SCOPE.get()
+
+
+def enter_scope(state: ScopeState) -> tuple[ScopeHandle, contextvars.Token[ScopeHandle | None]]:
+    """Open a scope for ``state`` in this thread / task; :func:`exit_scope` closes it."""
+    handle = ScopeHandle(state)
+    return handle, _SCOPE.set(handle)
+
+
+def exit_scope(token: contextvars.Token[ScopeHandle | None]) -> None:
+    _SCOPE.reset(token)
 
 
 def scope_state(
@@ -303,85 +321,3 @@ def scope_state(
             explicit if require_selection is None else _flag("require_selection", require_selection)
         ),
     )
-
-
-@contextmanager
-def component_scope(
-    name: str,
-    backend: Backend | str | None = None,
-    role_backends: Mapping[Role | str, Backend | str] | None = None,
-    allow_global_fallback: bool | None = None,
-    require_selection: bool | None = None,
-    *,
-    kind: str | None = None,
-) -> Iterator[ScopeHandle]:
-    """Build the layers of component ``name`` inside this block.
-
-    ``kind`` overrides the kind inferred from the name; ``allow_global_fallback``
-    overrides the loader's policy; ``require_selection`` (default: on when a
-    component or role backend is given) raises
-    :class:`~attnres.errors.BackendNotAppliedError` on exit when the explicit
-    backend controlled none of the scope's layers.
-    """
-    state = scope_state(
-        name, backend, role_backends, allow_global_fallback, require_selection, kind=kind
-    )
-    handle = ScopeHandle(state)
-    token = _SCOPE.set(handle)
-    try:
-        yield handle
-    finally:
-        _SCOPE.reset(token)
-        from attnres.audit import emit_summary
-
-        emit_summary(state, handle.entries)
-    _check_applied(handle)
-
-
-def _check_applied(handle: ScopeHandle) -> None:
-    state = handle.state
-    if not state.require_selection:
-        return
-    entries = handle.entries
-    problems: list[str] = []
-    if state.backend is not None:
-        applied = any(
-            d.origin == "component_override" and (d.backend == state.backend.name or d.reason)
-            for _, d in entries
-        )
-        if not applied:
-            if not entries:
-                problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but the scope built no attnres attention layer"
-                )
-            elif any(d.origin == "component_override" for _, d in entries):
-                rejected = [d.layer or "<unnamed>" for _, d in entries
-                            if d.origin == "component_override" and d.backend is None]
-                problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but it was rejected for "
-                    f"{len(rejected)} layer(s) ({', '.join(rejected[:5])}"
-                    f"{', ...' if len(rejected) > 5 else ''}) and no layer runs it "
-                    f"(each rejection raised a ResolutionError saying why)"
-                )
-            else:
-                origins = sorted({d.origin for _, d in entries})
-                problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but it controlled none of its {len(entries)} "
-                    f"layer(s) (they were decided by origin {', '.join(origins)})"
-                )
-    for role, backend in state.role_backends:
-        if not any(r is role and d.origin == "role_override" for r, d in entries):
-            problems.append(
-                f"backend {backend.name!r} was requested for the {role.value}-attention layers "
-                f"of component {state.component!r}, but the scope built no "
-                f"{role.value}-attention layer that used it"
-            )
-    if problems:
-        raise BackendNotAppliedError(
-            "; ".join(problems)
-            + ". Build the component's layers inside the scope with attnres.Attention "
-            "(or attnres.resolve), or pass require_selection=False if that is intended."
-        )

@@ -32,6 +32,7 @@ from attrs import field, frozen
 
 from attnres.backends import Backend
 from attnres.layer import LayerSpec, SelectionConfig
+from attnres.machine import run_machine
 from attnres.platform import PackageFact, Platform
 from attnres.scope import ScopeState, scope_state
 from attnres.trace import Trace, TraceInput, atomic_write_text, canonical_json, trace_to_dict
@@ -118,8 +119,6 @@ class Scenario:
         )
 
     def run(self) -> Trace:
-        from attnres.machine import run_machine
-
         return run_machine(self.input())
 
     def render(self) -> str:

@@ -1,8 +1,9 @@
 """Worker processes for the multi-process tests of :mod:`attnres.distributed`.
 
-They live in the package (not in the test file) so that a ``spawn``-started
-process can import them by name. Each worker joins a gloo group through a
-``file://`` rendezvous, builds a synthetic ledger for its scenario, calls
+They live in their own module under ``tests/`` (not in the test file) so that
+a ``spawn``-started process can import them by name: the child gets the
+parent's ``sys.path``, which holds ``tests/`` under pytest. Each worker joins a
+gloo group through a ``file://`` rendezvous, builds a synthetic ledger for its scenario, calls
 :func:`attnres.distributed.verify_consensus` and writes what happened to
 ``result.<rank>.json`` in the rendezvous directory.
 

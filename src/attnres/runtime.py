@@ -1,0 +1,404 @@
+"""The runtime around the pure machine: context, config, cache, ledger, audit, scopes.
+
+:func:`attnres.machine.run_machine` is a pure function of a
+:class:`~attnres.trace.TraceInput`. This module is everything a live process
+adds around it:
+
+- the process-wide :class:`~attnres.layer.SelectionConfig` and the forced
+  backend of :func:`force_backend` (a context variable);
+- :func:`resolve`: gathers the input from the caller's context (scope, config,
+  detected platform), runs the machine on a cache miss, records the decision in
+  the ledger and the open scope, and emits the audit events;
+- the two-level resolution cache (full input; the same input up to the layer's
+  name), bounded and cleared on any registry change;
+- :func:`component_scope`: opens a scope, and on exit logs its summary line and
+  checks that an explicit override was applied (SPEC 3.6).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Final
+
+import attrs
+from attrs import field, frozen
+
+from attnres import machine as _machine
+from attnres._vocab import Role
+from attnres.audit import emit_cache_hit, emit_resolution, emit_summary
+from attnres.backends import Backend, on_registry_change, registry_generation
+from attnres.errors import BackendNotAppliedError, ResolutionError
+from attnres.layer import LayerSpec, SelectionConfig, optional_backend
+from attnres.ledger import Decision, record_decision
+from attnres.platform import Platform, detected_platform
+from attnres.scope import (
+    ScopeHandle,
+    ScopeState,
+    current_handle,
+    enter_scope,
+    exit_scope,
+    scope_state,
+)
+from attnres.trace import Trace, TraceInput
+
+__all__ = [
+    "Resolution",
+    "cache_info",
+    "clear_cache",
+    "component_scope",
+    "force_backend",
+    "resolve",
+    "selection_config",
+    "set_selection_config",
+]
+
+# =============================================================================
+# Outcome, config and forced state
+# =============================================================================
+
+
+@frozen
+class Resolution:
+    """The backend a layer runs, why, and the trace that proves it."""
+
+    backend: Backend
+    reason: str | None
+    origin: str
+    trace: Trace = field(eq=False, repr=False)
+    component: str | None = None
+    layer: str | None = None
+
+
+_CONFIG_LOCK = threading.Lock()
+_CONFIG: SelectionConfig = SelectionConfig()
+_FORCED: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
+    "attnres_forced_backend", default=None
+)
+
+
+def selection_config() -> SelectionConfig:
+    """The process-wide selection config that :func:`resolve` uses by default."""
+    return _CONFIG
+
+
+def set_selection_config(config: SelectionConfig) -> SelectionConfig:
+    """Replace the process-wide config; returns the previous one."""
+    global _CONFIG
+    if not isinstance(config, SelectionConfig):
+        raise TypeError(f"expected a SelectionConfig, got {type(config).__name__}")
+    with _CONFIG_LOCK:
+        previous, _CONFIG = _CONFIG, config
+    return previous
+
+
+@contextmanager
+def force_backend(backend: Backend | str) -> Iterator[Backend]:
+    """Force every resolution in this block (this thread / task) to ``backend``.
+
+    The origin is ``forced``, which is strict: a layer that cannot run it is
+    rejected (a sparse backend on a cross-attention layer falls back to dense).
+    """
+    parsed = optional_backend("backend")(backend)
+    if parsed is None:
+        raise ValueError("force_backend: backend must be a backend name, not None")
+    token = _FORCED.set(parsed)
+    try:
+        yield parsed
+    finally:
+        _FORCED.reset(token)
+
+
+_CacheEntry = tuple[Resolution | None, Decision, Trace]
+_CACHE_MAX: Final = 4096
+_CACHE: dict[tuple[object, ...], _CacheEntry] = {}
+#: the same resolutions keyed without the layer's name (see _shape_key)
+_SHAPES: dict[tuple[object, ...], _CacheEntry] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def clear_cache() -> None:
+    """Forget every cached resolution (decisions already recorded stay)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+        _SHAPES.clear()
+
+
+# A registration change (register_backend, unregister_backend, a plugin loading)
+# can change any answer: the cache forgets everything, and _resolve_cold stores
+# nothing computed against an older registry.
+on_registry_change(clear_cache)
+
+
+def cache_info() -> dict[str, int]:
+    """``size``: cached inputs; ``shapes``: distinct inputs up to the layer name."""
+    return {"size": len(_CACHE), "shapes": len(_SHAPES), "max_size": _CACHE_MAX}
+
+
+def resolve(
+    layer: LayerSpec,
+    *,
+    config: SelectionConfig | None = None,
+    platform: Platform | None = None,
+    backend: Backend | str | None = None,
+    needs_kernel: bool = False,
+) -> Resolution:
+    """Decide which backend ``layer`` runs, inside the current component scope.
+
+    ``needs_kernel=True`` resolves for a layer that will run (``attnres.Attention``
+    passes it): a backend with no kernel in this process then fails like any
+    other capability (code ``no_kernel``) -- a relaxed request falls back, a
+    strict one is rejected with a message saying how to register a kernel.
+
+    Raises :class:`~attnres.errors.ResolutionError` (with ``.trace``) when no
+    backend can serve it. Resolutions are cached on their full input; a hit
+    returns the same :class:`Resolution` and still records the decision.
+    """
+    if type(layer) is not LayerSpec and not isinstance(layer, LayerSpec):
+        raise TypeError(f"resolve() takes a LayerSpec, got {type(layer).__name__}")
+    cfg = _CONFIG if config is None else config
+    forced = _FORCED.get()
+    # (getattr: a config of the wrong type is reported on the cold path below)
+    if forced is not None and getattr(cfg, "forced_backend", forced) != forced:
+        cfg = attrs.evolve(cfg, forced_backend=forced)
+    if platform is None:
+        platform = detected_platform()
+    if backend is not None and type(backend) is not Backend:
+        backend = optional_backend("backend")(backend)
+    handle = current_handle()
+    scope = None if handle is None else handle.state
+    needs_kernel = needs_kernel is True
+    key = (layer, cfg, scope, platform, backend, needs_kernel)
+    try:
+        entry = _CACHE.get(key)
+    except TypeError:  # an unhashable argument (a dict for a config, say): say which
+        _check_arguments(cfg, platform)
+        raise
+    if entry is None:
+        # argument types are checked on the cold path only: a hit costs nothing more
+        _check_arguments(cfg, platform)
+        entry = _resolve_renamed(layer, cfg, scope, platform, backend, needs_kernel, key)
+        if entry is None:
+            entry = _resolve_cold(
+                TraceInput(layer, cfg, scope, platform, backend, needs_kernel), key
+            )
+    else:
+        emit_cache_hit(entry[1])
+    resolution, decision, trace = entry
+    record_decision(decision)
+    if handle is not None:
+        handle.record(layer.role, decision)
+    if resolution is None:
+        raise ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
+    return resolution
+
+
+def _check_arguments(config: object, platform: object) -> None:
+    if not isinstance(config, SelectionConfig):
+        raise TypeError(
+            f"resolve(): config must be an attnres.SelectionConfig, got {type(config).__name__}"
+        )
+    if not isinstance(platform, Platform):
+        raise TypeError(
+            f"resolve(): platform must be an attnres.Platform (Platform.detect() or "
+            f"Platform.simulate('cuda:sm90+flash_attn')), got {type(platform).__name__}"
+        )
+
+
+def _shape_key(
+    layer: LayerSpec,
+    cfg: object,
+    scope: object,
+    platform: object,
+    backend: object,
+    needs_kernel: bool,
+) -> tuple[object, ...]:
+    """The cache key without the layer's name.
+
+    The machine never reads a layer's name (it is carried in the trace's input
+    only), so layers that differ by name alone -- ``blocks.0.attn1`` ...
+    ``blocks.47.attn1`` -- share one run of the machine.
+    """
+    return (
+        _SHAPE_MARK,
+        layer.head_size,
+        layer.dtype,
+        layer.supported,
+        layer.default,
+        layer.role,
+        layer.requirements,
+        cfg,
+        scope,
+        platform,
+        backend,
+        needs_kernel,
+    )
+
+
+_SHAPE_MARK: Final = object()
+
+
+def _resolve_renamed(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    scope: ScopeState | None,
+    platform: Platform,
+    backend: Backend | None,
+    needs_kernel: bool,
+    key: tuple[object, ...],
+) -> _CacheEntry | None:
+    """A resolution of an identical layer under another name, renamed; or ``None``."""
+    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend, needs_kernel))
+    if twin is None:
+        return None
+    generation = registry_generation()
+    recorded = twin[2]
+    trace = Trace(
+        TraceInput(layer, cfg, scope, platform, backend, needs_kernel),
+        recorded.records,
+        recorded.outcome,
+    )
+    entry = _entry_for(trace)
+    emit_cache_hit(entry[1])
+    _store(key, entry, generation)
+    return entry
+
+
+def _entry_for(trace: Trace) -> _CacheEntry:
+    inp, outcome = trace.input, trace.outcome
+    component = None if inp.scope is None else inp.scope.component
+    backend_name = None if outcome.backend is None else outcome.backend.name
+    decision = Decision(
+        component, inp.layer.name, backend_name, outcome.reason, str(outcome.origin), trace
+    )
+    resolution = (
+        None
+        if outcome.backend is None
+        else Resolution(
+            outcome.backend, outcome.reason, str(outcome.origin), trace, component, inp.layer.name
+        )
+    )
+    return (resolution, decision, trace)
+
+
+def _store(
+    key: tuple[object, ...],
+    entry: _CacheEntry,
+    generation: int,
+    cache: dict[tuple[object, ...], _CacheEntry] | None = None,
+) -> None:
+    target = _CACHE if cache is None else cache
+    with _CACHE_LOCK:
+        if generation != registry_generation():  # the registry changed meanwhile
+            return
+        if len(target) >= _CACHE_MAX:
+            for old in list(target)[: _CACHE_MAX // 8]:
+                del target[old]
+        target[key] = entry
+
+
+def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
+    generation = registry_generation()
+    trace = _machine.run_machine(inp)
+    entry = _entry_for(trace)
+    emit_resolution(trace, entry[1])
+    _store(key, entry, generation)
+    layer = inp.layer
+    if layer.name is not None:
+        shape = _shape_key(
+            layer, inp.config, inp.scope, inp.platform, inp.backend, inp.needs_kernel
+        )
+        _store(shape, entry, generation, _SHAPES)
+    return entry
+
+
+# =============================================================================
+# Component scopes: open, summarise, check the override was applied
+# =============================================================================
+
+
+@contextmanager
+def component_scope(
+    name: str,
+    backend: Backend | str | None = None,
+    role_backends: Mapping[Role | str, Backend | str] | None = None,
+    allow_global_fallback: bool | None = None,
+    require_selection: bool | None = None,
+    *,
+    kind: str | None = None,
+) -> Iterator[ScopeHandle]:
+    """Build the layers of component ``name`` inside this block.
+
+    ``kind`` overrides the kind inferred from the name; ``allow_global_fallback``
+    overrides the loader's policy; ``require_selection`` (default: on when a
+    component or role backend is given) raises
+    :class:`~attnres.errors.BackendNotAppliedError` on exit when the explicit
+    backend controlled none of the scope's layers.
+    """
+    state = scope_state(
+        name, backend, role_backends, allow_global_fallback, require_selection, kind=kind
+    )
+    handle, token = enter_scope(state)
+    try:
+        yield handle
+    finally:
+        exit_scope(token)
+        emit_summary(state, handle.entries)
+    _check_applied(handle)
+
+
+def _check_applied(handle: ScopeHandle) -> None:
+    """SPEC 3.6: an explicit component or role backend must have decided some layer.
+
+    Applied means: a component override selected its backend, or fell back for a
+    reason (a sparse backend on a cross layer); a role override decided a layer
+    of its role.
+    """
+    state = handle.state
+    if not state.require_selection:
+        return
+    entries = handle.entries
+    problems: list[str] = []
+    if state.backend is not None:
+        applied = any(
+            d.origin == "component_override" and (d.backend == state.backend.name or d.reason)
+            for _, d in entries
+        )
+        if not applied:
+            if not entries:
+                problems.append(
+                    f"backend {state.backend.name!r} was requested for component "
+                    f"{state.component!r}, but the scope built no attnres attention layer"
+                )
+            elif any(d.origin == "component_override" for _, d in entries):
+                rejected = [d.layer or "<unnamed>" for _, d in entries
+                            if d.origin == "component_override" and d.backend is None]
+                problems.append(
+                    f"backend {state.backend.name!r} was requested for component "
+                    f"{state.component!r}, but it was rejected for "
+                    f"{len(rejected)} layer(s) ({', '.join(rejected[:5])}"
+                    f"{', ...' if len(rejected) > 5 else ''}) and no layer runs it "
+                    f"(each rejection raised a ResolutionError saying why)"
+                )
+            else:
+                origins = sorted({d.origin for _, d in entries})
+                problems.append(
+                    f"backend {state.backend.name!r} was requested for component "
+                    f"{state.component!r}, but it controlled none of its {len(entries)} "
+                    f"layer(s) (they were decided by origin {', '.join(origins)})"
+                )
+    for role, backend in state.role_backends:
+        if not any(r is role and d.origin == "role_override" for r, d in entries):
+            problems.append(
+                f"backend {backend.name!r} was requested for the {role.value}-attention layers "
+                f"of component {state.component!r}, but the scope built no "
+                f"{role.value}-attention layer that used it"
+            )
+    if problems:
+        raise BackendNotAppliedError(
+            "; ".join(problems)
+            + ". Build the component's layers inside the scope with attnres.Attention "
+            "(or attnres.resolve), or pass require_selection=False if that is intended."
+        )
