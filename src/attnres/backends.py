@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 from attrs import field, frozen
 
-from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement
+from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.errors import PluginError, UnknownBackendError
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "FrozenMap",
     "HeadSizeRule",
     "PluginFailure",
+    "RequirementLimit",
     "get_spec",
     "plugin_failures",
     "register_backend",
@@ -210,6 +211,26 @@ class CapabilityRule:
     exact: frozenset[tuple[int, int]] | None = field(default=None, converter=_capability_set)
     archs: frozenset[str] | None = field(default=None, converter=_to_frozenset_str)
 
+    @property
+    def restricts_capability(self) -> bool:
+        """Whether the rule says anything about a CUDA compute capability."""
+        return self.min is not None or self.max is not None or self.exact is not None
+
+    def fits(self, capability: tuple[int, int]) -> bool:
+        """Whether a device of this compute capability is one the rule admits.
+
+        A range (``min``/``max``) and an ``exact`` set together admit either; an
+        ``exact`` set alone admits only its members.
+        """
+        in_range = (self.min is None or capability >= self.min) and (
+            self.max is None or capability <= self.max
+        )
+        if self.exact is None:
+            return in_range
+        if self.min is None and self.max is None:
+            return capability in self.exact
+        return in_range or capability in self.exact
+
     def describe(self) -> str:
         parts: list[str] = []
         if self.exact is not None:
@@ -217,7 +238,7 @@ class CapabilityRule:
         if self.min is not None or self.max is not None:
             lo = f"sm{self.min[0]}{self.min[1]}" if self.min else ""
             hi = f"sm{self.max[0]}{self.max[1]}" if self.max else ""
-            parts.append(f"{lo}-{hi}" if hi else f">= {lo}")
+            parts.append(f"{lo}-{hi}" if lo and hi else f"<= {hi}" if hi else f">= {lo}")
         if self.archs is not None:
             parts.append("/".join(sorted(self.archs)))
         return ", ".join(parts) or "any"
@@ -252,6 +273,74 @@ def _dtypes(value: Iterable[str]) -> frozenset[str]:
     return names
 
 
+def _optional_platforms(value: Iterable[str] | None) -> frozenset[str] | None:
+    return None if value is None else _platforms(value)
+
+
+def _limits(value: Iterable[RequirementLimit]) -> tuple[RequirementLimit, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, RequirementLimit):
+            raise TypeError(f"limits: expected RequirementLimit records, got {item!r}")
+    return out
+
+
+def _dtype_capabilities(
+    value: Mapping[str, CapabilityRule],
+) -> FrozenMap[str, CapabilityRule]:
+    _dtypes(value)
+    return FrozenMap(value)
+
+
+@frozen
+class RequirementLimit:
+    """Where a kernel does not implement requirements its spec claims.
+
+    ``BackendSpec.implements`` claims each requirement on its own; a limit
+    withdraws the claim for a layer that needs every requirement in
+    ``requirements`` at once (``{backward, gqa}``: no GQA in the backward pass),
+    on the device kinds in ``platforms`` (``None``: every kind) and the CUDA
+    devices ``capabilities`` admits (``None``: every device). ``because`` says
+    why, as the kernel's source does; it is shown in the failure.
+    """
+
+    requirements: frozenset[Requirement] = field(converter=_requirements)
+    because: str
+    platforms: frozenset[str] | None = field(default=None, converter=_optional_platforms)
+    capabilities: CapabilityRule | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.requirements:
+            raise ValueError("a RequirementLimit names at least one requirement")
+
+    def applies(
+        self, needed: Iterable[Requirement], kind: str, capability: tuple[int, int] | None
+    ) -> bool:
+        """Whether the limit withdraws the claim for this layer on this platform.
+
+        An unknown capability counts as admitted by ``capabilities`` (fail
+        closed: the limit applies).
+        """
+        if not self.requirements <= frozenset(needed):
+            return False
+        if self.platforms is not None and kind not in self.platforms:
+            return False
+        if self.capabilities is not None and capability is not None:
+            return self.capabilities.fits(capability)
+        return True
+
+    def describe(self) -> str:
+        """``"the backward pass together with grouped-query attention on cpu"``."""
+        # the newest requirement leads: "the backward pass together with grouped-query attention"
+        ordered = [r for r in reversed(Requirement) if r in self.requirements]
+        text = " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+        if self.platforms is not None:
+            text += " on " + "/".join(k for k in PLATFORM_KINDS if k in self.platforms)
+        if self.capabilities is not None:
+            text += " on " + self.capabilities.describe()
+        return text
+
+
 @frozen
 class BackendSpec:
     """Everything the resolver may know about one backend, as plain data.
@@ -270,7 +359,14 @@ class BackendSpec:
       :func:`attnres.kernels.register_kernel`). Whether a kernel serves the
       backend in this process is :func:`attnres.kernels.kernel_source`;
     - ``sparse``: a sparse kernel (needs layout metadata; never serves
-      cross-attention).
+      cross-attention);
+    - ``limits``: where the kernel does not implement requirements that
+      ``implements`` claims (:class:`RequirementLimit`);
+    - ``dtype_capabilities``: per dtype, the CUDA devices that take it when that
+      is narrower than ``capabilities`` (xformers: bf16 only from sm80);
+    - ``package_alternatives``: packages that serve in place of ``package``
+      (another packaging of the same kernel); ``extra_packages``: packages
+      needed as well as ``package``.
 
     The per-kind tables are :class:`FrozenMap` (read-only): a spec is data
     that cannot change once registered.
@@ -296,6 +392,18 @@ class BackendSpec:
     #: key lengths differ (cross-attention); flash-attn aligns it bottom-right
     causal_top_left: bool = True
     kernel: str | None = field(default=None, converter=_kernel_path)
+    limits: tuple[RequirementLimit, ...] = field(default=(), converter=_limits)
+    dtype_capabilities: FrozenMap[str, CapabilityRule] = field(
+        factory=FrozenMap, converter=_dtype_capabilities
+    )
+    package_alternatives: tuple[str, ...] = field(default=(), converter=tuple)
+    extra_packages: tuple[str, ...] = field(default=(), converter=tuple)
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """Every optional package the spec names (probed on every platform)."""
+        first = () if self.package is None else (self.package,)
+        return (*first, *self.package_alternatives, *self.extra_packages)
 
     @name.validator
     def _check_name(self, _: attrs.Attribute[str], value: str) -> None:
@@ -327,7 +435,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         sparse=False,
         platforms=_ALL,
         dtypes=_FULL,
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
         aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
         description="torch.nn.functional.scaled_dot_product_attention",
         kernel="attnres.kernels.torch_sdpa:make_kernel",
@@ -337,7 +445,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         sparse=False,
         platforms=_ALL,
         dtypes=_FULL,
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",
         kernel="attnres.kernels.eager:make_kernel",
@@ -348,7 +456,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
         capabilities={"cuda": CapabilityRule(min=(8, 0), max=(12, 1))},
         satisfies=[{"torch_sdpa"}],
         aliases=("cudnn", "cudnn_sdpa"),
@@ -374,7 +482,14 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cpu", "cuda"),
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=HeadSizeRule(min=16, max=1024, power_of_two=True),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.BACKWARD),
+        limits=(
+            RequirementLimit(
+                {R.BACKWARD},
+                "flex_attention.py: 'FlexAttention does not support backward on CPU'",
+                platforms={"cpu"},
+            ),
+        ),
         min_torch={"cuda": (2, 5), "cpu": (2, 6)},
         aliases=("flex",),
         description="torch.nn.attention.flex_attention",
@@ -386,7 +501,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda", "rocm"),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
         package="flash_attn",
         capabilities={
             "cuda": _AMPERE_UP,
@@ -403,7 +518,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,  # fp8 left out: it needs head sizes % 16 (docs/backends.md)
         head_sizes=HeadSizeRule(max=256, multiple_of=8),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD),
         package="flash_attn_interface",
         capabilities={"cuda": _HOPPER},
         aliases=("flash_attn_3", "flash_attention_3"),
@@ -417,7 +532,14 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD),
+        limits=(
+            RequirementLimit(
+                {R.BACKWARD},
+                "flash_attn/cute/interface.py runs the backward pass on sm 9.x-12.x only",
+                capabilities=CapabilityRule(min=(8, 0), max=(8, 9)),
+            ),
+        ),
         package="flash_attn_4",
         capabilities={"cuda": CapabilityRule(min=(9, 0), max=(12, 1))},
         aliases=("flash_attn_4", "flash_attention_4", "flash_attn_cute"),
@@ -461,7 +583,13 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=HeadSizeRule(multiple_of=8),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
+        limits=(
+            RequirementLimit(
+                {R.BACKWARD, R.GQA},
+                "the cutlass forward op takes the 5-D GQA layout, its backward op does not",
+            ),
+        ),
         package="xformers",
         capabilities={"cuda": CapabilityRule(min=(5, 0), max=(9, 0))},
         aliases=("xformers_attn", "memory_efficient_attention"),
@@ -474,7 +602,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("rocm",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
         package="aiter",
         capabilities={"rocm": CapabilityRule(archs={"gfx942", "gfx950"})},
         aliases=("aiter_fa", "rocm_aiter"),
@@ -511,6 +639,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=("bfloat16",),
         head_sizes=HeadSizeRule(allowed={64, 128}),
+        implements=(R.BACKWARD,),
         package="vsa",
         capabilities={"cuda": CapabilityRule(exact={(9, 0), (10, 0)})},
         aliases=("vsa", "video_sparse_attention"),
@@ -522,6 +651,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
+        implements=(R.BACKWARD,),
         package="flash_attn",
         capabilities={"cuda": _AMPERE_UP},
         aliases=("vmoba",),
