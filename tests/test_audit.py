@@ -12,10 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
+import attnres
 from attnres import (
     LayerSpec,
     Platform,
@@ -267,3 +269,26 @@ def test_stdlib_logging_at_warning_shows_only_rejections() -> None:
     assert lines[0].startswith("WARNING:attnres:")
     assert "attention backend rejected" in lines[0]
     assert "sage_attn" in lines[0]
+
+
+def test_the_decision_ledger_is_bounded_and_counts_what_it_drops() -> None:
+    from attnres import ledger
+
+    spec = attnres.LayerSpec(head_size=64, dtype="float32")
+    previous = ledger.set_decision_limit(3)
+    try:
+        attnres.clear_decisions()
+        for i in range(5):
+            attnres.resolve(attrs.evolve(spec, name=f"blocks.{i}.attn"))
+        kept = attnres.decisions()
+        assert [d.layer for d in kept] == ["blocks.2.attn", "blocks.3.attn", "blocks.4.attn"]
+        assert ledger.dropped_decisions() == 2
+        ledger.set_decision_limit(2)  # shrinking keeps the newest
+        assert [d.layer for d in attnres.decisions()] == ["blocks.3.attn", "blocks.4.attn"]
+        assert ledger.dropped_decisions() == 3
+        with pytest.raises(ValueError, match="positive integer"):
+            ledger.set_decision_limit(0)
+    finally:
+        ledger.set_decision_limit(previous)
+        attnres.clear_decisions()
+    assert ledger.dropped_decisions() == 0 and ledger.decision_limit() == ledger.DEFAULT_LIMIT

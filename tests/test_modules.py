@@ -700,6 +700,29 @@ def test_module_hooks_still_run() -> None:
     torch.testing.assert_close(layer(q, k, v), plain)
 
 
+def test_torch_still_has_the_call_path_the_fast_call_reads() -> None:
+    """Fails loudly when a torch release changes nn.Module's call internals.
+
+    attnres._fastcall skips nn.Module.__call__ only when torch's own hook
+    registries say nothing would happen; if they move, the shortcut would be
+    blind to hooks. (The hook test above checks that they still fire.)
+    """
+    from attnres._fastcall import torch_call_path_problems
+
+    assert torch_call_path_problems() == []
+    layer = Attention(4, 32, backend="torch_sdpa")
+    q, k, v, _ = _inputs(Case("x"))
+    fired: list[str] = []
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: fired.append(type(module).__name__)
+    )
+    try:
+        layer(q, k, v)
+    finally:
+        handle.remove()
+    assert fired == ["Attention"]
+
+
 def test_gradients_flow_through_the_layer() -> None:
     layer = Attention(4, 32, backend="torch_sdpa")
     q, k, v, _ = _inputs(Case("x"))

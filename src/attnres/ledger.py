@@ -1,12 +1,21 @@
 """The process-wide ledger of decisions: what every layer was given, and why.
 
 ``attnres.decisions()`` returns it; :mod:`attnres.distributed` compares it
-across ranks. Appending is thread-safe and never drops an entry.
+across ranks. Appending is thread-safe.
+
+The ledger is bounded, so a long-running server that builds layers per request
+does not grow without end: it keeps the newest :data:`DEFAULT_LIMIT` (65,536)
+decisions and drops the oldest beyond that, counting what it dropped
+(:func:`dropped_decisions`). :func:`set_decision_limit` changes the bound (it
+keeps the newest entries); :func:`clear_decisions` empties the ledger and the
+count. A model builds its layers at start-up, so its decisions sit well inside
+the bound; consensus (:mod:`attnres.distributed`) compares what is kept.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import TYPE_CHECKING
 
 from attrs import field, frozen
@@ -14,7 +23,19 @@ from attrs import field, frozen
 if TYPE_CHECKING:
     from attnres.trace import Trace
 
-__all__ = ["Decision", "clear_decisions", "decisions", "record_decision"]
+__all__ = [
+    "DEFAULT_LIMIT",
+    "Decision",
+    "clear_decisions",
+    "decision_limit",
+    "decisions",
+    "dropped_decisions",
+    "record_decision",
+    "set_decision_limit",
+]
+
+#: How many decisions the ledger keeps by default (the newest ones).
+DEFAULT_LIMIT = 65_536
 
 
 @frozen
@@ -43,20 +64,52 @@ class Decision:
 
 
 _LOCK = threading.Lock()
-_DECISIONS: list[Decision] = []
+_DECISIONS: deque[Decision] = deque(maxlen=DEFAULT_LIMIT)
+_RECORDED = [0]  # every decision ever appended since the last clear
 
 
 def record_decision(decision: Decision) -> None:
-    # list.append is atomic: no lock on the hot path of a cache hit.
+    # deque.append (bounded: the oldest entry drops out) is atomic, like the
+    # counter's item assignment under the GIL: no lock on a cache hit's path.
     _DECISIONS.append(decision)
+    _RECORDED[0] += 1
 
 
 def decisions() -> tuple[Decision, ...]:
-    """Every decision this process recorded, oldest first."""
+    """The decisions this process recorded (the newest ``decision_limit()``), oldest first."""
     with _LOCK:
         return tuple(_DECISIONS)
+
+
+def dropped_decisions() -> int:
+    """How many of the oldest decisions the bound dropped since the last clear."""
+    with _LOCK:
+        return max(0, _RECORDED[0] - len(_DECISIONS))
+
+
+def decision_limit() -> int:
+    limit = _DECISIONS.maxlen
+    assert limit is not None
+    return limit
+
+
+def set_decision_limit(limit: int) -> int:
+    """Keep at most ``limit`` decisions (the newest); returns the previous limit.
+
+    Meant for start-up (a decision recorded by another thread while the bound
+    changes may be lost).
+    """
+    global _DECISIONS
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit: expected a positive integer, got {limit!r}")
+    with _LOCK:
+        previous = decision_limit()
+        # the entries trimmed here count as dropped (recorded - kept)
+        _DECISIONS = deque(_DECISIONS, maxlen=limit)
+    return previous
 
 
 def clear_decisions() -> None:
     with _LOCK:
         _DECISIONS.clear()
+        _RECORDED[0] = 0

@@ -34,9 +34,9 @@ from typing import Any, Final, NamedTuple, overload
 
 import attrs
 import torch
-import torch.nn.modules.module as _nn_module
-from torch import Tensor, nn
+from torch import Tensor
 
+from attnres._fastcall import FastCallModule
 from attnres._vocab import Role
 from attnres.backends import Backend, lookup_spec
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
@@ -87,24 +87,6 @@ def _memo_put(memo: dict[Any, Any], key: object, value: object) -> None:
         if len(memo) >= _MEMO_MAX:
             memo.clear()
         memo[key] = value
-
-
-# nn.Module.__call__ costs about a microsecond before it reaches forward (two
-# Python frames, *args re-packing, eight hook lookups): 5% of a (1, 16, 8, 64)
-# SDPA call on CPU. Attention.__call__ runs forward directly when nn.Module
-# would do nothing else -- no hooks on the layer, no global module hooks, not
-# compiled with Module.compile(), not being traced by torch.jit -- and is
-# nn.Module.__call__ in every other case. The global hook registries are
-# module-level dicts that torch mutates in place (never rebinds); on a torch
-# without them, the stand-ins below are never empty, so every call takes
-# nn.Module.__call__.
-_ALWAYS_SLOW: Final[dict[Any, Any]] = {"torch without global hook registries": True}
-_G_BWD_PRE: dict[Any, Any] = getattr(_nn_module, "_global_backward_pre_hooks", _ALWAYS_SLOW)
-_G_BWD: dict[Any, Any] = getattr(_nn_module, "_global_backward_hooks", _ALWAYS_SLOW)
-_G_FWD_PRE: dict[Any, Any] = getattr(_nn_module, "_global_forward_pre_hooks", _ALWAYS_SLOW)
-_G_FWD: dict[Any, Any] = getattr(_nn_module, "_global_forward_hooks", _ALWAYS_SLOW)
-_tracing_state = torch._C._get_tracing_state
-_module_call = nn.Module.__call__
 
 
 def _positive_int(what: str, value: object) -> int:
@@ -176,7 +158,7 @@ def _describe_dtypes(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
-class Attention(nn.Module):
+class Attention(FastCallModule):
     """Scaled dot-product attention over (batch, seq, heads, head_size) tensors.
 
     Resolves its backend once, at construction, in the current
@@ -325,26 +307,6 @@ class Attention(nn.Module):
     def backend(self) -> Backend:
         """The backend this layer runs (``.resolution`` says why)."""
         return self.resolution.backend
-
-    def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None
-    ) -> Tensor:
-        # explicit parameters, not *args/**kwargs: no tuple/dict packing per call
-        if (
-            self._forward_hooks
-            or self._forward_pre_hooks
-            or self._backward_hooks
-            or self._backward_pre_hooks
-            or self._compiled_call_impl is not None
-            or _G_BWD_PRE
-            or _G_BWD
-            or _G_FWD_PRE
-            or _G_FWD
-            or _tracing_state()
-        ):
-            out: Tensor = _module_call(self, q, k, v, attn_mask)
-            return out
-        return self._run(q, k, v, attn_mask)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         return self._run(q, k, v, attn_mask)
