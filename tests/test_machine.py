@@ -1750,3 +1750,29 @@ def test_rule_3_4_platform_check_torch_version() -> None:
     assert resolve(layer, platform=Platform.simulate("cpu"), backend="flex_attention").backend == (
         Backend("flex_attention")
     )
+
+
+def test_rule_3_2_relaxation_is_structured_and_renders_the_origin_detail() -> None:
+    """What relaxes the global flag is data (layer default, scope), not parsed text."""
+    from attnres.machine import global_flag_relaxation
+
+    config = SelectionConfig(global_backend="sage_attn", global_backend_explicit=True)
+    vae = S.scope_state("audio_vae")
+    dit = S.scope_state("transformer")
+    layer = LayerSpec(64, "bf16", default="torch_sdpa")
+    cases = [
+        (layer, vae, True, ["the layer declares default 'torch_sdpa'",
+                            "component 'audio_vae' (audio_vae, AudioVAELoader) allows "
+                            "global fallback"]),
+        (LayerSpec(64, "bf16"), dit, False, []),
+        (LayerSpec(64, "bf16"), None, False, []),
+    ]  # fmt: skip
+    for spec, scope, relaxed, reasons in cases:
+        inp = TraceInput(spec, config, scope, Platform.simulate("cuda:sm90+all"))
+        relaxation = global_flag_relaxation(inp)
+        assert relaxation.relaxed is relaxed and relaxation.reasons() == reasons
+        origin = M.run_machine(inp).records[0]
+        assert origin.detail == "--attention-backend set by the operator; " + (
+            relaxation.describe()
+        )
+        assert origin.strict is (not relaxed)

@@ -8,7 +8,19 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Check", "Code", "Event", "KernelSource", "Origin", "Reason", "State"]
+__all__ = [
+    "Check",
+    "Code",
+    "Event",
+    "KernelSource",
+    "Origin",
+    "PackageStatus",
+    "Reason",
+    "State",
+    "Status",
+    "optional_code",
+    "optional_reason",
+]
 
 
 class _StrEnum(str, enum.Enum):
@@ -95,3 +107,28 @@ class KernelSource(_StrEnum):
     REGISTERED = "registered"
     #: no kernel: a layer that will run cannot be handed this backend
     NONE = "none"
+
+
+class Status(_StrEnum):
+    """How a resolution ended."""
+
+    SELECTED = "selected"
+    REJECTED = "rejected"
+
+
+class PackageStatus(_StrEnum):
+    """What probing an optional kernel package found."""
+
+    PRESENT = "present"
+    MISSING = "missing"
+    BROKEN = "broken"
+
+
+def optional_reason(value: Reason | str | None) -> Reason | None:
+    """An attrs converter: ``None`` stays ``None``, a reason text becomes the member."""
+    return None if value is None else Reason(value)
+
+
+def optional_code(value: Code | str | None) -> Code | None:
+    """An attrs converter: ``None`` stays ``None``, a code name becomes the member."""
+    return None if value is None else Code(value)

@@ -108,8 +108,8 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
         log.info(
             "attention backend selected",
             backend=decision.backend,
-            reason=decision.reason,
-            origin=decision.origin,
+            reason=_text(decision.reason),
+            origin=_text(decision.origin),
             **common,
         )
     else:
@@ -118,11 +118,16 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
             backend=None,
             requested=_requested(trace),
             reason=None,
-            origin=decision.origin,
+            origin=_text(decision.origin),
             error=outcome.error,
-            code=outcome.code,
+            code=_text(outcome.code),
             **common,
         )
+
+
+def _text(value: object) -> str | None:
+    """A vocabulary member as its plain text (renderers print ``repr`` otherwise)."""
+    return None if value is None else str(value)
 
 
 def _requested(trace: Trace) -> str | None:
@@ -143,8 +148,8 @@ def emit_cache_hit(decision: Decision) -> None:
     log.debug(
         "attention cache hit",
         backend=decision.backend,
-        reason=decision.reason,
-        origin=decision.origin,
+        reason=_text(decision.reason),
+        origin=_text(decision.origin),
         component=decision.component,
         layer=decision.layer,
     )

@@ -65,6 +65,7 @@ from attnres.layer import (
     LayerSpec,
     SelectionConfig,
 )
+from attnres.machine import global_flag_relaxation
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve
 from attnres.trace import (
@@ -655,7 +656,7 @@ def _why(trace: Trace) -> str:
             )
         return f"{chosen} was requested (origin {outcome.origin}) and passed every check."
     if reason == "global backend fallback":
-        detail = origin.detail.split("; ", 1)[-1].removeprefix("relaxed: ") if origin else ""
+        detail = " and ".join(global_flag_relaxation(trace.input).reasons())
         return (
             f"the operator's --attention-backend {requested} cannot serve this layer "
             f"({requested_failures}). The flag is relaxed here ({detail}), so the machine "

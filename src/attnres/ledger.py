@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from attrs import field, frozen
 
+from attnres._states import Origin, Reason, Status, optional_reason
+
 if TYPE_CHECKING:
     from attnres.trace import Trace
 
@@ -45,8 +47,8 @@ class Decision:
     component: str | None
     layer: str | None
     backend: str | None  # None when the resolution was rejected
-    reason: str | None
-    origin: str
+    reason: Reason | None = field(converter=optional_reason)
+    origin: Origin = field(converter=Origin)
     trace: Trace = field(eq=False, repr=False)
 
     @property
@@ -55,8 +57,8 @@ class Decision:
         return self.trace.digest
 
     @property
-    def status(self) -> str:
-        return "selected" if self.backend is not None else "rejected"
+    def status(self) -> Status:
+        return Status.SELECTED if self.backend is not None else Status.REJECTED
 
     def key(self) -> tuple[str, str]:
         """What identifies the call site across ranks: component and layer name."""

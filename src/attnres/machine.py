@@ -47,6 +47,7 @@ from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
 from attnres.layer import LayerSpec
 from attnres.platform import Platform
+from attnres.scope import ScopeState
 from attnres.trace import (
     CheckRecord,
     Failure,
@@ -66,8 +67,10 @@ __all__ = [
     "CHECK_ORDER",
     "STRICT_ORIGINS",
     "TRANSITIONS",
+    "Relaxation",
     "check_candidate",
     "detect_origin",
+    "global_flag_relaxation",
     "run_machine",
     "stage_candidates",
 ]
@@ -160,6 +163,58 @@ _PRIMARY_ORDER: Final = (
 
 
 @frozen
+class Relaxation:
+    """What relaxes the operator's explicit global flag for one layer (SPEC 3.2).
+
+    Structured, so that explanations are rendered from fields rather than parsed
+    back from the origin record's text (which :meth:`describe` writes).
+    """
+
+    #: the layer's declared default, when it has one (it relaxes the flag)
+    layer_default: Backend | None
+    #: the component scope, if any; ``scope.allow_global_fallback`` relaxes it
+    scope: ScopeState | None
+
+    @property
+    def by_scope(self) -> bool:
+        return self.scope is not None and self.scope.allow_global_fallback
+
+    @property
+    def relaxed(self) -> bool:
+        return self.layer_default is not None or self.by_scope
+
+    def reasons(self) -> list[str]:
+        """Each thing that relaxes the flag, in words (empty when it is strict)."""
+        out: list[str] = []
+        if self.layer_default is not None:
+            out.append(f"the layer declares default {self.layer_default.name!r}")
+        if self.scope is not None and self.scope.allow_global_fallback:
+            scope = self.scope
+            out.append(
+                f"component {scope.component!r} ({scope.kind}, {scope.loader}) allows "
+                f"global fallback"
+            )
+        return out
+
+    def describe(self) -> str:
+        """``relaxed: ...`` or ``strict: ...``: the origin record's words."""
+        if self.relaxed:
+            return "relaxed: " + " and ".join(self.reasons())
+        if self.scope is None:
+            return "strict: no component scope (a component of unknown kind)"
+        scope = self.scope
+        return (
+            f"strict: component {scope.component!r} ({scope.kind}, {scope.loader}) does "
+            f"not allow global fallback and the layer declares no default"
+        )
+
+
+def global_flag_relaxation(inp: TraceInput) -> Relaxation:
+    """What would relax an explicit global flag for this input's layer."""
+    return Relaxation(inp.layer.default, inp.scope)
+
+
+@frozen
 class DetectedOrigin:
     origin: Origin
     backend: Backend | None
@@ -204,28 +259,12 @@ def detect_origin(inp: TraceInput) -> DetectedOrigin:
                 False,
                 "global backend preference, derived or defaulted (not typed by the operator)",
             )
-        relaxed_by: list[str] = []
-        if layer.default is not None:
-            relaxed_by.append(f"the layer declares default {layer.default.name!r}")
-        if scope is not None and scope.allow_global_fallback:
-            relaxed_by.append(
-                f"component {scope.component!r} ({scope.kind}, {scope.loader}) allows "
-                f"global fallback"
-            )
-        if relaxed_by:
-            detail = "relaxed: " + " and ".join(relaxed_by)
-        elif scope is None:
-            detail = "strict: no component scope (a component of unknown kind)"
-        else:
-            detail = (
-                f"strict: component {scope.component!r} ({scope.kind}, {scope.loader}) does "
-                f"not allow global fallback and the layer declares no default"
-            )
+        relaxation = global_flag_relaxation(inp)
         return DetectedOrigin(
             Origin.GLOBAL_CLI,
             config.global_backend,
-            not relaxed_by,
-            f"--attention-backend set by the operator; {detail}",
+            not relaxation.relaxed,
+            f"--attention-backend set by the operator; {relaxation.describe()}",
         )
     if layer.default is not None:
         return DetectedOrigin(

@@ -316,7 +316,7 @@ class Attention(FastCallModule):
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, role={self.role.value}, "
             f"causal={self.causal}, backend={self.backend.name}"
-            + (f", reason={self.resolution.reason!r}" if self.resolution.reason else "")
+            + (f", reason={str(self.resolution.reason)!r}" if self.resolution.reason else "")
         )
 
     # The bound kernel and the forward closure are not picklable: pickling keeps

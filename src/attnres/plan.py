@@ -35,9 +35,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from attrs import frozen
+from attrs import field, frozen
 
-from attnres._states import KernelSource
+from attnres._states import (
+    Code,
+    KernelSource,
+    Origin,
+    Reason,
+    Status,
+    optional_code,
+    optional_reason,
+)
 from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import BackendNotAppliedError, ResolutionError
@@ -445,12 +453,12 @@ class LayerPlan:
     component: str
     name: str
     count: int
-    status: str  # "selected" | "rejected"
+    status: Status = field(converter=Status)
     backend: str | None
-    reason: str | None
-    origin: str
+    reason: Reason | None = field(converter=optional_reason)
+    origin: Origin = field(converter=Origin)
     error: str | None
-    code: str | None
+    code: Code | None = field(converter=optional_code)
     trace: Trace
     #: for a selected layer, whether a kernel serves its backend in this install
     #: (``none``: the plan holds, but running it needs a kernel registered first,

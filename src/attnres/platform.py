@@ -28,6 +28,7 @@ from typing import Any
 
 from attrs import field, frozen
 
+from attnres._states import PackageStatus
 from attnres._vocab import PLATFORM_KINDS
 from attnres.backends import Backend, plugin_failures, registered_backends
 
@@ -112,7 +113,7 @@ class PackageFact:
     """One optional kernel package: present with a version, or absent with why."""
 
     name: str
-    status: str  # "present" | "missing" | "broken"
+    status: PackageStatus = field(converter=PackageStatus)
     version: str | None = None
     detail: str | None = None
 

@@ -27,6 +27,7 @@ import attrs
 from attrs import field, frozen
 
 from attnres import machine as _machine
+from attnres._states import Origin, Reason, optional_reason
 from attnres._vocab import Role
 from attnres.audit import emit_cache_hit, emit_resolution, emit_summary
 from attnres.backends import Backend, on_registry_change, registry_generation
@@ -65,8 +66,8 @@ class Resolution:
     """The backend a layer runs, why, and the trace that proves it."""
 
     backend: Backend
-    reason: str | None
-    origin: str
+    reason: Reason | None = field(converter=optional_reason)
+    origin: Origin = field(converter=Origin)
     trace: Trace = field(eq=False, repr=False)
     component: str | None = None
     layer: str | None = None
@@ -271,13 +272,13 @@ def _entry_for(trace: Trace) -> _CacheEntry:
     component = None if inp.scope is None else inp.scope.component
     backend_name = None if outcome.backend is None else outcome.backend.name
     decision = Decision(
-        component, inp.layer.name, backend_name, outcome.reason, str(outcome.origin), trace
+        component, inp.layer.name, backend_name, outcome.reason, outcome.origin, trace
     )
     resolution = (
         None
         if outcome.backend is None
         else Resolution(
-            outcome.backend, outcome.reason, str(outcome.origin), trace, component, inp.layer.name
+            outcome.backend, outcome.reason, outcome.origin, trace, component, inp.layer.name
         )
     )
     return (resolution, decision, trace)

@@ -42,7 +42,18 @@ import attrs
 import cattrs
 from attrs import field, frozen
 
-from attnres._states import Check, Code, Event, Origin, Reason, State
+from attnres._states import (
+    Check,
+    Code,
+    Event,
+    Origin,
+    PackageStatus,
+    Reason,
+    State,
+    Status,
+    optional_code,
+    optional_reason,
+)
 from attnres._vocab import PLATFORM_KINDS, Requirement, Role, normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
@@ -88,7 +99,7 @@ _SCHEMA_1_REQUIREMENTS: tuple[str, ...] = ("causal", "attn_mask", "packed_varlen
 class Failure:
     """One failed check: a machine-readable code and a message for people."""
 
-    code: str
+    code: Code = field(converter=Code)
     message: str
 
 
@@ -111,7 +122,7 @@ class TransitionRecord:
     event: Event
     target: State
     candidate: Backend | None = None
-    reason: str | None = None
+    reason: Reason | None = field(default=None, converter=optional_reason)
     kind: str = field(default="transition", init=False)
 
 
@@ -143,7 +154,7 @@ class SelectedRecord:
 
     backend: Backend
     origin: Origin
-    reason: str | None
+    reason: Reason | None = field(converter=optional_reason)
     kind: str = field(default="selected", init=False)
 
 
@@ -152,7 +163,7 @@ class RejectedRecord:
     """Terminal: no backend could serve the layer."""
 
     origin: Origin
-    code: str
+    code: Code = field(converter=Code)
     error: str
     kind: str = field(default="rejected", init=False)
 
@@ -192,11 +203,17 @@ class TraceInput:
 
 @frozen
 class Outcome:
-    status: str  # "selected" | "rejected"
-    origin: Origin
+    """How a resolution ended: the one outcome shape every result composes.
+
+    ``Resolution``, ``Decision`` and the plan's ``LayerPlan`` carry one of these
+    (or its fields, typed the same) rather than restating it.
+    """
+
+    status: Status = field(converter=Status)
+    origin: Origin = field(converter=Origin)
     backend: Backend | None = None
-    reason: str | None = None
-    code: str | None = None
+    reason: Reason | None = field(default=None, converter=optional_reason)
+    code: Code | None = field(default=None, converter=optional_code)
     error: str | None = None
 
 
@@ -377,7 +394,12 @@ def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
         Event: "event",
         Origin: "origin",
         Check: "check",
+        Code: "code",
+        Reason: "reason",
+        Status: "outcome status",
+        PackageStatus: "package status",
     }.get(cls, cls.__name__)
+    shown = ", ".join(json.dumps(v) if " " in v else v for v in values)
 
     def structure(value: Any, _: Any) -> Any:
         if not isinstance(value, str):
@@ -388,7 +410,7 @@ def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
             raise _Invalid(
                 "",
                 f"unknown {what} {json.dumps(value, ensure_ascii=True)}; "
-                f"expected one of: {', '.join(values)}",
+                f"expected one of: {shown}",
             ) from None
 
     return structure
@@ -413,9 +435,6 @@ def _one_of(
 
     return check
 
-
-_CODES = [c.value for c in Code]
-_REASONS = [r.value for r in Reason]
 
 #: Closed vocabularies checked after a field's JSON type (class, field) -> check.
 _FIELD_CHECKS: dict[tuple[type[Any], str], Callable[[Any], str | None]] = {}
@@ -753,7 +772,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(int, _structure_int)
     conv.register_structure_hook(bool, _structure_bool)
     conv.register_structure_hook(Backend, _structure_backend)
-    for enum_cls in (State, Event, Origin, Check):
+    for enum_cls in (State, Event, Origin, Check, Code, Reason, Status, PackageStatus):
         conv.register_structure_hook(enum_cls, _structure_enum(enum_cls))
     conv.register_structure_hook_factory(_is_tuple_type, lambda t: _make_tuple_hook(conv, t))
     conv.register_structure_hook(LayerSpec, _structure_layer)
@@ -808,15 +827,8 @@ def _record_unstructurer(conv: cattrs.Converter, cls: type[Any]) -> Callable[[An
 
 _FIELD_CHECKS.update(
     {
+        # a platform kind is a closed list of names, not an enum (yet)
         (Platform, "kind"): _one_of("platform kind", PLATFORM_KINDS),
-        (PackageFact, "status"): _one_of("package status", ("present", "missing", "broken")),
-        (Outcome, "status"): _one_of("outcome status", ("selected", "rejected")),
-        (Outcome, "code"): _one_of("code", _CODES, optional=True),
-        (Outcome, "reason"): _one_of("reason", _REASONS, optional=True),
-        (Failure, "code"): _one_of("code", _CODES),
-        (RejectedRecord, "code"): _one_of("code", _CODES),
-        (SelectedRecord, "reason"): _one_of("reason", _REASONS, optional=True),
-        (TransitionRecord, "reason"): _one_of("reason", _REASONS, optional=True),
     }
 )
 
