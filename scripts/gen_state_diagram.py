@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Render docs/state-machine.md from attnres.machine.TRANSITIONS.
+"""Render docs/state-machine.md from the decision core's tables.
 
 The diagram is generated from the transition table, so the picture cannot
 drift from the code: ``tests/test_docs.py`` fails when the file in docs/
@@ -19,7 +19,15 @@ TARGET = ROOT / "docs" / "state-machine.md"
 
 def render() -> str:
     from attnres._states import State
-    from attnres.machine import CHECK_ORDER, STRICT_ORIGINS, TRANSITIONS
+    from attnres.machine import (
+        CHECK_ORDER,
+        REQUEST_FAILURE_GUARDS,
+        START_GUARDS,
+        STRICT_ORIGINS,
+        TRANSITIONS,
+    )
+    from attnres.platform import DEFAULT_CHAINS
+    from attnres.scope import BUILTIN_KINDS
 
     lines = [
         "# The resolution state machine",
@@ -71,6 +79,57 @@ def render() -> str:
         *[f"- `{o.value}`" for o in sorted(STRICT_ORIGINS, key=lambda o: o.value)],
         "- `global_cli`, unless the layer declares a default or the component scope allows "
         "global fallback",
+        "",
+        "## Guards: which event fires",
+        "",
+        "Where a state has several ways out, the first row whose condition holds picks",
+        "the event (`START_GUARDS`, `REQUEST_FAILURE_GUARDS` in the same module).",
+        "",
+        "Leaving `origin_detection`:",
+        "",
+        "| # | condition | event |",
+        "|---|---|---|",
+        *[f"| {i} | {g.condition} | `{g.event.value}` |" for i, g in enumerate(START_GUARDS, 1)],
+        "",
+        "When the requested candidate fails at `requested`:",
+        "",
+        "| # | condition | event |",
+        "|---|---|---|",
+        *[
+            f"| {i} | {g.condition} | `{g.event.value}` |"
+            for i, g in enumerate(REQUEST_FAILURE_GUARDS, 1)
+        ],
+        "",
+        "## Platform chains (stage `platform_default`)",
+        "",
+        "Each entry but the last is preferred only where it is usable here (its package,",
+        "its kernel for a layer that will run, the device, dtype and head size); the last",
+        "is unconditional (`attnres.platform.DEFAULT_CHAINS`).",
+        "",
+        "| platform | chain |",
+        "|---|---|",
+        *[
+            f"| `{kind}` | " + ", then ".join(f"`{b}`" for b in chain) + " |"
+            for kind, chain in DEFAULT_CHAINS.items()
+        ],
+        "",
+        "## Component kinds",
+        "",
+        "Whether the operator's explicit global flag may fall back for a component",
+        "(SPEC 3.2), by the component's kind; a component name maps to a kind by",
+        "these names (a trailing `_<number>` ignored, then the longest name it ends",
+        "with), anything else is `generic` (`attnres.scope.BUILTIN_KINDS`; more with",
+        "`attnres.register_component_kind`).",
+        "",
+        "| kind | loader | global fallback | component names |",
+        "|---|---|---|---|",
+        *[
+            f"| `{loader.kind}` | `{loader.__name__}` | "
+            f"{'allowed' if loader.allow_global_fallback else 'strict'} | "
+            + (", ".join(f"`{a}`" for a in aliases) or "-")
+            + " |"
+            for loader, aliases in BUILTIN_KINDS
+        ],
         "",
     ]
     return "\n".join(lines)

@@ -76,3 +76,24 @@ def test_relative_links_resolve(doc: Path) -> None:
         if path and not (doc.parent / path).exists():
             broken.append(target)
     assert not broken, f"{doc.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def test_generated_docs_show_every_policy_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards, platform chains and component kinds are rendered, and follow the code."""
+    from attnres import machine, platform, scope
+    from attnres._states import Event
+
+    rendered = _load_script().render()
+    for guard in (*machine.START_GUARDS, *machine.REQUEST_FAILURE_GUARDS):
+        assert f"| {guard.condition} | `{guard.event.value}` |" in rendered
+    for kind, chain in platform.DEFAULT_CHAINS.items():
+        assert f"| `{kind}` | " + ", then ".join(f"`{b}`" for b in chain) + " |" in rendered
+    for loader, _ in scope.BUILTIN_KINDS:
+        assert f"| `{loader.kind}` | `{loader.__name__}` |" in rendered
+    swapped = (machine.REQUEST_FAILURE_GUARDS[1], machine.REQUEST_FAILURE_GUARDS[0],
+               *machine.REQUEST_FAILURE_GUARDS[2:])  # fmt: skip
+    monkeypatch.setattr(machine, "REQUEST_FAILURE_GUARDS", swapped)
+    monkeypatch.setattr(platform, "DEFAULT_CHAINS", {"cpu": ("eager", "torch_sdpa")})
+    changed = _load_script().render()
+    assert f"| 1 | the request is strict | `{Event.STRICT_FAILURE.value}` |" in changed
+    assert "| `cpu` | `eager`, then `torch_sdpa` |" in changed

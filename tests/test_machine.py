@@ -1776,3 +1776,22 @@ def test_rule_3_2_relaxation_is_structured_and_renders_the_origin_detail() -> No
             relaxation.describe()
         )
         assert origin.strict is (not relaxed)
+
+
+def test_guard_tables_end_with_otherwise_and_fire_only_events_of_their_state() -> None:
+    """Each guard table is total (its last row always holds) and matches TRANSITIONS."""
+    for guards, state in (
+        (M.START_GUARDS, State.ORIGIN_DETECTION),
+        (M.REQUEST_FAILURE_GUARDS, State.REQUESTED),
+    ):
+        assert guards[-1].holds(M.GuardFacts()) and guards[-1].condition.startswith("otherwise")
+        for guard in guards:
+            assert guard.event in M.TRANSITIONS[state], (state, guard.event)
+    # the order is the rule: sparse-on-cross beats strictness, strictness the global flag
+    facts = M.GuardFacts(requested=True, role_failed=True, strict=True, global_cli=True)
+    assert M.first_event(M.REQUEST_FAILURE_GUARDS, facts) is Event.SPARSE_CROSS_FALLBACK
+    facts = M.GuardFacts(requested=True, strict=True, global_cli=True)
+    assert M.first_event(M.REQUEST_FAILURE_GUARDS, facts) is Event.STRICT_FAILURE
+    facts = M.GuardFacts(requested=True, global_cli=True)
+    assert M.first_event(M.REQUEST_FAILURE_GUARDS, facts) is Event.GLOBAL_FALLBACK
+    assert M.first_event(M.REQUEST_FAILURE_GUARDS, M.GuardFacts()) is Event.PREFERENCE_FALLBACK

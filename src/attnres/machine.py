@@ -9,6 +9,35 @@ core is pure: no context variables, cache, ledger, logging or I/O -- those are
 :mod:`attnres.runtime`, which gathers a :class:`~attnres.trace.TraceInput` and
 calls :func:`run_machine`.
 
+The policy as tables
+--------------------
+- ``TRANSITIONS``: state -> event -> (next state, reason it sets);
+- ``START_GUARDS`` and ``REQUEST_FAILURE_GUARDS``: ordered (condition, event)
+  rows choosing the event where a state has several ways out;
+- ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
+  ``_PRIMARY_ORDER`` (which failure names a strict rejection);
+- beside the core, read by it: the platform chains
+  (:data:`attnres.platform.DEFAULT_CHAINS`), the component kinds and their
+  global-fallback policy (:data:`attnres.scope.BUILTIN_KINDS`, extended by
+  :func:`attnres.register_component_kind`) and the backend catalogue
+  (:data:`attnres.backends.BUILTIN_SPECS`).
+
+``docs/state-machine.md`` renders every one of these tables
+(``scripts/gen_state_diagram.py``; ``tests/test_docs.py`` fails when it drifts).
+
+What is code, not data, and why:
+
+- the checks themselves (``_check_*``): each reads several spec fields with
+  its own rule (capability ranges, head-size rules, requirement limits);
+- origin detection's order (``detect_origin``): an if-chain over the input,
+  because each origin reads a different part of it (layer, config, scope);
+- the "usable here" skip of a platform chain: every entry but the last is
+  passed over when its package, kernel, device, dtype or head size fail here
+  (``_unusable_here``, the ``available`` and ``platform`` checks reused);
+- the candidate lists (``stage_candidates``) and skipping a candidate
+  already evaluated at an earlier stage;
+- the rejection messages.
+
 Theory of operation
 -------------------
 A resolution starts in ``origin_detection``. Origin detection finds the
@@ -36,7 +65,7 @@ the audit events.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from attrs import frozen
@@ -65,11 +94,16 @@ from attnres.trace import (
 __all__ = [
     "CANDIDATE_STAGES",
     "CHECK_ORDER",
+    "REQUEST_FAILURE_GUARDS",
+    "START_GUARDS",
     "STRICT_ORIGINS",
     "TRANSITIONS",
+    "Guard",
+    "GuardFacts",
     "Relaxation",
     "check_candidate",
     "detect_origin",
+    "first_event",
     "global_flag_relaxation",
     "run_machine",
     "stage_candidates",
@@ -145,6 +179,75 @@ CHECK_ORDER: Final = (
 STRICT_ORIGINS: Final = frozenset(
     {Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE, Origin.COMPONENT_OVERRIDE}
 )
+
+# =============================================================================
+# The guards: which event fires, as ordered (condition, event) rows
+# =============================================================================
+# Where the table above has more than one way out of a state, the first row
+# whose condition holds picks the event. Conditions read a GuardFacts: the
+# facts about the request and the failed candidate, nothing else.
+
+
+@frozen
+class GuardFacts:
+    """What the guards may look at."""
+
+    #: something was requested (any origin but ``none``)
+    requested: bool = False
+    #: the layer declares no default and supports exactly one backend
+    single_supported: bool = False
+    #: the failed request's role check failed (a sparse backend, a cross layer)
+    role_failed: bool = False
+    #: the request is strict (SPEC 3.1, 3.2)
+    strict: bool = False
+    #: the request is the operator's explicit global flag
+    global_cli: bool = False
+
+
+@frozen
+class Guard:
+    """One row: when ``condition`` (its words, for the docs) holds, ``event`` fires."""
+
+    condition: str
+    holds: Callable[[GuardFacts], bool]
+    event: Event
+
+
+#: Leaving ``origin_detection``, in order.
+START_GUARDS: Final[tuple[Guard, ...]] = (
+    Guard("something was requested", lambda f: f.requested, Event.REQUEST_FOUND),
+    Guard(
+        "no layer default, exactly one supported backend",
+        lambda f: f.single_supported,
+        Event.SINGLE_SUPPORTED,
+    ),
+    Guard("otherwise", lambda f: True, Event.NOTHING_REQUESTED),
+)
+
+#: When the requested candidate fails at ``requested``, in order (SPEC 3.1-3.3).
+REQUEST_FAILURE_GUARDS: Final[tuple[Guard, ...]] = (
+    Guard(
+        "its role check failed (sparse on cross-attention), whatever the origin",
+        lambda f: f.role_failed,
+        Event.SPARSE_CROSS_FALLBACK,
+    ),
+    Guard("the request is strict", lambda f: f.strict, Event.STRICT_FAILURE),
+    Guard(
+        "the operator's explicit global flag, relaxed for this layer",
+        lambda f: f.global_cli,
+        Event.GLOBAL_FALLBACK,
+    ),
+    Guard("otherwise (a preference or a layer default)", lambda f: True, Event.PREFERENCE_FALLBACK),
+)
+
+
+def first_event(guards: tuple[Guard, ...], facts: GuardFacts) -> Event:
+    """The event of the first guard that holds (the last guard always holds)."""
+    for guard in guards:
+        if guard.holds(facts):
+            return guard.event
+    raise AssertionError("no guard holds: a guard table must end with 'otherwise'")
+
 
 #: Which check's failure names a strict rejection, most fundamental first.
 _PRIMARY_ORDER: Final = (
@@ -621,13 +724,13 @@ def run_machine(inp: TraceInput) -> Trace:
     layer, platform = inp.layer, inp.platform
     reason: Reason | None = None
     state = State.ORIGIN_DETECTION
-    if found.backend is not None:
-        event = Event.REQUEST_FOUND
-    elif layer.default is None and layer.supported is not None and len(layer.supported) == 1:
-        event = Event.SINGLE_SUPPORTED
-    else:
-        event = Event.NOTHING_REQUESTED
-    state, reason = _step(state, event, records, reason)
+    start = GuardFacts(
+        requested=found.backend is not None,
+        single_supported=(
+            layer.default is None and layer.supported is not None and len(layer.supported) == 1
+        ),
+    )
+    state, reason = _step(state, first_event(START_GUARDS, start), records, reason)
 
     seen: dict[Backend, State] = {}
     tried: list[tuple[State, Backend, tuple[Failure, ...]]] = []
@@ -662,15 +765,13 @@ def run_machine(inp: TraceInput) -> Trace:
                 break
             tried.append((stage, candidate, all_failures))
             if stage is State.REQUESTED:
-                role_failed = any(c is Check.ROLE and f for c, f in results)
-                if role_failed:
-                    event = Event.SPARSE_CROSS_FALLBACK
-                elif found.strict:
-                    event = Event.STRICT_FAILURE
-                elif found.origin is Origin.GLOBAL_CLI:
-                    event = Event.GLOBAL_FALLBACK
-                else:
-                    event = Event.PREFERENCE_FALLBACK
+                facts = GuardFacts(
+                    requested=True,
+                    role_failed=any(c is Check.ROLE and f for c, f in results),
+                    strict=found.strict,
+                    global_cli=found.origin is Origin.GLOBAL_CLI,
+                )
+                event = first_event(REQUEST_FAILURE_GUARDS, facts)
                 state, reason = _step(stage, event, records, reason, candidate)
                 if state is State.REJECTED:
                     message, code = _primary_message(candidate, results, layer, platform)

@@ -23,8 +23,8 @@ import importlib.metadata as metadata
 import importlib.util
 import re
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
 
 from attrs import field, frozen
 
@@ -33,6 +33,7 @@ from attnres._vocab import PLATFORM_KINDS
 from attnres.backends import Backend, plugin_failures, registered_backends
 
 __all__ = [
+    "DEFAULT_CHAINS",
     "GRAMMAR",
     "KNOWN_PACKAGES",
     "PackageFact",
@@ -98,7 +99,9 @@ KNOWN_PACKAGES: tuple[PackageProbe, ...] = (
     PackageProbe("xformers", "xformers", ("xformers",)),
 )
 
-_CHAINS: dict[str, tuple[str, ...]] = {
+#: The platform_default stage (SPEC 3.4), per device kind: preferred first, each
+#: entry but the last only where usable here (rendered in docs/state-machine.md).
+DEFAULT_CHAINS: Final[Mapping[str, tuple[str, ...]]] = {
     "cuda": ("fa", "torch_sdpa"),
     "rocm": ("aiter", "torch_sdpa"),
     "npu": ("ascend_fa", "torch_sdpa"),
@@ -198,7 +201,7 @@ class Platform:
         machine passes over an unusable one with a recorded reason, and does not
         count that as a fallback. The last entry is the unconditional default.
         """
-        return tuple(Backend(n) for n in _CHAINS[self.kind])
+        return tuple(Backend(n) for n in DEFAULT_CHAINS[self.kind])
 
     def torch_at_least(self, version: tuple[int, int]) -> bool | None:
         if not self.torch_version:

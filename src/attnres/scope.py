@@ -43,6 +43,7 @@ from attnres.layer import optional_backend
 from attnres.ledger import Decision
 
 __all__ = [
+    "BUILTIN_KINDS",
     "AudioVAELoader",
     "BridgeLoader",
     "ComponentLoader",
@@ -158,7 +159,10 @@ def register_component_kind(
     return loader
 
 
-for _loader, _aliases in (
+#: The built-in component kinds: each loader (its kind and whether the explicit
+#: global flag may fall back for it) and the component names that map to it
+#: (rendered in docs/state-machine.md). register_component_kind adds more.
+BUILTIN_KINDS: tuple[tuple[type[ComponentLoader], tuple[str, ...]], ...] = (
     (ComponentLoader, ()),
     (TransformerLoader, ("dit", "transformer", "unet", "denoiser", "mmdit")),
     (GenericComponentLoader, ()),
@@ -169,7 +173,8 @@ for _loader, _aliases in (
     (VocoderLoader, ("vocoder",)),
     (ConnectorLoader, ("connector", "connectors")),
     (BridgeLoader, ("bridge",)),
-):
+)
+for _loader, _aliases in BUILTIN_KINDS:
     register_component_kind(_loader.kind, _loader, aliases=_aliases)
 
 
