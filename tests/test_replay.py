@@ -16,7 +16,8 @@ from scenarios import SCENARIOS, scenario_by_name
 import attnres
 from attnres import TraceFormatError, machine
 from attnres._states import Event, Reason, State
-from attnres.replayer import ReplayResult, describe_outcome, diff_traces, replay, run_replay_command
+from attnres.cli import render_replay
+from attnres.replayer import ReplayResult, describe_outcome, diff_traces, replay, replay_paths
 from attnres.trace import Outcome, SelectedRecord, Trace, dump_trace, load_trace, trace_to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,8 +27,26 @@ STRICT = scenario_by_name("transformer-global-sage-not-supported-rejected")
 
 def _run(paths: list[str], *, update: bool = False) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = run_replay_command(paths, update=update, stdout=out, stderr=err)
+    code = render_replay(replay_paths(paths, update=update), update, out, err)
     return code, out.getvalue(), err.getvalue()
+
+
+def test_replay_paths_returns_results_and_prints_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = tmp_path / "good.json"
+    dump_trace(SEED.run(), good)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}", encoding="utf-8")
+    run = replay_paths([str(good), str(bad), str(tmp_path / "missing.json")])
+    assert [(e.path, e.status) for e in run.entries] == [
+        (str(good), "ok"), (str(bad), "invalid")
+    ]  # fmt: skip
+    assert run.entries[0].result is not None and run.entries[0].result.ok
+    assert "schema_version" in str(run.entries[1].error)
+    assert run.path_problems == (f"{tmp_path / 'missing.json'}: no such file or folder",)
+    assert run.invalid and not run.diverged
+    assert capsys.readouterr() == ("", "")
 
 
 def _rewrite(path: Path, trace: Trace) -> None:
@@ -193,7 +212,7 @@ def test_replay_of_the_whole_corpus_is_clean_and_quick() -> None:
 
 
 # =============================================================================
-# run_replay_command
+# replay_paths rendered by the CLI
 # =============================================================================
 
 

@@ -80,6 +80,7 @@ from attnres.trace import (
 
 if TYPE_CHECKING:
     from attnres.plan import PlanResult
+    from attnres.replayer import ReplayRun
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -856,8 +857,42 @@ def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "replay is not available in this installation (the module attnres.replayer "
             "is missing)"
         ) from None
-    code = module.run_replay_command(list(args.paths), update=args.update, stdout=out, stderr=err)
-    return int(code)
+    run = module.replay_paths(list(args.paths), update=args.update)
+    return render_replay(run, args.update, out, err)
+
+
+def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int:
+    """Print a :class:`~attnres.replayer.ReplayRun`: ``ok   PATH`` / ``DIFF PATH`` (+ diff).
+
+    Exit code: 0 when everything matches (or was updated), 1 when a replay
+    diverged (without ``--update``), 2 when a path names nothing or a file is not
+    a valid trace (its message goes to ``err``, no traceback).
+    """
+    for problem in run.path_problems:
+        print(f"attnres replay: {problem}", file=err)
+    for entry in run.entries:
+        if entry.status == "invalid":
+            print(f"ERR  {entry.path}", file=out)
+            print(f"attnres replay: {entry.error}", file=err)
+        elif entry.status == "ok":
+            print(f"ok   {entry.path}", file=out)
+        else:
+            diff = "" if entry.result is None else entry.result.diff
+            print(f"DIFF {entry.path}", file=out)
+            print("\n".join("    " + line for line in diff.splitlines()), file=out)
+            if entry.updated:
+                print(f"    updated {entry.path} from the replay", file=out)
+    if len(run.entries) > 1:
+        ok, diverged, invalid = run.count("ok"), run.count("diff"), run.count("invalid")
+        parts = [f"{ok} ok", f"{diverged} {'updated' if update else 'differ'}"]
+        if invalid:
+            parts.append(f"{invalid} invalid")
+        print(f"replayed {len(run.entries)} traces: {', '.join(parts)}", file=out)
+    if run.invalid:
+        return EXIT_USAGE
+    if run.diverged:
+        return EXIT_REJECTED
+    return EXIT_OK
 
 
 # =============================================================================

@@ -8,7 +8,9 @@ records and the outcome. A mismatch is described by :attr:`ReplayResult.diff`:
 the first divergent record, field by field with both sides, then a summary of
 the rest and of the outcome.
 
-:func:`run_replay_command` is what ``attnres replay PATH... [--update]`` runs.
+:func:`replay_paths` replays files and folders and returns a :class:`ReplayRun`;
+``attnres replay PATH... [--update]`` renders it (the CLI prints, this module
+never does).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from attrs import field, frozen
 
@@ -25,7 +27,15 @@ from attnres import machine as _machine
 from attnres.errors import TraceFormatError
 from attnres.trace import Outcome, Trace, dump_trace, load_trace, record_to_dict
 
-__all__ = ["ReplayResult", "describe_outcome", "diff_traces", "replay", "run_replay_command"]
+__all__ = [
+    "ReplayEntry",
+    "ReplayResult",
+    "ReplayRun",
+    "describe_outcome",
+    "diff_traces",
+    "replay",
+    "replay_paths",
+]
 
 #: How many further divergent records the summary names before "...".
 _NAMED_IN_SUMMARY = 5
@@ -190,88 +200,96 @@ def diff_traces(
 # =============================================================================
 
 
-def _expand(paths: Iterable[str | os.PathLike[str]], stderr: TextIO) -> tuple[list[str], bool]:
-    """Files to replay (folders: their ``*.json``, sorted), and whether a path was bad."""
+@frozen
+class ReplayEntry:
+    """One file of a replay run: ``ok``, ``diff`` or ``invalid``."""
+
+    path: str
+    status: str  # "ok" | "diff" | "invalid"
+    result: ReplayResult | None = field(default=None, repr=False)
+    #: why the file could not be replayed (``invalid``)
+    error: str | None = None
+    #: the diverging file was rewritten from the replay
+    updated: bool = False
+
+
+@frozen
+class ReplayRun:
+    """What replaying some files and folders found; rendering is the caller's."""
+
+    entries: tuple[ReplayEntry, ...]
+    #: paths that name nothing to replay (missing, or a folder without traces)
+    path_problems: tuple[str, ...] = ()
+
+    def count(self, status: str) -> int:
+        return sum(1 for e in self.entries if e.status == status)
+
+    @property
+    def invalid(self) -> bool:
+        """A path named nothing, or a file was not a valid trace (or broke the machine)."""
+        return bool(self.path_problems) or self.count("invalid") > 0
+
+    @property
+    def diverged(self) -> bool:
+        """Some replay differs from its file and was not rewritten."""
+        return any(e.status == "diff" and not e.updated for e in self.entries)
+
+
+def _expand(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[str]]:
+    """Files to replay (folders: their ``*.json``, sorted), and the paths that were bad."""
     files: list[str] = []
     seen: set[str] = set()
-    bad = False
+    problems: list[str] = []
     for raw in paths:
         text = os.fspath(raw)
         path = Path(text)
         if path.is_dir():
             found = sorted(p for p in path.glob("*.json") if p.is_file())
             if not found:
-                print(
-                    f"attnres replay: {text}: no trace files (*.json) in this folder",
-                    file=stderr,
-                )
-                bad = True
+                problems.append(f"{text}: no trace files (*.json) in this folder")
             candidates = [str(p) for p in found]
         elif path.exists():
             candidates = [text]
         else:
-            print(f"attnres replay: {text}: no such file or folder", file=stderr)
-            bad = True
+            problems.append(f"{text}: no such file or folder")
             candidates = []
         for c in candidates:
             key = os.path.normpath(c)
             if key not in seen:
                 seen.add(key)
                 files.append(c)
-    return files, bad
+    return files, problems
 
 
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in text.splitlines())
-
-
-def run_replay_command(
-    paths: Sequence[str | os.PathLike[str]], *, update: bool, stdout: TextIO, stderr: TextIO
-) -> int:
-    """Replay files and folders; print ``ok   PATH`` / ``DIFF PATH`` (+ diff) per file.
+def replay_paths(paths: Sequence[str | os.PathLike[str]], *, update: bool = False) -> ReplayRun:
+    """Replay files and folders (a folder: its ``*.json``, sorted); never raises for a file.
 
     With ``update``, a diverging file is rewritten from the replay (atomically).
-    Returns 0 when everything matches (or was updated), 1 when a replay diverged
-    (without ``update``), 2 when a path does not exist or a file is not a valid
-    trace (the message goes to ``stderr``, no traceback).
+    A file that is not a valid trace, or on which the machine fails, is an
+    ``invalid`` entry with the reason.
     """
-    files, bad = _expand(paths, stderr)
-    diverged = ok = 0
+    files, problems = _expand(paths)
+    entries: list[ReplayEntry] = []
     for path in files:
         try:
             result = replay(path)
         except TraceFormatError as exc:
-            print(f"ERR  {path}", file=stdout)
-            print(f"attnres replay: {exc}", file=stderr)
-            bad = True
+            entries.append(ReplayEntry(path, "invalid", error=str(exc)))
             continue
         except Exception as exc:  # a machine failure must not become a traceback
-            print(f"ERR  {path}", file=stdout)
-            print(
-                f"attnres replay: {path}: the machine failed on the recorded input: "
-                f"{type(exc).__name__}: {exc}",
-                file=stderr,
+            entries.append(
+                ReplayEntry(
+                    path,
+                    "invalid",
+                    error=f"{path}: the machine failed on the recorded input: "
+                    f"{type(exc).__name__}: {exc}",
+                )
             )
-            bad = True
             continue
         if result.ok:
-            ok += 1
-            print(f"ok   {path}", file=stdout)
+            entries.append(ReplayEntry(path, "ok", result))
             continue
-        diverged += 1
-        print(f"DIFF {path}", file=stdout)
-        print(_indent(result.diff), file=stdout)
         if update:
             dump_trace(result.replayed, path)
-            print(f"    updated {path} from the replay", file=stdout)
-    if len(files) > 1:
-        errors = len(files) - ok - diverged
-        parts = [f"{ok} ok", f"{diverged} {'updated' if update else 'differ'}"]
-        if errors:
-            parts.append(f"{errors} invalid")
-        print(f"replayed {len(files)} traces: {', '.join(parts)}", file=stdout)
-    if bad:
-        return 2
-    if diverged and not update:
-        return 1
-    return 0
+        entries.append(ReplayEntry(path, "diff", result, updated=update))
+    return ReplayRun(tuple(entries), tuple(problems))
