@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
-from attnres._states import Event, State
 from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
@@ -57,7 +56,7 @@ from attnres.backends import (
     plugin_failures,
     registered_backends,
 )
-from attnres.errors import ResolutionError
+from attnres.explain import describe_layer, explain, resolution_trace
 from attnres.layer import (
     DEST_BACKEND,
     DEST_COMPONENTS,
@@ -65,15 +64,10 @@ from attnres.layer import (
     LayerSpec,
     SelectionConfig,
 )
-from attnres.machine import global_flag_relaxation
 from attnres.platform import Platform
-from attnres.runtime import component_scope, resolve
+from attnres.runtime import component_scope
 from attnres.trace import (
-    CheckRecord,
-    OriginRecord,
-    SkipRecord,
     Trace,
-    TransitionRecord,
     dump_trace,
     trace_to_dict,
 )
@@ -482,9 +476,9 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         with component_scope(
             args.component, backend=args.component_backend, require_selection=False
         ):
-            trace = _explain_trace(layer, config, platform)
+            trace = resolution_trace(layer, config, platform)
     else:
-        trace = _explain_trace(layer, config, platform)
+        trace = resolution_trace(layer, config, platform)
     if args.trace_out is not None:
         _write_trace(trace, Path(args.trace_out))
     outcome = trace.outcome
@@ -499,19 +493,12 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "error": outcome.error,
                 "code": outcome.code,
                 "trace": trace_to_dict(trace),
+                "explanation": explain(trace).to_dict(),
             },
         )
     else:
         _emit(out, _render_explain(trace))
     return EXIT_OK if outcome.status == "selected" else EXIT_REJECTED
-
-
-def _explain_trace(layer: LayerSpec, config: SelectionConfig, platform: Platform) -> Trace:
-
-    try:
-        return resolve(layer, config=config, platform=platform).trace
-    except ResolutionError as exc:
-        return exc.trace
 
 
 def _write_trace(trace: Trace, path: Path) -> None:
@@ -521,34 +508,21 @@ def _write_trace(trace: Trace, path: Path) -> None:
         raise UsageError(f"cannot write trace file {str(path)!r}: {exc.strerror or exc}") from None
 
 
-def _describe_layer(layer: LayerSpec) -> str:
-    supported = (
-        "any" if layer.supported is None else ", ".join(sorted(b.name for b in layer.supported))
-    )
-    needed = ", ".join(r.value for r in layer.requirements.needed()) or "nothing"
-    name = f"{layer.name}: " if layer.name else ""
-    return (
-        f"{name}head size {layer.head_size}, {layer.dtype}, {layer.role.value}-attention; "
-        f"supported: {supported}; default: {layer.default.name if layer.default else 'none'}; "
-        f"requires: {needed}"
-    )
-
-
 def _render_explain(trace: Trace) -> list[str]:
     width = _width()
     inp, outcome = trace.input, trace.outcome
-    origin = next((r for r in trace.records if isinstance(r, OriginRecord)), None)
+    why = explain(trace)
     lines: list[str] = []
     if outcome.status == "selected":
         assert outcome.backend is not None
         lines.append(f"Decision:  selected {outcome.backend.name}")
     else:
         lines.append(f"Decision:  rejected ({outcome.code})")
-    lines += _field("Origin:", f"{outcome.origin}" + (f" - {origin.detail}" if origin else ""),
-                    width)
+    detail = f" - {why.origin_detail}" if why.origin_detail is not None else ""
+    lines += _field("Origin:", f"{outcome.origin}{detail}", width)
     lines += _field("Reason:", _opt(outcome.reason), width)
     lines.append("")
-    lines += _field("Layer:", _describe_layer(inp.layer), width)
+    lines += _field("Layer:", describe_layer(inp.layer), width)
     scope = inp.scope
     if scope is None:
         lines += _field("Component:", "none (no component scope)", width)
@@ -576,24 +550,21 @@ def _render_explain(trace: Trace) -> list[str]:
     lines.append("Candidates (every check in order; '->' rows are the machine's transitions):")
     rows: list[list[str]] = []
     last: tuple[str, str] | None = None
-    for record in trace.records:
-        if isinstance(record, CheckRecord):
-            key = (record.stage.value, record.candidate.name)
+    for row in why.rows:
+        if row.kind == "check":
+            assert row.stage is not None and row.candidate is not None and row.check is not None
+            key = (row.stage.value, row.candidate.name)
             stage, cand = key if key != last else ("", "")
             last = key
-            reason = "; ".join(f.message for f in record.failures)
-            rows.append(
-                [stage, cand, record.check.value, "pass" if record.passed else "FAIL", reason]
-            )
-        elif isinstance(record, SkipRecord):
+            rows.append([stage, cand, row.check.value, "pass" if row.passed else "FAIL",
+                         row.detail])  # fmt: skip
+        elif row.kind == "skip":
+            assert row.stage is not None and row.candidate is not None
             last = None
-            rows.append([record.stage.value, record.candidate.name, "(skipped)", "", record.detail])
-        elif isinstance(record, TransitionRecord):
+            rows.append([row.stage.value, row.candidate.name, "(skipped)", "", row.detail])
+        else:
             last = None
-            text = f"{record.event.value}: to {record.target.value}"
-            if record.reason:
-                text += f" (sets reason: {record.reason})"
-            rows.append(["", "", "", "->", text])
+            rows.append(["", "", "", "->", row.detail])
     lines += _table(
         ["stage", "candidate", "check", "verdict", "reason"],
         rows,
@@ -601,86 +572,8 @@ def _render_explain(trace: Trace) -> list[str]:
         wrap=[4],
     )
     lines.append("")
-    lines += _wrap(_why(trace), width, "Why: ", "     ")
+    lines += _wrap(why.why, width, "Why: ", "     ")
     return lines
-
-
-def _fallback_failures(trace: Trace) -> str:
-    """Why the candidates before the chosen one failed: the requested backend's
-    failures when it was requested, else every failed candidate's."""
-    failed = [r for r in trace.records if isinstance(r, CheckRecord) and not r.passed]
-    requested = [r for r in failed if r.stage is State.REQUESTED]
-    chosen = requested or failed
-    by_candidate: dict[str, list[str]] = {}
-    for record in chosen:
-        by_candidate.setdefault(record.candidate.name, []).extend(
-            f.message for f in record.failures
-        )
-    return "; ".join(f"{name}: {'; '.join(msgs)}" for name, msgs in by_candidate.items())
-
-
-def _why(trace: Trace) -> str:
-    outcome = trace.outcome
-    if outcome.status != "selected":
-        return str(outcome.error)
-    assert outcome.backend is not None
-    chosen = outcome.backend.name
-    origin = next((r for r in trace.records if isinstance(r, OriginRecord)), None)
-    requested = None if origin is None or origin.backend is None else origin.backend.name
-    stage = next(
-        (
-            r.source.value
-            for r in trace.records
-            if isinstance(r, TransitionRecord) and r.event is Event.ACCEPTED
-        ),
-        "?",
-    )
-    failed = [
-        r
-        for r in trace.records
-        if isinstance(r, CheckRecord) and not r.passed
-    ]
-    requested_failures = "; ".join(
-        f.message
-        for r in failed
-        if r.stage is State.REQUESTED
-        for f in r.failures
-    )
-    others = sorted({r.candidate.name for r in failed if r.stage is not State.REQUESTED})
-    skipped = f" (after {', '.join(others)} failed)" if others else ""
-    reason = outcome.reason
-    if reason is None:
-        if requested is None:
-            return (
-                f"nothing was requested and the layer declares no default; {chosen} is the "
-                f"first candidate of stage {stage} and passed every check."
-            )
-        return f"{chosen} was requested (origin {outcome.origin}) and passed every check."
-    if reason == "global backend fallback":
-        detail = " and ".join(global_flag_relaxation(trace.input).reasons())
-        return (
-            f"the operator's --attention-backend {requested} cannot serve this layer "
-            f"({requested_failures}). The flag is relaxed here ({detail}), so the machine "
-            f"fell back to {chosen}, accepted at stage {stage}{skipped}."
-        )
-    if reason == "dense cross-attention fallback":
-        return (
-            f"{requested} is a sparse backend and sparse backends never serve "
-            f"cross-attention, so the machine fell back to the dense {chosen}, accepted at "
-            f"stage {stage}{skipped}."
-        )
-    if reason == "component constraint":
-        return (
-            f"nothing was requested and the layer supports exactly one backend, {chosen}, "
-            f"which passed every check."
-        )
-    if requested is not None and requested_failures:
-        return (
-            f"{requested} (origin {outcome.origin}) cannot serve this layer "
-            f"({requested_failures}); as a preference it may fall back, and {chosen} was "
-            f"accepted at stage {stage}{skipped} ({reason})."
-        )
-    return f"{chosen} was accepted at stage {stage}{skipped} ({reason})."
 
 
 # =============================================================================
@@ -776,7 +669,7 @@ def _render_plan(result: PlanResult) -> list[str]:
                 detail = _opt(layer.reason)
                 if layer.reason:
                     fallbacks[layer.reason] = fallbacks.get(layer.reason, 0) + layer.count
-                    why = _fallback_failures(layer.trace)
+                    why = explain(layer.trace).fallback_failures
                     if why:
                         detail += f" ({why})"
             else:
