@@ -331,3 +331,25 @@ def test_pipeline_name_defaults_to_the_file_stem(tmp_path: Path) -> None:
     assert pipeline.name == "my-pipe"
     assert pipeline.components[0].layers[0].count == 1
     assert pipeline.components[0].layers[0].spec.role.value == "self"
+
+
+def test_write_plan_traces_writes_one_file_per_layer_without_collisions(tmp_path: Path) -> None:
+    from attnres.plan import parse_pipeline, plan_pipeline, write_plan_traces
+    from attnres.trace import load_trace
+
+    pipeline = parse_pipeline(
+        {
+            "pipeline": {"name": "twins"},
+            "components": [
+                {"name": "vae", "layers": [
+                    {"name": "attn/a", "head_size": 64, "dtype": "float32"},
+                    {"name": "attn:a", "head_size": 64, "dtype": "float32"},
+                ]},
+            ],
+        }
+    )  # fmt: skip
+    result = plan_pipeline(pipeline, platform=Platform.simulate("cpu"))
+    paths = write_plan_traces(result, tmp_path / "out")
+    assert [p.name for p in paths] == ["vae__attn_a.json", "vae__attn_a-2.json"]
+    for path, layer in zip(paths, result.layers, strict=True):
+        assert load_trace(path).digest == layer.trace.digest

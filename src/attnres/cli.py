@@ -582,7 +582,7 @@ def _render_explain(trace: Trace) -> list[str]:
 
 
 def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from attnres.plan import load_pipeline, plan_pipeline, trace_file_name
+    from attnres.plan import load_pipeline, plan_pipeline, write_plan_traces
 
     pipeline = load_pipeline(args.pipeline)
     config = selection_config_from_args(args)
@@ -597,20 +597,17 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     platform = _platform(args.platform)
     result = plan_pipeline(pipeline, config, platform)
     doc = result.to_dict()
-    written: list[str] = []
+    written: tuple[Path, ...] = ()
     if args.trace_out is not None:
-        directory = Path(args.trace_out)
-        used: set[str] = set()
-        for component_doc, planned in zip(doc["components"], result.components, strict=True):
-            for layer_doc, layer in zip(component_doc["layers"], planned.layers, strict=True):
-                name = trace_file_name(planned.name, layer.name)
-                stem, n = name[: -len(".json")], 2
-                while name in used:
-                    name, n = f"{stem}-{n}.json", n + 1
-                used.add(name)
-                _write_trace(layer.trace, directory / name)
-                layer_doc["trace_file"] = str(directory / name)
-                written.append(name)
+        try:
+            written = write_plan_traces(result, args.trace_out)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot write trace files to {args.trace_out!r}: {exc.strerror or exc}"
+            ) from None
+        layer_docs = [la for c in doc["components"] for la in c["layers"]]
+        for layer_doc, path in zip(layer_docs, written, strict=True):
+            layer_doc["trace_file"] = str(path)
     _log().info(
         "plan finished",
         pipeline=pipeline.name,

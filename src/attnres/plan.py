@@ -54,7 +54,7 @@ from attnres.layer import LayerSpec, SelectionConfig
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve, selection_config
 from attnres.scope import component_kind, loader_for
-from attnres.trace import Trace
+from attnres.trace import Trace, dump_trace
 
 __all__ = [
     "ComponentEntry",
@@ -650,3 +650,24 @@ def trace_file_name(component: str, layer: str) -> str:
         return _UNSAFE.sub("_", text).strip("._") or "_"
 
     return f"{clean(component)}__{clean(layer)}.json"
+
+
+def write_plan_traces(result: PlanResult, directory: str | os.PathLike[str]) -> tuple[Path, ...]:
+    """Write every planned layer's trace to ``directory``; the paths, in plan order.
+
+    File names are :func:`trace_file_name` (``<component>__<layer>.json``), with
+    ``-2``, ``-3``... when two layers would share one. Each file is written
+    atomically (:func:`attnres.trace.dump_trace`); an ``OSError`` propagates.
+    """
+    folder = Path(directory)
+    used: set[str] = set()
+    paths: list[Path] = []
+    for component in result.components:
+        for layer in component.layers:
+            name = trace_file_name(component.name, layer.name)
+            stem, n = name[: -len(".json")], 2
+            while name in used:
+                name, n = f"{stem}-{n}.json", n + 1
+            used.add(name)
+            paths.append(dump_trace(layer.trace, folder / name))
+    return tuple(paths)
