@@ -56,6 +56,7 @@ from attnres.backends import (
     plugin_failures,
     registered_backends,
 )
+from attnres.documents import platform_document, spec_document
 from attnres.explain import describe_layer, explain, resolution_trace
 from attnres.layer import (
     DEST_BACKEND,
@@ -799,17 +800,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     doc: dict[str, Any] = {
         "attnres_version": attnres.__version__,
         "python": sys.version.split()[0],
-        "platform": {
-            "kind": platform.kind,
-            "device_name": platform.device_name,
-            "capability": (
-                None if platform.capability is None else list(platform.capability)
-            ),
-            "arch": platform.arch,
-            "torch_version": platform.torch_version,
-            "simulated": platform.simulated,
-            "description": platform.describe(),
-        },
+        "platform": platform_document(platform),
         "default_chain": chain,
         "packages": [
             {
@@ -954,58 +945,6 @@ def _backend_note(spec: BackendSpec) -> str:
     return "; ".join(parts)
 
 
-def _spec_doc(spec: BackendSpec) -> dict[str, Any]:
-    rule = spec.head_sizes
-    return {
-        "name": spec.name,
-        "kind": spec.kind,
-        "platforms": _ordered(spec.platforms, PLATFORM_KINDS),
-        "capabilities": {
-            kind: {
-                "min": None if c.min is None else list(c.min),
-                "max": None if c.max is None else list(c.max),
-                "exact": None if c.exact is None else sorted(list(x) for x in c.exact),
-                "archs": None if c.archs is None else sorted(c.archs),
-                "description": c.describe(),
-            }
-            for kind, c in sorted(spec.capabilities.items())
-        },
-        "min_torch": {kind: list(v) for kind, v in sorted(spec.min_torch.items())},
-        "dtypes": _ordered(spec.dtypes, DTYPES),
-        "head_sizes": {
-            "min": rule.min,
-            "max": rule.max,
-            "multiple_of": rule.multiple_of,
-            "allowed": None if rule.allowed is None else sorted(rule.allowed),
-            "power_of_two": rule.power_of_two,
-            "description": rule.describe(),
-        },
-        "implements": [r.value for r in Requirement if r in spec.implements],
-        "limits": [
-            {
-                "requirements": [r.value for r in Requirement if r in limit.requirements],
-                "platforms": None
-                if limit.platforms is None
-                else _ordered(limit.platforms, PLATFORM_KINDS),
-                "capabilities": None
-                if limit.capabilities is None
-                else limit.capabilities.describe(),
-                "because": limit.because,
-            }
-            for limit in spec.limits
-        ],
-        "dtype_capabilities": {
-            dtype: rule.describe() for dtype, rule in sorted(spec.dtype_capabilities.items())
-        },
-        "package": spec.package,
-        "package_alternatives": list(spec.package_alternatives),
-        "extra_packages": list(spec.extra_packages),
-        "aliases": list(spec.aliases),
-        "satisfies": [sorted(group) for group in spec.satisfies],
-        "description": spec.description,
-    }
-
-
 def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     specs = registered_backends()
     failures = plugin_failures()
@@ -1013,7 +952,7 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         _emit_json(
             out,
             {
-                "backends": [_spec_doc(s) for s in specs],
+                "backends": [spec_document(s) for s in specs],
                 "plugin_failures": [
                     {"entry_point": f.entry_point, "error": f.error} for f in failures
                 ],
