@@ -638,3 +638,24 @@ def test_hostile_traces_import_nothing(tmp_path: Path, seed_file: Path) -> None:
         else:
             assert got.startswith("error: ") and phrase in got, (name, got)
             assert str(tmp_path / "hostile" / name) in got
+
+
+def test_key_lists_come_from_the_attrs_classes_and_match_what_is_written() -> None:
+    """One source for the codec's field lists: the loader reads what the writer writes."""
+    from attnres import plan
+    from attnres import trace as trace_mod
+    from attnres.layer import LayerSpec, SelectionConfig
+    from attnres.scope import ScopeState
+
+    samples = (
+        (LayerSpec(64, "float32"), trace_mod._LAYER_KEYS),
+        (SelectionConfig(), trace_mod._CONFIG_KEYS),
+        (ScopeState("c", "generic", "GenericComponentLoader"), trace_mod._SCOPE_KEYS),
+    )
+    for obj, keys in samples:
+        assert keys == trace_mod.field_names(type(obj))
+        assert set(trace_mod._CONVERTER.unstructure(obj)) == set(keys)
+    # the pipeline format names the same layer fields (requirements as "requires")
+    spec_fields = set(trace_mod.field_names(LayerSpec)) - {"requirements"} | {"requires"}
+    assert spec_fields <= set(plan._LAYER_KEYS)
+    assert set(plan._LAYER_KEYS) - spec_fields == {"count", "backend"}

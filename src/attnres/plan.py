@@ -54,7 +54,7 @@ from attnres.layer import LayerSpec, SelectionConfig
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve, selection_config
 from attnres.scope import component_kind, loader_for
-from attnres.trace import Trace, dump_trace
+from attnres.trace import Trace, dump_trace, field_names
 
 __all__ = [
     "ComponentEntry",
@@ -75,15 +75,13 @@ _tomllib: Any = importlib.import_module("tomllib" if sys.version_info >= (3, 11)
 _TOP_KEYS = ("pipeline", "components")
 _PIPELINE_KEYS = ("name", "description")
 _COMPONENT_KEYS = ("name", "kind", "backend", "role_backends", "allow_global_fallback", "layers")
+#: A layer entry: the LayerSpec's fields (``requirements`` is spelled ``requires``
+#: in the file), plus ``count`` and the per-layer ``backend``.
+_TOML_NAMES = {"requirements": "requires"}
 _LAYER_KEYS = (
     "name",
     "count",
-    "head_size",
-    "dtype",
-    "role",
-    "supported",
-    "default",
-    "requires",
+    *(_TOML_NAMES.get(n, n) for n in field_names(LayerSpec) if n != "name"),
     "backend",
 )
 

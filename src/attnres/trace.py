@@ -78,6 +78,7 @@ __all__ = [
     "atomic_write_text",
     "canonical_json",
     "dump_trace",
+    "field_names",
     "load_trace",
     "record_to_dict",
     "trace_from_dict",
@@ -542,17 +543,15 @@ def _make_attrs_hook(
     return structure
 
 
-_LAYER_KEYS = ("head_size", "dtype", "supported", "default", "role", "requirements", "name")
-_CONFIG_KEYS = ("global_backend", "global_backend_explicit", "forced_backend", "component_backends")
-_SCOPE_KEYS = (
-    "component",
-    "kind",
-    "loader",
-    "backend",
-    "role_backends",
-    "allow_global_fallback",
-    "require_selection",
-)
+def field_names(cls: type[Any]) -> tuple[str, ...]:
+    """The init fields of an attrs class, in order: the one source of every key list
+    the strict loaders check (traces here, pipeline files in :mod:`attnres.plan`)."""
+    return tuple(a.name for a in attrs.fields(cls) if a.init)
+
+
+_LAYER_KEYS = field_names(LayerSpec)
+_CONFIG_KEYS = field_names(SelectionConfig)
+_SCOPE_KEYS = field_names(ScopeState)
 
 
 def _field(obj: dict[str, Any], key: str, fn: Callable[[Any], Any]) -> Any:
@@ -833,6 +832,7 @@ _FIELD_CHECKS.update(
 )
 
 _CONVERTER = _make_converter()
+
 
 
 # =============================================================================
