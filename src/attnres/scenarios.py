@@ -620,6 +620,83 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
+        "fastvideo-kernel-makes-video-sparse-attn-available",
+        "FastVideo merged st_attn, vsa and VMoBA into one package, fastvideo_kernel (PyPI "
+        "fastvideo-kernel): a current install, which has no vsa module, serves "
+        "video_sparse_attn.",
+        _layer(name="blocks.0.attn1"),
+        _NOTHING,
+        scope_state("transformer"),
+        "cuda:sm90+fastvideo_kernel",
+        "video_sparse_attn",
+        expect=selects("video_sparse_attn", origin="layer"),
+    ),
+    Scenario(
+        "old-vsa-package-still-serves-video-sparse-attn",
+        "An install from before FastVideo merged its kernels has the vsa module only: it still "
+        "serves video_sparse_attn.",
+        _layer(name="blocks.0.attn1"),
+        _NOTHING,
+        scope_state("transformer"),
+        "cuda:sm90+vsa",
+        "video_sparse_attn",
+        expect=selects("video_sparse_attn", origin="layer"),
+    ),
+    Scenario(
+        "vmoba-needs-flash-attn-beside-fastvideo-kernel",
+        "VMoBA calls flash-attn's varlen forward: fastvideo_kernel alone does not make it "
+        "available (package_missing names flash_attn).",
+        _layer(name="blocks.0.attn1"),
+        _NOTHING,
+        None,
+        "cuda:sm90+fastvideo_kernel",
+        "vmoba_attn",
+        expect=rejects(
+            "package_missing",
+            origin="layer",
+            error_contains=("package 'flash_attn' is not installed",),
+        ),
+    ),
+    Scenario(
+        "vmoba-head-size-not-multiple-of-8-rejected",
+        "VMoBA calls flash-attn's private _flash_attn_varlen_forward, which skips the "
+        "wrapper's padding: a head size of 100 (not a multiple of 8) is refused.",
+        _layer(head_size=100),
+        _NOTHING,
+        None,
+        _HOPPER_ALL,
+        "vmoba_attn",
+        expect=rejects(
+            "head_size", origin="layer", error_contains=("is not a multiple of 8",)
+        ),
+    ),
+    Scenario(
+        "sage-attn-3-selected-on-sm121",
+        "SageAttention3 runs on sm121 (DGX Spark) as well as sm120 (api.cu: is_sm120 || "
+        "is_sm121).",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm121+sageattn3",
+        "sage_attn_3",
+        expect=selects("sage_attn_3", origin="layer"),
+    ),
+    Scenario(
+        "xformers-bf16-below-sm80-rejected",
+        "xformers' cutlass op refuses bf16 below sm80 ('bf16 is only supported on A100+ "
+        "GPUs'): a bf16 layer on sm75 is rejected with a dtype failure, while fp16 runs.",
+        _layer(head_size=64),
+        _NOTHING,
+        None,
+        "cuda:sm75+xformers",
+        "xformers",
+        expect=rejects(
+            "dtype",
+            origin="layer",
+            error_contains=("takes dtype bfloat16 only on compute capability >= sm80",),
+        ),
+    ),
+    Scenario(
         "layer-fa-causal-cross-attention-rejected-requirement",
         "fa requested for a causal cross-attention layer: its causal mask is bottom-right aligned "
         "when lengths differ, so the strict request is rejected (requirement_unmet).",
