@@ -973,6 +973,9 @@ _REQ_SHORT = {
     Requirement.GQA: "gqa",
     Requirement.DROPOUT: "dropout",
     Requirement.BACKWARD: "backward",
+    Requirement.CUSTOM_SCALE: "scale",
+    Requirement.SOFTCAP: "softcap",
+    Requirement.SLIDING_WINDOW: "window",
 }
 
 

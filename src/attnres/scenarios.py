@@ -697,6 +697,93 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
+        "custom-scale-sliding-tile-preference-falls-back-to-fa",
+        "Sliding Tile Attention hard-codes 1/sqrt(head_size) (no scale argument): a layer "
+        "with another softmax scale never gets it, even when it is the preferred backend; fa "
+        "(softmax_scale) serves from the platform's chain ('platform default fallback').",
+        _layer(requires=("custom_scale",), name="blocks.0.attn1"),
+        _preference("sliding_tile_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("fa", "platform default fallback", origin="global_preference"),
+    ),
+    Scenario(
+        "layer-sage-attn-3-custom-scale-rejected-requirement",
+        "SageAttention3 has no scale argument: a strict request for it on a layer with a "
+        "custom softmax scale is rejected (requirement_unmet) rather than computed with "
+        "another scale.",
+        _layer(requires=("custom_scale",)),
+        _NOTHING,
+        None,
+        "cuda:sm120+all",
+        "sage_attn_3",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "Attention backend 'sage_attn_3' does not implement a custom softmax scale",
+            ),
+        ),
+    ),
+    Scenario(
+        "softcap-layer-on-hopper-selects-fa",
+        "Nothing requested for a layer with logit softcapping on Hopper with flash-attn: the "
+        "chain's fa implements softcap and is accepted (reason none).",
+        _layer(requires=("softcap",)),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        None,
+        expect=selects("fa", origin="none"),
+    ),
+    Scenario(
+        "layer-fa-softcap-with-dropout-rejected-limit",
+        "flash-attn 2 refuses softcapping together with dropout ('Softcapping does not "
+        "support dropout for now'): the catalogue's limit rejects a layer that needs both "
+        "(requirement_unmet).",
+        _layer(requires=("softcap", "dropout")),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        "fa",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "does not implement logit softcapping together with attention dropout",
+            ),
+        ),
+    ),
+    Scenario(
+        "sliding-window-layer-on-cpu-selects-torch-sdpa",
+        "A sliding-window layer on CPU: torch_sdpa has no window argument, and attnres's "
+        "adapter builds the window as a mask, so the platform default serves it.",
+        _layer(head_size=64, dtype="float32", requires=("sliding_window", "causal")),
+        _NOTHING,
+        None,
+        "cpu",
+        None,
+        expect=selects("torch_sdpa", origin="none"),
+    ),
+    Scenario(
+        "layer-sage-attn-sliding-window-rejected-requirement",
+        "SageAttention takes no window: a strict request for it on a sliding-window layer is "
+        "rejected (requirement_unmet).",
+        _layer(requires=("sliding_window",)),
+        _NOTHING,
+        None,
+        _HOPPER_ALL,
+        "sage_attn",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "Attention backend 'sage_attn' does not implement sliding-window attention",
+            ),
+        ),
+    ),
+    Scenario(
         "layer-fa-causal-cross-attention-rejected-requirement",
         "fa requested for a causal cross-attention layer: its causal mask is bottom-right aligned "
         "when lengths differ, so the strict request is rejected (requirement_unmet).",
