@@ -441,6 +441,8 @@ class Attention(nn.Module):
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, role={self.role.value}, "
             f"causal={self.causal}, backend={self.backend.name}"
+            + (f", softcap={self.softcap}" if self.softcap else "")
+            + (f", window={self.window}" if self.window else "")
             + (f", reason={self.resolution.reason!r}" if self.resolution.reason else "")
         )
 
