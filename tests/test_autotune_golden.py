@@ -7,18 +7,15 @@ regenerates the folder from ``tests/tuned_scenarios.py``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from tuned_scenarios import TUNED_SCENARIOS, TunedScenario
 
 from attnres._states import Event, Verdict
 from attnres.replayer import replay, run_replay_command
 from attnres.scenarios import corpus_status, update_corpus
 from attnres.trace import MeasurementRecord, load_trace
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tuned_scenarios import TUNED_SCENARIOS, TunedScenario  # noqa: E402
 
 TUNED = Path(__file__).resolve().parent.parent / "traces" / "tuned"
 
@@ -55,7 +52,8 @@ def test_tuned_corpus_covers_every_verdict_and_both_endings(corpus: Path) -> Non
     assert verdicts == set(Verdict)
     events = {getattr(r, "event", None) for t in traces for r in t.records}
     assert {Event.MEASURE, Event.MEASURED_FASTER, Event.INCUMBENT_KEPT} <= events
-    assert {t.outcome.origin.value for t in traces} == {"none", "layer_default", "global_preference"}
+    origins = {t.outcome.origin.value for t in traces}
+    assert origins == {"none", "layer_default", "global_preference"}
 
 
 def test_attnres_replay_command_replays_the_tuned_folder(corpus: Path) -> None:
