@@ -631,3 +631,44 @@ def test_results_files_never_clobber_and_are_bounded(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc))
     save_results(path)
     assert len(json.loads(path.read_text())["entries"]) == 2
+
+
+# -- the CLI -------------------------------------------------------------------------
+
+
+def test_cli_autotune_flags_build_the_config() -> None:
+    import argparse
+
+    from attnres.cli import UsageError, add_selection_arguments, selection_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_selection_arguments(parser)
+    config = selection_config_from_args(
+        parser.parse_args(["--autotune", "--autotune-min-elements", "1024"])
+    )
+    assert (config.autotune, config.autotune_min_elements) == (True, 1024)
+    assert selection_config_from_args(parser.parse_args([])).autotune is False
+    with pytest.raises(UsageError, match="--autotune-min-elements needs --autotune"):
+        selection_config_from_args(parser.parse_args(["--autotune-min-elements", "5"]))
+
+
+def test_cli_explain_says_whether_autotune_would_measure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from attnres.cli import main
+
+    base = ["explain", "--head-size", "64", "--dtype", "fp32", "--platform", "cpu", "--json"]
+    assert main([*base, "--autotune"]) == 0
+    plan = json.loads(capsys.readouterr().out)["autotune"]
+    assert plan["tunable"] is True and "torch_sdpa stays unless" in plan["detail"]
+    assert main([*base, "--autotune", "--attention-backend", "eager"]) == 0
+    plan = json.loads(capsys.readouterr().out)["autotune"]
+    assert plan == {
+        "tunable": False,
+        "detail": "not measured: origin global_cli is an explicit choice (only none, "
+        "layer_default and global_preference are tuned)",
+    }
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["autotune"] is None
+    assert main([*base[:-1], "--autotune-min-elements", "5"]) == 2
+    assert "--autotune-min-elements needs --autotune" in capsys.readouterr().err
