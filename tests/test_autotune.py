@@ -357,6 +357,18 @@ def test_the_tuner_does_not_run_while_compiling(monkeypatch: pytest.MonkeyPatch)
     assert layer.backend.name == "fake_fast"
 
 
+@pytest.mark.slow
+def test_an_armed_layer_compiles_as_one_graph_and_does_not_tune_inside_it() -> None:
+    set_selection_config(_config())
+    layer = _layer("fake_fast", name="attn")
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    q, k, v = _qkv()
+    torch.testing.assert_close(compiled(q, k, v), layer.kernel(q, k, v, None, False, None))
+    assert is_armed(layer) and "fake_fast" not in CALLS
+    layer(q, k, v)  # eager again: it measures now
+    assert layer.backend.name == "fake_fast"
+
+
 def test_tolerance_is_per_dtype_and_configurable() -> None:
     config = SelectionConfig(autotune_tolerance={"bf16": 0.01})
     assert tolerance_for(config, "bfloat16") == 0.01
