@@ -252,7 +252,7 @@ def test_rule_autotune_leaves_small_calls_alone_and_stays_armed() -> None:
     assert is_armed(layer)
     assert layer.backend.name == "fake_incumbent"
     assert "fake_fast" not in CALLS
-    assert attnres.decisions()[-1].trace.schema_version == 1  # only the construction
+    assert attnres.decisions()[-1].trace.schema_version == 2  # only the construction
     layer(*_qkv((1, 32, HEADS, SIZE)))  # 1024 elements: measured now
     assert not is_armed(layer)
     assert layer.backend.name == "fake_fast"
@@ -499,7 +499,7 @@ def test_a_tuned_trace_round_trips_and_replays_without_a_device(tmp_path: Path) 
     layer = _layer("fake_fast", "fake_wrong", "fake_raising", name="attn")
     layer(*_qkv())
     trace = layer.resolution.trace
-    assert trace.schema_version == 2
+    assert trace.schema_version == 3
     path = dump_trace(trace, tmp_path / "tuned.json")
     loaded = load_trace(path)
     assert loaded.records == trace.records and loaded.digest == trace.digest
@@ -519,21 +519,22 @@ def test_replay_rederives_the_verdicts_from_the_recorded_facts() -> None:
         else r
         for r in trace.records
     )
-    result = replay(Trace(trace.input, records, trace.outcome, 2))
+    result = replay(Trace(trace.input, records, trace.outcome, 3))
     assert not result.ok
     assert "verdict" in result.diff and '"within_margin"' in result.diff
     assert "outcome: selected fake_fast (measured faster) -> selected fake_incumbent" in result.diff
 
 
-def test_a_version_1_trace_cannot_hold_autotune_records() -> None:
+def test_a_trace_older_than_version_3_cannot_hold_autotune_records() -> None:
     set_selection_config(_config())
     layer = _layer("fake_fast", name="attn")
     layer(*_qkv())
     doc = layer.resolution.trace.to_dict()
-    doc["schema_version"] = 1
+    doc["schema_version"] = 2
     doc["digest"] = Trace(layer.resolution.trace.input, layer.resolution.trace.records,
-                          layer.resolution.trace.outcome, 1).digest
-    with pytest.raises(TraceFormatError, match=r"belongs to schema version 2 \(autotune\)"):
+                          layer.resolution.trace.outcome, 2).digest
+    expected = r"belongs to schema version 3 \(autotune\), but the file says version 2"
+    with pytest.raises(TraceFormatError, match=expected):
         trace_from_json(json.dumps(doc))
 
 

@@ -34,7 +34,7 @@ def test_golden_tuned_trace_replays(scenario: TunedScenario, corpus: Path) -> No
     assert path.exists(), f"no golden file traces/tuned/{path.name}: run `make golden`"
     result = replay(path)
     assert result.ok, result.diff
-    assert result.recorded.schema_version == 2
+    assert result.recorded.schema_version == 3
     assert result.recorded.input == scenario.input()
     assert scenario.problems(result.recorded) == []
 

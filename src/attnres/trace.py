@@ -80,12 +80,17 @@ __all__ = [
 #: The newest schema version this attnres reads. Bumped when a field is added,
 #: removed, renamed or changes meaning (docs/trace-format.md). A trace is
 #: written with the lowest version that can express it: a rule-based resolution
-#: is version 1 (readable by every attnres), a tuned one is version 2.
-SCHEMA_VERSION = 2
+#: is version 2 (the backward requirement), a tuned one is version 3.
+SCHEMA_VERSION = 3
 #: The version of a trace that holds autotune records (tuning, measurement).
-TUNED_SCHEMA_VERSION = 2
+TUNED_SCHEMA_VERSION = 3
 #: The version of a rule-based trace.
-_BASE_SCHEMA_VERSION = 1
+_BASE_SCHEMA_VERSION = 2
+
+#: The requirement keys of a schema-1 trace (attnres 0.1): later requirements
+#: did not exist, so such a trace reads them as false, and its digest is computed
+#: over the keys it has.
+_SCHEMA_1_REQUIREMENTS: tuple[str, ...] = ("causal", "attn_mask", "packed_varlen", "gqa", "dropout")
 
 
 @frozen
@@ -163,7 +168,7 @@ class RejectedRecord:
 
 @frozen
 class TuningRecord:
-    """Autotune starts on a selected automatic decision (schema version 2).
+    """Autotune starts on a selected automatic decision (schema version 3).
 
     ``call`` describes the real inputs the candidates ran on; ``elements`` is
     the query's element count; ``margin`` and ``tolerance`` are the rule's
@@ -190,7 +195,7 @@ class TuningRecord:
 
 @frozen
 class MeasurementRecord:
-    """One candidate timed on the real inputs (schema version 2).
+    """One candidate timed on the real inputs (schema version 3).
 
     ``median_ns`` and ``spread_ns`` (max - min) summarise its timed repeats, in
     nanoseconds; ``deviation`` is the largest absolute difference from the
@@ -231,7 +236,7 @@ RECORD_KINDS: dict[str, type[Any]] = {
     "tuning": TuningRecord,
     "measurement": MeasurementRecord,
 }
-#: Record kinds, states and events that need schema version 2 (autotune).
+#: Record kinds, states and events that need schema version 3 (autotune).
 _TUNED_KINDS = frozenset({"tuning", "measurement"})
 _TUNED_STATES = frozenset({State.MEASURING})
 _TUNED_EVENTS = frozenset({Event.MEASURE, Event.MEASURED_FASTER, Event.INCUMBENT_KEPT})
@@ -685,9 +690,25 @@ def _role(value: Any) -> Role:
 def _requirements(value: Any) -> Requirements:
     obj = _object(value, "requirements")
     names = [r.value for r in Requirement]
-    _exact_keys(obj, names, "requirements")
-    flags = {name: _field(obj, name, _structure_bool) for name in names}
+    if set(obj) != set(_SCHEMA_1_REQUIREMENTS):  # (which set a version needs: _structure_trace)
+        _exact_keys(obj, names, "requirements")
+    flags = {name: _field(obj, name, _structure_bool) for name in obj}
     return Requirements(**flags)
+
+
+def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
+    """A schema-1 trace has the 0.1 requirement keys; a later one has every key."""
+    try:
+        obj = doc["input"]["layer"]["requirements"]
+    except (KeyError, TypeError):
+        return  # structuring reports the missing or malformed part, with its path
+    if not isinstance(obj, dict):
+        return
+    keys = _SCHEMA_1_REQUIREMENTS if version == 1 else [r.value for r in Requirement]
+    try:
+        _exact_keys(obj, keys, f"requirements, in schema version {version}")
+    except _Invalid as exc:
+        raise _Invalid(".input.layer.requirements" + exc.path, exc.message) from None
 
 
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
@@ -803,9 +824,15 @@ def _make_converter() -> cattrs.Converter:
         return out
 
     def unstructure_trace(t: Trace) -> dict[str, Any]:
+        inp = conv.unstructure(t.input)
+        if t.schema_version == 1:  # as attnres 0.1 wrote it: its digest covers these keys
+            flags = inp["layer"]["requirements"]
+            for key in [k for k in flags if k not in _SCHEMA_1_REQUIREMENTS]:
+                if not flags[key]:
+                    del flags[key]
         return {
             "schema_version": t.schema_version,
-            "input": conv.unstructure(t.input),
+            "input": inp,
             "records": [unstructure_record(r) for r in t.records],
             "outcome": conv.unstructure(t.outcome),
         }
@@ -943,6 +970,7 @@ def _structure_trace(doc: Any) -> Trace:
     if version < 1:
         raise _Invalid(".schema_version", f"unsupported schema version {version}")
     _exact_keys(doc, _TOP_KEYS, "a trace")
+    _check_requirement_keys(doc, version)
     inp = _structure_at(_CONVERTER, doc["input"], TraceInput, ".input")
     records_doc = doc["records"]
     if not isinstance(records_doc, list):
@@ -956,7 +984,9 @@ def _structure_trace(doc: Any) -> Trace:
         _check_base_version(records, version)
     outcome = _structure_at(_CONVERTER, doc["outcome"], Outcome, ".outcome")
     if version < TUNED_SCHEMA_VERSION and outcome.reason == Reason.MEASURED_FASTER.value:
-        raise _Invalid(".outcome.reason", _needs_tuned_version("the reason 'measured faster'"))
+        raise _Invalid(
+            ".outcome.reason", _needs_tuned_version("the reason 'measured faster'", version)
+        )
     trace = Trace(input=inp, records=records, outcome=outcome, schema_version=version)
     digest = doc["digest"]
     if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
@@ -974,32 +1004,33 @@ def _structure_trace(doc: Any) -> Trace:
     return trace
 
 
-def _needs_tuned_version(what: str) -> str:
+def _needs_tuned_version(what: str, version: int) -> str:
     return (
         f"{what} belongs to schema version {TUNED_SCHEMA_VERSION} (autotune), but the file "
-        f"says version 1"
+        f"says version {version}"
     )
 
 
 def _check_base_version(records: tuple[Any, ...], version: int) -> None:
-    """A version-1 trace holds no autotune record, state, event or reason."""
+    """A trace older than version 3 holds no autotune record, state, event or reason."""
+
+    def fail(where: str, what: str) -> _Invalid:
+        return _Invalid(where, _needs_tuned_version(what, version))
+
     for i, record in enumerate(records):
-        where = f".records[{i}]"
+        at = f".records[{i}]"
         if record.kind in _TUNED_KINDS:
-            raise _Invalid(where + ".kind", _needs_tuned_version(f"a {record.kind!r} record"))
+            raise fail(at + ".kind", f"a {record.kind!r} record")
         if isinstance(record, TransitionRecord):
             if record.event in _TUNED_EVENTS:
-                raise _Invalid(where + ".event", _needs_tuned_version(f"event {record.event}"))
+                raise fail(at + ".event", f"event {record.event}")
             for name in ("source", "target"):
                 if getattr(record, name) in _TUNED_STATES:
-                    raise _Invalid(
-                        where + "." + name,
-                        _needs_tuned_version(f"state {getattr(record, name)}"),
-                    )
+                    raise fail(at + "." + name, f"state {getattr(record, name)}")
             if record.reason == Reason.MEASURED_FASTER.value:
-                raise _Invalid(where + ".reason", _needs_tuned_version("reason 'measured faster'"))
+                raise fail(at + ".reason", "reason 'measured faster'")
         elif isinstance(record, (CheckRecord, SkipRecord)) and record.stage in _TUNED_STATES:
-            raise _Invalid(where + ".stage", _needs_tuned_version(f"state {record.stage}"))
+            raise fail(at + ".stage", f"state {record.stage}")
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
