@@ -51,6 +51,7 @@ from attnres.platform import PackageFact, Platform
 from attnres.scope import ScopeState
 
 __all__ = [
+    "BASE_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
     "TUNED_SCHEMA_VERSION",
@@ -85,7 +86,7 @@ SCHEMA_VERSION = 3
 #: The version of a trace that holds autotune records (tuning, measurement).
 TUNED_SCHEMA_VERSION = 3
 #: The version of a rule-based trace.
-_BASE_SCHEMA_VERSION = 2
+BASE_SCHEMA_VERSION = 2
 
 #: The requirement keys of a schema-1 trace (attnres 0.1): later requirements
 #: did not exist, so such a trace reads them as false, and its digest is computed
@@ -275,7 +276,7 @@ class Trace:
     input: TraceInput
     records: tuple[Record, ...]
     outcome: Outcome
-    schema_version: int = _BASE_SCHEMA_VERSION
+    schema_version: int = BASE_SCHEMA_VERSION
 
     @functools.cached_property
     def digest(self) -> str:
