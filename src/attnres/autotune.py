@@ -92,8 +92,8 @@ _SHARED: dict[tuple[object, ...], tuple[tuple[Record, ...], Outcome]] = {}
 _MEASURED: dict[tuple[str, str], ResultEntry] = {}
 # loaded from results files: call -> [(entry, source path)]
 _LOADED: dict[str, list[tuple[ResultEntry, str]]] = {}
-# what a running autotune() call collects: (layer name, event, detail)
-_COLLECTOR: list[list[tuple[str, str, str]]] = []
+# what a running autotune() call collects: (id of the layer, event, detail)
+_COLLECTOR: list[list[tuple[int, str, str]]] = []
 
 
 def clear_results() -> None:
@@ -203,9 +203,7 @@ def _armed(ref: weakref.ref[Attention], run: Run, settings: _Settings) -> Run:
 
 def _note(ref: weakref.ref[Attention], event: str, detail: str) -> None:
     if _COLLECTOR:
-        layer = ref()
-        name = "" if layer is None else (layer.layer_spec.name or "")
-        _COLLECTOR[-1].append((name, event, detail))
+        _COLLECTOR[-1].append((id(ref()), event, detail))
 
 
 # =============================================================================
@@ -355,10 +353,8 @@ def _measure_all(
             no_kernel[backend] = "no kernel is registered for it"
             continue
         shape = layer._shape
-        kernels.append(
-            (backend, specialized(kernel, shape.causal, shape.softmax_scale,
-                                  shape.num_heads != shape.num_kv_heads))
-        )
+        gqa = shape.num_heads != shape.num_kv_heads
+        kernels.append((backend, specialized(kernel, shape.causal, shape.softmax_scale, gqa)))
     here = platform_facts(machine_trace.input.platform)
     source, detail = "measured", "measured in this process"
     measured: list[Measured] | None = None
@@ -375,9 +371,13 @@ def _measure_all(
         detail += "; ignored loaded results (" + "; ".join(ignored) + ")"
     if measured is None:
         sync = _synchronizer(args[0].device)
-        measured = [_measure(incumbent, run, args, reference, settings, sync)]
-        if measured[0].error is not None:  # the incumbent failed on a repeat: keep it
-            measured[0] = attrs.evolve(measured[0], error=None, deviation=None)
+        # the incumbent is timed like every candidate: its bare kernel, without
+        # the layer's input checks (its output on the real call is the reference)
+        shape = layer._shape
+        bare = specialized(
+            layer.kernel, shape.causal, shape.softmax_scale, shape.num_heads != shape.num_kv_heads
+        )
+        measured = [_measure(incumbent, bare, args, reference, settings, sync)]
         measured += [
             _measure(b, fn, args, reference, settings, sync) for b, fn in kernels
         ]
@@ -500,7 +500,7 @@ def autotune(
         arm(layer, min_elements=min_elements)
         if not was_armed or min_elements is not None:
             armed_here.append(layer)
-    events: list[tuple[str, str, str]] = []
+    events: list[tuple[int, str, str]] = []
     before = {id(layer): layer.resolution for _, layer in layers}
     _COLLECTOR.append(events)
     try:
@@ -512,7 +512,7 @@ def autotune(
             disarm(layer)
             if layer.resolution.trace.input.config.autotune:
                 arm(layer)  # the config asked for tuning: keep waiting for a large call
-    small = {name: detail for name, event, detail in events if event == "small"}
+    small = {key: detail for key, event, detail in events if event == "small"}
     decisions: list[Decision] = []
     for name, layer in layers:
         label = layer.layer_spec.name or name
@@ -523,9 +523,7 @@ def autotune(
                          res.trace)
             )
         elif id(layer) not in untuned:
-            untuned[id(layer)] = (
-                label, small.get(layer.layer_spec.name or "", "not called by the example inputs")
-            )
+            untuned[id(layer)] = (label, small.get(id(layer), "not called by the example inputs"))
     counts = {"measured": 0, "loaded": 0, "reused": 0}
     for _, event, _ in events:
         if event in counts:
