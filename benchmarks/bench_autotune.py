@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 import attnres
-from attnres.autotune import autotune, clear_results
+from attnres.autotuner import autotune, clear_results
 
 if TYPE_CHECKING:
     from conftest import PairedResult, RatioRegistry
@@ -56,7 +56,7 @@ class Blocks(nn.Module):
         return q
 
 
-def _tune_seconds(n: int) -> tuple[float, attnres.autotune.AutotuneReport]:
+def _tune_seconds(n: int) -> tuple[float, attnres.autotuner.AutotuneReport]:
     attnres.clear_cache()
     clear_results()
     model = Blocks(n)

@@ -32,7 +32,7 @@ from attnres import (
     unregister_backend,
 )
 from attnres._states import Event, Origin, State, Verdict
-from attnres.autotune import (
+from attnres.autotuner import (
     autotune,
     clear_results,
     is_armed,
@@ -685,3 +685,15 @@ def test_cli_explain_says_whether_autotune_would_measure(
     assert json.loads(capsys.readouterr().out)["autotune"] is None
     assert main([*base[:-1], "--autotune-min-elements", "5"]) == 2
     assert "--autotune-min-elements needs --autotune" in capsys.readouterr().err
+
+
+def test_attnres_autotune_is_the_entry_point_and_import_attnres_stays_light() -> None:
+    import subprocess
+    import sys
+
+    assert attnres.autotune is autotune
+    code = (
+        "import sys, attnres; assert 'torch' not in sys.modules; "
+        "assert 'attnres.autotuner' not in sys.modules and 'attnres.tuning' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -388,8 +388,8 @@ class Attention(nn.Module):
 
 
 def _arm_autotune(layer: Attention) -> None:
-    """Arm the layer's tuner when its decision is automatic (attnres.autotune)."""
-    from attnres.autotune import arm
+    """Arm the layer's tuner when its decision is automatic (attnres.autotuner)."""
+    from attnres.autotuner import arm
 
     arm(layer)
 

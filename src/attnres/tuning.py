@@ -1,6 +1,6 @@
 """Measured selection, the pure part: which decisions are tuned, the measuring
 stage's checks, the verdict rule, the tuned trace, its replay, and the results
-file. Nothing here imports torch or times anything: :mod:`attnres.autotune`
+file. Nothing here imports torch or times anything: :mod:`attnres.autotuner`
 measures on real tensors and hands the facts to this module.
 
 Theory of operation
