@@ -40,7 +40,7 @@ from attnres.autotuner import (
     save_results,
     use_timer,
 )
-from attnres.errors import TraceFormatError
+from attnres.errors import ResultsFileError, TraceFormatError
 from attnres.kernels import get_kernel, register_kernel, unregister_kernel
 from attnres.machine import TUNABLE_ORIGINS
 from attnres.replayer import replay
@@ -57,7 +57,6 @@ from attnres.trace import (
 from attnres.tuning import (
     DEFAULT_TOLERANCES,
     Measured,
-    ResultsFileError,
     tolerance_for,
     verdicts,
 )
@@ -697,3 +696,32 @@ def test_attnres_autotune_is_the_entry_point_and_import_attnres_stays_light() ->
         "assert 'attnres.autotuner' not in sys.modules and 'attnres.tuning' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: "not json{", "not JSON"),
+        (lambda d: {**d, "version": 9}, "autotune results version 9; this attnres reads version 1"),
+        (lambda d: {**d, "entries": {}}, r"\$\.entries: expected a list"),
+        (
+            lambda d: {**d, "entries": [{**d["entries"][0], "warmup": "3"}]},
+            r"\$\.entries\[0\]\.warmup: unexpected value '3'",
+        ),
+        (
+            lambda d: {**d, "entries": [{**d["entries"][0], "incumbent": "os:system"}]},
+            "Unknown attention backend",
+        ),
+    ],
+)
+def test_a_bad_results_file_is_an_error_that_names_it(
+    tmp_path: Path, edit: Callable[[dict[str, object]], object], message: str
+) -> None:
+    set_selection_config(_config())
+    _layer("fake_fast", name="first")(*_qkv())
+    path = save_results(tmp_path / "tune.json")
+    doc = edit(json.loads(path.read_text()))
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    with pytest.raises(ResultsFileError, match=message) as info:
+        load_results(path)
+    assert str(path) in str(info.value)

@@ -39,6 +39,7 @@ from attrs import frozen
 
 from attnres._states import Event, Reason, State, Verdict
 from attnres.backends import Backend
+from attnres.errors import ResultsFileError
 from attnres.layer import SelectionConfig
 from attnres.machine import TRANSITIONS, TUNABLE_ORIGINS, check_candidate
 from attnres.platform import Platform
@@ -337,10 +338,6 @@ RESULTS_VERSION: Final = 1
 MAX_RESULTS_BYTES: Final = 4 << 20
 #: At most this many entries are read from (and kept in) a results file.
 MAX_RESULTS_ENTRIES: Final = 4096
-
-
-class ResultsFileError(ValueError):
-    """A results file that cannot be read, or a target that is not ours to overwrite."""
 
 
 def platform_facts(platform: Platform) -> dict[str, Any]:
