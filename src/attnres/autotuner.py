@@ -390,6 +390,8 @@ def _measure_all(
             warmup=settings.warmup,
             repeats=settings.repeats,
         )
+        if len(_MEASURED) >= _SHARED_MAX:
+            del _MEASURED[next(iter(_MEASURED))]
         _MEASURED[(entry.platform_key, call)] = entry
     tuning = TuningRecord(
         call=call,

@@ -313,21 +313,6 @@ def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
     return tuned_trace(machine_trace, tuning, no_kernel, measured)
 
 
-def describe_measurement(record: MeasurementRecord) -> str:
-    """``fa: 1.234 ms ± 0.010, deviation 2.1e-04, chosen`` (for people)."""
-    parts = [record.candidate.name + ":"]
-    if record.median_ns is not None:
-        parts.append(f"{record.median_ns / 1e6:.3f} ms")
-        if record.spread_ns is not None:
-            parts.append(f"(spread {record.spread_ns / 1e6:.3f})")
-    if record.deviation is not None:
-        parts.append(f"deviation {record.deviation:.1e}")
-    if record.error is not None:
-        parts.append(f"error {record.error}")
-    parts.append(str(record.verdict))
-    return " ".join(parts)
-
-
 # =============================================================================
 # The results file: measurements keyed by platform facts and call
 # =============================================================================
