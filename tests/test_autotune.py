@@ -725,3 +725,25 @@ def test_a_bad_results_file_is_an_error_that_names_it(
     with pytest.raises(ResultsFileError, match=message) as info:
         load_results(path)
     assert str(path) in str(info.value)
+
+
+def test_a_failure_of_the_tuner_itself_keeps_the_incumbent_and_warns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import attnres.autotuner as tuner
+
+    def broken(*args: object) -> None:
+        raise KeyError("a bug in the tuner")
+
+    monkeypatch.setattr(tuner, "_measure_all", broken)
+    set_selection_config(_config())
+    layer = _layer("fake_fast", name="attn")
+    q, k, v = _qkv()
+    with capture_logs() as logs:
+        out = layer(q, k, v)
+    torch.testing.assert_close(out, _SDPA(q, k, v, None, False, None))
+    assert not is_armed(layer) and layer.backend.name == "fake_incumbent"
+    [warning] = [e for e in logs if e["event"] == "attention autotune failed"]
+    assert warning["log_level"] == "warning"
+    assert (warning["layer"], warning["backend"]) == ("attn", "fake_incumbent")
+    assert warning["error"] == "KeyError: 'a bug in the tuner'"

@@ -41,7 +41,7 @@ import torch
 from attrs import frozen
 from torch import Tensor
 
-from attnres.audit import emit_cache_hit, emit_resolution
+from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
 from attnres.backends import Backend, on_registry_change, registered_backends
 from attnres.kernels import KernelUnavailableError, get_kernel, specialized
 from attnres.ledger import Decision, record_decision
@@ -186,15 +186,21 @@ def _armed(ref: weakref.ref[Attention], run: Run, settings: _Settings) -> Run:
 
     def tuning_run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         if q.numel() < min_elements:
-            _note(ref, "small", f"query of {q.numel()} elements < min_elements {min_elements}")
+            if _COLLECTOR:  # an autotune() call wants to know why
+                _note(ref, "small", f"query of {q.numel()} elements < min_elements {min_elements}")
             return run(q, k, v, attn_mask)
         if _capturing():
             return run(q, k, v, attn_mask)
         out = run(q, k, v, attn_mask)  # validates the inputs; an error leaves the tuner armed
         layer = ref()
         if layer is not None and layer.__dict__.get("_run") is tuning_run:
-            with torch.no_grad():
-                _tune(layer, run, (q, k, v, attn_mask), out.detach(), settings)
+            try:
+                with torch.no_grad():
+                    _tune(layer, run, (q, k, v, attn_mask), out.detach(), settings)
+            except Exception as exc:  # measuring must never break a forward
+                layer.__dict__["_run"] = run
+                res = layer.resolution
+                emit_autotune_failed(res.component, res.layer, res.backend.name, _one_line(exc))
         return out
 
     tuning_run.attnres_incumbent = run  # type: ignore[attr-defined]
