@@ -747,3 +747,23 @@ def test_a_failure_of_the_tuner_itself_keeps_the_incumbent_and_warns(
     assert warning["log_level"] == "warning"
     assert (warning["layer"], warning["backend"]) == ("attn", "fake_incumbent")
     assert warning["error"] == "KeyError: 'a bug in the tuner'"
+
+
+def test_cli_plan_counts_the_layers_autotune_would_measure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from attnres.cli import main
+
+    pipeline = str(Path(__file__).resolve().parent.parent / "examples" / "audio-video.toml")
+    assert main(["plan", pipeline, "--platform", "cpu", "--autotune", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    flags = {(lay["origin"], lay["autotune"]) for c in doc["components"] for lay in c["layers"]}
+    assert flags and all(tunable == (origin in {"none", "layer_default"})
+                         for origin, tunable in flags)
+    assert main(["plan", pipeline, "--platform", "cpu", "--autotune",
+                 "--attention-backend", "torch_sdpa"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Autotune: 0 of 208 layers would be measured" in text
+    assert main(["plan", pipeline, "--platform", "cpu", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all("autotune" not in lay for c in doc["components"] for lay in c["layers"])

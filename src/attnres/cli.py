@@ -790,10 +790,28 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         status=result.status,
         layers=len(result.layers),
     )
+    tunable = 0
+    if config.autotune:
+        from attnres.tuning import is_tunable
+
+        for component_doc, planned in zip(doc["components"], result.components, strict=True):
+            for layer_doc, layer in zip(component_doc["layers"], planned.layers, strict=True):
+                layer_doc["autotune"] = is_tunable(layer.trace)
+                tunable += layer.count if layer_doc["autotune"] else 0
     if args.json:
         _emit_json(out, doc)
     else:
         lines = _render_plan(result)
+        if config.autotune:
+            total = sum(layer.count for layer in result.layers)
+            lines += _field(
+                "Autotune:",
+                f"{tunable} of {total} layers would be measured on their first forward of at "
+                f"least {config.autotune_min_elements} query elements (automatic decisions: "
+                f"origins none, layer_default, global_preference); the others are explicit "
+                f"choices and keep their backend",
+                _width(),
+            )
         if written:
             lines.append(f"Traces: {len(written)} files written to {args.trace_out}")
         _emit(out, lines)
