@@ -767,3 +767,20 @@ def test_cli_plan_counts_the_layers_autotune_would_measure(
     assert main(["plan", pipeline, "--platform", "cpu", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert all("autotune" not in lay for c in doc["components"] for lay in c["layers"])
+
+
+def test_results_for_other_candidates_are_ignored_with_a_reason(tmp_path: Path) -> None:
+    set_selection_config(_config())
+    _layer("fake_fast", name="first")(*_qkv())
+    path = save_results(tmp_path / "tune.json")
+    clear_results()
+    assert load_results(path).usable == 1  # the platform matches...
+    layer = _layer("fake_fast", "fake_faster", name="second")
+    layer(*_qkv())  # ...but this layer has another candidate
+    tuning = next(r for r in layer.resolution.trace.records if isinstance(r, TuningRecord))
+    assert tuning.source == "measured"
+    assert tuning.detail.endswith(
+        f"ignored loaded results ({path}: measured candidates fake_fast, this decision's are "
+        f"fake_fast, fake_faster)"
+    )
+    assert layer.backend.name == "fake_faster"
