@@ -784,3 +784,19 @@ def test_results_for_other_candidates_are_ignored_with_a_reason(tmp_path: Path) 
         f"fake_fast, fake_faster)"
     )
     assert layer.backend.name == "fake_faster"
+
+
+def test_candidates_run_with_the_layers_softcap_and_window() -> None:
+    with use_timer(__import__("time").perf_counter_ns):
+        set_selection_config(_config())
+        layer = Attention(HEADS, SIZE, supported={"torch_sdpa", "eager", "flex_attention"},
+                          softcap=5.0, window=(2, 2), name="capped")
+        q, k, v = _qkv((1, 16, HEADS, SIZE))
+        out = layer(q, k, v)
+    tuning = next(r for r in layer.resolution.trace.records if isinstance(r, TuningRecord))
+    assert tuning.call.endswith("softcap=5.0, window=(2, 2)")
+    judged = _measurements(layer.resolution.trace)
+    assert len(judged) >= 2
+    # every candidate computed the same capped, windowed attention as the incumbent
+    assert all(r.deviation is not None and r.deviation < 1e-4 for r in judged.values()), judged
+    torch.testing.assert_close(layer(q, k, v), out, rtol=1e-5, atol=1e-5)

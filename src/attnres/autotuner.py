@@ -43,7 +43,7 @@ from torch import Tensor
 
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
 from attnres.backends import Backend, on_registry_change, registered_backends
-from attnres.kernels import KernelUnavailableError, get_kernel, specialized
+from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.ledger import Decision, record_decision
 from attnres.machine import Resolution
 from attnres.platform import Platform
@@ -226,10 +226,16 @@ def describe_call(args: tuple[Tensor, Tensor, Tensor, Tensor | None], layer: Att
         if mask is None
         else f"mask {tuple(mask.shape)} {str(mask.dtype).removeprefix('torch.')}"
     )
+    extras = ""
+    if layer.softcap is not None:
+        extras += f", softcap={layer.softcap!r}"
+    if layer.window is not None:
+        extras += f", window={layer.window!r}"
     return (
         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
         f"{str(q.dtype).removeprefix('torch.')} on {q.device.type}, {mask_text}, "
         f"causal={layer.causal}, scale={'default' if scale is None else repr(scale)}"
+        f"{extras}"
     )
 
 
@@ -301,6 +307,19 @@ def _measure(
     return Measured(backend, median, spread, _deviation(out, reference))
 
 
+def _bare(kernel: KernelFn, layer: Attention) -> Run:
+    """``kernel`` with the layer's fixed settings bound, without its input checks."""
+    shape = layer._shape
+    return specialized(
+        kernel,
+        shape.causal,
+        shape.softmax_scale,
+        shape.num_heads != shape.num_kv_heads,
+        softcap=shape.softcap,
+        window=shape.window,
+    )
+
+
 def _tune(
     layer: Attention,
     run: Run,
@@ -358,9 +377,7 @@ def _measure_all(
         if kernel is None:
             no_kernel[backend] = "no kernel is registered for it"
             continue
-        shape = layer._shape
-        gqa = shape.num_heads != shape.num_kv_heads
-        kernels.append((backend, specialized(kernel, shape.causal, shape.softmax_scale, gqa)))
+        kernels.append((backend, _bare(kernel, layer)))
     here = platform_facts(machine_trace.input.platform)
     source, detail = "measured", "measured in this process"
     measured: list[Measured] | None = None
@@ -379,10 +396,7 @@ def _measure_all(
         sync = _synchronizer(args[0].device)
         # the incumbent is timed like every candidate: its bare kernel, without
         # the layer's input checks (its output on the real call is the reference)
-        shape = layer._shape
-        bare = specialized(
-            layer.kernel, shape.causal, shape.softmax_scale, shape.num_heads != shape.num_kv_heads
-        )
+        bare = _bare(layer.kernel, layer)
         measured = [_measure(incumbent, bare, args, reference, settings, sync)]
         measured += [
             _measure(b, fn, args, reference, settings, sync) for b, fn in kernels
