@@ -25,6 +25,7 @@ def render() -> str:
         START_GUARDS,
         STRICT_ORIGINS,
         TRANSITIONS,
+        TUNABLE_ORIGINS,
     )
     from attnres.platform import DEFAULT_CHAINS
     from attnres.scope import BUILTIN_KINDS
@@ -39,7 +40,9 @@ def render() -> str:
         "`rejected`. Each arrow is one entry of the transition table in",
         "[`src/attnres/machine.py`](../src/attnres/machine.py); a label reads",
         "`event` or `event / reason it sets`. The first transition that carries a",
-        "reason fixes the outcome's reason.",
+        "reason fixes the outcome's reason, except `measured faster`: with autotune on,",
+        "a selected automatic decision is measured against its candidates",
+        "(`selected -> measuring -> selected`), and a measured win replaces the reason.",
         "",
         "```mermaid",
         "stateDiagram-v2",
@@ -130,6 +133,12 @@ def render() -> str:
             + " |"
             for loader, aliases in BUILTIN_KINDS
         ],
+        "",
+        "## Tunable origins",
+        "",
+        "With autotune on, only decisions of these (automatic) origins are measured:",
+        "",
+        *[f"- `{o.value}`" for o in sorted(TUNABLE_ORIGINS, key=lambda o: o.value)],
         "",
     ]
     return "\n".join(lines)

@@ -69,6 +69,9 @@ def torch_call_path_problems() -> list[str]:
 class FastCallModule(nn.Module):
     """An ``nn.Module`` whose ``__call__`` goes straight to ``self._run`` when it can.
 
+    The base of attnres's attention layers (:class:`attnres.Attention`); the
+    autotuner finds the layers of a model by it.
+
     Subclasses set ``_run(q, k, v, attn_mask) -> Tensor`` (the whole forward).
     """
 

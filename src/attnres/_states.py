@@ -18,6 +18,7 @@ __all__ = [
     "Reason",
     "State",
     "Status",
+    "Verdict",
     "optional_code",
     "optional_reason",
 ]
@@ -36,6 +37,8 @@ class State(_StrEnum):
     SUPPORTED_SET = "supported_set"
     SELECTED = "selected"
     REJECTED = "rejected"
+    #: autotune: the candidates of a selected automatic decision are timed
+    MEASURING = "measuring"
 
 
 class Event(_StrEnum):
@@ -49,6 +52,12 @@ class Event(_StrEnum):
     SPARSE_CROSS_FALLBACK = "sparse_cross_fallback"
     CANDIDATE_FAILED = "candidate_failed"
     EXHAUSTED = "exhausted"
+    #: autotune: a selected automatic decision is measured against its candidates
+    MEASURE = "measure"
+    #: autotune: a candidate agreed with the incumbent and beat it by more than the margin
+    MEASURED_FASTER = "measured_faster"
+    #: autotune: no candidate beat the incumbent by more than the margin
+    INCUMBENT_KEPT = "incumbent_kept"
 
 
 class Origin(_StrEnum):
@@ -76,6 +85,7 @@ class Reason(_StrEnum):
     PLATFORM_DEFAULT_FALLBACK = "platform default fallback"
     DENSE_CROSS_ATTENTION_FALLBACK = "dense cross-attention fallback"
     COMPONENT_CONSTRAINT = "component constraint"
+    MEASURED_FASTER = "measured faster"
 
 
 class Code(_StrEnum):
@@ -132,3 +142,18 @@ def optional_reason(value: Reason | str | None) -> Reason | None:
 def optional_code(value: Code | str | None) -> Code | None:
     """An attrs converter: ``None`` stays ``None``, a code name becomes the member."""
     return None if value is None else Code(value)
+class Verdict(_StrEnum):
+    """What the tuner concluded about one measured candidate (docs/trace-format.md)."""
+
+    #: the machine's choice, the reference every other output is compared with
+    INCUMBENT = "incumbent"
+    #: agreed, and beat the incumbent by more than the margin, fastest of those
+    CHOSEN = "chosen"
+    #: agreed, beat the incumbent by more than the margin, but another was faster
+    OUTPACED = "outpaced"
+    #: agreed, but did not beat the incumbent by more than the margin
+    WITHIN_MARGIN = "within_margin"
+    #: its output deviated from the incumbent's beyond the tolerance: never chosen
+    DISAGREES = "disagrees"
+    #: it raised on the real inputs: skipped, the error recorded
+    RAISED = "raised"

@@ -59,6 +59,8 @@ from attnres.backends import (
 from attnres.documents import platform_document, spec_document
 from attnres.explain import describe_layer, explain, resolution_trace
 from attnres.layer import (
+    DEST_AUTOTUNE,
+    DEST_AUTOTUNE_MIN,
     DEST_BACKEND,
     DEST_COMPONENTS,
     DEST_EXPLICIT,
@@ -72,6 +74,7 @@ from attnres.trace import (
     dump_trace,
     trace_to_dict,
 )
+from attnres.tuning import is_tunable
 
 if TYPE_CHECKING:
     from attnres.plan import PlanResult
@@ -183,7 +186,32 @@ def add_selection_arguments(
         ),
     )
     parser.set_defaults(**{DEST_EXPLICIT: False, DEST_COMPONENTS: None})
+    parser.add_argument(
+        "--autotune",
+        dest=DEST_AUTOTUNE,
+        action="store_true",
+        help="measure automatic decisions (origins none, layer_default, global_preference) "
+        "on their first large forward and keep the fastest agreeing kernel",
+    )
+    parser.add_argument(
+        "--autotune-min-elements",
+        dest=DEST_AUTOTUNE_MIN,
+        type=_non_negative,
+        metavar="N",
+        default=None,
+        help="with --autotune: smallest query (elements) worth measuring; default 4194304",
+    )
     return action
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def selection_config_from_args(namespace: argparse.Namespace | Any) -> SelectionConfig:
@@ -193,7 +221,12 @@ def selection_config_from_args(namespace: argparse.Namespace | Any) -> Selection
     ``global_backend_explicit`` is true only when the operator typed the flag;
     a program default left in place is a preference (false).
     """
-    return SelectionConfig.from_args(namespace)
+    try:
+        return SelectionConfig.from_args(namespace)
+    except UsageError:
+        raise
+    except ValueError as exc:  # a flag combination the config refuses: a usage error
+        raise UsageError(str(exc)) from None
 
 
 # =============================================================================
@@ -493,13 +526,40 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "origin": str(outcome.origin),
                 "error": outcome.error,
                 "code": outcome.code,
+                "autotune": _autotune_plan(trace, config),
                 "trace": trace_to_dict(trace),
                 "explanation": explain(trace).to_dict(),
             },
         )
     else:
-        _emit(out, _render_explain(trace))
+        lines = _render_explain(trace)
+        plan = _autotune_plan(trace, config)
+        if plan is not None:
+            lines += _field("autotune:", plan["detail"], _width())
+        _emit(out, lines)
     return EXIT_OK if outcome.status == "selected" else EXIT_REJECTED
+
+
+def _autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | None:
+    """What --autotune would do with this decision (``None`` without --autotune)."""
+    if not config.autotune:
+        return None
+    origin = trace.outcome.origin
+    if trace.outcome.status != "selected":
+        return {"tunable": False, "detail": "nothing to measure: the resolution was rejected"}
+    if not is_tunable(trace):
+        return {
+            "tunable": False,
+            "detail": f"not measured: origin {origin} is an explicit choice (only none, "
+            f"layer_default and global_preference are tuned)",
+        }
+    return {
+        "tunable": True,
+        "detail": f"measured against every candidate that passes its checks on the layer's "
+        f"first forward of at least {config.autotune_min_elements} query elements; "
+        f"{trace.outcome.backend} stays unless one agrees and is more than "
+        f"{config.autotune_margin:.0%} faster",
+    }
 
 
 def _write_trace(trace: Trace, path: Path) -> None:
@@ -615,10 +675,26 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         status=result.status,
         layers=len(result.layers),
     )
+    tunable = 0
+    if config.autotune:
+        for component_doc, planned in zip(doc["components"], result.components, strict=True):
+            for layer_doc, layer in zip(component_doc["layers"], planned.layers, strict=True):
+                layer_doc["autotune"] = is_tunable(layer.trace)
+                tunable += layer.count if layer_doc["autotune"] else 0
     if args.json:
         _emit_json(out, doc)
     else:
         lines = _render_plan(result)
+        if config.autotune:
+            total = sum(layer.count for layer in result.layers)
+            lines += _field(
+                "Autotune:",
+                f"{tunable} of {total} layers would be measured on their first forward of at "
+                f"least {config.autotune_min_elements} query elements (automatic decisions: "
+                f"origins none, layer_default, global_preference); the others are explicit "
+                f"choices and keep their backend",
+                _width(),
+            )
         if written:
             lines.append(f"Traces: {len(written)} files written to {args.trace_out}")
         _emit(out, lines)

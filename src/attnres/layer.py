@@ -24,6 +24,11 @@ __all__ = ["LayerSpec", "Requirements", "Role", "SelectionConfig"]
 DEST_BACKEND = "attention_backend"
 DEST_COMPONENTS = "attention_backend_components"
 DEST_EXPLICIT = "attention_backend_explicit"
+DEST_AUTOTUNE = "autotune"
+DEST_AUTOTUNE_MIN = "autotune_min_elements"
+
+#: attrs metadata of a field that a trace does not record (see trace.field_names)
+_NOT_IN_TRACE: dict[str, bool] = {"trace": False}
 
 
 def _parse_backend(value: Backend | str, what: str) -> Backend:
@@ -174,6 +179,53 @@ def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
     return tuple(sorted(out.items()))
 
 
+def _non_negative_int(_: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name}: expected an integer >= 0, got {value!r}")
+
+
+def _positive_int(_: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name}: expected an integer >= 1, got {value!r}")
+
+
+def _check_fraction(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what}: expected a number in [0, 1), got {value!r}")
+    number = float(value)
+    if not 0 <= number < 1:
+        raise ValueError(
+            f"{what}: expected a fraction in [0, 1) (0.02 means 2%), got {value!r}"
+        )
+    return number
+
+
+def _margin(value: Any) -> float:
+    return _check_fraction("autotune_margin", value)
+
+
+def _tolerances(value: Any) -> tuple[tuple[str, float], ...]:
+    """``{"bf16": 0.05}`` (dtype -> relative tolerance) as sorted canonical pairs."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    out: dict[str, float] = {}
+    for pair in items:
+        try:
+            dtype, tolerance = pair
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"autotune_tolerance: expected a mapping of dtype to a relative tolerance "
+                f"({{'bf16': 0.05}}), got {pair!r}"
+            ) from None
+        try:
+            name = normalize_dtype(dtype)
+        except ValueError as exc:
+            raise ValueError(f"autotune_tolerance: {exc}") from None
+        out[name] = _check_fraction(f"autotune_tolerance[{name!r}]", tolerance)
+    return tuple(sorted(out.items()))
+
+
 @frozen(cache_hash=True)
 class SelectionConfig:
     """What the operator asked for, process-wide.
@@ -191,6 +243,25 @@ class SelectionConfig:
     component_backends: tuple[tuple[str, Backend], ...] = field(
         default=(), converter=_component_backends
     )
+    # The autotune settings are not an input of the machine: a trace's config
+    # leaves them out (a tuned trace records them in its tuning record), so
+    # they are marked ``trace=False`` for the codec's field lists.
+    #: measure automatic decisions on their first large forward (docs/selection-contract.md)
+    autotune: bool = field(default=False, validator=_is_bool, metadata=_NOT_IN_TRACE)
+    #: a forward whose query holds fewer elements stays on the incumbent (the
+    #: tuner stays armed); SGLang's multimodal tuner waits for 4 Mi elements too
+    autotune_min_elements: int = field(
+        default=4 << 20, validator=_non_negative_int, metadata=_NOT_IN_TRACE
+    )
+    #: a candidate must be faster than the incumbent by more than this fraction
+    autotune_margin: float = field(default=0.02, converter=_margin, metadata=_NOT_IN_TRACE)
+    #: per-dtype relative tolerance overrides ({"bf16": 0.05}); see attnres.tuning
+    autotune_tolerance: tuple[tuple[str, float], ...] = field(
+        default=(), converter=_tolerances, metadata=_NOT_IN_TRACE
+    )
+    #: untimed calls before the timed ones, and the timed calls, per candidate
+    autotune_warmup: int = field(default=3, validator=_non_negative_int, metadata=_NOT_IN_TRACE)
+    autotune_repeats: int = field(default=8, validator=_positive_int, metadata=_NOT_IN_TRACE)
 
     def component_backend(self, component: str | None) -> Backend | None:
         if component is None:
@@ -210,8 +281,16 @@ class SelectionConfig:
         global_backend = getattr(namespace, DEST_BACKEND, None)
         explicit = bool(getattr(namespace, DEST_EXPLICIT, False))
         components = getattr(namespace, DEST_COMPONENTS, None) or {}
+        autotune = bool(getattr(namespace, DEST_AUTOTUNE, False))
+        min_elements = getattr(namespace, DEST_AUTOTUNE_MIN, None)
+        tuning: dict[str, Any] = {"autotune": autotune}
+        if min_elements is not None:
+            if not autotune:
+                raise ValueError("--autotune-min-elements needs --autotune")
+            tuning["autotune_min_elements"] = min_elements
         return cls(
             global_backend=global_backend,
             global_backend_explicit=explicit if global_backend is not None else True,
             component_backends=dict(components),
+            **tuning,
         )

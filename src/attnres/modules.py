@@ -38,6 +38,7 @@ from torch import Tensor
 
 from attnres._fastcall import FastCallModule
 from attnres._vocab import Role
+from attnres.autotuner import arm
 from attnres.backends import Backend, lookup_spec
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements
@@ -350,6 +351,8 @@ class Attention(FastCallModule):
             _shape=shape,
             _run=_make_run(shape, kernel, dtypes),
         )
+        if resolution.trace.input.config.autotune:  # opt-in: measured selection
+            _arm_autotune(self)
 
     # The configuration is fixed at construction (forward binds it): read-only.
     @property
@@ -421,6 +424,24 @@ class Attention(FastCallModule):
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         kernel, dtypes = _bind(self.resolution, self.layer_spec)
         self.__dict__.update(kernel=kernel, _run=_make_run(self._shape, kernel, dtypes))
+        if self.resolution.trace.input.config.autotune:
+            _arm_autotune(self)
+
+    def _adopt(self, resolution: Resolution) -> None:
+        """Run ``resolution``'s backend from now on (autotune's measured decision)."""
+        kernel, dtypes = _bind(resolution, self.layer_spec)
+        shape = self._shape._replace(backend=resolution.backend.name)
+        self.__dict__.update(
+            resolution=resolution,
+            kernel=kernel,
+            _shape=shape,
+            _run=_make_run(shape, kernel, dtypes),
+        )
+
+
+def _arm_autotune(layer: Attention) -> None:
+    """Arm the layer's tuner when its decision is automatic (attnres.autotuner)."""
+    arm(layer)
 
 
 class _LayerShape(NamedTuple):
