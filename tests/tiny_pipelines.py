@@ -88,3 +88,83 @@ def run_flux(pipe: Any) -> torch.Tensor:
         generator=torch.Generator().manual_seed(0),
     )
     return out.images
+
+
+def flux_inputs() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "hidden_states": torch.randn(1, 16, 4, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
+        "pooled_projections": torch.randn(1, 32, generator=g),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": torch.zeros(16, 3),
+        "txt_ids": torch.zeros(8, 3),
+        "return_dict": True,
+    }
+
+
+def sd3() -> dict[str, Any]:
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(4)
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
+        pooled_projection_dim=64, out_channels=4,
+    ).eval()
+    return {"transformer": transformer}
+
+
+def sd3_inputs() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "hidden_states": torch.randn(1, 4, 8, 8, generator=g),
+        "encoder_hidden_states": torch.randn(1, 6, 32, generator=g),
+        "pooled_projections": torch.randn(1, 64, generator=g),
+        "timestep": torch.tensor([10]),
+    }
+
+
+def unet() -> Any:
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(5)
+    return UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=1, sample_size=8, in_channels=4,
+        out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=2, norm_num_groups=32, mid_block_type=None,
+    ).eval()
+
+
+def unet_inputs() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "sample": torch.randn(1, 4, 8, 8, generator=g),
+        "timestep": torch.tensor([10]),
+        "encoder_hidden_states": torch.randn(1, 6, 32, generator=g),
+    }
+
+
+def wan() -> dict[str, Any]:
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(6)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ).eval()
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    ).eval()
+    text = UMT5EncoderModel(UMT5Config(d_model=32, d_kv=8, d_ff=37, num_heads=4,
+                                       num_layers=2, vocab_size=64,
+                                       relative_attention_num_buckets=8)).eval()
+    return {"text_encoder": text, "transformer": transformer, "vae": vae}
+
+
+def wan_vae_input() -> torch.Tensor:
+    return torch.randn(1, 3, 1, 16, 16, generator=torch.Generator().manual_seed(0))

@@ -372,10 +372,13 @@ def _prepare(
                 pins.append((comp, site.name, module, processor, value, backend,
                              site.spec.dtype))
             else:
-                only = site.route.split(" ", 1)[0]
+                only = ",".join(sorted(b.name for b in site.spec.supported or ()))
                 if backend != only:
                     problems.append(f"{comp}/{site.name}: its route ({site.route}) runs only "
                                     f"{only}, not {backend}")
+                    continue
+                # nothing to pin: the route runs its one backend; recorded for verify()
+                pins.append((comp, site.name, module, processor, "", backend, site.spec.dtype))
     return pins, actions, problems
 
 
@@ -424,18 +427,24 @@ def apply(
     result = plan(pipe, config, platform)
     _refuse(result)
     planned, others, problems = _prepare(pipe, result)
-    problems += _check_requirements({p[4] for p in planned})
+    problems += _check_requirements({p[4] for p in planned if p[4]})
     if problems:
         raise IntegrationError(
             "cannot install the plan; nothing was changed: " + "; ".join(problems), result
         )
     # processors shared by several modules get their own copy before any pin
     users: dict[int, int] = {}
-    for _, _, _, original, _, _, _ in planned:
-        users[id(original)] = users.get(id(original), 0) + 1
+    for _, _, _, original, value, _, _ in planned:
+        if value:
+            users[id(original)] = users.get(id(original), 0) + 1
     done: list[tuple[Any, _Pin]] = []
     try:
         for comp, name, module, original, value, backend, dtype in planned:
+            if not value:
+                pin = _Pin(comp, name, original, original, False, None, None, backend, dtype)
+                module.__dict__[_PIN_ATTR] = pin
+                done.append((module, pin))
+                continue
             processor = copy.copy(original) if users[id(original)] > 1 else original
             had_own = "_attention_backend" in processor.__dict__
             old = processor.__dict__.get("_attention_backend")
@@ -457,6 +466,9 @@ def apply(
 
 
 def _unpin(module: Any, pin: _Pin) -> None:
+    if pin.value is None:
+        module.__dict__.pop(_PIN_ATTR, None)
+        return
     if pin.had_own:
         pin.processor._attention_backend = pin.old_backend
     else:
@@ -484,11 +496,14 @@ def verify(pipe: Any) -> list[Problem]:
             if pin is None:
                 continue
             where = (pin.component, pin.name)
-            if module.processor is not pin.processor:
+            if getattr(module, "processor", None) is not pin.processor:
                 problems.append(Problem(*where, (
-                    f"processor replaced since apply (now {type(module.processor).__name__}); "
+                    f"processor replaced since apply (now "
+                    f"{type(getattr(module, 'processor', None)).__name__}); "
                     f"its backend is no longer governed: plan and apply again")))
-            elif pin.processor.__dict__.get("_attention_backend") != pin.value:
+            elif pin.value is not None and (
+                pin.processor.__dict__.get("_attention_backend") != pin.value
+            ):
                 problems.append(Problem(*where, (
                     f"pinned backend changed since apply (was {pin.value.value})")))
             dtype = _dtype_of(module, fallback)
@@ -529,7 +544,7 @@ def _sdpa_spy(model: torch.nn.Module, calls: dict[str, int]) -> Iterator[None]:
     for module in model.modules():
         handles.append(module.register_forward_pre_hook(
             lambda m, *_: stack.append(names[id(m)])))
-        handles.append(module.register_forward_hook(lambda m, *_: stack.pop()))
+        handles.append(module.register_forward_hook(lambda m, *_: (stack.pop(), None)[1]))
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 

@@ -1,0 +1,389 @@
+"""attnres.integrations: diffusers pipelines and transformers models, governed.
+
+Tiny offline pipelines (tests/tiny_pipelines.py); the facts the issue found by
+trying them are checked against the installed diffusers and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+import tiny_pipelines as tp  # noqa: E402
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry  # noqa: E402
+
+from attnres import Platform, SelectionConfig  # noqa: E402
+from attnres.cli import main  # noqa: E402
+from attnres.integrations import IntegrationError  # noqa: E402
+from attnres.integrations import diffusers as idf  # noqa: E402
+from attnres.integrations import transformers as itf  # noqa: E402
+
+SIM = "cuda:sm90+flash_attn+sageattention"
+SAGE = SelectionConfig(global_backend="sage_attn")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def flux_bf16():
+    """The done-when pipeline: DiT and text encoders in bf16, VAE in float32."""
+    return tp.flux(dtype=torch.bfloat16, vae_dtype=torch.float32)
+
+
+def _processors(pipe):
+    return {
+        (c, n): (m.processor, dict(getattr(m.processor, "__dict__", {})))
+        for c, model in pipe.components.items() if isinstance(model, torch.nn.Module)
+        for n, m in model.named_modules() if hasattr(m, "processor")
+    }
+
+
+def test_import_attnres_imports_neither_diffusers_nor_transformers():
+    code = (
+        "import sys, attnres, attnres.integrations, attnres.cli\n"
+        "bad = [m for m in ('diffusers', 'transformers', 'torch') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == ""
+
+
+# --- Done when --------------------------------------------------------------
+
+
+def test_done_when_global_sage_on_tiny_flux(flux_bf16):
+    plan = idf.plan(flux_bf16, SAGE, Platform.simulate(SIM))
+    assert plan.ok, plan.errors
+    groups = plan.by_component()
+    assert groups["transformer"] and all(s.backend == "sage_attn" for s in groups["transformer"])
+    assert all(s.resolution.origin == "global_cli" and s.resolution.reason is None
+               for s in groups["transformer"])
+    for comp in ("vae", "text_encoder", "text_encoder_2"):
+        assert groups[comp], comp
+        for site in groups[comp]:
+            assert site.backend == "torch_sdpa", (comp, site.name)
+            assert site.resolution.reason == "global backend fallback"
+            # the reason is readable in the trace
+            assert site.trace.outcome.reason == "global backend fallback"
+            assert "sage_attn" in json.dumps(site.trace.to_dict() if hasattr(
+                site.trace, "to_dict") else str(site.trace.records))
+    # strict components get no declared default; auxiliary ones their current route's
+    assert all(s.spec.default is None for s in groups["transformer"])
+    assert all(s.spec.default is not None for s in groups["vae"])
+
+
+def test_done_when_head_size_sage_cannot_take_is_an_error_and_apply_changes_nothing():
+    pipe = tp.flux(head_dim=256, dtype=torch.bfloat16)
+    plan = idf.plan(pipe, SAGE, Platform.simulate(SIM))
+    assert not plan.ok
+    bad = [s for s in plan.sites if s.error]
+    assert bad and all(s.component == "transformer" for s in bad)
+    assert "head size 256" in bad[0].error
+    before = _processors(pipe)
+    impl = pipe.text_encoder.config._attn_implementation
+    with pytest.raises(IntegrationError) as info:
+        idf.apply(pipe, SAGE, Platform.simulate(SIM))
+    assert isinstance(info.value, ValueError)
+    assert info.value.plan.errors == plan.errors
+    assert _processors(pipe) == before
+    assert pipe.text_encoder.config._attn_implementation == impl
+
+
+def test_done_when_through_attnres_plan_dir(tmp_path, capsys):
+    pipe = tp.flux(dtype=torch.bfloat16, vae_dtype=torch.float32)
+    pipe.save_pretrained(tmp_path / "flux")
+    code = main(["plan", str(tmp_path / "flux"), "--platform", SIM,
+                 "--attention-backend", "sage_attn", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    comps = {c["name"]: c for c in doc["components"]}
+    assert comps["transformer"]["dtype"] == "bfloat16"
+    assert comps["transformer"]["dtype_source"] == "weights"
+    assert comps["vae"]["dtype"] == "float32"
+    assert {s["backend"] for s in comps["transformer"]["sites"]} == {"sage_attn"}
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        assert {(s["backend"], s["reason"]) for s in comps[name]["sites"]} == {
+            ("torch_sdpa", "global backend fallback")}
+    big = tp.flux(head_dim=256, dtype=torch.bfloat16)
+    big.save_pretrained(tmp_path / "big")
+    code = main(["plan", str(tmp_path / "big"), "--platform", SIM,
+                 "--attention-backend", "sage_attn"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "REJECTED" in out and "head size 256" in out
+
+
+# --- apply / verify / remove ------------------------------------------------
+
+
+def test_apply_without_flag_is_bit_identical_and_remove_restores():
+    pipe = tp.flux()
+    before = tp.run_flux(pipe)
+    procs = _processors(pipe)
+    plan = idf.apply(pipe)
+    assert plan.ok and all(s.backend == "torch_sdpa" for s in plan.sites)
+    after = tp.run_flux(pipe)
+    assert torch.equal(before, after)
+    assert idf.verify(pipe) == []
+    pinned = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
+    assert all(p.__dict__["_attention_backend"].value == "native" for p in pinned)
+    assert idf.remove(pipe) > 0
+    assert _processors(pipe) == procs
+
+
+def test_apply_emits_one_installed_event_per_site(caplog):
+    pipe = tp.flux()
+    with caplog.at_level("INFO", logger="attnres"):
+        plan = idf.apply(pipe)
+    installed = [r for r in caplog.records if "attention backend installed" in r.getMessage()]
+    assert len(installed) == len(plan.sites)
+    assert "route=" in installed[0].getMessage() and "digest=" in installed[0].getMessage()
+    idf.remove(pipe)
+
+
+def test_set_attention_backend_is_process_wide_so_attnres_pins_processors():
+    pipe = tp.flux()
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        pipe.vae.set_attention_backend("_native_math")
+        # the untouched transformer now runs it (its processors follow the active one)...
+        assert str(_AttentionBackendRegistry._active_backend.value) == "_native_math"
+        # ...and the VAE's legacy processors have no backend to set
+        vae_procs = [m.processor for m in pipe.vae.modules() if hasattr(m, "processor")]
+        assert vae_procs and not any(hasattr(p, "_attention_backend") for p in vae_procs)
+    finally:
+        _AttentionBackendRegistry._active_backend = active
+    idf.apply(pipe)
+    assert _AttentionBackendRegistry._active_backend == active
+    idf.remove(pipe)
+
+
+def test_shared_processor_is_copied_before_pinning():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    pipe = tp.flux()
+    shared = FluxAttnProcessor()
+    pipe.transformer.set_attn_processor(shared)
+    idf.apply(pipe)
+    procs = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
+    assert len({id(p) for p in procs}) == len(procs)
+    assert "_attention_backend" not in shared.__dict__
+    idf.remove(pipe)
+    assert all(m.processor is shared for m in pipe.transformer.modules()
+               if hasattr(m, "processor"))
+
+
+def test_verify_reports_replaced_processor_and_cast():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    pipe = tp.flux()
+    idf.apply(pipe)
+    pipe.transformer.transformer_blocks[0].attn.set_processor(FluxAttnProcessor())
+    pipe.vae.to(torch.float64)
+    problems = idf.verify(pipe)
+    text = [str(p) for p in problems]
+    assert any("transformer_blocks.0.attn" in t and "processor replaced" in t for t in text)
+    assert any(t.startswith("vae/") and "cast since apply" in t for t in text)
+    idf.remove(pipe)
+
+
+def test_layerwise_casting_plans_for_the_compute_dtype():
+    pipe = tp.flux(dtype=torch.bfloat16)
+    pipe.transformer.enable_layerwise_casting(
+        storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    plan = idf.plan(pipe, SAGE, Platform.simulate(SIM))
+    sites = plan.by_component()["transformer"]
+    assert {s.spec.dtype for s in sites} == {"bfloat16"}
+    assert {s.backend for s in sites} == {"sage_attn"}
+
+
+def test_context_parallel_route_keeps_diffusers_check():
+    pipe = tp.flux()
+    proc = pipe.transformer.transformer_blocks[0].attn.processor
+    proc._parallel_config = object()
+    try:
+        supported = idf.route_backends(proc)
+        names = {b.name for b in supported}
+        assert "torch_sdpa" in names and "flex_attention" not in names
+        assert names <= {
+            k for k, v in idf.DISPATCHER_BACKENDS.items()
+            if v in _AttentionBackendRegistry._supports_context_parallel
+        }
+    finally:
+        del proc._parallel_config
+
+
+def test_apply_refuses_a_simulated_platform():
+    pipe = tp.flux()
+    with pytest.raises(IntegrationError, match="simulated"):
+        idf.apply(pipe, platform=Platform.simulate("cpu"))
+
+
+# --- per-class facts --------------------------------------------------------
+
+
+def test_fact_clip_is_causal_per_call_not_by_attribute(flux_bf16):
+    attns = [m for m in flux_bf16.text_encoder.modules() if type(m).__name__ == "CLIPAttention"]
+    assert attns and all(a.is_causal is False for a in attns)
+    plan = itf.plan(flux_bf16.text_encoder, "text_encoder")
+    assert all(s.spec.requirements.causal for s in plan.sites)
+
+
+def test_fact_t5_needs_float_masks(flux_bf16):
+    plan = itf.plan(flux_bf16.text_encoder_2, "text_encoder_2",
+                    SelectionConfig(global_backend="fa"), Platform.simulate(SIM))
+    assert all(s.spec.requirements.attn_mask for s in plan.sites)
+    assert all(s.backend == "torch_sdpa" for s in plan.sites)
+
+
+def test_fact_flux_added_kv_proj_dim_is_joint_self_attention(flux_bf16):
+    block = flux_bf16.transformer.transformer_blocks[0].attn
+    assert block.added_kv_proj_dim is not None
+    plan = idf.plan({"transformer": flux_bf16.transformer})
+    assert {s.spec.role.value for s in plan.sites} == {"self"}
+
+
+def _qwen2(heads=4, kv=2):
+    from transformers import Qwen2Config, Qwen2Model
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=37, num_attention_heads=heads,
+                      num_key_value_heads=kv, num_hidden_layers=2, vocab_size=64)
+    return Qwen2Model(cfg).eval()
+
+
+def test_fact_qwen2_heads_come_from_the_config():
+    model = _qwen2()
+    attn = model.layers[0].self_attn
+    assert not hasattr(attn, "num_heads")
+    plan = itf.plan(model, "text_encoder")
+    site = plan.sites[0]
+    assert (site.heads, site.kv_heads, site.spec.head_size) == (4, 2, 8)
+    assert site.spec.requirements.gqa and site.spec.requirements.causal
+
+
+def test_fact_function_without_mask_function_drops_padding():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = _qwen2()
+    ids = torch.tensor([[0, 0, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1]])
+    ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    AttentionInterface.register("attnres_test_nomask", sdpa_attention_forward)
+    model.config._attn_implementation = "attnres_test_nomask"
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not torch.allclose(ref[:, 2:], out[:, 2:], atol=1e-3)
+    # attnres's route never counts such a name
+    assert "attnres_test_nomask" not in itf.FUNCTIONS.values()
+
+
+def test_route_counts_only_functions_with_a_mask_function(monkeypatch):
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    model = _qwen2()
+    assert any(b.name == "flex_attention" for b in itf.route_backends(model))
+    mapping = dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping)
+    mapping.pop("flex_attention")
+    monkeypatch.setattr(ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping", mapping)
+    assert not any(b.name == "flex_attention" for b in itf.route_backends(model))
+
+
+def test_transformers_apply_no_flag_identical_and_remove():
+    model = _qwen2()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    ref = model(input_ids=ids).last_hidden_state
+    plan = itf.apply(model, "text_encoder")
+    assert plan.ok
+    assert torch.equal(ref, model(input_ids=ids).last_hidden_state)
+    assert itf.verify(model) == []
+    model.config._attn_implementation_internal = "eager"
+    assert any("implementation" in p.problem for p in itf.verify(model))
+    assert itf.remove(model) == 1
+
+
+def test_fact_unet_attention_head_dim_holds_heads():
+    unet = tp.unet()
+    plan = idf.plan({"unet": unet})
+    # config attention_head_dim=2 -> two heads per attention; block_out_channels 32 -> 16
+    assert {(s.heads, s.spec.head_size) for s in plan.sites} == {(2, 16)}
+    assert {s.spec.role.value for s in plan.sites} == {"self", "cross"}
+    assert {s.route for s in plan.sites} == {"torch_sdpa in AttnProcessor2_0"}
+
+
+# --- other pipelines --------------------------------------------------------
+
+
+def test_sd3_legacy_joint_processor_runs_only_torch_sdpa():
+    pipe = tp.sd3()
+    plan = idf.plan({"transformer": pipe["transformer"]}, SAGE, Platform.simulate(SIM))
+    assert not plan.ok
+    assert all("supported backends: ['torch_sdpa']" in s.error for s in plan.sites if s.error)
+    x = tp.sd3_inputs()
+    ref = pipe["transformer"](**x).sample
+    idf.apply(pipe)
+    assert torch.equal(ref, pipe["transformer"](**x).sample)
+
+
+def test_unet_pipeline_no_flag_identical():
+    unet = tp.unet()
+    x = tp.unet_inputs()
+    ref = unet(**x).sample
+    plan = idf.apply({"unet": unet})
+    assert plan.ok
+    assert torch.equal(ref, unet(**x).sample)
+
+
+def test_wan_video_pipeline_vae_attention_is_found():
+    comps = tp.wan()
+    plan = idf.plan(comps, SAGE, Platform.simulate(SIM))
+    vae_sites = plan.by_component()["vae"]
+    assert vae_sites and {s.module_class for s in vae_sites} == {"WanAttentionBlock"}
+    assert all(s.backend == "torch_sdpa" and s.resolution.reason == "global backend fallback"
+               for s in vae_sites)
+    x = tp.wan_vae_input()
+    calls = idf.find_sdpa_calls(comps["vae"], x)
+    assert {n for n in calls} == {s.name for s in vae_sites}
+    ref = comps["vae"](x).sample
+    idf.apply(comps)
+    assert torch.equal(ref, comps["vae"](x).sample)
+    ids = torch.tensor([[1, 2, 3]])
+    assert comps["text_encoder"](input_ids=ids).last_hidden_state.shape[-1] == 32
+
+
+def test_unclassified_sites_error_when_strict_and_are_recorded_when_auxiliary():
+    class MyAttention(torch.nn.Module):
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = MyAttention()
+
+    strict = idf.plan({"transformer": Model()})
+    assert not strict.ok and "cannot be classified" in strict.errors[0]
+    aux = idf.plan({"vae": Model()})
+    assert aux.ok
+    (site,) = aux.sites
+    assert site.status == "unclassified" and "own code path" in site.note
+    assert "unclassified" in aux.render()
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_of_an_applied_transformer():
+    pipe = tp.flux()
+    idf.apply(pipe)
+    model = pipe.transformer
+    x = tp.flux_inputs()
+    ref = model(**x).sample
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    assert torch.allclose(ref, compiled(**x).sample, atol=1e-5)
