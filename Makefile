@@ -27,6 +27,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m attnres plan examples/audio-video.toml
 	$(PY) -m attnres plan examples/audio-video.toml --platform "cuda:sm90+all" --attention-backend sage_attn
+	$(PY) -m attnres plan examples/flux.1-dev --platform "cuda:sm90+flash_attn+sageattention" \
+		--attention-backend sage_attn --dtype bf16 --dtype vae=fp32
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

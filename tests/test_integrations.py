@@ -387,3 +387,98 @@ def test_compile_fullgraph_of_an_applied_transformer():
     ref = model(**x).sample
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     assert torch.allclose(ref, compiled(**x).sample, atol=1e-5)
+
+
+# --- attnres plan DIR -------------------------------------------------------
+
+
+def _write(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def _safetensors(path: Path, dtypes: dict[str, str]) -> None:
+    import struct
+
+    header = {name: {"dtype": dt, "shape": [4, 4], "data_offsets": [0, 0]}
+              for name, dt in dtypes.items()}
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def test_plan_dir_dtype_sources_in_order(tmp_path, capsys):
+    folder = tmp_path / "flux"
+    for sub in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        src = ROOT / "examples" / "flux.1-dev" / sub / "config.json"
+        (folder / sub).mkdir(parents=True)
+        (folder / sub / "config.json").write_text(src.read_text())
+    (folder / "model_index.json").write_text(
+        (ROOT / "examples" / "flux.1-dev" / "model_index.json").read_text())
+    # weights headers win over the config; float8 storage is not a compute dtype
+    _safetensors(folder / "text_encoder" / "model.safetensors", {"w": "F16"})
+    _safetensors(folder / "vae" / "diffusion_pytorch_model.safetensors", {"w": "F8_E4M3"})
+    code = main(["plan", str(folder), "--json", "--dtype", "transformer=bf16"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    got = {c["name"]: (c["dtype"], c["dtype_source"]) for c in doc["components"]}
+    assert got == {
+        "transformer": ("bfloat16", "--dtype transformer="),
+        "text_encoder": ("float16", "weights"),
+        "text_encoder_2": ("bfloat16", "config torch_dtype"),
+        "vae": ("float32", "default float32"),
+    }
+    assert main(["plan", str(folder), "--dtype", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "text_encoder float16 (--dtype)" in out and "Dtypes:" in out
+
+
+def test_plan_dir_full_flux_has_57_transformer_sites(capsys):
+    code = main(["plan", str(ROOT / "examples" / "flux.1-dev"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    comps = {c["name"]: c for c in doc["components"]}
+    assert len(comps["transformer"]["sites"]) == 57
+    assert {s["head_size"] for s in comps["transformer"]["sites"]} == {128}
+    assert len(comps["text_encoder_2"]["sites"]) == 24
+
+
+def test_plan_dir_transformers_model_folder(tmp_path, capsys):
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=37, num_attention_heads=8,
+                      num_key_value_heads=2, num_hidden_layers=3, vocab_size=64,
+                      architectures=["Qwen2ForCausalLM"])
+    cfg.save_pretrained(tmp_path / "text_encoder")
+    code = main(["plan", str(tmp_path / "text_encoder"), "--json", "--trace-out",
+                 str(tmp_path / "traces")])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    (comp,) = doc["components"]
+    assert comp["name"] == "text_encoder" and len(comp["sites"]) == 3
+    assert {(s["heads"], s["kv_heads"]) for s in comp["sites"]} == {(8, 2)}
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--dtype", "vae=fp32", str(ROOT / "examples" / "cpu-small.toml")], "model folder"),
+        (["--dtype", "nope=fp32", str(ROOT / "examples" / "flux.1-dev")], "no model component"),
+        (["--dtype", "fp7", str(ROOT / "examples" / "flux.1-dev")], "unknown dtype"),
+        ([str(ROOT / "examples")], "neither a diffusers pipeline folder"),
+    ],
+)
+def test_plan_dir_mistakes_exit_2(argv, needle, capsys):
+    assert main(["plan", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_plan_dir_reads_no_weights_and_is_bounded(tmp_path):
+    from attnres.integrations._folder import MAX_HEADER_BYTES, dtype_from_weights
+
+    big = tmp_path / "model.safetensors"
+    import struct
+
+    big.write_bytes(struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}")
+    with pytest.raises(ValueError, match="larger than attnres reads"):
+        dtype_from_weights(tmp_path)

@@ -1326,6 +1326,14 @@ def _cmd_plan_dir(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     platform = _platform(args.platform)
     dtypes = parse_dtype_args(args.dtype or [])
     result = plan_folder(Path(args.pipeline), config, platform, dtypes)
+    names = [c.name for c in result.components]
+    for component, backend in config.component_backends:
+        if component not in names:
+            raise UsageError(
+                f"--attention-backend {component}={backend.name}: the folder "
+                f"{args.pipeline} has no model component {component!r}; its components: "
+                f"{', '.join(names)}"
+            )
     doc = result.to_dict()
     written = []
     if args.trace_out is not None:

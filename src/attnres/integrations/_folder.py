@@ -188,9 +188,7 @@ def plan_folder(
                 continue
             sub = folder / name / "config.json"
             if not sub.is_file():
-                if class_name.endswith(("Tokenizer", "TokenizerFast", "Scheduler",
-                                        "Processor", "ImageProcessor")):
-                    continue
+                # tokenizers and schedulers have no config.json model to plan
                 continue
             parts.append((name, library, class_name))
     elif (folder / "config.json").is_file():
@@ -226,7 +224,18 @@ def plan_folder(
             raise ValueError(f"{where}: cannot build {class_name} from this config: "
                              f"{exc}") from None
         choices[name] = _choose_dtype(name, sub, cfg, args)
-    from attnres.integrations import diffusers as _diffusers
+    if any(library == "diffusers" for _, library, _ in parts):
+        from attnres.integrations import diffusers as _diffusers
 
-    return _diffusers.plan(models, config, platform, dtypes=choices, title=title,
-                           source=str(folder))
+        return _diffusers.plan(models, config, platform, dtypes=choices, title=title,
+                               source=str(folder))
+    # a transformers model folder: diffusers need not be installed
+    from attnres.integrations import transformers as _transformers
+    from attnres.integrations._plan import plan_sites
+
+    described = [
+        (name, choices[name], _transformers.describe_sites(model, name, choices[name].dtype))
+        for name, model in models.items()
+    ]
+    return plan_sites(title=title, source=str(folder), components=described,
+                      config=config, platform=platform)

@@ -156,7 +156,7 @@ def _is_dispatcher(processor: Any) -> bool:
 
 
 def _active_backend() -> str:
-    name, _ = _AttentionBackendRegistry.get_active_backend()
+    name = _AttentionBackendRegistry._active_backend
     return str(getattr(name, "value", name))
 
 
@@ -486,7 +486,7 @@ def verify(pipe: Any) -> list[Problem]:
     dtype than it was planned for.
     """
     problems: list[Problem] = []
-    for comp, model in _components(pipe):
+    for _, model in _components(pipe):
         if _tf.is_transformers_model(model):
             problems += _tf.verify_model(model)
             continue

@@ -18,7 +18,6 @@ Importing this module imports torch and transformers.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -417,5 +416,3 @@ def remove(model: Any) -> int:
 def is_transformers_model(obj: Any) -> bool:
     return isinstance(obj, transformers.PreTrainedModel)
 
-
-_log = logging.getLogger("attnres")
