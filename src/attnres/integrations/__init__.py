@@ -11,6 +11,7 @@ This package imports neither diffusers nor transformers (nor torch): only its
 ``diffusers`` and ``transformers`` modules do, when they are imported.
 """
 
+from attnres.integrations._folder import plan_folder
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
@@ -19,4 +20,4 @@ from attnres.integrations._plan import (
     Site,
 )
 
-__all__ = ["DtypeChoice", "IntegrationError", "IntegrationPlan", "Problem", "Site"]
+__all__ = ["DtypeChoice", "IntegrationError", "IntegrationPlan", "Problem", "Site", "plan_folder"]

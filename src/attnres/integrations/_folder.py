@@ -16,6 +16,7 @@ compute dtype and is passed over); the config's ``torch_dtype`` (or
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -166,13 +167,25 @@ def _build(library: str, cls: Any, folder: Path, config: dict[str, Any]) -> Any:
 
 
 def plan_folder(
-    folder: Path,
+    folder: str | os.PathLike[str],
     config: SelectionConfig | None = None,
     platform: Platform | None = None,
-    dtypes: DtypeArgs | None = None,
+    dtypes: DtypeArgs | Mapping[str, str] | None = None,
 ) -> IntegrationPlan:
-    """Plan a diffusers pipeline folder or a transformers model folder on meta."""
-    args = dtypes or DtypeArgs(None, {})
+    """Plan a diffusers pipeline folder or a transformers model folder on meta.
+
+    ``dtypes`` maps a component to its compute dtype (``"*"``: every component),
+    as ``--dtype`` does; components not named get theirs from their weights'
+    headers, their config, or float32 (each component's ``DtypeChoice`` says which).
+    """
+    folder = Path(folder)
+    if dtypes is None:
+        args = DtypeArgs(None, {})
+    elif isinstance(dtypes, DtypeArgs):
+        args = dtypes
+    else:
+        per = {k: normalize_dtype(v) for k, v in dtypes.items()}
+        args = DtypeArgs(per.pop("*", None), per)
     index = folder / "model_index.json"
     if index.is_file():
         doc = _read_json(index)
