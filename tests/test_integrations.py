@@ -482,3 +482,66 @@ def test_plan_dir_reads_no_weights_and_is_bounded(tmp_path):
     big.write_bytes(struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}")
     with pytest.raises(ValueError, match="larger than attnres reads"):
         dtype_from_weights(tmp_path)
+
+
+# --- more facts, idempotence, the ledger, the example folders ---------------
+
+
+def test_fact_ltx_cross_attention_is_told_by_place_and_gets_the_prompt_mask():
+    from diffusers import LTXVideoTransformer3DModel
+
+    model = LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, num_layers=1, caption_channels=16,
+    )
+    attn1 = model.transformer_blocks[0].attn1
+    # the attribute lies: self-attention carries a cross_attention_dim too
+    assert attn1.cross_attention_dim == attn1.query_dim
+    plan = idf.plan({"transformer": model}, SAGE, Platform.simulate(SIM))
+    by_name = {s.name.rsplit(".", 1)[-1]: s for s in plan.sites}
+    assert by_name["attn1"].spec.role.value == "self" and by_name["attn1"].backend is None
+    assert by_name["attn2"].spec.role.value == "cross"
+    assert by_name["attn2"].spec.requirements.attn_mask
+    plan = idf.plan({"transformer": model.to(torch.bfloat16)}, SAGE, Platform.simulate(SIM))
+    by_name = {s.name.rsplit(".", 1)[-1]: s for s in plan.sites}
+    assert by_name["attn1"].backend == "sage_attn"
+    assert "does not implement attention masks" in by_name["attn2"].error
+
+
+def test_apply_twice_then_remove_restores_the_first_state():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    pipe = tp.flux()
+    shared = FluxAttnProcessor()
+    pipe.transformer.set_attn_processor(shared)
+    idf.apply(pipe)
+    idf.apply(pipe)
+    assert idf.verify(pipe) == []
+    idf.remove(pipe)
+    assert all(m.processor is shared for m in pipe.transformer.modules()
+               if hasattr(m, "processor"))
+    assert "_attention_backend" not in shared.__dict__
+
+
+def test_every_site_decision_lands_in_the_ledger():
+    import attnres
+
+    attnres.clear_decisions()
+    pipe = tp.flux()
+    plan = idf.plan(pipe)
+    got = {(d.component, d.layer) for d in attnres.decisions()}
+    assert {(s.component, s.name) for s in plan.sites} <= got
+
+
+def test_transformers_apply_refuses_rejections_and_changes_nothing():
+    model = _qwen2()
+    with pytest.raises(IntegrationError) as info:
+        itf.apply(model, "transformer", SAGE, Platform.simulate(SIM))
+    assert info.value.plan.sites and not info.value.plan.ok
+    assert not hasattr(model, "_attnres_installed")
+
+
+@pytest.mark.parametrize("folder", ["flux.1-dev", "sd3.5-large", "wan2.1-t2v-1.3b", "ltx-video"])
+def test_example_folders_plan_on_this_machine(folder, capsys):
+    assert main(["plan", str(ROOT / "examples" / folder)]) == 0
+    assert "Verdict: ok" in capsys.readouterr().out

@@ -60,13 +60,15 @@ from attnres.integrations._plan import (
     SiteDescription,
     plan_sites,
 )
-from attnres.layer import SelectionConfig
+from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
 
 __all__ = [
     "DIRECT_SDPA_CLASSES",
     "DISPATCHER_BACKENDS",
     "LEGACY_PROCESSORS",
+    "MASK_FACTS",
+    "ROLE_FACTS",
     "ROUTE_DISPATCHER",
     "apply",
     "describe_sites",
@@ -119,20 +121,42 @@ DIRECT_SDPA_CLASSES: dict[str, Callable[[Any], tuple[int, int]]] = {
     "WanAttentionBlock": _wan_block,
 }
 
-#: attention module class -> role. ``FluxAttention``'s ``added_kv_proj_dim``
-#: marks joint self-attention (text and image tokens in one sequence), not cross.
-ROLE_FACTS: dict[str, Callable[[Any], Role]] = {
-    "FluxAttention": lambda m: Role.SELF,
-    "Attention": lambda m: Role.CROSS if bool(m.is_cross_attention) else Role.SELF,
-    "WanAttention": lambda m: Role.CROSS if bool(m.is_cross_attention) else Role.SELF,
+def _last(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+#: attention module class -> role, from the module and its path.
+#: ``FluxAttention``'s ``added_kv_proj_dim`` marks joint self-attention (text
+#: and image tokens in one sequence), not cross; ``LTXAttention`` sets
+#: ``cross_attention_dim`` to the query width on its self-attention, so only
+#: its place (``attn2``) tells.
+ROLE_FACTS: dict[str, Callable[[str, Any], Role]] = {
+    "FluxAttention": lambda n, m: Role.SELF,
+    "Attention": lambda n, m: Role.CROSS if bool(m.is_cross_attention) else Role.SELF,
+    "WanAttention": lambda n, m: Role.CROSS if bool(m.is_cross_attention) else Role.SELF,
+    "LTXAttention": lambda n, m: Role.CROSS if _last(n) == "attn2" else Role.SELF,
+}
+
+#: attention module class -> whether its caller passes a mask to the kernel.
+#: LTX passes the prompt's padding mask to its cross-attention (``attn2``).
+MASK_FACTS: dict[str, Callable[[str, Any], bool]] = {
+    "LTXAttention": lambda n, m: _last(n) == "attn2",
 }
 
 
-def _role(module: Any) -> Role:
+def _role(name: str, module: Any) -> Role:
     fact = ROLE_FACTS.get(type(module).__name__)
     if fact is not None:
-        return fact(module)
+        return fact(name, module)
     return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
+
+
+def _requirements(name: str, module: Any, heads: int, kv_heads: int) -> Requirements:
+    mask = MASK_FACTS.get(type(module).__name__)
+    return Requirements(
+        attn_mask=bool(mask(name, module)) if mask is not None else False,
+        gqa=kv_heads < heads,
+    )
 
 
 def route_backends(processor: Any) -> frozenset[Backend]:
@@ -233,7 +257,8 @@ def _describe_attention(component: str, name: str, module: Any, dtype: str) -> S
     kv_heads = int(kv) if isinstance(kv, int) else heads
     common: dict[str, Any] = {
         "component": component, "name": name, "module_class": cls, "head_size": head_size,
-        "heads": heads, "kv_heads": kv_heads, "dtype": dtype, "role": _role(module),
+        "heads": heads, "kv_heads": kv_heads, "dtype": dtype, "role": _role(name, module),
+        "requirements": _requirements(name, module, heads, kv_heads),
     }
     pname = type(processor).__name__
     if _is_dispatcher(processor):
@@ -448,11 +473,17 @@ def apply(
             processor = copy.copy(original) if users[id(original)] > 1 else original
             had_own = "_attention_backend" in processor.__dict__
             old = processor.__dict__.get("_attention_backend")
+            earlier = module.__dict__.get(_PIN_ATTR)
+            first = original
+            if earlier is not None:  # applied again: remove() still restores the first state
+                first = earlier.original
+                if earlier.processor is processor and earlier.value is not None:
+                    had_own, old = earlier.had_own, earlier.old_backend
             pinned = AttentionBackendName(value)
             if processor is not original:
                 module.set_processor(processor)
             processor._attention_backend = pinned
-            pin = _Pin(comp, name, original, processor, had_own, old, pinned, backend, dtype)
+            pin = _Pin(comp, name, first, processor, had_own, old, pinned, backend, dtype)
             module.__dict__[_PIN_ATTR] = pin
             done.append((module, pin))
         for action in others:
