@@ -545,3 +545,17 @@ def test_transformers_apply_refuses_rejections_and_changes_nothing():
 def test_example_folders_plan_on_this_machine(folder, capsys):
     assert main(["plan", str(ROOT / "examples" / folder)]) == 0
     assert "Verdict: ok" in capsys.readouterr().out
+
+
+def test_a_training_forward_needs_backward_and_flex_on_cpu_refuses_it():
+    pipe = tp.flux()
+    flex = SelectionConfig(global_backend="flex_attention")
+    inference = idf.plan({"transformer": pipe.transformer}, flex)
+    assert inference.ok and {s.backend for s in inference.sites} == {"flex_attention"}
+    pipe.transformer.train()
+    training = idf.plan({"transformer": pipe.transformer}, flex)
+    assert all(s.spec.requirements.backward for s in training.sites)
+    assert not training.ok and "backward" in training.errors[0]
+    pipe.text_encoder.train()
+    plan = itf.plan(pipe.text_encoder, "text_encoder", flex)
+    assert all(s.spec.requirements.backward and s.backend == "torch_sdpa" for s in plan.sites)

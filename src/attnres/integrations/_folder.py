@@ -159,11 +159,12 @@ def _model_class(library: str, class_name: str, where: str) -> Any:
 def _build(library: str, cls: Any, folder: Path, config: dict[str, Any]) -> Any:
     import torch
 
+    # planned for inference, as from_pretrained loads a model (eval mode)
     with torch.device("meta"):
         if library == "diffusers":
-            return cls.from_config(config)
+            return cls.from_config(config).eval()
         cfg = cls.config_class.from_pretrained(str(folder), local_files_only=True)
-        return cls._from_config(cfg)
+        return cls._from_config(cfg).eval()
 
 
 def plan_folder(

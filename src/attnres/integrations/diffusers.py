@@ -151,12 +151,21 @@ def _role(name: str, module: Any) -> Role:
     return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
 
 
-def _requirements(name: str, module: Any, heads: int, kv_heads: int) -> Requirements:
+def _requirements(
+    name: str, module: Any, heads: int, kv_heads: int, trains: bool
+) -> Requirements:
     mask = MASK_FACTS.get(type(module).__name__)
     return Requirements(
         attn_mask=bool(mask(name, module)) if mask is not None else False,
         gqa=kv_heads < heads,
+        backward=trains,
     )
+
+
+def trains(model: Any) -> bool:
+    """Whether a forward of ``model`` is a training forward (it needs a backward pass):
+    in training mode with at least one parameter that requires grad."""
+    return bool(model.training) and any(p.requires_grad for p in model.parameters())
 
 
 def route_backends(processor: Any) -> frozenset[Backend]:
@@ -208,6 +217,7 @@ def describe_sites(
     if _tf.is_transformers_model(model):
         return _tf.describe_sites(model, component, dtype)
     fallback = normalize_dtype(getattr(model, "dtype", torch.float32))
+    backward = trains(model)
     modules = list(model.named_modules())
     site_names = [
         n for n, m in modules
@@ -218,7 +228,7 @@ def describe_sites(
         cls = type(module).__name__
         site_dtype = dtype or _dtype_of(module, fallback)
         if _is_attention_module(module):
-            out.append(_describe_attention(component, name, module, site_dtype))
+            out.append(_describe_attention(component, name, module, site_dtype, backward))
         elif cls in DIRECT_SDPA_CLASSES:
             heads, head_size = DIRECT_SDPA_CLASSES[cls](module)
             out.append(
@@ -227,6 +237,7 @@ def describe_sites(
                     route=f"F.scaled_dot_product_attention in {cls}",
                     supported=frozenset({Backend("torch_sdpa")}), head_size=head_size,
                     heads=heads, kv_heads=heads, dtype=site_dtype,
+                    requirements=Requirements(backward=backward),
                     current=Backend("torch_sdpa"),
                 )
             )
@@ -247,7 +258,9 @@ def describe_sites(
     return out
 
 
-def _describe_attention(component: str, name: str, module: Any, dtype: str) -> SiteDescription:
+def _describe_attention(
+    component: str, name: str, module: Any, dtype: str, backward: bool
+) -> SiteDescription:
     cls = type(module).__name__
     processor = getattr(module, "processor", None)
     heads = int(module.heads)
@@ -258,7 +271,7 @@ def _describe_attention(component: str, name: str, module: Any, dtype: str) -> S
     common: dict[str, Any] = {
         "component": component, "name": name, "module_class": cls, "head_size": head_size,
         "heads": heads, "kv_heads": kv_heads, "dtype": dtype, "role": _role(name, module),
-        "requirements": _requirements(name, module, heads, kv_heads),
+        "requirements": _requirements(name, module, heads, kv_heads, backward),
     }
     pname = type(processor).__name__
     if _is_dispatcher(processor):

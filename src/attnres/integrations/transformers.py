@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 import torch
 import transformers
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -91,6 +92,11 @@ def route_backends(model: Any) -> frozenset[Backend]:
 # =============================================================================
 # Per-class facts: module attributes lie
 # =============================================================================
+
+
+def trains(model: Any) -> bool:
+    """Whether a forward of ``model`` needs a backward pass (training mode, grads on)."""
+    return bool(model.training) and any(p.requires_grad for p in model.parameters())
 
 
 class _Facts:
@@ -210,6 +216,7 @@ def describe_sites(
 ) -> list[SiteDescription]:
     """Every attention site of ``model``, described for the resolver (nothing changed)."""
     supported = route_backends(model)
+    backward = trains(model)
     current_name = getattr(model.config, "_attn_implementation", None)
     modules = list(model.named_modules())
     found: list[tuple[str, Any, _Facts]] = [
@@ -235,7 +242,7 @@ def describe_sites(
                     kv_heads=facts.kv_heads(module),
                     dtype=dtype or _compute_dtype(module, model),
                     role=facts.role(name, module),
-                    requirements=facts.requirements(module),
+                    requirements=attrs.evolve(facts.requirements(module), backward=backward),
                     current=None if current is None else Backend(current),
                 )
             )
