@@ -493,7 +493,7 @@ def test_fact_ltx_cross_attention_is_told_by_place_and_gets_the_prompt_mask():
     model = LTXVideoTransformer3DModel(
         in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
         attention_head_dim=8, cross_attention_dim=16, num_layers=1, caption_channels=16,
-    )
+    ).eval()
     attn1 = model.transformer_blocks[0].attn1
     # the attribute lies: self-attention carries a cross_attention_dim too
     assert attn1.cross_attention_dim == attn1.query_dim
