@@ -1330,6 +1330,17 @@ def render_integration_plan(result: Any) -> list[str]:
         lines[insert:insert] = _field("Dtypes:", "; ".join(extra), width)
     groups = result.by_component()
     for comp in result.components:
+        if groups[comp.name]:
+            continue
+        header = next(
+            (i for i, line in enumerate(lines) if line.startswith(f"{comp.name}  [")), None
+        )
+        if header is not None:  # an empty table says less than one line
+            end = header + 1
+            while end < len(lines) and lines[end]:
+                end += 1
+            lines[header + 1:end] = ["  (no attention sites)"]
+    for comp in result.components:
         notes = [s for s in groups[comp.name] if s.trace is None]
         if not notes:
             continue
