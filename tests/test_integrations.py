@@ -379,14 +379,20 @@ def test_unclassified_sites_error_when_strict_and_are_recorded_when_auxiliary():
 
 
 @pytest.mark.slow
-def test_compile_fullgraph_of_an_applied_transformer():
+@pytest.mark.parametrize("flag", [None, "eager"])
+def test_compile_fullgraph_of_an_applied_transformer(flag):
+    """Dynamo captures an applied transformer in one graph: a pinned processor
+    backend is a constant to it (backend="eager" as in test_compile.py: the
+    capture is what fullgraph checks; inductor's C++ build is minutes on CPU)."""
     pipe = tp.flux()
-    idf.apply(pipe)
-    model = pipe.transformer
     x = tp.flux_inputs()
-    ref = model(**x).sample
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
-    assert torch.allclose(ref, compiled(**x).sample, atol=1e-5)
+    ref = pipe.transformer(**x).sample
+    config = None if flag is None else SelectionConfig(global_backend=flag)
+    plan = idf.apply(pipe, config)
+    assert {s.backend for s in plan.by_component()["transformer"]} == {flag or "torch_sdpa"}
+    torch._dynamo.reset()
+    compiled = torch.compile(pipe.transformer, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(**x).sample, ref, rtol=1e-5, atol=1e-5)
 
 
 # --- attnres plan DIR -------------------------------------------------------
