@@ -585,3 +585,18 @@ def test_plan_dir_per_component_flag_is_an_override_and_must_name_a_component(ca
     assert got["vae"] == {("torch_sdpa", "global_cli")}
     assert main(["plan", flux, "--attention-backend", "nope=eager"]) == 2
     assert "has no model component 'nope'" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_stand_in_the_route_cannot_run_is_an_error_in_the_plan():
+    # torch_cudnn_sdpa counts as supported by {torch_sdpa}; a legacy processor
+    # runs only torch SDPA, so the plan says so instead of apply failing later
+    from diffusers import AutoencoderKL
+
+    pipe = tp.flux(dtype=torch.bfloat16)
+    vae = AutoencoderKL(block_out_channels=(16,), latent_channels=1, norm_num_groups=1)
+    plan = idf.plan({"vae": vae.to(torch.bfloat16), "transformer": pipe.transformer},
+                    SelectionConfig(global_backend="torch_cudnn_sdpa"),
+                    Platform.simulate("cuda:sm90"))
+    vae = plan.by_component()["vae"]
+    assert vae and all("runs only torch_sdpa" in s.error for s in vae)
+    assert all(s.backend == "torch_cudnn_sdpa" for s in plan.by_component()["transformer"])

@@ -415,4 +415,21 @@ def _plan_one(
         res = resolve(spec, config=config, platform=platform)
     except ResolutionError as exc:
         return Site(**common, spec=spec, resolution=None, error=str(exc), trace=exc.trace)
+    if desc.supported is not None and res.backend not in desc.supported:
+        # the resolver counts a stand-in as supported (torch_cudnn_sdpa for
+        # {torch_sdpa}, dynamic_cudnn_sdpa for {fa, torch_sdpa}); the route
+        # runs only what it names
+        return Site(
+            **common, spec=spec, resolution=None, trace=res.trace,
+            error=(
+                f"the resolver chose {res.backend.name} for {desc.name!r}, which stands in "
+                f"for {_names(desc.supported)}, but its route ({desc.route}) runs only "
+                f"{_names(desc.supported)}; request one of those for component "
+                f"{desc.component!r}"
+            ),
+        )
     return Site(**common, spec=spec, resolution=res, error=None, trace=res.trace)
+
+
+def _names(backends: frozenset[Backend]) -> str:
+    return ", ".join(sorted(b.name for b in backends))
