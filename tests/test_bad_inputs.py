@@ -182,7 +182,7 @@ CASES: list[Case] = [
          call=lambda: Platform.simulate("rocm:mi300")),
     Case("platform-unknown-package", ValueError,
          "unknown kernel package 'flashattn' in platform spec 'cuda:sm90+flashattn'; known "
-         "packages: aiter, flash_attn,",
+         "packages: aiter, fastvideo_kernel, flash_attn,",
          call=lambda: Platform.simulate("cuda:sm90+flashattn")),
     Case("platform-empty", ValueError, "cannot parse platform spec ''; expected KIND[:ARCH]",
          call=lambda: Platform.simulate("")),

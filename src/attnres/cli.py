@@ -890,7 +890,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             {
                 "name": fact.name,
                 "backends": [
-                    spec.name for spec in registered_backends() if spec.package == fact.name
+                    spec.name for spec in registered_backends() if fact.name in spec.packages
                 ],
                 "status": fact.status,
                 "version": fact.version,
@@ -924,8 +924,8 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     lines += ["", "Optional kernel packages"]
     users: dict[str, list[str]] = {}
     for spec in registered_backends():
-        if spec.package is not None:
-            users.setdefault(spec.package, []).append(spec.name)
+        for package in spec.packages:
+            users.setdefault(package, []).append(spec.name)
     rows = [
         [
             fact.name,
@@ -980,6 +980,9 @@ _REQ_SHORT = {
     Requirement.GQA: "gqa",
     Requirement.DROPOUT: "dropout",
     Requirement.BACKWARD: "backward",
+    Requirement.CUSTOM_SCALE: "scale",
+    Requirement.SOFTCAP: "softcap",
+    Requirement.SLIDING_WINDOW: "window",
 }
 
 

@@ -415,20 +415,27 @@ def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform)
         if limit.requirements <= spec.implements
         and limit.applies(needed, platform.kind, platform.capability)
     ]
-    if (
-        layer.requirements.causal
-        and layer.role is Role.CROSS
-        and Requirement.CAUSAL in spec.implements
-        and not spec.causal_top_left
-    ):
-        out.append(
-            Failure(
-                Code.REQUIREMENT_UNMET,
-                "does not implement top-left aligned causal cross-attention (its causal mask "
-                "is bottom-right aligned when query and key lengths differ)",
+    # causal masks and sliding windows are laid along one diagonal; when query and
+    # key lengths differ (cross-attention) flash-style kernels take the bottom-right one
+    for req, what in _ALIGNED:
+        if (
+            req in needed
+            and layer.role is Role.CROSS
+            and req in spec.implements
+            and not spec.causal_top_left
+        ):
+            out.append(
+                Failure(
+                    Code.REQUIREMENT_UNMET,
+                    f"does not implement top-left aligned {what} cross-attention (its {what} "
+                    f"mask is bottom-right aligned when query and key lengths differ)",
+                )
             )
-        )
     return out
+
+
+#: The requirements whose mask follows the diagonal, and how a failure names them.
+_ALIGNED: Final = ((Requirement.CAUSAL, "causal"), (Requirement.SLIDING_WINDOW, "sliding-window"))
 
 
 def check_candidate(

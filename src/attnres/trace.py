@@ -602,7 +602,7 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
         return
     keys = _SCHEMA_1_REQUIREMENTS if version == 1 else [r.value for r in Requirement]
     try:
-        _exact_keys(obj, keys, f"requirements, in schema version {version}")
+        _exact_keys(obj, keys, f"requirements in schema version {version}")
     except _Invalid as exc:
         raise _Invalid(".input.layer.requirements" + exc.path, exc.message) from None
 
