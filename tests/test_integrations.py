@@ -600,3 +600,33 @@ def test_a_stand_in_the_route_cannot_run_is_an_error_in_the_plan():
     vae = plan.by_component()["vae"]
     assert vae and all("runs only torch_sdpa" in s.error for s in vae)
     assert all(s.backend == "torch_cudnn_sdpa" for s in plan.by_component()["transformer"])
+
+
+def test_call_facts_scale_window_softcap():
+    # T5 scales by 1.0, not 1/sqrt(d): custom_scale; CLIP uses the default
+    pipe = tp.flux()
+    t5 = itf.plan(pipe.text_encoder_2, "text_encoder_2")
+    assert all(s.spec.requirements.custom_scale for s in t5.sites)
+    clip = itf.plan(pipe.text_encoder, "text_encoder")
+    assert not any(s.spec.requirements.custom_scale for s in clip.sites)
+    # Qwen2 with a sliding window on some layers
+    from transformers import Qwen2Config, Qwen2Model
+
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                      num_key_value_heads=4, num_hidden_layers=2, vocab_size=64,
+                      use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                      layer_types=["full_attention", "sliding_attention"])
+    plan = itf.plan(Qwen2Model(cfg).eval(), "text_encoder")
+    assert [s.spec.requirements.sliding_window for s in plan.sites] == [False, True]
+    # a diffusers Attention built with scale_qk=False passes scale 1.0
+    from diffusers.models.attention_processor import Attention
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.plain = Attention(32, heads=2, dim_head=16)
+            self.unscaled = Attention(32, heads=2, dim_head=16, scale_qk=False)
+
+    sites = {s.name: s for s in idf.plan({"vae": Model().eval()}).sites}
+    assert not sites["plain"].spec.requirements.custom_scale
+    assert sites["unscaled"].spec.requirements.custom_scale

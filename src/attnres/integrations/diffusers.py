@@ -152,13 +152,15 @@ def _role(name: str, module: Any) -> Role:
 
 
 def _requirements(
-    name: str, module: Any, heads: int, kv_heads: int, trains: bool
+    name: str, module: Any, heads: int, kv_heads: int, head_size: int, trains: bool
 ) -> Requirements:
     mask = MASK_FACTS.get(type(module).__name__)
     return Requirements(
         attn_mask=bool(mask(name, module)) if mask is not None else False,
         gqa=kv_heads < heads,
         backward=trains,
+        # Attention(scale_qk=False) or scale= passes its own softmax scale
+        custom_scale=_tf.custom_scale(getattr(module, "scale", None), head_size),
     )
 
 
@@ -271,7 +273,7 @@ def _describe_attention(
     common: dict[str, Any] = {
         "component": component, "name": name, "module_class": cls, "head_size": head_size,
         "heads": heads, "kv_heads": kv_heads, "dtype": dtype, "role": _role(name, module),
-        "requirements": _requirements(name, module, heads, kv_heads, backward),
+        "requirements": _requirements(name, module, heads, kv_heads, head_size, backward),
     }
     pname = type(processor).__name__
     if _is_dispatcher(processor):

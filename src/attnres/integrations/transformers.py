@@ -18,6 +18,7 @@ Importing this module imports torch and transformers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -199,6 +200,32 @@ def _facts_for(module: Any) -> _Facts | None:
     return None
 
 
+def custom_scale(scale: object, head_size: int) -> bool:
+    """Whether a softmax scale differs from the default 1/sqrt(head size)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return False
+    default = 1.0 / math.sqrt(head_size)
+    return abs(float(scale) - default) > 1e-6 * default
+
+
+def _with_call_facts(
+    req: Requirements, module: Any, head_size: int, backward: bool
+) -> Requirements:
+    """What every transformers attention call passes besides q, k, v: ``scaling``
+    (T5 uses 1.0), ``sliding_window`` (set per layer) and a logit softcap."""
+    config = getattr(module, "config", None)
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap is None and config is not None:
+        softcap = getattr(config, "attn_logit_softcapping", None)
+    return attrs.evolve(
+        req,
+        backward=backward,
+        custom_scale=custom_scale(getattr(module, "scaling", None), head_size),
+        sliding_window=getattr(module, "sliding_window", None) is not None,
+        softcap=softcap is not None,
+    )
+
+
 def _looks_like_attention(module: Any) -> bool:
     name = type(module).__name__.lower()
     return "attention" in name or "attn" in name
@@ -242,7 +269,9 @@ def describe_sites(
                     kv_heads=facts.kv_heads(module),
                     dtype=dtype or _compute_dtype(module, model),
                     role=facts.role(name, module),
-                    requirements=attrs.evolve(facts.requirements(module), backward=backward),
+                    requirements=_with_call_facts(
+                        facts.requirements(module), module, facts.head_size(module), backward
+                    ),
                     current=None if current is None else Backend(current),
                 )
             )
