@@ -368,6 +368,8 @@ class Attention(nn.Module):
             _shape=shape,
             _run=_make_run(shape, kernel, dtypes),
         )
+        if resolution.trace.input.config.autotune:  # opt-in: measured selection
+            _arm_autotune(self)
 
     # The configuration is fixed at construction (forward binds it): read-only.
     @property
@@ -459,6 +461,26 @@ class Attention(nn.Module):
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         kernel, dtypes = _bind(self.resolution, self.layer_spec)
         self.__dict__.update(kernel=kernel, _run=_make_run(self._shape, kernel, dtypes))
+        if self.resolution.trace.input.config.autotune:
+            _arm_autotune(self)
+
+    def _adopt(self, resolution: Resolution) -> None:
+        """Run ``resolution``'s backend from now on (autotune's measured decision)."""
+        kernel, dtypes = _bind(resolution, self.layer_spec)
+        shape = self._shape._replace(backend=resolution.backend.name)
+        self.__dict__.update(
+            resolution=resolution,
+            kernel=kernel,
+            _shape=shape,
+            _run=_make_run(shape, kernel, dtypes),
+        )
+
+
+def _arm_autotune(layer: Attention) -> None:
+    """Arm the layer's tuner when its decision is automatic (attnres.autotuner)."""
+    from attnres.autotuner import arm
+
+    arm(layer)
 
 
 class _LayerShape(NamedTuple):
