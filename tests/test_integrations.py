@@ -139,13 +139,24 @@ def test_apply_without_flag_is_bit_identical_and_remove_restores():
     assert _processors(pipe) == procs
 
 
-def test_apply_emits_one_installed_event_per_site(caplog):
+def test_apply_emits_one_installed_event_per_site():
+    import structlog
+    from structlog.testing import capture_logs
+
     pipe = tp.flux()
-    with caplog.at_level("INFO", logger="attnres"):
-        plan = idf.apply(pipe)
-    installed = [r for r in caplog.records if "attention backend installed" in r.getMessage()]
+    try:
+        with capture_logs() as events:
+            plan = idf.apply(pipe)
+    finally:
+        structlog.reset_defaults()  # capture_logs leaves structlog "configured"
+    installed = [e for e in events if e["event"] == "attention backend installed"]
     assert len(installed) == len(plan.sites)
-    assert "route=" in installed[0].getMessage() and "digest=" in installed[0].getMessage()
+    first = installed[0]
+    site = plan.sites[0]
+    assert (first["component"], first["layer"], first["backend"]) == (
+        site.component, site.name, site.backend)
+    assert first["route"] == site.route and first["digest"] == site.trace.digest
+    assert {"reason", "origin"} <= set(first)
     idf.remove(pipe)
 
 
