@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from attnres._vocab import normalize_dtype
-from attnres.integrations._plan import DtypeChoice, IntegrationPlan
+from attnres.integrations._plan import DtypeChoice, IntegrationPlan, plan_sites
 from attnres.layer import SelectionConfig
 from attnres.platform import Platform
 
@@ -245,7 +245,6 @@ def plan_folder(
                                source=str(folder))
     # a transformers model folder: diffusers need not be installed
     from attnres.integrations import transformers as _transformers
-    from attnres.integrations._plan import plan_sites
 
     described = [
         (name, choices[name], _transformers.describe_sites(model, name, choices[name].dtype))

@@ -23,10 +23,19 @@ from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import ResolutionError
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
-from attnres.machine import Resolution, resolve, selection_config
+from attnres.plan import (
+    ComponentEntry,
+    ComponentPlan,
+    LayerEntry,
+    LayerPlan,
+    Pipeline,
+    PlanResult,
+    trace_file_name,
+)
 from attnres.platform import Platform
-from attnres.scope import component_scope, scope_state
-from attnres.trace import Trace
+from attnres.runtime import Resolution, component_scope, resolve, selection_config
+from attnres.scope import scope_state
+from attnres.trace import Trace, dump_trace
 
 __all__ = [
     "DtypeChoice",
@@ -233,15 +242,6 @@ class IntegrationPlan:
 
     def to_plan_result(self) -> Any:
         """The same plan as an :class:`attnres.plan.PlanResult` (rows of like sites)."""
-        from attnres.plan import (
-            ComponentEntry,
-            ComponentPlan,
-            LayerEntry,
-            LayerPlan,
-            Pipeline,
-            PlanResult,
-        )
-
         entries: list[ComponentEntry] = []
         planned: list[ComponentPlan] = []
         groups = self.by_component()
@@ -294,8 +294,6 @@ class IntegrationPlan:
 
     def dump_traces(self, directory: str | os.PathLike[str]) -> list[Path]:
         """Write one replayable trace per resolved site; returns the files written."""
-        from attnres.plan import trace_file_name
-        from attnres.trace import dump_trace
 
         out_dir = Path(directory)
         out_dir.mkdir(parents=True, exist_ok=True)
