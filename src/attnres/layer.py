@@ -8,16 +8,20 @@ given as :class:`~attnres.backends.Backend` or as strings, dtypes as strings
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from attrs import field, frozen
 
-from attnres._vocab import Requirement, Role, normalize_dtype
+from attnres._vocab import Requirement, Role, normalize_component, normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import UnknownBackendError
 
-__all__ = ["LayerSpec", "Requirements", "Role", "SelectionConfig"]
+__all__ = ["ENV_VAR", "LayerSpec", "Requirements", "Role", "SelectionConfig", "split_component_key"]
+
+#: The environment variable that sets the global backend when the flag is absent.
+ENV_VAR = "ATTNRES_ATTENTION_BACKEND"
 
 
 def _parse_backend(value: Backend | str, what: str) -> Backend:
@@ -144,6 +148,28 @@ class LayerSpec:
     name: str | None = field(default=None, converter=_name)
 
 
+def split_component_key(key: str) -> tuple[str, Role | None]:
+    """``"Text-Encoder"`` -> ``("text_encoder", None)``; ``"transformer.cross"`` ->
+    ``("transformer", Role.CROSS)``. Raises ``ValueError`` for an empty name or an
+    unknown role."""
+    name, dot, role_text = key.rpartition(".")
+    if not dot:
+        name, role_text = key, ""
+    component = normalize_component(name)
+    if not component:
+        raise ValueError(f"component name must be a non-empty string, got {key!r}")
+    if not dot:
+        return component, None
+    try:
+        role = Role.parse(role_text)
+    except ValueError:
+        raise ValueError(
+            f"{key!r}: the part after the last '.' must be a role, self or cross "
+            f"(COMPONENT.ROLE=BACKEND overrides one role of a component)"
+        ) from None
+    return component, role
+
+
 def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
     if not value:
         return ()
@@ -156,12 +182,23 @@ def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
             raise ValueError(
                 f"component_backends: expected (component, backend) pairs, got {pair!r}"
             ) from None
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name.strip():
             raise ValueError(
                 f"component_backends: component name must be a non-empty string, got {name!r}"
             )
-        out[name] = _parse_backend(backend, f"component_backends[{name!r}]")
+        try:
+            component, role = split_component_key(name)
+        except ValueError as exc:
+            raise ValueError(f"component_backends: {exc}") from None
+        key = component if role is None else f"{component}.{role.value}"
+        out[key] = _parse_backend(backend, f"component_backends[{name!r}]")
     return tuple(sorted(out.items()))
+
+
+def _env_name(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"global_backend_env: expected a variable name or None, got {value!r}")
+    return value
 
 
 @frozen(cache_hash=True)
@@ -170,9 +207,13 @@ class SelectionConfig:
 
     ``global_backend_explicit`` tells an operator's typed ``--attention-backend``
     (origin ``global_cli``) from a derived or defaulted preference (origin
-    ``global_preference``). ``component_backends`` is the per-component form of
-    the flag (``--attention-backend vae=torch_sdpa``): it acts as that
-    component's override.
+    ``global_preference``). ``global_backend_env`` names the environment
+    variable that set the global backend (origin ``global_env``; relaxed and
+    strict exactly like the flag). ``component_backends`` is the per-component
+    form of the flag (``--attention-backend vae=torch_sdpa``): it acts as that
+    component's override; a key ``component.role`` (``transformer.cross``) is a
+    role override of that component. Component names are normalised
+    (``Text-Encoder`` -> ``text_encoder``).
     """
 
     global_backend: Backend | None = field(default=None, converter=_global_backend)
@@ -181,18 +222,73 @@ class SelectionConfig:
     component_backends: tuple[tuple[str, Backend], ...] = field(
         default=(), converter=_component_backends
     )
+    global_backend_env: str | None = field(default=None, converter=_env_name)
+
+    def __attrs_post_init__(self) -> None:
+        if self.global_backend_env is not None and (
+            self.global_backend is None or not self.global_backend_explicit
+        ):
+            raise ValueError(
+                f"global_backend_env: {self.global_backend_env} names where an explicit global "
+                f"backend came from; it needs global_backend set and global_backend_explicit=True"
+            )
 
     def component_backend(self, component: str | None) -> Backend | None:
         if component is None:
             return None
+        key = normalize_component(component)
         for name, backend in self.component_backends:
-            if name == component:
+            if name == key:
+                return backend
+        return None
+
+    def role_backend(self, component: str | None, role: Role) -> Backend | None:
+        """The ``component.role`` override (``--attention-backend transformer.cross=X``)."""
+        if component is None or not self.component_backends:
+            return None
+        key = f"{normalize_component(component)}.{role.value}"
+        for name, backend in self.component_backends:
+            if name == key:
                 return backend
         return None
 
     @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, base: SelectionConfig | None = None
+    ) -> SelectionConfig:
+        """``base`` (default: an empty config) with ``ATTNRES_ATTENTION_BACKEND`` applied.
+
+        The variable sets the global backend, as an explicit operator choice
+        (origin ``global_env``), only where ``base`` has no explicit global
+        backend: the typed flag beats it. Unset or blank: ``base`` unchanged.
+        A bad value is a ``ValueError`` naming the variable.
+        """
+        env = os.environ if environ is None else environ
+        config = cls() if base is None else base
+        text = env.get(ENV_VAR, "").strip()
+        if not text or (config.global_backend is not None and config.global_backend_explicit):
+            return config
+        if "=" in text or "," in text:
+            raise ValueError(
+                f"{ENV_VAR}={text!r}: the variable sets the global backend only (one backend "
+                f"name); use --attention-backend COMPONENT=BACKEND for one component"
+            )
+        try:
+            backend = Backend.parse(text)
+        except UnknownBackendError as exc:
+            raise UnknownBackendError(f"{ENV_VAR}: {exc}", exc.name, exc.suggestion) from None
+        return SelectionConfig(
+            global_backend=backend,
+            global_backend_explicit=True,
+            forced_backend=config.forced_backend,
+            component_backends=config.component_backends,
+            global_backend_env=ENV_VAR,
+        )
+
+    @classmethod
     def from_args(cls, namespace: Any) -> SelectionConfig:
-        """Build from an argparse namespace filled by ``cli.add_selection_arguments``."""
+        """Build from an argparse namespace filled by ``cli.add_selection_arguments``
+        (``ATTNRES_ATTENTION_BACKEND`` applies when the flag was not typed)."""
         from attnres.cli import selection_config_from_args
 
         config = selection_config_from_args(namespace)
