@@ -84,6 +84,8 @@ __all__ = [
     "clear_cache",
     "detect_origin",
     "force_backend",
+    "lookup",
+    "rejection",
     "resolve",
     "resolve_entry",
     "run_machine",
@@ -772,21 +774,42 @@ def resolve_entry(
     handle: ScopeHandle | None,
     platform: Platform | None,
     backend: Backend | None,
-    *,
-    request: Backend | None = None,
-    record: bool = True,
 ) -> tuple[Resolution, Decision]:
-    """:func:`resolve` with its context given rather than read (late binding).
+    """:func:`resolve` with its context given rather than read: the decision is
+    recorded in the ledger and in ``handle``'s scope; rejected raises."""
+    resolution, decision, trace = lookup(
+        layer, cfg, None if handle is None else handle.state, platform, backend
+    )
+    record_decision(decision)
+    if handle is not None:
+        handle.entries.append((layer.role, decision))
+    if resolution is None:
+        raise rejection(trace)
+    return resolution, decision
 
-    ``handle`` is the scope the layer was built in (its state is the scope the
-    resolution sees; the decision is added to it when ``record``); ``request``
-    is a per-request backend (origin ``request``). With ``record=False`` the
-    decision goes neither to the ledger nor to the scope (a request's decision
-    is not the server's).
+
+def rejection(trace: Trace) -> ResolutionError:
+    """The error of a rejected resolution."""
+    return ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
+
+
+def lookup(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    scope: ScopeState | None,
+    platform: Platform | None,
+    backend: Backend | None,
+    request: Backend | None = None,
+) -> tuple[Resolution | None, Decision, Trace]:
+    """The cached (or newly computed, traced and audited) outcome of one input.
+
+    Records nothing: the caller decides whether the decision is the server's
+    (the ledger, the scope) or one request's (neither). ``request`` is a
+    per-request backend (origin ``request``). The resolution is ``None`` when
+    the outcome is a rejection.
     """
     if platform is None:
         platform = _platform_mod._DETECTED or Platform.detect()
-    scope = None if handle is None else handle.state
     key = (layer, cfg, scope, platform, backend, request)
     try:
         entry = _CACHE.get(key)
@@ -801,14 +824,7 @@ def resolve_entry(
             entry = _resolve_cold(TraceInput(layer, cfg, scope, platform, backend, request), key)
     else:
         emit_cache_hit(entry[1])
-    resolution, decision, trace = entry
-    if record:
-        record_decision(decision)
-        if handle is not None:
-            handle.entries.append((layer.role, decision))
-    if resolution is None:
-        raise ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
-    return resolution, decision
+    return entry
 
 
 def _check_arguments(config: object, platform: object) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple, overload
 
@@ -36,14 +37,19 @@ import torch
 import torch.nn.modules.module as _nn_module
 from torch import Tensor, nn
 
-from attnres._vocab import Role
-from attnres.backends import Backend, lookup_spec
-from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
-from attnres.layer import LayerSpec, Requirements
-from attnres.machine import Resolution, resolve
-from attnres.platform import Platform
+import attrs
 
-__all__ = ["Attention", "KernelNotRegisteredError"]
+from attnres._vocab import Role, normalize_dtype
+from attnres.backends import Backend, lookup_spec
+from attnres.errors import BackendNotAppliedError
+from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
+from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
+from attnres.ledger import Decision, record_decision, replace_decision
+from attnres.machine import Resolution, capture_config, lookup, rejection
+from attnres.platform import Platform
+from attnres.scope import ScopeHandle, ScopeState, current_handle
+
+__all__ = ["Attention", "KernelNotRegisteredError", "bind"]
 
 
 class KernelNotRegisteredError(RuntimeError):
@@ -285,20 +291,147 @@ class Attention(nn.Module):
             kv_heads != num_heads,
             name,
         )
-        resolution = resolve(spec, platform=platform, backend=backend)
-        kernel, dtypes = _bind(resolution, spec)
-        shape = _LayerShape(
-            num_heads, kv_heads, head_size, causal, scale, resolution.backend.name, spec.dtype
+        if platform is not None and not isinstance(platform, Platform):
+            raise TypeError(
+                f"platform: expected an attnres.Platform (Platform.detect() or "
+                f"Platform.simulate('cuda:sm90+flash_attn')), got {type(platform).__name__}"
+            )
+        # What the layer resolves with, now or later: the scope, config and forced
+        # backend of the place it was built in, never those current at first use.
+        handle = current_handle()
+        context = _Context(
+            capture_config(),
+            None if handle is None else handle.state,
+            handle,
+            platform,
+            None if backend is None else optional_backend("backend")(backend),
         )
+        shape = _LayerShape(num_heads, kv_heads, head_size, causal, scale, "", spec.dtype)
         # Plain attributes, set without nn.Module.__setattr__'s parameter/module
         # bookkeeping (none of them is a tensor or a module).
         self.__dict__.update(
             layer_spec=spec,
+            resolution=None,
+            kernel=None,
+            _shape=shape,
+            _context=context,
+            _decision=None,
+            _awaited_by_scope=False,
+            _prepared={},
+            _run=_pending_run(weakref.ref(self)),
+        )
+        if dtype is not None:
+            self._resolve(spec, platform)
+        elif handle is not None:
+            handle.add_pending()
+            self.__dict__["_awaited_by_scope"] = True
+
+    # -- late binding -------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether the layer has not resolved yet (built without ``dtype``, not yet
+        cast, run or bound); ``.backend`` and ``.resolution`` are ``None`` until then."""
+        return self.resolution is None
+
+    def _resolve(self, spec: LayerSpec, platform: Platform | None) -> Resolution:
+        """Resolve for ``spec`` (its dtype) with the captured context and bind.
+
+        The first resolution records the decision in the ledger and the scope the
+        layer was built in (checking that scope's overrides if it has exited);
+        a later one (a cast) replaces the stale ledger entry.
+        """
+        ctx = self._context
+        first = self.resolution is None
+        resolution, decision, trace = lookup(
+            spec, ctx.config, ctx.scope, ctx.platform if platform is None else platform,
+            ctx.backend,
+        )
+        handle = ctx.handle if first else None
+        awaited = first and self._awaited_by_scope
+        if first:
+            record_decision(decision)
+            if handle is not None:
+                handle.entries.append((spec.role, decision))
+        elif resolution is not None:
+            replace_decision(self._decision, decision)
+        if resolution is None:
+            if awaited and handle is not None:
+                self.__dict__["_awaited_by_scope"] = False
+                try:
+                    handle.bound(spec.role, None)
+                except BackendNotAppliedError:  # the rejection is the error to report
+                    pass
+            raise rejection(trace)
+        kernel, dtypes = _bind(resolution, spec)
+        self.__dict__.update(
+            layer_spec=spec,
             resolution=resolution,
             kernel=kernel,
-            _shape=shape,
-            _run=_make_run(shape, kernel, dtypes),
+            _decision=decision,
+            _prepared={},
+            _shape=self._shape._replace(backend=resolution.backend.name, dtype=spec.dtype),
         )
+        self.__dict__["_run"] = _make_run(self._shape, kernel, dtypes)
+        if awaited and handle is not None:
+            self.__dict__["_awaited_by_scope"] = False
+            handle.bound(spec.role, decision)
+        return resolution
+
+    def _bind_to(self, dtype: Any = None, platform: Platform | None = None) -> Resolution:
+        """Resolve now if pending or stale (another dtype or platform); else keep."""
+        spec = self.layer_spec
+        if dtype is not None:
+            name = normalize_dtype(dtype)
+            if name != spec.dtype:
+                spec = attrs.evolve(spec, dtype=name)
+        current = self.resolution
+        if (
+            current is not None
+            and spec is self.layer_spec
+            and (platform is None or platform == current.trace.input.platform)
+        ):
+            return current
+        with _BIND_LOCK:
+            return self._resolve(spec, platform)
+
+    def _first_forward(self, q: Tensor) -> None:
+        if self.resolution is not None:  # another thread bound it meanwhile
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"attnres.Attention{_named(self.layer_spec)} is still pending (built without "
+                f"dtype, never cast or bound) inside torch.compile: call attnres.bind(model) "
+                f"(or cast the model) before compiling, so the decision is made outside the graph"
+            )
+        dtype = getattr(q, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"q: expected a tensor, got {type(q).__name__}")
+        try:
+            normalize_dtype(dtype)
+        except ValueError:  # no attention dtype (int32): resolve for the layer's own,
+            dtype = None  # and forward's input check says what is wrong with q
+        self._bind_to(dtype)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Attention:
+        # nn.Module.to / .half / .bfloat16 / .float / .double all come here: the
+        # layer follows a dtype cast as parameters do, and resolves for it.
+        super()._apply(fn, recurse)
+        current = _TORCH_DTYPES.get(self.layer_spec.dtype, torch.float32)
+        probe_dtype = torch.float32 if current is torch.float64 else torch.float64
+        try:
+            probe = fn(torch.empty(0, dtype=probe_dtype))
+        except Exception:  # a device move this machine cannot make: not a cast
+            return self
+        new = getattr(probe, "dtype", probe_dtype)
+        if new is probe_dtype or not isinstance(new, torch.dtype):
+            return self  # not a dtype cast (a device move, share_memory, ...)
+        try:
+            normalize_dtype(new)
+        except ValueError:
+            return self  # a dtype no attention kernel takes: forward will say so
+        self._bind_to(new)
+        return self
 
     # The configuration is fixed at construction (forward binds it): read-only.
     @property
@@ -327,9 +460,10 @@ class Attention(nn.Module):
         return self.layer_spec.role
 
     @property
-    def backend(self) -> Backend:
-        """The backend this layer runs (``.resolution`` says why)."""
-        return self.resolution.backend
+    def backend(self) -> Backend | None:
+        """The backend this layer runs (``.resolution`` says why); ``None`` while pending."""
+        resolution = self.resolution
+        return None if resolution is None else resolution.backend
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None
@@ -355,26 +489,90 @@ class Attention(nn.Module):
         return self._run(q, k, v, attn_mask)
 
     def extra_repr(self) -> str:
-        return (
+        resolution = self.resolution
+        head = (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_size={self.head_size}, role={self.role.value}, "
-            f"causal={self.causal}, backend={self.backend.name}"
-            + (f", reason={self.resolution.reason!r}" if self.resolution.reason else "")
+            f"head_size={self.head_size}, role={self.role.value}, causal={self.causal}, "
+        )
+        if resolution is None:
+            return head + f"backend=pending (dtype {self.layer_spec.dtype} so far)"
+        return head + f"backend={resolution.backend.name}" + (
+            f", reason={resolution.reason!r}" if resolution.reason else ""
         )
 
     # The bound kernel and the forward closure are not picklable: pickling keeps
     # the decision and binds the same backend's kernel again on load, without
-    # resolving.
+    # resolving; a pending layer stays pending (with the scope it was built in).
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         for name in ("kernel", "_run"):
             state.pop(name, None)
+        state["_prepared"] = {}
+        state["_decision"] = None
+        state["_awaited_by_scope"] = False
+        state["_context"] = self._context._replace(handle=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
+        if self.resolution is None:
+            self.__dict__.update(kernel=None, _run=_pending_run(weakref.ref(self)))
+            return
         kernel, dtypes = _bind(self.resolution, self.layer_spec)
         self.__dict__.update(kernel=kernel, _run=_make_run(self._shape, kernel, dtypes))
+
+
+_BIND_LOCK = threading.RLock()
+
+
+class _Context(NamedTuple):
+    """What a layer resolves with, captured when it was built."""
+
+    config: SelectionConfig
+    scope: ScopeState | None
+    handle: ScopeHandle | None  # the open scope, to record the decision in
+    platform: Platform | None
+    backend: Backend | None  # the layer's own backend= (origin layer)
+
+
+def _named(spec: LayerSpec) -> str:
+    return f" {spec.name!r}" if spec.name else ""
+
+
+def _pending_run(ref: weakref.ReferenceType[Attention]) -> Callable[..., Tensor]:
+    """The forward of a pending layer: resolve for the query's dtype, then run."""
+
+    def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        layer = ref()
+        if layer is None:  # pragma: no cover - the closure outlived its layer
+            raise RuntimeError("attnres.Attention: the layer was garbage-collected")
+        layer._first_forward(q)
+        out: Tensor = layer._run(q, k, v, attn_mask)
+        return out
+
+    return run
+
+
+def bind(
+    module: nn.Module, *, dtype: torch.dtype | str | None = None, platform: Platform | None = None
+) -> list[Resolution]:
+    """Resolve every pending or stale ``attnres.Attention`` under ``module`` now.
+
+    ``dtype``: resolve for this dtype (default: each layer's current one: torch's
+    default dtype at construction, or the dtype of the last cast); ``platform``:
+    resolve against these facts (default: the layer's own, else the detected
+    platform). A layer already resolved for them keeps its decision. Returns the
+    resolutions in ``module.modules()`` order; a layer that cannot be served
+    raises its :class:`~attnres.ResolutionError` (so a server can fail fast at
+    start-up, not at its first request).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"attnres.bind: expected a torch.nn.Module, got {type(module).__name__}")
+    if dtype is not None:
+        normalize_dtype(dtype)  # a bad dtype is an error before any layer changes
+    if platform is not None and not isinstance(platform, Platform):
+        raise TypeError(f"attnres.bind: platform must be an attnres.Platform, got {platform!r}")
+    return [m._bind_to(dtype, platform) for m in module.modules() if isinstance(m, Attention)]
 
 
 class _LayerShape(NamedTuple):

@@ -632,7 +632,10 @@ def _component_name(key: str) -> str | None:
         return str(exc)
     canonical = component if role is None else f"{component}.{role.value}"
     if canonical != key:
-        return f"component name {json.dumps(key)} is not normalised (expected {json.dumps(canonical)})"
+        return (
+            f"component name {json.dumps(key)} is not normalised "
+            f"(expected {json.dumps(canonical)})"
+        )
     return None
 
 
