@@ -39,8 +39,8 @@ _logging.getLogger("attnres").addHandler(_logging.NullHandler())
 if TYPE_CHECKING:
     from attnres import distributed, kernels  # noqa: F401 - lazily exported
     from attnres.modules import Attention, KernelNotRegisteredError, bind
-    from attnres.request import RequestBackendError, request_backend
     from attnres.replayer import ReplayResult, replay
+    from attnres.request import RequestBackendError, request_backend
 
 
 def __getattr__(name: str) -> Any:

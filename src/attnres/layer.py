@@ -148,25 +148,29 @@ class LayerSpec:
     name: str | None = field(default=None, converter=_name)
 
 
-def split_component_key(key: str) -> tuple[str, Role | None]:
+def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | None]:
     """``"Text-Encoder"`` -> ``("text_encoder", None)``; ``"transformer.cross"`` ->
-    ``("transformer", Role.CROSS)``. Raises ``ValueError`` for an empty name or an
-    unknown role."""
+    ``("transformer", Role.CROSS)``.
+
+    A key is a role override when the part after its last ``.`` is a role
+    (``self`` or ``cross``); otherwise the whole key is a component name --
+    unless ``strict`` (the command line), where any other part after a ``.`` is
+    an error. Raises ``ValueError`` for an empty name.
+    """
     name, dot, role_text = key.rpartition(".")
-    if not dot:
-        name, role_text = key, ""
-    component = normalize_component(name)
-    if not component:
-        raise ValueError(f"component name must be a non-empty string, got {key!r}")
-    if not dot:
-        return component, None
-    try:
+    role: Role | None = None
+    if dot and role_text.strip().lower() in ("self", "cross") and normalize_component(name):
         role = Role.parse(role_text)
-    except ValueError:
+    elif dot and strict:
         raise ValueError(
             f"{key!r}: the part after the last '.' must be a role, self or cross "
             f"(COMPONENT.ROLE=BACKEND overrides one role of a component)"
-        ) from None
+        )
+    else:
+        name = key
+    component = normalize_component(name)
+    if not component:
+        raise ValueError(f"component name must be a non-empty string, got {key!r}")
     return component, role
 
 

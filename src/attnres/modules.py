@@ -26,6 +26,7 @@ Errors
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -33,11 +34,10 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple, overload
 
+import attrs
 import torch
 import torch.nn.modules.module as _nn_module
 from torch import Tensor, nn
-
-import attrs
 
 from attnres._vocab import Role, normalize_dtype
 from attnres.backends import Backend, lookup_spec
@@ -224,10 +224,14 @@ class Attention(nn.Module):
     """
 
     layer_spec: LayerSpec
-    resolution: Resolution
-    kernel: KernelFn
+    resolution: Resolution | None
+    kernel: KernelFn | None
     _shape: _LayerShape
     _run: Callable[..., Tensor]
+    _context: _Context
+    _decision: Decision | None
+    _awaited_by_scope: bool
+    _prepared: dict[str, _Bound]
 
     def __init__(
         self,
@@ -326,6 +330,37 @@ class Attention(nn.Module):
             handle.add_pending()
             self.__dict__["_awaited_by_scope"] = True
 
+    # -- per-request switching (attnres.request_backend) --------------------------
+
+    def _prepare(self, backend: Backend) -> _Bound:
+        """The resolution and bound forward of ``backend`` for one request (origin
+        ``request``, strict, traced, not recorded), cached per layer."""
+        prepared: _Bound | None = self._prepared.get(backend.name)
+        if prepared is not None:
+            return prepared
+        current = self.resolution
+        if current is None:  # pragma: no cover - request_backend binds first
+            raise RuntimeError("attnres.Attention: prepare a request on a bound layer")
+        ctx, spec = self._context, self.layer_spec
+        resolution, _, trace = lookup(
+            spec, ctx.config, ctx.scope, current.trace.input.platform, ctx.backend, backend
+        )
+        if resolution is None:
+            raise rejection(trace)
+        kernel, dtypes = _bind(resolution, spec)
+        shape = self._shape._replace(backend=resolution.backend.name)
+        prepared = _Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes))
+        self._prepared[backend.name] = prepared
+        return prepared
+
+    def _swap(self, bound: _Bound) -> _Bound:
+        """Run ``bound`` from now on; returns what ran before (to restore it)."""
+        before = _Bound(self.resolution, self.kernel, self._shape, self._run)
+        self.__dict__.update(
+            resolution=bound.resolution, kernel=bound.kernel, _shape=bound.shape, _run=bound.run
+        )
+        return before
+
     # -- late binding -------------------------------------------------------------
 
     @property
@@ -358,10 +393,9 @@ class Attention(nn.Module):
         if resolution is None:
             if awaited and handle is not None:
                 self.__dict__["_awaited_by_scope"] = False
-                try:
+                # the rejection is the error to report
+                with contextlib.suppress(BackendNotAppliedError):
                     handle.bound(spec.role, None)
-                except BackendNotAppliedError:  # the rejection is the error to report
-                    pass
             raise rejection(trace)
         kernel, dtypes = _bind(resolution, spec)
         self.__dict__.update(
@@ -416,15 +450,20 @@ class Attention(nn.Module):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Attention:
         # nn.Module.to / .half / .bfloat16 / .float / .double all come here: the
         # layer follows a dtype cast as parameters do, and resolves for it.
-        super()._apply(fn, recurse)
-        current = _TORCH_DTYPES.get(self.layer_spec.dtype, torch.float32)
-        probe_dtype = torch.float32 if current is torch.float64 else torch.float64
-        try:
-            probe = fn(torch.empty(0, dtype=probe_dtype))
-        except Exception:  # a device move this machine cannot make: not a cast
-            return self
-        new = getattr(probe, "dtype", probe_dtype)
-        if new is probe_dtype or not isinstance(new, torch.dtype):
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        # fn converts tensors; a dtype cast is told from a device move by two
+        # empty probes of different floating dtypes: a cast changes at least one
+        new: torch.dtype | None = None
+        for probe_dtype in (torch.float64, torch.float16):
+            try:
+                probe = fn(torch.empty(0, dtype=probe_dtype))
+            except Exception:  # a device move this machine cannot make: not a cast
+                return self
+            found = getattr(probe, "dtype", probe_dtype)
+            if found is not probe_dtype and isinstance(found, torch.dtype):
+                new = found
+                break
+        if new is None:
             return self  # not a dtype cast (a device move, share_memory, ...)
         try:
             normalize_dtype(new)
@@ -523,6 +562,15 @@ class Attention(nn.Module):
 
 
 _BIND_LOCK = threading.RLock()
+
+
+class _Bound(NamedTuple):
+    """What a layer runs: its decision, kernel and forward (swapped per request)."""
+
+    resolution: Resolution | None
+    kernel: KernelFn | None
+    shape: _LayerShape
+    run: Callable[..., Tensor]
 
 
 class _Context(NamedTuple):
