@@ -85,6 +85,13 @@ def request_backend(module: nn.Module, backend: Backend | str) -> Iterator[Backe
     bound first (the server's decision, recorded). Layers already running
     ``backend`` are left alone; when all are, the block is a no-op.
     """
+    where = _capturing()  # first: nothing else should be traced into a graph
+    if where is not None:
+        raise RuntimeError(
+            f"attnres.request_backend({backend!r}) was called {where}: switching kernels "
+            f"would be baked into (or break) the graph. Enter request_backend outside the "
+            f"compiled or captured region, around the call"
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"attnres.request_backend: expected a torch.nn.Module, got {type(module).__name__}"
@@ -92,13 +99,6 @@ def request_backend(module: nn.Module, backend: Backend | str) -> Iterator[Backe
     parsed = optional_backend("backend")(backend)
     if parsed is None:
         raise ValueError("attnres.request_backend: backend must be a backend name, not None")
-    where = _capturing()
-    if where is not None:
-        raise RuntimeError(
-            f"attnres.request_backend({parsed.name!r}) was called {where}: switching kernels "
-            f"would be baked into (or break) the graph. Enter request_backend outside the "
-            f"compiled or captured region, around the call"
-        )
     layers = [(p, m) for p, m in module.named_modules() if isinstance(m, Attention)]
     if not layers:
         raise RequestBackendError(
