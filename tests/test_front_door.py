@@ -179,5 +179,6 @@ def test_rule_front_door_the_cli_reads_the_env_and_doctor_shows_it(
     monkeypatch.setenv(ENV_VAR, "nope")
     assert cli.main(["doctor", "--json"]) == 0  # doctor reports it, never fails on it
     assert json.loads(capsys.readouterr().out)["environment"]["status"] == "invalid"
-    assert cli.main(["explain", "--head-size", "64"]) == 2  # a user mistake: exit 2
+    explain = ["explain", "--head-size", "64", "--dtype", "bf16", "--component", "vae"]
+    assert cli.main(explain) == 2  # a user mistake: exit 2
     assert ENV_VAR in capsys.readouterr().err

@@ -121,12 +121,16 @@ def test_rule_request_backend_switch_and_restore_are_audit_events() -> None:
 
 
 def test_rule_request_backend_refused_without_an_attnres_layer() -> None:
-    with pytest.raises(RequestBackendError, match="holds no attnres.Attention layer"):
-        with request_backend(nn.Linear(2, 2), "eager"):
-            pass
-    with pytest.raises(TypeError, match="torch.nn.Module"):
-        with request_backend("model", "eager"):  # type: ignore[arg-type]
-            pass
+    with (
+        pytest.raises(RequestBackendError, match=r"holds no attnres\.Attention layer"),
+        request_backend(nn.Linear(2, 2), "eager"),
+    ):
+        pass
+    with (
+        pytest.raises(TypeError, match=r"torch\.nn\.Module"),
+        request_backend("model", "eager"),  # type: ignore[arg-type]
+    ):
+        pass
 
 
 def test_rule_request_backend_refused_for_a_sparse_bound_backend() -> None:
@@ -138,9 +142,11 @@ def test_rule_request_backend_refused_for_a_sparse_bound_backend() -> None:
     try:
         layer = Attention(8, 128, dtype="bf16", backend="sliding_tile_attn",
                           platform=Platform.simulate("cuda:sm90+all"), name="attn1")
-        with pytest.raises(RequestBackendError, match="runs the sparse backend"):
-            with request_backend(layer, "torch_sdpa"):
-                pass
+        with (
+            pytest.raises(RequestBackendError, match="runs the sparse backend"),
+            request_backend(layer, "torch_sdpa"),
+        ):
+            pass
         assert layer.backend is not None and layer.backend.name == "sliding_tile_attn"
     finally:
         unregister_kernel("sliding_tile_attn")
@@ -156,7 +162,7 @@ def test_rule_request_backend_refused_inside_torch_compile() -> None:
         return out
 
     compiled = torch.compile(step, backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match="inside torch.compile'd code"):
+    with pytest.raises(Exception, match=r"inside torch\.compile'd code"):
         compiled(_x())
     torch._dynamo.reset()
     assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]
