@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import attrs
 
 from attnres._states import Event, State
-from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement
+from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
@@ -942,7 +942,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             {
                 "name": fact.name,
                 "backends": [
-                    spec.name for spec in registered_backends() if spec.package == fact.name
+                    spec.name for spec in registered_backends() if fact.name in spec.packages
                 ],
                 "status": fact.status,
                 "version": fact.version,
@@ -977,8 +977,8 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     lines += ["", "Optional kernel packages"]
     users: dict[str, list[str]] = {}
     for spec in registered_backends():
-        if spec.package is not None:
-            users.setdefault(spec.package, []).append(spec.name)
+        for package in spec.packages:
+            users.setdefault(package, []).append(spec.name)
     rows = [
         [
             fact.name,
@@ -1035,6 +1035,10 @@ _REQ_SHORT = {
     Requirement.PACKED_VARLEN: "varlen",
     Requirement.GQA: "gqa",
     Requirement.DROPOUT: "dropout",
+    Requirement.BACKWARD: "backward",
+    Requirement.CUSTOM_SCALE: "scale",
+    Requirement.SOFTCAP: "softcap",
+    Requirement.SLIDING_WINDOW: "window",
 }
 
 
@@ -1055,7 +1059,16 @@ def _runs_on(spec: BackendSpec) -> str:
 def _backend_note(spec: BackendSpec) -> str:
     implements = ", ".join(_REQ_SHORT[r] for r in Requirement if r in spec.implements)
     parts = [f"implements: {implements or 'none of the requirements'}"]
-    parts.append(f"package: {spec.package or 'torch'}")
+    if spec.limits:
+        parts.append("not: " + "; ".join(limit.describe() for limit in spec.limits))
+    for dtype, rule in sorted(spec.dtype_capabilities.items()):
+        parts.append(f"{_DTYPE_SHORT.get(dtype, dtype)} only on {rule.describe()}")
+    package = spec.package or "torch"
+    if spec.package_alternatives:
+        package += " (or " + " or ".join(spec.package_alternatives) + ")"
+    if spec.extra_packages:
+        package += " and " + " and ".join(spec.extra_packages)
+    parts.append(f"package: {package}")
     if spec.min_torch:
         parts.append(
             "needs "
@@ -1102,7 +1115,25 @@ def _spec_doc(spec: BackendSpec) -> dict[str, Any]:
             "description": rule.describe(),
         },
         "implements": [r.value for r in Requirement if r in spec.implements],
+        "limits": [
+            {
+                "requirements": [r.value for r in Requirement if r in limit.requirements],
+                "platforms": None
+                if limit.platforms is None
+                else _ordered(limit.platforms, PLATFORM_KINDS),
+                "capabilities": None
+                if limit.capabilities is None
+                else limit.capabilities.describe(),
+                "because": limit.because,
+            }
+            for limit in spec.limits
+        ],
+        "dtype_capabilities": {
+            dtype: rule.describe() for dtype, rule in sorted(spec.dtype_capabilities.items())
+        },
         "package": spec.package,
+        "package_alternatives": list(spec.package_alternatives),
+        "extra_packages": list(spec.extra_packages),
         "aliases": list(spec.aliases),
         "satisfies": [sorted(group) for group in spec.satisfies],
         "description": spec.description,
@@ -1145,11 +1176,14 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         min_width=10,
         notes=[_backend_note(spec) for spec in specs],
     )
-    lines += [
+    lines.append("")
+    lines += _wrap(
+        "requirements: "
+        + ", ".join(f"{_REQ_SHORT[r]} ({REQUIREMENT_PHRASES[r]})" for r in Requirement),
+        width,
         "",
-        "requirements: causal, mask (attention masks), varlen (packed varlen), gqa "
-        "(grouped-query), dropout",
-    ]
+        "  ",
+    )
     if failures:
         lines += ["", f"Plugins that failed to load (entry-point group {ENTRY_POINT_GROUP}):"]
         for f in failures:
