@@ -45,7 +45,7 @@ from attnres.errors import BackendNotAppliedError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
-from attnres.machine import Resolution, capture_config, lookup, rejection
+from attnres.machine import Resolution, capture_config, check_candidate, lookup, rejection
 from attnres.platform import Platform
 from attnres.scope import ScopeHandle, ScopeState, current_handle
 
@@ -283,6 +283,7 @@ class Attention(nn.Module):
     _decision: Decision | None
     _awaited_by_scope: bool
     _prepared: dict[str, _Bound]
+    _backward: _Bound | None
 
     def __init__(
         self,
@@ -384,6 +385,7 @@ class Attention(nn.Module):
             _decision=None,
             _awaited_by_scope=False,
             _prepared={},
+            _backward=None,
             _run=_pending_run(weakref.ref(self)),
         )
         if dtype is not None:
@@ -422,6 +424,67 @@ class Attention(nn.Module):
             resolution=bound.resolution, kernel=bound.kernel, _shape=bound.shape, _run=bound.run
         )
         return before
+
+    # -- training: a forward that needs gradients needs a backward pass -----------
+
+    def _backward_spec(self) -> LayerSpec:
+        spec = self.layer_spec
+        return attrs.evolve(
+            spec, requirements=attrs.evolve(spec.requirements, backward=True)
+        )
+
+    def _guard(self, run: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """``run``, or -- when the bound kernel has no backward pass and the layer did
+        not require one -- ``run`` behind a check for forwards that need gradients.
+
+        Only such layers pay for the check (one grad-mode call and three flags);
+        every other bound layer runs ``run`` itself.
+        """
+        resolution = self.resolution
+        spec = self.layer_spec
+        if resolution is None or spec.requirements.backward:
+            return run
+        platform = resolution.trace.input.platform
+        checks = check_candidate(resolution.backend, self._backward_spec(), platform)
+        if all(not failures for _, failures in checks):
+            return run
+        return _grad_guard(run, weakref.ref(self))
+
+    @property
+    def backward_resolution(self) -> Resolution | None:
+        """The decision for forwards that need gradients, when the bound kernel has
+        no backward pass and one has run (kept beside the inference decision)."""
+        bound = self._backward
+        return None if bound is None else bound.resolution
+
+    def _training_run(self) -> Callable[..., Tensor]:
+        """The forward for inputs that need gradients: resolved once with the
+        ``backward`` requirement added (traced, not recorded in the ledger, like a
+        request's), so a relaxed decision falls back and a strict one raises a
+        :class:`~attnres.ResolutionError` before anything is computed."""
+        bound = self._backward
+        if bound is None:
+            current = self.resolution
+            if current is None:  # pragma: no cover - only bound layers are guarded
+                raise RuntimeError("attnres.Attention: a pending layer has no training path")
+            ctx, spec = self._context, self._backward_spec()
+            resolution, _, trace = lookup(
+                spec, ctx.config, ctx.scope, current.trace.input.platform, ctx.backend
+            )
+            if resolution is None:
+                error = rejection(trace)
+                raise type(error)(
+                    f"{error} (attnres.Attention{_named(self.layer_spec)} runs "
+                    f"{current.backend.name!r}, which has no backward pass here, and this "
+                    f"forward needs gradients; nothing was computed)",
+                    error.trace,
+                    error.code,
+                ) from None
+            kernel, dtypes = _bind(resolution, spec)
+            shape = self._shape._replace(backend=resolution.backend.name)
+            bound = _Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes))
+            self.__dict__["_backward"] = bound
+        return bound.run
 
     # -- late binding -------------------------------------------------------------
 
@@ -466,9 +529,10 @@ class Attention(nn.Module):
             kernel=kernel,
             _decision=decision,
             _prepared={},
+            _backward=None,
             _shape=self._shape._replace(backend=resolution.backend.name, dtype=spec.dtype),
         )
-        self.__dict__["_run"] = _make_run(self._shape, kernel, dtypes)
+        self.__dict__["_run"] = self._guard(_make_run(self._shape, kernel, dtypes))
         if awaited and handle is not None:
             self.__dict__["_awaited_by_scope"] = False
             handle.bound(spec.role, decision)
@@ -625,6 +689,7 @@ class Attention(nn.Module):
         for name in ("kernel", "_run"):
             state.pop(name, None)
         state["_prepared"] = {}
+        state["_backward"] = None
         state["_decision"] = None
         state["_awaited_by_scope"] = False
         state["_context"] = self._context._replace(handle=None)
@@ -636,7 +701,9 @@ class Attention(nn.Module):
             self.__dict__.update(kernel=None, _run=_pending_run(weakref.ref(self)))
             return
         kernel, dtypes = _bind(self.resolution, self.layer_spec)
-        self.__dict__.update(kernel=kernel, _run=_make_run(self._shape, kernel, dtypes))
+        self.__dict__.update(
+            kernel=kernel, _run=self._guard(_make_run(self._shape, kernel, dtypes))
+        )
 
 
 _BIND_LOCK = threading.RLock()
@@ -659,6 +726,23 @@ class _Context(NamedTuple):
     handle: ScopeHandle | None  # the open scope, to record the decision in
     platform: Platform | None
     backend: Backend | None  # the layer's own backend= (origin layer)
+
+
+def _grad_guard(run: Callable[..., Tensor], ref: weakref.ReferenceType[Attention]
+                ) -> Callable[..., Tensor]:
+    """``run`` for inference; the layer's training path for inputs that need gradients
+    (grad mode on and an input that requires grad; ``module.train()`` alone is not)."""
+    grad_enabled = torch.is_grad_enabled
+
+    def guarded(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        if grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            layer = ref()
+            if layer is not None:
+                out: Tensor = layer._training_run()(q, k, v, attn_mask)
+                return out
+        return run(q, k, v, attn_mask)
+
+    return guarded
 
 
 def _named(spec: LayerSpec) -> str:

@@ -249,6 +249,32 @@ SCENARIOS: tuple[Scenario, ...] = (
         None,
         expect=selects("fa", origin="none"),
     ),
+    # -- contract v2, section 5: a training forward adds the backward requirement ------
+    Scenario(
+        "training-forward-global-sage-vae-falls-back-to-fa",
+        "A forward that needs gradients on a VAE layer bound to sage_attn (no backward pass) "
+        "resolves again with the backward requirement: the relaxed global flag falls back to "
+        "fa.",
+        _layer(head_size=64, requires=("backward",), name="decoder.mid.attn"),
+        _cli("sage_attn"),
+        scope_state("vae"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "training-forward-global-sage-transformer-rejected",
+        "The same training forward on the transformer (strict for the global flag) is "
+        "rejected before anything is computed: sage_attn has no backward pass.",
+        _layer(head_size=64, requires=("backward",), name="blocks.0.attn1"),
+        _cli("sage_attn"),
+        scope_state("transformer"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=rejects(
+            "requirement_unmet", origin="global_cli", error_contains=("the backward pass",)
+        ),
+    ),
     # -- contract v2, section 2: per-request switching ----------------------------------
     Scenario(
         "request-eager-beats-component-override",
