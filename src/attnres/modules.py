@@ -40,7 +40,7 @@ import torch.nn.modules.module as _nn_module
 from torch import Tensor, nn
 
 from attnres._vocab import Role, normalize_dtype
-from attnres.backends import Backend, lookup_spec
+from attnres.backends import Backend, lookup_spec, on_registry_change
 from attnres.errors import BackendNotAppliedError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
@@ -85,6 +85,9 @@ _MEMO_MAX: Final = 1024
 _MEMO_LOCK = threading.Lock()
 _SPECS: dict[tuple[object, ...], LayerSpec] = {}
 _DTYPE_SETS: dict[frozenset[str], frozenset[torch.dtype]] = {}
+#: (backend, requirements, role, platform) -> whether the kernel has a backward pass
+_HAS_BACKWARD: dict[tuple[object, ...], bool] = {}
+on_registry_change(_HAS_BACKWARD.clear)  # a re-registered spec may change the facts
 
 
 def _memo_put(memo: dict[Any, Any], key: object, value: object) -> None:
@@ -386,7 +389,7 @@ class Attention(nn.Module):
             _awaited_by_scope=False,
             _prepared={},
             _backward=None,
-            _run=_pending_run(weakref.ref(self)),
+            _run=None if dtype is not None else _pending_run(weakref.ref(self)),
         )
         if dtype is not None:
             self._resolve(spec, platform)
@@ -445,10 +448,14 @@ class Attention(nn.Module):
         if resolution is None or spec.requirements.backward:
             return run
         platform = resolution.trace.input.platform
-        checks = check_candidate(resolution.backend, self._backward_spec(), platform)
-        if all(not failures for _, failures in checks):
-            return run
-        return _grad_guard(run, weakref.ref(self))
+        # only the requirements check can differ from the inference decision's
+        key = (resolution.backend, spec.requirements, spec.role, platform)
+        has_backward = _HAS_BACKWARD.get(key)
+        if has_backward is None:
+            checks = check_candidate(resolution.backend, self._backward_spec(), platform)
+            has_backward = all(not failures for _, failures in checks)
+            _memo_put(_HAS_BACKWARD, key, has_backward)
+        return run if has_backward else _grad_guard(run, weakref.ref(self))
 
     @property
     def backward_resolution(self) -> Resolution | None:
