@@ -99,7 +99,8 @@ def test_rule_late_binding_build_in_float32_then_cast_under_a_strict_global_flag
     assert block.attn.resolution.origin == "global_cli"  # type: ignore[union-attr]
     (decision,) = attnres.decisions()
     assert (decision.component, decision.backend) == ("transformer", "sage_attn")
-    out = block(torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    with torch.no_grad():  # inference: sage_attn has no backward pass (section 5)
+        out = block(torch.randn(2, 5, 64, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16 and stand_ins == ["sage_attn"]
 
 

@@ -38,6 +38,7 @@ _logging.getLogger("attnres").addHandler(_logging.NullHandler())
 
 if TYPE_CHECKING:
     from attnres import distributed, kernels  # noqa: F401 - lazily exported
+    from attnres.autotuner import autotune
     from attnres.modules import Attention, KernelNotRegisteredError, bind
     from attnres.replayer import ReplayResult, replay
     from attnres.request import RequestBackendError, request_backend
@@ -54,6 +55,10 @@ def __getattr__(name: str) -> Any:
         from attnres import request
 
         return getattr(request, name)
+    if name == "autotune":  # measured selection: imports torch, like the layer
+        from attnres.autotuner import autotune
+
+        return autotune
     if name in ("replay", "ReplayResult"):
         from attnres import replayer
 
@@ -85,6 +90,7 @@ __all__ = [
     "TraceFormatError",
     "UnknownBackendError",
     "__version__",
+    "autotune",
     "bind",
     "clear_cache",
     "clear_decisions",

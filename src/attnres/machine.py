@@ -77,6 +77,7 @@ __all__ = [
     "GLOBAL_EXPLICIT_ORIGINS",
     "STRICT_ORIGINS",
     "TRANSITIONS",
+    "TUNABLE_ORIGINS",
     "Resolution",
     "cache_info",
     "capture_config",
@@ -137,7 +138,15 @@ TRANSITIONS: Final[Mapping[State, Mapping[Event, tuple[State, Reason | None]]]] 
         Event.CANDIDATE_FAILED: (State.SUPPORTED_SET, Reason.PLATFORM_DEFAULT_FALLBACK),
         Event.EXHAUSTED: (State.REJECTED, None),
     },
-    State.SELECTED: {},
+    # autotune (SelectionConfig(autotune=True)): a selected decision of a
+    # TUNABLE_ORIGINS origin is measured against its candidates on its first
+    # large forward (attnres.tuning); the terminal record follows the measurement
+    State.SELECTED: {Event.MEASURE: (State.MEASURING, None)},
+    State.MEASURING: {
+        # a candidate agreed with the incumbent and beat it by more than the margin
+        Event.MEASURED_FASTER: (State.SELECTED, Reason.MEASURED_FASTER),
+        Event.INCUMBENT_KEPT: (State.SELECTED, None),
+    },
     State.REJECTED: {},
 }
 
@@ -166,6 +175,11 @@ STRICT_ORIGINS: Final = frozenset(
 
 #: Origins of an explicit global backend the operator chose (relaxed per SPEC 3.2).
 GLOBAL_EXPLICIT_ORIGINS: Final = frozenset({Origin.GLOBAL_CLI, Origin.GLOBAL_ENV})
+#: Origins whose decision autotune may measure and replace: the automatic ones.
+#: A backend the operator or the code asked for (every other origin) is never
+#: tuned. Adding an origin to the vocabulary means deciding here whether it is
+#: automatic.
+TUNABLE_ORIGINS: Final = frozenset({Origin.NONE, Origin.LAYER_DEFAULT, Origin.GLOBAL_PREFERENCE})
 
 #: Which check's failure names a strict rejection, most fundamental first.
 _PRIMARY_ORDER: Final = (

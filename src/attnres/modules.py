@@ -540,6 +540,8 @@ class Attention(nn.Module):
             _shape=self._shape._replace(backend=resolution.backend.name, dtype=spec.dtype),
         )
         self.__dict__["_run"] = self._guard(_make_run(self._shape, kernel, dtypes))
+        if resolution.trace.input.config.autotune:  # opt-in: measured selection
+            _arm_autotune(self)
         if awaited and handle is not None:
             self.__dict__["_awaited_by_scope"] = False
             handle.bound(spec.role, decision)
@@ -711,6 +713,28 @@ class Attention(nn.Module):
         self.__dict__.update(
             kernel=kernel, _run=self._guard(_make_run(self._shape, kernel, dtypes))
         )
+        if self.resolution.trace.input.config.autotune:
+            _arm_autotune(self)
+
+    def _adopt(self, resolution: Resolution) -> None:
+        """Run ``resolution``'s backend from now on (autotune's measured decision)."""
+        kernel, dtypes = _bind(resolution, self.layer_spec)
+        shape = self._shape._replace(backend=resolution.backend.name)
+        self.__dict__.update(
+            resolution=resolution,
+            kernel=kernel,
+            _shape=shape,
+            _prepared={},
+            _backward=None,
+            _run=self._guard(_make_run(shape, kernel, dtypes)),
+        )
+
+
+def _arm_autotune(layer: Attention) -> None:
+    """Arm the layer's tuner when its decision is automatic (attnres.autotuner)."""
+    from attnres.autotuner import arm
+
+    arm(layer)
 
 
 _BIND_LOCK = threading.RLock()
