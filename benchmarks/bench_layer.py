@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -215,15 +216,12 @@ class Block(nn.Module):
         self.attn2 = attention(HEADS, HEAD_SIZE, role="cross", name=f"blocks.{index}.attn2")
 
 
-def _resolved_now(*args: Any, **kwargs: Any) -> nn.Module:
-    return attnres.Attention(*args, dtype=torch.float32, **kwargs)
-
-
 def build_attnres() -> nn.Module:
     """With an explicit dtype every layer resolves at construction (the 0.1.0 path)."""
+    resolved_now = functools.partial(attnres.Attention, dtype=torch.float32)
     with torch.device("meta"), attnres.component_scope("transformer"):
         return nn.ModuleList(
-            Block(_resolved_now, i) for i in range(BLOCKS)  # type: ignore[arg-type]
+            Block(resolved_now, i) for i in range(BLOCKS)  # type: ignore[arg-type]
         )
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.modules.module as _nn_module
 from torch import Tensor, nn
 
-from attnres._vocab import Role, normalize_dtype
+from attnres._vocab import Requirement, Role, normalize_dtype
 from attnres.backends import Backend, lookup_spec, on_registry_change
 from attnres.errors import BackendNotAppliedError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
@@ -447,6 +447,13 @@ class Attention(nn.Module):
         spec = self.layer_spec
         if resolution is None or spec.requirements.backward:
             return run
+        facts = lookup_spec(resolution.backend)
+        if (
+            facts is not None
+            and Requirement.BACKWARD in facts.implements
+            and not any(Requirement.BACKWARD in limit.requirements for limit in facts.limits)
+        ):
+            return run  # a backward pass everywhere (torch_sdpa, eager, ...): no check
         platform = resolution.trace.input.platform
         # only the requirements check can differ from the inference decision's
         key = (resolution.backend, spec.requirements, spec.role, platform)
