@@ -2,9 +2,10 @@
 
 (a) a cache hit -- ``attnres.resolve(layer, config=..., platform=...)`` on an input
     already resolved -- vs a plain dict lookup: a Python function that returns
-    ``d[key]`` where ``key`` is the same 6-tuple ``(layer, config, scope,
-    platform, backend, needs_kernel)`` the cache uses, so the tuple is hashed on every call (its
-    items cache their own hashes, as in the real cache). Target: at most 10x.
+    ``d[key]`` where ``key`` is the same 7-tuple ``(layer, config, scope,
+    platform, backend, request, needs_kernel)`` the cache uses, so the tuple is
+    hashed on every call (its items cache their own hashes, as in the real
+    cache). Target: at most 10x.
 (b) a cold resolution (``attnres.clear_cache()`` then ``attnres.resolve``) with
     structlog JSON audit logging at INFO written to a null stream, vs the same with
     logging off (structlog reset to unconfigured, the stdlib ``attnres`` logger at
@@ -159,7 +160,8 @@ def _chunked(
 
 def test_cache_hit_vs_dict_lookup(benchmark: Any, ratios: RatioRegistry, paired: Paired) -> None:
     first = _resolve()
-    key = (LAYER, CONFIG, None, PLATFORM, None, False)  # resolve()'s cache key, outside a scope
+    # resolve()'s cache key, outside a scope
+    key = (LAYER, CONFIG, None, PLATFORM, None, None, False)
     assert key in runtime._CACHE, "the reference must use the key the cache uses"
     plain = {key: runtime._CACHE[key]}
 

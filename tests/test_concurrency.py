@@ -173,11 +173,11 @@ def _check_ledger_and_cache(log: _Log) -> None:
         assert d.reason == outcome.reason
     # the cache holds exactly one entry per distinct input, each the machine's answer
     config = R.selection_config()
-    expected = {(layer, config, scope, CPU, None, False) for scope, layer in log.inputs}
+    expected = {(layer, config, scope, CPU, None, None, False) for scope, layer in log.inputs}
     assert set(R._CACHE) == expected
     assert R.cache_info()["size"] <= R.cache_info()["max_size"]
     for key, (resolution, decision, trace) in R._CACHE.items():
-        assert trace == M.run_machine(TraceInput(*key))
+        assert trace == M.run_machine(TraceInput(*key[:6], needs_kernel=key[6]))
         assert resolution is not None and resolution.trace is trace
         assert decision.trace is trace
         assert decision.component == key[2].component  # type: ignore[union-attr]

@@ -64,8 +64,10 @@ from attnres.layer import (
     DEST_BACKEND,
     DEST_COMPONENTS,
     DEST_EXPLICIT,
+    ENV_VAR,
     LayerSpec,
     SelectionConfig,
+    split_component_key,
 )
 from attnres.platform import Platform
 from attnres.runtime import component_scope
@@ -126,7 +128,9 @@ def _canonical_backend(action: argparse.Action, text: str) -> str:
 
 
 class _AttentionBackendAction(argparse.Action):
-    """``--attention-backend [COMPONENT=]BACKEND``; records that the operator typed it."""
+    """``--attention-backend [COMPONENT[.ROLE]=]BACKEND[,...]``; records that the
+    operator typed it. Component names are normalised (``Text-Encoder`` ->
+    ``text_encoder``); ``transformer.cross=X`` is a role override."""
 
     def __call__(
         self,
@@ -136,14 +140,30 @@ class _AttentionBackendAction(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         text = str(values).strip()
+        items = [item.strip() for item in text.split(",")]
+        if not text or any(not item for item in items):
+            raise argparse.ArgumentError(
+                self,
+                f"expected BACKEND, COMPONENT=BACKEND or COMPONENT.ROLE=BACKEND, comma-separated, "
+                f"got {text!r}",
+            )
+        for item in items:
+            self._one(namespace, item)
+
+    def _one(self, namespace: argparse.Namespace, text: str) -> None:
         if "=" in text:
             component, _, backend = (part.strip() for part in text.partition("="))
             if not component or not backend:
                 raise argparse.ArgumentError(
                     self, f"expected BACKEND or COMPONENT=BACKEND, got {text!r}"
                 )
+            try:
+                name, role = split_component_key(component, strict=True)
+            except ValueError as exc:
+                raise argparse.ArgumentError(self, str(exc)) from None
+            key = name if role is None else f"{name}.{role.value}"
             components = dict(getattr(namespace, DEST_COMPONENTS, None) or {})
-            components[component] = _canonical_backend(self, backend)
+            components[key] = _canonical_backend(self, backend)
             setattr(namespace, DEST_COMPONENTS, components)
             return
         name = _canonical_backend(self, text)
@@ -163,12 +183,16 @@ def add_selection_arguments(
     *,
     default: Backend | str | None = None,
 ) -> argparse.Action:
-    """Add ``--attention-backend [COMPONENT=]BACKEND`` (repeatable) to ``parser``.
+    """Add ``--attention-backend [COMPONENT[.ROLE]=]BACKEND[,...]`` (repeatable) to ``parser``.
 
     ``default`` is the program's own preference: used when the operator does not
     type the flag, and recorded as *not explicit* (origin ``global_preference``,
-    relaxed everywhere). A typed value is explicit (origin ``global_cli``).
-    ``COMPONENT=BACKEND`` overrides one component (origin ``component_override``).
+    relaxed everywhere). A typed value is explicit (origin ``global_cli``);
+    without it, ``ATTNRES_ATTENTION_BACKEND`` in the environment is (origin
+    ``global_env``). ``COMPONENT=BACKEND`` overrides one component (origin
+    ``component_override``), ``COMPONENT.ROLE=BACKEND`` one role of it (origin
+    ``role_override``); items may be comma-separated
+    (``vae=torch_sdpa,text_encoder=fa``).
     Unknown backend names are parse errors that suggest the closest name.
     Read the result with :func:`selection_config_from_args`.
     """
@@ -177,11 +201,12 @@ def add_selection_arguments(
         "--attention-backend",
         dest=DEST_BACKEND,
         action=_AttentionBackendAction,
-        metavar="[COMPONENT=]BACKEND",
+        metavar="[COMPONENT[.ROLE]=]BACKEND[,...]",
         default=default_name,
         help=(
-            "attention backend for every layer (relaxed for auxiliary components), or "
-            "COMPONENT=BACKEND for one component (repeatable)"
+            "attention backend for every layer (relaxed for auxiliary components), "
+            "COMPONENT=BACKEND for one component, COMPONENT.ROLE=BACKEND for its self- or "
+            f"cross-attention layers; comma-separated or repeated (default: ${ENV_VAR})"
             + (f"; default: {default_name} (a preference, not explicit)" if default_name else "")
         ),
     )
@@ -219,7 +244,10 @@ def selection_config_from_args(namespace: argparse.Namespace | Any) -> Selection
     :func:`add_selection_arguments` filled.
 
     ``global_backend_explicit`` is true only when the operator typed the flag;
-    a program default left in place is a preference (false).
+    a program default left in place is a preference (false). Without a typed
+    flag, ``ATTNRES_ATTENTION_BACKEND`` sets the global backend (origin
+    ``global_env``): the flag beats the variable, the variable beats a
+    program default.
     """
     try:
         return SelectionConfig.from_args(namespace)
@@ -491,7 +519,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "--implicit marks --attention-backend as derived or defaulted (origin "
                 "global_preference); give --attention-backend BACKEND as well"
             )
-        config = attrs.evolve(config, global_backend_explicit=False)
+        config = attrs.evolve(config, global_backend_explicit=False, global_backend_env=None)
     if args.component_backend is not None and args.component is None:
         raise UsageError(
             "--component-backend is the override of one component: give --component NAME too"
@@ -600,6 +628,8 @@ def _render_explain(trace: Trace) -> list[str]:
     cfg = inp.config
     if cfg.global_backend is None:
         request = "no --attention-backend"
+    elif cfg.global_backend_env is not None:
+        request = f"{cfg.global_backend_env}={cfg.global_backend.name} (set in the environment)"
     else:
         how = "typed by the operator" if cfg.global_backend_explicit else "implicit preference"
         request = f"--attention-backend {cfg.global_backend.name} ({how})"
@@ -655,8 +685,9 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     pipeline = load_pipeline(args.pipeline)
     config = selection_config_from_args(args)
     names = [c.name for c in pipeline.components]
+    known = {split_component_key(n)[0] for n in names}
     for component, backend in config.component_backends:
-        if component not in names:
+        if split_component_key(component)[0] not in known:
             raise UsageError(
                 f"--attention-backend {component}={backend.name}: the pipeline "
                 f"{pipeline.name!r} ({pipeline.path}) has no component {component!r}; its "
@@ -719,6 +750,10 @@ def _render_plan(result: PlanResult) -> list[str]:
     lines += _field("Platform:", _platform_text(result.platform), width)
     if config.global_backend is None:
         request = "no --attention-backend"
+    elif config.global_backend_env is not None:
+        request = (
+            f"{config.global_backend_env}={config.global_backend.name} (set in the environment)"
+        )
     else:
         how = "typed by the operator" if config.global_backend_explicit else "a preference"
         request = f"--attention-backend {config.global_backend.name} ({how})"
@@ -874,6 +909,31 @@ def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int
 # =============================================================================
 
 
+def _environment_doc() -> dict[str, Any]:
+    """What ``ATTNRES_ATTENTION_BACKEND`` holds and what attnres makes of it."""
+    raw = os.environ.get(ENV_VAR)
+    doc: dict[str, Any] = {"variable": ENV_VAR, "value": raw, "backend": None, "error": None}
+    if raw is None or not raw.strip():
+        doc["status"] = "unset"
+        doc["summary"] = "not set (no global backend from the environment)"
+        return doc
+    try:
+        config = SelectionConfig.from_env({ENV_VAR: raw})
+    except ValueError as exc:
+        doc["status"] = "invalid"
+        doc["error"] = str(exc)
+        doc["summary"] = f"{raw!r} is invalid: {exc}"
+        return doc
+    backend = config.global_backend.name if config.global_backend else None
+    doc["status"] = "set"
+    doc["backend"] = backend
+    doc["summary"] = (
+        f"{backend} (global backend, origin global_env: relaxed and strict like "
+        f"--attention-backend, which beats it when typed)"
+    )
+    return doc
+
+
 def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import attnres
 
@@ -901,6 +961,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             {"entry_point": f.entry_point, "error": f.error} for f in failures
         ],
         "notes": list(platform.notes),
+        "environment": _environment_doc(),
     }
     if args.json:
         _emit_json(out, doc)
@@ -950,6 +1011,9 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         )
     else:
         lines.append("  no plugin failed to load")
+    env = doc["environment"]
+    lines += ["", "Environment"]
+    lines += _wrap(f"{ENV_VAR}: {env['summary']}", width, "  ", "    ")
     lines += ["", "Platform notes"]
     if platform.notes:
         for note in platform.notes:

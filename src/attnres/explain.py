@@ -15,11 +15,11 @@ from typing import Any
 
 from attrs import frozen
 
-from attnres._states import Check, Event, Origin, Reason, State, Status
+from attnres._states import Check, Event, Reason, State, Status
 from attnres.backends import Backend
 from attnres.errors import ResolutionError
 from attnres.layer import LayerSpec, SelectionConfig
-from attnres.machine import Relaxation, global_flag_relaxation
+from attnres.machine import GLOBAL_EXPLICIT_ORIGINS, Relaxation, global_flag_relaxation
 from attnres.platform import Platform
 from attnres.runtime import resolve
 from attnres.trace import (
@@ -69,7 +69,7 @@ class Explanation:
     requested: Backend | None
     #: the stage whose candidate was accepted (``None`` when rejected)
     accepted_stage: State | None
-    #: what relaxes the operator's global flag here (``global_cli`` only)
+    #: what relaxes the operator's global backend here (``global_cli``, ``global_env``)
     relaxation: Relaxation | None
     #: the requested backend's failures when it failed, else every failed candidate's
     fallback_failures: str
@@ -163,7 +163,9 @@ def explain(trace: Trace) -> Explanation:
     )
     failed = [r for r in trace.records if isinstance(r, CheckRecord) and not r.passed]
     relaxation = (
-        global_flag_relaxation(trace.input) if outcome.origin is Origin.GLOBAL_CLI else None
+        global_flag_relaxation(trace.input)
+        if outcome.origin in GLOBAL_EXPLICIT_ORIGINS
+        else None
     )
     return Explanation(
         outcome=outcome,

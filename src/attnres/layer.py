@@ -8,16 +8,21 @@ given as :class:`~attnres.backends.Backend` or as strings, dtypes as strings
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import attrs
 from attrs import field, frozen
 
-from attnres._vocab import Requirement, Role, normalize_dtype
+from attnres._vocab import Requirement, Role, normalize_component, normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import UnknownBackendError
 
-__all__ = ["LayerSpec", "Requirements", "Role", "SelectionConfig"]
+__all__ = ["ENV_VAR", "LayerSpec", "Requirements", "Role", "SelectionConfig", "split_component_key"]
+
+#: The environment variable that sets the global backend when the flag is absent.
+ENV_VAR = "ATTNRES_ATTENTION_BACKEND"
 
 #: Where :func:`attnres.cli.add_selection_arguments` leaves the selection flags
 #: in an argparse namespace (:meth:`SelectionConfig.from_args` reads them).
@@ -159,6 +164,32 @@ class LayerSpec:
     name: str | None = field(default=None, converter=_name)
 
 
+def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | None]:
+    """``"Text-Encoder"`` -> ``("text_encoder", None)``; ``"transformer.cross"`` ->
+    ``("transformer", Role.CROSS)``.
+
+    A key is a role override when the part after its last ``.`` is a role
+    (``self`` or ``cross``); otherwise the whole key is a component name --
+    unless ``strict`` (the command line), where any other part after a ``.`` is
+    an error. Raises ``ValueError`` for an empty name.
+    """
+    name, dot, role_text = key.rpartition(".")
+    role: Role | None = None
+    if dot and role_text.strip().lower() in ("self", "cross") and normalize_component(name):
+        role = Role.parse(role_text)
+    elif dot and strict:
+        raise ValueError(
+            f"{key!r}: the part after the last '.' must be a role, self or cross "
+            f"(COMPONENT.ROLE=BACKEND overrides one role of a component)"
+        )
+    else:
+        name = key
+    component = normalize_component(name)
+    if not component:
+        raise ValueError(f"component name must be a non-empty string, got {key!r}")
+    return component, role
+
+
 def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
     if not value:
         return ()
@@ -171,12 +202,23 @@ def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
             raise ValueError(
                 f"component_backends: expected (component, backend) pairs, got {pair!r}"
             ) from None
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name.strip():
             raise ValueError(
                 f"component_backends: component name must be a non-empty string, got {name!r}"
             )
-        out[name] = _parse_backend(backend, f"component_backends[{name!r}]")
+        try:
+            component, role = split_component_key(name)
+        except ValueError as exc:
+            raise ValueError(f"component_backends: {exc}") from None
+        key = component if role is None else f"{component}.{role.value}"
+        out[key] = _parse_backend(backend, f"component_backends[{name!r}]")
     return tuple(sorted(out.items()))
+
+
+def _env_name(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"global_backend_env: expected a variable name or None, got {value!r}")
+    return value
 
 
 def _non_negative_int(_: Any, attribute: Any, value: Any) -> None:
@@ -232,9 +274,13 @@ class SelectionConfig:
 
     ``global_backend_explicit`` tells an operator's typed ``--attention-backend``
     (origin ``global_cli``) from a derived or defaulted preference (origin
-    ``global_preference``). ``component_backends`` is the per-component form of
-    the flag (``--attention-backend vae=torch_sdpa``): it acts as that
-    component's override.
+    ``global_preference``). ``global_backend_env`` names the environment
+    variable that set the global backend (origin ``global_env``; relaxed and
+    strict exactly like the flag). ``component_backends`` is the per-component
+    form of the flag (``--attention-backend vae=torch_sdpa``): it acts as that
+    component's override; a key ``component.role`` (``transformer.cross``) is a
+    role override of that component. Component names are normalised
+    (``Text-Encoder`` -> ``text_encoder``).
     """
 
     global_backend: Backend | None = field(default=None, converter=_global_backend)
@@ -242,6 +288,11 @@ class SelectionConfig:
     forced_backend: Backend | None = field(default=None, converter=_forced_backend)
     component_backends: tuple[tuple[str, Backend], ...] = field(
         default=(), converter=_component_backends
+    )
+    #: where an explicit global backend came from when the environment set it
+    #: (``ATTNRES_ATTENTION_BACKEND``; origin ``global_env``)
+    global_backend_env: str | None = field(
+        default=None, converter=_env_name, metadata={"omit_default": True}
     )
     # The autotune settings are not an input of the machine: a trace's config
     # leaves them out (a tuned trace records them in its tuning record), so
@@ -263,20 +314,72 @@ class SelectionConfig:
     autotune_warmup: int = field(default=3, validator=_non_negative_int, metadata=_NOT_IN_TRACE)
     autotune_repeats: int = field(default=8, validator=_positive_int, metadata=_NOT_IN_TRACE)
 
+    def __attrs_post_init__(self) -> None:
+        if self.global_backend_env is not None and (
+            self.global_backend is None or not self.global_backend_explicit
+        ):
+            raise ValueError(
+                f"global_backend_env: {self.global_backend_env} names where an explicit global "
+                f"backend came from; it needs global_backend set and global_backend_explicit=True"
+            )
+
     def component_backend(self, component: str | None) -> Backend | None:
         if component is None:
             return None
+        key = normalize_component(component)
         for name, backend in self.component_backends:
-            if name == component:
+            if name == key:
                 return backend
         return None
+
+    def role_backend(self, component: str | None, role: Role) -> Backend | None:
+        """The ``component.role`` override (``--attention-backend transformer.cross=X``)."""
+        if component is None or not self.component_backends:
+            return None
+        key = f"{normalize_component(component)}.{role.value}"
+        for name, backend in self.component_backends:
+            if name == key:
+                return backend
+        return None
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, base: SelectionConfig | None = None
+    ) -> SelectionConfig:
+        """``base`` (default: an empty config) with ``ATTNRES_ATTENTION_BACKEND`` applied.
+
+        The variable sets the global backend, as an explicit operator choice
+        (origin ``global_env``), only where ``base`` has no explicit global
+        backend: the typed flag beats it. Unset or blank: ``base`` unchanged.
+        A bad value is a ``ValueError`` naming the variable.
+        """
+        env = os.environ if environ is None else environ
+        config = cls() if base is None else base
+        text = env.get(ENV_VAR, "").strip()
+        if not text or (config.global_backend is not None and config.global_backend_explicit):
+            return config
+        if "=" in text or "," in text:
+            raise ValueError(
+                f"{ENV_VAR}={text!r}: the variable sets the global backend only (one backend "
+                f"name); use --attention-backend COMPONENT=BACKEND for one component"
+            )
+        try:
+            backend = Backend.parse(text)
+        except UnknownBackendError as exc:
+            raise UnknownBackendError(f"{ENV_VAR}: {exc}", exc.name, exc.suggestion) from None
+        return attrs.evolve(
+            config, global_backend=backend, global_backend_explicit=True, global_backend_env=ENV_VAR
+        )
 
     @classmethod
     def from_args(cls, namespace: Any) -> SelectionConfig:
         """Build from an argparse namespace filled by ``cli.add_selection_arguments``.
 
         ``global_backend_explicit`` is true only when the operator typed the flag;
-        a program default left in place is a preference (false).
+        a program default left in place is a preference (false). Without a typed
+        flag, ``ATTNRES_ATTENTION_BACKEND`` sets the global backend (origin
+        ``global_env``): the flag beats the variable, the variable beats a
+        program default.
         """
         global_backend = getattr(namespace, DEST_BACKEND, None)
         explicit = bool(getattr(namespace, DEST_EXPLICIT, False))
@@ -288,9 +391,10 @@ class SelectionConfig:
             if not autotune:
                 raise ValueError("--autotune-min-elements needs --autotune")
             tuning["autotune_min_elements"] = min_elements
-        return cls(
+        config = cls(
             global_backend=global_backend,
             global_backend_explicit=explicit if global_backend is not None else True,
             component_backends=dict(components),
             **tuning,
         )
+        return config if explicit else cls.from_env(base=config)

@@ -33,6 +33,7 @@ __all__ = [
     "decisions",
     "dropped_decisions",
     "record_decision",
+    "replace_decision",
     "set_decision_limit",
 ]
 
@@ -75,6 +76,24 @@ def record_decision(decision: Decision) -> None:
     # counter's item assignment under the GIL: no lock on a cache hit's path.
     _DECISIONS.append(decision)
     _RECORDED[0] += 1
+
+
+def replace_decision(stale: Decision | None, fresh: Decision) -> None:
+    """Put ``fresh`` where ``stale`` (the same object) was last recorded; append it
+    when ``stale`` is not in the ledger (cleared meanwhile, or ``None``).
+
+    A layer that resolves again (cast to another dtype) keeps one entry: the
+    ledger says what every layer runs now. (A stale entry the bound dropped
+    already is not found: ``fresh`` is appended, and counted.)
+    """
+    with _LOCK:
+        if stale is not None:
+            for index in range(len(_DECISIONS) - 1, -1, -1):
+                if _DECISIONS[index] is stale:
+                    _DECISIONS[index] = fresh
+                    return
+        _DECISIONS.append(fresh)
+        _RECORDED[0] += 1
 
 
 def decisions() -> tuple[Decision, ...]:

@@ -94,6 +94,7 @@ from attnres.trace import (
 __all__ = [
     "CANDIDATE_STAGES",
     "CHECK_ORDER",
+    "GLOBAL_EXPLICIT_ORIGINS",
     "REQUEST_FAILURE_GUARDS",
     "START_GUARDS",
     "STRICT_ORIGINS",
@@ -186,8 +187,11 @@ CHECK_ORDER: Final = (
 
 #: Origins whose failure rejects (SPEC 3.1); ``global_cli`` depends on 3.2.
 STRICT_ORIGINS: Final = frozenset(
-    {Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE, Origin.COMPONENT_OVERRIDE}
+    {Origin.REQUEST, Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE, Origin.COMPONENT_OVERRIDE}
 )
+
+#: Origins of an explicit global backend the operator chose (relaxed per SPEC 3.2).
+GLOBAL_EXPLICIT_ORIGINS: Final = frozenset({Origin.GLOBAL_CLI, Origin.GLOBAL_ENV})
 
 # =============================================================================
 # The guards: which event fires, as ordered (condition, event) rows
@@ -209,8 +213,9 @@ class GuardFacts:
     role_failed: bool = False
     #: the request is strict (SPEC 3.1, 3.2)
     strict: bool = False
-    #: the request is the operator's explicit global flag
-    global_cli: bool = False
+    #: the request is the operator's explicit global backend (the flag or the
+    #: environment variable: ``GLOBAL_EXPLICIT_ORIGINS``)
+    global_explicit: bool = False
 
 
 @frozen
@@ -242,8 +247,8 @@ REQUEST_FAILURE_GUARDS: Final[tuple[Guard, ...]] = (
     ),
     Guard("the request is strict", lambda f: f.strict, Event.STRICT_FAILURE),
     Guard(
-        "the operator's explicit global flag, relaxed for this layer",
-        lambda f: f.global_cli,
+        "the operator's explicit global backend (flag or environment), relaxed for this layer",
+        lambda f: f.global_explicit,
         Event.GLOBAL_FALLBACK,
     ),
     Guard("otherwise (a preference or a layer default)", lambda f: True, Event.PREFERENCE_FALLBACK),
@@ -343,6 +348,13 @@ class DetectedOrigin:
 def detect_origin(inp: TraceInput) -> DetectedOrigin:
     """The first origin that applies, the backend it requests, and its strictness."""
     layer, config, scope = inp.layer, inp.config, inp.scope
+    if inp.request is not None:
+        return DetectedOrigin(
+            Origin.REQUEST,
+            inp.request,
+            True,
+            "backend requested for one request (attnres.request_backend)",
+        )
     if inp.backend is not None:
         return DetectedOrigin(
             Origin.LAYER, inp.backend, True, "backend passed explicitly for this layer"
@@ -353,13 +365,17 @@ def detect_origin(inp: TraceInput) -> DetectedOrigin:
         )
     if scope is not None:
         role_backend = scope.role_backend(layer.role)
+        via = ""
+        if role_backend is None:
+            role_backend = config.role_backend(scope.component, layer.role)
+            via = f" (--attention-backend {scope.component}.{layer.role.value}=...)"
         if role_backend is not None:
             return DetectedOrigin(
                 Origin.ROLE_OVERRIDE,
                 role_backend,
                 True,
                 f"component {scope.component!r} override for {layer.role.value}-attention "
-                f"layers ({scope.component}.{layer.role.value})",
+                f"layers ({scope.component}.{layer.role.value}){via}",
             )
         component_backend = scope.backend or config.component_backend(scope.component)
         if component_backend is not None:
@@ -378,6 +394,14 @@ def detect_origin(inp: TraceInput) -> DetectedOrigin:
                 "global backend preference, derived or defaulted (not typed by the operator)",
             )
         relaxation = global_flag_relaxation(inp)
+        if config.global_backend_env is not None:
+            return DetectedOrigin(
+                Origin.GLOBAL_ENV,
+                config.global_backend,
+                not relaxation.relaxed,
+                f"{config.global_backend_env} set in the environment by the operator; "
+                f"{relaxation.describe()}",
+            )
         return DetectedOrigin(
             Origin.GLOBAL_CLI,
             config.global_backend,
@@ -791,7 +815,7 @@ def run_machine(inp: TraceInput) -> Trace:
                     requested=True,
                     role_failed=any(c is Check.ROLE and f for c, f in results),
                     strict=found.strict,
-                    global_cli=found.origin is Origin.GLOBAL_CLI,
+                    global_explicit=found.origin in GLOBAL_EXPLICIT_ORIGINS,
                 )
                 event = first_event(REQUEST_FAILURE_GUARDS, facts)
                 state, reason = _step(stage, event, records, reason, candidate)

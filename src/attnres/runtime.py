@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Final
 
@@ -47,11 +47,16 @@ from attnres.trace import Trace, TraceInput
 
 __all__ = [
     "Resolution",
+    "bind_pending",
     "cache_info",
+    "capture_config",
     "clear_cache",
     "component_scope",
     "force_backend",
+    "lookup",
+    "rejection",
     "resolve",
+    "resolve_entry",
     "selection_config",
     "set_selection_config",
 ]
@@ -74,15 +79,29 @@ class Resolution:
 
 
 _CONFIG_LOCK = threading.Lock()
-_CONFIG: SelectionConfig = SelectionConfig()
+#: the process-wide config; ``None`` until first needed, then built from the
+#: environment (ATTNRES_ATTENTION_BACKEND) unless set_selection_config ran first
+_CONFIG: SelectionConfig | None = None
 _FORCED: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
     "attnres_forced_backend", default=None
 )
 
 
 def selection_config() -> SelectionConfig:
-    """The process-wide selection config that :func:`resolve` uses by default."""
-    return _CONFIG
+    """The process-wide selection config that :func:`resolve` uses by default.
+
+    Until :func:`set_selection_config` is called it is built, once, from the
+    environment: ``ATTNRES_ATTENTION_BACKEND`` sets the global backend (origin
+    ``global_env``); a bad value raises a ``ValueError`` naming the variable.
+    """
+    global _CONFIG
+    config = _CONFIG
+    if config is None:
+        with _CONFIG_LOCK:
+            if _CONFIG is None:
+                _CONFIG = SelectionConfig.from_env()
+            config = _CONFIG
+    return config
 
 
 def set_selection_config(config: SelectionConfig) -> SelectionConfig:
@@ -92,7 +111,7 @@ def set_selection_config(config: SelectionConfig) -> SelectionConfig:
         raise TypeError(f"expected a SelectionConfig, got {type(config).__name__}")
     with _CONFIG_LOCK:
         previous, _CONFIG = _CONFIG, config
-    return previous
+    return SelectionConfig() if previous is None else previous
 
 
 @contextmanager
@@ -159,19 +178,81 @@ def resolve(
     """
     if type(layer) is not LayerSpec and not isinstance(layer, LayerSpec):
         raise TypeError(f"resolve() takes a LayerSpec, got {type(layer).__name__}")
-    cfg = _CONFIG if config is None else config
-    forced = _FORCED.get()
-    # (getattr: a config of the wrong type is reported on the cold path below)
-    if forced is not None and getattr(cfg, "forced_backend", forced) != forced:
-        cfg = attrs.evolve(cfg, forced_backend=forced)
+    cfg = capture_config(config)
     if platform is None:
         platform = detected_platform()
     if backend is not None and type(backend) is not Backend:
         backend = optional_backend("backend")(backend)
-    handle = current_handle()
-    scope = None if handle is None else handle.state
+    return resolve_entry(
+        layer, cfg, current_handle(), platform, backend, needs_kernel=needs_kernel
+    )[0]
+
+
+def capture_config(config: SelectionConfig | None = None) -> SelectionConfig:
+    """The config a resolution made here and now uses: ``config`` (default: the
+    process-wide one) with this context's :func:`force_backend` folded in."""
+    cfg = (_CONFIG or selection_config()) if config is None else config
+    forced = _FORCED.get()
+    # (getattr: a config of the wrong type is reported on the cold path)
+    if forced is not None and getattr(cfg, "forced_backend", forced) != forced:
+        cfg = attrs.evolve(cfg, forced_backend=forced)
+    return cfg
+
+
+def resolve_entry(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    handle: ScopeHandle | None,
+    platform: Platform | None,
+    backend: Backend | None,
+    *,
+    needs_kernel: bool = False,
+) -> tuple[Resolution, Decision]:
+    """:func:`resolve` with its context given rather than read: the decision is
+    recorded in the ledger and in ``handle``'s scope; rejected raises."""
+    resolution, decision, trace = lookup(
+        layer,
+        cfg,
+        None if handle is None else handle.state,
+        platform,
+        backend,
+        needs_kernel=needs_kernel,
+    )
+    record_decision(decision)
+    if handle is not None:
+        handle.record(layer.role, decision)
+    if resolution is None:
+        raise rejection(trace)
+    return resolution, decision
+
+
+def rejection(trace: Trace) -> ResolutionError:
+    """The error of a rejected resolution."""
+    return ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
+
+
+def lookup(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    scope: ScopeState | None,
+    platform: Platform | None,
+    backend: Backend | None,
+    request: Backend | None = None,
+    *,
+    needs_kernel: bool = False,
+) -> tuple[Resolution | None, Decision, Trace]:
+    """The cached (or newly computed, traced and audited) outcome of one input.
+
+    Records nothing: the caller decides whether the decision is the server's
+    (the ledger, the scope) or one request's (neither). ``request`` is a
+    per-request backend (origin ``request``); ``needs_kernel`` resolves for a
+    layer that will run (see :func:`resolve`). The resolution is ``None`` when
+    the outcome is a rejection.
+    """
+    if platform is None:
+        platform = detected_platform()
     needs_kernel = needs_kernel is True
-    key = (layer, cfg, scope, platform, backend, needs_kernel)
+    key = (layer, cfg, scope, platform, backend, request, needs_kernel)
     try:
         entry = _CACHE.get(key)
     except TypeError:  # an unhashable argument (a dict for a config, say): say which
@@ -180,20 +261,19 @@ def resolve(
     if entry is None:
         # argument types are checked on the cold path only: a hit costs nothing more
         _check_arguments(cfg, platform)
-        entry = _resolve_renamed(layer, cfg, scope, platform, backend, needs_kernel, key)
+        entry = _resolve_renamed(
+            layer, cfg, scope, platform, backend, request, needs_kernel, key
+        )
         if entry is None:
             entry = _resolve_cold(
-                TraceInput(layer, cfg, scope, platform, backend, needs_kernel), key
+                TraceInput(
+                    layer, cfg, scope, platform, backend, request, needs_kernel=needs_kernel
+                ),
+                key,
             )
     else:
         emit_cache_hit(entry[1])
-    resolution, decision, trace = entry
-    record_decision(decision)
-    if handle is not None:
-        handle.record(layer.role, decision)
-    if resolution is None:
-        raise ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
-    return resolution
+    return entry
 
 
 def _check_arguments(config: object, platform: object) -> None:
@@ -214,6 +294,7 @@ def _shape_key(
     scope: object,
     platform: object,
     backend: object,
+    request: object,
     needs_kernel: bool,
 ) -> tuple[object, ...]:
     """The cache key without the layer's name.
@@ -234,6 +315,7 @@ def _shape_key(
         scope,
         platform,
         backend,
+        request,
         needs_kernel,
     )
 
@@ -247,17 +329,18 @@ def _resolve_renamed(
     scope: ScopeState | None,
     platform: Platform,
     backend: Backend | None,
+    request: Backend | None,
     needs_kernel: bool,
     key: tuple[object, ...],
 ) -> _CacheEntry | None:
     """A resolution of an identical layer under another name, renamed; or ``None``."""
-    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend, needs_kernel))
+    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend, request, needs_kernel))
     if twin is None:
         return None
     generation = registry_generation()
     recorded = twin[2]
     trace = Trace(
-        TraceInput(layer, cfg, scope, platform, backend, needs_kernel),
+        TraceInput(layer, cfg, scope, platform, backend, request, needs_kernel=needs_kernel),
         recorded.records,
         recorded.outcome,
     )
@@ -309,7 +392,13 @@ def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
     layer = inp.layer
     if layer.name is not None:
         shape = _shape_key(
-            layer, inp.config, inp.scope, inp.platform, inp.backend, inp.needs_kernel
+            layer,
+            inp.config,
+            inp.scope,
+            inp.platform,
+            inp.backend,
+            inp.request,
+            inp.needs_kernel,
         )
         _store(shape, entry, generation, _SHAPES)
     return entry
@@ -332,11 +421,20 @@ def component_scope(
 ) -> Iterator[ScopeHandle]:
     """Build the layers of component ``name`` inside this block.
 
-    ``kind`` overrides the kind inferred from the name; ``allow_global_fallback``
-    overrides the loader's policy; ``require_selection`` (default: on when a
-    component or role backend is given) raises
-    :class:`~attnres.errors.BackendNotAppliedError` on exit when the explicit
-    backend controlled none of the scope's layers.
+    ``name`` is normalised (``Text-Encoder`` -> ``text_encoder``); ``kind``
+    overrides the kind inferred from the name; ``allow_global_fallback``
+    overrides the loader's policy. On exit the scope's overrides must explain
+    its layers, else :class:`~attnres.errors.BackendNotAppliedError`:
+
+    - with ``require_selection`` (default: on when a component or role backend
+      is given), every layer runs the component backend, carries a recorded
+      reason, or is governed by a role override; and the component backend ran
+      on at least one layer (unless every layer went to a role override);
+    - whatever ``require_selection`` says, each role override ran on at least
+      one layer of its role.
+
+    Layers still pending (built without a dtype, not yet bound) are checked
+    when they bind (:func:`bind_pending`).
     """
     state = scope_state(
         name, backend, role_backends, allow_global_fallback, require_selection, kind=kind
@@ -346,60 +444,128 @@ def component_scope(
         yield handle
     finally:
         exit_scope(token)
+        handle.closed = True
         emit_summary(state, handle.entries)
     _check_applied(handle)
 
 
-def _check_applied(handle: ScopeHandle) -> None:
-    """SPEC 3.6: an explicit component or role backend must have decided some layer.
-
-    Applied means: a component override selected its backend, or fell back for a
-    reason (a sparse backend on a cross layer); a role override decided a layer
-    of its role.
-    """
-    state = handle.state
-    if not state.require_selection:
+def bind_pending(handle: ScopeHandle, role: Role, decision: Decision | None) -> None:
+    """A pending (late-bound) layer of ``handle``'s scope resolved (``decision``
+    ``None``: it raised). Once the scope has exited, the layer is checked against
+    the scope's overrides now, and the whole scope once its last pending layer
+    has bound; raises :class:`~attnres.errors.BackendNotAppliedError`."""
+    closed, last = handle.bound()
+    if not closed:
         return
-    entries = handle.entries
+    state = handle.state
+    problems = [] if decision is None else _unexplained(state, [(role, decision)])
+    if last:
+        problems += _not_applied(state, handle.entries)
+    _raise_problems(problems)
+
+
+def _selected(entries: Iterable[tuple[Role, Decision]]) -> list[tuple[Role, Decision]]:
+    return [(r, d) for r, d in entries if d.backend is not None]
+
+
+def _unexplained(state: ScopeState, entries: Iterable[tuple[Role, Decision]]) -> list[str]:
+    """Layers that chose another backend than the component override, with no
+    recorded reason and no role override (only under ``require_selection``)."""
+    if not state.require_selection or state.backend is None:
+        return []
+    wanted = state.backend.name
+    bad = [
+        d
+        for _, d in _selected(entries)
+        if not (d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted)
+        and d.reason is None
+        and d.origin is not Origin.ROLE_OVERRIDE
+    ]
+    if not bad:
+        return []
+    shown = ", ".join(
+        f"{d.layer or '<unnamed>'} runs {d.backend} (origin {d.origin.value})" for d in bad[:5]
+    )
+    more = f", and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return [
+        f"backend {wanted!r} was requested for component {state.component!r}, but "
+        f"{len(bad)} layer(s) chose another backend without a recorded reason ({shown}{more})"
+    ]
+
+
+def _not_applied(state: ScopeState, entries: list[tuple[Role, Decision]]) -> list[str]:
+    """SPEC 3.6: overrides that ran on no layer (all layers bound)."""
     problems: list[str] = []
-    if state.backend is not None:
-        applied = any(
-            d.origin == "component_override" and (d.backend == state.backend.name or d.reason)
-            for _, d in entries
+    if state.require_selection and state.backend is not None:
+        wanted = state.backend.name
+        selected = _selected(entries)
+        ran = any(
+            d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted for _, d in selected
         )
-        if not applied:
+        all_roles = bool(selected) and all(
+            d.origin is Origin.ROLE_OVERRIDE for _, d in selected
+        )
+        if not ran and not all_roles:
             if not entries:
                 problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but the scope built no attnres attention layer"
+                    f"backend {wanted!r} was requested for component {state.component!r}, but "
+                    f"the scope built no attnres attention layer"
                 )
-            elif any(d.origin == "component_override" for _, d in entries):
-                rejected = [d.layer or "<unnamed>" for _, d in entries
-                            if d.origin == "component_override" and d.backend is None]
+            elif any(
+                d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None for _, d in entries
+            ):
+                rejected = [
+                    d.layer or "<unnamed>"
+                    for _, d in entries
+                    if d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None
+                ]
                 problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but it was rejected for "
-                    f"{len(rejected)} layer(s) ({', '.join(rejected[:5])}"
+                    f"backend {wanted!r} was requested for component {state.component!r}, but "
+                    f"it was rejected for {len(rejected)} layer(s) ({', '.join(rejected[:5])}"
                     f"{', ...' if len(rejected) > 5 else ''}) and no layer runs it "
                     f"(each rejection raised a ResolutionError saying why)"
                 )
             else:
-                origins = sorted({d.origin for _, d in entries})
+                origins = sorted({d.origin.value for _, d in entries})
+                reasons = sorted({d.reason.value for _, d in entries if d.reason})
+                why = f"; recorded reasons: {', '.join(reasons)}" if reasons else ""
                 problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but it controlled none of its {len(entries)} "
-                    f"layer(s) (they were decided by origin {', '.join(origins)})"
+                    f"backend {wanted!r} was requested for component {state.component!r}, but "
+                    f"it ran on none of its {len(entries)} layer(s) (they were decided by "
+                    f"origin {', '.join(origins)}{why})"
                 )
     for role, backend in state.role_backends:
-        if not any(r is role and d.origin == "role_override" for r, d in entries):
+        governed = [d for r, d in entries if r is role and d.origin is Origin.ROLE_OVERRIDE]
+        if not governed:
             problems.append(
                 f"backend {backend.name!r} was requested for the {role.value}-attention layers "
                 f"of component {state.component!r}, but the scope built no "
                 f"{role.value}-attention layer that used it"
             )
+        elif not any(d.backend == backend.name for d in governed):
+            reasons = sorted({d.reason.value for d in governed if d.reason})
+            why = f" (recorded reasons: {', '.join(reasons)})" if reasons else ""
+            problems.append(
+                f"backend {backend.name!r} was requested for the {role.value}-attention layers "
+                f"of component {state.component!r}, but it ran on none of its "
+                f"{len(governed)} {role.value}-attention layer(s){why}"
+            )
+    return problems
+
+
+def _raise_problems(problems: list[str]) -> None:
     if problems:
         raise BackendNotAppliedError(
             "; ".join(problems)
             + ". Build the component's layers inside the scope with attnres.Attention "
-            "(or attnres.resolve), or pass require_selection=False if that is intended."
+            "(or attnres.resolve), or pass require_selection=False if that is intended "
+            "(role overrides are checked regardless)."
         )
+
+
+def _check_applied(handle: ScopeHandle) -> None:
+    state = handle.state
+    problems = _unexplained(state, handle.entries)
+    if handle.pending == 0:
+        problems += _not_applied(state, handle.entries)
+    _raise_problems(problems)

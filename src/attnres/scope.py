@@ -37,7 +37,7 @@ from typing import ClassVar
 
 from attrs import field, frozen
 
-from attnres._vocab import Role
+from attnres._vocab import Role, normalize_component
 from attnres.backends import Backend
 from attnres.layer import optional_backend
 from attnres.ledger import Decision
@@ -185,7 +185,7 @@ def component_kind(name: str) -> str:
     registered name the component name ends with (``t5_text_encoder``); anything
     else is ``generic``.
     """
-    key = re.sub(r"(_\d+)+$", "", name.strip().lower())
+    key = re.sub(r"(_\d+)+$", "", normalize_component(name))
     with _KINDS_LOCK:
         if key in _NAME_ALIASES:
             return _NAME_ALIASES[key]
@@ -248,13 +248,38 @@ class ScopeState:
 
 
 class ScopeHandle:
-    """What ``with component_scope(...) as scope`` gives: the state and its layers."""
+    """What ``with component_scope(...) as scope`` gives: the state and its layers.
 
-    __slots__ = ("entries", "state")
+    ``pending`` counts the layers built in the scope that have not resolved yet
+    (late binding): they are checked against the scope's overrides when they
+    bind, after the scope has exited (``closed``).
+    """
+
+    __slots__ = ("closed", "entries", "pending", "state")
 
     def __init__(self, state: ScopeState) -> None:
         self.state = state
         self.entries: list[tuple[Role, Decision]] = []
+        self.pending = 0
+        self.closed = False
+
+    def add_pending(self) -> None:
+        with _KINDS_LOCK:
+            self.pending += 1
+
+    def bound(self) -> tuple[bool, bool]:
+        """A pending layer of this scope resolved: ``(closed, last)``.
+
+        ``closed``: the scope has exited, so the layer's decision (already in
+        ``entries``) must be checked against the scope's overrides now; ``last``:
+        no layer is pending any more, so the whole scope is checked too. The
+        checks themselves are the runtime's (:func:`attnres.runtime.bind_pending`),
+        which raises what they find.
+        """
+        with _KINDS_LOCK:
+            self.pending -= 1
+            last = self.pending == 0
+        return self.closed, last
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -304,8 +329,9 @@ def scope_state(
 
     Also how traces and the golden scenarios build a scope without entering it.
     """
-    if not isinstance(name, str) or not name.strip():
+    if not isinstance(name, str) or not normalize_component(name):
         raise ValueError(f"component_scope: name must be a non-empty string, got {name!r}")
+    name = normalize_component(name)
     resolved_kind = component_kind(name) if kind is None else kind
     loader = loader_for(resolved_kind)
     parsed_backend = optional_backend("backend")(backend)
