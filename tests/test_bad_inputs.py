@@ -396,6 +396,17 @@ CASES: list[Case] = [
     Case("toml-allow-global-fallback-string", PipelineError,
          "allow_global_fallback must be true or false, got 'no'",
          file=(".toml", _pipeline(_LAYER_OK, component='allow_global_fallback = "no"'))),
+    # issue 11, cases 6 and 7
+    Case("toml-nested-too-deeply", PipelineError,
+         "input.toml: not a pipeline: TOML nested too deeply",
+         file=(".toml", "a = " + "[" * 500 + "]" * 500 + "\n")),
+    Case("toml-integer-too-long", PipelineError,
+         "input.toml:9: invalid TOML: a number of 5000 digits is too long to read (at most 4300",
+         file=(".toml", _pipeline("head_size = " + "9" * 5000 + '\ndtype = "float32"'))),
+    Case("toml-utf8-bom", PipelineError,
+         "input.toml:1: the file starts with a UTF-8 byte-order mark (BOM), which TOML does "
+         "not allow; save it as UTF-8 without a BOM",
+         file=(".toml", b"\xef\xbb\xbf" + _pipeline(_LAYER_OK).encode())),
     Case("pipeline-is-a-directory", PipelineError, "is a directory, not a pipeline file",
          call=lambda: load_pipeline(Path(__file__).parent)),
     # -- trace files (attnres replay) -------------------------------------------------
@@ -413,6 +424,9 @@ CASES: list[Case] = [
          file=(".json", "schema_version: 1\n")),
     Case("trace-not-utf8", TraceFormatError, "input.json: $: not UTF-8 text (byte 0xff",
          file=(".json", b'{"schema_version": 1, "x": "\xff"}')),
+    Case("trace-integer-too-long", TraceFormatError,
+         "input.json: $: an integer of 5000 digits (a trace holds none longer than 100)",
+         file=(".json", '{"schema_version": ' + "9" * 5000 + "}")),
     Case("trace-nan", TraceFormatError, "NaN is not valid JSON",
          file=(".json", '{"schema_version": NaN}')),
     Case("trace-not-an-object", TraceFormatError, "$: a trace must be a JSON object, got a list",
@@ -447,7 +461,7 @@ CASES: list[Case] = [
          file=(".json", _trace(lambda d: d["input"]["layer"].update(name="edited")))),
     Case("trace-missing-file", TraceFormatError, "cannot read the trace file: No such file",
          call=lambda: load_trace(Path(__file__).parent / "no-such-trace.json")),
-    Case("trace-is-a-directory", TraceFormatError, "cannot read the trace file: Is a directory",
+    Case("trace-is-a-directory", TraceFormatError, "cannot read the trace file: it is a directory",
          call=lambda: load_trace(Path(__file__).parent)),
     # -- command-line flags ---------------------------------------------------------------
     Case("cli-head-size-not-an-int", 2, "argument --head-size: invalid int value: 'abc'",

@@ -416,8 +416,11 @@ def test_plan_trace_out_writes_one_replayable_trace_per_distinct_layer(tmp_path:
     assert proc.returncode == 1
     doc = as_json(proc)
     layers = [la for c in doc["components"] for la in c["layers"]]
-    files = sorted(out.iterdir())
+    files = sorted(p for p in out.iterdir() if p.name != "attnres.manifest")
     assert len(files) == len(layers)
+    manifest = json.loads((out / "attnres.manifest").read_text())
+    assert manifest["complete"] is True
+    assert manifest["files"] == [f.name for f in files]
     for file in files:
         assert re.fullmatch(r"[A-Za-z0-9_.-]+\.json", file.name)
     for layer in layers:

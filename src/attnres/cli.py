@@ -109,6 +109,31 @@ class UsageError(ValueError):
     """A command-line mistake the parser cannot see (exit 2)."""
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwound like ``KeyboardInterrupt`` (temporary files removed)."""
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While a command runs, SIGTERM raises :class:`_Terminated` (as SIGINT raises
+    ``KeyboardInterrupt``), so a write in progress removes its temporary file."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # =============================================================================
 # Selection arguments, for attnres and for the programs that embed it
 # =============================================================================
@@ -487,7 +512,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         trace = _explain_trace(layer, config, platform)
     if args.trace_out is not None:
-        _write_trace(trace, Path(args.trace_out))
+        _write_trace(trace, _trace_out(args.trace_out, "a file name"))
     outcome = trace.outcome
     if args.json:
         _emit_json(
@@ -514,6 +539,12 @@ def _explain_trace(layer: LayerSpec, config: SelectionConfig, platform: Platform
         return resolve(layer, config=config, platform=platform).trace
     except ResolutionError as exc:
         return exc.trace
+
+
+def _trace_out(text: str, what: str) -> Path:
+    if not text.strip():
+        raise UsageError(f"--trace-out needs {what}, got an empty string")
+    return Path(text)
 
 
 def _write_trace(trace: Trace, path: Path) -> None:
@@ -708,7 +739,16 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     doc = result.to_dict()
     written: list[str] = []
     if args.trace_out is not None:
-        directory = Path(args.trace_out)
+        from attnres._files import begin_manifest, finish_manifest
+
+        directory = _trace_out(args.trace_out, "a folder name")
+        writer = f"attnres plan {pipeline.path}"
+        try:
+            begin_manifest(directory, writer)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot write traces into {str(directory)!r}: {exc.strerror or exc}"
+            ) from None
         used: set[str] = set()
         for component_doc, planned in zip(doc["components"], result.components, strict=True):
             for layer_doc, layer in zip(component_doc["layers"], planned.layers, strict=True):
@@ -720,6 +760,12 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 _write_trace(layer.trace, directory / name)
                 layer_doc["trace_file"] = str(directory / name)
                 written.append(name)
+        try:
+            finish_manifest(directory, writer, written)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot write the manifest into {str(directory)!r}: {exc.strerror or exc}"
+            ) from None
     _log().info(
         "plan finished",
         pipeline=pipeline.name,
@@ -1225,7 +1271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out, err = sys.stdout, sys.stderr
     prog = f"attnres {args.command}"
-    with _cli_logging(args.log_format, args.log_level, err):
+    with _cli_logging(args.log_format, args.log_level, err), _sigterm_unwinds():
         try:
             handler: Callable[[argparse.Namespace, TextIO, TextIO], int] = args.handler
             code = handler(args, out, err)
@@ -1244,6 +1290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             _error(err, "interrupted", prog)
             return 130
+        except _Terminated:
+            _error(err, "terminated (SIGTERM)", prog)
+            return 143
         except Exception as exc:
             _log().error("internal error", command=args.command, exc_info=True)
             _error(

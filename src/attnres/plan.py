@@ -37,6 +37,7 @@ from typing import Any
 
 from attrs import frozen
 
+from attnres._files import read_bounded
 from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import BackendNotAppliedError, ResolutionError
@@ -156,13 +157,20 @@ def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
     """Read and validate a pipeline file; any problem is a :class:`PipelineError`."""
     source = os.fspath(path)
     try:
-        raw = Path(source).read_bytes()
+        raw = read_bounded(source, what="pipeline file")
     except IsADirectoryError:
         raise PipelineError(f"{source}: is a directory, not a pipeline file", path=source) from None
     except OSError as exc:
         raise PipelineError(
             f"{source}: cannot read pipeline file: {exc.strerror or exc}", path=source
         ) from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise PipelineError(
+            f"{source}:1: the file starts with a UTF-8 byte-order mark (BOM), which TOML "
+            f"does not allow; save it as UTF-8 without a BOM",
+            path=source,
+            line=1,
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -180,6 +188,28 @@ def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
         where = f"{source}:{line}" if line is not None else source
         raise PipelineError(
             f"{where}: invalid TOML: {message}", path=source, line=line
+        ) from None
+    except RecursionError:
+        raise PipelineError(
+            f"{source}: not a pipeline: TOML nested too deeply (arrays or inline tables "
+            f"inside one another hundreds of levels deep)",
+            path=source,
+        ) from None
+    except ValueError as exc:
+        # tomllib lets int() refuse a number of more than 4300 digits with a bare
+        # ValueError that names neither the file nor the line: find the line
+        m = re.search(r"[0-9][0-9_]{4000,}", text)
+        line = text.count("\n", 0, m.start()) + 1 if m else None
+        where = f"{source}:{line}" if line is not None else source
+        digits = sum(c.isdigit() for c in m.group(0)) if m else None
+        size = f"of {digits} digits " if digits else ""
+        raise PipelineError(
+            f"{where}: invalid TOML: a number {size}is too long to read "
+            f"(at most {sys.get_int_max_str_digits()} digits)"
+            if hasattr(sys, "get_int_max_str_digits")
+            else f"{where}: invalid TOML: {exc}",
+            path=source,
+            line=line,
         ) from None
     return parse_pipeline(doc, source=source)
 

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from attrs import field, frozen
 
+from attnres._files import check_manifest
 from attnres.errors import TraceFormatError
 from attnres.trace import Outcome, Trace, dump_trace, load_trace, record_to_dict
 
@@ -190,35 +191,52 @@ def diff_traces(
 # =============================================================================
 
 
-def _expand(paths: Iterable[str | os.PathLike[str]], stderr: TextIO) -> tuple[list[str], bool]:
-    """Files to replay (folders: their ``*.json``, sorted), and whether a path was bad."""
+def _problem(stderr: TextIO, path: str, message: str) -> None:
+    print(f"attnres replay: error: {path}: {message}", file=stderr)
+
+
+def _expand(
+    paths: Iterable[str | os.PathLike[str]], stdout: TextIO, stderr: TextIO
+) -> tuple[list[str], int]:
+    """Files to replay (folders: every ``*.json`` entry, sorted), and how many
+    problems were reported already (a missing path, an incomplete folder).
+
+    Every ``*.json`` entry of a folder is replayed, whatever it is: a dangling
+    symlink, a FIFO or a sub-folder becomes an error line, never a silent skip.
+    """
     files: list[str] = []
     seen: set[str] = set()
-    bad = False
+    problems = 0
     for raw in paths:
         text = os.fspath(raw)
         path = Path(text)
         if path.is_dir():
-            found = sorted(p for p in path.glob("*.json") if p.is_file())
-            if not found:
-                print(
-                    f"attnres replay: {text}: no trace files (*.json) in this folder",
-                    file=stderr,
-                )
-                bad = True
-            candidates = [str(p) for p in found]
-        elif path.exists():
+            try:
+                names = sorted(e.name for e in os.scandir(path) if e.name.endswith(".json"))
+            except OSError as exc:
+                _problem(stderr, text, f"cannot list the folder: {exc.strerror or exc}")
+                problems += 1
+                continue
+            for where, message in check_manifest(path):
+                print(f"ERR  {where}", file=stdout)
+                _problem(stderr, where, message)
+                problems += 1
+            if not names:
+                _problem(stderr, text, "no trace files (*.json) in this folder")
+                problems += 1
+            candidates = [str(path / name) for name in names]
+        elif os.path.lexists(text):
             candidates = [text]
         else:
-            print(f"attnres replay: {text}: no such file or folder", file=stderr)
-            bad = True
+            _problem(stderr, text, "no such file or folder")
+            problems += 1
             candidates = []
         for c in candidates:
             key = os.path.normpath(c)
             if key not in seen:
                 seen.add(key)
                 files.append(c)
-    return files, bad
+    return files, problems
 
 
 def _indent(text: str) -> str:
@@ -235,24 +253,25 @@ def run_replay_command(
     (without ``update``), 2 when a path does not exist or a file is not a valid
     trace (the message goes to ``stderr``, no traceback).
     """
-    files, bad = _expand(paths, stderr)
-    diverged = ok = 0
+    files, problems = _expand(paths, stdout, stderr)
+    diverged = ok = invalid = 0
     for path in files:
         try:
             result = replay(path)
         except TraceFormatError as exc:
             print(f"ERR  {path}", file=stdout)
-            print(f"attnres replay: {exc}", file=stderr)
-            bad = True
+            print(f"attnres replay: error: {exc}", file=stderr)
+            invalid += 1
             continue
         except Exception as exc:  # a machine failure must not become a traceback
             print(f"ERR  {path}", file=stdout)
-            print(
-                f"attnres replay: {path}: the machine failed on the recorded input: "
-                f"{type(exc).__name__}: {exc}",
-                file=stderr,
+            _problem(
+                stderr,
+                path,
+                f"the machine failed on the recorded input: {type(exc).__name__}: {exc} "
+                f"(this is a bug in attnres)",
             )
-            bad = True
+            invalid += 1
             continue
         if result.ok:
             ok += 1
@@ -262,16 +281,26 @@ def run_replay_command(
         print(f"DIFF {path}", file=stdout)
         print(_indent(result.diff), file=stdout)
         if update:
-            dump_trace(result.replayed, path)
+            try:
+                dump_trace(result.replayed, path)
+            except OSError as exc:
+                _problem(stderr, path, f"cannot update the trace file: {exc.strerror or exc}")
+                invalid += 1
+                continue
             print(f"    updated {path} from the replay", file=stdout)
     if len(files) > 1:
-        errors = len(files) - ok - diverged
         parts = [f"{ok} ok", f"{diverged} {'updated' if update else 'differ'}"]
-        if errors:
-            parts.append(f"{errors} invalid")
-        print(f"replayed {len(files)} traces: {', '.join(parts)}", file=stdout)
-    if bad:
+        if invalid:
+            parts.append(f"{invalid} invalid")
+        if problems:
+            parts.append(_count(problems, "other error"))
+        print(f"replayed {_count(len(files), 'trace')}: {', '.join(parts)}", file=stdout)
+    if problems or invalid:
         return 2
     if diverged and not update:
         return 1
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
