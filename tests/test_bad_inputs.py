@@ -518,6 +518,35 @@ CASES: list[Case] = [
          argv=("plan", "no-such-pipeline.toml", "--platform", "cpu")),
     Case("cli-replay-missing-file", 2, "no-such-trace.json: no such file or folder",
          argv=("replay", "no-such-trace.json")),
+    # issue 11, case 8: conflicting per-component flags are usage errors, in either order
+    Case("cli-component-given-twice", 2,
+         "component 'audio_vae' was given two backends (audio_vae=fa and "
+         "audio_vae=torch_sdpa); give it once",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--component", "audio_vae", "--attention-backend", "audio_vae=fa",
+               "--attention-backend", "audio_vae=torch_sdpa")),
+    Case("cli-component-given-twice-reversed", 2,
+         "component 'audio_vae' was given two backends (audio_vae=torch_sdpa and "
+         "audio_vae=fa); give it once",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "ltx2.toml"),
+               "--platform", "cpu", "--attention-backend", "audio_vae=torch_sdpa",
+               "--attention-backend", "audio_vae=fa")),
+    Case("cli-component-backend-and-override-disagree", 2,
+         "component 'vae' was given two backends: --component-backend fa and "
+         "--attention-backend vae=sage_attn; give one",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--component", "vae", "--component-backend", "fa",
+               "--attention-backend", "vae=sage_attn")),
+    Case("cli-explain-override-of-another-component", 2,
+         "--attention-backend vea=sage_attn: the component explained is 'vae', not 'vea' "
+         "(did you mean 'vae'?)",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--component", "vae", "--attention-backend", "vea=sage_attn")),
+    Case("cli-explain-override-without-component", 2,
+         "--attention-backend vae=fa: explain resolves this layer outside any component; "
+         "give --component vae",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--attention-backend", "vae=fa")),
     Case("cli-unknown-command", 2, "argument COMMAND: invalid choice: 'frobnicate'",
          argv=("frobnicate",)),
     Case("cli-unknown-flag", 2, "unrecognized arguments: --head_size",

@@ -164,7 +164,15 @@ class _AttentionBackendAction(argparse.Action):
                     self, f"expected BACKEND or COMPONENT=BACKEND, got {text!r}"
                 )
             components = dict(getattr(namespace, DEST_COMPONENTS, None) or {})
-            components[component] = _canonical_backend(self, backend)
+            name = _canonical_backend(self, backend)
+            previous = components.get(component)
+            if previous is not None and previous != name:
+                raise argparse.ArgumentError(
+                    self,
+                    f"component {component!r} was given two backends ({component}={previous} "
+                    f"and {component}={name}); give it once",
+                )
+            components[component] = name
             setattr(namespace, DEST_COMPONENTS, components)
             return
         name = _canonical_backend(self, text)
@@ -494,6 +502,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise UsageError(
             "--component-backend is the override of one component: give --component NAME too"
         )
+    _check_explain_overrides(args, config)
     layer = LayerSpec(
         head_size=args.head_size,
         dtype=args.dtype,
@@ -530,6 +539,34 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         _emit(out, _render_explain(trace))
     return EXIT_OK if outcome.status == "selected" else EXIT_REJECTED
+
+
+def _check_explain_overrides(args: argparse.Namespace, config: SelectionConfig) -> None:
+    """``--attention-backend COMPONENT=X`` in explain must name the component explained,
+    and agree with ``--component-backend`` when both name its backend."""
+    import difflib
+
+    for component, backend in config.component_backends:
+        if component != args.component:
+            if args.component is None:
+                raise UsageError(
+                    f"--attention-backend {component}={backend.name}: explain resolves this "
+                    f"layer outside any component; give --component {component} to explain "
+                    f"it inside that component"
+                )
+            close = difflib.get_close_matches(component, [args.component], n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(
+                f"--attention-backend {component}={backend.name}: the component explained is "
+                f"{args.component!r}, not {component!r}{hint}"
+            )
+        if args.component_backend is not None:
+            flag = Backend.parse(args.component_backend).name
+            if flag != backend.name:
+                raise UsageError(
+                    f"component {component!r} was given two backends: --component-backend "
+                    f"{flag} and --attention-backend {component}={backend.name}; give one"
+                )
 
 
 def _explain_trace(layer: LayerSpec, config: SelectionConfig, platform: Platform) -> Trace:
