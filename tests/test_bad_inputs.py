@@ -180,6 +180,23 @@ CASES: list[Case] = [
     Case("platform-bad-rocm-arch", ValueError,
          "cannot parse ROCm architecture 'mi300' in 'rocm:mi300' (use gfx90a",
          call=lambda: Platform.simulate("rocm:mi300")),
+    # issue 11, case 9: an architecture the platform kind cannot have
+    Case("platform-cpu-with-cuda-arch", ValueError,
+         "platform kind 'cpu' takes no architecture, got 'sm90' in 'cpu:sm90'; did you mean "
+         "'cuda:sm90'? (only cuda and rocm take one); expected KIND[:ARCH][+PACKAGE...]",
+         call=lambda: Platform.simulate("cpu:sm90")),
+    Case("platform-npu-with-arch", ValueError,
+         "platform kind 'npu' takes no architecture, got 'foo' in 'npu:foo' (only cuda and "
+         "rocm take one)",
+         call=lambda: Platform.simulate("npu:foo")),
+    Case("platform-xpu-with-rocm-arch", ValueError,
+         "platform kind 'xpu' takes no architecture, got 'gfx942' in 'xpu:gfx942'; did you "
+         "mean 'rocm:gfx942'?",
+         call=lambda: Platform.simulate("xpu:gfx942")),
+    Case("cli-platform-cpu-with-cuda-arch", 2,
+         "platform kind 'cpu' takes no architecture, got 'sm90' in 'cpu:sm90'; did you mean "
+         "'cuda:sm90'?",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu:sm90")),
     Case("platform-unknown-package", ValueError,
          "unknown kernel package 'flashattn' in platform spec 'cuda:sm90+flashattn'; known "
          "packages: aiter, flash_attn,",

@@ -49,6 +49,9 @@ GRAMMAR = (
     "rocm:gfx942+aiter, npu+torch_npu"
 )
 
+#: The platform kinds whose ``KIND:ARCH`` names an architecture.
+_KINDS_WITH_ARCH = ("cuda", "rocm")
+
 #: The torch version recorded in simulated platforms (hermetic on purpose).
 SIMULATED_TORCH_VERSION = "2.13.0"
 
@@ -251,6 +254,19 @@ class Platform:
                 raise ValueError(
                     f"cannot parse ROCm architecture {m.group('arch')!r} in {text!r} "
                     f"(use gfx90a, gfx942, gfx950); expected {GRAMMAR}"
+                )
+            elif kind not in _KINDS_WITH_ARCH:
+                # cpu, mps, xpu and npu have no architecture attnres could check
+                # against: "cpu:sm90" is a typo of "cuda:sm90", never a CPU
+                if _parse_capability(arch) is not None:
+                    meant = f"; did you mean 'cuda:{arch}'?"
+                elif re.fullmatch(r"gfx[0-9a-f]+", arch):
+                    meant = f"; did you mean 'rocm:{arch}'?"
+                else:
+                    meant = ""
+                raise ValueError(
+                    f"platform kind {kind!r} takes no architecture, got {m.group('arch')!r} in "
+                    f"{text!r}{meant} (only cuda and rocm take one); expected {GRAMMAR}"
                 )
         aliases = _package_alias_map()
         present: set[str] = set()
