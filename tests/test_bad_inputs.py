@@ -164,7 +164,8 @@ CASES: list[Case] = [
     Case("layer-bad-role", ValueError, "role must be 'self' or 'cross', got 'bidirectional'",
          call=lambda: LayerSpec(64, "fp32", role="bidirectional")),
     Case("layer-unknown-requirement", ValueError,
-         "requirements: unknown requirement 'casual'; valid: causal, attn_mask, packed_varlen",
+         "requirements: unknown requirement 'casual' (did you mean 'causal'?); valid: causal, "
+         "attn_mask, packed_varlen",
          call=lambda: LayerSpec(64, "fp32", requirements=["casual"])),
     Case("requirements-from-a-string", ValueError, "requirements: unknown requirement 'casual'",
          call=lambda: Requirements.of("causal,casual")),
@@ -490,7 +491,8 @@ CASES: list[Case] = [
     Case("cli-unknown-dtype", 2, "dtype: unknown dtype 'int8'",
          argv=("explain", "--head-size", "64", "--dtype", "int8", "--platform", "cpu")),
     Case("cli-bad-requires", 2,
-         "requirements: unknown requirement 'casual'; valid: causal, attn_mask, packed_varlen",
+         "--requires: unknown requirement 'casual' (did you mean 'causal'?); valid: causal, "
+         "attn_mask, packed_varlen",
          argv=("explain", "--head-size", "64", "--dtype", "fp32", "--requires", "causal,casual",
                "--platform", "cpu")),
     Case("cli-bad-role", 2, "role must be 'self' or 'cross', got 'both'",
@@ -564,6 +566,29 @@ CASES: list[Case] = [
          "give --component vae",
          argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
                "--attention-backend", "vae=fa")),
+    # issue 11, case 10: bounds and spelling of layer values
+    Case("layer-head-size-huge", ValueError,
+         "head_size: must be at most 16384 (real layers use 32 to 576), got 1000000000",
+         call=lambda: LayerSpec(head_size=10**9, dtype="bf16")),
+    Case("layer-head-size-bool", ValueError, "head_size: expected a positive integer, got True",
+         call=lambda: LayerSpec(head_size=True, dtype="bf16")),
+    Case("layer-head-size-float", ValueError, "head_size: expected a positive integer, got 64.0",
+         call=lambda: LayerSpec(head_size=64.0, dtype="bf16")),
+    Case("cli-head-size-huge", 2, "head_size: must be at most 16384",
+         argv=("explain", "--head-size", str(10**23), "--dtype", "bf16", "--platform", "cpu")),
+    Case("layer-requirement-misspelt", ValueError,
+         "requirements: unknown requirement 'masks' (did you mean 'attn_mask'?); valid: causal",
+         call=lambda: LayerSpec(head_size=64, dtype="bf16", requirements=["masks"])),
+    Case("cli-requirement-misspelt", 2,
+         "--requires: unknown requirement 'masks' (did you mean 'attn_mask'?)",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--requires", "masks")),
+    Case("toml-requirement-misspelt", PipelineError,
+         "layer 'mid.attn' (layers[0]): requires: unknown requirement 'casual' (did you mean "
+         "'causal'?)",
+         file=(".toml", _pipeline(_LAYER_OK + '\nrequires = ["casual"]'))),
+    Case("toml-head-size-huge", PipelineError, "head_size: must be at most 16384",
+         file=(".toml", _pipeline('head_size = 100000000000000000000000\ndtype = "float32"'))),
     Case("cli-unknown-command", 2, "argument COMMAND: invalid choice: 'frobnicate'",
          argv=("frobnicate",)),
     Case("cli-unknown-flag", 2, "unrecognized arguments: --head_size",
@@ -655,3 +680,21 @@ def test_the_catalogue_is_documented() -> None:
 
     for code in Code:
         assert f"`{code.value}`" in text, code.value
+
+
+@pytest.mark.parametrize("make", [int, "numpy", "torch"])
+def test_any_index_integer_is_a_head_size(make: Any) -> None:
+    """Issue 11, case 10: numpy and torch integers work as head sizes (``__index__``)."""
+    if make == "numpy":
+        import numpy as np
+
+        value: Any = np.int64(64)
+    elif make == "torch":
+        value = torch.tensor(64)
+    else:
+        value = 64
+    layer = LayerSpec(head_size=value, dtype="bf16")
+    assert layer.head_size == 64 and type(layer.head_size) is int
+    assert resolve(layer, platform=CPU).backend == Backend.parse("torch_sdpa")
+    module = Attention(num_heads=value, head_size=value, dtype="float32", platform=CPU)
+    assert module.head_size == 64 and type(module.head_size) is int

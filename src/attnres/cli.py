@@ -58,7 +58,7 @@ from attnres.backends import (
     registered_backends,
 )
 from attnres.errors import ResolutionError
-from attnres.layer import LayerSpec, SelectionConfig
+from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.platform import Platform
 from attnres.scope import component_scope
 from attnres.trace import (
@@ -509,7 +509,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         supported=_split(args.supported),
         default=args.default,
         role=args.role,
-        requirements=args.requires or (),
+        requirements=Requirements.of(args.requires or (), field="--requires"),
         name=args.layer_name,
     )
     platform = _platform(args.platform)

@@ -41,7 +41,7 @@ from attnres._files import read_bounded
 from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import BackendNotAppliedError, ResolutionError
-from attnres.layer import LayerSpec, SelectionConfig
+from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.machine import resolve, selection_config
 from attnres.platform import Platform
 from attnres.scope import component_kind, component_scope, loader_for
@@ -437,7 +437,7 @@ class _Parser:
                 supported=table.get("supported"),
                 default=table.get("default"),
                 role=table.get("role", "self"),
-                requirements=table.get("requires", ()),
+                requirements=Requirements.of(table.get("requires", ()), field="requires"),
                 name=raw_name,
             )
         except ValueError as exc:
