@@ -797,3 +797,55 @@ def test_main_in_process_restores_structlog(capsys: pytest.CaptureFixture[str]) 
     assert json.loads(capsys.readouterr().out)["backends"]
     assert structlog.is_configured() is was_configured
     assert structlog.get_config() == before
+
+
+@pytest.fixture
+def chatty_environment(tmp_path: Path) -> dict[str, str]:
+    """Kernel packages that print when imported, at the Python and the fd level."""
+    (tmp_path / "sageattention.py").write_text(
+        "import os, sys\n"
+        "print('sageattention says hello')\n"
+        "os.write(1, b'written to fd 1\\n')\n"
+        "sys.stdout.write('no newline')\n"
+    )
+    (tmp_path / "xformers").mkdir()
+    (tmp_path / "xformers" / "__init__.py").write_text(
+        "print('xformers: loading CUDA')\nraise ImportError('libcudart.so.12: not found')\n"
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("doctor", "--json"),
+        ("explain", "--head-size", "64", "--dtype", "bf16", "--json"),
+        ("plan", "examples/cpu-small.toml", "--json"),
+    ],
+    ids=["doctor", "explain", "plan"],
+)
+def test_json_output_stays_json_when_a_kernel_package_prints(
+    argv: tuple[str, ...], chatty_environment: dict[str, str]
+) -> None:
+    """Issue 11, case 11: probing keeps third-party output off stdout (both levels)."""
+    proc = run(*argv, env=chatty_environment)
+    assert proc.returncode == 0, proc.stderr
+    # the whole of stdout is one JSON document: nothing printed before or after it
+    assert proc.stdout.startswith("{") and proc.stdout.endswith("}\n")
+    json.loads(proc.stdout)
+
+
+def test_what_a_package_printed_is_kept_in_its_probe_fact(
+    chatty_environment: dict[str, str],
+) -> None:
+    doc = as_json(run("doctor", "--json", env=chatty_environment))
+    facts = {p["name"]: p for p in doc["packages"]}
+    sage = facts["sageattention"]
+    assert sage["status"] == "present"
+    assert "printed on import: sageattention says hello" in sage["detail"]
+    assert "written to fd 1" in sage["detail"] and "no newline" in sage["detail"]
+    xformers = facts["xformers"]
+    assert xformers["status"] == "broken"
+    assert xformers["detail"].startswith("import failed: ImportError: libcudart.so.12")
+    assert xformers["detail"].endswith("printed on import: xformers: loading CUDA")
