@@ -849,3 +849,34 @@ def test_what_a_package_printed_is_kept_in_its_probe_fact(
     assert xformers["status"] == "broken"
     assert xformers["detail"].startswith("import failed: ImportError: libcudart.so.12")
     assert xformers["detail"].endswith("printed on import: xformers: loading CUDA")
+
+
+_WIDE_OUTPUTS = {
+    "plan-ltx2-sparse": ("plan", "examples/ltx2.toml", "--platform", HOPPER,
+                         "--attention-backend", "video_sparse_attn"),
+    "plan-audio-video": ("plan", "examples/audio-video.toml", "--platform", HOPPER,
+                         "--attention-backend", "fa"),
+    "explain": ("explain", "--head-size", "64", "--dtype", "bf16", "--platform", HOPPER,
+                "--attention-backend", "sage_attn", "--component", "audio_vae"),
+    "backends": ("backends",),
+    "doctor": ("doctor",),
+}
+
+
+@pytest.mark.parametrize("columns", [60, 80, 100])
+@pytest.mark.parametrize("name", sorted(_WIDE_OUTPUTS))
+def test_text_output_fits_the_terminal_and_never_breaks_a_name(name: str, columns: int) -> None:
+    """Issue 11, case 12: every line fits COLUMNS (60 to 100); names stay whole."""
+    argv = _WIDE_OUTPUTS[name]
+    proc = run(*argv, env={"COLUMNS": str(columns)})
+    assert proc.returncode in (0, 1), proc.stderr
+    long = [line for line in proc.stdout.splitlines() if len(line) > columns]
+    assert not long, long
+    words = set(proc.stdout.split())
+    if argv[0] == "plan":
+        for layer in (la for c in as_json(cached(*argv, "--json"))["components"]
+                      for la in c["layers"]):
+            assert layer["name"] in proc.stdout, layer["name"]
+    if argv[0] == "backends":
+        for spec in registered_backends():
+            assert spec.name in words, spec.name

@@ -37,7 +37,6 @@ import importlib
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import textwrap
@@ -350,12 +349,12 @@ def _table(
     available = width - indent - gap * (count - 1)
     shrinkable = [i for i in wrap if i < count]
     # The widest wrappable column gives up a character at a time, down to its
-    # floor: its header, its longest word (capped), or min_width.
+    # floor: its header, its longest word (a name is never broken), or min_width.
     floors = {
         i: max(
             min_width,
             len(headers[i]),
-            min(24, max((len(w) for row in rows for w in row[i].split()), default=0)),
+            max((len(w) for row in rows for w in row[i].split()), default=0),
         )
         for i in shrinkable
     }
@@ -365,6 +364,9 @@ def _table(
             break
         widest = candidates[0] if ordered else max(candidates, key=lambda i: widths[i])
         widths[widest] -= 1
+    if sum(widths) > available:
+        # Too narrow for columns without breaking a name: one record per row.
+        return _records(headers, rows, width=width, indent=indent, prose=wrap, notes=notes)
     pad = " " * indent
     sep = " " * gap
     out = [
@@ -395,31 +397,43 @@ def _table(
     return out
 
 
+def _records(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int,
+    indent: int,
+    prose: Sequence[int],
+    notes: Sequence[str] | None,
+) -> list[str]:
+    """A table too wide for ``width``: each row as its first cell, then its short
+    ``header: value`` pairs on one line and each long prose cell on its own,
+    all wrapped at word boundaries."""
+    pad = " " * indent
+    out: list[str] = []
+    for index, row in enumerate(rows):
+        if row[0]:  # a blank first cell continues the record above
+            out.append(pad + row[0])
+        short: list[str] = []
+        long: list[str] = []
+        for i in range(1, len(headers)):
+            if row[i]:
+                pair = f"{headers[i]}: {row[i]}"
+                (long if i in prose and len(row[i]) > 30 else short).append(pair)
+        for paragraph in (["; ".join(short)] if short else []) + long:
+            out += _wrap(paragraph, width, pad + "    ", pad + "      ")
+        note = notes[index] if notes is not None else ""
+        if note:
+            out += _wrap(note, width, pad + "    ", pad + "      ")
+    return out
+
+
 def _wrap_cell(text: str, width: int) -> list[str]:
-    """Wrap at spaces; a word wider than the column (a dotted layer name, a list
-    such as ``sm80/86/89``) at its dots and slashes, and only then anywhere."""
+    """Wrap at spaces, never inside a word (the column is at least as wide as
+    its longest word: see the floors in :func:`_table`)."""
     if len(text) <= width:
         return [text]
-    pieces: list[str] = []
-    for word in re.findall(r"\S+\s*", text):
-        if len(word.rstrip()) <= width:
-            pieces.append(word)
-            continue
-        for part in re.findall(r"[^./]+[./]?\s*|[./]\s*", word):
-            while len(part.rstrip()) > width:
-                pieces.append(part[:width])
-                part = part[width:]
-            pieces.append(part)
-    lines: list[str] = []
-    current = ""
-    for piece in pieces:
-        if current and len(current + piece.rstrip()) > width:
-            lines.append(current.rstrip())
-            current = ""
-        current += piece
-    if current.strip():
-        lines.append(current.rstrip())
-    return lines
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 def _emit(stream: TextIO, lines: Sequence[str]) -> None:
@@ -643,7 +657,9 @@ def _render_explain(trace: Trace) -> list[str]:
                                                     cfg.component_backends)
     lines += _field("Request:", request, width)
     lines.append("")
-    lines.append("Candidates (every check in order; '->' rows are the machine's transitions):")
+    lines += _wrap(
+        "Candidates (every check in order; '->' rows are the machine's transitions):", width
+    )
     rows: list[list[str]] = []
     last: tuple[str, str] | None = None
     for record in trace.records:
@@ -826,7 +842,7 @@ def _plural(n: int, word: str) -> str:
 def _render_plan(result: PlanResult) -> list[str]:
     width = _width()
     pipeline, config = result.pipeline, result.config
-    lines = [f"Plan for pipeline {pipeline.name!r} ({pipeline.path})"]
+    lines = _wrap(f"Plan for pipeline {pipeline.name!r} ({pipeline.path})", width, "", "  ")
     lines += _field("Platform:", _platform_text(result.platform), width)
     if config.global_backend is None:
         request = "no --attention-backend"
@@ -1165,11 +1181,14 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         min_width=10,
         notes=[_backend_note(spec) for spec in specs],
     )
-    lines += [
-        "",
+    lines.append("")
+    lines += _wrap(
         "requirements: causal, mask (attention masks), varlen (packed varlen), gqa "
         "(grouped-query), dropout",
-    ]
+        width,
+        "",
+        "  ",
+    )
     if failures:
         lines += ["", f"Plugins that failed to load (entry-point group {ENTRY_POINT_GROUP}):"]
         for f in failures:
