@@ -880,3 +880,24 @@ def test_text_output_fits_the_terminal_and_never_breaks_a_name(name: str, column
     if argv[0] == "backends":
         for spec in registered_backends():
             assert spec.name in words, spec.name
+
+
+def test_plan_summaries_read_rightly(tmp_path: Path) -> None:
+    """Issue 11, case 13: counts say what they count; singular is singular."""
+    proc = run("plan", "examples/audio-video.toml", "--platform", HOPPER,
+               "--attention-backend", "sage_attn")
+    verdict = " ".join(proc.stdout.split("Verdict:")[1].split())
+    assert re.search(r"fallbacks: global backend fallback \(\d+ layers\)", verdict), verdict
+    one = tmp_path / "one.toml"
+    one.write_text(
+        '[pipeline]\nname = "one"\n[[components]]\nname = "vae"\n'
+        '[[components.layers]]\nname = "mid.attn"\nhead_size = 64\ndtype = "float32"\n'
+    )
+    proc = run("plan", str(one), "--platform", "cpu", "--attention-backend", "vae=torch_sdpa",
+               "--trace-out", str(tmp_path / "traces"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"Traces: 1 file written to {tmp_path / 'traces'}" in proc.stdout
+    request = next(line for line in proc.stdout.splitlines() if line.startswith("Request:"))
+    assert request.split(None, 1)[1] == (
+        "no global --attention-backend; per component: --attention-backend vae=torch_sdpa"
+    )

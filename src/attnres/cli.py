@@ -648,7 +648,7 @@ def _render_explain(trace: Trace) -> list[str]:
     lines += _field("Platform:", _platform_text(inp.platform), width)
     cfg = inp.config
     if cfg.global_backend is None:
-        request = "no --attention-backend"
+        request = "no global --attention-backend"
     else:
         how = "typed by the operator" if cfg.global_backend_explicit else "implicit preference"
         request = f"--attention-backend {cfg.global_backend.name} ({how})"
@@ -830,7 +830,12 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         lines = _render_plan(result)
         if written:
-            lines.append(f"Traces: {len(written)} files written to {args.trace_out}")
+            lines += _wrap(
+                f"Traces: {_plural(len(written), 'file')} written to {args.trace_out}",
+                _width(),
+                "",
+                "  ",
+            )
         _emit(out, lines)
     return EXIT_OK if result.ok else EXIT_REJECTED
 
@@ -845,12 +850,12 @@ def _render_plan(result: PlanResult) -> list[str]:
     lines = _wrap(f"Plan for pipeline {pipeline.name!r} ({pipeline.path})", width, "", "  ")
     lines += _field("Platform:", _platform_text(result.platform), width)
     if config.global_backend is None:
-        request = "no --attention-backend"
+        request = "no global --attention-backend"
     else:
         how = "typed by the operator" if config.global_backend_explicit else "a preference"
         request = f"--attention-backend {config.global_backend.name} ({how})"
     if config.component_backends:
-        request += "; " + ", ".join(
+        request += "; per component: " + ", ".join(
             f"--attention-backend {n}={b.name}" for n, b in config.component_backends
         )
     lines += _field("Request:", request, width)
@@ -911,7 +916,8 @@ def _render_plan(result: PlanResult) -> list[str]:
     )
     if result.ok:
         fell = (
-            "fallbacks: " + ", ".join(f"{r} {n}" for r, n in sorted(fallbacks.items()))
+            "fallbacks: "
+            + ", ".join(f"{r} ({_plural(n, 'layer')})" for r, n in sorted(fallbacks.items()))
             if fallbacks
             else "no fallback"
         )
