@@ -41,6 +41,7 @@ from attnres.backends import BUILTIN_SPECS, BackendSpec, register_backend, unreg
 from attnres.platform import PackageFact
 from attnres.scope import ComponentLoader, ScopeState, component_kind
 from attnres.trace import (
+    SCHEMA_VERSION,
     CheckRecord,
     OriginRecord,
     RejectedRecord,
@@ -1422,7 +1423,7 @@ def test_trace_holds_the_full_input() -> None:
     assert inp.config == SAGE
     assert inp.scope == scope.state
     assert inp.platform == CUDA_SAGE
-    assert res.trace.schema_version == 1
+    assert res.trace.schema_version == SCHEMA_VERSION
     doc = json.loads(res.trace.to_json())
     assert set(doc) >= {"schema_version", "input", "records", "outcome"}
 

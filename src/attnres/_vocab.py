@@ -49,6 +49,8 @@ class Requirement(str, enum.Enum):
     PACKED_VARLEN = "packed_varlen"
     GQA = "gqa"
     DROPOUT = "dropout"
+    #: gradients flow through the kernel (a training forward)
+    BACKWARD = "backward"
 
     def __str__(self) -> str:
         return self.value
@@ -61,6 +63,7 @@ REQUIREMENT_PHRASES: dict[Requirement, str] = {
     Requirement.PACKED_VARLEN: "packed varlen attention",
     Requirement.GQA: "grouped-query attention",
     Requirement.DROPOUT: "attention dropout",
+    Requirement.BACKWARD: "the backward pass",
 }
 
 #: Device kinds, in the order the docs list them.

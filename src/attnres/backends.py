@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 from attrs import field, frozen
 
-from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement
+from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.errors import PluginError, UnknownBackendError
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "CapabilityRule",
     "HeadSizeRule",
     "PluginFailure",
+    "RequirementLimit",
     "get_spec",
     "plugin_failures",
     "register_backend",
@@ -149,6 +150,26 @@ class CapabilityRule:
     exact: frozenset[tuple[int, int]] | None = field(default=None, converter=_capability_set)
     archs: frozenset[str] | None = field(default=None, converter=_to_frozenset_str)
 
+    @property
+    def restricts_capability(self) -> bool:
+        """Whether the rule says anything about a CUDA compute capability."""
+        return self.min is not None or self.max is not None or self.exact is not None
+
+    def fits(self, capability: tuple[int, int]) -> bool:
+        """Whether a device of this compute capability is one the rule admits.
+
+        A range (``min``/``max``) and an ``exact`` set together admit either; an
+        ``exact`` set alone admits only its members.
+        """
+        in_range = (self.min is None or capability >= self.min) and (
+            self.max is None or capability <= self.max
+        )
+        if self.exact is None:
+            return in_range
+        if self.min is None and self.max is None:
+            return capability in self.exact
+        return in_range or capability in self.exact
+
     def describe(self) -> str:
         parts: list[str] = []
         if self.exact is not None:
@@ -156,7 +177,7 @@ class CapabilityRule:
         if self.min is not None or self.max is not None:
             lo = f"sm{self.min[0]}{self.min[1]}" if self.min else ""
             hi = f"sm{self.max[0]}{self.max[1]}" if self.max else ""
-            parts.append(f"{lo}-{hi}" if hi else f">= {lo}")
+            parts.append(f"{lo}-{hi}" if lo and hi else f"<= {hi}" if hi else f">= {lo}")
         if self.archs is not None:
             parts.append("/".join(sorted(self.archs)))
         return ", ".join(parts) or "any"
@@ -191,6 +212,72 @@ def _dtypes(value: Iterable[str]) -> frozenset[str]:
     return names
 
 
+def _optional_platforms(value: Iterable[str] | None) -> frozenset[str] | None:
+    return None if value is None else _platforms(value)
+
+
+def _limits(value: Iterable[RequirementLimit]) -> tuple[RequirementLimit, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, RequirementLimit):
+            raise TypeError(f"limits: expected RequirementLimit records, got {item!r}")
+    return out
+
+
+def _dtype_capabilities(value: dict[str, CapabilityRule]) -> dict[str, CapabilityRule]:
+    _dtypes(value)
+    return dict(value)
+
+
+@frozen
+class RequirementLimit:
+    """Where a kernel does not implement requirements its spec claims.
+
+    ``BackendSpec.implements`` claims each requirement on its own; a limit
+    withdraws the claim for a layer that needs every requirement in
+    ``requirements`` at once (``{backward, gqa}``: no GQA in the backward pass),
+    on the device kinds in ``platforms`` (``None``: every kind) and the CUDA
+    devices ``capabilities`` admits (``None``: every device). ``because`` says
+    why, as the kernel's source does; it is shown in the failure.
+    """
+
+    requirements: frozenset[Requirement] = field(converter=_requirements)
+    because: str
+    platforms: frozenset[str] | None = field(default=None, converter=_optional_platforms)
+    capabilities: CapabilityRule | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.requirements:
+            raise ValueError("a RequirementLimit names at least one requirement")
+
+    def applies(
+        self, needed: Iterable[Requirement], kind: str, capability: tuple[int, int] | None
+    ) -> bool:
+        """Whether the limit withdraws the claim for this layer on this platform.
+
+        An unknown capability counts as admitted by ``capabilities`` (fail
+        closed: the limit applies).
+        """
+        if not self.requirements <= frozenset(needed):
+            return False
+        if self.platforms is not None and kind not in self.platforms:
+            return False
+        if self.capabilities is not None and capability is not None:
+            return self.capabilities.fits(capability)
+        return True
+
+    def describe(self) -> str:
+        """``"the backward pass together with grouped-query attention on cpu"``."""
+        # the newest requirement leads: "the backward pass together with grouped-query attention"
+        ordered = [r for r in reversed(Requirement) if r in self.requirements]
+        text = " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+        if self.platforms is not None:
+            text += " on " + "/".join(k for k in PLATFORM_KINDS if k in self.platforms)
+        if self.capabilities is not None:
+            text += " on " + self.capabilities.describe()
+        return text
+
+
 @frozen
 class BackendSpec:
     """Everything the resolver may know about one backend, as plain data.
@@ -203,7 +290,14 @@ class BackendSpec:
       by a layer whose supported set contains every name of one group
       (``torch_cudnn_sdpa`` satisfies ``{torch_sdpa}``, ``dynamic_cudnn_sdpa``
       needs ``{fa, torch_sdpa}``);
-    - ``min_torch``: per platform kind, the oldest torch that ships the kernel.
+    - ``min_torch``: per platform kind, the oldest torch that ships the kernel;
+    - ``limits``: where the kernel does not implement requirements that
+      ``implements`` claims (:class:`RequirementLimit`);
+    - ``dtype_capabilities``: per dtype, the CUDA devices that take it when that
+      is narrower than ``capabilities`` (xformers: bf16 only from sm80);
+    - ``package_alternatives``: packages that serve in place of ``package``
+      (another packaging of the same kernel); ``extra_packages``: packages
+      needed as well as ``package``.
     """
 
     name: str = field()
@@ -221,6 +315,18 @@ class BackendSpec:
     #: whether a causal mask keeps torch SDPA's top-left alignment when query and
     #: key lengths differ (cross-attention); flash-attn aligns it bottom-right
     causal_top_left: bool = True
+    limits: tuple[RequirementLimit, ...] = field(default=(), converter=_limits)
+    dtype_capabilities: dict[str, CapabilityRule] = field(
+        factory=dict, hash=False, converter=_dtype_capabilities
+    )
+    package_alternatives: tuple[str, ...] = field(default=(), converter=tuple)
+    extra_packages: tuple[str, ...] = field(default=(), converter=tuple)
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """Every optional package the spec names (probed on every platform)."""
+        first = () if self.package is None else (self.package,)
+        return (*first, *self.package_alternatives, *self.extra_packages)
 
     @name.validator
     def _check_name(self, _: attrs.Attribute[str], value: str) -> None:
@@ -252,7 +358,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         sparse=False,
         platforms=_ALL,
         dtypes=_FULL,
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
         aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
         description="torch.nn.functional.scaled_dot_product_attention",
     ),
@@ -261,7 +367,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         sparse=False,
         platforms=_ALL,
         dtypes=_FULL,
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",
     ),
@@ -271,7 +377,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
         capabilities={"cuda": CapabilityRule(min=(8, 0), max=(12, 1))},
         satisfies=[{"torch_sdpa"}],
         aliases=("cudnn", "cudnn_sdpa"),
@@ -295,7 +401,14 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cpu", "cuda"),
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=HeadSizeRule(min=16, max=1024, power_of_two=True),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.BACKWARD),
+        limits=(
+            RequirementLimit(
+                {R.BACKWARD},
+                "flex_attention.py: 'FlexAttention does not support backward on CPU'",
+                platforms={"cpu"},
+            ),
+        ),
         min_torch={"cuda": (2, 5), "cpu": (2, 6)},
         aliases=("flex",),
         description="torch.nn.attention.flex_attention",
@@ -306,7 +419,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda", "rocm"),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
         package="flash_attn",
         capabilities={
             "cuda": _AMPERE_UP,
@@ -322,7 +435,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,  # fp8 left out: it needs head sizes % 16 (docs/backends.md)
         head_sizes=HeadSizeRule(max=256, multiple_of=8),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD),
         package="flash_attn_interface",
         capabilities={"cuda": _HOPPER},
         aliases=("flash_attn_3", "flash_attention_3"),
@@ -335,7 +448,14 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD),
+        limits=(
+            RequirementLimit(
+                {R.BACKWARD},
+                "flash_attn/cute/interface.py runs the backward pass on sm 9.x-12.x only",
+                capabilities=CapabilityRule(min=(8, 0), max=(8, 9)),
+            ),
+        ),
         package="flash_attn_4",
         capabilities={"cuda": CapabilityRule(min=(9, 0), max=(12, 1))},
         aliases=("flash_attn_4", "flash_attention_4", "flash_attn_cute"),
@@ -376,7 +496,13 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=HeadSizeRule(multiple_of=8),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
+        limits=(
+            RequirementLimit(
+                {R.BACKWARD, R.GQA},
+                "the cutlass forward op takes the 5-D GQA layout, its backward op does not",
+            ),
+        ),
         package="xformers",
         capabilities={"cuda": CapabilityRule(min=(5, 0), max=(9, 0))},
         aliases=("xformers_attn", "memory_efficient_attention"),
@@ -388,7 +514,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("rocm",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
         package="aiter",
         capabilities={"rocm": CapabilityRule(archs={"gfx942", "gfx950"})},
         aliases=("aiter_fa", "rocm_aiter"),
@@ -423,6 +549,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=("bfloat16",),
         head_sizes=HeadSizeRule(allowed={64, 128}),
+        implements=(R.BACKWARD,),
         package="vsa",
         capabilities={"cuda": CapabilityRule(exact={(9, 0), (10, 0)})},
         aliases=("vsa", "video_sparse_attention"),
@@ -434,6 +561,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
+        implements=(R.BACKWARD,),
         package="flash_attn",
         capabilities={"cuda": _AMPERE_UP},
         aliases=("vmoba",),

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import attrs
 
 from attnres._states import Event, State
-from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement
+from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
@@ -1077,6 +1077,7 @@ _REQ_SHORT = {
     Requirement.PACKED_VARLEN: "varlen",
     Requirement.GQA: "gqa",
     Requirement.DROPOUT: "dropout",
+    Requirement.BACKWARD: "backward",
 }
 
 
@@ -1097,7 +1098,16 @@ def _runs_on(spec: BackendSpec) -> str:
 def _backend_note(spec: BackendSpec) -> str:
     implements = ", ".join(_REQ_SHORT[r] for r in Requirement if r in spec.implements)
     parts = [f"implements: {implements or 'none of the requirements'}"]
-    parts.append(f"package: {spec.package or 'torch'}")
+    if spec.limits:
+        parts.append("not: " + "; ".join(limit.describe() for limit in spec.limits))
+    for dtype, rule in sorted(spec.dtype_capabilities.items()):
+        parts.append(f"{_DTYPE_SHORT.get(dtype, dtype)} only on {rule.describe()}")
+    package = spec.package or "torch"
+    if spec.package_alternatives:
+        package += " (or " + " or ".join(spec.package_alternatives) + ")"
+    if spec.extra_packages:
+        package += " and " + " and ".join(spec.extra_packages)
+    parts.append(f"package: {package}")
     if spec.min_torch:
         parts.append(
             "needs "
@@ -1144,7 +1154,25 @@ def _spec_doc(spec: BackendSpec) -> dict[str, Any]:
             "description": rule.describe(),
         },
         "implements": [r.value for r in Requirement if r in spec.implements],
+        "limits": [
+            {
+                "requirements": [r.value for r in Requirement if r in limit.requirements],
+                "platforms": None
+                if limit.platforms is None
+                else _ordered(limit.platforms, PLATFORM_KINDS),
+                "capabilities": None
+                if limit.capabilities is None
+                else limit.capabilities.describe(),
+                "because": limit.because,
+            }
+            for limit in spec.limits
+        ],
+        "dtype_capabilities": {
+            dtype: rule.describe() for dtype, rule in sorted(spec.dtype_capabilities.items())
+        },
         "package": spec.package,
+        "package_alternatives": list(spec.package_alternatives),
+        "extra_packages": list(spec.extra_packages),
         "aliases": list(spec.aliases),
         "satisfies": [sorted(group) for group in spec.satisfies],
         "description": spec.description,
@@ -1189,8 +1217,8 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     )
     lines.append("")
     lines += _wrap(
-        "requirements: causal, mask (attention masks), varlen (packed varlen), gqa "
-        "(grouped-query), dropout",
+        "requirements: "
+        + ", ".join(f"{_REQ_SHORT[r]} ({REQUIREMENT_PHRASES[r]})" for r in Requirement),
         width,
         "",
         "  ",

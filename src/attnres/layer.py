@@ -131,6 +131,7 @@ class Requirements:
     packed_varlen: bool = field(default=False, validator=_is_bool)
     gqa: bool = field(default=False, validator=_is_bool)
     dropout: bool = field(default=False, validator=_is_bool)
+    backward: bool = field(default=False, validator=_is_bool)
 
     def needed(self) -> tuple[Requirement, ...]:
         """The requirements that are on, in the canonical order."""

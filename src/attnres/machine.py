@@ -269,16 +269,32 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
 # =============================================================================
 
 
+def _package_failure(
+    name: str, platform: Platform, alternatives: tuple[str, ...] = ()
+) -> list[Failure]:
+    """Why neither ``name`` nor one of its ``alternatives`` works here ([] if one does)."""
+    facts = [platform.package(n) for n in (name, *alternatives)]
+    if any(f.status == "present" for f in facts):
+        return []
+    broken = [f for f in facts if f.status == "broken"]
+    if broken:
+        return [
+            Failure(Code.PACKAGE_BROKEN, f"package {f.name!r} is broken: {f.detail}")
+            for f in broken
+        ]
+    fact = facts[0]
+    detail = "" if fact.detail in (None, "not installed") else f" ({fact.detail})"
+    nor = "".join(f" (nor its older packaging {a!r})" for a in alternatives)
+    return [Failure(Code.PACKAGE_MISSING, f"package {name!r} is not installed{detail}{nor}")]
+
+
 def _check_available(spec: BackendSpec, platform: Platform) -> list[Failure]:
     if spec.package is None:
         return []
-    fact = platform.package(spec.package)
-    if fact.status == "present":
-        return []
-    if fact.status == "broken":
-        return [Failure(Code.PACKAGE_BROKEN, f"package {spec.package!r} is broken: {fact.detail}")]
-    detail = "" if fact.detail in (None, "not installed") else f" ({fact.detail})"
-    return [Failure(Code.PACKAGE_MISSING, f"package {spec.package!r} is not installed{detail}")]
+    out = _package_failure(spec.package, platform, spec.package_alternatives)
+    for extra in spec.extra_packages:
+        out += _package_failure(extra, platform)
+    return out
 
 
 def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> list[Failure]:
@@ -291,7 +307,7 @@ def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> 
     else:
         rule = spec.capabilities.get(kind)
         if rule is not None:
-            if rule.min is not None or rule.max is not None or rule.exact is not None:
+            if rule.restricts_capability:
                 cap = platform.capability
                 if cap is None:
                     out.append(
@@ -302,14 +318,7 @@ def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> 
                         )
                     )
                 else:
-                    ok = (rule.min is None or cap >= rule.min) and (
-                        rule.max is None or cap <= rule.max
-                    )
-                    if rule.exact is not None and (rule.min is None and rule.max is None):
-                        ok = cap in rule.exact
-                    elif rule.exact is not None:
-                        ok = ok or cap in rule.exact
-                    if not ok:
+                    if not rule.fits(cap):
                         out.append(
                             Failure(
                                 Code.COMPUTE_CAPABILITY,
@@ -337,6 +346,21 @@ def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> 
     if layer.dtype not in spec.dtypes:
         takes = ", ".join(sorted(spec.dtypes))
         out.append(Failure(Code.DTYPE, f"does not take dtype {layer.dtype} (takes {takes})"))
+    else:
+        dtype_rule = spec.dtype_capabilities.get(layer.dtype)
+        if dtype_rule is not None and kind == "cuda":
+            cap = platform.capability
+            if cap is None or not dtype_rule.fits(cap):
+                here = "this platform's is unknown" if cap is None else (
+                    f"this device is sm{cap[0]}{cap[1]}"
+                )
+                out.append(
+                    Failure(
+                        Code.DTYPE,
+                        f"takes dtype {layer.dtype} only on compute capability "
+                        f"{dtype_rule.describe()}, {here}",
+                    )
+                )
     for problem in spec.head_sizes.failures(layer.head_size):
         out.append(Failure(Code.HEAD_SIZE, problem))
     return out
@@ -377,11 +401,19 @@ def _check_supported(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
     ]
 
 
-def _check_requirements(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
+def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> list[Failure]:
+    needed = layer.requirements.needed()
     out = [
         Failure(Code.REQUIREMENT_UNMET, f"does not implement {REQUIREMENT_PHRASES[req]}")
-        for req in layer.requirements.needed()
+        for req in needed
         if req not in spec.implements
+    ]
+    # a limit withdraws what the spec claims (an unclaimed requirement failed above)
+    out += [
+        Failure(Code.REQUIREMENT_UNMET, f"does not implement {limit.describe()} ({limit.because})")
+        for limit in spec.limits
+        if limit.requirements <= spec.implements
+        and limit.applies(needed, platform.kind, platform.capability)
     ]
     if (
         layer.requirements.causal
@@ -421,7 +453,7 @@ def check_candidate(
         (Check.PLATFORM, tuple(_check_platform(spec, layer, platform))),
         (Check.ROLE, tuple(_check_role(spec, layer))),
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
-        (Check.REQUIREMENTS, tuple(_check_requirements(spec, layer))),
+        (Check.REQUIREMENTS, tuple(_check_requirements(spec, layer, platform))),
     )
 
 

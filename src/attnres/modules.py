@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple, overload
 
+import attrs
 import torch
 import torch.nn.modules.module as _nn_module
 from torch import Tensor, nn
@@ -123,13 +124,7 @@ def _positive_int(what: str, value: object) -> int:
 def _merge_requirements(given: Requirements | Any, *, causal: bool, gqa: bool) -> Requirements:
     base = Requirements.of(given)
     if (causal and not base.causal) or (gqa and not base.gqa):
-        return Requirements(
-            causal=base.causal or causal,
-            attn_mask=base.attn_mask,
-            packed_varlen=base.packed_varlen,
-            gqa=base.gqa or gqa,
-            dropout=base.dropout,
-        )
+        return attrs.evolve(base, causal=base.causal or causal, gqa=base.gqa or gqa)
     return base
 
 

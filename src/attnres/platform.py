@@ -137,8 +137,9 @@ class PackageFact:
 def _package_probes() -> tuple[PackageProbe, ...]:
     known = {p.name: p for p in KNOWN_PACKAGES}
     for spec in registered_backends():
-        if spec.package and spec.package not in known:
-            known[spec.package] = PackageProbe(spec.package, spec.package, (spec.package,))
+        for package in spec.packages:
+            if package not in known:
+                known[package] = PackageProbe(package, package, (package,))
     return tuple(sorted(known.values(), key=lambda p: p.name))
 
 

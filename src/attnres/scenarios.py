@@ -545,6 +545,81 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("torch_sdpa", "platform default fallback", origin="none"),
     ),
     Scenario(
+        "layer-sage-attn-backward-rejected-requirement",
+        "SageAttention has no backward pass (no autograd code at all): a layer that needs "
+        "gradients and requests sage_attn is rejected before any kernel runs "
+        "(requirement_unmet).",
+        _layer(requires=("backward",), name="blocks.0.attn1"),
+        _NOTHING,
+        None,
+        _HOPPER_ALL,
+        "sage_attn",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=("Attention backend 'sage_attn' does not implement the backward pass",),
+        ),
+    ),
+    Scenario(
+        "training-sage-preference-falls-back-to-fa",
+        "A derived sage_attn preference on a layer that needs the backward pass: sage_attn "
+        "fails the requirements check, and fa (which has one) serves from the platform's "
+        "chain ('platform default fallback').",
+        _layer(requires=("backward",), name="blocks.0.attn1"),
+        _preference("sage_attn"),
+        None,
+        _HOPPER_ALL,
+        None,
+        expect=selects("fa", "platform default fallback", origin="global_preference"),
+    ),
+    Scenario(
+        "cpu-flex-attention-backward-rejected-limit",
+        "flex_attention has a backward pass on CUDA but not on CPU ('FlexAttention does not "
+        "support backward on CPU'): the catalogue's limit withdraws the claim on cpu, so a "
+        "strict request for it is rejected there (requirement_unmet).",
+        _layer(head_size=64, dtype="float32", requires=("backward",)),
+        _NOTHING,
+        None,
+        "cpu",
+        "flex_attention",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "Attention backend 'flex_attention' does not implement the backward pass on cpu",
+            ),
+        ),
+    ),
+    Scenario(
+        "cuda-flex-attention-backward-selected",
+        "The same layer on CUDA: flex_attention has a backward pass there, so the limit does "
+        "not apply and the request is accepted.",
+        _layer(head_size=64, dtype="bfloat16", requires=("backward",)),
+        _NOTHING,
+        None,
+        "cuda:sm90",
+        "flex_attention",
+        expect=selects("flex_attention", origin="layer"),
+    ),
+    Scenario(
+        "xformers-gqa-backward-rejected-limit",
+        "xformers takes grouped-query attention forward only (its backward op refuses the 5-D "
+        "GQA layout): a GQA layer that needs gradients is rejected for xformers "
+        "(requirement_unmet), while the same layer without the backward requirement is served.",
+        _layer(head_size=64, requires=("gqa", "backward")),
+        _NOTHING,
+        None,
+        "cuda:sm80+xformers",
+        "xformers",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "does not implement the backward pass together with grouped-query attention",
+            ),
+        ),
+    ),
+    Scenario(
         "layer-fa-causal-cross-attention-rejected-requirement",
         "fa requested for a causal cross-attention layer: its causal mask is bottom-right aligned "
         "when lengths differ, so the strict request is rejected (requirement_unmet).",

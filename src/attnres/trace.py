@@ -75,7 +75,12 @@ __all__ = [
 
 #: The schema version this attnres writes, and the newest it reads. Bumped when
 #: a field is added, removed, renamed or changes meaning (docs/trace-format.md).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+#: The requirement keys of a schema-1 trace (attnres 0.1): later requirements
+#: did not exist, so such a trace reads them as false, and its digest is computed
+#: over the keys it has.
+_SCHEMA_1_REQUIREMENTS: tuple[str, ...] = ("causal", "attn_mask", "packed_varlen", "gqa", "dropout")
 
 
 @frozen
@@ -580,9 +585,25 @@ def _role(value: Any) -> Role:
 def _requirements(value: Any) -> Requirements:
     obj = _object(value, "requirements")
     names = [r.value for r in Requirement]
-    _exact_keys(obj, names, "requirements")
-    flags = {name: _field(obj, name, _structure_bool) for name in names}
+    if set(obj) != set(_SCHEMA_1_REQUIREMENTS):  # (which set a version needs: _structure_trace)
+        _exact_keys(obj, names, "requirements")
+    flags = {name: _field(obj, name, _structure_bool) for name in obj}
     return Requirements(**flags)
+
+
+def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
+    """A schema-1 trace has the 0.1 requirement keys; a later one has every key."""
+    try:
+        obj = doc["input"]["layer"]["requirements"]
+    except (KeyError, TypeError):
+        return  # structuring reports the missing or malformed part, with its path
+    if not isinstance(obj, dict):
+        return
+    keys = _SCHEMA_1_REQUIREMENTS if version == 1 else [r.value for r in Requirement]
+    try:
+        _exact_keys(obj, keys, f"requirements, in schema version {version}")
+    except _Invalid as exc:
+        raise _Invalid(".input.layer.requirements" + exc.path, exc.message) from None
 
 
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
@@ -698,9 +719,15 @@ def _make_converter() -> cattrs.Converter:
         return out
 
     def unstructure_trace(t: Trace) -> dict[str, Any]:
+        inp = conv.unstructure(t.input)
+        if t.schema_version == 1:  # as attnres 0.1 wrote it: its digest covers these keys
+            flags = inp["layer"]["requirements"]
+            for key in [k for k in flags if k not in _SCHEMA_1_REQUIREMENTS]:
+                if not flags[key]:
+                    del flags[key]
         return {
             "schema_version": t.schema_version,
-            "input": conv.unstructure(t.input),
+            "input": inp,
             "records": [unstructure_record(r) for r in t.records],
             "outcome": conv.unstructure(t.outcome),
         }
@@ -828,6 +855,7 @@ def _structure_trace(doc: Any) -> Trace:
     if version < 1:
         raise _Invalid(".schema_version", f"unsupported schema version {version}")
     _exact_keys(doc, _TOP_KEYS, "a trace")
+    _check_requirement_keys(doc, version)
     inp = _structure_at(_CONVERTER, doc["input"], TraceInput, ".input")
     records_doc = doc["records"]
     if not isinstance(records_doc, list):
