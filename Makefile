@@ -35,7 +35,7 @@ test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest $(PYTEST_ARGS)
 
 golden: $(STAMP)
-	$(PY) -m pytest tests/test_golden.py --update-golden -q
+	$(PY) -m pytest tests/test_golden.py tests/test_autotune_golden.py --update-golden -q
 
 $(VENV)/.attnres-bench: $(STAMP)
 	$(PIP) install -c $(VENV)/torch-pin.txt -e ".[dev,bench]"

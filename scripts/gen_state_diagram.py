@@ -19,7 +19,7 @@ TARGET = ROOT / "docs" / "state-machine.md"
 
 def render() -> str:
     from attnres._states import State
-    from attnres.machine import CHECK_ORDER, STRICT_ORIGINS, TRANSITIONS
+    from attnres.machine import CHECK_ORDER, STRICT_ORIGINS, TRANSITIONS, TUNABLE_ORIGINS
 
     lines = [
         "# The resolution state machine",
@@ -31,7 +31,9 @@ def render() -> str:
         "`rejected`. Each arrow is one entry of the transition table in",
         "[`src/attnres/machine.py`](../src/attnres/machine.py); a label reads",
         "`event` or `event / reason it sets`. The first transition that carries a",
-        "reason fixes the outcome's reason.",
+        "reason fixes the outcome's reason, except `measured faster`: with autotune on,",
+        "a selected automatic decision is measured against its candidates",
+        "(`selected -> measuring -> selected`), and a measured win replaces the reason.",
         "",
         "```mermaid",
         "stateDiagram-v2",
@@ -71,6 +73,12 @@ def render() -> str:
         *[f"- `{o.value}`" for o in sorted(STRICT_ORIGINS, key=lambda o: o.value)],
         "- `global_cli`, unless the layer declares a default or the component scope allows "
         "global fallback",
+        "",
+        "## Tunable origins",
+        "",
+        "With autotune on, only decisions of these (automatic) origins are measured:",
+        "",
+        *[f"- `{o.value}`" for o in sorted(TUNABLE_ORIGINS, key=lambda o: o.value)],
         "",
     ]
     return "\n".join(lines)

@@ -22,14 +22,34 @@ def reference(
     attn_mask: torch.Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    *,
+    softcap: float = 0.0,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Attention in float64, returned in float64 as (batch, seq_q, heads_q, head_size)."""
+    """Attention in float64, returned in float64 as (batch, seq_q, heads_q, head_size).
+
+    ``softcap`` (> 0) maps the scaled scores to ``softcap * tanh(scores / softcap)``
+    before any mask; ``window=(left, right)`` keeps, for query ``i``, the keys
+    ``j`` with ``i - left <= j <= i + right`` (-1: unbounded side), top-left aligned.
+    """
     group = q.shape[2] // k.shape[2]
     qh = q.double().transpose(1, 2)
     kh = k.double().transpose(1, 2).repeat_interleave(group, dim=1)
     vh = v.double().transpose(1, 2).repeat_interleave(group, dim=1)
     factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.einsum("bhqd,bhkd->bhqk", qh, kh) * factor
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if window is not None:
+        left, right = window
+        i = torch.arange(q.shape[1]).unsqueeze(1)
+        j = torch.arange(k.shape[1]).unsqueeze(0)
+        outside = torch.zeros(q.shape[1], k.shape[1], dtype=torch.bool)
+        if left >= 0:
+            outside |= j < i - left
+        if right >= 0:
+            outside |= j > i + right
+        scores = scores.masked_fill(outside, float("-inf"))
     if causal:
         keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
         scores = scores.masked_fill(~keep, float("-inf"))

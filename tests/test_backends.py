@@ -50,9 +50,9 @@ SPEC_TABLE: dict[str, tuple[bool, frozenset[str], str | None]] = {
     "xformers": (False, frozenset({"cuda"}), "xformers"),
     "aiter": (False, frozenset({"rocm"}), "aiter"),
     "ascend_fa": (False, frozenset({"npu"}), "torch_npu"),
-    "sliding_tile_attn": (True, frozenset({"cuda"}), "st_attn"),
-    "video_sparse_attn": (True, frozenset({"cuda"}), "vsa"),
-    "vmoba_attn": (True, frozenset({"cuda"}), "flash_attn"),
+    "sliding_tile_attn": (True, frozenset({"cuda"}), "fastvideo_kernel"),
+    "video_sparse_attn": (True, frozenset({"cuda"}), "fastvideo_kernel"),
+    "vmoba_attn": (True, frozenset({"cuda"}), "fastvideo_kernel"),
     "sparse_video_gen_2_attn": (True, frozenset({"cuda"}), "svg"),
 }
 
@@ -293,8 +293,8 @@ def test_torch_sdpa_and_eager_run_everywhere_without_a_package() -> None:
 def test_every_package_is_a_known_probe() -> None:
     probes = {p.name for p in KNOWN_PACKAGES}
     for spec in B.BUILTIN_SPECS:
-        if spec.package is not None:
-            assert spec.package in probes, spec.name
+        for package in spec.packages:
+            assert package in probes, (spec.name, package)
 
 
 def test_every_builtin_spec_is_well_formed() -> None:
@@ -739,3 +739,31 @@ def test_plugin_that_parses_a_name_while_loading_does_not_recurse(
 
     assert plugins(_FakeEP("re", "pkg:re", needs_parse)) == ()
     assert Backend.parse("reentrant_attn").name == "reentrant_attn"
+
+
+def _catalogue_row(spec: BackendSpec) -> str:
+    """The row docs/backends.md shows for ``spec``, built from the spec itself."""
+    kinds = [k for k in PLATFORM_KINDS if k in spec.platforms]
+    runs = f"all ({', '.join(kinds)})" if len(kinds) == len(PLATFORM_KINDS) else ", ".join(kinds)
+    caps = "; ".join(f"{k}: {r.describe()}" for k, r in sorted(spec.capabilities.items()))
+    implements = ", ".join(r.value for r in Requirement if r in spec.implements) or "none"
+    if spec.package is None:
+        package = "— (torch)"
+    else:
+        package = f"`{spec.package}`"
+        package += "".join(f" or `{a}`" for a in spec.package_alternatives)
+        package += "".join(f" and `{e}`" for e in spec.extra_packages)
+    dtypes = ", ".join(d for d in DTYPES if d in spec.dtypes)
+    return (
+        f"| `{spec.name}` | {spec.kind} | {runs} | {caps or 'any'} | {dtypes} | "
+        f"{spec.head_sizes.describe()} | {implements} | {package} |"
+    )
+
+
+def test_docs_catalogue_table_and_limits_repeat_the_specs() -> None:
+    """docs/backends.md shows every fact of the catalogue: a changed spec changes the page."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "backends.md").read_text("utf-8")
+    for spec in B.BUILTIN_SPECS:
+        assert _catalogue_row(spec) + "\n" in text, spec.name
+        for limit in spec.limits:
+            assert f"| `{spec.name}` | {limit.describe()} | {limit.because} |" in text

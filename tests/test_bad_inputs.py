@@ -200,7 +200,7 @@ CASES: list[Case] = [
          argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu:sm90")),
     Case("platform-unknown-package", ValueError,
          "unknown kernel package 'flashattn' in platform spec 'cuda:sm90+flashattn'; known "
-         "packages: aiter, flash_attn,",
+         "packages: aiter, fastvideo_kernel, flash_attn,",
          call=lambda: Platform.simulate("cuda:sm90+flashattn")),
     Case("platform-empty", ValueError, "cannot parse platform spec ''; expected KIND[:ARCH]",
          call=lambda: Platform.simulate("")),
@@ -463,9 +463,9 @@ CASES: list[Case] = [
          '$.records[0].kind: unknown record kind "teleport"; known kinds: origin, transition',
          file=(".json", _trace(lambda d: d["records"][0].update(kind="teleport")))),
     Case("trace-newer-schema", TraceFormatError,
-         "$.schema_version: schema version 3 is newer than this attnres reads (up to 2); "
+         "$.schema_version: schema version 4 is newer than this attnres reads (up to 3); "
          "upgrade attnres",
-         file=(".json", _trace(lambda d: d.update(schema_version=3)))),
+         file=(".json", _trace(lambda d: d.update(schema_version=4)))),
     Case("trace-unknown-field", TraceFormatError, "$.extra: unexpected field",
          file=(".json", _trace(lambda d: d.update(extra=1)))),
     Case("trace-import-path-as-backend", TraceFormatError,

@@ -677,7 +677,7 @@ def test_backends_json() -> None:
     assert sage["package"] == "sageattention"
     assert sage["head_sizes"]["max"] == 128
     assert [9, 0] in sage["capabilities"]["cuda"]["exact"]
-    assert sage["implements"] == ["causal", "gqa"]
+    assert sage["implements"] == ["causal", "gqa", "custom_scale"]
     assert "sage" in sage["aliases"]
     vsa = next(b for b in doc["backends"] if b["name"] == "video_sparse_attn")
     assert vsa["kind"] == "sparse"

@@ -116,7 +116,9 @@ def test_scenario_names_are_unique_file_names() -> None:
 
 
 def _corpus_traces(corpus: Path) -> list[Trace]:
-    return [load_trace(p) for p in sorted(corpus.glob("*.json"))]
+    """The rule-based corpus and the tuned one (traces/tuned/, tests/test_autotune_golden.py)."""
+    paths = sorted(corpus.glob("*.json")) + sorted((corpus / "tuned").glob("*.json"))
+    return [load_trace(p) for p in paths]
 
 
 def test_corpus_covers_the_selection_contract(corpus: Path) -> None:

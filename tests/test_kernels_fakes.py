@@ -56,11 +56,17 @@ def _fake_core(
     scale: float,
     causal: str | None,
     bias: torch.Tensor | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """What the fakes compute: float64, per (batch, head), in q's dtype.
 
     ``causal``: None, "top_left" (xformers LowerTriangularMask) or "bottom_right"
     (flash-attn family). ``bias``: (B, H, Sq, Skv) added to the scores.
+    ``window``: flash-attn's ``window_size`` -- query i sees keys
+    [i + Skv - Sq - left, i + Skv - Sq + right] (-1: unbounded), the bottom-right
+    alignment of the flash_attn_func docstring; ``softcap``: the scaled scores
+    become ``softcap * tanh(scores / softcap)``.
     """
     batch, seq_q, heads_q, _ = q.shape
     seq_kv, heads_kv = k.shape[1], k.shape[2]
@@ -69,9 +75,17 @@ def _fake_core(
     rows = torch.arange(seq_q).unsqueeze(1)
     cols = torch.arange(seq_kv).unsqueeze(0)
     offset = seq_kv - seq_q if causal == "bottom_right" else 0
+    left, right = window
+    diagonal = seq_kv - seq_q  # flash-attn aligns the window bottom-right
     for b in range(batch):
         for h in range(heads_q):
             scores = q[b, :, h].double() @ k[b, :, h // group].double().T * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            if left >= 0:
+                scores = scores.masked_fill(cols < rows + diagonal - left, float("-inf"))
+            if right >= 0:
+                scores = scores.masked_fill(cols > rows + diagonal + right, float("-inf"))
             if bias is not None:
                 scores = scores + bias[b, h].double()
             if causal is not None:
@@ -138,17 +152,20 @@ def fake_flash_attn(calls: Calls) -> types.ModuleType:
         return_attn_probs: bool = False,
     ) -> Any:
         calls.seen.append(
-            {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal}
-        )
+            {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal,
+             "window_size": window_size, "softcap": softcap}
+        )  # fmt: skip
         _check_half(q, k, v, "FlashAttention only support fp16 and bf16 data type")
         _check_bshd(q, k, v, "flash_attn_func")
         if q.shape[-1] > 256:
             raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+        if softcap > 0.0 and dropout_p != 0.0:
+            raise RuntimeError("Softcapping does not support dropout for now")
         if dropout_p != 0.0:
             raise NotImplementedError("the fake implements dropout_p == 0 only")
         out = _fake_core(
             q, k, v, scale=_scale(softmax_scale, q.shape[-1]),
-            causal="bottom_right" if causal else None,
+            causal="bottom_right" if causal else None, window=window_size, softcap=softcap,
         )  # fmt: skip
         return (out, None, None) if return_attn_probs else out
 
@@ -236,7 +253,8 @@ def fake_flash_attn_interface(calls: Calls, *, always_tuple: bool) -> types.Modu
         sm_margin: int = 0,
         return_attn_probs: bool = False,
     ) -> Any:
-        calls.seen.append({"softmax_scale": softmax_scale, "causal": causal})
+        calls.seen.append({"softmax_scale": softmax_scale, "causal": causal,
+                           "window_size": window_size, "softcap": softcap})
         _check_half(q, k, v, "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
         _check_bshd(q, k, v, "flash_attn_func")
         if q.shape[-1] > 256:
@@ -245,7 +263,7 @@ def fake_flash_attn_interface(calls: Calls, *, always_tuple: bool) -> types.Modu
             raise RuntimeError("head_size should be a multiple of 8")
         out = _fake_core(
             q, k, v, scale=_scale(softmax_scale, q.shape[-1]),
-            causal="bottom_right" if causal else None,
+            causal="bottom_right" if causal else None, window=window_size, softcap=softcap,
         )  # fmt: skip
         lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
         if always_tuple or return_attn_probs:
@@ -284,7 +302,10 @@ def fake_flash_attn_cute(calls: Calls, *, returns_tuple: bool) -> dict[str, type
         block_size: tuple[int, int] | None = None,
         return_lse: bool = False,
     ) -> Any:
-        calls.seen.append({"softmax_scale": softmax_scale, "causal": causal})
+        calls.seen.append({"softmax_scale": softmax_scale, "causal": causal,
+                           "window_size": window_size, "softcap": softcap})
+        for side in window_size:
+            assert side is None or side >= 0, "window_size sides are None or non-negative"
         assert q.dtype in [torch.float16, torch.bfloat16], "inputs must be float16 or bfloat16"
         assert q.dtype == k.dtype == v.dtype, "inputs must have the same dtype"
         _check_bshd(q, k, v, "flash_attn_func")
@@ -292,9 +313,10 @@ def fake_flash_attn_cute(calls: Calls, *, returns_tuple: bool) -> dict[str, type
         assert q.shape[-1] <= 256, "head_dim must be less than or equal to 256"
         alignment = 16 // q.element_size()
         assert q.shape[-1] % alignment == 0, f"head_dim must be divisible by {alignment}"
+        left, right = (-1 if side is None else side for side in window_size)
         out = _fake_core(
             q, k, v, scale=_scale(softmax_scale, q.shape[-1]),
-            causal="bottom_right" if causal else None,
+            causal="bottom_right" if causal else None, window=(left, right), softcap=softcap,
         )  # fmt: skip
         return (out, None) if returns_tuple else out
 
@@ -444,8 +466,9 @@ def fake_aiter(calls: Calls, *, one_tuple: bool) -> types.ModuleType:
         return_attn_probs: bool = False,
     ) -> Any:
         calls.seen.append(
-            {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal}
-        )
+            {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal,
+             "window_size": window_size}
+        )  # fmt: skip
         _check_half(q, k, v, "FlashAttention only support fp16 and bf16 data type")
         _check_bshd(q, k, v, "flash_attn_func")
         if q.shape[-1] > 256:
@@ -454,7 +477,7 @@ def fake_aiter(calls: Calls, *, one_tuple: bool) -> types.ModuleType:
             raise NotImplementedError("the fake implements dropout_p == 0 only")
         out = _fake_core(
             q, k, v, scale=_scale(softmax_scale, q.shape[-1]),
-            causal="bottom_right" if causal else None,
+            causal="bottom_right" if causal else None, window=window_size,
         )  # fmt: skip
         result = [out]
         if return_lse:
@@ -900,3 +923,89 @@ def test_replacing_a_builtin_and_restoring_it() -> None:
         )
     restored = get_kernel("torch_sdpa")
     assert restored is not None and restored is not _dummy and original is not None
+
+
+# ------------------------------------------------------ softcap and sliding windows
+
+#: (variant, takes softcap): the adapters whose kernels take these arguments.
+FEATURE_VARIANTS = [("fa", True), ("fa3", True), ("fa4", True), ("fa4-tensor-return", True),
+                    ("aiter", False), ("xformers", False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("window", [(3, 0), (2, 5), (-1, 4), (6, -1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("variant", "softcap_ok"), FEATURE_VARIANTS)
+def test_adapter_window_and_softcap_match_reference(
+    variant: str,
+    softcap_ok: bool,
+    causal: bool,
+    window: tuple[int, int],
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kernel, calls = kernel_for(variant, monkeypatch)
+    seed = _seed()
+    q, k, v = make_inputs(seed, dtype=dtype, seq_q=21, seq_kv=21, heads_q=4, heads_kv=2)
+    softcap = 2.5 if softcap_ok else 0.0
+    features: dict[str, Any] = {"window": window}
+    if softcap:
+        features["softcap"] = softcap
+    out = kernel(q, k, v, None, causal, 0.3, **features)
+    ref = expected(q, k, v, None, causal, 0.3, softcap=softcap, window=window)
+    error = relative_error(out, ref)
+    assert error < TOLERANCE[dtype], f"{variant}: {error:.2e} (ATTNRES_TEST_SEED={seed})"
+    if variant != "xformers":  # xformers gets the window as a bias (no such argument)
+        seen = calls.seen[0]
+        got = seen["window_size"]
+        if variant.startswith("fa4"):
+            assert got == tuple(None if side < 0 else side for side in window)
+        else:
+            assert got == window
+        if softcap_ok:
+            assert seen["softcap"] == softcap
+
+
+@pytest.mark.parametrize("variant", ["fa", "fa3", "fa4", "aiter"])
+def test_adapters_pass_no_window_or_softcap_unless_asked(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Older flash-attn has no softcap keyword: a layer without one must not send it."""
+    kernel, calls = kernel_for(variant, monkeypatch)
+    q, k, v = make_inputs(_seed(), dtype=torch.float16)
+    kernel(q, k, v, None, False, None)
+    defaults = {"window_size": ((None, None) if variant == "fa4" else (-1, -1)), "softcap": 0.0}
+    for key, default in defaults.items():
+        assert calls.seen[0].get(key, default) == default
+
+
+@pytest.mark.parametrize(("variant", "feature"), [("aiter", "softcap"), ("sage_attn", "softcap"),
+                                                  ("sage_attn", "window"), ("xformers", "softcap")])
+def test_adapters_refuse_a_feature_their_kernel_lacks(
+    variant: str, feature: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel, calls = kernel_for(variant, monkeypatch)
+    q, k, v = make_inputs(_seed(), dtype=torch.float16)
+    value: Any = 4.0 if feature == "softcap" else (2, 2)
+    with pytest.raises(ValueError, match=rf"does not take {feature}"):
+        kernel(q, k, v, None, False, None, **{feature: value})
+    assert calls.seen == []
+
+
+@pytest.mark.parametrize("variant", ["fa", "fa3", "fa4", "aiter"])
+def test_sliding_window_cross_attention_is_refused(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel, calls = kernel_for(variant, monkeypatch)
+    q, k, v = make_inputs(_seed(), dtype=torch.bfloat16, seq_q=7, seq_kv=19)
+    with pytest.raises(ValueError, match="seq_q != seq_kv"):
+        kernel(q, k, v, None, False, None, window=(2, 2))
+    assert calls.seen == []
+
+
+def test_fa_softcap_with_dropout_is_what_the_catalogue_refuses() -> None:
+    """The fake says what flash_api.cpp says; the catalogue's limit keeps layers away."""
+    flash_attn = fake_flash_attn(Calls())
+    q, k, v = make_inputs(_seed(), dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="Softcapping does not support dropout"):
+        flash_attn.flash_attn_func(q, k, v, dropout_p=0.1, softcap=5.0)

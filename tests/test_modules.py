@@ -457,7 +457,7 @@ def custom_backend() -> Iterator[tuple[str, list[tuple[bool, float | None]]]]:
             sparse=False,
             platforms=("cpu", "cuda"),
             dtypes=("float32",),
-            implements=("causal", "attn_mask", "gqa"),
+            implements=("causal", "attn_mask", "gqa", "custom_scale"),
         )
     )
     try:

@@ -663,3 +663,36 @@ def test_simulated_cuda_device_is_reported(tmp_path: Path) -> None:
     assert result["kind"] == "cuda"
     assert result["capability"] == [9, 0]
     assert result["notes"] == []
+
+
+def test_a_current_fastvideo_kernel_install_is_found(tmp_path: Path) -> None:
+    """FastVideo #962 merged st_attn, vsa and VMoBA into fastvideo_kernel: an install
+    of fastvideo-kernel has none of the old modules, and must not read as missing."""
+    files = {"fastvideo_kernel/__init__.py": ""}
+    files.update(_dist_info("fastvideo-kernel", "0.2.5"))
+    (result,) = _detect_in_subprocess(tmp_path, files)
+    assert result["packages"]["fastvideo_kernel"] == {
+        "name": "fastvideo_kernel",
+        "status": "present",
+        "version": "0.2.5",
+        "detail": None,
+    }
+    for old in ("st_attn", "vsa", "vmoba"):
+        assert result["packages"][old]["status"] == "missing"
+
+
+def test_fastvideo_kernel_token_serves_its_sparse_backends() -> None:
+    from attnres import LayerSpec, resolve
+
+    layer = LayerSpec(128, "bf16")
+    for text in ("cuda:sm90+fastvideo_kernel", "cuda:sm90+fastvideo-kernel"):
+        platform = Platform.simulate(text)
+        for backend in ("sliding_tile_attn", "video_sparse_attn"):
+            assert resolve(layer, platform=platform, backend=backend).backend.name == backend
+    # the old module names keep working for old installs
+    for token, backend in (("st_attn", "sliding_tile_attn"), ("vsa", "video_sparse_attn"),
+                           ("vmoba+flash_attn", "vmoba_attn")):
+        platform = Platform.simulate(f"cuda:sm90+{token}")
+        assert resolve(layer, platform=platform, backend=backend).backend.name == backend
+    with_fa = Platform.simulate("cuda:sm90+fastvideo_kernel+flash_attn")
+    assert resolve(layer, platform=with_fa, backend="vmoba_attn").backend.name == "vmoba_attn"

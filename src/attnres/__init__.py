@@ -38,6 +38,7 @@ _logging.getLogger("attnres").addHandler(_logging.NullHandler())
 
 if TYPE_CHECKING:
     from attnres import distributed, kernels  # noqa: F401 - lazily exported
+    from attnres.autotuner import autotune
     from attnres.modules import Attention, KernelNotRegisteredError
     from attnres.replayer import ReplayResult, replay
 
@@ -49,6 +50,10 @@ def __getattr__(name: str) -> Any:
         from attnres import modules
 
         return getattr(modules, name)
+    if name == "autotune":  # measured selection: imports torch, like the layer
+        from attnres.autotuner import autotune
+
+        return autotune
     if name in ("replay", "ReplayResult"):
         from attnres import replayer
 
@@ -79,6 +84,7 @@ __all__ = [
     "TraceFormatError",
     "UnknownBackendError",
     "__version__",
+    "autotune",
     "clear_cache",
     "clear_decisions",
     "component_scope",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Check", "Code", "Event", "Origin", "Reason", "State"]
+__all__ = ["Check", "Code", "Event", "Origin", "Reason", "State", "Verdict"]
 
 
 class _StrEnum(str, enum.Enum):
@@ -24,6 +24,8 @@ class State(_StrEnum):
     SUPPORTED_SET = "supported_set"
     SELECTED = "selected"
     REJECTED = "rejected"
+    #: autotune: the candidates of a selected automatic decision are timed
+    MEASURING = "measuring"
 
 
 class Event(_StrEnum):
@@ -37,6 +39,12 @@ class Event(_StrEnum):
     SPARSE_CROSS_FALLBACK = "sparse_cross_fallback"
     CANDIDATE_FAILED = "candidate_failed"
     EXHAUSTED = "exhausted"
+    #: autotune: a selected automatic decision is measured against its candidates
+    MEASURE = "measure"
+    #: autotune: a candidate agreed with the incumbent and beat it by more than the margin
+    MEASURED_FASTER = "measured_faster"
+    #: autotune: no candidate beat the incumbent by more than the margin
+    INCUMBENT_KEPT = "incumbent_kept"
 
 
 class Origin(_StrEnum):
@@ -64,6 +72,7 @@ class Reason(_StrEnum):
     PLATFORM_DEFAULT_FALLBACK = "platform default fallback"
     DENSE_CROSS_ATTENTION_FALLBACK = "dense cross-attention fallback"
     COMPONENT_CONSTRAINT = "component constraint"
+    MEASURED_FASTER = "measured faster"
 
 
 class Code(_StrEnum):
@@ -82,3 +91,20 @@ class Code(_StrEnum):
     NOT_IN_SUPPORTED_SET = "not_in_supported_set"
     REQUIREMENT_UNMET = "requirement_unmet"
     NO_COMPATIBLE_BACKEND = "no_compatible_backend"
+
+
+class Verdict(_StrEnum):
+    """What the tuner concluded about one measured candidate (docs/trace-format.md)."""
+
+    #: the machine's choice, the reference every other output is compared with
+    INCUMBENT = "incumbent"
+    #: agreed, and beat the incumbent by more than the margin, fastest of those
+    CHOSEN = "chosen"
+    #: agreed, beat the incumbent by more than the margin, but another was faster
+    OUTPACED = "outpaced"
+    #: agreed, but did not beat the incumbent by more than the margin
+    WITHIN_MARGIN = "within_margin"
+    #: its output deviated from the incumbent's beyond the tolerance: never chosen
+    DISAGREES = "disagrees"
+    #: it raised on the real inputs: skipped, the error recorded
+    RAISED = "raised"

@@ -51,6 +51,12 @@ class Requirement(str, enum.Enum):
     DROPOUT = "dropout"
     #: gradients flow through the kernel (a training forward)
     BACKWARD = "backward"
+    #: a softmax scale other than 1/sqrt(head_size)
+    CUSTOM_SCALE = "custom_scale"
+    #: logit softcapping: scores -> softcap * tanh(scores / softcap)
+    SOFTCAP = "softcap"
+    #: local attention: query i sees keys i - left .. i + right
+    SLIDING_WINDOW = "sliding_window"
 
     def __str__(self) -> str:
         return self.value
@@ -64,6 +70,9 @@ REQUIREMENT_PHRASES: dict[Requirement, str] = {
     Requirement.GQA: "grouped-query attention",
     Requirement.DROPOUT: "attention dropout",
     Requirement.BACKWARD: "the backward pass",
+    Requirement.CUSTOM_SCALE: "a custom softmax scale",
+    Requirement.SOFTCAP: "logit softcapping",
+    Requirement.SLIDING_WINDOW: "sliding-window attention",
 }
 
 #: Device kinds, in the order the docs list them.

@@ -15,6 +15,9 @@ Events (SPEC 5):
   ``backend``, ``reason``, ``origin``, ``component``, ``layer``), or a WARNING
   ``attention backend rejected`` with ``error`` and ``code`` too;
 - one DEBUG event ``attention cache hit`` per cached resolution;
+- one WARNING ``attention autotune failed`` when measuring a layer failed (the
+  layer keeps its incumbent; keys ``backend``, ``error``, ``component``,
+  ``layer``);
 - one INFO summary line per component scope on exit
   (``Attention backends for audio_vae: torch_sdpa (global backend fallback)``).
 """
@@ -35,7 +38,14 @@ if TYPE_CHECKING:
     from attnres.scope import ScopeState
     from attnres.trace import Trace
 
-__all__ = ["LOGGER_NAME", "emit_cache_hit", "emit_resolution", "emit_summary", "summary_line"]
+__all__ = [
+    "LOGGER_NAME",
+    "emit_autotune_failed",
+    "emit_cache_hit",
+    "emit_resolution",
+    "emit_summary",
+    "summary_line",
+]
 
 LOGGER_NAME = "attnres"
 _STDLIB = logging.getLogger(LOGGER_NAME)
@@ -148,6 +158,22 @@ def emit_cache_hit(decision: Decision) -> None:
         origin=decision.origin,
         component=decision.component,
         layer=decision.layer,
+    )
+
+
+def emit_autotune_failed(
+    component: str | None, layer: str | None, backend: str, error: str
+) -> None:
+    """WARNING: measuring a layer failed; it keeps its incumbent (``backend``)."""
+    log = _logger(logging.WARNING)
+    if log is None:
+        return
+    log.warning(
+        "attention autotune failed",
+        backend=backend,
+        error=error,
+        component=component,
+        layer=layer,
     )
 
 

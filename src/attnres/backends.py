@@ -212,6 +212,10 @@ def _dtypes(value: Iterable[str]) -> frozenset[str]:
     return names
 
 
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
 def _optional_platforms(value: Iterable[str] | None) -> frozenset[str] | None:
     return None if value is None else _platforms(value)
 
@@ -319,8 +323,8 @@ class BackendSpec:
     dtype_capabilities: dict[str, CapabilityRule] = field(
         factory=dict, hash=False, converter=_dtype_capabilities
     )
-    package_alternatives: tuple[str, ...] = field(default=(), converter=tuple)
-    extra_packages: tuple[str, ...] = field(default=(), converter=tuple)
+    package_alternatives: tuple[str, ...] = field(default=(), converter=_str_tuple)
+    extra_packages: tuple[str, ...] = field(default=(), converter=_str_tuple)
 
     @property
     def packages(self) -> tuple[str, ...]:
@@ -350,6 +354,8 @@ _FULL = ("float16", "bfloat16", "float32", "float64")
 R = Requirement
 _AMPERE_UP = CapabilityRule(min=(8, 0))
 _HOPPER = CapabilityRule(exact={(9, 0)})
+#: sliding windows where attnres's adapter builds them as a mask (docs/backends.md)
+_WINDOW = R.SLIDING_WINDOW
 
 #: The built-in catalogue (SPEC 2a). Every fact is cited in docs/backends.md.
 BUILTIN_SPECS: tuple[BackendSpec, ...] = (
@@ -358,7 +364,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         sparse=False,
         platforms=_ALL,
         dtypes=_FULL,
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, _WINDOW),
         aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
         description="torch.nn.functional.scaled_dot_product_attention",
     ),
@@ -367,7 +373,9 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         sparse=False,
         platforms=_ALL,
         dtypes=_FULL,
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
+        implements=(
+            R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP, _WINDOW
+        ),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",
     ),
@@ -377,7 +385,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, _WINDOW),
         capabilities={"cuda": CapabilityRule(min=(8, 0), max=(12, 1))},
         satisfies=[{"torch_sdpa"}],
         aliases=("cudnn", "cudnn_sdpa"),
@@ -401,7 +409,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cpu", "cuda"),
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=HeadSizeRule(min=16, max=1024, power_of_two=True),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.BACKWARD),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP, _WINDOW),
         limits=(
             RequirementLimit(
                 {R.BACKWARD},
@@ -419,7 +427,25 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda", "rocm"),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
+        implements=(
+            R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP,
+            R.SLIDING_WINDOW,
+        ),
+        limits=(
+            RequirementLimit(
+                {R.SOFTCAP, R.DROPOUT},
+                "flash_api.cpp: 'Softcapping does not support dropout for now'",
+            ),
+            RequirementLimit(
+                {R.SOFTCAP},
+                "unverified for the ROCm builds; the Triton one raises 'Softcap is not yet "
+                "supported in the AMD Triton backend'",
+                platforms={"rocm"},
+            ),
+            RequirementLimit(
+                {R.SLIDING_WINDOW}, "unverified for the ROCm builds", platforms={"rocm"}
+            ),
+        ),
         package="flash_attn",
         capabilities={
             "cuda": _AMPERE_UP,
@@ -435,7 +461,10 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,  # fp8 left out: it needs head sizes % 16 (docs/backends.md)
         head_sizes=HeadSizeRule(max=256, multiple_of=8),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD),
+        implements=(
+            R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP,
+            R.SLIDING_WINDOW,
+        ),
         package="flash_attn_interface",
         capabilities={"cuda": _HOPPER},
         aliases=("flash_attn_3", "flash_attention_3"),
@@ -448,7 +477,10 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD),
+        implements=(
+            R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP,
+            R.SLIDING_WINDOW,
+        ),
         limits=(
             RequirementLimit(
                 {R.BACKWARD},
@@ -468,7 +500,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128),
-        implements=(R.CAUSAL, R.GQA),
+        implements=(R.CAUSAL, R.GQA, R.CUSTOM_SCALE),
         package="sageattention",
         capabilities={
             "cuda": CapabilityRule(exact={(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)})
@@ -485,7 +517,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         head_sizes=HeadSizeRule(allowed={64, 128}),
         implements=(R.CAUSAL,),
         package="sageattn3",
-        capabilities={"cuda": CapabilityRule(exact={(12, 0)})},
+        capabilities={"cuda": CapabilityRule(exact={(12, 0), (12, 1)})},
         aliases=("sage3", "sageattn3", "sage_attention_3"),
         description="SageAttention3 for Blackwell (sageattn3)",
         causal_top_left=False,
@@ -496,7 +528,10 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=HeadSizeRule(multiple_of=8),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
+        implements=(
+            R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE,
+            _WINDOW,
+        ),
         limits=(
             RequirementLimit(
                 {R.BACKWARD, R.GQA},
@@ -505,6 +540,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         ),
         package="xformers",
         capabilities={"cuda": CapabilityRule(min=(5, 0), max=(9, 0))},
+        dtype_capabilities={"bfloat16": _AMPERE_UP},
         aliases=("xformers_attn", "memory_efficient_attention"),
         description="xformers.ops.memory_efficient_attention (cutlass)",
     ),
@@ -514,7 +550,10 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("rocm",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
-        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD),
+        implements=(
+            R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE,
+            R.SLIDING_WINDOW,
+        ),
         package="aiter",
         capabilities={"rocm": CapabilityRule(archs={"gfx942", "gfx950"})},
         aliases=("aiter_fa", "rocm_aiter"),
@@ -527,7 +566,7 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("npu",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=512, multiple_of=16),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT),
+        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.CUSTOM_SCALE),
         package="torch_npu",
         aliases=("npu_fa", "npu_fusion_attention", "ascend"),
         description="Ascend torch_npu.npu_fusion_attention",
@@ -538,10 +577,11 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=("bfloat16",),
         head_sizes=HeadSizeRule(allowed={64, 128}),
-        package="st_attn",
+        package="fastvideo_kernel",
+        package_alternatives=("st_attn",),
         capabilities={"cuda": _HOPPER},
         aliases=("sta", "sliding_tile_attention"),
-        description="Sliding Tile Attention (FastVideo st_attn)",
+        description="Sliding Tile Attention (FastVideo fastvideo_kernel, formerly st_attn)",
     ),
     BackendSpec(
         name="video_sparse_attn",
@@ -550,22 +590,26 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         dtypes=("bfloat16",),
         head_sizes=HeadSizeRule(allowed={64, 128}),
         implements=(R.BACKWARD,),
-        package="vsa",
+        package="fastvideo_kernel",
+        package_alternatives=("vsa",),
         capabilities={"cuda": CapabilityRule(exact={(9, 0), (10, 0)})},
         aliases=("vsa", "video_sparse_attention"),
-        description="Video Sparse Attention (FastVideo vsa)",
+        description="Video Sparse Attention (FastVideo fastvideo_kernel, formerly vsa)",
     ),
     BackendSpec(
         name="vmoba_attn",
         sparse=True,
         platforms=("cuda",),
         dtypes=_HALF,
-        head_sizes=HeadSizeRule(max=256),
+        # flash-attn's private varlen forward, without the wrapper's padding
+        head_sizes=HeadSizeRule(max=256, multiple_of=8),
         implements=(R.BACKWARD,),
-        package="flash_attn",
+        package="fastvideo_kernel",
+        package_alternatives=("vmoba",),
+        extra_packages=("flash_attn",),
         capabilities={"cuda": _AMPERE_UP},
         aliases=("vmoba",),
-        description="VMoBA sparse attention over flash-attn varlen",
+        description="VMoBA sparse attention (FastVideo fastvideo_kernel) over flash-attn varlen",
     ),
     BackendSpec(
         name="sparse_video_gen_2_attn",

@@ -93,6 +93,8 @@ EXIT_INTERNAL = 70
 DEST_BACKEND = "attention_backend"
 DEST_COMPONENTS = "attention_backend_components"
 DEST_EXPLICIT = "attention_backend_explicit"
+DEST_AUTOTUNE = "autotune"
+DEST_AUTOTUNE_MIN = "autotune_min_elements"
 
 _LOG_LEVELS = {
     "debug": logging.DEBUG,
@@ -214,7 +216,32 @@ def add_selection_arguments(
         ),
     )
     parser.set_defaults(**{DEST_EXPLICIT: False, DEST_COMPONENTS: None})
+    parser.add_argument(
+        "--autotune",
+        dest=DEST_AUTOTUNE,
+        action="store_true",
+        help="measure automatic decisions (origins none, layer_default, global_preference) "
+        "on their first large forward and keep the fastest agreeing kernel",
+    )
+    parser.add_argument(
+        "--autotune-min-elements",
+        dest=DEST_AUTOTUNE_MIN,
+        type=_non_negative,
+        metavar="N",
+        default=None,
+        help="with --autotune: smallest query (elements) worth measuring; default 4194304",
+    )
     return action
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def selection_config_from_args(namespace: argparse.Namespace | Any) -> SelectionConfig:
@@ -227,10 +254,18 @@ def selection_config_from_args(namespace: argparse.Namespace | Any) -> Selection
     global_backend = getattr(namespace, DEST_BACKEND, None)
     explicit = bool(getattr(namespace, DEST_EXPLICIT, False))
     components = getattr(namespace, DEST_COMPONENTS, None) or {}
+    autotune = bool(getattr(namespace, DEST_AUTOTUNE, False))
+    min_elements = getattr(namespace, DEST_AUTOTUNE_MIN, None)
+    tuning: dict[str, Any] = {"autotune": autotune}
+    if min_elements is not None:
+        if not autotune:
+            raise UsageError("--autotune-min-elements needs --autotune")
+        tuning["autotune_min_elements"] = min_elements
     return SelectionConfig(
         global_backend=global_backend,
         global_backend_explicit=explicit if global_backend is not None else True,
         component_backends=dict(components),
+        **tuning,
     )
 
 
@@ -547,11 +582,16 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "origin": str(outcome.origin),
                 "error": outcome.error,
                 "code": outcome.code,
+                "autotune": _autotune_plan(trace, config),
                 "trace": trace_to_dict(trace),
             },
         )
     else:
-        _emit(out, _render_explain(trace))
+        lines = _render_explain(trace)
+        plan = _autotune_plan(trace, config)
+        if plan is not None:
+            lines += _field("autotune:", plan["detail"], _width())
+        _emit(out, lines)
     return EXIT_OK if outcome.status == "selected" else EXIT_REJECTED
 
 
@@ -581,6 +621,30 @@ def _check_explain_overrides(args: argparse.Namespace, config: SelectionConfig) 
                     f"component {component!r} was given two backends: --component-backend "
                     f"{flag} and --attention-backend {component}={backend.name}; give one"
                 )
+
+
+def _autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | None:
+    """What --autotune would do with this decision (``None`` without --autotune)."""
+    if not config.autotune:
+        return None
+    from attnres.tuning import is_tunable
+
+    origin = trace.outcome.origin
+    if trace.outcome.status != "selected":
+        return {"tunable": False, "detail": "nothing to measure: the resolution was rejected"}
+    if not is_tunable(trace):
+        return {
+            "tunable": False,
+            "detail": f"not measured: origin {origin} is an explicit choice (only none, "
+            f"layer_default and global_preference are tuned)",
+        }
+    return {
+        "tunable": True,
+        "detail": f"measured against every candidate that passes its checks on the layer's "
+        f"first forward of at least {config.autotune_min_elements} query elements; "
+        f"{trace.outcome.backend} stays unless one agrees and is more than "
+        f"{config.autotune_margin:.0%} faster",
+    }
 
 
 def _explain_trace(layer: LayerSpec, config: SelectionConfig, platform: Platform) -> Trace:
@@ -825,10 +889,28 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         status=result.status,
         layers=len(result.layers),
     )
+    tunable = 0
+    if config.autotune:
+        from attnres.tuning import is_tunable
+
+        for component_doc, planned in zip(doc["components"], result.components, strict=True):
+            for layer_doc, layer in zip(component_doc["layers"], planned.layers, strict=True):
+                layer_doc["autotune"] = is_tunable(layer.trace)
+                tunable += layer.count if layer_doc["autotune"] else 0
     if args.json:
         _emit_json(out, doc)
     else:
         lines = _render_plan(result)
+        if config.autotune:
+            total = sum(layer.count for layer in result.layers)
+            lines += _field(
+                "Autotune:",
+                f"{tunable} of {total} layers would be measured on their first forward of at "
+                f"least {config.autotune_min_elements} query elements (automatic decisions: "
+                f"origins none, layer_default, global_preference); the others are explicit "
+                f"choices and keep their backend",
+                _width(),
+            )
         if written:
             lines += _wrap(
                 f"Traces: {_plural(len(written), 'file')} written to {args.trace_out}",
@@ -988,7 +1070,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             {
                 "name": fact.name,
                 "backends": [
-                    spec.name for spec in registered_backends() if spec.package == fact.name
+                    spec.name for spec in registered_backends() if fact.name in spec.packages
                 ],
                 "status": fact.status,
                 "version": fact.version,
@@ -1022,8 +1104,8 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     lines += ["", "Optional kernel packages"]
     users: dict[str, list[str]] = {}
     for spec in registered_backends():
-        if spec.package is not None:
-            users.setdefault(spec.package, []).append(spec.name)
+        for package in spec.packages:
+            users.setdefault(package, []).append(spec.name)
     rows = [
         [
             fact.name,
@@ -1078,6 +1160,9 @@ _REQ_SHORT = {
     Requirement.GQA: "gqa",
     Requirement.DROPOUT: "dropout",
     Requirement.BACKWARD: "backward",
+    Requirement.CUSTOM_SCALE: "scale",
+    Requirement.SOFTCAP: "softcap",
+    Requirement.SLIDING_WINDOW: "window",
 }
 
 

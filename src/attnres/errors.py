@@ -18,6 +18,7 @@ __all__ = [
     "ConsensusError",
     "PluginError",
     "ResolutionError",
+    "ResultsFileError",
     "TraceFormatError",
     "UnknownBackendError",
 ]
@@ -56,6 +57,11 @@ class TraceFormatError(ValueError):
         super().__init__(message)
         self.path = path
         self.where = where
+
+
+class ResultsFileError(ValueError):
+    """An autotune results file that cannot be read, or a target that is not one
+    (attnres never overwrites a file it did not write)."""
 
 
 class ConsensusError(RuntimeError):

@@ -132,6 +132,9 @@ class Requirements:
     gqa: bool = field(default=False, validator=_is_bool)
     dropout: bool = field(default=False, validator=_is_bool)
     backward: bool = field(default=False, validator=_is_bool)
+    custom_scale: bool = field(default=False, validator=_is_bool)
+    softcap: bool = field(default=False, validator=_is_bool)
+    sliding_window: bool = field(default=False, validator=_is_bool)
 
     def needed(self) -> tuple[Requirement, ...]:
         """The requirements that are on, in the canonical order."""
@@ -207,6 +210,53 @@ def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
     return tuple(sorted(out.items()))
 
 
+def _non_negative_int(_: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name}: expected an integer >= 0, got {value!r}")
+
+
+def _positive_int(_: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name}: expected an integer >= 1, got {value!r}")
+
+
+def _check_fraction(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what}: expected a number in [0, 1), got {value!r}")
+    number = float(value)
+    if not 0 <= number < 1:
+        raise ValueError(
+            f"{what}: expected a fraction in [0, 1) (0.02 means 2%), got {value!r}"
+        )
+    return number
+
+
+def _margin(value: Any) -> float:
+    return _check_fraction("autotune_margin", value)
+
+
+def _tolerances(value: Any) -> tuple[tuple[str, float], ...]:
+    """``{"bf16": 0.05}`` (dtype -> relative tolerance) as sorted canonical pairs."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    out: dict[str, float] = {}
+    for pair in items:
+        try:
+            dtype, tolerance = pair
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"autotune_tolerance: expected a mapping of dtype to a relative tolerance "
+                f"({{'bf16': 0.05}}), got {pair!r}"
+            ) from None
+        try:
+            name = normalize_dtype(dtype)
+        except ValueError as exc:
+            raise ValueError(f"autotune_tolerance: {exc}") from None
+        out[name] = _check_fraction(f"autotune_tolerance[{name!r}]", tolerance)
+    return tuple(sorted(out.items()))
+
+
 @frozen(cache_hash=True)
 class SelectionConfig:
     """What the operator asked for, process-wide.
@@ -224,6 +274,20 @@ class SelectionConfig:
     component_backends: tuple[tuple[str, Backend], ...] = field(
         default=(), converter=_component_backends
     )
+    #: measure automatic decisions on their first large forward (docs/selection-contract.md)
+    autotune: bool = field(default=False, validator=_is_bool)
+    #: a forward whose query holds fewer elements stays on the incumbent (the
+    #: tuner stays armed); SGLang's multimodal tuner waits for 4 Mi elements too
+    autotune_min_elements: int = field(default=4 << 20, validator=_non_negative_int)
+    #: a candidate must be faster than the incumbent by more than this fraction
+    autotune_margin: float = field(default=0.02, converter=_margin)
+    #: per-dtype relative tolerance overrides ({"bf16": 0.05}); see attnres.tuning
+    autotune_tolerance: tuple[tuple[str, float], ...] = field(
+        default=(), converter=_tolerances
+    )
+    #: untimed calls before the timed ones, and the timed calls, per candidate
+    autotune_warmup: int = field(default=3, validator=_non_negative_int)
+    autotune_repeats: int = field(default=8, validator=_positive_int)
 
     def component_backend(self, component: str | None) -> Backend | None:
         if component is None:

@@ -76,6 +76,7 @@ __all__ = [
     "CHECK_ORDER",
     "STRICT_ORIGINS",
     "TRANSITIONS",
+    "TUNABLE_ORIGINS",
     "Resolution",
     "cache_info",
     "check_candidate",
@@ -132,7 +133,15 @@ TRANSITIONS: Final[Mapping[State, Mapping[Event, tuple[State, Reason | None]]]] 
         Event.CANDIDATE_FAILED: (State.SUPPORTED_SET, Reason.PLATFORM_DEFAULT_FALLBACK),
         Event.EXHAUSTED: (State.REJECTED, None),
     },
-    State.SELECTED: {},
+    # autotune (SelectionConfig(autotune=True)): a selected decision of a
+    # TUNABLE_ORIGINS origin is measured against its candidates on its first
+    # large forward (attnres.tuning); the terminal record follows the measurement
+    State.SELECTED: {Event.MEASURE: (State.MEASURING, None)},
+    State.MEASURING: {
+        # a candidate agreed with the incumbent and beat it by more than the margin
+        Event.MEASURED_FASTER: (State.SELECTED, Reason.MEASURED_FASTER),
+        Event.INCUMBENT_KEPT: (State.SELECTED, None),
+    },
     State.REJECTED: {},
 }
 
@@ -158,6 +167,12 @@ CHECK_ORDER: Final = (
 STRICT_ORIGINS: Final = frozenset(
     {Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE, Origin.COMPONENT_OVERRIDE}
 )
+
+#: Origins whose decision autotune may measure and replace: the automatic ones.
+#: A backend the operator or the code asked for (every other origin) is never
+#: tuned. Adding an origin to the vocabulary means deciding here whether it is
+#: automatic.
+TUNABLE_ORIGINS: Final = frozenset({Origin.NONE, Origin.LAYER_DEFAULT, Origin.GLOBAL_PREFERENCE})
 
 #: Which check's failure names a strict rejection, most fundamental first.
 _PRIMARY_ORDER: Final = (
@@ -415,20 +430,27 @@ def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform)
         if limit.requirements <= spec.implements
         and limit.applies(needed, platform.kind, platform.capability)
     ]
-    if (
-        layer.requirements.causal
-        and layer.role is Role.CROSS
-        and Requirement.CAUSAL in spec.implements
-        and not spec.causal_top_left
-    ):
-        out.append(
-            Failure(
-                Code.REQUIREMENT_UNMET,
-                "does not implement top-left aligned causal cross-attention (its causal mask "
-                "is bottom-right aligned when query and key lengths differ)",
+    # causal masks and sliding windows are laid along one diagonal; when query and
+    # key lengths differ (cross-attention) flash-style kernels take the bottom-right one
+    for req, what in _ALIGNED:
+        if (
+            req in needed
+            and layer.role is Role.CROSS
+            and req in spec.implements
+            and not spec.causal_top_left
+        ):
+            out.append(
+                Failure(
+                    Code.REQUIREMENT_UNMET,
+                    f"does not implement top-left aligned {what} cross-attention (its {what} "
+                    f"mask is bottom-right aligned when query and key lengths differ)",
+                )
             )
-        )
     return out
+
+
+#: The requirements whose mask follows the diagonal, and how a failure names them.
+_ALIGNED: Final = ((Requirement.CAUSAL, "causal"), (Requirement.SLIDING_WINDOW, "sliding-window"))
 
 
 def check_candidate(

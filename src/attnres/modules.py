@@ -121,11 +121,50 @@ def _positive_int(what: str, value: object) -> int:
     raise ValueError(f"{what}: expected a positive integer, got {value!r}")
 
 
-def _merge_requirements(given: Requirements | Any, *, causal: bool, gqa: bool) -> Requirements:
+def _merge_requirements(given: Requirements | Any, **implied: bool) -> Requirements:
+    """The layer's declared requirements plus those its arguments imply."""
     base = Requirements.of(given)
-    if (causal and not base.causal) or (gqa and not base.gqa):
-        return attrs.evolve(base, causal=base.causal or causal, gqa=base.gqa or gqa)
-    return base
+    added = {name: True for name, on in implied.items() if on and not getattr(base, name)}
+    return attrs.evolve(base, **added) if added else base
+
+
+def _softcap(value: object) -> float:
+    """``softcap``: ``None`` or 0 is off; otherwise a positive finite number."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"softcap: expected a positive number or None, got {value!r}")
+    cap = float(value)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap: expected a positive finite number or None, got {value!r}")
+    return cap
+
+
+def _window(value: object) -> tuple[int, int] | None:
+    """``window=(left, right)``: each side a count of keys, or None / -1 for unbounded.
+
+    Returns ``(left, right)`` with -1 for an unbounded side, or ``None`` when both
+    sides are unbounded (no window at all).
+    """
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(
+            f"window: expected (left, right), each a number of keys or None, got {value!r}"
+        )
+    sides: list[int] = []
+    for side in value:
+        if side is None or (type(side) is int and side == -1):
+            sides.append(-1)
+        elif isinstance(side, bool) or not isinstance(side, int) or side < 0:
+            raise ValueError(
+                f"window: each side must be a non-negative integer, or None (-1) for "
+                f"unbounded, got {value!r}"
+            )
+        else:
+            sides.append(int(side))
+    left, right = sides
+    return None if left < 0 and right < 0 else (left, right)
 
 
 def _layer_spec(
@@ -138,8 +177,12 @@ def _layer_spec(
     causal: bool,
     gqa: bool,
     name: str | None,
+    features: tuple[bool, bool, bool] = (False, False, False),
 ) -> LayerSpec:
-    """The layer's spec, memoised on its (hashable) arguments."""
+    """The layer's spec, memoised on its (hashable) arguments.
+
+    ``features``: whether the layer has a custom scale, a softcap, a window.
+    """
     key: tuple[object, ...] = (
         head_size,
         dtype,
@@ -150,6 +193,7 @@ def _layer_spec(
         causal,
         gqa,
         name,
+        features,
     )
     try:
         spec = _SPECS.get(key)
@@ -164,7 +208,14 @@ def _layer_spec(
         supported=supported,
         default=default,
         role=role,
-        requirements=_merge_requirements(requirements, causal=causal, gqa=gqa),
+        requirements=_merge_requirements(
+            requirements,
+            causal=causal,
+            gqa=gqa,
+            custom_scale=features[0],
+            softcap=features[1],
+            sliding_window=features[2],
+        ),
         name=name,
     )
     if hashable:
@@ -201,6 +252,12 @@ class Attention(nn.Module):
     declare ``requirements=Requirements(attn_mask=True)`` so that it is never
     given a kernel that cannot apply them. ``causal`` is top-left aligned like
     SDPA's ``is_causal``; ``softmax_scale`` defaults to ``1/sqrt(head_size)``.
+    ``softcap=x`` caps the scaled scores to ``x * tanh(scores / x)``;
+    ``window=(left, right)`` is sliding-window attention: query ``i`` sees keys
+    ``i - left .. i + right`` (a side of ``None`` is unbounded), top-left
+    aligned like ``causal``. A scale other than ``1/sqrt(head_size)``, a softcap
+    and a window each add their requirement (``custom_scale``, ``softcap``,
+    ``sliding_window``), so the layer never gets a kernel that would ignore it.
     ``num_kv_heads < num_heads`` is grouped-query attention (the layer then
     requires ``gqa``; ``causal=True`` requires ``causal``).
 
@@ -243,6 +300,8 @@ class Attention(nn.Module):
         backend: Backend | str | None = None,
         is_cross_attention: bool | None = None,
         platform: Platform | None = None,
+        softcap: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
     ) -> None:
         super().__init__()
         num_heads = _positive_int("num_heads", num_heads)
@@ -277,6 +336,12 @@ class Attention(nn.Module):
             scale = float(softmax_scale)
             if not math.isfinite(scale):
                 raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale!r}")
+        cap = _softcap(softcap)
+        band = _window(window)
+        # a scale equal to the default (up to float rounding) is not a custom one
+        custom_scale = scale is not None and not math.isclose(
+            scale, head_size**-0.5, rel_tol=1e-9
+        )
         spec = _layer_spec(
             head_size,
             torch.get_default_dtype() if dtype is None else dtype,
@@ -287,11 +352,20 @@ class Attention(nn.Module):
             causal,
             kv_heads != num_heads,
             name,
+            (custom_scale, cap > 0, band is not None),
         )
         resolution = resolve(spec, platform=platform, backend=backend)
         kernel, dtypes = _bind(resolution, spec)
         shape = _LayerShape(
-            num_heads, kv_heads, head_size, causal, scale, resolution.backend.name, spec.dtype
+            num_heads,
+            kv_heads,
+            head_size,
+            causal,
+            scale,
+            resolution.backend.name,
+            spec.dtype,
+            cap,
+            band,
         )
         # Plain attributes, set without nn.Module.__setattr__'s parameter/module
         # bookkeeping (none of them is a tensor or a module).
@@ -302,6 +376,8 @@ class Attention(nn.Module):
             _shape=shape,
             _run=_make_run(shape, kernel, dtypes),
         )
+        if resolution.trace.input.config.autotune:  # opt-in: measured selection
+            _arm_autotune(self)
 
     # The configuration is fixed at construction (forward binds it): read-only.
     @property
@@ -324,6 +400,19 @@ class Attention(nn.Module):
     def softmax_scale(self) -> float | None:
         """The scale given at construction; ``None`` means ``1/sqrt(head_size)``."""
         return self._shape.softmax_scale
+
+    @property
+    def softcap(self) -> float | None:
+        """The softcap given at construction; ``None`` when there is none."""
+        return self._shape.softcap or None
+
+    @property
+    def window(self) -> tuple[int | None, int | None] | None:
+        """``(left, right)`` of the sliding window (``None`` per unbounded side), or ``None``."""
+        band = self._shape.window
+        if band is None:
+            return None
+        return (None if band[0] < 0 else band[0], None if band[1] < 0 else band[1])
 
     @property
     def role(self) -> Role:
@@ -362,6 +451,8 @@ class Attention(nn.Module):
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, role={self.role.value}, "
             f"causal={self.causal}, backend={self.backend.name}"
+            + (f", softcap={self.softcap}" if self.softcap else "")
+            + (f", window={self.window}" if self.window else "")
             + (f", reason={self.resolution.reason!r}" if self.resolution.reason else "")
         )
 
@@ -378,6 +469,26 @@ class Attention(nn.Module):
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         kernel, dtypes = _bind(self.resolution, self.layer_spec)
         self.__dict__.update(kernel=kernel, _run=_make_run(self._shape, kernel, dtypes))
+        if self.resolution.trace.input.config.autotune:
+            _arm_autotune(self)
+
+    def _adopt(self, resolution: Resolution) -> None:
+        """Run ``resolution``'s backend from now on (autotune's measured decision)."""
+        kernel, dtypes = _bind(resolution, self.layer_spec)
+        shape = self._shape._replace(backend=resolution.backend.name)
+        self.__dict__.update(
+            resolution=resolution,
+            kernel=kernel,
+            _shape=shape,
+            _run=_make_run(shape, kernel, dtypes),
+        )
+
+
+def _arm_autotune(layer: Attention) -> None:
+    """Arm the layer's tuner when its decision is automatic (attnres.autotuner)."""
+    from attnres.autotuner import arm
+
+    arm(layer)
 
 
 class _LayerShape(NamedTuple):
@@ -390,6 +501,8 @@ class _LayerShape(NamedTuple):
     softmax_scale: float | None
     backend: str
     dtype: str  # the dtype the layer was resolved for
+    softcap: float = 0.0  # 0: none
+    window: tuple[int, int] | None = None  # (left, right), -1 unbounded
 
 
 def _make_run(
@@ -402,7 +515,9 @@ def _make_run(
     no reference to the layer.
     """
     heads_q, heads_kv, head_size, causal, scale = shape[:5]
-    call = specialized(kernel, causal, scale, heads_q != heads_kv)
+    call = specialized(
+        kernel, causal, scale, heads_q != heads_kv, softcap=shape.softcap, window=shape.window
+    )
 
     def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         # Three shapes and one dtype are read; anything else a kernel would refuse

@@ -96,12 +96,21 @@ KNOWN_PACKAGES: tuple[PackageProbe, ...] = (
         ("flash-attn-3", "flash_attn_3"),
         ("flash_attn_3", "flash-attn-3", "fa3"),
     ),
+    # FastVideo's kernels: one package since FastVideo #962 (2025-12); the older
+    # separate modules (st_attn, vsa, vmoba) still serve old installs
+    PackageProbe(
+        "fastvideo_kernel",
+        "fastvideo_kernel",
+        ("fastvideo-kernel", "fastvideo_kernel"),
+        ("fastvideo-kernel", "fastvideo"),
+    ),
     PackageProbe("sageattention", "sageattention", ("sageattention",), ("sage",)),
     PackageProbe("sageattn3", "sageattn3", ("sageattn3",), ("sageattention3",)),
-    PackageProbe("st_attn", "st_attn", ("st_attn", "st-attn", "fastvideo-kernel")),
+    PackageProbe("st_attn", "st_attn", ("st_attn", "st-attn")),
     PackageProbe("svg", "svg", ("svg", "sparse-videogen")),
     PackageProbe("torch_npu", "torch_npu", ("torch-npu", "torch_npu")),
-    PackageProbe("vsa", "vsa", ("vsa", "fastvideo-kernel")),
+    PackageProbe("vmoba", "vmoba", ("vmoba",)),
+    PackageProbe("vsa", "vsa", ("vsa",)),
     PackageProbe("xformers", "xformers", ("xformers",)),
 )
 

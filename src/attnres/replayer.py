@@ -4,7 +4,9 @@ A trace holds the full input of a resolution, platform facts included, so a
 replay needs neither the GPU nor the kernel packages the trace recorded:
 :func:`replay` loads the file (data only, see :mod:`attnres.trace`), runs
 :func:`attnres.machine.run_machine` on the recorded input and compares the
-records and the outcome. A mismatch is described by :attr:`ReplayResult.diff`:
+records and the outcome. A tuned trace (autotune) is re-derived from its
+recorded measurements by :func:`attnres.tuning.replay_tuned`: the same rule,
+no device. A mismatch is described by :attr:`ReplayResult.diff`:
 the first divergent record, field by field with both sides, then a summary of
 the rest and of the outcome.
 
@@ -23,7 +25,7 @@ from attrs import field, frozen
 
 from attnres._files import check_manifest
 from attnres.errors import TraceFormatError
-from attnres.trace import Outcome, Trace, dump_trace, load_trace, record_to_dict
+from attnres.trace import Outcome, Trace, TuningRecord, dump_trace, load_trace, record_to_dict
 
 __all__ = ["ReplayResult", "describe_outcome", "diff_traces", "replay", "run_replay_command"]
 
@@ -66,6 +68,12 @@ def replay(path_or_trace: str | os.PathLike[str] | Trace) -> ReplayResult:
             f"replay() takes a trace file path or a Trace, got {type(path_or_trace).__name__}"
         )
     replayed = run_machine(recorded.input)
+    if any(isinstance(r, TuningRecord) for r in recorded.records):
+        # a tuned decision: the measurements are recorded facts; every verdict
+        # and the outcome are derived from them again (no device needed)
+        from attnres.tuning import replay_tuned
+
+        replayed = replay_tuned(recorded, replayed)
     first, diff = diff_traces(recorded, replayed, label=path or "<trace>")
     return ReplayResult(
         ok=not diff,

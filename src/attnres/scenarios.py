@@ -620,6 +620,170 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
+        "fastvideo-kernel-makes-video-sparse-attn-available",
+        "FastVideo merged st_attn, vsa and VMoBA into one package, fastvideo_kernel (PyPI "
+        "fastvideo-kernel): a current install, which has no vsa module, serves "
+        "video_sparse_attn.",
+        _layer(name="blocks.0.attn1"),
+        _NOTHING,
+        scope_state("transformer"),
+        "cuda:sm90+fastvideo_kernel",
+        "video_sparse_attn",
+        expect=selects("video_sparse_attn", origin="layer"),
+    ),
+    Scenario(
+        "old-vsa-package-still-serves-video-sparse-attn",
+        "An install from before FastVideo merged its kernels has the vsa module only: it still "
+        "serves video_sparse_attn.",
+        _layer(name="blocks.0.attn1"),
+        _NOTHING,
+        scope_state("transformer"),
+        "cuda:sm90+vsa",
+        "video_sparse_attn",
+        expect=selects("video_sparse_attn", origin="layer"),
+    ),
+    Scenario(
+        "vmoba-needs-flash-attn-beside-fastvideo-kernel",
+        "VMoBA calls flash-attn's varlen forward: fastvideo_kernel alone does not make it "
+        "available (package_missing names flash_attn).",
+        _layer(name="blocks.0.attn1"),
+        _NOTHING,
+        None,
+        "cuda:sm90+fastvideo_kernel",
+        "vmoba_attn",
+        expect=rejects(
+            "package_missing",
+            origin="layer",
+            error_contains=("package 'flash_attn' is not installed",),
+        ),
+    ),
+    Scenario(
+        "vmoba-head-size-not-multiple-of-8-rejected",
+        "VMoBA calls flash-attn's private _flash_attn_varlen_forward, which skips the "
+        "wrapper's padding: a head size of 100 (not a multiple of 8) is refused.",
+        _layer(head_size=100),
+        _NOTHING,
+        None,
+        _HOPPER_ALL,
+        "vmoba_attn",
+        expect=rejects(
+            "head_size", origin="layer", error_contains=("is not a multiple of 8",)
+        ),
+    ),
+    Scenario(
+        "sage-attn-3-selected-on-sm121",
+        "SageAttention3 runs on sm121 (DGX Spark) as well as sm120 (api.cu: is_sm120 || "
+        "is_sm121).",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm121+sageattn3",
+        "sage_attn_3",
+        expect=selects("sage_attn_3", origin="layer"),
+    ),
+    Scenario(
+        "xformers-bf16-below-sm80-rejected",
+        "xformers' cutlass op refuses bf16 below sm80 ('bf16 is only supported on A100+ "
+        "GPUs'): a bf16 layer on sm75 is rejected with a dtype failure, while fp16 runs.",
+        _layer(head_size=64),
+        _NOTHING,
+        None,
+        "cuda:sm75+xformers",
+        "xformers",
+        expect=rejects(
+            "dtype",
+            origin="layer",
+            error_contains=("takes dtype bfloat16 only on compute capability >= sm80",),
+        ),
+    ),
+    Scenario(
+        "custom-scale-sliding-tile-preference-falls-back-to-fa",
+        "Sliding Tile Attention hard-codes 1/sqrt(head_size) (no scale argument): a layer "
+        "with another softmax scale never gets it, even when it is the preferred backend; fa "
+        "(softmax_scale) serves from the platform's chain ('platform default fallback').",
+        _layer(requires=("custom_scale",), name="blocks.0.attn1"),
+        _preference("sliding_tile_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("fa", "platform default fallback", origin="global_preference"),
+    ),
+    Scenario(
+        "layer-sage-attn-3-custom-scale-rejected-requirement",
+        "SageAttention3 has no scale argument: a strict request for it on a layer with a "
+        "custom softmax scale is rejected (requirement_unmet) rather than computed with "
+        "another scale.",
+        _layer(requires=("custom_scale",)),
+        _NOTHING,
+        None,
+        "cuda:sm120+all",
+        "sage_attn_3",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "Attention backend 'sage_attn_3' does not implement a custom softmax scale",
+            ),
+        ),
+    ),
+    Scenario(
+        "softcap-layer-on-hopper-selects-fa",
+        "Nothing requested for a layer with logit softcapping on Hopper with flash-attn: the "
+        "chain's fa implements softcap and is accepted (reason none).",
+        _layer(requires=("softcap",)),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        None,
+        expect=selects("fa", origin="none"),
+    ),
+    Scenario(
+        "layer-fa-softcap-with-dropout-rejected-limit",
+        "flash-attn 2 refuses softcapping together with dropout ('Softcapping does not "
+        "support dropout for now'): the catalogue's limit rejects a layer that needs both "
+        "(requirement_unmet).",
+        _layer(requires=("softcap", "dropout")),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        "fa",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "does not implement logit softcapping together with attention dropout",
+            ),
+        ),
+    ),
+    Scenario(
+        "sliding-window-layer-on-cpu-selects-torch-sdpa",
+        "A sliding-window layer on CPU: torch_sdpa has no window argument, and attnres's "
+        "adapter builds the window as a mask, so the platform default serves it.",
+        _layer(head_size=64, dtype="float32", requires=("sliding_window", "causal")),
+        _NOTHING,
+        None,
+        "cpu",
+        None,
+        expect=selects("torch_sdpa", origin="none"),
+    ),
+    Scenario(
+        "layer-sage-attn-sliding-window-rejected-requirement",
+        "SageAttention takes no window: a strict request for it on a sliding-window layer is "
+        "rejected (requirement_unmet).",
+        _layer(requires=("sliding_window",)),
+        _NOTHING,
+        None,
+        _HOPPER_ALL,
+        "sage_attn",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "Attention backend 'sage_attn' does not implement sliding-window attention",
+            ),
+        ),
+    ),
+    Scenario(
         "layer-fa-causal-cross-attention-rejected-requirement",
         "fa requested for a causal cross-attention layer: its causal mask is bottom-right aligned "
         "when lengths differ, so the strict request is rejected (requirement_unmet).",

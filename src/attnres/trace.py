@@ -41,7 +41,7 @@ import cattrs
 from attrs import field, frozen
 
 from attnres._files import atomic_write_text, read_bounded
-from attnres._states import Check, Code, Event, Origin, Reason, State
+from attnres._states import Check, Code, Event, Origin, Reason, State, Verdict
 from attnres._vocab import PLATFORM_KINDS, Requirement, Role, normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
@@ -50,10 +50,13 @@ from attnres.platform import PackageFact, Platform
 from attnres.scope import ScopeState
 
 __all__ = [
+    "BASE_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
+    "TUNED_SCHEMA_VERSION",
     "CheckRecord",
     "Failure",
+    "MeasurementRecord",
     "OriginRecord",
     "Outcome",
     "Record",
@@ -63,6 +66,7 @@ __all__ = [
     "Trace",
     "TraceInput",
     "TransitionRecord",
+    "TuningRecord",
     "atomic_write_text",
     "canonical_json",
     "dump_trace",
@@ -73,9 +77,15 @@ __all__ = [
     "trace_to_dict",
 ]
 
-#: The schema version this attnres writes, and the newest it reads. Bumped when
-#: a field is added, removed, renamed or changes meaning (docs/trace-format.md).
-SCHEMA_VERSION = 2
+#: The newest schema version this attnres reads. Bumped when a field is added,
+#: removed, renamed or changes meaning (docs/trace-format.md). A trace is
+#: written with the lowest version that can express it: a rule-based resolution
+#: is version 2 (the backward requirement), a tuned one is version 3.
+SCHEMA_VERSION = 3
+#: The version of a trace that holds autotune records (tuning, measurement).
+TUNED_SCHEMA_VERSION = 3
+#: The version of a rule-based trace.
+BASE_SCHEMA_VERSION = 2
 
 #: The requirement keys of a schema-1 trace (attnres 0.1): later requirements
 #: did not exist, so such a trace reads them as false, and its digest is computed
@@ -156,8 +166,65 @@ class RejectedRecord:
     kind: str = field(default="rejected", init=False)
 
 
+@frozen
+class TuningRecord:
+    """Autotune starts on a selected automatic decision (schema version 3).
+
+    ``call`` describes the real inputs the candidates ran on; ``elements`` is
+    the query's element count; ``margin`` and ``tolerance`` are the rule's
+    parameters (a candidate must be faster than the incumbent by more than
+    ``margin``, relative, and deviate from it by at most ``tolerance``,
+    relative); ``warmup`` and ``repeats`` say how each candidate was timed;
+    ``considered`` lists the backends the tuner checked (the registry of the
+    recording process, in catalogue order); ``source`` is ``measured`` (timed
+    in this process) or ``loaded`` (from a results file); ``detail`` says where
+    the numbers come from and notes loaded results that were ignored, and why.
+    """
+
+    call: str
+    elements: int
+    margin: float
+    tolerance: float
+    warmup: int
+    repeats: int
+    considered: tuple[Backend, ...]
+    source: str
+    detail: str
+    kind: str = field(default="tuning", init=False)
+
+
+@frozen
+class MeasurementRecord:
+    """One candidate timed on the real inputs (schema version 3).
+
+    ``median_ns`` and ``spread_ns`` (max - min) summarise its timed repeats, in
+    nanoseconds; ``deviation`` is the largest absolute difference from the
+    incumbent's output divided by the incumbent's largest magnitude (``null``
+    for the incumbent itself, for a candidate that raised, and for an output
+    that is not finite); ``error`` is the exception a candidate raised
+    (``null`` when it ran). ``verdict`` follows from these facts and the
+    tuning record's margin and tolerance by one rule (:mod:`attnres.tuning`),
+    which replay applies again.
+    """
+
+    candidate: Backend
+    median_ns: int | None
+    spread_ns: int | None
+    deviation: float | None
+    error: str | None
+    verdict: Verdict
+    kind: str = field(default="measurement", init=False)
+
+
 Record = (
-    OriginRecord | TransitionRecord | CheckRecord | SkipRecord | SelectedRecord | RejectedRecord
+    OriginRecord
+    | TransitionRecord
+    | CheckRecord
+    | SkipRecord
+    | SelectedRecord
+    | RejectedRecord
+    | TuningRecord
+    | MeasurementRecord
 )
 RECORD_KINDS: dict[str, type[Any]] = {
     "origin": OriginRecord,
@@ -166,7 +233,13 @@ RECORD_KINDS: dict[str, type[Any]] = {
     "skip": SkipRecord,
     "selected": SelectedRecord,
     "rejected": RejectedRecord,
+    "tuning": TuningRecord,
+    "measurement": MeasurementRecord,
 }
+#: Record kinds, states and events that need schema version 3 (autotune).
+_TUNED_KINDS = frozenset({"tuning", "measurement"})
+_TUNED_STATES = frozenset({State.MEASURING})
+_TUNED_EVENTS = frozenset({Event.MEASURE, Event.MEASURED_FASTER, Event.INCUMBENT_KEPT})
 
 
 def _input_backend(value: Backend | str | None) -> Backend | None:
@@ -202,7 +275,7 @@ class Trace:
     input: TraceInput
     records: tuple[Record, ...]
     outcome: Outcome
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = BASE_SCHEMA_VERSION
 
     @functools.cached_property
     def digest(self) -> str:
@@ -338,6 +411,15 @@ def _structure_int(value: Any, _: Any = None) -> int:
     return value
 
 
+def _structure_float(value: Any, _: Any = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Invalid("", f"expected a number, got {_got(value)}")
+    number = float(value)
+    if number != number or number in (float("inf"), float("-inf")):  # pragma: no cover
+        raise _Invalid("", f"expected a finite number, got {value!r}")
+    return number
+
+
 def _structure_bool(value: Any, _: Any = None) -> bool:
     if not isinstance(value, bool):
         raise _Invalid("", f"expected true or false, got {_got(value)}")
@@ -367,6 +449,7 @@ def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
         Event: "event",
         Origin: "origin",
         Check: "check",
+        Verdict: "verdict",
     }.get(cls, cls.__name__)
 
     def structure(value: Any, _: Any) -> Any:
@@ -400,6 +483,26 @@ def _one_of(
                 + (" or null" if optional else "")
             )
         return None
+
+    return check
+
+
+def _at_least(
+    what: str, low: float, optional: bool = False
+) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None if optional else f"{what} must not be null"
+        return None if value >= low else f"{what} must be at least {low}, got {value!r}"
+
+    return check
+
+
+def _fraction(what: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if 0 <= value < 1:
+            return None
+        return f"{what} is a fraction in [0, 1) (0.02 is 2%), got {value!r}"
 
     return check
 
@@ -444,6 +547,8 @@ def _expected(tp: Any) -> str:
         return "an integer"
     if tp is bool:
         return "true or false"
+    if tp is float:
+        return "a number"
     if typing.get_origin(tp) is tuple:
         return "a list"
     if tp is Backend:
@@ -601,7 +706,7 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
         return
     keys = _SCHEMA_1_REQUIREMENTS if version == 1 else [r.value for r in Requirement]
     try:
-        _exact_keys(obj, keys, f"requirements, in schema version {version}")
+        _exact_keys(obj, keys, f"requirements in schema version {version}")
     except _Invalid as exc:
         raise _Invalid(".input.layer.requirements" + exc.path, exc.message) from None
 
@@ -738,8 +843,9 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _structure_str)
     conv.register_structure_hook(int, _structure_int)
     conv.register_structure_hook(bool, _structure_bool)
+    conv.register_structure_hook(float, _structure_float)
     conv.register_structure_hook(Backend, _structure_backend)
-    for enum_cls in (State, Event, Origin, Check):
+    for enum_cls in (State, Event, Origin, Check, Verdict):
         conv.register_structure_hook(enum_cls, _structure_enum(enum_cls))
     conv.register_structure_hook_factory(_is_tuple_type, lambda t: _make_tuple_hook(conv, t))
     conv.register_structure_hook(LayerSpec, _structure_layer)
@@ -795,6 +901,15 @@ _FIELD_CHECKS.update(
         (RejectedRecord, "code"): _one_of("code", _CODES),
         (SelectedRecord, "reason"): _one_of("reason", _REASONS, optional=True),
         (TransitionRecord, "reason"): _one_of("reason", _REASONS, optional=True),
+        (TuningRecord, "source"): _one_of("tuning source", ("measured", "loaded")),
+        (TuningRecord, "margin"): _fraction("margin"),
+        (TuningRecord, "tolerance"): _fraction("tolerance"),
+        (TuningRecord, "elements"): _at_least("elements", 0),
+        (TuningRecord, "warmup"): _at_least("warmup", 0),
+        (TuningRecord, "repeats"): _at_least("repeats", 1),
+        (MeasurementRecord, "median_ns"): _at_least("median_ns", 0, optional=True),
+        (MeasurementRecord, "spread_ns"): _at_least("spread_ns", 0, optional=True),
+        (MeasurementRecord, "deviation"): _at_least("deviation", 0, optional=True),
     }
 )
 
@@ -865,7 +980,13 @@ def _structure_trace(doc: Any) -> Trace:
     records = tuple(
         _structure_at(_CONVERTER, r, Record, f".records[{i}]") for i, r in enumerate(records_doc)
     )
+    if version < TUNED_SCHEMA_VERSION:
+        _check_base_version(records, version)
     outcome = _structure_at(_CONVERTER, doc["outcome"], Outcome, ".outcome")
+    if version < TUNED_SCHEMA_VERSION and outcome.reason == Reason.MEASURED_FASTER.value:
+        raise _Invalid(
+            ".outcome.reason", _needs_tuned_version("the reason 'measured faster'", version)
+        )
     trace = Trace(input=inp, records=records, outcome=outcome, schema_version=version)
     digest = doc["digest"]
     if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
@@ -881,6 +1002,35 @@ def _structure_trace(doc: Any) -> Trace:
             f"regenerate it (make golden for traces/, or re-run the command that wrote it)",
         )
     return trace
+
+
+def _needs_tuned_version(what: str, version: int) -> str:
+    return (
+        f"{what} belongs to schema version {TUNED_SCHEMA_VERSION} (autotune), but the file "
+        f"says version {version}"
+    )
+
+
+def _check_base_version(records: tuple[Any, ...], version: int) -> None:
+    """A trace older than version 3 holds no autotune record, state, event or reason."""
+
+    def fail(where: str, what: str) -> _Invalid:
+        return _Invalid(where, _needs_tuned_version(what, version))
+
+    for i, record in enumerate(records):
+        at = f".records[{i}]"
+        if record.kind in _TUNED_KINDS:
+            raise fail(at + ".kind", f"a {record.kind!r} record")
+        if isinstance(record, TransitionRecord):
+            if record.event in _TUNED_EVENTS:
+                raise fail(at + ".event", f"event {record.event}")
+            for name in ("source", "target"):
+                if getattr(record, name) in _TUNED_STATES:
+                    raise fail(at + "." + name, f"state {getattr(record, name)}")
+            if record.reason == Reason.MEASURED_FASTER.value:
+                raise fail(at + ".reason", "reason 'measured faster'")
+        elif isinstance(record, (CheckRecord, SkipRecord)) and record.stage in _TUNED_STATES:
+            raise fail(at + ".stage", f"state {record.stage}")
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

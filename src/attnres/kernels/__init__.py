@@ -13,6 +13,14 @@ import, lookup or dispatch of its own. The calling convention is fixed::
     # causal: top-left aligned, like SDPA's is_causal; scale: None = 1/sqrt(head_size)
     # returns (batch, seq_q, heads_q, head_size) in q's dtype
 
+A kernel whose backend implements ``softcap`` or ``sliding_window`` also takes
+them as keyword arguments, passed only to layers that use them (so a kernel
+without them keeps the six-argument convention)::
+
+    attention(q, k, v, attn_mask, causal, scale, softcap=30.0)  # scores -> 30 * tanh(scores / 30)
+    attention(q, k, v, attn_mask, causal, scale, window=(left, right))
+    # query i sees keys i - left .. i + right (-1: unbounded), top-left aligned like causal
+
 A kernel may also carry a ``specialize(causal, scale, gqa)`` attribute that
 returns ``attention(q, k, v, attn_mask) -> Tensor`` with the layer's fixed
 settings bound (no per-call argument plumbing); :func:`specialized` uses it when
@@ -162,9 +170,33 @@ def get_kernel(backend_name: str) -> KernelFn | None:
 
 
 def specialized(
-    kernel: KernelFn, causal: bool, scale: float | None, gqa: bool
+    kernel: KernelFn,
+    causal: bool,
+    scale: float | None,
+    gqa: bool,
+    *,
+    softcap: float = 0.0,
+    window: tuple[int, int] | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]:
-    """``kernel`` with a layer's fixed settings bound: ``fn(q, k, v, attn_mask)``."""
+    """``kernel`` with a layer's fixed settings bound: ``fn(q, k, v, attn_mask)``.
+
+    ``softcap`` (0: off) and ``window`` (``None``: off) reach the kernel as
+    keyword arguments, and only when set.
+    """
+    if softcap or window is not None:
+        features: dict[str, object] = {}
+        if softcap:
+            features["softcap"] = softcap
+        if window is not None:
+            features["window"] = window
+        general: Callable[..., Tensor] = kernel
+
+        def call_with_features(
+            q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
+        ) -> Tensor:
+            return general(q, k, v, attn_mask, causal, scale, **features)
+
+        return call_with_features
     specialize = getattr(kernel, "specialize", None)
     if specialize is not None:
         bound: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]

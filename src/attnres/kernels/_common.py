@@ -23,6 +23,9 @@ __all__ = [
     "mask_with_causal",
     "no_mask_error",
     "require_attribute",
+    "unsupported_feature_error",
+    "window_keep",
+    "with_window",
 ]
 
 
@@ -73,27 +76,49 @@ def no_mask_error(backend: str, detail: str) -> ValueError:
 
 
 def causal_alignment_error(backend: str, seq_q: int, seq_kv: int) -> ValueError:
-    """The error for causal attention with ``seq_q != seq_kv`` on a bottom-right kernel."""
+    """The error for a causal mask or sliding window with ``seq_q != seq_kv`` on a
+    bottom-right kernel."""
     return ValueError(
-        f"attention backend {backend!r} aligns its causal mask to the bottom-right corner "
-        f"when seq_q != seq_kv (here {seq_q} != {seq_kv}), while attnres layers use the "
-        "top-left alignment of torch SDPA's is_causal; refusing to return different "
-        "numbers. Use torch_sdpa, flex_attention, xformers or eager for this layer"
+        f"attention backend {backend!r} aligns its causal mask and sliding window to the "
+        f"bottom-right corner when seq_q != seq_kv (here {seq_q} != {seq_kv}), while attnres "
+        "layers use the top-left alignment of torch SDPA's is_causal; refusing to return "
+        "different numbers. Use torch_sdpa, flex_attention, xformers or eager for this layer"
     )
+
+
+def unsupported_feature_error(backend: str, feature: str) -> ValueError:
+    """The error for ``softcap`` or ``window`` given to a kernel that has no such argument."""
+    requirement = {"softcap": "softcap", "window": "sliding_window"}[feature]
+    return ValueError(
+        f"attention backend {backend!r} does not take {feature} (the kernel has no such "
+        f"argument); resolve the layer with the {requirement} requirement so that a backend "
+        f"that implements it is chosen"
+    )
+
+
+#: What a flash-style kernel call receives: q, k, v, causal, scale, softcap (0.0:
+#: off) and window ((left, right), -1 unbounded; None: off).
+FlashCall = Callable[
+    ["Tensor", "Tensor", "Tensor", bool, "float | None", float, "tuple[int, int] | None"], Any
+]
 
 
 def flash_style_kernel(
     backend: str,
     mask_detail: str,
-    call: Callable[[Tensor, Tensor, Tensor, bool, float | None], Any],
-) -> Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float | None], Tensor]:
+    call: FlashCall,
+    *,
+    takes: frozenset[str] = frozenset(),
+) -> Callable[..., Tensor]:
     """The adapter shape shared by the flash-attn family, aiter and SageAttention.
 
     They take (batch, seq, heads, head_size) as is, take no SDPA-style mask, and
-    align a causal mask bottom-right when lengths differ, so the adapter refuses
-    both cases rather than return other numbers. ``call(q, k, v, causal, scale)``
-    is the kernel call; a tuple result (``(out, lse)`` in some releases) is
-    unwrapped to ``out``.
+    align a causal mask (and a sliding window) bottom-right when lengths differ,
+    so the adapter refuses these cases rather than return other numbers.
+    ``call(q, k, v, causal, scale, softcap, window)`` is the kernel call; a tuple
+    result (``(out, lse)`` in some releases) is unwrapped to ``out``. ``takes``
+    names the optional features the kernel has arguments for (``"softcap"``,
+    ``"window"``); any other one given is a ``ValueError``.
     """
 
     def attention(
@@ -103,12 +128,19 @@ def flash_style_kernel(
         attn_mask: Tensor | None,
         causal: bool,
         scale: float | None,
+        *,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> Tensor:
         if attn_mask is not None:
             raise no_mask_error(backend, mask_detail)
-        if causal and q.shape[1] != k.shape[1]:
+        if softcap and "softcap" not in takes:
+            raise unsupported_feature_error(backend, "softcap")
+        if window is not None and "window" not in takes:
+            raise unsupported_feature_error(backend, "window")
+        if (causal or window is not None) and q.shape[1] != k.shape[1]:
             raise causal_alignment_error(backend, q.shape[1], k.shape[1])
-        result = call(q, k, v, causal, scale)
+        result = call(q, k, v, causal, scale, softcap, window)
         out: Tensor = result[0] if isinstance(result, tuple) else result
         return out
 
@@ -124,6 +156,39 @@ def mask_with_causal(attn_mask: Tensor, seq_q: int, seq_kv: int) -> Tensor:
     import on this per-call path.
     """
     keep = attn_mask.new_ones((seq_q, seq_kv)).bool().tril()
+    if attn_mask.is_floating_point():
+        return attn_mask.masked_fill(~keep, float("-inf"))
+    return attn_mask & keep
+
+
+def window_keep(like: Tensor, seq_q: int, seq_kv: int, window: tuple[int, int]) -> Tensor:
+    """The (seq_q, seq_kv) boolean mask of a sliding window, top-left aligned.
+
+    Query ``i`` keeps keys ``i - left .. i + right`` (``-1``: unbounded on that
+    side), on the diagonal SDPA's ``is_causal`` uses. Built with ``like``'s
+    methods (its device): no import on this per-call path.
+    """
+    left, right = window
+    keep = like.new_ones((seq_q, seq_kv)).bool()
+    if right >= 0:
+        keep = keep.tril(right)
+    if left >= 0:
+        keep = keep.triu(-left)
+    return keep
+
+
+def with_window(
+    attn_mask: Tensor | None, like: Tensor, seq_q: int, seq_kv: int, window: tuple[int, int]
+) -> Tensor:
+    """``attn_mask`` (SDPA semantics, or ``None``) restricted to a sliding window.
+
+    A boolean mask (or none) gives a boolean mask; a float mask gets ``-inf``
+    outside the window. The result broadcasts like the input, its last two
+    dimensions widened to ``(seq_q, seq_kv)``.
+    """
+    keep = window_keep(like, seq_q, seq_kv, window)
+    if attn_mask is None:
+        return keep
     if attn_mask.is_floating_point():
         return attn_mask.masked_fill(~keep, float("-inf"))
     return attn_mask & keep

@@ -16,7 +16,9 @@ Source facts (ROCm/aiter aiter/ops/mha.py, re-exported as ``aiter.flash_attn_fun
   causal with seq_q != seq_kv is refused;
 - ``bias`` is a single (seqlen_q, seqlen_k) tensor, not SDPA's broadcastable
   mask, and is missing in older releases: ``attn_mask`` is refused (the
-  catalogue does not list attention masks for aiter).
+  catalogue does not list attention masks for aiter);
+- ``window_size=(left, right)`` (-1 unbounded) is sliding-window attention,
+  bottom-right aligned like causal; there is no softcap argument.
 - Install: ``pip install amd-aiter`` or build ROCm/aiter from source. The
   unrelated PyPI package ``aiter`` (async iterators) imports under the same
   name and has no ``flash_attn_func``: that case is reported as such.
@@ -24,7 +26,7 @@ Source facts (ROCm/aiter aiter/ops/mha.py, re-exported as ``aiter.flash_attn_fun
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
     flash_style_kernel,
@@ -33,6 +35,7 @@ from attnres.kernels._common import (
 )
 
 if TYPE_CHECKING:
+    from torch import Tensor
 
     from attnres.kernels import KernelFn
 
@@ -56,10 +59,21 @@ def make_kernel() -> KernelFn:
         ),
     )
 
+    def call(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        scale: float | None,
+        softcap: float,
+        window: tuple[int, int] | None,
+    ) -> Any:
+        extra: dict[str, Any] = {} if window is None else {"window_size": window}
+        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
+
     return flash_style_kernel(
         BACKEND,
         "aiter.flash_attn_func takes no SDPA-style mask",
-        lambda q, k, v, causal, scale: flash_attn_func(
-            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal
-        ),
+        call,
+        takes=frozenset({"window"}),
     )

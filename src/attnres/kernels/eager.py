@@ -4,7 +4,10 @@ Semantics are torch SDPA's (pytorch/pytorch torch/nn/functional.py docstring of
 ``scaled_dot_product_attention``, whose "equivalent" reference code this
 follows): scores = q @ k^T * scale (scale None: 1/sqrt(head_size)); a boolean
 mask keeps ``True`` positions (others get -inf), a float mask is added; causal is
-the top-left lower triangle; GQA repeats each k/v head heads_q // heads_kv times
+the top-left lower triangle; a sliding ``window=(left, right)`` keeps keys
+``i - left .. i + right`` of query ``i`` (-1: unbounded), on the same diagonal;
+``softcap`` (> 0) caps the scaled scores to ``softcap * tanh(scores / softcap)``
+before masks apply (flash-attn's order); GQA repeats each k/v head heads_q // heads_kv times
 (``repeat_interleave``, the grouping SDPA's ``enable_gqa`` uses).
 
 Accumulation runs in float32 at least (float64 inputs stay float64); the output
@@ -17,6 +20,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from attnres.kernels._common import window_keep
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -36,6 +41,9 @@ def make_kernel() -> KernelFn:
         attn_mask: Tensor | None,
         causal: bool,
         scale: float | None,
+        *,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> Tensor:
         acc = torch.promote_types(q.dtype, torch.float32)
         head_size = q.shape[-1]
@@ -50,9 +58,14 @@ def make_kernel() -> KernelFn:
             vh = vh.repeat_interleave(groups, dim=1)
         factor = scale if scale is not None else head_size**-0.5
         scores = torch.matmul(qh, kh.transpose(-2, -1)) * factor
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         keep: Tensor | None = None
         if causal:
             keep = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            band = window_keep(scores, seq_q, seq_kv, window)
+            keep = band if keep is None else keep & band
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:
                 keep = attn_mask if keep is None else keep & attn_mask

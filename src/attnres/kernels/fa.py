@@ -17,6 +17,10 @@ csrc/flash_attn/flash_api.cpp):
   seq_q != seq_kv is refused here (same numbers when the lengths are equal);
 - no attention mask argument at all (only ALiBi slopes): ``attn_mask`` is a
   ``ValueError``;
+- ``window_size=(left, right)`` (-1: unbounded) is sliding-window attention,
+  bottom-right aligned like causal (refused when seq_q != seq_kv); ``softcap``
+  (> 0: on; flash-attn >= 2.6) caps the scaled scores, ``softcap *
+  tanh(scores / softcap)``, before the softmax. Both are passed only when set;
 - ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False, ...)`` takes
   packed (total, nheads, headdim) tensors and cumulative lengths of shape
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["make_kernel", "make_varlen_kernel"]
 
 BACKEND = "fa"
+_TAKES = frozenset({"softcap", "window"})
 PACKAGE = "flash_attn"
 INSTALL = "pip install flash-attn --no-build-isolation  (flash-attn 2.x; needs CUDA or ROCm)"
 _NOT_FA2 = (
@@ -63,12 +68,25 @@ def make_kernel() -> KernelFn:
     """Import flash_attn and bind ``flash_attn_func``."""
     flash_attn_func = _function("flash_attn_func")
 
+    def call(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        scale: float | None,
+        softcap: float,
+        window: tuple[int, int] | None,
+    ) -> Any:
+        # window_size and softcap only when asked for: flash-attn before 2.6 has no softcap
+        extra: dict[str, Any] = {}
+        if window is not None:
+            extra["window_size"] = window
+        if softcap:
+            extra["softcap"] = softcap
+        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
+
     return flash_style_kernel(
-        BACKEND,
-        "flash_attn_func has no mask argument",
-        lambda q, k, v, causal, scale: flash_attn_func(
-            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal
-        ),
+        BACKEND, "flash_attn_func has no mask argument", call, takes=_TAKES
     )
 
 

@@ -14,7 +14,9 @@ Source facts (Dao-AILab/flash-attention hopper/flash_attn_interface.py):
 - fp16, bf16 (and fp8 e4m3 forward); head dim <= 256;
 - ``causal=True`` is bottom-right aligned when seqlen_q != seqlen_k (docstring),
   so causal with seq_q != seq_kv is refused; no mask argument: ``attn_mask`` is
-  refused.
+  refused;
+- ``window_size=(left, right)`` (-1 unbounded) and ``softcap`` work as in
+  flash-attn 2 (bottom-right aligned window); passed only when set.
 - Module name: ``flash_attn_interface`` (distribution ``flash_attn_3``, built
   with ``cd hopper && python setup.py install``); newer builds also ship it as
   ``flash_attn_3.flash_attn_interface``, tried second.
@@ -23,7 +25,7 @@ Source facts (Dao-AILab/flash-attention hopper/flash_attn_interface.py):
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
     KernelUnavailableError,
@@ -33,6 +35,7 @@ from attnres.kernels._common import (
 )
 
 if TYPE_CHECKING:
+    from torch import Tensor
 
     from attnres.kernels import KernelFn
 
@@ -67,8 +70,25 @@ def make_kernel() -> KernelFn:
         hint="The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL,
     )
 
+    def call(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        scale: float | None,
+        softcap: float,
+        window: tuple[int, int] | None,
+    ) -> Any:
+        extra: dict[str, Any] = {}
+        if window is not None:
+            extra["window_size"] = window
+        if softcap:
+            extra["softcap"] = softcap
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra)
+
     return flash_style_kernel(
         BACKEND,
         "flash_attn_interface.flash_attn_func has no mask argument",
-        lambda q, k, v, causal, scale: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal),
+        call,
+        takes=frozenset({"softcap", "window"}),
     )

@@ -16,12 +16,14 @@ flash_attn/cute/pyproject.toml; PyPI page of flash-attn-4):
   "num_head must be divisible by num_head_kv" (GQA), CUDA arch 9.x-11.x;
 - causal is bottom-right aligned (mask.py: ``causal_row_offset = 1 + seqlen_k -
   n_block * tile_n - seqlen_q``): causal with seq_q != seq_kv is refused; masks
-  exist only as CuTe ``mask_mod`` callables, not tensors: ``attn_mask`` is refused.
+  exist only as CuTe ``mask_mod`` callables, not tensors: ``attn_mask`` is refused;
+- ``window_size=(left, right)`` with ``None`` for an unbounded side (the adapter
+  turns attnres's -1 into None) and ``softcap``; passed only when set.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
     flash_style_kernel,
@@ -30,6 +32,7 @@ from attnres.kernels._common import (
 )
 
 if TYPE_CHECKING:
+    from torch import Tensor
 
     from attnres.kernels import KernelFn
 
@@ -50,8 +53,26 @@ def make_kernel() -> KernelFn:
         hint="The flash-attn-4 install looks incomplete; reinstall it with: " + INSTALL,
     )
 
+    def call(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        scale: float | None,
+        softcap: float,
+        window: tuple[int, int] | None,
+    ) -> Any:
+        extra: dict[str, Any] = {}
+        if window is not None:  # FA4 spells an unbounded side None, not -1
+            left, right = window
+            extra["window_size"] = (None if left < 0 else left, None if right < 0 else right)
+        if softcap:
+            extra["softcap"] = softcap
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra)
+
     return flash_style_kernel(
         BACKEND,
         "flash_attn.cute takes masks only as CuTe mask_mod",
-        lambda q, k, v, causal, scale: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal),
+        call,
+        takes=frozenset({"softcap", "window"}),
     )

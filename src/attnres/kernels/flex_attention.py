@@ -20,7 +20,9 @@ Source facts (pytorch/pytorch torch/nn/attention/flex_attention.py, torch 2.13):
   lengths, bool masks, float masks, causal and GQA. The warning is torch's
   honest performance notice and is left alone; compile the model for speed.
 
-Causal is top-left (``q_idx >= kv_idx``), like SDPA's ``is_causal``. The block
+Causal is top-left (``q_idx >= kv_idx``), like SDPA's ``is_causal``; a sliding
+``window`` is a band of the same diagonal in the block mask, and ``softcap``
+is a ``score_mod`` (``softcap * tanh(score / softcap)``, before a float bias). The block
 mask is built per call (it depends on the sequence lengths and the mask).
 """
 
@@ -30,6 +32,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+
+from attnres.kernels._common import window_keep
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -70,6 +74,23 @@ def _mask_mod(keep: Tensor | None, causal: bool) -> _MaskMod:
     return keep_causal_mod
 
 
+def _score_mod(softcap: float, bias: Tensor | None) -> Callable[..., Tensor]:
+    """The score_mod for a softcap (applied first, as flash-attn does), a float bias, or both."""
+    if not softcap:
+        assert bias is not None
+
+        def bias_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + bias[b, h, q_idx, kv_idx]
+
+        return bias_mod
+
+    def softcap_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        capped = torch.tanh(score / softcap) * softcap
+        return capped if bias is None else capped + bias[b, h, q_idx, kv_idx]
+
+    return softcap_mod
+
+
 def make_kernel() -> KernelFn:
     """Import flex_attention and bind it."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -81,10 +102,14 @@ def make_kernel() -> KernelFn:
         attn_mask: Tensor | None,
         causal: bool,
         scale: float | None,
+        *,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> Tensor:
         batch, seq_q, heads_q, _ = q.shape
         seq_kv = k.shape[1]
-        score_mod = None
+        score_mod: Callable[..., Tensor] | None = None
+        bias: Tensor | None = None
         block_mask = None
         keep: Tensor | None = None
         mask_batch: int | None = None  # None: the block mask broadcasts over batch
@@ -100,12 +125,11 @@ def make_kernel() -> KernelFn:
                 keep = mask.expand(batch, heads_q, seq_q, seq_kv)
             else:
                 bias = mask.expand(batch, heads_q, seq_q, seq_kv)
-
-                def score_mod(
-                    score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-                ) -> Tensor:
-                    return score + bias[b, h, q_idx, kv_idx]
-
+        if window is not None:  # the window is a band in the block mask
+            band = window_keep(q, seq_q, seq_kv, window).view(1, 1, seq_q, seq_kv)
+            keep = band.expand(batch, heads_q, seq_q, seq_kv) if keep is None else keep & band
+        if softcap or bias is not None:
+            score_mod = _score_mod(softcap, bias)
         if keep is not None or causal:
             block_mask = create_block_mask(
                 _mask_mod(keep, causal), mask_batch, mask_heads, seq_q, seq_kv, device=q.device

@@ -48,7 +48,7 @@ def make_kernel() -> KernelFn:
     return flash_style_kernel(
         BACKEND,
         "sageattn accepts attn_mask and silently ignores it",
-        lambda q, k, v, causal, scale: sageattn(
+        lambda q, k, v, causal, scale, softcap, window: sageattn(
             q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale
         ),
     )

@@ -16,7 +16,7 @@ The backend list is built once in ``make_kernel``; each call enters the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -42,8 +42,9 @@ def make_kernel() -> KernelFn:
         attn_mask: Tensor | None,
         causal: bool,
         scale: float | None,
+        **features: Any,
     ) -> Tensor:
         with sdpa_kernel(backends):
-            return sdpa_attention(q, k, v, attn_mask, causal, scale)
+            return sdpa_attention(q, k, v, attn_mask, causal, scale, **features)
 
     return attention

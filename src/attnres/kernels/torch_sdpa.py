@@ -11,7 +11,9 @@ Source facts (pytorch/pytorch, torch/nn/functional.py docstring, torch 2.5+):
   ``attn_mask`` itself;
 - ``scale`` (None: 1/sqrt(head_size)) and ``enable_gqa`` (torch >= 2.5): k/v heads
   are shared by groups of heads_q // heads_kv query heads, as repeat_interleave;
-- dtypes: fp32, fp64, fp16, bf16 on CPU; output in q's dtype.
+- dtypes: fp32, fp64, fp16, bf16 on CPU; output in q's dtype;
+- no sliding-window argument: a ``window`` is folded into ``attn_mask`` (a
+  boolean band, top-left aligned); no softcap argument: ``softcap`` is refused.
 
 Kept lean: the layer benchmark holds it to 1.03x a hand-written SDPA call with
 the same transposes.
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnres.kernels._common import mask_with_causal
+from attnres.kernels._common import mask_with_causal, unsupported_feature_error, with_window
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -45,7 +47,14 @@ def make_kernel() -> KernelFn:
         attn_mask: Tensor | None,
         causal: bool,
         scale: float | None,
+        *,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> Tensor:
+        if softcap:
+            raise unsupported_feature_error("torch_sdpa", "softcap")
+        if window is not None:  # SDPA has no window argument: the window is a mask
+            attn_mask = with_window(attn_mask, q, q.shape[1], k.shape[1], window)
         if attn_mask is not None and causal:
             attn_mask = mask_with_causal(attn_mask, q.shape[1], k.shape[1])
             causal = False

@@ -6,6 +6,8 @@ facebookresearch.github.io/xformers):
 - ``memory_efficient_attention(query, key, value, attn_bias=None, p=0.0,
   scale=None, *, op=None)``; "Input tensors must be in format [B, M, H, K]"
   (BMHK = attnres's layout, no transpose); returns ``[B, Mq, H, Kv]``;
+- no window argument: a sliding ``window`` becomes part of the tensor bias (a
+  band, top-left aligned); no softcap argument: ``softcap`` is refused;
 - 4-D inputs need the same H for q, k and v ("Incompatible shapes for attention
   inputs ... We don't support broadcasting, please use `expand` yourself"): GQA
   repeats k/v heads (repeat_interleave grouping, as SDPA's enable_gqa);
@@ -30,7 +32,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnres.kernels._common import import_kernel_package, require_attribute
+from attnres.kernels._common import (
+    import_kernel_package,
+    require_attribute,
+    unsupported_feature_error,
+    with_window,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -84,8 +91,15 @@ def make_kernel() -> KernelFn:
         attn_mask: Tensor | None,
         causal: bool,
         scale: float | None,
+        *,
+        softcap: float = 0.0,
+        window: tuple[int, int] | None = None,
     ) -> Tensor:
+        if softcap:
+            raise unsupported_feature_error(BACKEND, "softcap")
         batch, seq_q, heads, _ = q.shape
+        if window is not None:  # a band mask, folded into the tensor bias below
+            attn_mask = with_window(attn_mask, q, seq_q, k.shape[1], window)
         if k.shape[2] != heads:
             groups = heads // k.shape[2]
             k = k.repeat_interleave(groups, dim=2)

@@ -1,0 +1,616 @@
+"""Measured selection, the runtime part: time a layer's candidates on its real
+inputs, and bind the winner.
+
+:mod:`attnres.tuning` holds the rule and the trace; this module holds what
+needs torch: the tuning wrapper a layer runs until it is tuned, the timing
+loop, :func:`autotune` (tune a module eagerly on one example batch, before
+``torch.compile``), and the results file (:func:`save_results`,
+:func:`load_results`).
+
+How a layer is tuned
+--------------------
+An :class:`attnres.Attention` whose decision is automatic (origin in
+:data:`attnres.machine.TUNABLE_ORIGINS`) is *armed* when its config says
+``autotune=True`` (or by :func:`autotune`): its forward body is replaced by a
+wrapper, and only then -- a layer that is not armed runs exactly as before.
+The wrapper runs the incumbent on every call; on the first call whose query
+holds at least ``autotune_min_elements`` elements, outside ``torch.compile``,
+``torch.jit`` tracing and CUDA-graph capture, it then times each candidate on
+the same tensors (warm-up, then timed repeats, synchronising the device),
+builds the tuned trace, records the decision (ledger and audit log), binds the
+winner's kernel and steps aside: later calls cost what an untuned layer costs.
+
+Layers whose decision input differs only by name and that see the same call
+(shapes, dtype, device, mask, causal, scale) share one measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import torch
+from attrs import frozen
+from torch import Tensor
+
+from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
+from attnres.backends import Backend, on_registry_change, registered_backends
+from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
+from attnres.ledger import Decision, record_decision
+from attnres.machine import Resolution
+from attnres.platform import Platform
+from attnres.trace import TUNED_SCHEMA_VERSION, Outcome, Record, Trace, TuningRecord
+from attnres.tuning import (
+    Measured,
+    ResultEntry,
+    entry_applies,
+    is_tunable,
+    is_tuned,
+    measuring_checks,
+    platform_facts,
+    read_results,
+    tolerance_for,
+    tuned_trace,
+    write_results,
+)
+
+if TYPE_CHECKING:
+    from attnres.modules import Attention
+
+__all__ = [
+    "AutotuneReport",
+    "LoadReport",
+    "arm",
+    "autotune",
+    "clear_results",
+    "is_armed",
+    "load_results",
+    "save_results",
+    "use_timer",
+]
+
+Run = Callable[..., Tensor]
+Timer = Callable[[], int]
+
+#: The clock every measurement reads, in nanoseconds (tests inject their own).
+_TIMER: Timer = time.perf_counter_ns
+#: At most this many distinct measurements are kept in this process.
+_SHARED_MAX: Final = 1024
+
+_LOCK = threading.RLock()
+# (decision input without the layer name, call, rule parameters) -> (records, outcome)
+_SHARED: dict[tuple[object, ...], tuple[tuple[Record, ...], Outcome]] = {}
+# measurements taken in this process, for save_results: (platform key, call) -> entry
+_MEASURED: dict[tuple[str, str], ResultEntry] = {}
+# loaded from results files: call -> [(entry, source path)]
+_LOADED: dict[str, list[tuple[ResultEntry, str]]] = {}
+# what a running autotune() call collects: (id of the layer, event, detail)
+_COLLECTOR: list[list[tuple[int, str, str]]] = []
+
+
+def clear_results() -> None:
+    """Forget every measurement taken or loaded in this process."""
+    with _LOCK:
+        _SHARED.clear()
+        _MEASURED.clear()
+        _LOADED.clear()
+
+
+# a new backend changes every candidate list: measurements start over
+on_registry_change(clear_results)
+
+
+@contextlib.contextmanager
+def use_timer(timer: Timer) -> Iterator[None]:
+    """Measure with ``timer`` (nanoseconds, monotonic) inside the block.
+
+    For tests and simulations: a fake kernel that advances a fake clock makes
+    every verdict deterministic.
+    """
+    global _TIMER
+    previous, _TIMER = _TIMER, timer
+    try:
+        yield
+    finally:
+        _TIMER = previous
+
+
+# =============================================================================
+# Arming a layer
+# =============================================================================
+
+
+@frozen
+class _Settings:
+    min_elements: int
+    margin: float
+    warmup: int
+    repeats: int
+
+
+def is_armed(layer: Attention) -> bool:
+    """Whether the layer will measure its candidates on a large enough forward."""
+    return getattr(layer.__dict__.get("_run"), "attnres_incumbent", None) is not None
+
+
+def arm(layer: Attention, *, min_elements: int | None = None) -> bool:
+    """Arm ``layer``'s tuner when its decision is automatic and untuned.
+
+    Returns whether it is armed. The layer's config (the one its decision was
+    made under) gives the margin, tolerances, warm-up and repeats, and
+    ``min_elements`` unless given here.
+    """
+    if is_armed(layer):
+        if min_elements is None:
+            return True
+        disarm(layer)
+    if not is_tunable(layer.resolution.trace):
+        return False
+    config = layer.resolution.trace.input.config
+    settings = _Settings(
+        config.autotune_min_elements if min_elements is None else int(min_elements),
+        config.autotune_margin,
+        config.autotune_warmup,
+        config.autotune_repeats,
+    )
+    run: Run = layer.__dict__["_run"]
+    layer.__dict__["_run"] = _armed(weakref.ref(layer), run, settings)
+    return True
+
+
+def disarm(layer: Attention) -> None:
+    """Put the incumbent's forward body back (the layer stays untuned)."""
+    incumbent = getattr(layer.__dict__.get("_run"), "attnres_incumbent", None)
+    if incumbent is not None:
+        layer.__dict__["_run"] = incumbent
+
+
+def _capturing() -> bool:
+    """Inside torch.compile, torch.jit tracing or CUDA-graph capture: never tune."""
+    if torch.compiler.is_compiling() or torch._C._get_tracing_state():
+        return True
+    cuda = torch.cuda
+    return bool(cuda.is_available() and cuda.is_current_stream_capturing())
+
+
+def _armed(ref: weakref.ref[Attention], run: Run, settings: _Settings) -> Run:
+    min_elements = settings.min_elements
+
+    def tuning_run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        if q.numel() < min_elements:
+            if _COLLECTOR:  # an autotune() call wants to know why
+                _note(ref, "small", f"query of {q.numel()} elements < min_elements {min_elements}")
+            return run(q, k, v, attn_mask)
+        if _capturing():
+            return run(q, k, v, attn_mask)
+        out = run(q, k, v, attn_mask)  # validates the inputs; an error leaves the tuner armed
+        layer = ref()
+        if layer is not None and layer.__dict__.get("_run") is tuning_run:
+            try:
+                with torch.no_grad():
+                    _tune(layer, run, (q, k, v, attn_mask), out.detach(), settings)
+            except Exception as exc:  # measuring must never break a forward
+                layer.__dict__["_run"] = run
+                res = layer.resolution
+                emit_autotune_failed(res.component, res.layer, res.backend.name, _one_line(exc))
+        return out
+
+    tuning_run.attnres_incumbent = run  # type: ignore[attr-defined]
+    return tuning_run
+
+
+def _note(ref: weakref.ref[Attention], event: str, detail: str) -> None:
+    if _COLLECTOR:
+        _COLLECTOR[-1].append((id(ref()), event, detail))
+
+
+# =============================================================================
+# Measuring
+# =============================================================================
+
+
+def describe_call(args: tuple[Tensor, Tensor, Tensor, Tensor | None], layer: Attention) -> str:
+    """The call a measurement applies to, as a stable text key."""
+    q, k, v, mask = args
+    scale = layer.softmax_scale
+    mask_text = (
+        "no mask"
+        if mask is None
+        else f"mask {tuple(mask.shape)} {str(mask.dtype).removeprefix('torch.')}"
+    )
+    extras = ""
+    if layer.softcap is not None:
+        extras += f", softcap={layer.softcap!r}"
+    if layer.window is not None:
+        extras += f", window={layer.window!r}"
+    return (
+        f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+        f"{str(q.dtype).removeprefix('torch.')} on {q.device.type}, {mask_text}, "
+        f"causal={layer.causal}, scale={'default' if scale is None else repr(scale)}"
+        f"{extras}"
+    )
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cpu":
+        return lambda: None
+    module = getattr(torch, device.type, None)
+    sync = getattr(module, "synchronize", None)
+    if sync is None:  # pragma: no cover - a device without a synchronize()
+        return lambda: None
+    if device.type == "cuda":
+        return lambda: sync(device)
+    return lambda: sync()
+
+
+def _time(
+    fn: Run, args: tuple[Any, ...], warmup: int, repeats: int, sync: Callable[[], None]
+) -> tuple[int, int, Tensor]:
+    """(median ns, max - min ns, the first output)."""
+    timer = _TIMER
+    out = fn(*args)
+    for _ in range(max(warmup - 1, 0)):
+        fn(*args)
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = timer()
+        fn(*args)
+        sync()
+        samples.append(timer() - start)
+    samples.sort()
+    middle = len(samples) // 2
+    median = samples[middle] if len(samples) % 2 else (samples[middle - 1] + samples[middle]) // 2
+    return median, samples[-1] - samples[0], out
+
+
+def _deviation(out: Tensor, reference: Tensor) -> float | None:
+    wide = torch.float64
+    scale = float(reference.to(wide).abs().max()) if reference.numel() else 0.0
+    diff = float((out.to(wide) - reference.to(wide)).abs().max()) if out.numel() else 0.0
+    value = diff / max(scale, 1e-12)
+    if not math.isfinite(value):
+        return None
+    return float(f"{value:.3g}")  # three significant digits: what the trace keeps
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _measure(
+    backend: Backend,
+    fn: Run,
+    args: tuple[Tensor, Tensor, Tensor, Tensor | None],
+    reference: Tensor,
+    settings: _Settings,
+    sync: Callable[[], None],
+) -> Measured:
+    try:
+        median, spread, out = _time(fn, args, settings.warmup, settings.repeats, sync)
+    except Exception as exc:
+        return Measured(backend, error=_one_line(exc))
+    if not isinstance(out, Tensor) or out.shape != reference.shape:
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        return Measured(
+            backend, error=f"returned {got}, expected a tensor of shape {tuple(reference.shape)}"
+        )
+    return Measured(backend, median, spread, _deviation(out, reference))
+
+
+def _bare(kernel: KernelFn, layer: Attention) -> Run:
+    """``kernel`` with the layer's fixed settings bound, without its input checks."""
+    shape = layer._shape
+    return specialized(
+        kernel,
+        shape.causal,
+        shape.softmax_scale,
+        shape.num_heads != shape.num_kv_heads,
+        softcap=shape.softcap,
+        window=shape.window,
+    )
+
+
+def _tune(
+    layer: Attention,
+    run: Run,
+    args: tuple[Tensor, Tensor, Tensor, Tensor | None],
+    reference: Tensor,
+    settings: _Settings,
+) -> None:
+    machine_trace = layer.resolution.trace
+    inp = machine_trace.input
+    q = args[0]
+    dtype = str(q.dtype).removeprefix("torch.")
+    tolerance = tolerance_for(inp.config, dtype)
+    call = describe_call(args, layer)
+    nameless = attrs.evolve(inp, layer=attrs.evolve(inp.layer, name=None))
+    key = (nameless, call, settings.margin, tolerance, settings.warmup, settings.repeats)
+    with _LOCK:
+        shared = _SHARED.get(key)
+        if shared is None:
+            records, outcome, event = _measure_all(
+                layer, run, args, reference, settings, tolerance, call, machine_trace
+            )
+            if len(_SHARED) >= _SHARED_MAX:
+                _SHARED.clear()
+            _SHARED[key] = (records, outcome)
+        else:
+            records, outcome = shared
+            event = "reused"
+    trace = Trace(inp, records, outcome, TUNED_SCHEMA_VERSION)
+    _adopt(layer, trace, fresh=event != "reused")
+    _note(weakref.ref(layer), event, call)
+
+
+def _measure_all(
+    layer: Attention,
+    run: Run,
+    args: tuple[Tensor, Tensor, Tensor, Tensor | None],
+    reference: Tensor,
+    settings: _Settings,
+    tolerance: float,
+    call: str,
+    machine_trace: Trace,
+) -> tuple[tuple[Record, ...], Outcome, str]:
+    incumbent = machine_trace.outcome.backend
+    assert incumbent is not None
+    considered = tuple(Backend(spec.name) for spec in registered_backends())
+    _, passing = measuring_checks(machine_trace, considered)
+    no_kernel: dict[Backend, str] = {}
+    kernels: list[tuple[Backend, Run]] = []
+    for backend in passing:
+        try:
+            kernel = get_kernel(backend.name)
+        except KernelUnavailableError as exc:
+            no_kernel[backend] = _one_line(exc)
+            continue
+        if kernel is None:
+            no_kernel[backend] = "no kernel is registered for it"
+            continue
+        kernels.append((backend, _bare(kernel, layer)))
+    here = platform_facts(machine_trace.input.platform)
+    source, detail = "measured", "measured in this process"
+    measured: list[Measured] | None = None
+    ignored: list[str] = []
+    for entry, path in _LOADED.get(call, ()):
+        why = entry_applies(entry, incumbent, passing, here)
+        if why is None and (entry.warmup, entry.repeats) == (settings.warmup, settings.repeats):
+            measured = list(entry.measured)
+            no_kernel = dict(entry.no_kernel)
+            source, detail = "loaded", f"loaded from {path}"
+            break
+        ignored.append(f"{path}: {why or 'measured with other warm-up/repeat counts'}")
+    if ignored:
+        detail += "; ignored loaded results (" + "; ".join(ignored) + ")"
+    if measured is None:
+        sync = _synchronizer(args[0].device)
+        # the incumbent is timed like every candidate: its bare kernel, without
+        # the layer's input checks (its output on the real call is the reference)
+        bare = _bare(layer.kernel, layer)
+        measured = [_measure(incumbent, bare, args, reference, settings, sync)]
+        measured += [
+            _measure(b, fn, args, reference, settings, sync) for b, fn in kernels
+        ]
+        entry = ResultEntry(
+            platform=here,
+            call=call,
+            incumbent=incumbent,
+            measured=tuple(measured),
+            no_kernel=tuple(sorted(no_kernel.items(), key=lambda p: p[0].name)),
+            warmup=settings.warmup,
+            repeats=settings.repeats,
+        )
+        if len(_MEASURED) >= _SHARED_MAX:
+            del _MEASURED[next(iter(_MEASURED))]
+        _MEASURED[(entry.platform_key, call)] = entry
+    tuning = TuningRecord(
+        call=call,
+        elements=int(args[0].numel()),
+        margin=settings.margin,
+        tolerance=tolerance,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        considered=considered,
+        source=source,
+        detail=detail,
+    )
+    trace = tuned_trace(machine_trace, tuning, no_kernel, measured)
+    return trace.records, trace.outcome, source
+
+
+def _adopt(layer: Attention, trace: Trace, *, fresh: bool) -> None:
+    """Bind the tuned decision: the layer runs the winner; ledger and audit log say why."""
+    previous = layer.resolution
+    outcome = trace.outcome
+    assert outcome.backend is not None
+    resolution = Resolution(
+        outcome.backend,
+        outcome.reason,
+        str(outcome.origin),
+        trace,
+        previous.component,
+        previous.layer,
+    )
+    layer._adopt(resolution)
+    decision = Decision(
+        previous.component,
+        previous.layer,
+        outcome.backend.name,
+        outcome.reason,
+        str(outcome.origin),
+        trace,
+    )
+    record_decision(decision)
+    if fresh:
+        emit_resolution(trace, decision)
+    else:
+        emit_cache_hit(decision)
+
+
+# =============================================================================
+# autotune(module, *example_inputs): tune eagerly, before compiling
+# =============================================================================
+
+
+@frozen
+class AutotuneReport:
+    """What one :func:`autotune` call did.
+
+    ``decisions``: the tuned decisions it recorded, in call order;
+    ``measured``/``loaded``/``reused``: how many layers timed their candidates,
+    took a loaded result, or shared a measurement of the same shape;
+    ``untuned``: ``(layer name, why)`` for each attention layer left as it was.
+    """
+
+    decisions: tuple[Decision, ...]
+    measured: int
+    loaded: int
+    reused: int
+    untuned: tuple[tuple[str, str], ...]
+
+
+def autotune(
+    module: torch.nn.Module,
+    *example_inputs: Any,
+    min_elements: int | None = None,
+    **example_kwargs: Any,
+) -> AutotuneReport:
+    """Tune every automatic decision of ``module`` on one eager forward.
+
+    Arms each :class:`attnres.Attention` inside ``module`` whose decision is
+    automatic and untuned (whatever ``SelectionConfig.autotune`` says: calling
+    this is the opt-in), runs ``module(*example_inputs, **example_kwargs)``
+    under ``torch.no_grad()``, and disarms what it armed and did not tune, so
+    that a later ``torch.compile`` sees plain layers. ``min_elements``
+    overrides each layer's ``autotune_min_elements`` (``0``: tune every call).
+    Explicit decisions (origin ``layer``, ``forced``, overrides, the global
+    flag) are never tuned.
+    """
+    from attnres.modules import Attention
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"autotune() takes a torch.nn.Module, got {type(module).__name__}")
+    if min_elements is not None and (
+        isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0
+    ):
+        raise ValueError(f"min_elements: expected an integer >= 0, got {min_elements!r}")
+    layers = [(name, m) for name, m in module.named_modules() if isinstance(m, Attention)]
+    armed_here: list[Attention] = []
+    untuned: dict[int, tuple[str, str]] = {}
+    for name, layer in layers:
+        label = layer.layer_spec.name or name
+        trace = layer.resolution.trace
+        if not is_tunable(trace):
+            why = (
+                "already tuned"
+                if is_tuned(trace)
+                else f"origin {trace.outcome.origin}: only automatic decisions are tuned"
+            )
+            untuned[id(layer)] = (label, why)
+            continue
+        was_armed = is_armed(layer)
+        arm(layer, min_elements=min_elements)
+        if not was_armed or min_elements is not None:
+            armed_here.append(layer)
+    events: list[tuple[int, str, str]] = []
+    before = {id(layer): layer.resolution for _, layer in layers}
+    _COLLECTOR.append(events)
+    try:
+        with torch.no_grad():
+            module(*example_inputs, **example_kwargs)
+    finally:
+        _COLLECTOR.remove(events)
+        for layer in armed_here:
+            disarm(layer)
+            if layer.resolution.trace.input.config.autotune:
+                arm(layer)  # the config asked for tuning: keep waiting for a large call
+    small = {key: detail for key, event, detail in events if event == "small"}
+    decisions: list[Decision] = []
+    for name, layer in layers:
+        label = layer.layer_spec.name or name
+        if layer.resolution is not before[id(layer)]:
+            res = layer.resolution
+            decisions.append(
+                Decision(res.component, res.layer, res.backend.name, res.reason, res.origin,
+                         res.trace)
+            )
+        elif id(layer) not in untuned:
+            untuned[id(layer)] = (label, small.get(id(layer), "not called by the example inputs"))
+    counts = {"measured": 0, "loaded": 0, "reused": 0}
+    for _, event, _ in events:
+        if event in counts:
+            counts[event] += 1
+    return AutotuneReport(
+        tuple(decisions),
+        counts["measured"],
+        counts["loaded"],
+        counts["reused"],
+        tuple(untuned.values()),
+    )
+
+
+# =============================================================================
+# Results files
+# =============================================================================
+
+
+@frozen
+class LoadReport:
+    """What :func:`load_results` found: entries usable on this platform, and the
+    others with why (they are kept, and a layer that measures anyway notes them)."""
+
+    path: str
+    usable: int
+    ignored: tuple[tuple[str, str], ...]
+
+
+def save_results(path: str | os.PathLike[str]) -> Path:
+    """Write the measurements taken in this process to ``path`` (JSON).
+
+    Merges into an existing attnres results file (entries for other platforms
+    and calls are kept); a file that is not one is never overwritten.
+    """
+    with _LOCK:
+        entries = list(_MEASURED.values())
+    return write_results(path, entries)
+
+
+def load_results(
+    path: str | os.PathLike[str], *, platform: Platform | None = None
+) -> LoadReport:
+    """Load measurements from ``path`` for layers to use instead of timing.
+
+    An entry applies to a layer when its platform facts (device, capability,
+    torch version, kernel packages), its call, its incumbent and its candidates
+    match the layer's; ``platform`` (default: this machine) is only used to
+    report which entries look usable here. Entries that do not apply are
+    ignored, and the tuning record of a layer that measures anyway says why.
+    """
+    source = os.fspath(path)
+    entries = read_results(source)
+    here = platform_facts(platform or Platform.detect())
+    from attnres.tuning import facts_mismatch
+
+    ignored = []
+    usable = 0
+    with _LOCK:
+        for entry in entries:
+            why = facts_mismatch(entry.platform, here)
+            if why is None:
+                usable += 1
+            else:
+                ignored.append((entry.call, why))
+            bucket = _LOADED.setdefault(entry.call, [])
+            bucket[:] = [(e, p) for e, p in bucket if e.platform_key != entry.platform_key]
+            bucket.append((entry, source))
+    return LoadReport(source, usable, tuple(ignored))

@@ -1,0 +1,533 @@
+"""Measured selection, the pure part: which decisions are tuned, the measuring
+stage's checks, the verdict rule, the tuned trace, its replay, and the results
+file. Nothing here imports torch or times anything: :mod:`attnres.autotuner`
+measures on real tensors and hands the facts to this module.
+
+Theory of operation
+-------------------
+A decision whose origin is in :data:`attnres.machine.TUNABLE_ORIGINS` (an
+automatic one) may be tuned. The tuned trace keeps the machine's records up to
+its ``accepted`` transition, then records::
+
+    selected --measure--> measuring           (candidate: the incumbent)
+    tuning                                    (the call, the rule's parameters)
+    check ... / skip ...                      (every considered backend, stage measuring)
+    measurement ...                           (the incumbent first, then each candidate)
+    measuring --measured_faster--> selected   (reason "measured faster"), or
+    measuring --incumbent_kept--> selected    (no reason)
+    selected                                  (the terminal record)
+
+The candidates are the considered backends that pass every check at the
+``measuring`` stage (the machine's own checks), minus those without a kernel in
+the recording process (a ``skip`` record says so). A measurement's verdict is a
+function of its facts (times, deviation, error) and the tuning record's margin
+and tolerance (:func:`verdicts`); :func:`replay_tuned` recomputes every verdict
+and the outcome from the recorded facts, so replay needs no device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+from attrs import frozen
+
+from attnres._states import Event, Reason, State, Verdict
+from attnres.backends import Backend
+from attnres.errors import ResultsFileError
+from attnres.layer import SelectionConfig
+from attnres.machine import TRANSITIONS, TUNABLE_ORIGINS, check_candidate
+from attnres.platform import Platform
+from attnres.trace import (
+    TUNED_SCHEMA_VERSION,
+    CheckRecord,
+    MeasurementRecord,
+    Outcome,
+    Record,
+    SelectedRecord,
+    SkipRecord,
+    Trace,
+    TransitionRecord,
+    TuningRecord,
+    atomic_write_text,
+    canonical_json,
+)
+
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "NO_KERNEL",
+    "Measured",
+    "is_tunable",
+    "is_tuned",
+    "measuring_checks",
+    "replay_tuned",
+    "tolerance_for",
+    "tuned_trace",
+    "verdicts",
+]
+
+#: Relative tolerance per dtype: how far a candidate's output may deviate from
+#: the incumbent's (max |candidate - incumbent| / max |incumbent|) and still be
+#: "the same attention". Two correct kernels differ by rounding: about 1e-7 in
+#: float64 and 1e-6 in float32 on CPU (TF32 on GPUs makes it 1e-3), 1e-3 in
+#: half precision; the bounds leave room above that, below a real bug.
+#: ``SelectionConfig(autotune_tolerance={"bf16": 0.02})`` overrides one.
+DEFAULT_TOLERANCES: Final[Mapping[str, float]] = {
+    "float64": 1e-6,
+    "float32": 5e-3,
+    "float16": 2e-2,
+    "bfloat16": 5e-2,
+    "float8_e4m3fn": 0.25,
+    "float8_e5m2": 0.25,
+}
+
+#: The detail of a ``skip`` record for a candidate without a kernel here.
+NO_KERNEL: Final = "no kernel in this process"
+
+
+def tolerance_for(config: SelectionConfig, dtype: str) -> float:
+    """The relative tolerance for outputs of ``dtype`` under ``config``."""
+    for name, tolerance in config.autotune_tolerance:
+        if name == dtype:
+            return tolerance
+    return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float32"])
+
+
+def is_tunable(trace: Trace) -> bool:
+    """Whether autotune may measure this decision: selected, automatic, untuned."""
+    return (
+        trace.outcome.status == "selected"
+        and trace.outcome.origin in TUNABLE_ORIGINS
+        and not is_tuned(trace)
+    )
+
+
+def is_tuned(trace: Trace) -> bool:
+    """Whether the trace records a measurement (it holds a ``tuning`` record)."""
+    return any(isinstance(r, TuningRecord) for r in trace.records)
+
+
+@frozen
+class Measured:
+    """The facts of one candidate's measurement (what a device has to tell)."""
+
+    candidate: Backend
+    median_ns: int | None = None
+    spread_ns: int | None = None
+    deviation: float | None = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, record: MeasurementRecord) -> Measured:
+        return cls(
+            record.candidate, record.median_ns, record.spread_ns, record.deviation, record.error
+        )
+
+
+# =============================================================================
+# The rule
+# =============================================================================
+
+
+def verdicts(
+    measured: Sequence[Measured], margin: float, tolerance: float
+) -> tuple[tuple[Verdict, ...], Backend | None]:
+    """Each measurement's verdict, and the winner (``None``: the incumbent stays).
+
+    ``measured[0]`` is the incumbent. A candidate that raised is ``raised``;
+    one whose deviation is unknown (not finite) or above ``tolerance`` is
+    ``disagrees``, whatever its speed; of the others, those faster than the
+    incumbent by more than ``margin`` (``median < incumbent * (1 - margin)``)
+    compete, and the fastest (the first in order on a tie) is ``chosen``, the
+    rest ``outpaced``; the remaining ones are ``within_margin``.
+    """
+    if not measured:
+        raise ValueError("verdicts: no measurement (the incumbent comes first)")
+    incumbent = measured[0].median_ns
+    out: list[Verdict] = [Verdict.INCUMBENT]
+    fast: list[tuple[int, int]] = []
+    for position, m in enumerate(measured[1:], start=1):
+        if m.error is not None or m.median_ns is None:
+            out.append(Verdict.RAISED)
+        elif m.deviation is None or not m.deviation <= tolerance:
+            out.append(Verdict.DISAGREES)
+        elif incumbent is not None and m.median_ns < incumbent * (1.0 - margin):
+            out.append(Verdict.OUTPACED)
+            fast.append((m.median_ns, position))
+        else:
+            out.append(Verdict.WITHIN_MARGIN)
+    if not fast:
+        return tuple(out), None
+    _, best = min(fast)
+    out[best] = Verdict.CHOSEN
+    return tuple(out), measured[best].candidate
+
+
+# =============================================================================
+# The measuring stage and the tuned trace
+# =============================================================================
+
+
+def _evaluated(trace: Trace) -> dict[Backend, State]:
+    """Backends the machine checked, and the stage where it first did."""
+    seen: dict[Backend, State] = {}
+    for record in trace.records:
+        if isinstance(record, CheckRecord):
+            seen.setdefault(record.candidate, record.stage)
+    return seen
+
+
+def _machine_part(trace: Trace) -> tuple[Record, ...]:
+    """The machine's records without its terminal ``selected`` record."""
+    if is_tuned(trace) or not isinstance(trace.records[-1], SelectedRecord):
+        raise ValueError("only a selected, untuned decision can be tuned")
+    return trace.records[:-1]
+
+
+def measuring_checks(
+    trace: Trace, considered: Iterable[Backend]
+) -> tuple[tuple[Record, ...], tuple[Backend, ...]]:
+    """The ``measuring`` stage's check and skip records, and the passing backends.
+
+    A backend the machine already evaluated is skipped (its checks are pure
+    functions of the input, so they would fail, or pass, again); the incumbent
+    is among those. Every other considered backend runs every check.
+    """
+    incumbent = trace.outcome.backend
+    seen = _evaluated(trace)
+    inp = trace.input
+    records: list[Record] = []
+    passing: list[Backend] = []
+    done: set[Backend] = set()
+    for backend in considered:
+        if backend in done:
+            continue
+        done.add(backend)
+        if backend in seen:
+            what = "the incumbent" if backend == incumbent else "failed"
+            records.append(
+                SkipRecord(
+                    State.MEASURING,
+                    backend,
+                    f"already evaluated at {seen[backend].value} ({what})",
+                )
+            )
+            continue
+        results = check_candidate(backend, inp.layer, inp.platform)
+        for check, failures in results:
+            records.append(CheckRecord(State.MEASURING, backend, check, not failures, failures))
+        if not any(failures for _, failures in results):
+            passing.append(backend)
+    return tuple(records), tuple(passing)
+
+
+def _step(source: State, event: Event, candidate: Backend) -> TransitionRecord:
+    target, reason = TRANSITIONS[source][event]
+    sets = None if reason is None else reason.value
+    return TransitionRecord(source, event, target, candidate, sets)
+
+
+def tuned_trace(
+    trace: Trace,
+    tuning: TuningRecord,
+    no_kernel: Mapping[Backend, str],
+    measured: Sequence[Measured],
+) -> Trace:
+    """The tuned trace of a selected decision, from the measurement facts.
+
+    ``trace`` is the machine's trace; ``no_kernel`` maps each passing
+    candidate without a kernel to why; ``measured`` holds the incumbent's facts
+    first, then each measured candidate's. A passing candidate with neither a
+    kernel note nor a measurement is recorded as ``raised`` ("not measured"),
+    so that a replay under changed rules shows it.
+    """
+    incumbent = trace.outcome.backend
+    if incumbent is None:
+        raise ValueError("only a selected decision can be tuned")
+    checks, passing = measuring_checks(trace, tuning.considered)
+    by_backend = {m.candidate: m for m in measured}
+    if incumbent not in by_backend:
+        raise ValueError(f"the incumbent {incumbent.name!r} has no measurement")
+    records: list[Record] = [
+        *_machine_part(trace),
+        _step(State.SELECTED, Event.MEASURE, incumbent),
+        tuning,
+        *checks,
+    ]
+    ordered: list[Measured] = [by_backend[incumbent]]
+    for backend in passing:
+        if backend in no_kernel:
+            detail = NO_KERNEL + (f": {no_kernel[backend]}" if no_kernel[backend] else "")
+            records.append(SkipRecord(State.MEASURING, backend, detail))
+        else:
+            ordered.append(
+                by_backend.get(
+                    backend,
+                    Measured(backend, error="not measured (it passed no check when recorded)"),
+                )
+            )
+    judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance)
+    for m, verdict in zip(ordered, judged, strict=True):
+        records.append(
+            MeasurementRecord(
+                m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict
+            )
+        )
+    origin = trace.outcome.origin
+    if winner is None:
+        records.append(_step(State.MEASURING, Event.INCUMBENT_KEPT, incumbent))
+        records.append(SelectedRecord(incumbent, origin, trace.outcome.reason))
+        outcome = trace.outcome
+    else:
+        reason = Reason.MEASURED_FASTER.value
+        records.append(_step(State.MEASURING, Event.MEASURED_FASTER, winner))
+        records.append(SelectedRecord(winner, origin, reason))
+        outcome = Outcome("selected", origin, winner, reason)
+    return Trace(trace.input, tuple(records), outcome, TUNED_SCHEMA_VERSION)
+
+
+def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
+    """A tuned trace again: the machine's part from ``machine_trace`` (a fresh run
+    on the recorded input), the measuring stage's checks again, and every
+    verdict and the outcome recomputed from the recorded facts."""
+    tuning = next(r for r in recorded.records if isinstance(r, TuningRecord))
+    no_kernel: dict[Backend, str] = {}
+    for r in recorded.records:
+        if (
+            isinstance(r, SkipRecord)
+            and r.stage is State.MEASURING
+            and r.detail.startswith(NO_KERNEL)
+        ):
+            no_kernel[r.candidate] = r.detail[len(NO_KERNEL):].removeprefix(": ")
+    measured = [Measured.of(r) for r in recorded.records if isinstance(r, MeasurementRecord)]
+    if machine_trace.outcome.status != "selected" or machine_trace.outcome.backend is None:
+        return machine_trace  # the rules changed: the decision is no longer tunable
+    if not measured or measured[0].candidate != machine_trace.outcome.backend:
+        # the rules now select another incumbent: its facts were never recorded
+        measured = [Measured(machine_trace.outcome.backend, error="not measured"), *measured]
+    return tuned_trace(machine_trace, tuning, no_kernel, measured)
+
+
+# =============================================================================
+# The results file: measurements keyed by platform facts and call
+# =============================================================================
+
+RESULTS_FORMAT: Final = "attnres-autotune-results"
+RESULTS_VERSION: Final = 1
+#: A results file larger than this is refused unread.
+MAX_RESULTS_BYTES: Final = 4 << 20
+#: At most this many entries are read from (and kept in) a results file.
+MAX_RESULTS_ENTRIES: Final = 4096
+
+
+def platform_facts(platform: Platform) -> dict[str, Any]:
+    """The facts that must match for a measurement to apply on another machine."""
+    return {
+        "kind": platform.kind,
+        "device_name": platform.device_name,
+        "capability": None if platform.capability is None else list(platform.capability),
+        "arch": platform.arch,
+        "torch_version": platform.torch_version,
+        "packages": {p.name: p.version for p in platform.packages if p.status == "present"},
+    }
+
+
+_FACT_NAMES: Final = {
+    "torch_version": "torch version",
+    "kind": "device kind",
+    "device_name": "device",
+    "capability": "compute capability",
+    "arch": "architecture",
+    "packages": "kernel packages",
+}
+
+
+def facts_mismatch(recorded: Mapping[str, Any], here: Mapping[str, Any]) -> str | None:
+    """Why results recorded under ``recorded`` facts do not apply ``here`` (or None)."""
+    for key in ("torch_version", "kind", "device_name", "capability", "arch", "packages"):
+        if recorded.get(key) != here.get(key):
+            return (
+                f"recorded with {_FACT_NAMES[key]} {json.dumps(recorded.get(key))}, this "
+                f"process has {json.dumps(here.get(key))}"
+            )
+    return None
+
+
+@frozen
+class ResultEntry:
+    """One shared measurement: platform facts, the call, the incumbent, the facts."""
+
+    platform: Mapping[str, Any] = attrs.field(eq=False)
+    call: str
+    incumbent: Backend
+    measured: tuple[Measured, ...]
+    no_kernel: tuple[tuple[Backend, str], ...]
+    warmup: int
+    repeats: int
+    #: a key for comparing platforms (the canonical JSON of ``platform``)
+    platform_key: str = attrs.field(init=False)
+
+    @platform_key.default
+    def _platform_key(self) -> str:
+        return canonical_json(dict(self.platform))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "platform": dict(self.platform),
+            "call": self.call,
+            "incumbent": self.incumbent.name,
+            "no_kernel": {b.name: why for b, why in self.no_kernel},
+            "warmup": self.warmup,
+            "repeats": self.repeats,
+            "measurements": [
+                {
+                    "candidate": m.candidate.name,
+                    "median_ns": m.median_ns,
+                    "spread_ns": m.spread_ns,
+                    "deviation": m.deviation,
+                    "error": m.error,
+                }
+                for m in self.measured
+            ],
+        }
+
+
+def _entry_from_json(doc: Any, where: str) -> ResultEntry:
+    def need(obj: Any, key: str, kinds: tuple[type, ...], optional: bool = False) -> Any:
+        if not isinstance(obj, dict) or key not in obj:
+            raise ResultsFileError(f"{where}: missing field {key!r}")
+        value = obj[key]
+        if value is None and optional:
+            return None
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise ResultsFileError(f"{where}.{key}: unexpected value {value!r}")
+        return value
+
+    platform = need(doc, "platform", (dict,))
+    measured = []
+    for i, m in enumerate(need(doc, "measurements", (list,))):
+        deviation = need(m, "deviation", (int, float), optional=True)
+        if deviation is not None and not math.isfinite(deviation):
+            raise ResultsFileError(f"{where}.measurements[{i}].deviation: not finite")
+        measured.append(
+            Measured(
+                Backend.parse(need(m, "candidate", (str,))),
+                need(m, "median_ns", (int,), optional=True),
+                need(m, "spread_ns", (int,), optional=True),
+                None if deviation is None else float(deviation),
+                need(m, "error", (str,), optional=True),
+            )
+        )
+    if not measured:
+        raise ResultsFileError(f"{where}.measurements: empty (the incumbent comes first)")
+    no_kernel = need(doc, "no_kernel", (dict,))
+    return ResultEntry(
+        platform=platform,
+        call=need(doc, "call", (str,)),
+        incumbent=Backend.parse(need(doc, "incumbent", (str,))),
+        measured=tuple(measured),
+        no_kernel=tuple(sorted((Backend.parse(k), str(v)) for k, v in no_kernel.items())),
+        warmup=need(doc, "warmup", (int,)),
+        repeats=need(doc, "repeats", (int,)),
+    )
+
+
+def read_results(path: str | os.PathLike[str]) -> tuple[ResultEntry, ...]:
+    """Read a results file (bounded); :class:`ResultsFileError` says what is wrong."""
+    source = os.fspath(path)
+    try:
+        size = os.stat(source).st_size
+        if size > MAX_RESULTS_BYTES:
+            raise ResultsFileError(
+                f"{source}: {size} bytes, more than the {MAX_RESULTS_BYTES} a results file "
+                f"may hold; this is not an attnres autotune results file"
+            )
+        with open(source, "rb") as fh:
+            raw = fh.read(MAX_RESULTS_BYTES + 1)
+    except OSError as exc:
+        raise ResultsFileError(
+            f"{source}: cannot read the autotune results: {exc.strerror or exc}"
+        ) from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ResultsFileError(
+            f"{source}: not an attnres autotune results file (not JSON: {exc})"
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != RESULTS_FORMAT:
+        raise ResultsFileError(
+            f"{source}: not an attnres autotune results file (no \"format\": "
+            f"\"{RESULTS_FORMAT}\")"
+        )
+    version = doc.get("version")
+    if version != RESULTS_VERSION:
+        raise ResultsFileError(
+            f"{source}: autotune results version {version!r}; this attnres reads version "
+            f"{RESULTS_VERSION}"
+        )
+    entries = doc.get("entries")
+    if not isinstance(entries, list):
+        raise ResultsFileError(f"{source}: $.entries: expected a list")
+    if len(entries) > MAX_RESULTS_ENTRIES:
+        raise ResultsFileError(
+            f"{source}: {len(entries)} entries, more than the {MAX_RESULTS_ENTRIES} attnres reads"
+        )
+    out = []
+    for i, item in enumerate(entries):
+        try:
+            out.append(_entry_from_json(item, f"{source}: $.entries[{i}]"))
+        except ValueError as exc:  # an unknown backend name, a bad field
+            raise ResultsFileError(str(exc) if source in str(exc) else f"{source}: {exc}") from None
+    return tuple(out)
+
+
+def write_results(path: str | os.PathLike[str], entries: Iterable[ResultEntry]) -> Path:
+    """Write ``entries``, merged into an existing results file at ``path``.
+
+    Entries of the file for other platforms or calls are kept; an entry for the
+    same platform and call is replaced. A file at ``path`` that is not an
+    attnres results file is never overwritten (:class:`ResultsFileError`).
+    """
+    target = Path(path)
+    merged: dict[tuple[str, str], ResultEntry] = {}
+    if target.exists():
+        for old in read_results(target):  # refuses what is not ours
+            merged[(old.platform_key, old.call)] = old
+    for entry in entries:
+        merged[(entry.platform_key, entry.call)] = entry
+    kept = list(merged.values())[-MAX_RESULTS_ENTRIES:]
+    doc = {
+        "format": RESULTS_FORMAT,
+        "version": RESULTS_VERSION,
+        "entries": [e.to_json() for e in sorted(kept, key=lambda e: (e.platform_key, e.call))],
+    }
+    atomic_write_text(target, canonical_json(doc))
+    return target
+
+
+def entry_applies(
+    entry: ResultEntry, incumbent: Backend, candidates: Sequence[Backend], here: Mapping[str, Any]
+) -> str | None:
+    """Why a stored measurement does not apply to this decision (``None``: it does)."""
+    mismatch = facts_mismatch(entry.platform, here)
+    if mismatch is not None:
+        return mismatch
+    if entry.incumbent != incumbent:
+        return (
+            f"measured against incumbent {entry.incumbent.name!r}, this decision's is "
+            f"{incumbent.name!r}"
+        )
+    stored = [m.candidate for m in entry.measured[1:]] + [b for b, _ in entry.no_kernel]
+    if sorted(b.name for b in stored) != sorted(b.name for b in candidates):
+        return (
+            "measured candidates "
+            + (", ".join(sorted(b.name for b in stored)) or "none")
+            + ", this decision's are "
+            + (", ".join(sorted(b.name for b in candidates)) or "none")
+        )
+    return None
