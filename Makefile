@@ -27,6 +27,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m attnres plan examples/audio-video.toml
 	$(PY) -m attnres plan examples/audio-video.toml --platform "cuda:sm90+all" --attention-backend sage_attn
+	$(PY) -m attnres plan examples/flux.1-dev --platform "cuda:sm90+flash_attn+sageattention" \
+		--attention-backend sage_attn --dtype bf16 --dtype vae=fp32
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -35,7 +37,8 @@ test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest $(PYTEST_ARGS)
 
 golden: $(STAMP)
-	$(PY) -m pytest tests/test_golden.py tests/test_autotune_golden.py --update-golden -q
+	$(PY) -m pytest tests/test_golden.py tests/test_autotune_golden.py \
+		tests/test_integrations_golden.py --update-golden -q
 
 $(VENV)/.attnres-bench: $(STAMP)
 	$(PIP) install -c $(VENV)/torch-pin.txt -e ".[dev,bench]"

@@ -841,6 +841,13 @@ def _why(trace: Trace) -> str:
 def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from attnres.plan import load_pipeline, plan_pipeline, trace_file_name
 
+    if Path(args.pipeline).is_dir():
+        return _cmd_plan_dir(args, out, err)
+    if getattr(args, "dtype", None):
+        raise UsageError(
+            "--dtype applies to a model folder (attnres plan DIR); a pipeline file gives "
+            "each layer's dtype itself"
+        )
     pipeline = load_pipeline(args.pipeline)
     config = selection_config_from_args(args)
     names = [c.name for c in pipeline.components]
@@ -1413,8 +1420,14 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--trace-out", metavar="FILE", help="write the replayable trace here")
 
-    plan = command("plan", "plan every layer of a pipeline file (TOML)", _cmd_plan)
-    plan.add_argument("pipeline", metavar="PIPELINE.toml")
+    plan = command(
+        "plan", "plan every layer of a pipeline file (TOML) or a model folder", _cmd_plan
+    )
+    plan.add_argument("pipeline", metavar="PIPELINE.toml|DIR")
+    plan.add_argument(
+        "--dtype", action="append", metavar="[COMPONENT=]DTYPE",
+        help="a model folder's compute dtype, for all components or one (repeatable)",
+    )
     add_selection_arguments(plan)
     plan.add_argument(
         "--platform", metavar="SPEC", help="simulate a platform (default: detect this machine)"
@@ -1485,3 +1498,90 @@ def _silence_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
+
+
+# =============================================================================
+# plan DIR: a diffusers pipeline folder or a transformers model folder
+# =============================================================================
+
+
+def render_integration_plan(result: Any) -> list[str]:
+    """An :class:`~attnres.integrations.IntegrationPlan` as ``attnres plan`` shows it.
+
+    The same table as for a pipeline file, plus the dtype each component was
+    planned for and where that dtype came from; unclassified sites are listed
+    under their component.
+    """
+    lines = _render_plan(result.to_plan_result())
+    width = _width()
+    extra: list[str] = []
+    for comp in result.components:
+        if comp.dtype is not None:
+            extra.append(f"{comp.name} {comp.dtype.describe()}")
+    insert = next((i for i, line in enumerate(lines) if not line), len(lines))
+    if extra:
+        lines[insert:insert] = _field("Dtypes:", "; ".join(extra), width)
+    groups = result.by_component()
+    for comp in result.components:
+        if groups[comp.name]:
+            continue
+        header = next(
+            (i for i, line in enumerate(lines) if line.startswith(f"{comp.name}  [")), None
+        )
+        if header is not None:  # an empty table says less than one line
+            end = header + 1
+            while end < len(lines) and lines[end]:
+                end += 1
+            lines[header + 1:end] = ["  (no attention sites)"]
+    for comp in result.components:
+        notes = [s for s in groups[comp.name] if s.trace is None]
+        if not notes:
+            continue
+        header = next(
+            (i for i, line in enumerate(lines) if line.startswith(f"{comp.name}  [")), None
+        )
+        if header is None:
+            continue
+        at = header + 1
+        while at < len(lines) and lines[at]:
+            at += 1
+        add: list[str] = []
+        for site in notes:
+            text = site.error if site.error else site.note
+            add += _wrap(f"{site.name} ({site.module_class}): {text}", width,
+                         "  unclassified: ", "    ")
+        lines[at:at] = add
+    return lines
+
+
+def _cmd_plan_dir(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from attnres.integrations._folder import parse_dtype_args, plan_folder
+
+    config = selection_config_from_args(args)
+    platform = _platform(args.platform)
+    dtypes = parse_dtype_args(args.dtype or [])
+    result = plan_folder(Path(args.pipeline), config, platform, dtypes)
+    names = [c.name for c in result.components]
+    for component, backend in config.component_backends:
+        if component not in names:
+            raise UsageError(
+                f"--attention-backend {component}={backend.name}: the folder "
+                f"{args.pipeline} has no model component {component!r}; its components: "
+                f"{', '.join(names)}"
+            )
+    doc = result.to_dict()
+    written = []
+    if args.trace_out is not None:
+        written = result.dump_traces(args.trace_out)
+    _log().info("plan finished", pipeline=result.title, status="ok" if result.ok else "rejected",
+                layers=len(result.sites))
+    if args.json:
+        if written:
+            doc["trace_files"] = [str(p) for p in written]
+        _emit_json(out, doc)
+    else:
+        lines = render_integration_plan(result)
+        if written:
+            lines.append(f"Traces: {len(written)} files written to {args.trace_out}")
+        _emit(out, lines)
+    return EXIT_OK if result.ok else EXIT_REJECTED

@@ -1,0 +1,68 @@
+"""Issue 14: the cost of governing a diffusers pipeline, measured in one run.
+
+(a) a whole tiny-Flux pipeline call (CLIP + T5 + Flux DiT + AutoencoderKL, two
+    steps) after ``attnres.integrations.diffusers.apply`` with no flag, paired
+    with the same pipeline untouched: at most 1.02x;
+(b) planning the full-size FLUX.1-dev folder (57 attention layers in the
+    transformer, CLIP-L and T5-XXL) from its configs on the meta device,
+    building the models included, cold resolution cache: under 2 s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+import attnres  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import tiny_pipelines as tp  # noqa: E402
+
+from attnres.integrations import diffusers as governed  # noqa: E402
+from attnres.integrations import plan_folder  # noqa: E402
+
+if TYPE_CHECKING:
+    from conftest import RatioRegistry
+
+
+def test_tiny_flux_forward_applied_vs_untouched(benchmark: Any, ratios: RatioRegistry,
+                                                paired: Any) -> None:
+    untouched = tp.flux()
+    applied = tp.flux()
+    governed.apply(applied)
+    assert torch.equal(tp.run_flux(untouched), tp.run_flux(applied))
+    untouched.set_progress_bar_config(disable=True)
+    applied.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        result = paired(lambda: tp.run_flux(applied), lambda: tp.run_flux(untouched),
+                        rounds=40, inner=1)
+    ratios.record("tiny Flux pipeline call, applied (no flag) / untouched", result.ratio,
+                  target=1.02, note=result.describe())
+    benchmark.extra_info["ratio_vs_untouched"] = result.ratio
+    benchmark.pedantic(lambda: tp.run_flux(applied), rounds=10, iterations=1, warmup_rounds=1)
+
+
+def test_plan_full_flux_on_meta(benchmark: Any, ratios: RatioRegistry) -> None:
+    folder = ROOT / "examples" / "flux.1-dev"
+    plan_folder(folder)  # imports and first-use costs out of the measurement
+    times = []
+    for _ in range(5):
+        attnres.clear_cache()
+        start = time.perf_counter()
+        plan = plan_folder(folder)
+        times.append(time.perf_counter() - start)
+    assert len(plan.by_component()["transformer"]) == 57
+    ratios.record("plan FLUX.1-dev folder on meta (cold cache)", statistics.median(times),
+                  unit="s", target=2.0,
+                  note=f"median of 5; min {min(times):.3f}s, max {max(times):.3f}s")
+    benchmark.pedantic(lambda: plan_folder(folder), rounds=3, iterations=1)

@@ -1,0 +1,435 @@
+"""The plan types the diffusers and transformers integrations share.
+
+A *site* is one attention call site of a component (one module); each is
+described as a :class:`~attnres.LayerSpec` and resolved through
+:func:`attnres.resolve` inside :func:`attnres.component_scope` (the component's
+name), so it follows every rule of the selection contract like any layer
+built with :class:`attnres.Attention`. Nothing here imports torch, diffusers
+or transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from attrs import field, frozen
+
+from attnres._vocab import Role
+from attnres.backends import Backend
+from attnres.errors import ResolutionError
+from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.machine import Resolution, resolve, selection_config
+from attnres.platform import Platform
+from attnres.scope import component_scope, scope_state
+from attnres.trace import Trace
+
+__all__ = [
+    "DtypeChoice",
+    "IntegrationError",
+    "IntegrationPlan",
+    "Problem",
+    "Site",
+    "SiteDescription",
+    "plan_sites",
+]
+
+
+class IntegrationError(ValueError):
+    """``apply`` could not install every decision; nothing was changed.
+
+    ``.plan`` is the :class:`IntegrationPlan` that says, site by site, why.
+    """
+
+    def __init__(self, message: str, plan: IntegrationPlan) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+@frozen
+class DtypeChoice:
+    """The dtype a component is planned for, and where it came from.
+
+    ``source`` is one of ``--dtype``, ``--dtype COMPONENT=``, ``weights``
+    (safetensors headers), ``config torch_dtype``, ``default float32`` or
+    ``module`` (a live module's compute dtype).
+    """
+
+    dtype: str
+    source: str
+    detail: str | None = None
+
+    def describe(self) -> str:
+        text = f"{self.dtype} ({self.source}"
+        return text + (f": {self.detail})" if self.detail else ")")
+
+
+@frozen
+class SiteDescription:
+    """What an integration found at one site, before it is resolved.
+
+    ``route`` names what executes the site (``diffusers dispatcher``, ``sdpa
+    in AttnProcessor2_0``, ``transformers attention interface``); ``supported``
+    is what that route can execute (``None`` with ``why`` for a site that
+    cannot be classified); ``current`` is the backend the route runs now,
+    declared as the site's default only in components that may fall back.
+    """
+
+    component: str
+    name: str
+    module_class: str
+    route: str
+    supported: frozenset[Backend] | None
+    head_size: int | None
+    heads: int | None
+    kv_heads: int | None
+    dtype: str
+    role: Role = Role.SELF
+    requirements: Requirements = field(factory=Requirements)
+    current: Backend | None = None
+    why: str | None = None
+
+    @property
+    def classified(self) -> bool:
+        return self.supported is not None and self.head_size is not None
+
+
+@frozen
+class Site:
+    """One attention site and its outcome (``resolution`` or ``error``)."""
+
+    component: str
+    name: str
+    module_class: str
+    route: str
+    heads: int | None
+    kv_heads: int | None
+    spec: LayerSpec | None
+    resolution: Resolution | None
+    error: str | None
+    trace: Trace | None = field(eq=False, repr=False)
+    note: str | None = None
+
+    @property
+    def status(self) -> str:
+        if self.resolution is not None:
+            return "selected"
+        return "rejected" if self.error is not None else "unclassified"
+
+    @property
+    def backend(self) -> str | None:
+        return None if self.resolution is None else self.resolution.backend.name
+
+    def to_dict(self) -> dict[str, Any]:
+        res = self.resolution
+        return {
+            "name": self.name,
+            "class": self.module_class,
+            "route": self.route,
+            "status": self.status,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_size": None if self.spec is None else self.spec.head_size,
+            "dtype": None if self.spec is None else self.spec.dtype,
+            "backend": self.backend,
+            "reason": None if res is None else res.reason,
+            "origin": (
+                res.origin if res is not None
+                else (str(self.trace.outcome.origin) if self.trace is not None else None)
+            ),
+            "error": self.error,
+            "note": self.note,
+            "digest": None if self.trace is None else self.trace.digest,
+        }
+
+
+@frozen
+class ComponentInfo:
+    """A component of the plan: its kind, policy and dtype, and any problem."""
+
+    name: str
+    kind: str
+    loader: str
+    allow_global_fallback: bool
+    dtype: DtypeChoice | None = None
+    error: str | None = None
+
+
+@frozen
+class Problem:
+    """An installed decision that no longer holds (what :func:`verify` reports)."""
+
+    component: str
+    name: str
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.component}/{self.name}: {self.problem}"
+
+
+@frozen
+class IntegrationPlan:
+    """Every site of every component, resolved; what ``plan`` and ``apply`` return."""
+
+    title: str
+    source: str
+    config: SelectionConfig
+    platform: Platform
+    components: tuple[ComponentInfo, ...]
+    sites: tuple[Site, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        out = [f"{c.name}: {c.error}" for c in self.components if c.error]
+        out += [f"{s.component}/{s.name}: {s.error}" for s in self.sites if s.error]
+        return tuple(out)
+
+    def by_component(self) -> dict[str, list[Site]]:
+        """Component name -> its sites, in module order (components in plan order)."""
+        out: dict[str, list[Site]] = {c.name: [] for c in self.components}
+        for site in self.sites:
+            out.setdefault(site.component, []).append(site)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        config = self.config
+        groups = self.by_component()
+        return {
+            "status": "ok" if self.ok else "rejected",
+            "pipeline": self.title,
+            "file": self.source,
+            "platform": self.platform.describe(),
+            "simulated": self.platform.simulated,
+            "attention_backend": (
+                None if config.global_backend is None else config.global_backend.name
+            ),
+            "attention_backend_explicit": (
+                None if config.global_backend is None else config.global_backend_explicit
+            ),
+            "components": [
+                {
+                    "name": c.name,
+                    "kind": c.kind,
+                    "status": (
+                        "ok" if c.error is None and all(s.error is None for s in groups[c.name])
+                        else "rejected"
+                    ),
+                    "dtype": None if c.dtype is None else c.dtype.dtype,
+                    "dtype_source": None if c.dtype is None else c.dtype.source,
+                    "error": c.error,
+                    "sites": [s.to_dict() for s in groups[c.name]],
+                }
+                for c in self.components
+            ],
+        }
+
+    def to_plan_result(self) -> Any:
+        """The same plan as an :class:`attnres.plan.PlanResult` (rows of like sites)."""
+        from attnres.plan import (
+            ComponentEntry,
+            ComponentPlan,
+            LayerEntry,
+            LayerPlan,
+            Pipeline,
+            PlanResult,
+        )
+
+        entries: list[ComponentEntry] = []
+        planned: list[ComponentPlan] = []
+        groups = self.by_component()
+        for comp in self.components:
+            rows = _group_rows(groups[comp.name])
+            layer_entries = []
+            layer_plans = []
+            for pattern, sites in rows:
+                first = sites[0]
+                spec = first.spec if first.spec is not None else LayerSpec(1, "float32")
+                layer_entries.append(LayerEntry(pattern, len(sites), spec))
+                if first.trace is None:  # unclassified: no resolution to show
+                    continue
+                res = first.resolution
+                layer_plans.append(
+                    LayerPlan(
+                        component=comp.name,
+                        name=pattern,
+                        count=len(sites),
+                        status="selected" if res is not None else "rejected",
+                        backend=None if res is None else res.backend.name,
+                        reason=None if res is None else res.reason,
+                        origin=(res.origin if res is not None
+                                else str(first.trace.outcome.origin)),
+                        error=first.error,
+                        code=None if res is not None else first.trace.outcome.code,
+                        trace=first.trace,
+                    )
+                )
+            entries.append(ComponentEntry(comp.name, comp.kind, None, (), None,
+                                          tuple(layer_entries)))
+            planned.append(
+                ComponentPlan(
+                    name=comp.name,
+                    kind=comp.kind,
+                    loader=comp.loader,
+                    allow_global_fallback=comp.allow_global_fallback,
+                    layers=tuple(layer_plans),
+                    error=comp.error,
+                )
+            )
+        pipeline = Pipeline(self.title, self.source, tuple(entries))
+        return PlanResult(pipeline, self.platform, self.config, tuple(planned))
+
+    def render(self) -> str:
+        """The same table as ``attnres plan``, plus each component's dtype and source."""
+        from attnres.cli import render_integration_plan
+
+        return "\n".join(render_integration_plan(self))
+
+    def dump_traces(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Write one replayable trace per resolved site; returns the files written."""
+        from attnres.plan import trace_file_name
+        from attnres.trace import dump_trace
+
+        out_dir = Path(directory)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written: list[Path] = []
+        used: set[str] = set()
+        for site in self.sites:
+            if site.trace is None:
+                continue
+            name = trace_file_name(site.component, site.name)
+            stem, n = name[: -len(".json")], 2
+            while name in used:
+                name, n = f"{stem}-{n}.json", n + 1
+            used.add(name)
+            path = out_dir / name
+            dump_trace(site.trace, path)
+            written.append(path)
+        return written
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _group_rows(sites: Sequence[Site]) -> list[tuple[str, list[Site]]]:
+    """Like sites (same pattern, spec and outcome) share one row, in module order."""
+    rows: dict[tuple[Any, ...], tuple[str, list[Site]]] = {}
+    for site in sites:
+        pattern = _INDEX.sub("*", site.name)
+        spec = None if site.spec is None else attrs.evolve(site.spec, name=None)
+        res = site.resolution
+        key = (
+            pattern,
+            spec,
+            site.status,
+            None if res is None else (res.backend, res.reason, res.origin),
+            None if site.error is None else _INDEX.sub("*", site.error.replace(site.name, "")),
+        )
+        if key not in rows:
+            rows[key] = (pattern, [])
+        rows[key][1].append(site)
+    return list(rows.values())
+
+
+# =============================================================================
+# Resolving described sites
+# =============================================================================
+
+
+def plan_sites(
+    *,
+    title: str,
+    source: str,
+    components: Iterable[tuple[str, DtypeChoice | None, Sequence[SiteDescription]]],
+    config: SelectionConfig | None,
+    platform: Platform | None,
+) -> IntegrationPlan:
+    """Resolve every described site inside its component's scope.
+
+    A component that may fall back from the global flag gets each site's
+    current backend as the site's declared default; a strict one never does
+    (a declared default would relax the operator's flag, SPEC 3.2). A site that
+    cannot be classified is an error in a strict component and a recorded
+    note in one that may fall back: it keeps running its own code path.
+    """
+    cfg = selection_config() if config is None else config
+    plat = Platform.detect() if platform is None else platform
+    infos: list[ComponentInfo] = []
+    sites: list[Site] = []
+    for comp, dtype, described in components:
+        state = scope_state(comp)
+        relaxed = state.allow_global_fallback
+        with component_scope(comp):
+            for desc in described:
+                sites.append(_plan_one(desc, relaxed, cfg, plat))
+        infos.append(ComponentInfo(comp, state.kind, state.loader, relaxed, dtype))
+    return IntegrationPlan(title, source, cfg, plat, tuple(infos), tuple(sites))
+
+
+def _plan_one(
+    desc: SiteDescription, relaxed: bool, config: SelectionConfig, platform: Platform
+) -> Site:
+    common: dict[str, Any] = {
+        "component": desc.component,
+        "name": desc.name,
+        "module_class": desc.module_class,
+        "route": desc.route,
+        "heads": desc.heads,
+        "kv_heads": desc.kv_heads,
+    }
+    if not desc.classified:
+        why = desc.why or "its attention call cannot be classified"
+        if relaxed:
+            return Site(
+                **common, spec=None, resolution=None, error=None, trace=None,
+                note=f"unclassified, left on its own code path: {why}",
+            )
+        return Site(
+            **common, spec=None, resolution=None, trace=None,
+            error=(
+                f"attention site {desc.name!r} ({desc.module_class}) of strict component "
+                f"{desc.component!r} cannot be classified: {why}; attnres cannot make it run "
+                f"the requested backend. Run a dry run (attnres.integrations.diffusers."
+                f"find_sdpa_calls) to see what it calls, or plan that component with an "
+                f"explicit per-component backend"
+            ),
+        )
+    assert desc.head_size is not None
+    spec = LayerSpec(
+        head_size=desc.head_size,
+        dtype=desc.dtype,
+        supported=desc.supported,
+        default=desc.current if relaxed else None,
+        role=desc.role,
+        requirements=desc.requirements,
+        name=desc.name,
+    )
+    try:
+        res = resolve(spec, config=config, platform=platform)
+    except ResolutionError as exc:
+        return Site(**common, spec=spec, resolution=None, error=str(exc), trace=exc.trace)
+    if desc.supported is not None and res.backend not in desc.supported:
+        # the resolver counts a stand-in as supported (torch_cudnn_sdpa for
+        # {torch_sdpa}, dynamic_cudnn_sdpa for {fa, torch_sdpa}); the route
+        # runs only what it names
+        return Site(
+            **common, spec=spec, resolution=None, trace=res.trace,
+            error=(
+                f"the resolver chose {res.backend.name} for {desc.name!r}, which stands in "
+                f"for {_names(desc.supported)}, but its route ({desc.route}) runs only "
+                f"{_names(desc.supported)}; request one of those for component "
+                f"{desc.component!r}"
+            ),
+        )
+    return Site(**common, spec=spec, resolution=res, error=None, trace=res.trace)
+
+
+def _names(backends: frozenset[Backend]) -> str:
+    return ", ".join(sorted(b.name for b in backends))

@@ -1,0 +1,643 @@
+"""attnres.integrations: diffusers pipelines and transformers models, governed.
+
+Tiny offline pipelines (tests/tiny_pipelines.py); the facts the issue found by
+trying them are checked against the installed diffusers and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+import tiny_pipelines as tp  # noqa: E402
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry  # noqa: E402
+
+from attnres import Platform, SelectionConfig  # noqa: E402
+from attnres.cli import main  # noqa: E402
+from attnres.integrations import IntegrationError  # noqa: E402
+from attnres.integrations import diffusers as idf  # noqa: E402
+from attnres.integrations import transformers as itf  # noqa: E402
+
+SIM = "cuda:sm90+flash_attn+sageattention"
+SAGE = SelectionConfig(global_backend="sage_attn")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def flux_bf16():
+    """The done-when pipeline: DiT and text encoders in bf16, VAE in float32."""
+    return tp.flux(dtype=torch.bfloat16, vae_dtype=torch.float32)
+
+
+def _processors(pipe):
+    return {
+        (c, n): (m.processor, dict(getattr(m.processor, "__dict__", {})))
+        for c, model in pipe.components.items() if isinstance(model, torch.nn.Module)
+        for n, m in model.named_modules() if hasattr(m, "processor")
+    }
+
+
+def test_import_attnres_imports_neither_diffusers_nor_transformers():
+    code = (
+        "import sys, attnres, attnres.integrations, attnres.cli\n"
+        "bad = [m for m in ('diffusers', 'transformers', 'torch') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == ""
+
+
+# --- Done when --------------------------------------------------------------
+
+
+def test_done_when_global_sage_on_tiny_flux(flux_bf16):
+    plan = idf.plan(flux_bf16, SAGE, Platform.simulate(SIM))
+    assert plan.ok, plan.errors
+    groups = plan.by_component()
+    assert groups["transformer"] and all(s.backend == "sage_attn" for s in groups["transformer"])
+    assert all(s.resolution.origin == "global_cli" and s.resolution.reason is None
+               for s in groups["transformer"])
+    for comp in ("vae", "text_encoder", "text_encoder_2"):
+        assert groups[comp], comp
+        for site in groups[comp]:
+            assert site.backend == "torch_sdpa", (comp, site.name)
+            assert site.resolution.reason == "global backend fallback"
+            # the reason is readable in the trace
+            assert site.trace.outcome.reason == "global backend fallback"
+            assert "sage_attn" in json.dumps(site.trace.to_dict() if hasattr(
+                site.trace, "to_dict") else str(site.trace.records))
+    # strict components get no declared default; auxiliary ones their current route's
+    assert all(s.spec.default is None for s in groups["transformer"])
+    assert all(s.spec.default is not None for s in groups["vae"])
+
+
+def test_done_when_head_size_sage_cannot_take_is_an_error_and_apply_changes_nothing():
+    pipe = tp.flux(head_dim=256, dtype=torch.bfloat16)
+    plan = idf.plan(pipe, SAGE, Platform.simulate(SIM))
+    assert not plan.ok
+    bad = [s for s in plan.sites if s.error]
+    assert bad and all(s.component == "transformer" for s in bad)
+    assert "head size 256" in bad[0].error
+    before = _processors(pipe)
+    impl = pipe.text_encoder.config._attn_implementation
+    with pytest.raises(IntegrationError) as info:
+        idf.apply(pipe, SAGE, Platform.simulate(SIM))
+    assert isinstance(info.value, ValueError)
+    assert info.value.plan.errors == plan.errors
+    assert _processors(pipe) == before
+    assert pipe.text_encoder.config._attn_implementation == impl
+
+
+def test_done_when_through_attnres_plan_dir(tmp_path, capsys):
+    pipe = tp.flux(dtype=torch.bfloat16, vae_dtype=torch.float32)
+    pipe.save_pretrained(tmp_path / "flux")
+    code = main(["plan", str(tmp_path / "flux"), "--platform", SIM,
+                 "--attention-backend", "sage_attn", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    comps = {c["name"]: c for c in doc["components"]}
+    assert comps["transformer"]["dtype"] == "bfloat16"
+    assert comps["transformer"]["dtype_source"] == "weights"
+    assert comps["vae"]["dtype"] == "float32"
+    assert {s["backend"] for s in comps["transformer"]["sites"]} == {"sage_attn"}
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        assert {(s["backend"], s["reason"]) for s in comps[name]["sites"]} == {
+            ("torch_sdpa", "global backend fallback")}
+    big = tp.flux(head_dim=256, dtype=torch.bfloat16)
+    big.save_pretrained(tmp_path / "big")
+    code = main(["plan", str(tmp_path / "big"), "--platform", SIM,
+                 "--attention-backend", "sage_attn"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "REJECTED" in out and "head size 256" in out
+
+
+# --- apply / verify / remove ------------------------------------------------
+
+
+def test_apply_without_flag_is_bit_identical_and_remove_restores():
+    pipe = tp.flux()
+    before = tp.run_flux(pipe)
+    procs = _processors(pipe)
+    plan = idf.apply(pipe)
+    assert plan.ok and all(s.backend == "torch_sdpa" for s in plan.sites)
+    after = tp.run_flux(pipe)
+    assert torch.equal(before, after)
+    assert idf.verify(pipe) == []
+    pinned = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
+    assert all(p.__dict__["_attention_backend"].value == "native" for p in pinned)
+    assert idf.remove(pipe) > 0
+    assert _processors(pipe) == procs
+
+
+def test_apply_emits_one_installed_event_per_site():
+    import structlog
+    from structlog.testing import capture_logs
+
+    pipe = tp.flux()
+    try:
+        with capture_logs() as events:
+            plan = idf.apply(pipe)
+    finally:
+        structlog.reset_defaults()  # capture_logs leaves structlog "configured"
+    installed = [e for e in events if e["event"] == "attention backend installed"]
+    assert len(installed) == len(plan.sites)
+    first = installed[0]
+    site = plan.sites[0]
+    assert (first["component"], first["layer"], first["backend"]) == (
+        site.component, site.name, site.backend)
+    assert first["route"] == site.route and first["digest"] == site.trace.digest
+    assert {"reason", "origin"} <= set(first)
+    idf.remove(pipe)
+
+
+def test_set_attention_backend_is_process_wide_so_attnres_pins_processors():
+    pipe = tp.flux()
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        pipe.vae.set_attention_backend("_native_math")
+        # the untouched transformer now runs it (its processors follow the active one)...
+        assert str(_AttentionBackendRegistry._active_backend.value) == "_native_math"
+        # ...and the VAE's legacy processors have no backend to set
+        vae_procs = [m.processor for m in pipe.vae.modules() if hasattr(m, "processor")]
+        assert vae_procs and not any(hasattr(p, "_attention_backend") for p in vae_procs)
+    finally:
+        _AttentionBackendRegistry._active_backend = active
+    idf.apply(pipe)
+    assert _AttentionBackendRegistry._active_backend == active
+    idf.remove(pipe)
+
+
+def test_shared_processor_is_copied_before_pinning():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    pipe = tp.flux()
+    shared = FluxAttnProcessor()
+    pipe.transformer.set_attn_processor(shared)
+    idf.apply(pipe)
+    procs = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
+    assert len({id(p) for p in procs}) == len(procs)
+    assert "_attention_backend" not in shared.__dict__
+    idf.remove(pipe)
+    assert all(m.processor is shared for m in pipe.transformer.modules()
+               if hasattr(m, "processor"))
+
+
+def test_verify_reports_replaced_processor_and_cast():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    pipe = tp.flux()
+    idf.apply(pipe)
+    pipe.transformer.transformer_blocks[0].attn.set_processor(FluxAttnProcessor())
+    pipe.vae.to(torch.float64)
+    problems = idf.verify(pipe)
+    text = [str(p) for p in problems]
+    assert any("transformer_blocks.0.attn" in t and "processor replaced" in t for t in text)
+    assert any(t.startswith("vae/") and "cast since apply" in t for t in text)
+    idf.remove(pipe)
+
+
+def test_layerwise_casting_plans_for_the_compute_dtype():
+    pipe = tp.flux(dtype=torch.bfloat16)
+    pipe.transformer.enable_layerwise_casting(
+        storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    plan = idf.plan(pipe, SAGE, Platform.simulate(SIM))
+    sites = plan.by_component()["transformer"]
+    assert {s.spec.dtype for s in sites} == {"bfloat16"}
+    assert {s.backend for s in sites} == {"sage_attn"}
+
+
+def test_context_parallel_route_keeps_diffusers_check():
+    pipe = tp.flux()
+    proc = pipe.transformer.transformer_blocks[0].attn.processor
+    proc._parallel_config = object()
+    try:
+        supported = idf.route_backends(proc)
+        names = {b.name for b in supported}
+        assert "torch_sdpa" in names and "flex_attention" not in names
+        assert names <= {
+            k for k, v in idf.DISPATCHER_BACKENDS.items()
+            if v in _AttentionBackendRegistry._supports_context_parallel
+        }
+    finally:
+        del proc._parallel_config
+
+
+def test_apply_refuses_a_simulated_platform():
+    pipe = tp.flux()
+    with pytest.raises(IntegrationError, match="simulated"):
+        idf.apply(pipe, platform=Platform.simulate("cpu"))
+
+
+# --- per-class facts --------------------------------------------------------
+
+
+def test_fact_clip_is_causal_per_call_not_by_attribute(flux_bf16):
+    attns = [m for m in flux_bf16.text_encoder.modules() if type(m).__name__ == "CLIPAttention"]
+    assert attns and all(a.is_causal is False for a in attns)
+    plan = itf.plan(flux_bf16.text_encoder, "text_encoder")
+    assert all(s.spec.requirements.causal for s in plan.sites)
+
+
+def test_fact_t5_needs_float_masks(flux_bf16):
+    plan = itf.plan(flux_bf16.text_encoder_2, "text_encoder_2",
+                    SelectionConfig(global_backend="fa"), Platform.simulate(SIM))
+    assert all(s.spec.requirements.attn_mask for s in plan.sites)
+    assert all(s.backend == "torch_sdpa" for s in plan.sites)
+
+
+def test_fact_flux_added_kv_proj_dim_is_joint_self_attention(flux_bf16):
+    block = flux_bf16.transformer.transformer_blocks[0].attn
+    assert block.added_kv_proj_dim is not None
+    plan = idf.plan({"transformer": flux_bf16.transformer})
+    assert {s.spec.role.value for s in plan.sites} == {"self"}
+
+
+def _qwen2(heads=4, kv=2):
+    from transformers import Qwen2Config, Qwen2Model
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=37, num_attention_heads=heads,
+                      num_key_value_heads=kv, num_hidden_layers=2, vocab_size=64)
+    return Qwen2Model(cfg).eval()
+
+
+def test_fact_qwen2_heads_come_from_the_config():
+    model = _qwen2()
+    attn = model.layers[0].self_attn
+    assert not hasattr(attn, "num_heads")
+    plan = itf.plan(model, "text_encoder")
+    site = plan.sites[0]
+    assert (site.heads, site.kv_heads, site.spec.head_size) == (4, 2, 8)
+    assert site.spec.requirements.gqa and site.spec.requirements.causal
+
+
+def test_fact_function_without_mask_function_drops_padding():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = _qwen2()
+    ids = torch.tensor([[0, 0, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1]])
+    ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    AttentionInterface.register("attnres_test_nomask", sdpa_attention_forward)
+    model.config._attn_implementation = "attnres_test_nomask"
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not torch.allclose(ref[:, 2:], out[:, 2:], atol=1e-3)
+    # attnres's route never counts such a name
+    assert "attnres_test_nomask" not in itf.FUNCTIONS.values()
+
+
+def test_route_counts_only_functions_with_a_mask_function(monkeypatch):
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    model = _qwen2()
+    assert any(b.name == "flex_attention" for b in itf.route_backends(model))
+    mapping = dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping)
+    mapping.pop("flex_attention")
+    monkeypatch.setattr(ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping", mapping)
+    assert not any(b.name == "flex_attention" for b in itf.route_backends(model))
+
+
+def test_transformers_apply_no_flag_identical_and_remove():
+    model = _qwen2()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    ref = model(input_ids=ids).last_hidden_state
+    plan = itf.apply(model, "text_encoder")
+    assert plan.ok
+    assert torch.equal(ref, model(input_ids=ids).last_hidden_state)
+    assert itf.verify(model) == []
+    model.config._attn_implementation_internal = "eager"
+    assert any("implementation" in p.problem for p in itf.verify(model))
+    assert itf.remove(model) == 1
+
+
+def test_fact_unet_attention_head_dim_holds_heads():
+    unet = tp.unet()
+    plan = idf.plan({"unet": unet})
+    # config attention_head_dim=2 -> two heads per attention; block_out_channels 32 -> 16
+    assert {(s.heads, s.spec.head_size) for s in plan.sites} == {(2, 16)}
+    assert {s.spec.role.value for s in plan.sites} == {"self", "cross"}
+    assert {s.route for s in plan.sites} == {"torch_sdpa in AttnProcessor2_0"}
+
+
+# --- other pipelines --------------------------------------------------------
+
+
+def test_sd3_legacy_joint_processor_runs_only_torch_sdpa():
+    pipe = tp.sd3()
+    plan = idf.plan({"transformer": pipe["transformer"]}, SAGE, Platform.simulate(SIM))
+    assert not plan.ok
+    assert all("supported backends: ['torch_sdpa']" in s.error for s in plan.sites if s.error)
+    x = tp.sd3_inputs()
+    ref = pipe["transformer"](**x).sample
+    idf.apply(pipe)
+    assert torch.equal(ref, pipe["transformer"](**x).sample)
+
+
+def test_unet_pipeline_no_flag_identical():
+    unet = tp.unet()
+    x = tp.unet_inputs()
+    ref = unet(**x).sample
+    plan = idf.apply({"unet": unet})
+    assert plan.ok
+    assert torch.equal(ref, unet(**x).sample)
+
+
+def test_wan_video_pipeline_vae_attention_is_found():
+    comps = tp.wan()
+    plan = idf.plan(comps, SAGE, Platform.simulate(SIM))
+    vae_sites = plan.by_component()["vae"]
+    assert vae_sites and {s.module_class for s in vae_sites} == {"WanAttentionBlock"}
+    assert all(s.backend == "torch_sdpa" and s.resolution.reason == "global backend fallback"
+               for s in vae_sites)
+    x = tp.wan_vae_input()
+    calls = idf.find_sdpa_calls(comps["vae"], x)
+    assert {n for n in calls} == {s.name for s in vae_sites}
+    ref = comps["vae"](x).sample
+    idf.apply(comps)
+    assert torch.equal(ref, comps["vae"](x).sample)
+    ids = torch.tensor([[1, 2, 3]])
+    assert comps["text_encoder"](input_ids=ids).last_hidden_state.shape[-1] == 32
+
+
+def test_unclassified_sites_error_when_strict_and_are_recorded_when_auxiliary():
+    class MyAttention(torch.nn.Module):
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = MyAttention()
+
+    strict = idf.plan({"transformer": Model()})
+    assert not strict.ok and "cannot be classified" in strict.errors[0]
+    aux = idf.plan({"vae": Model()})
+    assert aux.ok
+    (site,) = aux.sites
+    assert site.status == "unclassified" and "own code path" in site.note
+    assert "unclassified" in aux.render()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", [None, "eager"])
+def test_compile_fullgraph_of_an_applied_transformer(flag):
+    """Dynamo captures an applied transformer in one graph: a pinned processor
+    backend is a constant to it (backend="eager" as in test_compile.py: the
+    capture is what fullgraph checks; inductor's C++ build is minutes on CPU)."""
+    pipe = tp.flux()
+    x = tp.flux_inputs()
+    ref = pipe.transformer(**x).sample
+    config = None if flag is None else SelectionConfig(global_backend=flag)
+    plan = idf.apply(pipe, config)
+    assert {s.backend for s in plan.by_component()["transformer"]} == {flag or "torch_sdpa"}
+    torch._dynamo.reset()
+    compiled = torch.compile(pipe.transformer, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(**x).sample, ref, rtol=1e-5, atol=1e-5)
+
+
+# --- attnres plan DIR -------------------------------------------------------
+
+
+def _write(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def _safetensors(path: Path, dtypes: dict[str, str]) -> None:
+    import struct
+
+    header = {name: {"dtype": dt, "shape": [4, 4], "data_offsets": [0, 0]}
+              for name, dt in dtypes.items()}
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def test_plan_dir_dtype_sources_in_order(tmp_path, capsys):
+    folder = tmp_path / "flux"
+    for sub in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        src = ROOT / "examples" / "flux.1-dev" / sub / "config.json"
+        (folder / sub).mkdir(parents=True)
+        (folder / sub / "config.json").write_text(src.read_text())
+    (folder / "model_index.json").write_text(
+        (ROOT / "examples" / "flux.1-dev" / "model_index.json").read_text())
+    # weights headers win over the config; float8 storage is not a compute dtype
+    _safetensors(folder / "text_encoder" / "model.safetensors", {"w": "F16"})
+    _safetensors(folder / "vae" / "diffusion_pytorch_model.safetensors", {"w": "F8_E4M3"})
+    code = main(["plan", str(folder), "--json", "--dtype", "transformer=bf16"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    got = {c["name"]: (c["dtype"], c["dtype_source"]) for c in doc["components"]}
+    assert got == {
+        "transformer": ("bfloat16", "--dtype transformer="),
+        "text_encoder": ("float16", "weights"),
+        "text_encoder_2": ("bfloat16", "config torch_dtype"),
+        "vae": ("float32", "default float32"),
+    }
+    assert main(["plan", str(folder), "--dtype", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "text_encoder float16 (--dtype)" in out and "Dtypes:" in out
+
+
+def test_plan_dir_full_flux_has_57_transformer_sites(capsys):
+    code = main(["plan", str(ROOT / "examples" / "flux.1-dev"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    comps = {c["name"]: c for c in doc["components"]}
+    assert len(comps["transformer"]["sites"]) == 57
+    assert {s["head_size"] for s in comps["transformer"]["sites"]} == {128}
+    assert len(comps["text_encoder_2"]["sites"]) == 24
+
+
+def test_plan_dir_transformers_model_folder(tmp_path, capsys):
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=37, num_attention_heads=8,
+                      num_key_value_heads=2, num_hidden_layers=3, vocab_size=64,
+                      architectures=["Qwen2ForCausalLM"])
+    cfg.save_pretrained(tmp_path / "text_encoder")
+    code = main(["plan", str(tmp_path / "text_encoder"), "--json", "--trace-out",
+                 str(tmp_path / "traces")])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    (comp,) = doc["components"]
+    assert comp["name"] == "text_encoder" and len(comp["sites"]) == 3
+    assert {(s["heads"], s["kv_heads"]) for s in comp["sites"]} == {(8, 2)}
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--dtype", "vae=fp32", str(ROOT / "examples" / "cpu-small.toml")], "model folder"),
+        (["--dtype", "nope=fp32", str(ROOT / "examples" / "flux.1-dev")], "no model component"),
+        (["--dtype", "fp7", str(ROOT / "examples" / "flux.1-dev")], "unknown dtype"),
+        ([str(ROOT / "examples")], "neither a diffusers pipeline folder"),
+    ],
+)
+def test_plan_dir_mistakes_exit_2(argv, needle, capsys):
+    assert main(["plan", *argv]) == 2
+    assert needle in " ".join(capsys.readouterr().err.split())
+
+
+def test_plan_dir_reads_no_weights_and_is_bounded(tmp_path):
+    from attnres.integrations._folder import MAX_HEADER_BYTES, dtype_from_weights
+
+    big = tmp_path / "model.safetensors"
+    import struct
+
+    big.write_bytes(struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}")
+    with pytest.raises(ValueError, match="larger than attnres reads"):
+        dtype_from_weights(tmp_path)
+
+
+# --- more facts, idempotence, the ledger, the example folders ---------------
+
+
+def test_fact_ltx_cross_attention_is_told_by_place_and_gets_the_prompt_mask():
+    from diffusers import LTXVideoTransformer3DModel
+
+    model = LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, num_layers=1, caption_channels=16,
+    ).eval()
+    attn1 = model.transformer_blocks[0].attn1
+    # the attribute lies: self-attention carries a cross_attention_dim too
+    assert attn1.cross_attention_dim == attn1.query_dim
+    plan = idf.plan({"transformer": model}, SAGE, Platform.simulate(SIM))
+    by_name = {s.name.rsplit(".", 1)[-1]: s for s in plan.sites}
+    assert by_name["attn1"].spec.role.value == "self" and by_name["attn1"].backend is None
+    assert by_name["attn2"].spec.role.value == "cross"
+    assert by_name["attn2"].spec.requirements.attn_mask
+    plan = idf.plan({"transformer": model.to(torch.bfloat16)}, SAGE, Platform.simulate(SIM))
+    by_name = {s.name.rsplit(".", 1)[-1]: s for s in plan.sites}
+    assert by_name["attn1"].backend == "sage_attn"
+    assert "does not implement attention masks" in by_name["attn2"].error
+
+
+def test_apply_twice_then_remove_restores_the_first_state():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    pipe = tp.flux()
+    shared = FluxAttnProcessor()
+    pipe.transformer.set_attn_processor(shared)
+    idf.apply(pipe)
+    idf.apply(pipe)
+    assert idf.verify(pipe) == []
+    idf.remove(pipe)
+    assert all(m.processor is shared for m in pipe.transformer.modules()
+               if hasattr(m, "processor"))
+    assert "_attention_backend" not in shared.__dict__
+
+
+def test_every_site_decision_lands_in_the_ledger():
+    import attnres
+
+    attnres.clear_decisions()
+    pipe = tp.flux()
+    plan = idf.plan(pipe)
+    got = {(d.component, d.layer) for d in attnres.decisions()}
+    assert {(s.component, s.name) for s in plan.sites} <= got
+
+
+def test_transformers_apply_refuses_rejections_and_changes_nothing():
+    model = _qwen2()
+    with pytest.raises(IntegrationError) as info:
+        itf.apply(model, "transformer", SAGE, Platform.simulate(SIM))
+    assert info.value.plan.sites and not info.value.plan.ok
+    assert not hasattr(model, "_attnres_installed")
+
+
+@pytest.mark.parametrize("folder", ["flux.1-dev", "sd3.5-large", "wan2.1-t2v-1.3b", "ltx-video"])
+def test_example_folders_plan_on_this_machine(folder, capsys):
+    assert main(["plan", str(ROOT / "examples" / folder)]) == 0
+    out = capsys.readouterr().out
+    assert "Verdict: ok" in out
+    # LTX-Video's VAE has no attention: said in one line, not as an empty table
+    assert ("vae  [vae, VAELoader" in out) and (
+        ("(no attention sites)" in out) == (folder == "ltx-video"))
+
+
+def test_a_training_forward_needs_backward_and_flex_on_cpu_refuses_it():
+    pipe = tp.flux()
+    flex = SelectionConfig(global_backend="flex_attention")
+    inference = idf.plan({"transformer": pipe.transformer}, flex)
+    assert inference.ok and {s.backend for s in inference.sites} == {"flex_attention"}
+    pipe.transformer.train()
+    training = idf.plan({"transformer": pipe.transformer}, flex)
+    assert all(s.spec.requirements.backward for s in training.sites)
+    assert not training.ok and "backward" in training.errors[0]
+    pipe.text_encoder.train()
+    plan = itf.plan(pipe.text_encoder, "text_encoder", flex)
+    assert all(s.spec.requirements.backward and s.backend == "torch_sdpa" for s in plan.sites)
+
+
+def test_plan_dir_per_component_flag_is_an_override_and_must_name_a_component(capsys):
+    flux = str(ROOT / "examples" / "flux.1-dev")
+    code = main(["plan", flux, "--json", "--attention-backend", "eager",
+                 "--attention-backend", "text_encoder_2=torch_sdpa"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    got = {c["name"]: {(s["backend"], s["origin"]) for s in c["sites"]}
+           for c in doc["components"]}
+    assert got["text_encoder_2"] == {("torch_sdpa", "component_override")}
+    assert got["transformer"] == {("eager", "global_cli")}
+    # the VAE's legacy processors run only torch SDPA: the flag falls back there
+    assert got["vae"] == {("torch_sdpa", "global_cli")}
+    assert main(["plan", flux, "--attention-backend", "nope=eager"]) == 2
+    assert "has no model component 'nope'" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_stand_in_the_route_cannot_run_is_an_error_in_the_plan():
+    # torch_cudnn_sdpa counts as supported by {torch_sdpa}; a legacy processor
+    # runs only torch SDPA, so the plan says so instead of apply failing later
+    from diffusers import AutoencoderKL
+
+    pipe = tp.flux(dtype=torch.bfloat16)
+    vae = AutoencoderKL(block_out_channels=(16,), latent_channels=1, norm_num_groups=1)
+    plan = idf.plan({"vae": vae.to(torch.bfloat16), "transformer": pipe.transformer},
+                    SelectionConfig(global_backend="torch_cudnn_sdpa"),
+                    Platform.simulate("cuda:sm90"))
+    vae = plan.by_component()["vae"]
+    assert vae and all("runs only torch_sdpa" in s.error for s in vae)
+    assert all(s.backend == "torch_cudnn_sdpa" for s in plan.by_component()["transformer"])
+
+
+def test_call_facts_scale_window_softcap():
+    # T5 scales by 1.0, not 1/sqrt(d): custom_scale; CLIP uses the default
+    pipe = tp.flux()
+    t5 = itf.plan(pipe.text_encoder_2, "text_encoder_2")
+    assert all(s.spec.requirements.custom_scale for s in t5.sites)
+    clip = itf.plan(pipe.text_encoder, "text_encoder")
+    assert not any(s.spec.requirements.custom_scale for s in clip.sites)
+    # Qwen2 with a sliding window on some layers
+    from transformers import Qwen2Config, Qwen2Model
+
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                      num_key_value_heads=4, num_hidden_layers=2, vocab_size=64,
+                      use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                      layer_types=["full_attention", "sliding_attention"])
+    plan = itf.plan(Qwen2Model(cfg).eval(), "text_encoder")
+    assert [s.spec.requirements.sliding_window for s in plan.sites] == [False, True]
+    # a diffusers Attention built with scale_qk=False passes scale 1.0
+    from diffusers.models.attention_processor import Attention
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.plain = Attention(32, heads=2, dim_head=16)
+            self.unscaled = Attention(32, heads=2, dim_head=16, scale_qk=False)
+
+    sites = {s.name: s for s in idf.plan({"vae": Model().eval()}).sites}
+    assert not sites["plain"].spec.requirements.custom_scale
+    assert sites["unscaled"].spec.requirements.custom_scale
