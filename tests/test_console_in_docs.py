@@ -1,8 +1,9 @@
 """Every console transcript in the docs is real output (issue 11, case 14).
 
 A transcript is a fenced ```` ```console ```` block in ``README.md`` or
-``docs/*.md``: one ``$ COMMAND`` line, the output the command prints (stdout
-and stderr, as a terminal shows them, at ``COLUMNS=100``), and optionally a
+``docs/*.md``: one ``$ COMMAND`` line (continued by a trailing ``\\``), the
+output the command prints (stdout and stderr, as a terminal shows them, at
+``COLUMNS=100``), and optionally a
 last ``[exit N]`` line. The test runs the command with bash (``pipefail`` on,
 so ``| tail`` keeps attnres's exit code) in a temporary folder where
 ``examples/`` and ``traces/`` link to the repository's and the pipeline files
@@ -85,6 +86,8 @@ def _transcripts() -> list[Transcript]:
                 body.append(lines[i])
                 i += 1
             assert body and body[0].startswith("$ "), f"{doc.name}:{start + 1}: no $ line"
+            while body[0].endswith("\\") and len(body) > 1:  # a continued command line
+                body[0:2] = [body[0][:-1].rstrip() + " " + body[1].strip()]
             exit_code = None
             if body[-1].startswith("[exit "):
                 exit_code = int(body.pop()[len("[exit ") : -1])
