@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -77,7 +78,8 @@ def test_forward_vs_sdpa_by_hand(
     _, _, heads, head_size = shape
     attnres.clear_cache()
     layer = attnres.Attention(heads, head_size, backend="torch_sdpa", name="bench.attn")
-    assert layer.backend.name == "torch_sdpa"
+    attnres.bind(layer)  # built without dtype: measure the bound layer
+    assert layer.backend is not None and layer.backend.name == "torch_sdpa"
 
     def by_hand() -> Tensor:
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
@@ -137,6 +139,7 @@ def test_peer_diffusers_dispatch(
     _, _, heads, head_size = shape
     attnres.clear_cache()
     layer = attnres.Attention(heads, head_size, backend="torch_sdpa", name="bench.attn")
+    attnres.bind(layer)
 
     def by_hand() -> Tensor:
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
@@ -214,8 +217,20 @@ class Block(nn.Module):
 
 
 def build_attnres() -> nn.Module:
+    """With an explicit dtype every layer resolves at construction (the 0.1.0 path)."""
+    resolved_now = functools.partial(attnres.Attention, dtype=torch.float32)
     with torch.device("meta"), attnres.component_scope("transformer"):
-        return nn.ModuleList(Block(attnres.Attention, i) for i in range(BLOCKS))
+        return nn.ModuleList(
+            Block(resolved_now, i) for i in range(BLOCKS)  # type: ignore[arg-type]
+        )
+
+
+def build_attnres_then_bind() -> nn.Module:
+    """Without dtype the layers are pending; ``attnres.bind`` resolves them all."""
+    with torch.device("meta"), attnres.component_scope("transformer"):
+        model = nn.ModuleList(Block(attnres.Attention, i) for i in range(BLOCKS))
+    attnres.bind(model)
+    return model
 
 
 def build_plain() -> nn.Module:
@@ -229,7 +244,8 @@ def test_build_48_blocks(benchmark: Any, ratios: RatioRegistry, paired: Paired) 
     model = build_attnres()
     attention = [m for m in model.modules() if isinstance(m, attnres.Attention)]
     assert len(attention) == 2 * BLOCKS
-    assert {m.backend.name for m in attention} == {"torch_sdpa"}
+    assert {m.backend.name for m in attention if m.backend} == {"torch_sdpa"}
+    assert not any(m.pending for m in attention)
     result = paired(build_attnres, build_plain, rounds=100, inner=1)
     attnres.clear_decisions()  # the ledger grew by 96 entries per build
     _record_pair(ratios, f"build {BLOCKS} blocks (96 attention) attnres / plain", result, 1.05)
@@ -238,6 +254,14 @@ def test_build_48_blocks(benchmark: Any, ratios: RatioRegistry, paired: Paired) 
     def build_cold() -> nn.Module:
         attnres.clear_cache()  # a process's first build: 2 machine runs, 94 renamed hits
         return build_attnres()
+
+    late = paired(build_attnres_then_bind, build_plain, rounds=40, inner=1)
+    attnres.clear_decisions()
+    ratios.record(
+        f"build {BLOCKS} blocks pending, then attnres.bind, attnres / plain",
+        late.ratio,
+        note="informational: late binding (the module walk of bind included); " + late.describe(),
+    )
 
     cold = paired(build_cold, build_plain, rounds=40, inner=1)
     attnres.clear_decisions()

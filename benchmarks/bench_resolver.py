@@ -2,7 +2,7 @@
 
 (a) a cache hit -- ``attnres.resolve(layer, config=..., platform=...)`` on an input
     already resolved -- vs a plain dict lookup: a Python function that returns
-    ``d[key]`` where ``key`` is the same 5-tuple ``(layer, config, scope,
+    ``d[key]`` where ``key`` is the same 6-tuple ``(layer, config, scope,
     platform, backend)`` the cache uses, so the tuple is hashed on every call (its
     items cache their own hashes, as in the real cache). Target: at most 10x.
 (b) a cold resolution (``attnres.clear_cache()`` then ``attnres.resolve``) with
@@ -159,7 +159,7 @@ def _chunked(
 
 def test_cache_hit_vs_dict_lookup(benchmark: Any, ratios: RatioRegistry, paired: Paired) -> None:
     first = _resolve()
-    key = (LAYER, CONFIG, None, PLATFORM, None)  # resolve()'s cache key, outside a scope
+    key = (LAYER, CONFIG, None, PLATFORM, None, None)  # resolve()'s cache key, outside a scope
     assert key in machine._CACHE, "the reference must use the key the cache uses"
     plain = {key: machine._CACHE[key]}
 
@@ -183,7 +183,7 @@ def test_cache_hit_vs_dict_lookup(benchmark: Any, ratios: RatioRegistry, paired:
         "cache hit: resolve() / plain dict lookup",
         result,
         10.0,
-        "B = a function returning d[key], key the cache's 5-tuple (hashed per call)",
+        "B = a function returning d[key], key the cache's 6-tuple (hashed per call)",
     )
     benchmark.extra_info["ratio_vs_dict_lookup"] = result.ratio
     benchmark.extra_info["target"] = 10.0

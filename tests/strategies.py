@@ -290,6 +290,7 @@ def scope_args(draw: st.DrawFn) -> dict[str, Any]:
 
 def scope_state_from_args(args: dict[str, Any]) -> ScopeState:
     """The snapshot ``component_scope(**args)`` publishes (built without entering it)."""
+    from attnres._vocab import normalize_component
     from attnres.scope import _role_backends, component_kind
 
     kind = args.get("kind") or component_kind(args["name"])
@@ -298,7 +299,7 @@ def scope_state_from_args(args: dict[str, Any]) -> ScopeState:
     allow = args.get("allow_global_fallback")
     roles = _role_backends(args.get("role_backends"))
     return ScopeState(
-        component=args["name"],
+        component=normalize_component(args["name"]),  # "Text-Encoder" -> "text_encoder"
         kind=kind,
         loader=loader.__name__,
         backend=None if backend is None else Backend.parse(backend),

@@ -153,6 +153,7 @@ def _config(**kwargs: object) -> SelectionConfig:
 
 def _layer(*candidates: str, default: str = "fake_incumbent", **kwargs: object) -> Attention:
     supported = {default, *candidates}
+    kwargs.setdefault("dtype", torch.float32)  # resolve (and arm) at construction
     return Attention(HEADS, SIZE, supported=supported, default=default, **kwargs)  # type: ignore[arg-type]
 
 
@@ -560,7 +561,7 @@ def test_real_cpu_candidates_are_measured_and_the_evidence_replays(tmp_path: Pat
     with use_timer(__import__("time").perf_counter_ns):
         set_selection_config(_config())
         layer = Attention(HEADS, SIZE, supported={"torch_sdpa", "eager", "flex_attention"},
-                          name="real")
+                          name="real", dtype=torch.float32)
         assert layer.resolution.origin == "none" and is_armed(layer)
         q, k, v = _qkv((1, 64, HEADS, SIZE))
         out = layer(q, k, v)
@@ -790,7 +791,7 @@ def test_candidates_run_with_the_layers_softcap_and_window() -> None:
     with use_timer(__import__("time").perf_counter_ns):
         set_selection_config(_config())
         layer = Attention(HEADS, SIZE, supported={"torch_sdpa", "eager", "flex_attention"},
-                          softcap=5.0, window=(2, 2), name="capped")
+                          softcap=5.0, window=(2, 2), name="capped", dtype=torch.float32)
         q, k, v = _qkv((1, 16, HEADS, SIZE))
         out = layer(q, k, v)
     tuning = next(r for r in layer.resolution.trace.records if isinstance(r, TuningRecord))

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import attnres
 from attnres import Requirements
 from attnres.modules import Attention
 
@@ -60,7 +61,7 @@ def _fresh_dynamo() -> Iterator[None]:
 
 
 def _layer(case: Case, backend: str) -> Attention:
-    return Attention(
+    layer = Attention(
         case.heads,
         HEAD_SIZE,
         num_kv_heads=case.kv_heads,
@@ -69,6 +70,8 @@ def _layer(case: Case, backend: str) -> Attention:
         backend=backend,
         name=f"compile.{case.name}",
     )
+    attnres.bind(layer)  # built without dtype: bound before compiling
+    return layer
 
 
 def _inputs(case: Case) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -125,6 +128,7 @@ def test_layer_inside_a_compiled_model_is_one_graph() -> None:
             return out
 
     block = Block()
+    assert [r.backend.name for r in attnres.bind(block)] == ["torch_sdpa"]
     x = torch.randn(2, 9, 4 * HEAD_SIZE)
     explained = torch._dynamo.explain(block)(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
@@ -137,7 +141,8 @@ def test_module_compile_and_hooks_keep_working() -> None:
     """``Module.compile()`` and hooks route through ``nn.Module.__call__``."""
     layer = Attention(4, HEAD_SIZE, name="attn1")
     q, k, v, _ = _inputs(Case("self"))
-    expected = layer(q, k, v)
+    expected = layer(q, k, v)  # the first forward binds it
+    assert not layer.pending
     layer.register_forward_hook(lambda module, args, out: out * 3)
     layer.compile(fullgraph=True, backend="eager")
     torch.testing.assert_close(layer(q, k, v), expected * 3, rtol=1e-5, atol=1e-6)
@@ -151,3 +156,15 @@ def test_inductor_compile_of_torch_sdpa() -> None:
     q, k, v, _ = _inputs(case)
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), layer(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_rule_late_binding_a_pending_layer_inside_torch_compile_says_bind_first() -> None:
+    layer = Attention(4, HEAD_SIZE, name="attn1")
+    q, k, v, _ = _inputs(Case("self"))
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"call attnres.bind\(model\)"):
+        compiled(q, k, v)
+    assert layer.pending
+    torch._dynamo.reset()
+    attnres.bind(layer)
+    torch.testing.assert_close(compiled(q, k, v), layer(q, k, v), rtol=1e-5, atol=1e-6)

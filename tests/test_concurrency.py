@@ -172,7 +172,9 @@ def _check_ledger_and_cache(log: _Log) -> None:
         assert d.reason == outcome.reason
     # the cache holds exactly one entry per distinct input, each the machine's answer
     config = M.selection_config()
-    assert set(M._CACHE) == {(layer, config, scope, CPU, None) for scope, layer in log.inputs}
+    assert set(M._CACHE) == {
+        (layer, config, scope, CPU, None, None) for scope, layer in log.inputs
+    }
     assert M.cache_info()["size"] <= M.cache_info()["max_size"]
     for key, (resolution, decision, trace) in M._CACHE.items():
         assert trace == M.run_machine(TraceInput(*key))

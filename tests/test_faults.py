@@ -346,7 +346,7 @@ _CPU_CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str | None]] = {
 _CPU_EPILOGUE = """
 import torch
 from attnres.cli import main
-layer = attnres.Attention(8, 64, name="fault.attn")
+layer = attnres.Attention(8, 64, name="fault.attn", dtype="float32")
 q = torch.randn(1, 4, 8, 64)
 out["attention"] = [layer.backend.name, list(layer(q, q, q).shape)]
 buf = io.StringIO()

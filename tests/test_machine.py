@@ -7,6 +7,7 @@ seed incident of SPEC 1 has one ``test_seed_...`` test per case.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 import attnres
 from attnres import (
     Backend,
+    BackendNotAppliedError,
     LayerSpec,
     Platform,
     Requirements,
@@ -192,12 +194,14 @@ def test_rule_3_1_layer_origin_beats_force_backend_context() -> None:
 
 def test_rule_3_1_forced_beats_role_override() -> None:
     cfg = SelectionConfig(forced_backend="eager")
-    with component_scope(
+    found = []
+    # the role override then ran on no layer: checked on exit whatever require_selection says
+    with pytest.raises(BackendNotAppliedError), component_scope(
         "transformer", backend="torch_sdpa", role_backends={"self": "torch_sdpa"},
         require_selection=False,
     ):
-        res = resolve(LayerSpec(64, "fp32"), config=cfg, platform=CPU)
-    assert (res.backend.name, res.origin) == ("eager", "forced")
+        found.append(resolve(LayerSpec(64, "fp32"), config=cfg, platform=CPU))
+    assert (found[0].backend.name, found[0].origin) == ("eager", "forced")
 
 
 def test_rule_3_1_force_backend_context_manager_is_forced_origin() -> None:
@@ -357,17 +361,25 @@ def test_rule_3_1_strict_origins_reject_with_no_fallback(kind: str, origin: str)
 
 def test_rule_3_1_strict_origins_constant() -> None:
     assert frozenset(
-        {Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE, Origin.COMPONENT_OVERRIDE}
+        {
+            Origin.REQUEST,
+            Origin.LAYER,
+            Origin.FORCED,
+            Origin.ROLE_OVERRIDE,
+            Origin.COMPONENT_OVERRIDE,
+        }
     ) == M.STRICT_ORIGINS
 
 
 def test_rule_3_1_origin_vocabulary_is_exact() -> None:
     assert [o.value for o in Origin] == [
+        "request",
         "layer",
         "forced",
         "role_override",
         "component_override",
         "global_cli",
+        "global_env",
         "global_preference",
         "layer_default",
         "none",
@@ -613,12 +625,17 @@ def _request(kind: str, backend: str, layer: LayerSpec, platform: Platform) -> R
     if kind == "force_backend":
         with force_backend(backend):
             return resolve(layer, platform=platform)
-    if kind == "role_override":
-        with component_scope("transformer", role_backends={layer.role: backend}):
-            return resolve(layer, platform=platform)
-    if kind == "component_override":
-        with component_scope("transformer", backend=backend):
-            return resolve(layer, platform=platform)
+    if kind in ("role_override", "component_override"):
+        # the scope-exit check (an override that ran on no layer) is tested in test_scope
+        roles = {layer.role: backend} if kind == "role_override" else None
+        found: list[Resolution] = []
+        with contextlib.suppress(BackendNotAppliedError), component_scope(
+            "transformer",
+            backend=None if roles else backend,
+            role_backends=roles,
+        ):
+            found.append(resolve(layer, platform=platform))
+        return found[0]
     if kind == "config_component_override":
         cfg = SelectionConfig(component_backends={"transformer": backend})
         with component_scope("transformer"):
@@ -1138,6 +1155,7 @@ def test_rule_3_4_unusable_platform_preference_is_passed_over_without_a_reason()
 
 def test_rule_3_5_reason_dense_cross_attention_fallback() -> None:
     with component_scope("transformer", backend="video_sparse_attn"):
+        resolve(LayerSpec(128, "bf16"), platform=CUDA_ALL)  # the override runs here
         res = resolve(CROSS_128, platform=CUDA_ALL)
     assert (res.backend.name, res.reason) == ("fa", "dense cross-attention fallback")
 

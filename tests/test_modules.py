@@ -104,7 +104,7 @@ def _layer(case: Case, backend: str, **extra: Any) -> Attention:
         requirements=Requirements(attn_mask=case.mask is not None),
         name=f"test.{case.name}",
         backend=backend,
-        **extra,
+        **{"dtype": torch.float32, **extra},
     )
 
 
@@ -134,9 +134,9 @@ def test_backend_chosen_by_force_backend_and_by_scope(backend: str) -> None:
     q, k, v, _ = _inputs(case)
     ref = reference(q, k, v)
     with force_backend(backend):
-        forced = Attention(case.heads, case.head_size, name="forced")
+        forced = Attention(case.heads, case.head_size, name="forced", dtype=torch.float32)
     with component_scope("transformer", backend=backend):
-        scoped = Attention(case.heads, case.head_size, name="scoped")
+        scoped = Attention(case.heads, case.head_size, name="scoped", dtype=torch.float32)
     assert (forced.backend.name, forced.resolution.origin) == (backend, "forced")
     assert (scoped.backend.name, scoped.resolution.origin) == (backend, "component_override")
     for layer in (forced, scoped):
@@ -155,6 +155,8 @@ def test_keyword_arguments_and_non_contiguous_inputs() -> None:
 
 def test_default_is_the_platform_default_and_the_default_dtype() -> None:
     layer = Attention(4, 32)
+    assert layer.pending and layer.backend is None
+    attnres.bind(layer)
     assert layer.backend == Backend("torch_sdpa")
     assert layer.resolution.origin == "none"
     assert layer.layer_spec.dtype == "float32"
@@ -235,7 +237,7 @@ def test_shape_message_states_what_the_layer_takes(gqa_layer: Attention) -> None
 
 
 def test_dtype_the_kernel_cannot_take_is_a_value_error() -> None:
-    sdpa = Attention(4, 32, backend="torch_sdpa")
+    sdpa = Attention(4, 32, backend="torch_sdpa", dtype=torch.float32)
     q = torch.ones(1, 3, 4, 32, dtype=torch.int32)
     with pytest.raises(
         ValueError,
@@ -243,7 +245,7 @@ def test_dtype_the_kernel_cannot_take_is_a_value_error() -> None:
         r"\(it takes bfloat16, float16, float32, float64\)",
     ):
         sdpa(q, q, q)
-    flex = Attention(4, 32, backend="flex_attention")
+    flex = Attention(4, 32, backend="flex_attention", dtype=torch.float32)
     q64 = torch.randn(1, 3, 4, 32, dtype=torch.float64)
     with pytest.raises(
         ValueError,
@@ -318,9 +320,9 @@ def test_is_cross_attention_is_a_synonym_of_role_cross() -> None:
 
 def test_role_reaches_the_resolver_through_the_scope() -> None:
     with component_scope("transformer", role_backends={"cross": "eager"}) as scope:
-        attn1 = Attention(4, 32, name="attn1")
-        attn2 = Attention(4, 32, role="cross", name="attn2")
-        attn2_flag = Attention(4, 32, is_cross_attention=True, name="attn2b")
+        attn1 = Attention(4, 32, name="attn1", dtype=torch.float32)
+        attn2 = Attention(4, 32, role="cross", name="attn2", dtype=torch.float32)
+        attn2_flag = Attention(4, 32, is_cross_attention=True, name="attn2b", dtype="fp32")
     assert attn1.backend.name == "torch_sdpa"
     assert (attn2.backend.name, attn2.resolution.origin) == ("eager", "role_override")
     assert (attn2_flag.backend.name, attn2_flag.resolution.origin) == ("eager", "role_override")
@@ -336,7 +338,7 @@ def test_role_reaches_the_resolver_through_the_scope() -> None:
 
 def test_decision_is_recorded_under_the_layer_name_and_scope_component() -> None:
     with component_scope("text_encoder"):
-        layer = Attention(4, 32, name="blocks.0.attn1")
+        layer = Attention(4, 32, name="blocks.0.attn1", dtype=torch.float32)
     (decision,) = attnres.decisions()
     assert decision.component == "text_encoder"
     assert decision.layer == "blocks.0.attn1"
@@ -349,14 +351,14 @@ def test_decision_is_recorded_under_the_layer_name_and_scope_component() -> None
 
 
 def test_decision_outside_a_scope_has_no_component() -> None:
-    Attention(4, 32, name="loose")
+    attnres.bind(Attention(4, 32, name="loose"))
     (decision,) = attnres.decisions()
     assert (decision.component, decision.layer) == (None, "loose")
 
 
 def test_rejected_resolution_is_a_resolution_error() -> None:
     with pytest.raises(ResolutionError, match=r"Attention backend 'fa'") as info:
-        Attention(4, 64, backend="fa", name="needs_fa")
+        Attention(4, 64, backend="fa", name="needs_fa", dtype=torch.float32)
     assert isinstance(info.value, ValueError)
     assert info.value.trace.outcome.status == "rejected"
     (decision,) = attnres.decisions()
@@ -472,7 +474,7 @@ def test_registered_custom_kernel_is_used(
     custom_backend: tuple[str, list[tuple[bool, float | None]]],
 ) -> None:
     name, calls = custom_backend
-    layer = Attention(4, 32, causal=True, softmax_scale=0.25, backend=name)
+    layer = Attention(4, 32, causal=True, softmax_scale=0.25, backend=name, dtype="float32")
     assert layer.backend == Backend(name)
     q, k, v, _ = _inputs(Case("x"))
     out = layer(q, k, v)
@@ -493,7 +495,7 @@ def test_custom_backend_without_kernel_says_how_to_register_one(
     name, _ = custom_backend
     unregister_kernel(name)
     with pytest.raises(KernelNotRegisteredError, match=r"no kernel is registered for it") as info:
-        Attention(4, 32, backend=name)
+        Attention(4, 32, backend=name, dtype="float32")
     assert f"attnres.kernels.register_kernel('{name}', fn)" in str(info.value)
 
 
@@ -518,7 +520,7 @@ def machine_runs(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
 def test_identical_layers_run_the_machine_once(machine_runs: list[object]) -> None:
     with component_scope("transformer"):
-        layers = [Attention(8, 64, name="attn1") for _ in range(10)]
+        layers = [Attention(8, 64, name="attn1", dtype="float32") for _ in range(10)]
     assert len(machine_runs) == 1
     assert len(attnres.decisions()) == 10  # every layer still records its decision
     assert {layer.backend.name for layer in layers} == {"torch_sdpa"}
@@ -528,7 +530,10 @@ def test_identical_layers_run_the_machine_once(machine_runs: list[object]) -> No
 def test_a_48_block_model_resolves_each_distinct_layer_once(machine_runs: list[object]) -> None:
     with component_scope("transformer", role_backends={"cross": "eager"}):
         blocks = [
-            (Attention(8, 64, name="attn1"), Attention(8, 64, role="cross", name="attn2"))
+            (
+                Attention(8, 64, name="attn1", dtype="float32"),
+                Attention(8, 64, role="cross", name="attn2", dtype="float32"),
+            )
             for _ in range(48)
         ]
     assert len(machine_runs) == 2
@@ -539,6 +544,7 @@ def test_a_48_block_model_resolves_each_distinct_layer_once(machine_runs: list[o
 def test_forward_makes_no_decision_and_no_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     with component_scope("transformer"):
         layer = Attention(8, 32, num_kv_heads=4, causal=True, name="attn1")
+    attnres.bind(layer)
     recorded = attnres.decisions()
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
@@ -548,7 +554,7 @@ def test_forward_makes_no_decision_and_no_lookup(monkeypatch: pytest.MonkeyPatch
         (machine_mod, "resolve"),
         (machine_mod, "run_machine"),
         (machine_mod, "detect_origin"),
-        (modules_mod, "resolve"),
+        (modules_mod, "lookup"),
         (modules_mod, "get_kernel"),
         (modules_mod, "lookup_spec"),
         (attnres.kernels, "get_kernel"),
@@ -584,7 +590,10 @@ class _NoTensorOps(TorchFunctionMode):
 
 def test_layers_build_on_the_meta_device_without_touching_tensors() -> None:
     with torch.device("meta"), component_scope("transformer"), _NoTensorOps():
-        layers = [Attention(8, 64, name="attn1"), Attention(8, 64, role="cross", name="attn2")]
+        layers = [
+            Attention(8, 64, name="attn1", dtype="float32"),
+            Attention(8, 64, role="cross", name="attn2", dtype="float32"),
+        ]
     assert [layer.backend.name for layer in layers] == ["torch_sdpa", "torch_sdpa"]
     assert list(layers[0].parameters()) == [] and list(layers[0].buffers()) == []
     assert len(attnres.decisions()) == 2
@@ -615,7 +624,7 @@ def test_a_block_builds_on_meta_and_runs_there() -> None:
 def test_deepcopy_and_pickle_keep_the_decision_without_resolving(
     machine_runs: list[object],
 ) -> None:
-    layer = Attention(4, 32, causal=True, backend="eager", name="attn1")
+    layer = Attention(4, 32, causal=True, backend="eager", name="attn1", dtype="float32")
     copied = copy.deepcopy(layer)
     restored = pickle.loads(pickle.dumps(layer))
     assert len(machine_runs) == 1
@@ -666,12 +675,15 @@ def test_gradients_flow_through_the_layer() -> None:
 
 def test_extra_repr_names_the_backend_and_reason() -> None:
     layer = Attention(8, 64, num_kv_heads=2, causal=True, role="cross")
+    assert "backend=pending (dtype float32 so far)" in repr(layer)
+    attnres.bind(layer)
     text = repr(layer)
     assert "num_heads=8, num_kv_heads=2, head_size=64, role=cross, causal=True" in text
     assert "backend=torch_sdpa" in text
     with attnres.component_scope("vae"):
         attnres.set_selection_config(attnres.SelectionConfig(global_backend="fa"))
         fallback = Attention(8, 64)
+    attnres.bind(fallback)
     assert fallback.resolution.reason == "global backend fallback"
     assert "reason='global backend fallback'" in repr(fallback)
 

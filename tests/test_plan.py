@@ -152,13 +152,19 @@ def test_role_override_component_override_and_layer_backend() -> None:
         }
     )
     result = plan_pipeline(pipeline, SelectionConfig(), CPU)
-    assert result.ok
     got = {la.name: (la.backend, la.origin) for la in result.layers}
     assert got == {
         "attn1": ("eager", "component_override"),
         "attn2": ("torch_sdpa", "role_override"),
         "pinned": ("flex_attention", "layer"),
     }
+    # v2: the override must explain every layer; the role override does, the pinned
+    # layer (its own backend, no recorded reason) does not
+    assert not result.ok
+    (component,) = result.components
+    assert component.error is not None
+    assert "pinned runs flex_attention (origin layer)" in component.error
+    assert "attn2" not in component.error
 
 
 def test_override_that_applies_to_no_layer_is_reported_not_raised() -> None:

@@ -33,7 +33,14 @@ from hypothesis.stateful import (
 )
 
 import attnres
-from attnres import LayerSpec, ResolutionError, Role, component_scope, resolve
+from attnres import (
+    BackendNotAppliedError,
+    LayerSpec,
+    ResolutionError,
+    Role,
+    component_scope,
+    resolve,
+)
 from attnres import machine as M
 from attnres._states import Check, Code, Origin, Reason, State
 from attnres.backends import (
@@ -350,7 +357,8 @@ def test_the_cache_never_changes_an_answer(
     M.clear_cache()
     for index in [i % len(cases) for i in order] + list(range(len(cases))):
         layer, config, args, platform, backend = cases[index]
-        with contextlib.ExitStack() as stack:
+        # (a role override that ran on no layer raises on scope exit: tested in test_scope)
+        with contextlib.suppress(BackendNotAppliedError), contextlib.ExitStack() as stack:
             scope = None
             if args is not None:
                 scope = stack.enter_context(component_scope(**args)).state
@@ -492,7 +500,9 @@ class NestedScopes(RuleBasedStateMachine):
     @rule()
     def leave(self) -> None:
         _, cm, _ = self.stack.pop()
-        assert cm.__exit__(None, None, None) in (None, False)
+        # (a role override that ran on no layer raises on exit: tested in test_scope)
+        with contextlib.suppress(BackendNotAppliedError):
+            assert cm.__exit__(None, None, None) in (None, False)
 
     @precondition(lambda self: bool(self.stack))
     @rule(exc_type=st.sampled_from([_Boom, ValueError, KeyboardInterrupt]))
@@ -543,7 +553,8 @@ class NestedScopes(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         while self.stack:
-            self.stack.pop()[1].__exit__(None, None, None)
+            with contextlib.suppress(BackendNotAppliedError):
+                self.stack.pop()[1].__exit__(None, None, None)
         assert current_scope() is None
         assert M._FORCED.get() is None
 
@@ -561,6 +572,9 @@ def _no_scope_leaks() -> Iterator[None]:
 
 def test_origin_vocabulary_matches_the_strict_set() -> None:
     """Sanity for the strictness property above: strict origins are exactly SPEC 3.1's."""
-    assert {Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE, Origin.COMPONENT_OVERRIDE} == set(
+    assert {
+        Origin.REQUEST, Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE,
+        Origin.COMPONENT_OVERRIDE,
+    } == set(
         M.STRICT_ORIGINS
     )

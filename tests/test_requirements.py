@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import attnres
 from attnres import LayerSpec, Platform, Requirements, ResolutionError, resolve
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement
 from attnres.backends import (
@@ -381,8 +382,9 @@ def test_attention_softcap_and_window_arguments() -> None:
     for bad_cap in (-1.0, float("inf"), "30", True):
         with pytest.raises(ValueError, match="softcap"):
             Attention(2, 32, softcap=bad_cap, backend="eager", platform=cpu)  # type: ignore[arg-type]
+    pending = Attention(2, 32, softcap=30.0, platform=cpu)  # resolves when its dtype is known
     with pytest.raises(ResolutionError, match="does not implement logit softcapping"):
-        Attention(2, 32, softcap=30.0, platform=cpu)  # torch_sdpa, the cpu default, has none
+        attnres.bind(pending)  # torch_sdpa, the cpu default, has none
 
 
 LAYER_CASES = [

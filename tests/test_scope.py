@@ -268,7 +268,7 @@ def test_rule_3_6_not_applied_when_every_layer_had_a_layer_level_backend() -> No
         for i in range(2):
             res = resolve(LayerSpec(64, "fp32", name=f"l{i}"), platform=CPU, backend="torch_sdpa")
             assert res.origin == "layer"
-    assert "controlled none of its 2 layer(s)" in str(info.value)
+    assert "ran on none of its 2 layer(s)" in str(info.value)
     assert "origin layer" in str(info.value)
 
 
@@ -308,24 +308,66 @@ def test_rule_3_6_applied_component_and_role_backends_do_not_raise() -> None:
     assert [d.origin for d in handle.decisions] == ["component_override", "role_override"]
 
 
-def test_applied_when_some_layers_used_it() -> None:
-    with component_scope("vae", backend="eager") as handle:
+def test_rule_overrides_explain_every_layer_one_unexplained_layer_raises() -> None:
+    # v2: some layers running the override is not enough; every other layer needs a reason
+    with pytest.raises(BackendNotAppliedError) as info, component_scope(
+        "vae", backend="eager"
+    ) as handle:
         resolve(LayerSpec(64, "fp32", name="a"), platform=CPU, backend="torch_sdpa")
         resolve(LayerSpec(64, "fp32", name="b"), platform=CPU)
     assert [d.backend for d in handle.decisions] == ["torch_sdpa", "eager"]
+    assert "1 layer(s) chose another backend without a recorded reason" in str(info.value)
+    assert "a runs torch_sdpa (origin layer)" in str(info.value)
 
 
-def test_rule_3_6_not_raised_when_a_fallback_with_a_reason_happened() -> None:
+def test_rule_overrides_explain_every_layer_a_recorded_reason_explains_a_layer() -> None:
     with component_scope("transformer", backend="sliding_tile_attn") as handle:
+        resolve(LayerSpec(128, "bf16", name="self"), platform=CUDA_ALL)
+        res = resolve(CROSS_128, platform=CUDA_ALL)
+    assert (res.backend.name, res.reason) == ("fa", "dense cross-attention fallback")
+    assert [d.backend for d in handle.decisions] == ["sliding_tile_attn", "fa"]
+
+
+def test_rule_overrides_explain_every_layer_an_override_that_ran_nowhere_raises() -> None:
+    # every layer recorded a reason, but the operator's backend never ran
+    with pytest.raises(BackendNotAppliedError) as info, component_scope(
+        "transformer", backend="sliding_tile_attn"
+    ) as handle:
         res = resolve(CROSS_128, platform=CUDA_ALL)
     assert (res.backend.name, res.reason) == ("fa", "dense cross-attention fallback")
     assert handle.decisions[0].origin == "component_override"
+    assert "it ran on none of its 1 layer(s)" in str(info.value)
+    assert "recorded reasons: dense cross-attention fallback" in str(info.value)
 
 
-def test_not_raised_when_a_role_override_fell_back_with_a_reason() -> None:
-    with component_scope("transformer", role_backends={"cross": "video_sparse_attn"}):
-        res = resolve(CROSS_128, platform=CUDA_ALL)
-    assert (res.origin, res.reason) == ("role_override", "dense cross-attention fallback")
+def test_rule_overrides_explain_every_layer_role_overrides_count_as_explained() -> None:
+    # 0.1.0 raised "controlled none of its 1 layer(s)" here
+    with component_scope(
+        "transformer", backend="eager", role_backends={"self": "torch_sdpa"}
+    ) as handle:
+        res = resolve(LayerSpec(64, "fp32", name="attn1"), platform=CPU)
+    assert (res.backend.name, res.origin) == ("torch_sdpa", "role_override")
+    assert len(handle.decisions) == 1
+
+
+def test_rule_overrides_explain_every_layer_role_overrides_checked_without_require_selection(
+) -> None:
+    with pytest.raises(BackendNotAppliedError) as info, component_scope(
+        "vae", role_backends={"cross": "eager"}, require_selection=False
+    ):
+        resolve(LayerSpec(64, "fp32", name="self"), platform=CPU)
+    assert "no cross-attention layer that used it" in str(info.value)
+
+
+def test_rule_overrides_explain_every_layer_a_role_override_that_ran_nowhere_raises() -> None:
+    found = []
+    with pytest.raises(BackendNotAppliedError) as info, component_scope(
+        "transformer", role_backends={"cross": "video_sparse_attn"}
+    ):
+        found.append(resolve(CROSS_128, platform=CUDA_ALL))
+    assert (found[0].origin, found[0].reason) == ("role_override", "dense cross-attention fallback")
+    assert "it ran on none of its 1 cross-attention layer(s)" in str(info.value)
+    assert "recorded reasons: dense cross-attention fallback" in str(info.value)
 
 
 def test_rule_3_6_not_raised_with_require_selection_false() -> None:
@@ -333,8 +375,6 @@ def test_rule_3_6_not_raised_with_require_selection_false() -> None:
         pass
     with component_scope("vae", backend="eager", require_selection=False):
         resolve(LayerSpec(64, "fp32"), platform=CPU, backend="torch_sdpa")
-    with component_scope("vae", role_backends={"cross": "eager"}, require_selection=False):
-        pass
 
 
 def test_rule_3_6_not_raised_when_the_body_raised() -> None:

@@ -39,17 +39,22 @@ _logging.getLogger("attnres").addHandler(_logging.NullHandler())
 if TYPE_CHECKING:
     from attnres import distributed, kernels  # noqa: F401 - lazily exported
     from attnres.autotuner import autotune
-    from attnres.modules import Attention, KernelNotRegisteredError
+    from attnres.modules import Attention, KernelNotRegisteredError, bind
     from attnres.replayer import ReplayResult, replay
+    from attnres.request import RequestBackendError, request_backend
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: the layer and the kernels import torch, the resolver does not, so
     # ``import attnres`` (and the CLI) stays fast until a layer is built.
-    if name in ("Attention", "KernelNotRegisteredError"):
+    if name in ("Attention", "KernelNotRegisteredError", "bind"):
         from attnres import modules
 
         return getattr(modules, name)
+    if name in ("request_backend", "RequestBackendError"):
+        from attnres import request
+
+        return getattr(request, name)
     if name == "autotune":  # measured selection: imports torch, like the layer
         from attnres.autotuner import autotune
 
@@ -75,6 +80,7 @@ __all__ = [
     "LayerSpec",
     "Platform",
     "ReplayResult",
+    "RequestBackendError",
     "Requirements",
     "Resolution",
     "ResolutionError",
@@ -85,6 +91,7 @@ __all__ = [
     "UnknownBackendError",
     "__version__",
     "autotune",
+    "bind",
     "clear_cache",
     "clear_decisions",
     "component_scope",
@@ -96,6 +103,7 @@ __all__ = [
     "register_backend",
     "register_component_kind",
     "replay",
+    "request_backend",
     "resolve",
     "selection_config",
     "set_selection_config",

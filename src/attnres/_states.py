@@ -48,11 +48,13 @@ class Event(_StrEnum):
 
 
 class Origin(_StrEnum):
+    REQUEST = "request"
     LAYER = "layer"
     FORCED = "forced"
     ROLE_OVERRIDE = "role_override"
     COMPONENT_OVERRIDE = "component_override"
     GLOBAL_CLI = "global_cli"
+    GLOBAL_ENV = "global_env"
     GLOBAL_PREFERENCE = "global_preference"
     LAYER_DEFAULT = "layer_default"
     NONE = "none"

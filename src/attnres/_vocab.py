@@ -8,6 +8,7 @@ Nothing here imports torch: a ``torch.dtype`` is recognised by its string form
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "REQUIREMENT_PHRASES",
     "Requirement",
     "Role",
+    "normalize_component",
     "normalize_dtype",
 ]
 
@@ -119,3 +121,16 @@ def normalize_dtype(value: Any) -> str:
             f"dtype: unknown dtype {value!r}; use one of {valid} "
             f"(or an alias such as bf16, fp16, fp32, or a torch.dtype)"
         ) from None
+
+
+_COMPONENT_SEPARATORS = re.compile(r"[\s\-]+")
+
+
+def normalize_component(name: str) -> str:
+    """The canonical spelling of a component name: ``Text-Encoder`` -> ``text_encoder``.
+
+    Lower case, surrounding blanks dropped, and runs of ``-`` or blanks turned
+    into one ``_``; every place that takes a component name (scopes, the
+    per-component flag, the config) uses it, so the spellings cannot disagree.
+    """
+    return _COMPONENT_SEPARATORS.sub("_", name.strip().lower())

@@ -202,3 +202,17 @@ def emit_summary(state: ScopeState, entries: Sequence[tuple[Role, Decision]]) ->
         layers=len(entries),
         summary=True,
     )
+
+
+def emit_request_switch(action: str, backend: str, layers: int, previous: str) -> None:
+    """``attention backend switched for request`` / ``... restored after request``
+    (INFO): ``backend`` is the request's, ``previous`` what the layers ran before."""
+    log = _logger(logging.INFO)
+    if log is None:
+        return
+    text = (
+        "attention backend switched for request"
+        if action == "switch"
+        else "attention backend restored after request"
+    )
+    log.info(text, backend=backend, layers=layers, previous=previous, request=True)

@@ -141,6 +141,22 @@ def is_armed(layer: Attention) -> bool:
     return getattr(layer.__dict__.get("_run"), "attnres_incumbent", None) is not None
 
 
+def _bound(layer: Attention) -> Resolution:
+    """The layer's decision; a pending layer (built without dtype) is bound first."""
+    resolution = layer.resolution
+    if resolution is None:
+        resolution = layer._bind_to()
+    return resolution
+
+
+def _bound_kernel(layer: Attention) -> KernelFn:
+    _bound(layer)
+    kernel = layer.kernel
+    if kernel is None:  # pragma: no cover - a bound layer has its kernel
+        raise RuntimeError("attnres autotune: the layer has no bound kernel")
+    return kernel
+
+
 def arm(layer: Attention, *, min_elements: int | None = None) -> bool:
     """Arm ``layer``'s tuner when its decision is automatic and untuned.
 
@@ -152,9 +168,9 @@ def arm(layer: Attention, *, min_elements: int | None = None) -> bool:
         if min_elements is None:
             return True
         disarm(layer)
-    if not is_tunable(layer.resolution.trace):
+    if not is_tunable(_bound(layer).trace):
         return False
-    config = layer.resolution.trace.input.config
+    config = _bound(layer).trace.input.config
     settings = _Settings(
         config.autotune_min_elements if min_elements is None else int(min_elements),
         config.autotune_margin,
@@ -199,7 +215,7 @@ def _armed(ref: weakref.ref[Attention], run: Run, settings: _Settings) -> Run:
                     _tune(layer, run, (q, k, v, attn_mask), out.detach(), settings)
             except Exception as exc:  # measuring must never break a forward
                 layer.__dict__["_run"] = run
-                res = layer.resolution
+                res = _bound(layer)
                 emit_autotune_failed(res.component, res.layer, res.backend.name, _one_line(exc))
         return out
 
@@ -327,7 +343,7 @@ def _tune(
     reference: Tensor,
     settings: _Settings,
 ) -> None:
-    machine_trace = layer.resolution.trace
+    machine_trace = _bound(layer).trace
     inp = machine_trace.input
     q = args[0]
     dtype = str(q.dtype).removeprefix("torch.")
@@ -396,7 +412,7 @@ def _measure_all(
         sync = _synchronizer(args[0].device)
         # the incumbent is timed like every candidate: its bare kernel, without
         # the layer's input checks (its output on the real call is the reference)
-        bare = _bare(layer.kernel, layer)
+        bare = _bare(_bound_kernel(layer), layer)
         measured = [_measure(incumbent, bare, args, reference, settings, sync)]
         measured += [
             _measure(b, fn, args, reference, settings, sync) for b, fn in kernels
@@ -430,7 +446,7 @@ def _measure_all(
 
 def _adopt(layer: Attention, trace: Trace, *, fresh: bool) -> None:
     """Bind the tuned decision: the layer runs the winner; ledger and audit log say why."""
-    previous = layer.resolution
+    previous = _bound(layer)
     outcome = trace.outcome
     assert outcome.backend is not None
     resolution = Resolution(
@@ -505,11 +521,13 @@ def autotune(
     ):
         raise ValueError(f"min_elements: expected an integer >= 0, got {min_elements!r}")
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, Attention)]
+    for _, layer in layers:  # layers built without dtype: bound first (the server's decision)
+        _bound(layer)
     armed_here: list[Attention] = []
     untuned: dict[int, tuple[str, str]] = {}
     for name, layer in layers:
         label = layer.layer_spec.name or name
-        trace = layer.resolution.trace
+        trace = _bound(layer).trace
         if not is_tunable(trace):
             why = (
                 "already tuned"
@@ -532,14 +550,14 @@ def autotune(
         _COLLECTOR.remove(events)
         for layer in armed_here:
             disarm(layer)
-            if layer.resolution.trace.input.config.autotune:
+            if _bound(layer).trace.input.config.autotune:
                 arm(layer)  # the config asked for tuning: keep waiting for a large call
     small = {key: detail for key, event, detail in events if event == "small"}
     decisions: list[Decision] = []
     for name, layer in layers:
         label = layer.layer_spec.name or name
         if layer.resolution is not before[id(layer)]:
-            res = layer.resolution
+            res = _bound(layer)
             decisions.append(
                 Decision(res.component, res.layer, res.backend.name, res.reason, res.origin,
                          res.trace)

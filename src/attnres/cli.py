@@ -57,7 +57,7 @@ from attnres.backends import (
     registered_backends,
 )
 from attnres.errors import ResolutionError
-from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.layer import ENV_VAR, LayerSpec, Requirements, SelectionConfig, split_component_key
 from attnres.platform import Platform
 from attnres.scope import component_scope
 from attnres.trace import (
@@ -148,7 +148,9 @@ def _canonical_backend(action: argparse.Action, text: str) -> str:
 
 
 class _AttentionBackendAction(argparse.Action):
-    """``--attention-backend [COMPONENT=]BACKEND``; records that the operator typed it."""
+    """``--attention-backend [COMPONENT[.ROLE]=]BACKEND[,...]``; records that the
+    operator typed it. Component names are normalised (``Text-Encoder`` ->
+    ``text_encoder``); ``transformer.cross=X`` is a role override."""
 
     def __call__(
         self,
@@ -158,22 +160,38 @@ class _AttentionBackendAction(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         text = str(values).strip()
+        items = [item.strip() for item in text.split(",")]
+        if not text or any(not item for item in items):
+            raise argparse.ArgumentError(
+                self,
+                f"expected BACKEND, COMPONENT=BACKEND or COMPONENT.ROLE=BACKEND, comma-separated, "
+                f"got {text!r}",
+            )
+        for item in items:
+            self._one(namespace, item)
+
+    def _one(self, namespace: argparse.Namespace, text: str) -> None:
         if "=" in text:
             component, _, backend = (part.strip() for part in text.partition("="))
             if not component or not backend:
                 raise argparse.ArgumentError(
                     self, f"expected BACKEND or COMPONENT=BACKEND, got {text!r}"
                 )
+            try:
+                name, role = split_component_key(component, strict=True)
+            except ValueError as exc:
+                raise argparse.ArgumentError(self, str(exc)) from None
+            key = name if role is None else f"{name}.{role.value}"
             components = dict(getattr(namespace, DEST_COMPONENTS, None) or {})
-            name = _canonical_backend(self, backend)
-            previous = components.get(component)
-            if previous is not None and previous != name:
+            chosen = _canonical_backend(self, backend)
+            previous = components.get(key)
+            if previous is not None and previous != chosen:
                 raise argparse.ArgumentError(
                     self,
-                    f"component {component!r} was given two backends ({component}={previous} "
-                    f"and {component}={name}); give it once",
+                    f"component {key!r} was given two backends ({key}={previous} "
+                    f"and {key}={chosen}); give it once",
                 )
-            components[component] = name
+            components[key] = chosen
             setattr(namespace, DEST_COMPONENTS, components)
             return
         name = _canonical_backend(self, text)
@@ -193,12 +211,16 @@ def add_selection_arguments(
     *,
     default: Backend | str | None = None,
 ) -> argparse.Action:
-    """Add ``--attention-backend [COMPONENT=]BACKEND`` (repeatable) to ``parser``.
+    """Add ``--attention-backend [COMPONENT[.ROLE]=]BACKEND[,...]`` (repeatable) to ``parser``.
 
     ``default`` is the program's own preference: used when the operator does not
     type the flag, and recorded as *not explicit* (origin ``global_preference``,
-    relaxed everywhere). A typed value is explicit (origin ``global_cli``).
-    ``COMPONENT=BACKEND`` overrides one component (origin ``component_override``).
+    relaxed everywhere). A typed value is explicit (origin ``global_cli``);
+    without it, ``ATTNRES_ATTENTION_BACKEND`` in the environment is (origin
+    ``global_env``). ``COMPONENT=BACKEND`` overrides one component (origin
+    ``component_override``), ``COMPONENT.ROLE=BACKEND`` one role of it (origin
+    ``role_override``); items may be comma-separated
+    (``vae=torch_sdpa,text_encoder=fa``).
     Unknown backend names are parse errors that suggest the closest name.
     Read the result with :func:`selection_config_from_args`.
     """
@@ -207,11 +229,12 @@ def add_selection_arguments(
         "--attention-backend",
         dest=DEST_BACKEND,
         action=_AttentionBackendAction,
-        metavar="[COMPONENT=]BACKEND",
+        metavar="[COMPONENT[.ROLE]=]BACKEND[,...]",
         default=default_name,
         help=(
-            "attention backend for every layer (relaxed for auxiliary components), or "
-            "COMPONENT=BACKEND for one component (repeatable)"
+            "attention backend for every layer (relaxed for auxiliary components), "
+            "COMPONENT=BACKEND for one component, COMPONENT.ROLE=BACKEND for its self- or "
+            f"cross-attention layers; comma-separated or repeated (default: ${ENV_VAR})"
             + (f"; default: {default_name} (a preference, not explicit)" if default_name else "")
         ),
     )
@@ -249,7 +272,10 @@ def selection_config_from_args(namespace: argparse.Namespace | Any) -> Selection
     :func:`add_selection_arguments` filled.
 
     ``global_backend_explicit`` is true only when the operator typed the flag;
-    a program default left in place is a preference (false).
+    a program default left in place is a preference (false). Without a typed
+    flag, ``ATTNRES_ATTENTION_BACKEND`` sets the global backend (origin
+    ``global_env``): the flag beats the variable, the variable beats a
+    program default.
     """
     global_backend = getattr(namespace, DEST_BACKEND, None)
     explicit = bool(getattr(namespace, DEST_EXPLICIT, False))
@@ -261,12 +287,13 @@ def selection_config_from_args(namespace: argparse.Namespace | Any) -> Selection
         if not autotune:
             raise UsageError("--autotune-min-elements needs --autotune")
         tuning["autotune_min_elements"] = min_elements
-    return SelectionConfig(
+    config = SelectionConfig(
         global_backend=global_backend,
         global_backend_explicit=explicit if global_backend is not None else True,
         component_backends=dict(components),
         **tuning,
     )
+    return config if explicit else SelectionConfig.from_env(base=config)
 
 
 # =============================================================================
@@ -546,7 +573,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "--implicit marks --attention-backend as derived or defaulted (origin "
                 "global_preference); give --attention-backend BACKEND as well"
             )
-        config = attrs.evolve(config, global_backend_explicit=False)
+        config = attrs.evolve(config, global_backend_explicit=False, global_backend_env=None)
     if args.component_backend is not None and args.component is None:
         raise UsageError(
             "--component-backend is the override of one component: give --component NAME too"
@@ -596,30 +623,31 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _check_explain_overrides(args: argparse.Namespace, config: SelectionConfig) -> None:
-    """``--attention-backend COMPONENT=X`` in explain must name the component explained,
-    and agree with ``--component-backend`` when both name its backend."""
+    """``--attention-backend COMPONENT[.ROLE]=X`` in explain must name the component
+    explained, and agree with ``--component-backend`` when both name its backend."""
     import difflib
 
-    for component, backend in config.component_backends:
+    for key, backend in config.component_backends:
+        component, role = split_component_key(key)
         if component != args.component:
             if args.component is None:
                 raise UsageError(
-                    f"--attention-backend {component}={backend.name}: explain resolves this "
+                    f"--attention-backend {key}={backend.name}: explain resolves this "
                     f"layer outside any component; give --component {component} to explain "
                     f"it inside that component"
                 )
             close = difflib.get_close_matches(component, [args.component], n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UsageError(
-                f"--attention-backend {component}={backend.name}: the component explained is "
+                f"--attention-backend {key}={backend.name}: the component explained is "
                 f"{args.component!r}, not {component!r}{hint}"
             )
-        if args.component_backend is not None:
+        if args.component_backend is not None and role is None:
             flag = Backend.parse(args.component_backend).name
             if flag != backend.name:
                 raise UsageError(
                     f"component {component!r} was given two backends: --component-backend "
-                    f"{flag} and --attention-backend {component}={backend.name}; give one"
+                    f"{flag} and --attention-backend {key}={backend.name}; give one"
                 )
 
 
@@ -713,6 +741,8 @@ def _render_explain(trace: Trace) -> list[str]:
     cfg = inp.config
     if cfg.global_backend is None:
         request = "no global --attention-backend"
+    elif cfg.global_backend_env is not None:
+        request = f"{cfg.global_backend_env}={cfg.global_backend.name} (set in the environment)"
     else:
         how = "typed by the operator" if cfg.global_backend_explicit else "implicit preference"
         request = f"--attention-backend {cfg.global_backend.name} ({how})"
@@ -851,8 +881,9 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     pipeline = load_pipeline(args.pipeline)
     config = selection_config_from_args(args)
     names = [c.name for c in pipeline.components]
+    known = {split_component_key(n)[0] for n in names}
     for component, backend in config.component_backends:
-        if component not in names:
+        if split_component_key(component)[0] not in known:
             raise UsageError(
                 f"--attention-backend {component}={backend.name}: the pipeline "
                 f"{pipeline.name!r} ({pipeline.path}) has no component {component!r}; its "
@@ -940,6 +971,10 @@ def _render_plan(result: PlanResult) -> list[str]:
     lines += _field("Platform:", _platform_text(result.platform), width)
     if config.global_backend is None:
         request = "no global --attention-backend"
+    elif config.global_backend_env is not None:
+        request = (
+            f"{config.global_backend_env}={config.global_backend.name} (set in the environment)"
+        )
     else:
         how = "typed by the operator" if config.global_backend_explicit else "a preference"
         request = f"--attention-backend {config.global_backend.name} ({how})"
@@ -1052,6 +1087,31 @@ def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 # =============================================================================
 
 
+def _environment_doc() -> dict[str, Any]:
+    """What ``ATTNRES_ATTENTION_BACKEND`` holds and what attnres makes of it."""
+    raw = os.environ.get(ENV_VAR)
+    doc: dict[str, Any] = {"variable": ENV_VAR, "value": raw, "backend": None, "error": None}
+    if raw is None or not raw.strip():
+        doc["status"] = "unset"
+        doc["summary"] = "not set (no global backend from the environment)"
+        return doc
+    try:
+        config = SelectionConfig.from_env({ENV_VAR: raw})
+    except ValueError as exc:
+        doc["status"] = "invalid"
+        doc["error"] = str(exc)
+        doc["summary"] = f"{raw!r} is invalid: {exc}"
+        return doc
+    backend = config.global_backend.name if config.global_backend else None
+    doc["status"] = "set"
+    doc["backend"] = backend
+    doc["summary"] = (
+        f"{backend} (global backend, origin global_env: relaxed and strict like "
+        f"--attention-backend, which beats it when typed)"
+    )
+    return doc
+
+
 def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import attnres
 
@@ -1089,6 +1149,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             {"entry_point": f.entry_point, "error": f.error} for f in failures
         ],
         "notes": list(platform.notes),
+        "environment": _environment_doc(),
     }
     if args.json:
         _emit_json(out, doc)
@@ -1138,6 +1199,9 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         )
     else:
         lines.append("  no plugin failed to load")
+    env = doc["environment"]
+    lines += ["", "Environment"]
+    lines += _wrap(f"{ENV_VAR}: {env['summary']}", width, "  ", "    ")
     lines += ["", "Platform notes"]
     if platform.notes:
         for note in platform.notes:

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import difflib
 import operator
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import attrs
 from attrs import field, frozen
 
-from attnres._vocab import Requirement, Role, normalize_dtype
+from attnres._vocab import Requirement, Role, normalize_component, normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import UnknownBackendError
 
-__all__ = ["LayerSpec", "Requirements", "Role", "SelectionConfig"]
+__all__ = ["ENV_VAR", "LayerSpec", "Requirements", "Role", "SelectionConfig", "split_component_key"]
+
+#: The environment variable that sets the global backend when the flag is absent.
+ENV_VAR = "ATTNRES_ATTENTION_BACKEND"
 
 
 def _parse_backend(value: Backend | str, what: str) -> Backend:
@@ -190,6 +195,32 @@ class LayerSpec:
     name: str | None = field(default=None, converter=_name)
 
 
+def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | None]:
+    """``"Text-Encoder"`` -> ``("text_encoder", None)``; ``"transformer.cross"`` ->
+    ``("transformer", Role.CROSS)``.
+
+    A key is a role override when the part after its last ``.`` is a role
+    (``self`` or ``cross``); otherwise the whole key is a component name --
+    unless ``strict`` (the command line), where any other part after a ``.`` is
+    an error. Raises ``ValueError`` for an empty name.
+    """
+    name, dot, role_text = key.rpartition(".")
+    role: Role | None = None
+    if dot and role_text.strip().lower() in ("self", "cross") and normalize_component(name):
+        role = Role.parse(role_text)
+    elif dot and strict:
+        raise ValueError(
+            f"{key!r}: the part after the last '.' must be a role, self or cross "
+            f"(COMPONENT.ROLE=BACKEND overrides one role of a component)"
+        )
+    else:
+        name = key
+    component = normalize_component(name)
+    if not component:
+        raise ValueError(f"component name must be a non-empty string, got {key!r}")
+    return component, role
+
+
 def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
     if not value:
         return ()
@@ -202,12 +233,23 @@ def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
             raise ValueError(
                 f"component_backends: expected (component, backend) pairs, got {pair!r}"
             ) from None
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name.strip():
             raise ValueError(
                 f"component_backends: component name must be a non-empty string, got {name!r}"
             )
-        out[name] = _parse_backend(backend, f"component_backends[{name!r}]")
+        try:
+            component, role = split_component_key(name)
+        except ValueError as exc:
+            raise ValueError(f"component_backends: {exc}") from None
+        key = component if role is None else f"{component}.{role.value}"
+        out[key] = _parse_backend(backend, f"component_backends[{name!r}]")
     return tuple(sorted(out.items()))
+
+
+def _env_name(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"global_backend_env: expected a variable name or None, got {value!r}")
+    return value
 
 
 def _non_negative_int(_: Any, attribute: Any, value: Any) -> None:
@@ -263,9 +305,13 @@ class SelectionConfig:
 
     ``global_backend_explicit`` tells an operator's typed ``--attention-backend``
     (origin ``global_cli``) from a derived or defaulted preference (origin
-    ``global_preference``). ``component_backends`` is the per-component form of
-    the flag (``--attention-backend vae=torch_sdpa``): it acts as that
-    component's override.
+    ``global_preference``). ``global_backend_env`` names the environment
+    variable that set the global backend (origin ``global_env``; relaxed and
+    strict exactly like the flag). ``component_backends`` is the per-component
+    form of the flag (``--attention-backend vae=torch_sdpa``): it acts as that
+    component's override; a key ``component.role`` (``transformer.cross``) is a
+    role override of that component. Component names are normalised
+    (``Text-Encoder`` -> ``text_encoder``).
     """
 
     global_backend: Backend | None = field(default=None, converter=_global_backend)
@@ -274,6 +320,7 @@ class SelectionConfig:
     component_backends: tuple[tuple[str, Backend], ...] = field(
         default=(), converter=_component_backends
     )
+    global_backend_env: str | None = field(default=None, converter=_env_name)
     #: measure automatic decisions on their first large forward (docs/selection-contract.md)
     autotune: bool = field(default=False, validator=_is_bool)
     #: a forward whose query holds fewer elements stays on the incumbent (the
@@ -289,17 +336,67 @@ class SelectionConfig:
     autotune_warmup: int = field(default=3, validator=_non_negative_int)
     autotune_repeats: int = field(default=8, validator=_positive_int)
 
+    def __attrs_post_init__(self) -> None:
+        if self.global_backend_env is not None and (
+            self.global_backend is None or not self.global_backend_explicit
+        ):
+            raise ValueError(
+                f"global_backend_env: {self.global_backend_env} names where an explicit global "
+                f"backend came from; it needs global_backend set and global_backend_explicit=True"
+            )
+
     def component_backend(self, component: str | None) -> Backend | None:
         if component is None:
             return None
+        key = normalize_component(component)
         for name, backend in self.component_backends:
-            if name == component:
+            if name == key:
+                return backend
+        return None
+
+    def role_backend(self, component: str | None, role: Role) -> Backend | None:
+        """The ``component.role`` override (``--attention-backend transformer.cross=X``)."""
+        if component is None or not self.component_backends:
+            return None
+        key = f"{normalize_component(component)}.{role.value}"
+        for name, backend in self.component_backends:
+            if name == key:
                 return backend
         return None
 
     @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, base: SelectionConfig | None = None
+    ) -> SelectionConfig:
+        """``base`` (default: an empty config) with ``ATTNRES_ATTENTION_BACKEND`` applied.
+
+        The variable sets the global backend, as an explicit operator choice
+        (origin ``global_env``), only where ``base`` has no explicit global
+        backend: the typed flag beats it. Unset or blank: ``base`` unchanged.
+        A bad value is a ``ValueError`` naming the variable.
+        """
+        env = os.environ if environ is None else environ
+        config = cls() if base is None else base
+        text = env.get(ENV_VAR, "").strip()
+        if not text or (config.global_backend is not None and config.global_backend_explicit):
+            return config
+        if "=" in text or "," in text:
+            raise ValueError(
+                f"{ENV_VAR}={text!r}: the variable sets the global backend only (one backend "
+                f"name); use --attention-backend COMPONENT=BACKEND for one component"
+            )
+        try:
+            backend = Backend.parse(text)
+        except UnknownBackendError as exc:
+            raise UnknownBackendError(f"{ENV_VAR}: {exc}", exc.name, exc.suggestion) from None
+        return attrs.evolve(
+            config, global_backend=backend, global_backend_explicit=True, global_backend_env=ENV_VAR
+        )
+
+    @classmethod
     def from_args(cls, namespace: Any) -> SelectionConfig:
-        """Build from an argparse namespace filled by ``cli.add_selection_arguments``."""
+        """Build from an argparse namespace filled by ``cli.add_selection_arguments``
+        (``ATTNRES_ATTENTION_BACKEND`` applies when the flag was not typed)."""
         from attnres.cli import selection_config_from_args
 
         config = selection_config_from_args(namespace)

@@ -14,7 +14,7 @@ from attrs import field, frozen
 if TYPE_CHECKING:
     from attnres.trace import Trace
 
-__all__ = ["Decision", "clear_decisions", "decisions", "record_decision"]
+__all__ = ["Decision", "clear_decisions", "decisions", "record_decision", "replace_decision"]
 
 
 @frozen
@@ -49,6 +49,22 @@ _DECISIONS: list[Decision] = []
 def record_decision(decision: Decision) -> None:
     # list.append is atomic: no lock on the hot path of a cache hit.
     _DECISIONS.append(decision)
+
+
+def replace_decision(stale: Decision | None, fresh: Decision) -> None:
+    """Put ``fresh`` where ``stale`` (the same object) was last recorded; append it
+    when ``stale`` is not in the ledger (cleared meanwhile, or ``None``).
+
+    A layer that resolves again (cast to another dtype) keeps one entry: the
+    ledger says what every layer runs now.
+    """
+    with _LOCK:
+        if stale is not None:
+            for index in range(len(_DECISIONS) - 1, -1, -1):
+                if _DECISIONS[index] is stale:
+                    _DECISIONS[index] = fresh
+                    return
+        _DECISIONS.append(fresh)
 
 
 def decisions() -> tuple[Decision, ...]:

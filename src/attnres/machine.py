@@ -56,7 +56,7 @@ from attnres.errors import ResolutionError
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision
 from attnres.platform import Platform
-from attnres.scope import ScopeState, current_handle
+from attnres.scope import ScopeHandle, ScopeState, current_handle
 from attnres.trace import (
     CheckRecord,
     Failure,
@@ -74,16 +74,21 @@ from attnres.trace import (
 __all__ = [
     "CANDIDATE_STAGES",
     "CHECK_ORDER",
+    "GLOBAL_EXPLICIT_ORIGINS",
     "STRICT_ORIGINS",
     "TRANSITIONS",
     "TUNABLE_ORIGINS",
     "Resolution",
     "cache_info",
+    "capture_config",
     "check_candidate",
     "clear_cache",
     "detect_origin",
     "force_backend",
+    "lookup",
+    "rejection",
     "resolve",
+    "resolve_entry",
     "run_machine",
     "selection_config",
     "set_selection_config",
@@ -165,9 +170,11 @@ CHECK_ORDER: Final = (
 
 #: Origins whose failure rejects (SPEC 3.1); ``global_cli`` depends on 3.2.
 STRICT_ORIGINS: Final = frozenset(
-    {Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE, Origin.COMPONENT_OVERRIDE}
+    {Origin.REQUEST, Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE, Origin.COMPONENT_OVERRIDE}
 )
 
+#: Origins of an explicit global backend the operator chose (relaxed per SPEC 3.2).
+GLOBAL_EXPLICIT_ORIGINS: Final = frozenset({Origin.GLOBAL_CLI, Origin.GLOBAL_ENV})
 #: Origins whose decision autotune may measure and replace: the automatic ones.
 #: A backend the operator or the code asked for (every other origin) is never
 #: tuned. Adding an origin to the vocabulary means deciding here whether it is
@@ -201,6 +208,13 @@ class DetectedOrigin:
 def detect_origin(inp: TraceInput) -> DetectedOrigin:
     """The first origin that applies, the backend it requests, and its strictness."""
     layer, config, scope = inp.layer, inp.config, inp.scope
+    if inp.request is not None:
+        return DetectedOrigin(
+            Origin.REQUEST,
+            inp.request,
+            True,
+            "backend requested for one request (attnres.request_backend)",
+        )
     if inp.backend is not None:
         return DetectedOrigin(
             Origin.LAYER, inp.backend, True, "backend passed explicitly for this layer"
@@ -211,13 +225,17 @@ def detect_origin(inp: TraceInput) -> DetectedOrigin:
         )
     if scope is not None:
         role_backend = scope.role_backend(layer.role)
+        via = ""
+        if role_backend is None:
+            role_backend = config.role_backend(scope.component, layer.role)
+            via = f" (--attention-backend {scope.component}.{layer.role.value}=...)"
         if role_backend is not None:
             return DetectedOrigin(
                 Origin.ROLE_OVERRIDE,
                 role_backend,
                 True,
                 f"component {scope.component!r} override for {layer.role.value}-attention "
-                f"layers ({scope.component}.{layer.role.value})",
+                f"layers ({scope.component}.{layer.role.value}){via}",
             )
         component_backend = scope.backend or config.component_backend(scope.component)
         if component_backend is not None:
@@ -251,6 +269,13 @@ def detect_origin(inp: TraceInput) -> DetectedOrigin:
             detail = (
                 f"strict: component {scope.component!r} ({scope.kind}, {scope.loader}) does "
                 f"not allow global fallback and the layer declares no default"
+            )
+        if config.global_backend_env is not None:
+            return DetectedOrigin(
+                Origin.GLOBAL_ENV,
+                config.global_backend,
+                not relaxed_by,
+                f"{config.global_backend_env} set in the environment by the operator; {detail}",
             )
         return DetectedOrigin(
             Origin.GLOBAL_CLI,
@@ -633,7 +658,7 @@ def run_machine(inp: TraceInput) -> Trace:
                     event = Event.SPARSE_CROSS_FALLBACK
                 elif found.strict:
                     event = Event.STRICT_FAILURE
-                elif found.origin is Origin.GLOBAL_CLI:
+                elif found.origin in GLOBAL_EXPLICIT_ORIGINS:
                     event = Event.GLOBAL_FALLBACK
                 else:
                     event = Event.PREFERENCE_FALLBACK
@@ -684,15 +709,29 @@ class Resolution:
 
 
 _CONFIG_LOCK = threading.Lock()
-_CONFIG: SelectionConfig = SelectionConfig()
+#: the process-wide config; ``None`` until first needed, then built from the
+#: environment (ATTNRES_ATTENTION_BACKEND) unless set_selection_config ran first
+_CONFIG: SelectionConfig | None = None
 _FORCED: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
     "attnres_forced_backend", default=None
 )
 
 
 def selection_config() -> SelectionConfig:
-    """The process-wide selection config that :func:`resolve` uses by default."""
-    return _CONFIG
+    """The process-wide selection config that :func:`resolve` uses by default.
+
+    Until :func:`set_selection_config` is called it is built, once, from the
+    environment: ``ATTNRES_ATTENTION_BACKEND`` sets the global backend (origin
+    ``global_env``); a bad value raises a ``ValueError`` naming the variable.
+    """
+    global _CONFIG
+    config = _CONFIG
+    if config is None:
+        with _CONFIG_LOCK:
+            if _CONFIG is None:
+                _CONFIG = SelectionConfig.from_env()
+            config = _CONFIG
+    return config
 
 
 def set_selection_config(config: SelectionConfig) -> SelectionConfig:
@@ -702,7 +741,7 @@ def set_selection_config(config: SelectionConfig) -> SelectionConfig:
         raise TypeError(f"expected a SelectionConfig, got {type(config).__name__}")
     with _CONFIG_LOCK:
         previous, _CONFIG = _CONFIG, config
-    return previous
+    return SelectionConfig() if previous is None else previous
 
 
 @contextmanager
@@ -763,18 +802,68 @@ def resolve(
     """
     if type(layer) is not LayerSpec and not isinstance(layer, LayerSpec):
         raise TypeError(f"resolve() takes a LayerSpec, got {type(layer).__name__}")
-    cfg = _CONFIG if config is None else config
-    forced = _FORCED.get()
-    # (getattr: a config of the wrong type is reported on the cold path below)
-    if forced is not None and getattr(cfg, "forced_backend", forced) != forced:
-        cfg = attrs.evolve(cfg, forced_backend=forced)
+    cfg = capture_config(config)
     if platform is None:
         platform = _platform_mod._DETECTED or Platform.detect()
     if backend is not None and type(backend) is not Backend:
         backend = optional_backend("backend")(backend)
-    handle = current_handle()
-    scope = None if handle is None else handle.state
-    key = (layer, cfg, scope, platform, backend)
+    return resolve_entry(layer, cfg, current_handle(), platform, backend)[0]
+
+
+def capture_config(config: SelectionConfig | None = None) -> SelectionConfig:
+    """The config a resolution made here and now uses: ``config`` (default: the
+    process-wide one) with this context's :func:`force_backend` folded in."""
+    cfg = (_CONFIG or selection_config()) if config is None else config
+    forced = _FORCED.get()
+    # (getattr: a config of the wrong type is reported on the cold path)
+    if forced is not None and getattr(cfg, "forced_backend", forced) != forced:
+        cfg = attrs.evolve(cfg, forced_backend=forced)
+    return cfg
+
+
+def resolve_entry(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    handle: ScopeHandle | None,
+    platform: Platform | None,
+    backend: Backend | None,
+) -> tuple[Resolution, Decision]:
+    """:func:`resolve` with its context given rather than read: the decision is
+    recorded in the ledger and in ``handle``'s scope; rejected raises."""
+    resolution, decision, trace = lookup(
+        layer, cfg, None if handle is None else handle.state, platform, backend
+    )
+    record_decision(decision)
+    if handle is not None:
+        handle.entries.append((layer.role, decision))
+    if resolution is None:
+        raise rejection(trace)
+    return resolution, decision
+
+
+def rejection(trace: Trace) -> ResolutionError:
+    """The error of a rejected resolution."""
+    return ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
+
+
+def lookup(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    scope: ScopeState | None,
+    platform: Platform | None,
+    backend: Backend | None,
+    request: Backend | None = None,
+) -> tuple[Resolution | None, Decision, Trace]:
+    """The cached (or newly computed, traced and audited) outcome of one input.
+
+    Records nothing: the caller decides whether the decision is the server's
+    (the ledger, the scope) or one request's (neither). ``request`` is a
+    per-request backend (origin ``request``). The resolution is ``None`` when
+    the outcome is a rejection.
+    """
+    if platform is None:
+        platform = _platform_mod._DETECTED or Platform.detect()
+    key = (layer, cfg, scope, platform, backend, request)
     try:
         entry = _CACHE.get(key)
     except TypeError:  # an unhashable argument (a dict for a config, say): say which
@@ -783,18 +872,12 @@ def resolve(
     if entry is None:
         # argument types are checked on the cold path only: a hit costs nothing more
         _check_arguments(cfg, platform)
-        entry = _resolve_renamed(layer, cfg, scope, platform, backend, key)
+        entry = _resolve_renamed(layer, cfg, scope, platform, backend, request, key)
         if entry is None:
-            entry = _resolve_cold(TraceInput(layer, cfg, scope, platform, backend), key)
+            entry = _resolve_cold(TraceInput(layer, cfg, scope, platform, backend, request), key)
     else:
         emit_cache_hit(entry[1])
-    resolution, decision, trace = entry
-    record_decision(decision)
-    if handle is not None:
-        handle.entries.append((layer.role, decision))
-    if resolution is None:
-        raise ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
-    return resolution
+    return entry
 
 
 def _check_arguments(config: object, platform: object) -> None:
@@ -810,7 +893,12 @@ def _check_arguments(config: object, platform: object) -> None:
 
 
 def _shape_key(
-    layer: LayerSpec, cfg: object, scope: object, platform: object, backend: object
+    layer: LayerSpec,
+    cfg: object,
+    scope: object,
+    platform: object,
+    backend: object,
+    request: object = None,
 ) -> tuple[object, ...]:
     """The cache key without the layer's name.
 
@@ -830,6 +918,7 @@ def _shape_key(
         scope,
         platform,
         backend,
+        request,
     )
 
 
@@ -842,16 +931,19 @@ def _resolve_renamed(
     scope: ScopeState | None,
     platform: Platform,
     backend: Backend | None,
+    request: Backend | None,
     key: tuple[object, ...],
 ) -> _CacheEntry | None:
     """A resolution of an identical layer under another name, renamed; or ``None``."""
-    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend))
+    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend, request))
     if twin is None:
         return None
     generation = registry_generation()
     recorded = twin[2]
     trace = Trace(
-        TraceInput(layer, cfg, scope, platform, backend), recorded.records, recorded.outcome
+        TraceInput(layer, cfg, scope, platform, backend, request),
+        recorded.records,
+        recorded.outcome,
     )
     entry = _entry_for(trace)
     emit_cache_hit(entry[1])
@@ -900,6 +992,8 @@ def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
     _store(key, entry, generation)
     layer = inp.layer
     if layer.name is not None:
-        shape = _shape_key(layer, inp.config, inp.scope, inp.platform, inp.backend)
+        shape = _shape_key(
+            layer, inp.config, inp.scope, inp.platform, inp.backend, inp.request
+        )
         _store(shape, entry, generation, _SHAPES)
     return entry

@@ -26,10 +26,12 @@ Errors
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple, overload
 
@@ -38,14 +40,17 @@ import torch
 import torch.nn.modules.module as _nn_module
 from torch import Tensor, nn
 
-from attnres._vocab import Role
-from attnres.backends import Backend, lookup_spec
+from attnres._vocab import Requirement, Role, normalize_dtype
+from attnres.backends import Backend, lookup_spec, on_registry_change
+from attnres.errors import BackendNotAppliedError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
-from attnres.layer import LayerSpec, Requirements
-from attnres.machine import Resolution, resolve
+from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
+from attnres.ledger import Decision, record_decision, replace_decision
+from attnres.machine import Resolution, capture_config, check_candidate, lookup, rejection
 from attnres.platform import Platform
+from attnres.scope import ScopeHandle, ScopeState, current_handle
 
-__all__ = ["Attention", "KernelNotRegisteredError"]
+__all__ = ["Attention", "KernelNotRegisteredError", "bind"]
 
 
 class KernelNotRegisteredError(RuntimeError):
@@ -81,6 +86,9 @@ _MEMO_MAX: Final = 1024
 _MEMO_LOCK = threading.Lock()
 _SPECS: dict[tuple[object, ...], LayerSpec] = {}
 _DTYPE_SETS: dict[frozenset[str], frozenset[torch.dtype]] = {}
+#: (backend, requirements, role, platform) -> whether the kernel has a backward pass
+_HAS_BACKWARD: dict[tuple[object, ...], bool] = {}
+on_registry_change(_HAS_BACKWARD.clear)  # a re-registered spec may change the facts
 
 
 def _memo_put(memo: dict[Any, Any], key: object, value: object) -> None:
@@ -278,10 +286,15 @@ class Attention(nn.Module):
     """
 
     layer_spec: LayerSpec
-    resolution: Resolution
-    kernel: KernelFn
+    resolution: Resolution | None
+    kernel: KernelFn | None
     _shape: _LayerShape
     _run: Callable[..., Tensor]
+    _context: _Context
+    _decision: Decision | None
+    _awaited_by_scope: bool
+    _prepared: dict[str, _Bound]
+    _backward: _Bound | None
 
     def __init__(
         self,
@@ -354,30 +367,260 @@ class Attention(nn.Module):
             name,
             (custom_scale, cap > 0, band is not None),
         )
-        resolution = resolve(spec, platform=platform, backend=backend)
-        kernel, dtypes = _bind(resolution, spec)
+        if platform is not None and not isinstance(platform, Platform):
+            raise TypeError(
+                f"platform: expected an attnres.Platform (Platform.detect() or "
+                f"Platform.simulate('cuda:sm90+flash_attn')), got {type(platform).__name__}"
+            )
+        # What the layer resolves with, now or later: the scope, config and forced
+        # backend of the place it was built in, never those current at first use.
+        handle = current_handle()
+        context = _Context(
+            capture_config(),
+            None if handle is None else handle.state,
+            handle,
+            platform,
+            None if backend is None else optional_backend("backend")(backend),
+        )
         shape = _LayerShape(
-            num_heads,
-            kv_heads,
-            head_size,
-            causal,
-            scale,
-            resolution.backend.name,
-            spec.dtype,
-            cap,
-            band,
+            num_heads, kv_heads, head_size, causal, scale, "", spec.dtype, cap, band
         )
         # Plain attributes, set without nn.Module.__setattr__'s parameter/module
         # bookkeeping (none of them is a tensor or a module).
         self.__dict__.update(
             layer_spec=spec,
+            resolution=None,
+            kernel=None,
+            _shape=shape,
+            _context=context,
+            _decision=None,
+            _awaited_by_scope=False,
+            _prepared={},
+            _backward=None,
+            _run=None if dtype is not None else _pending_run(weakref.ref(self)),
+        )
+        if dtype is not None:
+            self._resolve(spec, platform)
+        elif handle is not None:
+            handle.add_pending()
+            self.__dict__["_awaited_by_scope"] = True
+
+    # -- per-request switching (attnres.request_backend) --------------------------
+
+    def _prepare(self, backend: Backend) -> _Bound:
+        """The resolution and bound forward of ``backend`` for one request (origin
+        ``request``, strict, traced, not recorded), cached per layer."""
+        prepared: _Bound | None = self._prepared.get(backend.name)
+        if prepared is not None:
+            return prepared
+        current = self.resolution
+        if current is None:  # pragma: no cover - request_backend binds first
+            raise RuntimeError("attnres.Attention: prepare a request on a bound layer")
+        ctx, spec = self._context, self.layer_spec
+        resolution, _, trace = lookup(
+            spec, ctx.config, ctx.scope, current.trace.input.platform, ctx.backend, backend
+        )
+        if resolution is None:
+            raise rejection(trace)
+        kernel, dtypes = _bind(resolution, spec)
+        shape = self._shape._replace(backend=resolution.backend.name)
+        prepared = _Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes))
+        self._prepared[backend.name] = prepared
+        return prepared
+
+    def _swap(self, bound: _Bound) -> _Bound:
+        """Run ``bound`` from now on; returns what ran before (to restore it)."""
+        before = _Bound(self.resolution, self.kernel, self._shape, self._run)
+        self.__dict__.update(
+            resolution=bound.resolution, kernel=bound.kernel, _shape=bound.shape, _run=bound.run
+        )
+        return before
+
+    # -- training: a forward that needs gradients needs a backward pass -----------
+
+    def _backward_spec(self) -> LayerSpec:
+        spec = self.layer_spec
+        return attrs.evolve(
+            spec, requirements=attrs.evolve(spec.requirements, backward=True)
+        )
+
+    def _guard(self, run: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """``run``, or -- when the bound kernel has no backward pass and the layer did
+        not require one -- ``run`` behind a check for forwards that need gradients.
+
+        Only such layers pay for the check (one grad-mode call and three flags);
+        every other bound layer runs ``run`` itself.
+        """
+        resolution = self.resolution
+        spec = self.layer_spec
+        if resolution is None or spec.requirements.backward:
+            return run
+        facts = lookup_spec(resolution.backend)
+        if (
+            facts is not None
+            and Requirement.BACKWARD in facts.implements
+            and not any(Requirement.BACKWARD in limit.requirements for limit in facts.limits)
+        ):
+            return run  # a backward pass everywhere (torch_sdpa, eager, ...): no check
+        platform = resolution.trace.input.platform
+        # only the requirements check can differ from the inference decision's
+        key = (resolution.backend, spec.requirements, spec.role, platform)
+        has_backward = _HAS_BACKWARD.get(key)
+        if has_backward is None:
+            checks = check_candidate(resolution.backend, self._backward_spec(), platform)
+            has_backward = all(not failures for _, failures in checks)
+            _memo_put(_HAS_BACKWARD, key, has_backward)
+        return run if has_backward else _grad_guard(run, weakref.ref(self))
+
+    @property
+    def backward_resolution(self) -> Resolution | None:
+        """The decision for forwards that need gradients, when the bound kernel has
+        no backward pass and one has run (kept beside the inference decision)."""
+        bound = self._backward
+        return None if bound is None else bound.resolution
+
+    def _training_run(self) -> Callable[..., Tensor]:
+        """The forward for inputs that need gradients: resolved once with the
+        ``backward`` requirement added (traced, not recorded in the ledger, like a
+        request's), so a relaxed decision falls back and a strict one raises a
+        :class:`~attnres.ResolutionError` before anything is computed."""
+        bound = self._backward
+        if bound is None:
+            current = self.resolution
+            if current is None:  # pragma: no cover - only bound layers are guarded
+                raise RuntimeError("attnres.Attention: a pending layer has no training path")
+            ctx, spec = self._context, self._backward_spec()
+            resolution, _, trace = lookup(
+                spec, ctx.config, ctx.scope, current.trace.input.platform, ctx.backend
+            )
+            if resolution is None:
+                error = rejection(trace)
+                raise type(error)(
+                    f"{error} (attnres.Attention{_named(self.layer_spec)} runs "
+                    f"{current.backend.name!r}, which has no backward pass here, and this "
+                    f"forward needs gradients; nothing was computed)",
+                    error.trace,
+                    error.code,
+                ) from None
+            kernel, dtypes = _bind(resolution, spec)
+            shape = self._shape._replace(backend=resolution.backend.name)
+            bound = _Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes))
+            self.__dict__["_backward"] = bound
+        return bound.run
+
+    # -- late binding -------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether the layer has not resolved yet (built without ``dtype``, not yet
+        cast, run or bound); ``.backend`` and ``.resolution`` are ``None`` until then."""
+        return self.resolution is None
+
+    def _resolve(self, spec: LayerSpec, platform: Platform | None) -> Resolution:
+        """Resolve for ``spec`` (its dtype) with the captured context and bind.
+
+        The first resolution records the decision in the ledger and the scope the
+        layer was built in (checking that scope's overrides if it has exited);
+        a later one (a cast) replaces the stale ledger entry.
+        """
+        ctx = self._context
+        first = self.resolution is None
+        resolution, decision, trace = lookup(
+            spec, ctx.config, ctx.scope, ctx.platform if platform is None else platform,
+            ctx.backend,
+        )
+        handle = ctx.handle if first else None
+        awaited = first and self._awaited_by_scope
+        if first:
+            record_decision(decision)
+            if handle is not None:
+                handle.entries.append((spec.role, decision))
+        elif resolution is not None:
+            replace_decision(self._decision, decision)
+        if resolution is None:
+            if awaited and handle is not None:
+                self.__dict__["_awaited_by_scope"] = False
+                # the rejection is the error to report
+                with contextlib.suppress(BackendNotAppliedError):
+                    handle.bound(spec.role, None)
+            raise rejection(trace)
+        kernel, dtypes = _bind(resolution, spec)
+        self.__dict__.update(
+            layer_spec=spec,
             resolution=resolution,
             kernel=kernel,
-            _shape=shape,
-            _run=_make_run(shape, kernel, dtypes),
+            _decision=decision,
+            _prepared={},
+            _backward=None,
+            _shape=self._shape._replace(backend=resolution.backend.name, dtype=spec.dtype),
         )
+        self.__dict__["_run"] = self._guard(_make_run(self._shape, kernel, dtypes))
         if resolution.trace.input.config.autotune:  # opt-in: measured selection
             _arm_autotune(self)
+        if awaited and handle is not None:
+            self.__dict__["_awaited_by_scope"] = False
+            handle.bound(spec.role, decision)
+        return resolution
+
+    def _bind_to(self, dtype: Any = None, platform: Platform | None = None) -> Resolution:
+        """Resolve now if pending or stale (another dtype or platform); else keep."""
+        spec = self.layer_spec
+        if dtype is not None:
+            name = normalize_dtype(dtype)
+            if name != spec.dtype:
+                spec = attrs.evolve(spec, dtype=name)
+        current = self.resolution
+        if (
+            current is not None
+            and spec is self.layer_spec
+            and (platform is None or platform == current.trace.input.platform)
+        ):
+            return current
+        with _BIND_LOCK:
+            return self._resolve(spec, platform)
+
+    def _first_forward(self, q: Tensor) -> None:
+        if self.resolution is not None:  # another thread bound it meanwhile
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"attnres.Attention{_named(self.layer_spec)} is still pending (built without "
+                f"dtype, never cast or bound) inside torch.compile: call attnres.bind(model) "
+                f"(or cast the model) before compiling, so the decision is made outside the graph"
+            )
+        dtype = getattr(q, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"q: expected a tensor, got {type(q).__name__}")
+        try:
+            normalize_dtype(dtype)
+        except ValueError:  # no attention dtype (int32): resolve for the layer's own,
+            dtype = None  # and forward's input check says what is wrong with q
+        self._bind_to(dtype)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Attention:
+        # nn.Module.to / .half / .bfloat16 / .float / .double all come here: the
+        # layer follows a dtype cast as parameters do, and resolves for it.
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        # fn converts tensors; a dtype cast is told from a device move by two
+        # empty probes of different floating dtypes: a cast changes at least one
+        new: torch.dtype | None = None
+        for probe_dtype in (torch.float64, torch.float16):
+            try:
+                probe = fn(torch.empty(0, dtype=probe_dtype))
+            except Exception:  # a device move this machine cannot make: not a cast
+                return self
+            found = getattr(probe, "dtype", probe_dtype)
+            if found is not probe_dtype and isinstance(found, torch.dtype):
+                new = found
+                break
+        if new is None:
+            return self  # not a dtype cast (a device move, share_memory, ...)
+        try:
+            normalize_dtype(new)
+        except ValueError:
+            return self  # a dtype no attention kernel takes: forward will say so
+        self._bind_to(new)
+        return self
 
     # The configuration is fixed at construction (forward binds it): read-only.
     @property
@@ -419,9 +662,10 @@ class Attention(nn.Module):
         return self.layer_spec.role
 
     @property
-    def backend(self) -> Backend:
-        """The backend this layer runs (``.resolution`` says why)."""
-        return self.resolution.backend
+    def backend(self) -> Backend | None:
+        """The backend this layer runs (``.resolution`` says why); ``None`` while pending."""
+        resolution = self.resolution
+        return None if resolution is None else resolution.backend
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None
@@ -447,28 +691,43 @@ class Attention(nn.Module):
         return self._run(q, k, v, attn_mask)
 
     def extra_repr(self) -> str:
-        return (
+        resolution = self.resolution
+        head = (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_size={self.head_size}, role={self.role.value}, "
-            f"causal={self.causal}, backend={self.backend.name}"
-            + (f", softcap={self.softcap}" if self.softcap else "")
-            + (f", window={self.window}" if self.window else "")
-            + (f", reason={self.resolution.reason!r}" if self.resolution.reason else "")
+            f"head_size={self.head_size}, role={self.role.value}, causal={self.causal}, "
+        )
+        extras = (f", softcap={self.softcap}" if self.softcap else "") + (
+            f", window={self.window}" if self.window else ""
+        )
+        if resolution is None:
+            return head + f"backend=pending (dtype {self.layer_spec.dtype} so far)" + extras
+        return head + f"backend={resolution.backend.name}" + extras + (
+            f", reason={resolution.reason!r}" if resolution.reason else ""
         )
 
     # The bound kernel and the forward closure are not picklable: pickling keeps
     # the decision and binds the same backend's kernel again on load, without
-    # resolving.
+    # resolving; a pending layer stays pending (with the scope it was built in).
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         for name in ("kernel", "_run"):
             state.pop(name, None)
+        state["_prepared"] = {}
+        state["_backward"] = None
+        state["_decision"] = None
+        state["_awaited_by_scope"] = False
+        state["_context"] = self._context._replace(handle=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
+        if self.resolution is None:
+            self.__dict__.update(kernel=None, _run=_pending_run(weakref.ref(self)))
+            return
         kernel, dtypes = _bind(self.resolution, self.layer_spec)
-        self.__dict__.update(kernel=kernel, _run=_make_run(self._shape, kernel, dtypes))
+        self.__dict__.update(
+            kernel=kernel, _run=self._guard(_make_run(self._shape, kernel, dtypes))
+        )
         if self.resolution.trace.input.config.autotune:
             _arm_autotune(self)
 
@@ -480,7 +739,9 @@ class Attention(nn.Module):
             resolution=resolution,
             kernel=kernel,
             _shape=shape,
-            _run=_make_run(shape, kernel, dtypes),
+            _prepared={},
+            _backward=None,
+            _run=self._guard(_make_run(shape, kernel, dtypes)),
         )
 
 
@@ -489,6 +750,85 @@ def _arm_autotune(layer: Attention) -> None:
     from attnres.autotuner import arm
 
     arm(layer)
+
+
+_BIND_LOCK = threading.RLock()
+
+
+class _Bound(NamedTuple):
+    """What a layer runs: its decision, kernel and forward (swapped per request)."""
+
+    resolution: Resolution | None
+    kernel: KernelFn | None
+    shape: _LayerShape
+    run: Callable[..., Tensor]
+
+
+class _Context(NamedTuple):
+    """What a layer resolves with, captured when it was built."""
+
+    config: SelectionConfig
+    scope: ScopeState | None
+    handle: ScopeHandle | None  # the open scope, to record the decision in
+    platform: Platform | None
+    backend: Backend | None  # the layer's own backend= (origin layer)
+
+
+def _grad_guard(run: Callable[..., Tensor], ref: weakref.ReferenceType[Attention]
+                ) -> Callable[..., Tensor]:
+    """``run`` for inference; the layer's training path for inputs that need gradients
+    (grad mode on and an input that requires grad; ``module.train()`` alone is not)."""
+    grad_enabled = torch.is_grad_enabled
+
+    def guarded(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        if grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            layer = ref()
+            if layer is not None:
+                out: Tensor = layer._training_run()(q, k, v, attn_mask)
+                return out
+        return run(q, k, v, attn_mask)
+
+    return guarded
+
+
+def _named(spec: LayerSpec) -> str:
+    return f" {spec.name!r}" if spec.name else ""
+
+
+def _pending_run(ref: weakref.ReferenceType[Attention]) -> Callable[..., Tensor]:
+    """The forward of a pending layer: resolve for the query's dtype, then run."""
+
+    def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        layer = ref()
+        if layer is None:  # pragma: no cover - the closure outlived its layer
+            raise RuntimeError("attnres.Attention: the layer was garbage-collected")
+        layer._first_forward(q)
+        out: Tensor = layer._run(q, k, v, attn_mask)
+        return out
+
+    return run
+
+
+def bind(
+    module: nn.Module, *, dtype: torch.dtype | str | None = None, platform: Platform | None = None
+) -> list[Resolution]:
+    """Resolve every pending or stale ``attnres.Attention`` under ``module`` now.
+
+    ``dtype``: resolve for this dtype (default: each layer's current one: torch's
+    default dtype at construction, or the dtype of the last cast); ``platform``:
+    resolve against these facts (default: the layer's own, else the detected
+    platform). A layer already resolved for them keeps its decision. Returns the
+    resolutions in ``module.modules()`` order; a layer that cannot be served
+    raises its :class:`~attnres.ResolutionError` (so a server can fail fast at
+    start-up, not at its first request).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"attnres.bind: expected a torch.nn.Module, got {type(module).__name__}")
+    if dtype is not None:
+        normalize_dtype(dtype)  # a bad dtype is an error before any layer changes
+    if platform is not None and not isinstance(platform, Platform):
+        raise TypeError(f"attnres.bind: platform must be an attnres.Platform, got {platform!r}")
+    return [m._bind_to(dtype, platform) for m in module.modules() if isinstance(m, Attention)]
 
 
 class _LayerShape(NamedTuple):

@@ -105,13 +105,17 @@ class Scenario:
     platform: Platform = field(converter=_platform)
     backend: Backend | None = field(converter=_backend)
     expect: Expect = field(kw_only=True)
+    #: the backend one request asked for (attnres.request_backend; origin request)
+    request: Backend | None = field(default=None, converter=_backend, kw_only=True)
 
     @property
     def filename(self) -> str:
         return f"{self.name}.json"
 
     def input(self) -> TraceInput:
-        return TraceInput(self.layer, self.config, self.scope, self.platform, self.backend)
+        return TraceInput(
+            self.layer, self.config, self.scope, self.platform, self.backend, self.request
+        )
 
     def run(self) -> Trace:
         from attnres.machine import run_machine
@@ -176,6 +180,11 @@ def _cli(backend: str) -> SelectionConfig:
     return SelectionConfig(global_backend=backend, global_backend_explicit=True)
 
 
+def _env(backend: str) -> SelectionConfig:
+    """The same choice made through ``ATTNRES_ATTENTION_BACKEND`` (origin ``global_env``)."""
+    return SelectionConfig(global_backend=backend, global_backend_env="ATTNRES_ATTENTION_BACKEND")
+
+
 def _preference(backend: str) -> SelectionConfig:
     """The same setting, derived or defaulted (origin ``global_preference``)."""
     return SelectionConfig(global_backend=backend, global_backend_explicit=False)
@@ -216,6 +225,150 @@ _CPU_OLD_TORCH = attrs.evolve(
 # =============================================================================
 
 SCENARIOS: tuple[Scenario, ...] = (
+    # -- contract v2, section 1: late binding (the decision a cast makes) ----------
+    Scenario(
+        "late-bound-bf16-cast-under-strict-global-sage-selects-sage",
+        "Late binding: a transformer built in float32 under a strict --attention-backend "
+        "sage_attn stays pending (0.1.0 raised at construction) and resolves when the model is "
+        "cast to bfloat16; on a simulated Hopper sage_attn takes it.",
+        _layer(head_size=64, name="blocks.0.attn1"),
+        _cli("sage_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("sage_attn", origin="global_cli"),
+    ),
+    Scenario(
+        "late-bound-fp16-cast-on-hopper-selects-fa",
+        "Late binding: a layer built in float32 (where fa cannot run) and cast to float16 "
+        "resolves for float16: cuda's chain gives fa, not the float32 decision torch_sdpa.",
+        _layer(head_size=64, dtype="float16", name="blocks.0.attn1"),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn",
+        None,
+        expect=selects("fa", origin="none"),
+    ),
+    # -- contract v2, section 5: a training forward adds the backward requirement ------
+    Scenario(
+        "training-forward-global-sage-vae-falls-back-to-fa",
+        "A forward that needs gradients on a VAE layer bound to sage_attn (no backward pass) "
+        "resolves again with the backward requirement: the relaxed global flag falls back to "
+        "fa.",
+        _layer(head_size=64, requires=("backward",), name="decoder.mid.attn"),
+        _cli("sage_attn"),
+        scope_state("vae"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "training-forward-global-sage-transformer-rejected",
+        "The same training forward on the transformer (strict for the global flag) is "
+        "rejected before anything is computed: sage_attn has no backward pass.",
+        _layer(head_size=64, requires=("backward",), name="blocks.0.attn1"),
+        _cli("sage_attn"),
+        scope_state("transformer"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=rejects(
+            "requirement_unmet", origin="global_cli", error_contains=("the backward pass",)
+        ),
+    ),
+    # -- contract v2, section 2: per-request switching ----------------------------------
+    Scenario(
+        "request-eager-beats-component-override",
+        "attnres.request_backend: one request asks for eager; origin request comes first, so "
+        "it beats the component override the server was built with.",
+        _layer(head_size=64, dtype="float32", name="blocks.0.attn1"),
+        _NOTHING,
+        scope_state("transformer", backend="torch_sdpa"),
+        "cpu",
+        None,
+        request="eager",
+        expect=selects("eager", origin="request"),
+    ),
+    Scenario(
+        "request-sage-on-float32-layer-rejected-strict",
+        "attnres.request_backend: a request is strict; sage_attn cannot take a float32 layer, "
+        "so the request is refused for it (and the whole switch with it) instead of falling back.",
+        _layer(head_size=64, dtype="float32", name="blocks.0.attn1"),
+        _NOTHING,
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        request="sage_attn",
+        expect=rejects("dtype", origin="request", error_contains=("does not take dtype float32",)),
+    ),
+    # -- contract v2, section 3: the decisions the scope check explains -----------------
+    Scenario(
+        "component-override-pinned-layer-carries-no-reason",
+        "Overrides explain every layer: under --attention-backend transformer=eager a layer "
+        "pinned to torch_sdpa in code runs it with no recorded reason; the scope's check names "
+        "it on exit (BackendNotAppliedError).",
+        _layer(head_size=64, dtype="float32", name="pinned"),
+        _NOTHING,
+        scope_state("transformer", backend="eager"),
+        "cpu",
+        "torch_sdpa",
+        expect=selects("torch_sdpa", origin="layer"),
+    ),
+    Scenario(
+        "role-override-explains-a-layer-under-a-component-override",
+        "Overrides explain every layer: a cross-attention layer governed by the scope's role "
+        "override counts as explained under the component override.",
+        _layer(head_size=64, dtype="float32", role="cross", name="attn2"),
+        _NOTHING,
+        scope_state("transformer", backend="eager", role_backends={"cross": "torch_sdpa"}),
+        "cpu",
+        None,
+        expect=selects("torch_sdpa", origin="role_override"),
+    ),
+    # -- contract v2, section 4: the operator's front door ------------------------------
+    Scenario(
+        "cli-role-override-transformer-cross-selected",
+        "--attention-backend transformer.cross=eager: a role override from the command line "
+        "governs the transformer's cross-attention layers (origin role_override, strict).",
+        _layer(head_size=64, dtype="float32", role="cross", name="attn2"),
+        SelectionConfig(component_backends={"transformer.cross": "eager"}),
+        scope_state("transformer"),
+        "cpu",
+        None,
+        expect=selects("eager", origin="role_override"),
+    ),
+    Scenario(
+        "cli-component-name-normalised-text-encoder",
+        "--attention-backend Text-Encoder=eager reaches the scope text_encoder: component names "
+        "are normalised wherever they are given (0.1.0 matched no scope).",
+        _layer(head_size=64, dtype="float32", name="encoder.attn"),
+        SelectionConfig(component_backends={"Text-Encoder": "eager"}),
+        scope_state("text-encoder"),
+        "cpu",
+        None,
+        expect=selects("eager", origin="component_override"),
+    ),
+    Scenario(
+        "global-env-sage-audio-vae-falls-back",
+        "ATTNRES_ATTENTION_BACKEND=sage_attn is the operator's choice with its own origin, "
+        "relaxed like the flag: the audio VAE falls back to its default.",
+        _layer(supported=_DENSE_PAIR, default="torch_sdpa", name="decoder.mid.attn"),
+        _env("sage_attn"),
+        scope_state("audio_vae"),
+        _HOPPER_ALL,
+        None,
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_env"),
+    ),
+    Scenario(
+        "global-env-sage-transformer-stays-strict",
+        "ATTNRES_ATTENTION_BACKEND=sage_attn is strict like the flag for the transformer: a "
+        "layer that supports only {fa, torch_sdpa} rejects it.",
+        _layer(supported=_DENSE_PAIR, name="blocks.0.attn1"),
+        _env("sage_attn"),
+        scope_state("transformer"),
+        _HOPPER_ALL,
+        None,
+        expect=rejects("not_in_supported_set", origin="global_env"),
+    ),
     # -- the seed incident: a global --attention-backend sage_attn ------------
     Scenario(
         "audio-vae-global-sage-falls-back-to-default",

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 from attrs import field, frozen
 
-from attnres._vocab import Role
+from attnres._vocab import Role, normalize_component
 from attnres.backends import Backend
 from attnres.errors import BackendNotAppliedError
 from attnres.layer import optional_backend
@@ -174,7 +174,7 @@ def component_kind(name: str) -> str:
     registered name the component name ends with (``t5_text_encoder``); anything
     else is ``generic``.
     """
-    key = re.sub(r"(_\d+)+$", "", name.strip().lower())
+    key = re.sub(r"(_\d+)+$", "", normalize_component(name))
     with _KINDS_LOCK:
         if key in _NAME_ALIASES:
             return _NAME_ALIASES[key]
@@ -237,13 +237,41 @@ class ScopeState:
 
 
 class ScopeHandle:
-    """What ``with component_scope(...) as scope`` gives: the state and its layers."""
+    """What ``with component_scope(...) as scope`` gives: the state and its layers.
 
-    __slots__ = ("entries", "state")
+    ``pending`` counts the layers built in the scope that have not resolved yet
+    (late binding): they are checked against the scope's overrides when they
+    bind, after the scope has exited (``closed``).
+    """
+
+    __slots__ = ("closed", "entries", "pending", "state")
 
     def __init__(self, state: ScopeState) -> None:
         self.state = state
         self.entries: list[tuple[Role, Decision]] = []
+        self.pending = 0
+        self.closed = False
+
+    def add_pending(self) -> None:
+        with _KINDS_LOCK:
+            self.pending += 1
+
+    def bound(self, role: Role, decision: Decision | None) -> None:
+        """A pending layer of this scope resolved (``decision`` ``None``: it raised).
+
+        Its decision was added to ``entries`` by the resolver. Once the scope has
+        exited, the layer is checked against the scope's overrides now, and
+        the whole scope once its last pending layer has bound.
+        """
+        with _KINDS_LOCK:
+            self.pending -= 1
+            last = self.pending == 0
+        if not self.closed:
+            return
+        problems = [] if decision is None else _unexplained(self.state, [(role, decision)])
+        if last:
+            problems += _not_applied(self.state, self.entries)
+        _raise_problems(problems)
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -281,8 +309,9 @@ def scope_state(
 
     Also how traces and the golden scenarios build a scope without entering it.
     """
-    if not isinstance(name, str) or not name.strip():
+    if not isinstance(name, str) or not normalize_component(name):
         raise ValueError(f"component_scope: name must be a non-empty string, got {name!r}")
+    name = normalize_component(name)
     resolved_kind = component_kind(name) if kind is None else kind
     loader = loader_for(resolved_kind)
     parsed_backend = optional_backend("backend")(backend)
@@ -317,11 +346,20 @@ def component_scope(
 ) -> Iterator[ScopeHandle]:
     """Build the layers of component ``name`` inside this block.
 
-    ``kind`` overrides the kind inferred from the name; ``allow_global_fallback``
-    overrides the loader's policy; ``require_selection`` (default: on when a
-    component or role backend is given) raises
-    :class:`~attnres.errors.BackendNotAppliedError` on exit when the explicit
-    backend controlled none of the scope's layers.
+    ``name`` is normalised (``Text-Encoder`` -> ``text_encoder``); ``kind``
+    overrides the kind inferred from the name; ``allow_global_fallback``
+    overrides the loader's policy. On exit the scope's overrides must explain
+    its layers, else :class:`~attnres.errors.BackendNotAppliedError`:
+
+    - with ``require_selection`` (default: on when a component or role backend
+      is given), every layer runs the component backend, carries a recorded
+      reason, or is governed by a role override; and the component backend ran
+      on at least one layer (unless every layer went to a role override);
+    - whatever ``require_selection`` says, each role override ran on at least
+      one layer of its role.
+
+    Layers still pending (built without a dtype, not yet bound) are checked
+    when they bind.
     """
     state = scope_state(
         name, backend, role_backends, allow_global_fallback, require_selection, kind=kind
@@ -332,56 +370,105 @@ def component_scope(
         yield handle
     finally:
         _SCOPE.reset(token)
+        handle.closed = True
         from attnres.audit import emit_summary
 
         emit_summary(state, handle.entries)
     _check_applied(handle)
 
 
-def _check_applied(handle: ScopeHandle) -> None:
-    state = handle.state
-    if not state.require_selection:
-        return
-    entries = handle.entries
+def _selected(entries: Iterable[tuple[Role, Decision]]) -> list[tuple[Role, Decision]]:
+    return [(r, d) for r, d in entries if d.backend is not None]
+
+
+def _unexplained(state: ScopeState, entries: Iterable[tuple[Role, Decision]]) -> list[str]:
+    """Layers that chose another backend than the component override, with no
+    recorded reason and no role override (only under ``require_selection``)."""
+    if not state.require_selection or state.backend is None:
+        return []
+    wanted = state.backend.name
+    bad = [
+        d
+        for _, d in _selected(entries)
+        if not (d.origin == "component_override" and d.backend == wanted)
+        and d.reason is None
+        and d.origin != "role_override"
+    ]
+    if not bad:
+        return []
+    shown = ", ".join(f"{d.layer or '<unnamed>'} runs {d.backend} (origin {d.origin})"
+                      for d in bad[:5])
+    more = f", and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return [
+        f"backend {wanted!r} was requested for component {state.component!r}, but "
+        f"{len(bad)} layer(s) chose another backend without a recorded reason ({shown}{more})"
+    ]
+
+
+def _not_applied(state: ScopeState, entries: list[tuple[Role, Decision]]) -> list[str]:
+    """Overrides that ran on no layer (all layers bound)."""
     problems: list[str] = []
-    if state.backend is not None:
-        applied = any(
-            d.origin == "component_override" and (d.backend == state.backend.name or d.reason)
-            for _, d in entries
-        )
-        if not applied:
+    if state.require_selection and state.backend is not None:
+        wanted = state.backend.name
+        selected = _selected(entries)
+        ran = any(d.origin == "component_override" and d.backend == wanted for _, d in selected)
+        all_roles = bool(selected) and all(d.origin == "role_override" for _, d in selected)
+        if not ran and not all_roles:
             if not entries:
                 problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but the scope built no attnres attention layer"
+                    f"backend {wanted!r} was requested for component {state.component!r}, but "
+                    f"the scope built no attnres attention layer"
                 )
-            elif any(d.origin == "component_override" for _, d in entries):
+            elif any(d.origin == "component_override" and d.backend is None for _, d in entries):
                 rejected = [d.layer or "<unnamed>" for _, d in entries
                             if d.origin == "component_override" and d.backend is None]
                 problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but it was rejected for "
-                    f"{len(rejected)} layer(s) ({', '.join(rejected[:5])}"
+                    f"backend {wanted!r} was requested for component {state.component!r}, but "
+                    f"it was rejected for {len(rejected)} layer(s) ({', '.join(rejected[:5])}"
                     f"{', ...' if len(rejected) > 5 else ''}) and no layer runs it "
                     f"(each rejection raised a ResolutionError saying why)"
                 )
             else:
                 origins = sorted({d.origin for _, d in entries})
+                reasons = sorted({d.reason for _, d in entries if d.reason})
+                why = f"; recorded reasons: {', '.join(reasons)}" if reasons else ""
                 problems.append(
-                    f"backend {state.backend.name!r} was requested for component "
-                    f"{state.component!r}, but it controlled none of its {len(entries)} "
-                    f"layer(s) (they were decided by origin {', '.join(origins)})"
+                    f"backend {wanted!r} was requested for component {state.component!r}, but "
+                    f"it ran on none of its {len(entries)} layer(s) (they were decided by "
+                    f"origin {', '.join(origins)}{why})"
                 )
     for role, backend in state.role_backends:
-        if not any(r is role and d.origin == "role_override" for r, d in entries):
+        governed = [d for r, d in entries if r is role and d.origin == "role_override"]
+        if not governed:
             problems.append(
                 f"backend {backend.name!r} was requested for the {role.value}-attention layers "
                 f"of component {state.component!r}, but the scope built no "
                 f"{role.value}-attention layer that used it"
             )
+        elif not any(d.backend == backend.name for d in governed):
+            reasons = sorted({d.reason for d in governed if d.reason})
+            why = f" (recorded reasons: {', '.join(reasons)})" if reasons else ""
+            problems.append(
+                f"backend {backend.name!r} was requested for the {role.value}-attention layers "
+                f"of component {state.component!r}, but it ran on none of its "
+                f"{len(governed)} {role.value}-attention layer(s){why}"
+            )
+    return problems
+
+
+def _raise_problems(problems: list[str]) -> None:
     if problems:
         raise BackendNotAppliedError(
             "; ".join(problems)
             + ". Build the component's layers inside the scope with attnres.Attention "
-            "(or attnres.resolve), or pass require_selection=False if that is intended."
+            "(or attnres.resolve), or pass require_selection=False if that is intended "
+            "(role overrides are checked regardless)."
         )
+
+
+def _check_applied(handle: ScopeHandle) -> None:
+    state = handle.state
+    problems = _unexplained(state, handle.entries)
+    if handle.pending == 0:
+        problems += _not_applied(state, handle.entries)
+    _raise_problems(problems)

@@ -45,7 +45,13 @@ from attnres._states import Check, Code, Event, Origin, Reason, State, Verdict
 from attnres._vocab import PLATFORM_KINDS, Requirement, Role, normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
-from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
+from attnres.layer import (
+    LayerSpec,
+    Requirements,
+    SelectionConfig,
+    optional_backend,
+    split_component_key,
+)
 from attnres.platform import PackageFact, Platform
 from attnres.scope import ScopeState
 
@@ -256,6 +262,9 @@ class TraceInput:
     platform: Platform
     #: the backend passed explicitly for this one layer (a name is parsed)
     backend: Backend | None = field(default=None, converter=_input_backend)
+    #: the backend one request asked for (attnres.request_backend; origin
+    #: ``request``); written to JSON only when set, so older traces keep their bytes
+    request: Backend | None = field(default=None, converter=_input_backend)
 
 
 @frozen
@@ -391,12 +400,19 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _exact_keys(value: dict[str, Any], keys: typing.Collection[str], what: str) -> None:
+def _exact_keys(
+    value: dict[str, Any],
+    keys: typing.Collection[str],
+    what: str,
+    optional: typing.Collection[str] = (),
+) -> None:
+    """Every key of ``keys`` present, and nothing else but ``optional`` keys."""
+    known = sorted({*keys, *optional})
     for key in sorted(keys):
         if key not in value:
-            raise _Invalid(_key_path(key), f"missing field ({what} has: {', '.join(sorted(keys))})")
-    for key in sorted(set(value) - set(keys)):
-        raise _Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(sorted(keys))})")
+            raise _Invalid(_key_path(key), f"missing field ({what} has: {', '.join(known)})")
+    for key in sorted(set(value) - set(keys) - set(optional)):
+        raise _Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(known)})")
 
 
 def _structure_str(value: Any, _: Any = None) -> str:
@@ -589,17 +605,24 @@ def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], An
 
 
 def _make_attrs_hook(
-    conv: cattrs.Converter, cls: type[Any], what: str, tag: str | None = None
+    conv: cattrs.Converter,
+    cls: type[Any],
+    what: str,
+    tag: str | None = None,
+    optional: typing.Collection[str] = (),
 ) -> Callable[[Any, Any], Any]:
-    """A strict hook for an attrs class: every init field present, typed, checked."""
+    """A strict hook for an attrs class: every init field present, typed, checked
+    (``optional`` fields may be absent: they keep their default)."""
     fields = [a for a in attrs.fields(attrs.resolve_types(cls)) if a.init]
-    keys = [a.name for a in fields] + ([] if tag is None else ["kind"])
+    keys = [a.name for a in fields if a.name not in optional] + ([] if tag is None else ["kind"])
 
     def structure(value: Any, _: Any) -> Any:
         obj = _object(value, what)
-        _exact_keys(obj, keys, what)
+        _exact_keys(obj, keys, what, optional)
         kwargs: dict[str, Any] = {}
         for a in fields:
+            if a.name not in obj:
+                continue
             path = _key_path(a.name)
             v = _structure_at(conv, obj[a.name], a.type, path)
             check = _FIELD_CHECKS.get((cls, a.name))
@@ -726,7 +749,19 @@ def _structure_layer(value: Any, _: Any) -> LayerSpec:
 
 
 def _component_name(key: str) -> str | None:
-    return None if key else "a component name must not be empty"
+    if not key:
+        return "a component name must not be empty"
+    try:
+        component, role = split_component_key(key)
+    except ValueError as exc:
+        return str(exc)
+    canonical = component if role is None else f"{component}.{role.value}"
+    if canonical != key:
+        return (
+            f"component name {json.dumps(key)} is not normalised "
+            f"(expected {json.dumps(canonical)})"
+        )
+    return None
 
 
 def _role_name(key: str) -> str | None:
@@ -739,15 +774,20 @@ def _role_name(key: str) -> str | None:
 
 def _structure_config(value: Any, _: Any) -> SelectionConfig:
     obj = _object(value, "a selection config")
-    _exact_keys(obj, _CONFIG_KEYS, "a selection config")
-    return SelectionConfig(
-        global_backend=_field(obj, "global_backend", _optional(_structure_backend)),
-        global_backend_explicit=_field(obj, "global_backend_explicit", _structure_bool),
-        forced_backend=_field(obj, "forced_backend", _optional(_structure_backend)),
-        component_backends=_field(
-            obj, "component_backends", lambda v: _backend_map(v, _component_name)
-        ),
-    )
+    _exact_keys(obj, _CONFIG_KEYS, "a selection config", ("global_backend_env",))
+    env = _field(obj, "global_backend_env", _structure_str) if "global_backend_env" in obj else None
+    try:
+        return SelectionConfig(
+            global_backend=_field(obj, "global_backend", _optional(_structure_backend)),
+            global_backend_explicit=_field(obj, "global_backend_explicit", _structure_bool),
+            forced_backend=_field(obj, "forced_backend", _optional(_structure_backend)),
+            component_backends=_field(
+                obj, "component_backends", lambda v: _backend_map(v, _component_name)
+            ),
+            global_backend_env=env,
+        )
+    except ValueError as exc:
+        raise _Invalid("", f"not a valid selection config: {exc}") from None
 
 
 def _structure_scope(value: Any, _: Any) -> ScopeState:
@@ -795,15 +835,32 @@ def _make_converter() -> cattrs.Converter:
             "name": s.name,
         },
     )
-    conv.register_unstructure_hook(
-        SelectionConfig,
-        lambda c: {
+    def unstructure_config(c: SelectionConfig) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "global_backend": None if c.global_backend is None else c.global_backend.name,
             "global_backend_explicit": c.global_backend_explicit,
             "forced_backend": None if c.forced_backend is None else c.forced_backend.name,
             "component_backends": {n: b.name for n, b in c.component_backends},
-        },
-    )
+        }
+        if c.global_backend_env is not None:  # absent otherwise: older traces keep their bytes
+            out["global_backend_env"] = c.global_backend_env
+        return out
+
+    conv.register_unstructure_hook(SelectionConfig, unstructure_config)
+
+    def unstructure_input(i: TraceInput) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "layer": conv.unstructure(i.layer),
+            "config": conv.unstructure(i.config),
+            "scope": None if i.scope is None else conv.unstructure(i.scope),
+            "platform": conv.unstructure(i.platform),
+            "backend": None if i.backend is None else i.backend.name,
+        }
+        if i.request is not None:  # absent otherwise: older traces keep their bytes
+            out["request"] = i.request.name
+        return out
+
+    conv.register_unstructure_hook(TraceInput, unstructure_input)
     conv.register_unstructure_hook(
         ScopeState,
         lambda s: {
@@ -851,8 +908,10 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(LayerSpec, _structure_layer)
     conv.register_structure_hook(SelectionConfig, _structure_config)
     conv.register_structure_hook(ScopeState, _structure_scope)
+    conv.register_structure_hook(
+        TraceInput, _make_attrs_hook(conv, TraceInput, "a trace input", optional=("request",))
+    )
     for cls, what in (
-        (TraceInput, "a trace input"),
         (Outcome, "an outcome"),
         (Platform, "a platform"),
         (PackageFact, "a package fact"),

@@ -1,0 +1,186 @@
+"""Per-request backend switching: ``attnres.request_backend(module, backend)``.
+
+A server builds its model once; one request may ask for another attention
+backend (SGLang's ``SamplingParams.attention_backend_override``). The switch is
+two-phase and all-or-nothing: every attnres layer under the module is first
+resolved for the requested backend (origin ``request``, strict, traced like any
+resolution) and its kernel prepared; only when every layer can run it are they
+switched, and they are restored when the block exits, also on error. Prepared
+kernels are cached per layer, so a repeated request is a dictionary lookup per
+layer. The ledger (:func:`attnres.decisions`) keeps the server's decisions: a
+request's resolutions are not recorded there, and each switch and restore is an
+audit event instead.
+
+The switch changes the shared layers for the duration of the block: requests
+that share a module are served one at a time (a second thread switching layers
+another thread has switched is refused).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from attnres.audit import emit_request_switch
+from attnres.backends import Backend, lookup_spec
+from attnres.errors import ResolutionError
+from attnres.kernels import KernelUnavailableError
+from attnres.layer import optional_backend
+from attnres.modules import Attention, KernelNotRegisteredError, _Bound
+
+__all__ = ["RequestBackendError", "request_backend"]
+
+
+class RequestBackendError(ValueError):
+    """A request asked for a backend that some layer cannot run (nothing was switched).
+
+    ``.backend`` is the requested backend; ``.failures`` holds ``(layer, why)``
+    pairs, one per layer that cannot run it.
+    """
+
+    def __init__(
+        self, message: str, backend: Backend | None, failures: tuple[tuple[str, str], ...]
+    ) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.failures = failures
+
+
+_OWNERS_LOCK = threading.Lock()
+#: id(layer) -> (thread ident, nesting depth) while a request has switched it
+_OWNERS: dict[int, tuple[int, int]] = {}
+
+
+def _capturing() -> str | None:
+    if torch.compiler.is_compiling():
+        return "inside torch.compile'd code"
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_available() and cuda.is_current_stream_capturing():
+        return "during CUDA graph capture"
+    return None
+
+
+def _label(path: str, layer: Attention) -> str:
+    name = layer.layer_spec.name
+    if not path:
+        return name or "<the module itself>"
+    return path if name in (None, path) else f"{path} ({name})"
+
+
+@contextmanager
+def request_backend(module: nn.Module, backend: Backend | str) -> Iterator[Backend]:
+    """Run every ``attnres.Attention`` under ``module`` on ``backend`` inside this block.
+
+    Raises, before anything is switched: ``TypeError`` when ``module`` is not a
+    ``torch.nn.Module``; ``RuntimeError`` inside ``torch.compile``d code or
+    during CUDA graph capture (a switch must happen outside the graph); and
+    :class:`RequestBackendError` (a ``ValueError``) when ``module`` holds no
+    attnres layer, when a layer runs a sparse backend (its kernel takes layout
+    metadata a dense request cannot give), or when any layer cannot run
+    ``backend`` -- naming every such layer and why. Layers still pending are
+    bound first (the server's decision, recorded). Layers already running
+    ``backend`` are left alone; when all are, the block is a no-op.
+    """
+    where = _capturing()  # first: nothing else should be traced into a graph
+    if where is not None:
+        raise RuntimeError(
+            f"attnres.request_backend({backend!r}) was called {where}: switching kernels "
+            f"would be baked into (or break) the graph. Enter request_backend outside the "
+            f"compiled or captured region, around the call"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"attnres.request_backend: expected a torch.nn.Module, got {type(module).__name__}"
+        )
+    parsed = optional_backend("backend")(backend)
+    if parsed is None:
+        raise ValueError("attnres.request_backend: backend must be a backend name, not None")
+    layers = [(p, m) for p, m in module.named_modules() if isinstance(m, Attention)]
+    if not layers:
+        raise RequestBackendError(
+            f"attnres.request_backend({parsed.name!r}): {type(module).__name__} holds no "
+            f"attnres.Attention layer, so there is nothing to switch; pass the module that "
+            f"holds the model's attention layers (the denoiser, say)",
+            parsed,
+            (),
+        )
+    for _, layer in layers:
+        if layer.pending:
+            layer._bind_to()
+    plan: list[tuple[Attention, _Bound]] = []
+    failures: list[tuple[str, str]] = []
+    for path, layer in layers:
+        current = layer.backend
+        if current == parsed:
+            continue
+        current_spec = None if current is None else lookup_spec(current)
+        if current_spec is not None and current_spec.sparse:
+            failures.append(
+                (
+                    _label(path, layer),
+                    f"it runs the sparse backend {current_spec.name!r}, whose kernel needs "
+                    f"layout metadata the request cannot carry; a request never switches a "
+                    f"sparse layer",
+                )
+            )
+            continue
+        try:
+            plan.append((layer, layer._prepare(parsed)))
+        except (ResolutionError, KernelNotRegisteredError, KernelUnavailableError) as exc:
+            failures.append((_label(path, layer), str(exc)))
+    if failures:
+        shown = "; ".join(f"{label}: {why}" for label, why in failures[:8])
+        more = f"; and {len(failures) - 8} more" if len(failures) > 8 else ""
+        raise RequestBackendError(
+            f"attnres.request_backend({parsed.name!r}): {len(failures)} of {len(layers)} "
+            f"attention layer(s) cannot run it, so no layer was switched: {shown}{more}",
+            parsed,
+            tuple(failures),
+        )
+    if not plan:
+        yield parsed
+        return
+    _claim([layer for layer, _ in plan], parsed)
+    previous = sorted({str(layer.backend.name) for layer, _ in plan if layer.backend})
+    saved: list[tuple[Attention, _Bound]] = []
+    try:
+        for layer, prepared in plan:
+            saved.append((layer, layer._swap(prepared)))
+        emit_request_switch("switch", parsed.name, len(plan), ", ".join(previous))
+        yield parsed
+    finally:
+        for layer, before in reversed(saved):
+            layer._swap(before)
+        _release([layer for layer, _ in plan])
+        if saved:
+            emit_request_switch("restore", parsed.name, len(saved), ", ".join(previous))
+
+
+def _claim(layers: list[Attention], backend: Backend) -> None:
+    me = threading.get_ident()
+    with _OWNERS_LOCK:
+        for layer in layers:
+            owner = _OWNERS.get(id(layer))
+            if owner is not None and owner[0] != me:
+                raise RuntimeError(
+                    f"attnres.request_backend({backend.name!r}): another thread has switched "
+                    f"these layers for its own request; requests that share a module must be "
+                    f"served one at a time"
+                )
+        for layer in layers:
+            _, depth = _OWNERS.get(id(layer), (me, 0))
+            _OWNERS[id(layer)] = (me, depth + 1)
+
+
+def _release(layers: list[Attention]) -> None:
+    with _OWNERS_LOCK:
+        for layer in layers:
+            owner, depth = _OWNERS.get(id(layer), (0, 1))
+            if depth <= 1:
+                _OWNERS.pop(id(layer), None)
+            else:
+                _OWNERS[id(layer)] = (owner, depth - 1)

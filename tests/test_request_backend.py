@@ -1,0 +1,198 @@
+"""Selection contract v2, section 2: ``attnres.request_backend(module, backend)``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import structlog
+import torch
+from torch import Tensor, nn
+
+import attnres
+from attnres import Attention, Platform, RequestBackendError, request_backend
+from attnres import machine as machine_mod
+from attnres.kernels import get_kernel, register_kernel, unregister_kernel
+
+CPU = Platform.simulate("cpu")
+
+
+class Denoiser(nn.Module):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            Attention(4, 16, platform=CPU, name=f"blocks.{i}.attn1", **kwargs) for i in range(3)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x, x, x)
+        return x
+
+
+def _x() -> Tensor:
+    return torch.randn(1, 5, 4, 16)
+
+
+def test_rule_request_backend_switches_every_layer_and_restores_them() -> None:
+    model = Denoiser()
+    attnres.bind(model)
+    server = [layer.resolution for layer in model.blocks]
+    ledger = attnres.decisions()
+    x = _x()
+    expected = model(x)
+    with request_backend(model, "eager") as backend:
+        assert backend.name == "eager"
+        assert {layer.backend.name for layer in model.blocks} == {"eager"}  # type: ignore[union-attr]
+        assert all(layer.kernel is get_kernel("eager") for layer in model.blocks)
+        resolution = model.blocks[0].resolution
+        assert resolution is not None and resolution.origin == "request"
+        assert resolution.trace.input.request is not None  # traced like any resolution
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+    assert [layer.resolution for layer in model.blocks] == server
+    assert all(layer.kernel is get_kernel("torch_sdpa") for layer in model.blocks)
+    assert attnres.decisions() == ledger  # the ledger keeps the server's decisions
+
+
+def test_rule_request_backend_restores_on_error() -> None:
+    model = Denoiser()
+    with pytest.raises(KeyError), request_backend(model, "eager"):
+        raise KeyError("the request failed")
+    assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]
+
+
+def test_rule_request_backend_is_all_or_nothing() -> None:
+    model = Denoiser()
+    model.blocks[1] = Attention(4, 16, platform=CPU, name="pinned", supported={"torch_sdpa"})
+    attnres.bind(model)
+    with pytest.raises(RequestBackendError) as info, request_backend(model, "eager"):
+        pytest.fail("the block must not run")
+    error = info.value
+    assert isinstance(error, ValueError)
+    assert [label for label, _ in error.failures] == ["blocks.1 (pinned)"]
+    assert "1 of 3 attention layer(s) cannot run it, so no layer was switched" in str(error)
+    assert "not supported by this attention layer" in str(error)
+    assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]
+
+
+def test_rule_request_backend_caches_prepared_kernels_per_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = Denoiser()
+    with request_backend(model, "eager"):
+        pass
+    lookups: list[object] = []
+    real = machine_mod.lookup
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        lookups.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("attnres.modules.lookup", counting)
+    for _ in range(3):
+        with request_backend(model, "eager"):
+            model(_x())
+    assert lookups == []  # the fast path: no resolution, no kernel lookup
+
+
+def test_rule_request_backend_for_the_bound_backend_is_a_no_op() -> None:
+    model = Denoiser()
+    attnres.bind(model)
+    before = [(layer.resolution, layer._run) for layer in model.blocks]
+    with structlog.testing.capture_logs() as logs, request_backend(model, "torch_sdpa"):
+        assert [(layer.resolution, layer._run) for layer in model.blocks] == before
+    assert [e for e in logs if e.get("request")] == []
+    structlog.reset_defaults()
+
+
+def test_rule_request_backend_switch_and_restore_are_audit_events() -> None:
+    model = Denoiser()
+    attnres.bind(model)
+    with structlog.testing.capture_logs() as logs, request_backend(model, "eager"):
+        pass
+    structlog.reset_defaults()
+    events = [(e["event"], e["backend"], e["layers"], e["previous"]) for e in logs
+              if e.get("request")]
+    assert events == [
+        ("attention backend switched for request", "eager", 3, "torch_sdpa"),
+        ("attention backend restored after request", "eager", 3, "torch_sdpa"),
+    ]
+
+
+def test_rule_request_backend_refused_without_an_attnres_layer() -> None:
+    with (
+        pytest.raises(RequestBackendError, match=r"holds no attnres\.Attention layer"),
+        request_backend(nn.Linear(2, 2), "eager"),
+    ):
+        pass
+    with (
+        pytest.raises(TypeError, match=r"torch\.nn\.Module"),
+        request_backend("model", "eager"),  # type: ignore[arg-type]
+    ):
+        pass
+
+
+def test_rule_request_backend_refused_for_a_sparse_bound_backend() -> None:
+    def tile(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+             scale: float | None) -> Tensor:
+        return q
+
+    register_kernel("sliding_tile_attn", tile)
+    try:
+        layer = Attention(8, 128, dtype="bf16", backend="sliding_tile_attn",
+                          platform=Platform.simulate("cuda:sm90+all"), name="attn1")
+        with (
+            pytest.raises(RequestBackendError, match="runs the sparse backend"),
+            request_backend(layer, "torch_sdpa"),
+        ):
+            pass
+        assert layer.backend is not None and layer.backend.name == "sliding_tile_attn"
+    finally:
+        unregister_kernel("sliding_tile_attn")
+
+
+def test_rule_request_backend_refused_inside_torch_compile() -> None:
+    model = Denoiser()
+    attnres.bind(model)
+
+    def step(x: Tensor) -> Tensor:
+        with request_backend(model, "eager"):
+            out: Tensor = model(x)
+        return out
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"inside torch\.compile'd code"):
+        compiled(_x())
+    torch._dynamo.reset()
+    assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]
+
+
+def test_rule_request_backend_binds_pending_layers_first() -> None:
+    model = Denoiser()
+    assert all(layer.pending for layer in model.blocks)
+    with request_backend(model, "eager"):
+        pass
+    assert not any(layer.pending for layer in model.blocks)
+    assert [d.backend for d in attnres.decisions()] == ["torch_sdpa"] * 3
+
+
+def test_request_backend_refuses_a_second_thread_on_switched_layers() -> None:
+    model = Denoiser()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            with request_backend(model, "flex_attention"):
+                pass
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    with request_backend(model, "eager"):
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        with request_backend(model, "flex_attention"):  # nesting in one thread is fine
+            assert model.blocks[0].backend.name == "flex_attention"  # type: ignore[union-attr]
+        assert model.blocks[0].backend.name == "eager"  # type: ignore[union-attr]
+    assert len(errors) == 1 and "served one at a time" in str(errors[0])
