@@ -16,7 +16,10 @@ An HTML comment on the line before the fence qualifies a block:
 - ``<!-- transcript: this machine -->``: the command detects this machine;
   checked only where the docs' machine is (a CPU, no kernel package present),
   and version numbers (``3.11.7``, ``2.13.0``) match any other.
-- ``<!-- transcript: not checked: WHY -->``: not run; the reason is required.
+- ``<!-- transcript: plugin distributions -->``: run with the three plugin
+  distributions that docs/plugins.md describes (``PLUGIN_DISTRIBUTIONS``:
+  one that works, one whose module is missing, one that clashes) on
+  ``PYTHONPATH``.
 
 A ```` ```toml ```` block after ``<!-- transcript file: NAME -->`` is written to
 ``NAME`` in that folder, for the transcripts of its document.
@@ -48,6 +51,33 @@ FIXTURES = {
     "no-head-size.toml": (
         '[[components]]\nname = "audio_vae"\n\n[[components.layers]]\nname = "mid.attn_1"\n'
         'dtype = "float32"\n'
+    ),
+}
+
+#: The plugin distributions of docs/plugins.md's doctor transcript: ``mykernel``
+#: works (its kernel package is not installed), ``broken`` names a module that
+#: does not exist, and ``zz_clash`` claims ``my_attn`` again.
+PLUGIN_DISTRIBUTIONS = {
+    "mykernel_attnres/__init__.py": "",
+    "mykernel_attnres/attnres_plugin.py": (
+        "from attnres import BackendSpec\n"
+        "from attnres.backends import CapabilityRule, HeadSizeRule\n\n\n"
+        "def spec() -> BackendSpec:\n"
+        "    return BackendSpec(\n"
+        "        name='my_attn', sparse=False, platforms=('cuda',),\n"
+        "        dtypes=('float16', 'bfloat16'), head_sizes=HeadSizeRule(max=256, multiple_of=8),\n"
+        "        implements=('causal', 'gqa'), package='mykernel',\n"
+        "        capabilities={'cuda': CapabilityRule(min=(8, 0))}, causal_top_left=False,\n"
+        "    )\n"
+    ),
+    "clashmod/__init__.py": "",
+    "clashmod/p.py": "from mykernel_attnres.attnres_plugin import spec\n\nspecs = [spec()]\n",
+    "docs_plugins-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: docs-plugins\nVersion: 1.0\n",
+    "docs_plugins-1.0.dist-info/entry_points.txt": (
+        "[attnres.backends]\n"
+        "mykernel = mykernel_attnres.attnres_plugin:spec\n"
+        "broken = brokenplug_missing.plugin:spec\n"
+        "zz_clash = clashmod.p:specs\n"
     ),
 }
 
@@ -136,16 +166,12 @@ def test_there_are_transcripts_to_check() -> None:
     assert len(TRANSCRIPTS) >= 20
     for t in TRANSCRIPTS:
         if t.marker is not None:
-            assert t.marker == "this machine" or re.fullmatch(r"not checked: \S.*", t.marker), (
-                t.id, t.marker,
-            )
+            assert t.marker in ("this machine", "plugin distributions"), (t.id, t.marker)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transcript", TRANSCRIPTS, ids=[t.id for t in TRANSCRIPTS])
 def test_console_transcript_is_real_output(transcript: Transcript, tmp_path: Path) -> None:
-    if transcript.marker and transcript.marker.startswith("not checked"):
-        pytest.skip(transcript.marker)
     if transcript.marker == "this machine" and not _docs_machine():
         pytest.skip("the transcript was made on a CPU without kernel packages")
     for name in ("examples", "traces"):
@@ -153,6 +179,12 @@ def test_console_transcript_is_real_output(transcript: Transcript, tmp_path: Pat
     for name, content in (*FIXTURES.items(), *transcript.files):
         (tmp_path / name).write_text(content, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
+    if transcript.marker == "plugin distributions":
+        plugins = tmp_path / "plugins"
+        for name, content in PLUGIN_DISTRIBUTIONS.items():
+            (plugins / name).parent.mkdir(parents=True, exist_ok=True)
+            (plugins / name).write_text(content, encoding="utf-8")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugins), env.get("PYTHONPATH")]))
     env.update(
         COLUMNS="100",
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
