@@ -72,7 +72,9 @@ PLUGIN_DISTRIBUTIONS = {
     ),
     "clashmod/__init__.py": "",
     "clashmod/p.py": "from mykernel_attnres.attnres_plugin import spec\n\nspecs = [spec()]\n",
-    "docs_plugins-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: docs-plugins\nVersion: 1.0\n",
+    "docs_plugins-1.0.dist-info/METADATA": (
+        "Metadata-Version: 2.1\nName: docs-plugins\nVersion: 1.0\n"
+    ),
     "docs_plugins-1.0.dist-info/entry_points.txt": (
         "[attnres.backends]\n"
         "mykernel = mykernel_attnres.attnres_plugin:spec\n"
