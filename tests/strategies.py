@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from attnres import LayerSpec, Platform, Requirements, Role, SelectionConfig
 from attnres._vocab import _DTYPE_ALIASES, DTYPES, PLATFORM_KINDS
 from attnres.backends import BUILTIN_SPECS, Backend
+from attnres.layer import MAX_HEAD_SIZE
 from attnres.platform import KNOWN_PACKAGES, PackageFact
 from attnres.scope import _LOADERS as _REGISTERED_LOADERS
 from attnres.scope import ScopeState, loader_for
@@ -186,7 +187,8 @@ platforms = st.one_of(_built_platforms(), _simulated_platforms())
 head_sizes = st.one_of(
     st.sampled_from([1, 8, 16, 32, 36, 40, 64, 72, 80, 96, 112, 128, 160, 192, 256, 512]),
     st.integers(1, 1100),  # odd sizes, past every kernel's limit
-    st.integers(2**20, 2**70),  # huge: must not overflow anything
+    # large, up to the bound (past it is an error: the bad-input catalogue)
+    st.integers(1101, MAX_HEAD_SIZE),
 )
 
 _TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

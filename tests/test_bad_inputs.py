@@ -164,7 +164,8 @@ CASES: list[Case] = [
     Case("layer-bad-role", ValueError, "role must be 'self' or 'cross', got 'bidirectional'",
          call=lambda: LayerSpec(64, "fp32", role="bidirectional")),
     Case("layer-unknown-requirement", ValueError,
-         "requirements: unknown requirement 'casual'; valid: causal, attn_mask, packed_varlen",
+         "requirements: unknown requirement 'casual' (did you mean 'causal'?); valid: causal, "
+         "attn_mask, packed_varlen",
          call=lambda: LayerSpec(64, "fp32", requirements=["casual"])),
     Case("requirements-from-a-string", ValueError, "requirements: unknown requirement 'casual'",
          call=lambda: Requirements.of("causal,casual")),
@@ -180,6 +181,23 @@ CASES: list[Case] = [
     Case("platform-bad-rocm-arch", ValueError,
          "cannot parse ROCm architecture 'mi300' in 'rocm:mi300' (use gfx90a",
          call=lambda: Platform.simulate("rocm:mi300")),
+    # issue 11, case 9: an architecture the platform kind cannot have
+    Case("platform-cpu-with-cuda-arch", ValueError,
+         "platform kind 'cpu' takes no architecture, got 'sm90' in 'cpu:sm90'; did you mean "
+         "'cuda:sm90'? (only cuda and rocm take one); expected KIND[:ARCH][+PACKAGE...]",
+         call=lambda: Platform.simulate("cpu:sm90")),
+    Case("platform-npu-with-arch", ValueError,
+         "platform kind 'npu' takes no architecture, got 'foo' in 'npu:foo' (only cuda and "
+         "rocm take one)",
+         call=lambda: Platform.simulate("npu:foo")),
+    Case("platform-xpu-with-rocm-arch", ValueError,
+         "platform kind 'xpu' takes no architecture, got 'gfx942' in 'xpu:gfx942'; did you "
+         "mean 'rocm:gfx942'?",
+         call=lambda: Platform.simulate("xpu:gfx942")),
+    Case("cli-platform-cpu-with-cuda-arch", 2,
+         "platform kind 'cpu' takes no architecture, got 'sm90' in 'cpu:sm90'; did you mean "
+         "'cuda:sm90'?",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu:sm90")),
     Case("platform-unknown-package", ValueError,
          "unknown kernel package 'flashattn' in platform spec 'cuda:sm90+flashattn'; known "
          "packages: aiter, fastvideo_kernel, flash_attn,",
@@ -396,6 +414,17 @@ CASES: list[Case] = [
     Case("toml-allow-global-fallback-string", PipelineError,
          "allow_global_fallback must be true or false, got 'no'",
          file=(".toml", _pipeline(_LAYER_OK, component='allow_global_fallback = "no"'))),
+    # issue 11, cases 6 and 7
+    Case("toml-nested-too-deeply", PipelineError,
+         "input.toml: not a pipeline: TOML nested too deeply",
+         file=(".toml", "a = " + "[" * 500 + "]" * 500 + "\n")),
+    Case("toml-integer-too-long", PipelineError,
+         "input.toml:9: invalid TOML: a number of 5000 digits is too long to read (at most 4300",
+         file=(".toml", _pipeline("head_size = " + "9" * 5000 + '\ndtype = "float32"'))),
+    Case("toml-utf8-bom", PipelineError,
+         "input.toml:1: the file starts with a UTF-8 byte-order mark (BOM), which TOML does "
+         "not allow; save it as UTF-8 without a BOM",
+         file=(".toml", b"\xef\xbb\xbf" + _pipeline(_LAYER_OK).encode())),
     Case("pipeline-is-a-directory", PipelineError, "is a directory, not a pipeline file",
          call=lambda: load_pipeline(Path(__file__).parent)),
     # -- trace files (attnres replay) -------------------------------------------------
@@ -413,6 +442,9 @@ CASES: list[Case] = [
          file=(".json", "schema_version: 1\n")),
     Case("trace-not-utf8", TraceFormatError, "input.json: $: not UTF-8 text (byte 0xff",
          file=(".json", b'{"schema_version": 1, "x": "\xff"}')),
+    Case("trace-integer-too-long", TraceFormatError,
+         "input.json: $: an integer of 5000 digits (a trace holds none longer than 100)",
+         file=(".json", '{"schema_version": ' + "9" * 5000 + "}")),
     Case("trace-nan", TraceFormatError, "NaN is not valid JSON",
          file=(".json", '{"schema_version": NaN}')),
     Case("trace-not-an-object", TraceFormatError, "$: a trace must be a JSON object, got a list",
@@ -447,7 +479,7 @@ CASES: list[Case] = [
          file=(".json", _trace(lambda d: d["input"]["layer"].update(name="edited")))),
     Case("trace-missing-file", TraceFormatError, "cannot read the trace file: No such file",
          call=lambda: load_trace(Path(__file__).parent / "no-such-trace.json")),
-    Case("trace-is-a-directory", TraceFormatError, "cannot read the trace file: Is a directory",
+    Case("trace-is-a-directory", TraceFormatError, "cannot read the trace file: it is a directory",
          call=lambda: load_trace(Path(__file__).parent)),
     # -- command-line flags ---------------------------------------------------------------
     Case("cli-head-size-not-an-int", 2, "argument --head-size: invalid int value: 'abc'",
@@ -459,7 +491,8 @@ CASES: list[Case] = [
     Case("cli-unknown-dtype", 2, "dtype: unknown dtype 'int8'",
          argv=("explain", "--head-size", "64", "--dtype", "int8", "--platform", "cpu")),
     Case("cli-bad-requires", 2,
-         "requirements: unknown requirement 'casual'; valid: causal, attn_mask, packed_varlen",
+         "--requires: unknown requirement 'casual' (did you mean 'causal'?); valid: causal, "
+         "attn_mask, packed_varlen",
          argv=("explain", "--head-size", "64", "--dtype", "fp32", "--requires", "causal,casual",
                "--platform", "cpu")),
     Case("cli-bad-role", 2, "role must be 'self' or 'cross', got 'both'",
@@ -504,6 +537,58 @@ CASES: list[Case] = [
          argv=("plan", "no-such-pipeline.toml", "--platform", "cpu")),
     Case("cli-replay-missing-file", 2, "no-such-trace.json: no such file or folder",
          argv=("replay", "no-such-trace.json")),
+    # issue 11, case 8: conflicting per-component flags are usage errors, in either order
+    Case("cli-component-given-twice", 2,
+         "component 'audio_vae' was given two backends (audio_vae=fa and "
+         "audio_vae=torch_sdpa); give it once",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--component", "audio_vae", "--attention-backend", "audio_vae=fa",
+               "--attention-backend", "audio_vae=torch_sdpa")),
+    Case("cli-component-given-twice-reversed", 2,
+         "component 'audio_vae' was given two backends (audio_vae=torch_sdpa and "
+         "audio_vae=fa); give it once",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "ltx2.toml"),
+               "--platform", "cpu", "--attention-backend", "audio_vae=torch_sdpa",
+               "--attention-backend", "audio_vae=fa")),
+    Case("cli-component-backend-and-override-disagree", 2,
+         "component 'vae' was given two backends: --component-backend fa and "
+         "--attention-backend vae=sage_attn; give one",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--component", "vae", "--component-backend", "fa",
+               "--attention-backend", "vae=sage_attn")),
+    Case("cli-explain-override-of-another-component", 2,
+         "--attention-backend vea=sage_attn: the component explained is 'vae', not 'vea' "
+         "(did you mean 'vae'?)",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--component", "vae", "--attention-backend", "vea=sage_attn")),
+    Case("cli-explain-override-without-component", 2,
+         "--attention-backend vae=fa: explain resolves this layer outside any component; "
+         "give --component vae",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--attention-backend", "vae=fa")),
+    # issue 11, case 10: bounds and spelling of layer values
+    Case("layer-head-size-huge", ValueError,
+         "head_size: must be at most 16384 (real layers use 32 to 576), got 1000000000",
+         call=lambda: LayerSpec(head_size=10**9, dtype="bf16")),
+    Case("layer-head-size-bool", ValueError, "head_size: expected a positive integer, got True",
+         call=lambda: LayerSpec(head_size=True, dtype="bf16")),
+    Case("layer-head-size-float", ValueError, "head_size: expected a positive integer, got 64.0",
+         call=lambda: LayerSpec(head_size=64.0, dtype="bf16")),
+    Case("cli-head-size-huge", 2, "head_size: must be at most 16384",
+         argv=("explain", "--head-size", str(10**23), "--dtype", "bf16", "--platform", "cpu")),
+    Case("layer-requirement-misspelt", ValueError,
+         "requirements: unknown requirement 'masks' (did you mean 'attn_mask'?); valid: causal",
+         call=lambda: LayerSpec(head_size=64, dtype="bf16", requirements=["masks"])),
+    Case("cli-requirement-misspelt", 2,
+         "--requires: unknown requirement 'masks' (did you mean 'attn_mask'?)",
+         argv=("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu",
+               "--requires", "masks")),
+    Case("toml-requirement-misspelt", PipelineError,
+         "layer 'mid.attn' (layers[0]): requires: unknown requirement 'casual' (did you mean "
+         "'causal'?)",
+         file=(".toml", _pipeline(_LAYER_OK + '\nrequires = ["casual"]'))),
+    Case("toml-head-size-huge", PipelineError, "head_size: must be at most 16384",
+         file=(".toml", _pipeline('head_size = 100000000000000000000000\ndtype = "float32"'))),
     Case("cli-unknown-command", 2, "argument COMMAND: invalid choice: 'frobnicate'",
          argv=("frobnicate",)),
     Case("cli-unknown-flag", 2, "unrecognized arguments: --head_size",
@@ -595,3 +680,21 @@ def test_the_catalogue_is_documented() -> None:
 
     for code in Code:
         assert f"`{code.value}`" in text, code.value
+
+
+@pytest.mark.parametrize("make", [int, "numpy", "torch"])
+def test_any_index_integer_is_a_head_size(make: Any) -> None:
+    """Issue 11, case 10: numpy and torch integers work as head sizes (``__index__``)."""
+    if make == "numpy":
+        import numpy as np
+
+        value: Any = np.int64(64)
+    elif make == "torch":
+        value = torch.tensor(64)
+    else:
+        value = 64
+    layer = LayerSpec(head_size=value, dtype="bf16")
+    assert layer.head_size == 64 and type(layer.head_size) is int
+    assert resolve(layer, platform=CPU).backend == Backend.parse("torch_sdpa")
+    module = Attention(num_heads=value, head_size=value, dtype="float32", platform=CPU)
+    assert module.head_size == 64 and type(module.head_size) is int

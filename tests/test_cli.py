@@ -416,8 +416,11 @@ def test_plan_trace_out_writes_one_replayable_trace_per_distinct_layer(tmp_path:
     assert proc.returncode == 1
     doc = as_json(proc)
     layers = [la for c in doc["components"] for la in c["layers"]]
-    files = sorted(out.iterdir())
+    files = sorted(p for p in out.iterdir() if p.name != "attnres.manifest")
     assert len(files) == len(layers)
+    manifest = json.loads((out / "attnres.manifest").read_text())
+    assert manifest["complete"] is True
+    assert manifest["files"] == [f.name for f in files]
     for file in files:
         assert re.fullmatch(r"[A-Za-z0-9_.-]+\.json", file.name)
     for layer in layers:
@@ -794,3 +797,107 @@ def test_main_in_process_restores_structlog(capsys: pytest.CaptureFixture[str]) 
     assert json.loads(capsys.readouterr().out)["backends"]
     assert structlog.is_configured() is was_configured
     assert structlog.get_config() == before
+
+
+@pytest.fixture
+def chatty_environment(tmp_path: Path) -> dict[str, str]:
+    """Kernel packages that print when imported, at the Python and the fd level."""
+    (tmp_path / "sageattention.py").write_text(
+        "import os, sys\n"
+        "print('sageattention says hello')\n"
+        "os.write(1, b'written to fd 1\\n')\n"
+        "sys.stdout.write('no newline')\n"
+    )
+    (tmp_path / "xformers").mkdir()
+    (tmp_path / "xformers" / "__init__.py").write_text(
+        "print('xformers: loading CUDA')\nraise ImportError('libcudart.so.12: not found')\n"
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("doctor", "--json"),
+        ("explain", "--head-size", "64", "--dtype", "bf16", "--json"),
+        ("plan", "examples/cpu-small.toml", "--json"),
+    ],
+    ids=["doctor", "explain", "plan"],
+)
+def test_json_output_stays_json_when_a_kernel_package_prints(
+    argv: tuple[str, ...], chatty_environment: dict[str, str]
+) -> None:
+    """Issue 11, case 11: probing keeps third-party output off stdout (both levels)."""
+    proc = run(*argv, env=chatty_environment)
+    assert proc.returncode == 0, proc.stderr
+    # the whole of stdout is one JSON document: nothing printed before or after it
+    assert proc.stdout.startswith("{") and proc.stdout.endswith("}\n")
+    json.loads(proc.stdout)
+
+
+def test_what_a_package_printed_is_kept_in_its_probe_fact(
+    chatty_environment: dict[str, str],
+) -> None:
+    doc = as_json(run("doctor", "--json", env=chatty_environment))
+    facts = {p["name"]: p for p in doc["packages"]}
+    sage = facts["sageattention"]
+    assert sage["status"] == "present"
+    assert "printed on import: sageattention says hello" in sage["detail"]
+    assert "written to fd 1" in sage["detail"] and "no newline" in sage["detail"]
+    xformers = facts["xformers"]
+    assert xformers["status"] == "broken"
+    assert xformers["detail"].startswith("import failed: ImportError: libcudart.so.12")
+    assert xformers["detail"].endswith("printed on import: xformers: loading CUDA")
+
+
+_WIDE_OUTPUTS = {
+    "plan-ltx2-sparse": ("plan", "examples/ltx2.toml", "--platform", HOPPER,
+                         "--attention-backend", "video_sparse_attn"),
+    "plan-audio-video": ("plan", "examples/audio-video.toml", "--platform", HOPPER,
+                         "--attention-backend", "fa"),
+    "explain": ("explain", "--head-size", "64", "--dtype", "bf16", "--platform", HOPPER,
+                "--attention-backend", "sage_attn", "--component", "audio_vae"),
+    "backends": ("backends",),
+    "doctor": ("doctor",),
+}
+
+
+@pytest.mark.parametrize("columns", [60, 80, 100])
+@pytest.mark.parametrize("name", sorted(_WIDE_OUTPUTS))
+def test_text_output_fits_the_terminal_and_never_breaks_a_name(name: str, columns: int) -> None:
+    """Issue 11, case 12: every line fits COLUMNS (60 to 100); names stay whole."""
+    argv = _WIDE_OUTPUTS[name]
+    proc = run(*argv, env={"COLUMNS": str(columns)})
+    assert proc.returncode in (0, 1), proc.stderr
+    long = [line for line in proc.stdout.splitlines() if len(line) > columns]
+    assert not long, long
+    words = set(proc.stdout.split())
+    if argv[0] == "plan":
+        for layer in (la for c in as_json(cached(*argv, "--json"))["components"]
+                      for la in c["layers"]):
+            assert layer["name"] in proc.stdout, layer["name"]
+    if argv[0] == "backends":
+        for spec in registered_backends():
+            assert spec.name in words, spec.name
+
+
+def test_plan_summaries_read_rightly(tmp_path: Path) -> None:
+    """Issue 11, case 13: counts say what they count; singular is singular."""
+    proc = run("plan", "examples/audio-video.toml", "--platform", HOPPER,
+               "--attention-backend", "sage_attn")
+    verdict = " ".join(proc.stdout.split("Verdict:")[1].split())
+    assert re.search(r"fallbacks: global backend fallback \(\d+ layers\)", verdict), verdict
+    one = tmp_path / "one.toml"
+    one.write_text(
+        '[pipeline]\nname = "one"\n[[components]]\nname = "vae"\n'
+        '[[components.layers]]\nname = "mid.attn"\nhead_size = 64\ndtype = "float32"\n'
+    )
+    proc = run("plan", str(one), "--platform", "cpu", "--attention-backend", "vae=torch_sdpa",
+               "--trace-out", str(tmp_path / "traces"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"Traces: 1 file written to {tmp_path / 'traces'}" in proc.stdout
+    request = next(line for line in proc.stdout.splitlines() if line.startswith("Request:"))
+    assert request.split(None, 1)[1] == (
+        "no global --attention-backend; per component: --attention-backend vae=torch_sdpa"
+    )

@@ -11,20 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The dev extra installs diffusers and transformers (make test): a missing one is
+# an import error here, never a silently skipped module.
+import diffusers  # noqa: F401
 import pytest
+import tiny_pipelines as tp
+import torch
+import transformers  # noqa: F401
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("diffusers")
-pytest.importorskip("transformers")
-
-import tiny_pipelines as tp  # noqa: E402
-from diffusers.models.attention_dispatch import _AttentionBackendRegistry  # noqa: E402
-
-from attnres import Platform, SelectionConfig  # noqa: E402
-from attnres.cli import main  # noqa: E402
-from attnres.integrations import IntegrationError  # noqa: E402
-from attnres.integrations import diffusers as idf  # noqa: E402
-from attnres.integrations import transformers as itf  # noqa: E402
+from attnres import Platform, SelectionConfig
+from attnres.cli import main
+from attnres.integrations import IntegrationError
+from attnres.integrations import diffusers as idf
+from attnres.integrations import transformers as itf
 
 SIM = "cuda:sm90+flash_attn+sageattention"
 SAGE = SelectionConfig(global_backend="sage_attn")

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The dev extra installs diffusers (make test): a missing one is an import
+# error here, never a silently skipped module.
+import diffusers  # noqa: F401
 import pytest
+import tiny_pipelines as tp
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("diffusers")
-
-import tiny_pipelines as tp  # noqa: E402
-
-from attnres import Platform, SelectionConfig  # noqa: E402
-from attnres.integrations import diffusers as idf  # noqa: E402
-from attnres.replayer import replay  # noqa: E402
-from attnres.trace import canonical_json, trace_to_dict  # noqa: E402
+from attnres import Platform, SelectionConfig
+from attnres.integrations import diffusers as idf
+from attnres.replayer import replay
+from attnres.trace import canonical_json, trace_to_dict
 
 FOLDER = Path(__file__).resolve().parent.parent / "traces" / "integrations" / \
     "tiny-flux-global-sage"

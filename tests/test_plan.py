@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -359,3 +360,9 @@ def test_write_plan_traces_writes_one_file_per_layer_without_collisions(tmp_path
     assert [p.name for p in paths] == ["vae__attn_a.json", "vae__attn_a-2.json"]
     for path, layer in zip(paths, result.layers, strict=True):
         assert load_trace(path).digest == layer.trace.digest
+    # the folder's manifest is complete and lists exactly the files written
+    from attnres._files import MANIFEST_NAME, check_manifest
+
+    manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
+    assert manifest["complete"] and manifest["files"] == sorted(p.name for p in paths)
+    assert check_manifest(tmp_path / "out") == []

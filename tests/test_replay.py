@@ -292,7 +292,7 @@ def test_command_invalid_file_exits_2_without_traceback(seed_file: Path, tmp_pat
     assert code == 2
     assert f"ERR  {bad}" in out.splitlines()
     assert f"ok   {seed_file}" in out.splitlines()  # the other files are still replayed
-    assert err.startswith(f"attnres replay: {bad}: $: not valid JSON")
+    assert err.startswith(f"attnres replay: error: {bad}: $: not valid JSON")
     assert "Traceback" not in err
     assert len(err.splitlines()) == 1
 
@@ -321,7 +321,7 @@ def test_command_missing_path_exits_2(seed_file: Path, tmp_path: Path) -> None:
     missing = tmp_path / "nope.json"
     code, out, err = _run([str(missing), str(seed_file)])
     assert code == 2
-    assert err == f"attnres replay: {missing}: no such file or folder\n"
+    assert err == f"attnres replay: error: {missing}: no such file or folder\n"
     assert out == f"ok   {seed_file}\n"
 
 
@@ -331,7 +331,7 @@ def test_command_empty_folder_exits_2(tmp_path: Path) -> None:
     code, out, err = _run([str(empty)])
     assert code == 2
     assert out == ""
-    assert err == f"attnres replay: {empty}: no trace files (*.json) in this folder\n"
+    assert err == f"attnres replay: error: {empty}: no trace files (*.json) in this folder\n"
 
 
 def test_command_replays_each_file_once(seed_file: Path) -> None:

@@ -37,7 +37,6 @@ import importlib
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import textwrap
@@ -57,6 +56,7 @@ from attnres.backends import (
     registered_backends,
 )
 from attnres.documents import platform_document, spec_document
+from attnres.errors import TraceWriteError
 from attnres.explain import describe_layer, explain, resolution_trace
 from attnres.layer import (
     DEST_AUTOTUNE,
@@ -66,6 +66,7 @@ from attnres.layer import (
     DEST_EXPLICIT,
     ENV_VAR,
     LayerSpec,
+    Requirements,
     SelectionConfig,
     split_component_key,
 )
@@ -113,6 +114,31 @@ _MAX_WIDTH = 100
 
 class UsageError(ValueError):
     """A command-line mistake the parser cannot see (exit 2)."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwound like ``KeyboardInterrupt`` (temporary files removed)."""
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While a command runs, SIGTERM raises :class:`_Terminated` (as SIGINT raises
+    ``KeyboardInterrupt``), so a write in progress removes its temporary file."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # =============================================================================
@@ -163,7 +189,15 @@ class _AttentionBackendAction(argparse.Action):
                 raise argparse.ArgumentError(self, str(exc)) from None
             key = name if role is None else f"{name}.{role.value}"
             components = dict(getattr(namespace, DEST_COMPONENTS, None) or {})
-            components[key] = _canonical_backend(self, backend)
+            chosen = _canonical_backend(self, backend)
+            previous = components.get(key)
+            if previous is not None and previous != chosen:
+                raise argparse.ArgumentError(
+                    self,
+                    f"component {key!r} was given two backends ({key}={previous} "
+                    f"and {key}={chosen}); give it once",
+                )
+            components[key] = chosen
             setattr(namespace, DEST_COMPONENTS, components)
             return
         name = _canonical_backend(self, text)
@@ -372,12 +406,12 @@ def _table(
     available = width - indent - gap * (count - 1)
     shrinkable = [i for i in wrap if i < count]
     # The widest wrappable column gives up a character at a time, down to its
-    # floor: its header, its longest word (capped), or min_width.
+    # floor: its header, its longest word (a name is never broken), or min_width.
     floors = {
         i: max(
             min_width,
             len(headers[i]),
-            min(24, max((len(w) for row in rows for w in row[i].split()), default=0)),
+            max((len(w) for row in rows for w in row[i].split()), default=0),
         )
         for i in shrinkable
     }
@@ -387,6 +421,9 @@ def _table(
             break
         widest = candidates[0] if ordered else max(candidates, key=lambda i: widths[i])
         widths[widest] -= 1
+    if sum(widths) > available:
+        # Too narrow for columns without breaking a name: one record per row.
+        return _records(headers, rows, width=width, indent=indent, prose=wrap, notes=notes)
     pad = " " * indent
     sep = " " * gap
     out = [
@@ -417,31 +454,43 @@ def _table(
     return out
 
 
+def _records(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int,
+    indent: int,
+    prose: Sequence[int],
+    notes: Sequence[str] | None,
+) -> list[str]:
+    """A table too wide for ``width``: each row as its first cell, then its short
+    ``header: value`` pairs on one line and each long prose cell on its own,
+    all wrapped at word boundaries."""
+    pad = " " * indent
+    out: list[str] = []
+    for index, row in enumerate(rows):
+        if row[0]:  # a blank first cell continues the record above
+            out.append(pad + row[0])
+        short: list[str] = []
+        long: list[str] = []
+        for i in range(1, len(headers)):
+            if row[i]:
+                pair = f"{headers[i]}: {row[i]}"
+                (long if i in prose and len(row[i]) > 30 else short).append(pair)
+        for paragraph in (["; ".join(short)] if short else []) + long:
+            out += _wrap(paragraph, width, pad + "    ", pad + "      ")
+        note = notes[index] if notes is not None else ""
+        if note:
+            out += _wrap(note, width, pad + "    ", pad + "      ")
+    return out
+
+
 def _wrap_cell(text: str, width: int) -> list[str]:
-    """Wrap at spaces; a word wider than the column (a dotted layer name, a list
-    such as ``sm80/86/89``) at its dots and slashes, and only then anywhere."""
+    """Wrap at spaces, never inside a word (the column is at least as wide as
+    its longest word: see the floors in :func:`_table`)."""
     if len(text) <= width:
         return [text]
-    pieces: list[str] = []
-    for word in re.findall(r"\S+\s*", text):
-        if len(word.rstrip()) <= width:
-            pieces.append(word)
-            continue
-        for part in re.findall(r"[^./]+[./]?\s*|[./]\s*", word):
-            while len(part.rstrip()) > width:
-                pieces.append(part[:width])
-                part = part[width:]
-            pieces.append(part)
-    lines: list[str] = []
-    current = ""
-    for piece in pieces:
-        if current and len(current + piece.rstrip()) > width:
-            lines.append(current.rstrip())
-            current = ""
-        current += piece
-    if current.strip():
-        lines.append(current.rstrip())
-    return lines
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 def _emit(stream: TextIO, lines: Sequence[str]) -> None:
@@ -524,13 +573,14 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise UsageError(
             "--component-backend is the override of one component: give --component NAME too"
         )
+    _check_explain_overrides(args, config)
     layer = LayerSpec(
         head_size=args.head_size,
         dtype=args.dtype,
         supported=_split(args.supported),
         default=args.default,
         role=args.role,
-        requirements=args.requires or (),
+        requirements=Requirements.of(args.requires or (), field="--requires"),
         name=args.layer_name,
     )
     platform = _platform(args.platform)
@@ -542,7 +592,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         trace = resolution_trace(layer, config, platform)
     if args.trace_out is not None:
-        _write_trace(trace, Path(args.trace_out))
+        _write_trace(trace, _trace_out(args.trace_out, "a file name"))
     outcome = trace.outcome
     if args.json:
         _emit_json(
@@ -568,6 +618,35 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK if outcome.status == "selected" else EXIT_REJECTED
 
 
+def _check_explain_overrides(args: argparse.Namespace, config: SelectionConfig) -> None:
+    """``--attention-backend COMPONENT[.ROLE]=X`` in explain must name the component
+    explained, and agree with ``--component-backend`` when both name its backend."""
+    import difflib
+
+    for key, backend in config.component_backends:
+        component, role = split_component_key(key)
+        if component != args.component:
+            if args.component is None:
+                raise UsageError(
+                    f"--attention-backend {key}={backend.name}: explain resolves this "
+                    f"layer outside any component; give --component {component} to explain "
+                    f"it inside that component"
+                )
+            close = difflib.get_close_matches(component, [args.component], n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(
+                f"--attention-backend {key}={backend.name}: the component explained is "
+                f"{args.component!r}, not {component!r}{hint}"
+            )
+        if args.component_backend is not None and role is None:
+            flag = Backend.parse(args.component_backend).name
+            if flag != backend.name:
+                raise UsageError(
+                    f"component {component!r} was given two backends: --component-backend "
+                    f"{flag} and --attention-backend {key}={backend.name}; give one"
+                )
+
+
 def _autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | None:
     """What --autotune would do with this decision (``None`` without --autotune)."""
     if not config.autotune:
@@ -588,6 +667,12 @@ def _autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | No
         f"{trace.outcome.backend} stays unless one agrees and is more than "
         f"{config.autotune_margin:.0%} faster",
     }
+
+
+def _trace_out(text: str, what: str) -> Path:
+    if not text.strip():
+        raise UsageError(f"--trace-out needs {what}, got an empty string")
+    return Path(text)
 
 
 def _write_trace(trace: Trace, path: Path) -> None:
@@ -627,7 +712,7 @@ def _render_explain(trace: Trace) -> list[str]:
     lines += _field("Platform:", _platform_text(inp.platform), width)
     cfg = inp.config
     if cfg.global_backend is None:
-        request = "no --attention-backend"
+        request = "no global --attention-backend"
     elif cfg.global_backend_env is not None:
         request = f"{cfg.global_backend_env}={cfg.global_backend.name} (set in the environment)"
     else:
@@ -638,7 +723,9 @@ def _render_explain(trace: Trace) -> list[str]:
                                                     cfg.component_backends)
     lines += _field("Request:", request, width)
     lines.append("")
-    lines.append("Candidates (every check in order; '->' rows are the machine's transitions):")
+    lines += _wrap(
+        "Candidates (every check in order; '->' rows are the machine's transitions):", width
+    )
     rows: list[list[str]] = []
     last: tuple[str, str] | None = None
     for row in why.rows:
@@ -698,12 +785,13 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     doc = result.to_dict()
     written: tuple[Path, ...] = ()
     if args.trace_out is not None:
+        directory = _trace_out(args.trace_out, "a folder name")
         try:
-            written = write_plan_traces(result, args.trace_out)
-        except OSError as exc:
-            raise UsageError(
-                f"cannot write trace files to {args.trace_out!r}: {exc.strerror or exc}"
-            ) from None
+            written = write_plan_traces(
+                result, directory, written_by=f"attnres plan {pipeline.path}"
+            )
+        except TraceWriteError as exc:
+            raise UsageError(str(exc)) from None
         layer_docs = [la for c in doc["components"] for la in c["layers"]]
         for layer_doc, path in zip(layer_docs, written, strict=True):
             layer_doc["trace_file"] = str(path)
@@ -734,7 +822,12 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 _width(),
             )
         if written:
-            lines.append(f"Traces: {len(written)} files written to {args.trace_out}")
+            lines += _wrap(
+                f"Traces: {_plural(len(written), 'file')} written to {args.trace_out}",
+                _width(),
+                "",
+                "  ",
+            )
         _emit(out, lines)
     return EXIT_OK if result.ok else EXIT_REJECTED
 
@@ -746,10 +839,10 @@ def _plural(n: int, word: str) -> str:
 def _render_plan(result: PlanResult) -> list[str]:
     width = _width()
     pipeline, config = result.pipeline, result.config
-    lines = [f"Plan for pipeline {pipeline.name!r} ({pipeline.path})"]
+    lines = _wrap(f"Plan for pipeline {pipeline.name!r} ({pipeline.path})", width, "", "  ")
     lines += _field("Platform:", _platform_text(result.platform), width)
     if config.global_backend is None:
-        request = "no --attention-backend"
+        request = "no global --attention-backend"
     elif config.global_backend_env is not None:
         request = (
             f"{config.global_backend_env}={config.global_backend.name} (set in the environment)"
@@ -758,7 +851,7 @@ def _render_plan(result: PlanResult) -> list[str]:
         how = "typed by the operator" if config.global_backend_explicit else "a preference"
         request = f"--attention-backend {config.global_backend.name} ({how})"
     if config.component_backends:
-        request += "; " + ", ".join(
+        request += "; per component: " + ", ".join(
             f"--attention-backend {n}={b.name}" for n, b in config.component_backends
         )
     lines += _field("Request:", request, width)
@@ -822,7 +915,8 @@ def _render_plan(result: PlanResult) -> list[str]:
     )
     if result.ok:
         fell = (
-            "fallbacks: " + ", ".join(f"{r} {n}" for r, n in sorted(fallbacks.items()))
+            "fallbacks: "
+            + ", ".join(f"{r} ({_plural(n, 'layer')})" for r, n in sorted(fallbacks.items()))
             if fallbacks
             else "no fallback"
         )
@@ -870,6 +964,10 @@ def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return render_replay(run, args.update, out, err)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int:
     """Print a :class:`~attnres.replayer.ReplayRun`: ``ok   PATH`` / ``DIFF PATH`` (+ diff).
 
@@ -877,26 +975,32 @@ def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int
     diverged (without ``--update``), 2 when a path names nothing or a file is not
     a valid trace (its message goes to ``err``, no traceback).
     """
+    for path in run.flagged:
+        print(f"ERR  {path}", file=out)
     for problem in run.path_problems:
-        print(f"attnres replay: {problem}", file=err)
+        print(f"attnres replay: error: {problem}", file=err)
     for entry in run.entries:
         if entry.status == "invalid":
             print(f"ERR  {entry.path}", file=out)
-            print(f"attnres replay: {entry.error}", file=err)
+            print(f"attnres replay: error: {entry.error}", file=err)
         elif entry.status == "ok":
             print(f"ok   {entry.path}", file=out)
         else:
             diff = "" if entry.result is None else entry.result.diff
             print(f"DIFF {entry.path}", file=out)
             print("\n".join("    " + line for line in diff.splitlines()), file=out)
-            if entry.updated:
+            if entry.error is not None:
+                print(f"attnres replay: error: {entry.error}", file=err)
+            elif entry.updated:
                 print(f"    updated {entry.path} from the replay", file=out)
     if len(run.entries) > 1:
-        ok, diverged, invalid = run.count("ok"), run.count("diff"), run.count("invalid")
+        ok, diverged, invalid = run.count("ok"), run.count("diff"), run.invalid_count
         parts = [f"{ok} ok", f"{diverged} {'updated' if update else 'differ'}"]
         if invalid:
             parts.append(f"{invalid} invalid")
-        print(f"replayed {len(run.entries)} traces: {', '.join(parts)}", file=out)
+        if run.path_problems:
+            parts.append(_count(len(run.path_problems), "other error"))
+        print(f"replayed {_count(len(run.entries), 'trace')}: {', '.join(parts)}", file=out)
     if run.invalid:
         return EXIT_USAGE
     if run.diverged:
@@ -1283,7 +1387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out, err = sys.stdout, sys.stderr
     prog = f"attnres {args.command}"
-    with _cli_logging(args.log_format, args.log_level, err):
+    with _cli_logging(args.log_format, args.log_level, err), _sigterm_unwinds():
         try:
             handler: Callable[[argparse.Namespace, TextIO, TextIO], int] = args.handler
             code = handler(args, out, err)
@@ -1302,6 +1406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             _error(err, "interrupted", prog)
             return 130
+        except _Terminated:
+            _error(err, "terminated (SIGTERM)", prog)
+            return 143
         except Exception as exc:
             _log().error("internal error", command=args.command, exc_info=True)
             _error(

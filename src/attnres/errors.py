@@ -20,6 +20,7 @@ __all__ = [
     "ResolutionError",
     "ResultsFileError",
     "TraceFormatError",
+    "TraceWriteError",
     "UnknownBackendError",
 ]
 
@@ -62,6 +63,11 @@ class TraceFormatError(ValueError):
 class ResultsFileError(ValueError):
     """An autotune results file that cannot be read, or a target that is not one
     (attnres never overwrites a file it did not write)."""
+
+
+class TraceWriteError(OSError):
+    """Trace files that could not be written: the message says which file or
+    step (the folder's manifest) failed, and the operating system's reason."""
 
 
 class ConsensusError(RuntimeError):

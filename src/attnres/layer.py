@@ -8,6 +8,8 @@ given as :class:`~attnres.backends.Backend` or as strings, dtypes as strings
 
 from __future__ import annotations
 
+import difflib
+import operator
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -68,12 +70,28 @@ def _backend_set(value: Iterable[Backend | str] | str | None) -> frozenset[Backe
     return out
 
 
+#: The largest head size attnres accepts. Real attention layers use 32 to 576;
+#: anything past this is a typo (or a unit mix-up), not a layer.
+MAX_HEAD_SIZE = 16384
+
+
 def _positive_head_size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # any integer type (numpy's, torch's) that offers __index__; never a bool
+    if isinstance(value, bool):
         raise ValueError(f"head_size: expected a positive integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"head_size: must be at least 1, got {value}")
-    return int(value)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"head_size: expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"head_size: must be at least 1, got {number}")
+    if number > MAX_HEAD_SIZE:
+        shown = str(number) if number < 10**30 else f"a number of {len(str(number))} digits"
+        raise ValueError(
+            f"head_size: must be at most {MAX_HEAD_SIZE} (real layers use 32 to 576), "
+            f"got {shown}"
+        )
+    return number
 
 
 def _default_backend(value: Backend | str | None) -> Backend | None:
@@ -107,6 +125,19 @@ def _is_bool(_: Any, attribute: Any, value: Any) -> None:
         raise ValueError(f"{attribute.name}: expected True or False, got {value!r}")
 
 
+#: What a misspelt requirement is matched against: the names, their words, and
+#: the short names ``attnres backends`` prints.
+_REQUIREMENT_HINTS: dict[str, str] = {
+    **{r.value: r.value for r in Requirement},
+    "mask": "attn_mask",
+    "masks": "attn_mask",
+    "attention_mask": "attn_mask",
+    "varlen": "packed_varlen",
+    "packed": "packed_varlen",
+    "grouped_query": "gqa",
+}
+
+
 @frozen(cache_hash=True)
 class Requirements:
     """The semantic features a layer needs from its kernel."""
@@ -126,8 +157,17 @@ class Requirements:
         return tuple(r for r in Requirement if getattr(self, r.value))
 
     @classmethod
-    def of(cls, value: Requirements | Iterable[Requirement | str] | None) -> Requirements:
-        """From a ``Requirements``, ``None``, or names such as ``["causal", "gqa"]``."""
+    def of(
+        cls,
+        value: Requirements | Iterable[Requirement | str] | None,
+        *,
+        field: str = "requirements",
+    ) -> Requirements:
+        """From a ``Requirements``, ``None``, or names such as ``["causal", "gqa"]``.
+
+        ``field`` is how the caller's user wrote the field (``requires`` in a
+        pipeline file, ``--requires`` on the command line), for the messages.
+        """
         if value is None:
             return cls()
         if isinstance(value, Requirements):
@@ -141,8 +181,10 @@ class Requirements:
                 names[Requirement(key).value] = True
             except ValueError:
                 valid = ", ".join(r.value for r in Requirement)
+                close = difflib.get_close_matches(key, list(_REQUIREMENT_HINTS), n=1, cutoff=0.6)
+                hint = f" (did you mean {_REQUIREMENT_HINTS[close[0]]!r}?)" if close else ""
                 raise ValueError(
-                    f"requirements: unknown requirement {item!r}; valid: {valid}"
+                    f"{field}: unknown requirement {item!r}{hint}; valid: {valid}"
                 ) from None
         return cls(**names)
 

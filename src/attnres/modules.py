@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -100,9 +101,16 @@ def _memo_put(memo: dict[Any, Any], key: object, value: object) -> None:
 
 
 def _positive_int(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what}: expected a positive integer, got {value!r}")
-    return value
+    # any integer type that offers __index__ (numpy's, torch's); never a bool
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if number >= 1:
+                return number
+    raise ValueError(f"{what}: expected a positive integer, got {value!r}")
 
 
 def _merge_requirements(given: Requirements | Any, **implied: bool) -> Requirements:
@@ -293,8 +301,8 @@ class Attention(FastCallModule):
         window: tuple[int | None, int | None] | None = None,
     ) -> None:
         super().__init__()
-        _positive_int("num_heads", num_heads)
-        _positive_int("head_size", head_size)
+        num_heads = _positive_int("num_heads", num_heads)
+        head_size = _positive_int("head_size", head_size)
         kv_heads = (
             num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
         )

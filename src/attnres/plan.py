@@ -37,6 +37,7 @@ from typing import Any
 
 from attrs import field, frozen
 
+from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._states import (
     Code,
     KernelSource,
@@ -48,9 +49,9 @@ from attnres._states import (
 )
 from attnres._vocab import Role
 from attnres.backends import Backend
-from attnres.errors import BackendNotAppliedError, ResolutionError
+from attnres.errors import BackendNotAppliedError, ResolutionError, TraceWriteError
 from attnres.kernels import kernel_source
-from attnres.layer import LayerSpec, SelectionConfig
+from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve, selection_config
 from attnres.scope import component_kind, loader_for
@@ -164,13 +165,20 @@ def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
     """Read and validate a pipeline file; any problem is a :class:`PipelineError`."""
     source = os.fspath(path)
     try:
-        raw = Path(source).read_bytes()
+        raw = read_bounded(source, what="pipeline file")
     except IsADirectoryError:
         raise PipelineError(f"{source}: is a directory, not a pipeline file", path=source) from None
     except OSError as exc:
         raise PipelineError(
             f"{source}: cannot read pipeline file: {exc.strerror or exc}", path=source
         ) from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise PipelineError(
+            f"{source}:1: the file starts with a UTF-8 byte-order mark (BOM), which TOML "
+            f"does not allow; save it as UTF-8 without a BOM",
+            path=source,
+            line=1,
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -188,6 +196,28 @@ def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
         where = f"{source}:{line}" if line is not None else source
         raise PipelineError(
             f"{where}: invalid TOML: {message}", path=source, line=line
+        ) from None
+    except RecursionError:
+        raise PipelineError(
+            f"{source}: not a pipeline: TOML nested too deeply (arrays or inline tables "
+            f"inside one another hundreds of levels deep)",
+            path=source,
+        ) from None
+    except ValueError as exc:
+        # tomllib lets int() refuse a number of more than 4300 digits with a bare
+        # ValueError that names neither the file nor the line: find the line
+        m = re.search(r"[0-9][0-9_]{4000,}", text)
+        line = text.count("\n", 0, m.start()) + 1 if m else None
+        where = f"{source}:{line}" if line is not None else source
+        digits = sum(c.isdigit() for c in m.group(0)) if m else None
+        size = f"of {digits} digits " if digits else ""
+        raise PipelineError(
+            f"{where}: invalid TOML: a number {size}is too long to read "
+            f"(at most {sys.get_int_max_str_digits()} digits)"
+            if hasattr(sys, "get_int_max_str_digits")
+            else f"{where}: invalid TOML: {exc}",
+            path=source,
+            line=line,
         ) from None
     return parse_pipeline(doc, source=source)
 
@@ -415,7 +445,7 @@ class _Parser:
                 supported=table.get("supported"),
                 default=table.get("default"),
                 role=table.get("role", "self"),
-                requirements=table.get("requires", ()),
+                requirements=Requirements.of(table.get("requires", ()), field="requires"),
                 name=raw_name,
             )
         except ValueError as exc:
@@ -650,14 +680,28 @@ def trace_file_name(component: str, layer: str) -> str:
     return f"{clean(component)}__{clean(layer)}.json"
 
 
-def write_plan_traces(result: PlanResult, directory: str | os.PathLike[str]) -> tuple[Path, ...]:
+def write_plan_traces(
+    result: PlanResult,
+    directory: str | os.PathLike[str],
+    *,
+    written_by: str = "attnres.plan.write_plan_traces",
+) -> tuple[Path, ...]:
     """Write every planned layer's trace to ``directory``; the paths, in plan order.
 
     File names are :func:`trace_file_name` (``<component>__<layer>.json``), with
     ``-2``, ``-3``... when two layers would share one. Each file is written
-    atomically (:func:`attnres.trace.dump_trace`); an ``OSError`` propagates.
+    atomically (:func:`attnres.trace.dump_trace`). The folder's manifest marks
+    the run (``written_by``) incomplete first and lists the files once all are
+    written, so an interrupted run fails replay. A failure raises
+    :class:`~attnres.errors.TraceWriteError` (an ``OSError``) saying which step.
     """
     folder = Path(directory)
+    try:
+        begin_manifest(folder, written_by)
+    except OSError as exc:
+        raise TraceWriteError(
+            f"cannot write traces into {str(folder)!r}: {exc.strerror or exc}"
+        ) from None
     used: set[str] = set()
     paths: list[Path] = []
     for component in result.components:
@@ -667,5 +711,18 @@ def write_plan_traces(result: PlanResult, directory: str | os.PathLike[str]) -> 
             while name in used:
                 name, n = f"{stem}-{n}.json", n + 1
             used.add(name)
-            paths.append(dump_trace(layer.trace, folder / name))
+            path = folder / name
+            try:
+                dump_trace(layer.trace, path)
+            except OSError as exc:
+                raise TraceWriteError(
+                    f"cannot write trace file {str(path)!r}: {exc.strerror or exc}"
+                ) from None
+            paths.append(path)
+    try:
+        finish_manifest(folder, written_by, [p.name for p in paths])
+    except OSError as exc:
+        raise TraceWriteError(
+            f"cannot write the manifest into {str(folder)!r}: {exc.strerror or exc}"
+        ) from None
     return tuple(paths)

@@ -17,15 +17,21 @@ lives here too: :meth:`Platform.default_chain`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.metadata as metadata
 import importlib.util
+import io
+import os
 import re
+import sys
+import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
+import attrs
 from attrs import field, frozen
 
 from attnres._states import PackageStatus
@@ -51,6 +57,9 @@ GRAMMAR = (
     "present, +all marks every one. Examples: cpu, cuda:sm90+flash_attn+sageattention, "
     "rocm:gfx942+aiter, npu+torch_npu"
 )
+
+#: The platform kinds whose ``KIND:ARCH`` names an architecture.
+_KINDS_WITH_ARCH = ("cuda", "rocm")
 
 #: The torch version recorded in simulated platforms (hermetic on purpose).
 SIMULATED_TORCH_VERSION = "2.13.0"
@@ -267,6 +276,19 @@ class Platform:
                     f"cannot parse ROCm architecture {m.group('arch')!r} in {text!r} "
                     f"(use gfx90a, gfx942, gfx950); expected {GRAMMAR}"
                 )
+            elif kind not in _KINDS_WITH_ARCH:
+                # cpu, mps, xpu and npu have no architecture attnres could check
+                # against: "cpu:sm90" is a typo of "cuda:sm90", never a CPU
+                if _parse_capability(arch) is not None:
+                    meant = f"; did you mean 'cuda:{arch}'?"
+                elif re.fullmatch(r"gfx[0-9a-f]+", arch):
+                    meant = f"; did you mean 'rocm:{arch}'?"
+                else:
+                    meant = ""
+                raise ValueError(
+                    f"platform kind {kind!r} takes no architecture, got {m.group('arch')!r} in "
+                    f"{text!r}{meant} (only cuda and rocm take one); expected {GRAMMAR}"
+                )
         aliases = _package_alias_map()
         present: set[str] = set()
         for token in filter(None, m.group("pkgs").split("+")):
@@ -355,8 +377,85 @@ def _submodule_exists(module: str) -> bool:
     return spec is not None
 
 
+#: How much of what a package printed while imported is kept in its fact.
+_MAX_PRINTED = 500
+
+
+class _Printed:
+    """What was written to stdout inside :func:`_stdout_captured` (``.text``)."""
+
+    text = ""
+
+
+@contextlib.contextmanager
+def _stdout_captured() -> Iterator[_Printed]:
+    """Keep third-party output off stdout while a package is probed.
+
+    ``print`` in an imported module (Python level: ``sys.stdout``) and a C
+    extension's ``printf`` (file-descriptor level: fd 1) both go to a temporary
+    file instead; what they wrote is handed back, so the probe can keep it (it
+    is often the diagnosis). stdout is the channel of ``--json`` output.
+    """
+    printed = _Printed()
+    buffer = io.StringIO()
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stdout.flush()
+    with tempfile.TemporaryFile() as sink:
+        saved_fd: int | None = None
+        try:
+            saved_fd = os.dup(1)
+            os.dup2(sink.fileno(), 1)
+        except (OSError, ValueError):  # no fd 1 (a closed stdout): Python level only
+            if saved_fd is not None:
+                os.close(saved_fd)
+                saved_fd = None
+        raw = b""
+        try:
+            with contextlib.redirect_stdout(buffer):
+                yield printed
+        finally:
+            if saved_fd is not None:
+                _flush_c_stdout()
+                os.dup2(saved_fd, 1)
+                os.close(saved_fd)
+                sink.seek(0)
+                raw = sink.read(_MAX_PRINTED * 4)
+            text = buffer.getvalue() + raw.decode("utf-8", "backslashreplace")
+            printed.text = " ".join(text.split())
+
+
+def _flush_c_stdout() -> None:
+    """Flush C stdio's buffer, so a ``printf`` without a newline lands in the capture."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:  # no libc to call: what is buffered stays buffered
+        pass
+
+
+def _with_printed(fact: PackageFact, printed: str) -> PackageFact:
+    if not printed:
+        return fact
+    if len(printed) > _MAX_PRINTED:
+        printed = printed[:_MAX_PRINTED] + "..."
+    note = f"printed on import: {printed}"
+    detail = f"{fact.detail}; {note}" if fact.detail else note
+    return PackageFact(fact.name, fact.status, fact.version, detail)
+
+
 def probe_package(probe: PackageProbe) -> PackageFact:
-    """Probe one package; never raises (KeyboardInterrupt aside)."""
+    """Probe one package; never raises (KeyboardInterrupt aside).
+
+    Nothing the package prints while imported reaches stdout; it is kept in the
+    fact's ``detail`` (``printed on import: ...``).
+    """
+    with _stdout_captured() as printed:
+        fact = _probe_package(probe)
+    return _with_printed(fact, printed.text)
+
+
+def _probe_package(probe: PackageProbe) -> PackageFact:
     try:
         top = probe.module.split(".")[0]
         if importlib.util.find_spec(top) is None:
@@ -386,6 +485,15 @@ def probe_package(probe: PackageProbe) -> PackageFact:
 
 
 def _probe() -> Platform:
+    with _stdout_captured() as printed:
+        platform = _probe_uncaptured()
+    if printed.text:  # torch or a plugin printed while imported
+        text = printed.text[:_MAX_PRINTED] + ("..." if len(printed.text) > _MAX_PRINTED else "")
+        platform = attrs.evolve(platform, notes=(*platform.notes, f"printed on import: {text}"))
+    return platform
+
+
+def _probe_uncaptured() -> Platform:
     notes: list[str] = []
     kind, device, capability, arch = "cpu", "cpu", None, None
     torch_version: str | None = None

@@ -26,6 +26,7 @@ from typing import Any
 from attrs import field, frozen
 
 from attnres import machine as _machine
+from attnres._files import check_manifest
 from attnres.errors import TraceFormatError
 from attnres.trace import Outcome, Trace, TuningRecord, dump_trace, load_trace, record_to_dict
 from attnres.tuning import replay_tuned
@@ -214,7 +215,8 @@ class ReplayEntry:
     path: str
     status: str  # "ok" | "diff" | "invalid"
     result: ReplayResult | None = field(default=None, repr=False)
-    #: why the file could not be replayed (``invalid``)
+    #: why the file could not be replayed (``invalid``), or -- on a ``diff`` --
+    #: why it could not be rewritten from the replay (``update``)
     error: str | None = None
     #: the diverging file was rewritten from the replay
     updated: bool = False
@@ -225,16 +227,27 @@ class ReplayRun:
     """What replaying some files and folders found; rendering is the caller's."""
 
     entries: tuple[ReplayEntry, ...]
-    #: paths that name nothing to replay (missing, or a folder without traces)
+    #: ``"PATH: message"`` for each path that names nothing to replay (missing,
+    #: unreadable, a folder without traces) or a folder whose manifest says it
+    #: is incomplete or lists a missing file
     path_problems: tuple[str, ...] = ()
+    #: the paths of the manifest problems, which a listing shows as failed files
+    flagged: tuple[str, ...] = ()
 
     def count(self, status: str) -> int:
         return sum(1 for e in self.entries if e.status == status)
 
     @property
+    def invalid_count(self) -> int:
+        """Files that are not valid traces (or broke the machine), or that an
+        update could not rewrite."""
+        return sum(1 for e in self.entries if e.error is not None)
+
+    @property
     def invalid(self) -> bool:
-        """A path named nothing, or a file was not a valid trace (or broke the machine)."""
-        return bool(self.path_problems) or self.count("invalid") > 0
+        """A path named nothing, or a file was not a valid trace (or broke the
+        machine, or could not be updated)."""
+        return bool(self.path_problems) or self.invalid_count > 0
 
     @property
     def diverged(self) -> bool:
@@ -242,20 +255,35 @@ class ReplayRun:
         return any(e.status == "diff" and not e.updated for e in self.entries)
 
 
-def _expand(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[str]]:
-    """Files to replay (folders: their ``*.json``, sorted), and the paths that were bad."""
+def _expand(
+    paths: Iterable[str | os.PathLike[str]],
+) -> tuple[list[str], list[str], list[str]]:
+    """Files to replay (folders: every ``*.json`` entry, sorted), the problems
+    (``"PATH: message"``) and the paths of manifest problems.
+
+    Every ``*.json`` entry of a folder is replayed, whatever it is: a dangling
+    symlink, a FIFO or a sub-folder becomes an invalid entry, never a silent skip.
+    """
     files: list[str] = []
     seen: set[str] = set()
     problems: list[str] = []
+    flagged: list[str] = []
     for raw in paths:
         text = os.fspath(raw)
         path = Path(text)
         if path.is_dir():
-            found = sorted(p for p in path.glob("*.json") if p.is_file())
-            if not found:
+            try:
+                names = sorted(e.name for e in os.scandir(path) if e.name.endswith(".json"))
+            except OSError as exc:
+                problems.append(f"{text}: cannot list the folder: {exc.strerror or exc}")
+                continue
+            for where, message in check_manifest(path):
+                flagged.append(where)
+                problems.append(f"{where}: {message}")
+            if not names:
                 problems.append(f"{text}: no trace files (*.json) in this folder")
-            candidates = [str(p) for p in found]
-        elif path.exists():
+            candidates = [str(path / name) for name in names]
+        elif os.path.lexists(text):
             candidates = [text]
         else:
             problems.append(f"{text}: no such file or folder")
@@ -265,7 +293,7 @@ def _expand(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[st
             if key not in seen:
                 seen.add(key)
                 files.append(c)
-    return files, problems
+    return files, problems, flagged
 
 
 def replay_paths(paths: Sequence[str | os.PathLike[str]], *, update: bool = False) -> ReplayRun:
@@ -273,9 +301,10 @@ def replay_paths(paths: Sequence[str | os.PathLike[str]], *, update: bool = Fals
 
     With ``update``, a diverging file is rewritten from the replay (atomically).
     A file that is not a valid trace, or on which the machine fails, is an
-    ``invalid`` entry with the reason.
+    ``invalid`` entry with the reason; a rewrite that fails keeps the ``diff``
+    entry with the reason in ``error``.
     """
-    files, problems = _expand(paths)
+    files, problems, flagged = _expand(paths)
     entries: list[ReplayEntry] = []
     for path in files:
         try:
@@ -289,7 +318,7 @@ def replay_paths(paths: Sequence[str | os.PathLike[str]], *, update: bool = Fals
                     path,
                     "invalid",
                     error=f"{path}: the machine failed on the recorded input: "
-                    f"{type(exc).__name__}: {exc}",
+                    f"{type(exc).__name__}: {exc} (this is a bug in attnres)",
                 )
             )
             continue
@@ -297,6 +326,11 @@ def replay_paths(paths: Sequence[str | os.PathLike[str]], *, update: bool = Fals
             entries.append(ReplayEntry(path, "ok", result))
             continue
         if update:
-            dump_trace(result.replayed, path)
+            try:
+                dump_trace(result.replayed, path)
+            except OSError as exc:
+                error = f"{path}: cannot update the trace file: {exc.strerror or exc}"
+                entries.append(ReplayEntry(path, "diff", result, error=error))
+                continue
         entries.append(ReplayEntry(path, "diff", result, updated=update))
-    return ReplayRun(tuple(entries), tuple(problems))
+    return ReplayRun(tuple(entries), tuple(problems), tuple(flagged))

@@ -24,14 +24,12 @@ name such as ``os:system`` is an error, never an import path.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import hashlib
 import json
 import os
 import re
-import tempfile
 import types
 import typing
 from collections.abc import Callable
@@ -42,6 +40,7 @@ import attrs
 import cattrs
 from attrs import field, frozen
 
+from attnres._files import atomic_write_text, read_bounded
 from attnres._states import (
     Check,
     Code,
@@ -1134,13 +1133,31 @@ def _reject_constant(name: str) -> Any:
     raise _Invalid("", f"{name} is not valid JSON")
 
 
+#: No integer in a trace has more digits than this (Python itself refuses to
+#: convert more than 4300 with a bare ValueError that names no file).
+_MAX_INT_DIGITS = 100
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > _MAX_INT_DIGITS:
+        raise _Invalid(
+            "", f"an integer of {digits} digits (a trace holds none longer than "
+            f"{_MAX_INT_DIGITS})"
+        )
+    return int(text)
+
+
 def trace_from_json(text: str, *, source: str = "<trace>") -> Trace:
     """Parse a trace from its JSON text; :class:`TraceFormatError` if invalid."""
     if not text.strip():
         raise _format_error(source, "$", "the file is empty, not a trace")
     try:
         doc = json.loads(
-            text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant
+            text,
+            object_pairs_hook=_reject_duplicate_keys,
+            parse_constant=_reject_constant,
+            parse_int=_parse_int,
         )
     except _Invalid as exc:
         raise _format_error(source, "$" + exc.path, exc.message) from None
@@ -1169,7 +1186,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     """
     source = os.fspath(path)
     try:
-        raw = Path(source).read_bytes()
+        raw = read_bounded(source, what="trace file")
     except OSError as exc:
         raise TraceFormatError(
             _one_line(f"{source}: cannot read the trace file: {exc.strerror or exc}"), source, None
@@ -1193,22 +1210,3 @@ def dump_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
     target = Path(path)
     atomic_write_text(target, canonical_json(trace_to_dict(trace)))
     return target
-
-
-def atomic_write_text(target: Path, text: str) -> None:
-    """Write ``text`` (UTF-8, ``\\n`` line ends) to ``target`` via a temporary file and a rename.
-
-    A reader sees the old file or the new one, never a half-written one.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

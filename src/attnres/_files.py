@@ -1,0 +1,348 @@
+"""The one reader and the one writer for the files attnres reads and writes.
+
+Reading (:func:`read_bounded`): a pipeline or trace file is a regular file of a
+few kilobytes. Anything else -- a FIFO, a character or block device, a socket,
+a directory -- is refused before a byte is read (a FIFO is opened without
+waiting for a writer), and a regular file is read up to :data:`MAX_INPUT_BYTES`
+and refused past it. Symlinks are followed.
+
+Writing (:func:`atomic_write_text`), shared by ``explain``/``plan --trace-out``,
+``replay --update`` and ``make golden``:
+
+- a path that names nothing, or a regular file, is written atomically: a
+  temporary file ``.NAME.attnres-PID-XXXXXXXX.tmp`` in the same folder, then a
+  rename over ``NAME``. A new file's mode follows the umask; a rewritten file
+  keeps its mode.
+- a symlink is followed: the regular file it points to is rewritten in place
+  of its own folder (the link stays a link). A dangling symlink is refused.
+- a character device or a FIFO (``/dev/null``, ``/dev/stdout``, a named pipe
+  with a reader) is written through, never replaced; a FIFO without a reader
+  is refused rather than waited on.
+- a directory, block device or socket is refused.
+
+Every refusal is an :class:`OSError` whose ``strerror`` says what the path is
+and why it is refused. Temporary files of this naming pattern left behind by a
+killed process (SIGKILL, power loss) are swept from the folder the next time
+attnres writes there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import stat
+import time
+from pathlib import Path
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MAX_INPUT_BYTES",
+    "atomic_write_text",
+    "begin_manifest",
+    "check_manifest",
+    "finish_manifest",
+    "read_bounded",
+    "temp_name_pattern",
+]
+
+#: The most bytes attnres reads from one pipeline or trace file (4 MiB).
+MAX_INPUT_BYTES = 4 * 1024 * 1024
+
+#: Our temporary files: ``.NAME.attnres-PID-RANDOM.tmp``.
+_TEMP_RE = re.compile(r"^\..+\.attnres-(\d+)-[0-9a-f]{8}\.tmp$")
+#: A temporary file of a process that is gone is debris at once; one of a live
+#: process (or one another host wrote) only after this long.
+_STALE_AFTER_S = 3600.0
+_swept: set[str] = set()
+
+
+def temp_name_pattern() -> re.Pattern[str]:
+    """The regular expression our temporary file names match."""
+    return _TEMP_RE
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def _refuse(path: str, code: int, message: str) -> OSError:
+    exc = OSError(code, message, path)
+    if code == errno.EISDIR:
+        return IsADirectoryError(code, message, path)
+    return exc
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):g} MiB"
+
+
+def read_bounded(path: str | os.PathLike[str], *, what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    ``what`` names the kind of file in messages ("trace file"). Raises
+    :class:`OSError` (``strerror`` says why) for anything that is not a regular
+    file or that is larger than ``limit``.
+    """
+    source = os.fspath(path)
+    if source == "":
+        raise OSError(errno.ENOENT, "an empty path names no file", source)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(source, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(exc.errno, "it is a symlink loop (too many levels of symbolic links)",
+                          source) from None
+        if exc.errno == errno.ENOENT and os.path.islink(source):
+            raise OSError(exc.errno, f"a symlink to {os.readlink(source)!r}, which does "
+                          "not exist", source) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+            raise _refuse(
+                source, code, f"it is {_kind(st.st_mode)}; a {what} must be a regular file"
+            )
+        if st.st_size > limit:
+            raise OSError(
+                errno.EFBIG,
+                f"it is {st.st_size} bytes, over the {_mib(limit)} limit for a {what}",
+                source,
+            )
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise OSError(
+                errno.EFBIG, f"it holds more than the {_mib(limit)} limit for a {what}", source
+            )
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+# =============================================================================
+# Writing
+# =============================================================================
+
+
+def _sweep(folder: Path) -> None:
+    """Remove our own temporary files that a killed process left in ``folder``."""
+    key = os.path.abspath(folder)
+    if key in _swept:
+        return
+    _swept.add(key)
+    now = time.time()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        m = _TEMP_RE.match(entry.name)
+        if m is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if int(m.group(1)) == os.getpid() and now - st.st_mtime < _STALE_AFTER_S:
+                continue
+            if _alive(int(m.group(1))) and now - st.st_mtime < _STALE_AFTER_S:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True
+
+
+def _make_parents(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        # mkdir says "File exists" when a parent is a file: name the file instead
+        for parent in [*reversed(folder.parents), folder]:
+            if parent.exists() and not parent.is_dir():
+                raise NotADirectoryError(
+                    errno.ENOTDIR, f"not a directory: {str(parent)!r} is a file", str(folder)
+                ) from None
+        raise
+
+
+def _write_through(target: str, text: str, kind: str) -> None:
+    flags = os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(target, flags)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise OSError(
+                exc.errno,
+                f"it is {kind} that no process is reading; attnres does not wait for one",
+                target,
+            ) from None
+        raise
+    try:
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        data = text.encode("utf-8")
+        while data:
+            n = os.write(fd, data)
+            data = data[n:]
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(target: Path, text: str) -> None:
+    """Write ``text`` (UTF-8, ``\\n`` line ends) to ``target`` (see the module doc).
+
+    A reader sees the old file or the new one, never a half-written one. An
+    interruption (an exception, ``KeyboardInterrupt``, the CLI's SIGTERM) removes
+    the temporary file before it propagates.
+    """
+    path = os.fspath(target)
+    if path == "":
+        raise OSError(errno.ENOENT, "an empty path names no file", path)
+    try:
+        st = os.stat(path)  # follows symlinks, /dev/stdout included
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise OSError(
+                errno.ENOENT,
+                f"it is a symlink to {os.readlink(path)!r}, which does not exist; attnres "
+                "follows symlinks only to an existing file",
+                path,
+            ) from None
+        st = None
+    except NotADirectoryError:
+        parent = Path(path).parent
+        _make_parents(parent)
+        raise
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+            _write_through(path, text, _kind(st.st_mode))
+            return
+        code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+        raise _refuse(
+            path, code, f"it is {_kind(st.st_mode)}; attnres replaces only regular files"
+        )
+    real = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    folder = real.parent
+    _make_parents(folder)
+    _sweep(folder)
+    tmp = folder / f".{real.name}.attnres-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        if st is not None:
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))  # a rewritten file keeps its mode
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, real)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+# =============================================================================
+# The manifest of a trace folder (``plan --trace-out DIR``)
+# =============================================================================
+
+#: Written into a folder of traces: first as "incomplete", last with every file.
+MANIFEST_NAME = "attnres.manifest"
+_MANIFEST_SCHEMA = 1
+
+
+def begin_manifest(folder: Path, written_by: str) -> None:
+    """Mark ``folder`` as being written: an interrupted run leaves this mark."""
+    _write_manifest(folder, written_by, complete=False, files=())
+
+
+def finish_manifest(folder: Path, written_by: str, files: list[str] | tuple[str, ...]) -> None:
+    """Mark ``folder`` complete, listing the trace files written (written last)."""
+    _write_manifest(folder, written_by, complete=True, files=files)
+
+
+def _write_manifest(
+    folder: Path, written_by: str, *, complete: bool, files: list[str] | tuple[str, ...]
+) -> None:
+    import json
+
+    doc = {
+        "attnres_manifest": _MANIFEST_SCHEMA,
+        "complete": complete,
+        "written_by": written_by,
+        "files": sorted(files),
+    }
+    atomic_write_text(folder / MANIFEST_NAME, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def check_manifest(folder: Path) -> list[tuple[str, str]]:
+    """Problems with ``folder``'s manifest, as ``(path, message)``; none without one.
+
+    A manifest still marked incomplete means the writer was interrupted; a
+    complete one must list only files that exist.
+    """
+    import json
+
+    path = folder / MANIFEST_NAME
+    if not os.path.lexists(path):
+        return []
+    where = str(path)
+    try:
+        doc = json.loads(read_bounded(path, what="manifest").decode("utf-8"))
+    except OSError as exc:
+        return [(where, f"cannot read the manifest: {exc.strerror or exc}")]
+    except (ValueError, RecursionError) as exc:
+        return [(where, f"not a valid attnres manifest: {exc}")]
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("attnres_manifest") != _MANIFEST_SCHEMA
+        or not isinstance(doc.get("complete"), bool)
+        or not isinstance(files, list)
+        or not all(isinstance(f, str) and f and "/" not in f and f != ".." for f in files)
+    ):
+        return [(where, "not a valid attnres manifest (schema 1: complete, files, written_by)")]
+    writer = doc.get("written_by") or "attnres"
+    if not doc["complete"]:
+        return [
+            (
+                str(folder),
+                f"incomplete: {writer} began writing this folder and did not finish "
+                f"(interrupted or killed), so trace files may be missing; write it again",
+            )
+        ]
+    return [
+        (str(folder / name), f"listed in {MANIFEST_NAME} but missing: the folder is incomplete")
+        for name in files
+        if not os.path.lexists(folder / name)
+    ]
