@@ -30,9 +30,6 @@ LAZY: dict[tuple[str, str], str] = {
     ("attnres.integrations._folder", "attnres.integrations.transformers"): (
         "imports the optional transformers package"
     ),
-    # the two below close the cycles in KNOWN_CYCLES (left for the integrations' owner)
-    ("attnres.integrations._plan", "attnres.cli"): "KNOWN_CYCLES",
-    ("attnres.integrations.transformers", "attnres.integrations.diffusers"): "KNOWN_CYCLES",
     ("attnres.kernels.torch_cudnn_sdpa", "attnres.kernels.torch_sdpa"): (
         "torch_sdpa imports torch; adapters import their kernel in make_kernel()"
     ),
@@ -42,14 +39,10 @@ LAZY: dict[tuple[str, str], str] = {
 }
 
 
-#: Import cycles that came with the integrations package (issue 14) and are not
-#: fixed yet; each is closed by a function-level import. Any other cycle fails.
-#: - IntegrationPlan.render() reuses the CLI's plan table (library -> CLI);
-#: - the transformers integration calls back into the diffusers one.
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"attnres.cli", "attnres.integrations._folder", "attnres.integrations._plan"}),
-    frozenset({"attnres.integrations.diffusers", "attnres.integrations.transformers"}),
-)
+#: Import cycles tolerated for now: none. (The two the integrations brought
+#: are gone: plans render through attnres.render, which the CLI uses too, and
+#: the helpers both integrations share live in integrations._plan.)
+KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 
 
 def _module_name(path: Path) -> str:

@@ -10,6 +10,7 @@ or transformers.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 import attrs
 from attrs import field, frozen
 
+from attnres import audit as _audit
 from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import ResolutionError
@@ -33,6 +35,7 @@ from attnres.plan import (
     trace_file_name,
 )
 from attnres.platform import Platform
+from attnres.render import render_integration_plan
 from attnres.runtime import Resolution, component_scope, resolve, selection_config
 from attnres.scope import scope_state
 from attnres.trace import Trace, dump_trace
@@ -288,8 +291,6 @@ class IntegrationPlan:
 
     def render(self) -> str:
         """The same table as ``attnres plan``, plus each component's dtype and source."""
-        from attnres.cli import render_integration_plan
-
         return "\n".join(render_integration_plan(self))
 
     def dump_traces(self, directory: str | os.PathLike[str]) -> list[Path]:
@@ -431,3 +432,43 @@ def _plan_one(
 
 def _names(backends: frozenset[Backend]) -> str:
     return ", ".join(sorted(b.name for b in backends))
+
+
+def refuse_to_apply(result: IntegrationPlan) -> None:
+    """Raise :class:`IntegrationError` when ``result`` cannot be installed (it has
+    problems, or was made for a simulated platform); shared by every integration."""
+    if not result.ok:
+        raise IntegrationError(
+            f"cannot apply: {len(result.errors)} problem(s) in the plan; nothing was "
+            f"changed. " + "; ".join(result.errors[:5]) + ("; ..." if len(result.errors) > 5
+                                                          else ""),
+            result,
+        )
+    if result.platform.simulated:
+        raise IntegrationError(
+            f"cannot apply a plan made for a simulated platform "
+            f"({result.platform.describe()}); nothing was changed. Plan for this machine "
+            f"(platform=None) to install decisions",
+            result,
+        )
+
+
+def emit_installed(result: IntegrationPlan) -> None:
+    """Log one ``attention backend installed`` audit event per installed site."""
+    log = _audit._logger(logging.INFO)
+    if log is None:
+        return
+    for site in result.sites:
+        res = site.resolution
+        if res is None or site.trace is None:
+            continue
+        log.info(
+            "attention backend installed",
+            component=site.component,
+            layer=site.name,
+            backend=res.backend.name,
+            reason=res.reason,
+            origin=res.origin,
+            route=site.route,
+            digest=site.trace.digest,
+        )

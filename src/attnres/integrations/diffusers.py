@@ -34,7 +34,6 @@ diffusers and transformers.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -48,7 +47,6 @@ from diffusers.models.attention_dispatch import (
 )
 from diffusers.models.attention_processor import Attention as _LegacyAttention
 
-from attnres import audit as _audit
 from attnres._vocab import Role, normalize_dtype
 from attnres.backends import Backend
 from attnres.integrations import transformers as _tf
@@ -58,7 +56,9 @@ from attnres.integrations._plan import (
     IntegrationPlan,
     Problem,
     SiteDescription,
+    emit_installed,
     plan_sites,
+    refuse_to_apply,
 )
 from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
@@ -362,23 +362,6 @@ class _Pin:
 _PIN_ATTR = "_attnres_pin"
 
 
-def _refuse(result: IntegrationPlan) -> None:
-    if not result.ok:
-        raise IntegrationError(
-            f"cannot apply: {len(result.errors)} problem(s) in the plan; nothing was "
-            f"changed. " + "; ".join(result.errors[:5]) + ("; ..." if len(result.errors) > 5
-                                                          else ""),
-            result,
-        )
-    if result.platform.simulated:
-        raise IntegrationError(
-            f"cannot apply a plan made for a simulated platform "
-            f"({result.platform.describe()}); nothing was changed. Plan for this machine "
-            f"(platform=None) to install decisions",
-            result,
-        )
-
-
 _Planned = tuple[str, str, Any, Any, str, str, str]
 
 
@@ -432,26 +415,6 @@ def _check_requirements(values: set[str]) -> list[str]:
     return problems
 
 
-def _emit_installed(result: IntegrationPlan) -> None:
-    log = _audit._logger(logging.INFO)
-    if log is None:
-        return
-    for site in result.sites:
-        res = site.resolution
-        if res is None or site.trace is None:
-            continue
-        log.info(
-            "attention backend installed",
-            component=site.component,
-            layer=site.name,
-            backend=res.backend.name,
-            reason=res.reason,
-            origin=res.origin,
-            route=site.route,
-            digest=site.trace.digest,
-        )
-
-
 def apply(
     pipe: Any,
     config: SelectionConfig | None = None,
@@ -465,7 +428,7 @@ def apply(
     untouched pipeline (every site keeps the backend it ran).
     """
     result = plan(pipe, config, platform)
-    _refuse(result)
+    refuse_to_apply(result)
     planned, others, problems = _prepare(pipe, result)
     problems += _check_requirements({p[4] for p in planned if p[4]})
     if problems:
@@ -507,7 +470,7 @@ def apply(
         for module, pin in reversed(done):
             _unpin(module, pin)
         raise
-    _emit_installed(result)
+    emit_installed(result)
     return result
 
 

@@ -36,7 +36,9 @@ from attnres.integrations._plan import (
     IntegrationPlan,
     Problem,
     SiteDescription,
+    emit_installed,
     plan_sites,
+    refuse_to_apply,
 )
 from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
@@ -404,10 +406,8 @@ def apply(
     platform: Platform | None = None,
 ) -> IntegrationPlan:
     """Plan, then install every decision on ``model``, all or nothing."""
-    from attnres.integrations.diffusers import _emit_installed, _refuse
-
     result = plan(model, component, config, platform)
-    _refuse(result)
+    refuse_to_apply(result)
     actions, problems = prepare(model, result, component)
     if problems:
         raise IntegrationError(
@@ -415,7 +415,7 @@ def apply(
         )
     for action in actions:
         action()
-    _emit_installed(result)
+    emit_installed(result)
     return result
 
 

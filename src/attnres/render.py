@@ -1,0 +1,351 @@
+"""Text rendering shared by the CLI and the library: plan tables, wrapped fields.
+
+``attnres plan`` prints a plan with :func:`render_plan` (a pipeline file) or
+:func:`render_integration_plan` (a model folder), and
+``IntegrationPlan.render()`` returns the same text, so the library renders
+without importing the CLI. The helpers (``_wrap``, ``_field``, ``_table``...)
+are the CLI's text conventions: at most 100 columns (``COLUMNS``), wrapped at
+word boundaries, never breaking a name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from attnres.explain import explain
+from attnres.platform import Platform
+
+if TYPE_CHECKING:
+    from attnres.plan import PlanResult
+
+__all__ = ["render_integration_plan", "render_plan"]
+
+_MAX_WIDTH = 100
+
+
+def _width() -> int:
+    columns = shutil.get_terminal_size((_MAX_WIDTH, 24)).columns
+    return max(60, min(_MAX_WIDTH, columns))
+
+
+def _wrap(text: str, width: int, indent: str = "", subsequent: str | None = None) -> list[str]:
+    lines = textwrap.wrap(
+        text,
+        width,
+        initial_indent=indent,
+        subsequent_indent=indent if subsequent is None else subsequent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    return lines or [indent.rstrip()]
+
+
+def _field(label: str, value: str, width: int, label_width: int = 11) -> list[str]:
+    head = f"{label:<{label_width}}"
+    return _wrap(value, width, head, " " * label_width)
+
+
+def _table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int,
+    wrap: Sequence[int],
+    indent: int = 2,
+    gap: int = 2,
+    min_width: int = 12,
+    right: Sequence[int] = (),
+    notes: Sequence[str] | None = None,
+    ordered: bool = False,
+) -> list[str]:
+    """Left-aligned columns; the ``wrap`` columns shrink and wrap to fit ``width``.
+
+    The widest wrappable column shrinks first (``ordered``: the first one of
+    ``wrap`` does, down to its floor, then the next). ``notes`` (one per row,
+    optional) are printed under their row, indented.
+    """
+    count = len(headers)
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    available = width - indent - gap * (count - 1)
+    shrinkable = [i for i in wrap if i < count]
+    # The widest wrappable column gives up a character at a time, down to its
+    # floor: its header, its longest word (a name is never broken), or min_width.
+    floors = {
+        i: max(
+            min_width,
+            len(headers[i]),
+            max((len(w) for row in rows for w in row[i].split()), default=0),
+        )
+        for i in shrinkable
+    }
+    while sum(widths) > available:
+        candidates = [i for i in shrinkable if widths[i] > floors[i]]
+        if not candidates:
+            break
+        widest = candidates[0] if ordered else max(candidates, key=lambda i: widths[i])
+        widths[widest] -= 1
+    if sum(widths) > available:
+        # Too narrow for columns without breaking a name: one record per row.
+        return _records(headers, rows, width=width, indent=indent, prose=wrap, notes=notes)
+    pad = " " * indent
+    sep = " " * gap
+    out = [
+        pad
+        + sep.join(
+            h.rjust(widths[i]) if i in right else h.ljust(widths[i])
+            for i, h in enumerate(headers)
+        ).rstrip()
+    ]
+    out.append(pad + sep.join("-" * widths[i] for i in range(count)))
+    for index, row in enumerate(rows):
+        cells = [
+            (_wrap_cell(cell, widths[i]) if i in shrinkable else [cell]) or [""]
+            for i, cell in enumerate(row)
+        ]
+        height = max(len(c) for c in cells)
+        for line in range(height):
+            parts = [
+                (cells[i][line] if line < len(cells[i]) else "").rjust(widths[i])
+                if i in right
+                else (cells[i][line] if line < len(cells[i]) else "").ljust(widths[i])
+                for i in range(count)
+            ]
+            out.append(pad + sep.join(parts).rstrip())
+        note = notes[index] if notes is not None else ""
+        if note:
+            out += _wrap(note, width, pad + "    ", pad + "    ")
+    return out
+
+
+def _records(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int,
+    indent: int,
+    prose: Sequence[int],
+    notes: Sequence[str] | None,
+) -> list[str]:
+    """A table too wide for ``width``: each row as its first cell, then its short
+    ``header: value`` pairs on one line and each long prose cell on its own,
+    all wrapped at word boundaries."""
+    pad = " " * indent
+    out: list[str] = []
+    for index, row in enumerate(rows):
+        if row[0]:  # a blank first cell continues the record above
+            out.append(pad + row[0])
+        short: list[str] = []
+        long: list[str] = []
+        for i in range(1, len(headers)):
+            if row[i]:
+                pair = f"{headers[i]}: {row[i]}"
+                (long if i in prose and len(row[i]) > 30 else short).append(pair)
+        for paragraph in (["; ".join(short)] if short else []) + long:
+            out += _wrap(paragraph, width, pad + "    ", pad + "      ")
+        note = notes[index] if notes is not None else ""
+        if note:
+            out += _wrap(note, width, pad + "    ", pad + "      ")
+    return out
+
+
+def _wrap_cell(text: str, width: int) -> list[str]:
+    """Wrap at spaces, never inside a word (the column is at least as wide as
+    its longest word: see the floors in :func:`_table`)."""
+    if len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
+
+
+def _platform_text(platform: Platform) -> str:
+    where = platform.kind
+    if platform.capability is not None:
+        where += f" sm{platform.capability[0]}{platform.capability[1]}"
+    elif platform.arch:
+        where += f" {platform.arch}"
+    if platform.device_name and not platform.simulated and platform.device_name != platform.kind:
+        where += f" ({platform.device_name})"
+    present = [f.name for f in platform.packages if f.status == "present"]
+    if platform.simulated:
+        how = "simulated"
+        packages = ", ".join(present) if present else "none"
+    else:
+        how = "detected"
+        packages = (
+            ", ".join(f"{f.name} {f.version or ''}".rstrip()
+                      for f in platform.packages if f.status == "present")
+            or "none"
+        )
+    return f"{where}, {how}; kernel packages present: {packages}"
+
+
+def _opt(value: object) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def render_plan(result: PlanResult) -> list[str]:
+    """A :class:`~attnres.plan.PlanResult` as ``attnres plan`` shows it."""
+    width = _width()
+    pipeline, config = result.pipeline, result.config
+    lines = _wrap(f"Plan for pipeline {pipeline.name!r} ({pipeline.path})", width, "", "  ")
+    lines += _field("Platform:", _platform_text(result.platform), width)
+    if config.global_backend is None:
+        request = "no global --attention-backend"
+    elif config.global_backend_env is not None:
+        request = (
+            f"{config.global_backend_env}={config.global_backend.name} (set in the environment)"
+        )
+    else:
+        how = "typed by the operator" if config.global_backend_explicit else "a preference"
+        request = f"--attention-backend {config.global_backend.name} ({how})"
+    if config.component_backends:
+        request += "; per component: " + ", ".join(
+            f"--attention-backend {n}={b.name}" for n, b in config.component_backends
+        )
+    lines += _field("Request:", request, width)
+    fallbacks: dict[str, int] = {}
+    for component in result.components:
+        entry = next(c for c in pipeline.components if c.name == component.name)
+        policy = (
+            "may fall back from the global flag"
+            if component.allow_global_fallback
+            else "the global flag is strict here"
+        )
+        extras = []
+        if entry.backend is not None:
+            extras.append(f"override {entry.backend.name}")
+        for role, backend in entry.role_backends:
+            extras.append(f"{role.value}-attention override {backend.name}")
+        header = f"{component.name}  [{component.kind}, {component.loader}: {policy}"
+        header += "".join(f"; {e}" for e in extras) + "]"
+        lines.append("")
+        lines += _wrap(header, width, "", "  ")
+        rows = []
+        for layer in component.layers:
+            if layer.status == "selected":
+                detail = _opt(layer.reason)
+                if layer.reason:
+                    fallbacks[layer.reason] = fallbacks.get(layer.reason, 0) + layer.count
+                    why = explain(layer.trace).fallback_failures
+                    if why:
+                        detail += f" ({why})"
+            else:
+                detail = str(layer.error)
+            if layer.needs_kernel:
+                missing = f"no kernel for {layer.backend} in this install (register one to run)"
+                detail = missing if detail == "-" else f"{detail}; {missing}"
+            rows.append(
+                [
+                    layer.name,
+                    str(layer.count),
+                    layer.backend if layer.backend else "REJECTED",
+                    layer.origin,
+                    detail,
+                ]
+            )
+        lines += _table(
+            ["layer", "count", "backend", "origin", "reason / error"],
+            rows,
+            width=width,
+            wrap=[4, 0],
+            right=[1],
+            min_width=28,
+            ordered=True,
+        )
+        if component.error:
+            lines += _wrap(component.error, width, "  problem: ", "           ")
+    lines.append("")
+    layers = result.layers
+    total = sum(layer.count for layer in layers)
+    scope = (
+        f"{_plural(total, 'layer')} ({len(layers)} distinct) in "
+        f"{_plural(len(result.components), 'component')}"
+    )
+    if result.ok:
+        fell = (
+            "fallbacks: "
+            + ", ".join(f"{r} ({_plural(n, 'layer')})" for r, n in sorted(fallbacks.items()))
+            if fallbacks
+            else "no fallback"
+        )
+        verdict = f"Verdict: ok - {scope}; {fell}"
+        lacking = [la for la in layers if la.needs_kernel]
+        if lacking:
+            names = sorted({str(la.backend) for la in lacking})
+            verdict += (
+                f"; {_plural(sum(la.count for la in lacking), 'layer')} need a kernel this "
+                f"install lacks ({', '.join(names)})"
+            )
+    else:
+        rejected = [la for la in layers if la.status != "selected"]
+        problems = [c.name for c in result.components if c.error]
+        parts = []
+        if rejected:
+            count = sum(la.count for la in rejected)
+            parts.append(
+                f"{len(rejected)} of {len(layers)} distinct layers ({_plural(count, 'layer')}) "
+                f"rejected: " + ", ".join(f"{la.component}/{la.name}" for la in rejected)
+            )
+        if problems:
+            parts.append(f"override not applied in {', '.join(problems)}")
+        verdict = "Verdict: rejected - " + "; ".join(parts)
+    lines += _wrap(verdict, width, "", "  ")
+    return lines
+
+
+def render_integration_plan(result: Any) -> list[str]:
+    """An :class:`~attnres.integrations.IntegrationPlan` as ``attnres plan`` shows it.
+
+    The same table as for a pipeline file, plus the dtype each component was
+    planned for and where that dtype came from; unclassified sites are listed
+    under their component.
+    """
+    lines = render_plan(result.to_plan_result())
+    width = _width()
+    extra: list[str] = []
+    for comp in result.components:
+        if comp.dtype is not None:
+            extra.append(f"{comp.name} {comp.dtype.describe()}")
+    insert = next((i for i, line in enumerate(lines) if not line), len(lines))
+    if extra:
+        lines[insert:insert] = _field("Dtypes:", "; ".join(extra), width)
+    groups = result.by_component()
+    for comp in result.components:
+        if groups[comp.name]:
+            continue
+        header = next(
+            (i for i, line in enumerate(lines) if line.startswith(f"{comp.name}  [")), None
+        )
+        if header is not None:  # an empty table says less than one line
+            end = header + 1
+            while end < len(lines) and lines[end]:
+                end += 1
+            lines[header + 1:end] = ["  (no attention sites)"]
+    for comp in result.components:
+        notes = [s for s in groups[comp.name] if s.trace is None]
+        if not notes:
+            continue
+        header = next(
+            (i for i, line in enumerate(lines) if line.startswith(f"{comp.name}  [")), None
+        )
+        if header is None:
+            continue
+        at = header + 1
+        while at < len(lines) and lines[at]:
+            at += 1
+        add: list[str] = []
+        for site in notes:
+            text = site.error if site.error else site.note
+            add += _wrap(f"{site.name} ({site.module_class}): {text}", width,
+                         "  unclassified: ", "    ")
+        lines[at:at] = add
+    return lines
