@@ -31,7 +31,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from attnres.backends import Backend
 from attnres.ledger import Decision
+from attnres.trace import Outcome
 
 SCENARIOS = (
     "agree",
@@ -56,9 +58,7 @@ def _decision(
     return Decision(
         component=component,
         layer=layer,
-        backend=backend,
-        reason=reason,
-        origin=origin,
+        outcome=Outcome("selected", origin, Backend.parse(backend), reason),
         trace=_NoTrace(),  # type: ignore[arg-type]
     )
 

@@ -451,23 +451,9 @@ def _adopt(layer: Attention, trace: Trace, *, fresh: bool) -> None:
     previous = _bound(layer)
     outcome = trace.outcome
     assert outcome.backend is not None
-    resolution = Resolution(
-        outcome.backend,
-        outcome.reason,
-        str(outcome.origin),
-        trace,
-        previous.component,
-        previous.layer,
-    )
+    resolution = Resolution(outcome, trace, previous.component, previous.layer)
     layer._adopt(resolution)
-    decision = Decision(
-        previous.component,
-        previous.layer,
-        outcome.backend.name,
-        outcome.reason,
-        str(outcome.origin),
-        trace,
-    )
+    decision = Decision(previous.component, previous.layer, outcome, trace)
     record_decision(decision)
     if fresh:
         emit_resolution(trace, decision)
@@ -565,8 +551,7 @@ def autotune(
         if layer.resolution is not before[id(layer)]:
             res = _bound(layer)
             decisions.append(
-                Decision(res.component, res.layer, res.backend.name, res.reason, res.origin,
-                         res.trace)
+                Decision(res.component, res.layer, res.outcome, res.trace)
             )
         elif id(layer) not in untuned:
             untuned[id(layer)] = (label, small.get(id(layer), "not called by the example inputs"))

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from attrs import field, frozen
 
-from attnres._states import Origin, Reason, Status, optional_reason
+from attnres._outcome import Outcome
+from attnres._states import Origin, Reason, Status
 
 if TYPE_CHECKING:
     from attnres.trace import Trace
@@ -47,9 +48,8 @@ class Decision:
 
     component: str | None
     layer: str | None
-    backend: str | None  # None when the resolution was rejected
-    reason: Reason | None = field(converter=optional_reason)
-    origin: Origin = field(converter=Origin)
+    #: how it ended (the trace's outcome); the attributes below read through to it
+    outcome: Outcome
     trace: Trace = field(eq=False, repr=False)
 
     @property
@@ -58,8 +58,22 @@ class Decision:
         return self.trace.digest
 
     @property
+    def backend(self) -> str | None:
+        """The chosen backend's name; ``None`` when the resolution was rejected."""
+        backend = self.outcome.backend
+        return None if backend is None else backend.name
+
+    @property
+    def reason(self) -> Reason | None:
+        return self.outcome.reason
+
+    @property
+    def origin(self) -> Origin:
+        return self.outcome.origin
+
+    @property
     def status(self) -> Status:
-        return Status.SELECTED if self.backend is not None else Status.REJECTED
+        return self.outcome.status
 
     def key(self) -> tuple[str, str]:
         """What identifies the call site across ranks: component and layer name."""

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from attrs import field, frozen
+from attrs import frozen
 
 from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._states import (
@@ -44,8 +44,6 @@ from attnres._states import (
     Origin,
     Reason,
     Status,
-    optional_code,
-    optional_reason,
 )
 from attnres._vocab import Role
 from attnres.backends import Backend
@@ -55,7 +53,7 @@ from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve, selection_config
 from attnres.scope import component_kind, loader_for
-from attnres.trace import Trace, dump_trace, field_names
+from attnres.trace import Outcome, Trace, dump_trace, field_names
 
 __all__ = [
     "ComponentEntry",
@@ -481,17 +479,42 @@ class LayerPlan:
     component: str
     name: str
     count: int
-    status: Status = field(converter=Status)
-    backend: str | None
-    reason: Reason | None = field(converter=optional_reason)
-    origin: Origin = field(converter=Origin)
-    error: str | None
-    code: Code | None = field(converter=optional_code)
+    #: how the layer's resolution ended for the plan (usually the trace's own
+    #: outcome; a route that cannot run the choice rejects it with its error);
+    #: ``status``, ``backend``, ``reason``, ``origin``, ``error`` and ``code``
+    #: read through to it
+    outcome: Outcome
     trace: Trace
     #: for a selected layer, whether a kernel serves its backend in this install
     #: (``none``: the plan holds, but running it needs a kernel registered first,
     #: e.g. a sparse backend an operator supplies by plugin); ``None`` if rejected
     kernel: KernelSource | None = None
+
+    @property
+    def status(self) -> Status:
+        return self.outcome.status
+
+    @property
+    def backend(self) -> str | None:
+        """The chosen backend's name; ``None`` when the layer is rejected."""
+        backend = self.outcome.backend
+        return None if backend is None else backend.name
+
+    @property
+    def reason(self) -> Reason | None:
+        return self.outcome.reason
+
+    @property
+    def origin(self) -> Origin:
+        return self.outcome.origin
+
+    @property
+    def error(self) -> str | None:
+        return self.outcome.error
+
+    @property
+    def code(self) -> Code | None:
+        return self.outcome.code
 
     @property
     def needs_kernel(self) -> bool:
@@ -640,29 +663,18 @@ def _plan_layer(
         resolution = resolve(layer.spec, config=config, platform=platform, backend=layer.backend)
     except ResolutionError as exc:
         trace: Trace = exc.trace
-        outcome = trace.outcome
         return LayerPlan(
             component=component,
             name=layer.name,
             count=layer.count,
-            status="rejected",
-            backend=None,
-            reason=None,
-            origin=str(outcome.origin),
-            error=str(exc),
-            code=exc.code,
+            outcome=trace.outcome,
             trace=trace,
         )
     return LayerPlan(
         component=component,
         name=layer.name,
         count=layer.count,
-        status="selected",
-        backend=resolution.backend.name,
-        reason=resolution.reason,
-        origin=resolution.origin,
-        error=None,
-        code=None,
+        outcome=resolution.outcome,
         trace=resolution.trace,
         kernel=kernel_source(resolution.backend.name),
     )

@@ -27,7 +27,8 @@ import attrs
 from attrs import field, frozen
 
 from attnres import machine as _machine
-from attnres._states import Origin, Reason, optional_reason
+from attnres._outcome import Outcome
+from attnres._states import Origin, Reason, Status
 from attnres._vocab import Role
 from attnres.audit import emit_cache_hit, emit_resolution, emit_summary
 from attnres.backends import Backend, on_registry_change, registry_generation
@@ -66,16 +67,37 @@ __all__ = [
 # =============================================================================
 
 
+def _selected_outcome(_: object, __: attrs.Attribute[Outcome], value: Outcome) -> None:
+    if value.status is not Status.SELECTED or value.backend is None:
+        raise ValueError(f"a Resolution holds a selected outcome, got {value.status.value}")
+
+
 @frozen
 class Resolution:
-    """The backend a layer runs, why, and the trace that proves it."""
+    """The backend a layer runs, why, and the trace that proves it.
 
-    backend: Backend
-    reason: Reason | None = field(converter=optional_reason)
-    origin: Origin = field(converter=Origin)
+    It composes the selected :class:`~attnres.trace.Outcome` (``outcome``);
+    ``backend``, ``reason`` and ``origin`` read through to it.
+    """
+
+    outcome: Outcome = field(validator=_selected_outcome)
     trace: Trace = field(eq=False, repr=False)
     component: str | None = None
     layer: str | None = None
+
+    @property
+    def backend(self) -> Backend:
+        backend = self.outcome.backend
+        assert backend is not None  # the validator saw to it
+        return backend
+
+    @property
+    def reason(self) -> Reason | None:
+        return self.outcome.reason
+
+    @property
+    def origin(self) -> Origin:
+        return self.outcome.origin
 
 
 _CONFIG_LOCK = threading.Lock()
@@ -353,16 +375,11 @@ def _resolve_renamed(
 def _entry_for(trace: Trace) -> _CacheEntry:
     inp, outcome = trace.input, trace.outcome
     component = None if inp.scope is None else inp.scope.component
-    backend_name = None if outcome.backend is None else outcome.backend.name
-    decision = Decision(
-        component, inp.layer.name, backend_name, outcome.reason, outcome.origin, trace
-    )
+    decision = Decision(component, inp.layer.name, outcome, trace)
     resolution = (
         None
         if outcome.backend is None
-        else Resolution(
-            outcome.backend, outcome.reason, outcome.origin, trace, component, inp.layer.name
-        )
+        else Resolution(outcome, trace, component, inp.layer.name)
     )
     return (resolution, decision, trace)
 

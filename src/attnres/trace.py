@@ -41,6 +41,7 @@ import cattrs
 from attrs import field, frozen
 
 from attnres._files import atomic_write_text, read_bounded
+from attnres._outcome import Outcome
 from attnres._states import (
     Check,
     Code,
@@ -51,7 +52,6 @@ from attnres._states import (
     State,
     Status,
     Verdict,
-    optional_code,
     optional_reason,
 )
 from attnres._vocab import PLATFORM_KINDS, Requirement, Role, normalize_dtype
@@ -284,22 +284,6 @@ class TraceInput:
     #: this process fails the ``available`` check (code ``no_kernel``). Written
     #: to a trace only when true (older traces, and plans, omit it).
     needs_kernel: bool = field(default=False, kw_only=True, metadata={"omit_default": True})
-
-
-@frozen
-class Outcome:
-    """How a resolution ended: the one outcome shape every result composes.
-
-    ``Resolution``, ``Decision`` and the plan's ``LayerPlan`` carry one of these
-    (or its fields, typed the same) rather than restating it.
-    """
-
-    status: Status = field(converter=Status)
-    origin: Origin = field(converter=Origin)
-    backend: Backend | None = None
-    reason: Reason | None = field(default=None, converter=optional_reason)
-    code: Code | None = field(default=None, converter=optional_code)
-    error: str | None = None
 
 
 @frozen

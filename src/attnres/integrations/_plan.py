@@ -21,6 +21,7 @@ import attrs
 from attrs import field, frozen
 
 from attnres import audit as _audit
+from attnres._states import Status
 from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import ResolutionError
@@ -38,7 +39,7 @@ from attnres.platform import Platform
 from attnres.render import render_integration_plan
 from attnres.runtime import Resolution, component_scope, resolve, selection_config
 from attnres.scope import scope_state
-from attnres.trace import Trace, dump_trace
+from attnres.trace import Outcome, Trace, dump_trace
 
 __all__ = [
     "DtypeChoice",
@@ -264,13 +265,15 @@ class IntegrationPlan:
                         component=comp.name,
                         name=pattern,
                         count=len(sites),
-                        status="selected" if res is not None else "rejected",
-                        backend=None if res is None else res.backend.name,
-                        reason=None if res is None else res.reason,
-                        origin=(res.origin if res is not None
-                                else str(first.trace.outcome.origin)),
-                        error=first.error,
-                        code=None if res is not None else first.trace.outcome.code,
+                        outcome=(
+                            res.outcome if res is not None
+                            else Outcome(
+                                Status.REJECTED,
+                                first.trace.outcome.origin,
+                                code=first.trace.outcome.code,
+                                error=first.error,
+                            )
+                        ),
                         trace=first.trace,
                     )
                 )

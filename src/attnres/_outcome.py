@@ -1,0 +1,34 @@
+"""The one outcome shape: how a resolution ended.
+
+It lives on its own (importing only the vocabulary and the backend registry)
+so that every result can compose it without an import cycle: the trace
+(``attnres.trace``, which re-exports it), the resolver's ``Resolution``, the
+ledger's ``Decision`` and the plan's ``LayerPlan`` each hold one ``Outcome``
+and delegate their ``status``/``origin``/``backend``/``reason``/``code``/
+``error`` attributes to it rather than restating its fields.
+"""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+
+from attnres._states import Code, Origin, Reason, Status, optional_code, optional_reason
+from attnres.backends import Backend
+
+__all__ = ["Outcome"]
+
+
+@frozen
+class Outcome:
+    """How a resolution ended: the one outcome shape every result composes.
+
+    ``Resolution``, ``Decision`` and the plan's ``LayerPlan`` each hold one of
+    these (their ``outcome``) rather than restating its fields.
+    """
+
+    status: Status = field(converter=Status)
+    origin: Origin = field(converter=Origin)
+    backend: Backend | None = None
+    reason: Reason | None = field(default=None, converter=optional_reason)
+    code: Code | None = field(default=None, converter=optional_code)
+    error: str | None = None
