@@ -53,9 +53,9 @@ from attnres.backends import (
     plugin_failures,
     registered_backends,
 )
-from attnres.documents import platform_document, spec_document
+from attnres.documents import environment_document, platform_document, spec_document
 from attnres.errors import TraceWriteError
-from attnres.explain import describe_layer, explain, resolution_trace
+from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
 from attnres.layer import (
     DEST_AUTOTUNE,
     DEST_AUTOTUNE_MIN,
@@ -449,14 +449,14 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "origin": str(outcome.origin),
                 "error": outcome.error,
                 "code": outcome.code,
-                "autotune": _autotune_plan(trace, config),
+                "autotune": autotune_plan(trace, config),
                 "trace": trace_to_dict(trace),
                 "explanation": explain(trace).to_dict(),
             },
         )
     else:
         lines = _render_explain(trace)
-        plan = _autotune_plan(trace, config)
+        plan = autotune_plan(trace, config)
         if plan is not None:
             lines += _field("autotune:", plan["detail"], _width())
         _emit(out, lines)
@@ -490,28 +490,6 @@ def _check_explain_overrides(args: argparse.Namespace, config: SelectionConfig) 
                     f"component {component!r} was given two backends: --component-backend "
                     f"{flag} and --attention-backend {key}={backend.name}; give one"
                 )
-
-
-def _autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | None:
-    """What --autotune would do with this decision (``None`` without --autotune)."""
-    if not config.autotune:
-        return None
-    origin = trace.outcome.origin
-    if trace.outcome.status != "selected":
-        return {"tunable": False, "detail": "nothing to measure: the resolution was rejected"}
-    if not is_tunable(trace):
-        return {
-            "tunable": False,
-            "detail": f"not measured: origin {origin} is an explicit choice (only none, "
-            f"layer_default and global_preference are tuned)",
-        }
-    return {
-        "tunable": True,
-        "detail": f"measured against every candidate that passes its checks on the layer's "
-        f"first forward of at least {config.autotune_min_elements} query elements; "
-        f"{trace.outcome.backend} stays unless one agrees and is more than "
-        f"{config.autotune_margin:.0%} faster",
-    }
 
 
 def _trace_out(text: str, what: str) -> Path:
@@ -745,31 +723,6 @@ def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int
 # =============================================================================
 
 
-def _environment_doc() -> dict[str, Any]:
-    """What ``ATTNRES_ATTENTION_BACKEND`` holds and what attnres makes of it."""
-    raw = os.environ.get(ENV_VAR)
-    doc: dict[str, Any] = {"variable": ENV_VAR, "value": raw, "backend": None, "error": None}
-    if raw is None or not raw.strip():
-        doc["status"] = "unset"
-        doc["summary"] = "not set (no global backend from the environment)"
-        return doc
-    try:
-        config = SelectionConfig.from_env({ENV_VAR: raw})
-    except ValueError as exc:
-        doc["status"] = "invalid"
-        doc["error"] = str(exc)
-        doc["summary"] = f"{raw!r} is invalid: {exc}"
-        return doc
-    backend = config.global_backend.name if config.global_backend else None
-    doc["status"] = "set"
-    doc["backend"] = backend
-    doc["summary"] = (
-        f"{backend} (global backend, origin global_env: relaxed and strict like "
-        f"--attention-backend, which beats it when typed)"
-    )
-    return doc
-
-
 def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import attnres
 
@@ -797,7 +750,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             {"entry_point": f.entry_point, "error": f.error} for f in failures
         ],
         "notes": list(platform.notes),
-        "environment": _environment_doc(),
+        "environment": environment_document(),
     }
     if args.json:
         _emit_json(out, doc)

@@ -13,6 +13,7 @@ dtypes, requirements), capabilities in numeric order, else sorted.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,9 +23,10 @@ import cattrs
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement
 from attnres.backends import Backend, BackendSpec
 from attnres.kernels import kernel_source
+from attnres.layer import ENV_VAR, SelectionConfig
 from attnres.platform import Platform
 
-__all__ = ["platform_document", "spec_document"]
+__all__ = ["environment_document", "platform_document", "spec_document"]
 
 _ORDER: dict[str, int] = {
     name: i
@@ -92,4 +94,29 @@ def spec_document(spec: BackendSpec) -> dict[str, Any]:
 def platform_document(platform: Platform) -> dict[str, Any]:
     """The platform facts as JSON data, with a one-line ``description``."""
     doc: dict[str, Any] = _CONVERTER.unstructure(platform)
+    return doc
+
+
+def environment_document() -> dict[str, Any]:
+    """What ``ATTNRES_ATTENTION_BACKEND`` holds and what attnres makes of it."""
+    raw = os.environ.get(ENV_VAR)
+    doc: dict[str, Any] = {"variable": ENV_VAR, "value": raw, "backend": None, "error": None}
+    if raw is None or not raw.strip():
+        doc["status"] = "unset"
+        doc["summary"] = "not set (no global backend from the environment)"
+        return doc
+    try:
+        config = SelectionConfig.from_env({ENV_VAR: raw})
+    except ValueError as exc:
+        doc["status"] = "invalid"
+        doc["error"] = str(exc)
+        doc["summary"] = f"{raw!r} is invalid: {exc}"
+        return doc
+    backend = config.global_backend.name if config.global_backend else None
+    doc["status"] = "set"
+    doc["backend"] = backend
+    doc["summary"] = (
+        f"{backend} (global backend, origin global_env: relaxed and strict like "
+        f"--attention-backend, which beats it when typed)"
+    )
     return doc

@@ -30,8 +30,16 @@ from attnres.trace import (
     Trace,
     TransitionRecord,
 )
+from attnres.tuning import is_tunable
 
-__all__ = ["CandidateRow", "Explanation", "describe_layer", "explain", "resolution_trace"]
+__all__ = [
+    "CandidateRow",
+    "Explanation",
+    "autotune_plan",
+    "describe_layer",
+    "explain",
+    "resolution_trace",
+]
 
 
 @frozen
@@ -230,3 +238,28 @@ def _why(
             f"accepted at stage {stage}{skipped} ({reason})."
         )
     return f"{chosen} was accepted at stage {stage}{skipped} ({reason})."
+
+
+def autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | None:
+    """What autotuning would do with this decision (``None`` when ``config`` does not tune).
+
+    The ``autotune`` entry of ``attnres explain --json`` (and its text line).
+    """
+    if not config.autotune:
+        return None
+    origin = trace.outcome.origin
+    if trace.outcome.status != "selected":
+        return {"tunable": False, "detail": "nothing to measure: the resolution was rejected"}
+    if not is_tunable(trace):
+        return {
+            "tunable": False,
+            "detail": f"not measured: origin {origin} is an explicit choice (only none, "
+            f"layer_default and global_preference are tuned)",
+        }
+    return {
+        "tunable": True,
+        "detail": f"measured against every candidate that passes its checks on the layer's "
+        f"first forward of at least {config.autotune_min_elements} query elements; "
+        f"{trace.outcome.backend} stays unless one agrees and is more than "
+        f"{config.autotune_margin:.0%} faster",
+    }

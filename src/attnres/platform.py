@@ -229,17 +229,21 @@ class Platform:
             return None
         return (int(m.group(1)), int(m.group(2))) >= version
 
-    def describe(self) -> str:
+    def device(self) -> str:
+        """The device in words: kind, then capability or arch, then (detected
+        only) the device's name when it says more, e.g. ``cuda sm90 (NVIDIA H100)``."""
         where = self.kind
         if self.capability is not None:
             where += f" sm{self.capability[0]}{self.capability[1]}"
         elif self.arch:
             where += f" {self.arch}"
-        if self.simulated:
-            where += " (simulated)"
-        elif self.device_name and self.device_name != self.kind:
+        if not self.simulated and self.device_name and self.device_name != self.kind:
             where += f" ({self.device_name})"
         return where
+
+    def describe(self) -> str:
+        """:meth:`device`, marked ``(simulated)`` for simulated facts."""
+        return self.device() + " (simulated)" if self.simulated else self.device()
 
     # -- construction -------------------------------------------------------
     @classmethod

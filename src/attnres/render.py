@@ -163,13 +163,7 @@ def _wrap_cell(text: str, width: int) -> list[str]:
 
 
 def _platform_text(platform: Platform) -> str:
-    where = platform.kind
-    if platform.capability is not None:
-        where += f" sm{platform.capability[0]}{platform.capability[1]}"
-    elif platform.arch:
-        where += f" {platform.arch}"
-    if platform.device_name and not platform.simulated and platform.device_name != platform.kind:
-        where += f" ({platform.device_name})"
+    where = platform.device()
     present = [f.name for f in platform.packages if f.status == "present"]
     if platform.simulated:
         how = "simulated"
