@@ -430,10 +430,41 @@ def test_kernel_removed_after_resolution_is_kernel_not_registered(
 ) -> None:
     """The defensive path: a kernel gone between resolve() and binding (another thread)."""
     monkeypatch.setattr(modules_mod, "get_kernel", lambda name: None)
+    # layers bound earlier memoised torch_sdpa's kernel; a real unregister_kernel
+    # clears that memo through the registry hook, which this patch bypasses
+    monkeypatch.setattr(modules_mod, "_BOUND", {})
     with pytest.raises(KernelNotRegisteredError, match="no kernel is registered") as info:
         Attention(4, 32, dtype="float32", name="attn")
     assert isinstance(info.value, RuntimeError)
     assert info.value.backend == Backend("torch_sdpa")
+
+
+def test_a_kernel_registered_after_a_layer_bound_serves_the_next_layer() -> None:
+    """The bound-kernel memo follows the kernel registry (register, then unregister)."""
+    from attnres.kernels import register_kernel, unregister_kernel
+
+    first = Attention(4, 32, dtype="float32", name="before")
+    calls: list[str] = []
+
+    def mine(
+        q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None
+    ) -> Tensor:
+        calls.append("mine")
+        return q
+
+    register_kernel("torch_sdpa", mine, replace=True)
+    try:
+        second = Attention(4, 32, dtype="float32", name="after")
+        q = torch.zeros(1, 3, 4, 32)
+        second(q, q, q)
+        assert calls == ["mine"]
+        assert first.kernel is not second.kernel
+    finally:
+        unregister_kernel("torch_sdpa")
+        register_kernel("torch_sdpa", "attnres.kernels.torch_sdpa:make_kernel")
+    third = Attention(4, 32, dtype="float32", name="restored")
+    third(q, q, q)
+    assert calls == ["mine"]  # the built-in adapter again
 
 
 def test_a_plan_that_does_not_run_still_selects_a_kernel_less_backend() -> None:

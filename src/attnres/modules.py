@@ -88,9 +88,14 @@ _MEMO_MAX: Final = 1024
 _MEMO_LOCK = threading.Lock()
 _SPECS: dict[tuple[object, ...], LayerSpec] = {}
 _DTYPE_SETS: dict[frozenset[str], frozenset[torch.dtype]] = {}
+#: (shape, kernel, dtypes) -> the forward closure of :func:`_make_run`
+_RUNS: dict[tuple[object, ...], Callable[..., Tensor]] = {}
 #: (backend, requirements, role, platform) -> whether the kernel has a backward pass
 _HAS_BACKWARD: dict[tuple[object, ...], bool] = {}
 on_registry_change(_HAS_BACKWARD.clear)  # a re-registered spec may change the facts
+#: backend name -> (kernel, torch dtypes) of :func:`_bind`, once it succeeded
+_BOUND: dict[str, tuple[KernelFn, frozenset[torch.dtype]]] = {}
+on_registry_change(_BOUND.clear)  # also called when a kernel is (un)registered
 
 
 def _memo_put(memo: dict[Any, Any], key: object, value: object) -> None:
@@ -174,6 +179,9 @@ def _layer_spec(
     """The layer's spec, memoised on its (hashable) arguments.
 
     ``features``: whether the layer has a custom scale, a softcap, a window.
+    Layers of one shape differ only by name (``blocks.17.attn1``), so the memo
+    also holds the nameless spec, and a new name costs a renamed copy: the
+    converters and the requirement merge run once per shape, not once per layer.
     """
     key: tuple[object, ...] = (
         head_size,
@@ -184,34 +192,40 @@ def _layer_spec(
         requirements,
         causal,
         gqa,
-        name,
         features,
     )
+    named = (key, name)
     try:
+        spec = _SPECS.get(named)  # the same layer built again (a second model)
+        if spec is not None:
+            return spec
         spec = _SPECS.get(key)
         hashable = True
     except TypeError:  # an unhashable argument (a list of backends): no memo
         spec, hashable = None, False
-    if spec is not None:
+    if spec is None:
+        spec = LayerSpec(
+            head_size=head_size,
+            dtype=dtype,
+            supported=supported,
+            default=default,
+            role=role,
+            requirements=_merge_requirements(
+                requirements,
+                causal=causal,
+                gqa=gqa,
+                custom_scale=features[0],
+                softcap=features[1],
+                sliding_window=features[2],
+            ),
+        )
+        if hashable:
+            _memo_put(_SPECS, key, spec)
+    if name is None:
         return spec
-    spec = LayerSpec(
-        head_size=head_size,
-        dtype=dtype,
-        supported=supported,
-        default=default,
-        role=role,
-        requirements=_merge_requirements(
-            requirements,
-            causal=causal,
-            gqa=gqa,
-            custom_scale=features[0],
-            softcap=features[1],
-            sliding_window=features[2],
-        ),
-        name=name,
-    )
+    spec = attrs.evolve(spec, name=name)
     if hashable:
-        _memo_put(_SPECS, key, spec)
+        _memo_put(_SPECS, named, spec)
     return spec
 
 
@@ -829,8 +843,23 @@ def _make_run(
 
     On an ``nn.Module`` every ``self.x`` goes through the class's ``__getattr__``
     hook (about 20 ns each); a closure cell costs nothing, and the closure holds
-    no reference to the layer.
+    no reference to the layer -- so layers of one shape bound to one kernel share
+    one closure (memoised: 48 blocks build it once, not 48 times).
     """
+    key = (shape, kernel, dtypes)
+    try:
+        run = _RUNS.get(key)
+    except TypeError:  # an unhashable kernel object: no memo
+        return _new_run(shape, kernel, dtypes)
+    if run is None:
+        run = _new_run(shape, kernel, dtypes)
+        _memo_put(_RUNS, key, run)
+    return run
+
+
+def _new_run(
+    shape: _LayerShape, kernel: KernelFn, dtypes: frozenset[torch.dtype]
+) -> Callable[..., Tensor]:
     heads_q, heads_kv, head_size, causal, scale = shape[:5]
     call = specialized(
         kernel, causal, scale, heads_q != heads_kv, softcap=shape.softcap, window=shape.window
@@ -931,16 +960,25 @@ def _mismatch(
     raise AssertionError(f"forward refused inputs that match the layer; {shapes}")
 
 
+def _where(resolution: Resolution, spec: LayerSpec) -> str:
+    """`` for layer 'x' of component 'y'``, for the errors of :func:`_bind`."""
+    where = f" for layer {spec.name!r}" if spec.name else ""
+    if resolution.component is not None:
+        where += f" of component {resolution.component!r}"
+    return where
+
+
 def _bind(resolution: Resolution, spec: LayerSpec) -> tuple[KernelFn, frozenset[torch.dtype]]:
     """The kernel of the selected backend and the torch dtypes it takes."""
     backend = resolution.backend
     name = backend.name
-    where = f" for layer {spec.name!r}" if spec.name else ""
-    if resolution.component is not None:
-        where += f" of component {resolution.component!r}"
+    bound = _BOUND.get(name)
+    if bound is not None:
+        return bound
     try:
         kernel = get_kernel(name)
     except KernelUnavailableError as exc:
+        where = _where(resolution, spec)
         raise KernelUnavailableError(
             f"Attention backend {name!r} was selected{where} (origin {resolution.origin}), but "
             f"its kernel cannot be loaded: {exc}",
@@ -948,6 +986,7 @@ def _bind(resolution: Resolution, spec: LayerSpec) -> tuple[KernelFn, frozenset[
         ) from exc
     backend_spec = lookup_spec(backend)
     if kernel is None or backend_spec is None:
+        where = _where(resolution, spec)
         kind = "sparse " if backend_spec is not None and backend_spec.sparse else ""
         why = (
             "sparse kernels need model-specific layout metadata that the dense calling "
@@ -964,4 +1003,6 @@ def _bind(resolution: Resolution, spec: LayerSpec) -> tuple[KernelFn, frozenset[
             backend,
             resolution,
         )
-    return kernel, _torch_dtypes(backend_spec.dtypes)
+    bound = (kernel, _torch_dtypes(backend_spec.dtypes))
+    _memo_put(_BOUND, name, bound)
+    return bound
