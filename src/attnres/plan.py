@@ -26,7 +26,6 @@ Decisions (documented in ``docs/cli.md``):
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
 import re
@@ -37,6 +36,16 @@ from typing import Any
 
 from attrs import frozen
 
+from attnres._codec import (
+    CHECKS,
+    closest_key,
+    field_names,
+    field_types,
+    is_int,
+    missing_keys,
+    required_field_names,
+    unknown_keys,
+)
 from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._states import (
     Code,
@@ -53,7 +62,7 @@ from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve, selection_config
 from attnres.scope import component_kind, loader_for
-from attnres.trace import Outcome, Trace, dump_trace, field_names
+from attnres.trace import Outcome, Trace, dump_trace
 
 __all__ = [
     "ComponentEntry",
@@ -83,6 +92,29 @@ _LAYER_KEYS = (
     *(_TOML_NAMES.get(n, n) for n in field_names(LayerSpec) if n != "name"),
     "backend",
 )
+#: what TOML value each LayerSpec field's type is written as (its converter
+#: parses the text: a backend or role by name, requirements by name)
+_TOML_KIND_OF_TYPE: dict[Any, str] = {
+    int: "integer",
+    str: "string",
+    Role: "string",
+    Backend: "string",
+    frozenset[Backend]: "array of strings",
+    Requirements: "array of strings",
+}
+#: the kind of every key of a layer entry but its name (checked on its own,
+#: it names the layer in every message): LayerSpec's fields, by their types
+_LAYER_KINDS: dict[str, str] = {
+    "count": "integer",
+    **{
+        _TOML_NAMES.get(n, n): _TOML_KIND_OF_TYPE[tp]
+        for n, tp in field_types(LayerSpec).items()
+        if n != "name"
+    },
+    "backend": "string",
+}
+#: a layer entry must give the LayerSpec fields that have no default
+_LAYER_REQUIRED = tuple(_TOML_NAMES.get(n, n) for n in required_field_names(LayerSpec))
 
 
 class PipelineError(ValueError):
@@ -262,14 +294,13 @@ class _Parser:
         what: str,
         **where: Any,
     ) -> None:
-        for key in table:
-            if key not in allowed:
-                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise self.fail(
-                    f"unknown key {key!r} in {what}{hint}; allowed keys: {', '.join(allowed)}",
-                    **where,
-                )
+        for key in unknown_keys(table, allowed)[:1]:
+            close = closest_key(key, allowed)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            raise self.fail(
+                f"unknown key {key!r} in {what}{hint}; allowed keys: {', '.join(allowed)}",
+                **where,
+            )
 
     # -- the document ---------------------------------------------------------
     def pipeline(self, doc: Mapping[str, Any]) -> Pipeline:
@@ -417,25 +448,17 @@ class _Parser:
             raise self.fail("missing required key 'name'", **where)
         if not isinstance(raw_name, str) or not raw_name.strip():
             raise self.fail(f"name must be a non-empty string, got {raw_name!r}", **where)
-        for key in ("head_size", "dtype"):
-            if key not in table:
-                raise self.fail(f"missing required key {key!r}", **where)
+        for key in missing_keys(table, _LAYER_REQUIRED)[:1]:
+            raise self.fail(f"missing required key {key!r}", **where)
         count = table.get("count", 1)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        if not is_int(count) or count < 1:
             raise self.fail(f"count must be a positive integer, got {count!r}", **where)
+        for key, kind in _LAYER_KINDS.items():
+            if key in table and not CHECKS[kind](table[key]):
+                article = "an" if kind[0] in "aeiou" else "a"
+                raise self.fail(f"{key} must be {article} {kind}, got {_type(table[key])}",
+                                **where)
         head_size = table["head_size"]
-        if isinstance(head_size, bool) or not isinstance(head_size, int):
-            raise self.fail(f"head_size must be an integer, got {_type(head_size)}", **where)
-        for key in ("dtype", "role", "default", "backend"):
-            if key in table and not isinstance(table[key], str):
-                raise self.fail(f"{key} must be a string, got {_type(table[key])}", **where)
-        for key in ("supported", "requires"):
-            if key in table:
-                items = table[key]
-                if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-                    raise self.fail(
-                        f"{key} must be an array of strings, got {_type(items)}", **where
-                    )
         try:
             spec = LayerSpec(
                 head_size=head_size,

@@ -40,6 +40,15 @@ import attrs
 import cattrs
 from attrs import field, frozen
 
+from attnres._codec import (
+    field_names,
+    is_bool,
+    is_int,
+    is_str,
+    missing_keys,
+    optional_field_names,
+    unknown_keys,
+)
 from attnres._files import atomic_write_text, read_bounded
 from attnres._outcome import Outcome
 from attnres._states import (
@@ -417,21 +426,20 @@ def _exact_keys(
 ) -> None:
     """Every key of ``keys`` present, and nothing else but ``optional`` keys."""
     known = sorted({*keys, *optional})
-    for key in sorted(keys):
-        if key not in value:
-            raise _Invalid(_key_path(key), f"missing field ({what} has: {', '.join(known)})")
-    for key in sorted(set(value) - set(keys) - set(optional)):
+    for key in missing_keys(value, sorted(keys)):
+        raise _Invalid(_key_path(key), f"missing field ({what} has: {', '.join(known)})")
+    for key in sorted(unknown_keys(value, known)):
         raise _Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(known)})")
 
 
 def _structure_str(value: Any, _: Any = None) -> str:
-    if not isinstance(value, str):
+    if not is_str(value):
         raise _Invalid("", f"expected a string, got {_got(value)}")
     return value
 
 
 def _structure_int(value: Any, _: Any = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise _Invalid("", f"expected an integer, got {_got(value)}")
     return value
 
@@ -446,7 +454,7 @@ def _structure_float(value: Any, _: Any = None) -> float:
 
 
 def _structure_bool(value: Any, _: Any = None) -> bool:
-    if not isinstance(value, bool):
+    if not is_bool(value):
         raise _Invalid("", f"expected true or false, got {_got(value)}")
     return value
 
@@ -648,26 +656,6 @@ def _make_attrs_hook(
             raise _Invalid("", f"not a valid {what}: {exc}") from None
 
     return structure
-
-
-def field_names(cls: type[Any]) -> tuple[str, ...]:
-    """The init fields of an attrs class, in order: the one source of every key list
-    the strict loaders check (traces here, pipeline files in :mod:`attnres.plan`).
-
-    A field marked ``metadata={"trace": False}`` (the autotune settings of a
-    SelectionConfig) is not part of a trace; one marked ``omit_default`` is
-    written only when set (:func:`optional_field_names`), so it is not listed.
-    """
-    return tuple(
-        a.name
-        for a in attrs.fields(cls)
-        if a.init and a.metadata.get("trace") is not False and not a.metadata.get("omit_default")
-    )
-
-
-def optional_field_names(cls: type[Any]) -> tuple[str, ...]:
-    """The init fields of an attrs class a trace writes only when not their default."""
-    return tuple(a.name for a in attrs.fields(cls) if a.init and a.metadata.get("omit_default"))
 
 
 _LAYER_KEYS = field_names(LayerSpec)

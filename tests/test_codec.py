@@ -1,0 +1,47 @@
+"""One strict codec: the pipeline loader and the trace loader share key lists and type checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnres import _codec, plan
+from attnres.layer import LayerSpec
+from attnres.plan import PipelineError, parse_pipeline
+
+
+def test_every_layer_key_but_the_name_has_a_kind_derived_from_layerspec() -> None:
+    assert set(plan._LAYER_KINDS) == set(plan._LAYER_KEYS) - {"name"}
+    assert plan._LAYER_REQUIRED == ("head_size", "dtype")
+    assert plan._LAYER_KINDS["head_size"] == "integer"
+    assert plan._LAYER_KINDS["requires"] == "array of strings"
+    assert _codec.field_types(LayerSpec)["default"].__name__ == "Backend"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "supported",
+            "torch_sdpa",
+            "supported must be an array of strings, got a string ('torch_sdpa')",
+        ),
+        ("role", 1, "role must be a string, got an integer (1)"),
+        ("head_size", True, "head_size must be an integer, got a boolean (True)"),
+    ],
+)
+def test_a_layer_value_of_the_wrong_type_names_the_key_and_the_kind(
+    key: str, value: object, message: str
+) -> None:
+    layer = {"name": "attn", "head_size": 64, "dtype": "float16", key: value}
+    doc = {"components": [{"name": "transformer", "layers": [layer]}]}
+    with pytest.raises(PipelineError) as info:
+        parse_pipeline(doc, source="p.toml")
+    assert str(info.value).endswith(message)
+    assert "layer 'attn'" in str(info.value)
+
+
+def test_bool_is_never_an_integer_for_either_loader() -> None:
+    assert not _codec.is_int(True) and _codec.is_int(3)
+    assert _codec.missing_keys({"a": 1}, ("a", "b")) == ["b"]
+    assert _codec.unknown_keys({"a": 1, "z": 2}, ("a",)) == ["z"]
+    assert _codec.closest_key("head_sise", plan._LAYER_KEYS) == "head_size"
