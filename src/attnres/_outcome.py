@@ -15,7 +15,7 @@ from attrs import field, frozen
 from attnres._states import Code, Origin, Reason, Status, optional_code, optional_reason
 from attnres.backends import Backend
 
-__all__ = ["Outcome"]
+__all__ = ["Outcome", "OutcomeView"]
 
 
 @frozen
@@ -32,3 +32,41 @@ class Outcome:
     reason: Reason | None = field(default=None, converter=optional_reason)
     code: Code | None = field(default=None, converter=optional_code)
     error: str | None = None
+
+
+class OutcomeView:
+    """Read-through attributes for a record that holds an ``outcome``.
+
+    The ledger's ``Decision`` and the plan's ``LayerPlan`` report a backend by
+    name (``None`` when rejected) and the rest as the outcome has it; they
+    inherit these properties instead of writing them twice.
+    """
+
+    __slots__ = ()
+    outcome: Outcome
+
+    @property
+    def status(self) -> Status:
+        return self.outcome.status
+
+    @property
+    def backend(self) -> str | None:
+        """The chosen backend's name; ``None`` when the resolution was rejected."""
+        backend = self.outcome.backend
+        return None if backend is None else backend.name
+
+    @property
+    def reason(self) -> Reason | None:
+        return self.outcome.reason
+
+    @property
+    def origin(self) -> Origin:
+        return self.outcome.origin
+
+    @property
+    def error(self) -> str | None:
+        return self.outcome.error
+
+    @property
+    def code(self) -> Code | None:
+        return self.outcome.code

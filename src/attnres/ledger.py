@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 from attrs import field, frozen
 
-from attnres._outcome import Outcome
-from attnres._states import Origin, Reason, Status
+from attnres._outcome import Outcome, OutcomeView
 
 if TYPE_CHECKING:
     from attnres.trace import Trace
@@ -43,12 +42,13 @@ DEFAULT_LIMIT = 65_536
 
 
 @frozen
-class Decision:
+class Decision(OutcomeView):
     """One resolution: where it happened, what it chose, and its trace."""
 
     component: str | None
     layer: str | None
-    #: how it ended (the trace's outcome); the attributes below read through to it
+    #: how it ended (the trace's outcome); status, backend (its name), reason,
+    #: origin, error and code read through to it (OutcomeView)
     outcome: Outcome
     trace: Trace = field(eq=False, repr=False)
 
@@ -56,24 +56,6 @@ class Decision:
     def digest(self) -> str:
         """The SHA-256 of the trace's canonical JSON (computed on first use)."""
         return self.trace.digest
-
-    @property
-    def backend(self) -> str | None:
-        """The chosen backend's name; ``None`` when the resolution was rejected."""
-        backend = self.outcome.backend
-        return None if backend is None else backend.name
-
-    @property
-    def reason(self) -> Reason | None:
-        return self.outcome.reason
-
-    @property
-    def origin(self) -> Origin:
-        return self.outcome.origin
-
-    @property
-    def status(self) -> Status:
-        return self.outcome.status
 
     def key(self) -> tuple[str, str]:
         """What identifies the call site across ranks: component and layer name."""

@@ -47,12 +47,9 @@ from attnres._codec import (
     unknown_keys,
 )
 from attnres._files import begin_manifest, finish_manifest, read_bounded
+from attnres._outcome import OutcomeView
 from attnres._states import (
-    Code,
     KernelSource,
-    Origin,
-    Reason,
-    Status,
 )
 from attnres._vocab import Role
 from attnres.backends import Backend
@@ -496,7 +493,7 @@ def _type(value: Any) -> str:
 
 
 @frozen
-class LayerPlan:
+class LayerPlan(OutcomeView):
     """The outcome for one layer entry (``count`` identical layers)."""
 
     component: str
@@ -512,32 +509,6 @@ class LayerPlan:
     #: (``none``: the plan holds, but running it needs a kernel registered first,
     #: e.g. a sparse backend an operator supplies by plugin); ``None`` if rejected
     kernel: KernelSource | None = None
-
-    @property
-    def status(self) -> Status:
-        return self.outcome.status
-
-    @property
-    def backend(self) -> str | None:
-        """The chosen backend's name; ``None`` when the layer is rejected."""
-        backend = self.outcome.backend
-        return None if backend is None else backend.name
-
-    @property
-    def reason(self) -> Reason | None:
-        return self.outcome.reason
-
-    @property
-    def origin(self) -> Origin:
-        return self.outcome.origin
-
-    @property
-    def error(self) -> str | None:
-        return self.outcome.error
-
-    @property
-    def code(self) -> Code | None:
-        return self.outcome.code
 
     @property
     def needs_kernel(self) -> bool:
