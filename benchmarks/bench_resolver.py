@@ -185,7 +185,7 @@ def test_cache_hit_vs_dict_lookup(benchmark: Any, ratios: RatioRegistry, paired:
         "cache hit: resolve() / plain dict lookup",
         result,
         10.0,
-        "B = a function returning d[key], key the cache's 6-tuple (hashed per call)",
+        "B = a function returning d[key], key the cache's 7-tuple (hashed per call)",
     )
     benchmark.extra_info["ratio_vs_dict_lookup"] = result.ratio
     benchmark.extra_info["target"] = 10.0
