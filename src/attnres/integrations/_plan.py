@@ -437,6 +437,12 @@ def _names(backends: frozenset[Backend]) -> str:
     return ", ".join(sorted(b.name for b in backends))
 
 
+def trains(model: Any) -> bool:
+    """Whether a forward of ``model`` is a training forward (it needs a backward pass):
+    in training mode with at least one parameter that requires grad."""
+    return bool(model.training) and any(p.requires_grad for p in model.parameters())
+
+
 def refuse_to_apply(result: IntegrationPlan) -> None:
     """Raise :class:`IntegrationError` when ``result`` cannot be installed (it has
     problems, or was made for a simulated platform); shared by every integration."""

@@ -59,6 +59,7 @@ from attnres.integrations._plan import (
     emit_installed,
     plan_sites,
     refuse_to_apply,
+    trains,
 )
 from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
@@ -162,12 +163,6 @@ def _requirements(
         # Attention(scale_qk=False) or scale= passes its own softmax scale
         custom_scale=_tf.custom_scale(getattr(module, "scale", None), head_size),
     )
-
-
-def trains(model: Any) -> bool:
-    """Whether a forward of ``model`` is a training forward (it needs a backward pass):
-    in training mode with at least one parameter that requires grad."""
-    return bool(model.training) and any(p.requires_grad for p in model.parameters())
 
 
 def route_backends(processor: Any) -> frozenset[Backend]:

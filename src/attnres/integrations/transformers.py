@@ -39,6 +39,7 @@ from attnres.integrations._plan import (
     emit_installed,
     plan_sites,
     refuse_to_apply,
+    trains,
 )
 from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
@@ -95,11 +96,6 @@ def route_backends(model: Any) -> frozenset[Backend]:
 # =============================================================================
 # Per-class facts: module attributes lie
 # =============================================================================
-
-
-def trains(model: Any) -> bool:
-    """Whether a forward of ``model`` needs a backward pass (training mode, grads on)."""
-    return bool(model.training) and any(p.requires_grad for p in model.parameters())
 
 
 class _Facts:
