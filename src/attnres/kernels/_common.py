@@ -147,6 +147,27 @@ def flash_style_kernel(
     return attention
 
 
+def flash_feature_kwargs(
+    softcap: float, window: tuple[int, int] | None, *, unbounded: int | None = -1
+) -> dict[str, Any]:
+    """The flash-style ``softcap=`` and ``window_size=`` keywords, only when set.
+
+    Passed only when asked for: flash-attn before 2.6 has no ``softcap``
+    keyword. ``unbounded`` is how the package spells an unbounded window side
+    (-1 in flash-attn 2/3 and aiter, ``None`` in FA4).
+    """
+    extra: dict[str, Any] = {}
+    if window is not None:
+        left, right = window
+        extra["window_size"] = (
+            unbounded if left < 0 else left,
+            unbounded if right < 0 else right,
+        )
+    if softcap:
+        extra["softcap"] = softcap
+    return extra
+
+
 def mask_with_causal(attn_mask: Tensor, seq_q: int, seq_kv: int) -> Tensor:
     """Fold a top-left causal mask into ``attn_mask`` (SDPA semantics kept).
 

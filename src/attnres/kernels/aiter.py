@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
+    flash_feature_kwargs,
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
@@ -68,7 +69,7 @@ def make_kernel() -> KernelFn:
         softcap: float,
         window: tuple[int, int] | None,
     ) -> Any:
-        extra: dict[str, Any] = {} if window is None else {"window_size": window}
+        extra = flash_feature_kwargs(softcap, window)  # softcap is refused above (takes)
         return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
 
     return flash_style_kernel(

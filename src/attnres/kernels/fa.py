@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
+    flash_feature_kwargs,
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
@@ -77,12 +78,7 @@ def make_kernel() -> KernelFn:
         softcap: float,
         window: tuple[int, int] | None,
     ) -> Any:
-        # window_size and softcap only when asked for: flash-attn before 2.6 has no softcap
-        extra: dict[str, Any] = {}
-        if window is not None:
-            extra["window_size"] = window
-        if softcap:
-            extra["softcap"] = softcap
+        extra = flash_feature_kwargs(softcap, window)
         return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
 
     return flash_style_kernel(

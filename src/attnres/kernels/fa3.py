@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
     KernelUnavailableError,
+    flash_feature_kwargs,
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
@@ -79,11 +80,7 @@ def make_kernel() -> KernelFn:
         softcap: float,
         window: tuple[int, int] | None,
     ) -> Any:
-        extra: dict[str, Any] = {}
-        if window is not None:
-            extra["window_size"] = window
-        if softcap:
-            extra["softcap"] = softcap
+        extra = flash_feature_kwargs(softcap, window)
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra)
 
     return flash_style_kernel(

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
+    flash_feature_kwargs,
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
@@ -62,12 +63,7 @@ def make_kernel() -> KernelFn:
         softcap: float,
         window: tuple[int, int] | None,
     ) -> Any:
-        extra: dict[str, Any] = {}
-        if window is not None:  # FA4 spells an unbounded side None, not -1
-            left, right = window
-            extra["window_size"] = (None if left < 0 else left, None if right < 0 else right)
-        if softcap:
-            extra["softcap"] = softcap
+        extra = flash_feature_kwargs(softcap, window, unbounded=None)  # FA4: None, not -1
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra)
 
     return flash_style_kernel(
