@@ -310,6 +310,15 @@ def _tolerances(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out.items()))
 
 
+#: The selection profiles (issue 23): the machine's rules for each.
+PROFILES: tuple[str, ...] = ("attnres", "sglang")
+
+
+def _profile(_: Any, __: Any, value: Any) -> None:
+    if value not in PROFILES:
+        raise ValueError(f"profile: expected one of {', '.join(PROFILES)}, got {value!r}")
+
+
 @frozen(cache_hash=True)
 class SelectionConfig:
     """What the operator asked for, process-wide.
@@ -328,6 +337,13 @@ class SelectionConfig:
     global_backend: Backend | None = field(default=None, converter=_global_backend)
     global_backend_explicit: bool = field(default=True, validator=_is_bool)
     forced_backend: Backend | None = field(default=None, converter=_forced_backend)
+    #: issue 23: whose selection rules the machine applies -- ``attnres`` (the
+    #: contract of docs/selection-contract.md) or ``sglang`` (SGLang
+    #: multimodal_gen's, rows in attnres._profile_sglang). Written to a trace
+    #: only when not the default, so older traces keep their bytes.
+    profile: str = field(
+        default="attnres", validator=_profile, kw_only=True, metadata={"omit_default": True}
+    )
     component_backends: tuple[tuple[str, Backend], ...] = field(
         default=(), converter=_component_backends
     )

@@ -70,6 +70,7 @@ from typing import Final
 
 from attrs import frozen
 
+from attnres import _profile_sglang
 from attnres._states import Check, Code, Event, Origin, Reason, State
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
@@ -764,6 +765,9 @@ def _step(
 
 def run_machine(inp: TraceInput) -> Trace:
     """Run the machine on one input; a pure function (no context, no cache, no I/O)."""
+    # issue 23: another profile's rules (SelectionConfig.profile) run their own rows
+    if inp.config.profile != "attnres":
+        return PROFILE_MACHINES[inp.config.profile](inp)
     records: list[Record] = []
     found = detect_origin(inp)
     records.append(OriginRecord(found.origin, found.backend, found.strict, found.detail))
@@ -835,6 +839,13 @@ def run_machine(inp: TraceInput) -> Trace:
     return _finish_rejected(
         inp, records, found, _exhausted_message(tried), str(Code.NO_COMPATIBLE_BACKEND)
     )
+
+
+#: issue 23: the machine of each selection profile other than attnres's own
+#: (``SelectionConfig.profile``); each is a pure function of the input.
+PROFILE_MACHINES: Final[Mapping[str, Callable[[TraceInput], Trace]]] = {
+    "sglang": _profile_sglang.run_sglang,
+}
 
 
 def _finish_rejected(

@@ -73,7 +73,7 @@ from attnres.layer import (
     optional_backend,
     split_component_key,
 )
-from attnres.platform import PackageFact, Platform
+from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.scope import ScopeState
 
 __all__ = [
@@ -797,6 +797,8 @@ def _structure_config(value: Any, _: Any) -> SelectionConfig:
                 obj, "component_backends", lambda v: _backend_map(v, _component_name)
             ),
             global_backend_env=env,
+            # issue 23: the selection profile, written only when not "attnres"
+            profile=_field(obj, "profile", _structure_str) if "profile" in obj else "attnres",
         )
     except ValueError as exc:
         raise _Invalid("", f"not a valid selection config: {exc}") from None
@@ -913,6 +915,7 @@ def _make_converter() -> cattrs.Converter:
         (Outcome, "an outcome"),
         (Platform, "a platform"),
         (PackageFact, "a package fact"),
+        (HostResolution, "a host resolution"),  # issue 23
         (Failure, "a failure"),
     ):
         conv.register_structure_hook(cls, _make_attrs_hook(conv, cls, what))
