@@ -59,6 +59,7 @@ __all__ = [
     "ORIGIN_ROWS",
     "SATISFIES",
     "SGLANG_VERSION",
+    "UNOBSERVED",
     "run_sglang",
 ]
 
@@ -92,28 +93,40 @@ def _global(explicit: bool) -> Callable[[TraceInput], Backend | None]:
 #: SGLang's order of origins: the first row whose backend is set wins.
 ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
     OriginRow(
-        Origin.LAYER, "selected_attention_backend passed for this layer", True,
+        Origin.LAYER,
+        "selected_attention_backend passed for this layer",
+        True,
         lambda inp: inp.backend,
     ),
     OriginRow(
-        Origin.FORCED, "global_force_attn_backend (process-wide)", True,
+        Origin.FORCED,
+        "global_force_attn_backend (process-wide)",
+        True,
         lambda inp: inp.config.forced_backend,
     ),
     OriginRow(Origin.ROLE_OVERRIDE, "the component's role override", True, _role_override),
     OriginRow(
-        Origin.COMPONENT_OVERRIDE, "the component override", True,
+        Origin.COMPONENT_OVERRIDE,
+        "the component override",
+        True,
         lambda inp: None if inp.scope is None else inp.scope.backend,
     ),
     OriginRow(
-        Origin.GLOBAL_CLI, "--attention-backend set explicitly by the operator", True,
+        Origin.GLOBAL_CLI,
+        "--attention-backend set explicitly by the operator",
+        True,
         _global(True),
     ),
     OriginRow(
-        Origin.GLOBAL_PREFERENCE, "server_args.attention_backend, not set explicitly", False,
+        Origin.GLOBAL_PREFERENCE,
+        "server_args.attention_backend, not set explicitly",
+        False,
         _global(False),
     ),
     OriginRow(
-        Origin.LAYER_DEFAULT, "the layer's default_attention_backend", False,
+        Origin.LAYER_DEFAULT,
+        "the layer's default_attention_backend",
+        False,
         lambda inp: inp.layer.default,
     ),
 )
@@ -183,8 +196,10 @@ ROLE_OVERRIDE_REASONS: Final[dict[Role, Reason]] = {
     Role.CROSS: Reason.CROSS_ATTENTION_OVERRIDE,
 }
 
-#: The stage each candidate slot is evaluated at.
-_STAGES: Final = (State.REQUESTED, State.COMPONENT_DEFAULT, State.PLATFORM_DEFAULT)
+#: The failure of a candidate whose host resolution the input does not hold:
+#: the plugin observes it and runs the machine again (a replayed trace holds
+#: every fact its decision consulted, so it never meets this).
+UNOBSERVED: Final = "not resolved by the host platform"
 
 
 def _supported(name: str, supported: frozenset[str]) -> bool:
@@ -250,7 +265,7 @@ def run_sglang(inp: TraceInput) -> Trace:
         fact = platform.host_resolution("" if candidate is None else candidate.name)
         served = _served(fact)
         if served is None:
-            error = "not resolved by the host platform" if fact is None else str(fact.error)
+            error = UNOBSERVED if fact is None else str(fact.error)
             failure = Failure(Code.HOST_PLATFORM, error)
             if candidate is not None:
                 records.append(CheckRecord(stage, candidate, Check.PLATFORM, False, (failure,)))
@@ -308,7 +323,9 @@ def run_sglang(inp: TraceInput) -> Trace:
         reason_text = None if reason is None else reason.value
         records.append(SelectedRecord(served, origin, reason_text))
         return Trace(inp, tuple(records), Outcome("selected", origin, served, reason_text))
-    suffix = "" if inp.scope is None else f" for component '{inp.scope.component}'"
+    # SGLang names the component only when its context has a name
+    component = None if inp.scope is None else inp.scope.component
+    suffix = f" for component '{component}'" if component else ""
     if unmet is not None:
         message = f"Attention backend '{unmet[0]}' does not implement {', '.join(unmet[1])}"
         code = Code.REQUIREMENT_UNMET

@@ -23,7 +23,7 @@ import importlib.util
 import os
 import sys
 import types
-from typing import Any
+from typing import Any, ClassVar
 
 _STANDIN_PACKAGES = tuple(os.environ.get("SGLANG_STANDINS", "triton,torchvision").split(","))
 
@@ -82,7 +82,7 @@ def _module(name: str) -> _StandIn:
 class _Finder:
     """Serves ``import triton.x.y`` for the packages stood in."""
 
-    roots: set[str] = set()
+    roots: ClassVar[set[str]] = set()
 
     @classmethod
     def find_spec(cls, fullname: str, path: Any = None, target: Any = None) -> Any:

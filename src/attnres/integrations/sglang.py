@@ -29,6 +29,7 @@ and it logs what SGLang logs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import sys
@@ -37,6 +38,8 @@ import types
 from collections.abc import Callable
 from typing import Any, Final
 
+from attnres._profile_sglang import UNOBSERVED
+from attnres._states import Event
 from attnres._vocab import Role
 from attnres.backends import Backend, BackendSpec, lookup_spec, register_backend
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
@@ -44,6 +47,7 @@ from attnres.ledger import Decision, record_decision
 from attnres.platform import HostResolution, Platform
 from attnres.runtime import lookup
 from attnres.scope import ScopeState
+from attnres.trace import CheckRecord, OriginRecord, Trace, TransitionRecord
 
 __all__ = ["TARGET", "install", "installed", "plugin", "stats", "uninstall"]
 
@@ -142,10 +146,8 @@ def _rebind(old: Any, new: Any) -> None:
         except TypeError:
             continue
         for name in names:
-            try:
+            with contextlib.suppress(AttributeError, TypeError):
                 setattr(module, name, new)
-            except (AttributeError, TypeError):
-                pass
 
 
 def _register_sglang_backends() -> None:
@@ -208,9 +210,7 @@ def _route(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         _STATS["delegated"] += 1
         return original(*args, **kwargs)
     layer, scope, config, requested = translated
-    be_tuple = tuple(
-        sorted(call["supported_attention_backends"] or (), key=lambda b: str(b.name))
-    )
+    be_tuple = tuple(sorted(call["supported_attention_backends"] or (), key=lambda b: str(b.name)))
     observed: dict[str, HostResolution] = {}
     classes: dict[str, Any] = {}
     kind = _platform_kind()
@@ -222,9 +222,7 @@ def _route(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if consulted is None:
             break
         member = None if consulted == "" else enum_by_name.get(consulted)
-        observed[consulted] = _observe(
-            selector, call, be_tuple, consulted, member, classes
-        )
+        observed[consulted] = _observe(selector, call, be_tuple, consulted, member, classes)
     _STATS["decided"] += 1
     record_decision(decision)
     return _finish(selector, call, decision, classes)
@@ -247,17 +245,22 @@ def _platform_kind() -> str:
 _KINDS: Final = ("cpu", "cuda", "rocm", "mps", "xpu", "npu")
 
 
-def _unobserved(trace: Any, observed: dict[str, HostResolution]) -> str | None:
-    """The candidate the decision consulted without an observed fact, if any."""
-    marker = "not resolved by the host platform"
+def _unobserved(trace: Trace, observed: dict[str, HostResolution]) -> str | None:
+    """The candidate the decision consulted without an observed fact, if any
+    (``""``: the platform's own default)."""
     for record in trace.records:
-        kind = getattr(record, "kind", "")
-        if kind == "check" and any(f.message == marker for f in record.failures):
+        if isinstance(record, CheckRecord) and any(
+            f.message == UNOBSERVED for f in record.failures
+        ):
             name = record.candidate.name
             return name if name not in observed else None
-        if kind == "transition" and record.event.value == "candidate_failed":
-            if record.candidate is None and "" not in observed:
-                return ""
+        if (
+            isinstance(record, TransitionRecord)
+            and record.event is Event.CANDIDATE_FAILED
+            and record.candidate is None
+            and "" not in observed
+        ):
+            return ""
     return None
 
 
@@ -387,6 +390,7 @@ def _finish(
     if origin == "role_override" and reason in fallback_reasons:
         component = selector.get_component_attn_backend_name() or "component"
         requested = decision.trace.records[0]
+        assert isinstance(requested, OriginRecord) and requested.backend is not None
         selector.logger.warning_once(
             f"Attention backend '{requested.backend.name}' was requested for "
             f"'{selector.make_component_role_key(component, role)}' but could not be used "
