@@ -49,7 +49,6 @@ from attnres.trace import (
     SelectedRecord,
     Trace,
     TraceInput,
-    TransitionRecord,
 )
 
 __all__ = [
@@ -217,11 +216,32 @@ def _names(backends: list[Backend]) -> str:
     return "[" + ", ".join(repr(b.name) for b in backends) + "]"
 
 
-def run_sglang(inp: TraceInput) -> Trace:
-    """The ``sglang`` profile's machine: a pure function of the input."""
+#: The core's step: ``(state, event, records, reason, candidate) -> (state, reason)``,
+#: which checks the transition against ``attnres.machine.TRANSITIONS`` and records it.
+Step = Callable[
+    [State, Event, list[Record], Reason | None, Backend | None], tuple[State, Reason | None]
+]
+
+#: How a failed request leaves ``requested``: by the reason its fallback row set.
+_REQUEST_FAILED: Final[dict[Reason | None, Event]] = {
+    None: Event.STRICT_FAILURE,
+    Reason.GLOBAL_BACKEND_FALLBACK: Event.GLOBAL_FALLBACK,
+    Reason.DENSE_CROSS_ATTENTION_FALLBACK: Event.SPARSE_CROSS_FALLBACK,
+    Reason.PLATFORM_DEFAULT_FALLBACK: Event.PREFERENCE_FALLBACK,
+}
+
+
+def run_sglang(inp: TraceInput, step: Step) -> Trace:
+    """The ``sglang`` profile's machine: a pure function of the input.
+
+    It walks the core's transition table (``step``): the stages and events are
+    attnres's, the rows above decide which fire.
+    """
     layer, platform = inp.layer, inp.platform
     row = next((r for r in ORIGIN_ROWS if r.backend(inp) is not None), None)
     requested = None if row is None else row.backend(inp)
+    if requested is not None and requested.name in ALIASES:
+        requested = Backend(ALIASES[requested.name])
     origin = Origin.NONE if row is None else row.origin
     explicit = row is not None and row.explicit
     requested_fact = None if requested is None else platform.host_resolution(requested.name)
@@ -256,12 +276,32 @@ def run_sglang(inp: TraceInput) -> Trace:
             (State.PLATFORM_DEFAULT, None),
             *((State.SUPPORTED_SET, b) for b in ordered),
         ):
+            if stage is State.COMPONENT_DEFAULT and candidate is None:
+                continue  # no layer default
             if all(candidate != c for _, c in slots):
                 slots.append((stage, candidate))
     automatic = frozenset(b.name for b in supported)
     selection_error: Failure | None = None
     unmet: tuple[str, tuple[str, ...]] | None = None
+    state, _ = step(
+        State.ORIGIN_DETECTION,
+        Event.NOTHING_REQUESTED if requested is None else Event.REQUEST_FOUND,
+        records,
+        None,
+        None,
+    )
+
+    def failed(stage: State, candidate: Backend | None) -> State:
+        event = (
+            _REQUEST_FAILED[fallback.reason]
+            if stage is State.REQUESTED
+            else (Event.CANDIDATE_FAILED)
+        )
+        return step(stage, event, records, None, candidate)[0]
+
     for index, (stage, candidate) in enumerate(slots):
+        while state is not stage:  # the stages between hold no candidate
+            state, _ = step(state, Event.EXHAUSTED, records, None, None)
         fact = platform.host_resolution("" if candidate is None else candidate.name)
         served = _served(fact)
         if served is None:
@@ -270,7 +310,7 @@ def run_sglang(inp: TraceInput) -> Trace:
             if candidate is not None:
                 records.append(CheckRecord(stage, candidate, Check.PLATFORM, False, (failure,)))
             selection_error = selection_error or failure
-            records.append(TransitionRecord(stage, Event.CANDIDATE_FAILED, stage, candidate))
+            state = failed(stage, candidate)
             continue
         assert fact is not None
         results: list[tuple[Check, tuple[Failure, ...]]] = [(Check.PLATFORM, ())]
@@ -303,11 +343,11 @@ def run_sglang(inp: TraceInput) -> Trace:
             records.append(CheckRecord(stage, served, check, not failures, failures))
         if role or unsupported:
             selection_error = selection_error or (role or unsupported)[0]
-            records.append(TransitionRecord(stage, Event.CANDIDATE_FAILED, stage, served))
+            state = failed(stage, served)
             continue
         if missing:
             unmet = unmet or (served.name, fact.missing)
-            records.append(TransitionRecord(stage, Event.CANDIDATE_FAILED, stage, served))
+            state = failed(stage, served)
             continue
         reason = fallback.reason if index > 0 else None
         if reason is None and origin is Origin.ROLE_OVERRIDE:
@@ -319,10 +359,12 @@ def run_sglang(inp: TraceInput) -> Trace:
             and served.name == ordered[0].name
         ):
             reason = Reason.COMPONENT_CONSTRAINT
-        records.append(TransitionRecord(stage, Event.ACCEPTED, State.SELECTED, served, reason))
+        step(stage, Event.ACCEPTED, records, None, served)
         reason_text = None if reason is None else reason.value
         records.append(SelectedRecord(served, origin, reason_text))
         return Trace(inp, tuple(records), Outcome("selected", origin, served, reason_text))
+    while state is not State.REJECTED:
+        state, _ = step(state, Event.EXHAUSTED, records, None, None)
     # SGLang names the component only when its context has a name
     component = None if inp.scope is None else inp.scope.component
     suffix = f" for component '{component}'" if component else ""

@@ -844,7 +844,7 @@ def run_machine(inp: TraceInput) -> Trace:
 #: issue 23: the machine of each selection profile other than attnres's own
 #: (``SelectionConfig.profile``); each is a pure function of the input.
 PROFILE_MACHINES: Final[Mapping[str, Callable[[TraceInput], Trace]]] = {
-    "sglang": _profile_sglang.run_sglang,
+    "sglang": lambda inp: _profile_sglang.run_sglang(inp, _step),
 }
 
 

@@ -858,6 +858,8 @@ def _make_converter() -> cattrs.Converter:
         }
         if c.global_backend_env is not None:  # absent otherwise: older traces keep their bytes
             out["global_backend_env"] = c.global_backend_env
+        if c.profile != "attnres":  # issue 23: absent for attnres's own profile
+            out["profile"] = c.profile
         return out
 
     conv.register_unstructure_hook(SelectionConfig, unstructure_config)
@@ -877,6 +879,8 @@ def _make_converter() -> cattrs.Converter:
     for cls in RECORD_KINDS.values():
         conv.register_unstructure_hook(cls, _record_unstructurer(conv, cls))
     conv.register_unstructure_hook(TraceInput, _record_unstructurer(conv, TraceInput))
+    # issue 23: a platform writes its host resolutions only when it has some
+    conv.register_unstructure_hook(Platform, _record_unstructurer(conv, Platform))
 
     def unstructure_record(rec: Any) -> dict[str, Any]:
         out: dict[str, Any] = conv.unstructure(rec, unstructure_as=type(rec))
