@@ -180,11 +180,26 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         f"{stats['delegated']} delegated to SGLang; {len(decisions)} in attnres.decisions(), "
         f"{replayed} replay identically; installed at the end: {plugin.installed()}"
     )
+    # uninstall() restores SGLang's own selector in every module that bound it
+    selector = sys.modules[plugin._SELECTOR]
+    plugin.uninstall()
+    stale = [
+        f"{m.__name__}.{name}"
+        for m in list(sys.modules.values())
+        if isinstance(m, types.ModuleType)
+        for name, value in list(vars(m).items())
+        if callable(value) and plugin._ours(value) is not None
+    ]
+    restored = not plugin.installed() and not stale
+    if stale:
+        _VERDICT.append(f"attnres plugin: still bound after uninstall(): {', '.join(stale)}")
+    _VERDICT.append(f"attnres plugin: uninstall() restored SGLang's selector: {restored}")
     complete = (
         stats["decided"] > 0
         and stats["delegated"] == 0
         and len(decisions) == stats["decided"]
         and replayed == len(decisions)
+        and restored
     )
     if not complete and session.exitstatus == 0:
         session.exitstatus = 1

@@ -125,8 +125,14 @@ def stats() -> dict[str, int]:
 
 def _ours(function: Any) -> Callable[..., Any] | None:
     """SGLang's original under ``function`` when ``function`` is attnres's wrapper."""
-    closure = getattr(function, "__closure__", None) or ()
-    cells = [c.cell_contents for c in closure]
+    if not isinstance(function, types.FunctionType):
+        return None
+    cells = []
+    for cell in function.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
     if any(c is _route for c in cells) or (
         getattr(function, "__name__", "") == "get_attn_backend"
         and getattr(function, "__module__", "") == __name__
