@@ -13,7 +13,7 @@ STAMP := $(VENV)/.attnres-installed
 PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test test-deep golden bench lint typecheck docs clean test-sglang
+.PHONY: setup run test test-deep golden bench lint typecheck docs clean test-sglang bench-sglang
 
 setup: $(STAMP)
 
@@ -89,6 +89,13 @@ test-sglang: $(SGLANG_STAMP)
 	$(call sglang_pytest,0) $(SGLANG_SELECTION_TESTS) $(SGLANG_RELATED_TESTS)
 	@echo "== the same files with the attnres plugin deciding every backend"
 	$(call sglang_pytest,1) $(SGLANG_SELECTION_TESTS) $(SGLANG_RELATED_TESTS)
+
+# the plugin's decision cost against SGLang's own selector (benchmarks/bench_sglang.py)
+bench-sglang: $(SGLANG_STAMP)
+	$(SPIP) install -c $(SGLANG_VENV)/torch-pin.txt "pytest-benchmark>=4"
+	mkdir -p benchmarks/results
+	$(SPY) -m pytest benchmarks/bench_sglang.py -p no:randomly -p no:cacheprovider --benchmark-only \
+		--benchmark-json=benchmarks/results/sglang.json -q
 
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write

@@ -59,6 +59,7 @@ __all__ = [
     "SATISFIES",
     "SGLANG_VERSION",
     "UNOBSERVED",
+    "first_request",
     "run_sglang",
 ]
 
@@ -207,6 +208,20 @@ def _supported(name: str, supported: frozenset[str]) -> bool:
     return any(group <= supported for group in SATISFIES.get(name, ()))
 
 
+def _origin(inp: TraceInput) -> tuple[OriginRow | None, Backend | None]:
+    """The first origin row that is set, and the backend it requests (aliases folded)."""
+    row = next((r for r in ORIGIN_ROWS if r.backend(inp) is not None), None)
+    requested = None if row is None else row.backend(inp)
+    if requested is not None and requested.name in ALIASES:
+        requested = Backend(ALIASES[requested.name])
+    return row, requested
+
+
+def first_request(inp: TraceInput) -> Backend | None:
+    """The backend the profile evaluates first (``None``: the platform's own pick)."""
+    return _origin(inp)[1]
+
+
 def _sglang_order(backends: frozenset[Backend]) -> list[Backend]:
     # SGLang sorts its enum members by their upper-case names
     return sorted(backends, key=lambda b: b.name.upper())
@@ -238,10 +253,7 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
     attnres's, the rows above decide which fire.
     """
     layer, platform = inp.layer, inp.platform
-    row = next((r for r in ORIGIN_ROWS if r.backend(inp) is not None), None)
-    requested = None if row is None else row.backend(inp)
-    if requested is not None and requested.name in ALIASES:
-        requested = Backend(ALIASES[requested.name])
+    row, requested = _origin(inp)
     origin = Origin.NONE if row is None else row.origin
     explicit = row is not None and row.explicit
     requested_fact = None if requested is None else platform.host_resolution(requested.name)

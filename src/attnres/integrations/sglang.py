@@ -30,24 +30,33 @@ and it logs what SGLang logs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
-import inspect
 import sys
 import threading
 import types
 from collections.abc import Callable
 from typing import Any, Final
 
-from attnres._profile_sglang import UNOBSERVED
+from attrs import frozen
+
+from attnres._profile_sglang import UNOBSERVED, first_request
 from attnres._states import Event
 from attnres._vocab import Role
-from attnres.backends import Backend, BackendSpec, lookup_spec, register_backend
+from attnres.backends import (
+    Backend,
+    BackendSpec,
+    lookup_spec,
+    on_registry_change,
+    register_backend,
+)
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.ledger import Decision, record_decision
+from attnres.machine import run_machine
 from attnres.platform import HostResolution, Platform
 from attnres.runtime import lookup
 from attnres.scope import ScopeState
-from attnres.trace import CheckRecord, OriginRecord, Trace, TransitionRecord
+from attnres.trace import CheckRecord, OriginRecord, Trace, TraceInput, TransitionRecord
 
 __all__ = ["TARGET", "install", "installed", "plugin", "stats", "uninstall"]
 
@@ -185,53 +194,171 @@ def _register_sglang_backends() -> None:
         )
 
 
-_SIGNATURE: Final = inspect.Signature(
-    [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-        for name, default in (
-            ("head_size", inspect.Parameter.empty),
-            ("dtype", inspect.Parameter.empty),
-            ("supported_attention_backends", None),
-            ("selected_attention_backend", None),
-            ("attention_requirements", None),
-            ("default_attention_backend", None),
-            ("is_cross_attention", False),
-        )
-    ]
-)
+@frozen
+class _Memo:
+    """One decided call: the decision, SGLang's class, and the host answers it
+    consulted (each is asked again on a hit: SGLang's own cache answers)."""
+
+    decision: Decision
+    cls: Any
+    consulted: tuple[tuple[Any, Any], ...]
 
 
-def _route(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+_MEMO: dict[tuple[Any, ...], _Memo] = {}
+_MEMO_MAX: Final = 4096
+
+
+def clear_memo() -> None:
+    """Forget the plugin's decided calls (attnres's registry changes call it too)."""
+    _MEMO.clear()
+
+
+on_registry_change(clear_memo)
+
+
+def _route(
+    original: Callable[..., Any],
+    head_size: Any,
+    dtype: Any,
+    supported_attention_backends: Any = None,
+    selected_attention_backend: Any = None,
+    attention_requirements: Any = None,
+    default_attention_backend: Any = None,
+    is_cross_attention: bool = False,
+) -> Any:
     """SGLang's ``get_attn_backend``, decided by attnres."""
-    try:
-        bound = _SIGNATURE.bind(*args, **kwargs)
-    except TypeError:
-        _STATS["delegated"] += 1
-        return original(*args, **kwargs)
-    bound.apply_defaults()
-    call = bound.arguments
     selector = sys.modules[_SELECTOR]
+    context = selector.component_attn_backend_context.get()
+    forced = selector.forced_attn_backend
+    server_args = selector.get_global_server_args()
+    supported = frozenset(supported_attention_backends) if supported_attention_backends else None
+    key: tuple[Any, ...] = (
+        head_size,
+        dtype,
+        supported,
+        selected_attention_backend,
+        attention_requirements,
+        default_attention_backend,
+        is_cross_attention,
+        forced,
+        None
+        if context is None
+        else (
+            context.backend,
+            context.component_name,
+            tuple(context.backend_by_role.items()),
+            context.allow_global_backend_fallback,
+            context.require_backend_selection,
+        ),
+        getattr(server_args, "attention_backend", None),
+        server_args if isinstance(server_args, selector.ServerArgs) else None,
+        selector._cached_get_attn_backend,
+    )
+    try:
+        memo = _MEMO.get(key)
+    except TypeError:  # an unhashable argument: decide without the memo
+        memo, key = None, ()
+    if memo is not None and _still_answers(selector, memo, head_size, dtype, supported):
+        _STATS["decided"] += 1
+        record_decision(memo.decision)
+        return _finish(selector, is_cross_attention, memo.decision, memo.cls)
+    call = {
+        "head_size": head_size,
+        "dtype": dtype,
+        "supported_attention_backends": supported_attention_backends,
+        "selected_attention_backend": selected_attention_backend,
+        "attention_requirements": attention_requirements,
+        "default_attention_backend": default_attention_backend,
+        "is_cross_attention": is_cross_attention,
+    }
     translated = _translate(selector, call)
     if translated is None:
         _STATS["delegated"] += 1
-        return original(*args, **kwargs)
+        return original(
+            head_size,
+            dtype,
+            supported_attention_backends,
+            selected_attention_backend,
+            attention_requirements,
+            default_attention_backend,
+            is_cross_attention,
+        )
     layer, scope, config, requested = translated
-    be_tuple = tuple(sorted(call["supported_attention_backends"] or (), key=lambda b: str(b.name)))
+    be_tuple = _be_tuple(supported)
     observed: dict[str, HostResolution] = {}
     classes: dict[str, Any] = {}
+    answers: dict[str, tuple[Any, Any]] = {}
     kind = _platform_kind()
-    enum_by_name = {m.name.lower(): m for m in type_of_enum(selector)}
+    enum_by_name = _enum_by_name(selector.AttentionBackendEnum)
+
+    def observe(name: str) -> None:
+        member = None if name == "" else enum_by_name.get(name)
+        observed[name] = _observe(selector, call, be_tuple, name, member, classes)
+        answers[name] = (member, classes.get(observed[name].served or ""))
+
+    # The machine consults its first candidate always: observe it up front. Any
+    # other candidate a fallback reaches is observed when the pure machine asks
+    # for it; the decision is then made once, traced, cached and audited.
+    first = _first_candidate(inp=TraceInput(layer, config, scope, Platform(kind), requested))
+    observe(first)
     while True:
-        platform = Platform(kind, host=tuple(observed.values()))
-        _, decision, trace = lookup(layer, config, scope, platform, requested)
-        consulted = _unobserved(trace, observed)
+        trial = run_machine(
+            TraceInput(
+                layer, config, scope, Platform(kind, host=tuple(observed.values())), requested
+            )
+        )
+        consulted = _unobserved(trial, observed)
         if consulted is None:
             break
-        member = None if consulted == "" else enum_by_name.get(consulted)
-        observed[consulted] = _observe(selector, call, be_tuple, consulted, member, classes)
+        observe(consulted)
+    platform = Platform(kind, host=tuple(observed.values()))
+    _, decision, _ = lookup(layer, config, scope, platform, requested)
     _STATS["decided"] += 1
     record_decision(decision)
-    return _finish(selector, call, decision, classes)
+    outcome = decision.outcome
+    cls = None if outcome.backend is None else classes[outcome.backend.name]
+    if key:
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        _MEMO[key] = _Memo(decision, cls, tuple(answers.values()))
+    return _finish(selector, is_cross_attention, decision, cls)
+
+
+@functools.cache
+def _enum_by_name(enum: Any) -> dict[str, Any]:
+    return {m.name.lower(): m for m in enum}
+
+
+def _first_candidate(inp: TraceInput) -> str:
+    """The candidate the ``sglang`` profile evaluates first ("": the platform's pick)."""
+    requested = first_request(inp)
+    return "" if requested is None else requested.name
+
+
+def _be_tuple(supported: frozenset[Any] | None) -> tuple[Any, ...]:
+    # SGLang's own cache key: the supported backends sorted by name
+    return tuple(sorted(supported or (), key=lambda b: str(b.name)))
+
+
+def _still_answers(
+    selector: types.ModuleType,
+    memo: _Memo,
+    head_size: Any,
+    dtype: Any,
+    supported: frozenset[Any] | None,
+) -> bool:
+    """Whether SGLang's platform still gives the answers the memo's decision read."""
+    if not memo.consulted:
+        return True
+    be_tuple = _be_tuple(supported)
+    for member, cls in memo.consulted:
+        try:
+            now = selector._cached_get_attn_backend(head_size, dtype, be_tuple, member)
+        except ValueError:
+            now = None
+        if now is not cls:
+            return False
+    return True
 
 
 def type_of_enum(selector: types.ModuleType) -> Any:
@@ -373,18 +500,13 @@ def _translate(
 
 
 def _finish(
-    selector: types.ModuleType,
-    call: dict[str, Any],
-    decision: Decision,
-    classes: dict[str, Any],
+    selector: types.ModuleType, is_cross_attention: bool, decision: Decision, cls: Any
 ) -> Any:
     """SGLang's answer and side effects for an attnres decision."""
     outcome = decision.outcome
     if outcome.backend is None:
         raise ValueError(outcome.error)
-    role = (
-        selector.AttentionRole.CROSS if call["is_cross_attention"] else selector.AttentionRole.SELF
-    )
+    role = selector.AttentionRole.CROSS if is_cross_attention else selector.AttentionRole.SELF
     backend_name = outcome.backend.name
     reason = None if outcome.reason is None else outcome.reason.value
     origin = outcome.origin.value
@@ -405,4 +527,4 @@ def _finish(
     if not selector._record_component_attn_backend(backend_name, reason, role):
         suffix = f" ({reason})" if reason else ""
         selector.logger.info_once(f"Using {backend_name} attention backend{suffix}")
-    return classes[backend_name]
+    return cls
