@@ -181,7 +181,6 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         f"{replayed} replay identically; installed at the end: {plugin.installed()}"
     )
     # uninstall() restores SGLang's own selector in every module that bound it
-    selector = sys.modules[plugin._SELECTOR]
     plugin.uninstall()
     stale = [
         f"{m.__name__}.{name}"
