@@ -658,4 +658,6 @@ def test_key_lists_come_from_the_attrs_classes_and_match_what_is_written() -> No
     # the pipeline format names the same layer fields (requirements as "requires")
     spec_fields = set(trace_mod.field_names(LayerSpec)) - {"requirements"} | {"requires"}
     assert spec_fields <= set(plan._LAYER_KEYS)
-    assert set(plan._LAYER_KEYS) - spec_fields == {"count", "backend"}
+    # (issue 23: and LayerSpec's optional fields, preferred and required)
+    optional = set(trace_mod.optional_field_names(LayerSpec))
+    assert set(plan._LAYER_KEYS) - spec_fields - optional == {"count", "backend"}

@@ -204,6 +204,36 @@ class LayerSpec:
     role: Role = field(default=Role.SELF, converter=_role)
     requirements: Requirements = field(factory=Requirements, converter=_requirements)
     name: str | None = field(default=None, converter=_name)
+    # issue 23 (both written to a trace only when set, so older traces keep their bytes):
+    #: the backends automatic choices may take (the platform's chain, the supported
+    #: set); ``supported`` stays what the layer's code can run. An explicit request
+    #: outside ``preferred`` but inside ``supported`` is admitted when it passes
+    #: every check, and the origin record says so. ``None``: all of ``supported``.
+    preferred: frozenset[Backend] | None = field(
+        default=None, converter=_backend_set, kw_only=True, metadata={"omit_default": True}
+    )
+    #: the backend this layer must run for correctness: every request, schedule,
+    #: global flag and autotune leaves it alone (origin ``layer``, strict), and the
+    #: trace says what it overrode
+    required: Backend | None = field(
+        default=None, converter=_default_backend, kw_only=True, metadata={"omit_default": True}
+    )
+
+    def __attrs_post_init__(self) -> None:
+        supported = self.supported
+        if supported is not None and self.preferred is not None and not (
+            self.preferred <= supported
+        ):
+            extra = sorted(b.name for b in self.preferred - supported)
+            raise ValueError(
+                f"preferred: {', '.join(extra)} not in the supported set "
+                f"{sorted(b.name for b in supported)} (preferred narrows supported)"
+            )
+        if supported is not None and self.required is not None and self.required not in supported:
+            raise ValueError(
+                f"required: {self.required.name!r} is not in the supported set "
+                f"{sorted(b.name for b in supported)}"
+            )
 
 
 def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | None]:

@@ -96,6 +96,7 @@ __all__ = [
     "CANDIDATE_STAGES",
     "CHECK_ORDER",
     "GLOBAL_EXPLICIT_ORIGINS",
+    "PREFERRED_STAGES",
     "REQUEST_FAILURE_GUARDS",
     "START_GUARDS",
     "STRICT_ORIGINS",
@@ -346,9 +347,51 @@ class DetectedOrigin:
     detail: str
 
 
+#: issue 23: the stages whose candidates are automatic choices, which a layer's
+#: ``preferred`` set narrows (a candidate outside it is skipped, with a record).
+PREFERRED_STAGES: Final = frozenset({State.PLATFORM_DEFAULT, State.SUPPORTED_SET})
+
+
+def _overridden(inp: TraceInput) -> str:
+    """What a layer's required backend overrides, in words (issue 23)."""
+    parts = []
+    if inp.request is not None:
+        parts.append(f"the per-request backend {inp.request.name!r}")
+    if inp.backend is not None and inp.backend != inp.layer.required:
+        parts.append(f"the backend {inp.backend.name!r} passed for this layer")
+    return "; it overrides " + " and ".join(parts) if parts else ""
+
+
 def detect_origin(inp: TraceInput) -> DetectedOrigin:
     """The first origin that applies, the backend it requests, and its strictness."""
+    found = _detect_origin(inp)
+    preferred = inp.layer.preferred
+    if (
+        preferred is not None
+        and found.backend is not None
+        and found.origin not in TUNABLE_ORIGINS
+        and found.backend not in preferred
+    ):  # issue 23: explicit, outside preferred: admitted on its checks, and said so
+        found = DetectedOrigin(
+            found.origin,
+            found.backend,
+            found.strict,
+            found.detail
+            + f"; outside the layer's preferred set {_names(preferred)}, admitted by "
+            f"its supported set when every check passes",
+        )
+    return found
+
+
+def _detect_origin(inp: TraceInput) -> DetectedOrigin:
     layer, config, scope = inp.layer, inp.config, inp.scope
+    if layer.required is not None:  # issue 23: pinned for correctness, whatever is asked
+        return DetectedOrigin(
+            Origin.LAYER,
+            layer.required,
+            True,
+            "required by the layer for correctness (LayerSpec.required)" + _overridden(inp),
+        )
     if inp.request is not None:
         return DetectedOrigin(
             Origin.REQUEST,
@@ -792,6 +835,20 @@ def run_machine(inp: TraceInput) -> Trace:
             if candidate in seen:
                 records.append(
                     SkipRecord(stage, candidate, f"already evaluated at {seen[candidate].value}")
+                )
+                continue
+            if (
+                stage in PREFERRED_STAGES
+                and layer.preferred is not None
+                and candidate not in layer.preferred
+            ):  # issue 23: automatic choices stay inside the layer's preferred set
+                records.append(
+                    SkipRecord(
+                        stage,
+                        candidate,
+                        f"an automatic choice outside the layer's preferred set "
+                        f"{_names(layer.preferred)}",
+                    )
                 )
                 continue
             if stage is State.PLATFORM_DEFAULT and position < len(candidates) - 1:

@@ -43,6 +43,7 @@ from attnres._codec import (
     field_types,
     is_int,
     missing_keys,
+    optional_field_names,
     required_field_names,
     unknown_keys,
 )
@@ -87,6 +88,8 @@ _LAYER_KEYS = (
     "name",
     "count",
     *(_TOML_NAMES.get(n, n) for n in field_names(LayerSpec) if n != "name"),
+    # issue 23: preferred, required (optional LayerSpec fields)
+    *optional_field_names(LayerSpec),
     "backend",
 )
 #: what TOML value each LayerSpec field's type is written as (its converter
@@ -465,6 +468,8 @@ class _Parser:
                 role=table.get("role", "self"),
                 requirements=Requirements.of(table.get("requires", ()), field="requires"),
                 name=raw_name,
+                preferred=table.get("preferred"),  # issue 23
+                required=table.get("required"),
             )
         except ValueError as exc:
             raise self.fail(str(exc), **where) from None

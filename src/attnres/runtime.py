@@ -333,6 +333,8 @@ def _shape_key(
         layer.default,
         layer.role,
         layer.requirements,
+        layer.preferred,  # issue 23
+        layer.required,
         cfg,
         scope,
         platform,

@@ -748,7 +748,14 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
 
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
     obj = _object(value, "a layer")
-    _exact_keys(obj, _LAYER_KEYS, "a layer")
+    _exact_keys(obj, _LAYER_KEYS, "a layer", optional_field_names(LayerSpec))
+    try:
+        return _layer_from(obj)
+    except ValueError as exc:  # issue 23: preferred/required outside supported
+        raise _Invalid("", f"not a valid layer: {exc}") from None
+
+
+def _layer_from(obj: dict[str, Any]) -> LayerSpec:
     return LayerSpec(
         head_size=_field(obj, "head_size", _head_size),
         dtype=_field(obj, "dtype", _dtype),
@@ -757,6 +764,13 @@ def _structure_layer(value: Any, _: Any) -> LayerSpec:
         role=_field(obj, "role", _role),
         requirements=_field(obj, "requirements", _requirements),
         name=_field(obj, "name", _optional(_structure_str)),
+        # issue 23: optional keys
+        preferred=(
+            _field(obj, "preferred", _optional(_backend_list)) if "preferred" in obj else None
+        ),
+        required=(
+            _field(obj, "required", _optional(_structure_backend)) if "required" in obj else None
+        ),
     )
 
 
@@ -847,6 +861,9 @@ def _make_converter() -> cattrs.Converter:
             "role": s.role.value,
             "requirements": conv.unstructure(s.requirements),
             "name": s.name,
+            # issue 23: present only when set
+            **({} if s.preferred is None else {"preferred": unstructure_backend_set(s.preferred)}),
+            **({} if s.required is None else {"required": s.required.name}),
         },
     )
     def unstructure_config(c: SelectionConfig) -> dict[str, Any]:
