@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from attnres.modules import Attention, KernelNotRegisteredError, bind
     from attnres.replayer import ReplayResult, replay
     from attnres.request import RequestBackendError, request_backend
+    from attnres.schedules import schedule
 
 
 def __getattr__(name: str) -> Any:
@@ -52,6 +53,10 @@ def __getattr__(name: str) -> Any:
         from attnres import modules
 
         return getattr(modules, name)
+    if name == "schedule":  # issue 23: per-step schedules (imports torch)
+        from attnres.schedules import schedule
+
+        return schedule
     if name in ("request_backend", "RequestBackendError"):
         from attnres import request
 
@@ -106,6 +111,7 @@ __all__ = [
     "replay",
     "request_backend",
     "resolve",
+    "schedule",
     "selection_config",
     "set_selection_config",
     "unregister_backend",

@@ -220,3 +220,23 @@ def emit_request_switch(action: str, backend: str, layers: int, previous: str) -
         else "attention backend restored after request"
     )
     log.info(text, backend=backend, layers=layers, previous=previous, request=True)
+
+
+def emit_schedule_switch(step: int, backend: str, layers: int, previous: str) -> None:
+    """``attention backend switched for step`` (INFO) at each switch of an
+    :func:`attnres.schedule`; ``step`` -1 with no backend: restored at its end
+    (issue 23)."""
+    log = _logger(logging.INFO)
+    if log is None:
+        return
+    if step < 0:
+        log.info("attention backend restored after schedule", layers=layers, previous=previous)
+        return
+    log.info(
+        "attention backend switched for step",
+        step=step,
+        backend=backend,
+        layers=layers,
+        previous=previous,
+        schedule=True,
+    )
