@@ -110,3 +110,34 @@ def test_rule_schedule_validates_its_steps(steps: dict[int, str], message: str) 
     model = Denoiser()
     with pytest.raises(ValueError, match=message), attnres.schedule(model, steps):
         pass
+
+
+def test_rule_schedule_cli_flag_shows_each_steps_backend(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from attnres import cli
+
+    args = ["explain", "--head-size", "128", "--dtype", "bf16", "--supported", "fa,torch_sdpa"]
+    args += ["--platform", "cuda:sm90+flash_attn", "--json"]
+    assert cli.main([*args, "--schedule", "0:fa,40:torch_sdpa"]) == 0
+    rows = json.loads(capsys.readouterr().out)["schedule"]
+    assert [(r["from_step"], r["requested"], r["backend"]) for r in rows] == [
+        (0, "fa", "fa"),
+        (40, "torch_sdpa", "torch_sdpa"),
+    ]
+    # a step the layer cannot run: the schedule would refuse to start, so exit 1
+    assert cli.main([*args, "--schedule", "0:fa,40:sage_attn"]) == 1
+    rows = json.loads(capsys.readouterr().out)["schedule"]
+    assert rows[1]["code"] == "not_in_supported_set"
+
+
+def test_rule_schedule_cli_flag_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnres import cli
+
+    base = ["explain", "--head-size", "128", "--dtype", "bf16", "--platform", "cpu"]
+    assert cli.main([*base, "--schedule", "5:eager"]) == 2
+    assert "what runs from step 0" in capsys.readouterr().err
+    assert cli.main([*base, "--schedule", "0:eagr"]) == 2
+    assert "eager" in capsys.readouterr().err

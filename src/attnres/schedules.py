@@ -26,11 +26,11 @@ from contextlib import contextmanager
 from attrs import frozen
 from torch import nn
 
+from attnres._schedule_plan import schedule_steps
 from attnres.audit import emit_schedule_switch
 from attnres.backends import Backend
 from attnres.errors import ResolutionError
 from attnres.kernels import KernelUnavailableError
-from attnres.layer import optional_backend
 from attnres.modules import Attention, KernelNotRegisteredError, _Bound
 from attnres.request import RequestBackendError, _claim, _label, _release
 
@@ -81,31 +81,6 @@ class Stepper:
         return backend
 
 
-def _steps(value: Mapping[int, Backend | str]) -> tuple[tuple[int, Backend], ...]:
-    if not isinstance(value, Mapping) or not value:
-        raise ValueError(
-            "attnres.schedule: steps must be a non-empty mapping of first step to backend, "
-            "e.g. {0: 'sage_attn', 40: 'fa'}"
-        )
-    out: list[tuple[int, Backend]] = []
-    for first, backend in value.items():
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            raise ValueError(
-                f"attnres.schedule: a first step must be an integer >= 0, got {first!r}"
-            )
-        parsed = optional_backend(f"attnres.schedule: step {first}")(backend)
-        if parsed is None:
-            raise ValueError(f"attnres.schedule: step {first}: backend must not be None")
-        out.append((first, parsed))
-    out.sort(key=lambda item: item[0])
-    if out[0][0] != 0:
-        raise ValueError(
-            f"attnres.schedule: the schedule must say what runs from step 0 (its first step "
-            f"is {out[0][0]})"
-        )
-    return tuple(out)
-
-
 @contextmanager
 def schedule(module: nn.Module, steps: Mapping[int, Backend | str]) -> Iterator[Stepper]:
     """Run ``module``'s attnres layers on a per-step backend schedule inside the block.
@@ -113,7 +88,7 @@ def schedule(module: nn.Module, steps: Mapping[int, Backend | str]) -> Iterator[
     Raises :class:`~attnres.request.RequestBackendError` (nothing switched)
     when a layer cannot run one of the schedule's backends.
     """
-    plan = _steps(steps)
+    plan = schedule_steps(steps)
     layers = [(p, m) for p, m in module.named_modules() if isinstance(m, Attention)]
     if not layers:
         raise RequestBackendError(
