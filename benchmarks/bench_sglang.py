@@ -47,9 +47,7 @@ def _selector() -> tuple[Any, Any, Any, tuple[Any, ...]]:
     return selector, original, routed, (128, torch.bfloat16, supported)
 
 
-def test_sglang_plugin_decision_cost(
-    benchmark: Any, ratios: RatioRegistry, paired: Any
-) -> None:
+def test_sglang_plugin_decision_cost(benchmark: Any, ratios: RatioRegistry, paired: Any) -> None:
     if not HAVE_SGLANG:
         for name in ROWS:
             ratios.record(name, None, note="SGLang not installed: run make bench-sglang")
