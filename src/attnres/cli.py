@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from attnres._schedule_plan import parse_schedule, plan_schedule
 from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
@@ -477,8 +478,6 @@ def _explain_schedule(
     """``--schedule``: each step's backend for this layer (issue 23), or ``None``."""
     if args.schedule is None:
         return None
-    from attnres._schedule_plan import parse_schedule, plan_schedule
-
     try:
         steps = parse_schedule(args.schedule)
     except ValueError as exc:
