@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -112,8 +113,9 @@ def test_rule_request_backend_switch_and_restore_are_audit_events() -> None:
     with structlog.testing.capture_logs() as logs, request_backend(model, "eager"):
         pass
     structlog.reset_defaults()
-    events = [(e["event"], e["backend"], e["layers"], e["previous"]) for e in logs
-              if e.get("request")]
+    events = [
+        (e["event"], e["backend"], e["layers"], e["previous"]) for e in logs if e.get("request")
+    ]
     assert events == [
         ("attention backend switched for request", "eager", 3, "torch_sdpa"),
         ("attention backend restored after request", "eager", 3, "torch_sdpa"),
@@ -134,14 +136,21 @@ def test_rule_request_backend_refused_without_an_attnres_layer() -> None:
 
 
 def test_rule_request_backend_refused_for_a_sparse_bound_backend() -> None:
-    def tile(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-             scale: float | None) -> Tensor:
+    def tile(
+        q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None
+    ) -> Tensor:
         return q
 
     register_kernel("sliding_tile_attn", tile)
     try:
-        layer = Attention(8, 128, dtype="bf16", backend="sliding_tile_attn",
-                          platform=Platform.simulate("cuda:sm90+all"), name="attn1")
+        layer = Attention(
+            8,
+            128,
+            dtype="bf16",
+            backend="sliding_tile_attn",
+            platform=Platform.simulate("cuda:sm90+all"),
+            name="attn1",
+        )
         with (
             pytest.raises(RequestBackendError, match="runs the sparse backend"),
             request_backend(layer, "torch_sdpa"),
@@ -177,22 +186,131 @@ def test_rule_request_backend_binds_pending_layers_first() -> None:
     assert [d.backend for d in attnres.decisions()] == ["torch_sdpa"] * 3
 
 
-def test_request_backend_refuses_a_second_thread_on_switched_layers() -> None:
+def test_rule_request_backend_follows_the_thread_each_thread_sees_its_own() -> None:
     model = Denoiser()
-    errors: list[BaseException] = []
+    attnres.bind(model)
+    entered, release = threading.Event(), threading.Event()
+    seen: list[str] = []
 
     def other() -> None:
-        try:
-            with request_backend(model, "flex_attention"):
-                pass
-        except RuntimeError as exc:
-            errors.append(exc)
+        with request_backend(model, "flex_attention"):
+            entered.set()
+            release.wait(10)
+            seen.append(model.blocks[0].backend.name)  # type: ignore[union-attr]
+            model(_x())
 
     with request_backend(model, "eager"):
         thread = threading.Thread(target=other)
         thread.start()
-        thread.join()
+        assert entered.wait(10)
+        assert model.blocks[0].backend.name == "eager"  # type: ignore[union-attr]
         with request_backend(model, "flex_attention"):  # nesting in one thread is fine
             assert model.blocks[0].backend.name == "flex_attention"  # type: ignore[union-attr]
         assert model.blocks[0].backend.name == "eager"  # type: ignore[union-attr]
-    assert len(errors) == 1 and "served one at a time" in str(errors[0])
+    release.set()
+    thread.join()
+    assert seen == ["flex_attention"]
+    assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]
+
+
+def test_rule_request_backend_second_thread_same_backend_survives_the_first_exit() -> None:
+    """Issue 20 item 12: a second request for the backend the first already switched
+    to was a silent no-op, undone when the first exited."""
+    model = Denoiser()
+    attnres.bind(model)
+    first_in, first_out = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def second() -> None:
+        assert first_in.wait(10)
+        with request_backend(model, "eager"):
+            assert first_out.wait(10)  # the first request has exited meanwhile
+            seen.append(model.blocks[0].backend.name)  # type: ignore[union-attr]
+            seen.append(str(model.blocks[0].kernel is get_kernel("eager")))
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with request_backend(model, "eager"):
+        first_in.set()
+        time_limit = threading.Event()
+        time_limit.wait(0.2)  # let the second thread enter its block
+    first_out.set()
+    thread.join()
+    assert seen == ["eager", "True"]
+
+
+def test_rule_request_backend_asyncio_tasks_exiting_out_of_order_leak_nothing() -> None:
+    model = Denoiser()
+    attnres.bind(model)
+    x = _x()
+
+    async def serve(
+        backend: str, enter: asyncio.Event, leave: asyncio.Event, entered: asyncio.Event
+    ) -> str:
+        await enter.wait()
+        with request_backend(model, backend):
+            entered.set()
+            await leave.wait()
+            model(x)
+            return model.blocks[0].backend.name  # type: ignore[union-attr]
+
+    async def main() -> list[str]:
+        a_enter, a_leave, a_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        b_enter, b_leave, b_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        a = asyncio.create_task(serve("eager", a_enter, a_leave, a_in))
+        b = asyncio.create_task(serve("flex_attention", b_enter, b_leave, b_in))
+        a_enter.set()
+        await a_in.wait()
+        b_enter.set()
+        await b_in.wait()
+        a_leave.set()  # a entered first and exits first: out of order for a stack
+        first = await a
+        b_leave.set()
+        return [first, await b]
+
+    assert asyncio.run(main()) == ["eager", "flex_attention"]
+    assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]
+    torch.testing.assert_close(
+        model(x), model.blocks[2](*(3 * [model.blocks[1](*(3 * [model.blocks[0](x, x, x)]))]))
+    )
+
+
+def test_rule_request_backend_cast_inside_the_block_keeps_the_request_and_no_stale_decision() -> (
+    None
+):
+    """Issue 20 item 12: a cast inside the block lost the request, and the exit
+    bound the stale (pre-cast) decision again."""
+    model = Denoiser(dtype="float32")
+    with request_backend(model, "eager"):
+        model.double()
+        assert {layer.backend.name for layer in model.blocks} == {"eager"}  # type: ignore[union-attr]
+        out = model(_x().double())
+        assert out.dtype == torch.float64
+        resolution = model.blocks[0].resolution
+        assert resolution is not None and resolution.trace.input.layer.dtype == "float64"
+    for layer in model.blocks:
+        assert layer.backend.name == "torch_sdpa"  # type: ignore[union-attr]
+        assert layer.resolution.trace.input.layer.dtype == "float64"  # type: ignore[union-attr]
+    ledger = [d for d in attnres.decisions() if d.layer and d.layer.startswith("blocks.")]
+    assert [d.trace.input.layer.dtype for d in ledger] == ["float64"] * 3
+    assert model(_x().double()).dtype == torch.float64
+
+
+def test_rule_request_backend_refused_on_a_torch_compiled_module() -> None:
+    """Issue 23 item 4: the compiled graph would keep the kernel it was traced with."""
+    model = Denoiser()
+    attnres.bind(model)
+    compiled = torch.compile(model, backend="eager")
+    with (
+        pytest.raises(RuntimeError, match=r"torch\.compile wrapper.*cannot switch it"),
+        request_backend(compiled, "eager"),
+    ):
+        pytest.fail("the block must not run")
+    model.blocks[1].compile(backend="eager")
+    with (
+        pytest.raises(RuntimeError, match=r"'blocks\.1' was compiled with Module\.compile"),
+        request_backend(model, "eager"),
+    ):
+        pytest.fail("the block must not run")
+    torch._dynamo.reset()
+    assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]
