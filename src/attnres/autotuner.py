@@ -106,8 +106,17 @@ def clear_results() -> None:
         _LOADED.clear()
 
 
-# a new backend changes every candidate list: measurements start over
-on_registry_change(clear_results)
+def _registry_changed() -> None:
+    """A registry change (a backend or kernel registered, replaced or removed) may
+    change any candidate list and any kernel: what this process derived or measured
+    starts over. Results loaded from a file stay: each entry names its candidates
+    and platform facts, and applies only to a layer whose own match them."""
+    with _LOCK:
+        _SHARED.clear()
+        _MEASURED.clear()
+
+
+on_registry_change(_registry_changed)
 
 
 @contextlib.contextmanager
