@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from attnres._states import Code
+
 if TYPE_CHECKING:
     from attnres.trace import Trace
 
@@ -41,10 +43,11 @@ class PluginError(ValueError):
 class ResolutionError(ValueError):
     """No backend could serve a layer; ``.trace`` holds every step that led here."""
 
-    def __init__(self, message: str, trace: Trace, code: str) -> None:
+    def __init__(self, message: str, trace: Trace, code: Code | str) -> None:
         super().__init__(message)
         self.trace = trace
-        self.code = code
+        #: why (a :class:`~attnres.Code`, like the trace outcome's ``code``)
+        self.code = Code(code)
 
 
 class BackendNotAppliedError(ValueError):

@@ -520,7 +520,7 @@ class LayerPlan(OutcomeView):
             "name": self.name,
             "count": self.count,
             "status": self.status,
-            "backend": self.backend,
+            "backend": None if self.backend is None else self.backend.name,  # a JSON string
             "reason": self.reason,
             "origin": self.origin,
             "error": self.error,

@@ -250,7 +250,9 @@ def resolve_entry(
 
 def rejection(trace: Trace) -> ResolutionError:
     """The error of a rejected resolution."""
-    return ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
+    code = trace.outcome.code
+    assert code is not None  # a rejected outcome carries its code
+    return ResolutionError(str(trace.outcome.error), trace, code)
 
 
 def lookup(
