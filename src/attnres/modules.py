@@ -45,7 +45,7 @@ from attnres._fastcall import FastCallModule
 from attnres._vocab import Requirement, Role, normalize_dtype
 from attnres.autotuner import arm, armed_run
 from attnres.backends import Backend, lookup_spec, on_registry_change, registry_generation
-from attnres.errors import BackendNotAppliedError
+from attnres.errors import BackendNotAppliedError, KernelNotRegisteredError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
@@ -55,23 +55,6 @@ from attnres.runtime import Resolution, bind_pending, capture_config, lookup, re
 from attnres.scope import ScopeHandle, ScopeState, current_handle
 
 __all__ = ["Attention", "KernelNotRegisteredError", "bind"]
-
-
-class KernelNotRegisteredError(RuntimeError):
-    """The resolver selected a backend for which no kernel is registered.
-
-    Sparse backends (``sliding_tile_attn``, ``video_sparse_attn``, ...) need
-    layout metadata the dense calling convention does not carry, so attnres
-    ships no adapter for them; a third-party backend added with
-    :func:`attnres.register_backend` needs its kernel too. Register one with
-    :func:`attnres.kernels.register_kernel`. ``.backend`` names the backend and
-    ``.resolution`` holds the decision (already in :func:`attnres.decisions`).
-    """
-
-    def __init__(self, message: str, backend: Backend, resolution: Resolution) -> None:
-        super().__init__(message)
-        self.backend = backend
-        self.resolution = resolution
 
 
 _TORCH_DTYPES: Final[dict[str, torch.dtype]] = {

@@ -37,27 +37,12 @@ from torch import nn
 
 from attnres.audit import emit_request_switch
 from attnres.backends import Backend, lookup_spec
-from attnres.errors import ResolutionError
+from attnres.errors import RequestBackendError, ResolutionError
 from attnres.kernels import KernelUnavailableError
 from attnres.layer import optional_backend
 from attnres.modules import _REQUESTS, Attention, KernelNotRegisteredError
 
 __all__ = ["RequestBackendError", "request_backend"]
-
-
-class RequestBackendError(ValueError):
-    """A request asked for a backend that some layer cannot run (nothing was switched).
-
-    ``.backend`` is the requested backend; ``.failures`` holds ``(layer, why)``
-    pairs, one per layer that cannot run it.
-    """
-
-    def __init__(
-        self, message: str, backend: Backend | None, failures: tuple[tuple[str, str], ...]
-    ) -> None:
-        super().__init__(message)
-        self.backend = backend
-        self.failures = failures
 
 
 def _capturing() -> str | None:
