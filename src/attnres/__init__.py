@@ -42,7 +42,7 @@ __version__ = "0.1.0"
 _logging.getLogger("attnres").addHandler(_logging.NullHandler())
 
 if TYPE_CHECKING:
-    from attnres import distributed, kernels  # noqa: F401 - lazily exported
+    from attnres import distributed, kernels
     from attnres.autotuner import autotune
     from attnres.modules import Attention, bind
     from attnres.replayer import ReplayResult, replay
