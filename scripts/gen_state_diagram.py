@@ -22,6 +22,7 @@ def render() -> str:
     from attnres.machine import (
         CHECK_ORDER,
         REQUEST_FAILURE_GUARDS,
+        SCOPE_CHECKS,
         START_GUARDS,
         STRICT_ORIGINS,
         TRANSITIONS,
@@ -133,6 +134,16 @@ def render() -> str:
             + " |"
             for loader, aliases in BUILTIN_KINDS
         ],
+        "",
+        "## Scope checks (SPEC 3.6)",
+        "",
+        "A component scope's overrides must explain its layers; each failed check is a",
+        "problem with its code in `BackendNotAppliedError.problems`",
+        "(`attnres.machine.SCOPE_CHECKS`).",
+        "",
+        "| code | checked | rule |",
+        "|---|---|---|",
+        *[f"| `{code.value}` | {when} | {rule} |" for code, when, rule in SCOPE_CHECKS],
         "",
         "## Tunable origins",
         "",

@@ -19,6 +19,7 @@ from attnres._states import Code
 if TYPE_CHECKING:
     from attnres.backends import Backend
     from attnres.integrations._plan import IntegrationPlan
+    from attnres.machine import ScopeProblem
     from attnres.runtime import Resolution
     from attnres.trace import Trace
 
@@ -69,7 +70,15 @@ class ResolutionError(AttnresError, ValueError):
 
 
 class BackendNotAppliedError(AttnresError, ValueError):
-    """An explicit component (or role) backend controlled none of its scope's layers."""
+    """A component scope's overrides do not explain its layers (SPEC 3.6).
+
+    ``.problems`` holds one :class:`attnres.machine.ScopeProblem` (a
+    :class:`~attnres._states.ScopeCode` and its message) per failed check.
+    """
+
+    def __init__(self, message: str, problems: tuple[ScopeProblem, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
 
 
 class TraceFormatError(AttnresError, ValueError):

@@ -16,6 +16,10 @@ The policy as tables
   rows choosing the event where a state has several ways out;
 - ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
   ``_PRIMARY_ORDER`` (which failure names a strict rejection);
+- ``SCOPE_CHECKS``: the checks a component scope's overrides pass (SPEC 3.6),
+  each with its :class:`~attnres._states.ScopeCode` (``scope_unexplained``,
+  ``scope_not_applied``: the runtime raises their problems as
+  :class:`~attnres.errors.BackendNotAppliedError` with ``.problems``);
 - beside the core, read by it: the platform chains
   (:data:`attnres.platform.DEFAULT_CHAINS`), the component kinds and their
   global-fallback policy (:data:`attnres.scope.BUILTIN_KINDS`, extended by
@@ -65,12 +69,12 @@ the audit events.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Final
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Final
 
 from attrs import frozen
 
-from attnres._states import Check, Code, Event, Origin, Reason, State
+from attnres._states import Check, Code, Event, Origin, Reason, ScopeCode, State
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
@@ -90,6 +94,9 @@ from attnres.trace import (
     TraceInput,
     TransitionRecord,
 )
+
+if TYPE_CHECKING:
+    from attnres.ledger import Decision
 
 __all__ = [
     "CANDIDATE_STAGES",
@@ -845,3 +852,166 @@ def _finish_rejected(
     records.append(RejectedRecord(found.origin, code, message))
     outcome = Outcome("rejected", found.origin, None, None, code, message)
     return Trace(inp, tuple(records), outcome)
+
+
+# =============================================================================
+# SPEC 3.6: a scope's overrides must explain its layers
+# =============================================================================
+
+
+@frozen
+class ScopeProblem:
+    """One failed scope check: its code and what it says."""
+
+    code: ScopeCode
+    message: str
+
+
+#: SPEC 3.6, one row per scope check: (code, when it runs, the rule it enforces).
+#: ``require_selection`` defaults to on when a component or role backend is given.
+SCOPE_CHECKS: Final[tuple[tuple[ScopeCode, str, str], ...]] = (
+    (
+        ScopeCode.UNEXPLAINED,
+        "each layer, with require_selection and a component backend",
+        "a layer that runs another backend than the component's carries a recorded "
+        "reason or is governed by a role override",
+    ),
+    (
+        ScopeCode.NO_LAYER,
+        "scope exit (all layers bound), with require_selection and a component backend",
+        "the scope built at least one attnres layer",
+    ),
+    (
+        ScopeCode.REJECTED,
+        "scope exit, with require_selection and a component backend",
+        "the component backend was not rejected for the layers while no layer runs it",
+    ),
+    (
+        ScopeCode.NOT_APPLIED,
+        "scope exit, with require_selection and a component backend",
+        "the component backend ran on at least one layer, unless every selected layer "
+        "went to a role override",
+    ),
+    (
+        ScopeCode.ROLE_NO_LAYER,
+        "scope exit, always",
+        "each role override governed at least one layer of its role",
+    ),
+    (
+        ScopeCode.ROLE_NOT_APPLIED,
+        "scope exit, always",
+        "each role override ran on at least one layer it governed",
+    ),
+)
+
+
+def _selected(entries: Iterable[tuple[Role, Decision]]) -> list[tuple[Role, Decision]]:
+    return [(r, d) for r, d in entries if d.backend is not None]
+
+
+def scope_unexplained(
+    state: ScopeState, entries: Iterable[tuple[Role, Decision]]
+) -> list[ScopeProblem]:
+    """Layers that chose another backend than the component override, with no
+    recorded reason and no role override (only under ``require_selection``)."""
+    if not state.require_selection or state.backend is None:
+        return []
+    wanted = state.backend.name
+    bad = [
+        d
+        for _, d in _selected(entries)
+        if not (d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted)
+        and d.reason is None
+        and d.origin is not Origin.ROLE_OVERRIDE
+    ]
+    if not bad:
+        return []
+    shown = ", ".join(
+        f"{d.layer or '<unnamed>'} runs {d.backend} (origin {d.origin.value})" for d in bad[:5]
+    )
+    more = f", and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return [
+        ScopeProblem(
+            ScopeCode.UNEXPLAINED,
+            f"backend {wanted!r} was requested for component {state.component!r}, but "
+            f"{len(bad)} layer(s) chose another backend without a recorded reason "
+            f"({shown}{more})",
+        )
+    ]
+
+
+def scope_not_applied(
+    state: ScopeState, entries: list[tuple[Role, Decision]]
+) -> list[ScopeProblem]:
+    """SPEC 3.6: overrides that ran on no layer (all layers bound)."""
+    problems: list[ScopeProblem] = []
+    if state.require_selection and state.backend is not None:
+        wanted = state.backend.name
+        selected = _selected(entries)
+        ran = any(
+            d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted for _, d in selected
+        )
+        all_roles = bool(selected) and all(
+            d.origin is Origin.ROLE_OVERRIDE for _, d in selected
+        )
+        if not ran and not all_roles:
+            if not entries:
+                problems.append(
+                    ScopeProblem(
+                        ScopeCode.NO_LAYER,
+                        f"backend {wanted!r} was requested for component {state.component!r}, "
+                        f"but the scope built no attnres attention layer",
+                    )
+                )
+            elif any(
+                d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None for _, d in entries
+            ):
+                rejected = [
+                    d.layer or "<unnamed>"
+                    for _, d in entries
+                    if d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None
+                ]
+                problems.append(
+                    ScopeProblem(
+                        ScopeCode.REJECTED,
+                        f"backend {wanted!r} was requested for component {state.component!r}, "
+                        f"but it was rejected for {len(rejected)} layer(s) "
+                        f"({', '.join(rejected[:5])}{', ...' if len(rejected) > 5 else ''}) and "
+                        f"no layer runs it (each rejection raised a ResolutionError saying why)",
+                    )
+                )
+            else:
+                origins = sorted({d.origin.value for _, d in entries})
+                reasons = sorted({d.reason.value for _, d in entries if d.reason})
+                why = f"; recorded reasons: {', '.join(reasons)}" if reasons else ""
+                problems.append(
+                    ScopeProblem(
+                        ScopeCode.NOT_APPLIED,
+                        f"backend {wanted!r} was requested for component {state.component!r}, "
+                        f"but it ran on none of its {len(entries)} layer(s) (they were decided "
+                        f"by origin {', '.join(origins)}{why})",
+                    )
+                )
+    for role, backend in state.role_backends:
+        governed = [d for r, d in entries if r is role and d.origin is Origin.ROLE_OVERRIDE]
+        if not governed:
+            problems.append(
+                ScopeProblem(
+                    ScopeCode.ROLE_NO_LAYER,
+                    f"backend {backend.name!r} was requested for the {role.value}-attention "
+                    f"layers of component {state.component!r}, but the scope built no "
+                    f"{role.value}-attention layer that used it",
+                )
+            )
+        elif not any(d.backend == backend.name for d in governed):
+            reasons = sorted({d.reason.value for d in governed if d.reason})
+            why = f" (recorded reasons: {', '.join(reasons)})" if reasons else ""
+            problems.append(
+                ScopeProblem(
+                    ScopeCode.ROLE_NOT_APPLIED,
+                    f"backend {backend.name!r} was requested for the {role.value}-attention "
+                    f"layers of component {state.component!r}, but it ran on none of its "
+                    f"{len(governed)} {role.value}-attention layer(s){why}",
+                )
+            )
+    return problems

@@ -395,7 +395,8 @@ class Attention(FastCallModule):
             _tuner=None,
             _switchable=False,
         )
-        self._compose()
+        if dtype is None:
+            self._compose()  # pending: late binding's forward (else _resolve composes)
         if dtype is not None:
             self._resolve(spec, platform)
         elif handle is not None:
