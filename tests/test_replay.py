@@ -373,3 +373,15 @@ def test_copying_a_golden_file_elsewhere_still_replays(tmp_path: Path) -> None:
     target = tmp_path / "copy.json"
     shutil.copyfile(source, target)
     assert replay(target).ok
+
+
+def test_replay_statuses_are_one_enum() -> None:
+    """Issue 21: a replay entry's status is a ReplayStatus (a str enum, so the JSON
+    and the old string comparisons keep working), not a loose string."""
+    from attnres._states import ReplayStatus
+    from attnres.replayer import ReplayEntry
+
+    entry = ReplayEntry("x.json", "diff")
+    assert entry.status is ReplayStatus.DIFF and entry.status == "diff"
+    with pytest.raises(ValueError):
+        ReplayEntry("x.json", "fine")

@@ -147,6 +147,21 @@ class Status(_StrEnum):
     REJECTED = "rejected"
 
 
+class ReplayStatus(_StrEnum):
+    """What replaying one trace file found (``attnres replay``)."""
+
+    OK = "ok"
+    DIFF = "diff"
+    INVALID = "invalid"
+
+
+class PlanStatus(_StrEnum):
+    """Whether every layer of a planned pipeline was served."""
+
+    OK = "ok"
+    REJECTED = "rejected"
+
+
 class PackageStatus(_StrEnum):
     """What probing an optional kernel package found."""
 

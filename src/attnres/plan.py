@@ -50,6 +50,7 @@ from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._outcome import OutcomeView
 from attnres._states import (
     KernelSource,
+    PlanStatus,
 )
 from attnres._vocab import Role
 from attnres.backends import Backend
@@ -551,8 +552,8 @@ class PlanResult:
         return all(c.ok for c in self.components)
 
     @property
-    def status(self) -> str:
-        return "ok" if self.ok else "rejected"
+    def status(self) -> PlanStatus:
+        return PlanStatus.OK if self.ok else PlanStatus.REJECTED
 
     @property
     def layers(self) -> tuple[LayerPlan, ...]:
