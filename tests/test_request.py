@@ -314,3 +314,14 @@ def test_rule_request_backend_refused_on_a_torch_compiled_module() -> None:
         pytest.fail("the block must not run")
     torch._dynamo.reset()
     assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]
+
+
+def test_rule_request_backend_sparse_refusal_is_the_machines_rule() -> None:
+    from attnres.backends import Backend
+    from attnres.machine import REQUEST_RULES, request_refusal
+
+    refusal = request_refusal(Backend("sliding_tile_attn"))
+    assert refusal is not None and refusal.code == REQUEST_RULES[0][0] == "sparse_layer"
+    assert "never switches a sparse layer" in refusal.message
+    assert request_refusal(Backend("torch_sdpa")) is None
+    assert request_refusal(None) is None

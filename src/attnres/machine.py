@@ -16,6 +16,11 @@ The policy as tables
   rows choosing the event where a state has several ways out;
 - ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
   ``_PRIMARY_ORDER`` (which failure names a strict rejection);
+- ``REQUEST_RULES`` (:func:`request_refusal`): which layers a per-request
+  switch never touches (SPEC 3.8), and ``training_spec`` /
+  ``has_backward_pass``: the training re-resolution (a forward that needs
+  gradients runs a backend with a backward pass, resolved again with the
+  ``backward`` requirement);
 - ``SCOPE_CHECKS``: the checks a component scope's overrides pass (SPEC 3.6),
   each with its :class:`~attnres._states.ScopeCode` (``scope_unexplained``,
   ``scope_not_applied``: the runtime raises their problems as
@@ -72,6 +77,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Final
 
+import attrs
 from attrs import frozen
 
 from attnres._states import Check, Code, Event, Origin, Reason, ScopeCode, State
@@ -1015,3 +1021,64 @@ def scope_not_applied(
                 )
             )
     return problems
+
+
+# =============================================================================
+# SPEC 3.8: what a per-request switch never touches; the training re-resolution
+# =============================================================================
+
+
+@frozen
+class RequestRefusal:
+    """Why a request cannot switch one layer (before anything is resolved)."""
+
+    code: str
+    message: str
+
+
+#: SPEC 3.8, one row per rule: (code, the rule). ``attnres.request_backend``
+#: refuses the whole request, naming every layer a rule refuses.
+REQUEST_RULES: Final[tuple[tuple[str, str], ...]] = (
+    (
+        "sparse_layer",
+        "a request never switches a layer that runs a sparse backend: its kernel needs "
+        "layout metadata a dense request cannot carry",
+    ),
+)
+
+
+def request_refusal(current: Backend | None) -> RequestRefusal | None:
+    """The rule of ``REQUEST_RULES`` that keeps a request off a layer running
+    ``current``, or ``None`` (the layer is then resolved for the request)."""
+    spec = None if current is None else lookup_spec(current)
+    if spec is not None and spec.sparse:
+        return RequestRefusal(
+            REQUEST_RULES[0][0],
+            f"it runs the sparse backend {spec.name!r}, whose kernel needs layout metadata "
+            f"the request cannot carry; a request never switches a sparse layer",
+        )
+    return None
+
+
+def training_spec(layer: LayerSpec) -> LayerSpec:
+    """The layer as a forward that needs gradients sees it: ``backward`` required.
+
+    A layer whose bound kernel has no backward pass resolves this spec (traced,
+    origin and strictness as for inference) the first time a forward needs
+    gradients, and runs that decision for such forwards.
+    """
+    return attrs.evolve(layer, requirements=attrs.evolve(layer.requirements, backward=True))
+
+
+def backward_everywhere(spec: BackendSpec) -> bool:
+    """Whether ``spec`` has a backward pass on every platform and layer (no check
+    at forward time is needed then)."""
+    return Requirement.BACKWARD in spec.implements and not any(
+        Requirement.BACKWARD in limit.requirements for limit in spec.limits
+    )
+
+
+def has_backward_pass(backend: Backend, layer: LayerSpec, platform: Platform) -> bool:
+    """Whether ``backend`` passes every check for :func:`training_spec` of ``layer``."""
+    checks = check_candidate(backend, training_spec(layer), platform)
+    return all(not failures for _, failures in checks)

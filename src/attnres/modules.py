@@ -42,14 +42,14 @@ import torch
 from torch import Tensor, nn
 
 from attnres._fastcall import FastCallModule
-from attnres._vocab import Requirement, Role, normalize_dtype
+from attnres._vocab import Role, normalize_dtype
 from attnres.autotuner import arm, armed_run
 from attnres.backends import Backend, lookup_spec, on_registry_change, registry_generation
 from attnres.errors import BackendNotAppliedError, KernelNotRegisteredError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
-from attnres.machine import check_candidate
+from attnres.machine import backward_everywhere, has_backward_pass, training_spec
 from attnres.platform import Platform
 from attnres.runtime import Resolution, bind_pending, capture_config, lookup, rejection
 from attnres.scope import ScopeHandle, ScopeState, current_handle
@@ -521,8 +521,7 @@ class Attention(FastCallModule):
     # -- training: a forward that needs gradients needs a backward pass -----------
 
     def _backward_spec(self) -> LayerSpec:
-        spec = self.layer_spec
-        return attrs.evolve(spec, requirements=attrs.evolve(spec.requirements, backward=True))
+        return training_spec(self.layer_spec)  # the machine's training rule
 
     def _guard(self, run: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """``run``, or -- when the bound kernel has no backward pass and the layer did
@@ -536,19 +535,14 @@ class Attention(FastCallModule):
         if resolution is None or spec.requirements.backward:
             return run
         facts = lookup_spec(resolution.backend)
-        if (
-            facts is not None
-            and Requirement.BACKWARD in facts.implements
-            and not any(Requirement.BACKWARD in limit.requirements for limit in facts.limits)
-        ):
+        if facts is not None and backward_everywhere(facts):
             return run  # a backward pass everywhere (torch_sdpa, eager, ...): no check
         platform = resolution.trace.input.platform
         # only the requirements check can differ from the inference decision's
         key = (resolution.backend, spec.requirements, spec.role, platform)
         has_backward = _HAS_BACKWARD.get(key)
         if has_backward is None:
-            checks = check_candidate(resolution.backend, self._backward_spec(), platform)
-            has_backward = all(not failures for _, failures in checks)
+            has_backward = has_backward_pass(resolution.backend, spec, platform)
             _memo_put(_HAS_BACKWARD, key, has_backward)
         return run if has_backward else _grad_guard(run, weakref.ref(self))
 

@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from attnres.audit import emit_request_switch
-from attnres.backends import Backend, lookup_spec
+from attnres.backends import Backend
 from attnres.errors import RequestBackendError, ResolutionError
 from attnres.kernels import KernelUnavailableError
 from attnres.layer import optional_backend
+from attnres.machine import request_refusal
 from attnres.modules import _REQUESTS, Attention, KernelNotRegisteredError
 
 __all__ = ["RequestBackendError", "request_backend"]
@@ -125,16 +126,9 @@ def request_backend(module: nn.Module, backend: Backend | str) -> Iterator[Backe
         current = layer.backend
         if current == parsed:
             continue
-        current_spec = None if current is None else lookup_spec(current)
-        if current_spec is not None and current_spec.sparse:
-            failures.append(
-                (
-                    _label(path, layer),
-                    f"it runs the sparse backend {current_spec.name!r}, whose kernel needs "
-                    f"layout metadata the request cannot carry; a request never switches a "
-                    f"sparse layer",
-                )
-            )
+        refusal = request_refusal(current)  # the machine's rules (REQUEST_RULES)
+        if refusal is not None:
+            failures.append((_label(path, layer), refusal.message))
             continue
         try:
             layer._prepare(parsed)
