@@ -252,7 +252,8 @@ def test_rule_autotune_leaves_small_calls_alone_and_stays_armed() -> None:
     assert is_armed(layer)
     assert layer.backend.name == "fake_incumbent"
     assert "fake_fast" not in CALLS
-    assert attnres.decisions()[-1].trace.schema_version == 2  # only the construction
+    construction = attnres.decisions()[-1].trace  # only the construction: no tuning record
+    assert not any(isinstance(r, TuningRecord) for r in construction.records)
     layer(*_qkv((1, 32, HEADS, SIZE)))  # 1024 elements: measured now
     assert not is_armed(layer)
     assert layer.backend.name == "fake_fast"
@@ -499,7 +500,7 @@ def test_a_tuned_trace_round_trips_and_replays_without_a_device(tmp_path: Path) 
     layer = _layer("fake_fast", "fake_wrong", "fake_raising", name="attn")
     layer(*_qkv())
     trace = layer.resolution.trace
-    assert trace.schema_version == 3
+    assert trace.schema_version == 4  # tuned (3), with the kernel facts of a layer (4)
     path = dump_trace(trace, tmp_path / "tuned.json")
     loaded = load_trace(path)
     assert loaded.records == trace.records and loaded.digest == trace.digest

@@ -375,7 +375,7 @@ def _tune(
         else:
             records, outcome = shared
             event = "reused"
-    trace = Trace(inp, records, outcome, TUNED_SCHEMA_VERSION)
+    trace = Trace(inp, records, outcome, max(TUNED_SCHEMA_VERSION, inp.schema_version()))
     _adopt(layer, trace, fresh=event != "reused")
     _note(weakref.ref(layer), event, call)
 

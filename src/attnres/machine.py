@@ -65,8 +65,9 @@ Reasons come from the table too: the first transition that carries a reason
 fixes the outcome's reason (``None`` when the first candidate was accepted).
 
 The machine itself (:func:`run_machine`) is a pure function of its input
-(:class:`~attnres.trace.TraceInput`) and of the registries it reads (backend
-specs, kernels), whose changes clear the runtime's cache;
+(:class:`~attnres.trace.TraceInput`, which carries the platform's package facts
+and -- for a layer that will run -- the process's kernel facts, ``no_kernel``)
+and of the backend specs it reads, whose changes clear the runtime's cache;
 :func:`attnres.runtime.resolve` gathers the input from the caller's context
 (scope, config, platform), caches the outcome, records the decision and emits
 the audit events.
@@ -74,7 +75,7 @@ the audit events.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -447,9 +448,18 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
 # =============================================================================
 
 
-def _check_kernel(spec: BackendSpec, needs_kernel: bool) -> list[Failure]:
-    """A layer that will run needs a kernel for the backend in this process."""
-    if not needs_kernel or kernel_source(spec.name) is not KernelSource.NONE:
+def _check_kernel(
+    spec: BackendSpec, needs_kernel: bool, no_kernel: Collection[str] | None = None
+) -> list[Failure]:
+    """A layer that will run needs a kernel for the backend in the process that
+    resolved: the input's kernel facts (``no_kernel``) when it carries them, else
+    this process's kernel registry (a trace older than schema 4)."""
+    if not needs_kernel:
+        return []
+    if no_kernel is not None:
+        if spec.name not in no_kernel:
+            return []
+    elif kernel_source(spec.name) is not KernelSource.NONE:
         return []
     why = (
         "a sparse backend: attnres ships no adapter, its kernels need model-specific "
@@ -468,9 +478,12 @@ def _check_kernel(spec: BackendSpec, needs_kernel: bool) -> list[Failure]:
 
 
 def _check_available(
-    spec: BackendSpec, platform: Platform, needs_kernel: bool = False
+    spec: BackendSpec,
+    platform: Platform,
+    needs_kernel: bool = False,
+    no_kernel: Collection[str] | None = None,
 ) -> list[Failure]:
-    return _check_package(spec, platform) + _check_kernel(spec, needs_kernel)
+    return _check_package(spec, platform) + _check_kernel(spec, needs_kernel, no_kernel)
 
 
 def _package_failure(
@@ -643,14 +656,19 @@ _ALIGNED: Final = ((Requirement.CAUSAL, "causal"), (Requirement.SLIDING_WINDOW, 
 
 
 def check_candidate(
-    backend: Backend, layer: LayerSpec, platform: Platform, needs_kernel: bool = False
+    backend: Backend,
+    layer: LayerSpec,
+    platform: Platform,
+    needs_kernel: bool = False,
+    no_kernel: Collection[str] | None = None,
 ) -> tuple[tuple[Check, tuple[Failure, ...]], ...]:
     """Run every check of SPEC 3.4 on one candidate; every failure is kept.
 
     Returns ``(check, failures)`` pairs in :data:`CHECK_ORDER`; a check passed
     when its failures are empty. An unknown backend stops after ``known``.
     ``needs_kernel``: the layer will run, so ``available`` also needs a kernel
-    for the backend in this process (code ``no_kernel``).
+    for the backend (code ``no_kernel``): one not in ``no_kernel`` (the input's
+    kernel facts), or -- without them -- one this process has.
     """
     spec = lookup_spec(backend)
     if spec is None:
@@ -662,7 +680,7 @@ def check_candidate(
         )
     return (
         (Check.KNOWN, ()),
-        (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel))),
+        (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
         (Check.PLATFORM, tuple(_check_platform(spec, layer, platform))),
         (Check.ROLE, tuple(_check_role(spec, layer))),
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
@@ -671,7 +689,11 @@ def check_candidate(
 
 
 def _unusable_here(
-    backend: Backend, layer: LayerSpec, platform: Platform, needs_kernel: bool = False
+    backend: Backend,
+    layer: LayerSpec,
+    platform: Platform,
+    needs_kernel: bool = False,
+    no_kernel: Collection[str] | None = None,
 ) -> str:
     """Why a conditional platform preference does not apply ('' when it does).
 
@@ -683,7 +705,7 @@ def _unusable_here(
     spec = lookup_spec(backend)
     if spec is None:
         return f"backend {backend.name!r} is not registered"
-    failures = _check_available(spec, platform, needs_kernel) + _check_platform(
+    failures = _check_available(spec, platform, needs_kernel, no_kernel) + _check_platform(
         spec, layer, platform
     )
     return "; ".join(f.message for f in failures)
@@ -804,7 +826,9 @@ def run_machine(inp: TraceInput) -> Trace:
                 )
                 continue
             if stage is State.PLATFORM_DEFAULT and position < len(candidates) - 1:
-                unusable = _unusable_here(candidate, layer, platform, inp.needs_kernel)
+                unusable = _unusable_here(
+                    candidate, layer, platform, inp.needs_kernel, inp.no_kernel
+                )
                 if unusable:
                     records.append(
                         SkipRecord(
@@ -815,7 +839,9 @@ def run_machine(inp: TraceInput) -> Trace:
                     )
                     continue
             seen[candidate] = stage
-            results = check_candidate(candidate, layer, platform, inp.needs_kernel)
+            results = check_candidate(
+                candidate, layer, platform, inp.needs_kernel, inp.no_kernel
+            )
             for check, failures in results:
                 records.append(CheckRecord(stage, candidate, check, not failures, failures))
             all_failures = tuple(f for _, failures in results for f in failures)
@@ -842,7 +868,7 @@ def run_machine(inp: TraceInput) -> Trace:
             reason_text = reason.value if reason is not None else None
             records.append(SelectedRecord(accepted, found.origin, reason_text))
             outcome = Outcome("selected", found.origin, accepted, reason_text)
-            return Trace(inp, tuple(records), outcome)
+            return Trace(inp, tuple(records), outcome, inp.schema_version())
         if state is stage:  # the stage ran out of candidates
             state, reason = _step(stage, Event.EXHAUSTED, records, reason)
     return _finish_rejected(
@@ -857,7 +883,7 @@ def _finish_rejected(
         message += f" for component {inp.scope.component!r}"
     records.append(RejectedRecord(found.origin, code, message))
     outcome = Outcome("rejected", found.origin, None, None, code, message)
-    return Trace(inp, tuple(records), outcome)
+    return Trace(inp, tuple(records), outcome, inp.schema_version())
 
 
 # =============================================================================

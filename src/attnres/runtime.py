@@ -31,8 +31,14 @@ from attnres._outcome import Outcome
 from attnres._states import Origin, Reason, Status
 from attnres._vocab import Role
 from attnres.audit import emit_cache_hit, emit_resolution, emit_summary
-from attnres.backends import Backend, on_registry_change, registry_generation
+from attnres.backends import (
+    Backend,
+    on_registry_change,
+    registered_backends,
+    registry_generation,
+)
 from attnres.errors import BackendNotAppliedError, ResolutionError
+from attnres.kernels import KernelSource, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision
 from attnres.machine import ScopeProblem
@@ -292,13 +298,39 @@ def lookup(
         if entry is None:
             entry = _resolve_cold(
                 TraceInput(
-                    layer, cfg, scope, platform, backend, request, needs_kernel=needs_kernel
+                    layer,
+                    cfg,
+                    scope,
+                    platform,
+                    backend,
+                    request,
+                    needs_kernel=needs_kernel,
+                    no_kernel=_no_kernel() if needs_kernel else None,
                 ),
                 key,
             )
     else:
         emit_cache_hit(entry[1])
     return entry
+
+
+#: (registry generation, the registered backends with no kernel in this process)
+_NO_KERNEL: list[tuple[int, tuple[str, ...]]] = []
+
+
+def _no_kernel() -> tuple[str, ...]:
+    """The registered backends that have no kernel here (sorted names): the kernel
+    facts a resolution for a layer that will run carries in its input, computed
+    once per registry generation."""
+    generation = registry_generation()
+    memo = _NO_KERNEL[-1] if _NO_KERNEL else None
+    if memo is not None and memo[0] == generation:
+        return memo[1]
+    names = tuple(
+        sorted(s.name for s in registered_backends() if kernel_source(s.name) is KernelSource.NONE)
+    )
+    _NO_KERNEL[:] = [(generation, names)]
+    return names
 
 
 def _check_arguments(config: object, platform: object) -> None:
@@ -365,9 +397,10 @@ def _resolve_renamed(
     generation = registry_generation()
     recorded = twin[2]
     trace = Trace(
-        TraceInput(layer, cfg, scope, platform, backend, request, needs_kernel=needs_kernel),
+        attrs.evolve(recorded.input, layer=layer),
         recorded.records,
         recorded.outcome,
+        recorded.schema_version,
     )
     entry = _entry_for(trace)
     emit_cache_hit(entry[1])

@@ -288,7 +288,8 @@ def tuned_trace(
         records.append(_step(State.MEASURING, Event.MEASURED_FASTER, winner))
         records.append(SelectedRecord(winner, origin, reason))
         outcome = Outcome("selected", origin, winner, reason)
-    return Trace(trace.input, tuple(records), outcome, TUNED_SCHEMA_VERSION)
+    version = max(TUNED_SCHEMA_VERSION, trace.input.schema_version())
+    return Trace(trace.input, tuple(records), outcome, version)
 
 
 def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
