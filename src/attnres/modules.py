@@ -468,17 +468,16 @@ class Attention(FastCallModule):
         request switched this layer). A layer with none of them runs the
         binding's body itself.
         """
-        ref = weakref.ref(self)
         binding = self._binding
         run: Callable[..., Tensor]
         if binding is None:
-            run = _pending_run(ref)
+            run = _pending_run(weakref.ref(self))
         else:
             run = self._guard(binding.run)
             if self._tuner is not None:
-                run = _tuning(ref, run, self._tuner)
+                run = _tuning(weakref.ref(self), run, self._tuner)
         if self._switchable:
-            run = _switching(ref, run)
+            run = _switching(weakref.ref(self), run)
         self.__dict__["_run"] = run
 
     def _set_binding(self, binding: _Bound, *, tuner: object | None = None) -> None:

@@ -397,7 +397,16 @@ def _resolve_renamed(
     generation = registry_generation()
     recorded = twin[2]
     trace = Trace(
-        attrs.evolve(recorded.input, layer=layer),
+        TraceInput(
+            layer,
+            cfg,
+            scope,
+            platform,
+            backend,
+            request,
+            needs_kernel=needs_kernel,
+            no_kernel=recorded.input.no_kernel,
+        ),
         recorded.records,
         recorded.outcome,
         recorded.schema_version,
