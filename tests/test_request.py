@@ -325,3 +325,44 @@ def test_rule_request_backend_sparse_refusal_is_the_machines_rule() -> None:
     assert "never switches a sparse layer" in refusal.message
     assert request_refusal(Backend("torch_sdpa")) is None
     assert request_refusal(None) is None
+
+
+def test_rule_request_backend_many_threads_and_tasks_each_run_their_own_backend() -> None:
+    model = Denoiser()
+    attnres.bind(model)
+    x = _x()
+    expected = model(x)
+    backends = ("eager", "flex_attention", "torch_sdpa")
+    problems: list[str] = []
+    barrier = threading.Barrier(6)
+
+    def serve(i: int) -> None:
+        backend = backends[i % 3]
+        barrier.wait(10)
+        for _ in range(10):
+            with request_backend(model, backend):
+                seen = {layer.backend.name for layer in model.blocks}  # type: ignore[union-attr]
+                if seen != {backend}:
+                    problems.append(f"thread {i} asked {backend}, saw {seen}")
+                out = model(x)
+                if not torch.allclose(out, expected, rtol=1e-4, atol=1e-5):
+                    problems.append(f"thread {i}: wrong output on {backend}")
+
+    async def task(backend: str) -> set[str]:
+        with request_backend(model, backend):
+            await asyncio.sleep(0)
+            model(x)
+            return {layer.backend.name for layer in model.blocks}  # type: ignore[union-attr]
+
+    async def tasks() -> list[set[str]]:
+        return list(await asyncio.gather(*(task(backends[i % 3]) for i in range(30))))
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    seen_by_tasks = asyncio.run(tasks())
+    for thread in threads:
+        thread.join()
+    assert problems == []
+    assert seen_by_tasks == [{backends[i % 3]} for i in range(30)]
+    assert {layer.backend.name for layer in model.blocks} == {"torch_sdpa"}  # type: ignore[union-attr]

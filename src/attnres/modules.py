@@ -835,7 +835,9 @@ def _switching(
         layer = ref()
         if layer is None:  # pragma: no cover - the closure outlived its layer
             return run(q, k, v, attn_mask)
-        if torch.compiler.is_compiling():
+        # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag,
+        # true in every thread while any thread compiles (flex_attention does)
+        if torch.compiler.is_dynamo_compiling():
             raise RuntimeError(
                 f"attnres.Attention{_named(layer.layer_spec)} is being compiled by "
                 f"torch.compile inside attnres.request_backend({backend.name!r}): the graph "

@@ -47,7 +47,9 @@ __all__ = ["RequestBackendError", "request_backend"]
 
 
 def _capturing() -> str | None:
-    if torch.compiler.is_compiling():
+    # is_dynamo_compiling: true only while dynamo traces this code (is_compiling is
+    # a process-wide flag, true in every thread while another thread compiles)
+    if torch.compiler.is_dynamo_compiling():
         return "inside torch.compile'd code"
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_available() and cuda.is_current_stream_capturing():
