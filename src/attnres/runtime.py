@@ -297,21 +297,33 @@ def lookup(
         )
         if entry is None:
             entry = _resolve_cold(
-                TraceInput(
-                    layer,
-                    cfg,
-                    scope,
-                    platform,
-                    backend,
-                    request,
-                    needs_kernel=needs_kernel,
-                    no_kernel=_no_kernel() if needs_kernel else None,
-                ),
-                key,
+                _trace_input(layer, cfg, scope, platform, backend, request, needs_kernel), key
             )
     else:
         emit_cache_hit(entry[1])
     return entry
+
+
+def _trace_input(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    scope: ScopeState | None,
+    platform: Platform,
+    backend: Backend | None,
+    request: Backend | None,
+    needs_kernel: bool,
+) -> TraceInput:
+    """The machine's input; a layer that will run carries this process's kernel facts."""
+    return TraceInput(
+        layer,
+        cfg,
+        scope,
+        platform,
+        backend,
+        request,
+        needs_kernel=needs_kernel,
+        no_kernel=_no_kernel() if needs_kernel else None,
+    )
 
 
 #: (registry generation, the registered backends with no kernel in this process)
@@ -397,16 +409,7 @@ def _resolve_renamed(
     generation = registry_generation()
     recorded = twin[2]
     trace = Trace(
-        TraceInput(
-            layer,
-            cfg,
-            scope,
-            platform,
-            backend,
-            request,
-            needs_kernel=needs_kernel,
-            no_kernel=recorded.input.no_kernel,
-        ),
+        _trace_input(layer, cfg, scope, platform, backend, request, needs_kernel),
         recorded.records,
         recorded.outcome,
         recorded.schema_version,
