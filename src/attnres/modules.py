@@ -7,6 +7,13 @@ the kernel then. ``forward`` makes no decision, looks nothing up and builds no
 dicts: it checks the input shapes and dtype against the layer with a handful of
 integer comparisons and calls the bound kernel.
 
+One binding per layer: what a layer runs is one immutable ``_Bound`` (the
+resolution, the kernel, the forward body), and :meth:`Attention._compose` is
+the one writer of the forward: it wraps the binding in the policies that apply
+(late binding while pending, the training guard, autotune's measuring wrapper,
+the per-request switch of :func:`attnres.request_backend`, which reads the
+caller's context only on layers a request switched once).
+
 Errors
 ------
 - construction: a bad argument is a ``ValueError`` naming it; a rejected
