@@ -11,8 +11,9 @@ attnres layer under the module is resolved for every backend of the schedule
 layer can run every step's backend does the block start, and the layers are
 restored when it exits, also on error. A layer pinned with ``required`` keeps
 its backend (its resolution says so). Switching happens in
-:meth:`Stepper.step` only, by swapping the prepared kernels: the forward path
-has no per-call cost. The whole schedule has one record
+:meth:`Stepper.step` only, through the request mechanism (a context variable
+the layers' forward reads, so a schedule is per thread or task); prepared
+kernels are cached per layer. The whole schedule has one record
 (:class:`ScheduleRecord`: its steps and, per layer and step backend, the digest
 of the resolution that prepared it); every switch is an audit event.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 
 from attrs import frozen
 from torch import nn
@@ -29,10 +31,11 @@ from torch import nn
 from attnres._schedule_plan import schedule_steps
 from attnres.audit import emit_schedule_switch
 from attnres.backends import Backend
-from attnres.errors import ResolutionError
+from attnres.errors import RequestBackendError, ResolutionError
 from attnres.kernels import KernelUnavailableError
-from attnres.modules import Attention, KernelNotRegisteredError, _Bound
-from attnres.request import RequestBackendError, _claim, _label, _release
+from attnres.machine import request_refusal
+from attnres.modules import _REQUESTS, Attention, KernelNotRegisteredError
+from attnres.request import _label
 
 __all__ = ["ScheduleRecord", "Stepper", "schedule"]
 
@@ -51,14 +54,11 @@ class Stepper:
     """What ``with attnres.schedule(...) as stepper`` gives: call :meth:`step`
     before each denoising step."""
 
-    def __init__(
-        self,
-        record: ScheduleRecord,
-        prepared: dict[str, list[tuple[Attention, _Bound]]],
-    ) -> None:
+    def __init__(self, record: ScheduleRecord, layers: list[Attention]) -> None:
         self.record = record
         self._firsts = [first for first, _ in record.steps]
-        self._prepared = prepared
+        self._layers = layers
+        self._outer = _REQUESTS.get()
         self.current: Backend | None = None
         self.switches = 0
 
@@ -69,23 +69,32 @@ class Stepper:
         return self.record.steps[bisect.bisect_right(self._firsts, step) - 1][1]
 
     def step(self, step: int) -> Backend:
-        """Enter denoising step ``step``: switch the layers when its backend differs."""
+        """Enter denoising step ``step``: switch the layers when its backend differs.
+
+        The switch is the request mechanism's (a context variable the layers'
+        forward reads), so it applies to this thread or task only."""
         backend = self.backend_at(step)
         if backend != self.current:
             previous = "" if self.current is None else self.current.name
-            for layer, bound in self._prepared[backend.name]:
-                layer._swap(bound)
-            emit_schedule_switch(step, backend.name, len(self._prepared[backend.name]), previous)
+            _REQUESTS.set(
+                MappingProxyType({**self._outer, **{id(layer): backend for layer in self._layers}})
+            )
+            emit_schedule_switch(step, backend.name, len(self._layers), previous)
             self.current = backend
             self.switches += 1
         return backend
+
+    def _restore(self) -> None:
+        _REQUESTS.set(self._outer)
+        if self.current is not None:
+            emit_schedule_switch(-1, "", len(self._layers), self.current.name)
 
 
 @contextmanager
 def schedule(module: nn.Module, steps: Mapping[int, Backend | str]) -> Iterator[Stepper]:
     """Run ``module``'s attnres layers on a per-step backend schedule inside the block.
 
-    Raises :class:`~attnres.request.RequestBackendError` (nothing switched)
+    Raises :class:`~attnres.errors.RequestBackendError` (nothing switched)
     when a layer cannot run one of the schedule's backends.
     """
     plan = schedule_steps(steps)
@@ -99,18 +108,20 @@ def schedule(module: nn.Module, steps: Mapping[int, Backend | str]) -> Iterator[
     for _, layer in layers:
         if layer.pending:
             layer._bind_to()
-    prepared: dict[str, list[tuple[Attention, _Bound]]] = {}
     rows: list[tuple[str, str, str, str]] = []
     failures: list[tuple[str, str]] = []
     for backend in dict.fromkeys(b for _, b in plan):
-        entries = prepared.setdefault(backend.name, [])
         for path, layer in layers:
+            current = layer.backend
+            refusal = None if current == backend else request_refusal(current)
+            if refusal is not None:  # the machine's request rules (a sparse layer)
+                failures.append((f"{_label(path, layer)} at {backend.name}", refusal.message))
+                continue
             try:
                 bound = layer._prepare(backend)
             except (ResolutionError, KernelNotRegisteredError, KernelUnavailableError) as exc:
                 failures.append((f"{_label(path, layer)} at {backend.name}", str(exc)))
                 continue
-            entries.append((layer, bound))
             resolution = bound.resolution
             assert resolution is not None
             rows.append((path, backend.name, resolution.backend.name, resolution.trace.digest))
@@ -123,18 +134,11 @@ def schedule(module: nn.Module, steps: Mapping[int, Backend | str]) -> Iterator[
             tuple(failures),
         )
     attention = [layer for _, layer in layers]
-    _claim(attention, plan[0][1])
-    saved = [
-        (layer, _Bound(layer.resolution, layer.kernel, layer._shape, layer._run))
-        for layer in attention
-    ]
-    stepper = Stepper(ScheduleRecord(plan, tuple(rows)), prepared)
+    for layer in attention:
+        layer._make_switchable()
+    stepper = Stepper(ScheduleRecord(plan, tuple(rows)), attention)
     try:
         stepper.step(0)
         yield stepper
     finally:
-        for layer, before in reversed(saved):
-            layer._swap(before)
-        _release(attention)
-        if stepper.current is not None:
-            emit_schedule_switch(-1, "", len(saved), stepper.current.name)
+        stepper._restore()
