@@ -63,13 +63,13 @@ def test_done_when_global_sage_on_tiny_flux(flux_bf16):
     plan = idf.plan(flux_bf16, SAGE, Platform.simulate(SIM))
     assert plan.ok, plan.errors
     groups = plan.by_component()
-    assert groups["transformer"] and all(s.backend == "sage_attn" for s in groups["transformer"])
+    assert groups["transformer"] and all(s.backend.name == "sage_attn" for s in groups["transformer"])
     assert all(s.resolution.origin == "global_cli" and s.resolution.reason is None
                for s in groups["transformer"])
     for comp in ("vae", "text_encoder", "text_encoder_2"):
         assert groups[comp], comp
         for site in groups[comp]:
-            assert site.backend == "torch_sdpa", (comp, site.name)
+            assert site.backend.name == "torch_sdpa", (comp, site.name)
             assert site.resolution.reason == "global backend fallback"
             # the reason is readable in the trace
             assert site.trace.outcome.reason == "global backend fallback"
@@ -129,7 +129,7 @@ def test_apply_without_flag_is_bit_identical_and_remove_restores():
     before = tp.run_flux(pipe)
     procs = _processors(pipe)
     plan = idf.apply(pipe)
-    assert plan.ok and all(s.backend == "torch_sdpa" for s in plan.sites)
+    assert plan.ok and all(s.backend.name == "torch_sdpa" for s in plan.sites)
     after = tp.run_flux(pipe)
     assert torch.equal(before, after)
     assert idf.verify(pipe) == []
@@ -213,7 +213,7 @@ def test_layerwise_casting_plans_for_the_compute_dtype():
     plan = idf.plan(pipe, SAGE, Platform.simulate(SIM))
     sites = plan.by_component()["transformer"]
     assert {s.spec.dtype for s in sites} == {"bfloat16"}
-    assert {s.backend for s in sites} == {"sage_attn"}
+    assert {s.backend.name for s in sites} == {"sage_attn"}
 
 
 def test_context_parallel_route_keeps_diffusers_check():
@@ -252,7 +252,7 @@ def test_fact_t5_needs_float_masks(flux_bf16):
     plan = itf.plan(flux_bf16.text_encoder_2, "text_encoder_2",
                     SelectionConfig(global_backend="fa"), Platform.simulate(SIM))
     assert all(s.spec.requirements.attn_mask for s in plan.sites)
-    assert all(s.backend == "torch_sdpa" for s in plan.sites)
+    assert all(s.backend.name == "torch_sdpa" for s in plan.sites)
 
 
 def test_fact_flux_added_kv_proj_dim_is_joint_self_attention(flux_bf16):
@@ -358,7 +358,7 @@ def test_wan_video_pipeline_vae_attention_is_found():
     plan = idf.plan(comps, SAGE, Platform.simulate(SIM))
     vae_sites = plan.by_component()["vae"]
     assert vae_sites and {s.module_class for s in vae_sites} == {"WanAttentionBlock"}
-    assert all(s.backend == "torch_sdpa" and s.resolution.reason == "global backend fallback"
+    assert all(s.backend.name == "torch_sdpa" and s.resolution.reason == "global backend fallback"
                for s in vae_sites)
     x = tp.wan_vae_input()
     calls = idf.find_sdpa_calls(comps["vae"], x)
@@ -400,7 +400,7 @@ def test_compile_fullgraph_of_an_applied_transformer(flag):
     ref = pipe.transformer(**x).sample
     config = None if flag is None else SelectionConfig(global_backend=flag)
     plan = idf.apply(pipe, config)
-    assert {s.backend for s in plan.by_component()["transformer"]} == {flag or "torch_sdpa"}
+    assert {s.backend.name for s in plan.by_component()["transformer"]} == {flag or "torch_sdpa"}
     torch._dynamo.reset()
     compiled = torch.compile(pipe.transformer, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(**x).sample, ref, rtol=1e-5, atol=1e-5)
@@ -521,7 +521,7 @@ def test_fact_ltx_cross_attention_is_told_by_place_and_gets_the_prompt_mask():
     assert by_name["attn2"].spec.requirements.attn_mask
     plan = idf.plan({"transformer": model.to(torch.bfloat16)}, SAGE, Platform.simulate(SIM))
     by_name = {s.name.rsplit(".", 1)[-1]: s for s in plan.sites}
-    assert by_name["attn1"].backend == "sage_attn"
+    assert by_name["attn1"].backend.name == "sage_attn"
     assert "does not implement attention masks" in by_name["attn2"].error
 
 
@@ -572,14 +572,14 @@ def test_a_training_forward_needs_backward_and_flex_on_cpu_refuses_it():
     pipe = tp.flux()
     flex = SelectionConfig(global_backend="flex_attention")
     inference = idf.plan({"transformer": pipe.transformer}, flex)
-    assert inference.ok and {s.backend for s in inference.sites} == {"flex_attention"}
+    assert inference.ok and {s.backend.name for s in inference.sites} == {"flex_attention"}
     pipe.transformer.train()
     training = idf.plan({"transformer": pipe.transformer}, flex)
     assert all(s.spec.requirements.backward for s in training.sites)
     assert not training.ok and "backward" in training.errors[0]
     pipe.text_encoder.train()
     plan = itf.plan(pipe.text_encoder, "text_encoder", flex)
-    assert all(s.spec.requirements.backward and s.backend == "torch_sdpa" for s in plan.sites)
+    assert all(s.spec.requirements.backward and s.backend.name == "torch_sdpa" for s in plan.sites)
 
 
 def test_plan_dir_per_component_flag_is_an_override_and_must_name_a_component(capsys):
@@ -610,7 +610,7 @@ def test_a_stand_in_the_route_cannot_run_is_an_error_in_the_plan():
                     Platform.simulate("cuda:sm90"))
     vae = plan.by_component()["vae"]
     assert vae and all("runs only torch_sdpa" in s.error for s in vae)
-    assert all(s.backend == "torch_cudnn_sdpa" for s in plan.by_component()["transformer"])
+    assert all(s.backend.name == "torch_cudnn_sdpa" for s in plan.by_component()["transformer"])
 
 
 def test_call_facts_scale_window_softcap():

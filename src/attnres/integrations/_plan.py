@@ -10,6 +10,7 @@ or transformers.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import re
@@ -47,7 +48,9 @@ __all__ = [
     "IntegrationPlan",
     "Problem",
     "Site",
+    "SiteCode",
     "SiteDescription",
+    "SiteError",
     "plan_sites",
 ]
 
@@ -81,15 +84,41 @@ class DtypeChoice:
         return text + (f": {self.detail})" if self.detail else ")")
 
 
+class SiteCode(str, enum.Enum):
+    """Why an integration site is not selected (``Site.error.code``)."""
+
+    #: the machine rejected it (the trace's own code says which check)
+    REJECTED = "rejected"
+    #: its attention call could not be classified, in a strict component
+    UNCLASSIFIED = "unclassified"
+    #: its route cannot run the backend the machine chose
+    ROUTE = "route"
+
+
+@frozen
+class SiteError:
+    """A site's error: a code (:class:`SiteCode`, or the machine's check code for
+    a rejection) and the message, as everywhere else in attnres."""
+
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @frozen
 class SiteDescription:
     """What an integration found at one site, before it is resolved.
 
-    ``route`` names what executes the site (``diffusers dispatcher``, ``sdpa
-    in AttnProcessor2_0``, ``transformers attention interface``); ``supported``
-    is what that route can execute (``None`` with ``why`` for a site that
-    cannot be classified); ``current`` is the backend the route runs now,
-    declared as the site's default only in components that may fall back.
+    ``route`` names what executes the site (``generic route (SDPA in
+    AttnProcessor2_0)``, ``transformers attention interface``...);
+    ``supported`` is what that route can execute (``None``: any backend attnres
+    has a kernel for); ``current`` is the backend the site runs now, declared as
+    the site's default only in components that may fall back. ``pending``: the
+    route is known but the head facts are not, the site is decided at its first
+    call. ``why`` without ``pending``: the site cannot be classified, or
+    (``softmax=False``) is not softmax attention.
     """
 
     component: str
@@ -105,10 +134,14 @@ class SiteDescription:
     requirements: Requirements = field(factory=Requirements)
     current: Backend | None = None
     why: str | None = None
+    pending: bool = False
+    softmax: bool = True
+    #: whether the generic route can serve it (its code calls SDPA)
+    routed: bool = False
 
     @property
     def classified(self) -> bool:
-        return self.supported is not None and self.head_size is not None
+        return self.why is None and not self.pending and self.head_size is not None
 
 
 @frozen
@@ -123,19 +156,28 @@ class Site:
     kv_heads: int | None
     spec: LayerSpec | None
     resolution: Resolution | None
-    error: str | None
+    site_error: SiteError | None
     trace: Trace | None = field(eq=False, repr=False)
     note: str | None = None
+    current: Backend | None = None
+    pending: bool = False
+    routed: bool = False
 
     @property
-    def status(self) -> str:
+    def error(self) -> str | None:
+        return None if self.site_error is None else self.site_error.message
+
+    @property
+    def status(self) -> Status:
         if self.resolution is not None:
-            return "selected"
-        return "rejected" if self.error is not None else "unclassified"
+            return Status.SELECTED
+        if self.site_error is not None:
+            return Status.REJECTED
+        return Status.PENDING if self.pending else Status.UNGOVERNED
 
     @property
-    def backend(self) -> str | None:
-        return None if self.resolution is None else self.resolution.backend.name
+    def backend(self) -> Backend | None:
+        return None if self.resolution is None else self.resolution.backend
 
     def to_dict(self) -> dict[str, Any]:
         res = self.resolution
@@ -143,18 +185,19 @@ class Site:
             "name": self.name,
             "class": self.module_class,
             "route": self.route,
-            "status": self.status,
+            "status": self.status.value,
             "heads": self.heads,
             "kv_heads": self.kv_heads,
             "head_size": None if self.spec is None else self.spec.head_size,
             "dtype": None if self.spec is None else self.spec.dtype,
-            "backend": self.backend,
-            "reason": None if res is None else res.reason,
+            "backend": None if self.backend is None else self.backend.name,
+            "reason": None if res is None or res.reason is None else res.reason.value,
             "origin": (
-                res.origin if res is not None
-                else (str(self.trace.outcome.origin) if self.trace is not None else None)
+                res.origin.value if res is not None
+                else (self.trace.outcome.origin.value if self.trace is not None else None)
             ),
             "error": self.error,
+            "code": None if self.site_error is None else self.site_error.code,
             "note": self.note,
             "digest": None if self.trace is None else self.trace.digest,
         }
@@ -385,23 +428,36 @@ def _plan_one(
         "route": desc.route,
         "heads": desc.heads,
         "kv_heads": desc.kv_heads,
+        "current": desc.current,
+        "routed": desc.routed,
     }
+    if desc.pending:
+        return Site(
+            **common, spec=None, resolution=None, site_error=None, trace=None, pending=True,
+            note="decided at first call: " + (desc.why or "its head facts are read from the "
+                                              "query, key and value of its first call"),
+        )
+    if not desc.softmax:
+        return Site(
+            **common, spec=None, resolution=None, site_error=None, trace=None,
+            note=f"not softmax attention, left on its own code path: {desc.why}",
+        )
     if not desc.classified:
         why = desc.why or "its attention call cannot be classified"
         if relaxed:
             return Site(
-                **common, spec=None, resolution=None, error=None, trace=None,
+                **common, spec=None, resolution=None, site_error=None, trace=None,
                 note=f"unclassified, left on its own code path: {why}",
             )
         return Site(
             **common, spec=None, resolution=None, trace=None,
-            error=(
+            site_error=SiteError(SiteCode.UNCLASSIFIED.value, (
                 f"attention site {desc.name!r} ({desc.module_class}) of strict component "
                 f"{desc.component!r} cannot be classified: {why}; attnres cannot make it run "
                 f"the requested backend. Run a dry run (attnres.integrations.diffusers."
                 f"find_sdpa_calls) to see what it calls, or plan that component with an "
                 f"explicit per-component backend"
-            ),
+            )),
         )
     assert desc.head_size is not None
     spec = LayerSpec(
@@ -416,21 +472,22 @@ def _plan_one(
     try:
         res = resolve(spec, config=config, platform=platform)
     except ResolutionError as exc:
-        return Site(**common, spec=spec, resolution=None, error=str(exc), trace=exc.trace)
+        return Site(**common, spec=spec, resolution=None, trace=exc.trace,
+                    site_error=SiteError(str(exc.code), str(exc)))
     if desc.supported is not None and res.backend not in desc.supported:
         # the resolver counts a stand-in as supported (torch_cudnn_sdpa for
         # {torch_sdpa}, dynamic_cudnn_sdpa for {fa, torch_sdpa}); the route
         # runs only what it names
         return Site(
             **common, spec=spec, resolution=None, trace=res.trace,
-            error=(
+            site_error=SiteError(SiteCode.ROUTE.value, (
                 f"the resolver chose {res.backend.name} for {desc.name!r}, which stands in "
                 f"for {_names(desc.supported)}, but its route ({desc.route}) runs only "
                 f"{_names(desc.supported)}; request one of those for component "
                 f"{desc.component!r}"
-            ),
+            )),
         )
-    return Site(**common, spec=spec, resolution=res, error=None, trace=res.trace)
+    return Site(**common, spec=spec, resolution=res, site_error=None, trace=res.trace)
 
 
 def _names(backends: frozenset[Backend]) -> str:
