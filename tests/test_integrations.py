@@ -21,6 +21,7 @@ import transformers  # noqa: F401
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from attnres import Platform, SelectionConfig
+from attnres._states import Status
 from attnres.cli import main
 from attnres.integrations import IntegrationError
 from attnres.integrations import diffusers as idf
@@ -40,8 +41,10 @@ def flux_bf16():
 def _processors(pipe):
     return {
         (c, n): (m.processor, dict(getattr(m.processor, "__dict__", {})))
-        for c, model in pipe.components.items() if isinstance(model, torch.nn.Module)
-        for n, m in model.named_modules() if hasattr(m, "processor")
+        for c, model in pipe.components.items()
+        if isinstance(model, torch.nn.Module)
+        for n, m in model.named_modules()
+        if hasattr(m, "processor")
     }
 
 
@@ -51,8 +54,7 @@ def test_import_attnres_imports_neither_diffusers_nor_transformers():
         "bad = [m for m in ('diffusers', 'transformers', 'torch') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
 
 
@@ -63,9 +65,13 @@ def test_done_when_global_sage_on_tiny_flux(flux_bf16):
     plan = idf.plan(flux_bf16, SAGE, Platform.simulate(SIM))
     assert plan.ok, plan.errors
     groups = plan.by_component()
-    assert groups["transformer"] and all(s.backend.name == "sage_attn" for s in groups["transformer"])
-    assert all(s.resolution.origin == "global_cli" and s.resolution.reason is None
-               for s in groups["transformer"])
+    assert groups["transformer"] and all(
+        s.backend.name == "sage_attn" for s in groups["transformer"]
+    )
+    assert all(
+        s.resolution.origin == "global_cli" and s.resolution.reason is None
+        for s in groups["transformer"]
+    )
     for comp in ("vae", "text_encoder", "text_encoder_2"):
         assert groups[comp], comp
         for site in groups[comp]:
@@ -73,8 +79,9 @@ def test_done_when_global_sage_on_tiny_flux(flux_bf16):
             assert site.resolution.reason == "global backend fallback"
             # the reason is readable in the trace
             assert site.trace.outcome.reason == "global backend fallback"
-            assert "sage_attn" in json.dumps(site.trace.to_dict() if hasattr(
-                site.trace, "to_dict") else str(site.trace.records))
+            assert "sage_attn" in json.dumps(
+                site.trace.to_dict() if hasattr(site.trace, "to_dict") else str(site.trace.records)
+            )
     # strict components get no declared default; auxiliary ones their current route's
     assert all(s.spec.default is None for s in groups["transformer"])
     assert all(s.spec.default is not None for s in groups["vae"])
@@ -100,8 +107,17 @@ def test_done_when_head_size_sage_cannot_take_is_an_error_and_apply_changes_noth
 def test_done_when_through_attnres_plan_dir(tmp_path, capsys):
     pipe = tp.flux(dtype=torch.bfloat16, vae_dtype=torch.float32)
     pipe.save_pretrained(tmp_path / "flux")
-    code = main(["plan", str(tmp_path / "flux"), "--platform", SIM,
-                 "--attention-backend", "sage_attn", "--json"])
+    code = main(
+        [
+            "plan",
+            str(tmp_path / "flux"),
+            "--platform",
+            SIM,
+            "--attention-backend",
+            "sage_attn",
+            "--json",
+        ]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert code == 0, doc
     comps = {c["name"]: c for c in doc["components"]}
@@ -111,11 +127,13 @@ def test_done_when_through_attnres_plan_dir(tmp_path, capsys):
     assert {s["backend"] for s in comps["transformer"]["sites"]} == {"sage_attn"}
     for name in ("vae", "text_encoder", "text_encoder_2"):
         assert {(s["backend"], s["reason"]) for s in comps[name]["sites"]} == {
-            ("torch_sdpa", "global backend fallback")}
+            ("torch_sdpa", "global backend fallback")
+        }
     big = tp.flux(head_dim=256, dtype=torch.bfloat16)
     big.save_pretrained(tmp_path / "big")
-    code = main(["plan", str(tmp_path / "big"), "--platform", SIM,
-                 "--attention-backend", "sage_attn"])
+    code = main(
+        ["plan", str(tmp_path / "big"), "--platform", SIM, "--attention-backend", "sage_attn"]
+    )
     out = capsys.readouterr().out
     assert code == 1
     assert "REJECTED" in out and "head size 256" in out
@@ -133,9 +151,11 @@ def test_apply_without_flag_is_bit_identical_and_remove_restores():
     after = tp.run_flux(pipe)
     assert torch.equal(before, after)
     assert idf.verify(pipe) == []
-    pinned = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
-    assert all(p.__dict__["_attention_backend"].value == "native" for p in pinned)
-    assert idf.remove(pipe) > 0
+    # the decision is what every site runs already: nothing wrapped, nothing pinned
+    assert _processors(pipe) == procs
+    assert idf.routes(pipe) == {}
+    # every governed site is restored, text encoders' included (issue 20, item 17)
+    assert idf.remove(pipe) == len(plan.sites)
     assert _processors(pipe) == procs
 
 
@@ -154,7 +174,10 @@ def test_apply_emits_one_installed_event_per_site():
     first = installed[0]
     site = plan.sites[0]
     assert (first["component"], first["layer"], first["backend"]) == (
-        site.component, site.name, site.backend)
+        site.component,
+        site.name,
+        site.backend.name,
+    )
     assert first["route"] == site.route and first["digest"] == site.trace.digest
     assert {"reason", "origin"} <= set(first)
     idf.remove(pipe)
@@ -177,19 +200,26 @@ def test_set_attention_backend_is_process_wide_so_attnres_pins_processors():
     idf.remove(pipe)
 
 
-def test_shared_processor_is_copied_before_pinning():
+def test_shared_processor_is_never_changed_in_place_not_even_across_models():
+    # issue 20, item 11: a second, ungoverned model shares the processor objects
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
-    pipe = tp.flux()
+    pipe, other = tp.flux(), tp.flux()
     shared = FluxAttnProcessor()
     pipe.transformer.set_attn_processor(shared)
-    idf.apply(pipe)
+    other.transformer.set_attn_processor(shared)
+    x = tp.flux_inputs()
+    ref = other.transformer(**x).sample
+    idf.apply(pipe, SelectionConfig(global_backend="eager"))
     procs = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
-    assert len({id(p) for p in procs}) == len(procs)
-    assert "_attention_backend" not in shared.__dict__
+    assert len({id(p) for p in procs}) == len(procs) and shared not in procs
+    assert shared.__dict__ == FluxAttnProcessor().__dict__ and type(shared) is FluxAttnProcessor
+    assert all(
+        m.processor is shared for m in other.transformer.modules() if hasattr(m, "processor")
+    )
+    assert torch.equal(other.transformer(**x).sample, ref)
     idf.remove(pipe)
-    assert all(m.processor is shared for m in pipe.transformer.modules()
-               if hasattr(m, "processor"))
+    assert all(m.processor is shared for m in pipe.transformer.modules() if hasattr(m, "processor"))
 
 
 def test_verify_reports_replaced_processor_and_cast():
@@ -209,7 +239,8 @@ def test_verify_reports_replaced_processor_and_cast():
 def test_layerwise_casting_plans_for_the_compute_dtype():
     pipe = tp.flux(dtype=torch.bfloat16)
     pipe.transformer.enable_layerwise_casting(
-        storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16
+    )
     plan = idf.plan(pipe, SAGE, Platform.simulate(SIM))
     sites = plan.by_component()["transformer"]
     assert {s.spec.dtype for s in sites} == {"bfloat16"}
@@ -225,7 +256,8 @@ def test_context_parallel_route_keeps_diffusers_check():
         names = {b.name for b in supported}
         assert "torch_sdpa" in names and "flex_attention" not in names
         assert names <= {
-            k for k, v in idf.DISPATCHER_BACKENDS.items()
+            k
+            for k, v in idf._DISPATCHER_BACKENDS.items()
             if v in _AttentionBackendRegistry._supports_context_parallel
         }
     finally:
@@ -249,8 +281,12 @@ def test_fact_clip_is_causal_per_call_not_by_attribute(flux_bf16):
 
 
 def test_fact_t5_needs_float_masks(flux_bf16):
-    plan = itf.plan(flux_bf16.text_encoder_2, "text_encoder_2",
-                    SelectionConfig(global_backend="fa"), Platform.simulate(SIM))
+    plan = itf.plan(
+        flux_bf16.text_encoder_2,
+        "text_encoder_2",
+        SelectionConfig(global_backend="fa"),
+        Platform.simulate(SIM),
+    )
     assert all(s.spec.requirements.attn_mask for s in plan.sites)
     assert all(s.backend.name == "torch_sdpa" for s in plan.sites)
 
@@ -266,8 +302,14 @@ def _qwen2(heads=4, kv=2):
     from transformers import Qwen2Config, Qwen2Model
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=37, num_attention_heads=heads,
-                      num_key_value_heads=kv, num_hidden_layers=2, vocab_size=64)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=2,
+        vocab_size=64,
+    )
     return Qwen2Model(cfg).eval()
 
 
@@ -318,7 +360,7 @@ def test_transformers_apply_no_flag_identical_and_remove():
     assert itf.verify(model) == []
     model.config._attn_implementation_internal = "eager"
     assert any("implementation" in p.problem for p in itf.verify(model))
-    assert itf.remove(model) == 1
+    assert itf.remove(model) == len(plan.sites)
 
 
 def test_fact_unet_attention_head_dim_holds_heads():
@@ -327,17 +369,25 @@ def test_fact_unet_attention_head_dim_holds_heads():
     # config attention_head_dim=2 -> two heads per attention; block_out_channels 32 -> 16
     assert {(s.heads, s.spec.head_size) for s in plan.sites} == {(2, 16)}
     assert {s.spec.role.value for s in plan.sites} == {"self", "cross"}
-    assert {s.route for s in plan.sites} == {"torch_sdpa in AttnProcessor2_0"}
+    assert {s.route for s in plan.sites} == {"generic route (SDPA in AttnProcessor2_0)"}
 
 
 # --- other pipelines --------------------------------------------------------
 
 
-def test_sd3_legacy_joint_processor_runs_only_torch_sdpa():
+def test_sd3_processor_calling_sdpa_itself_gets_sage_through_the_generic_route():
     pipe = tp.sd3()
-    plan = idf.plan({"transformer": pipe["transformer"]}, SAGE, Platform.simulate(SIM))
-    assert not plan.ok
-    assert all("supported backends: ['torch_sdpa']" in s.error for s in plan.sites if s.error)
+    import copy
+
+    bf16 = copy.deepcopy(pipe["transformer"]).to(torch.bfloat16)
+    plan = idf.plan({"transformer": bf16}, SAGE, Platform.simulate(SIM))
+    assert plan.ok, plan.errors
+    assert {s.backend.name for s in plan.sites} == {"sage_attn"}
+    assert all(
+        s.route.startswith("generic route (SDPA in JointAttnProcessor2_0")
+        or s.route.startswith("generic route (SDPA in")
+        for s in plan.sites
+    )
     x = tp.sd3_inputs()
     ref = pipe["transformer"](**x).sample
     idf.apply(pipe)
@@ -358,35 +408,59 @@ def test_wan_video_pipeline_vae_attention_is_found():
     plan = idf.plan(comps, SAGE, Platform.simulate(SIM))
     vae_sites = plan.by_component()["vae"]
     assert vae_sites and {s.module_class for s in vae_sites} == {"WanAttentionBlock"}
-    assert all(s.backend.name == "torch_sdpa" and s.resolution.reason == "global backend fallback"
-               for s in vae_sites)
+    # WanAttentionBlock holds no head count: decided at its first call
+    assert all(s.status is Status.PENDING and "decided at first call" in s.note for s in vae_sites)
+    assert "decided at first call" in plan.render()
     x = tp.wan_vae_input()
     calls = idf.find_sdpa_calls(comps["vae"], x)
     assert {n for n in calls} == {s.name for s in vae_sites}
     ref = comps["vae"](x).sample
     idf.apply(comps)
     assert torch.equal(ref, comps["vae"](x).sample)
+    routes = idf.routes(comps)
+    assert set(routes) == {f"vae/{s.name}" for s in vae_sites}
+    for route in routes.values():
+        (first,) = route.first_calls
+        assert first.backend.name == "torch_sdpa" and first.trace.outcome.status is Status.SELECTED
+        assert first.facts.heads == 1 and "decided at first call" in first.describe()
+    assert idf.remove(comps) >= len(vae_sites)
+    assert idf.routes(comps) == {}
     ids = torch.tensor([[1, 2, 3]])
     assert comps["text_encoder"](input_ids=ids).last_hidden_state.shape[-1] == 32
 
 
-def test_unclassified_sites_error_when_strict_and_are_recorded_when_auxiliary():
-    class MyAttention(torch.nn.Module):
-        def forward(self, q):
-            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+class _Block(torch.nn.Module):
+    """A module attnres has never seen, calling SDPA itself (no head facts)."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.block = MyAttention()
+    def forward(self, q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
-    strict = idf.plan({"transformer": Model()})
-    assert not strict.ok and "cannot be classified" in strict.errors[0]
-    aux = idf.plan({"vae": Model()})
-    assert aux.ok
-    (site,) = aux.sites
-    assert site.status == "unclassified" and "own code path" in site.note
-    assert "unclassified" in aux.render()
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+        self.proj = torch.nn.Linear(4, 4)
+
+
+def test_an_unknown_module_calling_sdpa_is_a_site_decided_at_first_call():
+    strict = idf.plan({"transformer": _Model()}, SAGE, Platform.simulate(SIM))
+    assert strict.ok
+    (site,) = strict.sites
+    assert site.status is Status.PENDING and site.routed and site.name == "block"
+
+
+def test_not_softmax_attention_is_recorded_with_its_reason():
+    from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
+
+    model = torch.nn.Module()
+    model.attn = Attention(
+        query_dim=16, heads=2, dim_head=8, processor=SanaLinearAttnProcessor2_0()
+    )
+    plan = idf.plan({"transformer": model}, SAGE, Platform.simulate(SIM))
+    assert plan.ok
+    (site,) = plan.sites
+    assert site.status is Status.UNGOVERNED and "not softmax attention" in site.note
 
 
 @pytest.mark.slow
@@ -417,8 +491,9 @@ def _write(path: Path, doc: dict) -> None:
 def _safetensors(path: Path, dtypes: dict[str, str]) -> None:
     import struct
 
-    header = {name: {"dtype": dt, "shape": [4, 4], "data_offsets": [0, 0]}
-              for name, dt in dtypes.items()}
+    header = {
+        name: {"dtype": dt, "shape": [4, 4], "data_offsets": [0, 0]} for name, dt in dtypes.items()
+    }
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
 
@@ -430,7 +505,8 @@ def test_plan_dir_dtype_sources_in_order(tmp_path, capsys):
         (folder / sub).mkdir(parents=True)
         (folder / sub / "config.json").write_text(src.read_text())
     (folder / "model_index.json").write_text(
-        (ROOT / "examples" / "flux.1-dev" / "model_index.json").read_text())
+        (ROOT / "examples" / "flux.1-dev" / "model_index.json").read_text()
+    )
     # weights headers win over the config; float8 storage is not a compute dtype
     _safetensors(folder / "text_encoder" / "model.safetensors", {"w": "F16"})
     _safetensors(folder / "vae" / "diffusion_pytorch_model.safetensors", {"w": "F8_E4M3"})
@@ -462,12 +538,19 @@ def test_plan_dir_full_flux_has_57_transformer_sites(capsys):
 def test_plan_dir_transformers_model_folder(tmp_path, capsys):
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=37, num_attention_heads=8,
-                      num_key_value_heads=2, num_hidden_layers=3, vocab_size=64,
-                      architectures=["Qwen2ForCausalLM"])
+    cfg = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=37,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        vocab_size=64,
+        architectures=["Qwen2ForCausalLM"],
+    )
     cfg.save_pretrained(tmp_path / "text_encoder")
-    code = main(["plan", str(tmp_path / "text_encoder"), "--json", "--trace-out",
-                 str(tmp_path / "traces")])
+    code = main(
+        ["plan", str(tmp_path / "text_encoder"), "--json", "--trace-out", str(tmp_path / "traces")]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
     (comp,) = doc["components"]
@@ -508,8 +591,15 @@ def test_fact_ltx_cross_attention_is_told_by_place_and_gets_the_prompt_mask():
     from diffusers import LTXVideoTransformer3DModel
 
     model = LTXVideoTransformer3DModel(
-        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
-        attention_head_dim=8, cross_attention_dim=16, num_layers=1, caption_channels=16,
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=1,
+        caption_channels=16,
     ).eval()
     attn1 = model.transformer_blocks[0].attn1
     # the attribute lies: self-attention carries a cross_attention_dim too
@@ -535,8 +625,7 @@ def test_apply_twice_then_remove_restores_the_first_state():
     idf.apply(pipe)
     assert idf.verify(pipe) == []
     idf.remove(pipe)
-    assert all(m.processor is shared for m in pipe.transformer.modules()
-               if hasattr(m, "processor"))
+    assert all(m.processor is shared for m in pipe.transformer.modules() if hasattr(m, "processor"))
     assert "_attention_backend" not in shared.__dict__
 
 
@@ -565,7 +654,8 @@ def test_example_folders_plan_on_this_machine(folder, capsys):
     assert "Verdict: ok" in out
     # LTX-Video's VAE has no attention: said in one line, not as an empty table
     assert ("vae  [vae, VAELoader" in out) and (
-        ("(no attention sites)" in out) == (folder == "ltx-video"))
+        ("(no attention sites)" in out) == (folder == "ltx-video")
+    )
 
 
 def test_a_training_forward_needs_backward_and_flex_on_cpu_refuses_it():
@@ -584,16 +674,25 @@ def test_a_training_forward_needs_backward_and_flex_on_cpu_refuses_it():
 
 def test_plan_dir_per_component_flag_is_an_override_and_must_name_a_component(capsys):
     flux = str(ROOT / "examples" / "flux.1-dev")
-    code = main(["plan", flux, "--json", "--attention-backend", "eager",
-                 "--attention-backend", "text_encoder_2=torch_sdpa"])
+    code = main(
+        [
+            "plan",
+            flux,
+            "--json",
+            "--attention-backend",
+            "eager",
+            "--attention-backend",
+            "text_encoder_2=torch_sdpa",
+        ]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
-    got = {c["name"]: {(s["backend"], s["origin"]) for s in c["sites"]}
-           for c in doc["components"]}
+    got = {c["name"]: {(s["backend"], s["origin"]) for s in c["sites"]} for c in doc["components"]}
     assert got["text_encoder_2"] == {("torch_sdpa", "component_override")}
     assert got["transformer"] == {("eager", "global_cli")}
     # the VAE's legacy processors run only torch SDPA: the flag falls back there
-    assert got["vae"] == {("torch_sdpa", "global_cli")}
+    # the VAE's processors call SDPA themselves: the generic route runs eager there
+    assert got["vae"] == {("eager", "global_cli")}
     assert main(["plan", flux, "--attention-backend", "nope=eager"]) == 2
     assert "has no model component 'nope'" in " ".join(capsys.readouterr().err.split())
 
@@ -601,15 +700,16 @@ def test_plan_dir_per_component_flag_is_an_override_and_must_name_a_component(ca
 def test_a_stand_in_the_route_cannot_run_is_an_error_in_the_plan():
     # torch_cudnn_sdpa counts as supported by {torch_sdpa}; a legacy processor
     # runs only torch SDPA, so the plan says so instead of apply failing later
-    from diffusers import AutoencoderKL
-
+    # (the transformers route runs only the functions it names; the generic
+    # route runs any kernel attnres has)
     pipe = tp.flux(dtype=torch.bfloat16)
-    vae = AutoencoderKL(block_out_channels=(16,), latent_channels=1, norm_num_groups=1)
-    plan = idf.plan({"vae": vae.to(torch.bfloat16), "transformer": pipe.transformer},
-                    SelectionConfig(global_backend="torch_cudnn_sdpa"),
-                    Platform.simulate("cuda:sm90"))
-    vae = plan.by_component()["vae"]
-    assert vae and all("runs only torch_sdpa" in s.error for s in vae)
+    plan = idf.plan(
+        {"text_encoder": pipe.text_encoder, "transformer": pipe.transformer},
+        SelectionConfig(global_backend="torch_cudnn_sdpa"),
+        Platform.simulate("cuda:sm90"),
+    )
+    clip = [s for s in plan.by_component()["text_encoder"] if s.error]
+    assert clip and all("runs only" in s.error and s.site_error.code == "route" for s in clip)
     assert all(s.backend.name == "torch_cudnn_sdpa" for s in plan.by_component()["transformer"])
 
 
@@ -623,10 +723,18 @@ def test_call_facts_scale_window_softcap():
     # Qwen2 with a sliding window on some layers
     from transformers import Qwen2Config, Qwen2Model
 
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=37, num_attention_heads=4,
-                      num_key_value_heads=4, num_hidden_layers=2, vocab_size=64,
-                      use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                      layer_types=["full_attention", "sliding_attention"])
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        vocab_size=64,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"],
+    )
     plan = itf.plan(Qwen2Model(cfg).eval(), "text_encoder")
     assert [s.spec.requirements.sliding_window for s in plan.sites] == [False, True]
     # a diffusers Attention built with scale_qk=False passes scale 1.0
@@ -641,3 +749,82 @@ def test_call_facts_scale_window_softcap():
     sites = {s.name: s for s in idf.plan({"vae": Model().eval()}).sites}
     assert not sites["plain"].spec.requirements.custom_scale
     assert sites["unscaled"].spec.requirements.custom_scale
+
+
+def test_transformers_apply_twice_then_verify_reports_nothing_and_remove_restores():
+    # issue 20, item 13
+    pipe = tp.flux()
+    enc = pipe.text_encoder
+    before = enc.config._attn_implementation
+    itf.apply(enc, "text_encoder")
+    itf.apply(enc, "text_encoder", SelectionConfig(global_backend="eager"))
+    assert itf.verify(enc) == []
+    plan = itf.plan(enc, "text_encoder")
+    assert itf.remove(enc) == len(plan.sites)
+    assert enc.config._attn_implementation == before
+
+
+def test_first_call_with_a_fact_the_plan_did_not_allow_falls_back_or_raises():
+    # a site planned without dropout meets a call with dropout, which flex
+    # attention does not implement: a component that may fall back re-resolves
+    # (traced), a strict one raises ResolutionError naming the site and the fact;
+    # flex's own error is never what the caller sees
+    from attnres.errors import ResolutionError
+    from attnres.integrations import _route
+
+    flex = SelectionConfig(global_backend="flex_attention")
+    q = torch.randn(1, 2, 5, 16)
+    for comp in ("vae", "transformer"):
+        unet = tp.unet()
+        plan = idf.apply({comp: unet}, flex)
+        assert {s.backend.name for s in plan.sites} == {"flex_attention"}
+        routes = idf.routes({comp: unet})
+        assert set(routes) == {f"{comp}/{s.name}" for s in plan.sites}
+        route = next(iter(routes.values()))
+        assert len(route.kernels) == 1  # the planned signature, bound at apply
+        if comp == "vae":
+            out = route(q, q, q, dropout_p=0.0)
+            torch.testing.assert_close(
+                out, torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            )
+            torch.manual_seed(0)
+            route(q, q, q, dropout_p=0.5)
+            record = route.first_calls[-1]
+            assert isinstance(record, _route.FirstCall) and "dropout" in record.changed
+            assert record.backend.name == "torch_sdpa" and record.error is None
+            assert record.trace.input.layer.requirements.dropout
+            assert "observed at first call: dropout" in record.describe()
+        else:
+            with pytest.raises(ResolutionError) as info:
+                route(q, q, q, dropout_p=0.5)
+            assert route.name in str(info.value) and "dropout" in str(info.value)
+            assert route.first_calls[-1].error == str(info.value)
+        assert idf.remove({comp: unet}) == len(plan.sites)
+        assert idf.routes({comp: unet}) == {}
+
+
+def test_generic_route_runs_the_decided_kernel_and_remove_restores():
+    unet = tp.unet()
+    x = tp.unet_inputs()
+    ref = unet(**x).sample
+    procs = [m.processor for m in unet.modules() if hasattr(m, "processor")]
+    seen = []
+    from attnres.kernels import get_kernel, register_kernel, unregister_kernel
+
+    eager = get_kernel("eager")
+
+    def spy(q, k, v, attn_mask, causal, scale):
+        seen.append(tuple(q.shape))
+        return eager(q, k, v, attn_mask, causal, scale)
+
+    register_kernel("eager", spy, replace=True)
+    try:
+        plan = idf.apply({"unet": unet}, SelectionConfig(global_backend="eager"))
+        out = unet(**x).sample
+    finally:
+        unregister_kernel("eager")
+    assert len(seen) >= len(plan.sites)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert idf.remove({"unet": unet}) == len(plan.sites)
+    assert [m.processor for m in unet.modules() if hasattr(m, "processor")] == procs
+    assert torch.equal(unet(**x).sample, ref)

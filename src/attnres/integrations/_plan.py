@@ -193,7 +193,8 @@ class Site:
             "backend": None if self.backend is None else self.backend.name,
             "reason": None if res is None or res.reason is None else res.reason.value,
             "origin": (
-                res.origin.value if res is not None
+                res.origin.value
+                if res is not None
                 else (self.trace.outcome.origin.value if self.trace is not None else None)
             ),
             "error": self.error,
@@ -275,7 +276,8 @@ class IntegrationPlan:
                     "name": c.name,
                     "kind": c.kind,
                     "status": (
-                        "ok" if c.error is None and all(s.error is None for s in groups[c.name])
+                        "ok"
+                        if c.error is None and all(s.error is None for s in groups[c.name])
                         else "rejected"
                     ),
                     "dtype": None if c.dtype is None else c.dtype.dtype,
@@ -309,7 +311,8 @@ class IntegrationPlan:
                         name=pattern,
                         count=len(sites),
                         outcome=(
-                            res.outcome if res is not None
+                            res.outcome
+                            if res is not None
                             else Outcome(
                                 Status.REJECTED,
                                 first.trace.outcome.origin,
@@ -320,8 +323,9 @@ class IntegrationPlan:
                         trace=first.trace,
                     )
                 )
-            entries.append(ComponentEntry(comp.name, comp.kind, None, (), None,
-                                          tuple(layer_entries)))
+            entries.append(
+                ComponentEntry(comp.name, comp.kind, None, (), None, tuple(layer_entries))
+            )
             planned.append(
                 ComponentPlan(
                     name=comp.name,
@@ -433,31 +437,53 @@ def _plan_one(
     }
     if desc.pending:
         return Site(
-            **common, spec=None, resolution=None, site_error=None, trace=None, pending=True,
-            note="decided at first call: " + (desc.why or "its head facts are read from the "
-                                              "query, key and value of its first call"),
+            **common,
+            spec=None,
+            resolution=None,
+            site_error=None,
+            trace=None,
+            pending=True,
+            note="decided at first call: "
+            + (
+                desc.why
+                or "its head facts are read from the query, key and value of its first call"
+            ),
         )
     if not desc.softmax:
         return Site(
-            **common, spec=None, resolution=None, site_error=None, trace=None,
+            **common,
+            spec=None,
+            resolution=None,
+            site_error=None,
+            trace=None,
             note=f"not softmax attention, left on its own code path: {desc.why}",
         )
     if not desc.classified:
         why = desc.why or "its attention call cannot be classified"
         if relaxed:
             return Site(
-                **common, spec=None, resolution=None, site_error=None, trace=None,
+                **common,
+                spec=None,
+                resolution=None,
+                site_error=None,
+                trace=None,
                 note=f"unclassified, left on its own code path: {why}",
             )
         return Site(
-            **common, spec=None, resolution=None, trace=None,
-            site_error=SiteError(SiteCode.UNCLASSIFIED.value, (
-                f"attention site {desc.name!r} ({desc.module_class}) of strict component "
-                f"{desc.component!r} cannot be classified: {why}; attnres cannot make it run "
-                f"the requested backend. Run a dry run (attnres.integrations.diffusers."
-                f"find_sdpa_calls) to see what it calls, or plan that component with an "
-                f"explicit per-component backend"
-            )),
+            **common,
+            spec=None,
+            resolution=None,
+            trace=None,
+            site_error=SiteError(
+                SiteCode.UNCLASSIFIED.value,
+                (
+                    f"attention site {desc.name!r} ({desc.module_class}) of strict component "
+                    f"{desc.component!r} cannot be classified: {why}; attnres cannot make it run "
+                    f"the requested backend. Run a dry run (attnres.integrations.diffusers."
+                    f"find_sdpa_calls) to see what it calls, or plan that component with an "
+                    f"explicit per-component backend"
+                ),
+            ),
         )
     assert desc.head_size is not None
     spec = LayerSpec(
@@ -472,20 +498,31 @@ def _plan_one(
     try:
         res = resolve(spec, config=config, platform=platform)
     except ResolutionError as exc:
-        return Site(**common, spec=spec, resolution=None, trace=exc.trace,
-                    site_error=SiteError(str(exc.code), str(exc)))
+        return Site(
+            **common,
+            spec=spec,
+            resolution=None,
+            trace=exc.trace,
+            site_error=SiteError(str(exc.code), str(exc)),
+        )
     if desc.supported is not None and res.backend not in desc.supported:
         # the resolver counts a stand-in as supported (torch_cudnn_sdpa for
         # {torch_sdpa}, dynamic_cudnn_sdpa for {fa, torch_sdpa}); the route
         # runs only what it names
         return Site(
-            **common, spec=spec, resolution=None, trace=res.trace,
-            site_error=SiteError(SiteCode.ROUTE.value, (
-                f"the resolver chose {res.backend.name} for {desc.name!r}, which stands in "
-                f"for {_names(desc.supported)}, but its route ({desc.route}) runs only "
-                f"{_names(desc.supported)}; request one of those for component "
-                f"{desc.component!r}"
-            )),
+            **common,
+            spec=spec,
+            resolution=None,
+            trace=res.trace,
+            site_error=SiteError(
+                SiteCode.ROUTE.value,
+                (
+                    f"the resolver chose {res.backend.name} for {desc.name!r}, which stands in "
+                    f"for {_names(desc.supported)}, but its route ({desc.route}) runs only "
+                    f"{_names(desc.supported)}; request one of those for component "
+                    f"{desc.component!r}"
+                ),
+            ),
         )
     return Site(**common, spec=spec, resolution=res, site_error=None, trace=res.trace)
 
@@ -506,8 +543,9 @@ def refuse_to_apply(result: IntegrationPlan) -> None:
     if not result.ok:
         raise IntegrationError(
             f"cannot apply: {len(result.errors)} problem(s) in the plan; nothing was "
-            f"changed. " + "; ".join(result.errors[:5]) + ("; ..." if len(result.errors) > 5
-                                                          else ""),
+            f"changed. "
+            + "; ".join(result.errors[:5])
+            + ("; ..." if len(result.errors) > 5 else ""),
             result,
         )
     if result.platform.simulated:

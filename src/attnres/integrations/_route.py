@@ -213,29 +213,29 @@ class CallFacts:
     def planned(cls, spec: LayerSpec, heads: int, kv_heads: int) -> CallFacts:
         req = spec.requirements
         return cls(
-            heads=heads, kv_heads=kv_heads, head_size=spec.head_size, dtype=spec.dtype,
-            mask=MaskFacts(req.attn_mask), causal=req.causal,
-            custom_scale=req.custom_scale, dropout=req.dropout,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            mask=MaskFacts(req.attn_mask),
+            causal=req.causal,
+            custom_scale=req.custom_scale,
+            dropout=req.dropout,
         )
 
     def key(self) -> tuple[Any, ...]:
         """What decides a kernel (the mask's shape does not; its presence does):
         the same tuple :func:`call_key` builds from a call."""
-        return (self.heads, self.kv_heads, self.head_size, getattr(torch, self.dtype),
-                self.mask.present, self.causal, self.custom_scale, self.dropout)
-
-
-def call_key(
-    q: Any, k: Any, attn_mask: Any, dropout_p: float, is_causal: bool, scale: float | None,
-    heads_dim: int,
-) -> tuple[Any, ...]:
-    """A call's signature, built with no object (it runs on every call, and is
-    traced whole by torch.compile)."""
-    head_size = q.shape[-1]
-    return (
-        q.shape[heads_dim], k.shape[heads_dim], head_size, q.dtype, attn_mask is not None,
-        bool(is_causal), scale is not None and _custom(scale, head_size), bool(dropout_p),
-    )
+        return (
+            self.heads,
+            self.kv_heads,
+            self.head_size,
+            getattr(torch, self.dtype),
+            self.mask.present,
+            self.causal,
+            self.custom_scale,
+            self.dropout,
+        )
 
     def differences(self, planned: CallFacts | None) -> tuple[str, ...]:
         """The facts that differ from ``planned``, in words (all, when nothing was)."""
@@ -270,6 +270,30 @@ def call_key(
             gqa=self.kv_heads < self.heads,
         )
         return attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
+
+
+def call_key(
+    q: Any,
+    k: Any,
+    attn_mask: Any,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    heads_dim: int,
+) -> tuple[Any, ...]:
+    """A call's signature, built with no object (it runs on every call, and is
+    traced whole by torch.compile)."""
+    head_size = q.shape[-1]
+    return (
+        q.shape[heads_dim],
+        k.shape[heads_dim],
+        head_size,
+        q.dtype,
+        attn_mask is not None,
+        bool(is_causal),
+        scale is not None and _custom(scale, head_size),
+        bool(dropout_p),
+    )
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -317,9 +341,7 @@ class _Mode(TorchFunctionMode):
         super().__init__()
         self.route = route
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _SDPA:
             return self.route(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
@@ -353,7 +375,8 @@ class GenericRoute:
         self.platform = platform
         self.on_first_call = on_first_call
         self.planned = (
-            None if spec is None or heads is None
+            None
+            if spec is None or heads is None
             else CallFacts.planned(spec, heads, kv_heads or heads)
         )
         self.first_calls: list[FirstCall] = []
@@ -386,13 +409,30 @@ class GenericRoute:
     ) -> Any:
         """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim)."""
         key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, -3)
-        kernel = self.kernels[key] if key in self.kernels else self._first_call(
-            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale))
+        kernel = (
+            self.kernels[key]
+            if key in self.kernels
+            else self._first_call(CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale))
+        )
         if kernel is None:
-            return _SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                         is_causal=is_causal, scale=scale, **extra)
-        out = kernel(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
-                     attn_mask, is_causal, scale)
+            return _SDPA(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                **extra,
+            )
+        out = kernel(
+            q.transpose(-3, -2),
+            k.transpose(-3, -2),
+            v.transpose(-3, -2),
+            attn_mask,
+            is_causal,
+            scale,
+        )
         return out.transpose(-3, -2)
 
     def close(self) -> None:
@@ -406,16 +446,38 @@ class GenericRoute:
         the decided kernel, or ``original`` itself where the decision is SDPA."""
 
         def dispatch(
-            query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-            is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-            attention_kwargs: Any = None, **rest: Any,
+            query: Any,
+            key: Any,
+            value: Any,
+            attn_mask: Any = None,
+            dropout_p: float = 0.0,
+            is_causal: bool = False,
+            scale: float | None = None,
+            enable_gqa: bool = False,
+            attention_kwargs: Any = None,
+            **rest: Any,
         ) -> Any:
             sig = call_key(query, key, attn_mask, dropout_p, is_causal, scale, -2)
-            kernel = self.kernels[sig] if sig in self.kernels else self._first_call(
-                CallFacts.observe(query, key, attn_mask, dropout_p, is_causal, scale, -2))
+            kernel = (
+                self.kernels[sig]
+                if sig in self.kernels
+                else self._first_call(
+                    CallFacts.observe(query, key, attn_mask, dropout_p, is_causal, scale, -2)
+                )
+            )
             if kernel is None:
-                return original(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                enable_gqa, attention_kwargs, **rest)
+                return original(
+                    query,
+                    key,
+                    value,
+                    attn_mask,
+                    dropout_p,
+                    is_causal,
+                    scale,
+                    enable_gqa,
+                    attention_kwargs,
+                    **rest,
+                )
             return kernel(query, key, value, attn_mask, is_causal, scale)
 
         return dispatch
@@ -507,8 +569,9 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     home.__dict__["__name__"] = name
     sys.modules[name] = home
     route.homes.append(name)
-    copy_ = types.FunctionType(code, home.__dict__, func.__name__, func.__defaults__,
-                               func.__closure__)
+    copy_ = types.FunctionType(
+        code, home.__dict__, func.__name__, func.__defaults__, func.__closure__
+    )
     copy_.__kwdefaults__ = func.__kwdefaults__
     copy_.__dict__.update(func.__dict__)
     copy_.__qualname__ = func.__qualname__

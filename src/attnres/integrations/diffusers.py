@@ -89,24 +89,28 @@ ROUTE_GENERIC = "generic route"
 #: attnres backend -> the diffusers ``AttentionBackendName`` value that runs it
 #: (diffusers 0.42.1; a context-parallel site runs only these). Hub kernels
 #: (``*_hub``) are left out: they download code at run time.
-_DISPATCHER_BACKENDS: Mapping[str, str] = MappingProxyType({
-    "torch_sdpa": "native",
-    "torch_cudnn_sdpa": "_native_cudnn",
-    "eager": "_native_math",
-    "flex_attention": "flex",
-    "fa": "flash",
-    "fa3": "_flash_3",
-    "sage_attn": "sage",
-    "xformers": "xformers",
-    "ascend_fa": "_native_npu",
-})
+_DISPATCHER_BACKENDS: Mapping[str, str] = MappingProxyType(
+    {
+        "torch_sdpa": "native",
+        "torch_cudnn_sdpa": "_native_cudnn",
+        "eager": "_native_math",
+        "flex_attention": "flex",
+        "fa": "flash",
+        "fa3": "_flash_3",
+        "sage_attn": "sage",
+        "xformers": "xformers",
+        "ascend_fa": "_native_npu",
+    }
+)
 _BY_DIFFUSERS = MappingProxyType({v: k for k, v in _DISPATCHER_BACKENDS.items()})
 
 #: kernel entry points a processor may call by hand, and the backend each is
 #: (read from what the code names, never from the processor's class name)
-_CALLED_KERNELS: Mapping[str, str] = MappingProxyType({
-    "memory_efficient_attention": "xformers",
-})
+_CALLED_KERNELS: Mapping[str, str] = MappingProxyType(
+    {
+        "memory_efficient_attention": "xformers",
+    }
+)
 
 
 def _last(name: str) -> str:
@@ -118,12 +122,16 @@ def _last(name: str) -> str:
 #: its self-attention, so only its place (``attn2``) tells cross-attention; LTX
 #: passes the prompt's padding mask to that cross-attention. A wrong or missing
 #: entry is caught at the first call (the mask is observed and re-resolved).
-_ROLE_BY_PLACE: Mapping[str, Callable[[str], Role]] = MappingProxyType({
-    "LTXAttention": lambda n: Role.CROSS if _last(n) == "attn2" else Role.SELF,
-})
-_MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType({
-    "LTXAttention": lambda n: _last(n) == "attn2",
-})
+_ROLE_BY_PLACE: Mapping[str, Callable[[str], Role]] = MappingProxyType(
+    {
+        "LTXAttention": lambda n: Role.CROSS if _last(n) == "attn2" else Role.SELF,
+    }
+)
+_MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType(
+    {
+        "LTXAttention": lambda n: _last(n) == "attn2",
+    }
+)
 
 
 def _role(name: str, module: Any) -> Role:
@@ -194,9 +202,7 @@ def _attention_code(module: Any) -> tuple[str, frozenset[str]]:
     return type(module).__name__, _route.calls_of(_route.methods_of(module))
 
 
-def describe_sites(
-    model: Any, component: str, dtype: str | None = None
-) -> list[SiteDescription]:
+def describe_sites(model: Any, component: str, dtype: str | None = None) -> list[SiteDescription]:
     """Every attention site of one component (a diffusers or transformers model).
 
     A site is a module whose attention code reaches SDPA, diffusers' dispatcher
@@ -239,23 +245,34 @@ def _describe(
     facts = _route.head_facts(module)
     if isinstance(module, torch.nn.MultiheadAttention):
         facts = (module.num_heads, module.num_heads, module.head_dim)
-    base: dict[str, Any] = {"component": component, "name": name, "module_class": cls,
-                            "dtype": dtype, "role": _role(name, module)}
+    base: dict[str, Any] = {
+        "component": component,
+        "name": name,
+        "module_class": cls,
+        "dtype": dtype,
+        "role": _role(name, module),
+    }
     if facts is not None:
         heads, kv_heads, head_size = facts
-        base.update(heads=heads, kv_heads=kv_heads, head_size=head_size,
-                    requirements=_requirements(name, module, heads, kv_heads, head_size,
-                                               backward))
+        base.update(
+            heads=heads,
+            kv_heads=kv_heads,
+            head_size=head_size,
+            requirements=_requirements(name, module, heads, kv_heads, head_size, backward),
+        )
     else:
-        base.update(heads=None, kv_heads=None, head_size=None,
-                    requirements=Requirements(backward=backward))
+        base.update(
+            heads=None, kv_heads=None, head_size=None, requirements=Requirements(backward=backward)
+        )
     processor = getattr(module, "processor", None)
     if _is_dispatcher(processor) and getattr(processor, "_parallel_config", None) is not None:
         # context parallel: diffusers' dispatcher splits the sequence; only the
         # backends it can run in parallel serve the site, pinned on the processor
         return SiteDescription(
-            **base, route=f"{ROUTE_DISPATCHER} (context parallel) via {owner}",
-            supported=route_backends(processor), current=_dispatcher_current(processor),
+            **base,
+            route=f"{ROUTE_DISPATCHER} (context parallel) via {owner}",
+            supported=route_backends(processor),
+            current=_dispatcher_current(processor),
             pending=facts is None,
         )
     if _route.SDPA in names or _route.DISPATCHER in names:
@@ -264,9 +281,15 @@ def _describe(
         )
         via = "dispatcher" if _route.DISPATCHER in names else "SDPA"
         return SiteDescription(
-            **base, route=f"{ROUTE_GENERIC} ({via} in {owner})", supported=None,
-            current=current, pending=facts is None, routed=True,
-            why=None if facts is not None else (
+            **base,
+            route=f"{ROUTE_GENERIC} ({via} in {owner})",
+            supported=None,
+            current=current,
+            pending=facts is None,
+            routed=True,
+            why=None
+            if facts is not None
+            else (
                 f"{cls} holds no head count and head size; they are read from the query, "
                 f"key and value of its first call"
             ),
@@ -275,19 +298,27 @@ def _describe(
         if called in names:
             only = Backend(backend)
             return SiteDescription(
-                **base, route=f"{only.name} in {owner}", supported=frozenset({only}),
-                current=only, pending=False,
+                **base,
+                route=f"{only.name} in {owner}",
+                supported=frozenset({only}),
+                current=only,
+                pending=False,
                 why=None if facts is not None else f"{cls} holds no head facts",
             )
     if names & _route.BY_HAND:
         only = Backend("eager")
         return SiteDescription(
-            **base, route=f"eager in {owner} (softmax attention by hand)",
-            supported=frozenset({only}), current=only,
+            **base,
+            route=f"eager in {owner} (softmax attention by hand)",
+            supported=frozenset({only}),
+            current=only,
             why=None if facts is not None else f"{cls} holds no head facts",
         )
     return SiteDescription(
-        **base, route=f"own code in {owner}", supported=None, softmax=False,
+        **base,
+        route=f"own code in {owner}",
+        supported=None,
+        softmax=False,
         why=f"{owner} calls no SDPA, dispatcher or softmax (linear attention, say)",
     )
 
@@ -330,8 +361,11 @@ def plan(
         parts.append((name, choice, sites))
     name = title or type(pipe).__name__
     return plan_sites(
-        title=name, source=source or f"<{name} object>", components=parts,
-        config=config, platform=platform,
+        title=name,
+        source=source or f"<{name} object>",
+        components=parts,
+        config=config,
+        platform=platform,
     )
 
 
@@ -350,12 +384,19 @@ class _Pin:
     ``route`` the generic route installed (``None``: none).
     """
 
-    __slots__ = ("backend", "component", "dtype", "name", "original", "processor", "route",
-                 "value")
+    __slots__ = ("backend", "component", "dtype", "name", "original", "processor", "route", "value")
 
-    def __init__(self, component: str, name: str, original: Any, processor: Any,
-                 value: Any, backend: str, dtype: str | None,
-                 route: _route.GenericRoute | None) -> None:
+    def __init__(
+        self,
+        component: str,
+        name: str,
+        original: Any,
+        processor: Any,
+        value: Any,
+        backend: str,
+        dtype: str | None,
+        route: _route.GenericRoute | None,
+    ) -> None:
         self.component = component
         self.name = name
         self.original = original
@@ -411,15 +452,18 @@ def _prepare(
             elif _is_dispatcher(processor):  # context parallel: pin the dispatcher
                 value = _DISPATCHER_BACKENDS.get(backend.name)
                 if value is None:
-                    problems.append(f"{comp}/{site.name}: the dispatcher has no route "
-                                    f"for {backend.name}")
+                    problems.append(
+                        f"{comp}/{site.name}: the dispatcher has no route for {backend.name}"
+                    )
                     continue
                 planned.append(_Planned(comp, module, site, value, False))
             else:
                 only = ",".join(sorted(b.name for b in site.spec.supported or ()))
                 if backend.name != only:
-                    problems.append(f"{comp}/{site.name}: its route ({site.route}) runs only "
-                                    f"{only}, not {backend.name}")
+                    problems.append(
+                        f"{comp}/{site.name}: its route ({site.route}) runs only "
+                        f"{only}, not {backend.name}"
+                    )
                     continue
                 planned.append(_Planned(comp, module, site, "", False))
     return planned, actions, problems
@@ -445,8 +489,10 @@ def _check_kernels(planned: list[_Planned]) -> list[str]:
             if get_kernel(res.backend.name) is None:
                 raise LookupError("no kernel is registered for it")
         except Exception as exc:
-            problems.append(f"{item.component}/{item.site.name}: attnres cannot run "
-                            f"{res.backend.name} here: {exc}")
+            problems.append(
+                f"{item.component}/{item.site.name}: attnres cannot run "
+                f"{res.backend.name} here: {exc}"
+            )
     return problems
 
 
@@ -498,9 +544,15 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     route = None
     if item.route:
         route = _route.GenericRoute(
-            component=site.component, name=site.name, spec=site.spec, heads=site.heads,
-            kv_heads=site.kv_heads, resolution=site.resolution, config=config,
-            scope=scope_state(site.component), platform=platform,
+            component=site.component,
+            name=site.name,
+            spec=site.spec,
+            heads=site.heads,
+            kv_heads=site.kv_heads,
+            resolution=site.resolution,
+            config=config,
+            scope=scope_state(site.component),
+            platform=platform,
         )
         routed = None if original is None else _route.routed_processor(original, route)
         if routed is not None:
@@ -511,11 +563,20 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
             _route.install_route(module, route)
     elif item.value:
         processor = copy.copy(original)
+        assert processor is not None  # a dispatcher site has one
         processor._attention_backend = AttentionBackendName(item.value)
         module.set_processor(processor)
     backend = "" if site.resolution is None else site.resolution.backend.name
-    pin = _Pin(site.component, site.name, original, processor, item.value or None, backend,
-               None if site.spec is None else site.spec.dtype, route)
+    pin = _Pin(
+        site.component,
+        site.name,
+        original,
+        processor,
+        item.value or None,
+        backend,
+        None if site.spec is None else site.spec.dtype,
+        route,
+    )
     module.__dict__[_PIN_ATTR] = pin
     return pin
 
@@ -524,8 +585,7 @@ def _unpin(module: Any, pin: _Pin) -> None:
     _route.remove_route(module)
     if pin.route is not None:
         pin.route.close()
-    if pin.processor is not pin.original and getattr(module, "processor", None) is not \
-            pin.original:
+    if pin.processor is not pin.original and getattr(module, "processor", None) is not pin.original:
         module.set_processor(pin.original)
     module.__dict__.pop(_PIN_ATTR, None)
 
@@ -560,25 +620,47 @@ def verify(pipe: Any) -> list[Problem]:
                 continue
             where = (pin.component, pin.name)
             if getattr(module, "processor", None) is not pin.processor:
-                problems.append(Problem(*where, (
-                    f"processor replaced since apply (now "
-                    f"{type(getattr(module, 'processor', None)).__name__}); "
-                    f"its backend is no longer governed: plan and apply again")))
+                problems.append(
+                    Problem(
+                        *where,
+                        (
+                            f"processor replaced since apply (now "
+                            f"{type(getattr(module, 'processor', None)).__name__}); "
+                            f"its backend is no longer governed: plan and apply again"
+                        ),
+                    )
+                )
             elif pin.value is not None and (
                 pin.processor.__dict__.get("_attention_backend") != pin.value
             ):
-                problems.append(Problem(*where, (
-                    f"pinned backend changed since apply (was {pin.value.value})")))
-            if (pin.route is not None and pin.processor is pin.original
-                    and _route.installed_route(module) is not pin.route):
-                problems.append(Problem(*where, (
-                    "its generic route was removed or replaced since apply: plan and apply "
-                    "again")))
+                problems.append(
+                    Problem(*where, (f"pinned backend changed since apply (was {pin.value.value})"))
+                )
+            if (
+                pin.route is not None
+                and pin.processor is pin.original
+                and _route.installed_route(module) is not pin.route
+            ):
+                problems.append(
+                    Problem(
+                        *where,
+                        (
+                            "its generic route was removed or replaced since apply: plan and apply "
+                            "again"
+                        ),
+                    )
+                )
             dtype = _dtype_of(module, fallback)
             if pin.dtype is not None and dtype != pin.dtype:
-                problems.append(Problem(*where, (
-                    f"cast since apply: planned for {pin.dtype}, now {dtype}; plan and apply "
-                    f"again")))
+                problems.append(
+                    Problem(
+                        *where,
+                        (
+                            f"cast since apply: planned for {pin.dtype}, now {dtype}; plan "
+                            f"and apply again"
+                        ),
+                    )
+                )
     return problems
 
 
@@ -611,15 +693,15 @@ def _sdpa_spy(model: torch.nn.Module, calls: dict[str, int]) -> Iterator[None]:
     names = {id(m): n for n, m in model.named_modules()}
     handles = []
     for module in model.modules():
-        handles.append(module.register_forward_pre_hook(
-            lambda m, *_: stack.append(names[id(m)])))
+        handles.append(module.register_forward_pre_hook(lambda m, *_: stack.append(names[id(m)])))
         handles.append(module.register_forward_hook(lambda m, *_: (stack.pop(), None)[1]))
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     class _Mode(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             if func is sdpa:
                 where = stack[-1] if stack else ""
                 calls[where] = calls.get(where, 0) + 1

@@ -236,9 +236,7 @@ def _compute_dtype(module: Any, model: Any) -> str:
     return normalize_dtype(getattr(model, "dtype", torch.float32))
 
 
-def describe_sites(
-    model: Any, component: str, dtype: str | None = None
-) -> list[SiteDescription]:
+def describe_sites(model: Any, component: str, dtype: str | None = None) -> list[SiteDescription]:
     """Every attention site of ``model``, described for the resolver (nothing changed)."""
     supported = route_backends(model)
     backward = trains(model)
@@ -372,24 +370,33 @@ def prepare(
                 + "); transformers runs one attention function per config"
             )
             continue
-        (function, names), = decided.items()
+        ((function, names),) = decided.items()
         actions.append(_installer(model, component, cfg, function, names, modules))
     return actions, problems
 
 
 def _installer(
-    model: Any, component: str, cfg: Any, function: str, names: list[str],
+    model: Any,
+    component: str,
+    cfg: Any,
+    function: str,
+    names: list[str],
     modules: Mapping[str, Any],
 ) -> Callable[[], None]:
     def install() -> None:
-        rec = _Install(cfg, getattr(cfg, "_attn_implementation_internal", None), function,
-                       _BY_FUNCTION[function])
+        installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
+        old = getattr(cfg, "_attn_implementation_internal", None)
+        for earlier in [r for r in installs if r.config is cfg]:
+            # applied again: one record per config, and remove() still restores
+            # the state before the first apply (issue 20, item 13)
+            old = earlier.old
+            installs.remove(earlier)
+        rec = _Install(cfg, old, function, _BY_FUNCTION[function])
         cfg._attn_implementation_internal = function
         for name in names:
             module = modules[name]
             rec.sites.append((component, name, module))
             rec.dtype[name] = _compute_dtype(module, model)
-        installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
         installs.append(rec)
 
     return install
@@ -421,14 +428,28 @@ def verify_model(model: Any) -> list[Problem]:
         now = getattr(rec.config, "_attn_implementation_internal", None)
         for component, name, module in rec.sites:
             if now != rec.function:
-                problems.append(Problem(component, name, (
-                    f"attention implementation is {now!r} since apply installed "
-                    f"{rec.function!r} ({rec.backend})")))
+                problems.append(
+                    Problem(
+                        component,
+                        name,
+                        (
+                            f"attention implementation is {now!r} since apply installed "
+                            f"{rec.function!r} ({rec.backend})"
+                        ),
+                    )
+                )
             dtype = _compute_dtype(module, model)
             if dtype != rec.dtype[name]:
-                problems.append(Problem(component, name, (
-                    f"cast since apply: planned for {rec.dtype[name]}, now {dtype}; plan "
-                    f"and apply again")))
+                problems.append(
+                    Problem(
+                        component,
+                        name,
+                        (
+                            f"cast since apply: planned for {rec.dtype[name]}, now {dtype}; plan "
+                            f"and apply again"
+                        ),
+                    )
+                )
     return problems
 
 
@@ -438,13 +459,13 @@ def verify(model: Any) -> list[Problem]:
 
 
 def remove(model: Any) -> int:
-    """Restore the attention implementation(s) apply replaced; returns how many."""
+    """Restore the attention implementation(s) apply replaced; returns the number
+    of attention sites restored (each site once, however often apply ran)."""
     installs = model.__dict__.pop(_INSTALLED_ATTR, [])
     for rec in reversed(installs):
         rec.config._attn_implementation_internal = rec.old
-    return len(installs)
+    return len({name for rec in installs for _, name, _ in rec.sites})
 
 
 def is_transformers_model(obj: Any) -> bool:
     return isinstance(obj, transformers.PreTrainedModel)
-
