@@ -124,9 +124,9 @@ def test_done_when_through_attnres_plan_dir(tmp_path, capsys):
     assert comps["transformer"]["dtype"] == "bfloat16"
     assert comps["transformer"]["dtype_source"] == "weights"
     assert comps["vae"]["dtype"] == "float32"
-    assert {s["backend"] for s in comps["transformer"]["sites"]} == {"sage_attn"}
+    assert {s["backend"] for s in comps["transformer"]["layers"]} == {"sage_attn"}
     for name in ("vae", "text_encoder", "text_encoder_2"):
-        assert {(s["backend"], s["reason"]) for s in comps[name]["sites"]} == {
+        assert {(s["backend"], s["reason"]) for s in comps[name]["layers"]} == {
             ("torch_sdpa", "global backend fallback")
         }
     big = tp.flux(head_dim=256, dtype=torch.bfloat16)
@@ -530,9 +530,10 @@ def test_plan_dir_full_flux_has_57_transformer_sites(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
     comps = {c["name"]: c for c in doc["components"]}
-    assert len(comps["transformer"]["sites"]) == 57
-    assert {s["head_size"] for s in comps["transformer"]["sites"]} == {128}
-    assert len(comps["text_encoder_2"]["sites"]) == 24
+    assert sum(la["count"] for la in comps["transformer"]["layers"]) == 57
+    assert sum(len(la["sites"]) for la in comps["transformer"]["layers"]) == 57
+    assert {la["head_size"] for la in comps["transformer"]["layers"]} == {128}
+    assert sum(la["count"] for la in comps["text_encoder_2"]["layers"]) == 24
 
 
 def test_plan_dir_transformers_model_folder(tmp_path, capsys):
@@ -554,9 +555,14 @@ def test_plan_dir_transformers_model_folder(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
     (comp,) = doc["components"]
-    assert comp["name"] == "text_encoder" and len(comp["sites"]) == 3
-    assert {(s["heads"], s["kv_heads"]) for s in comp["sites"]} == {(8, 2)}
-    assert len(list((tmp_path / "traces").glob("*.json"))) == 3
+    assert comp["name"] == "text_encoder" and sum(la["count"] for la in comp["layers"]) == 3
+    assert {(la["heads"], la["kv_heads"]) for la in comp["layers"]} == {(8, 2)}
+    # one trace per row of like sites, and the manifest (issue 20, item 15)
+    (layer,) = comp["layers"]
+    assert [p.name for p in (tmp_path / "traces").glob("*.json")] == [
+        Path(layer["trace_file"]).name
+    ]
+    assert (tmp_path / "traces" / "attnres.manifest").is_file()
 
 
 @pytest.mark.parametrize(
@@ -687,14 +693,14 @@ def test_plan_dir_per_component_flag_is_an_override_and_must_name_a_component(ca
     )
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
-    got = {c["name"]: {(s["backend"], s["origin"]) for s in c["sites"]} for c in doc["components"]}
+    got = {c["name"]: {(s["backend"], s["origin"]) for s in c["layers"]} for c in doc["components"]}
     assert got["text_encoder_2"] == {("torch_sdpa", "component_override")}
     assert got["transformer"] == {("eager", "global_cli")}
     # the VAE's legacy processors run only torch SDPA: the flag falls back there
     # the VAE's processors call SDPA themselves: the generic route runs eager there
     assert got["vae"] == {("eager", "global_cli")}
     assert main(["plan", flux, "--attention-backend", "nope=eager"]) == 2
-    assert "has no model component 'nope'" in " ".join(capsys.readouterr().err.split())
+    assert "has no component 'nope'" in " ".join(capsys.readouterr().err.split())
 
 
 def test_a_stand_in_the_route_cannot_run_is_an_error_in_the_plan():

@@ -34,13 +34,15 @@ from attnres.plan import (
     LayerPlan,
     Pipeline,
     PlanResult,
-    trace_file_name,
+    UnplannedSite,
+    unreached_role_override,
+    write_plan_traces,
 )
 from attnres.platform import Platform
-from attnres.render import render_integration_plan
+from attnres.render import render_plan
 from attnres.runtime import Resolution, component_scope, resolve, selection_config
 from attnres.scope import scope_state
-from attnres.trace import Outcome, Trace, dump_trace
+from attnres.trace import Outcome, Trace
 
 __all__ = [
     "DtypeChoice",
@@ -257,53 +259,38 @@ class IntegrationPlan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        config = self.config
-        groups = self.by_component()
-        return {
-            "status": "ok" if self.ok else "rejected",
-            "pipeline": self.title,
-            "file": self.source,
-            "platform": self.platform.describe(),
-            "simulated": self.platform.simulated,
-            "attention_backend": (
-                None if config.global_backend is None else config.global_backend.name
-            ),
-            "attention_backend_explicit": (
-                None if config.global_backend is None else config.global_backend_explicit
-            ),
-            "components": [
-                {
-                    "name": c.name,
-                    "kind": c.kind,
-                    "status": (
-                        "ok"
-                        if c.error is None and all(s.error is None for s in groups[c.name])
-                        else "rejected"
-                    ),
-                    "dtype": None if c.dtype is None else c.dtype.dtype,
-                    "dtype_source": None if c.dtype is None else c.dtype.source,
-                    "error": c.error,
-                    "sites": [s.to_dict() for s in groups[c.name]],
-                }
-                for c in self.components
-            ],
-        }
+        """The plan as ``attnres plan --json`` prints it: one schema for a pipeline
+        file, a folder and a live pipeline (``PlanResult.to_dict``)."""
+        return self.to_plan_result().to_dict()
 
-    def to_plan_result(self) -> Any:
-        """The same plan as an :class:`attnres.plan.PlanResult` (rows of like sites)."""
+    def to_plan_result(self) -> PlanResult:
+        """The same plan as an :class:`attnres.plan.PlanResult` (rows of like sites):
+        the one plan model ``attnres plan`` renders, serialises and writes."""
         entries: list[ComponentEntry] = []
         planned: list[ComponentPlan] = []
         groups = self.by_component()
         for comp in self.components:
-            rows = _group_rows(groups[comp.name])
             layer_entries = []
             layer_plans = []
-            for pattern, sites in rows:
+            unplanned = []
+            for pattern, sites in _group_rows(groups[comp.name]):
                 first = sites[0]
-                spec = first.spec if first.spec is not None else LayerSpec(1, "float32")
-                layer_entries.append(LayerEntry(pattern, len(sites), spec))
-                if first.trace is None:  # unclassified: no resolution to show
+                if first.trace is None:  # no resolution at plan time
+                    unplanned += [
+                        UnplannedSite(
+                            name=s.name,
+                            module_class=s.module_class,
+                            route=s.route,
+                            status=s.status,
+                            note=s.note,
+                            error=s.error,
+                            code=None if s.site_error is None else s.site_error.code,
+                        )
+                        for s in sites
+                    ]
                     continue
+                assert first.spec is not None
+                layer_entries.append(LayerEntry(pattern, len(sites), first.spec))
                 res = first.resolution
                 layer_plans.append(
                     LayerPlan(
@@ -321,11 +308,18 @@ class IntegrationPlan:
                             )
                         ),
                         trace=first.trace,
+                        sites=tuple(s.name for s in sites),
+                        route=first.route,
+                        heads=first.heads,
+                        kv_heads=first.kv_heads,
                     )
                 )
             entries.append(
                 ComponentEntry(comp.name, comp.kind, None, (), None, tuple(layer_entries))
             )
+            error = comp.error
+            if error is None:
+                error = unreached_role_override(comp.name, layer_plans, self.config)
             planned.append(
                 ComponentPlan(
                     name=comp.name,
@@ -333,7 +327,11 @@ class IntegrationPlan:
                     loader=comp.loader,
                     allow_global_fallback=comp.allow_global_fallback,
                     layers=tuple(layer_plans),
-                    error=comp.error,
+                    error=error,
+                    dtype=None if comp.dtype is None else comp.dtype.dtype,
+                    dtype_source=None if comp.dtype is None else comp.dtype.source,
+                    dtype_detail=None if comp.dtype is None else comp.dtype.detail,
+                    unplanned=tuple(unplanned),
                 )
             )
         pipeline = Pipeline(self.title, self.source, tuple(entries))
@@ -341,27 +339,16 @@ class IntegrationPlan:
 
     def render(self) -> str:
         """The same table as ``attnres plan``, plus each component's dtype and source."""
-        return "\n".join(render_integration_plan(self))
+        return "\n".join(render_plan(self.to_plan_result()))
 
     def dump_traces(self, directory: str | os.PathLike[str]) -> list[Path]:
-        """Write one replayable trace per resolved site; returns the files written."""
-
-        out_dir = Path(directory)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        written: list[Path] = []
-        used: set[str] = set()
-        for site in self.sites:
-            if site.trace is None:
-                continue
-            name = trace_file_name(site.component, site.name)
-            stem, n = name[: -len(".json")], 2
-            while name in used:
-                name, n = f"{stem}-{n}.json", n + 1
-            used.add(name)
-            path = out_dir / name
-            dump_trace(site.trace, path)
-            written.append(path)
-        return written
+        """Write one replayable trace per row of like sites, and the folder's
+        manifest (as ``attnres plan --trace-out``); returns the files written."""
+        return list(
+            write_plan_traces(
+                self.to_plan_result(), directory, written_by=f"attnres plan {self.source}"
+            )
+        )
 
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
