@@ -834,3 +834,70 @@ def test_generic_route_runs_the_decided_kernel_and_remove_restores():
     assert idf.remove({"unet": unet}) == len(plan.sites)
     assert [m.processor for m in unet.modules() if hasattr(m, "processor")] == procs
     assert torch.equal(unet(**x).sample, ref)
+
+
+# --- one plan model: TOML, folder and live pipeline (issue 20, items 8, 15, 17) ----
+
+
+def test_plan_dir_takes_role_overrides_as_the_toml_path_does(capsys):
+    flux = str(ROOT / "examples" / "flux.1-dev")
+    code = main(["plan", flux, "--json", "--attention-backend", "vae.self=eager"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    vae = next(c for c in doc["components"] if c["name"] == "vae")
+    assert {(la["backend"], la["origin"]) for la in vae["layers"]} == {("eager", "role_override")}
+
+
+@pytest.mark.parametrize(
+    "target", [str(ROOT / "examples" / "cpu-small.toml"), str(ROOT / "examples" / "flux.1-dev")]
+)
+def test_a_command_line_role_override_that_reaches_no_layer_is_rejected(target, capsys):
+    # the VAE has no cross-attention layer: the override applies nowhere, which
+    # a pipeline file's own role_backends entry is rejected for too
+    code = main(["plan", target, "--json", "--attention-backend", "vae.cross=eager"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1 and doc["status"] == "rejected"
+    vae = next(c for c in doc["components"] if c["name"] == "vae")
+    assert "vae.cross=eager" in vae["error"] and "applies nowhere" in vae["error"]
+
+
+def test_one_json_schema_for_toml_and_folder_plans(capsys):
+    main(["plan", str(ROOT / "examples" / "cpu-small.toml"), "--json"])
+    toml = json.loads(capsys.readouterr().out)
+    main(["plan", str(ROOT / "examples" / "flux.1-dev"), "--json"])
+    folder = json.loads(capsys.readouterr().out)
+    assert set(toml) == set(folder)
+    assert set(toml["components"][0]) == set(folder["components"][0])
+    assert set(toml["components"][0]["layers"][0]) == set(folder["components"][0]["layers"][0])
+    assert folder["components"][0]["layers"][0]["sites"]  # a folder row names its sites
+    assert toml["components"][0]["layers"][0]["sites"] == []
+
+
+def test_plan_dir_autotune_says_which_rows_would_be_measured(capsys):
+    flux = str(ROOT / "examples" / "flux.1-dev")
+    assert main(["plan", flux, "--json", "--autotune"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all(isinstance(la["autotune"], bool) for c in doc["components"] for la in c["layers"])
+    assert any(la["autotune"] for c in doc["components"] for la in c["layers"])
+    assert main(["plan", flux, "--autotune"]) == 0
+    assert "Autotune:" in capsys.readouterr().out
+
+
+def test_plan_dir_trace_out_writes_the_manifest_and_stale_traces_fail_replay(tmp_path, capsys):
+    from attnres.replayer import replay_paths
+
+    out = tmp_path / "traces"
+    assert main(["plan", str(ROOT / "examples" / "cpu-small.toml"), "--trace-out", str(out)]) == 0
+    stale = sorted(p.name for p in out.glob("*.json"))
+    assert main(["plan", str(ROOT / "examples" / "flux.1-dev"), "--trace-out", str(out)]) == 0
+    capsys.readouterr()
+    manifest = json.loads((out / "attnres.manifest").read_text())
+    assert manifest["complete"] and manifest["files"]
+    assert not set(stale) & set(manifest["files"])
+    run = replay_paths([out])
+    assert run.invalid
+    assert any("not listed in attnres.manifest" in p for p in run.path_problems)
+    for name in stale:
+        (out / name).unlink()
+    clean = replay_paths([out])
+    assert not clean.invalid and not clean.diverged
