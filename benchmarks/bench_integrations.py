@@ -91,7 +91,8 @@ def test_generic_route_vs_site_calling_the_kernel_itself(
     class Itself:
         """The kernel called as the site would call it itself: no check, no lookup."""
 
-        homes: list[str] = []
+        def __init__(self) -> None:
+            self.homes: list[str] = []
 
         def __call__(self, q: Any, k: Any, v: Any, attn_mask: Any = None,
                      dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
