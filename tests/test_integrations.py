@@ -336,7 +336,7 @@ def test_fact_function_without_mask_function_drops_padding():
     out = model(input_ids=ids, attention_mask=mask).last_hidden_state
     assert not torch.allclose(ref[:, 2:], out[:, 2:], atol=1e-3)
     # attnres's route never counts such a name
-    assert "attnres_test_nomask" not in itf.FUNCTIONS.values()
+    assert "attnres_test_nomask" not in itf._FUNCTIONS.values()
 
 
 def test_route_counts_only_functions_with_a_mask_function(monkeypatch):
@@ -901,3 +901,33 @@ def test_plan_dir_trace_out_writes_the_manifest_and_stale_traces_fail_replay(tmp
         (out / name).unlink()
     clean = replay_paths([out])
     assert not clean.invalid and not clean.diverged
+
+
+def test_the_integrations_export_no_mutable_tables():
+    # issue 21: the tables are read-only and private; a fact lives in code or in a
+    # read-only table naming the library version it was checked against
+    from types import ModuleType
+
+    for module in (idf, itf):
+        for name in module.__all__:
+            value = getattr(module, name)
+            assert not isinstance(value, (dict, list, set)), f"{module.__name__}.{name}"
+        for name, value in vars(module).items():
+            if name.isupper() or name.startswith("_") and name[1:].isupper():
+                assert not isinstance(value, (dict, list, set)), f"{module.__name__}.{name}"
+    assert isinstance(idf, ModuleType)
+
+
+def test_transformers_sites_are_found_by_the_interface_call_bert_included():
+    # Bert (HunyuanDiT's text encoder) was not governed: its attention classes are
+    # in no table; its code calls the attention interface
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                        intermediate_size=37, vocab_size=64)
+    model = BertModel(config).eval()
+    plan = itf.plan(model, "text_encoder")
+    assert plan.ok and len(plan.sites) == 2
+    assert {(s.heads, s.spec.head_size) for s in plan.sites} == {(4, 8)}
+    eager = itf.plan(model, "text_encoder", SelectionConfig(global_backend="eager"))
+    assert {s.backend.name for s in eager.sites} == {"eager"}

@@ -43,8 +43,9 @@ from torch.overrides import TorchFunctionMode
 from attnres._vocab import normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import ResolutionError
+from attnres.integrations._plan import SiteDescription
 from attnres.kernels import get_kernel
-from attnres.layer import LayerSpec, SelectionConfig
+from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.platform import Platform
 from attnres.runtime import Resolution, lookup
 from attnres.scope import ScopeState
@@ -90,6 +91,9 @@ def calls_of(functions: Iterable[Any], depth: int = 2) -> frozenset[str]:
     while todo:
         func, level = todo.pop()
         func = getattr(func, "__func__", func)
+        wrapped = getattr(func, "__wrapped__", None)
+        if wrapped is not None:  # a decorated method: its own code is the wrapped one
+            todo.append((wrapped, level))
         code = getattr(func, "__code__", None)
         if not isinstance(code, types.CodeType) or id(code) in seen:
             continue
@@ -145,6 +149,30 @@ def head_facts(module: Any) -> tuple[int, int, int] | None:
         return None
     kv = _int_attr(module, _KV_HEADS)
     return heads, (kv if kv is not None and heads % kv == 0 else heads), size
+
+
+def describe_mha(
+    component: str, name: str, module: Any, dtype: str, backward: bool
+) -> SiteDescription:
+    """A ``torch.nn.MultiheadAttention``: a site of torch's own code path, which runs
+    SDPA with ``need_weights=False`` and the same softmax by hand otherwise (the
+    default); attnres cannot route either to another kernel, so it is described
+    as running torch SDPA only, and a request for another backend says so."""
+    heads = int(module.num_heads)
+    only = Backend("torch_sdpa")
+    return SiteDescription(
+        component=component,
+        name=name,
+        module_class=type(module).__name__,
+        route="torch_sdpa in torch.nn.MultiheadAttention (its own code path)",
+        supported=frozenset({only}),
+        head_size=int(module.head_dim),
+        heads=heads,
+        kv_heads=heads,
+        dtype=dtype,
+        requirements=Requirements(backward=backward),
+        current=only,
+    )
 
 
 # =============================================================================

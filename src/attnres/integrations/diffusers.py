@@ -234,8 +234,8 @@ def _describe(
     cls = type(module).__name__
     attention_module = isinstance(module, (AttentionModuleMixin, _LegacyAttention))
     if isinstance(module, torch.nn.MultiheadAttention):
-        owner, names = cls, frozenset({_route.SDPA})
-    elif attention_module:
+        return _route.describe_mha(component, name, module, dtype, backward)
+    if attention_module:
         owner, names = _attention_code(module)
     else:
         own = _route.calls_of(_route.methods_of(module), depth=1)
@@ -243,8 +243,6 @@ def _describe(
             return None
         owner, names = cls, own
     facts = _route.head_facts(module)
-    if isinstance(module, torch.nn.MultiheadAttention):
-        facts = (module.num_heads, module.num_heads, module.head_dim)
     base: dict[str, Any] = {
         "component": component,
         "name": name,
