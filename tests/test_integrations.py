@@ -906,16 +906,13 @@ def test_plan_dir_trace_out_writes_the_manifest_and_stale_traces_fail_replay(tmp
 def test_the_integrations_export_no_mutable_tables():
     # issue 21: the tables are read-only and private; a fact lives in code or in a
     # read-only table naming the library version it was checked against
-    from types import ModuleType
-
     for module in (idf, itf):
         for name in module.__all__:
             value = getattr(module, name)
             assert not isinstance(value, (dict, list, set)), f"{module.__name__}.{name}"
         for name, value in vars(module).items():
-            if name.isupper() or name.startswith("_") and name[1:].isupper():
+            if name.isupper() or (name.startswith("_") and name[1:].isupper()):
                 assert not isinstance(value, (dict, list, set)), f"{module.__name__}.{name}"
-    assert isinstance(idf, ModuleType)
 
 
 def test_transformers_sites_are_found_by_the_interface_call_bert_included():
