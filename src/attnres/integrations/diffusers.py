@@ -232,7 +232,11 @@ def _describe(
     component: str, name: str, module: Any, dtype: str, backward: bool
 ) -> SiteDescription | None:
     cls = type(module).__name__
-    attention_module = isinstance(module, (AttentionModuleMixin, _LegacyAttention))
+    # a diffusers attention module, or any module that hands its call to a processor
+    attention_module = isinstance(module, (AttentionModuleMixin, _LegacyAttention)) or (
+        callable(getattr(module, "processor", None))
+        and not isinstance(module, torch.nn.ModuleList)
+    )
     if isinstance(module, torch.nn.MultiheadAttention):
         return _route.describe_mha(component, name, module, dtype, backward)
     if attention_module:
