@@ -26,6 +26,7 @@ from attnres.cli import main
 from attnres.integrations import IntegrationError
 from attnres.integrations import diffusers as idf
 from attnres.integrations import transformers as itf
+from attnres.scope import scope_state
 
 SIM = "cuda:sm90+flash_attn+sageattention"
 SAGE = SelectionConfig(global_backend="sage_attn")
@@ -928,3 +929,45 @@ def test_transformers_sites_are_found_by_the_interface_call_bert_included():
     assert {(s.heads, s.spec.head_size) for s in plan.sites} == {(4, 8)}
     eager = itf.plan(model, "text_encoder", SelectionConfig(global_backend="eager"))
     assert {s.backend.name for s in eager.sites} == {"eager"}
+
+
+def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error():
+    # Chroma, LTX-2, Qwen-Image: a text-padding mask reached sage, which raised
+    # its own "attn_mask is not supported". The route sees the mask first.
+    from attnres.errors import ResolutionError
+    from attnres.integrations import _route
+
+    pipe = tp.flux(dtype=torch.bfloat16)
+    sim = Platform.simulate(SIM)
+    plan = idf.plan({"transformer": pipe.transformer}, SAGE, sim)
+    site = plan.sites[0]
+    assert site.backend.name == "sage_attn" and "dispatcher" in site.route
+    from attnres.kernels import register_kernel, unregister_kernel
+
+    reached = []
+
+    def fake_sage(q, k, v, attn_mask, causal, scale):  # sageattn: no mask argument
+        reached.append(attn_mask)
+        return q
+
+    register_kernel("sage_attn", fake_sage, replace=True)
+    try:
+        route = _route.GenericRoute(
+            component="transformer", name=site.name, spec=site.spec, heads=site.heads,
+            kv_heads=site.kv_heads, resolution=site.resolution, config=SAGE,
+            scope=scope_state("transformer"), platform=sim,
+        )
+    finally:
+        unregister_kernel("sage_attn")
+    dispatch = route.dispatcher(lambda *a, **k: reached.append(a))
+    q = torch.randn(1, 6, site.heads, site.spec.head_size, dtype=torch.bfloat16)
+    assert dispatch(q, q, q) is q and reached == [None]  # the planned signature: sage
+    reached.clear()
+    q = torch.randn(1, 6, site.heads, site.spec.head_size, dtype=torch.bfloat16)
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    with pytest.raises(ResolutionError) as info:
+        dispatch(q, q, q, attn_mask=mask)
+    assert site.name in str(info.value) and "attention mask" in str(info.value)
+    assert reached == []
+    (first,) = route.first_calls
+    assert first.facts.mask == _route.MaskFacts(True, "bool", (1, 1, 6, 6))
