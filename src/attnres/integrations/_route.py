@@ -436,12 +436,7 @@ class GenericRoute:
         **extra: Any,
     ) -> Any:
         """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim)."""
-        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, -3)
-        kernel = (
-            self.kernels[key]
-            if key in self.kernels
-            else self._first_call(CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale))
-        )
+        kernel = self._kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, -3)
         if kernel is None:
             return _SDPA(
                 q,
@@ -462,6 +457,24 @@ class GenericRoute:
             scale,
         )
         return out.transpose(-3, -2)
+
+    def _kernel_for(
+        self,
+        q: Any,
+        k: Any,
+        attn_mask: Any,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        heads_dim: int,
+    ) -> _KernelFn | None:
+        """The kernel of this call's signature (checked once per signature)."""
+        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+        if key in self.kernels:
+            return self.kernels[key]
+        return self._first_call(
+            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+        )
 
     def close(self) -> None:
         """Forget the homes of its rebound functions (the route was removed)."""
@@ -485,14 +498,7 @@ class GenericRoute:
             attention_kwargs: Any = None,
             **rest: Any,
         ) -> Any:
-            sig = call_key(query, key, attn_mask, dropout_p, is_causal, scale, -2)
-            kernel = (
-                self.kernels[sig]
-                if sig in self.kernels
-                else self._first_call(
-                    CallFacts.observe(query, key, attn_mask, dropout_p, is_causal, scale, -2)
-                )
-            )
+            kernel = self._kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
             if kernel is None:
                 return original(
                     query,

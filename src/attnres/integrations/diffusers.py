@@ -234,8 +234,7 @@ def _describe(
     cls = type(module).__name__
     # a diffusers attention module, or any module that hands its call to a processor
     attention_module = isinstance(module, (AttentionModuleMixin, _LegacyAttention)) or (
-        callable(getattr(module, "processor", None))
-        and not isinstance(module, torch.nn.ModuleList)
+        callable(getattr(module, "processor", None)) and not isinstance(module, torch.nn.ModuleList)
     )
     if isinstance(module, torch.nn.MultiheadAttention):
         return _route.describe_mha(component, name, module, dtype, backward)
