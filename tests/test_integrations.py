@@ -810,26 +810,26 @@ def test_first_call_with_a_fact_the_plan_did_not_allow_falls_back_or_raises():
         assert idf.routes({comp: unet}) == {}
 
 
-def test_generic_route_runs_the_decided_kernel_and_remove_restores():
+def test_generic_route_runs_the_decided_kernel_and_remove_restores(monkeypatch):
+    from attnres.integrations import _route
+    from attnres.kernels import get_kernel
+
     unet = tp.unet()
     x = tp.unet_inputs()
     ref = unet(**x).sample
     procs = [m.processor for m in unet.modules() if hasattr(m, "processor")]
     seen = []
-    from attnres.kernels import get_kernel, register_kernel, unregister_kernel
-
     eager = get_kernel("eager")
 
     def spy(q, k, v, attn_mask, causal, scale):
         seen.append(tuple(q.shape))
         return eager(q, k, v, attn_mask, causal, scale)
 
-    register_kernel("eager", spy, replace=True)
-    try:
-        plan = idf.apply({"unet": unet}, SelectionConfig(global_backend="eager"))
-        out = unet(**x).sample
-    finally:
-        unregister_kernel("eager")
+    monkeypatch.setattr(
+        _route, "get_kernel", lambda name: spy if name == "eager" else get_kernel(name)
+    )
+    plan = idf.apply({"unet": unet}, SelectionConfig(global_backend="eager"))
+    out = unet(**x).sample
     assert len(seen) >= len(plan.sites)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert idf.remove({"unet": unet}) == len(plan.sites)
@@ -931,7 +931,7 @@ def test_transformers_sites_are_found_by_the_interface_call_bert_included():
     assert {s.backend.name for s in eager.sites} == {"eager"}
 
 
-def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error():
+def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error(monkeypatch):
     # Chroma, LTX-2, Qwen-Image: a text-padding mask reached sage, which raised
     # its own "attn_mask is not supported". The route sees the mask first.
     from attnres.errors import ResolutionError
@@ -942,23 +942,21 @@ def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error(
     plan = idf.plan({"transformer": pipe.transformer}, SAGE, sim)
     site = plan.sites[0]
     assert site.backend.name == "sage_attn" and "dispatcher" in site.route
-    from attnres.kernels import register_kernel, unregister_kernel
-
     reached = []
 
     def fake_sage(q, k, v, attn_mask, causal, scale):  # sageattn: no mask argument
         reached.append(attn_mask)
         return q
 
-    register_kernel("sage_attn", fake_sage, replace=True)
-    try:
-        route = _route.GenericRoute(
-            component="transformer", name=site.name, spec=site.spec, heads=site.heads,
-            kv_heads=site.kv_heads, resolution=site.resolution, config=SAGE,
-            scope=scope_state("transformer"), platform=sim,
-        )
-    finally:
-        unregister_kernel("sage_attn")
+    real = _route.get_kernel
+    monkeypatch.setattr(
+        _route, "get_kernel", lambda name: fake_sage if name == "sage_attn" else real(name)
+    )
+    route = _route.GenericRoute(
+        component="transformer", name=site.name, spec=site.spec, heads=site.heads,
+        kv_heads=site.kv_heads, resolution=site.resolution, config=SAGE,
+        scope=scope_state("transformer"), platform=sim,
+    )
     dispatch = route.dispatcher(lambda *a, **k: reached.append(a))
     q = torch.randn(1, 6, site.heads, site.spec.head_size, dtype=torch.bfloat16)
     assert dispatch(q, q, q) is q and reached == [None]  # the planned signature: sage
