@@ -969,3 +969,16 @@ def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error(
     assert reached == []
     (first,) = route.first_calls
     assert first.facts.mask == _route.MaskFacts(True, "bool", (1, 1, 6, 6))
+
+
+def test_apply_refuses_a_role_override_that_reaches_no_site():
+    unet = tp.unet()
+    config = SelectionConfig(component_backends={"vae.cross": "eager"})
+    vae = torch.nn.Module()  # self-attention only
+    vae.block = next(m for n, m in unet.named_modules() if n.endswith("attn1"))
+    plan = idf.plan({"vae": vae}, config)
+    assert not plan.ok and "applies nowhere" in plan.errors[0]
+    assert "applies nowhere" in plan.render()
+    with pytest.raises(IntegrationError):
+        idf.apply({"vae": vae}, config)
+    assert idf.routes({"vae": vae}) == {}

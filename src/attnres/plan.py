@@ -741,7 +741,8 @@ def unreached_role_override(
     ``config``) that reaches none of ``component``'s layers, as a role override
     in a pipeline file is (SPEC 3.6); ``None`` when every one reaches a layer.
 
-    ``layers`` are :class:`LayerPlan` rows (their traces hold each layer's role).
+    ``layers`` are :class:`LayerPlan` rows or integration sites (anything whose
+    ``trace`` holds the layer's role).
     """
     key = normalize_component(component)
     roles = {layer.trace.input.layer.role for layer in layers}

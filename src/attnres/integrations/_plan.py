@@ -318,8 +318,6 @@ class IntegrationPlan:
                 ComponentEntry(comp.name, comp.kind, None, (), None, tuple(layer_entries))
             )
             error = comp.error
-            if error is None:
-                error = unreached_role_override(comp.name, layer_plans, self.config)
             planned.append(
                 ComponentPlan(
                     name=comp.name,
@@ -402,10 +400,16 @@ def plan_sites(
     for comp, dtype, described in components:
         state = scope_state(comp)
         relaxed = state.allow_global_fallback
+        first = len(sites)
         with component_scope(comp):
             for desc in described:
                 sites.append(_plan_one(desc, relaxed, cfg, plat))
-        infos.append(ComponentInfo(comp, state.kind, state.loader, relaxed, dtype))
+        # a command-line role override that reaches none of its sites is an
+        # error, as for a pipeline file (and apply refuses it)
+        error = unreached_role_override(
+            comp, [s for s in sites[first:] if s.trace is not None], cfg
+        )
+        infos.append(ComponentInfo(comp, state.kind, state.loader, relaxed, dtype, error))
     return IntegrationPlan(title, source, cfg, plat, tuple(infos), tuple(sites))
 
 
