@@ -79,6 +79,31 @@ _TEST_CONFIGS: dict[str, dict[str, Any]] = {
         "num_activated_experts": 2, "axes_dims_rope": (4, 2, 2), "max_resolution": (32, 32),
         "llama_layers": (0, 1),
     },
+    "LatteTransformer3DModel": {
+        "sample_size": 8, "num_layers": 2, "patch_size": 2, "attention_head_dim": 4,
+        "num_attention_heads": 2, "caption_channels": 8, "in_channels": 4,
+        "cross_attention_dim": 8, "out_channels": 8, "attention_bias": True,
+        "activation_fn": "gelu-approximate", "num_embeds_ada_norm": 1000,
+        "norm_type": "ada_norm_single", "norm_elementwise_affine": False, "norm_eps": 1e-6,
+    },
+    "LuminaNextDiT2DModel": {
+        "sample_size": 16, "patch_size": 2, "in_channels": 4, "hidden_size": 24,
+        "num_layers": 2, "num_attention_heads": 3, "num_kv_heads": 1, "multiple_of": 16,
+        "ffn_dim_multiplier": None, "norm_eps": 1e-5, "learn_sigma": False, "qk_norm": True,
+        "cross_attention_dim": 32, "scaling_factor": 1.0,
+    },
+    "OmniGenTransformer2DModel": {
+        "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 32, "num_layers": 20, "pad_token_id": 0, "vocab_size": 1000,
+        "in_channels": 4, "time_step_dim": 4,
+        "rope_scaling": {"long_factor": [1, 2], "short_factor": [1, 2]},
+    },
+    "EasyAnimateTransformer3DModel": {
+        "attention_head_dim": 16, "num_attention_heads": 2, "in_channels": 4,
+        "mmdit_layers": 2, "num_layers": 2, "out_channels": 4, "patch_size": 2,
+        "sample_height": 60, "sample_width": 90, "text_embed_dim": 16, "time_embed_dim": 8,
+        "time_position_encoding_type": "3d_rope", "timestep_activation_fn": "silu",
+    },
 }
 
 
