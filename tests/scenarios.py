@@ -204,6 +204,17 @@ _HOPPER_ALL = "cuda:sm90+all"
 _SGLANG = SelectionConfig(profile="sglang")
 
 
+def _sglang_scope(role: Role, backend: str, component_backend: str | None = None) -> ScopeState:
+    """SGLang's component context for 'transformer' with one role override."""
+    return ScopeState(
+        "transformer",
+        "sglang",
+        "sglang component context",
+        None if component_backend is None else Backend(component_backend),
+        ((role, Backend(backend)),),
+    )
+
+
 def _host(kind: str, *answers: tuple[str, str | None]) -> Platform:
     return Platform(
         kind,
@@ -1330,13 +1341,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "'cross-attention override' as its reason, as SGLang does.",
         _layer(head_size=128, role="cross"),
         _SGLANG,
-        ScopeState(
-            "transformer",
-            "sglang",
-            "sglang component context",
-            Backend("fa"),
-            ((Role.CROSS, Backend("torch_sdpa")),),
-        ),
+        _sglang_scope(Role.CROSS, "torch_sdpa", component_backend="fa"),
         _host("cuda", ("torch_sdpa", "torch_sdpa")),
         None,
         expect=selects("torch_sdpa", "cross-attention override", origin="role_override"),
@@ -1347,13 +1352,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "'self-attention override' as its reason.",
         _layer(head_size=128),
         _SGLANG,
-        ScopeState(
-            "transformer",
-            "sglang",
-            "sglang component context",
-            None,
-            ((Role.SELF, Backend("sage_attn")),),
-        ),
+        _sglang_scope(Role.SELF, "sage_attn"),
         _host("cuda", ("sage_attn", "sage_attn")),
         None,
         expect=selects("sage_attn", "self-attention override", origin="role_override"),
