@@ -45,3 +45,24 @@ def test_bool_is_never_an_integer_for_either_loader() -> None:
     assert _codec.missing_keys({"a": 1}, ("a", "b")) == ["b"]
     assert _codec.unknown_keys({"a": 1, "z": 2}, ("a",)) == ["z"]
     assert _codec.closest_key("head_sise", plan._LAYER_KEYS) == "head_size"
+
+
+def test_the_trace_and_pipeline_loaders_share_one_error_format() -> None:
+    """FILE: WHERE: MESSAGE on one line, for a JSON trace (where = the JSON path) and
+    a TOML pipeline (where = component and layer): both come from _codec.located."""
+    import json
+
+    from attnres.errors import TraceFormatError
+    from attnres.trace import trace_from_json
+
+    with pytest.raises(TraceFormatError) as trace_err:
+        trace_from_json(json.dumps({"schema_version": 2, "input": {}}), source="t.json")
+    assert trace_err.value.path == "t.json" and trace_err.value.where == "$.digest"
+    assert str(trace_err.value).startswith("t.json: $.digest: missing field (a trace has: ")
+
+    layer = {"name": "attn", "head_size": "64", "dtype": "float16"}
+    with pytest.raises(PipelineError) as plan_err:
+        parse_pipeline({"components": [{"name": "tr", "layers": [layer]}]}, source="p.toml")
+    assert str(plan_err.value).startswith("p.toml: component 'tr' (components[0]): layer 'attn'")
+    # located joins the parts and keeps the message on one line
+    assert _codec.located("f", "$.a", message="bad\n  value") == "f: $.a: bad value"
