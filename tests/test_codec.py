@@ -66,3 +66,33 @@ def test_the_trace_and_pipeline_loaders_share_one_error_format() -> None:
     assert str(plan_err.value).startswith("p.toml: component 'tr' (components[0]): layer 'attn'")
     # located joins the parts and keeps the message on one line
     assert _codec.located("f", "$.a", message="bad\n  value") == "f: $.a: bad value"
+
+
+def test_a_trace_error_names_the_json_path_through_keys_lists_and_odd_keys() -> None:
+    """The path of a failure deep in a trace (the codec nests failures as cattrs'
+    detailed validation does; transform_error writes the path)."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from attnres.errors import TraceFormatError
+    from attnres.trace import trace_from_dict
+
+    root = Path(__file__).resolve().parent.parent / "traces"
+    doc = json.loads((root / "layer-fa-float32-rejected-dtype.json").read_text())
+    index = next(i for i, r in enumerate(doc["records"]) if r["kind"] == "check" and r["failures"])
+    cases = []
+    bad = copy.deepcopy(doc)
+    bad["records"][index]["failures"][0]["code"] = 7
+    cases.append((bad, f"$.records[{index}].failures[0].code"))
+    bad = copy.deepcopy(doc)
+    bad["input"]["config"]["component_backends"] = {"text_encoder.cross": 5}
+    cases.append((bad, '$.input.config.component_backends["text_encoder.cross"]'))
+    bad = copy.deepcopy(doc)
+    bad["input"]["platform"]["packages"][0]["status"] = "gone"
+    cases.append((bad, "$.input.platform.packages[0].status"))
+    for broken, where in cases:
+        with pytest.raises(TraceFormatError) as err:
+            trace_from_dict(broken, source="t.json")
+        assert err.value.where == where
+        assert str(err.value).startswith(f"t.json: {where}: ")

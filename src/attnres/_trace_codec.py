@@ -30,8 +30,15 @@ from typing import Any, Protocol, Union
 
 import attrs
 import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    IterableValidationError,
+    IterableValidationNote,
+)
 from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.strategies import configure_tagged_union
+from cattrs.v import transform_error
 
 from attnres._codec import (
     field_names,
@@ -132,27 +139,47 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _locate(exc: BaseException) -> tuple[str, str]:
-    """The relative path and message of the first leaf failure inside ``exc``."""
+class _Key(str):
+    """An object key that is no identifier, as cattrs' ``transform_error`` writes
+    a mapping step (``[repr]``): the JSON form, ``["odd key"]``."""
+
+    def __repr__(self) -> str:
+        return json.dumps(str(self), ensure_ascii=True)
+
+
+def _under(step: str | int, exc: Exception) -> Exception:
+    """``exc`` one step deeper, nested as cattrs' detailed validation nests it (a
+    field note for an identifier key, an index note for a list index or any
+    other key), so ``transform_error`` writes the JSON path."""
+    if isinstance(step, str) and _IDENT.fullmatch(step):
+        exc.__notes__ = [AttributeValidationNote(f"Structuring field {step}", step, object)]  # type: ignore[attr-defined]
+        return ClassValidationError(f"invalid {step}", [exc], object)
+    index: int | str = step if isinstance(step, int) else _Key(step)
+    exc.__notes__ = [IterableValidationNote(f"Structuring at {index!r}", index, object)]  # type: ignore[attr-defined]
+    return IterableValidationError(f"invalid item {index!r}", [exc], object)
+
+
+def _within(steps: tuple[str | int, ...], exc: Exception) -> Exception:
+    for step in reversed(steps):
+        exc = _under(step, exc)
+    return exc
+
+
+def _leaf(exc: BaseException, _: type | None) -> str:
+    # the leaf's own path (an Invalid names the key it is about), then its
+    # message; \x00 and \x01 delimit them in transform_error's "text @ path"
     if isinstance(exc, Invalid):
-        return exc.path, exc.message
-    if isinstance(exc, cattrs.ClassValidationError):  # defensive: hooks here never make these
-        with_notes, without = exc.group_exceptions()
-        if with_notes:
-            sub, note = with_notes[0]
-            inner, message = _locate(sub)
-            return _key_path(note.name) + inner, message
-        if without:
-            return _locate(without[0])
-    if isinstance(exc, cattrs.IterableValidationError):
-        with_idx, without = exc.group_exceptions()
-        if with_idx:
-            sub, idx_note = with_idx[0]
-            inner, message = _locate(sub)
-            return f"[{idx_note.index}]" + inner, message
-        if without:
-            return _locate(without[0])
-    return "", str(exc) or type(exc).__name__
+        return f"{exc.path}\x00{exc.message}\x01"
+    return f"\x00{str(exc) or type(exc).__name__}\x01"
+
+
+def _flatten(exc: BaseException) -> Invalid:
+    """The first failure in ``exc`` as one :class:`Invalid` with its full relative
+    path: cattrs' ``transform_error`` walks the nesting."""
+    first = transform_error(exc, path="", format_exception=_leaf)[0]
+    text, _, where = first.partition("\x01 @ ")
+    leaf_path, _, message = text.partition("\x00")
+    return Invalid(where + leaf_path, message)
 
 
 # =============================================================================
@@ -311,8 +338,8 @@ def _optional_inner(tp: Any) -> Any | None:
     return None
 
 
-def _structure_at(conv: cattrs.Converter, value: Any, tp: Any, path: str) -> Any:
-    """Structure ``value`` as ``tp``; failures come out as ``Invalid`` under ``path``."""
+def _structure_at(conv: cattrs.Converter, value: Any, tp: Any, *steps: str | int) -> Any:
+    """Structure ``value`` as ``tp``; a failure is nested under ``steps``."""
     try:
         inner = _optional_inner(tp)
         if inner is not None:
@@ -320,11 +347,8 @@ def _structure_at(conv: cattrs.Converter, value: Any, tp: Any, path: str) -> Any
         if value is None:
             raise Invalid("", f"expected {_expected(tp)}, got null")
         return conv.structure(value, tp)
-    except Invalid as exc:
-        raise Invalid(path + exc.path, exc.message) from None
     except Exception as exc:
-        inner_path, message = _locate(exc)
-        raise Invalid(path + inner_path, message) from None
+        raise _within(steps, exc) from None
 
 
 def _expected(tp: Any) -> str:
@@ -359,7 +383,7 @@ def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], An
         def structure_many(value: Any, _: Any) -> tuple[Any, ...]:
             if not isinstance(value, list):
                 raise Invalid("", f"expected a list, got {describe(value)}")
-            return tuple(_structure_at(conv, v, item, f"[{i}]") for i, v in enumerate(value))
+            return tuple(_structure_at(conv, v, item, i) for i, v in enumerate(value))
 
         return structure_many
     items = typing.get_args(tp)
@@ -368,8 +392,7 @@ def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], An
         if not isinstance(value, list) or len(value) != len(items):
             raise Invalid("", f"expected a list of {len(items)} items, got {describe(value)}")
         return tuple(
-            _structure_at(conv, v, t, f"[{i}]")
-            for i, (v, t) in enumerate(zip(value, items, strict=True))
+            _structure_at(conv, v, t, i) for i, (v, t) in enumerate(zip(value, items, strict=True))
         )
 
     return structure_fixed
@@ -395,12 +418,11 @@ def _make_attrs_hook(
         for a in fields:
             if a.name not in obj:  # an omitted optional field: its default
                 continue
-            path = _key_path(a.name)
-            v = _structure_at(conv, obj[a.name], a.type, path)
+            v = _structure_at(conv, obj[a.name], a.type, a.name)
             check = _FIELD_CHECKS.get((cls, a.name))
             problem = None if check is None else check(v)
             if problem is not None:
-                raise Invalid(path, problem)
+                raise _under(a.name, Invalid("", problem))
             kwargs[a.name] = v
         try:
             return cls(**kwargs)
@@ -418,8 +440,8 @@ _SCOPE_KEYS = field_names(ScopeState)
 def _field(obj: dict[str, Any], key: str, fn: Callable[[Any], Any]) -> Any:
     try:
         return fn(obj[key])
-    except Invalid as exc:
-        raise Invalid(_key_path(key) + exc.path, exc.message) from None
+    except Exception as exc:
+        raise _under(key, exc) from None
 
 
 def _optional(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -435,8 +457,8 @@ def _backend_list(value: Any) -> list[Backend]:
     for i, item in enumerate(value):
         try:
             out.append(_structure_backend(item))
-        except Invalid as exc:
-            raise Invalid(f"[{i}]" + exc.path, exc.message) from None
+        except Exception as exc:
+            raise _under(i, exc) from None
     return out
 
 
@@ -495,7 +517,7 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
     try:
         _exact_keys(obj, keys, f"requirements in schema version {version}")
     except Invalid as exc:
-        raise Invalid(".input.layer.requirements" + exc.path, exc.message) from None
+        raise _within(("input", "layer", "requirements"), exc) from None
 
 
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
@@ -753,7 +775,15 @@ class Document:
 
 
 def structure_document(doc: Any) -> Document:
-    """Structure a trace's JSON document; :class:`Invalid` at the first problem."""
+    """Structure a trace's JSON document; :class:`Invalid` at the first problem,
+    with its JSON path relative to the document (``.input.layer.head_size``)."""
+    try:
+        return _structure_document(doc)
+    except cattrs.BaseValidationError as exc:
+        raise _flatten(exc) from None
+
+
+def _structure_document(doc: Any) -> Document:
     if not isinstance(doc, dict):
         raise Invalid("", f"a trace must be a JSON object, got {describe(doc)}")
     if "schema_version" not in doc:
@@ -771,18 +801,18 @@ def structure_document(doc: Any) -> Document:
         raise Invalid(".schema_version", f"unsupported schema version {version}")
     _exact_keys(doc, _TOP_KEYS, "a trace")
     _check_requirement_keys(doc, version)
-    inp = _structure_at(_CONVERTER, doc["input"], TraceInput, ".input")
+    inp = _structure_at(_CONVERTER, doc["input"], TraceInput, "input")
     records_doc = doc["records"]
     if not isinstance(records_doc, list):
         raise Invalid(".records", f"expected a list of records, got {describe(records_doc)}")
     if not records_doc:
         raise Invalid(".records", "a trace has at least one record (origin detection)")
     records = tuple(
-        _structure_at(_CONVERTER, r, Record, f".records[{i}]") for i, r in enumerate(records_doc)
+        _structure_at(_CONVERTER, r, Record, "records", i) for i, r in enumerate(records_doc)
     )
     if version < TUNED_SCHEMA_VERSION:
         _check_base_version(records, version)
-    outcome = _structure_at(_CONVERTER, doc["outcome"], Outcome, ".outcome")
+    outcome = _structure_at(_CONVERTER, doc["outcome"], Outcome, "outcome")
     if version < KERNELS_SCHEMA_VERSION and inp.no_kernel is not None:
         raise Invalid(
             ".input.no_kernel",
