@@ -292,3 +292,23 @@ def test_the_decision_ledger_is_bounded_and_counts_what_it_drops() -> None:
         ledger.set_decision_limit(previous)
         attnres.clear_decisions()
     assert ledger.dropped_decisions() == 0 and ledger.decision_limit() == ledger.DEFAULT_LIMIT
+
+
+def test_a_scope_check_that_fails_is_recorded_with_its_code() -> None:
+    """SPEC 3.6 problems are records with a ScopeCode: raised in
+    BackendNotAppliedError.problems and written to the audit log, one INFO
+    event per problem carrying the same code and message."""
+    from attnres.errors import BackendNotAppliedError
+
+    with (
+        capture_logs() as logs,
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("vae", backend="eager"),
+    ):
+        resolve(LayerSpec(64, "fp32", name="l0"), platform=CPU, backend="torch_sdpa")
+    failed = [e for e in logs if e["event"] == "attention scope check failed"]
+    assert [(e["code"], e["message"]) for e in failed] == [
+        (p.code.value, p.message) for p in info.value.problems
+    ]
+    assert [e["code"] for e in failed] == ["override_unexplained", "override_not_applied"]
+    assert all(e["log_level"] == "info" and e["component"] == "vae" for e in failed)

@@ -7,7 +7,7 @@ other record class is (un)structured field by field from its attrs definition
 their bytes). Structuring is strict: every field must be present and of its
 JSON type (no ``"64"`` for ``64``, no ``"false"`` for ``false``), every closed
 vocabulary (states, events, origins, checks, codes, reasons, platform kinds) is
-checked, and the first problem is raised as :class:`Invalid` with the JSON path
+checked, and the first problem is raised as :class:`_Invalid` with the JSON path
 it applies to and a message. The trace document (:mod:`attnres.trace`) turns it
 into a :class:`~attnres.errors.TraceFormatError` in the format every file loader
 shares (:func:`attnres._codec.located`: file, path, message).
@@ -45,6 +45,7 @@ from attnres._codec import (
     is_bool,
     is_int,
     is_str,
+    located,
     missing_keys,
     optional_field_names,
     unknown_keys,
@@ -63,7 +64,7 @@ from attnres._states import (
 )
 from attnres._vocab import PLATFORM_KINDS, Requirement, Role, normalize_dtype
 from attnres.backends import Backend
-from attnres.errors import UnknownBackendError
+from attnres.errors import TraceFormatError, UnknownBackendError
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, split_component_key
 from attnres.platform import PackageFact, Platform
 from attnres.records import (
@@ -88,9 +89,9 @@ from attnres.scope import ScopeState
 
 __all__ = [
     "Document",
-    "Invalid",
     "TraceLike",
     "describe",
+    "format_error",
     "loads",
     "record_to_dict",
     "structure_document",
@@ -102,7 +103,7 @@ __all__ = [
 # =============================================================================
 
 
-class Invalid(Exception):
+class _Invalid(Exception):
     """A value that is not what the schema says, at ``path`` (relative, ``.a[0].b``)."""
 
     def __init__(self, path: str, message: str) -> None:
@@ -166,20 +167,20 @@ def _within(steps: tuple[str | int, ...], exc: Exception) -> Exception:
 
 
 def _leaf(exc: BaseException, _: type | None) -> str:
-    # the leaf's own path (an Invalid names the key it is about), then its
+    # the leaf's own path (an _Invalid names the key it is about), then its
     # message; \x00 and \x01 delimit them in transform_error's "text @ path"
-    if isinstance(exc, Invalid):
+    if isinstance(exc, _Invalid):
         return f"{exc.path}\x00{exc.message}\x01"
     return f"\x00{str(exc) or type(exc).__name__}\x01"
 
 
-def _flatten(exc: BaseException) -> Invalid:
-    """The first failure in ``exc`` as one :class:`Invalid` with its full relative
+def _flatten(exc: BaseException) -> _Invalid:
+    """The first failure in ``exc`` as one :class:`_Invalid` with its full relative
     path: cattrs' ``transform_error`` walks the nesting."""
     first = transform_error(exc, path="", format_exception=_leaf)[0]
     text, _, where = first.partition("\x01 @ ")
     leaf_path, _, message = text.partition("\x00")
-    return Invalid(where + leaf_path, message)
+    return _Invalid(where + leaf_path, message)
 
 
 # =============================================================================
@@ -194,7 +195,7 @@ _NONE_TYPE = type(None)
 
 def _object(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise Invalid("", f"{what} must be a JSON object, got {describe(value)}")
+        raise _Invalid("", f"{what} must be a JSON object, got {describe(value)}")
     return value
 
 
@@ -207,44 +208,44 @@ def _exact_keys(
     """Every key of ``keys`` present, and nothing else but ``optional`` keys."""
     known = sorted({*keys, *optional})
     for key in missing_keys(value, sorted(keys)):
-        raise Invalid(_key_path(key), f"missing field ({what} has: {', '.join(known)})")
+        raise _Invalid(_key_path(key), f"missing field ({what} has: {', '.join(known)})")
     for key in sorted(unknown_keys(value, known)):
-        raise Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(known)})")
+        raise _Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(known)})")
 
 
 def _structure_str(value: Any, _: Any = None) -> str:
     if not is_str(value):
-        raise Invalid("", f"expected a string, got {describe(value)}")
+        raise _Invalid("", f"expected a string, got {describe(value)}")
     return value
 
 
 def _structure_int(value: Any, _: Any = None) -> int:
     if not is_int(value):
-        raise Invalid("", f"expected an integer, got {describe(value)}")
+        raise _Invalid("", f"expected an integer, got {describe(value)}")
     return value
 
 
 def _structure_float(value: Any, _: Any = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Invalid("", f"expected a number, got {describe(value)}")
+        raise _Invalid("", f"expected a number, got {describe(value)}")
     number = float(value)
     if number != number or number in (float("inf"), float("-inf")):  # pragma: no cover
-        raise Invalid("", f"expected a finite number, got {value!r}")
+        raise _Invalid("", f"expected a finite number, got {value!r}")
     return number
 
 
 def _structure_bool(value: Any, _: Any = None) -> bool:
     if not is_bool(value):
-        raise Invalid("", f"expected true or false, got {describe(value)}")
+        raise _Invalid("", f"expected true or false, got {describe(value)}")
     return value
 
 
 def _structure_backend(value: Any, _: Any = None) -> Backend:
     """A backend by name, from the registry only (never an import path)."""
     if not isinstance(value, str):
-        raise Invalid("", f"expected a backend name (a string), got {describe(value)}")
+        raise _Invalid("", f"expected a backend name (a string), got {describe(value)}")
     if not _BACKEND_NAME.fullmatch(value):
-        raise Invalid(
+        raise _Invalid(
             "",
             f"{describe(value)} is not a backend name (names are letters, digits, '_' and '-'; "
             f"a trace names registered backends, never code to import)",
@@ -252,7 +253,7 @@ def _structure_backend(value: Any, _: Any = None) -> Backend:
     try:
         return Backend.parse(value)
     except UnknownBackendError as exc:
-        raise Invalid("", f"{exc} (a trace can only name registered backends)") from None
+        raise _Invalid("", f"{exc} (a trace can only name registered backends)") from None
 
 
 def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
@@ -272,11 +273,11 @@ def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
 
     def structure(value: Any, _: Any) -> Any:
         if not isinstance(value, str):
-            raise Invalid("", f"expected a {what} name (a string), got {describe(value)}")
+            raise _Invalid("", f"expected a {what} name (a string), got {describe(value)}")
         try:
             return cls(value)
         except ValueError:
-            raise Invalid(
+            raise _Invalid(
                 "",
                 f"unknown {what} {json.dumps(value, ensure_ascii=True)}; expected one of: {shown}",
             ) from None
@@ -345,7 +346,7 @@ def _structure_at(conv: cattrs.Converter, value: Any, tp: Any, *steps: str | int
         if inner is not None:
             return None if value is None else conv.structure(value, inner)
         if value is None:
-            raise Invalid("", f"expected {_expected(tp)}, got null")
+            raise _Invalid("", f"expected {_expected(tp)}, got null")
         return conv.structure(value, tp)
     except Exception as exc:
         raise _within(steps, exc) from None
@@ -382,7 +383,7 @@ def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], An
 
         def structure_many(value: Any, _: Any) -> tuple[Any, ...]:
             if not isinstance(value, list):
-                raise Invalid("", f"expected a list, got {describe(value)}")
+                raise _Invalid("", f"expected a list, got {describe(value)}")
             return tuple(_structure_at(conv, v, item, i) for i, v in enumerate(value))
 
         return structure_many
@@ -390,7 +391,7 @@ def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], An
 
     def structure_fixed(value: Any, _: Any) -> tuple[Any, ...]:
         if not isinstance(value, list) or len(value) != len(items):
-            raise Invalid("", f"expected a list of {len(items)} items, got {describe(value)}")
+            raise _Invalid("", f"expected a list of {len(items)} items, got {describe(value)}")
         return tuple(
             _structure_at(conv, v, t, i) for i, (v, t) in enumerate(zip(value, items, strict=True))
         )
@@ -422,12 +423,12 @@ def _make_attrs_hook(
             check = _FIELD_CHECKS.get((cls, a.name))
             problem = None if check is None else check(v)
             if problem is not None:
-                raise _under(a.name, Invalid("", problem))
+                raise _under(a.name, _Invalid("", problem))
             kwargs[a.name] = v
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as exc:
-            raise Invalid("", f"not a valid {what}: {exc}") from None
+            raise _Invalid("", f"not a valid {what}: {exc}") from None
 
     return structure
 
@@ -450,9 +451,9 @@ def _optional(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 def _backend_list(value: Any) -> list[Backend]:
     if not isinstance(value, list):
-        raise Invalid("", f"expected a list of backend names or null, got {describe(value)}")
+        raise _Invalid("", f"expected a list of backend names or null, got {describe(value)}")
     if not value:
-        raise Invalid("", "an empty supported set admits no backend; use null for no constraint")
+        raise _Invalid("", "an empty supported set admits no backend; use null for no constraint")
     out: list[Backend] = []
     for i, item in enumerate(value):
         try:
@@ -468,7 +469,7 @@ def _backend_map(value: Any, key_check: Callable[[str], str | None]) -> dict[str
     for key in sorted(obj):
         problem = key_check(key)
         if problem is not None:
-            raise Invalid(_key_path(key), problem)
+            raise _Invalid(_key_path(key), problem)
         out[key] = _field(obj, key, _structure_backend)
     return out
 
@@ -476,7 +477,7 @@ def _backend_map(value: Any, key_check: Callable[[str], str | None]) -> dict[str
 def _head_size(value: Any) -> int:
     n = _structure_int(value)
     if n < 1:
-        raise Invalid("", f"a head size must be at least 1, got {n}")
+        raise _Invalid("", f"a head size must be at least 1, got {n}")
     return n
 
 
@@ -485,7 +486,7 @@ def _dtype(value: Any) -> str:
     try:
         return normalize_dtype(text)
     except ValueError as exc:
-        raise Invalid("", str(exc).removeprefix("dtype: ")) from None
+        raise _Invalid("", str(exc).removeprefix("dtype: ")) from None
 
 
 def _role(value: Any) -> Role:
@@ -493,7 +494,7 @@ def _role(value: Any) -> Role:
     try:
         return Role(text)
     except ValueError:
-        raise Invalid("", f"unknown role {json.dumps(text)}; expected self or cross") from None
+        raise _Invalid("", f"unknown role {json.dumps(text)}; expected self or cross") from None
 
 
 def _requirements(value: Any) -> Requirements:
@@ -516,7 +517,7 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
     keys = SCHEMA_1_REQUIREMENTS if version == 1 else [r.value for r in Requirement]
     try:
         _exact_keys(obj, keys, f"requirements in schema version {version}")
-    except Invalid as exc:
+    except _Invalid as exc:
         raise _within(("input", "layer", "requirements"), exc) from None
 
 
@@ -572,7 +573,7 @@ def _structure_config(value: Any, _: Any) -> SelectionConfig:
             global_backend_env=env,
         )
     except ValueError as exc:
-        raise Invalid("", f"not a valid selection config: {exc}") from None
+        raise _Invalid("", f"not a valid selection config: {exc}") from None
 
 
 def _structure_scope(value: Any, _: Any) -> ScopeState:
@@ -647,10 +648,10 @@ def _make_converter() -> cattrs.Converter:
         # kinds there are (it raises a bare KeyError)
         obj = _object(value, "a record")
         if "kind" not in obj:
-            raise Invalid(".kind", "missing field (every record is tagged by its kind)")
+            raise _Invalid(".kind", "missing field (every record is tagged by its kind)")
         kind = obj["kind"]
         if not isinstance(kind, str) or kind not in RECORD_KINDS:
-            raise Invalid(
+            raise _Invalid(
                 ".kind",
                 f"unknown record kind {json.dumps(kind, ensure_ascii=True)}; known kinds: "
                 + ", ".join(RECORD_KINDS),
@@ -774,39 +775,47 @@ class Document:
     digest: str
 
 
-def structure_document(doc: Any) -> Document:
-    """Structure a trace's JSON document; :class:`Invalid` at the first problem,
-    with its JSON path relative to the document (``.input.layer.head_size``)."""
+def structure_document(doc: Any, *, source: str) -> Document:
+    """Structure a trace's JSON document; the first problem is a
+    :class:`TraceFormatError` naming ``source`` and its JSON path."""
     try:
         return _structure_document(doc)
     except cattrs.BaseValidationError as exc:
-        raise _flatten(exc) from None
+        problem = _flatten(exc)
+    except _Invalid as exc:
+        problem = exc
+    raise format_error(source, "$" + problem.path, problem.message) from None
+
+
+def format_error(source: str, where: str, message: str) -> TraceFormatError:
+    """A trace file's error, in the format every loader shares (file, path, message)."""
+    return TraceFormatError(located(source, where, message=message), source, where)
 
 
 def _structure_document(doc: Any) -> Document:
     if not isinstance(doc, dict):
-        raise Invalid("", f"a trace must be a JSON object, got {describe(doc)}")
+        raise _Invalid("", f"a trace must be a JSON object, got {describe(doc)}")
     if "schema_version" not in doc:
-        raise Invalid(".schema_version", "missing field; this is not an attnres trace")
+        raise _Invalid(".schema_version", "missing field; this is not an attnres trace")
     version = doc["schema_version"]
     if isinstance(version, bool) or not isinstance(version, int):
-        raise Invalid(".schema_version", f"expected an integer, got {describe(version)}")
+        raise _Invalid(".schema_version", f"expected an integer, got {describe(version)}")
     if version > SCHEMA_VERSION:
-        raise Invalid(
+        raise _Invalid(
             ".schema_version",
             f"schema version {version} is newer than this attnres reads (up to "
             f"{SCHEMA_VERSION}); upgrade attnres to read this trace",
         )
     if version < 1:
-        raise Invalid(".schema_version", f"unsupported schema version {version}")
+        raise _Invalid(".schema_version", f"unsupported schema version {version}")
     _exact_keys(doc, _TOP_KEYS, "a trace")
     _check_requirement_keys(doc, version)
     inp = _structure_at(_CONVERTER, doc["input"], TraceInput, "input")
     records_doc = doc["records"]
     if not isinstance(records_doc, list):
-        raise Invalid(".records", f"expected a list of records, got {describe(records_doc)}")
+        raise _Invalid(".records", f"expected a list of records, got {describe(records_doc)}")
     if not records_doc:
-        raise Invalid(".records", "a trace has at least one record (origin detection)")
+        raise _Invalid(".records", "a trace has at least one record (origin detection)")
     records = tuple(
         _structure_at(_CONVERTER, r, Record, "records", i) for i, r in enumerate(records_doc)
     )
@@ -814,18 +823,18 @@ def _structure_document(doc: Any) -> Document:
         _check_base_version(records, version)
     outcome = _structure_at(_CONVERTER, doc["outcome"], Outcome, "outcome")
     if version < KERNELS_SCHEMA_VERSION and inp.no_kernel is not None:
-        raise Invalid(
+        raise _Invalid(
             ".input.no_kernel",
             f"the input's kernel facts belong to schema version {KERNELS_SCHEMA_VERSION}, but "
             f"the file says version {version}: the file was edited or corrupted",
         )
     if version < TUNED_SCHEMA_VERSION and outcome.reason == Reason.MEASURED_FASTER.value:
-        raise Invalid(
+        raise _Invalid(
             ".outcome.reason", _needs_tuned_version("the reason 'measured faster'", version)
         )
     digest = doc["digest"]
     if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
-        raise Invalid(
+        raise _Invalid(
             ".digest",
             f"expected a SHA-256 hex digest (64 lower-case hex digits), got {describe(digest)}",
         )
@@ -842,8 +851,8 @@ def _needs_tuned_version(what: str, version: int) -> str:
 def _check_base_version(records: tuple[Any, ...], version: int) -> None:
     """A trace older than version 3 holds no autotune record, state, event or reason."""
 
-    def fail(where: str, what: str) -> Invalid:
-        return Invalid(where, _needs_tuned_version(what, version))
+    def fail(where: str, what: str) -> _Invalid:
+        return _Invalid(where, _needs_tuned_version(what, version))
 
     for i, record in enumerate(records):
         at = f".records[{i}]"
@@ -865,13 +874,13 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise Invalid("", f"duplicate key {json.dumps(key, ensure_ascii=True)} in an object")
+            raise _Invalid("", f"duplicate key {json.dumps(key, ensure_ascii=True)} in an object")
         out[key] = value
     return out
 
 
 def _reject_constant(name: str) -> Any:
-    raise Invalid("", f"{name} is not valid JSON")
+    raise _Invalid("", f"{name} is not valid JSON")
 
 
 #: No integer in a trace has more digits than this (Python itself refuses to
@@ -882,19 +891,22 @@ _MAX_INT_DIGITS = 100
 def _parse_int(text: str) -> int:
     digits = len(text.lstrip("-"))
     if digits > _MAX_INT_DIGITS:
-        raise Invalid(
+        raise _Invalid(
             "", f"an integer of {digits} digits (a trace holds none longer than {_MAX_INT_DIGITS})"
         )
     return int(text)
 
 
-def loads(text: str) -> Any:
+def loads(text: str, *, source: str) -> Any:
     """Parse JSON text strictly: a duplicate key, ``NaN``/``Infinity`` or an
-    absurdly long integer is :class:`Invalid` (``json.JSONDecodeError`` and
-    ``RecursionError`` pass through for the caller to word)."""
-    return json.loads(
-        text,
-        object_pairs_hook=_reject_duplicate_keys,
-        parse_constant=_reject_constant,
-        parse_int=_parse_int,
-    )
+    absurdly long integer is a :class:`TraceFormatError` (``json.JSONDecodeError``
+    and ``RecursionError`` pass through for the caller to word)."""
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_reject_duplicate_keys,
+            parse_constant=_reject_constant,
+            parse_int=_parse_int,
+        )
+    except _Invalid as exc:
+        raise format_error(source, "$" + exc.path, exc.message) from None

@@ -92,6 +92,7 @@ from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
 from attnres.layer import LayerSpec
 from attnres.platform import Platform
+from attnres.records import ScopeProblem
 from attnres.scope import ScopeState
 from attnres.trace import (
     TUNED_SCHEMA_VERSION,
@@ -916,14 +917,6 @@ def _finish_rejected(
 # =============================================================================
 # SPEC 3.6: a scope's overrides must explain its layers
 # =============================================================================
-
-
-@frozen
-class ScopeProblem:
-    """One failed scope check: its code and what it says."""
-
-    code: ScopeCode
-    message: str
 
 
 #: SPEC 3.6, one row per scope check: (code, when it runs, the rule it enforces).

@@ -14,7 +14,17 @@ from typing import Any
 
 from attrs import field, frozen
 
-from attnres._states import Check, Code, Event, Origin, Reason, State, Verdict, optional_reason
+from attnres._states import (
+    Check,
+    Code,
+    Event,
+    Origin,
+    Reason,
+    ScopeCode,
+    State,
+    Verdict,
+    optional_reason,
+)
 from attnres.backends import Backend
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.platform import Platform
@@ -32,6 +42,7 @@ __all__ = [
     "OriginRecord",
     "Record",
     "RejectedRecord",
+    "ScopeProblem",
     "SelectedRecord",
     "SkipRecord",
     "TraceInput",
@@ -241,3 +252,14 @@ class TraceInput:
     def schema_version(self) -> int:
         """The lowest schema version that can express this input."""
         return BASE_SCHEMA_VERSION if self.no_kernel is None else KERNELS_SCHEMA_VERSION
+
+
+@frozen
+class ScopeProblem:
+    """One failed scope check (SPEC 3.6, ``attnres.machine.SCOPE_CHECKS``): its
+    code and what it says. A scope is no one resolution, so its problems are not
+    in a trace: they are raised (``BackendNotAppliedError.problems``) and written
+    to the audit log (event ``attention scope check failed``, with the code)."""
+
+    code: ScopeCode = field(converter=ScopeCode)
+    message: str

@@ -137,8 +137,7 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
     return doc
 
 
-def _format_error(source: str, where: str, message: str) -> TraceFormatError:
-    return TraceFormatError(located(source, where, message=message), source, where)
+_format_error = codec.format_error
 
 
 def trace_from_dict(doc: Any, *, source: str = "<trace>") -> Trace:
@@ -147,10 +146,7 @@ def trace_from_dict(doc: Any, *, source: str = "<trace>") -> Trace:
     The error's message is one line: ``SOURCE: JSONPATH: what is wrong``; its
     ``.path`` is ``source`` and its ``.where`` the JSON path.
     """
-    try:
-        parts = codec.structure_document(doc)
-    except codec.Invalid as exc:
-        raise _format_error(source, "$" + exc.path, exc.message) from None
+    parts = codec.structure_document(doc, source=source)
     trace = Trace(
         input=parts.input,
         records=parts.records,
@@ -173,9 +169,7 @@ def trace_from_json(text: str, *, source: str = "<trace>") -> Trace:
     if not text.strip():
         raise _format_error(source, "$", "the file is empty, not a trace")
     try:
-        doc = codec.loads(text)
-    except codec.Invalid as exc:
-        raise _format_error(source, "$" + exc.path, exc.message) from None
+        doc = codec.loads(text, source=source)
     except json.JSONDecodeError as exc:
         # json reports a string cut off by the end of the text at its start
         # ("Unterminated string starting at"): that is a truncated file too
