@@ -114,11 +114,14 @@ def test_outcome_inside_a_scope_names_the_component() -> None:
 
 
 def test_rejection_is_one_warning_with_the_error() -> None:
-    with capture_logs() as logs, pytest.raises(ResolutionError) as info, component_scope(
-        "transformer"
+    with (
+        capture_logs() as logs,
+        pytest.raises(ResolutionError) as info,
+        component_scope("transformer"),
     ):
-        resolve(LayerSpec(64, "bf16", supported={"fa", "torch_sdpa"}), config=SAGE,
-                platform=CUDA_SAGE)
+        resolve(
+            LayerSpec(64, "bf16", supported={"fa", "torch_sdpa"}), config=SAGE, platform=CUDA_SAGE
+        )
     events = _not_summary(logs)
     trace = info.value.trace
     assert len(events) == len(trace.records) + 1
@@ -167,9 +170,7 @@ def test_application_level_filter_at_info_drops_the_record_events() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     with capture_logs() as logs:
         resolve(LayerSpec(64, "fp32"), platform=CPU)
-    assert [(e["event"], e["log_level"]) for e in logs] == [
-        ("attention backend selected", "info")
-    ]
+    assert [(e["event"], e["log_level"]) for e in logs] == [("attention backend selected", "info")]
 
 
 def test_application_level_filter_at_warning_still_sees_rejections() -> None:

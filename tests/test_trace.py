@@ -55,9 +55,7 @@ def seed_file(tmp_path: Path, seed_trace: Trace) -> Path:
 def _subprocess_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     tests = str(Path(__file__).resolve().parent)  # the scenario table lives in tests/
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(SRC), tests, *filter(None, [env.get("PYTHONPATH")])]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), tests, *filter(None, [env.get("PYTHONPATH")])])
     env.update(extra)
     return env
 
