@@ -428,27 +428,6 @@ def test_rule_verdict_rules_first_row_that_holds_wins() -> None:
         assert judged[1] is (Verdict.CHOSEN if verdict is Verdict.OUTPACED else verdict)
 
 
-def test_rule_verdict_rules_first_row_that_holds_wins() -> None:
-    """VERDICT_RULES: a candidate gets the verdict of the first row whose condition
-    holds, in table order (raised before disagrees before outpaced); every row is
-    reachable."""
-    from attnres.machine import VERDICT_RULES
-
-    inc, a = (attnres.backends.Backend(n) for n in ("torch_sdpa", "eager"))
-    base = Measured(inc, 100, 0, 0.0)
-    # each candidate also holds the rows below its own: the first row decides
-    cases = {
-        Verdict.RAISED: Measured(a, None, None, None, "boom"),
-        Verdict.DISAGREES: Measured(a, 1, 0, 0.5),
-        Verdict.OUTPACED: Measured(a, 1, 0, 0.0),
-        Verdict.WITHIN_MARGIN: Measured(a, 100, 0, 0.0),
-    }
-    assert {v for v, _, _ in VERDICT_RULES} == set(cases)
-    for verdict, candidate in cases.items():
-        judged, _ = verdicts([base, candidate, Measured(a, 99, 0, 0.0)], 0.02, 1e-3)
-        assert judged[1] is (Verdict.CHOSEN if verdict is Verdict.OUTPACED else verdict)
-
-
 # -- sharing, autotune(), audit ------------------------------------------------------
 
 
