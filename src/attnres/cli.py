@@ -592,6 +592,11 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "--dtype applies to a model folder (attnres plan DIR); a pipeline file gives "
             "each layer's dtype itself"
         )
+    if getattr(args, "component", None) is not None:
+        raise UsageError(
+            "--component names the component of a single model folder (attnres plan DIR); "
+            "a pipeline file names its components itself"
+        )
     pipeline = load_pipeline(args.pipeline)
     config = selection_config_from_args(args)
     names = [c.name for c in pipeline.components]
@@ -973,7 +978,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "exit codes: 0 success, 1 a resolution was rejected or a replay diverged, "
-            "2 bad usage or bad input"
+            "2 bad usage or bad input, 70 an internal error (a bug in attnres), "
+            "130 interrupted, 143 terminated (SIGTERM)"
         ),
         formatter_class=_Formatter,
     )
@@ -1040,6 +1046,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--dtype", action="append", metavar="[COMPONENT=]DTYPE",
         help="a model folder's compute dtype, for all components or one (repeatable)",
+    )
+    plan.add_argument(
+        "--component", metavar="NAME",
+        help="the component a single model folder is (default: read from its config)",
     )
     add_selection_arguments(plan)
     plan.add_argument(
@@ -1124,7 +1134,8 @@ def _cmd_plan_dir(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     config = selection_config_from_args(args)
     platform = _platform(args.platform)
     dtypes = parse_dtype_args(args.dtype or [])
-    result = plan_folder(Path(args.pipeline), config, platform, dtypes)
+    result = plan_folder(Path(args.pipeline), config, platform, dtypes,
+                         component=getattr(args, "component", None))
     names = [c.name for c in result.components]
     for component, backend in config.component_backends:
         if component not in names:

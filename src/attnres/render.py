@@ -312,6 +312,11 @@ def render_integration_plan(result: Any) -> list[str]:
     insert = next((i for i, line in enumerate(lines) if not line), len(lines))
     if extra:
         lines[insert:insert] = _field("Dtypes:", "; ".join(extra), width)
+    skipped = getattr(result, "skipped", ())  # issue 20: not models, said so
+    if skipped:
+        insert = next((i for i, line in enumerate(lines) if not line), len(lines))
+        text = "; ".join(f"{name} ({why})" for name, why in skipped)
+        lines[insert:insert] = _field("Skipped:", text, width)
     groups = result.by_component()
     for comp in result.components:
         if groups[comp.name]:

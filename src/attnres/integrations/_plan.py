@@ -194,6 +194,9 @@ class IntegrationPlan:
     platform: Platform
     components: tuple[ComponentInfo, ...]
     sites: tuple[Site, ...]
+    #: issue 20: components of a model folder that are not models (tokenizers,
+    #: schedulers, absent optional parts), as (name, why); ``plan DIR`` says so
+    skipped: tuple[tuple[str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -242,6 +245,7 @@ class IntegrationPlan:
                 }
                 for c in self.components
             ],
+            "skipped": [{"name": name, "why": why} for name, why in self.skipped],
         }
 
     def to_plan_result(self) -> Any:
