@@ -30,7 +30,8 @@ from attnres.runtime import (
 from attnres.scope import register_component_kind
 from attnres.trace import Trace, dump_trace, load_trace
 
-__version__ = "0.1.0"
+#: The one source of the version (pyproject.toml reads it): the 0.3 development line.
+__version__ = "0.3.0.dev0"
 
 # A library never prints on its own: without this, Python's last-resort handler
 # would write attnres WARNING events to stderr when the application configured
