@@ -1147,7 +1147,13 @@ def _cmd_plan_dir(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     doc = result.to_dict()
     written = []
     if args.trace_out is not None:
-        written = result.dump_traces(args.trace_out)
+        trace_dir = _trace_out(args.trace_out, "a folder name")
+        if os.path.lexists(trace_dir) and not trace_dir.is_dir():  # issue 20, 16
+            raise UsageError(
+                f"--trace-out {args.trace_out}: it exists and is not a folder; plan DIR writes "
+                f"one trace per layer into a folder: give a new or existing folder"
+            )
+        written = result.dump_traces(trace_dir)
     _log().info("plan finished", pipeline=result.title, status="ok" if result.ok else "rejected",
                 layers=len(result.sites))
     if args.json:

@@ -12,6 +12,7 @@ This package imports neither diffusers nor transformers (nor torch): only its
 """
 
 from attnres.integrations._folder import plan_folder
+from attnres.integrations._untrusted import FolderBuildError
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
@@ -20,4 +21,12 @@ from attnres.integrations._plan import (
     Site,
 )
 
-__all__ = ["DtypeChoice", "IntegrationError", "IntegrationPlan", "Problem", "Site", "plan_folder"]
+__all__ = [
+    "DtypeChoice",
+    "FolderBuildError",
+    "IntegrationError",
+    "IntegrationPlan",
+    "Problem",
+    "Site",
+    "plan_folder",
+]
