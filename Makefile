@@ -13,7 +13,7 @@ STAMP := $(VENV)/.attnres-installed
 PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test test-deep golden bench lint typecheck docs clean
+.PHONY: setup run test test-deep golden bench fuzz lint typecheck docs clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,25 @@ bench: $(VENV)/.attnres-bench
 	mkdir -p benchmarks/results
 	$(PY) -m pytest benchmarks -p no:randomly --benchmark-only \
 		--benchmark-json=benchmarks/results/latest.json --benchmark-storage=benchmarks/results -q
+
+# Coverage-guided fuzzing of every loader (issue 20): not part of `make test`.
+# FUZZ_SECONDS per target (6 targets: about 3 minutes by default); a crash is
+# written to fuzz/crashes/TARGET-crash-* and stops the run.
+FUZZ_SECONDS ?= 30
+FUZZ_TARGETS ?= trace replay pipeline folder header results
+
+$(VENV)/.attnres-fuzz: $(STAMP)
+	$(PIP) install -c $(VENV)/torch-pin.txt atheris
+	touch $@
+
+fuzz: $(VENV)/.attnres-fuzz
+	mkdir -p fuzz/crashes
+	for t in $(FUZZ_TARGETS); do \
+		mkdir -p fuzz/work/$$t && \
+		$(PY) fuzz/fuzz_attnres.py $$t -max_total_time=$(FUZZ_SECONDS) -timeout=120 \
+			-rss_limit_mb=4096 -artifact_prefix=fuzz/crashes/$$t- fuzz/work/$$t fuzz/corpus/$$t \
+			|| exit 1; \
+	done
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks scripts

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_folders import tiny_folder, with_file, with_header, with_special
 
 import attnres
 from attnres import (
@@ -57,7 +58,6 @@ from attnres.modules import KernelNotRegisteredError
 from attnres.plan import PipelineError, load_pipeline
 from attnres.scope import register_component_kind
 from attnres.trace import TraceInput, load_trace
-from tiny_folders import tiny_folder, with_file, with_header, with_special
 
 CPU = Platform.simulate("cpu")
 H100 = Platform.simulate("cuda:sm90+all")

@@ -17,15 +17,14 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_folders import CONFIGS, safetensors, tiny_folder
 
 import attnres
 from attnres import Attention, Backend, Platform
 from attnres.cli import main
 from attnres.errors import ResultsFileError
-from attnres.integrations import FolderBuildError, plan_folder
-from attnres.integrations import _untrusted
+from attnres.integrations import FolderBuildError, _untrusted, plan_folder
 from attnres.tuning import Measured, ResultEntry, read_results, write_results
-from tiny_folders import CONFIGS, safetensors, tiny_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "attnres"
@@ -98,7 +97,9 @@ def test_components_that_are_not_models_are_skipped_and_listed(
 
 @pytest.mark.parametrize("library", ["diffusers", "transformers"])
 def test_a_missing_extra_says_which_to_install(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
     library: str,
 ) -> None:
     folder = tiny_folder(tmp_path / "pipe")
@@ -116,10 +117,14 @@ def test_a_missing_extra_says_which_to_install(
 def test_variant_files_beside_the_default_ones_are_passed_over(tmp_path: Path) -> None:
     folder = tiny_folder(tmp_path / "sd15")
     vae = folder / "vae"
-    safetensors(vae / "diffusion_pytorch_model.safetensors",
-                {"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}})
-    safetensors(vae / "diffusion_pytorch_model.fp16.safetensors",
-                {"w": {"dtype": "F16", "shape": [64, 64], "data_offsets": [0, 64]}})
+    safetensors(
+        vae / "diffusion_pytorch_model.safetensors",
+        {"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}},
+    )
+    safetensors(
+        vae / "diffusion_pytorch_model.fp16.safetensors",
+        {"w": {"dtype": "F16", "shape": [64, 64], "data_offsets": [0, 64]}},
+    )
     dtype, detail = _untrusted.dtype_from_weights(vae)
     assert dtype == "float32"
     assert detail == "1 safetensors file(s); 1 variant file(s) passed over, as from_pretrained does"
@@ -131,12 +136,15 @@ def test_variant_files_beside_the_default_ones_are_passed_over(tmp_path: Path) -
     assert not _untrusted._is_variant(Path("model-00001-of-00002.safetensors"))
 
 
-def test_more_weight_files_than_are_read_is_said(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_more_weight_files_than_are_read_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(_untrusted, "MAX_WEIGHT_FILES", 3)
     for i in range(5):
-        safetensors(tmp_path / f"model-{i:05d}-of-00005.safetensors",
-                    {"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})
+        safetensors(
+            tmp_path / f"model-{i:05d}-of-00005.safetensors",
+            {"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}},
+        )
     dtype, detail = _untrusted.dtype_from_weights(tmp_path)
     assert dtype == "bfloat16" and detail is not None and "the first 3 of 5 files read" in detail
 
@@ -196,8 +204,14 @@ def test_help_lists_every_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for code in ("0 success", "1 a resolution", "2 bad usage", "70 an internal error",
-                 "130 interrupted", "143 terminated"):
+    for code in (
+        "0 success",
+        "1 a resolution",
+        "2 bad usage",
+        "70 an internal error",
+        "130 interrupted",
+        "143 terminated",
+    ):
         assert code in text, code
 
 
@@ -209,14 +223,19 @@ def test_a_build_over_its_budget_is_stopped_and_named(
 ) -> None:
     monkeypatch.setattr(_untrusted, "MAX_BUILD_TORCH_CALLS", 5)
     folder = tiny_folder(tmp_path / "pipe")
-    with pytest.raises(FolderBuildError, match=r"for component '(vae|text_encoder)' from this "
-                       r"config: _BudgetExceeded: over the budget of 5 torch calls"):
+    with pytest.raises(
+        FolderBuildError,
+        match=r"for component '(vae|text_encoder)' from this "
+        r"config: _BudgetExceeded: over the budget of 5 torch calls",
+    ):
         plan_folder(folder, platform=CPU)
 
 
 def test_one_line_drops_cpp_stack_frames() -> None:
-    exc = RuntimeError("Trying to create tensor with negative dimension -5\nException raised "
-                       "from check_size_nonnegative at c10/core/...\nframe #0: c10::Error")
+    exc = RuntimeError(
+        "Trying to create tensor with negative dimension -5\nException raised "
+        "from check_size_nonnegative at c10/core/...\nframe #0: c10::Error"
+    )
     assert _untrusted.one_line(exc) == (
         "RuntimeError: Trying to create tensor with negative dimension -5"
     )
@@ -226,17 +245,20 @@ def test_one_line_drops_cpp_stack_frames() -> None:
 
 
 def test_a_cast_a_layer_refuses_leaves_no_model_half_cast() -> None:
-    model = torch.nn.ModuleDict({
-        "before": torch.nn.Linear(4, 4),
-        "attn": Attention(2, 8, dtype="float32", platform=CPU, name="attn"),
-        "after": torch.nn.Linear(4, 4),
-    })
+    model = torch.nn.ModuleDict(
+        {
+            "before": torch.nn.Linear(4, 4),
+            "attn": Attention(2, 8, dtype="float32", platform=CPU, name="attn"),
+            "after": torch.nn.Linear(4, 4),
+        }
+    )
     model.to(torch.float8_e4m3fn)  # no backend on CPU takes float8
     assert {p.dtype for p in model.parameters()} == {torch.float8_e4m3fn}  # all, not half
     attn = model["attn"]
     assert attn.backend == Backend.parse("torch_sdpa") and attn.layer_spec.dtype == "float32"
     q = torch.zeros(1, 3, 2, 8, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="cannot take torch.float8_e4m3fn .* resolved for float32"):
+    refused = r"cannot take torch\.float8_e4m3fn .* resolved for float32"
+    with pytest.raises(ValueError, match=refused):
         attn(q, q, q)
     # cast on its own, the layer refuses before anything changes
     alone = Attention(2, 8, dtype="float32", platform=CPU, name="alone")
@@ -251,9 +273,13 @@ def test_a_cast_a_layer_refuses_leaves_no_model_half_cast() -> None:
 def _entry(call: str) -> ResultEntry:
     sdpa, eager = Backend.parse("torch_sdpa"), Backend.parse("eager")
     return ResultEntry(
-        platform={"kind": "cpu"}, call=call, incumbent=sdpa,
+        platform={"kind": "cpu"},
+        call=call,
+        incumbent=sdpa,
         measured=(Measured(sdpa, 1000, 10), Measured(eager, 900, 10, 0.0)),
-        no_kernel=(), warmup=1, repeats=3,
+        no_kernel=(),
+        warmup=1,
+        repeats=3,
     )
 
 
@@ -280,9 +306,13 @@ def test_no_kernel_naming_two_backends_reads_back(tmp_path: Path) -> None:
     """Found by reading: two no_kernel backends failed to sort (Backend has no order)."""
     sdpa = Backend.parse("torch_sdpa")
     entry = ResultEntry(
-        platform={"kind": "cpu"}, call="c", incumbent=sdpa, measured=(Measured(sdpa, 10, 1),),
+        platform={"kind": "cpu"},
+        call="c",
+        incumbent=sdpa,
+        measured=(Measured(sdpa, 10, 1),),
         no_kernel=((Backend.parse("sage_attn"), "none"), (Backend.parse("fa"), "none")),
-        warmup=0, repeats=1,
+        warmup=0,
+        repeats=1,
     )
     write_results(tmp_path / "r.json", [entry])
     (back,) = read_results(tmp_path / "r.json")
@@ -314,8 +344,10 @@ def test_one_source_for_the_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert attr == "attnres.__version__"
     tree = ast.parse((SRC / "__init__.py").read_text())
     literal = next(
-        node.value.value for node in tree.body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__version__"
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and getattr(node.targets[0], "id", "") == "__version__"
         and isinstance(node.value, ast.Constant)
     )
     assert literal == attnres.__version__
@@ -366,8 +398,10 @@ def test_plan_dir_opens_the_folders_files_only_through_the_one_reader(
     """At run time: every file of the folder is opened from attnres._files (an
     audit hook sees every open; diffusers and transformers read nothing there)."""
     folder = tiny_folder(tmp_path / "pipe")
-    safetensors(folder / "vae" / "diffusion_pytorch_model.safetensors",
-                {"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})
+    safetensors(
+        folder / "vae" / "diffusion_pytorch_model.safetensors",
+        {"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}},
+    )
     root = str(folder.resolve())
     opened: list[tuple[str, str]] = []
     active = [True]
@@ -394,5 +428,8 @@ def test_plan_dir_opens_the_folders_files_only_through_the_one_reader(
     assert plan.ok
     files = [(p, by) for p, by in opened if not os.path.isdir(p)]
     assert {Path(p).name for p, _ in files} >= {
-        "model_index.json", "config.json", "diffusion_pytorch_model.safetensors"}
+        "model_index.json",
+        "config.json",
+        "diffusion_pytorch_model.safetensors",
+    }
     assert {by for _, by in files} == {reader}, files

@@ -185,8 +185,7 @@ def _json_int(text: str) -> int:
     digits = len(text.lstrip("-"))
     if digits > MAX_JSON_INT_DIGITS:
         raise ValueError(
-            f"an integer of {digits} digits (attnres reads none longer than "
-            f"{MAX_JSON_INT_DIGITS})"
+            f"an integer of {digits} digits (attnres reads none longer than {MAX_JSON_INT_DIGITS})"
         )
     return int(text)
 
@@ -205,8 +204,9 @@ def parse_json(data: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") \
-            from None
+        raise ValueError(
+            f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        ) from None
     try:
         doc = json.loads(
             text, parse_constant=_json_constant, parse_int=_json_int, parse_float=_json_float
@@ -240,9 +240,7 @@ def read_json(
     return parse_json(read_bounded(path, what=what, limit=limit), max_depth=max_depth)
 
 
-def read_safetensors_header(
-    path: str | os.PathLike[str], *, limit: int = MAX_HEADER_BYTES
-) -> Any:
+def read_safetensors_header(path: str | os.PathLike[str], *, limit: int = MAX_HEADER_BYTES) -> Any:
     """The JSON header of the safetensors file ``path``; never a tensor byte.
 
     The file is a little-endian u64 length, that many bytes of JSON, then the
@@ -414,9 +412,7 @@ def atomic_write_text(target: Path, text: str) -> None:
             _write_through(path, text, _kind(st.st_mode))
             return
         code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
-        raise _refuse(
-            path, code, f"it is {_kind(st.st_mode)}; attnres replaces only regular files"
-        )
+        raise _refuse(path, code, f"it is {_kind(st.st_mode)}; attnres replaces only regular files")
     real = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     folder = real.parent
     _make_parents(folder)

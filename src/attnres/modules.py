@@ -30,8 +30,8 @@ import contextlib
 import math
 import numbers
 import operator
-import threading
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple, overload

@@ -275,9 +275,7 @@ def tuned_trace(
     judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance)
     for m, verdict in zip(ordered, judged, strict=True):
         records.append(
-            MeasurementRecord(
-                m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict
-            )
+            MeasurementRecord(m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict)
         )
     origin = trace.outcome.origin
     if winner is None:
@@ -304,7 +302,7 @@ def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
             and r.stage is State.MEASURING
             and r.detail.startswith(NO_KERNEL)
         ):
-            no_kernel[r.candidate] = r.detail[len(NO_KERNEL):].removeprefix(": ")
+            no_kernel[r.candidate] = r.detail[len(NO_KERNEL) :].removeprefix(": ")
     measured = [Measured.of(r) for r in recorded.records if isinstance(r, MeasurementRecord)]
     if machine_trace.outcome.status != "selected" or machine_trace.outcome.backend is None:
         return machine_trace  # the rules changed: the decision is no longer tunable
@@ -416,8 +414,7 @@ def _entry_from_json(doc: Any, where: str) -> ResultEntry:
         value = need(obj, key, (int,), optional)
         if value is not None and not low <= value <= MAX_RESULTS_COUNT:
             raise ResultsFileError(
-                f"{where}{at}.{key}: {value} is impossible (expected {low} to "
-                f"{MAX_RESULTS_COUNT})"
+                f"{where}{at}.{key}: {value} is impossible (expected {low} to {MAX_RESULTS_COUNT})"
             )
         return value
 
@@ -427,8 +424,10 @@ def _entry_from_json(doc: Any, where: str) -> ResultEntry:
         at = f".measurements[{i}]"
         deviation = need(m, "deviation", (int, float), optional=True)
         if deviation is not None and not (
-            isinstance(deviation, float | int) and abs(deviation) <= 1e300
-            and math.isfinite(deviation) and deviation >= 0
+            isinstance(deviation, float | int)
+            and abs(deviation) <= 1e300
+            and math.isfinite(deviation)
+            and deviation >= 0
         ):
             raise ResultsFileError(
                 f"{where}{at}.deviation: {str(deviation)[:40]} is impossible (a relative "
@@ -466,8 +465,10 @@ def _entry_from_json(doc: Any, where: str) -> ResultEntry:
         measured=tuple(measured),
         # sorted by name: Backend values do not order (two no_kernel entries failed to sort)
         no_kernel=tuple(
-            sorted(((Backend.parse(k), str(v)) for k, v in no_kernel.items()),
-                   key=lambda item: item[0].name)
+            sorted(
+                ((Backend.parse(k), str(v)) for k, v in no_kernel.items()),
+                key=lambda item: item[0].name,
+            )
         ),
         warmup=count(doc, "warmup", 0),
         repeats=count(doc, "repeats", 1),
@@ -484,13 +485,10 @@ def read_results(path: str | os.PathLike[str]) -> tuple[ResultEntry, ...]:
             f"{source}: cannot read the autotune results: {exc.strerror or exc}"
         ) from None
     except ValueError as exc:
-        raise ResultsFileError(
-            f"{source}: not an attnres autotune results file ({exc})"
-        ) from None
+        raise ResultsFileError(f"{source}: not an attnres autotune results file ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != RESULTS_FORMAT:
         raise ResultsFileError(
-            f"{source}: not an attnres autotune results file (no \"format\": "
-            f"\"{RESULTS_FORMAT}\")"
+            f'{source}: not an attnres autotune results file (no "format": "{RESULTS_FORMAT}")'
         )
     version = doc.get("version")
     if version != RESULTS_VERSION:

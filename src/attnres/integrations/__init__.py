@@ -12,7 +12,6 @@ This package imports neither diffusers nor transformers (nor torch): only its
 """
 
 from attnres.integrations._folder import plan_folder
-from attnres.integrations._untrusted import FolderBuildError
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
@@ -20,6 +19,7 @@ from attnres.integrations._plan import (
     Problem,
     Site,
 )
+from attnres.integrations._untrusted import FolderBuildError
 
 __all__ = [
     "DtypeChoice",

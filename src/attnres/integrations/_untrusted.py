@@ -150,8 +150,7 @@ def check_config(config: Mapping[str, Any], where: str) -> None:
         elif isinstance(value, dict):
             if len(value) > MAX_CONFIG_ITEMS:
                 raise FolderBuildError(
-                    f"{where}: {path}: an object of {len(value)} keys (at most "
-                    f"{MAX_CONFIG_ITEMS})"
+                    f"{where}: {path}: an object of {len(value)} keys (at most {MAX_CONFIG_ITEMS})"
                 )
             stack.extend((f"{path}.{k}", v) for k, v in value.items())
 
@@ -185,8 +184,9 @@ def _budget_mode(deadline: float) -> Any:
     return Budget()
 
 
-def build_under_budget(build: Callable[[], _T], *, component: str, class_name: str,
-                       where: str) -> _T:
+def build_under_budget(
+    build: Callable[[], _T], *, component: str, class_name: str, where: str
+) -> _T:
     """``build()`` on the meta device, under the budget; what it raises becomes a
     :class:`FolderBuildError` naming ``component``, ``class_name`` and ``where``."""
     import torch
@@ -228,8 +228,7 @@ def _is_variant(path: Path) -> bool:
 
 def _elements(shape: Any, where: str) -> int:
     if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_CONFIG_INT
-        for d in shape
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_CONFIG_INT for d in shape
     ):
         raise FolderBuildError(
             f"{where}: shape must be a list of non-negative integers, got {shape!r}"[:300]
@@ -248,8 +247,7 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
     try:
         every = sorted(p for p in folder.glob("*.safetensors"))
     except OSError as exc:
-        raise FolderBuildError(f"{folder}: cannot list its files: {exc.strerror or exc}") \
-            from None
+        raise FolderBuildError(f"{folder}: cannot list its files: {exc.strerror or exc}") from None
     if not every:
         return None, None
     default = [p for p in every if not _is_variant(p)]
@@ -311,14 +309,12 @@ def read_config(path: Path, what: str = "config file") -> dict[str, Any]:
     try:
         doc = read_json(path, what=what)
     except OSError as exc:
-        raise FolderBuildError(f"{path}: cannot read the {what}: {exc.strerror or exc}") \
-            from None
+        raise FolderBuildError(f"{path}: cannot read the {what}: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise FolderBuildError(f"{path}: not a valid {what}: {exc}") from None
     if not isinstance(doc, dict):
         raise FolderBuildError(
-            f"{path}: not a valid {what}: expected a JSON object, got a "
-            f"{type(doc).__name__}"
+            f"{path}: not a valid {what}: expected a JSON object, got a {type(doc).__name__}"
         )
     return doc
 
@@ -369,8 +365,9 @@ def model_class(library: str, class_name: object, component: str, where: str) ->
 class FolderPart:
     """One model component of a folder: its name, library, class, folder and config."""
 
-    def __init__(self, name: str, library: str, cls: type, folder: Path, config: dict[str, Any],
-                 where: str) -> None:
+    def __init__(
+        self, name: str, library: str, cls: type, folder: Path, config: dict[str, Any], where: str
+    ) -> None:
         self.name = name
         self.library = library
         self.cls = cls
@@ -396,16 +393,21 @@ def read_pipeline_index(
         if isinstance(value, list) and len(value) == 2 and value[0] is None and value[1] is None:
             skipped.append((name, "absent: null in model_index.json"))
             continue
-        if not (isinstance(value, list) and len(value) == 2
-                and all(isinstance(v, str) for v in value)):
+        if not (
+            isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
+        ):
             raise FolderBuildError(
                 f"{where}: expected [LIBRARY, CLASS] (two strings, or [null, null] for an "
                 f"absent component), got {json_preview(value)}"
             )
         library, class_name = value
         if library not in _LIBRARIES:
-            skipped.append((name, f"{library}.{class_name}: attnres plans diffusers and "
-                                  f"transformers models only"))
+            skipped.append(
+                (
+                    name,
+                    f"{library}.{class_name}: attnres plans diffusers and transformers models only",
+                )
+            )
             continue
         cls = model_class(library, class_name, name, str(index))
         if cls is None:
@@ -417,7 +419,7 @@ def read_pipeline_index(
     if not parts:
         raise FolderBuildError(
             f"{index}: no model component to plan (a pipeline lists its models as "
-            f"\"name\": [\"diffusers\" or \"transformers\", \"ClassName\"])"
+            f'"name": ["diffusers" or "transformers", "ClassName"])'
             + (f"; skipped: {', '.join(n for n, _ in skipped)}" if skipped else "")
         )
     return title, parts, skipped
@@ -430,8 +432,9 @@ def json_preview(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def read_model_folder(folder: Path, config_path: Path,
-                      component: str | None) -> tuple[str, FolderPart]:
+def read_model_folder(
+    folder: Path, config_path: Path, component: str | None
+) -> tuple[str, FolderPart]:
     """A single model folder (a ``config.json``): a transformers model naming its
     ``architectures``, or a diffusers model naming its ``_class_name``.
 
@@ -464,11 +467,13 @@ def read_model_folder(folder: Path, config_path: Path,
     return class_name, FolderPart(name, library, cls, folder, config, where)
 
 
-def _component_from(library: str, cls: type, config: Mapping[str, Any], folder: Path,
-                    where: str) -> str:
+def _component_from(
+    library: str, cls: type, config: Mapping[str, Any], folder: Path, where: str
+) -> str:
     if library == "transformers":
         kind = {"input_ids": "text_encoder", "pixel_values": "image_encoder"}.get(
-            str(getattr(cls, "main_input_name", "")))
+            str(getattr(cls, "main_input_name", ""))
+        )
         if kind is not None:
             return kind
         model_type = config.get("model_type")
@@ -499,5 +504,4 @@ def build_part(part: FolderPart) -> Any:
         return cls._from_config(cfg).eval()
 
     check_config(part.config, part.where)
-    return build_under_budget(build, component=part.name, class_name=cls.__name__,
-                              where=part.where)
+    return build_under_budget(build, component=part.name, class_name=cls.__name__, where=part.where)
