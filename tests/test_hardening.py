@@ -433,3 +433,21 @@ def test_plan_dir_opens_the_folders_files_only_through_the_one_reader(
         "diffusion_pytorch_model.safetensors",
     }
     assert {by for _, by in files} == {reader}, files
+
+
+# -- item 19: vocabulary values are compared as members, not string literals ------------------
+
+
+def test_no_vocabulary_value_is_compared_as_a_string_literal() -> None:
+    from attnres._states import PackageStatus, Status
+
+    values = "|".join(m.value for m in (*Status, *PackageStatus))
+    pattern = re.compile(rf"status\s*(==|!=)\s*[\"']({values})[\"']|[\"']({values})[\"']\s*"
+                         rf"(==|!=)\s*\S*status")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sorted(SRC.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == [], "\n".join(found)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from attnres._states import PackageStatus, Status  # issue 20, 19: no string literals
 from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
@@ -460,7 +461,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if plan is not None:
             lines += _field("autotune:", plan["detail"], _width())
         _emit(out, lines)
-    return EXIT_OK if outcome.status == "selected" else EXIT_REJECTED
+    return EXIT_OK if outcome.status == Status.SELECTED else EXIT_REJECTED
 
 
 def _check_explain_overrides(args: argparse.Namespace, config: SelectionConfig) -> None:
@@ -510,7 +511,7 @@ def _render_explain(trace: Trace) -> list[str]:
     inp, outcome = trace.input, trace.outcome
     why = explain(trace)
     lines: list[str] = []
-    if outcome.status == "selected":
+    if outcome.status == Status.SELECTED:
         assert outcome.backend is not None
         lines.append(f"Decision:  selected {outcome.backend.name}")
     else:
@@ -785,7 +786,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             fact.name,
             ", ".join(users.get(fact.name, [])) or "-",
             fact.status,
-            _opt(fact.version) if fact.status == "present" else _opt(fact.detail),
+            _opt(fact.version) if fact.status == PackageStatus.PRESENT else _opt(fact.detail),
         ]
         for fact in platform.packages
     ]

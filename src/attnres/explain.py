@@ -248,7 +248,7 @@ def autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | Non
     if not config.autotune:
         return None
     origin = trace.outcome.origin
-    if trace.outcome.status != "selected":
+    if trace.outcome.status != Status.SELECTED:
         return {"tunable": False, "detail": "nothing to measure: the resolution was rejected"}
     if not is_tunable(trace):
         return {

@@ -70,7 +70,7 @@ from typing import Final
 
 from attrs import frozen
 
-from attnres._states import Check, Code, Event, Origin, Reason, State
+from attnres._states import Check, Code, Event, Origin, PackageStatus, Reason, State
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
@@ -465,9 +465,9 @@ def _package_failure(
 ) -> list[Failure]:
     """Why neither ``name`` nor one of its ``alternatives`` works here ([] if one does)."""
     facts = [platform.package(n) for n in (name, *alternatives)]
-    if any(f.status == "present" for f in facts):
+    if any(f.status == PackageStatus.PRESENT for f in facts):
         return []
-    broken = [f for f in facts if f.status == "broken"]
+    broken = [f for f in facts if f.status == PackageStatus.BROKEN]
     if broken:
         return [
             Failure(Code.PACKAGE_BROKEN, f"package {f.name!r} is broken: {f.detail}")

@@ -50,6 +50,7 @@ from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._outcome import OutcomeView
 from attnres._states import (
     KernelSource,
+    Status,
 )
 from attnres._vocab import Role
 from attnres.backends import Backend
@@ -543,7 +544,7 @@ class ComponentPlan:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and all(layer.status == "selected" for layer in self.layers)
+        return self.error is None and all(layer.status == Status.SELECTED for layer in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -632,7 +633,7 @@ def plan_pipeline(
                 for layer in entry.layers:
                     layers.append(_plan_layer(entry.name, layer, cfg, plat))
         except BackendNotAppliedError as exc:
-            if all(layer.status == "selected" for layer in layers):
+            if all(layer.status == Status.SELECTED for layer in layers):
                 error = str(exc)
         components.append(
             ComponentPlan(

@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from attnres._states import PackageStatus, Status
 from attnres.explain import explain
 from attnres.platform import Platform
 
@@ -164,7 +165,7 @@ def _wrap_cell(text: str, width: int) -> list[str]:
 
 def _platform_text(platform: Platform) -> str:
     where = platform.device()
-    present = [f.name for f in platform.packages if f.status == "present"]
+    present = [f.name for f in platform.packages if f.status == PackageStatus.PRESENT]
     if platform.simulated:
         how = "simulated"
         packages = ", ".join(present) if present else "none"
@@ -172,7 +173,7 @@ def _platform_text(platform: Platform) -> str:
         how = "detected"
         packages = (
             ", ".join(f"{f.name} {f.version or ''}".rstrip()
-                      for f in platform.packages if f.status == "present")
+                      for f in platform.packages if f.status == PackageStatus.PRESENT)
             or "none"
         )
     return f"{where}, {how}; kernel packages present: {packages}"
@@ -225,7 +226,7 @@ def render_plan(result: PlanResult) -> list[str]:
         lines += _wrap(header, width, "", "  ")
         rows = []
         for layer in component.layers:
-            if layer.status == "selected":
+            if layer.status == Status.SELECTED:
                 detail = _opt(layer.reason)
                 if layer.reason:
                     fallbacks[layer.reason] = fallbacks.get(layer.reason, 0) + layer.count
@@ -280,7 +281,7 @@ def render_plan(result: PlanResult) -> list[str]:
                 f"install lacks ({', '.join(names)})"
             )
     else:
-        rejected = [la for la in layers if la.status != "selected"]
+        rejected = [la for la in layers if la.status != Status.SELECTED]
         problems = [c.name for c in result.components if c.error]
         parts = []
         if rejected:

@@ -38,7 +38,7 @@ import attrs
 from attrs import frozen
 
 from attnres._files import exclusive_lock, read_json
-from attnres._states import Event, Reason, State, Verdict
+from attnres._states import Event, PackageStatus, Reason, State, Status, Verdict
 from attnres.backends import Backend
 from attnres.errors import ResultsFileError
 from attnres.layer import SelectionConfig
@@ -102,7 +102,7 @@ def tolerance_for(config: SelectionConfig, dtype: str) -> float:
 def is_tunable(trace: Trace) -> bool:
     """Whether autotune may measure this decision: selected, automatic, untuned."""
     return (
-        trace.outcome.status == "selected"
+        trace.outcome.status == Status.SELECTED
         and trace.outcome.origin in TUNABLE_ORIGINS
         and not is_tuned(trace)
     )
@@ -304,7 +304,7 @@ def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
         ):
             no_kernel[r.candidate] = r.detail[len(NO_KERNEL) :].removeprefix(": ")
     measured = [Measured.of(r) for r in recorded.records if isinstance(r, MeasurementRecord)]
-    if machine_trace.outcome.status != "selected" or machine_trace.outcome.backend is None:
+    if machine_trace.outcome.status != Status.SELECTED or machine_trace.outcome.backend is None:
         return machine_trace  # the rules changed: the decision is no longer tunable
     if not measured or measured[0].candidate != machine_trace.outcome.backend:
         # the rules now select another incumbent: its facts were never recorded
@@ -334,7 +334,9 @@ def platform_facts(platform: Platform) -> dict[str, Any]:
         "capability": None if platform.capability is None else list(platform.capability),
         "arch": platform.arch,
         "torch_version": platform.torch_version,
-        "packages": {p.name: p.version for p in platform.packages if p.status == "present"},
+        "packages": {
+            p.name: p.version for p in platform.packages if p.status == PackageStatus.PRESENT
+        },
     }
 
 
