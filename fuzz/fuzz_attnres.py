@@ -10,7 +10,8 @@ crash found goes into the bad-input catalogue (``tests/test_bad_inputs.py``).
 
     python fuzz/fuzz_attnres.py TARGET [libFuzzer options] [CORPUS_DIR ...]
 
-Targets: trace, replay, pipeline, folder, header, results. ``make fuzz`` runs
+Targets: trace, replay, pipeline, folder, config (structure-aware: hostile
+values for a config's own keys), header, results. ``make fuzz`` runs
 each for ``FUZZ_SECONDS`` (default 30) on its seed corpus ``fuzz/corpus/TARGET``
 (``fuzz/make_corpus.py`` writes the seeds from the repository's own traces,
 pipelines and example folders).
@@ -100,11 +101,80 @@ def folder(data: bytes) -> None:
                 (root / n).write_bytes(content)
 
 
+#: values a hostile config gives a key (the config target)
+HOSTILE = (
+    0,
+    -1,
+    1,
+    3,
+    2**31 - 1,
+    2**31,
+    1024,
+    1025,
+    16385,
+    0.5,
+    -0.0,
+    1e300,
+    "",
+    "x",
+    "float8_e4m3fn",
+    None,
+    True,
+    [],
+    [0],
+    [-1],
+    [1, 2, 3],
+    {},
+    {"a": 1},
+)
+
+
+def config(data: bytes) -> None:
+    """Structure-aware: a few keys of a tiny component's config set to hostile values
+    (a key of the class's own config, so the build reads it)."""
+    fdp = atheris.FuzzedDataProvider(data)
+    root = _TMP / "cfg"
+    component = ("vae", "text_encoder")[fdp.ConsumeIntInRange(0, 1)]
+    keys = _config_keys(component)
+    edits = {}
+    for _ in range(fdp.ConsumeIntInRange(1, 4)):
+        key = keys[fdp.ConsumeIntInRange(0, len(keys) - 1)]
+        edits[key] = HOSTILE[fdp.ConsumeIntInRange(0, len(HOSTILE) - 1)]
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    tiny_folder(root, **{component: lambda d: d.update(edits)})
+    plan_folder(root, platform=CPU)
+
+
+_KEYS: dict[str, list[str]] = {}
+
+
+def _config_keys(component: str) -> list[str]:
+    if component not in _KEYS:
+        from tiny_folders import CONFIGS
+
+        if component == "vae":
+            import inspect
+
+            from diffusers import AutoencoderKL
+
+            names = inspect.signature(AutoencoderKL.__init__).parameters
+            keys = [k for k in names if k != "self"]
+        else:
+            from transformers import T5Config
+
+            keys = [k for k in T5Config().to_dict() if not k.startswith("_")]
+        _KEYS[component] = sorted(set(keys) | set(CONFIGS[component]))
+    return _KEYS[component]
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "trace": trace,
     "replay": replay_target,
     "pipeline": pipeline,
     "folder": folder,
+    "config": config,
     "header": header,
     "results": results,
 }

@@ -682,6 +682,11 @@ CASES: list[Case] = [
     Case("folder-head-size-over-the-bound", FolderBuildError,
          "text_encoder/config.json: d_kv: 100000 is out of bounds for a head size",
          folder=lambda root: tiny_folder(root, text_encoder=lambda d: d.update(d_kv=100000))),
+    # item 16: a head size computed from the config names the component and its file
+    Case("folder-computed-head-size-over-the-bound", FolderBuildError,
+         "vae/config.json: component 'vae' (AutoencoderKL): head_size: must be at most 16384",
+         folder=lambda root: tiny_folder(root, vae=lambda d: d.update(
+             block_out_channels=[32768]))),
     Case("folder-config-huge-integer", FolderBuildError,
          "vae/config.json: not a valid config file: an integer of 5000 digits",
          folder=with_file("vae/config.json", '{"_class_name": "AutoencoderKL", "x": '

@@ -151,13 +151,18 @@ def plan_folder(
     models: dict[str, Any] = {}
     choices: dict[str, DtypeChoice] = {}
     for part in found:
-        models[part.name] = _untrusted.build_part(part)
+        models[part.name] = part.model = _untrusted.build_part(part)
         choices[part.name] = _choose_dtype(part.name, part.folder, part.config, args)
     if any(library == "diffusers" for _, library, _ in parts):
         from attnres.integrations import diffusers as _diffusers
 
-        planned = _diffusers.plan(models, config, platform, dtypes=choices, title=title,
-                                  source=str(folder))
+        def alone(part: _untrusted.FolderPart) -> object:
+            return _diffusers.plan({part.name: part.model}, config, platform,
+                                   dtypes={part.name: choices[part.name]})
+
+        with _untrusted.naming_the_component(found, alone):
+            planned = _diffusers.plan(models, config, platform, dtypes=choices, title=title,
+                                      source=str(folder))
         return attrs.evolve(planned, skipped=tuple(skipped))
     # a transformers model folder: diffusers need not be installed
     from attnres.integrations import transformers as _transformers
@@ -166,6 +171,13 @@ def plan_folder(
         (name, choices[name], _transformers.describe_sites(model, name, choices[name].dtype))
         for name, model in models.items()
     ]
-    planned = plan_sites(title=title, source=str(folder), components=described,
-                         config=config, platform=platform)
+
+    def alone(part: _untrusted.FolderPart) -> object:
+        one = [d for d in described if d[0] == part.name]
+        return plan_sites(title=title, source=str(folder), components=one, config=config,
+                          platform=platform)
+
+    with _untrusted.naming_the_component(found, alone):
+        planned = plan_sites(title=title, source=str(folder), components=described,
+                             config=config, platform=platform)
     return attrs.evolve(planned, skipped=tuple(skipped))

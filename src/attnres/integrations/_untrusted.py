@@ -24,10 +24,11 @@ the default files, not the ``*.fp16.safetensors`` variants beside them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -374,6 +375,7 @@ class FolderPart:
         self.folder = folder
         self.config = config
         self.where = where
+        self.model: Any = None
 
 
 def read_pipeline_index(
@@ -505,3 +507,25 @@ def build_part(part: FolderPart) -> Any:
 
     check_config(part.config, part.where)
     return build_under_budget(build, component=part.name, class_name=cls.__name__, where=part.where)
+
+
+@contextlib.contextmanager
+def naming_the_component(
+    parts: list[FolderPart], plan_one: Callable[[FolderPart], object]
+) -> Iterator[None]:
+    """A ``ValueError`` raised while the built models are planned (a head size over
+    the bound, computed from the config) names the component and its file: the
+    culprit is found by planning each component alone, on the error path only."""
+    try:
+        yield
+    except FolderBuildError:
+        raise
+    except ValueError as exc:
+        for part in parts:
+            try:
+                plan_one(part)
+            except ValueError:
+                raise FolderBuildError(
+                    f"{part.where}: component {part.name!r} ({part.cls.__name__}): {exc}"
+                ) from None
+        raise
