@@ -172,12 +172,12 @@ def plan_folder(
         for name, model in models.items()
     ]
 
-    def alone(part: _untrusted.FolderPart) -> object:
+    def by_itself(part: _untrusted.FolderPart) -> object:
         one = [d for d in described if d[0] == part.name]
         return plan_sites(title=title, source=str(folder), components=one, config=config,
                           platform=platform)
 
-    with _untrusted.naming_the_component(found, alone):
+    with _untrusted.naming_the_component(found, by_itself):
         planned = plan_sites(title=title, source=str(folder), components=described,
                              config=config, platform=platform)
     return attrs.evolve(planned, skipped=tuple(skipped))
