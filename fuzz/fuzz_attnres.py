@@ -26,9 +26,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import atheris
+try:
+    import atheris
+except ImportError:  # tests/test_fuzz_corpus.py replays the corpus without it
+    atheris = None
 
-with atheris.instrument_imports(include=["attnres"]):
+with atheris.instrument_imports(include=["attnres"]) if atheris else contextlib.nullcontext():
     from attnres.integrations import plan_folder
     from attnres.integrations._untrusted import dtype_from_weights
     from attnres.plan import load_pipeline
@@ -132,7 +135,7 @@ HOSTILE = (
 def config(data: bytes) -> None:
     """Structure-aware: a few keys of a tiny component's config set to hostile values
     (a key of the class's own config, so the build reads it)."""
-    fdp = atheris.FuzzedDataProvider(data)
+    fdp = atheris.FuzzedDataProvider(data) if atheris else _Provider(data)
     root = _TMP / "cfg"
     component = ("vae", "text_encoder")[fdp.ConsumeIntInRange(0, 1)]
     keys = _config_keys(component)
@@ -145,6 +148,17 @@ def config(data: bytes) -> None:
     shutil.rmtree(root, ignore_errors=True)
     tiny_folder(root, **{component: lambda d: d.update(edits)})
     plan_folder(root, platform=CPU)
+
+
+class _Provider:
+    """What the config target uses of atheris.FuzzedDataProvider, for replays without it."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def ConsumeIntInRange(self, low: int, high: int) -> int:  # atheris spells it so
+        byte, self.data = (self.data[0], self.data[1:]) if self.data else (0, b"")
+        return low + byte % (high - low + 1)
 
 
 _KEYS: dict[str, list[str]] = {}

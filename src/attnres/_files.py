@@ -477,10 +477,10 @@ def check_manifest(folder: Path) -> list[tuple[str, str]]:
         return []
     where = str(path)
     try:
-        doc = json.loads(read_bounded(path, what="manifest").decode("utf-8"))
+        doc = read_json(path, what="manifest")
     except OSError as exc:
         return [(where, f"cannot read the manifest: {exc.strerror or exc}")]
-    except (ValueError, RecursionError) as exc:
+    except ValueError as exc:
         return [(where, f"not a valid attnres manifest: {exc}")]
     files = doc.get("files") if isinstance(doc, dict) else None
     if (
