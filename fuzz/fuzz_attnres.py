@@ -5,8 +5,10 @@ the loader, the way a user's file reaches it. A loader may refuse its input
 only with attnres's own input error (a ``ValueError``: ``TraceFormatError``,
 ``PipelineError``, ``FolderBuildError``, ``ResultsFileError``, ...); anything
 else -- another exception, a hang, runaway memory -- is a crash, and atheris
-writes the input that caused it to ``crash-*`` in the working folder. Every
-crash found goes into the bad-input catalogue (``tests/test_bad_inputs.py``).
+writes the input that caused it to ``fuzz/crashes/TARGET-crash-*``. Every crash
+found goes into the bad-input catalogue (``tests/test_bad_inputs.py``: a row
+with the error it must give) and into ``fuzz/corpus/TARGET/`` (which
+``tests/test_fuzz_corpus.py`` replays in every test run).
 
     python fuzz/fuzz_attnres.py TARGET [libFuzzer options] [CORPUS_DIR ...]
 
