@@ -767,6 +767,11 @@ CASES: list[Case] = [
          "--dtype: the dtype for every component was given twice (float16 and bfloat16)",
          argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),
                "--dtype", "fp16", "--dtype", "bf16")),
+    Case("cli-plan-dir-trace-out-under-a-file", 2,
+         "/test_bad_inputs.py' is a file, not a folder; plan DIR writes one trace per layer "
+         "into a folder",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),
+               "--platform", "cpu", "--trace-out", str(Path(__file__) / "traces"))),
     Case("cli-component-on-a-pipeline-file", 2,
          "--component names the component of a single model folder",
          argv=("plan", str(Path(__file__).parents[1] / "examples" / "cpu-small.toml"),

@@ -1149,11 +1149,14 @@ def _cmd_plan_dir(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     written = []
     if args.trace_out is not None:
         trace_dir = _trace_out(args.trace_out, "a folder name")
-        if os.path.lexists(trace_dir) and not trace_dir.is_dir():  # issue 20, 16
-            raise UsageError(
-                f"--trace-out {args.trace_out}: it exists and is not a folder; plan DIR writes "
-                f"one trace per layer into a folder: give a new or existing folder"
-            )
+        for at in (trace_dir, *trace_dir.parents):  # issue 20, 16: not "File exists"
+            if os.path.lexists(at) and not at.is_dir():
+                what = "it exists and is not a folder" if at == trace_dir else (
+                    f"{str(at)!r} is a file, not a folder")
+                raise UsageError(
+                    f"--trace-out {args.trace_out}: {what}; plan DIR writes one trace per "
+                    f"layer into a folder: give a new or existing folder"
+                )
         written = result.dump_traces(trace_dir)
     _log().info("plan finished", pipeline=result.title, status="ok" if result.ok else "rejected",
                 layers=len(result.sites))
