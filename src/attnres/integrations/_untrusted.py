@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from attnres._files import read_safetensors_header
+from attnres._files import read_json, read_safetensors_header
+from attnres.layer import MAX_HEAD_SIZE
 
 __all__ = [
     "MAX_BUILD_SECONDS",
@@ -102,8 +103,6 @@ def check_component_key(key: object, where: str) -> str:
 def _bound(key: str, value: int) -> tuple[int, int, str] | None:
     low = key.lower()
     if _HEAD_SIZE_KEY.match(low):
-        from attnres.layer import MAX_HEAD_SIZE
-
         return 1, MAX_HEAD_SIZE, "a head size (attnres.layer.MAX_HEAD_SIZE)"
     if _HEAD_KEY.search(low):
         return 1, MAX_CONFIG_HEADS, "heads (MAX_CONFIG_HEADS)"
@@ -305,8 +304,6 @@ _LIBRARIES: Final = ("diffusers", "transformers")
 def read_config(path: Path, what: str = "config file") -> dict[str, Any]:
     """A JSON object from ``path`` through the one reader; a :class:`FolderBuildError`
     naming the file says why it cannot be one."""
-    from attnres._files import read_json
-
     try:
         doc = read_json(path, what=what)
     except OSError as exc:
