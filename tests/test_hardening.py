@@ -442,8 +442,10 @@ def test_no_vocabulary_value_is_compared_as_a_string_literal() -> None:
     from attnres._states import PackageStatus, Status
 
     values = "|".join(m.value for m in (*Status, *PackageStatus))
-    pattern = re.compile(rf"status\s*(==|!=)\s*[\"']({values})[\"']|[\"']({values})[\"']\s*"
-                         rf"(==|!=)\s*\S*status")
+    pattern = re.compile(
+        rf"status\s*(==|!=)\s*[\"']({values})[\"']|[\"']({values})[\"']\s*"
+        rf"(==|!=)\s*\S*status"
+    )
     found = [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
         for path in sorted(SRC.rglob("*.py"))
@@ -451,3 +453,19 @@ def test_no_vocabulary_value_is_compared_as_a_string_literal() -> None:
         if pattern.search(line)
     ]
     assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "says"),
+    [
+        ("MAX_BUILD_SECONDS", 0.0, "over the budget of 0 s (MAX_BUILD_SECONDS)"),
+        ("MAX_BUILD_MEMORY_BYTES", -(1 << 40), "GiB of memory (MAX_BUILD_MEMORY_BYTES)"),
+    ],
+)
+def test_time_and_memory_budgets_stop_a_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, value: float, says: str
+) -> None:
+    monkeypatch.setattr(_untrusted, setting, value)
+    folder = tiny_folder(tmp_path / "pipe")
+    with pytest.raises(FolderBuildError, match=re.escape(says)):
+        plan_folder(folder, platform=CPU)

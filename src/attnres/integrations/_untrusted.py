@@ -11,8 +11,11 @@ or transformers. Building a third-party model from a config is untrusted work:
    (:data:`MAX_CONFIG_LAYERS`), head counts and head sizes -- the message names
    the key, the value and the bound;
 3. the build runs under a budget (:func:`build_under_budget`): at most
-   :data:`MAX_BUILD_TORCH_CALLS` torch calls and :data:`MAX_BUILD_SECONDS`
-   seconds, counted by a torch function mode, on the meta device;
+   :data:`MAX_BUILD_TORCH_CALLS` torch calls, :data:`MAX_BUILD_SECONDS` seconds
+   and :data:`MAX_BUILD_MEMORY_BYTES` of added peak memory, checked by a torch
+   function mode on every torch call of the build (on the meta device). A
+   third-party loop that makes no torch call is not seen by it; every model
+   class builds its layers with torch calls;
 4. whatever the build raises becomes attnres's own error
    (:class:`FolderBuildError`, a ``ValueError``) naming the component, the
    class and the file, in one line (C++ stack frames dropped).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -36,6 +40,7 @@ from attnres._files import read_json, read_safetensors_header
 from attnres.layer import MAX_HEAD_SIZE
 
 __all__ = [
+    "MAX_BUILD_MEMORY_BYTES",
     "MAX_BUILD_SECONDS",
     "MAX_BUILD_TORCH_CALLS",
     "MAX_CONFIG_HEADS",
@@ -62,6 +67,9 @@ MAX_CONFIG_ITEMS: Final = 4096
 MAX_BUILD_TORCH_CALLS: Final = 500_000
 #: The seconds building one component may take (FLUX.1-dev's transformer: ~1.5 s).
 MAX_BUILD_SECONDS: Final = 60.0
+#: The memory building one component may add to the process's peak (FLUX.1-dev's
+#: transformer on meta: well under 100 MiB).
+MAX_BUILD_MEMORY_BYTES: Final = 4 << 30
 #: The most safetensors files whose headers are read for one component.
 MAX_WEIGHT_FILES: Final = 256
 
@@ -159,8 +167,20 @@ class _BudgetExceeded(Exception):
     pass
 
 
+def _peak_rss() -> int:
+    """The process's peak resident memory in bytes (0 where it cannot be read)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
 def _budget_mode(deadline: float) -> Any:
     from torch.overrides import TorchFunctionMode
+
+    memory_limit = _peak_rss() + MAX_BUILD_MEMORY_BYTES
 
     class Budget(TorchFunctionMode):
         calls = 0
@@ -174,11 +194,17 @@ def _budget_mode(deadline: float) -> Any:
                     f"over the budget of {MAX_BUILD_TORCH_CALLS} torch calls "
                     f"(MAX_BUILD_TORCH_CALLS) for building one component"
                 )
-            if Budget.calls % 256 == 0 and time.monotonic() > deadline:
-                raise _BudgetExceeded(
-                    f"over the budget of {MAX_BUILD_SECONDS:g} s (MAX_BUILD_SECONDS) for "
-                    f"building one component"
-                )
+            if Budget.calls % 256 == 0:
+                if time.monotonic() > deadline:
+                    raise _BudgetExceeded(
+                        f"over the budget of {MAX_BUILD_SECONDS:g} s (MAX_BUILD_SECONDS) for "
+                        f"building one component"
+                    )
+                if _peak_rss() > memory_limit:
+                    raise _BudgetExceeded(
+                        f"over the budget of {MAX_BUILD_MEMORY_BYTES >> 30} GiB of memory "
+                        f"(MAX_BUILD_MEMORY_BYTES) for building one component"
+                    )
             return func(*args, **(kwargs or {}))
 
     return Budget()
