@@ -223,12 +223,15 @@ def test_a_build_over_its_budget_is_stopped_and_named(
 ) -> None:
     monkeypatch.setattr(_untrusted, "MAX_BUILD_TORCH_CALLS", 5)
     folder = tiny_folder(tmp_path / "pipe")
+    assert torch.is_grad_enabled() and torch.get_default_dtype() is torch.float32
     with pytest.raises(
         FolderBuildError,
         match=r"for component '(vae|text_encoder)' from this "
         r"config: _BudgetExceeded: over the budget of 5 torch calls",
     ):
         plan_folder(folder, platform=CPU)
+    # a build stopped half-way leaves torch's global state as it found it
+    assert torch.is_grad_enabled() and torch.get_default_dtype() is torch.float32
 
 
 def test_one_line_drops_cpp_stack_frames() -> None:

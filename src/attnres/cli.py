@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
-from attnres._states import PackageStatus, Status  # issue 20, 19: no string literals
+from attnres._states import PackageStatus, ReplayStatus, Status  # issue 20, 19
 from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
@@ -55,7 +55,7 @@ from attnres.backends import (
     registered_backends,
 )
 from attnres.documents import environment_document, platform_document, spec_document
-from attnres.errors import TraceWriteError
+from attnres.errors import TraceWriteError, UsageError
 from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
 from attnres.layer import (
     DEST_AUTOTUNE,
@@ -118,10 +118,6 @@ _LOG_LEVELS = {
     "error": logging.ERROR,
     "critical": logging.CRITICAL,
 }
-
-
-class UsageError(ValueError):
-    """A command-line mistake the parser cannot see (exit 2)."""
 
 
 class _Terminated(BaseException):
@@ -696,10 +692,10 @@ def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int
     for problem in run.path_problems:
         print(f"attnres replay: error: {problem}", file=err)
     for entry in run.entries:
-        if entry.status == "invalid":
+        if entry.status == ReplayStatus.INVALID:
             print(f"ERR  {entry.path}", file=out)
             print(f"attnres replay: error: {entry.error}", file=err)
-        elif entry.status == "ok":
+        elif entry.status == ReplayStatus.OK:
             print(f"ok   {entry.path}", file=out)
         else:
             diff = "" if entry.result is None else entry.result.diff

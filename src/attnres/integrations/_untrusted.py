@@ -218,6 +218,10 @@ def build_under_budget(
     import torch
 
     deadline = time.monotonic() + MAX_BUILD_SECONDS
+    # a build stopped half-way (its error, the budget) may skip the third-party
+    # code that restores torch's global state: grad mode and the default dtype
+    # are put back whatever happens (found by the budget test: grad stayed off)
+    grad, default_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     try:
         with torch.device("meta"), _budget_mode(deadline):
             return build()
@@ -230,6 +234,9 @@ def build_under_budget(
             f"{where}: cannot build {class_name} for component {component!r} from this "
             f"config: {one_line(exc)}"
         ) from None
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.set_default_dtype(default_dtype)
 
 
 # =============================================================================
