@@ -184,7 +184,8 @@ def test_a_single_diffusers_model_folder_is_planned_as_one(
     code, doc = _json(capsys, ["plan", str(vae)])
     assert code == 0
     (comp,) = doc["components"]
-    assert (comp["name"], comp["kind"], len(comp["sites"])) == ("vae", "vae", 2)
+    sites = [site for layer in comp["layers"] for site in layer["sites"]]
+    assert (comp["name"], comp["kind"], len(sites)) == ("vae", "vae", 2)
 
 
 # -- item 18: --dtype names are normalised ------------------------------------------------

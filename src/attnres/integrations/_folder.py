@@ -79,8 +79,9 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
     return _untrusted.dtype_from_weights(folder)
 
 
-def _choose_dtype(name: str, folder: Path, config: Mapping[str, Any],
-                  args: DtypeArgs) -> DtypeChoice:
+def _choose_dtype(
+    name: str, folder: Path, config: Mapping[str, Any], args: DtypeArgs
+) -> DtypeChoice:
     if normalize_component(name) in args.per:
         return DtypeChoice(args.per[normalize_component(name)], f"--dtype {name}=")
     if args.every is not None:
@@ -123,8 +124,9 @@ def plan_folder(
     elif isinstance(dtypes, DtypeArgs):
         args = dtypes
     else:
-        per = {normalize_component(k) if k != "*" else k: normalize_dtype(v)
-               for k, v in dtypes.items()}
+        per = {
+            normalize_component(k) if k != "*" else k: normalize_dtype(v) for k, v in dtypes.items()
+        }
         args = DtypeArgs(per.pop("*", None), per)
     # issue 20: every file through the one reader, every key a name, every config
     # bounded, every build under a budget; a model that cannot be planned is an error
@@ -132,8 +134,10 @@ def plan_folder(
     skipped: list[tuple[str, str]] = []
     if os.path.lexists(index):
         if component is not None:
-            raise ValueError(f"--component {component}: {folder} is a pipeline folder, whose "
-                             f"model_index.json names its components")
+            raise ValueError(
+                f"--component {component}: {folder} is a pipeline folder, whose "
+                f"model_index.json names its components"
+            )
         title, found, skipped = _untrusted.read_pipeline_index(folder, index)
     elif os.path.lexists(folder / "config.json"):
         title, part = _untrusted.read_model_folder(folder, folder / "config.json", component)
@@ -146,8 +150,10 @@ def plan_folder(
     parts = [(p.name, p.library, p.cls.__name__) for p in found]
     unknown = sorted(set(args.per) - {normalize_component(p[0]) for p in parts})
     if unknown:
-        raise ValueError(f"--dtype {unknown[0]}=...: {folder} has no model component "
-                         f"{unknown[0]!r}; its components: {', '.join(p[0] for p in parts)}")
+        raise ValueError(
+            f"--dtype {unknown[0]}=...: {folder} has no model component "
+            f"{unknown[0]!r}; its components: {', '.join(p[0] for p in parts)}"
+        )
     models: dict[str, Any] = {}
     choices: dict[str, DtypeChoice] = {}
     for part in found:
@@ -157,12 +163,14 @@ def plan_folder(
         from attnres.integrations import diffusers as _diffusers
 
         def alone(part: _untrusted.FolderPart) -> object:
-            return _diffusers.plan({part.name: part.model}, config, platform,
-                                   dtypes={part.name: choices[part.name]})
+            return _diffusers.plan(
+                {part.name: part.model}, config, platform, dtypes={part.name: choices[part.name]}
+            )
 
         with _untrusted.naming_the_component(found, alone):
-            planned = _diffusers.plan(models, config, platform, dtypes=choices, title=title,
-                                      source=str(folder))
+            planned = _diffusers.plan(
+                models, config, platform, dtypes=choices, title=title, source=str(folder)
+            )
         return attrs.evolve(planned, skipped=tuple(skipped))
     # a transformers model folder: diffusers need not be installed
     from attnres.integrations import transformers as _transformers
@@ -174,10 +182,12 @@ def plan_folder(
 
     def by_itself(part: _untrusted.FolderPart) -> object:
         one = [d for d in described if d[0] == part.name]
-        return plan_sites(title=title, source=str(folder), components=one, config=config,
-                          platform=platform)
+        return plan_sites(
+            title=title, source=str(folder), components=one, config=config, platform=platform
+        )
 
     with _untrusted.naming_the_component(found, by_itself):
-        planned = plan_sites(title=title, source=str(folder), components=described,
-                             config=config, platform=platform)
+        planned = plan_sites(
+            title=title, source=str(folder), components=described, config=config, platform=platform
+        )
     return attrs.evolve(planned, skipped=tuple(skipped))
