@@ -74,6 +74,7 @@ fuzz: $(VENV)/.attnres-fuzz
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks scripts
+	$(PY) -m ruff format --check src  # issue 20: src stays formatted
 	$(PY) -m mypy src  # strict = true in pyproject.toml
 
 docs: $(STAMP)

@@ -80,6 +80,7 @@ def __dir__() -> list[str]:
     # the lazily imported names too (they are in __all__), before first use
     return sorted(set(globals()) | set(__all__))
 
+
 __all__ = [
     "Attention",
     "AttnresError",

@@ -538,8 +538,9 @@ def _render_explain(trace: Trace) -> list[str]:
         how = "typed by the operator" if cfg.global_backend_explicit else "implicit preference"
         request = f"--attention-backend {cfg.global_backend.name} ({how})"
     if cfg.component_backends:
-        request += "; per component: " + ", ".join(f"{n}={b.name}" for n, b in
-                                                    cfg.component_backends)
+        request += "; per component: " + ", ".join(
+            f"{n}={b.name}" for n, b in cfg.component_backends
+        )
     lines += _field("Request:", request, width)
     lines.append("")
     lines += _wrap(
@@ -665,9 +666,7 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK if result.ok else EXIT_REJECTED
 
 
-def _check_component_overrides(
-    config: SelectionConfig, names: Sequence[str], where: str
-) -> None:
+def _check_component_overrides(config: SelectionConfig, names: Sequence[str], where: str) -> None:
     """Every ``--attention-backend COMPONENT[.ROLE]=X`` names a component of the plan."""
     known = {split_component_key(n)[0] for n in names}
     for component, backend in config.component_backends:
@@ -691,8 +690,7 @@ def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if exc.name != "attnres.replayer":
             raise
         raise UsageError(
-            "replay is not available in this installation (the module attnres.replayer "
-            "is missing)"
+            "replay is not available in this installation (the module attnres.replayer is missing)"
         ) from None
     run = module.replay_paths(list(args.paths), update=args.update)
     return render_replay(run, args.update, out, err)
@@ -770,9 +768,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             }
             for fact in platform.packages
         ],
-        "plugin_failures": [
-            {"entry_point": f.entry_point, "error": f.error} for f in failures
-        ],
+        "plugin_failures": [{"entry_point": f.entry_point, "error": f.error} for f in failures],
         "notes": list(platform.notes),
         "environment": environment_document(),
     }
@@ -791,9 +787,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         18,
     )
     lines += _field("  torch:", _opt(platform.torch_version), width, 18)
-    lines += _field(
-        "  default chain:", " -> ".join(chain) or "-", width, 18
-    )
+    lines += _field("  default chain:", " -> ".join(chain) or "-", width, 18)
     lines += ["", "Optional kernel packages"]
     users: dict[str, list[str]] = {}
     for spec in registered_backends():
@@ -992,9 +986,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="attnres",
-        description=(
-            "Decide which attention kernel every layer of a pipeline runs, and show why."
-        ),
+        description=("Decide which attention kernel every layer of a pipeline runs, and show why."),
         epilog=(
             "exit codes: 0 success, 1 a resolution was rejected or a replay diverged, "
             "2 bad usage or bad input, 70 an internal error (a bug in attnres), "
@@ -1037,9 +1029,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layer.add_argument("--layer-name", metavar="NAME", help="a name for the layer (in traces)")
     where = explain.add_argument_group("where and how it is resolved")
-    where.add_argument(
-        "--component", metavar="NAME", help="resolve inside this component's scope"
-    )
+    where.add_argument("--component", metavar="NAME", help="resolve inside this component's scope")
     where.add_argument(
         "--component-backend", metavar="X", help="the component's override (needs --component)"
     )
@@ -1051,8 +1041,9 @@ def build_parser() -> argparse.ArgumentParser:
         "global_preference)",
     )
     where.add_argument(
-        "--platform", metavar="SPEC", help="simulate a platform, e.g. cuda:sm90+flash_attn "
-        "(default: detect this machine)"
+        "--platform",
+        metavar="SPEC",
+        help="simulate a platform, e.g. cuda:sm90+flash_attn (default: detect this machine)",
     )
     output = explain.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")
@@ -1063,11 +1054,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("pipeline", metavar="PIPELINE.toml|DIR")
     plan.add_argument(
-        "--dtype", action="append", metavar="[COMPONENT=]DTYPE",
+        "--dtype",
+        action="append",
+        metavar="[COMPONENT=]DTYPE",
         help="a model folder's compute dtype, for all components or one (repeatable)",
     )
     plan.add_argument(
-        "--component", metavar="NAME",
+        "--component",
+        metavar="NAME",
         help="the component a single model folder is (default: read from its config)",
     )
     add_selection_arguments(plan)

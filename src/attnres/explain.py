@@ -171,9 +171,7 @@ def explain(trace: Trace) -> Explanation:
     )
     failed = [r for r in trace.records if isinstance(r, CheckRecord) and not r.passed]
     relaxation = (
-        global_flag_relaxation(trace.input)
-        if outcome.origin in GLOBAL_EXPLICIT_ORIGINS
-        else None
+        global_flag_relaxation(trace.input) if outcome.origin in GLOBAL_EXPLICIT_ORIGINS else None
     )
     return Explanation(
         outcome=outcome,

@@ -99,8 +99,7 @@ def _table(
     out = [
         pad
         + sep.join(
-            h.rjust(widths[i]) if i in right else h.ljust(widths[i])
-            for i, h in enumerate(headers)
+            h.rjust(widths[i]) if i in right else h.ljust(widths[i]) for i, h in enumerate(headers)
         ).rstrip()
     ]
     out.append(pad + sep.join("-" * widths[i] for i in range(count)))
@@ -172,8 +171,11 @@ def _platform_text(platform: Platform) -> str:
     else:
         how = "detected"
         packages = (
-            ", ".join(f"{f.name} {f.version or ''}".rstrip()
-                      for f in platform.packages if f.status == PackageStatus.PRESENT)
+            ", ".join(
+                f"{f.name} {f.version or ''}".rstrip()
+                for f in platform.packages
+                if f.status == PackageStatus.PRESENT
+            )
             or "none"
         )
     return f"{where}, {how}; kernel packages present: {packages}"
@@ -208,8 +210,8 @@ def render_plan(result: PlanResult) -> list[str]:
         )
     lines += _field("Request:", request, width)
     dtypes = [
-        f"{c.name} {c.dtype} ({c.dtype_source}" + (f": {c.dtype_detail})" if c.dtype_detail
-                                                   else ")")
+        f"{c.name} {c.dtype} ({c.dtype_source}"
+        + (f": {c.dtype_detail})" if c.dtype_detail else ")")
         for c in result.components
         if c.dtype is not None
     ]
@@ -273,8 +275,9 @@ def render_plan(result: PlanResult) -> list[str]:
         for site in component.unplanned:
             label = _UNPLANNED_LABEL[site.status]
             text = site.error if site.error else site.note
-            lines += _wrap(f"{site.name} ({site.module_class}): {text}", width,
-                           f"  {label}: ", "    ")
+            lines += _wrap(
+                f"{site.name} ({site.module_class}): {text}", width, f"  {label}: ", "    "
+            )
         if component.error:
             lines += _wrap(component.error, width, "  problem: ", "           ")
     lines.append("")
@@ -303,7 +306,9 @@ def render_plan(result: PlanResult) -> list[str]:
         rejected = [la for la in layers if la.status is not Status.SELECTED]
         problems = [c.name for c in result.components if c.error]
         unclassified = [
-            f"{c.name}/{u.name}" for c in result.components for u in c.unplanned
+            f"{c.name}/{u.name}"
+            for c in result.components
+            for u in c.unplanned
             if u.status is Status.REJECTED
         ]
         parts = []
@@ -314,8 +319,10 @@ def render_plan(result: PlanResult) -> list[str]:
                 f"rejected: " + ", ".join(f"{la.component}/{la.name}" for la in rejected)
             )
         if unclassified:
-            parts.append(f"{_plural(len(unclassified), 'site')} cannot be classified: "
-                         + ", ".join(unclassified))
+            parts.append(
+                f"{_plural(len(unclassified), 'site')} cannot be classified: "
+                + ", ".join(unclassified)
+            )
         if problems:
             parts.append(f"override not applied in {', '.join(problems)}")
         verdict = "Verdict: rejected - " + "; ".join(parts)

@@ -513,8 +513,7 @@ def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
         except ValueError:
             raise _Invalid(
                 "",
-                f"unknown {what} {json.dumps(value, ensure_ascii=True)}; "
-                f"expected one of: {shown}",
+                f"unknown {what} {json.dumps(value, ensure_ascii=True)}; expected one of: {shown}",
             ) from None
 
     return structure
@@ -540,9 +539,7 @@ def _one_of(
     return check
 
 
-def _at_least(
-    what: str, low: float, optional: bool = False
-) -> Callable[[Any], str | None]:
+def _at_least(what: str, low: float, optional: bool = False) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         if value is None:
             return None if optional else f"{what} must not be null"
@@ -785,8 +782,7 @@ def _component_name(key: str) -> str | None:
     canonical = component if role is None else f"{component}.{role.value}"
     if canonical != key:
         return (
-            f"component name {json.dumps(key)} is not normalised "
-            f"(expected {json.dumps(canonical)})"
+            f"component name {json.dumps(key)} is not normalised (expected {json.dumps(canonical)})"
         )
     return None
 
@@ -862,6 +858,7 @@ def _make_converter() -> cattrs.Converter:
             "name": s.name,
         },
     )
+
     def unstructure_config(c: SelectionConfig) -> dict[str, Any]:
         out: dict[str, Any] = {
             "global_backend": None if c.global_backend is None else c.global_backend.name,
@@ -987,7 +984,6 @@ _FIELD_CHECKS.update(
 )
 
 _CONVERTER = _make_converter()
-
 
 
 # =============================================================================
@@ -1135,8 +1131,7 @@ def _parse_int(text: str) -> int:
     digits = len(text.lstrip("-"))
     if digits > _MAX_INT_DIGITS:
         raise _Invalid(
-            "", f"an integer of {digits} digits (a trace holds none longer than "
-            f"{_MAX_INT_DIGITS})"
+            "", f"an integer of {digits} digits (a trace holds none longer than {_MAX_INT_DIGITS})"
         )
     return int(text)
 
@@ -1163,8 +1158,7 @@ def trace_from_json(text: str, *, source: str = "<trace>") -> Trace:
             source,
             "$",
             f"not valid JSON: {exc.msg.removesuffix(' at')} at line {exc.lineno}, "
-            f"column {exc.colno}"
-            + ("; the file looks truncated" if truncated else ""),
+            f"column {exc.colno}" + ("; the file looks truncated" if truncated else ""),
         ) from None
     except RecursionError:
         raise _format_error(source, "$", "not a trace: JSON nested too deeply") from None

@@ -91,7 +91,6 @@ DEFAULT_TOLERANCES: Final[Mapping[str, float]] = {
 }
 
 
-
 def tolerance_for(config: SelectionConfig, dtype: str) -> float:
     """The relative tolerance for outputs of ``dtype`` under ``config``."""
     for name, tolerance in config.autotune_tolerance:
