@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from attnres._files import read_json, read_safetensors_header
+from attnres.errors import FolderBuildError
 from attnres.layer import MAX_HEAD_SIZE
 
 __all__ = [
@@ -79,11 +80,6 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
 _LAYER_KEY = re.compile(r"(^|_)(layers|blocks|depth)($|_)|layers_per_block|^n_layer")
 _HEAD_KEY = re.compile(r"(^|_)heads?($|_)|^n_head")
 _HEAD_SIZE_KEY = re.compile(r"^(head_dim|d_kv|attention_head_dim|kv_channels|head_size)$")
-
-
-class FolderBuildError(ValueError):
-    """A model folder's component cannot be planned: a bad key, a config value
-    out of bounds, or a model that diffusers/transformers cannot build from it."""
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
