@@ -763,15 +763,28 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
 
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
     obj = _object(value, "a layer")
-    _exact_keys(obj, _LAYER_KEYS, "a layer")
+    _exact_keys(obj, _LAYER_KEYS, "a layer", optional_field_names(LayerSpec))
+    head_size = _field(obj, "head_size", _head_size)
+    dtype = _field(obj, "dtype", _dtype)
+    supported = _field(obj, "supported", _optional(_backend_list))
+    default = _field(obj, "default", _optional(_structure_backend))
+    role = _field(obj, "role", _role)
+    requirements = _field(obj, "requirements", _requirements)
+    name = _field(obj, "name", _optional(_structure_str))
+    route = _field(obj, "exact_route", _structure_str) if "exact_route" in obj else None
+    if route is not None and not route.strip():
+        raise _Invalid(".exact_route", "a route's name must not be empty")
+    if route is not None and supported is None:
+        raise _Invalid(".exact_route", "an exact route needs a supported set (supported is null)")
     return LayerSpec(
-        head_size=_field(obj, "head_size", _head_size),
-        dtype=_field(obj, "dtype", _dtype),
-        supported=_field(obj, "supported", _optional(_backend_list)),
-        default=_field(obj, "default", _optional(_structure_backend)),
-        role=_field(obj, "role", _role),
-        requirements=_field(obj, "requirements", _requirements),
-        name=_field(obj, "name", _optional(_structure_str)),
+        head_size=head_size,
+        dtype=dtype,
+        supported=supported,
+        default=default,
+        role=role,
+        requirements=requirements,
+        name=name,
+        exact_route=route,
     )
 
 
@@ -850,9 +863,8 @@ def _make_converter() -> cattrs.Converter:
     def unstructure_backend_set(value: frozenset[Backend] | None) -> list[str] | None:
         return None if value is None else sorted(b.name for b in value)
 
-    conv.register_unstructure_hook(
-        LayerSpec,
-        lambda s: {
+    def unstructure_layer(s: LayerSpec) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "head_size": s.head_size,
             "dtype": s.dtype,
             "supported": unstructure_backend_set(s.supported),
@@ -860,8 +872,12 @@ def _make_converter() -> cattrs.Converter:
             "role": s.role.value,
             "requirements": conv.unstructure(s.requirements),
             "name": s.name,
-        },
-    )
+        }
+        if s.exact_route is not None:  # absent otherwise: older traces keep their bytes
+            out["exact_route"] = s.exact_route
+        return out
+
+    conv.register_unstructure_hook(LayerSpec, unstructure_layer)
     def unstructure_config(c: SelectionConfig) -> dict[str, Any]:
         out: dict[str, Any] = {
             "global_backend": None if c.global_backend is None else c.global_backend.name,
