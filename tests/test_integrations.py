@@ -760,6 +760,20 @@ def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree():
     assert all(s.trace.outcome.code == "not_on_route" for s in clip)
 
 
+def test_a_site_cannot_say_rejected_under_a_selected_trace():
+    # the invariant behind the regression above, kept by the Site record itself
+    from attnres import LayerSpec, resolve
+    from attnres.integrations._plan import Site, SiteError
+
+    spec = LayerSpec(64, "bf16", name="blocks.0.attn")
+    res = resolve(spec, platform=Platform.simulate("cpu"))
+    common = dict(component="c", name="blocks.0.attn", module_class="M", route="r")
+    common.update(heads=1, kv_heads=1, spec=spec, trace=res.trace)
+    assert Site(**common, resolution=res, site_error=None).status is Status.SELECTED
+    with pytest.raises(ValueError, match="is rejected but its trace says selected"):
+        Site(**common, resolution=None, site_error=SiteError("not_on_route", "no"))
+
+
 def test_call_facts_scale_window_softcap():
     # T5 scales by 1.0, not 1/sqrt(d): custom_scale; CLIP uses the default
     pipe = tp.flux()
