@@ -115,7 +115,7 @@ _LAYER_KINDS: dict[str, str] = {
     **{
         _TOML_NAMES.get(n, n): _TOML_KIND_OF_TYPE[tp]
         for n, tp in field_types(LayerSpec).items()
-        if n != "name"
+        if n != "name" and n in field_names(LayerSpec)  # not a trace-only field (exact_route)
     },
     "backend": "string",
 }
