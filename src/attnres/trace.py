@@ -63,7 +63,14 @@ from attnres._states import (
     Verdict,
     optional_reason,
 )
-from attnres._vocab import PLATFORM_KINDS, Requirement, Role, normalize_dtype
+from attnres._vocab import (
+    PLATFORM_KINDS,
+    CausalAlignment,
+    MaskKind,
+    Requirement,
+    Role,
+    normalize_dtype,
+)
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
 from attnres.layer import (
@@ -78,6 +85,7 @@ from attnres.scope import ScopeState
 
 __all__ = [
     "BASE_SCHEMA_VERSION",
+    "MASK_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
     "TUNED_SCHEMA_VERSION",
@@ -109,7 +117,11 @@ __all__ = [
 #: removed, renamed or changes meaning (docs/trace-format.md). A trace is
 #: written with the lowest version that can express it: a rule-based resolution
 #: is version 2 (the backward requirement), a tuned one is version 3.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+#: The version of a trace whose layer names a mask kind or a causal alignment
+#: (issue 22): its requirements carry ``mask`` and ``causal_alignment`` keys.
+#: Version 4 reads every record version 3 does.
+MASK_SCHEMA_VERSION = 4
 #: The version of a trace that holds autotune records (tuning, measurement).
 TUNED_SCHEMA_VERSION = 3
 #: The version of a rule-based trace.
@@ -303,6 +315,11 @@ class Trace:
     records: tuple[Record, ...]
     outcome: Outcome
     schema_version: int = BASE_SCHEMA_VERSION
+
+    def __attrs_post_init__(self) -> None:
+        # the lowest version that can express it: a mask kind needs version 4
+        if self.input.layer.requirements.extended and self.schema_version < MASK_SCHEMA_VERSION:
+            object.__setattr__(self, "schema_version", MASK_SCHEMA_VERSION)
 
     @functools.cached_property
     def digest(self) -> str:
@@ -722,13 +739,49 @@ def _role(value: Any) -> Role:
         raise _Invalid("", f"unknown role {json.dumps(text)}; expected self or cross") from None
 
 
+#: The keys a version-4 trace adds to its requirements (issue 22).
+_MASK_KEYS: tuple[str, ...] = ("mask", "causal_alignment")
+
+
+def _requirement_keys(version: int) -> list[str]:
+    if version == 1:
+        return list(_SCHEMA_1_REQUIREMENTS)
+    return [r.value for r in Requirement]
+
+
 def _requirements(value: Any) -> Requirements:
     obj = _object(value, "requirements")
     names = [r.value for r in Requirement]
     if set(obj) != set(_SCHEMA_1_REQUIREMENTS):  # (which set a version needs: _structure_trace)
-        _exact_keys(obj, names, "requirements")
-    flags = {name: _field(obj, name, _structure_bool) for name in obj}
-    return Requirements(**flags)
+        _exact_keys(obj, names + [k for k in _MASK_KEYS if k in obj], "requirements")
+    flags: dict[str, Any] = {
+        name: _field(obj, name, _structure_bool) for name in obj if name not in _MASK_KEYS
+    }
+    for name in _MASK_KEYS:
+        if name in obj:
+            text = _field(obj, name, _structure_str)
+            try:
+                flags[name] = MaskKind(text) if name == "mask" else CausalAlignment(text)
+            except ValueError:
+                valid = MaskKind if name == "mask" else CausalAlignment
+                raise _Invalid(
+                    "." + name,
+                    f"unknown {name.replace('_', ' ')} {json.dumps(text)}; expected one of "
+                    + ", ".join(v.value for v in valid),
+                ) from None
+    try:
+        return Requirements(**flags)
+    except ValueError as exc:
+        raise _Invalid("", str(exc)) from None
+
+
+def _unstructure_requirements(r: Requirements) -> dict[str, Any]:
+    """The flags; the mask kind and alignment only where a 0.2 trace cannot say them."""
+    out: dict[str, Any] = {req.value: getattr(r, req.value) for req in Requirement}
+    if r.extended:
+        out["mask"] = r.mask.value
+        out["causal_alignment"] = r.causal_alignment.value
+    return out
 
 
 def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
@@ -739,7 +792,9 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
         return  # structuring reports the missing or malformed part, with its path
     if not isinstance(obj, dict):
         return
-    keys = _SCHEMA_1_REQUIREMENTS if version == 1 else [r.value for r in Requirement]
+    keys = _requirement_keys(version)
+    if version >= MASK_SCHEMA_VERSION:  # a mask kind and alignment, both or neither
+        keys += list(_MASK_KEYS) if any(k in obj for k in _MASK_KEYS) else []
     try:
         _exact_keys(obj, keys, f"requirements in schema version {version}")
     except _Invalid as exc:
@@ -843,7 +898,7 @@ def _make_converter() -> cattrs.Converter:
             "supported": unstructure_backend_set(s.supported),
             "default": None if s.default is None else s.default.name,
             "role": s.role.value,
-            "requirements": conv.unstructure(s.requirements),
+            "requirements": _unstructure_requirements(s.requirements),
             "name": s.name,
         },
     )

@@ -20,6 +20,10 @@ Source facts (Dao-AILab/flash-attention hopper/flash_attn_interface.py):
 - Module name: ``flash_attn_interface`` (distribution ``flash_attn_3``, built
   with ``cd hopper && python setup.py install``); newer builds also ship it as
   ``flash_attn_3.flash_attn_interface``, tried second.
+- ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, seqused_q=None, seqused_k=None, softmax_scale=None,
+  causal=False, ...)`` over packed (total, nheads, headdim) tensors (the key
+  padding route of attnres._varlen); causal bottom-right per sequence.
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from attnres.kernels._common import (
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from attnres.kernels import KernelFn
+    from attnres.kernels import KernelFn, VarlenKernelFn
 
-__all__ = ["make_kernel"]
+__all__ = ["make_kernel", "make_varlen_kernel"]
 
 BACKEND = "fa3"
 PACKAGE = "flash_attn_interface"
@@ -89,3 +93,37 @@ def make_kernel() -> KernelFn:
         call,
         takes=frozenset({"softcap", "window"}),
     )
+
+
+def make_varlen_kernel() -> VarlenKernelFn:
+    """Import flash_attn_interface and bind ``flash_attn_varlen_func`` (packed tokens).
+
+    Same calling convention as :func:`attnres.kernels.fa.make_varlen_kernel`;
+    ``cu_seqlens`` arrive as contiguous int32 (attnres._varlen builds them so).
+    """
+    varlen_func = require_attribute(
+        _import(),
+        "flash_attn_varlen_func",
+        backend=BACKEND,
+        hint="The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL,
+    )
+
+    def varlen_attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        result = varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+            softmax_scale=scale, causal=causal,
+        )  # fmt: skip
+        out: Tensor = result[0] if isinstance(result, tuple) else result
+        return out
+
+    return varlen_attention

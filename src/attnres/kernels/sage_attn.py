@@ -14,6 +14,12 @@ Source facts (thu-ml/SageAttention sageattention/core.py, README):
   raises "Unsupported head_dim"); num_qo_heads divisible by num_kv_heads (GQA);
 - dispatches by GPU arch: sm80, sm86, sm89, sm90, sm120 (others raise
   "Unsupported CUDA architecture").
+- ``sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, is_causal=False, sm_scale=None, smooth_k=True, **kwargs)``
+  (Triton): packed (total, heads, head_dim) tensors, num_qo_heads divisible by
+  num_kv_heads, cu_seqlens int32 or int64 and contiguous; causal "only
+  applicable when qo_len == kv_len for each sequence" (the key padding route of
+  attnres._varlen unpads queries and keys alike for self-attention).
 - Install: ``pip install sageattention``.
 """
 
@@ -29,9 +35,11 @@ from attnres.kernels._common import (
 
 if TYPE_CHECKING:
 
-    from attnres.kernels import KernelFn
+    from torch import Tensor
 
-__all__ = ["make_kernel"]
+    from attnres.kernels import KernelFn, VarlenKernelFn
+
+__all__ = ["make_kernel", "make_varlen_kernel"]
 
 BACKEND = "sage_attn"
 PACKAGE = "sageattention"
@@ -52,3 +60,33 @@ def make_kernel() -> KernelFn:
             q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale
         ),
     )
+
+
+def make_varlen_kernel() -> VarlenKernelFn:
+    """Import sageattention and bind ``sageattn_varlen`` (packed tokens).
+
+    Same calling convention as :func:`attnres.kernels.fa.make_varlen_kernel`.
+    """
+    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    sageattn_varlen = require_attribute(
+        module, "sageattn_varlen", backend=BACKEND, hint="Reinstall it with: " + INSTALL
+    )
+
+    def varlen_attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        out: Tensor = sageattn_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+            is_causal=causal, sm_scale=scale,
+        )  # fmt: skip
+        return out
+
+    return varlen_attention
