@@ -19,8 +19,10 @@ Padded rows: in self-attention (query and key lengths equal) the queries are
 unpadded with the keys, so a padded query position comes back as **zeros**
 (the untouched model computes attention over the valid keys there; a model
 that masks its keys never reads those rows as keys again). In
-cross-attention only the keys are unpadded and every query row is computed; a
-row whose keys are all padding is **zeros** (torch SDPA gives NaN there).
+cross-attention only the keys are unpadded and every query of a row is
+computed. A batch row whose keys are all padding is **zeros** on both (torch
+SDPA gives NaN there); it is left out of ``cu_seqlens``, so no kernel is handed
+a sequence of length 0.
 
 The route is a kernel of the usual calling convention
 (:func:`padded_kernel`), so ``attnres.Attention`` and the integrations' routes
@@ -162,11 +164,13 @@ def unpad(x: Tensor, valid: Tensor) -> Unpadded:
 
     batch, seq = valid.shape
     lengths = valid.sum(dim=1, dtype=torch.int32)
+    # a fully padded row leaves no sequence: no kernel is handed a length of 0
+    lengths = lengths[lengths > 0]
     indices = valid.reshape(-1).nonzero().reshape(-1)
-    cu = torch.zeros(batch + 1, dtype=torch.int32, device=x.device)
+    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=x.device)
     torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu[1:])
     packed = x.reshape(batch * seq, *x.shape[2:]).index_select(0, indices)
-    return Unpadded(packed, indices, cu, int(lengths.max()) if batch else 0)
+    return Unpadded(packed, indices, cu, int(lengths.max()) if lengths.shape[0] else 0)
 
 
 def pad(packed: Tensor, indices: Tensor, batch: int, seq: int) -> Tensor:
@@ -277,18 +281,16 @@ def padded_kernel(
                 seen.words,
             )
         ks, vs = unpad(k, valid), unpad(v, valid)
-        # self-attention: the queries are padded like the keys
-        qs = unpad(q, valid) if seq_q == seq_kv else _whole(q)
+        # self-attention: the queries are padded like the keys; cross-attention:
+        # every query of a row that has a valid key
+        rows = valid if seq_q == seq_kv else valid.any(dim=1, keepdim=True).expand(batch, seq_q)
+        qs = unpad(q, rows)
         if ks.max_seqlen == 0:  # every row fully padded
             return q.new_zeros(q.shape)
         out = kernel()(
             qs.packed, ks.packed, vs.packed, qs.cu_seqlens, ks.cu_seqlens,
             qs.max_seqlen, ks.max_seqlen, causal, scale,
         )  # fmt: skip
-        if seq_q != seq_kv:
-            out = out.reshape(batch, seq_q, heads, size)
-            empty = ks.cu_seqlens[1:] == ks.cu_seqlens[:-1]
-            return out.masked_fill(empty[:, None, None, None], 0)
         return pad(out, qs.indices, batch, seq_q)
 
     return attention

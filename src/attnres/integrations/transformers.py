@@ -28,8 +28,9 @@ import transformers
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from attnres._vocab import Role, normalize_dtype
+from attnres._vocab import MaskKind, Role, normalize_dtype
 from attnres.backends import Backend
+from attnres.integrations import _hf_attention
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
@@ -78,8 +79,13 @@ _CLASS_FLAG: dict[str, str] = {
 
 
 def route_backends(model: Any) -> frozenset[Backend]:
-    """What the attention interface can execute for ``model``'s class."""
-    out: set[Backend] = set()
+    """What the attention interface can execute for ``model``'s class.
+
+    Issue 22: a class that dispatches through the attention interface
+    (``_supports_attention_backend``) also runs every dense backend with an
+    attnres kernel, through attnres's own function (:mod:`._hf_attention`).
+    """
+    out: set[Backend] = set(_hf_attention.backends_for(type(model)))
     for backend, function in FUNCTIONS.items():
         flag = _CLASS_FLAG.get(function)
         if flag is not None and not getattr(type(model), flag, False):
@@ -127,18 +133,24 @@ def _t5_role(name: str, module: Any) -> Role:
 
 
 def _clip_causal(module: Any) -> Requirements:
-    causal = getattr(module.config, "model_type", "") == "clip_text_model"
-    return Requirements(causal=causal)
+    # issue 22: the text model passes causal with key padding (create_causal_mask
+    # of its attention_mask); the vision model passes no mask
+    text = getattr(module.config, "model_type", "") == "clip_text_model"
+    return Requirements(causal=text, mask=MaskKind.KEY_PADDING if text else MaskKind.NONE)
 
 
 def _t5_requirements(module: Any) -> Requirements:
-    return Requirements(attn_mask=True, causal=bool(module.is_decoder) and bool(module.is_causal))
+    # issue 22: T5 passes its float position bias: an additive mask
+    return Requirements(
+        mask=MaskKind.ADDITIVE, causal=bool(module.is_decoder) and bool(module.is_causal)
+    )
 
 
 def _decoder_requirements(module: Any) -> Requirements:
     heads = module.config.num_attention_heads
     kv = getattr(module.config, "num_key_value_heads", None) or heads
-    return Requirements(causal=bool(module.is_causal), gqa=kv < heads)
+    # issue 22: a decoder used as an encoder passes causal with key padding
+    return Requirements(causal=bool(module.is_causal), gqa=kv < heads, mask=MaskKind.KEY_PADDING)
 
 
 _T5 = _Facts(
@@ -346,6 +358,7 @@ def prepare(
     """
     modules = dict(model.named_modules())
     groups: dict[int, tuple[Any, dict[str, list[str]]]] = {}
+    kernels: dict[str, tuple[str, Requirements]] = {}
     problems: list[str] = []
     for site in result.sites:
         if site.component != component or site.resolution is None:
@@ -356,13 +369,21 @@ def prepare(
             continue
         backend = site.resolution.backend.name
         function = FUNCTIONS.get(backend)
+        spec = site.spec
+        if function is None and spec is not None and Backend(backend) in (spec.supported or ()):
+            function = _hf_attention.NAME  # issue 22: attnres's own function runs it
         if function is None:
             problems.append(
                 f"{component}/{site.name}: {backend} has no transformers attention function"
             )
             continue
         cfg, decided = groups.setdefault(id(module.config), (module.config, {}))
-        decided.setdefault(function, []).append(site.name)
+        # the attnres function runs one kernel per site; one config still takes
+        # one function, so its sites must agree on the backend too
+        key = function if function != _hf_attention.NAME else f"{function}:{backend}"
+        decided.setdefault(key, []).append(site.name)
+        if spec is not None:
+            kernels[site.name] = (backend, spec.requirements)
     actions: list[Callable[[], None]] = []
     for cfg, decided in groups.values():
         if len(decided) > 1:
@@ -372,21 +393,27 @@ def prepare(
                 + "); transformers runs one attention function per config"
             )
             continue
-        (function, names), = decided.items()
-        actions.append(_installer(model, component, cfg, function, names, modules))
+        (key, names), = decided.items()
+        function = key.partition(":")[0]
+        actions.append(_installer(model, component, cfg, function, names, modules, kernels))
     return actions, problems
 
 
 def _installer(
     model: Any, component: str, cfg: Any, function: str, names: list[str],
-    modules: Mapping[str, Any],
+    modules: Mapping[str, Any], kernels: Mapping[str, tuple[str, Requirements]],
 ) -> Callable[[], None]:
     def install() -> None:
+        backend = _BY_FUNCTION.get(function) or kernels[names[0]][0]
         rec = _Install(cfg, getattr(cfg, "_attn_implementation_internal", None), function,
-                       _BY_FUNCTION[function])
+                       backend)
         cfg._attn_implementation_internal = function
         for name in names:
             module = modules[name]
+            if function == _hf_attention.NAME:  # issue 22: bind the decided kernel
+                _hf_attention.register()
+                backend, requirements = kernels[name]
+                _hf_attention.bind_module(module, backend, requirements)
             rec.sites.append((component, name, module))
             rec.dtype[name] = _compute_dtype(module, model)
         installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
@@ -442,6 +469,8 @@ def remove(model: Any) -> int:
     installs = model.__dict__.pop(_INSTALLED_ATTR, [])
     for rec in reversed(installs):
         rec.config._attn_implementation_internal = rec.old
+        for _, _, module in rec.sites:
+            _hf_attention.unbind_module(module)
     return len(installs)
 
 

@@ -34,7 +34,6 @@ from attnres.kernels._common import (
 )
 
 if TYPE_CHECKING:
-
     from torch import Tensor
 
     from attnres.kernels import KernelFn, VarlenKernelFn
