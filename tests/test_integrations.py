@@ -66,7 +66,12 @@ def test_done_when_global_sage_on_tiny_flux(flux_bf16):
     assert groups["transformer"] and all(s.backend == "sage_attn" for s in groups["transformer"])
     assert all(s.resolution.origin == "global_cli" and s.resolution.reason is None
                for s in groups["transformer"])
-    for comp in ("vae", "text_encoder", "text_encoder_2"):
+    # issue 22: CLIP's causal-with-key-padding sites run sage through attnres's
+    # transformers function; T5 passes an additive mask and falls back
+    assert groups["text_encoder"] and all(
+        s.backend == "sage_attn" and s.resolution.reason is None for s in groups["text_encoder"]
+    )
+    for comp in ("vae", "text_encoder_2"):
         assert groups[comp], comp
         for site in groups[comp]:
             assert site.backend == "torch_sdpa", (comp, site.name)
@@ -109,7 +114,9 @@ def test_done_when_through_attnres_plan_dir(tmp_path, capsys):
     assert comps["transformer"]["dtype_source"] == "weights"
     assert comps["vae"]["dtype"] == "float32"
     assert {s["backend"] for s in comps["transformer"]["sites"]} == {"sage_attn"}
-    for name in ("vae", "text_encoder", "text_encoder_2"):
+    assert {(s["backend"], s["reason"]) for s in comps["text_encoder"]["sites"]} == {
+        ("sage_attn", None)}  # issue 22: CLIP runs sage through attnres's function
+    for name in ("vae", "text_encoder_2"):
         assert {(s["backend"], s["reason"]) for s in comps[name]["sites"]} == {
             ("torch_sdpa", "global backend fallback")}
     big = tp.flux(head_dim=256, dtype=torch.bfloat16)
@@ -301,11 +308,13 @@ def test_route_counts_only_functions_with_a_mask_function(monkeypatch):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     model = _qwen2()
-    assert any(b.name == "flex_attention" for b in itf.route_backends(model))
+    assert any(b.name == "flex_attention" for b in itf._native_backends(model))
     mapping = dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping)
     mapping.pop("flex_attention")
     monkeypatch.setattr(ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping", mapping)
-    assert not any(b.name == "flex_attention" for b in itf.route_backends(model))
+    assert not any(b.name == "flex_attention" for b in itf._native_backends(model))
+    # issue 22: it still runs, through attnres's function and its mask function
+    assert any(b.name == "flex_attention" for b in itf.route_backends(model))
 
 
 def test_transformers_apply_no_flag_identical_and_remove():

@@ -36,6 +36,7 @@ from attnres import Attention, LayerSpec, Platform, ResolutionError, resolve
 from attnres._varlen import (
     MaskKindError,
     clear_varlen_cache,
+    is_prefix,
     observe_mask,
     pad,
     padded_kernel,
@@ -359,11 +360,21 @@ def test_observe_causal_with_key_padding() -> None:
     )
 
 
-def test_observe_holes_are_boolean() -> None:
-    valid = torch.tensor([[True, False, True, True]])
-    seen = observe_mask(valid[:, None, None, :], 1, 4, 4)
+def test_observe_padding_in_the_middle_is_key_padding_not_a_prefix() -> None:
+    """Qwen-Image's joint mask: [text valid, text padding, image valid]."""
+    valid = torch.tensor([[True, True, False, True, True], [True, True, True, True, True]])
+    seen = observe_mask(valid[:, None, None, :], 2, 5, 5)
+    assert seen.kind is MaskKind.KEY_PADDING and torch.equal(seen.valid, valid)
+    assert not is_prefix(valid)
+    assert is_prefix(_padding([5, 2], 5)) and not is_prefix(_padding([5, 2], 5, left=True))
+
+
+def test_observe_queries_that_see_different_keys_is_boolean() -> None:
+    keep = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    keep[0, 0, 1, 3] = False
+    seen = observe_mask(keep, 1, 4, 4)
     assert seen.kind is MaskKind.BOOLEAN
-    assert "not one prefix or suffix run" in seen.detail
+    assert "the queries of a row see different keys" in seen.detail
 
 
 def test_observe_bias_and_per_head_masks() -> None:
@@ -435,6 +446,8 @@ CASES = {
     "right-padding": ([7, 4, 1], 7, 7, 4, 4, False, False),
     "left-padding": ([7, 4, 1], 7, 7, 4, 4, True, False),
     "fully-padded-row": ([6, 0, 3], 6, 6, 4, 4, False, False),
+    "padding-in-the-middle": ("joint", 9, 9, 4, 2, False, False),
+    "causal-padding-in-the-middle": ("joint", 9, 9, 4, 4, False, True),
     "gqa": ([5, 2], 5, 5, 8, 2, True, False),
     "causal-right": ([6, 3], 6, 6, 4, 2, False, True),
     "causal-left": ([6, 3], 6, 6, 4, 4, True, True),
@@ -447,8 +460,11 @@ CASES = {
 @pytest.mark.parametrize("backend", UNPAD_BACKENDS)
 def test_unpad_route_matches_the_float64_reference(fakes: Calls, backend: str, case: str) -> None:
     lengths, seq_q, seq_kv, heads, kv_heads, left, causal = CASES[case]
-    q, k, v = _qkv(len(lengths), seq_q, seq_kv, heads, kv_heads, torch.float16, 3)
-    valid = _padding(lengths, seq_kv, left=left)
+    if lengths == "joint":  # [text (5, padded to 2 and 4), image (4, all valid)]
+        valid = torch.cat([_padding([2, 4, 0], 5), torch.ones(3, 4, dtype=torch.bool)], dim=1)
+    else:
+        valid = _padding(lengths, seq_kv, left=left)
+    q, k, v = _qkv(valid.shape[0], seq_q, seq_kv, heads, kv_heads, torch.float16, 3)
     out = _route(backend)(q, k, v, valid[:, None, None, :], causal, None)
     assert out.shape == q.shape and out.dtype == q.dtype
     _check(out, q, k, v, valid, causal)
@@ -494,6 +510,9 @@ def test_unpad_route_property(
     lengths = data.draw(st.lists(st.integers(0, seq_kv), min_size=batch, max_size=batch))
     q, k, v = _qkv(batch, seq_q, seq_kv, 4, 4 // group, torch.bfloat16, data.draw(st.integers()))
     valid = _padding(lengths, seq_kv, left=left)
+    if data.draw(st.booleans()):  # any set of valid keys (padding in the middle)
+        cells = st.lists(st.booleans(), min_size=batch * seq_kv, max_size=batch * seq_kv)
+        valid = torch.tensor(data.draw(cells)).reshape(batch, seq_kv)
     with _installed():
         out = _route(backend)(q, k, v, valid[:, None, None, :], causal, 0.2)
     ref_scale_out = reference(q, k, v, valid[:, None, None, :], causal, 0.2)
@@ -530,9 +549,10 @@ class _installed:
 
 def test_route_refuses_a_mask_of_another_kind_naming_it(fakes: Calls) -> None:
     q, k, v = _qkv(1, 4, 4, 2, 2, torch.float16, 0)
-    holes = torch.tensor([[True, False, True, True]])[:, None, None, :]
+    per_query = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    per_query[0, 0, 1, 3] = False
     with pytest.raises(MaskKindError, match="this call's mask is boolean mask") as info:
-        _route("sage_attn")(q, k, v, holes, False, None)
+        _route("sage_attn")(q, k, v, per_query, False, None)
     assert info.value.observed == "boolean mask"
     with pytest.raises(MaskKindError, match="additive mask"):
         _route("fa")(q, k, v, torch.randn(1, 1, 4, 4), False, None)

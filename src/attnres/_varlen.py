@@ -5,10 +5,13 @@ a layer whose mask is *key padding* -- per batch row, which key positions are
 valid -- by running its varlen entry point on the valid tokens only:
 
 1. :func:`observe_mask` classifies the mask a call brings (docs/masks.md):
-   ``key_padding`` when every query of a row sees the same keys and those
-   keys are one contiguous run (right padding: a prefix; left padding: a
-   suffix; all or none), ``causal with key padding`` when the mask is that
-   times a top-left causal triangle, ``boolean`` or ``additive`` otherwise;
+   ``key_padding`` when every head and query of a row sees the same keys
+   (right padding, left padding, or any other set: Qwen-Image's joint
+   ``[text, image]`` mask has its padding in the middle), ``causal with key
+   padding`` when the mask is that times a top-left causal triangle,
+   ``boolean`` or ``additive`` otherwise. Packing keeps the order of the
+   tokens, so causal attention over the packed sequence is causal attention
+   over the valid tokens, whatever the pattern;
 2. :func:`unpad` packs the valid tokens into ``(total, heads, head_size)``
    with int32 ``cu_seqlens`` (the layout ``flash_attn_varlen_func`` and
    ``sageattn_varlen`` take);
@@ -49,6 +52,7 @@ __all__ = [
     "ObservedMask",
     "Unpadded",
     "get_varlen_kernel",
+    "is_prefix",
     "observe_mask",
     "pad",
     "padded_kernel",
@@ -137,16 +141,20 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
             return ObservedMask(
                 MaskKind.BOOLEAN, False, None, "the queries of a row see different keys"
             )
-    # one contiguous run per row: at most one rise and one fall along the keys
-    steps = (valid[:, 1:] != valid[:, :-1]).sum(dim=1)
-    # prefix (right padding) or suffix (left padding): one step; all or none: no
-    # step; a run in the middle or a hole: two or more
-    if not bool((steps <= 1).all()):
-        return ObservedMask(
-            MaskKind.BOOLEAN, False, None,
-            "the valid keys of a row are not one prefix or suffix run",
-        )  # fmt: skip
     return ObservedMask(MaskKind.KEY_PADDING, causal, valid)
+
+
+def is_prefix(valid: Tensor) -> bool:
+    """Whether every row's valid keys are a prefix (right padding only).
+
+    What diffusers' dispatcher varlen backends (``flash_varlen``,
+    ``sage_varlen``) assume: they take ``key[b, :valid_len]``. Qwen-Image's
+    joint mask ``[text mask, image all valid]`` is key padding but not a
+    prefix; attnres's own route takes any set of valid keys.
+    """
+    if valid.shape[1] < 2:
+        return True
+    return not bool((valid[:, 1:] & ~valid[:, :-1]).any())
 
 
 class Unpadded(NamedTuple):

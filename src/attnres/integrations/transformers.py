@@ -85,7 +85,13 @@ def route_backends(model: Any) -> frozenset[Backend]:
     (``_supports_attention_backend``) also runs every dense backend with an
     attnres kernel, through attnres's own function (:mod:`._hf_attention`).
     """
-    out: set[Backend] = set(_hf_attention.backends_for(type(model)))
+    return _native_backends(model) | _hf_attention.backends_for(type(model))
+
+
+def _native_backends(model: Any) -> frozenset[Backend]:
+    """What transformers' own functions execute for ``model``'s class (each with a
+    mask function: a name without one gets no mask, padding silently dropped)."""
+    out: set[Backend] = set()
     for backend, function in FUNCTIONS.items():
         flag = _CLASS_FLAG.get(function)
         if flag is not None and not getattr(type(model), flag, False):
@@ -370,7 +376,9 @@ def prepare(
         backend = site.resolution.backend.name
         function = FUNCTIONS.get(backend)
         spec = site.spec
-        if function is None and spec is not None and Backend(backend) in (spec.supported or ()):
+        if Backend(backend) not in _native_backends(model) and Backend(
+            backend
+        ) in _hf_attention.backends_for(type(model)):
             function = _hf_attention.NAME  # issue 22: attnres's own function runs it
         if function is None:
             problems.append(
