@@ -50,10 +50,13 @@ if TYPE_CHECKING:
 __all__ = [
     "MaskKindError",
     "ObservedMask",
+    "Packing",
     "Unpadded",
     "get_varlen_kernel",
     "is_prefix",
     "observe_mask",
+    "pack",
+    "packing",
     "pad",
     "padded_kernel",
     "route_kernel",
@@ -126,6 +129,8 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
     keep = _keep(view)
     if keep is None:
         return ObservedMask(MaskKind.ADDITIVE, False, None, "a float bias other than 0/-inf")
+    if keep.shape[1] == 1 and keep.shape[2] == 1:  # (B, 1, 1, Skv): padding by its shape
+        return ObservedMask(MaskKind.KEY_PADDING, False, keep[:, 0, 0].expand(batch, seq_kv))
     keep = keep.expand(batch, keep.shape[1], seq_q, seq_kv)
     if keep.shape[1] != 1:
         if not bool((keep == keep[:, :1]).all()):
@@ -157,28 +162,45 @@ def is_prefix(valid: Tensor) -> bool:
     return not bool((valid[:, 1:] & ~valid[:, :-1]).any())
 
 
+class Packing(NamedTuple):
+    """Where the valid tokens of a (batch, seq) layout go when packed."""
+
+    indices: Tensor  # (total,) positions in the flattened (batch * seq)
+    cu_seqlens: Tensor  # (sequences + 1,) int32, contiguous
+    max_seqlen: int
+
+
 class Unpadded(NamedTuple):
     """Packed tokens and the bookkeeping to put them back."""
 
     packed: Tensor  # (total, heads, head_size)
     indices: Tensor  # (total,) positions in the flattened (batch * seq)
-    cu_seqlens: Tensor  # (batch + 1,) int32, contiguous
+    cu_seqlens: Tensor  # (sequences + 1,) int32, contiguous
     max_seqlen: int
 
 
-def unpad(x: Tensor, valid: Tensor) -> Unpadded:
-    """Pack the valid tokens of ``x`` (batch, seq, heads, head_size)."""
+def packing(valid: Tensor) -> Packing:
+    """The packing of a (batch, seq) valid-token mask (computed once per mask)."""
     import torch
 
-    batch, seq = valid.shape
     lengths = valid.sum(dim=1, dtype=torch.int32)
     # a fully padded row leaves no sequence: no kernel is handed a length of 0
     lengths = lengths[lengths > 0]
     indices = valid.reshape(-1).nonzero().reshape(-1)
-    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=x.device)
+    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=valid.device)
     torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu[1:])
-    packed = x.reshape(batch * seq, *x.shape[2:]).index_select(0, indices)
-    return Unpadded(packed, indices, cu, int(lengths.max()) if lengths.shape[0] else 0)
+    return Packing(indices, cu, int(lengths.max()) if lengths.shape[0] else 0)
+
+
+def pack(x: Tensor, where: Packing) -> Tensor:
+    """The valid tokens of ``x`` (batch, seq, heads, head_size), packed."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).index_select(0, where.indices)
+
+
+def unpad(x: Tensor, valid: Tensor) -> Unpadded:
+    """Pack the valid tokens of ``x`` (batch, seq, heads, head_size)."""
+    where = packing(valid)
+    return Unpadded(pack(x, where), where.indices, where.cu_seqlens, where.max_seqlen)
 
 
 def pad(packed: Tensor, indices: Tensor, batch: int, seq: int) -> Tensor:
@@ -288,18 +310,21 @@ def padded_kernel(
                 f"query and key lengths on the varlen route (here {seq_q} != {seq_kv})",
                 seen.words,
             )
-        ks, vs = unpad(k, valid), unpad(v, valid)
+        keys = packing(valid)
+        if keys.max_seqlen == 0:  # every row fully padded
+            return q.new_zeros(q.shape)
         # self-attention: the queries are padded like the keys; cross-attention:
         # every query of a row that has a valid key
-        rows = valid if seq_q == seq_kv else valid.any(dim=1, keepdim=True).expand(batch, seq_q)
-        qs = unpad(q, rows)
-        if ks.max_seqlen == 0:  # every row fully padded
-            return q.new_zeros(q.shape)
+        queries = (
+            keys
+            if seq_q == seq_kv
+            else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
+        )
         out = kernel()(
-            qs.packed, ks.packed, vs.packed, qs.cu_seqlens, ks.cu_seqlens,
-            qs.max_seqlen, ks.max_seqlen, causal, scale,
+            pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens,
+            keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale,
         )  # fmt: skip
-        return pad(out, qs.indices, batch, seq_q)
+        return pad(out, queries.indices, batch, seq_q)
 
     return attention
 
