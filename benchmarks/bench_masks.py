@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from conftest import CLOCKS
 from torch import Tensor
 
 from attnres._varlen import padded_kernel, unpad
-
-from conftest import CLOCKS  # noqa: E402
 
 if TYPE_CHECKING:
     from conftest import PairedResult, RatioRegistry
