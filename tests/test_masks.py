@@ -508,7 +508,7 @@ def test_unpad_route_property(
     seq_q = data.draw(st.integers(1, 12)) if cross else seq_kv
     causal = causal and seq_q == seq_kv
     lengths = data.draw(st.lists(st.integers(0, seq_kv), min_size=batch, max_size=batch))
-    q, k, v = _qkv(batch, seq_q, seq_kv, 4, 4 // group, torch.bfloat16, data.draw(st.integers()))
+    q, k, v = _qkv(batch, seq_q, seq_kv, 4, 4 // group, torch.bfloat16, data.draw(st.integers(0, 2**31)))
     valid = _padding(lengths, seq_kv, left=left)
     if data.draw(st.booleans()):  # any set of valid keys (padding in the middle)
         cells = st.lists(st.booleans(), min_size=batch * seq_kv, max_size=batch * seq_kv)

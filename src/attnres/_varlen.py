@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
-from attnres.backends import BackendSpec
+from attnres.backends import BackendSpec, on_registry_change
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -244,6 +244,9 @@ def clear_varlen_cache() -> None:
     """Forget the built varlen adapters (tests that swap fake packages)."""
     with _lock:
         _VARLEN.clear()
+
+
+on_registry_change(clear_varlen_cache)  # one invalidation: a registry change rebuilds them
 
 
 def padded_kernel(
