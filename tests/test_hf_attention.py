@@ -112,9 +112,7 @@ def test_t5_keeps_torch_sdpa_naming_the_additive_mask() -> None:
     assert plan.sites and {s.backend for s in plan.sites} == {"torch_sdpa"}
     for site in plan.sites:
         assert site.trace is not None
-        failures = [
-            f.message for r in site.trace.records if r.kind == "check" for f in r.failures
-        ]
+        failures = [f.message for r in site.trace.records if r.kind == "check" for f in r.failures]
         assert any("does not implement additive masks" in m for m in failures), failures
 
 

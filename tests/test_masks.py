@@ -349,6 +349,24 @@ def test_observe_transformers_additive_padding_is_key_padding() -> None:
     assert (seen.kind, seen.causal) == (MaskKind.KEY_PADDING, False)
 
 
+def test_observe_ltx_minus_10000_bias_is_key_padding() -> None:
+    valid = _padding([4, 2], 4)
+    bias = (1 - valid.float()) * -10000.0  # diffusers' LTX / LTX-2
+    seen = observe_mask(bias[:, None, None, :], 2, 4, 4)
+    assert seen.kind is MaskKind.KEY_PADDING and torch.equal(seen.valid, valid)
+    assert observe_mask((1 - valid.float())[:, None, None, :] * -100.0, 2, 4, 4).kind is (
+        MaskKind.ADDITIVE
+    )
+
+
+def test_observe_chroma_query_and_key_padding_is_key_padding() -> None:
+    valid = _padding([4, 2], 4)
+    both = valid[:, None, None, :] & valid[:, None, :, None]  # Chroma's outer product
+    seen = observe_mask(both, 2, 4, 4)
+    assert (seen.kind, seen.causal) == (MaskKind.KEY_PADDING, False)
+    assert torch.equal(seen.valid, valid)
+
+
 def test_observe_causal_with_key_padding() -> None:
     valid = _padding([4, 2], 4)
     keep = valid[:, None, None, :] & torch.ones(4, 4, dtype=torch.bool).tril()
@@ -508,7 +526,9 @@ def test_unpad_route_property(
     seq_q = data.draw(st.integers(1, 12)) if cross else seq_kv
     causal = causal and seq_q == seq_kv
     lengths = data.draw(st.lists(st.integers(0, seq_kv), min_size=batch, max_size=batch))
-    q, k, v = _qkv(batch, seq_q, seq_kv, 4, 4 // group, torch.bfloat16, data.draw(st.integers(0, 2**31)))
+    q, k, v = _qkv(
+        batch, seq_q, seq_kv, 4, 4 // group, torch.bfloat16, data.draw(st.integers(0, 2**31))
+    )
     valid = _padding(lengths, seq_kv, left=left)
     if data.draw(st.booleans()):  # any set of valid keys (padding in the middle)
         cells = st.lists(st.booleans(), min_size=batch * seq_kv, max_size=batch * seq_kv)
@@ -597,3 +617,18 @@ def test_attention_layer_with_key_padding_runs_sage_varlen(fakes: Calls) -> None
     out = layer(q, k, v, valid[:, None, None, :])
     _check(out, q, k, v, valid, False)
     assert fakes.seen and "attn_mask" not in fakes.seen[0]
+
+
+@pytest.mark.parametrize("backend", UNPAD_BACKENDS)
+def test_unpad_route_takes_chroma_and_transformers_4d_masks(fakes: Calls, backend: str) -> None:
+    """Query-and-key padding (Chroma) and causal with padding (transformers' 4-D
+    masks) are key padding: valid rows match the reference, padded rows are zeros."""
+    valid = _padding([6, 3], 6, left=True)
+    q, k, v = _qkv(2, 6, 6, 4, 2, torch.float16, 11)
+    tril = torch.ones(6, 6, dtype=torch.bool).tril()
+    for mask, causal in (
+        (valid[:, None, None, :] & valid[:, None, :, None], False),
+        (valid[:, None, None, :] & tril, True),
+    ):
+        out = _route(backend)(q, k, v, mask, False, None)
+        _check(out, q, k, v, valid, causal)

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from attnres.kernels import KernelFn, VarlenKernelFn
 
 __all__ = [
+    "MASKED_AT",
     "MaskKindError",
     "ObservedMask",
     "Packing",
@@ -98,20 +99,24 @@ class ObservedMask(NamedTuple):
         return f"causal with {base}" if self.causal else base
 
 
+#: A float mask value at or below this masks its key: exp(-10000 + s) underflows
+#: to exactly 0 next to any score within ~9900 of the row's largest (fp32
+#: softmax), so such a bias is padding in all but a fully masked row.
+MASKED_AT = -10000.0
+
+
 def _keep(mask: Tensor) -> Tensor | None:
     """The boolean "takes part" form of a mask, or ``None`` for a true additive bias.
 
     A float mask is padding-like when every value is 0 (takes part) or a
-    "masked" value: -inf, or at most half the dtype's lowest finite value
-    (transformers writes ``torch.finfo(dtype).min``).
+    "masked" value at or below :data:`MASKED_AT` (-inf; transformers writes
+    ``torch.finfo(dtype).min``; diffusers' LTX and older transformers code
+    ``-10000.0``).
     """
     if not mask.is_floating_point():
         return mask.bool()
-    import torch
-
-    lowest = torch.finfo(mask.dtype).min / 2
     keep = mask == 0
-    masked = mask <= lowest
+    masked = mask <= MASKED_AT
     if not bool((keep | masked).all()):
         return None
     return keep
@@ -136,17 +141,21 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
         if not bool((keep == keep[:, :1]).all()):
             return ObservedMask(MaskKind.BOOLEAN, False, None, "the heads see different keys")
         keep = keep[:, :1]
-    valid = keep[:, 0].any(dim=1)  # (B, Skv): a key some query sees
-    causal = False
-    if seq_q > 1 and not bool((keep[:, 0] == valid[:, None, :]).all()):
-        tril = keep.new_ones((seq_q, seq_kv)).tril()
-        if seq_q == seq_kv and bool((keep[:, 0] == (valid[:, None, :] & tril)).all()):
-            causal = True
-        else:
-            return ObservedMask(
-                MaskKind.BOOLEAN, False, None, "the queries of a row see different keys"
-            )
-    return ObservedMask(MaskKind.KEY_PADDING, causal, valid)
+    rows = keep[:, 0]
+    valid = rows.any(dim=1)  # (B, Skv): a key some query sees
+    if seq_q == 1 or bool((rows == valid[:, None, :]).all()):
+        return ObservedMask(MaskKind.KEY_PADDING, False, valid)
+    if seq_q == seq_kv:
+        # self-attention: the padded queries may see nothing (Chroma's
+        # mask[:, None] * mask[:, :, None]), and a causal triangle may be folded in
+        # (transformers' 4-D masks); the unpad route drops padded queries anyway
+        keys = valid[:, None, :]
+        both = keys & valid[:, :, None]
+        tril = rows.new_ones((seq_q, seq_kv)).tril()
+        for pattern, causal in ((both, False), (keys & tril, True), (both & tril, True)):
+            if bool((rows == pattern).all()):
+                return ObservedMask(MaskKind.KEY_PADDING, causal, valid)
+    return ObservedMask(MaskKind.BOOLEAN, False, None, "the queries of a row see different keys")
 
 
 def is_prefix(valid: Tensor) -> bool:
