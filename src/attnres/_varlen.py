@@ -133,7 +133,12 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
         return ObservedMask(MaskKind.BOOLEAN, False, None, f"a {mask.dim()}-D mask")
     keep = _keep(view)
     if keep is None:
-        return ObservedMask(MaskKind.ADDITIVE, False, None, "a float bias other than 0/-inf")
+        return ObservedMask(
+            MaskKind.ADDITIVE,
+            False,
+            None,
+            "a float bias: values other than 0 and masked ones (<= -10000)",
+        )
     if keep.shape[1] == 1 and keep.shape[2] == 1:  # (B, 1, 1, Skv): padding by its shape
         return ObservedMask(MaskKind.KEY_PADDING, False, keep[:, 0, 0].expand(batch, seq_kv))
     keep = keep.expand(batch, keep.shape[1], seq_q, seq_kv)
