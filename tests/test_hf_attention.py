@@ -4,24 +4,20 @@ padding kept. The kernels are the varlen fakes of tests/test_masks.py."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import pytest
 import torch
-from test_kernels_fakes import Calls, fake_flash_attn
-from test_masks import fake_fa3, fake_sage
+from test_kernels_fakes import Calls
+from test_masks import calls, fakes  # noqa: F401 (fixtures: the varlen stand-ins)
 from tiny_pipelines import clip_text_encoder, t5_text_encoder
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attnres import Platform
-from attnres._varlen import clear_varlen_cache
 from attnres.integrations import _hf_attention
 from attnres.integrations import transformers as itf
-from attnres.kernels import clear_kernel_cache
 from attnres.layer import SelectionConfig
 
 HOPPER = Platform.simulate("cuda:sm90+flash_attn+sageattention")
@@ -29,22 +25,6 @@ HOPPER = Platform.simulate("cuda:sm90+flash_attn+sageattention")
 #: (apply refuses a plan made for simulated facts)
 STAND_IN = attrs.evolve(HOPPER, simulated=False)
 SAGE = SelectionConfig(global_backend="sage_attn", global_backend_explicit=True)
-
-
-@pytest.fixture
-def fakes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
-    calls = Calls()
-    for name in list(sys.modules):
-        if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "sageattention"):
-            monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn(calls))
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3(calls))
-    monkeypatch.setitem(sys.modules, "sageattention", fake_sage(calls))
-    clear_kernel_cache()
-    clear_varlen_cache()
-    yield calls
-    clear_kernel_cache()
-    clear_varlen_cache()
 
 
 def _qwen25vl_text() -> Any:

@@ -37,6 +37,7 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    varlen_style_kernel,
 )
 
 if TYPE_CHECKING:
@@ -108,22 +109,8 @@ def make_varlen_kernel() -> VarlenKernelFn:
         hint="The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL,
     )
 
-    def varlen_attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        causal: bool,
-        scale: float | None,
-    ) -> Tensor:
-        result = varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-            softmax_scale=scale, causal=causal,
-        )  # fmt: skip
-        out: Tensor = result[0] if isinstance(result, tuple) else result
-        return out
-
-    return varlen_attention
+    return varlen_style_kernel(
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal
+        )
+    )

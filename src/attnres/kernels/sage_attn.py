@@ -31,11 +31,10 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    varlen_style_kernel,
 )
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
     from attnres.kernels import KernelFn, VarlenKernelFn
 
 __all__ = ["make_kernel", "make_varlen_kernel"]
@@ -71,21 +70,8 @@ def make_varlen_kernel() -> VarlenKernelFn:
         module, "sageattn_varlen", backend=BACKEND, hint="Reinstall it with: " + INSTALL
     )
 
-    def varlen_attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        causal: bool,
-        scale: float | None,
-    ) -> Tensor:
-        out: Tensor = sageattn_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-            is_causal=causal, sm_scale=scale,
-        )  # fmt: skip
-        return out
-
-    return varlen_attention
+    return varlen_style_kernel(
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: sageattn_varlen(
+            q, k, v, cu_q, cu_k, max_q, max_k, is_causal=causal, sm_scale=scale
+        )
+    )
