@@ -10,7 +10,6 @@ import attrs
 import pytest
 import torch
 from test_kernels_fakes import Calls
-from test_masks import calls, fakes  # noqa: F401 (fixtures: the varlen stand-ins)
 from tiny_pipelines import clip_text_encoder, t5_text_encoder
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -68,15 +67,15 @@ def _compare(model: Any, ids: torch.Tensor, mask: torch.Tensor, calls: Calls) ->
 
 
 @pytest.mark.parametrize("left", [False, True])
-def test_qwen25vl_text_encoder_with_padding_runs_sage(fakes: Calls, left: bool) -> None:
-    _compare(_qwen25vl_text(), *_padded([9, 4, 6], 9, left), fakes)
+def test_qwen25vl_text_encoder_with_padding_runs_sage(varlen_fakes: Calls, left: bool) -> None:
+    _compare(_qwen25vl_text(), *_padded([9, 4, 6], 9, left), varlen_fakes)
 
 
-def test_clip_text_encoder_with_padding_runs_sage(fakes: Calls) -> None:
+def test_clip_text_encoder_with_padding_runs_sage(varlen_fakes: Calls) -> None:
     model, _ = clip_text_encoder(torch.float16)
     ids, mask = _padded([7, 3], 7, left=False)
     ids[0, 6] = ids[1, 2] = 1  # the eos token CLIP pools at
-    _compare(model, ids, mask, fakes)
+    _compare(model, ids, mask, varlen_fakes)
 
 
 def test_clip_plan_names_causal_with_key_padding() -> None:
@@ -96,7 +95,7 @@ def test_t5_keeps_torch_sdpa_naming_the_additive_mask() -> None:
         assert any("does not implement additive masks" in m for m in failures), failures
 
 
-def test_selection_is_per_model_never_the_process_default(fakes: Calls) -> None:
+def test_selection_is_per_model_never_the_process_default(varlen_fakes: Calls) -> None:
     applied = _qwen25vl_text()
     untouched = _qwen25vl_text()
     itf.apply(applied, "text_encoder", SAGE, STAND_IN)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -170,27 +169,6 @@ def fake_sage(calls: Calls) -> types.ModuleType:
     module = fake_sageattention(calls)
     module.sageattn_varlen = sageattn_varlen  # type: ignore[attr-defined]
     return module
-
-
-@pytest.fixture
-def calls() -> Calls:
-    return Calls()
-
-
-@pytest.fixture
-def fakes(monkeypatch: pytest.MonkeyPatch, calls: Calls) -> Iterator[Calls]:
-    """The three varlen packages, fakes only (no real package is imported)."""
-    for name in list(sys.modules):
-        if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "sageattention"):
-            monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn(calls))
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3(calls))
-    monkeypatch.setitem(sys.modules, "sageattention", fake_sage(calls))
-    clear_kernel_cache()
-    clear_varlen_cache()
-    yield calls
-    clear_kernel_cache()
-    clear_varlen_cache()
 
 
 # ------------------------------------------------------------------ vocabulary
@@ -476,7 +454,9 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("backend", UNPAD_BACKENDS)
-def test_unpad_route_matches_the_float64_reference(fakes: Calls, backend: str, case: str) -> None:
+def test_unpad_route_matches_the_float64_reference(
+    varlen_fakes: Calls, backend: str, case: str
+) -> None:
     lengths, seq_q, seq_kv, heads, kv_heads, left, causal = CASES[case]
     if lengths == "joint":  # [text (5, padded to 2 and 4), image (4, all valid)]
         valid = torch.cat([_padding([2, 4, 0], 5), torch.ones(3, 4, dtype=torch.bool)], dim=1)
@@ -486,7 +466,7 @@ def test_unpad_route_matches_the_float64_reference(fakes: Calls, backend: str, c
     out = _route(backend)(q, k, v, valid[:, None, None, :], causal, None)
     assert out.shape == q.shape and out.dtype == q.dtype
     _check(out, q, k, v, valid, causal)
-    assert fakes.seen, "the varlen kernel ran"
+    assert varlen_fakes.seen, "the varlen kernel ran"
 
 
 @pytest.mark.parametrize("backend", ["torch_sdpa", "eager", "flex_attention"])
@@ -567,7 +547,7 @@ class _installed:
         clear_varlen_cache()
 
 
-def test_route_refuses_a_mask_of_another_kind_naming_it(fakes: Calls) -> None:
+def test_route_refuses_a_mask_of_another_kind_naming_it(varlen_fakes: Calls) -> None:
     q, k, v = _qkv(1, 4, 4, 2, 2, torch.float16, 0)
     per_query = torch.ones(1, 1, 4, 4, dtype=torch.bool)
     per_query[0, 0, 1, 3] = False
@@ -593,7 +573,7 @@ def test_route_without_a_mask_runs_the_dense_kernel() -> None:
     assert route(q, q, q, None, False, None) is q and seen == ["dense"]
 
 
-def test_bottom_right_causal_cross_runs_the_varlen_kernel(fakes: Calls) -> None:
+def test_bottom_right_causal_cross_runs_the_varlen_kernel(varlen_fakes: Calls) -> None:
     q, k, v = _qkv(2, 3, 7, 2, 2, torch.float16, 4)
     route = route_kernel(get_spec("fa"), get_kernel("fa"), MaskKind.NONE,  # type: ignore[arg-type]
                          CausalAlignment.BOTTOM_RIGHT)  # fmt: skip
@@ -606,7 +586,7 @@ def test_bottom_right_causal_cross_runs_the_varlen_kernel(fakes: Calls) -> None:
 # ------------------------------------------------------------------ attnres.Attention
 
 
-def test_attention_layer_with_key_padding_runs_sage_varlen(fakes: Calls) -> None:
+def test_attention_layer_with_key_padding_runs_sage_varlen(varlen_fakes: Calls) -> None:
     layer = Attention(
         4, 64, num_kv_heads=2, dtype=torch.float16, requirements=["key_padding"],
         backend="sage_attn", platform=HOPPER, name="joint",
@@ -616,11 +596,13 @@ def test_attention_layer_with_key_padding_runs_sage_varlen(fakes: Calls) -> None
     valid = _padding([8, 5, 0], 8, left=True)
     out = layer(q, k, v, valid[:, None, None, :])
     _check(out, q, k, v, valid, False)
-    assert fakes.seen and "attn_mask" not in fakes.seen[0]
+    assert varlen_fakes.seen and "attn_mask" not in varlen_fakes.seen[0]
 
 
 @pytest.mark.parametrize("backend", UNPAD_BACKENDS)
-def test_unpad_route_takes_chroma_and_transformers_4d_masks(fakes: Calls, backend: str) -> None:
+def test_unpad_route_takes_chroma_and_transformers_4d_masks(
+    varlen_fakes: Calls, backend: str
+) -> None:
     """Query-and-key padding (Chroma) and causal with padding (transformers' 4-D
     masks) are key padding: valid rows match the reference, padded rows are zeros."""
     valid = _padding([6, 3], 6, left=True)
