@@ -81,6 +81,7 @@ REQUIREMENT_PHRASES: dict[Requirement, str] = {
     Requirement.SLIDING_WINDOW: "sliding-window attention",
 }
 
+
 class MaskKind(str, enum.Enum):
     """What a layer's attention-mask tensor says (issue 22; docs/masks.md).
 

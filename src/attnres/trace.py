@@ -85,6 +85,7 @@ from attnres.scope import ScopeState
 
 __all__ = [
     "BASE_SCHEMA_VERSION",
+    "KERNELS_SCHEMA_VERSION",
     "MASK_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
@@ -116,14 +117,17 @@ __all__ = [
 #: The newest schema version this attnres reads. Bumped when a field is added,
 #: removed, renamed or changes meaning (docs/trace-format.md). A trace is
 #: written with the lowest version that can express it: a rule-based resolution
-#: is version 2 (the backward requirement), a tuned one is version 3.
+#: is version 2 (the backward requirement), a tuned one is version 3, one whose
+#: input carries the process's kernel facts (``no_kernel``) or whose layer names
+#: a mask kind or a causal alignment (issue 22) version 4.
 SCHEMA_VERSION = 4
 #: The version of a trace whose layer names a mask kind or a causal alignment
 #: (issue 22): its requirements carry ``mask`` and ``causal_alignment`` keys.
-#: Version 4 reads every record version 3 does.
 MASK_SCHEMA_VERSION = 4
 #: The version of a trace that holds autotune records (tuning, measurement).
 TUNED_SCHEMA_VERSION = 3
+#: The version of a trace whose input records which backends had no kernel.
+KERNELS_SCHEMA_VERSION = 4
 #: The version of a rule-based trace.
 BASE_SCHEMA_VERSION = 2
 
@@ -305,6 +309,20 @@ class TraceInput:
     #: this process fails the ``available`` check (code ``no_kernel``). Written
     #: to a trace only when true (older traces, and plans, omit it).
     needs_kernel: bool = field(default=False, kw_only=True, metadata={"omit_default": True})
+    #: with ``needs_kernel``: the registered backends that had no kernel in the
+    #: process that resolved (sorted names), so the ``available`` check reads
+    #: the trace, never the replaying process (schema 4). ``None`` in older
+    #: traces: their replay reads this process's kernel registry.
+    no_kernel: tuple[str, ...] | None = field(
+        default=None, kw_only=True, metadata={"omit_default": True}
+    )
+
+    def schema_version(self) -> int:
+        """The lowest schema version that can express this input."""
+        version = BASE_SCHEMA_VERSION if self.no_kernel is None else KERNELS_SCHEMA_VERSION
+        if self.layer.requirements.extended:  # issue 22: a mask kind or an alignment
+            version = max(version, MASK_SCHEMA_VERSION)
+        return version
 
 
 @frozen
@@ -315,11 +333,6 @@ class Trace:
     records: tuple[Record, ...]
     outcome: Outcome
     schema_version: int = BASE_SCHEMA_VERSION
-
-    def __attrs_post_init__(self) -> None:
-        # the lowest version that can express it: a mask kind needs version 4
-        if self.input.layer.requirements.extended and self.schema_version < MASK_SCHEMA_VERSION:
-            object.__setattr__(self, "schema_version", MASK_SCHEMA_VERSION)
 
     @functools.cached_property
     def digest(self) -> str:
@@ -1097,6 +1110,12 @@ def _structure_trace(doc: Any) -> Trace:
     if version < TUNED_SCHEMA_VERSION:
         _check_base_version(records, version)
     outcome = _structure_at(_CONVERTER, doc["outcome"], Outcome, ".outcome")
+    if version < KERNELS_SCHEMA_VERSION and inp.no_kernel is not None:
+        raise _Invalid(
+            ".input.no_kernel",
+            f"the input's kernel facts belong to schema version {KERNELS_SCHEMA_VERSION}, but "
+            f"the file says version {version}: the file was edited or corrupted",
+        )
     if version < TUNED_SCHEMA_VERSION and outcome.reason == Reason.MEASURED_FASTER.value:
         raise _Invalid(
             ".outcome.reason", _needs_tuned_version("the reason 'measured faster'", version)

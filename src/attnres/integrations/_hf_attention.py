@@ -98,8 +98,10 @@ def attention_forward(
     if position_bias is not None:  # T5: the additive bias, with the padding folded in
         bias = position_bias.to(query.dtype)
         if mask is not None:
-            bias = bias.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else (
-                bias + mask
+            bias = (
+                bias.masked_fill(~mask, float("-inf"))
+                if mask.dtype == torch.bool
+                else (bias + mask)
             )
         mask = bias
     # transformers' SDPA rule: the causal flag only when no mask carries it
