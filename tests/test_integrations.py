@@ -22,6 +22,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from attnres import Platform, SelectionConfig
 from attnres._states import Status
+from attnres._vocab import MaskKind
 from attnres.cli import main
 from attnres.integrations import IntegrationError
 from attnres.integrations import diffusers as idf
@@ -977,13 +978,17 @@ def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error(
     assert dispatch(q, q, q) is q and reached == [None]  # the planned signature: sage
     reached.clear()
     q = torch.randn(1, 6, site.heads, site.spec.head_size, dtype=torch.bfloat16)
-    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    # issue 22: a key-padding mask would run sage's varlen entry point
+    # (tests/test_masks_diffusers.py); a mask whose queries see different keys
+    # is boolean, which sage cannot take
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    mask[..., 0, 1] = True
     with pytest.raises(ResolutionError) as info:
         dispatch(q, q, q, attn_mask=mask)
-    assert site.name in str(info.value) and "attention mask" in str(info.value)
+    assert site.name in str(info.value) and "boolean mask" in str(info.value)
     assert reached == []
     (first,) = route.first_calls
-    assert first.facts.mask == _route.MaskFacts(True, "bool", (1, 1, 6, 6))
+    assert first.facts.mask == _route.MaskFacts(True, "bool", (1, 1, 6, 6), MaskKind.BOOLEAN)
 
 
 def test_apply_refuses_a_role_override_that_reaches_no_site():
