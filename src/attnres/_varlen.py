@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
 from attnres.backends import BackendSpec, on_registry_change
+from attnres.errors import MaskKindError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -63,15 +64,6 @@ __all__ = [
     "route_kernel",
     "unpad",
 ]
-
-
-class MaskKindError(ValueError):
-    """A call brought a mask of a kind the layer's kernel cannot take."""
-
-    def __init__(self, message: str, observed: str) -> None:
-        super().__init__(message)
-        #: the observed kind in words ("boolean mask", "additive mask", ...)
-        self.observed = observed
 
 
 class ObservedMask(NamedTuple):
