@@ -62,13 +62,21 @@ from attnres._states import (
     Status,
     Verdict,
 )
-from attnres._vocab import PLATFORM_KINDS, Requirement, Role, normalize_dtype
+from attnres._vocab import (
+    PLATFORM_KINDS,
+    CausalAlignment,
+    MaskKind,
+    Requirement,
+    Role,
+    normalize_dtype,
+)
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, split_component_key
 from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.records import (
     KERNELS_SCHEMA_VERSION,
+    MASK_SCHEMA_VERSION,
     RECORD_KINDS,
     SCHEMA_1_REQUIREMENTS,
     SCHEMA_VERSION,
@@ -497,13 +505,45 @@ def _role(value: Any) -> Role:
         raise _Invalid("", f"unknown role {json.dumps(text)}; expected self or cross") from None
 
 
+#: The keys a version-4 trace adds to its requirements (issue 22).
+_MASK_KEYS: tuple[str, ...] = ("mask", "causal_alignment")
+
+
 def _requirements(value: Any) -> Requirements:
     obj = _object(value, "requirements")
     names = [r.value for r in Requirement]
     if set(obj) != set(SCHEMA_1_REQUIREMENTS):  # (which set a version needs: _structure_trace)
-        _exact_keys(obj, names, "requirements")
-    flags = {name: _field(obj, name, _structure_bool) for name in obj}
-    return Requirements(**flags)
+        _exact_keys(obj, names + [k for k in _MASK_KEYS if k in obj], "requirements")
+    flags: dict[str, Any] = {
+        name: _field(obj, name, _structure_bool) for name in obj if name not in _MASK_KEYS
+    }
+    for name in _MASK_KEYS:
+        if name in obj:
+            text = _field(obj, name, _structure_str)
+            kinds: type[MaskKind] | type[CausalAlignment] = (
+                MaskKind if name == "mask" else CausalAlignment
+            )
+            try:
+                flags[name] = kinds(text)
+            except ValueError:
+                raise _Invalid(
+                    "." + name,
+                    f"unknown {name.replace('_', ' ')} {json.dumps(text)}; expected one of "
+                    + ", ".join(v.value for v in kinds),
+                ) from None
+    try:
+        return Requirements(**flags)
+    except ValueError as exc:
+        raise _Invalid("", str(exc)) from None
+
+
+def _unstructure_requirements(r: Requirements) -> dict[str, Any]:
+    """The flags; the mask kind and alignment only where a 0.2 trace cannot say them."""
+    out: dict[str, Any] = {req.value: getattr(r, req.value) for req in Requirement}
+    if r.extended:
+        out["mask"] = r.mask.value
+        out["causal_alignment"] = r.causal_alignment.value
+    return out
 
 
 def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
@@ -514,7 +554,9 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
         return  # structuring reports the missing or malformed part, with its path
     if not isinstance(obj, dict):
         return
-    keys = SCHEMA_1_REQUIREMENTS if version == 1 else [r.value for r in Requirement]
+    keys = list(SCHEMA_1_REQUIREMENTS) if version == 1 else [r.value for r in Requirement]
+    if version >= MASK_SCHEMA_VERSION and any(k in obj for k in _MASK_KEYS):
+        keys += list(_MASK_KEYS)  # issue 22: a mask kind and alignment, both or neither
     try:
         _exact_keys(obj, keys, f"requirements in schema version {version}")
     except _Invalid as exc:
@@ -524,27 +566,54 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
     obj = _object(value, "a layer")
     _exact_keys(obj, _LAYER_KEYS, "a layer", optional_field_names(LayerSpec))
+    head_size = _field(obj, "head_size", _head_size)
+    dtype = _field(obj, "dtype", _dtype)
+    supported = _field(obj, "supported", _optional(_backend_list))
+    default = _field(obj, "default", _optional(_structure_backend))
+    role = _field(obj, "role", _role)
+    requirements = _field(obj, "requirements", _requirements)
+    name = _field(obj, "name", _optional(_structure_str))
+    # exact_route (issue 21, written only when set): an integration route that
+    # runs exactly the supported set, so it needs one
+    route = _field(obj, "exact_route", _structure_str) if "exact_route" in obj else None
+    if route is not None and not route.strip():
+        raise _Invalid(".exact_route", "a route's name must not be empty")
+    if route is not None and supported is None:
+        raise _Invalid(".exact_route", "an exact route needs a supported set (supported is null)")
     try:
-        return LayerSpec(
-            head_size=_field(obj, "head_size", _head_size),
-            dtype=_field(obj, "dtype", _dtype),
-            supported=_field(obj, "supported", _optional(_backend_list)),
-            default=_field(obj, "default", _optional(_structure_backend)),
-            role=_field(obj, "role", _role),
-            requirements=_field(obj, "requirements", _requirements),
-            name=_field(obj, "name", _optional(_structure_str)),
-            # issue 23: optional keys, written only when set
-            preferred=(
-                _field(obj, "preferred", _optional(_backend_list)) if "preferred" in obj else None
-            ),
-            required=(
-                _field(obj, "required", _optional(_structure_backend))
-                if "required" in obj
-                else None
-            ),
-        )
+        return _layer_of(head_size, dtype, supported, default, role, requirements, name, route, obj)
     except ValueError as exc:  # issue 23: preferred/required outside supported
         raise _Invalid("", f"not a valid layer: {exc}") from None
+
+
+def _layer_of(
+    head_size: Any,
+    dtype: Any,
+    supported: Any,
+    default: Any,
+    role: Any,
+    requirements: Any,
+    name: Any,
+    route: Any,
+    obj: dict[str, Any],
+) -> LayerSpec:
+    return LayerSpec(
+        head_size=head_size,
+        dtype=dtype,
+        supported=supported,
+        default=default,
+        role=role,
+        requirements=requirements,
+        name=name,
+        exact_route=route,
+        # issue 23: optional keys, written only when set
+        preferred=(
+            _field(obj, "preferred", _optional(_backend_list)) if "preferred" in obj else None
+        ),
+        required=(
+            _field(obj, "required", _optional(_structure_backend)) if "required" in obj else None
+        ),
+    )
 
 
 def _component_name(key: str) -> str | None:
@@ -621,6 +690,7 @@ def _make_converter() -> cattrs.Converter:
     # Generated by cattrs from each attrs class; what a trace writes differently
     # from the field's Python form is a field override (_unstructure_overrides).
     conv.register_unstructure_hook(Backend, lambda b: b.name)
+    conv.register_unstructure_hook(Requirements, _unstructure_requirements)  # issue 22
     # (issue 23: Platform too, before TraceInput whose hook embeds it, so its
     # host facts are written only when present)
     for cls in (

@@ -16,6 +16,10 @@ The policy as tables
   rows choosing the event where a state has several ways out;
 - ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
   ``_PRIMARY_ORDER`` (which failure names a strict rejection);
+- ``SUPPORTED_RULES``: what the ``supported`` check admits -- the layer's
+  supported set with its stand-ins (``BackendSpec.satisfies``), and none of
+  them on a layer whose integration route runs exactly its set
+  (``LayerSpec.exact_route``, code ``not_on_route``);
 - ``REQUEST_RULES`` (:func:`request_refusal`): which layers a per-request
   switch never touches (SPEC 3.8), and ``training_spec`` /
   ``has_backward_pass``: the training re-resolution (a forward that needs
@@ -99,7 +103,15 @@ from attnres._states import (
     Status,
     Verdict,
 )
-from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
+from attnres._vocab import (
+    MASK_KIND_PHRASES,
+    REQUIREMENT_PHRASES,
+    CausalAlignment,
+    MaskKind,
+    MaskRoute,
+    Requirement,
+    Role,
+)
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
 from attnres.layer import LayerSpec
@@ -137,6 +149,7 @@ __all__ = [
     "SCOPE_CHECKS",
     "START_GUARDS",
     "STRICT_ORIGINS",
+    "SUPPORTED_RULES",
     "TRANSITIONS",
     "TUNABLE_ORIGINS",
     "VERDICT_RULES",
@@ -323,6 +336,28 @@ def first_event(guards: tuple[Guard, ...], facts: GuardFacts) -> Event:
 #: tuned. Adding an origin to the vocabulary means deciding here whether it is
 #: automatic.
 TUNABLE_ORIGINS: Final = frozenset({Origin.NONE, Origin.LAYER_DEFAULT, Origin.GLOBAL_PREFERENCE})
+
+#: The ``supported`` check, one row per rule: (code, the rule). A candidate
+#: passes when every row holds; the first row that fails is its failure. A
+#: layer's ``exact_route`` is what an integration route executes exactly (the
+#: transformers attention interface, a module's own code path): the machine,
+#: not the integration after the fact, keeps a stand-in off it, so a relaxed
+#: origin falls back and a strict one is rejected, traced like any failure.
+SUPPORTED_RULES: Final[tuple[tuple[Code, str], ...]] = (
+    (
+        Code.NOT_IN_SUPPORTED_SET,
+        "the backend is in the layer's supported set, or stands in for every name of one "
+        "group of its `satisfies` (`torch_cudnn_sdpa` for `torch_sdpa`); a layer with no "
+        "set admits any backend",
+    ),
+    (
+        Code.NOT_ON_ROUTE,
+        "a layer whose route runs exactly its supported set (`LayerSpec.exact_route`: "
+        "the transformers attention interface, diffusers' context-parallel dispatcher, a "
+        "module's own code path) takes only the backends the set names: a stand-in does "
+        "not count",
+    ),
+)
 
 #: Which check's failure names a strict rejection, most fundamental first.
 _PRIMARY_ORDER: Final = (
@@ -693,24 +728,44 @@ def supported_by(spec: BackendSpec, supported: frozenset[Backend] | None) -> boo
     return any(group <= names for group in spec.satisfies)
 
 
+def _stands_in_for(spec: BackendSpec, supported: frozenset[Backend]) -> str:
+    """The names of ``supported`` that ``spec`` is admitted as a stand-in for."""
+    names = {b.name for b in supported}
+    group = sorted({n for g in spec.satisfies if g <= names for n in g})
+    return "[" + ", ".join(repr(n) for n in group) + "]"
+
+
 def _check_supported(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
-    if supported_by(spec, layer.supported):
-        return []
-    return [
-        Failure(
-            Code.NOT_IN_SUPPORTED_SET,
-            f"not in the layer's supported set {_names(layer.supported)}",
-        )
-    ]
+    """The rows of ``SUPPORTED_RULES``, in order; the first that fails is the failure."""
+    if not supported_by(spec, layer.supported):
+        return [
+            Failure(
+                Code.NOT_IN_SUPPORTED_SET,
+                f"not in the layer's supported set {_names(layer.supported)}",
+            )
+        ]
+    route, supported = layer.exact_route, layer.supported
+    if route is not None and supported is not None and spec.name not in {b.name for b in supported}:
+        return [
+            Failure(
+                Code.NOT_ON_ROUTE,
+                f"stands in for {_stands_in_for(spec, supported)}, but this layer's route "
+                f"({route}) runs exactly {_names(supported)}: a stand-in is not one of them",
+            )
+        ]
+    return []
 
 
 def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> list[Failure]:
     needed = layer.requirements.needed()
+    # a named mask kind is checked by kind (issue 22); 0.2's attn_mask by the flag
+    typed_mask = layer.requirements.mask not in (MaskKind.NONE, MaskKind.ANY)
     out = [
         Failure(Code.REQUIREMENT_UNMET, f"does not implement {REQUIREMENT_PHRASES[req]}")
         for req in needed
-        if req not in spec.implements
+        if req not in spec.implements and not (typed_mask and req is Requirement.ATTN_MASK)
     ]
+    out += _check_mask_kind(spec, layer)
     # a limit withdraws what the spec claims (an unclaimed requirement failed above)
     out += [
         Failure(Code.REQUIREMENT_UNMET, f"does not implement {limit.describe()} ({limit.because})")
@@ -720,7 +775,10 @@ def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform)
     ]
     # causal masks and sliding windows are laid along one diagonal; when query and
     # key lengths differ (cross-attention) flash-style kernels take the bottom-right one
+    bottom_right = layer.requirements.causal_alignment is CausalAlignment.BOTTOM_RIGHT
     for req, what in _ALIGNED:
+        if req is Requirement.CAUSAL and bottom_right:
+            continue  # _check_mask_kind checks a bottom-right causal layer
         if (
             req in needed
             and layer.role is Role.CROSS
@@ -732,6 +790,54 @@ def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform)
                     Code.REQUIREMENT_UNMET,
                     f"does not implement top-left aligned {what} cross-attention (its {what} "
                     f"mask is bottom-right aligned when query and key lengths differ)",
+                )
+            )
+    return out
+
+
+def _check_mask_kind(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
+    """The layer's mask kind and causal alignment against what the kernel takes (issue 22).
+
+    A kind the spec declares (``BackendSpec.masks``) or, for a spec that claims
+    ``attn_mask``, any kind passes; a key-padding mask taken by unpadding also
+    passes. A bottom-right causal cross-attention layer needs a kernel whose
+    causal mask is bottom-right and that attnres runs through its varlen entry
+    point (the dense flash adapters refuse unequal lengths with causal).
+    """
+    req = layer.requirements
+    out: list[Failure] = []
+    if req.mask not in (MaskKind.NONE, MaskKind.ANY) and spec.mask_support(req.mask) is None:
+        takes = [
+            f"{MASK_KIND_PHRASES[m.kind]} by unpadding"
+            if m.route is MaskRoute.UNPAD
+            else MASK_KIND_PHRASES[m.kind]
+            for m in spec.masks
+        ]
+        out.append(
+            Failure(
+                Code.REQUIREMENT_UNMET,
+                f"does not implement {MASK_KIND_PHRASES[req.mask]} (the layer's mask kind is "
+                f"{req.mask_kind}; it takes {', '.join(takes) or 'no mask at all'})",
+            )
+        )
+    if req.causal and req.causal_alignment is CausalAlignment.BOTTOM_RIGHT and (
+        layer.role is Role.CROSS
+    ):
+        if spec.causal_top_left or Requirement.CAUSAL not in spec.implements:
+            out.append(
+                Failure(
+                    Code.REQUIREMENT_UNMET,
+                    "does not implement bottom-right aligned causal cross-attention (its "
+                    "causal mask is top-left aligned when query and key lengths differ)",
+                )
+            )
+        elif spec.varlen_kernel is None:
+            out.append(
+                Failure(
+                    Code.REQUIREMENT_UNMET,
+                    "does not implement bottom-right aligned causal cross-attention through "
+                    "attnres (it runs that through a varlen entry point, and attnres has no "
+                    "varlen adapter for this kernel)",
                 )
             )
     return out
@@ -821,6 +927,15 @@ def _primary_message(
     first = failed[primary]
     if primary is Check.KNOWN:
         text = f"Unknown attention backend {name!r}"
+    elif primary is Check.SUPPORTED and first[0].code is Code.NOT_ON_ROUTE:
+        spec = lookup_spec(backend)
+        assert spec is not None and layer.supported is not None  # the check ran on both
+        text = (
+            f"Attention backend {name!r} cannot run on this layer's route "
+            f"({layer.exact_route}), which runs exactly {_names(layer.supported)}: "
+            f"{name!r} only stands in for {_stands_in_for(spec, layer.supported)}; "
+            f"request one of {_names(layer.supported)}"
+        )
     elif primary is Check.SUPPORTED:
         text = (
             f"Attention backend {name!r} is not supported by this attention layer; "
