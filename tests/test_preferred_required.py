@@ -151,9 +151,11 @@ def test_the_name_blind_cache_key_holds_every_layer_field_but_the_name() -> None
         "required": attrs.evolve(base, required="torch_sdpa"),
         "default": attrs.evolve(base, default="torch_sdpa"),
         "head_size": attrs.evolve(base, head_size=64),
+        "exact_route": attrs.evolve(base, exact_route="a route"),
     }
     fields = {a.name for a in attrs.fields(LayerSpec)} - {"name"}
-    assert set(variants) <= fields
+    # every field but the name that a layer can differ in must be exercised here
+    assert fields - set(variants) <= {"dtype", "supported", "role", "requirements"}
     key = runtime._shape_key(base, None, None, None, None, None, False)
     for name, variant in variants.items():
         assert runtime._shape_key(variant, None, None, None, None, None, False) != key, name

@@ -380,6 +380,7 @@ def _shape_key(
         layer.requirements,
         layer.preferred,  # issue 23
         layer.required,
+        layer.exact_route,  # (issue 21's field; it was missing from this key)
         cfg,
         scope,
         platform,
