@@ -13,7 +13,7 @@ STAMP := $(VENV)/.attnres-installed
 PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test test-deep golden bench fuzz lint typecheck docs clean
+.PHONY: setup run test test-deep golden bench fuzz lint typecheck docs clean test-sglang bench-sglang
 
 setup: $(STAMP)
 
@@ -76,6 +76,50 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks scripts
 	$(PY) -m ruff format --check src  # issue 20: src stays formatted
 	$(PY) -m mypy src  # strict = true in pyproject.toml
+
+# --- SGLang (issue 23; docs/sglang.md) -------------------------------------
+# Its own environment: SGLang pinned, installed without its CUDA dependencies
+# (--no-deps), the CPU torch, the light dependencies its selection tests import
+# (tests/sglang/requirements.txt), attnres itself (for the entry point), and
+# stand-ins for triton and torchvision at test time. SGLang's unit test files
+# run verbatim from the installed wheel: once as SGLang ships, once with the
+# attnres plugin loaded through SGLang's own plugin lifecycle.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+SPY := $(SGLANG_VENV)/bin/python
+SPIP := $(SPY) -m pip --disable-pip-version-check -q
+SGLANG_STAMP := $(SGLANG_VENV)/.attnres-sglang-installed
+SGLANG_SELECTION_TESTS := test_attention_backend_selector.py test_attention_backend_override.py \
+	test_attention_backend_autotune.py test_cross_attention_backend_roles.py test_qwen3vl_text.py
+SGLANG_RELATED_TESTS := test_ring_admission.py test_dynamic_cudnn_sdpa_selection.py \
+	test_dynamic_cudnn_sdpa_routing.py test_cuda_attention_backend.py \
+	test_hybrid_window_h3_attention.py test_diffusion_plugins.py
+# $(call sglang_pytest,PLUGIN): pytest in SGLang's unit folder; PLUGIN=1 loads the attnres plugin
+sglang_pytest = cd "$$($(SPY) -c 'import importlib.util as u; print(u.find_spec("sglang").submodule_search_locations[0])')/multimodal_gen/test/unit" && \
+	PYTHONPATH="$(CURDIR)/tests/sglang" ATTNRES_SGLANG_PLUGIN=$(1) $(abspath $(SPY)) -m pytest -c "$(CURDIR)/tests/sglang/pytest.ini" \
+	--rootdir . -p sglang_standins -p no:cacheprovider -q
+
+$(SGLANG_STAMP): pyproject.toml tests/sglang/requirements.txt
+	test -x $(SPY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SPY) -c "import torch" 2>/dev/null || $(SPIP) install "$(TORCH_SPEC)"
+	$(SPY) -c "import torch; print('torch==' + torch.__version__)" > $(SGLANG_VENV)/torch-pin.txt
+	$(SPIP) install --no-deps "$(SGLANG_SPEC)"
+	$(SPIP) install -c $(SGLANG_VENV)/torch-pin.txt -r tests/sglang/requirements.txt
+	$(SPIP) install --no-deps -e .
+	touch $@
+
+test-sglang: $(SGLANG_STAMP)
+	@echo "== SGLang's selection tests, as SGLang ships (no attnres plugin)"
+	$(call sglang_pytest,0) $(SGLANG_SELECTION_TESTS) $(SGLANG_RELATED_TESTS)
+	@echo "== the same files with the attnres plugin deciding every backend"
+	$(call sglang_pytest,1) $(SGLANG_SELECTION_TESTS) $(SGLANG_RELATED_TESTS)
+
+# the plugin's decision cost against SGLang's own selector (benchmarks/bench_sglang.py)
+bench-sglang: $(SGLANG_STAMP)
+	$(SPIP) install -c $(SGLANG_VENV)/torch-pin.txt "pytest-benchmark>=4"
+	mkdir -p benchmarks/results
+	$(SPY) -m pytest benchmarks/bench_sglang.py -p no:randomly -p no:cacheprovider --benchmark-only \
+		--benchmark-json=benchmarks/results/sglang.json -q
 
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write

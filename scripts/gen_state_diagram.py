@@ -189,8 +189,67 @@ def render() -> str:
         "|---|---|",
         *[f"| `{verdict.value}` | {when} |" for verdict, _, when in VERDICT_RULES],
         "",
+        *_sglang_profile(),
     ]
     return "\n".join(lines)
+
+
+def _sglang_profile() -> list[str]:
+    """The ``sglang`` profile's rows (issue 23; attnres._profile_sglang)."""
+    from attnres._profile_sglang import (
+        ALIASES,
+        EXPLICIT_BYPASSES_SUPPORTED,
+        FALLBACK_ROWS,
+        ORIGIN_ROWS,
+        SATISFIES,
+        SGLANG_VERSION,
+    )
+
+    return [
+        "## The `sglang` profile",
+        "",
+        f"`SelectionConfig(profile=\"sglang\")` decides as SGLang {SGLANG_VERSION}'s "
+        "multimodal_gen selector does (`attnres._profile_sglang`; the SGLang plugin,",
+        "docs/sglang.md, uses it). Platform facts are SGLang's own answers, observed",
+        "per candidate and recorded in the trace (`Platform.host`).",
+        "",
+        "Origins, first that is set wins:",
+        "",
+        "| origin | what | explicit |",
+        "|---|---|---|",
+        *[
+            f"| `{row.origin.value}` | {row.words} | {'yes' if row.explicit else 'no'} |"
+            for row in ORIGIN_ROWS
+        ],
+        "",
+        "May a failed request fall back (first row that holds decides)?",
+        "",
+        "| condition | reason recorded (none: strict) |",
+        "|---|---|",
+        *[
+            f"| {row.condition} | {row.reason.value if row.reason else 'strict'} |"
+            for row in FALLBACK_ROWS
+        ],
+        "",
+        "Candidates: the request, then (when it may fall back) the layer default, the "
+        "platform's own pick, and the supported set in SGLang's order. An explicit "
+        "request is admitted outside the layer's supported set: "
+        f"{'yes' if EXPLICIT_BYPASSES_SUPPORTED else 'no'}.",
+        "",
+        "| backend | counts as supported by a set holding |",
+        "|---|---|",
+        *[
+            f"| `{name}` | "
+            + " or ".join("{" + ", ".join(sorted(g)) + "}" for g in groups)
+            + " |"
+            for name, groups in SATISFIES.items()
+        ],
+        "",
+        "| attnres name | SGLang backend |",
+        "|---|---|",
+        *[f"| `{a}` | `{b}` |" for a, b in ALIASES.items()],
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

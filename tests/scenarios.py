@@ -30,10 +30,11 @@ from pathlib import Path
 import attrs
 from attrs import field, frozen
 
+from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.machine import run_machine
-from attnres.platform import PackageFact, Platform
+from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.scope import ScopeState, scope_state
 from attnres.trace import Trace, TraceInput, atomic_write_text, canonical_json, trace_to_dict
 
@@ -201,6 +202,31 @@ def _preference(backend: str) -> SelectionConfig:
 
 _NOTHING = SelectionConfig()
 _HOPPER_ALL = "cuda:sm90+all"
+#: issue 23: the sglang profile, and a platform of SGLang's observed answers
+_SGLANG = SelectionConfig(profile="sglang")
+
+
+def _sglang_scope(role: Role, backend: str, component_backend: str | None = None) -> ScopeState:
+    """SGLang's component context for 'transformer' with one role override."""
+    return ScopeState(
+        "transformer",
+        "sglang",
+        "sglang component context",
+        None if component_backend is None else Backend(component_backend),
+        ((role, Backend(backend)),),
+    )
+
+
+def _host(kind: str, *answers: tuple[str, str | None]) -> Platform:
+    return Platform(
+        kind,
+        host=[
+            HostResolution(c, s, None if s else f"Invalid attention backend {c} for {kind}")
+            for c, s in answers
+        ],
+    )
+
+
 _DENSE_PAIR = ("fa", "torch_sdpa")
 
 
@@ -1365,6 +1391,52 @@ SCENARIOS: tuple[Scenario, ...] = (
         "npu",
         None,
         expect=selects("torch_sdpa", None, origin="none"),
+    ),
+    # -- issue 23: the sglang profile (SGLang 0.5.23's selector rules as rows) ----------
+    Scenario(
+        "sglang-profile-explicit-aiter-outside-the-declared-set-is-admitted",
+        "The sglang profile: an explicit backend is admitted by capability outside the "
+        "layer's declared set {fa, torch_sdpa} (SGLang PR 37441); SGLang's platform resolved "
+        "aiter (the observed host fact).",
+        _layer(head_size=128, supported=("fa", "torch_sdpa")),
+        _SGLANG,
+        None,
+        _host("rocm", ("aiter", "aiter")),
+        "aiter",
+        expect=selects("aiter", origin="layer"),
+    ),
+    Scenario(
+        "sglang-profile-cross-role-override-records-its-role",
+        "The sglang profile: a component's cross-attention override records "
+        "'cross-attention override' as its reason, as SGLang does.",
+        _layer(head_size=128, role="cross"),
+        _SGLANG,
+        _sglang_scope(Role.CROSS, "torch_sdpa", component_backend="fa"),
+        _host("cuda", ("torch_sdpa", "torch_sdpa")),
+        None,
+        expect=selects("torch_sdpa", "cross-attention override", origin="role_override"),
+    ),
+    Scenario(
+        "sglang-profile-self-role-override-records-its-role",
+        "The sglang profile: a component's self-attention override records "
+        "'self-attention override' as its reason.",
+        _layer(head_size=128),
+        _SGLANG,
+        _sglang_scope(Role.SELF, "sage_attn"),
+        _host("cuda", ("sage_attn", "sage_attn")),
+        None,
+        expect=selects("sage_attn", "self-attention override", origin="role_override"),
+    ),
+    Scenario(
+        "sglang-profile-global-cli-refused-by-the-host-platform-is-rejected",
+        "The sglang profile: --attention-backend sage_attn typed by the operator is strict for "
+        "a layer without a default outside a component; SGLang's platform refused it.",
+        _layer(head_size=128),
+        SelectionConfig(global_backend="sage_attn", profile="sglang"),
+        None,
+        _host("cuda", ("sage_attn", None)),
+        None,
+        expect=rejects("host_platform", origin="global_cli", error_contains=("sage_attn",)),
     ),
 )
 

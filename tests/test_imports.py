@@ -20,6 +20,7 @@ LAZY: dict[tuple[str, str], str] = {
     ("attnres", "attnres.replayer"): "exported lazily, like the layer",
     ("attnres", "attnres.request"): "request_backend imports torch: loaded on first use",
     ("attnres", "attnres.autotuner"): "measured selection imports torch: loaded on first use",
+    ("attnres", "attnres.schedules"): "schedule imports torch: loaded on first use (issue 23)",
     ("attnres.cli", "attnres.plan"): "plan is loaded only by the commands that use it",
     ("attnres.cli", "attnres.integrations._folder"): (
         "folder planning is loaded only by the command that uses it"

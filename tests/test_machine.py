@@ -39,6 +39,7 @@ from attnres import (
 from attnres import machine as M
 from attnres import runtime as R
 from attnres import scope as S
+from attnres._profile_sglang import ROLE_OVERRIDE_REASONS
 from attnres._states import Check, Event, Origin, Reason, State
 from attnres._vocab import DTYPES
 from attnres.backends import BUILTIN_SPECS, BackendSpec, register_backend, unregister_backend
@@ -1168,7 +1169,9 @@ def test_rule_3_4_selected_backend_passes_every_check() -> None:
 
 def test_rule_3_5_reason_strings_are_exact() -> None:
     # the machine's reasons, and autotune's (set after measuring, never by the machine)
-    assert {r.value for r in Reason} == (REASONS - {None}) | {"measured faster"}
+    # (issue 23: and the sglang profile's role-override reasons, tests/test_profile_sglang.py)
+    sglang = {r.value for r in ROLE_OVERRIDE_REASONS.values()}
+    assert {r.value for r in Reason} == (REASONS - {None}) | {"measured faster"} | sglang
 
 
 def test_rule_3_5_reason_none_when_first_candidate_accepted() -> None:

@@ -644,7 +644,7 @@ def test_key_lists_come_from_the_attrs_classes_and_match_what_is_written(
     """One source for the codec's field lists: the writer writes every field of the
     attrs class, and the loader requires each one it wrote (by its JSON path)."""
     from attnres import plan
-    from attnres._codec import field_names
+    from attnres._codec import field_names, optional_field_names
     from attnres.layer import LayerSpec, SelectionConfig
     from attnres.scope import ScopeState
 
@@ -663,7 +663,9 @@ def test_key_lists_come_from_the_attrs_classes_and_match_what_is_written(
     # the pipeline format names the same layer fields (requirements as "requires")
     spec_fields = set(field_names(LayerSpec)) - {"requirements"} | {"requires"}
     assert spec_fields <= set(plan._LAYER_KEYS)
-    assert set(plan._LAYER_KEYS) - spec_fields == {"count", "backend"}
+    # (issue 23: and LayerSpec's optional fields, preferred and required)
+    optional = set(optional_field_names(LayerSpec))
+    assert set(plan._LAYER_KEYS) - spec_fields - optional == {"count", "backend"}
 
 
 def test_exact_route_is_in_the_trace_only_when_set_and_replays() -> None:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from attnres.modules import Attention, bind
     from attnres.replayer import ReplayResult, replay
     from attnres.request import request_backend
+    from attnres.schedules import schedule
 
 
 def __getattr__(name: str) -> Any:
@@ -57,6 +58,10 @@ def __getattr__(name: str) -> Any:
         from attnres import modules
 
         return getattr(modules, name)
+    if name == "schedule":  # issue 23: per-step schedules (imports torch)
+        from attnres.schedules import schedule
+
+        return schedule
     if name == "request_backend":
         from attnres import request
 
@@ -120,6 +125,7 @@ __all__ = [
     "replay",
     "request_backend",
     "resolve",
+    "schedule",
     "selection_config",
     "set_selection_config",
     "unregister_backend",

@@ -88,6 +88,10 @@ class Reason(_StrEnum):
     DENSE_CROSS_ATTENTION_FALLBACK = "dense cross-attention fallback"
     COMPONENT_CONSTRAINT = "component constraint"
     MEASURED_FASTER = "measured faster"
+    # issue 23, the ``sglang`` profile: SGLang records a role override's
+    # divergence from the component backend as an explained selection
+    SELF_ATTENTION_OVERRIDE = "self-attention override"
+    CROSS_ATTENTION_OVERRIDE = "cross-attention override"
 
 
 class Code(_StrEnum):
@@ -110,6 +114,9 @@ class Code(_StrEnum):
     REQUIREMENT_UNMET = "requirement_unmet"
     #: the layer will run, and this process has no kernel for the backend
     NO_KERNEL = "no_kernel"
+    #: issue 23, the ``sglang`` profile: the host framework's platform does not
+    #: resolve the backend here (an observed fact, ``Platform.host``)
+    HOST_PLATFORM = "host_platform"
     NO_COMPATIBLE_BACKEND = "no_compatible_backend"
 
 

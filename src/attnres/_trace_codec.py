@@ -73,7 +73,7 @@ from attnres._vocab import (
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, split_component_key
-from attnres.platform import PackageFact, Platform
+from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.records import (
     KERNELS_SCHEMA_VERSION,
     MASK_SCHEMA_VERSION,
@@ -580,6 +580,23 @@ def _structure_layer(value: Any, _: Any) -> LayerSpec:
         raise _Invalid(".exact_route", "a route's name must not be empty")
     if route is not None and supported is None:
         raise _Invalid(".exact_route", "an exact route needs a supported set (supported is null)")
+    try:
+        return _layer_of(head_size, dtype, supported, default, role, requirements, name, route, obj)
+    except ValueError as exc:  # issue 23: preferred/required outside supported
+        raise _Invalid("", f"not a valid layer: {exc}") from None
+
+
+def _layer_of(
+    head_size: Any,
+    dtype: Any,
+    supported: Any,
+    default: Any,
+    role: Any,
+    requirements: Any,
+    name: Any,
+    route: Any,
+    obj: dict[str, Any],
+) -> LayerSpec:
     return LayerSpec(
         head_size=head_size,
         dtype=dtype,
@@ -589,6 +606,13 @@ def _structure_layer(value: Any, _: Any) -> LayerSpec:
         requirements=requirements,
         name=name,
         exact_route=route,
+        # issue 23: optional keys, written only when set
+        preferred=(
+            _field(obj, "preferred", _optional(_backend_list)) if "preferred" in obj else None
+        ),
+        required=(
+            _field(obj, "required", _optional(_structure_backend)) if "required" in obj else None
+        ),
     )
 
 
@@ -628,6 +652,8 @@ def _structure_config(value: Any, _: Any) -> SelectionConfig:
                 obj, "component_backends", lambda v: _backend_map(v, _component_name)
             ),
             global_backend_env=env,
+            # issue 23: the selection profile, written only when not "attnres"
+            profile=_field(obj, "profile", _structure_str) if "profile" in obj else "attnres",
         )
     except ValueError as exc:
         raise _Invalid("", f"not a valid selection config: {exc}") from None
@@ -665,7 +691,16 @@ def _make_converter() -> cattrs.Converter:
     # from the field's Python form is a field override (_unstructure_overrides).
     conv.register_unstructure_hook(Backend, lambda b: b.name)
     conv.register_unstructure_hook(Requirements, _unstructure_requirements)  # issue 22
-    for cls in (LayerSpec, SelectionConfig, ScopeState, TraceInput, *RECORD_KINDS.values()):
+    # (issue 23: Platform too, before TraceInput whose hook embeds it, so its
+    # host facts are written only when present)
+    for cls in (
+        LayerSpec,
+        SelectionConfig,
+        ScopeState,
+        Platform,
+        TraceInput,
+        *RECORD_KINDS.values(),
+    ):
         conv.register_unstructure_hook(
             cls,
             make_dict_unstructure_fn(cls, conv, **_unstructure_overrides(cls)),
@@ -688,6 +723,7 @@ def _make_converter() -> cattrs.Converter:
         (Outcome, "an outcome"),
         (Platform, "a platform"),
         (PackageFact, "a package fact"),
+        (HostResolution, "a host resolution"),  # issue 23
         (Failure, "a failure"),
     ):
         conv.register_structure_hook(cls, _make_attrs_hook(conv, cls, what))
@@ -741,6 +777,7 @@ def _pairs_to_object(pairs: tuple[tuple[Any, Backend], ...]) -> dict[str, str]:
 #: Fields a trace writes in another shape than their Python form.
 _WRITTEN_AS: dict[tuple[type[Any], str], Callable[[Any], Any]] = {
     (LayerSpec, "supported"): _backend_names,
+    (LayerSpec, "preferred"): _backend_names,  # issue 23
     (LayerSpec, "role"): _enum_value,
     (SelectionConfig, "component_backends"): _pairs_to_object,
     (ScopeState, "role_backends"): _pairs_to_object,

@@ -240,3 +240,23 @@ def emit_scope_problems(state: ScopeState, problems: Sequence[ScopeProblem]) -> 
             kind=state.kind,
             message=problem.message,
         )
+
+
+def emit_schedule_switch(step: int, backend: str, layers: int, previous: str) -> None:
+    """``attention backend switched for step`` (INFO) at each switch of an
+    :func:`attnres.schedule`; ``step`` -1 with no backend: restored at its end
+    (issue 23)."""
+    log = _logger(logging.INFO)
+    if log is None:
+        return
+    if step < 0:
+        log.info("attention backend restored after schedule", layers=layers, previous=previous)
+        return
+    log.info(
+        "attention backend switched for step",
+        step=step,
+        backend=backend,
+        layers=layers,
+        previous=previous,
+        schedule=True,
+    )

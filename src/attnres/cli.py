@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from attnres._schedule_plan import parse_schedule, plan_schedule
 from attnres._states import PackageStatus, ReplayStatus, Status  # issue 20, 19
 from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, MaskRoute, Requirement
 from attnres.backends import (
@@ -435,6 +436,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.trace_out is not None:
         _write_trace(trace, _trace_out(args.trace_out, "a file name"))
     outcome = trace.outcome
+    scheduled = _explain_schedule(args, layer, config, platform)
     if args.json:
         _emit_json(
             out,
@@ -448,6 +450,8 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "autotune": autotune_plan(trace, config),
                 "trace": trace_to_dict(trace),
                 "explanation": explain(trace).to_dict(),
+                # issue 23: present with --schedule only
+                **({} if scheduled is None else {"schedule": scheduled}),
             },
         )
     else:
@@ -455,8 +459,42 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         plan = autotune_plan(trace, config)
         if plan is not None:
             lines += _field("autotune:", plan["detail"], _width())
+        for row in scheduled or ():
+            runs = row["backend"] or f"rejected ({row['code']}): {row['error']}"
+            lines += _field(f"step {row['from_step']}+:", f"{row['requested']} -> {runs}", _width())
         _emit(out, lines)
-    return EXIT_OK if outcome.status == Status.SELECTED else EXIT_REJECTED
+    # a schedule with a step the layer cannot run would refuse to start (all or nothing)
+    schedule_ok = all(row["backend"] is not None for row in scheduled or ())
+    return EXIT_OK if outcome.status == Status.SELECTED and schedule_ok else EXIT_REJECTED
+
+
+def _explain_schedule(
+    args: argparse.Namespace, layer: LayerSpec, config: SelectionConfig, platform: Platform
+) -> list[dict[str, Any]] | None:
+    """``--schedule``: each step's backend for this layer (issue 23), or ``None``."""
+    if args.schedule is None:
+        return None
+    try:
+        steps = parse_schedule(args.schedule)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    scope = None
+    if args.component is not None:
+        with component_scope(
+            args.component, backend=args.component_backend, require_selection=False
+        ) as handle:
+            scope = handle.state
+    return [
+        {
+            "from_step": first,
+            "requested": backend.name,
+            "backend": None if t.outcome.backend is None else t.outcome.backend.name,
+            "code": None if t.outcome.code is None else str(t.outcome.code),
+            "error": t.outcome.error,
+            "digest": t.digest,
+        }
+        for first, backend, t in plan_schedule(layer, steps, config, platform, scope)
+    ]
 
 
 def _check_explain_overrides(args: argparse.Namespace, config: SelectionConfig) -> None:
@@ -1047,6 +1085,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--platform",
         metavar="SPEC",
         help="simulate a platform, e.g. cuda:sm90+flash_attn (default: detect this machine)",
+    )
+    where.add_argument(
+        "--schedule",
+        metavar="STEP:X,...",
+        help="also show what the layer runs on a per-step schedule, e.g. 0:sage_attn,40:fa "
+        "(attnres.schedule)",
     )
     output = explain.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")

@@ -327,6 +327,36 @@ class LayerSpec:
         kw_only=True,
         metadata={"omit_default": True},
     )
+    # issue 23 (both written to a trace only when set, so older traces keep their bytes):
+    #: the backends automatic choices may take (the platform's chain, the supported
+    #: set); ``supported`` stays what the layer's code can run. An explicit request
+    #: outside ``preferred`` but inside ``supported`` is admitted when it passes
+    #: every check, and the origin record says so. ``None``: all of ``supported``.
+    preferred: frozenset[Backend] | None = field(
+        default=None, converter=_backend_set, kw_only=True, metadata={"omit_default": True}
+    )
+    #: the backend this layer must run for correctness: every request, schedule,
+    #: global flag and autotune leaves it alone (origin ``layer``, strict), and the
+    #: trace says what it overrode
+    required: Backend | None = field(
+        default=None, converter=_default_backend, kw_only=True, metadata={"omit_default": True}
+    )
+
+    def __attrs_post_init__(self) -> None:
+        supported = self.supported
+        if supported is not None and self.preferred is not None and not (
+            self.preferred <= supported
+        ):
+            extra = sorted(b.name for b in self.preferred - supported)
+            raise ValueError(
+                f"preferred: {', '.join(extra)} not in the supported set "
+                f"{sorted(b.name for b in supported)} (preferred narrows supported)"
+            )
+        if supported is not None and self.required is not None and self.required not in supported:
+            raise ValueError(
+                f"required: {self.required.name!r} is not in the supported set "
+                f"{sorted(b.name for b in supported)}"
+            )
 
 
 def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | None]:
@@ -431,6 +461,15 @@ def _tolerances(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out.items()))
 
 
+#: The selection profiles (issue 23): the machine's rules for each.
+PROFILES: tuple[str, ...] = ("attnres", "sglang")
+
+
+def _profile(_: Any, __: Any, value: Any) -> None:
+    if value not in PROFILES:
+        raise ValueError(f"profile: expected one of {', '.join(PROFILES)}, got {value!r}")
+
+
 @frozen(cache_hash=True)
 class SelectionConfig:
     """What the operator asked for, process-wide.
@@ -449,6 +488,13 @@ class SelectionConfig:
     global_backend: Backend | None = field(default=None, converter=_global_backend)
     global_backend_explicit: bool = field(default=True, validator=_is_bool)
     forced_backend: Backend | None = field(default=None, converter=_forced_backend)
+    #: issue 23: whose selection rules the machine applies -- ``attnres`` (the
+    #: contract of docs/selection-contract.md) or ``sglang`` (SGLang
+    #: multimodal_gen's, rows in attnres._profile_sglang). Written to a trace
+    #: only when not the default, so older traces keep their bytes.
+    profile: str = field(
+        default="attnres", validator=_profile, kw_only=True, metadata={"omit_default": True}
+    )
     component_backends: tuple[tuple[str, Backend], ...] = field(
         default=(), converter=_component_backends
     )

@@ -90,6 +90,7 @@ from typing import TYPE_CHECKING, Final
 import attrs
 from attrs import frozen
 
+from attnres import _profile_sglang
 from attnres._states import (
     Check,
     Code,
@@ -142,6 +143,7 @@ __all__ = [
     "CHECK_ORDER",
     "GLOBAL_EXPLICIT_ORIGINS",
     "NO_KERNEL",
+    "PREFERRED_STAGES",
     "REQUEST_FAILURE_GUARDS",
     "REQUEST_RULES",
     "SCOPE_CHECKS",
@@ -433,9 +435,51 @@ class DetectedOrigin:
     detail: str
 
 
+#: issue 23: the stages whose candidates are automatic choices, which a layer's
+#: ``preferred`` set narrows (a candidate outside it is skipped, with a record).
+PREFERRED_STAGES: Final = frozenset({State.PLATFORM_DEFAULT, State.SUPPORTED_SET})
+
+
+def _overridden(inp: TraceInput) -> str:
+    """What a layer's required backend overrides, in words (issue 23)."""
+    parts = []
+    if inp.request is not None:
+        parts.append(f"the per-request backend {inp.request.name!r}")
+    if inp.backend is not None and inp.backend != inp.layer.required:
+        parts.append(f"the backend {inp.backend.name!r} passed for this layer")
+    return "; it overrides " + " and ".join(parts) if parts else ""
+
+
 def detect_origin(inp: TraceInput) -> DetectedOrigin:
     """The first origin that applies, the backend it requests, and its strictness."""
+    found = _detect_origin(inp)
+    preferred = inp.layer.preferred
+    if (
+        preferred is not None
+        and found.backend is not None
+        and found.origin not in TUNABLE_ORIGINS
+        and found.backend not in preferred
+    ):  # issue 23: explicit, outside preferred: admitted on its checks, and said so
+        found = DetectedOrigin(
+            found.origin,
+            found.backend,
+            found.strict,
+            found.detail
+            + f"; outside the layer's preferred set {_names(preferred)}, admitted by "
+            f"its supported set when every check passes",
+        )
+    return found
+
+
+def _detect_origin(inp: TraceInput) -> DetectedOrigin:
     layer, config, scope = inp.layer, inp.config, inp.scope
+    if layer.required is not None:  # issue 23: pinned for correctness, whatever is asked
+        return DetectedOrigin(
+            Origin.LAYER,
+            layer.required,
+            True,
+            "required by the layer for correctness (LayerSpec.required)" + _overridden(inp),
+        )
     if inp.request is not None:
         return DetectedOrigin(
             Origin.REQUEST,
@@ -959,6 +1003,9 @@ def _step(
 
 def run_machine(inp: TraceInput) -> Trace:
     """Run the machine on one input; a pure function (no context, no cache, no I/O)."""
+    # issue 23: another profile's rules (SelectionConfig.profile) run their own rows
+    if inp.config.profile != "attnres":
+        return PROFILE_MACHINES[inp.config.profile](inp)
     records: list[Record] = []
     found = detect_origin(inp)
     records.append(OriginRecord(found.origin, found.backend, found.strict, found.detail))
@@ -983,6 +1030,20 @@ def run_machine(inp: TraceInput) -> Trace:
             if candidate in seen:
                 records.append(
                     SkipRecord(stage, candidate, f"already evaluated at {seen[candidate].value}")
+                )
+                continue
+            if (
+                stage in PREFERRED_STAGES
+                and layer.preferred is not None
+                and candidate not in layer.preferred
+            ):  # issue 23: automatic choices stay inside the layer's preferred set
+                records.append(
+                    SkipRecord(
+                        stage,
+                        candidate,
+                        f"an automatic choice outside the layer's preferred set "
+                        f"{_names(layer.preferred)}",
+                    )
                 )
                 continue
             if stage is State.PLATFORM_DEFAULT and position < len(candidates) - 1:
@@ -1032,6 +1093,13 @@ def run_machine(inp: TraceInput) -> Trace:
     return _finish_rejected(
         inp, records, found, _exhausted_message(tried), str(Code.NO_COMPATIBLE_BACKEND)
     )
+
+
+#: issue 23: the machine of each selection profile other than attnres's own
+#: (``SelectionConfig.profile``); each is a pure function of the input.
+PROFILE_MACHINES: Final[Mapping[str, Callable[[TraceInput], Trace]]] = {
+    "sglang": lambda inp: _profile_sglang.run_sglang(inp, _step),
+}
 
 
 def _finish_rejected(

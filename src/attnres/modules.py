@@ -323,6 +323,8 @@ class Attention(FastCallModule):
         platform: Platform | None = None,
         softcap: float | None = None,
         window: tuple[int | None, int | None] | None = None,
+        preferred: Any = None,
+        required: Backend | str | None = None,
     ) -> None:
         super().__init__()
         num_heads = _positive_int("num_heads", num_heads)
@@ -373,6 +375,9 @@ class Attention(FastCallModule):
             name,
             (custom_scale, cap > 0, band is not None),
         )
+        if preferred is not None or required is not None:
+            # issue 23: LayerSpec.preferred / .required (docs/selection-contract.md)
+            spec = attrs.evolve(spec, preferred=preferred, required=required)
         if platform is not None and not isinstance(platform, Platform):
             raise TypeError(
                 f"platform: expected an attnres.Platform (Platform.detect() or "

@@ -92,10 +92,15 @@ _COMPONENT_KEYS = ("name", "kind", "backend", "role_backends", "allow_global_fal
 #: A layer entry: the LayerSpec's fields (``requirements`` is spelled ``requires``
 #: in the file), plus ``count`` and the per-layer ``backend``.
 _TOML_NAMES = {"requirements": "requires"}
+#: issue 23: optional LayerSpec fields a layer entry may give (exact_route is a
+#: trace-only field: an integration sets it, never a file)
+_FILE_OPTIONAL = ("preferred", "required")
 _LAYER_KEYS = (
     "name",
     "count",
     *(_TOML_NAMES.get(n, n) for n in field_names(LayerSpec) if n != "name"),
+    # issue 23: the optional LayerSpec fields a pipeline file may give
+    *_FILE_OPTIONAL,
     "backend",
 )
 #: what TOML value each LayerSpec field's type is written as (its converter
@@ -115,7 +120,8 @@ _LAYER_KINDS: dict[str, str] = {
     **{
         _TOML_NAMES.get(n, n): _TOML_KIND_OF_TYPE[tp]
         for n, tp in field_types(LayerSpec).items()
-        if n != "name" and n in field_names(LayerSpec)  # not a trace-only field (exact_route)
+        if n != "name" and (n in field_names(LayerSpec) or n in _FILE_OPTIONAL)
+        # not a trace-only field (exact_route)
     },
     "backend": "string",
 }
@@ -445,6 +451,8 @@ class _Parser:
                 role=table.get("role", "self"),
                 requirements=Requirements.of(table.get("requires", ()), field="requires"),
                 name=raw_name,
+                preferred=table.get("preferred"),  # issue 23
+                required=table.get("required"),
             )
         except ValueError as exc:
             raise self.fail(str(exc), **where) from None

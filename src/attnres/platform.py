@@ -184,6 +184,35 @@ def _notes(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
+@frozen
+class HostResolution:
+    """What a host framework's platform resolves one candidate to (issue 23).
+
+    Observed, not enumerated: the SGLang plugin asks SGLang's own platform
+    (``_cached_get_attn_backend``) for every candidate the ``sglang`` profile
+    may evaluate and records the answer here, so a trace holds every platform
+    fact its decision read and replays without SGLang. ``candidate`` is the
+    backend asked for (``""``: the platform's own default); ``served`` the
+    backend whose class it returned (``None`` with ``error`` when it refused);
+    ``sparse`` (the candidate's), ``served_sparse`` and ``missing`` (the layer's
+    requirements the served class does not implement) are read from SGLang's
+    enum and classes.
+    """
+
+    candidate: str
+    served: str | None = None
+    error: str | None = None
+    #: the candidate is a sparse backend (SGLang's ``AttentionBackendEnum.is_sparse``)
+    sparse: bool = False
+    #: the served backend is sparse
+    served_sparse: bool = False
+    missing: tuple[str, ...] = ()
+
+
+def _host(value: Iterable[HostResolution]) -> tuple[HostResolution, ...]:
+    return tuple(value)
+
+
 @frozen(cache_hash=True)
 class Platform:
     """Frozen, serialisable facts about a device and its kernel packages."""
@@ -196,6 +225,18 @@ class Platform:
     packages: tuple[PackageFact, ...] = field(default=(), converter=_facts)
     notes: tuple[str, ...] = field(default=(), converter=_notes)
     simulated: bool = False
+    #: issue 23: a host framework's observed platform resolutions (the
+    #: ``sglang`` profile's platform facts); written only when present
+    host: tuple[HostResolution, ...] = field(
+        default=(), converter=_host, metadata={"omit_default": True}
+    )
+
+    def host_resolution(self, candidate: str) -> HostResolution | None:
+        """The observed host resolution of ``candidate`` ("": the platform default)."""
+        for fact in self.host:
+            if fact.candidate == candidate:
+                return fact
+        return None
 
     @kind.validator
     def _check_kind(self, _: Any, value: str) -> None:

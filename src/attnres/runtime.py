@@ -378,6 +378,9 @@ def _shape_key(
         layer.default,
         layer.role,
         layer.requirements,
+        layer.preferred,  # issue 23
+        layer.required,
+        layer.exact_route,  # (issue 21's field; it was missing from this key)
         cfg,
         scope,
         platform,

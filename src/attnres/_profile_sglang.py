@@ -1,0 +1,398 @@
+"""The ``sglang`` selection profile: SGLang multimodal_gen's rules as tables (issue 23).
+
+``SelectionConfig(profile="sglang")`` makes :func:`attnres.machine.run_machine`
+decide the way SGLang 0.5.23's ``get_attn_backend``
+(``sglang/multimodal_gen/runtime/layers/attention/selector.py``) does. Where
+SGLang's rules differ from attnres's own contract, the difference is a row
+here, rendered in ``docs/state-machine.md``:
+
+- ``ORIGIN_ROWS``: which request wins, in SGLang's order (the layer's explicit
+  backend, the process-wide forced one, the component's role override, the
+  component override, ``--attention-backend``, the layer's default);
+- ``FALLBACK_ROWS``: whether a failed request may fall back, and the reason it
+  records (SGLang PR 37441: an explicit backend is strict unless one of the
+  relaxations holds);
+- ``EXPLICIT_BYPASSES_SUPPORTED``: an explicit backend is admitted by
+  capability outside a layer's declared (preferred) set -- SGLang's
+  ``supported_attention_backends`` constrains automatic selection only (PR
+  37441, the strict rule its users hit in issues 39070 and 34389);
+- ``SATISFIES``: backends a supported set admits through another name
+  (SGLang's ``_is_backend_supported``);
+- ``ALIASES``: attnres names SGLang folds into one of its own (``fa3`` is
+  SGLang's ``fa``).
+
+The platform is observed, never enumerated: SGLang's platform (its chains, its
+CPU behaviour of serving every backend by SDPA with a warning, its packed-varlen
+facts per backend class) is recorded by the plugin as
+:class:`~attnres.platform.HostResolution` facts in the trace's platform, and
+this profile reads only those. A trace therefore replays without SGLang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from attrs import frozen
+
+from attnres._outcome import Outcome
+from attnres._states import Check, Code, Event, Origin, Reason, State
+from attnres._vocab import Role
+from attnres.backends import Backend
+from attnres.platform import HostResolution
+from attnres.trace import (
+    CheckRecord,
+    Failure,
+    OriginRecord,
+    Record,
+    RejectedRecord,
+    SelectedRecord,
+    Trace,
+    TraceInput,
+)
+
+__all__ = [
+    "ALIASES",
+    "EXPLICIT_BYPASSES_SUPPORTED",
+    "FALLBACK_ROWS",
+    "ORIGIN_ROWS",
+    "SATISFIES",
+    "SGLANG_VERSION",
+    "UNOBSERVED",
+    "first_request",
+    "run_sglang",
+]
+
+#: The SGLang release these rows were read from.
+SGLANG_VERSION: Final = "0.5.23"
+
+
+@frozen
+class OriginRow:
+    """One way a backend is requested: ``backend`` reads it from the input."""
+
+    origin: Origin
+    words: str
+    #: SGLang's ``selection_is_explicit`` for this origin
+    explicit: bool
+    backend: Callable[[TraceInput], Backend | None]
+
+
+def _role_override(inp: TraceInput) -> Backend | None:
+    return None if inp.scope is None else inp.scope.role_backend(inp.layer.role)
+
+
+def _global(explicit: bool) -> Callable[[TraceInput], Backend | None]:
+    def read(inp: TraceInput) -> Backend | None:
+        cfg = inp.config
+        return cfg.global_backend if cfg.global_backend_explicit is explicit else None
+
+    return read
+
+
+#: SGLang's order of origins: the first row whose backend is set wins.
+ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
+    OriginRow(
+        Origin.LAYER,
+        "selected_attention_backend passed for this layer",
+        True,
+        lambda inp: inp.backend,
+    ),
+    OriginRow(
+        Origin.FORCED,
+        "global_force_attn_backend (process-wide)",
+        True,
+        lambda inp: inp.config.forced_backend,
+    ),
+    OriginRow(Origin.ROLE_OVERRIDE, "the component's role override", True, _role_override),
+    OriginRow(
+        Origin.COMPONENT_OVERRIDE,
+        "the component override",
+        True,
+        lambda inp: None if inp.scope is None else inp.scope.backend,
+    ),
+    OriginRow(
+        Origin.GLOBAL_CLI,
+        "--attention-backend set explicitly by the operator",
+        True,
+        _global(True),
+    ),
+    OriginRow(
+        Origin.GLOBAL_PREFERENCE,
+        "server_args.attention_backend, not set explicitly",
+        False,
+        _global(False),
+    ),
+    OriginRow(
+        Origin.LAYER_DEFAULT,
+        "the layer's default_attention_backend",
+        False,
+        lambda inp: inp.layer.default,
+    ),
+)
+
+
+@frozen
+class FallbackFacts:
+    """What the fallback rows may look at."""
+
+    requested: bool
+    explicit: bool
+    #: the requested backend is sparse (SGLang's enum) and the layer is cross-attention
+    sparse_on_cross: bool
+    global_cli: bool
+    #: the layer declares a default, or its component allows global fallback
+    relaxed: bool
+
+
+@frozen
+class FallbackRow:
+    """When ``holds``, a failed request may fall back, recording ``reason``
+    (``None``: strict, the request alone is evaluated)."""
+
+    condition: str
+    holds: Callable[[FallbackFacts], bool]
+    reason: Reason | None
+
+
+#: Whether the request may fall back, in order: the first row that holds decides.
+FALLBACK_ROWS: Final[tuple[FallbackRow, ...]] = (
+    FallbackRow("nothing requested", lambda f: not f.requested, Reason.PLATFORM_DEFAULT_FALLBACK),
+    FallbackRow(
+        "a sparse backend requested for cross-attention",
+        lambda f: f.sparse_on_cross,
+        Reason.DENSE_CROSS_ATTENTION_FALLBACK,
+    ),
+    FallbackRow(
+        "--attention-backend, and the layer declares a default or its component allows "
+        "global fallback",
+        lambda f: f.global_cli and f.relaxed,
+        Reason.GLOBAL_BACKEND_FALLBACK,
+    ),
+    FallbackRow(
+        "not explicit (a preference or a layer default)",
+        lambda f: not f.explicit,
+        Reason.PLATFORM_DEFAULT_FALLBACK,
+    ),
+    FallbackRow("otherwise: explicit, strict", lambda f: True, None),
+)
+
+#: An explicit request (the first candidate of an explicit origin) skips the
+#: supported-set check: the layer's set constrains automatic selection only.
+EXPLICIT_BYPASSES_SUPPORTED: Final = True
+
+#: Backends a layer's supported set admits through other names (any one group).
+SATISFIES: Final[dict[str, tuple[frozenset[str], ...]]] = {
+    "torch_cudnn_sdpa": (frozenset({"torch_sdpa"}),),
+    "dynamic_cudnn_sdpa": (frozenset({"fa", "torch_sdpa"}),),
+}
+
+#: attnres names SGLang folds into one of its own backends.
+ALIASES: Final[dict[str, str]] = {"fa3": "fa"}
+
+#: The reason a role override's own selection records.
+ROLE_OVERRIDE_REASONS: Final[dict[Role, Reason]] = {
+    Role.SELF: Reason.SELF_ATTENTION_OVERRIDE,
+    Role.CROSS: Reason.CROSS_ATTENTION_OVERRIDE,
+}
+
+#: The failure of a candidate whose host resolution the input does not hold:
+#: the plugin observes it and runs the machine again (a replayed trace holds
+#: every fact its decision consulted, so it never meets this).
+UNOBSERVED: Final = "not resolved by the host platform"
+
+
+def _supported(name: str, supported: frozenset[str]) -> bool:
+    if name in supported:
+        return True
+    return any(group <= supported for group in SATISFIES.get(name, ()))
+
+
+def _origin(inp: TraceInput) -> tuple[OriginRow | None, Backend | None]:
+    """The first origin row that is set, and the backend it requests (aliases folded)."""
+    row = next((r for r in ORIGIN_ROWS if r.backend(inp) is not None), None)
+    requested = None if row is None else row.backend(inp)
+    if requested is not None and requested.name in ALIASES:
+        requested = Backend(ALIASES[requested.name])
+    return row, requested
+
+
+def first_request(inp: TraceInput) -> Backend | None:
+    """The backend the profile evaluates first (``None``: the platform's own pick)."""
+    return _origin(inp)[1]
+
+
+def _sglang_order(backends: frozenset[Backend]) -> list[Backend]:
+    # SGLang sorts its enum members by their upper-case names
+    return sorted(backends, key=lambda b: b.name.upper())
+
+
+def _names(backends: list[Backend]) -> str:
+    return "[" + ", ".join(repr(b.name) for b in backends) + "]"
+
+
+#: The core's step: ``(state, event, records, reason, candidate) -> (state, reason)``,
+#: which checks the transition against ``attnres.machine.TRANSITIONS`` and records it.
+Step = Callable[
+    [State, Event, list[Record], Reason | None, Backend | None], tuple[State, Reason | None]
+]
+
+#: How a failed request leaves ``requested``: by the reason its fallback row set.
+_REQUEST_FAILED: Final[dict[Reason | None, Event]] = {
+    None: Event.STRICT_FAILURE,
+    Reason.GLOBAL_BACKEND_FALLBACK: Event.GLOBAL_FALLBACK,
+    Reason.DENSE_CROSS_ATTENTION_FALLBACK: Event.SPARSE_CROSS_FALLBACK,
+    Reason.PLATFORM_DEFAULT_FALLBACK: Event.PREFERENCE_FALLBACK,
+}
+
+
+def run_sglang(inp: TraceInput, step: Step) -> Trace:
+    """The ``sglang`` profile's machine: a pure function of the input.
+
+    It walks the core's transition table (``step``): the stages and events are
+    attnres's, the rows above decide which fire.
+    """
+    layer, platform = inp.layer, inp.platform
+    row, requested = _origin(inp)
+    origin = Origin.NONE if row is None else row.origin
+    explicit = row is not None and row.explicit
+    requested_fact = None if requested is None else platform.host_resolution(requested.name)
+    facts = FallbackFacts(
+        requested=requested is not None,
+        explicit=explicit,
+        sparse_on_cross=(
+            layer.role is Role.CROSS and requested_fact is not None and requested_fact.sparse
+        ),
+        global_cli=origin is Origin.GLOBAL_CLI,
+        relaxed=layer.default is not None
+        or (inp.scope is not None and inp.scope.allow_global_fallback),
+    )
+    fallback = next(r for r in FALLBACK_ROWS if r.holds(facts))
+    records: list[Record] = [
+        OriginRecord(
+            origin,
+            requested,
+            fallback.reason is None,
+            ("nothing requested" if row is None else row.words)
+            + f"; sglang profile: {fallback.condition}",
+        )
+    ]
+    supported = layer.supported or frozenset()
+    ordered = _sglang_order(supported)
+    slots: list[tuple[State, Backend | None]] = [
+        (State.REQUESTED if requested is not None else State.PLATFORM_DEFAULT, requested)
+    ]
+    if fallback.reason is not None:
+        for stage, candidate in (
+            (State.COMPONENT_DEFAULT, layer.default),
+            (State.PLATFORM_DEFAULT, None),
+            *((State.SUPPORTED_SET, b) for b in ordered),
+        ):
+            if stage is State.COMPONENT_DEFAULT and candidate is None:
+                continue  # no layer default
+            if all(candidate != c for _, c in slots):
+                slots.append((stage, candidate))
+    automatic = frozenset(b.name for b in supported)
+    selection_error: Failure | None = None
+    unmet: tuple[str, tuple[str, ...]] | None = None
+    state, _ = step(
+        State.ORIGIN_DETECTION,
+        Event.NOTHING_REQUESTED if requested is None else Event.REQUEST_FOUND,
+        records,
+        None,
+        None,
+    )
+
+    def failed(stage: State, candidate: Backend | None) -> State:
+        event = (
+            _REQUEST_FAILED[fallback.reason]
+            if stage is State.REQUESTED
+            else (Event.CANDIDATE_FAILED)
+        )
+        return step(stage, event, records, None, candidate)[0]
+
+    for index, (stage, candidate) in enumerate(slots):
+        while state is not stage:  # the stages between hold no candidate
+            state, _ = step(state, Event.EXHAUSTED, records, None, None)
+        fact = platform.host_resolution("" if candidate is None else candidate.name)
+        served = _served(fact)
+        if served is None:
+            error = UNOBSERVED if fact is None else str(fact.error)
+            failure = Failure(Code.HOST_PLATFORM, error)
+            if candidate is not None:
+                records.append(CheckRecord(stage, candidate, Check.PLATFORM, False, (failure,)))
+            selection_error = selection_error or failure
+            state = failed(stage, candidate)
+            continue
+        assert fact is not None
+        results: list[tuple[Check, tuple[Failure, ...]]] = [(Check.PLATFORM, ())]
+        role: tuple[Failure, ...] = ()
+        if layer.role is Role.CROSS and fact.served_sparse:
+            role = (
+                Failure(
+                    Code.SPARSE_CROSS_ATTENTION,
+                    f"Sparse attention backend '{served.name}' cannot serve cross-attention",
+                ),
+            )
+        results.append((Check.ROLE, role))
+        explicit_first = explicit and index == 0 and EXPLICIT_BYPASSES_SUPPORTED
+        unsupported: tuple[Failure, ...] = ()
+        if automatic and not explicit_first and not _supported(served.name, automatic):
+            unsupported = (
+                Failure(
+                    Code.NOT_IN_SUPPORTED_SET,
+                    f"Attention backend '{served.name}' is not supported by this attention "
+                    f"layer; supported backends: {_names(ordered)}",
+                ),
+            )
+        results.append((Check.SUPPORTED, unsupported))
+        missing = tuple(
+            Failure(Code.REQUIREMENT_UNMET, f"does not implement {m}") for m in fact.missing
+        )
+        if not role and not unsupported:
+            results.append((Check.REQUIREMENTS, missing))
+        for check, failures in results:
+            records.append(CheckRecord(stage, served, check, not failures, failures))
+        if role or unsupported:
+            selection_error = selection_error or (role or unsupported)[0]
+            state = failed(stage, served)
+            continue
+        if missing:
+            unmet = unmet or (served.name, fact.missing)
+            state = failed(stage, served)
+            continue
+        reason = fallback.reason if index > 0 else None
+        if reason is None and origin is Origin.ROLE_OVERRIDE:
+            reason = ROLE_OVERRIDE_REASONS[layer.role]
+        if (
+            reason is None
+            and requested is None
+            and len(ordered) == 1
+            and served.name == ordered[0].name
+        ):
+            reason = Reason.COMPONENT_CONSTRAINT
+        step(stage, Event.ACCEPTED, records, None, served)
+        reason_text = None if reason is None else reason.value
+        records.append(SelectedRecord(served, origin, reason_text))
+        return Trace(inp, tuple(records), Outcome("selected", origin, served, reason_text))
+    while state is not State.REJECTED:
+        state, _ = step(state, Event.EXHAUSTED, records, None, None)
+    # SGLang names the component only when its context has a name
+    component = None if inp.scope is None else inp.scope.component
+    suffix = f" for component '{component}'" if component else ""
+    if unmet is not None:
+        message = f"Attention backend '{unmet[0]}' does not implement {', '.join(unmet[1])}"
+        code = Code.REQUIREMENT_UNMET
+    elif selection_error is not None:
+        message, code = selection_error.message, selection_error.code
+    else:
+        message, code = "No compatible attention backend is available", Code.NO_COMPATIBLE_BACKEND
+    message += suffix
+    records.append(RejectedRecord(origin, code, message))
+    return Trace(inp, tuple(records), Outcome("rejected", origin, None, None, code, message))
+
+
+def _served(fact: HostResolution | None) -> Backend | None:
+    if fact is None or fact.served is None:
+        return None
+    return Backend(fact.served)

@@ -1,0 +1,530 @@
+"""attnres as SGLang multimodal_gen's attention selector (issue 23).
+
+Install with ``pip install attnres[sglang]``; SGLang finds the plugin through
+the entry point ``attnres = attnres.integrations.sglang:plugin`` in the group
+``sglang.multimodal_gen.plugins`` and calls :func:`plugin` in its
+``load_plugins()``; ``apply_plugin_hooks()`` then puts the hook in place (SGLang
+rebinds every module that imported the selector). ``import attnres`` never
+imports this module, nor SGLang.
+
+What is routed (docs/sglang.md): every call of SGLang's
+``get_attn_backend(head_size, dtype, supported, selected, requirements,
+default, is_cross_attention)`` -- which is how SGLang's layers, its component
+loaders (component and role contexts, their global-fallback policy), its
+per-request override (it rebuilds the layers inside a component context) and
+its autotune candidates reach a backend. The call is translated into attnres's
+types (a :class:`~attnres.LayerSpec`, a ``SelectionConfig(profile="sglang")``,
+a :class:`~attnres.scope.ScopeState` for SGLang's component context) and
+decided by attnres's machine under the ``sglang`` profile
+(:mod:`attnres._profile_sglang`). SGLang's platform is observed, not
+re-implemented: each candidate the decision consults is resolved by SGLang's
+own ``_cached_get_attn_backend`` and recorded as a
+:class:`~attnres.platform.HostResolution` in the trace. The decision is in
+:func:`attnres.decisions`, audited, and its trace replays without SGLang.
+
+SGLang's side effects are kept: the selection is recorded in SGLang's component
+context (its ``ComponentAttentionBackendNotAppliedError`` checks keep working),
+and it logs what SGLang logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import threading
+import types
+from collections.abc import Callable
+from typing import Any, Final
+
+from attrs import frozen
+
+from attnres._profile_sglang import UNOBSERVED, first_request
+from attnres._states import Event
+from attnres._vocab import Role
+from attnres.backends import (
+    Backend,
+    BackendSpec,
+    lookup_spec,
+    on_registry_change,
+    register_backend,
+)
+from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.ledger import Decision, record_decision
+from attnres.machine import run_machine
+from attnres.platform import HostResolution, Platform
+from attnres.runtime import lookup
+from attnres.scope import ScopeState
+from attnres.trace import CheckRecord, OriginRecord, Trace, TraceInput, TransitionRecord
+
+__all__ = ["TARGET", "install", "installed", "plugin", "stats", "uninstall"]
+
+_SELECTOR: Final = "sglang.multimodal_gen.runtime.layers.attention.selector"
+#: the function attnres takes over
+TARGET: Final = f"{_SELECTOR}.get_attn_backend"
+
+_LOCK = threading.Lock()
+#: (the selector module, SGLang's own get_attn_backend) while installed directly
+_INSTALLED: list[tuple[types.ModuleType, Callable[..., Any]]] = []
+#: decisions made through the plugin, and calls SGLang answered itself
+_STATS = {"decided": 0, "delegated": 0}
+_PROFILE: Final = SelectionConfig(profile="sglang")
+
+
+def plugin() -> None:
+    """SGLang's entry point: register the hook (SGLang applies it later)."""
+    from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry, HookType
+
+    _register_sglang_backends()
+    HookRegistry.register(TARGET, _route, HookType.AROUND)
+
+
+def install() -> None:
+    """Route SGLang's selector through attnres now, without SGLang's plugin loader."""
+    with _LOCK:
+        if _INSTALLED:
+            return
+        selector = importlib.import_module(_SELECTOR)
+        original = selector.get_attn_backend
+        _register_sglang_backends()
+
+        def get_attn_backend(*args: Any, **kwargs: Any) -> Any:
+            return _route(original, *args, **kwargs)
+
+        get_attn_backend.__wrapped__ = original  # type: ignore[attr-defined]
+        _rebind(original, get_attn_backend)
+        _INSTALLED.append((selector, original))
+
+
+def installed() -> bool:
+    """Whether SGLang's selector currently routes through attnres."""
+    selector = sys.modules.get(_SELECTOR)
+    return selector is not None and _ours(selector.get_attn_backend) is not None
+
+
+def uninstall() -> None:
+    """Restore SGLang's own selector, however the plugin was put in place."""
+    with _LOCK:
+        selector = sys.modules.get(_SELECTOR)
+        if selector is None:
+            return
+        current = selector.get_attn_backend
+        original = _ours(current)
+        if original is not None:
+            _rebind(current, original)
+        _INSTALLED.clear()
+        try:
+            from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
+        except ImportError:  # pragma: no cover - SGLang was importable a moment ago
+            return
+        hooks = [h for h in HookRegistry._hooks.get(TARGET, []) if h[1] is not _route]
+        if hooks:
+            HookRegistry._hooks[TARGET] = hooks
+        else:
+            HookRegistry._hooks.pop(TARGET, None)
+            HookRegistry._patched.discard(TARGET)
+
+
+def stats() -> dict[str, int]:
+    """``decided``: calls attnres decided; ``delegated``: calls it could not
+    translate (a malformed argument), answered by SGLang's own selector."""
+    return dict(_STATS)
+
+
+def _ours(function: Any) -> Callable[..., Any] | None:
+    """SGLang's original under ``function`` when ``function`` is attnres's wrapper."""
+    if not isinstance(function, types.FunctionType):
+        return None
+    cells = []
+    for cell in function.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    if any(c is _route for c in cells) or (
+        getattr(function, "__name__", "") == "get_attn_backend"
+        and getattr(function, "__module__", "") == __name__
+    ):
+        wrapped = getattr(function, "__wrapped__", None)
+        return wrapped if callable(wrapped) else None
+    return None
+
+
+def _rebind(old: Any, new: Any) -> None:
+    """Replace every module-level binding of ``old`` (``from selector import ...``)."""
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType):
+            continue
+        try:
+            names = [k for k, v in vars(module).items() if v is old]
+        except TypeError:
+            continue
+        for name in names:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(module, name, new)
+
+
+def _register_sglang_backends() -> None:
+    """Register SGLang's backends attnres does not know, with SGLang's own facts.
+
+    Read from SGLang's ``AttentionBackendEnum``: the name and whether it is
+    sparse. Their platform facts are never guessed: the ``sglang`` profile
+    reads what SGLang's platform resolves (``HostResolution``) instead.
+    """
+    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
+
+    for member in AttentionBackendEnum:
+        name = member.name.lower()
+        if lookup_spec(Backend(name)) is not None:
+            continue
+        try:  # an attnres alias (attnres folds SGLang's ``fa2`` into its ``fa``)
+            Backend.parse(name)
+            continue
+        except ValueError:
+            pass
+        register_backend(
+            BackendSpec(
+                name=name,
+                sparse=bool(member.is_sparse),
+                platforms=("cpu", "cuda", "rocm", "mps", "xpu", "npu"),
+                dtypes=("float16", "bfloat16", "float32"),
+                description=f"SGLang multimodal_gen backend {member.name} (sglang plugin)",
+            )
+        )
+
+
+@frozen
+class _Memo:
+    """One decided call: the decision, SGLang's class, and the host answers it
+    consulted (each is asked again on a hit: SGLang's own cache answers)."""
+
+    decision: Decision
+    cls: Any
+    consulted: tuple[tuple[Any, Any], ...]
+
+
+_MEMO: dict[tuple[Any, ...], _Memo] = {}
+_MEMO_MAX: Final = 4096
+
+
+def clear_memo() -> None:
+    """Forget the plugin's decided calls (attnres's registry changes call it too)."""
+    _MEMO.clear()
+
+
+on_registry_change(clear_memo)
+
+
+def _route(
+    original: Callable[..., Any],
+    head_size: Any,
+    dtype: Any,
+    supported_attention_backends: Any = None,
+    selected_attention_backend: Any = None,
+    attention_requirements: Any = None,
+    default_attention_backend: Any = None,
+    is_cross_attention: bool = False,
+) -> Any:
+    """SGLang's ``get_attn_backend``, decided by attnres."""
+    selector = sys.modules[_SELECTOR]
+    context = selector.component_attn_backend_context.get()
+    forced = selector.forced_attn_backend
+    server_args = selector.get_global_server_args()
+    supported = frozenset(supported_attention_backends) if supported_attention_backends else None
+    key: tuple[Any, ...] = (
+        head_size,
+        dtype,
+        supported,
+        selected_attention_backend,
+        attention_requirements,
+        default_attention_backend,
+        is_cross_attention,
+        forced,
+        None
+        if context is None
+        else (
+            context.backend,
+            context.component_name,
+            tuple(context.backend_by_role.items()),
+            context.allow_global_backend_fallback,
+            context.require_backend_selection,
+        ),
+        getattr(server_args, "attention_backend", None),
+        server_args if isinstance(server_args, selector.ServerArgs) else None,
+        selector._cached_get_attn_backend,
+    )
+    try:
+        memo = _MEMO.get(key)
+    except TypeError:  # an unhashable argument: decide without the memo
+        memo, key = None, ()
+    if memo is not None and _still_answers(selector, memo, head_size, dtype, supported):
+        _STATS["decided"] += 1
+        record_decision(memo.decision)
+        return _finish(selector, is_cross_attention, memo.decision, memo.cls)
+    call = {
+        "head_size": head_size,
+        "dtype": dtype,
+        "supported_attention_backends": supported_attention_backends,
+        "selected_attention_backend": selected_attention_backend,
+        "attention_requirements": attention_requirements,
+        "default_attention_backend": default_attention_backend,
+        "is_cross_attention": is_cross_attention,
+    }
+    translated = _translate(selector, call)
+    if translated is None:
+        _STATS["delegated"] += 1
+        return original(
+            head_size,
+            dtype,
+            supported_attention_backends,
+            selected_attention_backend,
+            attention_requirements,
+            default_attention_backend,
+            is_cross_attention,
+        )
+    layer, scope, config, requested = translated
+    be_tuple = _be_tuple(supported)
+    observed: dict[str, HostResolution] = {}
+    classes: dict[str, Any] = {}
+    answers: dict[str, tuple[Any, Any]] = {}
+    kind = _platform_kind()
+    enum_by_name = _enum_by_name(selector.AttentionBackendEnum)
+
+    def observe(name: str) -> None:
+        member = None if name == "" else enum_by_name.get(name)
+        observed[name] = _observe(selector, call, be_tuple, name, member, classes)
+        answers[name] = (member, classes.get(observed[name].served or ""))
+
+    # The machine consults its first candidate always: observe it up front. Any
+    # other candidate a fallback reaches is observed when the pure machine asks
+    # for it; the decision is then made once, traced, cached and audited.
+    first = _first_candidate(inp=TraceInput(layer, config, scope, Platform(kind), requested))
+    observe(first)
+    while True:
+        trial = run_machine(
+            TraceInput(
+                layer, config, scope, Platform(kind, host=tuple(observed.values())), requested
+            )
+        )
+        consulted = _unobserved(trial, observed)
+        if consulted is None:
+            break
+        observe(consulted)
+    platform = Platform(kind, host=tuple(observed.values()))
+    _, decision, _ = lookup(layer, config, scope, platform, requested)
+    _STATS["decided"] += 1
+    record_decision(decision)
+    outcome = decision.outcome
+    cls = None if outcome.backend is None else classes[outcome.backend.name]
+    if key:
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        _MEMO[key] = _Memo(decision, cls, tuple(answers.values()))
+    return _finish(selector, is_cross_attention, decision, cls)
+
+
+@functools.cache
+def _enum_by_name(enum: Any) -> dict[str, Any]:
+    return {m.name.lower(): m for m in enum}
+
+
+def _first_candidate(inp: TraceInput) -> str:
+    """The candidate the ``sglang`` profile evaluates first ("": the platform's pick)."""
+    requested = first_request(inp)
+    return "" if requested is None else requested.name
+
+
+def _be_tuple(supported: frozenset[Any] | None) -> tuple[Any, ...]:
+    # SGLang's own cache key: the supported backends sorted by name
+    return tuple(sorted(supported or (), key=lambda b: str(b.name)))
+
+
+def _still_answers(
+    selector: types.ModuleType,
+    memo: _Memo,
+    head_size: Any,
+    dtype: Any,
+    supported: frozenset[Any] | None,
+) -> bool:
+    """Whether SGLang's platform still gives the answers the memo's decision read."""
+    if not memo.consulted:
+        return True
+    be_tuple = _be_tuple(supported)
+    for member, cls in memo.consulted:
+        try:
+            now = selector._cached_get_attn_backend(head_size, dtype, be_tuple, member)
+        except ValueError:
+            now = None
+        if now is not cls:
+            return False
+    return True
+
+
+def type_of_enum(selector: types.ModuleType) -> Any:
+    return selector.AttentionBackendEnum
+
+
+def _platform_kind() -> str:
+    try:
+        from sglang.multimodal_gen.runtime.platforms import current_platform
+
+        kind = str(getattr(current_platform, "device_type", "cpu") or "cpu")
+    except Exception:  # a platform that cannot say is observed through its answers only
+        kind = "cpu"
+    return {"musa": "cuda"}.get(kind, kind if kind in _KINDS else "cpu")
+
+
+_KINDS: Final = ("cpu", "cuda", "rocm", "mps", "xpu", "npu")
+
+
+def _unobserved(trace: Trace, observed: dict[str, HostResolution]) -> str | None:
+    """The candidate the decision consulted without an observed fact, if any
+    (``""``: the platform's own default)."""
+    for record in trace.records:
+        if isinstance(record, CheckRecord) and any(
+            f.message == UNOBSERVED for f in record.failures
+        ):
+            name = record.candidate.name
+            return name if name not in observed else None
+        if (
+            isinstance(record, TransitionRecord)
+            and record.event is Event.CANDIDATE_FAILED
+            and record.candidate is None
+            and "" not in observed
+        ):
+            return ""
+    return None
+
+
+def _observe(
+    selector: types.ModuleType,
+    call: dict[str, Any],
+    be_tuple: tuple[Any, ...],
+    name: str,
+    member: Any,
+    classes: dict[str, Any],
+) -> HostResolution:
+    sparse = bool(member is not None and member.is_sparse)
+    try:
+        cls = selector._cached_get_attn_backend(call["head_size"], call["dtype"], be_tuple, member)
+    except ValueError as exc:
+        return HostResolution(name, None, str(exc), sparse)
+    served = cls.get_enum()
+    requirements = call["attention_requirements"] or selector.AttentionRequirements()
+    served_name = served.name.lower()
+    classes[served_name] = cls
+    return HostResolution(
+        name,
+        served_name,
+        None,
+        sparse,
+        bool(served.is_sparse),
+        tuple(cls.unsupported_requirements(requirements)),
+    )
+
+
+def _backend(member: Any) -> Backend | None:
+    return None if member is None else Backend(member.name.lower())
+
+
+def _translate(
+    selector: types.ModuleType, call: dict[str, Any]
+) -> tuple[LayerSpec, ScopeState | None, SelectionConfig, Backend | None] | None:
+    role = Role.CROSS if call["is_cross_attention"] else Role.SELF
+    requirements = call["attention_requirements"]
+    try:
+        layer = LayerSpec(
+            head_size=int(call["head_size"]),
+            dtype=str(call["dtype"]).removeprefix("torch."),
+            supported=frozenset(
+                Backend(b.name.lower()) for b in call["supported_attention_backends"] or ()
+            )
+            or None,
+            default=_backend(call["default_attention_backend"]),
+            role=role,
+            requirements=Requirements(
+                packed_varlen=bool(getattr(requirements, "packed_varlen", False))
+            ),
+        )
+    except (TypeError, ValueError, AttributeError):
+        return None
+    context = selector.get_component_attn_backend_context()
+    scope = None
+    role_backend = None
+    if context is not None:
+        role_backends = tuple(
+            (Role(r.value), Backend(b.name.lower())) for r, b in context.backend_by_role.items()
+        )
+        scope = ScopeState(
+            component=context.component_name or "",
+            kind="sglang",
+            loader="sglang component context",
+            backend=_backend(context.backend),
+            role_backends=tuple(sorted(role_backends, key=lambda rb: rb[0].value)),
+            allow_global_fallback=bool(context.allow_global_backend_fallback),
+            require_selection=bool(context.require_backend_selection),
+        )
+        role_backend = scope.role_backend(role)
+    forced = selector.get_global_forced_attn_backend()
+    config = _PROFILE
+    earlier = (
+        call["selected_attention_backend"] is not None
+        or forced is not None
+        or role_backend is not None
+        or (scope is not None and scope.backend is not None)
+    )
+    if forced is not None:
+        config = SelectionConfig(forced_backend=_backend(forced), profile="sglang")
+    elif not earlier:
+        server_args = selector.get_global_server_args()
+        name = server_args.attention_backend
+        if name is not None:
+            enum = selector.AttentionBackendEnum
+            try:
+                member = enum[name.upper()]
+            except KeyError:
+                raise ValueError(
+                    f"Invalid attention backend '{name}' specified via command line. "
+                    f"Available options are: {[e.name.lower() for e in enum]}"
+                ) from None
+            explicit = isinstance(
+                server_args, selector.ServerArgs
+            ) and server_args.is_arg_explicitly_set("attention_backend")
+            config = SelectionConfig(
+                global_backend=_backend(member),
+                global_backend_explicit=bool(explicit),
+                profile="sglang",
+            )
+    return layer, scope, config, _backend(call["selected_attention_backend"])
+
+
+def _finish(
+    selector: types.ModuleType, is_cross_attention: bool, decision: Decision, cls: Any
+) -> Any:
+    """SGLang's answer and side effects for an attnres decision."""
+    outcome = decision.outcome
+    if outcome.backend is None:
+        raise ValueError(outcome.error)
+    role = selector.AttentionRole.CROSS if is_cross_attention else selector.AttentionRole.SELF
+    backend_name = outcome.backend.name
+    reason = None if outcome.reason is None else outcome.reason.value
+    origin = outcome.origin.value
+    fallback_reasons = (
+        "platform default fallback",
+        "global backend fallback",
+        "dense cross-attention fallback",
+    )
+    if origin == "role_override" and reason in fallback_reasons:
+        component = selector.get_component_attn_backend_name() or "component"
+        requested = decision.trace.records[0]
+        assert isinstance(requested, OriginRecord) and requested.backend is not None
+        selector.logger.warning_once(
+            f"Attention backend '{requested.backend.name}' was requested for "
+            f"'{selector.make_component_role_key(component, role)}' but could not be used "
+            f"({reason}); using {backend_name} instead"
+        )
+    if not selector._record_component_attn_backend(backend_name, reason, role):
+        suffix = f" ({reason})" if reason else ""
+        selector.logger.info_once(f"Using {backend_name} attention backend{suffix}")
+    return cls

@@ -1,0 +1,143 @@
+"""Per-step schedules, ``attnres.schedule(module, {first_step: backend})`` (issue 23)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import attnres
+from attnres import Attention, RequestBackendError
+
+CPU = attnres.Platform.simulate("cpu")
+
+
+class Denoiser(nn.Module):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            Attention(4, 16, platform=CPU, name=f"blocks.{i}.attn1", **kwargs)  # type: ignore[arg-type]
+            for i in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, x, x)
+        return x
+
+
+def _backends(model: Denoiser) -> set[str]:
+    return {layer.backend.name for layer in model.blocks}  # type: ignore[union-attr]
+
+
+def test_rule_schedule_switches_per_step_and_restores() -> None:
+    model = Denoiser()
+    attnres.bind(model)
+    x = torch.randn(1, 5, 4, 16)
+    seen = []
+    with attnres.schedule(model, {0: "eager", 2: "torch_sdpa"}) as stepper:
+        for step in range(4):
+            stepper.step(step)
+            seen.append(_backends(model))
+            model(x)
+    assert seen == [{"eager"}, {"eager"}, {"torch_sdpa"}, {"torch_sdpa"}]
+    assert stepper.switches == 2  # step 0 and step 2, not every step
+    assert _backends(model) == {"torch_sdpa"}
+
+
+def test_rule_schedule_is_prepared_in_two_phases_all_or_nothing() -> None:
+    model = Denoiser()
+    model.blocks[1] = Attention(4, 16, platform=CPU, name="pinned", supported={"torch_sdpa"})
+    attnres.bind(model)
+    with (
+        pytest.raises(RequestBackendError, match="no layer was switched"),
+        attnres.schedule(model, {0: "torch_sdpa", 3: "eager"}),
+    ):
+        pytest.fail("the block must not run")
+    assert _backends(model) == {"torch_sdpa"}
+
+
+def test_rule_schedule_keeps_required_backends() -> None:
+    model = Denoiser()
+    model.blocks[0] = Attention(4, 16, platform=CPU, name="pinned", required="torch_sdpa")
+    attnres.bind(model)
+    with attnres.schedule(model, {0: "eager"}) as stepper:
+        stepper.step(0)
+        assert model.blocks[0].backend.name == "torch_sdpa"  # type: ignore[union-attr]
+        assert model.blocks[1].backend.name == "eager"  # type: ignore[union-attr]
+    pinned = [row for row in stepper.record.layers if row[0] == "blocks.0"]
+    assert pinned == [("blocks.0", "eager", "torch_sdpa", pinned[0][3])]
+
+
+def test_rule_schedule_has_one_record_with_every_layer_and_step_backend() -> None:
+    model = Denoiser()
+    attnres.bind(model)
+    with attnres.schedule(model, {10: "torch_sdpa", 0: "eager"}) as stepper:
+        pass
+    record = stepper.record
+    assert [(first, b.name) for first, b in record.steps] == [(0, "eager"), (10, "torch_sdpa")]
+    assert {(row[0], row[1]) for row in record.layers} == {
+        (f"blocks.{i}", b) for i in range(3) for b in ("eager", "torch_sdpa")
+    }
+    assert all(len(row[3]) == 64 for row in record.layers)  # trace digests
+
+
+def test_rule_schedule_emits_an_audit_event_per_switch(caplog: pytest.LogCaptureFixture) -> None:
+    model = Denoiser()
+    attnres.bind(model)
+    with (
+        caplog.at_level(logging.INFO, logger="attnres"),
+        attnres.schedule(model, {0: "eager", 1: "torch_sdpa"}) as stepper,
+    ):
+        for step in range(3):
+            stepper.step(step)
+    switches = [r for r in caplog.records if "switched for step" in r.getMessage()]
+    assert len(switches) == 2
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ({}, "non-empty mapping"),
+        ({1: "eager"}, "what runs from step 0"),
+        ({0: "eagr"}, "eager"),
+        ({-1: "eager"}, "integer >= 0"),
+    ],
+)
+def test_rule_schedule_validates_its_steps(steps: dict[int, str], message: str) -> None:
+    model = Denoiser()
+    with pytest.raises(ValueError, match=message), attnres.schedule(model, steps):
+        pass
+
+
+def test_rule_schedule_cli_flag_shows_each_steps_backend(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from attnres import cli
+
+    args = ["explain", "--head-size", "128", "--dtype", "bf16", "--supported", "fa,torch_sdpa"]
+    args += ["--platform", "cuda:sm90+flash_attn", "--json"]
+    assert cli.main([*args, "--schedule", "0:fa,40:torch_sdpa"]) == 0
+    rows = json.loads(capsys.readouterr().out)["schedule"]
+    assert [(r["from_step"], r["requested"], r["backend"]) for r in rows] == [
+        (0, "fa", "fa"),
+        (40, "torch_sdpa", "torch_sdpa"),
+    ]
+    # a step the layer cannot run: the schedule would refuse to start, so exit 1
+    assert cli.main([*args, "--schedule", "0:fa,40:sage_attn"]) == 1
+    rows = json.loads(capsys.readouterr().out)["schedule"]
+    assert rows[1]["code"] == "not_in_supported_set"
+
+
+def test_rule_schedule_cli_flag_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnres import cli
+
+    base = ["explain", "--head-size", "128", "--dtype", "bf16", "--platform", "cpu"]
+    assert cli.main([*base, "--schedule", "5:eager"]) == 2
+    assert "what runs from step 0" in capsys.readouterr().err
+    assert cli.main([*base, "--schedule", "0:eagr"]) == 2
+    assert "eager" in capsys.readouterr().err
