@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "attnres"
 LAZY: dict[tuple[str, str], str] = {
     ("attnres", "attnres.modules"): "Attention imports torch: loaded on first use",
     ("attnres", "attnres.replayer"): "exported lazily, like the layer",
+    ("attnres", "attnres.parallel"): "SequenceParallel imports torch: loaded on first use",
     ("attnres", "attnres.request"): "request_backend imports torch: loaded on first use",
     ("attnres", "attnres.autotuner"): "measured selection imports torch: loaded on first use",
     ("attnres.cli", "attnres.plan"): "plan is loaded only by the commands that use it",

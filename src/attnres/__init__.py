@@ -16,6 +16,7 @@ from attnres.errors import (
     UnknownBackendError,
 )
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.layout import SequenceLayout
 from attnres.ledger import Decision, clear_decisions, decisions
 from attnres.platform import Platform
 from attnres.runtime import (
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from attnres import distributed, kernels  # noqa: F401 - lazily exported
     from attnres.autotuner import autotune
     from attnres.modules import Attention, KernelNotRegisteredError, bind
+    from attnres.parallel import SequenceParallel, SequenceParallelError
     from attnres.replayer import ReplayResult, replay
     from attnres.request import RequestBackendError, request_backend
 
@@ -52,6 +54,10 @@ def __getattr__(name: str) -> Any:
         from attnres import modules
 
         return getattr(modules, name)
+    if name in ("SequenceParallel", "SequenceParallelError"):  # issue 24: imports torch
+        from attnres import parallel
+
+        return getattr(parallel, name)
     if name in ("request_backend", "RequestBackendError"):
         from attnres import request
 
@@ -87,6 +93,9 @@ __all__ = [
     "ResolutionError",
     "Role",
     "SelectionConfig",
+    "SequenceLayout",
+    "SequenceParallel",
+    "SequenceParallelError",
     "Trace",
     "TraceFormatError",
     "UnknownBackendError",

@@ -80,6 +80,8 @@ class Check(_StrEnum):
     ROLE = "role"
     SUPPORTED = "supported"
     REQUIREMENTS = "requirements"
+    #: issue 24: the layer's sequence-parallel layout (run only when it has one)
+    LAYOUT = "layout"
 
 
 class Reason(_StrEnum):
@@ -108,6 +110,10 @@ class Code(_StrEnum):
     #: the layer will run, and this process has no kernel for the backend
     NO_KERNEL = "no_kernel"
     NO_COMPATIBLE_BACKEND = "no_compatible_backend"
+    #: issue 24: a ring layout needs a kernel that returns the softmax log-sum-exp
+    NO_LSE = "no_lse"
+    #: issue 24: a Ulysses layout needs head counts divisible by its degree
+    HEADS_NOT_DIVISIBLE = "heads_not_divisible"
 
 
 class KernelSource(_StrEnum):

@@ -20,6 +20,7 @@ from attrs import field, frozen
 from attnres._vocab import Requirement, Role, normalize_component, normalize_dtype
 from attnres.backends import Backend
 from attnres.errors import UnknownBackendError
+from attnres.layout import SequenceLayout
 
 __all__ = ["ENV_VAR", "LayerSpec", "Requirements", "Role", "SelectionConfig", "split_component_key"]
 
@@ -193,6 +194,11 @@ def _requirements(value: Any) -> Requirements:
     return Requirements.of(value)
 
 
+def _layout(_: Any, __: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, SequenceLayout):
+        raise ValueError(f"layout: expected an attnres.SequenceLayout or None, got {value!r}")
+
+
 @frozen(cache_hash=True)
 class LayerSpec:
     """One attention call site, as the resolver sees it."""
@@ -204,6 +210,11 @@ class LayerSpec:
     role: Role = field(default=Role.SELF, converter=_role)
     requirements: Requirements = field(factory=Requirements, converter=_requirements)
     name: str | None = field(default=None, converter=_name)
+    # issue 24: the sequence-parallel layout of the call site (attnres.layout);
+    # written to a trace only when set, so every older trace keeps its bytes
+    layout: SequenceLayout | None = field(
+        default=None, validator=_layout, metadata={"omit_default": True}
+    )
 
 
 def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | None]:

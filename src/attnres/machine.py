@@ -74,7 +74,9 @@ from attnres._states import Check, Code, Event, Origin, Reason, State
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
+from attnres.kernels.lse import has_lse_kernel, lse_kernel_names
 from attnres.layer import LayerSpec
+from attnres.layout import SequenceLayout
 from attnres.platform import Platform
 from attnres.scope import ScopeState
 from attnres.trace import (
@@ -183,6 +185,8 @@ CHECK_ORDER: Final = (
     Check.ROLE,
     Check.SUPPORTED,
     Check.REQUIREMENTS,
+    # issue 24: run only for a layer with a sequence-parallel layout (LayerSpec.layout)
+    Check.LAYOUT,
 )
 
 #: Origins whose failure rejects (SPEC 3.1); ``global_cli`` depends on 3.2.
@@ -275,6 +279,7 @@ _PRIMARY_ORDER: Final = (
     Check.SUPPORTED,
     Check.ROLE,
     Check.REQUIREMENTS,
+    Check.LAYOUT,
     Check.PLATFORM,
     Check.AVAILABLE,
 )
@@ -647,7 +652,7 @@ def check_candidate(
                 (Failure(Code.UNKNOWN_BACKEND, f"backend {backend.name!r} is not registered"),),
             ),
         )
-    return (
+    results = (
         (Check.KNOWN, ()),
         (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel))),
         (Check.PLATFORM, tuple(_check_platform(spec, layer, platform))),
@@ -655,6 +660,51 @@ def check_candidate(
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
         (Check.REQUIREMENTS, tuple(_check_requirements(spec, layer, platform))),
     )
+    if layer.layout is None:  # issue 24: the layout check exists only for a layout
+        return results
+    return (*results, (Check.LAYOUT, tuple(_check_layout(spec, layer.layout, needs_kernel))))
+
+
+def _check_layout(spec: BackendSpec, layout: SequenceLayout, needs_kernel: bool) -> list[Failure]:
+    """Issue 24: what a sequence-parallel layout needs from the per-rank kernel.
+
+    A ring merges the partial results of its key/value blocks by their softmax
+    log-sum-exp, so the kernel must return it (``BackendSpec.lse``; a layer that
+    will run also needs attnres's adapter for that entry point in this process).
+    Ulysses gives each rank ``1/ulysses`` of the query and key/value heads, so
+    both counts must divide (a fact of the layer, recorded for every candidate).
+    """
+    out: list[Failure] = []
+    if layout.needs_lse:
+        if spec.lse is None:
+            out.append(
+                Failure(
+                    Code.NO_LSE,
+                    f"cannot return the softmax log-sum-exp, which ring={layout.ring} needs "
+                    f"to merge the partial results of its key/value blocks",
+                )
+            )
+        elif needs_kernel and not has_lse_kernel(spec.name):
+            out.append(
+                Failure(
+                    Code.NO_LSE,
+                    f"returns the log-sum-exp ({spec.lse}), but attnres has no adapter for "
+                    f"that entry point in this process (ring={layout.ring}; adapters: "
+                    f"{', '.join(lse_kernel_names())})",
+                )
+            )
+    if layout.ulysses > 1:
+        heads, kv = layout.num_heads, layout.num_kv_heads
+        if heads is not None and (heads % layout.ulysses or (kv or heads) % layout.ulysses):
+            out.append(
+                Failure(
+                    Code.HEADS_NOT_DIVISIBLE,
+                    f"ulysses={layout.ulysses} gives each rank a share of the heads, but "
+                    f"{heads} heads and {kv or heads} kv heads do not both divide by "
+                    f"{layout.ulysses}",
+                )
+            )
+    return out
 
 
 def _unusable_here(
@@ -710,6 +760,10 @@ def _primary_message(
     elif primary is Check.REQUIREMENTS:
         phrases = [f.message.removeprefix("does not implement ") for f in first]
         text = f"Attention backend {name!r} does not implement {', '.join(phrases)}"
+    elif primary is Check.LAYOUT:
+        text = f"Attention backend {name!r} cannot serve this layer's sequence-parallel layout: " + (
+            "; ".join(f.message for f in first)
+        )
     elif primary is Check.PLATFORM:
         text = (
             f"Attention backend {name!r} cannot run this layer on {platform.describe()}: "

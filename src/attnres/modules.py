@@ -47,6 +47,7 @@ from attnres.errors import BackendNotAppliedError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
+from attnres.parallel import SequenceParallel
 from attnres.machine import check_candidate
 from attnres.platform import Platform
 from attnres.runtime import Resolution, bind_pending, capture_config, lookup, rejection
@@ -313,6 +314,7 @@ class Attention(FastCallModule):
         platform: Platform | None = None,
         softcap: float | None = None,
         window: tuple[int | None, int | None] | None = None,
+        parallel: SequenceParallel | None = None,
     ) -> None:
         super().__init__()
         num_heads = _positive_int("num_heads", num_heads)
@@ -365,6 +367,15 @@ class Attention(FastCallModule):
             name,
             (custom_scale, cap > 0, band is not None),
         )
+        # issue 24: a sequence-parallel layout is part of what the layer resolves for
+        # (LayerSpec.layout: the machine's layout check); forward runs it (attnres.parallel)
+        if parallel is not None:
+            if not isinstance(parallel, SequenceParallel):
+                raise TypeError(
+                    f"parallel: expected an attnres.SequenceParallel or None, got "
+                    f"{type(parallel).__name__}"
+                )
+            spec = attrs.evolve(spec, layout=parallel.layout(num_heads, kv_heads))
         if platform is not None and not isinstance(platform, Platform):
             raise TypeError(
                 f"platform: expected an attnres.Platform (Platform.detect() or "
@@ -381,7 +392,7 @@ class Attention(FastCallModule):
             None if backend is None else optional_backend("backend")(backend),
         )
         shape = _LayerShape(
-            num_heads, kv_heads, head_size, causal, scale, "", spec.dtype, cap, band
+            num_heads, kv_heads, head_size, causal, scale, "", spec.dtype, cap, band, parallel
         )
         # Plain attributes, set without nn.Module.__setattr__'s parameter/module
         # bookkeeping (none of them is a tensor or a module).
@@ -834,6 +845,7 @@ class _LayerShape(NamedTuple):
     dtype: str  # the dtype the layer was resolved for
     softcap: float = 0.0  # 0: none
     window: tuple[int, int] | None = None  # (left, right), -1 unbounded
+    parallel: SequenceParallel | None = None  # issue 24: the sequence-parallel layout
 
 
 def _make_run(
@@ -860,6 +872,8 @@ def _make_run(
 def _new_run(
     shape: _LayerShape, kernel: KernelFn, dtypes: frozenset[torch.dtype]
 ) -> Callable[..., Tensor]:
+    if shape.parallel is not None:  # issue 24: collectives around a per-rank local run
+        return shape.parallel.make_run(shape, kernel, dtypes, _new_run)
     heads_q, heads_kv, head_size, causal, scale = shape[:5]
     call = specialized(
         kernel, causal, scale, heads_q != heads_kv, softcap=shape.softcap, window=shape.window

@@ -106,7 +106,8 @@ _LAYER_KINDS: dict[str, str] = {
     **{
         _TOML_NAMES.get(n, n): _TOML_KIND_OF_TYPE[tp]
         for n, tp in field_types(LayerSpec).items()
-        if n != "name"
+        # (issue 24: an omit_default field -- the layout -- is no pipeline-file key)
+        if n != "name" and n in field_names(LayerSpec)
     },
     "backend": "string",
 }

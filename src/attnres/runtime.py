@@ -333,6 +333,7 @@ def _shape_key(
         layer.default,
         layer.role,
         layer.requirements,
+        layer.layout,  # issue 24: the sequence-parallel layout is a machine input
         cfg,
         scope,
         platform,

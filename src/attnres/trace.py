@@ -73,6 +73,7 @@ from attnres.layer import (
     optional_backend,
     split_component_key,
 )
+from attnres.layout import SequenceLayout
 from attnres.platform import PackageFact, Platform
 from attnres.scope import ScopeState
 
@@ -748,7 +749,7 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
 
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
     obj = _object(value, "a layer")
-    _exact_keys(obj, _LAYER_KEYS, "a layer")
+    _exact_keys(obj, _LAYER_KEYS, "a layer", ("layout",))
     return LayerSpec(
         head_size=_field(obj, "head_size", _head_size),
         dtype=_field(obj, "dtype", _dtype),
@@ -757,7 +758,32 @@ def _structure_layer(value: Any, _: Any) -> LayerSpec:
         role=_field(obj, "role", _role),
         requirements=_field(obj, "requirements", _requirements),
         name=_field(obj, "name", _optional(_structure_str)),
+        # issue 24: present only in traces of a sequence-parallel layer
+        layout=_field(obj, "layout", _layout) if "layout" in obj else None,
     )
+
+
+_LAYOUT_KEYS = ("ulysses", "ring", "num_heads", "num_kv_heads")
+
+
+def _layout(value: Any) -> SequenceLayout:
+    """A layer's sequence-parallel layout (issue 24): degrees and head counts."""
+    obj = _object(value, "a layout")
+    _exact_keys(obj, _LAYOUT_KEYS, "a layout")
+    degrees = {key: _field(obj, key, _head_size) for key in ("ulysses", "ring")}
+    heads = {
+        key: _field(obj, key, _optional(_head_size)) for key in ("num_heads", "num_kv_heads")
+    }
+    return SequenceLayout(**degrees, **heads)
+
+
+def _unstructure_layout(layout: SequenceLayout) -> dict[str, Any]:
+    return {
+        "ulysses": layout.ulysses,
+        "ring": layout.ring,
+        "num_heads": layout.num_heads,
+        "num_kv_heads": layout.num_kv_heads,
+    }
 
 
 def _component_name(key: str) -> str | None:
@@ -835,9 +861,8 @@ def _make_converter() -> cattrs.Converter:
     def unstructure_backend_set(value: frozenset[Backend] | None) -> list[str] | None:
         return None if value is None else sorted(b.name for b in value)
 
-    conv.register_unstructure_hook(
-        LayerSpec,
-        lambda s: {
+    def unstructure_layer(s: LayerSpec) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "head_size": s.head_size,
             "dtype": s.dtype,
             "supported": unstructure_backend_set(s.supported),
@@ -845,8 +870,12 @@ def _make_converter() -> cattrs.Converter:
             "role": s.role.value,
             "requirements": conv.unstructure(s.requirements),
             "name": s.name,
-        },
-    )
+        }
+        if s.layout is not None:  # issue 24: absent otherwise, older traces keep their bytes
+            out["layout"] = _unstructure_layout(s.layout)
+        return out
+
+    conv.register_unstructure_hook(LayerSpec, unstructure_layer)
     def unstructure_config(c: SelectionConfig) -> dict[str, Any]:
         out: dict[str, Any] = {
             "global_backend": None if c.global_backend is None else c.global_backend.name,

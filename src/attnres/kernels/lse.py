@@ -1,0 +1,123 @@
+"""Issue 24: kernels that return the softmax log-sum-exp, for ring attention.
+
+A ring layout (:mod:`attnres.parallel`) runs the local kernel once per key/value
+block and merges the partial outputs by their log-sum-exp, so it calls an
+*lse kernel*::
+
+    attention_lse(q, k, v, causal, scale, softcap=0.0) -> (out, lse)
+    # q: (batch, seq_q, heads_q, head_size); k, v: (batch, seq_kv, heads_kv, head_size)
+    # causal: top-left aligned; scale: None = 1/sqrt(head_size)
+    # out: q's shape and dtype; lse: (batch, heads_q, seq_q), float32 (float64 for float64 q)
+
+Which backends *can* return it is a catalogue fact (``BackendSpec.lse``); which
+have an adapter in this process is :func:`has_lse_kernel` (the machine's
+``layout`` check reads both for a layer that will run). Adapters here:
+
+- ``eager``: the reference math (float32 accumulation; float64 stays float64);
+  differentiable in both outputs;
+- ``torch_sdpa``: on CPU, ``aten::_scaled_dot_product_flash_attention_for_cpu``
+  returns ``(output, logsumexp)`` in one fused call (torch 2.13's schema:
+  ``(query, key, value, dropout_p, is_causal, *, attn_mask, scale)``, heads-first
+  layout, equal head counts). Its logsumexp carries no gradient, so a forward
+  that needs gradients (grad mode on and an input that requires grad) takes SDPA
+  for the output and one extra ``q @ k^T`` for a differentiable lse; so does
+  every other device (the fused CUDA entry points are not wired yet).
+
+Nothing is imported at module import: torch is loaded on the first call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["LseKernelFn", "get_lse_kernel", "has_lse_kernel", "lse_kernel_names"]
+
+#: ``attention_lse(q, k, v, causal, scale, softcap=0.0) -> (out, lse)``
+LseKernelFn = Callable[..., "tuple[Tensor, Tensor]"]
+
+
+def _heads_first(t: Tensor, groups: int) -> Tensor:
+    """(b, s, h, d) -> (b, h * groups, s, d): GQA's key/value heads repeated."""
+    out = t.transpose(1, 2)
+    return out.repeat_interleave(groups, dim=1) if groups > 1 else out
+
+
+def _compute_dtype(q: Tensor) -> object:
+    import torch
+
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float | None, softcap: float) -> Tensor:
+    """The scaled (and capped, masked) scores, heads first, in the compute dtype."""
+    import torch
+
+    dtype = _compute_dtype(q)
+    groups = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2).to(dtype)  # type: ignore[arg-type]
+    kh = _heads_first(k, groups).to(dtype)  # type: ignore[arg-type]
+    scores = (qh @ kh.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        sq, skv = q.shape[1], k.shape[1]
+        keep = torch.ones(sq, skv, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def eager_lse(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """The reference math, returning the log-sum-exp too (differentiable)."""
+    import torch
+
+    scores = _scores(q, k, causal, scale, softcap)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    vh = _heads_first(v, q.shape[2] // v.shape[2]).to(probs.dtype)
+    out = (probs @ vh).transpose(1, 2).to(q.dtype)
+    return out, lse
+
+
+def sdpa_lse(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """torch SDPA's output and log-sum-exp (the fused CPU entry point when it can)."""
+    import torch
+
+    if softcap:
+        raise ValueError("torch_sdpa has no softcap argument (attnres refuses softcap for it)")
+    groups = q.shape[2] // k.shape[2]
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    qh, kh, vh = q.transpose(1, 2), _heads_first(k, groups), _heads_first(v, groups)
+    if q.device.type == "cpu" and not needs_grad:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kh, vh, 0.0, causal, scale=scale
+        )
+        return out.transpose(1, 2), lse
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, None, 0.0, causal, scale=scale)
+    lse = torch.logsumexp(_scores(q, k, causal, scale, 0.0), dim=-1)
+    return out.transpose(1, 2), lse
+
+
+_ADAPTERS: dict[str, LseKernelFn] = {"eager": eager_lse, "torch_sdpa": sdpa_lse}
+
+
+def has_lse_kernel(backend_name: str) -> bool:
+    """Whether attnres can run ``backend_name`` returning the log-sum-exp here."""
+    return backend_name in _ADAPTERS
+
+
+def lse_kernel_names() -> tuple[str, ...]:
+    """The backends with a log-sum-exp adapter, sorted."""
+    return tuple(sorted(_ADAPTERS))
+
+
+def get_lse_kernel(backend_name: str) -> LseKernelFn | None:
+    """The log-sum-exp adapter of ``backend_name``, or ``None``."""
+    return _ADAPTERS.get(backend_name)

@@ -1,0 +1,88 @@
+"""A sequence-parallel layout as the resolver sees it (issue 24).
+
+:class:`SequenceLayout` is a fact about one call site, like its head size: how
+its sequence is split across ranks. It rides on the layer's
+:class:`~attnres.LayerSpec` (``layout``, written to a trace only when set), so
+every resolution of the layer -- its first, a cast, a request's, the training
+one -- checks the per-rank kernel against it (``Check.LAYOUT`` in
+:mod:`attnres.machine`):
+
+- ``ring > 1``: partial results are merged with their softmax log-sum-exp, so
+  the kernel must be able to return it (``BackendSpec.lse``);
+- ``ulysses > 1``: each rank runs ``num_heads / ulysses`` query heads and
+  ``num_kv_heads / ulysses`` key/value heads, so both must divide.
+
+The process group and the collectives are :mod:`attnres.parallel`'s; this
+module imports neither torch nor the distributed package, so plans for a
+simulated platform use it freely.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from attrs import field, frozen
+
+__all__ = ["SequenceLayout"]
+
+
+def _degree(value: Any) -> int:
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if number >= 1:
+                return number
+    raise ValueError(f"degree: expected a positive integer, got {value!r}")
+
+
+def _heads(value: Any) -> int | None:
+    return None if value is None else _degree(value)
+
+
+@frozen(cache_hash=True)
+class SequenceLayout:
+    """How one layer's sequence is split: ``ulysses * ring`` ranks.
+
+    ``ulysses``: ranks that exchange heads for sequence with an all-to-all
+    (each then attends over the whole sequence with a share of the heads);
+    ``ring``: ranks that pass key/value blocks around a ring and merge partial
+    results by their log-sum-exp. ``num_heads`` and ``num_kv_heads`` are the
+    layer's head counts when known (a plan from a pipeline file may not know
+    them; the Ulysses divisibility check then says so).
+    """
+
+    ulysses: int = field(default=1, converter=_degree)
+    ring: int = field(default=1, converter=_degree)
+    num_heads: int | None = field(default=None, converter=_heads)
+    num_kv_heads: int | None = field(default=None, converter=_heads)
+
+    @property
+    def degree(self) -> int:
+        """How many ranks the layout spans (``ulysses * ring``)."""
+        return self.ulysses * self.ring
+
+    @property
+    def needs_lse(self) -> bool:
+        """Whether partial results are merged by their log-sum-exp (a ring)."""
+        return self.ring > 1
+
+    def rank_heads(self) -> tuple[int, int] | None:
+        """(query heads, key/value heads) one rank runs; ``None`` when unknown or
+        not divisible by ``ulysses``."""
+        heads = self.num_heads
+        kv = heads if self.num_kv_heads is None else self.num_kv_heads
+        if heads is None or kv is None or heads % self.ulysses or kv % self.ulysses:
+            return None
+        return heads // self.ulysses, kv // self.ulysses
+
+    def describe(self) -> str:
+        """``ulysses=2 x ring=2`` (and the per-rank heads when known)."""
+        text = f"ulysses={self.ulysses} x ring={self.ring}"
+        per_rank = self.rank_heads()
+        if per_rank is not None and self.ulysses > 1:
+            text += f" ({per_rank[0]} heads, {per_rank[1]} kv heads per rank)"
+        return text
