@@ -97,6 +97,7 @@ __all__ = [
     "CANDIDATE_STAGES",
     "CHECK_ORDER",
     "GLOBAL_EXPLICIT_ORIGINS",
+    "LAYOUT_CHECK_ORDER",
     "REQUEST_FAILURE_GUARDS",
     "START_GUARDS",
     "STRICT_ORIGINS",
@@ -185,9 +186,11 @@ CHECK_ORDER: Final = (
     Check.ROLE,
     Check.SUPPORTED,
     Check.REQUIREMENTS,
-    # issue 24: run only for a layer with a sequence-parallel layout (LayerSpec.layout)
-    Check.LAYOUT,
 )
+
+#: Issue 24: the checks a candidate runs when the layer has a sequence-parallel
+#: layout (``LayerSpec.layout``): every check above, then ``layout``.
+LAYOUT_CHECK_ORDER: Final = (*CHECK_ORDER, Check.LAYOUT)
 
 #: Origins whose failure rejects (SPEC 3.1); ``global_cli`` depends on 3.2.
 STRICT_ORIGINS: Final = frozenset(
@@ -639,7 +642,8 @@ def check_candidate(
 ) -> tuple[tuple[Check, tuple[Failure, ...]], ...]:
     """Run every check of SPEC 3.4 on one candidate; every failure is kept.
 
-    Returns ``(check, failures)`` pairs in :data:`CHECK_ORDER`; a check passed
+    Returns ``(check, failures)`` pairs in :data:`CHECK_ORDER` (:data:`LAYOUT_CHECK_ORDER`
+    for a layer with a sequence-parallel layout); a check passed
     when its failures are empty. An unknown backend stops after ``known``.
     ``needs_kernel``: the layer will run, so ``available`` also needs a kernel
     for the backend in this process (code ``no_kernel``).
