@@ -1329,6 +1329,25 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("fa", origin="none"),
     ),
     Scenario(
+        "ulysses-layout-with-attention-mask-rejected",
+        "A masked joint-attention layer (HunyuanVideo's) under ulysses=2: attnres's layouts "
+        "apply no attention mask, so every candidate fails the layout check and nothing can "
+        "serve it (layout_unsupported in every candidate's trace).",
+        attrs.evolve(
+            _layer(name="transformer_blocks.attn", requires=["attn_mask"]),
+            layout=SequenceLayout(2, 1, 24, 24),
+        ),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn+sageattention",
+        "torch_sdpa",
+        expect=rejects(
+            "layout_unsupported",
+            origin="layer",
+            error_contains=("attention masks, which attnres's sequence-parallel layouts",),
+        ),
+    ),
+    Scenario(
         "ulysses-layout-heads-not-divisible-rejected",
         "ulysses=4 on a layer of 6 heads: a rank cannot run a quarter of them, so the "
         "layout check fails for every candidate and the strict request is rejected "

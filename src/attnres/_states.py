@@ -114,6 +114,9 @@ class Code(_StrEnum):
     NO_LSE = "no_lse"
     #: issue 24: a Ulysses layout needs head counts divisible by its degree
     HEADS_NOT_DIVISIBLE = "heads_not_divisible"
+    #: issue 24: the layer needs what attnres's sequence-parallel layouts do not do
+    #: (attention masks; a sliding window across ring blocks)
+    LAYOUT_UNSUPPORTED = "layout_unsupported"
 
 
 class KernelSource(_StrEnum):

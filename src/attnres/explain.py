@@ -115,6 +115,8 @@ def describe_layer(layer: LayerSpec) -> str:
         f"{name}head size {layer.head_size}, {layer.dtype}, {layer.role.value}-attention; "
         f"supported: {supported}; default: {layer.default.name if layer.default else 'none'}; "
         f"requires: {needed}"
+        # issue 24: the sequence-parallel layout, when the layer has one
+        + ("" if layer.layout is None else f"; layout: {layer.layout.describe()}")
     )
 
 

@@ -20,11 +20,18 @@ simulated platform use it freely.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Final
 
 from attrs import field, frozen
 
-__all__ = ["SequenceLayout"]
+__all__ = ["LAYOUT_KINDS", "SequenceLayout"]
+
+#: The component kinds whose layers take a pipeline-wide layout (``attnres plan
+#: --ulysses-degree/--ring-degree``): the denoiser, whose sequence is what outgrows
+#: one device (SGLang's USPAttention, xDiT, diffusers' context parallelism all
+#: shard it). Every other kind runs replicated, without a layout: text and image
+#: encoders, and VAE attention, which opts out (SGLang's ``skip_sequence_parallel``).
+LAYOUT_KINDS: Final = frozenset({"transformer"})
 
 
 def _degree(value: Any) -> int:
@@ -86,3 +93,29 @@ class SequenceLayout:
         if per_rank is not None and self.ulysses > 1:
             text += f" ({per_rank[0]} heads, {per_rank[1]} kv heads per rank)"
         return text
+
+    def per_rank(self, backend: str | None) -> str:
+        """What each rank runs under this layout, in words (plans and explanations)."""
+        what = f"{self.degree} ranks ({self.ulysses_ring()})"
+        if backend is None:
+            return f"{what}: no kernel can serve the layout (see the layout check)"
+        heads = self.rank_heads()
+        if self.ulysses == 1 or self.num_heads is None:
+            share = "every head" if self.ulysses == 1 else f"1/{self.ulysses} of the heads"
+        elif heads is None:
+            share = f"1/{self.ulysses} of the heads (which do not divide)"
+        else:
+            kv = self.num_kv_heads or self.num_heads
+            share = f"{heads[0]} of {self.num_heads} heads ({heads[1]} of {kv} kv heads)"
+        text = f"{what}: each runs {backend} on {share} and 1/{self.degree} of the sequence"
+        if self.ulysses > 1:
+            text += f"; an all-to-all over {self.ulysses} ranks trades sequence for heads"
+        if self.ring > 1:
+            text += (
+                f"; a ring of {self.ring} passes key/value blocks and merges them by their "
+                f"log-sum-exp"
+            )
+        return text
+
+    def ulysses_ring(self) -> str:
+        return f"ulysses={self.ulysses} x ring={self.ring}"

@@ -666,10 +666,12 @@ def check_candidate(
     )
     if layer.layout is None:  # issue 24: the layout check exists only for a layout
         return results
-    return (*results, (Check.LAYOUT, tuple(_check_layout(spec, layer.layout, needs_kernel))))
+    return (*results, (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout, needs_kernel))))
 
 
-def _check_layout(spec: BackendSpec, layout: SequenceLayout, needs_kernel: bool) -> list[Failure]:
+def _check_layout(
+    spec: BackendSpec, layer: LayerSpec, layout: SequenceLayout, needs_kernel: bool
+) -> list[Failure]:
     """Issue 24: what a sequence-parallel layout needs from the per-rank kernel.
 
     A ring merges the partial results of its key/value blocks by their softmax
@@ -677,8 +679,28 @@ def _check_layout(spec: BackendSpec, layout: SequenceLayout, needs_kernel: bool)
     will run also needs attnres's adapter for that entry point in this process).
     Ulysses gives each rank ``1/ulysses`` of the query and key/value heads, so
     both counts must divide (a fact of the layer, recorded for every candidate).
+    attnres's layouts apply no attention mask (each rank holds a shard of the
+    sequence) and no sliding window across ring blocks: a layer that requires
+    one fails for every candidate too.
     """
     out: list[Failure] = []
+    needed = layer.requirements
+    if needed.attn_mask:
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"the layer requires attention masks, which attnres's sequence-parallel "
+                f"layouts do not apply ({layout.ulysses_ring()})",
+            )
+        )
+    if needed.sliding_window and layout.ring > 1:
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"the layer requires a sliding window, which crosses the key/value blocks of "
+                f"ring={layout.ring}",
+            )
+        )
     if layout.needs_lse:
         if spec.lse is None:
             out.append(
