@@ -33,9 +33,7 @@ from typing import Any
 TIMEOUT_S = 8.0
 
 
-def reference(
-    q: Any, k: Any, v: Any, causal: bool, scale: float | None = None
-) -> Any:
+def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None = None) -> Any:
     """Full attention in float64 on one process: (b, s, h, d), top-left causal, GQA."""
     import torch
 
@@ -77,8 +75,14 @@ def _numerics(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
         # eager's own log-sum-exp adapter matters only on a ring; Ulysses runs any kernel
         for backend in ("torch_sdpa", "eager") if r > 1 else ("torch_sdpa",):
             layer = attnres.Attention(
-                heads, d, num_kv_heads=kv_heads, role=role, causal=causal,
-                dtype="float32", parallel=sp, backend=backend,
+                heads,
+                d,
+                num_kv_heads=kv_heads,
+                role=role,
+                causal=causal,
+                dtype="float32",
+                parallel=sp,
+                backend=backend,
                 name=f"numerics.{u}x{r}.{role}.{causal}.{gqa}.{uneven}.{backend}",
             )
             train = backend == "eager" or (uneven and causal) or r == 1
@@ -125,7 +129,9 @@ def _dit(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
             self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
             common = {"dtype": "float32", "parallel": parallel}
             self.attn1 = attnres.Attention(heads, self.d, name="block.attn1", **common)
-            self.attn2 = attnres.Attention(heads, self.d, role="cross", name="block.attn2", **common)
+            self.attn2 = attnres.Attention(
+                heads, self.d, role="cross", name="block.attn2", **common
+            )
 
         def forward(self, x: Any, text: Any) -> Any:
             b, s, _ = x.shape

@@ -30,8 +30,8 @@ from attnres.kernels.lse import eager_lse, has_lse_kernel, sdpa_lse
 from attnres.layer import LayerSpec, Requirements
 from attnres.layout import LAYOUT_KINDS, SequenceLayout
 from attnres.machine import LAYOUT_CHECK_ORDER, check_candidate
-from attnres.platform import Platform
 from attnres.plan import load_pipeline, with_layout
+from attnres.platform import Platform
 from attnres.trace import trace_from_dict, trace_to_dict
 
 HOPPER = Platform.simulate("cuda:sm90+flash_attn+sageattention")
@@ -95,8 +95,12 @@ def test_rule_layout_refuses_masks_and_windows_across_ring_blocks() -> None:
 
 
 def test_a_ring_layout_selection_falls_back_to_a_kernel_with_the_lse() -> None:
-    config = attnres.SelectionConfig(global_backend="dynamic_cudnn_sdpa", global_backend_explicit=False)
-    resolution = attnres.resolve(_spec(SequenceLayout(1, 2, 24, 24)), config=config, platform=HOPPER)
+    config = attnres.SelectionConfig(
+        global_backend="dynamic_cudnn_sdpa", global_backend_explicit=False
+    )
+    resolution = attnres.resolve(
+        _spec(SequenceLayout(1, 2, 24, 24)), config=config, platform=HOPPER
+    )
     assert resolution.backend.name == "fa"
     assert str(resolution.reason) == "platform default fallback"
 
@@ -129,7 +133,7 @@ def test_bad_layouts_are_value_errors() -> None:
     for bad in ({"ulysses": 0}, {"ring": -1}, {"ulysses": True}, {"num_heads": 0}):
         with pytest.raises(ValueError, match="expected a positive integer"):
             SequenceLayout(**bad)
-    with pytest.raises(ValueError, match="layout: expected an attnres.SequenceLayout"):
+    with pytest.raises(ValueError, match=r"layout: expected an attnres\.SequenceLayout"):
         LayerSpec(head_size=64, dtype="float32", layout=(2, 1))  # type: ignore[arg-type]
 
 
@@ -174,7 +178,7 @@ def reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Te
 
 def test_eager_lse_with_softcap() -> None:
     q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 4, 2, 8)
-    out, lse = eager_lse(q, k, k, False, None, 5.0)
+    _, lse = eager_lse(q, k, k, False, None, 5.0)
     scores = 5.0 * torch.tanh(reference_scores(q, k, False) / 5.0)
     assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-5)
 
@@ -190,7 +194,7 @@ def test_sequence_parallel_needs_an_initialised_group() -> None:
 
 
 def test_attention_parallel_must_be_a_sequence_parallel() -> None:
-    with pytest.raises(TypeError, match="parallel: expected an attnres.SequenceParallel"):
+    with pytest.raises(TypeError, match=r"parallel: expected an attnres\.SequenceParallel"):
         attnres.Attention(4, 16, dtype="float32", parallel=(2, 1))  # type: ignore[arg-type]
 
 

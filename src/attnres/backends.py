@@ -28,12 +28,12 @@ from attnres.errors import PluginError, UnknownBackendError
 __all__ = [
     "BUILTIN_SPECS",
     "ENTRY_POINT_GROUP",
+    "LSE_SOURCES",
     "Backend",
     "BackendSpec",
     "CapabilityRule",
     "FrozenMap",
     "HeadSizeRule",
-    "LSE_SOURCES",
     "PluginFailure",
     "RequirementLimit",
     "get_spec",

@@ -787,8 +787,9 @@ def _primary_message(
         phrases = [f.message.removeprefix("does not implement ") for f in first]
         text = f"Attention backend {name!r} does not implement {', '.join(phrases)}"
     elif primary is Check.LAYOUT:
-        text = f"Attention backend {name!r} cannot serve this layer's sequence-parallel layout: " + (
-            "; ".join(f.message for f in first)
+        text = (
+            f"Attention backend {name!r} cannot serve this layer's sequence-parallel layout: "
+            + "; ".join(f.message for f in first)
         )
     elif primary is Check.PLATFORM:
         text = (

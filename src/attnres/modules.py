@@ -47,8 +47,8 @@ from attnres.errors import BackendNotAppliedError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
-from attnres.parallel import SequenceParallel
 from attnres.machine import check_candidate
+from attnres.parallel import SequenceParallel
 from attnres.platform import Platform
 from attnres.runtime import Resolution, bind_pending, capture_config, lookup, rejection
 from attnres.scope import ScopeHandle, ScopeState, current_handle

@@ -136,7 +136,9 @@ class SequenceParallel:
     def ring_rank(self) -> int:
         return self.rank // self.ulysses
 
-    def layout(self, num_heads: int | None = None, num_kv_heads: int | None = None) -> SequenceLayout:
+    def layout(
+        self, num_heads: int | None = None, num_kv_heads: int | None = None
+    ) -> SequenceLayout:
         """The layout as the resolver sees it, for a layer of these head counts."""
         return SequenceLayout(self.ulysses, self.ring, num_heads, num_kv_heads)
 
@@ -158,9 +160,7 @@ class SequenceParallel:
         flat = torch.zeros(most * per, dtype=x.dtype, device=x.device)
         flat[: moved.numel()] = moved.reshape(-1)
         parts = [torch.empty(most * per, dtype=x.dtype, device=x.device) for _ in lengths]
-        self._bounded(
-            "all_gather", dist.all_gather(parts, flat, group=self.group, async_op=True)
-        )
+        self._bounded("all_gather", dist.all_gather(parts, flat, group=self.group, async_op=True))
         full = torch.cat(
             [p[: n * per].reshape(n, *tail) for p, n in zip(parts, lengths, strict=True)]
         )
@@ -240,7 +240,11 @@ class _ParallelRun:
     ) -> None:
         u = sp.ulysses
         self.sp = sp
-        self.heads, self.kv_heads, self.head_size = shape.num_heads, shape.num_kv_heads, shape.head_size
+        self.heads, self.kv_heads, self.head_size = (
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_size,
+        )
         self.causal, self.scale, self.softcap = shape.causal, shape.softmax_scale, shape.softcap
         self.backend = shape.backend
         self.dtypes = dtypes
@@ -296,8 +300,8 @@ class _ParallelRun:
         sp = self.sp
         lengths = self._lengths(q, k)
         if sp.ulysses > 1:
-            q_blk = _ToHeads.apply(q, self, lengths.q)
-            kv_blk = _ToHeads.apply(torch.cat([k, v], dim=-1), self, lengths.kv)
+            q_blk = _apply(_ToHeads, q, self, lengths.q)
+            kv_blk = _apply(_ToHeads, torch.cat([k, v], dim=-1), self, lengths.kv)
         else:
             q_blk, kv_blk = q, torch.cat([k, v], dim=-1)
         if sp.ring > 1:
@@ -307,7 +311,7 @@ class _ParallelRun:
             d = self.head_size
             out_blk = self.local(q_blk, kv_blk[..., :d], kv_blk[..., d:], None)
         if sp.ulysses > 1:
-            return cast(Tensor, _ToSequence.apply(out_blk, self, lengths.q))
+            return _apply(_ToSequence, out_blk, self, lengths.q)
         return out_blk
 
     def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -334,7 +338,9 @@ class _ParallelRun:
             )
 
     def _lengths(self, q: Tensor, k: Tensor) -> _Lengths:
-        mine = torch.tensor([q.shape[0], q.shape[1], k.shape[1]], dtype=torch.int64, device=q.device)
+        mine = torch.tensor(
+            [q.shape[0], q.shape[1], k.shape[1]], dtype=torch.int64, device=q.device
+        )
         rows = self.sp._all_gather_ints(mine).tolist()
         batches = {row[0] for row in rows}
         if len(batches) != 1:
@@ -375,13 +381,13 @@ class _ParallelRun:
             src = (me - step) % ring
             if step + 1 < ring:  # start nothing async: the shift is bounded and blocking
                 numel = b * kv_lens[(src - 1) % ring] * hk2
-                incoming = _Shift.apply(block.reshape(-1), self, nxt, prv, numel)
+                incoming = _apply(_Shift, block.reshape(-1), self, nxt, prv, numel)
             out, lse = self._attend(q, block, q_off, kv_offs[src], out, lse)
             if step and block.requires_grad:
                 # every received block joins the graph, used or skipped (a causal block
                 # in the future): each rank then runs every shift's backward, so the
                 # reverse shifts pair up across ranks instead of leaving a peer waiting
-                out = _Anchor.apply(out, block)
+                out = _apply(_Anchor, out, block)
             if step + 1 < ring:
                 block = incoming.reshape(b, kv_lens[(src - 1) % ring], kv.shape[2], kv.shape[3])
         return out.to(q.dtype)
@@ -419,7 +425,9 @@ class _ParallelRun:
         empty = torch.isneginf(new_lse)
         zero = torch.zeros_like(new_lse)
         w_old = torch.exp(torch.where(empty, zero, old_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
-        w_new = torch.exp(torch.where(empty, zero, part_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
+        w_new = (
+            torch.exp(torch.where(empty, zero, part_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
+        )
         merged = w_old * old + w_new * part.to(out.dtype)
         if row0:
             return torch.cat([out[:, :row0], merged], 1), torch.cat([lse[..., :row0], new_lse], -1)
@@ -427,6 +435,12 @@ class _ParallelRun:
 
 
 # -- collectives as autograd functions --------------------------------------------------
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Tensor:
+    """``fn.apply(*args)``, typed (torch leaves ``Function.apply`` untyped)."""
+    out: Tensor = fn.apply(*args)  # type: ignore[no-untyped-call]
+    return out
 
 
 class _ToHeads(torch.autograd.Function):

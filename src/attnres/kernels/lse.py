@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import Tensor
 
 __all__ = ["LseKernelFn", "get_lse_kernel", "has_lse_kernel", "lse_kernel_names"]
@@ -46,7 +47,7 @@ def _heads_first(t: Tensor, groups: int) -> Tensor:
     return out.repeat_interleave(groups, dim=1) if groups > 1 else out
 
 
-def _compute_dtype(q: Tensor) -> object:
+def _compute_dtype(q: Tensor) -> torch.dtype:
     import torch
 
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -58,9 +59,9 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float | None, softcap: fl
 
     dtype = _compute_dtype(q)
     groups = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2).to(dtype)  # type: ignore[arg-type]
-    kh = _heads_first(k, groups).to(dtype)  # type: ignore[arg-type]
-    scores = (qh @ kh.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    qh = q.transpose(1, 2).to(dtype)
+    kh = _heads_first(k, groups).to(dtype)
+    scores: Tensor = (qh @ kh.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     if causal:
@@ -100,7 +101,9 @@ def sdpa_lse(
             qh, kh, vh, 0.0, causal, scale=scale
         )
         return out.transpose(1, 2), lse
-    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, None, 0.0, causal, scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, None, 0.0, causal, scale=scale
+    )
     lse = torch.logsumexp(_scores(q, k, causal, scale, 0.0), dim=-1)
     return out.transpose(1, 2), lse
 
