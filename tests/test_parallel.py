@@ -12,14 +12,13 @@ these tests but never hang the run.
 from __future__ import annotations
 
 import json
-import multiprocessing
-import time
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 import torch
+from dist_workers import run_processes
 from parallel_workers import TIMEOUT_S, reference, worker
 
 import attnres
@@ -262,23 +261,8 @@ RENDEZVOUS_S = 60.0
 def run_ranks(tmp_path: Path, world: int, scenarios: list[str], work_s: float) -> dict[int, Any]:
     """One worker per rank running ``scenarios`` in order; fails, never hangs, past
     the rendezvous bound plus ``work_s`` (both times a wide margin)."""
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=worker, args=(rank, world, str(tmp_path), scenarios), daemon=True)
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 3 * (RENDEZVOUS_S + work_s)
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not hung, f"ranks {hung} still running"
-    assert [p.exitcode for p in procs] == [0] * world
+    args = [(rank, world, str(tmp_path), scenarios) for rank in range(world)]
+    run_processes(worker, args, 3 * (RENDEZVOUS_S + work_s))
     return {r: json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(world)}
 
 
@@ -328,3 +312,13 @@ def test_four_ranks_ulysses_ring_and_usp_match_one_process(tmp_path: Path) -> No
 def test_sequence_layout_is_exported() -> None:
     assert attnres.SequenceLayout is SequenceLayout
     assert attrs.has(SequenceLayout)
+
+
+def test_a_layout_is_shared_by_copies_and_refuses_pickling() -> None:
+    import copy
+    import pickle
+
+    sp = object.__new__(attnres.SequenceParallel)  # no group needed to test the protocol
+    assert copy.deepcopy(sp) is sp and copy.copy(sp) is sp
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(sp)

@@ -128,6 +128,21 @@ class SequenceParallel:
             f"of {self.size})"
         )
 
+    # A layout holds the caller's process group: a copied model (EMA weights,
+    # ``copy.deepcopy``) shares it; pickling one is an error that says so.
+    def __copy__(self) -> SequenceParallel:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallel:
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "attnres.SequenceParallel holds a torch.distributed process group and cannot be "
+            "pickled; save the model's state_dict and build its layers with a layout again "
+            "in the loading process"
+        )
+
     @property
     def ulysses_rank(self) -> int:
         return self.rank % self.ulysses
