@@ -162,7 +162,8 @@ def test_lse_adapters_match_the_reference(adapter: Any, causal: bool) -> None:
     out, lse = adapter(qg, k, v, causal, None)
     (out.sum() + lse.sum()).backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
-    assert has_lse_kernel("eager") and has_lse_kernel("torch_sdpa") and not has_lse_kernel("fa")
+    assert has_lse_kernel("eager") and has_lse_kernel("torch_sdpa") and has_lse_kernel("fa")
+    assert not has_lse_kernel("sage_attn")
 
 
 def reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -322,3 +323,83 @@ def test_a_layout_is_shared_by_copies_and_refuses_pickling() -> None:
     assert copy.deepcopy(sp) is sp and copy.copy(sp) is sp
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(sp)
+
+
+def test_rule_layout_training_ring_needs_a_differentiable_lse() -> None:
+    training = Requirements(backward=True)
+    (failure,) = _layout_failures("fa", _spec(SequenceLayout(1, 2), requirements=training), HOPPER)
+    assert failure.code is Code.LAYOUT_UNSUPPORTED and "carries no gradient" in failure.message
+    # inference, or Ulysses alone, is fine with fa
+    assert _layout_failures("fa", _spec(SequenceLayout(1, 2)), HOPPER) == ()
+    assert _layout_failures("fa", _spec(SequenceLayout(2, 1), requirements=training), HOPPER) == ()
+    assert (
+        _layout_failures("torch_sdpa", _spec(SequenceLayout(1, 2), requirements=training), HOPPER)
+        == ()
+    )
+
+
+def _fake_flash_attn() -> Any:
+    """flash-attn 2.x's ``flash_attn_func`` as documented: (b, s, h, d), fp16/bf16 only,
+    causal aligned bottom-right, ``return_attn_probs`` -> (out, softmax_lse, S_dmask)
+    with softmax_lse (b, h, s) in float32."""
+    import types
+
+    def flash_attn_func(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+        softmax_scale: float | None = None, causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+        alibi_slopes: Any = None, deterministic: bool = False, return_attn_probs: bool = False,
+    ) -> Any:  # fmt: skip
+        assert q.dtype in (torch.float16, torch.bfloat16), "only fp16 and bf16"
+        scores = reference_scores(q, k, False)
+        if softmax_scale is not None:
+            scores = scores / q.shape[-1] ** -0.5 * softmax_scale
+        if causal:  # bottom-right: query i sees keys j <= i + (seq_k - seq_q)
+            shift = k.shape[1] - q.shape[1]
+            keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(shift)
+            scores = scores.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        vd = v.double().transpose(1, 2).repeat_interleave(q.shape[2] // v.shape[2], 1)
+        out = (torch.softmax(scores, -1) @ vd).transpose(1, 2).to(q.dtype)
+        return (out, lse.float(), None) if return_attn_probs else out
+
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+    return module
+
+
+def test_fa_lse_adapter_through_a_fake_and_the_ring_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fa adapter returns flash-attn's softmax_lse; the ring only ever asks it for
+    causal blocks of equal lengths, where its bottom-right alignment is top-left's."""
+    import sys
+
+    from attnres.kernels.lse import clear_lse_cache, get_lse_kernel
+    from attnres.parallel import _ParallelRun
+
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
+    clear_lse_cache()
+    try:
+        fa_lse = get_lse_kernel("fa")
+        assert fa_lse is not None
+        q, k, v = (torch.randn(1, n, 4, 16).half() for n in (6, 6, 6))
+        out, lse = fa_lse(q, k, v, True, None)
+        assert torch.allclose(out.double(), reference(q, k, v, True), atol=2e-3)
+        assert torch.allclose(lse.double(), torch.logsumexp(reference_scores(q, k, True), -1))
+        # the ring's block arithmetic with this kernel: a query block of 5 rows at
+        # global offset 7 over key blocks at offsets 0 (4 keys) and 4 (9 keys), causal
+        run = object.__new__(_ParallelRun)
+        run.lse, run.scale, run.softcap, run.causal, run.head_size = fa_lse, None, 0.0, True, 16
+        q = torch.randn(1, 5, 4, 16).half()
+        k = torch.randn(1, 13, 4, 16).half()
+        v = torch.randn(1, 13, 4, 16).half()
+        acc = torch.zeros(1, 5, 4, 16, dtype=torch.float32)
+        acc_lse = torch.full((1, 4, 5), float("-inf"))
+        for start, stop in ((0, 4), (4, 13)):
+            kv = torch.cat([k[:, start:stop], v[:, start:stop]], -1)
+            acc, acc_lse = run._attend(q, kv, 7, start, acc, acc_lse)
+        # query rows 7..11 see keys 0..row: the full reference over 13 keys, rows 7..11
+        q_full = torch.cat([torch.zeros(1, 7, 4, 16).half(), q, torch.zeros(1, 1, 4, 16).half()], 1)
+        expected = reference(q_full, k, v, True)[:, 7:12]
+        assert torch.allclose(acc.double(), expected, atol=5e-3)
+    finally:
+        clear_lse_cache()

@@ -74,7 +74,7 @@ from attnres._states import Check, Code, Event, Origin, Reason, State
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
-from attnres.kernels.lse import has_lse_kernel, lse_kernel_names
+from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
 from attnres.layer import LayerSpec
 from attnres.layout import SequenceLayout
 from attnres.platform import Platform
@@ -691,6 +691,17 @@ def _check_layout(
                 Code.LAYOUT_UNSUPPORTED,
                 f"the layer requires attention masks, which attnres's sequence-parallel "
                 f"layouts do not apply ({layout.ulysses_ring()})",
+            )
+        )
+    if needed.backward and layout.needs_lse and spec.lse is not None and not lse_has_gradient(
+        spec.name
+    ):
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"its log-sum-exp carries no gradient here, and a training forward under "
+                f"ring={layout.ring} differentiates through the merge (attnres's adapters with "
+                f"one: {', '.join(n for n in lse_kernel_names() if lse_has_gradient(n))})",
             )
         )
     if needed.sliding_window and layout.ring > 1:

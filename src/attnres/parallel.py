@@ -422,20 +422,35 @@ class _ParallelRun:
             return out, lse
         offset = q0 - k0  # query row r sees local keys c <= r + offset
         if offset < 0:  # rows r < -offset see no key of this block
-            return self._merge(q[:, -offset:], k, v, True, -offset, out, lse)
+            return self._causal(q[:, -offset:], k, v, -offset, out, lse)
         if offset > 0:  # keys < offset are seen by every row; the rest is top-left causal
             out, lse = self._merge(q, k[:, :offset], v[:, :offset], False, 0, out, lse)
-            return self._merge(q, k[:, offset:], v[:, offset:], True, 0, out, lse)
-        return self._merge(q, k, v, True, 0, out, lse)
+            return self._causal(q, k[:, offset:], v[:, offset:], 0, out, lse)
+        return self._causal(q, k, v, 0, out, lse)
+
+    def _causal(
+        self, q: Tensor, k: Tensor, v: Tensor, row0: int, out: Tensor, lse: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Top-left causal attention of ``q`` (rows ``row0:``) over ``k``, asked of the
+        kernel only with equal lengths, where top-left and bottom-right alignment
+        (flash-attn's) agree: keys past the last row are never seen, and rows past
+        the last key see every key."""
+        sq, skv = q.shape[1], k.shape[1]
+        if sq <= skv:
+            return self._merge(q, k[:, :sq], v[:, :sq], True, row0, out, lse)
+        out, lse = self._merge(q[:, :skv], k, v, True, row0, out, lse)
+        # rows skv.. see every key: one full block, merged into rows row0 + skv..
+        return self._merge(q[:, skv:], k, v, False, row0 + skv, out, lse)
 
     def _merge(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, row0: int, out: Tensor, lse: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Merge one partial result into rows ``row0:`` of the accumulators."""
+        """Merge one partial result into rows ``row0 : row0 + len(q)`` of the accumulators."""
         assert self.lse is not None
         part, part_lse = self.lse(q, k, v, causal, self.scale, self.softcap)
         part_lse = part_lse.to(lse.dtype)
-        old, old_lse = out[:, row0:], lse[..., row0:]
+        end = row0 + q.shape[1]
+        old, old_lse = out[:, row0:end], lse[..., row0:end]
         new_lse = torch.logaddexp(old_lse, part_lse)
         empty = torch.isneginf(new_lse)
         zero = torch.zeros_like(new_lse)
@@ -444,9 +459,12 @@ class _ParallelRun:
             torch.exp(torch.where(empty, zero, part_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
         )
         merged = w_old * old + w_new * part.to(out.dtype)
-        if row0:
-            return torch.cat([out[:, :row0], merged], 1), torch.cat([lse[..., :row0], new_lse], -1)
-        return merged, new_lse
+        if row0 == 0 and end == out.shape[1]:
+            return merged, new_lse
+        return (
+            torch.cat([out[:, :row0], merged, out[:, end:]], 1),
+            torch.cat([lse[..., :row0], new_lse, lse[..., end:]], -1),
+        )
 
 
 # -- collectives as autograd functions --------------------------------------------------

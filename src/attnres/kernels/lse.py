@@ -21,7 +21,9 @@ have an adapter in this process is :func:`has_lse_kernel` (the machine's
   layout, equal head counts). Its logsumexp carries no gradient, so a forward
   that needs gradients (grad mode on and an input that requires grad) takes SDPA
   for the output and one extra ``q @ k^T`` for a differentiable lse; so does
-  every other device (the fused CUDA entry points are not wired yet).
+  every other device (the fused CUDA entry points are not wired yet);
+- ``fa``: ``flash_attn_func(..., return_attn_probs=True)`` (:func:`make_fa_lse`);
+  inference only (its backward ignores the lse's gradient).
 
 Nothing is imported at module import: torch is loaded on the first call.
 """
@@ -31,11 +33,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from attnres.kernels._common import import_kernel_package, require_attribute
+from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE
+
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-__all__ = ["LseKernelFn", "get_lse_kernel", "has_lse_kernel", "lse_kernel_names"]
+__all__ = [
+    "LseKernelFn",
+    "clear_lse_cache",
+    "get_lse_kernel",
+    "has_lse_kernel",
+    "lse_has_gradient",
+    "lse_kernel_names",
+]
 
 #: ``attention_lse(q, k, v, causal, scale, softcap=0.0) -> (out, lse)``
 LseKernelFn = Callable[..., "tuple[Tensor, Tensor]"]
@@ -108,19 +120,74 @@ def sdpa_lse(
     return out.transpose(1, 2), lse
 
 
-_ADAPTERS: dict[str, LseKernelFn] = {"eager": eager_lse, "torch_sdpa": sdpa_lse}
+def make_fa_lse() -> LseKernelFn:
+    """flash-attn 2's ``flash_attn_func(..., return_attn_probs=True)``: ``(out,
+    softmax_lse, S_dmask)``, softmax_lse (batch, nheads, seqlen_q) float32
+    (flash_attn/flash_attn_interface.py). Its causal mask is bottom-right aligned
+    when the lengths differ; the ring only asks for causal blocks of equal
+    lengths. Inference only: ``FlashAttnFunc.backward`` takes no gradient for
+    ``softmax_lse`` (the machine keeps a training ring off it).
+    """
+    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    func = require_attribute(
+        module, "flash_attn_func", backend=BACKEND, hint="This is not flash-attn 2.x."
+    )
+
+    def fa_lse(
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
+    ) -> tuple[Tensor, Tensor]:
+        extra = {"softcap": softcap} if softcap else {}
+        out, lse, _ = func(
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True,
+            **extra,
+        )  # fmt: skip
+        return out, lse
+
+    return fa_lse
+
+
+#: backend -> a factory of its log-sum-exp adapter (built on first use)
+_FACTORIES: dict[str, Callable[[], LseKernelFn]] = {
+    "eager": lambda: eager_lse,
+    "torch_sdpa": lambda: sdpa_lse,
+    "fa": make_fa_lse,
+}
+#: the adapters whose log-sum-exp carries a gradient (a ring may train on them)
+_DIFFERENTIABLE: frozenset[str] = frozenset({"eager", "torch_sdpa"})
+_BUILT: dict[str, LseKernelFn] = {}
 
 
 def has_lse_kernel(backend_name: str) -> bool:
-    """Whether attnres can run ``backend_name`` returning the log-sum-exp here."""
-    return backend_name in _ADAPTERS
+    """Whether attnres has a log-sum-exp adapter for ``backend_name`` (whether its
+    package imports is the ``available`` check's business, as for any kernel)."""
+    return backend_name in _FACTORIES
+
+
+def lse_has_gradient(backend_name: str) -> bool:
+    """Whether the adapter's log-sum-exp is differentiable (a ring can train on it)."""
+    return backend_name in _DIFFERENTIABLE
 
 
 def lse_kernel_names() -> tuple[str, ...]:
     """The backends with a log-sum-exp adapter, sorted."""
-    return tuple(sorted(_ADAPTERS))
+    return tuple(sorted(_FACTORIES))
 
 
 def get_lse_kernel(backend_name: str) -> LseKernelFn | None:
-    """The log-sum-exp adapter of ``backend_name``, or ``None``."""
-    return _ADAPTERS.get(backend_name)
+    """The log-sum-exp adapter of ``backend_name`` (built on first use), or ``None``.
+
+    A package that cannot be imported raises
+    :class:`~attnres.kernels.KernelUnavailableError`, as :func:`attnres.kernels.get_kernel`.
+    """
+    built = _BUILT.get(backend_name)
+    if built is None:
+        factory = _FACTORIES.get(backend_name)
+        if factory is None:
+            return None
+        built = _BUILT[backend_name] = factory()
+    return built
+
+
+def clear_lse_cache() -> None:
+    """Forget the built adapters (tests that swap a fake package in and out)."""
+    _BUILT.clear()
