@@ -403,3 +403,23 @@ def test_fa_lse_adapter_through_a_fake_and_the_ring_merge(monkeypatch: pytest.Mo
         assert torch.allclose(acc.double(), expected, atol=5e-3)
     finally:
         clear_lse_cache()
+
+
+def test_diffusers_context_parallel_config_is_read_as_the_layout() -> None:
+    from diffusers import ContextParallelConfig, ParallelConfig
+
+    from attnres.layout import context_parallel_layout
+
+    class Model:
+        _parallel_config = None
+
+    model = Model()
+    assert context_parallel_layout(model, 24) is None
+    model._parallel_config = ParallelConfig(  # type: ignore[assignment]
+        context_parallel_config=ContextParallelConfig(ring_degree=2, ulysses_degree=2)
+    )
+    assert context_parallel_layout(model, 24, 8) == SequenceLayout(2, 2, 24, 8)
+    model._parallel_config = ParallelConfig(  # type: ignore[assignment]
+        context_parallel_config=ContextParallelConfig(ulysses_degree=4, ulysses_anything=True)
+    )
+    assert context_parallel_layout(model, 6, 6) == SequenceLayout(4, 1)  # heads need not divide

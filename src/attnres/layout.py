@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from attrs import field, frozen
 
-__all__ = ["LAYOUT_KINDS", "SequenceLayout"]
+__all__ = ["LAYOUT_KINDS", "SequenceLayout", "context_parallel_layout"]
 
 #: The component kinds whose layers take a pipeline-wide layout (``attnres plan
 #: --ulysses-degree/--ring-degree``): the denoiser, whose sequence is what outgrows
@@ -119,3 +119,30 @@ class SequenceLayout:
 
     def ulysses_ring(self) -> str:
         return f"ulysses={self.ulysses} x ring={self.ring}"
+
+
+def context_parallel_layout(
+    model: Any, num_heads: int | None = None, num_kv_heads: int | None = None
+) -> SequenceLayout | None:
+    """The layout diffusers' context parallelism gives ``model``'s attention, or ``None``.
+
+    Read from what the model carries, not from a list of classes: diffusers'
+    ``ModelMixin.enable_parallelism`` records a ``ParallelConfig`` as
+    ``model._parallel_config`` (and on each attention processor), whose
+    ``context_parallel_config`` has ``ulysses_degree`` and ``ring_degree`` (``None``
+    means 1) -- checked against diffusers 0.42.1, ``models/_modeling_parallel.py``
+    and ``models/modeling_utils.py``. Its ring merges partial results by their
+    log-sum-exp too, so the same layout check applies. With ``ulysses_anything``
+    diffusers handles heads that do not divide, so the head counts are left out.
+    """
+    config = getattr(model, "_parallel_config", None)
+    cp = getattr(config, "context_parallel_config", None)
+    if cp is None:
+        return None
+    ulysses = getattr(cp, "ulysses_degree", None) or 1
+    ring = getattr(cp, "ring_degree", None) or 1
+    if ulysses * ring == 1:
+        return None
+    if getattr(cp, "ulysses_anything", False):
+        num_heads = num_kv_heads = None
+    return SequenceLayout(ulysses, ring, num_heads, num_kv_heads)
