@@ -423,3 +423,11 @@ def test_diffusers_context_parallel_config_is_read_as_the_layout() -> None:
         context_parallel_config=ContextParallelConfig(ulysses_degree=4, ulysses_anything=True)
     )
     assert context_parallel_layout(model, 6, 6) == SequenceLayout(4, 1)  # heads need not divide
+
+
+def test_rule_a_layout_is_never_autotuned() -> None:
+    from attnres.tuning import is_tunable
+
+    plain = attnres.resolve(_spec(None), platform=HOPPER)
+    laid = attnres.resolve(_spec(SequenceLayout(2, 1, 24, 24)), platform=HOPPER)
+    assert is_tunable(plain.trace) and not is_tunable(laid.trace)

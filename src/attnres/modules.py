@@ -475,6 +475,7 @@ class Attention(FastCallModule):
             facts is not None
             and Requirement.BACKWARD in facts.implements
             and not any(Requirement.BACKWARD in limit.requirements for limit in facts.limits)
+            and spec.layout is None  # issue 24: a ring's lse may carry no gradient (layout check)
         ):
             return run  # a backward pass everywhere (torch_sdpa, eager, ...): no check
         platform = resolution.trace.input.platform

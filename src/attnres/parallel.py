@@ -59,7 +59,7 @@ from torch import Tensor
 from attnres._outcome import Outcome
 from attnres.backends import Backend
 from attnres.distributed import DEFAULT_TIMEOUT_S, _timeout_seconds, verify_consensus
-from attnres.kernels.lse import LseKernelFn, get_lse_kernel
+from attnres.kernels.lse import LseKernelFn, get_lse_kernel, lse_has_gradient
 from attnres.layout import SequenceLayout
 from attnres.ledger import Decision
 
@@ -280,6 +280,7 @@ class _ParallelRun:
                 raise ValueError(
                     f"ring={sp.ring}: backend {shape.backend!r} has no log-sum-exp adapter"
                 )
+        self.lse_grad = lse_has_gradient(shape.backend)
         self._verified = False
         self._lock = threading.Lock()
 
@@ -310,6 +311,17 @@ class _ParallelRun:
                 "holds a shard of the sequence); see docs/sequence-parallel.md"
             )
         self._check(q, k, v)
+        if (
+            self.lse is not None
+            and not self.lse_grad
+            and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad)
+        ):  # the layer's training path re-resolves first; this is the last line of defence
+            raise ValueError(
+                f"ring={self.sp.ring} on {self.backend!r} is inference-only: its log-sum-exp "
+                f"carries no gradient; run the forward under torch.no_grad(), or give the "
+                f"layer a backend whose lse does (eager, torch_sdpa)"
+            )
         if not self._verified:
             self._verify()
         sp = self.sp

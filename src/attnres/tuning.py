@@ -99,11 +99,14 @@ def tolerance_for(config: SelectionConfig, dtype: str) -> float:
 
 
 def is_tunable(trace: Trace) -> bool:
-    """Whether autotune may measure this decision: selected, automatic, untuned."""
+    """Whether autotune may measure this decision: selected, automatic, untuned, and
+    not under a sequence-parallel layout (issue 24: each rank would time its own
+    shard and could tune apart from the others)."""
     return (
         trace.outcome.status == "selected"
         and trace.outcome.origin in TUNABLE_ORIGINS
         and not is_tuned(trace)
+        and trace.input.layer.layout is None
     )
 
 
