@@ -431,3 +431,11 @@ def test_rule_a_layout_is_never_autotuned() -> None:
     plain = attnres.resolve(_spec(None), platform=HOPPER)
     laid = attnres.resolve(_spec(SequenceLayout(2, 1, 24, 24)), platform=HOPPER)
     assert is_tunable(plain.trace) and not is_tunable(laid.trace)
+
+
+def test_the_docs_show_the_example_script_as_it_is() -> None:
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "sequence-parallel.md").read_text(encoding="utf-8")
+    marker = "<!-- the file examples/sequence_parallel.py -->\n```py-norun\n"
+    shown = doc[doc.index(marker) + len(marker) :].split("```\n", 1)[0]
+    assert shown == (root / "examples" / "sequence_parallel.py").read_text(encoding="utf-8")

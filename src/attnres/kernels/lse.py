@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from attnres.kernels._common import import_kernel_package, require_attribute
-from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +127,8 @@ def make_fa_lse() -> LseKernelFn:
     lengths. Inference only: ``FlashAttnFunc.backward`` takes no gradient for
     ``softmax_lse`` (the machine keeps a training ring off it).
     """
+    from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE  # only when it is built
+
     module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
     func = require_attribute(
         module, "flash_attn_func", backend=BACKEND, hint="This is not flash-attn 2.x."
