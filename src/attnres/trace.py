@@ -79,6 +79,7 @@ from attnres.scope import ScopeState
 
 __all__ = [
     "BASE_SCHEMA_VERSION",
+    "LAYOUT_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
     "TUNED_SCHEMA_VERSION",
@@ -110,11 +111,15 @@ __all__ = [
 #: removed, renamed or changes meaning (docs/trace-format.md). A trace is
 #: written with the lowest version that can express it: a rule-based resolution
 #: is version 2 (the backward requirement), a tuned one is version 3.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: The version of a trace that holds autotune records (tuning, measurement).
 TUNED_SCHEMA_VERSION = 3
 #: The version of a rule-based trace.
 BASE_SCHEMA_VERSION = 2
+#: Issue 24: the version of a trace whose layer has a sequence-parallel layout
+#: (``input.layer.layout``, the ``layout`` check and its codes). Such a layer is
+#: never autotuned, so no trace needs both.
+LAYOUT_SCHEMA_VERSION = 4
 
 #: The requirement keys of a schema-1 trace (attnres 0.1): later requirements
 #: did not exist, so such a trace reads them as false, and its digest is computed
@@ -303,7 +308,15 @@ class Trace:
     input: TraceInput
     records: tuple[Record, ...]
     outcome: Outcome
-    schema_version: int = BASE_SCHEMA_VERSION
+    #: the lowest version that can express the trace (issue 24: a layout needs 4)
+    schema_version: int = field(
+        default=attrs.Factory(
+            lambda self: (
+                BASE_SCHEMA_VERSION if self.input.layer.layout is None else LAYOUT_SCHEMA_VERSION
+            ),
+            takes_self=True,
+        )
+    )
 
     @functools.cached_property
     def digest(self) -> str:
@@ -1074,6 +1087,12 @@ def _structure_trace(doc: Any) -> Trace:
     if version < TUNED_SCHEMA_VERSION and outcome.reason == Reason.MEASURED_FASTER.value:
         raise _Invalid(
             ".outcome.reason", _needs_tuned_version("the reason 'measured faster'", version)
+        )
+    if version < LAYOUT_SCHEMA_VERSION and inp.layer.layout is not None:
+        raise _Invalid(
+            ".input.layer.layout",
+            f"a sequence-parallel layout belongs to schema version {LAYOUT_SCHEMA_VERSION}, "
+            f"but the file says version {version}",
         )
     trace = Trace(input=inp, records=records, outcome=outcome, schema_version=version)
     digest = doc["digest"]
