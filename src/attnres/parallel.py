@@ -212,12 +212,20 @@ class SequenceParallel:
 
     def _shift(self, x: Tensor, to: int, frm: int, numel: int) -> Tensor:
         """Send ``x`` to group rank ``to`` and receive ``numel`` elements from ``frm``."""
+        out, works = self._start_shift(x, to, frm, numel)
+        self._finish_shift(works)
+        return out
+
+    def _start_shift(self, x: Tensor, to: int, frm: int, numel: int) -> tuple[Tensor, list[Any]]:
+        """Start a shift; :meth:`_finish_shift` waits for it (bounded)."""
         out = torch.empty(numel, dtype=x.dtype, device=x.device)
         ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=to)]
         ops.append(dist.P2POp(dist.irecv, out, group=self.group, group_peer=frm))
-        for work in dist.batch_isend_irecv(ops):
+        return out, list(dist.batch_isend_irecv(ops))
+
+    def _finish_shift(self, works: list[Any]) -> None:
+        for work in works:
             self._bounded("ring shift", work)
-        return out
 
     # -- the layer's forward -------------------------------------------------------
 
@@ -404,12 +412,21 @@ class _ParallelRun:
         nxt = ((me + 1) % ring) * sp.ulysses + sp.ulysses_rank
         prv = ((me - 1) % ring) * sp.ulysses + sp.ulysses_rank
         block = kv
+        # without gradients the next block travels while this one is computed (the
+        # wait stays bounded); with them the shift is an autograd function
+        overlap = not (torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad))
         for step in range(ring):
             src = (me - step) % ring
-            if step + 1 < ring:  # start nothing async: the shift is bounded and blocking
+            works: list[Any] = []
+            if step + 1 < ring:
                 numel = b * kv_lens[(src - 1) % ring] * hk2
-                incoming = _apply(_Shift, block.reshape(-1), self, nxt, prv, numel)
+                flat = block.reshape(-1).contiguous()
+                if overlap:
+                    incoming, works = sp._start_shift(flat, nxt, prv, numel)
+                else:
+                    incoming = _apply(_Shift, flat, self, nxt, prv, numel)
             out, lse = self._attend(q, block, q_off, kv_offs[src], out, lse)
+            sp._finish_shift(works)
             if step and block.requires_grad:
                 # every received block joins the graph, used or skipped (a causal block
                 # in the future): each rank then runs every shift's backward, so the
