@@ -34,6 +34,9 @@ LAZY: dict[tuple[str, str], str] = {
     ("attnres.kernels.lse", "attnres.kernels.fa"): (
         "the resolver imports the lse registry; the fa adapter module loads with its adapter"
     ),
+    ("attnres.kernels.lse", "attnres.kernels.sage_attn"): (
+        "the resolver imports the lse registry; the sage adapter module loads with its adapter"
+    ),
     ("attnres.kernels.torch_cudnn_sdpa", "attnres.kernels.torch_sdpa"): (
         "torch_sdpa imports torch; adapters import their kernel in make_kernel()"
     ),

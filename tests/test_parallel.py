@@ -163,7 +163,7 @@ def test_lse_adapters_match_the_reference(adapter: Any, causal: bool) -> None:
     (out.sum() + lse.sum()).backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
     assert has_lse_kernel("eager") and has_lse_kernel("torch_sdpa") and has_lse_kernel("fa")
-    assert not has_lse_kernel("sage_attn")
+    assert has_lse_kernel("sage_attn") and not has_lse_kernel("fa3")
 
 
 def reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -451,3 +451,39 @@ def test_a_layout_trace_is_schema_version_4_and_older_versions_refuse_one() -> N
     doc["schema_version"] = 3
     with pytest.raises(attnres.TraceFormatError, match="belongs to schema version 4"):
         trace_from_dict(doc)
+
+
+def test_sage_lse_adapter_through_a_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sageattn(..., tensor_layout="NHD", return_lse=True) -> (out, lse (b, h, s));
+    is_causal only with equal lengths (the ring never asks otherwise)."""
+    import sys
+    import types
+
+    from attnres.kernels.lse import clear_lse_cache, get_lse_kernel
+
+    def sageattn(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
+        is_causal: bool = False, sm_scale: float | None = None, return_lse: bool = False,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        assert tensor_layout == "NHD" and q.dtype in (torch.float16, torch.bfloat16)
+        assert not is_causal or q.shape[1] == k.shape[1], "is_causal needs qo_len == kv_len"
+        out = reference(q, k, v, is_causal).to(q.dtype)
+        lse = torch.logsumexp(reference_scores(q, k, is_causal), -1).float()
+        return (out, lse) if return_lse else out
+
+    module = types.ModuleType("sageattention")
+    module.sageattn = sageattn  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sageattention", module)
+    clear_lse_cache()
+    try:
+        sage_lse = get_lse_kernel("sage_attn")
+        assert sage_lse is not None
+        q, k, v = (torch.randn(1, 6, 4, 16).half() for _ in range(3))
+        out, lse = sage_lse(q, k, v, True, None)
+        assert torch.allclose(out.double(), reference(q, k, v, True), atol=2e-3)
+        assert lse.shape == (1, 4, 6)
+        with pytest.raises(ValueError, match="softcap"):
+            sage_lse(q, k, v, False, None, 5.0)
+    finally:
+        clear_lse_cache()

@@ -48,6 +48,7 @@ Verified and bounded (``docs/sequence-parallel.md``):
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -184,8 +185,6 @@ class SequenceParallel:
     # -- bounded collectives -------------------------------------------------------
 
     def _bounded(self, what: str, work: Any) -> None:
-        import time
-
         start = time.perf_counter()
         try:
             work.wait(timeout=self._wait)

@@ -23,7 +23,9 @@ have an adapter in this process is :func:`has_lse_kernel` (the machine's
   for the output and one extra ``q @ k^T`` for a differentiable lse; so does
   every other device (the fused CUDA entry points are not wired yet);
 - ``fa``: ``flash_attn_func(..., return_attn_probs=True)`` (:func:`make_fa_lse`);
-  inference only (its backward ignores the lse's gradient).
+  inference only (its backward ignores the lse's gradient);
+- ``sage_attn``: ``sageattn(..., return_lse=True)`` (:func:`make_sage_lse`);
+  inference only (no backward pass at all).
 
 Nothing is imported at module import: torch is loaded on the first call.
 """
@@ -147,11 +149,39 @@ def make_fa_lse() -> LseKernelFn:
     return fa_lse
 
 
+def make_sage_lse() -> LseKernelFn:
+    """SageAttention 2's ``sageattn(q, k, v, tensor_layout="NHD", is_causal, sm_scale,
+    return_lse=True)``: ``(out, lse)``, lse (batch, heads, seq_q), "used for cases like
+    Ring Attention" (sageattention/core.py). ``is_causal`` is "only applicable when
+    qo_len == kv_len": the ring only asks for causal blocks of equal lengths.
+    Inference only (SageAttention has no backward pass); no softcap argument.
+    """
+    from attnres.kernels.sage_attn import BACKEND, INSTALL, PACKAGE  # only when it is built
+
+    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    sageattn = require_attribute(
+        module, "sageattn", backend=BACKEND, hint="Reinstall it with: " + INSTALL
+    )
+
+    def sage_lse(
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
+    ) -> tuple[Tensor, Tensor]:
+        if softcap:
+            raise ValueError("sage_attn has no softcap argument")
+        out, lse = sageattn(
+            q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale, return_lse=True
+        )
+        return out, lse
+
+    return sage_lse
+
+
 #: backend -> a factory of its log-sum-exp adapter (built on first use)
 _FACTORIES: dict[str, Callable[[], LseKernelFn]] = {
     "eager": lambda: eager_lse,
     "torch_sdpa": lambda: sdpa_lse,
     "fa": make_fa_lse,
+    "sage_attn": make_sage_lse,
 }
 #: the adapters whose log-sum-exp carries a gradient (a ring may train on them)
 _DIFFERENTIABLE: frozenset[str] = frozenset({"eager", "torch_sdpa"})
