@@ -120,7 +120,7 @@ class SequenceParallel:
         self.rank = rank
         self.timeout_s = _timeout_seconds(DEFAULT_TIMEOUT_S if timeout is None else timeout)
         self._wait = timedelta(seconds=self.timeout_s)
-        #: how many collectives this rank ran, and the seconds they took (the bench)
+        #: seconds this rank spent in the layout's collectives, waits included (the bench)
         self.comm_seconds = 0.0
 
     def __repr__(self) -> str:
