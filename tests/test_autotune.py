@@ -252,7 +252,8 @@ def test_rule_autotune_leaves_small_calls_alone_and_stays_armed() -> None:
     assert is_armed(layer)
     assert layer.backend.name == "fake_incumbent"
     assert "fake_fast" not in CALLS
-    assert attnres.decisions()[-1].trace.schema_version == 2  # only the construction
+    construction = attnres.decisions()[-1].trace  # only the construction: no tuning record
+    assert not any(isinstance(r, TuningRecord) for r in construction.records)
     layer(*_qkv((1, 32, HEADS, SIZE)))  # 1024 elements: measured now
     assert not is_armed(layer)
     assert layer.backend.name == "fake_fast"
@@ -499,7 +500,7 @@ def test_a_tuned_trace_round_trips_and_replays_without_a_device(tmp_path: Path) 
     layer = _layer("fake_fast", "fake_wrong", "fake_raising", name="attn")
     layer(*_qkv())
     trace = layer.resolution.trace
-    assert trace.schema_version == 3
+    assert trace.schema_version == 4  # tuned (3), with the kernel facts of a layer (4)
     path = dump_trace(trace, tmp_path / "tuned.json")
     loaded = load_trace(path)
     assert loaded.records == trace.records and loaded.digest == trace.digest
@@ -801,3 +802,50 @@ def test_candidates_run_with_the_layers_softcap_and_window() -> None:
     # every candidate computed the same capped, windowed attention as the incumbent
     assert all(r.deviation is not None and r.deviation < 1e-4 for r in judged.values()), judged
     torch.testing.assert_close(layer(q, k, v), out, rtol=1e-5, atol=1e-5)
+
+
+# -- one ledger entry per layer; loaded results outlive a registry change (issue 21) --
+
+
+def _entries(name: str) -> list[attnres.Decision]:
+    return [d for d in attnres.decisions() if d.layer == name]
+
+
+def test_a_tuned_layer_has_one_ledger_entry_the_tuned_decision() -> None:
+    attnres.clear_decisions()
+    set_selection_config(_config())
+    layer = _layer("fake_fast", "fake_faster", name="one.entry")
+    layer(*_qkv())
+    entries = _entries("one.entry")
+    assert [(d.backend, d.reason) for d in entries] == [("fake_faster", "measured faster")]
+    assert entries[0].trace is layer.resolution.trace
+
+
+def test_a_cast_after_tuning_replaces_the_tuned_entry() -> None:
+    attnres.clear_decisions()
+    set_selection_config(_config())
+    layer = _layer("fake_fast", "fake_faster", name="cast.after.tune")
+    layer(*_qkv())
+    layer.double()
+    entries = _entries("cast.after.tune")
+    assert len(entries) == 1
+    assert entries[0].trace.input.layer.dtype == "float64"
+    assert entries[0].trace is layer.resolution.trace
+
+
+def test_loaded_results_survive_a_registry_change(tmp_path: Path) -> None:
+    set_selection_config(_config())
+    _layer("fake_fast", name="first")(*_qkv())
+    path = save_results(tmp_path / "tune.json")
+    clear_results()
+    load_results(path)
+    register_backend(
+        BackendSpec(name="fake_unrelated", sparse=False, platforms=("cuda",), dtypes=("float16",))
+    )
+    unregister_backend("fake_unrelated")
+    CALLS.clear()
+    layer = _layer("fake_fast", name="second")
+    layer(*_qkv())
+    assert CALLS == {"fake_incumbent": 1}  # the loaded result decided; nothing was timed
+    tuning = next(r for r in layer.resolution.trace.records if isinstance(r, TuningRecord))
+    assert tuning.source == "loaded"

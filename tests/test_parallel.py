@@ -441,15 +441,15 @@ def test_the_docs_show_the_example_script_as_it_is() -> None:
     assert shown == (root / "examples" / "sequence_parallel.py").read_text(encoding="utf-8")
 
 
-def test_a_layout_trace_is_schema_version_4_and_older_versions_refuse_one() -> None:
+def test_a_layout_trace_is_schema_version_5_and_older_versions_refuse_one() -> None:
     from attnres.trace import LAYOUT_SCHEMA_VERSION
 
     laid = attnres.resolve(_spec(SequenceLayout(1, 2, 24, 24)), platform=HOPPER).trace
-    assert laid.schema_version == LAYOUT_SCHEMA_VERSION == 4
+    assert laid.schema_version == LAYOUT_SCHEMA_VERSION == 5
     assert attnres.resolve(_spec(None), platform=HOPPER).trace.schema_version == 2
     doc = json.loads(json.dumps(trace_to_dict(laid)))
-    doc["schema_version"] = 3
-    with pytest.raises(attnres.TraceFormatError, match="belongs to schema version 4"):
+    doc["schema_version"] = 4
+    with pytest.raises(attnres.TraceFormatError, match="belongs to schema version 5"):
         trace_from_dict(doc)
 
 

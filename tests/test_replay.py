@@ -18,7 +18,15 @@ from attnres import TraceFormatError, machine
 from attnres._states import Event, Reason, State
 from attnres.cli import render_replay
 from attnres.replayer import ReplayResult, describe_outcome, diff_traces, replay, replay_paths
-from attnres.trace import Outcome, SelectedRecord, Trace, dump_trace, load_trace, trace_to_dict
+from attnres.trace import (
+    Outcome,
+    SelectedRecord,
+    Trace,
+    dump_trace,
+    load_trace,
+    trace_from_json,
+    trace_to_dict,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = scenario_by_name("audio-vae-global-sage-falls-back-to-default")
@@ -373,3 +381,49 @@ def test_copying_a_golden_file_elsewhere_still_replays(tmp_path: Path) -> None:
     target = tmp_path / "copy.json"
     shutil.copyfile(source, target)
     assert replay(target).ok
+
+
+def test_replay_statuses_are_one_enum() -> None:
+    """Issue 21: a replay entry's status is a ReplayStatus (a str enum, so the JSON
+    and the old string comparisons keep working), not a loose string."""
+    from attnres._states import ReplayStatus
+    from attnres.replayer import ReplayEntry
+
+    entry = ReplayEntry("x.json", "diff")
+    assert entry.status is ReplayStatus.DIFF and entry.status == "diff"
+    with pytest.raises(ValueError):
+        ReplayEntry("x.json", "fine")
+
+
+def test_replay_reads_the_kernel_facts_of_the_trace_not_of_this_process() -> None:
+    """Issue 21: whether a trace replays no longer depends on which kernels the
+    replaying process registered (schema 4 carries them in the input)."""
+    import torch
+
+    from attnres import Attention, BackendSpec, Platform, register_backend, unregister_backend
+    from attnres.kernels import get_kernel, register_kernel, unregister_kernel
+
+    register_backend(
+        BackendSpec(name="rk_fake", sparse=False, platforms=("cpu",), dtypes=("float32",))
+    )
+    try:
+        register_kernel("rk_fake", get_kernel("torch_sdpa"))  # type: ignore[arg-type]
+        cpu = Platform.simulate("cpu")
+        ran = Attention(2, 16, dtype=torch.float32, platform=cpu, backend="rk_fake")
+        unregister_kernel("rk_fake")
+        fell_back = Attention(2, 16, dtype=torch.float32, platform=cpu, default="rk_fake",
+                              supported={"rk_fake", "torch_sdpa"})
+        assert fell_back.backend == "torch_sdpa"
+        register_kernel("rk_fake", get_kernel("torch_sdpa"))  # type: ignore[arg-type]
+        for layer, kernel_now in ((ran, False), (fell_back, True)):
+            trace = layer.resolution.trace  # type: ignore[union-attr]
+            assert trace.schema_version == 4
+            assert ("rk_fake" in (trace.input.no_kernel or ())) is (layer is fell_back)
+            if not kernel_now:
+                unregister_kernel("rk_fake")
+            result = replay(trace_from_json(trace.to_json()))
+            assert result.ok, result
+            register_kernel("rk_fake", get_kernel("torch_sdpa"), replace=True)  # type: ignore[arg-type]
+    finally:
+        unregister_kernel("rk_fake")
+        unregister_backend("rk_fake")

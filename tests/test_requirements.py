@@ -232,8 +232,8 @@ def test_trace_schema_versions_hold_their_own_requirement_keys() -> None:
 def test_golden_corpus_is_written_in_the_current_schema() -> None:
     for path in sorted((ROOT / "traces").glob("*.json")):
         trace = load_trace(path)
-        # issue 24: a layer with a sequence-parallel layout is written as version 4
-        expected = BASE_SCHEMA_VERSION if trace.input.layer.layout is None else 4
+        # issue 24: a layer with a sequence-parallel layout is written as version 5
+        expected = BASE_SCHEMA_VERSION if trace.input.layer.layout is None else 5
         assert trace.schema_version == expected, path.name
 
 

@@ -460,3 +460,22 @@ def test_scope_flags_are_strict(flag: str) -> None:
         component_scope("vae", **{flag: "no"}),
     ):
         pass
+
+
+# -- the scope checks are the machine's, each problem with its code (issue 21) --
+
+
+def test_rule_3_6_each_problem_carries_its_scope_code() -> None:
+    from attnres._states import ScopeCode
+    from attnres.machine import SCOPE_CHECKS
+
+    assert {code for code, _, _ in SCOPE_CHECKS} == set(ScopeCode)
+    with pytest.raises(BackendNotAppliedError) as info, component_scope(
+        "transformer", backend="eager", role_backends={"cross": "eager"}
+    ):
+        pass
+    assert [p.code for p in info.value.problems] == [
+        ScopeCode.NO_LAYER,
+        ScopeCode.ROLE_NO_LAYER,
+    ]
+    assert all(p.message in str(info.value) for p in info.value.problems)

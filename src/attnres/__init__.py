@@ -9,9 +9,14 @@ from typing import TYPE_CHECKING, Any
 from attnres._vocab import Role
 from attnres.backends import Backend, BackendSpec, register_backend, unregister_backend
 from attnres.errors import (
+    AttnresError,
     BackendNotAppliedError,
     ConsensusError,
+    KernelNotRegisteredError,
+    KernelUnavailableError,
+    RequestBackendError,
     ResolutionError,
+    SequenceParallelError,
     TraceFormatError,
     UnknownBackendError,
 )
@@ -39,26 +44,26 @@ __version__ = "0.1.0"
 _logging.getLogger("attnres").addHandler(_logging.NullHandler())
 
 if TYPE_CHECKING:
-    from attnres import distributed, kernels  # noqa: F401 - lazily exported
+    from attnres import distributed, kernels
     from attnres.autotuner import autotune
-    from attnres.modules import Attention, KernelNotRegisteredError, bind
-    from attnres.parallel import SequenceParallel, SequenceParallelError
+    from attnres.modules import Attention, bind
+    from attnres.parallel import SequenceParallel
     from attnres.replayer import ReplayResult, replay
-    from attnres.request import RequestBackendError, request_backend
+    from attnres.request import request_backend
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: the layer and the kernels import torch, the resolver does not, so
     # ``import attnres`` (and the CLI) stays fast until a layer is built.
-    if name in ("Attention", "KernelNotRegisteredError", "bind"):
+    if name in ("Attention", "bind"):
         from attnres import modules
 
         return getattr(modules, name)
-    if name in ("SequenceParallel", "SequenceParallelError"):  # issue 24: imports torch
+    if name == "SequenceParallel":  # issue 24: imports torch.distributed
         from attnres import parallel
 
-        return getattr(parallel, name)
-    if name in ("request_backend", "RequestBackendError"):
+        return parallel.SequenceParallel
+    if name == "request_backend":
         from attnres import request
 
         return getattr(request, name)
@@ -76,14 +81,21 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"attnres.{name}")
     raise AttributeError(f"module 'attnres' has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    # the lazily imported names too (they are in __all__), before first use
+    return sorted(set(globals()) | set(__all__))
+
 __all__ = [
     "Attention",
+    "AttnresError",
     "Backend",
     "BackendNotAppliedError",
     "BackendSpec",
     "ConsensusError",
     "Decision",
     "KernelNotRegisteredError",
+    "KernelUnavailableError",
     "LayerSpec",
     "Platform",
     "ReplayResult",
@@ -109,6 +121,7 @@ __all__ = [
     "distributed",
     "dump_trace",
     "force_backend",
+    "kernels",
     "load_trace",
     "register_backend",
     "register_component_kind",

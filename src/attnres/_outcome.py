@@ -37,9 +37,9 @@ class Outcome:
 class OutcomeView:
     """Read-through attributes for a record that holds an ``outcome``.
 
-    The ledger's ``Decision`` and the plan's ``LayerPlan`` report a backend by
-    name (``None`` when rejected) and the rest as the outcome has it; they
-    inherit these properties instead of writing them twice.
+    The ledger's ``Decision`` and the plan's ``LayerPlan`` report the outcome's
+    fields as it has them (``backend`` a :class:`~attnres.Backend`, ``None`` when
+    rejected); they inherit these properties instead of writing them twice.
     """
 
     __slots__ = ()
@@ -50,10 +50,10 @@ class OutcomeView:
         return self.outcome.status
 
     @property
-    def backend(self) -> str | None:
-        """The chosen backend's name; ``None`` when the resolution was rejected."""
-        backend = self.outcome.backend
-        return None if backend is None else backend.name
+    def backend(self) -> Backend | None:
+        """The chosen backend (equal to its name); ``None`` when the resolution was
+        rejected."""
+        return self.outcome.backend
 
     @property
     def reason(self) -> Reason | None:

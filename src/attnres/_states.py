@@ -119,6 +119,25 @@ class Code(_StrEnum):
     LAYOUT_UNSUPPORTED = "layout_unsupported"
 
 
+class ScopeCode(_StrEnum):
+    """Why a component scope's overrides do not explain its layers (SPEC 3.6;
+    the checks are ``attnres.machine.SCOPE_CHECKS``)."""
+
+    #: a layer runs another backend than the component's, with no recorded reason
+    #: and no role override
+    UNEXPLAINED = "override_unexplained"
+    #: the component backend was requested, and the scope built no attnres layer
+    NO_LAYER = "override_without_layers"
+    #: the component backend was rejected for its layers, and no layer runs it
+    REJECTED = "override_rejected"
+    #: the component backend ran on none of the scope's layers
+    NOT_APPLIED = "override_not_applied"
+    #: a role override's role built no layer that it governed
+    ROLE_NO_LAYER = "role_override_without_layers"
+    #: a role override ran on none of the layers it governed
+    ROLE_NOT_APPLIED = "role_override_not_applied"
+
+
 class KernelSource(_StrEnum):
     """Where the kernel that runs a backend comes from, in this process."""
 
@@ -134,6 +153,21 @@ class Status(_StrEnum):
     """How a resolution ended."""
 
     SELECTED = "selected"
+    REJECTED = "rejected"
+
+
+class ReplayStatus(_StrEnum):
+    """What replaying one trace file found (``attnres replay``)."""
+
+    OK = "ok"
+    DIFF = "diff"
+    INVALID = "invalid"
+
+
+class PlanStatus(_StrEnum):
+    """Whether every layer of a planned pipeline was served."""
+
+    OK = "ok"
     REJECTED = "rejected"
 
 

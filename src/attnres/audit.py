@@ -117,7 +117,7 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
     if outcome.status == "selected":
         log.info(
             "attention backend selected",
-            backend=decision.backend,
+            backend=None if decision.backend is None else decision.backend.name,
             reason=_text(decision.reason),
             origin=_text(decision.origin),
             **common,
@@ -157,7 +157,7 @@ def emit_cache_hit(decision: Decision) -> None:
             return
     log.debug(
         "attention cache hit",
-        backend=decision.backend,
+        backend=None if decision.backend is None else decision.backend.name,
         reason=_text(decision.reason),
         origin=_text(decision.origin),
         component=decision.component,
@@ -187,7 +187,7 @@ def summary_line(component: str, entries: Sequence[tuple[Role, Decision]]) -> st
         return f"Attention backends for {component}: no attention layers"
     counts: Counter[tuple[str, str | None]] = Counter()
     for _, d in entries:
-        counts[(d.backend or "rejected", d.reason)] += 1
+        counts[(d.backend.name if d.backend else "rejected", d.reason)] += 1
     parts = []
     for (backend, reason), n in counts.items():
         text = backend + (f" ({reason})" if reason else "")

@@ -45,7 +45,7 @@ from attnres._fastcall import FastCallModule
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
 from attnres.backends import Backend, on_registry_change, registered_backends
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
-from attnres.ledger import Decision, record_decision
+from attnres.ledger import Decision
 from attnres.platform import Platform
 from attnres.runtime import Resolution
 from attnres.trace import TUNED_SCHEMA_VERSION, Outcome, Record, Trace, TuningRecord
@@ -106,8 +106,17 @@ def clear_results() -> None:
         _LOADED.clear()
 
 
-# a new backend changes every candidate list: measurements start over
-on_registry_change(clear_results)
+def _registry_changed() -> None:
+    """A registry change (a backend or kernel registered, replaced or removed) may
+    change any candidate list and any kernel: what this process derived or measured
+    starts over. Results loaded from a file stay: each entry names its candidates
+    and platform facts, and applies only to a layer whose own match them."""
+    with _LOCK:
+        _SHARED.clear()
+        _MEASURED.clear()
+
+
+on_registry_change(_registry_changed)
 
 
 @contextlib.contextmanager
@@ -140,7 +149,7 @@ class _Settings:
 
 def is_armed(layer: Attention) -> bool:
     """Whether the layer will measure its candidates on a large enough forward."""
-    return getattr(layer.__dict__.get("_run"), "attnres_incumbent", None) is not None
+    return layer.__dict__.get("_tuner") is not None
 
 
 def _bound(layer: Attention) -> Resolution:
@@ -179,16 +188,14 @@ def arm(layer: Attention, *, min_elements: int | None = None) -> bool:
         config.autotune_warmup,
         config.autotune_repeats,
     )
-    run: Run = layer.__dict__["_run"]
-    layer.__dict__["_run"] = _armed(weakref.ref(layer), run, settings)
+    layer._set_tuner(settings)  # the layer composes its forward (one writer)
     return True
 
 
 def disarm(layer: Attention) -> None:
     """Put the incumbent's forward body back (the layer stays untuned)."""
-    incumbent = getattr(layer.__dict__.get("_run"), "attnres_incumbent", None)
-    if incumbent is not None:
-        layer.__dict__["_run"] = incumbent
+    if is_armed(layer):
+        layer._set_tuner(None)
 
 
 def _capturing() -> bool:
@@ -199,8 +206,12 @@ def _capturing() -> bool:
     return bool(cuda.is_available() and cuda.is_current_stream_capturing())
 
 
-def _armed(ref: weakref.ref[Attention], run: Run, settings: _Settings) -> Run:
-    min_elements = settings.min_elements
+def armed_run(ref: weakref.ref[Attention], run: Run, settings: object) -> Run:
+    """The measuring wrapper around the incumbent ``run`` (the layer composes it
+    into its forward while armed: :meth:`attnres.Attention._compose`)."""
+    assert isinstance(settings, _Settings)
+    tuner: _Settings = settings
+    min_elements = tuner.min_elements
 
     def tuning_run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         if q.numel() < min_elements:
@@ -211,17 +222,16 @@ def _armed(ref: weakref.ref[Attention], run: Run, settings: _Settings) -> Run:
             return run(q, k, v, attn_mask)
         out = run(q, k, v, attn_mask)  # validates the inputs; an error leaves the tuner armed
         layer = ref()
-        if layer is not None and layer.__dict__.get("_run") is tuning_run:
+        if layer is not None and layer.__dict__.get("_tuner") is settings:
             try:
                 with torch.no_grad():
-                    _tune(layer, run, (q, k, v, attn_mask), out.detach(), settings)
+                    _tune(layer, run, (q, k, v, attn_mask), out.detach(), tuner)
             except Exception as exc:  # measuring must never break a forward
-                layer.__dict__["_run"] = run
+                layer._set_tuner(None)
                 res = _bound(layer)
                 emit_autotune_failed(res.component, res.layer, res.backend.name, _one_line(exc))
         return out
 
-    tuning_run.attnres_incumbent = run  # type: ignore[attr-defined]
     return tuning_run
 
 
@@ -365,7 +375,7 @@ def _tune(
         else:
             records, outcome = shared
             event = "reused"
-    trace = Trace(inp, records, outcome, TUNED_SCHEMA_VERSION)
+    trace = Trace(inp, records, outcome, max(TUNED_SCHEMA_VERSION, inp.schema_version()))
     _adopt(layer, trace, fresh=event != "reused")
     _note(weakref.ref(layer), event, call)
 
@@ -416,9 +426,7 @@ def _measure_all(
         # the layer's input checks (its output on the real call is the reference)
         bare = _bare(_bound_kernel(layer), layer)
         measured = [_measure(incumbent, bare, args, reference, settings, sync)]
-        measured += [
-            _measure(b, fn, args, reference, settings, sync) for b, fn in kernels
-        ]
+        measured += [_measure(b, fn, args, reference, settings, sync) for b, fn in kernels]
         entry = ResultEntry(
             platform=here,
             call=call,
@@ -452,9 +460,7 @@ def _adopt(layer: Attention, trace: Trace, *, fresh: bool) -> None:
     outcome = trace.outcome
     assert outcome.backend is not None
     resolution = Resolution(outcome, trace, previous.component, previous.layer)
-    layer._adopt(resolution)
-    decision = Decision(previous.component, previous.layer, outcome, trace)
-    record_decision(decision)
+    decision = layer._adopt(resolution)  # replaces the layer's one ledger entry
     if fresh:
         emit_resolution(trace, decision)
     else:
@@ -550,9 +556,7 @@ def autotune(
         label = layer.layer_spec.name or name
         if layer.resolution is not before[id(layer)]:
             res = _bound(layer)
-            decisions.append(
-                Decision(res.component, res.layer, res.outcome, res.trace)
-            )
+            decisions.append(Decision(res.component, res.layer, res.outcome, res.trace))
         elif id(layer) not in untuned:
             untuned[id(layer)] = (label, small.get(id(layer), "not called by the example inputs"))
     counts = {"measured": 0, "loaded": 0, "reused": 0}
@@ -594,9 +598,7 @@ def save_results(path: str | os.PathLike[str]) -> Path:
     return write_results(path, entries)
 
 
-def load_results(
-    path: str | os.PathLike[str], *, platform: Platform | None = None
-) -> LoadReport:
+def load_results(path: str | os.PathLike[str], *, platform: Platform | None = None) -> LoadReport:
     """Load measurements from ``path`` for layers to use instead of timing.
 
     An entry applies to a layer when its platform facts (device, capability,

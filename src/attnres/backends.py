@@ -46,16 +46,38 @@ __all__ = [
 ENTRY_POINT_GROUP = "attnres.backends"
 
 
-@frozen(cache_hash=True, order=False)
+@frozen(eq=False, order=False)
 class Backend:
     """A registered attention backend, by its canonical lower-case name.
 
     ``Backend.parse("SAGE_ATTN")`` and ``Backend.parse("sdpa")`` accept any case
     and the registered aliases; an unknown name raises
     :class:`~attnres.errors.UnknownBackendError` listing the valid names.
+
+    The one type of a backend on every record (``Resolution``, ``Decision``,
+    ``LayerPlan``, the trace's ``Outcome``). Like a ``StrEnum`` member it equals
+    (and hashes like) its canonical name, so ``decision.backend == "fa"`` reads
+    as it should; documents write the name (a JSON string).
     """
 
     name: str
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Backend):
+            return self.name == other.name
+        if isinstance(other, str):
+            return self.name == other
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.name, spec)
 
     @classmethod
     def parse(cls, value: Backend | str) -> Backend:

@@ -54,7 +54,7 @@ from attnres.backends import (
     registered_backends,
 )
 from attnres.documents import environment_document, platform_document, spec_document
-from attnres.errors import TraceWriteError
+from attnres.errors import TraceWriteError, UsageError
 from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
 from attnres.layer import (
     DEST_AUTOTUNE,
@@ -118,10 +118,6 @@ _LOG_LEVELS = {
     "error": logging.ERROR,
     "critical": logging.CRITICAL,
 }
-
-
-class UsageError(ValueError):
-    """A command-line mistake the parser cannot see (exit 2)."""
 
 
 class _Terminated(BaseException):

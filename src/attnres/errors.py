@@ -1,31 +1,53 @@
-"""Every exception attnres raises on purpose.
+"""Every exception attnres raises on purpose, under one base: :class:`AttnresError`.
 
-Every error about an input (a backend name, a layer, a trace file, a scope) is
-a ``ValueError`` subclass; :class:`ConsensusError` is a ``RuntimeError``, since
-it reports a disagreement between processes at run time, not a bad argument.
-Each message says what was asked, what failed and what to do.
+``except attnres.AttnresError`` catches each of them. Each also keeps the
+built-in base its kind of failure has: every error about an input (a backend
+name, a layer, a trace file, a scope, a pipeline file, a request) is a
+``ValueError``; :class:`ConsensusError` and :class:`KernelNotRegisteredError`
+are ``RuntimeError``s (the arguments are fine, the process or the job is not);
+:class:`KernelUnavailableError` is an ``ImportError``; :class:`TraceWriteError`
+an ``OSError``. The modules that raise them re-export them under their old
+homes. Each message says what was asked, what failed and what to do.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from attnres._states import Code
+
 if TYPE_CHECKING:
+    from attnres.backends import Backend
+    from attnres.integrations._plan import IntegrationPlan
+    from attnres.machine import ScopeProblem
+    from attnres.runtime import Resolution
     from attnres.trace import Trace
 
 __all__ = [
+    "AttnresError",
     "BackendNotAppliedError",
     "ConsensusError",
+    "IntegrationError",
+    "KernelNotRegisteredError",
+    "KernelUnavailableError",
+    "PipelineError",
     "PluginError",
+    "RequestBackendError",
     "ResolutionError",
     "ResultsFileError",
+    "SequenceParallelError",
     "TraceFormatError",
     "TraceWriteError",
     "UnknownBackendError",
+    "UsageError",
 ]
 
 
-class UnknownBackendError(ValueError):
+class AttnresError(Exception):
+    """The base of every exception attnres raises on purpose."""
+
+
+class UnknownBackendError(AttnresError, ValueError):
     """A backend name that is not registered (the message lists the valid ones)."""
 
     def __init__(self, message: str, name: str, suggestion: str | None) -> None:
@@ -34,24 +56,33 @@ class UnknownBackendError(ValueError):
         self.suggestion = suggestion
 
 
-class PluginError(ValueError):
+class PluginError(AttnresError, ValueError):
     """A backend registration that conflicts with another one."""
 
 
-class ResolutionError(ValueError):
+class ResolutionError(AttnresError, ValueError):
     """No backend could serve a layer; ``.trace`` holds every step that led here."""
 
-    def __init__(self, message: str, trace: Trace, code: str) -> None:
+    def __init__(self, message: str, trace: Trace, code: Code | str) -> None:
         super().__init__(message)
         self.trace = trace
-        self.code = code
+        #: why (a :class:`~attnres.Code`, like the trace outcome's ``code``)
+        self.code = Code(code)
 
 
-class BackendNotAppliedError(ValueError):
-    """An explicit component (or role) backend controlled none of its scope's layers."""
+class BackendNotAppliedError(AttnresError, ValueError):
+    """A component scope's overrides do not explain its layers (SPEC 3.6).
+
+    ``.problems`` holds one :class:`attnres.machine.ScopeProblem` (a
+    :class:`~attnres._states.ScopeCode` and its message) per failed check.
+    """
+
+    def __init__(self, message: str, problems: tuple[ScopeProblem, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(AttnresError, ValueError):
     """A trace file that is malformed or of an unsupported schema version."""
 
     def __init__(self, message: str, path: str | None = None, where: str | None = None) -> None:
@@ -60,15 +91,100 @@ class TraceFormatError(ValueError):
         self.where = where
 
 
-class ResultsFileError(ValueError):
+class ResultsFileError(AttnresError, ValueError):
     """An autotune results file that cannot be read, or a target that is not one
     (attnres never overwrites a file it did not write)."""
 
 
-class TraceWriteError(OSError):
+class TraceWriteError(AttnresError, OSError):
     """Trace files that could not be written: the message says which file or
     step (the folder's manifest) failed, and the operating system's reason."""
 
 
-class ConsensusError(RuntimeError):
+class ConsensusError(AttnresError, RuntimeError):
     """Ranks of one job decided differently (or a rank never arrived)."""
+
+
+class SequenceParallelError(AttnresError, RuntimeError):
+    """A sequence-parallel collective failed or timed out (a peer died, hangs, or
+    took another code path; issue 24, :mod:`attnres.parallel`). The group is out
+    of step: restart the job."""
+
+
+class PipelineError(AttnresError, ValueError):
+    """A pipeline file that cannot be read or does not follow the format.
+
+    The message names the file, and where it applies the component, the layer
+    and the line (``path``, ``component``, ``layer`` and ``line`` hold them).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str,
+        component: str | None = None,
+        layer: str | None = None,
+        line: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.component = component
+        self.layer = layer
+        self.line = line
+
+
+class IntegrationError(AttnresError, ValueError):
+    """``apply`` could not install every decision; nothing was changed.
+
+    ``.plan`` is the :class:`~attnres.integrations.IntegrationPlan` that says,
+    site by site, why.
+    """
+
+    def __init__(self, message: str, plan: IntegrationPlan) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+class KernelUnavailableError(AttnresError, ImportError):
+    """The package a kernel adapter needs cannot be imported (or is the wrong one).
+
+    An ``ImportError`` so that ``except ImportError`` keeps working; the message
+    names the backend, the package and how to install it.
+    """
+
+
+class KernelNotRegisteredError(AttnresError, RuntimeError):
+    """The resolver selected a backend for which no kernel is registered.
+
+    Sparse backends (``sliding_tile_attn``, ``video_sparse_attn``, ...) need
+    layout metadata the dense calling convention does not carry, so attnres
+    ships no adapter for them; a third-party backend added with
+    :func:`attnres.register_backend` needs its kernel too. Register one with
+    :func:`attnres.kernels.register_kernel`. ``.backend`` names the backend and
+    ``.resolution`` holds the decision (already in :func:`attnres.decisions`).
+    """
+
+    def __init__(self, message: str, backend: Backend, resolution: Resolution) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.resolution = resolution
+
+
+class RequestBackendError(AttnresError, ValueError):
+    """A request asked for a backend that some layer cannot run (nothing was switched).
+
+    ``.backend`` is the requested backend; ``.failures`` holds ``(layer, why)``
+    pairs, one per layer that cannot run it.
+    """
+
+    def __init__(
+        self, message: str, backend: Backend | None, failures: tuple[tuple[str, str], ...]
+    ) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.failures = failures
+
+
+class UsageError(AttnresError, ValueError):
+    """A command-line mistake the parser cannot see (the CLI exits 2)."""

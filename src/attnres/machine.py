@@ -16,6 +16,19 @@ The policy as tables
   rows choosing the event where a state has several ways out;
 - ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
   ``_PRIMARY_ORDER`` (which failure names a strict rejection);
+- ``REQUEST_RULES`` (:func:`request_refusal`): which layers a per-request
+  switch never touches (SPEC 3.8), and ``training_spec`` /
+  ``has_backward_pass``: the training re-resolution (a forward that needs
+  gradients runs a backend with a backward pass, resolved again with the
+  ``backward`` requirement);
+- the measuring stage of autotune (``is_tunable``, ``measuring_checks``,
+  ``verdicts``, ``tuned_trace``, ``replay_tuned``): which decisions are
+  measured, the stage's checks, the verdict rule and the tuned trace; the
+  timing itself is :mod:`attnres.autotuner`'s;
+- ``SCOPE_CHECKS``: the checks a component scope's overrides pass (SPEC 3.6),
+  each with its :class:`~attnres._states.ScopeCode` (``scope_unexplained``,
+  ``scope_not_applied``: the runtime raises their problems as
+  :class:`~attnres.errors.BackendNotAppliedError` with ``.problems``);
 - beside the core, read by it: the platform chains
   (:data:`attnres.platform.DEFAULT_CHAINS`), the component kinds and their
   global-fallback policy (:data:`attnres.scope.BUILTIN_KINDS`, extended by
@@ -56,8 +69,9 @@ Reasons come from the table too: the first transition that carries a reason
 fixes the outcome's reason (``None`` when the first candidate was accepted).
 
 The machine itself (:func:`run_machine`) is a pure function of its input
-(:class:`~attnres.trace.TraceInput`) and of the registries it reads (backend
-specs, kernels), whose changes clear the runtime's cache;
+(:class:`~attnres.trace.TraceInput`, which carries the platform's package facts
+and -- for a layer that will run -- the process's kernel facts, ``no_kernel``)
+and of the backend specs it reads, whose changes clear the runtime's cache;
 :func:`attnres.runtime.resolve` gathers the input from the caller's context
 (scope, config, platform), caches the outcome, records the decision and emits
 the audit events.
@@ -65,12 +79,13 @@ the audit events.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Final
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Final
 
+import attrs
 from attrs import frozen
 
-from attnres._states import Check, Code, Event, Origin, Reason, State
+from attnres._states import Check, Code, Event, Origin, Reason, ScopeCode, State, Verdict
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
@@ -80,8 +95,10 @@ from attnres.layout import SequenceLayout
 from attnres.platform import Platform
 from attnres.scope import ScopeState
 from attnres.trace import (
+    TUNED_SCHEMA_VERSION,
     CheckRecord,
     Failure,
+    MeasurementRecord,
     OriginRecord,
     Outcome,
     Record,
@@ -91,27 +108,49 @@ from attnres.trace import (
     Trace,
     TraceInput,
     TransitionRecord,
+    TuningRecord,
 )
+
+if TYPE_CHECKING:
+    from attnres.ledger import Decision
 
 __all__ = [
     "CANDIDATE_STAGES",
     "CHECK_ORDER",
     "GLOBAL_EXPLICIT_ORIGINS",
     "LAYOUT_CHECK_ORDER",
+    "NO_KERNEL",
     "REQUEST_FAILURE_GUARDS",
+    "REQUEST_RULES",
+    "SCOPE_CHECKS",
     "START_GUARDS",
     "STRICT_ORIGINS",
     "TRANSITIONS",
     "TUNABLE_ORIGINS",
     "Guard",
     "GuardFacts",
+    "Measured",
     "Relaxation",
+    "RequestRefusal",
+    "ScopeProblem",
+    "backward_everywhere",
     "check_candidate",
     "detect_origin",
     "first_event",
     "global_flag_relaxation",
+    "has_backward_pass",
+    "is_tunable",
+    "is_tuned",
+    "measuring_checks",
+    "replay_tuned",
+    "request_refusal",
     "run_machine",
+    "scope_not_applied",
+    "scope_unexplained",
     "stage_candidates",
+    "training_spec",
+    "tuned_trace",
+    "verdicts",
 ]
 
 # =============================================================================
@@ -442,9 +481,18 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
 # =============================================================================
 
 
-def _check_kernel(spec: BackendSpec, needs_kernel: bool) -> list[Failure]:
-    """A layer that will run needs a kernel for the backend in this process."""
-    if not needs_kernel or kernel_source(spec.name) is not KernelSource.NONE:
+def _check_kernel(
+    spec: BackendSpec, needs_kernel: bool, no_kernel: Collection[str] | None = None
+) -> list[Failure]:
+    """A layer that will run needs a kernel for the backend in the process that
+    resolved: the input's kernel facts (``no_kernel``) when it carries them, else
+    this process's kernel registry (a trace older than schema 4)."""
+    if not needs_kernel:
+        return []
+    if no_kernel is not None:
+        if spec.name not in no_kernel:
+            return []
+    elif kernel_source(spec.name) is not KernelSource.NONE:
         return []
     why = (
         "a sparse backend: attnres ships no adapter, its kernels need model-specific "
@@ -463,9 +511,12 @@ def _check_kernel(spec: BackendSpec, needs_kernel: bool) -> list[Failure]:
 
 
 def _check_available(
-    spec: BackendSpec, platform: Platform, needs_kernel: bool = False
+    spec: BackendSpec,
+    platform: Platform,
+    needs_kernel: bool = False,
+    no_kernel: Collection[str] | None = None,
 ) -> list[Failure]:
-    return _check_package(spec, platform) + _check_kernel(spec, needs_kernel)
+    return _check_package(spec, platform) + _check_kernel(spec, needs_kernel, no_kernel)
 
 
 def _package_failure(
@@ -638,7 +689,11 @@ _ALIGNED: Final = ((Requirement.CAUSAL, "causal"), (Requirement.SLIDING_WINDOW, 
 
 
 def check_candidate(
-    backend: Backend, layer: LayerSpec, platform: Platform, needs_kernel: bool = False
+    backend: Backend,
+    layer: LayerSpec,
+    platform: Platform,
+    needs_kernel: bool = False,
+    no_kernel: Collection[str] | None = None,
 ) -> tuple[tuple[Check, tuple[Failure, ...]], ...]:
     """Run every check of SPEC 3.4 on one candidate; every failure is kept.
 
@@ -646,7 +701,8 @@ def check_candidate(
     for a layer with a sequence-parallel layout); a check passed
     when its failures are empty. An unknown backend stops after ``known``.
     ``needs_kernel``: the layer will run, so ``available`` also needs a kernel
-    for the backend in this process (code ``no_kernel``).
+    for the backend (code ``no_kernel``): one not in ``no_kernel`` (the input's
+    kernel facts), or -- without them -- one this process has.
     """
     spec = lookup_spec(backend)
     if spec is None:
@@ -658,7 +714,7 @@ def check_candidate(
         )
     results = (
         (Check.KNOWN, ()),
-        (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel))),
+        (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
         (Check.PLATFORM, tuple(_check_platform(spec, layer, platform))),
         (Check.ROLE, tuple(_check_role(spec, layer))),
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
@@ -745,7 +801,11 @@ def _check_layout(
 
 
 def _unusable_here(
-    backend: Backend, layer: LayerSpec, platform: Platform, needs_kernel: bool = False
+    backend: Backend,
+    layer: LayerSpec,
+    platform: Platform,
+    needs_kernel: bool = False,
+    no_kernel: Collection[str] | None = None,
 ) -> str:
     """Why a conditional platform preference does not apply ('' when it does).
 
@@ -757,7 +817,7 @@ def _unusable_here(
     spec = lookup_spec(backend)
     if spec is None:
         return f"backend {backend.name!r} is not registered"
-    failures = _check_available(spec, platform, needs_kernel) + _check_platform(
+    failures = _check_available(spec, platform, needs_kernel, no_kernel) + _check_platform(
         spec, layer, platform
     )
     return "; ".join(f.message for f in failures)
@@ -883,7 +943,9 @@ def run_machine(inp: TraceInput) -> Trace:
                 )
                 continue
             if stage is State.PLATFORM_DEFAULT and position < len(candidates) - 1:
-                unusable = _unusable_here(candidate, layer, platform, inp.needs_kernel)
+                unusable = _unusable_here(
+                    candidate, layer, platform, inp.needs_kernel, inp.no_kernel
+                )
                 if unusable:
                     records.append(
                         SkipRecord(
@@ -894,7 +956,9 @@ def run_machine(inp: TraceInput) -> Trace:
                     )
                     continue
             seen[candidate] = stage
-            results = check_candidate(candidate, layer, platform, inp.needs_kernel)
+            results = check_candidate(
+                candidate, layer, platform, inp.needs_kernel, inp.no_kernel
+            )
             for check, failures in results:
                 records.append(CheckRecord(stage, candidate, check, not failures, failures))
             all_failures = tuple(f for _, failures in results for f in failures)
@@ -921,7 +985,7 @@ def run_machine(inp: TraceInput) -> Trace:
             reason_text = reason.value if reason is not None else None
             records.append(SelectedRecord(accepted, found.origin, reason_text))
             outcome = Outcome("selected", found.origin, accepted, reason_text)
-            return Trace(inp, tuple(records), outcome)
+            return Trace(inp, tuple(records), outcome, inp.schema_version())
         if state is stage:  # the stage ran out of candidates
             state, reason = _step(stage, Event.EXHAUSTED, records, reason)
     return _finish_rejected(
@@ -936,4 +1000,458 @@ def _finish_rejected(
         message += f" for component {inp.scope.component!r}"
     records.append(RejectedRecord(found.origin, code, message))
     outcome = Outcome("rejected", found.origin, None, None, code, message)
-    return Trace(inp, tuple(records), outcome)
+    return Trace(inp, tuple(records), outcome, inp.schema_version())
+
+
+# =============================================================================
+# SPEC 3.6: a scope's overrides must explain its layers
+# =============================================================================
+
+
+@frozen
+class ScopeProblem:
+    """One failed scope check: its code and what it says."""
+
+    code: ScopeCode
+    message: str
+
+
+#: SPEC 3.6, one row per scope check: (code, when it runs, the rule it enforces).
+#: ``require_selection`` defaults to on when a component or role backend is given.
+SCOPE_CHECKS: Final[tuple[tuple[ScopeCode, str, str], ...]] = (
+    (
+        ScopeCode.UNEXPLAINED,
+        "each layer, with require_selection and a component backend",
+        "a layer that runs another backend than the component's carries a recorded "
+        "reason or is governed by a role override",
+    ),
+    (
+        ScopeCode.NO_LAYER,
+        "scope exit (all layers bound), with require_selection and a component backend",
+        "the scope built at least one attnres layer",
+    ),
+    (
+        ScopeCode.REJECTED,
+        "scope exit, with require_selection and a component backend",
+        "the component backend was not rejected for the layers while no layer runs it",
+    ),
+    (
+        ScopeCode.NOT_APPLIED,
+        "scope exit, with require_selection and a component backend",
+        "the component backend ran on at least one layer, unless every selected layer "
+        "went to a role override",
+    ),
+    (
+        ScopeCode.ROLE_NO_LAYER,
+        "scope exit, always",
+        "each role override governed at least one layer of its role",
+    ),
+    (
+        ScopeCode.ROLE_NOT_APPLIED,
+        "scope exit, always",
+        "each role override ran on at least one layer it governed",
+    ),
+)
+
+
+def _selected(entries: Iterable[tuple[Role, Decision]]) -> list[tuple[Role, Decision]]:
+    return [(r, d) for r, d in entries if d.backend is not None]
+
+
+def scope_unexplained(
+    state: ScopeState, entries: Iterable[tuple[Role, Decision]]
+) -> list[ScopeProblem]:
+    """Layers that chose another backend than the component override, with no
+    recorded reason and no role override (only under ``require_selection``)."""
+    if not state.require_selection or state.backend is None:
+        return []
+    wanted = state.backend.name
+    bad = [
+        d
+        for _, d in _selected(entries)
+        if not (d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted)
+        and d.reason is None
+        and d.origin is not Origin.ROLE_OVERRIDE
+    ]
+    if not bad:
+        return []
+    shown = ", ".join(
+        f"{d.layer or '<unnamed>'} runs {d.backend} (origin {d.origin.value})" for d in bad[:5]
+    )
+    more = f", and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return [
+        ScopeProblem(
+            ScopeCode.UNEXPLAINED,
+            f"backend {wanted!r} was requested for component {state.component!r}, but "
+            f"{len(bad)} layer(s) chose another backend without a recorded reason "
+            f"({shown}{more})",
+        )
+    ]
+
+
+def scope_not_applied(
+    state: ScopeState, entries: list[tuple[Role, Decision]]
+) -> list[ScopeProblem]:
+    """SPEC 3.6: overrides that ran on no layer (all layers bound)."""
+    problems: list[ScopeProblem] = []
+    if state.require_selection and state.backend is not None:
+        wanted = state.backend.name
+        selected = _selected(entries)
+        ran = any(
+            d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted for _, d in selected
+        )
+        all_roles = bool(selected) and all(
+            d.origin is Origin.ROLE_OVERRIDE for _, d in selected
+        )
+        if not ran and not all_roles:
+            if not entries:
+                problems.append(
+                    ScopeProblem(
+                        ScopeCode.NO_LAYER,
+                        f"backend {wanted!r} was requested for component {state.component!r}, "
+                        f"but the scope built no attnres attention layer",
+                    )
+                )
+            elif any(
+                d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None for _, d in entries
+            ):
+                rejected = [
+                    d.layer or "<unnamed>"
+                    for _, d in entries
+                    if d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None
+                ]
+                problems.append(
+                    ScopeProblem(
+                        ScopeCode.REJECTED,
+                        f"backend {wanted!r} was requested for component {state.component!r}, "
+                        f"but it was rejected for {len(rejected)} layer(s) "
+                        f"({', '.join(rejected[:5])}{', ...' if len(rejected) > 5 else ''}) and "
+                        f"no layer runs it (each rejection raised a ResolutionError saying why)",
+                    )
+                )
+            else:
+                origins = sorted({d.origin.value for _, d in entries})
+                reasons = sorted({d.reason.value for _, d in entries if d.reason})
+                why = f"; recorded reasons: {', '.join(reasons)}" if reasons else ""
+                problems.append(
+                    ScopeProblem(
+                        ScopeCode.NOT_APPLIED,
+                        f"backend {wanted!r} was requested for component {state.component!r}, "
+                        f"but it ran on none of its {len(entries)} layer(s) (they were decided "
+                        f"by origin {', '.join(origins)}{why})",
+                    )
+                )
+    for role, backend in state.role_backends:
+        governed = [d for r, d in entries if r is role and d.origin is Origin.ROLE_OVERRIDE]
+        if not governed:
+            problems.append(
+                ScopeProblem(
+                    ScopeCode.ROLE_NO_LAYER,
+                    f"backend {backend.name!r} was requested for the {role.value}-attention "
+                    f"layers of component {state.component!r}, but the scope built no "
+                    f"{role.value}-attention layer that used it",
+                )
+            )
+        elif not any(d.backend == backend.name for d in governed):
+            reasons = sorted({d.reason.value for d in governed if d.reason})
+            why = f" (recorded reasons: {', '.join(reasons)})" if reasons else ""
+            problems.append(
+                ScopeProblem(
+                    ScopeCode.ROLE_NOT_APPLIED,
+                    f"backend {backend.name!r} was requested for the {role.value}-attention "
+                    f"layers of component {state.component!r}, but it ran on none of its "
+                    f"{len(governed)} {role.value}-attention layer(s){why}",
+                )
+            )
+    return problems
+
+
+# =============================================================================
+# SPEC 3.8: what a per-request switch never touches; the training re-resolution
+# =============================================================================
+
+
+@frozen
+class RequestRefusal:
+    """Why a request cannot switch one layer (before anything is resolved)."""
+
+    code: str
+    message: str
+
+
+#: SPEC 3.8, one row per rule: (code, the rule). ``attnres.request_backend``
+#: refuses the whole request, naming every layer a rule refuses.
+REQUEST_RULES: Final[tuple[tuple[str, str], ...]] = (
+    (
+        "sparse_layer",
+        "a request never switches a layer that runs a sparse backend: its kernel needs "
+        "layout metadata a dense request cannot carry",
+    ),
+)
+
+
+def request_refusal(current: Backend | None) -> RequestRefusal | None:
+    """The rule of ``REQUEST_RULES`` that keeps a request off a layer running
+    ``current``, or ``None`` (the layer is then resolved for the request)."""
+    spec = None if current is None else lookup_spec(current)
+    if spec is not None and spec.sparse:
+        return RequestRefusal(
+            REQUEST_RULES[0][0],
+            f"it runs the sparse backend {spec.name!r}, whose kernel needs layout metadata "
+            f"the request cannot carry; a request never switches a sparse layer",
+        )
+    return None
+
+
+def training_spec(layer: LayerSpec) -> LayerSpec:
+    """The layer as a forward that needs gradients sees it: ``backward`` required.
+
+    A layer whose bound kernel has no backward pass resolves this spec (traced,
+    origin and strictness as for inference) the first time a forward needs
+    gradients, and runs that decision for such forwards.
+    """
+    return attrs.evolve(layer, requirements=attrs.evolve(layer.requirements, backward=True))
+
+
+def backward_everywhere(spec: BackendSpec) -> bool:
+    """Whether ``spec`` has a backward pass on every platform and layer (no check
+    at forward time is needed then)."""
+    return Requirement.BACKWARD in spec.implements and not any(
+        Requirement.BACKWARD in limit.requirements for limit in spec.limits
+    )
+
+
+def has_backward_pass(backend: Backend, layer: LayerSpec, platform: Platform) -> bool:
+    """Whether ``backend`` passes every check for :func:`training_spec` of ``layer``."""
+    checks = check_candidate(backend, training_spec(layer), platform)
+    return all(not failures for _, failures in checks)
+
+
+# =============================================================================
+# The measuring stage (autotune): which decisions are tuned, its checks, the
+# verdict rule, the tuned trace and its replay
+# =============================================================================
+
+#: The detail of a ``skip`` record for a candidate without a kernel here.
+NO_KERNEL: Final = "no kernel in this process"
+
+
+def is_tunable(trace: Trace) -> bool:
+    """Whether autotune may measure this decision: selected, automatic, untuned, and
+    not under a sequence-parallel layout (issue 24: each rank would time its own
+    shard and could tune apart from the others)."""
+    return (
+        trace.outcome.status == "selected"
+        and trace.outcome.origin in TUNABLE_ORIGINS
+        and not is_tuned(trace)
+        and trace.input.layer.layout is None
+    )
+
+
+def is_tuned(trace: Trace) -> bool:
+    """Whether the trace records a measurement (it holds a ``tuning`` record)."""
+    return any(isinstance(r, TuningRecord) for r in trace.records)
+
+
+@frozen
+class Measured:
+    """The facts of one candidate's measurement (what a device has to tell)."""
+
+    candidate: Backend
+    median_ns: int | None = None
+    spread_ns: int | None = None
+    deviation: float | None = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, record: MeasurementRecord) -> Measured:
+        return cls(
+            record.candidate, record.median_ns, record.spread_ns, record.deviation, record.error
+        )
+
+
+# =============================================================================
+# The rule
+# =============================================================================
+
+
+def verdicts(
+    measured: Sequence[Measured], margin: float, tolerance: float
+) -> tuple[tuple[Verdict, ...], Backend | None]:
+    """Each measurement's verdict, and the winner (``None``: the incumbent stays).
+
+    ``measured[0]`` is the incumbent. A candidate that raised is ``raised``;
+    one whose deviation is unknown (not finite) or above ``tolerance`` is
+    ``disagrees``, whatever its speed; of the others, those faster than the
+    incumbent by more than ``margin`` (``median < incumbent * (1 - margin)``)
+    compete, and the fastest (the first in order on a tie) is ``chosen``, the
+    rest ``outpaced``; the remaining ones are ``within_margin``.
+    """
+    if not measured:
+        raise ValueError("verdicts: no measurement (the incumbent comes first)")
+    incumbent = measured[0].median_ns
+    out: list[Verdict] = [Verdict.INCUMBENT]
+    fast: list[tuple[int, int]] = []
+    for position, m in enumerate(measured[1:], start=1):
+        if m.error is not None or m.median_ns is None:
+            out.append(Verdict.RAISED)
+        elif m.deviation is None or not m.deviation <= tolerance:
+            out.append(Verdict.DISAGREES)
+        elif incumbent is not None and m.median_ns < incumbent * (1.0 - margin):
+            out.append(Verdict.OUTPACED)
+            fast.append((m.median_ns, position))
+        else:
+            out.append(Verdict.WITHIN_MARGIN)
+    if not fast:
+        return tuple(out), None
+    _, best = min(fast)
+    out[best] = Verdict.CHOSEN
+    return tuple(out), measured[best].candidate
+
+
+# =============================================================================
+# The measuring stage and the tuned trace
+# =============================================================================
+
+
+def _evaluated(trace: Trace) -> dict[Backend, State]:
+    """Backends the machine checked, and the stage where it first did."""
+    seen: dict[Backend, State] = {}
+    for record in trace.records:
+        if isinstance(record, CheckRecord):
+            seen.setdefault(record.candidate, record.stage)
+    return seen
+
+
+def _machine_part(trace: Trace) -> tuple[Record, ...]:
+    """The machine's records without its terminal ``selected`` record."""
+    if is_tuned(trace) or not isinstance(trace.records[-1], SelectedRecord):
+        raise ValueError("only a selected, untuned decision can be tuned")
+    return trace.records[:-1]
+
+
+def measuring_checks(
+    trace: Trace, considered: Iterable[Backend]
+) -> tuple[tuple[Record, ...], tuple[Backend, ...]]:
+    """The ``measuring`` stage's check and skip records, and the passing backends.
+
+    A backend the machine already evaluated is skipped (its checks are pure
+    functions of the input, so they would fail, or pass, again); the incumbent
+    is among those. Every other considered backend runs every check.
+    """
+    incumbent = trace.outcome.backend
+    seen = _evaluated(trace)
+    inp = trace.input
+    records: list[Record] = []
+    passing: list[Backend] = []
+    done: set[Backend] = set()
+    for backend in considered:
+        if backend in done:
+            continue
+        done.add(backend)
+        if backend in seen:
+            what = "the incumbent" if backend == incumbent else "failed"
+            records.append(
+                SkipRecord(
+                    State.MEASURING,
+                    backend,
+                    f"already evaluated at {seen[backend].value} ({what})",
+                )
+            )
+            continue
+        results = check_candidate(backend, inp.layer, inp.platform)
+        for check, failures in results:
+            records.append(CheckRecord(State.MEASURING, backend, check, not failures, failures))
+        if not any(failures for _, failures in results):
+            passing.append(backend)
+    return tuple(records), tuple(passing)
+
+
+def _tuning_step(source: State, event: Event, candidate: Backend) -> TransitionRecord:
+    records: list[Record] = []
+    _step(source, event, records, None, candidate)  # the one transition writer
+    record = records[0]
+    assert isinstance(record, TransitionRecord)
+    return record
+
+
+def tuned_trace(
+    trace: Trace,
+    tuning: TuningRecord,
+    no_kernel: Mapping[Backend, str],
+    measured: Sequence[Measured],
+) -> Trace:
+    """The tuned trace of a selected decision, from the measurement facts.
+
+    ``trace`` is the machine's trace; ``no_kernel`` maps each passing
+    candidate without a kernel to why; ``measured`` holds the incumbent's facts
+    first, then each measured candidate's. A passing candidate with neither a
+    kernel note nor a measurement is recorded as ``raised`` ("not measured"),
+    so that a replay under changed rules shows it.
+    """
+    incumbent = trace.outcome.backend
+    if incumbent is None:
+        raise ValueError("only a selected decision can be tuned")
+    checks, passing = measuring_checks(trace, tuning.considered)
+    by_backend = {m.candidate: m for m in measured}
+    if incumbent not in by_backend:
+        raise ValueError(f"the incumbent {incumbent.name!r} has no measurement")
+    records: list[Record] = [
+        *_machine_part(trace),
+        _tuning_step(State.SELECTED, Event.MEASURE, incumbent),
+        tuning,
+        *checks,
+    ]
+    ordered: list[Measured] = [by_backend[incumbent]]
+    for backend in passing:
+        if backend in no_kernel:
+            detail = NO_KERNEL + (f": {no_kernel[backend]}" if no_kernel[backend] else "")
+            records.append(SkipRecord(State.MEASURING, backend, detail))
+        else:
+            ordered.append(
+                by_backend.get(
+                    backend,
+                    Measured(backend, error="not measured (it passed no check when recorded)"),
+                )
+            )
+    judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance)
+    for m, verdict in zip(ordered, judged, strict=True):
+        records.append(
+            MeasurementRecord(
+                m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict
+            )
+        )
+    origin = trace.outcome.origin
+    if winner is None:
+        records.append(_tuning_step(State.MEASURING, Event.INCUMBENT_KEPT, incumbent))
+        records.append(SelectedRecord(incumbent, origin, trace.outcome.reason))
+        outcome = trace.outcome
+    else:
+        reason = Reason.MEASURED_FASTER.value
+        records.append(_tuning_step(State.MEASURING, Event.MEASURED_FASTER, winner))
+        records.append(SelectedRecord(winner, origin, reason))
+        outcome = Outcome("selected", origin, winner, reason)
+    version = max(TUNED_SCHEMA_VERSION, trace.input.schema_version())
+    return Trace(trace.input, tuple(records), outcome, version)
+
+
+def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
+    """A tuned trace again: the machine's part from ``machine_trace`` (a fresh run
+    on the recorded input), the measuring stage's checks again, and every
+    verdict and the outcome recomputed from the recorded facts."""
+    tuning = next(r for r in recorded.records if isinstance(r, TuningRecord))
+    no_kernel: dict[Backend, str] = {}
+    for r in recorded.records:
+        if (
+            isinstance(r, SkipRecord)
+            and r.stage is State.MEASURING
+            and r.detail.startswith(NO_KERNEL)
+        ):
+            no_kernel[r.candidate] = r.detail[len(NO_KERNEL):].removeprefix(": ")
+    measured = [Measured.of(r) for r in recorded.records if isinstance(r, MeasurementRecord)]
+    if machine_trace.outcome.status != "selected" or machine_trace.outcome.backend is None:
+        return machine_trace  # the rules changed: the decision is no longer tunable
+    if not measured or measured[0].candidate != machine_trace.outcome.backend:
+        # the rules now select another incumbent: its facts were never recorded
+        measured = [Measured(machine_trace.outcome.backend, error="not measured"), *measured]
+    return tuned_trace(machine_trace, tuning, no_kernel, measured)

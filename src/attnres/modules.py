@@ -7,6 +7,13 @@ the kernel then. ``forward`` makes no decision, looks nothing up and builds no
 dicts: it checks the input shapes and dtype against the layer with a handful of
 integer comparisons and calls the bound kernel.
 
+One binding per layer: what a layer runs is one immutable ``_Bound`` (the
+resolution, the kernel, the forward body), and :meth:`Attention._compose` is
+the one writer of the forward: it wraps the binding in the policies that apply
+(late binding while pending, the training guard, autotune's measuring wrapper,
+the per-request switch of :func:`attnres.request_backend`, which reads the
+caller's context only on layers a request switched once).
+
 Errors
 ------
 - construction: a bad argument is a ``ValueError`` naming it; a rejected
@@ -27,12 +34,14 @@ Errors
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import numbers
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, Final, NamedTuple, overload
 
 import attrs
@@ -40,37 +49,20 @@ import torch
 from torch import Tensor, nn
 
 from attnres._fastcall import FastCallModule
-from attnres._vocab import Requirement, Role, normalize_dtype
-from attnres.autotuner import arm
-from attnres.backends import Backend, lookup_spec, on_registry_change
-from attnres.errors import BackendNotAppliedError
+from attnres._vocab import Role, normalize_dtype
+from attnres.autotuner import arm, armed_run
+from attnres.backends import Backend, lookup_spec, on_registry_change, registry_generation
+from attnres.errors import BackendNotAppliedError, KernelNotRegisteredError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
-from attnres.machine import check_candidate
+from attnres.machine import backward_everywhere, has_backward_pass, training_spec
 from attnres.parallel import SequenceParallel
 from attnres.platform import Platform
 from attnres.runtime import Resolution, bind_pending, capture_config, lookup, rejection
 from attnres.scope import ScopeHandle, ScopeState, current_handle
 
 __all__ = ["Attention", "KernelNotRegisteredError", "bind"]
-
-
-class KernelNotRegisteredError(RuntimeError):
-    """The resolver selected a backend for which no kernel is registered.
-
-    Sparse backends (``sliding_tile_attn``, ``video_sparse_attn``, ...) need
-    layout metadata the dense calling convention does not carry, so attnres
-    ships no adapter for them; a third-party backend added with
-    :func:`attnres.register_backend` needs its kernel too. Register one with
-    :func:`attnres.kernels.register_kernel`. ``.backend`` names the backend and
-    ``.resolution`` holds the decision (already in :func:`attnres.decisions`).
-    """
-
-    def __init__(self, message: str, backend: Backend, resolution: Resolution) -> None:
-        super().__init__(message)
-        self.backend = backend
-        self.resolution = resolution
 
 
 _TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
@@ -83,8 +75,12 @@ _TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
 }
 
 # Memos for the construction path (a 48-block model builds the same layer 48
-# times). Both map hashable, immutable inputs to immutable outputs, so a stale
-# entry is impossible; they are bounded and cleared wholesale when full.
+# times). They map hashable, immutable inputs to immutable outputs, but what an
+# input means depends on the registry (a backend alias that moves to another
+# backend, a kernel replaced for a name): every memo is cleared by the one
+# registry generation (:func:`_clear_memos`, run on every registry change,
+# including kernel (un)registration and ``clear_kernel_cache``). They are
+# bounded and cleared wholesale when full.
 _MEMO_MAX: Final = 1024
 _MEMO_LOCK = threading.Lock()
 _SPECS: dict[tuple[object, ...], LayerSpec] = {}
@@ -93,10 +89,18 @@ _DTYPE_SETS: dict[frozenset[str], frozenset[torch.dtype]] = {}
 _RUNS: dict[tuple[object, ...], Callable[..., Tensor]] = {}
 #: (backend, requirements, role, platform) -> whether the kernel has a backward pass
 _HAS_BACKWARD: dict[tuple[object, ...], bool] = {}
-on_registry_change(_HAS_BACKWARD.clear)  # a re-registered spec may change the facts
 #: backend name -> (kernel, torch dtypes) of :func:`_bind`, once it succeeded
 _BOUND: dict[str, tuple[KernelFn, frozenset[torch.dtype]]] = {}
-on_registry_change(_BOUND.clear)  # also called when a kernel is (un)registered
+
+
+def _clear_memos() -> None:
+    """Forget every construction memo (the registry changed)."""
+    with _MEMO_LOCK:
+        for memo in (_SPECS, _RUNS, _HAS_BACKWARD, _BOUND):
+            memo.clear()
+
+
+on_registry_change(_clear_memos)
 
 
 def _memo_put(memo: dict[Any, Any], key: object, value: object) -> None:
@@ -285,15 +289,17 @@ class Attention(FastCallModule):
     """
 
     layer_spec: LayerSpec
-    resolution: Resolution | None
-    kernel: KernelFn | None
+    _binding: _Bound | None  # the server's decision, kernel and forward body
     _shape: _LayerShape
-    _run: Callable[..., Tensor]
+    _run: Callable[..., Tensor]  # written by _compose only
     _context: _Context
-    _decision: Decision | None
+    _decision: Decision | None  # this layer's one ledger entry
     _awaited_by_scope: bool
-    _prepared: dict[str, _Bound]
-    _backward: _Bound | None
+    _prepared: dict[str, _Bound]  # per-request bindings (valid for _generation)
+    _backward: _Bound | None  # the training binding (valid for _generation)
+    _generation: int  # the registry generation _prepared and _backward belong to
+    _tuner: object | None  # autotune's settings while armed (attnres.autotuner)
+    _switchable: bool  # a request switched this layer once: forward reads the context
 
     def __init__(
         self,
@@ -352,9 +358,7 @@ class Attention(FastCallModule):
         cap = _softcap(softcap)
         band = _window(window)
         # a scale equal to the default (up to float rounding) is not a custom one
-        custom_scale = scale is not None and not math.isclose(
-            scale, head_size**-0.5, rel_tol=1e-9
-        )
+        custom_scale = scale is not None and not math.isclose(scale, head_size**-0.5, rel_tol=1e-9)
         spec = _layer_spec(
             head_size,
             torch.get_default_dtype() if dtype is None else dtype,
@@ -398,16 +402,19 @@ class Attention(FastCallModule):
         # bookkeeping (none of them is a tensor or a module).
         self.__dict__.update(
             layer_spec=spec,
-            resolution=None,
-            kernel=None,
+            _binding=None,
             _shape=shape,
             _context=context,
             _decision=None,
             _awaited_by_scope=False,
             _prepared={},
             _backward=None,
-            _run=None if dtype is not None else _pending_run(weakref.ref(self)),
+            _generation=registry_generation(),
+            _tuner=None,
+            _switchable=False,
         )
+        if dtype is None:
+            self._compose()  # pending: late binding's forward (else _resolve composes)
         if dtype is not None:
             self._resolve(spec, platform)
         elif handle is not None:
@@ -419,10 +426,11 @@ class Attention(FastCallModule):
     def _prepare(self, backend: Backend) -> _Bound:
         """The resolution and bound forward of ``backend`` for one request (origin
         ``request``, strict, traced, not recorded), cached per layer."""
+        self._check_generation()
         prepared: _Bound | None = self._prepared.get(backend.name)
         if prepared is not None:
             return prepared
-        current = self.resolution
+        current = self._server_resolution()
         if current is None:  # pragma: no cover - request_backend binds first
             raise RuntimeError("attnres.Attention: prepare a request on a bound layer")
         ctx, spec = self._context, self.layer_spec
@@ -443,21 +451,94 @@ class Attention(FastCallModule):
         self._prepared[backend.name] = prepared
         return prepared
 
-    def _swap(self, bound: _Bound) -> _Bound:
-        """Run ``bound`` from now on; returns what ran before (to restore it)."""
-        before = _Bound(self.resolution, self.kernel, self._shape, self._run)
+    def _requested(self) -> _Bound | None:
+        """The binding this context's request (:func:`attnres.request_backend`) asks
+        this layer to run, or ``None`` (no request for it here)."""
+        if not self._switchable:
+            return None
+        backend = _REQUESTS.get().get(id(self))
+        return None if backend is None else self._prepare(backend)
+
+    def _make_switchable(self) -> None:
+        """From now on ``forward`` follows the caller's request (a context variable:
+        each thread and asyncio task sees its own). Layers no request ever switched
+        keep the plain forward."""
+        if not self._switchable:
+            with _BIND_LOCK:
+                self.__dict__["_switchable"] = True
+                self._compose()
+
+    def _check_generation(self) -> None:
+        """Drop the per-request and training bindings made against an older registry."""
+        generation = registry_generation()
+        if self._generation != generation:
+            self.__dict__.update(_prepared={}, _backward=None, _generation=generation)
+
+    # -- the one writer of the forward ---------------------------------------------
+
+    def _compose(self) -> None:
+        """Build ``forward`` from the binding and the policies that wrap it.
+
+        The only place ``_run`` is written. Innermost first: the binding's body
+        (or late binding's resolve-then-run while pending); the training guard
+        (only when the bound kernel may lack a backward pass); autotune's
+        measuring wrapper (while armed); the per-request switch (only once a
+        request switched this layer). A layer with none of them runs the
+        binding's body itself.
+        """
+        binding = self._binding
+        run: Callable[..., Tensor]
+        if binding is None:
+            run = _pending_run(weakref.ref(self))
+        else:
+            run = self._guard(binding.run)
+            if self._tuner is not None:
+                run = _tuning(weakref.ref(self), run, self._tuner)
+        if self._switchable:
+            run = _switching(weakref.ref(self), run)
+        self.__dict__["_run"] = run
+
+    def _set_binding(self, binding: _Bound, *, tuner: object | None = None) -> None:
+        """Run ``binding`` from now on (a new decision: requests and training are
+        prepared again for it)."""
         self.__dict__.update(
-            resolution=bound.resolution, kernel=bound.kernel, _shape=bound.shape, _run=bound.run
+            _binding=binding,
+            _shape=binding.shape,
+            _prepared={},
+            _backward=None,
+            _generation=registry_generation(),
+            _tuner=tuner,
         )
-        return before
+        self._compose()
+
+    def _set_tuner(self, tuner: object | None) -> None:
+        """Arm (settings) or disarm (``None``) autotune's measuring wrapper."""
+        self.__dict__["_tuner"] = tuner
+        self._compose()
+
+    def _server_resolution(self) -> Resolution | None:
+        binding = self._binding
+        return None if binding is None else binding.resolution
+
+    @property
+    def resolution(self) -> Resolution | None:
+        """The decision this layer runs here and now (a request's inside
+        :func:`attnres.request_backend`); ``None`` while pending."""
+        requested = self._requested()
+        if requested is not None:
+            return requested.resolution
+        return self._server_resolution()
+
+    @property
+    def kernel(self) -> KernelFn | None:
+        """The kernel this layer runs here and now; ``None`` while pending."""
+        bound = self._requested() or self._binding
+        return None if bound is None else bound.kernel
 
     # -- training: a forward that needs gradients needs a backward pass -----------
 
     def _backward_spec(self) -> LayerSpec:
-        spec = self.layer_spec
-        return attrs.evolve(
-            spec, requirements=attrs.evolve(spec.requirements, backward=True)
-        )
+        return training_spec(self.layer_spec)  # the machine's training rule
 
     def _guard(self, run: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """``run``, or -- when the bound kernel has no backward pass and the layer did
@@ -466,25 +547,20 @@ class Attention(FastCallModule):
         Only such layers pay for the check (one grad-mode call and three flags);
         every other bound layer runs ``run`` itself.
         """
-        resolution = self.resolution
+        resolution = self._server_resolution()
         spec = self.layer_spec
         if resolution is None or spec.requirements.backward:
             return run
         facts = lookup_spec(resolution.backend)
-        if (
-            facts is not None
-            and Requirement.BACKWARD in facts.implements
-            and not any(Requirement.BACKWARD in limit.requirements for limit in facts.limits)
-            and spec.layout is None  # issue 24: a ring's lse may carry no gradient (layout check)
-        ):
+        # issue 24: under a layout a ring's lse may carry no gradient (the layout check)
+        if facts is not None and backward_everywhere(facts) and spec.layout is None:
             return run  # a backward pass everywhere (torch_sdpa, eager, ...): no check
         platform = resolution.trace.input.platform
         # only the requirements check can differ from the inference decision's
         key = (resolution.backend, spec.requirements, spec.role, platform)
         has_backward = _HAS_BACKWARD.get(key)
         if has_backward is None:
-            checks = check_candidate(resolution.backend, self._backward_spec(), platform)
-            has_backward = all(not failures for _, failures in checks)
+            has_backward = has_backward_pass(resolution.backend, spec, platform)
             _memo_put(_HAS_BACKWARD, key, has_backward)
         return run if has_backward else _grad_guard(run, weakref.ref(self))
 
@@ -500,9 +576,10 @@ class Attention(FastCallModule):
         ``backward`` requirement added (traced, not recorded in the ledger, like a
         request's), so a relaxed decision falls back and a strict one raises a
         :class:`~attnres.ResolutionError` before anything is computed."""
+        self._check_generation()
         bound = self._backward
         if bound is None:
-            current = self.resolution
+            current = self._server_resolution()
             if current is None:  # pragma: no cover - only bound layers are guarded
                 raise RuntimeError("attnres.Attention: a pending layer has no training path")
             ctx, spec = self._context, self._backward_spec()
@@ -535,7 +612,7 @@ class Attention(FastCallModule):
     def pending(self) -> bool:
         """Whether the layer has not resolved yet (built without ``dtype``, not yet
         cast, run or bound); ``.backend`` and ``.resolution`` are ``None`` until then."""
-        return self.resolution is None
+        return self._binding is None
 
     def _resolve(self, spec: LayerSpec, platform: Platform | None) -> Resolution:
         """Resolve for ``spec`` (its dtype) with the captured context and bind.
@@ -545,7 +622,7 @@ class Attention(FastCallModule):
         a later one (a cast) replaces the stale ledger entry.
         """
         ctx = self._context
-        first = self.resolution is None
+        first = self._binding is None
         resolution, decision, trace = lookup(
             spec,
             ctx.config,
@@ -570,16 +647,9 @@ class Attention(FastCallModule):
                     bind_pending(handle, spec.role, None)
             raise rejection(trace)
         kernel, dtypes = _bind(resolution, spec)
-        self.__dict__.update(
-            layer_spec=spec,
-            resolution=resolution,
-            kernel=kernel,
-            _decision=decision,
-            _prepared={},
-            _backward=None,
-            _shape=self._shape._replace(backend=resolution.backend.name, dtype=spec.dtype),
-        )
-        self.__dict__["_run"] = self._guard(_make_run(self._shape, kernel, dtypes))
+        shape = self._shape._replace(backend=resolution.backend.name, dtype=spec.dtype)
+        self.__dict__.update(layer_spec=spec, _decision=decision)
+        self._set_binding(_Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes)))
         if resolution.trace.input.config.autotune:  # opt-in: measured selection
             _arm_autotune(self)
         if awaited and handle is not None:
@@ -594,7 +664,7 @@ class Attention(FastCallModule):
             name = normalize_dtype(dtype)
             if name != spec.dtype:
                 spec = attrs.evolve(spec, dtype=name)
-        current = self.resolution
+        current = self._server_resolution()
         if (
             current is not None
             and spec is self.layer_spec
@@ -605,7 +675,7 @@ class Attention(FastCallModule):
             return self._resolve(spec, platform)
 
     def _first_forward(self, q: Tensor) -> None:
-        if self.resolution is not None:  # another thread bound it meanwhile
+        if self._binding is not None:  # another thread bound it meanwhile
             return
         if torch.compiler.is_compiling():
             raise RuntimeError(
@@ -706,8 +776,11 @@ class Attention(FastCallModule):
         )
         if resolution is None:
             return head + f"backend=pending (dtype {self.layer_spec.dtype} so far)" + extras
-        return head + f"backend={resolution.backend.name}" + extras + (
-            f", reason={str(resolution.reason)!r}" if resolution.reason else ""
+        return (
+            head
+            + f"backend={resolution.backend.name}"
+            + extras
+            + (f", reason={str(resolution.reason)!r}" if resolution.reason else "")
         )
 
     # The bound kernel and the forward closure are not picklable: pickling keeps
@@ -715,44 +788,91 @@ class Attention(FastCallModule):
     # resolving; a pending layer stays pending (with the scope it was built in).
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("kernel", "_run"):
-            state.pop(name, None)
+        state.pop("_run", None)
+        state["_binding"] = None
+        state["_pickled_resolution"] = self._server_resolution()
         state["_prepared"] = {}
         state["_backward"] = None
         state["_decision"] = None
         state["_awaited_by_scope"] = False
+        state["_tuner"] = None
+        state["_switchable"] = False
         state["_context"] = self._context._replace(handle=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        resolution = state.pop("_pickled_resolution", None)
         super().__setstate__(state)  # type: ignore[no-untyped-call]
-        if self.resolution is None:
-            self.__dict__.update(kernel=None, _run=_pending_run(weakref.ref(self)))
+        self.__dict__["_generation"] = registry_generation()
+        if resolution is None:
+            self._compose()
             return
-        kernel, dtypes = _bind(self.resolution, self.layer_spec)
-        self.__dict__.update(
-            kernel=kernel, _run=self._guard(_make_run(self._shape, kernel, dtypes))
+        kernel, dtypes = _bind(resolution, self.layer_spec)
+        self._set_binding(
+            _Bound(resolution, kernel, self._shape, _make_run(self._shape, kernel, dtypes))
         )
-        if self.resolution.trace.input.config.autotune:
+        if resolution.trace.input.config.autotune:
             _arm_autotune(self)
 
-    def _adopt(self, resolution: Resolution) -> None:
-        """Run ``resolution``'s backend from now on (autotune's measured decision)."""
+    def _adopt(self, resolution: Resolution) -> Decision:
+        """Run ``resolution``'s backend from now on (autotune's measured decision);
+        the layer's ledger entry becomes the new decision (returned)."""
         kernel, dtypes = _bind(resolution, self.layer_spec)
         shape = self._shape._replace(backend=resolution.backend.name)
-        self.__dict__.update(
-            resolution=resolution,
-            kernel=kernel,
-            _shape=shape,
-            _prepared={},
-            _backward=None,
-            _run=self._guard(_make_run(shape, kernel, dtypes)),
+        decision = Decision(
+            resolution.component, resolution.layer, resolution.outcome, resolution.trace
         )
+        replace_decision(self._decision, decision)
+        self.__dict__["_decision"] = decision
+        self._set_binding(_Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes)))
+        return decision
 
 
 def _arm_autotune(layer: Attention) -> None:
     """Arm the layer's tuner when its decision is automatic (attnres.autotuner)."""
     arm(layer)
+
+
+#: layer id -> the backend this context's request asks it to run
+#: (:func:`attnres.request_backend` sets it; never mutated, replaced per request)
+_REQUESTS: contextvars.ContextVar[Mapping[int, Backend]] = contextvars.ContextVar(
+    "attnres_requests", default=MappingProxyType({})
+)
+
+
+def _switching(
+    ref: weakref.ReferenceType[Attention], run: Callable[..., Tensor]
+) -> Callable[..., Tensor]:
+    """``run``, unless this context's request asks the layer for another backend."""
+    requests = _REQUESTS.get
+    key = id(ref())
+
+    def switching(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        backend = requests().get(key)
+        if backend is None:
+            return run(q, k, v, attn_mask)
+        layer = ref()
+        if layer is None:  # pragma: no cover - the closure outlived its layer
+            return run(q, k, v, attn_mask)
+        # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag,
+        # true in every thread while any thread compiles (flex_attention does)
+        if torch.compiler.is_dynamo_compiling():
+            raise RuntimeError(
+                f"attnres.Attention{_named(layer.layer_spec)} is being compiled by "
+                f"torch.compile inside attnres.request_backend({backend.name!r}): the graph "
+                f"would keep one request's kernel. Compile the model for one backend and "
+                f"switch only modules that are not compiled"
+            )
+        out: Tensor = layer._prepare(backend).run(q, k, v, attn_mask)
+        return out
+
+    return switching
+
+
+def _tuning(
+    ref: weakref.ReferenceType[Attention], run: Callable[..., Tensor], tuner: object
+) -> Callable[..., Tensor]:
+    return armed_run(ref, run, tuner)
 
 
 _BIND_LOCK = threading.RLock()
@@ -777,8 +897,9 @@ class _Context(NamedTuple):
     backend: Backend | None  # the layer's own backend= (origin layer)
 
 
-def _grad_guard(run: Callable[..., Tensor], ref: weakref.ReferenceType[Attention]
-                ) -> Callable[..., Tensor]:
+def _grad_guard(
+    run: Callable[..., Tensor], ref: weakref.ReferenceType[Attention]
+) -> Callable[..., Tensor]:
     """``run`` for inference; the layer's training path for inputs that need gradients
     (grad mode on and an input that requires grad; ``module.train()`` alone is not)."""
     grad_enabled = torch.is_grad_enabled

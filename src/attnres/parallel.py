@@ -60,6 +60,7 @@ from torch import Tensor
 from attnres._outcome import Outcome
 from attnres.backends import Backend
 from attnres.distributed import DEFAULT_TIMEOUT_S, _timeout_seconds, verify_consensus
+from attnres.errors import SequenceParallelError
 from attnres.kernels.lse import LseKernelFn, get_lse_kernel, lse_has_gradient
 from attnres.layout import SequenceLayout
 from attnres.ledger import Decision
@@ -68,11 +69,6 @@ if TYPE_CHECKING:
     from attnres.trace import Trace
 
 __all__ = ["SequenceParallel", "SequenceParallelError"]
-
-
-class SequenceParallelError(RuntimeError):
-    """A sequence-parallel collective failed or timed out (a peer died, hangs, or
-    took another code path). The group is out of step: restart the job."""
 
 
 class SequenceParallel:

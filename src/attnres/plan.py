@@ -51,10 +51,16 @@ from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._outcome import OutcomeView
 from attnres._states import (
     KernelSource,
+    PlanStatus,
 )
 from attnres._vocab import Role
 from attnres.backends import Backend
-from attnres.errors import BackendNotAppliedError, ResolutionError, TraceWriteError
+from attnres.errors import (  # PipelineError: attnres.errors holds every exception
+    BackendNotAppliedError,
+    PipelineError,
+    ResolutionError,
+    TraceWriteError,
+)
 from attnres.kernels import kernel_source
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.layout import LAYOUT_KINDS, SequenceLayout
@@ -115,29 +121,6 @@ _LAYER_KINDS: dict[str, str] = {
 }
 #: a layer entry must give the LayerSpec fields that have no default
 _LAYER_REQUIRED = tuple(_TOML_NAMES.get(n, n) for n in required_field_names(LayerSpec))
-
-
-class PipelineError(ValueError):
-    """A pipeline file that cannot be read or does not follow the format.
-
-    The message names the file, and where it applies the component, the layer
-    and the line (``path``, ``component``, ``layer`` and ``line`` hold them).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        path: str,
-        component: str | None = None,
-        layer: str | None = None,
-        line: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.path = path
-        self.component = component
-        self.layer = layer
-        self.line = line
 
 
 # =============================================================================
@@ -523,7 +506,7 @@ class LayerPlan(OutcomeView):
             "name": self.name,
             "count": self.count,
             "status": self.status,
-            "backend": self.backend,
+            "backend": None if self.backend is None else self.backend.name,  # a JSON string
             "reason": self.reason,
             "origin": self.origin,
             "error": self.error,
@@ -572,8 +555,8 @@ class PlanResult:
         return all(c.ok for c in self.components)
 
     @property
-    def status(self) -> str:
-        return "ok" if self.ok else "rejected"
+    def status(self) -> PlanStatus:
+        return PlanStatus.OK if self.ok else PlanStatus.REJECTED
 
     @property
     def layers(self) -> tuple[LayerPlan, ...]:

@@ -36,7 +36,7 @@ from attrs import field, frozen
 
 from attnres._states import PackageStatus
 from attnres._vocab import PLATFORM_KINDS
-from attnres.backends import Backend, plugin_failures, registered_backends
+from attnres.backends import Backend, on_registry_change, plugin_failures, registered_backends
 
 __all__ = [
     "DEFAULT_CHAINS",
@@ -326,22 +326,56 @@ class Platform:
 
     @classmethod
     def detect(cls, *, refresh: bool = False) -> Platform:
-        """Probe this machine (once per process unless ``refresh``)."""
-        global _DETECTED
+        """Probe this machine (once per process unless ``refresh``).
+
+        A backend registered after the first detection that names a package not
+        probed yet has that package probed on the next call (the facts already
+        known are kept): the registry generation invalidates the detected facts
+        like every other cache.
+        """
+        global _DETECTED, _FRESH
         with _DETECT_LOCK:
             if _DETECTED is None or refresh:
                 _DETECTED = _probe()
+            elif _FRESH is None:
+                _DETECTED = _with_new_packages(_DETECTED)
+            _FRESH = _DETECTED
             return _DETECTED
 
 
 _DETECTED: Platform | None = None
+#: the detected facts while no registry change happened since (None: check again)
+_FRESH: Platform | None = None
+
+
+def _registry_changed() -> None:
+    global _FRESH
+    _FRESH = None
+
+
+on_registry_change(_registry_changed)
+
+
+def _with_new_packages(platform: Platform) -> Platform:
+    """``platform`` with the packages the registered backends name now: those
+    probed already keep their facts, new ones are probed, and those no backend
+    names any more are dropped (as a fresh probe would)."""
+    known = {fact.name: fact for fact in platform.packages}
+    packages = tuple(
+        known[p.name] if p.name in known else probe_package(p) for p in _package_probes()
+    )
+    if packages == platform.packages:
+        return platform
+    return attrs.evolve(platform, packages=packages)
 
 
 def detected_platform() -> Platform:
     """This machine's facts, probed once: :meth:`Platform.detect` without the lock
-    once they are known (the resolver asks on every call)."""
-    detected = _DETECTED
-    return detected if detected is not None else Platform.detect()
+    while they are current (the resolver asks on every call)."""
+    fresh = _FRESH
+    return fresh if fresh is not None else Platform.detect()
+
+
 _DETECT_LOCK = threading.Lock()
 
 

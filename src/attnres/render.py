@@ -241,7 +241,7 @@ def render_plan(result: PlanResult) -> list[str]:
                 [
                     layer.name,
                     str(layer.count),
-                    layer.backend if layer.backend else "REJECTED",
+                    layer.backend.name if layer.backend else "REJECTED",
                     layer.origin,
                     detail,
                 ]

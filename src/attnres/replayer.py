@@ -27,6 +27,7 @@ from attrs import field, frozen
 
 from attnres import machine as _machine
 from attnres._files import check_manifest
+from attnres._states import ReplayStatus
 from attnres.errors import TraceFormatError
 from attnres.trace import Outcome, Trace, TuningRecord, dump_trace, load_trace, record_to_dict
 from attnres.tuning import replay_tuned
@@ -213,7 +214,7 @@ class ReplayEntry:
     """One file of a replay run: ``ok``, ``diff`` or ``invalid``."""
 
     path: str
-    status: str  # "ok" | "diff" | "invalid"
+    status: ReplayStatus = field(converter=ReplayStatus)
     result: ReplayResult | None = field(default=None, repr=False)
     #: why the file could not be replayed (``invalid``), or -- on a ``diff`` --
     #: why it could not be rewritten from the replay (``update``)
@@ -234,8 +235,9 @@ class ReplayRun:
     #: the paths of the manifest problems, which a listing shows as failed files
     flagged: tuple[str, ...] = ()
 
-    def count(self, status: str) -> int:
-        return sum(1 for e in self.entries if e.status == status)
+    def count(self, status: ReplayStatus | str) -> int:
+        wanted = ReplayStatus(status)
+        return sum(1 for e in self.entries if e.status is wanted)
 
     @property
     def invalid_count(self) -> int:
@@ -252,7 +254,7 @@ class ReplayRun:
     @property
     def diverged(self) -> bool:
         """Some replay differs from its file and was not rewritten."""
-        return any(e.status == "diff" and not e.updated for e in self.entries)
+        return any(e.status is ReplayStatus.DIFF and not e.updated for e in self.entries)
 
 
 def _expand(
@@ -310,27 +312,27 @@ def replay_paths(paths: Sequence[str | os.PathLike[str]], *, update: bool = Fals
         try:
             result = replay(path)
         except TraceFormatError as exc:
-            entries.append(ReplayEntry(path, "invalid", error=str(exc)))
+            entries.append(ReplayEntry(path, ReplayStatus.INVALID, error=str(exc)))
             continue
         except Exception as exc:  # a machine failure must not become a traceback
             entries.append(
                 ReplayEntry(
                     path,
-                    "invalid",
+                    ReplayStatus.INVALID,
                     error=f"{path}: the machine failed on the recorded input: "
                     f"{type(exc).__name__}: {exc} (this is a bug in attnres)",
                 )
             )
             continue
         if result.ok:
-            entries.append(ReplayEntry(path, "ok", result))
+            entries.append(ReplayEntry(path, ReplayStatus.OK, result))
             continue
         if update:
             try:
                 dump_trace(result.replayed, path)
             except OSError as exc:
                 error = f"{path}: cannot update the trace file: {exc.strerror or exc}"
-                entries.append(ReplayEntry(path, "diff", result, error=error))
+                entries.append(ReplayEntry(path, ReplayStatus.DIFF, result, error=error))
                 continue
-        entries.append(ReplayEntry(path, "diff", result, updated=update))
+        entries.append(ReplayEntry(path, ReplayStatus.DIFF, result, updated=update))
     return ReplayRun(tuple(entries), tuple(problems), tuple(flagged))

@@ -11,56 +11,59 @@ layer. The ledger (:func:`attnres.decisions`) keeps the server's decisions: a
 request's resolutions are not recorded there, and each switch and restore is an
 audit event instead.
 
-The switch changes the shared layers for the duration of the block: requests
-that share a module are served one at a time (a second thread switching layers
-another thread has switched is refused).
+The switch follows the caller's context, not the layers: the request is a
+context variable that the switched layers' ``forward`` reads, so each thread
+and each asyncio task sees its own request (two requests on one shared model run
+at once, each on its own backend), and a block that exits out of order cannot
+leave another caller's layers switched. Layers no request ever switched keep
+the plain forward (no context read). A cast inside the block re-resolves the
+server's decision; the request then prepares its backend for the new dtype.
+
+``request_backend`` refuses a module compiled with ``torch.compile`` (an
+``OptimizedModule``, or ``Module.compile()`` anywhere in its tree): the
+compiled graph keeps the kernel it was traced with. A layer compiled through
+an enclosing wrapper the call cannot see raises when the graph is traced
+inside a request.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import MappingProxyType
 
 import torch
 from torch import nn
 
 from attnres.audit import emit_request_switch
-from attnres.backends import Backend, lookup_spec
-from attnres.errors import ResolutionError
+from attnres.backends import Backend
+from attnres.errors import RequestBackendError, ResolutionError
 from attnres.kernels import KernelUnavailableError
 from attnres.layer import optional_backend
-from attnres.modules import Attention, KernelNotRegisteredError, _Bound
+from attnres.machine import request_refusal
+from attnres.modules import _REQUESTS, Attention, KernelNotRegisteredError
 
 __all__ = ["RequestBackendError", "request_backend"]
 
 
-class RequestBackendError(ValueError):
-    """A request asked for a backend that some layer cannot run (nothing was switched).
-
-    ``.backend`` is the requested backend; ``.failures`` holds ``(layer, why)``
-    pairs, one per layer that cannot run it.
-    """
-
-    def __init__(
-        self, message: str, backend: Backend | None, failures: tuple[tuple[str, str], ...]
-    ) -> None:
-        super().__init__(message)
-        self.backend = backend
-        self.failures = failures
-
-
-_OWNERS_LOCK = threading.Lock()
-#: id(layer) -> (thread ident, nesting depth) while a request has switched it
-_OWNERS: dict[int, tuple[int, int]] = {}
-
-
 def _capturing() -> str | None:
-    if torch.compiler.is_compiling():
+    # is_dynamo_compiling: true only while dynamo traces this code (is_compiling is
+    # a process-wide flag, true in every thread while another thread compiles)
+    if torch.compiler.is_dynamo_compiling():
         return "inside torch.compile'd code"
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_available() and cuda.is_current_stream_capturing():
         return "during CUDA graph capture"
+    return None
+
+
+def _compiled(module: nn.Module) -> str | None:
+    """How ``module`` (or a module under it) was compiled with torch.compile, if so."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return f"{type(module).__name__} is a torch.compile wrapper"
+    for path, sub in module.named_modules():
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            return f"module {path or '<the module itself>'!r} was compiled with Module.compile()"
     return None
 
 
@@ -99,6 +102,14 @@ def request_backend(module: nn.Module, backend: Backend | str) -> Iterator[Backe
     parsed = optional_backend("backend")(backend)
     if parsed is None:
         raise ValueError("attnres.request_backend: backend must be a backend name, not None")
+    compiled = _compiled(module)
+    if compiled is not None:
+        raise RuntimeError(
+            f"attnres.request_backend({parsed.name!r}): {compiled}; a compiled graph keeps "
+            f"the kernel it was traced with, so a request cannot switch it. Compile the model "
+            f"for one backend (attnres.bind first) and serve requests for other backends with "
+            f"an uncompiled copy"
+        )
     layers = [(p, m) for p, m in module.named_modules() if isinstance(m, Attention)]
     if not layers:
         raise RequestBackendError(
@@ -111,25 +122,19 @@ def request_backend(module: nn.Module, backend: Backend | str) -> Iterator[Backe
     for _, layer in layers:
         if layer.pending:
             layer._bind_to()
-    plan: list[tuple[Attention, _Bound]] = []
+    plan: list[Attention] = []
     failures: list[tuple[str, str]] = []
     for path, layer in layers:
         current = layer.backend
         if current == parsed:
             continue
-        current_spec = None if current is None else lookup_spec(current)
-        if current_spec is not None and current_spec.sparse:
-            failures.append(
-                (
-                    _label(path, layer),
-                    f"it runs the sparse backend {current_spec.name!r}, whose kernel needs "
-                    f"layout metadata the request cannot carry; a request never switches a "
-                    f"sparse layer",
-                )
-            )
+        refusal = request_refusal(current)  # the machine's rules (REQUEST_RULES)
+        if refusal is not None:
+            failures.append((_label(path, layer), refusal.message))
             continue
         try:
-            plan.append((layer, layer._prepare(parsed)))
+            layer._prepare(parsed)
+            plan.append(layer)
         except (ResolutionError, KernelNotRegisteredError, KernelUnavailableError) as exc:
             failures.append((_label(path, layer), str(exc)))
     if failures:
@@ -144,43 +149,17 @@ def request_backend(module: nn.Module, backend: Backend | str) -> Iterator[Backe
     if not plan:
         yield parsed
         return
-    _claim([layer for layer, _ in plan], parsed)
-    previous = sorted({str(layer.backend.name) for layer, _ in plan if layer.backend})
-    saved: list[tuple[Attention, _Bound]] = []
+    previous = sorted({layer.backend.name for layer in plan if layer.backend is not None})
+    for layer in plan:
+        layer._make_switchable()
+    outer = _REQUESTS.get()
+    token = _REQUESTS.set(MappingProxyType({**outer, **{id(layer): parsed for layer in plan}}))
     try:
-        for layer, prepared in plan:
-            saved.append((layer, layer._swap(prepared)))
         emit_request_switch("switch", parsed.name, len(plan), ", ".join(previous))
         yield parsed
     finally:
-        for layer, before in reversed(saved):
-            layer._swap(before)
-        _release([layer for layer, _ in plan])
-        if saved:
-            emit_request_switch("restore", parsed.name, len(saved), ", ".join(previous))
-
-
-def _claim(layers: list[Attention], backend: Backend) -> None:
-    me = threading.get_ident()
-    with _OWNERS_LOCK:
-        for layer in layers:
-            owner = _OWNERS.get(id(layer))
-            if owner is not None and owner[0] != me:
-                raise RuntimeError(
-                    f"attnres.request_backend({backend.name!r}): another thread has switched "
-                    f"these layers for its own request; requests that share a module must be "
-                    f"served one at a time"
-                )
-        for layer in layers:
-            _, depth = _OWNERS.get(id(layer), (me, 0))
-            _OWNERS[id(layer)] = (me, depth + 1)
-
-
-def _release(layers: list[Attention]) -> None:
-    with _OWNERS_LOCK:
-        for layer in layers:
-            owner, depth = _OWNERS.get(id(layer), (0, 1))
-            if depth <= 1:
-                _OWNERS.pop(id(layer), None)
-            else:
-                _OWNERS[id(layer)] = (owner, depth - 1)
+        try:
+            _REQUESTS.reset(token)
+        except ValueError:  # exited in another context than it was entered in
+            _REQUESTS.set(outer)
+        emit_request_switch("restore", parsed.name, len(plan), ", ".join(previous))

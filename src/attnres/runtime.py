@@ -12,14 +12,14 @@ adds around it:
 - the two-level resolution cache (full input; the same input up to the layer's
   name), bounded and cleared on any registry change;
 - :func:`component_scope`: opens a scope, and on exit logs its summary line and
-  checks that an explicit override was applied (SPEC 3.6).
+  runs the machine's scope checks (SPEC 3.6, ``attnres.machine.SCOPE_CHECKS``).
 """
 
 from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Final
 
@@ -31,10 +31,17 @@ from attnres._outcome import Outcome
 from attnres._states import Origin, Reason, Status
 from attnres._vocab import Role
 from attnres.audit import emit_cache_hit, emit_resolution, emit_summary
-from attnres.backends import Backend, on_registry_change, registry_generation
+from attnres.backends import (
+    Backend,
+    on_registry_change,
+    registered_backends,
+    registry_generation,
+)
 from attnres.errors import BackendNotAppliedError, ResolutionError
+from attnres.kernels import KernelSource, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision
+from attnres.machine import ScopeProblem
 from attnres.platform import Platform, detected_platform
 from attnres.scope import (
     ScopeHandle,
@@ -250,7 +257,9 @@ def resolve_entry(
 
 def rejection(trace: Trace) -> ResolutionError:
     """The error of a rejected resolution."""
-    return ResolutionError(str(trace.outcome.error), trace, str(trace.outcome.code))
+    code = trace.outcome.code
+    assert code is not None  # a rejected outcome carries its code
+    return ResolutionError(str(trace.outcome.error), trace, code)
 
 
 def lookup(
@@ -288,14 +297,52 @@ def lookup(
         )
         if entry is None:
             entry = _resolve_cold(
-                TraceInput(
-                    layer, cfg, scope, platform, backend, request, needs_kernel=needs_kernel
-                ),
-                key,
+                _trace_input(layer, cfg, scope, platform, backend, request, needs_kernel), key
             )
     else:
         emit_cache_hit(entry[1])
     return entry
+
+
+def _trace_input(
+    layer: LayerSpec,
+    cfg: SelectionConfig,
+    scope: ScopeState | None,
+    platform: Platform,
+    backend: Backend | None,
+    request: Backend | None,
+    needs_kernel: bool,
+) -> TraceInput:
+    """The machine's input; a layer that will run carries this process's kernel facts."""
+    return TraceInput(
+        layer,
+        cfg,
+        scope,
+        platform,
+        backend,
+        request,
+        needs_kernel=needs_kernel,
+        no_kernel=_no_kernel() if needs_kernel else None,
+    )
+
+
+#: (registry generation, the registered backends with no kernel in this process)
+_NO_KERNEL: list[tuple[int, tuple[str, ...]]] = []
+
+
+def _no_kernel() -> tuple[str, ...]:
+    """The registered backends that have no kernel here (sorted names): the kernel
+    facts a resolution for a layer that will run carries in its input, computed
+    once per registry generation."""
+    generation = registry_generation()
+    memo = _NO_KERNEL[-1] if _NO_KERNEL else None
+    if memo is not None and memo[0] == generation:
+        return memo[1]
+    names = tuple(
+        sorted(s.name for s in registered_backends() if kernel_source(s.name) is KernelSource.NONE)
+    )
+    _NO_KERNEL[:] = [(generation, names)]
+    return names
 
 
 def _check_arguments(config: object, platform: object) -> None:
@@ -363,9 +410,10 @@ def _resolve_renamed(
     generation = registry_generation()
     recorded = twin[2]
     trace = Trace(
-        TraceInput(layer, cfg, scope, platform, backend, request, needs_kernel=needs_kernel),
+        _trace_input(layer, cfg, scope, platform, backend, request, needs_kernel),
         recorded.records,
         recorded.outcome,
+        recorded.schema_version,
     )
     entry = _entry_for(trace)
     emit_cache_hit(entry[1])
@@ -476,114 +524,26 @@ def bind_pending(handle: ScopeHandle, role: Role, decision: Decision | None) -> 
     if not closed:
         return
     state = handle.state
-    problems = [] if decision is None else _unexplained(state, [(role, decision)])
+    problems = [] if decision is None else _machine.scope_unexplained(state, [(role, decision)])
     if last:
-        problems += _not_applied(state, handle.entries)
+        problems += _machine.scope_not_applied(state, handle.entries)
     _raise_problems(problems)
 
 
-def _selected(entries: Iterable[tuple[Role, Decision]]) -> list[tuple[Role, Decision]]:
-    return [(r, d) for r, d in entries if d.backend is not None]
-
-
-def _unexplained(state: ScopeState, entries: Iterable[tuple[Role, Decision]]) -> list[str]:
-    """Layers that chose another backend than the component override, with no
-    recorded reason and no role override (only under ``require_selection``)."""
-    if not state.require_selection or state.backend is None:
-        return []
-    wanted = state.backend.name
-    bad = [
-        d
-        for _, d in _selected(entries)
-        if not (d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted)
-        and d.reason is None
-        and d.origin is not Origin.ROLE_OVERRIDE
-    ]
-    if not bad:
-        return []
-    shown = ", ".join(
-        f"{d.layer or '<unnamed>'} runs {d.backend} (origin {d.origin.value})" for d in bad[:5]
-    )
-    more = f", and {len(bad) - 5} more" if len(bad) > 5 else ""
-    return [
-        f"backend {wanted!r} was requested for component {state.component!r}, but "
-        f"{len(bad)} layer(s) chose another backend without a recorded reason ({shown}{more})"
-    ]
-
-
-def _not_applied(state: ScopeState, entries: list[tuple[Role, Decision]]) -> list[str]:
-    """SPEC 3.6: overrides that ran on no layer (all layers bound)."""
-    problems: list[str] = []
-    if state.require_selection and state.backend is not None:
-        wanted = state.backend.name
-        selected = _selected(entries)
-        ran = any(
-            d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted for _, d in selected
-        )
-        all_roles = bool(selected) and all(
-            d.origin is Origin.ROLE_OVERRIDE for _, d in selected
-        )
-        if not ran and not all_roles:
-            if not entries:
-                problems.append(
-                    f"backend {wanted!r} was requested for component {state.component!r}, but "
-                    f"the scope built no attnres attention layer"
-                )
-            elif any(
-                d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None for _, d in entries
-            ):
-                rejected = [
-                    d.layer or "<unnamed>"
-                    for _, d in entries
-                    if d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None
-                ]
-                problems.append(
-                    f"backend {wanted!r} was requested for component {state.component!r}, but "
-                    f"it was rejected for {len(rejected)} layer(s) ({', '.join(rejected[:5])}"
-                    f"{', ...' if len(rejected) > 5 else ''}) and no layer runs it "
-                    f"(each rejection raised a ResolutionError saying why)"
-                )
-            else:
-                origins = sorted({d.origin.value for _, d in entries})
-                reasons = sorted({d.reason.value for _, d in entries if d.reason})
-                why = f"; recorded reasons: {', '.join(reasons)}" if reasons else ""
-                problems.append(
-                    f"backend {wanted!r} was requested for component {state.component!r}, but "
-                    f"it ran on none of its {len(entries)} layer(s) (they were decided by "
-                    f"origin {', '.join(origins)}{why})"
-                )
-    for role, backend in state.role_backends:
-        governed = [d for r, d in entries if r is role and d.origin is Origin.ROLE_OVERRIDE]
-        if not governed:
-            problems.append(
-                f"backend {backend.name!r} was requested for the {role.value}-attention layers "
-                f"of component {state.component!r}, but the scope built no "
-                f"{role.value}-attention layer that used it"
-            )
-        elif not any(d.backend == backend.name for d in governed):
-            reasons = sorted({d.reason.value for d in governed if d.reason})
-            why = f" (recorded reasons: {', '.join(reasons)})" if reasons else ""
-            problems.append(
-                f"backend {backend.name!r} was requested for the {role.value}-attention layers "
-                f"of component {state.component!r}, but it ran on none of its "
-                f"{len(governed)} {role.value}-attention layer(s){why}"
-            )
-    return problems
-
-
-def _raise_problems(problems: list[str]) -> None:
+def _raise_problems(problems: list[ScopeProblem]) -> None:
     if problems:
         raise BackendNotAppliedError(
-            "; ".join(problems)
+            "; ".join(p.message for p in problems)
             + ". Build the component's layers inside the scope with attnres.Attention "
             "(or attnres.resolve), or pass require_selection=False if that is intended "
-            "(role overrides are checked regardless)."
+            "(role overrides are checked regardless).",
+            tuple(problems),
         )
 
 
 def _check_applied(handle: ScopeHandle) -> None:
     state = handle.state
-    problems = _unexplained(state, handle.entries)
+    problems = _machine.scope_unexplained(state, handle.entries)
     if handle.pending == 0:
-        problems += _not_applied(state, handle.entries)
+        problems += _machine.scope_not_applied(state, handle.entries)
     _raise_problems(problems)

@@ -79,6 +79,7 @@ from attnres.scope import ScopeState
 
 __all__ = [
     "BASE_SCHEMA_VERSION",
+    "KERNELS_SCHEMA_VERSION",
     "LAYOUT_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
@@ -110,16 +111,20 @@ __all__ = [
 #: The newest schema version this attnres reads. Bumped when a field is added,
 #: removed, renamed or changes meaning (docs/trace-format.md). A trace is
 #: written with the lowest version that can express it: a rule-based resolution
-#: is version 2 (the backward requirement), a tuned one is version 3.
-SCHEMA_VERSION = 4
+#: is version 2 (the backward requirement), a tuned one is version 3, one whose
+#: input carries the process's kernel facts (``no_kernel``) version 4, one whose
+#: layer has a sequence-parallel layout version 5 (issue 24).
+SCHEMA_VERSION = 5
 #: The version of a trace that holds autotune records (tuning, measurement).
 TUNED_SCHEMA_VERSION = 3
+#: The version of a trace whose input records which backends had no kernel.
+KERNELS_SCHEMA_VERSION = 4
 #: The version of a rule-based trace.
 BASE_SCHEMA_VERSION = 2
 #: Issue 24: the version of a trace whose layer has a sequence-parallel layout
-#: (``input.layer.layout``, the ``layout`` check and its codes). Such a layer is
-#: never autotuned, so no trace needs both.
-LAYOUT_SCHEMA_VERSION = 4
+#: (``input.layer.layout``, the ``layout`` check and its codes); it holds what
+#: version 4 holds too. Such a layer is never autotuned.
+LAYOUT_SCHEMA_VERSION = 5
 
 #: The requirement keys of a schema-1 trace (attnres 0.1): later requirements
 #: did not exist, so such a trace reads them as false, and its digest is computed
@@ -299,6 +304,19 @@ class TraceInput:
     #: this process fails the ``available`` check (code ``no_kernel``). Written
     #: to a trace only when true (older traces, and plans, omit it).
     needs_kernel: bool = field(default=False, kw_only=True, metadata={"omit_default": True})
+    #: with ``needs_kernel``: the registered backends that had no kernel in the
+    #: process that resolved (sorted names), so the ``available`` check reads
+    #: the trace, never the replaying process (schema 4). ``None`` in older
+    #: traces: their replay reads this process's kernel registry.
+    no_kernel: tuple[str, ...] | None = field(
+        default=None, kw_only=True, metadata={"omit_default": True}
+    )
+
+    def schema_version(self) -> int:
+        """The lowest schema version that can express this input."""
+        if self.layer.layout is not None:  # issue 24: a sequence-parallel layout
+            return LAYOUT_SCHEMA_VERSION
+        return BASE_SCHEMA_VERSION if self.no_kernel is None else KERNELS_SCHEMA_VERSION
 
 
 @frozen
@@ -308,15 +326,7 @@ class Trace:
     input: TraceInput
     records: tuple[Record, ...]
     outcome: Outcome
-    #: the lowest version that can express the trace (issue 24: a layout needs 4)
-    schema_version: int = field(
-        default=attrs.Factory(
-            lambda self: (
-                BASE_SCHEMA_VERSION if self.input.layer.layout is None else LAYOUT_SCHEMA_VERSION
-            ),
-            takes_self=True,
-        )
-    )
+    schema_version: int = BASE_SCHEMA_VERSION
 
     @functools.cached_property
     def digest(self) -> str:
@@ -1084,6 +1094,12 @@ def _structure_trace(doc: Any) -> Trace:
     if version < TUNED_SCHEMA_VERSION:
         _check_base_version(records, version)
     outcome = _structure_at(_CONVERTER, doc["outcome"], Outcome, ".outcome")
+    if version < KERNELS_SCHEMA_VERSION and inp.no_kernel is not None:
+        raise _Invalid(
+            ".input.no_kernel",
+            f"the input's kernel facts belong to schema version {KERNELS_SCHEMA_VERSION}, but "
+            f"the file says version {version}: the file was edited or corrupted",
+        )
     if version < TUNED_SCHEMA_VERSION and outcome.reason == Reason.MEASURED_FASTER.value:
         raise _Invalid(
             ".outcome.reason", _needs_tuned_version("the reason 'measured faster'", version)

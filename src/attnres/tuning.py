@@ -1,7 +1,9 @@
-"""Measured selection, the pure part: which decisions are tuned, the measuring
-stage's checks, the verdict rule, the tuned trace, its replay, and the results
-file. Nothing here imports torch or times anything: :mod:`attnres.autotuner`
-measures on real tensors and hands the facts to this module.
+"""Measured selection, the pure part: the tolerances and the results file. The
+rules of the measuring stage (which decisions are tuned, its checks, the
+verdict rule, the tuned trace and its replay) are the machine's
+(:mod:`attnres.machine`, re-exported here). Nothing here imports torch or times
+anything: :mod:`attnres.autotuner` measures on real tensors and hands the facts
+to the machine.
 
 Theory of operation
 -------------------
@@ -37,23 +39,23 @@ from typing import Any, Final
 import attrs
 from attrs import frozen
 
-from attnres._states import Event, Reason, State, Verdict
 from attnres.backends import Backend
 from attnres.errors import ResultsFileError
 from attnres.layer import SelectionConfig
-from attnres.machine import TRANSITIONS, TUNABLE_ORIGINS, check_candidate
+
+# the measuring stage is the machine's (attnres.machine); re-exported here
+from attnres.machine import (
+    NO_KERNEL,
+    Measured,
+    is_tunable,
+    is_tuned,
+    measuring_checks,
+    replay_tuned,
+    tuned_trace,
+    verdicts,
+)
 from attnres.platform import Platform
 from attnres.trace import (
-    TUNED_SCHEMA_VERSION,
-    CheckRecord,
-    MeasurementRecord,
-    Outcome,
-    Record,
-    SelectedRecord,
-    SkipRecord,
-    Trace,
-    TransitionRecord,
-    TuningRecord,
     atomic_write_text,
     canonical_json,
 )
@@ -86,8 +88,6 @@ DEFAULT_TOLERANCES: Final[Mapping[str, float]] = {
     "float8_e5m2": 0.25,
 }
 
-#: The detail of a ``skip`` record for a candidate without a kernel here.
-NO_KERNEL: Final = "no kernel in this process"
 
 
 def tolerance_for(config: SelectionConfig, dtype: str) -> float:
@@ -96,224 +96,6 @@ def tolerance_for(config: SelectionConfig, dtype: str) -> float:
         if name == dtype:
             return tolerance
     return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float32"])
-
-
-def is_tunable(trace: Trace) -> bool:
-    """Whether autotune may measure this decision: selected, automatic, untuned, and
-    not under a sequence-parallel layout (issue 24: each rank would time its own
-    shard and could tune apart from the others)."""
-    return (
-        trace.outcome.status == "selected"
-        and trace.outcome.origin in TUNABLE_ORIGINS
-        and not is_tuned(trace)
-        and trace.input.layer.layout is None
-    )
-
-
-def is_tuned(trace: Trace) -> bool:
-    """Whether the trace records a measurement (it holds a ``tuning`` record)."""
-    return any(isinstance(r, TuningRecord) for r in trace.records)
-
-
-@frozen
-class Measured:
-    """The facts of one candidate's measurement (what a device has to tell)."""
-
-    candidate: Backend
-    median_ns: int | None = None
-    spread_ns: int | None = None
-    deviation: float | None = None
-    error: str | None = None
-
-    @classmethod
-    def of(cls, record: MeasurementRecord) -> Measured:
-        return cls(
-            record.candidate, record.median_ns, record.spread_ns, record.deviation, record.error
-        )
-
-
-# =============================================================================
-# The rule
-# =============================================================================
-
-
-def verdicts(
-    measured: Sequence[Measured], margin: float, tolerance: float
-) -> tuple[tuple[Verdict, ...], Backend | None]:
-    """Each measurement's verdict, and the winner (``None``: the incumbent stays).
-
-    ``measured[0]`` is the incumbent. A candidate that raised is ``raised``;
-    one whose deviation is unknown (not finite) or above ``tolerance`` is
-    ``disagrees``, whatever its speed; of the others, those faster than the
-    incumbent by more than ``margin`` (``median < incumbent * (1 - margin)``)
-    compete, and the fastest (the first in order on a tie) is ``chosen``, the
-    rest ``outpaced``; the remaining ones are ``within_margin``.
-    """
-    if not measured:
-        raise ValueError("verdicts: no measurement (the incumbent comes first)")
-    incumbent = measured[0].median_ns
-    out: list[Verdict] = [Verdict.INCUMBENT]
-    fast: list[tuple[int, int]] = []
-    for position, m in enumerate(measured[1:], start=1):
-        if m.error is not None or m.median_ns is None:
-            out.append(Verdict.RAISED)
-        elif m.deviation is None or not m.deviation <= tolerance:
-            out.append(Verdict.DISAGREES)
-        elif incumbent is not None and m.median_ns < incumbent * (1.0 - margin):
-            out.append(Verdict.OUTPACED)
-            fast.append((m.median_ns, position))
-        else:
-            out.append(Verdict.WITHIN_MARGIN)
-    if not fast:
-        return tuple(out), None
-    _, best = min(fast)
-    out[best] = Verdict.CHOSEN
-    return tuple(out), measured[best].candidate
-
-
-# =============================================================================
-# The measuring stage and the tuned trace
-# =============================================================================
-
-
-def _evaluated(trace: Trace) -> dict[Backend, State]:
-    """Backends the machine checked, and the stage where it first did."""
-    seen: dict[Backend, State] = {}
-    for record in trace.records:
-        if isinstance(record, CheckRecord):
-            seen.setdefault(record.candidate, record.stage)
-    return seen
-
-
-def _machine_part(trace: Trace) -> tuple[Record, ...]:
-    """The machine's records without its terminal ``selected`` record."""
-    if is_tuned(trace) or not isinstance(trace.records[-1], SelectedRecord):
-        raise ValueError("only a selected, untuned decision can be tuned")
-    return trace.records[:-1]
-
-
-def measuring_checks(
-    trace: Trace, considered: Iterable[Backend]
-) -> tuple[tuple[Record, ...], tuple[Backend, ...]]:
-    """The ``measuring`` stage's check and skip records, and the passing backends.
-
-    A backend the machine already evaluated is skipped (its checks are pure
-    functions of the input, so they would fail, or pass, again); the incumbent
-    is among those. Every other considered backend runs every check.
-    """
-    incumbent = trace.outcome.backend
-    seen = _evaluated(trace)
-    inp = trace.input
-    records: list[Record] = []
-    passing: list[Backend] = []
-    done: set[Backend] = set()
-    for backend in considered:
-        if backend in done:
-            continue
-        done.add(backend)
-        if backend in seen:
-            what = "the incumbent" if backend == incumbent else "failed"
-            records.append(
-                SkipRecord(
-                    State.MEASURING,
-                    backend,
-                    f"already evaluated at {seen[backend].value} ({what})",
-                )
-            )
-            continue
-        results = check_candidate(backend, inp.layer, inp.platform)
-        for check, failures in results:
-            records.append(CheckRecord(State.MEASURING, backend, check, not failures, failures))
-        if not any(failures for _, failures in results):
-            passing.append(backend)
-    return tuple(records), tuple(passing)
-
-
-def _step(source: State, event: Event, candidate: Backend) -> TransitionRecord:
-    target, reason = TRANSITIONS[source][event]
-    sets = None if reason is None else reason.value
-    return TransitionRecord(source, event, target, candidate, sets)
-
-
-def tuned_trace(
-    trace: Trace,
-    tuning: TuningRecord,
-    no_kernel: Mapping[Backend, str],
-    measured: Sequence[Measured],
-) -> Trace:
-    """The tuned trace of a selected decision, from the measurement facts.
-
-    ``trace`` is the machine's trace; ``no_kernel`` maps each passing
-    candidate without a kernel to why; ``measured`` holds the incumbent's facts
-    first, then each measured candidate's. A passing candidate with neither a
-    kernel note nor a measurement is recorded as ``raised`` ("not measured"),
-    so that a replay under changed rules shows it.
-    """
-    incumbent = trace.outcome.backend
-    if incumbent is None:
-        raise ValueError("only a selected decision can be tuned")
-    checks, passing = measuring_checks(trace, tuning.considered)
-    by_backend = {m.candidate: m for m in measured}
-    if incumbent not in by_backend:
-        raise ValueError(f"the incumbent {incumbent.name!r} has no measurement")
-    records: list[Record] = [
-        *_machine_part(trace),
-        _step(State.SELECTED, Event.MEASURE, incumbent),
-        tuning,
-        *checks,
-    ]
-    ordered: list[Measured] = [by_backend[incumbent]]
-    for backend in passing:
-        if backend in no_kernel:
-            detail = NO_KERNEL + (f": {no_kernel[backend]}" if no_kernel[backend] else "")
-            records.append(SkipRecord(State.MEASURING, backend, detail))
-        else:
-            ordered.append(
-                by_backend.get(
-                    backend,
-                    Measured(backend, error="not measured (it passed no check when recorded)"),
-                )
-            )
-    judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance)
-    for m, verdict in zip(ordered, judged, strict=True):
-        records.append(
-            MeasurementRecord(
-                m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict
-            )
-        )
-    origin = trace.outcome.origin
-    if winner is None:
-        records.append(_step(State.MEASURING, Event.INCUMBENT_KEPT, incumbent))
-        records.append(SelectedRecord(incumbent, origin, trace.outcome.reason))
-        outcome = trace.outcome
-    else:
-        reason = Reason.MEASURED_FASTER.value
-        records.append(_step(State.MEASURING, Event.MEASURED_FASTER, winner))
-        records.append(SelectedRecord(winner, origin, reason))
-        outcome = Outcome("selected", origin, winner, reason)
-    return Trace(trace.input, tuple(records), outcome, TUNED_SCHEMA_VERSION)
-
-
-def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
-    """A tuned trace again: the machine's part from ``machine_trace`` (a fresh run
-    on the recorded input), the measuring stage's checks again, and every
-    verdict and the outcome recomputed from the recorded facts."""
-    tuning = next(r for r in recorded.records if isinstance(r, TuningRecord))
-    no_kernel: dict[Backend, str] = {}
-    for r in recorded.records:
-        if (
-            isinstance(r, SkipRecord)
-            and r.stage is State.MEASURING
-            and r.detail.startswith(NO_KERNEL)
-        ):
-            no_kernel[r.candidate] = r.detail[len(NO_KERNEL):].removeprefix(": ")
-    measured = [Measured.of(r) for r in recorded.records if isinstance(r, MeasurementRecord)]
-    if machine_trace.outcome.status != "selected" or machine_trace.outcome.backend is None:
-        return machine_trace  # the rules changed: the decision is no longer tunable
-    if not measured or measured[0].candidate != machine_trace.outcome.backend:
-        # the rules now select another incumbent: its facts were never recorded
-        measured = [Measured(machine_trace.outcome.backend, error="not measured"), *measured]
-    return tuned_trace(machine_trace, tuning, no_kernel, measured)
 
 
 # =============================================================================

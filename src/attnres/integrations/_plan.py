@@ -24,7 +24,7 @@ from attnres import audit as _audit
 from attnres._states import Status
 from attnres._vocab import Role
 from attnres.backends import Backend
-from attnres.errors import ResolutionError
+from attnres.errors import IntegrationError, ResolutionError  # errors holds every exception
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.plan import (
     ComponentEntry,
@@ -50,17 +50,6 @@ __all__ = [
     "SiteDescription",
     "plan_sites",
 ]
-
-
-class IntegrationError(ValueError):
-    """``apply`` could not install every decision; nothing was changed.
-
-    ``.plan`` is the :class:`IntegrationPlan` that says, site by site, why.
-    """
-
-    def __init__(self, message: str, plan: IntegrationPlan) -> None:
-        super().__init__(message)
-        self.plan = plan
 
 
 @frozen

@@ -92,10 +92,12 @@ SPARSE_BACKENDS: frozenset[str] = frozenset(s.name for s in BUILTIN_SPECS if s.s
 _lock = threading.Lock()
 # name -> a kernel given to register_kernel (a callable or a lazy "module:factory")
 _entries: dict[str, KernelFn | str] = {}
-# names whose spec adapter was removed with unregister_kernel
-_removed: set[str] = set()
-# name -> the kernel built from a lazy entry
-_built: dict[str, KernelFn] = {}
+# name -> the spec adapter removed with unregister_kernel (a spec registered
+# afterwards with another adapter is served again: the removal was of the old one)
+_removed: dict[str, str | None] = {}
+# (name, lazy entry) -> the kernel built from it: a spec replaced with another
+# adapter string (register_backend(..., replace=True)) is another key
+_built: dict[tuple[str, str], KernelFn] = {}
 
 
 def _spec_adapter(key: str) -> str | None:
@@ -107,9 +109,20 @@ def _spec_adapter(key: str) -> str | None:
 def _entry(key: str) -> KernelFn | str | None:
     """What serves ``key``: a registration, else the spec's adapter (caller holds _lock)."""
     entry = _entries.get(key)
-    if entry is not None or key in _removed:
+    if entry is not None or _is_removed(key):
         return entry
     return _spec_adapter(key)
+
+
+def _is_removed(key: str) -> bool:
+    """Whether ``key``'s current spec adapter was removed with unregister_kernel."""
+    return key in _removed and _removed[key] == _spec_adapter(key)
+
+
+def _forget_built(key: str) -> None:
+    """Drop what was built for ``key`` (caller holds _lock): a registration builds anew."""
+    for built in [b for b in _built if b[0] == key]:
+        del _built[built]
 
 
 def _key(backend_name: str) -> str:
@@ -142,8 +155,8 @@ def register_kernel(backend_name: str, fn: KernelFn | str, *, replace: bool = Fa
                 "pass replace=True to override it"
             )
         _entries[key] = fn
-        _removed.discard(key)
-        _built.pop(key, None)
+        _removed.pop(key, None)
+        _forget_built(key)
     kernels_changed()
 
 
@@ -157,8 +170,8 @@ def unregister_kernel(backend_name: str) -> None:
     key = _key(backend_name)
     with _lock:
         _entries.pop(key, None)
-        _removed.add(key)
-        _built.pop(key, None)
+        _removed[key] = _spec_adapter(key)
+        _forget_built(key)
     kernels_changed()
 
 
@@ -173,7 +186,7 @@ def get_kernel(backend_name: str) -> KernelFn | None:
     key = _key(backend_name)
     with _lock:
         entry = _entry(key)
-        built = _built.get(key)
+        built = None if not isinstance(entry, str) else _built.get((key, entry))
     if entry is None or not isinstance(entry, str):
         return entry
     if built is not None:
@@ -183,7 +196,7 @@ def get_kernel(backend_name: str) -> KernelFn | None:
     kernel = factory()
     with _lock:
         if _entry(key) == entry:  # not replaced while we were building
-            kernel = _built.setdefault(key, kernel)
+            kernel = _built.setdefault((key, entry), kernel)
     return kernel
 
 
@@ -209,9 +222,7 @@ def specialized(
             features["window"] = window
         general: Callable[..., Tensor] = kernel
 
-        def call_with_features(
-            q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
-        ) -> Tensor:
+        def call_with_features(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
             return general(q, k, v, attn_mask, causal, scale, **features)
 
         return call_with_features
@@ -240,7 +251,7 @@ def kernel_source(backend_name: str) -> KernelSource:
     key = _key(backend_name)
     with _lock:
         entry = _entries.get(key)
-        removed = key in _removed
+        removed = _is_removed(key)
     adapter = _spec_adapter(key)
     if entry is not None:
         return KernelSource.BUILTIN if entry == adapter else KernelSource.REGISTERED
@@ -252,14 +263,23 @@ def kernel_source(backend_name: str) -> KernelSource:
 def kernel_names() -> tuple[str, ...]:
     """The backend names that have a kernel (registered or named by a spec), sorted."""
     with _lock:
-        named = {s.name for s in registered_backends() if s.kernel is not None} - _removed
+        named = {
+            s.name
+            for s in registered_backends()
+            if s.kernel is not None and not _is_removed(s.name)
+        }
         return tuple(sorted(named | set(_entries)))
 
 
 def clear_kernel_cache() -> None:
     """Drop the kernels built from lazy entries; the next :func:`get_kernel` imports again.
 
-    For tests, and for a process that installs a kernel package after startup.
+    For tests, and for a process that installs a kernel package after startup. It
+    is a registry change (:func:`attnres.backends.kernels_changed`): every cache
+    that holds a kernel (the layers' construction memos, per-request and
+    training bindings) is invalidated with it, so a layer built afterwards never
+    runs a kernel built before. Layers built earlier keep the kernel they bound.
     """
     with _lock:
         _built.clear()
+    kernels_changed()

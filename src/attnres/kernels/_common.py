@@ -12,6 +12,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+# re-exported: attnres.errors holds every exception
+from attnres.errors import KernelUnavailableError
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -27,14 +30,6 @@ __all__ = [
     "window_keep",
     "with_window",
 ]
-
-
-class KernelUnavailableError(ImportError):
-    """The package a kernel adapter needs cannot be imported (or is the wrong one).
-
-    An ``ImportError`` so that ``except ImportError`` keeps working; the message
-    names the backend, the package and how to install it.
-    """
 
 
 def import_kernel_package(module: str, *, backend: str, install: str) -> ModuleType:

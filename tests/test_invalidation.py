@@ -1,0 +1,185 @@
+"""One invalidation for every cache (issue 21 section 3; issue 23 item 4).
+
+Every cache of specs, kernels, closures, per-request and training bindings,
+platform probes and measurements is cleared by, or keyed on, the one registry
+generation: a backend or kernel registered, replaced or removed -- or
+``clear_kernel_cache()`` -- never leaves a stale answer to be served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from torch import Tensor
+
+from attnres import (
+    Attention,
+    BackendSpec,
+    Platform,
+    register_backend,
+    request_backend,
+    unregister_backend,
+)
+from attnres.errors import UnknownBackendError
+from attnres.kernels import (
+    clear_kernel_cache,
+    get_kernel,
+    register_kernel,
+    unregister_kernel,
+)
+from attnres.modules import KernelNotRegisteredError
+from attnres.platform import detected_platform
+
+CPU = Platform.simulate("cpu")
+_SDPA = get_kernel("torch_sdpa")
+assert _SDPA is not None
+CALLS: list[str] = []
+
+
+def _kernel(label: str) -> Callable[..., Tensor]:
+    def kernel(q, k, v, attn_mask, causal, scale):  # type: ignore[no-untyped-def]
+        CALLS.append(label)
+        assert _SDPA is not None
+        return _SDPA(q, k, v, attn_mask, causal, scale)
+
+    kernel.__qualname__ = f"kernel_{label}"
+    return kernel
+
+
+KA, KB = _kernel("a"), _kernel("b")
+FAKE = types.ModuleType("attnres_i21_fake_kernels")
+FAKE.make_a = lambda: KA  # type: ignore[attr-defined]
+FAKE.make_b = lambda: KB  # type: ignore[attr-defined]
+FAKE.current = KA  # type: ignore[attr-defined]
+FAKE.make_current = lambda: FAKE.current  # type: ignore[attr-defined]
+
+
+def _spec(name: str, **kwargs: object) -> BackendSpec:
+    kwargs.setdefault("implements", ("backward",))
+    return BackendSpec(
+        name=name,
+        sparse=False,
+        platforms=("cpu",),
+        dtypes=("float32",),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(autouse=True)
+def fake_module() -> Iterator[None]:
+    sys.modules[FAKE.__name__] = FAKE
+    FAKE.current = KA  # type: ignore[attr-defined]
+    CALLS.clear()
+    names: list[str] = []
+    yield
+    sys.modules.pop(FAKE.__name__, None)
+    for name in ("inv_x", "inv_a", "inv_b", "inv_req", "inv_nobwd", "inv_bwd", "inv_pkg"):
+        with contextlib.suppress(ValueError, KeyError):
+            unregister_backend(name)
+        unregister_kernel(name)
+    del names
+
+
+def _layer(**kwargs: object) -> Attention:
+    return Attention(2, 16, dtype=torch.float32, platform=CPU, **kwargs)  # type: ignore[arg-type]
+
+
+def _qkv(grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(torch.randn(1, 4, 2, 16, requires_grad=grad) for _ in range(3))  # type: ignore[return-value]
+
+
+def test_replacing_a_backend_spec_serves_its_new_kernel() -> None:
+    spec = _spec("inv_x", kernel=f"{FAKE.__name__}:make_a")
+    register_backend(spec)
+    assert _layer(backend="inv_x").kernel is KA
+    register_backend(attrs.evolve(spec, kernel=f"{FAKE.__name__}:make_b"), replace=True)
+    assert _layer(backend="inv_x").kernel is KB
+
+
+def test_clear_kernel_cache_reaches_layers_built_afterwards() -> None:
+    register_backend(_spec("inv_x", kernel=f"{FAKE.__name__}:make_current"))
+    before = _layer(backend="inv_x", name="before")
+    assert before.kernel is KA
+    FAKE.current = KB  # type: ignore[attr-defined]  # the package was reinstalled
+    clear_kernel_cache()
+    assert _layer(backend="inv_x", name="after").kernel is KB
+    assert before.kernel is KA  # a layer keeps the kernel it bound
+
+
+def test_a_layer_built_after_an_alias_moved_follows_it() -> None:
+    register_backend(_spec("inv_a", aliases=("inv_fast",)))
+    register_kernel("inv_a", KA)
+    register_kernel("inv_b", KB)
+    assert _layer(default="inv_fast").backend.name == "inv_a"  # type: ignore[union-attr]
+    unregister_backend("inv_a")
+    register_backend(_spec("inv_b", aliases=("inv_fast",)))
+    layer = _layer(default="inv_fast")
+    assert layer.backend.name == "inv_b"  # type: ignore[union-attr]
+    assert layer.kernel is KB
+
+
+def test_a_replaced_kernel_reaches_the_prepared_request_bindings() -> None:
+    register_backend(_spec("inv_req"))
+    register_kernel("inv_req", KA)
+    layer = _layer()
+    q, k, v = _qkv()
+    with request_backend(layer, "inv_req"):
+        assert layer.kernel is KA
+        layer(q, k, v)
+    register_kernel("inv_req", KB, replace=True)
+    with request_backend(layer, "inv_req"):
+        assert layer.kernel is KB
+        layer(q, k, v)
+    assert CALLS == ["a", "b"]
+
+
+def test_a_replaced_kernel_reaches_the_training_binding() -> None:
+    register_backend(_spec("inv_nobwd", implements=()))
+    register_backend(_spec("inv_bwd"))
+    register_kernel("inv_nobwd", _kernel("inference"))
+    register_kernel("inv_bwd", KA)
+    layer = _layer(supported={"inv_nobwd", "inv_bwd"}, default="inv_nobwd")
+    assert layer.backend.name == "inv_nobwd"  # type: ignore[union-attr]
+    layer(*_qkv(grad=True))
+    assert layer.backward_resolution.backend.name == "inv_bwd"  # type: ignore[union-attr]
+    register_kernel("inv_bwd", KB, replace=True)
+    layer(*_qkv(grad=True))
+    assert CALLS == ["a", "b"]
+
+
+def test_a_backend_registered_after_detection_has_its_package_probed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "attnres_i21_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("__version__ = '1.2'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    detected_platform()  # detected before the backend exists
+    register_backend(_spec("inv_pkg", package="attnres_i21_pkg"))
+    fact = detected_platform().package("attnres_i21_pkg")
+    assert (fact.status, fact.version) == ("present", "1.2")
+    assert Platform.detect().package("attnres_i21_pkg").usable
+
+
+def test_register_replace_unregister_serves_nothing_stale() -> None:
+    register_backend(_spec("inv_x"))
+    register_kernel("inv_x", KA)
+    first = _layer(backend="inv_x", name="l")
+    assert first.kernel is KA
+    register_kernel("inv_x", KB, replace=True)
+    assert _layer(backend="inv_x", name="l").kernel is KB
+    with request_backend(_layer(name="m"), "inv_x") as backend:
+        assert backend.name == "inv_x"
+    unregister_kernel("inv_x")
+    with pytest.raises((KernelNotRegisteredError, ValueError), match="inv_x"):
+        _layer(backend="inv_x", name="l")
+    unregister_backend("inv_x")
+    with pytest.raises(UnknownBackendError):
+        _layer(backend="inv_x", name="l")
