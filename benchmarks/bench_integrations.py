@@ -66,3 +66,56 @@ def test_plan_full_flux_on_meta(benchmark: Any, ratios: RatioRegistry) -> None:
                   unit="s", target=2.0,
                   note=f"median of 5; min {min(times):.3f}s, max {max(times):.3f}s")
     benchmark.pedantic(lambda: plan_folder(folder), rounds=3, iterations=1)
+
+
+def test_generic_route_vs_site_calling_the_kernel_itself(
+    benchmark: Any, ratios: RatioRegistry, paired: Any
+) -> None:
+    """(c) the generic route on a tiny UNet attention block (``AttnProcessor2_0``
+    decided ``eager``) against the same processor calling the same attnres kernel
+    itself, with the same transposes: the route's per-call cost (the signature
+    check and the kernel lookup) is the difference; at most 1.03x."""
+    import copy
+
+    from diffusers.models.attention_processor import Attention
+
+    from attnres.integrations import _route
+    from attnres.kernels import get_kernel
+
+    torch.manual_seed(0)
+    block = Attention(query_dim=64, heads=2, dim_head=32).eval()
+    x = torch.randn(1, 256, 64)
+    kernel = get_kernel("eager")
+    assert kernel is not None
+
+    class Itself:
+        """The kernel called as the site would call it itself: no check, no lookup."""
+
+        def __init__(self) -> None:
+            self.homes: list[str] = []
+
+        def __call__(self, q: Any, k: Any, v: Any, attn_mask: Any = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
+                     **_: Any) -> Any:
+            out = kernel(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
+                         attn_mask, is_causal, scale)
+            return out.transpose(-3, -2)
+
+    itself = Itself()
+    direct = copy.deepcopy(block)
+    call = _route.rebind(type(block.processor).__call__, itself)  # type: ignore[arg-type]
+    cls = type(block.processor)
+    direct.set_processor(type(cls.__name__, (cls,), {"__call__": call})())
+    routed = copy.deepcopy(block)
+    holder = torch.nn.Module()
+    holder.attn = routed
+    plan = governed.apply({"vae": holder}, attnres.SelectionConfig(global_backend="eager"))
+    assert {s.backend.name for s in plan.sites} == {"eager"}
+    assert governed.routes({"vae": holder})
+    with torch.inference_mode():
+        torch.testing.assert_close(routed(x), direct(x))
+        result = paired(lambda: routed(x), lambda: direct(x), rounds=60, inner=20)
+    ratios.record("generic route / site calling the kernel itself (tiny UNet attention)",
+                  result.ratio, target=1.03, note=result.describe())
+    benchmark.extra_info["ratio_vs_direct"] = result.ratio
+    benchmark.pedantic(lambda: routed(x), rounds=10, iterations=10, warmup_rounds=1)

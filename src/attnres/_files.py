@@ -341,8 +341,25 @@ def check_manifest(folder: Path) -> list[tuple[str, str]]:
                 f"(interrupted or killed), so trace files may be missing; write it again",
             )
         ]
-    return [
+    out = [
         (str(folder / name), f"listed in {MANIFEST_NAME} but missing: the folder is incomplete")
         for name in files
         if not os.path.lexists(folder / name)
     ]
+    # issue 20 item 15: a trace the last run did not write is stale (left by an
+    # earlier plan of another pipeline or platform); it must not replay as ok
+    listed = set(files)
+    try:
+        present = sorted(e.name for e in os.scandir(folder) if e.name.endswith(".json"))
+    except OSError:
+        present = []
+    out += [
+        (
+            str(folder / name),
+            f"not listed in {MANIFEST_NAME}: left by an earlier run, not written by {writer}; "
+            f"delete it or write the folder again into an empty one",
+        )
+        for name in present
+        if name not in listed
+    ]
+    return out

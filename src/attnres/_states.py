@@ -154,6 +154,14 @@ class Status(_StrEnum):
 
     SELECTED = "selected"
     REJECTED = "rejected"
+    # issue 19 (additive): integration sites that are not resolved at plan time
+    #: an attention site whose head facts only its first call tells ("decided at
+    #: first call"); it is resolved then, through the machine, and traced
+    PENDING = "pending"
+    #: a module attnres found but leaves on its own code path, with the reason
+    #: (attention that is not softmax attention; an unclassified site of a
+    #: component that may fall back)
+    UNGOVERNED = "ungoverned"
 
 
 class ReplayStatus(_StrEnum):

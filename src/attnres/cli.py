@@ -78,7 +78,6 @@ from attnres.render import (
     _table,
     _width,
     _wrap,
-    render_integration_plan,
     render_plan,
 )
 from attnres.runtime import component_scope
@@ -629,34 +628,41 @@ def _render_explain(trace: Trace) -> list[str]:
 
 
 def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Plan a pipeline file or a model folder: two loaders of one plan model
+    (:class:`~attnres.plan.PlanResult`), rendered, serialised and written by one path."""
     from attnres.plan import load_pipeline, plan_pipeline, with_layout, write_plan_traces
 
+    layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
+    config = selection_config_from_args(args)
     if Path(args.pipeline).is_dir():
-        if args.ulysses_degree or args.ring_degree:
+        if layout is not None:
             raise UsageError(
                 "--ulysses-degree and --ring-degree apply to a pipeline file (attnres plan "
                 "PIPELINE.toml) for now; a model folder's layout is not read yet"
             )
-        return _cmd_plan_dir(args, out, err)
-    if getattr(args, "dtype", None):
-        raise UsageError(
-            "--dtype applies to a model folder (attnres plan DIR); a pipeline file gives "
-            "each layer's dtype itself"
+        from attnres.integrations._folder import parse_dtype_args, plan_folder
+
+        platform = _platform(args.platform)
+        dtypes = parse_dtype_args(args.dtype or [])
+        result = plan_folder(Path(args.pipeline), config, platform, dtypes).to_plan_result()
+        _check_component_overrides(
+            config, [c.name for c in result.components], f"the folder {args.pipeline}"
         )
-    layout = _layout(args)
-    pipeline = with_layout(load_pipeline(args.pipeline), layout)
-    config = selection_config_from_args(args)
-    names = [c.name for c in pipeline.components]
-    known = {split_component_key(n)[0] for n in names}
-    for component, backend in config.component_backends:
-        if split_component_key(component)[0] not in known:
+    else:
+        if getattr(args, "dtype", None):
             raise UsageError(
-                f"--attention-backend {component}={backend.name}: the pipeline "
-                f"{pipeline.name!r} ({pipeline.path}) has no component {component!r}; its "
-                f"components: {', '.join(names)}"
+                "--dtype applies to a model folder (attnres plan DIR); a pipeline file gives "
+                "each layer's dtype itself"
             )
-    platform = _platform(args.platform)
-    result = plan_pipeline(pipeline, config, platform)
+        pipeline = with_layout(load_pipeline(args.pipeline), layout)
+        _check_component_overrides(
+            config,
+            [c.name for c in pipeline.components],
+            f"the pipeline {pipeline.name!r} ({pipeline.path})",
+        )
+        platform = _platform(args.platform)
+        result = plan_pipeline(pipeline, config, platform)
+    pipeline = result.pipeline
     doc = result.to_dict()
     written: tuple[Path, ...] = ()
     if args.trace_out is not None:
@@ -713,6 +719,20 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             )
         _emit(out, lines)
     return EXIT_OK if result.ok else EXIT_REJECTED
+
+
+def _check_component_overrides(
+    config: SelectionConfig, names: Sequence[str], where: str
+) -> None:
+    """Every ``--attention-backend COMPONENT[.ROLE]=X`` names a component of the plan."""
+    known = {split_component_key(n)[0] for n in names}
+    for component, backend in config.component_backends:
+        if split_component_key(component)[0] not in known:
+            raise UsageError(
+                f"--attention-backend {component}={backend.name}: {where} has no "
+                f"component {split_component_key(component)[0]!r}; its components: "
+                f"{', '.join(names)}"
+            )
 
 
 def _plan_layout_lines(pipeline: Any, layout: SequenceLayout) -> list[str]:
@@ -1189,41 +1209,3 @@ def _silence_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
-
-
-# =============================================================================
-# plan DIR: a diffusers pipeline folder or a transformers model folder
-# =============================================================================
-
-
-def _cmd_plan_dir(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from attnres.integrations._folder import parse_dtype_args, plan_folder
-
-    config = selection_config_from_args(args)
-    platform = _platform(args.platform)
-    dtypes = parse_dtype_args(args.dtype or [])
-    result = plan_folder(Path(args.pipeline), config, platform, dtypes)
-    names = [c.name for c in result.components]
-    for component, backend in config.component_backends:
-        if component not in names:
-            raise UsageError(
-                f"--attention-backend {component}={backend.name}: the folder "
-                f"{args.pipeline} has no model component {component!r}; its components: "
-                f"{', '.join(names)}"
-            )
-    doc = result.to_dict()
-    written = []
-    if args.trace_out is not None:
-        written = result.dump_traces(args.trace_out)
-    _log().info("plan finished", pipeline=result.title, status="ok" if result.ok else "rejected",
-                layers=len(result.sites))
-    if args.json:
-        if written:
-            doc["trace_files"] = [str(p) for p in written]
-        _emit_json(out, doc)
-    else:
-        lines = render_integration_plan(result)
-        if written:
-            lines.append(f"Traces: {len(written)} files written to {args.trace_out}")
-        _emit(out, lines)
-    return EXIT_OK if result.ok else EXIT_REJECTED

@@ -52,8 +52,9 @@ from attnres._outcome import OutcomeView
 from attnres._states import (
     KernelSource,
     PlanStatus,
+    Status,
 )
-from attnres._vocab import Role
+from attnres._vocab import Role, normalize_component
 from attnres.backends import Backend
 from attnres.errors import (  # PipelineError: attnres.errors holds every exception
     BackendNotAppliedError,
@@ -62,7 +63,7 @@ from attnres.errors import (  # PipelineError: attnres.errors holds every except
     TraceWriteError,
 )
 from attnres.kernels import kernel_source
-from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.layer import LayerSpec, Requirements, SelectionConfig, split_component_key
 from attnres.layout import LAYOUT_KINDS, SequenceLayout
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve, selection_config
@@ -77,6 +78,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PlanResult",
+    "UnplannedSite",
     "load_pipeline",
     "parse_pipeline",
     "plan_pipeline",
@@ -495,6 +497,14 @@ class LayerPlan(OutcomeView):
     #: (``none``: the plan holds, but running it needs a kernel registered first,
     #: e.g. a sparse backend an operator supplies by plugin); ``None`` if rejected
     kernel: KernelSource | None = None
+    #: a live or folder plan: the module paths of the sites this row stands for
+    #: (a pipeline file declares layers, not sites: empty)
+    sites: tuple[str, ...] = ()
+    #: a live or folder plan: what executes the row's sites (``None`` for a file)
+    route: str | None = None
+    #: a live or folder plan: the heads and kv heads read from the module
+    heads: int | None = None
+    kv_heads: int | None = None
 
     @property
     def needs_kernel(self) -> bool:
@@ -513,6 +523,41 @@ class LayerPlan(OutcomeView):
             "code": self.code,
             "kernel": None if self.kernel is None else self.kernel.value,
             "digest": self.trace.digest,
+            "head_size": self.trace.input.layer.head_size,
+            "dtype": self.trace.input.layer.dtype,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "route": self.route,
+            "sites": list(self.sites),
+        }
+
+
+@frozen
+class UnplannedSite:
+    """A site of a live or folder plan that has no resolution at plan time.
+
+    ``status`` is :attr:`Status.PENDING` (decided at its first call),
+    :attr:`Status.UNGOVERNED` (left on its own code path: ``note`` says why) or
+    :attr:`Status.REJECTED` (``code`` and ``error`` say why).
+    """
+
+    name: str
+    module_class: str
+    route: str
+    status: Status
+    note: str | None = None
+    error: str | None = None
+    code: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "class": self.module_class,
+            "route": self.route,
+            "status": self.status.value,
+            "note": self.note,
+            "error": self.error,
+            "code": self.code,
         }
 
 
@@ -526,10 +571,20 @@ class ComponentPlan:
     allow_global_fallback: bool
     layers: tuple[LayerPlan, ...]
     error: str | None = None
+    #: a live or folder plan: the dtype it was planned for and where it came from
+    dtype: str | None = None
+    dtype_source: str | None = None
+    dtype_detail: str | None = None
+    #: a live or folder plan: sites with no resolution at plan time
+    unplanned: tuple[UnplannedSite, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return self.error is None and all(layer.status == "selected" for layer in self.layers)
+        return (
+            self.error is None
+            and all(layer.status is Status.SELECTED for layer in self.layers)
+            and all(u.status is not Status.REJECTED for u in self.unplanned)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -537,7 +592,10 @@ class ComponentPlan:
             "kind": self.kind,
             "status": "ok" if self.ok else "rejected",
             "error": self.error,
+            "dtype": self.dtype,
+            "dtype_source": self.dtype_source,
             "layers": [layer.to_dict() for layer in self.layers],
+            "unplanned": [u.to_dict() for u in self.unplanned],
         }
 
 
@@ -620,6 +678,8 @@ def plan_pipeline(
         except BackendNotAppliedError as exc:
             if all(layer.status == "selected" for layer in layers):
                 error = str(exc)
+        if error is None:
+            error = unreached_role_override(entry.name, layers, cfg)
         components.append(
             ComponentPlan(
                 name=entry.name,
@@ -658,6 +718,31 @@ def _plan_layer(
         trace=resolution.trace,
         kernel=kernel_source(resolution.backend.name),
     )
+
+
+def unreached_role_override(
+    component: str, layers: Any, config: SelectionConfig
+) -> str | None:
+    """The problem with a ``COMPONENT.ROLE`` override given on the command line (in
+    ``config``) that reaches none of ``component``'s layers, as a role override
+    in a pipeline file is (SPEC 3.6); ``None`` when every one reaches a layer.
+
+    ``layers`` are :class:`LayerPlan` rows or integration sites (anything whose
+    ``trace`` holds the layer's role).
+    """
+    key = normalize_component(component)
+    roles = {layer.trace.input.layer.role for layer in layers}
+    for name, backend in config.component_backends:
+        owner, role = split_component_key(name)
+        if owner != key or role is None or role in roles:
+            continue
+        have = ", ".join(sorted(r.value for r in roles)) or "none"
+        return (
+            f"--attention-backend {name}={backend.name}: component {component!r} has no "
+            f"{role.value}-attention layer (its layers' roles: {have}), so the override "
+            f"applies nowhere; drop it or name the component and role it is meant for"
+        )
+    return None
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")

@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from attnres._states import Status
 from attnres.explain import explain
 from attnres.platform import Platform
 
@@ -206,6 +207,14 @@ def render_plan(result: PlanResult) -> list[str]:
             f"--attention-backend {n}={b.name}" for n, b in config.component_backends
         )
     lines += _field("Request:", request, width)
+    dtypes = [
+        f"{c.name} {c.dtype} ({c.dtype_source}" + (f": {c.dtype_detail})" if c.dtype_detail
+                                                   else ")")
+        for c in result.components
+        if c.dtype is not None
+    ]
+    if dtypes:
+        lines += _field("Dtypes:", "; ".join(dtypes), width)
     fallbacks: dict[str, int] = {}
     for component in result.components:
         entry = next(c for c in pipeline.components if c.name == component.name)
@@ -225,7 +234,7 @@ def render_plan(result: PlanResult) -> list[str]:
         lines += _wrap(header, width, "", "  ")
         rows = []
         for layer in component.layers:
-            if layer.status == "selected":
+            if layer.status is Status.SELECTED:
                 detail = _opt(layer.reason)
                 if layer.reason:
                     fallbacks[layer.reason] = fallbacks.get(layer.reason, 0) + layer.count
@@ -246,15 +255,23 @@ def render_plan(result: PlanResult) -> list[str]:
                     detail,
                 ]
             )
-        lines += _table(
-            ["layer", "count", "backend", "origin", "reason / error"],
-            rows,
-            width=width,
-            wrap=[4, 0],
-            right=[1],
-            min_width=28,
-            ordered=True,
-        )
+        if rows:
+            lines += _table(
+                ["layer", "count", "backend", "origin", "reason / error"],
+                rows,
+                width=width,
+                wrap=[4, 0],
+                right=[1],
+                min_width=28,
+                ordered=True,
+            )
+        elif not component.unplanned:  # an empty table says less than one line
+            lines.append("  (no attention sites)")
+        for site in component.unplanned:
+            label = _UNPLANNED_LABEL[site.status]
+            text = site.error if site.error else site.note
+            lines += _wrap(f"{site.name} ({site.module_class}): {text}", width,
+                           f"  {label}: ", "    ")
         if component.error:
             lines += _wrap(component.error, width, "  problem: ", "           ")
     lines.append("")
@@ -280,8 +297,12 @@ def render_plan(result: PlanResult) -> list[str]:
                 f"install lacks ({', '.join(names)})"
             )
     else:
-        rejected = [la for la in layers if la.status != "selected"]
+        rejected = [la for la in layers if la.status is not Status.SELECTED]
         problems = [c.name for c in result.components if c.error]
+        unclassified = [
+            f"{c.name}/{u.name}" for c in result.components for u in c.unplanned
+            if u.status is Status.REJECTED
+        ]
         parts = []
         if rejected:
             count = sum(la.count for la in rejected)
@@ -289,6 +310,9 @@ def render_plan(result: PlanResult) -> list[str]:
                 f"{len(rejected)} of {len(layers)} distinct layers ({_plural(count, 'layer')}) "
                 f"rejected: " + ", ".join(f"{la.component}/{la.name}" for la in rejected)
             )
+        if unclassified:
+            parts.append(f"{_plural(len(unclassified), 'site')} cannot be classified: "
+                         + ", ".join(unclassified))
         if problems:
             parts.append(f"override not applied in {', '.join(problems)}")
         verdict = "Verdict: rejected - " + "; ".join(parts)
@@ -296,50 +320,15 @@ def render_plan(result: PlanResult) -> list[str]:
     return lines
 
 
-def render_integration_plan(result: Any) -> list[str]:
-    """An :class:`~attnres.integrations.IntegrationPlan` as ``attnres plan`` shows it.
+#: how a site with no resolution at plan time is labelled under its component
+_UNPLANNED_LABEL = {
+    Status.PENDING: "pending",
+    Status.UNGOVERNED: "ungoverned",
+    Status.REJECTED: "unclassified",
+}
 
-    The same table as for a pipeline file, plus the dtype each component was
-    planned for and where that dtype came from; unclassified sites are listed
-    under their component.
-    """
-    lines = render_plan(result.to_plan_result())
-    width = _width()
-    extra: list[str] = []
-    for comp in result.components:
-        if comp.dtype is not None:
-            extra.append(f"{comp.name} {comp.dtype.describe()}")
-    insert = next((i for i, line in enumerate(lines) if not line), len(lines))
-    if extra:
-        lines[insert:insert] = _field("Dtypes:", "; ".join(extra), width)
-    groups = result.by_component()
-    for comp in result.components:
-        if groups[comp.name]:
-            continue
-        header = next(
-            (i for i, line in enumerate(lines) if line.startswith(f"{comp.name}  [")), None
-        )
-        if header is not None:  # an empty table says less than one line
-            end = header + 1
-            while end < len(lines) and lines[end]:
-                end += 1
-            lines[header + 1:end] = ["  (no attention sites)"]
-    for comp in result.components:
-        notes = [s for s in groups[comp.name] if s.trace is None]
-        if not notes:
-            continue
-        header = next(
-            (i for i, line in enumerate(lines) if line.startswith(f"{comp.name}  [")), None
-        )
-        if header is None:
-            continue
-        at = header + 1
-        while at < len(lines) and lines[at]:
-            at += 1
-        add: list[str] = []
-        for site in notes:
-            text = site.error if site.error else site.note
-            add += _wrap(f"{site.name} ({site.module_class}): {text}", width,
-                         "  unclassified: ", "    ")
-        lines[at:at] = add
-    return lines
+
+def render_integration_plan(result: Any) -> list[str]:
+    """An :class:`~attnres.integrations.IntegrationPlan` as ``attnres plan`` shows it:
+    :func:`render_plan` of its :class:`~attnres.plan.PlanResult` (one renderer)."""
+    return render_plan(result.to_plan_result())

@@ -73,8 +73,10 @@ def parse_dtype_args(values: Sequence[str]) -> DtypeArgs:
 def _read_json(path: Path) -> Any:
     size = path.stat().st_size
     if size > MAX_JSON_BYTES:
-        raise ValueError(f"{path}: {size} bytes is larger than attnres reads "
-                         f"({MAX_JSON_BYTES}); is it a config file?")
+        raise ValueError(
+            f"{path}: {size} bytes is larger than attnres reads "
+            f"({MAX_JSON_BYTES}); is it a config file?"
+        )
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -99,8 +101,10 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
                 raise ValueError(f"{path}: too short to be a safetensors file")
             (length,) = struct.unpack("<Q", head)
             if length > MAX_HEADER_BYTES:
-                raise ValueError(f"{path}: header of {length} bytes is larger than attnres "
-                                 f"reads ({MAX_HEADER_BYTES})")
+                raise ValueError(
+                    f"{path}: header of {length} bytes is larger than attnres "
+                    f"reads ({MAX_HEADER_BYTES})"
+                )
             raw = fh.read(length)
         try:
             header = json.loads(raw)
@@ -118,15 +122,19 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
             elif name:
                 counts[name] = counts.get(name, 0) + elements
     if not counts:
-        why = "weights are stored in float8, which is not a compute dtype" if storage_only \
+        why = (
+            "weights are stored in float8, which is not a compute dtype"
+            if storage_only
             else "no floating-point tensors in the headers"
+        )
         return None, why
     best = max(sorted(counts), key=lambda k: counts[k])
     return best, f"{len(files)} safetensors file(s)"
 
 
-def _choose_dtype(name: str, folder: Path, config: Mapping[str, Any],
-                  args: DtypeArgs) -> DtypeChoice:
+def _choose_dtype(
+    name: str, folder: Path, config: Mapping[str, Any], args: DtypeArgs
+) -> DtypeChoice:
     if name in args.per:
         return DtypeChoice(args.per[name], f"--dtype {name}=")
     if args.every is not None:
@@ -138,8 +146,7 @@ def _choose_dtype(name: str, folder: Path, config: Mapping[str, Any],
         value = config.get(key)
         if isinstance(value, str):
             try:
-                return DtypeChoice(normalize_dtype(value), f"config {key}",
-                                   detail)
+                return DtypeChoice(normalize_dtype(value), f"config {key}", detail)
             except ValueError:
                 continue
     return DtypeChoice("float32", "default float32", detail)
@@ -209,8 +216,10 @@ def plan_folder(
         doc = _read_json(folder / "config.json")
         archs = doc.get("architectures") if isinstance(doc, dict) else None
         if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
-            raise ValueError(f"{folder / 'config.json'}: no 'architectures' entry naming the "
-                             f"transformers model class")
+            raise ValueError(
+                f"{folder / 'config.json'}: no 'architectures' entry naming the "
+                f"transformers model class"
+            )
         title = archs[0]
         parts = [(folder.name, "transformers", archs[0])]
     else:
@@ -220,13 +229,16 @@ def plan_folder(
         )
     unknown = sorted(set(args.per) - {p[0] for p in parts})
     if unknown:
-        raise ValueError(f"--dtype {unknown[0]}=...: {folder} has no model component "
-                         f"{unknown[0]!r}; its components: {', '.join(p[0] for p in parts)}")
+        raise ValueError(
+            f"--dtype {unknown[0]}=...: {folder} has no model component "
+            f"{unknown[0]!r}; its components: {', '.join(p[0] for p in parts)}"
+        )
     models: dict[str, Any] = {}
     choices: dict[str, DtypeChoice] = {}
     for name, library, class_name in parts:
-        sub = folder if (folder / "config.json").is_file() and not index.is_file() \
-            else folder / name
+        sub = (
+            folder if (folder / "config.json").is_file() and not index.is_file() else folder / name
+        )
         where = str(sub / "config.json")
         cfg = _read_json(sub / "config.json")
         if not isinstance(cfg, dict):
@@ -235,14 +247,16 @@ def plan_folder(
         try:
             models[name] = _build(library, cls, sub, cfg)
         except (TypeError, ValueError, KeyError) as exc:
-            raise ValueError(f"{where}: cannot build {class_name} from this config: "
-                             f"{exc}") from None
+            raise ValueError(
+                f"{where}: cannot build {class_name} from this config: {exc}"
+            ) from None
         choices[name] = _choose_dtype(name, sub, cfg, args)
     if any(library == "diffusers" for _, library, _ in parts):
         from attnres.integrations import diffusers as _diffusers
 
-        return _diffusers.plan(models, config, platform, dtypes=choices, title=title,
-                               source=str(folder))
+        return _diffusers.plan(
+            models, config, platform, dtypes=choices, title=title, source=str(folder)
+        )
     # a transformers model folder: diffusers need not be installed
     from attnres.integrations import transformers as _transformers
 
@@ -250,5 +264,6 @@ def plan_folder(
         (name, choices[name], _transformers.describe_sites(model, name, choices[name].dtype))
         for name, model in models.items()
     ]
-    return plan_sites(title=title, source=str(folder), components=described,
-                      config=config, platform=platform)
+    return plan_sites(
+        title=title, source=str(folder), components=described, config=config, platform=platform
+    )

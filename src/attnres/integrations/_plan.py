@@ -10,6 +10,7 @@ or transformers.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import re
@@ -33,13 +34,15 @@ from attnres.plan import (
     LayerPlan,
     Pipeline,
     PlanResult,
-    trace_file_name,
+    UnplannedSite,
+    unreached_role_override,
+    write_plan_traces,
 )
 from attnres.platform import Platform
-from attnres.render import render_integration_plan
+from attnres.render import render_plan
 from attnres.runtime import Resolution, component_scope, resolve, selection_config
 from attnres.scope import scope_state
-from attnres.trace import Outcome, Trace, dump_trace
+from attnres.trace import Outcome, Trace
 
 __all__ = [
     "DtypeChoice",
@@ -47,7 +50,9 @@ __all__ = [
     "IntegrationPlan",
     "Problem",
     "Site",
+    "SiteCode",
     "SiteDescription",
+    "SiteError",
     "plan_sites",
 ]
 
@@ -70,15 +75,41 @@ class DtypeChoice:
         return text + (f": {self.detail})" if self.detail else ")")
 
 
+class SiteCode(str, enum.Enum):
+    """Why an integration site is not selected (``Site.error.code``)."""
+
+    #: the machine rejected it (the trace's own code says which check)
+    REJECTED = "rejected"
+    #: its attention call could not be classified, in a strict component
+    UNCLASSIFIED = "unclassified"
+    #: its route cannot run the backend the machine chose
+    ROUTE = "route"
+
+
+@frozen
+class SiteError:
+    """A site's error: a code (:class:`SiteCode`, or the machine's check code for
+    a rejection) and the message, as everywhere else in attnres."""
+
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @frozen
 class SiteDescription:
     """What an integration found at one site, before it is resolved.
 
-    ``route`` names what executes the site (``diffusers dispatcher``, ``sdpa
-    in AttnProcessor2_0``, ``transformers attention interface``); ``supported``
-    is what that route can execute (``None`` with ``why`` for a site that
-    cannot be classified); ``current`` is the backend the route runs now,
-    declared as the site's default only in components that may fall back.
+    ``route`` names what executes the site (``generic route (SDPA in
+    AttnProcessor2_0)``, ``transformers attention interface``...);
+    ``supported`` is what that route can execute (``None``: any backend attnres
+    has a kernel for); ``current`` is the backend the site runs now, declared as
+    the site's default only in components that may fall back. ``pending``: the
+    route is known but the head facts are not, the site is decided at its first
+    call. ``why`` without ``pending``: the site cannot be classified, or
+    (``softmax=False``) is not softmax attention.
     """
 
     component: str
@@ -94,10 +125,14 @@ class SiteDescription:
     requirements: Requirements = field(factory=Requirements)
     current: Backend | None = None
     why: str | None = None
+    pending: bool = False
+    softmax: bool = True
+    #: whether the generic route can serve it (its code calls SDPA)
+    routed: bool = False
 
     @property
     def classified(self) -> bool:
-        return self.supported is not None and self.head_size is not None
+        return self.why is None and not self.pending and self.head_size is not None
 
 
 @frozen
@@ -112,19 +147,28 @@ class Site:
     kv_heads: int | None
     spec: LayerSpec | None
     resolution: Resolution | None
-    error: str | None
+    site_error: SiteError | None
     trace: Trace | None = field(eq=False, repr=False)
     note: str | None = None
+    current: Backend | None = None
+    pending: bool = False
+    routed: bool = False
 
     @property
-    def status(self) -> str:
+    def error(self) -> str | None:
+        return None if self.site_error is None else self.site_error.message
+
+    @property
+    def status(self) -> Status:
         if self.resolution is not None:
-            return "selected"
-        return "rejected" if self.error is not None else "unclassified"
+            return Status.SELECTED
+        if self.site_error is not None:
+            return Status.REJECTED
+        return Status.PENDING if self.pending else Status.UNGOVERNED
 
     @property
-    def backend(self) -> str | None:
-        return None if self.resolution is None else self.resolution.backend.name
+    def backend(self) -> Backend | None:
+        return None if self.resolution is None else self.resolution.backend
 
     def to_dict(self) -> dict[str, Any]:
         res = self.resolution
@@ -132,18 +176,20 @@ class Site:
             "name": self.name,
             "class": self.module_class,
             "route": self.route,
-            "status": self.status,
+            "status": self.status.value,
             "heads": self.heads,
             "kv_heads": self.kv_heads,
             "head_size": None if self.spec is None else self.spec.head_size,
             "dtype": None if self.spec is None else self.spec.dtype,
-            "backend": self.backend,
-            "reason": None if res is None else res.reason,
+            "backend": None if self.backend is None else self.backend.name,
+            "reason": None if res is None or res.reason is None else res.reason.value,
             "origin": (
-                res.origin if res is not None
-                else (str(self.trace.outcome.origin) if self.trace is not None else None)
+                res.origin.value
+                if res is not None
+                else (self.trace.outcome.origin.value if self.trace is not None else None)
             ),
             "error": self.error,
+            "code": None if self.site_error is None else self.site_error.code,
             "note": self.note,
             "digest": None if self.trace is None else self.trace.digest,
         }
@@ -202,52 +248,38 @@ class IntegrationPlan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        config = self.config
-        groups = self.by_component()
-        return {
-            "status": "ok" if self.ok else "rejected",
-            "pipeline": self.title,
-            "file": self.source,
-            "platform": self.platform.describe(),
-            "simulated": self.platform.simulated,
-            "attention_backend": (
-                None if config.global_backend is None else config.global_backend.name
-            ),
-            "attention_backend_explicit": (
-                None if config.global_backend is None else config.global_backend_explicit
-            ),
-            "components": [
-                {
-                    "name": c.name,
-                    "kind": c.kind,
-                    "status": (
-                        "ok" if c.error is None and all(s.error is None for s in groups[c.name])
-                        else "rejected"
-                    ),
-                    "dtype": None if c.dtype is None else c.dtype.dtype,
-                    "dtype_source": None if c.dtype is None else c.dtype.source,
-                    "error": c.error,
-                    "sites": [s.to_dict() for s in groups[c.name]],
-                }
-                for c in self.components
-            ],
-        }
+        """The plan as ``attnres plan --json`` prints it: one schema for a pipeline
+        file, a folder and a live pipeline (``PlanResult.to_dict``)."""
+        return self.to_plan_result().to_dict()
 
-    def to_plan_result(self) -> Any:
-        """The same plan as an :class:`attnres.plan.PlanResult` (rows of like sites)."""
+    def to_plan_result(self) -> PlanResult:
+        """The same plan as an :class:`attnres.plan.PlanResult` (rows of like sites):
+        the one plan model ``attnres plan`` renders, serialises and writes."""
         entries: list[ComponentEntry] = []
         planned: list[ComponentPlan] = []
         groups = self.by_component()
         for comp in self.components:
-            rows = _group_rows(groups[comp.name])
             layer_entries = []
             layer_plans = []
-            for pattern, sites in rows:
+            unplanned = []
+            for pattern, sites in _group_rows(groups[comp.name]):
                 first = sites[0]
-                spec = first.spec if first.spec is not None else LayerSpec(1, "float32")
-                layer_entries.append(LayerEntry(pattern, len(sites), spec))
-                if first.trace is None:  # unclassified: no resolution to show
+                if first.trace is None:  # no resolution at plan time
+                    unplanned += [
+                        UnplannedSite(
+                            name=s.name,
+                            module_class=s.module_class,
+                            route=s.route,
+                            status=s.status,
+                            note=s.note,
+                            error=s.error,
+                            code=None if s.site_error is None else s.site_error.code,
+                        )
+                        for s in sites
+                    ]
                     continue
+                assert first.spec is not None
+                layer_entries.append(LayerEntry(pattern, len(sites), first.spec))
                 res = first.resolution
                 layer_plans.append(
                     LayerPlan(
@@ -255,7 +287,8 @@ class IntegrationPlan:
                         name=pattern,
                         count=len(sites),
                         outcome=(
-                            res.outcome if res is not None
+                            res.outcome
+                            if res is not None
                             else Outcome(
                                 Status.REJECTED,
                                 first.trace.outcome.origin,
@@ -264,10 +297,16 @@ class IntegrationPlan:
                             )
                         ),
                         trace=first.trace,
+                        sites=tuple(s.name for s in sites),
+                        route=first.route,
+                        heads=first.heads,
+                        kv_heads=first.kv_heads,
                     )
                 )
-            entries.append(ComponentEntry(comp.name, comp.kind, None, (), None,
-                                          tuple(layer_entries)))
+            entries.append(
+                ComponentEntry(comp.name, comp.kind, None, (), None, tuple(layer_entries))
+            )
+            error = comp.error
             planned.append(
                 ComponentPlan(
                     name=comp.name,
@@ -275,7 +314,11 @@ class IntegrationPlan:
                     loader=comp.loader,
                     allow_global_fallback=comp.allow_global_fallback,
                     layers=tuple(layer_plans),
-                    error=comp.error,
+                    error=error,
+                    dtype=None if comp.dtype is None else comp.dtype.dtype,
+                    dtype_source=None if comp.dtype is None else comp.dtype.source,
+                    dtype_detail=None if comp.dtype is None else comp.dtype.detail,
+                    unplanned=tuple(unplanned),
                 )
             )
         pipeline = Pipeline(self.title, self.source, tuple(entries))
@@ -283,27 +326,16 @@ class IntegrationPlan:
 
     def render(self) -> str:
         """The same table as ``attnres plan``, plus each component's dtype and source."""
-        return "\n".join(render_integration_plan(self))
+        return "\n".join(render_plan(self.to_plan_result()))
 
     def dump_traces(self, directory: str | os.PathLike[str]) -> list[Path]:
-        """Write one replayable trace per resolved site; returns the files written."""
-
-        out_dir = Path(directory)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        written: list[Path] = []
-        used: set[str] = set()
-        for site in self.sites:
-            if site.trace is None:
-                continue
-            name = trace_file_name(site.component, site.name)
-            stem, n = name[: -len(".json")], 2
-            while name in used:
-                name, n = f"{stem}-{n}.json", n + 1
-            used.add(name)
-            path = out_dir / name
-            dump_trace(site.trace, path)
-            written.append(path)
-        return written
+        """Write one replayable trace per row of like sites, and the folder's
+        manifest (as ``attnres plan --trace-out``); returns the files written."""
+        return list(
+            write_plan_traces(
+                self.to_plan_result(), directory, written_by=f"attnres plan {self.source}"
+            )
+        )
 
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
@@ -357,10 +389,16 @@ def plan_sites(
     for comp, dtype, described in components:
         state = scope_state(comp)
         relaxed = state.allow_global_fallback
+        first = len(sites)
         with component_scope(comp):
             for desc in described:
                 sites.append(_plan_one(desc, relaxed, cfg, plat))
-        infos.append(ComponentInfo(comp, state.kind, state.loader, relaxed, dtype))
+        # a command-line role override that reaches none of its sites is an
+        # error, as for a pipeline file (and apply refuses it)
+        error = unreached_role_override(
+            comp, [s for s in sites[first:] if s.trace is not None], cfg
+        )
+        infos.append(ComponentInfo(comp, state.kind, state.loader, relaxed, dtype, error))
     return IntegrationPlan(title, source, cfg, plat, tuple(infos), tuple(sites))
 
 
@@ -374,22 +412,57 @@ def _plan_one(
         "route": desc.route,
         "heads": desc.heads,
         "kv_heads": desc.kv_heads,
+        "current": desc.current,
+        "routed": desc.routed,
     }
+    if desc.pending:
+        return Site(
+            **common,
+            spec=None,
+            resolution=None,
+            site_error=None,
+            trace=None,
+            pending=True,
+            note="decided at first call: "
+            + (
+                desc.why
+                or "its head facts are read from the query, key and value of its first call"
+            ),
+        )
+    if not desc.softmax:
+        return Site(
+            **common,
+            spec=None,
+            resolution=None,
+            site_error=None,
+            trace=None,
+            note=f"not softmax attention, left on its own code path: {desc.why}",
+        )
     if not desc.classified:
         why = desc.why or "its attention call cannot be classified"
         if relaxed:
             return Site(
-                **common, spec=None, resolution=None, error=None, trace=None,
+                **common,
+                spec=None,
+                resolution=None,
+                site_error=None,
+                trace=None,
                 note=f"unclassified, left on its own code path: {why}",
             )
         return Site(
-            **common, spec=None, resolution=None, trace=None,
-            error=(
-                f"attention site {desc.name!r} ({desc.module_class}) of strict component "
-                f"{desc.component!r} cannot be classified: {why}; attnres cannot make it run "
-                f"the requested backend. Run a dry run (attnres.integrations.diffusers."
-                f"find_sdpa_calls) to see what it calls, or plan that component with an "
-                f"explicit per-component backend"
+            **common,
+            spec=None,
+            resolution=None,
+            trace=None,
+            site_error=SiteError(
+                SiteCode.UNCLASSIFIED.value,
+                (
+                    f"attention site {desc.name!r} ({desc.module_class}) of strict component "
+                    f"{desc.component!r} cannot be classified: {why}; attnres cannot make it run "
+                    f"the requested backend. Run a dry run (attnres.integrations.diffusers."
+                    f"find_sdpa_calls) to see what it calls, or plan that component with an "
+                    f"explicit per-component backend"
+                ),
             ),
         )
     assert desc.head_size is not None
@@ -405,21 +478,33 @@ def _plan_one(
     try:
         res = resolve(spec, config=config, platform=platform)
     except ResolutionError as exc:
-        return Site(**common, spec=spec, resolution=None, error=str(exc), trace=exc.trace)
+        return Site(
+            **common,
+            spec=spec,
+            resolution=None,
+            trace=exc.trace,
+            site_error=SiteError(str(exc.code), str(exc)),
+        )
     if desc.supported is not None and res.backend not in desc.supported:
         # the resolver counts a stand-in as supported (torch_cudnn_sdpa for
         # {torch_sdpa}, dynamic_cudnn_sdpa for {fa, torch_sdpa}); the route
         # runs only what it names
         return Site(
-            **common, spec=spec, resolution=None, trace=res.trace,
-            error=(
-                f"the resolver chose {res.backend.name} for {desc.name!r}, which stands in "
-                f"for {_names(desc.supported)}, but its route ({desc.route}) runs only "
-                f"{_names(desc.supported)}; request one of those for component "
-                f"{desc.component!r}"
+            **common,
+            spec=spec,
+            resolution=None,
+            trace=res.trace,
+            site_error=SiteError(
+                SiteCode.ROUTE.value,
+                (
+                    f"the resolver chose {res.backend.name} for {desc.name!r}, which stands in "
+                    f"for {_names(desc.supported)}, but its route ({desc.route}) runs only "
+                    f"{_names(desc.supported)}; request one of those for component "
+                    f"{desc.component!r}"
+                ),
             ),
         )
-    return Site(**common, spec=spec, resolution=res, error=None, trace=res.trace)
+    return Site(**common, spec=spec, resolution=res, site_error=None, trace=res.trace)
 
 
 def _names(backends: frozenset[Backend]) -> str:
@@ -438,8 +523,9 @@ def refuse_to_apply(result: IntegrationPlan) -> None:
     if not result.ok:
         raise IntegrationError(
             f"cannot apply: {len(result.errors)} problem(s) in the plan; nothing was "
-            f"changed. " + "; ".join(result.errors[:5]) + ("; ..." if len(result.errors) > 5
-                                                          else ""),
+            f"changed. "
+            + "; ".join(result.errors[:5])
+            + ("; ..." if len(result.errors) > 5 else ""),
             result,
         )
     if result.platform.simulated:

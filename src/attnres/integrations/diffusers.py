@@ -2,27 +2,29 @@
 
 How diffusers (0.42) runs attention, and what follows for attnres:
 
-- Processors built on the dispatcher (``FluxAttnProcessor``, ``WanAttnProcessor``,
-  any processor class with an ``_attention_backend`` attribute) call
-  ``dispatch_attention_fn(..., backend=self._attention_backend)``: a processor
-  whose own ``_attention_backend`` is set runs that backend; one left at
-  ``None`` runs the registry's *active* backend, which
-  ``ModelMixin.set_attention_backend`` sets process-wide. attnres therefore
-  pins each processor's ``_attention_backend`` and never touches the active
-  backend; a processor shared by several modules is copied first, so that a
-  pin reaches only its own site.
-- ``set_attention_backend`` refuses a backend without context-parallel
-  support when a processor has a ``_parallel_config``; a pinned site keeps
-  that check: its route then executes only context-parallel backends.
-- Legacy processors (:data:`LEGACY_PROCESSORS`: ``AttnProcessor2_0``,
-  ``JointAttnProcessor2_0``, ...) call their kernel themselves and never reach
-  the dispatcher: their route executes exactly one backend.
-- Plain modules that call ``F.scaled_dot_product_attention`` themselves
-  (:data:`DIRECT_SDPA_CLASSES`, the Wan VAE's ``WanAttentionBlock``) are found
-  by class; any other module whose class name says attention is an
-  *unclassified* site: an error in a strict component, a recorded note in one
-  that may fall back. :func:`find_sdpa_calls` (an opt-in dry run) shows what
-  a module really calls.
+- A site is found by what its code calls (:func:`attnres.integrations._route.calls_of`
+  over the processor's methods, or the module's own): ``dispatch_attention_fn``
+  (dispatcher processors such as ``FluxAttnProcessor``),
+  ``F.scaled_dot_product_attention`` (``AttnProcessor2_0``,
+  ``JointAttnProcessor2_0``, CogVideoX's, plain blocks such as the Wan VAE's,
+  processors attnres has never seen), a kernel called by hand
+  (``memory_efficient_attention``: xformers), softmax attention by hand
+  (``AttnProcessor``: eager only); ``torch.nn.MultiheadAttention``. A diffusers
+  attention module whose code calls none of these (Sana's linear attention) is
+  recorded as not softmax attention, with the reason. No class-name table.
+- Head facts are read from the module (``heads``, ``head_dim``, ``inner_dim``,
+  ``num_heads``...); a module that holds none is *decided at first call*.
+- A site whose code reaches SDPA runs any backend attnres has a kernel for:
+  the *generic route* installed on that module only (a ``TorchFunctionMode``
+  around its forward that sends its SDPA calls to the decided kernel; a
+  dispatcher processor is copied and pinned to ``native`` so its call is SDPA).
+  Each call signature is checked before the kernel runs; one the plan did not
+  describe is resolved again with the observed facts. Where the decision is
+  what the site runs already, nothing is wrapped (bit-identical).
+- A context-parallel processor (``_parallel_config``) keeps diffusers'
+  dispatcher: a copy of it is pinned to a backend diffusers can run in parallel.
+- No processor object is ever changed in place: a copy is pinned, so another
+  module or model that shares the original is never touched.
 - The dtype that matters is the compute dtype: with layerwise casting the
   weights are stored in fp8 and the hook's ``compute_dtype`` is what runs.
 
@@ -36,7 +38,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 from diffusers.models.attention import AttentionModuleMixin
@@ -49,28 +52,28 @@ from diffusers.models.attention_processor import Attention as _LegacyAttention
 
 from attnres._vocab import Role, normalize_dtype
 from attnres.backends import Backend
+from attnres.integrations import _route
 from attnres.integrations import transformers as _tf
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
     IntegrationPlan,
     Problem,
+    Site,
     SiteDescription,
     emit_installed,
     plan_sites,
     refuse_to_apply,
     trains,
 )
+from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
+from attnres.scope import scope_state
 
 __all__ = [
-    "DIRECT_SDPA_CLASSES",
-    "DISPATCHER_BACKENDS",
-    "LEGACY_PROCESSORS",
-    "MASK_FACTS",
-    "ROLE_FACTS",
     "ROUTE_DISPATCHER",
+    "ROUTE_GENERIC",
     "apply",
     "describe_sites",
     "find_sdpa_calls",
@@ -81,83 +84,70 @@ __all__ = [
 ]
 
 ROUTE_DISPATCHER = "diffusers dispatcher"
+ROUTE_GENERIC = "generic route"
 
-#: attnres backend -> the diffusers ``AttentionBackendName`` value that runs it.
-#: Hub kernels (``*_hub``) are left out: they download code at run time.
-DISPATCHER_BACKENDS: dict[str, str] = {
-    "torch_sdpa": "native",
-    "torch_cudnn_sdpa": "_native_cudnn",
-    "eager": "_native_math",
-    "flex_attention": "flex",
-    "fa": "flash",
-    "fa3": "_flash_3",
-    "sage_attn": "sage",
-    "xformers": "xformers",
-    "ascend_fa": "_native_npu",
-}
-_BY_DIFFUSERS = {v: k for k, v in DISPATCHER_BACKENDS.items()}
+#: attnres backend -> the diffusers ``AttentionBackendName`` value that runs it
+#: (diffusers 0.42.1; a context-parallel site runs only these). Hub kernels
+#: (``*_hub``) are left out: they download code at run time.
+_DISPATCHER_BACKENDS: Mapping[str, str] = MappingProxyType(
+    {
+        "torch_sdpa": "native",
+        "torch_cudnn_sdpa": "_native_cudnn",
+        "eager": "_native_math",
+        "flex_attention": "flex",
+        "fa": "flash",
+        "fa3": "_flash_3",
+        "sage_attn": "sage",
+        "xformers": "xformers",
+        "ascend_fa": "_native_npu",
+    }
+)
+_BY_DIFFUSERS = MappingProxyType({v: k for k, v in _DISPATCHER_BACKENDS.items()})
 
-#: processor class -> the one attnres backend it runs (it calls its kernel itself).
-LEGACY_PROCESSORS: dict[str, str] = {
-    "AttnProcessor2_0": "torch_sdpa",
-    "JointAttnProcessor2_0": "torch_sdpa",
-    "FusedAttnProcessor2_0": "torch_sdpa",
-    "FusedJointAttnProcessor2_0": "torch_sdpa",
-    "AttnAddedKVProcessor2_0": "torch_sdpa",
-    "AttnProcessor": "eager",
-    "AttnAddedKVProcessor": "eager",
-    "XFormersAttnProcessor": "xformers",
-}
+#: kernel entry points a processor may call by hand, and the backend each is
+#: (read from what the code names, never from the processor's class name)
+_CALLED_KERNELS: Mapping[str, str] = MappingProxyType(
+    {
+        "memory_efficient_attention": "xformers",
+    }
+)
 
-
-def _wan_block(module: Any) -> tuple[int, int]:
-    # one head over all channels (qkv reshaped to heads=1); no is_causal passed,
-    # whatever the class docstring says
-    return 1, int(module.dim)
-
-
-#: plain modules that call ``F.scaled_dot_product_attention`` themselves:
-#: class name -> (heads, head size) of an instance.
-DIRECT_SDPA_CLASSES: dict[str, Callable[[Any], tuple[int, int]]] = {
-    "WanAttentionBlock": _wan_block,
-}
 
 def _last(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-#: attention module class -> role, from the module and its path.
-#: ``FluxAttention``'s ``added_kv_proj_dim`` marks joint self-attention (text
-#: and image tokens in one sequence), not cross; ``LTXAttention`` sets
-#: ``cross_attention_dim`` to the query width on its self-attention, so only
-#: its place (``attn2``) tells.
-ROLE_FACTS: dict[str, Callable[[str, Any], Role]] = {
-    "FluxAttention": lambda n, m: Role.SELF,
-    "Attention": lambda n, m: Role.CROSS if bool(m.is_cross_attention) else Role.SELF,
-    "WanAttention": lambda n, m: Role.CROSS if bool(m.is_cross_attention) else Role.SELF,
-    "LTXAttention": lambda n, m: Role.CROSS if _last(n) == "attn2" else Role.SELF,
-}
-
-#: attention module class -> whether its caller passes a mask to the kernel.
-#: LTX passes the prompt's padding mask to its cross-attention (``attn2``).
-MASK_FACTS: dict[str, Callable[[str, Any], bool]] = {
-    "LTXAttention": lambda n, m: _last(n) == "attn2",
-}
+#: Facts code cannot tell before the first call (checked against diffusers
+#: 0.42.1). ``LTXAttention`` sets ``cross_attention_dim`` to the query width on
+#: its self-attention, so only its place (``attn2``) tells cross-attention; LTX
+#: passes the prompt's padding mask to that cross-attention. A wrong or missing
+#: entry is caught at the first call (the mask is observed and re-resolved).
+_ROLE_BY_PLACE: Mapping[str, Callable[[str], Role]] = MappingProxyType(
+    {
+        "LTXAttention": lambda n: Role.CROSS if _last(n) == "attn2" else Role.SELF,
+    }
+)
+_MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType(
+    {
+        "LTXAttention": lambda n: _last(n) == "attn2",
+    }
+)
 
 
 def _role(name: str, module: Any) -> Role:
-    fact = ROLE_FACTS.get(type(module).__name__)
+    fact = _ROLE_BY_PLACE.get(type(module).__name__)
     if fact is not None:
-        return fact(name, module)
+        return fact(name)
+    # FluxAttention's added_kv_proj_dim is joint self-attention: only the flag counts
     return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
 
 
 def _requirements(
     name: str, module: Any, heads: int, kv_heads: int, head_size: int, trains: bool
 ) -> Requirements:
-    mask = MASK_FACTS.get(type(module).__name__)
+    mask = _MASK_BY_PLACE.get(type(module).__name__)
     return Requirements(
-        attn_mask=bool(mask(name, module)) if mask is not None else False,
+        attn_mask=bool(mask(name)) if mask is not None else False,
         gqa=kv_heads < heads,
         backward=trains,
         # Attention(scale_qk=False) or scale= passes its own softmax scale
@@ -166,11 +156,11 @@ def _requirements(
 
 
 def route_backends(processor: Any) -> frozenset[Backend]:
-    """What the dispatcher can execute for ``processor`` in this process."""
+    """What the dispatcher can execute for a context-parallel ``processor`` here."""
     registered = {b.value for b in _AttentionBackendRegistry._backends}
     parallel = getattr(processor, "_parallel_config", None) is not None
     out: set[Backend] = set()
-    for backend, name in DISPATCHER_BACKENDS.items():
+    for backend, name in _DISPATCHER_BACKENDS.items():
         if name not in registered:
             continue
         if parallel and not _AttentionBackendRegistry._is_context_parallel_available(
@@ -203,95 +193,142 @@ def _dtype_of(module: Any, fallback: str) -> str:
     return fallback
 
 
-def _is_attention_module(module: Any) -> bool:
-    return isinstance(module, (AttentionModuleMixin, _LegacyAttention))
+def _attention_code(module: Any) -> tuple[str, frozenset[str]]:
+    """What executes ``module``'s attention (its processor, else itself) and the
+    names that code calls."""
+    processor = getattr(module, "processor", None)
+    if processor is not None and callable(processor):
+        return type(processor).__name__, _route.calls_of(_route.methods_of(processor))
+    return type(module).__name__, _route.calls_of(_route.methods_of(module))
 
 
-def describe_sites(
-    model: Any, component: str, dtype: str | None = None
-) -> list[SiteDescription]:
-    """Every attention site of one component (a diffusers or transformers model)."""
+def describe_sites(model: Any, component: str, dtype: str | None = None) -> list[SiteDescription]:
+    """Every attention site of one component (a diffusers or transformers model).
+
+    A site is a module whose attention code reaches SDPA, diffusers' dispatcher
+    or a kernel it calls by hand (found by what the code calls, see
+    :func:`attnres.integrations._route.calls_of`), diffusers' attention modules
+    (whatever their processor), and ``torch.nn.MultiheadAttention``; modules
+    inside a site are part of it.
+    """
     if _tf.is_transformers_model(model):
         return _tf.describe_sites(model, component, dtype)
     fallback = normalize_dtype(getattr(model, "dtype", torch.float32))
     backward = trains(model)
-    modules = list(model.named_modules())
-    site_names = [
-        n for n, m in modules
-        if _is_attention_module(m) or type(m).__name__ in DIRECT_SDPA_CLASSES
-    ]
     out: list[SiteDescription] = []
-    for name, module in modules:
-        cls = type(module).__name__
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(s + ".") for s in inside):
+            continue
         site_dtype = dtype or _dtype_of(module, fallback)
-        if _is_attention_module(module):
-            out.append(_describe_attention(component, name, module, site_dtype, backward))
-        elif cls in DIRECT_SDPA_CLASSES:
-            heads, head_size = DIRECT_SDPA_CLASSES[cls](module)
-            out.append(
-                SiteDescription(
-                    component=component, name=name, module_class=cls,
-                    route=f"F.scaled_dot_product_attention in {cls}",
-                    supported=frozenset({Backend("torch_sdpa")}), head_size=head_size,
-                    heads=heads, kv_heads=heads, dtype=site_dtype,
-                    requirements=Requirements(backward=backward),
-                    current=Backend("torch_sdpa"),
-                )
-            )
-        elif (
-            name
-            and _tf._looks_like_attention(module)
-            and not any(s.startswith(name + ".") or name.startswith(s + ".") for s in site_names)
-        ):
-            out.append(
-                SiteDescription(
-                    component=component, name=name, module_class=cls, route="unknown",
-                    supported=None, head_size=None, heads=None, kv_heads=None,
-                    dtype=site_dtype,
-                    why=f"{cls} is neither a diffusers attention module nor in attnres's "
-                    f"table of modules that call SDPA themselves",
-                )
-            )
+        desc = _describe(component, name, module, site_dtype, backward)
+        if desc is not None:
+            out.append(desc)
+            inside.append(name)
     return out
 
 
-def _describe_attention(
+def _describe(
     component: str, name: str, module: Any, dtype: str, backward: bool
-) -> SiteDescription:
+) -> SiteDescription | None:
     cls = type(module).__name__
-    processor = getattr(module, "processor", None)
-    heads = int(module.heads)
-    head_dim = getattr(module, "head_dim", None)
-    head_size = int(head_dim) if isinstance(head_dim, int) else int(module.inner_dim) // heads
-    kv = getattr(module, "kv_heads", None)
-    kv_heads = int(kv) if isinstance(kv, int) else heads
-    common: dict[str, Any] = {
-        "component": component, "name": name, "module_class": cls, "head_size": head_size,
-        "heads": heads, "kv_heads": kv_heads, "dtype": dtype, "role": _role(name, module),
-        "requirements": _requirements(name, module, heads, kv_heads, head_size, backward),
+    # a diffusers attention module, or any module that hands its call to a processor
+    attention_module = isinstance(module, (AttentionModuleMixin, _LegacyAttention)) or (
+        callable(getattr(module, "processor", None)) and not isinstance(module, torch.nn.ModuleList)
+    )
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return _route.describe_mha(component, name, module, dtype, backward)
+    if attention_module:
+        owner, names = _attention_code(module)
+    else:
+        own = _route.calls_of(_route.methods_of(module), depth=1)
+        if _route.SDPA not in own:
+            return None
+        owner, names = cls, own
+    facts = _route.head_facts(module)
+    base: dict[str, Any] = {
+        "component": component,
+        "name": name,
+        "module_class": cls,
+        "dtype": dtype,
+        "role": _role(name, module),
     }
-    pname = type(processor).__name__
-    if _is_dispatcher(processor):
-        own = processor.__dict__.get("_attention_backend")
-        current_name = str(getattr(own, "value", own)) if own is not None else _active_backend()
-        current = _BY_DIFFUSERS.get(current_name)
-        parallel = getattr(processor, "_parallel_config", None) is not None
-        route = ROUTE_DISPATCHER + (" (context parallel)" if parallel else "")
-        return SiteDescription(
-            **common, route=f"{route} via {pname}", supported=route_backends(processor),
-            current=None if current is None else Backend(current),
+    if facts is not None:
+        heads, kv_heads, head_size = facts
+        base.update(
+            heads=heads,
+            kv_heads=kv_heads,
+            head_size=head_size,
+            requirements=_requirements(name, module, heads, kv_heads, head_size, backward),
         )
-    if pname in LEGACY_PROCESSORS:
-        only = Backend(LEGACY_PROCESSORS[pname])
+    else:
+        base.update(
+            heads=None, kv_heads=None, head_size=None, requirements=Requirements(backward=backward)
+        )
+    processor = getattr(module, "processor", None)
+    if _is_dispatcher(processor) and getattr(processor, "_parallel_config", None) is not None:
+        # context parallel: diffusers' dispatcher splits the sequence; only the
+        # backends it can run in parallel serve the site, pinned on the processor
         return SiteDescription(
-            **common, route=f"{only.name} in {pname}", supported=frozenset({only}),
+            **base,
+            route=f"{ROUTE_DISPATCHER} (context parallel) via {owner}",
+            supported=route_backends(processor),
+            current=_dispatcher_current(processor),
+            pending=facts is None,
+        )
+    if _route.SDPA in names or _route.DISPATCHER in names:
+        current = (
+            _dispatcher_current(processor) if _is_dispatcher(processor) else Backend("torch_sdpa")
+        )
+        via = "dispatcher" if _route.DISPATCHER in names else "SDPA"
+        return SiteDescription(
+            **base,
+            route=f"{ROUTE_GENERIC} ({via} in {owner})",
+            supported=None,
+            current=current,
+            pending=facts is None,
+            routed=True,
+            why=None
+            if facts is not None
+            else (
+                f"{cls} holds no head count and head size; they are read from the query, "
+                f"key and value of its first call"
+            ),
+        )
+    for called, backend in _CALLED_KERNELS.items():
+        if called in names:
+            only = Backend(backend)
+            return SiteDescription(
+                **base,
+                route=f"{only.name} in {owner}",
+                supported=frozenset({only}),
+                current=only,
+                pending=False,
+                why=None if facts is not None else f"{cls} holds no head facts",
+            )
+    if names & _route.BY_HAND:
+        only = Backend("eager")
+        return SiteDescription(
+            **base,
+            route=f"eager in {owner} (softmax attention by hand)",
+            supported=frozenset({only}),
             current=only,
+            why=None if facts is not None else f"{cls} holds no head facts",
         )
     return SiteDescription(
-        **common, route="unknown", supported=None,
-        why=f"processor {pname} is neither dispatcher-based nor in attnres's table of "
-        f"processors that call their kernel themselves",
+        **base,
+        route=f"own code in {owner}",
+        supported=None,
+        softmax=False,
+        why=f"{owner} calls no SDPA, dispatcher or softmax (linear attention, say)",
     )
+
+
+def _dispatcher_current(processor: Any) -> Backend | None:
+    own = processor.__dict__.get("_attention_backend")
+    current_name = str(getattr(own, "value", own)) if own is not None else _active_backend()
+    current = _BY_DIFFUSERS.get(current_name)
+    return None if current is None else Backend(current)
 
 
 def _components(pipe: Any) -> list[tuple[str, Any]]:
@@ -325,8 +362,11 @@ def plan(
         parts.append((name, choice, sites))
     name = title or type(pipe).__name__
     return plan_sites(
-        title=name, source=source or f"<{name} object>", components=parts,
-        config=config, platform=platform,
+        title=name,
+        source=source or f"<{name} object>",
+        components=parts,
+        config=config,
+        platform=platform,
     )
 
 
@@ -336,35 +376,56 @@ def plan(
 
 
 class _Pin:
-    """What apply changed on one attention module, to verify and undo it."""
+    """What apply changed on one attention module, to verify and undo it.
 
-    __slots__ = ("backend", "component", "dtype", "had_own", "name", "old_backend",
-                 "original", "processor", "value")
+    ``processor`` is the one the module runs after apply (a copy whenever
+    apply changed it: a processor object is never changed in place, so
+    another module or model sharing it is never touched); ``value`` is the
+    dispatcher backend pinned on that copy (``None``: nothing pinned);
+    ``route`` the generic route installed (``None``: none).
+    """
 
-    def __init__(self, component: str, name: str, original: Any, processor: Any,
-                 had_own: bool, old_backend: Any, value: Any, backend: str, dtype: str) -> None:
+    __slots__ = ("backend", "component", "dtype", "name", "original", "processor", "route", "value")
+
+    def __init__(
+        self,
+        component: str,
+        name: str,
+        original: Any,
+        processor: Any,
+        value: Any,
+        backend: str,
+        dtype: str | None,
+        route: _route.GenericRoute | None,
+    ) -> None:
         self.component = component
         self.name = name
         self.original = original
         self.processor = processor
-        self.had_own = had_own
-        self.old_backend = old_backend
         self.value = value
         self.backend = backend
         self.dtype = dtype
+        self.route = route
 
 
 _PIN_ATTR = "_attnres_pin"
 
 
-_Planned = tuple[str, str, Any, Any, str, str, str]
+class _Planned(NamedTuple):
+    component: str
+    module: Any
+    site: Site
+    #: the dispatcher backend to pin on a copy of the processor ("" for none)
+    value: str
+    #: install the generic route
+    route: bool
 
 
 def _prepare(
-    pipe: Any, result: IntegrationPlan
+    pipe: Any, result: IntegrationPlan, config: SelectionConfig
 ) -> tuple[list[_Planned], list[Callable[[], None]], list[str]]:
-    """The pins and transformers installs ``result`` needs, and the problems; no change."""
-    pins: list[_Planned] = []
+    """What installing ``result`` needs per site, and the problems; no change."""
+    planned: list[_Planned] = []
     actions: list[Callable[[], None]] = []
     problems: list[str] = []
     by_component = result.by_component()
@@ -376,28 +437,37 @@ def _prepare(
             continue
         modules = dict(model.named_modules())
         for site in by_component.get(comp, []):
+            module = modules[site.name]
+            processor = getattr(module, "processor", None)
+            if site.pending:  # decided at first call: the route resolves it then
+                planned.append(_Planned(comp, module, site, "", True))
+                continue
             if site.resolution is None or site.spec is None:
                 continue
-            module = modules[site.name]
-            backend = site.resolution.backend.name
-            processor = getattr(module, "processor", None)
-            if _is_dispatcher(processor):
-                value = DISPATCHER_BACKENDS.get(backend)
-                if value is None:
-                    problems.append(f"{comp}/{site.name}: the dispatcher has no route "
-                                    f"for {backend}")
+            backend = site.resolution.backend
+            if site.routed:
+                if backend == site.current:  # what it runs already: nothing to wrap
+                    planned.append(_Planned(comp, module, site, "", False))
                     continue
-                pins.append((comp, site.name, module, processor, value, backend,
-                             site.spec.dtype))
+                planned.append(_Planned(comp, module, site, "", True))
+            elif _is_dispatcher(processor):  # context parallel: pin the dispatcher
+                value = _DISPATCHER_BACKENDS.get(backend.name)
+                if value is None:
+                    problems.append(
+                        f"{comp}/{site.name}: the dispatcher has no route for {backend.name}"
+                    )
+                    continue
+                planned.append(_Planned(comp, module, site, value, False))
             else:
                 only = ",".join(sorted(b.name for b in site.spec.supported or ()))
-                if backend != only:
-                    problems.append(f"{comp}/{site.name}: its route ({site.route}) runs only "
-                                    f"{only}, not {backend}")
+                if backend.name != only:
+                    problems.append(
+                        f"{comp}/{site.name}: its route ({site.route}) runs only "
+                        f"{only}, not {backend.name}"
+                    )
                     continue
-                # nothing to pin: the route runs its one backend; recorded for verify()
-                pins.append((comp, site.name, module, processor, "", backend, site.spec.dtype))
-    return pins, actions, problems
+                planned.append(_Planned(comp, module, site, "", False))
+    return planned, actions, problems
 
 
 def _check_requirements(values: set[str]) -> list[str]:
@@ -407,6 +477,23 @@ def _check_requirements(values: set[str]) -> list[str]:
             _check_attention_backend_requirements(AttentionBackendName(value))
         except Exception as exc:
             problems.append(f"diffusers cannot run backend {value!r} here: {exc}")
+    return problems
+
+
+def _check_kernels(planned: list[_Planned]) -> list[str]:
+    problems = []
+    for item in planned:
+        res = item.site.resolution
+        if not item.route or res is None or res.backend.name == "torch_sdpa":
+            continue
+        try:
+            if get_kernel(res.backend.name) is None:
+                raise LookupError("no kernel is registered for it")
+        except Exception as exc:
+            problems.append(
+                f"{item.component}/{item.site.name}: attnres cannot run "
+                f"{res.backend.name} here: {exc}"
+            )
     return problems
 
 
@@ -420,45 +507,24 @@ def apply(
     Raises :class:`~attnres.integrations.IntegrationError` (``.plan`` attached)
     and changes nothing when any site is rejected or any decision cannot be
     installed. With no flag on a machine, outputs are bit-identical to the
-    untouched pipeline (every site keeps the backend it ran).
+    untouched pipeline (every site keeps the backend it ran). A site that calls
+    SDPA itself and was decided another backend gets the generic route
+    (:mod:`attnres.integrations._route`), which checks each call's facts first.
     """
     result = plan(pipe, config, platform)
     refuse_to_apply(result)
-    planned, others, problems = _prepare(pipe, result)
-    problems += _check_requirements({p[4] for p in planned if p[4]})
+    cfg = result.config
+    planned, others, problems = _prepare(pipe, result, cfg)
+    problems += _check_requirements({p.value for p in planned if p.value})
+    problems += _check_kernels(planned)
     if problems:
         raise IntegrationError(
             "cannot install the plan; nothing was changed: " + "; ".join(problems), result
         )
-    # processors shared by several modules get their own copy before any pin
-    users: dict[int, int] = {}
-    for _, _, _, original, value, _, _ in planned:
-        if value:
-            users[id(original)] = users.get(id(original), 0) + 1
     done: list[tuple[Any, _Pin]] = []
     try:
-        for comp, name, module, original, value, backend, dtype in planned:
-            if not value:
-                pin = _Pin(comp, name, original, original, False, None, None, backend, dtype)
-                module.__dict__[_PIN_ATTR] = pin
-                done.append((module, pin))
-                continue
-            processor = copy.copy(original) if users[id(original)] > 1 else original
-            had_own = "_attention_backend" in processor.__dict__
-            old = processor.__dict__.get("_attention_backend")
-            earlier = module.__dict__.get(_PIN_ATTR)
-            first = original
-            if earlier is not None:  # applied again: remove() still restores the first state
-                first = earlier.original
-                if earlier.processor is processor and earlier.value is not None:
-                    had_own, old = earlier.had_own, earlier.old_backend
-            pinned = AttentionBackendName(value)
-            if processor is not original:
-                module.set_processor(processor)
-            processor._attention_backend = pinned
-            pin = _Pin(comp, name, first, processor, had_own, old, pinned, backend, dtype)
-            module.__dict__[_PIN_ATTR] = pin
-            done.append((module, pin))
+        for item in planned:
+            done.append((item.module, _install(item, cfg, result.platform)))
         for action in others:
             action()
     except Exception:
@@ -469,25 +535,79 @@ def apply(
     return result
 
 
+def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pin:
+    module, site = item.module, item.site
+    earlier = module.__dict__.get(_PIN_ATTR)
+    if earlier is not None:  # applied again: remove() still restores the first state
+        _unpin(module, earlier)
+    original = getattr(module, "processor", None)
+    processor = original
+    route = None
+    if item.route:
+        route = _route.GenericRoute(
+            component=site.component,
+            name=site.name,
+            spec=site.spec,
+            heads=site.heads,
+            kv_heads=site.kv_heads,
+            resolution=site.resolution,
+            config=config,
+            scope=scope_state(site.component),
+            platform=platform,
+        )
+        routed = None if original is None else _route.routed_processor(original, route)
+        if routed is not None:
+            # a copy: the original object may be shared with other modules or models
+            processor = routed
+            module.set_processor(processor)
+        else:
+            _route.install_route(module, route)
+    elif item.value:
+        processor = copy.copy(original)
+        assert processor is not None  # a dispatcher site has one
+        processor._attention_backend = AttentionBackendName(item.value)
+        module.set_processor(processor)
+    backend = "" if site.resolution is None else site.resolution.backend.name
+    pin = _Pin(
+        site.component,
+        site.name,
+        original,
+        processor,
+        item.value or None,
+        backend,
+        None if site.spec is None else site.spec.dtype,
+        route,
+    )
+    module.__dict__[_PIN_ATTR] = pin
+    return pin
+
+
 def _unpin(module: Any, pin: _Pin) -> None:
-    if pin.value is None:
-        module.__dict__.pop(_PIN_ATTR, None)
-        return
-    if pin.had_own:
-        pin.processor._attention_backend = pin.old_backend
-    else:
-        pin.processor.__dict__.pop("_attention_backend", None)
-    if module.processor is not pin.original:
+    _route.remove_route(module)
+    if pin.route is not None:
+        pin.route.close()
+    if pin.processor is not pin.original and getattr(module, "processor", None) is not pin.original:
         module.set_processor(pin.original)
     module.__dict__.pop(_PIN_ATTR, None)
+
+
+def routes(pipe: Any) -> dict[str, _route.GenericRoute]:
+    """The generic routes apply installed: ``component/site`` -> route."""
+    out = {}
+    for _, model in _components(pipe):
+        for _, module in model.named_modules():
+            pin = module.__dict__.get(_PIN_ATTR)
+            if pin is not None and pin.route is not None:
+                out[f"{pin.component}/{pin.name}"] = pin.route
+    return out
 
 
 def verify(pipe: Any) -> list[Problem]:
     """Installed decisions that no longer hold (empty: every one holds).
 
     Reports a processor replaced since ``apply`` (IP-Adapter loading,
-    ``set_attn_processor``), a pin changed, and a site cast to another compute
-    dtype than it was planned for.
+    ``set_attn_processor``), a pin or route changed, and a site cast to
+    another compute dtype than it was planned for.
     """
     problems: list[Problem] = []
     for _, model in _components(pipe):
@@ -501,25 +621,53 @@ def verify(pipe: Any) -> list[Problem]:
                 continue
             where = (pin.component, pin.name)
             if getattr(module, "processor", None) is not pin.processor:
-                problems.append(Problem(*where, (
-                    f"processor replaced since apply (now "
-                    f"{type(getattr(module, 'processor', None)).__name__}); "
-                    f"its backend is no longer governed: plan and apply again")))
+                problems.append(
+                    Problem(
+                        *where,
+                        (
+                            f"processor replaced since apply (now "
+                            f"{type(getattr(module, 'processor', None)).__name__}); "
+                            f"its backend is no longer governed: plan and apply again"
+                        ),
+                    )
+                )
             elif pin.value is not None and (
                 pin.processor.__dict__.get("_attention_backend") != pin.value
             ):
-                problems.append(Problem(*where, (
-                    f"pinned backend changed since apply (was {pin.value.value})")))
+                problems.append(
+                    Problem(*where, (f"pinned backend changed since apply (was {pin.value.value})"))
+                )
+            if (
+                pin.route is not None
+                and pin.processor is pin.original
+                and _route.installed_route(module) is not pin.route
+            ):
+                problems.append(
+                    Problem(
+                        *where,
+                        (
+                            "its generic route was removed or replaced since apply: plan and apply "
+                            "again"
+                        ),
+                    )
+                )
             dtype = _dtype_of(module, fallback)
-            if dtype != pin.dtype:
-                problems.append(Problem(*where, (
-                    f"cast since apply: planned for {pin.dtype}, now {dtype}; plan and apply "
-                    f"again")))
+            if pin.dtype is not None and dtype != pin.dtype:
+                problems.append(
+                    Problem(
+                        *where,
+                        (
+                            f"cast since apply: planned for {pin.dtype}, now {dtype}; plan "
+                            f"and apply again"
+                        ),
+                    )
+                )
     return problems
 
 
 def remove(pipe: Any) -> int:
-    """Restore the original processors and implementations; returns sites restored."""
+    """Restore the original processors and implementations; returns the number of
+    attention sites restored (every site apply governed, in every component)."""
     count = 0
     for _, model in _components(pipe):
         if _tf.is_transformers_model(model):
@@ -546,15 +694,15 @@ def _sdpa_spy(model: torch.nn.Module, calls: dict[str, int]) -> Iterator[None]:
     names = {id(m): n for n, m in model.named_modules()}
     handles = []
     for module in model.modules():
-        handles.append(module.register_forward_pre_hook(
-            lambda m, *_: stack.append(names[id(m)])))
+        handles.append(module.register_forward_pre_hook(lambda m, *_: stack.append(names[id(m)])))
         handles.append(module.register_forward_hook(lambda m, *_: (stack.pop(), None)[1]))
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     class _Mode(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             if func is sdpa:
                 where = stack[-1] if stack else ""
                 calls[where] = calls.get(where, 0) + 1

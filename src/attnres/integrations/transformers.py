@@ -8,7 +8,7 @@ name with no mask function gets no mask at all -- padding silently dropped --
 so a route counts only names registered in both.
 
 The route that executes a site is its model's attention implementation; what
-it can execute is :data:`FUNCTIONS` restricted to what the model class
+it can execute is :data:`_FUNCTIONS` restricted to what the model class
 declares (``_supports_sdpa``, ``_supports_flash_attn``, ``_supports_flex_attn``)
 and to what is registered. Installing a decision sets the implementation on the
 config the site's module reads; every site that reads one config must agree.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -30,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attnres._vocab import Role, normalize_dtype
 from attnres.backends import Backend
+from attnres.integrations import _route
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
@@ -45,8 +47,6 @@ from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
 
 __all__ = [
-    "CLASS_FACTS",
-    "FUNCTIONS",
     "ROUTE",
     "apply",
     "describe_sites",
@@ -58,29 +58,34 @@ __all__ = [
 
 ROUTE = "transformers attention interface"
 
-#: attnres backend -> the transformers attention function that executes it.
-FUNCTIONS: dict[str, str] = {
-    "torch_sdpa": "sdpa",
-    "eager": "eager",
-    "fa": "flash_attention_2",
-    "fa3": "flash_attention_3",
-    "flex_attention": "flex_attention",
-}
-_BY_FUNCTION = {v: k for k, v in FUNCTIONS.items()}
+#: attnres backend -> the transformers attention function that executes it
+#: (transformers 5.24).
+_FUNCTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "torch_sdpa": "sdpa",
+        "eager": "eager",
+        "fa": "flash_attention_2",
+        "fa3": "flash_attention_3",
+        "flex_attention": "flex_attention",
+    }
+)
+_BY_FUNCTION = MappingProxyType({v: k for k, v in _FUNCTIONS.items()})
 
 #: which class flag a model needs for a function (eager needs none)
-_CLASS_FLAG: dict[str, str] = {
-    "sdpa": "_supports_sdpa",
-    "flash_attention_2": "_supports_flash_attn",
-    "flash_attention_3": "_supports_flash_attn",
-    "flex_attention": "_supports_flex_attn",
-}
+_CLASS_FLAG: Mapping[str, str] = MappingProxyType(
+    {
+        "sdpa": "_supports_sdpa",
+        "flash_attention_2": "_supports_flash_attn",
+        "flash_attention_3": "_supports_flash_attn",
+        "flex_attention": "_supports_flex_attn",
+    }
+)
 
 
 def route_backends(model: Any) -> frozenset[Backend]:
     """What the attention interface can execute for ``model``'s class."""
     out: set[Backend] = set()
-    for backend, function in FUNCTIONS.items():
+    for backend, function in _FUNCTIONS.items():
         flag = _CLASS_FLAG.get(function)
         if flag is not None and not getattr(type(model), flag, False):
             continue
@@ -94,108 +99,88 @@ def route_backends(model: Any) -> frozenset[Backend]:
 
 
 # =============================================================================
-# Per-class facts: module attributes lie
+# Facts read from the module, and the few code cannot tell
 # =============================================================================
 
 
-class _Facts:
-    """heads, kv heads, head size, role and requirements of one module class."""
-
-    def __init__(
-        self,
-        heads: Callable[[Any], int],
-        kv_heads: Callable[[Any], int],
-        head_size: Callable[[Any], int],
-        role: Callable[[str, Any], Role],
-        requirements: Callable[[Any], Requirements],
-        note: str,
-    ) -> None:
-        self.heads = heads
-        self.kv_heads = kv_heads
-        self.head_size = head_size
-        self.role = role
-        self.requirements = requirements
-        self.note = note
-
-
 def _self(name: str, module: Any) -> Role:
-    return Role.SELF
+    return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
 
 
 def _t5_role(name: str, module: Any) -> Role:
     return Role.CROSS if name.rsplit(".", 1)[-1] == "EncDecAttention" else Role.SELF
 
 
-def _clip_causal(module: Any) -> Requirements:
-    causal = getattr(module.config, "model_type", "") == "clip_text_model"
-    return Requirements(causal=causal)
+class _Fact:
+    """What code cannot tell about one attention class before its call."""
+
+    def __init__(
+        self,
+        role: Callable[[str, Any], Role],
+        requirements: Callable[[Any], Requirements],
+        why: str,
+    ) -> None:
+        self.role = role
+        self.requirements = requirements
+        self.why = why
 
 
 def _t5_requirements(module: Any) -> Requirements:
     return Requirements(attn_mask=True, causal=bool(module.is_decoder) and bool(module.is_causal))
 
 
-def _decoder_requirements(module: Any) -> Requirements:
-    heads = module.config.num_attention_heads
-    kv = getattr(module.config, "num_key_value_heads", None) or heads
-    return Requirements(causal=bool(module.is_causal), gqa=kv < heads)
-
-
-_T5 = _Facts(
-    heads=lambda m: int(m.n_heads),
-    kv_heads=lambda m: int(m.n_heads),
-    head_size=lambda m: int(m.key_value_proj_dim),
-    role=_t5_role,
-    requirements=_t5_requirements,
-    note="T5 always passes its float position bias as the mask: attn_mask is required",
-)
-_DECODER = _Facts(
-    heads=lambda m: int(m.config.num_attention_heads),
-    kv_heads=lambda m: int(
-        getattr(m.config, "num_key_value_heads", None) or m.config.num_attention_heads
-    ),
-    head_size=lambda m: int(m.head_dim),
-    role=_self,
-    requirements=_decoder_requirements,
-    note="heads come from the config: the module has no num_heads",
+_T5 = _Fact(
+    _t5_role,
+    _t5_requirements,
+    "T5 always passes its float position bias as the mask; its cross-attention is "
+    "told only by its place (EncDecAttention)",
 )
 
-#: module class name -> its facts. Anything else with a ``config`` and a
-#: ``head_dim`` is read like a decoder (:data:`_DECODER`).
-CLASS_FACTS: dict[str, _Facts] = {
-    "CLIPAttention": _Facts(
-        heads=lambda m: int(m.num_heads),
-        kv_heads=lambda m: int(m.num_heads),
-        head_size=lambda m: int(m.head_dim),
-        role=_self,
-        requirements=_clip_causal,
-        note="is_causal is False on the module: the text model passes causal per call",
-    ),
-    "T5Attention": _T5,
-    "UMT5Attention": _T5,
-    "Qwen2Attention": _DECODER,
-    "Qwen3Attention": _DECODER,
-    "LlamaAttention": _DECODER,
-    "MistralAttention": _DECODER,
-    "GemmaAttention": _DECODER,
-    "Gemma2Attention": _DECODER,
-}
+#: module class name -> the facts its code does not tell before the call,
+#: checked against transformers 5.24 (every other fact is read from the module)
+_CLASS_FACTS: Mapping[str, _Fact] = MappingProxyType(
+    {
+        "CLIPAttention": _Fact(
+            _self,
+            lambda m: Requirements(causal=getattr(m.config, "model_type", "") == "clip_text_model"),
+            "is_causal is False on the module: the text model passes causal per call",
+        ),
+        "T5Attention": _T5,
+        "UMT5Attention": _T5,
+    }
+)
 
 
-def _facts_for(module: Any) -> _Facts | None:
-    facts = CLASS_FACTS.get(type(module).__name__)
-    if facts is not None:
-        return facts
+def _observed_requirements(module: Any, heads: int, kv_heads: int) -> Requirements:
+    return Requirements(causal=getattr(module, "is_causal", False) is True, gqa=kv_heads < heads)
+
+
+def _head_facts(module: Any) -> tuple[int, int, int] | None:
+    """``(heads, kv_heads, head_size)`` from the module, else from its config."""
     config = getattr(module, "config", None)
-    if (
-        config is not None
-        and hasattr(config, "_attn_implementation")
-        and isinstance(getattr(module, "head_dim", None), int)
-        and isinstance(getattr(config, "num_attention_heads", None), int)
-        and hasattr(module, "is_causal")
-    ):
-        return _DECODER
-    return None
+    heads = _route._int_attr(module, ("num_heads", "num_attention_heads", "n_heads", "heads"))
+    if heads is None and config is not None:
+        heads = _route._int_attr(config, ("num_attention_heads", "num_heads", "n_head"))
+    size = _route._int_attr(
+        module, ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
+    )
+    if heads is None or size is None:
+        return None
+    kv = _route._int_attr(module, ("num_key_value_heads", "num_kv_heads"))
+    groups = _route._int_attr(module, ("num_key_value_groups",))
+    if kv is None and groups is not None and heads % groups == 0:
+        kv = heads // groups
+    if kv is None and config is not None:
+        kv = _route._int_attr(config, ("num_key_value_heads",))
+    return heads, (kv if kv is not None and heads % kv == 0 else heads), size
+
+
+def _is_interface_site(module: Any) -> bool:
+    """Whether the module's own code looks its attention function up in
+    ``ALL_ATTENTION_FUNCTIONS`` (observed, never by class name)."""
+    if not hasattr(getattr(module, "config", None), "_attn_implementation"):
+        return False
+    return _route.INTERFACE in _route.calls_of(_route.methods_of(module), depth=1)
 
 
 def custom_scale(scale: object, head_size: int) -> bool:
@@ -224,11 +209,6 @@ def _with_call_facts(
     )
 
 
-def _looks_like_attention(module: Any) -> bool:
-    name = type(module).__name__.lower()
-    return "attention" in name or "attn" in name
-
-
 def _compute_dtype(module: Any, model: Any) -> str:
     for param in module.parameters():
         if param.is_floating_point() and param.element_size() > 1:
@@ -236,63 +216,75 @@ def _compute_dtype(module: Any, model: Any) -> str:
     return normalize_dtype(getattr(model, "dtype", torch.float32))
 
 
-def describe_sites(
-    model: Any, component: str, dtype: str | None = None
-) -> list[SiteDescription]:
-    """Every attention site of ``model``, described for the resolver (nothing changed)."""
+def describe_sites(model: Any, component: str, dtype: str | None = None) -> list[SiteDescription]:
+    """Every attention site of ``model``, described for the resolver (nothing changed).
+
+    A site is a module whose own code calls the attention interface; modules
+    inside a site are part of it. A ``torch.nn.MultiheadAttention`` (SigLIP's
+    pooling head) is a site of its own code path.
+    """
     supported = route_backends(model)
     backward = trains(model)
     current_name = getattr(model.config, "_attn_implementation", None)
-    modules = list(model.named_modules())
-    found: list[tuple[str, Any, _Facts]] = [
-        (name, m, f) for name, m in modules if (f := _facts_for(m)) is not None
-    ]
-    site_names = [name for name, _, _ in found]
     out: list[SiteDescription] = []
-    seen = set(site_names)
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    # the innermost modules whose code calls the interface are the sites (a stack
+    # that names it to build masks holds attention modules that call it)
+    calling = [n for n, m in modules if _is_interface_site(m)]
+    sites = {n for n in calling if not any(c.startswith(n + ".") for c in calling)}
     for name, module in modules:
-        if name in seen:
-            facts = next(f for n, _, f in found if n == name)
-            site_current = getattr(module.config, "_attn_implementation", current_name)
-            current = _BY_FUNCTION.get(site_current or "eager")
+        site_dtype = dtype or _compute_dtype(module, model)
+        if isinstance(module, torch.nn.MultiheadAttention):
+            out.append(_route.describe_mha(component, name, module, site_dtype, backward))
+            continue
+        if name not in sites:
+            continue
+        cls = type(module).__name__
+        facts = _head_facts(module)
+        if facts is None:
             out.append(
                 SiteDescription(
                     component=component,
                     name=name,
-                    module_class=type(module).__name__,
+                    module_class=cls,
                     route=ROUTE,
-                    supported=supported,
-                    head_size=facts.head_size(module),
-                    heads=facts.heads(module),
-                    kv_heads=facts.kv_heads(module),
-                    dtype=dtype or _compute_dtype(module, model),
-                    role=facts.role(name, module),
-                    requirements=_with_call_facts(
-                        facts.requirements(module), module, facts.head_size(module), backward
-                    ),
-                    current=None if current is None else Backend(current),
-                )
-            )
-        elif (
-            name
-            and _looks_like_attention(module)
-            and not any(s.startswith(name + ".") or name.startswith(s + ".") for s in site_names)
-        ):
-            out.append(
-                SiteDescription(
-                    component=component,
-                    name=name,
-                    module_class=type(module).__name__,
-                    route="unknown",
                     supported=None,
                     head_size=None,
                     heads=None,
                     kv_heads=None,
-                    dtype=dtype or _compute_dtype(module, model),
-                    why=f"{type(module).__name__} is not in attnres's table of transformers "
-                    f"attention classes",
+                    dtype=site_dtype,
+                    why=f"{cls} calls the attention interface but holds no head count or "
+                    f"head size attnres can read",
                 )
             )
+            continue
+        heads, kv_heads, head_size = facts
+        fact = _CLASS_FACTS.get(cls)
+        req = (
+            fact.requirements(module)
+            if fact is not None
+            else _observed_requirements(module, heads, kv_heads)
+        )
+        site_current = getattr(module.config, "_attn_implementation", current_name)
+        current = _BY_FUNCTION.get(site_current or "eager")
+        out.append(
+            SiteDescription(
+                component=component,
+                name=name,
+                module_class=cls,
+                route=ROUTE,
+                supported=supported,
+                head_size=head_size,
+                heads=heads,
+                kv_heads=kv_heads,
+                dtype=site_dtype,
+                role=(fact.role if fact is not None else _self)(name, module),
+                requirements=_with_call_facts(
+                    attrs.evolve(req, gqa=kv_heads < heads), module, head_size, backward
+                ),
+                current=None if current is None else Backend(current),
+            )
+        )
     return out
 
 
@@ -355,7 +347,7 @@ def prepare(
             problems.append(f"{component}/{site.name}: module not found in the model")
             continue
         backend = site.resolution.backend.name
-        function = FUNCTIONS.get(backend)
+        function = _FUNCTIONS.get(backend)
         if function is None:
             problems.append(
                 f"{component}/{site.name}: {backend} has no transformers attention function"
@@ -372,24 +364,33 @@ def prepare(
                 + "); transformers runs one attention function per config"
             )
             continue
-        (function, names), = decided.items()
+        ((function, names),) = decided.items()
         actions.append(_installer(model, component, cfg, function, names, modules))
     return actions, problems
 
 
 def _installer(
-    model: Any, component: str, cfg: Any, function: str, names: list[str],
+    model: Any,
+    component: str,
+    cfg: Any,
+    function: str,
+    names: list[str],
     modules: Mapping[str, Any],
 ) -> Callable[[], None]:
     def install() -> None:
-        rec = _Install(cfg, getattr(cfg, "_attn_implementation_internal", None), function,
-                       _BY_FUNCTION[function])
+        installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
+        old = getattr(cfg, "_attn_implementation_internal", None)
+        for earlier in [r for r in installs if r.config is cfg]:
+            # applied again: one record per config, and remove() still restores
+            # the state before the first apply (issue 20, item 13)
+            old = earlier.old
+            installs.remove(earlier)
+        rec = _Install(cfg, old, function, _BY_FUNCTION[function])
         cfg._attn_implementation_internal = function
         for name in names:
             module = modules[name]
             rec.sites.append((component, name, module))
             rec.dtype[name] = _compute_dtype(module, model)
-        installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
         installs.append(rec)
 
     return install
@@ -421,14 +422,28 @@ def verify_model(model: Any) -> list[Problem]:
         now = getattr(rec.config, "_attn_implementation_internal", None)
         for component, name, module in rec.sites:
             if now != rec.function:
-                problems.append(Problem(component, name, (
-                    f"attention implementation is {now!r} since apply installed "
-                    f"{rec.function!r} ({rec.backend})")))
+                problems.append(
+                    Problem(
+                        component,
+                        name,
+                        (
+                            f"attention implementation is {now!r} since apply installed "
+                            f"{rec.function!r} ({rec.backend})"
+                        ),
+                    )
+                )
             dtype = _compute_dtype(module, model)
             if dtype != rec.dtype[name]:
-                problems.append(Problem(component, name, (
-                    f"cast since apply: planned for {rec.dtype[name]}, now {dtype}; plan "
-                    f"and apply again")))
+                problems.append(
+                    Problem(
+                        component,
+                        name,
+                        (
+                            f"cast since apply: planned for {rec.dtype[name]}, now {dtype}; plan "
+                            f"and apply again"
+                        ),
+                    )
+                )
     return problems
 
 
@@ -438,13 +453,13 @@ def verify(model: Any) -> list[Problem]:
 
 
 def remove(model: Any) -> int:
-    """Restore the attention implementation(s) apply replaced; returns how many."""
+    """Restore the attention implementation(s) apply replaced; returns the number
+    of attention sites restored (each site once, however often apply ran)."""
     installs = model.__dict__.pop(_INSTALLED_ATTR, [])
     for rec in reversed(installs):
         rec.config._attn_implementation_internal = rec.old
-    return len(installs)
+    return len({name for rec in installs for _, name, _ in rec.sites})
 
 
 def is_transformers_model(obj: Any) -> bool:
     return isinstance(obj, transformers.PreTrainedModel)
-

@@ -1,0 +1,672 @@
+"""The generic route: a site that calls SDPA itself runs the attnres kernel it was decided.
+
+What this module holds, and why it is code rather than tables:
+
+- **Observation of code** (:func:`calls_of`): which attention entry points a
+  function's code names (``scaled_dot_product_attention``,
+  ``dispatch_attention_fn``, ``ALL_ATTENTION_FUNCTIONS``, a softmax...), read
+  from its code objects and those of the module-level functions it calls (two
+  levels). A site is found by what its code calls, never by its class name.
+- **Head facts** (:func:`head_facts`): read from whatever the module holds;
+  ``None`` when it holds none, and the site is then decided at its first call.
+- **Call facts** (:class:`CallFacts`): what one SDPA call brings (mask present,
+  its dtype and shape, causal, scale, head size, heads, kv heads, dtype,
+  dropout). The mask is kept as :class:`MaskFacts` so that a later change can
+  refine it into mask kinds.
+- **The route** (:class:`GenericRoute`): installed on one module (its
+  ``forward`` in the instance ``__dict__``, nothing process-wide, nothing
+  patched in torch or diffusers), it intercepts the SDPA calls made inside that
+  module's forward with a ``TorchFunctionMode`` and runs the decided kernel.
+  Each call signature is checked before a kernel runs: the planned one is bound
+  at install time; a new one re-resolves the site with the observed facts
+  through the machine (traced; a strict component raises
+  :class:`~attnres.errors.ResolutionError` naming the site and the fact).
+  A signature whose decision is what the site already runs calls the original
+  SDPA with the original arguments (bit-identical).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+import torch
+from attrs import frozen
+from torch.overrides import TorchFunctionMode
+
+from attnres._vocab import normalize_dtype
+from attnres.backends import Backend
+from attnres.errors import ResolutionError
+from attnres.integrations._plan import SiteDescription
+from attnres.kernels import get_kernel
+from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.platform import Platform
+from attnres.runtime import Resolution, lookup
+from attnres.scope import ScopeState
+from attnres.trace import Trace
+
+__all__ = [
+    "CallFacts",
+    "FirstCall",
+    "GenericRoute",
+    "MaskFacts",
+    "calls_of",
+    "head_facts",
+    "install_route",
+    "installed_route",
+    "remove_route",
+]
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_TORCH_SDPA = Backend("torch_sdpa")
+
+#: the names a function's code may call that say how it computes attention
+SDPA = "scaled_dot_product_attention"
+DISPATCHER = "dispatch_attention_fn"
+INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+#: names that mean softmax attention computed by hand (``AttnProcessor``'s
+#: ``get_attention_scores``, a ``softmax`` of a ``baddbmm``)
+BY_HAND = frozenset({"get_attention_scores", "softmax", "baddbmm"})
+
+
+def _code_names(code: types.CodeType, out: set[str]) -> None:
+    out.update(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code_names(const, out)
+
+
+def calls_of(functions: Iterable[Any], depth: int = 2) -> frozenset[str]:
+    """Every global or attribute name the code of ``functions`` names, following
+    module-level Python functions it calls ``depth`` levels down."""
+    seen: set[int] = set()
+    names: set[str] = set()
+    todo = [(f, 0) for f in functions]
+    while todo:
+        func, level = todo.pop()
+        func = getattr(func, "__func__", func)
+        wrapped = getattr(func, "__wrapped__", None)
+        if wrapped is not None:  # a decorated method: its own code is the wrapped one
+            todo.append((wrapped, level))
+        code = getattr(func, "__code__", None)
+        if not isinstance(code, types.CodeType) or id(code) in seen:
+            continue
+        seen.add(id(code))
+        own: set[str] = set()
+        _code_names(code, own)
+        names |= own
+        if level >= depth:
+            continue
+        glob = getattr(func, "__globals__", {})
+        for name in own:
+            value = glob.get(name)
+            if isinstance(value, types.FunctionType):
+                todo.append((value, level + 1))
+    return frozenset(names)
+
+
+def methods_of(obj: Any) -> list[Any]:
+    """The functions a module's or processor's own classes define (not torch's)."""
+    out: list[Any] = []
+    for cls in type(obj).__mro__:
+        if cls.__module__.startswith("torch.") or cls is object:
+            continue
+        out += [v for v in vars(cls).values() if isinstance(v, types.FunctionType)]
+    return out
+
+
+_HEADS = ("heads", "num_heads", "n_heads", "num_attention_heads", "attention_heads")
+_KV_HEADS = ("kv_heads", "num_key_value_heads", "num_kv_heads")
+_HEAD_SIZE = ("head_dim", "dim_head", "head_size", "attention_head_size", "key_value_proj_dim")
+
+
+def _int_attr(obj: Any, names: Iterable[str]) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def head_facts(module: Any) -> tuple[int, int, int] | None:
+    """``(heads, kv_heads, head_size)`` from what ``module`` holds, or ``None``."""
+    heads = _int_attr(module, _HEADS)
+    if heads is None:
+        return None
+    size = _int_attr(module, _HEAD_SIZE[:1])
+    inner = _int_attr(module, ("inner_dim",))
+    if size is None and inner is not None and inner % heads == 0:
+        size = inner // heads
+    if size is None:
+        size = _int_attr(module, _HEAD_SIZE[1:])
+    if size is None:
+        return None
+    kv = _int_attr(module, _KV_HEADS)
+    return heads, (kv if kv is not None and heads % kv == 0 else heads), size
+
+
+def describe_mha(
+    component: str, name: str, module: Any, dtype: str, backward: bool
+) -> SiteDescription:
+    """A ``torch.nn.MultiheadAttention``: a site of torch's own code path, which runs
+    SDPA with ``need_weights=False`` and the same softmax by hand otherwise (the
+    default); attnres cannot route either to another kernel, so it is described
+    as running torch SDPA only, and a request for another backend says so."""
+    heads = int(module.num_heads)
+    only = Backend("torch_sdpa")
+    return SiteDescription(
+        component=component,
+        name=name,
+        module_class=type(module).__name__,
+        route="torch_sdpa in torch.nn.MultiheadAttention (its own code path)",
+        supported=frozenset({only}),
+        head_size=int(module.head_dim),
+        heads=heads,
+        kv_heads=heads,
+        dtype=dtype,
+        requirements=Requirements(backward=backward),
+        current=only,
+    )
+
+
+# =============================================================================
+# What a call brings
+# =============================================================================
+
+
+@frozen
+class MaskFacts:
+    """The attention mask one call passed: present, its dtype and shape.
+
+    Kept as observed (a later change refines it into mask kinds)."""
+
+    present: bool
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+    def describe(self) -> str:
+        if not self.present:
+            return "no attention mask"
+        return f"attention mask ({self.dtype}, shape {list(self.shape or ())})"
+
+
+@frozen
+class CallFacts:
+    """What one SDPA call of a site brings besides its values."""
+
+    heads: int
+    kv_heads: int
+    head_size: int
+    dtype: str
+    mask: MaskFacts
+    causal: bool
+    custom_scale: bool
+    dropout: bool
+
+    @classmethod
+    def observe(
+        cls,
+        q: Any,
+        k: Any,
+        attn_mask: Any,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        heads_dim: int = -3,
+    ) -> CallFacts:
+        head_size = int(q.shape[-1])
+        mask = (
+            MaskFacts(True, _dtype_name(attn_mask.dtype), tuple(int(d) for d in attn_mask.shape))
+            if attn_mask is not None
+            else MaskFacts(False)
+        )
+        return cls(
+            heads=int(q.shape[heads_dim]) if q.dim() >= 3 else 1,
+            kv_heads=int(k.shape[heads_dim]) if k.dim() >= 3 else 1,
+            head_size=head_size,
+            dtype=_dtype_name(q.dtype),
+            mask=mask,
+            causal=bool(is_causal),
+            custom_scale=scale is not None and _custom(scale, head_size),
+            dropout=bool(dropout_p),
+        )
+
+    @classmethod
+    def planned(cls, spec: LayerSpec, heads: int, kv_heads: int) -> CallFacts:
+        req = spec.requirements
+        return cls(
+            heads=heads,
+            kv_heads=kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            mask=MaskFacts(req.attn_mask),
+            causal=req.causal,
+            custom_scale=req.custom_scale,
+            dropout=req.dropout,
+        )
+
+    def key(self) -> tuple[Any, ...]:
+        """What decides a kernel (the mask's shape does not; its presence does):
+        the same tuple :func:`call_key` builds from a call."""
+        return (
+            self.heads,
+            self.kv_heads,
+            self.head_size,
+            getattr(torch, self.dtype),
+            self.mask.present,
+            self.causal,
+            self.custom_scale,
+            self.dropout,
+        )
+
+    def differences(self, planned: CallFacts | None) -> tuple[str, ...]:
+        """The facts that differ from ``planned``, in words (all, when nothing was)."""
+        if planned is None:
+            return ("head facts (decided at first call)",)
+        out = []
+        if self.mask.present != planned.mask.present:
+            out.append(self.mask.describe())
+        if self.causal != planned.causal:
+            out.append("causal" if self.causal else "not causal")
+        if self.custom_scale != planned.custom_scale:
+            out.append("custom softmax scale" if self.custom_scale else "default softmax scale")
+        if self.head_size != planned.head_size:
+            out.append(f"head size {self.head_size} (planned {planned.head_size})")
+        if self.kv_heads * planned.heads != planned.kv_heads * self.heads:
+            out.append(f"{self.kv_heads} kv heads for {self.heads} heads")
+        if self.dtype != planned.dtype:
+            out.append(f"dtype {self.dtype} (planned {planned.dtype})")
+        if self.dropout != planned.dropout:
+            out.append("dropout" if self.dropout else "no dropout")
+        return tuple(out)
+
+    def spec(self, planned: LayerSpec | None, name: str) -> LayerSpec:
+        """The site's layer spec with these facts."""
+        base = planned if planned is not None else LayerSpec(self.head_size, self.dtype, name=name)
+        req = attrs.evolve(
+            base.requirements,
+            attn_mask=self.mask.present,
+            causal=self.causal,
+            custom_scale=self.custom_scale,
+            dropout=self.dropout,
+            gqa=self.kv_heads < self.heads,
+        )
+        return attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
+
+
+def call_key(
+    q: Any,
+    k: Any,
+    attn_mask: Any,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    heads_dim: int,
+) -> tuple[Any, ...]:
+    """A call's signature, built with no object (it runs on every call, and is
+    traced whole by torch.compile)."""
+    head_size = q.shape[-1]
+    return (
+        q.shape[heads_dim],
+        k.shape[heads_dim],
+        head_size,
+        q.dtype,
+        attn_mask is not None,
+        bool(is_causal),
+        scale is not None and _custom(scale, head_size),
+        bool(dropout_p),
+    )
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return normalize_dtype(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")
+
+
+def _custom(scale: float, head_size: int) -> bool:
+    default = 1.0 / math.sqrt(head_size)
+    return abs(float(scale) - default) > 1e-6 * default
+
+
+@frozen
+class FirstCall:
+    """A call signature a site met that its plan did not describe, and its outcome.
+
+    ``changed`` names the facts that differed (``observed at first call: ...``);
+    ``trace`` is the machine's trace of the re-resolution; ``backend`` is what
+    runs for this signature (``None``: rejected, ``error`` says why).
+    """
+
+    component: str
+    site: str
+    facts: CallFacts
+    changed: tuple[str, ...]
+    trace: Trace = attrs.field(eq=False, repr=False)
+    backend: Backend | None
+    error: str | None = None
+
+    def describe(self) -> str:
+        return f"observed at first call: {', '.join(self.changed)}"
+
+
+# =============================================================================
+# The route
+# =============================================================================
+
+
+class _Mode(TorchFunctionMode):
+    """Send the SDPA calls made while it is active to one route."""
+
+    def __init__(self, route: GenericRoute) -> None:
+        super().__init__()
+        self.route = route
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _SDPA:
+            return self.route(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+_KernelFn = Callable[..., Any]
+
+
+class GenericRoute:
+    """One site's route: its SDPA calls run the kernel decided for their signature."""
+
+    def __init__(
+        self,
+        *,
+        component: str,
+        name: str,
+        spec: LayerSpec | None,
+        heads: int | None,
+        kv_heads: int | None,
+        resolution: Resolution | None,
+        config: SelectionConfig,
+        scope: ScopeState,
+        platform: Platform,
+        on_first_call: Callable[[FirstCall], None] | None = None,
+    ) -> None:
+        self.component = component
+        self.name = name
+        self.spec = spec
+        self.config = config
+        self.scope = scope
+        self.platform = platform
+        self.on_first_call = on_first_call
+        self.planned = (
+            None
+            if spec is None or heads is None
+            else CallFacts.planned(spec, heads, kv_heads or heads)
+        )
+        self.first_calls: list[FirstCall] = []
+        #: the module names its rebound functions live under (see :func:`rebind`)
+        self.homes: list[str] = []
+        self._lock = threading.Lock()
+        #: call signature -> the kernel that runs it (None: the original SDPA)
+        self.kernels: dict[tuple[Any, ...], _KernelFn | None] = {}
+        if self.planned is not None and resolution is not None:
+            self.kernels[self.planned.key()] = self._kernel(resolution.backend)
+
+    def _kernel(self, backend: Backend) -> _KernelFn | None:
+        if backend == _TORCH_SDPA:
+            return None  # what the intercepted call is: the site's own SDPA call, untouched
+        kernel = get_kernel(backend.name)
+        if kernel is None:
+            raise RuntimeError(f"attnres has no kernel for {backend.name!r}")
+        return kernel
+
+    def __call__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        **extra: Any,
+    ) -> Any:
+        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim)."""
+        kernel = self._kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, -3)
+        if kernel is None:
+            return _SDPA(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                **extra,
+            )
+        out = kernel(
+            q.transpose(-3, -2),
+            k.transpose(-3, -2),
+            v.transpose(-3, -2),
+            attn_mask,
+            is_causal,
+            scale,
+        )
+        return out.transpose(-3, -2)
+
+    def _kernel_for(
+        self,
+        q: Any,
+        k: Any,
+        attn_mask: Any,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        heads_dim: int,
+    ) -> _KernelFn | None:
+        """The kernel of this call's signature (checked once per signature)."""
+        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+        if key in self.kernels:
+            return self.kernels[key]
+        return self._first_call(
+            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+        )
+
+    def close(self) -> None:
+        """Forget the homes of its rebound functions (the route was removed)."""
+        for name in self.homes:
+            sys.modules.pop(name, None)
+        self.homes.clear()
+
+    def dispatcher(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """In place of diffusers' ``dispatch_attention_fn`` (batch, seq, heads, dim):
+        the decided kernel, or ``original`` itself where the decision is SDPA."""
+
+        def dispatch(
+            query: Any,
+            key: Any,
+            value: Any,
+            attn_mask: Any = None,
+            dropout_p: float = 0.0,
+            is_causal: bool = False,
+            scale: float | None = None,
+            enable_gqa: bool = False,
+            attention_kwargs: Any = None,
+            **rest: Any,
+        ) -> Any:
+            kernel = self._kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
+            if kernel is None:
+                return original(
+                    query,
+                    key,
+                    value,
+                    attn_mask,
+                    dropout_p,
+                    is_causal,
+                    scale,
+                    enable_gqa,
+                    attention_kwargs,
+                    **rest,
+                )
+            return kernel(query, key, value, attn_mask, is_causal, scale)
+
+        return dispatch
+
+    def _first_call(self, facts: CallFacts) -> _KernelFn | None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"attention site {self.name!r} of component {self.component!r} met a call its "
+                f"plan did not describe ({', '.join(facts.differences(self.planned))}) inside "
+                f"torch.compile: run the applied model once before compiling, so the site is "
+                f"decided outside the graph"
+            )
+        with self._lock:
+            if facts.key() in self.kernels:
+                return self.kernels[facts.key()]
+            spec = facts.spec(self.spec, self.name)
+            changed = facts.differences(self.planned)
+            resolution, _, trace = lookup(
+                spec, self.config, self.scope, self.platform, None, needs_kernel=True
+            )
+            backend = None if resolution is None else resolution.backend
+            error = None
+            if resolution is None:
+                error = (
+                    f"attention site {self.name!r} of component {self.component!r}: observed "
+                    f"at first call: {', '.join(changed)}, which its plan did not allow; "
+                    f"{trace.outcome.error}"
+                )
+            record = FirstCall(self.component, self.name, facts, changed, trace, backend, error)
+            self.first_calls.append(record)
+            if self.on_first_call is not None:
+                self.on_first_call(record)
+            if resolution is None:
+                raise ResolutionError(str(error), trace, str(trace.outcome.code))
+            kernel = self._kernel(resolution.backend)
+            self.kernels[facts.key()] = kernel
+            return kernel
+
+
+_ROUTE_ATTR = "_attnres_route"
+_FUNCTIONAL = torch.nn.functional
+
+
+def _shim(route: GenericRoute) -> types.ModuleType:
+    """``torch.nn.functional`` for one site: its ``scaled_dot_product_attention`` is
+    the route, every other name the real one."""
+    shim = types.ModuleType(_FUNCTIONAL.__name__)
+    shim.__dict__.update(_FUNCTIONAL.__dict__)
+    shim.scaled_dot_product_attention = route  # type: ignore[attr-defined]
+    return shim
+
+
+def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
+    """A copy of ``func`` whose attention calls go to ``route``, or ``None`` when its
+    code (and the module-level functions it calls, ``depth`` levels) names none.
+
+    Only the copy's globals differ: the names that hold ``torch.nn.functional``,
+    ``scaled_dot_product_attention`` or ``dispatch_attention_fn`` hold the route's
+    stand-ins. Nothing in torch or diffusers is changed; the copy is one site's.
+    """
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    if not isinstance(func, types.FunctionType) or not isinstance(code, types.CodeType):
+        return None
+    names: set[str] = set()
+    _code_names(code, names)
+    glob = func.__globals__
+    subs: dict[str, Any] = {}
+    for name in names:
+        value = glob.get(name)
+        if value is _FUNCTIONAL:
+            subs[name] = _shim(route)
+        elif value is _SDPA:
+            subs[name] = route
+        elif name == DISPATCHER and callable(value):
+            subs[name] = route.dispatcher(value)
+        elif isinstance(value, types.FunctionType) and depth > 0 and value is not func:
+            inner = rebind(value, route, depth - 1)
+            if inner is not None:
+                subs[name] = inner
+    if not subs:
+        return None
+    # the copy's globals are a module's own dict, registered under a name of its
+    # own, so torch.compile guards them as it guards any module's globals
+    home = types.ModuleType(f"attnres._routed_{id(route):x}_{func.__name__}")
+    name = home.__name__
+    home.__dict__.update(glob)
+    home.__dict__.update(subs)
+    home.__dict__["__name__"] = name
+    sys.modules[name] = home
+    route.homes.append(name)
+    copy_ = types.FunctionType(
+        code, home.__dict__, func.__name__, func.__defaults__, func.__closure__
+    )
+    copy_.__kwdefaults__ = func.__kwdefaults__
+    copy_.__dict__.update(func.__dict__)
+    copy_.__qualname__ = func.__qualname__
+    copy_.__doc__ = func.__doc__
+    copy_.__module__ = name
+    return copy_
+
+
+def routed_processor(processor: Any, route: GenericRoute) -> Any:
+    """A copy of ``processor`` whose ``__call__`` sends its attention to ``route``
+    (``None``: its code names no attention call the route can take)."""
+    call = rebind(type(processor).__call__, route)
+    if call is None:
+        return None
+    cls = type(processor)
+    sub = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+    routed = copy.copy(processor)
+    routed.__class__ = sub
+    return routed
+
+
+def install_route(module: Any, route: GenericRoute) -> None:
+    """Run ``module``'s forward with its SDPA calls sent to ``route`` (this module only).
+
+    Its forward is rebound (:func:`rebind`) where its code names the call;
+    otherwise a ``TorchFunctionMode`` is entered around it (eager only: the
+    mode is not traced whole by torch.compile)."""
+    remove_route(module)
+    # an instance-level forward (accelerate's offload hooks set one) is kept and
+    # wrapped, and put back by remove_route
+    previous = module.__dict__.get("forward")
+    forward: Any = None
+    if previous is None:
+        rebound = rebind(type(module).forward, route)
+        if rebound is not None:
+            forward = types.MethodType(rebound, module)
+    if forward is None:
+        original = module.forward
+        mode = _Mode(route)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with mode:
+                return original(*args, **kwargs)
+
+    module.__dict__["forward"] = forward
+    module.__dict__[_ROUTE_ATTR] = (route, previous)
+
+
+def installed_route(module: Any) -> GenericRoute | None:
+    held = module.__dict__.get(_ROUTE_ATTR)
+    return held[0] if isinstance(held, tuple) else None
+
+
+def remove_route(module: Any) -> bool:
+    """Undo :func:`install_route`; whether there was one."""
+    held = module.__dict__.pop(_ROUTE_ATTR, None)
+    if held is None:
+        return False
+    held[0].close()
+    if held[1] is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = held[1]
+    return True
