@@ -487,3 +487,29 @@ def test_sage_lse_adapter_through_a_fake(monkeypatch: pytest.MonkeyPatch) -> Non
             sage_lse(q, k, v, False, None, 5.0)
     finally:
         clear_lse_cache()
+
+
+def test_diffusers_context_parallel_sites_are_decided_for_the_layout() -> None:
+    """Issue 24 item 4: a diffusers model with context parallelism enabled gets its
+    sites resolved with that layout; the VAE and text encoder keep none."""
+    import tiny_pipelines as tp
+    from diffusers import ContextParallelConfig, ParallelConfig
+
+    from attnres.integrations import diffusers as governed
+
+    components = tp.wan()
+    components["transformer"]._parallel_config = ParallelConfig(
+        context_parallel_config=ContextParallelConfig(ring_degree=2)
+    )
+    plan = governed.plan(components, platform=HOPPER)
+    for site in plan.sites:
+        laid = site.component == "transformer"
+        layout = None if site.spec is None else site.spec.layout
+        assert (layout is not None) == laid, site.name
+        if laid and site.trace is not None:
+            assert site.trace.input.layer.layout == SequenceLayout(1, 2, 2, 2)
+            assert any(getattr(r, "check", None) is Check.LAYOUT for r in site.trace.records)
+    config = attnres.SelectionConfig(component_backends={"transformer": "dynamic_cudnn_sdpa"})
+    strict = governed.plan(components, config, platform=HOPPER)
+    errors = [s.error for s in strict.sites if s.component == "transformer"]
+    assert errors and all(e and "log-sum-exp" in e for e in errors), errors

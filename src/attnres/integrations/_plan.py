@@ -27,6 +27,7 @@ from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import IntegrationError, ResolutionError  # errors holds every exception
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.layout import SequenceLayout
 from attnres.plan import (
     ComponentEntry,
     ComponentPlan,
@@ -129,6 +130,9 @@ class SiteDescription:
     softmax: bool = True
     #: whether the generic route can serve it (its code calls SDPA)
     routed: bool = False
+    #: issue 24: the sequence-parallel layout the model runs the site under
+    #: (diffusers' context parallelism, :func:`attnres.layout.context_parallel_layout`)
+    layout: SequenceLayout | None = None
 
     @property
     def classified(self) -> bool:
@@ -474,6 +478,7 @@ def _plan_one(
         role=desc.role,
         requirements=desc.requirements,
         name=desc.name,
+        layout=desc.layout,  # issue 24
     )
     try:
         res = resolve(spec, config=config, platform=platform)
