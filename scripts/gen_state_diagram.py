@@ -29,6 +29,7 @@ def render() -> str:
         STRICT_ORIGINS,
         TRANSITIONS,
         TUNABLE_ORIGINS,
+        VERDICT_RULES,
     )
     from attnres.platform import DEFAULT_CHAINS
     from attnres.scope import BUILTIN_KINDS
@@ -172,6 +173,18 @@ def render() -> str:
         "With autotune on, only decisions of these (automatic) origins are measured:",
         "",
         *[f"- `{o.value}`" for o in sorted(TUNABLE_ORIGINS, key=lambda o: o.value)],
+        "",
+        "## Autotune verdicts (stage `measuring`)",
+        "",
+        "The incumbent (the machine's choice) is measured first, verdict `incumbent`.",
+        "Each other candidate gets the verdict of the first row whose condition holds",
+        "(`attnres.machine.VERDICT_RULES`); of the `outpaced` ones the fastest (the first",
+        "in order on a tie) becomes `chosen` and is adopted. Replay applies the same",
+        "rows to the recorded measurements.",
+        "",
+        "| verdict | when |",
+        "|---|---|",
+        *[f"| `{verdict.value}` | {when} |" for verdict, _, when in VERDICT_RULES],
         "",
     ]
     return "\n".join(lines)

@@ -114,11 +114,14 @@ def test_outcome_inside_a_scope_names_the_component() -> None:
 
 
 def test_rejection_is_one_warning_with_the_error() -> None:
-    with capture_logs() as logs, pytest.raises(ResolutionError) as info, component_scope(
-        "transformer"
+    with (
+        capture_logs() as logs,
+        pytest.raises(ResolutionError) as info,
+        component_scope("transformer"),
     ):
-        resolve(LayerSpec(64, "bf16", supported={"fa", "torch_sdpa"}), config=SAGE,
-                platform=CUDA_SAGE)
+        resolve(
+            LayerSpec(64, "bf16", supported={"fa", "torch_sdpa"}), config=SAGE, platform=CUDA_SAGE
+        )
     events = _not_summary(logs)
     trace = info.value.trace
     assert len(events) == len(trace.records) + 1
@@ -167,9 +170,7 @@ def test_application_level_filter_at_info_drops_the_record_events() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     with capture_logs() as logs:
         resolve(LayerSpec(64, "fp32"), platform=CPU)
-    assert [(e["event"], e["log_level"]) for e in logs] == [
-        ("attention backend selected", "info")
-    ]
+    assert [(e["event"], e["log_level"]) for e in logs] == [("attention backend selected", "info")]
 
 
 def test_application_level_filter_at_warning_still_sees_rejections() -> None:
@@ -292,3 +293,23 @@ def test_the_decision_ledger_is_bounded_and_counts_what_it_drops() -> None:
         ledger.set_decision_limit(previous)
         attnres.clear_decisions()
     assert ledger.dropped_decisions() == 0 and ledger.decision_limit() == ledger.DEFAULT_LIMIT
+
+
+def test_a_scope_check_that_fails_is_recorded_with_its_code() -> None:
+    """SPEC 3.6 problems are records with a ScopeCode: raised in
+    BackendNotAppliedError.problems and written to the audit log, one INFO
+    event per problem carrying the same code and message."""
+    from attnres.errors import BackendNotAppliedError
+
+    with (
+        capture_logs() as logs,
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("vae", backend="eager"),
+    ):
+        resolve(LayerSpec(64, "fp32", name="l0"), platform=CPU, backend="torch_sdpa")
+    failed = [e for e in logs if e["event"] == "attention scope check failed"]
+    assert [(e["code"], e["message"]) for e in failed] == [
+        (p.code.value, p.message) for p in info.value.problems
+    ]
+    assert [e["code"] for e in failed] == ["override_unexplained", "override_not_applied"]
+    assert all(e["log_level"] == "info" and e["component"] == "vae" for e in failed)

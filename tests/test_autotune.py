@@ -406,6 +406,28 @@ def test_verdicts_rule_edges() -> None:
         verdicts([], 0.02, 1e-3)
 
 
+def test_rule_verdict_rules_first_row_that_holds_wins() -> None:
+    """VERDICT_RULES: a candidate gets the first row's verdict whose condition holds,
+    in table order (raised before disagrees before outpaced), and every row is
+    reachable."""
+    from attnres.machine import VERDICT_RULES
+
+    inc, a = (attnres.backends.Backend(n) for n in ("torch_sdpa", "eager"))
+    base = Measured(inc, 100, 0, 0.0)
+    # each candidate holds every row from its own down (a faster one that raised
+    # also disagrees and is faster): the first row decides
+    cases = {
+        Verdict.RAISED: Measured(a, None, None, None, "boom"),
+        Verdict.DISAGREES: Measured(a, 1, 0, 0.5),
+        Verdict.OUTPACED: Measured(a, 1, 0, 0.0),
+        Verdict.WITHIN_MARGIN: Measured(a, 100, 0, 0.0),
+    }
+    assert {v for v, _, _ in VERDICT_RULES} == set(cases)
+    for verdict, candidate in cases.items():
+        judged, _ = verdicts([base, candidate, Measured(a, 99, 0, 0.0)], 0.02, 1e-3)
+        assert judged[1] is (Verdict.CHOSEN if verdict is Verdict.OUTPACED else verdict)
+
+
 # -- sharing, autotune(), audit ------------------------------------------------------
 
 

@@ -1,14 +1,20 @@
-"""The ``attnres`` command line, driven in a subprocess as operators run it.
+"""The ``attnres`` command line, as operators run it.
 
 Exit codes, ``--json`` documents, stdout free of logs, one-paragraph errors
 with no traceback, 100-column human output, and the examples of ``examples/``.
-The in-process tests at the end cover the argparse helpers other programs
-embed (``add_selection_arguments``, ``selection_config_from_args``).
+Commands run in-process through ``attnres.cli.main`` (what the console script
+calls), with their own stdout and stderr; a subprocess only where it is the
+point: the ``python -m attnres`` entry point and its exit codes, a changed
+environment (broken or chatty packages), import time. The tests at the end
+cover the argparse helpers other programs embed (``add_selection_arguments``,
+``selection_config_from_args``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -33,6 +39,45 @@ HOPPER = "cuda:sm90+all"
 
 
 def run(
+    *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``attnres ARGS``: in-process (``cli.main``), or in a subprocess when the
+    environment (beyond the terminal width) or the interpreter's flags are part
+    of the test."""
+    if not prefix and set(env or {}) <= {"COLUMNS"}:
+        return run_in_process(*args, cwd=cwd, columns=(env or {}).get("COLUMNS", "100"))
+    return run_subprocess(*args, env=env, cwd=cwd, prefix=prefix)
+
+
+def run_in_process(
+    *args: str, cwd: Path = ROOT, columns: str = "100"
+) -> subprocess.CompletedProcess[str]:
+    """``cli.main(args)`` with its own stdout/stderr, ``columns`` wide, in ``cwd``,
+    from a cold cache as a fresh process; argparse's own exits (``--help``, usage
+    errors) give their exit code."""
+    from attnres import cli
+    from attnres.runtime import clear_cache
+
+    clear_cache()
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.getcwd()
+    patch = pytest.MonkeyPatch()
+    try:
+        patch.setenv("COLUMNS", columns)
+        patch.delenv("FORCE_COLOR", raising=False)
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    finally:
+        os.chdir(previous)
+        patch.undo()
+    return subprocess.CompletedProcess(["attnres", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_subprocess(
     *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT, prefix: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "COLUMNS": "100", **(env or {})}
@@ -82,7 +127,7 @@ def assert_usage_error(proc: subprocess.CompletedProcess[str], *needles: str) ->
 
 
 def test_version() -> None:
-    proc = run("--version")
+    proc = run_subprocess("--version")  # the python -m attnres entry point, exit 0
     assert proc.returncode == 0
     assert proc.stdout.strip() == f"attnres {attnres.__version__}"
 
@@ -95,7 +140,7 @@ def test_help_lists_every_command() -> None:
 
 
 def test_no_command_is_a_usage_error() -> None:
-    proc = run()
+    proc = run_subprocess()  # the process's exit status is 2
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
 

@@ -10,11 +10,18 @@ from attnres.plan import PipelineError, parse_pipeline
 
 
 def test_every_layer_key_but_the_name_has_a_kind_derived_from_layerspec() -> None:
-    assert set(plan._LAYER_KINDS) == set(plan._LAYER_KEYS) - {"name"}
-    assert plan._LAYER_REQUIRED == ("head_size", "dtype")
-    assert plan._LAYER_KINDS["head_size"] == "integer"
-    assert plan._LAYER_KINDS["requires"] == "array of strings"
-    assert _codec.field_types(LayerSpec)["default"].__name__ == "Backend"
+    """The pipeline loader's layer keys follow LayerSpec: the fields without a default
+    are required, each field's kind comes from its type (never restated here)."""
+    from attnres.backends import Backend
+
+    assert _codec.field_types(LayerSpec)["default"] is Backend
+    for key in _codec.required_field_names(LayerSpec):
+        layer = {"name": "attn", "head_size": 64, "dtype": "float16"}
+        del layer[key]
+        doc = {"components": [{"name": "transformer", "layers": [layer]}]}
+        with pytest.raises(PipelineError, match=f"missing required key '{key}'"):
+            parse_pipeline(doc, source="p.toml")
+    assert _codec.required_field_names(LayerSpec)  # the loop above checked something
 
 
 @pytest.mark.parametrize(
@@ -45,3 +52,54 @@ def test_bool_is_never_an_integer_for_either_loader() -> None:
     assert _codec.missing_keys({"a": 1}, ("a", "b")) == ["b"]
     assert _codec.unknown_keys({"a": 1, "z": 2}, ("a",)) == ["z"]
     assert _codec.closest_key("head_sise", plan._LAYER_KEYS) == "head_size"
+
+
+def test_the_trace_and_pipeline_loaders_share_one_error_format() -> None:
+    """FILE: WHERE: MESSAGE on one line, for a JSON trace (where = the JSON path) and
+    a TOML pipeline (where = component and layer): both come from _codec.located."""
+    import json
+
+    from attnres.errors import TraceFormatError
+    from attnres.trace import trace_from_json
+
+    with pytest.raises(TraceFormatError) as trace_err:
+        trace_from_json(json.dumps({"schema_version": 2, "input": {}}), source="t.json")
+    assert trace_err.value.path == "t.json" and trace_err.value.where == "$.digest"
+    assert str(trace_err.value).startswith("t.json: $.digest: missing field (a trace has: ")
+
+    layer = {"name": "attn", "head_size": "64", "dtype": "float16"}
+    with pytest.raises(PipelineError) as plan_err:
+        parse_pipeline({"components": [{"name": "tr", "layers": [layer]}]}, source="p.toml")
+    assert str(plan_err.value).startswith("p.toml: component 'tr' (components[0]): layer 'attn'")
+    # located joins the parts and keeps the message on one line
+    assert _codec.located("f", "$.a", message="bad\n  value") == "f: $.a: bad value"
+
+
+def test_a_trace_error_names_the_json_path_through_keys_lists_and_odd_keys() -> None:
+    """The path of a failure deep in a trace (the codec nests failures as cattrs'
+    detailed validation does; transform_error writes the path)."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from attnres.errors import TraceFormatError
+    from attnres.trace import trace_from_dict
+
+    root = Path(__file__).resolve().parent.parent / "traces"
+    doc = json.loads((root / "layer-fa-float32-rejected-dtype.json").read_text())
+    index = next(i for i, r in enumerate(doc["records"]) if r["kind"] == "check" and r["failures"])
+    cases = []
+    bad = copy.deepcopy(doc)
+    bad["records"][index]["failures"][0]["code"] = 7
+    cases.append((bad, f"$.records[{index}].failures[0].code"))
+    bad = copy.deepcopy(doc)
+    bad["input"]["config"]["component_backends"] = {"text_encoder.cross": 5}
+    cases.append((bad, '$.input.config.component_backends["text_encoder.cross"]'))
+    bad = copy.deepcopy(doc)
+    bad["input"]["platform"]["packages"][0]["status"] = "gone"
+    cases.append((bad, "$.input.platform.packages[0].status"))
+    for broken, where in cases:
+        with pytest.raises(TraceFormatError) as err:
+            trace_from_dict(broken, source="t.json")
+        assert err.value.where == where
+        assert str(err.value).startswith(f"t.json: {where}: ")

@@ -429,10 +429,12 @@ def test_kernel_removed_after_resolution_is_kernel_not_registered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The defensive path: a kernel gone between resolve() and binding (another thread)."""
+    from attnres.kernels import clear_kernel_cache
+
     monkeypatch.setattr(modules_mod, "get_kernel", lambda name: None)
-    # layers bound earlier memoised torch_sdpa's kernel; a real unregister_kernel
-    # clears that memo through the registry hook, which this patch bypasses
-    monkeypatch.setattr(modules_mod, "_BOUND", {})
+    # layers bound earlier memoised torch_sdpa's kernel: a registry change (the
+    # public clear_kernel_cache) drops every memo, as a real unregister would
+    clear_kernel_cache()
     with pytest.raises(KernelNotRegisteredError, match="no kernel is registered") as info:
         Attention(4, 32, dtype="float32", name="attn")
     assert isinstance(info.value, RuntimeError)

@@ -55,9 +55,7 @@ def seed_file(tmp_path: Path, seed_trace: Trace) -> Path:
 def _subprocess_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     tests = str(Path(__file__).resolve().parent)  # the scenario table lives in tests/
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(SRC), tests, *filter(None, [env.get("PYTHONPATH")])]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), tests, *filter(None, [env.get("PYTHONPATH")])])
     env.update(extra)
     return env
 
@@ -640,22 +638,29 @@ def test_hostile_traces_import_nothing(tmp_path: Path, seed_file: Path) -> None:
             assert str(tmp_path / "hostile" / name) in got
 
 
-def test_key_lists_come_from_the_attrs_classes_and_match_what_is_written() -> None:
-    """One source for the codec's field lists: the loader reads what the writer writes."""
+def test_key_lists_come_from_the_attrs_classes_and_match_what_is_written(
+    seed_trace: Trace,
+) -> None:
+    """One source for the codec's field lists: the writer writes every field of the
+    attrs class, and the loader requires each one it wrote (by its JSON path)."""
     from attnres import plan
-    from attnres import trace as trace_mod
+    from attnres._codec import field_names
     from attnres.layer import LayerSpec, SelectionConfig
     from attnres.scope import ScopeState
 
-    samples = (
-        (LayerSpec(64, "float32"), trace_mod._LAYER_KEYS),
-        (SelectionConfig(), trace_mod._CONFIG_KEYS),
-        (ScopeState("c", "generic", "GenericComponentLoader"), trace_mod._SCOPE_KEYS),
-    )
-    for obj, keys in samples:
-        assert keys == trace_mod.field_names(type(obj))
-        assert set(trace_mod._CONVERTER.unstructure(obj)) == set(keys)
+    doc = trace_to_dict(seed_trace)
+    assert seed_trace.input.scope is not None
+    for key, cls in (("layer", LayerSpec), ("config", SelectionConfig), ("scope", ScopeState)):
+        written = doc["input"][key]
+        assert set(written) == set(field_names(cls))
+        for name in field_names(cls):
+            broken = json.loads(json.dumps(doc))
+            del broken["input"][key][name]
+            with pytest.raises(TraceFormatError) as err:
+                trace_from_dict(broken, source="t.json")
+            assert err.value.where == f"$.input.{key}.{name}"
+            assert "missing field" in str(err.value)
     # the pipeline format names the same layer fields (requirements as "requires")
-    spec_fields = set(trace_mod.field_names(LayerSpec)) - {"requirements"} | {"requires"}
+    spec_fields = set(field_names(LayerSpec)) - {"requirements"} | {"requires"}
     assert spec_fields <= set(plan._LAYER_KEYS)
     assert set(plan._LAYER_KEYS) - spec_fields == {"count", "backend"}

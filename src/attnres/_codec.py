@@ -26,11 +26,19 @@ __all__ = [
     "is_int",
     "is_str",
     "is_str_list",
+    "located",
     "missing_keys",
     "optional_field_names",
     "required_field_names",
     "unknown_keys",
 ]
+
+
+def located(source: str, *where: str, message: str) -> str:
+    """The one error format of every file attnres loads: ``FILE: WHERE...: MESSAGE``,
+    on one line (traces name a JSON path, pipeline files a component and layer,
+    folders a file in the folder: each loader words where, this joins them)."""
+    return " ".join(": ".join([source, *where, message]).split())
 
 
 def field_names(cls: type[Any]) -> tuple[str, ...]:

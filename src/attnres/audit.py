@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from attnres._vocab import Role
+from attnres.records import ScopeProblem
 from attnres.trace import record_to_dict
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ __all__ = [
     "emit_autotune_failed",
     "emit_cache_hit",
     "emit_resolution",
+    "emit_scope_problems",
     "emit_summary",
     "summary_line",
 ]
@@ -220,3 +222,20 @@ def emit_request_switch(action: str, backend: str, layers: int, previous: str) -
         else "attention backend restored after request"
     )
     log.info(text, backend=backend, layers=layers, previous=previous, request=True)
+
+
+def emit_scope_problems(state: ScopeState, problems: Sequence[ScopeProblem]) -> None:
+    """INFO: a scope's overrides did not explain its layers (SPEC 3.6): one event
+    per failed check, with its code. INFO, not WARNING: the
+    BackendNotAppliedError that follows is what alerts; this is the record."""
+    log = _logger(logging.INFO)
+    if log is None:
+        return
+    for problem in problems:
+        log.info(
+            "attention scope check failed",
+            code=problem.code.value,
+            component=state.component,
+            kind=state.kind,
+            message=problem.message,
+        )

@@ -22,8 +22,9 @@ The policy as tables
   gradients runs a backend with a backward pass, resolved again with the
   ``backward`` requirement);
 - the measuring stage of autotune (``is_tunable``, ``measuring_checks``,
-  ``verdicts``, ``tuned_trace``, ``replay_tuned``): which decisions are
-  measured, the stage's checks, the verdict rule and the tuned trace; the
+  ``VERDICT_RULES`` / ``verdicts``, ``tuned_trace``, ``replay_tuned``): which
+  decisions are measured, the stage's checks, the verdict rule (a table: the
+  first row that holds) and the tuned trace; the
   timing itself is :mod:`attnres.autotuner`'s;
 - ``SCOPE_CHECKS``: the checks a component scope's overrides pass (SPEC 3.6),
   each with its :class:`~attnres._states.ScopeCode` (``scope_unexplained``,
@@ -93,6 +94,7 @@ from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_nam
 from attnres.layer import LayerSpec
 from attnres.layout import SequenceLayout
 from attnres.platform import Platform
+from attnres.records import ScopeProblem
 from attnres.scope import ScopeState
 from attnres.trace import (
     TUNED_SCHEMA_VERSION,
@@ -127,6 +129,7 @@ __all__ = [
     "STRICT_ORIGINS",
     "TRANSITIONS",
     "TUNABLE_ORIGINS",
+    "VERDICT_RULES",
     "Guard",
     "GuardFacts",
     "Measured",
@@ -1008,14 +1011,6 @@ def _finish_rejected(
 # =============================================================================
 
 
-@frozen
-class ScopeProblem:
-    """One failed scope check: its code and what it says."""
-
-    code: ScopeCode
-    message: str
-
-
 #: SPEC 3.6, one row per scope check: (code, when it runs, the rule it enforces).
 #: ``require_selection`` defaults to on when a component or role backend is given.
 SCOPE_CHECKS: Final[tuple[tuple[ScopeCode, str, str], ...]] = (
@@ -1275,33 +1270,67 @@ class Measured:
 # =============================================================================
 
 
+def _raised(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+    return m.error is not None or m.median_ns is None
+
+
+def _disagrees(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+    return m.deviation is None or not m.deviation <= tolerance
+
+
+def _faster(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+    return (
+        incumbent is not None
+        and m.median_ns is not None
+        and m.median_ns < incumbent * (1.0 - margin)
+    )
+
+
+def _otherwise(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+    return True
+
+
+#: The verdict of each measured candidate but the incumbent: the first row whose
+#: condition holds (verdict, condition, what it says). Of the ``outpaced``
+#: candidates the fastest (the first in order on a tie) is then ``chosen``.
+VERDICT_RULES: Final[
+    tuple[tuple[Verdict, Callable[[Measured, int | None, float, float], bool], str], ...]
+] = (
+    (Verdict.RAISED, _raised, "it raised (no median)"),
+    (
+        Verdict.DISAGREES,
+        _disagrees,
+        "its deviation from the incumbent is unknown (not finite) or above the tolerance, "
+        "whatever its speed",
+    ),
+    (
+        Verdict.OUTPACED,
+        _faster,
+        "faster than the incumbent by more than the margin "
+        "(median < incumbent median * (1 - margin))",
+    ),
+    (Verdict.WITHIN_MARGIN, _otherwise, "otherwise"),
+)
+
+
 def verdicts(
     measured: Sequence[Measured], margin: float, tolerance: float
 ) -> tuple[tuple[Verdict, ...], Backend | None]:
-    """Each measurement's verdict, and the winner (``None``: the incumbent stays).
-
-    ``measured[0]`` is the incumbent. A candidate that raised is ``raised``;
-    one whose deviation is unknown (not finite) or above ``tolerance`` is
-    ``disagrees``, whatever its speed; of the others, those faster than the
-    incumbent by more than ``margin`` (``median < incumbent * (1 - margin)``)
-    compete, and the fastest (the first in order on a tie) is ``chosen``, the
-    rest ``outpaced``; the remaining ones are ``within_margin``.
-    """
+    """Each measurement's verdict by ``VERDICT_RULES``, and the winner (``None``:
+    the incumbent stays). ``measured[0]`` is the incumbent (verdict ``incumbent``)."""
     if not measured:
         raise ValueError("verdicts: no measurement (the incumbent comes first)")
     incumbent = measured[0].median_ns
     out: list[Verdict] = [Verdict.INCUMBENT]
-    fast: list[tuple[int, int]] = []
-    for position, m in enumerate(measured[1:], start=1):
-        if m.error is not None or m.median_ns is None:
-            out.append(Verdict.RAISED)
-        elif m.deviation is None or not m.deviation <= tolerance:
-            out.append(Verdict.DISAGREES)
-        elif incumbent is not None and m.median_ns < incumbent * (1.0 - margin):
-            out.append(Verdict.OUTPACED)
-            fast.append((m.median_ns, position))
-        else:
-            out.append(Verdict.WITHIN_MARGIN)
+    for m in measured[1:]:
+        out.append(
+            next(v for v, holds, _ in VERDICT_RULES if holds(m, incumbent, margin, tolerance))
+        )
+    fast = [
+        (m.median_ns or 0, position)
+        for position, (m, v) in enumerate(zip(measured, out, strict=True))
+        if v is Verdict.OUTPACED
+    ]
     if not fast:
         return tuple(out), None
     _, best = min(fast)

@@ -43,6 +43,7 @@ from attnres._codec import (
     field_names,
     field_types,
     is_int,
+    located,
     missing_keys,
     required_field_names,
     unknown_keys,
@@ -266,7 +267,7 @@ class _Parser:
             index, name = layer
             where.append(f"layer {name!r} (layers[{index}])" if name else f"layers[{index}]")
         return PipelineError(
-            ": ".join(where) + ": " + what,
+            located(*where, message=what),  # the error format of every loader (issue 21)
             path=self.source,
             component=None if component is None else component[1],
             layer=None if layer is None else layer[1],

@@ -30,7 +30,7 @@ from attnres import machine as _machine
 from attnres._outcome import Outcome
 from attnres._states import Origin, Reason, Status
 from attnres._vocab import Role
-from attnres.audit import emit_cache_hit, emit_resolution, emit_summary
+from attnres.audit import emit_cache_hit, emit_resolution, emit_scope_problems, emit_summary
 from attnres.backends import (
     Backend,
     on_registry_change,
@@ -41,8 +41,8 @@ from attnres.errors import BackendNotAppliedError, ResolutionError
 from attnres.kernels import KernelSource, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision
-from attnres.machine import ScopeProblem
 from attnres.platform import Platform, detected_platform
+from attnres.records import ScopeProblem
 from attnres.scope import (
     ScopeHandle,
     ScopeState,
@@ -527,11 +527,12 @@ def bind_pending(handle: ScopeHandle, role: Role, decision: Decision | None) -> 
     problems = [] if decision is None else _machine.scope_unexplained(state, [(role, decision)])
     if last:
         problems += _machine.scope_not_applied(state, handle.entries)
-    _raise_problems(problems)
+    _raise_problems(state, problems)
 
 
-def _raise_problems(problems: list[ScopeProblem]) -> None:
+def _raise_problems(state: ScopeState, problems: list[ScopeProblem]) -> None:
     if problems:
+        emit_scope_problems(state, problems)
         raise BackendNotAppliedError(
             "; ".join(p.message for p in problems)
             + ". Build the component's layers inside the scope with attnres.Attention "
@@ -546,4 +547,4 @@ def _check_applied(handle: ScopeHandle) -> None:
     problems = _machine.scope_unexplained(state, handle.entries)
     if handle.pending == 0:
         problems += _machine.scope_not_applied(state, handle.entries)
-    _raise_problems(problems)
+    _raise_problems(state, problems)
