@@ -13,7 +13,7 @@ STAMP := $(VENV)/.attnres-installed
 PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test test-deep golden bench lint typecheck docs clean
+.PHONY: setup run test test-deep golden bench fuzz lint typecheck docs clean
 
 setup: $(STAMP)
 
@@ -52,8 +52,29 @@ bench: $(VENV)/.attnres-bench
 	$(PY) -m pytest benchmarks -p no:randomly --benchmark-only \
 		--benchmark-json=benchmarks/results/latest.json --benchmark-storage=benchmarks/results -q
 
+# Coverage-guided fuzzing of every loader (issue 20): not part of `make test`.
+# FUZZ_SECONDS per target (7 targets: about 3.5 minutes by default); a crash is
+# written to fuzz/crashes/TARGET-crash-* and stops the run (an input slower than
+# 30 s is kept as TARGET-slow-unit-*; the first one pays the imports).
+FUZZ_SECONDS ?= 30
+FUZZ_TARGETS ?= trace replay pipeline folder config header results
+
+$(VENV)/.attnres-fuzz: $(STAMP)
+	$(PIP) install -c $(VENV)/torch-pin.txt atheris
+	touch $@
+
+fuzz: $(VENV)/.attnres-fuzz
+	mkdir -p fuzz/crashes
+	for t in $(FUZZ_TARGETS); do \
+		mkdir -p fuzz/work/$$t && \
+		$(PY) fuzz/fuzz_attnres.py $$t -max_total_time=$(FUZZ_SECONDS) -timeout=120 \
+			-rss_limit_mb=4096 -report_slow_units=30 -artifact_prefix=fuzz/crashes/$$t- fuzz/work/$$t fuzz/corpus/$$t \
+			|| exit 1; \
+	done
+
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks scripts
+	$(PY) -m ruff format --check src  # issue 20: src stays formatted
 	$(PY) -m mypy src  # strict = true in pyproject.toml
 
 docs: $(STAMP)

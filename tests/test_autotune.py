@@ -652,7 +652,7 @@ def test_results_files_never_clobber_and_are_bounded(tmp_path: Path) -> None:
     huge = tmp_path / "huge.json"
     with open(huge, "wb") as fh:
         fh.truncate(5 << 20)
-    with pytest.raises(ResultsFileError, match="more than the"):
+    with pytest.raises(ResultsFileError, match="over the 4 MiB limit for a results file"):
         load_results(huge)
     with pytest.raises(ResultsFileError, match="cannot read"):
         load_results(tmp_path / "missing.json")
@@ -725,7 +725,7 @@ def test_attnres_autotune_is_the_entry_point_and_import_attnres_stays_light() ->
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: "not json{", "not JSON"),
+        (lambda d: "not json{", "not valid JSON"),
         (lambda d: {**d, "version": 9}, "autotune results version 9; this attnres reads version 1"),
         (lambda d: {**d, "entries": {}}, r"\$\.entries: expected a list"),
         (

@@ -11,7 +11,10 @@ Each case is one of:
 - ``file``: a file's content (a pipeline ``.toml`` or a trace ``.json``): the
   library's loader must raise ``expected`` and the command that reads such a
   file (``attnres plan`` / ``attnres replay``) must exit 2, with the same
-  message on stderr.
+  message on stderr;
+- ``folder``: a model folder (``tests/tiny_folders.py`` builds it, one file
+  edited): ``attnres.integrations.plan_folder`` must raise ``expected`` and
+  ``attnres plan DIR`` must exit 2 with the same message (issue 20).
 
 ``docs/errors.md`` documents the catalogue: the error types, each mistake's
 message and what to do, the exit codes and the rejection codes.
@@ -28,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_folders import tiny_folder, with_file, with_header, with_special
 
 import attnres
 from attnres import (
@@ -47,7 +51,8 @@ from attnres import (
 )
 from attnres.backends import BackendSpec, register_backend, unregister_backend
 from attnres.cli import main
-from attnres.errors import PluginError
+from attnres.errors import PluginError, ResultsFileError
+from attnres.integrations import FolderBuildError
 from attnres.machine import run_machine
 from attnres.modules import KernelNotRegisteredError
 from attnres.plan import PipelineError, load_pipeline
@@ -66,6 +71,9 @@ class Case:
     call: Callable[[], object] | None = None
     argv: tuple[str, ...] | None = None
     file: tuple[str, str | bytes] | None = None  # (suffix, content)
+    #: issue 20: builds a model folder under the given path and returns it; the
+    #: library's plan_folder must raise ``expected`` and ``attnres plan DIR`` exit 2
+    folder: Callable[[Path], Path] | None = None
 
     def __repr__(self) -> str:
         return self.id
@@ -593,7 +601,241 @@ CASES: list[Case] = [
          argv=("frobnicate",)),
     Case("cli-unknown-flag", 2, "unrecognized arguments: --head_size",
          argv=("explain", "--head-size", "64", "--dtype", "fp32", "--head_size", "64")),
+    # -- model folders (attnres plan DIR), issue 20 ----------------------------------------
+    # crashes (item 1): what a folder holds, read through the one bounded reader
+    Case("folder-index-nested-deeply", FolderBuildError,
+         "model_index.json: not a valid model_index.json: nested more than 64 levels deep",
+         folder=with_file("model_index.json", "[" * 100_000 + "]" * 100_000)),
+    Case("folder-config-nested-deeply", FolderBuildError,
+         "vae/config.json: not a valid config file: nested more than 64 levels deep",
+         folder=with_file("vae/config.json", '{"a": ' + "[" * 200 + "]" * 200 + "}")),
+    Case("folder-header-nested-deeply", FolderBuildError,
+         "not a safetensors file: nested more than 64 levels deep",
+         folder=with_header(b"[" * 100_000 + b"]" * 100_000)),
+    Case("folder-header-a-list", FolderBuildError,
+         "not a safetensors file: its header is a JSON list, not an object",
+         folder=with_header([1, 2])),
+    Case("folder-header-a-string", FolderBuildError,
+         "not a safetensors file: its header is a JSON str, not an object",
+         folder=with_header("weights")),
+    Case("folder-header-shape-null", FolderBuildError,
+         "tensor 'w': shape must be a list of non-negative integers, got None",
+         folder=with_header({"w": {"dtype": "F16", "shape": None}})),
+    Case("folder-header-shape-5", FolderBuildError,
+         "tensor 'w': shape must be a list of non-negative integers, got 5",
+         folder=with_header({"w": {"dtype": "F16", "shape": 5}})),
+    Case("folder-header-shape-list-of-null", FolderBuildError,
+         "shape must be a list of non-negative integers, got [None]",
+         folder=with_header({"w": {"dtype": "F16", "shape": [None]}})),
+    Case("folder-header-shape-string", FolderBuildError,
+         "shape must be a list of non-negative integers, got ['x']",
+         folder=with_header({"w": {"dtype": "F16", "shape": ["x"]}})),
+    Case("folder-header-shape-infinity", FolderBuildError, "Infinity is not valid JSON",
+         folder=with_header(b'{"w": {"dtype": "F16", "shape": [Infinity]}}')),
+    Case("folder-header-shape-1e999", FolderBuildError,
+         "the number 1e999 is out of range (not a finite float)",
+         folder=with_header(b'{"w": {"dtype": "F16", "shape": [1e999]}}')),
+    Case("folder-header-integer-4301-digits", FolderBuildError,
+         "an integer of 4301 digits (attnres reads none longer than 40)",
+         folder=with_header(b'{"w": {"dtype": "F16", "shape": [' + b"9" * 4301 + b"]}}")),
+    Case("folder-header-longer-than-the-file", FolderBuildError,
+         "its header claims 1000 bytes, but the file holds 10 in all",
+         folder=with_file("vae/diffusion_pytorch_model.safetensors",
+                          (1000).to_bytes(8, "little") + b"{}")),
+    Case("folder-base-class-modelmixin", FolderBuildError,
+         "component 'vae': ModelMixin is the base class of every diffusers model, not a model",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(
+             vae=["diffusers", "ModelMixin"]))),
+    Case("folder-base-class-pretrainedmodel", FolderBuildError,
+         "PreTrainedModel is the base class of every transformers model, not a model",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(
+             text_encoder=["transformers", "PreTrainedModel"]))),
+    Case("folder-heads-zero", FolderBuildError,
+         "text_encoder/config.json: num_heads: 0 is out of bounds for heads (MAX_CONFIG_HEADS): "
+         "attnres plans 1 to 1024",
+         folder=lambda root: tiny_folder(root, text_encoder=lambda d: d.update(num_heads=0))),
+    # item 2: a FIFO is refused when opened, never waited on
+    Case("folder-fifo-safetensors", FolderBuildError,
+         "diffusion_pytorch_model.safetensors: cannot read it: it is a FIFO (named pipe)",
+         folder=with_special("vae/diffusion_pytorch_model.safetensors", "fifo")),
+    Case("folder-fifo-config", FolderBuildError,
+         "vae/config.json: cannot read the config file: it is a FIFO (named pipe)",
+         folder=with_special("vae/config.json", "fifo")),
+    # item 3: config values are bounded, and the bound is named
+    Case("folder-num-layers-1e9", FolderBuildError,
+         "text_encoder/config.json: num_layers: 1000000000 is out of bounds for layers "
+         "(MAX_CONFIG_LAYERS): attnres plans 0 to 1024",
+         folder=lambda root: tiny_folder(root, text_encoder=lambda d: d.update(
+             num_layers=10**9))),
+    Case("folder-layers-per-block-2-64", FolderBuildError,
+         "vae/config.json: layers_per_block: 18446744073709551616 is out of bounds (a config "
+         "value is at most 2147483647",
+         folder=lambda root: tiny_folder(root, vae=lambda d: d.update(layers_per_block=2**64))),
+    Case("folder-num-hidden-layers-2-64", FolderBuildError,
+         "num_layers: 18446744073709551616 is out of bounds",
+         folder=lambda root: tiny_folder(root, text_encoder=lambda d: d.update(
+             num_layers=2**64))),
+    Case("folder-d-kv-zero", FolderBuildError,
+         "d_kv: 0 is out of bounds for a head size (attnres.layer.MAX_HEAD_SIZE): attnres "
+         "plans 1 to 16384",
+         folder=lambda root: tiny_folder(root, text_encoder=lambda d: d.update(d_kv=0))),
+    Case("folder-head-size-over-the-bound", FolderBuildError,
+         "text_encoder/config.json: d_kv: 100000 is out of bounds for a head size",
+         folder=lambda root: tiny_folder(root, text_encoder=lambda d: d.update(d_kv=100000))),
+    # item 16: a head size computed from the config names the component and its file
+    Case("folder-computed-head-size-over-the-bound", FolderBuildError,
+         "vae/config.json: component 'vae' (AutoencoderKL): head_size: must be at most 16384",
+         folder=lambda root: tiny_folder(root, vae=lambda d: d.update(
+             block_out_channels=[32768]))),
+    Case("folder-config-huge-integer", FolderBuildError,
+         "vae/config.json: not a valid config file: an integer of 5000 digits",
+         folder=with_file("vae/config.json", '{"_class_name": "AutoencoderKL", "x": '
+                          + "7" * 5000 + "}")),
+    # fuzzing: what a third-party build raises is attnres's error, naming the component
+    Case("folder-build-raises", FolderBuildError,
+         "vae/config.json: cannot build AutoencoderKL for component 'vae' from this config: "
+         "ValueError:",
+         folder=lambda root: tiny_folder(root, vae=lambda d: d.update(
+             down_block_types=["NoSuchBlock2D"]))),
+    Case("folder-build-raises-for-a-negative-size", FolderBuildError,
+         "cannot build T5EncoderModel for component 'text_encoder' from this config: ",
+         folder=lambda root: tiny_folder(root, text_encoder=lambda d: d.update(d_model=-16))),
+    # item 7: a model component that cannot be planned is an error, never dropped
+    Case("folder-component-folder-missing", FolderBuildError,
+         "vae/config.json: cannot read the config file: No such file or directory",
+         folder=with_special("vae", "missing")),
+    Case("folder-component-config-missing", FolderBuildError,
+         "text_encoder/config.json: cannot read the config file: No such file or directory",
+         folder=with_special("text_encoder/config.json", "missing")),
+    Case("folder-component-config-a-directory", FolderBuildError,
+         "vae/config.json: cannot read the config file: it is a directory",
+         folder=with_special("vae/config.json", "dir")),
+    Case("folder-component-config-dangling-symlink", FolderBuildError,
+         "vae/config.json: cannot read the config file: a symlink to 'gone', which does not "
+         "exist",
+         folder=with_special("vae/config.json", "dangling")),
+    Case("folder-component-folder-symlink-loop", FolderBuildError,
+         "vae/config.json: cannot read the config file: ",
+         folder=with_special("vae", "loop")),
+    Case("folder-index-entry-malformed", FolderBuildError,
+         "model_index.json: 'vae': expected [LIBRARY, CLASS] (two strings, or [null, null] for "
+         "an absent component), got [\"diffusers\"]",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(vae=["diffusers"]))),
+    Case("folder-index-entry-not-strings", FolderBuildError,
+         "expected [LIBRARY, CLASS] (two strings, or [null, null] for an absent component), "
+         "got [1, 2]",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(vae=[1, 2]))),
+    Case("folder-index-empty", FolderBuildError,
+         "model_index.json: no model component to plan",
+         folder=with_file("model_index.json", "{}")),
+    Case("folder-index-not-an-object", FolderBuildError,
+         "model_index.json: not a valid model_index.json: expected a JSON object, got a list",
+         folder=with_file("model_index.json", "[]")),
+    Case("folder-unknown-class", FolderBuildError,
+         "component 'vae': diffusers has no class 'AutoencoderKLL'",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(
+             vae=["diffusers", "AutoencoderKLL"]))),
+    Case("folder-class-name-not-a-name", FolderBuildError,
+         "component 'vae': '__class__' is not a class name",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(
+             vae=["diffusers", "__class__"]))),
+    # a component key is a name, never a path
+    Case("folder-key-escapes-the-folder", FolderBuildError,
+         "model_index.json: '../outside' is not a component name",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(
+             {"../outside": ["diffusers", "AutoencoderKL"]}))),
+    Case("folder-key-300-characters", FolderBuildError,
+         "is not a component name (letters, digits, '_', '-', '.', at most 100 characters",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(
+             {"k" * 300: ["diffusers", "AutoencoderKL"]}))),
+    Case("folder-key-absolute-path", FolderBuildError,
+         "model_index.json: '/etc' is not a component name",
+         folder=lambda root: tiny_folder(root, index=lambda d: d.update(
+             {"/etc": ["diffusers", "AutoencoderKL"]}))),
+    # item 16: a single model folder that is neither kind says both
+    Case("folder-config-neither-kind", FolderBuildError,
+         "neither a transformers model config (no 'architectures' entry naming the model "
+         "class) nor a diffusers model config",
+         folder=lambda root: (root.mkdir(), (root / "config.json").write_text("{}"), root)[2]),
+    # item 18: --dtype conflicts are usage errors; names normalised
+    Case("cli-dtype-component-twice", 2,
+         "--dtype: component 'vae' was given two dtypes (vae=float16 and vae=float32); give "
+         "it once",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),
+               "--dtype", "vae=fp16", "--dtype", "VAE=fp32")),
+    Case("cli-dtype-global-twice", 2,
+         "--dtype: the dtype for every component was given twice (float16 and bfloat16)",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),
+               "--dtype", "fp16", "--dtype", "bf16")),
+    Case("cli-plan-dir-trace-out-under-a-file", 2,
+         "test_bad_inputs.py/traces': not a directory: '",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),
+               "--platform", "cpu", "--trace-out", str(Path(__file__) / "traces"))),
+    Case("cli-component-on-a-pipeline-file", 2,
+         "--component names the component of a single model folder",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "cpu-small.toml"),
+               "--component", "vae")),
+    # -- autotune results files, issue 20 (items 2, 14 and fuzzing) ----------------------
+    Case("results-negative-median", ResultsFileError,
+         "$.entries[0].measurements[1].median_ns: -5 is impossible (expected 0 to",
+         call=lambda: _results(lambda e: e["measurements"][1].update(median_ns=-5))),
+    Case("results-zero-repeats", ResultsFileError,
+         "$.entries[0].repeats: 0 is impossible (expected 1 to",
+         call=lambda: _results(lambda e: e.update(repeats=0))),
+    Case("results-duplicate-candidate", ResultsFileError,
+         "candidate 'eager' appears twice (in measurements or no_kernel)",
+         call=lambda: _results(lambda e: e["measurements"].append(e["measurements"][1]))),
+    Case("results-candidate-measured-and-without-kernel", ResultsFileError,
+         "candidate 'eager' appears twice",
+         call=lambda: _results(lambda e: e.update(no_kernel={"eager": "none here"}))),
+    Case("results-incumbent-not-first", ResultsFileError,
+         "measurements[0]: 'eager' is not the incumbent 'torch_sdpa'",
+         call=lambda: _results(lambda e: e["measurements"].reverse())),
+    Case("results-negative-deviation", ResultsFileError,
+         "measurements[1].deviation: -0.5 is impossible",
+         call=lambda: _results(lambda e: e["measurements"][1].update(deviation=-0.5))),
+    Case("results-deviation-10-400", ResultsFileError,
+         "not an attnres autotune results file (an integer of 401 digits",
+         call=lambda: _results(lambda e: e["measurements"][1].update(deviation=10**400))),
+    Case("results-a-fifo", ResultsFileError,
+         "cannot read the autotune results: it is a FIFO (named pipe)",
+         call=lambda: _results_special("fifo")),
+    Case("results-save-to-a-fifo", ResultsFileError,
+         "cannot read the autotune results: it is a FIFO (named pipe)",
+         call=lambda: _results_special("fifo", save=True)),
 ]
+
+
+def _results_doc(edit: Callable[[dict[str, Any]], object]) -> dict[str, Any]:
+    from attnres.tuning import Measured, ResultEntry
+
+    sdpa, eager = Backend.parse("torch_sdpa"), Backend.parse("eager")
+    entry = ResultEntry(
+        platform={"kind": "cpu"}, call="q(1, 64, 8, 64)", incumbent=sdpa,
+        measured=(Measured(sdpa, 1000, 10), Measured(eager, 900, 10, 0.0)),
+        no_kernel=(), warmup=1, repeats=3,
+    ).to_json()
+    edit(entry)
+    return {"format": "attnres-autotune-results", "version": 1, "entries": [entry]}
+
+
+def _results(edit: Callable[[dict[str, Any]], object]) -> object:
+    from attnres.autotuner import load_results
+
+    path = Path("results.json")
+    path.write_text(json.dumps(_results_doc(edit)))
+    return load_results(path, platform=CPU)
+
+
+def _results_special(kind: str, save: bool = False) -> object:
+    import os
+
+    from attnres.autotuner import load_results, save_results
+
+    path = Path("results.json")
+    assert kind == "fifo"
+    os.mkfifo(path)
+    return save_results(path) if save else load_results(path, platform=CPU)
 
 
 def _one_paragraph(text: str) -> str:
@@ -629,7 +871,18 @@ def _check_cli(argv: list[str], expected: int, fragment: str,
 def test_bad_input(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # relative paths in messages and argv stay short
-    assert sum(x is not None for x in (case.call, case.argv, case.file)) == 1, case.id
+    assert sum(x is not None for x in (case.call, case.argv, case.file, case.folder)) == 1, case.id
+    if case.folder is not None:
+        assert isinstance(case.expected, type)
+        from attnres.integrations import plan_folder
+
+        folder = case.folder(Path("pipe"))
+        with pytest.raises(BaseException) as info:
+            plan_folder(folder, platform=CPU)
+        assert type(info.value) is case.expected, repr(info.value)
+        assert case.fragment in _one_paragraph(str(info.value)), str(info.value)
+        _check_cli(["plan", str(folder), "--platform", "cpu"], 2, case.fragment, capsys)
+        return
     if case.argv is not None:
         assert isinstance(case.expected, int)
         _check_cli(list(case.argv), case.expected, case.fragment, capsys)
@@ -661,14 +914,14 @@ def test_bad_input(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_every_input_error_is_a_value_error() -> None:
     """The catalogue's library errors about inputs are ValueErrors (SPEC 3.5, 5)."""
     for cls in (UnknownBackendError, ResolutionError, BackendNotAppliedError, TraceFormatError,
-                PipelineError, PluginError):
+                PipelineError, PluginError, FolderBuildError, ResultsFileError):
         assert issubclass(cls, ValueError), cls
     assert issubclass(attnres.ConsensusError, RuntimeError)
     assert issubclass(KernelNotRegisteredError, RuntimeError)
     expected = {c.expected for c in CASES if isinstance(c.expected, type)}
     assert expected <= {ValueError, TypeError, UnknownBackendError, ResolutionError,
                         BackendNotAppliedError, TraceFormatError, PipelineError, PluginError,
-                        KernelNotRegisteredError}
+                        KernelNotRegisteredError, FolderBuildError, ResultsFileError}
 
 
 def test_the_catalogue_is_documented() -> None:

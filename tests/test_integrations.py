@@ -587,7 +587,7 @@ def test_plan_dir_reads_no_weights_and_is_bounded(tmp_path):
     import struct
 
     big.write_bytes(struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}")
-    with pytest.raises(ValueError, match="larger than attnres reads"):
+    with pytest.raises(ValueError, match="over the 64 MiB limit for a safetensors header"):
         dtype_from_weights(tmp_path)
 
 

@@ -36,7 +36,8 @@ from attnres.runtime import (
 from attnres.scope import register_component_kind
 from attnres.trace import Trace, dump_trace, load_trace
 
-__version__ = "0.1.0"
+#: The one source of the version (pyproject.toml reads it): the 0.3 development line.
+__version__ = "0.3.0.dev0"
 
 # A library never prints on its own: without this, Python's last-resort handler
 # would write attnres WARNING events to stderr when the application configured
@@ -85,6 +86,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     # the lazily imported names too (they are in __all__), before first use
     return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "Attention",

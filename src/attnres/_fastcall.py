@@ -77,9 +77,7 @@ class FastCallModule(nn.Module):
 
     _run: Callable[..., Tensor]
 
-    def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None
-    ) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         # explicit parameters, not *args/**kwargs: no tuple/dict packing per call
         if (
             self._forward_hooks

@@ -30,26 +30,44 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
+import math
 import os
 import re
 import secrets
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_HEADER_BYTES",
     "MAX_INPUT_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_INT_DIGITS",
     "atomic_write_text",
     "begin_manifest",
     "check_manifest",
+    "exclusive_lock",
     "finish_manifest",
+    "parse_json",
     "read_bounded",
+    "read_json",
+    "read_safetensors_header",
     "temp_name_pattern",
 ]
 
 #: The most bytes attnres reads from one pipeline or trace file (4 MiB).
 MAX_INPUT_BYTES = 4 * 1024 * 1024
+
+#: The most bytes of a safetensors header attnres reads (its JSON, not the tensors).
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+#: JSON read by :func:`read_json` nests at most this deep (configs nest 2-4 levels).
+MAX_JSON_DEPTH = 64
+#: ... and holds no integer of more digits than this (2**64 has 20).
+MAX_JSON_INT_DIGITS = 40
 
 #: Our temporary files: ``.NAME.attnres-PID-RANDOM.tmp``.
 _TEMP_RE = re.compile(r"^\..+\.attnres-(\d+)-[0-9a-f]{8}\.tmp$")
@@ -89,14 +107,8 @@ def _mib(n: int) -> str:
     return f"{n / (1024 * 1024):g} MiB"
 
 
-def read_bounded(path: str | os.PathLike[str], *, what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them.
-
-    ``what`` names the kind of file in messages ("trace file"). Raises
-    :class:`OSError` (``strerror`` says why) for anything that is not a regular
-    file or that is larger than ``limit``.
-    """
-    source = os.fspath(path)
+def _open_regular(source: str, what: str) -> tuple[int, os.stat_result]:
+    """An open descriptor of the regular file ``source`` (never waits on a FIFO)."""
     if source == "":
         raise OSError(errno.ENOENT, "an empty path names no file", source)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -104,11 +116,15 @@ def read_bounded(path: str | os.PathLike[str], *, what: str, limit: int = MAX_IN
         fd = os.open(source, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise OSError(exc.errno, "it is a symlink loop (too many levels of symbolic links)",
-                          source) from None
+            raise OSError(
+                exc.errno, "it is a symlink loop (too many levels of symbolic links)", source
+            ) from None
         if exc.errno == errno.ENOENT and os.path.islink(source):
-            raise OSError(exc.errno, f"a symlink to {os.readlink(source)!r}, which does "
-                          "not exist", source) from None
+            raise OSError(
+                exc.errno, f"a symlink to {os.readlink(source)!r}, which does not exist", source
+            ) from None
+        if exc.errno == errno.ENAMETOOLONG:
+            raise OSError(exc.errno, "the file name is too long", source) from None
         raise
     try:
         st = os.fstat(fd)
@@ -117,27 +133,174 @@ def read_bounded(path: str | os.PathLike[str], *, what: str, limit: int = MAX_IN
             raise _refuse(
                 source, code, f"it is {_kind(st.st_mode)}; a {what} must be a regular file"
             )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _read_upto(fd: int, n: int) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while total < n:
+        chunk = os.read(fd, min(1 << 20, n - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def read_bounded(path: str | os.PathLike[str], *, what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    ``what`` names the kind of file in messages ("trace file"). Raises
+    :class:`OSError` (``strerror`` says why) for anything that is not a regular
+    file or that is larger than ``limit``.
+    """
+    source = os.fspath(path)
+    fd, st = _open_regular(source, what)
+    try:
         if st.st_size > limit:
             raise OSError(
                 errno.EFBIG,
                 f"it is {st.st_size} bytes, over the {_mib(limit)} limit for a {what}",
                 source,
             )
-        chunks: list[bytes] = []
-        total = 0
-        while total <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > limit:
+        data = _read_upto(fd, limit + 1)
+        if len(data) > limit:
             raise OSError(
                 errno.EFBIG, f"it holds more than the {_mib(limit)} limit for a {what}", source
             )
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
+
+
+def _json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _json_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_JSON_INT_DIGITS:
+        raise ValueError(
+            f"an integer of {digits} digits (attnres reads none longer than {MAX_JSON_INT_DIGITS})"
+        )
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of range (not a finite float)")
+    return value
+
+
+def parse_json(data: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse bounded JSON: UTF-8, no NaN/Infinity, no number out of float range, no
+    integer of more than :data:`MAX_JSON_INT_DIGITS` digits, nesting at most
+    ``max_depth`` deep. Every refusal is a :class:`ValueError` saying why."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        ) from None
+    try:
+        doc = json.loads(
+            text, parse_constant=_json_constant, parse_int=_json_int, parse_float=_json_float
+        )
+    except RecursionError:
+        raise ValueError(f"nested more than {max_depth} levels deep") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    # iterative: a document just under the parser's own limit must not recurse here
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > max_depth:
+                raise ValueError(f"nested more than {max_depth} levels deep")
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return doc
+
+
+def read_json(
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    limit: int = MAX_INPUT_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+) -> Any:
+    """The JSON document in the regular file ``path`` (:func:`read_bounded`, then
+    :func:`parse_json`). :class:`OSError` for the file, :class:`ValueError` for
+    its content; neither names the path (the caller does)."""
+    return parse_json(read_bounded(path, what=what, limit=limit), max_depth=max_depth)
+
+
+def read_safetensors_header(path: str | os.PathLike[str], *, limit: int = MAX_HEADER_BYTES) -> Any:
+    """The JSON header of the safetensors file ``path``; never a tensor byte.
+
+    The file is a little-endian u64 length, that many bytes of JSON, then the
+    tensors. The length must fit in the file and in ``limit``; the header must
+    be a JSON object (:func:`parse_json`). :class:`OSError` for the file,
+    :class:`ValueError` for its content.
+    """
+    source = os.fspath(path)
+    what = "safetensors file"
+    fd, st = _open_regular(source, what)
+    try:
+        head = _read_upto(fd, 8)
+        if len(head) < 8:
+            raise ValueError(f"{len(head)} bytes: too short to be a safetensors file")
+        length = int.from_bytes(head, "little")
+        if length > limit:
+            raise ValueError(
+                f"its header of {length} bytes is over the {_mib(limit)} limit for a "
+                f"safetensors header"
+            )
+        if 8 + length > st.st_size:
+            raise ValueError(
+                f"its header claims {length} bytes, but the file holds {st.st_size} in all "
+                f"(truncated, or not a safetensors file)"
+            )
+        raw = _read_upto(fd, length)
+    finally:
+        os.close(fd)
+    header = parse_json(raw)
+    if not isinstance(header, dict):
+        raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+    return header
+
+
+@contextlib.contextmanager
+def exclusive_lock(target: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive lock on ``target`` for a read-merge-write of it.
+
+    The lock is ``flock`` on a sibling file ``.NAME.attnres.lock`` (the target
+    itself is replaced by every write, so it cannot carry the lock); the lock
+    file stays, empty. Processes on one host (and on file systems that honour
+    ``flock``) take turns; where ``fcntl`` does not exist, no lock is taken.
+    """
+    real = Path(os.path.realpath(os.fspath(target)))
+    folder = real.parent
+    _make_parents(folder)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    lock = folder / f".{real.name}.attnres.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "the lock file is not a regular file", str(lock))
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 # =============================================================================
@@ -249,9 +412,7 @@ def atomic_write_text(target: Path, text: str) -> None:
             _write_through(path, text, _kind(st.st_mode))
             return
         code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
-        raise _refuse(
-            path, code, f"it is {_kind(st.st_mode)}; attnres replaces only regular files"
-        )
+        raise _refuse(path, code, f"it is {_kind(st.st_mode)}; attnres replaces only regular files")
     real = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     folder = real.parent
     _make_parents(folder)
@@ -294,7 +455,6 @@ def finish_manifest(folder: Path, written_by: str, files: list[str] | tuple[str,
 def _write_manifest(
     folder: Path, written_by: str, *, complete: bool, files: list[str] | tuple[str, ...]
 ) -> None:
-    import json
 
     doc = {
         "attnres_manifest": _MANIFEST_SCHEMA,
@@ -311,17 +471,16 @@ def check_manifest(folder: Path) -> list[tuple[str, str]]:
     A manifest still marked incomplete means the writer was interrupted; a
     complete one must list only files that exist.
     """
-    import json
 
     path = folder / MANIFEST_NAME
     if not os.path.lexists(path):
         return []
     where = str(path)
     try:
-        doc = json.loads(read_bounded(path, what="manifest").decode("utf-8"))
+        doc = read_json(path, what="manifest")
     except OSError as exc:
         return [(where, f"cannot read the manifest: {exc.strerror or exc}")]
-    except (ValueError, RecursionError) as exc:
+    except ValueError as exc:
         return [(where, f"not a valid attnres manifest: {exc}")]
     files = doc.get("files") if isinstance(doc, dict) else None
     if (

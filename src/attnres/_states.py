@@ -195,6 +195,8 @@ def optional_reason(value: Reason | str | None) -> Reason | None:
 def optional_code(value: Code | str | None) -> Code | None:
     """An attrs converter: ``None`` stays ``None``, a code name becomes the member."""
     return None if value is None else Code(value)
+
+
 class Verdict(_StrEnum):
     """What the tuner concluded about one measured candidate (docs/trace-format.md)."""
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from attnres._states import Status
 from attnres._vocab import Role
 from attnres.records import ScopeProblem
 from attnres.trace import record_to_dict
@@ -103,7 +104,7 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
     try:
         # the outcome's own level gates it: a rejection (WARNING) is seen by an
         # application that filters at WARNING
-        outcome_on = enabled(logging.INFO if outcome.status == "selected" else logging.WARNING)
+        outcome_on = enabled(logging.INFO if outcome.status == Status.SELECTED else logging.WARNING)
         debug_on = outcome_on and enabled(logging.DEBUG)
     except Exception:  # an unusual wrapper: let it decide itself
         outcome_on = debug_on = True
@@ -116,7 +117,7 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
             if "event" in fields:  # a transition's event: not the log event's name
                 fields["machine_event"] = fields.pop("event")
             log.debug("attention record", index=index, **common, **fields)
-    if outcome.status == "selected":
+    if outcome.status == Status.SELECTED:
         log.info(
             "attention backend selected",
             backend=None if decision.backend is None else decision.backend.name,

@@ -411,9 +411,7 @@ class BackendSpec:
     )
     satisfies: tuple[frozenset[str], ...] = field(default=(), converter=_groups)
     aliases: tuple[str, ...] = ()
-    min_torch: FrozenMap[str, tuple[int, int]] = field(
-        factory=FrozenMap, converter=_min_torch_map
-    )
+    min_torch: FrozenMap[str, tuple[int, int]] = field(factory=FrozenMap, converter=_min_torch_map)
     description: str = ""
     #: whether a causal mask keeps torch SDPA's top-left alignment when query and
     #: key lengths differ (cross-attention); flash-attn aligns it bottom-right
@@ -480,7 +478,14 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         platforms=_ALL,
         dtypes=_FULL,
         implements=(
-            R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP, _WINDOW
+            R.CAUSAL,
+            R.ATTN_MASK,
+            R.GQA,
+            R.DROPOUT,
+            R.BACKWARD,
+            R.CUSTOM_SCALE,
+            R.SOFTCAP,
+            _WINDOW,
         ),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",
@@ -538,7 +543,13 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
         implements=(
-            R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP,
+            R.CAUSAL,
+            R.GQA,
+            R.PACKED_VARLEN,
+            R.DROPOUT,
+            R.BACKWARD,
+            R.CUSTOM_SCALE,
+            R.SOFTCAP,
             R.SLIDING_WINDOW,
         ),
         limits=(
@@ -573,7 +584,12 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         dtypes=_HALF,  # fp8 left out: it needs head sizes % 16 (docs/backends.md)
         head_sizes=HeadSizeRule(max=256, multiple_of=8),
         implements=(
-            R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP,
+            R.CAUSAL,
+            R.GQA,
+            R.PACKED_VARLEN,
+            R.BACKWARD,
+            R.CUSTOM_SCALE,
+            R.SOFTCAP,
             R.SLIDING_WINDOW,
         ),
         package="flash_attn_interface",
@@ -590,7 +606,12 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
         implements=(
-            R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP,
+            R.CAUSAL,
+            R.GQA,
+            R.PACKED_VARLEN,
+            R.BACKWARD,
+            R.CUSTOM_SCALE,
+            R.SOFTCAP,
             R.SLIDING_WINDOW,
         ),
         limits=(
@@ -644,7 +665,13 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=HeadSizeRule(multiple_of=8),
         implements=(
-            R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE,
+            R.CAUSAL,
+            R.ATTN_MASK,
+            R.GQA,
+            R.PACKED_VARLEN,
+            R.DROPOUT,
+            R.BACKWARD,
+            R.CUSTOM_SCALE,
             _WINDOW,
         ),
         limits=(
@@ -667,7 +694,12 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
         implements=(
-            R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE,
+            R.CAUSAL,
+            R.GQA,
+            R.PACKED_VARLEN,
+            R.DROPOUT,
+            R.BACKWARD,
+            R.CUSTOM_SCALE,
             R.SLIDING_WINDOW,
         ),
         package="aiter",
@@ -926,9 +958,7 @@ class _Registry:
 
     def unknown(self, text: str) -> UnknownBackendError:
         valid = sorted(self._specs)
-        close = difflib.get_close_matches(
-            _key(text), [*valid, *self._aliases], n=1, cutoff=0.5
-        )
+        close = difflib.get_close_matches(_key(text), [*valid, *self._aliases], n=1, cutoff=0.5)
         suggestion = self._aliases[close[0]] if close else None
         hint = f" Did you mean {suggestion!r}?" if suggestion else ""
         return UnknownBackendError(

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from attnres._states import PackageStatus, ReplayStatus, Status  # issue 20, 19
 from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
@@ -502,7 +503,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if plan is not None:
             lines += _field("autotune:", plan["detail"], _width())
         _emit(out, lines)
-    return EXIT_OK if outcome.status == "selected" else EXIT_REJECTED
+    return EXIT_OK if outcome.status == Status.SELECTED else EXIT_REJECTED
 
 
 def _check_explain_overrides(args: argparse.Namespace, config: SelectionConfig) -> None:
@@ -552,7 +553,7 @@ def _render_explain(trace: Trace) -> list[str]:
     inp, outcome = trace.input, trace.outcome
     why = explain(trace)
     lines: list[str] = []
-    if outcome.status == "selected":
+    if outcome.status == Status.SELECTED:
         assert outcome.backend is not None
         lines.append(f"Decision:  selected {outcome.backend.name}")
     else:
@@ -587,8 +588,9 @@ def _render_explain(trace: Trace) -> list[str]:
         how = "typed by the operator" if cfg.global_backend_explicit else "implicit preference"
         request = f"--attention-backend {cfg.global_backend.name} ({how})"
     if cfg.component_backends:
-        request += "; per component: " + ", ".join(f"{n}={b.name}" for n, b in
-                                                    cfg.component_backends)
+        request += "; per component: " + ", ".join(
+            f"{n}={b.name}" for n, b in cfg.component_backends
+        )
     lines += _field("Request:", request, width)
     lines.append("")
     lines += _wrap(
@@ -644,7 +646,9 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
         platform = _platform(args.platform)
         dtypes = parse_dtype_args(args.dtype or [])
-        result = plan_folder(Path(args.pipeline), config, platform, dtypes).to_plan_result()
+        result = plan_folder(
+            Path(args.pipeline), config, platform, dtypes, component=args.component
+        ).to_plan_result()
         _check_component_overrides(
             config, [c.name for c in result.components], f"the folder {args.pipeline}"
         )
@@ -653,6 +657,11 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             raise UsageError(
                 "--dtype applies to a model folder (attnres plan DIR); a pipeline file gives "
                 "each layer's dtype itself"
+            )
+        if getattr(args, "component", None) is not None:
+            raise UsageError(
+                "--component names the component of a single model folder (attnres plan DIR); "
+                "a pipeline file names its components itself"
             )
         pipeline = with_layout(load_pipeline(args.pipeline), layout)
         _check_component_overrides(
@@ -721,9 +730,7 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK if result.ok else EXIT_REJECTED
 
 
-def _check_component_overrides(
-    config: SelectionConfig, names: Sequence[str], where: str
-) -> None:
+def _check_component_overrides(config: SelectionConfig, names: Sequence[str], where: str) -> None:
     """Every ``--attention-backend COMPONENT[.ROLE]=X`` names a component of the plan."""
     known = {split_component_key(n)[0] for n in names}
     for component, backend in config.component_backends:
@@ -763,8 +770,7 @@ def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if exc.name != "attnres.replayer":
             raise
         raise UsageError(
-            "replay is not available in this installation (the module attnres.replayer "
-            "is missing)"
+            "replay is not available in this installation (the module attnres.replayer is missing)"
         ) from None
     run = module.replay_paths(list(args.paths), update=args.update)
     return render_replay(run, args.update, out, err)
@@ -786,10 +792,10 @@ def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int
     for problem in run.path_problems:
         print(f"attnres replay: error: {problem}", file=err)
     for entry in run.entries:
-        if entry.status == "invalid":
+        if entry.status == ReplayStatus.INVALID:
             print(f"ERR  {entry.path}", file=out)
             print(f"attnres replay: error: {entry.error}", file=err)
-        elif entry.status == "ok":
+        elif entry.status == ReplayStatus.OK:
             print(f"ok   {entry.path}", file=out)
         else:
             diff = "" if entry.result is None else entry.result.diff
@@ -842,9 +848,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             }
             for fact in platform.packages
         ],
-        "plugin_failures": [
-            {"entry_point": f.entry_point, "error": f.error} for f in failures
-        ],
+        "plugin_failures": [{"entry_point": f.entry_point, "error": f.error} for f in failures],
         "notes": list(platform.notes),
         "environment": environment_document(),
     }
@@ -863,9 +867,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         18,
     )
     lines += _field("  torch:", _opt(platform.torch_version), width, 18)
-    lines += _field(
-        "  default chain:", " -> ".join(chain) or "-", width, 18
-    )
+    lines += _field("  default chain:", " -> ".join(chain) or "-", width, 18)
     lines += ["", "Optional kernel packages"]
     users: dict[str, list[str]] = {}
     for spec in registered_backends():
@@ -876,7 +878,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             fact.name,
             ", ".join(users.get(fact.name, [])) or "-",
             fact.status,
-            _opt(fact.version) if fact.status == "present" else _opt(fact.detail),
+            _opt(fact.version) if fact.status == PackageStatus.PRESENT else _opt(fact.detail),
         ]
         for fact in platform.packages
     ]
@@ -1064,12 +1066,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="attnres",
-        description=(
-            "Decide which attention kernel every layer of a pipeline runs, and show why."
-        ),
+        description=("Decide which attention kernel every layer of a pipeline runs, and show why."),
         epilog=(
             "exit codes: 0 success, 1 a resolution was rejected or a replay diverged, "
-            "2 bad usage or bad input"
+            "2 bad usage or bad input, 70 an internal error (a bug in attnres), "
+            "130 interrupted, 143 terminated (SIGTERM)"
         ),
         formatter_class=_Formatter,
     )
@@ -1109,9 +1110,7 @@ def build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--layer-name", metavar="NAME", help="a name for the layer (in traces)")
     _layout_arguments(layer, heads=True)
     where = explain.add_argument_group("where and how it is resolved")
-    where.add_argument(
-        "--component", metavar="NAME", help="resolve inside this component's scope"
-    )
+    where.add_argument("--component", metavar="NAME", help="resolve inside this component's scope")
     where.add_argument(
         "--component-backend", metavar="X", help="the component's override (needs --component)"
     )
@@ -1123,8 +1122,9 @@ def build_parser() -> argparse.ArgumentParser:
         "global_preference)",
     )
     where.add_argument(
-        "--platform", metavar="SPEC", help="simulate a platform, e.g. cuda:sm90+flash_attn "
-        "(default: detect this machine)"
+        "--platform",
+        metavar="SPEC",
+        help="simulate a platform, e.g. cuda:sm90+flash_attn (default: detect this machine)",
     )
     output = explain.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")
@@ -1135,8 +1135,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("pipeline", metavar="PIPELINE.toml|DIR")
     plan.add_argument(
-        "--dtype", action="append", metavar="[COMPONENT=]DTYPE",
+        "--dtype",
+        action="append",
+        metavar="[COMPONENT=]DTYPE",
         help="a model folder's compute dtype, for all components or one (repeatable)",
+    )
+    plan.add_argument(
+        "--component",
+        metavar="NAME",
+        help="the component a single model folder is (default: read from its config)",
     )
     add_selection_arguments(plan)
     plan.add_argument(

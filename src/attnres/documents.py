@@ -29,8 +29,7 @@ from attnres.platform import Platform
 __all__ = ["environment_document", "platform_document", "spec_document"]
 
 _ORDER: dict[str, int] = {
-    name: i
-    for i, name in enumerate([*PLATFORM_KINDS, *DTYPES, *(r.value for r in Requirement)])
+    name: i for i, name in enumerate([*PLATFORM_KINDS, *DTYPES, *(r.value for r in Requirement)])
 }
 
 

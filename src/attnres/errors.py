@@ -27,6 +27,7 @@ __all__ = [
     "AttnresError",
     "BackendNotAppliedError",
     "ConsensusError",
+    "FolderBuildError",
     "IntegrationError",
     "KernelNotRegisteredError",
     "KernelUnavailableError",
@@ -132,6 +133,12 @@ class PipelineError(AttnresError, ValueError):
         self.component = component
         self.layer = layer
         self.line = line
+
+
+class FolderBuildError(AttnresError, ValueError):
+    """A model folder's component cannot be planned (``attnres plan DIR``): a file
+    that cannot be read, a key that is not a name, a config value out of bounds,
+    or a model diffusers/transformers cannot build from it (issue 20)."""
 
 
 class IntegrationError(AttnresError, ValueError):

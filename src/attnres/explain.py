@@ -173,9 +173,7 @@ def explain(trace: Trace) -> Explanation:
     )
     failed = [r for r in trace.records if isinstance(r, CheckRecord) and not r.passed]
     relaxation = (
-        global_flag_relaxation(trace.input)
-        if outcome.origin in GLOBAL_EXPLICIT_ORIGINS
-        else None
+        global_flag_relaxation(trace.input) if outcome.origin in GLOBAL_EXPLICIT_ORIGINS else None
     )
     return Explanation(
         outcome=outcome,
@@ -250,7 +248,7 @@ def autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | Non
     if not config.autotune:
         return None
     origin = trace.outcome.origin
-    if trace.outcome.status != "selected":
+    if trace.outcome.status != Status.SELECTED:
         return {"tunable": False, "detail": "nothing to measure: the resolution was rejected"}
     if not is_tunable(trace):
         return {

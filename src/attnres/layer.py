@@ -89,8 +89,7 @@ def _positive_head_size(value: Any) -> int:
     if number > MAX_HEAD_SIZE:
         shown = str(number) if number < 10**30 else f"a number of {len(str(number))} digits"
         raise ValueError(
-            f"head_size: must be at most {MAX_HEAD_SIZE} (real layers use 32 to 576), "
-            f"got {shown}"
+            f"head_size: must be at most {MAX_HEAD_SIZE} (real layers use 32 to 576), got {shown}"
         )
     return number
 
@@ -289,9 +288,7 @@ def _check_fraction(what: str, value: Any) -> float:
         raise ValueError(f"{what}: expected a number in [0, 1), got {value!r}")
     number = float(value)
     if not 0 <= number < 1:
-        raise ValueError(
-            f"{what}: expected a fraction in [0, 1) (0.02 means 2%), got {value!r}"
-        )
+        raise ValueError(f"{what}: expected a fraction in [0, 1) (0.02 means 2%), got {value!r}")
     return number
 
 

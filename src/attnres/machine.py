@@ -86,7 +86,18 @@ from typing import TYPE_CHECKING, Final
 import attrs
 from attrs import frozen
 
-from attnres._states import Check, Code, Event, Origin, Reason, ScopeCode, State, Verdict
+from attnres._states import (
+    Check,
+    Code,
+    Event,
+    Origin,
+    PackageStatus,
+    Reason,
+    ScopeCode,
+    State,
+    Status,
+    Verdict,
+)
 from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
@@ -527,9 +538,9 @@ def _package_failure(
 ) -> list[Failure]:
     """Why neither ``name`` nor one of its ``alternatives`` works here ([] if one does)."""
     facts = [platform.package(n) for n in (name, *alternatives)]
-    if any(f.status == "present" for f in facts):
+    if any(f.status == PackageStatus.PRESENT for f in facts):
         return []
-    broken = [f for f in facts if f.status == "broken"]
+    broken = [f for f in facts if f.status == PackageStatus.BROKEN]
     if broken:
         return [
             Failure(Code.PACKAGE_BROKEN, f"package {f.name!r} is broken: {f.detail}")
@@ -554,8 +565,9 @@ def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> 
     out: list[Failure] = []
     kind = platform.kind
     if kind not in spec.platforms:
-        runs_on = ", ".join(k for k in ("cpu", "cuda", "rocm", "mps", "xpu", "npu")
-                            if k in spec.platforms)
+        runs_on = ", ".join(
+            k for k in ("cpu", "cuda", "rocm", "mps", "xpu", "npu") if k in spec.platforms
+        )
         out.append(Failure(Code.PLATFORM_KIND, f"runs on {runs_on}, not on {kind}"))
     else:
         rule = spec.capabilities.get(kind)
@@ -604,8 +616,10 @@ def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> 
         if dtype_rule is not None and kind == "cuda":
             cap = platform.capability
             if cap is None or not dtype_rule.fits(cap):
-                here = "this platform's is unknown" if cap is None else (
-                    f"this device is sm{cap[0]}{cap[1]}"
+                here = (
+                    "this platform's is unknown"
+                    if cap is None
+                    else (f"this device is sm{cap[0]}{cap[1]}")
                 )
                 out.append(
                     Failure(
@@ -904,7 +918,10 @@ def _exhausted_message(tried: list[tuple[State, Backend, tuple[Failure, ...]]]) 
 
 
 def _step(
-    state: State, event: Event, records: list[Record], reason: Reason | None,
+    state: State,
+    event: Event,
+    records: list[Record],
+    reason: Reason | None,
     candidate: Backend | None = None,
 ) -> tuple[State, Reason | None]:
     try:
@@ -959,9 +976,7 @@ def run_machine(inp: TraceInput) -> Trace:
                     )
                     continue
             seen[candidate] = stage
-            results = check_candidate(
-                candidate, layer, platform, inp.needs_kernel, inp.no_kernel
-            )
+            results = check_candidate(candidate, layer, platform, inp.needs_kernel, inp.no_kernel)
             for check, failures in results:
                 records.append(CheckRecord(stage, candidate, check, not failures, failures))
             all_failures = tuple(f for _, failures in results for f in failures)
@@ -1095,9 +1110,7 @@ def scope_not_applied(
         ran = any(
             d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted for _, d in selected
         )
-        all_roles = bool(selected) and all(
-            d.origin is Origin.ROLE_OVERRIDE for _, d in selected
-        )
+        all_roles = bool(selected) and all(d.origin is Origin.ROLE_OVERRIDE for _, d in selected)
         if not ran and not all_roles:
             if not entries:
                 problems.append(
@@ -1236,7 +1249,7 @@ def is_tunable(trace: Trace) -> bool:
     not under a sequence-parallel layout (issue 24: each rank would time its own
     shard and could tune apart from the others)."""
     return (
-        trace.outcome.status == "selected"
+        trace.outcome.status == Status.SELECTED
         and trace.outcome.origin in TUNABLE_ORIGINS
         and not is_tuned(trace)
         and trace.input.layer.layout is None
@@ -1446,9 +1459,7 @@ def tuned_trace(
     judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance)
     for m, verdict in zip(ordered, judged, strict=True):
         records.append(
-            MeasurementRecord(
-                m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict
-            )
+            MeasurementRecord(m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict)
         )
     origin = trace.outcome.origin
     if winner is None:
@@ -1476,9 +1487,9 @@ def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
             and r.stage is State.MEASURING
             and r.detail.startswith(NO_KERNEL)
         ):
-            no_kernel[r.candidate] = r.detail[len(NO_KERNEL):].removeprefix(": ")
+            no_kernel[r.candidate] = r.detail[len(NO_KERNEL) :].removeprefix(": ")
     measured = [Measured.of(r) for r in recorded.records if isinstance(r, MeasurementRecord)]
-    if machine_trace.outcome.status != "selected" or machine_trace.outcome.backend is None:
+    if machine_trace.outcome.status != Status.SELECTED or machine_trace.outcome.backend is None:
         return machine_trace  # the rules changed: the decision is no longer tunable
     if not measured or measured[0].candidate != machine_trace.outcome.backend:
         # the rules now select another incumbent: its facts were never recorded

@@ -38,6 +38,7 @@ import contextvars
 import math
 import numbers
 import operator
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -695,7 +696,6 @@ class Attention(FastCallModule):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Attention:
         # nn.Module.to / .half / .bfloat16 / .float / .double all come here: the
         # layer follows a dtype cast as parameters do, and resolves for it.
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         # fn converts tensors; a dtype cast is told from a device move by two
         # empty probes of different floating dtypes: a cast changes at least one
         new: torch.dtype | None = None
@@ -703,18 +703,31 @@ class Attention(FastCallModule):
             try:
                 probe = fn(torch.empty(0, dtype=probe_dtype))
             except Exception:  # a device move this machine cannot make: not a cast
-                return self
+                new = None
+                break
             found = getattr(probe, "dtype", probe_dtype)
             if found is not probe_dtype and isinstance(found, torch.dtype):
                 new = found
                 break
-        if new is None:
-            return self  # not a dtype cast (a device move, share_memory, ...)
-        try:
-            normalize_dtype(new)
-        except ValueError:
-            return self  # a dtype no attention kernel takes: forward will say so
-        self._bind_to(new)
+        if new is not None:
+            try:
+                normalize_dtype(new)
+            except ValueError:
+                new = None  # a dtype no attention kernel takes: forward will say so
+        if new is not None:
+            # issue 20, 5: resolve before anything is cast. Cast on its own, a layer
+            # refuses a dtype no backend serves and changes nothing. Inside a model
+            # being cast (called from a parent's nn.Module._apply), raising would
+            # leave the model half-cast (the modules before it cast, those after
+            # not): the cast completes, the layer keeps its decision, and forward
+            # refuses inputs of that dtype, naming the dtype it was resolved for.
+            nested = sys._getframe(1).f_code is nn.Module._apply.__code__
+            try:
+                self._bind_to(new)
+            except ValueError:
+                if not nested:
+                    raise
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         return self
 
     # The configuration is fixed at construction (forward binds it): read-only.

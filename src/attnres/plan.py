@@ -210,9 +210,7 @@ def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
             m = re.search(r"\(at line (\d+), column (\d+)\)", message)
             line = int(m.group(1)) if m else None
         where = f"{source}:{line}" if line is not None else source
-        raise PipelineError(
-            f"{where}: invalid TOML: {message}", path=source, line=line
-        ) from None
+        raise PipelineError(f"{where}: invalid TOML: {message}", path=source, line=line) from None
     except RecursionError:
         raise PipelineError(
             f"{source}: not a pipeline: TOML nested too deeply (arrays or inline tables "
@@ -259,9 +257,7 @@ class _Parser:
         if component is not None:
             index, name = component
             where.append(
-                f"component {name!r} (components[{index}])"
-                if name
-                else f"components[{index}]"
+                f"component {name!r} (components[{index}])" if name else f"components[{index}]"
             )
         if layer is not None:
             index, name = layer
@@ -325,8 +321,9 @@ class _Parser:
                 )
             seen.add(entry.name)
             parsed.append(entry)
-        return Pipeline(name=name, path=self.source, components=tuple(parsed),
-                        description=description)
+        return Pipeline(
+            name=name, path=self.source, components=tuple(parsed), description=description
+        )
 
     def component(self, index: int, table: Any) -> ComponentEntry:
         where: dict[str, Any] = {"component": (index, None)}
@@ -353,9 +350,7 @@ class _Parser:
         role_backends = self.role_backends(table.get("role_backends"), where)
         allow = table.get("allow_global_fallback")
         if allow is not None and not isinstance(allow, bool):
-            raise self.fail(
-                f"allow_global_fallback must be true or false, got {allow!r}", **where
-            )
+            raise self.fail(f"allow_global_fallback must be true or false, got {allow!r}", **where)
         layers_doc = table.get("layers")
         if layers_doc is None:
             raise self.fail(
@@ -406,7 +401,7 @@ class _Parser:
             return ()
         if not isinstance(value, Mapping):
             raise self.fail(
-                f"role_backends must be a table such as {{ cross = \"torch_sdpa\" }}, got "
+                f'role_backends must be a table such as {{ cross = "torch_sdpa" }}, got '
                 f"{_type(value)}",
                 **where,
             )
@@ -442,8 +437,7 @@ class _Parser:
         for key, kind in _LAYER_KINDS.items():
             if key in table and not CHECKS[kind](table[key]):
                 article = "an" if kind[0] in "aeiou" else "a"
-                raise self.fail(f"{key} must be {article} {kind}, got {_type(table[key])}",
-                                **where)
+                raise self.fail(f"{key} must be {article} {kind}, got {_type(table[key])}", **where)
         head_size = table["head_size"]
         try:
             spec = LayerSpec(
@@ -608,6 +602,9 @@ class PlanResult:
     platform: Platform
     config: SelectionConfig
     components: tuple[ComponentPlan, ...]
+    #: a folder plan: entries that are not models (tokenizers, schedulers), as
+    #: (name, why); planned by nobody, and said so (issue 20)
+    skipped: tuple[tuple[str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -636,6 +633,7 @@ class PlanResult:
                 None if config.global_backend is None else config.global_backend_explicit
             ),
             "components": [c.to_dict() for c in self.components],
+            "skipped": [{"name": name, "why": why} for name, why in self.skipped],
         }
 
 
@@ -677,7 +675,7 @@ def plan_pipeline(
                 for layer in entry.layers:
                     layers.append(_plan_layer(entry.name, layer, cfg, plat))
         except BackendNotAppliedError as exc:
-            if all(layer.status == "selected" for layer in layers):
+            if all(layer.status == Status.SELECTED for layer in layers):
                 error = str(exc)
         if error is None:
             error = unreached_role_override(entry.name, layers, cfg)
@@ -721,9 +719,7 @@ def _plan_layer(
     )
 
 
-def unreached_role_override(
-    component: str, layers: Any, config: SelectionConfig
-) -> str | None:
+def unreached_role_override(component: str, layers: Any, config: SelectionConfig) -> str | None:
     """The problem with a ``COMPONENT.ROLE`` override given on the command line (in
     ``config``) that reaches none of ``component``'s layers, as a role override
     in a pipeline file is (SPEC 3.6); ``None`` when every one reaches a layer.

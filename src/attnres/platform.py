@@ -140,10 +140,10 @@ class PackageFact:
 
     @property
     def usable(self) -> bool:
-        return self.status == "present"
+        return self.status == PackageStatus.PRESENT
 
     def describe(self) -> str:
-        if self.status == "present":
+        if self.status == PackageStatus.PRESENT:
             return f"{self.version or 'unknown version'}"
         return f"{self.status}: {self.detail}" if self.detail else self.status
 

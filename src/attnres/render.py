@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from attnres._states import Status
+from attnres._states import PackageStatus, Status
 from attnres.explain import explain
 from attnres.platform import Platform
 
@@ -99,8 +99,7 @@ def _table(
     out = [
         pad
         + sep.join(
-            h.rjust(widths[i]) if i in right else h.ljust(widths[i])
-            for i, h in enumerate(headers)
+            h.rjust(widths[i]) if i in right else h.ljust(widths[i]) for i, h in enumerate(headers)
         ).rstrip()
     ]
     out.append(pad + sep.join("-" * widths[i] for i in range(count)))
@@ -165,15 +164,18 @@ def _wrap_cell(text: str, width: int) -> list[str]:
 
 def _platform_text(platform: Platform) -> str:
     where = platform.device()
-    present = [f.name for f in platform.packages if f.status == "present"]
+    present = [f.name for f in platform.packages if f.status == PackageStatus.PRESENT]
     if platform.simulated:
         how = "simulated"
         packages = ", ".join(present) if present else "none"
     else:
         how = "detected"
         packages = (
-            ", ".join(f"{f.name} {f.version or ''}".rstrip()
-                      for f in platform.packages if f.status == "present")
+            ", ".join(
+                f"{f.name} {f.version or ''}".rstrip()
+                for f in platform.packages
+                if f.status == PackageStatus.PRESENT
+            )
             or "none"
         )
     return f"{where}, {how}; kernel packages present: {packages}"
@@ -208,13 +210,16 @@ def render_plan(result: PlanResult) -> list[str]:
         )
     lines += _field("Request:", request, width)
     dtypes = [
-        f"{c.name} {c.dtype} ({c.dtype_source}" + (f": {c.dtype_detail})" if c.dtype_detail
-                                                   else ")")
+        f"{c.name} {c.dtype} ({c.dtype_source}"
+        + (f": {c.dtype_detail})" if c.dtype_detail else ")")
         for c in result.components
         if c.dtype is not None
     ]
     if dtypes:
         lines += _field("Dtypes:", "; ".join(dtypes), width)
+    if result.skipped:  # issue 20: a folder's entries that are not models, said so
+        listed = "; ".join(f"{name} ({why})" for name, why in result.skipped)
+        lines += _field("Skipped:", listed, width)
     fallbacks: dict[str, int] = {}
     for component in result.components:
         entry = next(c for c in pipeline.components if c.name == component.name)
@@ -270,8 +275,9 @@ def render_plan(result: PlanResult) -> list[str]:
         for site in component.unplanned:
             label = _UNPLANNED_LABEL[site.status]
             text = site.error if site.error else site.note
-            lines += _wrap(f"{site.name} ({site.module_class}): {text}", width,
-                           f"  {label}: ", "    ")
+            lines += _wrap(
+                f"{site.name} ({site.module_class}): {text}", width, f"  {label}: ", "    "
+            )
         if component.error:
             lines += _wrap(component.error, width, "  problem: ", "           ")
     lines.append("")
@@ -300,7 +306,9 @@ def render_plan(result: PlanResult) -> list[str]:
         rejected = [la for la in layers if la.status is not Status.SELECTED]
         problems = [c.name for c in result.components if c.error]
         unclassified = [
-            f"{c.name}/{u.name}" for c in result.components for u in c.unplanned
+            f"{c.name}/{u.name}"
+            for c in result.components
+            for u in c.unplanned
             if u.status is Status.REJECTED
         ]
         parts = []
@@ -311,8 +319,10 @@ def render_plan(result: PlanResult) -> list[str]:
                 f"rejected: " + ", ".join(f"{la.component}/{la.name}" for la in rejected)
             )
         if unclassified:
-            parts.append(f"{_plural(len(unclassified), 'site')} cannot be classified: "
-                         + ", ".join(unclassified))
+            parts.append(
+                f"{_plural(len(unclassified), 'site')} cannot be classified: "
+                + ", ".join(unclassified)
+            )
         if problems:
             parts.append(f"override not applied in {', '.join(problems)}")
         verdict = "Verdict: rejected - " + "; ".join(parts)

@@ -27,7 +27,7 @@ from attrs import field, frozen
 
 from attnres import machine as _machine
 from attnres._files import check_manifest
-from attnres._states import ReplayStatus
+from attnres._states import ReplayStatus, Status
 from attnres.errors import TraceFormatError
 from attnres.trace import Outcome, Trace, TuningRecord, dump_trace, load_trace, record_to_dict
 from attnres.tuning import replay_tuned
@@ -106,7 +106,7 @@ def _render(value: Any) -> str:
 
 def describe_outcome(outcome: Outcome) -> str:
     """``selected torch_sdpa (global backend fallback)`` / ``rejected (code)``."""
-    if outcome.status == "selected" and outcome.backend is not None:
+    if outcome.status == Status.SELECTED and outcome.backend is not None:
         text = f"selected {outcome.backend.name}"
         return text + (f" ({outcome.reason})" if outcome.reason else "")
     return f"{outcome.status} ({outcome.code})" if outcome.code else outcome.status

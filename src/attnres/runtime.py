@@ -292,9 +292,7 @@ def lookup(
     if entry is None:
         # argument types are checked on the cold path only: a hit costs nothing more
         _check_arguments(cfg, platform)
-        entry = _resolve_renamed(
-            layer, cfg, scope, platform, backend, request, needs_kernel, key
-        )
+        entry = _resolve_renamed(layer, cfg, scope, platform, backend, request, needs_kernel, key)
         if entry is None:
             entry = _resolve_cold(
                 _trace_input(layer, cfg, scope, platform, backend, request, needs_kernel), key
@@ -426,9 +424,7 @@ def _entry_for(trace: Trace) -> _CacheEntry:
     component = None if inp.scope is None else inp.scope.component
     decision = Decision(component, inp.layer.name, outcome, trace)
     resolution = (
-        None
-        if outcome.backend is None
-        else Resolution(outcome, trace, component, inp.layer.name)
+        None if outcome.backend is None else Resolution(outcome, trace, component, inp.layer.name)
     )
     return (resolution, decision, trace)
 

@@ -142,8 +142,10 @@ def register_component_kind(
     if not isinstance(kind, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", kind):
         raise ValueError(f"component kind must be lower-case snake_case, got {kind!r}")
     if loader is None:
-        policy = True if allow_global_fallback is None else _flag(
-            "allow_global_fallback", allow_global_fallback
+        policy = (
+            True
+            if allow_global_fallback is None
+            else _flag("allow_global_fallback", allow_global_fallback)
         )
         loader = type(
             f"{kind.title().replace('_', '')}Loader",

@@ -39,6 +39,8 @@ from typing import Any, Final
 import attrs
 from attrs import frozen
 
+from attnres._files import exclusive_lock, read_json
+from attnres._states import PackageStatus
 from attnres.backends import Backend
 from attnres.errors import ResultsFileError
 from attnres.layer import SelectionConfig
@@ -89,7 +91,6 @@ DEFAULT_TOLERANCES: Final[Mapping[str, float]] = {
 }
 
 
-
 def tolerance_for(config: SelectionConfig, dtype: str) -> float:
     """The relative tolerance for outputs of ``dtype`` under ``config``."""
     for name, tolerance in config.autotune_tolerance:
@@ -108,6 +109,8 @@ RESULTS_VERSION: Final = 1
 MAX_RESULTS_BYTES: Final = 4 << 20
 #: At most this many entries are read from (and kept in) a results file.
 MAX_RESULTS_ENTRIES: Final = 4096
+#: The largest count or nanosecond figure a results file may hold (~292 years in ns).
+MAX_RESULTS_COUNT: Final = 2**63 - 1
 
 
 def platform_facts(platform: Platform) -> dict[str, Any]:
@@ -118,7 +121,9 @@ def platform_facts(platform: Platform) -> dict[str, Any]:
         "capability": None if platform.capability is None else list(platform.capability),
         "arch": platform.arch,
         "torch_version": platform.torch_version,
-        "packages": {p.name: p.version for p in platform.packages if p.status == "present"},
+        "packages": {
+            p.name: p.version for p in platform.packages if p.status == PackageStatus.PRESENT
+        },
     }
 
 
@@ -190,35 +195,72 @@ def _entry_from_json(doc: Any, where: str) -> ResultEntry:
         if value is None and optional:
             return None
         if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            raise ResultsFileError(f"{where}.{key}: unexpected value {value!r}")
+            raise ResultsFileError(f"{where}.{key}: unexpected value {value!r}"[:300])
+        return value
+
+    def count(obj: Any, key: str, low: int, optional: bool = False, at: str = "") -> Any:
+        # issue 20, 14: impossible numbers are refused, not measured against
+        value = need(obj, key, (int,), optional)
+        if value is not None and not low <= value <= MAX_RESULTS_COUNT:
+            raise ResultsFileError(
+                f"{where}{at}.{key}: {value} is impossible (expected {low} to {MAX_RESULTS_COUNT})"
+            )
         return value
 
     platform = need(doc, "platform", (dict,))
     measured = []
     for i, m in enumerate(need(doc, "measurements", (list,))):
+        at = f".measurements[{i}]"
         deviation = need(m, "deviation", (int, float), optional=True)
-        if deviation is not None and not math.isfinite(deviation):
-            raise ResultsFileError(f"{where}.measurements[{i}].deviation: not finite")
+        if deviation is not None and not (
+            isinstance(deviation, float | int)
+            and abs(deviation) <= 1e300
+            and math.isfinite(deviation)
+            and deviation >= 0
+        ):
+            raise ResultsFileError(
+                f"{where}{at}.deviation: {str(deviation)[:40]} is impossible (a relative "
+                f"deviation is a finite number, at least 0)"
+            )
         measured.append(
             Measured(
                 Backend.parse(need(m, "candidate", (str,))),
-                need(m, "median_ns", (int,), optional=True),
-                need(m, "spread_ns", (int,), optional=True),
+                count(m, "median_ns", 0, optional=True, at=at),
+                count(m, "spread_ns", 0, optional=True, at=at),
                 None if deviation is None else float(deviation),
                 need(m, "error", (str,), optional=True),
             )
         )
     if not measured:
         raise ResultsFileError(f"{where}.measurements: empty (the incumbent comes first)")
+    incumbent = Backend.parse(need(doc, "incumbent", (str,)))
+    if measured[0].candidate != incumbent:
+        raise ResultsFileError(
+            f"{where}.measurements[0]: {measured[0].candidate.name!r} is not the incumbent "
+            f"{incumbent.name!r} (the incumbent is measured first)"
+        )
     no_kernel = need(doc, "no_kernel", (dict,))
+    named = [m.candidate.name for m in measured] + [Backend.parse(k).name for k in no_kernel]
+    twice = sorted({n for n in named if named.count(n) > 1})
+    if twice:
+        raise ResultsFileError(
+            f"{where}: candidate {twice[0]!r} appears twice (in measurements or no_kernel); "
+            f"each backend is measured once"
+        )
     return ResultEntry(
         platform=platform,
         call=need(doc, "call", (str,)),
-        incumbent=Backend.parse(need(doc, "incumbent", (str,))),
+        incumbent=incumbent,
         measured=tuple(measured),
-        no_kernel=tuple(sorted((Backend.parse(k), str(v)) for k, v in no_kernel.items())),
-        warmup=need(doc, "warmup", (int,)),
-        repeats=need(doc, "repeats", (int,)),
+        # sorted by name: Backend values do not order (two no_kernel entries failed to sort)
+        no_kernel=tuple(
+            sorted(
+                ((Backend.parse(k), str(v)) for k, v in no_kernel.items()),
+                key=lambda item: item[0].name,
+            )
+        ),
+        warmup=count(doc, "warmup", 0),
+        repeats=count(doc, "repeats", 1),
     )
 
 
@@ -226,28 +268,16 @@ def read_results(path: str | os.PathLike[str]) -> tuple[ResultEntry, ...]:
     """Read a results file (bounded); :class:`ResultsFileError` says what is wrong."""
     source = os.fspath(path)
     try:
-        size = os.stat(source).st_size
-        if size > MAX_RESULTS_BYTES:
-            raise ResultsFileError(
-                f"{source}: {size} bytes, more than the {MAX_RESULTS_BYTES} a results file "
-                f"may hold; this is not an attnres autotune results file"
-            )
-        with open(source, "rb") as fh:
-            raw = fh.read(MAX_RESULTS_BYTES + 1)
+        doc = read_json(source, what="results file", limit=MAX_RESULTS_BYTES)
     except OSError as exc:
         raise ResultsFileError(
             f"{source}: cannot read the autotune results: {exc.strerror or exc}"
         ) from None
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ResultsFileError(
-            f"{source}: not an attnres autotune results file (not JSON: {exc})"
-        ) from None
+    except ValueError as exc:
+        raise ResultsFileError(f"{source}: not an attnres autotune results file ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != RESULTS_FORMAT:
         raise ResultsFileError(
-            f"{source}: not an attnres autotune results file (no \"format\": "
-            f"\"{RESULTS_FORMAT}\")"
+            f'{source}: not an attnres autotune results file (no "format": "{RESULTS_FORMAT}")'
         )
     version = doc.get("version")
     if version != RESULTS_VERSION:
@@ -279,19 +309,22 @@ def write_results(path: str | os.PathLike[str], entries: Iterable[ResultEntry]) 
     attnres results file is never overwritten (:class:`ResultsFileError`).
     """
     target = Path(path)
-    merged: dict[tuple[str, str], ResultEntry] = {}
-    if target.exists():
-        for old in read_results(target):  # refuses what is not ours
-            merged[(old.platform_key, old.call)] = old
-    for entry in entries:
-        merged[(entry.platform_key, entry.call)] = entry
-    kept = list(merged.values())[-MAX_RESULTS_ENTRIES:]
-    doc = {
-        "format": RESULTS_FORMAT,
-        "version": RESULTS_VERSION,
-        "entries": [e.to_json() for e in sorted(kept, key=lambda e: (e.platform_key, e.call))],
-    }
-    atomic_write_text(target, canonical_json(doc))
+    new = list(entries)
+    # issue 20, 6: processes sharing one file take turns, so none loses another's entries
+    with exclusive_lock(target):
+        merged: dict[tuple[str, str], ResultEntry] = {}
+        if os.path.lexists(target):
+            for old in read_results(target):  # refuses what is not ours
+                merged[(old.platform_key, old.call)] = old
+        for entry in new:
+            merged[(entry.platform_key, entry.call)] = entry
+        kept = list(merged.values())[-MAX_RESULTS_ENTRIES:]
+        doc = {
+            "format": RESULTS_FORMAT,
+            "version": RESULTS_VERSION,
+            "entries": [e.to_json() for e in sorted(kept, key=lambda e: (e.platform_key, e.call))],
+        }
+        atomic_write_text(target, canonical_json(doc))
     return target
 
 

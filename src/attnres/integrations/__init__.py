@@ -19,5 +19,14 @@ from attnres.integrations._plan import (
     Problem,
     Site,
 )
+from attnres.integrations._untrusted import FolderBuildError
 
-__all__ = ["DtypeChoice", "IntegrationError", "IntegrationPlan", "Problem", "Site", "plan_folder"]
+__all__ = [
+    "DtypeChoice",
+    "FolderBuildError",
+    "IntegrationError",
+    "IntegrationPlan",
+    "Problem",
+    "Site",
+    "plan_folder",
+]

@@ -15,33 +15,25 @@ compute dtype and is passed over); the config's ``torch_dtype`` (or
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from attnres._vocab import normalize_dtype
+import attrs
+
+from attnres import _files
+from attnres._vocab import normalize_component, normalize_dtype
+from attnres.integrations import _untrusted
 from attnres.integrations._plan import DtypeChoice, IntegrationPlan, plan_sites
 from attnres.layer import SelectionConfig
 from attnres.platform import Platform
 
 __all__ = ["DtypeArgs", "dtype_from_weights", "parse_dtype_args", "plan_folder"]
 
-#: the largest JSON file or safetensors header attnres reads
-MAX_JSON_BYTES = 4 * 1024 * 1024
-MAX_HEADER_BYTES = 64 * 1024 * 1024
-MAX_WEIGHT_FILES = 256
-
-_SAFETENSORS_DTYPES: dict[str, str | None] = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": None,  # storage only: layerwise casting computes in another dtype
-    "F8_E5M2": None,
-}
+#: the bounds live with the one reader and the untrusted-input checks (issue 20)
+MAX_HEADER_BYTES = _files.MAX_HEADER_BYTES
+MAX_WEIGHT_FILES = _untrusted.MAX_WEIGHT_FILES
 
 
 class DtypeArgs:
@@ -61,82 +53,37 @@ def parse_dtype_args(values: Sequence[str]) -> DtypeArgs:
             parsed = normalize_dtype(dtype)
         except ValueError as exc:
             raise ValueError(f"--dtype {value}: {exc}") from None
+        # issue 20, 18: names normalised as --attention-backend's; a conflict is an error
         if sep:
-            if not component:
+            if not component.strip():
                 raise ValueError(f"--dtype {value}: expected COMPONENT=DTYPE or DTYPE")
-            per[component] = parsed
+            name = normalize_component(component)
+            if per.get(name, parsed) != parsed:
+                raise ValueError(
+                    f"--dtype: component {name!r} was given two dtypes ({name}={per[name]} and "
+                    f"{name}={parsed}); give it once"
+                )
+            per[name] = parsed
         else:
+            if every not in (None, parsed):
+                raise ValueError(
+                    f"--dtype: the dtype for every component was given twice ({every} and "
+                    f"{parsed}); give it once, and COMPONENT=DTYPE for a single component"
+                )
             every = parsed
     return DtypeArgs(every, per)
 
 
-def _read_json(path: Path) -> Any:
-    size = path.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise ValueError(
-            f"{path}: {size} bytes is larger than attnres reads "
-            f"({MAX_JSON_BYTES}); is it a config file?"
-        )
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from None
-
-
 def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
-    """The dtype most weight elements are stored in, from safetensors headers.
-
-    Returns ``(dtype, detail)``; ``dtype`` is None when no header names a
-    compute dtype (``detail`` then says why, or is None when there are no files).
-    """
-    files = sorted(folder.glob("*.safetensors"))[:MAX_WEIGHT_FILES]
-    if not files:
-        return None, None
-    counts: dict[str, int] = {}
-    storage_only = 0
-    for path in files:
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise ValueError(f"{path}: too short to be a safetensors file")
-            (length,) = struct.unpack("<Q", head)
-            if length > MAX_HEADER_BYTES:
-                raise ValueError(
-                    f"{path}: header of {length} bytes is larger than attnres "
-                    f"reads ({MAX_HEADER_BYTES})"
-                )
-            raw = fh.read(length)
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: safetensors header is not valid JSON: {exc}") from None
-        for key, entry in header.items():
-            if key == "__metadata__" or not isinstance(entry, dict):
-                continue
-            elements = 1
-            for dim in entry.get("shape", []):
-                elements *= int(dim)
-            name = _SAFETENSORS_DTYPES.get(str(entry.get("dtype")), "")
-            if name is None:
-                storage_only += elements
-            elif name:
-                counts[name] = counts.get(name, 0) + elements
-    if not counts:
-        why = (
-            "weights are stored in float8, which is not a compute dtype"
-            if storage_only
-            else "no floating-point tensors in the headers"
-        )
-        return None, why
-    best = max(sorted(counts), key=lambda k: counts[k])
-    return best, f"{len(files)} safetensors file(s)"
+    """The dtype most weight elements are stored in (see :mod:`._untrusted`)."""
+    return _untrusted.dtype_from_weights(folder)
 
 
 def _choose_dtype(
     name: str, folder: Path, config: Mapping[str, Any], args: DtypeArgs
 ) -> DtypeChoice:
-    if name in args.per:
-        return DtypeChoice(args.per[name], f"--dtype {name}=")
+    if normalize_component(name) in args.per:
+        return DtypeChoice(args.per[normalize_component(name)], f"--dtype {name}=")
     if args.every is not None:
         return DtypeChoice(args.every, "--dtype")
     dtype, detail = dtype_from_weights(folder)
@@ -146,32 +93,14 @@ def _choose_dtype(
         value = config.get(key)
         if isinstance(value, str):
             try:
-                return DtypeChoice(normalize_dtype(value), f"config {key}", detail)
+                parsed = normalize_dtype(value)
             except ValueError:
+                continue  # "auto" and the like: not a dtype to plan for
+            if parsed.startswith("float8"):  # storage, as in the weights (issue 20, 16)
+                detail = f"config {key} {parsed} is storage, not a compute dtype"
                 continue
+            return DtypeChoice(parsed, f"config {key}", detail)
     return DtypeChoice("float32", "default float32", detail)
-
-
-def _model_class(library: str, class_name: str, where: str) -> Any:
-    import importlib
-
-    module = importlib.import_module(library)
-    base = module.ModelMixin if library == "diffusers" else module.PreTrainedModel
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ValueError(f"{where}: {library} has no model class {class_name!r}")
-    return cls
-
-
-def _build(library: str, cls: Any, folder: Path, config: dict[str, Any]) -> Any:
-    import torch
-
-    # planned for inference, as from_pretrained loads a model (eval mode)
-    with torch.device("meta"):
-        if library == "diffusers":
-            return cls.from_config(config).eval()
-        cfg = cls.config_class.from_pretrained(str(folder), local_files_only=True)
-        return cls._from_config(cfg).eval()
 
 
 def plan_folder(
@@ -179,12 +108,15 @@ def plan_folder(
     config: SelectionConfig | None = None,
     platform: Platform | None = None,
     dtypes: DtypeArgs | Mapping[str, str] | None = None,
+    component: str | None = None,
 ) -> IntegrationPlan:
     """Plan a diffusers pipeline folder or a transformers model folder on meta.
 
     ``dtypes`` maps a component to its compute dtype (``"*"``: every component),
     as ``--dtype`` does; components not named get theirs from their weights'
     headers, their config, or float32 (each component's ``DtypeChoice`` says which).
+    ``component`` names the component of a single model folder (default: from its
+    config, see :func:`._untrusted.read_model_folder`).
     """
     folder = Path(folder)
     if dtypes is None:
@@ -192,42 +124,31 @@ def plan_folder(
     elif isinstance(dtypes, DtypeArgs):
         args = dtypes
     else:
-        per = {k: normalize_dtype(v) for k, v in dtypes.items()}
+        per = {
+            normalize_component(k) if k != "*" else k: normalize_dtype(v) for k, v in dtypes.items()
+        }
         args = DtypeArgs(per.pop("*", None), per)
+    # issue 20: every file through the one reader, every key a name, every config
+    # bounded, every build under a budget; a model that cannot be planned is an error
     index = folder / "model_index.json"
-    if index.is_file():
-        doc = _read_json(index)
-        if not isinstance(doc, dict):
-            raise ValueError(f"{index}: expected a JSON object")
-        title = str(doc.get("_class_name", folder.name))
-        parts: list[tuple[str, str, str]] = []
-        for name, value in doc.items():
-            if name.startswith("_") or not isinstance(value, list) or len(value) != 2:
-                continue
-            library, class_name = value
-            if library not in ("diffusers", "transformers") or not isinstance(class_name, str):
-                continue
-            sub = folder / name / "config.json"
-            if not sub.is_file():
-                # tokenizers and schedulers have no config.json model to plan
-                continue
-            parts.append((name, library, class_name))
-    elif (folder / "config.json").is_file():
-        doc = _read_json(folder / "config.json")
-        archs = doc.get("architectures") if isinstance(doc, dict) else None
-        if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
+    skipped: list[tuple[str, str]] = []
+    if os.path.lexists(index):
+        if component is not None:
             raise ValueError(
-                f"{folder / 'config.json'}: no 'architectures' entry naming the "
-                f"transformers model class"
+                f"--component {component}: {folder} is a pipeline folder, whose "
+                f"model_index.json names its components"
             )
-        title = archs[0]
-        parts = [(folder.name, "transformers", archs[0])]
+        title, found, skipped = _untrusted.read_pipeline_index(folder, index)
+    elif os.path.lexists(folder / "config.json"):
+        title, part = _untrusted.read_model_folder(folder, folder / "config.json", component)
+        found = [part]
     else:
         raise ValueError(
             f"{folder}: neither a diffusers pipeline folder (model_index.json) nor a "
-            f"transformers model folder (config.json)"
+            f"transformers or diffusers model folder (config.json)"
         )
-    unknown = sorted(set(args.per) - {p[0] for p in parts})
+    parts = [(p.name, p.library, p.cls.__name__) for p in found]
+    unknown = sorted(set(args.per) - {normalize_component(p[0]) for p in parts})
     if unknown:
         raise ValueError(
             f"--dtype {unknown[0]}=...: {folder} has no model component "
@@ -235,28 +156,22 @@ def plan_folder(
         )
     models: dict[str, Any] = {}
     choices: dict[str, DtypeChoice] = {}
-    for name, library, class_name in parts:
-        sub = (
-            folder if (folder / "config.json").is_file() and not index.is_file() else folder / name
-        )
-        where = str(sub / "config.json")
-        cfg = _read_json(sub / "config.json")
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{where}: expected a JSON object")
-        cls = _model_class(library, class_name, where)
-        try:
-            models[name] = _build(library, cls, sub, cfg)
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ValueError(
-                f"{where}: cannot build {class_name} from this config: {exc}"
-            ) from None
-        choices[name] = _choose_dtype(name, sub, cfg, args)
+    for part in found:
+        models[part.name] = part.model = _untrusted.build_part(part)
+        choices[part.name] = _choose_dtype(part.name, part.folder, part.config, args)
     if any(library == "diffusers" for _, library, _ in parts):
         from attnres.integrations import diffusers as _diffusers
 
-        return _diffusers.plan(
-            models, config, platform, dtypes=choices, title=title, source=str(folder)
-        )
+        def alone(part: _untrusted.FolderPart) -> object:
+            return _diffusers.plan(
+                {part.name: part.model}, config, platform, dtypes={part.name: choices[part.name]}
+            )
+
+        with _untrusted.naming_the_component(found, alone):
+            planned = _diffusers.plan(
+                models, config, platform, dtypes=choices, title=title, source=str(folder)
+            )
+        return attrs.evolve(planned, skipped=tuple(skipped))
     # a transformers model folder: diffusers need not be installed
     from attnres.integrations import transformers as _transformers
 
@@ -264,6 +179,15 @@ def plan_folder(
         (name, choices[name], _transformers.describe_sites(model, name, choices[name].dtype))
         for name, model in models.items()
     ]
-    return plan_sites(
-        title=title, source=str(folder), components=described, config=config, platform=platform
-    )
+
+    def by_itself(part: _untrusted.FolderPart) -> object:
+        one = [d for d in described if d[0] == part.name]
+        return plan_sites(
+            title=title, source=str(folder), components=one, config=config, platform=platform
+        )
+
+    with _untrusted.naming_the_component(found, by_itself):
+        planned = plan_sites(
+            title=title, source=str(folder), components=described, config=config, platform=platform
+        )
+    return attrs.evolve(planned, skipped=tuple(skipped))

@@ -233,6 +233,9 @@ class IntegrationPlan:
     platform: Platform
     components: tuple[ComponentInfo, ...]
     sites: tuple[Site, ...]
+    #: issue 20: components of a model folder that are not models (tokenizers,
+    #: schedulers, absent optional parts), as (name, why); ``plan DIR`` says so
+    skipped: tuple[tuple[str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -326,7 +329,9 @@ class IntegrationPlan:
                 )
             )
         pipeline = Pipeline(self.title, self.source, tuple(entries))
-        return PlanResult(pipeline, self.platform, self.config, tuple(planned))
+        return PlanResult(
+            pipeline, self.platform, self.config, tuple(planned), skipped=self.skipped
+        )
 
     def render(self) -> str:
         """The same table as ``attnres plan``, plus each component's dtype and source."""

@@ -41,9 +41,7 @@ PACKAGE = "torch_npu"
 INSTALL = "pip install torch-npu  (matching your torch and CANN; needs an Ascend NPU)"
 
 
-def _masked_out(
-    attn_mask: Tensor | None, causal: bool, q: Tensor, k: Tensor
-) -> Tensor | None:
+def _masked_out(attn_mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) -> Tensor | None:
     """The ``atten_mask`` npu_fusion_attention takes: ``True`` where a position is
     masked out, shaped (S_q, S_kv), (B, 1, S_q, S_kv) or (B, N, S_q, S_kv)."""
     batch, seq_q, heads = q.shape[0], q.shape[1], q.shape[2]

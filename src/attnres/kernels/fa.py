@@ -81,9 +81,7 @@ def make_kernel() -> KernelFn:
         extra = flash_feature_kwargs(softcap, window)
         return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
 
-    return flash_style_kernel(
-        BACKEND, "flash_attn_func has no mask argument", call, takes=_TAKES
-    )
+    return flash_style_kernel(BACKEND, "flash_attn_func has no mask argument", call, takes=_TAKES)
 
 
 def make_varlen_kernel() -> VarlenKernelFn:

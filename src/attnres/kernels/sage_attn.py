@@ -28,7 +28,6 @@ from attnres.kernels._common import (
 )
 
 if TYPE_CHECKING:
-
     from attnres.kernels import KernelFn
 
 __all__ = ["make_kernel"]

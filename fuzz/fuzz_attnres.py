@@ -1,0 +1,215 @@
+"""Coverage-guided fuzz targets for every loader of a file attnres reads (issue 20).
+
+One target per loader; each writes the fuzzer's bytes to a file and hands it to
+the loader, the way a user's file reaches it. A loader may refuse its input
+only with attnres's own input error (a ``ValueError``: ``TraceFormatError``,
+``PipelineError``, ``FolderBuildError``, ``ResultsFileError``, ...); anything
+else -- another exception, a hang, runaway memory -- is a crash, and atheris
+writes the input that caused it to ``fuzz/crashes/TARGET-crash-*``. Every crash
+found goes into the bad-input catalogue (``tests/test_bad_inputs.py``: a row
+with the error it must give) and into ``fuzz/corpus/TARGET/`` (which
+``tests/test_fuzz_corpus.py`` replays in every test run).
+
+    python fuzz/fuzz_attnres.py TARGET [libFuzzer options] [CORPUS_DIR ...]
+
+Targets: trace, replay, pipeline, folder, config (structure-aware: hostile
+values for a config's own keys), header, results. ``make fuzz`` runs
+each for ``FUZZ_SECONDS`` (default 30) on its seed corpus ``fuzz/corpus/TARGET``
+(``fuzz/make_corpus.py`` writes the seeds from the repository's own traces,
+pipelines and example folders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+try:
+    import atheris
+except ImportError:  # tests/test_fuzz_corpus.py replays the corpus without it
+    atheris = None
+
+with atheris.instrument_imports(include=["attnres"]) if atheris else contextlib.nullcontext():
+    from attnres.integrations import plan_folder
+    from attnres.integrations._untrusted import dtype_from_weights
+    from attnres.plan import load_pipeline
+    from attnres.platform import Platform
+    from attnres.replayer import replay
+    from attnres.trace import load_trace
+    from attnres.tuning import read_results
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_folders import tiny_folder
+
+CPU = Platform.simulate("cpu")
+_TMP = Path(tempfile.mkdtemp(prefix="attnres-fuzz-"))
+#: the folder target edits one of these files of the tiny pipeline folder
+FOLDER_FILES = (
+    "model_index.json",
+    "vae/config.json",
+    "text_encoder/config.json",
+    "vae/diffusion_pytorch_model.safetensors",
+)
+
+
+def _file(data: bytes, name: str) -> Path:
+    path = _TMP / name
+    path.write_bytes(data)
+    return path
+
+
+def trace(data: bytes) -> None:
+    load_trace(_file(data, "input.json"))
+
+
+def replay_target(data: bytes) -> None:
+    replay(_file(data, "input.json"))
+
+
+def pipeline(data: bytes) -> None:
+    load_pipeline(_file(data, "input.toml"))
+
+
+def results(data: bytes) -> None:
+    read_results(_file(data, "results.json"))
+
+
+def header(data: bytes) -> None:
+    folder = _TMP / "weights"
+    folder.mkdir(exist_ok=True)
+    (folder / "model.safetensors").write_bytes(data)
+    dtype_from_weights(folder)
+
+
+def folder(data: bytes) -> None:
+    """The first byte picks the file of the tiny pipeline folder; the rest is its content."""
+    if not data:
+        return
+    root = _TMP / "pipe"
+    if not root.exists():
+        tiny_folder(root)
+    name = FOLDER_FILES[data[0] % len(FOLDER_FILES)]
+    saved = {n: (root / n).read_bytes() if (root / n).exists() else None for n in FOLDER_FILES}
+    try:
+        (root / name).write_bytes(data[1:])
+        plan_folder(root, platform=CPU)
+    finally:
+        for n, content in saved.items():
+            if content is None:
+                if (root / n).exists():
+                    os.unlink(root / n)
+            else:
+                (root / n).write_bytes(content)
+
+
+#: values a hostile config gives a key (the config target)
+HOSTILE = (
+    0,
+    -1,
+    1,
+    3,
+    2**31 - 1,
+    2**31,
+    1024,
+    1025,
+    16385,
+    0.5,
+    -0.0,
+    1e300,
+    "",
+    "x",
+    "float8_e4m3fn",
+    None,
+    True,
+    [],
+    [0],
+    [-1],
+    [1, 2, 3],
+    {},
+    {"a": 1},
+)
+
+
+def config(data: bytes) -> None:
+    """Structure-aware: a few keys of a tiny component's config set to hostile values
+    (a key of the class's own config, so the build reads it)."""
+    fdp = atheris.FuzzedDataProvider(data) if atheris else _Provider(data)
+    root = _TMP / "cfg"
+    component = ("vae", "text_encoder")[fdp.ConsumeIntInRange(0, 1)]
+    keys = _config_keys(component)
+    edits = {}
+    for _ in range(fdp.ConsumeIntInRange(1, 4)):
+        key = keys[fdp.ConsumeIntInRange(0, len(keys) - 1)]
+        edits[key] = HOSTILE[fdp.ConsumeIntInRange(0, len(HOSTILE) - 1)]
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    tiny_folder(root, **{component: lambda d: d.update(edits)})
+    plan_folder(root, platform=CPU)
+
+
+class _Provider:
+    """What the config target uses of atheris.FuzzedDataProvider, for replays without it."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def ConsumeIntInRange(self, low: int, high: int) -> int:  # atheris spells it so
+        byte, self.data = (self.data[0], self.data[1:]) if self.data else (0, b"")
+        return low + byte % (high - low + 1)
+
+
+_KEYS: dict[str, list[str]] = {}
+
+
+def _config_keys(component: str) -> list[str]:
+    if component not in _KEYS:
+        from tiny_folders import CONFIGS
+
+        if component == "vae":
+            import inspect
+
+            from diffusers import AutoencoderKL
+
+            names = inspect.signature(AutoencoderKL.__init__).parameters
+            keys = [k for k in names if k != "self"]
+        else:
+            from transformers import T5Config
+
+            keys = [k for k in T5Config().to_dict() if not k.startswith("_")]
+        _KEYS[component] = sorted(set(keys) | set(CONFIGS[component]))
+    return _KEYS[component]
+
+
+TARGETS: dict[str, Callable[[bytes], None]] = {
+    "trace": trace,
+    "replay": replay_target,
+    "pipeline": pipeline,
+    "folder": folder,
+    "config": config,
+    "header": header,
+    "results": results,
+}
+
+
+def run_one(target: Callable[[bytes], None], data: bytes) -> None:
+    """One input: attnres's own input errors are answers, anything else a crash."""
+    with contextlib.suppress(ValueError):
+        target(data)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in TARGETS:
+        sys.exit(f"usage: {sys.argv[0]} {{{','.join(TARGETS)}}} [libFuzzer options] [CORPUS...]")
+    target = TARGETS[sys.argv[1]]
+    sys.setrecursionlimit(3000)
+    atheris.Setup([sys.argv[0], *sys.argv[2:]], lambda data: run_one(target, data))
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()

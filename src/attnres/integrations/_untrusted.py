@@ -1,0 +1,557 @@
+"""What ``attnres plan DIR`` does with a folder it did not write: untrusted work.
+
+A model folder is input: its ``model_index.json`` keys, its configs and its
+safetensors headers are read through the one reader (:mod:`attnres._files`,
+bounded, regular files only), checked here, and only then handed to diffusers
+or transformers. Building a third-party model from a config is untrusted work:
+
+1. every component key is a name, never a path (:func:`check_component_key`);
+2. every value of a config is bounded (:func:`check_config`): nesting, list
+   lengths, string lengths, integers (:data:`MAX_CONFIG_INT`), layer counts
+   (:data:`MAX_CONFIG_LAYERS`), head counts and head sizes -- the message names
+   the key, the value and the bound;
+3. the build runs under a budget (:func:`build_under_budget`): at most
+   :data:`MAX_BUILD_TORCH_CALLS` torch calls, :data:`MAX_BUILD_SECONDS` seconds
+   and :data:`MAX_BUILD_MEMORY_BYTES` of added peak memory, checked by a torch
+   function mode on every torch call of the build (on the meta device). A
+   third-party loop that makes no torch call is not seen by it; every model
+   class builds its layers with torch calls;
+4. whatever the build raises becomes attnres's own error
+   (:class:`FolderBuildError`, a ``ValueError``) naming the component, the
+   class and the file, in one line (C++ stack frames dropped).
+
+The dtype a component's weights are stored in is read from the safetensors
+headers of the files ``from_pretrained`` would load (:func:`dtype_from_weights`):
+the default files, not the ``*.fp16.safetensors`` variants beside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from attnres._files import read_json, read_safetensors_header
+from attnres.errors import FolderBuildError
+from attnres.layer import MAX_HEAD_SIZE
+
+__all__ = [
+    "MAX_BUILD_MEMORY_BYTES",
+    "MAX_BUILD_SECONDS",
+    "MAX_BUILD_TORCH_CALLS",
+    "MAX_CONFIG_HEADS",
+    "MAX_CONFIG_INT",
+    "MAX_CONFIG_LAYERS",
+    "MAX_WEIGHT_FILES",
+    "FolderBuildError",
+    "build_under_budget",
+    "check_component_key",
+    "check_config",
+    "dtype_from_weights",
+    "one_line",
+]
+
+#: The most layers (blocks) one config key may ask for; real models have < 200.
+MAX_CONFIG_LAYERS: Final = 1024
+#: The most attention heads one config key may ask for; real models have < 256.
+MAX_CONFIG_HEADS: Final = 1024
+#: The largest integer any config value may hold (sizes, vocabularies, positions).
+MAX_CONFIG_INT: Final = 2**31 - 1
+#: The longest list and string in a config.
+MAX_CONFIG_ITEMS: Final = 4096
+#: The torch calls building one component may make (FLUX.1-dev's transformer: ~6k).
+MAX_BUILD_TORCH_CALLS: Final = 500_000
+#: The seconds building one component may take (FLUX.1-dev's transformer: ~1.5 s).
+MAX_BUILD_SECONDS: Final = 60.0
+#: The memory building one component may add to the process's peak (FLUX.1-dev's
+#: transformer on meta: well under 100 MiB).
+MAX_BUILD_MEMORY_BYTES: Final = 4 << 30
+#: The most safetensors files whose headers are read for one component.
+MAX_WEIGHT_FILES: Final = 256
+
+_T = TypeVar("_T")
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
+_LAYER_KEY = re.compile(r"(^|_)(layers|blocks|depth)($|_)|layers_per_block|^n_layer")
+_HEAD_KEY = re.compile(r"(^|_)heads?($|_)|^n_head")
+_HEAD_SIZE_KEY = re.compile(r"^(head_dim|d_kv|attention_head_dim|kv_channels|head_size)$")
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, without C++ stack frames, at most ``limit``."""
+    text = str(exc).strip()
+    # torch appends "Exception raised from ... (most recent call first):" and frames
+    text = re.split(r"\n|Exception raised from ", text, maxsplit=1)[0].strip()
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check_component_key(key: object, where: str) -> str:
+    """``key`` if it names a component: a name, never a path (no ``/``, no ``..``)."""
+    if not isinstance(key, str) or not _KEY_RE.match(key) or key.strip(".") == "":
+        shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:57] + "..."
+        raise FolderBuildError(
+            f"{where}: {shown} is not a component name (letters, digits, '_', '-', '.', at "
+            f"most 100 characters, not starting with '.' or '-'); a component key names a "
+            f"sub-folder of the pipeline folder, never a path"
+        )
+    return key
+
+
+def _bound(key: str, value: int) -> tuple[int, int, str] | None:
+    low = key.lower()
+    if _HEAD_SIZE_KEY.match(low):
+        return 1, MAX_HEAD_SIZE, "a head size (attnres.layer.MAX_HEAD_SIZE)"
+    if _HEAD_KEY.search(low):
+        return 1, MAX_CONFIG_HEADS, "heads (MAX_CONFIG_HEADS)"
+    if _LAYER_KEY.search(low):
+        return 0, MAX_CONFIG_LAYERS, "layers (MAX_CONFIG_LAYERS)"
+    return None
+
+
+def check_config(config: Mapping[str, Any], where: str) -> None:
+    """Refuse a config value a model build must not be asked for (see the module doc)."""
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in config.items()]
+    while stack:
+        path, value = stack.pop()
+        key = path.rsplit(".", 1)[-1].split("[", 1)[0]
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            if abs(value) > MAX_CONFIG_INT:
+                raise FolderBuildError(
+                    f"{where}: {path}: {value} is out of bounds (a config value is at most "
+                    f"{MAX_CONFIG_INT}, attnres.integrations._untrusted.MAX_CONFIG_INT)"
+                )
+            bound = _bound(key, value)
+            if bound is not None and not bound[0] <= value <= bound[1]:
+                low, high, what = bound
+                raise FolderBuildError(
+                    f"{where}: {path}: {value} is out of bounds for {what}: attnres plans "
+                    f"{low} to {high}"
+                )
+        elif isinstance(value, float):
+            if not math.isfinite(value):  # parse_json refuses these; a dict passed in may not
+                raise FolderBuildError(f"{where}: {path}: {value} is not a finite number")
+        elif isinstance(value, str):
+            if len(value) > MAX_CONFIG_ITEMS:
+                raise FolderBuildError(
+                    f"{where}: {path}: a string of {len(value)} characters (at most "
+                    f"{MAX_CONFIG_ITEMS})"
+                )
+        elif isinstance(value, list | tuple):
+            if len(value) > MAX_CONFIG_ITEMS:
+                raise FolderBuildError(
+                    f"{where}: {path}: a list of {len(value)} items (at most {MAX_CONFIG_ITEMS})"
+                )
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            if len(value) > MAX_CONFIG_ITEMS:
+                raise FolderBuildError(
+                    f"{where}: {path}: an object of {len(value)} keys (at most {MAX_CONFIG_ITEMS})"
+                )
+            stack.extend((f"{path}.{k}", v) for k, v in value.items())
+
+
+class _BudgetExceeded(Exception):
+    pass
+
+
+def _peak_rss() -> int:
+    """The process's peak resident memory in bytes (0 where it cannot be read)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def _budget_mode(deadline: float) -> Any:
+    from torch.overrides import TorchFunctionMode
+
+    memory_limit = _peak_rss() + MAX_BUILD_MEMORY_BYTES
+
+    class Budget(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            Budget.calls += 1
+            if Budget.calls > MAX_BUILD_TORCH_CALLS:
+                raise _BudgetExceeded(
+                    f"over the budget of {MAX_BUILD_TORCH_CALLS} torch calls "
+                    f"(MAX_BUILD_TORCH_CALLS) for building one component"
+                )
+            if Budget.calls % 256 == 0:
+                if time.monotonic() > deadline:
+                    raise _BudgetExceeded(
+                        f"over the budget of {MAX_BUILD_SECONDS:g} s (MAX_BUILD_SECONDS) for "
+                        f"building one component"
+                    )
+                if _peak_rss() > memory_limit:
+                    raise _BudgetExceeded(
+                        f"over the budget of {MAX_BUILD_MEMORY_BYTES >> 30} GiB of memory "
+                        f"(MAX_BUILD_MEMORY_BYTES) for building one component"
+                    )
+            return func(*args, **(kwargs or {}))
+
+    return Budget()
+
+
+def build_under_budget(
+    build: Callable[[], _T], *, component: str, class_name: str, where: str
+) -> _T:
+    """``build()`` on the meta device, under the budget; what it raises becomes a
+    :class:`FolderBuildError` naming ``component``, ``class_name`` and ``where``."""
+    import torch
+
+    deadline = time.monotonic() + MAX_BUILD_SECONDS
+    # a build stopped half-way (its error, the budget) may skip the third-party
+    # code that restores torch's global state: grad mode and the default dtype
+    # are put back whatever happens (found by the budget test: grad stayed off)
+    grad, default_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
+    try:
+        with torch.device("meta"), _budget_mode(deadline):
+            return build()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except FolderBuildError:
+        raise
+    except BaseException as exc:  # third-party code on hostile input: anything at all
+        raise FolderBuildError(
+            f"{where}: cannot build {class_name} for component {component!r} from this "
+            f"config: {one_line(exc)}"
+        ) from None
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.set_default_dtype(default_dtype)
+
+
+# =============================================================================
+# The dtype the weights are stored in
+# =============================================================================
+
+_SAFETENSORS_DTYPES: Final[Mapping[str, str | None]] = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": None,  # storage only: layerwise casting computes in another dtype
+    "F8_E5M2": None,
+}
+
+
+def _is_variant(path: Path) -> bool:
+    """``model.fp16.safetensors``, ``model.fp16-00001-of-00002.safetensors``: a
+    variant ``from_pretrained`` loads only when asked for it (``variant="fp16"``)."""
+    return "." in path.name[: -len(".safetensors")]
+
+
+def _elements(shape: Any, where: str) -> int:
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_CONFIG_INT for d in shape
+    ):
+        raise FolderBuildError(
+            f"{where}: shape must be a list of non-negative integers, got {shape!r}"[:300]
+        )
+    return math.prod(shape)
+
+
+def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
+    """The dtype most weight elements are stored in, from safetensors headers.
+
+    Reads the files ``from_pretrained`` loads by default (variant files such as
+    ``*.fp16.safetensors`` only when there is nothing else, and the detail says
+    so). Returns ``(dtype, detail)``; ``dtype`` is None when no header names a
+    compute dtype (``detail`` then says why, or is None when there are no files).
+    """
+    try:
+        every = sorted(p for p in folder.glob("*.safetensors"))
+    except OSError as exc:
+        raise FolderBuildError(f"{folder}: cannot list its files: {exc.strerror or exc}") from None
+    if not every:
+        return None, None
+    default = [p for p in every if not _is_variant(p)]
+    variants = len(every) - len(default)
+    files = default or every
+    notes = []
+    if default and variants:
+        notes.append(f"{variants} variant file(s) passed over, as from_pretrained does")
+    if not default:
+        notes.append("only variant files (from_pretrained loads them only with variant=)")
+    if len(files) > MAX_WEIGHT_FILES:
+        notes.append(f"the first {MAX_WEIGHT_FILES} of {len(files)} files read")
+        files = files[:MAX_WEIGHT_FILES]
+    counts: dict[str, int] = {}
+    storage_only = 0
+    for path in files:
+        try:
+            header = read_safetensors_header(path)
+        except OSError as exc:
+            raise FolderBuildError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise FolderBuildError(f"{path}: not a safetensors file: {exc}") from None
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            where = f"{path}: tensor {key[:80]!r}"
+            if not isinstance(entry, dict):
+                raise FolderBuildError(f"{where}: expected an object with dtype and shape")
+            elements = _elements(entry.get("shape"), where)
+            name = _SAFETENSORS_DTYPES.get(str(entry.get("dtype")), "")
+            if name is None:
+                storage_only += elements
+            elif name:
+                counts[name] = counts.get(name, 0) + elements
+    if not counts:
+        why = (
+            "weights are stored in float8, which is not a compute dtype"
+            if storage_only
+            else "no floating-point tensors in the headers"
+        )
+        return None, "; ".join([why, *notes])
+    best = max(sorted(counts), key=lambda k: counts[k])
+    return best, "; ".join([f"{len(files)} safetensors file(s)", *notes])
+
+
+# =============================================================================
+# The folder: which components are models, and their configs
+# =============================================================================
+
+_CLASS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,99}$")
+_LIBRARIES: Final = ("diffusers", "transformers")
+
+
+def read_config(path: Path, what: str = "config file") -> dict[str, Any]:
+    """A JSON object from ``path`` through the one reader; a :class:`FolderBuildError`
+    naming the file says why it cannot be one."""
+    try:
+        doc = read_json(path, what=what)
+    except OSError as exc:
+        raise FolderBuildError(f"{path}: cannot read the {what}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise FolderBuildError(f"{path}: not a valid {what}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise FolderBuildError(
+            f"{path}: not a valid {what}: expected a JSON object, got a {type(doc).__name__}"
+        )
+    return doc
+
+
+def _import(library: str, component: str, class_name: str, where: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(library)
+    except ImportError as exc:
+        raise FolderBuildError(
+            f"{where}: component {component!r} is a {library} {class_name}; planning it "
+            f"needs {library}, which does not import here ({one_line(exc)}); install it "
+            f"with: pip install 'attnres[{library}]'"
+        ) from None
+
+
+def model_class(library: str, class_name: object, component: str, where: str) -> type | None:
+    """The model class ``library.class_name``, or ``None`` when it is exported but
+    is not a model (a tokenizer, a scheduler, a feature extractor)."""
+    if not isinstance(class_name, str) or not _CLASS_RE.match(class_name):
+        raise FolderBuildError(
+            f"{where}: component {component!r}: {str(class_name)[:80]!r} is not a class name"
+        )
+    module = _import(library, component, class_name, where)
+    base = module.ModelMixin if library == "diffusers" else module.PreTrainedModel
+    try:
+        cls = getattr(module, class_name, None)
+    except Exception as exc:  # a lazy module that fails to import the class
+        raise FolderBuildError(
+            f"{where}: component {component!r}: {library}.{class_name} does not import: "
+            f"{one_line(exc)}"
+        ) from None
+    if not isinstance(cls, type):
+        raise FolderBuildError(
+            f"{where}: component {component!r}: {library} has no class {class_name!r}"
+        )
+    if not issubclass(cls, base):
+        return None
+    if cls is base or cls.__name__ in ("ModelMixin", "PreTrainedModel"):
+        raise FolderBuildError(
+            f"{where}: component {component!r}: {class_name} is the base class of every "
+            f"{library} model, not a model; name the model's own class"
+        )
+    return cls
+
+
+class FolderPart:
+    """One model component of a folder: its name, library, class, folder and config."""
+
+    def __init__(
+        self, name: str, library: str, cls: type, folder: Path, config: dict[str, Any], where: str
+    ) -> None:
+        self.name = name
+        self.library = library
+        self.cls = cls
+        self.folder = folder
+        self.config = config
+        self.where = where
+        self.model: Any = None
+
+
+def read_pipeline_index(
+    folder: Path, index: Path
+) -> tuple[str, list[FolderPart], list[tuple[str, str]]]:
+    """A diffusers pipeline folder: its title, model components and what is skipped."""
+    doc = read_config(index, "model_index.json")
+    title = doc.get("_class_name")
+    title = title if isinstance(title, str) and title else folder.resolve().name
+    parts: list[FolderPart] = []
+    skipped: list[tuple[str, str]] = []
+    for key, value in doc.items():
+        if isinstance(key, str) and key.startswith("_"):
+            continue  # _class_name, _diffusers_version, _name_or_path: not components
+        name = check_component_key(key, str(index))
+        where = f"{index}: {name!r}"
+        if isinstance(value, list) and len(value) == 2 and value[0] is None and value[1] is None:
+            skipped.append((name, "absent: null in model_index.json"))
+            continue
+        if not (
+            isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
+        ):
+            raise FolderBuildError(
+                f"{where}: expected [LIBRARY, CLASS] (two strings, or [null, null] for an "
+                f"absent component), got {json_preview(value)}"
+            )
+        library, class_name = value
+        if library not in _LIBRARIES:
+            skipped.append(
+                (
+                    name,
+                    f"{library}.{class_name}: attnres plans diffusers and transformers models only",
+                )
+            )
+            continue
+        cls = model_class(library, class_name, name, str(index))
+        if cls is None:
+            skipped.append((name, f"{class_name}, not a model"))
+            continue
+        sub = folder / name
+        config = read_config(sub / "config.json")
+        parts.append(FolderPart(name, library, cls, sub, config, str(sub / "config.json")))
+    if not parts:
+        raise FolderBuildError(
+            f"{index}: no model component to plan (a pipeline lists its models as "
+            f'"name": ["diffusers" or "transformers", "ClassName"])'
+            + (f"; skipped: {', '.join(n for n, _ in skipped)}" if skipped else "")
+        )
+    return title, parts, skipped
+
+
+def json_preview(value: Any) -> str:
+    import json
+
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def read_model_folder(
+    folder: Path, config_path: Path, component: str | None
+) -> tuple[str, FolderPart]:
+    """A single model folder (a ``config.json``): a transformers model naming its
+    ``architectures``, or a diffusers model naming its ``_class_name``.
+
+    The component is ``component`` when given; else, for a transformers model,
+    what its class reads (``main_input_name``: token ids make a ``text_encoder``,
+    pixels an ``image_encoder``), else the config's ``model_type``; for a
+    diffusers model, the folder's own name. Never a folder name that is not a
+    component name (a commit hash of the Hugging Face cache, ``.``).
+    """
+    config = read_config(config_path)
+    where = str(config_path)
+    if isinstance(config.get("_class_name"), str) and "_diffusers_version" in config:
+        library, class_name = "diffusers", config["_class_name"]
+    else:
+        archs = config.get("architectures")
+        if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
+            raise FolderBuildError(
+                f"{where}: neither a transformers model config (no 'architectures' entry "
+                f"naming the model class) nor a diffusers model config (no '_class_name' "
+                f"and '_diffusers_version')"
+            )
+        library, class_name = "transformers", archs[0]
+    label = component or "the model"
+    cls = model_class(library, class_name, label, where)
+    if cls is None:
+        raise FolderBuildError(f"{where}: {library}.{class_name} is not a model class")
+    if component is None:
+        component = _component_from(library, cls, config, folder, where)
+    name = check_component_key(component, "--component")
+    return class_name, FolderPart(name, library, cls, folder, config, where)
+
+
+def _component_from(
+    library: str, cls: type, config: Mapping[str, Any], folder: Path, where: str
+) -> str:
+    if library == "transformers":
+        kind = {"input_ids": "text_encoder", "pixel_values": "image_encoder"}.get(
+            str(getattr(cls, "main_input_name", ""))
+        )
+        if kind is not None:
+            return kind
+        model_type = config.get("model_type")
+        if isinstance(model_type, str) and _KEY_RE.match(model_type):
+            return model_type
+    else:
+        name = folder.resolve().name
+        if _KEY_RE.match(name) and not re.fullmatch(r"[0-9a-f]{16,}", name):
+            return name
+    raise FolderBuildError(
+        f"{where}: cannot tell which component this model is; name it with --component NAME"
+    )
+
+
+def build_part(part: FolderPart) -> Any:
+    """The model of ``part`` on the meta device, in eval mode, under the budget."""
+    cls: Any = part.cls
+    config = dict(part.config)
+
+    def build() -> Any:
+        if part.library == "diffusers":
+            return cls.from_config(config).eval()
+        # attnres decides the attention, and the dtype is chosen apart (plan_folder):
+        # neither the config's attention nor its dtype ("auto", float8 storage) is built
+        for key in ("_attn_implementation", "attn_implementation", "torch_dtype", "dtype"):
+            config.pop(key, None)
+        cfg = cls.config_class.from_dict(config)
+        return cls._from_config(cfg).eval()
+
+    check_config(part.config, part.where)
+    return build_under_budget(build, component=part.name, class_name=cls.__name__, where=part.where)
+
+
+@contextlib.contextmanager
+def naming_the_component(
+    parts: list[FolderPart], plan_one: Callable[[FolderPart], object]
+) -> Iterator[None]:
+    """A ``ValueError`` raised while the built models are planned (a head size over
+    the bound, computed from the config) names the component and its file: the
+    culprit is found by planning each component alone, on the error path only."""
+    try:
+        yield
+    except FolderBuildError:
+        raise
+    except ValueError as exc:
+        for part in parts:
+            try:
+                plan_one(part)
+            except ValueError:
+                raise FolderBuildError(
+                    f"{part.where}: component {part.name!r} ({part.cls.__name__}): {exc}"
+                ) from None
+        raise
