@@ -171,6 +171,7 @@ def _layer(
     role: str = "self",
     requires: Iterable[str] = (),
     name: str | None = None,
+    exact_route: str | None = None,
 ) -> LayerSpec:
     return LayerSpec(
         head_size=head_size,
@@ -180,6 +181,7 @@ def _layer(
         role=role,
         requirements=list(requires),
         name=name,
+        exact_route=exact_route,
     )
 
 
@@ -1244,6 +1246,43 @@ SCENARIOS: tuple[Scenario, ...] = (
         "cuda:sm90",
         None,
         expect=rejects("not_in_supported_set", origin="component_override"),
+    ),
+    # -- an integration route that runs exactly its supported set (issue 21) ----
+    Scenario(
+        "exact-route-rejects-a-stand-in-for-a-strict-override",
+        "A text encoder's transformers attention interface runs exactly the functions it "
+        "names: torch_cudnn_sdpa only stands in for torch_sdpa, so a component override "
+        "(strict) is rejected, naming the route.",
+        _layer(
+            dtype="float16",
+            supported=("eager", "torch_sdpa"),
+            exact_route="transformers attention interface",
+        ),
+        _NOTHING,
+        scope_state("text_encoder", backend="torch_cudnn_sdpa"),
+        "cuda:sm90",
+        None,
+        expect=rejects(
+            "not_on_route",
+            origin="component_override",
+            error_contains=("route (transformers attention interface)",),
+        ),
+    ),
+    Scenario(
+        "exact-route-stand-in-falls-back-for-the-global-flag",
+        "The same route under the operator's --attention-backend torch_cudnn_sdpa: the text "
+        "encoder allows global fallback, so its current backend (the declared default) runs.",
+        _layer(
+            dtype="float16",
+            supported=("eager", "torch_sdpa"),
+            default="torch_sdpa",
+            exact_route="transformers attention interface",
+        ),
+        _cli("torch_cudnn_sdpa"),
+        scope_state("text_encoder"),
+        "cuda:sm90",
+        None,
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
     ),
     # -- platform kinds -------------------------------------------------------------
     Scenario(

@@ -90,6 +90,8 @@ def test_generated_docs_show_every_policy_table(monkeypatch: pytest.MonkeyPatch)
         assert f"| `{kind}` | " + ", then ".join(f"`{b}`" for b in chain) + " |" in rendered
     for loader, _ in scope.BUILTIN_KINDS:
         assert f"| `{loader.kind}` | `{loader.__name__}` |" in rendered
+    for code, rule in machine.SUPPORTED_RULES:  # an exact route's rule among them
+        assert f"| `{code.value}` | {rule} |" in rendered
     swapped = (machine.REQUEST_FAILURE_GUARDS[1], machine.REQUEST_FAILURE_GUARDS[0],
                *machine.REQUEST_FAILURE_GUARDS[2:])  # fmt: skip
     monkeypatch.setattr(machine, "REQUEST_FAILURE_GUARDS", swapped)

@@ -54,3 +54,14 @@ def test_text_and_json_output_come_from_the_same_explanation(
     flattened = " ".join(text.split())
     assert " ".join(why.split()) in flattened
     assert doc["explanation"]["requested"] == "sage_attn"
+
+
+def test_describe_layer_names_an_exact_route_only_when_set() -> None:
+    from attnres import LayerSpec
+    from attnres.explain import describe_layer
+
+    route = "transformers attention interface"
+    plain = LayerSpec(64, "bf16", supported={"torch_sdpa"})
+    exact = LayerSpec(64, "bf16", supported={"torch_sdpa"}, exact_route=route)
+    assert "route" not in describe_layer(plain)
+    assert f"supported: torch_sdpa (exactly, by its route: {route});" in describe_layer(exact)

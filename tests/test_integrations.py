@@ -704,20 +704,74 @@ def test_plan_dir_per_component_flag_is_an_override_and_must_name_a_component(ca
     assert "has no component 'nope'" in " ".join(capsys.readouterr().err.split())
 
 
-def test_a_stand_in_the_route_cannot_run_is_an_error_in_the_plan():
-    # torch_cudnn_sdpa counts as supported by {torch_sdpa}; a legacy processor
-    # runs only torch SDPA, so the plan says so instead of apply failing later
-    # (the transformers route runs only the functions it names; the generic
-    # route runs any kernel attnres has)
+def _stand_in_plan(config):
     pipe = tp.flux(dtype=torch.bfloat16)
-    plan = idf.plan(
+    return idf.plan(
         {"text_encoder": pipe.text_encoder, "transformer": pipe.transformer},
-        SelectionConfig(global_backend="torch_cudnn_sdpa"),
+        config,
         Platform.simulate("cuda:sm90"),
     )
-    clip = [s for s in plan.by_component()["text_encoder"] if s.error]
-    assert clip and all("runs only" in s.error and s.site_error.code == "route" for s in clip)
-    assert all(s.backend.name == "torch_cudnn_sdpa" for s in plan.by_component()["transformer"])
+
+
+def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree():
+    # issue 21: torch_cudnn_sdpa stands in for {torch_sdpa}; CLIP's transformers
+    # interface runs only the functions it names. 0.3 before this: the trace said
+    # `selected torch_cudnn_sdpa` while the site and its plan row said `rejected`
+    # (code `route` on the site, no code on the row), under the same digest. The
+    # machine now keeps the stand-in off the route: one outcome everywhere.
+    ROUTE = itf.ROUTE
+    relaxed = _stand_in_plan(SelectionConfig(global_backend="torch_cudnn_sdpa"))
+    strict = _stand_in_plan(
+        SelectionConfig(component_backends={"text_encoder": "torch_cudnn_sdpa"})
+    )
+    for plan in (relaxed, strict):
+        rows = {(c.name, r.name): r for c in plan.to_plan_result().components for r in c.layers}
+        for site in plan.sites:
+            assert site.status == site.trace.outcome.status  # never selected under rejected
+            row = next(
+                r for (c, _), r in rows.items() if c == site.component and site.name in r.sites
+            )
+            assert (row.outcome.status, row.outcome.code) == (
+                site.trace.outcome.status,
+                site.trace.outcome.code,
+            )
+            if site.name == row.sites[0]:  # the row's trace is its first site's
+                assert row.trace.digest == site.trace.digest
+    # the generic route runs the stand-in's own kernel
+    assert {s.backend.name for s in relaxed.by_component()["transformer"]} == {"torch_cudnn_sdpa"}
+    clip = relaxed.by_component()["text_encoder"]
+    # the text encoder allows global fallback: it falls back, with a reason
+    assert {(s.backend.name, s.resolution.reason.value) for s in clip} == {
+        ("torch_sdpa", "global backend fallback")
+    }
+    failed = [
+        f
+        for r in clip[0].trace.records
+        if getattr(r, "check", None) is not None and r.candidate.name == "torch_cudnn_sdpa"
+        for f in r.failures
+    ]
+    assert [f.code.value for f in failed] == ["not_on_route"]
+    assert clip[0].spec.exact_route == ROUTE and ROUTE in failed[0].message
+    # a component override is strict: rejected by the machine, code and route named
+    clip = strict.by_component()["text_encoder"]
+    assert clip and all(s.status is Status.REJECTED for s in clip)
+    assert {s.site_error.code for s in clip} == {"not_on_route"}
+    assert all(f"route ({ROUTE})" in s.error and "torch_cudnn_sdpa" in s.error for s in clip)
+    assert all(s.trace.outcome.code == "not_on_route" for s in clip)
+
+
+def test_a_site_cannot_say_rejected_under_a_selected_trace():
+    # the invariant behind the regression above, kept by the Site record itself
+    from attnres import LayerSpec, resolve
+    from attnres.integrations._plan import Site, SiteError
+
+    spec = LayerSpec(64, "bf16", name="blocks.0.attn")
+    res = resolve(spec, platform=Platform.simulate("cpu"))
+    common = dict(component="c", name="blocks.0.attn", module_class="M", route="r")
+    common.update(heads=1, kv_heads=1, spec=spec, trace=res.trace)
+    assert Site(**common, resolution=res, site_error=None).status is Status.SELECTED
+    with pytest.raises(ValueError, match="is rejected but its trace says selected"):
+        Site(**common, resolution=None, site_error=SiteError("not_on_route", "no"))
 
 
 def test_call_facts_scale_window_softcap():

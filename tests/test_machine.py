@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -953,6 +954,53 @@ def test_rule_3_4_alias_does_not_work_the_other_way() -> None:
     layer = LayerSpec(64, "bf16", supported={"torch_cudnn_sdpa"})
     err = rejected(layer, platform=CUDA, backend="torch_sdpa")
     assert err.code == "not_in_supported_set"
+
+
+ROUTE = "transformers attention interface"
+
+
+def test_rule_3_4_exact_route_admits_no_stand_in_strict_rejects_naming_the_route() -> None:
+    # SUPPORTED_RULES row 2: a layer whose route runs exactly its supported set
+    # (LayerSpec.exact_route) takes only the named backends; the machine decides
+    # it (code not_on_route), not the integration after the fact (issue 21)
+    layer = LayerSpec(64, "bf16", supported={"torch_sdpa", "eager"}, exact_route=ROUTE)
+    err = rejected(layer, platform=CUDA, backend="torch_cudnn_sdpa")
+    assert err.code == "not_on_route"
+    assert str(err).startswith(
+        f"Attention backend 'torch_cudnn_sdpa' cannot run on this layer's route ({ROUTE}), "
+        f"which runs exactly ['eager', 'torch_sdpa']: 'torch_cudnn_sdpa' only stands in for "
+        f"['torch_sdpa']; request one of ['eager', 'torch_sdpa']"
+    )
+    assert err.trace.outcome.status == "rejected" and err.trace.outcome.code == "not_on_route"
+    assert failure_codes(err.trace, "torch_cudnn_sdpa") == {"supported": ["not_on_route"]}
+    # the same set without a route: the stand-in is admitted (row 1)
+    plain = attrs.evolve(layer, exact_route=None)
+    assert resolve(plain, platform=CUDA, backend="torch_cudnn_sdpa").backend.name == (
+        "torch_cudnn_sdpa"
+    )
+    # a named backend passes; one outside the set keeps its own code
+    assert resolve(layer, platform=CUDA, backend="torch_sdpa").backend.name == "torch_sdpa"
+    assert rejected(layer, platform=CUDA, backend="sage_attn").code == "not_in_supported_set"
+    both = LayerSpec(64, "bf16", supported={"fa", "torch_sdpa"}, exact_route=ROUTE)
+    assert rejected(both, platform=CUDA, backend="dynamic_cudnn_sdpa").code == "not_on_route"
+
+
+def test_rule_3_4_exact_route_a_relaxed_origin_falls_back_traced() -> None:
+    layer = LayerSpec(64, "bf16", supported={"torch_sdpa"}, default="torch_sdpa", exact_route=ROUTE)
+    flag = SelectionConfig(global_backend="torch_cudnn_sdpa")  # relaxed by the default
+    res = resolve(layer, platform=CUDA, config=flag)
+    assert (res.backend.name, res.reason, res.origin) == (
+        "torch_sdpa",
+        Reason.GLOBAL_BACKEND_FALLBACK,
+        Origin.GLOBAL_CLI,
+    )
+    assert failure_codes(res.trace, "torch_cudnn_sdpa") == {"supported": ["not_on_route"]}
+    assert res.trace.input.layer.exact_route == ROUTE
+    # a derived preference (relaxed, no default) falls back to the platform's chain
+    cudnn = LayerSpec(64, "bf16", supported={"torch_sdpa"}, exact_route=ROUTE)
+    pref = SelectionConfig(global_backend="torch_cudnn_sdpa", global_backend_explicit=False)
+    res = resolve(cudnn, platform=CUDA, config=pref)
+    assert (res.backend.name, res.reason) == ("torch_sdpa", Reason.PLATFORM_DEFAULT_FALLBACK)
 
 
 @pytest.mark.parametrize(

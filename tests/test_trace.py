@@ -664,3 +664,29 @@ def test_key_lists_come_from_the_attrs_classes_and_match_what_is_written(
     spec_fields = set(field_names(LayerSpec)) - {"requirements"} | {"requires"}
     assert spec_fields <= set(plan._LAYER_KEYS)
     assert set(plan._LAYER_KEYS) - spec_fields == {"count", "backend"}
+
+
+def test_exact_route_is_in_the_trace_only_when_set_and_replays() -> None:
+    # LayerSpec.exact_route (issue 21): an integration route's exactness is part
+    # of the machine's input; absent when unset, so older traces keep their bytes
+    route = "transformers attention interface"
+    cuda = Platform.simulate("cuda:sm90")
+    layer = LayerSpec(64, "bf16", supported={"torch_sdpa"}, exact_route=route)
+    trace = _rejected_trace(layer, cuda)
+    doc = trace_to_dict(trace)
+    assert doc["input"]["layer"]["exact_route"] == route
+    again = trace_from_dict(json.loads(json.dumps(doc)))
+    assert again.digest == trace.digest and run_machine(again.input) == trace
+    plain = attnres.resolve(attrs.evolve(layer, exact_route=None), platform=cuda).trace
+    assert "exact_route" not in trace_to_dict(plain)["input"]["layer"]
+    doc["input"]["layer"]["supported"] = None
+    with pytest.raises(TraceFormatError, match=r"exact_route.*needs a supported set"):
+        trace_from_dict(doc)
+    with pytest.raises(ValueError, match="exact_route: route 'r' runs exactly"):
+        LayerSpec(64, "bf16", exact_route="r")
+
+
+def _rejected_trace(layer: LayerSpec, platform: Platform) -> Trace:
+    with pytest.raises(attnres.ResolutionError) as info:
+        attnres.resolve(layer, platform=platform, backend="torch_cudnn_sdpa")
+    return info.value.trace

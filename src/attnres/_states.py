@@ -106,6 +106,9 @@ class Code(_StrEnum):
     HEAD_SIZE = "head_size"
     SPARSE_CROSS_ATTENTION = "sparse_cross_attention"
     NOT_IN_SUPPORTED_SET = "not_in_supported_set"
+    #: the backend only stands in for the layer's supported set, and the layer's
+    #: route (``LayerSpec.exact_route``) runs exactly the backends the set names
+    NOT_ON_ROUTE = "not_on_route"
     REQUIREMENT_UNMET = "requirement_unmet"
     #: the layer will run, and this process has no kernel for the backend
     NO_KERNEL = "no_kernel"

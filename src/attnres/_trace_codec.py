@@ -525,17 +525,32 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
 
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
     obj = _object(value, "a layer")
-    _exact_keys(obj, _LAYER_KEYS, "a layer", ("layout",))
+    _exact_keys(obj, _LAYER_KEYS, "a layer", optional_field_names(LayerSpec))
+    head_size = _field(obj, "head_size", _head_size)
+    dtype = _field(obj, "dtype", _dtype)
+    supported = _field(obj, "supported", _optional(_backend_list))
+    default = _field(obj, "default", _optional(_structure_backend))
+    role = _field(obj, "role", _role)
+    requirements = _field(obj, "requirements", _requirements)
+    name = _field(obj, "name", _optional(_structure_str))
+    # exact_route (issue 21, written only when set): an integration route that
+    # runs exactly the supported set, so it needs one
+    route = _field(obj, "exact_route", _structure_str) if "exact_route" in obj else None
+    if route is not None and not route.strip():
+        raise _Invalid(".exact_route", "a route's name must not be empty")
+    if route is not None and supported is None:
+        raise _Invalid(".exact_route", "an exact route needs a supported set (supported is null)")
     return LayerSpec(
-        head_size=_field(obj, "head_size", _head_size),
-        dtype=_field(obj, "dtype", _dtype),
-        supported=_field(obj, "supported", _optional(_backend_list)),
-        default=_field(obj, "default", _optional(_structure_backend)),
-        role=_field(obj, "role", _role),
-        requirements=_field(obj, "requirements", _requirements),
-        name=_field(obj, "name", _optional(_structure_str)),
+        head_size=head_size,
+        dtype=dtype,
+        supported=supported,
+        default=default,
+        role=role,
+        requirements=requirements,
+        name=name,
         # issue 24: present only in traces of a sequence-parallel layer
         layout=_field(obj, "layout", _layout) if "layout" in obj else None,
+        exact_route=route,
     )
 
 

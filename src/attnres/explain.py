@@ -111,9 +111,12 @@ def describe_layer(layer: LayerSpec) -> str:
     )
     needed = ", ".join(r.value for r in layer.requirements.needed()) or "nothing"
     name = f"{layer.name}: " if layer.name else ""
+    # an integration route that runs exactly the supported set (no stand-in)
+    route = f" (exactly, by its route: {layer.exact_route})" if layer.exact_route else ""
     return (
         f"{name}head size {layer.head_size}, {layer.dtype}, {layer.role.value}-attention; "
-        f"supported: {supported}; default: {layer.default.name if layer.default else 'none'}; "
+        f"supported: {supported}{route}; "
+        f"default: {layer.default.name if layer.default else 'none'}; "
         f"requires: {needed}"
         # issue 24: the sequence-parallel layout, when the layer has one
         + ("" if layer.layout is None else f"; layout: {layer.layout.describe()}")

@@ -118,6 +118,22 @@ def _name(value: Any) -> str | None:
     return value
 
 
+def _exact_route(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"exact_route: expected the route's name (a string), got {value!r}")
+    return value
+
+
+def _route_needs_supported(instance: Any, _: Any, value: str | None) -> None:
+    if value is not None and instance.supported is None:
+        raise ValueError(
+            f"exact_route: route {value!r} runs exactly the backends of a supported set, "
+            f"and this layer has none (supported=None admits any backend)"
+        )
+
+
 def _is_bool(_: Any, attribute: Any, value: Any) -> None:
     # strict on purpose: bool("no") is True, and a flag that silently turns on
     # is worse than an error
@@ -213,6 +229,20 @@ class LayerSpec:
     # written to a trace only when set, so every older trace keeps its bytes
     layout: SequenceLayout | None = field(
         default=None, validator=_layout, metadata={"omit_default": True}
+    )
+    #: The route that executes this layer when it runs exactly the backends of
+    #: ``supported`` (an integration's own code path or the transformers
+    #: attention interface): a backend that only stands in for them
+    #: (``BackendSpec.satisfies``) fails the machine's ``supported`` check
+    #: (code ``not_on_route``), and messages name the route. ``None``: an
+    #: attnres kernel call, which runs a stand-in's own kernel. Written to a
+    #: trace only when set, so older traces keep their bytes.
+    exact_route: str | None = field(
+        default=None,
+        converter=_exact_route,
+        validator=_route_needs_supported,
+        kw_only=True,
+        metadata={"omit_default": True},
     )
 
 

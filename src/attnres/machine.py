@@ -16,6 +16,10 @@ The policy as tables
   rows choosing the event where a state has several ways out;
 - ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
   ``_PRIMARY_ORDER`` (which failure names a strict rejection);
+- ``SUPPORTED_RULES``: what the ``supported`` check admits -- the layer's
+  supported set with its stand-ins (``BackendSpec.satisfies``), and none of
+  them on a layer whose integration route runs exactly its set
+  (``LayerSpec.exact_route``, code ``not_on_route``);
 - ``REQUEST_RULES`` (:func:`request_refusal`): which layers a per-request
   switch never touches (SPEC 3.8), and ``training_spec`` /
   ``has_backward_pass``: the training re-resolution (a forward that needs
@@ -138,6 +142,7 @@ __all__ = [
     "SCOPE_CHECKS",
     "START_GUARDS",
     "STRICT_ORIGINS",
+    "SUPPORTED_RULES",
     "TRANSITIONS",
     "TUNABLE_ORIGINS",
     "VERDICT_RULES",
@@ -328,6 +333,28 @@ def first_event(guards: tuple[Guard, ...], facts: GuardFacts) -> Event:
 #: tuned. Adding an origin to the vocabulary means deciding here whether it is
 #: automatic.
 TUNABLE_ORIGINS: Final = frozenset({Origin.NONE, Origin.LAYER_DEFAULT, Origin.GLOBAL_PREFERENCE})
+
+#: The ``supported`` check, one row per rule: (code, the rule). A candidate
+#: passes when every row holds; the first row that fails is its failure. A
+#: layer's ``exact_route`` is what an integration route executes exactly (the
+#: transformers attention interface, a module's own code path): the machine,
+#: not the integration after the fact, keeps a stand-in off it, so a relaxed
+#: origin falls back and a strict one is rejected, traced like any failure.
+SUPPORTED_RULES: Final[tuple[tuple[Code, str], ...]] = (
+    (
+        Code.NOT_IN_SUPPORTED_SET,
+        "the backend is in the layer's supported set, or stands in for every name of one "
+        "group of its `satisfies` (`torch_cudnn_sdpa` for `torch_sdpa`); a layer with no "
+        "set admits any backend",
+    ),
+    (
+        Code.NOT_ON_ROUTE,
+        "a layer whose route runs exactly its supported set (`LayerSpec.exact_route`: "
+        "the transformers attention interface, diffusers' context-parallel dispatcher, a "
+        "module's own code path) takes only the backends the set names: a stand-in does "
+        "not count",
+    ),
+)
 
 #: Which check's failure names a strict rejection, most fundamental first.
 _PRIMARY_ORDER: Final = (
@@ -657,15 +684,32 @@ def supported_by(spec: BackendSpec, supported: frozenset[Backend] | None) -> boo
     return any(group <= names for group in spec.satisfies)
 
 
+def _stands_in_for(spec: BackendSpec, supported: frozenset[Backend]) -> str:
+    """The names of ``supported`` that ``spec`` is admitted as a stand-in for."""
+    names = {b.name for b in supported}
+    group = sorted({n for g in spec.satisfies if g <= names for n in g})
+    return "[" + ", ".join(repr(n) for n in group) + "]"
+
+
 def _check_supported(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
-    if supported_by(spec, layer.supported):
-        return []
-    return [
-        Failure(
-            Code.NOT_IN_SUPPORTED_SET,
-            f"not in the layer's supported set {_names(layer.supported)}",
-        )
-    ]
+    """The rows of ``SUPPORTED_RULES``, in order; the first that fails is the failure."""
+    if not supported_by(spec, layer.supported):
+        return [
+            Failure(
+                Code.NOT_IN_SUPPORTED_SET,
+                f"not in the layer's supported set {_names(layer.supported)}",
+            )
+        ]
+    route, supported = layer.exact_route, layer.supported
+    if route is not None and supported is not None and spec.name not in {b.name for b in supported}:
+        return [
+            Failure(
+                Code.NOT_ON_ROUTE,
+                f"stands in for {_stands_in_for(spec, supported)}, but this layer's route "
+                f"({route}) runs exactly {_names(supported)}: a stand-in is not one of them",
+            )
+        ]
+    return []
 
 
 def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> list[Failure]:
@@ -864,6 +908,15 @@ def _primary_message(
     first = failed[primary]
     if primary is Check.KNOWN:
         text = f"Unknown attention backend {name!r}"
+    elif primary is Check.SUPPORTED and first[0].code is Code.NOT_ON_ROUTE:
+        spec = lookup_spec(backend)
+        assert spec is not None and layer.supported is not None  # the check ran on both
+        text = (
+            f"Attention backend {name!r} cannot run on this layer's route "
+            f"({layer.exact_route}), which runs exactly {_names(layer.supported)}: "
+            f"{name!r} only stands in for {_stands_in_for(spec, layer.supported)}; "
+            f"request one of {_names(layer.supported)}"
+        )
     elif primary is Check.SUPPORTED:
         text = (
             f"Attention backend {name!r} is not supported by this attention layer; "

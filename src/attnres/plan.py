@@ -117,7 +117,7 @@ _LAYER_KINDS: dict[str, str] = {
     **{
         _TOML_NAMES.get(n, n): _TOML_KIND_OF_TYPE[tp]
         for n, tp in field_types(LayerSpec).items()
-        # (issue 24: an omit_default field -- the layout -- is no pipeline-file key)
+        # not a trace-only field (exact_route; issue 24: the layout)
         if n != "name" and n in field_names(LayerSpec)
     },
     "backend": "string",

@@ -83,8 +83,8 @@ class SiteCode(str, enum.Enum):
     REJECTED = "rejected"
     #: its attention call could not be classified, in a strict component
     UNCLASSIFIED = "unclassified"
-    #: its route cannot run the backend the machine chose
-    ROUTE = "route"
+    # (a stand-in its route cannot run is the machine's ``not_on_route``: the
+    # site's spec carries its route as ``LayerSpec.exact_route``)
 
 
 @frozen
@@ -106,8 +106,11 @@ class SiteDescription:
     ``route`` names what executes the site (``generic route (SDPA in
     AttnProcessor2_0)``, ``transformers attention interface``...);
     ``supported`` is what that route can execute (``None``: any backend attnres
-    has a kernel for); ``current`` is the backend the site runs now, declared as
-    the site's default only in components that may fall back. ``pending``: the
+    has a kernel for), exactly: a route with a set runs only the backends it
+    names, never a stand-in (the site's spec carries the route as
+    ``LayerSpec.exact_route``, which the machine checks); ``current`` is the
+    backend the site runs now, declared as the site's default only in
+    components that may fall back. ``pending``: the
     route is known but the head facts are not, the site is decided at its first
     call. ``why`` without ``pending``: the site cannot be classified, or
     (``softmax=False``) is not softmax attention.
@@ -157,6 +160,15 @@ class Site:
     current: Backend | None = None
     pending: bool = False
     routed: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        # one outcome: a site's status is its trace's (never a trace that says
+        # selected under a rejected site, or the other way round)
+        if self.trace is not None and self.trace.outcome.status != self.status:
+            raise ValueError(
+                f"site {self.name!r} is {self.status.value} but its trace says "
+                f"{self.trace.outcome.status}"
+            )
 
     @property
     def error(self) -> str | None:
@@ -484,6 +496,8 @@ def _plan_one(
         requirements=desc.requirements,
         name=desc.name,
         layout=desc.layout,  # issue 24
+        # a route with a set runs exactly that set: the machine keeps stand-ins off it
+        exact_route=None if desc.supported is None else desc.route,
     )
     try:
         res = resolve(spec, config=config, platform=platform)
@@ -495,30 +509,7 @@ def _plan_one(
             trace=exc.trace,
             site_error=SiteError(str(exc.code), str(exc)),
         )
-    if desc.supported is not None and res.backend not in desc.supported:
-        # the resolver counts a stand-in as supported (torch_cudnn_sdpa for
-        # {torch_sdpa}, dynamic_cudnn_sdpa for {fa, torch_sdpa}); the route
-        # runs only what it names
-        return Site(
-            **common,
-            spec=spec,
-            resolution=None,
-            trace=res.trace,
-            site_error=SiteError(
-                SiteCode.ROUTE.value,
-                (
-                    f"the resolver chose {res.backend.name} for {desc.name!r}, which stands in "
-                    f"for {_names(desc.supported)}, but its route ({desc.route}) runs only "
-                    f"{_names(desc.supported)}; request one of those for component "
-                    f"{desc.component!r}"
-                ),
-            ),
-        )
     return Site(**common, spec=spec, resolution=res, site_error=None, trace=res.trace)
-
-
-def _names(backends: frozenset[Backend]) -> str:
-    return ", ".join(sorted(b.name for b in backends))
 
 
 def trains(model: Any) -> bool:
