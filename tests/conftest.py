@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -56,3 +58,28 @@ def _fresh_attnres_state() -> Iterator[None]:
     set_selection_config(previous)
     attnres.clear_decisions()
     attnres.clear_cache()
+
+
+@pytest.fixture
+def varlen_fakes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Issue 22: fakes of flash_attn, flash_attn_interface and sageattention with
+    their real varlen signatures (tests/test_masks.py), installed for one test;
+    yields the ``Calls`` record every fake appends to."""
+    from test_kernels_fakes import Calls, fake_flash_attn
+    from test_masks import fake_fa3, fake_sage
+
+    from attnres._varlen import clear_varlen_cache
+    from attnres.kernels import clear_kernel_cache
+
+    calls = Calls()
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "sageattention"):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn(calls))
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3(calls))
+    monkeypatch.setitem(sys.modules, "sageattention", fake_sage(calls))
+    clear_kernel_cache()
+    clear_varlen_cache()
+    yield calls
+    clear_kernel_cache()
+    clear_varlen_cache()

@@ -695,6 +695,37 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("fa", origin="layer"),
     ),
     Scenario(
+        "layer-key-padding-sage-selected-by-unpadding",
+        "Issue 22: a joint-attention layer that passes a key-padding mask (Qwen-Image's text "
+        "padding), sage_attn requested: sageattn takes no mask, but sageattn_varlen serves "
+        "key padding by unpadding, so sage_attn is accepted (schema version 4: the trace "
+        "names the mask kind).",
+        _layer(requires=("key_padding",)),
+        _NOTHING,
+        None,
+        "cuda:sm90+sageattention",
+        "sage_attn",
+        expect=selects("sage_attn", origin="layer"),
+    ),
+    Scenario(
+        "layer-additive-mask-sage-rejected-mask-kind",
+        "Issue 22: a layer that passes an additive mask (T5's position bias), sage_attn "
+        "requested: sage takes key padding only, by unpadding; rejected with the kind named.",
+        _layer(requires=("additive",)),
+        _NOTHING,
+        None,
+        "cuda:sm90+sageattention",
+        "sage_attn",
+        expect=rejects(
+            "requirement_unmet",
+            origin="layer",
+            error_contains=(
+                "Attention backend 'sage_attn' does not implement additive masks (the layer's "
+                "mask kind is additive mask; it takes key-padding masks by unpadding)",
+            ),
+        ),
+    ),
+    Scenario(
         "causal-cross-attention-never-gets-bottom-right-aligned-fa",
         "Nothing requested for a causal cross-attention layer on Hopper with flash-attn: the "
         "chain's fa is usable here (package, device, dtype, head size), is evaluated, and fails "

@@ -22,6 +22,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from attnres import Platform, SelectionConfig
 from attnres._states import Status
+from attnres._vocab import MaskKind
 from attnres.cli import main
 from attnres.integrations import IntegrationError
 from attnres.integrations import diffusers as idf
@@ -73,7 +74,13 @@ def test_done_when_global_sage_on_tiny_flux(flux_bf16):
         s.resolution.origin == "global_cli" and s.resolution.reason is None
         for s in groups["transformer"]
     )
-    for comp in ("vae", "text_encoder", "text_encoder_2"):
+    # issue 22: CLIP's causal-with-key-padding sites run sage through attnres's
+    # transformers function; T5 passes an additive mask and falls back
+    assert groups["text_encoder"] and all(
+        s.backend.name == "sage_attn" and s.resolution.reason is None
+        for s in groups["text_encoder"]
+    )
+    for comp in ("vae", "text_encoder_2"):
         assert groups[comp], comp
         for site in groups[comp]:
             assert site.backend.name == "torch_sdpa", (comp, site.name)
@@ -126,7 +133,10 @@ def test_done_when_through_attnres_plan_dir(tmp_path, capsys):
     assert comps["transformer"]["dtype_source"] == "weights"
     assert comps["vae"]["dtype"] == "float32"
     assert {s["backend"] for s in comps["transformer"]["layers"]} == {"sage_attn"}
-    for name in ("vae", "text_encoder", "text_encoder_2"):
+    assert {(s["backend"], s["reason"]) for s in comps["text_encoder"]["layers"]} == {
+        ("sage_attn", None)
+    }  # issue 22: CLIP runs sage through attnres's function
+    for name in ("vae", "text_encoder_2"):
         assert {(s["backend"], s["reason"]) for s in comps[name]["layers"]} == {
             ("torch_sdpa", "global backend fallback")
         }
@@ -344,11 +354,13 @@ def test_route_counts_only_functions_with_a_mask_function(monkeypatch):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     model = _qwen2()
-    assert any(b.name == "flex_attention" for b in itf.route_backends(model))
+    assert any(b.name == "flex_attention" for b in itf._native_backends(model))
     mapping = dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping)
     mapping.pop("flex_attention")
     monkeypatch.setattr(ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping", mapping)
-    assert not any(b.name == "flex_attention" for b in itf.route_backends(model))
+    assert not any(b.name == "flex_attention" for b in itf._native_backends(model))
+    # issue 22: it still runs, through attnres's function and its mask function
+    assert any(b.name == "flex_attention" for b in itf.route_backends(model))
 
 
 def test_transformers_apply_no_flag_identical_and_remove():
@@ -619,7 +631,9 @@ def test_fact_ltx_cross_attention_is_told_by_place_and_gets_the_prompt_mask():
     plan = idf.plan({"transformer": model.to(torch.bfloat16)}, SAGE, Platform.simulate(SIM))
     by_name = {s.name.rsplit(".", 1)[-1]: s for s in plan.sites}
     assert by_name["attn1"].backend.name == "sage_attn"
-    assert "does not implement attention masks" in by_name["attn2"].error
+    # issue 22: the prompt's padding bias is key padding, which sage takes by unpadding
+    assert by_name["attn2"].spec.requirements.mask_kind == "key padding"
+    assert by_name["attn2"].backend.name == "sage_attn"
 
 
 def test_apply_twice_then_remove_restores_the_first_state():
@@ -707,7 +721,7 @@ def test_plan_dir_per_component_flag_is_an_override_and_must_name_a_component(ca
 def _stand_in_plan(config):
     pipe = tp.flux(dtype=torch.bfloat16)
     return idf.plan(
-        {"text_encoder": pipe.text_encoder, "transformer": pipe.transformer},
+        {"text_encoder_2": pipe.text_encoder_2, "transformer": pipe.transformer},
         config,
         Platform.simulate("cuda:sm90"),
     )
@@ -722,7 +736,7 @@ def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree():
     ROUTE = itf.ROUTE
     relaxed = _stand_in_plan(SelectionConfig(global_backend="torch_cudnn_sdpa"))
     strict = _stand_in_plan(
-        SelectionConfig(component_backends={"text_encoder": "torch_cudnn_sdpa"})
+        SelectionConfig(component_backends={"text_encoder_2": "torch_cudnn_sdpa"})
     )
     for plan in (relaxed, strict):
         rows = {(c.name, r.name): r for c in plan.to_plan_result().components for r in c.layers}
@@ -739,7 +753,7 @@ def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree():
                 assert row.trace.digest == site.trace.digest
     # the generic route runs the stand-in's own kernel
     assert {s.backend.name for s in relaxed.by_component()["transformer"]} == {"torch_cudnn_sdpa"}
-    clip = relaxed.by_component()["text_encoder"]
+    clip = relaxed.by_component()["text_encoder_2"]
     # the text encoder allows global fallback: it falls back, with a reason
     assert {(s.backend.name, s.resolution.reason.value) for s in clip} == {
         ("torch_sdpa", "global backend fallback")
@@ -753,7 +767,7 @@ def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree():
     assert [f.code.value for f in failed] == ["not_on_route"]
     assert clip[0].spec.exact_route == ROUTE and ROUTE in failed[0].message
     # a component override is strict: rejected by the machine, code and route named
-    clip = strict.by_component()["text_encoder"]
+    clip = strict.by_component()["text_encoder_2"]
     assert clip and all(s.status is Status.REJECTED for s in clip)
     assert {s.site_error.code for s in clip} == {"not_on_route"}
     assert all(f"route ({ROUTE})" in s.error and "torch_cudnn_sdpa" in s.error for s in clip)
@@ -1016,13 +1030,17 @@ def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error(
     assert dispatch(q, q, q) is q and reached == [None]  # the planned signature: sage
     reached.clear()
     q = torch.randn(1, 6, site.heads, site.spec.head_size, dtype=torch.bfloat16)
-    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    # issue 22: a key-padding mask would run sage's varlen entry point
+    # (tests/test_masks_diffusers.py); a mask whose queries see different keys
+    # is boolean, which sage cannot take
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    mask[..., 0, 1] = True
     with pytest.raises(ResolutionError) as info:
         dispatch(q, q, q, attn_mask=mask)
-    assert site.name in str(info.value) and "attention mask" in str(info.value)
+    assert site.name in str(info.value) and "boolean mask" in str(info.value)
     assert reached == []
     (first,) = route.first_calls
-    assert first.facts.mask == _route.MaskFacts(True, "bool", (1, 1, 6, 6))
+    assert first.facts.mask == _route.MaskFacts(True, "bool", (1, 1, 6, 6), MaskKind.BOOLEAN)
 
 
 def test_apply_refuses_a_role_override_that_reaches_no_site():

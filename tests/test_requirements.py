@@ -31,6 +31,7 @@ from attnres.machine import check_candidate
 from attnres.replayer import replay
 from attnres.trace import (
     BASE_SCHEMA_VERSION,
+    MASK_SCHEMA_VERSION,
     CheckRecord,
     load_trace,
     trace_from_dict,
@@ -230,10 +231,18 @@ def test_trace_schema_versions_hold_their_own_requirement_keys() -> None:
 
 
 def test_golden_corpus_is_written_in_the_current_schema() -> None:
+    # the lowest version that expresses each trace: a layer that names a mask
+    # kind is version 4 (issue 22), every other rule-based trace the base version
     for path in sorted((ROOT / "traces").glob("*.json")):
         trace = load_trace(path)
         # issue 24: a layer with a sequence-parallel layout is written as version 5
-        expected = BASE_SCHEMA_VERSION if trace.input.layer.layout is None else 5
+        expected = (
+            5
+            if trace.input.layer.layout is not None
+            else MASK_SCHEMA_VERSION
+            if trace.input.layer.requirements.extended
+            else BASE_SCHEMA_VERSION
+        )
         assert trace.schema_version == expected, path.name
 
 

@@ -13,8 +13,12 @@ from typing import Any
 
 __all__ = [
     "DTYPES",
+    "MASK_KIND_PHRASES",
     "PLATFORM_KINDS",
     "REQUIREMENT_PHRASES",
+    "CausalAlignment",
+    "MaskKind",
+    "MaskRoute",
     "Requirement",
     "Role",
     "normalize_component",
@@ -76,6 +80,66 @@ REQUIREMENT_PHRASES: dict[Requirement, str] = {
     Requirement.SOFTCAP: "logit softcapping",
     Requirement.SLIDING_WINDOW: "sliding-window attention",
 }
+
+
+class MaskKind(str, enum.Enum):
+    """What a layer's attention-mask tensor says (issue 22; docs/masks.md).
+
+    The kernel's causal flag is separate (``Requirements.causal``): "causal with
+    key padding" is ``causal=True`` with ``KEY_PADDING``, named by
+    :attr:`attnres.layer.Requirements.mask_kind`.
+    """
+
+    #: no mask tensor
+    NONE = "none"
+    #: per batch row, which key positions are valid: a boolean or 0/-inf mask of
+    #: shape (batch, seq_kv) or broadcastable to (batch, 1, 1, seq_kv)
+    KEY_PADDING = "key_padding"
+    #: a boolean mask over arbitrary (query, key) positions
+    BOOLEAN = "boolean"
+    #: a float bias added to the scores (T5's position bias, ALiBi)
+    ADDITIVE = "additive"
+    #: 0.2's ``attn_mask=True``: an arbitrary boolean or additive mask
+    ANY = "any"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: How a failure names a mask kind ("does not take <phrase>").
+MASK_KIND_PHRASES: dict[MaskKind, str] = {
+    MaskKind.NONE: "no mask",
+    MaskKind.KEY_PADDING: "key-padding masks",
+    MaskKind.BOOLEAN: "boolean masks",
+    MaskKind.ADDITIVE: "additive masks",
+    MaskKind.ANY: "boolean or additive masks",
+}
+
+
+class MaskRoute(str, enum.Enum):
+    """How a kernel takes a mask kind: as a mask argument, or by unpadding."""
+
+    #: the kernel takes the mask (or its equivalent) as an argument
+    NATIVE = "native"
+    #: attnres unpads the batch, runs the kernel's varlen entry point on the
+    #: packed tokens (``cu_seqlens``), and pads the output back (attnres._varlen)
+    UNPAD = "unpad"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CausalAlignment(str, enum.Enum):
+    """Where a causal mask's diagonal sits when query and key lengths differ."""
+
+    #: torch SDPA's ``is_causal``: query i sees keys 0..i
+    TOP_LEFT = "top_left"
+    #: flash-attn's ``causal``: query i sees keys 0..i + (seq_kv - seq_q)
+    BOTTOM_RIGHT = "bottom_right"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 #: Device kinds, in the order the docs list them.
 PLATFORM_KINDS: tuple[str, ...] = ("cpu", "cuda", "rocm", "mps", "xpu", "npu")

@@ -22,7 +22,14 @@ from typing import Any, Generic, TypeVar
 import attrs
 from attrs import field, frozen
 
-from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
+from attnres._vocab import (
+    DTYPES,
+    PLATFORM_KINDS,
+    REQUIREMENT_PHRASES,
+    MaskKind,
+    MaskRoute,
+    Requirement,
+)
 from attnres.errors import PluginError, UnknownBackendError
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "CapabilityRule",
     "FrozenMap",
     "HeadSizeRule",
+    "MaskSupport",
     "PluginFailure",
     "RequirementLimit",
     "get_spec",
@@ -368,6 +376,53 @@ class RequirementLimit:
         return text
 
 
+def _mask_kind(value: MaskKind | str) -> MaskKind:
+    kind = MaskKind(value)
+    if kind in (MaskKind.NONE, MaskKind.ANY):
+        raise ValueError(
+            f"MaskSupport: kind must be key_padding, boolean or additive, got {kind.value!r} "
+            f"('any' is boolean and additive together)"
+        )
+    return kind
+
+
+@frozen
+class MaskSupport:
+    """How a kernel takes one kind of mask (issue 22), and the source of the fact.
+
+    ``route`` is ``native`` (the kernel takes the mask, or its equivalent, as an
+    argument) or ``unpad`` (key padding only: attnres unpads the batch, runs the
+    spec's ``varlen_kernel`` on the packed tokens and pads the output back;
+    padded query rows come back as zeros, docs/masks.md). ``source`` says where
+    the fact was read (file and function of the kernel's own code or docs).
+    """
+
+    kind: MaskKind = field(converter=_mask_kind)
+    route: MaskRoute = field(converter=MaskRoute)
+    source: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if self.route is MaskRoute.UNPAD and self.kind is not MaskKind.KEY_PADDING:
+            raise ValueError(
+                f"MaskSupport: only key padding can be taken by unpadding, not {self.kind.value}"
+            )
+
+
+def _masks(value: Iterable[MaskSupport]) -> tuple[MaskSupport, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, MaskSupport):
+            raise TypeError(f"masks: expected MaskSupport records, got {item!r}")
+    kinds = [m.kind for m in out]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError("masks: one MaskSupport per mask kind")
+    return out
+
+
+#: What a spec that claims ``attn_mask`` (0.2's one flag) takes when it says no more.
+_LEGACY_MASK_SOURCE = "claims attn_mask: takes any boolean or additive mask tensor"
+
+
 @frozen
 class BackendSpec:
     """Everything the resolver may know about one backend, as plain data.
@@ -393,7 +448,12 @@ class BackendSpec:
       is narrower than ``capabilities`` (xformers: bf16 only from sm80);
     - ``package_alternatives``: packages that serve in place of ``package``
       (another packaging of the same kernel); ``extra_packages``: packages
-      needed as well as ``package``.
+      needed as well as ``package``;
+    - ``masks``: the mask kinds the kernel takes and how
+      (:class:`MaskSupport`); a spec that implements ``attn_mask`` takes every
+      kind natively unless an entry says otherwise; ``varlen_kernel``: the
+      ``"package.module:factory"`` of its varlen adapter (packed tokens and
+      ``cu_seqlens``), which the ``unpad`` route runs.
 
     The per-kind tables are :class:`FrozenMap` (read-only): a spec is data
     that cannot change once registered.
@@ -423,11 +483,41 @@ class BackendSpec:
     )
     package_alternatives: tuple[str, ...] = field(default=(), converter=_str_tuple)
     extra_packages: tuple[str, ...] = field(default=(), converter=_str_tuple)
+    masks: tuple[MaskSupport, ...] = field(default=(), converter=_masks)
+    varlen_kernel: str | None = field(default=None, converter=_kernel_path)
+
     #: issue 24: how the kernel returns the softmax log-sum-exp that a ring layout
     #: merges partial results with (its entry point and source); ``None``: it
     #: cannot, or no source says it can (fail closed). The built-in values are
     #: :data:`LSE_SOURCES`.
     lse: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.varlen_kernel is None and any(m.route is MaskRoute.UNPAD for m in self.masks):
+            raise ValueError(
+                f"backend {self.name!r}: a mask taken by unpadding needs a varlen_kernel"
+            )
+
+    def mask_support(self, kind: MaskKind) -> MaskSupport | None:
+        """How the kernel takes ``kind`` (``None``: it does not).
+
+        ``any`` (0.2's ``attn_mask``) needs boolean and additive masks natively;
+        a spec that implements ``attn_mask`` and declares nothing for a kind
+        takes it natively.
+        """
+        if kind is MaskKind.NONE:
+            raise ValueError("mask_support: a layer with no mask needs no mask support")
+        if kind is MaskKind.ANY:
+            parts = [self.mask_support(k) for k in (MaskKind.BOOLEAN, MaskKind.ADDITIVE)]
+            if all(p is not None and p.route is MaskRoute.NATIVE for p in parts):
+                return parts[1]
+            return None
+        for support in self.masks:
+            if support.kind is kind:
+                return support
+        if Requirement.ATTN_MASK in self.implements:
+            return MaskSupport(kind, MaskRoute.NATIVE, _LEGACY_MASK_SOURCE)
+        return None
 
     @property
     def packages(self) -> tuple[str, ...]:
@@ -460,6 +550,14 @@ _HOPPER = CapabilityRule(exact={(9, 0)})
 #: sliding windows where attnres's adapter builds them as a mask (docs/backends.md)
 _WINDOW = R.SLIDING_WINDOW
 
+
+
+def _native_masks(source: str) -> tuple[MaskSupport, ...]:
+    """Key padding, boolean and additive masks, all taken as the kernel's mask argument."""
+    kinds = (MaskKind.KEY_PADDING, MaskKind.BOOLEAN, MaskKind.ADDITIVE)
+    return tuple(MaskSupport(kind, MaskRoute.NATIVE, source) for kind in kinds)
+
+
 #: The built-in specs before their log-sum-exp facts (:data:`LSE_SOURCES`) are added.
 _CATALOGUE: tuple[BackendSpec, ...] = (
     BackendSpec(
@@ -471,6 +569,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
         description="torch.nn.functional.scaled_dot_product_attention",
         kernel="attnres.kernels.torch_sdpa:make_kernel",
+        masks=_native_masks(
+            "torch.nn.functional.scaled_dot_product_attention: attn_mask is a boolean mask "
+            "(True takes part) or a float bias added to the scores (torch docs)"
+        ),
     ),
     BackendSpec(
         name="eager",
@@ -490,6 +592,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",
         kernel="attnres.kernels.eager:make_kernel",
+        masks=_native_masks("attnres.kernels.eager: masked_fill for boolean, + for float masks"),
     ),
     BackendSpec(
         name="torch_cudnn_sdpa",
@@ -535,6 +638,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         aliases=("flex",),
         description="torch.nn.attention.flex_attention",
         kernel="attnres.kernels.flex_attention:make_kernel",
+        masks=_native_masks(
+            "torch/nn/attention/flex_attention.py: boolean masks as a BlockMask from mask_mod, "
+            "float masks as a score_mod bias (attnres.kernels.flex_attention)"
+        ),
     ),
     BackendSpec(
         name="fa",
@@ -576,6 +683,16 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="flash-attn 2.x (flash_attn_func / flash_attn_varlen_func)",
         causal_top_left=False,
         kernel="attnres.kernels.fa:make_kernel",
+        masks=(
+            MaskSupport(
+                MaskKind.KEY_PADDING,
+                MaskRoute.UNPAD,
+                "flash_attn/flash_attn_interface.py: flash_attn_varlen_func(q, k, v, "
+                "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...), int32 "
+                "cu_seqlens; no mask argument (flash-attention 0251105a)",
+            ),
+        ),
+        varlen_kernel="attnres.kernels.fa:make_varlen_kernel",
     ),
     BackendSpec(
         name="fa3",
@@ -598,6 +715,16 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="FlashAttention-3 (flash_attn_interface, built from hopper/)",
         causal_top_left=False,
         kernel="attnres.kernels.fa3:make_kernel",
+        masks=(
+            MaskSupport(
+                MaskKind.KEY_PADDING,
+                MaskRoute.UNPAD,
+                "hopper/flash_attn_interface.py: flash_attn_varlen_func(q, k, v, cu_seqlens_q, "
+                "cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None, "
+                "softmax_scale=None, causal=False, ...) (flash-attention c082294e)",
+            ),
+        ),
+        varlen_kernel="attnres.kernels.fa3:make_varlen_kernel",
     ),
     BackendSpec(
         name="fa4",
@@ -643,6 +770,16 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="SageAttention 2/2++ (sageattention.sageattn)",
         causal_top_left=False,
         kernel="attnres.kernels.sage_attn:make_kernel",
+        masks=(
+            MaskSupport(
+                MaskKind.KEY_PADDING,
+                MaskRoute.UNPAD,
+                "sageattention/core.py: sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, "
+                "max_seqlen_q, max_seqlen_k, is_causal=False, sm_scale=None, smooth_k=True) "
+                "(Triton); sageattn itself drops attn_mask (SageAttention d1a57a54)",
+            ),
+        ),
+        varlen_kernel="attnres.kernels.sage_attn:make_varlen_kernel",
     ),
     BackendSpec(
         name="sage_attn_3",
@@ -686,6 +823,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         aliases=("xformers_attn", "memory_efficient_attention"),
         description="xformers.ops.memory_efficient_attention (cutlass)",
         kernel="attnres.kernels.xformers:make_kernel",
+        masks=_native_masks(
+            "xformers/ops/fmha: attn_bias is a float tensor bias; attnres.kernels.xformers turns "
+            "a boolean mask into a 0/-inf bias (BlockDiagonalPaddedKeysMask is the packed form)"
+        ),
     ),
     BackendSpec(
         name="aiter",

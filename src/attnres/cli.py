@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import attrs
 
 from attnres._states import PackageStatus, ReplayStatus, Status  # issue 20, 19
-from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, Requirement
+from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, MaskRoute, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
@@ -953,6 +953,9 @@ def _runs_on(spec: BackendSpec) -> str:
 def _backend_note(spec: BackendSpec) -> str:
     implements = ", ".join(_REQ_SHORT[r] for r in Requirement if r in spec.implements)
     parts = [f"implements: {implements or 'none of the requirements'}"]
+    unpads = [m.kind.value.replace("_", " ") for m in spec.masks if m.route is MaskRoute.UNPAD]
+    if unpads:  # issue 22: mask kinds taken through the varlen entry point
+        parts.append(f"{', '.join(unpads)} by unpadding")
     if spec.limits:
         parts.append("not: " + "; ".join(limit.describe() for limit in spec.limits))
     for dtype, rule in sorted(spec.dtype_capabilities.items()):

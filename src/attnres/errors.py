@@ -31,6 +31,7 @@ __all__ = [
     "IntegrationError",
     "KernelNotRegisteredError",
     "KernelUnavailableError",
+    "MaskKindError",
     "PipelineError",
     "PluginError",
     "RequestBackendError",
@@ -55,6 +56,16 @@ class UnknownBackendError(AttnresError, ValueError):
         super().__init__(message)
         self.name = name
         self.suggestion = suggestion
+
+
+class MaskKindError(AttnresError, ValueError):
+    """A call brought a mask of a kind its layer's kernel cannot take (issue 22:
+    a varlen kernel takes key padding only); ``.observed`` names the kind."""
+
+    def __init__(self, message: str, observed: str) -> None:
+        super().__init__(message)
+        #: the observed kind in words ("boolean mask", "additive mask", ...)
+        self.observed = observed
 
 
 class PluginError(AttnresError, ValueError):

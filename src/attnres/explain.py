@@ -110,6 +110,8 @@ def describe_layer(layer: LayerSpec) -> str:
         "any" if layer.supported is None else ", ".join(sorted(b.name for b in layer.supported))
     )
     needed = ", ".join(r.value for r in layer.requirements.needed()) or "nothing"
+    if layer.requirements.extended:  # issue 22: the mask kind in words
+        needed += f" (mask: {layer.requirements.mask_kind})"
     name = f"{layer.name}: " if layer.name else ""
     # an integration route that runs exactly the supported set (no stand-in)
     route = f" (exactly, by its route: {layer.exact_route})" if layer.exact_route else ""

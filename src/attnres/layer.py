@@ -17,7 +17,14 @@ from typing import Any
 import attrs
 from attrs import field, frozen
 
-from attnres._vocab import Requirement, Role, normalize_component, normalize_dtype
+from attnres._vocab import (
+    CausalAlignment,
+    MaskKind,
+    Requirement,
+    Role,
+    normalize_component,
+    normalize_dtype,
+)
 from attnres.backends import Backend
 from attnres.errors import UnknownBackendError
 from attnres.layout import SequenceLayout
@@ -151,12 +158,48 @@ _REQUIREMENT_HINTS: dict[str, str] = {
     "varlen": "packed_varlen",
     "packed": "packed_varlen",
     "grouped_query": "gqa",
+    # mask kinds (issue 22): a name in a requirement list sets Requirements.mask
+    **{k.value: k.value for k in MaskKind if k not in (MaskKind.NONE, MaskKind.ANY)},
+    "padding": "key_padding",
+    "key_padding_mask": "key_padding",
+    "bias": "additive",
+    # causal alignment: sets Requirements.causal_alignment (and causal)
+    "bottom_right": "bottom_right",
 }
+
+#: The requirement-list names that choose a mask kind, and the one for the alignment.
+_MASK_NAMES: dict[str, MaskKind] = {
+    k.value: k for k in MaskKind if k not in (MaskKind.NONE, MaskKind.ANY)
+}
+_BOTTOM_RIGHT = CausalAlignment.BOTTOM_RIGHT.value
+
+
+def _mask_kind(value: MaskKind | str) -> MaskKind:
+    try:
+        return MaskKind(value)
+    except ValueError:
+        valid = ", ".join(k.value for k in MaskKind)
+        raise ValueError(f"mask: unknown mask kind {value!r}; valid: {valid}") from None
+
+
+def _alignment(value: CausalAlignment | str) -> CausalAlignment:
+    try:
+        return CausalAlignment(value)
+    except ValueError:
+        valid = ", ".join(a.value for a in CausalAlignment)
+        raise ValueError(f"causal_alignment: unknown alignment {value!r}; valid: {valid}") from None
 
 
 @frozen(cache_hash=True)
 class Requirements:
-    """The semantic features a layer needs from its kernel."""
+    """The semantic features a layer needs from its kernel.
+
+    ``mask`` names the kind of mask tensor the layer passes (issue 22,
+    docs/masks.md); ``attn_mask`` is true exactly when it is not ``none``, and
+    0.2's ``attn_mask=True`` alone keeps meaning "an arbitrary boolean or
+    additive mask" (``MaskKind.ANY``). ``causal_alignment`` says where a causal
+    mask's diagonal sits when query and key lengths differ.
+    """
 
     causal: bool = field(default=False, validator=_is_bool)
     attn_mask: bool = field(default=False, validator=_is_bool)
@@ -167,6 +210,45 @@ class Requirements:
     custom_scale: bool = field(default=False, validator=_is_bool)
     softcap: bool = field(default=False, validator=_is_bool)
     sliding_window: bool = field(default=False, validator=_is_bool)
+    mask: MaskKind = field(default=MaskKind.NONE, converter=_mask_kind)
+    causal_alignment: CausalAlignment = field(
+        default=CausalAlignment.TOP_LEFT, converter=_alignment
+    )
+
+    def __attrs_post_init__(self) -> None:
+        # attn_mask and mask say one thing: a kind implies a mask; a bare
+        # attn_mask=True (0.2) is the arbitrary kind
+        if self.mask is MaskKind.NONE and self.attn_mask:
+            object.__setattr__(self, "mask", MaskKind.ANY)
+        elif self.mask is not MaskKind.NONE and not self.attn_mask:
+            object.__setattr__(self, "attn_mask", True)
+
+    @property
+    def extended(self) -> bool:
+        """Whether these requirements say more than a 0.2 trace can (a mask kind
+        or an alignment): a trace of them needs schema version 4."""
+        return self.mask not in (MaskKind.NONE, MaskKind.ANY) or (
+            self.causal_alignment is not CausalAlignment.TOP_LEFT
+        )
+
+    @property
+    def mask_kind(self) -> str:
+        """The layer's mask need in words: ``none``, ``causal``, ``key padding``,
+        ``causal with key padding``, ``boolean``, ``additive``, ...; a causal one
+        says its alignment when it is bottom-right."""
+        kind = {
+            MaskKind.NONE: "",
+            MaskKind.KEY_PADDING: "key padding",
+            MaskKind.BOOLEAN: "boolean mask",
+            MaskKind.ADDITIVE: "additive mask",
+            MaskKind.ANY: "boolean or additive mask",
+        }[self.mask]
+        if not self.causal:
+            return kind or "none"
+        causal = "causal" if self.causal_alignment is CausalAlignment.TOP_LEFT else (
+            "causal (bottom-right)"
+        )
+        return f"{causal} with {kind}" if kind else causal
 
     def needed(self) -> tuple[Requirement, ...]:
         """The requirements that are on, in the canonical order."""
@@ -190,13 +272,25 @@ class Requirements:
             return value
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
-        names: dict[str, bool] = {}
+        names: dict[str, Any] = {}
         for item in value:
             key = item.value if isinstance(item, Requirement) else str(item).strip().lower()
+            if key in _MASK_NAMES:
+                if names.get("mask", _MASK_NAMES[key]) is not _MASK_NAMES[key]:
+                    raise ValueError(
+                        f"{field}: two mask kinds, {names['mask'].value!r} and {key!r}; a "
+                        f"layer passes one kind of mask"
+                    )
+                names["mask"] = _MASK_NAMES[key]
+                continue
+            if key == _BOTTOM_RIGHT:
+                names["causal"] = True
+                names["causal_alignment"] = CausalAlignment.BOTTOM_RIGHT
+                continue
             try:
                 names[Requirement(key).value] = True
             except ValueError:
-                valid = ", ".join(r.value for r in Requirement)
+                valid = ", ".join([r.value for r in Requirement] + [*_MASK_NAMES, _BOTTOM_RIGHT])
                 close = difflib.get_close_matches(key, list(_REQUIREMENT_HINTS), n=1, cutoff=0.6)
                 hint = f" (did you mean {_REQUIREMENT_HINTS[close[0]]!r}?)" if close else ""
                 raise ValueError(

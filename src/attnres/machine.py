@@ -102,7 +102,15 @@ from attnres._states import (
     Status,
     Verdict,
 )
-from attnres._vocab import REQUIREMENT_PHRASES, Requirement, Role
+from attnres._vocab import (
+    MASK_KIND_PHRASES,
+    REQUIREMENT_PHRASES,
+    CausalAlignment,
+    MaskKind,
+    MaskRoute,
+    Requirement,
+    Role,
+)
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
 from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
@@ -714,11 +722,14 @@ def _check_supported(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
 
 def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> list[Failure]:
     needed = layer.requirements.needed()
+    # a named mask kind is checked by kind (issue 22); 0.2's attn_mask by the flag
+    typed_mask = layer.requirements.mask not in (MaskKind.NONE, MaskKind.ANY)
     out = [
         Failure(Code.REQUIREMENT_UNMET, f"does not implement {REQUIREMENT_PHRASES[req]}")
         for req in needed
-        if req not in spec.implements
+        if req not in spec.implements and not (typed_mask and req is Requirement.ATTN_MASK)
     ]
+    out += _check_mask_kind(spec, layer)
     # a limit withdraws what the spec claims (an unclaimed requirement failed above)
     out += [
         Failure(Code.REQUIREMENT_UNMET, f"does not implement {limit.describe()} ({limit.because})")
@@ -728,7 +739,10 @@ def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform)
     ]
     # causal masks and sliding windows are laid along one diagonal; when query and
     # key lengths differ (cross-attention) flash-style kernels take the bottom-right one
+    bottom_right = layer.requirements.causal_alignment is CausalAlignment.BOTTOM_RIGHT
     for req, what in _ALIGNED:
+        if req is Requirement.CAUSAL and bottom_right:
+            continue  # _check_mask_kind checks a bottom-right causal layer
         if (
             req in needed
             and layer.role is Role.CROSS
@@ -740,6 +754,54 @@ def _check_requirements(spec: BackendSpec, layer: LayerSpec, platform: Platform)
                     Code.REQUIREMENT_UNMET,
                     f"does not implement top-left aligned {what} cross-attention (its {what} "
                     f"mask is bottom-right aligned when query and key lengths differ)",
+                )
+            )
+    return out
+
+
+def _check_mask_kind(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
+    """The layer's mask kind and causal alignment against what the kernel takes (issue 22).
+
+    A kind the spec declares (``BackendSpec.masks``) or, for a spec that claims
+    ``attn_mask``, any kind passes; a key-padding mask taken by unpadding also
+    passes. A bottom-right causal cross-attention layer needs a kernel whose
+    causal mask is bottom-right and that attnres runs through its varlen entry
+    point (the dense flash adapters refuse unequal lengths with causal).
+    """
+    req = layer.requirements
+    out: list[Failure] = []
+    if req.mask not in (MaskKind.NONE, MaskKind.ANY) and spec.mask_support(req.mask) is None:
+        takes = [
+            f"{MASK_KIND_PHRASES[m.kind]} by unpadding"
+            if m.route is MaskRoute.UNPAD
+            else MASK_KIND_PHRASES[m.kind]
+            for m in spec.masks
+        ]
+        out.append(
+            Failure(
+                Code.REQUIREMENT_UNMET,
+                f"does not implement {MASK_KIND_PHRASES[req.mask]} (the layer's mask kind is "
+                f"{req.mask_kind}; it takes {', '.join(takes) or 'no mask at all'})",
+            )
+        )
+    if req.causal and req.causal_alignment is CausalAlignment.BOTTOM_RIGHT and (
+        layer.role is Role.CROSS
+    ):
+        if spec.causal_top_left or Requirement.CAUSAL not in spec.implements:
+            out.append(
+                Failure(
+                    Code.REQUIREMENT_UNMET,
+                    "does not implement bottom-right aligned causal cross-attention (its "
+                    "causal mask is top-left aligned when query and key lengths differ)",
+                )
+            )
+        elif spec.varlen_kernel is None:
+            out.append(
+                Failure(
+                    Code.REQUIREMENT_UNMET,
+                    "does not implement bottom-right aligned causal cross-attention through "
+                    "attnres (it runs that through a varlen entry point, and attnres has no "
+                    "varlen adapter for this kernel)",
                 )
             )
     return out

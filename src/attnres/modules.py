@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres._fastcall import FastCallModule
+from attnres._varlen import route_kernel
 from attnres._vocab import Role, normalize_dtype
 from attnres.autotuner import arm, armed_run
 from attnres.backends import Backend, lookup_spec, on_registry_change, registry_generation
@@ -91,7 +92,7 @@ _RUNS: dict[tuple[object, ...], Callable[..., Tensor]] = {}
 #: (backend, requirements, role, platform) -> whether the kernel has a backward pass
 _HAS_BACKWARD: dict[tuple[object, ...], bool] = {}
 #: backend name -> (kernel, torch dtypes) of :func:`_bind`, once it succeeded
-_BOUND: dict[str, tuple[KernelFn, frozenset[torch.dtype]]] = {}
+_BOUND: dict[tuple[str, Any, Any], tuple[KernelFn, frozenset[torch.dtype]]] = {}
 
 
 def _clear_memos() -> None:
@@ -127,7 +128,9 @@ def _positive_int(what: str, value: object) -> int:
 def _merge_requirements(given: Requirements | Any, **implied: bool) -> Requirements:
     """The layer's declared requirements plus those its arguments imply."""
     base = Requirements.of(given)
-    added = {name: True for name, on in implied.items() if on and not getattr(base, name)}
+    added: dict[str, Any] = {
+        name: True for name, on in implied.items() if on and not getattr(base, name)
+    }
     return attrs.evolve(base, **added) if added else base
 
 
@@ -1121,7 +1124,9 @@ def _bind(resolution: Resolution, spec: LayerSpec) -> tuple[KernelFn, frozenset[
     """The kernel of the selected backend and the torch dtypes it takes."""
     backend = resolution.backend
     name = backend.name
-    bound = _BOUND.get(name)
+    # issue 22: a key-padding layer on a varlen kernel runs the unpad route
+    mask_key = (name, spec.requirements.mask, spec.requirements.causal_alignment)
+    bound = _BOUND.get(mask_key)
     if bound is not None:
         return bound
     try:
@@ -1152,6 +1157,9 @@ def _bind(resolution: Resolution, spec: LayerSpec) -> tuple[KernelFn, frozenset[
             backend,
             resolution,
         )
+    kernel = route_kernel(
+        backend_spec, kernel, spec.requirements.mask, spec.requirements.causal_alignment
+    )
     bound = (kernel, _torch_dtypes(backend_spec.dtypes))
-    _memo_put(_BOUND, name, bound)
+    _memo_put(_BOUND, mask_key, bound)
     return bound

@@ -34,6 +34,7 @@ __all__ = [
     "BASE_SCHEMA_VERSION",
     "KERNELS_SCHEMA_VERSION",
     "LAYOUT_SCHEMA_VERSION",
+    "MASK_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
     "TUNED_SCHEMA_VERSION",
@@ -55,9 +56,13 @@ __all__ = [
 #: removed, renamed or changes meaning (docs/trace-format.md). A trace is
 #: written with the lowest version that can express it: a rule-based resolution
 #: is version 2 (the backward requirement), a tuned one is version 3, one whose
-#: input carries the process's kernel facts (``no_kernel``) version 4, one whose
-#: layer has a sequence-parallel layout version 5 (issue 24).
+#: input carries the process's kernel facts (``no_kernel``) or whose layer names
+#: a mask kind or a causal alignment (issue 22) version 4, one whose layer has a
+#: sequence-parallel layout version 5 (issue 24).
 SCHEMA_VERSION = 5
+#: The version of a trace whose layer names a mask kind or a causal alignment
+#: (issue 22): its requirements carry ``mask`` and ``causal_alignment`` keys.
+MASK_SCHEMA_VERSION = 4
 #: The version of a trace that holds autotune records (tuning, measurement).
 TUNED_SCHEMA_VERSION = 3
 #: The version of a trace whose input records which backends had no kernel.
@@ -257,9 +262,12 @@ class TraceInput:
 
     def schema_version(self) -> int:
         """The lowest schema version that can express this input."""
+        version = BASE_SCHEMA_VERSION if self.no_kernel is None else KERNELS_SCHEMA_VERSION
+        if self.layer.requirements.extended:  # issue 22: a mask kind or an alignment
+            version = max(version, MASK_SCHEMA_VERSION)
         if self.layer.layout is not None:  # issue 24: a sequence-parallel layout
-            return LAYOUT_SCHEMA_VERSION
-        return BASE_SCHEMA_VERSION if self.no_kernel is None else KERNELS_SCHEMA_VERSION
+            version = max(version, LAYOUT_SCHEMA_VERSION)
+        return version
 
 
 @frozen

@@ -40,8 +40,9 @@ import torch
 from attrs import frozen
 from torch.overrides import TorchFunctionMode
 
-from attnres._vocab import normalize_dtype
-from attnres.backends import Backend
+from attnres._varlen import observe_mask, route_kernel
+from attnres._vocab import MaskKind, normalize_dtype
+from attnres.backends import Backend, lookup_spec
 from attnres.errors import ResolutionError
 from attnres.integrations._plan import SiteDescription
 from attnres.kernels import get_kernel
@@ -182,18 +183,57 @@ def describe_mha(
 
 @frozen
 class MaskFacts:
-    """The attention mask one call passed: present, its dtype and shape.
-
-    Kept as observed (a later change refines it into mask kinds)."""
+    """The attention mask one call passed: present, its dtype and shape, and its
+    kind (issue 22: :func:`attnres._varlen.observe_mask`; planned: the site's
+    declared kind)."""
 
     present: bool
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+    kind: MaskKind = MaskKind.NONE
+    #: the mask also holds a top-left causal triangle (observed key padding)
+    causal: bool = False
 
     def describe(self) -> str:
         if not self.present:
             return "no attention mask"
-        return f"attention mask ({self.dtype}, shape {list(self.shape or ())})"
+        words = _MASK_WORDS[self.kind] if self.kind is not MaskKind.ANY else "attention mask"
+        if self.causal:
+            words = f"causal with {words}"
+        return f"{words} ({self.dtype}, shape {list(self.shape or ())})"
+
+    def covered_by(self, planned: MaskFacts) -> bool:
+        """Whether a site planned for ``planned`` takes this mask (issue 22)."""
+        if not self.present:
+            return True
+        if not planned.present:
+            return False
+        return planned.kind in (MaskKind.ANY, self.kind)
+
+
+_MASK_WORDS = {
+    MaskKind.NONE: "no attention mask",
+    MaskKind.KEY_PADDING: "key-padding mask",
+    MaskKind.BOOLEAN: "boolean mask",
+    MaskKind.ADDITIVE: "additive mask",
+    MaskKind.ANY: "attention mask",
+}
+
+
+def _observe_mask(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> MaskFacts:
+    """The mask of one call as :class:`MaskFacts`, its kind observed (issue 22)."""
+    if attn_mask is None:
+        return MaskFacts(False)
+    seq_dim = -2 if heads_dim == -3 else -3  # SDPA (B, H, S, D); dispatcher (B, S, H, D)
+    batch = int(q.shape[0]) if q.dim() == 4 else 1
+    seen = observe_mask(attn_mask, batch, int(q.shape[seq_dim]), int(k.shape[seq_dim]))
+    return MaskFacts(
+        True,
+        _dtype_name(attn_mask.dtype),
+        tuple(int(d) for d in attn_mask.shape),
+        seen.kind,
+        seen.causal,
+    )
 
 
 @frozen
@@ -221,11 +261,7 @@ class CallFacts:
         heads_dim: int = -3,
     ) -> CallFacts:
         head_size = int(q.shape[-1])
-        mask = (
-            MaskFacts(True, _dtype_name(attn_mask.dtype), tuple(int(d) for d in attn_mask.shape))
-            if attn_mask is not None
-            else MaskFacts(False)
-        )
+        mask = _observe_mask(q, k, attn_mask, heads_dim)
         return cls(
             heads=int(q.shape[heads_dim]) if q.dim() >= 3 else 1,
             kv_heads=int(k.shape[heads_dim]) if k.dim() >= 3 else 1,
@@ -245,7 +281,7 @@ class CallFacts:
             kv_heads=kv_heads,
             head_size=spec.head_size,
             dtype=spec.dtype,
-            mask=MaskFacts(req.attn_mask),
+            mask=MaskFacts(req.attn_mask, kind=req.mask),
             causal=req.causal,
             custom_scale=req.custom_scale,
             dropout=req.dropout,
@@ -270,7 +306,7 @@ class CallFacts:
         if planned is None:
             return ("head facts (decided at first call)",)
         out = []
-        if self.mask.present != planned.mask.present:
+        if self.mask.present != planned.mask.present or not self.mask.covered_by(planned.mask):
             out.append(self.mask.describe())
         if self.causal != planned.causal:
             out.append("causal" if self.causal else "not causal")
@@ -292,7 +328,9 @@ class CallFacts:
         req = attrs.evolve(
             base.requirements,
             attn_mask=self.mask.present,
-            causal=self.causal,
+            # issue 22: the observed kind (a causal triangle inside the mask is causal)
+            mask=self.mask.kind if self.mask.present else MaskKind.NONE,
+            causal=self.causal or self.mask.causal,
             custom_scale=self.custom_scale,
             dropout=self.dropout,
             gqa=self.kv_heads < self.heads,
@@ -413,16 +451,36 @@ class GenericRoute:
         self._lock = threading.Lock()
         #: call signature -> the kernel that runs it (None: the original SDPA)
         self.kernels: dict[tuple[Any, ...], _KernelFn | None] = {}
-        if self.planned is not None and resolution is not None:
-            self.kernels[self.planned.key()] = self._kernel(resolution.backend)
+        #: issue 22: planned signatures whose mask kind the first call verifies
+        self.unverified: set[tuple[Any, ...]] = set()
+        if self.planned is not None and resolution is not None and spec is not None:
+            self.kernels[self.planned.key()] = self._kernel(resolution.backend, spec)
+            if self.planned.mask.kind not in (MaskKind.NONE, MaskKind.ANY):
+                self.unverified.add(self.planned.key())
 
-    def _kernel(self, backend: Backend) -> _KernelFn | None:
+    def _verify(self, facts: CallFacts) -> _KernelFn | None:
+        """The first call of a planned signature whose plan named a mask kind:
+        the observed kind is the planned one (keep the kernel), or the site is
+        resolved again with it, as any other fact its plan did not describe."""
+        key = facts.key()
+        with self._lock:
+            self.unverified.discard(key)
+            if not facts.differences(self.planned):
+                return self.kernels[key]
+            del self.kernels[key]
+        return self._first_call(facts)
+
+    def _kernel(self, backend: Backend, spec: LayerSpec) -> _KernelFn | None:
         if backend == _TORCH_SDPA:
             return None  # what the intercepted call is: the site's own SDPA call, untouched
         kernel = get_kernel(backend.name)
-        if kernel is None:
+        backend_spec = lookup_spec(backend)
+        if kernel is None or backend_spec is None:
             raise RuntimeError(f"attnres has no kernel for {backend.name!r}")
-        return kernel
+        # issue 22: a key-padding site on a varlen kernel runs unpad -> kernel -> pad
+        req = spec.requirements
+        routed: _KernelFn = route_kernel(backend_spec, kernel, req.mask, req.causal_alignment)
+        return routed
 
     def __call__(
         self,
@@ -470,6 +528,11 @@ class GenericRoute:
     ) -> _KernelFn | None:
         """The kernel of this call's signature (checked once per signature)."""
         key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+        if key in self.unverified and not torch.compiler.is_compiling():
+            # issue 22: the first call of a planned signature verifies its mask kind
+            return self._verify(
+                CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+            )
         if key in self.kernels:
             return self.kernels[key]
         return self._first_call(
@@ -546,7 +609,7 @@ class GenericRoute:
                 self.on_first_call(record)
             if resolution is None:
                 raise ResolutionError(str(error), trace, str(trace.outcome.code))
-            kernel = self._kernel(resolution.backend)
+            kernel = self._kernel(resolution.backend, spec)
             self.kernels[facts.key()] = kernel
             return kernel
 

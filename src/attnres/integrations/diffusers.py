@@ -51,8 +51,8 @@ from diffusers.models.attention_dispatch import (
 )
 from diffusers.models.attention_processor import Attention as _LegacyAttention
 
-from attnres._vocab import Role, normalize_dtype
-from attnres.backends import Backend
+from attnres._vocab import MaskKind, MaskRoute, Role, normalize_dtype
+from attnres.backends import Backend, lookup_spec
 from attnres.integrations import _route
 from attnres.integrations import transformers as _tf
 from attnres.integrations._plan import (
@@ -144,12 +144,30 @@ def _role(name: str, module: Any) -> Role:
     return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
 
 
+#: issue 22: a processor whose call takes this parameter builds a joint
+#: [text, image] mask from the text's padding (Qwen-Image's
+#: ``QwenDoubleStreamAttnProcessor2_0``): key padding, read from its signature.
+_TEXT_PADDING_PARAMETER = "encoder_hidden_states_mask"
+
+
+def _mask_kind(name: str, module: Any) -> MaskKind:
+    """The mask kind a site passes, where its code tells before the first call
+    (issue 22); the first call observes every other mask and its kind."""
+    by_place = _MASK_BY_PLACE.get(type(module).__name__)
+    if by_place is not None and by_place(name):
+        return MaskKind.KEY_PADDING  # LTX's -10000 prompt-padding bias
+    processor_class = type(getattr(module, "processor", None))
+    code = getattr(vars(processor_class).get("__call__"), "__code__", None)
+    if code is not None and _TEXT_PADDING_PARAMETER in code.co_varnames[: code.co_argcount]:
+        return MaskKind.KEY_PADDING
+    return MaskKind.NONE
+
+
 def _requirements(
     name: str, module: Any, heads: int, kv_heads: int, head_size: int, trains: bool
 ) -> Requirements:
-    mask = _MASK_BY_PLACE.get(type(module).__name__)
     return Requirements(
-        attn_mask=bool(mask(name)) if mask is not None else False,
+        mask=_mask_kind(name, module),
         gqa=kv_heads < heads,
         backward=trains,
         # Attention(scale_qk=False) or scale= passes its own softmax scale
@@ -170,6 +188,24 @@ def route_backends(processor: Any) -> frozenset[Backend]:
         ):
             continue
         out.add(Backend(backend))
+    return frozenset(out)
+
+
+def _pinned_backends(
+    backends: frozenset[Backend], requirements: Requirements | None
+) -> frozenset[Backend]:
+    """Issue 22: a pinned dispatcher backend receives the site's mask as is: a
+    kernel that takes the site's mask kind only by unpadding (attnres's route,
+    not the dispatcher's) cannot serve it there."""
+    kind = MaskKind.NONE if requirements is None else requirements.mask
+    if kind in (MaskKind.NONE, MaskKind.ANY):
+        return backends
+    out = set()
+    for backend in backends:
+        spec = lookup_spec(backend)
+        support = None if spec is None else spec.mask_support(kind)
+        if support is None or support.route is MaskRoute.NATIVE:
+            out.add(backend)  # a kind it does not take at all fails the requirements check
     return frozenset(out)
 
 
@@ -281,7 +317,7 @@ def _describe(
         return SiteDescription(
             **base,
             route=f"{ROUTE_DISPATCHER} (context parallel) via {owner}",
-            supported=route_backends(processor),
+            supported=_pinned_backends(route_backends(processor), base.get("requirements")),
             current=_dispatcher_current(processor),
             pending=facts is None,
         )

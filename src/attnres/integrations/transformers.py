@@ -29,9 +29,9 @@ import transformers
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from attnres._vocab import Role, normalize_dtype
+from attnres._vocab import MaskKind, Role, normalize_dtype
 from attnres.backends import Backend
-from attnres.integrations import _route
+from attnres.integrations import _hf_attention, _route
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
@@ -83,7 +83,18 @@ _CLASS_FLAG: Mapping[str, str] = MappingProxyType(
 
 
 def route_backends(model: Any) -> frozenset[Backend]:
-    """What the attention interface can execute for ``model``'s class."""
+    """What the attention interface can execute for ``model``'s class.
+
+    Issue 22: a class that dispatches through the attention interface
+    (``_supports_attention_backend``) also runs every dense backend with an
+    attnres kernel, through attnres's own function (:mod:`._hf_attention`).
+    """
+    return _native_backends(model) | _hf_attention.backends_for(type(model))
+
+
+def _native_backends(model: Any) -> frozenset[Backend]:
+    """What transformers' own functions execute for ``model``'s class (each with a
+    mask function: a name without one gets no mask, padding silently dropped)."""
     out: set[Backend] = set()
     for backend, function in _FUNCTIONS.items():
         flag = _CLASS_FLAG.get(function)
@@ -126,7 +137,17 @@ class _Fact:
 
 
 def _t5_requirements(module: Any) -> Requirements:
-    return Requirements(attn_mask=True, causal=bool(module.is_decoder) and bool(module.is_causal))
+    # issue 22: T5 passes its float position bias: an additive mask
+    return Requirements(
+        mask=MaskKind.ADDITIVE, causal=bool(module.is_decoder) and bool(module.is_causal)
+    )
+
+
+def _clip_requirements(module: Any) -> Requirements:
+    # issue 22: the text model passes causal with key padding (create_causal_mask
+    # of its attention_mask); the vision model passes no mask
+    text = getattr(module.config, "model_type", "") == "clip_text_model"
+    return Requirements(causal=text, mask=MaskKind.KEY_PADDING if text else MaskKind.NONE)
 
 
 _T5 = _Fact(
@@ -142,7 +163,7 @@ _CLASS_FACTS: Mapping[str, _Fact] = MappingProxyType(
     {
         "CLIPAttention": _Fact(
             _self,
-            lambda m: Requirements(causal=getattr(m.config, "model_type", "") == "clip_text_model"),
+            _clip_requirements,
             "is_causal is False on the module: the text model passes causal per call",
         ),
         "T5Attention": _T5,
@@ -152,7 +173,13 @@ _CLASS_FACTS: Mapping[str, _Fact] = MappingProxyType(
 
 
 def _observed_requirements(module: Any, heads: int, kv_heads: int) -> Requirements:
-    return Requirements(causal=getattr(module, "is_causal", False) is True, gqa=kv_heads < heads)
+    # issue 22: a model's mask function builds padding masks (causal ones for a
+    # decoder used as an encoder): key padding
+    return Requirements(
+        causal=getattr(module, "is_causal", False) is True,
+        gqa=kv_heads < heads,
+        mask=MaskKind.KEY_PADDING,
+    )
 
 
 def _head_facts(module: Any) -> tuple[int, int, int] | None:
@@ -338,6 +365,7 @@ def prepare(
     """
     modules = dict(model.named_modules())
     groups: dict[int, tuple[Any, dict[str, list[str]]]] = {}
+    kernels: dict[str, tuple[str, Requirements]] = {}
     problems: list[str] = []
     for site in result.sites:
         if site.component != component or site.resolution is None:
@@ -348,13 +376,23 @@ def prepare(
             continue
         backend = site.resolution.backend.name
         function = _FUNCTIONS.get(backend)
+        spec = site.spec
+        if Backend(backend) not in _native_backends(model) and Backend(
+            backend
+        ) in _hf_attention.backends_for(type(model)):
+            function = _hf_attention.NAME  # issue 22: attnres's own function runs it
         if function is None:
             problems.append(
                 f"{component}/{site.name}: {backend} has no transformers attention function"
             )
             continue
         cfg, decided = groups.setdefault(id(module.config), (module.config, {}))
-        decided.setdefault(function, []).append(site.name)
+        # the attnres function runs one kernel per site; one config still takes
+        # one function, so its sites must agree on the backend too
+        key = function if function != _hf_attention.NAME else f"{function}:{backend}"
+        decided.setdefault(key, []).append(site.name)
+        if spec is not None:
+            kernels[site.name] = (backend, spec.requirements)
     actions: list[Callable[[], None]] = []
     for cfg, decided in groups.values():
         if len(decided) > 1:
@@ -364,8 +402,9 @@ def prepare(
                 + "); transformers runs one attention function per config"
             )
             continue
-        ((function, names),) = decided.items()
-        actions.append(_installer(model, component, cfg, function, names, modules))
+        ((key, names),) = decided.items()
+        function = key.partition(":")[0]
+        actions.append(_installer(model, component, cfg, function, names, modules, kernels))
     return actions, problems
 
 
@@ -376,6 +415,7 @@ def _installer(
     function: str,
     names: list[str],
     modules: Mapping[str, Any],
+    kernels: Mapping[str, tuple[str, Requirements]],
 ) -> Callable[[], None]:
     def install() -> None:
         installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
@@ -385,10 +425,15 @@ def _installer(
             # the state before the first apply (issue 20, item 13)
             old = earlier.old
             installs.remove(earlier)
-        rec = _Install(cfg, old, function, _BY_FUNCTION[function])
+        backend = _BY_FUNCTION.get(function) or kernels[names[0]][0]
+        rec = _Install(cfg, old, function, backend)
         cfg._attn_implementation_internal = function
         for name in names:
             module = modules[name]
+            if function == _hf_attention.NAME:  # issue 22: bind the decided kernel
+                _hf_attention.register()
+                site_backend, requirements = kernels[name]
+                _hf_attention.bind_module(module, site_backend, requirements)
             rec.sites.append((component, name, module))
             rec.dtype[name] = _compute_dtype(module, model)
         installs.append(rec)
@@ -458,6 +503,8 @@ def remove(model: Any) -> int:
     installs = model.__dict__.pop(_INSTALLED_ATTR, [])
     for rec in reversed(installs):
         rec.config._attn_implementation_internal = rec.old
+        for _, _, module in rec.sites:
+            _hf_attention.unbind_module(module)  # issue 22
     return len({name for rec in installs for _, name, _ in rec.sites})
 
 

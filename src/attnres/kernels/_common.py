@@ -27,6 +27,7 @@ __all__ = [
     "no_mask_error",
     "require_attribute",
     "unsupported_feature_error",
+    "varlen_style_kernel",
     "window_keep",
     "with_window",
 ]
@@ -140,6 +141,48 @@ def flash_style_kernel(
         return out
 
     return attention
+
+
+#: What a varlen kernel call receives: packed q, k, v, int32 contiguous
+#: cu_seqlens_q/k, max_seqlen_q/k as ints, causal, scale.
+VarlenCall = Callable[
+    ["Tensor", "Tensor", "Tensor", "Tensor", "Tensor", int, int, bool, "float | None"], Any
+]
+
+
+def _int32(cu: Tensor) -> Tensor:
+    """``cu`` as contiguous int32 (what flash-attn requires), without importing torch."""
+    if str(cu.dtype) != "torch.int32":
+        cu = cu.int()
+    return cu if cu.is_contiguous() else cu.contiguous()
+
+
+def varlen_style_kernel(call: VarlenCall) -> Callable[..., Tensor]:
+    """The varlen calling convention (:data:`attnres.kernels.VarlenKernelFn`) over
+    ``call``: packed (total, heads, head_size) tensors, cumulative sequence
+    lengths of shape (sequences + 1,) in any integer dtype (passed on as
+    contiguous int32), the longest lengths, ``causal`` (bottom-right per
+    sequence, the kernels' own) and ``scale``. A tuple result is unwrapped."""
+
+    def varlen_attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        result = call(
+            q, k, v, _int32(cu_seqlens_q), _int32(cu_seqlens_k), int(max_seqlen_q),
+            int(max_seqlen_k), causal, scale,
+        )  # fmt: skip
+        out: Tensor = result[0] if isinstance(result, tuple) else result
+        return out
+
+    return varlen_attention
 
 
 def flash_feature_kwargs(

@@ -40,6 +40,7 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    varlen_style_kernel,
 )
 
 if TYPE_CHECKING:
@@ -93,37 +94,9 @@ def make_varlen_kernel() -> VarlenKernelFn:
     requires), the longest q/kv sequence lengths, ``causal`` and ``scale``. Its
     causal mask is flash-attn's: bottom-right aligned within each sequence.
     """
-    import torch
-
     varlen_func = _function("flash_attn_varlen_func")
-
-    def varlen_attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        causal: bool,
-        scale: float | None,
-    ) -> Tensor:
-        if cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous():
-            cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
-        if cu_seqlens_k.dtype != torch.int32 or not cu_seqlens_k.is_contiguous():
-            cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
-        out: Tensor = varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            int(max_seqlen_q),
-            int(max_seqlen_k),
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
+    return varlen_style_kernel(
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal
         )
-        return out
-
-    return varlen_attention
+    )

@@ -20,6 +20,10 @@ Source facts (Dao-AILab/flash-attention hopper/flash_attn_interface.py):
 - Module name: ``flash_attn_interface`` (distribution ``flash_attn_3``, built
   with ``cd hopper && python setup.py install``); newer builds also ship it as
   ``flash_attn_3.flash_attn_interface``, tried second.
+- ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, seqused_q=None, seqused_k=None, softmax_scale=None,
+  causal=False, ...)`` over packed (total, nheads, headdim) tensors (the key
+  padding route of attnres._varlen); causal bottom-right per sequence.
 """
 
 from __future__ import annotations
@@ -33,14 +37,15 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    varlen_style_kernel,
 )
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from attnres.kernels import KernelFn
+    from attnres.kernels import KernelFn, VarlenKernelFn
 
-__all__ = ["make_kernel"]
+__all__ = ["make_kernel", "make_varlen_kernel"]
 
 BACKEND = "fa3"
 PACKAGE = "flash_attn_interface"
@@ -88,4 +93,24 @@ def make_kernel() -> KernelFn:
         "flash_attn_interface.flash_attn_func has no mask argument",
         call,
         takes=frozenset({"softcap", "window"}),
+    )
+
+
+def make_varlen_kernel() -> VarlenKernelFn:
+    """Import flash_attn_interface and bind ``flash_attn_varlen_func`` (packed tokens).
+
+    Same calling convention as :func:`attnres.kernels.fa.make_varlen_kernel`;
+    ``cu_seqlens`` arrive as contiguous int32 (attnres._varlen builds them so).
+    """
+    varlen_func = require_attribute(
+        _import(),
+        "flash_attn_varlen_func",
+        backend=BACKEND,
+        hint="The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL,
+    )
+
+    return varlen_style_kernel(
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal
+        )
     )

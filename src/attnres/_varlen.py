@@ -1,0 +1,363 @@
+"""Key padding through varlen kernels: classify a mask, unpad, run, pad back (issue 22).
+
+A kernel with no mask argument (flash-attn, FA3, SageAttention) can still serve
+a layer whose mask is *key padding* -- per batch row, which key positions are
+valid -- by running its varlen entry point on the valid tokens only:
+
+1. :func:`observe_mask` classifies the mask a call brings (docs/masks.md):
+   ``key_padding`` when every head and query of a row sees the same keys
+   (right padding, left padding, or any other set: Qwen-Image's joint
+   ``[text, image]`` mask has its padding in the middle), ``causal with key
+   padding`` when the mask is that times a top-left causal triangle,
+   ``boolean`` or ``additive`` otherwise. Packing keeps the order of the
+   tokens, so causal attention over the packed sequence is causal attention
+   over the valid tokens, whatever the pattern;
+2. :func:`unpad` packs the valid tokens into ``(total, heads, head_size)``
+   with int32 ``cu_seqlens`` (the layout ``flash_attn_varlen_func`` and
+   ``sageattn_varlen`` take);
+3. the varlen kernel runs on the packed tokens;
+4. :func:`pad` scatters the output back to ``(batch, seq, heads, head_size)``.
+
+Padded rows: in self-attention (query and key lengths equal) the queries are
+unpadded with the keys, so a padded query position comes back as **zeros**
+(the untouched model computes attention over the valid keys there; a model
+that masks its keys never reads those rows as keys again). In
+cross-attention only the keys are unpadded and every query of a row is
+computed. A batch row whose keys are all padding is **zeros** on both (torch
+SDPA gives NaN there); it is left out of ``cu_seqlens``, so no kernel is handed
+a sequence of length 0.
+
+The route is a kernel of the usual calling convention
+(:func:`padded_kernel`), so ``attnres.Attention`` and the integrations' routes
+run it like any other kernel. Only tensor methods run per call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
+from attnres.backends import BackendSpec, on_registry_change
+from attnres.errors import MaskKindError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from attnres.kernels import KernelFn, VarlenKernelFn
+
+__all__ = [
+    "MASKED_AT",
+    "MaskKindError",
+    "ObservedMask",
+    "Packing",
+    "Unpadded",
+    "get_varlen_kernel",
+    "is_prefix",
+    "observe_mask",
+    "pack",
+    "packing",
+    "pad",
+    "padded_kernel",
+    "route_kernel",
+    "unpad",
+]
+
+
+class ObservedMask(NamedTuple):
+    """What :func:`observe_mask` found in one call's mask."""
+
+    #: ``none``, ``key_padding``, ``boolean`` or ``additive``
+    kind: MaskKind
+    #: the mask also holds a top-left causal triangle (key padding only)
+    causal: bool
+    #: (batch, seq_kv) booleans, True where a key takes part (key padding only)
+    valid: Tensor | None
+    #: why a mask that looks like padding is not key padding ('' otherwise)
+    detail: str = ""
+
+    @property
+    def words(self) -> str:
+        """The observed kind as the vocabulary says it (``causal with key padding``)."""
+        base = {
+            MaskKind.NONE: "none",
+            MaskKind.KEY_PADDING: "key padding",
+            MaskKind.BOOLEAN: "boolean mask",
+            MaskKind.ADDITIVE: "additive mask",
+            MaskKind.ANY: "boolean or additive mask",
+        }[self.kind]
+        return f"causal with {base}" if self.causal else base
+
+
+#: A float mask value at or below this masks its key: exp(-10000 + s) underflows
+#: to exactly 0 next to any score within ~9900 of the row's largest (fp32
+#: softmax), so such a bias is padding in all but a fully masked row.
+MASKED_AT = -10000.0
+
+
+def _keep(mask: Tensor) -> Tensor | None:
+    """The boolean "takes part" form of a mask, or ``None`` for a true additive bias.
+
+    A float mask is padding-like when every value is 0 (takes part) or a
+    "masked" value at or below :data:`MASKED_AT` (-inf; transformers writes
+    ``torch.finfo(dtype).min``; diffusers' LTX and older transformers code
+    ``-10000.0``).
+    """
+    if not mask.is_floating_point():
+        return mask.bool()
+    keep = mask == 0
+    masked = mask <= MASKED_AT
+    if not bool((keep | masked).all()):
+        return None
+    return keep
+
+
+def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> ObservedMask:
+    """Classify the mask of one call (SDPA semantics, broadcastable to (B, H, Sq, Skv))."""
+    if mask is None:
+        return ObservedMask(MaskKind.NONE, False, None)
+    view = mask
+    while view.dim() < 4:  # SDPA broadcasting: a 2-D mask is (seq_q, seq_kv)
+        view = view.unsqueeze(0)
+    if view.dim() != 4:
+        return ObservedMask(MaskKind.BOOLEAN, False, None, f"a {mask.dim()}-D mask")
+    keep = _keep(view)
+    if keep is None:
+        return ObservedMask(
+            MaskKind.ADDITIVE,
+            False,
+            None,
+            "a float bias: values other than 0 and masked ones (<= -10000)",
+        )
+    if keep.shape[1] == 1 and keep.shape[2] == 1:  # (B, 1, 1, Skv): padding by its shape
+        return ObservedMask(MaskKind.KEY_PADDING, False, keep[:, 0, 0].expand(batch, seq_kv))
+    keep = keep.expand(batch, keep.shape[1], seq_q, seq_kv)
+    if keep.shape[1] != 1:
+        if not bool((keep == keep[:, :1]).all()):
+            return ObservedMask(MaskKind.BOOLEAN, False, None, "the heads see different keys")
+        keep = keep[:, :1]
+    rows = keep[:, 0]
+    valid = rows.any(dim=1)  # (B, Skv): a key some query sees
+    if seq_q == 1 or bool((rows == valid[:, None, :]).all()):
+        return ObservedMask(MaskKind.KEY_PADDING, False, valid)
+    if seq_q == seq_kv:
+        # self-attention: the padded queries may see nothing (Chroma's
+        # mask[:, None] * mask[:, :, None]), and a causal triangle may be folded in
+        # (transformers' 4-D masks); the unpad route drops padded queries anyway
+        keys = valid[:, None, :]
+        both = keys & valid[:, :, None]
+        tril = rows.new_ones((seq_q, seq_kv)).tril()
+        for pattern, causal in ((both, False), (keys & tril, True), (both & tril, True)):
+            if bool((rows == pattern).all()):
+                return ObservedMask(MaskKind.KEY_PADDING, causal, valid)
+    return ObservedMask(MaskKind.BOOLEAN, False, None, "the queries of a row see different keys")
+
+
+def is_prefix(valid: Tensor) -> bool:
+    """Whether every row's valid keys are a prefix (right padding only).
+
+    What diffusers' dispatcher varlen backends (``flash_varlen``,
+    ``sage_varlen``) assume: they take ``key[b, :valid_len]``. Qwen-Image's
+    joint mask ``[text mask, image all valid]`` is key padding but not a
+    prefix; attnres's own route takes any set of valid keys.
+    """
+    if valid.shape[1] < 2:
+        return True
+    return not bool((valid[:, 1:] & ~valid[:, :-1]).any())
+
+
+class Packing(NamedTuple):
+    """Where the valid tokens of a (batch, seq) layout go when packed."""
+
+    indices: Tensor  # (total,) positions in the flattened (batch * seq)
+    cu_seqlens: Tensor  # (sequences + 1,) int32, contiguous
+    max_seqlen: int
+
+
+class Unpadded(NamedTuple):
+    """Packed tokens and the bookkeeping to put them back."""
+
+    packed: Tensor  # (total, heads, head_size)
+    indices: Tensor  # (total,) positions in the flattened (batch * seq)
+    cu_seqlens: Tensor  # (sequences + 1,) int32, contiguous
+    max_seqlen: int
+
+
+def packing(valid: Tensor) -> Packing:
+    """The packing of a (batch, seq) valid-token mask (computed once per mask)."""
+    import torch
+
+    lengths = valid.sum(dim=1, dtype=torch.int32)
+    # a fully padded row leaves no sequence: no kernel is handed a length of 0
+    lengths = lengths[lengths > 0]
+    indices = valid.reshape(-1).nonzero().reshape(-1)
+    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=valid.device)
+    torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu[1:])
+    return Packing(indices, cu, int(lengths.max()) if lengths.shape[0] else 0)
+
+
+def pack(x: Tensor, where: Packing) -> Tensor:
+    """The valid tokens of ``x`` (batch, seq, heads, head_size), packed."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).index_select(0, where.indices)
+
+
+def unpad(x: Tensor, valid: Tensor) -> Unpadded:
+    """Pack the valid tokens of ``x`` (batch, seq, heads, head_size)."""
+    where = packing(valid)
+    return Unpadded(pack(x, where), where.indices, where.cu_seqlens, where.max_seqlen)
+
+
+def pad(packed: Tensor, indices: Tensor, batch: int, seq: int) -> Tensor:
+    """Scatter packed rows back to (batch, seq, ...), zeros elsewhere."""
+    out = packed.new_zeros((batch * seq, *packed.shape[1:]))
+    out.index_copy_(0, indices, packed)
+    return out.reshape(batch, seq, *packed.shape[1:])
+
+
+def _whole(x: Tensor) -> Unpadded:
+    """Every token of every row, packed (cu_seqlens of equal steps)."""
+    import torch
+
+    batch, seq = x.shape[:2]
+    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=x.device)
+    return Unpadded(x.reshape(batch * seq, *x.shape[2:]), cu[:0], cu, seq)
+
+
+_lock = threading.Lock()
+_VARLEN: dict[str, Any] = {}
+
+
+def get_varlen_kernel(spec: BackendSpec) -> VarlenKernelFn:
+    """The varlen adapter ``spec.varlen_kernel`` names, built once (lazy import)."""
+    path = spec.varlen_kernel
+    if path is None:
+        raise ValueError(f"backend {spec.name!r} has no varlen entry point")
+    with _lock:
+        built = _VARLEN.get(path)
+    if built is not None:
+        fn: VarlenKernelFn = built
+        return fn
+    module, _, factory = path.partition(":")
+    fn = getattr(importlib.import_module(module), factory)()
+    with _lock:
+        _VARLEN.setdefault(path, fn)
+    return fn
+
+
+def clear_varlen_cache() -> None:
+    """Forget the built varlen adapters (tests that swap fake packages)."""
+    with _lock:
+        _VARLEN.clear()
+
+
+on_registry_change(clear_varlen_cache)  # one invalidation: a registry change rebuilds them
+
+
+def padded_kernel(
+    backend: str,
+    dense: KernelFn,
+    varlen: Callable[[], VarlenKernelFn],
+    *,
+    bottom_right: bool = False,
+) -> KernelFn:
+    """``dense`` for calls with no mask; unpad, ``varlen``, pad for key-padding masks.
+
+    ``varlen`` builds the varlen kernel (on the first masked call). Any other
+    mask is a :class:`MaskKindError` naming the observed kind. ``bottom_right``:
+    the layer's causal mask is bottom-right aligned, so a causal call with
+    unequal lengths runs through the varlen kernel (whose causal mask is).
+    """
+    holder: list[VarlenKernelFn] = []
+
+    def kernel() -> VarlenKernelFn:
+        if not holder:
+            holder.append(varlen())
+        return holder[0]
+
+    def attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        causal: bool,
+        scale: float | None,
+        **features: Any,
+    ) -> Tensor:
+        batch, seq_q, heads, size = q.shape
+        seq_kv = k.shape[1]
+        if attn_mask is None:
+            if causal and bottom_right and seq_q != seq_kv and not features:
+                qs, ks, vs = _whole(q), _whole(k), _whole(v)
+                out = kernel()(
+                    qs.packed, ks.packed, vs.packed, qs.cu_seqlens, ks.cu_seqlens,
+                    seq_q, seq_kv, True, scale,
+                )  # fmt: skip
+                return out.reshape(batch, seq_q, heads, size)
+            return dense(q, k, v, None, causal, scale, **features)
+        seen = observe_mask(attn_mask, batch, seq_q, seq_kv)
+        if seen.kind is not MaskKind.KEY_PADDING or seen.valid is None:
+            why = f" ({seen.detail})" if seen.detail else ""
+            raise MaskKindError(
+                f"attention backend {backend!r} takes key-padding masks only (by unpadding "
+                f"for its varlen kernel); this call's mask is {seen.words}{why}. Resolve the "
+                f"layer with the mask kind it passes so that a backend that takes it is chosen",
+                seen.words,
+            )
+        if features:
+            raise MaskKindError(
+                f"attention backend {backend!r}: softcap and sliding windows are not taken "
+                f"together with a key-padding mask on the varlen route",
+                seen.words,
+            )
+        causal = causal or seen.causal
+        valid = seen.valid
+        if causal and seq_q != seq_kv:
+            raise MaskKindError(
+                f"attention backend {backend!r}: causal attention with key padding needs equal "
+                f"query and key lengths on the varlen route (here {seq_q} != {seq_kv})",
+                seen.words,
+            )
+        keys = packing(valid)
+        if keys.max_seqlen == 0:  # every row fully padded
+            return q.new_zeros(q.shape)
+        # self-attention: the queries are padded like the keys; cross-attention:
+        # every query of a row that has a valid key
+        queries = (
+            keys
+            if seq_q == seq_kv
+            else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
+        )
+        out = kernel()(
+            pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens,
+            keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale,
+        )  # fmt: skip
+        return pad(out, queries.indices, batch, seq_q)
+
+    return attention
+
+
+def route_kernel(
+    spec: BackendSpec,
+    dense: KernelFn,
+    mask: MaskKind,
+    alignment: CausalAlignment = CausalAlignment.TOP_LEFT,
+) -> KernelFn:
+    """The kernel a layer of this mask kind runs on ``spec``'s backend.
+
+    ``dense`` itself where the kernel takes the kind natively (or no mask is
+    passed); the unpad route (:func:`padded_kernel`) where the spec takes key
+    padding by unpadding, or the layer's causal mask is bottom-right and the
+    spec has a varlen entry point.
+    """
+    bottom_right = alignment is CausalAlignment.BOTTOM_RIGHT and spec.varlen_kernel is not None
+    unpads = False
+    if mask is MaskKind.KEY_PADDING:
+        support = spec.mask_support(mask)
+        unpads = support is not None and support.route is MaskRoute.UNPAD
+    if not (unpads or bottom_right):
+        return dense
+    return padded_kernel(
+        spec.name, dense, lambda: get_varlen_kernel(spec), bottom_right=bottom_right
+    )

@@ -1,0 +1,117 @@
+"""Text encoders on fast kernels (issue 22): attnres's own attention and mask
+functions in transformers, selected per model, running the decided kernel with
+padding kept. The kernels are the varlen fakes of tests/test_masks.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from test_kernels_fakes import Calls
+from tiny_pipelines import clip_text_encoder, t5_text_encoder
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from attnres import Platform
+from attnres.integrations import _hf_attention
+from attnres.integrations import transformers as itf
+from attnres.layer import SelectionConfig
+
+HOPPER = Platform.simulate("cuda:sm90+flash_attn+sageattention")
+#: the same facts, installable: the stand-in kernels run them on this CPU
+#: (apply refuses a plan made for simulated facts)
+STAND_IN = attrs.evolve(HOPPER, simulated=False)
+SAGE = SelectionConfig(global_backend="sage_attn", global_backend_explicit=True)
+
+
+def _qwen25vl_text() -> Any:
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLTextConfig(
+        hidden_size=64, intermediate_size=37, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=64, bos_token_id=0, eos_token_id=1,
+        rope_scaling={"type": "default", "mrope_section": [2, 3, 3]},
+    )  # fmt: skip
+    return Qwen2_5_VLTextModel(config).eval().to(torch.float16)
+
+
+def _padded(lengths: list[int], seq: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, 60, (len(lengths), seq), generator=gen)
+    positions = torch.arange(seq)
+    counts = torch.tensor(lengths)[:, None]
+    mask = positions >= seq - counts if left else positions < counts
+    return ids, mask.long()
+
+
+def _compare(model: Any, ids: torch.Tensor, mask: torch.Tensor, calls: Calls) -> None:
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        plan = itf.apply(model, "text_encoder", SAGE, STAND_IN)
+        try:
+            assert {s.backend for s in plan.sites} == {"sage_attn"}
+            assert model.config._attn_implementation == _hf_attention.NAME
+            after = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            assert calls.seen, "the sage varlen fake ran"
+        finally:
+            assert itf.remove(model) >= 1
+        assert model.config._attn_implementation == "sdpa"
+        valid = mask.bool()
+        got, want = after[valid].double(), before[valid].double()
+        assert float((got - want).norm() / want.norm()) < 5e-3
+        again = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(again, before)  # remove restored the untouched model
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_qwen25vl_text_encoder_with_padding_runs_sage(varlen_fakes: Calls, left: bool) -> None:
+    _compare(_qwen25vl_text(), *_padded([9, 4, 6], 9, left), varlen_fakes)
+
+
+def test_clip_text_encoder_with_padding_runs_sage(varlen_fakes: Calls) -> None:
+    model, _ = clip_text_encoder(torch.float16)
+    ids, mask = _padded([7, 3], 7, left=False)
+    ids[0, 6] = ids[1, 2] = 1  # the eos token CLIP pools at
+    _compare(model, ids, mask, varlen_fakes)
+
+
+def test_clip_plan_names_causal_with_key_padding() -> None:
+    model, _ = clip_text_encoder(torch.float16)
+    plan = itf.plan(model, "text_encoder", SAGE, HOPPER)
+    assert {s.backend for s in plan.sites} == {"sage_attn"}
+    assert {s.spec.requirements.mask_kind for s in plan.sites} == {"causal with key padding"}
+
+
+def test_t5_keeps_torch_sdpa_naming_the_additive_mask() -> None:
+    model, _ = t5_text_encoder(torch.float16)
+    plan = itf.plan(model, "text_encoder_2", SAGE, HOPPER)
+    assert plan.sites and {s.backend for s in plan.sites} == {"torch_sdpa"}
+    for site in plan.sites:
+        assert site.trace is not None
+        failures = [f.message for r in site.trace.records if r.kind == "check" for f in r.failures]
+        assert any("does not implement additive masks" in m for m in failures), failures
+
+
+def test_selection_is_per_model_never_the_process_default(varlen_fakes: Calls) -> None:
+    applied = _qwen25vl_text()
+    untouched = _qwen25vl_text()
+    itf.apply(applied, "text_encoder", SAGE, STAND_IN)
+    try:
+        assert applied.config._attn_implementation == _hf_attention.NAME
+        assert untouched.config._attn_implementation == "sdpa"
+        assert _hf_attention.NAME in ALL_ATTENTION_FUNCTIONS
+        assert _hf_attention.NAME in ALL_MASK_ATTENTION_FUNCTIONS  # padding never dropped
+    finally:
+        itf.remove(applied)
+    assert not any("_attnres_kernel" in m.__dict__ for m in applied.modules())
+
+
+def test_the_function_refuses_a_module_attnres_did_not_bind() -> None:
+    model = _qwen25vl_text()
+    _hf_attention.register()
+    model.config._attn_implementation_internal = _hf_attention.NAME
+    with pytest.raises(RuntimeError, match="attnres installed no kernel on this module"):
+        model(input_ids=torch.tensor([[3, 4]]))
