@@ -513,3 +513,12 @@ def test_diffusers_context_parallel_sites_are_decided_for_the_layout() -> None:
     strict = governed.plan(components, config, platform=HOPPER)
     errors = [s.error for s in strict.sites if s.component == "transformer"]
     assert errors and all(e and "log-sum-exp" in e for e in errors), errors
+
+
+def test_rule_a_ring_refuses_a_bottom_right_causal_layer() -> None:
+    bottom_right = Requirements(causal=True, causal_alignment="bottom_right")
+    spec = _spec(SequenceLayout(1, 2), requirements=bottom_right, role="cross")
+    (failure,) = _layout_failures("eager", spec, HOPPER)
+    assert failure.code is Code.LAYOUT_UNSUPPORTED and "bottom_right" in failure.message
+    ulysses = _spec(SequenceLayout(2, 1), requirements=bottom_right, role="cross")
+    assert _layout_failures("eager", ulysses, HOPPER) == ()  # each rank sees it all

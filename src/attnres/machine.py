@@ -883,6 +883,15 @@ def _check_layout(
                 f"one: {', '.join(n for n in lse_kernel_names() if lse_has_gradient(n))})",
             )
         )
+    bottom_right = needed.causal_alignment is not CausalAlignment.TOP_LEFT
+    if needed.causal and bottom_right and layout.ring > 1:
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"the layer requires a {needed.causal_alignment.value} causal mask; the blocks of "
+                f"ring={layout.ring} are merged with a top-left one",
+            )
+        )
     if needed.sliding_window and layout.ring > 1:
         out.append(
             Failure(
