@@ -59,6 +59,7 @@ from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specia
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
 from attnres.machine import backward_everywhere, has_backward_pass, training_spec
+from attnres.parallel import SequenceParallel
 from attnres.platform import Platform
 from attnres.runtime import Resolution, bind_pending, capture_config, lookup, rejection
 from attnres.scope import ScopeHandle, ScopeState, current_handle
@@ -325,6 +326,7 @@ class Attention(FastCallModule):
         window: tuple[int | None, int | None] | None = None,
         preferred: Any = None,
         required: Backend | str | None = None,
+        parallel: SequenceParallel | None = None,
     ) -> None:
         super().__init__()
         num_heads = _positive_int("num_heads", num_heads)
@@ -378,6 +380,15 @@ class Attention(FastCallModule):
         if preferred is not None or required is not None:
             # issue 23: LayerSpec.preferred / .required (docs/selection-contract.md)
             spec = attrs.evolve(spec, preferred=preferred, required=required)
+        # issue 24: a sequence-parallel layout is part of what the layer resolves for
+        # (LayerSpec.layout: the machine's layout check); forward runs it (attnres.parallel)
+        if parallel is not None:
+            if not isinstance(parallel, SequenceParallel):
+                raise TypeError(
+                    f"parallel: expected an attnres.SequenceParallel or None, got "
+                    f"{type(parallel).__name__}"
+                )
+            spec = attrs.evolve(spec, layout=parallel.layout(num_heads, kv_heads))
         if platform is not None and not isinstance(platform, Platform):
             raise TypeError(
                 f"platform: expected an attnres.Platform (Platform.detect() or "
@@ -394,7 +405,7 @@ class Attention(FastCallModule):
             None if backend is None else optional_backend("backend")(backend),
         )
         shape = _LayerShape(
-            num_heads, kv_heads, head_size, causal, scale, "", spec.dtype, cap, band
+            num_heads, kv_heads, head_size, causal, scale, "", spec.dtype, cap, band, parallel
         )
         # Plain attributes, set without nn.Module.__setattr__'s parameter/module
         # bookkeeping (none of them is a tensor or a module).
@@ -550,7 +561,8 @@ class Attention(FastCallModule):
         if resolution is None or spec.requirements.backward:
             return run
         facts = lookup_spec(resolution.backend)
-        if facts is not None and backward_everywhere(facts):
+        # issue 24: under a layout a ring's lse may carry no gradient (the layout check)
+        if facts is not None and backward_everywhere(facts) and spec.layout is None:
             return run  # a backward pass everywhere (torch_sdpa, eager, ...): no check
         platform = resolution.trace.input.platform
         # only the requirements check can differ from the inference decision's
@@ -976,6 +988,7 @@ class _LayerShape(NamedTuple):
     dtype: str  # the dtype the layer was resolved for
     softcap: float = 0.0  # 0: none
     window: tuple[int, int] | None = None  # (left, right), -1 unbounded
+    parallel: SequenceParallel | None = None  # issue 24: the sequence-parallel layout
 
 
 def _make_run(
@@ -1002,6 +1015,8 @@ def _make_run(
 def _new_run(
     shape: _LayerShape, kernel: KernelFn, dtypes: frozenset[torch.dtype]
 ) -> Callable[..., Tensor]:
+    if shape.parallel is not None:  # issue 24: collectives around a per-rank local run
+        return shape.parallel.make_run(shape, kernel, dtypes, _new_run)
     heads_q, heads_kv, head_size, causal, scale = shape[:5]
     call = specialized(
         kernel, causal, scale, heads_q != heads_kv, softcap=shape.softcap, window=shape.window
