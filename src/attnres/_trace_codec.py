@@ -628,9 +628,7 @@ def _layout(value: Any) -> SequenceLayout:
     obj = _object(value, "a layout")
     _exact_keys(obj, _LAYOUT_KEYS, "a layout")
     degrees = {key: _field(obj, key, _head_size) for key in ("ulysses", "ring")}
-    heads = {
-        key: _field(obj, key, _optional(_head_size)) for key in ("num_heads", "num_kv_heads")
-    }
+    heads = {key: _field(obj, key, _optional(_head_size)) for key in ("num_heads", "num_kv_heads")}
     return SequenceLayout(**degrees, **heads)
 
 

@@ -551,7 +551,6 @@ _HOPPER = CapabilityRule(exact={(9, 0)})
 _WINDOW = R.SLIDING_WINDOW
 
 
-
 def _native_masks(source: str) -> tuple[MaskSupport, ...]:
     """Key padding, boolean and additive masks, all taken as the kernel's mask argument."""
     kinds = (MaskKind.KEY_PADDING, MaskKind.BOOLEAN, MaskKind.ADDITIVE)

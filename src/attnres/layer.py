@@ -245,8 +245,10 @@ class Requirements:
         }[self.mask]
         if not self.causal:
             return kind or "none"
-        causal = "causal" if self.causal_alignment is CausalAlignment.TOP_LEFT else (
-            "causal (bottom-right)"
+        causal = (
+            "causal"
+            if self.causal_alignment is CausalAlignment.TOP_LEFT
+            else ("causal (bottom-right)")
         )
         return f"{causal} with {kind}" if kind else causal
 
@@ -355,8 +357,10 @@ class LayerSpec:
 
     def __attrs_post_init__(self) -> None:
         supported = self.supported
-        if supported is not None and self.preferred is not None and not (
-            self.preferred <= supported
+        if (
+            supported is not None
+            and self.preferred is not None
+            and not (self.preferred <= supported)
         ):
             extra = sorted(b.name for b in self.preferred - supported)
             raise ValueError(

@@ -267,8 +267,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         # issue 24: the model runs under diffusers' context parallelism: its sites are
         # decided for that layout (a ring needs a kernel that returns the lse)
         out = [
-            attrs.evolve(d, layout=context_parallel_layout(model, d.heads, d.kv_heads))
-            for d in out
+            attrs.evolve(d, layout=context_parallel_layout(model, d.heads, d.kv_heads)) for d in out
         ]
     return out
 
