@@ -767,6 +767,17 @@ CASES: list[Case] = [
          "--dtype: the dtype for every component was given twice (float16 and bfloat16)",
          argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),
                "--dtype", "fp16", "--dtype", "bf16")),
+    # issue 21: the flags a folder refuses, in the one error format (FILE: WHERE: MESSAGE)
+    Case("cli-component-on-a-pipeline-folder", 2,
+         "flux.1-dev: --component vae: it is a pipeline folder, whose model_index.json names "
+         "its components",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),
+               "--platform", "cpu", "--component", "vae")),
+    Case("cli-dtype-for-a-component-the-folder-lacks", 2,
+         "flux.1-dev: --dtype vea=...: no model component 'vea'; its components: text_encoder, "
+         "text_encoder_2, transformer, vae",
+         argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),
+               "--platform", "cpu", "--dtype", "vea=fp16")),
     Case("cli-plan-dir-trace-out-under-a-file", 2,
          "test_bad_inputs.py/traces': not a directory: '",
          argv=("plan", str(Path(__file__).parents[1] / "examples" / "flux.1-dev"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from attnres import _codec, plan
@@ -54,9 +56,10 @@ def test_bool_is_never_an_integer_for_either_loader() -> None:
     assert _codec.closest_key("head_sise", plan._LAYER_KEYS) == "head_size"
 
 
-def test_the_trace_and_pipeline_loaders_share_one_error_format() -> None:
-    """FILE: WHERE: MESSAGE on one line, for a JSON trace (where = the JSON path) and
-    a TOML pipeline (where = component and layer): both come from _codec.located."""
+def test_the_trace_pipeline_and_folder_loaders_share_one_error_format(tmp_path: Path) -> None:
+    """FILE: WHERE: MESSAGE on one line, for a JSON trace (where = the JSON path), a
+    TOML pipeline (where = component and layer) and a model folder (where = the
+    component key, the config key, the tensor): all come from _codec.located."""
     import json
 
     from attnres.errors import TraceFormatError
@@ -71,6 +74,27 @@ def test_the_trace_and_pipeline_loaders_share_one_error_format() -> None:
     with pytest.raises(PipelineError) as plan_err:
         parse_pipeline({"components": [{"name": "tr", "layers": [layer]}]}, source="p.toml")
     assert str(plan_err.value).startswith("p.toml: component 'tr' (components[0]): layer 'attn'")
+    from attnres.integrations import FolderBuildError, plan_folder
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"vae": ["diffusers"]}))
+    with pytest.raises(FolderBuildError) as folder_err:
+        plan_folder(tmp_path)
+    index = str(tmp_path / "model_index.json")
+    assert folder_err.value.path == index and folder_err.value.where == "'vae'"
+    assert str(folder_err.value) == _codec.located(
+        index,
+        "'vae'",
+        message="expected [LIBRARY, CLASS] (two strings, or [null, null] for an absent "
+        'component), got ["diffusers"]',
+    )
+    # a folder error with no place inside the file: FILE: MESSAGE, where is None
+    (tmp_path / "model_index.json").write_text("[]")
+    with pytest.raises(FolderBuildError) as whole_file:
+        plan_folder(tmp_path)
+    assert whole_file.value.where is None
+    assert str(whole_file.value) == (
+        f"{index}: not a valid model_index.json: expected a JSON object, got a list"
+    )
     # located joins the parts and keeps the message on one line
     assert _codec.located("f", "$.a", message="bad\n  value") == "f: $.a: bad value"
 
@@ -80,7 +104,6 @@ def test_a_trace_error_names_the_json_path_through_keys_lists_and_odd_keys() -> 
     detailed validation does; transform_error writes the path)."""
     import copy
     import json
-    from pathlib import Path
 
     from attnres.errors import TraceFormatError
     from attnres.trace import trace_from_dict

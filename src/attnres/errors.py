@@ -149,7 +149,17 @@ class PipelineError(AttnresError, ValueError):
 class FolderBuildError(AttnresError, ValueError):
     """A model folder's component cannot be planned (``attnres plan DIR``): a file
     that cannot be read, a key that is not a name, a config value out of bounds,
-    or a model diffusers/transformers cannot build from it (issue 20)."""
+    or a model diffusers/transformers cannot build from it (issue 20).
+
+    The message is in the one format of every loader (``FILE: WHERE: MESSAGE``,
+    issue 21); ``path`` holds the file (or folder) and ``where`` the place in it
+    (a component, a config key, a tensor), ``None`` when the file is the place.
+    """
+
+    def __init__(self, message: str, path: str | None = None, where: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.where = where
 
 
 class IntegrationError(AttnresError, ValueError):

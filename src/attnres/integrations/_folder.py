@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 from attnres import _files
+from attnres._codec import located
 from attnres._vocab import normalize_component, normalize_dtype
 from attnres.integrations import _untrusted
 from attnres.integrations._plan import DtypeChoice, IntegrationPlan, plan_sites
@@ -135,8 +136,11 @@ def plan_folder(
     if os.path.lexists(index):
         if component is not None:
             raise ValueError(
-                f"--component {component}: {folder} is a pipeline folder, whose "
-                f"model_index.json names its components"
+                located(
+                    str(folder),
+                    f"--component {component}",
+                    message="it is a pipeline folder, whose model_index.json names its components",
+                )
             )
         title, found, skipped = _untrusted.read_pipeline_index(folder, index)
     elif os.path.lexists(folder / "config.json"):
@@ -144,15 +148,22 @@ def plan_folder(
         found = [part]
     else:
         raise ValueError(
-            f"{folder}: neither a diffusers pipeline folder (model_index.json) nor a "
-            f"transformers or diffusers model folder (config.json)"
+            located(
+                str(folder),
+                message="neither a diffusers pipeline folder (model_index.json) nor a "
+                "transformers or diffusers model folder (config.json)",
+            )
         )
     parts = [(p.name, p.library, p.cls.__name__) for p in found]
     unknown = sorted(set(args.per) - {normalize_component(p[0]) for p in parts})
     if unknown:
         raise ValueError(
-            f"--dtype {unknown[0]}=...: {folder} has no model component "
-            f"{unknown[0]!r}; its components: {', '.join(p[0] for p in parts)}"
+            located(
+                str(folder),
+                f"--dtype {unknown[0]}=...",
+                message=f"no model component {unknown[0]!r}; its components: "
+                f"{', '.join(p[0] for p in parts)}",
+            )
         )
     models: dict[str, Any] = {}
     choices: dict[str, DtypeChoice] = {}

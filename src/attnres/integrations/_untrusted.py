@@ -20,6 +20,10 @@ or transformers. Building a third-party model from a config is untrusted work:
    (:class:`FolderBuildError`, a ``ValueError``) naming the component, the
    class and the file, in one line (C++ stack frames dropped).
 
+Every error here is in the one format of every loader (:func:`_fail`, issue 21):
+``FILE: WHERE: MESSAGE``, as a trace names its JSON path and a pipeline file its
+component and layer.
+
 The dtype a component's weights are stored in is read from the safetensors
 headers of the files ``from_pretrained`` would load (:func:`dtype_from_weights`):
 the default files, not the ``*.fp16.safetensors`` variants beside them.
@@ -36,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from attnres._codec import located
 from attnres._files import read_json, read_safetensors_header
 from attnres.errors import FolderBuildError
 from attnres.layer import MAX_HEAD_SIZE
@@ -82,6 +87,17 @@ _HEAD_KEY = re.compile(r"(^|_)heads?($|_)|^n_head")
 _HEAD_SIZE_KEY = re.compile(r"^(head_dim|d_kv|attention_head_dim|kv_channels|head_size)$")
 
 
+def _fail(source: object, *where: str, message: str) -> FolderBuildError:
+    """The folder loader's error: ``source`` (the file, the folder, or the flag
+    that names the component), where in it, and the message, in the one format
+    of every loader (:func:`attnres._codec.located`)."""
+    return FolderBuildError(
+        located(str(source), *where, message=message),
+        path=str(source),
+        where=": ".join(where) or None,
+    )
+
+
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """``Type: first line of the message``, without C++ stack frames, at most ``limit``."""
     text = str(exc).strip()
@@ -93,13 +109,15 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def check_component_key(key: object, where: str) -> str:
-    """``key`` if it names a component: a name, never a path (no ``/``, no ``..``)."""
+    """``key`` if it names a component: a name, never a path (no ``/``, no ``..``);
+    ``where`` is the file that names it, or the flag (``--component``)."""
     if not isinstance(key, str) or not _KEY_RE.match(key) or key.strip(".") == "":
         shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:57] + "..."
-        raise FolderBuildError(
-            f"{where}: {shown} is not a component name (letters, digits, '_', '-', '.', at "
+        raise _fail(
+            where,
+            message=f"{shown} is not a component name (letters, digits, '_', '-', '.', at "
             f"most 100 characters, not starting with '.' or '-'); a component key names a "
-            f"sub-folder of the pipeline folder, never a path"
+            f"sub-folder of the pipeline folder, never a path",
         )
     return key
 
@@ -125,36 +143,44 @@ def check_config(config: Mapping[str, Any], where: str) -> None:
             continue
         if isinstance(value, int):
             if abs(value) > MAX_CONFIG_INT:
-                raise FolderBuildError(
-                    f"{where}: {path}: {value} is out of bounds (a config value is at most "
-                    f"{MAX_CONFIG_INT}, attnres.integrations._untrusted.MAX_CONFIG_INT)"
+                raise _fail(
+                    where,
+                    path,
+                    message=f"{value} is out of bounds (a config value is at most "
+                    f"{MAX_CONFIG_INT}, attnres.integrations._untrusted.MAX_CONFIG_INT)",
                 )
             bound = _bound(key, value)
             if bound is not None and not bound[0] <= value <= bound[1]:
                 low, high, what = bound
-                raise FolderBuildError(
-                    f"{where}: {path}: {value} is out of bounds for {what}: attnres plans "
-                    f"{low} to {high}"
+                raise _fail(
+                    where,
+                    path,
+                    message=f"{value} is out of bounds for {what}: attnres plans {low} to {high}",
                 )
         elif isinstance(value, float):
             if not math.isfinite(value):  # parse_json refuses these; a dict passed in may not
-                raise FolderBuildError(f"{where}: {path}: {value} is not a finite number")
+                raise _fail(where, path, message=f"{value} is not a finite number")
         elif isinstance(value, str):
             if len(value) > MAX_CONFIG_ITEMS:
-                raise FolderBuildError(
-                    f"{where}: {path}: a string of {len(value)} characters (at most "
-                    f"{MAX_CONFIG_ITEMS})"
+                raise _fail(
+                    where,
+                    path,
+                    message=f"a string of {len(value)} characters (at most {MAX_CONFIG_ITEMS})",
                 )
         elif isinstance(value, list | tuple):
             if len(value) > MAX_CONFIG_ITEMS:
-                raise FolderBuildError(
-                    f"{where}: {path}: a list of {len(value)} items (at most {MAX_CONFIG_ITEMS})"
+                raise _fail(
+                    where,
+                    path,
+                    message=f"a list of {len(value)} items (at most {MAX_CONFIG_ITEMS})",
                 )
             stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
         elif isinstance(value, dict):
             if len(value) > MAX_CONFIG_ITEMS:
-                raise FolderBuildError(
-                    f"{where}: {path}: an object of {len(value)} keys (at most {MAX_CONFIG_ITEMS})"
+                raise _fail(
+                    where,
+                    path,
+                    message=f"an object of {len(value)} keys (at most {MAX_CONFIG_ITEMS})",
                 )
             stack.extend((f"{path}.{k}", v) for k, v in value.items())
 
@@ -226,9 +252,10 @@ def build_under_budget(
     except FolderBuildError:
         raise
     except BaseException as exc:  # third-party code on hostile input: anything at all
-        raise FolderBuildError(
-            f"{where}: cannot build {class_name} for component {component!r} from this "
-            f"config: {one_line(exc)}"
+        raise _fail(
+            where,
+            message=f"cannot build {class_name} for component {component!r} from this "
+            f"config: {one_line(exc)}",
         ) from None
     finally:
         torch.set_grad_enabled(grad)
@@ -255,12 +282,13 @@ def _is_variant(path: Path) -> bool:
     return "." in path.name[: -len(".safetensors")]
 
 
-def _elements(shape: Any, where: str) -> int:
+def _elements(shape: Any, path: Path, tensor: str) -> int:
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_CONFIG_INT for d in shape
     ):
-        raise FolderBuildError(
-            f"{where}: shape must be a list of non-negative integers, got {shape!r}"[:300]
+        shown = repr(shape) if len(repr(shape)) <= 80 else repr(shape)[:77] + "..."
+        raise _fail(
+            path, tensor, message=f"shape must be a list of non-negative integers, got {shown}"
         )
     return math.prod(shape)
 
@@ -276,7 +304,7 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
     try:
         every = sorted(p for p in folder.glob("*.safetensors"))
     except OSError as exc:
-        raise FolderBuildError(f"{folder}: cannot list its files: {exc.strerror or exc}") from None
+        raise _fail(folder, message=f"cannot list its files: {exc.strerror or exc}") from None
     if not every:
         return None, None
     default = [p for p in every if not _is_variant(p)]
@@ -296,16 +324,16 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
         try:
             header = read_safetensors_header(path)
         except OSError as exc:
-            raise FolderBuildError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+            raise _fail(path, message=f"cannot read it: {exc.strerror or exc}") from None
         except ValueError as exc:
-            raise FolderBuildError(f"{path}: not a safetensors file: {exc}") from None
+            raise _fail(path, message=f"not a safetensors file: {exc}") from None
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
-            where = f"{path}: tensor {key[:80]!r}"
+            tensor = f"tensor {key[:80]!r}"
             if not isinstance(entry, dict):
-                raise FolderBuildError(f"{where}: expected an object with dtype and shape")
-            elements = _elements(entry.get("shape"), where)
+                raise _fail(path, tensor, message="expected an object with dtype and shape")
+            elements = _elements(entry.get("shape"), path, tensor)
             name = _SAFETENSORS_DTYPES.get(str(entry.get("dtype")), "")
             if name is None:
                 storage_only += elements
@@ -336,12 +364,12 @@ def read_config(path: Path, what: str = "config file") -> dict[str, Any]:
     try:
         doc = read_json(path, what=what)
     except OSError as exc:
-        raise FolderBuildError(f"{path}: cannot read the {what}: {exc.strerror or exc}") from None
+        raise _fail(path, message=f"cannot read the {what}: {exc.strerror or exc}") from None
     except ValueError as exc:
-        raise FolderBuildError(f"{path}: not a valid {what}: {exc}") from None
+        raise _fail(path, message=f"not a valid {what}: {exc}") from None
     if not isinstance(doc, dict):
-        raise FolderBuildError(
-            f"{path}: not a valid {what}: expected a JSON object, got a {type(doc).__name__}"
+        raise _fail(
+            path, message=f"not a valid {what}: expected a JSON object, got a {type(doc).__name__}"
         )
     return doc
 
@@ -352,39 +380,38 @@ def _import(library: str, component: str, class_name: str, where: str) -> Any:
     try:
         return importlib.import_module(library)
     except ImportError as exc:
-        raise FolderBuildError(
-            f"{where}: component {component!r} is a {library} {class_name}; planning it "
-            f"needs {library}, which does not import here ({one_line(exc)}); install it "
-            f"with: pip install 'attnres[{library}]'"
+        raise _fail(
+            where,
+            message=f"component {component!r} is a {library} {class_name}; planning it needs "
+            f"{library}, which does not import here ({one_line(exc)}); install it with: "
+            f"pip install 'attnres[{library}]'",
         ) from None
 
 
 def model_class(library: str, class_name: object, component: str, where: str) -> type | None:
     """The model class ``library.class_name``, or ``None`` when it is exported but
     is not a model (a tokenizer, a scheduler, a feature extractor)."""
+    named = f"component {component!r}"
     if not isinstance(class_name, str) or not _CLASS_RE.match(class_name):
-        raise FolderBuildError(
-            f"{where}: component {component!r}: {str(class_name)[:80]!r} is not a class name"
-        )
+        raise _fail(where, named, message=f"{str(class_name)[:80]!r} is not a class name")
     module = _import(library, component, class_name, where)
     base = module.ModelMixin if library == "diffusers" else module.PreTrainedModel
     try:
         cls = getattr(module, class_name, None)
     except Exception as exc:  # a lazy module that fails to import the class
-        raise FolderBuildError(
-            f"{where}: component {component!r}: {library}.{class_name} does not import: "
-            f"{one_line(exc)}"
+        raise _fail(
+            where, named, message=f"{library}.{class_name} does not import: {one_line(exc)}"
         ) from None
     if not isinstance(cls, type):
-        raise FolderBuildError(
-            f"{where}: component {component!r}: {library} has no class {class_name!r}"
-        )
+        raise _fail(where, named, message=f"{library} has no class {class_name!r}")
     if not issubclass(cls, base):
         return None
     if cls is base or cls.__name__ in ("ModelMixin", "PreTrainedModel"):
-        raise FolderBuildError(
-            f"{where}: component {component!r}: {class_name} is the base class of every "
-            f"{library} model, not a model; name the model's own class"
+        raise _fail(
+            where,
+            named,
+            message=f"{class_name} is the base class of every {library} model, not a model; "
+            f"name the model's own class",
         )
     return cls
 
@@ -417,16 +444,17 @@ def read_pipeline_index(
         if isinstance(key, str) and key.startswith("_"):
             continue  # _class_name, _diffusers_version, _name_or_path: not components
         name = check_component_key(key, str(index))
-        where = f"{index}: {name!r}"
         if isinstance(value, list) and len(value) == 2 and value[0] is None and value[1] is None:
             skipped.append((name, "absent: null in model_index.json"))
             continue
         if not (
             isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
         ):
-            raise FolderBuildError(
-                f"{where}: expected [LIBRARY, CLASS] (two strings, or [null, null] for an "
-                f"absent component), got {json_preview(value)}"
+            raise _fail(
+                index,
+                repr(name),
+                message="expected [LIBRARY, CLASS] (two strings, or [null, null] for an "
+                f"absent component), got {json_preview(value)}",
             )
         library, class_name = value
         if library not in _LIBRARIES:
@@ -445,10 +473,11 @@ def read_pipeline_index(
         config = read_config(sub / "config.json")
         parts.append(FolderPart(name, library, cls, sub, config, str(sub / "config.json")))
     if not parts:
-        raise FolderBuildError(
-            f"{index}: no model component to plan (a pipeline lists its models as "
-            f'"name": ["diffusers" or "transformers", "ClassName"])'
-            + (f"; skipped: {', '.join(n for n, _ in skipped)}" if skipped else "")
+        raise _fail(
+            index,
+            message="no model component to plan (a pipeline lists its models as "
+            '"name": ["diffusers" or "transformers", "ClassName"])'
+            + (f"; skipped: {', '.join(n for n, _ in skipped)}" if skipped else ""),
         )
     return title, parts, skipped
 
@@ -479,16 +508,17 @@ def read_model_folder(
     else:
         archs = config.get("architectures")
         if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
-            raise FolderBuildError(
-                f"{where}: neither a transformers model config (no 'architectures' entry "
-                f"naming the model class) nor a diffusers model config (no '_class_name' "
-                f"and '_diffusers_version')"
+            raise _fail(
+                where,
+                message="neither a transformers model config (no 'architectures' entry "
+                "naming the model class) nor a diffusers model config (no '_class_name' "
+                "and '_diffusers_version')",
             )
         library, class_name = "transformers", archs[0]
     label = component or "the model"
     cls = model_class(library, class_name, label, where)
     if cls is None:
-        raise FolderBuildError(f"{where}: {library}.{class_name} is not a model class")
+        raise _fail(where, message=f"{library}.{class_name} is not a model class")
     if component is None:
         component = _component_from(library, cls, config, folder, where)
     name = check_component_key(component, "--component")
@@ -511,8 +541,8 @@ def _component_from(
         name = folder.resolve().name
         if _KEY_RE.match(name) and not re.fullmatch(r"[0-9a-f]{16,}", name):
             return name
-    raise FolderBuildError(
-        f"{where}: cannot tell which component this model is; name it with --component NAME"
+    raise _fail(
+        where, message="cannot tell which component this model is; name it with --component NAME"
     )
 
 
@@ -551,7 +581,7 @@ def naming_the_component(
             try:
                 plan_one(part)
             except ValueError:
-                raise FolderBuildError(
-                    f"{part.where}: component {part.name!r} ({part.cls.__name__}): {exc}"
+                raise _fail(
+                    part.where, f"component {part.name!r} ({part.cls.__name__})", message=str(exc)
                 ) from None
         raise
