@@ -34,8 +34,11 @@ def rank_main() -> None:
         out = attn(sp.shard(q), sp.shard(k), sp.shard(v))  # 501 tokens on rank 0, 500 on 1
         error = (sp.gather(out) - expected).abs().max().item()
         assert error < 1e-4, error
-        print(f"rank {rank} {layout}: {attn.backend.name}, {out.shape[1]} tokens, "
-              f"max error {error:.1e}")  # fmt: skip
+        # one write per line: both ranks share the launcher's stdout, and print()
+        # writes the text and its newline separately (they can interleave)
+        sys.stdout.write(f"rank {rank} {layout}: {attn.backend.name}, {out.shape[1]} tokens, "
+                         f"max error {error:.1e}\n")  # fmt: skip
+        sys.stdout.flush()
     dist.destroy_process_group()
 
 
