@@ -25,7 +25,7 @@ from attnres._vocab import (
     normalize_component,
     normalize_dtype,
 )
-from attnres.backends import Backend
+from attnres.backends import Backend, BackendOptions, normalize_backend_options
 from attnres.errors import UnknownBackendError
 
 __all__ = ["ENV_VAR", "LayerSpec", "Requirements", "Role", "SelectionConfig", "split_component_key"]
@@ -244,8 +244,10 @@ class Requirements:
         }[self.mask]
         if not self.causal:
             return kind or "none"
-        causal = "causal" if self.causal_alignment is CausalAlignment.TOP_LEFT else (
-            "causal (bottom-right)"
+        causal = (
+            "causal"
+            if self.causal_alignment is CausalAlignment.TOP_LEFT
+            else ("causal (bottom-right)")
         )
         return f"{causal} with {kind}" if kind else causal
 
@@ -341,11 +343,21 @@ class LayerSpec:
     required: Backend | None = field(
         default=None, converter=_default_backend, kw_only=True, metadata={"omit_default": True}
     )
+    #: issue 23: typed options of the kernels this layer may run, per backend
+    #: (``BackendSpec.options``), checked when given: ``((backend, ((option,
+    #: value), ...)), ...)``. They do not change the decision; the adapter gets
+    #: the served backend's options at bind time. Written only when set.
+    backend_options: BackendOptions = field(
+        default=(), converter=normalize_backend_options, kw_only=True,
+        metadata={"omit_default": True},
+    )  # fmt: skip
 
     def __attrs_post_init__(self) -> None:
         supported = self.supported
-        if supported is not None and self.preferred is not None and not (
-            self.preferred <= supported
+        if (
+            supported is not None
+            and self.preferred is not None
+            and not (self.preferred <= supported)
         ):
             extra = sorted(b.name for b in self.preferred - supported)
             raise ValueError(
@@ -507,6 +519,14 @@ class SelectionConfig:
     # leaves them out (a tuned trace records them in its tuning record), so
     # they are marked ``trace=False`` for the codec's field lists.
     #: measure automatic decisions on their first large forward (docs/selection-contract.md)
+    #: issue 23: per-backend kernel options for every layer built under this
+    #: config (``{"fa": {"deterministic": True}}``); a layer's own
+    #: ``backend_options`` win option by option. Each layer records the merged
+    #: options in its trace input (LayerSpec.backend_options), so the config
+    #: does not write them.
+    backend_options: BackendOptions = field(
+        default=(), converter=normalize_backend_options, kw_only=True, metadata=_NOT_IN_TRACE
+    )
     autotune: bool = field(default=False, validator=_is_bool, metadata=_NOT_IN_TRACE)
     #: a forward whose query holds fewer elements stays on the incumbent (the
     #: tuner stays armed); SGLang's multimodal tuner waits for 4 Mi elements too

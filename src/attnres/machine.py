@@ -464,8 +464,7 @@ def detect_origin(inp: TraceInput) -> DetectedOrigin:
             found.origin,
             found.backend,
             found.strict,
-            found.detail
-            + f"; outside the layer's preferred set {_names(preferred)}, admitted by "
+            found.detail + f"; outside the layer's preferred set {_names(preferred)}, admitted by "
             f"its supported set when every check passes",
         )
     return found
@@ -820,8 +819,10 @@ def _check_mask_kind(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
                 f"{req.mask_kind}; it takes {', '.join(takes) or 'no mask at all'})",
             )
         )
-    if req.causal and req.causal_alignment is CausalAlignment.BOTTOM_RIGHT and (
-        layer.role is Role.CROSS
+    if (
+        req.causal
+        and req.causal_alignment is CausalAlignment.BOTTOM_RIGHT
+        and (layer.role is Role.CROSS)
     ):
         if spec.causal_top_left or Requirement.CAUSAL not in spec.implements:
             out.append(
