@@ -157,3 +157,56 @@ def test_layers_differing_only_in_backend_options_do_not_share_a_resolution() ->
     variant = attrs.evolve(base, backend_options=DETERMINISTIC)
     args = (None, None, None, None, None, False)
     assert runtime._shape_key(base, *args) != runtime._shape_key(variant, *args)
+
+
+def _explain(*flags: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from attnres import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    args = [
+        "explain",
+        "--head-size",
+        "128",
+        "--dtype",
+        "bf16",
+        "--platform",
+        "cuda:sm90+flash_attn",
+    ]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([*args, *flags])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_rule_backend_options_cli_flag_types_values_and_records_them() -> None:
+    code, out, _ = _explain("--backend-option", "fa.deterministic=true", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["backend"] == "fa"
+    assert doc["trace"]["input"]["layer"]["backend_options"] == {"fa": {"deterministic": True}}
+    code, out, _ = _explain(
+        "--backend-option", "fa3.pack_gqa=none", "--backend-option", "fa3.deterministic=False",
+        "--json",
+    )  # fmt: skip
+    assert code == 0
+    assert json.loads(out)["trace"]["input"]["layer"]["backend_options"] == {
+        "fa3": {"deterministic": False, "pack_gqa": None}
+    }
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        ("fa.determinstic=true", "did you mean 'deterministic'"),
+        ("fa.deterministic=maybe", "fa.deterministic='maybe' is not allowed; expected a bool"),
+        ("fadeterministic", "expected BACKEND.OPTION=VALUE"),
+        ("flash.deterministic=true", "Did you mean 'fa'"),
+    ],
+)
+def test_rule_backend_options_cli_mistakes_are_usage_errors(flag: str, expected: str) -> None:
+    code, _, err = _explain("--backend-option", flag)
+    assert code == 2
+    assert "--backend-option:" in err and expected in " ".join(err.split())
+    assert "Traceback" not in err

@@ -48,6 +48,7 @@ __all__ = [
     "get_spec",
     "merge_backend_options",
     "normalize_backend_options",
+    "parse_backend_option",
     "plugin_failures",
     "register_backend",
     "registered_backends",
@@ -1354,3 +1355,35 @@ def merge_backend_options(base: BackendOptions, over: BackendOptions) -> Backend
     for backend, pairs in over:
         merged.setdefault(backend, {}).update(pairs)
     return tuple(sorted((b, tuple(sorted(p.items()))) for b, p in merged.items()))
+
+
+_TEXT_VALUES: dict[str, OptionValue] = {"true": True, "false": False, "none": None}
+
+
+def parse_backend_option(text: str) -> tuple[str, str, OptionValue]:
+    """``"BACKEND.OPTION=VALUE"`` (the CLI's ``--backend-option``) as typed data.
+
+    The value is read as the declared option's kind (``true``/``false`` for a
+    bool, an integer for an int, ``none`` where the option takes ``None``) and
+    then checked like any other (:func:`normalize_backend_options`).
+    """
+    key, sep, raw = (part.strip() for part in text.partition("="))
+    backend_name, dot, name = key.partition(".")
+    if not sep or not dot or not backend_name or not name:
+        raise BackendOptionError(
+            f"backend option: expected BACKEND.OPTION=VALUE (fa.deterministic=true), got {text!r}",
+            backend_name,
+            name,
+        )
+    spec = get_spec(Backend.parse(backend_name))
+    option = next((o for o in spec.options if o.name == name), None)
+    value: object = raw
+    if option is not None and raw.lower() in _TEXT_VALUES and option.kind == "bool":
+        value = _TEXT_VALUES[raw.lower()]
+    elif option is not None and raw.lower() == "none" and option.nullable:
+        value = None
+    elif option is not None and option.kind == "int":
+        with contextlib.suppress(ValueError):
+            value = int(raw)
+    checked = normalize_backend_options({spec.name: {name: value}})
+    return spec.name, name, checked[0][1][0][1]
