@@ -21,6 +21,7 @@ def render() -> str:
     from attnres._states import State
     from attnres.machine import (
         CHECK_ORDER,
+        LAYOUT_CHECK_ORDER,
         REQUEST_FAILURE_GUARDS,
         REQUEST_RULES,
         SCOPE_CHECKS,
@@ -77,6 +78,14 @@ def render() -> str:
         "Every candidate runs every check; each failure is recorded with a code and a message.",
         "",
         *[f"{i}. `{c.value}`" for i, c in enumerate(CHECK_ORDER, 1)],
+        "",
+        "A layer with a sequence-parallel layout (docs/sequence-parallel.md) runs, after them:",
+        "",
+        *[
+            f"{i}. `{c.value}`"
+            for i, c in enumerate(LAYOUT_CHECK_ORDER, 1)
+            if c not in CHECK_ORDER
+        ],
         "",
         "### The `supported` check",
         "",

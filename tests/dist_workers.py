@@ -87,6 +87,43 @@ def _write(path: Path, result: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def join_group(rank: int, world_size: int, directory: Path, timeout_s: float = 30.0) -> None:
+    """Join the gloo group of ``world_size`` ranks through ``directory``'s rendezvous file."""
+    import torch.distributed as dist
+
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{directory / 'rendezvous'}",
+        world_size=world_size,
+        rank=rank,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def run_processes(target: Any, args: list[tuple[Any, ...]], limit_s: float, **kwargs: Any) -> None:
+    """Start one spawned process per argument tuple, join them all within ``limit_s``;
+    kill and fail on any still running, fail on a non-zero exit (never hangs)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=a, kwargs=kwargs, daemon=True) for a in args]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert not hung, f"ranks {hung} still running after {limit_s:g} s"
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * len(procs), f"worker exit codes {codes}"
+
+
 def worker(
     rank: int,
     world_size: int,
@@ -106,16 +143,8 @@ def worker(
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; expected one of {SCENARIOS}")
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     directory = Path(tmpdir)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{directory / 'rendezvous'}",
-        world_size=world_size,
-        rank=rank,
-        timeout=timedelta(seconds=30),
-    )
+    join_group(rank, world_size, directory)
     result_path = directory / f"result.{rank}.json"
     try:
         if scenario == "absent_rank1" and rank == 1:

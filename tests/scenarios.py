@@ -33,6 +33,7 @@ from attrs import field, frozen
 from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.layer import LayerSpec, SelectionConfig
+from attnres.layout import SequenceLayout
 from attnres.machine import run_machine
 from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.scope import ScopeState, scope_state
@@ -1437,6 +1438,72 @@ SCENARIOS: tuple[Scenario, ...] = (
         _host("cuda", ("sage_attn", None)),
         None,
         expect=rejects("host_platform", origin="global_cli", error_contains=("sage_attn",)),
+    ),
+    # -- issue 24: sequence-parallel layouts (LayerSpec.layout, the layout check) ---
+    Scenario(
+        "ring-layout-rejects-kernel-without-lse",
+        "A layer under a ring layout (ring=2) asks for dynamic_cudnn_sdpa on Hopper: no source "
+        "says it returns the softmax log-sum-exp a ring merges its blocks with, so the strict "
+        "request is rejected (no_lse) by the layout check.",
+        attrs.evolve(_layer(name="blocks.0.attn1"), layout=SequenceLayout(1, 2, 24, 24)),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn+sageattention",
+        "dynamic_cudnn_sdpa",
+        expect=rejects(
+            "no_lse",
+            origin="layer",
+            error_contains=(
+                "cannot serve this layer's sequence-parallel layout",
+                "cannot return the softmax log-sum-exp, which ring=2 needs",
+            ),
+        ),
+    ),
+    Scenario(
+        "usp-layout-selects-fa-per-rank",
+        "Ulysses 2 x ring 2 on Hopper with flash-attn and SageAttention: each rank runs 12 of "
+        "24 heads, and fa (which returns the log-sum-exp) passes the layout check.",
+        attrs.evolve(_layer(name="blocks.0.attn1"), layout=SequenceLayout(2, 2, 24, 24)),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("fa", origin="none"),
+    ),
+    Scenario(
+        "ulysses-layout-with-attention-mask-rejected",
+        "A masked joint-attention layer (HunyuanVideo's) under ulysses=2: attnres's layouts "
+        "apply no attention mask, so every candidate fails the layout check and nothing can "
+        "serve it (layout_unsupported in every candidate's trace).",
+        attrs.evolve(
+            _layer(name="transformer_blocks.attn", requires=["attn_mask"]),
+            layout=SequenceLayout(2, 1, 24, 24),
+        ),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn+sageattention",
+        "torch_sdpa",
+        expect=rejects(
+            "layout_unsupported",
+            origin="layer",
+            error_contains=("attention masks, which attnres's sequence-parallel layouts",),
+        ),
+    ),
+    Scenario(
+        "ulysses-layout-heads-not-divisible-rejected",
+        "ulysses=4 on a layer of 6 heads: a rank cannot run a quarter of them, so the "
+        "layout check fails for every candidate and the strict request is rejected "
+        "(heads_not_divisible).",
+        attrs.evolve(_layer(name="blocks.0.attn1"), layout=SequenceLayout(4, 1, 6, 6)),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn+sageattention",
+        "fa",
+        expect=rejects(
+            "heads_not_divisible",
+            origin="layer",
+            error_contains=("6 heads and 6 kv heads do not both divide by 4",),
+        ),
     ),
 )
 

@@ -9,14 +9,13 @@ these tests but never hang the run.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from dist_workers import build_decisions, worker
+from dist_workers import build_decisions, run_processes, worker
 
 import attnres
 from attnres import distributed
@@ -62,30 +61,14 @@ def run_ranks(
 
     Fails (never hangs) if a rank is still running past ``hang_deadline_s``.
     """
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=worker,
-            args=(rank, world_size, str(tmp_path), scenario),
-            kwargs={"timeout_s": timeout_s, "linger_s": LINGER_S, "calls": calls},
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    limit = hang_deadline_s(scenario, timeout_s, calls)
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + limit
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not hung, f"ranks {hung} still running after {limit:g} s"
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world_size, f"worker exit codes {codes}"
+    run_processes(
+        worker,
+        [(rank, world_size, str(tmp_path), scenario) for rank in range(world_size)],
+        hang_deadline_s(scenario, timeout_s, calls),
+        timeout_s=timeout_s,
+        linger_s=LINGER_S,
+        calls=calls,
+    )
     results = {
         rank: json.loads((tmp_path / f"result.{rank}.json").read_text())
         for rank in range(world_size)

@@ -4,7 +4,8 @@ Which blocks run
     Every fenced block opened with exactly ```` ```python ```` (indented blocks
     inside lists included) in ``README.md``, ``docs/index.md``,
     ``docs/selection-contract.md``, ``docs/plugins.md``, ``docs/logging.md`` and
-    ``docs/integrations.md``.
+    ``docs/integrations.md`` and ``docs/sequence-parallel.md`` (its worked example
+    forks two gloo ranks).
     A block that is not meant to run (it needs a GPU, a cluster, a package that
     is not installed, or is a fragment) is fenced ```` ```py-norun ```` (Python,
     not run) or ```` ```text ````; shell sessions are ```` ```console ```` or
@@ -50,6 +51,7 @@ DOCS = [
     ROOT / "docs" / "plugins.md",
     ROOT / "docs" / "logging.md",
     ROOT / "docs" / "integrations.md",
+    ROOT / "docs" / "sequence-parallel.md",
 ]
 LINKED = ("traces", "examples")
 

@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "attnres"
 LAZY: dict[tuple[str, str], str] = {
     ("attnres", "attnres.modules"): "Attention imports torch: loaded on first use",
     ("attnres", "attnres.replayer"): "exported lazily, like the layer",
+    ("attnres", "attnres.parallel"): "SequenceParallel imports torch: loaded on first use",
     ("attnres", "attnres.request"): "request_backend imports torch: loaded on first use",
     ("attnres", "attnres.autotuner"): "measured selection imports torch: loaded on first use",
     ("attnres", "attnres.schedules"): "schedule imports torch: loaded on first use (issue 23)",
@@ -30,6 +31,12 @@ LAZY: dict[tuple[str, str], str] = {
     ),
     ("attnres.integrations._folder", "attnres.integrations.transformers"): (
         "imports the optional transformers package"
+    ),
+    ("attnres.kernels.lse", "attnres.kernels.fa"): (
+        "the resolver imports the lse registry; the fa adapter module loads with its adapter"
+    ),
+    ("attnres.kernels.lse", "attnres.kernels.sage_attn"): (
+        "the resolver imports the lse registry; the sage adapter module loads with its adapter"
     ),
     ("attnres.kernels.torch_cudnn_sdpa", "attnres.kernels.torch_sdpa"): (
         "torch_sdpa imports torch; adapters import their kernel in make_kernel()"

@@ -16,10 +16,12 @@ from attnres.errors import (
     KernelUnavailableError,
     RequestBackendError,
     ResolutionError,
+    SequenceParallelError,
     TraceFormatError,
     UnknownBackendError,
 )
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.layout import SequenceLayout
 from attnres.ledger import Decision, clear_decisions, decisions
 from attnres.platform import Platform
 from attnres.runtime import (
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from attnres import distributed, kernels
     from attnres.autotuner import autotune
     from attnres.modules import Attention, bind
+    from attnres.parallel import SequenceParallel
     from attnres.replayer import ReplayResult, replay
     from attnres.request import request_backend
     from attnres.schedules import schedule
@@ -62,6 +65,10 @@ def __getattr__(name: str) -> Any:
         from attnres.schedules import schedule
 
         return schedule
+    if name == "SequenceParallel":  # issue 24: imports torch.distributed
+        from attnres import parallel
+
+        return parallel.SequenceParallel
     if name == "request_backend":
         from attnres import request
 
@@ -105,6 +112,9 @@ __all__ = [
     "ResolutionError",
     "Role",
     "SelectionConfig",
+    "SequenceLayout",
+    "SequenceParallel",
+    "SequenceParallelError",
     "Trace",
     "TraceFormatError",
     "UnknownBackendError",

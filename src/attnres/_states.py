@@ -80,6 +80,8 @@ class Check(_StrEnum):
     ROLE = "role"
     SUPPORTED = "supported"
     REQUIREMENTS = "requirements"
+    #: issue 24: the layer's sequence-parallel layout (run only when it has one)
+    LAYOUT = "layout"
 
 
 class Reason(_StrEnum):
@@ -118,6 +120,13 @@ class Code(_StrEnum):
     #: resolve the backend here (an observed fact, ``Platform.host``)
     HOST_PLATFORM = "host_platform"
     NO_COMPATIBLE_BACKEND = "no_compatible_backend"
+    #: issue 24: a ring layout needs a kernel that returns the softmax log-sum-exp
+    NO_LSE = "no_lse"
+    #: issue 24: a Ulysses layout needs head counts divisible by its degree
+    HEADS_NOT_DIVISIBLE = "heads_not_divisible"
+    #: issue 24: the layer needs what attnres's sequence-parallel layouts do not do
+    #: (attention masks; a sliding window across ring blocks)
+    LAYOUT_UNSUPPORTED = "layout_unsupported"
 
 
 class ScopeCode(_StrEnum):

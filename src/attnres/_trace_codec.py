@@ -73,9 +73,11 @@ from attnres._vocab import (
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, split_component_key
+from attnres.layout import SequenceLayout
 from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.records import (
     KERNELS_SCHEMA_VERSION,
+    LAYOUT_SCHEMA_VERSION,
     MASK_SCHEMA_VERSION,
     RECORD_KINDS,
     SCHEMA_1_REQUIREMENTS,
@@ -605,6 +607,8 @@ def _layer_of(
         role=role,
         requirements=requirements,
         name=name,
+        # issue 24: present only in traces of a sequence-parallel layer
+        layout=_field(obj, "layout", _layout) if "layout" in obj else None,
         exact_route=route,
         # issue 23: optional keys, written only when set
         preferred=(
@@ -617,6 +621,18 @@ def _layer_of(
         # BackendOptionError is a ValueError: the caller reports it as invalid)
         backend_options=obj.get("backend_options"),
     )
+
+
+_LAYOUT_KEYS = ("ulysses", "ring", "num_heads", "num_kv_heads")
+
+
+def _layout(value: Any) -> SequenceLayout:
+    """A layer's sequence-parallel layout (issue 24): degrees and head counts."""
+    obj = _object(value, "a layout")
+    _exact_keys(obj, _LAYOUT_KEYS, "a layout")
+    degrees = {key: _field(obj, key, _head_size) for key in ("ulysses", "ring")}
+    heads = {key: _field(obj, key, _optional(_head_size)) for key in ("num_heads", "num_kv_heads")}
+    return SequenceLayout(**degrees, **heads)
 
 
 def _component_name(key: str) -> str | None:
@@ -935,6 +951,12 @@ def _structure_document(doc: Any) -> Document:
     if version < TUNED_SCHEMA_VERSION and outcome.reason == Reason.MEASURED_FASTER.value:
         raise _Invalid(
             ".outcome.reason", _needs_tuned_version("the reason 'measured faster'", version)
+        )
+    if version < LAYOUT_SCHEMA_VERSION and inp.layer.layout is not None:
+        raise _Invalid(
+            ".input.layer.layout",
+            f"a sequence-parallel layout belongs to schema version {LAYOUT_SCHEMA_VERSION}, "
+            f"but the file says version {version}",
         )
     digest = doc["digest"]
     if not isinstance(digest, str) or not _HEX64.fullmatch(digest):

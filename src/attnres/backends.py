@@ -36,6 +36,7 @@ from attnres.errors import BackendOptionError, PluginError, UnknownBackendError
 __all__ = [
     "BUILTIN_SPECS",
     "ENTRY_POINT_GROUP",
+    "LSE_SOURCES",
     "Backend",
     "BackendOption",
     "BackendSpec",
@@ -556,6 +557,12 @@ class BackendSpec:
     #: (``Attention(backend_options=...)``); the adapter passes them at bind time
     options: tuple[BackendOption, ...] = field(default=(), converter=_options)
 
+    #: issue 24: how the kernel returns the softmax log-sum-exp that a ring layout
+    #: merges partial results with (its entry point and source); ``None``: it
+    #: cannot, or no source says it can (fail closed). The built-in values are
+    #: :data:`LSE_SOURCES`.
+    lse: str | None = None
+
     def __attrs_post_init__(self) -> None:
         if self.varlen_kernel is None and any(m.route is MaskRoute.UNPAD for m in self.masks):
             raise ValueError(
@@ -635,8 +642,8 @@ _FA4_SIGNATURE = (
 )
 
 
-#: The built-in catalogue (SPEC 2a). Every fact is cited in docs/backends.md.
-BUILTIN_SPECS: tuple[BackendSpec, ...] = (
+#: The built-in specs before their log-sum-exp facts (:data:`LSE_SOURCES`) are added.
+_CATALOGUE: tuple[BackendSpec, ...] = (
     BackendSpec(
         name="torch_sdpa",
         sparse=False,
@@ -1028,6 +1035,52 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         aliases=("svg2", "sparse_videogen_2", "svg"),
         description="Sparse VideoGen 2 (svg)",
     ),
+)
+
+
+#: Issue 24: which kernels return the softmax log-sum-exp a ring layout merges
+#: partial results with, and where each source says so (``BackendSpec.lse``).
+#: A backend not listed cannot (or no source read says it can: fail closed):
+#: ``sage_attn_3`` (the sageattn3_blackwell API has no lse output), ``xformers``
+#: (``memory_efficient_attention`` returns the output only), ``dynamic_cudnn_sdpa``
+#: (no upstream source), ``ascend_fa`` (``npu_fusion_attention`` returns
+#: softmax_max/softmax_sum; unverified), the sparse kernels.
+LSE_SOURCES: Mapping[str, str] = {
+    "torch_sdpa": (
+        "torch's fused entry points return (output, logsumexp): "
+        "aten::_scaled_dot_product_flash_attention_for_cpu on CPU, "
+        "_scaled_dot_product_flash_attention and _scaled_dot_product_efficient_attention"
+        "(compute_log_sumexp=True) on CUDA (pytorch native_functions.yaml)"
+    ),
+    "eager": "attnres's reference math computes it (torch.logsumexp of the scaled scores)",
+    "torch_cudnn_sdpa": (
+        "_scaled_dot_product_cudnn_attention(compute_log_sumexp=True) returns logsumexp "
+        "(pytorch native_functions.yaml)"
+    ),
+    "flex_attention": (
+        "flex_attention(..., return_lse=True) returns (out, lse) "
+        "(torch/nn/attention/flex_attention.py)"
+    ),
+    "fa": (
+        "flash_attn_func(..., return_attn_probs=True) returns (out, softmax_lse, S_dmask) "
+        "(flash_attn/flash_attn_interface.py)"
+    ),
+    "fa3": (
+        "flash_attn_interface.flash_attn_func returns softmax_lse with the output "
+        "(hopper/flash_attn_interface.py)"
+    ),
+    "fa4": "flash_attn.cute.flash_attn_func returns (out, lse) (flash_attn/cute/interface.py)",
+    "sage_attn": (
+        "sageattn(..., return_lse=True) returns (out, lse), 'used for cases like Ring "
+        "Attention' (sageattention/core.py, thu-ml/SageAttention 0116592f)"
+    ),
+    "aiter": "aiter.flash_attn_func(..., return_lse=True) (aiter/ops/mha.py)",
+}
+
+#: The built-in catalogue (SPEC 2a). Every fact is cited in docs/backends.md.
+BUILTIN_SPECS: tuple[BackendSpec, ...] = tuple(
+    attrs.evolve(spec, lse=LSE_SOURCES[spec.name]) if spec.name in LSE_SOURCES else spec
+    for spec in _CATALOGUE
 )
 
 

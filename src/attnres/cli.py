@@ -71,6 +71,7 @@ from attnres.layer import (
     SelectionConfig,
     split_component_key,
 )
+from attnres.layout import LAYOUT_KINDS, SequenceLayout
 from attnres.platform import Platform
 from attnres.render import (
     _field,
@@ -403,6 +404,51 @@ def _split(text: str | None) -> list[str] | None:
 # =============================================================================
 
 
+def _degree(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _layout_arguments(parser: Any, *, heads: bool) -> None:
+    """Issue 24: ``--ulysses-degree`` / ``--ring-degree`` (and the head counts)."""
+    parser.add_argument(
+        "--ulysses-degree", type=_degree, metavar="U",
+        help="sequence-parallel layout: Ulysses all-to-all over U ranks (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ring-degree", type=_degree, metavar="R",
+        help="sequence-parallel layout: a ring of R ranks, merged by log-sum-exp (default 1)",
+    )  # fmt: skip
+    if heads:
+        parser.add_argument(
+            "--heads", type=_degree, metavar="N", help="the layer's heads (Ulysses divides them)"
+        )
+        parser.add_argument(
+            "--kv-heads", type=_degree, metavar="N", help="its key/value heads (default: --heads)"
+        )
+
+
+def _layout(args: argparse.Namespace) -> SequenceLayout | None:
+    """The layout the flags give, or ``None`` (no flag, or both degrees 1)."""
+    ulysses, ring = args.ulysses_degree or 1, args.ring_degree or 1
+    heads, kv = getattr(args, "heads", None), getattr(args, "kv_heads", None)
+    if ulysses * ring == 1:
+        if heads is not None or kv is not None:
+            raise UsageError(
+                "--heads and --kv-heads describe the layer for a sequence-parallel layout: "
+                "give --ulysses-degree or --ring-degree too"
+            )
+        return None
+    if kv is not None and heads is None:
+        raise UsageError("--kv-heads needs --heads")
+    return SequenceLayout(ulysses, ring, heads, kv)
+
+
 def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     config = selection_config_from_args(args)
     if args.implicit:
@@ -426,6 +472,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         requirements=Requirements.of(args.requires or (), field="--requires"),
         name=args.layer_name,
         backend_options=_backend_options(args.backend_option),  # issue 23
+        layout=_layout(args),
     )
     platform = _platform(args.platform)
     if args.component is not None:
@@ -570,6 +617,9 @@ def _render_explain(trace: Trace) -> list[str]:
     lines += _field("Reason:", _opt(outcome.reason), width)
     lines.append("")
     lines += _field("Layer:", describe_layer(inp.layer), width)
+    if inp.layer.layout is not None:  # issue 24: the per-rank decision
+        backend = None if outcome.backend is None else outcome.backend.name
+        lines += _field("Per rank:", inp.layer.layout.per_rank(backend), width)
     scope = inp.scope
     if scope is None:
         lines += _field("Component:", "none (no component scope)", width)
@@ -636,10 +686,16 @@ def _render_explain(trace: Trace) -> list[str]:
 def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Plan a pipeline file or a model folder: two loaders of one plan model
     (:class:`~attnres.plan.PlanResult`), rendered, serialised and written by one path."""
-    from attnres.plan import load_pipeline, plan_pipeline, write_plan_traces
+    from attnres.plan import load_pipeline, plan_pipeline, with_layout, write_plan_traces
 
+    layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
     config = selection_config_from_args(args)
     if Path(args.pipeline).is_dir():
+        if layout is not None:
+            raise UsageError(
+                "--ulysses-degree and --ring-degree apply to a pipeline file (attnres plan "
+                "PIPELINE.toml) for now; a model folder's layout is not read yet"
+            )
         from attnres.integrations._folder import parse_dtype_args, plan_folder
 
         platform = _platform(args.platform)
@@ -661,7 +717,7 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "--component names the component of a single model folder (attnres plan DIR); "
                 "a pipeline file names its components itself"
             )
-        pipeline = load_pipeline(args.pipeline)
+        pipeline = with_layout(load_pipeline(args.pipeline), layout)
         _check_component_overrides(
             config,
             [c.name for c in pipeline.components],
@@ -695,10 +751,18 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             for layer_doc, layer in zip(component_doc["layers"], planned.layers, strict=True):
                 layer_doc["autotune"] = is_tunable(layer.trace)
                 tunable += layer.count if layer_doc["autotune"] else 0
+    if layout is not None:  # issue 24: which components run under the layout
+        doc["layout"] = {
+            "ulysses": layout.ulysses,
+            "ring": layout.ring,
+            "components": [c.name for c in pipeline.components if c.resolved_kind in LAYOUT_KINDS],
+        }
     if args.json:
         _emit_json(out, doc)
     else:
         lines = render_plan(result)
+        if layout is not None:
+            lines += _plan_layout_lines(pipeline, layout)
         if config.autotune:
             total = sum(layer.count for layer in result.layers)
             lines += _field(
@@ -730,6 +794,22 @@ def _check_component_overrides(config: SelectionConfig, names: Sequence[str], wh
                 f"component {split_component_key(component)[0]!r}; its components: "
                 f"{', '.join(names)}"
             )
+
+
+def _plan_layout_lines(pipeline: Any, layout: SequenceLayout) -> list[str]:
+    """Issue 24: the plan's layout, per component (the layers above carry its checks)."""
+    taking = [c.name for c in pipeline.components if c.resolved_kind in LAYOUT_KINDS]
+    others = [c.name for c in pipeline.components if c.resolved_kind not in LAYOUT_KINDS]
+    text = (
+        f"{layout.ulysses_ring()} over {layout.degree} ranks on "
+        f"{', '.join(taking) or 'no component'} (kinds: {', '.join(sorted(LAYOUT_KINDS))}); "
+        f"each rank runs the decision above on 1/{layout.degree} of the sequence"
+    )
+    if layout.ulysses > 1:
+        text += f" and 1/{layout.ulysses} of the heads (a pipeline file gives no head counts)"
+    if others:
+        text += f"; {', '.join(others)} run replicated, without a layout"
+    return ["", *_field("Layout:", text, _width())]
 
 
 # =============================================================================
@@ -1085,6 +1165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requirements: " + ", ".join(r.value for r in Requirement),
     )
     layer.add_argument("--layer-name", metavar="NAME", help="a name for the layer (in traces)")
+    _layout_arguments(layer, heads=True)
     where = explain.add_argument_group("where and how it is resolved")
     where.add_argument("--component", metavar="NAME", help="resolve inside this component's scope")
     where.add_argument(
@@ -1142,6 +1223,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--trace-out", metavar="DIR", help="write one trace per distinct layer into DIR"
     )
+    _layout_arguments(plan, heads=False)
 
     replay = command(
         "replay", "replay golden trace files and compare (--update rewrites them)", _cmd_replay

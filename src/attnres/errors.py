@@ -38,6 +38,7 @@ __all__ = [
     "RequestBackendError",
     "ResolutionError",
     "ResultsFileError",
+    "SequenceParallelError",
     "TraceFormatError",
     "TraceWriteError",
     "UnknownBackendError",
@@ -131,6 +132,12 @@ class TraceWriteError(AttnresError, OSError):
 
 class ConsensusError(AttnresError, RuntimeError):
     """Ranks of one job decided differently (or a rank never arrived)."""
+
+
+class SequenceParallelError(AttnresError, RuntimeError):
+    """A sequence-parallel collective failed or timed out (a peer died, hangs, or
+    took another code path; issue 24, :mod:`attnres.parallel`). The group is out
+    of step: restart the job."""
 
 
 class PipelineError(AttnresError, ValueError):

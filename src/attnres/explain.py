@@ -120,6 +120,8 @@ def describe_layer(layer: LayerSpec) -> str:
         f"supported: {supported}{route}; "
         f"default: {layer.default.name if layer.default else 'none'}; "
         f"requires: {needed}"
+        # issue 24: the sequence-parallel layout, when the layer has one
+        + ("" if layer.layout is None else f"; layout: {layer.layout.describe()}")
     )
 
 

@@ -27,6 +27,7 @@ from attnres._vocab import (
 )
 from attnres.backends import Backend, BackendOptions, normalize_backend_options
 from attnres.errors import UnknownBackendError
+from attnres.layout import SequenceLayout
 
 __all__ = ["ENV_VAR", "LayerSpec", "Requirements", "Role", "SelectionConfig", "split_component_key"]
 
@@ -304,6 +305,11 @@ def _requirements(value: Any) -> Requirements:
     return Requirements.of(value)
 
 
+def _layout(_: Any, __: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, SequenceLayout):
+        raise ValueError(f"layout: expected an attnres.SequenceLayout or None, got {value!r}")
+
+
 @frozen(cache_hash=True)
 class LayerSpec:
     """One attention call site, as the resolver sees it."""
@@ -315,6 +321,11 @@ class LayerSpec:
     role: Role = field(default=Role.SELF, converter=_role)
     requirements: Requirements = field(factory=Requirements, converter=_requirements)
     name: str | None = field(default=None, converter=_name)
+    # issue 24: the sequence-parallel layout of the call site (attnres.layout);
+    # written to a trace only when set, so every older trace keeps its bytes
+    layout: SequenceLayout | None = field(
+        default=None, validator=_layout, metadata={"omit_default": True}
+    )
     #: The route that executes this layer when it runs exactly the backends of
     #: ``supported`` (an integration's own code path or the transformers
     #: attention interface): a backend that only stands in for them

@@ -114,7 +114,9 @@ from attnres._vocab import (
 )
 from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
+from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
 from attnres.layer import LayerSpec
+from attnres.layout import SequenceLayout
 from attnres.platform import Platform
 from attnres.records import ScopeProblem
 from attnres.scope import ScopeState
@@ -142,6 +144,7 @@ __all__ = [
     "CANDIDATE_STAGES",
     "CHECK_ORDER",
     "GLOBAL_EXPLICIT_ORIGINS",
+    "LAYOUT_CHECK_ORDER",
     "NO_KERNEL",
     "PREFERRED_STAGES",
     "REQUEST_FAILURE_GUARDS",
@@ -252,6 +255,10 @@ CHECK_ORDER: Final = (
     Check.SUPPORTED,
     Check.REQUIREMENTS,
 )
+
+#: Issue 24: the checks a candidate runs when the layer has a sequence-parallel
+#: layout (``LayerSpec.layout``): every check above, then ``layout``.
+LAYOUT_CHECK_ORDER: Final = (*CHECK_ORDER, Check.LAYOUT)
 
 #: Origins whose failure rejects (SPEC 3.1); ``global_cli`` depends on 3.2.
 STRICT_ORIGINS: Final = frozenset(
@@ -365,6 +372,7 @@ _PRIMARY_ORDER: Final = (
     Check.SUPPORTED,
     Check.ROLE,
     Check.REQUIREMENTS,
+    Check.LAYOUT,
     Check.PLATFORM,
     Check.AVAILABLE,
 )
@@ -857,7 +865,8 @@ def check_candidate(
 ) -> tuple[tuple[Check, tuple[Failure, ...]], ...]:
     """Run every check of SPEC 3.4 on one candidate; every failure is kept.
 
-    Returns ``(check, failures)`` pairs in :data:`CHECK_ORDER`; a check passed
+    Returns ``(check, failures)`` pairs in :data:`CHECK_ORDER` (:data:`LAYOUT_CHECK_ORDER`
+    for a layer with a sequence-parallel layout); a check passed
     when its failures are empty. An unknown backend stops after ``known``.
     ``needs_kernel``: the layer will run, so ``available`` also needs a kernel
     for the backend (code ``no_kernel``): one not in ``no_kernel`` (the input's
@@ -871,7 +880,7 @@ def check_candidate(
                 (Failure(Code.UNKNOWN_BACKEND, f"backend {backend.name!r} is not registered"),),
             ),
         )
-    return (
+    results = (
         (Check.KNOWN, ()),
         (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
         (Check.PLATFORM, tuple(_check_platform(spec, layer, platform))),
@@ -879,6 +888,96 @@ def check_candidate(
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
         (Check.REQUIREMENTS, tuple(_check_requirements(spec, layer, platform))),
     )
+    if layer.layout is None:  # issue 24: the layout check exists only for a layout
+        return results
+    return (*results, (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout, needs_kernel))))
+
+
+def _check_layout(
+    spec: BackendSpec, layer: LayerSpec, layout: SequenceLayout, needs_kernel: bool
+) -> list[Failure]:
+    """Issue 24: what a sequence-parallel layout needs from the per-rank kernel.
+
+    A ring merges the partial results of its key/value blocks by their softmax
+    log-sum-exp, so the kernel must return it (``BackendSpec.lse``; a layer that
+    will run also needs attnres's adapter for that entry point in this process).
+    Ulysses gives each rank ``1/ulysses`` of the query and key/value heads, so
+    both counts must divide (a fact of the layer, recorded for every candidate).
+    attnres's layouts apply no attention mask (each rank holds a shard of the
+    sequence) and no sliding window across ring blocks: a layer that requires
+    one fails for every candidate too.
+    """
+    out: list[Failure] = []
+    needed = layer.requirements
+    if needed.attn_mask:
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"the layer requires attention masks, which attnres's sequence-parallel "
+                f"layouts do not apply ({layout.ulysses_ring()})",
+            )
+        )
+    if (
+        needed.backward
+        and layout.needs_lse
+        and spec.lse is not None
+        and not lse_has_gradient(spec.name)
+    ):
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"its log-sum-exp carries no gradient here, and a training forward under "
+                f"ring={layout.ring} differentiates through the merge (attnres's adapters with "
+                f"one: {', '.join(n for n in lse_kernel_names() if lse_has_gradient(n))})",
+            )
+        )
+    bottom_right = needed.causal_alignment is not CausalAlignment.TOP_LEFT
+    if needed.causal and bottom_right and layout.ring > 1:
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"the layer requires a {needed.causal_alignment.value} causal mask; the blocks of "
+                f"ring={layout.ring} are merged with a top-left one",
+            )
+        )
+    if needed.sliding_window and layout.ring > 1:
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"the layer requires a sliding window, which crosses the key/value blocks of "
+                f"ring={layout.ring}",
+            )
+        )
+    if layout.needs_lse:
+        if spec.lse is None:
+            out.append(
+                Failure(
+                    Code.NO_LSE,
+                    f"cannot return the softmax log-sum-exp, which ring={layout.ring} needs "
+                    f"to merge the partial results of its key/value blocks",
+                )
+            )
+        elif needs_kernel and not has_lse_kernel(spec.name):
+            out.append(
+                Failure(
+                    Code.NO_LSE,
+                    f"returns the log-sum-exp ({spec.lse}), but attnres has no adapter for "
+                    f"that entry point in this process (ring={layout.ring}; adapters: "
+                    f"{', '.join(lse_kernel_names())})",
+                )
+            )
+    if layout.ulysses > 1:
+        heads, kv = layout.num_heads, layout.num_kv_heads
+        if heads is not None and (heads % layout.ulysses or (kv or heads) % layout.ulysses):
+            out.append(
+                Failure(
+                    Code.HEADS_NOT_DIVISIBLE,
+                    f"ulysses={layout.ulysses} gives each rank a share of the heads, but "
+                    f"{heads} heads and {kv or heads} kv heads do not both divide by "
+                    f"{layout.ulysses}",
+                )
+            )
+    return out
 
 
 def _unusable_here(
@@ -947,6 +1046,11 @@ def _primary_message(
     elif primary is Check.REQUIREMENTS:
         phrases = [f.message.removeprefix("does not implement ") for f in first]
         text = f"Attention backend {name!r} does not implement {', '.join(phrases)}"
+    elif primary is Check.LAYOUT:
+        text = (
+            f"Attention backend {name!r} cannot serve this layer's sequence-parallel layout: "
+            + "; ".join(f.message for f in first)
+        )
     elif primary is Check.PLATFORM:
         text = (
             f"Attention backend {name!r} cannot run this layer on {platform.describe()}: "
@@ -1337,11 +1441,14 @@ NO_KERNEL: Final = "no kernel in this process"
 
 
 def is_tunable(trace: Trace) -> bool:
-    """Whether autotune may measure this decision: selected, automatic, untuned."""
+    """Whether autotune may measure this decision: selected, automatic, untuned, and
+    not under a sequence-parallel layout (issue 24: each rank would time its own
+    shard and could tune apart from the others)."""
     return (
         trace.outcome.status == Status.SELECTED
         and trace.outcome.origin in TUNABLE_ORIGINS
         and not is_tuned(trace)
+        and trace.input.layer.layout is None
     )
 
 

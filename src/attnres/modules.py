@@ -67,6 +67,7 @@ from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specia
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
 from attnres.machine import backward_everywhere, has_backward_pass, training_spec
+from attnres.parallel import SequenceParallel
 from attnres.platform import Platform
 from attnres.runtime import Resolution, bind_pending, capture_config, lookup, rejection
 from attnres.scope import ScopeHandle, ScopeState, current_handle
@@ -341,6 +342,7 @@ class Attention(FastCallModule):
         window: tuple[int | None, int | None] | None = None,
         preferred: Any = None,
         required: Backend | str | None = None,
+        parallel: SequenceParallel | None = None,
         backend_options: Any = None,
     ) -> None:
         super().__init__()
@@ -395,6 +397,15 @@ class Attention(FastCallModule):
         if preferred is not None or required is not None:
             # issue 23: LayerSpec.preferred / .required (docs/selection-contract.md)
             spec = attrs.evolve(spec, preferred=preferred, required=required)
+        # issue 24: a sequence-parallel layout is part of what the layer resolves for
+        # (LayerSpec.layout: the machine's layout check); forward runs it (attnres.parallel)
+        if parallel is not None:
+            if not isinstance(parallel, SequenceParallel):
+                raise TypeError(
+                    f"parallel: expected an attnres.SequenceParallel or None, got "
+                    f"{type(parallel).__name__}"
+                )
+            spec = attrs.evolve(spec, layout=parallel.layout(num_heads, kv_heads))
         # issue 23: typed per-backend options (docs/backends.md), the config's under
         # the layer's own; checked here, bound with the kernel, recorded in the trace
         config = capture_config()
@@ -419,7 +430,17 @@ class Attention(FastCallModule):
             None if backend is None else optional_backend("backend")(backend),
         )
         shape = _LayerShape(
-            num_heads, kv_heads, head_size, causal, scale, "", spec.dtype, cap, band, options
+            num_heads,
+            kv_heads,
+            head_size,
+            causal,
+            scale,
+            "",
+            spec.dtype,
+            cap,
+            band,
+            parallel,
+            options,
         )
         # Plain attributes, set without nn.Module.__setattr__'s parameter/module
         # bookkeeping (none of them is a tensor or a module).
@@ -575,7 +596,8 @@ class Attention(FastCallModule):
         if resolution is None or spec.requirements.backward:
             return run
         facts = lookup_spec(resolution.backend)
-        if facts is not None and backward_everywhere(facts):
+        # issue 24: under a layout a ring's lse may carry no gradient (the layout check)
+        if facts is not None and backward_everywhere(facts) and spec.layout is None:
             return run  # a backward pass everywhere (torch_sdpa, eager, ...): no check
         platform = resolution.trace.input.platform
         # only the requirements check can differ from the inference decision's
@@ -1001,6 +1023,7 @@ class _LayerShape(NamedTuple):
     dtype: str  # the dtype the layer was resolved for
     softcap: float = 0.0  # 0: none
     window: tuple[int, int] | None = None  # (left, right), -1 unbounded
+    parallel: SequenceParallel | None = None  # issue 24: the sequence-parallel layout
     backend_options: BackendOptions = ()  # issue 23: per backend, validated
 
 
@@ -1028,6 +1051,8 @@ def _make_run(
 def _new_run(
     shape: _LayerShape, kernel: KernelFn, dtypes: frozenset[torch.dtype]
 ) -> Callable[..., Tensor]:
+    if shape.parallel is not None:  # issue 24: collectives around a per-rank local run
+        return shape.parallel.make_run(shape, kernel, dtypes, _new_run)
     heads_q, heads_kv, head_size, causal, scale = shape[:5]
     options = dict(shape.backend_options).get(shape.backend, ())  # issue 23: bound once
     call = specialized(

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 from attrs import frozen
 
 from attnres._codec import (
@@ -64,6 +65,7 @@ from attnres.errors import (  # PipelineError: attnres.errors holds every except
 )
 from attnres.kernels import kernel_source
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, split_component_key
+from attnres.layout import LAYOUT_KINDS, SequenceLayout
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve, selection_config
 from attnres.scope import component_kind, loader_for
@@ -121,7 +123,7 @@ _LAYER_KINDS: dict[str, str] = {
         _TOML_NAMES.get(n, n): _TOML_KIND_OF_TYPE[tp]
         for n, tp in field_types(LayerSpec).items()
         if n != "name" and (n in field_names(LayerSpec) or n in _FILE_OPTIONAL)
-        # not a trace-only field (exact_route)
+        # not a trace-only field (exact_route; issue 24: the layout)
     },
     "backend": "string",
 }
@@ -805,3 +807,29 @@ def write_plan_traces(
             f"cannot write the manifest into {str(folder)!r}: {exc.strerror or exc}"
         ) from None
     return tuple(paths)
+
+
+# -- issue 24: a sequence-parallel layout for the sites that take one --------------
+
+
+def with_layout(pipeline: Pipeline, layout: SequenceLayout | None) -> Pipeline:
+    """``pipeline`` with ``layout`` on every layer of the components whose kind takes
+    one (:data:`attnres.layout.LAYOUT_KINDS`, the denoiser); other components (VAE,
+    encoders) keep no layout. A pipeline file gives no head counts, so a layout
+    given here checks the log-sum-exp need of a ring, not Ulysses head division.
+    """
+    if layout is None:
+        return pipeline
+    components = tuple(
+        attrs.evolve(
+            entry,
+            layers=tuple(
+                attrs.evolve(layer, spec=attrs.evolve(layer.spec, layout=layout))
+                for layer in entry.layers
+            ),
+        )
+        if entry.resolved_kind in LAYOUT_KINDS
+        else entry
+        for entry in pipeline.components
+    )
+    return attrs.evolve(pipeline, components=components)

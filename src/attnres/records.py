@@ -33,6 +33,7 @@ from attnres.scope import ScopeState
 __all__ = [
     "BASE_SCHEMA_VERSION",
     "KERNELS_SCHEMA_VERSION",
+    "LAYOUT_SCHEMA_VERSION",
     "MASK_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
@@ -56,8 +57,9 @@ __all__ = [
 #: written with the lowest version that can express it: a rule-based resolution
 #: is version 2 (the backward requirement), a tuned one is version 3, one whose
 #: input carries the process's kernel facts (``no_kernel``) or whose layer names
-#: a mask kind or a causal alignment (issue 22) version 4.
-SCHEMA_VERSION = 4
+#: a mask kind or a causal alignment (issue 22) version 4, one whose layer has a
+#: sequence-parallel layout version 5 (issue 24).
+SCHEMA_VERSION = 5
 #: The version of a trace whose layer names a mask kind or a causal alignment
 #: (issue 22): its requirements carry ``mask`` and ``causal_alignment`` keys.
 MASK_SCHEMA_VERSION = 4
@@ -67,6 +69,10 @@ TUNED_SCHEMA_VERSION = 3
 KERNELS_SCHEMA_VERSION = 4
 #: The version of a rule-based trace.
 BASE_SCHEMA_VERSION = 2
+#: Issue 24: the version of a trace whose layer has a sequence-parallel layout
+#: (``input.layer.layout``, the ``layout`` check and its codes); it holds what
+#: version 4 holds too. Such a layer is never autotuned.
+LAYOUT_SCHEMA_VERSION = 5
 
 #: The requirement keys of a schema-1 trace (attnres 0.1): later requirements
 #: did not exist, so such a trace reads them as false, and its digest is computed
@@ -259,6 +265,8 @@ class TraceInput:
         version = BASE_SCHEMA_VERSION if self.no_kernel is None else KERNELS_SCHEMA_VERSION
         if self.layer.requirements.extended:  # issue 22: a mask kind or an alignment
             version = max(version, MASK_SCHEMA_VERSION)
+        if self.layer.layout is not None:  # issue 24: a sequence-parallel layout
+            version = max(version, LAYOUT_SCHEMA_VERSION)
         return version
 
 

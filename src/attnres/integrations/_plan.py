@@ -27,6 +27,7 @@ from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.errors import IntegrationError, ResolutionError  # errors holds every exception
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
+from attnres.layout import SequenceLayout
 from attnres.plan import (
     ComponentEntry,
     ComponentPlan,
@@ -132,6 +133,9 @@ class SiteDescription:
     softmax: bool = True
     #: whether the generic route can serve it (its code calls SDPA)
     routed: bool = False
+    #: issue 24: the sequence-parallel layout the model runs the site under
+    #: (diffusers' context parallelism, :func:`attnres.layout.context_parallel_layout`)
+    layout: SequenceLayout | None = None
 
     @property
     def classified(self) -> bool:
@@ -491,6 +495,7 @@ def _plan_one(
         role=desc.role,
         requirements=desc.requirements,
         name=desc.name,
+        layout=desc.layout,  # issue 24
         # a route with a set runs exactly that set: the machine keeps stand-ins off it
         exact_route=None if desc.supported is None else desc.route,
     )

@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import (
@@ -68,6 +69,7 @@ from attnres.integrations._plan import (
 )
 from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
+from attnres.layout import context_parallel_layout
 from attnres.platform import Platform
 from attnres.scope import scope_state
 
@@ -261,6 +263,12 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         if desc is not None:
             out.append(desc)
             inside.append(name)
+    if context_parallel_layout(model) is not None:
+        # issue 24: the model runs under diffusers' context parallelism: its sites are
+        # decided for that layout (a ring needs a kernel that returns the lse)
+        out = [
+            attrs.evolve(d, layout=context_parallel_layout(model, d.heads, d.kv_heads)) for d in out
+        ]
     return out
 
 

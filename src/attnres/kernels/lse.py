@@ -1,0 +1,224 @@
+"""Issue 24: kernels that return the softmax log-sum-exp, for ring attention.
+
+A ring layout (:mod:`attnres.parallel`) runs the local kernel once per key/value
+block and merges the partial outputs by their log-sum-exp, so it calls an
+*lse kernel*::
+
+    attention_lse(q, k, v, causal, scale, softcap=0.0) -> (out, lse)
+    # q: (batch, seq_q, heads_q, head_size); k, v: (batch, seq_kv, heads_kv, head_size)
+    # causal: top-left aligned; scale: None = 1/sqrt(head_size)
+    # out: q's shape and dtype; lse: (batch, heads_q, seq_q), float32 (float64 for float64 q)
+
+Which backends *can* return it is a catalogue fact (``BackendSpec.lse``); which
+have an adapter in this process is :func:`has_lse_kernel` (the machine's
+``layout`` check reads both for a layer that will run). Adapters here:
+
+- ``eager``: the reference math (float32 accumulation; float64 stays float64);
+  differentiable in both outputs;
+- ``torch_sdpa``: on CPU, ``aten::_scaled_dot_product_flash_attention_for_cpu``
+  returns ``(output, logsumexp)`` in one fused call (torch 2.13's schema:
+  ``(query, key, value, dropout_p, is_causal, *, attn_mask, scale)``, heads-first
+  layout, equal head counts). Its logsumexp carries no gradient, so a forward
+  that needs gradients (grad mode on and an input that requires grad) takes SDPA
+  for the output and one extra ``q @ k^T`` for a differentiable lse; so does
+  every other device (the fused CUDA entry points are not wired yet);
+- ``fa``: ``flash_attn_func(..., return_attn_probs=True)`` (:func:`make_fa_lse`);
+  inference only (its backward ignores the lse's gradient);
+- ``sage_attn``: ``sageattn(..., return_lse=True)`` (:func:`make_sage_lse`);
+  inference only (no backward pass at all).
+
+Nothing is imported at module import: torch is loaded on the first call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from attnres.kernels._common import import_kernel_package, require_attribute
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+__all__ = [
+    "LseKernelFn",
+    "clear_lse_cache",
+    "get_lse_kernel",
+    "has_lse_kernel",
+    "lse_has_gradient",
+    "lse_kernel_names",
+]
+
+#: ``attention_lse(q, k, v, causal, scale, softcap=0.0) -> (out, lse)``
+LseKernelFn = Callable[..., "tuple[Tensor, Tensor]"]
+
+
+def _heads_first(t: Tensor, groups: int) -> Tensor:
+    """(b, s, h, d) -> (b, h * groups, s, d): GQA's key/value heads repeated."""
+    out = t.transpose(1, 2)
+    return out.repeat_interleave(groups, dim=1) if groups > 1 else out
+
+
+def _compute_dtype(q: Tensor) -> torch.dtype:
+    import torch
+
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float | None, softcap: float) -> Tensor:
+    """The scaled (and capped, masked) scores, heads first, in the compute dtype."""
+    import torch
+
+    dtype = _compute_dtype(q)
+    groups = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2).to(dtype)
+    kh = _heads_first(k, groups).to(dtype)
+    scores: Tensor = (qh @ kh.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        sq, skv = q.shape[1], k.shape[1]
+        keep = torch.ones(sq, skv, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def eager_lse(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """The reference math, returning the log-sum-exp too (differentiable)."""
+    import torch
+
+    scores = _scores(q, k, causal, scale, softcap)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    vh = _heads_first(v, q.shape[2] // v.shape[2]).to(probs.dtype)
+    out = (probs @ vh).transpose(1, 2).to(q.dtype)
+    return out, lse
+
+
+def sdpa_lse(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """torch SDPA's output and log-sum-exp (the fused CPU entry point when it can)."""
+    import torch
+
+    if softcap:
+        raise ValueError("torch_sdpa has no softcap argument (attnres refuses softcap for it)")
+    groups = q.shape[2] // k.shape[2]
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    qh, kh, vh = q.transpose(1, 2), _heads_first(k, groups), _heads_first(v, groups)
+    if q.device.type == "cpu" and not needs_grad:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kh, vh, 0.0, causal, scale=scale
+        )
+        return out.transpose(1, 2), lse
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, None, 0.0, causal, scale=scale
+    )
+    lse = torch.logsumexp(_scores(q, k, causal, scale, 0.0), dim=-1)
+    return out.transpose(1, 2), lse
+
+
+def make_fa_lse() -> LseKernelFn:
+    """flash-attn 2's ``flash_attn_func(..., return_attn_probs=True)``: ``(out,
+    softmax_lse, S_dmask)``, softmax_lse (batch, nheads, seqlen_q) float32
+    (flash_attn/flash_attn_interface.py). Its causal mask is bottom-right aligned
+    when the lengths differ; the ring only asks for causal blocks of equal
+    lengths. Inference only: ``FlashAttnFunc.backward`` takes no gradient for
+    ``softmax_lse`` (the machine keeps a training ring off it).
+    """
+    from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE  # only when it is built
+
+    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    func = require_attribute(
+        module, "flash_attn_func", backend=BACKEND, hint="This is not flash-attn 2.x."
+    )
+
+    def fa_lse(
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
+    ) -> tuple[Tensor, Tensor]:
+        extra = {"softcap": softcap} if softcap else {}
+        out, lse, _ = func(
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True,
+            **extra,
+        )  # fmt: skip
+        return out, lse
+
+    return fa_lse
+
+
+def make_sage_lse() -> LseKernelFn:
+    """SageAttention 2's ``sageattn(q, k, v, tensor_layout="NHD", is_causal, sm_scale,
+    return_lse=True)``: ``(out, lse)``, lse (batch, heads, seq_q), "used for cases like
+    Ring Attention" (sageattention/core.py). ``is_causal`` is "only applicable when
+    qo_len == kv_len": the ring only asks for causal blocks of equal lengths.
+    Inference only (SageAttention has no backward pass); no softcap argument.
+    """
+    from attnres.kernels.sage_attn import BACKEND, INSTALL, PACKAGE  # only when it is built
+
+    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    sageattn = require_attribute(
+        module, "sageattn", backend=BACKEND, hint="Reinstall it with: " + INSTALL
+    )
+
+    def sage_lse(
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
+    ) -> tuple[Tensor, Tensor]:
+        if softcap:
+            raise ValueError("sage_attn has no softcap argument")
+        out, lse = sageattn(
+            q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale, return_lse=True
+        )
+        return out, lse
+
+    return sage_lse
+
+
+#: backend -> a factory of its log-sum-exp adapter (built on first use)
+_FACTORIES: dict[str, Callable[[], LseKernelFn]] = {
+    "eager": lambda: eager_lse,
+    "torch_sdpa": lambda: sdpa_lse,
+    "fa": make_fa_lse,
+    "sage_attn": make_sage_lse,
+}
+#: the adapters whose log-sum-exp carries a gradient (a ring may train on them)
+_DIFFERENTIABLE: frozenset[str] = frozenset({"eager", "torch_sdpa"})
+_BUILT: dict[str, LseKernelFn] = {}
+
+
+def has_lse_kernel(backend_name: str) -> bool:
+    """Whether attnres has a log-sum-exp adapter for ``backend_name`` (whether its
+    package imports is the ``available`` check's business, as for any kernel)."""
+    return backend_name in _FACTORIES
+
+
+def lse_has_gradient(backend_name: str) -> bool:
+    """Whether the adapter's log-sum-exp is differentiable (a ring can train on it)."""
+    return backend_name in _DIFFERENTIABLE
+
+
+def lse_kernel_names() -> tuple[str, ...]:
+    """The backends with a log-sum-exp adapter, sorted."""
+    return tuple(sorted(_FACTORIES))
+
+
+def get_lse_kernel(backend_name: str) -> LseKernelFn | None:
+    """The log-sum-exp adapter of ``backend_name`` (built on first use), or ``None``.
+
+    A package that cannot be imported raises
+    :class:`~attnres.kernels.KernelUnavailableError`, as :func:`attnres.kernels.get_kernel`.
+    """
+    built = _BUILT.get(backend_name)
+    if built is None:
+        factory = _FACTORIES.get(backend_name)
+        if factory is None:
+            return None
+        built = _BUILT[backend_name] = factory()
+    return built
+
+
+def clear_lse_cache() -> None:
+    """Forget the built adapters (tests that swap a fake package in and out)."""
+    _BUILT.clear()

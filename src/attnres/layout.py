@@ -1,0 +1,148 @@
+"""A sequence-parallel layout as the resolver sees it (issue 24).
+
+:class:`SequenceLayout` is a fact about one call site, like its head size: how
+its sequence is split across ranks. It rides on the layer's
+:class:`~attnres.LayerSpec` (``layout``, written to a trace only when set), so
+every resolution of the layer -- its first, a cast, a request's, the training
+one -- checks the per-rank kernel against it (``Check.LAYOUT`` in
+:mod:`attnres.machine`):
+
+- ``ring > 1``: partial results are merged with their softmax log-sum-exp, so
+  the kernel must be able to return it (``BackendSpec.lse``);
+- ``ulysses > 1``: each rank runs ``num_heads / ulysses`` query heads and
+  ``num_kv_heads / ulysses`` key/value heads, so both must divide.
+
+The process group and the collectives are :mod:`attnres.parallel`'s; this
+module imports neither torch nor the distributed package, so plans for a
+simulated platform use it freely.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Final
+
+from attrs import field, frozen
+
+__all__ = ["LAYOUT_KINDS", "SequenceLayout", "context_parallel_layout"]
+
+#: The component kinds whose layers take a pipeline-wide layout (``attnres plan
+#: --ulysses-degree/--ring-degree``): the denoiser, whose sequence is what outgrows
+#: one device (SGLang's USPAttention, xDiT, diffusers' context parallelism all
+#: shard it). Every other kind runs replicated, without a layout: text and image
+#: encoders, and VAE attention, which opts out (SGLang's ``skip_sequence_parallel``).
+LAYOUT_KINDS: Final = frozenset({"transformer"})
+
+
+def _degree(value: Any) -> int:
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if number >= 1:
+                return number
+    raise ValueError(f"degree: expected a positive integer, got {value!r}")
+
+
+def _heads(value: Any) -> int | None:
+    return None if value is None else _degree(value)
+
+
+@frozen(cache_hash=True)
+class SequenceLayout:
+    """How one layer's sequence is split: ``ulysses * ring`` ranks.
+
+    ``ulysses``: ranks that exchange heads for sequence with an all-to-all
+    (each then attends over the whole sequence with a share of the heads);
+    ``ring``: ranks that pass key/value blocks around a ring and merge partial
+    results by their log-sum-exp. ``num_heads`` and ``num_kv_heads`` are the
+    layer's head counts when known (a plan from a pipeline file may not know
+    them; the Ulysses divisibility check then says so).
+    """
+
+    ulysses: int = field(default=1, converter=_degree)
+    ring: int = field(default=1, converter=_degree)
+    num_heads: int | None = field(default=None, converter=_heads)
+    num_kv_heads: int | None = field(default=None, converter=_heads)
+
+    @property
+    def degree(self) -> int:
+        """How many ranks the layout spans (``ulysses * ring``)."""
+        return self.ulysses * self.ring
+
+    @property
+    def needs_lse(self) -> bool:
+        """Whether partial results are merged by their log-sum-exp (a ring)."""
+        return self.ring > 1
+
+    def rank_heads(self) -> tuple[int, int] | None:
+        """(query heads, key/value heads) one rank runs; ``None`` when unknown or
+        not divisible by ``ulysses``."""
+        heads = self.num_heads
+        kv = heads if self.num_kv_heads is None else self.num_kv_heads
+        if heads is None or kv is None or heads % self.ulysses or kv % self.ulysses:
+            return None
+        return heads // self.ulysses, kv // self.ulysses
+
+    def describe(self) -> str:
+        """``ulysses=2 x ring=2`` (and the per-rank heads when known)."""
+        text = f"ulysses={self.ulysses} x ring={self.ring}"
+        per_rank = self.rank_heads()
+        if per_rank is not None and self.ulysses > 1:
+            text += f" ({per_rank[0]} heads, {per_rank[1]} kv heads per rank)"
+        return text
+
+    def per_rank(self, backend: str | None) -> str:
+        """What each rank runs under this layout, in words (plans and explanations)."""
+        what = f"{self.degree} ranks ({self.ulysses_ring()})"
+        if backend is None:
+            return f"{what}: no kernel can serve the layout (see the layout check)"
+        heads = self.rank_heads()
+        if self.ulysses == 1 or self.num_heads is None:
+            share = "every head" if self.ulysses == 1 else f"1/{self.ulysses} of the heads"
+        elif heads is None:
+            share = f"1/{self.ulysses} of the heads (which do not divide)"
+        else:
+            kv = self.num_kv_heads or self.num_heads
+            share = f"{heads[0]} of {self.num_heads} heads ({heads[1]} of {kv} kv heads)"
+        text = f"{what}: each runs {backend} on {share} and 1/{self.degree} of the sequence"
+        if self.ulysses > 1:
+            text += f"; an all-to-all over {self.ulysses} ranks trades sequence for heads"
+        if self.ring > 1:
+            text += (
+                f"; a ring of {self.ring} passes key/value blocks and merges them by their "
+                f"log-sum-exp"
+            )
+        return text
+
+    def ulysses_ring(self) -> str:
+        return f"ulysses={self.ulysses} x ring={self.ring}"
+
+
+def context_parallel_layout(
+    model: Any, num_heads: int | None = None, num_kv_heads: int | None = None
+) -> SequenceLayout | None:
+    """The layout diffusers' context parallelism gives ``model``'s attention, or ``None``.
+
+    Read from what the model carries, not from a list of classes: diffusers'
+    ``ModelMixin.enable_parallelism`` records a ``ParallelConfig`` as
+    ``model._parallel_config`` (and on each attention processor), whose
+    ``context_parallel_config`` has ``ulysses_degree`` and ``ring_degree`` (``None``
+    means 1) -- checked against diffusers 0.42.1, ``models/_modeling_parallel.py``
+    and ``models/modeling_utils.py``. Its ring merges partial results by their
+    log-sum-exp too, so the same layout check applies. With ``ulysses_anything``
+    diffusers handles heads that do not divide, so the head counts are left out.
+    """
+    config = getattr(model, "_parallel_config", None)
+    cp = getattr(config, "context_parallel_config", None)
+    if cp is None:
+        return None
+    ulysses = getattr(cp, "ulysses_degree", None) or 1
+    ring = getattr(cp, "ring_degree", None) or 1
+    if ulysses * ring == 1:
+        return None
+    if getattr(cp, "ulysses_anything", False):
+        num_heads = num_kv_heads = None
+    return SequenceLayout(ulysses, ring, num_heads, num_kv_heads)

@@ -1,0 +1,524 @@
+"""Sequence-parallel layouts (issue 24): the layout check, its facts, the layer, the CLI,
+and real gloo groups of 2 and 4 processes.
+
+The multi-process tests start two launches in all (2 ranks, then 4): every
+combination of Ulysses and ring degrees, self/cross, causal or not, MHA/GQA and
+even/uneven lengths runs inside them (``tests/parallel_workers.py``), so the
+cost is process start-up plus the cases, not one launch per case. Every
+process is joined with a hard deadline and killed past it: a bug can fail
+these tests but never hang the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from dist_workers import run_processes
+from parallel_workers import TIMEOUT_S, reference, worker
+
+import attnres
+from attnres._states import Check, Code
+from attnres.backends import BUILTIN_SPECS, LSE_SOURCES, Backend
+from attnres.cli import main
+from attnres.kernels.lse import eager_lse, has_lse_kernel, sdpa_lse
+from attnres.layer import LayerSpec, Requirements
+from attnres.layout import LAYOUT_KINDS, SequenceLayout
+from attnres.machine import LAYOUT_CHECK_ORDER, check_candidate
+from attnres.plan import load_pipeline, with_layout
+from attnres.platform import Platform
+from attnres.trace import trace_from_dict, trace_to_dict
+
+HOPPER = Platform.simulate("cuda:sm90+flash_attn+sageattention")
+CPU = Platform.simulate("cpu")
+
+
+def _spec(layout: SequenceLayout | None, **kw: Any) -> LayerSpec:
+    return LayerSpec(head_size=128, dtype=kw.pop("dtype", "bfloat16"), layout=layout, **kw)
+
+
+def _layout_failures(backend: str, spec: LayerSpec, platform: Platform, run: bool = False) -> Any:
+    results = dict(check_candidate(Backend.parse(backend), spec, platform, needs_kernel=run))
+    return results[Check.LAYOUT]
+
+
+# -- the layout check (machine.py) ------------------------------------------------------
+
+
+def test_rule_layout_check_runs_only_for_a_layer_with_a_layout() -> None:
+    plain = check_candidate(Backend.parse("fa"), _spec(None), HOPPER)
+    assert Check.LAYOUT not in dict(plain)
+    laid = check_candidate(Backend.parse("fa"), _spec(SequenceLayout(1, 2)), HOPPER)
+    assert tuple(c for c, _ in laid) == LAYOUT_CHECK_ORDER
+
+
+def test_rule_layout_ring_needs_a_kernel_that_returns_the_lse() -> None:
+    ring = _spec(SequenceLayout(1, 2, 24, 24))
+    (failure,) = _layout_failures("dynamic_cudnn_sdpa", ring, HOPPER)
+    assert failure.code is Code.NO_LSE and "ring=2" in failure.message
+    assert _layout_failures("fa", ring, HOPPER) == ()
+    assert _layout_failures("sage_attn", ring, HOPPER) == ()
+    # Ulysses alone merges nothing: any kernel
+    assert _layout_failures("dynamic_cudnn_sdpa", _spec(SequenceLayout(2, 1, 24, 24)), HOPPER) == ()
+
+
+def test_rule_layout_ring_needs_an_lse_adapter_in_a_running_process() -> None:
+    ring = _spec(SequenceLayout(1, 2), dtype="float32")
+    (failure,) = _layout_failures("flex_attention", ring, CPU, run=True)
+    assert failure.code is Code.NO_LSE and "no adapter" in failure.message
+    assert _layout_failures("flex_attention", ring, CPU, run=False) == ()  # a plan
+    assert _layout_failures("torch_sdpa", ring, CPU, run=True) == ()
+    assert _layout_failures("eager", ring, CPU, run=True) == ()
+
+
+def test_rule_layout_ulysses_needs_heads_and_kv_heads_divisible() -> None:
+    (failure,) = _layout_failures("fa", _spec(SequenceLayout(4, 1, 8, 2)), HOPPER)
+    assert failure.code is Code.HEADS_NOT_DIVISIBLE
+    assert "8 heads and 2 kv heads" in failure.message
+    assert _layout_failures("fa", _spec(SequenceLayout(2, 1, 8, 2)), HOPPER) == ()
+    assert _layout_failures("fa", _spec(SequenceLayout(4, 1, None, None)), HOPPER) == ()
+
+
+def test_rule_layout_refuses_masks_and_windows_across_ring_blocks() -> None:
+    masked = _spec(SequenceLayout(2, 1), requirements=Requirements(attn_mask=True))
+    (failure,) = _layout_failures("torch_sdpa", masked, HOPPER)
+    assert failure.code is Code.LAYOUT_UNSUPPORTED
+    windowed = Requirements(sliding_window=True)
+    (failure,) = _layout_failures("fa", _spec(SequenceLayout(1, 2), requirements=windowed), HOPPER)
+    assert failure.code is Code.LAYOUT_UNSUPPORTED and "ring=2" in failure.message
+    assert _layout_failures("fa", _spec(SequenceLayout(2, 1), requirements=windowed), HOPPER) == ()
+
+
+def test_a_ring_layout_selection_falls_back_to_a_kernel_with_the_lse() -> None:
+    config = attnres.SelectionConfig(
+        global_backend="dynamic_cudnn_sdpa", global_backend_explicit=False
+    )
+    resolution = attnres.resolve(
+        _spec(SequenceLayout(1, 2, 24, 24)), config=config, platform=HOPPER
+    )
+    assert resolution.backend.name == "fa"
+    assert str(resolution.reason) == "platform default fallback"
+
+
+def test_every_lse_fact_names_a_catalogue_backend_and_a_source() -> None:
+    names = {s.name for s in BUILTIN_SPECS}
+    assert set(LSE_SOURCES) <= names
+    for spec in BUILTIN_SPECS:
+        assert spec.lse == LSE_SOURCES.get(spec.name)
+        if spec.sparse:
+            assert spec.lse is None
+    assert all("(" in source for source in LSE_SOURCES.values())  # each cites where
+
+
+def test_layout_rides_in_the_trace_and_round_trips() -> None:
+    resolution = attnres.resolve(_spec(SequenceLayout(2, 2, 24, 8)), platform=HOPPER)
+    doc = json.loads(json.dumps(trace_to_dict(resolution.trace)))
+    assert doc["input"]["layer"]["layout"] == {
+        "ulysses": 2, "ring": 2, "num_heads": 24, "num_kv_heads": 8,
+    }  # fmt: skip
+    assert trace_from_dict(doc) == resolution.trace
+    plain = trace_to_dict(attnres.resolve(_spec(None), platform=HOPPER).trace)
+    assert "layout" not in plain["input"]["layer"]  # older traces keep their bytes
+    doc["input"]["layer"]["layout"]["ring"] = 0
+    with pytest.raises(attnres.TraceFormatError, match="layout"):
+        trace_from_dict(doc)
+
+
+def test_bad_layouts_are_value_errors() -> None:
+    for bad in ({"ulysses": 0}, {"ring": -1}, {"ulysses": True}, {"num_heads": 0}):
+        with pytest.raises(ValueError, match="expected a positive integer"):
+            SequenceLayout(**bad)
+    with pytest.raises(ValueError, match=r"layout: expected an attnres\.SequenceLayout"):
+        LayerSpec(head_size=64, dtype="float32", layout=(2, 1))  # type: ignore[arg-type]
+
+
+def test_per_rank_words() -> None:
+    text = SequenceLayout(2, 2, 24, 8).per_rank("fa")
+    assert "4 ranks (ulysses=2 x ring=2): each runs fa on 12 of 24 heads (4 of 8 kv heads)" in text
+    assert "log-sum-exp" in text and "all-to-all" in text
+    assert "no kernel" in SequenceLayout(1, 2).per_rank(None)
+
+
+# -- the lse adapters (kernels/lse.py) --------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("adapter", [eager_lse, sdpa_lse])
+def test_lse_adapters_match_the_reference(adapter: Any, causal: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 8, generator=gen)
+    k = torch.randn(2, 7, 2, 8, generator=gen)  # GQA, cross lengths
+    v = torch.randn(2, 7, 2, 8, generator=gen)
+    out, lse = adapter(q, k, v, causal, None)
+    assert torch.allclose(out.double(), reference(q, k, v, causal), atol=1e-5)
+    scores = reference_scores(q, k, causal)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-5)
+    # differentiable in both outputs when gradients are needed
+    qg = q.clone().requires_grad_()
+    out, lse = adapter(qg, k, v, causal, None)
+    (out.sum() + lse.sum()).backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    assert has_lse_kernel("eager") and has_lse_kernel("torch_sdpa") and has_lse_kernel("fa")
+    assert has_lse_kernel("sage_attn") and not has_lse_kernel("fa3")
+
+
+def reference_scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    qd = q.double().transpose(1, 2)
+    kd = k.double().transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], 1)
+    scores = (qd @ kd.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def test_eager_lse_with_softcap() -> None:
+    q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 4, 2, 8)
+    _, lse = eager_lse(q, k, k, False, None, 5.0)
+    scores = 5.0 * torch.tanh(reference_scores(q, k, False) / 5.0)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-5)
+
+
+# -- construction without a group ---------------------------------------------------------
+
+
+def test_sequence_parallel_needs_an_initialised_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        attnres.SequenceParallel(ulysses=2)
+    with pytest.raises(ValueError, match="positive integer"):
+        attnres.SequenceParallel(ulysses=0)
+
+
+def test_attention_parallel_must_be_a_sequence_parallel() -> None:
+    with pytest.raises(TypeError, match=r"parallel: expected an attnres\.SequenceParallel"):
+        attnres.Attention(4, 16, dtype="float32", parallel=(2, 1))  # type: ignore[arg-type]
+
+
+# -- plans and the CLI --------------------------------------------------------------------
+
+
+def test_plan_layout_goes_on_the_denoiser_only() -> None:
+    pipeline = load_pipeline("examples/image-video-dit.toml")
+    laid = with_layout(pipeline, SequenceLayout(2, 2))
+    for before, after in zip(pipeline.components, laid.components, strict=True):
+        expected = SequenceLayout(2, 2) if before.resolved_kind in LAYOUT_KINDS else None
+        assert {layer.spec.layout for layer in after.layers} == {expected}
+    assert with_layout(pipeline, None) is pipeline
+
+
+def test_cli_explain_shows_the_per_rank_decision_and_the_lse_rejection(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["explain", "--head-size", "128", "--dtype", "bf16", "--platform",
+            "cuda:sm90+flash_attn+sageattention", "--ring-degree", "2", "--ulysses-degree", "2",
+            "--heads", "24"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Per rank:  4 ranks (ulysses=2 x ring=2): each runs fa on 12 of 24 heads" in out
+    assert "layout        pass" in out
+    assert main([*argv, "--attention-backend", "dynamic_cudnn_sdpa"]) == 1
+    out = capsys.readouterr().out
+    assert "Decision:  rejected (no_lse)" in out
+    assert "cannot return the softmax log-sum-exp" in out
+
+
+def test_cli_plan_with_a_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "examples/image-video-dit.toml", "--platform",
+            "cuda:sm90+flash_attn+sageattention", "--ring-degree", "2", "--json"]  # fmt: skip
+    main(argv)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layout"] == {"ulysses": 1, "ring": 2, "components": ["transformer"]}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["explain", "--head-size", "64", "--dtype", "fp32", "--heads", "8"], "--heads"),
+        (["explain", "--head-size", "64", "--dtype", "fp32", "--ring-degree", "0"], "positive"),
+        (["plan", "examples/flux.1-dev", "--ring-degree", "2"], "pipeline file"),
+    ],
+)
+def test_cli_layout_flag_mistakes_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own type errors
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+# -- real gloo groups -----------------------------------------------------------------------
+
+#: the rendezvous timeout of a worker (covers the others' start-up)
+RENDEZVOUS_S = 60.0
+
+
+def run_ranks(tmp_path: Path, world: int, scenarios: list[str], work_s: float) -> dict[int, Any]:
+    """One worker per rank running ``scenarios`` in order; fails, never hangs, past
+    the rendezvous bound plus ``work_s`` (both times a wide margin)."""
+    args = [(rank, world, str(tmp_path), scenarios) for rank in range(world)]
+    run_processes(worker, args, 3 * (RENDEZVOUS_S + work_s))
+    return {r: json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(world)}
+
+
+def _numerics_ok(result: dict[str, Any]) -> None:
+    assert "crashed" not in result, result.get("crashed")
+    assert result["max_err"] > 0  # compared (float32 never matches float64 exactly)
+    assert result["cases"] > 0 and result["grads"] > 0
+    assert result["max_err"] < 2e-5, result  # float32 against a float64 reference
+    assert result["max_grad_err"] < 5e-5, result
+
+
+def test_two_ranks_every_layout_matches_one_process_and_errors_are_clear(tmp_path: Path) -> None:
+    scenarios = ["numerics", "dit", "errors", "decide_differently", "dead_peer"]
+    results = run_ranks(tmp_path, 2, scenarios, work_s=120 + 2 * TIMEOUT_S)
+    _numerics_ok(results[0]["numerics"])  # rank 0 compares with the reference
+    assert results[0]["dit"]["max_err"] < 2e-5, results[0]["dit"]
+    for rank in (0, 1):
+        got = results[rank]
+        assert "crashed" not in got["dit"], got["dit"]
+        assert "crashed" not in got["numerics"], got["numerics"]
+        assert got["numerics"]["cases"] == 48  # (1x2: 2 kernels, 2x1: 1) x 16 combinations
+        errors = got["errors"]
+        assert "ulysses=2 x ring=2 spans 4 ranks, but the group has 2" in errors["wrong_degree"]
+        assert errors["heads"][1] == "no_compatible_backend"
+        assert "6 heads and 3 kv heads do not both divide by 2" in errors["heads"][0]
+        assert errors["no_lse"][1] == "no_lse"
+        differ = got["decide_differently"]["error"]
+        assert differ.startswith("Ranks disagree on attention backends")
+        assert "rank 0 -> torch_sdpa" in differ and "rank 1 -> eager" in differ
+    dead = results[0]["dead_peer"]
+    assert results[1]["dead_peer"] == "exited"
+    assert dead["error"] is not None and "sequence-parallel" in dead["error"]
+    assert "restart the job" in dead["error"]
+    assert dead["elapsed_s"] < 3 * TIMEOUT_S  # the protocol's bound, with a margin
+
+
+def test_four_ranks_ulysses_ring_and_usp_match_one_process(tmp_path: Path) -> None:
+    results = run_ranks(tmp_path, 4, ["numerics", "dit"], work_s=300)
+    _numerics_ok(results[0]["numerics"])  # rank 0 compares with the reference
+    assert results[0]["dit"]["max_err"] < 2e-5, results[0]["dit"]
+    for rank in range(4):
+        assert "crashed" not in results[rank]["dit"], results[rank]["dit"]
+        assert "crashed" not in results[rank]["numerics"], results[rank]["numerics"]
+        assert results[rank]["numerics"]["cases"] == 80  # (1x4, 2x2: 2 kernels; 4x1: 1) x 16
+
+
+def test_sequence_layout_is_exported() -> None:
+    assert attnres.SequenceLayout is SequenceLayout
+    assert attrs.has(SequenceLayout)
+
+
+def test_a_layout_is_shared_by_copies_and_refuses_pickling() -> None:
+    import copy
+    import pickle
+
+    sp = object.__new__(attnres.SequenceParallel)  # no group needed to test the protocol
+    assert copy.deepcopy(sp) is sp and copy.copy(sp) is sp
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(sp)
+
+
+def test_rule_layout_training_ring_needs_a_differentiable_lse() -> None:
+    training = Requirements(backward=True)
+    (failure,) = _layout_failures("fa", _spec(SequenceLayout(1, 2), requirements=training), HOPPER)
+    assert failure.code is Code.LAYOUT_UNSUPPORTED and "carries no gradient" in failure.message
+    # inference, or Ulysses alone, is fine with fa
+    assert _layout_failures("fa", _spec(SequenceLayout(1, 2)), HOPPER) == ()
+    assert _layout_failures("fa", _spec(SequenceLayout(2, 1), requirements=training), HOPPER) == ()
+    assert (
+        _layout_failures("torch_sdpa", _spec(SequenceLayout(1, 2), requirements=training), HOPPER)
+        == ()
+    )
+
+
+def _fake_flash_attn() -> Any:
+    """flash-attn 2.x's ``flash_attn_func`` as documented: (b, s, h, d), fp16/bf16 only,
+    causal aligned bottom-right, ``return_attn_probs`` -> (out, softmax_lse, S_dmask)
+    with softmax_lse (b, h, s) in float32."""
+    import types
+
+    def flash_attn_func(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+        softmax_scale: float | None = None, causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+        alibi_slopes: Any = None, deterministic: bool = False, return_attn_probs: bool = False,
+    ) -> Any:  # fmt: skip
+        assert q.dtype in (torch.float16, torch.bfloat16), "only fp16 and bf16"
+        scores = reference_scores(q, k, False)
+        if softmax_scale is not None:
+            scores = scores / q.shape[-1] ** -0.5 * softmax_scale
+        if causal:  # bottom-right: query i sees keys j <= i + (seq_k - seq_q)
+            shift = k.shape[1] - q.shape[1]
+            keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(shift)
+            scores = scores.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        vd = v.double().transpose(1, 2).repeat_interleave(q.shape[2] // v.shape[2], 1)
+        out = (torch.softmax(scores, -1) @ vd).transpose(1, 2).to(q.dtype)
+        return (out, lse.float(), None) if return_attn_probs else out
+
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+    return module
+
+
+def test_fa_lse_adapter_through_a_fake_and_the_ring_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fa adapter returns flash-attn's softmax_lse; the ring only ever asks it for
+    causal blocks of equal lengths, where its bottom-right alignment is top-left's."""
+    import sys
+
+    from attnres.kernels.lse import clear_lse_cache, get_lse_kernel
+    from attnres.parallel import _ParallelRun
+
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
+    clear_lse_cache()
+    try:
+        fa_lse = get_lse_kernel("fa")
+        assert fa_lse is not None
+        q, k, v = (torch.randn(1, n, 4, 16).half() for n in (6, 6, 6))
+        out, lse = fa_lse(q, k, v, True, None)
+        assert torch.allclose(out.double(), reference(q, k, v, True), atol=2e-3)
+        assert torch.allclose(lse.double(), torch.logsumexp(reference_scores(q, k, True), -1))
+        # the ring's block arithmetic with this kernel: a query block of 5 rows at
+        # global offset 7 over key blocks at offsets 0 (4 keys) and 4 (9 keys), causal
+        run = object.__new__(_ParallelRun)
+        run.lse, run.scale, run.softcap, run.causal, run.head_size = fa_lse, None, 0.0, True, 16
+        q = torch.randn(1, 5, 4, 16).half()
+        k = torch.randn(1, 13, 4, 16).half()
+        v = torch.randn(1, 13, 4, 16).half()
+        acc = torch.zeros(1, 5, 4, 16, dtype=torch.float32)
+        acc_lse = torch.full((1, 4, 5), float("-inf"))
+        for start, stop in ((0, 4), (4, 13)):
+            kv = torch.cat([k[:, start:stop], v[:, start:stop]], -1)
+            acc, acc_lse = run._attend(q, kv, 7, start, acc, acc_lse)
+        # query rows 7..11 see keys 0..row: the full reference over 13 keys, rows 7..11
+        q_full = torch.cat([torch.zeros(1, 7, 4, 16).half(), q, torch.zeros(1, 1, 4, 16).half()], 1)
+        expected = reference(q_full, k, v, True)[:, 7:12]
+        assert torch.allclose(acc.double(), expected, atol=5e-3)
+    finally:
+        clear_lse_cache()
+
+
+def test_diffusers_context_parallel_config_is_read_as_the_layout() -> None:
+    from diffusers import ContextParallelConfig, ParallelConfig
+
+    from attnres.layout import context_parallel_layout
+
+    class Model:
+        _parallel_config = None
+
+    model = Model()
+    assert context_parallel_layout(model, 24) is None
+    model._parallel_config = ParallelConfig(  # type: ignore[assignment]
+        context_parallel_config=ContextParallelConfig(ring_degree=2, ulysses_degree=2)
+    )
+    assert context_parallel_layout(model, 24, 8) == SequenceLayout(2, 2, 24, 8)
+    model._parallel_config = ParallelConfig(  # type: ignore[assignment]
+        context_parallel_config=ContextParallelConfig(ulysses_degree=4, ulysses_anything=True)
+    )
+    assert context_parallel_layout(model, 6, 6) == SequenceLayout(4, 1)  # heads need not divide
+
+
+def test_rule_a_layout_is_never_autotuned() -> None:
+    from attnres.tuning import is_tunable
+
+    plain = attnres.resolve(_spec(None), platform=HOPPER)
+    laid = attnres.resolve(_spec(SequenceLayout(2, 1, 24, 24)), platform=HOPPER)
+    assert is_tunable(plain.trace) and not is_tunable(laid.trace)
+
+
+def test_the_docs_show_the_example_script_as_it_is() -> None:
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "sequence-parallel.md").read_text(encoding="utf-8")
+    marker = "<!-- the file examples/sequence_parallel.py -->\n```py-norun\n"
+    shown = doc[doc.index(marker) + len(marker) :].split("```\n", 1)[0]
+    assert shown == (root / "examples" / "sequence_parallel.py").read_text(encoding="utf-8")
+
+
+def test_a_layout_trace_is_schema_version_5_and_older_versions_refuse_one() -> None:
+    from attnres.trace import LAYOUT_SCHEMA_VERSION
+
+    laid = attnres.resolve(_spec(SequenceLayout(1, 2, 24, 24)), platform=HOPPER).trace
+    assert laid.schema_version == LAYOUT_SCHEMA_VERSION == 5
+    assert attnres.resolve(_spec(None), platform=HOPPER).trace.schema_version == 2
+    doc = json.loads(json.dumps(trace_to_dict(laid)))
+    doc["schema_version"] = 4
+    with pytest.raises(attnres.TraceFormatError, match="belongs to schema version 5"):
+        trace_from_dict(doc)
+
+
+def test_sage_lse_adapter_through_a_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sageattn(..., tensor_layout="NHD", return_lse=True) -> (out, lse (b, h, s));
+    is_causal only with equal lengths (the ring never asks otherwise)."""
+    import sys
+    import types
+
+    from attnres.kernels.lse import clear_lse_cache, get_lse_kernel
+
+    def sageattn(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
+        is_causal: bool = False, sm_scale: float | None = None, return_lse: bool = False,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        assert tensor_layout == "NHD" and q.dtype in (torch.float16, torch.bfloat16)
+        assert not is_causal or q.shape[1] == k.shape[1], "is_causal needs qo_len == kv_len"
+        out = reference(q, k, v, is_causal).to(q.dtype)
+        lse = torch.logsumexp(reference_scores(q, k, is_causal), -1).float()
+        return (out, lse) if return_lse else out
+
+    module = types.ModuleType("sageattention")
+    module.sageattn = sageattn  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sageattention", module)
+    clear_lse_cache()
+    try:
+        sage_lse = get_lse_kernel("sage_attn")
+        assert sage_lse is not None
+        q, k, v = (torch.randn(1, 6, 4, 16).half() for _ in range(3))
+        out, lse = sage_lse(q, k, v, True, None)
+        assert torch.allclose(out.double(), reference(q, k, v, True), atol=2e-3)
+        assert lse.shape == (1, 4, 6)
+        with pytest.raises(ValueError, match="softcap"):
+            sage_lse(q, k, v, False, None, 5.0)
+    finally:
+        clear_lse_cache()
+
+
+def test_diffusers_context_parallel_sites_are_decided_for_the_layout() -> None:
+    """Issue 24 item 4: a diffusers model with context parallelism enabled gets its
+    sites resolved with that layout; the VAE and text encoder keep none."""
+    import tiny_pipelines as tp
+    from diffusers import ContextParallelConfig, ParallelConfig
+
+    from attnres.integrations import diffusers as governed
+
+    components = tp.wan()
+    components["transformer"]._parallel_config = ParallelConfig(
+        context_parallel_config=ContextParallelConfig(ring_degree=2)
+    )
+    plan = governed.plan(components, platform=HOPPER)
+    for site in plan.sites:
+        laid = site.component == "transformer"
+        layout = None if site.spec is None else site.spec.layout
+        assert (layout is not None) == laid, site.name
+        if laid and site.trace is not None:
+            assert site.trace.input.layer.layout == SequenceLayout(1, 2, 2, 2)
+            assert any(getattr(r, "check", None) is Check.LAYOUT for r in site.trace.records)
+    config = attnres.SelectionConfig(component_backends={"transformer": "dynamic_cudnn_sdpa"})
+    strict = governed.plan(components, config, platform=HOPPER)
+    errors = [s.error for s in strict.sites if s.component == "transformer"]
+    assert errors and all(e and "log-sum-exp" in e for e in errors), errors
+
+
+def test_rule_a_ring_refuses_a_bottom_right_causal_layer() -> None:
+    bottom_right = Requirements(causal=True, causal_alignment="bottom_right")
+    spec = _spec(SequenceLayout(1, 2), requirements=bottom_right, role="cross")
+    (failure,) = _layout_failures("eager", spec, HOPPER)
+    assert failure.code is Code.LAYOUT_UNSUPPORTED and "bottom_right" in failure.message
+    ulysses = _spec(SequenceLayout(2, 1), requirements=bottom_right, role="cross")
+    assert _layout_failures("eager", ulysses, HOPPER) == ()  # each rank sees it all
