@@ -144,6 +144,7 @@ def test_the_name_blind_cache_key_holds_every_layer_field_but_the_name() -> None
     import attrs
 
     from attnres import runtime
+    from attnres.layout import SequenceLayout
 
     base = _layer(supported={"fa", "torch_sdpa"})
     variants = {
@@ -153,6 +154,8 @@ def test_the_name_blind_cache_key_holds_every_layer_field_but_the_name() -> None
         "head_size": attrs.evolve(base, head_size=64),
         "exact_route": attrs.evolve(base, exact_route="a route"),
         "backend_options": attrs.evolve(base, backend_options={"fa": {"deterministic": True}}),
+        # issue 24: a sequence-parallel layout is a machine input too
+        "layout": attrs.evolve(base, layout=SequenceLayout(2, 1, 8, 8)),
     }
     fields = {a.name for a in attrs.fields(LayerSpec)} - {"name"}
     # every field but the name that a layer can differ in must be exercised here
