@@ -153,7 +153,7 @@ def fake_flash_attn(calls: Calls) -> types.ModuleType:
     ) -> Any:
         calls.seen.append(
             {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal,
-             "window_size": window_size, "softcap": softcap}
+             "window_size": window_size, "softcap": softcap, "deterministic": deterministic}
         )  # fmt: skip
         _check_half(q, k, v, "FlashAttention only support fp16 and bf16 data type")
         _check_bshd(q, k, v, "flash_attn_func")
@@ -253,8 +253,16 @@ def fake_flash_attn_interface(calls: Calls, *, always_tuple: bool) -> types.Modu
         sm_margin: int = 0,
         return_attn_probs: bool = False,
     ) -> Any:
-        calls.seen.append({"softmax_scale": softmax_scale, "causal": causal,
-                           "window_size": window_size, "softcap": softcap})
+        calls.seen.append(
+            {
+                "softmax_scale": softmax_scale,
+                "causal": causal,
+                "window_size": window_size,
+                "softcap": softcap,
+                "deterministic": deterministic,
+                "pack_gqa": pack_gqa,
+            }
+        )
         _check_half(q, k, v, "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
         _check_bshd(q, k, v, "flash_attn_func")
         if q.shape[-1] > 256:
@@ -302,8 +310,16 @@ def fake_flash_attn_cute(calls: Calls, *, returns_tuple: bool) -> dict[str, type
         block_size: tuple[int, int] | None = None,
         return_lse: bool = False,
     ) -> Any:
-        calls.seen.append({"softmax_scale": softmax_scale, "causal": causal,
-                           "window_size": window_size, "softcap": softcap})
+        calls.seen.append(
+            {
+                "softmax_scale": softmax_scale,
+                "causal": causal,
+                "window_size": window_size,
+                "softcap": softcap,
+                "deterministic": deterministic,
+                "pack_gqa": pack_gqa,
+            }
+        )
         for side in window_size:
             assert side is None or side >= 0, "window_size sides are None or non-negative"
         assert q.dtype in [torch.float16, torch.bfloat16], "inputs must be float16 or bfloat16"
@@ -965,8 +981,14 @@ def test_unregistering_an_adapter_makes_the_backend_kernel_less() -> None:
 # ------------------------------------------------------ softcap and sliding windows
 
 #: (variant, takes softcap): the adapters whose kernels take these arguments.
-FEATURE_VARIANTS = [("fa", True), ("fa3", True), ("fa4", True), ("fa4-tensor-return", True),
-                    ("aiter", False), ("xformers", False)]
+FEATURE_VARIANTS = [
+    ("fa", True),
+    ("fa3", True),
+    ("fa4", True),
+    ("fa4-tensor-return", True),
+    ("aiter", False),
+    ("xformers", False),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -1016,8 +1038,15 @@ def test_adapters_pass_no_window_or_softcap_unless_asked(
         assert calls.seen[0].get(key, default) == default
 
 
-@pytest.mark.parametrize(("variant", "feature"), [("aiter", "softcap"), ("sage_attn", "softcap"),
-                                                  ("sage_attn", "window"), ("xformers", "softcap")])
+@pytest.mark.parametrize(
+    ("variant", "feature"),
+    [
+        ("aiter", "softcap"),
+        ("sage_attn", "softcap"),
+        ("sage_attn", "window"),
+        ("xformers", "softcap"),
+    ],
+)
 def test_adapters_refuse_a_feature_their_kernel_lacks(
     variant: str, feature: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

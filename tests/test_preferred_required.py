@@ -153,6 +153,7 @@ def test_the_name_blind_cache_key_holds_every_layer_field_but_the_name() -> None
         "default": attrs.evolve(base, default="torch_sdpa"),
         "head_size": attrs.evolve(base, head_size=64),
         "exact_route": attrs.evolve(base, exact_route="a route"),
+        "backend_options": attrs.evolve(base, backend_options={"fa": {"deterministic": True}}),
         # issue 24: a sequence-parallel layout is a machine input too
         "layout": attrs.evolve(base, layout=SequenceLayout(2, 1, 8, 8)),
     }

@@ -617,6 +617,9 @@ def _layer_of(
         required=(
             _field(obj, "required", _optional(_structure_backend)) if "required" in obj else None
         ),
+        # issue 23: typed per-backend options, checked against the specs (a
+        # BackendOptionError is a ValueError: the caller reports it as invalid)
+        backend_options=obj.get("backend_options"),
     )
 
 
@@ -781,6 +784,11 @@ def _backend_names(value: frozenset[Backend] | None) -> list[str] | None:
     return None if value is None else sorted(b.name for b in value)
 
 
+def _options_object(value: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]) -> Any:
+    """Per-backend options (issue 23) as ``{backend: {option: value}}``."""
+    return {backend: dict(pairs) for backend, pairs in value}
+
+
 def _enum_value(value: enum.Enum) -> Any:
     return value.value
 
@@ -794,6 +802,7 @@ def _pairs_to_object(pairs: tuple[tuple[Any, Backend], ...]) -> dict[str, str]:
 _WRITTEN_AS: dict[tuple[type[Any], str], Callable[[Any], Any]] = {
     (LayerSpec, "supported"): _backend_names,
     (LayerSpec, "preferred"): _backend_names,  # issue 23
+    (LayerSpec, "backend_options"): _options_object,  # issue 23
     (LayerSpec, "role"): _enum_value,
     (SelectionConfig, "component_backends"): _pairs_to_object,
     (ScopeState, "role_backends"): _pairs_to_object,

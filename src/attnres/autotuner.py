@@ -335,8 +335,10 @@ def _measure(
     return Measured(backend, median, spread, _deviation(out, reference))
 
 
-def _bare(kernel: KernelFn, layer: Attention) -> Run:
-    """``kernel`` with the layer's fixed settings bound, without its input checks."""
+def _bare(kernel: KernelFn, layer: Attention, backend: str) -> Run:
+    """``kernel`` (``backend``'s) with the layer's fixed settings bound, without
+    its input checks; the layer's options for that backend (issue 23) included,
+    so a candidate is timed as it would run."""
     shape = layer._shape
     return specialized(
         kernel,
@@ -345,6 +347,7 @@ def _bare(kernel: KernelFn, layer: Attention) -> Run:
         shape.num_heads != shape.num_kv_heads,
         softcap=shape.softcap,
         window=shape.window,
+        options=dict(shape.backend_options).get(backend, ()),
     )
 
 
@@ -405,7 +408,7 @@ def _measure_all(
         if kernel is None:
             no_kernel[backend] = "no kernel is registered for it"
             continue
-        kernels.append((backend, _bare(kernel, layer)))
+        kernels.append((backend, _bare(kernel, layer, backend.name)))
     here = platform_facts(machine_trace.input.platform)
     source, detail = "measured", "measured in this process"
     measured: list[Measured] | None = None
@@ -424,7 +427,7 @@ def _measure_all(
         sync = _synchronizer(args[0].device)
         # the incumbent is timed like every candidate: its bare kernel, without
         # the layer's input checks (its output on the real call is the reference)
-        bare = _bare(_bound_kernel(layer), layer)
+        bare = _bare(_bound_kernel(layer), layer, incumbent.name)
         measured = [_measure(incumbent, bare, args, reference, settings, sync)]
         measured += [_measure(b, fn, args, reference, settings, sync) for b, fn in kernels]
         entry = ResultEntry(

@@ -13,6 +13,7 @@ raised; two plugins claiming one name is a :class:`PluginError`.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 import threading
@@ -30,13 +31,14 @@ from attnres._vocab import (
     MaskRoute,
     Requirement,
 )
-from attnres.errors import PluginError, UnknownBackendError
+from attnres.errors import BackendOptionError, PluginError, UnknownBackendError
 
 __all__ = [
     "BUILTIN_SPECS",
     "ENTRY_POINT_GROUP",
     "LSE_SOURCES",
     "Backend",
+    "BackendOption",
     "BackendSpec",
     "CapabilityRule",
     "FrozenMap",
@@ -45,6 +47,9 @@ __all__ = [
     "PluginFailure",
     "RequirementLimit",
     "get_spec",
+    "merge_backend_options",
+    "normalize_backend_options",
+    "parse_backend_option",
     "plugin_failures",
     "register_backend",
     "registered_backends",
@@ -327,6 +332,69 @@ def _dtype_capabilities(
     return FrozenMap(value)
 
 
+#: A value a backend option may take (plain data: it goes into traces and cache keys).
+OptionValue = bool | int | str | None
+
+#: Validated per-backend options: ``((backend, ((option, value), ...)), ...)``, sorted.
+BackendOptions = tuple[tuple[str, tuple[tuple[str, OptionValue], ...]], ...]
+
+_OPTION_KINDS = {"bool": (bool,), "int": (int,), "str": (str,)}
+
+
+@frozen
+class BackendOption:
+    """One typed keyword argument of a backend's kernel that a user may set (issue 23).
+
+    ``kind`` is ``"bool"``, ``"int"`` or ``"str"``; ``choices`` (empty: any
+    value of the kind) and ``minimum`` (ints) bound it; ``nullable`` admits
+    ``None``; ``default`` is the kernel's own default; ``source`` cites the
+    kernel signature it was read from (docs/backends.md).
+    """
+
+    name: str
+    kind: str = field(validator=attrs.validators.in_(tuple(_OPTION_KINDS)))
+    default: OptionValue
+    source: str
+    choices: tuple[OptionValue, ...] = ()
+    minimum: int | None = None
+    nullable: bool = False
+
+    def check(self, backend: str, value: object) -> OptionValue:
+        """``value`` if this option takes it, else a :class:`BackendOptionError`."""
+        ok = (value is None and self.nullable) or (
+            isinstance(value, _OPTION_KINDS[self.kind])
+            and (self.kind == "bool" or not isinstance(value, bool))
+            and (not self.choices or value in self.choices)
+            and (self.minimum is None or value >= self.minimum)  # type: ignore[operator]
+        )
+        if not ok:
+            raise BackendOptionError(
+                f"backend_options: {backend}.{self.name}={value!r} is not allowed; "
+                f"expected {self.describe()} (from {self.source})",
+                backend,
+                self.name,
+            )
+        return value  # type: ignore[return-value]
+
+    def describe(self) -> str:
+        """What the option takes, in words (errors and ``attnres backends``)."""
+        if self.choices:
+            text = "one of " + ", ".join(repr(c) for c in self.choices)
+        elif self.minimum is not None:
+            text = f"an int >= {self.minimum}"
+        else:
+            text = "a " + self.kind
+        return text + (" or None" if self.nullable else "")
+
+
+def _options(value: Iterable[BackendOption]) -> tuple[BackendOption, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, BackendOption):
+            raise TypeError(f"options: expected BackendOption records, got {item!r}")
+    return out
+
+
 @frozen
 class RequirementLimit:
     """Where a kernel does not implement requirements its spec claims.
@@ -485,6 +553,9 @@ class BackendSpec:
     extra_packages: tuple[str, ...] = field(default=(), converter=_str_tuple)
     masks: tuple[MaskSupport, ...] = field(default=(), converter=_masks)
     varlen_kernel: str | None = field(default=None, converter=_kernel_path)
+    #: issue 23: typed keyword arguments of the kernel a user may set
+    #: (``Attention(backend_options=...)``); the adapter passes them at bind time
+    options: tuple[BackendOption, ...] = field(default=(), converter=_options)
 
     #: issue 24: how the kernel returns the softmax log-sum-exp that a ring layout
     #: merges partial results with (its entry point and source); ``None``: it
@@ -555,6 +626,20 @@ def _native_masks(source: str) -> tuple[MaskSupport, ...]:
     """Key padding, boolean and additive masks, all taken as the kernel's mask argument."""
     kinds = (MaskKind.KEY_PADDING, MaskKind.BOOLEAN, MaskKind.ADDITIVE)
     return tuple(MaskSupport(kind, MaskRoute.NATIVE, source) for kind in kinds)
+
+
+#: issue 23: where each backend option was read (BackendOption.source; docs/backends.md)
+_FA2_SIGNATURE = (
+    "flash-attention flash_attn/flash_attn_interface.py: flash_attn_func(..., deterministic=False)"
+)
+_FA3_SIGNATURE = (
+    "flash-attention hopper/flash_attn_interface.py: "
+    "flash_attn_func(..., pack_gqa=None, deterministic=False)"
+)
+_FA4_SIGNATURE = (
+    "flash-attention flash_attn/cute/interface.py: "
+    "flash_attn_func(..., pack_gqa=None, deterministic=False)"
+)
 
 
 #: The built-in specs before their log-sum-exp facts (:data:`LSE_SOURCES`) are added.
@@ -645,6 +730,14 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
     BackendSpec(
         name="fa",
         sparse=False,
+        options=(
+            BackendOption(
+                "deterministic",
+                "bool",
+                False,
+                _FA2_SIGNATURE,
+            ),
+        ),
         platforms=("cuda", "rocm"),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
@@ -696,6 +789,21 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
     BackendSpec(
         name="fa3",
         sparse=False,
+        options=(
+            BackendOption(
+                "deterministic",
+                "bool",
+                False,
+                _FA3_SIGNATURE,
+            ),
+            BackendOption(
+                "pack_gqa",
+                "bool",
+                None,
+                _FA3_SIGNATURE,
+                nullable=True,
+            ),
+        ),
         platforms=("cuda",),
         dtypes=_HALF,  # fp8 left out: it needs head sizes % 16 (docs/backends.md)
         head_sizes=HeadSizeRule(max=256, multiple_of=8),
@@ -728,6 +836,21 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
     BackendSpec(
         name="fa4",
         sparse=False,
+        options=(
+            BackendOption(
+                "deterministic",
+                "bool",
+                False,
+                _FA4_SIGNATURE,
+            ),
+            BackendOption(
+                "pack_gqa",
+                "bool",
+                None,
+                _FA4_SIGNATURE,
+                nullable=True,
+            ),
+        ),
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
@@ -1226,3 +1349,94 @@ def reload_plugins() -> tuple[PluginFailure, ...]:
     """Drop plugin-registered backends and load the entry points again."""
     _REGISTRY.reset_plugins()
     return plugin_failures()
+
+
+def normalize_backend_options(value: object) -> BackendOptions:
+    """``{backend: {option: value}}`` checked against the specs, as sorted plain data.
+
+    (issue 23) A backend name goes through :meth:`Backend.parse` (aliases,
+    did-you-mean); an option its spec does not declare, or a value the option
+    does not take, is a :class:`~attnres.errors.BackendOptionError` naming the
+    closest declared option. ``None`` and ``{}`` are no options.
+    """
+    if value is None or value == ():
+        return ()
+    if isinstance(value, tuple):  # the normalised form (attrs.evolve passes it back)
+        with contextlib.suppress(TypeError, ValueError):  # else reported below
+            value = {backend: dict(pairs) for backend, pairs in value}
+    if not isinstance(value, Mapping):
+        raise BackendOptionError(
+            f"backend_options: expected a mapping {{backend: {{option: value}}}}, got {value!r}",
+            "",
+            "",
+        )
+    out: dict[str, tuple[tuple[str, OptionValue], ...]] = {}
+    for raw_backend, given in value.items():
+        spec = get_spec(Backend.parse(raw_backend))
+        if not isinstance(given, Mapping):
+            raise BackendOptionError(
+                f"backend_options: {spec.name!r} takes a mapping {{option: value}}, got {given!r}",
+                spec.name,
+                "",
+            )
+        declared = {o.name: o for o in spec.options}
+        checked: dict[str, OptionValue] = {}
+        for name, item in given.items():
+            option = declared.get(name) if isinstance(name, str) else None
+            if option is None:
+                close = difflib.get_close_matches(str(name), list(declared), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                takes = ", ".join(sorted(declared)) or "none"
+                raise BackendOptionError(
+                    f"backend_options: backend {spec.name!r} has no option {name!r}{hint}; "
+                    f"its options: {takes} (docs/backends.md)",
+                    spec.name,
+                    str(name),
+                    close[0] if close else None,
+                )
+            checked[name] = option.check(spec.name, item)
+        if checked:
+            out[spec.name] = tuple(sorted(checked.items()))
+    return tuple(sorted(out.items()))
+
+
+def merge_backend_options(base: BackendOptions, over: BackendOptions) -> BackendOptions:
+    """``over``'s options on top of ``base``'s, option by option (both normalised)."""
+    if not base or not over:
+        return over or base
+    merged = {backend: dict(pairs) for backend, pairs in base}
+    for backend, pairs in over:
+        merged.setdefault(backend, {}).update(pairs)
+    return tuple(sorted((b, tuple(sorted(p.items()))) for b, p in merged.items()))
+
+
+_TEXT_VALUES: dict[str, OptionValue] = {"true": True, "false": False, "none": None}
+
+
+def parse_backend_option(text: str) -> tuple[str, str, OptionValue]:
+    """``"BACKEND.OPTION=VALUE"`` (the CLI's ``--backend-option``) as typed data.
+
+    The value is read as the declared option's kind (``true``/``false`` for a
+    bool, an integer for an int, ``none`` where the option takes ``None``) and
+    then checked like any other (:func:`normalize_backend_options`).
+    """
+    key, sep, raw = (part.strip() for part in text.partition("="))
+    backend_name, dot, name = key.partition(".")
+    if not sep or not dot or not backend_name or not name:
+        raise BackendOptionError(
+            f"backend option: expected BACKEND.OPTION=VALUE (fa.deterministic=true), got {text!r}",
+            backend_name,
+            name,
+        )
+    spec = get_spec(Backend.parse(backend_name))
+    option = next((o for o in spec.options if o.name == name), None)
+    value: object = raw
+    if option is not None and raw.lower() in _TEXT_VALUES and option.kind == "bool":
+        value = _TEXT_VALUES[raw.lower()]
+    elif option is not None and raw.lower() == "none" and option.nullable:
+        value = None
+    elif option is not None and option.kind == "int":
+        with contextlib.suppress(ValueError):
+            value = int(raw)
+    checked = normalize_backend_options({spec.name: {name: value}})
+    return spec.name, name, checked[0][1][0][1]

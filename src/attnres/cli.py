@@ -52,6 +52,7 @@ from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
     BackendSpec,
+    parse_backend_option,
     plugin_failures,
     registered_backends,
 )
@@ -470,6 +471,7 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         role=args.role,
         requirements=Requirements.of(args.requires or (), field="--requires"),
         name=args.layer_name,
+        backend_options=_backend_options(args.backend_option),  # issue 23
         layout=_layout(args),
     )
     platform = _platform(args.platform)
@@ -513,6 +515,20 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     # a schedule with a step the layer cannot run would refuse to start (all or nothing)
     schedule_ok = all(row["backend"] is not None for row in scheduled or ())
     return EXIT_OK if outcome.status == Status.SELECTED and schedule_ok else EXIT_REJECTED
+
+
+def _backend_options(given: list[str] | None) -> dict[str, dict[str, object]] | None:
+    """``--backend-option BACKEND.OPTION=VALUE`` (repeatable; issue 23) as a mapping."""
+    if not given:
+        return None
+    options: dict[str, dict[str, object]] = {}
+    for text in given:
+        try:
+            backend, name, value = parse_backend_option(text)
+        except ValueError as exc:
+            raise UsageError(f"--backend-option: {exc}") from None
+        options.setdefault(backend, {})[name] = value
+    return options
 
 
 def _explain_schedule(
@@ -1172,6 +1188,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STEP:X,...",
         help="also show what the layer runs on a per-step schedule, e.g. 0:sage_attn,40:fa "
         "(attnres.schedule)",
+    )
+    where.add_argument(
+        "--backend-option",
+        action="append",
+        metavar="X.OPTION=VALUE",
+        help="a typed kernel option of backend X, e.g. fa.deterministic=true (repeatable; "
+        "docs/backends.md#per-backend-options)",
     )
     output = explain.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")

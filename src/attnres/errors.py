@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttnresError",
     "BackendNotAppliedError",
+    "BackendOptionError",
     "ConsensusError",
     "FolderBuildError",
     "IntegrationError",
@@ -55,6 +56,22 @@ class UnknownBackendError(AttnresError, ValueError):
     def __init__(self, message: str, name: str, suggestion: str | None) -> None:
         super().__init__(message)
         self.name = name
+        self.suggestion = suggestion
+
+
+class BackendOptionError(AttnresError, ValueError):
+    """A per-backend option that the backend's spec does not declare, or a bad value.
+
+    (issue 23) ``.backend`` and ``.option`` name what was given; ``.suggestion``
+    is the closest declared option name, if any.
+    """
+
+    def __init__(
+        self, message: str, backend: str, option: str, suggestion: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.option = option
         self.suggestion = suggestion
 
 

@@ -25,7 +25,7 @@ from attnres._vocab import (
     normalize_component,
     normalize_dtype,
 )
-from attnres.backends import Backend
+from attnres.backends import Backend, BackendOptions, normalize_backend_options
 from attnres.errors import UnknownBackendError
 from attnres.layout import SequenceLayout
 
@@ -354,6 +354,14 @@ class LayerSpec:
     required: Backend | None = field(
         default=None, converter=_default_backend, kw_only=True, metadata={"omit_default": True}
     )
+    #: issue 23: typed options of the kernels this layer may run, per backend
+    #: (``BackendSpec.options``), checked when given: ``((backend, ((option,
+    #: value), ...)), ...)``. They do not change the decision; the adapter gets
+    #: the served backend's options at bind time. Written only when set.
+    backend_options: BackendOptions = field(
+        default=(), converter=normalize_backend_options, kw_only=True,
+        metadata={"omit_default": True},
+    )  # fmt: skip
 
     def __attrs_post_init__(self) -> None:
         supported = self.supported
@@ -522,6 +530,14 @@ class SelectionConfig:
     # leaves them out (a tuned trace records them in its tuning record), so
     # they are marked ``trace=False`` for the codec's field lists.
     #: measure automatic decisions on their first large forward (docs/selection-contract.md)
+    #: issue 23: per-backend kernel options for every layer built under this
+    #: config (``{"fa": {"deterministic": True}}``); a layer's own
+    #: ``backend_options`` win option by option. Each layer records the merged
+    #: options in its trace input (LayerSpec.backend_options), so the config
+    #: does not write them.
+    backend_options: BackendOptions = field(
+        default=(), converter=normalize_backend_options, kw_only=True, metadata=_NOT_IN_TRACE
+    )
     autotune: bool = field(default=False, validator=_is_bool, metadata=_NOT_IN_TRACE)
     #: a forward whose query holds fewer elements stays on the incumbent (the
     #: tuner stays armed); SGLang's multimodal tuner waits for 4 Mi elements too

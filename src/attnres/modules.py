@@ -53,7 +53,15 @@ from attnres._fastcall import FastCallModule
 from attnres._varlen import route_kernel
 from attnres._vocab import Role, normalize_dtype
 from attnres.autotuner import arm, armed_run
-from attnres.backends import Backend, lookup_spec, on_registry_change, registry_generation
+from attnres.backends import (
+    Backend,
+    BackendOptions,
+    lookup_spec,
+    merge_backend_options,
+    normalize_backend_options,
+    on_registry_change,
+    registry_generation,
+)
 from attnres.errors import BackendNotAppliedError, KernelNotRegisteredError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
@@ -284,6 +292,14 @@ class Attention(FastCallModule):
     instead of the detected ones) and ``is_cross_attention`` (a synonym of
     ``role="cross"``; ``False`` means ``role="self"``).
 
+    ``backend_options={"fa": {"deterministic": True}}`` (issue 23) sets typed
+    keyword arguments of the kernels this layer may run, per backend, as each
+    backend's spec declares them (``BackendSpec.options``, docs/backends.md);
+    :class:`~attnres.SelectionConfig`'s ``backend_options`` apply under them.
+    They are checked here (:class:`~attnres.errors.BackendOptionError`, with a
+    did-you-mean), given to the served backend's kernel when it is bound, and
+    recorded in the trace (``LayerSpec.backend_options``).
+
     Raises at construction: ``ValueError`` for a bad argument,
     :class:`~attnres.ResolutionError` (a ``ValueError``) when no backend can serve
     the layer, :class:`KernelNotRegisteredError` (a ``RuntimeError``) when the
@@ -327,6 +343,7 @@ class Attention(FastCallModule):
         preferred: Any = None,
         required: Backend | str | None = None,
         parallel: SequenceParallel | None = None,
+        backend_options: Any = None,
     ) -> None:
         super().__init__()
         num_heads = _positive_int("num_heads", num_heads)
@@ -389,6 +406,14 @@ class Attention(FastCallModule):
                     f"{type(parallel).__name__}"
                 )
             spec = attrs.evolve(spec, layout=parallel.layout(num_heads, kv_heads))
+        # issue 23: typed per-backend options (docs/backends.md), the config's under
+        # the layer's own; checked here, bound with the kernel, recorded in the trace
+        config = capture_config()
+        options = merge_backend_options(
+            config.backend_options, normalize_backend_options(backend_options)
+        )
+        if options:
+            spec = attrs.evolve(spec, backend_options=options)
         if platform is not None and not isinstance(platform, Platform):
             raise TypeError(
                 f"platform: expected an attnres.Platform (Platform.detect() or "
@@ -398,14 +423,24 @@ class Attention(FastCallModule):
         # backend of the place it was built in, never those current at first use.
         handle = current_handle()
         context = _Context(
-            capture_config(),
+            config,
             None if handle is None else handle.state,
             handle,
             platform,
             None if backend is None else optional_backend("backend")(backend),
         )
         shape = _LayerShape(
-            num_heads, kv_heads, head_size, causal, scale, "", spec.dtype, cap, band, parallel
+            num_heads,
+            kv_heads,
+            head_size,
+            causal,
+            scale,
+            "",
+            spec.dtype,
+            cap,
+            band,
+            parallel,
+            options,
         )
         # Plain attributes, set without nn.Module.__setattr__'s parameter/module
         # bookkeeping (none of them is a tensor or a module).
@@ -989,6 +1024,7 @@ class _LayerShape(NamedTuple):
     softcap: float = 0.0  # 0: none
     window: tuple[int, int] | None = None  # (left, right), -1 unbounded
     parallel: SequenceParallel | None = None  # issue 24: the sequence-parallel layout
+    backend_options: BackendOptions = ()  # issue 23: per backend, validated
 
 
 def _make_run(
@@ -1018,8 +1054,15 @@ def _new_run(
     if shape.parallel is not None:  # issue 24: collectives around a per-rank local run
         return shape.parallel.make_run(shape, kernel, dtypes, _new_run)
     heads_q, heads_kv, head_size, causal, scale = shape[:5]
+    options = dict(shape.backend_options).get(shape.backend, ())  # issue 23: bound once
     call = specialized(
-        kernel, causal, scale, heads_q != heads_kv, softcap=shape.softcap, window=shape.window
+        kernel,
+        causal,
+        scale,
+        heads_q != heads_kv,
+        softcap=shape.softcap,
+        window=shape.window,
+        options=options,
     )
 
     def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:

@@ -381,6 +381,7 @@ def _shape_key(
         layer.preferred,  # issue 23
         layer.required,
         layer.exact_route,  # (issue 21's field; it was missing from this key)
+        layer.backend_options,  # issue 23: a layer's kernel options are part of its binding
         layer.layout,  # issue 24: the sequence-parallel layout is a machine input
         cfg,
         scope,

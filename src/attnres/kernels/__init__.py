@@ -208,14 +208,16 @@ def specialized(
     *,
     softcap: float = 0.0,
     window: tuple[int, int] | None = None,
+    options: tuple[tuple[str, object], ...] = (),
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]:
     """``kernel`` with a layer's fixed settings bound: ``fn(q, k, v, attn_mask)``.
 
     ``softcap`` (0: off) and ``window`` (``None``: off) reach the kernel as
-    keyword arguments, and only when set.
+    keyword arguments, and only when set; so do ``options``, the backend's
+    validated options (issue 23, ``BackendSpec.options``), bound here once.
     """
-    if softcap or window is not None:
-        features: dict[str, object] = {}
+    if softcap or window is not None or options:
+        features: dict[str, object] = dict(options)
         if softcap:
             features["softcap"] = softcap
         if window is not None:

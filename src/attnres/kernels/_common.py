@@ -93,10 +93,9 @@ def unsupported_feature_error(backend: str, feature: str) -> ValueError:
 
 
 #: What a flash-style kernel call receives: q, k, v, causal, scale, softcap (0.0:
-#: off) and window ((left, right), -1 unbounded; None: off).
-FlashCall = Callable[
-    ["Tensor", "Tensor", "Tensor", bool, "float | None", float, "tuple[int, int] | None"], Any
-]
+#: off) and window ((left, right), -1 unbounded; None: off), then the backend's
+#: options (issue 23; only those its spec declares) as keyword arguments.
+FlashCall = Callable[..., Any]
 
 
 def flash_style_kernel(
@@ -114,7 +113,9 @@ def flash_style_kernel(
     ``call(q, k, v, causal, scale, softcap, window)`` is the kernel call; a tuple
     result (``(out, lse)`` in some releases) is unwrapped to ``out``. ``takes``
     names the optional features the kernel has arguments for (``"softcap"``,
-    ``"window"``); any other one given is a ``ValueError``.
+    ``"window"``); any other one given is a ``ValueError``. Other keyword
+    arguments are the backend's options (``BackendSpec.options``, checked when
+    the layer was built) and go to ``call`` as they are.
     """
 
     def attention(
@@ -127,6 +128,7 @@ def flash_style_kernel(
         *,
         softcap: float = 0.0,
         window: tuple[int, int] | None = None,
+        **options: Any,
     ) -> Tensor:
         if attn_mask is not None:
             raise no_mask_error(backend, mask_detail)
@@ -136,7 +138,7 @@ def flash_style_kernel(
             raise unsupported_feature_error(backend, "window")
         if (causal or window is not None) and q.shape[1] != k.shape[1]:
             raise causal_alignment_error(backend, q.shape[1], k.shape[1])
-        result = call(q, k, v, causal, scale, softcap, window)
+        result = call(q, k, v, causal, scale, softcap, window, **options)
         out: Tensor = result[0] if isinstance(result, tuple) else result
         return out
 

@@ -78,9 +78,12 @@ def make_kernel() -> KernelFn:
         scale: float | None,
         softcap: float,
         window: tuple[int, int] | None,
+        **options: Any,  # issue 23: the spec's declared options (deterministic, ...)
     ) -> Any:
         extra = flash_feature_kwargs(softcap, window)
-        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
+        return flash_attn_func(
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra, **options
+        )
 
     return flash_style_kernel(BACKEND, "flash_attn_func has no mask argument", call, takes=_TAKES)
 

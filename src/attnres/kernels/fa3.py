@@ -84,9 +84,10 @@ def make_kernel() -> KernelFn:
         scale: float | None,
         softcap: float,
         window: tuple[int, int] | None,
+        **options: Any,  # issue 23: the spec's declared options (deterministic, ...)
     ) -> Any:
         extra = flash_feature_kwargs(softcap, window)
-        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra)
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra, **options)
 
     return flash_style_kernel(
         BACKEND,

@@ -1,0 +1,212 @@
+"""Issue 23: typed per-backend options (``BackendSpec.options``).
+
+Declared per spec from the kernels' own signatures, checked up front with a
+did-you-mean, given to the kernel when it is bound, recorded in the trace.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import attnres
+from attnres import LayerSpec, SelectionConfig
+from attnres.backends import get_spec, normalize_backend_options
+from attnres.errors import AttnresError, BackendOptionError, UnknownBackendError
+from attnres.runtime import set_selection_config
+from attnres.trace import trace_from_json, trace_to_dict
+
+HOPPER_FA = attnres.Platform.simulate("cuda:sm90+flash_attn")
+CPU = attnres.Platform.simulate("cpu")
+DETERMINISTIC = {"fa": {"deterministic": True}}
+
+
+def _fa_layer(**kw: Any) -> attnres.Attention:
+    return attnres.Attention(
+        4, 64, dtype=torch.float16, platform=HOPPER_FA, backend="fa", name="attn", **kw
+    )
+
+
+def _run(layer: attnres.Attention) -> None:
+    q = torch.randn(1, 8, 4, 64, dtype=torch.float16)
+    layer(q, q, q)
+
+
+def test_rule_backend_options_unknown_option_is_refused_with_did_you_mean() -> None:
+    with pytest.raises(BackendOptionError, match="did you mean 'deterministic'") as info:
+        LayerSpec(64, "bf16", backend_options={"fa": {"determinstic": True}})
+    assert isinstance(info.value, AttnresError) and isinstance(info.value, ValueError)
+    assert (info.value.backend, info.value.option) == ("fa", "determinstic")
+    assert info.value.suggestion == "deterministic"
+    assert "its options: deterministic" in str(info.value)
+    # a backend that declares none says so
+    with pytest.raises(BackendOptionError, match="its options: none"):
+        normalize_backend_options({"sage_attn": {"qk_quant_gran": "per_warp"}})
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"fa": {"deterministic": 1}}, r"fa.deterministic=1 is not allowed; expected a bool"),
+        ({"fa": {"deterministic": "yes"}}, r"expected a bool \(from flash-attention"),
+        ({"fa3": {"pack_gqa": "no"}}, r"fa3.pack_gqa='no' .* expected a bool or None"),
+        ({"fa": {"deterministic": None}}, r"expected a bool \("),  # not nullable
+        ({"fa": True}, r"'fa' takes a mapping \{option: value\}"),
+        (["fa"], r"expected a mapping \{backend: \{option: value\}\}"),
+    ],
+)
+def test_rule_backend_options_bad_values_are_refused(options: Any, expected: str) -> None:
+    with pytest.raises(BackendOptionError, match=expected):
+        normalize_backend_options(options)
+
+
+def test_rule_backend_options_unknown_backend_says_did_you_mean() -> None:
+    with pytest.raises(UnknownBackendError, match="Did you mean 'fa'"):
+        normalize_backend_options({"flash": {"deterministic": True}})
+
+
+def test_backend_options_are_declared_from_the_kernels_signatures() -> None:
+    (deterministic,) = get_spec("fa").options
+    assert (deterministic.name, deterministic.kind, deterministic.default) == (
+        "deterministic",
+        "bool",
+        False,
+    )
+    assert "flash_attn_func" in deterministic.source
+    assert {o.name for o in get_spec("fa3").options} == {"deterministic", "pack_gqa"}
+    # aliases normalise; the result is sorted plain data
+    assert normalize_backend_options({"fa3": {"pack_gqa": None, "deterministic": True}}) == (
+        ("fa3", (("deterministic", True), ("pack_gqa", None))),
+    )
+
+
+def test_rule_backend_options_reach_the_kernel_at_bind_time(varlen_fakes: Any) -> None:
+    plain = _fa_layer()
+    _run(plain)
+    assert varlen_fakes.seen[-1]["deterministic"] is False
+    pinned = _fa_layer(backend_options=DETERMINISTIC)
+    assert pinned.backend == attnres.Backend("fa")
+    _run(pinned)
+    assert varlen_fakes.seen[-1]["deterministic"] is True
+    # options of a backend the layer does not run are not passed to this one
+    other = _fa_layer(backend_options={"fa3": {"pack_gqa": True}})
+    _run(other)
+    assert varlen_fakes.seen[-1]["deterministic"] is False
+    assert "pack_gqa" not in varlen_fakes.seen[-1]
+
+
+def test_rule_backend_options_from_the_config_apply_under_the_layers_own(
+    varlen_fakes: Any,
+) -> None:
+    previous = set_selection_config(SelectionConfig(backend_options=DETERMINISTIC))
+    try:
+        from_config = _fa_layer()
+        overridden = _fa_layer(backend_options={"fa": {"deterministic": False}})
+    finally:
+        set_selection_config(previous)
+    assert from_config.layer_spec.backend_options == (("fa", (("deterministic", True),)),)
+    _run(from_config)
+    assert varlen_fakes.seen[-1]["deterministic"] is True
+    _run(overridden)
+    assert varlen_fakes.seen[-1]["deterministic"] is False
+    with pytest.raises(BackendOptionError, match="did you mean 'pack_gqa'"):
+        SelectionConfig(backend_options={"fa4": {"pack_gq": True}})
+
+
+def test_rule_backend_options_fa3_and_fa4_adapters_pass_them(varlen_fakes: Any) -> None:
+    from attnres.kernels import get_kernel, specialized
+
+    kernel = get_kernel("fa3")
+    assert kernel is not None
+    call = specialized(kernel, False, None, False, options=(("pack_gqa", True),))
+    q = torch.randn(1, 8, 4, 64, dtype=torch.float16)
+    call(q, q, q, None)
+    assert varlen_fakes.seen[-1]["pack_gqa"] is True
+
+
+def test_rule_backend_options_are_recorded_in_the_trace_and_replay() -> None:
+    layer = LayerSpec(128, "bf16", supported={"fa", "torch_sdpa"}, backend_options=DETERMINISTIC)
+    res = attnres.resolve(layer, platform=HOPPER_FA)
+    doc = trace_to_dict(res.trace)
+    assert doc["input"]["layer"]["backend_options"] == {"fa": {"deterministic": True}}
+    loaded = trace_from_json(json.dumps(doc))
+    assert loaded == res.trace
+    assert attnres.replay(loaded).ok
+    # a trace whose options the catalogue refuses is not a valid trace
+    doc["input"]["layer"]["backend_options"] = {"fa": {"deterministc": True}}
+    with pytest.raises(attnres.errors.TraceFormatError, match="did you mean 'deterministic'"):
+        trace_from_json(json.dumps(doc))
+
+
+def test_layers_without_backend_options_write_no_key() -> None:
+    doc = trace_to_dict(attnres.resolve(LayerSpec(128, "bf16"), platform=CPU).trace)
+    assert "backend_options" not in doc["input"]["layer"]
+    config = SelectionConfig(backend_options=DETERMINISTIC)
+    doc = trace_to_dict(attnres.resolve(LayerSpec(128, "bf16"), config=config, platform=CPU).trace)
+    assert "backend_options" not in doc["input"]["config"]  # the layer records them
+
+
+def test_layers_differing_only_in_backend_options_do_not_share_a_resolution() -> None:
+    from attnres import runtime
+
+    base = LayerSpec(128, "bf16", supported={"fa", "torch_sdpa"})
+    variant = attrs.evolve(base, backend_options=DETERMINISTIC)
+    args = (None, None, None, None, None, False)
+    assert runtime._shape_key(base, *args) != runtime._shape_key(variant, *args)
+
+
+def _explain(*flags: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from attnres import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    args = [
+        "explain",
+        "--head-size",
+        "128",
+        "--dtype",
+        "bf16",
+        "--platform",
+        "cuda:sm90+flash_attn",
+    ]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([*args, *flags])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_rule_backend_options_cli_flag_types_values_and_records_them() -> None:
+    code, out, _ = _explain("--backend-option", "fa.deterministic=true", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["backend"] == "fa"
+    assert doc["trace"]["input"]["layer"]["backend_options"] == {"fa": {"deterministic": True}}
+    code, out, _ = _explain(
+        "--backend-option", "fa3.pack_gqa=none", "--backend-option", "fa3.deterministic=False",
+        "--json",
+    )  # fmt: skip
+    assert code == 0
+    assert json.loads(out)["trace"]["input"]["layer"]["backend_options"] == {
+        "fa3": {"deterministic": False, "pack_gqa": None}
+    }
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        ("fa.determinstic=true", "did you mean 'deterministic'"),
+        ("fa.deterministic=maybe", "fa.deterministic='maybe' is not allowed; expected a bool"),
+        ("fadeterministic", "expected BACKEND.OPTION=VALUE"),
+        ("flash.deterministic=true", "Did you mean 'fa'"),
+    ],
+)
+def test_rule_backend_options_cli_mistakes_are_usage_errors(flag: str, expected: str) -> None:
+    code, _, err = _explain("--backend-option", flag)
+    assert code == 2
+    assert "--backend-option:" in err and expected in " ".join(err.split())
+    assert "Traceback" not in err
