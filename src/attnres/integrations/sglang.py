@@ -41,7 +41,7 @@ from typing import Any, Final
 from attrs import frozen
 
 from attnres._profile_sglang import UNOBSERVED, first_request
-from attnres._states import Event
+from attnres._states import Event, Origin, Reason
 from attnres._vocab import Role
 from attnres.backends import (
     Backend,
@@ -509,13 +509,12 @@ def _finish(
     role = selector.AttentionRole.CROSS if is_cross_attention else selector.AttentionRole.SELF
     backend_name = outcome.backend.name
     reason = None if outcome.reason is None else outcome.reason.value
-    origin = outcome.origin.value
     fallback_reasons = (
-        "platform default fallback",
-        "global backend fallback",
-        "dense cross-attention fallback",
+        Reason.PLATFORM_DEFAULT_FALLBACK,
+        Reason.GLOBAL_BACKEND_FALLBACK,
+        Reason.DENSE_CROSS_ATTENTION_FALLBACK,
     )
-    if origin == "role_override" and reason in fallback_reasons:
+    if outcome.origin is Origin.ROLE_OVERRIDE and outcome.reason in fallback_reasons:
         component = selector.get_component_attn_backend_name() or "component"
         requested = decision.trace.records[0]
         assert isinstance(requested, OriginRecord) and requested.backend is not None
