@@ -18,6 +18,7 @@ adds around it:
 from __future__ import annotations
 
 import contextvars
+import operator
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -368,21 +369,14 @@ def _shape_key(
 
     The machine never reads a layer's name (it is carried in the trace's input
     only), so layers that differ by name alone -- ``blocks.0.attn1`` ...
-    ``blocks.47.attn1`` -- share one run of the machine.
+    ``blocks.47.attn1`` -- share one run of the machine. Every other field of
+    :class:`LayerSpec` is in the key, read by one getter derived from the attrs
+    fields: a field added later cannot be forgotten (a hand-kept list missed
+    ``exact_route`` and then ``layout``).
     """
     return (
         _SHAPE_MARK,
-        layer.head_size,
-        layer.dtype,
-        layer.supported,
-        layer.default,
-        layer.role,
-        layer.requirements,
-        layer.preferred,  # issue 23
-        layer.required,
-        layer.exact_route,  # (issue 21's field; it was missing from this key)
-        layer.backend_options,  # issue 23: a layer's kernel options are part of its binding
-        layer.layout,  # issue 24: the sequence-parallel layout is a machine input
+        _SHAPE_FIELDS(layer),
         cfg,
         scope,
         platform,
@@ -393,6 +387,10 @@ def _shape_key(
 
 
 _SHAPE_MARK: Final = object()
+#: every LayerSpec field but the name, as one tuple (operator.attrgetter: one C call)
+_SHAPE_FIELDS: Final = operator.attrgetter(
+    *(f.name for f in attrs.fields(LayerSpec) if f.name != "name")
+)
 
 
 def _resolve_renamed(
