@@ -1102,7 +1102,7 @@ def _step(
         raise AssertionError(
             f"no transition from state {state.value!r} on event {event.value!r}"
         ) from None
-    records.append(TransitionRecord(state, event, target, candidate, sets.value if sets else None))
+    records.append(TransitionRecord(state, event, target, candidate, sets))
     return target, (reason if reason is not None else sets)
 
 
