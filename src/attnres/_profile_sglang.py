@@ -31,7 +31,7 @@ this profile reads only those. A trace therefore replays without SGLang.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final, NamedTuple, Protocol
 
 from attrs import frozen
@@ -279,6 +279,33 @@ _REQUEST_FAILED: Final[dict[Reason | None, Event]] = {
 }
 
 
+def _slots(
+    first_stage: State,
+    requested: Backend | None,
+    may_fall_back: bool,
+    default: Backend | None,
+    automatic: frozenset[Backend],
+) -> Iterator[tuple[State, Backend | None]]:
+    """The candidates in order, each once: the request (or the platform's pick),
+    then, when the request may fall back, the layer default, the platform's
+    pick and the supported set in SGLang's order. Generated as the machine
+    consumes them: a decision its first candidate serves builds no more."""
+    yield first_stage, requested
+    if not may_fall_back:
+        return
+    taken: set[Backend | None] = {requested}
+    if default is not None and default not in taken:
+        taken.add(default)
+        yield State.COMPONENT_DEFAULT, default
+    if None not in taken:
+        taken.add(None)
+        yield State.PLATFORM_DEFAULT, None
+    for backend in _sglang_order(automatic) if automatic else ():
+        if backend not in taken:
+            taken.add(backend)
+            yield State.SUPPORTED_SET, backend
+
+
 def run_sglang(inp: TraceInput, step: Step) -> Trace:
     """The ``sglang`` profile's machine: a pure function of the input.
 
@@ -314,22 +341,7 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
         )
     ]
     automatic = layer.supported or frozenset()
-    ordered = _sglang_order(automatic) if automatic else ()
-    slots: list[tuple[State, Backend | None]] = [
-        (State.REQUESTED if requested is not None else State.PLATFORM_DEFAULT, requested)
-    ]
-    if fallback.reason is not None:
-        taken: set[Backend | None] = {requested}
-        for stage, candidate in (
-            (State.COMPONENT_DEFAULT, layer.default),
-            (State.PLATFORM_DEFAULT, None),
-            *((State.SUPPORTED_SET, b) for b in ordered),
-        ):
-            if stage is State.COMPONENT_DEFAULT and candidate is None:
-                continue  # no layer default
-            if candidate not in taken:
-                taken.add(candidate)
-                slots.append((stage, candidate))
+    first_stage = State.REQUESTED if requested is not None else State.PLATFORM_DEFAULT
     selection_error: Failure | None = None
     unmet: tuple[str, tuple[str, ...]] | None = None
     state, _ = step(
@@ -339,13 +351,13 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
         None,
         None,
     )
-
     request_failed = _REQUEST_FAILED[fallback.reason]
 
     def failed(stage: State, candidate: Backend | None) -> State:
         event = request_failed if stage is State.REQUESTED else Event.CANDIDATE_FAILED
         return step(stage, event, records, None, candidate)[0]
 
+    slots = _slots(first_stage, requested, fallback.reason is not None, layer.default, automatic)
     for index, (stage, candidate) in enumerate(slots):
         while state is not stage:  # the stages between hold no candidate
             state, _ = step(state, Event.EXHAUSTED, records, None, None)
@@ -360,7 +372,6 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
             state = failed(stage, candidate)
             continue
         assert fact is not None
-        results: list[tuple[Check, tuple[Failure, ...]]] = [(Check.PLATFORM, ())]
         role: tuple[Failure, ...] = ()
         if layer.role is Role.CROSS and fact.served_sparse:
             role = (
@@ -369,7 +380,6 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
                     f"Sparse attention backend '{served.name}' cannot serve cross-attention",
                 ),
             )
-        results.append((Check.ROLE, role))
         explicit_first = explicit and index == 0 and EXPLICIT_BYPASSES_SUPPORTED
         unsupported: tuple[Failure, ...] = ()
         if automatic and not explicit_first and not _supported(served, automatic):
@@ -377,23 +387,22 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
                 Failure(
                     Code.NOT_IN_SUPPORTED_SET,
                     f"Attention backend '{served.name}' is not supported by this attention "
-                    f"layer; supported backends: {_names(ordered)}",
+                    f"layer; supported backends: {_names(_sglang_order(automatic))}",
                 ),
             )
-        results.append((Check.SUPPORTED, unsupported))
+        records.append(CheckRecord(stage, served, Check.PLATFORM, True, ()))
+        records.append(CheckRecord(stage, served, Check.ROLE, not role, role))
+        records.append(CheckRecord(stage, served, Check.SUPPORTED, not unsupported, unsupported))
+        if role or unsupported:
+            selection_error = selection_error or (role or unsupported)[0]
+            state = failed(stage, served)
+            continue
         missing = (
             tuple(Failure(Code.REQUIREMENT_UNMET, f"does not implement {m}") for m in fact.missing)
             if fact.missing
             else ()
         )
-        if not role and not unsupported:
-            results.append((Check.REQUIREMENTS, missing))
-        for check, failures in results:
-            records.append(CheckRecord(stage, served, check, not failures, failures))
-        if role or unsupported:
-            selection_error = selection_error or (role or unsupported)[0]
-            state = failed(stage, served)
-            continue
+        records.append(CheckRecord(stage, served, Check.REQUIREMENTS, not missing, missing))
         if missing:
             unmet = unmet or (served.name, fact.missing)
             state = failed(stage, served)
@@ -401,13 +410,8 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
         reason = fallback.reason if index > 0 else None
         if reason is None and origin is Origin.ROLE_OVERRIDE:
             reason = ROLE_OVERRIDE_REASONS[layer.role]
-        if (
-            reason is None
-            and requested is None
-            and len(ordered) == 1
-            and served.name == ordered[0].name
-        ):
-            reason = Reason.COMPONENT_CONSTRAINT
+        if reason is None and requested is None and len(automatic) == 1 and served in automatic:
+            reason = Reason.COMPONENT_CONSTRAINT  # the layer's only supported backend
         step(stage, Event.ACCEPTED, records, None, served)
         records.append(SelectedRecord(served, origin, reason))
         return Trace(inp, tuple(records), Outcome(Status.SELECTED, origin, served, reason))
