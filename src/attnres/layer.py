@@ -152,6 +152,10 @@ def _is_bool(_: Any, attribute: Any, value: Any) -> None:
         raise ValueError(f"{attribute.name}: expected True or False, got {value!r}")
 
 
+#: The requirements in their canonical order, with the field each one reads
+#: (iterating the enum itself costs more than the check, on every cold resolution).
+_REQUIREMENT_FIELDS: tuple[tuple[Requirement, str], ...] = tuple((r, r.value) for r in Requirement)
+
 #: What a misspelt requirement is matched against: the names, their words, and
 #: the short names ``attnres backends`` prints.
 _REQUIREMENT_HINTS: dict[str, str] = {
@@ -258,7 +262,7 @@ class Requirements:
 
     def needed(self) -> tuple[Requirement, ...]:
         """The requirements that are on, in the canonical order."""
-        return tuple(r for r in Requirement if getattr(self, r.value))
+        return tuple(r for r, name in _REQUIREMENT_FIELDS if getattr(self, name))
 
     @classmethod
     def of(

@@ -1189,9 +1189,8 @@ def run_machine(inp: TraceInput) -> Trace:
             state, reason = _step(stage, Event.CANDIDATE_FAILED, records, reason, candidate)
         if accepted is not None:
             state, reason = _step(stage, Event.ACCEPTED, records, reason, accepted)
-            reason_text = reason.value if reason is not None else None
-            records.append(SelectedRecord(accepted, found.origin, reason_text))
-            outcome = Outcome("selected", found.origin, accepted, reason_text)
+            records.append(SelectedRecord(accepted, found.origin, reason))
+            outcome = Outcome(Status.SELECTED, found.origin, accepted, reason)
             return Trace(inp, tuple(records), outcome, inp.schema_version())
         if state is stage:  # the stage ran out of candidates
             state, reason = _step(stage, Event.EXHAUSTED, records, reason)
@@ -1213,7 +1212,7 @@ def _finish_rejected(
     if inp.scope is not None:
         message += f" for component {inp.scope.component!r}"
     records.append(RejectedRecord(found.origin, code, message))
-    outcome = Outcome("rejected", found.origin, None, None, code, message)
+    outcome = Outcome(Status.REJECTED, found.origin, None, None, code, message)
     return Trace(inp, tuple(records), outcome, inp.schema_version())
 
 

@@ -461,15 +461,7 @@ def lookup_traced(trace: Trace, generation: int) -> tuple[Resolution | None, Dec
     the same outcome: the machine is a pure function of the input).
     """
     inp = trace.input
-    key = (
-        inp.layer,
-        inp.config,
-        inp.scope,
-        inp.platform,
-        inp.backend,
-        inp.request,
-        inp.needs_kernel,
-    )
+    key = _input_key(inp)
     entry = _CACHE.get(key)
     if entry is not None:
         emit_cache_hit(entry[1])
@@ -488,19 +480,26 @@ def _resolve_cold(
     entry = _entry_for(trace)
     emit_resolution(trace, entry[1])
     _store(key, entry, generation)
-    layer = inp.layer
-    if layer.name is not None:
-        shape = _shape_key(
-            layer,
-            inp.config,
-            inp.scope,
-            inp.platform,
-            inp.backend,
-            inp.request,
-            inp.needs_kernel,
-        )
-        _store(shape, entry, generation, _SHAPES)
+    if inp.layer.name is not None:
+        _store(_shape_key(*_input_key(inp)), entry, generation, _SHAPES)
     return entry
+
+
+def _input_key(
+    inp: TraceInput,
+) -> tuple[
+    LayerSpec, SelectionConfig, ScopeState | None, Platform, Backend | None, Backend | None, bool
+]:
+    """:func:`lookup`'s cache key of a machine input (the same fields, in its order)."""
+    return (
+        inp.layer,
+        inp.config,
+        inp.scope,
+        inp.platform,
+        inp.backend,
+        inp.request,
+        inp.needs_kernel,
+    )
 
 
 # =============================================================================
