@@ -32,6 +32,7 @@ import math
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -448,6 +449,7 @@ class GenericRoute:
         self.first_calls: list[FirstCall] = []
         #: the module names its rebound functions live under (see :func:`rebind`)
         self.homes: list[str] = []
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._lock = threading.Lock()
         #: call signature -> the kernel that runs it (None: the original SDPA)
         self.kernels: dict[tuple[Any, ...], _KernelFn | None] = {}
@@ -541,9 +543,18 @@ class GenericRoute:
 
     def close(self) -> None:
         """Forget the homes of its rebound functions (the route was removed)."""
-        for name in self.homes:
-            sys.modules.pop(name, None)
-        self.homes.clear()
+        _forget_homes(self.homes)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
+    def tie(self, owner: Any) -> None:
+        """Forget the homes of its rebound functions when ``owner`` (the module the
+        route is installed on) is collected: a model dropped without ``remove`` leaves
+        nothing registered in ``sys.modules`` (nothing the homes hold refers back to
+        the module, so they never keep it alive)."""
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(owner, _forget_homes, self.homes)
 
     def dispatcher(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """In place of diffusers' ``dispatch_attention_fn`` (batch, seq, heads, dim):
@@ -612,6 +623,12 @@ class GenericRoute:
             kernel = self._kernel(resolution.backend, spec)
             self.kernels[facts.key()] = kernel
             return kernel
+
+
+def _forget_homes(names: list[str]) -> None:
+    for name in names:
+        sys.modules.pop(name, None)
+    names.clear()
 
 
 _ROUTE_ATTR = "_attnres_route"

@@ -606,6 +606,7 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
             module.set_processor(processor)
         else:
             _route.install_route(module, route)
+        route.tie(module)  # a model dropped without remove() leaves nothing behind
     elif item.value:
         processor = copy.copy(original)
         assert processor is not None  # a dispatcher site has one
