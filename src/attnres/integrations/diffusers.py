@@ -350,6 +350,20 @@ def _describe(
                 pending=False,
                 why=None if facts is not None else f"{cls} holds no head facts",
             )
+    if _route.SCORES in names and "bmm" in names:
+        # diffusers' Attention.get_attention_scores then torch.bmm (AttnProcessor
+        # and its kin): the by-hand route runs them as one call of any kernel
+        return SiteDescription(
+            **base,
+            route=f"{ROUTE_GENERIC} (softmax by hand in {owner})",
+            supported=None,
+            current=Backend("eager"),
+            # with no flag, automatic choices keep the site's own math (nothing wrapped)
+            preferred=frozenset({Backend("eager")}),
+            pending=facts is None,
+            routed=True,
+            why=None if facts is not None else f"{cls} holds no head facts",
+        )
     if names & _route.BY_HAND:
         only = Backend("eager")
         return SiteDescription(
@@ -598,12 +612,17 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
             config=config,
             scope=scope_state(site.component),
             platform=platform,
+            own=site.current,  # what the site's own code runs (eager: softmax by hand)
         )
         routed = None if original is None else _route.routed_processor(original, route)
-        if routed is not None:
+        if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
+            _route.install_route(module, route, _route.mha_forward(module, route))
+        elif routed is not None:
             # a copy: the original object may be shared with other modules or models
             processor = routed
             module.set_processor(processor)
+            if route.by_hand:  # get_attention_scores + bmm: one kernel call
+                _route.install_by_hand(module, processor)
         else:
             _route.install_route(module, route)
         route.tie(module)  # a model dropped without remove() leaves nothing behind
