@@ -45,12 +45,12 @@ from attnres._varlen import observe_mask, route_kernel
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import ResolutionError
-from attnres.integrations._plan import SiteDescription
+from attnres.integrations._plan import Site, SiteDescription
 from attnres.kernels import get_kernel
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.platform import Platform
 from attnres.runtime import Resolution, lookup
-from attnres.scope import ScopeState
+from attnres.scope import ScopeState, scope_state
 from attnres.trace import Trace
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "mha_forward",
     "mha_own_path",
     "remove_route",
+    "site_route",
 ]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -213,6 +214,8 @@ def describe_mha(
 MHA_ROUTE = "generic route"
 #: the route a call that returns its attention weights is limited to
 WEIGHTS_ROUTE = "torch.nn.MultiheadAttention returning attention weights (its own code path)"
+#: the route a call with attention dropout is limited to
+DROPOUT_ROUTE = "the site's own code (attention dropout: attnres kernels take no dropout)"
 
 
 # =============================================================================
@@ -373,8 +376,9 @@ class CallFacts:
             )
         return tuple(out)
 
-    def spec(self, planned: LayerSpec | None, name: str) -> LayerSpec:
-        """The site's layer spec with these facts."""
+    def spec(self, planned: LayerSpec | None, name: str, own: Backend = _TORCH_SDPA) -> LayerSpec:
+        """The site's layer spec with these facts (``own``: what the site's own code
+        runs, the only path for a call no attnres kernel can serve)."""
         base = planned if planned is not None else LayerSpec(self.head_size, self.dtype, name=name)
         req = attrs.evolve(
             base.requirements,
@@ -387,15 +391,17 @@ class CallFacts:
             gqa=self.kv_heads < self.heads,
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
-        if self.weights:
-            # no kernel returns the weights: only the site's own path (softmax by
-            # hand) serves the call, exactly (a stand-in never runs there)
+        only = _EAGER if self.weights else own if self.dropout else None
+        if only is not None:
+            # no attnres kernel returns the weights or applies dropout (the calling
+            # convention has neither): only the site's own code serves the call,
+            # exactly (a stand-in never runs there)
             spec = attrs.evolve(
                 spec,
-                supported=frozenset({_EAGER}),
-                default=None if base.default is None else _EAGER,
+                supported=frozenset({only}),
+                default=None if base.default is None else only,
                 preferred=None,
-                exact_route=WEIGHTS_ROUTE,
+                exact_route=WEIGHTS_ROUTE if self.weights else DROPOUT_ROUTE,
             )
         return spec
 
@@ -728,7 +734,7 @@ class GenericRoute:
         with self._lock:
             if facts.key() in self.kernels:
                 return self.kernels[facts.key()]
-            spec = facts.spec(self.spec, self.name)
+            spec = facts.spec(self.spec, self.name, self.own)
             changed = facts.differences(self.planned)
             resolution, _, trace = lookup(
                 spec, self.config, self.scope, self.platform, None, needs_kernel=True
@@ -751,6 +757,22 @@ class GenericRoute:
             kernel = self._kernel(resolution.backend, spec, own)
             self.kernels[facts.key()] = kernel
             return kernel
+
+
+def site_route(site: Site, config: SelectionConfig, platform: Platform) -> GenericRoute:
+    """The route of one planned site (every integration builds its routes here)."""
+    return GenericRoute(
+        component=site.component,
+        name=site.name,
+        spec=site.spec,
+        heads=site.heads,
+        kv_heads=site.kv_heads,
+        resolution=site.resolution,
+        config=config,
+        scope=scope_state(site.component),
+        platform=platform,
+        own=site.current,  # what the site's own code runs (eager: softmax by hand)
+    )
 
 
 def _forget_homes(names: list[str]) -> None:

@@ -71,7 +71,6 @@ from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.layout import context_parallel_layout
 from attnres.platform import Platform
-from attnres.scope import scope_state
 
 __all__ = [
     "ROUTE_DISPATCHER",
@@ -602,18 +601,7 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     processor = original
     route = None
     if item.route:
-        route = _route.GenericRoute(
-            component=site.component,
-            name=site.name,
-            spec=site.spec,
-            heads=site.heads,
-            kv_heads=site.kv_heads,
-            resolution=site.resolution,
-            config=config,
-            scope=scope_state(site.component),
-            platform=platform,
-            own=site.current,  # what the site's own code runs (eager: softmax by hand)
-        )
+        route = _route.site_route(site, config, platform)
         routed = None if original is None else _route.routed_processor(original, route)
         if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
             _route.install_route(module, route, _route.mha_forward(module, route))
