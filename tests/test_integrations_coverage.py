@@ -139,7 +139,9 @@ def _row(cls: type) -> tuple[str, list[str]]:
     got = sum(1 for s in sage.sites if s.backend is not None and s.backend.name == "sage_attn")
     codes = Counter(s.site_error.code for s in sage.sites if s.site_error is not None)
     route_limits = {
-        s.name for s in sage.sites if s.site_error is not None and s.site_error.code not in SAGE_LIMITS
+        s.name
+        for s in sage.sites
+        if s.site_error is not None and s.site_error.code not in SAGE_LIMITS
     }
     if route_limits:
         problems.append(f"sage: a route limit at {sorted(route_limits)[:2]}")
