@@ -572,7 +572,7 @@ class GenericRoute:
         **extra: Any,
     ) -> Any:
         """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim)."""
-        kernel = self._kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, -3)
+        kernel = self.kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, -3)
         if kernel is None:
             return _SDPA(
                 q,
@@ -594,29 +594,6 @@ class GenericRoute:
         )
         return out.transpose(-3, -2)
 
-    def _kernel_for(
-        self,
-        q: Any,
-        k: Any,
-        attn_mask: Any,
-        dropout_p: float,
-        is_causal: bool,
-        scale: float | None,
-        heads_dim: int,
-    ) -> _KernelFn | None:
-        """The kernel of this call's signature (checked once per signature)."""
-        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
-        if key in self.unverified and not torch.compiler.is_compiling():
-            # issue 22: the first call of a planned signature verifies its mask kind
-            return self._verify(
-                CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
-            )
-        if key in self.kernels:
-            return self.kernels[key]
-        return self._first_call(
-            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
-        )
-
     def kernel_for(
         self,
         q: Any,
@@ -628,17 +605,20 @@ class GenericRoute:
         heads_dim: int,
         weights: bool = False,
     ) -> _KernelFn | None:
-        """The kernel of one call (``None``: the site's own code runs it), checked
-        once per call signature against the plan; for callers other than the SDPA
-        and dispatcher stand-ins (the MHA route, the by-hand route, attnres's
-        transformers attention function)."""
-        if not weights:
-            return self._kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
-        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, True)
+        """The kernel of this call's signature (``None``: the site's own code runs
+        it), checked once per signature against the plan. Every caller goes
+        through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
+        routes, attnres's transformers attention function."""
+        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights)
+        if key in self.unverified and not torch.compiler.is_compiling():
+            # issue 22: the first call of a planned signature verifies its mask kind
+            return self._verify(
+                CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+            )
         if key in self.kernels:
             return self.kernels[key]
         return self._first_call(
-            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, True)
+            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights)
         )
 
     def bmm(self, input: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:
@@ -705,7 +685,7 @@ class GenericRoute:
             attention_kwargs: Any = None,
             **rest: Any,
         ) -> Any:
-            kernel = self._kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
+            kernel = self.kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
             if kernel is None:
                 return original(
                     query,
