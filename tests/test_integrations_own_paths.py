@@ -266,3 +266,36 @@ def test_compile_fullgraph_of_own_path_routes():
     torch._dynamo.reset()
     compiled = torch.compile(unet, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(**inputs).sample, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_siglip_pooling_head_in_a_transformers_model_gets_the_mha_route():
+    # a MultiheadAttention inside a transformers model (SigLIP's pooling head) is
+    # routed as in diffusers; remove counts it; it calls with need_weights=True
+    # (torch's default), so its calls run its own path: eager here, as decided
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from attnres.integrations import transformers as itf
+
+    config = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2,
+        image_size=8, patch_size=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = SiglipVisionModel(config).eval()
+    x = torch.randn(1, 3, 8, 8)
+    ref = model(pixel_values=x).pooler_output
+    head = dict(model.named_modules())["head.attention"]
+    plain = itf.apply(model, "image_encoder")
+    assert {s.name: s.backend.name for s in plain.sites}["head.attention"] == "torch_sdpa"
+    assert "forward" not in head.__dict__  # nothing wrapped with no flag
+    assert torch.equal(model(pixel_values=x).pooler_output, ref)
+    itf.remove(model)
+    plan = itf.apply(model, "image_encoder", EAGER)
+    assert {s.backend.name for s in plan.sites} == {"eager"}
+    torch.testing.assert_close(model(pixel_values=x).pooler_output, ref, rtol=1e-5, atol=1e-5)
+    route = _route.installed_route(head)
+    assert route is not None
+    (first,) = route.first_calls
+    assert "need_weights=True" in first.describe() and first.backend.name == "eager"
+    assert itf.remove(model) == 2
+    assert "forward" not in head.__dict__ and _route.installed_route(head) is None
