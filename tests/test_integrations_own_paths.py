@@ -299,3 +299,25 @@ def test_siglip_pooling_head_in_a_transformers_model_gets_the_mha_route():
     assert "need_weights=True" in first.describe() and first.backend.name == "eager"
     assert itf.remove(model) == 2
     assert "forward" not in head.__dict__ and _route.installed_route(head) is None
+
+
+class _Storing:
+    """A by-hand processor that keeps the probabilities (as attention-map pipelines'
+    processors do): the scores are used besides ``bmm``, so it is not routed."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):  # type: ignore[no-untyped-def]
+        query = attn.head_to_batch_dim(attn.to_q(hidden_states))
+        key = attn.head_to_batch_dim(attn.to_k(hidden_states))
+        value = attn.head_to_batch_dim(attn.to_v(hidden_states))
+        probs = attn.get_attention_scores(query, key, attention_mask)
+        self.last = probs
+        out = attn.batch_to_head_dim(torch.bmm(probs, value))
+        return attn.to_out[0](out)
+
+
+def test_a_by_hand_processor_that_keeps_its_probabilities_is_not_routed():
+    model = _Holder(Attention(32, heads=2, dim_head=16, processor=_Storing()))
+    (site,) = idf.plan({"transformer": model}).sites
+    assert not site.routed and site.route == "eager in _Storing (softmax attention by hand)"
+    assert _route.scores_only_to_bmm(AttnProcessor.__call__)
+    assert not _route.scores_only_to_bmm(_Storing.__call__)

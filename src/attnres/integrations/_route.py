@@ -916,6 +916,56 @@ class _Scores:
         self.mask = mask
 
 
+def scores_only_to_bmm(func: Any) -> bool:
+    """Whether every result of ``get_attention_scores`` in ``func``'s source goes
+    straight into ``torch.bmm`` as its first argument, and nowhere else (a
+    processor that stores the probabilities, as attention-map pipelines' do,
+    is not routed). Read from the source, never from a class name; ``False``
+    where the source cannot be read."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(func, "__func__", func))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+
+    def is_scores(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == SCORES
+        )
+
+    held: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and is_scores(node.value):
+            if not all(isinstance(t, ast.Name) for t in node.targets):
+                return False
+            held |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    if not held:
+        return False
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "bmm" and node.args and isinstance(node.args[0], ast.Name):
+                allowed.add(id(node.args[0]))
+        elif is_scores(node) and not any(
+            isinstance(a, ast.Assign) and a.value is node for a in ast.walk(tree)
+        ):
+            return False  # a result used in place (not assigned): not followed
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Name)
+            and node.id in held
+            and isinstance(node.ctx, ast.Load)
+            and id(node) not in allowed
+        ):
+            return False
+    return True
+
+
 def install_by_hand(module: Any, processor: Any) -> None:
     """Defer ``module.get_attention_scores`` while ``processor`` (the site's routed
     copy) is the module's processor; any other processor set since gets the

@@ -349,7 +349,11 @@ def _describe(
                 pending=False,
                 why=None if facts is not None else f"{cls} holds no head facts",
             )
-    if _route.SCORES in names and "bmm" in names:
+    if (
+        _route.SCORES in names
+        and "bmm" in names
+        and _route.scores_only_to_bmm(type(processor).__call__)
+    ):
         # diffusers' Attention.get_attention_scores then torch.bmm (AttnProcessor
         # and its kin): the by-hand route runs them as one call of any kernel
         return SiteDescription(
