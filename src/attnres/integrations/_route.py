@@ -739,8 +739,12 @@ class GenericRoute:
             return kernel
 
 
-def site_route(site: Site, config: SelectionConfig, platform: Platform) -> GenericRoute:
-    """The route of one planned site (every integration builds its routes here)."""
+def site_route(
+    site: Site, config: SelectionConfig, platform: Platform, own: Backend | None = None
+) -> GenericRoute:
+    """The route of one planned site (every integration builds its routes here);
+    ``own``: what runs where the route decides the site's own code (default: the
+    backend the site ran before)."""
     return GenericRoute(
         component=site.component,
         name=site.name,
@@ -751,7 +755,7 @@ def site_route(site: Site, config: SelectionConfig, platform: Platform) -> Gener
         config=config,
         scope=scope_state(site.component),
         platform=platform,
-        own=site.current,  # what the site's own code runs (eager: softmax by hand)
+        own=own or site.current,  # what the site's own code runs (eager: softmax by hand)
     )
 
 

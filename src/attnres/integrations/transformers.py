@@ -454,7 +454,10 @@ def _installer(
             if function == _hf_attention.NAME:  # issue 22: bind the decided kernel
                 _hf_attention.register()
                 # issue 19: its route checks each call's facts against the plan
-                route = _route.site_route(sites[name], result.config, result.platform)
+                # (where it decides torch SDPA, the function runs torch SDPA itself)
+                route = _route.site_route(
+                    sites[name], result.config, result.platform, Backend("torch_sdpa")
+                )
                 _hf_attention.bind_module(module, route)
             rec.sites.append((component, name, module))
             rec.dtype[name] = _compute_dtype(module, model)
