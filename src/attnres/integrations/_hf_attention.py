@@ -92,8 +92,10 @@ def attention_forward(
         )
     if kwargs.get("softcap") is not None:
         raise ValueError(
-            f"attnres attention at {route.name!r} of component {route.component!r}: a logit "
-            f"softcap was not planned for this site; plan and apply the model again"
+            f"attnres attention at {route.name!r} of component {route.component!r}: the call "
+            f"passes a logit softcap, which attnres's transformers function does not hand to "
+            f"kernels; decide this component a backend transformers runs itself (eager, fa, "
+            f"flex_attention)"
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q_length = query.shape[2]

@@ -374,6 +374,8 @@ class CallFacts:
                 if self.weights
                 else "no attention weights returned"
             )
+        if not out and self.heads != planned.heads:  # same grouping, other head count
+            out.append(f"{self.heads} heads (planned {planned.heads})")
         return tuple(out)
 
     def spec(self, planned: LayerSpec | None, name: str, own: Backend = _TORCH_SDPA) -> LayerSpec:
