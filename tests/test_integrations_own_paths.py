@@ -321,3 +321,19 @@ def test_a_by_hand_processor_that_keeps_its_probabilities_is_not_routed():
     assert not site.routed and site.route == "eager in _Storing (softmax attention by hand)"
     assert _route.scores_only_to_bmm(AttnProcessor.__call__)
     assert not _route.scores_only_to_bmm(_Storing.__call__)
+
+
+def test_a_decided_weights_call_runs_the_own_path_without_projecting_twice(monkeypatch):
+    model = _Holder(torch.nn.MultiheadAttention(64, 4, batch_first=True)).eval()
+    idf.apply({"vae": model}, SelectionConfig(global_backend="flex_attention"))
+    x = torch.randn(2, 5, 64)
+    model.attn(x, x, x)  # the first call decides the signature (its own path)
+    projected = []
+    real = _route._mha_projections
+    monkeypatch.setattr(_route, "_mha_projections", lambda *a: projected.append(1) or real(*a))
+    ref = model.attn(x, x, x)
+    assert projected == [] and ref[1] is not None
+    with torch.no_grad():  # flex attention has no backward on CPU
+        model.attn(x, x, x, need_weights=False)  # the flex signature projects, once
+    assert projected == [1]
+    idf.remove({"vae": model})

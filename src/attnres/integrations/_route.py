@@ -1098,6 +1098,12 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
             )
 
         if need_weights:  # only the module's own path returns the weights
+            # a signature already decided is known before projecting (its key from
+            # the call's scalars): the own path never pays the projections twice
+            present = attn_mask is not None or padding is not None
+            seen = (heads, heads, size, query.dtype, present, False, False, bool(dropout_p), True)
+            if seen in route.kernels and route.kernels[seen] is None:
+                return own()
             q, k, _, mask = project()
             if route.kernel_for(q, k, mask, dropout_p, causal, None, -2, True) is None:
                 return own()
