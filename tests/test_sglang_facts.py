@@ -274,6 +274,29 @@ def test_rule_sglang_backend_whose_module_cannot_import_is_unknown_with_the_erro
     assert orphan.unknown[0][1].startswith("no class importable here returns it")
 
 
+def test_rule_sglang_backend_facts_of_several_classes_combine_permissively(
+    fake_sglang: tuple[Any, Any],
+) -> None:
+    # one member served by one class per platform (SGLang's FA: flash_attn.py and
+    # ascend_fa.py): a fact holds when one class states it; head sizes are the union
+    enum, _ = fake_sglang
+    module = importlib.import_module(f"{PACKAGE}.backends")
+    window = importlib.import_module(f"{module.__name__}.window_h3").WindowH3Backend
+    dense = importlib.import_module(f"{module.__name__}.dense").DenseBackend
+    plain = importlib.import_module(f"{module.__name__}.plain").PlainBackend
+    both = plugin.read_backend_facts(enum.FAKESG_DENSE, (dense, window), {})
+    assert (both.head_sizes, both.packed_varlen, both.accept_output_buffer) == (
+        (64, 128),
+        True,
+        True,
+    )
+    assert "num_kv_heads" in (both.impl_parameters or ())
+    # one class that declares no head sizes leaves them open for the member
+    open_sizes = plugin.read_backend_facts(enum.FAKESG_DENSE, (dense, plain), {})
+    assert open_sizes.head_sizes is None
+    assert open_sizes.unknown[0][0] == "head_sizes"
+
+
 def test_rule_sglang_backend_facts_decide_in_attnres_own_profile(
     fake_sglang: tuple[Any, Any],
 ) -> None:
