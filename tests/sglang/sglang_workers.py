@@ -22,21 +22,28 @@ sys.path.insert(0, str(HERE.parent))  # tests/: dist_workers (the suite's group 
 from dist_workers import join_group  # noqa: E402
 
 
+def _server_args(backend: str | None, *, explicit: bool) -> None:
+    """SGLang's global server args with ``--attention-backend`` (SGLang's own tests
+    build them this way)."""
+    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
+
+    class _ServerArgs(ServerArgs):
+        def __init__(self) -> None:
+            self.attention_backend = backend
+            self._explicit_arg_names = {"attention_backend"} if explicit else set()
+
+    set_global_server_args(_ServerArgs())
+
+
 def decide(rank: int, *, differ: bool) -> None:
     """The decisions a pipeline's layers make at load time; with ``differ``, rank 1
     runs with ``--attention-backend sage_attn`` set explicitly (another request)."""
     import torch
     from sglang.multimodal_gen.runtime.layers.attention import selector
     from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum as E
-    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
-
-    class _ServerArgs(ServerArgs):  # SGLang's own tests build server args this way
-        def __init__(self, backend: str | None, explicit: bool) -> None:
-            self.attention_backend = backend
-            self._explicit_arg_names = {"attention_backend"} if explicit else set()
 
     other = differ and rank == 1
-    set_global_server_args(_ServerArgs("sage_attn" if other else None, explicit=other))
+    _server_args("sage_attn" if other else None, explicit=other)
     supported = (E.FA, E.TORCH_SDPA)
     with selector.component_attn_backend_context_manager(E.TORCH_SDPA, "transformer"):
         for _ in range(4):
@@ -44,6 +51,23 @@ def decide(rank: int, *, differ: bool) -> None:
             selector.get_attn_backend(128, torch.bfloat16, supported, is_cross_attention=True)
     with selector.component_attn_backend_context_manager(None, "vae"):
         selector.get_attn_backend(64, torch.float32, supported)
+
+
+def decide_on_another_platform(rank: int) -> None:
+    """Rank 1's platform serves flash-attn for its default (a simulated GPU, the way
+    SGLang's own selector tests patch ``_cached_get_attn_backend``); rank 0 is the CPU."""
+    import torch
+    from sglang.multimodal_gen.runtime.layers.attention import selector
+    from sglang.multimodal_gen.runtime.layers.attention.backends.flash_attn import (
+        FlashAttentionBackend,
+    )
+    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum as E
+
+    _server_args(None, explicit=False)  # the same request on every rank
+    if rank == 1:
+        selector._cached_get_attn_backend = lambda *args: FlashAttentionBackend
+    with selector.component_attn_backend_context_manager(None, "vae"):
+        selector.get_attn_backend(64, torch.float32, (E.FA, E.TORCH_SDPA))
 
 
 def worker(rank: int, world_size: int, tmpdir: str, timeout_s: float, rendezvous_s: float) -> None:
@@ -58,10 +82,13 @@ def worker(rank: int, world_size: int, tmpdir: str, timeout_s: float, rendezvous
     agreed = attnres.decisions()
     decide(rank, differ=True)
     differing = attnres.decisions()[len(agreed) :]
+    decide_on_another_platform(rank)
+    platform = attnres.decisions()[len(agreed) + len(differing) :]
+    every = (*agreed, *differing, *platform)
     result: dict[str, Any] = {
         "decided": plugin.stats()["decided"],
-        "in_ledger": len(agreed) + len(differing),
-        "replayed": sum(attnres.replay(d.trace).ok for d in (*agreed, *differing)),
+        "in_ledger": len(every),
+        "replayed": sum(attnres.replay(d.trace).ok for d in every),
         "origins": sorted({d.outcome.origin.value for d in differing}),
     }
     plugin.uninstall()
@@ -76,6 +103,11 @@ def worker(rank: int, world_size: int, tmpdir: str, timeout_s: float, rendezvous
             result["differing"] = "agreed"
         except ConsensusError as exc:
             result["differing"] = f"ConsensusError: {exc}"
+        try:
+            verify_consensus(platform, timeout=timeout_s)
+            result["platform"] = "agreed"
+        except ConsensusError as exc:
+            result["platform"] = f"ConsensusError: {exc}"
     finally:
         dist.destroy_process_group()
     path = Path(tmpdir) / f"result.{rank}.json"

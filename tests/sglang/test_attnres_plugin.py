@@ -4,8 +4,8 @@ in SGLang's environment (never by ``make test``: tests/conftest.py ignores this 
 - The backends attnres lacks are registered with the facts SGLang's own classes
   state (``sglang/multimodal_gen/runtime/layers/attention/backends/*.py``).
 - Decisions made through the plugin are covered by ``attnres.verify_consensus``
-  across two real gloo ranks: ranks that decide alike agree, a rank with another
-  request is named, on every rank, with a ``ConsensusError``.
+  across two real gloo ranks: ranks that decide alike agree; a rank with another
+  request, or on another platform, is named on every rank by a ``ConsensusError``.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ MARGIN = 3.0
 def test_rule_plugin_decisions_are_covered_by_verify_consensus_across_ranks(
     tmp_path: Path,
 ) -> None:
-    # two verify_consensus calls, each bounded by its timeout plus its grace
+    # three verify_consensus calls, each bounded by its timeout plus its grace
     per_call = TIMEOUT_S + max(distributed._GRACE_MIN_S, 0.25 * TIMEOUT_S)
-    bound = IMPORT_S + RENDEZVOUS_S + 2 * per_call
+    bound = IMPORT_S + RENDEZVOUS_S + 3 * per_call
     run_processes(
         worker,
         [(rank, 2, str(tmp_path), TIMEOUT_S, RENDEZVOUS_S) for rank in range(2)],
@@ -116,7 +116,7 @@ def test_rule_plugin_decisions_are_covered_by_verify_consensus_across_ranks(
     results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(2)]
     for result in results:
         # every selector call was an attnres decision, in the ledger, and replays
-        assert result["decided"] == result["in_ledger"] == result["replayed"] == 2 * 9
+        assert result["decided"] == result["in_ledger"] == result["replayed"] == 2 * 9 + 1
         assert result["agreed"]["layers"] == 9
     assert results[0]["agreed"]["digest"] == results[1]["agreed"]["digest"]
     assert results[0]["origins"] == ["component_override", "none"]
@@ -128,3 +128,9 @@ def test_rule_plugin_decisions_are_covered_by_verify_consensus_across_ranks(
     assert "component 'vae'" in message and "component 'transformer'" not in message
     assert "rank 0 -> torch_sdpa (origin none), rank 1 -> torch_sdpa (origin global_cli)" in message
     assert "1 of 2 call sites differ across 2 ranks" in message
+    # a rank on another platform: another backend for the same layer, on every rank
+    message = results[0]["platform"]
+    assert message == results[1]["platform"]
+    assert message.startswith("ConsensusError: Ranks disagree on attention backends: ")
+    assert "component 'vae'" in message
+    assert "rank 0 -> torch_sdpa (origin none), rank 1 -> fa (origin none)" in message
