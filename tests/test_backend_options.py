@@ -314,11 +314,14 @@ def test_rule_backend_options_plan_flag_applies_under_each_layers_own(tmp_path: 
         "--json", "--trace-out", str(tmp_path / "traces"),
     )  # fmt: skip
     assert code == 0
-    assert _plan_options(out) == {
+    expected = {
         # the file's own option wins, option by option; the flag fills the rest
         "blocks.attn": {"fa": {"deterministic": False}, "fa3": {"pack_gqa": True}},
         "blocks.cross": {"fa": {"deterministic": True}, "fa3": {"pack_gqa": True}},
     }
+    assert _plan_options(out) == expected  # in each layer's trace
+    layers = json.loads(out)["components"][0]["layers"]
+    assert {la["name"]: la["backend_options"] for la in layers} == expected  # and in --json
     code, _, err = _main("plan", path, "--backend-option", "fa.determinstic=true")
     assert code == 2 and "--backend-option:" in err and "did you mean 'deterministic'" in err
 

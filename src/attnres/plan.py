@@ -534,6 +534,10 @@ class LayerPlan(OutcomeView):
             "kv_heads": self.kv_heads,
             "route": self.route,
             "sites": list(self.sites),
+            # issue 23: the typed kernel options the layer was planned with
+            "backend_options": {
+                backend: dict(pairs) for backend, pairs in self.trace.input.layer.backend_options
+            },
         }
 
 
