@@ -345,6 +345,30 @@ def test_observe_chroma_query_and_key_padding_is_key_padding() -> None:
     assert torch.equal(seen.valid, valid)
 
 
+def _refiner_mask(valid: torch.Tensor) -> torch.Tensor:
+    """HunyuanVideo's token refiner (diffusers 0.42.1): query-and-key padding, then
+    every query also sees the first token (no fully masked row)."""
+    keep = valid[:, None, None, :] & valid[:, None, :, None]
+    keep[:, :, :, 0] = True
+    return keep
+
+
+def test_observe_padded_queries_that_see_a_valid_key_is_key_padding() -> None:
+    """A padded query may see any valid keys (the unpad route drops it: zeros)."""
+    valid = _padding([4, 2], 4)
+    seen = observe_mask(_refiner_mask(valid), 2, 4, 4)
+    assert (seen.kind, seen.causal) == (MaskKind.KEY_PADDING, False)
+    assert torch.equal(seen.valid, valid)
+
+
+def test_observe_a_padded_key_some_valid_query_sees_is_not_key_padding() -> None:
+    """Left padding under the refiner's rule: every query sees the padded first
+    token, which the padded query 0 sees alone -- packing it would change what
+    the valid queries attend to, so the mask is boolean."""
+    seen = observe_mask(_refiner_mask(_padding([4, 2], 4, left=True)), 2, 4, 4)
+    assert seen.kind is MaskKind.BOOLEAN
+
+
 def test_observe_causal_with_key_padding() -> None:
     valid = _padding([4, 2], 4)
     keep = valid[:, None, None, :] & torch.ones(4, 4, dtype=torch.bool).tril()

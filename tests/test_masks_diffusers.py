@@ -146,3 +146,169 @@ def test_context_parallel_key_padding_site_never_pins_an_unpad_only_kernel() -> 
         assert site.spec.requirements.mask_kind == "key padding"
         assert "sage_attn" not in {b.name for b in site.spec.supported or ()}
         assert site.backend is None and site.error  # strict: a typed error, not a crash later
+
+
+# --- whole pipelines and the other DiTs that pass a text-padding mask ----------
+
+
+def _spy_varlen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """Wrap the stand-in ``sageattn_varlen``: (heads, head size, sequences) per call,
+    so a call tells its site's shape."""
+    import sys
+
+    fake = sys.modules["sageattention"]
+    real = fake.sageattn_varlen
+    seen: list[tuple[int, int, int]] = []
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+            *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        seen.append((int(q.shape[1]), int(q.shape[2]), int(cu_q.numel()) - 1))
+        return real(q, k, v, cu_q, *args, **kwargs)
+
+    monkeypatch.setattr(fake, "sageattn_varlen", spy)
+    return seen
+
+
+def _rel_error(after: torch.Tensor, before: torch.Tensor) -> float:
+    return float((after.double() - before.double()).norm() / before.double().norm())
+
+
+@pytest.fixture(scope="module")
+def qwen_pipe() -> Any:
+    import tiny_pipelines as tp
+
+    return tp.qwen_image()
+
+
+def test_whole_qwen_image_pipeline_plans_sage_for_its_padded_prompts(qwen_pipe: Any) -> None:
+    plan = idf.plan(qwen_pipe, SAGE, SIM)
+    assert plan.ok, plan.errors
+    groups = plan.by_component()
+    dit = groups["transformer"]
+    assert dit and {s.backend.name for s in dit if s.backend} == {"sage_attn"}
+    assert all(s.backend is not None and s.resolution.reason is None for s in dit)
+    assert {s.spec.requirements.mask_kind for s in dit} == {"key padding"}
+    # the Qwen2.5-VL text encoder: its decoder layers pass causal with key padding
+    text = groups["text_encoder"]
+    assert text and {s.backend.name for s in text if s.backend} == {"sage_attn"}
+    language = [s for s in text if ".language_model." in s.name]
+    assert language and {s.spec.requirements.mask_kind for s in language} == {
+        "causal with key padding"
+    }
+    # the VAE's attention blocks are sites, decided at their first call
+    vae = groups["vae"]
+    assert vae and all(s.pending for s in vae)
+
+
+def test_whole_qwen_image_pipeline_runs_sage_varlen_with_the_untouched_output(
+    qwen_pipe: Any, varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiny_pipelines as tp
+
+    spied = _spy_varlen(monkeypatch)
+    with torch.no_grad():
+        before = tp.run_qwen_image(qwen_pipe)
+        plan = idf.apply(qwen_pipe, SAGE, STAND_IN)
+        try:
+            after = tp.run_qwen_image(qwen_pipe)
+            routes = idf.routes(qwen_pipe)
+        finally:
+            idf.remove(qwen_pipe)
+        again = tp.run_qwen_image(qwen_pipe)
+    assert torch.equal(again, before)  # remove restored the untouched pipeline
+    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    dit = [s for s in plan.sites if s.component == "transformer"]
+    heads, size = dit[0].heads, dit[0].spec.head_size
+    # every DiT call (2 blocks x 2 steps) ran sageattn_varlen on the two prompts
+    assert spied.count((heads, size, 2)) == 2 * len(dit), spied
+    # the text encoder's padded batch ran varlen too (causal with key padding)
+    text = [s for s in plan.sites if s.component == "text_encoder" and ".language_" in s.name]
+    assert (text[0].heads, text[0].spec.head_size, 2) in spied
+    assert any(c.get("is_causal") for c in varlen_fakes.seen)
+    # the VAE's sites were governed: decided at their first call, traced
+    vae = [r for name, r in routes.items() if name.startswith("vae/")]
+    assert vae and any(r.first_calls for r in vae)
+    for route in vae:
+        for first in route.first_calls:
+            assert first.backend is not None, first.error
+
+
+@pytest.mark.parametrize("build", ["hunyuan_video", "ltx2"])
+def test_dit_with_a_text_padding_mask_plans_and_runs_sage_varlen(
+    build: str, varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HunyuanVideo (its token refiner's padded queries see the first token; the
+    joint blocks' [B, 1, 1, N] prompt padding) and LTX-2 (a -10000 prompt-padding
+    bias in attn2 and audio_attn2): the plan names key padding where the model
+    passes it, the applied DiT runs sageattn_varlen there and gives the untouched
+    output."""
+    import tiny_pipelines as tp
+
+    model, inputs = getattr(tp, build)()
+    plan = idf.plan({"transformer": model}, SAGE, SIM)
+    assert plan.ok, plan.errors
+    padded = [s for s in plan.sites if s.spec.requirements.mask_kind == "key padding"]
+    assert padded and {s.backend.name for s in plan.sites} == {"sage_attn"}
+    spied = _spy_varlen(monkeypatch)
+    with torch.no_grad():
+        before = model(**inputs)[0]
+        idf.apply({"transformer": model}, SAGE, STAND_IN)
+        try:
+            after = model(**inputs)[0]
+            routes = idf.routes({"transformer": model})
+        finally:
+            idf.remove({"transformer": model})
+        again = model(**inputs)[0]
+    assert torch.equal(again, before)
+    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    assert len(spied) == len(padded)  # one varlen call per key-padding site, no other
+    for site in padded:  # each verified its planned kind at the first call
+        assert not routes[f"transformer/{site.name}"].first_calls, site.name
+
+
+@pytest.mark.filterwarnings("ignore:.*FluxPosEmbed:FutureWarning")  # diffusers' own
+def test_chroma_pipeline_plan_names_its_additive_mask_before_any_call() -> None:
+    """ChromaPipeline (diffusers 0.42.1) hands its DiT the prompt mask in the
+    prompt's float dtype, which SDPA adds as a 0/1 bias: no key-padding route can
+    reproduce it. Under a strict global sage_attn the plan fails with the kind
+    named, and apply changes nothing -- never a plan that passes and then meets
+    the mask at the first call."""
+    import tiny_pipelines as tp
+
+    from attnres.integrations import IntegrationError
+
+    pipe = tp.chroma()
+    plan = idf.plan(pipe, SAGE, SIM)
+    dit = plan.by_component()["transformer"]
+    assert dit and {s.spec.requirements.mask_kind for s in dit} == {"additive mask"}
+    assert all(s.backend is None and "does not implement additive masks" in s.error for s in dit)
+    with pytest.raises(IntegrationError):
+        idf.apply(pipe, SAGE, STAND_IN)
+    assert not idf.routes(pipe)
+    # with no flag it plans what it runs: torch SDPA takes every kind
+    assert idf.plan(pipe, SelectionConfig(), SIM).ok
+
+
+def test_a_dispatcher_site_decided_torch_sdpa_never_runs_the_processors_own_backend() -> None:
+    """diffusers' ``sage_varlen``/``flash_varlen`` assume right padding: a site whose
+    processor pins one and that attnres decided torch_sdpa runs diffusers' native
+    SDPA, as decided (here the pinned sage_varlen has no kernel on this CPU, so
+    reaching it would fail)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    model = _qwen_image()
+    with torch.no_grad():
+        before = model(**_inputs())[0]
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(type(processor), "_attention_backend"):
+            processor._attention_backend = AttentionBackendName("sage_varlen")
+    sdpa = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+    with torch.no_grad():
+        plan = idf.apply({"transformer": model}, sdpa, STAND_IN)
+        try:
+            assert {s.backend.name for s in plan.sites} == {"torch_sdpa"}
+            after = model(**_inputs())[0]
+        finally:
+            idf.remove({"transformer": model})
+    assert torch.equal(after, before)

@@ -168,3 +168,187 @@ def wan() -> dict[str, Any]:
 
 def wan_vae_input() -> torch.Tensor:
     return torch.randn(1, 3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+
+
+# --- issue 22: whole pipelines and DiTs that pass a text-padding mask ---------
+
+#: the words of QwenImagePipeline's prompt template (diffusers 0.42.1) and of the
+#: test prompts; the tokenizer splits on spaces, newlines and punctuation, so the
+#: template's system part is 34 tokens, as ``prompt_template_encode_start_idx``
+#: expects of the real Qwen2 tokenizer
+_QWEN_WORDS = (
+    "system Describe the image by detailing color shape size texture quantity text "
+    "spatial relationships of objects and background user assistant a cat dog on mat red blue"
+)
+
+
+def qwen_tokenizer() -> Any:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    words = dict.fromkeys([*specials, "\n", ",", ":", *_QWEN_WORDS.split()])
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r" +"), behavior="removed"),
+        pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+        pre_tokenizers.Punctuation("isolated"),
+    ])  # fmt: skip
+    return Qwen2TokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
+        eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )  # fmt: skip
+
+
+def qwen_image(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A whole tiny ``QwenImagePipeline``: the components and configs of
+    diffusers' own pipeline test (huggingface/diffusers,
+    tests/pipelines/qwenimage/test_qwenimage.py, ``get_dummy_components``), with
+    the tokenizer built in memory and the vocabulary cut to it."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = qwen_tokenizer()
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(
+        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+        temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2,
+            "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                             "type": "default"},
+            "rope_theta": 1000000.0,
+        },
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16,
+                       "num_heads": 2, "out_hidden_size": 16},
+        hidden_size=16, vocab_size=len(tokenizer), vision_end_token_id=151653,
+        vision_start_token_id=151652, vision_token_id=151654,
+    )  # fmt: skip
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval().to(dtype),
+        text_encoder=text_encoder.eval().to(dtype), tokenizer=tokenizer,
+        transformer=transformer.eval().to(dtype),
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_qwen_image(pipe: Any) -> torch.Tensor:
+    """Two prompts of different lengths (6 and 2 words): a padded batch."""
+    out = pipe(
+        prompt=["a red cat on the mat", "a dog"], num_inference_steps=2, true_cfg_scale=1.0,
+        height=32, width=32, max_sequence_length=16, output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    return out.images
+
+
+#: two prompts of 6 and 3 tokens, padded to 8 on the right (as the pipelines'
+#: tokenizers pad)
+def _text_mask() -> torch.Tensor:
+    return torch.tensor([[1] * 6 + [0] * 2, [1] * 3 + [0] * 5])
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def hunyuan_video(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, dict[str, Any]]:
+    """A tiny HunyuanVideo DiT (``init_dict`` of huggingface/diffusers,
+    tests/models/transformers/test_models_transformer_hunyuan_video.py) and a
+    batch of two padded prompts."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1,
+        guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4), image_condition_type=None,
+    ).eval().to(dtype)  # fmt: skip
+    inputs = {
+        "hidden_states": _randn(2, 4, 1, 8, 8, seed=1).to(dtype),
+        "timestep": torch.tensor([500, 500]).to(dtype),
+        "encoder_hidden_states": _randn(2, 8, 16, seed=2).to(dtype),
+        "pooled_projections": _randn(2, 8, seed=3).to(dtype),
+        "encoder_attention_mask": _text_mask().to(dtype),
+        "guidance": torch.tensor([3.0, 3.0]).to(dtype),
+        "return_dict": False,
+    }
+    return model, inputs
+
+
+def ltx2(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, dict[str, Any]]:
+    """A tiny LTX-2 audio-video DiT (``get_init_dict`` of huggingface/diffusers,
+    tests/models/transformers/test_models_transformer_ltx2.py) and a batch of
+    two padded prompts for video and audio."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4,
+        audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+        audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+        caption_channels=16, rope_double_precision=False,
+    ).eval().to(dtype)  # fmt: skip
+    inputs = {
+        "hidden_states": _randn(2, 2 * 4 * 4, 4, seed=1).to(dtype),
+        "audio_hidden_states": _randn(2, 5, 4, seed=2).to(dtype),
+        "encoder_hidden_states": _randn(2, 8, 16, seed=3).to(dtype),
+        "audio_encoder_hidden_states": _randn(2, 8, 16, seed=4).to(dtype),
+        "timestep": torch.tensor([500.0, 500.0]),
+        "encoder_attention_mask": _text_mask().bool(),
+        "audio_encoder_attention_mask": _text_mask().bool(),
+        "num_frames": 2, "height": 4, "width": 4, "audio_num_frames": 5, "fps": 25.0,
+        "return_dict": False,
+    }  # fmt: skip
+    return model, inputs
+
+
+def chroma(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A whole tiny ``ChromaPipeline``: the DiT of huggingface/diffusers,
+    tests/models/transformers/test_models_transformer_chroma.py, the tiny T5 and VAE
+    above."""
+    from diffusers import (
+        AutoencoderKL,
+        ChromaPipeline,
+        ChromaTransformer2DModel,
+        FlowMatchEulerDiscreteScheduler,
+    )
+
+    t5, tok = t5_text_encoder(dtype)
+    torch.manual_seed(0)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=[4, 4, 8],
+    ).eval().to(dtype)  # fmt: skip
+    torch.manual_seed(3)
+    vae = AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,),
+        layers_per_block=1, latent_channels=1, norm_num_groups=1,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()  # fmt: skip
+    return ChromaPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=t5,
+        tokenizer=tok,
+        transformer=transformer,
+        vae=vae,
+    )

@@ -20,7 +20,8 @@ valid -- by running its varlen entry point on the valid tokens only:
 
 Padded rows: in self-attention (query and key lengths equal) the queries are
 unpadded with the keys, so a padded query position comes back as **zeros**
-(the untouched model computes attention over the valid keys there; a model
+(the untouched model computes attention over whatever that position's mask
+row allows: the valid keys, nothing, or HunyuanVideo's first token; a model
 that masks its keys never reads those rows as keys again). In
 cross-attention only the keys are unpadded and every query of a row is
 computed. A batch row whose keys are all padding is **zeros** on both (torch
@@ -143,14 +144,18 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
     if seq_q == 1 or bool((rows == valid[:, None, :]).all()):
         return ObservedMask(MaskKind.KEY_PADDING, False, valid)
     if seq_q == seq_kv:
-        # self-attention: the padded queries may see nothing (Chroma's
-        # mask[:, None] * mask[:, :, None]), and a causal triangle may be folded in
-        # (transformers' 4-D masks); the unpad route drops padded queries anyway
+        # self-attention: a query at a valid position sees exactly the valid keys
+        # (or those up to itself: a causal triangle folded in, as in transformers'
+        # 4-D masks); a query at a padded position is dropped by the unpad route
+        # (zeros), whatever its row allows: nothing (Chroma's
+        # mask[:, None] * mask[:, :, None]) or the first token (HunyuanVideo's
+        # token refiner). Every key such a row sees is a valid one: ``valid`` is
+        # the union of the rows, and the valid queries see all of it.
         keys = valid[:, None, :]
-        both = keys & valid[:, :, None]
+        padded_query = ~valid[:, :, None]
         tril = rows.new_ones((seq_q, seq_kv)).tril()
-        for pattern, causal in ((both, False), (keys & tril, True), (both & tril, True)):
-            if bool((rows == pattern).all()):
+        for pattern, causal in ((keys, False), (keys & tril, True)):
+            if bool(((rows == pattern) | padded_query).all()):
                 return ObservedMask(MaskKind.KEY_PADDING, causal, valid)
     return ObservedMask(MaskKind.BOOLEAN, False, None, "the queries of a row see different keys")
 

@@ -136,6 +136,32 @@ _MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType(
 )
 
 
+#: issue 22: the mask kind a model's own forward hands its attention sites, keyed by
+#: the model class (its attention module classes are shared with models that pass no
+#: mask), per site name; checked against diffusers 0.42.1, and verified at each
+#: planned signature's first call (a wrong entry re-resolves the site, traced):
+#:
+#: - ``ChromaTransformer2DModel``: every joint site gets the prompt mask as
+#:   ``mask[:, None, None, :] * mask[:, None, :, None]`` in the mask's own dtype;
+#:   ``ChromaPipeline`` builds it in the prompt's float dtype, so SDPA adds it as a
+#:   0/1 bias (diffusers#12116): an additive mask, which no key-padding route can
+#:   reproduce;
+#: - ``HunyuanVideoTransformer3DModel``: every site: the token refiner's prompt
+#:   self-attention (padded queries see the first token) and the joint blocks'
+#:   ``[B, 1, 1, N]`` prompt padding;
+#: - ``LTX2VideoTransformer3DModel``: the prompt cross-attentions ``attn2`` and
+#:   ``audio_attn2`` get the prompt padding as a -10000 bias.
+_MASK_BY_MODEL: Mapping[str, Callable[[str], MaskKind]] = MappingProxyType(
+    {
+        "ChromaTransformer2DModel": lambda n: MaskKind.ADDITIVE,
+        "HunyuanVideoTransformer3DModel": lambda n: MaskKind.KEY_PADDING,
+        "LTX2VideoTransformer3DModel": lambda n: (
+            MaskKind.KEY_PADDING if _last(n) in ("attn2", "audio_attn2") else MaskKind.NONE
+        ),
+    }
+)
+
+
 def _role(name: str, module: Any) -> Role:
     fact = _ROLE_BY_PLACE.get(type(module).__name__)
     if fact is not None:
@@ -150,9 +176,12 @@ def _role(name: str, module: Any) -> Role:
 _TEXT_PADDING_PARAMETER = "encoder_hidden_states_mask"
 
 
-def _mask_kind(name: str, module: Any) -> MaskKind:
+def _mask_kind(name: str, module: Any, model_class: str = "") -> MaskKind:
     """The mask kind a site passes, where its code tells before the first call
     (issue 22); the first call observes every other mask and its kind."""
+    by_model = _MASK_BY_MODEL.get(model_class)
+    if by_model is not None:
+        return by_model(name)
     by_place = _MASK_BY_PLACE.get(type(module).__name__)
     if by_place is not None and by_place(name):
         return MaskKind.KEY_PADDING  # LTX's -10000 prompt-padding bias
@@ -164,10 +193,16 @@ def _mask_kind(name: str, module: Any) -> MaskKind:
 
 
 def _requirements(
-    name: str, module: Any, heads: int, kv_heads: int, head_size: int, trains: bool
+    name: str,
+    module: Any,
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    trains: bool,
+    model_class: str = "",
 ) -> Requirements:
     return Requirements(
-        mask=_mask_kind(name, module),
+        mask=_mask_kind(name, module, model_class),
         gqa=kv_heads < heads,
         backward=trains,
         # Attention(scale_qk=False) or scale= passes its own softmax scale
@@ -259,7 +294,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         if not name or any(name.startswith(s + ".") for s in inside):
             continue
         site_dtype = dtype or _dtype_of(module, fallback)
-        desc = _describe(component, name, module, site_dtype, backward)
+        desc = _describe(component, name, module, site_dtype, backward, type(model).__name__)
         if desc is not None:
             out.append(desc)
             inside.append(name)
@@ -273,7 +308,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
 
 
 def _describe(
-    component: str, name: str, module: Any, dtype: str, backward: bool
+    component: str, name: str, module: Any, dtype: str, backward: bool, model_class: str = ""
 ) -> SiteDescription | None:
     cls = type(module).__name__
     # a diffusers attention module, or any module that hands its call to a processor
@@ -303,7 +338,9 @@ def _describe(
             heads=heads,
             kv_heads=kv_heads,
             head_size=head_size,
-            requirements=_requirements(name, module, heads, kv_heads, head_size, backward),
+            requirements=_requirements(
+                name, module, heads, kv_heads, head_size, backward, model_class
+            ),
         )
     else:
         base.update(
@@ -599,6 +636,7 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
             scope=scope_state(site.component),
             platform=platform,
         )
+        route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
         routed = None if original is None else _route.routed_processor(original, route)
         if routed is not None:
             # a copy: the original object may be shared with other modules or models
