@@ -266,7 +266,6 @@ def test_dit_with_a_text_padding_mask_plans_and_runs_sage_varlen(
         assert not routes[f"transformer/{site.name}"].first_calls, site.name
 
 
-@pytest.mark.filterwarnings("ignore:.*FluxPosEmbed:FutureWarning")  # diffusers' own
 def test_chroma_pipeline_plan_names_its_additive_mask_before_any_call() -> None:
     """ChromaPipeline (diffusers 0.42.1) hands its DiT the prompt mask in the
     prompt's float dtype, which SDPA adds as a 0/1 bias: no key-padding route can
