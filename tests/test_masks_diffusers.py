@@ -233,18 +233,54 @@ def test_whole_qwen_image_pipeline_runs_sage_varlen_with_the_untouched_output(
             assert first.backend is not None, first.error
 
 
-@pytest.mark.parametrize("build", ["hunyuan_video", "ltx2"])
-def test_dit_with_a_text_padding_mask_plans_and_runs_sage_varlen(
-    build: str, varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+def test_whole_hunyuan_video_pipeline_runs_sage_varlen_with_the_untouched_output(
+    varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """HunyuanVideo (its token refiner's padded queries see the first token; the
-    joint blocks' [B, 1, 1, N] prompt padding) and LTX-2 (a -10000 prompt-padding
-    bias in attn2 and audio_attn2): the plan names key padding where the model
-    passes it, the applied DiT runs sageattn_varlen there and gives the untouched
-    output."""
+    """HunyuanVideo: its token refiner's padded queries see the first token, its
+    joint blocks get [B, 1, 1, N] prompt padding; its Llama encoder passes causal
+    with key padding; its VAE (float32) falls back, traced."""
     import tiny_pipelines as tp
 
-    model, inputs = getattr(tp, build)()
+    pipe = tp.hunyuan_video()
+    plan = idf.plan(pipe, SAGE, SIM)
+    assert plan.ok, plan.errors
+    groups = plan.by_component()
+    dit = groups["transformer"]
+    assert dit and {s.backend.name for s in dit} == {"sage_attn"}
+    assert {s.spec.requirements.mask_kind for s in dit} == {"key padding"}
+    llama = groups["text_encoder"]
+    assert {(s.backend.name, s.spec.requirements.mask_kind) for s in llama} == {
+        ("sage_attn", "causal with key padding")
+    }
+    assert all(s.resolution.reason == "global backend fallback" for s in groups["vae"])
+    spied = _spy_varlen(monkeypatch)
+    with torch.no_grad():
+        before = tp.run_hunyuan_video(pipe)
+        idf.apply(pipe, SAGE, STAND_IN)
+        try:
+            after = tp.run_hunyuan_video(pipe)
+            routes = idf.routes(pipe)
+        finally:
+            idf.remove(pipe)
+        again = tp.run_hunyuan_video(pipe)
+    assert torch.equal(again, before)
+    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    # every DiT call (3 sites x 2 steps) and every Llama layer ran sageattn_varlen
+    assert spied.count((dit[0].heads, dit[0].spec.head_size, 2)) == 2 * len(dit), spied
+    assert spied.count((llama[0].heads, llama[0].spec.head_size, 2)) == len(llama), spied
+    for site in dit:  # each verified its planned kind at its first call
+        assert not routes[f"transformer/{site.name}"].first_calls, site.name
+
+
+def test_ltx2_dit_with_padded_prompts_plans_and_runs_sage_varlen(
+    varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LTX-2: a -10000 prompt-padding bias in attn2 and audio_attn2: the plan names
+    key padding there, the applied DiT runs sageattn_varlen there and gives the
+    untouched output."""
+    import tiny_pipelines as tp
+
+    model, inputs = tp.ltx2()
     plan = idf.plan({"transformer": model}, SAGE, SIM)
     assert plan.ok, plan.errors
     padded = [s for s in plan.sites if s.spec.requirements.mask_kind == "key padding"]

@@ -269,29 +269,78 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def hunyuan_video(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, dict[str, Any]]:
-    """A tiny HunyuanVideo DiT (``init_dict`` of huggingface/diffusers,
-    tests/models/transformers/test_models_transformer_hunyuan_video.py) and a
-    batch of two padded prompts."""
-    from diffusers import HunyuanVideoTransformer3DModel
+def hunyuan_video(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A whole tiny ``HunyuanVideoPipeline``: the components and configs of
+    huggingface/diffusers, tests/pipelines/hunyuan_video/test_hunyuan_video.py
+    (``get_dummy_components``), with tokenizers built in memory; DiT and text
+    encoders in ``dtype``, the VAE in float32."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        LlamaConfig,
+        LlamaModel,
+        PreTrainedTokenizerFast,
+    )
 
     torch.manual_seed(0)
-    model = HunyuanVideoTransformer3DModel(
+    transformer = HunyuanVideoTransformer3DModel(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
         num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1,
         guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
-        rope_axes_dim=(2, 4, 4), image_condition_type=None,
-    ).eval().to(dtype)  # fmt: skip
-    inputs = {
-        "hidden_states": _randn(2, 4, 1, 8, 8, seed=1).to(dtype),
-        "timestep": torch.tensor([500, 500]).to(dtype),
-        "encoder_hidden_states": _randn(2, 8, 16, seed=2).to(dtype),
-        "pooled_projections": _randn(2, 8, seed=3).to(dtype),
-        "encoder_attention_mask": _text_mask().to(dtype),
-        "guidance": torch.tensor([3.0, 3.0]).to(dtype),
-        "return_dict": False,
-    }
-    return model, inputs
+        rope_axes_dim=(2, 4, 4),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1, act_fn="silu", norm_num_groups=4, scaling_factor=0.476986,
+        spatial_compression_ratio=8, temporal_compression_ratio=4,
+        mid_block_add_attention=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    llama = LlamaModel(LlamaConfig(
+        bos_token_id=0, eos_token_id=2, hidden_size=16, intermediate_size=37,
+        num_attention_heads=4, num_hidden_layers=2, pad_token_id=1, vocab_size=64,
+        hidden_act="gelu",
+    ))  # fmt: skip
+    torch.manual_seed(0)
+    clip = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, hidden_size=8, intermediate_size=37,
+        num_attention_heads=4, num_hidden_layers=2, pad_token_id=1, vocab_size=64,
+        hidden_act="gelu", projection_dim=32,
+    ))  # fmt: skip
+    tok = _tokenizer(PreTrainedTokenizerFast, bos_token="<s>", pad_token="<pad>",
+                     eos_token="</s>", unk_token="<unk>")  # fmt: skip
+    tok2 = _tokenizer(PreTrainedTokenizerFast, bos_token="<s>", eos_token="</s>",
+                      pad_token="</s>", unk_token="<unk>")  # fmt: skip
+    tok2.model_max_length = 77
+    pipe = HunyuanVideoPipeline(
+        transformer=transformer.eval().to(dtype), vae=vae.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder=llama.eval().to(dtype), text_encoder_2=clip.eval().to(dtype),
+        tokenizer=tok, tokenizer_2=tok2,
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_hunyuan_video(pipe: Any) -> torch.Tensor:
+    """Two prompts of different lengths, padded to 16 tokens (with the prompt
+    template of diffusers' own test: the prompt alone)."""
+    out = pipe(
+        prompt=["a red cat on the mat", "a dog"],
+        prompt_template={"template": "{}", "crop_start": 0}, num_inference_steps=2,
+        guidance_scale=4.5, height=16, width=16, num_frames=1, max_sequence_length=16,
+        output_type="pt", generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    return out.frames
 
 
 def ltx2(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, dict[str, Any]]:
