@@ -347,3 +347,33 @@ def test_a_dispatcher_site_decided_torch_sdpa_never_runs_the_processors_own_back
         finally:
             idf.remove({"transformer": model})
     assert torch.equal(after, before)
+
+
+def test_a_dispatcher_pinned_to_a_dense_kernel_is_routed_for_its_key_padding_mask(
+    varlen_fakes: Calls,
+) -> None:
+    """A processor pinned to diffusers' ``flash`` (the decision, fa, is what it
+    runs) would hand its key-padding mask to the dense kernel, which raises
+    "attn_mask is not supported": the site is routed anyway, through attnres's
+    unpad route and flash_attn_varlen_func."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    model = _qwen_image()
+    with torch.no_grad():
+        before = model(**_inputs())[0]
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(type(processor), "_attention_backend"):
+            processor._attention_backend = AttentionBackendName("flash")
+    with torch.no_grad():
+        plan = idf.apply({"transformer": model}, SelectionConfig(), STAND_IN)
+        try:
+            assert {(s.backend.name, s.current.name) for s in plan.sites} == {("fa", "fa")}
+            assert set(idf.routes({"transformer": model})) == {
+                f"transformer/{s.name}" for s in plan.sites
+            }
+            after = model(**_inputs())[0]
+        finally:
+            idf.remove({"transformer": model})
+    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    assert varlen_fakes.seen and all("cu_seqlens_q" in c for c in varlen_fakes.seen)

@@ -244,6 +244,16 @@ def _pinned_backends(
     return frozenset(out)
 
 
+def _unpads(backend: Backend, requirements: Requirements) -> bool:
+    """Issue 22: ``backend`` takes the site's mask kind only through attnres's unpad
+    route. A dispatcher already pinned to that backend runs its dense kernel with
+    the mask as is (diffusers' ``flash`` raises "attn_mask is not supported"), so
+    the site is routed even though the decision is what it runs."""
+    spec = lookup_spec(backend)
+    support = None if spec is None else spec.mask_support(requirements.mask)
+    return support is not None and support.route is MaskRoute.UNPAD
+
+
 def _is_dispatcher(processor: Any) -> bool:
     return processor is not None and hasattr(type(processor), "_attention_backend")
 
@@ -527,7 +537,8 @@ def _prepare(
                 continue
             backend = site.resolution.backend
             if site.routed:
-                if backend == site.current:  # what it runs already: nothing to wrap
+                if backend == site.current and not _unpads(backend, site.spec.requirements):
+                    # what it runs already: nothing to wrap
                     planned.append(_Planned(comp, module, site, "", False))
                     continue
                 planned.append(_Planned(comp, module, site, "", True))
