@@ -24,15 +24,9 @@ SAGE = SelectionConfig(global_backend="sage_attn", global_backend_explicit=True)
 
 
 def _qwen_image() -> Any:
-    from diffusers import QwenImageTransformer2DModel
+    import tiny_pipelines as tp
 
-    torch.manual_seed(0)
-    model = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False,
-        axes_dims_rope=(8, 4, 4),
-    )  # fmt: skip
-    return model.eval().to(torch.bfloat16)
+    return tp.qwen_image_transformer().eval().to(torch.bfloat16)
 
 
 def _inputs() -> dict[str, Any]:
@@ -173,6 +167,24 @@ def _rel_error(after: torch.Tensor, before: torch.Tensor) -> float:
     return float((after.double() - before.double()).norm() / before.double().norm())
 
 
+def _apply_and_compare(pipe: Any, run: Any) -> tuple[Any, dict[str, Any]]:
+    """Run untouched, applied (global sage_attn, stand-ins) and removed: the applied
+    output is the untouched one within tolerance, and remove restores it exactly.
+    Returns the plan and the routes that were installed."""
+    with torch.no_grad():
+        before = run()
+        plan = idf.apply(pipe, SAGE, STAND_IN)
+        try:
+            after = run()
+            routes = idf.routes(pipe)
+        finally:
+            idf.remove(pipe)
+        again = run()
+    assert torch.equal(again, before)  # remove restored the untouched pipeline
+    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    return plan, routes
+
+
 @pytest.fixture(scope="module")
 def qwen_pipe() -> Any:
     import tiny_pipelines as tp
@@ -206,17 +218,7 @@ def test_whole_qwen_image_pipeline_runs_sage_varlen_with_the_untouched_output(
     import tiny_pipelines as tp
 
     spied = _spy_varlen(monkeypatch)
-    with torch.no_grad():
-        before = tp.run_qwen_image(qwen_pipe)
-        plan = idf.apply(qwen_pipe, SAGE, STAND_IN)
-        try:
-            after = tp.run_qwen_image(qwen_pipe)
-            routes = idf.routes(qwen_pipe)
-        finally:
-            idf.remove(qwen_pipe)
-        again = tp.run_qwen_image(qwen_pipe)
-    assert torch.equal(again, before)  # remove restored the untouched pipeline
-    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    plan, routes = _apply_and_compare(qwen_pipe, lambda: tp.run_qwen_image(qwen_pipe))
     dit = [s for s in plan.sites if s.component == "transformer"]
     heads, size = dit[0].heads, dit[0].spec.head_size
     # every DiT call (2 blocks x 2 steps) ran sageattn_varlen on the two prompts
@@ -254,17 +256,7 @@ def test_whole_hunyuan_video_pipeline_runs_sage_varlen_with_the_untouched_output
     }
     assert all(s.resolution.reason == "global backend fallback" for s in groups["vae"])
     spied = _spy_varlen(monkeypatch)
-    with torch.no_grad():
-        before = tp.run_hunyuan_video(pipe)
-        idf.apply(pipe, SAGE, STAND_IN)
-        try:
-            after = tp.run_hunyuan_video(pipe)
-            routes = idf.routes(pipe)
-        finally:
-            idf.remove(pipe)
-        again = tp.run_hunyuan_video(pipe)
-    assert torch.equal(again, before)
-    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    _, routes = _apply_and_compare(pipe, lambda: tp.run_hunyuan_video(pipe))
     # every DiT call (3 sites x 2 steps) and every Llama layer ran sageattn_varlen
     assert spied.count((dit[0].heads, dit[0].spec.head_size, 2)) == 2 * len(dit), spied
     assert spied.count((llama[0].heads, llama[0].spec.head_size, 2)) == len(llama), spied
@@ -286,17 +278,7 @@ def test_ltx2_dit_with_padded_prompts_plans_and_runs_sage_varlen(
     padded = [s for s in plan.sites if s.spec.requirements.mask_kind == "key padding"]
     assert padded and {s.backend.name for s in plan.sites} == {"sage_attn"}
     spied = _spy_varlen(monkeypatch)
-    with torch.no_grad():
-        before = model(**inputs)[0]
-        idf.apply({"transformer": model}, SAGE, STAND_IN)
-        try:
-            after = model(**inputs)[0]
-            routes = idf.routes({"transformer": model})
-        finally:
-            idf.remove({"transformer": model})
-        again = model(**inputs)[0]
-    assert torch.equal(again, before)
-    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    _, routes = _apply_and_compare({"transformer": model}, lambda: model(**inputs)[0])
     assert len(spied) == len(padded)  # one varlen call per key-padding site, no other
     for site in padded:  # each verified its planned kind at the first call
         assert not routes[f"transformer/{site.name}"].first_calls, site.name
@@ -324,11 +306,9 @@ def test_chroma_pipeline_plan_names_its_additive_mask_before_any_call() -> None:
     assert idf.plan(pipe, SelectionConfig(), SIM).ok
 
 
-def test_a_dispatcher_site_decided_torch_sdpa_never_runs_the_processors_own_backend() -> None:
-    """diffusers' ``sage_varlen``/``flash_varlen`` assume right padding: a site whose
-    processor pins one and that attnres decided torch_sdpa runs diffusers' native
-    SDPA, as decided (here the pinned sage_varlen has no kernel on this CPU, so
-    reaching it would fail)."""
+def _pinned_qwen_image(backend: str) -> tuple[Any, torch.Tensor]:
+    """The tiny Qwen-Image DiT and its untouched output, then every processor
+    pinned to diffusers' ``backend`` (what ``set_attention_backend`` sets)."""
     from diffusers.models.attention_dispatch import AttentionBackendName
 
     model = _qwen_image()
@@ -337,7 +317,16 @@ def test_a_dispatcher_site_decided_torch_sdpa_never_runs_the_processors_own_back
     for module in model.modules():
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(type(processor), "_attention_backend"):
-            processor._attention_backend = AttentionBackendName("sage_varlen")
+            processor._attention_backend = AttentionBackendName(backend)
+    return model, before
+
+
+def test_a_dispatcher_site_decided_torch_sdpa_never_runs_the_processors_own_backend() -> None:
+    """diffusers' ``sage_varlen``/``flash_varlen`` assume right padding: a site whose
+    processor pins one and that attnres decided torch_sdpa runs diffusers' native
+    SDPA, as decided (here the pinned sage_varlen has no kernel on this CPU, so
+    reaching it would fail)."""
+    model, before = _pinned_qwen_image("sage_varlen")
     sdpa = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
     with torch.no_grad():
         plan = idf.apply({"transformer": model}, sdpa, STAND_IN)
@@ -356,15 +345,7 @@ def test_a_dispatcher_pinned_to_a_dense_kernel_is_routed_for_its_key_padding_mas
     runs) would hand its key-padding mask to the dense kernel, which raises
     "attn_mask is not supported": the site is routed anyway, through attnres's
     unpad route and flash_attn_varlen_func."""
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
-    model = _qwen_image()
-    with torch.no_grad():
-        before = model(**_inputs())[0]
-    for module in model.modules():
-        processor = getattr(module, "processor", None)
-        if processor is not None and hasattr(type(processor), "_attention_backend"):
-            processor._attention_backend = AttentionBackendName("flash")
+    model, before = _pinned_qwen_image("flash")
     with torch.no_grad():
         plan = idf.apply({"transformer": model}, SelectionConfig(), STAND_IN)
         try:

@@ -200,6 +200,18 @@ def qwen_tokenizer() -> Any:
     )  # fmt: skip
 
 
+def qwen_image_transformer() -> Any:
+    """The tiny Qwen-Image DiT of diffusers' own pipeline test (below)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )  # fmt: skip
+
+
 def qwen_image(dtype: torch.dtype = torch.bfloat16) -> Any:
     """A whole tiny ``QwenImagePipeline``: the components and configs of
     diffusers' own pipeline test (huggingface/diffusers,
@@ -209,17 +221,11 @@ def qwen_image(dtype: torch.dtype = torch.bfloat16) -> Any:
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
         QwenImagePipeline,
-        QwenImageTransformer2DModel,
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tokenizer = qwen_tokenizer()
-    torch.manual_seed(0)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False,
-        axes_dims_rope=(8, 4, 4),
-    )  # fmt: skip
+    transformer = qwen_image_transformer()
     torch.manual_seed(0)
     vae = AutoencoderKLQwenImage(
         base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
