@@ -249,6 +249,8 @@ def _unpads(backend: Backend, requirements: Requirements) -> bool:
     route. A dispatcher already pinned to that backend runs its dense kernel with
     the mask as is (diffusers' ``flash`` raises "attn_mask is not supported"), so
     the site is routed even though the decision is what it runs."""
+    if requirements.mask is not MaskKind.KEY_PADDING:  # the only kind taken by unpadding
+        return False
     spec = lookup_spec(backend)
     support = None if spec is None else spec.mask_support(requirements.mask)
     return support is not None and support.route is MaskRoute.UNPAD
