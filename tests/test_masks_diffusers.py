@@ -264,15 +264,18 @@ def test_whole_hunyuan_video_pipeline_runs_sage_varlen_with_the_untouched_output
         assert not routes[f"transformer/{site.name}"].first_calls, site.name
 
 
+@pytest.mark.parametrize("side", [4, 2], ids=["32-video-tokens", "8-video-tokens"])
 def test_ltx2_dit_with_padded_prompts_plans_and_runs_sage_varlen(
-    varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+    side: int, varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """LTX-2: a -10000 prompt-padding bias in attn2 and audio_attn2: the plan names
     key padding there, the applied DiT runs sageattn_varlen there and gives the
-    untouched output."""
+    untouched output -- also when the video has as many tokens as the prompt
+    (8): a cross-attention of equal lengths, whose video queries at the prompt's
+    padded positions are computed, not dropped as padding."""
     import tiny_pipelines as tp
 
-    model, inputs = tp.ltx2()
+    model, inputs = tp.ltx2(side=side)
     plan = idf.plan({"transformer": model}, SAGE, SIM)
     assert plan.ok, plan.errors
     padded = [s for s in plan.sites if s.spec.requirements.mask_kind == "key padding"]

@@ -349,10 +349,12 @@ def run_hunyuan_video(pipe: Any) -> torch.Tensor:
     return out.frames
 
 
-def ltx2(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, dict[str, Any]]:
+def ltx2(
+    dtype: torch.dtype = torch.bfloat16, side: int = 4
+) -> tuple[Any, dict[str, Any]]:
     """A tiny LTX-2 audio-video DiT (``get_init_dict`` of huggingface/diffusers,
     tests/models/transformers/test_models_transformer_ltx2.py) and a batch of
-    two padded prompts for video and audio."""
+    two padded prompts (8 tokens) for video (2 x side x side tokens) and audio."""
     from diffusers import LTX2VideoTransformer3DModel
 
     torch.manual_seed(0)
@@ -364,14 +366,14 @@ def ltx2(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, dict[str, Any]]:
         caption_channels=16, rope_double_precision=False,
     ).eval().to(dtype)  # fmt: skip
     inputs = {
-        "hidden_states": _randn(2, 2 * 4 * 4, 4, seed=1).to(dtype),
+        "hidden_states": _randn(2, 2 * side * side, 4, seed=1).to(dtype),
         "audio_hidden_states": _randn(2, 5, 4, seed=2).to(dtype),
         "encoder_hidden_states": _randn(2, 8, 16, seed=3).to(dtype),
         "audio_encoder_hidden_states": _randn(2, 8, 16, seed=4).to(dtype),
         "timestep": torch.tensor([500.0, 500.0]),
         "encoder_attention_mask": _text_mask().bool(),
         "audio_encoder_attention_mask": _text_mask().bool(),
-        "num_frames": 2, "height": 4, "width": 4, "audio_num_frames": 5, "fps": 25.0,
+        "num_frames": 2, "height": side, "width": side, "audio_num_frames": 5, "fps": 25.0,
         "return_dict": False,
     }  # fmt: skip
     return model, inputs
