@@ -26,9 +26,9 @@ computed, as SDPA computes it. Where the mask ties query i to key i
 token, and causal masks) the queries are unpadded with the keys, so a padded
 query position comes back as **zeros** (the untouched model computes
 attention over whatever that position's mask row allows; a model that masks
-its keys never reads those rows as keys again). A batch row whose keys are all padding is **zeros** on both (torch
-SDPA gives NaN there); it is left out of ``cu_seqlens``, so no kernel is handed
-a sequence of length 0.
+its keys never reads those rows as keys again). A batch row whose keys are
+all padding is **zeros** on both (torch SDPA gives NaN there); it is left out
+of ``cu_seqlens``, so no kernel is handed a sequence of length 0.
 
 The route is a kernel of the usual calling convention
 (:func:`padded_kernel`), so ``attnres.Attention`` and the integrations' routes
