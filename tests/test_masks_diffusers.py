@@ -287,6 +287,27 @@ def test_ltx2_dit_with_padded_prompts_plans_and_runs_sage_varlen(
         assert not routes[f"transformer/{site.name}"].first_calls, site.name
 
 
+@pytest.mark.parametrize("registers", [None, 4], ids=["padding", "registers"])
+def test_ltx2_prompt_connectors_plan_and_run_sage_varlen(
+    registers: int | None, varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LTX-2's prompt connectors pass the prompt padding as a -finfo.max bias (or an
+    all-zero one where registers replace the padding): key padding, named by the
+    plan and verified at the first call."""
+    import tiny_pipelines as tp
+
+    model, (states, mask) = tp.ltx2_connectors(registers)
+    plan = idf.plan({"connectors": model}, SAGE, SIM)
+    assert plan.ok, plan.errors
+    assert {(s.backend.name, s.spec.requirements.mask_kind) for s in plan.sites} == {
+        ("sage_attn", "key padding")
+    }
+    spied = _spy_varlen(monkeypatch)
+    _, routes = _apply_and_compare({"connectors": model}, lambda: model(states, mask)[0])
+    assert len(spied) == len(plan.sites)
+    assert all(not route.first_calls for route in routes.values())
+
+
 def test_chroma_pipeline_plan_names_its_additive_mask_before_any_call() -> None:
     """ChromaPipeline (diffusers 0.42.1) hands its DiT the prompt mask in the
     prompt's float dtype, which SDPA adds as a 0/1 bias: no key-padding route can

@@ -379,6 +379,27 @@ def ltx2(
     return model, inputs
 
 
+def ltx2_connectors(
+    registers: int | None, dtype: torch.dtype = torch.bfloat16
+) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """LTX-2's prompt connectors (the ``LTX2TextConnectors`` config of
+    huggingface/diffusers, tests/pipelines/ltx2/testing_utils.py, for a 32-wide text
+    encoder of 2 layers) and two padded prompts' stacked hidden states and mask."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    torch.manual_seed(0)
+    model = LTX2TextConnectors(
+        caption_channels=32, text_proj_in_factor=3, video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=registers,
+        audio_connector_num_attention_heads=4, audio_connector_attention_head_dim=8,
+        audio_connector_num_layers=1, audio_connector_num_learnable_registers=registers,
+        connector_rope_base_seq_len=32, rope_theta=10000.0, rope_double_precision=False,
+        causal_temporal_positioning=False, rope_type="split",
+    ).eval().to(dtype)  # fmt: skip
+    return model, (_randn(2, 8, 32, 3, seed=5).to(dtype), _text_mask())
+
+
 def chroma(dtype: torch.dtype = torch.bfloat16) -> Any:
     """A whole tiny ``ChromaPipeline``: the DiT of huggingface/diffusers,
     tests/models/transformers/test_models_transformer_chroma.py, the tiny T5 and VAE

@@ -150,7 +150,10 @@ _MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType(
 #:   self-attention (padded queries see the first token) and the joint blocks'
 #:   ``[B, 1, 1, N]`` prompt padding;
 #: - ``LTX2VideoTransformer3DModel``: the prompt cross-attentions ``attn2`` and
-#:   ``audio_attn2`` get the prompt padding as a -10000 bias.
+#:   ``audio_attn2`` get the prompt padding as a -10000 bias;
+#: - ``LTX2TextConnectors`` (LTX-2's prompt connectors): every site gets the prompt
+#:   padding as a ``-finfo.max`` bias, or an all-zero one where learnable registers
+#:   replace the padding.
 _MASK_BY_MODEL: Mapping[str, Callable[[str], MaskKind]] = MappingProxyType(
     {
         "ChromaTransformer2DModel": lambda n: MaskKind.ADDITIVE,
@@ -158,6 +161,7 @@ _MASK_BY_MODEL: Mapping[str, Callable[[str], MaskKind]] = MappingProxyType(
         "LTX2VideoTransformer3DModel": lambda n: (
             MaskKind.KEY_PADDING if _last(n) in ("attn2", "audio_attn2") else MaskKind.NONE
         ),
+        "LTX2TextConnectors": lambda n: MaskKind.KEY_PADDING,
     }
 )
 
