@@ -33,10 +33,14 @@ from test_kernels_fakes import (
 import attnres
 from attnres import Attention, LayerSpec, Platform, ResolutionError, resolve
 from attnres._varlen import (
+    PLANS_KEPT,
     MaskKindError,
     clear_varlen_cache,
     is_prefix,
+    mask_plan,
     observe_mask,
+    pack,
+    packing,
     pad,
     padded_kernel,
     route_kernel,
@@ -614,3 +618,87 @@ def test_unpad_route_takes_chroma_and_transformers_4d_masks(
     ):
         out = _route(backend)(q, k, v, mask, False, None)
         _check(out, q, k, v, valid, causal)
+
+
+# ------------------------------------------------------------------ mask plans (kept per mask)
+
+
+def test_mask_plan_is_kept_for_the_same_mask_and_matches_a_fresh_one() -> None:
+    valid = _padding([5, 2, 0], 5, left=True)
+    mask = valid[:, None, None, :]
+    first = mask_plan(mask, 3, 5, 5)
+    assert mask_plan(mask, 3, 5, 5) is first  # every layer of one forward: built once
+    assert first.keys is not None and first.keys is first.queries  # self-attention
+    fresh = unpad(torch.zeros(3, 5, 1, 1), valid)
+    assert torch.equal(first.keys.indices, fresh.indices)
+    assert torch.equal(first.keys.cu_seqlens, fresh.cu_seqlens)
+    assert first.keys.padded is not None
+    assert sorted([*first.keys.indices.tolist(), *first.keys.padded.tolist()]) == list(range(15))
+    assert mask_plan(mask, 3, 2, 5) is not first  # other shapes: another plan
+    assert mask_plan(mask, 3, 2, 5).queries.cu_seqlens.tolist() == [0, 2, 4]  # type: ignore[union-attr]
+
+
+def test_mask_plan_sees_a_mask_changed_in_place(varlen_fakes: Calls) -> None:
+    """The version counter: a change through the mask or any view of it is a new plan,
+    and the route's output follows the new mask."""
+    valid = _padding([6, 4], 6)
+    q, k, v = _qkv(2, 6, 6, 4, 2, torch.float16, 21)
+    mask = valid[:, None, None, :].clone()
+    route = _route("fa")
+    _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+    before = mask_plan(mask, 2, 6, 6)
+    mask[1, 0, 0, 5] = True  # in place, on the mask itself
+    valid[1, 5] = True
+    assert mask_plan(mask, 2, 6, 6) is not before
+    _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+    base = torch.ones(2, 6, dtype=torch.bool)
+    view = base[:, None, None, :]
+    kept = mask_plan(view, 2, 6, 6)
+    base[0, :3] = False  # through the base: the view shares its version counter
+    assert mask_plan(view, 2, 6, 6) is not kept
+    _check(route(q, k, v, view, False, None), q, k, v, base, False)
+
+
+def test_mask_plan_of_another_mask_with_the_same_shape_is_its_own(varlen_fakes: Calls) -> None:
+    q, k, v = _qkv(2, 6, 6, 4, 4, torch.float16, 22)
+    route = _route("sage_attn")
+    for lengths in ([6, 1], [2, 5], [6, 1]):  # equal shapes, other objects and contents
+        valid = _padding(lengths, 6, left=True)
+        _check(route(q, k, v, valid[:, None, None, :], False, None), q, k, v, valid, False)
+
+
+def test_mask_plans_are_bounded_dropped_with_their_mask_and_cleared() -> None:
+    from attnres import _varlen
+
+    clear_varlen_cache()
+    masks = [_padding([4, n], 4)[:, None, None, :] for n in range(PLANS_KEPT + 3)]
+    for each in masks:
+        mask_plan(each, 2, 4, 4)
+    del each
+    assert len(_varlen._PLANS) == PLANS_KEPT
+    masks.pop()  # freed: its plan goes with it
+    assert len(_varlen._PLANS) == PLANS_KEPT - 1
+    clear_varlen_cache()  # one invalidation with the varlen adapters (registry changes)
+    assert not _varlen._PLANS
+
+
+def test_mask_plans_keep_inference_apart_and_keep_no_inference_tensor() -> None:
+    mask = _padding([3, 1], 3)[:, None, None, :]
+    with torch.inference_mode():
+        inside = mask_plan(mask, 2, 3, 3)
+        built_inside = torch.ones(2, 1, 1, 3, dtype=torch.bool)
+        assert mask_plan(built_inside, 2, 3, 3) is not mask_plan(built_inside, 2, 3, 3)
+    outside = mask_plan(mask, 2, 3, 3)
+    assert outside is not inside  # inference-mode indices cannot be saved for backward
+    assert outside.keys is not None and not outside.keys.indices.is_inference()
+    q = torch.randn(2, 3, 1, 4, requires_grad=True)
+    pack(q, outside.keys).sum().backward()
+    assert q.grad is not None and torch.equal(q.grad[:, :, 0, 0], mask[:, 0, 0].float())
+
+
+def test_pad_zeroes_only_the_padded_rows_when_told_which() -> None:
+    valid = _padding([3, 0, 2], 4, left=True)
+    where = packing(valid, with_padded=True)
+    assert where.padded is not None
+    rows = torch.randn(int(valid.sum()), 2, 3)
+    assert torch.equal(pad(rows, where.indices, 3, 4, where.padded), pad(rows, where.indices, 3, 4))
