@@ -25,7 +25,9 @@ from reference import reference
 from test_kernels_fakes import (
     Calls,
     _fake_core,
+    fake_aiter,
     fake_flash_attn,
+    fake_flash_attn_cute,
     fake_flash_attn_interface,
     fake_sageattention,
 )
@@ -175,6 +177,155 @@ def fake_sage(calls: Calls) -> types.ModuleType:
     return module
 
 
+def fake_fa4(calls: Calls, *, qv_fourth: bool = True) -> types.ModuleType:
+    """flash-attn-4 (flash_attn/cute/interface.py, flash-attention 0251105a): the
+    dense fake plus ``flash_attn_varlen_func``. ``qv_fourth``: today's signature,
+    ``qv`` fourth (since f219c89c); False: the older one, ``cu_seqlens_q`` fourth."""
+
+    def varlen(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        qv: torch.Tensor | None,
+        cu_seqlens_q: torch.Tensor | None,
+        cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int | None,
+        max_seqlen_k: int | None,
+        softmax_scale: float | None,
+        causal: bool,
+        extra: dict[str, Any],
+    ) -> Any:
+        calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k, **extra})
+        assert qv is None, "fake: qv (MLA weight absorption) is not modelled"
+        assert cu_seqlens_q is not None and cu_seqlens_k is not None, "fake: packed layout only"
+        assert v.dtype in [torch.float16, torch.bfloat16], "inputs must be float16 or bfloat16"
+        assert q.dtype == k.dtype == v.dtype, "q, k, v, and qv must have the same dtype"
+        for cu in (cu_seqlens_q, cu_seqlens_k):
+            assert cu.dtype == torch.int32, (
+                "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be int32"
+            )
+            assert cu.stride(0) == 1, (
+                "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be contiguous"
+            )
+        assert q.shape[1] % k.shape[1] == 0, "num_head must be divisible by num_head_kv"
+        alignment = 16 // q.element_size()
+        assert 8 <= q.shape[-1] <= 256 and q.shape[-1] % alignment == 0, (
+            f"head_dim must be between 8 and 256 and divisible by {alignment}"
+        )
+        starts_q, starts_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        out = _per_sequence(q, k, v, starts_q, starts_k, softmax_scale, causal)
+        lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+        return out, lse  # FlashAttnVarlenFunc.forward returns (out, lse)
+
+    if qv_fourth:
+
+        def flash_attn_varlen_func(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            qv: torch.Tensor | None = None,
+            cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None,
+            min_seqlen_k: int | None = None,
+            seqused_q: torch.Tensor | None = None,
+            seqused_k: torch.Tensor | None = None,
+            gather_kv_indices: torch.Tensor | None = None,
+            page_table: torch.Tensor | None = None,
+            softmax_scale: float | None = None,
+            causal: bool = False,
+            window_size: tuple[int | None, int | None] = (None, None),
+            learnable_sink: torch.Tensor | None = None,
+            softcap: float = 0.0,
+            num_splits: int = 1,
+            pack_gqa: bool | None = None,
+            deterministic: bool = False,
+            **rest: Any,  # score_mod ... disable_scheduler_metadata: not modelled
+        ) -> Any:
+            extra = {"deterministic": deterministic, "pack_gqa": pack_gqa}
+            return varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, softmax_scale, causal, extra)  # fmt: skip
+
+    else:
+
+        def flash_attn_varlen_func(  # type: ignore[misc]
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None,
+            seqused_q: torch.Tensor | None = None,
+            seqused_k: torch.Tensor | None = None,
+            page_table: torch.Tensor | None = None,
+            softmax_scale: float | None = None,
+            causal: bool = False,
+            **rest: Any,
+        ) -> Any:
+            return varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, softmax_scale, causal, {})  # fmt: skip
+
+    cute = fake_flash_attn_cute(calls, returns_tuple=True)["flash_attn.cute"]
+    cute.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
+    return cute
+
+
+def fake_aiter_varlen(calls: Calls) -> types.ModuleType:
+    """AMD aiter (aiter/ops/mha.py, ROCm/aiter e4048607): the dense fake plus
+    ``flash_attn_varlen_func`` with the checks of mha_varlen_fwd_kernels.cu."""
+
+    def flash_attn_varlen_func(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        min_seqlen_q: int = 0,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        logits_soft_cap: float = 0.0,
+        causal: bool = False,
+        window_size: tuple[int, ...] = (-1, -1, 0),
+        bias: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        deterministic: bool = False,
+        return_lse: bool = False,
+        return_attn_probs: bool = False,
+        **rest: Any,  # how_v3_bf16_cvt, block_table, out, cu_seqlens_*_padded, sink_ptr
+    ) -> Any:
+        calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k,
+                           "dropout_p": dropout_p, "min_seqlen_q": min_seqlen_q})  # fmt: skip
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("FlashAttention only support fp16, bf16 and fp8_e4m3 data type")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise RuntimeError("query and key must have the same dtype")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu.dtype != torch.int32:
+                raise RuntimeError(f"{name} must have dtype int32")
+            if not cu.is_contiguous():
+                raise RuntimeError(f"{name} must be contiguous")
+        if any(t.stride(-1) != 1 for t in (q, k, v)):
+            raise RuntimeError("Input tensor must have contiguous last dimension")
+        if q.shape[-1] > 256:
+            raise RuntimeError("CK only supports head dimension at most 256")
+        if dropout_p != 0.0:
+            raise NotImplementedError("the fake implements dropout_p == 0 only")
+        starts_q, starts_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        out = _per_sequence(q, k, v, starts_q, starts_k, softmax_scale, causal)
+        result = [out]
+        if return_lse:
+            result.append(torch.zeros(q.shape[1], q.shape[0]))
+        return result[0] if len(result) == 1 else tuple(result)
+
+    module = fake_aiter(calls, one_tuple=False)
+    module.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
+    return module
+
+
 # ------------------------------------------------------------------ vocabulary
 
 
@@ -268,6 +419,20 @@ def test_rule_key_padding_is_taken_by_unpadding(backend: str) -> None:
     assert resolution.backend.name == backend
 
 
+@pytest.mark.parametrize(
+    ("backend", "platform"), [("fa4", "cuda:sm90+flash_attn_4"), ("aiter", "rocm:gfx942+all")]
+)
+def test_rule_key_padding_is_taken_by_unpadding_on_fa4_and_aiter(
+    backend: str, platform: str
+) -> None:
+    spec = LayerSpec(128, "bf16", requirements=["causal", "key_padding"], name="site")
+    config = SelectionConfig(global_backend=backend, global_backend_explicit=True)
+    resolution = resolve(spec, config=config, platform=Platform.simulate(platform))
+    assert resolution.backend.name == backend
+    support = get_spec(backend).mask_support(MaskKind.KEY_PADDING)
+    assert support is not None and support.route is MaskRoute.UNPAD
+
+
 @pytest.mark.parametrize("kind", ["additive", "boolean"])
 def test_rule_a_varlen_kernel_rejects_other_mask_kinds_naming_them(kind: str) -> None:
     with pytest.raises(ResolutionError) as info:
@@ -300,8 +465,11 @@ def test_rule_bottom_right_causal_cross_attention() -> None:
     assert _strict("fa", ["bottom_right"], role="cross").backend.name == "fa"
     with pytest.raises(ResolutionError, match="bottom-right aligned causal cross-attention"):
         _strict("torch_sdpa", ["bottom_right"], role="cross")
+    blackwell = Platform.simulate("cuda:sm120+sageattn3")
+    cross = LayerSpec(128, "bf16", requirements=["causal", "bottom_right"], role="cross")
+    config = SelectionConfig(global_backend="sage_attn_3", global_backend_explicit=True)
     with pytest.raises(ResolutionError, match="no varlen adapter"):
-        _strict("fa4", ["bottom_right"], role="cross")
+        resolve(cross, config=config, platform=blackwell)
 
 
 # ------------------------------------------------------------------ observing a mask
@@ -398,7 +566,7 @@ def test_unpad_pad_round_trip_and_cu_seqlens() -> None:
 
 # ------------------------------------------------------------------ numerics
 
-UNPAD_BACKENDS = ("fa", "fa3", "sage_attn")
+UNPAD_BACKENDS = ("fa", "fa3", "fa4", "sage_attn", "aiter")
 
 
 def _route(backend: str) -> Any:
@@ -532,12 +700,14 @@ class _installed:
     """The fakes for one Hypothesis example (function-scoped fixtures do not reset)."""
 
     def __enter__(self) -> None:
-        self.saved = {n: sys.modules.get(n) for n in ("flash_attn", "flash_attn_interface",
-                                                      "sageattention")}  # fmt: skip
+        self.saved = {n: sys.modules.get(n) for n in ("flash_attn", "flash_attn.cute",
+                      "flash_attn_interface", "sageattention", "aiter")}  # fmt: skip
         calls = Calls()
         sys.modules["flash_attn"] = fake_flash_attn(calls)
+        sys.modules["flash_attn.cute"] = fake_fa4(calls)
         sys.modules["flash_attn_interface"] = fake_fa3(calls)
         sys.modules["sageattention"] = fake_sage(calls)
+        sys.modules["aiter"] = fake_aiter_varlen(calls)
         clear_kernel_cache()
         clear_varlen_cache()
 
@@ -702,3 +872,41 @@ def test_pad_zeroes_only_the_padded_rows_when_told_which() -> None:
     assert where.padded is not None
     rows = torch.randn(int(valid.sum()), 2, 3)
     assert torch.equal(pad(rows, where.indices, 3, 4, where.padded), pad(rows, where.indices, 3, 4))
+
+
+# ------------------------------------------------------------------ fa4 and aiter varlen adapters
+
+
+@pytest.mark.parametrize("qv_fourth", [True, False], ids=["qv-fourth", "cu-seqlens-fourth"])
+def test_fa4_varlen_adapter_passes_by_keyword_for_either_signature(
+    monkeypatch: pytest.MonkeyPatch, qv_fourth: bool
+) -> None:
+    """flash-attention f219c89c put ``qv`` where ``cu_seqlens_q`` was: the adapter
+    names every argument after ``v``, so both signatures get the right ones."""
+    calls = Calls()
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4(calls, qv_fourth=qv_fourth))
+    clear_varlen_cache()
+    try:
+        valid = _padding([5, 2], 5, left=True)
+        q, k, v = _qkv(2, 5, 5, 4, 2, torch.bfloat16, 31)
+        out = _route("fa4")(q, k, v, valid[:, None, None, :], True, None)
+        _check(out, q, k, v, valid, True)
+        assert calls.seen and calls.seen[-1]["causal"] is True
+    finally:
+        clear_varlen_cache()
+
+
+@pytest.mark.parametrize("backend", ["fa4", "aiter"])
+def test_fa4_and_aiter_varlen_get_int32_cu_seqlens_and_refuse_fp32(
+    varlen_fakes: Calls, backend: str
+) -> None:
+    from attnres._varlen import get_varlen_kernel
+
+    varlen = get_varlen_kernel(get_spec(backend))
+    q, k, v = (torch.randn(7, 4, 64).half() for _ in range(3))
+    cu = torch.tensor([0, 3, 7])  # int64: the adapter passes contiguous int32 on
+    out = varlen(q, k, v, cu, cu, 4, 4, False, None)
+    assert out.shape == q.shape and out.dtype == torch.float16
+    assert varlen_fakes.seen[-1]["cu_seqlens_k"].dtype == torch.int32
+    with pytest.raises((AssertionError, RuntimeError), match=r"float16|fp16"):
+        varlen(q.float(), k.float(), v.float(), cu, cu, 4, 4, False, None)

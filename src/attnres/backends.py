@@ -876,6 +876,17 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="FlashAttention-4 (flash_attn.cute, PyPI flash-attn-4)",
         causal_top_left=False,
         kernel="attnres.kernels.fa4:make_kernel",
+        masks=(
+            MaskSupport(
+                MaskKind.KEY_PADDING,
+                MaskRoute.UNPAD,
+                "flash_attn/cute/interface.py: flash_attn_varlen_func(q, k, v, qv=None, "
+                "cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, "
+                "...), int32 contiguous cu_seqlens; masks only as CuTe mask_mod "
+                "(flash-attention 0251105a)",
+            ),
+        ),
+        varlen_kernel="attnres.kernels.fa4:make_varlen_kernel",
     ),
     BackendSpec(
         name="sage_attn",
@@ -971,6 +982,17 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="AMD aiter flash attention (aiter.flash_attn_func)",
         causal_top_left=False,
         kernel="attnres.kernels.aiter:make_kernel",
+        masks=(
+            MaskSupport(
+                MaskKind.KEY_PADDING,
+                MaskRoute.UNPAD,
+                "aiter/ops/mha.py: flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, "
+                "max_seqlen_q, max_seqlen_k, min_seqlen_q=0, dropout_p=0.0, ...), int32 "
+                "cu_seqlens (mha_varlen_fwd_kernels.cu); its bias is one (seqlen_q, seqlen_k) "
+                "tensor, not a per-row mask (ROCm/aiter e4048607)",
+            ),
+        ),
+        varlen_kernel="attnres.kernels.aiter:make_varlen_kernel",
     ),
     BackendSpec(
         name="ascend_fa",
