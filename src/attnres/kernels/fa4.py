@@ -99,7 +99,8 @@ def make_varlen_kernel() -> VarlenKernelFn:
     """
     varlen_func = _function("flash_attn_varlen_func")
     return varlen_style_kernel(
-        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
+        # issue 23: the spec's options (deterministic, pack_gqa) where the route passes them
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **options: varlen_func(
             q,
             k,
             v,
@@ -109,5 +110,6 @@ def make_varlen_kernel() -> VarlenKernelFn:
             max_seqlen_k=max_k,
             softmax_scale=scale,
             causal=causal,
+            **options,
         )
     )
