@@ -203,8 +203,8 @@ class Unpadded(NamedTuple):
 def packing(valid: Tensor, *, with_padded: bool = False) -> Packing:
     """The packing of a (batch, seq) valid-token mask (computed once per mask).
 
-    ``with_padded`` also lists the padded positions (one more ``nonzero``: worth
-    it only where the packing is reused, as :func:`mask_plan`'s are).
+    ``with_padded`` also lists the padded positions (worth it where the packing
+    is reused, as :func:`mask_plan`'s are).
     """
     import torch
 
@@ -215,7 +215,10 @@ def packing(valid: Tensor, *, with_padded: bool = False) -> Packing:
     indices = flat.nonzero().reshape(-1)
     cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=valid.device)
     torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu[1:])
-    padded = flat.logical_not().nonzero().reshape(-1) if with_padded else None
+    padded = None
+    if with_padded:  # its size is known: no second host synchronisation on a GPU
+        size = flat.shape[0] - indices.shape[0]
+        padded = torch.nonzero_static(flat.logical_not(), size=size).reshape(-1)
     return Packing(indices, cu, int(lengths.max()) if lengths.shape[0] else 0, padded)
 
 
