@@ -465,6 +465,9 @@ def test_rule_bottom_right_causal_cross_attention() -> None:
     assert _strict("fa", ["bottom_right"], role="cross").backend.name == "fa"
     with pytest.raises(ResolutionError, match="bottom-right aligned causal cross-attention"):
         _strict("torch_sdpa", ["bottom_right"], role="cross")
+    # sageattn_varlen: causal "Only applicable when qo_len == kv_len for each sequence"
+    with pytest.raises(ResolutionError, match="takes causal only with equal query and key"):
+        _strict("sage_attn", ["causal", "bottom_right"], role="cross")
     blackwell = Platform.simulate("cuda:sm120+sageattn3")
     cross = LayerSpec(128, "bf16", requirements=["causal", "bottom_right"], role="cross")
     config = SelectionConfig(global_backend="sage_attn_3", global_backend_explicit=True)

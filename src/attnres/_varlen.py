@@ -456,7 +456,11 @@ def route_kernel(
     padding by unpadding, or the layer's causal mask is bottom-right and the
     spec has a varlen entry point.
     """
-    bottom_right = alignment is CausalAlignment.BOTTOM_RIGHT and spec.varlen_kernel is not None
+    bottom_right = (
+        alignment is CausalAlignment.BOTTOM_RIGHT
+        and spec.varlen_kernel is not None
+        and spec.varlen_causal_unequal
+    )
     unpads = False
     if mask is MaskKind.KEY_PADDING:
         support = spec.mask_support(mask)

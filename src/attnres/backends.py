@@ -562,6 +562,11 @@ class BackendSpec:
     #: cannot, or no source says it can (fail closed). The built-in values are
     #: :data:`LSE_SOURCES`.
     lse: str | None = None
+    #: issue 22: whether the varlen entry point's causal mask takes a sequence
+    #: whose query and key lengths differ (aligned bottom-right, as attnres runs
+    #: a bottom-right causal cross-attention layer through it); a fact its
+    #: source states, ``False`` where it says causal needs equal lengths
+    varlen_causal_unequal: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.varlen_kernel is None and any(m.route is MaskRoute.UNPAD for m in self.masks):
@@ -913,6 +918,9 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
             ),
         ),
         varlen_kernel="attnres.kernels.sage_attn:make_varlen_kernel",
+        # sageattention/core.py, sageattn_varlen's docstring: is_causal is "Only applicable
+        # when qo_len == kv_len for each sequence" (SageAttention d1a57a54)
+        varlen_causal_unequal=False,
     ),
     BackendSpec(
         name="sage_attn_3",
