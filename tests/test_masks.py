@@ -198,7 +198,9 @@ def fake_fa4(calls: Calls, *, qv_fourth: bool = True) -> types.ModuleType:
         calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k, **extra})
         assert qv is None, "fake: qv (MLA weight absorption) is not modelled"
         assert cu_seqlens_q is not None and cu_seqlens_k is not None, "fake: packed layout only"
-        assert v.dtype in [torch.float16, torch.bfloat16], "inputs must be float16 or bfloat16"
+        assert v.dtype in [torch.float16, torch.bfloat16], (  # fp8 (forward only): not modelled
+            "inputs must be float16, bfloat16, fp8 e4m3fn, or fp8 e5m2"
+        )
         assert q.dtype == k.dtype == v.dtype, "q, k, v, and qv must have the same dtype"
         for cu in (cu_seqlens_q, cu_seqlens_k):
             assert cu.dtype == torch.int32, (
