@@ -802,15 +802,22 @@ def test_mask_plan_is_kept_for_the_same_mask_and_matches_a_fresh_one() -> None:
     valid = _padding([5, 2, 0], 5, left=True)
     mask = valid[:, None, None, :]
     first = mask_plan(mask, 3, 5, 5)
-    assert mask_plan(mask, 3, 5, 5) is first  # every layer of one forward: built once
     assert first.keys is not None and first.keys is first.queries  # self-attention
+    assert first.keys.padded is None  # a mask used once: pad zero-fills
+    second = mask_plan(mask, 3, 5, 5)  # used again: the padded positions are added, once
+    assert second.keys is not None and second.keys.padded is not None
+    assert mask_plan(mask, 3, 5, 5) is second  # every further layer: nothing rebuilt
     fresh = unpad(torch.zeros(3, 5, 1, 1), valid)
-    assert torch.equal(first.keys.indices, fresh.indices)
-    assert torch.equal(first.keys.cu_seqlens, fresh.cu_seqlens)
-    assert first.keys.padded is not None
-    assert sorted([*first.keys.indices.tolist(), *first.keys.padded.tolist()]) == list(range(15))
-    assert mask_plan(mask, 3, 2, 5) is not first  # other shapes: another plan
-    assert mask_plan(mask, 3, 2, 5).queries.cu_seqlens.tolist() == [0, 2, 4]  # type: ignore[union-attr]
+    assert torch.equal(second.keys.indices, fresh.indices)
+    assert torch.equal(second.keys.cu_seqlens, fresh.cu_seqlens)
+    assert sorted([*second.keys.indices.tolist(), *second.keys.padded.tolist()]) == list(range(15))
+    assert torch.equal(second.keys.padded, packing(valid, with_padded=True).padded)
+    cross = mask_plan(mask, 3, 2, 5)  # other shapes: another plan
+    assert cross is not second and cross.queries is not None
+    assert cross.queries.cu_seqlens.tolist() == [0, 2, 4]
+    cross = mask_plan(mask, 3, 2, 5)
+    assert cross.queries is not None and cross.queries.padded is not None
+    assert cross.queries.padded.tolist() == [4, 5]  # the fully padded row's queries
 
 
 def test_mask_plan_sees_a_mask_changed_in_place(varlen_fakes: Calls) -> None:
@@ -839,7 +846,15 @@ def test_mask_plan_of_another_mask_with_the_same_shape_is_its_own(varlen_fakes: 
     route = _route("sage_attn")
     for lengths in ([6, 1], [2, 5], [6, 1]):  # equal shapes, other objects and contents
         valid = _padding(lengths, 6, left=True)
-        _check(route(q, k, v, valid[:, None, None, :], False, None), q, k, v, valid, False)
+        mask = valid[:, None, None, :]
+        for _ in range(3):  # first use (zero-filled pad), then the kept plan (padded rows)
+            _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+    q = _qkv(3, 4, 6, 4, 4, torch.float16, 23)[0]  # cross-attention, a fully padded row
+    k, v = _qkv(3, 6, 6, 4, 4, torch.float16, 24)[1:]
+    valid = _padding([6, 0, 2], 6)
+    mask = valid[:, None, None, :]
+    for _ in range(3):
+        _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
 
 
 def test_mask_plans_are_bounded_dropped_with_their_mask_and_cleared() -> None:

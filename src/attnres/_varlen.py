@@ -204,7 +204,7 @@ def packing(valid: Tensor, *, with_padded: bool = False) -> Packing:
     """The packing of a (batch, seq) valid-token mask (computed once per mask).
 
     ``with_padded`` also lists the padded positions (worth it where the packing
-    is reused, as :func:`mask_plan`'s are).
+    is reused: :func:`mask_plan` adds them to a plan used a second time).
     """
     import torch
 
@@ -274,18 +274,39 @@ class MaskPlan(NamedTuple):
     queries: Packing | None
 
 
-def _plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int, reused: bool) -> MaskPlan:
+def _plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
     seen = observe_mask(mask, batch, seq_q, seq_kv)
     valid = seen.valid
     if seen.kind is not MaskKind.KEY_PADDING or valid is None:
         return MaskPlan(seen, None, None)
-    keys = packing(valid, with_padded=reused)
+    keys = packing(valid)
     queries = (
-        keys
-        if seq_q == seq_kv
-        else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q), with_padded=reused)
+        keys if seq_q == seq_kv else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
     )
     return MaskPlan(seen._replace(valid=None), keys, queries)
+
+
+def _with_padded(where: Packing, positions: int) -> Packing:
+    """``where`` with its padded positions (the complement of its indices)."""
+    import torch
+
+    if where.padded is not None:
+        return where
+    left = torch.ones(positions, dtype=torch.bool, device=where.indices.device)
+    left[where.indices] = False
+    padded = torch.nonzero_static(left, size=positions - where.indices.shape[0]).reshape(-1)
+    return where._replace(padded=padded)
+
+
+def _reused(plan: MaskPlan, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
+    """A plan used a second time: its padded positions too, so that padding back
+    writes zeros to those rows only (not worth it for a mask used once)."""
+    keys, queries = plan.keys, plan.queries
+    if keys is None or queries is None or queries.padded is not None:
+        return plan
+    keys = _with_padded(keys, batch * seq_kv)
+    queries = keys if seq_q == seq_kv else _with_padded(queries, batch * seq_q)
+    return plan._replace(keys=keys, queries=queries)
 
 
 #: how many masks' plans are kept (one forward passes one or two: self and cross)
@@ -313,14 +334,20 @@ def mask_plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
     import torch
 
     if mask.is_inference() or torch.compiler.is_dynamo_compiling():
-        return _plan(mask, batch, seq_q, seq_kv, False)
+        return _plan(mask, batch, seq_q, seq_kv)
     key = (id(mask), batch, seq_q, seq_kv, torch.is_inference_mode_enabled())
     version = mask._version
     with _lock:
         kept = _PLANS.get(key)
     if kept is not None and kept[0]() is mask and kept[1] == version:
-        return kept[2]
-    plan = _plan(mask, batch, seq_q, seq_kv, True)
+        plan = kept[2]
+        if plan.queries is not None and plan.queries.padded is None:
+            plan = _reused(plan, batch, seq_q, seq_kv)
+            with _lock:
+                if _PLANS.get(key) is kept:
+                    _PLANS[key] = (kept[0], version, plan)
+        return plan
+    plan = _plan(mask, batch, seq_q, seq_kv)
     ref = weakref.ref(mask, lambda gone: _forget(key, gone))
     with _lock:
         _PLANS.pop(key, None)
