@@ -258,7 +258,8 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         if not name or any(name.startswith(s + ".") for s in inside):
             continue
         site_dtype = dtype or _dtype_of(module, fallback)
-        desc = _describe(component, name, module, site_dtype, backward)
+        parent = model.get_submodule(name.rpartition(".")[0])
+        desc = _describe(component, name, module, site_dtype, backward, parent)
         if desc is not None:
             out.append(desc)
             inside.append(name)
@@ -272,7 +273,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
 
 
 def _describe(
-    component: str, name: str, module: Any, dtype: str, backward: bool
+    component: str, name: str, module: Any, dtype: str, backward: bool, parent: Any = None
 ) -> SiteDescription | None:
     cls = type(module).__name__
     # a diffusers attention module, or any module that hands its call to a processor
@@ -280,7 +281,7 @@ def _describe(
         callable(getattr(module, "processor", None)) and not isinstance(module, torch.nn.ModuleList)
     )
     if isinstance(module, torch.nn.MultiheadAttention):
-        return _route.describe_mha(component, name, module, dtype, backward)
+        return _route.describe_mha(component, name, module, dtype, backward, parent)
     if attention_module:
         owner, names = _attention_code(module)
     else:
