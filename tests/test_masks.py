@@ -930,3 +930,15 @@ def test_fa4_and_aiter_varlen_get_int32_cu_seqlens_and_refuse_fp32(
     assert varlen_fakes.seen[-1]["cu_seqlens_k"].dtype == torch.int32
     with pytest.raises((AssertionError, RuntimeError), match=r"float16|fp16"):
         varlen(q.float(), k.float(), v.float(), cu, cu, 4, 4, False, None)
+
+
+def test_fa4_options_reach_its_varlen_entry_point(varlen_fakes: Calls) -> None:
+    """Issue 23's options on the unpad route: FA4's flash_attn_varlen_func takes
+    deterministic and pack_gqa (interface.py at 0251105a)."""
+    valid = _padding([6, 3], 6)
+    q, k, v = _qkv(2, 6, 6, 4, 2, torch.float16, 41)
+    out = _route("fa4")(q, k, v, valid[:, None, None, :], False, None, deterministic=True,
+                        pack_gqa=False)  # fmt: skip
+    _check(out, q, k, v, valid, False)
+    assert varlen_fakes.seen[-1]["deterministic"] is True
+    assert varlen_fakes.seen[-1]["pack_gqa"] is False
