@@ -1,7 +1,7 @@
 """Issue 22: the cost of the key-padding route, as a ratio measured side by side.
 
 unpad -> varlen kernel -> pad on a batch with 25% padding (the route attnres
-runs for a key-padding site on fa, fa3 or sage_attn: classify the mask, pack
+runs for a key-padding site on fa, fa3, fa4, sage_attn or aiter: classify the mask, pack
 the valid tokens, run, scatter back) vs the same varlen kernel on the packed
 tokens alone (what a caller that already holds packed tokens pays): at most
 1.05x. The kernel is a CPU stand-in with flash_attn_varlen_func's signature (SDPA
@@ -9,8 +9,8 @@ per sequence), fp32, one thread; the route's overhead is what is measured.
 
 The route is called with the same mask tensor every time, as every layer of one
 forward is (the classification and the packing indices are then computed once
-per mask: attnres._varlen.mask_plan). Two more rows say what the main one
-leaves out, both informational:
+per mask: attnres._varlen.mask_plan). Three more rows say what the main one
+leaves out, all informational:
 
 - the first layer of a forward: a new mask object on every call, so the mask is
   classified and its indices built each time;
@@ -19,7 +19,9 @@ leaves out, both informational:
   allocator does for the real kernels: with glibc's defaults every large tensor
   the route allocates (the packed q, k, v) comes from fresh pages, and their
   first-touch page faults are part of the main row. The main row's note gives
-  the minor page faults per call of each side.
+  the minor page faults per call of each side;
+- the route's own time per call at a tiny shape with an identity kernel (what a
+  fast GPU kernel sees added), for a kept mask plan and a new mask each call.
 
 What the ratio cannot drop below, by definition: the baseline starts from
 tokens that are already packed, so the gather of q, k, v (3/4 of the tensors,
