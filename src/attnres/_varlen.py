@@ -18,14 +18,17 @@ valid -- by running its varlen entry point on the valid tokens only:
 3. the varlen kernel runs on the packed tokens;
 4. :func:`pad` scatters the output back to ``(batch, seq, heads, head_size)``.
 
-Padded rows: in self-attention (query and key lengths equal) the queries are
-unpadded with the keys, so a padded query position comes back as **zeros**
-(the untouched model computes attention over the valid keys there; a model
-that masks its keys never reads those rows as keys again). In
-cross-attention only the keys are unpadded and every query of a row is
-computed. A batch row whose keys are all padding is **zeros** on both (torch
-SDPA gives NaN there); it is left out of ``cu_seqlens``, so no kernel is handed
-a sequence of length 0.
+Padded rows: a mask every query shares (``[B, 1, 1, S]`` key padding) does
+not say which queries are padding -- cross-attention of equal lengths passes
+one too -- so only the keys are unpadded and every query of a row is
+computed, as SDPA computes it. Where the mask ties query i to key i
+(self-attention masks whose padded queries see nothing or only the first
+token, and causal masks) the queries are unpadded with the keys, so a padded
+query position comes back as **zeros** (the untouched model computes
+attention over whatever that position's mask row allows; a model that masks
+its keys never reads those rows as keys again). A batch row whose keys are
+all padding is **zeros** on both (torch SDPA gives NaN there); it is left out
+of ``cu_seqlens``, so no kernel is handed a sequence of length 0.
 
 The route is a kernel of the usual calling convention
 (:func:`padded_kernel`), so ``attnres.Attention`` and the integrations' routes
@@ -89,6 +92,11 @@ class ObservedMask(NamedTuple):
     valid: Tensor | None
     #: why a mask that looks like padding is not key padding ('' otherwise)
     detail: str = ""
+    #: self-attention whose mask marks the padded queries (their rows are not the
+    #: valid keys: none, or the first token): the route drops those queries. A mask
+    #: every query shares does not tell a padded query from a valid one (it may be
+    #: cross-attention of equal lengths), so every query is computed
+    marks_queries: bool = False
 
     @property
     def words(self) -> str:
@@ -155,15 +163,19 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
     if seq_q == 1 or bool((rows == valid[:, None, :]).all()):
         return ObservedMask(MaskKind.KEY_PADDING, False, valid)
     if seq_q == seq_kv:
-        # self-attention: the padded queries may see nothing (Chroma's
-        # mask[:, None] * mask[:, :, None]), and a causal triangle may be folded in
-        # (transformers' 4-D masks); the unpad route drops padded queries anyway
+        # self-attention: a query at a valid position sees exactly the valid keys
+        # (or those up to itself: a causal triangle folded in, as in transformers'
+        # 4-D masks); a query at a padded position is dropped by the unpad route
+        # (zeros), whatever its row allows: nothing (Chroma's
+        # mask[:, None] * mask[:, :, None]) or the first token (HunyuanVideo's
+        # token refiner). Every key such a row sees is a valid one: ``valid`` is
+        # the union of the rows, and the valid queries see all of it.
         keys = valid[:, None, :]
-        both = keys & valid[:, :, None]
+        padded_query = ~valid[:, :, None]
         tril = rows.new_ones((seq_q, seq_kv)).tril()
-        for pattern, causal in ((both, False), (keys & tril, True), (both & tril, True)):
-            if bool((rows == pattern).all()):
-                return ObservedMask(MaskKind.KEY_PADDING, causal, valid)
+        for pattern, causal in ((keys, False), (keys & tril, True)):
+            if bool(((rows == pattern) | padded_query).all()):
+                return ObservedMask(MaskKind.KEY_PADDING, causal, valid, marks_queries=True)
     return ObservedMask(MaskKind.BOOLEAN, False, None, "the queries of a row see different keys")
 
 
@@ -269,20 +281,23 @@ class MaskPlan(NamedTuple):
     seen: ObservedMask
     #: where the valid keys go (key padding only)
     keys: Packing | None
-    #: where the computed queries go: ``keys`` in self-attention, every query of
-    #: a row with a valid key in cross-attention (key padding only)
+    #: where the computed queries go: ``keys`` where query i is tied to key i
+    #: (self-attention, causal or with a mask that marks the padded queries),
+    #: every query of a row with a valid key otherwise (key padding only)
     queries: Packing | None
 
 
-def _plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
+def _plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int, causal: bool) -> MaskPlan:
     seen = observe_mask(mask, batch, seq_q, seq_kv)
     valid = seen.valid
     if seen.kind is not MaskKind.KEY_PADDING or valid is None:
         return MaskPlan(seen, None, None)
     keys = packing(valid)
-    queries = (
-        keys if seq_q == seq_kv else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
-    )
+    # query i tied to key i (the padded queries dropped): self-attention whose mask
+    # marks the padded queries or that is causal; otherwise every query of a row
+    # that has a valid key (docs/masks.md)
+    tied = seq_q == seq_kv and (causal or seen.causal or seen.marks_queries)
+    queries = keys if tied else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
     return MaskPlan(seen._replace(valid=None), keys, queries)
 
 
@@ -304,8 +319,9 @@ def _reused(plan: MaskPlan, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
     keys, queries = plan.keys, plan.queries
     if keys is None or queries is None or queries.padded is not None:
         return plan
+    tied = queries is keys
     keys = _with_padded(keys, batch * seq_kv)
-    queries = keys if seq_q == seq_kv else _with_padded(queries, batch * seq_q)
+    queries = keys if tied else _with_padded(queries, batch * seq_q)
     return plan._replace(keys=keys, queries=queries)
 
 
@@ -314,12 +330,17 @@ PLANS_KEPT = 8
 
 _lock = threading.RLock()  # a mask's weakref callback may run while it is held
 _VARLEN: dict[str, Any] = {}
-# (id(mask), batch, seq_q, seq_kv, inference mode) -> (weakref to mask, version, plan)
-_PLANS: dict[tuple[int, int, int, int, bool], tuple[Any, int, MaskPlan]] = {}
+# (id(mask), batch, seq_q, seq_kv, causal call, inference mode)
+#   -> (weakref to mask, version, plan)
+_PlanKey = tuple[int, int, int, int, bool, bool]
+_PLANS: dict[_PlanKey, tuple[Any, int, MaskPlan]] = {}
 
 
-def mask_plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
-    """The kind and packings of ``mask``, computed once per mask tensor.
+def mask_plan(
+    mask: Tensor, batch: int, seq_q: int, seq_kv: int, *, causal: bool = False
+) -> MaskPlan:
+    """The kind and packings of ``mask`` for a call (``causal``: the call's causal
+    flag, which decides the queries), computed once per mask tensor.
 
     Reused while the same tensor object comes back with the same version
     counter (torch bumps it on every in-place change, through any view) and
@@ -334,8 +355,8 @@ def mask_plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
     import torch
 
     if mask.is_inference() or torch.compiler.is_dynamo_compiling():
-        return _plan(mask, batch, seq_q, seq_kv)
-    key = (id(mask), batch, seq_q, seq_kv, torch.is_inference_mode_enabled())
+        return _plan(mask, batch, seq_q, seq_kv, causal)
+    key = (id(mask), batch, seq_q, seq_kv, causal, torch.is_inference_mode_enabled())
     version = mask._version
     with _lock:
         kept = _PLANS.get(key)
@@ -347,7 +368,7 @@ def mask_plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
                 if _PLANS.get(key) is kept:
                     _PLANS[key] = (kept[0], version, plan)
         return plan
-    plan = _plan(mask, batch, seq_q, seq_kv)
+    plan = _plan(mask, batch, seq_q, seq_kv, causal)
     ref = weakref.ref(mask, lambda gone: _forget(key, gone))
     with _lock:
         _PLANS.pop(key, None)
@@ -374,7 +395,7 @@ def get_varlen_kernel(spec: BackendSpec) -> VarlenKernelFn:
     return fn
 
 
-def _forget(key: tuple[int, int, int, int, bool], gone: Any) -> None:
+def _forget(key: _PlanKey, gone: Any) -> None:
     """A kept mask was freed: drop its plan (unless its id already names another)."""
     with _lock:
         kept = _PLANS.get(key)
@@ -442,7 +463,7 @@ def padded_kernel(
                 )  # fmt: skip
                 return out.reshape(batch, seq_q, heads, size)
             return dense(q, k, v, None, causal, scale, **features)
-        plan = mask_plan(attn_mask, batch, seq_q, seq_kv)
+        plan = mask_plan(attn_mask, batch, seq_q, seq_kv, causal=causal)
         seen, keys, queries = plan
         if keys is None or queries is None:
             why = f" ({seen.detail})" if seen.detail else ""
@@ -467,8 +488,11 @@ def padded_kernel(
             )
         if keys.max_seqlen == 0:  # every row fully padded
             return q.new_zeros(q.shape)
-        # self-attention: the queries are padded like the keys; cross-attention:
-        # every query of a row that has a valid key
+        # self-attention whose mask (or causal flag) ties query i to key i: the
+        # queries are padded like the keys; otherwise (a mask every query shares,
+        # which cross-attention of equal lengths passes too) every query of a row
+        # that has a valid key, as SDPA computes it (the plan holds the one this
+        # call needs: mask_plan's causal argument)
         out = kernel()(
             pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens,
             keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale, **features,
