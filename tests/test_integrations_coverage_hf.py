@@ -90,10 +90,78 @@ def _model_types() -> list[tuple[str, str]]:
     return out
 
 
-#: tiny configs for types whose default config cannot be built, from the
-#: model testers of transformers' own test suite (huggingface/transformers,
-#: tests/models/<type>/test_modeling_<type>.py, ``get_config``)
-_TEST_CONFIGS: dict[str, dict[str, Any]] = {}
+#: the defaults of transformers' ``CausalLMModelTester`` (huggingface/transformers,
+#: tests/causal_lm_tester.py, ``__init__``), which most decoder models' tests use;
+#: its ``get_config`` passes those the config class takes
+_CAUSAL_LM_TESTER: dict[str, Any] = {
+    "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "intermediate_size": 37, "hidden_act": "gelu",
+    "max_position_embeddings": 512, "type_vocab_size": 16, "initializer_range": 0.02,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "is_decoder": False,
+    "head_dim": 16, "expert_interval": 1, "moe_layer_start_index": 0,
+    "moe_intermediate_size": 12, "shared_expert_intermediate_size": 36,
+    "shared_expert_gate": True, "moe_num_shared_experts": 2, "num_experts_per_tok": 2,
+    "num_experts": 8, "tie_word_embeddings": False,
+}  # fmt: skip
+#: what ``AutoformerModelTester`` (tests/models/autoformer/test_modeling_autoformer.py)
+#: gives that the default config lacks
+_TIME_SERIES_TESTER = {"prediction_length": 7, "context_length": 14}
+
+#: types whose default config cannot be built (transformers 5.24), and the
+#: tester config each is built from instead
+_TEST_CONFIGS: dict[str, dict[str, Any]] = {
+    **dict.fromkeys(("autoformer", "informer", "time_series_transformer"), _TIME_SERIES_TESTER),
+    **dict.fromkeys(
+        ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "ministral", "nemotron"),
+        _CAUSAL_LM_TESTER,
+    ),
+}
+
+
+def _tester_config(model_type: str) -> PretrainedConfig:
+    config_class = CONFIG_MAPPING[model_type]
+    takes = set(inspect.signature(config_class.__init__).parameters)
+    given = _TEST_CONFIGS[model_type]
+    return config_class(**{k: v for k, v in given.items() if k in takes or k == "pad_token_id"})
+
+
+_BY_HAND_NO_FACTS = (
+    "softmax attention by hand in a module holding no head count or head size attnres "
+    "can read: unclassified, which a strict component refuses even with no flag"
+)
+_INTERFACE_NO_FACTS = (
+    "calls the attention interface but holds no head count or head size attnres can "
+    "read (the heads are only in a config key named for this model)"
+)
+
+#: model types whose gaps are known, with why; the sweep fails when one closes
+#: (drop its entry) or when a type not listed here has a problem
+_KNOWN_GAPS: dict[str, str] = {
+    "apertus1p5": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
+    "evolla": _BY_HAND_NO_FACTS,
+    "got_ocr2": _BY_HAND_NO_FACTS,
+    "groupvit": _BY_HAND_NO_FACTS + " (GroupViTAssignAttention: a hard assignment)",
+    "janus": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
+    "levit": _BY_HAND_NO_FACTS,
+    "mgp-str": _BY_HAND_NO_FACTS
+    + "; MgpstrA3Module is a softmax over a product the oracle does not call attention",
+    "openai-gpt": _BY_HAND_NO_FACTS,
+    "prophetnet": _BY_HAND_NO_FACTS,
+    "seggpt": _BY_HAND_NO_FACTS,
+    "swiftformer": _BY_HAND_NO_FACTS + " (additive attention)",
+    "timesformer": _BY_HAND_NO_FACTS,
+    "vitdet": _BY_HAND_NO_FACTS,
+    "wavtokenizer": _BY_HAND_NO_FACTS,
+    "florence2": _INTERFACE_NO_FACTS + " (its channel attention: heads are `groups`)",
+    "lw_detr": _INTERFACE_NO_FACTS,
+    "rf_detr": _INTERFACE_NO_FACTS,
+    "autoformer": "the oracle's false positive: AutoformerAttention is auto-correlation "
+    "(FFT, a softmax over the top delays), not softmax attention; attnres finds no site",
+    "reformer": "LSH/local attention normalises with logsumexp, not a softmax call: "
+    "attnres does not see it as attention",
+    "squeezebert": "its products are calls of a MatMulWrapper submodule: attnres does not "
+    "see a softmax of a product in one module's code",
+}
 
 _LAYERS = re.compile(
     r"(num_(hidden_|encoder_|decoder_|text_|vision_|audio_)?layers|n_layers?|"
@@ -103,8 +171,11 @@ _PATTERN = re.compile(r"interval|period|offset|every|pattern|frequency")
 
 
 def _cut(config: PretrainedConfig, layers: int = 2) -> None:
-    """Cut every stack of ``config`` (and its sub-configs) to ``layers`` layers,
-    unless it has a per-layer pattern that cutting would change."""
+    """Cut every stack of ``config`` (and its sub-configs) to ``layers`` layers.
+
+    A per-layer list as long as the stack (``layer_types``) is cut to its
+    shortest prefix holding every kind of layer it names, at least ``layers``;
+    a config with a period or interval key keeps its layers."""
     values = vars(config)
     for value in values.values():
         if isinstance(value, PretrainedConfig):
@@ -114,22 +185,34 @@ def _cut(config: PretrainedConfig, layers: int = 2) -> None:
         for k, v in values.items()
         if _LAYERS.fullmatch(k) and isinstance(v, int) and not isinstance(v, bool)
     }
-    patterned = any(_PATTERN.search(k) for k in values) or any(
-        isinstance(v, (list, tuple)) and len(v) in counts.values() and len(v) > layers
-        for v in values.values()
-    )
-    if patterned:
+    if any(_PATTERN.search(k) for k in values):
         return
+    lists = {
+        k: v
+        for k, v in values.items()
+        if isinstance(v, (list, tuple)) and v and len(v) in counts.values()
+    }
+    keep = layers
+    for value in lists.values():
+        kinds = {repr(x) for x in value}
+        while keep < len(value) and {repr(x) for x in value[:keep]} != kinds:
+            keep += 1
     for key, count in counts.items():
-        if count > layers:
-            setattr(config, key, layers)
+        if count > keep:
+            setattr(config, key, keep)
+            for name, value in lists.items():
+                if len(value) == count:
+                    setattr(config, name, type(value)(value[:keep]))
 
 
 def _build(model_type: str, class_name: str) -> Any:
     cls = getattr(transformers, class_name)
-    config = CONFIG_MAPPING[model_type](**_TEST_CONFIGS.get(model_type, {}))
-    if not FULL and model_type not in _TEST_CONFIGS:
-        _cut(config)
+    if model_type in _TEST_CONFIGS:
+        config = _tester_config(model_type)
+    else:
+        config = CONFIG_MAPPING[model_type]()
+        if not FULL:
+            _cut(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):
@@ -266,6 +349,8 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
         errors += f" ({len(own_path - not_offered)} own path)"
     if not_offered:
         errors += f" ({len(not_offered)} not offered by the class)"
+    if model_type in _KNOWN_GAPS:
+        errors += f" -- known gap: {_KNOWN_GAPS[model_type]}"
     row = (
         f"| {model_type} | {class_name}: {len(plain.sites)} ({found or 'none'}) | "
         f"{len(real) - len([n for n in real if n not in names])}/{len(real)} | "
@@ -285,8 +370,15 @@ def _rows() -> list[tuple[str, list[str], set[str]]]:
 
 def test_every_exported_transformers_model_type_is_governed(update_golden: Any) -> None:
     rows = _rows()
-    problems = [f"{line.split('|')[1].strip()}: {p}" for line, ps, _ in rows for p in ps]
+    problems = [
+        f"{line.split('|')[1].strip()}: {p}"
+        for line, ps, _ in rows
+        for p in ps
+        if line.split("|")[1].strip() not in _KNOWN_GAPS
+    ]
     assert problems == []
+    closed = {line.split("|")[1].strip() for line, ps, _ in rows if not ps} & set(_KNOWN_GAPS)
+    assert closed == set(), "known gaps that no longer are: drop them from _KNOWN_GAPS"
     if FULL:
         return  # the table is generated from the default (cut) builds
     built = [line for line, _, _ in rows if "not built" not in line]
@@ -294,9 +386,10 @@ def test_every_exported_transformers_model_type_is_governed(update_golden: Any) 
     table = "\n".join(
         [
             f"transformers {transformers.__version__}: {len(rows)} model types "
-            f"(`MODEL_MAPPING_NAMES`), {len(built)} built on meta, {with_sites} with "
-            f"attention sites; layer counts cut to two where the config has no per-layer "
-            f"pattern.",
+            f"(`MODEL_MAPPING_NAMES`), {len(built)} built on meta ({len(_TEST_CONFIGS)} from "
+            f"the config of transformers' own model tester), {with_sites} with attention "
+            f"sites, {len(_KNOWN_GAPS)} with a known gap; layer counts cut to two (a "
+            f"per-layer pattern is kept).",
             "",
             "| model type | base class: sites (status) | real attention modules found | "
             "no flag | eager, strict | sage_attn, strict, bf16, sm90 |",
@@ -476,3 +569,114 @@ def test_representative_encoder_is_governed_on_cpu(
         itf.remove(model)
         assert _same(_snapshot(model), untouched)
         assert torch.equal(model(**inputs).last_hidden_state, before)
+
+
+# =============================================================================
+# What the sweep found, each with a test that fails on the code before it
+# =============================================================================
+
+
+def _meta(model_type: str) -> Any:
+    logging.disable(logging.WARNING)
+    try:
+        return _build(model_type, dict(_model_types())[model_type])
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def test_a_sub_model_is_no_site_for_the_methods_every_model_shares() -> None:
+    # ALIGN's vision model is an EfficientNet (no attention); PreTrainedModel's
+    # own methods name the attention interface, which made it a "site"
+    model = _meta("align")
+    sites = itf.describe_sites(model, "transformer")
+    assert sites and {s.module_class for s in sites} == {"AlignTextSelfAttention"}
+
+
+def test_a_module_calling_sdpa_itself_is_a_generic_route_site(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from attnres.integrations import _route
+    from attnres.kernels import get_kernel
+
+    torch.manual_seed(0)
+    config = transformers.Data2VecVisionConfig(**_VISION)
+    model = transformers.Data2VecVisionModel(config).eval()
+    pixels = torch.randn(1, 3, 30, 30)
+    seen: list[tuple[int, ...]] = []
+    eager = get_kernel("eager")
+
+    def spy(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: Any) -> Any:
+        seen.append(tuple(q.shape))
+        return eager(q, k, v, mask, causal, scale)
+
+    monkeypatch.setattr(_route, "get_kernel", lambda n: spy if n == "eager" else get_kernel(n))
+    with torch.no_grad():
+        before = model(pixel_values=pixels).last_hidden_state
+        untouched = _snapshot(model)
+        plan = itf.apply(model, "transformer", SelectionConfig(global_backend="eager"))
+        assert [s.route for s in plan.sites] == [
+            "generic route (SDPA in Data2VecVisionSdpaSelfAttention)"
+        ] * 2
+        assert {s.backend.name for s in plan.sites} == {"eager"}
+        torch.testing.assert_close(
+            model(pixel_values=pixels).last_hidden_state, before, rtol=1e-4, atol=1e-5
+        )
+        assert len(seen) == 2  # the decided kernel ran at both sites
+        assert itf.verify(model) == []
+        assert itf.remove(model) == 2
+        assert _same(_snapshot(model), untouched)
+        assert torch.equal(model(pixel_values=pixels).last_hidden_state, before)
+
+
+def test_softmax_attention_by_hand_is_an_own_path_eager_site() -> None:
+    torch.manual_seed(0)
+    model = transformers.RoFormerModel(transformers.RoFormerConfig(**_TEXT)).eval()
+    ids = torch.tensor([[2, 5, 9, 4]])
+    plan = itf.plan(model, "text_encoder")
+    assert plan.ok and len(plan.sites) == 2
+    assert {s.route for s in plan.sites} == {
+        "eager in RoFormerSelfAttention (softmax attention by hand)"
+    }
+    assert {s.backend.name for s in plan.sites} == {"eager"}
+    with torch.no_grad():
+        before = model(input_ids=ids).last_hidden_state
+        itf.apply(model, "text_encoder")
+        assert torch.equal(model(input_ids=ids).last_hidden_state, before)
+        assert itf.remove(model) == 0  # nothing was installed: it runs its own code
+    sage = itf.plan(model, "transformer", SelectionConfig(global_backend="sage_attn"), HOPPER)
+    assert not sage.ok
+    assert {s.site_error.code for s in sage.sites if s.site_error} == {"not_in_supported_set"}
+
+
+def test_latent_attention_head_size_is_the_query_key_one() -> None:
+    # DeepSeek-V3's multi-head latent attention: qk_head_dim 192, v_head_dim 128
+    sites = itf.describe_sites(_meta("deepseek_v3"), "transformer")
+    assert sites and {(s.heads, s.head_size) for s in sites} == {(128, 192)}
+
+
+def test_attention_sinks_are_never_offered_attnres_function() -> None:
+    # GPT-OSS declares _supports_attention_backend but passes its sinks as s_aux,
+    # which attnres's function does not implement
+    sage = SelectionConfig(global_backend="sage_attn")
+    bf16 = DtypeChoice("bfloat16", "--dtype")
+    plan = itf.plan(_meta("gpt_oss"), "transformer", sage, HOPPER, dtype=bf16)
+    assert plan.sites and {s.site_error.code for s in plan.sites if s.site_error} == {
+        "not_in_supported_set"
+    }
+    offered = itf.plan(_meta("llama"), "transformer", sage, HOPPER, dtype=bf16)
+    assert {s.backend.name for s in offered.sites if s.backend} == {"sage_attn"}
+
+
+def test_a_composite_models_language_model_is_offered_attnres_function() -> None:
+    # DeepSeek-VL's class does not declare _supports_attention_backend; its
+    # language model (a LlamaModel) does, and its sites read its config
+    model = _meta("deepseek_vl")
+    plan = itf.plan(
+        model,
+        "transformer",
+        SelectionConfig(global_backend="sage_attn"),
+        HOPPER,
+        dtype=DtypeChoice("bfloat16", "--dtype"),
+    )
+    llama = [s for s in plan.sites if s.module_class == "LlamaAttention"]
+    assert llama and {s.backend.name for s in llama if s.backend} == {"sage_attn"}

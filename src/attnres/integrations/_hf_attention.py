@@ -92,6 +92,8 @@ def attention_forward(
         )
     if kwargs.get("softcap") is not None:
         raise ValueError(f"attnres attention ({backend}): softcap was not planned for this site")
+    if kwargs.get("s_aux") is not None:  # attention sinks (GPT-OSS): never offered them
+        raise ValueError(f"attnres attention ({backend}): attention sinks were not planned")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q_length = query.shape[2]
     mask = attention_mask

@@ -18,6 +18,7 @@ Importing this module imports torch and transformers.
 
 from __future__ import annotations
 
+import dis
 import math
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -194,7 +195,9 @@ def _head_facts(module: Any) -> tuple[int, int, int] | None:
     ``qk_head_dim`` and a smaller ``v_head_dim``); a module that holds only its
     width and head count has width / heads."""
     config = getattr(module, "config", None)
-    heads = _route._int_attr(module, ("num_heads", "num_attention_heads", "n_heads", "heads"))
+    heads = _route._int_attr(
+        module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")
+    )
     if heads is None and config is not None:
         heads = _route._int_attr(config, ("num_attention_heads", "num_heads", "n_head"))
     size = _route._int_attr(
@@ -210,7 +213,9 @@ def _head_facts(module: Any) -> tuple[int, int, int] | None:
         ),
     )
     if size is None and heads is not None:
-        width = _route._int_attr(module, ("all_head_size", "embed_dim", "dim_model", "dim"))
+        width = _route._int_attr(
+            module, ("all_head_size", "internal_dim", "embed_dim", "dim_model", "dim")
+        )
         if width is not None and width % heads == 0:
             size = width // heads
     if size is None and config is not None:
@@ -233,12 +238,13 @@ _SHARED_BASES = frozenset(transformers.PreTrainedModel.__mro__)
 #: how a module computes attention, read from what its own code calls
 _INTERFACE, _SDPA, _BY_HAND = "interface", "sdpa", "by hand"
 #: names that, with a softmax, mean softmax attention computed by hand
-_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
+_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "@"})
 
 
 def _own_calls(module: Any) -> frozenset[str]:
     """What the code of ``module``'s own classes names (not torch's, and not the
-    base classes every transformers model shares)."""
+    base classes every transformers model shares); ``@`` when it multiplies
+    matrices with the operator (which names nothing)."""
     functions = [
         value
         for cls in type(module).__mro__
@@ -246,7 +252,16 @@ def _own_calls(module: Any) -> frozenset[str]:
         for value in vars(cls).values()
         if isinstance(value, types.FunctionType)
     ]
-    return _route.calls_of(functions, depth=1)
+    names = _route.calls_of(functions, depth=1)
+    if "softmax" in names and any(_matmul_operator(f.__code__) for f in functions):
+        names |= {"@"}
+    return names
+
+
+def _matmul_operator(code: types.CodeType) -> bool:
+    if any(i.opname == "BINARY_OP" and i.argrepr == "@" for i in dis.get_instructions(code)):
+        return True
+    return any(_matmul_operator(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
 def _kind(module: Any, calls: frozenset[str]) -> str | None:
