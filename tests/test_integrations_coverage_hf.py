@@ -67,6 +67,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from generated_docs import check_generated
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
@@ -284,6 +285,17 @@ def _not_offered(model: Any, site: Any) -> bool:
     )
 
 
+def _sage_plan(model: Any) -> Any:
+    """A global sage_attn, strict, bf16, on a simulated Hopper with sage installed."""
+    return itf.plan(
+        model,
+        "transformer",
+        SelectionConfig(global_backend="sage_attn"),
+        HOPPER,
+        dtype=DtypeChoice("bfloat16", "--dtype"),
+    )
+
+
 def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
     """The table row, the problems found (empty: covered) and the site classes."""
     try:
@@ -317,13 +329,7 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
         problems.append(f"eager: {[e for e in eager.errors][:1]}")
     if not_eager:
         problems.append(f"eager not installed at {not_eager[:2]}")
-    sage = itf.plan(
-        model,
-        "transformer",
-        SelectionConfig(global_backend="sage_attn"),
-        HOPPER,
-        dtype=DtypeChoice("bfloat16", "--dtype"),
-    )
+    sage = _sage_plan(model)
     got = sum(1 for s in sage.sites if s.backend is not None and s.backend.name == "sage_attn")
     codes = Counter(s.site_error.code for s in sage.sites if s.site_error is not None)
     own_path = {
@@ -397,17 +403,7 @@ def test_every_exported_transformers_model_type_is_governed(update_golden: Any) 
             *(line for line, _, _ in rows),
         ]
     )
-    text = DOC.read_text(encoding="utf-8")
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    fresh = f"{head}{BEGIN}\n{table}\n{END}{tail}"
-    if update_golden:
-        DOC.write_text(fresh, encoding="utf-8")
-        text = fresh
-    assert BEGIN in text and END in text, f"{DOC} has no coverage-transformers markers"
-    assert text == fresh, (
-        "docs/integrations.md's transformers coverage table is stale: run with --update-golden"
-    )
+    check_generated(DOC, BEGIN, END, table, update_golden)
 
 
 # =============================================================================
@@ -657,26 +653,17 @@ def test_latent_attention_head_size_is_the_query_key_one() -> None:
 def test_attention_sinks_are_never_offered_attnres_function() -> None:
     # GPT-OSS declares _supports_attention_backend but passes its sinks as s_aux,
     # which attnres's function does not implement
-    sage = SelectionConfig(global_backend="sage_attn")
-    bf16 = DtypeChoice("bfloat16", "--dtype")
-    plan = itf.plan(_meta("gpt_oss"), "transformer", sage, HOPPER, dtype=bf16)
+    plan = _sage_plan(_meta("gpt_oss"))
     assert plan.sites and {s.site_error.code for s in plan.sites if s.site_error} == {
         "not_in_supported_set"
     }
-    offered = itf.plan(_meta("llama"), "transformer", sage, HOPPER, dtype=bf16)
+    offered = _sage_plan(_meta("llama"))
     assert {s.backend.name for s in offered.sites if s.backend} == {"sage_attn"}
 
 
 def test_a_composite_models_language_model_is_offered_attnres_function() -> None:
     # DeepSeek-VL's class does not declare _supports_attention_backend; its
     # language model (a LlamaModel) does, and its sites read its config
-    model = _meta("deepseek_vl")
-    plan = itf.plan(
-        model,
-        "transformer",
-        SelectionConfig(global_backend="sage_attn"),
-        HOPPER,
-        dtype=DtypeChoice("bfloat16", "--dtype"),
-    )
+    plan = _sage_plan(_meta("deepseek_vl"))
     llama = [s for s in plan.sites if s.module_class == "LlamaAttention"]
     assert llama and {s.backend.name for s in llama if s.backend} == {"sage_attn"}
