@@ -619,6 +619,10 @@ def test_a_module_calling_sdpa_itself_is_a_generic_route_site(
         )
         assert len(seen) == 2  # the decided kernel ran at both sites
         assert itf.verify(model) == []
+        _route.remove_route(model.get_submodule(plan.sites[0].name))  # undone behind its back
+        assert [p.problem for p in itf.verify(model)] == [
+            "the generic route apply installed is gone"
+        ]
         assert itf.remove(model) == 2
         assert _same(_snapshot(model), untouched)
         assert torch.equal(model(pixel_values=pixels).last_hidden_state, before)
