@@ -131,31 +131,20 @@ _BY_HAND_NO_FACTS = (
     "can read: unclassified, which a strict component refuses even with no flag"
 )
 _INTERFACE_NO_FACTS = (
-    "calls the attention interface but holds no head count or head size attnres can "
-    "read (the heads are only in a config key named for this model)"
+    "calls the attention interface but holds no head count or head size attnres can read"
 )
 
 #: model types whose gaps are known, with why; the sweep fails when one closes
 #: (drop its entry) or when a type not listed here has a problem
 _KNOWN_GAPS: dict[str, str] = {
     "apertus1p5": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
-    "evolla": _BY_HAND_NO_FACTS,
-    "got_ocr2": _BY_HAND_NO_FACTS,
     "groupvit": _BY_HAND_NO_FACTS + " (GroupViTAssignAttention: a hard assignment)",
     "janus": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
-    "levit": _BY_HAND_NO_FACTS,
     "mgp-str": _BY_HAND_NO_FACTS
     + "; MgpstrA3Module is a softmax over a product the oracle does not call attention",
-    "openai-gpt": _BY_HAND_NO_FACTS,
-    "prophetnet": _BY_HAND_NO_FACTS,
-    "seggpt": _BY_HAND_NO_FACTS,
     "swiftformer": _BY_HAND_NO_FACTS + " (additive attention)",
-    "timesformer": _BY_HAND_NO_FACTS,
-    "vitdet": _BY_HAND_NO_FACTS,
-    "wavtokenizer": _BY_HAND_NO_FACTS,
+    "wavtokenizer": _BY_HAND_NO_FACTS + " (a Vocos attention block: one head over channels)",
     "florence2": _INTERFACE_NO_FACTS + " (its channel attention: heads are `groups`)",
-    "lw_detr": _INTERFACE_NO_FACTS,
-    "rf_detr": _INTERFACE_NO_FACTS,
     "autoformer": "the oracle's false positive: AutoformerAttention is auto-correlation "
     "(FFT, a softmax over the top delays), not softmax attention; attnres finds no site",
     "reformer": "LSH/local attention normalises with logsumexp, not a softmax call: "
@@ -648,10 +637,23 @@ def test_softmax_attention_by_hand_is_an_own_path_eager_site() -> None:
     assert {s.site_error.code for s in sage.sites if s.site_error} == {"not_in_supported_set"}
 
 
-def test_latent_attention_head_size_is_the_query_key_one() -> None:
-    # DeepSeek-V3's multi-head latent attention: qk_head_dim 192, v_head_dim 128
-    sites = itf.describe_sites(_meta("deepseek_v3"), "transformer")
-    assert sites and {(s.heads, s.head_size) for s in sites} == {(128, 192)}
+@pytest.mark.parametrize(
+    ("model_type", "facts"),
+    [
+        # multi-head latent attention: qk_head_dim 192 (v_head_dim 128)
+        ("deepseek_v3", {(128, 128, 192)}),
+        # heads only: the size from the fused qkv projection (2304 / 3 / 12)
+        ("vitdet", {(12, 12, 64)}),
+        # RfDetrAttention holds its size only (head_dim 32): the heads from its query
+        # projection (256 / 32); its DINOv2 backbone holds both
+        ("rf_detr", {(8, 8, 32), (6, 6, 64)}),
+    ],
+)
+def test_head_facts_are_read_from_what_the_module_holds(
+    model_type: str, facts: set[tuple[int, int, int]]
+) -> None:
+    sites = itf.describe_sites(_meta(model_type), "transformer")
+    assert sites and {(s.heads, s.kv_heads, s.head_size) for s in sites} == facts
 
 
 def test_attention_sinks_are_never_offered_attnres_function() -> None:

@@ -188,18 +188,35 @@ def _observed_requirements(module: Any, heads: int, kv_heads: int) -> Requiremen
     )
 
 
+#: a module's query projection, and its fused query/key/value one (three widths)
+_QUERY = ("q_proj", "query", "query_proj", "to_q", "q")
+_FUSED = ("qkv", "qkv_proj", "c_attn", "in_proj")
+
+
+def _query_width(module: Any) -> int | None:
+    """The width of the queries ``module`` projects, read from its projection."""
+    for names, parts in ((_QUERY, 1), (_FUSED, 3)):
+        for name in names:
+            child = getattr(module, name, None)
+            if not isinstance(child, torch.nn.Module):
+                continue
+            width = _route._int_attr(child, ("out_features", "nf", "out_channels"))
+            if width is not None and width % parts == 0:
+                return width // parts
+    return None
+
+
 def _head_facts(module: Any) -> tuple[int, int, int] | None:
     """``(heads, kv_heads, head_size)`` from the module, else from its config.
 
     The head size is the query/key one (multi-head latent attention holds
-    ``qk_head_dim`` and a smaller ``v_head_dim``); a module that holds only its
-    width and head count has width / heads."""
+    ``qk_head_dim`` and a smaller ``v_head_dim``). A module that holds only one
+    of head count and head size has the other from its width: the width it
+    holds, or the one its query projection produces."""
     config = getattr(module, "config", None)
     heads = _route._int_attr(
-        module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")
+        module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads", "heads")
     )
-    if heads is None and config is not None:
-        heads = _route._int_attr(config, ("num_attention_heads", "num_heads", "n_head"))
     size = _route._int_attr(
         module,
         (
@@ -210,14 +227,20 @@ def _head_facts(module: Any) -> tuple[int, int, int] | None:
             "head_size",
             "dim_head",
             "d_head",
+            "key_dim",
         ),
     )
-    if size is None and heads is not None:
-        width = _route._int_attr(
-            module, ("all_head_size", "internal_dim", "embed_dim", "dim_model", "dim")
-        )
-        if width is not None and width % heads == 0:
-            size = width // heads
+    width = _route._int_attr(
+        module, ("all_head_size", "internal_dim", "embed_dim", "dim_model", "dim")
+    )
+    if width is None:
+        width = _query_width(module)
+    if heads is None and size is not None and width is not None and width % size == 0:
+        heads = width // size
+    if heads is None and config is not None:
+        heads = _route._int_attr(config, ("num_attention_heads", "num_heads", "n_head"))
+    if size is None and heads is not None and width is not None and width % heads == 0:
+        size = width // heads
     if size is None and config is not None:
         size = _route._int_attr(config, ("head_dim", "d_head", "d_kv"))
     if heads is None or size is None:
