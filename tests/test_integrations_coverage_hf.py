@@ -61,9 +61,11 @@ import re
 import types
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import transformers
@@ -81,6 +83,10 @@ BEGIN, END = "<!-- coverage-transformers:begin -->", "<!-- coverage-transformers
 SAGE_LIMITS = {"head_size", "requirement_unmet", "dtype"}
 FULL = os.environ.get("ATTNRES_COVERAGE_FULL") == "1"
 HOPPER = Platform.simulate("cuda:sm90+flash_attn+sageattention")
+#: the same facts, installable: the stand-in kernels (tests/conftest.py's
+#: ``varlen_fakes``) run them on this CPU (apply refuses a simulated platform)
+STAND_IN = attrs.evolve(HOPPER, simulated=False)
+SAGE = SelectionConfig(global_backend="sage_attn")
 
 
 def _model_types() -> list[tuple[str, str]]:
@@ -459,51 +465,69 @@ REPRESENTATIVES = [
     "siglip_text", "siglip_vision", "t5", "umt5", "xlm_roberta",
 ]  # fmt: skip
 
-#: what a site's decided backend makes the attention interface call
+#: what a site's decided backend makes the attention interface call (any other
+#: backend runs through attnres's own function)
 _CALLED = {"torch_sdpa": "sdpa", "eager": "eager"}
 
+#: (module name, function called, heads, kv heads, head size)
+_Call = tuple[str, str, int, int, int]
 
-def _spy(monkeypatch: pytest.MonkeyPatch, model: Any) -> list[tuple[str, str]]:
-    """Record (module name, function) for every attention function the model's
-    modules call: the interface's functions, each attention class's own
-    ``eager_attention_forward`` and torch's MultiheadAttention forward."""
+
+@contextlib.contextmanager
+def _spying(model: Any) -> Iterator[list[_Call]]:
+    """Record every attention call the model's modules make, with the head facts
+    the call carries: the interface's functions, each attention class's own
+    ``eager_attention_forward`` (query and key: batch, heads, seq, head size) and
+    torch's MultiheadAttention (its own path: the facts it holds)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     names = {id(m): n for n, m in model.named_modules()}
-    seen: list[tuple[str, str]] = []
+    seen: list[_Call] = []
+    handles = []
 
     def wrap(label: str, original: Any) -> Any:
-        def spy(module: Any, *args: Any, **kwargs: Any) -> Any:
-            seen.append((names.get(id(module), "?"), label))
-            return original(module, *args, **kwargs)
+        def spy(module: Any, query: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+            name = names.get(id(module), "?")
+            seen.append((name, label, query.shape[1], key.shape[1], query.shape[-1]))
+            return original(module, query, key, *args, **kwargs)
 
         return spy
 
-    for key in list(ALL_ATTENTION_FUNCTIONS._global_mapping):
-        original = ALL_ATTENTION_FUNCTIONS._global_mapping[key]
-        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, key, wrap(key, original))
-    for module in model.modules():
-        glob = type(module).forward.__globals__
-        if "eager_attention_forward" in glob and not isinstance(
-            glob["eager_attention_forward"], functools.partial
-        ):
-            original = glob["eager_attention_forward"]
-            if getattr(original, "__name__", "") != "spy":
-                monkeypatch.setitem(glob, "eager_attention_forward", wrap("eager", original))
-        if isinstance(module, torch.nn.MultiheadAttention):
-            name = names[id(module)]
-            module.register_forward_pre_hook(
-                lambda *_, name=name: seen.append((name, "MultiheadAttention"))
-            )
-    return seen
+    with pytest.MonkeyPatch.context() as patch:
+        mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+        for key, original in list(mapping.items()):
+            patch.setitem(mapping, key, wrap(key, original))
+        for module in model.modules():
+            glob = type(module).forward.__globals__
+            original = glob.get("eager_attention_forward")
+            if callable(original) and getattr(original, "__name__", "") != "spy":
+                patch.setitem(glob, "eager_attention_forward", wrap("eager", original))
+            if isinstance(module, torch.nn.MultiheadAttention):
+                call = (names[id(module)], "MultiheadAttention", module.num_heads,
+                        module.num_heads, module.head_dim)  # fmt: skip
+                hook = module.register_forward_pre_hook(lambda *_, c=call: seen.append(c))
+                handles.append(hook)
+        try:
+            yield seen
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
-def _expected(plan: Any) -> set[tuple[str, str]]:
+def _expected(plan: Any) -> set[_Call]:
+    """The calls the plan says each site makes, with the facts it was planned for."""
     return {
-        (s.name, "MultiheadAttention" if s.module_class == "MultiheadAttention" else
-         _CALLED[s.backend.name])
+        (
+            s.name,
+            "MultiheadAttention"
+            if s.module_class == "MultiheadAttention"
+            else _CALLED.get(s.backend.name, "attnres"),
+            s.heads,
+            s.kv_heads,
+            s.spec.head_size,
+        )
         for s in plan.sites
-    }  # fmt: skip
+    }
 
 
 def _snapshot(model: Any) -> tuple[Any, ...]:
@@ -525,9 +549,7 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 
 @pytest.mark.parametrize("name", REPRESENTATIVES)
-def test_representative_encoder_is_governed_on_cpu(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_representative_encoder_is_governed_on_cpu(name: str) -> None:
     model, inputs = _tiny(name)
     with torch.no_grad():
         before = model(**inputs).last_hidden_state
@@ -536,8 +558,7 @@ def test_representative_encoder_is_governed_on_cpu(
         plan = itf.apply(model, "text_encoder")
         assert plan.ok
         assert set(_real_attention(model)) <= {s.name for s in plan.sites}
-        with monkeypatch.context() as patch:
-            seen = _spy(patch, model)
+        with _spying(model) as seen:
             after = model(**inputs).last_hidden_state
         assert torch.equal(after, before)  # no flag: bit-identical
         assert set(seen) == _expected(plan)  # the real calls are the plan's
@@ -546,8 +567,7 @@ def test_representative_encoder_is_governed_on_cpu(
         # an explicit eager reaches every site its route can run it at
         eager = itf.apply(model, "text_encoder", SelectionConfig(global_backend="eager"))
         assert {s.backend.name for s in eager.sites if s.route == itf.ROUTE} == {"eager"}
-        with monkeypatch.context() as patch:
-            seen = _spy(patch, model)
+        with _spying(model) as seen:
             forced = model(**inputs).last_hidden_state
         assert set(seen) == _expected(eager)
         torch.testing.assert_close(forced, before, rtol=1e-4, atol=1e-5)
@@ -673,3 +693,33 @@ def test_a_composite_models_language_model_is_offered_attnres_function() -> None
     plan = _sage_plan(_meta("deepseek_vl"))
     llama = [s for s in plan.sites if s.module_class == "LlamaAttention"]
     assert llama and {s.backend.name for s in llama if s.backend} == {"sage_attn"}
+
+
+@pytest.mark.parametrize("name", REPRESENTATIVES)
+def test_representative_encoder_under_sage_runs_what_the_plan_says(
+    name: str, varlen_fakes: Any
+) -> None:
+    # a global sage_attn on Hopper's facts, run by the stand-in kernels on this CPU
+    # (fp16, the second prompt padded): every call carries the facts its site
+    # was planned for, every sage site reaches sage with the planned causal flag,
+    # and the output matches the untouched model's on valid positions
+    model, inputs = _tiny(name)
+    model = model.to(torch.float16)
+    inputs = {k: v.half() if v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        before = model(**inputs).last_hidden_state
+        plan = itf.apply(model, "text_encoder", SAGE, STAND_IN)
+        try:
+            with _spying(model) as seen:
+                after = model(**inputs).last_hidden_state
+            assert set(seen) == _expected(plan)
+            sage = [s for s in plan.sites if s.backend.name == "sage_attn"]
+            # T5 and UMT5 pass an additive position bias, which sage cannot take
+            assert len(sage) == (0 if name in ("t5", "umt5") else 2)
+            causal = sorted(c["is_causal"] for c in varlen_fakes.seen)
+            assert causal == sorted(s.spec.requirements.causal for s in sage)
+        finally:
+            itf.remove(model)
+    valid = inputs["attention_mask"].bool() if "attention_mask" in inputs else ...
+    got, want = after[valid].double(), before[valid].double()
+    assert float((got - want).norm() / want.norm()) < 5e-3
