@@ -146,11 +146,12 @@ _KNOWN_GAPS: dict[str, str] = {
     "apertus1p5": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
     "groupvit": _BY_HAND_NO_FACTS + " (GroupViTAssignAttention: a hard assignment)",
     "janus": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
-    "mgp-str": _BY_HAND_NO_FACTS
-    + "; MgpstrA3Module is a softmax over a product the oracle does not call attention",
+    "mgp-str": _BY_HAND_NO_FACTS + "; MgpstrA3Module (a token learner: a softmax of a "
+    "product, but no attention by the oracle) is a site attnres should not make",
     "swiftformer": _BY_HAND_NO_FACTS + " (additive attention)",
     "wavtokenizer": _BY_HAND_NO_FACTS + " (a Vocos attention block: one head over channels)",
-    "florence2": _INTERFACE_NO_FACTS + " (its channel attention: heads are `groups`)",
+    "florence2": _INTERFACE_NO_FACTS + " (its channel attention attends over channels: "
+    "the kernel's head size is the token count, known only at the call)",
     "autoformer": "the oracle's false positive: AutoformerAttention is auto-correlation "
     "(FFT, a softmax over the top delays), not softmax attention; attnres finds no site",
     "reformer": "LSH/local attention normalises with logsumexp, not a softmax call: "
