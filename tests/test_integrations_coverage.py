@@ -11,10 +11,9 @@ planned three ways:
 - with a global ``sage_attn`` on a simulated ``cuda:sm90+flash_attn+
   sageattention``, in bfloat16, strict: every site gets ``sage_attn`` or a
   typed error whose code names a real limit of sage (head size, a requirement,
-  a dtype), never a route limit of attnres (``route``, ``unclassified``) --
-  except two own code paths attnres cannot route yet, counted in the table as
-  ``own path``: ``torch.nn.MultiheadAttention`` and softmax attention computed
-  by hand (``AttnProcessor``'s ``get_attention_scores``).
+  a dtype), never a route limit of attnres (``route``, ``unclassified``);
+  ``torch.nn.MultiheadAttention`` and softmax attention computed by hand
+  (``AttnProcessor``'s ``get_attention_scores``) are routed sites too.
 
 A class whose default config cannot be built is built from the tiny config
 of diffusers' own model test where one is recorded here (``_TEST_CONFIGS``),
@@ -139,26 +138,15 @@ def _row(cls: type) -> tuple[str, list[str]]:
     )
     got = sum(1 for s in sage.sites if s.backend is not None and s.backend.name == "sage_attn")
     codes = Counter(s.site_error.code for s in sage.sites if s.site_error is not None)
-    own_path = {
-        s.name
-        for s in sage.sites
-        if s.site_error is not None
-        and s.site_error.code not in SAGE_LIMITS
-        and (s.module_class == "MultiheadAttention" or "by hand" in s.route)
-    }
     route_limits = {
         s.name
         for s in sage.sites
-        if s.site_error is not None
-        and s.site_error.code not in SAGE_LIMITS
-        and s.name not in own_path
+        if s.site_error is not None and s.site_error.code not in SAGE_LIMITS
     }
     if route_limits:
         problems.append(f"sage: a route limit at {sorted(route_limits)[:2]}")
     found = ", ".join(f"{n} {st.value}" for st, n in sorted(statuses.items()))
     errors = ", ".join(f"{n} {c}" for c, n in sorted(codes.items())) or "-"
-    if own_path:
-        errors += f" ({len(own_path)} own path)"
     return (
         f"| {cls.__name__} | {len(plain.sites)} ({found or 'none'}) | "
         f"{'ok' if plain.ok else 'REJECTED'} | {'ok' if eager.ok else 'REJECTED'} | "

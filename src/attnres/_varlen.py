@@ -37,7 +37,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
 from attnres.backends import BackendSpec, on_registry_change
@@ -255,6 +255,11 @@ def clear_varlen_cache() -> None:
 on_registry_change(clear_varlen_cache)  # one invalidation: a registry change rebuilds them
 
 
+#: keyword features of a layer the varlen route does not take (kernels.specialized
+#: passes them with the backend's options, which it does take: issue 23)
+_NOT_ON_VARLEN: Final = frozenset({"softcap", "window"})
+
+
 def padded_kernel(
     backend: str,
     dense: KernelFn,
@@ -287,12 +292,15 @@ def padded_kernel(
     ) -> Tensor:
         batch, seq_q, heads, size = q.shape
         seq_kv = k.shape[1]
+        # issue 23: the backend's options (the features) reach the varlen entry point
+        # too; softcap and windows it is not given
+        refused = bool(features) and not _NOT_ON_VARLEN.isdisjoint(features)
         if attn_mask is None:
-            if causal and bottom_right and seq_q != seq_kv and not features:
+            if causal and bottom_right and seq_q != seq_kv and not refused:
                 qs, ks, vs = _whole(q), _whole(k), _whole(v)
                 out = kernel()(
                     qs.packed, ks.packed, vs.packed, qs.cu_seqlens, ks.cu_seqlens,
-                    seq_q, seq_kv, True, scale,
+                    seq_q, seq_kv, True, scale, **features,
                 )  # fmt: skip
                 return out.reshape(batch, seq_q, heads, size)
             return dense(q, k, v, None, causal, scale, **features)
@@ -305,7 +313,7 @@ def padded_kernel(
                 f"layer with the mask kind it passes so that a backend that takes it is chosen",
                 seen.words,
             )
-        if features:
+        if refused:
             raise MaskKindError(
                 f"attention backend {backend!r}: softcap and sliding windows are not taken "
                 f"together with a key-padding mask on the varlen route",
@@ -331,7 +339,7 @@ def padded_kernel(
         )
         out = kernel()(
             pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens,
-            keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale,
+            keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale, **features,
         )  # fmt: skip
         return pad(out, queries.indices, batch, seq_q)
 

@@ -71,7 +71,6 @@ from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.layout import context_parallel_layout
 from attnres.platform import Platform
-from attnres.scope import scope_state
 
 __all__ = [
     "ROUTE_DISPATCHER",
@@ -259,7 +258,8 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         if not name or any(name.startswith(s + ".") for s in inside):
             continue
         site_dtype = dtype or _dtype_of(module, fallback)
-        desc = _describe(component, name, module, site_dtype, backward)
+        parent = model.get_submodule(name.rpartition(".")[0])
+        desc = _describe(component, name, module, site_dtype, backward, parent)
         if desc is not None:
             out.append(desc)
             inside.append(name)
@@ -273,7 +273,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
 
 
 def _describe(
-    component: str, name: str, module: Any, dtype: str, backward: bool
+    component: str, name: str, module: Any, dtype: str, backward: bool, parent: Any = None
 ) -> SiteDescription | None:
     cls = type(module).__name__
     # a diffusers attention module, or any module that hands its call to a processor
@@ -281,7 +281,7 @@ def _describe(
         callable(getattr(module, "processor", None)) and not isinstance(module, torch.nn.ModuleList)
     )
     if isinstance(module, torch.nn.MultiheadAttention):
-        return _route.describe_mha(component, name, module, dtype, backward)
+        return _route.describe_mha(component, name, module, dtype, backward, parent)
     if attention_module:
         owner, names = _attention_code(module)
     else:
@@ -350,6 +350,24 @@ def _describe(
                 pending=False,
                 why=None if facts is not None else f"{cls} holds no head facts",
             )
+    if (
+        _route.SCORES in names
+        and "bmm" in names
+        and _route.scores_only_to_bmm(type(processor).__call__)
+    ):
+        # diffusers' Attention.get_attention_scores then torch.bmm (AttnProcessor
+        # and its kin): the by-hand route runs them as one call of any kernel
+        return SiteDescription(
+            **base,
+            route=f"{ROUTE_GENERIC} (softmax by hand in {owner})",
+            supported=None,
+            current=Backend("eager"),
+            # with no flag, automatic choices keep the site's own math (nothing wrapped)
+            preferred=frozenset({Backend("eager")}),
+            pending=facts is None,
+            routed=True,
+            why=None if facts is not None else f"{cls} holds no head facts",
+        )
     if names & _route.BY_HAND:
         only = Backend("eager")
         return SiteDescription(
@@ -588,24 +606,19 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     processor = original
     route = None
     if item.route:
-        route = _route.GenericRoute(
-            component=site.component,
-            name=site.name,
-            spec=site.spec,
-            heads=site.heads,
-            kv_heads=site.kv_heads,
-            resolution=site.resolution,
-            config=config,
-            scope=scope_state(site.component),
-            platform=platform,
-        )
+        route = _route.site_route(site, config, platform)
         routed = None if original is None else _route.routed_processor(original, route)
-        if routed is not None:
+        if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
+            _route.install_route(module, route, _route.mha_forward(module, route))
+        elif routed is not None:
             # a copy: the original object may be shared with other modules or models
             processor = routed
             module.set_processor(processor)
+            if route.by_hand:  # get_attention_scores + bmm: one kernel call
+                _route.install_by_hand(module, processor)
         else:
             _route.install_route(module, route)
+        route.tie(module)  # a model dropped without remove() leaves nothing behind
     elif item.value:
         processor = copy.copy(original)
         assert processor is not None  # a dispatcher site has one

@@ -39,6 +39,7 @@ from attnres.integrations._plan import (
     IntegrationError,
     IntegrationPlan,
     Problem,
+    Site,
     SiteDescription,
     emit_installed,
     plan_sites,
@@ -48,7 +49,6 @@ from attnres.integrations._plan import (
 from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
-from attnres.scope import scope_state
 
 __all__ = [
     "ROUTE",
@@ -387,7 +387,8 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
     for name, module in modules:
         site_dtype = dtype or _compute_dtype(module, model)
         if isinstance(module, torch.nn.MultiheadAttention):
-            out.append(_route.describe_mha(component, name, module, site_dtype, backward))
+            parent = model.get_submodule(name.rpartition(".")[0])
+            out.append(_route.describe_mha(component, name, module, site_dtype, backward, parent))
             continue
         if name in hand:
             out.append(_describe_own(component, name, module, site_dtype, backward, kinds[name]))
@@ -572,9 +573,9 @@ def prepare(
     """
     modules = dict(model.named_modules())
     groups: dict[int, tuple[Any, dict[str, list[str]]]] = {}
-    kernels: dict[str, tuple[str, Requirements]] = {}
+    sites: dict[str, Site] = {}
     problems: list[str] = []
-    routes: list[tuple[str, Any, Any]] = []  # (name, module, site) for the generic route
+    actions: list[Callable[[], None]] = []
     for site in result.sites:
         if site.component != component or (site.resolution is None and not site.pending):
             continue
@@ -582,7 +583,10 @@ def prepare(
         if module is None:
             problems.append(f"{component}/{site.name}: module not found in the model")
             continue
-        if site.routed:  # calls SDPA itself: wrapped only where the decision differs
+        if site.routed:
+            # a module calling SDPA itself, or a MultiheadAttention (SigLIP's pooling
+            # head): the generic route, installed only where the decision differs
+            # from what the site runs (or it is decided at its first call)
             backend_now = None if site.resolution is None else site.resolution.backend
             if site.pending or backend_now != site.current:
                 if backend_now is not None and get_kernel(backend_now.name) is None:
@@ -590,7 +594,7 @@ def prepare(
                         f"{component}/{site.name}: attnres has no kernel for {backend_now.name}"
                     )
                     continue
-                routes.append((site.name, module, site))
+                actions.append(_route_installer(model, component, module, site, result))
             continue
         if site.route != ROUTE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
@@ -613,8 +617,7 @@ def prepare(
         key = function if function != _hf_attention.NAME else f"{function}:{backend}"
         decided.setdefault(key, []).append(site.name)
         if spec is not None:
-            kernels[site.name] = (backend, spec.requirements)
-    actions: list[Callable[[], None]] = []
+            sites[site.name] = site
     for cfg, decided in groups.values():
         if len(decided) > 1:
             problems.append(
@@ -625,35 +628,30 @@ def prepare(
             continue
         ((key, names),) = decided.items()
         function = key.partition(":")[0]
-        actions.append(_installer(model, component, cfg, function, names, modules, kernels))
-    for name, module, site in routes:
-        actions.append(_route_installer(model, component, name, module, site, result))
+        actions.append(_installer(model, component, cfg, function, names, modules, sites, result))
     return actions, problems
 
 
-_ROUTES_ATTR = "_attnres_routes"
+_ROUTED_ATTR = "_attnres_routed"
 
 
 def _route_installer(
-    model: Any, component: str, name: str, module: Any, site: Any, result: IntegrationPlan
+    model: Any, component: str, module: Any, site: Site, result: IntegrationPlan
 ) -> Callable[[], None]:
-    """Install the generic route on a site that calls SDPA itself (as diffusers does)."""
+    """Install the generic route on one site: a module that calls SDPA itself (as
+    diffusers' sites), or a MultiheadAttention (its own math, the attention the
+    decided kernel)."""
 
     def install() -> None:
-        route = _route.GenericRoute(
-            component=component,
-            name=name,
-            spec=site.spec,
-            heads=site.heads,
-            kv_heads=site.kv_heads,
-            resolution=site.resolution,
-            config=result.config,
-            scope=scope_state(component),
-            platform=result.platform,
+        route = _route.site_route(site, result.config, result.platform)
+        own = (
+            _route.mha_forward(module, route)
+            if isinstance(module, torch.nn.MultiheadAttention)
+            else None
         )
-        _route.install_route(module, route)
-        installed = model.__dict__.setdefault(_ROUTES_ATTR, {})
-        installed[name] = (component, module)
+        _route.install_route(module, route, own)
+        route.tie(module)
+        model.__dict__.setdefault(_ROUTED_ATTR, {})[site.name] = (component, module)
 
     return install
 
@@ -665,7 +663,8 @@ def _installer(
     function: str,
     names: list[str],
     modules: Mapping[str, Any],
-    kernels: Mapping[str, tuple[str, Requirements]],
+    sites: Mapping[str, Site],
+    result: IntegrationPlan,
 ) -> Callable[[], None]:
     def install() -> None:
         installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
@@ -675,15 +674,19 @@ def _installer(
             # the state before the first apply (issue 20, item 13)
             old = earlier.old
             installs.remove(earlier)
-        backend = _BY_FUNCTION.get(function) or kernels[names[0]][0]
+        backend = _BY_FUNCTION.get(function) or sites[names[0]].backend.name  # type: ignore[union-attr]
         rec = _Install(cfg, old, function, backend)
         cfg._attn_implementation_internal = function
         for name in names:
             module = modules[name]
             if function == _hf_attention.NAME:  # issue 22: bind the decided kernel
                 _hf_attention.register()
-                site_backend, requirements = kernels[name]
-                _hf_attention.bind_module(module, site_backend, requirements)
+                # issue 19: its route checks each call's facts against the plan
+                # (where it decides torch SDPA, the function runs torch SDPA itself)
+                route = _route.site_route(
+                    sites[name], result.config, result.platform, Backend("torch_sdpa")
+                )
+                _hf_attention.bind_module(module, route)
             rec.sites.append((component, name, module))
             rec.dtype[name] = _compute_dtype(module, model)
         installs.append(rec)
@@ -745,7 +748,7 @@ def verify_model(model: Any) -> list[Problem]:
 def _verify_routes(model: Any) -> list[Problem]:
     return [
         Problem(component, name, "the generic route apply installed is gone")
-        for name, (component, module) in model.__dict__.get(_ROUTES_ATTR, {}).items()
+        for name, (component, module) in model.__dict__.get(_ROUTED_ATTR, {}).items()
         if _route.installed_route(module) is None
     ]
 
@@ -763,7 +766,7 @@ def remove(model: Any) -> int:
         rec.config._attn_implementation_internal = rec.old
         for _, _, module in rec.sites:
             _hf_attention.unbind_module(module)  # issue 22
-    routed = model.__dict__.pop(_ROUTES_ATTR, {})
+    routed = model.__dict__.pop(_ROUTED_ATTR, {})
     for _, module in routed.values():
         _route.remove_route(module)
     return len({name for rec in installs for _, name, _ in rec.sites} | set(routed))

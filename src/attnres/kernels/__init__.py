@@ -47,7 +47,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from attnres._states import KernelSource
 from attnres.backends import BUILTIN_SPECS, kernels_changed, lookup_spec, registered_backends
@@ -77,13 +77,28 @@ KernelFn = Callable[
     ["Tensor", "Tensor", "Tensor", Union["Tensor", None], bool, float | None], "Tensor"
 ]
 
-#: ``attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-#: scale) -> out`` over packed ``(total_tokens, heads, head_size)`` tensors
-#: (:func:`attnres.kernels.fa.make_varlen_kernel`).
-VarlenKernelFn = Callable[
-    ["Tensor", "Tensor", "Tensor", "Tensor", "Tensor", int, int, bool, float | None],
-    "Tensor",
-]
+
+class VarlenKernelFn(Protocol):
+    """``attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+    scale, **options) -> out`` over packed ``(total_tokens, heads, head_size)`` tensors
+    (:func:`attnres.kernels.fa.make_varlen_kernel`); ``options``: the backend's
+    validated options (issue 23, ``BackendSpec.options``), only when set."""
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        scale: float | None,
+        /,
+        **options: Any,
+    ) -> Tensor: ...
+
 
 #: Sparse backends of the built-in catalogue (derived from ``BackendSpec.sparse``):
 #: they ship no dense adapter, ``get_kernel`` answers ``None``.
@@ -149,13 +164,16 @@ def register_kernel(backend_name: str, fn: KernelFn | str, *, replace: bool = Fa
     elif not callable(fn):
         raise TypeError(f"fn must be a kernel callable or a 'module:factory' string, got {fn!r}")
     with _lock:
-        if _entry(key) is not None and not replace:
+        current = _entry(key)
+        if current is not None and not replace and not (key not in _entries and fn == current):
+            # (registering the adapter that serves the name already is no change)
             raise ValueError(
                 f"a kernel is already registered for backend {key!r}; "
                 "pass replace=True to override it"
             )
+        # (a removed adapter stays removed under the registration: unregistering
+        # it later brings back what served the name before it, nothing more)
         _entries[key] = fn
-        _removed.pop(key, None)
         _forget_built(key)
     kernels_changed()
 
@@ -163,14 +181,17 @@ def register_kernel(backend_name: str, fn: KernelFn | str, *, replace: bool = Fa
 def unregister_kernel(backend_name: str) -> None:
     """Forget the kernel of ``backend_name``; unknown names are ignored.
 
-    A built-in adapter can be put back with
+    A kernel given to :func:`register_kernel` is forgotten, and what served the
+    name before it serves again: a built-in adapter it replaced
+    (``replace=True``) is restored, never deleted with it. With no registration,
+    the spec's own adapter is removed; it can be put back with
     ``register_kernel(name, "attnres.kernels.<module>:make_kernel")`` (its
     :func:`kernel_source` is then ``builtin`` again).
     """
     key = _key(backend_name)
     with _lock:
-        _entries.pop(key, None)
-        _removed[key] = _spec_adapter(key)
+        if _entries.pop(key, None) is None:
+            _removed[key] = _spec_adapter(key)
         _forget_built(key)
     kernels_changed()
 
