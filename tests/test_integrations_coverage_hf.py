@@ -15,9 +15,10 @@ and planned as a strict component three ways:
   whose code names a real limit of sage (head size, a requirement such as the
   mask kind, a dtype), never a route limit -- except own code paths attnres
   cannot route, counted in the table as ``own path``: softmax attention
-  computed by hand (``eager`` only) and ``torch.nn.MultiheadAttention``
-  (SigLIP's pooling head) -- and interface sites transformers does not offer
-  other functions (the class does not declare ``_supports_attention_backend``,
+  computed by hand (``eager`` only) and a ``torch.nn.MultiheadAttention`` whose
+  caller asks for the weights (SigLIP's pooling head) -- and interface sites
+  transformers does not offer other functions (the class does not declare
+  ``_supports_attention_backend``,
   or the module holds attention sinks), counted as ``not offered by the
   class``.
 
