@@ -581,6 +581,12 @@ class GenericRoute:
         self.scope = scope
         self.platform = platform
         self.on_first_call = on_first_call
+        #: issue 22: the dispatcher's name for torch SDPA (set by the diffusers
+        #: integration). A call decided ``torch_sdpa`` runs the dispatcher with that
+        #: backend, never the processor's own: a backend pinned there (diffusers'
+        #: ``sage_varlen`` or ``flash_varlen``, which assume right padding) is not
+        #: what the decision said
+        self.dispatch_sdpa: Any = None
         self.planned = (
             None
             if spec is None or heads is None
@@ -751,6 +757,8 @@ class GenericRoute:
         ) -> Any:
             kernel = self.kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
             if kernel is None:
+                if self.dispatch_sdpa is not None:
+                    rest["backend"] = self.dispatch_sdpa
                 return original(
                     query,
                     key,

@@ -135,6 +135,36 @@ _MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType(
 )
 
 
+#: issue 22: the mask kind a model's own forward hands its attention sites, keyed by
+#: the model class (its attention module classes are shared with models that pass no
+#: mask), per site name; checked against diffusers 0.42.1, and verified at each
+#: planned signature's first call (a wrong entry re-resolves the site, traced):
+#:
+#: - ``ChromaTransformer2DModel``: every joint site gets the prompt mask as
+#:   ``mask[:, None, None, :] * mask[:, None, :, None]`` in the mask's own dtype;
+#:   ``ChromaPipeline`` builds it in the prompt's float dtype, so SDPA adds it as a
+#:   0/1 bias (diffusers#12116): an additive mask, which no key-padding route can
+#:   reproduce;
+#: - ``HunyuanVideoTransformer3DModel``: every site: the token refiner's prompt
+#:   self-attention (padded queries see the first token) and the joint blocks'
+#:   ``[B, 1, 1, N]`` prompt padding;
+#: - ``LTX2VideoTransformer3DModel``: the prompt cross-attentions ``attn2`` and
+#:   ``audio_attn2`` get the prompt padding as a -10000 bias;
+#: - ``LTX2TextConnectors`` (LTX-2's prompt connectors): every site gets the prompt
+#:   padding as a ``-finfo.max`` bias, or an all-zero one where learnable registers
+#:   replace the padding.
+_MASK_BY_MODEL: Mapping[str, Callable[[str], MaskKind]] = MappingProxyType(
+    {
+        "ChromaTransformer2DModel": lambda n: MaskKind.ADDITIVE,
+        "HunyuanVideoTransformer3DModel": lambda n: MaskKind.KEY_PADDING,
+        "LTX2VideoTransformer3DModel": lambda n: (
+            MaskKind.KEY_PADDING if _last(n) in ("attn2", "audio_attn2") else MaskKind.NONE
+        ),
+        "LTX2TextConnectors": lambda n: MaskKind.KEY_PADDING,
+    }
+)
+
+
 def _role(name: str, module: Any) -> Role:
     fact = _ROLE_BY_PLACE.get(type(module).__name__)
     if fact is not None:
@@ -149,9 +179,12 @@ def _role(name: str, module: Any) -> Role:
 _TEXT_PADDING_PARAMETER = "encoder_hidden_states_mask"
 
 
-def _mask_kind(name: str, module: Any) -> MaskKind:
+def _mask_kind(name: str, module: Any, model_class: str = "") -> MaskKind:
     """The mask kind a site passes, where its code tells before the first call
     (issue 22); the first call observes every other mask and its kind."""
+    by_model = _MASK_BY_MODEL.get(model_class)
+    if by_model is not None:
+        return by_model(name)
     by_place = _MASK_BY_PLACE.get(type(module).__name__)
     if by_place is not None and by_place(name):
         return MaskKind.KEY_PADDING  # LTX's -10000 prompt-padding bias
@@ -163,10 +196,16 @@ def _mask_kind(name: str, module: Any) -> MaskKind:
 
 
 def _requirements(
-    name: str, module: Any, heads: int, kv_heads: int, head_size: int, trains: bool
+    name: str,
+    module: Any,
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    trains: bool,
+    model_class: str = "",
 ) -> Requirements:
     return Requirements(
-        mask=_mask_kind(name, module),
+        mask=_mask_kind(name, module, model_class),
         gqa=kv_heads < heads,
         backward=trains,
         # Attention(scale_qk=False) or scale= passes its own softmax scale
@@ -206,6 +245,18 @@ def _pinned_backends(
         if support is None or support.route is MaskRoute.NATIVE:
             out.add(backend)  # a kind it does not take at all fails the requirements check
     return frozenset(out)
+
+
+def _unpads(backend: Backend, requirements: Requirements) -> bool:
+    """Issue 22: ``backend`` takes the site's mask kind only through attnres's unpad
+    route. A dispatcher already pinned to that backend runs its dense kernel with
+    the mask as is (diffusers' ``flash`` raises "attn_mask is not supported"), so
+    the site is routed even though the decision is what it runs."""
+    if requirements.mask is not MaskKind.KEY_PADDING:  # the only kind taken by unpadding
+        return False
+    spec = lookup_spec(backend)
+    support = None if spec is None else spec.mask_support(requirements.mask)
+    return support is not None and support.route is MaskRoute.UNPAD
 
 
 def _is_dispatcher(processor: Any) -> bool:
@@ -259,7 +310,9 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
             continue
         site_dtype = dtype or _dtype_of(module, fallback)
         parent = model.get_submodule(name.rpartition(".")[0])
-        desc = _describe(component, name, module, site_dtype, backward, parent)
+        desc = _describe(
+            component, name, module, site_dtype, backward, parent, type(model).__name__
+        )
         if desc is not None:
             out.append(desc)
             inside.append(name)
@@ -273,7 +326,13 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
 
 
 def _describe(
-    component: str, name: str, module: Any, dtype: str, backward: bool, parent: Any = None
+    component: str,
+    name: str,
+    module: Any,
+    dtype: str,
+    backward: bool,
+    parent: Any = None,
+    model_class: str = "",
 ) -> SiteDescription | None:
     cls = type(module).__name__
     # a diffusers attention module, or any module that hands its call to a processor
@@ -303,7 +362,9 @@ def _describe(
             heads=heads,
             kv_heads=kv_heads,
             head_size=head_size,
-            requirements=_requirements(name, module, heads, kv_heads, head_size, backward),
+            requirements=_requirements(
+                name, module, heads, kv_heads, head_size, backward, model_class
+            ),
         )
     else:
         base.update(
@@ -508,7 +569,8 @@ def _prepare(
                 continue
             backend = site.resolution.backend
             if site.routed:
-                if backend == site.current:  # what it runs already: nothing to wrap
+                if backend == site.current and not _unpads(backend, site.spec.requirements):
+                    # what it runs already: nothing to wrap
                     planned.append(_Planned(comp, module, site, "", False))
                     continue
                 planned.append(_Planned(comp, module, site, "", True))
@@ -606,7 +668,12 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     processor = original
     route = None
     if item.route:
-        route = _route.site_route(site, config, platform)
+        # under the route, a dispatcher's own path is diffusers' native SDPA
+        # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
+        # dense kernel cannot take a key-padding mask); softmax by hand stays eager
+        own = site.current if site.current == Backend("eager") else Backend("torch_sdpa")
+        route = _route.site_route(site, config, platform, own=own)
+        route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
         routed = None if original is None else _route.routed_processor(original, route)
         if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
             _route.install_route(module, route, _route.mha_forward(module, route))
