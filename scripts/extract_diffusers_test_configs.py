@@ -58,14 +58,15 @@ def _recipe(value: Any) -> Any:
         }
         few = value.numel() <= 8
         mask_like = value.numel() <= 4096 and value.unique().numel() <= 2
-        if not value.is_floating_point() or few or mask_like:
-            if value.numel() <= 4096:
-                out["value"] = value.tolist()
+        if (not value.is_floating_point() or few or mask_like) and value.numel() <= 4096:
+            out["value"] = value.tolist()
         return out
     if isinstance(value, torch.Generator):
         return {"generator": 0}
-    if isinstance(value, (list, tuple)) and value and all(
-        isinstance(v, torch.Tensor) for v in value
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(v, torch.Tensor) for v in value)
     ):
         return {"list": [_recipe(v) for v in value]}
     if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,40 @@ def _value(recipe: dict[str, Any], gen: torch.Generator) -> Any:
 
 #: inputs the installed diffusers (0.42.1) takes in another form than the test
 #: the entry came from: name -> a function of the inputs built from the recipes
-_INPUTS_HERE: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+def _chroma_mask(inputs: dict[str, Any]) -> dict[str, Any]:
+    # diffusers' test passes no prompt mask; ChromaPipeline does: the prompt's
+    # padding mask extended with ones over the image tokens
+    # (pipelines/chroma/pipeline_chroma.py, ``_prepare_attention_mask``)
+    text = inputs["encoder_hidden_states"].shape[1]
+    image = inputs["hidden_states"].shape[1]
+    mask = torch.ones(inputs["hidden_states"].shape[0], text + image, dtype=torch.bool)
+    return {**inputs, "attention_mask": mask}
+
+
+_INPUTS_HERE: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "ChromaTransformer2DModel": _chroma_mask,
+}
+
+
+def padded(inputs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``inputs`` with real padding in every prompt mask (a 2-D 0/1 input whose
+    name ends in ``mask``): in the first row, the last quarter of the prompt's
+    positions masked out (the prompt comes first: Chroma's mask goes on over the
+    image tokens); and the names of the inputs changed."""
+    out, changed = dict(inputs), []
+    text = inputs.get("encoder_hidden_states")
+    prompt = text.shape[1] if isinstance(text, torch.Tensor) and text.dim() == 3 else None
+    for key, value in inputs.items():
+        if not (key.endswith("mask") and isinstance(value, torch.Tensor) and value.dim() == 2):
+            continue
+        if not bool(((value == 0) | (value == 1)).all()) or value.shape[1] < 4:
+            continue
+        value = value.clone()
+        end = min(value.shape[1], prompt or value.shape[1])
+        value[0, end - end // 4 : end] = 0
+        out[key] = value
+        changed.append(key)
+    return out, changed
 
 
 def names() -> list[str]:
@@ -79,7 +113,9 @@ def build(name: str) -> tuple[torch.nn.Module, Callable[[], dict[str, Any]]]:
         raise CannotBuild("no tiny config (diffusers has no model test for it)")
     init = {k: _value(r, torch.Generator()) for k, r in entry["init"].items()}
     torch.manual_seed(0)
-    model = getattr(diffusers, name)(**init).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' own deprecation notes
+        model = getattr(diffusers, name)(**init).eval()
     adjust = _INPUTS_HERE.get(name, lambda x: x)
 
     def inputs() -> dict[str, Any]:

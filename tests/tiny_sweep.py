@@ -23,6 +23,7 @@ Problems are returned as strings (empty: every check held).
 from __future__ import annotations
 
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +73,8 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 
 def _run(model: torch.nn.Module, inputs: Any) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' own deprecations and autocast notes
         return _tensors(model(**inputs()))
 
 
@@ -165,7 +167,9 @@ def check(name: str, model: torch.nn.Module, inputs: Any) -> Result:
     res.installed = _installed(model)
     governed = [s for s in plan.sites if s.status in (Status.SELECTED, Status.PENDING)]
     if res.installed != len(governed):
-        res.problems.append(f"no flag: {res.installed} installed for {len(governed)} governed sites")
+        res.problems.append(
+            f"no flag: {res.installed} installed for {len(governed)} governed sites"
+        )
     res.bit_identical = _same(_run(model, inputs), ref)
     if not res.bit_identical:
         res.problems.append("no flag: output is not bit-identical")
