@@ -119,3 +119,52 @@ def test_generic_route_vs_site_calling_the_kernel_itself(
                   result.ratio, target=1.03, note=result.describe())
     benchmark.extra_info["ratio_vs_direct"] = result.ratio
     benchmark.pedantic(lambda: routed(x), rounds=10, iterations=10, warmup_rounds=1)
+
+
+def test_mha_route_vs_the_same_math_calling_the_kernel_itself(
+    benchmark: Any, ratios: RatioRegistry, paired: Any
+) -> None:
+    """(d) issue 19: the MHA route on a ``torch.nn.MultiheadAttention`` decided
+    ``eager`` (in-projection, heads split, kernel, out-projection) against the
+    same math calling the same attnres kernel itself: the per-call signature
+    check and kernel lookup are the difference; at most 1.03x."""
+    from attnres.integrations import _route
+    from attnres.kernels import get_kernel
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.attn = torch.nn.MultiheadAttention(64, 2, batch_first=True).eval()
+    mha = holder.attn
+    x = torch.randn(1, 256, 64)
+    kernel = get_kernel("eager")
+    assert kernel is not None
+
+    import copy
+
+    direct = copy.deepcopy(mha)
+
+    def math(query: Any, key: Any, value: Any, need_weights: bool = True) -> Any:
+        """The same math as the route, with no check and no lookup (a module call too)."""
+        q, k, v = _route._mha_projections(direct, query, key, value)
+        n, s = q.shape[0], q.shape[1]
+        out = kernel(q.view(n, s, 2, 32), k.view(n, s, 2, 32), v.view(n, s, 2, 32),
+                     None, False, None).reshape(n, s, 64)
+        return torch.nn.functional.linear(out, direct.out_proj.weight, direct.out_proj.bias), None
+
+    direct.forward = math  # type: ignore[method-assign]
+    plan = governed.apply({"vae": holder}, attnres.SelectionConfig(global_backend="eager"))
+    assert {s.backend.name for s in plan.sites} == {"eager"}
+
+    def routed() -> Any:
+        return mha(x, x, x, need_weights=False)[0]
+
+    def itself() -> Any:
+        return direct(x, x, x, need_weights=False)[0]
+
+    with torch.inference_mode():
+        torch.testing.assert_close(routed(), itself())
+        result = paired(routed, itself, rounds=60, inner=20)
+    ratios.record("MHA route / the same math calling the kernel itself",
+                  result.ratio, target=1.03, note=result.describe())
+    benchmark.extra_info["ratio_vs_direct"] = result.ratio
+    benchmark.pedantic(routed, rounds=10, iterations=10, warmup_rounds=1)

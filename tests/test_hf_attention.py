@@ -115,3 +115,45 @@ def test_the_function_refuses_a_module_attnres_did_not_bind() -> None:
     model.config._attn_implementation_internal = _hf_attention.NAME
     with pytest.raises(RuntimeError, match="attnres installed no kernel on this module"):
         model(input_ids=torch.tensor([[3, 4]]))
+
+
+@pytest.mark.parametrize("component", ["text_encoder", "transformer"])
+def test_a_call_fact_the_plan_did_not_allow_is_checked_at_the_first_call(
+    varlen_fakes: Calls, component: str
+) -> None:
+    # issue 19: attnres's own attention function checks each call signature's facts
+    # against the plan, through the first-call check every routed site uses: a
+    # component that may fall back resolves again (traced), a strict one raises
+    # ResolutionError naming the site and the fact; sage is never reached with it
+    from attnres.errors import ResolutionError
+
+    model = _qwen25vl_text()
+    plan = itf.apply(model, component, SAGE, STAND_IN)
+    try:
+        site = plan.sites[0]
+        module = dict(model.named_modules())[site.name]
+        route = _hf_attention.bound_route(module)
+        assert route is not None and route.name == site.name
+        q = torch.randn(1, 4, 5, 16, dtype=torch.float16)
+        kv = torch.randn(1, 2, 5, 16, dtype=torch.float16)
+        before = len(varlen_fakes.seen)
+        if component == "text_encoder":
+            torch.manual_seed(0)
+            out, _ = _hf_attention.attention_forward(module, q, kv, kv, None, dropout=0.5)
+            assert out.shape == (1, 5, 4, 16)
+            first = route.first_calls[-1]
+            assert "dropout" in first.describe() and first.backend.name == "torch_sdpa"
+            assert first.trace.outcome.status == "selected"
+        else:
+            with pytest.raises(ResolutionError) as info:
+                _hf_attention.attention_forward(module, q, kv, kv, None, dropout=0.5)
+            assert site.name in str(info.value) and "dropout" in str(info.value)
+            assert route.first_calls[-1].error == str(info.value)
+        assert len(varlen_fakes.seen) == before  # the kernel never saw the call
+        # a custom softmax scale is a fact too (sage takes it: resolved, traced)
+        _hf_attention.attention_forward(module, q, kv, kv, None, scaling=0.5)
+        assert "custom softmax scale" in route.first_calls[-1].describe()
+        assert len(varlen_fakes.seen) == before + 1  # sage ran that one
+    finally:
+        itf.remove(model)
+    assert _hf_attention.bound_route(module) is None

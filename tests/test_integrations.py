@@ -1054,3 +1054,22 @@ def test_apply_refuses_a_role_override_that_reaches_no_site():
     with pytest.raises(IntegrationError):
         idf.apply({"vae": vae}, config)
     assert idf.routes({"vae": vae}) == {}
+
+
+def test_a_routed_model_dropped_without_remove_leaves_nothing_in_sys_modules():
+    # issue 19: each rebound site's globals live in a module registered in
+    # sys.modules (torch.compile guards them there); a model dropped without
+    # remove() kept them (and the route) alive for the rest of the process
+    import gc
+    import weakref
+
+    before = {n for n in sys.modules if n.startswith("attnres._routed_")}
+    unet = tp.unet()
+    plan = idf.apply({"unet": unet}, SelectionConfig(global_backend="eager"))
+    routed = {n for n in sys.modules if n.startswith("attnres._routed_")} - before
+    assert routed and len(idf.routes({"unet": unet})) == len(plan.sites)
+    alive = weakref.ref(unet)
+    del unet
+    gc.collect()
+    assert alive() is None
+    assert not routed & set(sys.modules)

@@ -6,7 +6,10 @@
 - ``first-call/``: a generic-route site (SD3's ``JointAttnProcessor2_0`` calls
   SDPA itself and gets sage), a site decided at its first call (a module that
   holds no head facts) and a site re-resolved at its first call (a call with
-  dropout, which the plan did not describe, falls back from flex attention).
+  dropout, which the plan did not describe, falls back from flex attention to
+  the site's own SDPA); own code paths made routed sites (issue 19: a
+  ``torch.nn.MultiheadAttention`` and diffusers' by-hand ``AttnProcessor`` get
+  sage; an MHA call that returns its weights falls back to its own path).
 
 Each file replays clean, and planning again gives exactly these traces.
 ``pytest tests/test_integrations_golden.py --update-golden`` (``make golden``)
@@ -135,6 +138,48 @@ def _first_call_traces(tmp_path: Path) -> list[Path]:
     (first,) = route.first_calls
     assert first.changed == ("dropout",) and first.backend.name == "torch_sdpa"
     path = tmp_path / "re-resolved-at-first-call-dropout-flex-falls-back-to-torch-sdpa.json"
+    dump_trace(first.trace, path)
+    written.append(path)
+    written += _own_path_traces(tmp_path)
+    return written
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+
+def _own_path_traces(tmp_path: Path) -> list[Path]:
+    """Issue 19: own code paths made routed sites (MHA's own math, diffusers'
+    by-hand ``AttnProcessor``) under a global sage, and an MHA call that returns
+    its weights, re-resolved at its first call to its own path."""
+    from diffusers.models.attention_processor import Attention, AttnProcessor
+
+    written: list[Path] = []
+    sage = SelectionConfig(global_backend="sage_attn")
+    for stem, attn in (
+        ("mha-own-math", torch.nn.MultiheadAttention(128, 2)),
+        ("by-hand-attn-processor", Attention(128, heads=2, dim_head=64, processor=AttnProcessor())),
+    ):
+        model = _Holder(attn).eval().to(torch.bfloat16)
+        (site,) = idf.plan({"transformer": model}, sage, Platform.simulate(SIM)).sites
+        assert site.routed and site.backend.name == "sage_attn"
+        path = tmp_path / f"generic-route-{stem}-global-sage-selected.json"
+        dump_trace(site.trace, path)
+        written.append(path)
+    cpu = Platform.simulate("cpu")
+    flex = SelectionConfig(global_backend="flex_attention")
+    model = _Holder(torch.nn.MultiheadAttention(64, 4, batch_first=True)).eval()
+    (site,) = idf.plan({"vae": model}, flex, cpu).sites
+    assert site.backend.name == "flex_attention"
+    route = _route.site_route(site, flex, cpu)
+    x = torch.randn(2, 5, 64)
+    _route.mha_forward(model.attn, route)(x, x, x)  # need_weights=True: torch's default
+    (first,) = route.first_calls
+    assert first.changed == ("attention weights returned (need_weights=True)",)
+    assert first.backend.name == "eager"
+    path = tmp_path / "re-resolved-at-first-call-mha-need-weights-falls-back-to-eager.json"
     dump_trace(first.trace, path)
     written.append(path)
     return written

@@ -1075,3 +1075,33 @@ def test_fa_softcap_with_dropout_is_what_the_catalogue_refuses() -> None:
     q, k, v = make_inputs(_seed(), dtype=torch.float16)
     with pytest.raises(RuntimeError, match="Softcapping does not support dropout"):
         flash_attn.flash_attn_func(q, k, v, dropout_p=0.1, softcap=5.0)
+
+
+def test_unregistering_a_replacement_restores_the_builtin_adapter() -> None:
+    # issue 19: register_kernel(replace=True) then unregister_kernel deleted the
+    # built-in adapter for the rest of the process
+    original = get_kernel("torch_sdpa")
+    kernels.register_kernel("torch_sdpa", _dummy, replace=True)
+    assert get_kernel("torch_sdpa") is _dummy
+    kernels.unregister_kernel("torch_sdpa")
+    restored = get_kernel("torch_sdpa")
+    assert restored is not None and restored is not _dummy
+    assert kernels.kernel_source("torch_sdpa") is kernels.KernelSource.BUILTIN
+    assert "torch_sdpa" in kernels.kernel_names()
+    assert original is not None
+    # registering the adapter that serves the name already is no change, not an error
+    kernels.register_kernel("torch_sdpa", "attnres.kernels.torch_sdpa:make_kernel")
+    assert kernels.kernel_source("torch_sdpa") is kernels.KernelSource.BUILTIN
+
+
+def test_a_removed_adapter_stays_removed_after_a_registration_is_unregistered() -> None:
+    try:
+        kernels.unregister_kernel("eager")
+        kernels.register_kernel("eager", _dummy)
+        assert get_kernel("eager") is _dummy
+        kernels.unregister_kernel("eager")
+        assert get_kernel("eager") is None  # what served before the registration: nothing
+    finally:
+        kernels.unregister_kernel("eager")
+        kernels.register_kernel("eager", "attnres.kernels.eager:make_kernel")
+    assert kernels.kernel_source("eager") is kernels.KernelSource.BUILTIN

@@ -163,3 +163,20 @@ def test_the_name_blind_cache_key_holds_every_layer_field_but_the_name() -> None
     key = runtime._shape_key(base, None, None, None, None, None, False)
     for name, variant in variants.items():
         assert runtime._shape_key(variant, None, None, None, None, None, False) != key, name
+
+
+def test_rule_preferred_is_the_supported_set_stage_of_a_layer_that_runs_any_backend() -> None:
+    # issue 19: an integration site whose route runs any kernel (no supported set)
+    # but whose own code runs eager (softmax by hand) keeps eager with no flag:
+    # the platform's chain (torch_sdpa) is outside preferred, the supported-set
+    # stage tries the preferred set; a global flag is still admitted
+    layer = LayerSpec(64, "fp32", preferred={"eager"})
+    res = attnres.resolve(layer, platform=CPU)
+    assert res.backend == attnres.Backend("eager")
+    assert [
+        (r.stage.value, str(r.candidate)) for r in res.trace.records if isinstance(r, SkipRecord)
+    ] == [("platform_default", "torch_sdpa")]
+    flagged = attnres.resolve(
+        layer, config=SelectionConfig(global_backend="torch_sdpa"), platform=CPU
+    )
+    assert flagged.backend == attnres.Backend("torch_sdpa")

@@ -563,8 +563,11 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
     if stage is State.PLATFORM_DEFAULT:
         return list(inp.platform.default_chain())
     if stage is State.SUPPORTED_SET:
-        supported = inp.layer.supported or frozenset()
-        return sorted(supported, key=lambda b: (catalogue_order(b), b.name))
+        # issue 19: a layer that runs any backend (no supported set) narrowed by a
+        # preferred set tries that set here (its supported set, narrowed)
+        layer = inp.layer
+        supported = layer.supported if layer.supported is not None else layer.preferred
+        return sorted(supported or (), key=lambda b: (catalogue_order(b), b.name))
     raise ValueError(f"state {stage.value!r} evaluates no candidates")
 
 

@@ -13,12 +13,17 @@ anything with an adapter -- and not only the handful transformers ships.
   boolean (batch, 1, seq_q, seq_kv) mask that keeps the padding, or ``None``
   when the call is plain causal or unmasked. Padding is never dropped (a name
   with an attention function but no mask function would get no mask at all).
-- The attention function runs the site's bound kernel (:func:`bind_module`):
-  for a key-padding site on a varlen kernel, the unpad route of
-  :mod:`attnres._varlen`, which classifies each call's mask and refuses any
-  other kind by name. T5's ``position_bias`` (an additive mask) reaches a
-  kernel only as a float mask -- a site planned for it was given a kernel
-  that takes additive masks.
+- The attention function runs the site's route (:func:`bind_module`, a
+  :class:`~attnres.integrations._route.GenericRoute`): the kernel decided for
+  the call's signature -- for a key-padding site on a varlen kernel, the unpad
+  route of :mod:`attnres._varlen`. Issue 19: the first call of each signature
+  is checked against the plan (mask and its kind, causal, scale, head size, kv
+  heads, dtype, dropout), through the same first-call check as every other
+  routed site: a difference resolves the site again with the observed facts
+  (traced, "observed at first call: ..."), or raises ``ResolutionError``
+  naming the site and the fact in a strict component. T5's ``position_bias``
+  (an additive mask) reaches a kernel only as a float mask -- a site planned
+  for it was given a kernel that takes additive masks.
 
 Padded positions (docs/masks.md): on the unpad route a padded query position
 of self-attention comes back as zeros; transformers' SDPA gives attention over
@@ -33,16 +38,16 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from attnres._varlen import route_kernel
-from attnres.backends import Backend, get_spec, registered_backends
-from attnres.kernels import KernelFn, KernelSource, get_kernel, kernel_source
-from attnres.layer import Requirements
+from attnres.backends import Backend, registered_backends
+from attnres.integrations._route import GenericRoute
+from attnres.kernels import KernelSource, kernel_source
 
 __all__ = [
     "NAME",
     "attention_forward",
     "backends_for",
     "bind_module",
+    "bound_route",
     "mask_function",
     "register",
     "unbind_module",
@@ -50,8 +55,9 @@ __all__ = [
 
 #: The name attnres's functions are registered under in both interfaces.
 NAME = "attnres"
-#: The attribute holding a module's bound kernel (set by apply, removed by remove).
-_KERNEL_ATTR = "_attnres_kernel"
+#: The attribute holding a module's route (set by apply, removed by remove).
+_ROUTE_ATTR = "_attnres_kernel"
+_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 def mask_function(*args: Any, **kwargs: Any) -> Any:
@@ -76,22 +82,21 @@ def attention_forward(
     q, k, v arrive as (batch, heads, seq, head_size) and the output leaves as
     (batch, seq, heads, head_size), as transformers' SDPA function does.
     """
-    bound: tuple[KernelFn, str] | None = module.__dict__.get(_KERNEL_ATTR)
-    if bound is None:
+    route: GenericRoute | None = module.__dict__.get(_ROUTE_ATTR)
+    if route is None:
         raise RuntimeError(
             f"{type(module).__name__}: its config selects the attention implementation "
             f"{NAME!r}, but attnres installed no kernel on this module; run "
             f"attnres.integrations.transformers.apply on the model (or set another "
             f"attn_implementation)"
         )
-    kernel, backend = bound
-    if dropout:
-        raise ValueError(
-            f"attnres attention ({backend}) on {type(module).__name__}: dropout {dropout} in a "
-            f"training forward; the site was planned without dropout"
-        )
     if kwargs.get("softcap") is not None:
-        raise ValueError(f"attnres attention ({backend}): softcap was not planned for this site")
+        raise ValueError(
+            f"attnres attention at {route.name!r} of component {route.component!r}: the call "
+            f"passes a logit softcap, which attnres's transformers function does not hand to "
+            f"kernels; decide this component a backend transformers runs itself (eager, fa, "
+            f"flex_attention)"
+        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q_length = query.shape[2]
     mask = attention_mask
@@ -106,6 +111,20 @@ def attention_forward(
         mask = bias
     # transformers' SDPA rule: the causal flag only when no mask carries it
     causal = bool(q_length > 1 and mask is None and causal)
+    # the call's facts, checked once per signature against the plan (issue 19)
+    kernel = route.kernel_for(query, key, mask, dropout, causal, scaling, -3)
+    if kernel is None:  # resolved again to torch SDPA (dropout, a fallback): run it here
+        out = _SDPA(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=causal,
+            scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
+        return out.transpose(1, 2).contiguous(), None
     out = kernel(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -138,15 +157,16 @@ def register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, mask_function)
 
 
-def bind_module(module: torch.nn.Module, backend: str, requirements: Requirements) -> None:
-    """Give ``module`` the kernel of ``backend`` for a site of ``requirements``."""
-    spec = get_spec(backend)
-    dense = get_kernel(backend)
-    if dense is None:
-        raise ValueError(f"backend {backend!r} has no kernel to run in transformers")
-    kernel = route_kernel(spec, dense, requirements.mask, requirements.causal_alignment)
-    module.__dict__[_KERNEL_ATTR] = (kernel, backend)
+def bind_module(module: torch.nn.Module, route: GenericRoute) -> None:
+    """Give ``module`` its site's route (the planned signature's kernel bound)."""
+    module.__dict__[_ROUTE_ATTR] = route
+
+
+def bound_route(module: torch.nn.Module) -> GenericRoute | None:
+    """The route :func:`bind_module` gave ``module`` (``None``: none)."""
+    route = module.__dict__.get(_ROUTE_ATTR)
+    return route if isinstance(route, GenericRoute) else None
 
 
 def unbind_module(module: torch.nn.Module) -> None:
-    module.__dict__.pop(_KERNEL_ATTR, None)
+    module.__dict__.pop(_ROUTE_ATTR, None)

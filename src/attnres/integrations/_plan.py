@@ -136,6 +136,9 @@ class SiteDescription:
     #: issue 24: the sequence-parallel layout the model runs the site under
     #: (diffusers' context parallelism, :func:`attnres.layout.context_parallel_layout`)
     layout: SequenceLayout | None = None
+    #: what automatic choices (no flag) may take (``LayerSpec.preferred``): a site
+    #: whose route runs any kernel but whose own code runs one keeps it with no flag
+    preferred: frozenset[Backend] | None = None
 
     @property
     def classified(self) -> bool:
@@ -496,18 +499,24 @@ def _plan_one(
         requirements=desc.requirements,
         name=desc.name,
         layout=desc.layout,  # issue 24
+        preferred=desc.preferred,
         # a route with a set runs exactly that set: the machine keeps stand-ins off it
         exact_route=None if desc.supported is None else desc.route,
     )
     try:
         res = resolve(spec, config=config, platform=platform)
     except ResolutionError as exc:
+        message = str(exc)
+        if spec.exact_route is not None and spec.exact_route not in message:
+            # the route is what limits the site: say which (issue 19: an MHA with
+            # add_bias_kv names the fact that keeps it on its own code path)
+            message += f" (the site's route: {spec.exact_route})"
         return Site(
             **common,
             spec=spec,
             resolution=None,
             trace=exc.trace,
-            site_error=SiteError(str(exc.code), str(exc)),
+            site_error=SiteError(str(exc.code), message),
         )
     return Site(**common, spec=spec, resolution=res, site_error=None, trace=res.trace)
 

@@ -32,6 +32,7 @@ import math
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,12 +45,12 @@ from attnres._varlen import observe_mask, route_kernel
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import ResolutionError
-from attnres.integrations._plan import SiteDescription
+from attnres.integrations._plan import Site, SiteDescription
 from attnres.kernels import get_kernel
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.platform import Platform
 from attnres.runtime import Resolution, lookup
-from attnres.scope import ScopeState
+from attnres.scope import ScopeState, scope_state
 from attnres.trace import Trace
 
 __all__ = [
@@ -59,9 +60,13 @@ __all__ = [
     "MaskFacts",
     "calls_of",
     "head_facts",
+    "install_by_hand",
     "install_route",
     "installed_route",
+    "mha_forward",
+    "mha_own_path",
     "remove_route",
+    "site_route",
 ]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -74,6 +79,11 @@ INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 #: names that mean softmax attention computed by hand (``AttnProcessor``'s
 #: ``get_attention_scores``, a ``softmax`` of a ``baddbmm``)
 BY_HAND = frozenset({"get_attention_scores", "softmax", "baddbmm"})
+#: diffusers' ``Attention.get_attention_scores`` then ``torch.bmm``
+#: (``AttnProcessor`` and its kin): the pair the by-hand route takes whole
+SCORES = "get_attention_scores"
+_BMM = torch.bmm
+_EAGER = Backend("eager")
 
 
 def _code_names(code: types.CodeType, out: set[str]) -> None:
@@ -152,28 +162,60 @@ def head_facts(module: Any) -> tuple[int, int, int] | None:
     return heads, (kv if kv is not None and heads % kv == 0 else heads), size
 
 
+def mha_own_path(module: Any) -> str | None:
+    """Why a ``torch.nn.MultiheadAttention`` runs only its own code path (``None``:
+    the MHA route runs it): a fact its math has that no attnres kernel takes."""
+    if getattr(module, "bias_k", None) is not None:
+        return "add_bias_kv (a learned key and value appended to every sequence)"
+    if getattr(module, "add_zero_attn", False):
+        return "add_zero_attn (a zero key and value appended to every sequence)"
+    return None
+
+
 def describe_mha(
     component: str, name: str, module: Any, dtype: str, backward: bool
 ) -> SiteDescription:
-    """A ``torch.nn.MultiheadAttention``: a site of torch's own code path, which runs
-    SDPA with ``need_weights=False`` and the same softmax by hand otherwise (the
-    default); attnres cannot route either to another kernel, so it is described
-    as running torch SDPA only, and a request for another backend says so."""
+    """A ``torch.nn.MultiheadAttention``: its own math (in-projection, heads split,
+    attention, out-projection) runs on the MHA route (:func:`mha_forward`), which
+    runs any kernel; with no flag nothing is wrapped (torch's own path: SDPA with
+    ``need_weights=False``). A module whose math has a fact no kernel takes
+    (:func:`mha_own_path`) keeps its own code path only, and says which fact."""
     heads = int(module.num_heads)
-    only = Backend("torch_sdpa")
+    own = Backend("torch_sdpa")
+    common: dict[str, Any] = {
+        "component": component,
+        "name": name,
+        "module_class": type(module).__name__,
+        "head_size": int(module.head_dim),
+        "heads": heads,
+        "kv_heads": heads,
+        "dtype": dtype,
+        "requirements": Requirements(backward=backward),
+        "current": own,
+    }
+    fact = mha_own_path(module)
+    if fact is not None:
+        return SiteDescription(
+            **common,
+            route=f"torch_sdpa in torch.nn.MultiheadAttention (its own code path: {fact})",
+            supported=frozenset({own}),
+        )
     return SiteDescription(
-        component=component,
-        name=name,
-        module_class=type(module).__name__,
-        route="torch_sdpa in torch.nn.MultiheadAttention (its own code path)",
-        supported=frozenset({only}),
-        head_size=int(module.head_dim),
-        heads=heads,
-        kv_heads=heads,
-        dtype=dtype,
-        requirements=Requirements(backward=backward),
-        current=only,
+        **common,
+        route=f"{MHA_ROUTE} (torch.nn.MultiheadAttention's own math)",
+        supported=None,
+        routed=True,
+        # with no flag, automatic choices keep what torch runs there (nothing wrapped)
+        preferred=frozenset({own}),
     )
+
+
+#: the route of a ``torch.nn.MultiheadAttention`` site
+MHA_ROUTE = "generic route"
+#: the route a call that returns its attention weights is limited to
+WEIGHTS_ROUTE = "torch.nn.MultiheadAttention returning attention weights (its own code path)"
+#: the route a call with attention dropout is limited to
+DROPOUT_ROUTE = "the site's own code (attention dropout: attnres kernels take no dropout)"
 
 
 # =============================================================================
@@ -248,6 +290,9 @@ class CallFacts:
     causal: bool
     custom_scale: bool
     dropout: bool
+    #: the caller asks for the attention weights (``need_weights=True``): only the
+    #: site's own code path computes them
+    weights: bool = False
 
     @classmethod
     def observe(
@@ -259,6 +304,7 @@ class CallFacts:
         is_causal: bool,
         scale: float | None,
         heads_dim: int = -3,
+        weights: bool = False,
     ) -> CallFacts:
         head_size = int(q.shape[-1])
         mask = _observe_mask(q, k, attn_mask, heads_dim)
@@ -271,6 +317,7 @@ class CallFacts:
             causal=bool(is_causal),
             custom_scale=scale is not None and _custom(scale, head_size),
             dropout=bool(dropout_p),
+            weights=weights,
         )
 
     @classmethod
@@ -299,6 +346,7 @@ class CallFacts:
             self.causal,
             self.custom_scale,
             self.dropout,
+            self.weights,
         )
 
     def differences(self, planned: CallFacts | None) -> tuple[str, ...]:
@@ -324,10 +372,19 @@ class CallFacts:
             out.append(f"dtype {self.dtype} (planned {planned.dtype})")
         if self.dropout != planned.dropout:
             out.append("dropout" if self.dropout else "no dropout")
+        if self.weights != planned.weights:
+            out.append(
+                "attention weights returned (need_weights=True)"
+                if self.weights
+                else "no attention weights returned"
+            )
+        if not out and self.heads != planned.heads:  # same grouping, other head count
+            out.append(f"{self.heads} heads (planned {planned.heads})")
         return tuple(out)
 
-    def spec(self, planned: LayerSpec | None, name: str) -> LayerSpec:
-        """The site's layer spec with these facts."""
+    def spec(self, planned: LayerSpec | None, name: str, own: Backend = _TORCH_SDPA) -> LayerSpec:
+        """The site's layer spec with these facts (``own``: what the site's own code
+        runs, the only path for a call no attnres kernel can serve)."""
         base = planned if planned is not None else LayerSpec(self.head_size, self.dtype, name=name)
         req = attrs.evolve(
             base.requirements,
@@ -339,7 +396,20 @@ class CallFacts:
             dropout=self.dropout,
             gqa=self.kv_heads < self.heads,
         )
-        return attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
+        spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
+        only = _EAGER if self.weights else own if self.dropout else None
+        if only is not None:
+            # no attnres kernel returns the weights or applies dropout (the calling
+            # convention has neither): only the site's own code serves the call,
+            # exactly (a stand-in never runs there)
+            spec = attrs.evolve(
+                spec,
+                supported=frozenset({only}),
+                default=None if base.default is None else only,
+                preferred=None,
+                exact_route=WEIGHTS_ROUTE if self.weights else DROPOUT_ROUTE,
+            )
+        return spec
 
 
 def call_key(
@@ -350,6 +420,7 @@ def call_key(
     is_causal: bool,
     scale: float | None,
     heads_dim: int,
+    weights: bool = False,
 ) -> tuple[Any, ...]:
     """A call's signature, built with no object (it runs on every call, and is
     traced whole by torch.compile)."""
@@ -363,6 +434,7 @@ def call_key(
         bool(is_causal),
         scale is not None and _custom(scale, head_size),
         bool(dropout_p),
+        weights,
     )
 
 
@@ -436,8 +508,15 @@ class GenericRoute:
         scope: ScopeState,
         platform: Platform,
         on_first_call: Callable[[FirstCall], None] | None = None,
+        own: Backend | None = None,
     ) -> None:
         self.component = component
+        #: the backend the site's own code path runs (what it ran before the route:
+        #: torch SDPA, or ``eager`` for softmax by hand); a signature decided it
+        #: runs the site's own code, untouched
+        self.own = _TORCH_SDPA if own is None else own
+        #: the site computes softmax by hand (``get_attention_scores`` + ``bmm``)
+        self.by_hand = self.own == _EAGER
         self.name = name
         self.spec = spec
         self.config = config
@@ -452,13 +531,14 @@ class GenericRoute:
         self.first_calls: list[FirstCall] = []
         #: the module names its rebound functions live under (see :func:`rebind`)
         self.homes: list[str] = []
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._lock = threading.Lock()
         #: call signature -> the kernel that runs it (None: the original SDPA)
         self.kernels: dict[tuple[Any, ...], _KernelFn | None] = {}
         #: issue 22: planned signatures whose mask kind the first call verifies
         self.unverified: set[tuple[Any, ...]] = set()
         if self.planned is not None and resolution is not None and spec is not None:
-            self.kernels[self.planned.key()] = self._kernel(resolution.backend, spec)
+            self.kernels[self.planned.key()] = self._kernel(resolution.backend, spec, self.own)
             if self.planned.mask.kind not in (MaskKind.NONE, MaskKind.ANY):
                 self.unverified.add(self.planned.key())
 
@@ -474,9 +554,9 @@ class GenericRoute:
             del self.kernels[key]
         return self._first_call(facts)
 
-    def _kernel(self, backend: Backend, spec: LayerSpec) -> _KernelFn | None:
-        if backend == _TORCH_SDPA:
-            return None  # what the intercepted call is: the site's own SDPA call, untouched
+    def _kernel(self, backend: Backend, spec: LayerSpec, own: Backend) -> _KernelFn | None:
+        if backend == own:
+            return None  # what the intercepted call is: the site's own code, untouched
         kernel = get_kernel(backend.name)
         backend_spec = lookup_spec(backend)
         if kernel is None or backend_spec is None:
@@ -498,7 +578,7 @@ class GenericRoute:
         **extra: Any,
     ) -> Any:
         """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim)."""
-        kernel = self._kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, -3)
+        kernel = self.kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, -3)
         if kernel is None:
             return _SDPA(
                 q,
@@ -520,7 +600,7 @@ class GenericRoute:
         )
         return out.transpose(-3, -2)
 
-    def _kernel_for(
+    def kernel_for(
         self,
         q: Any,
         k: Any,
@@ -529,9 +609,13 @@ class GenericRoute:
         is_causal: bool,
         scale: float | None,
         heads_dim: int,
+        weights: bool = False,
     ) -> _KernelFn | None:
-        """The kernel of this call's signature (checked once per signature)."""
-        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+        """The kernel of this call's signature (``None``: the site's own code runs
+        it), checked once per signature against the plan. Every caller goes
+        through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
+        routes, attnres's transformers attention function."""
+        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights)
         if key in self.unverified and not torch.compiler.is_compiling():
             # issue 22: the first call of a planned signature verifies its mask kind
             return self._verify(
@@ -540,14 +624,56 @@ class GenericRoute:
         if key in self.kernels:
             return self.kernels[key]
         return self._first_call(
-            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
+            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights)
         )
+
+    def bmm(self, input: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:
+        """In place of ``torch.bmm`` in a by-hand processor: deferred scores times
+        the values is one kernel call; any other product is ``torch.bmm``."""
+        if isinstance(input, _Scores):
+            return self.run_by_hand(input, mat2)
+        return _BMM(input, mat2, *args, **kwargs)
+
+    def run_by_hand(self, scores: _Scores, value: Any) -> Any:
+        """``bmm(get_attention_scores(q, k, mask), v)`` of diffusers' ``Attention``
+        as one call of the decided kernel: q, k, v are (batch * heads, seq, dim),
+        the mask an additive (batch * heads, 1 or seq_q, seq_kv) bias, the scale
+        the module's (diffusers 0.42.1, ``Attention.get_attention_scores``)."""
+        module, q, k, mask = scores.module, scores.query, scores.key, scores.mask
+        n, seq_q, _ = q.shape
+        seq_kv = k.shape[1]
+        heads = module.heads if n % module.heads == 0 else 1
+        batch = n // heads
+        q4 = q.view(batch, heads, seq_q, -1).transpose(1, 2)
+        k4 = k.view(batch, heads, seq_kv, -1).transpose(1, 2)
+        m4 = mask
+        if mask is not None:
+            m4 = (
+                mask.view(batch, heads, mask.shape[-2], seq_kv)
+                if mask.shape[0] == n
+                else mask.view(1, 1, mask.shape[-2], seq_kv)
+            )
+        kernel = self.kernel_for(q4, k4, m4, 0.0, False, module.scale, -2)
+        if kernel is None:  # the site's own math, untouched
+            return _BMM(type(module).get_attention_scores(module, q, k, mask), value)
+        v4 = value.view(batch, heads, seq_kv, -1).transpose(1, 2)
+        out = kernel(q4, k4, v4, m4, False, module.scale)
+        return out.transpose(1, 2).reshape(n, seq_q, -1)
 
     def close(self) -> None:
         """Forget the homes of its rebound functions (the route was removed)."""
-        for name in self.homes:
-            sys.modules.pop(name, None)
-        self.homes.clear()
+        _forget_homes(self.homes)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
+    def tie(self, owner: Any) -> None:
+        """Forget the homes of its rebound functions when ``owner`` (the module the
+        route is installed on) is collected: a model dropped without ``remove`` leaves
+        nothing registered in ``sys.modules`` (nothing the homes hold refers back to
+        the module, so they never keep it alive)."""
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(owner, _forget_homes, self.homes)
 
     def dispatcher(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """In place of diffusers' ``dispatch_attention_fn`` (batch, seq, heads, dim):
@@ -565,7 +691,7 @@ class GenericRoute:
             attention_kwargs: Any = None,
             **rest: Any,
         ) -> Any:
-            kernel = self._kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
+            kernel = self.kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
             if kernel is None:
                 return original(
                     query,
@@ -600,7 +726,7 @@ class GenericRoute:
                 kernel = self.kernels[self.planned.key()]
                 self.kernels[facts.key()] = kernel
                 return kernel
-            spec = facts.spec(self.spec, self.name)
+            spec = facts.spec(self.spec, self.name, self.own)
             resolution, _, trace = lookup(
                 spec, self.config, self.scope, self.platform, None, needs_kernel=True
             )
@@ -618,12 +744,40 @@ class GenericRoute:
                 self.on_first_call(record)
             if resolution is None:
                 raise ResolutionError(str(error), trace, str(trace.outcome.code))
-            kernel = self._kernel(resolution.backend, spec)
+            own = _EAGER if facts.weights else self.own
+            kernel = self._kernel(resolution.backend, spec, own)
             self.kernels[facts.key()] = kernel
             return kernel
 
 
+def site_route(
+    site: Site, config: SelectionConfig, platform: Platform, own: Backend | None = None
+) -> GenericRoute:
+    """The route of one planned site (every integration builds its routes here);
+    ``own``: what runs where the route decides the site's own code (default: the
+    backend the site ran before)."""
+    return GenericRoute(
+        component=site.component,
+        name=site.name,
+        spec=site.spec,
+        heads=site.heads,
+        kv_heads=site.kv_heads,
+        resolution=site.resolution,
+        config=config,
+        scope=scope_state(site.component),
+        platform=platform,
+        own=own or site.current,  # what the site's own code runs (eager: softmax by hand)
+    )
+
+
+def _forget_homes(names: list[str]) -> None:
+    for name in names:
+        sys.modules.pop(name, None)
+    names.clear()
+
+
 _ROUTE_ATTR = "_attnres_route"
+_SCORES_ATTR = "_attnres_scores"
 _FUNCTIONAL = torch.nn.functional
 
 
@@ -636,7 +790,16 @@ def _shim(route: GenericRoute) -> types.ModuleType:
     return shim
 
 
-def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
+def _torch_shim(route: GenericRoute) -> types.ModuleType:
+    """``torch`` for one by-hand site: its ``bmm`` takes the route's deferred scores
+    (:class:`_Scores`) as one kernel call, every other name the real one."""
+    shim = types.ModuleType(torch.__name__)
+    shim.__dict__.update(torch.__dict__)
+    shim.bmm = route.bmm  # type: ignore[attr-defined]
+    return shim
+
+
+def rebind(func: Any, route: GenericRoute, depth: int = 2, *, shim_torch: bool = False) -> Any:
     """A copy of ``func`` whose attention calls go to ``route``, or ``None`` when its
     code (and the module-level functions it calls, ``depth`` levels) names none.
 
@@ -654,7 +817,9 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     subs: dict[str, Any] = {}
     for name in names:
         value = glob.get(name)
-        if value is _FUNCTIONAL:
+        if value is torch and shim_torch:
+            subs[name] = _torch_shim(route)
+        elif value is _FUNCTIONAL:
             subs[name] = _shim(route)
         elif value is _SDPA:
             subs[name] = route
@@ -689,7 +854,7 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
 def routed_processor(processor: Any, route: GenericRoute) -> Any:
     """A copy of ``processor`` whose ``__call__`` sends its attention to ``route``
     (``None``: its code names no attention call the route can take)."""
-    call = rebind(type(processor).__call__, route)
+    call = rebind(type(processor).__call__, route, shim_torch=route.by_hand)
     if call is None:
         return None
     cls = type(processor)
@@ -699,18 +864,18 @@ def routed_processor(processor: Any, route: GenericRoute) -> Any:
     return routed
 
 
-def install_route(module: Any, route: GenericRoute) -> None:
+def install_route(module: Any, route: GenericRoute, forward: Any = None) -> None:
     """Run ``module``'s forward with its SDPA calls sent to ``route`` (this module only).
 
-    Its forward is rebound (:func:`rebind`) where its code names the call;
-    otherwise a ``TorchFunctionMode`` is entered around it (eager only: the
+    ``forward``, when given, is the site's own (the MHA route's, :func:`mha_forward`).
+    Otherwise its forward is rebound (:func:`rebind`) where its code names the
+    call, else a ``TorchFunctionMode`` is entered around it (eager only: the
     mode is not traced whole by torch.compile)."""
     remove_route(module)
     # an instance-level forward (accelerate's offload hooks set one) is kept and
     # wrapped, and put back by remove_route
     previous = module.__dict__.get("forward")
-    forward: Any = None
-    if previous is None:
+    if forward is None and previous is None:
         rebound = rebind(type(module).forward, route)
         if rebound is not None:
             forward = types.MethodType(rebound, module)
@@ -718,10 +883,11 @@ def install_route(module: Any, route: GenericRoute) -> None:
         original = module.forward
         mode = _Mode(route)
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def in_mode(*args: Any, **kwargs: Any) -> Any:
             with mode:
                 return original(*args, **kwargs)
 
+        forward = in_mode
     module.__dict__["forward"] = forward
     module.__dict__[_ROUTE_ATTR] = (route, previous)
 
@@ -733,6 +899,8 @@ def installed_route(module: Any) -> GenericRoute | None:
 
 def remove_route(module: Any) -> bool:
     """Undo :func:`install_route`; whether there was one."""
+    if module.__dict__.pop(_SCORES_ATTR, None) is not None:
+        module.__dict__.pop(SCORES, None)
     held = module.__dict__.pop(_ROUTE_ATTR, None)
     if held is None:
         return False
@@ -742,3 +910,223 @@ def remove_route(module: Any) -> bool:
     else:
         module.__dict__["forward"] = held[1]
     return True
+
+
+# =============================================================================
+# Own code paths: softmax by hand, torch.nn.MultiheadAttention
+# =============================================================================
+
+
+class _Scores:
+    """What a by-hand site's ``get_attention_scores`` returns while the route is
+    installed: the query, key and mask of one attention, which the route's
+    ``bmm`` stand-in runs with the values as one kernel call."""
+
+    __slots__ = ("key", "mask", "module", "query")
+
+    def __init__(self, module: Any, query: Any, key: Any, mask: Any) -> None:
+        self.module = module
+        self.query = query
+        self.key = key
+        self.mask = mask
+
+
+def scores_only_to_bmm(func: Any) -> bool:
+    """Whether every result of ``get_attention_scores`` in ``func``'s source goes
+    straight into ``torch.bmm`` as its first argument, and nowhere else (a
+    processor that stores the probabilities, as attention-map pipelines' do,
+    is not routed). Read from the source, never from a class name; ``False``
+    where the source cannot be read."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(func, "__func__", func))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+
+    def is_scores(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == SCORES
+        )
+
+    held: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and is_scores(node.value):
+            if not all(isinstance(t, ast.Name) for t in node.targets):
+                return False
+            held |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    if not held:
+        return False
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "bmm" and node.args and isinstance(node.args[0], ast.Name):
+                allowed.add(id(node.args[0]))
+        elif is_scores(node) and not any(
+            isinstance(a, ast.Assign) and a.value is node for a in ast.walk(tree)
+        ):
+            return False  # a result used in place (not assigned): not followed
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Name)
+            and node.id in held
+            and isinstance(node.ctx, ast.Load)
+            and id(node) not in allowed
+        ):
+            return False
+    return True
+
+
+def install_by_hand(module: Any, processor: Any) -> None:
+    """Defer ``module.get_attention_scores`` while ``processor`` (the site's routed
+    copy) is the module's processor; any other processor set since gets the
+    module's own scores. Undone by :func:`remove_route`."""
+    original = type(module).get_attention_scores
+
+    def get_attention_scores(query: Any, key: Any, attention_mask: Any = None) -> Any:
+        if module.processor is not processor:
+            return original(module, query, key, attention_mask)
+        return _Scores(module, query, key, attention_mask)
+
+    module.__dict__[SCORES] = get_attention_scores
+    module.__dict__[_SCORES_ATTR] = True
+
+
+def _additive(mask: Any, dtype: Any) -> Any:
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf")
+    )
+
+
+def _mha_mask(
+    attn_mask: Any, padding: Any, batch: int, heads: int, seq_q: int, seq_kv: int, dtype: Any
+) -> Any:
+    """``nn.MultiheadAttention``'s masks (boolean: True may *not* attend; float:
+    added) as one mask of SDPA semantics, broadcastable to (batch, heads, seq_q,
+    seq_kv): a ``key_padding_mask`` alone is a (batch, 1, 1, seq_kv) key-padding mask."""
+    masks = []
+    if attn_mask is not None:
+        m = attn_mask if attn_mask.dim() == 2 else attn_mask.view(batch, heads, seq_q, seq_kv)
+        masks.append(~m if m.dtype == torch.bool else m)
+    if padding is not None:
+        m = padding.view(batch, 1, 1, seq_kv)
+        masks.append(~m if m.dtype == torch.bool else m)
+    if not masks:
+        return None
+    if len(masks) == 1:
+        return masks[0]
+    a, b = masks
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    return _additive(a, dtype) + _additive(b, dtype)
+
+
+def _mha_projections(module: Any, query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
+    """The in-projections of ``nn.MultiheadAttention`` (torch 2.x ``_in_projection``)."""
+    linear = torch.nn.functional.linear
+    embed = module.embed_dim
+    bias = module.in_proj_bias
+    bq, bk, bv = (None, None, None) if bias is None else bias.split(embed)
+    if module._qkv_same_embed_dim:
+        wq, wk, wv = module.in_proj_weight.split(embed)
+    else:
+        wq, wk, wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+    return linear(query, wq, bq), linear(key, wk, bk), linear(value, wv, bv)
+
+
+def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
+    """``nn.MultiheadAttention.forward`` for one site: its own math (in-projection,
+    heads split, attention, out-projection) with the attention the decided kernel.
+
+    Each call's facts are checked (:meth:`GenericRoute.kernel_for`): a mask from
+    ``attn_mask`` and/or ``key_padding_mask`` and its kind, causal
+    (``is_causal`` with no padding mask, as torch's own path reads it), dropout
+    (training only) and ``need_weights=True``, which no kernel serves: such a call
+    is resolved again to the module's own path (traced), or raises
+    ``ResolutionError`` in a strict component. A signature decided what the
+    module runs itself calls its own ``forward`` with the call's arguments.
+    """
+    original = module.forward
+    batch_first = bool(module.batch_first)
+    heads = int(module.num_heads)
+    size = int(module.head_dim)
+
+    def forward(
+        query: Any,
+        key: Any,
+        value: Any,
+        key_padding_mask: Any = None,
+        need_weights: bool = True,
+        attn_mask: Any = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> Any:
+        def own() -> Any:
+            return original(
+                query,
+                key,
+                value,
+                key_padding_mask=key_padding_mask,
+                need_weights=need_weights,
+                attn_mask=attn_mask,
+                average_attn_weights=average_attn_weights,
+                is_causal=is_causal,
+            )
+
+        if is_causal and attn_mask is None:
+            return own()  # torch says what is wrong with the call
+        batched = query.dim() == 3
+        at = 0 if batch_first else 1
+        q_in, k_in, v_in, padding = query, key, value, key_padding_mask
+        if not batched:
+            q_in, k_in, v_in = q_in.unsqueeze(at), k_in.unsqueeze(at), v_in.unsqueeze(at)
+            padding = None if padding is None else padding.unsqueeze(0)
+        if not batch_first:
+            q_in, k_in, v_in = q_in.transpose(0, 1), k_in.transpose(0, 1), v_in.transpose(0, 1)
+        n, seq_q = q_in.shape[0], q_in.shape[1]
+        seq_kv = k_in.shape[1]
+        dropout_p = module.dropout if module.training else 0.0
+        causal = bool(is_causal) and padding is None and not need_weights
+
+        def project() -> tuple[Any, Any, Any, Any]:
+            q, k, v = _mha_projections(module, q_in, k_in, v_in)
+            mask = (
+                None if causal else _mha_mask(attn_mask, padding, n, heads, seq_q, seq_kv, q.dtype)
+            )
+            return (
+                q.view(n, seq_q, heads, size),
+                k.view(n, seq_kv, heads, size),
+                v.view(n, seq_kv, heads, size),
+                mask,
+            )
+
+        if need_weights:  # only the module's own path returns the weights
+            # a signature already decided is known before projecting (its key from
+            # the call's scalars): the own path never pays the projections twice
+            present = attn_mask is not None or padding is not None
+            seen = (heads, heads, size, query.dtype, present, False, False, bool(dropout_p), True)
+            if seen in route.kernels and route.kernels[seen] is None:
+                return own()
+            q, k, _, mask = project()
+            if route.kernel_for(q, k, mask, dropout_p, causal, None, -2, True) is None:
+                return own()
+            raise AssertionError("a call that returns its weights runs its own path only")
+        q, k, v, mask = project()
+        kernel = route.kernel_for(q, k, mask, dropout_p, causal, None, -2)
+        if kernel is None:
+            return own()
+        out = kernel(q, k, v, mask, causal, None).reshape(n, seq_q, heads * size)
+        out = torch.nn.functional.linear(out, module.out_proj.weight, module.out_proj.bias)
+        if not batch_first:
+            out = out.transpose(0, 1)
+        if not batched:
+            out = out.squeeze(at)
+        return out, None
+
+    return forward

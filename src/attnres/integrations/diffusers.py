@@ -73,7 +73,6 @@ from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.layout import context_parallel_layout
 from attnres.platform import Platform
-from attnres.scope import scope_state
 
 __all__ = [
     "ROUTE_DISPATCHER",
@@ -422,6 +421,24 @@ def _describe(
                 pending=False,
                 why=None if facts is not None else f"{cls} holds no head facts",
             )
+    if (
+        _route.SCORES in names
+        and "bmm" in names
+        and _route.scores_only_to_bmm(type(processor).__call__)
+    ):
+        # diffusers' Attention.get_attention_scores then torch.bmm (AttnProcessor
+        # and its kin): the by-hand route runs them as one call of any kernel
+        return SiteDescription(
+            **base,
+            route=f"{ROUTE_GENERIC} (softmax by hand in {owner})",
+            supported=None,
+            current=Backend("eager"),
+            # with no flag, automatic choices keep the site's own math (nothing wrapped)
+            preferred=frozenset({Backend("eager")}),
+            pending=facts is None,
+            routed=True,
+            why=None if facts is not None else f"{cls} holds no head facts",
+        )
     if names & _route.BY_HAND:
         only = Backend("eager")
         return SiteDescription(
@@ -673,24 +690,19 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     processor = original
     route = None
     if item.route:
-        route = _route.GenericRoute(
-            component=site.component,
-            name=site.name,
-            spec=site.spec,
-            heads=site.heads,
-            kv_heads=site.kv_heads,
-            resolution=site.resolution,
-            config=config,
-            scope=scope_state(site.component),
-            platform=platform,
-        )
+        route = _route.site_route(site, config, platform)
         routed = None if original is None else _route.routed_processor(original, route)
-        if routed is not None:
+        if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
+            _route.install_route(module, route, _route.mha_forward(module, route))
+        elif routed is not None:
             # a copy: the original object may be shared with other modules or models
             processor = routed
             _set_processor(module, processor)
+            if route.by_hand:  # get_attention_scores + bmm: one kernel call
+                _route.install_by_hand(module, processor)
         else:
             _route.install_route(module, route)
+        route.tie(module)  # a model dropped without remove() leaves nothing behind
     elif item.value:
         processor = copy.copy(original)
         assert processor is not None  # a dispatcher site has one

@@ -37,6 +37,7 @@ from attnres.integrations._plan import (
     IntegrationError,
     IntegrationPlan,
     Problem,
+    Site,
     SiteDescription,
     emit_installed,
     plan_sites,
@@ -365,14 +366,19 @@ def prepare(
     """
     modules = dict(model.named_modules())
     groups: dict[int, tuple[Any, dict[str, list[str]]]] = {}
-    kernels: dict[str, tuple[str, Requirements]] = {}
+    sites: dict[str, Site] = {}
     problems: list[str] = []
+    actions: list[Callable[[], None]] = []
     for site in result.sites:
         if site.component != component or site.resolution is None:
             continue
         module = modules.get(site.name)
         if module is None:
             problems.append(f"{component}/{site.name}: module not found in the model")
+            continue
+        if site.routed:  # issue 19: a MultiheadAttention (SigLIP's pooling head)
+            if site.resolution.backend != site.current:  # what it runs already: nothing
+                actions.append(_mha_installer(model, module, site, result))
             continue
         backend = site.resolution.backend.name
         function = _FUNCTIONS.get(backend)
@@ -392,8 +398,7 @@ def prepare(
         key = function if function != _hf_attention.NAME else f"{function}:{backend}"
         decided.setdefault(key, []).append(site.name)
         if spec is not None:
-            kernels[site.name] = (backend, spec.requirements)
-    actions: list[Callable[[], None]] = []
+            sites[site.name] = site
     for cfg, decided in groups.values():
         if len(decided) > 1:
             problems.append(
@@ -404,8 +409,23 @@ def prepare(
             continue
         ((key, names),) = decided.items()
         function = key.partition(":")[0]
-        actions.append(_installer(model, component, cfg, function, names, modules, kernels))
+        actions.append(_installer(model, component, cfg, function, names, modules, sites, result))
     return actions, problems
+
+
+_ROUTED_ATTR = "_attnres_routed"
+
+
+def _mha_installer(
+    model: Any, module: Any, site: Site, result: IntegrationPlan
+) -> Callable[[], None]:
+    def install() -> None:
+        route = _route.site_route(site, result.config, result.platform)
+        _route.install_route(module, route, _route.mha_forward(module, route))
+        route.tie(module)
+        model.__dict__.setdefault(_ROUTED_ATTR, {})[site.name] = module
+
+    return install
 
 
 def _installer(
@@ -415,7 +435,8 @@ def _installer(
     function: str,
     names: list[str],
     modules: Mapping[str, Any],
-    kernels: Mapping[str, tuple[str, Requirements]],
+    sites: Mapping[str, Site],
+    result: IntegrationPlan,
 ) -> Callable[[], None]:
     def install() -> None:
         installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
@@ -425,15 +446,19 @@ def _installer(
             # the state before the first apply (issue 20, item 13)
             old = earlier.old
             installs.remove(earlier)
-        backend = _BY_FUNCTION.get(function) or kernels[names[0]][0]
+        backend = _BY_FUNCTION.get(function) or sites[names[0]].backend.name  # type: ignore[union-attr]
         rec = _Install(cfg, old, function, backend)
         cfg._attn_implementation_internal = function
         for name in names:
             module = modules[name]
             if function == _hf_attention.NAME:  # issue 22: bind the decided kernel
                 _hf_attention.register()
-                site_backend, requirements = kernels[name]
-                _hf_attention.bind_module(module, site_backend, requirements)
+                # issue 19: its route checks each call's facts against the plan
+                # (where it decides torch SDPA, the function runs torch SDPA itself)
+                route = _route.site_route(
+                    sites[name], result.config, result.platform, Backend("torch_sdpa")
+                )
+                _hf_attention.bind_module(module, route)
             rec.sites.append((component, name, module))
             rec.dtype[name] = _compute_dtype(module, model)
         installs.append(rec)
@@ -505,7 +530,10 @@ def remove(model: Any) -> int:
         rec.config._attn_implementation_internal = rec.old
         for _, _, module in rec.sites:
             _hf_attention.unbind_module(module)  # issue 22
-    return len({name for rec in installs for _, name, _ in rec.sites})
+    routed = model.__dict__.pop(_ROUTED_ATTR, {})
+    for module in routed.values():
+        _route.remove_route(module)
+    return len({name for rec in installs for _, name, _ in rec.sites} | set(routed))
 
 
 def is_transformers_model(obj: Any) -> bool:

@@ -149,13 +149,16 @@ def register_kernel(backend_name: str, fn: KernelFn | str, *, replace: bool = Fa
     elif not callable(fn):
         raise TypeError(f"fn must be a kernel callable or a 'module:factory' string, got {fn!r}")
     with _lock:
-        if _entry(key) is not None and not replace:
+        current = _entry(key)
+        if current is not None and not replace and not (key not in _entries and fn == current):
+            # (registering the adapter that serves the name already is no change)
             raise ValueError(
                 f"a kernel is already registered for backend {key!r}; "
                 "pass replace=True to override it"
             )
+        # (a removed adapter stays removed under the registration: unregistering
+        # it later brings back what served the name before it, nothing more)
         _entries[key] = fn
-        _removed.pop(key, None)
         _forget_built(key)
     kernels_changed()
 
@@ -163,14 +166,17 @@ def register_kernel(backend_name: str, fn: KernelFn | str, *, replace: bool = Fa
 def unregister_kernel(backend_name: str) -> None:
     """Forget the kernel of ``backend_name``; unknown names are ignored.
 
-    A built-in adapter can be put back with
+    A kernel given to :func:`register_kernel` is forgotten, and what served the
+    name before it serves again: a built-in adapter it replaced
+    (``replace=True``) is restored, never deleted with it. With no registration,
+    the spec's own adapter is removed; it can be put back with
     ``register_kernel(name, "attnres.kernels.<module>:make_kernel")`` (its
     :func:`kernel_source` is then ``builtin`` again).
     """
     key = _key(backend_name)
     with _lock:
-        _entries.pop(key, None)
-        _removed[key] = _spec_adapter(key)
+        if _entries.pop(key, None) is None:
+            _removed[key] = _spec_adapter(key)
         _forget_built(key)
     kernels_changed()
 

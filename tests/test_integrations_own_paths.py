@@ -1,0 +1,339 @@
+"""Own code paths made sites with a route (issue 19, item 1).
+
+- ``torch.nn.MultiheadAttention``: its own math (in-projection, heads split,
+  the decided kernel, out-projection) for batch-first or not, kdim/vdim,
+  ``key_padding_mask`` (a key-padding mask), ``attn_mask``, unbatched inputs
+  and ``is_causal``; ``need_weights=True`` is a call fact only its own path
+  serves (falls back, traced, or a strict ``ResolutionError``);
+  ``add_bias_kv``/``add_zero_attn`` keep the own path, and a request for
+  another kernel is a typed error naming the fact.
+- diffusers' legacy ``AttnProcessor`` (``get_attention_scores`` + ``bmm``):
+  the pair runs as one call of the decided kernel.
+
+With no flag nothing is wrapped and the output is bit-identical; ``remove``
+restores the module; ``torch.compile(fullgraph=True)`` still captures one graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_pipelines as tp
+import torch
+from diffusers.models.attention_processor import Attention, AttnProcessor
+
+from attnres import Platform, SelectionConfig
+from attnres.errors import ResolutionError
+from attnres.integrations import _route
+from attnres.integrations import diffusers as idf
+from attnres.kernels import get_kernel
+
+SIM = "cuda:sm90+flash_attn+sageattention"
+EAGER = SelectionConfig(global_backend="eager")
+SDPA = SelectionConfig(global_backend="torch_sdpa")
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
+    """Record each call of ``name``'s kernel the route makes (its q shape)."""
+    seen: list[tuple[int, ...]] = []
+    real = get_kernel(name)
+    assert real is not None
+
+    def spy(q, k, v, attn_mask, causal, scale):  # type: ignore[no-untyped-def]
+        seen.append(tuple(q.shape))
+        return real(q, k, v, attn_mask, causal, scale)
+
+    monkeypatch.setattr(_route, "get_kernel", lambda n: spy if n == name else get_kernel(n))
+    return seen
+
+
+# --- torch.nn.MultiheadAttention ---------------------------------------------
+
+_MHA_CASES = {
+    "seq-first": ({}, {}),
+    "batch-first": ({"batch_first": True}, {}),
+    "kdim-vdim": ({"kdim": 24, "vdim": 20}, {}),
+    "no-bias": ({"bias": False, "batch_first": True}, {}),
+    "key-padding": ({"batch_first": True}, {"key_padding_mask": True}),
+    "attn-mask-bool": ({}, {"attn_mask": "bool"}),
+    "attn-mask-float-and-padding": (
+        {"batch_first": True},
+        {"attn_mask": "float", "key_padding_mask": True},
+    ),
+    "causal": ({"batch_first": True}, {"attn_mask": "causal", "is_causal": True}),
+    "unbatched": ({}, {"unbatched": True}),
+}
+
+
+def _mha_call(mha: torch.nn.MultiheadAttention, how: dict) -> tuple[tuple, dict]:  # type: ignore[type-arg]
+    g = torch.Generator().manual_seed(1)
+    batch, seq_q, seq_kv = 2, 5, 7
+    kdim, vdim = mha.kdim, mha.vdim
+    if how.get("attn_mask") == "causal":
+        seq_kv = seq_q
+
+    def t(seq: int, dim: int) -> torch.Tensor:
+        if how.get("unbatched"):
+            return torch.randn(seq, dim, generator=g)
+        shape = (batch, seq, dim) if mha.batch_first else (seq, batch, dim)
+        return torch.randn(*shape, generator=g)
+
+    args = (t(seq_q, mha.embed_dim), t(seq_kv, kdim), t(seq_kv, vdim))
+    kwargs: dict = {"need_weights": False}  # type: ignore[type-arg]
+    mask = how.get("attn_mask")
+    if how.get("key_padding_mask"):
+        pad = torch.zeros(batch, seq_kv, dtype=torch.bool)
+        pad[1, -3:] = True  # True: not attended (torch's convention)
+        if mask == "float":  # torch wants both masks of one type
+            pad = torch.zeros(batch, seq_kv).masked_fill(pad, float("-inf"))
+        kwargs["key_padding_mask"] = pad
+    if mask == "bool":
+        kwargs["attn_mask"] = torch.rand(seq_q, seq_kv, generator=g) > 0.7
+        kwargs["attn_mask"][:, 0] = False  # every query sees a key
+    elif mask == "float":
+        kwargs["attn_mask"] = torch.randn(seq_q, seq_kv, generator=g)
+    elif mask == "causal":
+        kwargs["attn_mask"] = torch.ones(seq_q, seq_kv, dtype=torch.bool).triu(1)
+        kwargs["is_causal"] = True
+    return args, kwargs
+
+
+@pytest.mark.parametrize("case", sorted(_MHA_CASES))
+def test_mha_runs_the_decided_kernel_through_its_own_math(case, monkeypatch):
+    build, how = _MHA_CASES[case]
+    torch.manual_seed(0)
+    model = _Holder(torch.nn.MultiheadAttention(32, 4, **build)).eval()
+    args, kwargs = _mha_call(model.attn, how)
+    ref, _ = model.attn(*args, **kwargs)
+    # no flag: what torch runs there is kept, nothing wrapped, bit-identical
+    plain = idf.apply({"transformer": model})
+    (site,) = plain.sites
+    assert site.backend.name == "torch_sdpa" and site.routed
+    assert "forward" not in model.attn.__dict__
+    assert torch.equal(model.attn(*args, **kwargs)[0], ref)
+    # an explicit eager, strict: the MHA route runs the eager kernel
+    seen = _spy(monkeypatch, "eager")
+    plan = idf.apply({"transformer": model}, EAGER)
+    assert {s.backend.name for s in plan.sites} == {"eager"}
+    out, weights = model.attn(*args, **kwargs)
+    assert weights is None and len(seen) == 1 and seen[0][-2:] == (4, 8)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    (route,) = idf.routes({"transformer": model}).values()
+    if how.get("key_padding_mask") and not how.get("attn_mask"):
+        (first,) = route.first_calls  # a mask the plan did not describe: key padding
+        assert "key-padding mask" in first.describe() and first.backend.name == "eager"
+    assert idf.remove({"transformer": model}) == 1
+    assert "forward" not in model.attn.__dict__
+    assert torch.equal(model.attn(*args, **kwargs)[0], ref)
+
+
+def test_mha_returning_its_weights_falls_back_or_raises_naming_the_fact():
+    torch.manual_seed(0)
+    flex = SelectionConfig(global_backend="flex_attention")
+    for comp in ("vae", "transformer"):  # may fall back / strict
+        model = _Holder(torch.nn.MultiheadAttention(64, 4, batch_first=True)).eval()
+        x = torch.randn(2, 5, 64)
+        ref_out, ref_weights = model.attn(x, x, x)  # need_weights=True: torch's default
+        plan = idf.apply({comp: model}, flex)
+        assert plan.sites[0].backend.name == "flex_attention"
+        (route,) = idf.routes({comp: model}).values()
+        if comp == "vae":
+            out, weights = model.attn(x, x, x)
+            assert torch.equal(out, ref_out) and torch.equal(weights, ref_weights)
+            (first,) = route.first_calls
+            assert "attention weights returned (need_weights=True)" in first.describe()
+            assert first.backend.name == "eager" and first.error is None
+            assert first.trace.input.layer.exact_route == _route.WEIGHTS_ROUTE
+            assert first.trace.outcome.reason == "global backend fallback"
+        else:
+            with pytest.raises(ResolutionError) as info:
+                model.attn(x, x, x)
+            text = str(info.value)
+            assert "attn" in text and "need_weights=True" in text and "transformer" in text
+            assert info.value.code == "not_in_supported_set"
+        idf.remove({comp: model})
+
+
+def test_mha_with_add_bias_kv_keeps_its_own_path_and_says_which_fact():
+    model = _Holder(torch.nn.MultiheadAttention(32, 4, add_bias_kv=True)).eval()
+    plain = idf.plan({"transformer": model})
+    assert plain.ok and plain.sites[0].backend.name == "torch_sdpa"
+    sage = idf.plan(
+        {"transformer": model.to(torch.bfloat16)},
+        SelectionConfig(global_backend="sage_attn"),
+        Platform.simulate(SIM),
+    )
+    (site,) = sage.sites
+    assert site.site_error is not None and site.site_error.code == "not_in_supported_set"
+    assert "add_bias_kv" in site.error
+    zero = _Holder(torch.nn.MultiheadAttention(32, 4, add_zero_attn=True))
+    assert "add_zero_attn" in idf.plan({"vae": zero}).sites[0].route
+
+
+def test_mha_under_a_global_sage_on_a_simulated_hopper_gets_sage():
+    model = _Holder(torch.nn.MultiheadAttention(64, 2)).eval().to(torch.bfloat16)
+    plan = idf.plan(
+        {"transformer": model}, SelectionConfig(global_backend="sage_attn"), Platform.simulate(SIM)
+    )
+    assert plan.ok and plan.sites[0].backend.name == "sage_attn"
+
+
+# --- diffusers' AttnProcessor: get_attention_scores + bmm --------------------
+
+
+def _by_hand_unet():
+    unet = tp.unet()
+    unet.set_attn_processor(AttnProcessor())
+    return unet
+
+
+def test_by_hand_processor_runs_the_decided_kernel_and_remove_restores(monkeypatch):
+    unet = _by_hand_unet()
+    x = tp.unet_inputs()
+    ref = unet(**x).sample
+    procs = [m.processor for m in unet.modules() if hasattr(m, "processor")]
+    plain = idf.apply({"unet": unet})
+    assert {s.backend.name for s in plain.sites} == {"eager"}  # its own math, kept
+    assert {s.route for s in plain.sites} == {"generic route (softmax by hand in AttnProcessor)"}
+    assert idf.routes({"unet": unet}) == {}
+    assert torch.equal(unet(**x).sample, ref)
+    seen = _spy(monkeypatch, "torch_sdpa")
+    plan = idf.apply({"unet": unet}, SDPA)
+    assert {s.backend.name for s in plan.sites} == {"torch_sdpa"}
+    out = unet(**x).sample
+    assert len(seen) == len(plan.sites) and all(len(s) == 4 for s in seen)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert idf.remove({"unet": unet}) == len(plan.sites)
+    assert [m.processor for m in unet.modules() if hasattr(m, "processor")] == procs
+    assert not any("get_attention_scores" in m.__dict__ for m in unet.modules())
+    assert torch.equal(unet(**x).sample, ref)
+
+
+def test_by_hand_site_with_a_mask_is_checked_at_its_first_call():
+    torch.manual_seed(0)
+    model = _Holder(
+        Attention(32, cross_attention_dim=24, heads=2, dim_head=16, processor=AttnProcessor())
+    ).eval()
+    h, ctx = torch.randn(2, 6, 32), torch.randn(2, 4, 24)
+    mask = torch.zeros(2, 1, 4)
+    mask[1, :, -2:] = -10000.0  # the prompt's padding, as diffusers writes it
+    ref = model.attn(h, ctx, attention_mask=mask)
+    idf.apply({"vae": model}, SDPA)
+    out = model.attn(h, ctx, attention_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    (route,) = idf.routes({"vae": model}).values()
+    (first,) = route.first_calls
+    assert "key-padding mask" in first.describe() and first.backend.name == "torch_sdpa"
+    # a processor set since apply gets the module's own scores (never the deferred ones)
+    model.attn.set_processor(AttnProcessor())
+    torch.testing.assert_close(model.attn(h, ctx, attention_mask=mask), ref, rtol=0, atol=0)
+    (problem,) = idf.verify({"vae": model})
+    assert problem.problem.startswith("processor replaced")
+    idf.remove({"vae": model})
+
+
+def test_by_hand_under_a_global_sage_on_a_simulated_hopper_gets_sage():
+    # 0.2/0.3 before this: a typed route error (the site ran eager only)
+    model = _Holder(Attention(128, heads=2, dim_head=64, processor=AttnProcessor()))
+    plan = idf.plan(
+        {"transformer": model.eval().to(torch.bfloat16)},
+        SelectionConfig(global_backend="sage_attn"),
+        Platform.simulate(SIM),
+    )
+    assert plan.ok and plan.sites[0].backend.name == "sage_attn"
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_of_own_path_routes():
+    torch.manual_seed(0)
+    mha = _Holder(torch.nn.MultiheadAttention(32, 4, batch_first=True)).eval()
+    x = torch.randn(2, 5, 32)
+    ref = mha.attn(x, x, x, need_weights=False)[0]
+    idf.apply({"transformer": mha}, EAGER)
+    mha.attn(x, x, x, need_weights=False)  # decided outside the graph
+    torch._dynamo.reset()
+    compiled = torch.compile(mha.attn, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, x, x, need_weights=False)[0], ref, rtol=1e-5, atol=1e-5)
+    unet = _by_hand_unet()
+    inputs = tp.unet_inputs()
+    ref = unet(**inputs).sample
+    idf.apply({"unet": unet}, SDPA)
+    torch._dynamo.reset()
+    compiled = torch.compile(unet, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(**inputs).sample, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_siglip_pooling_head_in_a_transformers_model_gets_the_mha_route():
+    # a MultiheadAttention inside a transformers model (SigLIP's pooling head) is
+    # routed as in diffusers; remove counts it; it calls with need_weights=True
+    # (torch's default), so its calls run its own path: eager here, as decided
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from attnres.integrations import transformers as itf
+
+    config = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2,
+        image_size=8, patch_size=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = SiglipVisionModel(config).eval()
+    x = torch.randn(1, 3, 8, 8)
+    ref = model(pixel_values=x).pooler_output
+    head = dict(model.named_modules())["head.attention"]
+    plain = itf.apply(model, "image_encoder")
+    assert {s.name: s.backend.name for s in plain.sites}["head.attention"] == "torch_sdpa"
+    assert "forward" not in head.__dict__  # nothing wrapped with no flag
+    assert torch.equal(model(pixel_values=x).pooler_output, ref)
+    itf.remove(model)
+    plan = itf.apply(model, "image_encoder", EAGER)
+    assert {s.backend.name for s in plan.sites} == {"eager"}
+    torch.testing.assert_close(model(pixel_values=x).pooler_output, ref, rtol=1e-5, atol=1e-5)
+    route = _route.installed_route(head)
+    assert route is not None
+    (first,) = route.first_calls
+    assert "need_weights=True" in first.describe() and first.backend.name == "eager"
+    assert itf.remove(model) == 2
+    assert "forward" not in head.__dict__ and _route.installed_route(head) is None
+
+
+class _Storing:
+    """A by-hand processor that keeps the probabilities (as attention-map pipelines'
+    processors do): the scores are used besides ``bmm``, so it is not routed."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):  # type: ignore[no-untyped-def]
+        query = attn.head_to_batch_dim(attn.to_q(hidden_states))
+        key = attn.head_to_batch_dim(attn.to_k(hidden_states))
+        value = attn.head_to_batch_dim(attn.to_v(hidden_states))
+        probs = attn.get_attention_scores(query, key, attention_mask)
+        self.last = probs
+        out = attn.batch_to_head_dim(torch.bmm(probs, value))
+        return attn.to_out[0](out)
+
+
+def test_a_by_hand_processor_that_keeps_its_probabilities_is_not_routed():
+    model = _Holder(Attention(32, heads=2, dim_head=16, processor=_Storing()))
+    (site,) = idf.plan({"transformer": model}).sites
+    assert not site.routed and site.route == "eager in _Storing (softmax attention by hand)"
+    assert _route.scores_only_to_bmm(AttnProcessor.__call__)
+    assert not _route.scores_only_to_bmm(_Storing.__call__)
+
+
+def test_a_decided_weights_call_runs_the_own_path_without_projecting_twice(monkeypatch):
+    model = _Holder(torch.nn.MultiheadAttention(64, 4, batch_first=True)).eval()
+    idf.apply({"vae": model}, SelectionConfig(global_backend="flex_attention"))
+    x = torch.randn(2, 5, 64)
+    model.attn(x, x, x)  # the first call decides the signature (its own path)
+    projected = []
+    real = _route._mha_projections
+    monkeypatch.setattr(_route, "_mha_projections", lambda *a: projected.append(1) or real(*a))
+    ref = model.attn(x, x, x)
+    assert projected == [] and ref[1] is not None
+    with torch.no_grad():  # flex attention has no backward on CPU
+        model.attn(x, x, x, need_weights=False)  # the flex signature projects, once
+    assert projected == [1]
+    idf.remove({"vae": model})
