@@ -119,8 +119,8 @@ class _Spy:
         self.real = _route.GenericRoute._kernel
         spy = self
 
-        def _kernel(route: Any, backend: Any, spec: Any) -> Any:
-            kernel = spy.real(route, backend, spec)
+        def _kernel(route: Any, backend: Any, spec: Any, *rest: Any) -> Any:
+            kernel = spy.real(route, backend, spec, *rest)
             if kernel is None:
                 return None
 
