@@ -538,7 +538,13 @@ class GenericRoute:
         #: issue 22: planned signatures whose mask kind the first call verifies
         self.unverified: set[tuple[Any, ...]] = set()
         if self.planned is not None and resolution is not None and spec is not None:
-            self.kernels[self.planned.key()] = self._kernel(resolution.backend, spec, self.own)
+            kernel = self._kernel(resolution.backend, spec, self.own)
+            self.kernels[self.planned.key()] = kernel
+            if self.planned.mask.present:
+                # a call with no mask is what the plan allowed: the same kernel, bound
+                # now so that it needs no first call (torch.compile traces it whole)
+                maskless = attrs.evolve(self.planned, mask=MaskFacts(False))
+                self.kernels.setdefault(maskless.key(), kernel)
             if self.planned.mask.kind not in (MaskKind.NONE, MaskKind.ANY):
                 self.unverified.add(self.planned.key())
 
