@@ -113,6 +113,9 @@ test-sglang: $(SGLANG_STAMP)
 	$(call sglang_pytest,0) $(SGLANG_SELECTION_TESTS) $(SGLANG_RELATED_TESTS)
 	@echo "== the same files with the attnres plugin deciding every backend"
 	$(call sglang_pytest,1) $(SGLANG_SELECTION_TESTS) $(SGLANG_RELATED_TESTS)
+	@echo "== attnres's own tests against SGLang (tests/sglang: backend facts, verify_consensus on 2 ranks)"
+	cd tests/sglang && PYTHONPATH="$(CURDIR)/tests/sglang" $(abspath $(SPY)) -m pytest -c pytest.ini \
+		--rootdir . -p sglang_standins -p no:cacheprovider -q test_attnres_plugin.py
 
 # the plugin's decision cost against SGLang's own selector (benchmarks/bench_sglang.py)
 bench-sglang: $(SGLANG_STAMP)

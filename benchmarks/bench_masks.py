@@ -68,7 +68,10 @@ def test_key_padding_route_vs_packed_tokens(
     left = torch.tensor([False, True, False, True])[:, None]
     valid = torch.where(left, positions >= SEQ - counts, positions < counts)
     assert int(valid.sum()) == 3 * BATCH * SEQ // 4  # 25% padding
-    mask = valid[:, None, None, :]
+    # self-attention whose mask marks the padded queries (query i is token i), so the
+    # route drops them as the packed baseline does; a [B, 1, 1, S] mask every query
+    # shares computes every query, as SDPA does (docs/masks.md)
+    mask = valid[:, None, None, :] & valid[:, None, :, None]
     route = padded_kernel("bench", _never, lambda: varlen_stand_in)
     packed = [unpad(t, valid) for t in (q, k, v)]
     cu, longest = packed[0].cu_seqlens, packed[0].max_seqlen

@@ -34,6 +34,9 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+#: tests/sglang/ needs SGLang's own environment: `make test-sglang` runs it, `make test` never
+collect_ignore = ["sglang"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -7,6 +7,7 @@ did-you-mean, given to the kernel when it is bound, recorded in the trace.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -99,6 +100,31 @@ def test_rule_backend_options_reach_the_kernel_at_bind_time(varlen_fakes: Any) -
     assert "pack_gqa" not in varlen_fakes.seen[-1]
 
 
+def test_rule_backend_options_reach_the_varlen_entry_point(varlen_fakes: Any) -> None:
+    # flash_attn_varlen_func(..., deterministic=False): the unpad route passes the
+    # layer's options to it (it raised "softcap and sliding windows ..." before)
+    layer = _fa_layer(requirements=["key_padding"], backend_options=DETERMINISTIC)
+    q = torch.randn(2, 8, 4, 64, dtype=torch.float16)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, 5:] = False
+    out = layer(q, q, q, valid[:, None, None, :])
+    varlen = [call for call in varlen_fakes.seen if "cu_seqlens_q" in call]
+    assert varlen and varlen[-1]["deterministic"] is True
+    # a key-only [B,1,1,S] mask: every query is computed, padded rows included, as
+    # SDPA does (docs/masks.md); the fake runs the math of the real kernel
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(),
+        q.transpose(1, 2).float(),
+        q.transpose(1, 2).float(),
+        valid[:, None, None, :],
+    ).transpose(1, 2)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+    plain = _fa_layer(requirements=["key_padding"])
+    plain(q, q, q, valid[:, None, None, :])
+    assert varlen_fakes.seen[-1]["deterministic"] is False
+
+
 def test_rule_backend_options_from_the_config_apply_under_the_layers_own(
     varlen_fakes: Any,
 ) -> None:
@@ -159,25 +185,21 @@ def test_layers_differing_only_in_backend_options_do_not_share_a_resolution() ->
     assert runtime._shape_key(base, *args) != runtime._shape_key(variant, *args)
 
 
-def _explain(*flags: str) -> tuple[int, str, str]:
+def _main(*args: str) -> tuple[int, str, str]:
     import contextlib
     import io
 
     from attnres import cli
 
     out, err = io.StringIO(), io.StringIO()
-    args = [
-        "explain",
-        "--head-size",
-        "128",
-        "--dtype",
-        "bf16",
-        "--platform",
-        "cuda:sm90+flash_attn",
-    ]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main([*args, *flags])
+        code = cli.main(list(args))
     return code, out.getvalue(), err.getvalue()
+
+
+def _explain(*flags: str) -> tuple[int, str, str]:
+    head = ("explain", "--head-size", "128", "--dtype", "bf16")
+    return _main(*head, "--platform", "cuda:sm90+flash_attn", *flags)
 
 
 def test_rule_backend_options_cli_flag_types_values_and_records_them() -> None:
@@ -210,3 +232,110 @@ def test_rule_backend_options_cli_mistakes_are_usage_errors(flag: str, expected:
     assert code == 2
     assert "--backend-option:" in err and expected in " ".join(err.split())
     assert "Traceback" not in err
+
+
+# -- pipeline files and `attnres plan` (one checker: normalize_backend_options) --
+
+PIPELINE = """
+[pipeline]
+name = "opts"
+
+[[components]]
+name = "transformer"
+
+[[components.layers]]
+name = "blocks.attn"
+count = 4
+head_size = 128
+dtype = "bf16"
+backend_options = {OPTIONS}
+
+[[components.layers]]
+name = "blocks.cross"
+head_size = 128
+dtype = "bf16"
+role = "cross"
+"""
+
+
+def _pipeline(tmp_path: Any, options: str) -> str:
+    path = tmp_path / "opts.toml"
+    path.write_text(PIPELINE.replace("{OPTIONS}", options))
+    return str(path)
+
+
+def _plan_options(out: str) -> dict[str, Any]:
+    """Each layer's options, as its trace (``plan --trace-out``) records them."""
+    doc = json.loads(out)
+    layers = [la for c in doc["components"] for la in c["layers"]]
+    traces = {la["name"]: json.loads(Path(la["trace_file"]).read_text()) for la in layers}
+    return {name: t["input"]["layer"].get("backend_options") for name, t in traces.items()}
+
+
+def test_rule_backend_options_in_a_pipeline_file_are_checked_planned_and_traced(
+    tmp_path: Any,
+) -> None:
+    from attnres.plan import load_pipeline, plan_pipeline
+
+    path = _pipeline(tmp_path, "{ fa = { deterministic = true } }")
+    pipeline = load_pipeline(path)
+    entry = pipeline.components[0].layers[0]
+    assert entry.spec.backend_options == (("fa", (("deterministic", True),)),)
+    result = plan_pipeline(pipeline, SelectionConfig(global_backend="fa"), HOPPER_FA)
+    planned = result.components[0].layers[0]
+    assert planned.outcome.backend == attnres.Backend("fa")
+    assert planned.trace.input.layer.backend_options == entry.spec.backend_options
+    assert attnres.replay(trace_from_json(json.dumps(trace_to_dict(planned.trace)))).ok
+    # the layer without options plans as before: nothing is written
+    assert result.components[0].layers[1].trace.input.layer.backend_options == ()
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ("{ fa = { determinstic = true } }", "has no option 'determinstic' (did you mean"),
+        ("{ fa = { deterministic = 1 } }", "fa.deterministic=1 is not allowed; expected a bool"),
+        ('"fa"', "backend_options must be a table, got a string"),
+        ("{ flsh = { deterministic = true } }", "Did you mean 'fa'?"),
+    ],
+)
+def test_rule_backend_options_mistakes_in_a_pipeline_file_name_the_layer(
+    tmp_path: Any, options: str, expected: str
+) -> None:
+    from attnres.errors import PipelineError
+    from attnres.plan import load_pipeline
+
+    path = _pipeline(tmp_path, options)
+    with pytest.raises(PipelineError) as info:
+        load_pipeline(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: component 'transformer' (components[0]): layer ")
+    assert "'blocks.attn' (layers[0])" in message and expected in message
+    code, _, err = _main("plan", path)
+    assert code == 2 and expected in " ".join(err.split()) and "Traceback" not in err
+
+
+def test_rule_backend_options_plan_flag_applies_under_each_layers_own(tmp_path: Any) -> None:
+    path = _pipeline(tmp_path, "{ fa = { deterministic = false } }")
+    code, out, _ = _main(
+        "plan", path, "--platform", "cuda:sm90+flash_attn", "--attention-backend", "fa",
+        "--backend-option", "fa.deterministic=true", "--backend-option", "fa3.pack_gqa=true",
+        "--json", "--trace-out", str(tmp_path / "traces"),
+    )  # fmt: skip
+    assert code == 0
+    expected = {
+        # the file's own option wins, option by option; the flag fills the rest
+        "blocks.attn": {"fa": {"deterministic": False}, "fa3": {"pack_gqa": True}},
+        "blocks.cross": {"fa": {"deterministic": True}, "fa3": {"pack_gqa": True}},
+    }
+    assert _plan_options(out) == expected  # in each layer's trace
+    layers = json.loads(out)["components"][0]["layers"]
+    assert {la["name"]: la["backend_options"] for la in layers} == expected  # and in --json
+    code, _, err = _main("plan", path, "--backend-option", "fa.determinstic=true")
+    assert code == 2 and "--backend-option:" in err and "did you mean 'deterministic'" in err
+
+
+def test_rule_backend_options_plan_flag_is_refused_for_a_model_folder(tmp_path: Any) -> None:
+    code, _, err = _main("plan", str(tmp_path), "--backend-option", "fa.deterministic=true")
+    assert code == 2
+    assert "--backend-option applies to a pipeline file" in " ".join(err.split())

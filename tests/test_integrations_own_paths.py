@@ -268,10 +268,12 @@ def test_compile_fullgraph_of_own_path_routes():
     torch.testing.assert_close(compiled(**inputs).sample, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_siglip_pooling_head_in_a_transformers_model_gets_the_mha_route():
-    # a MultiheadAttention inside a transformers model (SigLIP's pooling head) is
-    # routed as in diffusers; remove counts it; it calls with need_weights=True
-    # (torch's default), so its calls run its own path: eager here, as decided
+def test_siglip_pooling_head_asking_for_weights_is_planned_on_its_own_path():
+    # a MultiheadAttention inside a transformers model (SigLIP's pooling head): its
+    # caller leaves need_weights at torch's default (True), read from the caller's
+    # source, so the plan says before anything runs that only its own path (eager
+    # math) serves it: eager is admitted, a strict flex_attention is a typed plan
+    # error naming the fact (never a first-call crash), nothing is installed there
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     from attnres.integrations import transformers as itf
@@ -286,19 +288,78 @@ def test_siglip_pooling_head_in_a_transformers_model_gets_the_mha_route():
     ref = model(pixel_values=x).pooler_output
     head = dict(model.named_modules())["head.attention"]
     plain = itf.apply(model, "image_encoder")
-    assert {s.name: s.backend.name for s in plain.sites}["head.attention"] == "torch_sdpa"
+    site = {s.name: s for s in plain.sites}["head.attention"]
+    assert site.backend.name == "eager" and _route.WEIGHTS_ROUTE in site.route
+    assert "SiglipMultiheadAttentionPoolingHead.forward" in site.route
     assert "forward" not in head.__dict__  # nothing wrapped with no flag
     assert torch.equal(model(pixel_values=x).pooler_output, ref)
     itf.remove(model)
     plan = itf.apply(model, "image_encoder", EAGER)
     assert {s.backend.name for s in plan.sites} == {"eager"}
     torch.testing.assert_close(model(pixel_values=x).pooler_output, ref, rtol=1e-5, atol=1e-5)
-    route = _route.installed_route(head)
-    assert route is not None
-    (first,) = route.first_calls
-    assert "need_weights=True" in first.describe() and first.backend.name == "eager"
-    assert itf.remove(model) == 2
-    assert "forward" not in head.__dict__ and _route.installed_route(head) is None
+    assert _route.installed_route(head) is None and "forward" not in head.__dict__
+    assert itf.remove(model) == 1  # the encoder's site; the head ran its own path
+    strict = idf.plan({"transformer": model}, SelectionConfig(global_backend="flex_attention"))
+    rejected = {s.name: s for s in strict.sites}["head.attention"]
+    assert rejected.site_error is not None
+    assert rejected.site_error.code == "not_in_supported_set"
+    assert "need_weights left at its default (True)" in str(rejected.site_error)
+
+
+class _Caller(torch.nn.Module):
+    """Calls its MultiheadAttention in the way ``how`` says (source read by the plan)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+
+class _Default(_Caller):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.attn(x, x, x)[0]
+
+
+class _AskTrue(_Caller):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.attn(x, x, x, need_weights=True)[0]
+
+
+class _AskFalse(_Caller):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class _AskVariable(_Caller):
+    def forward(self, x, weights=False):  # type: ignore[no-untyped-def]
+        return self.attn(x, x, x, need_weights=weights)[0]
+
+
+def test_mha_caller_asking_for_weights_is_read_from_the_callers_source():
+    asked = {
+        cls.__name__: _route.mha_weights_asked(cls(), "attn")
+        for cls in (_Default, _AskTrue, _AskFalse, _AskVariable)
+    }
+    asked["_Holder"] = _route.mha_weights_asked(_Holder(_Caller().attn), "attn")
+    assert "left at its default (True)" in (asked["_Default"] or "")
+    assert "need_weights True" in (asked["_AskTrue"] or "")
+    # need_weights=False, a value decided at the call, or no call in the holder's
+    # own code: nothing known before the call (its first call checks it)
+    assert asked["_AskFalse"] is None and asked["_AskVariable"] is None
+    assert asked["_Holder"] is None
+    # the plan follows: under an explicit eager on a strict component, the default
+    # caller's site keeps its own path (nothing installed); the others are routed
+    x = torch.randn(2, 5, 32)
+    for cls, routed in ((_Default, False), (_AskFalse, True), (_AskVariable, True)):
+        model = cls().eval()
+        ref = model(x)
+        plan = idf.apply({"transformer": model}, EAGER)
+        (site,) = plan.sites
+        assert site.backend.name == "eager", cls.__name__
+        assert ("forward" in model.attn.__dict__) == routed, cls.__name__
+        assert (_route.WEIGHTS_ROUTE in site.route) != routed, cls.__name__
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+        assert idf.remove({"transformer": model}) == 1  # its one site, pinned or routed
+        assert "forward" not in model.attn.__dict__
 
 
 class _Storing:

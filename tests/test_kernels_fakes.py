@@ -193,6 +193,7 @@ def fake_flash_attn(calls: Calls) -> types.ModuleType:
                 "cu_seqlens_k": cu_seqlens_k,
                 "max_seqlen_q": max_seqlen_q,
                 "max_seqlen_k": max_seqlen_k,
+                "deterministic": deterministic,
             }
         )
         _check_half(q, k, v, "FlashAttention only support fp16 and bf16 data type")

@@ -345,6 +345,30 @@ def test_observe_chroma_query_and_key_padding_is_key_padding() -> None:
     assert torch.equal(seen.valid, valid)
 
 
+def _refiner_mask(valid: torch.Tensor) -> torch.Tensor:
+    """HunyuanVideo's token refiner (diffusers 0.42.1): query-and-key padding, then
+    every query also sees the first token (no fully masked row)."""
+    keep = valid[:, None, None, :] & valid[:, None, :, None]
+    keep[:, :, :, 0] = True
+    return keep
+
+
+def test_observe_padded_queries_that_see_a_valid_key_is_key_padding() -> None:
+    """A padded query may see any valid keys (the unpad route drops it: zeros)."""
+    valid = _padding([4, 2], 4)
+    seen = observe_mask(_refiner_mask(valid), 2, 4, 4)
+    assert (seen.kind, seen.causal) == (MaskKind.KEY_PADDING, False)
+    assert torch.equal(seen.valid, valid)
+
+
+def test_observe_a_padded_key_some_valid_query_sees_is_not_key_padding() -> None:
+    """Left padding under the refiner's rule: every query sees the padded first
+    token, which the padded query 0 sees alone -- packing it would change what
+    the valid queries attend to, so the mask is boolean."""
+    seen = observe_mask(_refiner_mask(_padding([4, 2], 4, left=True)), 2, 4, 4)
+    assert seen.kind is MaskKind.BOOLEAN
+
+
 def test_observe_causal_with_key_padding() -> None:
     valid = _padding([4, 2], 4)
     keep = valid[:, None, None, :] & torch.ones(4, 4, dtype=torch.bool).tril()
@@ -411,14 +435,18 @@ def _check(
     v: torch.Tensor,
     valid: torch.Tensor,
     causal: bool,
+    marks_queries: bool = False,
 ) -> None:
-    """Valid rows match the float64 reference; padded rows (and fully padded
-    batch rows) are zeros (docs/masks.md)."""
+    """Computed rows match the float64 reference; the rest are zeros (docs/masks.md):
+    a key-padding mask every query shares computes every query of a row that has
+    a valid key; a causal one, or one that marks the padded queries
+    (``marks_queries``), drops the padded queries of self-attention."""
     batch, seq_q = q.shape[:2]
     mask = valid[:, None, None, :]
     ref = reference(q, k, v, mask, causal)
     has_keys = valid.any(dim=1)
-    rows = valid if seq_q == k.shape[1] else has_keys[:, None].expand(batch, seq_q)
+    drops = seq_q == k.shape[1] and (causal or marks_queries)
+    rows = valid if drops else has_keys[:, None].expand(batch, seq_q)
     rows = rows & has_keys[:, None]
     tolerance = TOLERANCE[q.dtype]
     got, want = out.double()[rows], ref[rows]
@@ -516,7 +544,8 @@ def test_unpad_route_property(
     with _installed():
         out = _route(backend)(q, k, v, valid[:, None, None, :], causal, 0.2)
     ref_scale_out = reference(q, k, v, valid[:, None, None, :], causal, 0.2)
-    rows = valid if seq_q == seq_kv else valid.any(1, keepdim=True).expand(batch, seq_q)
+    # a shared key-padding mask computes every query; causal ties query i to key i
+    rows = valid if causal else valid.any(1, keepdim=True).expand(batch, seq_q)
     rows = rows & valid.any(1, keepdim=True)
     if rows.any():
         got, want = out.double()[rows], ref_scale_out[rows]
@@ -613,4 +642,4 @@ def test_unpad_route_takes_chroma_and_transformers_4d_masks(
         (valid[:, None, None, :] & tril, True),
     ):
         out = _route(backend)(q, k, v, mask, False, None)
-        _check(out, q, k, v, valid, causal)
+        _check(out, q, k, v, valid, causal, marks_queries=True)

@@ -24,15 +24,9 @@ SAGE = SelectionConfig(global_backend="sage_attn", global_backend_explicit=True)
 
 
 def _qwen_image() -> Any:
-    from diffusers import QwenImageTransformer2DModel
+    import tiny_pipelines as tp
 
-    torch.manual_seed(0)
-    model = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False,
-        axes_dims_rope=(8, 4, 4),
-    )  # fmt: skip
-    return model.eval().to(torch.bfloat16)
+    return tp.qwen_image_transformer().eval().to(torch.bfloat16)
 
 
 def _inputs() -> dict[str, Any]:
@@ -146,3 +140,245 @@ def test_context_parallel_key_padding_site_never_pins_an_unpad_only_kernel() -> 
         assert site.spec.requirements.mask_kind == "key padding"
         assert "sage_attn" not in {b.name for b in site.spec.supported or ()}
         assert site.backend is None and site.error  # strict: a typed error, not a crash later
+
+
+# --- whole pipelines and the other DiTs that pass a text-padding mask ----------
+
+
+def _spy_varlen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """Wrap the stand-in ``sageattn_varlen``: (heads, head size, sequences) per call,
+    so a call tells its site's shape."""
+    import sys
+
+    fake = sys.modules["sageattention"]
+    real = fake.sageattn_varlen
+    seen: list[tuple[int, int, int]] = []
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+            *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        seen.append((int(q.shape[1]), int(q.shape[2]), int(cu_q.numel()) - 1))
+        return real(q, k, v, cu_q, *args, **kwargs)
+
+    monkeypatch.setattr(fake, "sageattn_varlen", spy)
+    return seen
+
+
+def _rel_error(after: torch.Tensor, before: torch.Tensor) -> float:
+    return float((after.double() - before.double()).norm() / before.double().norm())
+
+
+def _apply_and_compare(pipe: Any, run: Any) -> tuple[Any, dict[str, Any]]:
+    """Run untouched, applied (global sage_attn, stand-ins) and removed: the applied
+    output is the untouched one within tolerance, and remove restores it exactly.
+    Returns the plan and the routes that were installed."""
+    with torch.no_grad():
+        before = run()
+        plan = idf.apply(pipe, SAGE, STAND_IN)
+        try:
+            after = run()
+            routes = idf.routes(pipe)
+        finally:
+            idf.remove(pipe)
+        again = run()
+    assert torch.equal(again, before)  # remove restored the untouched pipeline
+    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    return plan, routes
+
+
+@pytest.fixture(scope="module")
+def qwen_pipe() -> Any:
+    import tiny_pipelines as tp
+
+    return tp.qwen_image()
+
+
+def test_whole_qwen_image_pipeline_plans_sage_for_its_padded_prompts(qwen_pipe: Any) -> None:
+    plan = idf.plan(qwen_pipe, SAGE, SIM)
+    assert plan.ok, plan.errors
+    groups = plan.by_component()
+    dit = groups["transformer"]
+    assert dit and {s.backend.name for s in dit if s.backend} == {"sage_attn"}
+    assert all(s.backend is not None and s.resolution.reason is None for s in dit)
+    assert {s.spec.requirements.mask_kind for s in dit} == {"key padding"}
+    # the Qwen2.5-VL text encoder: its decoder layers pass causal with key padding
+    text = groups["text_encoder"]
+    assert text and {s.backend.name for s in text if s.backend} == {"sage_attn"}
+    language = [s for s in text if ".language_model." in s.name]
+    assert language and {s.spec.requirements.mask_kind for s in language} == {
+        "causal with key padding"
+    }
+    # the VAE's attention blocks are sites, decided at their first call
+    vae = groups["vae"]
+    assert vae and all(s.pending for s in vae)
+
+
+def test_whole_qwen_image_pipeline_runs_sage_varlen_with_the_untouched_output(
+    qwen_pipe: Any, varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiny_pipelines as tp
+
+    spied = _spy_varlen(monkeypatch)
+    plan, routes = _apply_and_compare(qwen_pipe, lambda: tp.run_qwen_image(qwen_pipe))
+    dit = [s for s in plan.sites if s.component == "transformer"]
+    heads, size = dit[0].heads, dit[0].spec.head_size
+    # every DiT call (2 blocks x 2 steps) ran sageattn_varlen on the two prompts
+    assert spied.count((heads, size, 2)) == 2 * len(dit), spied
+    # the text encoder's padded batch ran varlen too (causal with key padding)
+    text = [s for s in plan.sites if s.component == "text_encoder" and ".language_" in s.name]
+    assert (text[0].heads, text[0].spec.head_size, 2) in spied
+    assert any(c.get("is_causal") for c in varlen_fakes.seen)
+    # the VAE's sites were governed: decided at their first call, traced
+    vae = [r for name, r in routes.items() if name.startswith("vae/")]
+    assert vae and any(r.first_calls for r in vae)
+    for route in vae:
+        for first in route.first_calls:
+            assert first.backend is not None, first.error
+
+
+def test_whole_hunyuan_video_pipeline_runs_sage_varlen_with_the_untouched_output(
+    varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HunyuanVideo: its token refiner's padded queries see the first token, its
+    joint blocks get [B, 1, 1, N] prompt padding; its Llama encoder passes causal
+    with key padding; its VAE (float32) falls back, traced."""
+    import tiny_pipelines as tp
+
+    pipe = tp.hunyuan_video()
+    plan = idf.plan(pipe, SAGE, SIM)
+    assert plan.ok, plan.errors
+    groups = plan.by_component()
+    dit = groups["transformer"]
+    assert dit and {s.backend.name for s in dit} == {"sage_attn"}
+    assert {s.spec.requirements.mask_kind for s in dit} == {"key padding"}
+    llama = groups["text_encoder"]
+    assert {(s.backend.name, s.spec.requirements.mask_kind) for s in llama} == {
+        ("sage_attn", "causal with key padding")
+    }
+    assert all(s.resolution.reason == "global backend fallback" for s in groups["vae"])
+    spied = _spy_varlen(monkeypatch)
+    _, routes = _apply_and_compare(pipe, lambda: tp.run_hunyuan_video(pipe))
+    # every DiT call (3 sites x 2 steps) and every Llama layer ran sageattn_varlen
+    assert spied.count((dit[0].heads, dit[0].spec.head_size, 2)) == 2 * len(dit), spied
+    assert spied.count((llama[0].heads, llama[0].spec.head_size, 2)) == len(llama), spied
+    for site in dit:  # each verified its planned kind at its first call
+        assert not routes[f"transformer/{site.name}"].first_calls, site.name
+
+
+@pytest.mark.parametrize("side", [4, 2], ids=["32-video-tokens", "8-video-tokens"])
+def test_ltx2_dit_with_padded_prompts_plans_and_runs_sage_varlen(
+    side: int, varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LTX-2: a -10000 prompt-padding bias in attn2 and audio_attn2: the plan names
+    key padding there, the applied DiT runs sageattn_varlen there and gives the
+    untouched output -- also when the video has as many tokens as the prompt
+    (8): a cross-attention of equal lengths, whose video queries at the prompt's
+    padded positions are computed, not dropped as padding."""
+    import tiny_pipelines as tp
+
+    model, inputs = tp.ltx2(side=side)
+    plan = idf.plan({"transformer": model}, SAGE, SIM)
+    assert plan.ok, plan.errors
+    padded = [s for s in plan.sites if s.spec.requirements.mask_kind == "key padding"]
+    assert padded and {s.backend.name for s in plan.sites} == {"sage_attn"}
+    spied = _spy_varlen(monkeypatch)
+    _, routes = _apply_and_compare({"transformer": model}, lambda: model(**inputs)[0])
+    assert len(spied) == len(padded)  # one varlen call per key-padding site, no other
+    for site in padded:  # each verified its planned kind at the first call
+        assert not routes[f"transformer/{site.name}"].first_calls, site.name
+
+
+@pytest.mark.parametrize("registers", [None, 4], ids=["padding", "registers"])
+def test_ltx2_prompt_connectors_plan_and_run_sage_varlen(
+    registers: int | None, varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LTX-2's prompt connectors pass the prompt padding as a -finfo.max bias (or an
+    all-zero one where registers replace the padding): key padding, named by the
+    plan and verified at the first call."""
+    import tiny_pipelines as tp
+
+    model, (states, mask) = tp.ltx2_connectors(registers)
+    plan = idf.plan({"connectors": model}, SAGE, SIM)
+    assert plan.ok, plan.errors
+    assert {(s.backend.name, s.spec.requirements.mask_kind) for s in plan.sites} == {
+        ("sage_attn", "key padding")
+    }
+    spied = _spy_varlen(monkeypatch)
+    _, routes = _apply_and_compare({"connectors": model}, lambda: model(states, mask)[0])
+    assert len(spied) == len(plan.sites)
+    assert all(not route.first_calls for route in routes.values())
+
+
+def test_chroma_pipeline_plan_names_its_additive_mask_before_any_call() -> None:
+    """ChromaPipeline (diffusers 0.42.1) hands its DiT the prompt mask in the
+    prompt's float dtype, which SDPA adds as a 0/1 bias: no key-padding route can
+    reproduce it. Under a strict global sage_attn the plan fails with the kind
+    named, and apply changes nothing -- never a plan that passes and then meets
+    the mask at the first call."""
+    import tiny_pipelines as tp
+
+    from attnres.integrations import IntegrationError
+
+    pipe = tp.chroma()
+    plan = idf.plan(pipe, SAGE, SIM)
+    dit = plan.by_component()["transformer"]
+    assert dit and {s.spec.requirements.mask_kind for s in dit} == {"additive mask"}
+    assert all(s.backend is None and "does not implement additive masks" in s.error for s in dit)
+    with pytest.raises(IntegrationError):
+        idf.apply(pipe, SAGE, STAND_IN)
+    assert not idf.routes(pipe)
+    # with no flag it plans what it runs: torch SDPA takes every kind
+    assert idf.plan(pipe, SelectionConfig(), SIM).ok
+
+
+def _pinned_qwen_image(backend: str) -> tuple[Any, torch.Tensor]:
+    """The tiny Qwen-Image DiT and its untouched output, then every processor
+    pinned to diffusers' ``backend`` (what ``set_attention_backend`` sets)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    model = _qwen_image()
+    with torch.no_grad():
+        before = model(**_inputs())[0]
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(type(processor), "_attention_backend"):
+            processor._attention_backend = AttentionBackendName(backend)
+    return model, before
+
+
+def test_a_dispatcher_site_decided_torch_sdpa_never_runs_the_processors_own_backend() -> None:
+    """diffusers' ``sage_varlen``/``flash_varlen`` assume right padding: a site whose
+    processor pins one and that attnres decided torch_sdpa runs diffusers' native
+    SDPA, as decided (here the pinned sage_varlen has no kernel on this CPU, so
+    reaching it would fail)."""
+    model, before = _pinned_qwen_image("sage_varlen")
+    sdpa = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+    with torch.no_grad():
+        plan = idf.apply({"transformer": model}, sdpa, STAND_IN)
+        try:
+            assert {s.backend.name for s in plan.sites} == {"torch_sdpa"}
+            after = model(**_inputs())[0]
+        finally:
+            idf.remove({"transformer": model})
+    assert torch.equal(after, before)
+
+
+def test_a_dispatcher_pinned_to_a_dense_kernel_is_routed_for_its_key_padding_mask(
+    varlen_fakes: Calls,
+) -> None:
+    """A processor pinned to diffusers' ``flash`` (the decision, fa, is what it
+    runs) would hand its key-padding mask to the dense kernel, which raises
+    "attn_mask is not supported": the site is routed anyway, through attnres's
+    unpad route and flash_attn_varlen_func."""
+    model, before = _pinned_qwen_image("flash")
+    with torch.no_grad():
+        plan = idf.apply({"transformer": model}, SelectionConfig(), STAND_IN)
+        try:
+            assert {(s.backend.name, s.current.name) for s in plan.sites} == {("fa", "fa")}
+            assert set(idf.routes({"transformer": model})) == {
+                f"transformer/{s.name}" for s in plan.sites
+            }
+            after = model(**_inputs())[0]
+        finally:
+            idf.remove({"transformer": model})
+    assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
+    assert varlen_fakes.seen and all("cu_seqlens_q" in c for c in varlen_fakes.seen)

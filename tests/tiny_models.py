@@ -60,11 +60,11 @@ def _value(recipe: dict[str, Any], gen: torch.Generator) -> Any:
 #: the entry came from: name -> a function of the inputs built from the recipes
 def _chroma_mask(inputs: dict[str, Any]) -> dict[str, Any]:
     # diffusers' test passes no prompt mask; ChromaPipeline does: the prompt's
-    # padding mask extended with ones over the image tokens
+    # padding mask extended with ones over the image tokens, in the prompt's dtype
     # (pipelines/chroma/pipeline_chroma.py, ``_prepare_attention_mask``)
-    text = inputs["encoder_hidden_states"].shape[1]
+    prompt = inputs["encoder_hidden_states"]
     image = inputs["hidden_states"].shape[1]
-    mask = torch.ones(inputs["hidden_states"].shape[0], text + image, dtype=torch.bool)
+    mask = torch.ones(prompt.shape[0], prompt.shape[1] + image, dtype=prompt.dtype)
     return {**inputs, "attention_mask": mask}
 
 

@@ -168,3 +168,265 @@ def wan() -> dict[str, Any]:
 
 def wan_vae_input() -> torch.Tensor:
     return torch.randn(1, 3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+
+
+# --- issue 22: whole pipelines and DiTs that pass a text-padding mask ---------
+
+#: the words of QwenImagePipeline's prompt template (diffusers 0.42.1) and of the
+#: test prompts; the tokenizer splits on spaces, newlines and punctuation, so the
+#: template's system part is 34 tokens, as ``prompt_template_encode_start_idx``
+#: expects of the real Qwen2 tokenizer
+_QWEN_WORDS = (
+    "system Describe the image by detailing color shape size texture quantity text "
+    "spatial relationships of objects and background user assistant a cat dog on mat red blue"
+)
+
+
+def qwen_tokenizer() -> Any:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    words = dict.fromkeys([*specials, "\n", ",", ":", *_QWEN_WORDS.split()])
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r" +"), behavior="removed"),
+        pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+        pre_tokenizers.Punctuation("isolated"),
+    ])  # fmt: skip
+    return Qwen2TokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
+        eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )  # fmt: skip
+
+
+def qwen_image_transformer() -> Any:
+    """The tiny Qwen-Image DiT of diffusers' own pipeline test (below)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )  # fmt: skip
+
+
+def qwen_image(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A whole tiny ``QwenImagePipeline``: the components and configs of
+    diffusers' own pipeline test (huggingface/diffusers,
+    tests/pipelines/qwenimage/test_qwenimage.py, ``get_dummy_components``), with
+    the tokenizer built in memory and the vocabulary cut to it."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = qwen_tokenizer()
+    transformer = qwen_image_transformer()
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(
+        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+        temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2,
+            "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                             "type": "default"},
+            "rope_theta": 1000000.0,
+        },
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16,
+                       "num_heads": 2, "out_hidden_size": 16},
+        hidden_size=16, vocab_size=len(tokenizer), vision_end_token_id=151653,
+        vision_start_token_id=151652, vision_token_id=151654,
+    )  # fmt: skip
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval().to(dtype),
+        text_encoder=text_encoder.eval().to(dtype), tokenizer=tokenizer,
+        transformer=transformer.eval().to(dtype),
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_qwen_image(pipe: Any) -> torch.Tensor:
+    """Two prompts of different lengths (6 and 2 words): a padded batch."""
+    out = pipe(
+        prompt=["a red cat on the mat", "a dog"], num_inference_steps=2, true_cfg_scale=1.0,
+        height=32, width=32, max_sequence_length=16, output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    return out.images
+
+
+#: two prompts of 6 and 3 tokens, padded to 8 on the right (as the pipelines'
+#: tokenizers pad)
+def _text_mask() -> torch.Tensor:
+    return torch.tensor([[1] * 6 + [0] * 2, [1] * 3 + [0] * 5])
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def hunyuan_video(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A whole tiny ``HunyuanVideoPipeline``: the components and configs of
+    huggingface/diffusers, tests/pipelines/hunyuan_video/test_hunyuan_video.py
+    (``get_dummy_components``), with tokenizers built in memory; DiT and text
+    encoders in ``dtype``, the VAE in float32."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        LlamaConfig,
+        LlamaModel,
+        PreTrainedTokenizerFast,
+    )
+
+    torch.manual_seed(0)
+    transformer = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1,
+        guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1, act_fn="silu", norm_num_groups=4, scaling_factor=0.476986,
+        spatial_compression_ratio=8, temporal_compression_ratio=4,
+        mid_block_add_attention=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    llama = LlamaModel(LlamaConfig(
+        bos_token_id=0, eos_token_id=2, hidden_size=16, intermediate_size=37,
+        num_attention_heads=4, num_hidden_layers=2, pad_token_id=1, vocab_size=64,
+        hidden_act="gelu",
+    ))  # fmt: skip
+    torch.manual_seed(0)
+    clip = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, hidden_size=8, intermediate_size=37,
+        num_attention_heads=4, num_hidden_layers=2, pad_token_id=1, vocab_size=64,
+        hidden_act="gelu", projection_dim=32,
+    ))  # fmt: skip
+    tok = _tokenizer(PreTrainedTokenizerFast, bos_token="<s>", pad_token="<pad>",
+                     eos_token="</s>", unk_token="<unk>")  # fmt: skip
+    tok2 = _tokenizer(PreTrainedTokenizerFast, bos_token="<s>", eos_token="</s>",
+                      pad_token="</s>", unk_token="<unk>")  # fmt: skip
+    tok2.model_max_length = 77
+    pipe = HunyuanVideoPipeline(
+        transformer=transformer.eval().to(dtype), vae=vae.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder=llama.eval().to(dtype), text_encoder_2=clip.eval().to(dtype),
+        tokenizer=tok, tokenizer_2=tok2,
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_hunyuan_video(pipe: Any) -> torch.Tensor:
+    """Two prompts of different lengths, padded to 16 tokens (with the prompt
+    template of diffusers' own test: the prompt alone)."""
+    out = pipe(
+        prompt=["a red cat on the mat", "a dog"],
+        prompt_template={"template": "{}", "crop_start": 0}, num_inference_steps=2,
+        guidance_scale=4.5, height=16, width=16, num_frames=1, max_sequence_length=16,
+        output_type="pt", generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    return out.frames
+
+
+def ltx2(
+    dtype: torch.dtype = torch.bfloat16, side: int = 4
+) -> tuple[Any, dict[str, Any]]:
+    """A tiny LTX-2 audio-video DiT (``get_init_dict`` of huggingface/diffusers,
+    tests/models/transformers/test_models_transformer_ltx2.py) and a batch of
+    two padded prompts (8 tokens) for video (2 x side x side tokens) and audio."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4,
+        audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+        audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+        caption_channels=16, rope_double_precision=False,
+    ).eval().to(dtype)  # fmt: skip
+    inputs = {
+        "hidden_states": _randn(2, 2 * side * side, 4, seed=1).to(dtype),
+        "audio_hidden_states": _randn(2, 5, 4, seed=2).to(dtype),
+        "encoder_hidden_states": _randn(2, 8, 16, seed=3).to(dtype),
+        "audio_encoder_hidden_states": _randn(2, 8, 16, seed=4).to(dtype),
+        "timestep": torch.tensor([500.0, 500.0]),
+        "encoder_attention_mask": _text_mask().bool(),
+        "audio_encoder_attention_mask": _text_mask().bool(),
+        "num_frames": 2, "height": side, "width": side, "audio_num_frames": 5, "fps": 25.0,
+        "return_dict": False,
+    }  # fmt: skip
+    return model, inputs
+
+
+def ltx2_connectors(
+    registers: int | None, dtype: torch.dtype = torch.bfloat16
+) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """LTX-2's prompt connectors (the ``LTX2TextConnectors`` config of
+    huggingface/diffusers, tests/pipelines/ltx2/testing_utils.py, for a 32-wide text
+    encoder of 2 layers) and two padded prompts' stacked hidden states and mask."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    torch.manual_seed(0)
+    model = LTX2TextConnectors(
+        caption_channels=32, text_proj_in_factor=3, video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=registers,
+        audio_connector_num_attention_heads=4, audio_connector_attention_head_dim=8,
+        audio_connector_num_layers=1, audio_connector_num_learnable_registers=registers,
+        connector_rope_base_seq_len=32, rope_theta=10000.0, rope_double_precision=False,
+        causal_temporal_positioning=False, rope_type="split",
+    ).eval().to(dtype)  # fmt: skip
+    return model, (_randn(2, 8, 32, 3, seed=5).to(dtype), _text_mask())
+
+
+def chroma(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A whole tiny ``ChromaPipeline``: the DiT of huggingface/diffusers,
+    tests/models/transformers/test_models_transformer_chroma.py, the tiny T5 and VAE
+    above."""
+    from diffusers import (
+        AutoencoderKL,
+        ChromaPipeline,
+        ChromaTransformer2DModel,
+        FlowMatchEulerDiscreteScheduler,
+    )
+
+    t5, tok = t5_text_encoder(dtype)
+    torch.manual_seed(0)
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=[4, 4, 8],
+    ).eval().to(dtype)  # fmt: skip
+    torch.manual_seed(3)
+    vae = AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,),
+        layers_per_block=1, latent_channels=1, norm_num_groups=1,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()  # fmt: skip
+    return ChromaPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=t5,
+        tokenizer=tok,
+        transformer=transformer,
+        vae=vae,
+    )

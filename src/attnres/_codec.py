@@ -115,10 +115,15 @@ def is_str_list(value: Any) -> TypeGuard[list[str]]:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
+def is_table(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    return isinstance(value, Mapping)
+
+
 #: the checks a loader picks from by a field's kind
 CHECKS: dict[str, Callable[[Any], bool]] = {
     "integer": is_int,
     "string": is_str,
     "boolean": is_bool,
     "array of strings": is_str_list,
+    "table": is_table,  # issue 23: a layer's backend_options
 }

@@ -18,14 +18,17 @@ valid -- by running its varlen entry point on the valid tokens only:
 3. the varlen kernel runs on the packed tokens;
 4. :func:`pad` scatters the output back to ``(batch, seq, heads, head_size)``.
 
-Padded rows: in self-attention (query and key lengths equal) the queries are
-unpadded with the keys, so a padded query position comes back as **zeros**
-(the untouched model computes attention over the valid keys there; a model
-that masks its keys never reads those rows as keys again). In
-cross-attention only the keys are unpadded and every query of a row is
-computed. A batch row whose keys are all padding is **zeros** on both (torch
-SDPA gives NaN there); it is left out of ``cu_seqlens``, so no kernel is handed
-a sequence of length 0.
+Padded rows: a mask every query shares (``[B, 1, 1, S]`` key padding) does
+not say which queries are padding -- cross-attention of equal lengths passes
+one too -- so only the keys are unpadded and every query of a row is
+computed, as SDPA computes it. Where the mask ties query i to key i
+(self-attention masks whose padded queries see nothing or only the first
+token, and causal masks) the queries are unpadded with the keys, so a padded
+query position comes back as **zeros** (the untouched model computes
+attention over whatever that position's mask row allows; a model that masks
+its keys never reads those rows as keys again). A batch row whose keys are
+all padding is **zeros** on both (torch SDPA gives NaN there); it is left out
+of ``cu_seqlens``, so no kernel is handed a sequence of length 0.
 
 The route is a kernel of the usual calling convention
 (:func:`padded_kernel`), so ``attnres.Attention`` and the integrations' routes
@@ -37,7 +40,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
 from attnres.backends import BackendSpec, on_registry_change
@@ -77,6 +80,11 @@ class ObservedMask(NamedTuple):
     valid: Tensor | None
     #: why a mask that looks like padding is not key padding ('' otherwise)
     detail: str = ""
+    #: self-attention whose mask marks the padded queries (their rows are not the
+    #: valid keys: none, or the first token): the route drops those queries. A mask
+    #: every query shares does not tell a padded query from a valid one (it may be
+    #: cross-attention of equal lengths), so every query is computed
+    marks_queries: bool = False
 
     @property
     def words(self) -> str:
@@ -143,15 +151,19 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
     if seq_q == 1 or bool((rows == valid[:, None, :]).all()):
         return ObservedMask(MaskKind.KEY_PADDING, False, valid)
     if seq_q == seq_kv:
-        # self-attention: the padded queries may see nothing (Chroma's
-        # mask[:, None] * mask[:, :, None]), and a causal triangle may be folded in
-        # (transformers' 4-D masks); the unpad route drops padded queries anyway
+        # self-attention: a query at a valid position sees exactly the valid keys
+        # (or those up to itself: a causal triangle folded in, as in transformers'
+        # 4-D masks); a query at a padded position is dropped by the unpad route
+        # (zeros), whatever its row allows: nothing (Chroma's
+        # mask[:, None] * mask[:, :, None]) or the first token (HunyuanVideo's
+        # token refiner). Every key such a row sees is a valid one: ``valid`` is
+        # the union of the rows, and the valid queries see all of it.
         keys = valid[:, None, :]
-        both = keys & valid[:, :, None]
+        padded_query = ~valid[:, :, None]
         tril = rows.new_ones((seq_q, seq_kv)).tril()
-        for pattern, causal in ((both, False), (keys & tril, True), (both & tril, True)):
-            if bool((rows == pattern).all()):
-                return ObservedMask(MaskKind.KEY_PADDING, causal, valid)
+        for pattern, causal in ((keys, False), (keys & tril, True)):
+            if bool(((rows == pattern) | padded_query).all()):
+                return ObservedMask(MaskKind.KEY_PADDING, causal, valid, marks_queries=True)
     return ObservedMask(MaskKind.BOOLEAN, False, None, "the queries of a row see different keys")
 
 
@@ -255,6 +267,11 @@ def clear_varlen_cache() -> None:
 on_registry_change(clear_varlen_cache)  # one invalidation: a registry change rebuilds them
 
 
+#: keyword features of a layer the varlen route does not take (kernels.specialized
+#: passes them with the backend's options, which it does take: issue 23)
+_NOT_ON_VARLEN: Final = frozenset({"softcap", "window"})
+
+
 def padded_kernel(
     backend: str,
     dense: KernelFn,
@@ -287,12 +304,15 @@ def padded_kernel(
     ) -> Tensor:
         batch, seq_q, heads, size = q.shape
         seq_kv = k.shape[1]
+        # issue 23: the backend's options (the features) reach the varlen entry point
+        # too; softcap and windows it is not given
+        refused = bool(features) and not _NOT_ON_VARLEN.isdisjoint(features)
         if attn_mask is None:
-            if causal and bottom_right and seq_q != seq_kv and not features:
+            if causal and bottom_right and seq_q != seq_kv and not refused:
                 qs, ks, vs = _whole(q), _whole(k), _whole(v)
                 out = kernel()(
                     qs.packed, ks.packed, vs.packed, qs.cu_seqlens, ks.cu_seqlens,
-                    seq_q, seq_kv, True, scale,
+                    seq_q, seq_kv, True, scale, **features,
                 )  # fmt: skip
                 return out.reshape(batch, seq_q, heads, size)
             return dense(q, k, v, None, causal, scale, **features)
@@ -305,7 +325,7 @@ def padded_kernel(
                 f"layer with the mask kind it passes so that a backend that takes it is chosen",
                 seen.words,
             )
-        if features:
+        if refused:
             raise MaskKindError(
                 f"attention backend {backend!r}: softcap and sliding windows are not taken "
                 f"together with a key-padding mask on the varlen route",
@@ -322,16 +342,18 @@ def padded_kernel(
         keys = packing(valid)
         if keys.max_seqlen == 0:  # every row fully padded
             return q.new_zeros(q.shape)
-        # self-attention: the queries are padded like the keys; cross-attention:
-        # every query of a row that has a valid key
+        # self-attention whose mask (or causal flag) ties query i to key i: the
+        # queries are padded like the keys; otherwise (a mask every query shares,
+        # which cross-attention of equal lengths passes too) every query of a row
+        # that has a valid key, as SDPA computes it
         queries = (
             keys
-            if seq_q == seq_kv
+            if seq_q == seq_kv and (causal or seen.marks_queries)
             else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
         )
         out = kernel()(
             pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens,
-            keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale,
+            keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale, **features,
         )  # fmt: skip
         return pad(out, queries.indices, batch, seq_q)
 

@@ -461,7 +461,7 @@ class MaskSupport:
     ``route`` is ``native`` (the kernel takes the mask, or its equivalent, as an
     argument) or ``unpad`` (key padding only: attnres unpads the batch, runs the
     spec's ``varlen_kernel`` on the packed tokens and pads the output back;
-    padded query rows come back as zeros, docs/masks.md). ``source`` says where
+    padded query rows are zeros where the mask marks them, docs/masks.md). ``source`` says where
     the fact was read (file and function of the kernel's own code or docs).
     """
 

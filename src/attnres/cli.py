@@ -517,6 +517,17 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK if outcome.status == Status.SELECTED and schedule_ok else EXIT_REJECTED
 
 
+def _backend_option_argument(group: Any, scope: str) -> None:
+    """``--backend-option`` (issue 23), as ``explain`` and ``plan`` take it."""
+    group.add_argument(
+        "--backend-option",
+        action="append",
+        metavar="X.OPTION=VALUE",
+        help=f"a typed kernel option of backend X{scope}, e.g. fa.deterministic=true "
+        "(repeatable; docs/backends.md#per-backend-options)",
+    )
+
+
 def _backend_options(given: list[str] | None) -> dict[str, dict[str, object]] | None:
     """``--backend-option BACKEND.OPTION=VALUE`` (repeatable; issue 23) as a mapping."""
     if not given:
@@ -690,11 +701,17 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
     config = selection_config_from_args(args)
+    options = _backend_options(args.backend_option)  # issue 23: under each layer's own
     if Path(args.pipeline).is_dir():
         if layout is not None:
             raise UsageError(
                 "--ulysses-degree and --ring-degree apply to a pipeline file (attnres plan "
                 "PIPELINE.toml) for now; a model folder's layout is not read yet"
+            )
+        if options is not None:
+            raise UsageError(
+                "--backend-option applies to a pipeline file (attnres plan PIPELINE.toml) for "
+                "now; a model folder's attention sites do not pass kernel options yet"
             )
         from attnres.integrations._folder import parse_dtype_args, plan_folder
 
@@ -724,6 +741,8 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             f"the pipeline {pipeline.name!r} ({pipeline.path})",
         )
         platform = _platform(args.platform)
+        if options is not None:
+            config = attrs.evolve(config, backend_options=options)
         result = plan_pipeline(pipeline, config, platform)
     pipeline = result.pipeline
     doc = result.to_dict()
@@ -1189,13 +1208,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also show what the layer runs on a per-step schedule, e.g. 0:sage_attn,40:fa "
         "(attnres.schedule)",
     )
-    where.add_argument(
-        "--backend-option",
-        action="append",
-        metavar="X.OPTION=VALUE",
-        help="a typed kernel option of backend X, e.g. fa.deterministic=true (repeatable; "
-        "docs/backends.md#per-backend-options)",
-    )
+    _backend_option_argument(where, "")
     output = explain.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--trace-out", metavar="FILE", help="write the replayable trace here")
@@ -1224,6 +1237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out", metavar="DIR", help="write one trace per distinct layer into DIR"
     )
     _layout_arguments(plan, heads=False)
+    _backend_option_argument(plan, " for every layer, under a layer's own backend_options")
 
     replay = command(
         "replay", "replay golden trace files and compare (--update rewrites them)", _cmd_replay

@@ -56,7 +56,7 @@ from attnres._states import (
     Status,
 )
 from attnres._vocab import Role, normalize_component
-from attnres.backends import Backend
+from attnres.backends import Backend, BackendOptions, merge_backend_options
 from attnres.errors import (  # PipelineError: attnres.errors holds every exception
     BackendNotAppliedError,
     PipelineError,
@@ -96,7 +96,7 @@ _COMPONENT_KEYS = ("name", "kind", "backend", "role_backends", "allow_global_fal
 _TOML_NAMES = {"requirements": "requires"}
 #: issue 23: optional LayerSpec fields a layer entry may give (exact_route is a
 #: trace-only field: an integration sets it, never a file)
-_FILE_OPTIONAL = ("preferred", "required")
+_FILE_OPTIONAL = ("preferred", "required", "backend_options")
 _LAYER_KEYS = (
     "name",
     "count",
@@ -114,6 +114,7 @@ _TOML_KIND_OF_TYPE: dict[Any, str] = {
     Backend: "string",
     frozenset[Backend]: "array of strings",
     Requirements: "array of strings",
+    BackendOptions: "table",  # issue 23: { fa = { deterministic = true } }
 }
 #: the kind of every key of a layer entry but its name (checked on its own,
 #: it names the layer in every message): LayerSpec's fields, by their types
@@ -455,6 +456,8 @@ class _Parser:
                 name=raw_name,
                 preferred=table.get("preferred"),  # issue 23
                 required=table.get("required"),
+                # issue 23: checked by the one option checker (BackendOptionError)
+                backend_options=table.get("backend_options"),
             )
         except ValueError as exc:
             raise self.fail(str(exc), **where) from None
@@ -531,6 +534,10 @@ class LayerPlan(OutcomeView):
             "kv_heads": self.kv_heads,
             "route": self.route,
             "sites": list(self.sites),
+            # issue 23: the typed kernel options the layer was planned with
+            "backend_options": {
+                backend: dict(pairs) for backend, pairs in self.trace.input.layer.backend_options
+            },
         }
 
 
@@ -705,8 +712,12 @@ def _plan_layer(
     config: SelectionConfig,
     platform: Platform,
 ) -> LayerPlan:
+    spec = layer.spec
+    if config.backend_options:  # issue 23: the config's options under the layer's own
+        options = merge_backend_options(config.backend_options, spec.backend_options)
+        spec = attrs.evolve(spec, backend_options=options)
     try:
-        resolution = resolve(layer.spec, config=config, platform=platform, backend=layer.backend)
+        resolution = resolve(spec, config=config, platform=platform, backend=layer.backend)
     except ResolutionError as exc:
         trace: Trace = exc.trace
         return LayerPlan(

@@ -26,8 +26,10 @@ anything with an adapter -- and not only the handful transformers ships.
   for it was given a kernel that takes additive masks.
 
 Padded positions (docs/masks.md): on the unpad route a padded query position
-of self-attention comes back as zeros; transformers' SDPA gives attention over
-the valid keys there. A text encoder's consumers mask those positions.
+comes back as zeros where the mask marks it (causal masks, transformers'
+combined 4-D ones) and is computed where every query shares the mask;
+transformers' SDPA gives attention over the valid keys there. A text
+encoder's consumers mask those positions.
 """
 
 from __future__ import annotations

@@ -172,14 +172,66 @@ def mha_own_path(module: Any) -> str | None:
     return None
 
 
+def mha_weights_asked(parent: Any, name: str) -> str | None:
+    """Whether the code of ``parent`` (the module holding a
+    ``torch.nn.MultiheadAttention`` as ``attr``) calls it asking for the
+    attention weights: a call ``self.<attr>(...)`` that leaves ``need_weights``
+    at torch's default (``True``) or passes ``True``. Read from the parent's
+    source (``None`` where no such call is found, the source cannot be read or
+    the value is not a constant: the site's first call then checks it), so a
+    plan knows what SigLIP's pooling head asks before anything runs. ``name``
+    is the MHA's qualified name (its last part is ``attr``)."""
+    import ast
+    import inspect
+    import textwrap
+
+    attr = name.rpartition(".")[2]
+    for func in methods_of(parent):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == attr
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self"
+            ):
+                continue
+            given = [k.value for k in node.keywords if k.arg == "need_weights"]
+            value = given[0] if given else None
+            if value is not None and not isinstance(value, ast.Constant):
+                continue  # decided at the call: the first-call check sees it
+            if len(node.args) >= 5 or any(isinstance(a, ast.Starred) for a in node.args):
+                continue  # passed by position (after key_padding_mask) or unpacked
+            if any(k.arg is None for k in node.keywords):  # **kwargs: cannot tell
+                continue
+            if value is None or value.value is True:
+                how = "left at its default (True)" if not given else "True"
+                return (
+                    f"{type(parent).__name__}.{func.__name__} calls it with "
+                    f"need_weights {how}: the attention weights are returned"
+                )
+    return None
+
+
 def describe_mha(
-    component: str, name: str, module: Any, dtype: str, backward: bool
+    component: str,
+    name: str,
+    module: Any,
+    dtype: str,
+    backward: bool,
+    parent: Any = None,
 ) -> SiteDescription:
     """A ``torch.nn.MultiheadAttention``: its own math (in-projection, heads split,
     attention, out-projection) runs on the MHA route (:func:`mha_forward`), which
     runs any kernel; with no flag nothing is wrapped (torch's own path: SDPA with
     ``need_weights=False``). A module whose math has a fact no kernel takes
-    (:func:`mha_own_path`) keeps its own code path only, and says which fact."""
+    (:func:`mha_own_path`), or whose caller (``parent``, read by
+    :func:`mha_weights_asked`) asks for the attention weights, keeps its own code
+    path only, and says which fact."""
     heads = int(module.num_heads)
     own = Backend("torch_sdpa")
     common: dict[str, Any] = {
@@ -194,6 +246,16 @@ def describe_mha(
         "current": own,
     }
     fact = mha_own_path(module)
+    asked = None if fact is not None or parent is None else mha_weights_asked(parent, name)
+    if asked is not None:
+        # the weights are computed by hand on torch's own path (softmax of a bmm),
+        # which is eager math: the route a call returning its weights is limited to
+        common["current"] = _EAGER
+        return SiteDescription(
+            **common,
+            route=f"{WEIGHTS_ROUTE}: {asked}",
+            supported=frozenset({_EAGER}),
+        )
     if fact is not None:
         return SiteDescription(
             **common,
@@ -523,6 +585,12 @@ class GenericRoute:
         self.scope = scope
         self.platform = platform
         self.on_first_call = on_first_call
+        #: issue 22: the dispatcher's name for torch SDPA (set by the diffusers
+        #: integration). A call decided ``torch_sdpa`` runs the dispatcher with that
+        #: backend, never the processor's own: a backend pinned there (diffusers'
+        #: ``sage_varlen`` or ``flash_varlen``, which assume right padding) is not
+        #: what the decision said
+        self.dispatch_sdpa: Any = None
         self.planned = (
             None
             if spec is None or heads is None
@@ -699,6 +767,8 @@ class GenericRoute:
         ) -> Any:
             kernel = self.kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
             if kernel is None:
+                if self.dispatch_sdpa is not None:
+                    rest["backend"] = self.dispatch_sdpa
                 return original(
                     query,
                     key,

@@ -137,6 +137,36 @@ _MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType(
 )
 
 
+#: issue 22: the mask kind a model's own forward hands its attention sites, keyed by
+#: the model class (its attention module classes are shared with models that pass no
+#: mask), per site name; checked against diffusers 0.42.1, and verified at each
+#: planned signature's first call (a wrong entry re-resolves the site, traced):
+#:
+#: - ``ChromaTransformer2DModel``: every joint site gets the prompt mask as
+#:   ``mask[:, None, None, :] * mask[:, None, :, None]`` in the mask's own dtype;
+#:   ``ChromaPipeline`` builds it in the prompt's float dtype, so SDPA adds it as a
+#:   0/1 bias (diffusers#12116): an additive mask, which no key-padding route can
+#:   reproduce;
+#: - ``HunyuanVideoTransformer3DModel``: every site: the token refiner's prompt
+#:   self-attention (padded queries see the first token) and the joint blocks'
+#:   ``[B, 1, 1, N]`` prompt padding;
+#: - ``LTX2VideoTransformer3DModel``: the prompt cross-attentions ``attn2`` and
+#:   ``audio_attn2`` get the prompt padding as a -10000 bias;
+#: - ``LTX2TextConnectors`` (LTX-2's prompt connectors): every site gets the prompt
+#:   padding as a ``-finfo.max`` bias, or an all-zero one where learnable registers
+#:   replace the padding.
+_MASK_BY_MODEL: Mapping[str, Callable[[str], MaskKind]] = MappingProxyType(
+    {
+        "ChromaTransformer2DModel": lambda n: MaskKind.ADDITIVE,
+        "HunyuanVideoTransformer3DModel": lambda n: MaskKind.KEY_PADDING,
+        "LTX2VideoTransformer3DModel": lambda n: (
+            MaskKind.KEY_PADDING if _last(n) in ("attn2", "audio_attn2") else MaskKind.NONE
+        ),
+        "LTX2TextConnectors": lambda n: MaskKind.KEY_PADDING,
+    }
+)
+
+
 def _role(name: str, module: Any) -> Role:
     fact = _ROLE_BY_PLACE.get(type(module).__name__)
     if fact is not None:
@@ -191,7 +221,9 @@ def passes_masks(model: Any) -> bool:
     return any(w.endswith("mask") for w in words)
 
 
-def _mask_kind(name: str, module: Any, model_masks: bool = False) -> MaskKind:
+def _mask_kind(
+    name: str, module: Any, model_masks: bool = False, model_class: str = ""
+) -> MaskKind:
     """The mask kind a site passes, where its code tells before the first call
     (issue 22); the first call observes every other mask and its kind.
 
@@ -199,8 +231,12 @@ def _mask_kind(name: str, module: Any, model_masks: bool = False) -> MaskKind:
     model's code passes masks (:func:`passes_masks`): the prompt-padding mask of
     a DiT's joint or cross attention, a text refiner's, an audio model's. A call
     that brings no mask is what the plan allowed (the same kernel runs); one
-    whose mask is of another kind is resolved again at its first call.
+    whose mask is of another kind is resolved again at its first call. A fact a
+    model's code cannot tell before the call (:data:`_MASK_BY_MODEL`) comes first.
     """
+    by_model = _MASK_BY_MODEL.get(model_class)
+    if by_model is not None:
+        return by_model(name)
     by_place = _MASK_BY_PLACE.get(type(module).__name__)
     if by_place is not None and by_place(name):
         return MaskKind.KEY_PADDING  # LTX's -10000 prompt-padding bias
@@ -220,9 +256,10 @@ def _requirements(
     head_size: int,
     trains: bool,
     model_masks: bool = False,
+    model_class: str = "",
 ) -> Requirements:
     return Requirements(
-        mask=_mask_kind(name, module, model_masks),
+        mask=_mask_kind(name, module, model_masks, model_class),
         # a module that holds ``is_causal`` (Mochi's VAE attention) passes it per call
         causal=getattr(module, "is_causal", False) is True,
         gqa=kv_heads < heads,
@@ -264,6 +301,18 @@ def _pinned_backends(
         if support is None or support.route is MaskRoute.NATIVE:
             out.add(backend)  # a kind it does not take at all fails the requirements check
     return frozenset(out)
+
+
+def _unpads(backend: Backend, requirements: Requirements) -> bool:
+    """Issue 22: ``backend`` takes the site's mask kind only through attnres's unpad
+    route. A dispatcher already pinned to that backend runs its dense kernel with
+    the mask as is (diffusers' ``flash`` raises "attn_mask is not supported"), so
+    the site is routed even though the decision is what it runs."""
+    if requirements.mask is not MaskKind.KEY_PADDING:  # the only kind taken by unpadding
+        return False
+    spec = lookup_spec(backend)
+    support = None if spec is None else spec.mask_support(requirements.mask)
+    return support is not None and support.route is MaskRoute.UNPAD
 
 
 def _is_dispatcher(processor: Any) -> bool:
@@ -317,7 +366,17 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         if not name or any(name.startswith(s + ".") for s in inside):
             continue
         site_dtype = dtype or _dtype_of(module, fallback)
-        desc = _describe(component, name, module, site_dtype, backward, model_masks)
+        parent = model.get_submodule(name.rpartition(".")[0])
+        desc = _describe(
+            component,
+            name,
+            module,
+            site_dtype,
+            backward,
+            parent,
+            type(model).__name__,
+            model_masks,
+        )
         if desc is not None:
             out.append(desc)
             inside.append(name)
@@ -331,7 +390,14 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
 
 
 def _describe(
-    component: str, name: str, module: Any, dtype: str, backward: bool, model_masks: bool = False
+    component: str,
+    name: str,
+    module: Any,
+    dtype: str,
+    backward: bool,
+    parent: Any = None,
+    model_class: str = "",
+    model_masks: bool = False,
 ) -> SiteDescription | None:
     cls = type(module).__name__
     # a diffusers attention module, or any module that hands its call to a processor
@@ -339,7 +405,7 @@ def _describe(
         callable(getattr(module, "processor", None)) and not isinstance(module, torch.nn.ModuleList)
     )
     if isinstance(module, torch.nn.MultiheadAttention):
-        return _route.describe_mha(component, name, module, dtype, backward)
+        return _route.describe_mha(component, name, module, dtype, backward, parent)
     if attention_module:
         owner, names = _attention_code(module)
     else:
@@ -362,7 +428,7 @@ def _describe(
             kv_heads=kv_heads,
             head_size=head_size,
             requirements=_requirements(
-                name, module, heads, kv_heads, head_size, backward, model_masks
+                name, module, heads, kv_heads, head_size, backward, model_masks, model_class
             ),
         )
     else:
@@ -592,7 +658,8 @@ def _prepare(
                 continue
             backend = site.resolution.backend
             if site.routed:
-                if backend == site.current:  # what it runs already: nothing to wrap
+                if backend == site.current and not _unpads(backend, site.spec.requirements):
+                    # what it runs already: nothing to wrap
                     planned.append(_Planned(comp, module, site, "", False))
                     continue
                 planned.append(_Planned(comp, module, site, "", True))
@@ -690,7 +757,12 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     processor = original
     route = None
     if item.route:
-        route = _route.site_route(site, config, platform)
+        # under the route, a dispatcher's own path is diffusers' native SDPA
+        # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
+        # dense kernel cannot take a key-padding mask); softmax by hand stays eager
+        own = site.current if site.current == Backend("eager") else Backend("torch_sdpa")
+        route = _route.site_route(site, config, platform, own=own)
+        route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
         routed = None if original is None else _route.routed_processor(original, route)
         if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
             _route.install_route(module, route, _route.mha_forward(module, route))

@@ -32,20 +32,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
+import pkgutil
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 from attrs import frozen
 
 from attnres._profile_sglang import UNOBSERVED, first_request
 from attnres._states import Event, Origin, Reason
-from attnres._vocab import Role
+from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement, Role
 from attnres.backends import (
     Backend,
     BackendSpec,
+    HeadSizeRule,
     lookup_spec,
     on_registry_change,
     register_backend,
@@ -58,7 +61,19 @@ from attnres.runtime import lookup
 from attnres.scope import ScopeState
 from attnres.trace import CheckRecord, OriginRecord, Trace, TraceInput, TransitionRecord
 
-__all__ = ["TARGET", "install", "installed", "plugin", "stats", "uninstall"]
+__all__ = [
+    "TARGET",
+    "BackendFacts",
+    "backend_facts",
+    "install",
+    "installed",
+    "plugin",
+    "read_backend_facts",
+    "register_backends",
+    "spec_from_facts",
+    "stats",
+    "uninstall",
+]
 
 _SELECTOR: Final = "sglang.multimodal_gen.runtime.layers.attention.selector"
 #: the function attnres takes over
@@ -166,32 +181,235 @@ def _rebind(old: Any, new: Any) -> None:
 
 
 def _register_sglang_backends() -> None:
-    """Register SGLang's backends attnres does not know, with SGLang's own facts.
+    """Register SGLang's backends attnres does not know, with facts read from SGLang's classes.
 
-    Read from SGLang's ``AttentionBackendEnum``: the name and whether it is
-    sparse. Their platform facts are never guessed: the ``sglang`` profile
-    reads what SGLang's platform resolves (``HostResolution``) instead.
+    The members come from SGLang's ``AttentionBackendEnum`` (every member attnres
+    has no spec or alias for); their facts from the ``AttentionBackend``
+    subclasses in SGLang's backends package (:func:`read_backend_facts`). A
+    platform fact is never needed from them: the ``sglang`` profile reads what
+    SGLang's platform resolves (``HostResolution``) at every decision.
     """
+    from sglang.multimodal_gen.runtime.layers.attention.backends.attention_backend import (
+        AttentionBackend,
+    )
     from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
 
-    for member in AttentionBackendEnum:
-        name = member.name.lower()
-        if lookup_spec(Backend(name)) is not None:
+    register_backends(AttentionBackendEnum, AttentionBackend)
+
+
+def register_backends(enum: Any, base: Any) -> tuple[BackendFacts, ...]:
+    """Register every member of ``enum`` (SGLang's ``AttentionBackendEnum``) that
+    attnres lacks, with the facts of the ``base`` (``AttentionBackend``)
+    subclasses in ``base``'s package; returns the facts registered."""
+    lacking = [m for m in enum if _lacks(m.name.lower())]
+    if not lacking:
+        return ()
+    classes, failures = _backend_classes(base)
+    out: list[BackendFacts] = []
+    for member in lacking:
+        facts = read_backend_facts(member, classes.get(member, ()), failures)
+        if _lacks(facts.name):  # a plugin thread may have registered it meanwhile
+            register_backend(spec_from_facts(facts))
+            _FACTS[facts.name] = facts
+            out.append(facts)
+    return tuple(out)
+
+
+def _lacks(name: str) -> bool:
+    """Whether attnres has neither a spec nor an alias for SGLang's backend ``name``."""
+    if lookup_spec(Backend(name)) is not None:
+        return False
+    try:  # an attnres alias (attnres folds SGLang's ``fa2`` into its ``fa``)
+        Backend.parse(name)
+    except ValueError:
+        return True
+    return False
+
+
+@frozen
+class BackendFacts:
+    """What SGLang's own classes say about one backend attnres did not know (issue 23).
+
+    Read when the plugin is installed, from every ``AttentionBackend`` subclass
+    in SGLang's backends package whose ``get_enum()`` is the member
+    (``sglang/multimodal_gen/runtime/layers/attention/backends/attention_backend.py``
+    defines the API). ``None`` is a fact no class states; ``unknown`` says why,
+    per fact. :func:`spec_from_facts` turns them into a :class:`BackendSpec`.
+    """
+
+    name: str
+    #: ``AttentionBackendEnum.is_sparse``
+    sparse: bool
+    #: ``module.Class`` of each class whose ``get_enum()`` is the member
+    classes: tuple[str, ...]
+    #: ``get_supported_head_sizes()`` (a class may not define it)
+    head_sizes: tuple[int, ...] | None
+    #: ``supports_packed_varlen()``: the impl overrides ``forward_varlen``
+    packed_varlen: bool | None
+    #: ``supports_ring_rotation()``: ``forward_ring_kv_chunk`` returns the softmax LSE
+    ring_rotation: bool | None
+    #: ``accept_output_buffer`` (SGLang allocates the output; attnres has no such fact)
+    accept_output_buffer: bool | None
+    #: the keyword parameters of ``get_impl_cls().__init__``
+    impl_parameters: tuple[str, ...] | None
+    #: (fact, why no class states it)
+    unknown: tuple[tuple[str, str], ...] = ()
+
+
+#: what a parameter of SGLang's ``AttentionImpl.__init__`` says its impl serves
+_IMPL_PARAMETERS: Final = {
+    "causal": Requirement.CAUSAL,
+    "num_kv_heads": Requirement.GQA,
+    "softmax_scale": Requirement.CUSTOM_SCALE,
+    "dropout_p": Requirement.DROPOUT,
+}
+#: facts of the registered backends, by name (:func:`backend_facts`)
+_FACTS: dict[str, BackendFacts] = {}
+
+
+def backend_facts() -> tuple[BackendFacts, ...]:
+    """The facts of every SGLang backend the plugin registered, by name."""
+    return tuple(_FACTS[name] for name in sorted(_FACTS))
+
+
+def _backend_classes(base: Any) -> tuple[dict[Any, tuple[Any, ...]], dict[str, str]]:
+    """Every ``base`` subclass in ``base``'s package, by its ``get_enum()``, and the
+    modules of that package that cannot be imported here (with why)."""
+    package = importlib.import_module(base.__module__.rpartition(".")[0])
+    found: dict[Any, tuple[Any, ...]] = {}
+    failures: dict[str, str] = {}
+
+    def failed(name: str) -> None:
+        failures[name] = _why(sys.exc_info()[1])
+
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=failed):
+        try:
+            module = importlib.import_module(info.name)
+        except Exception as exc:  # a kernel package this host lacks, typically
+            failures[info.name] = _why(exc)
             continue
-        try:  # an attnres alias (attnres folds SGLang's ``fa2`` into its ``fa``)
-            Backend.parse(name)
-            continue
-        except ValueError:
-            pass
-        register_backend(
-            BackendSpec(
-                name=name,
-                sparse=bool(member.is_sparse),
-                platforms=("cpu", "cuda", "rocm", "mps", "xpu", "npu"),
-                dtypes=("float16", "bfloat16", "float32"),
-                description=f"SGLang multimodal_gen backend {member.name} (sglang plugin)",
+        for value in vars(module).values():
+            if not (
+                isinstance(value, type)
+                and issubclass(value, base)
+                and value is not base
+                and value.__module__ == module.__name__
+            ):
+                continue
+            cls: Any = value
+            try:
+                member = cls.get_enum()
+            except Exception:  # an intermediate class without a member of its own
+                continue
+            found[member] = (*found.get(member, ()), cls)
+    return found, failures
+
+
+def _why(exc: BaseException | None) -> str:
+    return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def read_backend_facts(
+    member: Any,
+    classes: Iterable[Any],
+    failures: Mapping[str, str],
+) -> BackendFacts:
+    """One ``AttentionBackendEnum`` member's facts, as its SGLang classes state them.
+
+    ``classes``: the ``AttentionBackend`` subclasses whose ``get_enum()`` is
+    ``member``; ``failures``: modules of SGLang's backends package that could
+    not be imported here (``module: error``). Several classes (one per
+    platform) are combined permissively: a fact holds when one class states it.
+    """
+    name = member.name.lower()
+    found = tuple(classes)
+    unknown: list[tuple[str, str]] = []
+    if not found:
+        # which module would have held it: the one named after it, else every failure
+        named = {m: why for m, why in failures.items() if m.rpartition(".")[2].startswith(name)}
+        causes = named or failures
+        why = "no class importable here returns it from get_enum()"
+        if causes:
+            why += "; not importable here: " + "; ".join(
+                f"{m.rpartition('.')[2]} ({causes[m]})" for m in sorted(causes)
             )
+        return BackendFacts(
+            name, bool(member.is_sparse), (), None, None, None, None, None, (("classes", why),)
         )
+    sizes: set[int] = set()
+    undeclared = [c.__qualname__ for c in found if not hasattr(c, "get_supported_head_sizes")]
+    for cls in found:
+        if hasattr(cls, "get_supported_head_sizes"):
+            sizes.update(int(s) for s in cls.get_supported_head_sizes())
+    if undeclared:
+        unknown.append(
+            ("head_sizes", f"{', '.join(undeclared)} does not define get_supported_head_sizes()")
+        )
+    parameters: set[str] = set()
+    for cls in found:
+        init = cls.get_impl_cls().__init__
+        parameters.update(p for p in inspect.signature(init).parameters if p != "self")
+    return BackendFacts(
+        name=name,
+        sparse=bool(member.is_sparse),
+        classes=tuple(f"{c.__module__}.{c.__qualname__}" for c in found),
+        head_sizes=None if undeclared else tuple(sorted(sizes)),
+        packed_varlen=any(bool(c.supports_packed_varlen()) for c in found),
+        ring_rotation=any(bool(c.supports_ring_rotation()) for c in found),
+        accept_output_buffer=any(bool(getattr(c, "accept_output_buffer", False)) for c in found),
+        impl_parameters=tuple(sorted(parameters)),
+        unknown=tuple(unknown),
+    )
+
+
+#: what no SGLang backend class states, and so what every registered spec leaves open
+_NEVER_STATED: Final = (
+    "platforms and dtypes: SGLang's classes do not state them (its platform resolvers "
+    "decide, observed at each decision as HostResolution)"
+)
+
+
+def spec_from_facts(facts: BackendFacts) -> BackendSpec:
+    """The :class:`BackendSpec` of an SGLang backend: its classes' facts, and
+    the permissive value, with the reason in the description, where they state none.
+
+    - head sizes: ``get_supported_head_sizes()`` (none declared: any);
+    - requirements: what ``AttentionImpl.__init__`` takes (``causal``,
+      ``num_kv_heads``, ``softmax_scale``, ``dropout_p``) and
+      ``supports_packed_varlen()``; unknown: all of these; never masks, since
+      ``AttentionImpl.forward(query, key, value, attn_metadata)`` takes none;
+    - ``lse``: only when ``supports_ring_rotation()`` (no class: none, fail closed);
+    - platforms and dtypes: every one (no class states them; the ``sglang``
+      profile reads SGLang's platform instead);
+    - no kernel: SGLang runs it, attnres does not.
+    """
+    implements: set[Requirement] = set()
+    if facts.impl_parameters is None:  # unknown: permissive
+        implements.update(_IMPL_PARAMETERS.values())
+    else:
+        implements.update(r for p, r in _IMPL_PARAMETERS.items() if p in facts.impl_parameters)
+    if facts.packed_varlen is not False:
+        implements.add(Requirement.PACKED_VARLEN)
+    lse = None
+    if facts.ring_rotation:
+        lse = f"SGLang {', '.join(facts.classes)}: forward_ring_kv_chunk (supports_ring_rotation)"
+    source = ", ".join(facts.classes) or "no class (every class fact unknown)"
+    unknown = "; ".join(f"{fact}: {why}" for fact, why in facts.unknown)
+    return BackendSpec(
+        name=facts.name,
+        sparse=facts.sparse,
+        platforms=PLATFORM_KINDS,
+        dtypes=DTYPES,
+        head_sizes=HeadSizeRule()
+        if facts.head_sizes is None
+        else HeadSizeRule(allowed=facts.head_sizes),
+        implements=implements,
+        lse=lse,
+        description=(
+            f"SGLang multimodal_gen backend (sglang plugin), read from {source}; "
+            f"left open: {_NEVER_STATED}" + (f"; unknown: {unknown}" if unknown else "")
+        ),
+    )
 
 
 @frozen

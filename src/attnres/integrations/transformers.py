@@ -263,7 +263,8 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
     for name, module in modules:
         site_dtype = dtype or _compute_dtype(module, model)
         if isinstance(module, torch.nn.MultiheadAttention):
-            out.append(_route.describe_mha(component, name, module, site_dtype, backward))
+            parent = model.get_submodule(name.rpartition(".")[0])
+            out.append(_route.describe_mha(component, name, module, site_dtype, backward, parent))
             continue
         if name not in sites:
             continue
@@ -379,6 +380,10 @@ def prepare(
         if site.routed:  # issue 19: a MultiheadAttention (SigLIP's pooling head)
             if site.resolution.backend != site.current:  # what it runs already: nothing
                 actions.append(_mha_installer(model, module, site, result))
+            continue
+        if isinstance(module, torch.nn.MultiheadAttention):
+            # its own code path only (its supported set is what it runs): nothing
+            # to install, whatever was decided is what runs
             continue
         backend = site.resolution.backend.name
         function = _FUNCTIONS.get(backend)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from attnres._states import KernelSource
 from attnres.backends import BUILTIN_SPECS, kernels_changed, lookup_spec, registered_backends
@@ -77,13 +77,28 @@ KernelFn = Callable[
     ["Tensor", "Tensor", "Tensor", Union["Tensor", None], bool, float | None], "Tensor"
 ]
 
-#: ``attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-#: scale) -> out`` over packed ``(total_tokens, heads, head_size)`` tensors
-#: (:func:`attnres.kernels.fa.make_varlen_kernel`).
-VarlenKernelFn = Callable[
-    ["Tensor", "Tensor", "Tensor", "Tensor", "Tensor", int, int, bool, float | None],
-    "Tensor",
-]
+
+class VarlenKernelFn(Protocol):
+    """``attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+    scale, **options) -> out`` over packed ``(total_tokens, heads, head_size)`` tensors
+    (:func:`attnres.kernels.fa.make_varlen_kernel`); ``options``: the backend's
+    validated options (issue 23, ``BackendSpec.options``), only when set."""
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        scale: float | None,
+        /,
+        **options: Any,
+    ) -> Tensor: ...
+
 
 #: Sparse backends of the built-in catalogue (derived from ``BackendSpec.sparse``):
 #: they ship no dense adapter, ``get_kernel`` answers ``None``.

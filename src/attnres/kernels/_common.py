@@ -146,10 +146,9 @@ def flash_style_kernel(
 
 
 #: What a varlen kernel call receives: packed q, k, v, int32 contiguous
-#: cu_seqlens_q/k, max_seqlen_q/k as ints, causal, scale.
-VarlenCall = Callable[
-    ["Tensor", "Tensor", "Tensor", "Tensor", "Tensor", int, int, bool, "float | None"], Any
-]
+#: cu_seqlens_q/k, max_seqlen_q/k as ints, causal, scale, and the backend's
+#: options as keyword arguments (issue 23; only those its spec declares).
+VarlenCall = Callable[..., Any]
 
 
 def _int32(cu: Tensor) -> Tensor:
@@ -164,7 +163,8 @@ def varlen_style_kernel(call: VarlenCall) -> Callable[..., Tensor]:
     ``call``: packed (total, heads, head_size) tensors, cumulative sequence
     lengths of shape (sequences + 1,) in any integer dtype (passed on as
     contiguous int32), the longest lengths, ``causal`` (bottom-right per
-    sequence, the kernels' own) and ``scale``. A tuple result is unwrapped."""
+    sequence, the kernels' own) and ``scale``; keyword arguments are the
+    backend's options (issue 23), passed on. A tuple result is unwrapped."""
 
     def varlen_attention(
         q: Tensor,
@@ -176,10 +176,11 @@ def varlen_style_kernel(call: VarlenCall) -> Callable[..., Tensor]:
         max_seqlen_k: int,
         causal: bool,
         scale: float | None,
+        **options: Any,
     ) -> Tensor:
         result = call(
             q, k, v, _int32(cu_seqlens_q), _int32(cu_seqlens_k), int(max_seqlen_q),
-            int(max_seqlen_k), causal, scale,
+            int(max_seqlen_k), causal, scale, **options,
         )  # fmt: skip
         out: Tensor = result[0] if isinstance(result, tuple) else result
         return out

@@ -99,7 +99,18 @@ def make_varlen_kernel() -> VarlenKernelFn:
     """
     varlen_func = _function("flash_attn_varlen_func")
     return varlen_style_kernel(
-        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal
+        # issue 23: flash_attn_varlen_func(..., deterministic=False) takes the spec's options
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **options: varlen_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            **options,
         )
     )

@@ -111,7 +111,8 @@ def make_varlen_kernel() -> VarlenKernelFn:
     )
 
     return varlen_style_kernel(
-        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal
+        # issue 23: hopper flash_attn_varlen_func(..., pack_gqa=None, deterministic=False)
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **options: varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, **options
         )
     )
