@@ -505,8 +505,11 @@ def test_every_dit_that_passes_a_padding_mask_names_its_kind_in_the_plan(name: s
         idf.remove(comps)
     planned = {s.name: s.spec.requirements.mask for s in plan.sites if s.spec is not None}
     masked = {site: {c.mask for c in calls if c.mask.present} for site, calls in spy.calls.items()}
-    masked = {site: masks for site, masks in masked.items() if masks}
-    assert masked, f"{name}: no site saw the padding of {changed}"
+    # a site decided at first call (Mochi's attention pooler holds no head facts)
+    # has no plan to name a kind in: its first call observes it
+    masked = {site: masks for site, masks in masked.items() if masks and site in planned}
+    if name in _PADDED:  # these pass the prompt's padding into their attention
+        assert masked, f"{name}: no site saw the padding of {changed}"
     # each mask a site met is of the kind its plan names (Chroma's pipeline passes
     # its prompt mask as a 0/1 float bias: additive, named so)
     unnamed = {
@@ -515,5 +518,5 @@ def test_every_dit_that_passes_a_padding_mask_names_its_kind_in_the_plan(name: s
         if not all(m.covered_by(_route.MaskFacts(True, kind=planned[site])) for m in masks)
     }
     assert unnamed == {}
-    if name != "ChromaTransformer2DModel":
+    if name in _PADDED and name != "ChromaTransformer2DModel":
         assert MaskKind.KEY_PADDING in {m.kind for ms in masked.values() for m in ms}
