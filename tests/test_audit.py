@@ -313,3 +313,33 @@ def test_a_scope_check_that_fails_is_recorded_with_its_code() -> None:
     ]
     assert [e["code"] for e in failed] == ["override_unexplained", "override_not_applied"]
     assert all(e["log_level"] == "info" and e["component"] == "vae" for e in failed)
+
+
+def test_a_logger_kept_for_cache_logger_on_first_use_follows_a_reconfiguration() -> None:
+    """issue 23: the assembled logger is kept while structlog's configuration stays
+    the same; a later configure() (new processors, a new level) is honoured."""
+    from structlog.testing import LogCapture
+
+    first, second = LogCapture(), LogCapture()
+    layer = LayerSpec(64, "fp32", name="blocks.0.attn")
+
+    def configure(capture: LogCapture, level: int) -> None:
+        structlog.configure(
+            processors=[capture],
+            wrapper_class=structlog.make_filtering_bound_logger(level),
+            cache_logger_on_first_use=True,
+        )
+
+    configure(first, logging.INFO)
+    for _ in range(2):
+        attnres.clear_cache()
+        resolve(layer, platform=CPU)
+    assert [e["event"] for e in first.entries] == ["attention backend selected"] * 2
+    configure(second, logging.INFO)
+    attnres.clear_cache()
+    resolve(layer, platform=CPU)
+    assert len(first.entries) == 2 and len(second.entries) == 1
+    configure(second, logging.WARNING)  # the level changes: the INFO outcome is dropped
+    attnres.clear_cache()
+    resolve(layer, platform=CPU)
+    assert len(second.entries) == 1

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from attrs import field, frozen
 
-from attnres._states import Code, Origin, Reason, Status, optional_code, optional_reason
+from attnres._states import (
+    Code,
+    Origin,
+    Reason,
+    Status,
+    optional_code,
+    optional_reason,
+    to_origin,
+    to_status,
+)
 from attnres.backends import Backend
 
 __all__ = ["Outcome", "OutcomeView"]
@@ -26,8 +35,8 @@ class Outcome:
     these (their ``outcome``) rather than restating its fields.
     """
 
-    status: Status = field(converter=Status)
-    origin: Origin = field(converter=Origin)
+    status: Status = field(converter=to_status)
+    origin: Origin = field(converter=to_origin)
     backend: Backend | None = None
     reason: Reason | None = field(default=None, converter=optional_reason)
     code: Code | None = field(default=None, converter=optional_code)

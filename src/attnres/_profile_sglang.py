@@ -30,16 +30,19 @@ this profile reads only those. A trace therefore replays without SGLang.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Final
+import functools
+from collections.abc import Callable, Iterator
+from typing import Final, NamedTuple, Protocol
 
 from attrs import frozen
 
 from attnres._outcome import Outcome
-from attnres._states import Check, Code, Event, Origin, Reason, State
+from attnres._states import Check, Code, Event, Origin, Reason, State, Status
 from attnres._vocab import Role
 from attnres.backends import Backend
+from attnres.layer import LayerSpec, SelectionConfig
 from attnres.platform import HostResolution
+from attnres.scope import ScopeState
 from attnres.trace import (
     CheckRecord,
     Failure,
@@ -67,6 +70,29 @@ __all__ = [
 SGLANG_VERSION: Final = "0.5.23"
 
 
+class Asked(Protocol):
+    """What the origin rows read: a :class:`~attnres.trace.TraceInput`, or the
+    plugin's :class:`Request` before the platform is observed."""
+
+    @property
+    def layer(self) -> LayerSpec: ...
+    @property
+    def config(self) -> SelectionConfig: ...
+    @property
+    def scope(self) -> ScopeState | None: ...
+    @property
+    def backend(self) -> Backend | None: ...
+
+
+class Request(NamedTuple):
+    """The request part of an input (no platform yet): enough for the origin rows."""
+
+    layer: LayerSpec
+    config: SelectionConfig
+    scope: ScopeState | None
+    backend: Backend | None
+
+
 @frozen
 class OriginRow:
     """One way a backend is requested: ``backend`` reads it from the input."""
@@ -75,15 +101,15 @@ class OriginRow:
     words: str
     #: SGLang's ``selection_is_explicit`` for this origin
     explicit: bool
-    backend: Callable[[TraceInput], Backend | None]
+    backend: Callable[[Asked], Backend | None]
 
 
-def _role_override(inp: TraceInput) -> Backend | None:
+def _role_override(inp: Asked) -> Backend | None:
     return None if inp.scope is None else inp.scope.role_backend(inp.layer.role)
 
 
-def _global(explicit: bool) -> Callable[[TraceInput], Backend | None]:
-    def read(inp: TraceInput) -> Backend | None:
+def _global(explicit: bool) -> Callable[[Asked], Backend | None]:
+    def read(inp: Asked) -> Backend | None:
         cfg = inp.config
         return cfg.global_backend if cfg.global_backend_explicit is explicit else None
 
@@ -202,32 +228,39 @@ ROLE_OVERRIDE_REASONS: Final[dict[Role, Reason]] = {
 UNOBSERVED: Final = "not resolved by the host platform"
 
 
-def _supported(name: str, supported: frozenset[str]) -> bool:
-    if name in supported:
+def _supported(served: Backend, supported: frozenset[Backend]) -> bool:
+    # a Backend equals (and hashes like) its name, so name groups test directly
+    if served in supported:
         return True
-    return any(group <= supported for group in SATISFIES.get(name, ()))
+    return any(group <= supported for group in SATISFIES.get(served.name, ()))
 
 
-def _origin(inp: TraceInput) -> tuple[OriginRow | None, Backend | None]:
+def _origin(inp: Asked) -> tuple[OriginRow | None, Backend | None]:
     """The first origin row that is set, and the backend it requests (aliases folded)."""
-    row = next((r for r in ORIGIN_ROWS if r.backend(inp) is not None), None)
-    requested = None if row is None else row.backend(inp)
-    if requested is not None and requested.name in ALIASES:
-        requested = Backend(ALIASES[requested.name])
-    return row, requested
+    for row in ORIGIN_ROWS:
+        requested = row.backend(inp)
+        if requested is not None:
+            alias = ALIASES.get(requested.name)
+            return row, (requested if alias is None else Backend(alias))
+    return None, None
 
 
-def first_request(inp: TraceInput) -> Backend | None:
+def first_request(
+    layer: LayerSpec, config: SelectionConfig, scope: ScopeState | None, backend: Backend | None
+) -> Backend | None:
     """The backend the profile evaluates first (``None``: the platform's own pick)."""
-    return _origin(inp)[1]
+    return _origin(Request(layer, config, scope, backend))[1]
 
 
-def _sglang_order(backends: frozenset[Backend]) -> list[Backend]:
-    # SGLang sorts its enum members by their upper-case names
-    return sorted(backends, key=lambda b: b.name.upper())
+@functools.lru_cache(maxsize=256)
+def _sglang_order(backends: frozenset[Backend]) -> tuple[Backend, ...]:
+    """A supported set in SGLang's order (it sorts its enum members by their
+    upper-case names). Memoised per set: a pure function of the names, so no
+    registry change or cleared cache can make it stale."""
+    return tuple(sorted(backends, key=lambda b: b.name.upper()))
 
 
-def _names(backends: list[Backend]) -> str:
+def _names(backends: tuple[Backend, ...]) -> str:
     return "[" + ", ".join(repr(b.name) for b in backends) + "]"
 
 
@@ -244,6 +277,33 @@ _REQUEST_FAILED: Final[dict[Reason | None, Event]] = {
     Reason.DENSE_CROSS_ATTENTION_FALLBACK: Event.SPARSE_CROSS_FALLBACK,
     Reason.PLATFORM_DEFAULT_FALLBACK: Event.PREFERENCE_FALLBACK,
 }
+
+
+def _slots(
+    first_stage: State,
+    requested: Backend | None,
+    may_fall_back: bool,
+    default: Backend | None,
+    automatic: frozenset[Backend],
+) -> Iterator[tuple[State, Backend | None]]:
+    """The candidates in order, each once: the request (or the platform's pick),
+    then, when the request may fall back, the layer default, the platform's
+    pick and the supported set in SGLang's order. Generated as the machine
+    consumes them: a decision its first candidate serves builds no more."""
+    yield first_stage, requested
+    if not may_fall_back:
+        return
+    taken: set[Backend | None] = {requested}
+    if default is not None and default not in taken:
+        taken.add(default)
+        yield State.COMPONENT_DEFAULT, default
+    if None not in taken:
+        taken.add(None)
+        yield State.PLATFORM_DEFAULT, None
+    for backend in _sglang_order(automatic) if automatic else ():
+        if backend not in taken:
+            taken.add(backend)
+            yield State.SUPPORTED_SET, backend
 
 
 def run_sglang(inp: TraceInput, step: Step) -> Trace:
@@ -267,7 +327,10 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
         relaxed=layer.default is not None
         or (inp.scope is not None and inp.scope.allow_global_fallback),
     )
-    fallback = next(r for r in FALLBACK_ROWS if r.holds(facts))
+    fallback = FALLBACK_ROWS[-1]
+    for fallback in FALLBACK_ROWS:
+        if fallback.holds(facts):
+            break
     records: list[Record] = [
         OriginRecord(
             origin,
@@ -277,22 +340,8 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
             + f"; sglang profile: {fallback.condition}",
         )
     ]
-    supported = layer.supported or frozenset()
-    ordered = _sglang_order(supported)
-    slots: list[tuple[State, Backend | None]] = [
-        (State.REQUESTED if requested is not None else State.PLATFORM_DEFAULT, requested)
-    ]
-    if fallback.reason is not None:
-        for stage, candidate in (
-            (State.COMPONENT_DEFAULT, layer.default),
-            (State.PLATFORM_DEFAULT, None),
-            *((State.SUPPORTED_SET, b) for b in ordered),
-        ):
-            if stage is State.COMPONENT_DEFAULT and candidate is None:
-                continue  # no layer default
-            if all(candidate != c for _, c in slots):
-                slots.append((stage, candidate))
-    automatic = frozenset(b.name for b in supported)
+    automatic = layer.supported or frozenset()
+    first_stage = State.REQUESTED if requested is not None else State.PLATFORM_DEFAULT
     selection_error: Failure | None = None
     unmet: tuple[str, tuple[str, ...]] | None = None
     state, _ = step(
@@ -302,15 +351,13 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
         None,
         None,
     )
+    request_failed = _REQUEST_FAILED[fallback.reason]
 
     def failed(stage: State, candidate: Backend | None) -> State:
-        event = (
-            _REQUEST_FAILED[fallback.reason]
-            if stage is State.REQUESTED
-            else (Event.CANDIDATE_FAILED)
-        )
+        event = request_failed if stage is State.REQUESTED else Event.CANDIDATE_FAILED
         return step(stage, event, records, None, candidate)[0]
 
+    slots = _slots(first_stage, requested, fallback.reason is not None, layer.default, automatic)
     for index, (stage, candidate) in enumerate(slots):
         while state is not stage:  # the stages between hold no candidate
             state, _ = step(state, Event.EXHAUSTED, records, None, None)
@@ -325,7 +372,6 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
             state = failed(stage, candidate)
             continue
         assert fact is not None
-        results: list[tuple[Check, tuple[Failure, ...]]] = [(Check.PLATFORM, ())]
         role: tuple[Failure, ...] = ()
         if layer.role is Role.CROSS and fact.served_sparse:
             role = (
@@ -334,29 +380,29 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
                     f"Sparse attention backend '{served.name}' cannot serve cross-attention",
                 ),
             )
-        results.append((Check.ROLE, role))
         explicit_first = explicit and index == 0 and EXPLICIT_BYPASSES_SUPPORTED
         unsupported: tuple[Failure, ...] = ()
-        if automatic and not explicit_first and not _supported(served.name, automatic):
+        if automatic and not explicit_first and not _supported(served, automatic):
             unsupported = (
                 Failure(
                     Code.NOT_IN_SUPPORTED_SET,
                     f"Attention backend '{served.name}' is not supported by this attention "
-                    f"layer; supported backends: {_names(ordered)}",
+                    f"layer; supported backends: {_names(_sglang_order(automatic))}",
                 ),
             )
-        results.append((Check.SUPPORTED, unsupported))
-        missing = tuple(
-            Failure(Code.REQUIREMENT_UNMET, f"does not implement {m}") for m in fact.missing
-        )
-        if not role and not unsupported:
-            results.append((Check.REQUIREMENTS, missing))
-        for check, failures in results:
-            records.append(CheckRecord(stage, served, check, not failures, failures))
+        records.append(CheckRecord(stage, served, Check.PLATFORM, True, ()))
+        records.append(CheckRecord(stage, served, Check.ROLE, not role, role))
+        records.append(CheckRecord(stage, served, Check.SUPPORTED, not unsupported, unsupported))
         if role or unsupported:
             selection_error = selection_error or (role or unsupported)[0]
             state = failed(stage, served)
             continue
+        missing = (
+            tuple(Failure(Code.REQUIREMENT_UNMET, f"does not implement {m}") for m in fact.missing)
+            if fact.missing
+            else ()
+        )
+        records.append(CheckRecord(stage, served, Check.REQUIREMENTS, not missing, missing))
         if missing:
             unmet = unmet or (served.name, fact.missing)
             state = failed(stage, served)
@@ -364,17 +410,11 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
         reason = fallback.reason if index > 0 else None
         if reason is None and origin is Origin.ROLE_OVERRIDE:
             reason = ROLE_OVERRIDE_REASONS[layer.role]
-        if (
-            reason is None
-            and requested is None
-            and len(ordered) == 1
-            and served.name == ordered[0].name
-        ):
-            reason = Reason.COMPONENT_CONSTRAINT
+        if reason is None and requested is None and len(automatic) == 1 and served in automatic:
+            reason = Reason.COMPONENT_CONSTRAINT  # the layer's only supported backend
         step(stage, Event.ACCEPTED, records, None, served)
-        reason_text = None if reason is None else reason.value
-        records.append(SelectedRecord(served, origin, reason_text))
-        return Trace(inp, tuple(records), Outcome("selected", origin, served, reason_text))
+        records.append(SelectedRecord(served, origin, reason))
+        return Trace(inp, tuple(records), Outcome(Status.SELECTED, origin, served, reason))
     while state is not State.REJECTED:
         state, _ = step(state, Event.EXHAUSTED, records, None, None)
     # SGLang names the component only when its context has a name
@@ -389,7 +429,7 @@ def run_sglang(inp: TraceInput, step: Step) -> Trace:
         message, code = "No compatible attention backend is available", Code.NO_COMPATIBLE_BACKEND
     message += suffix
     records.append(RejectedRecord(origin, code, message))
-    return Trace(inp, tuple(records), Outcome("rejected", origin, None, None, code, message))
+    return Trace(inp, tuple(records), Outcome(Status.REJECTED, origin, None, None, code, message))
 
 
 def _served(fact: HostResolution | None) -> Backend | None:

@@ -21,10 +21,18 @@ __all__ = [
     "Verdict",
     "optional_code",
     "optional_reason",
+    "to_code",
+    "to_origin",
+    "to_status",
 ]
 
 
 class _StrEnum(str, enum.Enum):
+    # A member equals its value (str.__eq__), so it hashes like it too: str's C
+    # hash, not Enum's Python-level hash of the member's name. The machine looks
+    # its transitions up by state and event, so this is on every resolution's path.
+    __hash__ = str.__hash__
+
     def __str__(self) -> str:
         return str(self.value)
 
@@ -199,12 +207,28 @@ class PackageStatus(_StrEnum):
 
 def optional_reason(value: Reason | str | None) -> Reason | None:
     """An attrs converter: ``None`` stays ``None``, a reason text becomes the member."""
-    return None if value is None else Reason(value)
+    # a member passes as it is (the machine's records: no enum lookup per record)
+    return value if value is None or type(value) is Reason else Reason(value)
 
 
 def optional_code(value: Code | str | None) -> Code | None:
     """An attrs converter: ``None`` stays ``None``, a code name becomes the member."""
-    return None if value is None else Code(value)
+    return value if value is None or type(value) is Code else Code(value)
+
+
+def to_code(value: Code | str) -> Code:
+    """An attrs converter: a code name becomes the member (a member passes as it is)."""
+    return value if type(value) is Code else Code(value)
+
+
+def to_status(value: Status | str) -> Status:
+    """An attrs converter: a status text becomes the member (a member passes as it is)."""
+    return value if type(value) is Status else Status(value)
+
+
+def to_origin(value: Origin | str) -> Origin:
+    """An attrs converter: an origin text becomes the member (a member passes as it is)."""
+    return value if type(value) is Origin else Origin(value)
 
 
 class Verdict(_StrEnum):

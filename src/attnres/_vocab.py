@@ -174,6 +174,10 @@ _DTYPE_LOOKUP: dict[str, str] = {**{d: d for d in DTYPES}, **_DTYPE_ALIASES}
 
 def normalize_dtype(value: Any) -> str:
     """Map ``"bf16"``, ``"bfloat16"`` or ``torch.bfloat16`` to ``"bfloat16"``."""
+    if type(value) is str:
+        known = _DTYPE_LOOKUP.get(value)
+        if known is not None:
+            return known
     text = value if isinstance(value, str) else str(value)
     key = text.strip().lower()
     key = key.removeprefix("torch.")

@@ -77,15 +77,41 @@ def _always(_level: int) -> bool:
 def _sink() -> tuple[Any, Any]:
     """The logger to emit through and its level test, fetched once per emission.
 
-    A configured structlog gets a fresh logger each time (never one cached at
-    import, so a later ``structlog.configure`` or ``capture_logs`` is honoured);
-    otherwise the stdlib ``attnres`` logger decides.
+    A configured structlog's logger is assembled from its configuration as it is
+    now (never one cached at import, so a later ``structlog.configure`` or
+    ``capture_logs`` is honoured). When that configuration asks for
+    ``cache_logger_on_first_use``, the assembled logger is kept while the
+    configuration stays the same objects (processors, wrapper class, logger
+    factory, context class): assembling one per event cost more than the rest of
+    the event. Otherwise the stdlib ``attnres`` logger decides.
     """
     if structlog.is_configured():
-        log = structlog.get_logger(LOGGER_NAME).bind()
-        enabled = getattr(log, "is_enabled_for", None) or getattr(log, "isEnabledFor", None)
-        return log, (enabled if enabled is not None else _always)
+        config = structlog.get_config()
+        if not config["cache_logger_on_first_use"]:
+            return _assembled()
+        key = (
+            config["processors"],
+            config["wrapper_class"],
+            config["logger_factory"],
+            config["context_class"],
+        )
+        kept = _KEPT[0] if _KEPT else None
+        if kept is not None and all(a is b for a, b in zip(kept[0], key, strict=True)):
+            return kept[1]
+        sink = _assembled()
+        _KEPT[:] = [(key, sink)]  # holds the configuration's objects: no id is reused
+        return sink
     return _FALLBACK, _STDLIB.isEnabledFor
+
+
+#: the logger assembled for the configuration it was assembled under (see _sink)
+_KEPT: list[tuple[tuple[Any, ...], tuple[Any, Any]]] = []
+
+
+def _assembled() -> tuple[Any, Any]:
+    log = structlog.get_logger(LOGGER_NAME).bind()
+    enabled = getattr(log, "is_enabled_for", None) or getattr(log, "isEnabledFor", None)
+    return log, (enabled if enabled is not None else _always)
 
 
 def _logger(level: int) -> Any | None:
@@ -117,13 +143,16 @@ def emit_resolution(trace: Trace, decision: Decision) -> None:
             if "event" in fields:  # a transition's event: not the log event's name
                 fields["machine_event"] = fields.pop("event")
             log.debug("attention record", index=index, **common, **fields)
-    if outcome.status == Status.SELECTED:
+    if outcome.status is Status.SELECTED:
+        # the outcome's fields read directly (the members' values are their text)
+        backend, reason = outcome.backend, outcome.reason
         log.info(
             "attention backend selected",
-            backend=None if decision.backend is None else decision.backend.name,
-            reason=_text(decision.reason),
-            origin=_text(decision.origin),
-            **common,
+            backend=None if backend is None else backend.name,
+            reason=None if reason is None else reason.value,
+            origin=outcome.origin.value,
+            component=decision.component,
+            layer=decision.layer,
         )
     else:
         log.warning(

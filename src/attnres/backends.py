@@ -153,6 +153,11 @@ class FrozenMap(Mapping[_K, _V], Generic[_K, _V]):
     def __getitem__(self, key: _K) -> _V:
         return self._data[key]
 
+    def get(self, key: _K, default: Any = None) -> Any:
+        # the dict's own get (Mapping.get goes through __getitem__ and KeyError):
+        # the machine's platform check reads these tables on every cold resolution
+        return self._data.get(key, default)
+
     def __iter__(self) -> Iterator[_K]:
         return iter(self._data)
 

@@ -12,7 +12,7 @@ import difflib
 import operator
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 from attrs import field, frozen
@@ -65,6 +65,8 @@ def optional_backend(what: str) -> Callable[[Backend | str | None], Backend | No
 def _backend_set(value: Iterable[Backend | str] | str | None) -> frozenset[Backend] | None:
     if value is None:
         return None
+    if type(value) is frozenset and value and all(type(v) is Backend for v in value):
+        return value  # already the field's form (Backend.parse passes a Backend as it is)
     if isinstance(value, (str, Backend)):
         value = [value]
     if not isinstance(value, Iterable):
@@ -84,6 +86,8 @@ MAX_HEAD_SIZE = 16384
 
 
 def _positive_head_size(value: Any) -> int:
+    if type(value) is int and 0 < value <= MAX_HEAD_SIZE:
+        return value
     # any integer type (numpy's, torch's) that offers __index__; never a bool
     if isinstance(value, bool):
         raise ValueError(f"head_size: expected a positive integer, got {value!r}")
@@ -147,6 +151,10 @@ def _is_bool(_: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{attribute.name}: expected True or False, got {value!r}")
 
+
+#: The requirements in their canonical order, with the field each one reads
+#: (iterating the enum itself costs more than the check, on every cold resolution).
+_REQUIREMENT_FIELDS: tuple[tuple[Requirement, str], ...] = tuple((r, r.value) for r in Requirement)
 
 #: What a misspelt requirement is matched against: the names, their words, and
 #: the short names ``attnres backends`` prints.
@@ -254,7 +262,7 @@ class Requirements:
 
     def needed(self) -> tuple[Requirement, ...]:
         """The requirements that are on, in the canonical order."""
-        return tuple(r for r in Requirement if getattr(self, r.value))
+        return tuple(r for r, name in _REQUIREMENT_FIELDS if getattr(self, name))
 
     @classmethod
     def of(
@@ -269,7 +277,7 @@ class Requirements:
         pipeline file, ``--requires`` on the command line), for the messages.
         """
         if value is None:
-            return cls()
+            return _NO_REQUIREMENTS if cls is Requirements else cls()
         if isinstance(value, Requirements):
             return value
         if isinstance(value, str):
@@ -301,6 +309,10 @@ class Requirements:
         return cls(**names)
 
 
+#: the requirements of a layer that needs nothing special (frozen: one instance serves all)
+_NO_REQUIREMENTS: Final = Requirements()
+
+
 def _requirements(value: Any) -> Requirements:
     return Requirements.of(value)
 
@@ -319,7 +331,7 @@ class LayerSpec:
     supported: frozenset[Backend] | None = field(default=None, converter=_backend_set)
     default: Backend | None = field(default=None, converter=_default_backend)
     role: Role = field(default=Role.SELF, converter=_role)
-    requirements: Requirements = field(factory=Requirements, converter=_requirements)
+    requirements: Requirements = field(default=_NO_REQUIREMENTS, converter=_requirements)
     name: str | None = field(default=None, converter=_name)
     # issue 24: the sequence-parallel layout of the call site (attnres.layout);
     # written to a trace only when set, so every older trace keeps its bytes

@@ -1105,7 +1105,7 @@ def _step(
         raise AssertionError(
             f"no transition from state {state.value!r} on event {event.value!r}"
         ) from None
-    records.append(TransitionRecord(state, event, target, candidate, sets.value if sets else None))
+    records.append(TransitionRecord(state, event, target, candidate, sets))
     return target, (reason if reason is not None else sets)
 
 
@@ -1192,9 +1192,8 @@ def run_machine(inp: TraceInput) -> Trace:
             state, reason = _step(stage, Event.CANDIDATE_FAILED, records, reason, candidate)
         if accepted is not None:
             state, reason = _step(stage, Event.ACCEPTED, records, reason, accepted)
-            reason_text = reason.value if reason is not None else None
-            records.append(SelectedRecord(accepted, found.origin, reason_text))
-            outcome = Outcome("selected", found.origin, accepted, reason_text)
+            records.append(SelectedRecord(accepted, found.origin, reason))
+            outcome = Outcome(Status.SELECTED, found.origin, accepted, reason)
             return Trace(inp, tuple(records), outcome, inp.schema_version())
         if state is stage:  # the stage ran out of candidates
             state, reason = _step(stage, Event.EXHAUSTED, records, reason)
@@ -1216,7 +1215,7 @@ def _finish_rejected(
     if inp.scope is not None:
         message += f" for component {inp.scope.component!r}"
     records.append(RejectedRecord(found.origin, code, message))
-    outcome = Outcome("rejected", found.origin, None, None, code, message)
+    outcome = Outcome(Status.REJECTED, found.origin, None, None, code, message)
     return Trace(inp, tuple(records), outcome, inp.schema_version())
 
 

@@ -18,6 +18,7 @@ lives here too: :meth:`Platform.default_chain`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.machinery
 import importlib.metadata as metadata
@@ -127,6 +128,12 @@ DEFAULT_CHAINS: Final[Mapping[str, tuple[str, ...]]] = {
     "mps": ("torch_sdpa",),
     "xpu": ("torch_sdpa",),
 }
+
+
+@functools.lru_cache(maxsize=64)
+def _backends(names: tuple[str, ...]) -> tuple[Backend, ...]:
+    """A chain's names as backends (a pure function of the names, memoised)."""
+    return tuple(Backend(n) for n in names)
 
 
 @frozen
@@ -260,7 +267,7 @@ class Platform:
         machine passes over an unusable one with a recorded reason, and does not
         count that as a fallback. The last entry is the unconditional default.
         """
-        return tuple(Backend(n) for n in DEFAULT_CHAINS[self.kind])
+        return _backends(DEFAULT_CHAINS[self.kind])
 
     def torch_at_least(self, version: tuple[int, int]) -> bool | None:
         if not self.torch_version:

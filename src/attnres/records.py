@@ -24,6 +24,7 @@ from attnres._states import (
     State,
     Verdict,
     optional_reason,
+    to_code,
 )
 from attnres.backends import Backend
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
@@ -84,7 +85,7 @@ SCHEMA_1_REQUIREMENTS: tuple[str, ...] = ("causal", "attn_mask", "packed_varlen"
 class Failure:
     """One failed check: a machine-readable code and a message for people."""
 
-    code: Code = field(converter=Code)
+    code: Code = field(converter=to_code)
     message: str
 
 
@@ -148,7 +149,7 @@ class RejectedRecord:
     """Terminal: no backend could serve the layer."""
 
     origin: Origin
-    code: Code = field(converter=Code)
+    code: Code = field(converter=to_code)
     error: str
     kind: str = field(default="rejected", init=False)
 
@@ -229,8 +230,11 @@ TUNED_STATES = frozenset({State.MEASURING})
 TUNED_EVENTS = frozenset({Event.MEASURE, Event.MEASURED_FASTER, Event.INCUMBENT_KEPT})
 
 
+_PARSE_INPUT_BACKEND = optional_backend("backend")
+
+
 def _input_backend(value: Backend | str | None) -> Backend | None:
-    return optional_backend("backend")(value)
+    return _PARSE_INPUT_BACKEND(value)
 
 
 @frozen(cache_hash=True)

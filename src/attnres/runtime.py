@@ -63,6 +63,7 @@ __all__ = [
     "component_scope",
     "force_backend",
     "lookup",
+    "lookup_traced",
     "rejection",
     "resolve",
     "resolve_entry",
@@ -447,25 +448,58 @@ def _store(
         target[key] = entry
 
 
-def _resolve_cold(inp: TraceInput, key: tuple[object, ...]) -> _CacheEntry:
-    generation = registry_generation()
-    trace = _machine.run_machine(inp)
+def lookup_traced(trace: Trace, generation: int) -> tuple[Resolution | None, Decision, Trace]:
+    """:func:`lookup` for an input whose trace the caller has just computed with
+    :func:`attnres.machine.run_machine` (issue 23: the SGLang plugin runs the pure
+    machine itself to learn which host facts the decision consults, and hands
+    the finished trace here rather than running the machine a second time).
+
+    ``generation`` is :func:`~attnres.backends.registry_generation` read before
+    the machine ran: when the registry changed since, nothing is cached (as on
+    :func:`lookup`'s cold path). Cached, audited and returned exactly as that
+    path does; records nothing. A cached entry for the same input wins (it holds
+    the same outcome: the machine is a pure function of the input).
+    """
+    inp = trace.input
+    key = _input_key(inp)
+    entry = _CACHE.get(key)
+    if entry is not None:
+        emit_cache_hit(entry[1])
+        return entry
+    return _resolve_cold(inp, key, (trace, generation))
+
+
+def _resolve_cold(
+    inp: TraceInput, key: tuple[object, ...], computed: tuple[Trace, int] | None = None
+) -> _CacheEntry:
+    if computed is None:
+        generation = registry_generation()
+        trace = _machine.run_machine(inp)
+    else:
+        trace, generation = computed
     entry = _entry_for(trace)
     emit_resolution(trace, entry[1])
     _store(key, entry, generation)
-    layer = inp.layer
-    if layer.name is not None:
-        shape = _shape_key(
-            layer,
-            inp.config,
-            inp.scope,
-            inp.platform,
-            inp.backend,
-            inp.request,
-            inp.needs_kernel,
-        )
-        _store(shape, entry, generation, _SHAPES)
+    if inp.layer.name is not None:
+        _store(_shape_key(*_input_key(inp)), entry, generation, _SHAPES)
     return entry
+
+
+def _input_key(
+    inp: TraceInput,
+) -> tuple[
+    LayerSpec, SelectionConfig, ScopeState | None, Platform, Backend | None, Backend | None, bool
+]:
+    """:func:`lookup`'s cache key of a machine input (the same fields, in its order)."""
+    return (
+        inp.layer,
+        inp.config,
+        inp.scope,
+        inp.platform,
+        inp.backend,
+        inp.request,
+        inp.needs_kernel,
+    )
 
 
 # =============================================================================

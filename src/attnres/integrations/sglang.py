@@ -52,12 +52,13 @@ from attnres.backends import (
     lookup_spec,
     on_registry_change,
     register_backend,
+    registry_generation,
 )
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.ledger import Decision, record_decision
 from attnres.machine import run_machine
 from attnres.platform import HostResolution, Platform
-from attnres.runtime import lookup
+from attnres.runtime import lookup_traced
 from attnres.scope import ScopeState
 from attnres.trace import CheckRecord, OriginRecord, Trace, TraceInput, TransitionRecord
 
@@ -502,7 +503,9 @@ def _route(
             is_cross_attention,
         )
     layer, scope, config, requested = translated
+    generation = registry_generation()
     be_tuple = _be_tuple(supported)
+    requirements = attention_requirements or selector.AttentionRequirements()
     observed: dict[str, HostResolution] = {}
     classes: dict[str, Any] = {}
     answers: dict[str, tuple[Any, Any]] = {}
@@ -511,26 +514,27 @@ def _route(
 
     def observe(name: str) -> None:
         member = None if name == "" else enum_by_name.get(name)
-        observed[name] = _observe(selector, call, be_tuple, name, member, classes)
+        observed[name] = _observe(selector, call, be_tuple, name, member, requirements, classes)
         answers[name] = (member, classes.get(observed[name].served or ""))
 
     # The machine consults its first candidate always: observe it up front. Any
     # other candidate a fallback reaches is observed when the pure machine asks
-    # for it; the decision is then made once, traced, cached and audited.
-    first = _first_candidate(inp=TraceInput(layer, config, scope, Platform(kind), requested))
-    observe(first)
+    # for it. The run that consulted only observed facts is the decision: it is
+    # handed to the resolver's cache as it is (traced, cached and audited there),
+    # not run again.
+    first = first_request(layer, config, scope, requested)
+    observe("" if first is None else first.name)
     while True:
-        trial = run_machine(
+        trace = run_machine(
             TraceInput(
                 layer, config, scope, Platform(kind, host=tuple(observed.values())), requested
             )
         )
-        consulted = _unobserved(trial, observed)
+        consulted = _unobserved(trace, observed)
         if consulted is None:
             break
         observe(consulted)
-    platform = Platform(kind, host=tuple(observed.values()))
-    _, decision, _ = lookup(layer, config, scope, platform, requested)
+    _, decision, _ = lookup_traced(trace, generation)
     _STATS["decided"] += 1
     record_decision(decision)
     outcome = decision.outcome
@@ -547,14 +551,10 @@ def _enum_by_name(enum: Any) -> dict[str, Any]:
     return {m.name.lower(): m for m in enum}
 
 
-def _first_candidate(inp: TraceInput) -> str:
-    """The candidate the ``sglang`` profile evaluates first ("": the platform's pick)."""
-    requested = first_request(inp)
-    return "" if requested is None else requested.name
-
-
+@functools.lru_cache(maxsize=256)
 def _be_tuple(supported: frozenset[Any] | None) -> tuple[Any, ...]:
-    # SGLang's own cache key: the supported backends sorted by name
+    # SGLang's own cache key: the supported backends sorted by name (a pure
+    # function of the set, memoised per set)
     return tuple(sorted(supported or (), key=lambda b: str(b.name)))
 
 
@@ -584,28 +584,33 @@ def type_of_enum(selector: types.ModuleType) -> Any:
 
 
 def _platform_kind() -> str:
+    """attnres's platform kind of SGLang's ``current_platform`` (read at every
+    decision: a test may swap the platform)."""
     try:
-        from sglang.multimodal_gen.runtime.platforms import current_platform
-
-        kind = str(getattr(current_platform, "device_type", "cpu") or "cpu")
+        platforms = sys.modules.get(_PLATFORMS) or importlib.import_module(_PLATFORMS)
+        kind = str(getattr(platforms.current_platform, "device_type", "cpu") or "cpu")
     except Exception:  # a platform that cannot say is observed through its answers only
         kind = "cpu"
-    return {"musa": "cuda"}.get(kind, kind if kind in _KINDS else "cpu")
+    return _KINDS.get(kind, "cpu")
 
 
-_KINDS: Final = ("cpu", "cuda", "rocm", "mps", "xpu", "npu")
+_PLATFORMS: Final = "sglang.multimodal_gen.runtime.platforms"
+#: SGLang's device types as attnres's platform kinds (any other: ``cpu``)
+_KINDS: Final = {
+    **{k: k for k in ("cpu", "cuda", "rocm", "mps", "xpu", "npu")},
+    "musa": "cuda",
+}
 
 
 def _unobserved(trace: Trace, observed: dict[str, HostResolution]) -> str | None:
     """The candidate the decision consulted without an observed fact, if any
     (``""``: the platform's own default)."""
     for record in trace.records:
-        if isinstance(record, CheckRecord) and any(
-            f.message == UNOBSERVED for f in record.failures
-        ):
-            name = record.candidate.name
-            return name if name not in observed else None
-        if (
+        if isinstance(record, CheckRecord):
+            if not record.passed and any(f.message == UNOBSERVED for f in record.failures):
+                name = record.candidate.name
+                return name if name not in observed else None
+        elif (
             isinstance(record, TransitionRecord)
             and record.event is Event.CANDIDATE_FAILED
             and record.candidate is None
@@ -621,29 +626,47 @@ def _observe(
     be_tuple: tuple[Any, ...],
     name: str,
     member: Any,
+    requirements: Any,
     classes: dict[str, Any],
 ) -> HostResolution:
-    sparse = bool(member is not None and member.is_sparse)
+    sparse = member is not None and _member(member)[1]
     try:
         cls = selector._cached_get_attn_backend(call["head_size"], call["dtype"], be_tuple, member)
     except ValueError as exc:
         return HostResolution(name, None, str(exc), sparse)
-    served = cls.get_enum()
-    requirements = call["attention_requirements"] or selector.AttentionRequirements()
-    served_name = served.name.lower()
+    served, served_sparse = _member(cls.get_enum())
+    served_name = served.name
     classes[served_name] = cls
     return HostResolution(
         name,
         served_name,
         None,
         sparse,
-        bool(served.is_sparse),
+        served_sparse,
         tuple(cls.unsupported_requirements(requirements)),
     )
 
 
+#: SGLang's enum members as attnres sees them: (the Backend of the member's
+#: lower-case name, the member's ``is_sparse``). Read from the enum once per
+#: member: both are facts of SGLang's (immutable) enum, not of any decision, so
+#: neither ``attnres.clear_cache()`` nor :func:`clear_memo` needs to forget them.
+_MEMBERS: dict[Any, tuple[Backend, bool]] = {}
+
+
+def _member(member: Any) -> tuple[Backend, bool]:
+    facts = _MEMBERS.get(member)
+    if facts is None:
+        facts = _MEMBERS[member] = (Backend(member.name.lower()), bool(member.is_sparse))
+    return facts
+
+
 def _backend(member: Any) -> Backend | None:
-    return None if member is None else Backend(member.name.lower())
+    return None if member is None else _member(member)[0]
+
+
+#: attnres's requirements for SGLang's ``AttentionRequirements.packed_varlen``
+_REQUIREMENTS: Final = {False: Requirements(), True: Requirements(packed_varlen=True)}
 
 
 def _translate(
@@ -655,15 +678,11 @@ def _translate(
         layer = LayerSpec(
             head_size=int(call["head_size"]),
             dtype=str(call["dtype"]).removeprefix("torch."),
-            supported=frozenset(
-                Backend(b.name.lower()) for b in call["supported_attention_backends"] or ()
-            )
+            supported=frozenset([_member(b)[0] for b in call["supported_attention_backends"] or ()])
             or None,
             default=_backend(call["default_attention_backend"]),
             role=role,
-            requirements=Requirements(
-                packed_varlen=bool(getattr(requirements, "packed_varlen", False))
-            ),
+            requirements=_REQUIREMENTS[bool(getattr(requirements, "packed_varlen", False))],
         )
     except (TypeError, ValueError, AttributeError):
         return None
