@@ -43,6 +43,7 @@ import tiny_models
 import tiny_sweep
 import torch
 from accelerate import init_empty_weights
+from generated_docs import check_generated
 
 from attnres import Platform, SelectionConfig
 from attnres._states import Status
@@ -316,15 +317,7 @@ def test_every_exported_diffusers_model_class_is_governed(update_golden: Any) ->
             *(line for line, _ in rows),
         ]
     )
-    text = DOC.read_text(encoding="utf-8")
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    fresh = f"{head}{BEGIN}\n{table}\n{END}{tail}"
-    if update_golden:
-        DOC.write_text(fresh, encoding="utf-8")
-        text = fresh
-    assert BEGIN in text and END in text, f"{DOC} has no coverage markers"
-    assert text == fresh, "docs/integrations.md's coverage table is stale: run with --update-golden"
+    check_generated(DOC, BEGIN, END, table, update_golden)
 
 
 @pytest.mark.parametrize(
@@ -356,7 +349,7 @@ def test_named_failures_of_0_2_are_sites(cls: str, least: int) -> None:
 # processor, a plain module, a module holding no processor setter, decided at first
 # call, not softmax attention, key padding); ``make test-deep`` runs every class.
 
-DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
+DEEP = os.environ.get("ATTNRES_COVERAGE_FULL") == "1"  # make test-deep sets it
 _SUBSET = (
     "AutoencoderKL",
     "AutoencoderKLMiniMaxH3Audio",
