@@ -37,7 +37,7 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-deep: $(STAMP)
-	HYPOTHESIS_PROFILE=deep $(PY) -m pytest $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=deep ATTNRES_COVERAGE_FULL=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 golden: $(STAMP)
 	$(PY) -m pytest tests/test_golden.py tests/test_autotune_golden.py \

@@ -99,6 +99,12 @@ def attention_forward(
             f"kernels; decide this component a backend transformers runs itself (eager, fa, "
             f"flex_attention)"
         )
+    if kwargs.get("s_aux") is not None:  # attention sinks (GPT-OSS): never offered them
+        raise ValueError(
+            f"attnres attention at {route.name!r} of component {route.component!r}: the call "
+            f"passes attention sinks (s_aux), which attnres's transformers function does not "
+            f"implement; decide this component a backend transformers runs itself (eager, fa)"
+        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q_length = query.shape[2]
     mask = attention_mask

@@ -18,8 +18,10 @@ Importing this module imports torch and transformers.
 
 from __future__ import annotations
 
+import dis
 import math
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -44,6 +46,7 @@ from attnres.integrations._plan import (
     refuse_to_apply,
     trains,
 )
+from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.platform import Platform
 
@@ -58,6 +61,8 @@ __all__ = [
 ]
 
 ROUTE = "transformers attention interface"
+#: a site that calls SDPA itself (the words of ``diffusers.ROUTE_GENERIC``)
+_GENERIC = "generic route"
 
 #: attnres backend -> the transformers attention function that executes it
 #: (transformers 5.24).
@@ -183,15 +188,61 @@ def _observed_requirements(module: Any, heads: int, kv_heads: int) -> Requiremen
     )
 
 
+#: a module's query projection, and its fused query/key/value one (three widths)
+_QUERY = ("q_proj", "query", "query_proj", "to_q", "q")
+_FUSED = ("qkv", "qkv_proj", "c_attn", "in_proj")
+
+
+def _query_width(module: Any) -> int | None:
+    """The width of the queries ``module`` projects, read from its projection."""
+    for names, parts in ((_QUERY, 1), (_FUSED, 3)):
+        for name in names:
+            child = getattr(module, name, None)
+            if not isinstance(child, torch.nn.Module):
+                continue
+            width = _route._int_attr(child, ("out_features", "nf", "out_channels"))
+            if width is not None and width % parts == 0:
+                return width // parts
+    return None
+
+
 def _head_facts(module: Any) -> tuple[int, int, int] | None:
-    """``(heads, kv_heads, head_size)`` from the module, else from its config."""
+    """``(heads, kv_heads, head_size)`` from the module, else from its config.
+
+    The head size is the query/key one (multi-head latent attention holds
+    ``qk_head_dim`` and a smaller ``v_head_dim``). A module that holds only one
+    of head count and head size has the other from its width: the width it
+    holds, or the one its query projection produces."""
     config = getattr(module, "config", None)
-    heads = _route._int_attr(module, ("num_heads", "num_attention_heads", "n_heads", "heads"))
+    heads = _route._int_attr(
+        module, ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads", "heads")
+    )
+    size = _route._int_attr(
+        module,
+        (
+            "qk_head_dim",
+            "head_dim",
+            "attention_head_size",
+            "key_value_proj_dim",
+            "head_size",
+            "dim_head",
+            "d_head",
+            "key_dim",
+        ),
+    )
+    width = _route._int_attr(
+        module, ("all_head_size", "internal_dim", "embed_dim", "dim_model", "dim")
+    )
+    if width is None:
+        width = _query_width(module)
+    if heads is None and size is not None and width is not None and width % size == 0:
+        heads = width // size
     if heads is None and config is not None:
         heads = _route._int_attr(config, ("num_attention_heads", "num_heads", "n_head"))
-    size = _route._int_attr(
-        module, ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
-    )
+    if size is None and heads is not None and width is not None and width % heads == 0:
+        size = width // heads
+    if size is None and config is not None:
+        size = _route._int_attr(config, ("head_dim", "d_head", "d_kv"))
     if heads is None or size is None:
         return None
     kv = _route._int_attr(module, ("num_key_value_heads", "num_kv_heads"))
@@ -203,12 +254,58 @@ def _head_facts(module: Any) -> tuple[int, int, int] | None:
     return heads, (kv if kv is not None and heads % kv == 0 else heads), size
 
 
+#: the classes every transformers model shares: their methods (which name the
+#: attention interface to configure it) are not a model's attention code
+_SHARED_BASES = frozenset(transformers.PreTrainedModel.__mro__)
+
+#: how a module computes attention, read from what its own code calls
+_INTERFACE, _SDPA, _BY_HAND = "interface", "sdpa", "by hand"
+#: names that, with a softmax, mean softmax attention computed by hand
+_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "@"})
+
+
+def _own_calls(module: Any) -> frozenset[str]:
+    """What the code of ``module``'s own classes names (not torch's, and not the
+    base classes every transformers model shares); ``@`` when it multiplies
+    matrices with the operator (which names nothing)."""
+    functions = [
+        value
+        for cls in type(module).__mro__
+        if cls not in _SHARED_BASES and not cls.__module__.startswith("torch.")
+        for value in vars(cls).values()
+        if isinstance(value, types.FunctionType)
+    ]
+    names = _route.calls_of(functions, depth=1)
+    if "softmax" in names and any(_matmul_operator(f.__code__) for f in functions):
+        names |= {"@"}
+    return names
+
+
+def _matmul_operator(code: types.CodeType) -> bool:
+    if any(i.opname == "BINARY_OP" and i.argrepr == "@" for i in dis.get_instructions(code)):
+        return True
+    return any(_matmul_operator(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _kind(module: Any, calls: frozenset[str]) -> str | None:
+    """How ``module``'s own code computes attention (observed, never by class name):
+    through the attention interface, by calling SDPA itself, or by hand (a
+    softmax of a product); ``None``: it computes none."""
+    if _route.INTERFACE in calls and hasattr(
+        getattr(module, "config", None), "_attn_implementation"
+    ):
+        return _INTERFACE
+    if _route.SDPA in calls:
+        return _SDPA
+    if "softmax" in calls and calls & _PRODUCTS:
+        return _BY_HAND
+    return None
+
+
 def _is_interface_site(module: Any) -> bool:
     """Whether the module's own code looks its attention function up in
     ``ALL_ATTENTION_FUNCTIONS`` (observed, never by class name)."""
-    if not hasattr(getattr(module, "config", None), "_attn_implementation"):
-        return False
-    return _route.INTERFACE in _route.calls_of(_route.methods_of(module), depth=1)
+    return _kind(module, _own_calls(module)) == _INTERFACE
 
 
 def custom_scale(scale: object, head_size: int) -> bool:
@@ -247,26 +344,59 @@ def _compute_dtype(module: Any, model: Any) -> str:
 def describe_sites(model: Any, component: str, dtype: str | None = None) -> list[SiteDescription]:
     """Every attention site of ``model``, described for the resolver (nothing changed).
 
-    A site is a module whose own code calls the attention interface; modules
-    inside a site are part of it. A ``torch.nn.MultiheadAttention`` (SigLIP's
-    pooling head) is a site of its own code path.
+    A site is a module whose own code computes attention (observed, see
+    :func:`_kind`); modules inside a site are part of it:
+
+    - it calls the attention interface: the site runs the function its
+      model's config names (the innermost such module: a stack that names the
+      interface to build masks holds attention modules that call it);
+    - it calls SDPA itself: the generic route (:mod:`._route`) runs the kernel
+      it was decided, as in diffusers;
+    - it computes a softmax of a product by hand: its own code path, ``eager``
+      only (where its code also calls SDPA, only when its config selects
+      ``eager``);
+    - a ``torch.nn.MultiheadAttention`` (SigLIP's pooling head) is a site of
+      its own code path.
     """
-    supported = route_backends(model)
     backward = trains(model)
     current_name = getattr(model.config, "_attn_implementation", None)
     out: list[SiteDescription] = []
     modules = [(n, m) for n, m in model.named_modules() if n]
-    # the innermost modules whose code calls the interface are the sites (a stack
-    # that names it to build masks holds attention modules that call it)
-    calling = [n for n, m in modules if _is_interface_site(m)]
-    sites = {n for n in calling if not any(c.startswith(n + ".") for c in calling)}
+    by_name = dict(modules)
+    calls: dict[type, frozenset[str]] = {}
+    kinds: dict[str, str] = {}
+    for name, module in modules:
+        if isinstance(module, torch.nn.MultiheadAttention):
+            continue
+        own = calls.get(type(module))
+        if own is None:
+            own = calls[type(module)] = _own_calls(module)
+        kind = _kind(module, own)
+        if kind == _SDPA and "softmax" in own and own & _PRODUCTS:
+            # both paths in its code: the config picks one (Falcon)
+            implementation = getattr(getattr(module, "config", None), "_attn_implementation", "")
+            kind = _BY_HAND if implementation == "eager" else _SDPA
+        if kind is not None:
+            kinds[name] = kind
+    api = _innermost(n for n, k in kinds.items() if k != _BY_HAND)
+    hand = _innermost(
+        n
+        for n, k in kinds.items()
+        if k == _BY_HAND and not any(_nested(n, a) or _nested(a, n) for a in api)
+    )
     for name, module in modules:
         site_dtype = dtype or _compute_dtype(module, model)
         if isinstance(module, torch.nn.MultiheadAttention):
             parent = model.get_submodule(name.rpartition(".")[0])
             out.append(_route.describe_mha(component, name, module, site_dtype, backward, parent))
             continue
-        if name not in sites:
+        if name in hand:
+            out.append(_describe_own(component, name, module, site_dtype, backward, kinds[name]))
+            continue
+        if name not in api:
+            continue
+        if kinds[name] == _SDPA:
+            out.append(_describe_own(component, name, module, site_dtype, backward, _SDPA))
             continue
         cls = type(module).__name__
         facts = _head_facts(module)
@@ -302,7 +432,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
                 name=name,
                 module_class=cls,
                 route=ROUTE,
-                supported=supported,
+                supported=_site_backends(_owner(by_name, name, model), module),
                 head_size=head_size,
                 heads=heads,
                 kv_heads=kv_heads,
@@ -315,6 +445,82 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
             )
         )
     return out
+
+
+def _owner(modules: Mapping[str, Any], name: str, model: Any) -> Any:
+    """The innermost transformers model holding the module ``name``: its class
+    says which attention functions its code takes (a composite model's language
+    model is a model of its own)."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        owner = modules.get(".".join(parts[:end]))
+        if isinstance(owner, transformers.PreTrainedModel):
+            return owner
+    return model
+
+
+def _site_backends(owner: Any, module: Any) -> frozenset[Backend]:
+    """What the attention interface can execute at one site. A module holding
+    attention sinks (``sinks``, passed as ``s_aux``: GPT-OSS) runs only
+    transformers' own functions, which implement them; attnres's does not."""
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+        return _native_backends(owner)
+    return route_backends(owner)
+
+
+def _nested(inner: str, outer: str) -> bool:
+    return inner.startswith(outer + ".")
+
+
+def _innermost(names: Iterable[str]) -> set[str]:
+    found = list(names)
+    return {n for n in found if not any(_nested(c, n) for c in found)}
+
+
+def _describe_own(
+    component: str, name: str, module: Any, dtype: str, backward: bool, kind: str
+) -> SiteDescription:
+    """A module that calls SDPA itself (the generic route) or computes softmax
+    attention by hand (its own code path, ``eager`` only). Its mask is whatever
+    its own code builds: observed at its first call on the generic route."""
+    cls = type(module).__name__
+    facts = _head_facts(module)
+    routed = kind == _SDPA
+    only = Backend("torch_sdpa" if routed else "eager")
+    heads, kv_heads, head_size = facts if facts is not None else (None, None, None)
+    req = Requirements(causal=getattr(module, "is_causal", False) is True)
+    if facts is not None:
+        req = _with_call_facts(
+            attrs.evolve(req, gqa=facts[1] < facts[0]), module, facts[2], backward
+        )
+    return SiteDescription(
+        component=component,
+        name=name,
+        module_class=cls,
+        route=(
+            f"{_GENERIC} (SDPA in {cls})"
+            if routed
+            else f"eager in {cls} (softmax attention by hand)"
+        ),
+        supported=None if routed else frozenset({only}),
+        head_size=head_size,
+        heads=heads,
+        kv_heads=kv_heads,
+        dtype=dtype,
+        role=_self(name, module),
+        requirements=attrs.evolve(req, backward=backward),
+        current=only,
+        pending=routed and facts is None,
+        routed=routed,
+        why=None
+        if facts is not None
+        else (
+            f"{cls} holds no head count and head size; they are read from the query, key "
+            f"and value of its first call"
+            if routed
+            else f"{cls} holds no head count or head size attnres can read"
+        ),
+    )
 
 
 # =============================================================================
@@ -371,26 +577,34 @@ def prepare(
     problems: list[str] = []
     actions: list[Callable[[], None]] = []
     for site in result.sites:
-        if site.component != component or site.resolution is None:
+        if site.component != component or (site.resolution is None and not site.pending):
             continue
         module = modules.get(site.name)
         if module is None:
             problems.append(f"{component}/{site.name}: module not found in the model")
             continue
-        if site.routed:  # issue 19: a MultiheadAttention (SigLIP's pooling head)
-            if site.resolution.backend != site.current:  # what it runs already: nothing
-                actions.append(_mha_installer(model, module, site, result))
+        if site.routed:
+            # a module calling SDPA itself, or a MultiheadAttention (SigLIP's pooling
+            # head): the generic route, installed only where the decision differs
+            # from what the site runs (or it is decided at its first call)
+            backend_now = None if site.resolution is None else site.resolution.backend
+            if site.pending or backend_now != site.current:
+                if backend_now is not None and get_kernel(backend_now.name) is None:
+                    problems.append(
+                        f"{component}/{site.name}: attnres has no kernel for {backend_now.name}"
+                    )
+                    continue
+                actions.append(_route_installer(model, component, module, site, result))
             continue
-        if isinstance(module, torch.nn.MultiheadAttention):
-            # its own code path only (its supported set is what it runs): nothing
-            # to install, whatever was decided is what runs
-            continue
+        if site.route != ROUTE or site.resolution is None:
+            continue  # its own code path runs what it was decided (or it was rejected)
         backend = site.resolution.backend.name
         function = _FUNCTIONS.get(backend)
         spec = site.spec
-        if Backend(backend) not in _native_backends(model) and Backend(
+        owner = _owner(modules, site.name, model)
+        if Backend(backend) not in _native_backends(owner) and Backend(
             backend
-        ) in _hf_attention.backends_for(type(model)):
+        ) in _hf_attention.backends_for(type(owner)):
             function = _hf_attention.NAME  # issue 22: attnres's own function runs it
         if function is None:
             problems.append(
@@ -421,14 +635,23 @@ def prepare(
 _ROUTED_ATTR = "_attnres_routed"
 
 
-def _mha_installer(
-    model: Any, module: Any, site: Site, result: IntegrationPlan
+def _route_installer(
+    model: Any, component: str, module: Any, site: Site, result: IntegrationPlan
 ) -> Callable[[], None]:
+    """Install the generic route on one site: a module that calls SDPA itself (as
+    diffusers' sites), or a MultiheadAttention (its own math, the attention the
+    decided kernel)."""
+
     def install() -> None:
         route = _route.site_route(site, result.config, result.platform)
-        _route.install_route(module, route, _route.mha_forward(module, route))
+        own = (
+            _route.mha_forward(module, route)
+            if isinstance(module, torch.nn.MultiheadAttention)
+            else None
+        )
+        _route.install_route(module, route, own)
         route.tie(module)
-        model.__dict__.setdefault(_ROUTED_ATTR, {})[site.name] = module
+        model.__dict__.setdefault(_ROUTED_ATTR, {})[site.name] = (component, module)
 
     return install
 
@@ -519,7 +742,15 @@ def verify_model(model: Any) -> list[Problem]:
                         ),
                     )
                 )
-    return problems
+    return problems + _verify_routes(model)
+
+
+def _verify_routes(model: Any) -> list[Problem]:
+    return [
+        Problem(component, name, "the generic route apply installed is gone")
+        for name, (component, module) in model.__dict__.get(_ROUTED_ATTR, {}).items()
+        if _route.installed_route(module) is None
+    ]
 
 
 def verify(model: Any) -> list[Problem]:
@@ -536,7 +767,7 @@ def remove(model: Any) -> int:
         for _, _, module in rec.sites:
             _hf_attention.unbind_module(module)  # issue 22
     routed = model.__dict__.pop(_ROUTED_ATTR, {})
-    for module in routed.values():
+    for _, module in routed.values():
         _route.remove_route(module)
     return len({name for rec in installs for _, name, _ in rec.sites} | set(routed))
 
