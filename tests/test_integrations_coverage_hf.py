@@ -17,10 +17,9 @@ and planned as a strict component three ways:
   cannot route, counted in the table as ``own path``: softmax attention
   computed by hand (``eager`` only) and a ``torch.nn.MultiheadAttention`` whose
   caller asks for the weights (SigLIP's pooling head) -- and interface sites
-  transformers does not offer other functions (the class does not declare
-  ``_supports_attention_backend``,
-  or the module holds attention sinks), counted as ``not offered by the
-  class``.
+  transformers keeps to its own functions (the class itself sets
+  ``_supports_attention_backend = False``, or leaves it unset and sets
+  ``_supports_sdpa = False``, or the module holds attention sinks), counted as ``not offered by the class``.
 
 A type whose model cannot be built (a missing optional library such as timm,
 a default config that does not construct) is listed with the reason. The
@@ -76,7 +75,7 @@ import pytest
 import torch
 import transformers
 from generated_docs import check_generated
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
@@ -272,19 +271,25 @@ def _own_path(site: Any) -> bool:
 
 
 def _not_offered(model: Any, site: Any) -> bool:
-    """An interface site whose transformers model class does not declare
-    ``_supports_attention_backend`` (or that holds attention sinks): only
-    transformers' own functions run it, none of which is sage -- a fact read
-    from the class, counted apart in the table."""
+    """An interface site transformers' class keeps to its own functions (none of
+    which is sage) -- a fact read from the class, counted apart in the table: the
+    class itself sets ``_supports_attention_backend = False`` or ``_supports_sdpa =
+    False`` (attnres's function follows the ``sdpa`` function's calling
+    convention; read only where the first flag is not set either way), or the
+    module holds attention sinks."""
     if site.route != itf.ROUTE or site.site_error is None:
         return False
     if site.site_error.code != "not_in_supported_set":
         return False
     modules = dict(model.named_modules())
-    owner = itf._owner(modules, site.name, model)
-    return not getattr(type(owner), "_supports_attention_backend", False) or isinstance(
-        getattr(modules[site.name], "sinks", None), torch.Tensor
+    owner = type(itf._owner(modules, site.name, model))
+    own_classes = owner.__mro__[: owner.__mro__.index(PreTrainedModel)]
+    backend, sdpa = (
+        next((vars(k)[flag] for k in own_classes if flag in vars(k)), None)
+        for flag in ("_supports_attention_backend", "_supports_sdpa")
     )
+    opted_out = backend is False or (backend is None and sdpa is False)
+    return opted_out or isinstance(getattr(modules[site.name], "sinks", None), torch.Tensor)
 
 
 def _sage_plan(model: Any) -> Any:
