@@ -121,8 +121,20 @@ def attention_forward(
     # the call's facts, checked once per signature against the plan (issue 19)
     kernel = route.kernel_for(query, key, mask, dropout, causal, scaling, -3, arguments=arguments)
     if arguments:  # resolved to eager (a fallback component): the model's own
+        # eager adds its mask: the boolean one sdpa_mask built, as eager's additive one
+        # (or the causal flag it left for a plain causal call)
+        keep = attention_mask
+        if keep is None and causal:
+            q_len, kv_len = query.shape[2], key.shape[2]
+            keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
+            keep = keep.tril(kv_len - q_len)[None, None]
+        additive = keep
+        if keep is not None and keep.dtype == torch.bool:
+            additive = torch.zeros_like(keep, dtype=query.dtype).masked_fill(
+                ~keep, torch.finfo(query.dtype).min
+            )
         out, weights = _own_eager(module)(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            module, query, key, value, additive, dropout=dropout, scaling=scaling, **kwargs
         )
         return out, weights
     if kernel is None:  # resolved again to torch SDPA (dropout, a fallback): run it here
