@@ -19,7 +19,8 @@ and planned as a strict component three ways:
   caller asks for the weights (SigLIP's pooling head) -- and interface sites
   transformers keeps to its own functions (the class itself sets
   ``_supports_attention_backend = False``, or leaves it unset and sets
-  ``_supports_sdpa = False``, or the module holds attention sinks), counted as ``not offered by the class``.
+  ``_supports_sdpa = False``, or the module holds attention sinks), counted as
+  ``not offered by the class``.
 
 A type whose model cannot be built (a missing optional library such as timm,
 a default config that does not construct) is listed with the reason. The

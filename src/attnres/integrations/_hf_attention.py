@@ -21,7 +21,9 @@ anything with an adapter -- and not only the handful transformers ships.
   heads, dtype, dropout), through the same first-call check as every other
   routed site: a difference resolves the site again with the observed facts
   (traced, "observed at first call: ..."), or raises ``ResolutionError``
-  naming the site and the fact in a strict component. T5's ``position_bias``
+  naming the site and the fact in a strict component; so is a call argument no
+  attnres kernel takes (``softcap``, attention sinks, sparse indices), which
+  only the model's own eager function serves. T5's ``position_bias``
   (an additive mask) reaches a kernel only as a float mask -- a site planned
   for it was given a kernel that takes additive masks.
 
@@ -188,8 +190,9 @@ def backends_for(model_class: type) -> frozenset[Backend]:
     call (:data:`_OWN_ONLY`). What keeps a class to transformers' own functions
     is an opt-out the class sets itself: ``_supports_attention_backend = False``
     (Gemma 4, BLT, Florence-2, Evolla, Inkling...) or, where it does not declare
-    that flag either way, ``_supports_sdpa = False`` (Speech2Text, PegasusX, NLLB-MoE...: attnres's function follows the calling
-    convention of the ``sdpa`` function, and its mask function is ``sdpa_mask``)."""
+    that flag either way, ``_supports_sdpa = False`` (Speech2Text, PegasusX,
+    NLLB-MoE...: attnres's function follows the calling convention of the
+    ``sdpa`` function, and its mask function is ``sdpa_mask``)."""
     declared = _declared(model_class, "_supports_attention_backend")
     if declared is False or (
         declared is None and _declared(model_class, "_supports_sdpa") is False
