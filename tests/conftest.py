@@ -65,22 +65,26 @@ def _fresh_attnres_state() -> Iterator[None]:
 
 @pytest.fixture
 def varlen_fakes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Issue 22: fakes of flash_attn, flash_attn_interface and sageattention with
-    their real varlen signatures (tests/test_masks.py), installed for one test;
-    yields the ``Calls`` record every fake appends to."""
+    """Issue 22: fakes of flash_attn, flash_attn.cute (FA4), flash_attn_interface,
+    sageattention and aiter with their real varlen signatures (tests/test_masks.py),
+    installed for one test; yields the ``Calls`` record every fake appends to."""
     from test_kernels_fakes import Calls, fake_flash_attn
-    from test_masks import fake_fa3, fake_sage
+    from test_masks import fake_aiter_varlen, fake_fa3, fake_fa4, fake_sage
 
     from attnres._varlen import clear_varlen_cache
     from attnres.kernels import clear_kernel_cache
 
     calls = Calls()
     for name in list(sys.modules):
-        if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "sageattention"):
+        if name.split(".")[0] in (
+            "flash_attn", "flash_attn_interface", "sageattention", "aiter",
+        ):  # fmt: skip
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn(calls))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4(calls))
     monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3(calls))
     monkeypatch.setitem(sys.modules, "sageattention", fake_sage(calls))
+    monkeypatch.setitem(sys.modules, "aiter", fake_aiter_varlen(calls))
     clear_kernel_cache()
     clear_varlen_cache()
     yield calls

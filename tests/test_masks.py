@@ -25,7 +25,9 @@ from reference import reference
 from test_kernels_fakes import (
     Calls,
     _fake_core,
+    fake_aiter,
     fake_flash_attn,
+    fake_flash_attn_cute,
     fake_flash_attn_interface,
     fake_sageattention,
 )
@@ -33,10 +35,14 @@ from test_kernels_fakes import (
 import attnres
 from attnres import Attention, LayerSpec, Platform, ResolutionError, resolve
 from attnres._varlen import (
+    PLANS_KEPT,
     MaskKindError,
     clear_varlen_cache,
     is_prefix,
+    mask_plan,
     observe_mask,
+    pack,
+    packing,
     pad,
     padded_kernel,
     route_kernel,
@@ -171,6 +177,157 @@ def fake_sage(calls: Calls) -> types.ModuleType:
     return module
 
 
+def fake_fa4(calls: Calls, *, qv_fourth: bool = True) -> types.ModuleType:
+    """flash-attn-4 (flash_attn/cute/interface.py, flash-attention 0251105a): the
+    dense fake plus ``flash_attn_varlen_func``. ``qv_fourth``: today's signature,
+    ``qv`` fourth (since f219c89c); False: the older one, ``cu_seqlens_q`` fourth."""
+
+    def varlen(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        qv: torch.Tensor | None,
+        cu_seqlens_q: torch.Tensor | None,
+        cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int | None,
+        max_seqlen_k: int | None,
+        softmax_scale: float | None,
+        causal: bool,
+        extra: dict[str, Any],
+    ) -> Any:
+        calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k, **extra})
+        assert qv is None, "fake: qv (MLA weight absorption) is not modelled"
+        assert cu_seqlens_q is not None and cu_seqlens_k is not None, "fake: packed layout only"
+        assert v.dtype in [torch.float16, torch.bfloat16], (  # fp8 (forward only): not modelled
+            "inputs must be float16, bfloat16, fp8 e4m3fn, or fp8 e5m2"
+        )
+        assert q.dtype == k.dtype == v.dtype, "q, k, v, and qv must have the same dtype"
+        for cu in (cu_seqlens_q, cu_seqlens_k):
+            assert cu.dtype == torch.int32, (
+                "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be int32"
+            )
+            assert cu.stride(0) == 1, (
+                "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be contiguous"
+            )
+        assert q.shape[1] % k.shape[1] == 0, "num_head must be divisible by num_head_kv"
+        alignment = 16 // q.element_size()
+        assert 8 <= q.shape[-1] <= 256 and q.shape[-1] % alignment == 0, (
+            f"head_dim must be between 8 and 256 and divisible by {alignment}"
+        )
+        starts_q, starts_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        out = _per_sequence(q, k, v, starts_q, starts_k, softmax_scale, causal)
+        lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+        return out, lse  # FlashAttnVarlenFunc.forward returns (out, lse)
+
+    if qv_fourth:
+
+        def flash_attn_varlen_func(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            qv: torch.Tensor | None = None,
+            cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None,
+            min_seqlen_k: int | None = None,
+            seqused_q: torch.Tensor | None = None,
+            seqused_k: torch.Tensor | None = None,
+            gather_kv_indices: torch.Tensor | None = None,
+            page_table: torch.Tensor | None = None,
+            softmax_scale: float | None = None,
+            causal: bool = False,
+            window_size: tuple[int | None, int | None] = (None, None),
+            learnable_sink: torch.Tensor | None = None,
+            softcap: float = 0.0,
+            num_splits: int = 1,
+            pack_gqa: bool | None = None,
+            deterministic: bool = False,
+            **rest: Any,  # score_mod ... disable_scheduler_metadata: not modelled
+        ) -> Any:
+            extra = {"deterministic": deterministic, "pack_gqa": pack_gqa}
+            return varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, softmax_scale, causal, extra)  # fmt: skip
+
+    else:
+
+        def flash_attn_varlen_func(  # type: ignore[misc]
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None,
+            seqused_q: torch.Tensor | None = None,
+            seqused_k: torch.Tensor | None = None,
+            page_table: torch.Tensor | None = None,
+            softmax_scale: float | None = None,
+            causal: bool = False,
+            **rest: Any,
+        ) -> Any:
+            return varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, softmax_scale, causal, {})  # fmt: skip
+
+    cute = fake_flash_attn_cute(calls, returns_tuple=True)["flash_attn.cute"]
+    cute.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
+    return cute
+
+
+def fake_aiter_varlen(calls: Calls) -> types.ModuleType:
+    """AMD aiter (aiter/ops/mha.py, ROCm/aiter e4048607): the dense fake plus
+    ``flash_attn_varlen_func`` with the checks of mha_varlen_fwd_kernels.cu."""
+
+    def flash_attn_varlen_func(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        min_seqlen_q: int = 0,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        logits_soft_cap: float = 0.0,
+        causal: bool = False,
+        window_size: tuple[int, ...] = (-1, -1, 0),
+        bias: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        deterministic: bool = False,
+        return_lse: bool = False,
+        return_attn_probs: bool = False,
+        **rest: Any,  # how_v3_bf16_cvt, block_table, out, cu_seqlens_*_padded, sink_ptr
+    ) -> Any:
+        calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k,
+                           "dropout_p": dropout_p, "min_seqlen_q": min_seqlen_q})  # fmt: skip
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("FlashAttention only support fp16, bf16 and fp8_e4m3 data type")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise RuntimeError("query and key must have the same dtype")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu.dtype != torch.int32:
+                raise RuntimeError(f"{name} must have dtype int32")
+            if not cu.is_contiguous():
+                raise RuntimeError(f"{name} must be contiguous")
+        if any(t.stride(-1) != 1 for t in (q, k, v)):
+            raise RuntimeError("Input tensor must have contiguous last dimension")
+        if q.shape[-1] > 256:
+            raise RuntimeError("CK only supports head dimension at most 256")
+        if dropout_p != 0.0:
+            raise NotImplementedError("the fake implements dropout_p == 0 only")
+        starts_q, starts_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        out = _per_sequence(q, k, v, starts_q, starts_k, softmax_scale, causal)
+        result = [out]
+        if return_lse:
+            result.append(torch.zeros(q.shape[1], q.shape[0]))
+        return result[0] if len(result) == 1 else tuple(result)
+
+    module = fake_aiter(calls, one_tuple=False)
+    module.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
+    return module
+
+
 # ------------------------------------------------------------------ vocabulary
 
 
@@ -264,6 +421,20 @@ def test_rule_key_padding_is_taken_by_unpadding(backend: str) -> None:
     assert resolution.backend.name == backend
 
 
+@pytest.mark.parametrize(
+    ("backend", "platform"), [("fa4", "cuda:sm90+flash_attn_4"), ("aiter", "rocm:gfx942+all")]
+)
+def test_rule_key_padding_is_taken_by_unpadding_on_fa4_and_aiter(
+    backend: str, platform: str
+) -> None:
+    spec = LayerSpec(128, "bf16", requirements=["causal", "key_padding"], name="site")
+    config = SelectionConfig(global_backend=backend, global_backend_explicit=True)
+    resolution = resolve(spec, config=config, platform=Platform.simulate(platform))
+    assert resolution.backend.name == backend
+    support = get_spec(backend).mask_support(MaskKind.KEY_PADDING)
+    assert support is not None and support.route is MaskRoute.UNPAD
+
+
 @pytest.mark.parametrize("kind", ["additive", "boolean"])
 def test_rule_a_varlen_kernel_rejects_other_mask_kinds_naming_them(kind: str) -> None:
     with pytest.raises(ResolutionError) as info:
@@ -296,8 +467,14 @@ def test_rule_bottom_right_causal_cross_attention() -> None:
     assert _strict("fa", ["bottom_right"], role="cross").backend.name == "fa"
     with pytest.raises(ResolutionError, match="bottom-right aligned causal cross-attention"):
         _strict("torch_sdpa", ["bottom_right"], role="cross")
+    # sageattn_varlen: causal "Only applicable when qo_len == kv_len for each sequence"
+    with pytest.raises(ResolutionError, match="takes causal only with equal query and key"):
+        _strict("sage_attn", ["causal", "bottom_right"], role="cross")
+    blackwell = Platform.simulate("cuda:sm120+sageattn3")
+    cross = LayerSpec(128, "bf16", requirements=["causal", "bottom_right"], role="cross")
+    config = SelectionConfig(global_backend="sage_attn_3", global_backend_explicit=True)
     with pytest.raises(ResolutionError, match="no varlen adapter"):
-        _strict("fa4", ["bottom_right"], role="cross")
+        resolve(cross, config=config, platform=blackwell)
 
 
 # ------------------------------------------------------------------ observing a mask
@@ -418,7 +595,7 @@ def test_unpad_pad_round_trip_and_cu_seqlens() -> None:
 
 # ------------------------------------------------------------------ numerics
 
-UNPAD_BACKENDS = ("fa", "fa3", "sage_attn")
+UNPAD_BACKENDS = ("fa", "fa3", "fa4", "sage_attn", "aiter")
 
 
 def _route(backend: str) -> Any:
@@ -557,12 +734,14 @@ class _installed:
     """The fakes for one Hypothesis example (function-scoped fixtures do not reset)."""
 
     def __enter__(self) -> None:
-        self.saved = {n: sys.modules.get(n) for n in ("flash_attn", "flash_attn_interface",
-                                                      "sageattention")}  # fmt: skip
+        self.saved = {n: sys.modules.get(n) for n in ("flash_attn", "flash_attn.cute",
+                      "flash_attn_interface", "sageattention", "aiter")}  # fmt: skip
         calls = Calls()
         sys.modules["flash_attn"] = fake_flash_attn(calls)
+        sys.modules["flash_attn.cute"] = fake_fa4(calls)
         sys.modules["flash_attn_interface"] = fake_fa3(calls)
         sys.modules["sageattention"] = fake_sage(calls)
+        sys.modules["aiter"] = fake_aiter_varlen(calls)
         clear_kernel_cache()
         clear_varlen_cache()
 
@@ -643,3 +822,155 @@ def test_unpad_route_takes_chroma_and_transformers_4d_masks(
     ):
         out = _route(backend)(q, k, v, mask, False, None)
         _check(out, q, k, v, valid, causal, marks_queries=True)
+
+
+# ------------------------------------------------------------------ mask plans (kept per mask)
+
+
+def test_mask_plan_is_kept_for_the_same_mask_and_matches_a_fresh_one() -> None:
+    valid = _padding([5, 2, 0], 5, left=True)
+    mask = valid[:, None, None, :]
+    first = mask_plan(mask, 3, 5, 5, causal=True)
+    assert first.keys is not None and first.keys is first.queries  # query i tied to key i
+    assert first.keys.padded is None  # a mask used once: pad zero-fills
+    second = mask_plan(mask, 3, 5, 5, causal=True)  # used again: padded positions, once
+    assert second.keys is not None and second.keys.padded is not None
+    assert mask_plan(mask, 3, 5, 5, causal=True) is second  # further layers: nothing rebuilt
+    shared = mask_plan(mask, 3, 5, 5)  # not causal: a mask every query shares
+    assert shared is not second and shared.queries is not None
+    assert shared.queries.cu_seqlens.tolist() == [0, 5, 10]  # every query of rows 0 and 1
+    fresh = unpad(torch.zeros(3, 5, 1, 1), valid)
+    assert torch.equal(second.keys.indices, fresh.indices)
+    assert torch.equal(second.keys.cu_seqlens, fresh.cu_seqlens)
+    assert sorted([*second.keys.indices.tolist(), *second.keys.padded.tolist()]) == list(range(15))
+    assert torch.equal(second.keys.padded, packing(valid, with_padded=True).padded)
+    cross = mask_plan(mask, 3, 2, 5)  # other shapes: another plan
+    assert cross is not second and cross.queries is not None
+    assert cross.queries.cu_seqlens.tolist() == [0, 2, 4]
+    cross = mask_plan(mask, 3, 2, 5)
+    assert cross.queries is not None and cross.queries.padded is not None
+    assert cross.queries.padded.tolist() == [4, 5]  # the fully padded row's queries
+
+
+def test_mask_plan_sees_a_mask_changed_in_place(varlen_fakes: Calls) -> None:
+    """The version counter: a change through the mask or any view of it is a new plan,
+    and the route's output follows the new mask."""
+    valid = _padding([6, 4], 6)
+    q, k, v = _qkv(2, 6, 6, 4, 2, torch.float16, 21)
+    mask = valid[:, None, None, :].clone()
+    route = _route("fa")
+    _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+    before = mask_plan(mask, 2, 6, 6)
+    mask[1, 0, 0, 5] = True  # in place, on the mask itself
+    valid[1, 5] = True
+    assert mask_plan(mask, 2, 6, 6) is not before
+    _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+    base = torch.ones(2, 6, dtype=torch.bool)
+    view = base[:, None, None, :]
+    kept = mask_plan(view, 2, 6, 6)
+    base[0, :3] = False  # through the base: the view shares its version counter
+    assert mask_plan(view, 2, 6, 6) is not kept
+    _check(route(q, k, v, view, False, None), q, k, v, base, False)
+
+
+def test_mask_plan_of_another_mask_with_the_same_shape_is_its_own(varlen_fakes: Calls) -> None:
+    q, k, v = _qkv(2, 6, 6, 4, 4, torch.float16, 22)
+    route = _route("sage_attn")
+    for lengths in ([6, 1], [2, 5], [6, 1]):  # equal shapes, other objects and contents
+        valid = _padding(lengths, 6, left=True)
+        mask = valid[:, None, None, :]
+        for _ in range(3):  # first use (zero-filled pad), then the kept plan (padded rows)
+            _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+    q = _qkv(3, 4, 6, 4, 4, torch.float16, 23)[0]  # cross-attention, a fully padded row
+    k, v = _qkv(3, 6, 6, 4, 4, torch.float16, 24)[1:]
+    valid = _padding([6, 0, 2], 6)
+    mask = valid[:, None, None, :]
+    for _ in range(3):
+        _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+
+
+def test_mask_plans_are_bounded_dropped_with_their_mask_and_cleared() -> None:
+    from attnres import _varlen
+
+    clear_varlen_cache()
+    masks = [_padding([4, n], 4)[:, None, None, :] for n in range(PLANS_KEPT + 3)]
+    for each in masks:
+        mask_plan(each, 2, 4, 4)
+    del each
+    assert len(_varlen._PLANS) == PLANS_KEPT
+    masks.pop()  # freed: its plan goes with it
+    assert len(_varlen._PLANS) == PLANS_KEPT - 1
+    clear_varlen_cache()  # one invalidation with the varlen adapters (registry changes)
+    assert not _varlen._PLANS
+
+
+def test_mask_plans_keep_inference_apart_and_keep_no_inference_tensor() -> None:
+    mask = _padding([3, 1], 3)[:, None, None, :]
+    with torch.inference_mode():
+        inside = mask_plan(mask, 2, 3, 3)
+        built_inside = torch.ones(2, 1, 1, 3, dtype=torch.bool)
+        assert mask_plan(built_inside, 2, 3, 3) is not mask_plan(built_inside, 2, 3, 3)
+    outside = mask_plan(mask, 2, 3, 3)
+    assert outside is not inside  # inference-mode indices cannot be saved for backward
+    assert outside.keys is not None and not outside.keys.indices.is_inference()
+    q = torch.randn(2, 3, 1, 4, requires_grad=True)
+    pack(q, outside.keys).sum().backward()
+    assert q.grad is not None and torch.equal(q.grad[:, :, 0, 0], mask[:, 0, 0].float())
+
+
+def test_pad_zeroes_only_the_padded_rows_when_told_which() -> None:
+    valid = _padding([3, 0, 2], 4, left=True)
+    where = packing(valid, with_padded=True)
+    assert where.padded is not None
+    rows = torch.randn(int(valid.sum()), 2, 3)
+    assert torch.equal(pad(rows, where.indices, 3, 4, where.padded), pad(rows, where.indices, 3, 4))
+
+
+# ------------------------------------------------------------------ fa4 and aiter varlen adapters
+
+
+@pytest.mark.parametrize("qv_fourth", [True, False], ids=["qv-fourth", "cu-seqlens-fourth"])
+def test_fa4_varlen_adapter_passes_by_keyword_for_either_signature(
+    monkeypatch: pytest.MonkeyPatch, qv_fourth: bool
+) -> None:
+    """flash-attention f219c89c put ``qv`` where ``cu_seqlens_q`` was: the adapter
+    names every argument after ``v``, so both signatures get the right ones."""
+    calls = Calls()
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4(calls, qv_fourth=qv_fourth))
+    clear_varlen_cache()
+    try:
+        valid = _padding([5, 2], 5, left=True)
+        q, k, v = _qkv(2, 5, 5, 4, 2, torch.bfloat16, 31)
+        out = _route("fa4")(q, k, v, valid[:, None, None, :], True, None)
+        _check(out, q, k, v, valid, True)
+        assert calls.seen and calls.seen[-1]["causal"] is True
+    finally:
+        clear_varlen_cache()
+
+
+@pytest.mark.parametrize("backend", ["fa4", "aiter"])
+def test_fa4_and_aiter_varlen_get_int32_cu_seqlens_and_refuse_fp32(
+    varlen_fakes: Calls, backend: str
+) -> None:
+    from attnres._varlen import get_varlen_kernel
+
+    varlen = get_varlen_kernel(get_spec(backend))
+    q, k, v = (torch.randn(7, 4, 64).half() for _ in range(3))
+    cu = torch.tensor([0, 3, 7])  # int64: the adapter passes contiguous int32 on
+    out = varlen(q, k, v, cu, cu, 4, 4, False, None)
+    assert out.shape == q.shape and out.dtype == torch.float16
+    assert varlen_fakes.seen[-1]["cu_seqlens_k"].dtype == torch.int32
+    with pytest.raises((AssertionError, RuntimeError), match=r"float16|fp16"):
+        varlen(q.float(), k.float(), v.float(), cu, cu, 4, 4, False, None)
+
+
+def test_fa4_options_reach_its_varlen_entry_point(varlen_fakes: Calls) -> None:
+    """Issue 23's options on the unpad route: FA4's flash_attn_varlen_func takes
+    deterministic and pack_gqa (interface.py at 0251105a)."""
+    valid = _padding([6, 3], 6)
+    q, k, v = _qkv(2, 6, 6, 4, 2, torch.float16, 41)
+    out = _route("fa4")(q, k, v, valid[:, None, None, :], False, None, deterministic=True,
+                        pack_gqa=False)  # fmt: skip
+    _check(out, q, k, v, valid, False)
+    assert varlen_fakes.seen[-1]["deterministic"] is True
+    assert varlen_fakes.seen[-1]["pack_gqa"] is False

@@ -33,12 +33,22 @@ of ``cu_seqlens``, so no kernel is handed a sequence of length 0.
 The route is a kernel of the usual calling convention
 (:func:`padded_kernel`), so ``attnres.Attention`` and the integrations' routes
 run it like any other kernel. Only tensor methods run per call.
+
+The classification and the packing indices are computed once per mask: one
+forward hands the same mask tensor to every layer, and each of those layers
+would otherwise classify it again and rebuild the same indices (on a GPU,
+several host synchronisations per layer: ``nonzero``, the longest length, the
+classifier's checks). :func:`mask_plan` keeps them keyed on the mask tensor's
+identity and its version counter (bumped by every in-place change through
+torch), for a few masks at a time; its one invalidation is that check, and
+:func:`clear_varlen_cache` empties it with the varlen adapters.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -54,11 +64,13 @@ if TYPE_CHECKING:
 __all__ = [
     "MASKED_AT",
     "MaskKindError",
+    "MaskPlan",
     "ObservedMask",
     "Packing",
     "Unpadded",
     "get_varlen_kernel",
     "is_prefix",
+    "mask_plan",
     "observe_mask",
     "pack",
     "packing",
@@ -186,6 +198,9 @@ class Packing(NamedTuple):
     indices: Tensor  # (total,) positions in the flattened (batch * seq)
     cu_seqlens: Tensor  # (sequences + 1,) int32, contiguous
     max_seqlen: int
+    #: the other positions (padding), when known: :func:`pad` then zeroes only
+    #: those rows instead of filling the whole output with zeros first
+    padded: Tensor | None = None
 
 
 class Unpadded(NamedTuple):
@@ -197,17 +212,26 @@ class Unpadded(NamedTuple):
     max_seqlen: int
 
 
-def packing(valid: Tensor) -> Packing:
-    """The packing of a (batch, seq) valid-token mask (computed once per mask)."""
+def packing(valid: Tensor, *, with_padded: bool = False) -> Packing:
+    """The packing of a (batch, seq) valid-token mask (computed once per mask).
+
+    ``with_padded`` also lists the padded positions (worth it where the packing
+    is reused: :func:`mask_plan` adds them to a plan used a second time).
+    """
     import torch
 
     lengths = valid.sum(dim=1, dtype=torch.int32)
     # a fully padded row leaves no sequence: no kernel is handed a length of 0
     lengths = lengths[lengths > 0]
-    indices = valid.reshape(-1).nonzero().reshape(-1)
+    flat = valid.reshape(-1)
+    indices = flat.nonzero().reshape(-1)
     cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=valid.device)
     torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu[1:])
-    return Packing(indices, cu, int(lengths.max()) if lengths.shape[0] else 0)
+    padded = None
+    if with_padded:  # its size is known: no second host synchronisation on a GPU
+        size = flat.shape[0] - indices.shape[0]
+        padded = torch.nonzero_static(flat.logical_not(), size=size).reshape(-1)
+    return Packing(indices, cu, int(lengths.max()) if lengths.shape[0] else 0, padded)
 
 
 def pack(x: Tensor, where: Packing) -> Tensor:
@@ -221,10 +245,23 @@ def unpad(x: Tensor, valid: Tensor) -> Unpadded:
     return Unpadded(pack(x, where), where.indices, where.cu_seqlens, where.max_seqlen)
 
 
-def pad(packed: Tensor, indices: Tensor, batch: int, seq: int) -> Tensor:
-    """Scatter packed rows back to (batch, seq, ...), zeros elsewhere."""
-    out = packed.new_zeros((batch * seq, *packed.shape[1:]))
-    out.index_copy_(0, indices, packed)
+def pad(
+    packed: Tensor, indices: Tensor, batch: int, seq: int, padded: Tensor | None = None
+) -> Tensor:
+    """Scatter packed rows back to (batch, seq, ...), zeros elsewhere.
+
+    ``padded``: the positions not in ``indices`` (:attr:`Packing.padded`), so
+    that only those rows are written with zeros.
+    """
+    shape = (batch * seq, *packed.shape[1:])
+    if padded is None:
+        out = packed.new_zeros(shape)
+        out.index_copy_(0, indices, packed)
+    else:
+        out = packed.new_empty(shape)
+        out.index_copy_(0, indices, packed)
+        if padded.numel():
+            out.index_fill_(0, padded, 0)
     return out.reshape(batch, seq, *packed.shape[1:])
 
 
@@ -237,8 +274,108 @@ def _whole(x: Tensor) -> Unpadded:
     return Unpadded(x.reshape(batch * seq, *x.shape[2:]), cu[:0], cu, seq)
 
 
-_lock = threading.Lock()
+class MaskPlan(NamedTuple):
+    """What the unpad route needs from one mask: its kind and its packings."""
+
+    #: the observed kind (``valid`` dropped: the packings hold what is needed)
+    seen: ObservedMask
+    #: where the valid keys go (key padding only)
+    keys: Packing | None
+    #: where the computed queries go: ``keys`` where query i is tied to key i
+    #: (self-attention, causal or with a mask that marks the padded queries),
+    #: every query of a row with a valid key otherwise (key padding only)
+    queries: Packing | None
+
+
+def _plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int, causal: bool) -> MaskPlan:
+    seen = observe_mask(mask, batch, seq_q, seq_kv)
+    valid = seen.valid
+    if seen.kind is not MaskKind.KEY_PADDING or valid is None:
+        return MaskPlan(seen, None, None)
+    keys = packing(valid)
+    # query i tied to key i (the padded queries dropped): self-attention whose mask
+    # marks the padded queries or that is causal; otherwise every query of a row
+    # that has a valid key (docs/masks.md)
+    tied = seq_q == seq_kv and (causal or seen.causal or seen.marks_queries)
+    queries = keys if tied else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
+    return MaskPlan(seen._replace(valid=None), keys, queries)
+
+
+def _with_padded(where: Packing, positions: int) -> Packing:
+    """``where`` with its padded positions (the complement of its indices)."""
+    import torch
+
+    if where.padded is not None:
+        return where
+    left = torch.ones(positions, dtype=torch.bool, device=where.indices.device)
+    left[where.indices] = False
+    padded = torch.nonzero_static(left, size=positions - where.indices.shape[0]).reshape(-1)
+    return where._replace(padded=padded)
+
+
+def _reused(plan: MaskPlan, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
+    """A plan used a second time: its padded positions too, so that padding back
+    writes zeros to those rows only (not worth it for a mask used once)."""
+    keys, queries = plan.keys, plan.queries
+    if keys is None or queries is None or queries.padded is not None:
+        return plan
+    tied = queries is keys
+    keys = _with_padded(keys, batch * seq_kv)
+    queries = keys if tied else _with_padded(queries, batch * seq_q)
+    return plan._replace(keys=keys, queries=queries)
+
+
+#: how many masks' plans are kept (one forward passes one or two: self and cross)
+PLANS_KEPT = 8
+
+_lock = threading.RLock()  # a mask's weakref callback may run while it is held
 _VARLEN: dict[str, Any] = {}
+# (id(mask), batch, seq_q, seq_kv, causal call, inference mode)
+#   -> (weakref to mask, version, plan)
+_PlanKey = tuple[int, int, int, int, bool, bool]
+_PLANS: dict[_PlanKey, tuple[Any, int, MaskPlan]] = {}
+
+
+def mask_plan(
+    mask: Tensor, batch: int, seq_q: int, seq_kv: int, *, causal: bool = False
+) -> MaskPlan:
+    """The kind and packings of ``mask`` for a call (``causal``: the call's causal
+    flag, which decides the queries), computed once per mask tensor.
+
+    Reused while the same tensor object comes back with the same version
+    counter (torch bumps it on every in-place change, through any view) and
+    the same shapes; built afresh otherwise. Not kept: inference tensors (they
+    have no version counter, so an in-place change could not be seen), and
+    calls being traced by torch.compile. Built in inference mode, a plan is
+    kept apart from one built outside it (inference tensors cannot be saved
+    for backward). Changes torch cannot see (through ``.data``, or a NumPy
+    view of the storage) are not seen here either, as autograd does not see
+    them.
+    """
+    import torch
+
+    if mask.is_inference() or torch.compiler.is_dynamo_compiling():
+        return _plan(mask, batch, seq_q, seq_kv, causal)
+    key = (id(mask), batch, seq_q, seq_kv, causal, torch.is_inference_mode_enabled())
+    version = mask._version
+    with _lock:
+        kept = _PLANS.get(key)
+    if kept is not None and kept[0]() is mask and kept[1] == version:
+        plan = kept[2]
+        if plan.queries is not None and plan.queries.padded is None:
+            plan = _reused(plan, batch, seq_q, seq_kv)
+            with _lock:
+                if _PLANS.get(key) is kept:
+                    _PLANS[key] = (kept[0], version, plan)
+        return plan
+    plan = _plan(mask, batch, seq_q, seq_kv, causal)
+    ref = weakref.ref(mask, lambda gone: _forget(key, gone))
+    with _lock:
+        _PLANS.pop(key, None)
+        _PLANS[key] = (ref, version, plan)
+        while len(_PLANS) > PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+    return plan
 
 
 def get_varlen_kernel(spec: BackendSpec) -> VarlenKernelFn:
@@ -258,10 +395,20 @@ def get_varlen_kernel(spec: BackendSpec) -> VarlenKernelFn:
     return fn
 
 
+def _forget(key: _PlanKey, gone: Any) -> None:
+    """A kept mask was freed: drop its plan (unless its id already names another)."""
+    with _lock:
+        kept = _PLANS.get(key)
+        if kept is not None and kept[0] is gone:
+            del _PLANS[key]
+
+
 def clear_varlen_cache() -> None:
-    """Forget the built varlen adapters (tests that swap fake packages)."""
+    """Forget the built varlen adapters (tests that swap fake packages) and the
+    kept mask plans."""
     with _lock:
         _VARLEN.clear()
+        _PLANS.clear()
 
 
 on_registry_change(clear_varlen_cache)  # one invalidation: a registry change rebuilds them
@@ -316,8 +463,9 @@ def padded_kernel(
                 )  # fmt: skip
                 return out.reshape(batch, seq_q, heads, size)
             return dense(q, k, v, None, causal, scale, **features)
-        seen = observe_mask(attn_mask, batch, seq_q, seq_kv)
-        if seen.kind is not MaskKind.KEY_PADDING or seen.valid is None:
+        plan = mask_plan(attn_mask, batch, seq_q, seq_kv, causal=causal)
+        seen, keys, queries = plan
+        if keys is None or queries is None:
             why = f" ({seen.detail})" if seen.detail else ""
             raise MaskKindError(
                 f"attention backend {backend!r} takes key-padding masks only (by unpadding "
@@ -332,30 +480,24 @@ def padded_kernel(
                 seen.words,
             )
         causal = causal or seen.causal
-        valid = seen.valid
         if causal and seq_q != seq_kv:
             raise MaskKindError(
                 f"attention backend {backend!r}: causal attention with key padding needs equal "
                 f"query and key lengths on the varlen route (here {seq_q} != {seq_kv})",
                 seen.words,
             )
-        keys = packing(valid)
         if keys.max_seqlen == 0:  # every row fully padded
             return q.new_zeros(q.shape)
         # self-attention whose mask (or causal flag) ties query i to key i: the
         # queries are padded like the keys; otherwise (a mask every query shares,
         # which cross-attention of equal lengths passes too) every query of a row
-        # that has a valid key, as SDPA computes it
-        queries = (
-            keys
-            if seq_q == seq_kv and (causal or seen.marks_queries)
-            else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
-        )
+        # that has a valid key, as SDPA computes it (the plan holds the one this
+        # call needs: mask_plan's causal argument)
         out = kernel()(
             pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens,
             keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale, **features,
         )  # fmt: skip
-        return pad(out, queries.indices, batch, seq_q)
+        return pad(out, queries.indices, batch, seq_q, queries.padded)
 
     return attention
 
@@ -373,7 +515,11 @@ def route_kernel(
     padding by unpadding, or the layer's causal mask is bottom-right and the
     spec has a varlen entry point.
     """
-    bottom_right = alignment is CausalAlignment.BOTTOM_RIGHT and spec.varlen_kernel is not None
+    bottom_right = (
+        alignment is CausalAlignment.BOTTOM_RIGHT
+        and spec.varlen_kernel is not None
+        and spec.varlen_causal_unequal
+    )
     unpads = False
     if mask is MaskKind.KEY_PADDING:
         support = spec.mask_support(mask)

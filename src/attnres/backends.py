@@ -567,6 +567,11 @@ class BackendSpec:
     #: cannot, or no source says it can (fail closed). The built-in values are
     #: :data:`LSE_SOURCES`.
     lse: str | None = None
+    #: issue 22: whether the varlen entry point's causal mask takes a sequence
+    #: whose query and key lengths differ (aligned bottom-right, as attnres runs
+    #: a bottom-right causal cross-attention layer through it); a fact its
+    #: source states, ``False`` where it says causal needs equal lengths
+    varlen_causal_unequal: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.varlen_kernel is None and any(m.route is MaskRoute.UNPAD for m in self.masks):
@@ -881,6 +886,17 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="FlashAttention-4 (flash_attn.cute, PyPI flash-attn-4)",
         causal_top_left=False,
         kernel="attnres.kernels.fa4:make_kernel",
+        masks=(
+            MaskSupport(
+                MaskKind.KEY_PADDING,
+                MaskRoute.UNPAD,
+                "flash_attn/cute/interface.py: flash_attn_varlen_func(q, k, v, qv=None, "
+                "cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, "
+                "...), int32 contiguous cu_seqlens; masks only as CuTe mask_mod "
+                "(flash-attention 0251105a)",
+            ),
+        ),
+        varlen_kernel="attnres.kernels.fa4:make_varlen_kernel",
     ),
     BackendSpec(
         name="sage_attn",
@@ -907,6 +923,9 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
             ),
         ),
         varlen_kernel="attnres.kernels.sage_attn:make_varlen_kernel",
+        # sageattention/core.py, sageattn_varlen's docstring: is_causal is "Only applicable
+        # when qo_len == kv_len for each sequence" (SageAttention d1a57a54)
+        varlen_causal_unequal=False,
     ),
     BackendSpec(
         name="sage_attn_3",
@@ -976,6 +995,17 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="AMD aiter flash attention (aiter.flash_attn_func)",
         causal_top_left=False,
         kernel="attnres.kernels.aiter:make_kernel",
+        masks=(
+            MaskSupport(
+                MaskKind.KEY_PADDING,
+                MaskRoute.UNPAD,
+                "aiter/ops/mha.py: flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, "
+                "max_seqlen_q, max_seqlen_k, min_seqlen_q=0, dropout_p=0.0, ...), int32 "
+                "cu_seqlens (mha_varlen_fwd_kernels.cu); its bias is one (seqlen_q, seqlen_k) "
+                "tensor, not a per-row mask (ROCm/aiter e4048607)",
+            ),
+        ),
+        varlen_kernel="attnres.kernels.aiter:make_varlen_kernel",
     ),
     BackendSpec(
         name="ascend_fa",

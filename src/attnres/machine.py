@@ -852,6 +852,14 @@ def _check_mask_kind(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
                     "varlen adapter for this kernel)",
                 )
             )
+        elif not spec.varlen_causal_unequal:
+            out.append(
+                Failure(
+                    Code.REQUIREMENT_UNMET,
+                    "does not implement bottom-right aligned causal cross-attention (its "
+                    "varlen entry point takes causal only with equal query and key lengths)",
+                )
+            )
     return out
 
 

@@ -424,16 +424,20 @@ class CallFacts:
         """The facts that differ from ``planned``, in words (all, when nothing was)."""
         if planned is None:
             return ("head facts (decided at first call)",)
+        # what the plan allowed covers less: no mask where it allowed one, the
+        # default scale where it allowed a custom one, as many kv heads as heads
+        # where it allowed grouped ones (a processor that repeats them first)
         out = []
-        if self.mask.present != planned.mask.present or not self.mask.covered_by(planned.mask):
+        if not self.mask.covered_by(planned.mask):
             out.append(self.mask.describe())
         if self.causal != planned.causal:
             out.append("causal" if self.causal else "not causal")
-        if self.custom_scale != planned.custom_scale:
-            out.append("custom softmax scale" if self.custom_scale else "default softmax scale")
+        if self.custom_scale and not planned.custom_scale:
+            out.append("custom softmax scale")
         if self.head_size != planned.head_size:
             out.append(f"head size {self.head_size} (planned {planned.head_size})")
-        if self.kv_heads * planned.heads != planned.kv_heads * self.heads:
+        grouped = self.kv_heads < self.heads
+        if grouped and self.kv_heads * planned.heads != planned.kv_heads * self.heads:
             out.append(f"{self.kv_heads} kv heads for {self.heads} heads")
         if self.dtype != planned.dtype:
             out.append(f"dtype {self.dtype} (planned {planned.dtype})")
@@ -622,7 +626,13 @@ class GenericRoute:
         #: issue 22: planned signatures whose mask kind the first call verifies
         self.unverified: set[tuple[Any, ...]] = set()
         if self.planned is not None and resolution is not None and spec is not None:
-            self.kernels[self.planned.key()] = self._kernel(resolution.backend, spec, self.own)
+            kernel = self._kernel(resolution.backend, spec, self.own)
+            self.kernels[self.planned.key()] = kernel
+            if self.planned.mask.present:
+                # a call with no mask is what the plan allowed: the same kernel, bound
+                # now so that it needs no first call (torch.compile traces it whole)
+                maskless = attrs.evolve(self.planned, mask=MaskFacts(False))
+                self.kernels.setdefault(maskless.key(), kernel)
             if self.planned.mask.kind not in (MaskKind.NONE, MaskKind.ANY):
                 self.unverified.add(self.planned.key())
 
@@ -809,8 +819,13 @@ class GenericRoute:
         with self._lock:
             if facts.key() in self.kernels:
                 return self.kernels[facts.key()]
-            spec = facts.spec(self.spec, self.name, self.own)
             changed = facts.differences(self.planned)
+            if not changed and self.planned is not None and self.planned.key() in self.kernels:
+                # a call the plan allowed (it brings less than planned): the planned kernel
+                kernel = self.kernels[self.planned.key()]
+                self.kernels[facts.key()] = kernel
+                return kernel
+            spec = facts.spec(self.spec, self.name, self.own)
             resolution, _, trace = lookup(
                 spec, self.config, self.scope, self.platform, None, needs_kernel=True
             )

@@ -36,6 +36,8 @@ diffusers and transformers.
 from __future__ import annotations
 
 import copy
+import inspect
+import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
@@ -179,18 +181,69 @@ def _role(name: str, module: Any) -> Role:
 _TEXT_PADDING_PARAMETER = "encoder_hidden_states_mask"
 
 
-def _mask_kind(name: str, module: Any, model_class: str = "") -> MaskKind:
+#: the parameters an attention module's call (its processor's ``__call__`` or its
+#: own ``forward``) takes a mask under (diffusers 0.42.1)
+_MASK_PARAMETERS = frozenset(
+    {"attention_mask", "attn_mask", "encoder_attention_mask", _TEXT_PADDING_PARAMETER}
+)
+
+
+def _parameters(function: Any) -> frozenset[str]:
+    code = getattr(inspect.unwrap(getattr(function, "__func__", function)), "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return frozenset()
+    return frozenset(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+
+
+def _code_words(code: types.CodeType, out: set[str]) -> None:
+    out.update(code.co_varnames, code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code_words(const, out)
+        elif isinstance(const, tuple):  # the keyword names of a call
+            out.update(c for c in const if isinstance(c, str))
+
+
+def passes_masks(model: Any) -> bool:
+    """Whether ``model``'s own code (the methods of its classes defined where it is)
+    takes, builds or hands on an attention mask: a parameter, local or keyword
+    name ending in ``mask`` (issue 22: a DiT that turns the prompt's padding, or
+    text lengths, into a mask for its attention)."""
+    words: set[str] = set()
+    home = type(model).__module__
+    for cls in type(model).__mro__:
+        if cls.__module__ != home:
+            continue
+        for value in vars(cls).values():
+            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+            if isinstance(code, types.CodeType):
+                _code_words(code, words)
+    return any(w.endswith("mask") for w in words)
+
+
+def _mask_kind(
+    name: str, module: Any, model_masks: bool = False, model_class: str = ""
+) -> MaskKind:
     """The mask kind a site passes, where its code tells before the first call
-    (issue 22); the first call observes every other mask and its kind."""
+    (issue 22); the first call observes every other mask and its kind.
+
+    Key padding where its call takes a mask (:data:`_MASK_PARAMETERS`) and the
+    model's code passes masks (:func:`passes_masks`): the prompt-padding mask of
+    a DiT's joint or cross attention, a text refiner's, an audio model's. A call
+    that brings no mask is what the plan allowed (the same kernel runs); one
+    whose mask is of another kind is resolved again at its first call. A fact a
+    model's code cannot tell before the call (:data:`_MASK_BY_MODEL`) comes first.
+    """
     by_model = _MASK_BY_MODEL.get(model_class)
     if by_model is not None:
         return by_model(name)
     by_place = _MASK_BY_PLACE.get(type(module).__name__)
     if by_place is not None and by_place(name):
         return MaskKind.KEY_PADDING  # LTX's -10000 prompt-padding bias
-    processor_class = type(getattr(module, "processor", None))
-    code = getattr(vars(processor_class).get("__call__"), "__code__", None)
-    if code is not None and _TEXT_PADDING_PARAMETER in code.co_varnames[: code.co_argcount]:
+    processor = getattr(module, "processor", None)
+    call = type(processor).__call__ if callable(processor) else type(module).forward
+    params = _parameters(call)
+    if _TEXT_PADDING_PARAMETER in params or (model_masks and params & _MASK_PARAMETERS):
         return MaskKind.KEY_PADDING
     return MaskKind.NONE
 
@@ -202,10 +255,13 @@ def _requirements(
     kv_heads: int,
     head_size: int,
     trains: bool,
+    model_masks: bool = False,
     model_class: str = "",
 ) -> Requirements:
     return Requirements(
-        mask=_mask_kind(name, module, model_class),
+        mask=_mask_kind(name, module, model_masks, model_class),
+        # a module that holds ``is_causal`` (Mochi's VAE attention) passes it per call
+        causal=getattr(module, "is_causal", False) is True,
         gqa=kv_heads < heads,
         backward=trains,
         # Attention(scale_qk=False) or scale= passes its own softmax scale
@@ -303,6 +359,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         return _tf.describe_sites(model, component, dtype)
     fallback = normalize_dtype(getattr(model, "dtype", torch.float32))
     backward = trains(model)
+    model_masks = passes_masks(model)
     out: list[SiteDescription] = []
     inside: list[str] = []
     for name, module in model.named_modules():
@@ -311,7 +368,14 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         site_dtype = dtype or _dtype_of(module, fallback)
         parent = model.get_submodule(name.rpartition(".")[0])
         desc = _describe(
-            component, name, module, site_dtype, backward, parent, type(model).__name__
+            component,
+            name,
+            module,
+            site_dtype,
+            backward,
+            parent,
+            type(model).__name__,
+            model_masks,
         )
         if desc is not None:
             out.append(desc)
@@ -333,6 +397,7 @@ def _describe(
     backward: bool,
     parent: Any = None,
     model_class: str = "",
+    model_masks: bool = False,
 ) -> SiteDescription | None:
     cls = type(module).__name__
     # a diffusers attention module, or any module that hands its call to a processor
@@ -363,7 +428,7 @@ def _describe(
             kv_heads=kv_heads,
             head_size=head_size,
             requirements=_requirements(
-                name, module, heads, kv_heads, head_size, backward, model_class
+                name, module, heads, kv_heads, head_size, backward, model_masks, model_class
             ),
         )
     else:
@@ -378,6 +443,17 @@ def _describe(
             **base,
             route=f"{ROUTE_DISPATCHER} (context parallel) via {owner}",
             supported=_pinned_backends(route_backends(processor), base.get("requirements")),
+            current=_dispatcher_current(processor),
+            pending=facts is None,
+        )
+    declared = _declared_backends(processor)
+    if declared is not None:
+        # its call runs only the dispatcher backends it declares (AnyFlow's causal
+        # processor builds a flex BlockMask): pinned on a copy, as context parallel is
+        return SiteDescription(
+            **base,
+            route=f"{ROUTE_DISPATCHER} (the backends {owner} declares) via {owner}",
+            supported=declared,
             current=_dispatcher_current(processor),
             pending=facts is None,
         )
@@ -447,8 +523,21 @@ def _describe(
     )
 
 
+def _declared_backends(processor: Any) -> frozenset[Backend] | None:
+    """The backends a dispatcher processor declares it runs (``_SUPPORTED_BACKENDS``,
+    which it checks before its call), as attnres backends; ``None``: it declares none."""
+    if not _is_dispatcher(processor):
+        return None
+    names = getattr(processor, "_SUPPORTED_BACKENDS", None)
+    if not isinstance(names, (tuple, list, frozenset, set)):
+        return None
+    return frozenset(Backend(_BY_DIFFUSERS[n]) for n in names if n in _BY_DIFFUSERS)
+
+
 def _dispatcher_current(processor: Any) -> Backend | None:
-    own = processor.__dict__.get("_attention_backend")
+    # the processor's own backend, or its class's (AnyFlow's causal processor
+    # declares ``flex``), else diffusers' active one
+    own = getattr(processor, "_attention_backend", None)
     current_name = str(getattr(own, "value", own)) if own is not None else _active_backend()
     current = _BY_DIFFUSERS.get(current_name)
     return None if current is None else Backend(current)
@@ -680,7 +769,7 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
         elif routed is not None:
             # a copy: the original object may be shared with other modules or models
             processor = routed
-            module.set_processor(processor)
+            _set_processor(module, processor)
             if route.by_hand:  # get_attention_scores + bmm: one kernel call
                 _route.install_by_hand(module, processor)
         else:
@@ -690,7 +779,7 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
         processor = copy.copy(original)
         assert processor is not None  # a dispatcher site has one
         processor._attention_backend = AttentionBackendName(item.value)
-        module.set_processor(processor)
+        _set_processor(module, processor)
     backend = "" if site.resolution is None else site.resolution.backend.name
     pin = _Pin(
         site.component,
@@ -711,8 +800,19 @@ def _unpin(module: Any, pin: _Pin) -> None:
     if pin.route is not None:
         pin.route.close()
     if pin.processor is not pin.original and getattr(module, "processor", None) is not pin.original:
-        module.set_processor(pin.original)
+        _set_processor(module, pin.original)
     module.__dict__.pop(_PIN_ATTR, None)
+
+
+def _set_processor(module: Any, processor: Any) -> None:
+    """Give ``module`` ``processor``: through its ``set_processor`` where it has one,
+    else as the attribute its forward reads (Mochi's and Cosmos' VAE attention
+    modules hold a processor without being diffusers attention modules)."""
+    setter = getattr(module, "set_processor", None)
+    if callable(setter):
+        setter(processor)
+    else:
+        module.processor = processor
 
 
 def routes(pipe: Any) -> dict[str, _route.GenericRoute]:

@@ -19,6 +19,17 @@ Source facts (ROCm/aiter aiter/ops/mha.py, re-exported as ``aiter.flash_attn_fun
   catalogue does not list attention masks for aiter);
 - ``window_size=(left, right)`` (-1 unbounded) is sliding-window attention,
   bottom-right aligned like causal; there is no softcap argument.
+- ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, min_seqlen_q=0, dropout_p=0.0, softmax_scale=None,
+  logits_soft_cap=0.0, causal=False, ...)`` (aiter/ops/mha.py at e4048607):
+  packed (total, nheads, headdim) tensors, "cu_seqlens_q: (batch_size + 1,),
+  dtype dtypes.i32"; csrc/py_itfs_ck/mha_varlen_fwd_kernels.cu checks
+  "cu_seqlens_q must have dtype int32", contiguous cu_seqlens, "FlashAttention
+  only support fp16, bf16 and fp8_e4m3 data type", "CK only supports head
+  dimension at most 256"; returns ``out`` alone unless ``return_lse`` /
+  ``return_attn_probs``; causal is bottom-right per sequence. ``min_seqlen_q``
+  sits before ``dropout_p`` (unlike flash-attn's), so the adapter passes
+  everything after the lengths by keyword.
 - Install: ``pip install amd-aiter`` or build ROCm/aiter from source. The
   unrelated PyPI package ``aiter`` (async iterators) imports under the same
   name and has no ``flash_attn_func``: that case is reported as such.
@@ -33,32 +44,37 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    varlen_style_kernel,
 )
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from attnres.kernels import KernelFn
+    from attnres.kernels import KernelFn, VarlenKernelFn
 
-__all__ = ["make_kernel"]
+__all__ = ["make_kernel", "make_varlen_kernel"]
 
 BACKEND = "aiter"
 PACKAGE = "aiter"
 INSTALL = "pip install amd-aiter  (or build https://github.com/ROCm/aiter; needs ROCm)"
 
 
-def make_kernel() -> KernelFn:
-    """Import aiter and bind ``flash_attn_func``."""
+def _function(name: str) -> Any:
     module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    flash_attn_func = require_attribute(
+    return require_attribute(
         module,
-        "flash_attn_func",
+        name,
         backend=BACKEND,
         hint=(
             "This is probably the unrelated PyPI package 'aiter' (async iterators), not AMD "
             "aiter; install AMD's with: " + INSTALL
         ),
     )
+
+
+def make_kernel() -> KernelFn:
+    """Import aiter and bind ``flash_attn_func``."""
+    flash_attn_func = _function("flash_attn_func")
 
     def call(
         q: Tensor,
@@ -77,4 +93,28 @@ def make_kernel() -> KernelFn:
         "aiter.flash_attn_func takes no SDPA-style mask",
         call,
         takes=frozenset({"window"}),
+    )
+
+
+def make_varlen_kernel() -> VarlenKernelFn:
+    """Import aiter and bind ``flash_attn_varlen_func`` (packed sequences).
+
+    The varlen calling convention of :func:`attnres.kernels._common.varlen_style_kernel`
+    (int32 contiguous ``cu_seqlens``, as aiter checks); its causal mask is
+    bottom-right per sequence.
+    """
+    varlen_func = _function("flash_attn_varlen_func")
+    return varlen_style_kernel(
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+        )
     )

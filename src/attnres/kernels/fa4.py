@@ -19,6 +19,16 @@ flash_attn/cute/pyproject.toml; PyPI page of flash-attn-4):
   exist only as CuTe ``mask_mod`` callables, not tensors: ``attn_mask`` is refused;
 - ``window_size=(left, right)`` with ``None`` for an unbounded side (the adapter
   turns attnres's -1 into None) and ``softcap``; passed only when set.
+- ``flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None,
+  max_seqlen_q=None, max_seqlen_k=None, ..., softmax_scale=None, causal=False,
+  ...)`` (flash-attention 0251105a): packed (total, nheads, headdim) tensors;
+  ``_flash_attn_fwd`` asserts "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k
+  must be int32" and "... must be contiguous"; ``qv`` became the fourth
+  positional parameter in f219c89c (flash-attention PR #2441; before it,
+  ``cu_seqlens_q`` was), so the adapter passes everything after ``v`` by
+  keyword; ``FlashAttnVarlenFunc`` returns ``(out, lse)``; its causal mask is
+  bottom-right per sequence (attnres._varlen unpads queries and keys alike for
+  self-attention, where that is the same mask).
 """
 
 from __future__ import annotations
@@ -30,29 +40,34 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    varlen_style_kernel,
 )
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from attnres.kernels import KernelFn
+    from attnres.kernels import KernelFn, VarlenKernelFn
 
-__all__ = ["make_kernel"]
+__all__ = ["make_kernel", "make_varlen_kernel"]
 
 BACKEND = "fa4"
 PACKAGE = "flash_attn.cute"
 INSTALL = "pip install flash-attn-4  (FlashAttention-4, Hopper/Blackwell GPUs)"
 
 
-def make_kernel() -> KernelFn:
-    """Import flash_attn.cute and bind ``flash_attn_func``."""
+def _function(name: str) -> Any:
     module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    flash_attn_func = require_attribute(
+    return require_attribute(
         module,
-        "flash_attn_func",
+        name,
         backend=BACKEND,
         hint="The flash-attn-4 install looks incomplete; reinstall it with: " + INSTALL,
     )
+
+
+def make_kernel() -> KernelFn:
+    """Import flash_attn.cute and bind ``flash_attn_func``."""
+    flash_attn_func = _function("flash_attn_func")
 
     def call(
         q: Tensor,
@@ -72,4 +87,29 @@ def make_kernel() -> KernelFn:
         "flash_attn.cute takes masks only as CuTe mask_mod",
         call,
         takes=frozenset({"softcap", "window"}),
+    )
+
+
+def make_varlen_kernel() -> VarlenKernelFn:
+    """Import flash_attn.cute and bind ``flash_attn_varlen_func`` (packed sequences).
+
+    The varlen calling convention of :func:`attnres.kernels._common.varlen_style_kernel`;
+    every argument after ``v`` is passed by keyword (``qv`` took the fourth
+    position in later releases). Its causal mask is bottom-right per sequence.
+    """
+    varlen_func = _function("flash_attn_varlen_func")
+    return varlen_style_kernel(
+        # issue 23: the spec's options (deterministic, pack_gqa) where the route passes them
+        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **options: varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            softmax_scale=scale,
+            causal=causal,
+            **options,
+        )
     )
