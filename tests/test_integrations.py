@@ -727,12 +727,17 @@ def _stand_in_plan(config):
     )
 
 
-def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree():
-    # issue 21: torch_cudnn_sdpa stands in for {torch_sdpa}; CLIP's transformers
-    # interface runs only the functions it names. 0.3 before this: the trace said
-    # `selected torch_cudnn_sdpa` while the site and its plan row said `rejected`
-    # (code `route` on the site, no code on the row), under the same digest. The
-    # machine now keeps the stand-in off the route: one outcome everywhere.
+def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree(monkeypatch):
+    # issue 21: torch_cudnn_sdpa stands in for {torch_sdpa}; a transformers
+    # interface kept to its own functions runs only the functions it names. 0.3
+    # before this: the trace said `selected torch_cudnn_sdpa` while the site and
+    # its plan row said `rejected` (code `route` on the site, no code on the row),
+    # under the same digest. The machine now keeps the stand-in off the route: one
+    # outcome everywhere. Issue 19: T5 is offered attnres's own function (which
+    # runs cudnn SDPA) unless its class opts out, as it does here.
+    from transformers.models.t5.modeling_t5 import T5PreTrainedModel
+
+    monkeypatch.setattr(T5PreTrainedModel, "_supports_attention_backend", False, raising=False)
     ROUTE = itf.ROUTE
     relaxed = _stand_in_plan(SelectionConfig(global_backend="torch_cudnn_sdpa"))
     strict = _stand_in_plan(

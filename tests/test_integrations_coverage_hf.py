@@ -17,10 +17,10 @@ and planned as a strict component three ways:
   cannot route, counted in the table as ``own path``: softmax attention
   computed by hand (``eager`` only) and a ``torch.nn.MultiheadAttention`` whose
   caller asks for the weights (SigLIP's pooling head) -- and interface sites
-  transformers does not offer other functions (the class does not declare
-  ``_supports_attention_backend``,
-  or the module holds attention sinks), counted as ``not offered by the
-  class``.
+  transformers keeps to its own functions (the class itself sets
+  ``_supports_attention_backend = False``, or leaves it unset and sets
+  ``_supports_sdpa = False``, or the module holds attention sinks), counted as
+  ``not offered by the class``.
 
 A type whose model cannot be built (a missing optional library such as timm,
 a default config that does not construct) is listed with the reason. The
@@ -76,7 +76,7 @@ import pytest
 import torch
 import transformers
 from generated_docs import check_generated
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
@@ -272,19 +272,25 @@ def _own_path(site: Any) -> bool:
 
 
 def _not_offered(model: Any, site: Any) -> bool:
-    """An interface site whose transformers model class does not declare
-    ``_supports_attention_backend`` (or that holds attention sinks): only
-    transformers' own functions run it, none of which is sage -- a fact read
-    from the class, counted apart in the table."""
+    """An interface site transformers' class keeps to its own functions (none of
+    which is sage) -- a fact read from the class, counted apart in the table: the
+    class itself sets ``_supports_attention_backend = False`` or ``_supports_sdpa =
+    False`` (attnres's function follows the ``sdpa`` function's calling
+    convention; read only where the first flag is not set either way), or the
+    module holds attention sinks."""
     if site.route != itf.ROUTE or site.site_error is None:
         return False
     if site.site_error.code != "not_in_supported_set":
         return False
     modules = dict(model.named_modules())
-    owner = itf._owner(modules, site.name, model)
-    return not getattr(type(owner), "_supports_attention_backend", False) or isinstance(
-        getattr(modules[site.name], "sinks", None), torch.Tensor
+    owner = type(itf._owner(modules, site.name, model))
+    own_classes = owner.__mro__[: owner.__mro__.index(PreTrainedModel)]
+    backend, sdpa = (
+        next((vars(k)[flag] for k in own_classes if flag in vars(k)), None)
+        for flag in ("_supports_attention_backend", "_supports_sdpa")
     )
+    opted_out = backend is False or (backend is None and sdpa is False)
+    return opted_out or isinstance(getattr(modules[site.name], "sinks", None), torch.Tensor)
 
 
 def _sage_plan(model: Any) -> Any:
@@ -730,3 +736,147 @@ def test_representative_encoder_under_sage_runs_what_the_plan_says(
     valid = inputs["attention_mask"].bool() if "attention_mask" in inputs else ...
     got, want = after[valid].double(), before[valid].double()
     assert float((got - want).norm() / want.norm()) < 5e-3
+
+
+# =============================================================================
+# Classes that call the interface without declaring _supports_attention_backend
+# =============================================================================
+#
+# Issue 19: BART, Whisper and wav2vec2 call transformers' attention interface but
+# never declare the flag (transformers checks it nowhere when it selects a
+# function); attnres offers them its own function. Sizes from transformers' model
+# testers (BartModelTester, WhisperModelTester, Wav2Vec2ModelTester), cut down.
+
+
+def _undeclared(name: str) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
+    """(model, inputs, the output positions that are valid) for a tiny build."""
+    t = transformers
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[2, 5, 9, 4, 7, 6], [3, 8, 6, 5, 1, 1]])
+    if name == "bart":
+        cfg = t.BartConfig(
+            vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+            decoder_ffn_dim=37, max_position_embeddings=32, pad_token_id=1,
+        )  # fmt: skip
+        inputs = {"input_ids": ids, "attention_mask": (ids != 1).long(),
+                  "decoder_input_ids": ids[:, :4]}  # fmt: skip
+        return t.BartModel(cfg).eval(), inputs, torch.ones(2, 4, dtype=torch.bool)
+    if name == "whisper":
+        cfg = t.WhisperConfig(
+            vocab_size=64, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+            decoder_ffn_dim=37, max_source_positions=15, max_target_positions=16,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=3,
+        )  # fmt: skip
+        inputs = {"input_features": torch.randn(2, 8, 30, generator=gen),
+                  "decoder_input_ids": ids[:, :4]}  # fmt: skip
+        return t.WhisperModel(cfg).eval(), inputs, torch.ones(2, 4, dtype=torch.bool)
+    cfg = t.Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=20,
+        conv_dim=(32, 32, 32), conv_stride=(4, 4, 4), conv_kernel=(8, 8, 8),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        feat_extract_norm="layer", do_stable_layer_norm=True,
+    )  # fmt: skip
+    mask = torch.ones(2, 1024, dtype=torch.long)
+    mask[1, 700:] = 0  # the second clip padded
+    model = t.Wav2Vec2Model(cfg).eval()
+    inputs = {"input_values": torch.randn(2, 1024, generator=gen), "attention_mask": mask}
+    frames = model._get_feat_extract_output_lengths(mask.sum(-1))
+    valid = torch.arange(int(frames.max()))[None, :] < frames[:, None]
+    return model, inputs, valid
+
+
+UNDECLARED = {"bart": 6, "whisper": 6, "wav2vec2": 2}  # attention sites of each build
+
+
+@pytest.mark.parametrize("name", sorted(UNDECLARED))
+def test_a_class_without_the_backend_flag_is_governed_on_cpu(name: str) -> None:
+    model, inputs, _ = _undeclared(name)
+    assert not type(model)._supports_attention_backend  # what this test is about
+    with torch.no_grad():
+        before = model(**inputs).last_hidden_state
+        untouched = _snapshot(model)
+        plan = itf.apply(model, "transformer")
+        assert plan.ok and len(plan.sites) == UNDECLARED[name]
+        assert set(_real_attention(model)) <= {s.name for s in plan.sites}
+        with _spying(model) as seen:
+            after = model(**inputs).last_hidden_state
+        assert torch.equal(after, before)  # no flag: bit-identical
+        assert set(seen) == _expected(plan)
+        assert itf.remove(model) == UNDECLARED[name]
+        assert _same(_snapshot(model), untouched)
+        assert torch.equal(model(**inputs).last_hidden_state, before)
+
+
+@pytest.mark.parametrize("name", sorted(UNDECLARED))
+def test_a_class_without_the_backend_flag_runs_sage_when_strict(
+    name: str, varlen_fakes: Any
+) -> None:
+    # a strict global sage_attn on Hopper's facts, run by the stand-in kernels:
+    # every site gets sage through attnres's function (the flag is undeclared),
+    # and the output matches the untouched model's
+    model, inputs, valid = _undeclared(name)
+    model = model.to(torch.float16)
+    inputs = {k: v.half() if v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        before = model(**inputs).last_hidden_state
+        untouched = _snapshot(model)
+        plan = itf.apply(model, "transformer", SAGE, STAND_IN)
+        try:
+            assert plan.ok and {s.backend.name for s in plan.sites} == {"sage_attn"}
+            with _spying(model) as seen:
+                after = model(**inputs).last_hidden_state
+            assert set(seen) == _expected(plan)
+            assert {f for _, f, *_ in seen} == {"attnres"}
+            assert len(varlen_fakes.seen) == UNDECLARED[name]  # sage ran at every site
+        finally:
+            assert itf.remove(model) == UNDECLARED[name]
+        assert _same(_snapshot(model), untouched)
+    got, want = after[valid].double(), before[valid].double()
+    assert float((got - want).norm() / want.norm()) < 5e-3
+
+
+def test_a_call_argument_no_kernel_takes_is_a_call_fact(varlen_fakes: Any) -> None:
+    # issue 19: an argument attnres's function cannot hand to a kernel (here a
+    # logit softcap, through Llama's **kwargs) is never dropped: strict raises
+    # naming it; a component that may fall back runs the model's own eager
+    from transformers.models.llama import modeling_llama
+
+    from attnres import ResolutionError
+
+    model, inputs = _tiny("llama")
+    model = model.to(torch.float16)
+    with torch.no_grad():
+        itf.apply(model, "transformer", SAGE, STAND_IN)
+        try:
+            model(**inputs)  # the planned call runs
+            with pytest.raises(
+                ResolutionError, match=r"observed at first call: .*call arguments softcap"
+            ):
+                model(**inputs, softcap=30.0)
+        finally:
+            itf.remove(model)
+        model.set_attn_implementation("eager")  # what transformers runs it with
+        before = model(**inputs, softcap=30.0).last_hidden_state
+        plain = {"input_ids": inputs["input_ids"][:1]}  # no padding: a plain causal call
+        before_plain = model(**plain, softcap=30.0).last_hidden_state
+        model.set_attn_implementation("sdpa")
+        itf.apply(model, "text_encoder", SAGE, STAND_IN)
+        real, calls = modeling_llama.eager_attention_forward, []
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            calls.append(kwargs.get("softcap"))
+            return real(*args, **kwargs)
+
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(modeling_llama, "eager_attention_forward", spy)
+                after = model(**inputs, softcap=30.0).last_hidden_state
+                after_plain = model(**plain, softcap=30.0).last_hidden_state
+        finally:
+            itf.remove(model)
+    assert calls == [30.0] * 4  # the model's own eager ran, with the argument
+    torch.testing.assert_close(after, before)
+    torch.testing.assert_close(after_plain, before_plain)

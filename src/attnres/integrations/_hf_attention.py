@@ -21,7 +21,9 @@ anything with an adapter -- and not only the handful transformers ships.
   heads, dtype, dropout), through the same first-call check as every other
   routed site: a difference resolves the site again with the observed facts
   (traced, "observed at first call: ..."), or raises ``ResolutionError``
-  naming the site and the fact in a strict component. T5's ``position_bias``
+  naming the site and the fact in a strict component; so is a call argument no
+  attnres kernel takes (``softcap``, attention sinks, sparse indices), which
+  only the model's own eager function serves. T5's ``position_bias``
   (an additive mask) reaches a kernel only as a float mask -- a site planned
   for it was given a kernel that takes additive masks.
 
@@ -34,11 +36,12 @@ encoder's consumers mask those positions.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from attnres.backends import Backend, registered_backends
 from attnres.integrations._route import GenericRoute
@@ -60,6 +63,14 @@ NAME = "attnres"
 #: The attribute holding a module's route (set by apply, removed by remove).
 _ROUTE_ATTR = "_attnres_kernel"
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+#: Call arguments the attention interface passes that no attnres kernel takes
+#: (checked against transformers 5.24.0 by reading every ``attention_interface``
+#: call): a logit softcap (Gemma 2, VideoPrism), attention sinks (``s_aux``:
+#: GPT-OSS, GraniteMoE-SWA; ``sinks``: Inkling 2), sparse indices the eager and
+#: SDPA paths fold into the mask but other functions are handed (``indices``:
+#: dots3; ``block_indices``: MiniMax-M3). ``sliding_window`` is not one: the
+#: mask function (``sdpa_mask``) already applies the window, as for SDPA.
+_OWN_ONLY = ("softcap", "s_aux", "sinks", "indices", "block_indices")
 
 
 def mask_function(*args: Any, **kwargs: Any) -> Any:
@@ -78,7 +89,7 @@ def attention_forward(
     is_causal: bool | None = None,
     position_bias: torch.Tensor | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention interface's calling convention, running the site's attnres kernel.
 
     q, k, v arrive as (batch, heads, seq, head_size) and the output leaves as
@@ -92,19 +103,9 @@ def attention_forward(
             f"attnres.integrations.transformers.apply on the model (or set another "
             f"attn_implementation)"
         )
-    if kwargs.get("softcap") is not None:
-        raise ValueError(
-            f"attnres attention at {route.name!r} of component {route.component!r}: the call "
-            f"passes a logit softcap, which attnres's transformers function does not hand to "
-            f"kernels; decide this component a backend transformers runs itself (eager, fa, "
-            f"flex_attention)"
-        )
-    if kwargs.get("s_aux") is not None:  # attention sinks (GPT-OSS): never offered them
-        raise ValueError(
-            f"attnres attention at {route.name!r} of component {route.component!r}: the call "
-            f"passes attention sinks (s_aux), which attnres's transformers function does not "
-            f"implement; decide this component a backend transformers runs itself (eager, fa)"
-        )
+    # issue 19: an argument no attnres kernel takes is never dropped silently; the
+    # call's facts say so, and only the model's own eager function serves it
+    arguments = tuple(name for name in _OWN_ONLY if kwargs.get(name) is not None)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q_length = query.shape[2]
     mask = attention_mask
@@ -120,7 +121,24 @@ def attention_forward(
     # transformers' SDPA rule: the causal flag only when no mask carries it
     causal = bool(q_length > 1 and mask is None and causal)
     # the call's facts, checked once per signature against the plan (issue 19)
-    kernel = route.kernel_for(query, key, mask, dropout, causal, scaling, -3)
+    kernel = route.kernel_for(query, key, mask, dropout, causal, scaling, -3, arguments=arguments)
+    if arguments:  # resolved to eager (a fallback component): the model's own
+        # eager adds its mask: the boolean one sdpa_mask built, as eager's additive one
+        # (or the causal flag it left for a plain causal call)
+        keep = attention_mask
+        if keep is None and causal:
+            q_len, kv_len = query.shape[2], key.shape[2]
+            keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
+            keep = keep.tril(kv_len - q_len)[None, None]
+        additive = keep
+        if keep is not None and keep.dtype == torch.bool:
+            additive = torch.zeros_like(keep, dtype=query.dtype).masked_fill(
+                ~keep, torch.finfo(query.dtype).min
+            )
+        out, weights = _own_eager(module)(
+            module, query, key, value, additive, dropout=dropout, scaling=scaling, **kwargs
+        )
+        return out, weights
     if kernel is None:  # resolved again to torch SDPA (dropout, a fallback): run it here
         out = _SDPA(
             query,
@@ -144,17 +162,58 @@ def attention_forward(
     return out.contiguous(), None
 
 
+def _own_eager(module: torch.nn.Module) -> Any:
+    """The eager attention function of ``module``'s own modeling file (the one
+    that implements the model's sinks, softcap, sparse indices)."""
+    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if not callable(found):
+        raise RuntimeError(
+            f"{type(module).__name__}: its call passes arguments no attnres kernel takes, and "
+            f"its modeling file defines no eager_attention_forward to run them; decide this "
+            f"component a backend transformers runs itself (eager, fa)"
+        )
+    return found
+
+
 def backends_for(model_class: type) -> frozenset[Backend]:
     """The backends attnres's function runs for a model class: every dense backend
-    with a kernel, when the class dispatches through the attention interface
-    (``_supports_attention_backend``) -- none otherwise."""
-    if not getattr(model_class, "_supports_attention_backend", False):
+    with a kernel -- none where the class opts out.
+
+    Issue 19: the function is offered by what the class's code does, not by
+    ``_supports_attention_backend`` alone. transformers 5.24.0 documents that flag
+    as "usable as a backend in TGI and vLLM" (kwargs passed through, logits
+    sliceable, a TP plan) and checks it nowhere when an attention function is
+    selected (``get_correct_attn_implementation`` accepts any registered name),
+    so BART, Whisper, wav2vec2, T5 -- whose attention modules call the interface
+    -- never declare it. A site is an interface site by its code (the
+    integration reads it); each call's facts and arguments are checked at the
+    call (:data:`_OWN_ONLY`). What keeps a class to transformers' own functions
+    is an opt-out the class sets itself: ``_supports_attention_backend = False``
+    (Gemma 4, BLT, Florence-2, Evolla, Inkling...) or, where it does not declare
+    that flag either way, ``_supports_sdpa = False`` (Speech2Text, PegasusX,
+    NLLB-MoE...: attnres's function follows the calling convention of the
+    ``sdpa`` function, and its mask function is ``sdpa_mask``)."""
+    declared = _declared(model_class, "_supports_attention_backend")
+    if declared is False or (
+        declared is None and _declared(model_class, "_supports_sdpa") is False
+    ):
         return frozenset()
     return frozenset(
         Backend(spec.name)
         for spec in registered_backends()
         if not spec.sparse and kernel_source(spec.name) is not KernelSource.NONE
     )
+
+
+def _declared(model_class: type, flag: str) -> bool | None:
+    """``flag`` as the class (or a model base of it) sets it; ``None`` where only
+    ``PreTrainedModel``'s default is inherited (a declaration, not a default)."""
+    for klass in model_class.__mro__:
+        if klass is PreTrainedModel:
+            return None
+        if flag in vars(klass):
+            return bool(vars(klass)[flag])
+    return None
 
 
 def register() -> None:

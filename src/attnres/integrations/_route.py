@@ -278,6 +278,9 @@ MHA_ROUTE = "generic route"
 WEIGHTS_ROUTE = "torch.nn.MultiheadAttention returning attention weights (its own code path)"
 #: the route a call with attention dropout is limited to
 DROPOUT_ROUTE = "the site's own code (attention dropout: attnres kernels take no dropout)"
+#: issue 19: a transformers call passing arguments attnres's function cannot hand
+#: to a kernel runs only the model's own eager function
+ARGUMENTS_ROUTE = "transformers' own eager attention (call arguments no attnres kernel takes)"
 
 
 # =============================================================================
@@ -355,6 +358,9 @@ class CallFacts:
     #: the caller asks for the attention weights (``need_weights=True``): only the
     #: site's own code path computes them
     weights: bool = False
+    #: issue 19: call arguments attnres's transformers function cannot hand to a
+    #: kernel (``softcap``, attention sinks ...): only the site's own code serves them
+    arguments: tuple[str, ...] = ()
 
     @classmethod
     def observe(
@@ -367,6 +373,7 @@ class CallFacts:
         scale: float | None,
         heads_dim: int = -3,
         weights: bool = False,
+        arguments: tuple[str, ...] = (),
     ) -> CallFacts:
         head_size = int(q.shape[-1])
         mask = _observe_mask(q, k, attn_mask, heads_dim)
@@ -380,6 +387,7 @@ class CallFacts:
             custom_scale=scale is not None and _custom(scale, head_size),
             dropout=bool(dropout_p),
             weights=weights,
+            arguments=arguments,
         )
 
     @classmethod
@@ -409,6 +417,7 @@ class CallFacts:
             self.custom_scale,
             self.dropout,
             self.weights,
+            self.arguments,
         )
 
     def differences(self, planned: CallFacts | None) -> tuple[str, ...]:
@@ -440,6 +449,8 @@ class CallFacts:
                 if self.weights
                 else "no attention weights returned"
             )
+        if self.arguments != planned.arguments:
+            out.append("call arguments " + ", ".join(self.arguments or ("none",)))
         if not out and self.heads != planned.heads:  # same grouping, other head count
             out.append(f"{self.heads} heads (planned {planned.heads})")
         return tuple(out)
@@ -457,9 +468,10 @@ class CallFacts:
             custom_scale=self.custom_scale,
             dropout=self.dropout,
             gqa=self.kv_heads < self.heads,
+            softcap=base.requirements.softcap or "softcap" in self.arguments,
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
-        only = _EAGER if self.weights else own if self.dropout else None
+        only = _EAGER if self.weights or self.arguments else own if self.dropout else None
         if only is not None:
             # no attnres kernel returns the weights or applies dropout (the calling
             # convention has neither): only the site's own code serves the call,
@@ -469,7 +481,13 @@ class CallFacts:
                 supported=frozenset({only}),
                 default=None if base.default is None else only,
                 preferred=None,
-                exact_route=WEIGHTS_ROUTE if self.weights else DROPOUT_ROUTE,
+                exact_route=(
+                    f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
+                    if self.arguments
+                    else WEIGHTS_ROUTE
+                    if self.weights
+                    else DROPOUT_ROUTE
+                ),
             )
         return spec
 
@@ -483,6 +501,7 @@ def call_key(
     scale: float | None,
     heads_dim: int,
     weights: bool = False,
+    arguments: tuple[str, ...] = (),
 ) -> tuple[Any, ...]:
     """A call's signature, built with no object (it runs on every call, and is
     traced whole by torch.compile)."""
@@ -497,6 +516,7 @@ def call_key(
         scale is not None and _custom(scale, head_size),
         bool(dropout_p),
         weights,
+        arguments,
     )
 
 
@@ -684,12 +704,13 @@ class GenericRoute:
         scale: float | None,
         heads_dim: int,
         weights: bool = False,
+        arguments: tuple[str, ...] = (),
     ) -> _KernelFn | None:
         """The kernel of this call's signature (``None``: the site's own code runs
         it), checked once per signature against the plan. Every caller goes
         through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
         routes, attnres's transformers attention function."""
-        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights)
+        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments)
         if key in self.unverified and not torch.compiler.is_compiling():
             # issue 22: the first call of a planned signature verifies its mask kind
             return self._verify(
@@ -698,7 +719,9 @@ class GenericRoute:
         if key in self.kernels:
             return self.kernels[key]
         return self._first_call(
-            CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights)
+            CallFacts.observe(
+                q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments
+            )
         )
 
     def bmm(self, input: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:
@@ -820,7 +843,7 @@ class GenericRoute:
                 self.on_first_call(record)
             if resolution is None:
                 raise ResolutionError(str(error), trace, str(trace.outcome.code))
-            own = _EAGER if facts.weights else self.own
+            own = _EAGER if facts.weights or facts.arguments else self.own
             kernel = self._kernel(resolution.backend, spec, own)
             self.kernels[facts.key()] = kernel
             return kernel

@@ -91,9 +91,11 @@ _CLASS_FLAG: Mapping[str, str] = MappingProxyType(
 def route_backends(model: Any) -> frozenset[Backend]:
     """What the attention interface can execute for ``model``'s class.
 
-    Issue 22: a class that dispatches through the attention interface
-    (``_supports_attention_backend``) also runs every dense backend with an
-    attnres kernel, through attnres's own function (:mod:`._hf_attention`).
+    Issue 22: a class that dispatches through the attention interface also runs
+    every dense backend with an attnres kernel, through attnres's own function
+    (:mod:`._hf_attention`); issue 19: unless the class opts out itself
+    (:func:`._hf_attention.backends_for`), not only where it declares
+    ``_supports_attention_backend``.
     """
     return _native_backends(model) | _hf_attention.backends_for(type(model))
 
