@@ -407,7 +407,7 @@ class CallFacts:
     def key(self) -> tuple[Any, ...]:
         """What decides a kernel (the mask's shape does not; its presence does):
         the same tuple :func:`call_key` builds from a call."""
-        return (
+        return signature(
             self.heads,
             self.kv_heads,
             self.head_size,
@@ -506,7 +506,7 @@ def call_key(
     """A call's signature, built with no object (it runs on every call, and is
     traced whole by torch.compile)."""
     head_size = q.shape[-1]
-    return (
+    return signature(
         q.shape[heads_dim],
         k.shape[heads_dim],
         head_size,
@@ -515,6 +515,34 @@ def call_key(
         bool(is_causal),
         scale is not None and _custom(scale, head_size),
         bool(dropout_p),
+        weights,
+        arguments,
+    )
+
+
+def signature(
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    dtype: Any,
+    mask: bool,
+    causal: bool,
+    custom_scale: bool,
+    dropout: bool,
+    weights: bool = False,
+    arguments: tuple[str, ...] = (),
+) -> tuple[Any, ...]:
+    """The one layout of a call's signature (:func:`call_key`, :meth:`CallFacts.key`
+    and a route that knows a call's scalars before it has its tensors)."""
+    return (
+        heads,
+        kv_heads,
+        head_size,
+        dtype,
+        mask,
+        causal,
+        custom_scale,
+        dropout,
         weights,
         arguments,
     )
@@ -1209,7 +1237,9 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
             # a signature already decided is known before projecting (its key from
             # the call's scalars): the own path never pays the projections twice
             present = attn_mask is not None or padding is not None
-            seen = (heads, heads, size, query.dtype, present, False, False, bool(dropout_p), True)
+            seen = signature(
+                heads, heads, size, query.dtype, present, False, False, bool(dropout_p), True
+            )
             if seen in route.kernels and route.kernels[seen] is None:
                 return own()
             q, k, _, mask = project()
