@@ -854,8 +854,11 @@ def test_a_call_argument_no_kernel_takes_is_a_call_fact(varlen_fakes: Any) -> No
             model(**inputs)  # the planned call runs
             with pytest.raises(
                 ResolutionError, match=r"observed at first call: .*call arguments softcap"
-            ):
+            ) as info:
                 model(**inputs, softcap=30.0)
+            # the padded causal call passes is_causal=False with the triangle in its
+            # mask: it is causal, and the record names only the fact that differs
+            assert "not causal" not in str(info.value)
         finally:
             itf.remove(model)
         model.set_attn_implementation("eager")  # what transformers runs it with

@@ -430,8 +430,11 @@ class CallFacts:
         out = []
         if not self.mask.covered_by(planned.mask):
             out.append(self.mask.describe())
-        if self.causal != planned.causal:
-            out.append("causal" if self.causal else "not causal")
+        # a causal triangle inside a key-padding mask is causal (as :meth:`spec`
+        # reads it): a padded causal call that passes is_causal=False is not "not causal"
+        causal = self.causal or self.mask.causal
+        if causal != planned.causal:
+            out.append("causal" if causal else "not causal")
         if self.custom_scale and not planned.custom_scale:
             out.append("custom softmax scale")
         if self.head_size != planned.head_size:
