@@ -27,9 +27,13 @@ What this module holds, and why it is code rather than tables:
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
+import inspect
 import math
 import sys
+import textwrap
 import threading
 import types
 import weakref
@@ -172,6 +176,26 @@ def mha_own_path(module: Any) -> str | None:
     return None
 
 
+def source_tree(func: Any) -> ast.Module | None:
+    """The parsed source of a function or method (``None`` where it cannot be
+    read), the one reader of code text the routes use; parsed once per code
+    object (immutable, so never stale: a reloaded module brings new ones)."""
+    try:  # a decorated function's own code is the wrapped one (as getsource reads it)
+        target = inspect.unwrap(getattr(func, "__func__", func))
+    except ValueError:  # a __wrapped__ cycle
+        return None
+    code = getattr(target, "__code__", None)
+    return _parse_code(code) if isinstance(code, types.CodeType) else None
+
+
+@functools.lru_cache(maxsize=512)
+def _parse_code(code: types.CodeType) -> ast.Module | None:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(code)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
 def mha_weights_asked(parent: Any, name: str) -> str | None:
     """Whether the code of ``parent`` (the module holding a
     ``torch.nn.MultiheadAttention`` as ``attr``) calls it asking for the
@@ -181,15 +205,10 @@ def mha_weights_asked(parent: Any, name: str) -> str | None:
     the value is not a constant: the site's first call then checks it), so a
     plan knows what SigLIP's pooling head asks before anything runs. ``name``
     is the MHA's qualified name (its last part is ``attr``)."""
-    import ast
-    import inspect
-    import textwrap
-
     attr = name.rpartition(".")[2]
     for func in methods_of(parent):
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-        except (OSError, TypeError, SyntaxError):
+        tree = source_tree(func)
+        if tree is None:
             continue
         for node in ast.walk(tree):
             if not (
@@ -1067,13 +1086,8 @@ def scores_only_to_bmm(func: Any) -> bool:
     processor that stores the probabilities, as attention-map pipelines' do,
     is not routed). Read from the source, never from a class name; ``False``
     where the source cannot be read."""
-    import ast
-    import inspect
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(func, "__func__", func))))
-    except (OSError, TypeError, SyntaxError):
+    tree = source_tree(func)
+    if tree is None:
         return False
 
     def is_scores(node: ast.AST) -> bool:
