@@ -238,6 +238,42 @@ def check(name: str, model: torch.nn.Module, inputs: Any) -> Result:
     return res
 
 
+def check_without_forward(name: str, model: torch.nn.Module) -> Result:
+    """The checks that need no forward, for a class built tiny that cannot be run
+    here: the plan with no flag is ok; ``apply`` installs a pin at every governed
+    site and ``remove`` restores the modules, processors, instance forwards and
+    ``state_dict`` exactly; an explicit strict ``eager`` installs its route at
+    every governed site (softmax by hand excepted: eager is its own code)."""
+    res = Result(name)
+    comps = {COMPONENT: model}
+    before = _state(model)
+    plan = idf.apply(comps)
+    res.sites = len(plan.sites)
+    res.installed = _installed(model)
+    governed = {s.name for s in plan.sites if s.status in (Status.SELECTED, Status.PENDING)}
+    if not plan.ok or res.installed != len(governed):
+        res.problems.append(f"no flag: ok={plan.ok}, {res.installed} installed for {governed}")
+    res.removed = idf.remove(comps)
+    changed = _same_state(before, _state(model))
+    res.remove_exact = res.removed == res.installed and not changed
+    if not res.remove_exact:
+        res.problems.append(f"remove: {res.removed} for {res.installed}; changed: {changed}")
+    eager = idf.apply(comps, EAGER)
+    routes = {k.split("/", 1)[1] for k in idf.routes(comps)}
+    idf.remove(comps)
+    missing = [
+        s.name
+        for s in eager.sites
+        if s.name in governed and _BY_HAND not in s.route and s.name not in routes
+    ]
+    res.eager_everywhere = eager.ok and not missing
+    if not res.eager_everywhere:
+        res.problems.append(f"eager: ok={eager.ok}, no route at {missing[:2]}")
+    if _same_state(before, _state(model)):
+        res.problems.append("eager: remove did not restore")
+    return res
+
+
 def summary(results: list[Result]) -> Counter[str]:
     return Counter(
         {

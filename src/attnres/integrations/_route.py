@@ -721,8 +721,21 @@ class GenericRoute:
         scale: float | None = None,
         **extra: Any,
     ) -> Any:
-        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim)."""
-        kernel = self.kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, -3)
+        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim).
+        A call with no heads dimension (batch, seq, dim), as SDPA allows (the
+        HunyuanImage VAE's attention block makes one), is one head: it is seen
+        and run as (batch, 1, seq, dim)."""
+        flat = q.dim() == 3
+        if flat:
+            q4, k4, v4 = q.unsqueeze(-3), k.unsqueeze(-3), v.unsqueeze(-3)
+            m4 = (
+                attn_mask.unsqueeze(-3)
+                if attn_mask is not None and attn_mask.dim() == 3
+                else attn_mask
+            )
+        else:
+            q4, k4, v4, m4 = q, k, v, attn_mask
+        kernel = self.kernel_for(q4, k4, m4, dropout_p, is_causal, scale, -3)
         if kernel is None:
             return _SDPA(
                 q,
@@ -735,14 +748,14 @@ class GenericRoute:
                 **extra,
             )
         out = kernel(
-            q.transpose(-3, -2),
-            k.transpose(-3, -2),
-            v.transpose(-3, -2),
-            attn_mask,
+            q4.transpose(-3, -2),
+            k4.transpose(-3, -2),
+            v4.transpose(-3, -2),
+            m4,
             is_causal,
             scale,
-        )
-        return out.transpose(-3, -2)
+        ).transpose(-3, -2)
+        return out.squeeze(-3) if flat else out
 
     def kernel_for(
         self,
