@@ -344,6 +344,15 @@ _PIPELINE_INPUTS: dict[str, _Inputs] = {
 }
 
 
+def input_names(name: str) -> set[str]:
+    """The names of the inputs the class is run with (a pipeline test's class:
+    built to make them)."""
+    entry = _entries().get(name)
+    if entry is not None:
+        return set(entry["inputs"])
+    return set(build(name)[1]())
+
+
 def names() -> list[str]:
     """The classes with a tiny config here (from a model test or a pipeline test)."""
     return sorted({*_entries(), *_pipeline_entries()})
