@@ -151,7 +151,7 @@ def _vae(cfg: Any, gen: torch.Generator) -> dict[str, Any]:
         return {"sample": _r(gen, 1, channels, temporal + 1, 32, 32)}
     if "temperal_downsample" in cfg:  # Qwen-Image's (Wan-style) causal video VAE
         return {"sample": _r(gen, 1, 3, 1, 32, 32)}
-    size = min(cfg.get("sample_size", 32), 64)
+    size = min(cfg.get("sample_size", 32), 32)
     return {"sample": _r(gen, 1, channels, size, size)}
 
 
