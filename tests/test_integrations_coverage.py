@@ -369,6 +369,11 @@ _NOT_RUN = {
         "its forward encodes, and its encoder runs only tiled (AllegroPipeline decodes "
         "with tiling on); its 2 sites are planned tiny on the CPU below",
     ),
+    "QwenImageMultiControlNetModel": (
+        "single controlnet-union",
+        "its forward refuses more than one ControlNet (a wrapper of one is its ControlNet, "
+        "swept); built around two, it is planned tiny on the CPU below",
+    ),
     "MotionAdapter": (
         "no inputs",
         "its forward does nothing: its motion modules run inside UNetMotionModel (swept); "

@@ -16,6 +16,9 @@ Where a model class's tiny config and inputs come from, in order:
    made here (``_PIPELINE_INPUTS``), from the built model's config, in the
    form the pipeline named per entry passes them.
 
+4. A wrapper of several models (``MultiControlNetModel``, ...) whose model has a
+   tiny config: two of them, with the model's inputs given once per model.
+
 A class with none of these cannot be run here; :func:`build` raises
 :class:`CannotBuild` with the reason, and the sweep lists it.
 """
@@ -23,6 +26,7 @@ A class with none of these cannot be run here; :func:`build` raises
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import warnings
 from collections.abc import Callable
@@ -353,20 +357,67 @@ def input_names(name: str) -> set[str]:
     return set(build(name)[1]())
 
 
+def _child(name: str) -> str | None:
+    """The model a wrapper of several (``MultiControlNetModel``, ...) holds, where
+    that model has a tiny config here: the class it is named after."""
+    import diffusers
+
+    child = name.replace("Multi", "", 1)
+    if "Multi" not in name or not hasattr(diffusers, child):
+        return None
+    return child if child in {*_entries(), *_pipeline_entries()} else None
+
+
 def names() -> list[str]:
-    """The classes with a tiny config here (from a model test or a pipeline test)."""
-    return sorted({*_entries(), *_pipeline_entries()})
+    """The classes with a tiny config here (from a model test or a pipeline test),
+    and the wrappers of two of such a model."""
+    import diffusers
+
+    own = {*_entries(), *_pipeline_entries()}
+    wrappers = {n for n in dir(diffusers) if "Multi" in n and _child(n) is not None}
+    return sorted(own | wrappers)
 
 
 def source(name: str) -> str:
     """The test of diffusers' own that the class's config and inputs come from."""
+    child = _child(name)
+    if child is not None:
+        return f"two {child}s: {source(child)}"
     entry = _entries().get(name) or _pipeline_entries()[name]
     return str(entry["test"])
+
+
+def _wrapped(name: str, child: str) -> tuple[torch.nn.Module, Callable[[], dict[str, Any]]]:
+    # a wrapper takes the child's inputs with one control image, scale (and Flux's
+    # mode: 0 for a ControlNet that is not a union) per child, as its pipelines pass
+    # them (StableDiffusionControlNetPipeline with a list of ControlNets)
+    import diffusers
+
+    first, inputs = build(child)
+    second, _ = build(child)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(diffusers, name)([first, second]).eval()
+    takes = inspect.signature(model.forward).parameters
+
+    def wrapped() -> dict[str, Any]:
+        out = inputs()
+        out["controlnet_cond"] = [out["controlnet_cond"]] * 2
+        out["conditioning_scale"] = [1.0, 1.0]
+        if "controlnet_mode" in takes:
+            out["controlnet_mode"] = [torch.zeros(1, dtype=torch.long)] * 2
+        return out
+
+    wrapped()
+    return model, wrapped
 
 
 def build_model(name: str) -> torch.nn.Module:
     """The tiny model of ``name`` (eval mode, seeded weights), from its recorded config."""
     import diffusers
+
+    if _child(name) is not None:
+        return build(name)[0]
 
     entry = _entries().get(name) or _pipeline_entries()[name]
     init = {k: _value(r, torch.Generator()) for k, r in entry["init"].items()}
@@ -378,6 +429,9 @@ def build_model(name: str) -> torch.nn.Module:
 
 def build(name: str) -> tuple[torch.nn.Module, Callable[[], dict[str, Any]]]:
     """The tiny model (eval mode, seeded weights) and a function giving fresh inputs."""
+    child = _child(name)
+    if child is not None:
+        return _wrapped(name, child)
     entry = _entries().get(name) or _pipeline_entries().get(name)
     if entry is None:
         raise CannotBuild("no tiny config (diffusers has no model or pipeline test for it)")
