@@ -3,7 +3,12 @@
 
 Run once against a checkout of huggingface/diffusers (its ``tests/models``):
 
-    python scripts/extract_diffusers_test_configs.py /path/to/diffusers [COMMIT]
+    python scripts/extract_diffusers_test_configs.py /path/to/diffusers [COMMIT] \
+        [--older=/path/to/an/older/diffusers@TAG ...]
+
+(the file was made with the stored commit 58eb52c0, diffusers 0.40.0.dev0, and
+``--older`` v0.34.0, the last release with aMUSEd's and I2VGen-XL's pipeline
+tests).
 
 Each test module under ``tests/models`` is imported with the installed
 diffusers; every tester class that names a ``model_class`` and gives an init
@@ -247,7 +252,9 @@ def pipeline_configs(checkout: Path, wanted: set[str]) -> dict[str, Any]:
     return entries
 
 
-def main(checkout: Path, commit: str | None = None) -> None:
+def main(
+    checkout: Path, commit: str | None = None, older: tuple[tuple[Path, str], ...] = ()
+) -> None:
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
     for name in ("parameterized", "datasets", "requests_mock"):
@@ -305,9 +312,16 @@ def main(checkout: Path, commit: str | None = None) -> None:
         and cls is not diffusers.ModelMixin
     }
     from_pipelines = pipeline_configs(checkout, exported - set(entries))
+    for path, tag in older:
+        # a class whose pipeline tests diffusers has since removed (aMUSEd's UVit2D,
+        # I2VGen-XL's UNet): the last release that still had them, named per entry
+        found = pipeline_configs(path, exported - set(entries) - set(from_pipelines))
+        for name, entry in found.items():
+            from_pipelines[name] = {**entry, "test": f"{tag} {entry['test']}"}
     OUT.parent.mkdir(exist_ok=True)
     head = {
-        "source": f"huggingface/diffusers@{commit} tests/models, tests/pipelines",
+        "source": f"huggingface/diffusers@{commit} tests/models, tests/pipelines"
+        + "".join(f"; {tag} tests/pipelines" for _, tag in older),
         "installed_diffusers": diffusers.__version__,
         "not_read": skipped,
     }
@@ -324,4 +338,10 @@ def main(checkout: Path, commit: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)
+    args = [a for a in sys.argv[1:] if not a.startswith("--older=")]
+    olders = [a.removeprefix("--older=").rsplit("@", 1) for a in sys.argv[1:] if a not in args]
+    main(
+        Path(args[0]),
+        args[1] if len(args) > 1 else None,
+        tuple((Path(path), tag) for path, tag in olders),
+    )

@@ -384,6 +384,7 @@ _NOT_RUN = {
 #: govern, so no inputs are made for them (checked: their tiny plan has no site)
 _NO_ATTENTION = (
     "AudioLDM2ProjectionModel",
+    "CLIPImageProjection",
     "LongCatAudioDiTVae",
     "StableAudio3DurationEmbedder",
     "T2IAdapter",

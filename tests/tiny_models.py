@@ -320,6 +320,32 @@ def _ace_condition(cfg: Any, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
+def _uvit2d(cfg: Any, gen: torch.Generator) -> dict[str, Any]:
+    # AmusedPipeline: masked latent token ids (batch, h, w), the prompt, its pooled
+    # embedding and 5 micro-conditions (size, crop, aesthetic score)
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (1, 4, 4), generator=gen),
+        "encoder_hidden_states": _r(gen, 1, 4, cfg.encoder_hidden_size),
+        "pooled_text_emb": _r(gen, 1, cfg.cond_embed_dim),
+        "micro_conds": torch.tensor([[32.0, 32.0, 0.0, 0.0, 6.0]]),
+    }
+
+
+def _i2vgen_xl(cfg: Any, gen: torch.Generator) -> dict[str, Any]:
+    # I2VGenXLPipeline: latents (batch, channels, frames, h, w), fps, the first
+    # frame's latents with the frame-position mask over every frame, its image
+    # embedding (one token) and the prompt
+    frames, size = 2, 8
+    return {
+        "sample": _r(gen, 1, cfg.in_channels, frames, size, size),
+        "timestep": torch.tensor([10]),
+        "fps": torch.tensor([16]),
+        "image_latents": _r(gen, 1, cfg.in_channels, frames, size, size),
+        "image_embeddings": _r(gen, 1, 1, cfg.cross_attention_dim),
+        "encoder_hidden_states": _r(gen, 1, 4, cfg.cross_attention_dim),
+    }
+
+
 #: inputs for the classes built from a pipeline test's config, in the form the
 #: pipeline named in each builder passes them
 _PIPELINE_INPUTS: dict[str, _Inputs] = {
@@ -345,6 +371,8 @@ _PIPELINE_INPUTS: dict[str, _Inputs] = {
     "SparseControlNetModel": _controlnet,
     "StableAudioDiTModel": _stable_audio,
     "StableCascadeUNet": _stable_cascade,
+    "I2VGenXLUNet": _i2vgen_xl,
+    "UVit2DModel": _uvit2d,
 }
 
 
