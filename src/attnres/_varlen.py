@@ -18,6 +18,14 @@ valid -- by running its varlen entry point on the valid tokens only:
 3. the varlen kernel runs on the packed tokens;
 4. :func:`pad` scatters the output back to ``(batch, seq, heads, head_size)``.
 
+The span route: a kernel whose varlen function takes ``seqused_q`` and
+``seqused_k`` (FA3, FA4; its adapter says so: ``takes_seqused``) is handed,
+where every row's valid tokens are one run, the batch flattened as it lies,
+``cu_seqlens`` at each run's first token and ``seqused`` its length
+(:class:`Spans`): steps 2 and 4 disappear, and only the output rows no
+sequence covers are zeroed. Not taken when a gradient is needed (those
+kernels' backward leaves the uncovered rows of dq/dk/dv unwritten).
+
 Padded rows: a mask every query shares (``[B, 1, 1, S]`` key padding) does
 not say which queries are padding -- cross-attention of equal lengths passes
 one too -- so only the keys are unpadded and every query of a row is
@@ -67,6 +75,7 @@ __all__ = [
     "MaskPlan",
     "ObservedMask",
     "Packing",
+    "Spans",
     "Unpadded",
     "get_varlen_kernel",
     "is_prefix",
