@@ -71,6 +71,7 @@ def _check_varlen(
     cu_k: torch.Tensor,
     seqused_q: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    longest: tuple[int | None, int | None] = (None, None),
 ) -> tuple[Runs, Runs]:
     """The sequences the kernel reads: ``cu[i]:cu[i + 1]``, or with ``seqused``
     (FA3/FA4: hopper/seqlen.h, flash_attn/cute/seqlen_info.py) the ``seqused[i]``
@@ -83,7 +84,8 @@ def _check_varlen(
     if len(cu_q) != len(cu_k):
         raise RuntimeError("cu_seqlens_q and cu_seqlens_k have different batch sizes")
     runs = []
-    for cu, used, total in ((cu_q, seqused_q, q.shape[0]), (cu_k, seqused_k, k.shape[0])):
+    sides = ((cu_q, seqused_q, q.shape[0], longest[0]), (cu_k, seqused_k, k.shape[0], longest[1]))
+    for cu, used, total, most in sides:
         starts = cu.tolist()
         if used is None:
             if starts[-1] != total:
@@ -97,6 +99,8 @@ def _check_varlen(
         inside = all(0 <= a <= b <= total for a, b in pairs)
         if not inside or any(b > a2 for (_, b), (a2, _) in itertools.pairwise(pairs)):
             raise RuntimeError("fake: sequences outside the tensor or overlapping")
+        if most is not None and any(b - a > most for a, b in pairs):
+            raise RuntimeError("fake: a sequence longer than max_seqlen (the grid is sized by it)")
         runs.append(pairs)
     return runs[0], runs[1]
 
@@ -168,7 +172,8 @@ def fake_fa3(calls: Calls) -> types.ModuleType:
                     raise RuntimeError(f"{name} must be contiguous")
                 if used.shape != (cu_seqlens_q.shape[0] - 1,):
                     raise RuntimeError(f"{name} must have shape (batch_size)")
-        runs_q, runs_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        runs_q, runs_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                       (max_seqlen_q, max_seqlen_k))  # fmt: skip
         out = _per_sequence(q, k, v, runs_q, runs_k, softmax_scale, causal)
         return (out, None) if return_attn_probs else out
 
@@ -266,7 +271,8 @@ def fake_fa4(calls: Calls, *, qv_fourth: bool = True) -> types.ModuleType:
         assert 8 <= q.shape[-1] <= 256 and q.shape[-1] % alignment == 0, (
             f"head_dim must be between 8 and 256 and divisible by {alignment}"
         )
-        runs_q, runs_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        runs_q, runs_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                       (max_seqlen_q, max_seqlen_k))  # fmt: skip
         out = _per_sequence(q, k, v, runs_q, runs_k, softmax_scale, causal)
         lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
         return out, lse  # FlashAttnVarlenFunc.forward returns (out, lse)
