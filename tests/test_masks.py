@@ -865,6 +865,22 @@ def test_attention_layer_with_key_padding_runs_sage_varlen(varlen_fakes: Calls) 
     assert varlen_fakes.seen and "attn_mask" not in varlen_fakes.seen[0]
 
 
+def test_attention_layer_on_fa3_reads_a_left_padded_batch_in_place(varlen_fakes: Calls) -> None:
+    """attnres.Attention decided fa3, under no_grad (as pipelines run): the span route."""
+    layer = Attention(
+        4, 64, num_kv_heads=2, dtype=torch.float16, causal=True, requirements=["key_padding"],
+        backend="fa3", platform=HOPPER, name="decoder",
+    )  # fmt: skip
+    assert layer.backend is not None and layer.backend.name == "fa3"
+    q, k, v = _qkv(3, 8, 8, 4, 2, torch.float16, 10)
+    valid = _padding([8, 5, 0], 8, left=True)
+    with torch.no_grad():
+        out = layer(q, k, v, valid[:, None, None, :])
+    _check(out, q, k, v, valid, True)
+    assert varlen_fakes.seen[-1]["seqused_k"].tolist() == [8, 5]
+    assert varlen_fakes.seen[-1]["cu_seqlens_k"].tolist() == [0, 11, 24]
+
+
 @pytest.mark.parametrize("backend", UNPAD_BACKENDS)
 def test_unpad_route_takes_chroma_and_transformers_4d_masks(
     varlen_fakes: Calls, backend: str
