@@ -1185,3 +1185,35 @@ def test_mask_plan_spans_are_kept_apart_from_packings() -> None:
     assert shared.spans.padded_q.tolist() == [2, 3]
     middle = torch.tensor([[True, False, True]])[:, None, None, :]
     assert mask_plan(middle, 1, 3, 3, spans=True).spans is None
+
+
+@pytest.mark.parametrize("backend", SEQUSED_BACKENDS)
+def test_seqused_reaches_the_kernel_as_int32_and_the_fakes_refuse_other_dtypes(
+    varlen_fakes: Calls, backend: str
+) -> None:
+    from attnres._varlen import get_varlen_kernel
+
+    adapter = get_varlen_kernel(get_spec(backend))
+    x = torch.randn(8, 2, 64).half()
+    cu, used = torch.tensor([1, 4, 8]), torch.tensor([3, 2])  # int64 in, int32 out
+    out = adapter(x, x, x, cu, cu, 3, 3, False, None, seqused_q=used, seqused_k=used)
+    seen = varlen_fakes.seen[-1]
+    assert seen["seqused_q"].dtype == torch.int32 and seen["seqused_k"].dtype == torch.int32
+    assert out[[0, 6, 7]].isnan().all() and not out[[1, 2, 3, 4, 5]].isnan().any()
+    module = sys.modules["flash_attn_interface" if backend == "fa3" else "flash_attn.cute"]
+    cu32 = cu.int()
+    with pytest.raises((AssertionError, RuntimeError), match="seqused_q"):
+        module.flash_attn_varlen_func(
+            x, x, x, cu_seqlens_q=cu32, cu_seqlens_k=cu32, max_seqlen_q=3, max_seqlen_k=3,
+            seqused_q=used, seqused_k=used.int(),
+        )  # fmt: skip
+    with pytest.raises((AssertionError, RuntimeError), match="seqused_k must have shape"):
+        module.flash_attn_varlen_func(
+            x, x, x, cu_seqlens_q=cu32, cu_seqlens_k=cu32, max_seqlen_q=3, max_seqlen_k=3,
+            seqused_q=used.int(), seqused_k=torch.tensor([3], dtype=torch.int32),
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="longer than max_seqlen"):
+        module.flash_attn_varlen_func(
+            x, x, x, cu_seqlens_q=cu32, cu_seqlens_k=cu32, max_seqlen_q=2, max_seqlen_k=3,
+            seqused_q=used.int(), seqused_k=used.int(),
+        )  # fmt: skip
