@@ -309,33 +309,42 @@ def _spans(valid: Tensor, batch: int, seq_q: int, seq_kv: int, tied: bool) -> Sp
     keys'); otherwise every query of a row with a valid key is computed."""
     import torch
 
-    # one run per row: at most one rise (a valid token after a padded one, or first)
-    rises = valid[:, 0].to(torch.int32) + (valid[:, 1:] & ~valid[:, :-1]).sum(1)
-    if bool((rises > 1).any()):
+    if valid.shape[1] == 0:
         return None
-    lengths = valid.sum(dim=1, dtype=torch.int32)
-    rows = (lengths > 0).nonzero().reshape(-1)
-    used_k = lengths[rows]
+    # one run per row: at most one rise (a valid token after a padded one, or first)
+    rises = valid[:, 0].to(torch.int64) + (valid[:, 1:] & ~valid[:, :-1]).sum(1)
+    lengths = valid.sum(dim=1)
+    has_keys = lengths > 0
+    # one host synchronisation (on a GPU) for every size the plan needs
+    most_rises, max_k, sequences, total = torch.stack(
+        [rises.max(), lengths.max(), has_keys.sum(), lengths.sum()]
+    ).tolist()
+    if most_rises > 1:
+        return None
+    rows = torch.nonzero_static(has_keys, size=sequences).reshape(-1)
+    used_k = lengths[rows].to(torch.int32)
     starts = valid.to(torch.uint8).argmax(dim=1)  # the first valid key (the first maximum)
 
-    def cumulative(first: Tensor, total: int) -> Tensor:
+    def cumulative(first: Tensor, end: int) -> Tensor:
         cu = torch.empty(first.shape[0] + 1, dtype=torch.int32, device=valid.device)
         cu[:-1] = first
-        cu[-1] = total
+        cu[-1] = end
         return cu
 
     cu_k = cumulative(rows * seq_kv + starts[rows], batch * seq_kv)
-    max_k = int(used_k.max()) if used_k.shape[0] else 0
     if tied:
-        skipped = valid.logical_not()
+        skipped, uncovered = valid.logical_not(), batch * seq_kv - total
         cu_q, used_q, max_q = cu_k, used_k, max_k
     else:
-        skipped = (lengths == 0)[:, None].expand(batch, seq_q)
+        skipped = has_keys.logical_not()[:, None].expand(batch, seq_q)
+        uncovered = (batch - sequences) * seq_q
         cu_q = cumulative(rows * seq_q, batch * seq_q)
         used_q = torch.full_like(used_k, seq_q)
-        max_q = seq_q if used_k.shape[0] else 0
-    padded_q = skipped.reshape(-1).nonzero().reshape(-1)
-    return Spans(cu_q, used_q, max_q, cu_k, used_k, max_k, padded_q if padded_q.shape[0] else None)
+        max_q = seq_q if sequences else 0
+    padded_q = None
+    if uncovered:
+        padded_q = torch.nonzero_static(skipped.reshape(-1), size=uncovered).reshape(-1)
+    return Spans(cu_q, used_q, max_q, cu_k, used_k, max_k, padded_q)
 
 
 class MaskPlan(NamedTuple):
