@@ -1217,3 +1217,49 @@ def test_seqused_reaches_the_kernel_as_int32_and_the_fakes_refuse_other_dtypes(
             x, x, x, cu_seqlens_q=cu32, cu_seqlens_k=cu32, max_seqlen_q=2, max_seqlen_k=3,
             seqused_q=used.int(), seqused_k=used.int(),
         )  # fmt: skip
+
+
+def _classified_by_definition(keep: torch.Tensor) -> tuple[str, bool, bool]:
+    """docs/masks.md's rules with plain all/any, for a boolean (B, H, Sq, Skv) mask:
+    (kind, causal, marks the queries)."""
+    if not torch.equal(keep, keep[:, :1].expand_as(keep)):
+        return "boolean", False, False
+    rows = keep[:, 0]
+    valid = rows.any(dim=1)
+    if rows.shape[1] == 1 or bool((rows == valid[:, None, :]).all()):
+        return "key_padding", False, False
+    if rows.shape[1] == rows.shape[2]:
+        tril = torch.ones(rows.shape[1:], dtype=torch.bool).tril()
+        for pattern, causal in ((valid[:, None, :], False), (valid[:, None, :] & tril, True)):
+            if bool(((rows == pattern) | ~valid[:, :, None]).all()):
+                return "key_padding", causal, True
+    return "boolean", False, False
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), shape=st.sampled_from(["padding", "causal", "refiner", "random"]))
+def test_observe_mask_follows_its_definition(data: st.DataObject, shape: str) -> None:
+    batch, heads = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    seq_q = data.draw(st.integers(1, 7))
+    seq_kv = (
+        seq_q if shape != "random" or data.draw(st.booleans()) else data.draw(st.integers(1, 7))
+    )
+    cells = st.lists(st.booleans(), min_size=batch * seq_kv, max_size=batch * seq_kv)
+    valid = torch.tensor(data.draw(cells)).reshape(batch, seq_kv)
+    if shape == "random":
+        size = batch * heads * seq_q * seq_kv
+        flat = data.draw(st.lists(st.booleans(), min_size=size, max_size=size))
+        keep = torch.tensor(flat).reshape(batch, heads, seq_q, seq_kv)
+    else:
+        keep = valid[:, None, None, :].expand(batch, heads, seq_q, seq_kv).clone()
+        if seq_q == seq_kv:
+            keep &= valid[:, None, :, None]  # the padded queries marked
+            if shape == "causal":
+                keep &= torch.ones(seq_q, seq_kv, dtype=torch.bool).tril()
+            if shape == "refiner":
+                keep[..., 0] = True
+    seen = observe_mask(keep, batch, seq_q, seq_kv)
+    kind, causal, marks = _classified_by_definition(keep)
+    assert (seen.kind.value, seen.causal, seen.marks_queries) == (kind, causal, marks)
+    if kind == "key_padding":
+        assert seen.valid is not None and torch.equal(seen.valid, keep[:, 0].any(dim=1))

@@ -138,9 +138,38 @@ def _keep(mask: Tensor) -> Tensor | None:
         return mask.bool()
     keep = mask == 0
     masked = mask <= MASKED_AT
-    if not bool((keep | masked).all()):
+    if not _all(keep | masked):
         return None
     return keep
+
+
+def _all(x: Tensor) -> bool:
+    """``bool(x.all())`` for a boolean tensor, read through its bytes: a min
+    reduction, several times faster than ``all`` on the CPU (a (4, 512, 512)
+    mask: ~40 us against ~760 us)."""
+    import torch
+
+    return x.numel() == 0 or bool(x.view(torch.uint8).min())
+
+
+def _any_over(x: Tensor, dim: int) -> Tensor:
+    """``x.any(dim=dim)`` for a boolean tensor, through its bytes (as :func:`_all`)."""
+    import torch
+
+    if x.shape[dim] == 0:
+        return x.any(dim=dim)
+    return x.view(torch.uint8).amax(dim=dim).bool()
+
+
+def _rows_equal(rows: Tensor, pattern: Tensor) -> Tensor:
+    """(batch, seq_q): whether each query's row of ``rows`` (batch, seq_q, seq_kv)
+    is ``pattern``'s (broadcast), through bytes (as :func:`_all`)."""
+    import torch
+
+    equal = rows == pattern
+    if equal.shape[-1] == 0:
+        return equal.all(dim=-1)
+    return equal.view(torch.uint8).amin(dim=-1).bool()
 
 
 def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> ObservedMask:
@@ -164,12 +193,14 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
         return ObservedMask(MaskKind.KEY_PADDING, False, keep[:, 0, 0].expand(batch, seq_kv))
     keep = keep.expand(batch, keep.shape[1], seq_q, seq_kv)
     if keep.shape[1] != 1:
-        if not bool((keep == keep[:, :1]).all()):
+        if not _all(keep == keep[:, :1]):
             return ObservedMask(MaskKind.BOOLEAN, False, None, "the heads see different keys")
         keep = keep[:, :1]
     rows = keep[:, 0]
-    valid = rows.any(dim=1)  # (B, Skv): a key some query sees
-    if seq_q == 1 or bool((rows == valid[:, None, :]).all()):
+    valid = _any_over(rows, 1)  # (B, Skv): a key some query sees
+    keys = valid[:, None, :]
+    sees_the_keys = _rows_equal(rows, keys)  # (B, Sq)
+    if seq_q == 1 or _all(sees_the_keys):
         return ObservedMask(MaskKind.KEY_PADDING, False, valid)
     if seq_q == seq_kv:
         # self-attention: a query at a valid position sees exactly the valid keys
@@ -179,12 +210,12 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
         # mask[:, None] * mask[:, :, None]) or the first token (HunyuanVideo's
         # token refiner). Every key such a row sees is a valid one: ``valid`` is
         # the union of the rows, and the valid queries see all of it.
-        keys = valid[:, None, :]
-        padded_query = ~valid[:, :, None]
+        padded_query = valid.logical_not()  # query i is token i
+        if _all(sees_the_keys | padded_query):
+            return ObservedMask(MaskKind.KEY_PADDING, False, valid, marks_queries=True)
         tril = rows.new_ones((seq_q, seq_kv)).tril()
-        for pattern, causal in ((keys, False), (keys & tril, True)):
-            if bool(((rows == pattern) | padded_query).all()):
-                return ObservedMask(MaskKind.KEY_PADDING, causal, valid, marks_queries=True)
+        if _all(_rows_equal(rows, keys & tril) | padded_query):
+            return ObservedMask(MaskKind.KEY_PADDING, True, valid, marks_queries=True)
     return ObservedMask(MaskKind.BOOLEAN, False, None, "the queries of a row see different keys")
 
 
