@@ -46,7 +46,7 @@ def test_rule_backend_options_unknown_option_is_refused_with_did_you_mean() -> N
     assert "its options: deterministic" in str(info.value)
     # a backend that declares none says so
     with pytest.raises(BackendOptionError, match="its options: none"):
-        normalize_backend_options({"sage_attn": {"qk_quant_gran": "per_warp"}})
+        normalize_backend_options({"xformers": {"qk_quant_gran": "per_warp"}})
 
 
 @pytest.mark.parametrize(

@@ -702,16 +702,13 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
     config = selection_config_from_args(args)
     options = _backend_options(args.backend_option)  # issue 23: under each layer's own
+    if options is not None:
+        config = attrs.evolve(config, backend_options=options)
     if Path(args.pipeline).is_dir():
         if layout is not None:
             raise UsageError(
                 "--ulysses-degree and --ring-degree apply to a pipeline file (attnres plan "
                 "PIPELINE.toml) for now; a model folder's layout is not read yet"
-            )
-        if options is not None:
-            raise UsageError(
-                "--backend-option applies to a pipeline file (attnres plan PIPELINE.toml) for "
-                "now; a model folder's attention sites do not pass kernel options yet"
             )
         from attnres.integrations._folder import parse_dtype_args, plan_folder
 
@@ -741,8 +738,6 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             f"the pipeline {pipeline.name!r} ({pipeline.path})",
         )
         platform = _platform(args.platform)
-        if options is not None:
-            config = attrs.evolve(config, backend_options=options)
         result = plan_pipeline(pipeline, config, platform)
     pipeline = result.pipeline
     doc = result.to_dict()
@@ -1237,7 +1232,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out", metavar="DIR", help="write one trace per distinct layer into DIR"
     )
     _layout_arguments(plan, heads=False)
-    _backend_option_argument(plan, " for every layer, under a layer's own backend_options")
+    _backend_option_argument(
+        plan, " for every layer (or site of a model folder), under a layer's own backend_options"
+    )
 
     replay = command(
         "replay", "replay golden trace files and compare (--update rewrites them)", _cmd_replay

@@ -604,10 +604,21 @@ def prepare(
         function = _FUNCTIONS.get(backend)
         spec = site.spec
         owner = _owner(modules, site.name, model)
-        if Backend(backend) not in _native_backends(owner) and Backend(
+        # issue 23: options for the backend reach its kernel only through attnres's
+        # function (transformers' own functions take none of attnres's)
+        options = None if spec is None else dict(spec.backend_options).get(backend)
+        if (options or Backend(backend) not in _native_backends(owner)) and Backend(
             backend
         ) in _hf_attention.backends_for(type(owner)):
             function = _hf_attention.NAME  # issue 22: attnres's own function runs it
+        elif options and function is not None:
+            problems.append(
+                f"{component}/{site.name}: backend options "
+                f"({', '.join(f'{backend}.{n}' for n, _ in options)}) cannot reach its kernel: "
+                f"transformers' own {function!r} function runs {backend} there ("
+                f"{type(owner).__name__} opts out of other attention functions); drop them"
+            )
+            continue
         if function is None:
             problems.append(
                 f"{component}/{site.name}: {backend} has no transformers attention function"
