@@ -1665,11 +1665,16 @@ def entry_point_options(
         option = entry.option(name)
         if option is None:
             takes = ", ".join(o.name for o in entry.options) or "none"
+            todo = (
+                f"Drop {name} for this layer (its key-padding masks run through {entry.name})"
+                if varlen
+                else f"Drop {name} for this platform, or give it only to layers of a platform "
+                f"whose function takes it"
+            )
             raise BackendOptionError(
                 f"backend_options{where}: {spec.name}.{name} is not taken by {entry.name}, the "
-                f"function {spec.name} runs {on} ({entry.source}); it takes: {takes}. Drop "
-                f"{name} for this platform, or give it only to layers of a platform whose "
-                f"function takes it (docs/backends.md#per-backend-options)",
+                f"function {spec.name} runs {on} ({entry.source}); it takes: {takes}. {todo} "
+                f"(docs/backends.md#per-backend-options)",
                 spec.name,
                 name,
             )

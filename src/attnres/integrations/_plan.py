@@ -550,8 +550,8 @@ def _check_options(
     raise BackendOptionError(
         f"backend_options{where} ({desc.module_class}): {given} cannot reach its kernel: "
         f"{desc.host_kernel} runs {res.backend.name} there, not attnres, and attnres passes "
-        f"it nothing. Drop the options for this model, or plan the component without "
-        f"{desc.route.partition(' via ')[0]} (docs/integrations.md#per-backend-options)",
+        f"it nothing. Drop the options for this component (the site's route: {desc.route}) "
+        f"(docs/integrations.md#per-backend-options)",
         res.backend.name,
         options[0][0],
     )
