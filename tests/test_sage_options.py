@@ -163,9 +163,13 @@ def test_the_fakes_keep_sageattentions_signatures() -> None:
     # sageattn swallows what it does not know: no error, the option is lost
     module.sageattn(q, q, q, tensor_layout="NHD", qk_quant_gran="per_warp")
     with pytest.raises(NotImplementedError, match="fp32\\+fp32' for sm90"):
-        module.sageattn_qk_int8_pv_fp8_cuda_sm90(q, q, q, tensor_layout="NHD", pv_accum_dtype="fp32")
+        module.sageattn_qk_int8_pv_fp8_cuda_sm90(
+            q, q, q, tensor_layout="NHD", pv_accum_dtype="fp32"
+        )
     with pytest.raises(ValueError, match="Unsupported quantization backend"):
-        module.sageattn_qk_int8_pv_fp16_triton(q, q, q, tensor_layout="NHD", quantization_backend="x")
+        module.sageattn_qk_int8_pv_fp16_triton(
+            q, q, q, tensor_layout="NHD", quantization_backend="x"
+        )
     with pytest.raises(AssertionError, match="qk_quant_gran must be"):
         module.sageattn_qk_int8_pv_fp16_cuda(q, q, q, tensor_layout="NHD", qk_quant_gran="x")
 
@@ -206,7 +210,10 @@ def test_rule_sage_options_on_the_unpad_route(
     assert "function" not in varlen and varlen["smooth_k"] is False  # sageattn_varlen's record
     assert dense["function"] == "sageattn_qk_int8_pv_fp8_cuda" and dense["smooth_k"] is False
     # an option the varlen function does not take is refused for such a layer
-    with pytest.raises(BackendOptionError, match=r"unpad route.*not taken by sageattn_varlen.*its key-padding masks"):
+    with pytest.raises(
+        BackendOptionError,
+        match=r"unpad route.*not taken by sageattn_varlen.*its key-padding masks",
+    ):
         _layer((8, 9), {"qk_quant_gran": "per_warp"}, requirements=["key_padding"])
 
 
@@ -232,7 +239,9 @@ def test_rule_sage_options_plan_checks_the_platforms_function(tmp_path: Any) -> 
     path = tmp_path / "sage.toml"
     path.write_text(PIPELINE)
     flags = ("--attention-backend", "sage", "--backend-option", "sage.qk_quant_gran=per_warp")
-    code, out, _ = _main("plan", str(path), "--platform", "cuda:sm89+sageattention", *flags, "--json")
+    code, out, _ = _main(
+        "plan", str(path), "--platform", "cuda:sm89+sageattention", *flags, "--json"
+    )
     assert code == 0
     layer = json.loads(out)["components"][0]["layers"][0]
     assert layer["backend_options"] == {"sage_attn": {"qk_quant_gran": "per_warp"}}
@@ -240,7 +249,10 @@ def test_rule_sage_options_plan_checks_the_platforms_function(tmp_path: Any) -> 
     message = " ".join(err.split())
     assert code == 2 and "Traceback" not in err
     assert "for layer 'blocks.attn' of component 'transformer'" in message
-    assert "not taken by sageattn_qk_int8_pv_fp16_triton, the function sage_attn runs on sm86" in message
+    assert (
+        "not taken by sageattn_qk_int8_pv_fp16_triton, the function sage_attn runs on sm86"
+        in message
+    )
 
 
 # -- ring layouts: the log-sum-exp kernel takes the layer's options ------------------
@@ -274,7 +286,7 @@ def test_rule_options_reach_the_ring_lse_kernel_fa(monkeypatch: pytest.MonkeyPat
     try:
         run = _ring("fa", (("deterministic", True),))
         q = torch.randn(1, 6, 4, 16).half()
-        out, lse = run.lse(q, q, q, True, None)
+        _out, lse = run.lse(q, q, q, True, None)
         assert seen == [{"deterministic": True}] and lse.shape == (1, 4, 6)
     finally:
         clear_lse_cache()
@@ -286,7 +298,7 @@ def test_rule_options_reach_the_ring_lse_kernel_sage(
     _device(monkeypatch, (9, 0))
     run = _ring("sage_attn", (("qk_quant_gran", "per_warp"),))
     q = torch.randn(1, 6, 4, 16).half()
-    out, lse = run.lse(q, q, q, True, None)
+    _out, lse = run.lse(q, q, q, True, None)
     assert lse.shape == (1, 4, 6)
     assert calls.seen[-1]["function"] == "sageattn_qk_int8_pv_fp8_cuda_sm90"
     assert calls.seen[-1]["qk_quant_gran"] == "per_warp"
