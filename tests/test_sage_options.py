@@ -249,6 +249,11 @@ def test_rule_sage_options_plan_checks_the_platforms_function(tmp_path: Any) -> 
     message = " ".join(err.split())
     assert code == 2 and "Traceback" not in err
     assert "for layer 'blocks.attn' of component 'transformer'" in message
+    layer_flags = ("--head-size", "64", "--dtype", "fp16")  # explain: one layer, same check
+    code, _, err = _main("explain", *layer_flags, "--platform", "cuda:sm86+sageattention", *flags)
+    assert code == 2 and "sage_attn.qk_quant_gran is not taken by" in " ".join(err.split())
+    code, _, _ = _main("explain", *layer_flags, "--platform", "cuda:sm89+sageattention", *flags)
+    assert code == 0
     assert (
         "not taken by sageattn_qk_int8_pv_fp16_triton, the function sage_attn runs on sm86"
         in message

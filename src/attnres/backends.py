@@ -819,7 +819,7 @@ _SAGE_ENTRY_POINTS = (
 )
 
 
-def _union_options(entries: Iterable[EntryPoint]) -> tuple[BackendOption, ...]:
+def _declared_sage_options(entries: Iterable[EntryPoint]) -> tuple[BackendOption, ...]:
     """One declared option per name over ``entries``: every value one of them takes;
     the default is per GPU (``None``), its source names the functions."""
     found: dict[str, list[BackendOption]] = {}
@@ -1105,7 +1105,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         kernel="attnres.kernels.sage_attn:make_kernel",
         # issue 23: sageattn drops keyword arguments it does not know, so options
         # go to the function it runs on the device (docs/backends.md)
-        options=_union_options(_SAGE_ENTRY_POINTS),
+        options=_declared_sage_options(_SAGE_ENTRY_POINTS),
         entry_points=_SAGE_ENTRY_POINTS,
         masks=(
             MaskSupport(

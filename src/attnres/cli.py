@@ -47,11 +47,13 @@ import attrs
 
 from attnres._schedule_plan import parse_schedule, plan_schedule
 from attnres._states import PackageStatus, ReplayStatus, Status  # issue 20, 19
+from attnres._varlen import check_layer_options
 from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, MaskRoute, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
     BackendSpec,
+    lookup_spec,
     parse_backend_option,
     plugin_failures,
     registered_backends,
@@ -482,9 +484,12 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             trace = resolution_trace(layer, config, platform)
     else:
         trace = resolution_trace(layer, config, platform)
+    outcome = trace.outcome
+    if outcome.backend is not None and layer.backend_options:
+        # issue 23: the function the backend runs on this platform takes the options
+        check_layer_options(lookup_spec(outcome.backend), layer, trace.input.platform)
     if args.trace_out is not None:
         _write_trace(trace, _trace_out(args.trace_out, "a file name"))
-    outcome = trace.outcome
     scheduled = _explain_schedule(args, layer, config, platform)
     if args.json:
         _emit_json(
