@@ -358,12 +358,16 @@ def test_rule_backend_options_plan_flag_reaches_a_model_folders_sites(tmp_path: 
     assert "not taken by sageattn_qk_int8_pv_fp16_triton" in message
 
 
-def test_rule_backend_options_reach_the_kernel_of_an_applied_model(varlen_fakes: Any) -> None:
+def test_rule_backend_options_reach_the_kernel_of_an_applied_model(
+    request: pytest.FixtureRequest,
+) -> None:
     """``apply(model, SelectionConfig(backend_options=...))``: the routed sites call
     their kernel with the options (key padding: sageattn_varlen's smooth_k)."""
     from test_masks_diffusers import SAGE, STAND_IN, _inputs, _qwen_image
 
     from attnres.integrations import diffusers as idf
+
+    varlen_fakes = request.getfixturevalue("varlen_fakes")  # after diffusers is imported
 
     model = _qwen_image()
     config = attrs.evolve(SAGE, backend_options={"sage": {"smooth_k": False}})
@@ -409,3 +413,28 @@ def test_rule_backend_options_refused_where_diffusers_dispatcher_runs_the_kernel
     message = str(info.value)
     assert "attention site 'transformer_blocks.0.attn' of component 'transformer'" in message
     assert "fa.deterministic cannot reach its kernel: diffusers' dispatcher" in message
+
+
+def test_rule_backend_options_reach_a_site_decided_at_its_first_call(
+    varlen_fakes: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site with no head facts at plan time (decided at its first call) takes the
+    config's options: traced in its first-call record and passed to the kernel."""
+    from attnres.integrations import _route
+    from attnres.scope import scope_state
+
+    sage = SelectionConfig(global_backend="sage_attn", global_backend_explicit=True)
+    stand_in = attrs.evolve(attnres.Platform.simulate("cuda:sm90+sageattention"), simulated=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    config = attrs.evolve(sage, backend_options={"sage": {"smooth_k": False}})
+    route = _route.GenericRoute(
+        component="vae", name="mid.attn", spec=None, heads=None, kv_heads=None,
+        resolution=None, config=config, scope=scope_state("vae"), platform=stand_in,
+    )  # fmt: skip
+    q = torch.randn(1, 2, 6, 16).bfloat16()
+    route(q, q, q)
+    (first,) = route.first_calls
+    assert first.backend is not None and first.backend.name == "sage_attn"
+    assert first.trace.input.layer.backend_options == (("sage_attn", (("smooth_k", False),)),)
+    assert varlen_fakes.seen[-1]["function"] == "sageattn_qk_int8_pv_fp8_cuda_sm90"
+    assert varlen_fakes.seen[-1]["smooth_k"] is False
