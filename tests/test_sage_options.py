@@ -263,15 +263,25 @@ def test_rule_sage_options_plan_checks_the_platforms_function(tmp_path: Any) -> 
 # -- ring layouts: the log-sum-exp kernel takes the layer's options ------------------
 
 
-def _ring(backend: str, options: tuple[tuple[str, Any], ...]) -> Any:
+def _ring(
+    backend: str, options: tuple[tuple[str, Any], ...], ulysses: int = 1, ring: int = 2
+) -> Any:
     from attnres.modules import _LayerShape
     from attnres.parallel import _ParallelRun
 
     shape = _LayerShape(
         4, 4, 16, True, None, backend, "float16", backend_options=((backend, options),)
     )
-    sp = types.SimpleNamespace(ulysses=1, ring=2)  # what _ParallelRun reads of its layout
-    return _ParallelRun(sp, shape, None, frozenset({torch.float16}), lambda *a: None)  # type: ignore[arg-type]
+    sp = types.SimpleNamespace(ulysses=ulysses, ring=ring)  # what _ParallelRun reads of it
+    local = lambda shape, kernel, dtypes: shape  # noqa: E731 - the local run's shape, to look at
+    return _ParallelRun(sp, shape, None, frozenset({torch.float16}), local)  # type: ignore[arg-type]
+
+
+def test_rule_options_reach_the_dense_kernel_of_a_ulysses_layout() -> None:
+    run = _ring("fa", (("deterministic", True),), ulysses=2, ring=1)
+    # the per-rank run is the dense one, built for a shape that keeps the options
+    assert run.local.backend_options == (("fa", (("deterministic", True),)),)
+    assert run.local.num_heads == 2 and run.lse is None
 
 
 def test_rule_options_reach_the_ring_lse_kernel_fa(monkeypatch: pytest.MonkeyPatch) -> None:
