@@ -366,15 +366,19 @@ class BackendOption:
     minimum: int | None = None
     nullable: bool = False
 
-    def check(self, backend: str, value: object) -> OptionValue:
-        """``value`` if this option takes it, else a :class:`BackendOptionError`."""
-        ok = (value is None and self.nullable) or (
+    def takes(self, value: object) -> bool:
+        """Whether this option takes ``value`` (the one value check: :meth:`check`,
+        and :func:`entry_point_options` for a function's narrower option)."""
+        return (value is None and self.nullable) or (
             isinstance(value, _OPTION_KINDS[self.kind])
             and (self.kind == "bool" or not isinstance(value, bool))
             and (not self.choices or value in self.choices)
             and (self.minimum is None or value >= self.minimum)  # type: ignore[operator]
         )
-        if not ok:
+
+    def check(self, backend: str, value: object) -> OptionValue:
+        """``value`` if this option takes it, else a :class:`BackendOptionError`."""
+        if not self.takes(value):
             raise BackendOptionError(
                 f"backend_options: {backend}.{self.name}={value!r} is not allowed; "
                 f"expected {self.describe()} (from {self.source})",
@@ -1678,7 +1682,7 @@ def entry_point_options(
                 spec.name,
                 name,
             )
-        if not (option.choices and value not in option.choices):
+        if option.takes(value):
             continue
         raise BackendOptionError(
             f"backend_options{where}: {spec.name}.{name}={value!r} is not taken by "

@@ -26,11 +26,7 @@ from attnres._states import Status
 from attnres._varlen import check_layer_options
 from attnres._vocab import Role
 from attnres.backends import Backend, lookup_spec
-from attnres.errors import (
-    BackendOptionError,
-    IntegrationError,
-    ResolutionError,
-)  # errors holds every exception
+from attnres.errors import BackendOptionError, IntegrationError, ResolutionError  # all in errors
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.layout import SequenceLayout
 from attnres.plan import (
