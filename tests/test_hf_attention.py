@@ -15,6 +15,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attnres import Platform
+from attnres.errors import BackendOptionError
 from attnres.integrations import _hf_attention
 from attnres.integrations import transformers as itf
 from attnres.layer import SelectionConfig
@@ -181,6 +182,9 @@ def test_rule_backend_options_reach_the_kernel_through_attnres_function(
             itf.remove(model)
     assert varlen_fakes.seen and all(c.get("deterministic") is True for c in varlen_fakes.seen)
     monkeypatch.setattr(type(model), "_supports_attention_backend", False)
-    with pytest.raises(itf.IntegrationError, match="transformers' own 'flash_attention_2'"):
+    with pytest.raises(BackendOptionError, match="transformers' own attention function") as info:
+        itf.plan(model, "text_encoder", config, STAND_IN)  # refused at plan time, naming the site
+    assert "attention site 'layers.0.self_attn' of component 'text_encoder'" in str(info.value)
+    with pytest.raises(BackendOptionError):
         itf.apply(model, "text_encoder", config, STAND_IN)
     assert model.config._attn_implementation == "sdpa"
