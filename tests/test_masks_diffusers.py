@@ -6,6 +6,7 @@ tests/test_masks.py, the DiT gives the untouched model's output."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import attrs
@@ -382,3 +383,76 @@ def test_a_dispatcher_pinned_to_a_dense_kernel_is_routed_for_its_key_padding_mas
             idf.remove({"transformer": model})
     assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
     assert varlen_fakes.seen and all("cu_seqlens_q" in c for c in varlen_fakes.seen)
+
+
+def test_whole_ltx2_pipeline_plans_and_runs_sage_varlen_with_the_untouched_output(
+    varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole tiny LTX2Pipeline, two prompts of different lengths (left-padded by
+    the pipeline): the DiT's prompt cross-attentions (attn2, audio_attn2) and the
+    prompt connectors plan sage for key padding, every other DiT site sage with no
+    mask; the Gemma3 text encoder's decoder layers are causal with key padding and
+    sliding-window, which sage does not implement: they fall back to torch SDPA,
+    traced with that reason. Applied through the stand-ins, video and audio match
+    the untouched pipeline; remove restores it exactly."""
+    import tiny_pipelines as tp
+
+    pipe = tp.ltx2_pipeline()
+    plan = idf.plan(pipe, SAGE, SIM)
+    assert plan.ok, plan.errors
+    groups = plan.by_component()
+    dit = groups["transformer"]
+    assert dit and {s.backend.name for s in dit} == {"sage_attn"}
+    assert all(s.resolution.reason is None for s in dit)
+    padded = [s for s in dit if s.spec.requirements.mask_kind == "key padding"]
+    assert {s.name.rsplit(".", 1)[1] for s in padded} == {"attn2", "audio_attn2"}
+    assert {s.spec.requirements.mask_kind for s in dit if s not in padded} == {"none"}
+    connectors = groups["connectors"]
+    assert {(s.backend.name, s.spec.requirements.mask_kind) for s in connectors} == {
+        ("sage_attn", "key padding")
+    }
+    language = [s for s in groups["text_encoder"] if ".language_model." in s.name]
+    assert language and {
+        (s.backend.name, s.spec.requirements.mask_kind, s.resolution.reason.value) for s in language
+    } == {("torch_sdpa", "causal with key padding", "global backend fallback")}
+    for site in language:
+        assert site.spec.requirements.sliding_window
+        assert "does not implement sliding-window attention" in str(site.trace)
+
+    spied = _spy_varlen(monkeypatch)
+    fake = sys.modules["sageattention"]
+    inner = fake.sageattn_varlen
+    keys: list[list[int]] = []  # the valid key lengths of each varlen call
+
+    def lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                cu_k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        keys.append(torch.diff(cu_k).tolist())
+        return inner(q, k, v, cu_q, cu_k, *args, **kwargs)
+
+    monkeypatch.setattr(fake, "sageattn_varlen", lengths)
+    with torch.no_grad():
+        before = tp.run_ltx2_pipeline(pipe)
+        applied = idf.apply(pipe, SAGE, STAND_IN)
+        try:
+            after = tp.run_ltx2_pipeline(pipe)
+            routes = idf.routes(pipe)
+        finally:
+            idf.remove(pipe)
+        again = tp.run_ltx2_pipeline(pipe)
+    assert [s.backend.name for s in applied.sites] == [s.backend.name for s in plan.sites]
+    for untouched, got, restored in zip(before, after, again, strict=True):
+        assert torch.equal(restored, untouched)  # remove restored the untouched pipeline
+        assert _rel_error(got, untouched) < 2e-2, _rel_error(got, untouched)
+    # every key-padding DiT call (2 sites x 2 blocks x 2 steps) and each connector
+    # ran sageattn_varlen on the two prompts; nothing else did
+    steps = 2
+    expected = [(s.heads, s.spec.head_size, 2) for s in padded] * steps
+    expected += [(s.heads, s.spec.head_size, 2) for s in connectors]
+    assert sorted(spied) == sorted(expected), spied
+    # the connectors (first) see the prompts' own lengths; diffusers 0.42.1's
+    # connectors hand the DiT ``video_attn_mask < 1e-6`` of their 0/-finfo.max bias,
+    # true at every position: the DiT's key-padding calls see all 16 tokens valid
+    assert keys == [[6, 2]] * len(connectors) + [[16, 16]] * len(padded) * steps, keys
+    # each verified its planned kind at its first call; the no-mask sites met none
+    for site in [*dit, *connectors]:
+        assert not routes[f"{site.component}/{site.name}"].first_calls, site.name
