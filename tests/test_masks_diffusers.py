@@ -456,3 +456,110 @@ def test_whole_ltx2_pipeline_plans_and_runs_sage_varlen_with_the_untouched_outpu
     # each verified its planned kind at its first call; the no-mask sites met none
     for site in [*dit, *connectors]:
         assert not routes[f"{site.component}/{site.name}"].first_calls, site.name
+
+
+def _ltx2_in_context(model: Any) -> Any:
+    """An ``LTX2InContextPipeline`` (IC-LoRA) around ``model``, with the other
+    components of the tiny LTX2Pipeline (planned and applied, never called)."""
+    import tiny_pipelines as tp
+    from diffusers import LTX2InContextPipeline
+
+    components = {k: v for k, v in tp.ltx2_pipeline().components.items() if v is not None}
+    return LTX2InContextPipeline(**{**components, "transformer": model})
+
+
+def _ic_lora_mask(inputs: dict[str, Any], strength: float = 0.5) -> torch.Tensor:
+    """The video self-attention mask LTX2InContextPipeline builds (its own
+    ``_build_video_self_attention_mask``): the last quarter of the video tokens a
+    reference group attended at ``strength``, per batch row."""
+    from diffusers import LTX2InContextPipeline
+
+    batch, tokens = inputs["hidden_states"].shape[:2]
+    refs = tokens // 4
+    mask = LTX2InContextPipeline._build_video_self_attention_mask(
+        num_noisy_tokens=tokens - refs, num_prefix_tokens=tokens - refs,
+        extras_cross_masks=[torch.full((1, refs), strength)], device=torch.device("cpu"),
+    )  # fmt: skip
+    return mask.expand(batch, -1, -1)
+
+
+def test_ltx2_ic_lora_video_self_attention_mask_is_named_by_the_plan_of_its_pipeline() -> None:
+    """LTX-2's ``video_self_attention_mask`` reaches ``attn1`` as an additive bias
+    (IC-LoRA's reference strengths); only LTX2InContextPipeline's code passes it.
+    Its plan names the kind at attn1 and a strict sage fails up front with it
+    named; LTX2Pipeline's plan (its code passes no such mask) keeps attn1 on sage;
+    a bare model, whose caller is not known, leaves it to the first call."""
+    import tiny_pipelines as tp
+
+    model, _ = tp.ltx2()
+    ic = _ltx2_in_context(model)
+    assert "video_self_attention_mask" in idf.passed_arguments(ic, "transformer")
+    plan = idf.plan(ic, SAGE, SIM)
+    dit = plan.by_component()["transformer"]
+    kinds = {s.name.rsplit(".", 1)[1]: s.spec.requirements.mask_kind for s in dit}
+    assert kinds == {
+        "attn1": "additive mask", "attn2": "key padding", "audio_attn1": "none",
+        "audio_attn2": "key padding", "audio_to_video_attn": "none",
+        "video_to_audio_attn": "none",
+    }  # fmt: skip
+    for site in dit:
+        if site.name.endswith(".attn1"):
+            assert site.backend is None and "does not implement additive masks" in site.error
+        else:
+            assert site.backend.name == "sage_attn"
+    plain = idf.plan(tp.ltx2_pipeline(), SAGE, SIM).by_component()["transformer"]
+    assert {s.spec.requirements.mask_kind for s in plain if s.name.endswith(".attn1")} == {"none"}
+    alone = idf.plan({"transformer": model}, SAGE, SIM)
+    assert alone.ok and {s.spec.requirements.mask_kind for s in alone.sites} == {
+        "none", "key padding"
+    }  # fmt: skip
+
+
+def test_ltx2_ic_lora_mask_meets_the_planned_kind_at_every_call() -> None:
+    """Under an explicit eager (every site routed), the IC-LoRA mask each attn1
+    call brings is the additive mask the plan named: no site re-resolved at its
+    first call, and the output is the untouched model's."""
+    import tiny_pipelines as tp
+    import tiny_sweep
+
+    model, inputs = tp.ltx2()
+    inputs = {**inputs, "video_self_attention_mask": _ic_lora_mask(inputs)}
+    ic = _ltx2_in_context(model)
+    with torch.no_grad():
+        before = model(**inputs)[0]
+        with tiny_sweep._Spy() as spy:
+            plan = idf.apply(ic, tiny_sweep.EAGER)
+            try:
+                after = model(**inputs)[0]
+                routes = idf.routes(ic)
+            finally:
+                idf.remove(ic)
+    attn1 = [s for s in plan.sites if s.component == "transformer" and s.name.endswith(".attn1")]
+    assert attn1 and {s.spec.requirements.mask_kind for s in attn1} == {"additive mask"}
+    for site in attn1:
+        assert {c.mask.kind.value for c in spy.calls[site.name]} == {"additive"}
+    assert all(not r.first_calls for r in routes.values())
+    assert _rel_error(after, before) < 1e-2, _rel_error(after, before)
+
+
+def test_ltx2_ic_lora_mask_on_a_bare_model_is_caught_at_the_first_call(
+    varlen_fakes: Calls,
+) -> None:
+    """The net: a bare LTX-2 DiT (no pipeline, its caller not known) planned sage
+    at attn1; its first call with an IC-LoRA mask raises the typed error naming
+    the additive mask, before any kernel runs at attn1."""
+    import tiny_pipelines as tp
+
+    from attnres import ResolutionError
+
+    model, inputs = tp.ltx2()
+    inputs = {**inputs, "video_self_attention_mask": _ic_lora_mask(inputs)}
+    comps = {"transformer": model}
+    idf.apply(comps, SAGE, STAND_IN)
+    try:
+        with torch.no_grad(), pytest.raises(ResolutionError) as info:
+            model(**inputs)
+    finally:
+        idf.remove(comps)
+    assert "observed at first call: additive mask" in str(info.value)
+    assert "attn1" in str(info.value)
