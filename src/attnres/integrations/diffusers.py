@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
+import linecache
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -205,16 +207,26 @@ def passed_arguments(caller: Any, component: str) -> frozenset[str] | None:
     """The keyword arguments ``caller``'s code (a pipeline object or class) passes
     its ``component`` (issue 22): every ``self.<component>(...)`` call in the
     methods of its classes, keywords whose value is not the constant ``None``.
-    ``None`` where no such call is found (the caller is then not known)."""
-    cls = caller if isinstance(caller, type) else type(caller)
+    ``**kwargs`` of a dict literal the method builds count by its keys. ``None``
+    where no such call is found, or one passes ``**kwargs`` the code does not
+    spell out (the caller is then not known)."""
+    return _passed_arguments(caller if isinstance(caller, type) else type(caller), component)
+
+
+@functools.lru_cache(maxsize=256)
+def _passed_arguments(cls: type, component: str) -> frozenset[str] | None:
     found: set[str] = set()
     calls = 0
     for klass in cls.__mro__:
-        if klass is object:
-            continue
-        for value in vars(klass).values():
-            tree = _route.source_tree(value) if isinstance(value, types.FunctionType) else None
-            for node in ast.walk(tree) if tree is not None else ():
+        for value in vars(klass).values() if klass is not object else ():
+            function = inspect.unwrap(value) if isinstance(value, types.FunctionType) else None
+            code = getattr(function, "__code__", None)
+            calling = isinstance(code, types.CodeType) and _calls_attribute(code, component)
+            tree = _route.source_tree(function) if calling else None
+            if tree is None:
+                continue
+            dicts = _dict_literals(tree)
+            for node in ast.walk(tree):
                 if not (
                     isinstance(node, ast.Call)
                     and isinstance(node.func, ast.Attribute)
@@ -224,13 +236,47 @@ def passed_arguments(caller: Any, component: str) -> frozenset[str] | None:
                 ):
                     continue
                 calls += 1
-                found.update(
-                    k.arg
-                    for k in node.keywords
-                    if k.arg is not None
-                    and not (isinstance(k.value, ast.Constant) and k.value.value is None)
-                )
+                for keyword in node.keywords:
+                    if keyword.arg is not None:
+                        pairs = [(keyword.arg, keyword.value)]
+                    elif isinstance(keyword.value, ast.Name) and keyword.value.id in dicts:
+                        pairs = dicts[keyword.value.id]  # ``**kwargs`` of a dict literal
+                    else:
+                        return None  # what it passes is not in the code
+                    found.update(
+                        k for k, v in pairs if not (isinstance(v, ast.Constant) and v.value is None)
+                    )
     return frozenset(found) if calls else None
+
+
+def _dict_literals(tree: ast.AST) -> dict[str, list[tuple[str, ast.expr]]]:
+    """The names a function assigns a dict literal with string keys (each name's
+    items, over every such assignment)."""
+    out: dict[str, list[tuple[str, ast.expr]]] = {}
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Dict)
+        ):
+            continue
+        keys = node.value.keys
+        if all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in keys):
+            items = [(k.value, v) for k, v in zip(keys, node.value.values, strict=True)]  # type: ignore[union-attr]
+            out.setdefault(node.targets[0].id, []).extend(items)
+    return out
+
+
+def _calls_attribute(code: types.CodeType, attr: str) -> bool:
+    """Whether the source lines of ``code`` hold ``self.<attr>(`` (a cheap test
+    before parsing them)."""
+    lines = linecache.getlines(code.co_filename)
+    numbers = [n for _, _, n in code.co_lines() if n is not None]
+    if not lines or not numbers:
+        return False
+    text = "".join(lines[code.co_firstlineno - 1 : max(numbers)])
+    return f"self.{attr}(" in text
 
 
 def _role(name: str, module: Any) -> Role:
@@ -816,8 +862,10 @@ def apply(
     pipe: Any,
     config: SelectionConfig | None = None,
     platform: Platform | None = None,
+    *,
+    caller: type | None = None,
 ) -> IntegrationPlan:
-    """Plan, then install every decision, all or nothing.
+    """Plan, then install every decision, all or nothing (``caller``: as :func:`plan`).
 
     Raises :class:`~attnres.integrations.IntegrationError` (``.plan`` attached)
     and changes nothing when any site is rejected or any decision cannot be
@@ -826,7 +874,7 @@ def apply(
     SDPA itself and was decided another backend gets the generic route
     (:mod:`attnres.integrations._route`), which checks each call's facts first.
     """
-    result = plan(pipe, config, platform)
+    result = plan(pipe, config, platform, caller=caller)
     refuse_to_apply(result)
     cfg = result.config
     planned, others, problems = _prepare(pipe, result, cfg)
