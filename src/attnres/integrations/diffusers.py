@@ -198,7 +198,21 @@ def pipeline_class(name: str | None) -> type | None:
     ``_class_name``), or ``None`` where diffusers exports no pipeline by that name."""
     import diffusers
 
-    found = getattr(diffusers, name, None) if name and name.isidentifier() else None
+    if not (name and name.isidentifier()):
+        return None
+    # importing a pipeline's module imports what it imports (image processors that
+    # log a note where torchvision is absent): attnres only reads its code
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # pragma: no cover - diffusers pipelines without transformers
+        found = getattr(diffusers, name, None)
+    else:
+        before = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
+        try:
+            found = getattr(diffusers, name, None)
+        finally:
+            transformers_logging.set_verbosity(before)
     ok = isinstance(found, type) and issubclass(found, diffusers.DiffusionPipeline)
     return found if ok else None
 
