@@ -40,6 +40,7 @@ import copy
 import functools
 import inspect
 import linecache
+import logging
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -208,7 +209,7 @@ def pipeline_class(name: str | None) -> type | None:
         found = getattr(diffusers, name, None)
     else:
         before = transformers_logging.get_verbosity()
-        transformers_logging.set_verbosity_error()
+        transformers_logging.set_verbosity(logging.ERROR)
         try:
             found = getattr(diffusers, name, None)
         finally:
