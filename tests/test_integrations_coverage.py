@@ -59,16 +59,21 @@ SAGE_LIMITS = {"head_size", "requirement_unmet", "dtype"}
 DECLARED = "declares"
 
 
-def _classes() -> list[type]:
+def _exported(base: type) -> list[type]:
+    """The subclasses of ``base`` the installed diffusers exports, by name."""
     found = {
         value
         for name in dir(diffusers)
         if not name.startswith("_")
         and isinstance(value := getattr(diffusers, name, None), type)
-        and issubclass(value, diffusers.ModelMixin)
-        and value is not diffusers.ModelMixin
+        and issubclass(value, base)
+        and value is not base
     }
     return sorted(found, key=lambda c: c.__name__)
+
+
+def _classes() -> list[type]:
+    return _exported(diffusers.ModelMixin)
 
 
 #: tiny configs for classes whose default config cannot be built, from the
@@ -497,15 +502,7 @@ _MASKED_SUBSET = [n for n in _MASKED if n in _SUBSET or n in _NAMED_GAPS]
 
 @functools.cache
 def _pipelines() -> tuple[type, ...]:
-    found = {
-        value
-        for name in dir(diffusers)
-        if not name.startswith("_")
-        and isinstance(value := getattr(diffusers, name, None), type)
-        and issubclass(value, diffusers.DiffusionPipeline)
-        and value is not diffusers.DiffusionPipeline
-    }
-    return tuple(sorted(found, key=lambda c: c.__name__))
+    return tuple(_exported(diffusers.DiffusionPipeline))
 
 
 def _mask_callers(name: str) -> dict[frozenset[str], type | None]:
