@@ -563,3 +563,31 @@ def test_ltx2_ic_lora_mask_on_a_bare_model_is_caught_at_the_first_call(
         idf.remove(comps)
     assert "observed at first call: additive mask" in str(info.value)
     assert "attn1" in str(info.value)
+
+
+def test_plan_dir_reads_the_pipeline_class_its_model_index_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``plan DIR`` plans a pipeline folder as that pipeline's plan: the class
+    ``model_index.json`` names is the caller whose code is read for the masks it
+    passes; a name diffusers exports as no pipeline is no caller."""
+    from diffusers import LTX2InContextPipeline, LTXPipeline
+
+    from attnres.integrations._folder import plan_folder
+
+    assert idf.pipeline_class("LTX2InContextPipeline") is LTX2InContextPipeline
+    for name in ("AutoencoderKL", "os.system", "__import__", "", None):
+        assert idf.pipeline_class(name) is None
+    seen: list[Any] = []
+    real = idf.plan
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("caller"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(idf, "plan", spy)
+    from pathlib import Path
+
+    plan_folder(Path(__file__).resolve().parent.parent / "examples" / "ltx-video")
+    assert seen and seen[-1] is LTXPipeline
+    assert "encoder_attention_mask" in idf.passed_arguments(LTXPipeline, "transformer")
