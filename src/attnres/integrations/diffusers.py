@@ -110,6 +110,11 @@ _DISPATCHER_BACKENDS: Mapping[str, str] = MappingProxyType(
     }
 )
 _BY_DIFFUSERS = MappingProxyType({v: k for k, v in _DISPATCHER_BACKENDS.items()})
+#: issue 23: who calls the kernel at a site pinned on the dispatcher: its
+#: ``dispatch_attention_fn(..., attention_kwargs=None, backend=...)`` takes the
+#: processor's own keyword arguments, never attnres's (diffusers 0.42.1
+#: models/attention_dispatch.py)
+_HOST_KERNEL = "diffusers' dispatcher (dispatch_attention_fn, pinned on the processor)"
 
 #: kernel entry points a processor may call by hand, and the backend each is
 #: (read from what the code names, never from the processor's class name)
@@ -599,6 +604,7 @@ def _describe(
             supported=_pinned_backends(route_backends(processor), base.get("requirements")),
             current=_dispatcher_current(processor),
             pending=facts is None,
+            host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
         )
     declared = _declared_backends(processor)
     if declared is not None:
@@ -610,6 +616,7 @@ def _describe(
             supported=declared,
             current=_dispatcher_current(processor),
             pending=facts is None,
+            host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
         )
     if _route.SDPA in names or _route.DISPATCHER in names:
         current = (
