@@ -199,7 +199,8 @@ def fake_sage(calls: Calls) -> types.ModuleType:
         smooth_k: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        calls.seen.append({"is_causal": is_causal, **kwargs})
+        # smooth_k is its one option (issue 23); anything else **kwargs swallows
+        calls.seen.append({"is_causal": is_causal, "smooth_k": smooth_k, **kwargs})
         assert q.dtype in [torch.float16, torch.bfloat16], (
             "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
         )

@@ -61,13 +61,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
-from attnres.backends import BackendSpec, on_registry_change
+from attnres.backends import BackendSpec, OptionValue, entry_point_options, on_registry_change
 from attnres.errors import MaskKindError
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from attnres.kernels import KernelFn, VarlenKernelFn
+    from attnres.layer import LayerSpec
+    from attnres.platform import Platform
 
 __all__ = [
     "MASKED_AT",
@@ -77,6 +79,8 @@ __all__ = [
     "Packing",
     "Spans",
     "Unpadded",
+    "check_layer_options",
+    "check_route_options",
     "get_varlen_kernel",
     "is_prefix",
     "mask_plan",
@@ -667,17 +671,63 @@ def route_kernel(
     padding by unpadding, or the layer's causal mask is bottom-right and the
     spec has a varlen entry point.
     """
-    bottom_right = (
-        alignment is CausalAlignment.BOTTOM_RIGHT
-        and spec.varlen_kernel is not None
-        and spec.varlen_causal_unequal
-    )
-    unpads = False
-    if mask is MaskKind.KEY_PADDING:
-        support = spec.mask_support(mask)
-        unpads = support is not None and support.route is MaskRoute.UNPAD
-    if not (unpads or bottom_right):
+    bottom_right = _bottom_right(spec, alignment)
+    if not (_unpads(spec, mask) or bottom_right):
         return dense
     return padded_kernel(
         spec.name, dense, lambda: get_varlen_kernel(spec), bottom_right=bottom_right
     )
+
+
+def _bottom_right(spec: BackendSpec, alignment: CausalAlignment) -> bool:
+    return (
+        alignment is CausalAlignment.BOTTOM_RIGHT
+        and spec.varlen_kernel is not None
+        and spec.varlen_causal_unequal
+    )
+
+
+def _unpads(spec: BackendSpec, mask: MaskKind) -> bool:
+    if mask is not MaskKind.KEY_PADDING:
+        return False
+    support = spec.mask_support(mask)
+    return support is not None and support.route is MaskRoute.UNPAD
+
+
+def check_layer_options(
+    spec: BackendSpec | None, layer: LayerSpec, platform: Platform | None, where: str = ""
+) -> None:
+    """:func:`check_route_options` for ``layer`` served by ``spec``'s backend on
+    ``platform`` (its CUDA capability; ``None`` or another kind: not known, the
+    kernel adapter checks on the tensors' device). Free when the layer has no
+    options for that backend."""
+    if spec is None or not layer.backend_options or not spec.entry_points:
+        return
+    options = dict(layer.backend_options).get(spec.name)
+    if options:
+        capability = None if platform is None or platform.kind != "cuda" else platform.capability
+        req = layer.requirements
+        check_route_options(spec, options, capability, req.mask, req.causal_alignment, where)
+
+
+def check_route_options(
+    spec: BackendSpec,
+    options: tuple[tuple[str, OptionValue], ...],
+    capability: tuple[int, int] | None,
+    mask: MaskKind,
+    alignment: CausalAlignment,
+    where: str = "",
+) -> None:
+    """Issue 23: the options a layer of this mask kind gives ``spec``'s kernel are
+    taken by the function that runs them on a device of ``capability`` -- the
+    dense one, and the varlen one too where :func:`route_kernel` unpads (a call
+    with no mask still runs the dense one). A
+    :class:`~attnres.errors.BackendOptionError` otherwise; nothing to check for
+    a kernel that takes its options itself (no ``BackendSpec.entry_points``)."""
+    if not options or not spec.entry_points:
+        return
+    entry_point_options(spec.name, options, capability, where=where)
+    if _unpads(spec, mask) or _bottom_right(spec, alignment):
+        entry_point_options(
+            spec.name, options, capability, varlen=True, where=where + " (the unpad route)"
+        )
