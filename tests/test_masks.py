@@ -1264,3 +1264,25 @@ def test_observe_mask_follows_its_definition(data: st.DataObject, shape: str) ->
     assert (seen.kind.value, seen.causal, seen.marks_queries) == (kind, causal, marks)
     if kind == "key_padding":
         assert seen.valid is not None and torch.equal(seen.valid, keep[:, 0].any(dim=1))
+
+
+def test_a_mask_of_another_kind_is_named_before_a_missing_varlen_package() -> None:
+    """The varlen kernel is built before the plan (its adapter says whether it takes
+    seqused); a mask the route cannot take is still the error reported first."""
+    from attnres.errors import KernelUnavailableError
+
+    def missing() -> Any:
+        raise KernelUnavailableError("attention backend 'x' needs the Python package 'y'")
+
+    route = padded_kernel("x", _never_dense, missing)
+    q = torch.zeros(1, 4, 1, 8)
+    per_query = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    per_query[0, 0, 1, 3] = False
+    with pytest.raises(MaskKindError, match="this call's mask is boolean mask"):
+        route(q, q, q, per_query, False, None)
+    with pytest.raises(KernelUnavailableError, match="needs the Python package"):
+        route(q, q, q, _padding([4], 4)[:, None, None, :], False, None)
+
+
+def _never_dense(*args: Any) -> torch.Tensor:
+    raise AssertionError("a masked call never runs the dense kernel")

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
 from attnres.backends import BackendSpec, OptionValue, entry_point_options, on_registry_change
-from attnres.errors import MaskKindError
+from attnres.errors import KernelUnavailableError, MaskKindError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -589,7 +589,12 @@ def padded_kernel(
                 )  # fmt: skip
                 return out.reshape(batch, seq_q, heads, size)
             return dense(q, k, v, None, causal, scale, **features)
-        run, seqused = kernel()
+        try:
+            run, seqused = kernel()
+        except KernelUnavailableError:
+            # a mask of another kind is the error to report, whatever the install
+            _check_key_padding(backend, mask_plan(attn_mask, batch, seq_q, seq_kv, causal=causal))
+            raise
         # the span route leaves the padded rows of dq/dk/dv unwritten by the kernel
         # (torch::empty in FA3's backward, torch.empty in FA4's): gathered, they get zeros
         seqused = seqused and not (
@@ -597,14 +602,7 @@ def padded_kernel(
         )
         plan = mask_plan(attn_mask, batch, seq_q, seq_kv, causal=causal, spans=seqused)
         seen, keys, queries, spans = plan
-        if not plan.key_padding:
-            why = f" ({seen.detail})" if seen.detail else ""
-            raise MaskKindError(
-                f"attention backend {backend!r} takes key-padding masks only (by unpadding "
-                f"for its varlen kernel); this call's mask is {seen.words}{why}. Resolve the "
-                f"layer with the mask kind it passes so that a backend that takes it is chosen",
-                seen.words,
-            )
+        _check_key_padding(backend, plan)
         if refused:
             raise MaskKindError(
                 f"attention backend {backend!r}: softcap and sliding windows are not taken "
@@ -644,6 +642,20 @@ def padded_kernel(
         return pad(out, queries.indices, batch, seq_q, queries.padded)
 
     return attention
+
+
+def _check_key_padding(backend: str, plan: MaskPlan) -> None:
+    """A :class:`MaskKindError` naming the observed kind, unless ``plan``'s mask is key padding."""
+    if plan.key_padding:
+        return
+    seen = plan.seen
+    why = f" ({seen.detail})" if seen.detail else ""
+    raise MaskKindError(
+        f"attention backend {backend!r} takes key-padding masks only (by unpadding "
+        f"for its varlen kernel); this call's mask is {seen.words}{why}. Resolve the "
+        f"layer with the mask kind it passes so that a backend that takes it is chosen",
+        seen.words,
+    )
 
 
 def _flat(x: Tensor) -> Tensor:
