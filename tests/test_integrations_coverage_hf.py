@@ -81,6 +81,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from attnres import Platform, SelectionConfig
+from attnres.errors import IntegrationError, ResolutionError
 from attnres.integrations import DtypeChoice
 from attnres.integrations import transformers as itf
 
@@ -138,26 +139,9 @@ def _tester_config(model_type: str) -> PretrainedConfig:
     return config_class(**{k: v for k, v in given.items() if k in takes or k == "pad_token_id"})
 
 
-_BY_HAND_NO_FACTS = (
-    "softmax attention by hand in a module holding no head count or head size attnres "
-    "can read: unclassified, which a strict component refuses even with no flag"
-)
-_INTERFACE_NO_FACTS = (
-    "calls the attention interface but holds no head count or head size attnres can read"
-)
-
 #: model types whose gaps are known, with why; the sweep fails when one closes
 #: (drop its entry) or when a type not listed here has a problem
 _KNOWN_GAPS: dict[str, str] = {
-    "apertus1p5": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
-    "groupvit": _BY_HAND_NO_FACTS + " (GroupViTAssignAttention: a hard assignment)",
-    "janus": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
-    "mgp-str": _BY_HAND_NO_FACTS + "; MgpstrA3Module (a token learner: a softmax of a "
-    "product, but no attention by the oracle) is a site attnres should not make",
-    "swiftformer": _BY_HAND_NO_FACTS + " (additive attention)",
-    "wavtokenizer": _BY_HAND_NO_FACTS + " (a Vocos attention block: one head over channels)",
-    "florence2": _INTERFACE_NO_FACTS + " (its channel attention attends over channels: "
-    "the kernel's head size is the token count, known only at the call)",
     "autoformer": "the oracle's false positive: AutoformerAttention is auto-correlation "
     "(FFT, a softmax over the top delays), not softmax attention; attnres finds no site",
     "reformer": "LSH/local attention normalises with logsumexp, not a softmax call: "
@@ -267,6 +251,11 @@ def _real_attention(model: Any) -> dict[str, str]:
 # =============================================================================
 
 
+def _recorded(site: Any) -> bool:
+    """A module recorded as not softmax attention (its own code, the reason in its note)."""
+    return site.note is not None and site.note.startswith("not softmax attention")
+
+
 def _own_path(site: Any) -> bool:
     return site.module_class == "MultiheadAttention" or "by hand" in site.route
 
@@ -318,11 +307,12 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
     names = {s.name for s in plain.sites}
     real = _real_attention(model)
     missed = sorted({type(model.get_submodule(n)).__name__ for n in real if n not in names})
+    # a module recorded as not softmax attention (with why) is no site the plan governs
     extra = sorted(
         {
             s.module_class
             for s in plain.sites
-            if s.name not in real and s.module_class != "MultiheadAttention"
+            if s.name not in real and s.module_class != "MultiheadAttention" and not _recorded(s)
         }
     )
     if missed:
@@ -337,6 +327,16 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
         problems.append(f"eager: {[e for e in eager.errors][:1]}")
     if not_eager:
         problems.append(f"eager not installed at {not_eager[:2]}")
+    # issue 19: every other site is decided at its first call (the route installed
+    # there checks it, tiny CPU tests below) or recorded as not softmax attention
+    later = [s for s in eager.sites if s.pending]
+    unreached = [
+        s.name
+        for s in eager.sites
+        if s.resolution is None and s.site_error is None and not s.pending and not _recorded(s)
+    ]
+    if unreached:
+        problems.append(f"eager: neither decided nor recorded at {unreached[:2]}")
     sage = _sage_plan(model)
     got = sum(1 for s in sage.sites if s.backend is not None and s.backend.name == "sage_attn")
     codes = Counter(s.site_error.code for s in sage.sites if s.site_error is not None)
@@ -368,7 +368,8 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
     row = (
         f"| {model_type} | {class_name}: {len(plain.sites)} ({found or 'none'}) | "
         f"{len(real) - len([n for n in real if n not in names])}/{len(real)} | "
-        f"{'ok' if plain.ok else 'REJECTED'} | {len(reached) - len(not_eager)} eager | "
+        f"{'ok' if plain.ok else 'REJECTED'} | {len(reached) - len(not_eager)} eager"
+        f"{f' ({len(later)} at first call)' if later else ''} | "
         f"{got} sage; errors: {errors} |"
     )
     return row, problems, {s.module_class for s in plain.sites}
@@ -883,3 +884,129 @@ def test_a_call_argument_no_kernel_takes_is_a_call_fact(varlen_fakes: Any) -> No
     assert calls == [30.0] * 4  # the model's own eager ran, with the argument
     torch.testing.assert_close(after, before)
     torch.testing.assert_close(after_plain, before_plain)
+
+
+# =============================================================================
+# Issue 19: sites with no head facts are decided at their first call; modules
+# whose softmax is not softmax attention are recorded as such
+# =============================================================================
+
+
+def _tiny_janus_vq() -> Any:
+    """Janus's VQ-VAE, tiny (its attention blocks: one head over 32 channels)."""
+    torch.manual_seed(0)
+    config = transformers.JanusVQVAEConfig(
+        embed_dim=8, num_embeddings=16, latent_channels=8, base_channels=32,
+        channel_multiplier=[1, 1], num_res_blocks=1, resolution=16, projection_dim=16,
+        image_token_embed_dim=16, num_patches=8,
+    )  # fmt: skip
+    return transformers.JanusVQVAE(config).eval()
+
+
+def test_softmax_by_hand_with_no_head_facts_is_decided_at_its_first_call() -> None:
+    from attnres.integrations import _route
+
+    model = _tiny_janus_vq()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(pixel_values=pixels).decoded_pixel_values
+    untouched = _snapshot(model)
+    plan = itf.plan(model, "transformer")
+    assert plan.ok and len(plan.sites) == 5
+    assert {s.status.value for s in plan.sites} == {"pending"}
+    assert all(s.note and s.note.startswith("decided at first call: ") for s in plan.sites)
+    for flag in (None, "eager"):
+        config = None if flag is None else SelectionConfig(global_backend=flag)
+        applied = itf.apply(model, "transformer", config)
+        with torch.no_grad():
+            after = model(pixel_values=pixels).decoded_pixel_values
+        assert torch.equal(after, before)  # its own code ran, untouched
+        for site in applied.sites:
+            route = _route.installed_route(model.get_submodule(site.name))
+            assert route is not None
+            # bound from the scores product: one head over the 32 channels, 8 x 8 or
+            # 16 x 16 positions, and its own code decided (eager)
+            (first,) = route.first_calls
+            assert (first.facts.heads, first.facts.head_size) == (1, 32)
+            assert first.changed == ("head facts (decided at first call)",)
+            assert first.backend is not None and first.backend.name == "eager"
+            assert first.trace.outcome.status.value == "selected"
+        assert itf.remove(model) == 5
+        assert _same(_snapshot(model), untouched)
+    # a strict flag its own code cannot serve: the first call says so, typed,
+    # naming the site and its route, before the attention runs
+    itf.apply(model, "transformer", SAGE, STAND_IN)
+    with pytest.raises(ResolutionError, match="decided at first call") as raised:
+        model(pixel_values=pixels)
+    assert raised.value.code in {"not_in_supported_set", "not_on_route"}
+    assert "eager in JanusVQVAEAttnBlock" in str(raised.value)
+    assert itf.remove(model) == 5
+    with torch.no_grad():
+        assert torch.equal(model(pixel_values=pixels).decoded_pixel_values, before)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "module_class", "why"),
+    [
+        ("groupvit", "GroupViTAssignAttention", "over axis -2"),
+        ("swiftformer", "SwiftFormerEfficientAdditiveAttention", "additive attention"),
+        ("mgp-str", "MgpstrA3Module", "no product of two tensors"),
+    ],
+)
+def test_a_softmax_that_is_not_softmax_attention_is_recorded_with_why(
+    model_type: str, module_class: str, why: str
+) -> None:
+    model = _meta(model_type)
+    plan = itf.plan(model, "transformer", SelectionConfig(global_backend="eager"))
+    assert plan.ok
+    recorded = [s for s in plan.sites if s.module_class == module_class]
+    assert recorded and all(s.status.value == "ungoverned" for s in recorded)
+    assert all(s.note and why in s.note and _recorded(s) for s in recorded)
+    # the real attention of the same models is still governed
+    assert all(s.backend.name == "eager" for s in plan.sites if s.resolution is not None)
+
+
+def test_an_interface_site_with_no_head_facts_is_decided_at_its_first_call() -> None:
+    from attnres.integrations import _route
+
+    # Florence2's channel attention attends over channels: the kernel's head size
+    # is the token count, known only at the call (heads: its groups)
+    torch.manual_seed(0)
+    config = transformers.Florence2VisionConfig(
+        embed_dim=[16, 32], num_heads=[2, 4], num_groups=[2, 4], depths=[1, 1],
+        patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
+        patch_prenorm=[False, True], window_size=4, projection_dim=32,
+    )  # fmt: skip
+    model = transformers.Florence2VisionBackbone(config).eval()
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(pixels).last_hidden_state
+    untouched = _snapshot(model)
+    for flag, function in ((None, "torch_sdpa"), ("eager", "eager"), ("torch_sdpa", "torch_sdpa")):
+        config_ = None if flag is None else SelectionConfig(global_backend=flag)
+        plan = itf.apply(model, "transformer", config_)
+        channel = [s for s in plan.sites if s.module_class == "Florence2VisionChannelAttention"]
+        assert len(channel) == 2 and {s.status.value for s in channel} == {"pending"}
+        with torch.no_grad():
+            after = model(pixels).last_hidden_state
+        if flag != "eager":
+            assert torch.equal(after, before)
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+        facts = []
+        for site in channel:
+            route = _route.installed_route(model.get_submodule(site.name))
+            assert route is not None
+            (first,) = route.first_calls
+            assert first.backend is not None and first.backend.name == function
+            facts.append((first.facts.heads, first.facts.head_size))
+        assert facts == [(2, 64), (4, 16)]  # groups; tokens 8 x 8, then 4 x 4
+        assert itf.remove(model) == 4
+        assert _same(_snapshot(model), untouched)
+    # a function whose call attnres cannot see before its kernel is refused at apply
+    model.to(torch.bfloat16)
+    cast = _snapshot(model)
+    flash = itf.plan(model, "transformer", SelectionConfig(global_backend="fa"), HOPPER)
+    assert flash.ok and [s.status.value for s in flash.sites if s.pending] == ["pending"] * 2
+    with pytest.raises(IntegrationError, match=r"decided at its first call.*flash_attention_2"):
+        itf.apply(model, "transformer", SelectionConfig(global_backend="fa"), STAND_IN)
+    assert _same(_snapshot(model), cast)

@@ -18,6 +18,7 @@ Importing this module imports torch and transformers.
 
 from __future__ import annotations
 
+import ast
 import dis
 import math
 import types
@@ -402,6 +403,8 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
             continue
         cls = type(module).__name__
         facts = _head_facts(module)
+        site_current = getattr(module.config, "_attn_implementation", current_name)
+        current = _BY_FUNCTION.get(site_current or "eager")
         if facts is None:
             out.append(
                 SiteDescription(
@@ -414,8 +417,12 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
                     heads=None,
                     kv_heads=None,
                     dtype=site_dtype,
+                    current=None if current is None else Backend(current),
+                    # issue 19: its facts are read from its first call (the attention
+                    # function's products or SDPA call, _route.watch_forward)
+                    pending=True,
                     why=f"{cls} calls the attention interface but holds no head count or "
-                    f"head size attnres can read",
+                    f"head size; they are read from the query and key of its first call",
                 )
             )
             continue
@@ -426,8 +433,6 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
             if fact is not None
             else _observed_requirements(module, heads, kv_heads)
         )
-        site_current = getattr(module.config, "_attn_implementation", current_name)
-        current = _BY_FUNCTION.get(site_current or "eager")
         out.append(
             SiteDescription(
                 component=component,
@@ -484,7 +489,13 @@ def _describe_own(
 ) -> SiteDescription:
     """A module that calls SDPA itself (the generic route) or computes softmax
     attention by hand (its own code path, ``eager`` only). Its mask is whatever
-    its own code builds: observed at its first call on the generic route."""
+    its own code builds: observed at its first call on the generic route.
+
+    Issue 19: a module that holds no head facts is decided at its first call
+    (its facts read from the query and key its first call brings,
+    :func:`._route.watch_forward` for softmax by hand); a by-hand module whose
+    softmax is not softmax attention (read from its source,
+    :func:`_not_softmax_attention`) is recorded as such."""
     cls = type(module).__name__
     facts = _head_facts(module)
     routed = kind == _SDPA
@@ -495,15 +506,29 @@ def _describe_own(
         req = _with_call_facts(
             attrs.evolve(req, gqa=facts[1] < facts[0]), module, facts[2], backward
         )
+    route = (
+        f"{_GENERIC} (SDPA in {cls})" if routed else f"eager in {cls} (softmax attention by hand)"
+    )
+    not_attention = None if routed or facts is not None else _not_softmax_attention(module)
+    if not_attention is not None:
+        return SiteDescription(
+            component=component,
+            name=name,
+            module_class=cls,
+            route=f"own code in {cls}",
+            supported=None,
+            head_size=None,
+            heads=None,
+            kv_heads=None,
+            dtype=dtype,
+            softmax=False,
+            why=f"{cls} {not_attention}",
+        )
     return SiteDescription(
         component=component,
         name=name,
         module_class=cls,
-        route=(
-            f"{_GENERIC} (SDPA in {cls})"
-            if routed
-            else f"eager in {cls} (softmax attention by hand)"
-        ),
+        route=route,
         supported=None if routed else frozenset({only}),
         head_size=head_size,
         heads=heads,
@@ -512,16 +537,198 @@ def _describe_own(
         role=_self(name, module),
         requirements=attrs.evolve(req, backward=backward),
         current=only,
-        pending=routed and facts is None,
-        routed=routed,
+        pending=facts is None,
+        # a by-hand site decided at its first call gets a route that watches it
+        routed=routed or facts is None,
         why=None
         if facts is not None
         else (
             f"{cls} holds no head count and head size; they are read from the query, key "
             f"and value of its first call"
             if routed
-            else f"{cls} holds no head count or head size attnres can read"
+            else f"{cls} holds no head count or head size; they are read from the query "
+            f"and key of the scores product its first call computes"
         ),
+    )
+
+
+#: the softmaxes attention normalises its scores with (by hand)
+_SOFTMAXES = frozenset({"softmax", "hard_softmax", "gumbel_softmax"})
+#: calls that hold the tensor as their first argument (``F.softmax(x, dim)``),
+#: not as the receiver (``x.softmax(dim)``)
+_FUNCTIONAL = frozenset({"F", "torch", "functional", "nn"})
+
+
+def _not_softmax_attention(module: Any) -> str | None:
+    """Why ``module``'s softmax of a product is not softmax attention, read from
+    the source of its own classes' methods (``None``: it is, or the source cannot
+    tell). Softmax attention normalises query-key scores (a product of two
+    tensors) over the keys (the last axis) and multiplies the result with the
+    values; a module whose every softmax normalises another axis, whose softmax
+    takes no product, or whose softmax's result reaches no product, is not."""
+    trees = []
+    for cls in type(module).__mro__:
+        if cls in _SHARED_BASES or cls.__module__.startswith("torch.") or cls is object:
+            continue
+        for func in vars(cls).values():
+            if isinstance(func, types.FunctionType):
+                tree = _route.source_tree(func)
+                if tree is None:
+                    return None
+                trees.append((func.__name__, tree))
+    calls = [
+        (fn, node)
+        for fn, tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and _called(node) in _SOFTMAXES
+    ]
+    if not calls:
+        return None
+    dims = [_softmax_dim(node) for _, node in calls]
+    if all(isinstance(d, int) and d < -1 for d in dims):
+        return (
+            f"normalises its scores over axis {dims[0]} (softmax dim={dims[0]}), not over "
+            f"the keys: an assignment, not softmax attention"
+        )
+    returning = {fn for fn, tree in trees if _returns_softmax(tree)}
+    for fn, tree in trees:
+        if fn != "forward":
+            continue
+        scores = _flow(tree, lambda n: _is_product(n))
+        probs = _flow(
+            tree,
+            lambda n: (
+                isinstance(n, ast.Call)
+                and (_called(n) in _SOFTMAXES or (_self_call(n) in returning))
+            ),
+        )
+        softmaxes = [
+            n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) in _SOFTMAXES
+        ]
+        args = [_softmax_input(n) for n in softmaxes]
+        if args and all(a is not None and not _mentions(a, scores, _is_product) for a in args):
+            return (
+                "normalises no product of two tensors (no query-key scores: a learned "
+                "projection's softmax, a token learner), not softmax attention"
+            )
+        used = [
+            n
+            for n in ast.walk(tree)
+            if _is_product(n) and any(_mentions(o, probs, lambda x: False) for o in _operands(n))
+        ]
+        if softmaxes and not used:
+            return (
+                "multiplies its softmax's result with no values (it weighs and sums "
+                "elementwise: additive attention), not softmax attention"
+            )
+    return None
+
+
+def _called(node: ast.Call) -> str | None:
+    func = node.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
+
+
+def _self_call(node: ast.Call) -> str | None:
+    func = node.func
+    if (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Name)
+        and func.value.id == "self"
+    ):
+        return func.attr
+    return None
+
+
+def _functional(node: ast.Call) -> bool:
+    """``F.softmax(x)`` / ``torch.softmax(x)`` / ``nn.functional.softmax(x)`` /
+    ``hard_softmax(x)``: the tensor is the first argument."""
+    func = node.func
+    if isinstance(func, ast.Name):
+        return True
+    base = func.value if isinstance(func, ast.Attribute) else None
+    while isinstance(base, ast.Attribute):
+        if base.attr in _FUNCTIONAL:
+            return True
+        base = base.value
+    return isinstance(base, ast.Name) and base.id in _FUNCTIONAL
+
+
+def _softmax_input(node: ast.Call) -> ast.AST | None:
+    if _functional(node):
+        return node.args[0] if node.args else None
+    func = node.func
+    return func.value if isinstance(func, ast.Attribute) else None
+
+
+def _softmax_dim(node: ast.Call) -> int | None:
+    given = [k.value for k in node.keywords if k.arg == "dim"]
+    if not given:
+        position = 1 if _functional(node) else 0
+        given = node.args[position : position + 1]
+    value = given[0] if given else None
+    if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.USub):
+        inner = value.operand
+        if isinstance(inner, ast.Constant) and isinstance(inner.value, int):
+            return -inner.value
+    if isinstance(value, ast.Constant) and isinstance(value.value, int):
+        return value.value
+    return None
+
+
+def _is_product(node: ast.AST) -> bool:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+        return True
+    return isinstance(node, ast.Call) and _called(node) in _PRODUCTS
+
+
+def _operands(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.BinOp):
+        return [node.left, node.right]
+    assert isinstance(node, ast.Call)
+    out: list[ast.AST] = list(node.args)
+    return out + ([node.func.value] if isinstance(node.func, ast.Attribute) else [])
+
+
+def _mentions(node: ast.AST, names: set[str], source: Callable[[ast.AST], bool]) -> bool:
+    """Whether ``node`` holds one of ``names`` or a node ``source`` matches."""
+    return any((isinstance(n, ast.Name) and n.id in names) or source(n) for n in ast.walk(node))
+
+
+def _flow(tree: ast.AST, source: Callable[[ast.AST], bool]) -> set[str]:
+    """The local names that hold a value computed from a node ``source`` matches
+    (assignments followed to a fixed point)."""
+    names: set[str] = set()
+    assigns = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+    ]
+    changed = True
+    while changed:
+        changed = False
+        for node in assigns:
+            if node.value is None or not _mentions(node.value, names, source):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name) and n.id not in names:
+                        names.add(n.id)
+                        changed = True
+    return names
+
+
+def _returns_softmax(tree: ast.AST) -> bool:
+    """Whether a function returns a value computed from its softmax."""
+    names = _flow(tree, lambda n: isinstance(n, ast.Call) and _called(n) in _SOFTMAXES)
+    return any(
+        isinstance(n, ast.Return)
+        and n.value is not None
+        and _mentions(
+            n.value, names, lambda x: isinstance(x, ast.Call) and _called(x) in _SOFTMAXES
+        )
+        for n in ast.walk(tree)
     )
 
 
@@ -578,6 +785,7 @@ def prepare(
     sites: dict[str, Site] = {}
     problems: list[str] = []
     actions: list[Callable[[], None]] = []
+    watched: list[tuple[Site, Any]] = []
     for site in result.sites:
         if site.component != component or (site.resolution is None and not site.pending):
             continue
@@ -597,6 +805,9 @@ def prepare(
                     )
                     continue
                 actions.append(_route_installer(model, component, module, site, result))
+            continue
+        if site.route == ROUTE and site.pending:
+            watched.append((site, module))
             continue
         if site.route != ROUTE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
@@ -631,24 +842,73 @@ def prepare(
         ((key, names),) = decided.items()
         function = key.partition(":")[0]
         actions.append(_installer(model, component, cfg, function, names, modules, sites, result))
+    for site, module in watched:
+        # issue 19: an interface site decided at its first call runs the function
+        # its config names (set by the sites sharing it, or as it was); its first
+        # call is checked for that function's backend, watched before it runs
+        shared = groups.get(id(module.config), (None, {}))[1]
+        given: str | None = next(iter(shared)) if len(shared) == 1 else None
+        runs = (
+            given.partition(":")[0]
+            if given is not None
+            else getattr(module.config, "_attn_implementation", None) or "eager"
+        )
+        own = (
+            given.partition(":")[2]
+            if given is not None and ":" in given
+            else _BY_FUNCTION.get(runs)
+        )
+        if own is None or own not in _WATCHED:
+            problems.append(
+                f"{component}/{site.name}: decided at its first call, and the attention "
+                f"function its config runs ({runs}) is not one whose call attnres can "
+                f"check before it runs ({', '.join(sorted(_WATCHED))}); give this component "
+                f"one of those backends"
+            )
+            continue
+        route = f"{ROUTE} ({runs}, the function its config names)"
+        actions.append(
+            _route_installer(model, component, module, site, result, Backend(own), route)
+        )
     return actions, problems
+
+
+#: what an interface site decided at its first call may run: the backends whose
+#: call :func:`._route.watch_forward` sees before it runs (transformers' eager
+#: function computes the scores product, its sdpa function calls SDPA)
+_WATCHED = frozenset({"eager", "torch_sdpa"})
 
 
 _ROUTED_ATTR = "_attnres_routed"
 
 
 def _route_installer(
-    model: Any, component: str, module: Any, site: Site, result: IntegrationPlan
+    model: Any,
+    component: str,
+    module: Any,
+    site: Site,
+    result: IntegrationPlan,
+    own_backend: Backend | None = None,
+    own_route: str | None = None,
 ) -> Callable[[], None]:
     """Install the generic route on one site: a module that calls SDPA itself (as
     diffusers' sites), or a MultiheadAttention (its own math, the attention the
-    decided kernel)."""
+    decided kernel); issue 19: a site decided at its first call whose route runs
+    only its own code (softmax by hand, or ``own_backend`` through the attention
+    interface) is watched (:func:`._route.watch_forward`)."""
+    watched = site.pending and not site.route.startswith(_GENERIC)
+    if watched and own_route is None:
+        own_route = site.route
 
     def install() -> None:
-        route = _route.site_route(site, result.config, result.platform)
+        route = _route.site_route(
+            site, result.config, result.platform, own_backend, own_route if watched else None
+        )
         own = (
             _route.mha_forward(module, route)
             if isinstance(module, torch.nn.MultiheadAttention)
+            else _route.watch_forward(module, route)
+            if watched
             else None
         )
         _route.install_route(module, route, own)
