@@ -265,8 +265,8 @@ def _not_offered(model: Any, site: Any) -> bool:
     which is sage) -- a fact read from the class, counted apart in the table: the
     class itself sets ``_supports_attention_backend = False`` or ``_supports_sdpa =
     False`` (attnres's function follows the ``sdpa`` function's calling
-    convention; read only where the first flag is not set either way), or the
-    module holds attention sinks."""
+    convention; read only where the first flag is not set either way). (A module
+    holding attention sinks is a sage limit: ``requirement_unmet``.)"""
     if site.route != itf.ROUTE or site.site_error is None:
         return False
     if site.site_error.code != "not_in_supported_set":
@@ -278,8 +278,7 @@ def _not_offered(model: Any, site: Any) -> bool:
         next((vars(k)[flag] for k in own_classes if flag in vars(k)), None)
         for flag in ("_supports_attention_backend", "_supports_sdpa")
     )
-    opted_out = backend is False or (backend is None and sdpa is False)
-    return opted_out or isinstance(getattr(modules[site.name], "sinks", None), torch.Tensor)
+    return backend is False or (backend is None and sdpa is False)
 
 
 def _sage_plan(model: Any) -> Any:
@@ -690,15 +689,48 @@ def test_head_facts_are_read_from_what_the_module_holds(
     assert sites and {(s.heads, s.kv_heads, s.head_size) for s in sites} == facts
 
 
-def test_attention_sinks_are_never_offered_attnres_function() -> None:
-    # GPT-OSS declares _supports_attention_backend but passes its sinks as s_aux,
-    # which attnres's function does not implement
-    plan = _sage_plan(_meta("gpt_oss"))
-    assert plan.sites and {s.site_error.code for s in plan.sites if s.site_error} == {
-        "not_in_supported_set"
-    }
+def test_rule_3_4_requirement_attention_sinks_are_a_kernel_fact_the_machine_checks() -> None:
+    # issue 19: GPT-OSS passes its sinks as s_aux; sage has no sink argument
+    # (thu-ml/SageAttention sageattn), nor has flash-attn 2's flash_attn_func (with
+    # which transformers 5.24 drops s_aux silently): the plan names the limit
+    model = _meta("gpt_oss")
+    plan = _sage_plan(model)
+    assert plan.sites and all(s.spec.requirements.sinks for s in plan.sites)
+    assert {s.site_error.code for s in plan.sites if s.site_error} == {"requirement_unmet"}
+    assert all("does not implement" in s.error and "attention sinks" in s.error
+               for s in plan.sites if s.error)  # fmt: skip
+    flash = itf.plan(model, "transformer", SelectionConfig(global_backend="fa"), HOPPER,
+                     dtype=DtypeChoice("bfloat16", "--dtype"))  # fmt: skip
+    assert {s.site_error.code for s in flash.sites if s.site_error} == {"requirement_unmet"}
+    plain = itf.plan(model, "transformer")
+    assert plain.ok and {s.backend.name for s in plain.sites} == {"eager"}
     offered = _sage_plan(_meta("llama"))
     assert {s.backend.name for s in offered.sites if s.backend} == {"sage_attn"}
+
+
+def test_the_eager_kernel_computes_attention_sinks_as_gpt_oss_does() -> None:
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from attnres.kernels import get_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64) for _ in range(3))
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))  # type: ignore[assignment]
+    module.num_key_value_groups = 1  # type: ignore[assignment]
+    module.training = False
+    mask = torch.zeros(2, 1, 5, 5, dtype=torch.float64)
+    mask[1, :, :, 3:] = float("-inf")  # the second row's keys 3 and 4 are padding
+    want, _ = modeling_gpt_oss.eager_attention_forward(
+        module, q, k, v, mask, scaling=8**-0.5, s_aux=module.sinks
+    )
+    eager = get_kernel("eager")
+    assert eager is not None
+    got = eager(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, False, None,
+                sinks=module.sinks)  # fmt: skip
+    torch.testing.assert_close(got, want)
+    without = eager(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, False, None)
+    assert not torch.allclose(without, want)
 
 
 def test_a_composite_models_language_model_is_offered_attnres_function() -> None:

@@ -492,6 +492,7 @@ class CallFacts:
             dropout=self.dropout,
             gqa=self.kv_heads < self.heads,
             softcap=base.requirements.softcap or "softcap" in self.arguments,
+            sinks=base.requirements.sinks or bool({"s_aux", "sinks"} & set(self.arguments)),
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
         only = _EAGER if self.weights or self.arguments else own if self.dropout else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dis
+import functools
 import math
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -323,7 +324,9 @@ def _with_call_facts(
     req: Requirements, module: Any, head_size: int, backward: bool
 ) -> Requirements:
     """What every transformers attention call passes besides q, k, v: ``scaling``
-    (T5 uses 1.0), ``sliding_window`` (set per layer) and a logit softcap."""
+    (T5 uses 1.0), ``sliding_window`` (set per layer), a logit softcap and
+    (issue 19) attention sinks: a module holding ``sinks`` passes them (GPT-OSS's
+    ``s_aux``), which only a kernel implementing them computes."""
     config = getattr(module, "config", None)
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is None and config is not None:
@@ -334,7 +337,36 @@ def _with_call_facts(
         custom_scale=custom_scale(getattr(module, "scaling", None), head_size),
         sliding_window=getattr(module, "sliding_window", None) is not None,
         softcap=softcap is not None,
+        # (a module that holds no sinks, ``sinks = None``, passes none)
+        sinks=_passes_sinks(type(module)) and getattr(module, "sinks", True) is not None,
     )
+
+
+#: the keyword arguments an attention call passes attention sinks as (GPT-OSS's
+#: ``s_aux``, Inkling2's per-token ``sinks``; transformers 5.24)
+_SINK_ARGUMENTS = frozenset({"s_aux", "sinks"})
+
+
+@functools.cache
+def _passes_sinks(cls: type) -> bool:
+    """Whether the code of ``cls``'s own methods passes attention sinks to a call
+    (a keyword :data:`_SINK_ARGUMENTS` given a value other than ``None``), read
+    from their source."""
+    for klass in cls.__mro__:
+        if klass in _SHARED_BASES or klass.__module__.startswith("torch.") or klass is object:
+            continue
+        for func in vars(klass).values():
+            tree = _route.source_tree(func) if isinstance(func, types.FunctionType) else None
+            if tree is None:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and any(
+                    k.arg in _SINK_ARGUMENTS
+                    and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+                    for k in node.keywords
+                ):
+                    return True
+    return False
 
 
 def _compute_dtype(module: Any, model: Any) -> str:
@@ -467,11 +499,11 @@ def _owner(modules: Mapping[str, Any], name: str, model: Any) -> Any:
 
 
 def _site_backends(owner: Any, module: Any) -> frozenset[Backend]:
-    """What the attention interface can execute at one site. A module holding
-    attention sinks (``sinks``, passed as ``s_aux``: GPT-OSS) runs only
-    transformers' own functions, which implement them; attnres's does not."""
-    if isinstance(getattr(module, "sinks", None), torch.Tensor):
-        return _native_backends(owner)
+    """What the attention interface can execute at one site. Issue 19: a module
+    holding attention sinks (``sinks``, passed as ``s_aux``: GPT-OSS) requires
+    them (:func:`_with_call_facts`), which the machine checks against each
+    kernel's declared facts (``requirement_unmet``: "attention sinks"); the
+    backends implementing them run through transformers' own functions."""
     return route_backends(owner)
 
 
