@@ -126,17 +126,278 @@ _TIME_SERIES_TESTER = {"prediction_length": 7, "context_length": 14}
 _TEST_CONFIGS: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("autoformer", "informer", "time_series_transformer"), _TIME_SERIES_TESTER),
     **dict.fromkeys(
-        ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "ministral", "nemotron"),
+        (
+            "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "ministral", "nemotron",
+            # issue 19: their testers extend CausalLMModelTester (_TESTER_VALUES)
+            "cohere_compass_text", "dots1", "lfm2_moe", "qwen4_exp_text",
+        ),
         _CAUSAL_LM_TESTER,
     ),
+}  # fmt: skip
+
+#: Qwen4ExpTextModelTester's own values (tests/models/qwen4_exp/test_modeling_qwen4_exp.py)
+_QWEN4_TEXT: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25},
+    "layer_types": ["linear_attention", "qwen_sparse_attention"], "linear_conv_kernel_dim": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8, "hc_count": 2, "hc_lowrank": 8, "ple_layer_ids": [1],
+    "ple_embed_dim": 16, "ple_conv_kernel_size": 2, "ngram_size": 3, "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 31, "make_ngram_vocab_size_divisible_by": 8, "split_ngram_parts": 4,
+    "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+    "indexer_compress_ratio": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
+    "num_experts": 4,
+}  # fmt: skip
+#: T5Gemma2ModelTester's text values (encoder and decoder alike)
+_T5GEMMA2_TEXT: dict[str, Any] = {
+    "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 37, "hidden_act": "gelu",
+    "max_position_embeddings": 512, "layer_types": ["full_attention", "sliding_attention"],
+    "head_dim": 8, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}  # fmt: skip
+#: CausalLMModelTester's text values, for a composite config's text_config
+_CAUSAL_LM_TEXT = {
+    k: _CAUSAL_LM_TESTER[k]
+    for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "intermediate_size", "max_position_embeddings", "pad_token_id", "bos_token_id",
+              "eos_token_id", "num_experts_per_tok")
+}  # fmt: skip
+
+
+
+def _vocabulary(size: int, **named: int) -> dict[str, int]:
+    """A tester's dummy vocabulary map: one character per id, then ``named`` tokens."""
+    return {**{chr(i): i for i in range(size)}, **named}
+
+
+#: issue 19: the values transformers' own model tester gives each of the types whose
+#: default config does not construct in 5.24 (huggingface/transformers,
+#: tests/models/<type>/test_modeling_<type>.py, the ``*ModelTester`` named), passed
+#: as given (on top of the shared tester defaults in ``_TEST_CONFIGS``, if any)
+_TESTER_VALUES: dict[str, dict[str, Any]] = {
+    # AyaVisionVisionText2TextModelTester
+    "aya_vision": {
+        "text_config": {"model_type": "cohere2", "vocab_size": 99, "hidden_size": 128,
+                        "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "hidden_act": "silu", "max_position_embeddings": 512, "bos_token_id": 0,
+                        "eos_token_id": 0, "pad_token_id": 0},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32,
+                          "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "intermediate_size": 128, "image_size": 64, "patch_size": 8,
+                          "vision_use_head": False},
+        "image_token_index": 2, "vision_feature_layer": -1, "downsample_factor": 2,
+    },
+    # ChameleonModelTester (get_config, get_vq_config; its vocabulary map)
+    "chameleon": {
+        "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "intermediate_size": 37, "max_position_embeddings": 512,
+        "pad_token_id": 0,
+        "vocabulary_map": _vocabulary(99, **{"<image>": 4}, **{
+            "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(i)) + "Z": i
+            for i in range(10, 15)}),
+        "vq_config": {"embed_dim": 5, "num_embeddings": 5, "latent_channels": 5, "in_channels": 3,
+                      "base_channels": 32, "channel_multiplier": [1, 2]},
+    },
+    # CohereCompassTextModelTester (over CausalLMModelTester)
+    "cohere_compass_text": {
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "layer_types": ["full_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10_000}},
+    },
+    # CohereCompassModelTester (VLMModelTester: its text and vision values)
+    "cohere_compass": {
+        "text_config": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 8, "max_position_embeddings": 64, "hidden_act": "silu",
+                        "layer_types": ["full_attention", "full_attention"],
+                        "rope_parameters": {"full_attention": {
+                            "rope_type": "default", "rope_theta": 10_000,
+                            "mrope_section": [1, 1, 2]}}},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "depth": 2, "num_heads": 4,
+                          "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "deepstack_visual_indexes": [0], "out_hidden_size": 32,
+                          "hidden_act": "silu"},
+        "image_token_id": 5, "video_token_id": 8, "vision_start_token_id": 6,
+        "vision_end_token_id": 7,
+    },
+    # DbrxModelTester (hidden_size and friends map to d_model, n_layers, n_heads, max_seq_len)
+    "dbrx": {
+        "vocab_size": 99, "d_model": 32, "n_layers": 5, "n_heads": 4, "max_seq_len": 512,
+        "pad_token_id": 0,
+        "attn_config": {"clip_qkv": 8, "kv_n_heads": 4, "rope_theta": 500000},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_jitter_eps": 0, "moe_loss_weight": 0.05,
+                       "moe_num_experts": 16, "moe_top_k": 4, "ffn_act_fn": {"name": "gelu"}},
+    },
+    # DeepseekOcr2VisionText2TextModelTester
+    "deepseek_ocr2": {
+        "vision_config": {
+            "sam_config": {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_channels": 3, "image_size": 16,
+                           "patch_size": 2, "hidden_act": "gelu", "mlp_ratio": 4.0,
+                           "window_size": 4, "global_attn_indexes": [1],
+                           "downsample_channels": [32, 64]},
+            "encoder_config": {"hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "hidden_act": "silu",
+                               "max_position_embeddings": 512, "rms_norm_eps": 1.0},
+        },
+        "text_config": {"vocab_size": 99, "hidden_size": 128, "intermediate_size": 256,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                        "hidden_act": "silu", "max_position_embeddings": 512, "bos_token_id": 2,
+                        "eos_token_id": 3, "pad_token_id": 4, "n_routed_experts": 8,
+                        "n_shared_experts": 1, "mlp_layer_types": ["dense", "sparse"],
+                        "moe_intermediate_size": 64, "num_experts_per_tok": 2},
+        "image_token_id": 1,
+    },
+    # DiffusionGemmaVisionText2TextModelTester
+    "diffusion_gemma": {
+        "text_config": {"vocab_size": 99, "hidden_size": 32, "num_attention_heads": 2,
+                        "num_key_value_heads": 2, "intermediate_size": 32, "hidden_act": "gelu",
+                        "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1,
+                        "eos_token_id": 2, "moe_intermediate_size": 8, "moe_num_shared_experts": 1,
+                        "num_experts": 4, "num_hidden_layers": 2,
+                        "layer_types": ["sliding_attention", "full_attention"],
+                        "per_layer_config": {1: {"head_dim": 16, "num_key_value_heads": 2}},
+                        "top_k_experts": 2, "use_bidirectional_attention": "vision"},
+        "vision_config": {"image_size": 20, "patch_size": 5, "num_channels": 3, "hidden_size": 16,
+                          "num_key_value_heads": 1, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "intermediate_size": 37},
+        "image_token_id": 4, "boi_token_id": 5, "eoi_token_id": 6, "mm_tokens_per_image": 2,
+        "self_conditioning_size": 16, "canvas_length": 16,
+    },
+    # Dots1ModelTester (over CausalLMModelTester)
+    "dots1": {"n_routed_experts": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+              "num_experts_per_tok": 8},
+    # Emu3Vision2TextModelTester (its vocabulary map)
+    "emu3": {
+        "text_config": {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2,
+                        "num_attention_heads": 2, "num_key_value_heads": 2,
+                        "intermediate_size": 37, "max_position_embeddings": 512,
+                        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        "vq_config": {"codebook_size": 20, "temporal_downsample_factor": 1, "base_channels": 32,
+                      "channel_multiplier": [1, 2, 1], "hidden_size": 32, "attn_resolutions": []},
+        "vocabulary_map": _vocabulary(99, **{f"<|visual token{i:06d}|>": i for i in range(3, 23)},
+                                      **{"<image>": 3, "<|extra_200|>": 4}),
+    },
+    # ESMModelTester
+    "esm": {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 5, "num_attention_heads": 4,
+            "intermediate_size": 37, "max_position_embeddings": 512, "pad_token_id": 1},
+    # Granite4VisionModelTester (VLMModelTester: Granite text, CLIP vision)
+    "granite4_vision": {
+        "text_config": {"model_type": "granite", "vocab_size": 99, "hidden_size": 64,
+                        "intermediate_size": 64, "num_attention_heads": 2,
+                        "num_key_value_heads": 2, "num_hidden_layers": 2},
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 64,
+                          "intermediate_size": 64, "num_attention_heads": 2,
+                          "num_hidden_layers": 2, "image_size": 8, "patch_size": 2,
+                          "projection_dim": 64},
+        "image_grid_pinpoints": [[8, 8]], "downsample_rate": "1/2",
+        "deepstack_layer_map": [[1, 0]], "projector_dropout": 0.0, "image_token_index": 3,
+    },
+    # HunYuanVLVisionText2TextModelTester (VLMModelTester: its text and vision values)
+    "hunyuan_vl": {
+        "text_config": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                        "hidden_act": "silu", "max_position_embeddings": 128, "pad_token_id": 0,
+                        "bos_token_id": 1, "eos_token_id": 2, "head_dim": 16,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "mrope_section": [2, 2, 2, 2]}},
+        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_channels": 3, "patch_size": 16,
+                          "temporal_patch_size": 1, "spatial_merge_size": 1,
+                          "out_hidden_size": 64, "text_hidden_size": 64, "max_image_size": 64,
+                          "min_image_size": 64, "anyres_vit_max_image_size": 64,
+                          "max_vit_seq_len": 16, "hidden_act": "silu"},
+        "image_token_id": 5,
+    },
+    # Lfm2MoeModelTester (over CausalLMModelTester)
+    "lfm2_moe": {"layer_types": ["full_attention", "conv"]},
+    # MoonshineStreamingModelTester
+    "moonshine_streaming": {
+        "encoder_config": {"hidden_size": 8, "intermediate_size": 32, "num_hidden_layers": 2,
+                           "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4},
+        "vocab_size": 147, "hidden_size": 8, "intermediate_size": 32, "head_dim": 4,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "decoder_start_token_id": 85, "bos_token_id": 98, "eos_token_id": 98, "pad_token_id": 0,
+    },
+    # MusicgenDecoderTester (a MusicgenDecoderConfig: MusicgenModel is the decoder; its
+    # intermediate_size, 4, is the ffn width); MusicgenMelodyDecoderTester likewise
+    **{t: {"vocab_size": 99, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "ffn_dim": 4, "pad_token_id": 99, "bos_token_id": 99, "num_codebooks": 4,
+           "audio_channels": 1} for t in ("musicgen", "musicgen_melody")},
+    # PPOCRV6MediumDetModelTester (get_config)
+    "pp_ocrv6_medium_det": {
+        "backbone_config": {
+            "model_type": "pp_lcnet_v4", "out_features": ["stage1", "stage2", "stage3", "stage4"],
+            "out_indices": [1, 2, 3, 4], "stem_channels": [3, 16, 16], "stem_type": "large",
+            "block_configs": [
+                [[3, 16, 16, 1, False]],
+                [[3, 16, 16, 2, False], [3, 16, 16, 1, False]],
+                [[3, 16, 16, 2, False], [3, 16, 16, 1, False]],
+                [[3, 16, 16, 2, False], *[[5, 16, 16, 1, False]] * 4],
+            ],
+        },
+        "interpolate_mode": "nearest", "neck_out_channels": 16, "reduce_factor": 2,
+        "intraclass_block_number": 4,
+        "intraclass_block_config": {
+            "reduce_channel": [1, 1, 0], "return_channel": [1, 1, 0],
+            "vertical_long_to_small_conv_longratio": [[7, 1], [1, 1], [3, 0]],
+            "vertical_long_to_small_conv_midratio": [[5, 1], [1, 1], [2, 0]],
+            "vertical_long_to_small_conv_shortratio": [[3, 1], [1, 1], [1, 0]],
+            "horizontal_small_to_long_conv_longratio": [[1, 7], [1, 1], [0, 3]],
+            "horizontal_small_to_long_conv_midratio": [[1, 5], [1, 1], [0, 2]],
+            "horizontal_small_to_long_conv_shortratio": [[1, 3], [1, 1], [0, 1]],
+            "symmetric_conv_long_longratio": [[7, 7], [1, 1], [3, 3]],
+            "symmetric_conv_long_midratio": [[5, 5], [1, 1], [2, 2]],
+            "symmetric_conv_long_shortratio": [[3, 3], [1, 1], [1, 1]],
+        },
+        "mode": "large", "scale_factor": 2, "scale_factor_list": [1, 2, 4, 8],
+        "hidden_act": "relu", "kernel_list": [3, 2, 2],
+    },
+    # Qwen4ExpTextModelTester (over CausalLMModelTester)
+    "qwen4_exp_text": _QWEN4_TEXT,
+    # T5Gemma2ModelTester.get_config (a T5Gemma2Config, which gives its sub-configs the
+    # dropout rate the encoder reads; the encoder is its ``encoder`` part)
+    "t5gemma2_encoder": {
+        "encoder": {
+            "text_config": _T5GEMMA2_TEXT,
+            "vision_config": {"model_type": "siglip_vision_model", "image_size": 20,
+                              "patch_size": 5, "num_channels": 3, "hidden_size": 32,
+                              "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "intermediate_size": 37},
+            "image_token_index": 4, "boi_token_index": 5, "eoi_token_index": 6,
+            "mm_tokens_per_image": 2, "hidden_size": 32,
+        },
+        "decoder": {**_T5GEMMA2_TEXT, "cross_attention_hidden_size": 32},
+        "image_token_index": 4,
+    },
+    # Qwen4ExpVisionText2TextModelTester: its text values (kv heads 1, head size 24);
+    # the vision tower keeps its default config
+    "qwen4_exp": {"text_config": {**_CAUSAL_LM_TEXT, **_QWEN4_TEXT, "num_key_value_heads": 1,
+                                  "head_dim": 24}},
+}  # fmt: skip
+
+#: the config class a tester builds where it is not the type's ``CONFIG_MAPPING`` entry
+_TESTER_CONFIG_CLASS = {
+    "musicgen": "MusicgenDecoderConfig",
+    "musicgen_melody": "MusicgenMelodyDecoderConfig",
+    "t5gemma2_encoder": "T5Gemma2Config",
 }
+#: the part of that config the type's model takes
+_TESTER_PART = {"t5gemma2_encoder": "encoder"}
 
 
 def _tester_config(model_type: str) -> PretrainedConfig:
-    config_class = CONFIG_MAPPING[model_type]
+    name = _TESTER_CONFIG_CLASS.get(model_type)
+    config_class = CONFIG_MAPPING[model_type] if name is None else getattr(transformers, name)
     takes = set(inspect.signature(config_class.__init__).parameters)
-    given = _TEST_CONFIGS[model_type]
-    return config_class(**{k: v for k, v in given.items() if k in takes or k == "pad_token_id"})
+    takes |= set(getattr(config_class, "attribute_map", {}))
+    shared = _TEST_CONFIGS.get(model_type, {})
+    given = {k: v for k, v in shared.items() if k in takes or k == "pad_token_id"}
+    config = config_class(**{**given, **_TESTER_VALUES.get(model_type, {})})
+    part = _TESTER_PART.get(model_type)
+    return config if part is None else getattr(config, part)
 
 
 #: model types whose gaps are known, with why; the sweep fails when one closes
@@ -194,7 +455,7 @@ def _cut(config: PretrainedConfig, layers: int = 2) -> None:
 
 def _build(model_type: str, class_name: str) -> Any:
     cls = getattr(transformers, class_name)
-    if model_type in _TEST_CONFIGS:
+    if model_type in _TEST_CONFIGS or model_type in _TESTER_VALUES:
         config = _tester_config(model_type)
     else:
         config = CONFIG_MAPPING[model_type]()
@@ -400,7 +661,8 @@ def test_every_exported_transformers_model_type_is_governed(update_golden: Any) 
     table = "\n".join(
         [
             f"transformers {transformers.__version__}: {len(rows)} model types "
-            f"(`MODEL_MAPPING_NAMES`), {len(built)} built on meta ({len(_TEST_CONFIGS)} from "
+            f"(`MODEL_MAPPING_NAMES`), {len(built)} built on meta "
+            f"({len(set(_TEST_CONFIGS) | set(_TESTER_VALUES))} from "
             f"the config of transformers' own model tester), {with_sites} with attention "
             f"sites, {len(_KNOWN_GAPS)} with a known gap; layer counts cut to two (a "
             f"per-layer pattern is kept).",
