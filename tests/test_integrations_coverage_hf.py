@@ -1201,7 +1201,7 @@ def test_softmax_by_hand_with_no_head_facts_is_decided_at_its_first_call() -> No
     from attnres.integrations import _route
 
     model = _tiny_janus_vq()
-    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(pixel_values=pixels).decoded_pixel_values
     untouched = _snapshot(model)
