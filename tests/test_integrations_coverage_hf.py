@@ -164,7 +164,6 @@ _CAUSAL_LM_TEXT = {
 }  # fmt: skip
 
 
-
 def _vocabulary(size: int, **named: int) -> dict[str, int]:
     """A tester's dummy vocabulary map: one character per id, then ``named`` tokens."""
     return {**{chr(i): i for i in range(size)}, **named}
@@ -1258,6 +1257,27 @@ def test_a_softmax_that_is_not_softmax_attention_is_recorded_with_why(
     assert all(s.note and why in s.note and _recorded(s) for s in recorded)
     # the real attention of the same models is still governed
     assert all(s.backend.name == "eager" for s in plan.sites if s.resolution is not None)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "module_class"),
+    [
+        # scores from a helper method (LED, Longformer), a submodule (Gemma 3n's
+        # relative-position scorer), or normalised by a Softmax submodule (CpmAnt, I-BERT)
+        ("led", "LEDEncoderSelfAttention"),
+        ("longformer", "LongformerSelfAttention"),
+        ("gemma3n_audio", "Gemma3nAudioAttention"),
+        ("cpmant", "CpmAntAttention"),
+        ("ibert", "IBertSelfAttention"),
+    ],
+)
+def test_softmax_attention_by_hand_through_helpers_is_still_attention(
+    model_type: str, module_class: str
+) -> None:
+    plan = itf.plan(_meta(model_type), "transformer")
+    sites = [s for s in plan.sites if s.module_class == module_class]
+    assert sites and not any(_recorded(s) for s in sites)
+    assert {s.backend.name for s in sites if s.backend} == {"eager"}
 
 
 def test_an_interface_site_with_no_head_facts_is_decided_at_its_first_call() -> None:

