@@ -1280,18 +1280,23 @@ def test_softmax_attention_by_hand_through_helpers_is_still_attention(
     assert {s.backend.name for s in sites if s.backend} == {"eager"}
 
 
-def test_an_interface_site_with_no_head_facts_is_decided_at_its_first_call() -> None:
-    from attnres.integrations import _route
-
-    # Florence2's channel attention attends over channels: the kernel's head size
-    # is the token count, known only at the call (heads: its groups)
+def _tiny_florence2_vision() -> Any:
+    """Florence-2's vision backbone, tiny (window and channel attention per stage)."""
     torch.manual_seed(0)
     config = transformers.Florence2VisionConfig(
         embed_dim=[16, 32], num_heads=[2, 4], num_groups=[2, 4], depths=[1, 1],
         patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
         patch_prenorm=[False, True], window_size=4, projection_dim=32,
     )  # fmt: skip
-    model = transformers.Florence2VisionBackbone(config).eval()
+    return transformers.Florence2VisionBackbone(config).eval()
+
+
+def test_an_interface_site_with_no_head_facts_is_decided_at_its_first_call() -> None:
+    from attnres.integrations import _route
+
+    # Florence2's channel attention attends over channels: the kernel's head size
+    # is the token count, known only at the call (heads: its groups)
+    model = _tiny_florence2_vision()
     pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         before = model(pixels).last_hidden_state
@@ -1324,3 +1329,30 @@ def test_an_interface_site_with_no_head_facts_is_decided_at_its_first_call() -> 
     with pytest.raises(IntegrationError, match=r"decided at its first call.*flash_attention_2"):
         itf.apply(model, "transformer", SelectionConfig(global_backend="fa"), STAND_IN)
     assert _same(_snapshot(model), cast)
+
+
+def test_attnres_function_binds_an_interface_site_at_its_first_call(varlen_fakes: Any) -> None:
+    from attnres.integrations import _hf_attention
+
+    # Florence-2's vision backbone (which, unlike the whole model, does not opt out)
+    # under a strict global sage: its window attention runs sage through attnres's
+    # function, and so does its channel attention, bound at its first call from the
+    # query and key it is given (head size: 64, then 16 tokens)
+    model = _tiny_florence2_vision().to(torch.float16)
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)).half()
+    with torch.no_grad():
+        before = model(pixels).last_hidden_state
+        plan = itf.apply(model, "transformer", SAGE, STAND_IN)
+        try:
+            channel = [s for s in plan.sites if s.pending]
+            assert len(channel) == 2 and all(s.module_class.endswith("ChannelAttention")
+                                             for s in channel)  # fmt: skip
+            after = model(pixels).last_hidden_state
+            bound = [_hf_attention.bound_route(model.get_submodule(s.name)) for s in channel]
+            firsts = [r.first_calls for r in bound if r is not None]
+            assert [(f.facts.heads, f.facts.head_size) for (f,) in firsts] == [(2, 64), (4, 16)]
+            assert all(f.backend is not None and f.backend.name == "sage_attn" for (f,) in firsts)
+            assert len(varlen_fakes.seen) == 4  # every site reached sage
+        finally:
+            assert itf.remove(model) == 4
+    assert float((after.double() - before.double()).norm() / before.double().norm()) < 5e-3

@@ -904,6 +904,32 @@ def prepare(
         decided.setdefault(key, []).append(site.name)
         if spec is not None:
             sites[site.name] = site
+    for site, module in watched:
+        # issue 19: an interface site decided at its first call runs the function
+        # its config names (set by the sites sharing it, or as it was)
+        shared = groups.get(id(module.config), (None, {}))[1]
+        given: str | None = next(iter(shared)) if len(shared) == 1 else None
+        if given is not None and given.startswith(_hf_attention.NAME + ":"):
+            # attnres's function: it binds the site at its first call itself, from
+            # the query and key it is given (each call checked, as everywhere)
+            shared[given].append(site.name)
+            sites[site.name] = site
+            continue
+        runs = given or getattr(module.config, "_attn_implementation", None) or "eager"
+        own = _BY_FUNCTION.get(runs)
+        if own is None or own not in _WATCHED:
+            problems.append(
+                f"{component}/{site.name}: decided at its first call, and the attention "
+                f"function its config runs ({runs}) is not one whose call attnres can "
+                f"check before it runs ({', '.join(sorted(_WATCHED))} or attnres's own); "
+                f"give this component one of those backends"
+            )
+            continue
+        # transformers' eager or sdpa: its first call is watched before it runs
+        route = f"{ROUTE} ({runs}, the function its config names)"
+        actions.append(
+            _route_installer(model, component, module, site, result, Backend(own), route)
+        )
     for cfg, decided in groups.values():
         if len(decided) > 1:
             problems.append(
@@ -915,34 +941,6 @@ def prepare(
         ((key, names),) = decided.items()
         function = key.partition(":")[0]
         actions.append(_installer(model, component, cfg, function, names, modules, sites, result))
-    for site, module in watched:
-        # issue 19: an interface site decided at its first call runs the function
-        # its config names (set by the sites sharing it, or as it was); its first
-        # call is checked for that function's backend, watched before it runs
-        shared = groups.get(id(module.config), (None, {}))[1]
-        given: str | None = next(iter(shared)) if len(shared) == 1 else None
-        runs = (
-            given.partition(":")[0]
-            if given is not None
-            else getattr(module.config, "_attn_implementation", None) or "eager"
-        )
-        own = (
-            given.partition(":")[2]
-            if given is not None and ":" in given
-            else _BY_FUNCTION.get(runs)
-        )
-        if own is None or own not in _WATCHED:
-            problems.append(
-                f"{component}/{site.name}: decided at its first call, and the attention "
-                f"function its config runs ({runs}) is not one whose call attnres can "
-                f"check before it runs ({', '.join(sorted(_WATCHED))}); give this component "
-                f"one of those backends"
-            )
-            continue
-        route = f"{ROUTE} ({runs}, the function its config names)"
-        actions.append(
-            _route_installer(model, component, module, site, result, Backend(own), route)
-        )
     return actions, problems
 
 
@@ -1009,7 +1007,9 @@ def _installer(
             # the state before the first apply (issue 20, item 13)
             old = earlier.old
             installs.remove(earlier)
-        backend = _BY_FUNCTION.get(function) or sites[names[0]].backend.name  # type: ignore[union-attr]
+        backend = _BY_FUNCTION.get(function) or next(
+            s.backend.name for n in names if (s := sites[n]).backend is not None
+        )
         rec = _Install(cfg, old, function, backend)
         cfg._attn_implementation_internal = function
         for name in names:
