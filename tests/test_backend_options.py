@@ -46,7 +46,7 @@ def test_rule_backend_options_unknown_option_is_refused_with_did_you_mean() -> N
     assert "its options: deterministic" in str(info.value)
     # a backend that declares none says so
     with pytest.raises(BackendOptionError, match="its options: none"):
-        normalize_backend_options({"sage_attn": {"qk_quant_gran": "per_warp"}})
+        normalize_backend_options({"xformers": {"qk_quant_gran": "per_warp"}})
 
 
 @pytest.mark.parametrize(
@@ -335,7 +335,106 @@ def test_rule_backend_options_plan_flag_applies_under_each_layers_own(tmp_path: 
     assert code == 2 and "--backend-option:" in err and "did you mean 'deterministic'" in err
 
 
-def test_rule_backend_options_plan_flag_is_refused_for_a_model_folder(tmp_path: Any) -> None:
-    code, _, err = _main("plan", str(tmp_path), "--backend-option", "fa.deterministic=true")
-    assert code == 2
-    assert "--backend-option applies to a pipeline file" in " ".join(err.split())
+def test_rule_backend_options_plan_flag_reaches_a_model_folders_sites(tmp_path: Any) -> None:
+    """``plan DIR --backend-option``: each site's trace and the --json carry the
+    options; the platform's function is checked (sage on sm86 takes no granularity)."""
+    from tiny_folders import tiny_folder
+
+    vae = tiny_folder(tmp_path / "tiny") / "vae"
+    flags = ("--dtype", "float16", "--attention-backend", "sage",
+             "--backend-option", "sage.qk_quant_gran=per_warp")  # fmt: skip
+    code, out, _ = _main("plan", str(vae), "--platform", "cuda:sm89+sageattention", *flags,
+                         "--json", "--trace-out", str(tmp_path / "traces"))  # fmt: skip
+    assert code == 0
+    wanted = {"sage_attn": {"qk_quant_gran": "per_warp"}}
+    layers = json.loads(out)["components"][0]["layers"]
+    assert layers and all(la["backend"] == "sage_attn" for la in layers)
+    assert all(la["backend_options"] == wanted for la in layers)
+    assert list(_plan_options(out).values()) == [wanted] * len(layers)  # in each trace
+    code, _, err = _main("plan", str(vae), "--platform", "cuda:sm86+sageattention", *flags)
+    message = " ".join(err.split())
+    assert code == 2 and "Traceback" not in err
+    assert "for attention site 'encoder.mid_block.attentions.0' of component 'vae'" in message
+    assert "not taken by sageattn_qk_int8_pv_fp16_triton" in message
+
+
+def test_rule_backend_options_reach_the_kernel_of_an_applied_model(
+    request: pytest.FixtureRequest,
+) -> None:
+    """``apply(model, SelectionConfig(backend_options=...))``: the routed sites call
+    their kernel with the options (key padding: sageattn_varlen's smooth_k)."""
+    from test_masks_diffusers import SAGE, STAND_IN, _inputs, _qwen_image
+
+    from attnres.integrations import diffusers as idf
+
+    varlen_fakes = request.getfixturevalue("varlen_fakes")  # after diffusers is imported
+
+    model = _qwen_image()
+    config = attrs.evolve(SAGE, backend_options={"sage": {"smooth_k": False}})
+    with torch.no_grad():
+        plan = idf.apply({"transformer": model}, config, STAND_IN)
+        try:
+            model(**_inputs())
+        finally:
+            idf.remove({"transformer": model})
+    options = (("sage_attn", (("smooth_k", False),)),)
+    assert plan.sites and all(s.trace.input.layer.backend_options == options for s in plan.sites)
+    varlen = [c for c in varlen_fakes.seen if "tensor_layout" not in c]  # sageattn_varlen's
+    assert varlen and all(c["smooth_k"] is False for c in varlen)
+    # an option sageattn_varlen does not take is refused before anything is installed
+    config = attrs.evolve(SAGE, backend_options={"sage": {"qk_quant_gran": "per_warp"}})
+    with pytest.raises(BackendOptionError, match=r"attention site '.*' of component 'transformer'"):
+        idf.apply({"transformer": model}, config, STAND_IN)
+    assert not idf.routes({"transformer": model})
+
+
+def test_rule_backend_options_refused_where_diffusers_dispatcher_runs_the_kernel() -> None:
+    """A context-parallel site is pinned on diffusers' dispatcher, which calls the
+    kernel itself: options cannot reach it, so the plan refuses them, naming the site."""
+    import tiny_pipelines as tp
+
+    from attnres.integrations import diffusers as idf
+
+    transformer = tp.flux(dtype=torch.bfloat16).transformer
+    processor = transformer.transformer_blocks[0].attn.processor
+    processor._parallel_config = object()
+    config = SelectionConfig(global_backend="fa", global_backend_explicit=True)
+    try:
+        plan = idf.plan({"transformer": transformer}, config, HOPPER_FA)
+        assert plan.ok  # without options the pinned site plans fa
+        with pytest.raises(BackendOptionError) as info:
+            idf.plan(
+                {"transformer": transformer},
+                attrs.evolve(config, backend_options=DETERMINISTIC),
+                HOPPER_FA,
+            )
+    finally:
+        del processor._parallel_config
+    message = str(info.value)
+    assert "attention site 'transformer_blocks.0.attn' of component 'transformer'" in message
+    assert "fa.deterministic cannot reach its kernel: diffusers' dispatcher" in message
+
+
+def test_rule_backend_options_reach_a_site_decided_at_its_first_call(
+    varlen_fakes: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site with no head facts at plan time (decided at its first call) takes the
+    config's options: traced in its first-call record and passed to the kernel."""
+    from attnres.integrations import _route
+    from attnres.scope import scope_state
+
+    sage = SelectionConfig(global_backend="sage_attn", global_backend_explicit=True)
+    stand_in = attrs.evolve(attnres.Platform.simulate("cuda:sm90+sageattention"), simulated=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    config = attrs.evolve(sage, backend_options={"sage": {"smooth_k": False}})
+    route = _route.GenericRoute(
+        component="vae", name="mid.attn", spec=None, heads=None, kv_heads=None,
+        resolution=None, config=config, scope=scope_state("vae"), platform=stand_in,
+    )  # fmt: skip
+    q = torch.randn(1, 2, 6, 16).bfloat16()
+    route(q, q, q)
+    (first,) = route.first_calls
+    assert first.backend is not None and first.backend.name == "sage_attn"
+    assert first.trace.input.layer.backend_options == (("sage_attn", (("smooth_k", False),)),)
+    assert varlen_fakes.seen[-1]["function"] == "sageattn_qk_int8_pv_fp8_cuda_sm90"
+    assert varlen_fakes.seen[-1]["smooth_k"] is False

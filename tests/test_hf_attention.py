@@ -15,6 +15,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attnres import Platform
+from attnres.errors import BackendOptionError
 from attnres.integrations import _hf_attention
 from attnres.integrations import transformers as itf
 from attnres.layer import SelectionConfig
@@ -157,3 +158,33 @@ def test_a_call_fact_the_plan_did_not_allow_is_checked_at_the_first_call(
     finally:
         itf.remove(model)
     assert _hf_attention.bound_route(module) is None
+
+
+def test_rule_backend_options_reach_the_kernel_through_attnres_function(
+    varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 23: options for the decided backend run attnres's own attention function
+    (transformers' ``flash_attention_2`` would take none of them); a class that opts
+    out of other functions is refused, nothing changed."""
+    config = SelectionConfig(
+        global_backend="fa", global_backend_explicit=True,
+        backend_options={"fa": {"deterministic": True}},
+    )  # fmt: skip
+    model = _qwen25vl_text()
+    ids, mask = _padded([9, 4, 6], 9, left=False)
+    with torch.no_grad():
+        plan = itf.apply(model, "text_encoder", config, STAND_IN)
+        try:
+            assert {s.backend for s in plan.sites} == {"fa"}
+            assert model.config._attn_implementation == _hf_attention.NAME
+            model(input_ids=ids, attention_mask=mask)
+        finally:
+            itf.remove(model)
+    assert varlen_fakes.seen and all(c.get("deterministic") is True for c in varlen_fakes.seen)
+    monkeypatch.setattr(type(model), "_supports_attention_backend", False)
+    with pytest.raises(BackendOptionError, match="transformers' own attention function") as info:
+        itf.plan(model, "text_encoder", config, STAND_IN)  # refused at plan time, naming the site
+    assert "attention site 'layers.0.self_attn' of component 'text_encoder'" in str(info.value)
+    with pytest.raises(BackendOptionError):
+        itf.apply(model, "text_encoder", config, STAND_IN)
+    assert model.config._attn_implementation == "sdpa"

@@ -382,7 +382,115 @@ def fake_sageattention(calls: Calls) -> types.ModuleType:
 
     module = types.ModuleType("sageattention")
     module.sageattn = sageattn  # type: ignore[attr-defined]
+    _add_sage_functions(module, calls)
     return module
+
+
+def _add_sage_functions(module: types.ModuleType, calls: Calls) -> None:
+    """SageAttention 2's per-GPU functions, as their signatures and checks read at
+    thu-ml/SageAttention d1a57a54 (sageattention/core.py): each swallows keywords it
+    does not know (``**kwargs``), asserts ``qk_quant_gran`` in per_warp/per_thread,
+    and runs only the ``pv_accum_dtype`` branches of its body (another value raises,
+    or leaves its output unset). The sm120 call with 'per_thread' quantises with a
+    Triton kernel sageattn says "is currently not usable on sm120": refused here."""
+
+    def run(
+        name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str,
+        is_causal: bool, sm_scale: float | None, return_lse: bool, seen: dict[str, Any],
+    ) -> Any:  # fmt: skip
+        calls.seen.append({"function": name, "is_causal": is_causal, **seen})
+        assert tensor_layout == "NHD", "fake: attnres passes NHD"
+        assert q.dtype in [torch.float16, torch.bfloat16], (
+            "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
+        )
+        _check_bshd(q, k, v, name)
+        if is_causal and q.shape[1] != k.shape[1]:
+            raise AssertionError("fake: is_causal is only applicable when qo_len == kv_len")
+        out = _fake_core(
+            q, k, v, scale=_scale(sm_scale, q.shape[-1]), causal="top_left" if is_causal else None
+        )
+        if not return_lse:
+            return out
+        groups = q.shape[2] // k.shape[2]
+        qd, kd = q.double().transpose(1, 2), k.double().transpose(1, 2)
+        scores = qd @ kd.repeat_interleave(groups, 1).transpose(-1, -2)
+        scores = scores * _scale(sm_scale, q.shape[-1])
+        if is_causal:
+            keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return out, torch.logsumexp(scores, -1).float()  # (batch, heads, seq_q)
+
+    def gran(qk_quant_gran: str) -> None:
+        assert qk_quant_gran in ["per_warp", "per_thread"], (
+            "qk_quant_gran must be either 'per_warp' or 'per_thread'."
+        )
+
+    def sageattn_qk_int8_pv_fp16_cuda(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
+        is_causal: bool = False, qk_quant_gran: str = "per_thread",
+        sm_scale: float | None = None, pv_accum_dtype: str = "fp32", smooth_k: bool = True,
+        smooth_v: bool = False, return_lse: bool = False, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        gran(qk_quant_gran)
+        if pv_accum_dtype not in ("fp32", "fp16", "fp16+fp32"):
+            raise ValueError(f"Unsupported pv_accum_dtype: {pv_accum_dtype}")
+        seen = {"qk_quant_gran": qk_quant_gran, "pv_accum_dtype": pv_accum_dtype,
+                "smooth_k": smooth_k, "smooth_v": smooth_v, **kwargs}  # fmt: skip
+        return run("sageattn_qk_int8_pv_fp16_cuda", q, k, v, tensor_layout, is_causal,
+                   sm_scale, return_lse, seen)  # fmt: skip
+
+    def sageattn_qk_int8_pv_fp16_triton(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
+        quantization_backend: str = "triton", is_causal: bool = False,
+        attn_mask: torch.Tensor | None = None, sm_scale: float | None = None,
+        smooth_k: bool = True, return_lse: bool = False, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        if quantization_backend not in ("triton", "cuda"):
+            raise ValueError(f"Unsupported quantization backend: {quantization_backend}")
+        assert attn_mask is None, "fake: attnres passes no mask here"
+        seen = {"quantization_backend": quantization_backend, "smooth_k": smooth_k, **kwargs}
+        return run("sageattn_qk_int8_pv_fp16_triton", q, k, v, tensor_layout, is_causal,
+                   sm_scale, return_lse, seen)  # fmt: skip
+
+    def sageattn_qk_int8_pv_fp8_cuda(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
+        is_causal: bool = False, qk_quant_gran: str = "per_thread",
+        sm_scale: float | None = None, pv_accum_dtype: str = "fp32+fp16", smooth_k: bool = True,
+        smooth_v: bool = False, return_lse: bool = False, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        gran(qk_quant_gran)
+        if qk_quant_gran == "per_thread" and torch.cuda.get_device_capability(q.device)[0] == 12:
+            raise RuntimeError("fake: the Triton per_thread_int8 kernel is not usable on sm120")
+        if pv_accum_dtype not in ("fp32", "fp32+fp32", "fp32+fp16"):
+            raise UnboundLocalError("cannot access local variable 'lse'")  # no branch ran
+        seen = {"qk_quant_gran": qk_quant_gran, "pv_accum_dtype": pv_accum_dtype,
+                "smooth_k": smooth_k, "smooth_v": smooth_v, **kwargs}  # fmt: skip
+        return run("sageattn_qk_int8_pv_fp8_cuda", q, k, v, tensor_layout, is_causal,
+                   sm_scale, return_lse, seen)  # fmt: skip
+
+    def sageattn_qk_int8_pv_fp8_cuda_sm90(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
+        is_causal: bool = False, qk_quant_gran: str = "per_thread",
+        sm_scale: float | None = None, pv_accum_dtype: str = "fp32+fp32", smooth_k: bool = True,
+        return_lse: bool = False, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        gran(qk_quant_gran)
+        if pv_accum_dtype == "fp32":
+            raise NotImplementedError("Please use pv_accum_dtype='fp32+fp32' for sm90.")
+        if pv_accum_dtype != "fp32+fp32":
+            raise UnboundLocalError("cannot access local variable 'lse'")  # no branch ran
+        seen = {"qk_quant_gran": qk_quant_gran, "pv_accum_dtype": pv_accum_dtype,
+                "smooth_k": smooth_k, **kwargs}  # fmt: skip
+        return run("sageattn_qk_int8_pv_fp8_cuda_sm90", q, k, v, tensor_layout, is_causal,
+                   sm_scale, return_lse, seen)  # fmt: skip
+
+    for function in (
+        sageattn_qk_int8_pv_fp16_cuda,
+        sageattn_qk_int8_pv_fp16_triton,
+        sageattn_qk_int8_pv_fp8_cuda,
+        sageattn_qk_int8_pv_fp8_cuda_sm90,
+    ):
+        setattr(module, function.__name__, function)
 
 
 class LowerTriangularMask:

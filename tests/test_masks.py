@@ -60,32 +60,66 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float32: 1e-5}
 # ------------------------------------------------------------------ fakes
 
 
+Runs = list[tuple[int, int]]  # (first token, one past the last) of each sequence
+
+
 def _check_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor
-) -> tuple[list[int], list[int]]:
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    longest: tuple[int | None, int | None] = (None, None),
+) -> tuple[Runs, Runs]:
+    """The sequences the kernel reads: ``cu[i]:cu[i + 1]``, or with ``seqused``
+    (FA3/FA4: hopper/seqlen.h, flash_attn/cute/seqlen_info.py) the ``seqused[i]``
+    tokens from ``cu[i]`` on. dtype, contiguity and shape of ``seqused`` are
+    checked by each fake with its kernel's own message."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise RuntimeError("varlen q, k, v must be (total, nheads, headdim)")
     if q.shape[1] % k.shape[1] != 0:
         raise RuntimeError("Number of heads in key/value must divide number of heads in query")
-    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
-    if len(starts_q) != len(starts_k) or starts_q[-1] != q.shape[0] or starts_k[-1] != k.shape[0]:
-        raise RuntimeError("cu_seqlens do not match the packed tensors")
-    return starts_q, starts_k
+    if len(cu_q) != len(cu_k):
+        raise RuntimeError("cu_seqlens_q and cu_seqlens_k have different batch sizes")
+    runs = []
+    sides = ((cu_q, seqused_q, q.shape[0], longest[0]), (cu_k, seqused_k, k.shape[0], longest[1]))
+    for cu, used, total, most in sides:
+        starts = cu.tolist()
+        if used is None:
+            if starts[-1] != total:
+                raise RuntimeError("cu_seqlens do not match the packed tensors")
+            ends = starts[1:]
+        else:
+            ends = [a + n for a, n in zip(starts, used.tolist(), strict=False)]
+        pairs = list(zip(starts[:-1], ends, strict=True))
+        # what the kernel reads must lie in the tensor (it would read past the end),
+        # and the sequences must not overlap (the output rows would be written twice)
+        inside = all(0 <= a <= b <= total for a, b in pairs)
+        if not inside or any(b > a2 for (_, b), (a2, _) in itertools.pairwise(pairs)):
+            raise RuntimeError("fake: sequences outside the tensor or overlapping")
+        if most is not None and any(b - a > most for a, b in pairs):
+            raise RuntimeError("fake: a sequence longer than max_seqlen (the grid is sized by it)")
+        runs.append(pairs)
+    return runs[0], runs[1]
 
 
 def _per_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    starts_q: list[int],
-    starts_k: list[int],
+    runs_q: Runs,
+    runs_k: Runs,
     scale: float | None,
     causal: bool,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
+    # the real kernels allocate the output empty: rows no sequence covers are left
+    # unwritten, NaN here so that a route which forgets them fails
+    out = torch.full(q.shape[:2] + v.shape[-1:], float("nan"), dtype=q.dtype)
     factor = q.shape[-1] ** -0.5 if scale is None else scale
-    for i in range(len(starts_q) - 1):
-        qs, ks = slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], starts_k[i + 1])
+    for (qa, qb), (ka, kb) in zip(runs_q, runs_k, strict=True):
+        qs, ks = slice(qa, qb), slice(ka, kb)
         assert ks.stop > ks.start, "fake: a sequence of no keys (real kernels: unspecified)"
         out[qs] = _fake_core(
             q[qs].unsqueeze(0), k[ks].unsqueeze(0), v[ks].unsqueeze(0),
@@ -122,14 +156,25 @@ def fake_fa3(calls: Calls) -> types.ModuleType:
         sm_margin: int = 0,
         return_attn_probs: bool = False,
     ) -> Any:
-        calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k})
+        calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k, "q": q,
+                           "seqused_q": seqused_q, "seqused_k": seqused_k})  # fmt: skip
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise RuntimeError("FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
         for cu in (cu_seqlens_q, cu_seqlens_k):
             if cu.dtype != torch.int32 or not cu.is_contiguous():
                 raise RuntimeError("cu_seqlens must be contiguous int32")
-        starts_q, starts_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        out = _per_sequence(q, k, v, starts_q, starts_k, softmax_scale, causal)
+        # hopper/flash_api.cpp mha_fwd: TORCH_CHECK dtype, CHECK_CONTIGUOUS, CHECK_SHAPE
+        for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+            if used is not None:
+                if used.dtype != torch.int32:
+                    raise RuntimeError(f"{name} must have dtype int32")
+                if not used.is_contiguous():
+                    raise RuntimeError(f"{name} must be contiguous")
+                if used.shape != (cu_seqlens_q.shape[0] - 1,):
+                    raise RuntimeError(f"{name} must have shape (batch_size)")
+        runs_q, runs_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                       (max_seqlen_q, max_seqlen_k))  # fmt: skip
+        out = _per_sequence(q, k, v, runs_q, runs_k, softmax_scale, causal)
         return (out, None) if return_attn_probs else out
 
     module = fake_flash_attn_interface(calls, always_tuple=False)
@@ -154,7 +199,8 @@ def fake_sage(calls: Calls) -> types.ModuleType:
         smooth_k: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        calls.seen.append({"is_causal": is_causal, **kwargs})
+        # smooth_k is its one option (issue 23); anything else **kwargs swallows
+        calls.seen.append({"is_causal": is_causal, "smooth_k": smooth_k, **kwargs})
         assert q.dtype in [torch.float16, torch.bfloat16], (
             "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
         )
@@ -165,12 +211,12 @@ def fake_sage(calls: Calls) -> types.ModuleType:
             "cu_seqlens_q and cu_seqlens_k must be contiguous."
         )
         assert cu_seqlens_q.dtype in (torch.int32, torch.int64)
-        starts_q, starts_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        runs_q, runs_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         if is_causal:
-            lengths_q = [b - a for a, b in itertools.pairwise(starts_q)]
-            lengths_k = [b - a for a, b in itertools.pairwise(starts_k)]
+            lengths_q = [b - a for a, b in runs_q]
+            lengths_k = [b - a for a, b in runs_k]
             assert lengths_q == lengths_k, "fake: is_causal only when qo_len == kv_len"
-        return _per_sequence(q, k, v, starts_q, starts_k, sm_scale, is_causal)
+        return _per_sequence(q, k, v, runs_q, runs_k, sm_scale, is_causal)
 
     module = fake_sageattention(calls)
     module.sageattn_varlen = sageattn_varlen  # type: ignore[attr-defined]
@@ -191,18 +237,30 @@ def fake_fa4(calls: Calls, *, qv_fourth: bool = True) -> types.ModuleType:
         cu_seqlens_k: torch.Tensor | None,
         max_seqlen_q: int | None,
         max_seqlen_k: int | None,
+        seqused_q: torch.Tensor | None,
+        seqused_k: torch.Tensor | None,
         softmax_scale: float | None,
         causal: bool,
         extra: dict[str, Any],
     ) -> Any:
-        calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k, **extra})
+        calls.seen.append({"causal": causal, "cu_seqlens_k": cu_seqlens_k, "q": q,
+                           "seqused_q": seqused_q, "seqused_k": seqused_k, **extra})  # fmt: skip
         assert qv is None, "fake: qv (MLA weight absorption) is not modelled"
         assert cu_seqlens_q is not None and cu_seqlens_k is not None, "fake: packed layout only"
         assert v.dtype in [torch.float16, torch.bfloat16], (  # fp8 (forward only): not modelled
             "inputs must be float16, bfloat16, fp8 e4m3fn, or fp8 e5m2"
         )
         assert q.dtype == k.dtype == v.dtype, "q, k, v, and qv must have the same dtype"
-        for cu in (cu_seqlens_q, cu_seqlens_k):
+        batch = cu_seqlens_q.shape[0] - 1
+        assert seqused_q is None or seqused_q.shape == (batch,), (
+            "seqused_q must have shape (batch_size,)"
+        )
+        assert seqused_k is None or seqused_k.shape == (batch,), (
+            "seqused_k must have shape (batch_size,)"
+        )
+        for cu in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+            if cu is None:
+                continue
             assert cu.dtype == torch.int32, (
                 "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be int32"
             )
@@ -214,8 +272,9 @@ def fake_fa4(calls: Calls, *, qv_fourth: bool = True) -> types.ModuleType:
         assert 8 <= q.shape[-1] <= 256 and q.shape[-1] % alignment == 0, (
             f"head_dim must be between 8 and 256 and divisible by {alignment}"
         )
-        starts_q, starts_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        out = _per_sequence(q, k, v, starts_q, starts_k, softmax_scale, causal)
+        runs_q, runs_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                       (max_seqlen_q, max_seqlen_k))  # fmt: skip
+        out = _per_sequence(q, k, v, runs_q, runs_k, softmax_scale, causal)
         lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
         return out, lse  # FlashAttnVarlenFunc.forward returns (out, lse)
 
@@ -246,8 +305,8 @@ def fake_fa4(calls: Calls, *, qv_fourth: bool = True) -> types.ModuleType:
             **rest: Any,  # score_mod ... disable_scheduler_metadata: not modelled
         ) -> Any:
             extra = {"deterministic": deterministic, "pack_gqa": pack_gqa}
-            return varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, softmax_scale, causal, extra)  # fmt: skip
+            return varlen(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          seqused_q, seqused_k, softmax_scale, causal, extra)  # fmt: skip
 
     else:
 
@@ -266,8 +325,8 @@ def fake_fa4(calls: Calls, *, qv_fourth: bool = True) -> types.ModuleType:
             causal: bool = False,
             **rest: Any,
         ) -> Any:
-            return varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, softmax_scale, causal, {})  # fmt: skip
+            return varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          seqused_q, seqused_k, softmax_scale, causal, {})  # fmt: skip
 
     cute = fake_flash_attn_cute(calls, returns_tuple=True)["flash_attn.cute"]
     cute.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
@@ -316,8 +375,8 @@ def fake_aiter_varlen(calls: Calls) -> types.ModuleType:
             raise RuntimeError("CK only supports head dimension at most 256")
         if dropout_p != 0.0:
             raise NotImplementedError("the fake implements dropout_p == 0 only")
-        starts_q, starts_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        out = _per_sequence(q, k, v, starts_q, starts_k, softmax_scale, causal)
+        runs_q, runs_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        out = _per_sequence(q, k, v, runs_q, runs_k, softmax_scale, causal)
         result = [out]
         if return_lse:
             result.append(torch.zeros(q.shape[1], q.shape[0]))
@@ -807,6 +866,22 @@ def test_attention_layer_with_key_padding_runs_sage_varlen(varlen_fakes: Calls) 
     assert varlen_fakes.seen and "attn_mask" not in varlen_fakes.seen[0]
 
 
+def test_attention_layer_on_fa3_reads_a_left_padded_batch_in_place(varlen_fakes: Calls) -> None:
+    """attnres.Attention decided fa3, under no_grad (as pipelines run): the span route."""
+    layer = Attention(
+        4, 64, num_kv_heads=2, dtype=torch.float16, causal=True, requirements=["key_padding"],
+        backend="fa3", platform=HOPPER, name="decoder",
+    )  # fmt: skip
+    assert layer.backend is not None and layer.backend.name == "fa3"
+    q, k, v = _qkv(3, 8, 8, 4, 2, torch.float16, 10)
+    valid = _padding([8, 5, 0], 8, left=True)
+    with torch.no_grad():
+        out = layer(q, k, v, valid[:, None, None, :])
+    _check(out, q, k, v, valid, True)
+    assert varlen_fakes.seen[-1]["seqused_k"].tolist() == [8, 5]
+    assert varlen_fakes.seen[-1]["cu_seqlens_k"].tolist() == [0, 11, 24]
+
+
 @pytest.mark.parametrize("backend", UNPAD_BACKENDS)
 def test_unpad_route_takes_chroma_and_transformers_4d_masks(
     varlen_fakes: Calls, backend: str
@@ -974,3 +1049,240 @@ def test_fa4_options_reach_its_varlen_entry_point(varlen_fakes: Calls) -> None:
     _check(out, q, k, v, valid, False)
     assert varlen_fakes.seen[-1]["deterministic"] is True
     assert varlen_fakes.seen[-1]["pack_gqa"] is False
+
+
+# ------------------------------------------------------------------ the span route (seqused)
+
+SEQUSED_BACKENDS = ("fa3", "fa4")  # their varlen functions take seqused_q/seqused_k
+
+SPAN_CASES = {
+    # name: (lengths, seq_q, seq_kv, heads, kv_heads, left, causal, marks the queries)
+    "right-padding": ([7, 4, 1], 7, 7, 4, 4, False, False, False),
+    "left-padding-marked": ([7, 4, 1], 7, 7, 4, 4, True, False, True),
+    "fully-padded-row": ([6, 0, 3], 6, 6, 4, 4, True, False, True),
+    "gqa-causal-left": ([5, 2], 5, 5, 8, 2, True, True, False),
+    "cross-different-lengths": ([9, 2, 0], 4, 9, 4, 1, True, False, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPAN_CASES))
+@pytest.mark.parametrize("backend", SEQUSED_BACKENDS)
+def test_span_route_reads_the_padded_layout_and_matches_the_reference(
+    varlen_fakes: Calls, backend: str, case: str
+) -> None:
+    """One run of valid tokens per row (right or left padding): the kernel is handed
+    the batch flattened as it lies (no gather: the very storage of q) with
+    cu_seqlens at each run's first token and seqused its length; the rows it
+    leaves unwritten (NaN in the fakes) come back as zeros."""
+    lengths, seq_q, seq_kv, heads, kv_heads, left, causal, marks = SPAN_CASES[case]
+    valid = _padding(lengths, seq_kv, left=left)
+    q, k, v = _qkv(valid.shape[0], seq_q, seq_kv, heads, kv_heads, torch.float16, 51)
+    mask = valid[:, None, None, :] & valid[:, None, :, None] if marks else valid[:, None, None, :]
+    out = _route(backend)(q, k, v, mask, causal, None)
+    assert out.shape == q.shape and not out.isnan().any()
+    _check(out, q, k, v, valid, causal, marks_queries=marks)
+    seen = varlen_fakes.seen[-1]
+    assert seen["seqused_k"] is not None and seen["seqused_q"] is not None
+    assert seen["q"].data_ptr() == q.data_ptr(), "the padded layout as it lies: no copy"
+    rows = valid.any(dim=1)
+    assert seen["seqused_k"].tolist() == valid.sum(1)[rows].tolist()
+    first = valid.int().argmax(1)[rows]
+    row_ids = rows.nonzero().reshape(-1)
+    assert seen["cu_seqlens_k"].tolist() == [*(row_ids * seq_kv + first).tolist(), valid.numel()]
+
+
+@pytest.mark.parametrize("backend", SEQUSED_BACKENDS)
+def test_span_route_is_not_taken_for_padding_in_the_middle(
+    varlen_fakes: Calls, backend: str
+) -> None:
+    """Qwen-Image's joint mask has two runs in a row: gathered, as before."""
+    valid = torch.cat([_padding([2, 4, 0], 5), torch.ones(3, 4, dtype=torch.bool)], dim=1)
+    q, k, v = _qkv(3, 9, 9, 4, 2, torch.float16, 52)
+    out = _route(backend)(q, k, v, valid[:, None, None, :], False, None)
+    _check(out, q, k, v, valid, False)
+    assert varlen_fakes.seen[-1]["seqused_k"] is None
+
+
+@pytest.mark.parametrize("backend", SEQUSED_BACKENDS)
+def test_span_route_gathers_when_a_gradient_is_needed(varlen_fakes: Calls, backend: str) -> None:
+    """FA3's and FA4's backward leave dq/dk/dv of uncovered rows unwritten
+    (torch::empty / torch.empty): with a gradient to compute, the route gathers,
+    so padded positions get zero gradients; under no_grad it reads in place."""
+    valid = _padding([6, 3], 6, left=True)
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 6, 6, 4, 2, torch.float16, 53))
+    out = _route(backend)(q, k, v, valid[:, None, None, :], True, None)
+    assert varlen_fakes.seen[-1]["seqused_k"] is None
+    out.float().sum().backward()
+    assert q.grad is not None and torch.all(q.grad[~valid] == 0)
+    assert k.grad is not None and torch.all(k.grad[~valid] == 0)
+    with torch.no_grad():
+        again = _route(backend)(q, k, v, valid[:, None, None, :], True, None)
+    assert varlen_fakes.seen[-1]["seqused_k"] is not None
+    torch.testing.assert_close(again, out.detach(), rtol=0, atol=0)
+
+
+def test_only_adapters_whose_function_takes_seqused_say_so(
+    varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from attnres._varlen import get_varlen_kernel
+    from attnres.kernels._common import VarlenAdapter, varlen_style_kernel
+
+    takes = {b: getattr(get_varlen_kernel(get_spec(b)), "takes_seqused", None)
+             for b in UNPAD_BACKENDS}  # fmt: skip
+    # flash_attn_varlen_func (FA2), sageattn_varlen and aiter's have no seqused argument
+    assert takes == {"fa": False, "fa3": True, "fa4": True, "sage_attn": False, "aiter": False}
+    plain = varlen_style_kernel(lambda *args, **kw: args[0])
+    x = torch.zeros(4, 1, 8)
+    cu = torch.tensor([0, 4])
+    with pytest.raises(TypeError, match="takes no seqused_q/seqused_k"):
+        plain(x, x, x, cu, cu, 4, 4, False, None, seqused_k=torch.tensor([4]))
+    # an FA3 build whose varlen function has no seqused arguments: gathered
+    calls = Calls()
+    old = fake_fa3(calls)
+    real = old.flash_attn_varlen_func
+
+    def without_seqused(
+        q: Any,
+        k: Any,
+        v: Any,
+        cu_q: Any,
+        cu_k: Any,
+        max_q: int,
+        max_k: int,
+        softmax_scale: Any = None,
+        causal: bool = False,
+    ) -> Any:
+        return real(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,
+                    causal=causal)  # fmt: skip
+
+    old.flash_attn_varlen_func = without_seqused  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", old)
+    clear_varlen_cache()
+    adapter = get_varlen_kernel(get_spec("fa3"))
+    assert isinstance(adapter, VarlenAdapter) and not adapter.takes_seqused
+    valid = _padding([5, 2], 5)
+    q, k, v = _qkv(2, 5, 5, 4, 4, torch.float16, 54)
+    _check(_route("fa3")(q, k, v, valid[:, None, None, :], False, None), q, k, v, valid, False)
+    assert calls.seen[-1]["seqused_k"] is None
+
+
+def test_mask_plan_spans_are_kept_apart_from_packings() -> None:
+    valid = _padding([5, 0, 2], 5, left=True)
+    mask = valid[:, None, None, :]
+    plan = mask_plan(mask, 3, 5, 5, causal=True, spans=True)
+    assert plan.keys is None and plan.queries is None and plan.spans is not None
+    assert plan.key_padding
+    spans = plan.spans
+    assert spans.cu_seqlens_k.tolist() == [0, 13, 15] and spans.seqused_k.tolist() == [5, 2]
+    assert spans.cu_seqlens_q is spans.cu_seqlens_k  # causal: query i is key i
+    assert spans.padded_q is not None and spans.padded_q.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert mask_plan(mask, 3, 5, 5, causal=True, spans=True) is plan
+    gathered = mask_plan(mask, 3, 5, 5, causal=True)
+    assert gathered.spans is None and gathered.keys is not None
+    shared = mask_plan(mask, 3, 2, 5, spans=True)  # cross: every query of rows 0 and 2
+    assert shared.spans is not None
+    assert shared.spans.cu_seqlens_q.tolist() == [0, 4, 6]
+    assert shared.spans.seqused_q.tolist() == [2, 2] and shared.spans.padded_q is not None
+    assert shared.spans.padded_q.tolist() == [2, 3]
+    middle = torch.tensor([[True, False, True]])[:, None, None, :]
+    assert mask_plan(middle, 1, 3, 3, spans=True).spans is None
+
+
+@pytest.mark.parametrize("backend", SEQUSED_BACKENDS)
+def test_seqused_reaches_the_kernel_as_int32_and_the_fakes_refuse_other_dtypes(
+    varlen_fakes: Calls, backend: str
+) -> None:
+    from attnres._varlen import get_varlen_kernel
+
+    adapter = get_varlen_kernel(get_spec(backend))
+    x = torch.randn(8, 2, 64).half()
+    cu, used = torch.tensor([1, 4, 8]), torch.tensor([3, 2])  # int64 in, int32 out
+    out = adapter(x, x, x, cu, cu, 3, 3, False, None, seqused_q=used, seqused_k=used)
+    seen = varlen_fakes.seen[-1]
+    assert seen["seqused_q"].dtype == torch.int32 and seen["seqused_k"].dtype == torch.int32
+    assert out[[0, 6, 7]].isnan().all() and not out[[1, 2, 3, 4, 5]].isnan().any()
+    module = sys.modules["flash_attn_interface" if backend == "fa3" else "flash_attn.cute"]
+    cu32 = cu.int()
+    with pytest.raises((AssertionError, RuntimeError), match="seqused_q"):
+        module.flash_attn_varlen_func(
+            x, x, x, cu_seqlens_q=cu32, cu_seqlens_k=cu32, max_seqlen_q=3, max_seqlen_k=3,
+            seqused_q=used, seqused_k=used.int(),
+        )  # fmt: skip
+    with pytest.raises((AssertionError, RuntimeError), match="seqused_k must have shape"):
+        module.flash_attn_varlen_func(
+            x, x, x, cu_seqlens_q=cu32, cu_seqlens_k=cu32, max_seqlen_q=3, max_seqlen_k=3,
+            seqused_q=used.int(), seqused_k=torch.tensor([3], dtype=torch.int32),
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="longer than max_seqlen"):
+        module.flash_attn_varlen_func(
+            x, x, x, cu_seqlens_q=cu32, cu_seqlens_k=cu32, max_seqlen_q=2, max_seqlen_k=3,
+            seqused_q=used.int(), seqused_k=used.int(),
+        )  # fmt: skip
+
+
+def _classified_by_definition(keep: torch.Tensor) -> tuple[str, bool, bool]:
+    """docs/masks.md's rules with plain all/any, for a boolean (B, H, Sq, Skv) mask:
+    (kind, causal, marks the queries)."""
+    if not torch.equal(keep, keep[:, :1].expand_as(keep)):
+        return "boolean", False, False
+    rows = keep[:, 0]
+    valid = rows.any(dim=1)
+    if rows.shape[1] == 1 or bool((rows == valid[:, None, :]).all()):
+        return "key_padding", False, False
+    if rows.shape[1] == rows.shape[2]:
+        tril = torch.ones(rows.shape[1:], dtype=torch.bool).tril()
+        for pattern, causal in ((valid[:, None, :], False), (valid[:, None, :] & tril, True)):
+            if bool(((rows == pattern) | ~valid[:, :, None]).all()):
+                return "key_padding", causal, True
+    return "boolean", False, False
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), shape=st.sampled_from(["padding", "causal", "refiner", "random"]))
+def test_observe_mask_follows_its_definition(data: st.DataObject, shape: str) -> None:
+    batch, heads = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    seq_q = data.draw(st.integers(1, 7))
+    seq_kv = (
+        seq_q if shape != "random" or data.draw(st.booleans()) else data.draw(st.integers(1, 7))
+    )
+    cells = st.lists(st.booleans(), min_size=batch * seq_kv, max_size=batch * seq_kv)
+    valid = torch.tensor(data.draw(cells)).reshape(batch, seq_kv)
+    if shape == "random":
+        size = batch * heads * seq_q * seq_kv
+        flat = data.draw(st.lists(st.booleans(), min_size=size, max_size=size))
+        keep = torch.tensor(flat).reshape(batch, heads, seq_q, seq_kv)
+    else:
+        keep = valid[:, None, None, :].expand(batch, heads, seq_q, seq_kv).clone()
+        if seq_q == seq_kv:
+            keep &= valid[:, None, :, None]  # the padded queries marked
+            if shape == "causal":
+                keep &= torch.ones(seq_q, seq_kv, dtype=torch.bool).tril()
+            if shape == "refiner":
+                keep[..., 0] = True
+    seen = observe_mask(keep, batch, seq_q, seq_kv)
+    kind, causal, marks = _classified_by_definition(keep)
+    assert (seen.kind.value, seen.causal, seen.marks_queries) == (kind, causal, marks)
+    if kind == "key_padding":
+        assert seen.valid is not None and torch.equal(seen.valid, keep[:, 0].any(dim=1))
+
+
+def test_a_mask_of_another_kind_is_named_before_a_missing_varlen_package() -> None:
+    """The varlen kernel is built before the plan (its adapter says whether it takes
+    seqused); a mask the route cannot take is still the error reported first."""
+    from attnres.errors import KernelUnavailableError
+
+    def missing() -> Any:
+        raise KernelUnavailableError("attention backend 'x' needs the Python package 'y'")
+
+    route = padded_kernel("x", _never_dense, missing)
+    q = torch.zeros(1, 4, 1, 8)
+    per_query = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    per_query[0, 0, 1, 3] = False
+    with pytest.raises(MaskKindError, match="this call's mask is boolean mask"):
+        route(q, q, q, per_query, False, None)
+    with pytest.raises(KernelUnavailableError, match="needs the Python package"):
+        route(q, q, q, _padding([4], 4)[:, None, None, :], False, None)
+
+
+def _never_dense(*args: Any) -> torch.Tensor:
+    raise AssertionError("a masked call never runs the dense kernel")

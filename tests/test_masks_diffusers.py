@@ -6,6 +6,7 @@ tests/test_masks.py, the DiT gives the untouched model's output."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import attrs
@@ -382,3 +383,211 @@ def test_a_dispatcher_pinned_to_a_dense_kernel_is_routed_for_its_key_padding_mas
             idf.remove({"transformer": model})
     assert _rel_error(after, before) < 2e-2, _rel_error(after, before)
     assert varlen_fakes.seen and all("cu_seqlens_q" in c for c in varlen_fakes.seen)
+
+
+def test_whole_ltx2_pipeline_plans_and_runs_sage_varlen_with_the_untouched_output(
+    varlen_fakes: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole tiny LTX2Pipeline, two prompts of different lengths (left-padded by
+    the pipeline): the DiT's prompt cross-attentions (attn2, audio_attn2) and the
+    prompt connectors plan sage for key padding, every other DiT site sage with no
+    mask; the Gemma3 text encoder's decoder layers are causal with key padding and
+    sliding-window, which sage does not implement: they fall back to torch SDPA,
+    traced with that reason. Applied through the stand-ins, video and audio match
+    the untouched pipeline; remove restores it exactly."""
+    import tiny_pipelines as tp
+
+    pipe = tp.ltx2_pipeline()
+    plan = idf.plan(pipe, SAGE, SIM)
+    assert plan.ok, plan.errors
+    groups = plan.by_component()
+    dit = groups["transformer"]
+    assert dit and {s.backend.name for s in dit} == {"sage_attn"}
+    assert all(s.resolution.reason is None for s in dit)
+    padded = [s for s in dit if s.spec.requirements.mask_kind == "key padding"]
+    assert {s.name.rsplit(".", 1)[1] for s in padded} == {"attn2", "audio_attn2"}
+    assert {s.spec.requirements.mask_kind for s in dit if s not in padded} == {"none"}
+    connectors = groups["connectors"]
+    assert {(s.backend.name, s.spec.requirements.mask_kind) for s in connectors} == {
+        ("sage_attn", "key padding")
+    }
+    language = [s for s in groups["text_encoder"] if ".language_model." in s.name]
+    assert language and {
+        (s.backend.name, s.spec.requirements.mask_kind, s.resolution.reason.value) for s in language
+    } == {("torch_sdpa", "causal with key padding", "global backend fallback")}
+    for site in language:
+        assert site.spec.requirements.sliding_window
+        assert "does not implement sliding-window attention" in str(site.trace)
+
+    spied = _spy_varlen(monkeypatch)
+    fake = sys.modules["sageattention"]
+    inner = fake.sageattn_varlen
+    keys: list[list[int]] = []  # the valid key lengths of each varlen call
+
+    def lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                cu_k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        keys.append(torch.diff(cu_k).tolist())
+        return inner(q, k, v, cu_q, cu_k, *args, **kwargs)
+
+    monkeypatch.setattr(fake, "sageattn_varlen", lengths)
+    with torch.no_grad():
+        before = tp.run_ltx2_pipeline(pipe)
+        applied = idf.apply(pipe, SAGE, STAND_IN)
+        try:
+            after = tp.run_ltx2_pipeline(pipe)
+            routes = idf.routes(pipe)
+        finally:
+            idf.remove(pipe)
+        again = tp.run_ltx2_pipeline(pipe)
+    assert [s.backend.name for s in applied.sites] == [s.backend.name for s in plan.sites]
+    for untouched, got, restored in zip(before, after, again, strict=True):
+        assert torch.equal(restored, untouched)  # remove restored the untouched pipeline
+        assert _rel_error(got, untouched) < 2e-2, _rel_error(got, untouched)
+    # every key-padding DiT call (2 sites x 2 blocks x 2 steps) and each connector
+    # ran sageattn_varlen on the two prompts; nothing else did
+    steps = 2
+    expected = [(s.heads, s.spec.head_size, 2) for s in padded] * steps
+    expected += [(s.heads, s.spec.head_size, 2) for s in connectors]
+    assert sorted(spied) == sorted(expected), spied
+    # the connectors (first) see the prompts' own lengths; diffusers 0.42.1's
+    # connectors hand the DiT ``video_attn_mask < 1e-6`` of their 0/-finfo.max bias,
+    # true at every position: the DiT's key-padding calls see all 16 tokens valid
+    assert keys == [[6, 2]] * len(connectors) + [[16, 16]] * len(padded) * steps, keys
+    # each verified its planned kind at its first call; the no-mask sites met none
+    for site in [*dit, *connectors]:
+        assert not routes[f"{site.component}/{site.name}"].first_calls, site.name
+
+
+def _ltx2_in_context(model: Any) -> Any:
+    """An ``LTX2InContextPipeline`` (IC-LoRA) around ``model``, with the other
+    components of the tiny LTX2Pipeline (planned and applied, never called)."""
+    import tiny_pipelines as tp
+    from diffusers import LTX2InContextPipeline
+
+    components = {k: v for k, v in tp.ltx2_pipeline().components.items() if v is not None}
+    return LTX2InContextPipeline(**{**components, "transformer": model})
+
+
+def _ic_lora_mask(inputs: dict[str, Any], strength: float = 0.5) -> torch.Tensor:
+    """The video self-attention mask LTX2InContextPipeline builds (its own
+    ``_build_video_self_attention_mask``): the last quarter of the video tokens a
+    reference group attended at ``strength``, per batch row."""
+    from diffusers import LTX2InContextPipeline
+
+    batch, tokens = inputs["hidden_states"].shape[:2]
+    refs = tokens // 4
+    mask = LTX2InContextPipeline._build_video_self_attention_mask(
+        num_noisy_tokens=tokens - refs, num_prefix_tokens=tokens - refs,
+        extras_cross_masks=[torch.full((1, refs), strength)], device=torch.device("cpu"),
+    )  # fmt: skip
+    return mask.expand(batch, -1, -1)
+
+
+def test_ltx2_ic_lora_video_self_attention_mask_is_named_by_the_plan_of_its_pipeline() -> None:
+    """LTX-2's ``video_self_attention_mask`` reaches ``attn1`` as an additive bias
+    (IC-LoRA's reference strengths); only LTX2InContextPipeline's code passes it.
+    Its plan names the kind at attn1 and a strict sage fails up front with it
+    named; LTX2Pipeline's plan (its code passes no such mask) keeps attn1 on sage;
+    a bare model, whose caller is not known, leaves it to the first call."""
+    import tiny_pipelines as tp
+
+    model, _ = tp.ltx2()
+    ic = _ltx2_in_context(model)
+    assert "video_self_attention_mask" in idf.passed_arguments(ic, "transformer")
+    plan = idf.plan(ic, SAGE, SIM)
+    dit = plan.by_component()["transformer"]
+    kinds = {s.name.rsplit(".", 1)[1]: s.spec.requirements.mask_kind for s in dit}
+    assert kinds == {
+        "attn1": "additive mask", "attn2": "key padding", "audio_attn1": "none",
+        "audio_attn2": "key padding", "audio_to_video_attn": "none",
+        "video_to_audio_attn": "none",
+    }  # fmt: skip
+    for site in dit:
+        if site.name.endswith(".attn1"):
+            assert site.backend is None and "does not implement additive masks" in site.error
+        else:
+            assert site.backend.name == "sage_attn"
+    plain = idf.plan(tp.ltx2_pipeline(), SAGE, SIM).by_component()["transformer"]
+    assert {s.spec.requirements.mask_kind for s in plain if s.name.endswith(".attn1")} == {"none"}
+    alone = idf.plan({"transformer": model}, SAGE, SIM)
+    assert alone.ok and {s.spec.requirements.mask_kind for s in alone.sites} == {
+        "none", "key padding"
+    }  # fmt: skip
+
+
+def test_ltx2_ic_lora_mask_meets_the_planned_kind_at_every_call() -> None:
+    """Under an explicit eager (every site routed), the IC-LoRA mask each attn1
+    call brings is the additive mask the plan named: no site re-resolved at its
+    first call, and the output is the untouched model's."""
+    import tiny_pipelines as tp
+    import tiny_sweep
+
+    model, inputs = tp.ltx2()
+    inputs = {**inputs, "video_self_attention_mask": _ic_lora_mask(inputs)}
+    ic = _ltx2_in_context(model)
+    with torch.no_grad():
+        before = model(**inputs)[0]
+        with tiny_sweep._Spy() as spy:
+            plan = idf.apply(ic, tiny_sweep.EAGER)
+            try:
+                after = model(**inputs)[0]
+                routes = idf.routes(ic)
+            finally:
+                idf.remove(ic)
+    attn1 = [s for s in plan.sites if s.component == "transformer" and s.name.endswith(".attn1")]
+    assert attn1 and {s.spec.requirements.mask_kind for s in attn1} == {"additive mask"}
+    for site in attn1:
+        assert {c.mask.kind.value for c in spy.calls[site.name]} == {"additive"}
+    assert all(not r.first_calls for r in routes.values())
+    assert _rel_error(after, before) < 1e-2, _rel_error(after, before)
+
+
+def test_ltx2_ic_lora_mask_on_a_bare_model_is_caught_at_the_first_call(
+    varlen_fakes: Calls,
+) -> None:
+    """The net: a bare LTX-2 DiT (no pipeline, its caller not known) planned sage
+    at attn1; its first call with an IC-LoRA mask raises the typed error naming
+    the additive mask, before any kernel runs at attn1."""
+    import tiny_pipelines as tp
+
+    from attnres import ResolutionError
+
+    model, inputs = tp.ltx2()
+    inputs = {**inputs, "video_self_attention_mask": _ic_lora_mask(inputs)}
+    comps = {"transformer": model}
+    idf.apply(comps, SAGE, STAND_IN)
+    try:
+        with torch.no_grad(), pytest.raises(ResolutionError) as info:
+            model(**inputs)
+    finally:
+        idf.remove(comps)
+    assert "observed at first call: additive mask" in str(info.value)
+    assert "attn1" in str(info.value)
+
+
+def test_plan_dir_reads_the_pipeline_class_its_model_index_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``plan DIR`` plans a pipeline folder as that pipeline's plan: the class
+    ``model_index.json`` names is the caller whose code is read for the masks it
+    passes; a name diffusers exports as no pipeline is no caller."""
+    from diffusers import LTX2InContextPipeline, LTXPipeline
+
+    from attnres.integrations._folder import plan_folder
+
+    assert idf.pipeline_class("LTX2InContextPipeline") is LTX2InContextPipeline
+    for name in ("AutoencoderKL", "os.system", "__import__", "", None):
+        assert idf.pipeline_class(name) is None
+    seen: list[Any] = []
+    real = idf.plan
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("caller"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(idf, "plan", spy)
+    from pathlib import Path
+
+    plan_folder(Path(__file__).resolve().parent.parent / "examples" / "ltx-video")
+    assert seen and seen[-1] is LTXPipeline
+    assert "encoder_attention_mask" in idf.passed_arguments(LTXPipeline, "transformer")

@@ -124,3 +124,66 @@ def build(name: str) -> tuple[torch.nn.Module, Callable[[], dict[str, Any]]]:
 
     inputs()  # a recipe it cannot rebuild is a CannotBuild now, not at the first run
     return model, inputs
+
+
+def _video_self_attention(inputs: dict[str, Any]) -> torch.Tensor | None:
+    # LTX-2's IC-LoRA mask: (B, T, T) strengths over the video tokens, built by the
+    # pipeline's own builder (a reference group, the last quarter, at strength 0.5)
+    from diffusers import LTX2InContextPipeline
+
+    states = inputs.get("hidden_states")
+    if not isinstance(states, torch.Tensor) or states.dim() != 3:
+        return None
+    batch, tokens = states.shape[:2]
+    mask = LTX2InContextPipeline._build_video_self_attention_mask(
+        num_noisy_tokens=tokens - tokens // 4, num_prefix_tokens=tokens - tokens // 4,
+        extras_cross_masks=[torch.full((1, tokens // 4), 0.5)], device=states.device,
+    )  # fmt: skip
+    return mask.expand(batch, -1, -1)
+
+
+def _keyframes(inputs: dict[str, Any]) -> torch.Tensor | None:
+    # LTX-2's per-video-token keyframe marker, (B, T, 1): the first frame's tokens
+    states = inputs.get("hidden_states")
+    if not isinstance(states, torch.Tensor) or states.dim() != 3:
+        return None
+    marker = torch.zeros(*states.shape[:2], 1)
+    marker[:, : max(1, states.shape[1] // 4)] = 1
+    return marker
+
+
+def _no_perturbation(inputs: dict[str, Any]) -> torch.Tensor | None:
+    # LTX-2's STG blend weight per batch row (1: not perturbed), not an attention mask
+    states = inputs.get("hidden_states")
+    return None if not isinstance(states, torch.Tensor) else torch.ones(states.shape[0], 1, 1)
+
+
+#: mask arguments whose shape no name tells (the argument -> a builder of it)
+_MASK_BUILDERS: dict[str, Callable[[dict[str, Any]], torch.Tensor | None]] = {
+    "video_self_attention_mask": _video_self_attention,
+    "video_keyframes_mask": _keyframes,
+    "perturbation_mask": _no_perturbation,
+}
+
+
+def mask_input(argument: str, inputs: dict[str, Any]) -> torch.Tensor | None:
+    """A mask for a forward ``argument`` the test inputs lack (issue 22): a builder
+    above, else an all-valid 2-D 0/1 mask over the tokens of the 3-D input it is
+    named after (``encoder_attention_mask_2`` -> ``encoder_hidden_states_2``,
+    ``encoder_hidden_states_mask`` -> ``encoder_hidden_states``,
+    ``attention_mask`` -> ``hidden_states``, or the prompt's ``encoder_hidden_states``
+    where ``hidden_states`` are latents, not tokens: the prompt mask UnCLIP's and
+    Kandinsky's prior pipelines pass as ``attention_mask``), which :func:`padded`
+    then pads; ``None`` where neither tells its shape."""
+    builder = _MASK_BUILDERS.get(argument)
+    if builder is not None:
+        return builder(inputs)
+    stem, _, tail = argument.partition("mask")
+    stem = stem.removesuffix("_").removesuffix("attention").removesuffix("_")
+    named = f"{stem}_hidden_states{tail}" if stem else f"hidden_states{tail}"
+    prompt = [] if stem else [f"encoder_hidden_states{tail}"]
+    for key in (named, f"{stem}{tail}", *prompt):
+        value = inputs.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() == 3:
+            return torch.ones(value.shape[0], value.shape[1], dtype=torch.long)
+    return None

@@ -430,3 +430,126 @@ def chroma(dtype: torch.dtype = torch.bfloat16) -> Any:
         transformer=transformer,
         vae=vae,
     )
+
+
+def gemma_tokenizer() -> Any:
+    """A Gemma tokenizer built in memory: the special tokens of the Gemma3 config
+    below at its ids (pad 0, bos 1, eos 2; image 4, begin/end of image 5/6), then
+    the test words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GemmaTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<image_soft_token>", "<start_of_image>",
+                "<end_of_image>"]  # fmt: skip
+    words = ["a", "cat", "dog", "on", "the", "mat", "red", "blue"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*specials, *words])},
+                                     unk_token="<unk>"))  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return GemmaTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        unk_token="<unk>",
+    )  # fmt: skip
+
+
+def gemma3_text_encoder() -> Any:
+    """A tiny ``Gemma3ForConditionalGeneration``: the text config of transformers'
+    own Gemma3 tests (huggingface/transformers, tests/models/gemma3/
+    test_modeling_gemma3.py: ``Gemma3ModelTester`` is ``GemmaModelTester``, whose
+    values are ``CausalLMModelTester``'s defaults in tests/causal_lm_tester.py) and
+    the vision config and image tokens of its ``Gemma3Vision2TextModelTester``."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+            "intermediate_size": 37, "hidden_act": "gelu", "max_position_embeddings": 512,
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        },
+        vision_config={
+            "image_size": 20, "patch_size": 5, "num_channels": 3, "hidden_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 37,
+        },
+        image_token_index=4, boi_token_index=5, eoi_token_index=6, mm_tokens_per_image=2,
+    )  # fmt: skip
+    return Gemma3ForConditionalGeneration(config)
+
+
+def ltx2_pipeline(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A whole tiny ``LTX2Pipeline``: the components and configs of diffusers' own
+    pipeline test (huggingface/diffusers, tests/pipelines/ltx2/testing_utils.py,
+    ``get_ltx2_dummy_components``), with the Gemma3 text encoder that test loads
+    from the hub (hf-internal-testing/tiny-gemma3) built from transformers' own
+    Gemma3 test config instead (:func:`gemma3_text_encoder`), and its tokenizer in
+    memory. The DiT, the connectors and the text encoder run in ``dtype``."""
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    text_encoder = gemma3_text_encoder()
+    width = text_encoder.config.text_config.hidden_size
+    layers = text_encoder.config.text_config.num_hidden_layers
+    torch.manual_seed(0)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4,
+        audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+        audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+        caption_channels=width, rope_double_precision=False, rope_type="split",
+    )  # fmt: skip
+    connectors, _ = ltx2_connectors(None, dtype)
+    assert connectors.config.caption_channels == width
+    assert connectors.config.text_proj_in_factor == layers + 1
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
+        decoder_block_out_channels=(8,), layers_per_block=(1,), decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,), decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False), downsample_type=("spatial",),
+        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False,
+        patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False,
+    )  # fmt: skip
+    vae.use_framewise_encoding = False
+    vae.use_framewise_decoding = False
+    torch.manual_seed(0)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1,
+        attn_resolutions=None, in_channels=2, resolution=32, latent_channels=2,
+        norm_type="pixel", causality_axis="height", dropout=0.0, mid_block_add_attention=False,
+        sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    vocoder = LTX2Vocoder(
+        in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+        upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+        leaky_relu_negative_slope=0.1, output_sampling_rate=16000,
+    )  # fmt: skip
+    pipe = LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), audio_vae=audio_vae.eval(),
+        text_encoder=text_encoder.eval().to(dtype), tokenizer=gemma_tokenizer(),
+        connectors=connectors, transformer=transformer.eval().to(dtype),
+        vocoder=vocoder.eval(),
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_ltx2_pipeline(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of different lengths (6 and 2 words), left-padded to 16 tokens by
+    the pipeline; the sampling knobs of diffusers' own test (``get_dummy_inputs``)."""
+    out = pipe(
+        prompt=["a red cat on the mat", "a dog"], negative_prompt=["", ""],
+        num_inference_steps=2, guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0,
+        guidance_rescale=0.0, audio_guidance_scale=1.0, audio_stg_scale=0.0,
+        audio_modality_scale=1.0, audio_guidance_rescale=0.0,
+        spatio_temporal_guidance_blocks=None, use_cross_timestep=False, height=32, width=32,
+        num_frames=5, frame_rate=25.0, max_sequence_length=16, output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    return out.frames, out.audio

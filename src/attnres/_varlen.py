@@ -18,6 +18,14 @@ valid -- by running its varlen entry point on the valid tokens only:
 3. the varlen kernel runs on the packed tokens;
 4. :func:`pad` scatters the output back to ``(batch, seq, heads, head_size)``.
 
+The span route: a kernel whose varlen function takes ``seqused_q`` and
+``seqused_k`` (FA3, FA4; its adapter says so: ``takes_seqused``) is handed,
+where every row's valid tokens are one run, the batch flattened as it lies,
+``cu_seqlens`` at each run's first token and ``seqused`` its length
+(:class:`Spans`): steps 2 and 4 disappear, and only the output rows no
+sequence covers are zeroed. Not taken when a gradient is needed (those
+kernels' backward leaves the uncovered rows of dq/dk/dv unwritten).
+
 Padded rows: a mask every query shares (``[B, 1, 1, S]`` key padding) does
 not say which queries are padding -- cross-attention of equal lengths passes
 one too -- so only the keys are unpadded and every query of a row is
@@ -53,13 +61,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
-from attnres.backends import BackendSpec, on_registry_change
-from attnres.errors import MaskKindError
+from attnres.backends import BackendSpec, OptionValue, entry_point_options, on_registry_change
+from attnres.errors import KernelUnavailableError, MaskKindError
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from attnres.kernels import KernelFn, VarlenKernelFn
+    from attnres.layer import LayerSpec
+    from attnres.platform import Platform
 
 __all__ = [
     "MASKED_AT",
@@ -67,7 +77,10 @@ __all__ = [
     "MaskPlan",
     "ObservedMask",
     "Packing",
+    "Spans",
     "Unpadded",
+    "check_layer_options",
+    "check_route_options",
     "get_varlen_kernel",
     "is_prefix",
     "mask_plan",
@@ -129,9 +142,38 @@ def _keep(mask: Tensor) -> Tensor | None:
         return mask.bool()
     keep = mask == 0
     masked = mask <= MASKED_AT
-    if not bool((keep | masked).all()):
+    if not _all(keep | masked):
         return None
     return keep
+
+
+def _all(x: Tensor) -> bool:
+    """``bool(x.all())`` for a boolean tensor, read through its bytes: a min
+    reduction, several times faster than ``all`` on the CPU (a (4, 512, 512)
+    mask: ~40 us against ~760 us)."""
+    import torch
+
+    return x.numel() == 0 or bool(x.view(torch.uint8).min())
+
+
+def _any_over(x: Tensor, dim: int) -> Tensor:
+    """``x.any(dim=dim)`` for a boolean tensor, through its bytes (as :func:`_all`)."""
+    import torch
+
+    if x.shape[dim] == 0:
+        return x.any(dim=dim)
+    return x.view(torch.uint8).amax(dim=dim).bool()
+
+
+def _rows_equal(rows: Tensor, pattern: Tensor) -> Tensor:
+    """(batch, seq_q): whether each query's row of ``rows`` (batch, seq_q, seq_kv)
+    is ``pattern``'s (broadcast), through bytes (as :func:`_all`)."""
+    import torch
+
+    equal = rows == pattern
+    if equal.shape[-1] == 0:
+        return equal.all(dim=-1)
+    return equal.view(torch.uint8).amin(dim=-1).bool()
 
 
 def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> ObservedMask:
@@ -155,12 +197,14 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
         return ObservedMask(MaskKind.KEY_PADDING, False, keep[:, 0, 0].expand(batch, seq_kv))
     keep = keep.expand(batch, keep.shape[1], seq_q, seq_kv)
     if keep.shape[1] != 1:
-        if not bool((keep == keep[:, :1]).all()):
+        if not _all(keep == keep[:, :1]):
             return ObservedMask(MaskKind.BOOLEAN, False, None, "the heads see different keys")
         keep = keep[:, :1]
     rows = keep[:, 0]
-    valid = rows.any(dim=1)  # (B, Skv): a key some query sees
-    if seq_q == 1 or bool((rows == valid[:, None, :]).all()):
+    valid = _any_over(rows, 1)  # (B, Skv): a key some query sees
+    keys = valid[:, None, :]
+    sees_the_keys = _rows_equal(rows, keys)  # (B, Sq)
+    if seq_q == 1 or _all(sees_the_keys):
         return ObservedMask(MaskKind.KEY_PADDING, False, valid)
     if seq_q == seq_kv:
         # self-attention: a query at a valid position sees exactly the valid keys
@@ -170,12 +214,12 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
         # mask[:, None] * mask[:, :, None]) or the first token (HunyuanVideo's
         # token refiner). Every key such a row sees is a valid one: ``valid`` is
         # the union of the rows, and the valid queries see all of it.
-        keys = valid[:, None, :]
-        padded_query = ~valid[:, :, None]
+        padded_query = valid.logical_not()  # query i is token i
+        if _all(sees_the_keys | padded_query):
+            return ObservedMask(MaskKind.KEY_PADDING, False, valid, marks_queries=True)
         tril = rows.new_ones((seq_q, seq_kv)).tril()
-        for pattern, causal in ((keys, False), (keys & tril, True)):
-            if bool(((rows == pattern) | padded_query).all()):
-                return ObservedMask(MaskKind.KEY_PADDING, causal, valid, marks_queries=True)
+        if _all(_rows_equal(rows, keys & tril) | padded_query):
+            return ObservedMask(MaskKind.KEY_PADDING, True, valid, marks_queries=True)
     return ObservedMask(MaskKind.BOOLEAN, False, None, "the queries of a row see different keys")
 
 
@@ -274,8 +318,73 @@ def _whole(x: Tensor) -> Unpadded:
     return Unpadded(x.reshape(batch * seq, *x.shape[2:]), cu[:0], cu, seq)
 
 
+class Spans(NamedTuple):
+    """Key padding whose valid tokens are one run per row (right or left padding, or
+    any single span), for a kernel that takes ``seqused_q``/``seqused_k``: the
+    batch flattened to (batch * seq, heads, head_size) is served where it lies,
+    sequence ``i`` being the ``seqused[i]`` tokens from ``cu_seqlens[i]`` on.
+    Rows with no valid key leave no sequence, as on the gather route."""
+
+    #: (sequences + 1,) int32: each sequence's first token in the flattened batch
+    #: (row * seq + the run's start), then batch * seq
+    cu_seqlens_q: Tensor
+    seqused_q: Tensor  # (sequences,) int32
+    max_seqlen_q: int
+    cu_seqlens_k: Tensor
+    seqused_k: Tensor
+    max_seqlen_k: int
+    #: the query positions no sequence covers (the kernel leaves them unwritten):
+    #: zeroed after the call; None where there is none
+    padded_q: Tensor | None
+
+
+def _spans(valid: Tensor, batch: int, seq_q: int, seq_kv: int, tied: bool) -> Spans | None:
+    """The :class:`Spans` of ``valid`` (batch, seq_kv), or None where a row's valid
+    keys are not one run. ``tied``: query i is key i (the queries' runs are the
+    keys'); otherwise every query of a row with a valid key is computed."""
+    import torch
+
+    if valid.shape[1] == 0:
+        return None
+    # one run per row: at most one rise (a valid token after a padded one, or first)
+    rises = valid[:, 0].to(torch.int64) + (valid[:, 1:] & ~valid[:, :-1]).sum(1)
+    lengths = valid.sum(dim=1)
+    has_keys = lengths > 0
+    # one host synchronisation (on a GPU) for every size the plan needs
+    most_rises, max_k, sequences, total = torch.stack(
+        [rises.max(), lengths.max(), has_keys.sum(), lengths.sum()]
+    ).tolist()
+    if most_rises > 1:
+        return None
+    rows = torch.nonzero_static(has_keys, size=sequences).reshape(-1)
+    used_k = lengths[rows].to(torch.int32)
+    starts = valid.to(torch.uint8).argmax(dim=1)  # the first valid key (the first maximum)
+
+    def cumulative(first: Tensor, end: int) -> Tensor:
+        cu = torch.empty(first.shape[0] + 1, dtype=torch.int32, device=valid.device)
+        cu[:-1] = first
+        cu[-1] = end
+        return cu
+
+    cu_k = cumulative(rows * seq_kv + starts[rows], batch * seq_kv)
+    if tied:
+        skipped, uncovered = valid.logical_not(), batch * seq_kv - total
+        cu_q, used_q, max_q = cu_k, used_k, max_k
+    else:
+        skipped = has_keys.logical_not()[:, None].expand(batch, seq_q)
+        uncovered = (batch - sequences) * seq_q
+        cu_q = cumulative(rows * seq_q, batch * seq_q)
+        used_q = torch.full_like(used_k, seq_q)
+        max_q = seq_q if sequences else 0
+    padded_q = None
+    if uncovered:
+        padded_q = torch.nonzero_static(skipped.reshape(-1), size=uncovered).reshape(-1)
+    return Spans(cu_q, used_q, max_q, cu_k, used_k, max_k, padded_q)
+
+
 class MaskPlan(NamedTuple):
-    """What the unpad route needs from one mask: its kind and its packings."""
+    """What the unpad route needs from one mask: its kind and its packings (or,
+    for a kernel that takes ``seqused``, its spans where it has them)."""
 
     #: the observed kind (``valid`` dropped: the packings hold what is needed)
     seen: ObservedMask
@@ -285,18 +394,30 @@ class MaskPlan(NamedTuple):
     #: (self-attention, causal or with a mask that marks the padded queries),
     #: every query of a row with a valid key otherwise (key padding only)
     queries: Packing | None
+    #: one run of valid tokens per row, asked for by a kernel that takes
+    #: ``seqused`` (then ``keys`` and ``queries`` are None: nothing is gathered)
+    spans: Spans | None = None
+
+    @property
+    def key_padding(self) -> bool:
+        """The mask is key padding (the route serves it)."""
+        return self.spans is not None or (self.keys is not None and self.queries is not None)
 
 
-def _plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int, causal: bool) -> MaskPlan:
+def _plan(mask: Tensor, batch: int, seq_q: int, seq_kv: int, causal: bool, spans: bool) -> MaskPlan:
     seen = observe_mask(mask, batch, seq_q, seq_kv)
     valid = seen.valid
     if seen.kind is not MaskKind.KEY_PADDING or valid is None:
         return MaskPlan(seen, None, None)
-    keys = packing(valid)
     # query i tied to key i (the padded queries dropped): self-attention whose mask
     # marks the padded queries or that is causal; otherwise every query of a row
     # that has a valid key (docs/masks.md)
     tied = seq_q == seq_kv and (causal or seen.causal or seen.marks_queries)
+    if spans:
+        runs = _spans(valid, batch, seq_q, seq_kv, tied)
+        if runs is not None:
+            return MaskPlan(seen._replace(valid=None), None, None, runs)
+    keys = packing(valid)
     queries = keys if tied else packing(valid.any(dim=1, keepdim=True).expand(batch, seq_q))
     return MaskPlan(seen._replace(valid=None), keys, queries)
 
@@ -330,17 +451,20 @@ PLANS_KEPT = 8
 
 _lock = threading.RLock()  # a mask's weakref callback may run while it is held
 _VARLEN: dict[str, Any] = {}
-# (id(mask), batch, seq_q, seq_kv, causal call, inference mode)
+# (id(mask), batch, seq_q, seq_kv, causal call, spans asked for, inference mode)
 #   -> (weakref to mask, version, plan)
-_PlanKey = tuple[int, int, int, int, bool, bool]
+_PlanKey = tuple[int, int, int, int, bool, bool, bool]
 _PLANS: dict[_PlanKey, tuple[Any, int, MaskPlan]] = {}
 
 
 def mask_plan(
-    mask: Tensor, batch: int, seq_q: int, seq_kv: int, *, causal: bool = False
+    mask: Tensor, batch: int, seq_q: int, seq_kv: int, *, causal: bool = False, spans: bool = False
 ) -> MaskPlan:
     """The kind and packings of ``mask`` for a call (``causal``: the call's causal
     flag, which decides the queries), computed once per mask tensor.
+
+    ``spans``: the kernel takes ``seqused``, so a mask whose valid tokens are
+    one run per row gets :attr:`MaskPlan.spans` instead of packings.
 
     Reused while the same tensor object comes back with the same version
     counter (torch bumps it on every in-place change, through any view) and
@@ -355,8 +479,8 @@ def mask_plan(
     import torch
 
     if mask.is_inference() or torch.compiler.is_dynamo_compiling():
-        return _plan(mask, batch, seq_q, seq_kv, causal)
-    key = (id(mask), batch, seq_q, seq_kv, causal, torch.is_inference_mode_enabled())
+        return _plan(mask, batch, seq_q, seq_kv, causal, spans)
+    key = (id(mask), batch, seq_q, seq_kv, causal, spans, torch.is_inference_mode_enabled())
     version = mask._version
     with _lock:
         kept = _PLANS.get(key)
@@ -368,7 +492,7 @@ def mask_plan(
                 if _PLANS.get(key) is kept:
                     _PLANS[key] = (kept[0], version, plan)
         return plan
-    plan = _plan(mask, batch, seq_q, seq_kv, causal)
+    plan = _plan(mask, batch, seq_q, seq_kv, causal, spans)
     ref = weakref.ref(mask, lambda gone: _forget(key, gone))
     with _lock:
         _PLANS.pop(key, None)
@@ -433,11 +557,13 @@ def padded_kernel(
     the layer's causal mask is bottom-right aligned, so a causal call with
     unequal lengths runs through the varlen kernel (whose causal mask is).
     """
-    holder: list[VarlenKernelFn] = []
+    holder: list[tuple[VarlenKernelFn, bool]] = []
 
-    def kernel() -> VarlenKernelFn:
+    def kernel() -> tuple[VarlenKernelFn, bool]:
+        """The varlen kernel, and whether it takes ``seqused`` (its adapter says)."""
         if not holder:
-            holder.append(varlen())
+            built = varlen()
+            holder.append((built, getattr(built, "takes_seqused", False) is True))
         return holder[0]
 
     def attention(
@@ -457,22 +583,26 @@ def padded_kernel(
         if attn_mask is None:
             if causal and bottom_right and seq_q != seq_kv and not refused:
                 qs, ks, vs = _whole(q), _whole(k), _whole(v)
-                out = kernel()(
+                out = kernel()[0](
                     qs.packed, ks.packed, vs.packed, qs.cu_seqlens, ks.cu_seqlens,
                     seq_q, seq_kv, True, scale, **features,
                 )  # fmt: skip
                 return out.reshape(batch, seq_q, heads, size)
             return dense(q, k, v, None, causal, scale, **features)
-        plan = mask_plan(attn_mask, batch, seq_q, seq_kv, causal=causal)
-        seen, keys, queries = plan
-        if keys is None or queries is None:
-            why = f" ({seen.detail})" if seen.detail else ""
-            raise MaskKindError(
-                f"attention backend {backend!r} takes key-padding masks only (by unpadding "
-                f"for its varlen kernel); this call's mask is {seen.words}{why}. Resolve the "
-                f"layer with the mask kind it passes so that a backend that takes it is chosen",
-                seen.words,
-            )
+        try:
+            run, seqused = kernel()
+        except KernelUnavailableError:
+            # a mask of another kind is the error to report, whatever the install
+            _check_key_padding(backend, mask_plan(attn_mask, batch, seq_q, seq_kv, causal=causal))
+            raise
+        # the span route leaves the padded rows of dq/dk/dv unwritten by the kernel
+        # (torch::empty in FA3's backward, torch.empty in FA4's): gathered, they get zeros
+        seqused = seqused and not (
+            (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled()
+        )
+        plan = mask_plan(attn_mask, batch, seq_q, seq_kv, causal=causal, spans=seqused)
+        seen, keys, queries, spans = plan
+        _check_key_padding(backend, plan)
         if refused:
             raise MaskKindError(
                 f"attention backend {backend!r}: softcap and sliding windows are not taken "
@@ -486,6 +616,18 @@ def padded_kernel(
                 f"query and key lengths on the varlen route (here {seq_q} != {seq_kv})",
                 seen.words,
             )
+        if spans is not None:  # one run per row: the kernel reads the padded layout
+            if spans.max_seqlen_k == 0:  # every row fully padded
+                return q.new_zeros(q.shape)
+            out = run(
+                _flat(q), _flat(k), _flat(v), spans.cu_seqlens_q, spans.cu_seqlens_k,
+                spans.max_seqlen_q, spans.max_seqlen_k, causal, scale,
+                seqused_q=spans.seqused_q, seqused_k=spans.seqused_k, **features,
+            )  # fmt: skip
+            if spans.padded_q is not None:  # rows no sequence covers: unwritten
+                out.index_fill_(0, spans.padded_q, 0)
+            return out.reshape(batch, seq_q, *out.shape[1:])
+        assert keys is not None and queries is not None  # plan.key_padding
         if keys.max_seqlen == 0:  # every row fully padded
             return q.new_zeros(q.shape)
         # self-attention whose mask (or causal flag) ties query i to key i: the
@@ -493,13 +635,39 @@ def padded_kernel(
         # which cross-attention of equal lengths passes too) every query of a row
         # that has a valid key, as SDPA computes it (the plan holds the one this
         # call needs: mask_plan's causal argument)
-        out = kernel()(
+        out = run(
             pack(q, queries), pack(k, keys), pack(v, keys), queries.cu_seqlens,
             keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen, causal, scale, **features,
         )  # fmt: skip
         return pad(out, queries.indices, batch, seq_q, queries.padded)
 
     return attention
+
+
+def _check_key_padding(backend: str, plan: MaskPlan) -> None:
+    """A :class:`MaskKindError` naming the observed kind, unless ``plan``'s mask is key padding."""
+    if plan.key_padding:
+        return
+    seen = plan.seen
+    why = f" ({seen.detail})" if seen.detail else ""
+    raise MaskKindError(
+        f"attention backend {backend!r} takes key-padding masks only (by unpadding "
+        f"for its varlen kernel); this call's mask is {seen.words}{why}. Resolve the "
+        f"layer with the mask kind it passes so that a backend that takes it is chosen",
+        seen.words,
+    )
+
+
+def _flat(x: Tensor) -> Tensor:
+    """(batch, seq, heads, head_size) as (batch * seq, heads, head_size): a view
+    where the layout allows (a copy otherwise, as packing would make)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 def route_kernel(
@@ -515,17 +683,63 @@ def route_kernel(
     padding by unpadding, or the layer's causal mask is bottom-right and the
     spec has a varlen entry point.
     """
-    bottom_right = (
-        alignment is CausalAlignment.BOTTOM_RIGHT
-        and spec.varlen_kernel is not None
-        and spec.varlen_causal_unequal
-    )
-    unpads = False
-    if mask is MaskKind.KEY_PADDING:
-        support = spec.mask_support(mask)
-        unpads = support is not None and support.route is MaskRoute.UNPAD
-    if not (unpads or bottom_right):
+    bottom_right = _bottom_right(spec, alignment)
+    if not (_unpads(spec, mask) or bottom_right):
         return dense
     return padded_kernel(
         spec.name, dense, lambda: get_varlen_kernel(spec), bottom_right=bottom_right
     )
+
+
+def _bottom_right(spec: BackendSpec, alignment: CausalAlignment) -> bool:
+    return (
+        alignment is CausalAlignment.BOTTOM_RIGHT
+        and spec.varlen_kernel is not None
+        and spec.varlen_causal_unequal
+    )
+
+
+def _unpads(spec: BackendSpec, mask: MaskKind) -> bool:
+    if mask is not MaskKind.KEY_PADDING:
+        return False
+    support = spec.mask_support(mask)
+    return support is not None and support.route is MaskRoute.UNPAD
+
+
+def check_layer_options(
+    spec: BackendSpec | None, layer: LayerSpec, platform: Platform | None, where: str = ""
+) -> None:
+    """:func:`check_route_options` for ``layer`` served by ``spec``'s backend on
+    ``platform`` (its CUDA capability; ``None`` or another kind: not known, the
+    kernel adapter checks on the tensors' device). Free when the layer has no
+    options for that backend."""
+    if spec is None or not layer.backend_options or not spec.entry_points:
+        return
+    options = dict(layer.backend_options).get(spec.name)
+    if options:
+        capability = None if platform is None or platform.kind != "cuda" else platform.capability
+        req = layer.requirements
+        check_route_options(spec, options, capability, req.mask, req.causal_alignment, where)
+
+
+def check_route_options(
+    spec: BackendSpec,
+    options: tuple[tuple[str, OptionValue], ...],
+    capability: tuple[int, int] | None,
+    mask: MaskKind,
+    alignment: CausalAlignment,
+    where: str = "",
+) -> None:
+    """Issue 23: the options a layer of this mask kind gives ``spec``'s kernel are
+    taken by the function that runs them on a device of ``capability`` -- the
+    dense one, and the varlen one too where :func:`route_kernel` unpads (a call
+    with no mask still runs the dense one). A
+    :class:`~attnres.errors.BackendOptionError` otherwise; nothing to check for
+    a kernel that takes its options itself (no ``BackendSpec.entry_points``)."""
+    if not options or not spec.entry_points:
+        return
+    entry_point_options(spec.name, options, capability, where=where)
+    if _unpads(spec, mask) or _bottom_right(spec, alignment):
+        entry_point_options(
+            spec.name, options, capability, varlen=True, where=where + " (the unpad route)"
+        )

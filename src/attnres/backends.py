@@ -41,11 +41,13 @@ __all__ = [
     "BackendOption",
     "BackendSpec",
     "CapabilityRule",
+    "EntryPoint",
     "FrozenMap",
     "HeadSizeRule",
     "MaskSupport",
     "PluginFailure",
     "RequirementLimit",
+    "entry_point_options",
     "get_spec",
     "merge_backend_options",
     "normalize_backend_options",
@@ -364,15 +366,19 @@ class BackendOption:
     minimum: int | None = None
     nullable: bool = False
 
-    def check(self, backend: str, value: object) -> OptionValue:
-        """``value`` if this option takes it, else a :class:`BackendOptionError`."""
-        ok = (value is None and self.nullable) or (
+    def takes(self, value: object) -> bool:
+        """Whether this option takes ``value`` (the one value check: :meth:`check`,
+        and :func:`entry_point_options` for a function's narrower option)."""
+        return (value is None and self.nullable) or (
             isinstance(value, _OPTION_KINDS[self.kind])
             and (self.kind == "bool" or not isinstance(value, bool))
             and (not self.choices or value in self.choices)
             and (self.minimum is None or value >= self.minimum)  # type: ignore[operator]
         )
-        if not ok:
+
+    def check(self, backend: str, value: object) -> OptionValue:
+        """``value`` if this option takes it, else a :class:`BackendOptionError`."""
+        if not self.takes(value):
             raise BackendOptionError(
                 f"backend_options: {backend}.{self.name}={value!r} is not allowed; "
                 f"expected {self.describe()} (from {self.source})",
@@ -398,6 +404,52 @@ def _options(value: Iterable[BackendOption]) -> tuple[BackendOption, ...]:
         if not isinstance(item, BackendOption):
             raise TypeError(f"options: expected BackendOption records, got {item!r}")
     return out
+
+
+def _capabilities(value: Iterable[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+    return frozenset((int(major), int(minor)) for major, minor in value)
+
+
+@frozen
+class EntryPoint:
+    """One function of a kernel package that its dispatcher picks per GPU (issue 23).
+
+    SageAttention's ``sageattn`` runs one function per compute capability and
+    passes it fixed settings, never the caller's (thu-ml/SageAttention
+    ``sageattention/core.py``). A layer given options calls that function
+    itself: ``name`` on the devices ``capabilities`` lists (exact (major,
+    minor), as the dispatcher compares them), with the dispatcher's own settings
+    (``passes``) under the user's options. ``options`` are the keyword arguments
+    the function takes that a user may set, each with the values it takes there
+    (a subset of the spec's declared option of that name). ``varlen``: the
+    varlen entry point (``BackendSpec.varlen_kernel``), on every device.
+    """
+
+    name: str
+    source: str
+    options: tuple[BackendOption, ...] = field(default=(), converter=_options)
+    capabilities: frozenset[tuple[int, int]] = field(default=(), converter=_capabilities)
+    passes: tuple[tuple[str, OptionValue], ...] = ()
+    varlen: bool = False
+
+    def option(self, name: str) -> BackendOption | None:
+        """The option ``name`` as this function takes it (``None``: it does not)."""
+        return next((o for o in self.options if o.name == name), None)
+
+    def serves(self, capability: tuple[int, int] | None, varlen: bool) -> bool:
+        return self.varlen == varlen and (varlen or capability in self.capabilities)
+
+
+def _entry_points(value: Iterable[EntryPoint]) -> tuple[EntryPoint, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, EntryPoint):
+            raise TypeError(f"entry_points: expected EntryPoint records, got {item!r}")
+    return out
+
+
+def _sm(capability: tuple[int, int] | None) -> str:
+    return "an unknown GPU" if capability is None else f"sm{capability[0]}{capability[1]}"
 
 
 @frozen
@@ -561,6 +613,10 @@ class BackendSpec:
     #: issue 23: typed keyword arguments of the kernel a user may set
     #: (``Attention(backend_options=...)``); the adapter passes them at bind time
     options: tuple[BackendOption, ...] = field(default=(), converter=_options)
+    #: issue 23: the functions a dispatching kernel runs per GPU, where the
+    #: dispatcher does not pass options on (SageAttention's ``sageattn``): a layer
+    #: with options calls the device's own function (:func:`entry_point_options`)
+    entry_points: tuple[EntryPoint, ...] = field(default=(), converter=_entry_points)
 
     #: issue 24: how the kernel returns the softmax log-sum-exp that a ring layout
     #: merges partial results with (its entry point and source); ``None``: it
@@ -650,6 +706,144 @@ _FA4_SIGNATURE = (
     "flash-attention flash_attn/cute/interface.py: "
     "flash_attn_func(..., pack_gqa=None, deterministic=False)"
 )
+
+#: issue 23: SageAttention 2's functions per GPU, read at thu-ml/SageAttention
+#: d1a57a54, sageattention/core.py. ``sageattn`` picks one by
+#: ``torch.cuda.get_device_capability`` (``get_cuda_arch_versions``) and passes
+#: the settings in ``passes``; its ``**kwargs`` are never forwarded.
+_SAGE_CORE = "SageAttention d1a57a54 sageattention/core.py: "
+_QK_QUANT_GRAN = ("per_warp", "per_thread")  # assert qk_quant_gran in [...] (each CUDA entry)
+
+
+def _sage_option(
+    name: str, kind: str, default: OptionValue, signature: str, choices: tuple[str, ...] = ()
+) -> BackendOption:
+    return BackendOption(name, kind, default, _SAGE_CORE + signature, choices=choices)
+
+
+_SAGE_FP16_CUDA = (
+    "sageattn_qk_int8_pv_fp16_cuda(..., qk_quant_gran='per_thread', "
+    "pv_accum_dtype='fp32', smooth_k=True, smooth_v=False, ...)"
+)
+_SAGE_FP8_CUDA = (
+    "sageattn_qk_int8_pv_fp8_cuda(..., qk_quant_gran='per_thread', "
+    "pv_accum_dtype='fp32+fp16', smooth_k=True, smooth_v=False, ...)"
+)
+_SAGE_FP8_SM90 = (
+    "sageattn_qk_int8_pv_fp8_cuda_sm90(..., qk_quant_gran='per_thread', "
+    "pv_accum_dtype='fp32+fp32', smooth_k=True, ...)"
+)
+_SAGE_TRITON = "sageattn_qk_int8_pv_fp16_triton(..., quantization_backend='triton', smooth_k=True)"
+_SAGE_VARLEN = "sageattn_varlen(..., is_causal=False, sm_scale=None, smooth_k=True, **kwargs)"
+
+
+def _sage_fp8_cuda(
+    capabilities: set[tuple[int, int]],
+    grans: tuple[str, ...],
+    passes: tuple[tuple[str, OptionValue], ...],
+    why: str = "",
+) -> EntryPoint:
+    return EntryPoint(
+        "sageattn_qk_int8_pv_fp8_cuda",
+        _SAGE_CORE + _SAGE_FP8_CUDA,
+        (
+            _sage_option("qk_quant_gran", "str", "per_thread", _SAGE_FP8_CUDA + why, grans),
+            # the branches of its body; another value leaves its output unset
+            _sage_option(
+                "pv_accum_dtype",
+                "str",
+                "fp32+fp16",
+                _SAGE_FP8_CUDA,
+                ("fp32", "fp32+fp32", "fp32+fp16"),
+            ),
+            _sage_option("smooth_k", "bool", True, _SAGE_FP8_CUDA),
+            _sage_option("smooth_v", "bool", False, _SAGE_FP8_CUDA),
+        ),
+        capabilities,
+        passes,
+    )
+
+
+_SAGE_ENTRY_POINTS = (
+    EntryPoint(
+        "sageattn_qk_int8_pv_fp16_cuda",
+        _SAGE_CORE + _SAGE_FP16_CUDA,
+        (
+            _sage_option("qk_quant_gran", "str", "per_thread", _SAGE_FP16_CUDA, _QK_QUANT_GRAN),
+            # "either 'fp16', 'fp16+fp32' or 'fp32'"; another value raises
+            # "Unsupported pv_accum_dtype"
+            _sage_option(
+                "pv_accum_dtype", "str", "fp32", _SAGE_FP16_CUDA, ("fp32", "fp16", "fp16+fp32")
+            ),
+            _sage_option("smooth_k", "bool", True, _SAGE_FP16_CUDA),
+            _sage_option("smooth_v", "bool", False, _SAGE_FP16_CUDA),
+        ),
+        {(8, 0)},
+        (("pv_accum_dtype", "fp32"),),
+    ),
+    EntryPoint(
+        "sageattn_qk_int8_pv_fp16_triton",
+        _SAGE_CORE + _SAGE_TRITON,
+        (
+            # "either 'triton' or 'cuda'"; another raises "Unsupported quantization backend"
+            _sage_option("quantization_backend", "str", "triton", _SAGE_TRITON, ("triton", "cuda")),
+            _sage_option("smooth_k", "bool", True, _SAGE_TRITON),
+        ),
+        {(8, 6)},
+    ),
+    _sage_fp8_cuda({(8, 9)}, _QK_QUANT_GRAN, (("pv_accum_dtype", "fp32+fp16"),)),
+    EntryPoint(
+        "sageattn_qk_int8_pv_fp8_cuda_sm90",
+        _SAGE_CORE + _SAGE_FP8_SM90,
+        (
+            _sage_option("qk_quant_gran", "str", "per_thread", _SAGE_FP8_SM90, _QK_QUANT_GRAN),
+            # "fp32" raises "Please use pv_accum_dtype='fp32+fp32' for sm90."
+            _sage_option("pv_accum_dtype", "str", "fp32+fp32", _SAGE_FP8_SM90, ("fp32+fp32",)),
+            _sage_option("smooth_k", "bool", True, _SAGE_FP8_SM90),
+        ),
+        {(9, 0)},
+        (("pv_accum_dtype", "fp32+fp32"),),
+    ),
+    # sm120/sm121: sageattn passes qk_quant_gran="per_warp" because "triton kernel
+    # is currently not usable on sm120" ('per_thread' quantises with the Triton
+    # per_thread_int8), so only 'per_warp' is taken there
+    _sage_fp8_cuda(
+        {(12, 0), (12, 1)},
+        ("per_warp",),
+        (("pv_accum_dtype", "fp32+fp16"), ("qk_quant_gran", "per_warp")),
+        "; sageattn passes 'per_warp' on sm120/sm121: 'triton kernel is currently not "
+        "usable on sm120'",
+    ),
+    EntryPoint(
+        "sageattn_varlen",
+        _SAGE_CORE + _SAGE_VARLEN,
+        (_sage_option("smooth_k", "bool", True, _SAGE_VARLEN),),
+        varlen=True,
+    ),
+)
+
+
+def _declared_sage_options(entries: Iterable[EntryPoint]) -> tuple[BackendOption, ...]:
+    """One declared option per name over ``entries``: every value one of them takes;
+    the default is per GPU (``None``), its source names the functions."""
+    found: dict[str, list[BackendOption]] = {}
+    for entry in entries:
+        for option in entry.options:
+            found.setdefault(option.name, []).append(option)
+    out = []
+    for name, options in found.items():
+        choices = tuple(dict.fromkeys(c for o in options for c in o.choices))
+        where = sorted({o.source.removeprefix(_SAGE_CORE).partition("(")[0] for o in options})
+        out.append(
+            BackendOption(
+                name,
+                options[0].kind,
+                None,
+                _SAGE_CORE + ", ".join(where) + " (per GPU: docs/backends.md)",
+                choices=choices,
+            )
+        )
+    return tuple(out)
 
 
 #: The built-in specs before their log-sum-exp facts (:data:`LSE_SOURCES`) are added.
@@ -917,6 +1111,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="SageAttention 2/2++ (sageattention.sageattn)",
         causal_top_left=False,
         kernel="attnres.kernels.sage_attn:make_kernel",
+        # issue 23: sageattn drops keyword arguments it does not know, so options
+        # go to the function it runs on the device (docs/backends.md)
+        options=_declared_sage_options(_SAGE_ENTRY_POINTS),
+        entry_points=_SAGE_ENTRY_POINTS,
         masks=(
             MaskSupport(
                 MaskKind.KEY_PADDING,
@@ -1437,6 +1635,67 @@ def normalize_backend_options(value: object) -> BackendOptions:
         if checked:
             out[spec.name] = tuple(sorted(checked.items()))
     return tuple(sorted(out.items()))
+
+
+def entry_point_options(
+    backend: str,
+    options: Iterable[tuple[str, OptionValue]],
+    capability: tuple[int, int] | None,
+    *,
+    varlen: bool = False,
+    where: str = "",
+) -> EntryPoint | None:
+    """The function ``backend`` runs on a device of ``capability`` with ``options``,
+    after checking that it takes each of them (issue 23).
+
+    ``None`` where the backend has no per-GPU functions (its kernel takes its
+    options itself), no options are given, or the capability is not known yet
+    (the kernel adapter checks again on the tensors' device). ``varlen``: the
+    varlen entry point (the unpad route). An option the function does not take,
+    or a value it does not take there, is a
+    :class:`~attnres.errors.BackendOptionError` naming the option, the GPU, the
+    function and what to do; ``where`` says whose options they are.
+    """
+    given = tuple(options)
+    spec = _REGISTRY.spec(Backend.parse(backend).name) if given else None
+    if spec is None or not spec.entry_points or (capability is None and not varlen):
+        return None
+    entry = next((e for e in spec.entry_points if e.serves(capability, varlen)), None)
+    if entry is None:
+        raise BackendOptionError(
+            f"backend_options{where}: {spec.name} has no function for {_sm(capability)}, so its "
+            f"options ({', '.join(n for n, _ in given)}) cannot be passed (docs/backends.md)",
+            spec.name,
+            given[0][0],
+        )
+    on = "on every GPU" if varlen else f"on {_sm(capability)}"
+    for name, value in given:
+        option = entry.option(name)
+        if option is None:
+            takes = ", ".join(o.name for o in entry.options) or "none"
+            todo = (
+                f"Drop {name} for this layer (its key-padding masks run through {entry.name})"
+                if varlen
+                else f"Drop {name} for this platform, or give it only to layers of a platform "
+                f"whose function takes it"
+            )
+            raise BackendOptionError(
+                f"backend_options{where}: {spec.name}.{name} is not taken by {entry.name}, the "
+                f"function {spec.name} runs {on} ({entry.source}); it takes: {takes}. {todo} "
+                f"(docs/backends.md#per-backend-options)",
+                spec.name,
+                name,
+            )
+        if option.takes(value):
+            continue
+        raise BackendOptionError(
+            f"backend_options{where}: {spec.name}.{name}={value!r} is not taken by "
+            f"{entry.name}, the function {spec.name} runs {on}; expected {option.describe()} "
+            f"(from {option.source})",
+            spec.name,
+            name,
+        )
+    return entry
 
 
 def merge_backend_options(base: BackendOptions, over: BackendOptions) -> BackendOptions:

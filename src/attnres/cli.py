@@ -47,11 +47,13 @@ import attrs
 
 from attnres._schedule_plan import parse_schedule, plan_schedule
 from attnres._states import PackageStatus, ReplayStatus, Status  # issue 20, 19
+from attnres._varlen import check_layer_options
 from attnres._vocab import DTYPES, PLATFORM_KINDS, REQUIREMENT_PHRASES, MaskRoute, Requirement
 from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
     BackendSpec,
+    lookup_spec,
     parse_backend_option,
     plugin_failures,
     registered_backends,
@@ -482,9 +484,12 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             trace = resolution_trace(layer, config, platform)
     else:
         trace = resolution_trace(layer, config, platform)
+    outcome = trace.outcome
+    if outcome.backend is not None and layer.backend_options:
+        # issue 23: the function the backend runs on this platform takes the options
+        check_layer_options(lookup_spec(outcome.backend), layer, trace.input.platform)
     if args.trace_out is not None:
         _write_trace(trace, _trace_out(args.trace_out, "a file name"))
-    outcome = trace.outcome
     scheduled = _explain_schedule(args, layer, config, platform)
     if args.json:
         _emit_json(
@@ -702,16 +707,13 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
     config = selection_config_from_args(args)
     options = _backend_options(args.backend_option)  # issue 23: under each layer's own
+    if options is not None:
+        config = attrs.evolve(config, backend_options=options)
     if Path(args.pipeline).is_dir():
         if layout is not None:
             raise UsageError(
                 "--ulysses-degree and --ring-degree apply to a pipeline file (attnres plan "
                 "PIPELINE.toml) for now; a model folder's layout is not read yet"
-            )
-        if options is not None:
-            raise UsageError(
-                "--backend-option applies to a pipeline file (attnres plan PIPELINE.toml) for "
-                "now; a model folder's attention sites do not pass kernel options yet"
             )
         from attnres.integrations._folder import parse_dtype_args, plan_folder
 
@@ -741,8 +743,6 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             f"the pipeline {pipeline.name!r} ({pipeline.path})",
         )
         platform = _platform(args.platform)
-        if options is not None:
-            config = attrs.evolve(config, backend_options=options)
         result = plan_pipeline(pipeline, config, platform)
     pipeline = result.pipeline
     doc = result.to_dict()
@@ -1238,7 +1238,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out", metavar="DIR", help="write one trace per distinct layer into DIR"
     )
     _layout_arguments(plan, heads=False)
-    _backend_option_argument(plan, " for every layer, under a layer's own backend_options")
+    _backend_option_argument(
+        plan, " for every layer (or site of a model folder), under a layer's own backend_options"
+    )
 
     replay = command(
         "replay", "replay golden trace files and compare (--update rewrites them)", _cmd_replay

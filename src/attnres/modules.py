@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres._fastcall import FastCallModule
-from attnres._varlen import route_kernel
+from attnres._varlen import check_layer_options, route_kernel
 from attnres._vocab import Role, normalize_dtype
 from attnres.autotuner import arm, armed_run
 from attnres.backends import (
@@ -1172,6 +1172,10 @@ def _bind(resolution: Resolution, spec: LayerSpec) -> tuple[KernelFn, frozenset[
     """The kernel of the selected backend and the torch dtypes it takes."""
     backend = resolution.backend
     name = backend.name
+    if spec.backend_options:  # issue 23: the device's function takes the options
+        check_layer_options(
+            lookup_spec(backend), spec, resolution.trace.input.platform, _where(resolution, spec)
+        )
     # issue 22: a key-padding layer on a varlen kernel runs the unpad route
     mask_key = (name, spec.requirements.mask, spec.requirements.causal_alignment)
     bound = _BOUND.get(mask_key)

@@ -47,6 +47,7 @@ Verified and bounded (``docs/sequence-parallel.md``):
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -283,6 +284,11 @@ class _ParallelRun:
                 raise ValueError(
                     f"ring={sp.ring}: backend {shape.backend!r} has no log-sum-exp adapter"
                 )
+            # issue 23: the layer's options reach the log-sum-exp kernel, bound once
+            # (a Ulysses-only layout runs the dense kernel, options included)
+            options = dict(dict(shape.backend_options).get(shape.backend, ()))
+            if options:
+                self.lse = functools.partial(self.lse, **options)
         self.lse_grad = lse_has_gradient(shape.backend)
         self._verified = False
         self._lock = threading.Lock()

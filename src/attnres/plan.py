@@ -55,8 +55,9 @@ from attnres._states import (
     PlanStatus,
     Status,
 )
+from attnres._varlen import check_layer_options
 from attnres._vocab import Role, normalize_component
-from attnres.backends import Backend, BackendOptions, merge_backend_options
+from attnres.backends import Backend, BackendOptions, lookup_spec, merge_backend_options
 from attnres.errors import (  # PipelineError: attnres.errors holds every exception
     BackendNotAppliedError,
     PipelineError,
@@ -727,6 +728,13 @@ def _plan_layer(
             outcome=trace.outcome,
             trace=trace,
         )
+    # issue 23: the served backend's function on this platform takes the options
+    check_layer_options(
+        lookup_spec(resolution.backend),
+        spec,
+        platform,
+        f" for layer {layer.name!r} of component {component!r}",
+    )
     return LayerPlan(
         component=component,
         name=layer.name,

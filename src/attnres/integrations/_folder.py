@@ -180,7 +180,13 @@ def plan_folder(
 
         with _untrusted.naming_the_component(found, alone):
             planned = _diffusers.plan(
-                models, config, platform, dtypes=choices, title=title, source=str(folder)
+                models,
+                config,
+                platform,
+                dtypes=choices,
+                title=title,
+                source=str(folder),
+                caller=_diffusers.pipeline_class(title),
             )
         return attrs.evolve(planned, skipped=tuple(skipped))
     # a transformers model folder: diffusers need not be installed

@@ -54,6 +54,7 @@ __all__ = [
     "bind_module",
     "bound_route",
     "mask_function",
+    "opts_out",
     "register",
     "unbind_module",
 ]
@@ -193,15 +194,22 @@ def backends_for(model_class: type) -> frozenset[Backend]:
     that flag either way, ``_supports_sdpa = False`` (Speech2Text, PegasusX,
     NLLB-MoE...: attnres's function follows the calling convention of the
     ``sdpa`` function, and its mask function is ``sdpa_mask``)."""
-    declared = _declared(model_class, "_supports_attention_backend")
-    if declared is False or (
-        declared is None and _declared(model_class, "_supports_sdpa") is False
-    ):
+    if opts_out(model_class):
         return frozenset()
     return frozenset(
         Backend(spec.name)
         for spec in registered_backends()
         if not spec.sparse and kernel_source(spec.name) is not KernelSource.NONE
+    )
+
+
+def opts_out(model_class: type) -> bool:
+    """Whether the class keeps its sites to transformers' own functions
+    (:func:`backends_for`: ``_supports_attention_backend = False``, or
+    ``_supports_sdpa = False`` where it does not declare that flag)."""
+    declared = _declared(model_class, "_supports_attention_backend")
+    return declared is False or (
+        declared is None and _declared(model_class, "_supports_sdpa") is False
     )
 
 

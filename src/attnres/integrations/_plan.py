@@ -23,9 +23,10 @@ from attrs import field, frozen
 
 from attnres import audit as _audit
 from attnres._states import Status
+from attnres._varlen import check_layer_options
 from attnres._vocab import Role
-from attnres.backends import Backend
-from attnres.errors import IntegrationError, ResolutionError  # errors holds every exception
+from attnres.backends import Backend, lookup_spec
+from attnres.errors import BackendOptionError, IntegrationError, ResolutionError  # all in errors
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.layout import SequenceLayout
 from attnres.plan import (
@@ -139,6 +140,10 @@ class SiteDescription:
     #: what automatic choices (no flag) may take (``LayerSpec.preferred``): a site
     #: whose route runs any kernel but whose own code runs one keeps it with no flag
     preferred: frozenset[Backend] | None = None
+    #: issue 23: what runs the site's kernel when it is not attnres's (diffusers'
+    #: dispatcher pinned to a backend): attnres cannot pass that kernel the
+    #: per-backend options; ``None``: attnres's own kernel call, options passed
+    host_kernel: str | None = None
 
     @property
     def classified(self) -> bool:
@@ -502,6 +507,7 @@ def _plan_one(
         preferred=desc.preferred,
         # a route with a set runs exactly that set: the machine keeps stand-ins off it
         exact_route=None if desc.supported is None else desc.route,
+        backend_options=config.backend_options,  # issue 23: recorded in the site's trace
     )
     try:
         res = resolve(spec, config=config, platform=platform)
@@ -518,7 +524,33 @@ def _plan_one(
             trace=exc.trace,
             site_error=SiteError(str(exc.code), message),
         )
+    _check_options(desc, spec, res, platform)
     return Site(**common, spec=spec, resolution=res, site_error=None, trace=res.trace)
+
+
+def _check_options(
+    desc: SiteDescription, spec: LayerSpec, res: Resolution, platform: Platform
+) -> None:
+    """Issue 23: the per-backend options of the site's backend reach its kernel:
+    the function that runs them on this platform takes them, and the site's
+    route is attnres's own kernel call. Else a
+    :class:`~attnres.errors.BackendOptionError` naming the site and why."""
+    options = dict(spec.backend_options).get(res.backend.name)
+    if not options:
+        return
+    where = f" for attention site {desc.name!r} of component {desc.component!r}"
+    check_layer_options(lookup_spec(res.backend), spec, platform, where)
+    if desc.host_kernel is None:
+        return
+    given = ", ".join(f"{res.backend.name}.{name}" for name, _ in options)
+    raise BackendOptionError(
+        f"backend_options{where} ({desc.module_class}): {given} cannot reach its kernel: "
+        f"{desc.host_kernel} runs {res.backend.name} there, not attnres, and attnres passes "
+        f"it nothing. Drop the options for this component (the site's route: {desc.route}) "
+        f"(docs/integrations.md#per-backend-options)",
+        res.backend.name,
+        options[0][0],
+    )
 
 
 def trains(model: Any) -> bool:

@@ -45,7 +45,7 @@ import torch
 from attrs import frozen
 from torch.overrides import TorchFunctionMode
 
-from attnres._varlen import observe_mask, route_kernel
+from attnres._varlen import check_layer_options, observe_mask, route_kernel
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import ResolutionError
@@ -714,6 +714,11 @@ class GenericRoute:
         # issue 22: a key-padding site on a varlen kernel runs unpad -> kernel -> pad
         req = spec.requirements
         routed: _KernelFn = route_kernel(backend_spec, kernel, req.mask, req.causal_alignment)
+        options = dict(spec.backend_options).get(backend.name)
+        if options:  # issue 23: the site's options for this backend, bound once
+            where = f" for attention site {self.name!r} of component {self.component!r}"
+            check_layer_options(backend_spec, spec, self.platform, where)
+            routed = functools.partial(routed, **dict(options))
         return routed
 
     def __call__(
@@ -887,6 +892,9 @@ class GenericRoute:
                 spec = attrs.evolve(
                     spec, supported=frozenset({self.own}), exact_route=self.own_route
                 )
+            if self.spec is None and self.config.backend_options:
+                # issue 23: a site decided at its first call takes the config's options
+                spec = attrs.evolve(spec, backend_options=self.config.backend_options)
             resolution, _, trace = lookup(
                 spec, self.config, self.scope, self.platform, None, needs_kernel=True
             )

@@ -35,8 +35,12 @@ diffusers and transformers.
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
 import inspect
+import linecache
+import logging
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -106,6 +110,11 @@ _DISPATCHER_BACKENDS: Mapping[str, str] = MappingProxyType(
     }
 )
 _BY_DIFFUSERS = MappingProxyType({v: k for k, v in _DISPATCHER_BACKENDS.items()})
+#: issue 23: who calls the kernel at a site pinned on the dispatcher: its
+#: ``dispatch_attention_fn(..., attention_kwargs=None, backend=...)`` takes the
+#: processor's own keyword arguments, never attnres's (diffusers 0.42.1
+#: models/attention_dispatch.py)
+_HOST_KERNEL = "diffusers' dispatcher (dispatch_attention_fn, pinned on the processor)"
 
 #: kernel entry points a processor may call by hand, and the backend each is
 #: (read from what the code names, never from the processor's class name)
@@ -137,34 +146,157 @@ _MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType(
 )
 
 
-#: issue 22: the mask kind a model's own forward hands its attention sites, keyed by
-#: the model class (its attention module classes are shared with models that pass no
-#: mask), per site name; checked against diffusers 0.42.1, and verified at each
-#: planned signature's first call (a wrong entry re-resolves the site, traced):
+@attrs.frozen
+class _ArgumentMask:
+    """One mask argument of a model's forward, where code cannot tell (issue 22)."""
+
+    #: the sites it reaches (by site name)
+    reaches: Callable[[str], bool]
+    #: the kind the sites get
+    kind: MaskKind
+    #: planned when the caller's code is not known (a mapping of components): a mask
+    #: every pipeline of the model passes; an optional one (passed by one pipeline
+    #: only, of a kind that rules kernels out) is planned only for a caller whose code
+    #: passes it, else observed at the first call
+    unless_known: bool
+
+
+#: issue 22: masks a model's forward hands on to only some of its sites, or in a kind
+#: its code cannot tell (the values its pipelines put in), per forward argument;
+#: checked against diffusers 0.42.1. Which arguments a pipeline passes is read from
+#: its code (:func:`passed_arguments`); every planned kind is verified at each planned
+#: signature's first call (a wrong entry re-resolves the site, traced). Models absent
+#: here are read from their code (:func:`_mask_kind`).
 #:
 #: - ``ChromaTransformer2DModel``: every joint site gets the prompt mask as
 #:   ``mask[:, None, None, :] * mask[:, None, :, None]`` in the mask's own dtype;
 #:   ``ChromaPipeline`` builds it in the prompt's float dtype, so SDPA adds it as a
 #:   0/1 bias (diffusers#12116): an additive mask, which no key-padding route can
 #:   reproduce;
-#: - ``HunyuanVideoTransformer3DModel``: every site: the token refiner's prompt
-#:   self-attention (padded queries see the first token) and the joint blocks'
-#:   ``[B, 1, 1, N]`` prompt padding;
 #: - ``LTX2VideoTransformer3DModel``: the prompt cross-attentions ``attn2`` and
-#:   ``audio_attn2`` get the prompt padding as a -10000 bias;
-#: - ``LTX2TextConnectors`` (LTX-2's prompt connectors): every site gets the prompt
-#:   padding as a ``-finfo.max`` bias, or an all-zero one where learnable registers
-#:   replace the padding.
-_MASK_BY_MODEL: Mapping[str, Callable[[str], MaskKind]] = MappingProxyType(
+#:   ``audio_attn2`` get the prompt padding as a -10000 bias (every site takes an
+#:   ``attention_mask``, the others get ``None``); the video self-attention ``attn1``
+#:   gets ``video_self_attention_mask`` as ``(1 - m) * -10000``, where
+#:   ``LTX2InContextPipeline`` (IC-LoRA) puts reference strengths in ``[0, 1]``: an
+#:   additive mask, passed only by that pipeline.
+_MASK_BY_ARGUMENT: Mapping[str, Mapping[str, _ArgumentMask]] = MappingProxyType(
     {
-        "ChromaTransformer2DModel": lambda n: MaskKind.ADDITIVE,
-        "HunyuanVideoTransformer3DModel": lambda n: MaskKind.KEY_PADDING,
-        "LTX2VideoTransformer3DModel": lambda n: (
-            MaskKind.KEY_PADDING if _last(n) in ("attn2", "audio_attn2") else MaskKind.NONE
-        ),
-        "LTX2TextConnectors": lambda n: MaskKind.KEY_PADDING,
+        "ChromaTransformer2DModel": {
+            "attention_mask": _ArgumentMask(lambda n: True, MaskKind.ADDITIVE, True),
+        },
+        "LTX2VideoTransformer3DModel": {
+            "encoder_attention_mask": _ArgumentMask(
+                lambda n: _last(n) == "attn2", MaskKind.KEY_PADDING, True
+            ),
+            "audio_encoder_attention_mask": _ArgumentMask(
+                lambda n: _last(n) == "audio_attn2", MaskKind.KEY_PADDING, True
+            ),
+            "video_self_attention_mask": _ArgumentMask(
+                lambda n: _last(n) == "attn1", MaskKind.ADDITIVE, False
+            ),
+        },
     }
 )
+
+
+def pipeline_class(name: str | None) -> type | None:
+    """The installed diffusers pipeline class ``name`` (a ``model_index.json``'s
+    ``_class_name``), or ``None`` where diffusers exports no pipeline by that name."""
+    import diffusers
+
+    if not (name and name.isidentifier()):
+        return None
+    # importing a pipeline's module imports what it imports (image processors that
+    # log a note where torchvision is absent): attnres only reads its code
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # pragma: no cover - diffusers pipelines without transformers
+        found = getattr(diffusers, name, None)
+    else:
+        before = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity(logging.ERROR)
+        try:
+            found = getattr(diffusers, name, None)
+        finally:
+            transformers_logging.set_verbosity(before)
+    ok = isinstance(found, type) and issubclass(found, diffusers.DiffusionPipeline)
+    return found if ok else None
+
+
+def passed_arguments(caller: Any, component: str) -> frozenset[str] | None:
+    """The keyword arguments ``caller``'s code (a pipeline object or class) passes
+    its ``component`` (issue 22): every ``self.<component>(...)`` call in the
+    methods of its classes, keywords whose value is not the constant ``None``.
+    ``**kwargs`` of a dict literal the method builds count by its keys. ``None``
+    where no such call is found, or one passes ``**kwargs`` the code does not
+    spell out (the caller is then not known)."""
+    return _passed_arguments(caller if isinstance(caller, type) else type(caller), component)
+
+
+@functools.lru_cache(maxsize=256)
+def _passed_arguments(cls: type, component: str) -> frozenset[str] | None:
+    found: set[str] = set()
+    calls = 0
+    for klass in cls.__mro__:
+        for value in vars(klass).values() if klass is not object else ():
+            function = inspect.unwrap(value) if isinstance(value, types.FunctionType) else None
+            code = getattr(function, "__code__", None)
+            calling = isinstance(code, types.CodeType) and _calls_attribute(code, component)
+            tree = _route.source_tree(function) if calling else None
+            if tree is None:
+                continue
+            dicts = _dict_literals(tree)
+            for node in ast.walk(tree):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == component
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "self"
+                ):
+                    continue
+                calls += 1
+                for keyword in node.keywords:
+                    if keyword.arg is not None:
+                        pairs = [(keyword.arg, keyword.value)]
+                    elif isinstance(keyword.value, ast.Name) and keyword.value.id in dicts:
+                        pairs = dicts[keyword.value.id]  # ``**kwargs`` of a dict literal
+                    else:
+                        return None  # what it passes is not in the code
+                    found.update(
+                        k for k, v in pairs if not (isinstance(v, ast.Constant) and v.value is None)
+                    )
+    return frozenset(found) if calls else None
+
+
+def _dict_literals(tree: ast.AST) -> dict[str, list[tuple[str, ast.expr]]]:
+    """The names a function assigns a dict literal with string keys (each name's
+    items, over every such assignment)."""
+    out: dict[str, list[tuple[str, ast.expr]]] = {}
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Dict)
+        ):
+            continue
+        keys = node.value.keys
+        if all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in keys):
+            items = [(k.value, v) for k, v in zip(keys, node.value.values, strict=True)]  # type: ignore[union-attr]
+            out.setdefault(node.targets[0].id, []).extend(items)
+    return out
+
+
+def _calls_attribute(code: types.CodeType, attr: str) -> bool:
+    """Whether the source lines of ``code`` hold ``self.<attr>(`` (a cheap test
+    before parsing them)."""
+    lines = linecache.getlines(code.co_filename)
+    numbers = [n for _, _, n in code.co_lines() if n is not None]
+    if not lines or not numbers:
+        return False
+    text = "".join(lines[code.co_firstlineno - 1 : max(numbers)])
+    return f"self.{attr}(" in text
 
 
 def _role(name: str, module: Any) -> Role:
@@ -222,7 +354,11 @@ def passes_masks(model: Any) -> bool:
 
 
 def _mask_kind(
-    name: str, module: Any, model_masks: bool = False, model_class: str = ""
+    name: str,
+    module: Any,
+    model_masks: bool = False,
+    model_class: str = "",
+    passed: frozenset[str] | None = None,
 ) -> MaskKind:
     """The mask kind a site passes, where its code tells before the first call
     (issue 22); the first call observes every other mask and its kind.
@@ -232,11 +368,17 @@ def _mask_kind(
     a DiT's joint or cross attention, a text refiner's, an audio model's. A call
     that brings no mask is what the plan allowed (the same kernel runs); one
     whose mask is of another kind is resolved again at its first call. A fact a
-    model's code cannot tell before the call (:data:`_MASK_BY_MODEL`) comes first.
+    model's code cannot tell before the call (:data:`_MASK_BY_ARGUMENT`) comes first:
+    the kind of the argument that reaches the site, where the caller passes it
+    (``passed``: the keywords its code passes the model; ``None``: not known).
     """
-    by_model = _MASK_BY_MODEL.get(model_class)
-    if by_model is not None:
-        return by_model(name)
+    by_argument = _MASK_BY_ARGUMENT.get(model_class)
+    if by_argument is not None:
+        for argument, mask in by_argument.items():
+            sent = mask.unless_known if passed is None else argument in passed
+            if sent and mask.reaches(name):
+                return mask.kind
+        return MaskKind.NONE
     by_place = _MASK_BY_PLACE.get(type(module).__name__)
     if by_place is not None and by_place(name):
         return MaskKind.KEY_PADDING  # LTX's -10000 prompt-padding bias
@@ -257,9 +399,10 @@ def _requirements(
     trains: bool,
     model_masks: bool = False,
     model_class: str = "",
+    passed: frozenset[str] | None = None,
 ) -> Requirements:
     return Requirements(
-        mask=_mask_kind(name, module, model_masks, model_class),
+        mask=_mask_kind(name, module, model_masks, model_class, passed),
         # a module that holds ``is_causal`` (Mochi's VAE attention) passes it per call
         causal=getattr(module, "is_causal", False) is True,
         gqa=kv_heads < heads,
@@ -346,8 +489,14 @@ def _attention_code(module: Any) -> tuple[str, frozenset[str]]:
     return type(module).__name__, _route.calls_of(_route.methods_of(module))
 
 
-def describe_sites(model: Any, component: str, dtype: str | None = None) -> list[SiteDescription]:
+def describe_sites(
+    model: Any, component: str, dtype: str | None = None, *, passed: frozenset[str] | None = None
+) -> list[SiteDescription]:
     """Every attention site of one component (a diffusers or transformers model).
+
+    ``passed``: the keyword arguments the pipeline's code passes the component
+    (:func:`passed_arguments`; ``None``: not known), for the mask arguments that
+    reach only some sites (issue 22).
 
     A site is a module whose attention code reaches SDPA, diffusers' dispatcher
     or a kernel it calls by hand (found by what the code calls, see
@@ -376,6 +525,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
             parent,
             type(model).__name__,
             model_masks,
+            passed,
         )
         if desc is not None:
             out.append(desc)
@@ -398,6 +548,7 @@ def _describe(
     parent: Any = None,
     model_class: str = "",
     model_masks: bool = False,
+    passed: frozenset[str] | None = None,
 ) -> SiteDescription | None:
     cls = type(module).__name__
     # a diffusers attention module, or any module that hands its call to a processor
@@ -428,7 +579,15 @@ def _describe(
             kv_heads=kv_heads,
             head_size=head_size,
             requirements=_requirements(
-                name, module, heads, kv_heads, head_size, backward, model_masks, model_class
+                name,
+                module,
+                heads,
+                kv_heads,
+                head_size,
+                backward,
+                model_masks,
+                model_class,
+                passed,
             ),
         )
     else:
@@ -445,6 +604,7 @@ def _describe(
             supported=_pinned_backends(route_backends(processor), base.get("requirements")),
             current=_dispatcher_current(processor),
             pending=facts is None,
+            host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
         )
     declared = _declared_backends(processor)
     if declared is not None:
@@ -456,6 +616,7 @@ def _describe(
             supported=declared,
             current=_dispatcher_current(processor),
             pending=facts is None,
+            host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
         )
     if _route.SDPA in names or _route.DISPATCHER in names:
         current = (
@@ -561,16 +722,25 @@ def plan(
     dtypes: Mapping[str, DtypeChoice] | None = None,
     title: str | None = None,
     source: str | None = None,
+    caller: type | None = None,
 ) -> IntegrationPlan:
     """Describe and resolve every attention site of every component; changes nothing.
 
     ``dtypes`` (component -> :class:`DtypeChoice`) overrides the compute dtype
     read from the modules (``attnres plan DIR`` passes what it chose).
+    ``caller``: the pipeline class whose code calls the components, read for the
+    mask arguments it passes each (issue 22); ``pipe``'s own class when it is a
+    pipeline (has ``components``), else not known.
     """
+    if caller is None and hasattr(pipe, "components"):
+        caller = type(pipe)
     parts = []
     for name, module in _components(pipe):
         choice = None if dtypes is None else dtypes.get(name)
-        sites = describe_sites(module, name, None if choice is None else choice.dtype)
+        passed = None if caller is None else passed_arguments(caller, name)
+        sites = describe_sites(
+            module, name, None if choice is None else choice.dtype, passed=passed
+        )
         parts.append((name, choice, sites))
     name = title or type(pipe).__name__
     return plan_sites(
@@ -714,8 +884,10 @@ def apply(
     pipe: Any,
     config: SelectionConfig | None = None,
     platform: Platform | None = None,
+    *,
+    caller: type | None = None,
 ) -> IntegrationPlan:
-    """Plan, then install every decision, all or nothing.
+    """Plan, then install every decision, all or nothing (``caller``: as :func:`plan`).
 
     Raises :class:`~attnres.integrations.IntegrationError` (``.plan`` attached)
     and changes nothing when any site is rejected or any decision cannot be
@@ -724,7 +896,7 @@ def apply(
     SDPA itself and was decided another backend gets the generic route
     (:mod:`attnres.integrations._route`), which checks each call's facts first.
     """
-    result = plan(pipe, config, platform)
+    result = plan(pipe, config, platform, caller=caller)
     refuse_to_apply(result)
     cfg = result.config
     planned, others, problems = _prepare(pipe, result, cfg)

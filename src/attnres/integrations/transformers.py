@@ -476,13 +476,20 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
             if fact is not None
             else _observed_requirements(module, heads, kv_heads)
         )
+        owner = _owner(by_name, name, model)
         out.append(
             SiteDescription(
                 component=component,
                 name=name,
                 module_class=cls,
                 route=ROUTE,
-                supported=_site_backends(_owner(by_name, name, model), module),
+                supported=_site_backends(owner, module),
+                # issue 23: a class that opts out of attnres's function runs only
+                # transformers' own functions, which take none of attnres's options
+                host_kernel=f"transformers' own attention function ({type(owner).__name__} "
+                f"opts out of attnres's)"
+                if _hf_attention.opts_out(type(owner))
+                else None,
                 head_size=head_size,
                 heads=heads,
                 kv_heads=kv_heads,
@@ -888,10 +895,21 @@ def prepare(
         function = _FUNCTIONS.get(backend)
         spec = site.spec
         owner = _owner(modules, site.name, model)
-        if Backend(backend) not in _native_backends(owner) and Backend(
+        # issue 23: options for the backend reach its kernel only through attnres's
+        # function (transformers' own functions take none of attnres's)
+        options = None if spec is None else dict(spec.backend_options).get(backend)
+        if (options or Backend(backend) not in _native_backends(owner)) and Backend(
             backend
         ) in _hf_attention.backends_for(type(owner)):
             function = _hf_attention.NAME  # issue 22: attnres's own function runs it
+        elif options and function is not None:
+            problems.append(
+                f"{component}/{site.name}: backend options "
+                f"({', '.join(f'{backend}.{n}' for n, _ in options)}) cannot reach its kernel: "
+                f"transformers' own {function!r} function runs {backend} there, not attnres's "
+                f"(attnres has no kernel for it to run); drop them"
+            )
+            continue
         if function is None:
             problems.append(
                 f"{component}/{site.name}: {backend} has no transformers attention function"

@@ -82,7 +82,14 @@ class VarlenKernelFn(Protocol):
     """``attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
     scale, **options) -> out`` over packed ``(total_tokens, heads, head_size)`` tensors
     (:func:`attnres.kernels.fa.make_varlen_kernel`); ``options``: the backend's
-    validated options (issue 23, ``BackendSpec.options``), only when set."""
+    validated options (issue 23, ``BackendSpec.options``), only when set.
+
+    A kernel that also takes ``seqused_q``/``seqused_k`` keywords (FA3's and
+    FA4's meaning: sequence ``i`` is the ``seqused[i]`` tokens from
+    ``cu_seqlens[i]`` on) says so with an attribute ``takes_seqused = True``
+    (:class:`attnres.kernels._common.VarlenAdapter` sets it from the package
+    function's signature); the key-padding route then hands it a batch whose
+    valid tokens are one run per row where it lies (docs/masks.md)."""
 
     def __call__(
         self,

@@ -8,6 +8,7 @@ per-call helpers work through the methods of the tensors they are given.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -20,12 +21,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KernelUnavailableError",
+    "VarlenAdapter",
     "causal_alignment_error",
     "flash_style_kernel",
     "import_kernel_package",
     "mask_with_causal",
     "no_mask_error",
     "require_attribute",
+    "takes_keywords",
     "unsupported_feature_error",
     "varlen_style_kernel",
     "window_keep",
@@ -158,15 +161,41 @@ def _int32(cu: Tensor) -> Tensor:
     return cu if cu.is_contiguous() else cu.contiguous()
 
 
-def varlen_style_kernel(call: VarlenCall) -> Callable[..., Tensor]:
+def takes_keywords(fn: Callable[..., Any], *names: str) -> bool:
+    """Whether ``fn``'s signature names every one of ``names`` (False when it cannot
+    be read, as for some compiled functions): what a package's function takes,
+    observed rather than tabled."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in parameters for name in names)
+
+
+class VarlenAdapter:
     """The varlen calling convention (:data:`attnres.kernels.VarlenKernelFn`) over
     ``call``: packed (total, heads, head_size) tensors, cumulative sequence
     lengths of shape (sequences + 1,) in any integer dtype (passed on as
     contiguous int32), the longest lengths, ``causal`` (bottom-right per
     sequence, the kernels' own) and ``scale``; keyword arguments are the
-    backend's options (issue 23), passed on. A tuple result is unwrapped."""
+    backend's options (issue 23), passed on. A tuple result is unwrapped.
 
-    def varlen_attention(
+    ``takes_seqused``: the package's function takes ``seqused_q``/``seqused_k``
+    (FlashAttention-3 and -4): sequence ``i`` is then the ``seqused[i]`` tokens
+    from ``cu_seqlens[i]`` on, so a padded batch flattened to (batch * seq,
+    heads, head_size) is served where it lies, with no gather (the span route
+    of :mod:`attnres._varlen`). They are passed (as contiguous int32) only
+    when given, and refused by an adapter whose function has no such
+    arguments."""
+
+    __slots__ = ("_call", "takes_seqused")
+
+    def __init__(self, call: VarlenCall, *, takes_seqused: bool = False) -> None:
+        self._call = call
+        self.takes_seqused = takes_seqused
+
+    def __call__(
+        self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -176,16 +205,30 @@ def varlen_style_kernel(call: VarlenCall) -> Callable[..., Tensor]:
         max_seqlen_k: int,
         causal: bool,
         scale: float | None,
+        /,
+        *,
+        seqused_q: Tensor | None = None,
+        seqused_k: Tensor | None = None,
         **options: Any,
     ) -> Tensor:
-        result = call(
+        if seqused_q is not None or seqused_k is not None:
+            if not self.takes_seqused:
+                raise TypeError("this varlen kernel takes no seqused_q/seqused_k")
+            for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+                if used is not None:
+                    options[name] = _int32(used)
+        result = self._call(
             q, k, v, _int32(cu_seqlens_q), _int32(cu_seqlens_k), int(max_seqlen_q),
             int(max_seqlen_k), causal, scale, **options,
         )  # fmt: skip
         out: Tensor = result[0] if isinstance(result, tuple) else result
         return out
 
-    return varlen_attention
+
+def varlen_style_kernel(call: VarlenCall, *, takes_seqused: bool = False) -> VarlenAdapter:
+    """The :class:`VarlenAdapter` over ``call`` (``takes_seqused``: ``call`` passes
+    ``seqused_q``/``seqused_k`` keywords on to a function that takes them)."""
+    return VarlenAdapter(call, takes_seqused=takes_seqused)
 
 
 def flash_feature_kwargs(

@@ -24,6 +24,13 @@ Source facts (Dao-AILab/flash-attention hopper/flash_attn_interface.py):
   max_seqlen_k, seqused_q=None, seqused_k=None, softmax_scale=None,
   causal=False, ...)`` over packed (total, nheads, headdim) tensors (the key
   padding route of attnres._varlen); causal bottom-right per sequence.
+  ``seqused_q``/``seqused_k`` (``mha_fwd`` in hopper/flash_api.cpp: int32,
+  contiguous, shape (batch,); hopper/seqlen.h: sequence ``b`` is the
+  ``seqused[b]`` tokens from ``cu_seqlens[b]`` on; the output is
+  ``torch::empty``, so rows outside every sequence are left unwritten, and so
+  are dq/dk/dv there in the backward pass): the span route hands it the padded
+  layout as is (flash-attention 0251105a). The adapter passes them only where
+  the imported function's signature names them.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    takes_keywords,
     varlen_style_kernel,
 )
 
@@ -111,8 +119,10 @@ def make_varlen_kernel() -> VarlenKernelFn:
     )
 
     return varlen_style_kernel(
-        # issue 23: hopper flash_attn_varlen_func(..., pack_gqa=None, deterministic=False)
+        # issue 23: hopper flash_attn_varlen_func(..., pack_gqa=None, deterministic=False);
+        # seqused_q/seqused_k (when the route passes them) are keywords too
         lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **options: varlen_func(
             q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, **options
-        )
+        ),
+        takes_seqused=takes_keywords(varlen_func, "seqused_q", "seqused_k"),
     )

@@ -29,6 +29,13 @@ flash_attn/cute/pyproject.toml; PyPI page of flash-attn-4):
   keyword; ``FlashAttnVarlenFunc`` returns ``(out, lse)``; its causal mask is
   bottom-right per sequence (attnres._varlen unpads queries and keys alike for
   self-attention, where that is the same mask).
+- ``seqused_q``/``seqused_k`` keywords (same asserts: int32, contiguous, shape
+  (batch,); flash_attn/cute/seqlen_info.py: sequence ``b`` is the
+  ``seqused[b]`` tokens from ``cu_seqlens[b]`` on; ``out`` is ``torch.empty``):
+  the span route of attnres._varlen hands it the padded layout as is, where the
+  imported function's signature names them. Not with head_dim 256 on sm100
+  ("SM100 forward with head_dim=256 does not support seqused_q/seqused_k"):
+  the catalogue caps fa4 at head size 128, so no plan reaches that case.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    takes_keywords,
     varlen_style_kernel,
 )
 
@@ -110,6 +118,7 @@ def make_varlen_kernel() -> VarlenKernelFn:
             max_seqlen_k=max_k,
             softmax_scale=scale,
             causal=causal,
-            **options,
-        )
+            **options,  # and seqused_q/seqused_k where the span route passes them
+        ),
+        takes_seqused=takes_keywords(varlen_func, "seqused_q", "seqused_k"),
     )

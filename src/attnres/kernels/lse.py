@@ -33,7 +33,7 @@ Nothing is imported at module import: torch is loaded on the first call.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import import_kernel_package, require_attribute
 
@@ -50,7 +50,8 @@ __all__ = [
     "lse_kernel_names",
 ]
 
-#: ``attention_lse(q, k, v, causal, scale, softcap=0.0) -> (out, lse)``
+#: ``attention_lse(q, k, v, causal, scale, softcap=0.0, **options) -> (out, lse)``;
+#: ``options``: the backend's validated options (issue 23), only where it has any
 LseKernelFn = Callable[..., "tuple[Tensor, Tensor]"]
 
 
@@ -137,9 +138,12 @@ def make_fa_lse() -> LseKernelFn:
     )
 
     def fa_lse(
-        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
-    ) -> tuple[Tensor, Tensor]:
-        extra = {"softcap": softcap} if softcap else {}
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0,
+        **options: Any,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        # issue 23: the layer's options (deterministic) go to flash_attn_func as on
+        # the dense route
+        extra = {"softcap": softcap, **options} if softcap else options
         out, lse, _ = func(
             q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True,
             **extra,
@@ -156,21 +160,23 @@ def make_sage_lse() -> LseKernelFn:
     qo_len == kv_len": the ring only asks for causal blocks of equal lengths.
     Inference only (SageAttention has no backward pass); no softcap argument.
     """
-    from attnres.kernels.sage_attn import BACKEND, INSTALL, PACKAGE  # only when it is built
+    from attnres.kernels.sage_attn import BACKEND, INSTALL, PACKAGE, sage_function
 
     module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    sageattn = require_attribute(
-        module, "sageattn", backend=BACKEND, hint="Reinstall it with: " + INSTALL
-    )
+    pick = sage_function(module)
 
     def sage_lse(
-        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
-    ) -> tuple[Tensor, Tensor]:
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0,
+        **options: Any,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         if softcap:
             raise ValueError("sage_attn has no softcap argument")
-        out, lse = sageattn(
-            q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale, return_lse=True
-        )
+        # issue 23: with options, the device's own function (each takes return_lse)
+        function, settings = pick(q, options)
+        out, lse = function(
+            q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale, return_lse=True,
+            **settings,
+        )  # fmt: skip
         return out, lse
 
     return sage_lse

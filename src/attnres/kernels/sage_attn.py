@@ -20,13 +20,25 @@ Source facts (thu-ml/SageAttention sageattention/core.py, README):
   num_kv_heads, cu_seqlens int32 or int64 and contiguous; causal "only
   applicable when qo_len == kv_len for each sequence" (the key padding route of
   attnres._varlen unpads queries and keys alike for self-attention).
+- issue 23: ``sageattn`` runs one function per GPU (``get_cuda_arch_versions()
+  [q.device.index]``, from ``torch.cuda.get_device_capability``) with fixed
+  settings and never passes its ``**kwargs`` on, so a layer given options
+  (``qk_quant_gran``, ``pv_accum_dtype``, ``smooth_k``, ...) calls that function
+  itself: :func:`sage_function` picks it from the capability of the device the
+  tensors are on, as ``sageattn`` does, from the table
+  ``BackendSpec.entry_points`` (attnres.backends, SageAttention d1a57a54), and
+  passes ``sageattn``'s own settings under the user's options. Without options
+  the adapter calls ``sageattn`` as before.
 - Install: ``pip install sageattention``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from attnres.backends import entry_point_options
 from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
@@ -35,29 +47,84 @@ from attnres.kernels._common import (
 )
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch import Tensor
+
     from attnres.kernels import KernelFn, VarlenKernelFn
 
-__all__ = ["make_kernel", "make_varlen_kernel"]
+__all__ = ["make_kernel", "make_varlen_kernel", "sage_function"]
 
 BACKEND = "sage_attn"
 PACKAGE = "sageattention"
 INSTALL = "pip install sageattention  (needs a CUDA GPU and a matching torch)"
 
 
+#: What :func:`sage_function` returns: the function and the keyword arguments it gets.
+SageCall = tuple[Callable[..., Any], dict[str, Any]]
+
+
+def sage_function(module: ModuleType) -> Callable[[Tensor, dict[str, Any]], SageCall]:
+    """``pick(q, options)``: ``sageattn`` itself when ``options`` is empty; else
+    the function ``sageattn`` runs on ``q``'s device, with ``sageattn``'s own
+    settings for it under ``options`` (issue 23).
+
+    The device's capability is read as ``sageattn`` reads it
+    (``torch.cuda.get_device_capability``), once per device and options; an
+    option that function does not take is a :class:`~attnres.errors.BackendOptionError`
+    (:func:`attnres.backends.entry_point_options`).
+    """
+    hint = "Reinstall it with: " + INSTALL
+    sageattn = require_attribute(module, "sageattn", backend=BACKEND, hint=hint)
+    plain: SageCall = (sageattn, {})
+    picked: dict[tuple[Any, ...], SageCall] = {}
+    lock = threading.Lock()
+
+    def pick(q: Tensor, options: dict[str, Any]) -> SageCall:
+        if not options:
+            return plain
+        # per call with options: the device index and the options as given (one
+        # call site gives them in one order), about 0.4 us on this CPU
+        key = (q.get_device(), *options.items())
+        found = picked.get(key)
+        if found is not None:
+            return found
+        import torch  # only with options, on their first call per device
+
+        capability = tuple(torch.cuda.get_device_capability(q.device))
+        entry = entry_point_options(
+            BACKEND, tuple(options.items()), capability,  # type: ignore[arg-type]
+            where=f" (on the tensors' device {q.device})",
+        )  # fmt: skip
+        assert entry is not None  # sage_attn's spec names a function for each GPU it runs on
+        function = require_attribute(module, entry.name, backend=BACKEND, hint=hint)
+        found = (function, {**dict(entry.passes), **options})
+        with lock:
+            picked[key] = found
+        return found
+
+    return pick
+
+
 def make_kernel() -> KernelFn:
-    """Import sageattention and bind ``sageattn`` (NHD layout)."""
+    """Import sageattention and bind ``sageattn`` (NHD layout); with options, the
+    device's own function (:func:`sage_function`)."""
     module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    pick = sage_function(module)
     sageattn = require_attribute(
         module, "sageattn", backend=BACKEND, hint="Reinstall it with: " + INSTALL
     )
 
-    return flash_style_kernel(
-        BACKEND,
-        "sageattn accepts attn_mask and silently ignores it",
-        lambda q, k, v, causal, scale, softcap, window: sageattn(
-            q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale
-        ),
-    )
+    def call(
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float,
+        window: tuple[int, int] | None, **options: Any,
+    ) -> Any:  # fmt: skip
+        if not options:  # as before issue 23: the dispatcher itself
+            return sageattn(q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale)
+        function, settings = pick(q, options)
+        return function(q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale, **settings)
+
+    return flash_style_kernel(BACKEND, "sageattn accepts attn_mask and silently ignores it", call)
 
 
 def make_varlen_kernel() -> VarlenKernelFn:
@@ -70,8 +137,19 @@ def make_varlen_kernel() -> VarlenKernelFn:
         module, "sageattn_varlen", backend=BACKEND, hint="Reinstall it with: " + INSTALL
     )
 
-    return varlen_style_kernel(
-        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: sageattn_varlen(
-            q, k, v, cu_q, cu_k, max_q, max_k, is_causal=causal, sm_scale=scale
+    checked: set[tuple[tuple[str, Any], ...]] = set()
+
+    def call(
+        q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+        causal: bool, scale: float | None, **options: Any,
+    ) -> Any:  # fmt: skip
+        # issue 23: sageattn_varlen takes smooth_k; anything else it would swallow
+        key = tuple(sorted(options.items()))
+        if key not in checked:
+            entry_point_options(BACKEND, key, None, varlen=True, where=" (the unpad route)")
+            checked.add(key)
+        return sageattn_varlen(
+            q, k, v, cu_q, cu_k, max_q, max_k, is_causal=causal, sm_scale=scale, **options
         )
-    )
+
+    return varlen_style_kernel(call)
