@@ -80,7 +80,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-from attnres import Platform, SelectionConfig
+from attnres import Backend, Platform, SelectionConfig
 from attnres.errors import IntegrationError, ResolutionError
 from attnres.integrations import DtypeChoice
 from attnres.integrations import transformers as itf
@@ -1356,3 +1356,30 @@ def test_attnres_function_binds_an_interface_site_at_its_first_call(varlen_fakes
         finally:
             assert itf.remove(model) == 4
     assert float((after.double() - before.double()).norm() / before.double().norm()) < 5e-3
+
+
+def test_the_first_call_watch_reads_the_product_its_softmax_takes() -> None:
+    from attnres.integrations import _route
+    from attnres.scope import scope_state
+
+    class Mixer(torch.nn.Module):
+        """A batched product before the attention (a channel mix, inner size 8),
+        then softmax attention by hand with one head of size 4."""
+
+        def forward(self, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+            x = torch.bmm(x, mix)  # (1, 6, 8) @ (1, 8, 8)
+            q, k, v = x[..., :4], x[..., 4:], x
+            weights = torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1)
+            return torch.bmm(weights, v)
+
+    route = _route.GenericRoute(
+        component="transformer", name="mixer", spec=None, heads=None, kv_heads=None,
+        resolution=None, config=SelectionConfig(), scope=scope_state("transformer"),
+        platform=Platform.simulate("cpu"), own=Backend("eager"), own_route="eager in Mixer",
+    )  # fmt: skip
+    module = Mixer()
+    x, mix = torch.randn(1, 6, 8), torch.randn(1, 8, 8)
+    assert torch.equal(_route.watch_forward(module, route)(x, mix), module(x, mix))
+    (first,) = route.first_calls
+    assert (first.facts.heads, first.facts.head_size) == (1, 4)  # not the mix's 8
+    assert first.backend == Backend("eager")

@@ -1215,30 +1215,45 @@ def _mha_projections(module: Any, query: Any, key: Any, value: Any) -> tuple[Any
 _PRODUCT_FUNCTIONS = frozenset(
     {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.__matmul__}
 )
+#: the softmaxes that normalise them
+_SOFTMAX_FUNCTIONS = frozenset(
+    {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax}
+)
 
 
 class _Watch(TorchFunctionMode):
     """Check one forward of a site decided at its first call, before its attention
-    runs: the first SDPA call, or the first product of two batched tensors (the
-    scores its softmax takes: query ``(..., seq_q, head size)`` times key
-    ``(..., head size, seq_kv)``), is handed to the route as a call of its own
-    code, which binds the site (or raises, typed) and runs nothing else."""
+    output is computed: its first SDPA call, or its first softmax of a product of
+    two batched tensors (the scores: query ``(..., seq_q, head size)`` times key
+    ``(..., head size, seq_kv)``, the last such product before the softmax), is
+    handed to the route as a call of its own code, which binds the site (or
+    raises, typed) and runs nothing else."""
 
     def __init__(self, route: GenericRoute) -> None:
         super().__init__()
         self.route = route
         self.seen = False
+        self.scores: tuple[Any, Any] | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not self.seen and func is _SDPA:
+        if self.seen:
+            return func(*args, **kwargs)
+        if func is _SDPA:
             self.seen = True
             q, k = args[0] if args else kwargs["query"], args[1] if len(args) > 1 else kwargs["key"]
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
             causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
             self._check(q, k, mask, dropout, causal, kwargs.get("scale"))
-        elif not self.seen and func in _PRODUCT_FUNCTIONS and len(args) >= 2:
+        elif func in _SOFTMAX_FUNCTIONS and self.scores is not None:
+            self.seen = True
+            a, b = self.scores
+            q, k = a, b.transpose(-1, -2)
+            if a.dim() == 3:  # (batch, seq, size): one head per batch row
+                q, k = q.unsqueeze(-3), k.unsqueeze(-3)
+            self._check(q, k, None, 0.0, False, None)
+        elif func in _PRODUCT_FUNCTIONS and len(args) >= 2:
             a, b = args[0], args[1]
             if (
                 isinstance(a, torch.Tensor)
@@ -1247,11 +1262,7 @@ class _Watch(TorchFunctionMode):
                 and b.dim() == a.dim()
                 and a.shape[-1] == b.shape[-2]
             ):
-                self.seen = True
-                q, k = a, b.transpose(-1, -2)
-                if a.dim() == 3:  # (batch, seq, size): one head per batch row
-                    q, k = q.unsqueeze(-3), k.unsqueeze(-3)
-                self._check(q, k, None, 0.0, False, None)
+                self.scores = (a, b)
         return func(*args, **kwargs)
 
     def _check(
@@ -1267,7 +1278,7 @@ def watch_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     """``module``'s forward for a site decided at its first call whose route runs
     only its own code (softmax by hand, or the attention function its config
     names): each call's attention facts are read from its first SDPA call or
-    scores product (:class:`_Watch`) and checked by ``route`` before it runs;
+    softmax of a scores product (:class:`_Watch`) and checked by ``route``;
     the computation is the module's own, untouched (bit-identical)."""
     original = module.forward
 
