@@ -80,7 +80,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-from attnres import Platform, SelectionConfig
+from attnres import Backend, Platform, SelectionConfig
+from attnres.errors import IntegrationError, ResolutionError
 from attnres.integrations import DtypeChoice
 from attnres.integrations import transformers as itf
 
@@ -125,39 +126,282 @@ _TIME_SERIES_TESTER = {"prediction_length": 7, "context_length": 14}
 _TEST_CONFIGS: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("autoformer", "informer", "time_series_transformer"), _TIME_SERIES_TESTER),
     **dict.fromkeys(
-        ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "ministral", "nemotron"),
+        (
+            "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "ministral", "nemotron",
+            # issue 19: their testers extend CausalLMModelTester (_TESTER_VALUES)
+            "cohere_compass_text", "dots1", "lfm2_moe", "qwen4_exp_text",
+        ),
         _CAUSAL_LM_TESTER,
     ),
+}  # fmt: skip
+
+#: Qwen4ExpTextModelTester's own values (tests/models/qwen4_exp/test_modeling_qwen4_exp.py)
+_QWEN4_TEXT: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25},
+    "layer_types": ["linear_attention", "qwen_sparse_attention"], "linear_conv_kernel_dim": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8, "hc_count": 2, "hc_lowrank": 8, "ple_layer_ids": [1],
+    "ple_embed_dim": 16, "ple_conv_kernel_size": 2, "ngram_size": 3, "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 31, "make_ngram_vocab_size_divisible_by": 8, "split_ngram_parts": 4,
+    "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+    "indexer_compress_ratio": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
+    "num_experts": 4,
+}  # fmt: skip
+#: T5Gemma2ModelTester's text values (encoder and decoder alike)
+_T5GEMMA2_TEXT: dict[str, Any] = {
+    "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 37, "hidden_act": "gelu",
+    "max_position_embeddings": 512, "layer_types": ["full_attention", "sliding_attention"],
+    "head_dim": 8, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}  # fmt: skip
+#: CausalLMModelTester's text values, for a composite config's text_config
+_CAUSAL_LM_TEXT = {
+    k: _CAUSAL_LM_TESTER[k]
+    for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "intermediate_size", "max_position_embeddings", "pad_token_id", "bos_token_id",
+              "eos_token_id", "num_experts_per_tok")
+}  # fmt: skip
+
+
+def _vocabulary(size: int, **named: int) -> dict[str, int]:
+    """A tester's dummy vocabulary map: one character per id, then ``named`` tokens."""
+    return {**{chr(i): i for i in range(size)}, **named}
+
+
+#: issue 19: the values transformers' own model tester gives each of the types whose
+#: default config does not construct in 5.24 (huggingface/transformers,
+#: tests/models/<type>/test_modeling_<type>.py, the ``*ModelTester`` named), passed
+#: as given (on top of the shared tester defaults in ``_TEST_CONFIGS``, if any)
+_TESTER_VALUES: dict[str, dict[str, Any]] = {
+    # AyaVisionVisionText2TextModelTester
+    "aya_vision": {
+        "text_config": {"model_type": "cohere2", "vocab_size": 99, "hidden_size": 128,
+                        "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "hidden_act": "silu", "max_position_embeddings": 512, "bos_token_id": 0,
+                        "eos_token_id": 0, "pad_token_id": 0},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32,
+                          "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "intermediate_size": 128, "image_size": 64, "patch_size": 8,
+                          "vision_use_head": False},
+        "image_token_index": 2, "vision_feature_layer": -1, "downsample_factor": 2,
+    },
+    # ChameleonModelTester (get_config, get_vq_config; its vocabulary map)
+    "chameleon": {
+        "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "intermediate_size": 37, "max_position_embeddings": 512,
+        "pad_token_id": 0,
+        "vocabulary_map": _vocabulary(99, **{"<image>": 4}, **{
+            "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(i)) + "Z": i
+            for i in range(10, 15)}),
+        "vq_config": {"embed_dim": 5, "num_embeddings": 5, "latent_channels": 5, "in_channels": 3,
+                      "base_channels": 32, "channel_multiplier": [1, 2]},
+    },
+    # CohereCompassTextModelTester (over CausalLMModelTester)
+    "cohere_compass_text": {
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "layer_types": ["full_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10_000}},
+    },
+    # CohereCompassModelTester (VLMModelTester: its text and vision values)
+    "cohere_compass": {
+        "text_config": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 8, "max_position_embeddings": 64, "hidden_act": "silu",
+                        "layer_types": ["full_attention", "full_attention"],
+                        "rope_parameters": {"full_attention": {
+                            "rope_type": "default", "rope_theta": 10_000,
+                            "mrope_section": [1, 1, 2]}}},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "depth": 2, "num_heads": 4,
+                          "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "deepstack_visual_indexes": [0], "out_hidden_size": 32,
+                          "hidden_act": "silu"},
+        "image_token_id": 5, "video_token_id": 8, "vision_start_token_id": 6,
+        "vision_end_token_id": 7,
+    },
+    # DbrxModelTester (hidden_size and friends map to d_model, n_layers, n_heads, max_seq_len)
+    "dbrx": {
+        "vocab_size": 99, "d_model": 32, "n_layers": 5, "n_heads": 4, "max_seq_len": 512,
+        "pad_token_id": 0,
+        "attn_config": {"clip_qkv": 8, "kv_n_heads": 4, "rope_theta": 500000},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_jitter_eps": 0, "moe_loss_weight": 0.05,
+                       "moe_num_experts": 16, "moe_top_k": 4, "ffn_act_fn": {"name": "gelu"}},
+    },
+    # DeepseekOcr2VisionText2TextModelTester
+    "deepseek_ocr2": {
+        "vision_config": {
+            "sam_config": {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_channels": 3, "image_size": 16,
+                           "patch_size": 2, "hidden_act": "gelu", "mlp_ratio": 4.0,
+                           "window_size": 4, "global_attn_indexes": [1],
+                           "downsample_channels": [32, 64]},
+            "encoder_config": {"hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "hidden_act": "silu",
+                               "max_position_embeddings": 512, "rms_norm_eps": 1.0},
+        },
+        "text_config": {"vocab_size": 99, "hidden_size": 128, "intermediate_size": 256,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                        "hidden_act": "silu", "max_position_embeddings": 512, "bos_token_id": 2,
+                        "eos_token_id": 3, "pad_token_id": 4, "n_routed_experts": 8,
+                        "n_shared_experts": 1, "mlp_layer_types": ["dense", "sparse"],
+                        "moe_intermediate_size": 64, "num_experts_per_tok": 2},
+        "image_token_id": 1,
+    },
+    # DiffusionGemmaVisionText2TextModelTester
+    "diffusion_gemma": {
+        "text_config": {"vocab_size": 99, "hidden_size": 32, "num_attention_heads": 2,
+                        "num_key_value_heads": 2, "intermediate_size": 32, "hidden_act": "gelu",
+                        "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1,
+                        "eos_token_id": 2, "moe_intermediate_size": 8, "moe_num_shared_experts": 1,
+                        "num_experts": 4, "num_hidden_layers": 2,
+                        "layer_types": ["sliding_attention", "full_attention"],
+                        "per_layer_config": {1: {"head_dim": 16, "num_key_value_heads": 2}},
+                        "top_k_experts": 2, "use_bidirectional_attention": "vision"},
+        "vision_config": {"image_size": 20, "patch_size": 5, "num_channels": 3, "hidden_size": 16,
+                          "num_key_value_heads": 1, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "intermediate_size": 37},
+        "image_token_id": 4, "boi_token_id": 5, "eoi_token_id": 6, "mm_tokens_per_image": 2,
+        "self_conditioning_size": 16, "canvas_length": 16,
+    },
+    # Dots1ModelTester (over CausalLMModelTester)
+    "dots1": {"n_routed_experts": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+              "num_experts_per_tok": 8},
+    # Emu3Vision2TextModelTester (its vocabulary map)
+    "emu3": {
+        "text_config": {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2,
+                        "num_attention_heads": 2, "num_key_value_heads": 2,
+                        "intermediate_size": 37, "max_position_embeddings": 512,
+                        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        "vq_config": {"codebook_size": 20, "temporal_downsample_factor": 1, "base_channels": 32,
+                      "channel_multiplier": [1, 2, 1], "hidden_size": 32, "attn_resolutions": []},
+        "vocabulary_map": _vocabulary(99, **{f"<|visual token{i:06d}|>": i for i in range(3, 23)},
+                                      **{"<image>": 3, "<|extra_200|>": 4}),
+    },
+    # ESMModelTester
+    "esm": {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 5, "num_attention_heads": 4,
+            "intermediate_size": 37, "max_position_embeddings": 512, "pad_token_id": 1},
+    # Granite4VisionModelTester (VLMModelTester: Granite text, CLIP vision)
+    "granite4_vision": {
+        "text_config": {"model_type": "granite", "vocab_size": 99, "hidden_size": 64,
+                        "intermediate_size": 64, "num_attention_heads": 2,
+                        "num_key_value_heads": 2, "num_hidden_layers": 2},
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 64,
+                          "intermediate_size": 64, "num_attention_heads": 2,
+                          "num_hidden_layers": 2, "image_size": 8, "patch_size": 2,
+                          "projection_dim": 64},
+        "image_grid_pinpoints": [[8, 8]], "downsample_rate": "1/2",
+        "deepstack_layer_map": [[1, 0]], "projector_dropout": 0.0, "image_token_index": 3,
+    },
+    # HunYuanVLVisionText2TextModelTester (VLMModelTester: its text and vision values)
+    "hunyuan_vl": {
+        "text_config": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                        "hidden_act": "silu", "max_position_embeddings": 128, "pad_token_id": 0,
+                        "bos_token_id": 1, "eos_token_id": 2, "head_dim": 16,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "mrope_section": [2, 2, 2, 2]}},
+        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_channels": 3, "patch_size": 16,
+                          "temporal_patch_size": 1, "spatial_merge_size": 1,
+                          "out_hidden_size": 64, "text_hidden_size": 64, "max_image_size": 64,
+                          "min_image_size": 64, "anyres_vit_max_image_size": 64,
+                          "max_vit_seq_len": 16, "hidden_act": "silu"},
+        "image_token_id": 5,
+    },
+    # Lfm2MoeModelTester (over CausalLMModelTester)
+    "lfm2_moe": {"layer_types": ["full_attention", "conv"]},
+    # MoonshineStreamingModelTester
+    "moonshine_streaming": {
+        "encoder_config": {"hidden_size": 8, "intermediate_size": 32, "num_hidden_layers": 2,
+                           "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4},
+        "vocab_size": 147, "hidden_size": 8, "intermediate_size": 32, "head_dim": 4,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "decoder_start_token_id": 85, "bos_token_id": 98, "eos_token_id": 98, "pad_token_id": 0,
+    },
+    # MusicgenDecoderTester (a MusicgenDecoderConfig: MusicgenModel is the decoder; its
+    # intermediate_size, 4, is the ffn width); MusicgenMelodyDecoderTester likewise
+    **{t: {"vocab_size": 99, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "ffn_dim": 4, "pad_token_id": 99, "bos_token_id": 99, "num_codebooks": 4,
+           "audio_channels": 1} for t in ("musicgen", "musicgen_melody")},
+    # PPOCRV6MediumDetModelTester (get_config)
+    "pp_ocrv6_medium_det": {
+        "backbone_config": {
+            "model_type": "pp_lcnet_v4", "out_features": ["stage1", "stage2", "stage3", "stage4"],
+            "out_indices": [1, 2, 3, 4], "stem_channels": [3, 16, 16], "stem_type": "large",
+            "block_configs": [
+                [[3, 16, 16, 1, False]],
+                [[3, 16, 16, 2, False], [3, 16, 16, 1, False]],
+                [[3, 16, 16, 2, False], [3, 16, 16, 1, False]],
+                [[3, 16, 16, 2, False], *[[5, 16, 16, 1, False]] * 4],
+            ],
+        },
+        "interpolate_mode": "nearest", "neck_out_channels": 16, "reduce_factor": 2,
+        "intraclass_block_number": 4,
+        "intraclass_block_config": {
+            "reduce_channel": [1, 1, 0], "return_channel": [1, 1, 0],
+            "vertical_long_to_small_conv_longratio": [[7, 1], [1, 1], [3, 0]],
+            "vertical_long_to_small_conv_midratio": [[5, 1], [1, 1], [2, 0]],
+            "vertical_long_to_small_conv_shortratio": [[3, 1], [1, 1], [1, 0]],
+            "horizontal_small_to_long_conv_longratio": [[1, 7], [1, 1], [0, 3]],
+            "horizontal_small_to_long_conv_midratio": [[1, 5], [1, 1], [0, 2]],
+            "horizontal_small_to_long_conv_shortratio": [[1, 3], [1, 1], [0, 1]],
+            "symmetric_conv_long_longratio": [[7, 7], [1, 1], [3, 3]],
+            "symmetric_conv_long_midratio": [[5, 5], [1, 1], [2, 2]],
+            "symmetric_conv_long_shortratio": [[3, 3], [1, 1], [1, 1]],
+        },
+        "mode": "large", "scale_factor": 2, "scale_factor_list": [1, 2, 4, 8],
+        "hidden_act": "relu", "kernel_list": [3, 2, 2],
+    },
+    # Qwen4ExpTextModelTester (over CausalLMModelTester)
+    "qwen4_exp_text": _QWEN4_TEXT,
+    # T5Gemma2ModelTester.get_config (a T5Gemma2Config, which gives its sub-configs the
+    # dropout rate the encoder reads; the encoder is its ``encoder`` part)
+    "t5gemma2_encoder": {
+        "encoder": {
+            "text_config": _T5GEMMA2_TEXT,
+            "vision_config": {"model_type": "siglip_vision_model", "image_size": 20,
+                              "patch_size": 5, "num_channels": 3, "hidden_size": 32,
+                              "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "intermediate_size": 37},
+            "image_token_index": 4, "boi_token_index": 5, "eoi_token_index": 6,
+            "mm_tokens_per_image": 2, "hidden_size": 32,
+        },
+        "decoder": {**_T5GEMMA2_TEXT, "cross_attention_hidden_size": 32},
+        "image_token_index": 4,
+    },
+    # Qwen4ExpVisionText2TextModelTester: its text values (kv heads 1, head size 24);
+    # the vision tower keeps its default config
+    "qwen4_exp": {"text_config": {**_CAUSAL_LM_TEXT, **_QWEN4_TEXT, "num_key_value_heads": 1,
+                                  "head_dim": 24}},
+}  # fmt: skip
+
+#: the config class a tester builds where it is not the type's ``CONFIG_MAPPING`` entry
+_TESTER_CONFIG_CLASS = {
+    "musicgen": "MusicgenDecoderConfig",
+    "musicgen_melody": "MusicgenMelodyDecoderConfig",
+    "t5gemma2_encoder": "T5Gemma2Config",
 }
+#: the part of that config the type's model takes
+_TESTER_PART = {"t5gemma2_encoder": "encoder"}
 
 
 def _tester_config(model_type: str) -> PretrainedConfig:
-    config_class = CONFIG_MAPPING[model_type]
+    name = _TESTER_CONFIG_CLASS.get(model_type)
+    config_class = CONFIG_MAPPING[model_type] if name is None else getattr(transformers, name)
     takes = set(inspect.signature(config_class.__init__).parameters)
-    given = _TEST_CONFIGS[model_type]
-    return config_class(**{k: v for k, v in given.items() if k in takes or k == "pad_token_id"})
+    takes |= set(getattr(config_class, "attribute_map", {}))
+    shared = _TEST_CONFIGS.get(model_type, {})
+    given = {k: v for k, v in shared.items() if k in takes or k == "pad_token_id"}
+    config = config_class(**{**given, **_TESTER_VALUES.get(model_type, {})})
+    part = _TESTER_PART.get(model_type)
+    return config if part is None else getattr(config, part)
 
-
-_BY_HAND_NO_FACTS = (
-    "softmax attention by hand in a module holding no head count or head size attnres "
-    "can read: unclassified, which a strict component refuses even with no flag"
-)
-_INTERFACE_NO_FACTS = (
-    "calls the attention interface but holds no head count or head size attnres can read"
-)
 
 #: model types whose gaps are known, with why; the sweep fails when one closes
 #: (drop its entry) or when a type not listed here has a problem
 _KNOWN_GAPS: dict[str, str] = {
-    "apertus1p5": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
-    "groupvit": _BY_HAND_NO_FACTS + " (GroupViTAssignAttention: a hard assignment)",
-    "janus": _BY_HAND_NO_FACTS + " (a VQ-VAE attention block: one head over channels)",
-    "mgp-str": _BY_HAND_NO_FACTS + "; MgpstrA3Module (a token learner: a softmax of a "
-    "product, but no attention by the oracle) is a site attnres should not make",
-    "swiftformer": _BY_HAND_NO_FACTS + " (additive attention)",
-    "wavtokenizer": _BY_HAND_NO_FACTS + " (a Vocos attention block: one head over channels)",
-    "florence2": _INTERFACE_NO_FACTS + " (its channel attention attends over channels: "
-    "the kernel's head size is the token count, known only at the call)",
     "autoformer": "the oracle's false positive: AutoformerAttention is auto-correlation "
     "(FFT, a softmax over the top delays), not softmax attention; attnres finds no site",
     "reformer": "LSH/local attention normalises with logsumexp, not a softmax call: "
@@ -210,7 +454,7 @@ def _cut(config: PretrainedConfig, layers: int = 2) -> None:
 
 def _build(model_type: str, class_name: str) -> Any:
     cls = getattr(transformers, class_name)
-    if model_type in _TEST_CONFIGS:
+    if model_type in _TEST_CONFIGS or model_type in _TESTER_VALUES:
         config = _tester_config(model_type)
     else:
         config = CONFIG_MAPPING[model_type]()
@@ -267,6 +511,11 @@ def _real_attention(model: Any) -> dict[str, str]:
 # =============================================================================
 
 
+def _recorded(site: Any) -> bool:
+    """A module recorded as not softmax attention (its own code, the reason in its note)."""
+    return site.note is not None and site.note.startswith("not softmax attention")
+
+
 def _own_path(site: Any) -> bool:
     return site.module_class == "MultiheadAttention" or "by hand" in site.route
 
@@ -276,8 +525,8 @@ def _not_offered(model: Any, site: Any) -> bool:
     which is sage) -- a fact read from the class, counted apart in the table: the
     class itself sets ``_supports_attention_backend = False`` or ``_supports_sdpa =
     False`` (attnres's function follows the ``sdpa`` function's calling
-    convention; read only where the first flag is not set either way), or the
-    module holds attention sinks."""
+    convention; read only where the first flag is not set either way). (A module
+    holding attention sinks is a sage limit: ``requirement_unmet``.)"""
     if site.route != itf.ROUTE or site.site_error is None:
         return False
     if site.site_error.code != "not_in_supported_set":
@@ -289,8 +538,7 @@ def _not_offered(model: Any, site: Any) -> bool:
         next((vars(k)[flag] for k in own_classes if flag in vars(k)), None)
         for flag in ("_supports_attention_backend", "_supports_sdpa")
     )
-    opted_out = backend is False or (backend is None and sdpa is False)
-    return opted_out or isinstance(getattr(modules[site.name], "sinks", None), torch.Tensor)
+    return backend is False or (backend is None and sdpa is False)
 
 
 def _sage_plan(model: Any) -> Any:
@@ -318,11 +566,12 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
     names = {s.name for s in plain.sites}
     real = _real_attention(model)
     missed = sorted({type(model.get_submodule(n)).__name__ for n in real if n not in names})
+    # a module recorded as not softmax attention (with why) is no site the plan governs
     extra = sorted(
         {
             s.module_class
             for s in plain.sites
-            if s.name not in real and s.module_class != "MultiheadAttention"
+            if s.name not in real and s.module_class != "MultiheadAttention" and not _recorded(s)
         }
     )
     if missed:
@@ -337,6 +586,16 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
         problems.append(f"eager: {[e for e in eager.errors][:1]}")
     if not_eager:
         problems.append(f"eager not installed at {not_eager[:2]}")
+    # issue 19: every other site is decided at its first call (the route installed
+    # there checks it, tiny CPU tests below) or recorded as not softmax attention
+    later = [s for s in eager.sites if s.pending]
+    unreached = [
+        s.name
+        for s in eager.sites
+        if s.resolution is None and s.site_error is None and not s.pending and not _recorded(s)
+    ]
+    if unreached:
+        problems.append(f"eager: neither decided nor recorded at {unreached[:2]}")
     sage = _sage_plan(model)
     got = sum(1 for s in sage.sites if s.backend is not None and s.backend.name == "sage_attn")
     codes = Counter(s.site_error.code for s in sage.sites if s.site_error is not None)
@@ -368,7 +627,8 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
     row = (
         f"| {model_type} | {class_name}: {len(plain.sites)} ({found or 'none'}) | "
         f"{len(real) - len([n for n in real if n not in names])}/{len(real)} | "
-        f"{'ok' if plain.ok else 'REJECTED'} | {len(reached) - len(not_eager)} eager | "
+        f"{'ok' if plain.ok else 'REJECTED'} | {len(reached) - len(not_eager)} eager"
+        f"{f' ({len(later)} at first call)' if later else ''} | "
         f"{got} sage; errors: {errors} |"
     )
     return row, problems, {s.module_class for s in plain.sites}
@@ -400,7 +660,8 @@ def test_every_exported_transformers_model_type_is_governed(update_golden: Any) 
     table = "\n".join(
         [
             f"transformers {transformers.__version__}: {len(rows)} model types "
-            f"(`MODEL_MAPPING_NAMES`), {len(built)} built on meta ({len(_TEST_CONFIGS)} from "
+            f"(`MODEL_MAPPING_NAMES`), {len(built)} built on meta "
+            f"({len(set(_TEST_CONFIGS) | set(_TESTER_VALUES))} from "
             f"the config of transformers' own model tester), {with_sites} with attention "
             f"sites, {len(_KNOWN_GAPS)} with a known gap; layer counts cut to two (a "
             f"per-layer pattern is kept).",
@@ -689,15 +950,48 @@ def test_head_facts_are_read_from_what_the_module_holds(
     assert sites and {(s.heads, s.kv_heads, s.head_size) for s in sites} == facts
 
 
-def test_attention_sinks_are_never_offered_attnres_function() -> None:
-    # GPT-OSS declares _supports_attention_backend but passes its sinks as s_aux,
-    # which attnres's function does not implement
-    plan = _sage_plan(_meta("gpt_oss"))
-    assert plan.sites and {s.site_error.code for s in plan.sites if s.site_error} == {
-        "not_in_supported_set"
-    }
+def test_rule_3_4_requirement_attention_sinks_are_a_kernel_fact_the_machine_checks() -> None:
+    # issue 19: GPT-OSS passes its sinks as s_aux; sage has no sink argument
+    # (thu-ml/SageAttention sageattn), nor has flash-attn 2's flash_attn_func (with
+    # which transformers 5.24 drops s_aux silently): the plan names the limit
+    model = _meta("gpt_oss")
+    plan = _sage_plan(model)
+    assert plan.sites and all(s.spec.requirements.sinks for s in plan.sites)
+    assert {s.site_error.code for s in plan.sites if s.site_error} == {"requirement_unmet"}
+    assert all("does not implement" in s.error and "attention sinks" in s.error
+               for s in plan.sites if s.error)  # fmt: skip
+    flash = itf.plan(model, "transformer", SelectionConfig(global_backend="fa"), HOPPER,
+                     dtype=DtypeChoice("bfloat16", "--dtype"))  # fmt: skip
+    assert {s.site_error.code for s in flash.sites if s.site_error} == {"requirement_unmet"}
+    plain = itf.plan(model, "transformer")
+    assert plain.ok and {s.backend.name for s in plain.sites} == {"eager"}
     offered = _sage_plan(_meta("llama"))
     assert {s.backend.name for s in offered.sites if s.backend} == {"sage_attn"}
+
+
+def test_the_eager_kernel_computes_attention_sinks_as_gpt_oss_does() -> None:
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from attnres.kernels import get_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64) for _ in range(3))
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))  # type: ignore[assignment]
+    module.num_key_value_groups = 1  # type: ignore[assignment]
+    module.training = False
+    mask = torch.zeros(2, 1, 5, 5, dtype=torch.float64)
+    mask[1, :, :, 3:] = float("-inf")  # the second row's keys 3 and 4 are padding
+    want, _ = modeling_gpt_oss.eager_attention_forward(
+        module, q, k, v, mask, scaling=8**-0.5, s_aux=module.sinks
+    )
+    eager = get_kernel("eager")
+    assert eager is not None
+    got = eager(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, False, None,
+                sinks=module.sinks)  # fmt: skip
+    torch.testing.assert_close(got, want)
+    without = eager(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, False, None)
+    assert not torch.allclose(without, want)
 
 
 def test_a_composite_models_language_model_is_offered_attnres_function() -> None:
@@ -883,3 +1177,209 @@ def test_a_call_argument_no_kernel_takes_is_a_call_fact(varlen_fakes: Any) -> No
     assert calls == [30.0] * 4  # the model's own eager ran, with the argument
     torch.testing.assert_close(after, before)
     torch.testing.assert_close(after_plain, before_plain)
+
+
+# =============================================================================
+# Issue 19: sites with no head facts are decided at their first call; modules
+# whose softmax is not softmax attention are recorded as such
+# =============================================================================
+
+
+def _tiny_janus_vq() -> Any:
+    """Janus's VQ-VAE, tiny (its attention blocks: one head over 32 channels)."""
+    torch.manual_seed(0)
+    config = transformers.JanusVQVAEConfig(
+        embed_dim=8, num_embeddings=16, latent_channels=8, base_channels=32,
+        channel_multiplier=[1, 1], num_res_blocks=1, resolution=16, projection_dim=16,
+        image_token_embed_dim=16, num_patches=8,
+    )  # fmt: skip
+    return transformers.JanusVQVAE(config).eval()
+
+
+def test_softmax_by_hand_with_no_head_facts_is_decided_at_its_first_call() -> None:
+    from attnres.integrations import _route
+
+    model = _tiny_janus_vq()
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(pixel_values=pixels).decoded_pixel_values
+    untouched = _snapshot(model)
+    plan = itf.plan(model, "transformer")
+    assert plan.ok and len(plan.sites) == 5
+    assert {s.status.value for s in plan.sites} == {"pending"}
+    assert all(s.note and s.note.startswith("decided at first call: ") for s in plan.sites)
+    for flag in (None, "eager"):
+        config = None if flag is None else SelectionConfig(global_backend=flag)
+        applied = itf.apply(model, "transformer", config)
+        with torch.no_grad():
+            after = model(pixel_values=pixels).decoded_pixel_values
+        assert torch.equal(after, before)  # its own code ran, untouched
+        for site in applied.sites:
+            route = _route.installed_route(model.get_submodule(site.name))
+            assert route is not None
+            # bound from the scores product: one head over the 32 channels, 8 x 8 or
+            # 16 x 16 positions, and its own code decided (eager)
+            (first,) = route.first_calls
+            assert (first.facts.heads, first.facts.head_size) == (1, 32)
+            assert first.changed == ("head facts (decided at first call)",)
+            assert first.backend is not None and first.backend.name == "eager"
+            assert first.trace.outcome.status.value == "selected"
+        assert itf.remove(model) == 5
+        assert _same(_snapshot(model), untouched)
+    # a strict flag its own code cannot serve: the first call says so, typed,
+    # naming the site and its route, before the attention runs
+    itf.apply(model, "transformer", SAGE, STAND_IN)
+    with pytest.raises(ResolutionError, match="decided at first call") as raised:
+        model(pixel_values=pixels)
+    assert raised.value.code in {"not_in_supported_set", "not_on_route"}
+    assert "eager in JanusVQVAEAttnBlock" in str(raised.value)
+    assert itf.remove(model) == 5
+    with torch.no_grad():
+        assert torch.equal(model(pixel_values=pixels).decoded_pixel_values, before)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "module_class", "why"),
+    [
+        ("groupvit", "GroupViTAssignAttention", "over axis -2"),
+        ("swiftformer", "SwiftFormerEfficientAdditiveAttention", "additive attention"),
+        ("mgp-str", "MgpstrA3Module", "no product of two tensors"),
+    ],
+)
+def test_a_softmax_that_is_not_softmax_attention_is_recorded_with_why(
+    model_type: str, module_class: str, why: str
+) -> None:
+    model = _meta(model_type)
+    plan = itf.plan(model, "transformer", SelectionConfig(global_backend="eager"))
+    assert plan.ok
+    recorded = [s for s in plan.sites if s.module_class == module_class]
+    assert recorded and all(s.status.value == "ungoverned" for s in recorded)
+    assert all(s.note and why in s.note and _recorded(s) for s in recorded)
+    # the real attention of the same models is still governed
+    assert all(s.backend.name == "eager" for s in plan.sites if s.resolution is not None)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "module_class"),
+    [
+        # scores from a helper method (LED, Longformer), a submodule (Gemma 3n's
+        # relative-position scorer), or normalised by a Softmax submodule (CpmAnt, I-BERT)
+        ("led", "LEDEncoderSelfAttention"),
+        ("longformer", "LongformerSelfAttention"),
+        ("gemma3n_audio", "Gemma3nAudioAttention"),
+        ("cpmant", "CpmAntAttention"),
+        ("ibert", "IBertSelfAttention"),
+    ],
+)
+def test_softmax_attention_by_hand_through_helpers_is_still_attention(
+    model_type: str, module_class: str
+) -> None:
+    plan = itf.plan(_meta(model_type), "transformer")
+    sites = [s for s in plan.sites if s.module_class == module_class]
+    assert sites and not any(_recorded(s) for s in sites)
+    assert {s.backend.name for s in sites if s.backend} == {"eager"}
+
+
+def _tiny_florence2_vision() -> Any:
+    """Florence-2's vision backbone, tiny (window and channel attention per stage)."""
+    torch.manual_seed(0)
+    config = transformers.Florence2VisionConfig(
+        embed_dim=[16, 32], num_heads=[2, 4], num_groups=[2, 4], depths=[1, 1],
+        patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
+        patch_prenorm=[False, True], window_size=4, projection_dim=32,
+    )  # fmt: skip
+    return transformers.Florence2VisionBackbone(config).eval()
+
+
+def test_an_interface_site_with_no_head_facts_is_decided_at_its_first_call() -> None:
+    from attnres.integrations import _route
+
+    # Florence2's channel attention attends over channels: the kernel's head size
+    # is the token count, known only at the call (heads: its groups)
+    model = _tiny_florence2_vision()
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(pixels).last_hidden_state
+    untouched = _snapshot(model)
+    for flag, function in ((None, "torch_sdpa"), ("eager", "eager"), ("torch_sdpa", "torch_sdpa")):
+        config_ = None if flag is None else SelectionConfig(global_backend=flag)
+        plan = itf.apply(model, "transformer", config_)
+        channel = [s for s in plan.sites if s.module_class == "Florence2VisionChannelAttention"]
+        assert len(channel) == 2 and {s.status.value for s in channel} == {"pending"}
+        with torch.no_grad():
+            after = model(pixels).last_hidden_state
+        if flag != "eager":
+            assert torch.equal(after, before)
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+        facts = []
+        for site in channel:
+            route = _route.installed_route(model.get_submodule(site.name))
+            assert route is not None
+            (first,) = route.first_calls
+            assert first.backend is not None and first.backend.name == function
+            facts.append((first.facts.heads, first.facts.head_size))
+        assert facts == [(2, 64), (4, 16)]  # groups; tokens 8 x 8, then 4 x 4
+        assert itf.remove(model) == 4
+        assert _same(_snapshot(model), untouched)
+    # a function whose call attnres cannot see before its kernel is refused at apply
+    model.to(torch.bfloat16)
+    cast = _snapshot(model)
+    flash = itf.plan(model, "transformer", SelectionConfig(global_backend="fa"), HOPPER)
+    assert flash.ok and [s.status.value for s in flash.sites if s.pending] == ["pending"] * 2
+    with pytest.raises(IntegrationError, match=r"decided at its first call.*flash_attention_2"):
+        itf.apply(model, "transformer", SelectionConfig(global_backend="fa"), STAND_IN)
+    assert _same(_snapshot(model), cast)
+
+
+def test_attnres_function_binds_an_interface_site_at_its_first_call(varlen_fakes: Any) -> None:
+    from attnres.integrations import _hf_attention
+
+    # Florence-2's vision backbone (which, unlike the whole model, does not opt out)
+    # under a strict global sage: its window attention runs sage through attnres's
+    # function, and so does its channel attention, bound at its first call from the
+    # query and key it is given (head size: 64, then 16 tokens)
+    model = _tiny_florence2_vision().to(torch.float16)
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)).half()
+    with torch.no_grad():
+        before = model(pixels).last_hidden_state
+        plan = itf.apply(model, "transformer", SAGE, STAND_IN)
+        try:
+            channel = [s for s in plan.sites if s.pending]
+            assert len(channel) == 2 and all(s.module_class.endswith("ChannelAttention")
+                                             for s in channel)  # fmt: skip
+            after = model(pixels).last_hidden_state
+            bound = [_hf_attention.bound_route(model.get_submodule(s.name)) for s in channel]
+            firsts = [r.first_calls for r in bound if r is not None]
+            assert [(f.facts.heads, f.facts.head_size) for (f,) in firsts] == [(2, 64), (4, 16)]
+            assert all(f.backend is not None and f.backend.name == "sage_attn" for (f,) in firsts)
+            assert len(varlen_fakes.seen) == 4  # every site reached sage
+        finally:
+            assert itf.remove(model) == 4
+    assert float((after.double() - before.double()).norm() / before.double().norm()) < 5e-3
+
+
+def test_the_first_call_watch_reads_the_product_its_softmax_takes() -> None:
+    from attnres.integrations import _route
+    from attnres.scope import scope_state
+
+    class Mixer(torch.nn.Module):
+        """A batched product before the attention (a channel mix, inner size 8),
+        then softmax attention by hand with one head of size 4."""
+
+        def forward(self, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+            x = torch.bmm(x, mix)  # (1, 6, 8) @ (1, 8, 8)
+            q, k, v = x[..., :4], x[..., 4:], x
+            weights = torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1)
+            return torch.bmm(weights, v)
+
+    route = _route.GenericRoute(
+        component="transformer", name="mixer", spec=None, heads=None, kv_heads=None,
+        resolution=None, config=SelectionConfig(), scope=scope_state("transformer"),
+        platform=Platform.simulate("cpu"), own=Backend("eager"), own_route="eager in Mixer",
+    )  # fmt: skip
+    module = Mixer()
+    x, mix = torch.randn(1, 6, 8), torch.randn(1, 8, 8)
+    assert torch.equal(_route.watch_forward(module, route)(x, mix), module(x, mix))
+    (first,) = route.first_calls
+    assert (first.facts.heads, first.facts.head_size) == (1, 4)  # not the mix's 8
+    assert first.backend == Backend("eager")

@@ -9,7 +9,10 @@
   dropout, which the plan did not describe, falls back from flex attention to
   the site's own SDPA); own code paths made routed sites (issue 19: a
   ``torch.nn.MultiheadAttention`` and diffusers' by-hand ``AttnProcessor`` get
-  sage; an MHA call that returns its weights falls back to its own path).
+  sage; an MHA call that returns its weights falls back to its own path); softmax
+  by hand in a module holding no head facts (a VQ-VAE attention block), decided
+  at its first call from its scores product: eager with no flag, a strict sage
+  rejected on its route.
 
 Each file replays clean, and planning again gives exactly these traces.
 ``pytest tests/test_integrations_golden.py --update-golden`` (``make golden``)
@@ -18,6 +21,7 @@ rewrites them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -28,7 +32,7 @@ import pytest
 import tiny_pipelines as tp
 import torch
 
-from attnres import Platform, SelectionConfig
+from attnres import Backend, Platform, ResolutionError, SelectionConfig
 from attnres.integrations import _route
 from attnres.integrations import diffusers as idf
 from attnres.replayer import replay
@@ -44,9 +48,7 @@ SIM = "cuda:sm90+flash_attn+sageattention"
 @pytest.fixture(scope="module")
 def planned():
     pipe = tp.flux(dtype=torch.bfloat16, vae_dtype=torch.float32)
-    return idf.plan(
-        pipe, SelectionConfig(global_backend="sage_attn"), Platform.simulate(SIM)
-    )
+    return idf.plan(pipe, SelectionConfig(global_backend="sage_attn"), Platform.simulate(SIM))
 
 
 def _sync(folder: Path, written: list[Path], update: bool) -> None:
@@ -115,8 +117,15 @@ def _first_call_traces(tmp_path: Path) -> list[Path]:
     q = torch.randn(1, 2, 5, 16)
     # a site decided at its first call: no head facts until q, k, v arrive
     route = _route.GenericRoute(
-        component="vae", name="block", spec=None, heads=None, kv_heads=None,
-        resolution=None, config=SelectionConfig(), scope=scope_state("vae"), platform=cpu,
+        component="vae",
+        name="block",
+        spec=None,
+        heads=None,
+        kv_heads=None,
+        resolution=None,
+        config=SelectionConfig(),
+        scope=scope_state("vae"),
+        platform=cpu,
     )
     route(q, q, q)
     (first,) = route.first_calls
@@ -130,9 +139,15 @@ def _first_call_traces(tmp_path: Path) -> list[Path]:
     site = plan.sites[0]
     assert site.backend.name == "flex_attention"
     route = _route.GenericRoute(
-        component="vae", name=site.name, spec=site.spec, heads=site.heads,
-        kv_heads=site.kv_heads, resolution=site.resolution, config=flex,
-        scope=scope_state("vae"), platform=cpu,
+        component="vae",
+        name=site.name,
+        spec=site.spec,
+        heads=site.heads,
+        kv_heads=site.kv_heads,
+        resolution=site.resolution,
+        config=flex,
+        scope=scope_state("vae"),
+        platform=cpu,
     )
     route(q, q, q, dropout_p=0.5)
     (first,) = route.first_calls
@@ -182,6 +197,39 @@ def _own_path_traces(tmp_path: Path) -> list[Path]:
     path = tmp_path / "re-resolved-at-first-call-mha-need-weights-falls-back-to-eager.json"
     dump_trace(first.trace, path)
     written.append(path)
+    written += _by_hand_first_call_traces(tmp_path)
+    return written
+
+
+def _by_hand_first_call_traces(tmp_path: Path) -> list[Path]:
+    """Issue 19: softmax by hand in a module holding no head facts (a VQ-VAE
+    attention block: one head over its channels) is decided at its first call,
+    from the scores product its forward computes; its route runs only its own
+    code, so a strict global sage is rejected there, naming the route."""
+    from transformers.models.janus.modeling_janus import JanusVQVAEAttnBlock
+
+    torch.manual_seed(0)
+    block = JanusVQVAEAttnBlock(32).eval().to(torch.bfloat16)
+    own = "eager in JanusVQVAEAttnBlock (softmax attention by hand)"
+    written: list[Path] = []
+    for stem, config in (
+        ("no-flag-eager", SelectionConfig()),
+        ("strict-sage-rejected", SelectionConfig(global_backend="sage_attn")),
+    ):
+        route = _route.GenericRoute(
+            component="transformer", name="vq.attn", spec=None, heads=None, kv_heads=None,
+            resolution=None, config=config, scope=scope_state("transformer"),
+            platform=Platform.simulate(SIM), own=Backend("eager"), own_route=own,
+        )  # fmt: skip
+        expect = pytest.raises(ResolutionError) if "rejected" in stem else contextlib.nullcontext()
+        with torch.no_grad(), expect:
+            _route.watch_forward(block, route)(torch.randn(1, 32, 4, 4, dtype=torch.bfloat16))
+        (first,) = route.first_calls
+        assert first.changed == ("head facts (decided at first call)",)
+        assert (first.facts.heads, first.facts.head_size) == (1, 32)
+        path = tmp_path / f"decided-at-first-call-by-hand-vq-block-{stem}.json"
+        dump_trace(first.trace, path)
+        written.append(path)
     return written
 
 

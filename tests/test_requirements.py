@@ -455,3 +455,24 @@ def test_layer_window_matters() -> None:
     out = layer(q, k, v)
     assert relative_error(out, reference(q, k, v, window=(1, 1))) < 1e-12
     assert relative_error(out, reference(q, k, v)) > 0.05
+
+
+def test_rule_3_4_requirement_attention_sinks_only_eager_implements_them() -> None:
+    # issue 19: sageattn has no sink argument, nor has flash-attn 2's
+    # flash_attn_func (docs/backends.md gives each source)
+    layer = LayerSpec(64, "bf16", requirements=["sinks"])
+    for backend in ("sage_attn", "fa", "fa3", "torch_sdpa", "flex_attention"):
+        assert "does not implement attention sinks" in _requirement_failures(
+            backend, layer, HOPPER_ALL), backend  # fmt: skip
+    eager = attnres.SelectionConfig(global_backend="eager")
+    res = resolve(layer, platform=HOPPER_ALL, config=eager)
+    assert res.backend.name == "eager"
+    # written to a trace only when on: a trace without them keeps its bytes
+    doc = trace_to_dict(res.trace)
+    assert doc["input"]["layer"]["requirements"]["sinks"] is True
+    assert replay(res.trace).ok
+    plain = trace_to_dict(resolve(LayerSpec(64, "bf16"), platform=HOPPER_ALL).trace)
+    assert "sinks" not in plain["input"]["layer"]["requirements"]
+    sage = attnres.SelectionConfig(global_backend="sage_attn")
+    with pytest.raises(ResolutionError, match="does not implement attention sinks"):
+        resolve(layer, platform=HOPPER_ALL, config=sage)

@@ -509,11 +509,20 @@ def _role(value: Any) -> Role:
 
 #: The keys a version-4 trace adds to its requirements (issue 22).
 _MASK_KEYS: tuple[str, ...] = ("mask", "causal_alignment")
+#: Requirements written only when on (issue 19: attention sinks), so every trace
+#: written before them keeps its bytes and its digest
+_OPTIONAL_REQUIREMENTS: tuple[str, ...] = (Requirement.SINKS.value,)
+
+
+def _requirement_names(obj: dict[str, Any]) -> list[str]:
+    """The requirement keys a trace's requirements must hold: every one, the
+    optional ones only where present."""
+    return [r.value for r in Requirement if r.value not in _OPTIONAL_REQUIREMENTS or r.value in obj]
 
 
 def _requirements(value: Any) -> Requirements:
     obj = _object(value, "requirements")
-    names = [r.value for r in Requirement]
+    names = _requirement_names(obj)
     if set(obj) != set(SCHEMA_1_REQUIREMENTS):  # (which set a version needs: _structure_trace)
         _exact_keys(obj, names + [k for k in _MASK_KEYS if k in obj], "requirements")
     flags: dict[str, Any] = {
@@ -541,7 +550,11 @@ def _requirements(value: Any) -> Requirements:
 
 def _unstructure_requirements(r: Requirements) -> dict[str, Any]:
     """The flags; the mask kind and alignment only where a 0.2 trace cannot say them."""
-    out: dict[str, Any] = {req.value: getattr(r, req.value) for req in Requirement}
+    out: dict[str, Any] = {
+        req.value: getattr(r, req.value)
+        for req in Requirement
+        if req.value not in _OPTIONAL_REQUIREMENTS or getattr(r, req.value)
+    }
     if r.extended:
         out["mask"] = r.mask.value
         out["causal_alignment"] = r.causal_alignment.value
@@ -556,7 +569,7 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
         return  # structuring reports the missing or malformed part, with its path
     if not isinstance(obj, dict):
         return
-    keys = list(SCHEMA_1_REQUIREMENTS) if version == 1 else [r.value for r in Requirement]
+    keys = list(SCHEMA_1_REQUIREMENTS) if version == 1 else _requirement_names(obj)
     if version >= MASK_SCHEMA_VERSION and any(k in obj for k in _MASK_KEYS):
         keys += list(_MASK_KEYS)  # issue 22: a mask kind and alignment, both or neither
     try:

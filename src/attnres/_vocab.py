@@ -63,6 +63,9 @@ class Requirement(str, enum.Enum):
     SOFTCAP = "softcap"
     #: local attention: query i sees keys i - left .. i + right
     SLIDING_WINDOW = "sliding_window"
+    #: issue 19: attention sinks: a learned logit per head that every query's
+    #: softmax also normalises over (GPT-OSS's ``sinks``, passed as ``s_aux``)
+    SINKS = "sinks"
 
     def __str__(self) -> str:
         return self.value
@@ -79,6 +82,7 @@ REQUIREMENT_PHRASES: dict[Requirement, str] = {
     Requirement.CUSTOM_SCALE: "a custom softmax scale",
     Requirement.SOFTCAP: "logit softcapping",
     Requirement.SLIDING_WINDOW: "sliding-window attention",
+    Requirement.SINKS: "attention sinks",
 }
 
 

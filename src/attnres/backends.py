@@ -876,6 +876,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
             R.CUSTOM_SCALE,
             R.SOFTCAP,
             _WINDOW,
+            # issue 19: a sink is one more logit per head in every row's softmax
+            # (attnres.kernels.eager's ``sinks``; GPT-OSS's eager_attention_forward,
+            # transformers 5.24, computes the same)
+            R.SINKS,
         ),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",

@@ -1006,6 +1006,7 @@ _REQ_SHORT = {
     Requirement.CUSTOM_SCALE: "scale",
     Requirement.SOFTCAP: "softcap",
     Requirement.SLIDING_WINDOW: "window",
+    Requirement.SINKS: "sinks",
 }
 
 

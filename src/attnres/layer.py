@@ -218,6 +218,8 @@ class Requirements:
     custom_scale: bool = field(default=False, validator=_is_bool)
     softcap: bool = field(default=False, validator=_is_bool)
     sliding_window: bool = field(default=False, validator=_is_bool)
+    #: issue 19: written to a trace only when set (every older trace keeps its bytes)
+    sinks: bool = field(default=False, validator=_is_bool)
     mask: MaskKind = field(default=MaskKind.NONE, converter=_mask_kind)
     causal_alignment: CausalAlignment = field(
         default=CausalAlignment.TOP_LEFT, converter=_alignment

@@ -71,6 +71,7 @@ __all__ = [
     "mha_own_path",
     "remove_route",
     "site_route",
+    "watch_forward",
 ]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -522,6 +523,7 @@ class CallFacts:
             dropout=self.dropout,
             gqa=self.kv_heads < self.heads,
             softcap=base.requirements.softcap or "softcap" in self.arguments,
+            sinks=base.requirements.sinks or bool({"s_aux", "sinks"} & set(self.arguments)),
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
         only = _EAGER if self.weights or self.arguments else own if self.dropout else None
@@ -672,8 +674,12 @@ class GenericRoute:
         platform: Platform,
         on_first_call: Callable[[FirstCall], None] | None = None,
         own: Backend | None = None,
+        own_route: str | None = None,
     ) -> None:
         self.component = component
+        #: issue 19: a site decided at its first call whose route runs only its own
+        #: code (``own``): the route, exact, which the first call's spec carries
+        self.own_route = own_route
         #: the backend the site's own code path runs (what it ran before the route:
         #: torch SDPA, or ``eager`` for softmax by hand); a signature decided it
         #: runs the site's own code, untouched
@@ -932,6 +938,11 @@ class GenericRoute:
             spec = facts.spec(self.spec, self.name, self.own)
             if self.spec is None and self.keeps_own and spec.preferred is None:
                 spec = attrs.evolve(spec, preferred=frozenset({self.own}))
+            if self.spec is None and self.own_route is not None and spec.supported is None:
+                # decided at first call on a route that runs only its own code
+                spec = attrs.evolve(
+                    spec, supported=frozenset({self.own}), exact_route=self.own_route
+                )
             if self.spec is None and self.config.backend_options:
                 # issue 23: a site decided at its first call takes the config's options
                 spec = attrs.evolve(spec, backend_options=self.config.backend_options)
@@ -946,6 +957,8 @@ class GenericRoute:
                     f"at first call: {', '.join(changed)}, which its plan did not allow; "
                     f"{trace.outcome.error}"
                 )
+                if spec.exact_route is not None and spec.exact_route not in error:
+                    error += f" (the site's route: {spec.exact_route})"  # as a plan says it
             record = FirstCall(self.component, self.name, facts, changed, trace, backend, error)
             self.first_calls.append(record)
             if self.on_first_call is not None:
@@ -959,11 +972,16 @@ class GenericRoute:
 
 
 def site_route(
-    site: Site, config: SelectionConfig, platform: Platform, own: Backend | None = None
+    site: Site,
+    config: SelectionConfig,
+    platform: Platform,
+    own: Backend | None = None,
+    own_route: str | None = None,
 ) -> GenericRoute:
     """The route of one planned site (every integration builds its routes here);
     ``own``: what runs where the route decides the site's own code (default: the
-    backend the site ran before)."""
+    backend the site ran before); ``own_route``: a site decided at its first call
+    whose route runs only that (:class:`GenericRoute`)."""
     return GenericRoute(
         component=site.component,
         name=site.name,
@@ -975,6 +993,7 @@ def site_route(
         scope=scope_state(site.component),
         platform=platform,
         own=own or site.current,  # what the site's own code runs (eager: softmax by hand)
+        own_route=own_route,
     )
 
 
@@ -1241,6 +1260,84 @@ def _mha_projections(module: Any, query: Any, key: Any, value: Any) -> tuple[Any
     else:
         wq, wk, wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
     return linear(query, wq, bq), linear(key, wk, bk), linear(value, wv, bv)
+
+
+#: the products a softmax attention's scores come from (``@`` is ``Tensor.__matmul__``)
+_PRODUCT_FUNCTIONS = frozenset(
+    {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.__matmul__}
+)
+#: the softmaxes that normalise them
+_SOFTMAX_FUNCTIONS = frozenset(
+    {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax}
+)
+
+
+class _Watch(TorchFunctionMode):
+    """Check one forward of a site decided at its first call, before its attention
+    output is computed: its first SDPA call, or its first softmax of a product of
+    two batched tensors (the scores: query ``(..., seq_q, head size)`` times key
+    ``(..., head size, seq_kv)``, the last such product before the softmax), is
+    handed to the route as a call of its own code, which binds the site (or
+    raises, typed) and runs nothing else."""
+
+    def __init__(self, route: GenericRoute) -> None:
+        super().__init__()
+        self.route = route
+        self.seen = False
+        self.scores: tuple[Any, Any] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.seen:
+            return func(*args, **kwargs)
+        if func is _SDPA:
+            self.seen = True
+            q, k = args[0] if args else kwargs["query"], args[1] if len(args) > 1 else kwargs["key"]
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+            self._check(q, k, mask, dropout, causal, kwargs.get("scale"))
+        elif func in _SOFTMAX_FUNCTIONS and self.scores is not None:
+            self.seen = True
+            a, b = self.scores
+            q, k = a, b.transpose(-1, -2)
+            if a.dim() == 3:  # (batch, seq, size): one head per batch row
+                q, k = q.unsqueeze(-3), k.unsqueeze(-3)
+            self._check(q, k, None, 0.0, False, None)
+        elif func in _PRODUCT_FUNCTIONS and len(args) >= 2:
+            a, b = args[0], args[1]
+            if (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.dim() in (3, 4)
+                and b.dim() == a.dim()
+                and a.shape[-1] == b.shape[-2]
+            ):
+                self.scores = (a, b)
+        return func(*args, **kwargs)
+
+    def _check(
+        self, q: Any, k: Any, mask: Any, dropout: float, causal: bool, scale: float | None
+    ) -> None:
+        if self.route.kernel_for(q, k, mask, dropout, causal, scale, -3) is not None:
+            raise RuntimeError(
+                f"attention site {self.route.name!r} runs only its own code ({self.route.own.name})"
+            )
+
+
+def watch_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
+    """``module``'s forward for a site decided at its first call whose route runs
+    only its own code (softmax by hand, or the attention function its config
+    names): each call's attention facts are read from its first SDPA call or
+    softmax of a scores product (:class:`_Watch`) and checked by ``route``;
+    the computation is the module's own, untouched (bit-identical)."""
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with _Watch(route):
+            return original(*args, **kwargs)
+
+    return forward
 
 
 def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:

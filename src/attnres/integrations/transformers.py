@@ -18,9 +18,12 @@ Importing this module imports torch and transformers.
 
 from __future__ import annotations
 
+import ast
 import dis
 import math
+import sys
 import types
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -322,7 +325,9 @@ def _with_call_facts(
     req: Requirements, module: Any, head_size: int, backward: bool
 ) -> Requirements:
     """What every transformers attention call passes besides q, k, v: ``scaling``
-    (T5 uses 1.0), ``sliding_window`` (set per layer) and a logit softcap."""
+    (T5 uses 1.0), ``sliding_window`` (set per layer), a logit softcap and
+    (issue 19) attention sinks: a module holding ``sinks`` passes them (GPT-OSS's
+    ``s_aux``), which only a kernel implementing them computes."""
     config = getattr(module, "config", None)
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is None and config is not None:
@@ -333,7 +338,46 @@ def _with_call_facts(
         custom_scale=custom_scale(getattr(module, "scaling", None), head_size),
         sliding_window=getattr(module, "sliding_window", None) is not None,
         softcap=softcap is not None,
+        # (a module that holds no sinks, ``sinks = None``, passes none)
+        sinks=_passes_sinks(type(module)) and getattr(module, "sinks", True) is not None,
     )
+
+
+#: the keyword arguments an attention call passes attention sinks as (GPT-OSS's
+#: ``s_aux``, Inkling2's per-token ``sinks``; transformers 5.24)
+_SINK_ARGUMENTS = frozenset({"s_aux", "sinks"})
+
+
+#: class -> whether its code passes attention sinks (read once per class)
+_SINKS_READ: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _passes_sinks(cls: type) -> bool:
+    """Whether the code of ``cls``'s own methods passes attention sinks to a call
+    (a keyword :data:`_SINK_ARGUMENTS` given a value other than ``None``), read
+    from their source."""
+    known = _SINKS_READ.get(cls)
+    if known is None:
+        known = _SINKS_READ[cls] = _reads_sinks(cls)
+    return known
+
+
+def _reads_sinks(cls: type) -> bool:
+    for klass in cls.__mro__:
+        if klass in _SHARED_BASES or klass.__module__.startswith("torch.") or klass is object:
+            continue
+        for func in vars(klass).values():
+            tree = _route.source_tree(func) if isinstance(func, types.FunctionType) else None
+            if tree is None:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and any(
+                    k.arg in _SINK_ARGUMENTS
+                    and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+                    for k in node.keywords
+                ):
+                    return True
+    return False
 
 
 def _compute_dtype(module: Any, model: Any) -> str:
@@ -402,6 +446,8 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
             continue
         cls = type(module).__name__
         facts = _head_facts(module)
+        site_current = getattr(module.config, "_attn_implementation", current_name)
+        current = _BY_FUNCTION.get(site_current or "eager")
         if facts is None:
             out.append(
                 SiteDescription(
@@ -414,8 +460,12 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
                     heads=None,
                     kv_heads=None,
                     dtype=site_dtype,
+                    current=None if current is None else Backend(current),
+                    # issue 19: its facts are read from its first call (the attention
+                    # function's products or SDPA call, _route.watch_forward)
+                    pending=True,
                     why=f"{cls} calls the attention interface but holds no head count or "
-                    f"head size attnres can read",
+                    f"head size; they are read from the query and key of its first call",
                 )
             )
             continue
@@ -426,8 +476,6 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
             if fact is not None
             else _observed_requirements(module, heads, kv_heads)
         )
-        site_current = getattr(module.config, "_attn_implementation", current_name)
-        current = _BY_FUNCTION.get(site_current or "eager")
         owner = _owner(by_name, name, model)
         out.append(
             SiteDescription(
@@ -469,11 +517,11 @@ def _owner(modules: Mapping[str, Any], name: str, model: Any) -> Any:
 
 
 def _site_backends(owner: Any, module: Any) -> frozenset[Backend]:
-    """What the attention interface can execute at one site. A module holding
-    attention sinks (``sinks``, passed as ``s_aux``: GPT-OSS) runs only
-    transformers' own functions, which implement them; attnres's does not."""
-    if isinstance(getattr(module, "sinks", None), torch.Tensor):
-        return _native_backends(owner)
+    """What the attention interface can execute at one site. Issue 19: a module
+    holding attention sinks (``sinks``, passed as ``s_aux``: GPT-OSS) requires
+    them (:func:`_with_call_facts`), which the machine checks against each
+    kernel's declared facts (``requirement_unmet``: "attention sinks"); the
+    backends implementing them run through transformers' own functions."""
     return route_backends(owner)
 
 
@@ -491,7 +539,13 @@ def _describe_own(
 ) -> SiteDescription:
     """A module that calls SDPA itself (the generic route) or computes softmax
     attention by hand (its own code path, ``eager`` only). Its mask is whatever
-    its own code builds: observed at its first call on the generic route."""
+    its own code builds: observed at its first call on the generic route.
+
+    Issue 19: a module that holds no head facts is decided at its first call
+    (its facts read from the query and key its first call brings,
+    :func:`._route.watch_forward` for softmax by hand); a by-hand module whose
+    softmax is not softmax attention (read from its source,
+    :func:`_not_softmax_attention`) is recorded as such."""
     cls = type(module).__name__
     facts = _head_facts(module)
     routed = kind == _SDPA
@@ -502,15 +556,29 @@ def _describe_own(
         req = _with_call_facts(
             attrs.evolve(req, gqa=facts[1] < facts[0]), module, facts[2], backward
         )
+    route = (
+        f"{_GENERIC} (SDPA in {cls})" if routed else f"eager in {cls} (softmax attention by hand)"
+    )
+    not_attention = None if routed else _not_softmax_attention(module)
+    if not_attention is not None:
+        return SiteDescription(
+            component=component,
+            name=name,
+            module_class=cls,
+            route=f"own code in {cls}",
+            supported=None,
+            head_size=None,
+            heads=None,
+            kv_heads=None,
+            dtype=dtype,
+            softmax=False,
+            why=f"{cls} {not_attention}",
+        )
     return SiteDescription(
         component=component,
         name=name,
         module_class=cls,
-        route=(
-            f"{_GENERIC} (SDPA in {cls})"
-            if routed
-            else f"eager in {cls} (softmax attention by hand)"
-        ),
+        route=route,
         supported=None if routed else frozenset({only}),
         head_size=head_size,
         heads=heads,
@@ -519,16 +587,228 @@ def _describe_own(
         role=_self(name, module),
         requirements=attrs.evolve(req, backward=backward),
         current=only,
-        pending=routed and facts is None,
-        routed=routed,
+        pending=facts is None,
+        # a by-hand site decided at its first call gets a route that watches it
+        routed=routed or facts is None,
         why=None
         if facts is not None
         else (
             f"{cls} holds no head count and head size; they are read from the query, key "
             f"and value of its first call"
             if routed
-            else f"{cls} holds no head count or head size attnres can read"
+            else f"{cls} holds no head count or head size; they are read from the query "
+            f"and key of the scores product its first call computes"
         ),
+    )
+
+
+#: the softmaxes attention normalises its scores with (by hand)
+_SOFTMAXES = frozenset({"softmax", "hard_softmax", "gumbel_softmax"})
+#: calls that hold the tensor as their first argument (``F.softmax(x, dim)``),
+#: not as the receiver (``x.softmax(dim)``)
+_FUNCTIONAL = frozenset({"F", "torch", "functional", "nn"})
+
+
+def _not_softmax_attention(module: Any) -> str | None:
+    """Why ``module``'s softmax of a product is not softmax attention, read from
+    the source of its own classes' methods (``None``: it is, or the source cannot
+    tell). Softmax attention normalises query-key scores (a product of two
+    tensors) over the keys (the last axis) and multiplies the result with the
+    values; a module whose every softmax normalises another axis, whose softmax
+    takes no product, or whose softmax's result reaches no product, is not. A
+    product is a matrix product, or a call of a helper whose code computes one (a
+    method of its own, a function of its module, a submodule). On transformers
+    5.24's 81 classes computing softmax by hand this records exactly three:
+    GroupViT's assignment, SwiftFormer's additive attention and MGP-STR's token
+    learner."""
+    trees = []
+    for cls in type(module).__mro__:
+        if cls in _SHARED_BASES or cls.__module__.startswith("torch.") or cls is object:
+            continue
+        for func in vars(cls).values():
+            if isinstance(func, types.FunctionType):
+                tree = _route.source_tree(func)
+                if tree is None:
+                    return None
+                trees.append((func.__name__, tree))
+    calls = [
+        (fn, node)
+        for fn, tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and _called(node) in _SOFTMAXES
+    ]
+    if not calls:
+        return None
+    dims = [_softmax_dim(node) for _, node in calls]
+    if all(isinstance(d, int) and d < -1 for d in dims):
+        return (
+            f"normalises its scores over axis {dims[0]} (softmax dim={dims[0]}), not over "
+            f"the keys: an assignment, not softmax attention"
+        )
+    returning = {fn for fn, tree in trees if _returns_softmax(tree)}
+    # a helper (a method of its own, or a function of its module) whose code
+    # multiplies matrices counts as a product where it is called
+    helpers = {fn for fn, tree in trees if any(_is_product(n) for n in ast.walk(tree))}
+    # (and a submodule whose own code does: a relative-position scorer)
+    helpers |= {name for name, child in module.named_children() if _own_calls(child) & _PRODUCTS}
+    glob = vars(sys.modules.get(type(module).__module__, types))
+    for _, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                value = glob.get(node.func.id)
+                helper = (
+                    _route.source_tree(value) if isinstance(value, types.FunctionType) else None
+                )
+                if helper is not None and any(_is_product(n) for n in ast.walk(helper)):
+                    helpers.add(node.func.id)
+
+    def product(node: ast.AST) -> bool:
+        if _is_product(node):
+            return True
+        if not isinstance(node, ast.Call):
+            return False
+        name = _self_call(node) or (node.func.id if isinstance(node.func, ast.Name) else None)
+        return name in helpers
+
+    for fn, tree in trees:
+        if fn != "forward":
+            continue
+        scores = _flow(tree, product)
+        probs = _flow(
+            tree,
+            lambda n: (
+                isinstance(n, ast.Call)
+                and (_called(n) in _SOFTMAXES or (_self_call(n) in returning))
+            ),
+        )
+        softmaxes = [
+            n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) in _SOFTMAXES
+        ]
+        args = [_softmax_input(n) for n in softmaxes]
+        if args and all(a is not None and not _mentions(a, scores, product) for a in args):
+            return (
+                "normalises no product of two tensors (no query-key scores: a learned "
+                "projection's softmax, a token learner), not softmax attention"
+            )
+        used = [
+            n
+            for n in ast.walk(tree)
+            if product(n) and any(_mentions(o, probs, lambda x: False) for o in _operands(n))
+        ]
+        if softmaxes and not used:
+            return (
+                "multiplies its softmax's result with no values (it weighs and sums "
+                "elementwise: additive attention), not softmax attention"
+            )
+    return None
+
+
+def _called(node: ast.Call) -> str | None:
+    func = node.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
+
+
+def _self_call(node: ast.Call) -> str | None:
+    func = node.func
+    if (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Name)
+        and func.value.id == "self"
+    ):
+        return func.attr
+    return None
+
+
+def _functional(node: ast.Call) -> bool:
+    """``F.softmax(x)`` / ``torch.softmax(x)`` / ``nn.functional.softmax(x)`` /
+    ``hard_softmax(x)`` / ``self.softmax(x)`` (a submodule): the tensor is the first
+    argument."""
+    func = node.func
+    if isinstance(func, ast.Name) or _self_call(node) is not None:
+        return True
+    base = func.value if isinstance(func, ast.Attribute) else None
+    while isinstance(base, ast.Attribute):
+        if base.attr in _FUNCTIONAL:
+            return True
+        base = base.value
+    return isinstance(base, ast.Name) and base.id in _FUNCTIONAL
+
+
+def _softmax_input(node: ast.Call) -> ast.AST | None:
+    if _functional(node):
+        return node.args[0] if node.args else None
+    func = node.func
+    return func.value if isinstance(func, ast.Attribute) else None
+
+
+def _softmax_dim(node: ast.Call) -> int | None:
+    given = [k.value for k in node.keywords if k.arg == "dim"]
+    if not given:
+        position = 1 if _functional(node) else 0
+        given = node.args[position : position + 1]
+    value = given[0] if given else None
+    if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.USub):
+        inner = value.operand
+        if isinstance(inner, ast.Constant) and isinstance(inner.value, int):
+            return -inner.value
+    if isinstance(value, ast.Constant) and isinstance(value.value, int):
+        return value.value
+    return None
+
+
+def _is_product(node: ast.AST) -> bool:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+        return True
+    return isinstance(node, ast.Call) and _called(node) in _PRODUCTS
+
+
+def _operands(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.BinOp):
+        return [node.left, node.right]
+    assert isinstance(node, ast.Call)
+    out: list[ast.AST] = [*node.args, *(k.value for k in node.keywords)]
+    return out + ([node.func.value] if isinstance(node.func, ast.Attribute) else [])
+
+
+def _mentions(node: ast.AST, names: set[str], source: Callable[[ast.AST], bool]) -> bool:
+    """Whether ``node`` holds one of ``names`` or a node ``source`` matches."""
+    return any((isinstance(n, ast.Name) and n.id in names) or source(n) for n in ast.walk(node))
+
+
+def _flow(tree: ast.AST, source: Callable[[ast.AST], bool]) -> set[str]:
+    """The local names that hold a value computed from a node ``source`` matches
+    (assignments followed to a fixed point)."""
+    names: set[str] = set()
+    assigns = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+    ]
+    changed = True
+    while changed:
+        changed = False
+        for node in assigns:
+            if node.value is None or not _mentions(node.value, names, source):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name) and n.id not in names:
+                        names.add(n.id)
+                        changed = True
+    return names
+
+
+def _returns_softmax(tree: ast.AST) -> bool:
+    """Whether a function returns a value computed from its softmax."""
+    names = _flow(tree, lambda n: isinstance(n, ast.Call) and _called(n) in _SOFTMAXES)
+    return any(
+        isinstance(n, ast.Return)
+        and n.value is not None
+        and _mentions(
+            n.value, names, lambda x: isinstance(x, ast.Call) and _called(x) in _SOFTMAXES
+        )
+        for n in ast.walk(tree)
     )
 
 
@@ -587,6 +867,7 @@ def prepare(
     sites: dict[str, Site] = {}
     problems: list[str] = []
     actions: list[Callable[[], None]] = []
+    watched: list[tuple[Site, Any]] = []
     for site in result.sites:
         if site.component != component or (site.resolution is None and not site.pending):
             continue
@@ -607,6 +888,9 @@ def prepare(
                     )
                     continue
                 actions.append(_route_installer(model, component, module, site, result))
+            continue
+        if site.route == ROUTE and site.pending:
+            watched.append((site, module))
             continue
         if site.route != ROUTE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
@@ -641,6 +925,32 @@ def prepare(
         decided.setdefault(key, []).append(site.name)
         if spec is not None:
             sites[site.name] = site
+    for site, module in watched:
+        # issue 19: an interface site decided at its first call runs the function
+        # its config names (set by the sites sharing it, or as it was)
+        shared = groups.get(id(module.config), (None, {}))[1]
+        given: str | None = next(iter(shared)) if len(shared) == 1 else None
+        if given is not None and given.startswith(_hf_attention.NAME + ":"):
+            # attnres's function: it binds the site at its first call itself, from
+            # the query and key it is given (each call checked, as everywhere)
+            shared[given].append(site.name)
+            sites[site.name] = site
+            continue
+        runs = given or getattr(module.config, "_attn_implementation", None) or "eager"
+        own = _BY_FUNCTION.get(runs)
+        if own is None or own not in _WATCHED:
+            problems.append(
+                f"{component}/{site.name}: decided at its first call, and the attention "
+                f"function its config runs ({runs}) is not one whose call attnres can "
+                f"check before it runs ({', '.join(sorted(_WATCHED))} or attnres's own); "
+                f"give this component one of those backends"
+            )
+            continue
+        # transformers' eager or sdpa: its first call is watched before it runs
+        route = f"{ROUTE} ({runs}, the function its config names)"
+        actions.append(
+            _route_installer(model, component, module, site, result, Backend(own), route)
+        )
     for cfg, decided in groups.values():
         if len(decided) > 1:
             problems.append(
@@ -655,21 +965,42 @@ def prepare(
     return actions, problems
 
 
+#: what an interface site decided at its first call may run: the backends whose
+#: call :func:`._route.watch_forward` sees before it runs (transformers' eager
+#: function computes the scores product, its sdpa function calls SDPA)
+_WATCHED = frozenset({"eager", "torch_sdpa"})
+
+
 _ROUTED_ATTR = "_attnres_routed"
 
 
 def _route_installer(
-    model: Any, component: str, module: Any, site: Site, result: IntegrationPlan
+    model: Any,
+    component: str,
+    module: Any,
+    site: Site,
+    result: IntegrationPlan,
+    own_backend: Backend | None = None,
+    own_route: str | None = None,
 ) -> Callable[[], None]:
     """Install the generic route on one site: a module that calls SDPA itself (as
     diffusers' sites), or a MultiheadAttention (its own math, the attention the
-    decided kernel)."""
+    decided kernel); issue 19: a site decided at its first call whose route runs
+    only its own code (softmax by hand, or ``own_backend`` through the attention
+    interface) is watched (:func:`._route.watch_forward`)."""
+    watched = site.pending and not site.route.startswith(_GENERIC)
+    if watched and own_route is None:
+        own_route = site.route
 
     def install() -> None:
-        route = _route.site_route(site, result.config, result.platform)
+        route = _route.site_route(
+            site, result.config, result.platform, own_backend, own_route if watched else None
+        )
         own = (
             _route.mha_forward(module, route)
             if isinstance(module, torch.nn.MultiheadAttention)
+            else _route.watch_forward(module, route)
+            if watched
             else None
         )
         _route.install_route(module, route, own)
@@ -697,7 +1028,9 @@ def _installer(
             # the state before the first apply (issue 20, item 13)
             old = earlier.old
             installs.remove(earlier)
-        backend = _BY_FUNCTION.get(function) or sites[names[0]].backend.name  # type: ignore[union-attr]
+        backend = _BY_FUNCTION.get(function) or next(
+            s.backend.name for n in names if (s := sites[n]).backend is not None
+        )
         rec = _Install(cfg, old, function, backend)
         cfg._attn_implementation_internal = function
         for name in names:

@@ -7,8 +7,11 @@ mask keeps ``True`` positions (others get -inf), a float mask is added; causal i
 the top-left lower triangle; a sliding ``window=(left, right)`` keeps keys
 ``i - left .. i + right`` of query ``i`` (-1: unbounded), on the same diagonal;
 ``softcap`` (> 0) caps the scaled scores to ``softcap * tanh(scores / softcap)``
-before masks apply (flash-attn's order); GQA repeats each k/v head heads_q // heads_kv times
-(``repeat_interleave``, the grouping SDPA's ``enable_gqa`` uses).
+before masks apply (flash-attn's order); ``sinks`` (issue 19: one learned logit
+per query head, shape ``(heads_q,)``) join every row's softmax and take their share
+of it, their value column zero (GPT-OSS's ``eager_attention_forward`` in
+transformers 5.24 concatenates them to the scores the same way); GQA repeats each
+k/v head heads_q // heads_kv times (``repeat_interleave``, the grouping SDPA's ``enable_gqa`` uses).
 
 Accumulation runs in float32 at least (float64 inputs stay float64); the output
 is cast back to q's dtype. A row whose every key is masked out returns zeros, as
@@ -44,6 +47,7 @@ def make_kernel() -> KernelFn:
         *,
         softcap: float = 0.0,
         window: tuple[int, int] | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         acc = torch.promote_types(q.dtype, torch.float32)
         head_size = q.shape[-1]
@@ -77,8 +81,14 @@ def make_kernel() -> KernelFn:
         # there, so exp() gives 0 everywhere and the row sums to 0 -> output 0.
         row_max = scores.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        sink: Tensor | None = None
+        if sinks is not None:
+            sink = sinks.to(acc).view(1, -1, 1, 1)
+            row_max = torch.maximum(row_max, sink)
         weights = torch.exp(scores - row_max)
         denom = weights.sum(dim=-1, keepdim=True)
+        if sink is not None:
+            denom = denom + torch.exp(sink - row_max)
         weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
         out = torch.matmul(weights, vh)
         return out.transpose(1, 2).to(q.dtype)
