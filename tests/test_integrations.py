@@ -463,6 +463,27 @@ def test_an_unknown_module_calling_sdpa_is_a_site_decided_at_first_call():
     assert site.status is Status.PENDING and site.routed and site.name == "block"
 
 
+def test_a_site_calling_sdpa_with_no_heads_dimension_runs_as_one_head():
+    # SDPA takes (batch, seq, dim) with no heads dimension (the HunyuanImage VAE's
+    # attention block calls it so): the route sees one head and runs every query
+    # over the whole sequence; before, it swapped batch and sequence, and each
+    # token attended to itself only
+    model = _Model()
+    q = torch.randn(2, 5, 8)
+    ref = model.block(q)
+    idf.apply({"transformer": model}, SelectionConfig(global_backend="eager"))
+    try:
+        out = model.block(q)
+        (route,) = idf.routes({"transformer": model}).values()
+        (first,) = route.first_calls
+    finally:
+        idf.remove({"transformer": model})
+    assert first.backend.name == "eager"
+    assert (first.facts.heads, first.facts.head_size) == (1, 8)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_not_softmax_attention_is_recorded_with_its_reason():
     from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
 

@@ -35,6 +35,7 @@ from attnres._states import Status
 from attnres._vocab import MaskKind
 from attnres.integrations import _route
 from attnres.integrations import diffusers as idf
+from attnres.integrations import transformers as itf
 
 EAGER = SelectionConfig(global_backend="eager")
 COMPONENT = "transformer"  # strict: the global flag is aimed at it
@@ -54,6 +55,9 @@ class Result:
     not_reached: list[str] = field(default_factory=list)
     pending: int = 0
     by_hand: int = 0
+    #: transformers interface sites (nested in a diffusers model) whose config
+    #: names the decided function: no route, transformers calls it
+    interface: int = 0
     #: site -> the mask kinds its calls brought (observed by the spy)
     masks: dict[str, set[MaskKind]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -92,11 +96,17 @@ def _state(model: torch.nn.Module) -> dict[str, Any]:
         "forwards": {n: m.__dict__.get("forward") for n, m in model.named_modules()},
         "state": {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()},
         "homes": {k for k in sys.modules if k.startswith("attnres._routed_")},
+        "functions": {  # a nested transformers model's attention function
+            n: m.config.__dict__.get("_attn_implementation_internal")
+            for n, m in model.named_modules()
+            if itf.is_transformers_model(m)
+        },
     }
 
 
 def _same_state(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    out = [k for k in ("modules", "processors", "forwards", "homes") if a[k] != b[k]]
+    keys = ("modules", "processors", "forwards", "homes", "functions")
+    out = [k for k in keys if a[k] != b[k]]
     if a["state"].keys() != b["state"].keys() or any(
         a["state"][k][0] != b["state"][k][0] or not torch.equal(a["state"][k][1], b["state"][k][1])
         for k in a["state"]
@@ -106,7 +116,15 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def _installed(model: torch.nn.Module) -> int:
-    return sum(1 for m in model.modules() if "_attnres_pin" in m.__dict__)
+    """Sites apply governs: pinned diffusers modules, and the sites of a nested
+    transformers model (its config's function, or a route)."""
+    count = sum(1 for m in model.modules() if "_attnres_pin" in m.__dict__)
+    for m in model.modules():
+        if itf.is_transformers_model(m):
+            installs = m.__dict__.get(itf._INSTALLED_ATTR, [])
+            named = {name for rec in installs for _, name, _ in rec.sites}
+            count += len(named | set(m.__dict__.get(itf._ROUTED_ATTR, {})))
+    return count
 
 
 class _Spy:
@@ -186,9 +204,15 @@ def check(name: str, model: torch.nn.Module, inputs: Any) -> Result:
     # --- explicit eager on a strict component: installed and running at every site
     sites = {s.name: s for s in plan.sites if s.status in (Status.SELECTED, Status.PENDING)}
     reached = _reached(model, set(sites), inputs)
+    modules = dict(model.named_modules())
     with _Spy() as spy:
         eager = idf.apply(comps, EAGER)
         routes = {k.split("/", 1)[1]: r for k, r in idf.routes(comps).items()}
+        functions = {
+            s.name: getattr(modules[s.name].config, "_attn_implementation", None)
+            for s in eager.sites
+            if s.route == itf.ROUTE
+        }
         out = _run(model, inputs)
         idf.remove(comps)
     if _same_state(before, _state(model)):
@@ -202,6 +226,12 @@ def check(name: str, model: torch.nn.Module, inputs: Any) -> Result:
             continue
         if _BY_HAND in site.route:  # softmax by hand: eager is its own code, no route
             res.by_hand += 1
+            continue
+        if site.name in functions:  # transformers calls the function its config names
+            if functions[site.name] != "eager":
+                everywhere = False
+                res.problems.append(f"eager: {site.name} runs {functions[site.name]!r}")
+            res.interface += 1
             continue
         route = routes.get(site.name)
         if route is None:
@@ -235,6 +265,42 @@ def check(name: str, model: torch.nn.Module, inputs: Any) -> Result:
     ) and len(out) == len(ref)
     if not close:
         res.problems.append("eager: output differs from the untouched model's beyond 1e-3")
+    return res
+
+
+def check_without_forward(name: str, model: torch.nn.Module) -> Result:
+    """The checks that need no forward, for a class built tiny that cannot be run
+    here: the plan with no flag is ok; ``apply`` installs a pin at every governed
+    site and ``remove`` restores the modules, processors, instance forwards and
+    ``state_dict`` exactly; an explicit strict ``eager`` installs its route at
+    every governed site (softmax by hand excepted: eager is its own code)."""
+    res = Result(name)
+    comps = {COMPONENT: model}
+    before = _state(model)
+    plan = idf.apply(comps)
+    res.sites = len(plan.sites)
+    res.installed = _installed(model)
+    governed = {s.name for s in plan.sites if s.status in (Status.SELECTED, Status.PENDING)}
+    if not plan.ok or res.installed != len(governed):
+        res.problems.append(f"no flag: ok={plan.ok}, {res.installed} installed for {governed}")
+    res.removed = idf.remove(comps)
+    changed = _same_state(before, _state(model))
+    res.remove_exact = res.removed == res.installed and not changed
+    if not res.remove_exact:
+        res.problems.append(f"remove: {res.removed} for {res.installed}; changed: {changed}")
+    eager = idf.apply(comps, EAGER)
+    routes = {k.split("/", 1)[1] for k in idf.routes(comps)}
+    idf.remove(comps)
+    missing = [
+        s.name
+        for s in eager.sites
+        if s.name in governed and _BY_HAND not in s.route and s.name not in routes
+    ]
+    res.eager_everywhere = eager.ok and not missing
+    if not res.eager_everywhere:
+        res.problems.append(f"eager: ok={eager.ok}, no route at {missing[:2]}")
+    if _same_state(before, _state(model)):
+        res.problems.append("eager: remove did not restore")
     return res
 
 

@@ -347,10 +347,41 @@ _MASK_WORDS = {
 }
 
 
+def _is_block_mask(attn_mask: Any) -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return isinstance(attn_mask, BlockMask)
+
+
+def dense_mask(attn_mask: Any, q: Any, k: Any, seq_dim: int) -> Any:
+    """A flex ``BlockMask`` as the boolean mask it stands for (its ``mask_mod`` over
+    every query and key position of the call; True: attend), for a kernel that
+    takes a dense mask (issue 19: a processor that builds a BlockMask for flex
+    only, as AnyFlow FAR's and the LTX-2 diffusion decoder's). Any other mask is
+    returned as it is."""
+    if attn_mask is None or not _is_block_mask(attn_mask):
+        return attn_mask
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch, heads = attn_mask.shape[0], attn_mask.shape[1]
+    return create_mask(
+        attn_mask.mask_mod,
+        batch,
+        heads,
+        int(q.shape[seq_dim]),
+        int(k.shape[seq_dim]),
+        device=q.device,
+    )
+
+
 def _observe_mask(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> MaskFacts:
     """The mask of one call as :class:`MaskFacts`, its kind observed (issue 22)."""
     if attn_mask is None:
         return MaskFacts(False)
+    if _is_block_mask(attn_mask):
+        # a flex BlockMask: a boolean mask over arbitrary positions (its mask_mod),
+        # told without building it
+        return MaskFacts(True, "bool", tuple(int(d) for d in attn_mask.shape), MaskKind.BOOLEAN)
     seq_dim = -2 if heads_dim == -3 else -3  # SDPA (B, H, S, D); dispatcher (B, S, H, D)
     batch = int(q.shape[0]) if q.dim() == 4 else 1
     seen = observe_mask(attn_mask, batch, int(q.shape[seq_dim]), int(k.shape[seq_dim]))
@@ -667,6 +698,10 @@ class GenericRoute:
         #: ``sage_varlen`` or ``flash_varlen``, which assume right padding) is not
         #: what the decision said
         self.dispatch_sdpa: Any = None
+        #: issue 19: a site decided at first call whose own code runs a kernel of
+        #: its choosing (a processor that declares flex) keeps it with no flag, as
+        #: a planned site's ``preferred`` does (set by the diffusers integration)
+        self.keeps_own = False
         self.planned = (
             None
             if spec is None or heads is None
@@ -732,8 +767,21 @@ class GenericRoute:
         scale: float | None = None,
         **extra: Any,
     ) -> Any:
-        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim)."""
-        kernel = self.kernel_for(q, k, attn_mask, dropout_p, is_causal, scale, -3)
+        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim).
+        A call with no heads dimension (batch, seq, dim), as SDPA allows (the
+        HunyuanImage VAE's attention block makes one), is one head: it is seen
+        and run as (batch, 1, seq, dim)."""
+        flat = q.dim() == 3
+        if flat:
+            q4, k4, v4 = q.unsqueeze(-3), k.unsqueeze(-3), v.unsqueeze(-3)
+            m4 = (
+                attn_mask.unsqueeze(-3)
+                if attn_mask is not None and attn_mask.dim() == 3
+                else attn_mask
+            )
+        else:
+            q4, k4, v4, m4 = q, k, v, attn_mask
+        kernel = self.kernel_for(q4, k4, m4, dropout_p, is_causal, scale, -3)
         if kernel is None:
             return _SDPA(
                 q,
@@ -746,14 +794,14 @@ class GenericRoute:
                 **extra,
             )
         out = kernel(
-            q.transpose(-3, -2),
-            k.transpose(-3, -2),
-            v.transpose(-3, -2),
-            attn_mask,
+            q4.transpose(-3, -2),
+            k4.transpose(-3, -2),
+            v4.transpose(-3, -2),
+            m4,
             is_causal,
             scale,
-        )
-        return out.transpose(-3, -2)
+        ).transpose(-3, -2)
+        return out.squeeze(-3) if flat else out
 
     def kernel_for(
         self,
@@ -865,7 +913,8 @@ class GenericRoute:
                     attention_kwargs,
                     **rest,
                 )
-            return kernel(query, key, value, attn_mask, is_causal, scale)
+            mask = dense_mask(attn_mask, query, key, -3)
+            return kernel(query, key, value, mask, is_causal, scale)
 
         return dispatch
 
@@ -887,6 +936,8 @@ class GenericRoute:
                 self.kernels[facts.key()] = kernel
                 return kernel
             spec = facts.spec(self.spec, self.name, self.own)
+            if self.spec is None and self.keeps_own and spec.preferred is None:
+                spec = attrs.evolve(spec, preferred=frozenset({self.own}))
             if self.spec is None and self.own_route is not None and spec.supported is None:
                 # decided at first call on a route that runs only its own code
                 spec = attrs.evolve(

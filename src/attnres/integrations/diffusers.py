@@ -92,6 +92,8 @@ __all__ = [
 
 ROUTE_DISPATCHER = "diffusers dispatcher"
 ROUTE_GENERIC = "generic route"
+#: the words of a site whose processor declares the backends its call runs
+DECLARES = "declares"
 
 #: attnres backend -> the diffusers ``AttentionBackendName`` value that runs it
 #: (diffusers 0.42.1; a context-parallel site runs only these). Hub kernels
@@ -337,12 +339,16 @@ def _code_words(code: types.CodeType, out: set[str]) -> None:
 
 
 def passes_masks(model: Any) -> bool:
-    """Whether ``model``'s own code (the methods of its classes defined where it is)
-    takes, builds or hands on an attention mask: a parameter, local or keyword
-    name ending in ``mask`` (issue 22: a DiT that turns the prompt's padding, or
-    text lengths, into a mask for its attention)."""
+    """Whether ``model``'s own code (the methods of its classes defined where it is,
+    and its ``forward`` wherever that is defined: DreamLite's UNet inherits
+    UNet2DConditionModel's) takes, builds or hands on an attention mask: a
+    parameter, local or keyword name ending in ``mask`` (issue 22: a DiT that
+    turns the prompt's padding, or text lengths, into a mask for its attention)."""
     words: set[str] = set()
     home = type(model).__module__
+    forward = getattr(inspect.unwrap(type(model).forward), "__code__", None)
+    if isinstance(forward, types.CodeType):
+        _code_words(forward, words)
     for cls in type(model).__mro__:
         if cls.__module__ != home:
             continue
@@ -514,6 +520,16 @@ def describe_sites(
     for name, module in model.named_modules():
         if not name or any(name.startswith(s + ".") for s in inside):
             continue
+        if _tf.is_transformers_model(module):
+            # issue 19: a transformers model held by a diffusers one (UniDiffuser's
+            # GPT-2 text decoder): its sites are found as the transformers
+            # integration finds them, named by their path in this component
+            out += [
+                attrs.evolve(d, name=f"{name}.{d.name}")
+                for d in _tf.describe_sites(module, component, dtype)
+            ]
+            inside.append(name)
+            continue
         site_dtype = dtype or _dtype_of(module, fallback)
         parent = model.get_submodule(name.rpartition(".")[0])
         desc = _describe(
@@ -536,6 +552,16 @@ def describe_sites(
         out = [
             attrs.evolve(d, layout=context_parallel_layout(model, d.heads, d.kv_heads)) for d in out
         ]
+    return out
+
+
+def _nested_transformers(model: Any) -> list[tuple[str, Any]]:
+    """The outermost transformers models a diffusers model holds, by name."""
+    out: list[tuple[str, Any]] = []
+    for name, module in model.named_modules():
+        held = any(name.startswith(n + ".") for n, _ in out)
+        if name and not held and _tf.is_transformers_model(module):
+            out.append((name, module))
     return out
 
 
@@ -608,15 +634,25 @@ def _describe(
         )
     declared = _declared_backends(processor)
     if declared is not None:
-        # its call runs only the dispatcher backends it declares (AnyFlow's causal
-        # processor builds a flex BlockMask): pinned on a copy, as context parallel is
+        # issue 19: a processor that declares the dispatcher backends it runs builds
+        # its call for them (AnyFlow FAR's and the LTX-2 diffusion decoder's build a
+        # flex BlockMask, and AnyFlow pads a head size under 16 to 16): the module's
+        # head facts do not describe the call, so the site is decided at its first
+        # call from what it passes; the route runs its own code (the declared
+        # backend) or another kernel, the BlockMask as the boolean mask it stands for
+        base.update(
+            heads=None, kv_heads=None, head_size=None, requirements=Requirements(backward=backward)
+        )
         return SiteDescription(
             **base,
-            route=f"{ROUTE_DISPATCHER} (the backends {owner} declares) via {owner}",
-            supported=declared,
+            route=f"{ROUTE_GENERIC} (dispatcher in {owner}, which {DECLARES} "
+            f"{', '.join(sorted(b.name for b in declared))})",
+            supported=None,
             current=_dispatcher_current(processor),
-            pending=facts is None,
-            host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
+            pending=True,
+            routed=True,
+            why=f"{owner} declares the backends its call runs and builds that call "
+            f"itself: its head facts and mask are read from its first call",
         )
     if _route.SDPA in names or _route.DISPATCHER in names:
         current = (
@@ -817,8 +853,15 @@ def _prepare(
             actions += acts
             problems += probs
             continue
+        nested = _nested_transformers(model)
+        for prefix, inner in nested:  # issue 19: installed as the transformers ones
+            acts, probs = _tf.prepare(inner, result, comp, prefix)
+            actions += acts
+            problems += probs
         modules = dict(model.named_modules())
         for site in by_component.get(comp, []):
+            if any(site.name.startswith(prefix + ".") for prefix, _ in nested):
+                continue
             module = modules[site.name]
             processor = getattr(module, "processor", None)
             if site.pending:  # decided at first call: the route resolves it then
@@ -933,8 +976,13 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
         # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
         # dense kernel cannot take a key-padding mask); softmax by hand stays eager
         own = site.current if site.current == Backend("eager") else Backend("torch_sdpa")
+        declared = _declared_backends(original) is not None
+        if declared and site.current is not None:  # its own path is what it declares
+            own = site.current
         route = _route.site_route(site, config, platform, own=own)
-        route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
+        route.keeps_own = declared
+        if not declared:
+            route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
         routed = None if original is None else _route.routed_processor(original, route)
         if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
             _route.install_route(module, route, _route.mha_forward(module, route))
@@ -995,6 +1043,8 @@ def routes(pipe: Any) -> dict[str, _route.GenericRoute]:
             pin = module.__dict__.get(_PIN_ATTR)
             if pin is not None and pin.route is not None:
                 out[f"{pin.component}/{pin.name}"] = pin.route
+            if _tf.is_transformers_model(module):  # a component, or nested (issue 19)
+                out.update(_tf.routes(module))
     return out
 
 
@@ -1010,6 +1060,8 @@ def verify(pipe: Any) -> list[Problem]:
         if _tf.is_transformers_model(model):
             problems += _tf.verify_model(model)
             continue
+        for _, inner in _nested_transformers(model):
+            problems += _tf.verify_model(inner)
         fallback = normalize_dtype(getattr(model, "dtype", torch.float32))
         for _, module in model.named_modules():
             pin = module.__dict__.get(_PIN_ATTR)
@@ -1069,6 +1121,8 @@ def remove(pipe: Any) -> int:
         if _tf.is_transformers_model(model):
             count += _tf.remove(model)
             continue
+        for _, inner in _nested_transformers(model):
+            count += _tf.remove(inner)
         for _, module in model.named_modules():
             pin = module.__dict__.get(_PIN_ATTR)
             if pin is not None:

@@ -854,13 +854,15 @@ _INSTALLED_ATTR = "_attnres_installed"
 
 
 def prepare(
-    model: Any, result: IntegrationPlan, component: str
+    model: Any, result: IntegrationPlan, component: str, prefix: str = ""
 ) -> tuple[list[Callable[[], None]], list[str]]:
     """The actions that install ``result``'s decisions for one model, and problems.
 
-    Nothing is changed until the actions run.
+    ``prefix``: the model's name inside the component it is nested in (a
+    transformers model held by a diffusers model, issue 19); only the sites
+    under it are this model's. Nothing is changed until the actions run.
     """
-    modules = dict(model.named_modules())
+    modules = {".".join(p for p in (prefix, n) if p): m for n, m in model.named_modules()}
     groups: dict[int, tuple[Any, dict[str, list[str]]]] = {}
     sites: dict[str, Site] = {}
     problems: list[str] = []
@@ -871,7 +873,8 @@ def prepare(
             continue
         module = modules.get(site.name)
         if module is None:
-            problems.append(f"{component}/{site.name}: module not found in the model")
+            if not prefix:  # nested: the sites outside it are its holder's
+                problems.append(f"{component}/{site.name}: module not found in the model")
             continue
         if site.routed:
             # a module calling SDPA itself, or a MultiheadAttention (SigLIP's pooling
@@ -1104,6 +1107,16 @@ def _verify_routes(model: Any) -> list[Problem]:
         for name, (component, module) in model.__dict__.get(_ROUTED_ATTR, {}).items()
         if _route.installed_route(module) is None
     ]
+
+
+def routes(model: Any) -> dict[str, _route.GenericRoute]:
+    """The generic routes apply installed on ``model``: ``component/site`` -> route."""
+    out = {}
+    for name, (component, module) in model.__dict__.get(_ROUTED_ATTR, {}).items():
+        route = _route.installed_route(module)
+        if route is not None:
+            out[f"{component}/{name}"] = route
+    return out
 
 
 def verify(model: Any) -> list[Problem]:
