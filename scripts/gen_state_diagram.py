@@ -24,6 +24,7 @@ def render() -> str:
         LAYOUT_CHECK_ORDER,
         REQUEST_FAILURE_GUARDS,
         REQUEST_RULES,
+        REQUIREMENTS_BEFORE_SUPPORTED,
         SCOPE_CHECKS,
         START_GUARDS,
         STRICT_ORIGINS,
@@ -58,8 +59,14 @@ def render() -> str:
         for event, (target, reason) in events.items():
             label = event.value + (f" / {reason.value}" if reason is not None else "")
             lines.append(f"    {source.value} --> {target.value}: {label}")
-            rows.append((source.value, event.value, target.value,
-                         reason.value if reason is not None else ""))
+            rows.append(
+                (
+                    source.value,
+                    event.value,
+                    target.value,
+                    reason.value if reason is not None else "",
+                )
+            )
     lines += [
         f"    {State.SELECTED.value} --> [*]",
         f"    {State.REJECTED.value} --> [*]",
@@ -81,11 +88,7 @@ def render() -> str:
         "",
         "A layer with a sequence-parallel layout (docs/sequence-parallel.md) runs, after them:",
         "",
-        *[
-            f"{i}. `{c.value}`"
-            for i, c in enumerate(LAYOUT_CHECK_ORDER, 1)
-            if c not in CHECK_ORDER
-        ],
+        *[f"{i}. `{c.value}`" for i, c in enumerate(LAYOUT_CHECK_ORDER, 1) if c not in CHECK_ORDER],
         "",
         "### The `supported` check",
         "",
@@ -97,6 +100,15 @@ def render() -> str:
         "| code | rule |",
         "|---|---|",
         *[f"| `{code.value}` | {rule} |" for code, rule in SUPPORTED_RULES],
+        "",
+        "A strict candidate that fails the set and also does not implement one of these",
+        "requirements is rejected for the requirement (`requirement_unmet`), the set",
+        "named after it: the route is limited *by* the requirement, so the error names",
+        "the kernel's limit (`attnres.machine.REQUIREMENTS_BEFORE_SUPPORTED`).",
+        "",
+        "| requirement | why |",
+        "|---|---|",
+        *[f"| `{req.value}` | {why} |" for req, why in REQUIREMENTS_BEFORE_SUPPORTED],
         "",
         "## Strict origins",
         "",
@@ -217,7 +229,7 @@ def _sglang_profile() -> list[str]:
     return [
         "## The `sglang` profile",
         "",
-        f"`SelectionConfig(profile=\"sglang\")` decides as SGLang {SGLANG_VERSION}'s "
+        f'`SelectionConfig(profile="sglang")` decides as SGLang {SGLANG_VERSION}\'s '
         "multimodal_gen selector does (`attnres._profile_sglang`; the SGLang plugin,",
         "docs/sglang.md, uses it). Platform facts are SGLang's own answers, observed",
         "per candidate and recorded in the trace (`Platform.host`).",
@@ -248,9 +260,7 @@ def _sglang_profile() -> list[str]:
         "| backend | counts as supported by a set holding |",
         "|---|---|",
         *[
-            f"| `{name}` | "
-            + " or ".join("{" + ", ".join(sorted(g)) + "}" for g in groups)
-            + " |"
+            f"| `{name}` | " + " or ".join("{" + ", ".join(sorted(g)) + "}" for g in groups) + " |"
             for name, groups in SATISFIES.items()
         ],
         "",

@@ -149,13 +149,16 @@ def test_mha_returning_its_weights_falls_back_or_raises_naming_the_fact():
             assert "attention weights returned (need_weights=True)" in first.describe()
             assert first.backend.name == "eager" and first.error is None
             assert first.trace.input.layer.exact_route == _route.WEIGHTS_ROUTE
+            assert first.trace.input.layer.requirements.weights
             assert first.trace.outcome.reason == "global backend fallback"
         else:
             with pytest.raises(ResolutionError) as info:
                 model.attn(x, x, x)
             text = str(info.value)
             assert "attn" in text and "need_weights=True" in text and "transformer" in text
-            assert info.value.code == "not_in_supported_set"
+            # issue 19: the weights named as the kernel's limit (a requirement)
+            assert info.value.code == "requirement_unmet"
+            assert "does not implement returning the attention weights" in text
         idf.remove({comp: model})
 
 
@@ -302,8 +305,12 @@ def test_siglip_pooling_head_asking_for_weights_is_planned_on_its_own_path():
     strict = idf.plan({"transformer": model}, SelectionConfig(global_backend="flex_attention"))
     rejected = {s.name: s for s in strict.sites}["head.attention"]
     assert rejected.site_error is not None
-    assert rejected.site_error.code == "not_in_supported_set"
+    # issue 19: returning the weights is a kernel limit (a requirement only eager
+    # implements), named as such: not a supported set that hides why
+    assert rejected.site_error.code == "requirement_unmet"
+    assert "does not implement returning the attention weights" in str(rejected.site_error)
     assert "need_weights left at its default (True)" in str(rejected.site_error)
+    assert rejected.spec is not None and rejected.spec.requirements.weights
 
 
 class _Caller(torch.nn.Module):
