@@ -59,14 +59,8 @@ def render() -> str:
         for event, (target, reason) in events.items():
             label = event.value + (f" / {reason.value}" if reason is not None else "")
             lines.append(f"    {source.value} --> {target.value}: {label}")
-            rows.append(
-                (
-                    source.value,
-                    event.value,
-                    target.value,
-                    reason.value if reason is not None else "",
-                )
-            )
+            rows.append((source.value, event.value, target.value,
+                         reason.value if reason is not None else ""))
     lines += [
         f"    {State.SELECTED.value} --> [*]",
         f"    {State.REJECTED.value} --> [*]",
@@ -88,7 +82,11 @@ def render() -> str:
         "",
         "A layer with a sequence-parallel layout (docs/sequence-parallel.md) runs, after them:",
         "",
-        *[f"{i}. `{c.value}`" for i, c in enumerate(LAYOUT_CHECK_ORDER, 1) if c not in CHECK_ORDER],
+        *[
+            f"{i}. `{c.value}`"
+            for i, c in enumerate(LAYOUT_CHECK_ORDER, 1)
+            if c not in CHECK_ORDER
+        ],
         "",
         "### The `supported` check",
         "",
@@ -229,7 +227,7 @@ def _sglang_profile() -> list[str]:
     return [
         "## The `sglang` profile",
         "",
-        f'`SelectionConfig(profile="sglang")` decides as SGLang {SGLANG_VERSION}\'s '
+        f"`SelectionConfig(profile=\"sglang\")` decides as SGLang {SGLANG_VERSION}'s "
         "multimodal_gen selector does (`attnres._profile_sglang`; the SGLang plugin,",
         "docs/sglang.md, uses it). Platform facts are SGLang's own answers, observed",
         "per candidate and recorded in the trace (`Platform.host`).",
@@ -260,7 +258,9 @@ def _sglang_profile() -> list[str]:
         "| backend | counts as supported by a set holding |",
         "|---|---|",
         *[
-            f"| `{name}` | " + " or ".join("{" + ", ".join(sorted(g)) + "}" for g in groups) + " |"
+            f"| `{name}` | "
+            + " or ".join("{" + ", ".join(sorted(g)) + "}" for g in groups)
+            + " |"
             for name, groups in SATISFIES.items()
         ],
         "",

@@ -886,11 +886,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         None,
         _HOPPER_ALL,
         "vmoba_attn",
-        expect=rejects("head_size", origin="layer", error_contains=("is not a multiple of 8",)),
+        expect=rejects(
+            "head_size", origin="layer", error_contains=("is not a multiple of 8",)
+        ),
     ),
     Scenario(
         "sage-attn-3-selected-on-sm121",
-        "SageAttention3 runs on sm121 (DGX Spark) as well as sm120 (api.cu: is_sm120 || is_sm121).",
+        "SageAttention3 runs on sm121 (DGX Spark) as well as sm120 (api.cu: is_sm120 || "
+        "is_sm121).",
         _layer(),
         _NOTHING,
         None,
@@ -1074,7 +1077,8 @@ SCENARIOS: tuple[Scenario, ...] = (
             "no_kernel",
             origin="layer",
             error_contains=(
-                "Attention backend 'sliding_tile_attn' is not available: no kernel in this process",
+                "Attention backend 'sliding_tile_attn' is not available: no kernel in this "
+                "process",
                 "attnres.kernels.register_kernel('sliding_tile_attn', fn)",
             ),
         ),

@@ -1017,13 +1017,8 @@ def test_transformers_sites_are_found_by_the_interface_call_bert_included():
     # in no table; its code calls the attention interface
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=37,
-        vocab_size=64,
-    )
+    config = BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                        intermediate_size=37, vocab_size=64)
     model = BertModel(config).eval()
     plan = itf.plan(model, "text_encoder")
     assert plan.ok and len(plan.sites) == 2
@@ -1054,15 +1049,9 @@ def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error(
         _route, "get_kernel", lambda name: fake_sage if name == "sage_attn" else real(name)
     )
     route = _route.GenericRoute(
-        component="transformer",
-        name=site.name,
-        spec=site.spec,
-        heads=site.heads,
-        kv_heads=site.kv_heads,
-        resolution=site.resolution,
-        config=SAGE,
-        scope=scope_state("transformer"),
-        platform=sim,
+        component="transformer", name=site.name, spec=site.spec, heads=site.heads,
+        kv_heads=site.kv_heads, resolution=site.resolution, config=SAGE,
+        scope=scope_state("transformer"), platform=sim,
     )
     dispatch = route.dispatcher(lambda *a, **k: reached.append(a))
     q = torch.randn(1, 6, site.heads, site.spec.head_size, dtype=torch.bfloat16)

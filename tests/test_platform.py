@@ -691,11 +691,8 @@ def test_fastvideo_kernel_token_serves_its_sparse_backends() -> None:
         for backend in ("sliding_tile_attn", "video_sparse_attn"):
             assert resolve(layer, platform=platform, backend=backend).backend.name == backend
     # the old module names keep working for old installs
-    for token, backend in (
-        ("st_attn", "sliding_tile_attn"),
-        ("vsa", "video_sparse_attn"),
-        ("vmoba+flash_attn", "vmoba_attn"),
-    ):
+    for token, backend in (("st_attn", "sliding_tile_attn"), ("vsa", "video_sparse_attn"),
+                           ("vmoba+flash_attn", "vmoba_attn")):
         platform = Platform.simulate(f"cuda:sm90+{token}")
         assert resolve(layer, platform=platform, backend=backend).backend.name == backend
     with_fa = Platform.simulate("cuda:sm90+fastvideo_kernel+flash_attn")
