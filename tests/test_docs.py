@@ -92,6 +92,8 @@ def test_generated_docs_show_every_policy_table(monkeypatch: pytest.MonkeyPatch)
         assert f"| `{loader.kind}` | `{loader.__name__}` |" in rendered
     for code, rule in machine.SUPPORTED_RULES:  # an exact route's rule among them
         assert f"| `{code.value}` | {rule} |" in rendered
+    for req, why in machine.REQUIREMENTS_BEFORE_SUPPORTED:  # issue 19: the weights
+        assert f"| `{req.value}` | {why} |" in rendered
     swapped = (machine.REQUEST_FAILURE_GUARDS[1], machine.REQUEST_FAILURE_GUARDS[0],
                *machine.REQUEST_FAILURE_GUARDS[2:])  # fmt: skip
     monkeypatch.setattr(machine, "REQUEST_FAILURE_GUARDS", swapped)

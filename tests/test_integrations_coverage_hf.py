@@ -13,10 +13,11 @@ and planned as a strict component three ways:
 - with a global ``sage_attn`` on a simulated ``cuda:sm90+flash_attn+
   sageattention``, in bfloat16: every site gets ``sage_attn`` or a typed error
   whose code names a real limit of sage (head size, a requirement such as the
-  mask kind, a dtype), never a route limit -- except own code paths attnres
+  mask kind, attention sinks, returning the attention weights -- a
+  ``torch.nn.MultiheadAttention`` whose caller asks for them, SigLIP's pooling
+  head --, a dtype), never a route limit -- except own code paths attnres
   cannot route, counted in the table as ``own path``: softmax attention
-  computed by hand (``eager`` only) and a ``torch.nn.MultiheadAttention`` whose
-  caller asks for the weights (SigLIP's pooling head) -- and interface sites
+  computed by hand (``eager`` only) -- and interface sites
   transformers keeps to its own functions (the class itself sets
   ``_supports_attention_backend = False``, or leaves it unset and sets
   ``_supports_sdpa = False``, or the module holds attention sinks), counted as

@@ -149,13 +149,16 @@ def test_mha_returning_its_weights_falls_back_or_raises_naming_the_fact():
             assert "attention weights returned (need_weights=True)" in first.describe()
             assert first.backend.name == "eager" and first.error is None
             assert first.trace.input.layer.exact_route == _route.WEIGHTS_ROUTE
+            assert first.trace.input.layer.requirements.weights
             assert first.trace.outcome.reason == "global backend fallback"
         else:
             with pytest.raises(ResolutionError) as info:
                 model.attn(x, x, x)
             text = str(info.value)
             assert "attn" in text and "need_weights=True" in text and "transformer" in text
-            assert info.value.code == "not_in_supported_set"
+            # issue 19: the weights named as the kernel's limit (a requirement)
+            assert info.value.code == "requirement_unmet"
+            assert "does not implement returning the attention weights" in text
         idf.remove({comp: model})
 
 
@@ -302,8 +305,12 @@ def test_siglip_pooling_head_asking_for_weights_is_planned_on_its_own_path():
     strict = idf.plan({"transformer": model}, SelectionConfig(global_backend="flex_attention"))
     rejected = {s.name: s for s in strict.sites}["head.attention"]
     assert rejected.site_error is not None
-    assert rejected.site_error.code == "not_in_supported_set"
+    # issue 19: returning the weights is a kernel limit (a requirement only eager
+    # implements), named as such: not a supported set that hides why
+    assert rejected.site_error.code == "requirement_unmet"
+    assert "does not implement returning the attention weights" in str(rejected.site_error)
     assert "need_weights left at its default (True)" in str(rejected.site_error)
+    assert rejected.spec is not None and rejected.spec.requirements.weights
 
 
 class _Caller(torch.nn.Module):
@@ -398,3 +405,52 @@ def test_a_decided_weights_call_runs_the_own_path_without_projecting_twice(monke
         model.attn(x, x, x, need_weights=False)  # the flex signature projects, once
     assert projected == [1]
     idf.remove({"vae": model})
+
+
+class _ByHandNoFacts(torch.nn.Module):
+    """A module handing its call to a processor that computes softmax attention by
+    hand, holding no head count or head size (one head over the channels, as a
+    VAE's attention block): issue 19, decided at its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.processor = _ByHandProcessor()
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.processor(self, x)
+
+
+class _ByHandProcessor:
+    def __call__(self, attn, x):  # type: ignore[no-untyped-def]
+        q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
+        scores = torch.bmm(q, k.transpose(1, 2)) / 8**0.5
+        return torch.bmm(torch.softmax(scores, dim=-1), v)
+
+
+def test_a_by_hand_processor_with_no_head_facts_is_decided_at_its_first_call() -> None:
+    # issue 19: was unclassified (a strict component refused it, even with no flag);
+    # now watched (_route.watch_forward, as transformers' by-hand sites): its head
+    # facts come from the scores product its softmax takes, its code runs untouched
+    model = _Holder(_ByHandNoFacts()).eval()
+    x = torch.randn(2, 5, 8)
+    ref = model.attn(x)
+    plain = idf.plan({"transformer": model})
+    assert plain.ok
+    (site,) = plain.sites
+    assert site.pending and site.route == "eager in _ByHandProcessor (softmax attention by hand)"
+    applied = idf.apply({"transformer": model}, EAGER)
+    assert torch.equal(model.attn(x), ref)  # its own code, bit-identical
+    (route,) = idf.routes({"transformer": model}).values()
+    (first,) = route.first_calls
+    assert (first.facts.heads, first.facts.head_size) == (1, 8)
+    assert first.backend.name == "eager" and first.error is None
+    assert applied.ok and idf.remove({"transformer": model}) == 1
+    assert "forward" not in model.attn.__dict__ and torch.equal(model.attn(x), ref)
+    # a strict flag its code cannot serve: a typed error at that call, naming the route
+    idf.apply({"transformer": model}, SelectionConfig(global_backend="flex_attention"))
+    with pytest.raises(ResolutionError) as info:
+        model.attn(x)
+    assert info.value.code == "not_in_supported_set"
+    assert "eager in _ByHandProcessor (softmax attention by hand)" in str(info.value)
+    idf.remove({"transformer": model})

@@ -44,6 +44,7 @@ from attnres._states import Check, Event, Origin, Reason, State
 from attnres._vocab import DTYPES
 from attnres.backends import BUILTIN_SPECS, BackendSpec, register_backend, unregister_backend
 from attnres.platform import PackageFact
+from attnres.replayer import replay
 from attnres.scope import ComponentLoader, ScopeState, component_kind
 from attnres.trace import (
     BASE_SCHEMA_VERSION,
@@ -984,6 +985,30 @@ def test_rule_3_4_exact_route_admits_no_stand_in_strict_rejects_naming_the_route
     assert rejected(layer, platform=CUDA, backend="sage_attn").code == "not_in_supported_set"
     both = LayerSpec(64, "bf16", supported={"fa", "torch_sdpa"}, exact_route=ROUTE)
     assert rejected(both, platform=CUDA, backend="dynamic_cudnn_sdpa").code == "not_on_route"
+
+
+def test_rule_requirements_before_supported_weights_named_before_the_set() -> None:
+    # machine.REQUIREMENTS_BEFORE_SUPPORTED (issue 19): an MHA whose caller asks for
+    # its attention weights runs only its own code (eager math), a route limited *by*
+    # the requirement: a strict kernel that fails both is rejected for the weights
+    weights = Requirements(weights=True)
+    layer = LayerSpec(64, "bf16", supported={"eager"}, exact_route=ROUTE, requirements=weights)
+    err = rejected(layer, platform=CUDA, backend="sage_attn")
+    assert err.code == "requirement_unmet"
+    assert str(err).startswith(
+        "Attention backend 'sage_attn' does not implement returning the attention weights"
+    )
+    assert "supported: not in the layer's supported set ['eager']" in str(err)  # still said
+    assert failure_codes(err.trace, "sage_attn")["supported"] == ["not_in_supported_set"]
+    assert err.trace.outcome.code == "requirement_unmet"
+    assert replay(err.trace).ok
+    # eager meets it; without the requirement the same set names the set (as before)
+    assert resolve(layer, platform=CUDA, backend="eager").backend.name == "eager"
+    plain = attrs.evolve(layer, requirements=Requirements())
+    assert rejected(plain, platform=CUDA, backend="sage_attn").code == "not_in_supported_set"
+    # another requirement the candidate lacks does not move the set behind it
+    softcap = attrs.evolve(layer, requirements=Requirements(softcap=True))
+    assert rejected(softcap, platform=CUDA, backend="sage_attn").code == "not_in_supported_set"
 
 
 def test_rule_3_4_exact_route_a_relaxed_origin_falls_back_traced() -> None:

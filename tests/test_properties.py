@@ -281,7 +281,7 @@ def test_a_rejection_message_names_every_candidate_and_why(inp: TraceInput) -> N
     ((_, name),) = _evaluated(trace)
     assert f"{name!r}" in error
     failed_checks = [c for c, _ in failures[name]]
-    primary = next(c for c in M._PRIMARY_ORDER if c in failed_checks)
+    primary = M.primary_check(set(failed_checks), inp.layer, lookup_spec(Backend(name)))
     assert outcome.code == next(f.code for c, f in failures[name] if c is primary)
     wording = {
         Check.KNOWN: f"Unknown attention backend {name!r}",

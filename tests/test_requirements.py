@@ -457,22 +457,33 @@ def test_layer_window_matters() -> None:
     assert relative_error(out, reference(q, k, v)) > 0.05
 
 
-def test_rule_3_4_requirement_attention_sinks_only_eager_implements_them() -> None:
-    # issue 19: sageattn has no sink argument, nor has flash-attn 2's
-    # flash_attn_func (docs/backends.md gives each source)
-    layer = LayerSpec(64, "bf16", requirements=["sinks"])
+@pytest.mark.parametrize(
+    ("requirement", "phrase"),
+    [
+        # issue 19: sageattn has no sink argument, nor has flash-attn 2's
+        # flash_attn_func (docs/backends.md gives each source)
+        ("sinks", "attention sinks"),
+        # issue 19: nn.MultiheadAttention's need_weights: no fused kernel
+        # materialises the softmax matrix
+        ("weights", "returning the attention weights"),
+    ],
+)
+def test_rule_3_4_requirement_sinks_and_weights_only_eager_implements_them(
+    requirement: str, phrase: str
+) -> None:
+    layer = LayerSpec(64, "bf16", requirements=[requirement])
     for backend in ("sage_attn", "fa", "fa3", "torch_sdpa", "flex_attention"):
-        assert "does not implement attention sinks" in _requirement_failures(
+        assert f"does not implement {phrase}" in _requirement_failures(
             backend, layer, HOPPER_ALL), backend  # fmt: skip
     eager = attnres.SelectionConfig(global_backend="eager")
     res = resolve(layer, platform=HOPPER_ALL, config=eager)
     assert res.backend.name == "eager"
-    # written to a trace only when on: a trace without them keeps its bytes
+    # written to a trace only when on: a trace without it keeps its bytes
     doc = trace_to_dict(res.trace)
-    assert doc["input"]["layer"]["requirements"]["sinks"] is True
+    assert doc["input"]["layer"]["requirements"][requirement] is True
     assert replay(res.trace).ok
     plain = trace_to_dict(resolve(LayerSpec(64, "bf16"), platform=HOPPER_ALL).trace)
-    assert "sinks" not in plain["input"]["layer"]["requirements"]
+    assert requirement not in plain["input"]["layer"]["requirements"]
     sage = attnres.SelectionConfig(global_backend="sage_attn")
-    with pytest.raises(ResolutionError, match="does not implement attention sinks"):
+    with pytest.raises(ResolutionError, match=f"does not implement {phrase}"):
         resolve(layer, platform=HOPPER_ALL, config=sage)

@@ -511,7 +511,7 @@ def _role(value: Any) -> Role:
 _MASK_KEYS: tuple[str, ...] = ("mask", "causal_alignment")
 #: Requirements written only when on (issue 19: attention sinks), so every trace
 #: written before them keeps its bytes and its digest
-_OPTIONAL_REQUIREMENTS: tuple[str, ...] = (Requirement.SINKS.value,)
+_OPTIONAL_REQUIREMENTS: tuple[str, ...] = (Requirement.SINKS.value, Requirement.WEIGHTS.value)
 
 
 def _requirement_names(obj: dict[str, Any]) -> list[str]:

@@ -66,6 +66,10 @@ class Requirement(str, enum.Enum):
     #: issue 19: attention sinks: a learned logit per head that every query's
     #: softmax also normalises over (GPT-OSS's ``sinks``, passed as ``s_aux``)
     SINKS = "sinks"
+    #: issue 19: the call returns the attention weights (``torch.nn.MultiheadAttention``
+    #: with ``need_weights=True``): the softmax matrix itself, which no fused kernel
+    #: materialises
+    WEIGHTS = "weights"
 
     def __str__(self) -> str:
         return self.value
@@ -83,6 +87,7 @@ REQUIREMENT_PHRASES: dict[Requirement, str] = {
     Requirement.SOFTCAP: "logit softcapping",
     Requirement.SLIDING_WINDOW: "sliding-window attention",
     Requirement.SINKS: "attention sinks",
+    Requirement.WEIGHTS: "returning the attention weights",
 }
 
 

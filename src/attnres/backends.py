@@ -880,6 +880,9 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
             # (attnres.kernels.eager's ``sinks``; GPT-OSS's eager_attention_forward,
             # transformers 5.24, computes the same)
             R.SINKS,
+            # issue 19: the weights are its softmax matrix (torch's MultiheadAttention
+            # computes them with this math, softmax of a bmm, on its own path)
+            R.WEIGHTS,
         ),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",

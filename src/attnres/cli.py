@@ -1007,6 +1007,7 @@ _REQ_SHORT = {
     Requirement.SOFTCAP: "softcap",
     Requirement.SLIDING_WINDOW: "window",
     Requirement.SINKS: "sinks",
+    Requirement.WEIGHTS: "weights",
 }
 
 

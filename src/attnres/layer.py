@@ -220,6 +220,8 @@ class Requirements:
     sliding_window: bool = field(default=False, validator=_is_bool)
     #: issue 19: written to a trace only when set (every older trace keeps its bytes)
     sinks: bool = field(default=False, validator=_is_bool)
+    #: issue 19: the call returns its attention weights; written only when set
+    weights: bool = field(default=False, validator=_is_bool)
     mask: MaskKind = field(default=MaskKind.NONE, converter=_mask_kind)
     causal_alignment: CausalAlignment = field(
         default=CausalAlignment.TOP_LEFT, converter=_alignment

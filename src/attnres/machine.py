@@ -149,6 +149,7 @@ __all__ = [
     "PREFERRED_STAGES",
     "REQUEST_FAILURE_GUARDS",
     "REQUEST_RULES",
+    "REQUIREMENTS_BEFORE_SUPPORTED",
     "SCOPE_CHECKS",
     "START_GUARDS",
     "STRICT_ORIGINS",
@@ -171,6 +172,7 @@ __all__ = [
     "is_tunable",
     "is_tuned",
     "measuring_checks",
+    "primary_check",
     "replay_tuned",
     "request_refusal",
     "run_machine",
@@ -366,7 +368,22 @@ SUPPORTED_RULES: Final[tuple[tuple[Code, str], ...]] = (
     ),
 )
 
-#: Which check's failure names a strict rejection, most fundamental first.
+#: Requirements named before the layer's supported set (issue 19), one row per
+#: requirement: (requirement, why). A route limited to the backends that meet one
+#: of them is limited *by* it, so a strict candidate that fails both the set and
+#: the requirement is rejected for the requirement (``requirement_unmet``, the
+#: kernel's limit), the set named after it.
+REQUIREMENTS_BEFORE_SUPPORTED: Final[tuple[tuple[Requirement, str], ...]] = (
+    (
+        Requirement.WEIGHTS,
+        "returning the attention weights (`torch.nn.MultiheadAttention` called with "
+        "`need_weights`): no fused kernel materialises the softmax matrix, so the route "
+        "that returns them runs only its own code (eager math)",
+    ),
+)
+
+#: Which check's failure names a strict rejection, most fundamental first
+#: (:func:`primary_check`: a requirement of ``REQUIREMENTS_BEFORE_SUPPORTED`` first).
 _PRIMARY_ORDER: Final = (
     Check.KNOWN,
     Check.SUPPORTED,
@@ -1025,6 +1042,19 @@ def _names(backends: frozenset[Backend] | None) -> str:
     return "[" + ", ".join(repr(name) for name in sorted(b.name for b in backends)) + "]"
 
 
+def primary_check(failed: set[Check], layer: LayerSpec, spec: BackendSpec | None) -> Check:
+    """The check whose failure names a strict rejection: the first of
+    ``_PRIMARY_ORDER`` that failed, except that a requirement of
+    ``REQUIREMENTS_BEFORE_SUPPORTED`` the backend does not implement is named
+    before the layer's supported set."""
+    primary = next(c for c in _PRIMARY_ORDER if c in failed)
+    if primary is Check.SUPPORTED and Check.REQUIREMENTS in failed and spec is not None:
+        needed = layer.requirements.needed()
+        if any(r in needed and r not in spec.implements for r, _ in REQUIREMENTS_BEFORE_SUPPORTED):
+            return Check.REQUIREMENTS
+    return primary
+
+
 def _primary_message(
     backend: Backend,
     results: tuple[tuple[Check, tuple[Failure, ...]], ...],
@@ -1033,7 +1063,7 @@ def _primary_message(
 ) -> tuple[str, str]:
     """The rejection message of a strict request, and its code."""
     failed = {check: failures for check, failures in results if failures}
-    primary = next(c for c in _PRIMARY_ORDER if c in failed)
+    primary = primary_check(set(failed), layer, lookup_spec(backend))
     name = backend.name
     first = failed[primary]
     if primary is Check.KNOWN:

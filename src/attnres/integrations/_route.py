@@ -269,8 +269,13 @@ def describe_mha(
     asked = None if fact is not None or parent is None else mha_weights_asked(parent, name)
     if asked is not None:
         # the weights are computed by hand on torch's own path (softmax of a bmm),
-        # which is eager math: the route a call returning its weights is limited to
+        # which is eager math: the route a call returning its weights is limited
+        # to. Issue 19: returning them is a requirement (``Requirements.weights``)
+        # only eager implements; the machine names it before the set
+        # (``machine.REQUIREMENTS_BEFORE_SUPPORTED``): ``requirement_unmet``, a
+        # kernel's limit, not the route's
         common["current"] = _EAGER
+        common["requirements"] = Requirements(backward=backward, weights=True)
         return SiteDescription(
             **common,
             route=f"{WEIGHTS_ROUTE}: {asked}",
@@ -524,6 +529,7 @@ class CallFacts:
             gqa=self.kv_heads < self.heads,
             softcap=base.requirements.softcap or "softcap" in self.arguments,
             sinks=base.requirements.sinks or bool({"s_aux", "sinks"} & set(self.arguments)),
+            weights=base.requirements.weights or self.weights,
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
         only = _EAGER if self.weights or self.arguments else own if self.dropout else None

@@ -92,6 +92,8 @@ __all__ = [
 
 ROUTE_DISPATCHER = "diffusers dispatcher"
 ROUTE_GENERIC = "generic route"
+#: the end of a by-hand site's route (its own code, eager)
+_BY_HAND = "(softmax attention by hand)"
 #: the words of a site whose processor declares the backends its call runs
 DECLARES = "declares"
 
@@ -706,10 +708,18 @@ def _describe(
         only = Backend("eager")
         return SiteDescription(
             **base,
-            route=f"eager in {owner} (softmax attention by hand)",
+            route=f"eager in {owner} {_BY_HAND}",
             supported=frozenset({only}),
             current=only,
-            why=None if facts is not None else f"{cls} holds no head facts",
+            # issue 19: with no head facts, decided at its first call: a route that
+            # watches its own code (_route.watch_forward, as transformers' by-hand
+            # sites) reads them from the scores product its softmax takes
+            pending=facts is None,
+            routed=facts is None,
+            why=None
+            if facts is not None
+            else f"{cls} holds no head count or head size; they are read from the query "
+            f"and key of the scores product its first call computes",
         )
     return SiteDescription(
         **base,
@@ -963,6 +973,12 @@ def apply(
     return result
 
 
+def _watched(site: Site) -> bool:
+    """A site decided at its first call whose route runs only its own code
+    (softmax by hand): its first call is watched (:func:`._route.watch_forward`)."""
+    return site.pending and site.route.endswith(_BY_HAND)
+
+
 def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pin:
     module, site = item.module, item.site
     earlier = module.__dict__.get(_PIN_ATTR)
@@ -971,7 +987,14 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     original = getattr(module, "processor", None)
     processor = original
     route = None
-    if item.route:
+    if item.route and _watched(site):
+        # issue 19: softmax by hand with no head facts: its own code, watched
+        route = _route.site_route(
+            site, config, platform, own=Backend("eager"), own_route=site.route
+        )
+        _route.install_route(module, route, _route.watch_forward(module, route))
+        route.tie(module)
+    elif item.route:
         # under the route, a dispatcher's own path is diffusers' native SDPA
         # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
         # dense kernel cannot take a key-padding mask); softmax by hand stays eager
