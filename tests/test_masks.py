@@ -825,6 +825,30 @@ def test_route_refuses_a_mask_of_another_kind_naming_it(varlen_fakes: Calls) -> 
         _route("fa")(q, k, v, torch.randn(1, 1, 4, 4), False, None)
 
 
+def test_a_mask_that_does_not_broadcast_is_a_typed_error_naming_the_shapes(
+    varlen_fakes: Calls,
+) -> None:
+    """SDPA itself raises a bare RuntimeError from broadcasting; attnres says which
+    dimension is off and what to pass (a RuntimeError too, as SDPA's is)."""
+    from attnres.errors import MaskShapeError
+
+    q, k, v = _qkv(2, 4, 5, 2, 2, torch.float16, 0)
+    wrong_keys = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    with pytest.raises(MaskShapeError, match=r"its key length is 7, not 1 or 5") as info:
+        _route("sage_attn")(q, k, v, wrong_keys, False, None)
+    assert isinstance(info.value, RuntimeError)
+    assert "(2, 1, 1, 7)" in str(info.value)
+    with pytest.raises(MaskShapeError, match=r"its batch is 3, not 1 or 2"):
+        observe_mask(torch.ones(3, 1, 4, 5, dtype=torch.bool), 2, 4, 5)
+    with pytest.raises(MaskShapeError, match=r"its query length is 3, not 1 or 4"):
+        observe_mask(torch.ones(3, 5, dtype=torch.bool), 2, 4, 5)
+    # what broadcasts is classified as before: per batch row, shared by every row
+    assert (
+        observe_mask(torch.ones(1, 1, 1, 5, dtype=torch.bool), 2, 4, 5).kind is MaskKind.KEY_PADDING
+    )
+    assert observe_mask(torch.ones(5, dtype=torch.bool), 2, 4, 5).kind is MaskKind.KEY_PADDING
+
+
 def test_route_without_a_mask_runs_the_dense_kernel() -> None:
     seen: list[str] = []
 

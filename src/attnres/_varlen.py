@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
 from attnres.backends import BackendSpec, OptionValue, entry_point_options, on_registry_change
-from attnres.errors import KernelUnavailableError, MaskKindError
+from attnres.errors import KernelUnavailableError, MaskKindError, MaskShapeError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -185,6 +185,7 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
         view = view.unsqueeze(0)
     if view.dim() != 4:
         return ObservedMask(MaskKind.BOOLEAN, False, None, f"a {mask.dim()}-D mask")
+    _check_broadcast(mask, view, batch, seq_q, seq_kv)
     keep = _keep(view)
     if keep is None:
         return ObservedMask(
@@ -221,6 +222,22 @@ def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> Ob
         if _all(_rows_equal(rows, keys & tril) | padded_query):
             return ObservedMask(MaskKind.KEY_PADDING, True, valid, marks_queries=True)
     return ObservedMask(MaskKind.BOOLEAN, False, None, "the queries of a row see different keys")
+
+
+def _check_broadcast(mask: Tensor, view: Tensor, batch: int, seq_q: int, seq_kv: int) -> None:
+    """A typed error, before any classification, for a mask that SDPA could not
+    broadcast either (the heads dimension is the layer's: any size is left to
+    the kernel)."""
+    wanted = {0: ("batch", batch), 2: ("query length", seq_q), 3: ("key length", seq_kv)}
+    for dim, (what, size) in wanted.items():
+        if view.shape[dim] not in (1, size):
+            raise MaskShapeError(
+                f"this call's attention mask has shape {tuple(mask.shape)}, which does not "
+                f"broadcast to (batch, heads, query length, key length) = ({batch}, heads, "
+                f"{seq_q}, {seq_kv}): its {what} is {view.shape[dim]}, not 1 or {size}. Pass "
+                f"a mask shaped as torch's scaled_dot_product_attention takes it, e.g. "
+                f"(batch, 1, 1, key length) for key padding"
+            )
 
 
 def is_prefix(valid: Tensor) -> bool:

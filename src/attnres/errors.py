@@ -33,6 +33,7 @@ __all__ = [
     "KernelNotRegisteredError",
     "KernelUnavailableError",
     "MaskKindError",
+    "MaskShapeError",
     "PipelineError",
     "PluginError",
     "RequestBackendError",
@@ -83,6 +84,12 @@ class MaskKindError(AttnresError, ValueError):
         super().__init__(message)
         #: the observed kind in words ("boolean mask", "additive mask", ...)
         self.observed = observed
+
+
+class MaskShapeError(AttnresError, ValueError, RuntimeError):
+    """A call's attention mask does not broadcast to (batch, heads, query length,
+    key length), as torch's ``scaled_dot_product_attention`` reads it. A
+    ``RuntimeError`` too: what SDPA itself raises for the same mask."""
 
 
 class PluginError(AttnresError, ValueError):
