@@ -37,7 +37,7 @@ import textwrap
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -197,6 +197,20 @@ def _parse_code(code: types.CodeType) -> ast.Module | None:
         return None
 
 
+def self_calls(tree: ast.AST, attr: str) -> Iterator[ast.Call]:
+    """The calls ``self.<attr>(...)`` in parsed code (:func:`source_tree`): what a
+    module or pipeline passes the submodule it holds as ``attr``."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == attr
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ):
+            yield node
+
+
 def mha_weights_asked(parent: Any, name: str) -> str | None:
     """Whether the code of ``parent`` (the module holding a
     ``torch.nn.MultiheadAttention`` as ``attr``) calls it asking for the
@@ -211,15 +225,7 @@ def mha_weights_asked(parent: Any, name: str) -> str | None:
         tree = source_tree(func)
         if tree is None:
             continue
-        for node in ast.walk(tree):
-            if not (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr == attr
-                and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "self"
-            ):
-                continue
+        for node in self_calls(tree, attr):
             given = [k.value for k in node.keywords if k.arg == "need_weights"]
             value = given[0] if given else None
             if value is not None and not isinstance(value, ast.Constant):

@@ -250,15 +250,7 @@ def _passed_arguments(cls: type, component: str) -> frozenset[str] | None:
             if tree is None:
                 continue
             dicts = _dict_literals(tree)
-            for node in ast.walk(tree):
-                if not (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == component
-                    and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == "self"
-                ):
-                    continue
+            for node in _route.self_calls(tree, component):
                 calls += 1
                 for keyword in node.keywords:
                     if keyword.arg is not None:
