@@ -383,12 +383,23 @@ class _Storing:
         return attn.to_out[0](out)
 
 
-def test_a_by_hand_processor_that_keeps_its_probabilities_is_not_routed():
-    model = _Holder(Attention(32, heads=2, dim_head=16, processor=_Storing()))
-    (site,) = idf.plan({"transformer": model}).sites
-    assert not site.routed and site.route == "eager in _Storing (softmax attention by hand)"
+def test_a_by_hand_processor_that_keeps_its_probabilities_takes_the_deferred_route():
+    # not the get_attention_scores + bmm pair (its scores are used besides bmm):
+    # the deferred-scores route, whose stored probabilities are computed at their use
+    torch.manual_seed(0)
+    processor = _Storing()
+    model = _Holder(Attention(32, heads=2, dim_head=16, processor=processor)).eval()
     assert _route.scores_only_to_bmm(AttnProcessor.__call__)
     assert not _route.scores_only_to_bmm(_Storing.__call__)
+    (site,) = idf.plan({"transformer": model}).sites
+    assert site.routed and site.route == "generic route (softmax by hand in _Storing)"
+    x = torch.randn(2, 5, 32)
+    ref = model.attn(x)
+    probs = processor.last.clone()
+    idf.apply({"transformer": model}, SDPA)
+    torch.testing.assert_close(model.attn(x), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(processor.last + 0, probs)  # as its code computes them
+    assert idf.remove({"transformer": model}) == 1 and torch.equal(model.attn(x), ref)
 
 
 def test_a_decided_weights_call_runs_the_own_path_without_projecting_twice(monkeypatch):
@@ -428,29 +439,31 @@ class _ByHandProcessor:
         return torch.bmm(torch.softmax(scores, dim=-1), v)
 
 
-def test_a_by_hand_processor_with_no_head_facts_is_decided_at_its_first_call() -> None:
+def test_a_by_hand_processor_with_no_head_facts_is_decided_at_its_first_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # issue 19: was unclassified (a strict component refused it, even with no flag);
-    # now watched (_route.watch_forward, as transformers' by-hand sites): its head
-    # facts come from the scores product its softmax takes, its code runs untouched
+    # then watched (its own code only); now the deferred-scores route: its head
+    # facts come from the attention it reads at its first call, and any kernel runs it
     model = _Holder(_ByHandNoFacts()).eval()
     x = torch.randn(2, 5, 8)
     ref = model.attn(x)
     plain = idf.plan({"transformer": model})
     assert plain.ok
     (site,) = plain.sites
-    assert site.pending and site.route == "eager in _ByHandProcessor (softmax attention by hand)"
-    applied = idf.apply({"transformer": model}, EAGER)
-    assert torch.equal(model.attn(x), ref)  # its own code, bit-identical
-    (route,) = idf.routes({"transformer": model}).values()
-    (first,) = route.first_calls
-    assert (first.facts.heads, first.facts.head_size) == (1, 8)
-    assert first.backend.name == "eager" and first.error is None
-    assert applied.ok and idf.remove({"transformer": model}) == 1
-    assert "forward" not in model.attn.__dict__ and torch.equal(model.attn(x), ref)
-    # a strict flag its code cannot serve: a typed error at that call, naming the route
-    idf.apply({"transformer": model}, SelectionConfig(global_backend="flex_attention"))
-    with pytest.raises(ResolutionError) as info:
-        model.attn(x)
-    assert info.value.code == "not_in_supported_set"
-    assert "eager in _ByHandProcessor (softmax attention by hand)" in str(info.value)
+    assert site.pending and site.route == "generic route (softmax by hand in _ByHandProcessor)"
+    for config in (None, EAGER):  # with no flag, or eager: its own code, bit-identical
+        applied = idf.apply({"transformer": model}, config)
+        assert torch.equal(model.attn(x), ref)
+        (route,) = idf.routes({"transformer": model}).values()
+        (first,) = route.first_calls
+        assert (first.facts.heads, first.facts.head_size) == (1, 8)
+        assert first.backend.name == "eager" and first.error is None
+        assert applied.ok and idf.remove({"transformer": model}) == 1
+        assert "forward" not in model.attn.__dict__ and torch.equal(model.attn(x), ref)
+    # a strict flag: the kernel decided at that first call runs the attention read
+    seen = _spy(monkeypatch, "torch_sdpa")
+    idf.apply({"transformer": model}, SDPA)
+    torch.testing.assert_close(model.attn(x), ref, rtol=1e-5, atol=1e-5)
+    assert seen == [(2, 5, 1, 8)]  # (batch, seq, heads, size): one call
     idf.remove({"transformer": model})

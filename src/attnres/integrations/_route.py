@@ -49,6 +49,7 @@ from attnres._varlen import check_layer_options, observe_mask, route_kernel
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import ResolutionError
+from attnres.integrations._deferred import Attention, DeferScores, deferred_operands
 from attnres.integrations._plan import Site, SiteDescription
 from attnres.kernels import get_kernel
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
@@ -63,6 +64,7 @@ __all__ = [
     "GenericRoute",
     "MaskFacts",
     "calls_of",
+    "deferred_forward",
     "head_facts",
     "install_by_hand",
     "install_route",
@@ -312,6 +314,9 @@ DROPOUT_ROUTE = "the site's own code (attention dropout: attnres kernels take no
 #: issue 19: a transformers call passing arguments attnres's function cannot hand
 #: to a kernel runs only the model's own eager function
 ARGUMENTS_ROUTE = "transformers' own eager attention (call arguments no attnres kernel takes)"
+#: issue 19: a by-hand site whose code does to its scores what no kernel call
+#: expresses runs its own math
+OWN_MATH_ROUTE = "the site's own softmax attention by hand (what its code does to the scores)"
 
 
 # =============================================================================
@@ -423,6 +428,9 @@ class CallFacts:
     #: issue 19: call arguments attnres's transformers function cannot hand to a
     #: kernel (``softcap``, attention sinks ...): only the site's own code serves them
     arguments: tuple[str, ...] = ()
+    #: issue 19: what a by-hand site's code did to its scores that no kernel call
+    #: expresses (``mul by a tensor``): only the site's own math serves the call
+    own_math: str = ""
 
     @classmethod
     def observe(
@@ -436,6 +444,7 @@ class CallFacts:
         heads_dim: int = -3,
         weights: bool = False,
         arguments: tuple[str, ...] = (),
+        own_math: str = "",
     ) -> CallFacts:
         head_size = int(q.shape[-1])
         mask = _observe_mask(q, k, attn_mask, heads_dim)
@@ -450,6 +459,7 @@ class CallFacts:
             dropout=bool(dropout_p),
             weights=weights,
             arguments=arguments,
+            own_math=own_math,
         )
 
     @classmethod
@@ -480,6 +490,7 @@ class CallFacts:
             self.dropout,
             self.weights,
             self.arguments,
+            self.own_math,
         )
 
     def differences(self, planned: CallFacts | None) -> tuple[str, ...]:
@@ -516,6 +527,8 @@ class CallFacts:
             )
         if self.arguments != planned.arguments:
             out.append("call arguments " + ", ".join(self.arguments or ("none",)))
+        if self.own_math != planned.own_math:
+            out.append(f"own math: {self.own_math or 'none'}")
         if not out and self.heads != planned.heads:  # same grouping, other head count
             out.append(f"{self.heads} heads (planned {planned.heads})")
         return tuple(out)
@@ -538,7 +551,13 @@ class CallFacts:
             weights=base.requirements.weights or self.weights,
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
-        only = _EAGER if self.weights or self.arguments else own if self.dropout else None
+        only = (
+            _EAGER
+            if self.weights or self.arguments or self.own_math
+            else own
+            if self.dropout
+            else None
+        )
         if only is not None:
             # no attnres kernel returns the weights or applies dropout (the calling
             # convention has neither): only the site's own code serves the call,
@@ -549,7 +568,9 @@ class CallFacts:
                 default=None if base.default is None else only,
                 preferred=None,
                 exact_route=(
-                    f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
+                    f"{OWN_MATH_ROUTE}: {self.own_math}"
+                    if self.own_math
+                    else f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
                     if self.arguments
                     else WEIGHTS_ROUTE
                     if self.weights
@@ -569,6 +590,7 @@ def call_key(
     heads_dim: int,
     weights: bool = False,
     arguments: tuple[str, ...] = (),
+    own_math: str = "",
 ) -> tuple[Any, ...]:
     """A call's signature, built with no object (it runs on every call, and is
     traced whole by torch.compile)."""
@@ -584,6 +606,7 @@ def call_key(
         bool(dropout_p),
         weights,
         arguments,
+        own_math,
     )
 
 
@@ -598,6 +621,7 @@ def signature(
     dropout: bool,
     weights: bool = False,
     arguments: tuple[str, ...] = (),
+    own_math: str = "",
 ) -> tuple[Any, ...]:
     """The one layout of a call's signature (:func:`call_key`, :meth:`CallFacts.key`
     and a route that knows a call's scalars before it has its tensors)."""
@@ -612,6 +636,7 @@ def signature(
         dropout,
         weights,
         arguments,
+        own_math,
     )
 
 
@@ -826,12 +851,15 @@ class GenericRoute:
         heads_dim: int,
         weights: bool = False,
         arguments: tuple[str, ...] = (),
+        own_math: str = "",
     ) -> _KernelFn | None:
         """The kernel of this call's signature (``None``: the site's own code runs
         it), checked once per signature against the plan. Every caller goes
         through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
         routes, attnres's transformers attention function."""
-        key = call_key(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments)
+        key = call_key(
+            q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments, own_math
+        )
         if key in self.unverified and not torch.compiler.is_compiling():
             # issue 22: the first call of a planned signature verifies its mask kind
             return self._verify(
@@ -841,7 +869,16 @@ class GenericRoute:
             return self.kernels[key]
         return self._first_call(
             CallFacts.observe(
-                q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments
+                q,
+                k,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                heads_dim,
+                weights,
+                arguments,
+                own_math,
             )
         )
 
@@ -877,6 +914,40 @@ class GenericRoute:
         v4 = value.view(batch, heads, seq_kv, -1).transpose(1, 2)
         out = kernel(q4, k4, v4, m4, False, module.scale)
         return out.transpose(1, 2).reshape(n, seq_q, -1)
+
+    def run_deferred(self, found: Attention | str, probs: Any) -> Any:
+        """One attention a by-hand site's code computes (:mod:`._deferred`), run by
+        the kernel decided for its signature; ``None``: the site's own math runs
+        it (decided so, or its code does to the scores what no kernel call
+        expresses: a fact of the call, which re-resolves the site to its own
+        math or, in a strict component, raises ``ResolutionError``)."""
+        if isinstance(found, str):
+            qk = deferred_operands(probs)
+            self.own_math(found, qk)
+            return None
+        lead = found.q.shape[:-2]
+        q4, k4, v4 = (_four(t, lead, self.planned) for t in (found.q, found.k, found.v))
+        m4 = None if found.mask is None else _four(found.mask, lead, self.planned)
+        kernel = self.kernel_for(q4, k4, m4, found.dropout, False, found.scale, -3)
+        if kernel is None:
+            return None
+        out = kernel(
+            q4.transpose(-3, -2), k4.transpose(-3, -2), v4.transpose(-3, -2), m4, False, found.scale
+        ).transpose(-3, -2)
+        return found.finish(out.reshape(*lead, *out.shape[-2:]))
+
+    def own_math(self, why: str, qk: tuple[Any, Any] | None) -> None:
+        """Check a call of a by-hand site whose attention only its own math computes
+        (``why``); returns where that is what the site may run, raises where not."""
+        if qk is not None:
+            lead = qk[0].shape[:-2]
+            q4, k4 = (_four(t, lead, self.planned) for t in qk)
+            self.kernel_for(q4, k4, None, 0.0, False, None, -3, own_math=why)
+            return
+        base = self.planned or CallFacts(1, 1, 1, "float32", MaskFacts(False), False, False, False)
+        facts = attrs.evolve(base, own_math=why)
+        if facts.key() not in self.kernels:
+            self._first_call(facts)
 
     def close(self) -> None:
         """Forget the homes of its rebound functions (the route was removed)."""
@@ -977,10 +1048,27 @@ class GenericRoute:
                 self.on_first_call(record)
             if resolution is None:
                 raise ResolutionError(str(error), trace, str(trace.outcome.code))
-            own = _EAGER if facts.weights or facts.arguments else self.own
+            own = _EAGER if facts.weights or facts.arguments or facts.own_math else self.own
             kernel = self._kernel(resolution.backend, spec, own)
             self.kernels[facts.key()] = kernel
             return kernel
+
+
+def _four(t: Any, lead: tuple[int, ...], planned: CallFacts | None) -> Any:
+    """A by-hand attention's tensor (``lead`` dimensions, then two) as (batch,
+    heads, ., .): two leading dimensions are batch and heads; one is batch times
+    heads where the planned head count divides it (else one head per row); more
+    are batch (all but the last) and heads."""
+    if len(lead) == 2:
+        return t
+    if len(lead) == 1:
+        heads = planned.heads if planned is not None and lead[0] % planned.heads == 0 else 1
+        n = t.shape[0]
+        if n == 1:
+            return t.unsqueeze(0)
+        return t.reshape(n // heads, heads, *t.shape[-2:])
+    t = t.expand(*lead, *t.shape[-2:])
+    return t.reshape(-1, lead[-1], *t.shape[-2:])
 
 
 def site_route(
@@ -1350,6 +1438,36 @@ def watch_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
             return original(*args, **kwargs)
 
     return forward
+
+
+def deferred_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
+    """``module``'s forward for a site computing softmax attention by hand (issue
+    19): its code runs as it is, while :class:`._deferred.DeferScores` defers its
+    scores and hands each attention it reads to ``route``
+    (:meth:`GenericRoute.run_deferred`). Deferred tensors its forward returns
+    (the attention weights transformers' modules return on every call) are
+    computed only where a caller uses them. A forward in which the route read
+    no attention ran its own math: checked as a fact of the call (``own
+    math``), as any other.
+
+    Inside ``torch.compile`` the site runs eagerly (a graph break at the site:
+    the mode and its deferred tensors are not traced), with the same result;
+    ``fullgraph=True`` is refused there by torch itself."""
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        mode = DeferScores(route.run_deferred)
+        with mode:
+            out = original(*args, **kwargs)
+        if not mode.handed:
+            # the facts it was planned for (a product the route deferred and the
+            # code then computed says nothing of its attention), else the last one
+            last = mode.last if route.planned is None else None
+            route.own_math("no softmax attention the route could read", last)
+        return out
+
+    eager: Callable[..., Any] = torch.compiler.disable(forward)  # type: ignore[no-untyped-call]
+    return eager
 
 
 def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:

@@ -92,8 +92,6 @@ __all__ = [
 
 ROUTE_DISPATCHER = "diffusers dispatcher"
 ROUTE_GENERIC = "generic route"
-#: the end of a by-hand site's route (its own code, eager)
-_BY_HAND = "(softmax attention by hand)"
 #: the words of a site whose processor declares the backends its call runs
 DECLARES = "declares"
 
@@ -697,17 +695,17 @@ def _describe(
             why=None if facts is not None else f"{cls} holds no head facts",
         )
     if names & _route.BY_HAND:
-        only = Backend("eager")
+        # issue 19: softmax by hand otherwise: the deferred-scores route
+        # (_route.deferred_forward) reads each attention its code computes as one
+        # call of any kernel
         return SiteDescription(
             **base,
-            route=f"eager in {owner} {_BY_HAND}",
-            supported=frozenset({only}),
-            current=only,
-            # issue 19: with no head facts, decided at its first call: a route that
-            # watches its own code (_route.watch_forward, as transformers' by-hand
-            # sites) reads them from the scores product its softmax takes
+            route=f"{ROUTE_GENERIC} (softmax by hand in {owner})",
+            supported=None,
+            current=Backend("eager"),
+            preferred=frozenset({Backend("eager")}),
             pending=facts is None,
-            routed=facts is None,
+            routed=True,
             why=None
             if facts is not None
             else f"{cls} holds no head count or head size; they are read from the query "
@@ -965,12 +963,6 @@ def apply(
     return result
 
 
-def _watched(site: Site) -> bool:
-    """A site decided at its first call whose route runs only its own code
-    (softmax by hand): its first call is watched (:func:`._route.watch_forward`)."""
-    return site.pending and site.route.endswith(_BY_HAND)
-
-
 def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pin:
     module, site = item.module, item.site
     earlier = module.__dict__.get(_PIN_ATTR)
@@ -979,14 +971,7 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     original = getattr(module, "processor", None)
     processor = original
     route = None
-    if item.route and _watched(site):
-        # issue 19: softmax by hand with no head facts: its own code, watched
-        route = _route.site_route(
-            site, config, platform, own=Backend("eager"), own_route=site.route
-        )
-        _route.install_route(module, route, _route.watch_forward(module, route))
-        route.tie(module)
-    elif item.route:
+    if item.route:
         # under the route, a dispatcher's own path is diffusers' native SDPA
         # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
         # dense kernel cannot take a key-padding mask); softmax by hand stays eager
@@ -995,12 +980,18 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
         if declared and site.current is not None:  # its own path is what it declares
             own = site.current
         route = _route.site_route(site, config, platform, own=own)
-        route.keeps_own = declared
+        # a site decided at its first call keeps, with no flag, what its own code
+        # runs: the kernel its processor declares, or its softmax by hand
+        route.keeps_own = declared or route.by_hand
         if not declared:
             route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
-        routed = None if original is None else _route.routed_processor(original, route)
+        pair = original is not None and _route.scores_only_to_bmm(type(original).__call__)
+        deferred = route.by_hand and not pair
+        routed = None if original is None or deferred else _route.routed_processor(original, route)
         if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
             _route.install_route(module, route, _route.mha_forward(module, route))
+        elif deferred:  # issue 19: softmax by hand, read as it runs
+            _route.install_route(module, route, _route.deferred_forward(module, route))
         elif routed is not None:
             # a copy: the original object may be shared with other modules or models
             processor = routed

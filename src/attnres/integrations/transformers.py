@@ -66,6 +66,8 @@ __all__ = [
 ROUTE = "transformers attention interface"
 #: a site that calls SDPA itself (the words of ``diffusers.ROUTE_GENERIC``)
 _GENERIC = "generic route"
+#: a site computing softmax attention by hand (``generic route (softmax by hand in X)``)
+_BY_HAND_WORDS = "(softmax by hand in"
 
 #: attnres backend -> the transformers attention function that executes it
 #: (transformers 5.24).
@@ -548,18 +550,15 @@ def _describe_own(
     :func:`_not_softmax_attention`) is recorded as such."""
     cls = type(module).__name__
     facts = _head_facts(module)
-    routed = kind == _SDPA
-    only = Backend("torch_sdpa" if routed else "eager")
+    calls_sdpa = kind == _SDPA
+    own = Backend("torch_sdpa" if calls_sdpa else "eager")
     heads, kv_heads, head_size = facts if facts is not None else (None, None, None)
     req = Requirements(causal=getattr(module, "is_causal", False) is True)
     if facts is not None:
         req = _with_call_facts(
             attrs.evolve(req, gqa=facts[1] < facts[0]), module, facts[2], backward
         )
-    route = (
-        f"{_GENERIC} (SDPA in {cls})" if routed else f"eager in {cls} (softmax attention by hand)"
-    )
-    not_attention = None if routed else _not_softmax_attention(module)
+    not_attention = None if calls_sdpa else _not_softmax_attention(module)
     if not_attention is not None:
         return SiteDescription(
             component=component,
@@ -578,24 +577,29 @@ def _describe_own(
         component=component,
         name=name,
         module_class=cls,
-        route=route,
-        supported=None if routed else frozenset({only}),
+        # softmax by hand: the deferred-scores route (_route.deferred_forward) runs
+        # any kernel there, each attention its code computes read as one call
+        route=f"{_GENERIC} (SDPA in {cls})"
+        if calls_sdpa
+        else f"{_GENERIC} {_BY_HAND_WORDS} {cls})",
+        supported=None,
         head_size=head_size,
         heads=heads,
         kv_heads=kv_heads,
         dtype=dtype,
         role=_self(name, module),
         requirements=attrs.evolve(req, backward=backward),
-        current=only,
+        current=own,
+        # with no flag, automatic choices keep the site's own math (nothing wrapped)
+        preferred=None if calls_sdpa else frozenset({own}),
         pending=facts is None,
-        # a by-hand site decided at its first call gets a route that watches it
-        routed=routed or facts is None,
+        routed=True,
         why=None
         if facts is not None
         else (
             f"{cls} holds no head count and head size; they are read from the query, key "
             f"and value of its first call"
-            if routed
+            if calls_sdpa
             else f"{cls} holds no head count or head size; they are read from the query "
             f"and key of the scores product its first call computes"
         ),
@@ -991,16 +995,22 @@ def _route_installer(
     watched = site.pending and not site.route.startswith(_GENERIC)
     if watched and own_route is None:
         own_route = site.route
+    by_hand = _BY_HAND_WORDS in site.route
 
     def install() -> None:
         route = _route.site_route(
             site, result.config, result.platform, own_backend, own_route if watched else None
         )
+        # softmax by hand decided at its first call keeps its own math with no flag,
+        # as a planned site's ``preferred`` does
+        route.keeps_own = by_hand
         own = (
             _route.mha_forward(module, route)
             if isinstance(module, torch.nn.MultiheadAttention)
             else _route.watch_forward(module, route)
             if watched
+            else _route.deferred_forward(module, route)
+            if by_hand
             else None
         )
         _route.install_route(module, route, own)
