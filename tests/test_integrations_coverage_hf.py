@@ -518,7 +518,9 @@ def _recorded(site: Any) -> bool:
 
 
 def _own_path(site: Any) -> bool:
-    return site.module_class == "MultiheadAttention" or "by hand" in site.route
+    # issue 19: softmax by hand is no longer an own path (the deferred-scores
+    # route takes any kernel): a by-hand site's error must name a sage limit
+    return site.module_class == "MultiheadAttention"
 
 
 def _not_offered(model: Any, site: Any) -> bool:
@@ -607,6 +609,13 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
     }
     not_offered = {s.name for s in sage.sites if _not_offered(model, s)}
     own_path |= not_offered
+    unnamed = [
+        s.name
+        for s in sage.sites
+        if s.name in not_offered and "opts out of attnres's: _supports_" not in s.site_error.message
+    ]
+    if unnamed:  # the error says why: the flag the class's code sets
+        problems.append(f"sage: an opt-out whose error does not name the flag at {unnamed[:2]}")
     route_limits = sorted(
         f"{s.module_class}: {s.site_error.code}"
         for s in sage.sites

@@ -489,8 +489,8 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
                 # issue 23: a class that opts out of attnres's function runs only
                 # transformers' own functions, which take none of attnres's options
                 host_kernel=f"transformers' own attention function ({type(owner).__name__} "
-                f"opts out of attnres's)"
-                if _hf_attention.opts_out(type(owner))
+                f"opts out of attnres's: {flag})"
+                if (flag := _hf_attention.opt_out_flag(type(owner))) is not None
                 else None,
                 head_size=head_size,
                 heads=heads,
