@@ -7,6 +7,7 @@ from a model's forward signature, and the flattening of its outputs.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import warnings
@@ -45,7 +46,8 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
         re.compile(r"(encoder|decoder)_ffn_dim|ffn_dim|(.+_)?intermediate_size"),
         "intermediate_size",
     ),
-    (re.compile(r"d_model|n_embd|hidden_dim|embed_dim"), "hidden_size"),
+    (re.compile(r"d_model|n_embd|hidden_dim|embed_dim|hidden_size_.+"), "hidden_size"),
+    (re.compile(r"vocab_size_.+"), "vocab_size"),
 )
 #: a token id the config names is kept out of the prompt (an image token with
 #: no image is an error) and inside the vocabulary
@@ -95,17 +97,43 @@ def shrink(config: PretrainedConfig, kv_heads: int = SIZES["num_key_value_heads"
             if _has(node, key):
                 value = getattr(node, key, None)
                 if isinstance(value, int) and not isinstance(value, bool):
-                    setattr(node, key, size)
+                    _set(node, key, size)
         for key, value in list(vars(node).items()):
             if not isinstance(value, int) or isinstance(value, bool):
                 continue
             for pattern, size in _PATTERNS:
                 if pattern.fullmatch(key):
-                    setattr(node, key, sizes[size])
+                    _set(node, key, sizes[size])
                     break
+        _rope_sections(node)
         if _has(node, "vocab_size") and isinstance(getattr(node, "vocab_size", None), int):
             named = [i for i in token_ids(node) if i >= 0]
             node.vocab_size = max([SIZES["vocab_size"], *(i + 1 for i in named)])
+
+
+def _set(node: PretrainedConfig, key: str, value: int) -> None:
+    """Set ``key``, unless the config refuses it (a per-layer attribute that
+    cannot be set for every layer at once is left as it is)."""
+    with contextlib.suppress(Exception):
+        setattr(node, key, value)
+
+
+def _rope_sections(node: PretrainedConfig) -> None:
+    """Multimodal rope splits each head's rotary half into sections (``mrope_section``,
+    summing to half the head size): spread the shrunk half over as many sections."""
+    half = getattr(node, "head_dim", None)
+    if not isinstance(half, int) and isinstance(getattr(node, "hidden_size", None), int):
+        heads = getattr(node, "num_attention_heads", None)
+        half = node.hidden_size // heads if isinstance(heads, int) and heads else None
+    for params in (vars(node).get("rope_parameters"), vars(node).get("rope_scaling")):
+        if not isinstance(params, dict) or not isinstance(half, int):
+            continue
+        for where in (params, *(v for v in params.values() if isinstance(v, dict))):
+            sections = where.get("mrope_section")
+            if isinstance(sections, list) and 0 < len(sections) <= half // 2:
+                spread = [1] * len(sections)
+                spread[0] += half // 2 - len(sections)
+                where["mrope_section"] = spread
 
 
 def _image_size(config: PretrainedConfig) -> tuple[int, int, int] | None:
