@@ -48,6 +48,7 @@ import gc
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,24 +91,281 @@ SDPA = SelectionConfig(global_backend="torch_sdpa")
 #: what a site's decided backend makes the attention interface call
 _CALLED = {"torch_sdpa": "sdpa", "eager": "eager"}
 
-#: model types with interface sites that are not run tiny, with why; the sweep
-#: fails when this set changes
-_NOT_RUN: dict[str, str] = {}
+#: model types with interface sites that are not run tiny, with why (the first
+#: rung's failure, abridged; the table has it whole); the sweep fails when this
+#: set changes
+_NOT_RUN: dict[str, str] = {
+    "align": "not tiny: over 20M parameters",
+    "apertus1p5": "not tiny: over 20M parameters",
+    "audio-spectrogram-transformer": "not run: RuntimeError: The size of tensor a (62) must match",
+    "audioflamingo3_encoder": "not run: AttributeError: 'NoneType' object has no attribute 'sum'",
+    "axk1": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "axk2": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "bailing_hybrid": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "blip-2": "not run: its forward requires 'input_ids'",
+    "blip_2_qformer": "not run: its forward takes none of the generic inputs",
+    "blt": "not tiny: over 20M parameters",
+    "bridgetower": "not built: ValueError: embed_dim and num_heads must be greater than 0, got",
+    "canary": "not run: ValueError: You must specify exactly one of input_ids or inputs_em",
+    "clap": "not tiny: over 20M parameters",
+    "cohere_asr": "not run: ValueError: You must specify exactly one of input_ids or inputs_em",
+    "cohere_compass_vision": "not run: its forward takes none of the generic inputs",
+    "conditional_detr": "not built: ImportError: TimmBackbone requires the timm library but it was",
+    "cosmos3_edge_vision": "not run: its forward takes none of the generic inputs",
+    "csm": "not built: ValueError: in_channels must be divisible by groups",
+    "d_fine": "not tiny: over 20M parameters",
+    "dab-detr": "not built: ImportError: TimmBackbone requires the timm library but it was n",
+    "decision_transformer": "not run: its forward takes none of the generic inputs",
+    "deepseek_v2": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "deepseek_v3": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "deepseek_v32": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "deformable_detr": "not built: ImportError: TimmBackbone requires the timm library but it was",
+    "deimv2": "not tiny: over 20M parameters",
+    "depth_pro": "not run: ValueError: Image size 384x384 is too small to be scaled with scal",
+    "detr": "not built: ImportError: TimmBackbone requires the timm library but it was n",
+    "dia": "not run: RuntimeError: shape '[2, 9, -1]' is invalid for input of size 8",
+    "dinat": "not built: ImportError: DinatModel requires the natten library but it was n",
+    "dots3_note": "not built: AmbiguousGlobalPerLayerAttributeError: 'num_attention_heads' is",
+    "dots3_note_text": "not built: AmbiguousGlobalPerLayerAttributeError: 'num_attention_heads' is",
+    "edgetam": "not built: ImportError: TimmWrapperModel requires the timm library but it w",
+    "edgetam_video": "not tiny: over 20M parameters",
+    "edgetam_vision_model": "not built: ImportError: TimmWrapperModel requires the timm library bu",
+    "efficientloftr": "not run: its forward takes none of the generic inputs",
+    "embedding_gemma2": "not built: AmbiguousGlobalPerLayerAttributeError: 'num_key_value_heads' i",
+    "embedding_gemma2_text": "not built: AmbiguousGlobalPerLayerAttributeError: 'num_key_value_hea",
+    "ernie4_5_vl_moe": "not built: RuntimeError: The expanded size of the tensor (4) must match th",
+    "exaone4_5_vision": "not run: its forward takes none of the generic inputs",
+    "fast_vlm": "not built: ImportError: TimmWrapperModel requires the timm library but it w",
+    "florence2": "not tiny: over 20M parameters",
+    "fun_asr_nano_encoder": "not run: its forward requires 'input_features_mask'",
+    "gemma3n": "not built: ImportError: TimmWrapperModel requires the timm library but it w",
+    "gemma3n_text": "not tiny: over 20M parameters",
+    "gemma3n_vision": "not built: ImportError: TimmWrapperModel requires the timm library but it w",
+    "gemma4": "not built: AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer",
+    "gemma4_text": "not built: AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer",
+    "gemma4_unified": "not built: AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer",
+    "gemma4_unified_text": "not built: AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-",
+    "gemma4_vision": "not run: its forward takes none of the generic inputs",
+    "glm46v": "not tiny: over 20M parameters",
+    "glm4v": "not tiny: over 20M parameters",
+    "glm4v_moe": "not tiny: over 20M parameters",
+    "glm4v_moe_text": "not run: RuntimeError: split_with_sizes expects split_sizes to sum exactly",
+    "glm4v_moe_vision": "not tiny: over 20M parameters",
+    "glm4v_text": "not run: RuntimeError: split_with_sizes expects split_sizes to sum exactly",
+    "glm4v_vision": "not tiny: over 20M parameters",
+    "glm5_next_vision": "not run: its forward takes none of the generic inputs",
+    "glm_image": "not run: ValueError: You must specify exactly one of input_ids or inputs_em",
+    "glm_image_text": "not run: RuntimeError: split_with_sizes expects split_sizes to sum exactly",
+    "glm_image_vision": "not run: its forward requires 'grid_thw'",
+    "glm_moe_dsa": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "glm_ocr": "not tiny: over 20M parameters",
+    "glm_ocr_text": "not run: RuntimeError: split_with_sizes expects split_sizes to sum exactly",
+    "glm_ocr_vision": "not tiny: over 20M parameters",
+    "glmga": "not tiny: over 20M parameters",
+    "got_ocr2": "not run: its output is not deterministic",
+    "granite_speech5_ctc": "not run: RuntimeError: mat1 and mat2 shapes cannot be multiplied (128x",
+    "granite_speech5_encoder": "not run: RuntimeError: mat1 and mat2 shapes cannot be multiplied (",
+    "grounding-dino": "not run: its forward requires 'input_ids'",
+    "higgs_audio_v2_tokenizer": "not built: ImportError: HiggsAudioV2TokenizerModel requires the t",
+    "hunyuan_vl_text": "not run: TypeError: object of type 'NoneType' has no len()",
+    "hunyuan_vl_vision": "not run: its forward takes none of the generic inputs",
+    "hy_v4": "not run: RuntimeError: The size of tensor a (4) must match the size of tens",
+    "hy_v4_vl": "not run: RuntimeError: The size of tensor a (4) must match the size of tens",
+    "hy_v4_vl_text": "not run: RuntimeError: The size of tensor a (4) must match the size of tens",
+    "hy_v4_vl_vision": "not run: its forward takes none of the generic inputs",
+    "idefics": "not run: AttributeError: 'NoneType' object has no attribute 'device'",
+    "informer": "not run: its forward takes none of the generic inputs",
+    "inkling2": "not tiny: over 20M parameters",
+    "inkling2_vision": "not run: its forward takes none of the generic inputs",
+    "inkling_mm_model": "not tiny: over 20M parameters",
+    "instructblip": "not run: its forward requires 'qformer_input_ids'",
+    "instructblipvideo": "not run: its forward requires 'qformer_input_ids'",
+    "janus": "not tiny: over 20M parameters",
+    "kimi_k25": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "kimi_k25_vision": "not run: its forward takes none of the generic inputs",
+    "kosmos-2": "not run: ValueError: You have to specify either input_ids or inputs_embeds",
+    "kyutai_speech_to_text": "not run: RuntimeError: The size of tensor a (8) must match the size",
+    "layoutlmv2": "not built: ImportError: LayoutLMv2Model requires the detectron2 library but",
+    "layoutlmv3": "not run: RuntimeError: The size of tensor a (32) must match the size of ten",
+    "lfm3_vl_vision": "not run: its forward takes none of the generic inputs",
+    "lightglue": "not run: its forward takes none of the generic inputs",
+    "llama4": "not run: ValueError: You must specify exactly one of input_ids or inputs_em",
+    "longcat_flash": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "lw_detr": "not run: ValueError: torch.cat(): expected a non-empty list of Tensors",
+    "mask2former": "not run: RuntimeError: shape '[128, 49, -1, 10]' is invalid for input of si",
+    "maskformer": "not run: its output is not deterministic",
+    "mimi": "not built: ValueError: in_channels must be divisible by groups",
+    "mimi_decoder": "not built: ValueError: in_channels must be divisible by groups",
+    "mimi_encoder": "not run: ValueError: not enough values to unpack (expected 3, got 2)",
+    "minicpm3": "not run: RuntimeError: The size of tensor a (4) must match the size of tens",
+    "minicpm_ocr_vision": "not run: AttributeError: 'NoneType' object has no attribute 'device'",
+    "minicpmv4_7_vision": "not run: AttributeError: 'NoneType' object has no attribute 'device'",
+    "minimax_m3_vl": "not tiny: over 20M parameters",
+    "mistral_large4": "not run: ValueError: You must specify exactly one of input_ids or inputs_em",
+    "mistral_large4_text": "not run: RuntimeError: The size of tensor a (2) must match the size of",
+    "mm-grounding-dino": "not run: its forward requires 'input_ids'",
+    "moonshine": "not run: RuntimeError: shape '[2, 1, 2, 4]' is invalid for input of size 64",
+    "moonshine_streaming": "not run: RuntimeError: shape '[2, -1, 80]' is invalid for input of siz",
+    "moshi": "not run: RuntimeError: shape '[2, 8, 2, -1]' is invalid for input of size 5",
+    "muse_glimmer": "not tiny: over 20M parameters",
+    "muse_glimmer_assistant": "not run: its forward takes none of the generic inputs",
+    "muse_glimmer_vision": "not run: its forward takes none of the generic inputs",
+    "muse_spark": "not tiny: over 20M parameters",
+    "muse_spark_text": "not tiny: over 20M parameters",
+    "muse_spark_vision": "not run: its forward takes none of the generic inputs",
+    "musicgen": "not run: RuntimeError: shape '[-1, 4, 8]' is invalid for input of size 16",
+    "musicgen_melody": "not run: RuntimeError: shape '[-1, 4, 8]' is invalid for input of size 16",
+    "nemotron3_5_asr": "not tiny: over 20M parameters",
+    "nemotron3_5_transcribe_audio": "not run: RuntimeError: mat1 and mat2 shapes cannot be multipl",
+    "nemotron3_5_transcribe_word_timestamp": "not run: its forward takes none of the generic input",
+    "nemotron_asr_streaming": "not run: TypeError: embedding(): argument 'indices' (position 2) mu",
+    "neomme": "not run: RuntimeError: stack expects each tensor to be equal size, but got",
+    "neucodec": "not tiny: over 20M parameters",
+    "omdet-turbo": "not built: ImportError: TimmBackbone requires the timm library but it was n",
+    "omniasr_audio": "not run: RuntimeError: Given groups=1, weight of size [512, 1, 10], expecte",
+    "omniasr_ctc": "not run: RuntimeError: Given groups=1, weight of size [512, 1, 10], expecte",
+    "oneformer": "not run: its forward requires 'task_inputs'",
+    "paddleocr_vl": "not run: TypeError: embedding(): argument 'indices' (position 2) must be Te",
+    "parakeet_rnnt": "not run: TypeError: embedding(): argument 'indices' (position 2) must be Te",
+    "parakeet_tdt": "not run: TypeError: embedding(): argument 'indices' (position 2) must be Te",
+    "patchtst": "not run: its forward takes none of the generic inputs",
+    "pe_audio": "not tiny: over 20M parameters",
+    "pe_audio_encoder": "not tiny: over 20M parameters",
+    "pe_audio_video": "not built: ImportError: TimmWrapperForImageClassification requires the timm",
+    "pe_audio_video_encoder": "not built: ImportError: TimmWrapperForImageClassification requires",
+    "pe_video": "not built: ImportError: TimmWrapperForImageClassification requires the timm",
+    "pe_video_encoder": "not built: ImportError: TimmWrapperForImageClassification requires the ti",
+    "perception_lm": "not built: ImportError: TimmWrapperModel requires the timm library but it w",
+    "pi0": "not run: its forward requires 'action_embeds'",
+    "pocket_tts_audio_tokenizer": "not built: ValueError: in_channels must be divisible by groups",
+    "pocket_tts_audio_tokenizer_decoder": "not built: ValueError: in_channels must be divisible by",
+    "pocket_tts_audio_tokenizer_encoder": "not run: ValueError: not enough values to unpack (expec",
+    "pp_doclayout_v3": "not tiny: over 20M parameters",
+    "pp_doclayout_v4": "not tiny: over 20M parameters",
+    "qwen2_5_omni_thinker": "not run: TypeError: embedding(): argument 'indices' (position 2) must",
+    "qwen2_5_vl": "not run: RuntimeError: split_with_sizes expects split_sizes to sum exactly",
+    "qwen2_5_vl_text": "not run: RuntimeError: split_with_sizes expects split_sizes to sum exactly",
+    "qwen2_5_vl_vision": "not run: its forward takes none of the generic inputs",
+    "qwen2_vl": "not run: RuntimeError: split_with_sizes expects split_sizes to sum exactly",
+    "qwen2_vl_text": "not run: RuntimeError: split_with_sizes expects split_sizes to sum exactly",
+    "qwen3_5_moe_vision": "not run: its forward takes none of the generic inputs",
+    "qwen3_5_vision": "not run: its forward takes none of the generic inputs",
+    "qwen3_asr_encoder": "not run: its forward requires 'input_features_mask'",
+    "qwen3_omni_moe_thinker": "not run: TypeError: embedding(): argument 'indices' (position 2) mu",
+    "qwen3_vl_moe_vision": "not run: its forward takes none of the generic inputs",
+    "qwen3_vl_vision": "not run: its forward takes none of the generic inputs",
+    "qwen4_exp": "not run: RuntimeError: shape '[1, 2, 8]' is invalid for input of size 32",
+    "qwen4_exp_vision": "not run: its forward takes none of the generic inputs",
+    "rf_detr": "not run: RuntimeError: shape '[2, 4, 9, 4, 9, -1]' is invalid for input of",
+    "rt_detr": "not tiny: over 20M parameters",
+    "rt_detr_v2": "not tiny: over 20M parameters",
+    "sam": "not run: RuntimeError: The size of tensor a (256) must match the size of te",
+    "sam2": "not tiny: over 20M parameters",
+    "sam2_hiera_det_model": "not tiny: over 20M parameters",
+    "sam2_video": "not tiny: over 20M parameters",
+    "sam2_vision_model": "not tiny: over 20M parameters",
+    "sam3": "not run: ValueError: You must specify exactly one of input_ids or text_embe",
+    "sam3_lite_text": "not run: ValueError: You must specify exactly one of input_ids or text_embe",
+    "sam3_tracker": "not run: RuntimeError: Given groups=1, weight of size [4, 32, 1, 1], expect",
+    "sam3_tracker_video": "not run: its forward takes none of the generic inputs",
+    "sam3_video": "not run: its forward takes none of the generic inputs",
+    "sam_hq": "not run: RuntimeError: Given transposed=1, weight of size [32, 8, 2, 2], ex",
+    "sapiens2": "not run: RuntimeError: The size of tensor a (4) must match the size of tens",
+    "sarvam_mla": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "seamless_m4t": "not tiny: over 20M parameters",
+    "seamless_m4t_v2": "not tiny: over 20M parameters",
+    "segformer": "not run: its forward takes none of the generic inputs",
+    "siglip": "not run: ValueError: You have to specify input_ids",
+    "siglip2": "not run: AttributeError: 'NoneType' object has no attribute 'to'",
+    "siglip2_vision_model": "not run: its forward takes none of the generic inputs",
+    "speech_to_text": "not run: its forward takes none of the generic inputs",
+    "step3p7": "not run: TypeError: embedding(): argument 'indices' (position 2) must be Te",
+    "swin": "not run: RuntimeError: shape '[128, 49, -1, 10]' is invalid for input of si",
+    "t5gemma": "not run: RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x32 and",
+    "table-transformer": "not built: ImportError: TimmBackbone requires the timm library but it wa",
+    "time_series_transformer": "not run: its forward takes none of the generic inputs",
+    "timesfm": "not run: its forward takes none of the generic inputs",
+    "timesfm2_5": "not run: its forward takes none of the generic inputs",
+    "timm_backbone": "not built: ImportError: TimmBackbone requires the timm library but it was n",
+    "timm_wrapper": "not built: ImportError: TimmWrapperModel requires the timm library but it w",
+    "udop": "not run: ValueError: You must specify exactly one of input_ids or inputs_em",
+    "vibevoice": "not tiny: over 20M parameters",
+    "vibevoice_asr": "not tiny: over 20M parameters",
+    "video_llama_3_vision": "not run: its forward takes none of the generic inputs",
+    "videomae": "not run: ValueError: not enough values to unpack (expected 5, got 4)",
+    "videoprism": "not run: its forward requires 'pixel_values_videos'",
+    "videoprism_vision_model": "not run: its forward takes none of the generic inputs",
+    "vision-text-dual-encoder": "not run: ValueError: You must specify exactly one of input_ids or",
+    "vit_mae": "not run: its output is not deterministic",
+    "vivit": "not run: ValueError: not enough values to unpack (expected 5, got 4)",
+    "vjepa2": "not tiny: over 20M parameters",
+    "voxtral_realtime": "not run: ValueError: You must specify exactly one of input_ids or inputs_",
+    "voxtral_realtime_text": "not built: transformers exports no VoxtralRealtimeTextModel",
+    "wav2vec2-bert": "not run: its forward takes none of the generic inputs",
+    "whisper": "not run: ValueError: Whisper expects the mel input features to be of length",
+    "xclip": "not run: ValueError: not enough values to unpack (expected 5, got 4)",
+    "xcodec": "not tiny: over 20M parameters",
+    "xcodec2": "not tiny: over 20M parameters",
+    "xmod": "not run: ValueError: Input language unknown",
+    "youtu": "not run: RuntimeError: The size of tensor a (2) must match the size of tens",
+    "zamba": "not run: RuntimeError: The size of tensor a (7424) must match the size of t",
+    "zamba2": "not run: RuntimeError: shape '[2, 8, 8, 640]' is invalid for input of size",
+}
 
 #: model types whose run found a problem in attnres, with what it is; the sweep
 #: fails when one closes (drop its entry) or a type not listed here has one
-_FINDINGS: dict[str, str] = {}
+_GATED = (
+    "heads read as the query projection's width over the head size: its query projection "
+    "is gated (query and gate, twice the width), so the plan has twice the heads and kv "
+    "heads the call carries"
+)
+_INPUT_ATTENTION = (
+    "its input-attention sites (attention_input, mlp_input, final_input) are planned with the "
+    "text model's heads and head size (4, 4, 8); they call with (8, 8, 32)"
+)
+_FINDINGS: dict[str, str] = {
+    "bigbird_pegasus": (
+        "strict torch_sdpa: the block-sparse encoder's by-hand site (deferred-scores route) "
+        "raises ResolutionError at its first call: the additive mask it adds to the scores is "
+        "read as own math the plan did not allow"
+    ),
+    "inkling2_loop": _INPUT_ATTENTION,
+    "inkling2_loop_text": _INPUT_ATTENTION,
+    "inkling2_text": _INPUT_ATTENTION,
+    "jetmoe": (
+        "planned 2 kv heads (the config's); the call carries 4 (JetMoE's mixture of attention "
+        "heads expands its keys before the interface call)"
+    ),
+    "longt5": (
+        "strict torch_sdpa: LocalSelfAttention's by-hand site (deferred-scores route) raises "
+        "ResolutionError at its first call: own math the plan did not allow"
+    ),
+    "minicpm_ocr": _GATED,
+    "minicpmv4_6": _GATED,
+    "minicpmv4_7": _GATED,
+    "qwen3_5": _GATED,
+    "qwen3_5_moe": _GATED,
+    "qwen3_5_moe_text": _GATED,
+    "qwen3_5_text": _GATED,
+    "qwen3_next": _GATED,
+    "qwen4_exp_text": _GATED,
+    "switch_transformers": (
+        "strict torch_sdpa: the output differs from the untouched model's (relative 0.9): not "
+        "explained yet"
+    ),
+}
 
 
 @attrs.frozen
 class Row:
     model_type: str
-    sites: int  # interface sites of the plan with no flag
+    sites: int | None  # interface sites of the plan with no flag (None: not known)
     cells: tuple[str, str, str, str]  # no flag, eager, sdpa, why not run / note
     problems: tuple[str, ...] = ()
 
     def line(self) -> str:
-        return f"| {self.model_type} | {self.sites} | " + " | ".join(self.cells) + " |"
+        sites = "?" if self.sites is None else self.sites
+        return f"| {self.model_type} | {sites} | " + " | ".join(self.cells) + " |"
 
 
 #: the configs tried in order, the first whose model builds and runs is used:
@@ -164,7 +422,8 @@ def _calls_match(plan: Any, seen: list[Any], function: str | None) -> tuple[int,
 
 
 def _forward(model: Any, given: dict[str, Any]) -> list[torch.Tensor]:
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's and transformers' own, about the tiny sizes
         return tensors(model(**given))
 
 
@@ -182,11 +441,13 @@ class Tiny:
     before: list[torch.Tensor]
 
 
-def _tiny(model_type: str, class_name: str) -> Tiny | tuple[int, str] | None:
+def _tiny(model_type: str, class_name: str) -> Tiny | tuple[int | None, str] | None:
     """The model built tiny on the CPU with inputs it runs on, its interface sites,
     and its untouched output; or (its interface sites, why not); ``None``: no
     interface site."""
-    cls = getattr(transformers, class_name)
+    cls = getattr(transformers, class_name, None)
+    if cls is None:  # as in the coverage table: the class transformers names is not exported
+        return None, f"not built: transformers exports no {class_name}"
     failures: list[str] = []
     count = 0
     for kv_heads in _RUNGS:
@@ -257,6 +518,8 @@ def _row(model_type: str, class_name: str) -> Row | None:
         return Row(model_type, built[0], ("-", "-", "-", built[1]))
     try:
         return _checks(model_type, built)
+    except Exception as exc:  # a crash of the sweep itself is a finding too
+        return Row(model_type, built.sites, ("-", "-", "-", ""), (f"crashed: {_why(exc)}",))
     finally:
         del built
         gc.collect()
@@ -283,8 +546,10 @@ def _checks(model_type: str, tiny: Tiny) -> Row:
         problems.append("no flag: output not bit-identical")
     if not restored:
         problems.append(f"no flag: remove ({removed}) did not restore the model")
-    no_flag = f"{'bit-identical' if same else 'DIFFERS'}, {reached} called" + (
-        ", restored" if restored else ", NOT RESTORED"
+    no_flag = (
+        f"{'bit-identical' if same else 'DIFFERS'}, {reached} called"
+        + (" (WRONG CALLS)" if wrong else "")
+        + (", restored" if restored else ", NOT RESTORED")
     )
     # (b) an explicit eager, strict
     eager = _explicit(model, given, EAGER, "eager", untouched, problems)
