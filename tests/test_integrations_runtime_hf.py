@@ -350,8 +350,9 @@ _FINDINGS: dict[str, str] = {
     "qwen3_next": _GATED,
     "qwen4_exp_text": _GATED,
     "switch_transformers": (
-        "strict torch_sdpa: the output differs from the untouched model's (relative 0.9): not "
-        "explained yet"
+        "strict torch_sdpa (attnres's function: the class does not offer sdpa): the encoder's "
+        "output is identical, the decoder's differs (relative 0.9); an explicit eager is "
+        "identical. Not explained yet (a top-1 router flipped by rounding, or a decoder fact)"
     ),
 }
 
