@@ -319,7 +319,7 @@ def _is_scores_product(a: Any, b: Any) -> bool:
     return (
         type(a) is torch.Tensor
         and type(b) is torch.Tensor
-        and a.dim() in (3, 4)
+        and a.dim() in (3, 4, 5)
         and b.dim() == a.dim()
         and a.shape[-1] == b.shape[-2]
         and a.shape[-1] != 1
@@ -433,8 +433,13 @@ class _Reading:
     """The state of :func:`read_attention` along the recorded operations."""
 
     def __init__(self, shape: tuple[int, ...]) -> None:
+        #: the product's shape: (lead..., seq_q, seq_kv)
+        self.product = shape
         self.shape = shape
         self.scale = 1.0
+        #: a positive factor per query row (shape (..., 1) against ``shape``: a
+        #: per-head logit scale, Swin V2's), folded into the query; None: none
+        self.factor: Any = None
         self.masks: list[Any] = []  # additive (float) or keep (bool), against ``shape``
         self.softmax = False
         self.dropout = 0.0
@@ -446,12 +451,32 @@ class _Reading:
         self.scale *= factor
         self.masks = [m * factor if m.dtype != torch.bool else m for m in self.masks]
 
+    def rescale_rows(self, factor: Any) -> None:
+        """Scores times a positive tensor constant along the keys (``factor``:
+        shape (..., 1), broadcast to the scores): the query rows scaled."""
+        self.masks = [m * factor if m.dtype != torch.bool else m for m in self.masks]
+        self.factor = factor if self.factor is None else self.factor * factor
+
+    def attention_shaped(self) -> bool:
+        """Whether the scores are now shaped as the product made them: (lead...,
+        seq_q, seq_kv), the same elements in the same order."""
+        return tuple(self.shape[-2:]) == tuple(self.product[-2:])
+
     def reshape(self, shape: tuple[int, ...]) -> bool:
-        if tuple(shape[-2:]) != tuple(self.shape[-2:]):
-            return False
+        """A view of the scores: any view of the same elements in the same order
+        (SegGPT splits the positions into rows and columns to add a decomposed
+        position bias, then views them back); the masks, zeroed positions and
+        factor read so far are viewed with them. A softmax reads the scores only
+        where they are shaped as the product made them (:meth:`attention_shaped`)."""
         if math.prod(shape) != math.prod(self.shape):
             return False
+        if self.factor is not None and tuple(shape[-2:]) != tuple(self.shape[-2:]):
+            return False  # a factor per query row, its rows viewed apart
         self.masks = [m.expand(self.shape).reshape(shape) for m in self.masks]
+        self.zeroed = [z.expand(self.shape).reshape(shape) for z in self.zeroed]
+        if self.factor is not None:
+            rows = (*self.shape[:-1], 1)
+            self.factor = self.factor.expand(rows).reshape(*shape[:-1], 1)
         self.shape = tuple(shape)
         return True
 
@@ -491,6 +516,8 @@ def _step(reading: _Reading, node: _Node, at: int) -> str | None:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if dim is None or dim not in (-1, len(reading.shape) - 1):
             return f"softmax over dimension {dim}"
+        if not reading.attention_shaped():
+            return f"softmax of the scores viewed as {list(reading.shape)}"
         reading.softmax = True
         return None
     if func in _FLOORS:
@@ -503,6 +530,11 @@ def _step(reading: _Reading, node: _Node, at: int) -> str | None:
         return None
     if func in _MULS or func in _DIVS:
         factor = _number(others[0]) if len(others) == 1 and not kwargs else None
+        if factor is None and len(others) == 1 and not kwargs and (func in _MULS or at == 0):
+            rows = _row_factor(others[0], reading)
+            if rows is not None:
+                reading.rescale_rows(rows if func in _MULS else 1.0 / rows)
+                return None
         if factor is None or factor == 0 or (func in _DIVS and at != 0):
             return f"{name} by a tensor"
         reading.rescale(factor if func in _MULS else 1.0 / factor)
@@ -530,6 +562,21 @@ def _step(reading: _Reading, node: _Node, at: int) -> str | None:
     return f"{name} of the scores"
 
 
+def _row_factor(obj: Any, reading: _Reading) -> Any:
+    """``obj`` as a factor of the scores that scales whole query rows: a floating
+    tensor, positive and finite, constant along the keys (last dimension 1: a
+    logit scale per head, Swin V2's), broadcast to the scores; else None. The
+    scores times it are the query times it times the keys: one attention."""
+    obj = _real(obj)
+    if not isinstance(obj, torch.Tensor) or not obj.is_floating_point() or obj.dim() == 0:
+        return None
+    if obj.shape[-1] != 1 or not _fits(reading, obj):
+        return None
+    if not bool(((obj > 0) & torch.isfinite(obj)).all()):
+        return None
+    return obj.reshape((1,) * (len(reading.shape) - obj.dim()) + tuple(obj.shape))
+
+
 def _fill_value(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[2] if len(args) > 2 else kwargs.get("value")
 
@@ -555,8 +602,12 @@ def _add(reading: _Reading, other: Any, sign: float, name: str) -> str | None:
     if not isinstance(other, torch.Tensor):
         number = _number(other)
         return None if number is not None else f"{name} of {type(other).__name__}"
-    if not other.is_floating_point() or not _fits(reading, other):
+    if not _fits(reading, other) or other.is_complex():
         return f"{name} of a tensor of shape {list(other.shape)}"
+    if not other.is_floating_point():
+        # a boolean or integer tensor added to floating scores adds its values
+        # (type promotion): an additive mask of those values, never a keep mask
+        other = other.to(torch.float32)
     reading.masks.append(other * sign if sign != 1.0 else other)
     return None
 
@@ -626,6 +677,8 @@ def read_attention(
             return why
     if not reading.softmax:
         return "no softmax of the scores"
+    if not reading.attention_shaped():
+        return f"probabilities viewed as {list(reading.shape)}"
     if reading.zeroed:
         masked = _mask(reading.masks, torch.float32)
         for zero in reading.zeroed:
@@ -655,6 +708,8 @@ def read_attention(
         v = v.expand(*lead, *v.shape[-2:])
         q = q.expand(*product.shape[:-2], *q.shape[-2:]).reshape(*lead, seq_q, -1)
         k = k.expand(*product.shape[:-2], *k.shape[-2:]).reshape(*lead, seq_kv, -1)
+        if reading.factor is not None:
+            q = q * reading.factor.expand(*lead, seq_q, 1).to(q.dtype)
     except RuntimeError:
         return "query, keys and values whose batches do not agree"
     n = len(reading.shape)
