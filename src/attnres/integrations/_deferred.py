@@ -334,14 +334,18 @@ def _is_scores_product(a: Any, b: Any) -> bool:
 class _Einsum:
     """A two-operand einsum read as a batched product: the letters of the batch
     (in the output's order), the rows of the first operand, the columns of the
-    second, the contracted one."""
+    second, the contracted one. An ellipsis standing for as many dimensions in
+    both operands and the output (LongT5's local attention, ``...qhd,...khd->
+    ...hqk``) is read as that many letters of the batch."""
 
     __slots__ = ("batch", "col", "contracted", "lhs", "out", "rhs", "row")
 
-    def __init__(self, equation: str) -> None:
+    def __init__(self, equation: str, a_dim: int, b_dim: int) -> None:
         eq = equation.replace(" ", "")
         inputs, _, out = eq.partition("->")
         lhs, _, rhs = inputs.partition(",")
+        if "..." in eq:
+            lhs, rhs, out = _ellipsis(lhs, rhs, out, a_dim, b_dim)
         self.lhs, self.rhs, self.out = lhs, rhs, out
         self.row = [c for c in lhs if c in out and c not in rhs]
         self.col = [c for c in rhs if c in out and c not in lhs]
@@ -361,7 +365,7 @@ class _Einsum:
             and len(self.lhs) == len(self.batch) + 2
             and len(self.rhs) == len(self.batch) + 2
             and len(self.out) == len(self.batch) + 2
-            and 1 <= len(self.batch) <= 2
+            and 1 <= len(self.batch) <= 3
         )
 
     def arrange(self, t: Any, letters: str, last: str) -> Any:
@@ -374,6 +378,22 @@ class _Einsum:
         """``t`` in (batch..., row, col) as the equation's output."""
         have = [*self.batch, self.row[0], self.col[0]]
         return t.permute(*[have.index(c) for c in self.out])
+
+
+def _ellipsis(lhs: str, rhs: str, out: str, a_dim: int, b_dim: int) -> tuple[str, str, str]:
+    """The three subscripts with an ellipsis spelled as letters none of them uses,
+    where it stands for as many dimensions in both operands (else unchanged: the
+    ``.`` left in them makes :meth:`_Einsum.valid` false)."""
+    n = a_dim - len(lhs.replace("...", ""))
+    if (
+        n < 0
+        or b_dim - len(rhs.replace("...", "")) != n
+        or any(part.count("...") != 1 for part in (lhs, rhs, out))
+    ):
+        return lhs, rhs, out
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in lhs + rhs + out][:n]
+    fill = "".join(free)
+    return lhs.replace("...", fill), rhs.replace("...", fill), out.replace("...", fill)
 
 
 def _einsum_operands(args: tuple[Any, ...]) -> tuple[str, Any, Any] | None:
@@ -689,7 +709,7 @@ def read_attention(
     # the values, as (lead..., seq_kv, size)
     if func is _EINSUM:
         eq, _, v_in = _einsum_operands(args)  # type: ignore[misc]
-        spec = _Einsum(eq)
+        spec = _Einsum(eq, probs.dim(), v_in.dim())
         if not spec.valid(probs, v_in):
             return f"einsum {eq!r} of the probabilities"
         v = spec.arrange(v_in, spec.rhs, spec.col[0])
@@ -828,7 +848,7 @@ class DeferScores(TorchFunctionMode):
         eq, a, b = found
         if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
             return func(*args, **kwargs)
-        spec = _Einsum(eq)
+        spec = _Einsum(eq, a.dim(), b.dim())
         if not spec.valid(a, b):
             return func(*args, **kwargs)
         q = spec.arrange(a, spec.lhs, spec.contracted[0])
