@@ -121,6 +121,9 @@ _SMALL: dict[str, dict[str, Any]] = {
                               "patch_embeds_hidden_size": 16, "hidden_size": 32,
                               "spec_size": 32, "num_mel_bins": 16, "window_size": 4}},
     "donut-swin": _SWIN,
+    "swinv2": _SWIN,
+    "hiera": {"image_size": [64, 64], "embed_dim": 8, "depths": [1, 1, 1, 1]},
+    "swin2sr": {"embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2], "window_size": 4},
     "evolla": {"num_key_value_heads": 2, "resampler_heads": 2, "resampler_dim_head": 16,
                "resampler_num_latents": 4, "resampler_depth": 1},
     "grounding-dino": {"num_queries": 4, "backbone_config": _SWIN4},
@@ -522,11 +525,11 @@ _DEFAULT = (
     "gemma4_audio",  # own math: no attention the route could read (logit cap)
     "grounding-dino",  # own math: a clamp of the scores at +-50000
     "hiera",  # 5-D scores (mask units)
-    "janus",  # a VQ block decided at its first call (one head over the channels)
     "longt5",  # einsum with an ellipsis over the blocks, a bias added in place
     "openai-gpt",  # GPT-1's w * b + -1e4 * (1 - b)
     "seggpt",  # scores viewed apart for a decomposed position bias, viewed back
     "swinv2",  # a positive logit scale per head, folded into the query
+    "chameleon",  # a VQ block decided at its first call (one head over the channels)
     "xlnet",  # einsum with the batch letters permuted
 )
 
