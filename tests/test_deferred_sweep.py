@@ -604,4 +604,6 @@ def test_every_model_type_with_softmax_by_hand_runs_the_kernel_or_says_why(
     table = text.partition(BEGIN)[2].partition(END)[0]
     written = {m.group(1): line for line in table.splitlines() if (m := _ROW.match(line))}
     stale = {r.model_type: r.line() for r in rows if written.get(r.model_type) != r.line()}
-    assert stale == {}, "the deferred-sweep table is stale: run `make test-deferred`"
+    assert stale == {}, (
+        "the deferred-sweep table is stale: `make test-deferred PYTEST_ARGS=--update-golden`"
+    )
