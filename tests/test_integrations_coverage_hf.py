@@ -1153,7 +1153,6 @@ def test_a_call_argument_no_kernel_takes_is_a_call_fact(varlen_fakes: Any) -> No
     # naming it; a component that may fall back runs the model's own eager
     from transformers.models.llama import modeling_llama
 
-
     model, inputs = _tiny("llama")
     model = model.to(torch.float16)
     with torch.no_grad():
