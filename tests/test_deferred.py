@@ -539,3 +539,40 @@ def test_compile_of_an_applied_model_runs_the_route_eagerly_with_the_same_result
     torch.testing.assert_close(_valid(out), _valid(routed), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(_valid(out), _valid(ref), rtol=1e-4, atol=1e-5)
     itf.remove(model)
+
+
+def test_products_of_a_submodule_and_a_softmax_written_out_are_sites() -> None:
+    # SqueezeBERT multiplies through a MatMulWrapper submodule: found by what that
+    # submodule's code does, and read as one kernel call; Reformer writes its
+    # softmax out as exp(x - logsumexp(x)) over chunks: a site, whose chunked
+    # attention the route cannot read (its own math, a fact of the call)
+    t = transformers
+    torch.manual_seed(0)
+    squeeze = t.SqueezeBertModel(t.SqueezeBertConfig(
+        vocab_size=32, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+        intermediate_size=37, embedding_size=32, q_groups=1, k_groups=1, v_groups=1,
+        post_attention_groups=1, intermediate_groups=1, output_groups=1,
+    )).eval()  # fmt: skip
+    reformer = t.ReformerModel(t.ReformerConfig(
+        vocab_size=32, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        feed_forward_size=37, axial_pos_embds=False, max_position_embeddings=64,
+        local_attn_chunk_length=4, attn_layers=["local"], is_decoder=False, pad_token_id=1,
+    )).eval()  # fmt: skip
+    ids = torch.tensor([[2, 5, 9, 4, 7, 6, 3, 8], [3, 8, 6, 5, 4, 7, 1, 1]])
+    mask = (ids != 1).long()
+    for model, read in ((squeeze, True), (reformer, False)):
+        with torch.no_grad():
+            ref = model(input_ids=ids, attention_mask=mask)[0]
+            plan = itf.apply(model, "text_encoder", SDPA)
+            assert plan.sites and all("softmax by hand" in s.route for s in plan.sites)
+            out = model(input_ids=ids, attention_mask=mask)[0]
+        firsts = [f for r in itf.routes(model).values() for f in r.first_calls]
+        assert firsts and {f.backend.name for f in firsts} == (
+            {"torch_sdpa"} if read else {"eager"}
+        ), type(model).__name__
+        if read:
+            torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+        else:
+            assert all("own math" in f.describe() for f in firsts)
+            assert torch.equal(out, ref)  # its own math, exactly
+        itf.remove(model)

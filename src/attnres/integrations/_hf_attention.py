@@ -54,6 +54,7 @@ __all__ = [
     "bind_module",
     "bound_route",
     "mask_function",
+    "opt_out_flag",
     "opts_out",
     "register",
     "unbind_module",
@@ -207,10 +208,18 @@ def opts_out(model_class: type) -> bool:
     """Whether the class keeps its sites to transformers' own functions
     (:func:`backends_for`: ``_supports_attention_backend = False``, or
     ``_supports_sdpa = False`` where it does not declare that flag)."""
+    return opt_out_flag(model_class) is not None
+
+
+def opt_out_flag(model_class: type) -> str | None:
+    """The flag by which the class keeps its sites to transformers' own functions,
+    as its code sets it (``None``: it does not)."""
     declared = _declared(model_class, "_supports_attention_backend")
-    return declared is False or (
-        declared is None and _declared(model_class, "_supports_sdpa") is False
-    )
+    if declared is False:
+        return "_supports_attention_backend = False"
+    if declared is None and _declared(model_class, "_supports_sdpa") is False:
+        return "_supports_sdpa = False"
+    return None
 
 
 def _declared(model_class: type, flag: str) -> bool | None:

@@ -516,7 +516,10 @@ def _plan_one(
         if spec.exact_route is not None and spec.exact_route not in message:
             # the route is what limits the site: say which (issue 19: an MHA with
             # add_bias_kv names the fact that keeps it on its own code path)
-            message += f" (the site's route: {spec.exact_route})"
+            # issue 19: a class that keeps its sites to transformers' own functions
+            # says so, with the flag its code sets
+            only = f"; {desc.host_kernel} only" if desc.host_kernel is not None else ""
+            message += f" (the site's route: {spec.exact_route}{only})"
         return Site(
             **common,
             spec=spec,

@@ -283,9 +283,24 @@ def _own_calls(module: Any) -> frozenset[str]:
         if isinstance(value, types.FunctionType)
     ]
     names = _route.calls_of(functions, depth=1)
+    if names >= _NORMALISERS:
+        # exp(x - logsumexp(x)) is a softmax written out (Reformer's LSH and local
+        # attention)
+        names |= {"softmax"}
     if "softmax" in names and any(_matmul_operator(f.__code__) for f in functions):
         names |= {"@"}
+    if "softmax" in names and not names & _PRODUCTS:
+        # a product computed by a submodule its code calls (SqueezeBERT's
+        # MatMulWrapper: ``self.matmul_qk(q, k)``)
+        for attr, child in module.named_children():
+            if attr in names and _route.calls_of([type(child).forward], depth=1) & _PRODUCTS:
+                names |= {"@"}
+                break
     return names
+
+
+#: the calls that normalise scores as a softmax does, written out
+_NORMALISERS = frozenset({"logsumexp", "exp"})
 
 
 def _matmul_operator(code: types.CodeType) -> bool:
@@ -489,8 +504,8 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
                 # issue 23: a class that opts out of attnres's function runs only
                 # transformers' own functions, which take none of attnres's options
                 host_kernel=f"transformers' own attention function ({type(owner).__name__} "
-                f"opts out of attnres's)"
-                if _hf_attention.opts_out(type(owner))
+                f"opts out of attnres's: {flag})"
+                if (flag := _hf_attention.opt_out_flag(type(owner))) is not None
                 else None,
                 head_size=head_size,
                 heads=heads,
