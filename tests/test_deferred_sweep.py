@@ -122,6 +122,8 @@ _SMALL: dict[str, dict[str, Any]] = {
                               "spec_size": 32, "num_mel_bins": 16, "window_size": 4}},
     "donut-swin": _SWIN,
     "swinv2": _SWIN,
+    "reformer": {"axial_pos_embds_dim": (16, 16), "axial_pos_shape": (4, 8)},
+    "squeezebert": {"embedding_size": 32, "intermediate_size": 64},
     "hiera": {"image_size": [64, 64], "embed_dim": 8, "depths": [1, 1, 1, 1]},
     "swin2sr": {"embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2], "window_size": 4},
     "evolla": {"num_key_value_heads": 2, "resampler_heads": 2, "resampler_dim_head": 16,
