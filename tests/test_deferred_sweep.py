@@ -5,37 +5,45 @@ base model, built on the meta device as tests/test_integrations_coverage_hf.py
 builds it, has at least one site whose route reads "softmax by hand" (the
 deferred-scores route, :mod:`attnres.integrations._deferred`) -- read from
 what is installed, never a hand-picked list. Each is built again tiny on the
-CPU (the config of transformers' own model tester where the coverage test
-uses one, else the library's default config; hidden sizes, heads, layers,
-vocabulary and image sizes shrunk, per type where the defaults need it:
-``_SMALL``, values from transformers' model testers,
-tests/models/<type>/test_modeling_<type>.py), given real inputs (token ids
-with a padded second row where the model takes an attention mask, pixel
-values, audio features, ...), and checked:
+CPU: the config of transformers' own model tester where the coverage test
+builds from one (its ``_TESTER_VALUES``), else the library's default config;
+its stacks cut to one layer, and hidden sizes, heads, vocabulary and image
+sizes shrunk wherever the config holds them as numbers (``_SHRINK``); where
+that does not build or run, the values in ``_SMALL`` (chosen for this sweep:
+Swin-like stages, query counts, ...) or the default sizes (``_DEFAULT_SIZES``).
+It is given real inputs (token ids with a padded second row where the model
+takes an attention mask, pixel values, audio features, ...; ``runs``), and
+checked (``sweep``):
 
-- (a) ``apply`` with no flag installs nothing at a by-hand site, and the
-  output is bit-identical;
-- (b) under a global ``torch_sdpa`` on a component that may fall back, the
-  output matches the untouched model's (relative norm), and every by-hand
-  attention the code computes either ran the kernel (spied at
-  ``_route.get_kernel``) or is a first call whose ``changed`` names why it did
-  not (own math and what the code did, a mask kind, a dtype ...);
+- (a) ``apply`` with no flag keeps every by-hand site to its own code
+  (nothing installed, except at a site decided at its first call: a VQ block
+  that holds no head facts), and the output is bit-identical;
+- (b) under a global ``torch_sdpa`` on a component that may fall back, every
+  by-hand attention the forwards compute either runs the kernel (spied at
+  ``_route.get_kernel``: as many calls as attentions read; the output matches
+  the same plan with every by-hand attention left to its own math, and
+  halving the kernel's output changes the model's) or its site records a
+  first call whose ``changed`` names why not (own math and what the code did,
+  a mask kind, ...); a site the forwards never call is listed in
+  ``_NOT_CALLED``; the output's difference from the untouched model's is
+  small, except for the types in ``_OTHER_SITES_DIFFER`` (sites that are not
+  by hand, with why);
 - (c) ``remove`` restores: the output is bit-identical again.
 
-Per type it collects how many by-hand attentions were read as one kernel call
-and how many ran their own math, with the reasons: the table in
-docs/integrations.md (between the ``deferred-sweep`` markers), written by
-``pytest tests/test_deferred_sweep.py --update-golden``.
-
-A type that cannot be built or run tiny is listed in ``_CANNOT_RUN`` with
-why; the sweep fails when that set changes.
+Per type it collects how many by-hand sites ran the kernel and how many ran
+their own math, with the reasons: the table in docs/integrations.md (between
+the ``deferred-sweep`` markers), written by the whole sweep with
+``--update-golden``. A type that cannot be built or run tiny would be listed in
+``_CANNOT_RUN`` with why (none in transformers 5.24); the sweep fails when
+that set changes.
 
 **Cost.** The enumeration plans every model type on meta (as the coverage
-test does) and the sweep builds and runs each type tiny: the whole runs with
-``ATTNRES_DEFERRED_FULL=1`` (``make test-deep``, ``make test-deferred``). By
-default the sweep runs the types in ``_DEFAULT`` (one per reading form the
-route knows, and one of each kind of own math) and checks their rows against
-the table.
+test does; about 40 s) and the whole sweep builds and runs each type tiny
+(several minutes on the 2-core machine): it runs with
+``ATTNRES_DEFERRED_FULL=1`` (``make test-deferred``, ``make test-deep``). By
+default the sweep runs the twelve types in ``_DEFAULT`` (one per reading form
+the route knows, and one of each kind of own math; about 20 s) and checks
+their rows against the table.
 """
 
 from __future__ import annotations
@@ -108,9 +116,9 @@ _SHRINK: dict[str, int] = {
     "vocab_size": 99, "image_size": 32,
 }  # fmt: skip
 
-#: per type, the values its tiny build takes (from transformers' model tester of
-#: that type, tests/models/<type>/test_modeling_<type>.py, where the shrunk
-#: defaults do not build or run), given over the shrunk config
+#: per type, the values its tiny build takes where the shrunk defaults do not build
+#: or run (chosen for this sweep, small and consistent: not a tester's), given over
+#: the shrunk config
 _SWIN = {"embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2], "window_size": 4,
          "hidden_size": 32, "image_size": 32, "patch_size": 4}  # fmt: skip
 #: four stages (Grounding DINO takes the last three)
@@ -523,6 +531,7 @@ _OTHER_SITES_DIFFER: dict[str, str] = {
 _DEFAULT = (
     "bigbird_pegasus",  # a boolean mask added to the scores (its values)
     "bloom",  # baddbmm: ALiBi as an additive bias, the scale as its alpha
+    "chameleon",  # a VQ block decided at its first call (one head over the channels)
     "cpmant",  # probabilities of masked positions set to zero
     "gemma4_audio",  # own math: no attention the route could read (logit cap)
     "grounding-dino",  # own math: a clamp of the scores at +-50000
@@ -531,7 +540,6 @@ _DEFAULT = (
     "openai-gpt",  # GPT-1's w * b + -1e4 * (1 - b)
     "seggpt",  # scores viewed apart for a decomposed position bias, viewed back
     "swinv2",  # a positive logit scale per head, folded into the query
-    "chameleon",  # a VQ block decided at its first call (one head over the channels)
     "xlnet",  # einsum with the batch letters permuted
 )
 
