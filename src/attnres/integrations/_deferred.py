@@ -8,19 +8,21 @@ itself, observed as it runs, never read from a class name:
 
 - while the site's forward runs, a ``TorchFunctionMode`` defers every product
   of two batched tensors shaped like attention scores (query ``(..., seq_q,
-  size)`` times keys ``(..., size, seq_kv)``: ``matmul``, ``bmm``, ``@``,
-  ``baddbmm``, a two-operand ``einsum``): the result is a :class:`Deferred`
+  size)`` times keys ``(..., size, seq_kv)``, one to three leading
+  dimensions: ``matmul``, ``bmm``, ``@``, ``baddbmm``, a two-operand
+  ``einsum``, an ellipsis in it included): the result is a :class:`Deferred`
   tensor that holds how to compute it, and no storage;
 - what the code does to the deferred scores is recorded (each operation, its
   arguments), and its shape is inferred on the ``meta`` device;
 - when the deferred probabilities meet the values in a product, the recorded
   operations are read as one attention (:func:`read_attention`): a softmax over
-  the keys of the scores scaled by numbers, plus additive masks, masked fills
-  and ``where`` with a very negative value, dtype casts, views that keep the
-  last two dimensions, attention dropout. What it reads is one call of the
-  route's kernel (q, k, v, the mask, the scale), checked against the plan
-  before it runs (:meth:`._route.GenericRoute.kernel_for`), as every route's
-  call is;
+  the keys of the scores scaled by numbers or by a positive factor per query
+  row (folded into the query), plus additive masks, masked fills and
+  ``where`` with a very negative value, dtype casts, views (the softmax must
+  meet the scores shaped as the product made them), attention dropout. What
+  it reads is one call of the route's kernel (q, k, v, the mask, the scale),
+  checked against the plan before it runs
+  (:meth:`._route.GenericRoute.kernel_for`), as every route's call is;
 - anything else done to deferred scores (a position bias computed from them,
   a head mask, a ``pow``) computes them as the code would, in the code's own
   order (bit-identical), and the product is the site's own math: a fact the
