@@ -576,3 +576,17 @@ def test_products_of_a_submodule_and_a_softmax_written_out_are_sites() -> None:
             assert all("own math" in f.describe() for f in firsts)
             assert torch.equal(out, ref)  # its own math, exactly
         itf.remove(model)
+
+
+@pytest.mark.parametrize("factor", [-1.0, 0.0, float("inf")])
+def test_a_scale_that_is_not_positive_and_finite_is_the_code_s_own_math(factor) -> None:
+    q, k, v = _qkv()
+    keep = _pad_mask()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.matmul(q, k.transpose(-1, -2)).masked_fill(~keep, -1e9) * factor
+        return torch.matmul(s.softmax(-1), v)
+
+    got, want, runner = _both(attn, q, k, v)
+    assert runner.read == [f"mul by {factor}"]
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())  # its own ops, in its order

@@ -557,8 +557,12 @@ def _step(reading: _Reading, node: _Node, at: int) -> str | None:
             if rows is not None:
                 reading.rescale_rows(rows if func in _MULS else 1.0 / rows)
                 return None
-        if factor is None or factor == 0 or (func in _DIVS and at != 0):
+        if factor is None or (func in _DIVS and at != 0):
             return f"{name} by a tensor"
+        if not factor > 0 or not math.isfinite(factor):
+            # a zero, negative or infinite scale turns a masked score (-inf, a
+            # masked fill) into another (the softmax's own math keeps it exact)
+            return f"{name} by {factor}"
         reading.rescale(factor if func in _MULS else 1.0 / factor)
         return None
     if func in _ADDS or func in _SUBS:
