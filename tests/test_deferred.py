@@ -485,7 +485,10 @@ def test_a_forward_whose_attention_the_route_cannot_read_is_a_fact_of_the_call()
         itf.apply(model, "text_encoder", SDPA)  # may fall back: its own math, traced
         assert torch.equal(model(input_ids=ids).last_hidden_state, ref)
         ((first,),) = [r.first_calls for r in itf.routes(model).values()]
-        assert first.changed == ("own math: no softmax attention the route could read",)
+        # what its code did to the deferred scores is named: its chunks padded
+        assert first.changed == (
+            "own math: no softmax attention the route could read (pad of the scores)",
+        )
         assert first.backend.name == "eager"
         itf.remove(model)
         itf.apply(model, "transformer", SDPA)  # strict: typed, naming the site and why

@@ -764,6 +764,9 @@ class DeferScores(TorchFunctionMode):
         self.handed = 0
         #: the query and keys of the last product deferred (None: none was)
         self.last: tuple[Any, Any] | None = None
+        #: the first operation that computed deferred scores (its name): what a
+        #: forward in which no attention was read did to them
+        self.computed_by: str | None = None
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -883,6 +886,8 @@ class DeferScores(TorchFunctionMode):
             or (func in _SWAPS and _swap_of(func, args, kwargs) is not None)
         )
         if not understood:
+            if self.computed_by is None:
+                self.computed_by = getattr(func, "__name__", str(func))
             return func(*_real(args), **_real(kwargs))
         try:
             shape, dtype = _infer(func, args, kwargs)
