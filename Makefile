@@ -13,7 +13,7 @@ STAMP := $(VENV)/.attnres-installed
 PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test test-deep golden bench fuzz lint typecheck docs clean test-sglang bench-sglang
+.PHONY: setup run test test-deep test-deferred golden bench fuzz lint typecheck docs clean test-sglang bench-sglang
 
 setup: $(STAMP)
 
@@ -37,7 +37,12 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-deep: $(STAMP)
-	HYPOTHESIS_PROFILE=deep ATTNRES_COVERAGE_FULL=1 $(PY) -m pytest $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=deep ATTNRES_COVERAGE_FULL=1 ATTNRES_DEFERRED_FULL=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+# every transformers model type with softmax attention by hand, built tiny and run
+# (tests/test_deferred_sweep.py; `make test` runs twelve of them)
+test-deferred: $(STAMP)
+	ATTNRES_DEFERRED_FULL=1 $(PY) -m pytest tests/test_deferred_sweep.py $(PYTEST_ARGS)
 
 golden: $(STAMP)
 	$(PY) -m pytest tests/test_golden.py tests/test_autotune_golden.py \

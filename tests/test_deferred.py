@@ -243,6 +243,31 @@ def test_einsum_with_the_batch_letters_permuted_is_one_attention() -> None:
     torch.testing.assert_close(got, want)
 
 
+def test_einsum_with_an_ellipsis_over_blocks_is_one_attention() -> None:
+    # LongT5's local attention: (batch, blocks, len, heads, size), scores
+    # (batch, blocks, heads, len, 3 * len), a bias added in place
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 4, 2, 8, generator=g)
+    k, v = (torch.randn(2, 3, 12, 2, 8, generator=g) for _ in range(2))
+    bias = torch.randn(1, 1, 2, 4, 12, generator=g)
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.einsum("...qhd,...khd->...hqk", q, k)
+        s += bias
+        p = F.softmax(s.float(), dim=-1).type_as(s)
+        return torch.einsum("...hqk,...khd->...qhd", p, v)
+
+    got, want, runner = _both(attn, q, k, v)
+    (read,) = runner.read
+    assert not isinstance(read, str) and read.q.shape == (2, 3, 2, 4, 8)
+    torch.testing.assert_close(got, want)
+    # an ellipsis for different numbers of dimensions: not read, the code's einsum
+    a, b = torch.randn(2, 3, 4, 8), torch.randn(3, 8, 5)
+    with _deferred.DeferScores(_Runner()):
+        out = torch.einsum("...qd,...dk->...qk", a, b)
+    assert type(out) is torch.Tensor and torch.equal(out, torch.einsum("...qd,...dk->...qk", a, b))
+
+
 def test_a_causal_buffer_read_with_where_and_gpt_s_zero_one_product() -> None:
     q, k, v = _qkv()
     tril = torch.ones(5, 5).tril().view(1, 1, 5, 5)
@@ -284,6 +309,107 @@ def test_in_place_operations_on_the_scores_are_followed() -> None:
     got, want, runner = _both(attn, q, k, v)
     (read,) = runner.read
     assert not isinstance(read, str) and read.scale == 0.25
+    torch.testing.assert_close(got, want)
+
+
+def test_a_positive_factor_per_head_is_folded_into_the_query() -> None:
+    # Swin V2's cosine attention: normalised q and k, times exp(logit_scale) per
+    # head (num_heads, 1, 1), then a position bias and a mask
+    q, k, v = _qkv()
+    logit = torch.tensor([0.5, 1.5, 2.5]).view(3, 1, 1)
+    bias = torch.randn(1, 3, 5, 5)
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        s = s * torch.clamp(logit, max=math.log(100.0)).exp()
+        s = (s + bias).masked_fill(~_pad_mask(), -1e9) / 2.0  # a factor after the masks
+        return F.softmax(s, dim=-1) @ v
+
+    got, want, runner = _both(attn, q, k, v)
+    (read,) = runner.read
+    assert not isinstance(read, str) and read.scale == 0.5
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("factor", "why"),
+    [
+        # not positive: masked scores would become the largest
+        (torch.tensor([1.0, -1.0, 2.0]).view(3, 1, 1), "mul by a tensor"),
+        # varies along the keys: no query scaling expresses it
+        (torch.rand(1, 1, 5) + 0.5, "mul by a tensor"),
+    ],
+)
+def test_a_factor_that_is_not_a_positive_row_scale_stays_own_math(factor, why) -> None:
+    q, k, v = _qkv()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = (q @ k.transpose(-2, -1)) * factor
+        return F.softmax(s.masked_fill(~_pad_mask(), -1e9), dim=-1) @ v
+
+    got, want, runner = _both(attn, q, k, v)
+    assert runner.read == [why]
+    assert torch.equal(got, want)
+
+
+def test_scores_viewed_apart_for_a_decomposed_bias_and_viewed_back() -> None:
+    # SegGPT / SAM: the positions split into rows and columns, a bias added per
+    # row and per column, then the scores viewed back before the softmax
+    b, h, rows, cols, d = 2, 3, 2, 3, 8
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b * h, rows * cols, d, generator=g) for _ in range(3))
+    rel_h = torch.randn(b * h, rows, cols, rows, generator=g)
+    rel_w = torch.randn(b * h, rows, cols, cols, generator=g)
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = (q * d**-0.5) @ k.transpose(-2, -1)
+        s = s.reshape(b * h, rows, cols, rows, cols)
+        s = s + rel_h[:, :, :, :, None] + rel_w[:, :, :, None, :]
+        s = s.reshape(b * h, rows * cols, rows * cols)
+        return torch.softmax(s, dim=-1) @ v
+
+    got, want, runner = _both(attn, q, k, v)
+    (read,) = runner.read
+    assert not isinstance(read, str) and read.mask is not None
+    torch.testing.assert_close(got, want)
+
+    def softmax_apart(q, k, v):  # type: ignore[no-untyped-def]
+        s = (q @ k.transpose(-2, -1)).reshape(b * h, rows, cols, rows, cols)
+        return torch.softmax(s, dim=-1).reshape(b * h, rows * cols, rows * cols) @ v
+
+    got, want, runner = _both(softmax_apart, q, k, v)
+    assert runner.read == ["softmax of the scores viewed as [6, 2, 3, 2, 3]"]
+    assert torch.equal(got, want)
+
+
+def test_a_boolean_mask_added_to_the_scores_adds_its_values() -> None:
+    # scores + a boolean tensor adds 1.0 where it is True (type promotion); a
+    # by-hand site fed the boolean mask of the sdpa mask function does that
+    q, k, v = _qkv()
+    keep = _pad_mask()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(8) + keep
+        return torch.matmul(F.softmax(s, dim=-1), v)
+
+    got, want, runner = _both(attn, q, k, v)
+    (read,) = runner.read
+    assert not isinstance(read, str) and read.mask.dtype == torch.float32
+    assert set(read.mask.unique().tolist()) == {0.0, 1.0}  # its values, not a keep mask
+    torch.testing.assert_close(got, want)
+
+
+def test_five_dimensional_scores_are_one_attention() -> None:
+    # Hiera's mask units: (batch, heads, windows, tokens, size)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 4, 5, 8, generator=g) for _ in range(3))
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        return ((q * 0.25) @ k.transpose(-1, -2)).softmax(dim=-1) @ v
+
+    got, want, runner = _both(attn, q, k, v)
+    (read,) = runner.read
+    assert not isinstance(read, str) and read.q.shape == (2, 3, 4, 5, 8)
     torch.testing.assert_close(got, want)
 
 
@@ -359,7 +485,10 @@ def test_a_forward_whose_attention_the_route_cannot_read_is_a_fact_of_the_call()
         itf.apply(model, "text_encoder", SDPA)  # may fall back: its own math, traced
         assert torch.equal(model(input_ids=ids).last_hidden_state, ref)
         ((first,),) = [r.first_calls for r in itf.routes(model).values()]
-        assert first.changed == ("own math: no softmax attention the route could read",)
+        # what its code did to the deferred scores is named: its chunks padded
+        assert first.changed == (
+            "own math: no softmax attention the route could read (pad of the scores)",
+        )
         assert first.backend.name == "eager"
         itf.remove(model)
         itf.apply(model, "transformer", SDPA)  # strict: typed, naming the site and why
@@ -413,3 +542,54 @@ def test_compile_of_an_applied_model_runs_the_route_eagerly_with_the_same_result
     torch.testing.assert_close(_valid(out), _valid(routed), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(_valid(out), _valid(ref), rtol=1e-4, atol=1e-5)
     itf.remove(model)
+
+
+def test_products_of_a_submodule_and_a_softmax_written_out_are_sites() -> None:
+    # SqueezeBERT multiplies through a MatMulWrapper submodule: found by what that
+    # submodule's code does, and read as one kernel call; Reformer writes its
+    # softmax out as exp(x - logsumexp(x)) over chunks: a site, whose chunked
+    # attention the route cannot read (its own math, a fact of the call)
+    t = transformers
+    torch.manual_seed(0)
+    squeeze = t.SqueezeBertModel(t.SqueezeBertConfig(
+        vocab_size=32, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+        intermediate_size=37, embedding_size=32, q_groups=1, k_groups=1, v_groups=1,
+        post_attention_groups=1, intermediate_groups=1, output_groups=1,
+    )).eval()  # fmt: skip
+    reformer = t.ReformerModel(t.ReformerConfig(
+        vocab_size=32, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        feed_forward_size=37, axial_pos_embds=False, max_position_embeddings=64,
+        local_attn_chunk_length=4, attn_layers=["local"], is_decoder=False, pad_token_id=1,
+    )).eval()  # fmt: skip
+    ids = torch.tensor([[2, 5, 9, 4, 7, 6, 3, 8], [3, 8, 6, 5, 4, 7, 1, 1]])
+    mask = (ids != 1).long()
+    for model, read in ((squeeze, True), (reformer, False)):
+        with torch.no_grad():
+            ref = model(input_ids=ids, attention_mask=mask)[0]
+            plan = itf.apply(model, "text_encoder", SDPA)
+            assert plan.sites and all("softmax by hand" in s.route for s in plan.sites)
+            out = model(input_ids=ids, attention_mask=mask)[0]
+        firsts = [f for r in itf.routes(model).values() for f in r.first_calls]
+        assert firsts and {f.backend.name for f in firsts} == (
+            {"torch_sdpa"} if read else {"eager"}
+        ), type(model).__name__
+        if read:
+            torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+        else:
+            assert all("own math" in f.describe() for f in firsts)
+            assert torch.equal(out, ref)  # its own math, exactly
+        itf.remove(model)
+
+
+@pytest.mark.parametrize("factor", [-1.0, 0.0, float("inf")])
+def test_a_scale_that_is_not_positive_and_finite_is_the_code_s_own_math(factor) -> None:
+    q, k, v = _qkv()
+    keep = _pad_mask()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.matmul(q, k.transpose(-1, -2)).masked_fill(~keep, -1e9) * factor
+        return torch.matmul(s.softmax(-1), v)
+
+    got, want, runner = _both(attn, q, k, v)
+    assert runner.read == [f"mul by {factor}"]
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())  # its own ops, in its order

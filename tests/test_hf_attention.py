@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+import transformers
 from test_kernels_fakes import Calls
 from tiny_pipelines import clip_text_encoder, t5_text_encoder
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -188,3 +189,49 @@ def test_rule_backend_options_reach_the_kernel_through_attnres_function(
     with pytest.raises(BackendOptionError):
         itf.apply(model, "text_encoder", config, STAND_IN)
     assert model.config._attn_implementation == "sdpa"
+
+
+def _informer() -> tuple[Any, dict[str, torch.Tensor]]:
+    """Informer, tiny: it leaves ``_supports_sdpa`` unset (PreTrainedModel's False)."""
+    torch.manual_seed(0)
+    cfg = transformers.InformerConfig(
+        prediction_length=4, context_length=8, d_model=32, encoder_layers=1,
+        decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=37, decoder_ffn_dim=37, lags_sequence=[1, 2], num_time_features=1,
+        attention_type="full",
+    )  # fmt: skip
+    n = cfg.context_length + max(cfg.lags_sequence)
+    g = torch.Generator().manual_seed(2)
+    inputs = {
+        "past_values": torch.randn(2, n, generator=g),
+        "past_time_features": torch.randn(2, n, 1, generator=g),
+        "past_observed_mask": torch.ones(2, n),
+        "future_values": torch.randn(2, 4, generator=g),
+        "future_time_features": torch.randn(2, 4, 1, generator=g),
+    }
+    return transformers.InformerModel(cfg).eval(), inputs
+
+
+def test_a_class_not_declaring_sdpa_gets_the_masks_its_code_was_written_for() -> None:
+    # issue 19 (found by the deferred-scores sweep): sdpa's boolean masks reached
+    # code written for eager's additive ones (BigBirdPegasus's by-hand attention
+    # adds its mask to the scores) and moved outputs by up to 42%; attnres's
+    # function now runs such a class under "attnres_eager_masks"
+    assert _hf_attention.name_for(transformers.InformerModel) == _hf_attention.EAGER_MASKS
+    assert _hf_attention.name_for(transformers.Qwen2Model) == _hf_attention.NAME
+    model, inputs = _informer()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        ref = model(**inputs).last_hidden_state
+        plan = itf.apply(model, "transformer", SelectionConfig(global_backend="torch_sdpa"))
+        try:
+            interface = [s for s in plan.sites if s.route == itf.ROUTE]
+            assert interface and {s.backend.name for s in interface} == {"torch_sdpa"}
+            assert model.config._attn_implementation == _hf_attention.EAGER_MASKS
+            masks = ALL_MASK_ATTENTION_FUNCTIONS[_hf_attention.EAGER_MASKS]
+            assert masks is _hf_attention.eager_mask_function
+            torch.manual_seed(5)
+            out = model(**inputs).last_hidden_state
+        finally:
+            itf.remove(model)
+    assert float((out - ref).norm() / ref.norm()) < 1e-5

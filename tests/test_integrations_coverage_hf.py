@@ -16,8 +16,9 @@ and planned as a strict component three ways:
   mask kind, attention sinks, returning the attention weights -- a
   ``torch.nn.MultiheadAttention`` whose caller asks for them, SigLIP's pooling
   head --, a dtype), never a route limit -- except own code paths attnres
-  cannot route, counted in the table as ``own path``: softmax attention
-  computed by hand (``eager`` only) -- and interface sites
+  cannot route, counted in the table as ``own path`` (none since the
+  deferred-scores route takes softmax attention computed by hand: a by-hand
+  site's error must name a sage limit) -- and interface sites
   transformers keeps to its own functions (the class itself sets
   ``_supports_attention_backend = False``, or leaves it unset and sets
   ``_supports_sdpa = False``, or the module holds attention sinks), counted as
@@ -35,7 +36,8 @@ the *source text* of the functions the module's own class body defines
 (``attention_interface``, ``ALL_ATTENTION_FUNCTIONS``,
 ``eager_attention_forward``, ``scaled_dot_product_attention``), or whose class
 name says attention (``attention``/``attn``) and whose body has a ``softmax``
-and a product (``matmul``, ``bmm``, ``einsum``, ``@``); the innermost such
+(or a ``logsumexp``: one written out) and a product (``matmul``, ``bmm``,
+``einsum``, ``@``); the innermost such
 modules. It misses attention written in a helper function outside the class
 or in a class whose name does not say attention and that calls no entry point;
 it was checked by hand against the classes it disagreed with while this test
@@ -405,10 +407,6 @@ def _tester_config(model_type: str) -> PretrainedConfig:
 _KNOWN_GAPS: dict[str, str] = {
     "autoformer": "the oracle's false positive: AutoformerAttention is auto-correlation "
     "(FFT, a softmax over the top delays), not softmax attention; attnres finds no site",
-    "reformer": "LSH/local attention normalises with logsumexp, not a softmax call: "
-    "attnres does not see it as attention",
-    "squeezebert": "its products are calls of a MatMulWrapper submodule: attnres does not "
-    "see a softmax of a product in one module's code",
 }
 
 _LAYERS = re.compile(
@@ -501,7 +499,8 @@ def _real_attention(model: Any) -> dict[str, str]:
         if _ENTRY.search(text):
             found[name] = "entry"
         elif re.search("attention|attn", cls.__name__, re.I) and (
-            "softmax" in text and _PRODUCT.search(text)
+            # a softmax, or one written out (Reformer: exp(x - logsumexp(x)))
+            ("softmax" in text or "logsumexp" in text) and _PRODUCT.search(text)
         ):
             found[name] = "by hand"
     return {n: k for n, k in found.items() if not any(o.startswith(n + ".") for o in found)}
@@ -1152,8 +1151,6 @@ def test_a_call_argument_no_kernel_takes_is_a_call_fact(varlen_fakes: Any) -> No
     # logit softcap, through Llama's **kwargs) is never dropped: strict raises
     # naming it; a component that may fall back runs the model's own eager
     from transformers.models.llama import modeling_llama
-
-    from attnres import ResolutionError
 
     model, inputs = _tiny("llama")
     model = model.to(torch.float16)

@@ -21,7 +21,6 @@ rewrites them.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
@@ -31,10 +30,12 @@ import diffusers  # noqa: F401
 import pytest
 import tiny_pipelines as tp
 import torch
+import transformers
 
-from attnres import Backend, Platform, ResolutionError, SelectionConfig
+from attnres import Backend, Platform, SelectionConfig
 from attnres.integrations import _route
 from attnres.integrations import diffusers as idf
+from attnres.integrations import transformers as itf
 from attnres.replayer import replay
 from attnres.scope import scope_state
 from attnres.trace import canonical_json, dump_trace, load_trace, trace_to_dict
@@ -204,36 +205,58 @@ def _own_path_traces(tmp_path: Path) -> list[Path]:
 def _by_hand_first_call_traces(tmp_path: Path) -> list[Path]:
     """Issue 19: softmax by hand in a module holding no head facts (a VQ-VAE
     attention block: one head over its channels) is decided at its first call,
-    from the scores product its forward computes; its route runs only its own
-    code, so a strict global sage is rejected there, naming the route."""
+    from the attention the deferred-scores route reads in its forward: with no
+    flag its own math (eager), under a strict global sage sage (the stand-in
+    kernel runs it); and a by-hand site whose code adds a position bias (Bloom's
+    ALiBi) re-resolved at its first call: an additive mask, which sage cannot
+    take, falls back to its own math in a component that may."""
     from transformers.models.janus.modeling_janus import JanusVQVAEAttnBlock
 
     torch.manual_seed(0)
     block = JanusVQVAEAttnBlock(32).eval().to(torch.bfloat16)
-    own = "eager in JanusVQVAEAttnBlock (softmax attention by hand)"
     written: list[Path] = []
     for stem, config in (
         ("no-flag-eager", SelectionConfig()),
-        ("strict-sage-rejected", SelectionConfig(global_backend="sage_attn")),
+        ("strict-sage-selected", SelectionConfig(global_backend="sage_attn")),
     ):
         route = _route.GenericRoute(
             component="transformer", name="vq.attn", spec=None, heads=None, kv_heads=None,
             resolution=None, config=config, scope=scope_state("transformer"),
-            platform=Platform.simulate(SIM), own=Backend("eager"), own_route=own,
+            platform=Platform.simulate(SIM), own=Backend("eager"),
         )  # fmt: skip
-        expect = pytest.raises(ResolutionError) if "rejected" in stem else contextlib.nullcontext()
-        with torch.no_grad(), expect:
-            _route.watch_forward(block, route)(torch.randn(1, 32, 4, 4, dtype=torch.bfloat16))
+        route.keeps_own = True  # as the integration installs it: no flag keeps its math
+        with torch.no_grad():
+            _route.deferred_forward(block, route)(torch.randn(1, 32, 4, 4, dtype=torch.bfloat16))
         (first,) = route.first_calls
         assert first.changed == ("head facts (decided at first call)",)
         assert (first.facts.heads, first.facts.head_size) == (1, 32)
+        assert first.backend.name == ("eager" if config.global_backend is None else "sage_attn")
         path = tmp_path / f"decided-at-first-call-by-hand-vq-block-{stem}.json"
         dump_trace(first.trace, path)
         written.append(path)
+    bloom = transformers.BloomModel(
+        transformers.BloomConfig(hidden_size=32, n_head=2, n_layer=1, vocab_size=32)
+    )
+    bloom = bloom.eval().to(torch.bfloat16)
+    sage = SelectionConfig(global_backend="sage_attn")
+    plan = itf.plan(bloom, "text_encoder", sage, Platform.simulate(SIM))
+    (site,) = plan.sites
+    assert site.backend.name == "sage_attn"
+    route = _route.site_route(site, sage, Platform.simulate(SIM))
+    _route.install_route(bloom.h[0].self_attention, route,
+                         _route.deferred_forward(bloom.h[0].self_attention, route))  # fmt: skip
+    with torch.no_grad():
+        bloom(input_ids=torch.tensor([[2, 5, 9, 4]]))
+    _route.remove_route(bloom.h[0].self_attention)
+    (first,) = route.first_calls
+    assert first.changed[0].startswith("additive mask") and first.backend.name == "eager"
+    path = tmp_path / "re-resolved-at-first-call-by-hand-alibi-additive-mask-falls-back.json"
+    dump_trace(first.trace, path)
+    written.append(path)
     return written
 
 
-def test_golden_first_call_traces(tmp_path, update_golden):
+def test_golden_first_call_traces(tmp_path, update_golden, varlen_fakes):
     written = _first_call_traces(tmp_path)
     _sync(FIRST_CALL, written, update_golden)
     for path in sorted(FIRST_CALL.glob("*.json")):

@@ -467,3 +467,32 @@ def test_a_by_hand_processor_with_no_head_facts_is_decided_at_its_first_call(
     torch.testing.assert_close(model.attn(x), ref, rtol=1e-5, atol=1e-5)
     assert seen == [(2, 5, 1, 8)]  # (batch, seq, heads, size): one call
     idf.remove({"transformer": model})
+
+
+def test_a_sliced_by_hand_processor_runs_the_kernel_per_slice(monkeypatch):
+    # SlicedAttnProcessor computes get_attention_scores + bmm per slice of the
+    # batch-times-heads rows, and stores each slice's result: not the pair the
+    # by-hand route takes whole, so the deferred-scores route reads every slice
+    from diffusers.models.attention_processor import SlicedAttnProcessor
+
+    unet = tp.unet()
+    unet.set_attn_processor(SlicedAttnProcessor(slice_size=1))
+    x = tp.unet_inputs()
+    with torch.no_grad():
+        ref = unet(**x).sample
+        plain = idf.apply({"unet": unet})
+        assert {s.route for s in plain.sites} == {
+            "generic route (softmax by hand in SlicedAttnProcessor)"
+        }
+        assert idf.routes({"unet": unet}) == {}  # no flag: its own math, nothing wrapped
+        assert torch.equal(unet(**x).sample, ref)
+        seen = _spy(monkeypatch, "torch_sdpa")
+        plan = idf.apply({"unet": unet}, SDPA)
+        out = unet(**x).sample
+    # one kernel call per slice: a row of (batch x heads) each, one head per call
+    assert seen and all(q[0] == 1 and q[2] == 1 for q in seen)
+    assert len(seen) % len(plan.sites) == 0
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    firsts = [f for r in idf.routes({"unet": unet}).values() for f in r.first_calls]
+    assert firsts and all("heads (planned" in f.describe() for f in firsts)
+    assert idf.remove({"unet": unet}) == len(plan.sites)

@@ -8,19 +8,21 @@ itself, observed as it runs, never read from a class name:
 
 - while the site's forward runs, a ``TorchFunctionMode`` defers every product
   of two batched tensors shaped like attention scores (query ``(..., seq_q,
-  size)`` times keys ``(..., size, seq_kv)``: ``matmul``, ``bmm``, ``@``,
-  ``baddbmm``, a two-operand ``einsum``): the result is a :class:`Deferred`
+  size)`` times keys ``(..., size, seq_kv)``, one to three leading
+  dimensions: ``matmul``, ``bmm``, ``@``, ``baddbmm``, a two-operand
+  ``einsum``, an ellipsis in it included): the result is a :class:`Deferred`
   tensor that holds how to compute it, and no storage;
 - what the code does to the deferred scores is recorded (each operation, its
   arguments), and its shape is inferred on the ``meta`` device;
 - when the deferred probabilities meet the values in a product, the recorded
   operations are read as one attention (:func:`read_attention`): a softmax over
-  the keys of the scores scaled by numbers, plus additive masks, masked fills
-  and ``where`` with a very negative value, dtype casts, views that keep the
-  last two dimensions, attention dropout. What it reads is one call of the
-  route's kernel (q, k, v, the mask, the scale), checked against the plan
-  before it runs (:meth:`._route.GenericRoute.kernel_for`), as every route's
-  call is;
+  the keys of the scores scaled by numbers or by a positive factor per query
+  row (folded into the query), plus additive masks, masked fills and
+  ``where`` with a very negative value, dtype casts, views (the softmax must
+  meet the scores shaped as the product made them), attention dropout. What
+  it reads is one call of the route's kernel (q, k, v, the mask, the scale),
+  checked against the plan before it runs
+  (:meth:`._route.GenericRoute.kernel_for`), as every route's call is;
 - anything else done to deferred scores (a position bias computed from them,
   a head mask, a ``pow``) computes them as the code would, in the code's own
   order (bit-identical), and the product is the site's own math: a fact the
@@ -319,7 +321,7 @@ def _is_scores_product(a: Any, b: Any) -> bool:
     return (
         type(a) is torch.Tensor
         and type(b) is torch.Tensor
-        and a.dim() in (3, 4)
+        and a.dim() in (3, 4, 5)
         and b.dim() == a.dim()
         and a.shape[-1] == b.shape[-2]
         and a.shape[-1] != 1
@@ -334,14 +336,18 @@ def _is_scores_product(a: Any, b: Any) -> bool:
 class _Einsum:
     """A two-operand einsum read as a batched product: the letters of the batch
     (in the output's order), the rows of the first operand, the columns of the
-    second, the contracted one."""
+    second, the contracted one. An ellipsis standing for as many dimensions in
+    both operands and the output (LongT5's local attention, ``...qhd,...khd->
+    ...hqk``) is read as that many letters of the batch."""
 
     __slots__ = ("batch", "col", "contracted", "lhs", "out", "rhs", "row")
 
-    def __init__(self, equation: str) -> None:
+    def __init__(self, equation: str, a_dim: int, b_dim: int) -> None:
         eq = equation.replace(" ", "")
         inputs, _, out = eq.partition("->")
         lhs, _, rhs = inputs.partition(",")
+        if "..." in eq:
+            lhs, rhs, out = _ellipsis(lhs, rhs, out, a_dim, b_dim)
         self.lhs, self.rhs, self.out = lhs, rhs, out
         self.row = [c for c in lhs if c in out and c not in rhs]
         self.col = [c for c in rhs if c in out and c not in lhs]
@@ -361,7 +367,7 @@ class _Einsum:
             and len(self.lhs) == len(self.batch) + 2
             and len(self.rhs) == len(self.batch) + 2
             and len(self.out) == len(self.batch) + 2
-            and 1 <= len(self.batch) <= 2
+            and 1 <= len(self.batch) <= 3
         )
 
     def arrange(self, t: Any, letters: str, last: str) -> Any:
@@ -374,6 +380,22 @@ class _Einsum:
         """``t`` in (batch..., row, col) as the equation's output."""
         have = [*self.batch, self.row[0], self.col[0]]
         return t.permute(*[have.index(c) for c in self.out])
+
+
+def _ellipsis(lhs: str, rhs: str, out: str, a_dim: int, b_dim: int) -> tuple[str, str, str]:
+    """The three subscripts with an ellipsis spelled as letters none of them uses,
+    where it stands for as many dimensions in both operands (else unchanged: the
+    ``.`` left in them makes :meth:`_Einsum.valid` false)."""
+    n = a_dim - len(lhs.replace("...", ""))
+    if (
+        n < 0
+        or b_dim - len(rhs.replace("...", "")) != n
+        or any(part.count("...") != 1 for part in (lhs, rhs, out))
+    ):
+        return lhs, rhs, out
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in lhs + rhs + out][:n]
+    fill = "".join(free)
+    return lhs.replace("...", fill), rhs.replace("...", fill), out.replace("...", fill)
 
 
 def _einsum_operands(args: tuple[Any, ...]) -> tuple[str, Any, Any] | None:
@@ -433,8 +455,13 @@ class _Reading:
     """The state of :func:`read_attention` along the recorded operations."""
 
     def __init__(self, shape: tuple[int, ...]) -> None:
+        #: the product's shape: (lead..., seq_q, seq_kv)
+        self.product = shape
         self.shape = shape
         self.scale = 1.0
+        #: a positive factor per query row (shape (..., 1) against ``shape``: a
+        #: per-head logit scale, Swin V2's), folded into the query; None: none
+        self.factor: Any = None
         self.masks: list[Any] = []  # additive (float) or keep (bool), against ``shape``
         self.softmax = False
         self.dropout = 0.0
@@ -446,12 +473,32 @@ class _Reading:
         self.scale *= factor
         self.masks = [m * factor if m.dtype != torch.bool else m for m in self.masks]
 
+    def rescale_rows(self, factor: Any) -> None:
+        """Scores times a positive tensor constant along the keys (``factor``:
+        shape (..., 1), broadcast to the scores): the query rows scaled."""
+        self.masks = [m * factor if m.dtype != torch.bool else m for m in self.masks]
+        self.factor = factor if self.factor is None else self.factor * factor
+
+    def attention_shaped(self) -> bool:
+        """Whether the scores are now shaped as the product made them: (lead...,
+        seq_q, seq_kv), the same elements in the same order."""
+        return tuple(self.shape[-2:]) == tuple(self.product[-2:])
+
     def reshape(self, shape: tuple[int, ...]) -> bool:
-        if tuple(shape[-2:]) != tuple(self.shape[-2:]):
-            return False
+        """A view of the scores: any view of the same elements in the same order
+        (SegGPT splits the positions into rows and columns to add a decomposed
+        position bias, then views them back); the masks, zeroed positions and
+        factor read so far are viewed with them. A softmax reads the scores only
+        where they are shaped as the product made them (:meth:`attention_shaped`)."""
         if math.prod(shape) != math.prod(self.shape):
             return False
+        if self.factor is not None and tuple(shape[-2:]) != tuple(self.shape[-2:]):
+            return False  # a factor per query row, its rows viewed apart
         self.masks = [m.expand(self.shape).reshape(shape) for m in self.masks]
+        self.zeroed = [z.expand(self.shape).reshape(shape) for z in self.zeroed]
+        if self.factor is not None:
+            rows = (*self.shape[:-1], 1)
+            self.factor = self.factor.expand(rows).reshape(*shape[:-1], 1)
         self.shape = tuple(shape)
         return True
 
@@ -491,6 +538,8 @@ def _step(reading: _Reading, node: _Node, at: int) -> str | None:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if dim is None or dim not in (-1, len(reading.shape) - 1):
             return f"softmax over dimension {dim}"
+        if not reading.attention_shaped():
+            return f"softmax of the scores viewed as {list(reading.shape)}"
         reading.softmax = True
         return None
     if func in _FLOORS:
@@ -503,8 +552,17 @@ def _step(reading: _Reading, node: _Node, at: int) -> str | None:
         return None
     if func in _MULS or func in _DIVS:
         factor = _number(others[0]) if len(others) == 1 and not kwargs else None
-        if factor is None or factor == 0 or (func in _DIVS and at != 0):
+        if factor is None and len(others) == 1 and not kwargs and (func in _MULS or at == 0):
+            rows = _row_factor(others[0], reading)
+            if rows is not None:
+                reading.rescale_rows(rows if func in _MULS else 1.0 / rows)
+                return None
+        if factor is None or (func in _DIVS and at != 0):
             return f"{name} by a tensor"
+        if not factor > 0 or not math.isfinite(factor):
+            # a zero, negative or infinite scale turns a masked score (-inf, a
+            # masked fill) into another (the softmax's own math keeps it exact)
+            return f"{name} by {factor}"
         reading.rescale(factor if func in _MULS else 1.0 / factor)
         return None
     if func in _ADDS or func in _SUBS:
@@ -528,6 +586,21 @@ def _step(reading: _Reading, node: _Node, at: int) -> str | None:
             return _keep(reading, ~cond, name)
         return "where with a value that is not a mask's"
     return f"{name} of the scores"
+
+
+def _row_factor(obj: Any, reading: _Reading) -> Any:
+    """``obj`` as a factor of the scores that scales whole query rows: a floating
+    tensor, positive and finite, constant along the keys (last dimension 1: a
+    logit scale per head, Swin V2's), broadcast to the scores; else None. The
+    scores times it are the query times it times the keys: one attention."""
+    obj = _real(obj)
+    if not isinstance(obj, torch.Tensor) or not obj.is_floating_point() or obj.dim() == 0:
+        return None
+    if obj.shape[-1] != 1 or not _fits(reading, obj):
+        return None
+    if not bool(((obj > 0) & torch.isfinite(obj)).all()):
+        return None
+    return obj.reshape((1,) * (len(reading.shape) - obj.dim()) + tuple(obj.shape))
 
 
 def _fill_value(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -555,8 +628,12 @@ def _add(reading: _Reading, other: Any, sign: float, name: str) -> str | None:
     if not isinstance(other, torch.Tensor):
         number = _number(other)
         return None if number is not None else f"{name} of {type(other).__name__}"
-    if not other.is_floating_point() or not _fits(reading, other):
+    if not _fits(reading, other) or other.is_complex():
         return f"{name} of a tensor of shape {list(other.shape)}"
+    if not other.is_floating_point():
+        # a boolean or integer tensor added to floating scores adds its values
+        # (type promotion): an additive mask of those values, never a keep mask
+        other = other.to(torch.float32)
     reading.masks.append(other * sign if sign != 1.0 else other)
     return None
 
@@ -626,6 +703,8 @@ def read_attention(
             return why
     if not reading.softmax:
         return "no softmax of the scores"
+    if not reading.attention_shaped():
+        return f"probabilities viewed as {list(reading.shape)}"
     if reading.zeroed:
         masked = _mask(reading.masks, torch.float32)
         for zero in reading.zeroed:
@@ -636,7 +715,7 @@ def read_attention(
     # the values, as (lead..., seq_kv, size)
     if func is _EINSUM:
         eq, _, v_in = _einsum_operands(args)  # type: ignore[misc]
-        spec = _Einsum(eq)
+        spec = _Einsum(eq, probs.dim(), v_in.dim())
         if not spec.valid(probs, v_in):
             return f"einsum {eq!r} of the probabilities"
         v = spec.arrange(v_in, spec.rhs, spec.col[0])
@@ -655,6 +734,8 @@ def read_attention(
         v = v.expand(*lead, *v.shape[-2:])
         q = q.expand(*product.shape[:-2], *q.shape[-2:]).reshape(*lead, seq_q, -1)
         k = k.expand(*product.shape[:-2], *k.shape[-2:]).reshape(*lead, seq_kv, -1)
+        if reading.factor is not None:
+            q = q * reading.factor.expand(*lead, seq_q, 1).to(q.dtype)
     except RuntimeError:
         return "query, keys and values whose batches do not agree"
     n = len(reading.shape)
@@ -683,6 +764,9 @@ class DeferScores(TorchFunctionMode):
         self.handed = 0
         #: the query and keys of the last product deferred (None: none was)
         self.last: tuple[Any, Any] | None = None
+        #: the first operation that computed deferred scores (its name): what a
+        #: forward in which no attention was read did to them
+        self.computed_by: str | None = None
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -773,7 +857,7 @@ class DeferScores(TorchFunctionMode):
         eq, a, b = found
         if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
             return func(*args, **kwargs)
-        spec = _Einsum(eq)
+        spec = _Einsum(eq, a.dim(), b.dim())
         if not spec.valid(a, b):
             return func(*args, **kwargs)
         q = spec.arrange(a, spec.lhs, spec.contracted[0])
@@ -802,6 +886,8 @@ class DeferScores(TorchFunctionMode):
             or (func in _SWAPS and _swap_of(func, args, kwargs) is not None)
         )
         if not understood:
+            if self.computed_by is None:
+                self.computed_by = getattr(func, "__name__", str(func))
             return func(*_real(args), **_real(kwargs))
         try:
             shape, dtype = _infer(func, args, kwargs)

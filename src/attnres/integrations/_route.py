@@ -1463,7 +1463,10 @@ def deferred_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
             # the facts it was planned for (a product the route deferred and the
             # code then computed says nothing of its attention), else the last one
             last = mode.last if route.planned is None else None
-            route.own_math("no softmax attention the route could read", last)
+            why = "no softmax attention the route could read"
+            if mode.computed_by is not None:  # what the code did to the scores
+                why += f" ({mode.computed_by} of the scores)"
+            route.own_math(why, last)
         return out
 
     eager: Callable[..., Any] = torch.compiler.disable(forward)  # type: ignore[no-untyped-call]

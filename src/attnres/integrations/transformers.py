@@ -283,9 +283,24 @@ def _own_calls(module: Any) -> frozenset[str]:
         if isinstance(value, types.FunctionType)
     ]
     names = _route.calls_of(functions, depth=1)
+    if names >= _NORMALISERS:
+        # exp(x - logsumexp(x)) is a softmax written out (Reformer's LSH and local
+        # attention)
+        names |= {"softmax"}
     if "softmax" in names and any(_matmul_operator(f.__code__) for f in functions):
         names |= {"@"}
+    if "softmax" in names and not names & _PRODUCTS:
+        # a product computed by a submodule its code calls (SqueezeBERT's
+        # MatMulWrapper: ``self.matmul_qk(q, k)``)
+        for attr, child in module.named_children():
+            if attr in names and _route.calls_of([type(child).forward], depth=1) & _PRODUCTS:
+                names |= {"@"}
+                break
     return names
+
+
+#: the calls that normalise scores as a softmax does, written out
+_NORMALISERS = frozenset({"logsumexp", "exp"})
 
 
 def _matmul_operator(code: types.CodeType) -> bool:
@@ -908,7 +923,9 @@ def prepare(
         if (options or Backend(backend) not in _native_backends(owner)) and Backend(
             backend
         ) in _hf_attention.backends_for(type(owner)):
-            function = _hf_attention.NAME  # issue 22: attnres's own function runs it
+            # issue 22: attnres's own function runs it (issue 19: with the masks the
+            # class's code was written for)
+            function = _hf_attention.name_for(type(owner))
         elif options and function is not None:
             problems.append(
                 f"{component}/{site.name}: backend options "
@@ -925,7 +942,7 @@ def prepare(
         cfg, decided = groups.setdefault(id(module.config), (module.config, {}))
         # the attnres function runs one kernel per site; one config still takes
         # one function, so its sites must agree on the backend too
-        key = function if function != _hf_attention.NAME else f"{function}:{backend}"
+        key = function if function not in _hf_attention.NAMES else f"{function}:{backend}"
         decided.setdefault(key, []).append(site.name)
         if spec is not None:
             sites[site.name] = site
@@ -934,7 +951,7 @@ def prepare(
         # its config names (set by the sites sharing it, or as it was)
         shared = groups.get(id(module.config), (None, {}))[1]
         given: str | None = next(iter(shared)) if len(shared) == 1 else None
-        if given is not None and given.startswith(_hf_attention.NAME + ":"):
+        if given is not None and given.partition(":")[0] in _hf_attention.NAMES:
             # attnres's function: it binds the site at its first call itself, from
             # the query and key it is given (each call checked, as everywhere)
             shared[given].append(site.name)
@@ -1045,7 +1062,7 @@ def _installer(
         cfg._attn_implementation_internal = function
         for name in names:
             module = modules[name]
-            if function == _hf_attention.NAME:  # issue 22: bind the decided kernel
+            if function in _hf_attention.NAMES:  # issue 22: bind the decided kernel
                 _hf_attention.register()
                 # issue 19: its route checks each call's facts against the plan
                 # (where it decides torch SDPA, the function runs torch SDPA itself)
