@@ -955,6 +955,9 @@ def test_softmax_attention_by_hand_keeps_its_own_math_and_takes_any_kernel() -> 
         # RfDetrAttention holds its size only (head_dim 32): the heads from its query
         # projection (256 / 32); its DINOv2 backbone holds both
         ("rf_detr", {(8, 8, 32), (6, 6, 64)}),
+        # a gated query projection (query and gate: 2 x 16 x 256): the heads from the
+        # output projection's width (found by the runtime sweep: planned 32 / 4)
+        ("qwen3_next", {(16, 2, 256)}),
     ],
 )
 def test_head_facts_are_read_from_what_the_module_holds(

@@ -314,11 +314,6 @@ _NOT_RUN: dict[str, str] = {
 
 #: model types whose run found a problem in attnres, with what it is; the sweep
 #: fails when one closes (drop its entry) or a type not listed here has one
-_GATED = (
-    "heads read as the query projection's width over the head size: its query projection "
-    "is gated (query and gate, twice the width), so the plan has twice the heads and kv "
-    "heads the call carries"
-)
 _INPUT_ATTENTION = (
     "its input-attention sites (attention_input, mlp_input, final_input) are planned with the "
     "text model's heads and head size (4, 4, 8); they call with (8, 8, 32)"
@@ -331,15 +326,6 @@ _FINDINGS: dict[str, str] = {
         "planned 2 kv heads (the config's); the call carries 4 (JetMoE's mixture of attention "
         "heads expands its keys before the interface call)"
     ),
-    "minicpm_ocr": _GATED,
-    "minicpmv4_6": _GATED,
-    "minicpmv4_7": _GATED,
-    "qwen3_5": _GATED,
-    "qwen3_5_moe": _GATED,
-    "qwen3_5_moe_text": _GATED,
-    "qwen3_5_text": _GATED,
-    "qwen3_next": _GATED,
-    "qwen4_exp_text": _GATED,
 }
 
 

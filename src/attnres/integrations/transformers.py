@@ -201,7 +201,13 @@ _FUSED = ("qkv", "qkv_proj", "c_attn", "in_proj")
 
 
 def _query_width(module: Any) -> int | None:
-    """The width of the queries ``module`` projects, read from its projection."""
+    """The width of the queries ``module`` projects, read from its projection.
+
+    A query projection twice as wide as the output projection takes emits a
+    gate with the query (Qwen3-Next, Qwen3.5, MiniCPM-V 4.6 in transformers 5.24:
+    ``q_proj`` is heads x head size x 2, its output gates the attention's before
+    ``o_proj``): the queries are the output projection's width (found by the
+    runtime sweep: planned with twice the heads its calls carry)."""
     for names, parts in ((_QUERY, 1), (_FUSED, 3)):
         for name in names:
             child = getattr(module, name, None)
@@ -209,7 +215,21 @@ def _query_width(module: Any) -> int | None:
                 continue
             width = _route._int_attr(child, ("out_features", "nf", "out_channels"))
             if width is not None and width % parts == 0:
-                return width // parts
+                width //= parts
+                out = _out_width(module)
+                return out if parts == 1 and out is not None and width == 2 * out else width
+    return None
+
+
+#: the output projection of an attention module (what it takes: heads x head size)
+_OUTPUT = ("o_proj", "out_proj")
+
+
+def _out_width(module: Any) -> int | None:
+    for name in _OUTPUT:
+        child = getattr(module, name, None)
+        if isinstance(child, torch.nn.Linear):
+            return int(child.in_features)
     return None
 
 
