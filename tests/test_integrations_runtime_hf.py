@@ -78,7 +78,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"
 BEGIN, END = "<!-- runtime-transformers:begin -->", "<!-- runtime-transformers:end -->"
 FULL = os.environ.get("ATTNRES_COVERAGE_FULL") == "1"
 #: the default run takes every STRIDE-th type of the sorted enumeration
-STRIDE = 12
+STRIDE = 24
 #: a build over this many parameters is not tiny (memory on a shared machine)
 MAX_PARAMS = 20_000_000
 SDPA_TOLERANCE = 1e-4
