@@ -46,6 +46,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "MATMULS",
+    "SOFTMAXES",
     "Attention",
     "DeferScores",
     "Deferred",
@@ -58,11 +60,11 @@ _F = torch.nn.functional
 
 #: products whose result may be attention scores (or, with deferred scores as
 #: their first operand, an attention's output)
-_MATMULS = frozenset({torch.matmul, torch.bmm, _T.matmul, _T.bmm, _T.__matmul__})
+MATMULS = frozenset({torch.matmul, torch.bmm, _T.matmul, _T.bmm, _T.__matmul__})
 _BADDBMM = frozenset({torch.baddbmm, _T.baddbmm})
 _EINSUM = torch.functional.einsum
 #: the softmaxes that normalise scores
-_SOFTMAX = frozenset({torch.softmax, _F.softmax, _T.softmax, torch.special.softmax})
+SOFTMAXES = frozenset({torch.softmax, _F.softmax, _T.softmax, torch.special.softmax})
 #: what leaves the values as they are (for attention): dtype casts, copies
 _KEEP = frozenset(
     {
@@ -534,7 +536,7 @@ def _step(reading: _Reading, node: _Node, at: int) -> str | None:
         return None
     if reading.softmax:
         return f"{name} of the attention probabilities"
-    if func in _SOFTMAX:
+    if func in SOFTMAXES:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if dim is None or dim not in (-1, len(reading.shape) - 1):
             return f"softmax over dimension {dim}"
@@ -774,7 +776,7 @@ class DeferScores(TorchFunctionMode):
         kwargs = kwargs or {}
         args = tuple(args)
         if not (_has_deferred(args) or (kwargs and _has_deferred(tuple(kwargs.values())))):
-            if func in _MATMULS and len(args) >= 2 and not kwargs:
+            if func in MATMULS and len(args) >= 2 and not kwargs:
                 if _is_scores_product(args[0], args[1]):
                     return self._product(func, args, kwargs, args[0], args[1].transpose(-1, -2))
             elif func in _BADDBMM:
@@ -786,14 +788,14 @@ class DeferScores(TorchFunctionMode):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if (
-            func in _MATMULS
+            func in MATMULS
             and len(args) == 2
             and isinstance(args[0], Deferred)
             and not isinstance(args[1], Deferred)
         ):
             return self._attention(args[0], args[1], func, args, kwargs)
         if (
-            func in _MATMULS
+            func in MATMULS
             and len(args) == 2
             and not isinstance(args[0], Deferred)
             and isinstance(args[1], Deferred)
@@ -874,7 +876,7 @@ class DeferScores(TorchFunctionMode):
         understood = (
             func in _KEEP
             or func in _VIEWS
-            or func in _SOFTMAX
+            or func in SOFTMAXES
             or func in _MULS
             or func in _DIVS
             or func in _ADDS

@@ -49,7 +49,13 @@ from attnres._varlen import check_layer_options, observe_mask, route_kernel
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import ResolutionError
-from attnres.integrations._deferred import Attention, DeferScores, deferred_operands
+from attnres.integrations._deferred import (
+    MATMULS,
+    SOFTMAXES,
+    Attention,
+    DeferScores,
+    deferred_operands,
+)
 from attnres.integrations._plan import Site, SiteDescription
 from attnres.kernels import get_kernel
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
@@ -1362,16 +1368,6 @@ def _mha_projections(module: Any, query: Any, key: Any, value: Any) -> tuple[Any
     return linear(query, wq, bq), linear(key, wk, bk), linear(value, wv, bv)
 
 
-#: the products a softmax attention's scores come from (``@`` is ``Tensor.__matmul__``)
-_PRODUCT_FUNCTIONS = frozenset(
-    {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.__matmul__}
-)
-#: the softmaxes that normalise them
-_SOFTMAX_FUNCTIONS = frozenset(
-    {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax}
-)
-
-
 class _Watch(TorchFunctionMode):
     """Check one forward of a site decided at its first call, before its attention
     output is computed: its first SDPA call, or its first softmax of a product of
@@ -1397,14 +1393,14 @@ class _Watch(TorchFunctionMode):
             dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
             causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
             self._check(q, k, mask, dropout, causal, kwargs.get("scale"))
-        elif func in _SOFTMAX_FUNCTIONS and self.scores is not None:
+        elif func in SOFTMAXES and self.scores is not None:
             self.seen = True
             a, b = self.scores
             q, k = a, b.transpose(-1, -2)
             if a.dim() == 3:  # (batch, seq, size): one head per batch row
                 q, k = q.unsqueeze(-3), k.unsqueeze(-3)
             self._check(q, k, None, 0.0, False, None)
-        elif func in _PRODUCT_FUNCTIONS and len(args) >= 2:
+        elif func in MATMULS and len(args) >= 2:
             a, b = args[0], args[1]
             if (
                 isinstance(a, torch.Tensor)

@@ -676,28 +676,12 @@ def _describe(
                 pending=False,
                 why=None if facts is not None else f"{cls} holds no head facts",
             )
-    if (
-        _route.SCORES in names
-        and "bmm" in names
-        and _route.scores_only_to_bmm(type(processor).__call__)
-    ):
-        # diffusers' Attention.get_attention_scores then torch.bmm (AttnProcessor
-        # and its kin): the by-hand route runs them as one call of any kernel
-        return SiteDescription(
-            **base,
-            route=f"{ROUTE_GENERIC} (softmax by hand in {owner})",
-            supported=None,
-            current=Backend("eager"),
-            # with no flag, automatic choices keep the site's own math (nothing wrapped)
-            preferred=frozenset({Backend("eager")}),
-            pending=facts is None,
-            routed=True,
-            why=None if facts is not None else f"{cls} holds no head facts",
-        )
     if names & _route.BY_HAND:
-        # issue 19: softmax by hand otherwise: the deferred-scores route
-        # (_route.deferred_forward) reads each attention its code computes as one
-        # call of any kernel
+        # softmax by hand runs any kernel: diffusers' get_attention_scores then
+        # torch.bmm (AttnProcessor and its kin) as one call (the by-hand route),
+        # any other code through the deferred-scores route (issue 19), which reads
+        # each attention it computes as one call; _install picks the route. With no
+        # flag, automatic choices keep the site's own math (nothing wrapped)
         return SiteDescription(
             **base,
             route=f"{ROUTE_GENERIC} (softmax by hand in {owner})",
