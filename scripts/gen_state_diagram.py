@@ -22,6 +22,7 @@ def render() -> str:
     from attnres.machine import (
         CHECK_ORDER,
         LAYOUT_CHECK_ORDER,
+        ORIGIN_ROWS,
         REQUEST_FAILURE_GUARDS,
         REQUEST_RULES,
         REQUIREMENTS_BEFORE_SUPPORTED,
@@ -117,6 +118,18 @@ def render() -> str:
         "- `global_cli`, unless the layer declares a default or the component scope allows "
         "global fallback",
         "",
+        "## Origins, in order",
+        "",
+        "The first row that requests a backend wins (`attnres.machine.ORIGIN_ROWS`, the",
+        "`attnres` profile's origins); nothing requested is origin `none`.",
+        "",
+        "| # | origin | what | explicit |",
+        "|---|---|---|---|",
+        *[
+            f"| {i} | `{row.origin.value}` | {row.words} | {'yes' if row.explicit else 'no'} |"
+            for i, row in enumerate(ORIGIN_ROWS, 1)
+        ],
+        "",
         "## Guards: which event fires",
         "",
         "Where a state has several ways out, the first row whose condition holds picks",
@@ -208,67 +221,88 @@ def render() -> str:
         "|---|---|",
         *[f"| `{verdict.value}` | {when} |" for verdict, _, when in VERDICT_RULES],
         "",
-        *_sglang_profile(),
+        *_profiles(),
     ]
     return "\n".join(lines)
 
 
-def _sglang_profile() -> list[str]:
-    """The ``sglang`` profile's rows (issue 23; attnres._profile_sglang)."""
-    from attnres._profile_sglang import (
-        ALIASES,
-        EXPLICIT_BYPASSES_SUPPORTED,
-        FALLBACK_ROWS,
-        ORIGIN_ROWS,
-        SATISFIES,
-        SGLANG_VERSION,
-    )
+def _profiles() -> list[str]:
+    """Each selection profile other than attnres's own, from its value (issue 33:
+    ``attnres.machine.PROFILES``; ``attnres._profile.Profile`` says what each
+    field means)."""
+    from attnres._states import Event, State
+    from attnres.machine import PROFILES, TRANSITIONS
 
-    return [
-        "## The `sglang` profile",
-        "",
-        f"`SelectionConfig(profile=\"sglang\")` decides as SGLang {SGLANG_VERSION}'s "
-        "multimodal_gen selector does (`attnres._profile_sglang`; the SGLang plugin,",
-        "docs/sglang.md, uses it). Platform facts are SGLang's own answers, observed",
-        "per candidate and recorded in the trace (`Platform.host`).",
-        "",
-        "Origins, first that is set wins:",
-        "",
-        "| origin | what | explicit |",
-        "|---|---|---|",
-        *[
-            f"| `{row.origin.value}` | {row.words} | {'yes' if row.explicit else 'no'} |"
-            for row in ORIGIN_ROWS
-        ],
-        "",
-        "May a failed request fall back (first row that holds decides)?",
-        "",
-        "| condition | reason recorded (none: strict) |",
-        "|---|---|",
-        *[
-            f"| {row.condition} | {row.reason.value if row.reason else 'strict'} |"
-            for row in FALLBACK_ROWS
-        ],
-        "",
-        "Candidates: the request, then (when it may fall back) the layer default, the "
-        "platform's own pick, and the supported set in SGLang's order. An explicit "
-        "request is admitted outside the layer's supported set: "
-        f"{'yes' if EXPLICIT_BYPASSES_SUPPORTED else 'no'}.",
-        "",
-        "| backend | counts as supported by a set holding |",
-        "|---|---|",
-        *[
-            f"| `{name}` | "
-            + " or ".join("{" + ", ".join(sorted(g)) + "}" for g in groups)
-            + " |"
-            for name, groups in SATISFIES.items()
-        ],
-        "",
-        "| attnres name | SGLang backend |",
-        "|---|---|",
-        *[f"| `{a}` | `{b}` |" for a, b in ALIASES.items()],
-        "",
-    ]
+    def reason(event: Event) -> str:
+        sets = TRANSITIONS[State.REQUESTED][event][1]
+        return "strict" if sets is None else f"`{sets.value}`"
+
+    lines: list[str] = []
+    for name, p in PROFILES.items():
+        if name == "attnres":
+            continue
+        module = p.evaluate.__module__
+        candidates = " ".join((p.candidates.__doc__ or "").split())
+        lines += [
+            f"## The `{name}` profile",
+            "",
+            f"`SelectionConfig(profile=\"{name}\")` decides as {p.source} does. Its rules",
+            f"are one value in `{module}` (an `attnres._profile.Profile`), walked by",
+            "`attnres.machine.run_machine` like attnres's own, on the same transitions.",
+        ]
+        if p.host_facts:
+            lines += [
+                "Platform facts are the host's own answers, observed per candidate and",
+                "recorded in the trace (`Platform.host`); a fact the input does not hold is",
+                f"a rejection that says how to supply it: {p.host_facts}.",
+            ]
+        lines += [
+            "",
+            "Origins, first that is set wins:",
+            "",
+            "| origin | what | explicit |",
+            "|---|---|---|",
+            *[
+                f"| `{row.origin.value}` | {row.words} | {'yes' if row.explicit else 'no'} |"
+                for row in p.origins
+            ],
+            "",
+            "May a failed request fall back (first row that holds decides; the origin",
+            "record names it)?",
+            "",
+            "| condition | reason recorded (strict: rejected) |",
+            "|---|---|",
+            *[f"| {row.condition} | {reason(row.event)} |" for row in p.request_failure],
+            "",
+            f"Candidates, in order: {candidates[:1].lower()}{candidates[1:]} An explicit "
+            "request is admitted outside the layer's supported set: "
+            f"{'yes' if p.explicit_bypasses_supported else 'no'}.",
+            "",
+            "A selection no transition gave a reason records the first that applies:",
+            "",
+            *[f"- {row.condition}" for row in p.selected_reasons],
+            "",
+        ]
+        if p.satisfies:
+            lines += [
+                "| backend | counts as supported by a set holding |",
+                "|---|---|",
+                *[
+                    f"| `{backend}` | "
+                    + " or ".join("{" + ", ".join(sorted(g)) + "}" for g in groups)
+                    + " |"
+                    for backend, groups in p.satisfies.items()
+                ],
+                "",
+            ]
+        if p.aliases:
+            lines += [
+                f"| attnres name | {name} backend |",
+                "|---|---|",
+                *[f"| `{a}` | `{b}` |" for a, b in p.aliases.items()],
+                "",
+            ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

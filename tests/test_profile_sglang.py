@@ -8,17 +8,19 @@ SGLang's own tests exercise the same rows through the plugin (make test-sglang).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 import attnres
 from attnres import LayerSpec, Requirements, SelectionConfig
-from attnres._profile_sglang import ALIASES, FALLBACK_ROWS, ORIGIN_ROWS, UNOBSERVED
+from attnres._profile_sglang import ALIASES, FALLBACK_ROWS, HOST_FACTS, ORIGIN_ROWS, UNOBSERVED
 from attnres._states import Code, Origin, Reason
+from attnres.layout import SequenceLayout
 from attnres.machine import run_machine
 from attnres.platform import HostResolution, Platform
 from attnres.scope import ScopeState
-from attnres.trace import TraceInput, trace_from_json, trace_to_dict
+from attnres.trace import CheckRecord, TraceInput, trace_from_json, trace_to_dict
 
 SGLANG = SelectionConfig(profile="sglang")
 VARLEN = "packed varlen attention"
@@ -188,7 +190,12 @@ def test_sglang_single_supported_backend_is_a_component_constraint() -> None:
 
 def test_sglang_unobserved_platform_fact_is_a_named_failure() -> None:
     trace = run(layer(), Platform("cuda"), backend=attnres.Backend("fa"))
-    assert trace.outcome.error == UNOBSERVED
+    # issue 33: outside the plugin the profile says which facts it needs and how
+    # to supply them; the check's failure keeps the plugin's marker word for word
+    assert trace.outcome.error == f"{UNOBSERVED}: {HOST_FACTS}"
+    assert "Platform(host=...)" in HOST_FACTS and "attnres.integrations.sglang" in HOST_FACTS
+    checks = [r for r in trace.records if isinstance(r, CheckRecord)]
+    assert [f.message for f in checks[0].failures] == [UNOBSERVED]
 
 
 def test_sglang_trace_round_trips_and_replays() -> None:
@@ -203,6 +210,29 @@ def test_sglang_trace_round_trips_and_replays() -> None:
     loaded = trace_from_json(text)
     assert loaded == trace
     assert loaded.input.config.profile == "sglang"
+    assert attnres.replay(loaded).ok
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"requirements": Requirements(mask="key_padding")},
+        {"layout": SequenceLayout(ulysses=2, num_heads=8)},
+    ],
+    ids=["mask-kind", "layout"],
+)
+def test_sglang_trace_of_a_mask_kind_or_layout_loads_and_replays(
+    spec: dict[str, object], tmp_path: Path
+) -> None:
+    # issue 32 item 14: the profile wrote every trace as schema 2, which cannot
+    # express a mask kind or a layout, so the file it wrote could not be loaded
+    trace = run(layer(**spec), served(("", "torch_sdpa")))
+    assert trace.outcome.backend == attnres.Backend("torch_sdpa")
+    assert trace.schema_version == trace.input.schema_version() > 2
+    path = tmp_path / "trace.json"
+    attnres.dump_trace(trace, path)
+    loaded = attnres.load_trace(path)
+    assert loaded == trace
     assert attnres.replay(loaded).ok
 
 
@@ -221,3 +251,16 @@ def test_sglang_rows_are_rendered_in_the_state_machine_doc() -> None:
         assert row.words in text
     for fallback in FALLBACK_ROWS:
         assert fallback.condition in text
+
+
+def test_every_profile_is_a_value_walked_by_the_one_machine() -> None:
+    # issue 33 item 1: a profile is data run_machine reads; no second walker
+    from attnres import _profile_sglang, machine
+    from attnres import layer as layer_mod
+    from attnres._profile import Profile
+
+    assert set(machine.PROFILES) == set(layer_mod.PROFILES)
+    assert all(isinstance(p, Profile) for p in machine.PROFILES.values())
+    assert machine.PROFILES["sglang"] is _profile_sglang.SGLANG
+    assert not hasattr(_profile_sglang, "run_sglang")
+    assert not hasattr(machine, "PROFILE_MACHINES")

@@ -11,7 +11,16 @@ calls :func:`run_machine`.
 
 The policy as tables
 --------------------
-- ``TRANSITIONS``: state -> event -> (next state, reason it sets);
+One machine walks every selection profile (issue 33): a profile is a value
+(:class:`attnres._profile.Profile`: origins and their order, fallback rows,
+candidate order, checks, aliases, the rejection); :data:`ATTNRES` is attnres's
+own contract, ``attnres._profile_sglang.SGLANG`` SGLang's, and :data:`PROFILES`
+maps ``SelectionConfig.profile`` to them. attnres's rows:
+
+- ``TRANSITIONS``: state -> event -> (next state, reason it sets), shared by
+  every profile;
+- ``ORIGIN_ROWS``: the origins in order (SPEC 3.1, 3.2), the first that
+  requests a backend wins;
 - ``START_GUARDS`` and ``REQUEST_FAILURE_GUARDS``: ordered (condition, event)
   rows choosing the event where a state has several ways out;
 - ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
@@ -47,8 +56,6 @@ What is code, not data, and why:
 
 - the checks themselves (``_check_*``): each reads several spec fields with
   its own rule (capability ranges, head-size rules, requirement limits);
-- origin detection's order (``detect_origin``): an if-chain over the input,
-  because each origin reads a different part of it (layer, config, scope);
 - the "usable here" skip of a platform chain: every entry but the last is
   passed over when its package, kernel, device, dtype or head size fail here
   (``_unusable_here``, the ``available`` and ``platform`` checks reused);
@@ -90,7 +97,20 @@ from typing import TYPE_CHECKING, Final
 import attrs
 from attrs import frozen
 
-from attnres import _profile_sglang
+from attnres._profile import (
+    Asked,
+    Evaluation,
+    Guard,
+    GuardFacts,
+    OriginRow,
+    Profile,
+    Results,
+    Tried,
+    first_event,
+    first_guard,
+    requested_by,
+)
+from attnres._profile_sglang import SGLANG
 from attnres._states import (
     Check,
     Code,
@@ -141,12 +161,15 @@ if TYPE_CHECKING:
     from attnres.ledger import Decision
 
 __all__ = [
+    "ATTNRES",
     "CANDIDATE_STAGES",
     "CHECK_ORDER",
     "GLOBAL_EXPLICIT_ORIGINS",
     "LAYOUT_CHECK_ORDER",
     "NO_KERNEL",
+    "ORIGIN_ROWS",
     "PREFERRED_STAGES",
+    "PROFILES",
     "REQUEST_FAILURE_GUARDS",
     "REQUEST_RULES",
     "REQUIREMENTS_BEFORE_SUPPORTED",
@@ -275,33 +298,7 @@ GLOBAL_EXPLICIT_ORIGINS: Final = frozenset({Origin.GLOBAL_CLI, Origin.GLOBAL_ENV
 # =============================================================================
 # Where the table above has more than one way out of a state, the first row
 # whose condition holds picks the event. Conditions read a GuardFacts: the
-# facts about the request and the failed candidate, nothing else.
-
-
-@frozen
-class GuardFacts:
-    """What the guards may look at."""
-
-    #: something was requested (any origin but ``none``)
-    requested: bool = False
-    #: the layer declares no default and supports exactly one backend
-    single_supported: bool = False
-    #: the failed request's role check failed (a sparse backend, a cross layer)
-    role_failed: bool = False
-    #: the request is strict (SPEC 3.1, 3.2)
-    strict: bool = False
-    #: the request is the operator's explicit global backend (the flag or the
-    #: environment variable: ``GLOBAL_EXPLICIT_ORIGINS``)
-    global_explicit: bool = False
-
-
-@frozen
-class Guard:
-    """One row: when ``condition`` (its words, for the docs) holds, ``event`` fires."""
-
-    condition: str
-    holds: Callable[[GuardFacts], bool]
-    event: Event
+# facts about the request, nothing else (attnres._profile defines both).
 
 
 #: Leaving ``origin_detection``, in order.
@@ -330,14 +327,6 @@ REQUEST_FAILURE_GUARDS: Final[tuple[Guard, ...]] = (
     ),
     Guard("otherwise (a preference or a layer default)", lambda f: True, Event.PREFERENCE_FALLBACK),
 )
-
-
-def first_event(guards: tuple[Guard, ...], facts: GuardFacts) -> Event:
-    """The event of the first guard that holds (the last guard always holds)."""
-    for guard in guards:
-        if guard.holds(facts):
-            return guard.event
-    raise AssertionError("no guard holds: a guard table must end with 'otherwise'")
 
 
 #: Origins whose decision autotune may measure and replace: the automatic ones.
@@ -447,7 +436,7 @@ class Relaxation:
         )
 
 
-def global_flag_relaxation(inp: TraceInput) -> Relaxation:
+def global_flag_relaxation(inp: Asked) -> Relaxation:
     """What would relax an explicit global flag for this input's layer."""
     return Relaxation(inp.layer.default, inp.scope)
 
@@ -458,6 +447,10 @@ class DetectedOrigin:
     backend: Backend | None
     strict: bool
     detail: str
+    #: the origin row is explicit
+    explicit: bool = False
+    #: the fallback row that decides a failed request (``Profile.request_failure``)
+    on_failure: Guard | None = None
 
 
 #: issue 23: the stages whose candidates are automatic choices, which a layer's
@@ -465,7 +458,7 @@ class DetectedOrigin:
 PREFERRED_STAGES: Final = frozenset({State.PLATFORM_DEFAULT, State.SUPPORTED_SET})
 
 
-def _overridden(inp: TraceInput) -> str:
+def _overridden(inp: Asked) -> str:
     """What a layer's required backend overrides, in words (issue 23)."""
     parts = []
     if inp.request is not None:
@@ -475,100 +468,198 @@ def _overridden(inp: TraceInput) -> str:
     return "; it overrides " + " and ".join(parts) if parts else ""
 
 
+def _explicit(
+    words: str, detail: Callable[[Asked], str] | None = None
+) -> Callable[[Asked, Backend], str]:
+    """An explicit origin's words; issue 23: a backend outside the layer's
+    preferred set is admitted on its checks, and the record says so."""
+
+    def describe(inp: Asked, backend: Backend) -> str:
+        text = words if detail is None else detail(inp)
+        preferred = inp.layer.preferred
+        if preferred is None or backend in preferred:
+            return text
+        return (
+            text + f"; outside the layer's preferred set {_names(preferred)}, admitted by "
+            f"its supported set when every check passes"
+        )
+
+    return describe
+
+
+def _role_backend(inp: Asked) -> Backend | None:
+    scope = inp.scope
+    if scope is None:
+        return None
+    return scope.role_backend(inp.layer.role) or inp.config.role_backend(
+        scope.component, inp.layer.role
+    )
+
+
+def _role_words(inp: Asked) -> str:
+    scope, role = inp.scope, inp.layer.role.value
+    assert scope is not None  # the row is set only under a scope
+    via = ""
+    if scope.role_backend(inp.layer.role) is None:
+        via = f" (--attention-backend {scope.component}.{role}=...)"
+    return (
+        f"component {scope.component!r} override for {role}-attention layers "
+        f"({scope.component}.{role}){via}"
+    )
+
+
+def _component_backend(inp: Asked) -> Backend | None:
+    scope = inp.scope
+    if scope is None:
+        return None
+    return scope.backend or inp.config.component_backend(scope.component)
+
+
+def _component_words(inp: Asked) -> str:
+    assert inp.scope is not None  # the row is set only under a scope
+    return f"component {inp.scope.component!r} override"
+
+
+def _global(preference: bool, env: bool) -> Callable[[Asked], Backend | None]:
+    """The global backend as a preference, or as the operator's flag or variable."""
+
+    def read(inp: Asked) -> Backend | None:
+        cfg = inp.config
+        if cfg.global_backend_explicit is preference:
+            return None
+        if not preference and (cfg.global_backend_env is not None) is not env:
+            return None
+        return cfg.global_backend
+
+    return read
+
+
+def _global_env_words(inp: Asked) -> str:
+    return (
+        f"{inp.config.global_backend_env} set in the environment by the operator; "
+        f"{global_flag_relaxation(inp).describe()}"
+    )
+
+
+def _global_cli_words(inp: Asked) -> str:
+    return f"--attention-backend set by the operator; {global_flag_relaxation(inp).describe()}"
+
+
+#: SPEC 3.1, 3.2: attnres's origins in order -- the first row whose backend is
+#: set wins. Explicit origins are strict (SPEC 3.1) except the operator's
+#: global backend, relaxed per layer (SPEC 3.2: ``Relaxation``).
+ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
+    OriginRow(  # issue 23: pinned for correctness, whatever is asked
+        Origin.LAYER,
+        "required by the layer for correctness (LayerSpec.required)",
+        True,
+        lambda inp: inp.layer.required,
+        _explicit(
+            "",
+            lambda inp: (
+                "required by the layer for correctness (LayerSpec.required)" + _overridden(inp)
+            ),
+        ),
+    ),
+    OriginRow(
+        Origin.REQUEST,
+        "backend requested for one request (attnres.request_backend)",
+        True,
+        lambda inp: inp.request,
+        _explicit("backend requested for one request (attnres.request_backend)"),
+    ),
+    OriginRow(
+        Origin.LAYER,
+        "backend passed explicitly for this layer",
+        True,
+        lambda inp: inp.backend,
+        _explicit("backend passed explicitly for this layer"),
+    ),
+    OriginRow(
+        Origin.FORCED,
+        "process-wide forced backend",
+        True,
+        lambda inp: inp.config.forced_backend,
+        _explicit("process-wide forced backend"),
+    ),
+    OriginRow(
+        Origin.ROLE_OVERRIDE,
+        "the component's override for the layer's role (scope, or --attention-backend "
+        "COMPONENT.ROLE=...)",
+        True,
+        _role_backend,
+        _explicit("", _role_words),
+    ),
+    OriginRow(
+        Origin.COMPONENT_OVERRIDE,
+        "the component override (scope, or --attention-backend COMPONENT=...)",
+        True,
+        _component_backend,
+        _explicit("", _component_words),
+    ),
+    OriginRow(
+        Origin.GLOBAL_PREFERENCE,
+        "global backend preference, derived or defaulted (not typed by the operator)",
+        False,
+        _global(preference=True, env=False),
+    ),
+    OriginRow(
+        Origin.GLOBAL_ENV,
+        "the global backend set in the environment by the operator",
+        True,
+        _global(preference=False, env=True),
+        _explicit("", _global_env_words),
+    ),
+    OriginRow(
+        Origin.GLOBAL_CLI,
+        "--attention-backend set by the operator",
+        True,
+        _global(preference=False, env=False),
+        _explicit("", _global_cli_words),
+    ),
+    OriginRow(
+        Origin.LAYER_DEFAULT,
+        "nothing requested: the layer's default",
+        False,
+        lambda inp: inp.layer.default,
+    ),
+)
+
+
 def detect_origin(inp: TraceInput) -> DetectedOrigin:
-    """The first origin that applies, the backend it requests, and its strictness."""
-    found = _detect_origin(inp)
-    preferred = inp.layer.preferred
-    if (
-        preferred is not None
-        and found.backend is not None
-        and found.origin not in TUNABLE_ORIGINS
-        and found.backend not in preferred
-    ):  # issue 23: explicit, outside preferred: admitted on its checks, and said so
-        found = DetectedOrigin(
-            found.origin,
-            found.backend,
-            found.strict,
-            found.detail + f"; outside the layer's preferred set {_names(preferred)}, admitted by "
-            f"its supported set when every check passes",
-        )
-    return found
+    """The first origin that applies (by the input's profile), the backend it
+    requests, its strictness and the fallback row that decides its failure."""
+    return _detect(PROFILES[inp.config.profile], inp)
 
 
-def _detect_origin(inp: TraceInput) -> DetectedOrigin:
-    layer, config, scope = inp.layer, inp.config, inp.scope
-    if layer.required is not None:  # issue 23: pinned for correctness, whatever is asked
-        return DetectedOrigin(
-            Origin.LAYER,
-            layer.required,
-            True,
-            "required by the layer for correctness (LayerSpec.required)" + _overridden(inp),
-        )
-    if inp.request is not None:
-        return DetectedOrigin(
-            Origin.REQUEST,
-            inp.request,
-            True,
-            "backend requested for one request (attnres.request_backend)",
-        )
-    if inp.backend is not None:
-        return DetectedOrigin(
-            Origin.LAYER, inp.backend, True, "backend passed explicitly for this layer"
-        )
-    if config.forced_backend is not None:
-        return DetectedOrigin(
-            Origin.FORCED, config.forced_backend, True, "process-wide forced backend"
-        )
-    if scope is not None:
-        role_backend = scope.role_backend(layer.role)
-        via = ""
-        if role_backend is None:
-            role_backend = config.role_backend(scope.component, layer.role)
-            via = f" (--attention-backend {scope.component}.{layer.role.value}=...)"
-        if role_backend is not None:
-            return DetectedOrigin(
-                Origin.ROLE_OVERRIDE,
-                role_backend,
-                True,
-                f"component {scope.component!r} override for {layer.role.value}-attention "
-                f"layers ({scope.component}.{layer.role.value}){via}",
-            )
-        component_backend = scope.backend or config.component_backend(scope.component)
-        if component_backend is not None:
-            return DetectedOrigin(
-                Origin.COMPONENT_OVERRIDE,
-                component_backend,
-                True,
-                f"component {scope.component!r} override",
-            )
-    if config.global_backend is not None:
-        if not config.global_backend_explicit:
-            return DetectedOrigin(
-                Origin.GLOBAL_PREFERENCE,
-                config.global_backend,
-                False,
-                "global backend preference, derived or defaulted (not typed by the operator)",
-            )
-        relaxation = global_flag_relaxation(inp)
-        if config.global_backend_env is not None:
-            return DetectedOrigin(
-                Origin.GLOBAL_ENV,
-                config.global_backend,
-                not relaxation.relaxed,
-                f"{config.global_backend_env} set in the environment by the operator; "
-                f"{relaxation.describe()}",
-            )
-        return DetectedOrigin(
-            Origin.GLOBAL_CLI,
-            config.global_backend,
-            not relaxation.relaxed,
-            f"--attention-backend set by the operator; {relaxation.describe()}",
-        )
-    if layer.default is not None:
-        return DetectedOrigin(
-            Origin.LAYER_DEFAULT, layer.default, False, "nothing requested: the layer's default"
-        )
-    return DetectedOrigin(Origin.NONE, None, False, "nothing requested and no layer default")
+def _detect(profile: Profile, inp: TraceInput) -> DetectedOrigin:
+    row, backend = requested_by(profile, inp)
+    layer, scope = inp.layer, inp.scope
+    origin = Origin.NONE if row is None else row.origin
+    explicit = row is not None and row.explicit
+    global_explicit = origin in GLOBAL_EXPLICIT_ORIGINS
+    relaxed = layer.default is not None or (scope is not None and scope.allow_global_fallback)
+    strict = explicit and not (global_explicit and relaxed)
+    facts = GuardFacts(
+        requested=backend is not None,
+        role_failed=(
+            backend is not None and layer.role is Role.CROSS and profile.sparse(inp, backend)
+        ),
+        strict=strict,
+        global_explicit=global_explicit,
+        explicit=explicit,
+        relaxed=relaxed,
+    )
+    on_failure = first_guard(profile.request_failure, facts)
+    if row is None:
+        detail = profile.nothing_requested
+    else:
+        assert backend is not None  # a row is found by its backend
+        detail = row.words if row.detail is None else row.detail(inp, backend)
+    if profile.states_fallback:
+        strict = on_failure.event is Event.STRICT_FAILURE
+        detail += f"; {profile.name} profile: {on_failure.condition}"
+    return DetectedOrigin(origin, backend, strict, detail, explicit, on_failure)
 
 
 def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -> list[Backend]:
@@ -1057,7 +1148,7 @@ def primary_check(failed: set[Check], layer: LayerSpec, spec: BackendSpec | None
 
 def _primary_message(
     backend: Backend,
-    results: tuple[tuple[Check, tuple[Failure, ...]], ...],
+    results: Results,
     layer: LayerSpec,
     platform: Platform,
 ) -> tuple[str, str]:
@@ -1112,15 +1203,16 @@ def _primary_message(
     return text, str(first[0].code)
 
 
-def _exhausted_message(tried: list[tuple[State, Backend, tuple[Failure, ...]]]) -> str:
+def _exhausted_message(tried: Sequence[Tried]) -> str:
     if not tried:
         return (
             "No compatible attention backend is available: no candidate to evaluate (nothing "
             "requested, no layer default, and the platform's default chain is empty)"
         )
     parts = [
-        f"{b.name} ({stage.value}): " + "; ".join(f.message for f in failures)
-        for stage, b, failures in tried
+        f"{'' if b is None else b.name} ({stage.value}): "
+        + "; ".join(f.message for _, failures in results for f in failures)
+        for stage, b, results in tried
     ]
     return "No compatible attention backend is available: tried " + " | ".join(parts)
 
@@ -1148,113 +1240,155 @@ def _step(
 
 
 def run_machine(inp: TraceInput) -> Trace:
-    """Run the machine on one input; a pure function (no context, no cache, no I/O)."""
-    # issue 23: another profile's rules (SelectionConfig.profile) run their own rows
-    if inp.config.profile != "attnres":
-        return PROFILE_MACHINES[inp.config.profile](inp)
-    records: list[Record] = []
-    found = detect_origin(inp)
-    records.append(OriginRecord(found.origin, found.backend, found.strict, found.detail))
-    layer, platform = inp.layer, inp.platform
-    reason: Reason | None = None
-    state = State.ORIGIN_DETECTION
+    """Run the machine on one input; a pure function (no context, no cache, no I/O).
+
+    It walks ``TRANSITIONS`` by the rules of the input's profile
+    (``SelectionConfig.profile``: :data:`PROFILES`, attnres's own :data:`ATTNRES`
+    by default).
+    """
+    profile = PROFILES[inp.config.profile]
+    found = _detect(profile, inp)
+    assert found.on_failure is not None  # _detect always decides it
+    records: list[Record] = [OriginRecord(found.origin, found.backend, found.strict, found.detail)]
+    layer = inp.layer
     start = GuardFacts(
         requested=found.backend is not None,
         single_supported=(
             layer.default is None and layer.supported is not None and len(layer.supported) == 1
         ),
     )
-    state, reason = _step(state, first_event(START_GUARDS, start), records, reason)
-
-    seen: dict[Backend, State] = {}
-    tried: list[tuple[State, Backend, tuple[Failure, ...]]] = []
+    state, reason = _step(State.ORIGIN_DETECTION, first_event(profile.start, start), records, None)
+    seen: dict[Backend | None, State] = {}
+    tried: list[Tried] = []
+    refused = False
     while state not in (State.SELECTED, State.REJECTED):
         stage = state
         accepted: Backend | None = None
-        candidates = stage_candidates(stage, inp, found.backend)
+        candidates = profile.candidates(stage, inp, found.backend)
         for position, candidate in enumerate(candidates):
             if candidate in seen:
-                records.append(
-                    SkipRecord(stage, candidate, f"already evaluated at {seen[candidate].value}")
-                )
-                continue
-            if (
-                stage in PREFERRED_STAGES
-                and layer.preferred is not None
-                and candidate not in layer.preferred
-            ):  # issue 23: automatic choices stay inside the layer's preferred set
-                records.append(
-                    SkipRecord(
-                        stage,
-                        candidate,
-                        f"an automatic choice outside the layer's preferred set "
-                        f"{_names(layer.preferred)}",
-                    )
-                )
-                continue
-            if stage is State.PLATFORM_DEFAULT and position < len(candidates) - 1:
-                unusable = _unusable_here(
-                    candidate, layer, platform, inp.needs_kernel, inp.no_kernel
-                )
-                if unusable:
+                if profile.records_repeats and candidate is not None:
                     records.append(
                         SkipRecord(
-                            stage,
-                            candidate,
-                            f"preferred on {platform.kind} only where usable: {unusable}",
+                            stage, candidate, f"already evaluated at {seen[candidate].value}"
                         )
                     )
-                    continue
+                continue
+            skipped = ""
+            for skip in profile.skips:
+                skipped = skip(stage, position, candidates, inp)
+                if skipped:
+                    break
+            if skipped:
+                if candidate is not None:
+                    records.append(SkipRecord(stage, candidate, skipped))
+                continue
+            bypass = profile.explicit_bypasses_supported and found.explicit and not seen
             seen[candidate] = stage
-            results = check_candidate(candidate, layer, platform, inp.needs_kernel, inp.no_kernel)
-            for check, failures in results:
-                records.append(CheckRecord(stage, candidate, check, not failures, failures))
-            all_failures = tuple(f for _, failures in results for f in failures)
-            if not all_failures:
-                accepted = candidate
+            evaluation = profile.evaluate(candidate, inp, bypass)
+            subject = evaluation.subject
+            if subject is not None:
+                for check, failures in evaluation.results:
+                    records.append(CheckRecord(stage, subject, check, not failures, failures))
+            if not any(failures for _, failures in evaluation.results):
+                accepted = subject
                 break
-            tried.append((stage, candidate, all_failures))
+            tried.append((stage, subject, evaluation.results))
             if stage is State.REQUESTED:
-                facts = GuardFacts(
-                    requested=True,
-                    role_failed=any(c is Check.ROLE and f for c, f in results),
-                    strict=found.strict,
-                    global_explicit=found.origin in GLOBAL_EXPLICIT_ORIGINS,
-                )
-                event = first_event(REQUEST_FAILURE_GUARDS, facts)
-                state, reason = _step(stage, event, records, reason, candidate)
-                if state is State.REJECTED:
-                    message, code = _primary_message(candidate, results, layer, platform)
-                    return _finish_rejected(inp, records, found, message, code)
+                state, reason = _step(stage, found.on_failure.event, records, reason, subject)
+                refused = state is State.REJECTED
                 break
-            state, reason = _step(stage, Event.CANDIDATE_FAILED, records, reason, candidate)
+            state, reason = _step(stage, Event.CANDIDATE_FAILED, records, reason, subject)
         if accepted is not None:
-            state, reason = _step(stage, Event.ACCEPTED, records, reason, accepted)
+            _step(stage, Event.ACCEPTED, records, reason, accepted)
+            for row in profile.selected_reasons if reason is None else ():
+                reason = row.reason(inp, found.origin, accepted)
+                if reason is not None:
+                    break
             records.append(SelectedRecord(accepted, found.origin, reason))
             outcome = Outcome(Status.SELECTED, found.origin, accepted, reason)
             return Trace(inp, tuple(records), outcome, inp.schema_version())
         if state is stage:  # the stage ran out of candidates
             state, reason = _step(stage, Event.EXHAUSTED, records, reason)
-    return _finish_rejected(
-        inp, records, found, _exhausted_message(tried), str(Code.NO_COMPATIBLE_BACKEND)
-    )
-
-
-#: issue 23: the machine of each selection profile other than attnres's own
-#: (``SelectionConfig.profile``); each is a pure function of the input.
-PROFILE_MACHINES: Final[Mapping[str, Callable[[TraceInput], Trace]]] = {
-    "sglang": lambda inp: _profile_sglang.run_sglang(inp, _step),
-}
-
-
-def _finish_rejected(
-    inp: TraceInput, records: list[Record], found: DetectedOrigin, message: str, code: str
-) -> Trace:
-    if inp.scope is not None:
-        message += f" for component {inp.scope.component!r}"
+    message, code = profile.reject(inp, tried, refused)
     records.append(RejectedRecord(found.origin, code, message))
     outcome = Outcome(Status.REJECTED, found.origin, None, None, code, message)
     return Trace(inp, tuple(records), outcome, inp.schema_version())
+
+
+def _attnres_evaluate(candidate: Backend | None, inp: TraceInput, _: bool) -> Evaluation:
+    assert candidate is not None  # attnres's stages name every candidate
+    return Evaluation(
+        candidate,
+        check_candidate(candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel),
+    )
+
+
+def _outside_preferred(
+    stage: State, position: int, candidates: Sequence[Backend | None], inp: TraceInput
+) -> str:
+    """Issue 23: automatic choices stay inside the layer's preferred set."""
+    preferred = inp.layer.preferred
+    if (
+        stage in PREFERRED_STAGES
+        and preferred is not None
+        and candidates[position] not in preferred
+    ):
+        return f"an automatic choice outside the layer's preferred set {_names(preferred)}"
+    return ""
+
+
+def _not_usable_here(
+    stage: State, position: int, candidates: Sequence[Backend | None], inp: TraceInput
+) -> str:
+    """SPEC 3.4: a platform chain prefers every entry but its last where usable."""
+    candidate = candidates[position]
+    if stage is not State.PLATFORM_DEFAULT or position == len(candidates) - 1 or candidate is None:
+        return ""
+    unusable = _unusable_here(candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel)
+    return f"preferred on {inp.platform.kind} only where usable: {unusable}" if unusable else ""
+
+
+def _attnres_reject(inp: TraceInput, tried: Sequence[Tried], refused: bool) -> tuple[str, str]:
+    """A strict request refused: named by its primary check; else every candidate tried."""
+    if refused:
+        _, candidate, results = tried[-1]
+        assert candidate is not None
+        message, code = _primary_message(candidate, results, inp.layer, inp.platform)
+    else:
+        message, code = _exhausted_message(tried), str(Code.NO_COMPATIBLE_BACKEND)
+    if inp.scope is not None:
+        message += f" for component {inp.scope.component!r}"
+    return message, code
+
+
+def _spec_sparse(inp: TraceInput, backend: Backend) -> bool:
+    spec = lookup_spec(backend)
+    return spec is not None and spec.sparse
+
+
+#: attnres's own contract (SPEC 3): ``SelectionConfig(profile="attnres")``.
+ATTNRES: Final = Profile(
+    name="attnres",
+    origins=ORIGIN_ROWS,
+    nothing_requested="nothing requested and no layer default",
+    aliases={},
+    start=START_GUARDS,
+    request_failure=REQUEST_FAILURE_GUARDS,
+    states_fallback=False,
+    sparse=_spec_sparse,
+    candidates=stage_candidates,
+    skips=(_outside_preferred, _not_usable_here),
+    records_repeats=True,
+    evaluate=_attnres_evaluate,
+    explicit_bypasses_supported=False,
+    selected_reasons=(),
+    reject=_attnres_reject,
+)
+
+#: issue 23, 33: the rules of each selection profile (``SelectionConfig.profile``),
+#: every one walked by :func:`run_machine`.
+PROFILES: Final[Mapping[str, Profile]] = {"attnres": ATTNRES, "sglang": SGLANG}
 
 
 # =============================================================================
