@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -489,6 +490,40 @@ def test_autotune_reports_small_calls() -> None:
     report = autotune(model, *_qkv(), min_elements=10**6)
     assert report.decisions == ()
     assert report.untuned == (("blocks.0.attn1", "query of 256 elements < min_elements 1000000"),)
+
+
+class _Gated(torch.nn.Module):
+    """One layer whose forward first waits for the other thread's forward."""
+
+    def __init__(self, name: str, gate: threading.Barrier) -> None:
+        super().__init__()
+        self.attn = _layer("fake_fast", name=name)
+        self.gate = gate
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.gate.wait()  # both autotune() calls are collecting now
+        return self.attn(q, k, v)  # type: ignore[no-any-return]
+
+
+def test_concurrent_autotune_calls_keep_their_own_reports() -> None:
+    # issue 33: autotune() collected into one process-wide stack, so the layer
+    # events of two concurrent calls went to whichever call started last
+    gate = threading.Barrier(2, timeout=30)
+    models = {name: _Gated(name, gate) for name in ("one.attn", "two.attn")}
+    reports: dict[str, object] = {}
+
+    def tune(name: str) -> None:
+        reports[name] = autotune(models[name], *_qkv(), min_elements=10**6)
+
+    threads = [threading.Thread(target=tune, args=(name,)) for name in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for name in models:
+        report = reports[name]
+        assert isinstance(report, attnres.autotuner.AutotuneReport)
+        assert report.untuned == ((name, "query of 256 elements < min_elements 1000000"),)
 
 
 def test_a_tuned_decision_is_in_the_audit_log() -> None:

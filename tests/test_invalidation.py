@@ -183,3 +183,60 @@ def test_register_replace_unregister_serves_nothing_stale() -> None:
     unregister_backend("inv_x")
     with pytest.raises(UnknownBackendError):
         _layer(backend="inv_x", name="l")
+
+
+def test_every_memo_is_keyed_on_the_generation_and_none_subscribes() -> None:
+    # issue 33: one discipline -- every module-level memo of what the registry
+    # decides is a GenerationMemo (it reads empty after any change); no module
+    # registers a hook to clear its caches
+    from attnres import _memo, _varlen, autotuner, backends, modules, runtime
+    from attnres.integrations import sglang
+
+    assert not hasattr(backends, "on_registry_change")
+    memos = [
+        runtime._CACHE,
+        runtime._SHAPES,
+        runtime._NO_KERNEL,
+        modules._SPECS,
+        modules._RUNS,
+        modules._HAS_BACKWARD,
+        modules._BOUND,
+        autotuner._SHARED,
+        autotuner._MEASURED,
+        _varlen._VARLEN,
+        _varlen._PLANS,
+        sglang._MEMO,
+    ]
+    assert all(isinstance(m, _memo.GenerationMemo) for m in memos)
+    Attention(4, 16, dtype=torch.float32, name="filled")  # fills the resolver and layer memos
+    assert runtime._CACHE and modules._SPECS
+    for memo in memos:
+        memo[("marker",)] = 1
+    register_backend(
+        BackendSpec(name="inv_memo", sparse=False, platforms=("cpu",), dtypes=("float32",))
+    )
+    try:
+        assert not any(memo for memo in memos)
+        assert runtime.cache_info()["size"] == 0
+    finally:
+        unregister_backend("inv_memo")
+
+
+def test_a_value_computed_against_an_older_registry_is_not_kept() -> None:
+    from attnres._memo import GenerationMemo
+    from attnres.backends import registry_generation
+
+    memo: GenerationMemo[str, int] = GenerationMemo(maxsize=8)
+    before = registry_generation()
+    register_backend(
+        BackendSpec(name="inv_stale", sparse=False, platforms=("cpu",), dtypes=("float32",))
+    )
+    try:
+        memo.put("stale", 1, before)  # computed before the change: refused
+        memo.put("fresh", 2, registry_generation())
+        assert dict(memo.items()) == {"fresh": 2}
+        for i in range(9):  # bounded: the oldest eighth goes when full
+            memo.put(str(i), i)
+        assert len(memo) <= 8 and "fresh" not in memo
+    finally:
+        unregister_backend("inv_stale")

@@ -286,7 +286,7 @@ def fresh_detect() -> Iterator[None]:
     saved = P._DETECTED
     yield
     P._DETECTED = saved
-    P._FRESH = None  # checked against the registry on the next use
+    P._DETECTED_AT = -1  # checked against the registry on the next use
 
 
 def _module_findable(module: str) -> bool:

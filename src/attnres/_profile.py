@@ -33,7 +33,7 @@ a profile chooses which fire, never new ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import attrs
 from attrs import frozen
@@ -143,8 +143,7 @@ def first_guard(guards: tuple[Guard, ...], facts: GuardFacts) -> Guard:
 Results = tuple[tuple[Check, tuple[Failure, ...]], ...]
 
 
-@frozen
-class Evaluation:
+class Evaluation(NamedTuple):
     """One candidate evaluated: the backend the checks name (the one that would
     serve: a host may serve a candidate by another backend; ``None``: no check
     was recorded) and the checks' results."""

@@ -60,8 +60,9 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from attnres._memo import GenerationMemo
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
-from attnres.backends import BackendSpec, OptionValue, entry_point_options, on_registry_change
+from attnres.backends import BackendSpec, OptionValue, entry_point_options
 from attnres.errors import KernelUnavailableError, MaskKindError, MaskShapeError
 
 if TYPE_CHECKING:
@@ -467,11 +468,13 @@ def _reused(plan: MaskPlan, batch: int, seq_q: int, seq_kv: int) -> MaskPlan:
 PLANS_KEPT = 8
 
 _lock = threading.RLock()  # a mask's weakref callback may run while it is held
-_VARLEN: dict[str, Any] = {}
+# both belong to one registry generation (attnres._memo): a registry change
+# rebuilds the adapters and the plans
+_VARLEN: GenerationMemo[str, Any] = GenerationMemo()
 # (id(mask), batch, seq_q, seq_kv, causal call, spans asked for, inference mode)
 #   -> (weakref to mask, version, plan)
 _PlanKey = tuple[int, int, int, int, bool, bool, bool]
-_PLANS: dict[_PlanKey, tuple[Any, int, MaskPlan]] = {}
+_PLANS: GenerationMemo[_PlanKey, tuple[Any, int, MaskPlan]] = GenerationMemo()
 
 
 def mask_plan(
@@ -512,10 +515,11 @@ def mask_plan(
     plan = _plan(mask, batch, seq_q, seq_kv, causal, spans)
     ref = weakref.ref(mask, lambda gone: _forget(key, gone))
     with _lock:
-        _PLANS.pop(key, None)
-        _PLANS[key] = (ref, version, plan)
-        while len(_PLANS) > PLANS_KEPT:
-            del _PLANS[next(iter(_PLANS))]
+        plans = _PLANS.current()
+        plans.pop(key, None)
+        plans[key] = (ref, version, plan)
+        while len(plans) > PLANS_KEPT:
+            del plans[next(iter(plans))]
     return plan
 
 
@@ -550,9 +554,6 @@ def clear_varlen_cache() -> None:
     with _lock:
         _VARLEN.clear()
         _PLANS.clear()
-
-
-on_registry_change(clear_varlen_cache)  # one invalidation: a registry change rebuilds them
 
 
 #: keyword features of a layer the varlen route does not take (kernels.specialized

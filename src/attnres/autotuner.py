@@ -27,6 +27,7 @@ Layers whose decision input differs only by name and that see the same call
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import threading
@@ -42,8 +43,9 @@ from attrs import frozen
 from torch import Tensor
 
 from attnres._fastcall import FastCallModule
+from attnres._memo import GenerationMemo
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
-from attnres.backends import Backend, on_registry_change, registered_backends
+from attnres.backends import Backend, registered_backends
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.ledger import Decision
 from attnres.platform import Platform
@@ -89,13 +91,23 @@ _SHARED_MAX: Final = 1024
 
 _LOCK = threading.RLock()
 # (decision input without the layer name, call, rule parameters) -> (records, outcome)
-_SHARED: dict[tuple[object, ...], tuple[tuple[Record, ...], Outcome]] = {}
+# A registry change (a backend or kernel registered, replaced or removed) may
+# change any candidate list and any kernel: what this process derived or measured
+# starts over (both belong to one registry generation, attnres._memo). Results
+# loaded from a file stay: each entry names its candidates and platform facts,
+# and applies only to a layer whose own match them.
+_SHARED: GenerationMemo[tuple[object, ...], tuple[tuple[Record, ...], Outcome]] = GenerationMemo(
+    _SHARED_MAX
+)
 # measurements taken in this process, for save_results: (platform key, call) -> entry
-_MEASURED: dict[tuple[str, str], ResultEntry] = {}
+_MEASURED: GenerationMemo[tuple[str, str], ResultEntry] = GenerationMemo(_SHARED_MAX)
 # loaded from results files: call -> [(entry, source path)]
 _LOADED: dict[str, list[tuple[ResultEntry, str]]] = {}
-# what a running autotune() call collects: (id of the layer, event, detail)
-_COLLECTOR: list[list[tuple[int, str, str]]] = []
+# what the running autotune() call of this thread or task collects: (id of the
+# layer, event, detail); a context variable, so concurrent calls keep their own
+_COLLECTOR: contextvars.ContextVar[list[tuple[int, str, str]] | None] = contextvars.ContextVar(
+    "attnres_autotune_collector", default=None
+)
 
 
 def clear_results() -> None:
@@ -104,19 +116,6 @@ def clear_results() -> None:
         _SHARED.clear()
         _MEASURED.clear()
         _LOADED.clear()
-
-
-def _registry_changed() -> None:
-    """A registry change (a backend or kernel registered, replaced or removed) may
-    change any candidate list and any kernel: what this process derived or measured
-    starts over. Results loaded from a file stay: each entry names its candidates
-    and platform facts, and applies only to a layer whose own match them."""
-    with _LOCK:
-        _SHARED.clear()
-        _MEASURED.clear()
-
-
-on_registry_change(_registry_changed)
 
 
 @contextlib.contextmanager
@@ -215,7 +214,7 @@ def armed_run(ref: weakref.ref[Attention], run: Run, settings: object) -> Run:
 
     def tuning_run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         if q.numel() < min_elements:
-            if _COLLECTOR:  # an autotune() call wants to know why
+            if _COLLECTOR.get() is not None:  # an autotune() call wants to know why
                 _note(ref, "small", f"query of {q.numel()} elements < min_elements {min_elements}")
             return run(q, k, v, attn_mask)
         if _capturing():
@@ -236,8 +235,9 @@ def armed_run(ref: weakref.ref[Attention], run: Run, settings: object) -> Run:
 
 
 def _note(ref: weakref.ref[Attention], event: str, detail: str) -> None:
-    if _COLLECTOR:
-        _COLLECTOR[-1].append((id(ref()), event, detail))
+    events = _COLLECTOR.get()
+    if events is not None:
+        events.append((id(ref()), event, detail))
 
 
 # =============================================================================
@@ -372,9 +372,7 @@ def _tune(
             records, outcome, event = _measure_all(
                 layer, run, args, reference, settings, tolerance, call, machine_trace
             )
-            if len(_SHARED) >= _SHARED_MAX:
-                _SHARED.clear()
-            _SHARED[key] = (records, outcome)
+            _SHARED.put(key, (records, outcome))
         else:
             records, outcome = shared
             event = "reused"
@@ -439,9 +437,7 @@ def _measure_all(
             warmup=settings.warmup,
             repeats=settings.repeats,
         )
-        if len(_MEASURED) >= _SHARED_MAX:
-            del _MEASURED[next(iter(_MEASURED))]
-        _MEASURED[(entry.platform_key, call)] = entry
+        _MEASURED.put((entry.platform_key, call), entry)
     tuning = TuningRecord(
         call=call,
         elements=int(args[0].numel()),
@@ -543,12 +539,12 @@ def autotune(
             armed_here.append(layer)
     events: list[tuple[int, str, str]] = []
     before = {id(layer): layer.resolution for _, layer in layers}
-    _COLLECTOR.append(events)
+    collecting = _COLLECTOR.set(events)
     try:
         with torch.no_grad():
             module(*example_inputs, **example_kwargs)
     finally:
-        _COLLECTOR.remove(events)
+        _COLLECTOR.reset(collecting)
         for layer in armed_here:
             disarm(layer)
             if _bound(layer).trace.input.config.autotune:

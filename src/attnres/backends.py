@@ -17,7 +17,7 @@ import contextlib
 import difflib
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -1344,7 +1344,8 @@ class _Registry:
         self._plugins_loaded = False
         self._loading = False
         self._plugin_owner: dict[str, str] = {}
-        #: bumped on every registration change; see :func:`on_registry_change`
+        #: bumped on every registration change: every memo of what the registry
+        #: decides belongs to one generation (attnres._memo), none subscribes
         self.generation = 0
         for spec in BUILTIN_SPECS:
             self.add(spec)
@@ -1401,10 +1402,8 @@ class _Registry:
     def _changed(self) -> None:
         # What the registry says decides resolutions (the known, platform and
         # supported checks, the supported-set order): a cached resolution made
-        # before a change must not outlive it (the resolver's cache listens).
+        # before a change must not outlive it (every memo compares generations).
         self.generation += 1
-        for hook in _CHANGE_HOOKS:
-            hook()
 
     def load_plugins(self) -> None:
         if self._plugins_loaded:
@@ -1516,20 +1515,14 @@ def _specs_from_plugin(obj: Any) -> list[BackendSpec]:
     )
 
 
-_CHANGE_HOOKS: list[Callable[[], None]] = []
 _REGISTRY = _Registry()
-
-
-def on_registry_change(hook: Callable[[], None]) -> None:
-    """Call ``hook()`` after every registration change (the resolver clears its cache)."""
-    _CHANGE_HOOKS.append(hook)
 
 
 def kernels_changed() -> None:
     """A kernel was registered or removed: what a running layer may get changed.
 
-    Called by :mod:`attnres.kernels`; bumps the generation and runs the change
-    hooks exactly as a backend registration does (the resolver clears its cache).
+    Called by :mod:`attnres.kernels`; bumps the generation exactly as a backend
+    registration does (every memo of the previous generation reads empty).
     """
     with _REGISTRY._lock:
         _REGISTRY._changed()

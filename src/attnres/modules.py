@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres._fastcall import FastCallModule
+from attnres._memo import GenerationMemo
 from attnres._varlen import check_layer_options, route_kernel
 from attnres._vocab import Role, normalize_dtype
 from attnres.autotuner import arm, armed_run
@@ -59,7 +60,6 @@ from attnres.backends import (
     lookup_spec,
     merge_backend_options,
     normalize_backend_options,
-    on_registry_change,
     registry_generation,
 )
 from attnres.errors import BackendNotAppliedError, KernelNotRegisteredError
@@ -87,37 +87,27 @@ _TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
 # Memos for the construction path (a 48-block model builds the same layer 48
 # times). They map hashable, immutable inputs to immutable outputs, but what an
 # input means depends on the registry (a backend alias that moves to another
-# backend, a kernel replaced for a name): every memo is cleared by the one
-# registry generation (:func:`_clear_memos`, run on every registry change,
+# backend, a kernel replaced for a name): every memo belongs to one registry
+# generation (attnres._memo: it reads empty after any registry change,
 # including kernel (un)registration and ``clear_kernel_cache``). They are
-# bounded and cleared wholesale when full.
+# bounded: the oldest eighth goes when one is full.
 _MEMO_MAX: Final = 1024
 _MEMO_LOCK = threading.Lock()
-_SPECS: dict[tuple[object, ...], LayerSpec] = {}
-_DTYPE_SETS: dict[frozenset[str], frozenset[torch.dtype]] = {}
+_SPECS: GenerationMemo[tuple[object, ...], LayerSpec] = GenerationMemo(_MEMO_MAX)
+_DTYPE_SETS: GenerationMemo[frozenset[str], frozenset[torch.dtype]] = GenerationMemo(_MEMO_MAX)
 #: (shape, kernel, dtypes) -> the forward closure of :func:`_make_run`
-_RUNS: dict[tuple[object, ...], Callable[..., Tensor]] = {}
+_RUNS: GenerationMemo[tuple[object, ...], Callable[..., Tensor]] = GenerationMemo(_MEMO_MAX)
 #: (backend, requirements, role, platform) -> whether the kernel has a backward pass
-_HAS_BACKWARD: dict[tuple[object, ...], bool] = {}
+_HAS_BACKWARD: GenerationMemo[tuple[object, ...], bool] = GenerationMemo(_MEMO_MAX)
 #: backend name -> (kernel, torch dtypes) of :func:`_bind`, once it succeeded
-_BOUND: dict[tuple[str, Any, Any], tuple[KernelFn, frozenset[torch.dtype]]] = {}
+_BOUND: GenerationMemo[tuple[str, Any, Any], tuple[KernelFn, frozenset[torch.dtype]]] = (
+    GenerationMemo(_MEMO_MAX)
+)
 
 
-def _clear_memos() -> None:
-    """Forget every construction memo (the registry changed)."""
+def _memo_put(memo: GenerationMemo[Any, Any], key: object, value: object) -> None:
     with _MEMO_LOCK:
-        for memo in (_SPECS, _RUNS, _HAS_BACKWARD, _BOUND):
-            memo.clear()
-
-
-on_registry_change(_clear_memos)
-
-
-def _memo_put(memo: dict[Any, Any], key: object, value: object) -> None:
-    with _MEMO_LOCK:
-        if len(memo) >= _MEMO_MAX:
-            memo.clear()
-        memo[key] = value
+        memo.put(key, value)
 
 
 def _positive_int(what: str, value: object) -> int:

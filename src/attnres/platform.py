@@ -37,7 +37,12 @@ from attrs import field, frozen
 
 from attnres._states import PackageStatus
 from attnres._vocab import PLATFORM_KINDS
-from attnres.backends import Backend, on_registry_change, plugin_failures, registered_backends
+from attnres.backends import (
+    Backend,
+    plugin_failures,
+    registered_backends,
+    registry_generation,
+)
 
 __all__ = [
     "DEFAULT_CHAINS",
@@ -381,27 +386,19 @@ class Platform:
         known are kept): the registry generation invalidates the detected facts
         like every other cache.
         """
-        global _DETECTED, _FRESH
+        global _DETECTED, _DETECTED_AT
         with _DETECT_LOCK:
             if _DETECTED is None or refresh:
                 _DETECTED = _probe()
-            elif _FRESH is None:
+            elif registry_generation() != _DETECTED_AT:
                 _DETECTED = _with_new_packages(_DETECTED)
-            _FRESH = _DETECTED
+            _DETECTED_AT = registry_generation()
             return _DETECTED
 
 
 _DETECTED: Platform | None = None
-#: the detected facts while no registry change happened since (None: check again)
-_FRESH: Platform | None = None
-
-
-def _registry_changed() -> None:
-    global _FRESH
-    _FRESH = None
-
-
-on_registry_change(_registry_changed)
+#: the registry generation the detected facts were checked against (attnres._memo)
+_DETECTED_AT = -1
 
 
 def _with_new_packages(platform: Platform) -> Platform:
@@ -420,8 +417,10 @@ def _with_new_packages(platform: Platform) -> Platform:
 def detected_platform() -> Platform:
     """This machine's facts, probed once: :meth:`Platform.detect` without the lock
     while they are current (the resolver asks on every call)."""
-    fresh = _FRESH
-    return fresh if fresh is not None else Platform.detect()
+    detected = _DETECTED
+    if detected is not None and registry_generation() == _DETECTED_AT:
+        return detected
+    return Platform.detect()
 
 
 _DETECT_LOCK = threading.Lock()

@@ -28,13 +28,13 @@ import attrs
 from attrs import field, frozen
 
 from attnres import machine as _machine
+from attnres._memo import GenerationMemo
 from attnres._outcome import Outcome
 from attnres._states import Origin, Reason, Status
 from attnres._vocab import Role
 from attnres.audit import emit_cache_hit, emit_resolution, emit_scope_problems, emit_summary
 from attnres.backends import (
     Backend,
-    on_registry_change,
     registered_backends,
     registry_generation,
 )
@@ -164,9 +164,13 @@ def force_backend(backend: Backend | str) -> Iterator[Backend]:
 
 _CacheEntry = tuple[Resolution | None, Decision, Trace]
 _CACHE_MAX: Final = 4096
-_CACHE: dict[tuple[object, ...], _CacheEntry] = {}
+# A registration change (register_backend, unregister_backend, a plugin loading,
+# a kernel registered) can change any answer: both memos belong to one registry
+# generation (attnres._memo), and _resolve_cold stores nothing computed against
+# an older registry.
+_CACHE: GenerationMemo[tuple[object, ...], _CacheEntry] = GenerationMemo(_CACHE_MAX)
 #: the same resolutions keyed without the layer's name (see _shape_key)
-_SHAPES: dict[tuple[object, ...], _CacheEntry] = {}
+_SHAPES: GenerationMemo[tuple[object, ...], _CacheEntry] = GenerationMemo(_CACHE_MAX)
 _CACHE_LOCK = threading.Lock()
 
 
@@ -175,12 +179,6 @@ def clear_cache() -> None:
     with _CACHE_LOCK:
         _CACHE.clear()
         _SHAPES.clear()
-
-
-# A registration change (register_backend, unregister_backend, a plugin loading)
-# can change any answer: the cache forgets everything, and _resolve_cold stores
-# nothing computed against an older registry.
-on_registry_change(clear_cache)
 
 
 def cache_info() -> dict[str, int]:
@@ -326,22 +324,22 @@ def _trace_input(
     )
 
 
-#: (registry generation, the registered backends with no kernel in this process)
-_NO_KERNEL: list[tuple[int, tuple[str, ...]]] = []
+#: the registered backends with no kernel in this process (one entry, key ``()``)
+_NO_KERNEL: GenerationMemo[tuple[()], tuple[str, ...]] = GenerationMemo()
 
 
 def _no_kernel() -> tuple[str, ...]:
     """The registered backends that have no kernel here (sorted names): the kernel
     facts a resolution for a layer that will run carries in its input, computed
     once per registry generation."""
+    memo = _NO_KERNEL.get(())
+    if memo is not None:
+        return memo
     generation = registry_generation()
-    memo = _NO_KERNEL[-1] if _NO_KERNEL else None
-    if memo is not None and memo[0] == generation:
-        return memo[1]
     names = tuple(
         sorted(s.name for s in registered_backends() if kernel_source(s.name) is KernelSource.NONE)
     )
-    _NO_KERNEL[:] = [(generation, names)]
+    _NO_KERNEL.put((), names, generation)
     return names
 
 
@@ -436,16 +434,11 @@ def _store(
     key: tuple[object, ...],
     entry: _CacheEntry,
     generation: int,
-    cache: dict[tuple[object, ...], _CacheEntry] | None = None,
+    cache: GenerationMemo[tuple[object, ...], _CacheEntry] | None = None,
 ) -> None:
     target = _CACHE if cache is None else cache
-    with _CACHE_LOCK:
-        if generation != registry_generation():  # the registry changed meanwhile
-            return
-        if len(target) >= _CACHE_MAX:
-            for old in list(target)[: _CACHE_MAX // 8]:
-                del target[old]
-        target[key] = entry
+    with _CACHE_LOCK:  # nothing computed against an older registry; the oldest eighth
+        target.put(key, entry, generation)  # goes when full
 
 
 def lookup_traced(trace: Trace, generation: int) -> tuple[Resolution | None, Decision, Trace]:

@@ -42,6 +42,7 @@ from typing import Any, Final
 
 from attrs import frozen
 
+from attnres._memo import GenerationMemo
 from attnres._profile_sglang import UNOBSERVED, first_request
 from attnres._states import Event, Origin, Reason
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement, Role
@@ -50,7 +51,6 @@ from attnres.backends import (
     BackendSpec,
     HeadSizeRule,
     lookup_spec,
-    on_registry_change,
     register_backend,
     registry_generation,
 )
@@ -423,16 +423,14 @@ class _Memo:
     consulted: tuple[tuple[Any, Any], ...]
 
 
-_MEMO: dict[tuple[Any, ...], _Memo] = {}
+#: decided calls; they belong to one registry generation (attnres._memo)
+_MEMO: GenerationMemo[tuple[Any, ...], _Memo] = GenerationMemo()
 _MEMO_MAX: Final = 4096
 
 
 def clear_memo() -> None:
-    """Forget the plugin's decided calls (attnres's registry changes call it too)."""
+    """Forget the plugin's decided calls (a registry change forgets them too)."""
     _MEMO.clear()
-
-
-on_registry_change(clear_memo)
 
 
 def _route(
