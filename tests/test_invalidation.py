@@ -191,6 +191,7 @@ def test_every_memo_is_keyed_on_the_generation_and_none_subscribes() -> None:
     # registers a hook to clear its caches
     from attnres import _memo, _varlen, autotuner, backends, modules, runtime
     from attnres.integrations import sglang
+    from attnres.kernels import lse
 
     assert not hasattr(backends, "on_registry_change")
     memos = [
@@ -206,6 +207,7 @@ def test_every_memo_is_keyed_on_the_generation_and_none_subscribes() -> None:
         _varlen._VARLEN,
         _varlen._PLANS,
         sglang._MEMO,
+        lse._BUILT,
     ]
     assert all(isinstance(m, _memo.GenerationMemo) for m in memos)
     Attention(4, 16, dtype=torch.float32, name="filled")  # fills the resolver and layer memos

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from attnres._memo import GenerationMemo
 from attnres.kernels._common import import_kernel_package, require_attribute
 
 if TYPE_CHECKING:
@@ -191,7 +192,9 @@ _FACTORIES: dict[str, Callable[[], LseKernelFn]] = {
 }
 #: the adapters whose log-sum-exp carries a gradient (a ring may train on them)
 _DIFFERENTIABLE: frozenset[str] = frozenset({"eager", "torch_sdpa"})
-_BUILT: dict[str, LseKernelFn] = {}
+#: the adapters built, for one registry generation (attnres._memo): a kernel
+#: registered or ``clear_kernel_cache()`` builds them again
+_BUILT: GenerationMemo[str, LseKernelFn] = GenerationMemo()
 
 
 def has_lse_kernel(backend_name: str) -> bool:
