@@ -26,6 +26,12 @@ Adding a host profile (vLLM-Omni, say) is one more value in one module:
 5. its name in ``attnres.layer.PROFILES`` and the value in
    ``attnres.machine.PROFILES``; ``scripts/gen_state_diagram.py`` renders it.
 
+A host profile close to SGLang's is ``attrs.evolve(SGLANG, name=..., origins=...,
+request_failure=..., aliases=..., satisfies=..., source=..., host_facts=...)``:
+its ``evaluate`` and ``reject`` read the profile they are given (its
+``satisfies``, its ``host_facts``), and a missing host fact fails with
+:data:`UNOBSERVED` whatever the host.
+
 The stages, events and transitions are the core's (``attnres.machine.TRANSITIONS``):
 a profile chooses which fire, never new ones.
 """
@@ -33,7 +39,7 @@ a profile chooses which fire, never new ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol
 
 import attrs
 from attrs import frozen
@@ -45,6 +51,7 @@ from attnres.records import Failure, TraceInput
 from attnres.scope import ScopeState
 
 __all__ = [
+    "UNOBSERVED",
     "Asked",
     "Evaluation",
     "Guard",
@@ -194,15 +201,17 @@ class Profile:
     skips: tuple[Callable[[State, int, Sequence[Backend | None], TraceInput], str], ...]
     #: a candidate already evaluated at an earlier stage is recorded as a skip
     records_repeats: bool
-    #: one candidate's checks; the flag says the layer's declared set is bypassed
-    evaluate: Callable[[Backend | None, TraceInput, bool], Evaluation]
+    #: one candidate's checks (given the profile, for its data); the flag says the
+    #: layer's declared set is bypassed
+    evaluate: Callable[[Profile, Backend | None, TraceInput, bool], Evaluation]
     #: the first candidate of an explicit origin bypasses the layer's declared set
     explicit_bypasses_supported: bool
     #: reasons a selection records when its transitions set none (first that applies)
     selected_reasons: tuple[ReasonRow, ...]
-    #: a rejection's message and code from the failed candidates; the flag says a
-    #: strict request was refused (otherwise the candidates ran out)
-    reject: Callable[[TraceInput, Sequence[Tried], bool], tuple[str, str]]
+    #: a rejection's message and code from the failed candidates (given the
+    #: profile); the flag says a strict request was refused (otherwise the
+    #: candidates ran out)
+    reject: Callable[[Profile, TraceInput, Sequence[Tried], bool], tuple[str, str]]
     #: how to supply the host facts this profile decides from (``None``: it reads
     #: none); its rejection for a missing fact names this
     host_facts: str | None = None
@@ -211,6 +220,12 @@ class Profile:
     #: backends a layer's declared set admits through other names, any one group
     #: (attnres's own: ``BackendSpec.satisfies`` in the catalogue)
     satisfies: Mapping[str, tuple[frozenset[str], ...]] = attrs.field(factory=dict)
+
+
+#: The failure of a candidate whose host resolution the input does not hold (a
+#: host profile's plugin observes it and runs the machine again; a replayed
+#: trace holds every fact its decision consulted, so it never meets this).
+UNOBSERVED: Final = "not resolved by the host platform"
 
 
 def requested_by(profile: Profile, asked: Asked) -> tuple[OriginRow | None, Backend | None]:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Final, NamedTuple
 
 from attnres._profile import (
+    UNOBSERVED,
     Asked,
     Evaluation,
     Guard,
@@ -207,11 +208,6 @@ SELECTED_REASONS: Final[tuple[ReasonRow, ...]] = (
     ),
 )
 
-#: The failure of a candidate whose host resolution the input does not hold:
-#: the plugin observes it and runs the machine again (a replayed trace holds
-#: every fact its decision consulted, so it never meets this).
-UNOBSERVED: Final = "not resolved by the host platform"
-
 #: How the facts this profile decides from are supplied (a rejection for a
 #: missing one says so).
 HOST_FACTS: Final = (
@@ -256,14 +252,16 @@ def _candidates(
     return _sglang_order(inp.layer.supported) if inp.layer.supported else ()
 
 
-def _supported(served: Backend, supported: frozenset[Backend]) -> bool:
+def _supported(profile: Profile, served: Backend, supported: frozenset[Backend]) -> bool:
     # a Backend equals (and hashes like) its name, so name groups test directly
     if served in supported:
         return True
-    return any(group <= supported for group in SGLANG.satisfies.get(served.name, ()))
+    return any(group <= supported for group in profile.satisfies.get(served.name, ()))
 
 
-def _evaluate(candidate: Backend | None, inp: TraceInput, bypass_supported: bool) -> Evaluation:
+def _evaluate(
+    profile: Profile, candidate: Backend | None, inp: TraceInput, bypass_supported: bool
+) -> Evaluation:
     """The checks of one candidate, on the backend SGLang's platform serves it by
     (its observed :class:`~attnres.platform.HostResolution`): ``platform``, then
     ``role`` and ``supported``, then -- when those pass -- ``requirements``."""
@@ -283,7 +281,7 @@ def _evaluate(candidate: Backend | None, inp: TraceInput, bypass_supported: bool
         )
     automatic = layer.supported or frozenset()
     unsupported: tuple[Failure, ...] = ()
-    if automatic and not bypass_supported and not _supported(served, automatic):
+    if automatic and not bypass_supported and not _supported(profile, served, automatic):
         unsupported = (
             Failure(
                 Code.NOT_IN_SUPPORTED_SET,
@@ -304,7 +302,9 @@ def _evaluate(candidate: Backend | None, inp: TraceInput, bypass_supported: bool
     return Evaluation(served, (*results, (Check.REQUIREMENTS, missing)))
 
 
-def _reject(inp: TraceInput, tried: Sequence[Tried], refused: bool) -> tuple[str, str]:
+def _reject(
+    profile: Profile, inp: TraceInput, tried: Sequence[Tried], refused: bool
+) -> tuple[str, str]:
     """SGLang's error: the first unmet requirement, else the first failure, else
     "no compatible backend"; a missing host fact names how to supply it."""
     unmet: tuple[str, list[str]] | None = None
@@ -327,8 +327,8 @@ def _reject(inp: TraceInput, tried: Sequence[Tried], refused: bool) -> tuple[str
         code = Code.REQUIREMENT_UNMET
     elif first is not None:
         message, code = first.message, first.code
-        if message == UNOBSERVED:
-            message += f": {HOST_FACTS}"
+        if message == UNOBSERVED and profile.host_facts:
+            message += f": {profile.host_facts}"
     else:
         message, code = "No compatible attention backend is available", Code.NO_COMPATIBLE_BACKEND
     # SGLang names the component only when its context has a name

@@ -1285,7 +1285,7 @@ def run_machine(inp: TraceInput) -> Trace:
                 continue
             bypass = profile.explicit_bypasses_supported and found.explicit and not seen
             seen[candidate] = stage
-            evaluation = profile.evaluate(candidate, inp, bypass)
+            evaluation = profile.evaluate(profile, candidate, inp, bypass)
             subject = evaluation.subject
             if subject is not None:
                 for check, failures in evaluation.results:
@@ -1310,13 +1310,15 @@ def run_machine(inp: TraceInput) -> Trace:
             return Trace(inp, tuple(records), outcome, inp.schema_version())
         if state is stage:  # the stage ran out of candidates
             state, reason = _step(stage, Event.EXHAUSTED, records, reason)
-    message, code = profile.reject(inp, tried, refused)
+    message, code = profile.reject(profile, inp, tried, refused)
     records.append(RejectedRecord(found.origin, code, message))
     outcome = Outcome(Status.REJECTED, found.origin, None, None, code, message)
     return Trace(inp, tuple(records), outcome, inp.schema_version())
 
 
-def _attnres_evaluate(candidate: Backend | None, inp: TraceInput, _: bool) -> Evaluation:
+def _attnres_evaluate(
+    _: Profile, candidate: Backend | None, inp: TraceInput, __: bool
+) -> Evaluation:
     assert candidate is not None  # attnres's stages name every candidate
     return Evaluation(
         candidate,
@@ -1349,7 +1351,9 @@ def _not_usable_here(
     return f"preferred on {inp.platform.kind} only where usable: {unusable}" if unusable else ""
 
 
-def _attnres_reject(inp: TraceInput, tried: Sequence[Tried], refused: bool) -> tuple[str, str]:
+def _attnres_reject(
+    profile: Profile, inp: TraceInput, tried: Sequence[Tried], refused: bool
+) -> tuple[str, str]:
     """A strict request refused: named by its primary check; else every candidate tried."""
     if refused:
         _, candidate, results = tried[-1]
