@@ -671,14 +671,61 @@ def test_apply_twice_then_remove_restores_the_first_state():
     assert "_attention_backend" not in shared.__dict__
 
 
-def test_every_site_decision_lands_in_the_ledger():
+def _site_keys():
+    import attnres
+
+    return [(d.component, d.layer) for d in attnres.decisions()]
+
+
+def test_the_ledger_holds_one_current_entry_per_applied_site():
+    # issue 33: plan() changes nothing, so it records nothing; apply records each
+    # site it installs once, and again replaces; remove removes what it restores
     import attnres
 
     attnres.clear_decisions()
     pipe = tp.flux()
     plan = idf.plan(pipe)
-    got = {(d.component, d.layer) for d in attnres.decisions()}
-    assert {(s.component, s.name) for s in plan.sites} <= got
+    assert attnres.decisions() == ()
+    sites = [(s.component, s.name) for s in plan.sites if s.trace is not None]
+    assert sites
+    idf.apply(pipe)
+    assert sorted(_site_keys()) == sorted(sites)
+    idf.plan(pipe)
+    idf.apply(pipe)
+    assert sorted(_site_keys()) == sorted(sites)
+    idf.remove(pipe)
+    assert attnres.decisions() == ()
+
+
+def test_transformers_remove_removes_the_ledger_entries_of_its_sites():
+    import attnres
+
+    attnres.clear_decisions()
+    model = _qwen2()
+    plan = itf.apply(model, "text_encoder")
+    itf.apply(model, "text_encoder", SelectionConfig(global_backend="eager"))
+    assert sorted(_site_keys()) == sorted((s.component, s.name) for s in plan.sites)
+    assert {d.backend for d in attnres.decisions()} == {"eager"}  # the current decisions
+    assert itf.remove(model) == len(plan.sites)
+    assert attnres.decisions() == ()
+
+
+def test_consensus_compares_current_decisions_not_how_often_a_rank_planned():
+    # a rank that printed one more plan, or applied twice, agrees with the others
+    import attnres
+    from attnres.distributed import verify_consensus
+
+    attnres.clear_decisions()
+    idf.apply(tp.flux())
+    once = verify_consensus()
+    attnres.clear_decisions()
+    pipe = tp.flux()
+    idf.plan(pipe)
+    idf.apply(pipe)
+    idf.plan(pipe)
+    idf.apply(pipe)
+    assert verify_consensus().digest == once.digest
+    assert verify_consensus().layers == once.layers
 
 
 def test_transformers_apply_refuses_rejections_and_changes_nothing():

@@ -264,3 +264,17 @@ def test_every_profile_is_a_value_walked_by_the_one_machine() -> None:
     assert machine.PROFILES["sglang"] is _profile_sglang.SGLANG
     assert not hasattr(_profile_sglang, "run_sglang")
     assert not hasattr(machine, "PROFILE_MACHINES")
+
+
+def test_a_second_host_profile_is_one_more_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    # issue 33: changing a rule is changing data, not a walker: the same machine
+    # walks an evolved value (no alias, another host's facts)
+    import attrs
+
+    from attnres import _profile_sglang, machine
+
+    other = attrs.evolve(_profile_sglang.SGLANG, aliases={}, host_facts="observe OTHER's answers")
+    monkeypatch.setitem(machine.PROFILES, "sglang", other)  # type: ignore[index]
+    trace = run(layer(), Platform("cuda"), backend=attnres.Backend("fa3"))
+    assert trace.outcome.error == f"{UNOBSERVED}: observe OTHER's answers"
+    assert trace.records[0].backend == attnres.Backend("fa3")  # not folded into fa

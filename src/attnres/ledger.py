@@ -10,12 +10,20 @@ decisions and drops the oldest beyond that, counting what it dropped
 keeps the newest entries); :func:`clear_decisions` empties the ledger and the
 count. A model builds its layers at start-up, so its decisions sit well inside
 the bound; consensus (:mod:`attnres.distributed`) compares what is kept.
+
+The ledger says what runs now (issue 33): a layer that resolves again replaces
+its own entry (:func:`replace_decision`); an integration's sites, named by
+(component, site), have one current entry each -- ``plan()`` records nothing,
+``apply()`` replaces the entries of the sites it installs
+(:func:`set_decisions`) and ``remove()`` removes those of the sites it restores
+(:func:`forget_decisions`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from attrs import field, frozen
@@ -32,9 +40,11 @@ __all__ = [
     "decision_limit",
     "decisions",
     "dropped_decisions",
+    "forget_decisions",
     "record_decision",
     "replace_decision",
     "set_decision_limit",
+    "set_decisions",
 ]
 
 #: How many decisions the ledger keeps by default (the newest ones).
@@ -90,6 +100,35 @@ def replace_decision(stale: Decision | None, fresh: Decision) -> None:
                     return
         _DECISIONS.append(fresh)
         _RECORDED[0] += 1
+
+
+def set_decisions(fresh: Iterable[Decision]) -> None:
+    """Make ``fresh`` the one current entry of each of their (component, layer)
+    keys: every entry of those keys goes, and ``fresh`` is appended in order (an
+    integration's ``apply``: applying again replaces, it does not add)."""
+    current = list(fresh)
+    keys = {d.key() for d in current}
+    with _LOCK:
+        kept = [d for d in _DECISIONS if d.key() not in keys]
+        _RECORDED[0] -= len(_DECISIONS) - len(kept)
+        _DECISIONS.clear()
+        _DECISIONS.extend(kept)
+        for decision in current:
+            _DECISIONS.append(decision)
+            _RECORDED[0] += 1
+
+
+def forget_decisions(keys: Iterable[tuple[str | None, str | None]]) -> int:
+    """Remove every entry of these (component, layer) keys (an integration's
+    ``remove``: the restored sites run nothing of attnres's); returns how many."""
+    gone = {(component or "", layer or "") for component, layer in keys}
+    with _LOCK:
+        kept = [d for d in _DECISIONS if d.key() not in gone]
+        removed = len(_DECISIONS) - len(kept)
+        _RECORDED[0] -= removed
+        _DECISIONS.clear()
+        _DECISIONS.extend(kept)
+    return removed
 
 
 def decisions() -> tuple[Decision, ...]:

@@ -236,9 +236,11 @@ def resolve_entry(
     backend: Backend | None,
     *,
     needs_kernel: bool = False,
+    ledger: bool = True,
 ) -> tuple[Resolution, Decision]:
     """:func:`resolve` with its context given rather than read: the decision is
-    recorded in the ledger and in ``handle``'s scope; rejected raises."""
+    recorded in the ledger (unless ``ledger`` is false: an integration's plan
+    records nothing there) and in ``handle``'s scope; rejected raises."""
     resolution, decision, trace = lookup(
         layer,
         cfg,
@@ -247,7 +249,8 @@ def resolve_entry(
         backend,
         needs_kernel=needs_kernel,
     )
-    record_decision(decision)
+    if ledger:
+        record_decision(decision)
     if handle is not None:
         handle.record(layer.role, decision)
     if resolution is None:

@@ -29,6 +29,7 @@ from attnres.backends import Backend, lookup_spec
 from attnres.errors import BackendOptionError, IntegrationError, ResolutionError  # all in errors
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.layout import SequenceLayout
+from attnres.ledger import Decision, set_decisions
 from attnres.plan import (
     ComponentEntry,
     ComponentPlan,
@@ -42,8 +43,14 @@ from attnres.plan import (
 )
 from attnres.platform import Platform
 from attnres.render import render_plan
-from attnres.runtime import Resolution, component_scope, resolve, selection_config
-from attnres.scope import scope_state
+from attnres.runtime import (
+    Resolution,
+    capture_config,
+    component_scope,
+    resolve_entry,
+    selection_config,
+)
+from attnres.scope import current_handle, scope_state
 from attnres.trace import Outcome, Trace
 
 __all__ = [
@@ -78,7 +85,7 @@ class DtypeChoice:
 
 
 class SiteCode(str, enum.Enum):
-    """Why an integration site is not selected (``Site.error.code``)."""
+    """Why an integration site is not selected (``Site.site_error``, with its ``code``)."""
 
     #: the machine rejected it (the trace's own code says which check)
     REJECTED = "rejected"
@@ -510,7 +517,11 @@ def _plan_one(
         backend_options=config.backend_options,  # issue 23: recorded in the site's trace
     )
     try:
-        res = resolve(spec, config=config, platform=platform)
+        # issue 33: planning changes nothing -- the decision goes to the scope's
+        # checks, not to the ledger (apply records what it installs)
+        res, _ = resolve_entry(
+            spec, capture_config(config), current_handle(), platform, None, ledger=False
+        )
     except ResolutionError as exc:
         message = str(exc)
         if spec.exact_route is not None and spec.exact_route not in message:
@@ -583,7 +594,14 @@ def refuse_to_apply(result: IntegrationPlan) -> None:
 
 
 def emit_installed(result: IntegrationPlan) -> None:
-    """Log one ``attention backend installed`` audit event per installed site."""
+    """Record the installed plan's site decisions as their current ledger entries
+    (one per site: applying again replaces them) and log one ``attention backend
+    installed`` audit event per installed site."""
+    set_decisions(
+        Decision(site.component, site.name, site.trace.outcome, site.trace)
+        for site in result.sites
+        if site.trace is not None
+    )
     log = _audit._logger(logging.INFO)
     if log is None:
         return

@@ -76,6 +76,7 @@ from attnres.integrations._plan import (
 from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.layout import context_parallel_layout
+from attnres.ledger import forget_decisions
 from attnres.platform import Platform
 
 __all__ = [
@@ -1105,8 +1106,10 @@ def verify(pipe: Any) -> list[Problem]:
 
 def remove(pipe: Any) -> int:
     """Restore the original processors and implementations; returns the number of
-    attention sites restored (every site apply governed, in every component)."""
+    attention sites restored (every site apply governed, in every component); their
+    ledger entries go with them."""
     count = 0
+    restored: list[tuple[str, str]] = []
     for _, model in _components(pipe):
         if _tf.is_transformers_model(model):
             count += _tf.remove(model)
@@ -1117,7 +1120,9 @@ def remove(pipe: Any) -> int:
             pin = module.__dict__.get(_PIN_ATTR)
             if pin is not None:
                 _unpin(module, pin)
+                restored.append((pin.component, pin.name))
                 count += 1
+    forget_decisions(restored)
     return count
 
 

@@ -51,6 +51,7 @@ from attnres.integrations._plan import (
 )
 from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
+from attnres.ledger import forget_decisions
 from attnres.platform import Platform
 
 __all__ = [
@@ -1173,7 +1174,8 @@ def verify(model: Any) -> list[Problem]:
 
 def remove(model: Any) -> int:
     """Restore the attention implementation(s) apply replaced; returns the number
-    of attention sites restored (each site once, however often apply ran)."""
+    of attention sites restored (each site once, however often apply ran); their
+    ledger entries go with them."""
     installs = model.__dict__.pop(_INSTALLED_ATTR, [])
     for rec in reversed(installs):
         rec.config._attn_implementation_internal = rec.old
@@ -1182,7 +1184,10 @@ def remove(model: Any) -> int:
     routed = model.__dict__.pop(_ROUTED_ATTR, {})
     for _, module in routed.values():
         _route.remove_route(module)
-    return len({name for rec in installs for _, name, _ in rec.sites} | set(routed))
+    restored = {(c, name) for rec in installs for c, name, _ in rec.sites}
+    restored |= {(c, name) for name, (c, _) in routed.items()}
+    forget_decisions(restored)
+    return len({name for _, name in restored})
 
 
 def is_transformers_model(obj: Any) -> bool:
