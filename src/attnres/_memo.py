@@ -16,7 +16,7 @@ own lock around it, as they would around a dict.
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, KeysView, ValuesView
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 from attnres import backends
 
@@ -34,15 +34,16 @@ class GenerationMemo(Generic[K, V]):
     """
 
     __slots__ = ("_data", "_generation", "maxsize")
+    _registry: ClassVar[backends._Registry] = backends._REGISTRY
 
     def __init__(self, maxsize: int | None = None) -> None:
         self._data: dict[K, V] = {}
-        self._generation = backends._REGISTRY.generation
+        self._generation = self._registry.generation
         self.maxsize = maxsize
 
     def current(self) -> dict[K, V]:
         """The entries of the current generation (a new, empty dict after a change)."""
-        generation = backends._REGISTRY.generation
+        generation = self._registry.generation
         if generation != self._generation:
             self._data = {}
             self._generation = generation
@@ -51,15 +52,17 @@ class GenerationMemo(Generic[K, V]):
     def put(self, key: K, value: V, generation: int | None = None) -> None:
         """Keep ``value``, unless ``generation`` (read before computing it) is
         older than the registry's now: it may answer for a registry that is gone."""
-        data = self.current()
+        data = self._data if self._generation == self._registry.generation else self.current()
         if generation is not None and generation != self._generation:
             return
-        if self.maxsize is not None and key not in data and len(data) >= self.maxsize:
+        if self.maxsize is not None and len(data) >= self.maxsize and key not in data:
             for old in list(data)[: max(1, self.maxsize // 8)]:
                 data.pop(old, None)
         data[key] = value
 
     def get(self, key: K, default: V | None = None) -> V | None:
+        if self._generation == self._registry.generation:  # the hit path: one compare
+            return self._data.get(key, default)
         return self.current().get(key, default)
 
     def pop(self, key: K, default: V | None = None) -> V | None:

@@ -39,7 +39,7 @@ a profile chooses which fire, never new ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, NamedTuple, Protocol
+from typing import Final, Protocol
 
 import attrs
 from attrs import frozen
@@ -94,6 +94,8 @@ class OriginRow:
     #: the request is explicit (the operator or the code named it); explicit
     #: requests are strict unless a fallback row relaxes them
     explicit: bool
+    #: (``operator.attrgetter`` for a plain field: the machine reads every row
+    #: of an input that requests nothing)
     backend: Callable[[Asked], Backend | None]
     #: the origin record's words for this input and the backend the row read
     #: (default: ``words``)
@@ -134,7 +136,10 @@ class Guard:
 
 def first_event(guards: tuple[Guard, ...], facts: GuardFacts) -> Event:
     """The event of the first guard that holds (the last guard always holds)."""
-    return first_guard(guards, facts).event
+    for guard in guards:
+        if guard.holds(facts):
+            return guard.event
+    raise AssertionError("no guard holds: a guard table must end with 'otherwise'")
 
 
 def first_guard(guards: tuple[Guard, ...], facts: GuardFacts) -> Guard:
@@ -150,13 +155,10 @@ def first_guard(guards: tuple[Guard, ...], facts: GuardFacts) -> Guard:
 Results = tuple[tuple[Check, tuple[Failure, ...]], ...]
 
 
-class Evaluation(NamedTuple):
-    """One candidate evaluated: the backend the checks name (the one that would
-    serve: a host may serve a candidate by another backend; ``None``: no check
-    was recorded) and the checks' results."""
-
-    subject: Backend | None
-    results: Results
+#: One candidate evaluated: (the backend the checks name -- the one that would
+#: serve: a host may serve a candidate by another backend; ``None``: no check was
+#: recorded -- and the checks' results).
+Evaluation = tuple[Backend | None, Results]
 
 
 #: A failed candidate: (stage, the backend its checks name, their results).
@@ -197,8 +199,11 @@ class Profile:
     #: one already evaluated is not evaluated again
     candidates: Callable[[State, TraceInput, Backend | None], Sequence[Backend | None]]
     #: a candidate passed over (recorded as a ``skip``) when a row gives words:
-    #: (stage, position, the stage's candidates, input) -> why, or ""
-    skips: tuple[Callable[[State, int, Sequence[Backend | None], TraceInput], str], ...]
+    #: (the stages it reads, (stage, position, the stage's candidates, input) -> why, or "")
+    skips: tuple[
+        tuple[frozenset[State], Callable[[State, int, Sequence[Backend | None], TraceInput], str]],
+        ...,
+    ]
     #: a candidate already evaluated at an earlier stage is recorded as a skip
     records_repeats: bool
     #: one candidate's checks (given the profile, for its data); the flag says the

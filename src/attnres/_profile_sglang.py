@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Final, NamedTuple
 
 from attnres._profile import (
@@ -109,13 +110,13 @@ ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
         Origin.LAYER,
         "selected_attention_backend passed for this layer",
         True,
-        lambda inp: inp.backend,
+        attrgetter("backend"),
     ),
     OriginRow(
         Origin.FORCED,
         "global_force_attn_backend (process-wide)",
         True,
-        lambda inp: inp.config.forced_backend,
+        attrgetter("config.forced_backend"),
     ),
     OriginRow(Origin.ROLE_OVERRIDE, "the component's role override", True, _role_override),
     OriginRow(
@@ -140,7 +141,7 @@ ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
         Origin.LAYER_DEFAULT,
         "the layer's default_attention_backend",
         False,
-        lambda inp: inp.layer.default,
+        attrgetter("layer.default"),
     ),
 )
 
@@ -269,7 +270,7 @@ def _evaluate(
     fact = inp.platform.host_resolution("" if candidate is None else candidate.name)
     if fact is None or fact.served is None:
         error = UNOBSERVED if fact is None else str(fact.error)
-        return Evaluation(candidate, ((Check.PLATFORM, (Failure(Code.HOST_PLATFORM, error),)),))
+        return candidate, ((Check.PLATFORM, (Failure(Code.HOST_PLATFORM, error),)),)
     served = Backend(fact.served)
     role: tuple[Failure, ...] = ()
     if layer.role is Role.CROSS and fact.served_sparse:
@@ -295,11 +296,11 @@ def _evaluate(
         (Check.SUPPORTED, unsupported),
     )
     if role or unsupported:
-        return Evaluation(served, results)
+        return served, results
     missing = tuple(
         Failure(Code.REQUIREMENT_UNMET, f"does not implement {m}") for m in fact.missing
     )
-    return Evaluation(served, (*results, (Check.REQUIREMENTS, missing)))
+    return served, (*results, (Check.REQUIREMENTS, missing))
 
 
 def _reject(

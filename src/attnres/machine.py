@@ -92,6 +92,7 @@ the audit events.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -449,7 +450,8 @@ class DetectedOrigin:
     detail: str
     #: the origin row is explicit
     explicit: bool = False
-    #: the fallback row that decides a failed request (``Profile.request_failure``)
+    #: the fallback row that decides a failed request (``Profile.request_failure``),
+    #: when the origin record names it (``Profile.states_fallback``)
     on_failure: Guard | None = None
 
 
@@ -553,7 +555,7 @@ ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
         Origin.LAYER,
         "required by the layer for correctness (LayerSpec.required)",
         True,
-        lambda inp: inp.layer.required,
+        attrgetter("layer.required"),
         _explicit(
             "",
             lambda inp: (
@@ -565,21 +567,21 @@ ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
         Origin.REQUEST,
         "backend requested for one request (attnres.request_backend)",
         True,
-        lambda inp: inp.request,
+        attrgetter("request"),
         _explicit("backend requested for one request (attnres.request_backend)"),
     ),
     OriginRow(
         Origin.LAYER,
         "backend passed explicitly for this layer",
         True,
-        lambda inp: inp.backend,
+        attrgetter("backend"),
         _explicit("backend passed explicitly for this layer"),
     ),
     OriginRow(
         Origin.FORCED,
         "process-wide forced backend",
         True,
-        lambda inp: inp.config.forced_backend,
+        attrgetter("config.forced_backend"),
         _explicit("process-wide forced backend"),
     ),
     OriginRow(
@@ -621,7 +623,7 @@ ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
         Origin.LAYER_DEFAULT,
         "nothing requested: the layer's default",
         False,
-        lambda inp: inp.layer.default,
+        attrgetter("layer.default"),
     ),
 )
 
@@ -634,32 +636,46 @@ def detect_origin(inp: TraceInput) -> DetectedOrigin:
 
 def _detect(profile: Profile, inp: TraceInput) -> DetectedOrigin:
     row, backend = requested_by(profile, inp)
-    layer, scope = inp.layer, inp.scope
-    origin = Origin.NONE if row is None else row.origin
-    explicit = row is not None and row.explicit
-    global_explicit = origin in GLOBAL_EXPLICIT_ORIGINS
-    relaxed = layer.default is not None or (scope is not None and scope.allow_global_fallback)
-    strict = explicit and not (global_explicit and relaxed)
+    if row is None:
+        found = DetectedOrigin(Origin.NONE, None, False, profile.nothing_requested)
+    else:
+        assert backend is not None  # a row is found by its backend
+        detail = row.words if row.detail is None else row.detail(inp, backend)
+        strict = row.explicit and not (row.origin in GLOBAL_EXPLICIT_ORIGINS and _relaxed(inp))
+        found = DetectedOrigin(row.origin, backend, strict, detail, row.explicit)
+    if not profile.states_fallback:
+        return found  # the fallback row is read when the request fails
+    guard = _failure_guard(profile, inp, found)
+    return DetectedOrigin(
+        found.origin,
+        backend,
+        guard.event is Event.STRICT_FAILURE,
+        found.detail + f"; {profile.name} profile: {guard.condition}",
+        found.explicit,
+        guard,
+    )
+
+
+def _failure_guard(profile: Profile, inp: TraceInput, found: DetectedOrigin) -> Guard:
+    """The fallback row that decides a failed request (``Profile.request_failure``)."""
+    backend, layer = found.backend, inp.layer
     facts = GuardFacts(
         requested=backend is not None,
         role_failed=(
             backend is not None and layer.role is Role.CROSS and profile.sparse(inp, backend)
         ),
-        strict=strict,
-        global_explicit=global_explicit,
-        explicit=explicit,
-        relaxed=relaxed,
+        strict=found.strict,
+        global_explicit=found.origin in GLOBAL_EXPLICIT_ORIGINS,
+        explicit=found.explicit,
+        relaxed=_relaxed(inp),
     )
-    on_failure = first_guard(profile.request_failure, facts)
-    if row is None:
-        detail = profile.nothing_requested
-    else:
-        assert backend is not None  # a row is found by its backend
-        detail = row.words if row.detail is None else row.detail(inp, backend)
-    if profile.states_fallback:
-        strict = on_failure.event is Event.STRICT_FAILURE
-        detail += f"; {profile.name} profile: {on_failure.condition}"
-    return DetectedOrigin(origin, backend, strict, detail, explicit, on_failure)
+    return first_guard(profile.request_failure, facts)
+
+
+def _relaxed(inp: Asked) -> bool:
+    """``Relaxation.relaxed`` without building one (the hot path's question)."""
+    scope = inp.scope
+    return inp.layer.default is not None or (scope is not None and scope.allow_global_fallback)
 
 
 def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -> list[Backend]:
@@ -1248,7 +1264,6 @@ def run_machine(inp: TraceInput) -> Trace:
     """
     profile = PROFILES[inp.config.profile]
     found = _detect(profile, inp)
-    assert found.on_failure is not None  # _detect always decides it
     records: list[Record] = [OriginRecord(found.origin, found.backend, found.strict, found.detail)]
     layer = inp.layer
     start = GuardFacts(
@@ -1261,6 +1276,7 @@ def run_machine(inp: TraceInput) -> Trace:
     seen: dict[Backend | None, State] = {}
     tried: list[Tried] = []
     refused = False
+    skips, evaluate = profile.skips, profile.evaluate
     while state not in (State.SELECTED, State.REJECTED):
         stage = state
         accepted: Backend | None = None
@@ -1275,27 +1291,28 @@ def run_machine(inp: TraceInput) -> Trace:
                     )
                 continue
             skipped = ""
-            for skip in profile.skips:
-                skipped = skip(stage, position, candidates, inp)
-                if skipped:
-                    break
+            for stages, skip in skips:
+                if stage in stages:
+                    skipped = skip(stage, position, candidates, inp)
+                    if skipped:
+                        break
             if skipped:
                 if candidate is not None:
                     records.append(SkipRecord(stage, candidate, skipped))
                 continue
             bypass = profile.explicit_bypasses_supported and found.explicit and not seen
             seen[candidate] = stage
-            evaluation = profile.evaluate(profile, candidate, inp, bypass)
-            subject = evaluation.subject
+            subject, results = evaluate(profile, candidate, inp, bypass)
             if subject is not None:
-                for check, failures in evaluation.results:
+                for check, failures in results:
                     records.append(CheckRecord(stage, subject, check, not failures, failures))
-            if not any(failures for _, failures in evaluation.results):
+            if not any(failures for _, failures in results):
                 accepted = subject
                 break
-            tried.append((stage, subject, evaluation.results))
+            tried.append((stage, subject, results))
             if stage is State.REQUESTED:
-                state, reason = _step(stage, found.on_failure.event, records, reason, subject)
+                guard = found.on_failure or _failure_guard(profile, inp, found)
+                state, reason = _step(stage, guard.event, records, reason, subject)
                 refused = state is State.REJECTED
                 break
             state, reason = _step(stage, Event.CANDIDATE_FAILED, records, reason, subject)
@@ -1320,9 +1337,8 @@ def _attnres_evaluate(
     _: Profile, candidate: Backend | None, inp: TraceInput, __: bool
 ) -> Evaluation:
     assert candidate is not None  # attnres's stages name every candidate
-    return Evaluation(
-        candidate,
-        check_candidate(candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel),
+    return candidate, check_candidate(
+        candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel
     )
 
 
@@ -1331,11 +1347,7 @@ def _outside_preferred(
 ) -> str:
     """Issue 23: automatic choices stay inside the layer's preferred set."""
     preferred = inp.layer.preferred
-    if (
-        stage in PREFERRED_STAGES
-        and preferred is not None
-        and candidates[position] not in preferred
-    ):
+    if preferred is not None and candidates[position] not in preferred:
         return f"an automatic choice outside the layer's preferred set {_names(preferred)}"
     return ""
 
@@ -1345,7 +1357,7 @@ def _not_usable_here(
 ) -> str:
     """SPEC 3.4: a platform chain prefers every entry but its last where usable."""
     candidate = candidates[position]
-    if stage is not State.PLATFORM_DEFAULT or position == len(candidates) - 1 or candidate is None:
+    if position == len(candidates) - 1 or candidate is None:
         return ""
     unusable = _unusable_here(candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel)
     return f"preferred on {inp.platform.kind} only where usable: {unusable}" if unusable else ""
@@ -1382,7 +1394,10 @@ ATTNRES: Final = Profile(
     states_fallback=False,
     sparse=_spec_sparse,
     candidates=stage_candidates,
-    skips=(_outside_preferred, _not_usable_here),
+    skips=(
+        (PREFERRED_STAGES, _outside_preferred),
+        (frozenset({State.PLATFORM_DEFAULT}), _not_usable_here),
+    ),
     records_repeats=True,
     evaluate=_attnres_evaluate,
     explicit_bypasses_supported=False,

@@ -34,6 +34,7 @@ from attnres._states import Origin, Reason, Status
 from attnres._vocab import Role
 from attnres.audit import emit_cache_hit, emit_resolution, emit_scope_problems, emit_summary
 from attnres.backends import (
+    _REGISTRY,
     Backend,
     registered_backends,
     registry_generation,
@@ -288,7 +289,9 @@ def lookup(
     needs_kernel = needs_kernel is True
     key = (layer, cfg, scope, platform, backend, request, needs_kernel)
     try:
-        entry = _CACHE.get(key)
+        # GenerationMemo.get inlined (the hit path): the generation compared, then dict.get
+        memo = _CACHE._data if _CACHE._generation == _REGISTRY.generation else _CACHE.current()
+        entry = memo.get(key)
     except TypeError:  # an unhashable argument (a dict for a config, say): say which
         _check_arguments(cfg, platform)
         raise
