@@ -1,0 +1,151 @@
+"""fa and fa3 adapters through flash-attn 2.8.3's own wrappers (stubbed compiled layer).
+
+``flash_attn/flash_attn_interface.py`` (fa) and ``hopper/flash_attn_interface.py``
+(fa3: the FlashAttention-3 interface of the same release, which has no
+distribution of its own on the registry) run as published; below them only
+``flash_attn_2_cuda`` / ``flash_attn_3._C`` are ours (tests/kernels/stubs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _real import allow_cpu_custom_ops, close, grads_close, key_padding, qkv, reference
+from conftest import load_dists
+
+from attnres._varlen import padded_kernel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def flash_attn_283() -> Iterator[None]:
+    with load_dists("flash-attn", "flash-attn-3"):
+        import flash_attn
+        from flash_attn import flash_attn_interface
+
+        assert flash_attn.__version__ == "2.8.3"
+        patched = allow_cpu_custom_ops(flash_attn_interface)
+        assert "_flash_attn_forward" in patched and "_flash_attn_varlen_backward" in patched
+        yield
+
+
+def _fa() -> tuple[Any, Any]:
+    from attnres.kernels import fa
+
+    return fa.make_kernel(), fa.make_varlen_kernel()
+
+
+def _fa3() -> tuple[Any, Any]:
+    from attnres.kernels import fa3
+
+    return fa3.make_kernel(), fa3.make_varlen_kernel()
+
+
+ADAPTERS = {"fa": _fa, "fa3": _fa3}
+
+
+@pytest.mark.parametrize("backend", sorted(ADAPTERS))
+@pytest.mark.parametrize(
+    ("shape", "causal", "features"),
+    [
+        ({}, False, {}),
+        ({}, True, {}),
+        ({"heads_kv": 2}, True, {}),  # GQA
+        ({"seq_q": 5, "seq_kv": 11}, False, {}),  # cross-attention
+        ({"size": 40}, False, {}),  # head size padded to 48 by the wrapper
+        ({}, False, {"softcap": 5.0}),
+        ({}, False, {"window": (3, 1)}),
+        ({}, True, {"window": (2, -1)}),
+    ],
+)
+def test_dense_forward(backend: str, shape: dict[str, int], causal: bool, features: dict[str, Any]) -> None:
+    dense, _ = ADAPTERS[backend]()
+    q, k, v = qkv(**shape)
+    out = dense(q, k, v, None, causal, 0.3, **features)
+    window = features.get("window")
+    if causal and window is not None:
+        window = (window[0], 0)
+        causal = False
+    close(out, reference(q, k, v, None, causal, 0.3, softcap=features.get("softcap", 0.0), window=window))
+
+
+@pytest.mark.parametrize("backend", sorted(ADAPTERS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_through_varlen(backend: str, causal: bool) -> None:
+    dense, varlen = ADAPTERS[backend]()
+    kernel = padded_kernel(backend, dense, lambda: varlen)
+    q, k, v = qkv(batch=3, heads_kv=2)
+    mask = key_padding(3, 9, [9, 4, 6])
+    out = kernel(q, k, v, mask, causal, None)
+    want = reference(q, k, v, mask, causal, None)
+    if causal:  # queries are unpadded with the keys: padded rows come back as zeros
+        want = want * mask[:, 0, 0, :, None, None]
+    close(out, want)
+
+
+@pytest.mark.parametrize("backend", sorted(ADAPTERS))
+def test_bottom_right_causal_cross_attention_runs_through_varlen(backend: str) -> None:
+    dense, varlen = ADAPTERS[backend]()
+    kernel = padded_kernel(backend, dense, lambda: varlen, bottom_right=True)
+    q, k, v = qkv(seq_q=4, seq_kv=9)
+    out = kernel(q, k, v, None, True, None)
+    keep = torch.ones(4, 9, dtype=torch.bool).tril(9 - 4)
+    close(out, reference(q, k, v, keep, False, None))
+
+
+@pytest.mark.parametrize("backend", sorted(ADAPTERS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward(backend: str, causal: bool) -> None:
+    dense, _ = ADAPTERS[backend]()
+    q, k, v = qkv(heads_kv=2, grad=True)
+    grads_close(
+        lambda: dense(q, k, v, None, causal, None),
+        lambda a, b, c: reference(a, b, c, None, causal, None),
+        (q, k, v),
+    )
+
+
+@pytest.mark.parametrize("backend", sorted(ADAPTERS))
+def test_backward_through_varlen(backend: str) -> None:
+    dense, varlen = ADAPTERS[backend]()
+    kernel = padded_kernel(backend, dense, lambda: varlen)
+    q, k, v = qkv(batch=2, grad=True)
+    mask = key_padding(2, 9, [9, 5])
+    grads_close(
+        lambda: kernel(q, k, v, mask, False, None),
+        lambda a, b, c: reference(a, b, c, mask, False, None),
+        (q, k, v),
+    )
+
+
+def test_fa_lse_is_the_wrappers_layout() -> None:
+    from attnres.kernels.lse import make_fa_lse
+
+    q, k, v = qkv(seq_q=7, seq_kv=7, heads_kv=2)
+    out, lse = make_fa_lse()(q, k, v, True, 0.25)
+    close(out, reference(q, k, v, None, True, 0.25))
+    scores = torch.einsum(
+        "bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, dim=2)
+    ) * 0.25
+    scores = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+    close(lse, torch.logsumexp(scores, dim=-1), 1e-3)
+
+
+def test_fa_refuses_fp32_as_the_compiled_layer_does() -> None:
+    dense, _ = _fa()
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="only support fp16 and bf16"):
+        dense(q, k, v, None, False, None)
+
+
+def test_fa3_of_this_release_returns_out_only() -> None:
+    import flash_attn_interface
+
+    q, k, v = qkv()
+    result = flash_attn_interface.flash_attn_func(q, k, v)
+    assert isinstance(result, torch.Tensor)  # not (out, lse): the adapter must not unpack
+    dense, _ = _fa3()
+    close(dense(q, k, v, None, False, None), reference(q, k, v))
