@@ -6,7 +6,9 @@ sdist in DOWNLOADS (fetched with ``pip download --no-deps``) is unpacked into
 ``_C.so``), no CUDA sources. flash-attn's sdist gives two folders:
 ``flash-attn`` (the ``flash_attn`` package) and ``flash-attn-3`` (its
 ``hopper/flash_attn_interface.py``, the FlashAttention-3 interface of the same
-release, which has no distribution of its own on the registry). Nothing here
+release, which has no distribution of its own on the registry). amd-aiter
+gets an empty ``aiter/jit/aiter_.so``: the file a prebuilt install has (the
+tests put stubs/aiter_.py in its place). Nothing here
 is committed: the Makefile downloads the distributions at set-up.
 """
 
@@ -16,6 +18,11 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+
+#: the non-Python files a wrapper reads at import: aiter.jit.core (install or develop
+#: mode) and aiter/ops/attention.py (paged-attention templates, read at import)
+_DATA = ("aiter/install_mode", "aiter_meta/csrc/cpp_itfs/")
 
 
 def _project(archive: Path) -> str:
@@ -36,7 +43,8 @@ def unpack(downloads: Path, dists: Path) -> list[str]:
         if archive.suffix == ".whl":
             with zipfile.ZipFile(archive) as wheel:
                 for member in wheel.namelist():
-                    if member.endswith(".py") and ".dist-info/" not in member:
+                    wanted = member.endswith(".py") or member.startswith(_DATA)
+                    if wanted and ".dist-info/" not in member:
                         _write(dists, project, member, wheel.read(member))
         elif archive.name.endswith(".tar.gz"):
             with tarfile.open(archive) as sdist:
@@ -54,6 +62,11 @@ def unpack(downloads: Path, dists: Path) -> list[str]:
         else:
             continue
         done.append(archive.name)
+    aiter_jit = dists / "amd-aiter" / "aiter" / "jit"
+    if aiter_jit.is_dir():
+        # a prebuilt aiter install has aiter/jit/aiter_.so; aiter.jit.core looks for the
+        # file and then imports aiter.jit.aiter_, which the tests map to stubs/aiter_.py
+        (aiter_jit / "aiter_.so").write_bytes(b"")
     return done
 
 
