@@ -1,9 +1,12 @@
-"""fa and fa3 adapters through flash-attn 2.8.3's own wrappers (stubbed compiled layer).
+"""fa, fa3 and fa4 adapters through flash-attn 2.8.3's own wrappers (stubbed compiled layer).
 
-``flash_attn/flash_attn_interface.py`` (fa) and ``hopper/flash_attn_interface.py``
+``flash_attn/flash_attn_interface.py`` (fa), ``hopper/flash_attn_interface.py``
 (fa3: the FlashAttention-3 interface of the same release, which has no
-distribution of its own on the registry) run as published; below them only
-``flash_attn_2_cuda`` / ``flash_attn_3._C`` are ours (tests/kernels/stubs).
+distribution of its own on the registry) and the release's early
+``flash_attn/cute/interface.py`` (0.1.0: what the fa4 adapter imports on a
+machine with flash-attn 2.8.3 and no flash-attn-4) run as published; below
+them only ``flash_attn_2_cuda``, ``flash_attn_3._C`` and the CuTe-DSL launch
+(``_flash_attn_fwd`` / ``_flash_attn_bwd``) are ours (tests/kernels/stubs).
 """
 
 from __future__ import annotations
@@ -28,7 +31,19 @@ def flash_attn_283() -> Iterator[None]:
         assert flash_attn.__version__ == "2.8.3"
         patched = allow_cpu_custom_ops(flash_attn_interface)
         assert "_flash_attn_forward" in patched and "_flash_attn_varlen_backward" in patched
-        yield
+        import _fa4_launch
+        import _stub_modules
+
+        _stub_modules.install(["cutlass", "cuda", "quack", "tvm_ffi"])
+        try:
+            import flash_attn.cute
+            from flash_attn.cute import interface
+
+            assert flash_attn.cute.__version__ == "0.1.0"
+            _fa4_launch.install(interface)
+            yield
+        finally:
+            _stub_modules.uninstall()
 
 
 def _fa() -> tuple[Any, Any]:
@@ -149,3 +164,63 @@ def test_fa3_of_this_release_returns_out_only() -> None:
     assert isinstance(result, torch.Tensor)  # not (out, lse): the adapter must not unpack
     dense, _ = _fa3()
     close(dense(q, k, v, None, False, None), reference(q, k, v))
+
+
+# --- fa4 beside flash-attn 2.8.3: its early flash_attn.cute (0.1.0) ----------------------
+
+
+def test_early_cute_dense_forward() -> None:
+    from attnres.kernels import fa4
+
+    dense = fa4.make_kernel()
+    q, k, v = qkv(heads_kv=2)
+    close(dense(q, k, v, None, True, 0.3), reference(q, k, v, None, True, 0.3))
+    close(dense(q, k, v, None, False, None, window=(2, 1)), reference(q, k, v, window=(2, 1)))
+
+
+def test_early_cute_has_no_working_backward() -> None:
+    """A fact for the catalogue (issue 31), in flash-attn 2.8.3's own code: the
+    early FlashAttnFunc.backward returns 8 gradients for 9 forward inputs, so
+    autograd refuses it (on a GPU as here), and the varlen backward raises
+    NotImplementedError. fa4 on that release is forward only."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    q, k, v = qkv(grad=True)
+    out, _ = flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match="incorrect number of gradients"):
+        out.sum().backward()
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32)
+    packed = [t.reshape(18, 4, 64) for t in (q, k, v)]
+    out, _ = flash_attn_varlen_func(*packed, cu, cu)
+    with pytest.raises(NotImplementedError, match="variable length"):
+        out.sum().backward()
+
+
+def test_early_cute_key_padding_through_varlen() -> None:
+    """Its flash_attn_varlen_func has no max_seqlen_q / max_seqlen_k: the first
+    key-padding call raised TypeError (issue 31)."""
+    from attnres.kernels import fa4
+
+    kernel = padded_kernel("fa4", fa4.make_kernel(), fa4.make_varlen_kernel)
+    q, k, v = qkv(batch=3, heads_kv=2)
+    mask = key_padding(3, 9, [9, 4, 6])
+    close(kernel(q, k, v, mask, False, None), reference(q, k, v, mask, False, None))
+
+
+def test_early_cute_refuses_deterministic_by_name() -> None:
+    """Neither early function takes ``deterministic``: a BackendOptionError that
+    names the installed version, not a TypeError from inside the call."""
+    from attnres.errors import BackendOptionError
+    from attnres.kernels import fa4
+
+    q, k, v = qkv()
+    with pytest.raises(BackendOptionError, match=r"0\.1\.0.*'deterministic'"):
+        fa4.make_kernel()(q, k, v, None, False, None, deterministic=True)
+    varlen = fa4.make_varlen_kernel()
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32)
+    packed = q.reshape(18, 4, 64)
+    with pytest.raises(BackendOptionError, match="deterministic"):
+        varlen(packed, packed, packed, cu, cu, 9, 9, False, None, deterministic=True)
+    # pack_gqa, which it does take, passes
+    out = varlen(packed, packed, packed, cu, cu, 9, 9, False, None, pack_gqa=False)
+    close(out.reshape(q.shape), reference(q, q, q))
