@@ -51,10 +51,12 @@ def _purge() -> None:
 
 
 @contextmanager
-def load_dists(*projects: str) -> Iterator[None]:
-    """``projects`` (folders under the dists root) and the stubs on ``sys.path``."""
+def load_dists(*projects: str, stubs: tuple[str, ...] = ()) -> Iterator[None]:
+    """``projects`` (folders under the dists root) and the stubs on ``sys.path``;
+    ``stubs``: subfolders of the stubs that shadow a real top-level name
+    (``fa3``: the ``flash_attn_3`` package, which xformers probes too)."""
     root = dists_root()
-    paths = [str(root / p) for p in projects] + [str(STUBS)]
+    paths = [str(root / p) for p in projects] + [str(STUBS / s) for s in stubs] + [str(STUBS)]
     for path in paths:
         if not Path(path).is_dir():
             pytest.exit(f"missing kernel distribution folder {path}: rerun make test-kernels", 3)

@@ -24,7 +24,7 @@ from attnres._varlen import padded_kernel
 
 @pytest.fixture(scope="module", autouse=True)
 def flash_attn_283() -> Iterator[None]:
-    with load_dists("flash-attn", "flash-attn-3"):
+    with load_dists("flash-attn", "flash-attn-3", stubs=("fa3",)):
         import flash_attn
         from flash_attn import flash_attn_interface
 

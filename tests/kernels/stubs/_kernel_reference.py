@@ -87,6 +87,7 @@ def backward(
     right: int = -1,
     softcap: float = 0.0,
     bottom_right: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (float64) of :func:`attention` for the upstream gradient ``dout``,
     written out (a compiled op runs below autograd: no graph to differentiate)."""
@@ -98,11 +99,13 @@ def backward(
     doh = do.transpose(1, 2)
     raw = (qh @ kh.transpose(-1, -2)) * scale
     scores = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
+    if bias is not None:
+        scores = scores + bias.to(torch.float64)
     keep = keep_mask(q.shape[1], k.shape[1], causal, left, right, bottom_right=bottom_right)
     scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(scores - lse.nan_to_num(posinf=0.0, neginf=0.0)).nan_to_num(0.0)
-    probs = probs.masked_fill(~keep, 0.0)
+    probs = probs.masked_fill(~keep | torch.isinf(scores), 0.0)
     out = probs @ vh
     dv = probs.transpose(-1, -2) @ doh
     dp = doh @ vh.transpose(-1, -2)
