@@ -67,7 +67,9 @@ def grads_close(
         close(g, w, tolerance)
 
 
-def expected_with(expected: Callable[..., torch.Tensor], leaves: list[torch.Tensor]) -> torch.Tensor:
+def expected_with(
+    expected: Callable[..., torch.Tensor], leaves: list[torch.Tensor]
+) -> torch.Tensor:
     return expected(*leaves)
 
 

@@ -19,7 +19,6 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-
 #: the non-Python files a wrapper reads at import: aiter.jit.core (install or develop
 #: mode) and aiter/ops/attention.py (paged-attention templates, read at import)
 _DATA = ("aiter/install_mode", "aiter_meta/csrc/cpp_itfs/")

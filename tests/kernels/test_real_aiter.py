@@ -58,14 +58,17 @@ def _adapters() -> tuple[Any, Any]:
 
 @pytest.mark.parametrize(
     ("shape", "causal", "window"),
-    [({}, False, None), ({}, True, None), ({"heads_kv": 2}, True, None), ({"seq_q": 5, "seq_kv": 11}, False, None),
-     ({"size": 40}, False, None), ({}, False, (3, 1))],
+    [({}, False, None), ({}, True, None), ({"heads_kv": 2}, True, None),
+     ({"seq_q": 5, "seq_kv": 11}, False, None), ({"size": 40}, False, None), ({}, False, (3, 1))],
 )  # fmt: skip
 def test_dense_forward(shape: dict[str, int], causal: bool, window: tuple[int, int] | None) -> None:
     dense, _ = _adapters()
     q, k, v = qkv(**shape)
     extra = {} if window is None else {"window": window}
-    close(dense(q, k, v, None, causal, 0.3, **extra), reference(q, k, v, None, causal, 0.3, window=window))
+    close(
+        dense(q, k, v, None, causal, 0.3, **extra),
+        reference(q, k, v, None, causal, 0.3, window=window),
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -112,3 +115,23 @@ def test_the_wrapper_itself_refuses_grad_without_return_lse() -> None:
     with pytest.raises(AssertionError):
         aiter.flash_attn_func(q, k, v)
     assert isinstance(aiter.flash_attn_func(q.detach(), k.detach(), v.detach()), torch.Tensor)
+
+
+def test_a_missing_return_lse_fails_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter as it was (no return_lse): aiter's own forward asserts it as
+    soon as an input requires grad, and the backward tests fail."""
+    from attnres.kernels import aiter
+
+    monkeypatch.setattr(aiter, "takes_keywords", lambda fn, *names: False)
+    with pytest.raises(AssertionError):
+        test_backward()
+    with pytest.raises(AssertionError):
+        test_backward_through_varlen()
+
+
+def test_int64_cu_seqlens_fail_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnres.kernels import _common
+
+    monkeypatch.setattr(_common, "_int32", lambda cu: cu.long())
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must have dtype int32"):
+        test_key_padding_through_varlen(False)

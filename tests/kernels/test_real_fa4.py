@@ -46,15 +46,23 @@ def _adapters() -> tuple[Any, Any]:
 
 @pytest.mark.parametrize(
     ("shape", "causal", "features"),
-    [({}, False, {}), ({}, True, {}), ({"heads_kv": 2}, True, {}), ({"seq_q": 5, "seq_kv": 11}, False, {}),
-     ({}, False, {"softcap": 5.0}), ({}, False, {"window": (3, 1)}), ({}, False, {"deterministic": True})],
+    [({}, False, {}), ({}, True, {}), ({"heads_kv": 2}, True, {}),
+     ({"seq_q": 5, "seq_kv": 11}, False, {}), ({}, False, {"softcap": 5.0}),
+     ({}, False, {"window": (3, 1)}), ({}, False, {"deterministic": True})],
 )  # fmt: skip
 def test_dense_forward(shape: dict[str, int], causal: bool, features: dict[str, Any]) -> None:
     dense, _ = _adapters()
     q, k, v = qkv(**shape)
     out = dense(q, k, v, None, causal, 0.3, **features)
     want = reference(
-        q, k, v, None, causal, 0.3, softcap=features.get("softcap", 0.0), window=features.get("window")
+        q,
+        k,
+        v,
+        None,
+        causal,
+        0.3,
+        softcap=features.get("softcap", 0.0),
+        window=features.get("window"),
     )
     close(out, want)
 
@@ -103,7 +111,15 @@ def test_lse_only_with_return_lse_or_a_grad() -> None:
 
     q, k, v = qkv()
     assert flash_attn_func(q, k, v)[1] is None
-    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    _out, lse = flash_attn_func(q, k, v, return_lse=True)
     assert lse.shape == (2, 4, 9) and lse.dtype == torch.float32
     q.requires_grad_(True)
     assert flash_attn_func(q, k, v)[1] is not None
+
+
+def test_int64_cu_seqlens_fail_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnres.kernels import _common
+
+    monkeypatch.setattr(_common, "_int32", lambda cu: cu.long())
+    with pytest.raises(AssertionError, match="must be int32"):
+        test_key_padding_through_varlen(False, False)

@@ -75,7 +75,9 @@ ADAPTERS = {"fa": _fa, "fa3": _fa3}
         ({}, True, {"window": (2, -1)}),
     ],
 )
-def test_dense_forward(backend: str, shape: dict[str, int], causal: bool, features: dict[str, Any]) -> None:
+def test_dense_forward(
+    backend: str, shape: dict[str, int], causal: bool, features: dict[str, Any]
+) -> None:
     dense, _ = ADAPTERS[backend]()
     q, k, v = qkv(**shape)
     out = dense(q, k, v, None, causal, 0.3, **features)
@@ -83,7 +85,10 @@ def test_dense_forward(backend: str, shape: dict[str, int], causal: bool, featur
     if causal and window is not None:
         window = (window[0], 0)
         causal = False
-    close(out, reference(q, k, v, None, causal, 0.3, softcap=features.get("softcap", 0.0), window=window))
+    close(
+        out,
+        reference(q, k, v, None, causal, 0.3, softcap=features.get("softcap", 0.0), window=window),
+    )
 
 
 @pytest.mark.parametrize("backend", sorted(ADAPTERS))
@@ -141,9 +146,9 @@ def test_fa_lse_is_the_wrappers_layout() -> None:
     q, k, v = qkv(seq_q=7, seq_kv=7, heads_kv=2)
     out, lse = make_fa_lse()(q, k, v, True, 0.25)
     close(out, reference(q, k, v, None, True, 0.25))
-    scores = torch.einsum(
-        "bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, dim=2)
-    ) * 0.25
+    scores = (
+        torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, dim=2)) * 0.25
+    )
     scores = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
     close(lse, torch.logsumexp(scores, dim=-1), 1e-3)
@@ -224,3 +229,37 @@ def test_early_cute_refuses_deterministic_by_name() -> None:
     # pack_gqa, which it does take, passes
     out = varlen(packed, packed, packed, cu, cu, 9, 9, False, None, pack_gqa=False)
     close(out.reshape(q.shape), reference(q, q, q))
+
+
+# --- the suite catches a broken adapter ---------------------------------------------------
+
+
+def test_int64_cu_seqlens_fail_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter that handed flash-attn int64 cu_seqlens would fail here: the
+    compiled layer's check ("cu_seqlens_q must have dtype int32") runs."""
+    from attnres.kernels import _common
+
+    monkeypatch.setattr(_common, "_int32", lambda cu: cu.long())
+    for backend in ("fa", "fa3"):
+        with pytest.raises(RuntimeError, match="cu_seqlens_q must have dtype int32"):
+            test_key_padding_through_varlen(backend, False)
+    with pytest.raises(AssertionError, match="must be int32"):
+        test_early_cute_key_padding_through_varlen()
+
+
+def test_a_transposed_lse_fails_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An lse adapter that returned (batch, seq, heads) instead of the wrapper's
+    (batch, heads, seq) would fail the layout test."""
+    from attnres.kernels import lse as lse_module
+
+    real = lse_module.make_fa_lse
+
+    def transposed() -> Any:
+        inner = real()
+        return lambda *args, **kwargs: (lambda o, s: (o, s.transpose(1, 2)))(
+            *inner(*args, **kwargs)
+        )
+
+    monkeypatch.setattr(lse_module, "make_fa_lse", transposed)
+    with pytest.raises(AssertionError):
+        test_fa_lse_is_the_wrappers_layout()

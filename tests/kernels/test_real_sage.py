@@ -55,7 +55,9 @@ def test_dense_forward(shape: dict[str, int], causal: bool) -> None:
     from attnres.kernels import sage_attn
 
     q, k, v = qkv(**shape)
-    close(sage_attn.make_kernel()(q, k, v, None, causal, 0.3), reference(q, k, v, None, causal, 0.3))
+    close(
+        sage_attn.make_kernel()(q, k, v, None, causal, 0.3), reference(q, k, v, None, causal, 0.3)
+    )
 
 
 def test_the_callers_keys_are_left_alone() -> None:

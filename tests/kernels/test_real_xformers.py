@@ -69,9 +69,14 @@ def test_forward(dtype: torch.dtype, shape: dict[str, int], causal: bool, mask: 
     q, k, v = qkv(dtype=dtype, **shape)
     attn_mask = None
     if mask is not None:
-        keep = torch.rand(2, 1, q.shape[1], k.shape[1], generator=torch.Generator().manual_seed(3)) > 0.3
+        keep = (
+            torch.rand(2, 1, q.shape[1], k.shape[1], generator=torch.Generator().manual_seed(3))
+            > 0.3
+        )
         keep[..., 0] = True
-        attn_mask = keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(~keep, -1e4).to(dtype)
+        attn_mask = (
+            keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(~keep, -1e4).to(dtype)
+        )
     extra = {} if window is None else {"window": window}
     out = _dense()(q, k, v, attn_mask, causal, 0.3, **extra)
     close(out, reference(q, k, v, attn_mask, causal, 0.3, window=window))

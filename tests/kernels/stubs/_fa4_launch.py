@@ -57,8 +57,12 @@ def _check_inputs(p: dict[str, Any]) -> None:
     for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"):
         t = p.get(name)
         if t is not None:
-            assert t.dtype == torch.int32, "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be int32"
-            assert t.stride(0) == 1, "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be contiguous"
+            assert t.dtype == torch.int32, (
+                "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be int32"
+            )
+            assert t.stride(0) == 1, (
+                "cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be contiguous"
+            )
     assert q.shape[-2] % k.shape[-2] == 0, "num_head must be divisible by num_head_kv"
     assert q.shape[-1] <= 256, "head_dim must be less than or equal to 256"
     alignment = 16 // q.element_size()
@@ -119,7 +123,9 @@ def install(interface: types.ModuleType) -> None:
         q, k, v, dout, lse = p["q"], p["k"], p["v"], p["dout"], p["lse"]
         cu_q, cu_k = p.get("cu_seqlens_q"), p.get("cu_seqlens_k")
         if cu_q is None:
-            assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]), "lse must have shape (batch_size, num_head, seqlen_q)"
+            assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]), (
+                "lse must have shape (batch_size, num_head, seqlen_q)"
+            )
         else:
             assert lse.shape == (q.shape[1], q.shape[0]), "lse must have shape (num_head, total_q)"
         assert q.dtype in [torch.float16, torch.bfloat16], "inputs must be float16 or bfloat16"
@@ -138,7 +144,9 @@ def install(interface: types.ModuleType) -> None:
             for (qs, qe), (ks, ke) in zip(runs_q, runs_k, strict=True):
                 if qe == qs:
                     continue
-                g = backward(dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], **kw)
+                g = backward(
+                    dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], **kw
+                )
                 grads[0][qs:qe], grads[1][ks:ke], grads[2][ks:ke] = g[0][0], g[1][0], g[2][0]
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
 

@@ -128,6 +128,8 @@ def segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
 
 
-def nan_like(t: torch.Tensor, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+def nan_like(
+    t: torch.Tensor, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """An output buffer the kernel has not written yet: NaN, so an unwritten row shows."""
     return torch.full(shape or tuple(t.shape), float("nan"), dtype=dtype or t.dtype)

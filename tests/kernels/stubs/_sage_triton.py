@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (signatures of the compiled functions stood in for, one per line)
 """Stand-ins for SageAttention 1's Triton kernels (ours, not theirs).
 
 sageattention 1.0.6 (the registry's ``sageattention``: SageAttention 1) is
@@ -32,7 +33,7 @@ def _to_nhd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if layout == "NHD" else t.transpose(1, 2)
 
 
-def per_block_int8(q: torch.Tensor, k: torch.Tensor, BLKQ: int = 128, BLKK: int = 64,  # noqa: N803
+def per_block_int8(q: torch.Tensor, k: torch.Tensor, BLKQ: int = 128, BLKK: int = 64,
                    sm_scale: float | None = None, tensor_layout: str = "HND") -> tuple[Any, ...]:  # fmt: skip
     check(q.dim() == 4 and k.dim() == 4, "q and k must be 4-D")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
@@ -42,7 +43,7 @@ def per_block_int8(q: torch.Tensor, k: torch.Tensor, BLKQ: int = 128, BLKK: int 
 
 def per_block_int8_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          BLKQ: int = 128, BLKK: int = 64, sm_scale: float | None = None) -> tuple[Any, ...]:  # noqa: N803  # fmt: skip
+                          BLKQ: int = 128, BLKK: int = 64, sm_scale: float | None = None) -> tuple[Any, ...]:  # fmt: skip
     check(q.dim() == 3 and k.dim() == 3, "packed q and k must be 3-D")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     one = torch.ones(1)
@@ -52,7 +53,9 @@ def per_block_int8_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     check(v.dtype == torch.float16, "v must be float16 (core.py converts it)")
     check(q.shape[-2] % k.shape[-2] == 0, "num_qo_heads must be divisible by num_kv_heads")
-    check(not causal or q.shape[1] == k.shape[1], "is_causal: only applicable when qo_len == kv_len")
+    check(
+        not causal or q.shape[1] == k.shape[1], "is_causal: only applicable when qo_len == kv_len"
+    )
     out, _ = attention(q, k, v, scale=math.log(2), causal=causal)  # q carries sm_scale * log2(e)
     return out
 
@@ -60,7 +63,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> 
 def _dense(causal: bool) -> Any:
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: Any, k_scale: Any,
                 tensor_layout: str = "HND", output_dtype: torch.dtype = torch.float16) -> torch.Tensor:  # fmt: skip
-        out = _attend(_to_nhd(q, tensor_layout), _to_nhd(k, tensor_layout), _to_nhd(v, tensor_layout), causal)
+        out = _attend(
+            _to_nhd(q, tensor_layout), _to_nhd(k, tensor_layout), _to_nhd(v, tensor_layout), causal
+        )
         return _to_nhd(out, tensor_layout).to(output_dtype)
 
     return forward
@@ -75,7 +80,9 @@ def _varlen(causal: bool) -> Any:
         for (qs, qe), (ks, ke) in zip(segments(cu_seqlens_q), segments(cu_seqlens_k), strict=True):
             check(qe - qs <= max_seqlen_q, "a sequence is longer than max_seqlen_q")
             if qe > qs:
-                out[qs:qe] = _attend(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], causal)[0].to(output_dtype)
+                out[qs:qe] = _attend(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], causal)[0].to(
+                    output_dtype
+                )
         return out
 
     return forward

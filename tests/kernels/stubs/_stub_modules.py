@@ -41,7 +41,12 @@ class Anything:
         return Anything(f"{self._name}.{attr}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and callable(args[0]) and not isinstance(args[0], Anything):
+        if (
+            len(args) == 1
+            and not kwargs
+            and callable(args[0])
+            and not isinstance(args[0], Anything)
+        ):
             return Kernel(args[0], self._name)  # used as a decorator
         return Anything(f"{self._name}()")
 

@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (signatures of the compiled functions stood in for, one per line)
 """Stand-ins for the compiled kernels under xformers' cutlass operator (ours).
 
 xformers 0.0.35's ``xformers/ops/fmha/cutlass.py`` runs torch's own CUDA
@@ -22,11 +23,22 @@ from _kernel_reference import attention, backward, check
 _MASKS = {0: (False, False), 1: (True, False), 2: (True, True)}
 
 
-def _checks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: Any, custom_mask_type: int) -> None:
-    check(query.dim() == 4 and key.dim() == 4 and value.dim() == 4, "query, key and value must be 4-D (BMHK)")
+def _checks(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: Any, custom_mask_type: int
+) -> None:
+    check(
+        query.dim() == 4 and key.dim() == 4 and value.dim() == 4,
+        "query, key and value must be 4-D (BMHK)",
+    )
     check(query.dtype == key.dtype == value.dtype, "query, key and value must have the same dtype")
-    check(query.shape[2] == key.shape[2] == value.shape[2], "query, key and value must have the same number of heads")
-    check(query.shape[0] == key.shape[0] and key.shape[1] == value.shape[1], "batch and key length must match")
+    check(
+        query.shape[2] == key.shape[2] == value.shape[2],
+        "query, key and value must have the same number of heads",
+    )
+    check(
+        query.shape[0] == key.shape[0] and key.shape[1] == value.shape[1],
+        "batch and key length must match",
+    )
     check(custom_mask_type in _MASKS, f"unknown custom_mask_type {custom_mask_type}")
     if bias is not None:
         check(bias.dtype == query.dtype, "invalid dtype for bias - should match query's dtype")
@@ -46,9 +58,13 @@ def efficient_attention_forward(
           "stub: block-diagonal masks, windows and dropout are not modelled")  # fmt: skip
     causal, bottom_right = _MASKS[custom_mask_type]
     s = query.shape[-1] ** -0.5 if scale is None else scale
-    out, lse = attention(query, key, value, scale=s, causal=causal, bottom_right=bottom_right, bias=bias)
+    out, lse = attention(
+        query, key, value, scale=s, causal=causal, bottom_right=bottom_right, bias=bias
+    )
     b, m, h, _ = query.shape
-    padded = torch.full((b, h, -(-m // 32) * 32 if compute_log_sumexp else 0), float("inf"), dtype=torch.float32)
+    padded = torch.full(
+        (b, h, -(-m // 32) * 32 if compute_log_sumexp else 0), float("inf"), dtype=torch.float32
+    )
     if compute_log_sumexp:
         padded[..., :m] = lse
     empty = torch.empty(0, dtype=torch.int64)
@@ -65,7 +81,9 @@ def efficient_attention_backward(
 ) -> tuple[Any, ...]:  # fmt: skip
     _checks(query, key, value, bias, custom_mask_type)
     b, m, h, _ = query.shape
-    check(logsumexp.shape[:2] == (b, h) and logsumexp.shape[2] >= m, "logsumexp must be (B, H, >= Mq)")
+    check(
+        logsumexp.shape[:2] == (b, h) and logsumexp.shape[2] >= m, "logsumexp must be (B, H, >= Mq)"
+    )
     causal, bottom_right = _MASKS[custom_mask_type]
     s = query.shape[-1] ** -0.5 if scale is None else scale
     check(not bias_requires_grad, "stub: a bias gradient is not modelled")

@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (signatures of the compiled functions stood in for, one per line)
 """Stand-in for FlashAttention-3's compiled ``flash_attn_3._C`` (ours, not theirs).
 
 flash-attn 2.8.3's ``hopper/flash_attn_interface.py`` imports it ("Registers
@@ -28,13 +29,21 @@ def _arity(name: str, args: tuple[object, ...], count: int) -> None:
 
 
 def _inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    check(q.dtype in (torch.float16, torch.bfloat16), "FlashAttention-3 only supports fp16, bf16 and fp8_e4m3 data types")
-    check(k.dtype == q.dtype and v.dtype == q.dtype, "query, key and value must have the same dtype")
+    check(
+        q.dtype in (torch.float16, torch.bfloat16),
+        "FlashAttention-3 only supports fp16, bf16 and fp8_e4m3 data types",
+    )
+    check(
+        k.dtype == q.dtype and v.dtype == q.dtype, "query, key and value must have the same dtype"
+    )
     for t in (q, k, v):
         check(t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
     check(q.shape[-1] <= 256, "FlashAttention forward only supports head dimension at most 256")
     check(q.shape[-1] % 8 == 0, "head_size should be a multiple of 8")
-    check(q.shape[-2] % k.shape[-2] == 0, "Number of heads in key/value must divide number of heads in query")
+    check(
+        q.shape[-2] % k.shape[-2] == 0,
+        "Number of heads in key/value must divide number of heads in query",
+    )
 
 
 def _int32(t: torch.Tensor | None, name: str, length: int) -> None:
@@ -47,7 +56,11 @@ def _int32(t: torch.Tensor | None, name: str, length: int) -> None:
 
 def _runs(cu: torch.Tensor, used: torch.Tensor | None) -> list[tuple[int, int]]:
     starts = cu.tolist()
-    lengths = used.tolist() if used is not None else [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+    lengths = (
+        used.tolist()
+        if used is not None
+        else [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+    )
     return [(starts[i], starts[i] + lengths[i]) for i in range(len(starts) - 1)]
 
 
@@ -57,14 +70,19 @@ def _windows(causal: bool, left: int, right: int) -> dict[str, int | bool]:
 
 def fwd(*args: object) -> list[torch.Tensor | None]:
     _arity("fwd", args, 34)
-    (q, k, v, k_new, v_new, qv, out_, cu_q, cu_k, cu_k_new, seqused_q, seqused_k, max_q, max_k,
-     page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale,
-     k_descale, v_descale, scale, causal, left, right, attention_chunk, softcap,
-     rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin) = args  # fmt: skip
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    (q, k, v, k_new, v_new, qv, out_, cu_q, cu_k, _cu_k_new, seqused_q, seqused_k, max_q, max_k,
+     page_table, kv_batch_idx, leftpad_k, rotary_cos, _rotary_sin, _seqlens_rotary, q_descale,
+     _k_descale, _v_descale, scale, causal, left, right, _attention_chunk, softcap,
+     _rotary_interleaved, _scheduler_metadata, _num_splits, _pack_gqa, _sm_margin) = args  # fmt: skip
+    assert (
+        isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    )
     _inputs(q, k, v)
     unmodelled = (k_new, v_new, qv, page_table, kv_batch_idx, leftpad_k, rotary_cos, q_descale)
-    check(all(x is None for x in unmodelled), "stub: kv cache, qv, paging, rotary and fp8 are not modelled")
+    check(
+        all(x is None for x in unmodelled),
+        "stub: kv cache, qv, paging, rotary and fp8 are not modelled",
+    )
     window = _windows(bool(causal), int(left), int(right))  # type: ignore[call-overload]
     kw = {"scale": float(scale), "softcap": float(softcap), **window}  # type: ignore[arg-type]
     out = nan_like(q) if out_ is None else out_
@@ -83,7 +101,9 @@ def fwd(*args: object) -> list[torch.Tensor | None]:
     check(max_q is not None and max_k is not None, "max_seqlen_q/k must be given with cu_seqlens")
     lse_all = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)
     for (qs, qe), (ks, ke) in zip(_runs(cu_q, seqused_q), _runs(cu_k, seqused_k), strict=True):  # type: ignore[arg-type]
-        check(qe - qs <= int(max_q) and ke - ks <= int(max_k), "a sequence is longer than max_seqlen")  # type: ignore[call-overload]
+        check(
+            qe - qs <= int(max_q) and ke - ks <= int(max_k), "a sequence is longer than max_seqlen"
+        )  # type: ignore[call-overload]
         if qe == qs:
             continue
         ref, lse = attention(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], **kw)  # type: ignore[arg-type]
@@ -94,15 +114,20 @@ def fwd(*args: object) -> list[torch.Tensor | None]:
 
 def bwd(*args: object) -> list[torch.Tensor | None]:
     _arity("bwd", args, 22)
-    (dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, scale,
-     causal, left, right, softcap, deterministic, sm_margin) = args  # fmt: skip
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    (dout, q, k, v, _out, lse, dq, dk, dv, cu_q, cu_k, seqused_q, seqused_k, _max_q, _max_k, scale,
+     causal, left, right, softcap, _deterministic, _sm_margin) = args  # fmt: skip
+    assert (
+        isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    )
     assert isinstance(dout, torch.Tensor) and isinstance(lse, torch.Tensor)
     _inputs(q, k, v)
     window = _windows(bool(causal), int(left), int(right))  # type: ignore[call-overload]
     kw = {"scale": float(scale), "softcap": float(softcap), **window}  # type: ignore[arg-type]
     if cu_q is None:
-        check(tuple(lse.shape) == (q.shape[0], q.shape[2], q.shape[1]), "softmax_lse must be (batch, heads, seqlen_q)")
+        check(
+            tuple(lse.shape) == (q.shape[0], q.shape[2], q.shape[1]),
+            "softmax_lse must be (batch, heads, seqlen_q)",
+        )
         grads = backward(dout, q, k, v, **kw)  # type: ignore[arg-type]
     else:
         assert isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
