@@ -35,7 +35,7 @@ run: $(STAMP)
 # The kernel distributions' Python layer, downloaded from the package registry
 # (`pip download --no-deps`, nothing installed, nothing committed) and unpacked,
 # Python files only, into $(KERNELS_ENV)/dists/<project>/ by tests/kernels/build_env.py;
-# their compiled layer is stubbed by tests/kernels/stubs/ (docs/backends.md,
+# their compiled layer is stubbed by tests/kernels/stubs/ (docs/layers.md,
 # "How the adapters are tested"). flash-attn's sdist gives flash_attn (with its
 # early flash_attn.cute) and hopper/flash_attn_interface.py (FlashAttention-3);
 # its metadata step imports torch, hence --no-build-isolation with the CUDA
