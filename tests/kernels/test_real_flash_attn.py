@@ -140,6 +140,26 @@ def test_backward_through_varlen(backend: str) -> None:
     )
 
 
+@pytest.mark.parametrize("backend", sorted(ADAPTERS))
+def test_varlen_takes_int64_cu_seqlens_and_passes_int32(backend: str) -> None:
+    """Packed sequences of unequal lengths, cu_seqlens given as int64: the adapter
+    hands the wrapper contiguous int32 (the compiled layer checks it)."""
+    _, varlen = ADAPTERS[backend]()
+    generator = torch.Generator().manual_seed(4)  # lengths q: 5, 9, 3; k: 7, 9, 12
+
+    def packed(total: int, heads: int) -> torch.Tensor:
+        return torch.randn(total, heads, 32, generator=generator).to(torch.bfloat16)
+
+    q, k, v = packed(17, 4), packed(28, 2), packed(28, 2)
+    cu_q = torch.tensor([0, 5, 14, 17], dtype=torch.int64)
+    cu_k = torch.tensor([0, 7, 16, 28], dtype=torch.int64)
+    out = varlen(q, k, v, cu_q, cu_k, 9, 12, False, None)
+    for i in range(3):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        want = reference(q[None, qs], k[None, ks], v[None, ks])[0]
+        close(out[qs], want)
+
+
 def test_fa_lse_is_the_wrappers_layout() -> None:
     from attnres.kernels.lse import make_fa_lse
 
