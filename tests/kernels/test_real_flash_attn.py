@@ -116,13 +116,17 @@ def test_bottom_right_causal_cross_attention_runs_through_varlen(backend: str) -
 
 
 @pytest.mark.parametrize("backend", sorted(ADAPTERS))
-@pytest.mark.parametrize("causal", [False, True])
-def test_backward(backend: str, causal: bool) -> None:
+@pytest.mark.parametrize(
+    ("causal", "features"),
+    [(False, {}), (True, {}), (False, {"softcap": 5.0}), (False, {"window": (3, 1)})],
+)
+def test_backward(backend: str, causal: bool, features: dict[str, Any]) -> None:
     dense, _ = ADAPTERS[backend]()
     q, k, v = qkv(heads_kv=2, grad=True)
+    softcap, window = features.get("softcap", 0.0), features.get("window")
     grads_close(
-        lambda: dense(q, k, v, None, causal, None),
-        lambda a, b, c: reference(a, b, c, None, causal, None),
+        lambda: dense(q, k, v, None, causal, None, **features),
+        lambda a, b, c: reference(a, b, c, None, causal, None, softcap=softcap, window=window),
         (q, k, v),
     )
 
