@@ -749,46 +749,6 @@ def test_adapter_matches_reference_through_fake(
     assert len(calls.seen) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("mask_kind", "mask_shape", "causal", "seq_q", "seq_kv"),
-    [
-        ("bool", (2, 4, 19, 37), False, 19, 37),
-        ("bool", (19, 37), True, 19, 37),
-        ("float", (1, 4, 21, 21), False, 21, 21),
-        ("float", (2, 1, 1, 29), True, 33, 29),
-        (None, None, True, 11, 27),  # causal cross: top-left, like SDPA
-    ],
-)
-def test_xformers_masks_and_causal(
-    mask_kind: str | None,
-    mask_shape: tuple[int, ...] | None,
-    causal: bool,
-    seq_q: int,
-    seq_kv: int,
-    dtype: torch.dtype,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    kernel, calls = kernel_for("xformers", monkeypatch)
-    seed = _seed()
-    q, k, v = make_inputs(seed, dtype=dtype, seq_q=seq_q, seq_kv=seq_kv, heads_q=4, heads_kv=2)
-    generator = torch.Generator().manual_seed(seed + 1)
-    mask: torch.Tensor | None = None
-    if mask_kind == "bool" and mask_shape is not None:
-        mask = torch.rand(*mask_shape, generator=generator) > 0.3
-        mask[..., 0] = True
-    elif mask_kind == "float" and mask_shape is not None:
-        mask = torch.randn(*mask_shape, generator=generator).to(dtype)
-    out = kernel(q, k, v, mask, causal, 0.17)
-    error = relative_error(out, expected(q, k, v, mask, causal, 0.17))
-    assert error < TOLERANCE[dtype], f"xformers: {error:.2e} (ATTNRES_TEST_SEED={seed})"
-    bias = calls.seen[0]["attn_bias"]
-    if mask is not None and causal:  # folded into the tensor: xformers' backward has no
-        assert type(bias) is torch.Tensor  # LowerTriangularMaskWithTensorBias (issue 31)
-    elif causal:
-        assert type(bias) is LowerTriangularMask
-
-
 @pytest.mark.parametrize("variant", ["fa", "fa3", "fa4", "sage_attn", "aiter"])
 def test_adapters_without_masks_refuse_one(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel, calls = kernel_for(variant, monkeypatch)

@@ -59,24 +59,29 @@ def _dense() -> Any:
         ({}, True, None, None),
         ({"heads_kv": 2}, True, None, None),
         ({"seq_q": 5, "seq_kv": 11}, True, None, None),  # top-left, as SDPA
-        ({"seq_kv": 11}, False, "bool", None),
-        ({"seq_kv": 11}, True, "float", None),
+        ({"seq_kv": 11}, False, ("bool", (2, 1)), None),
+        ({"seq_kv": 11}, True, ("float", (2, 1)), None),
+        ({"seq_q": 7, "seq_kv": 13}, False, ("bool", (2, 4)), None),  # per head
+        ({"seq_q": 7, "seq_kv": 13}, True, ("bool", ()), None),  # 2-D, broadcast
+        ({}, True, ("float", (1, 4)), None),
         ({}, False, None, (2, 1)),
+        ({}, False, ("bool", (2, 1)), (2, 1)),
     ],
 )
-def test_forward(dtype: torch.dtype, shape: dict[str, int], causal: bool, mask: str | None,
+def test_forward(dtype: torch.dtype, shape: dict[str, int], causal: bool, mask: Any,
                  window: tuple[int, int] | None) -> None:  # fmt: skip
     q, k, v = qkv(dtype=dtype, **shape)
     attn_mask = None
     if mask is not None:
-        keep = (
-            torch.rand(2, 1, q.shape[1], k.shape[1], generator=torch.Generator().manual_seed(3))
-            > 0.3
-        )
+        kind, lead = mask
+        generator = torch.Generator().manual_seed(3)
+        keep = torch.rand(*lead, q.shape[1], k.shape[1], generator=generator) > 0.3
         keep[..., 0] = True
-        attn_mask = (
-            keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(~keep, -1e4).to(dtype)
-        )
+        if kind == "bool":
+            attn_mask = keep
+        else:
+            bias = torch.randn(keep.shape, generator=generator)
+            attn_mask = bias.masked_fill(~keep, float("-inf")).to(dtype)
     extra = {} if window is None else {"window": window}
     out = _dense()(q, k, v, attn_mask, causal, 0.3, **extra)
     close(out, reference(q, k, v, attn_mask, causal, 0.3, window=window))
