@@ -34,7 +34,6 @@ from reference import relative_error
 
 import attnres.kernels as kernels
 from attnres.kernels import KernelUnavailableError, clear_kernel_cache, get_kernel
-from attnres.kernels import fa as fa_adapter
 
 OPTIONAL_MODULES = (
     "flash_attn",
@@ -719,10 +718,15 @@ def _is_cross(shape: str) -> bool:
 
 
 # Causal cross attention only where the kernel's causal is top-left (xformers);
-# the others refuse it (test_causal_cross_attention_is_refused).
+# the others refuse it (test_causal_cross_attention_is_refused). The current
+# releases of flash-attn 2, FA3, FA4, aiter and xformers run through their real
+# wrappers in tests/kernels (issue 31, `make test-kernels`); here stay the
+# older return conventions and SageAttention 2, which the registry does not have.
+REAL_WRAPPER_COVERED = frozenset({"fa", "fa3", "fa4", "aiter", "xformers"})
 MATCH_CASES = [
     pytest.param(variant, causal, shape, id=f"{variant}-{'causal' if causal else 'full'}-{shape}")
     for variant in VARIANTS
+    if variant not in REAL_WRAPPER_COVERED
     for causal in (False, True)
     for shape in SHAPES
     if not (causal and _is_cross(shape) and VARIANTS[variant][0] != "xformers")
@@ -743,46 +747,6 @@ def test_adapter_matches_reference_through_fake(
     error = relative_error(out, expected(q, k, v, None, causal, scale))
     assert error < TOLERANCE[dtype], f"{variant}: {error:.2e} (ATTNRES_TEST_SEED={seed})"
     assert len(calls.seen) == 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("mask_kind", "mask_shape", "causal", "seq_q", "seq_kv"),
-    [
-        ("bool", (2, 4, 19, 37), False, 19, 37),
-        ("bool", (19, 37), True, 19, 37),
-        ("float", (1, 4, 21, 21), False, 21, 21),
-        ("float", (2, 1, 1, 29), True, 33, 29),
-        (None, None, True, 11, 27),  # causal cross: top-left, like SDPA
-    ],
-)
-def test_xformers_masks_and_causal(
-    mask_kind: str | None,
-    mask_shape: tuple[int, ...] | None,
-    causal: bool,
-    seq_q: int,
-    seq_kv: int,
-    dtype: torch.dtype,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    kernel, calls = kernel_for("xformers", monkeypatch)
-    seed = _seed()
-    q, k, v = make_inputs(seed, dtype=dtype, seq_q=seq_q, seq_kv=seq_kv, heads_q=4, heads_kv=2)
-    generator = torch.Generator().manual_seed(seed + 1)
-    mask: torch.Tensor | None = None
-    if mask_kind == "bool" and mask_shape is not None:
-        mask = torch.rand(*mask_shape, generator=generator) > 0.3
-        mask[..., 0] = True
-    elif mask_kind == "float" and mask_shape is not None:
-        mask = torch.randn(*mask_shape, generator=generator).to(dtype)
-    out = kernel(q, k, v, mask, causal, 0.17)
-    error = relative_error(out, expected(q, k, v, mask, causal, 0.17))
-    assert error < TOLERANCE[dtype], f"xformers: {error:.2e} (ATTNRES_TEST_SEED={seed})"
-    bias = calls.seen[0]["attn_bias"]
-    if mask is not None and causal:
-        assert type(bias) is LowerTriangularMaskWithTensorBias
-    elif causal:
-        assert type(bias) is LowerTriangularMask
 
 
 @pytest.mark.parametrize("variant", ["fa", "fa3", "fa4", "sage_attn", "aiter"])
@@ -861,37 +825,6 @@ def test_xformers_gets_equal_heads_and_an_aligned_bias(monkeypatch: pytest.Monke
     assert bias.dtype == torch.float16 and bias.shape == (2, 6, q.shape[1], 13)
     assert all(bias.stride(d) % 8 == 0 for d in range(3))
     assert relative_error(out, expected(q, k, v, mask, False, None)) < TOLERANCE[torch.float16]
-
-
-def test_fa_varlen_passes_int32_cu_seqlens(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = Calls()
-    install(monkeypatch, {"flash_attn": fake_flash_attn(calls)})
-    varlen = fa_adapter.make_varlen_kernel()
-    seed = _seed()
-    generator = torch.Generator().manual_seed(seed)
-    lengths_q, lengths_k = [5, 9, 3], [7, 9, 12]
-    heads_q, heads_kv, head_size = 4, 2, 32
-
-    def packed(total: int, heads: int) -> torch.Tensor:
-        return torch.randn(total, heads, head_size, generator=generator).to(torch.bfloat16)
-
-    q = packed(sum(lengths_q), heads_q)
-    k, v = packed(sum(lengths_k), heads_kv), packed(sum(lengths_k), heads_kv)
-    cu_q = torch.tensor([0, 5, 14, 17], dtype=torch.int64)  # int64 on purpose
-    cu_k = torch.tensor([0, 7, 16, 28], dtype=torch.int64)
-    out = varlen(q, k, v, cu_q, cu_k, 9, 12, False, None)
-    seen = calls.seen[0]
-    assert seen["cu_seqlens_q"].dtype == torch.int32
-    assert seen["cu_seqlens_k"].dtype == torch.int32
-    assert isinstance(seen["max_seqlen_q"], int) and seen["max_seqlen_k"] == 12
-    for i in range(3):
-        qs = slice(int(cu_q[i]), int(cu_q[i + 1]))
-        ks = slice(int(cu_k[i]), int(cu_k[i + 1]))
-        reference = expected(
-            q[qs].unsqueeze(0), k[ks].unsqueeze(0), v[ks].unsqueeze(0), None, False, None
-        )[0]
-        error = relative_error(out[qs], reference)
-        assert error < TOLERANCE[torch.bfloat16], f"sequence {i}: {error:.2e} (seed {seed})"
 
 
 def test_fa_refuses_a_flash_attn_that_is_only_fa4(monkeypatch: pytest.MonkeyPatch) -> None:

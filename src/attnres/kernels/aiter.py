@@ -30,6 +30,12 @@ Source facts (ROCm/aiter aiter/ops/mha.py, re-exported as ``aiter.flash_attn_fun
   ``return_attn_probs``; causal is bottom-right per sequence. ``min_seqlen_q``
   sits before ``dropout_p`` (unlike flash-attn's), so the adapter passes
   everything after the lengths by keyword.
+- ``FlashAttnFunc.forward`` and ``FlashAttnVarlenFunc.forward`` ``assert
+  return_lse`` whenever an input requires grad (amd-aiter 0.1.7.post2.dev18,
+  upstream since 2025-08: the backward reads the saved lse), so the adapter
+  passes ``return_lse=True`` wherever the function takes it (issue 31; the
+  ``(out, lse)`` result is unwrapped to ``out``). Tested through that
+  release's own ``aiter/ops/mha.py`` (tests/kernels/test_real_aiter.py).
 - Install: ``pip install amd-aiter`` or build ROCm/aiter from source. The
   unrelated PyPI package ``aiter`` (async iterators) imports under the same
   name and has no ``flash_attn_func``: that case is reported as such.
@@ -44,6 +50,7 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    takes_keywords,
     varlen_style_kernel,
 )
 
@@ -75,6 +82,8 @@ def _function(name: str) -> Any:
 def make_kernel() -> KernelFn:
     """Import aiter and bind ``flash_attn_func``."""
     flash_attn_func = _function("flash_attn_func")
+    # issue 31: the lse the backward needs (asserted whenever an input requires grad)
+    lse = {"return_lse": True} if takes_keywords(flash_attn_func, "return_lse") else {}
 
     def call(
         q: Tensor,
@@ -86,7 +95,9 @@ def make_kernel() -> KernelFn:
         window: tuple[int, int] | None,
     ) -> Any:
         extra = flash_feature_kwargs(softcap, window)  # softcap is refused above (takes)
-        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra)
+        return flash_attn_func(
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra, **lse
+        )
 
     return flash_style_kernel(
         BACKEND,
@@ -104,6 +115,7 @@ def make_varlen_kernel() -> VarlenKernelFn:
     bottom-right per sequence.
     """
     varlen_func = _function("flash_attn_varlen_func")
+    lse = {"return_lse": True} if takes_keywords(varlen_func, "return_lse") else {}  # issue 31
     return varlen_style_kernel(
         lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
             q,
@@ -116,5 +128,6 @@ def make_varlen_kernel() -> VarlenKernelFn:
             dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
+            **lse,
         )
     )

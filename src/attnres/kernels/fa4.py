@@ -36,12 +36,28 @@ flash_attn/cute/pyproject.toml; PyPI page of flash-attn-4):
   imported function's signature names them. Not with head_dim 256 on sm100
   ("SM100 forward with head_dim=256 does not support seqused_q/seqused_k"):
   the catalogue caps fa4 at head size 128, so no plan reaches that case.
+- flash-attn 2.8.3 installs its own early ``flash_attn.cute`` (``__version__``
+  0.1.0) under the same import name: its ``flash_attn_varlen_func(q, k, v,
+  cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, softmax_scale,
+  causal, window_size, learnable_sink, softcap, pack_gqa)`` has no
+  ``max_seqlen_q`` / ``max_seqlen_k`` (it reads the lengths from
+  ``cu_seqlens``) and neither function takes ``deterministic``; both return
+  ``(out, lse)``, and its varlen backward raises ``NotImplementedError``. The
+  adapter passes the lengths only where the function names them, and an option
+  the imported function does not take is a
+  :class:`~attnres.errors.BackendOptionError` naming the installed version
+  (issue 31; tested through both releases' own ``interface.py`` in
+  tests/kernels/test_real_flash_attn.py and test_real_fa4.py).
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from attnres.errors import BackendOptionError
 from attnres.kernels._common import (
     flash_feature_kwargs,
     flash_style_kernel,
@@ -73,9 +89,35 @@ def _function(name: str) -> Any:
     )
 
 
+def _option_check(fn: Callable[..., Any]) -> Callable[[Mapping[str, Any]], None]:
+    """``check(options)``: a :class:`BackendOptionError` for an option ``fn`` has no
+    parameter for (flash-attn 2.8.3's early ``flash_attn.cute`` takes no
+    ``deterministic``), instead of the ``TypeError`` of the first call."""
+    try:
+        taken = frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # unreadable: let the call say
+        return lambda options: None
+    version = getattr(sys.modules.get(PACKAGE), "__version__", "unknown")
+
+    def check(options: Mapping[str, Any]) -> None:
+        for name in options:
+            if name not in taken:
+                raise BackendOptionError(
+                    f"attention backend {BACKEND!r}: the installed {PACKAGE} (version "
+                    f"{version}) has no {name!r} argument in {fn.__name__}; flash-attn "
+                    f"2.8.3 ships an early flash_attn.cute (0.1.0) without it. Drop the "
+                    f"option or install FlashAttention-4 with: {INSTALL}",
+                    BACKEND,
+                    name,
+                )
+
+    return check
+
+
 def make_kernel() -> KernelFn:
     """Import flash_attn.cute and bind ``flash_attn_func``."""
     flash_attn_func = _function("flash_attn_func")
+    check = _option_check(flash_attn_func)
 
     def call(
         q: Tensor,
@@ -87,6 +129,8 @@ def make_kernel() -> KernelFn:
         window: tuple[int, int] | None,
         **options: Any,  # issue 23: the spec's declared options (deterministic, ...)
     ) -> Any:
+        if options:
+            check(options)
         extra = flash_feature_kwargs(softcap, window, unbounded=None)  # FA4: None, not -1
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra, **options)
 
@@ -106,19 +150,27 @@ def make_varlen_kernel() -> VarlenKernelFn:
     position in later releases). Its causal mask is bottom-right per sequence.
     """
     varlen_func = _function("flash_attn_varlen_func")
+    check = _option_check(varlen_func)
+    # issue 31: flash-attn 2.8.3's early flash_attn.cute reads the lengths from cu_seqlens
+    takes_lengths = takes_keywords(varlen_func, "max_seqlen_q", "max_seqlen_k")
+
+    def call(
+        q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+        causal: bool, scale: float | None, **options: Any,
+    ) -> Any:  # fmt: skip
+        # issue 23: the spec's options (deterministic, pack_gqa) where the route passes
+        # them, and seqused_q/seqused_k where the span route does
+        if options:
+            check(
+                {name: value for name, value in options.items() if not name.startswith("seqused_")}
+            )
+        if takes_lengths:
+            options["max_seqlen_q"], options["max_seqlen_k"] = max_q, max_k
+        return varlen_func(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, softmax_scale=scale, causal=causal,
+            **options,
+        )  # fmt: skip
+
     return varlen_style_kernel(
-        # issue 23: the spec's options (deterministic, pack_gqa) where the route passes them
-        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **options: varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
-            softmax_scale=scale,
-            causal=causal,
-            **options,  # and seqused_q/seqused_k where the span route passes them
-        ),
-        takes_seqused=takes_keywords(varlen_func, "seqused_q", "seqused_k"),
+        call, takes_seqused=takes_keywords(varlen_func, "seqused_q", "seqused_k")
     )

@@ -36,7 +36,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from attnres._memo import GenerationMemo
-from attnres.kernels._common import import_kernel_package, require_attribute
+from attnres.kernels._common import (
+    KernelUnavailableError,
+    import_kernel_package,
+    require_attribute,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -160,10 +164,23 @@ def make_sage_lse() -> LseKernelFn:
     Ring Attention" (sageattention/core.py). ``is_causal`` is "only applicable when
     qo_len == kv_len": the ring only asks for causal blocks of equal lengths.
     Inference only (SageAttention has no backward pass); no softcap argument.
+    SageAttention 1 (the registry's ``sageattention`` 1.0.6) has no ``return_lse``:
+    its ``**kwargs`` swallow it and it returns ``out`` alone, which ``out, lse =``
+    would split along the batch; that release is refused here (issue 31).
     """
+    from attnres.kernels._common import takes_keywords
     from attnres.kernels.sage_attn import BACKEND, INSTALL, PACKAGE, sage_function
 
     module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    sageattn = require_attribute(module, "sageattn", backend=BACKEND, hint="Reinstall: " + INSTALL)
+    if not takes_keywords(sageattn, "return_lse"):
+        raise KernelUnavailableError(
+            f"attention backend {BACKEND!r}: the installed {PACKAGE} has no return_lse "
+            "(SageAttention 1, such as the registry's 1.0.6, returns the output alone), so "
+            "it cannot serve a ring layout's log-sum-exp. Install SageAttention 2 from "
+            "https://github.com/thu-ml/SageAttention, or run the ring on torch_sdpa",
+            name=PACKAGE,
+        )
     pick = sage_function(module)
 
     def sage_lse(

@@ -29,6 +29,14 @@ Source facts (thu-ml/SageAttention sageattention/core.py, README):
   ``BackendSpec.entry_points`` (attnres.backends, SageAttention d1a57a54), and
   passes ``sageattn``'s own settings under the user's options. Without options
   the adapter calls ``sageattn`` as before.
+- SageAttention 1 (the registry's ``sageattention`` 1.0.6: Triton; head sizes
+  64/96/128, varlen 64/128; ``sageattn(q, k, v, tensor_layout, is_causal,
+  sm_scale, smooth_k=True, **kwargs)``, no ``return_lse``) smooths the keys in
+  place (``k -= km`` in ``core.py``), so where ``sageattn`` has no
+  ``return_lse`` parameter (that release's mark) the adapter hands it a copy of
+  ``k``: the caller's keys (a KV cache, a tensor other layers read) stay as
+  they were (issue 31; tested through 1.0.6's own ``core.py`` in
+  tests/kernels/test_real_sage.py). The varlen route packs its own copy.
 - Install: ``pip install sageattention``.
 """
 
@@ -43,6 +51,7 @@ from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
     require_attribute,
+    takes_keywords,
     varlen_style_kernel,
 )
 
@@ -114,11 +123,15 @@ def make_kernel() -> KernelFn:
     sageattn = require_attribute(
         module, "sageattn", backend=BACKEND, hint="Reinstall it with: " + INSTALL
     )
+    # issue 31: SageAttention 1 (no return_lse) subtracts the keys' mean from k in place
+    smooths_in_place = not takes_keywords(sageattn, "return_lse")
 
     def call(
         q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float,
         window: tuple[int, int] | None, **options: Any,
     ) -> Any:  # fmt: skip
+        if smooths_in_place:
+            k = k.clone()
         if not options:  # as before issue 23: the dispatcher itself
             return sageattn(q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale)
         function, settings = pick(q, options)

@@ -34,6 +34,7 @@ import torch
 
 from attnres.kernels._common import (
     import_kernel_package,
+    mask_with_causal,
     require_attribute,
     unsupported_feature_error,
     with_window,
@@ -106,9 +107,9 @@ def make_kernel() -> KernelFn:
             v = v.repeat_interleave(groups, dim=2)
         bias: object = None
         if attn_mask is not None:
+            if causal:  # folded in: the backward takes no LowerTriangularMaskWithTensorBias
+                attn_mask = mask_with_causal(attn_mask, seq_q, k.shape[1])
             bias = _aligned_bias(attn_mask, batch, heads, seq_q, k.shape[1], q.dtype)
-            if causal:
-                bias = lower_triangular().add_bias(bias)
         elif causal:
             bias = causal_bias
         out: Tensor = memory_efficient_attention(q, k, v, attn_bias=bias, p=0.0, scale=scale)
