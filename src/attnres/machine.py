@@ -908,6 +908,7 @@ def check_candidate(
                 (Failure(Code.UNKNOWN_BACKEND, f"backend {backend.name!r} is not registered"),),
             ),
         )
+    spec = platform.installed(spec)[0]  # issue 31: the installed version's facts, this GPU's
     results = (
         (Check.KNOWN, ()),
         (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
@@ -1025,6 +1026,7 @@ def _unusable_here(
     spec = lookup_spec(backend)
     if spec is None:
         return f"backend {backend.name!r} is not registered"
+    spec = platform.installed(spec)[0]
     failures = _check_available(spec, platform, needs_kernel, no_kernel) + _check_platform(
         spec, layer, platform
     )
