@@ -561,15 +561,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
     ),
     Scenario(
-        "bridge-global-sage-on-blackwell-falls-back-to-fa",
+        "bridge-global-sage-on-blackwell-falls-back-to-torch-sdpa",
         "sage_attn (2.x) has no sm100 kernel: on a Blackwell B200 the bridge component falls "
-        "back to fa.",
+        "back to the sm100 chain (fa4, then torch_sdpa): fa4 is not in its supported set, "
+        "so torch_sdpa (issue 31: fa is not preferred where its wheel may lack sm100).",
         _layer(supported=_DENSE_PAIR, name="proj.attn"),
         _cli("sage_attn"),
         scope_state("bridge"),
         "cuda:sm100+all",
         None,
-        expect=selects("fa", "global backend fallback", origin="global_cli"),
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
     ),
     Scenario(
         "connector-global-xformers-unsupported-head-size-falls-back",

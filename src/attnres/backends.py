@@ -1098,7 +1098,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         satisfies=[{"torch_sdpa"}],
         aliases=("cudnn", "cudnn_sdpa"),
         description="torch SDPA restricted to the cuDNN backend",
-        release="torch >= 2.5 (pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp 001f694a)",
+        release=(
+            "torch >= 2.5 (pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp "
+            "001f694a)"
+        ),
         refuses=(
             "a key/value sequence of length 1 (seq_kv == 1): sdp_utils.cpp "
             "check_cudnn_tensor_shapes refuses it, and with only cuDNN enabled the call raises",
@@ -1130,8 +1133,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         limits=(
             RequirementLimit(
                 {R.BACKWARD},
-                "torch/nn/attention/flex_attention.py: 'FlexAttention does not support backward "
-                "on CPU' -- raised in the forward whenever an input requires grad",
+                "flex_attention.py: 'FlexAttention does not support backward on CPU'",
                 platforms={"cpu"},
             ),
         ),
@@ -1190,7 +1192,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         },
         aliases=("flash_attn", "flash_attention", "flash_attention_2", "fa2", "flash_attn_2"),
         description="flash-attn 2.x (flash_attn_func / flash_attn_varlen_func)",
-        release="flash-attn >= 2.0 (flash-attention 0251105a; setup.py builds sm80-sm120 from v2.7.3)",
+        release=(
+            "flash-attn >= 2.0 (flash-attention 0251105a; setup.py builds sm80-sm120 from "
+            "v2.7.3)"
+        ),
         causal_top_left=False,
         kernel="attnres.kernels.fa:make_kernel",
         masks=(

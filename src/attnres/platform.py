@@ -40,6 +40,7 @@ from attnres._vocab import PLATFORM_KINDS
 from attnres.backends import (
     Backend,
     BackendSpec,
+    CapabilityRule,
     KernelFacts,
     installed_facts,
     on_registry_change,
@@ -48,9 +49,11 @@ from attnres.backends import (
 )
 
 __all__ = [
+    "CUDA_CHAINS",
     "DEFAULT_CHAINS",
     "GRAMMAR",
     "KNOWN_PACKAGES",
+    "ChainRule",
     "PackageFact",
     "PackageProbe",
     "Platform",
@@ -144,6 +147,46 @@ DEFAULT_CHAINS: Final[Mapping[str, tuple[str, ...]]] = {
     "mps": ("torch_sdpa",),
     "xpu": ("torch_sdpa",),
 }
+
+
+@frozen
+class ChainRule:
+    """Issue 31: the CUDA chain on the GPUs ``capabilities`` admits, and why."""
+
+    capabilities: CapabilityRule
+    chain: tuple[str, ...]
+    source: str
+
+
+#: Issue 31: the platform_default chain per CUDA generation, read from what the
+#: kernels' own code accepts (docs/backends.md#platform-default-chains). The first
+#: rule that admits the device's capability gives its chain; an unknown capability
+#: or one no rule admits keeps ``DEFAULT_CHAINS["cuda"]``.
+CUDA_CHAINS: Final[tuple[ChainRule, ...]] = (
+    ChainRule(
+        CapabilityRule(min=(8, 0), max=(9, 0)),
+        ("fa", "torch_sdpa"),
+        "flash-attn 2 (flash_api.cpp: 'FlashAttention only supports Ampere GPUs or newer') "
+        "is built for sm80 and sm90 by every wheel (setup.py cuda_archs)",
+    ),
+    ChainRule(
+        CapabilityRule(min=(10, 0), max=(11, 0)),
+        ("fa4", "torch_sdpa"),
+        "flash-attn 2.8.3 setup.py builds sm100 only with CUDA >= 12.8, so a wheel built "
+        "without it imports and dies at the first call ('no kernel image'); FA3 is sm90 "
+        "only; FlashAttention-4 (flash-attn-4 4.0.0b36 flash_attn/cute/interface.py) is "
+        "tuned for sm100/sm110 and checks the device itself",
+    ),
+    ChainRule(
+        CapabilityRule(min=(12, 0), max=(12, 1)),
+        ("torch_sdpa",),
+        "flash-attn 2.8.3 setup.py builds sm120 only with CUDA >= 12.8 (a wheel without it "
+        "dies at the first call); FlashAttention-4 runs sm120 on sm80 MMA with no "
+        "deterministic backward and no split-KV; torch SDPA dispatches flash/cuDNN/"
+        "efficient per call itself (sdp_utils.cpp), as SGLang, vLLM and xDiT choose SDPA "
+        "or cuDNN on sm12x",
+    ),
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -298,6 +341,10 @@ class Platform:
         machine passes over an unusable one with a recorded reason, and does not
         count that as a fallback. The last entry is the unconditional default.
         """
+        if self.kind == "cuda" and self.capability is not None:
+            for rule in CUDA_CHAINS:
+                if rule.capabilities.fits(self.capability):
+                    return _backends(rule.chain)
         return _backends(DEFAULT_CHAINS[self.kind])
 
     def installed(self, spec: BackendSpec) -> tuple[BackendSpec, tuple[KernelFacts, ...]]:
