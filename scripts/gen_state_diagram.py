@@ -33,7 +33,7 @@ def render() -> str:
         TUNABLE_ORIGINS,
         VERDICT_RULES,
     )
-    from attnres.platform import DEFAULT_CHAINS
+    from attnres.platform import CUDA_CHAINS, DEFAULT_CHAINS
     from attnres.scope import BUILTIN_KINDS
 
     lines = [
@@ -148,6 +148,19 @@ def render() -> str:
         *[
             f"| `{kind}` | " + ", then ".join(f"`{b}`" for b in chain) + " |"
             for kind, chain in DEFAULT_CHAINS.items()
+        ],
+        "",
+        "On CUDA the chain depends on the GPU generation (`attnres.platform.CUDA_CHAINS`,",
+        "issue 31; the sources are in docs/backends.md); a capability no row admits, or",
+        "an unknown one, keeps the `cuda` row above:",
+        "",
+        "| compute capability | chain |",
+        "|---|---|",
+        *[
+            f"| {rule.capabilities.describe()} | "
+            + ", then ".join(f"`{b}`" for b in rule.chain)
+            + " |"
+            for rule in CUDA_CHAINS
         ],
         "",
         "## Component kinds",

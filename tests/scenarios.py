@@ -1213,6 +1213,28 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("fa", origin="none"),
     ),
     Scenario(
+        "none-cuda-blackwell-sm100-picks-fa4",
+        "Nothing requested on a B200 (sm100) with every package: the sm100 chain (issue 31) "
+        "prefers fa4, not fa (a flash-attn wheel built without sm100 dies at its first call).",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm100+all",
+        None,
+        expect=selects("fa4", origin="none"),
+    ),
+    Scenario(
+        "none-cuda-sm120-picks-torch-sdpa",
+        "Nothing requested on an RTX 50 (sm120) with every package: the sm120 chain (issue "
+        "31) is torch_sdpa alone, which dispatches flash, cuDNN or efficient attention itself.",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm120+all",
+        None,
+        expect=selects("torch_sdpa", origin="none"),
+    ),
+    Scenario(
         "none-cuda-without-flash-attn-passes-over-fa-to-torch-sdpa",
         "Nothing requested on CUDA without flash-attn: the chain prefers fa only where it is "
         "usable, so it is passed over (a skip record says why) and torch_sdpa serves with no "

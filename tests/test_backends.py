@@ -767,3 +767,108 @@ def test_docs_catalogue_table_and_limits_repeat_the_specs() -> None:
         assert _catalogue_row(spec) + "\n" in text, spec.name
         for limit in spec.limits:
             assert f"| `{spec.name}` | {limit.describe()} | {limit.because} |" in text
+
+
+# =============================================================================
+# issue 31: facts keyed by version and GPU, rendered in docs/backends.md
+# =============================================================================
+
+_DOC = Path(__file__).resolve().parent.parent / "docs" / "backends.md"
+
+
+def _changed(name: str, value: object) -> str:
+    """One replaced fact of a KernelFacts entry, in words."""
+    if value is None or value == ():
+        return f"{name}: none"
+    if isinstance(value, B.HeadSizeRule):
+        return f"head sizes {value.describe()}"
+    if name == "capabilities":
+        return "runs on " + "; ".join(f"{k} {r.describe()}" for k, r in value.items())  # type: ignore[attr-defined]
+    if name == "implements":
+        return "implements " + ", ".join(r.value for r in Requirement if r in value)  # type: ignore[operator]
+    if name == "options":
+        return "options " + ", ".join(o.name for o in value)  # type: ignore[attr-defined]
+    if name == "masks":
+        return "masks " + ", ".join(f"{m.kind.value} {m.route.value}" for m in value)  # type: ignore[attr-defined]
+    return f"{name}: {value}"
+
+
+def _chains_block() -> str:
+    from attnres.platform import CUDA_CHAINS
+
+    rows = ["| compute capability | chain | source |", "|---|---|---|"]
+    rows += [
+        f"| {rule.capabilities.describe()} | "
+        + ", then ".join(f"`{b}`" for b in rule.chain)
+        + f" | {rule.source} |"
+        for rule in CUDA_CHAINS
+    ]
+    return "\n".join(rows)
+
+
+def _facts_block() -> str:
+    specs = B.BUILTIN_SPECS
+    out = ["| backend | the catalogue's own facts describe |", "|---|---|"]
+    out += [f"| `{s.name}` | {s.release} |" for s in specs if s.release]
+    out += [
+        "",
+        "Where another version or GPU differs (`BackendSpec.variants`; every matching entry "
+        "applies, in this order):",
+        "",
+        "| backend | applies to | kernel | facts it replaces | source |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| `{s.name}` | {v.describe()} | {v.kernel} | "
+        + "; ".join(_changed(k, v.changes[k]) for k in sorted(v.changes))
+        + f" | {v.source} |"
+        for s in specs
+        for v in s.variants
+    ]
+    out += [
+        "",
+        "Option values a kernel refuses (`BackendSpec.option_limits`): a layer that gives one "
+        "where it applies gets a `BackendOptionError` when it is built:",
+        "",
+        "| backend | refuses | because |",
+        "|---|---|---|",
+    ]
+    out += [
+        f"| `{s.name}` | {o.describe()} | {o.because} |" for s in specs for o in s.option_limits
+    ]
+    out += [
+        "",
+        "What a kernel refuses at call time that no layer fact decides (`BackendSpec.refuses`; "
+        "shown by `attnres backends`):",
+        "",
+        "| backend | refuses |",
+        "|---|---|",
+    ]
+    out += [f"| `{s.name}` | {r} |" for s in specs for r in s.refuses]
+    return "\n".join(out)
+
+
+def test_docs_show_the_facts_by_version_and_gpu(update_golden: bool) -> None:
+    """docs/backends.md's version/GPU facts and CUDA chains are generated from the
+    catalogue (``--update-golden`` rewrites them): every fact there has its source."""
+    from generated_docs import check_generated
+
+    for spec in B.BUILTIN_SPECS:
+        for variant in spec.variants:
+            assert variant.source and variant.kernel, spec.name
+        for limit in spec.option_limits:
+            assert limit.because, spec.name
+    check_generated(
+        _DOC,
+        "<!-- BEGIN generated: CUDA chains (tests/test_backends.py) -->",
+        "<!-- END generated: CUDA chains -->",
+        _chains_block(),
+        update_golden,
+    )
+    check_generated(
+        _DOC,
+        "<!-- BEGIN generated: kernel facts (tests/test_backends.py) -->",
+        "<!-- END generated: kernel facts -->",
+        _facts_block(),
+        update_golden,
+    )

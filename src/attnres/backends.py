@@ -705,7 +705,8 @@ class KernelFacts:
                 f">= {self.since}" if self.since else "",
                 f"< {self.before}" if self.before else "",
             ]
-            parts.append(" ".join([self.distribution, ", ".join(b for b in bounds if b)]).strip())
+            text = ", ".join(b for b in bounds if b) or "(any version)"
+            parts.append(f"{self.distribution} {text}")
         if self.capabilities is not None:
             parts.append("on " + self.capabilities.describe())
         return " ".join(parts) or "always"
@@ -900,9 +901,9 @@ _FA4_B36 = "flash-attn-4 4.0.0b36 (registry wheel) flash_attn/cute/interface.py"
 _FA_CUTE_EARLY = "flash-attn 2.8.3 (registry sdist) flash_attn/cute/interface.py (cute 0.1.0)"
 _SAGE1 = "sageattention 1.0.6 (registry wheel) sageattention/core.py"
 _FA3_BWD = (
-    "flash-attention hopper/flash_api.cpp mha_bwd: TORCH_CHECK(!deterministic || "
-    "head_size_rounded < 256, 'Deterministic backward not supported for hdim 256.'); "
-    "round_up_headdim takes 193-256 to 256"
+    "flash-attention hopper/flash_api.cpp mha_bwd: deterministic needs head_size_rounded "
+    "< 256, else 'Deterministic backward not supported for hdim 256.'; round_up_headdim "
+    "takes 193-256 to 256"
 )
 
 #: issue 23: SageAttention 2's functions per GPU, read at thu-ml/SageAttention
@@ -1054,6 +1055,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, _WINDOW),
         aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
         description="torch.nn.functional.scaled_dot_product_attention",
+        release="torch (the installed build; torch docs for scaled_dot_product_attention)",
         kernel="attnres.kernels.torch_sdpa:make_kernel",
         masks=_native_masks(
             "torch.nn.functional.scaled_dot_product_attention: attn_mask is a boolean mask "
@@ -1084,6 +1086,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         ),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",
+        release="attnres itself (attnres.kernels.eager)",
         kernel="attnres.kernels.eager:make_kernel",
         masks=_native_masks("attnres.kernels.eager: masked_fill for boolean, + for float masks"),
     ),
@@ -1099,8 +1102,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         aliases=("cudnn", "cudnn_sdpa"),
         description="torch SDPA restricted to the cuDNN backend",
         release=(
-            "torch >= 2.5 (pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp "
-            "001f694a)"
+            "torch >= 2.5 (pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp 001f694a)"
         ),
         refuses=(
             "a key/value sequence of length 1 (seq_kv == 1): sdp_utils.cpp "
@@ -1121,6 +1123,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         satisfies=[{"fa", "torch_sdpa"}],
         aliases=("dynamic_cudnn",),
         description="cuDNN SDPA chosen per shape, standing in for fa and torch_sdpa",
+        release="no upstream source found: its facts are unverified (docs/backends.md)",
         kernel="attnres.kernels.dynamic_cudnn_sdpa:make_kernel",
     ),
     BackendSpec(
@@ -1140,6 +1143,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         min_torch={"cuda": (2, 5), "cpu": (2, 6)},
         aliases=("flex",),
         description="torch.nn.attention.flex_attention",
+        release="torch >= 2.5 on cuda, >= 2.6 on cpu (torch/nn/attention/flex_attention.py)",
         kernel="attnres.kernels.flex_attention:make_kernel",
         masks=_native_masks(
             "torch/nn/attention/flex_attention.py: boolean masks as a BlockMask from mask_mod, "
@@ -1193,8 +1197,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         aliases=("flash_attn", "flash_attention", "flash_attention_2", "fa2", "flash_attn_2"),
         description="flash-attn 2.x (flash_attn_func / flash_attn_varlen_func)",
         release=(
-            "flash-attn >= 2.0 (flash-attention 0251105a; setup.py builds sm80-sm120 from "
-            "v2.7.3)"
+            "flash-attn >= 2.0 (flash-attention 0251105a; setup.py builds sm80-sm120 from v2.7.3)"
         ),
         causal_top_left=False,
         kernel="attnres.kernels.fa:make_kernel",
@@ -1469,6 +1472,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": CapabilityRule(exact={(12, 0), (12, 1)})},
         aliases=("sage3", "sageattn3", "sage_attention_3"),
         description="SageAttention3 for Blackwell (sageattn3)",
+        release=(
+            "sageattn3 built from sageattention3_blackwell/ (SageAttention d1a57a54; not on "
+            "the registry)"
+        ),
         causal_top_left=False,
         kernel="attnres.kernels.sage_attn_3:make_kernel",
     ),
@@ -1499,6 +1506,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         dtype_capabilities={"bfloat16": _AMPERE_UP},
         aliases=("xformers_attn", "memory_efficient_attention"),
         description="xformers.ops.memory_efficient_attention (cutlass)",
+        release="xformers up to ce4f89d5 (the last before its attention moved to mslk)",
         kernel="attnres.kernels.xformers:make_kernel",
         masks=_native_masks(
             "xformers/ops/fmha: attn_bias is a float tensor bias; attnres.kernels.xformers turns "
@@ -1524,6 +1532,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"rocm": CapabilityRule(archs={"gfx942", "gfx950"})},
         aliases=("aiter_fa", "rocm_aiter"),
         description="AMD aiter flash attention (aiter.flash_attn_func)",
+        release="amd-aiter (ROCm/aiter e4048607; registry amd-aiter 0.1.7.post2.dev18)",
         causal_top_left=False,
         kernel="attnres.kernels.aiter:make_kernel",
         masks=(
@@ -1574,6 +1583,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": _HOPPER},
         aliases=("sta", "sliding_tile_attention"),
         description="Sliding Tile Attention (FastVideo fastvideo_kernel, formerly st_attn)",
+        release="fastvideo-kernel (FastVideo 2f3d4074), or the older separate module",
     ),
     BackendSpec(
         name="video_sparse_attn",
@@ -1587,6 +1597,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": CapabilityRule(exact={(9, 0), (10, 0)})},
         aliases=("vsa", "video_sparse_attention"),
         description="Video Sparse Attention (FastVideo fastvideo_kernel, formerly vsa)",
+        release="fastvideo-kernel (FastVideo 2f3d4074), or the older separate module",
     ),
     BackendSpec(
         name="vmoba_attn",
@@ -1602,6 +1613,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": _AMPERE_UP},
         aliases=("vmoba",),
         description="VMoBA sparse attention (FastVideo fastvideo_kernel) over flash-attn varlen",
+        release="fastvideo-kernel (FastVideo 2f3d4074), or the older separate module",
     ),
     BackendSpec(
         name="sparse_video_gen_2_attn",
@@ -1613,6 +1625,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": _HOPPER},
         aliases=("svg2", "sparse_videogen_2", "svg"),
         description="Sparse VideoGen 2 (svg)",
+        release="svg built from svg-project/Sparse-VideoGen (kernels for sm90a; unverified beyond)",
     ),
 )
 
