@@ -963,7 +963,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         width=width,
         wrap=[3, 1],
     )
-    lines += ["", "Kernels installed here (the catalogue's facts for their version and this GPU)"]
+    lines += ["", "Kernels installed here (facts for their version and GPU)"]
     if doc["kernels"]:
         for kernel in doc["kernels"]:
             lines += _wrap(
