@@ -13,7 +13,7 @@ STAMP := $(VENV)/.attnres-installed
 PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test test-deep test-deferred golden bench fuzz lint typecheck docs clean test-sglang bench-sglang
+.PHONY: setup run test test-deep test-deferred golden bench fuzz lint typecheck docs clean test-sglang bench-sglang gpu-check
 
 setup: $(STAMP)
 
@@ -131,6 +131,14 @@ bench-sglang: $(SGLANG_STAMP)
 
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write
+
+# Issue 31: what to run the first time a CUDA GPU is available: every installed
+# adapter against float64 (forward, backward, varlen, lse, options), the masks
+# gather route's and the generic route's cost, NCCL consensus and sequence
+# parallel on 2+ GPUs; one report (gpu-check-report.json and .txt), under 5
+# minutes. Without a CUDA GPU it says what it would run and exits 0.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py --out gpu-check-report.json
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
