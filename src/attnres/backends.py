@@ -1650,18 +1650,24 @@ LSE_SOURCES: Mapping[str, str] = {
         "(pytorch native_functions.yaml)"
     ),
     "flex_attention": (
-        "flex_attention(..., return_lse=True) returns (out, lse) "
-        "(torch/nn/attention/flex_attention.py)"
+        "flex_attention(..., return_aux=AuxRequest(lse=True)) returns (out, aux) with "
+        "aux.lse; return_lse=True, its older form, is deprecated ('will be removed in "
+        "v2.10') (torch/nn/attention/flex_attention.py, torch 2.13)"
     ),
     "fa": (
         "flash_attn_func(..., return_attn_probs=True) returns (out, softmax_lse, S_dmask) "
         "(flash_attn/flash_attn_interface.py)"
     ),
     "fa3": (
-        "flash_attn_interface.flash_attn_func returns softmax_lse with the output "
-        "(hopper/flash_attn_interface.py)"
+        "hopper/flash_attn_interface.py: _flash_attn_forward returns softmax_lse; the "
+        "public flash_attn_func of the hopper/ shipped with flash-attn 2.8.3 returns out "
+        "only (FlashAttnFunc.forward), so an lse adapter calls the private function"
     ),
-    "fa4": "flash_attn.cute.flash_attn_func returns (out, lse) (flash_attn/cute/interface.py)",
+    "fa4": (
+        "flash_attn.cute.flash_attn_func(..., return_lse=True) returns (out, lse); without "
+        "it, lse only when an input requires grad (flash-attn-4 4.0.0b36 "
+        "flash_attn/cute/interface.py)"
+    ),
     "sage_attn": (
         "sageattn(..., return_lse=True) returns (out, lse), 'used for cases like Ring "
         "Attention' (sageattention/core.py, thu-ml/SageAttention 0116592f)"
