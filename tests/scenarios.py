@@ -419,6 +419,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
     ),
     Scenario(
+        "bridge-global-sage-1-installed-head-80-falls-back-to-fa",
+        "Issue 31: the machine has the registry's sageattention 1.0.6 (SageAttention 1, head "
+        "sizes 64/96/128), not SageAttention 2: under --attention-backend sage_attn a "
+        "head-size-80 bridge layer on an RTX 4090 (sm89) falls back to fa, the failure naming "
+        "SageAttention 1's facts.",
+        _layer(head_size=80, supported=_DENSE_PAIR + ("sage_attn",), name="proj.attn"),
+        _cli("sage_attn"),
+        scope_state("bridge"),
+        "cuda:sm89+flash_attn+sageattention==1.0.6",
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
         "transformer-global-sage-not-supported-rejected",
         "Seed incident: the transformer is the model the flag is aimed at; its layer supports "
         "{fa, torch_sdpa} and declares no default, so sage_attn is rejected with the error "
