@@ -33,7 +33,7 @@ def render() -> str:
         TUNABLE_ORIGINS,
         VERDICT_RULES,
     )
-    from attnres.platform import CUDA_CHAINS, DEFAULT_CHAINS
+    from attnres.platform import CUDA_CHAINS, DEFAULT_CHAINS, ROCM_CHAINS
     from attnres.scope import BUILTIN_KINDS
 
     lines = [
@@ -150,17 +150,18 @@ def render() -> str:
             for kind, chain in DEFAULT_CHAINS.items()
         ],
         "",
-        "On CUDA the chain depends on the GPU generation (`attnres.platform.CUDA_CHAINS`,",
-        "issue 31; the sources are in docs/backends.md); a capability no row admits, or",
-        "an unknown one, keeps the `cuda` row above:",
+        "On CUDA and ROCm the chain depends on the GPU (`attnres.platform.CUDA_CHAINS`,",
+        "`ROCM_CHAINS`, issue 31; the sources are in docs/backends.md); a device no row",
+        "admits, or an unknown one, keeps its kind's row above:",
         "",
-        "| compute capability | chain |",
+        "| device | chain |",
         "|---|---|",
         *[
-            f"| {rule.capabilities.describe()} | "
+            f"| {kind} {rule.capabilities.describe()} | "
             + ", then ".join(f"`{b}`" for b in rule.chain)
             + " |"
-            for rule in CUDA_CHAINS
+            for kind, rules in (("cuda", CUDA_CHAINS), ("rocm", ROCM_CHAINS))
+            for rule in rules
         ],
         "",
         "## Component kinds",

@@ -424,7 +424,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "sizes 64/96/128), not SageAttention 2: under --attention-backend sage_attn a "
         "head-size-80 bridge layer on an RTX 4090 (sm89) falls back to fa, the failure naming "
         "SageAttention 1's facts.",
-        _layer(head_size=80, supported=_DENSE_PAIR + ("sage_attn",), name="proj.attn"),
+        _layer(head_size=80, supported=(*_DENSE_PAIR, "sage_attn"), name="proj.attn"),
         _cli("sage_attn"),
         scope_state("bridge"),
         "cuda:sm89+flash_attn+sageattention==1.0.6",
@@ -1246,6 +1246,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         "cuda:sm120+all",
         None,
         expect=selects("torch_sdpa", origin="none"),
+    ),
+    Scenario(
+        "none-rocm-mi250-gfx90a-picks-fa",
+        "Nothing requested on an MI250 (gfx90a) with every package: aiter has no gfx90a "
+        "build, so the gfx90a chain (issue 31) prefers fa (flash-attn's CK backend).",
+        _layer(),
+        _NOTHING,
+        None,
+        "rocm:gfx90a+all",
+        None,
+        expect=selects("fa", origin="none"),
     ),
     Scenario(
         "none-cuda-without-flash-attn-passes-over-fa-to-torch-sdpa",

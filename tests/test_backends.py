@@ -795,14 +795,15 @@ def _changed(name: str, value: object) -> str:
 
 
 def _chains_block() -> str:
-    from attnres.platform import CUDA_CHAINS
+    from attnres.platform import CUDA_CHAINS, ROCM_CHAINS
 
-    rows = ["| compute capability | chain | source |", "|---|---|---|"]
+    rows = ["| device | chain | source |", "|---|---|---|"]
     rows += [
-        f"| {rule.capabilities.describe()} | "
+        f"| {kind} {rule.capabilities.describe()} | "
         + ", then ".join(f"`{b}`" for b in rule.chain)
         + f" | {rule.source} |"
-        for rule in CUDA_CHAINS
+        for kind, rules in (("cuda", CUDA_CHAINS), ("rocm", ROCM_CHAINS))
+        for rule in rules
     ]
     return "\n".join(rows)
 

@@ -788,4 +788,6 @@ def test_cuda_chain_follows_the_gpu_generation() -> None:
     for sm in ("sm120", "sm121"):
         assert chain(f"cuda:{sm}") == ["torch_sdpa"]
     assert chain("cuda") == chain("cuda:sm75") == ["fa", "torch_sdpa"]  # unknown, older
-    assert chain("rocm:gfx942") == ["aiter", "torch_sdpa"]
+    assert chain("rocm:gfx942") == chain("rocm:gfx950") == ["aiter", "torch_sdpa"]
+    assert chain("rocm:gfx90a") == ["fa", "torch_sdpa"]
+    assert chain("rocm") == chain("rocm:gfx1100") == ["aiter", "torch_sdpa"]

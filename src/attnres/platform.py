@@ -53,6 +53,7 @@ __all__ = [
     "DEFAULT_CHAINS",
     "GRAMMAR",
     "KNOWN_PACKAGES",
+    "ROCM_CHAINS",
     "ChainRule",
     "PackageFact",
     "PackageProbe",
@@ -185,6 +186,25 @@ CUDA_CHAINS: Final[tuple[ChainRule, ...]] = (
         "deterministic backward and no split-KV; torch SDPA dispatches flash/cuDNN/"
         "efficient per call itself (sdp_utils.cpp), as SGLang, vLLM and xDiT choose SDPA "
         "or cuDNN on sm12x",
+    ),
+)
+
+
+#: Issue 31: the platform_default chain per ROCm architecture (the first rule whose
+#: ``archs`` names the device's; another or an unknown one keeps
+#: ``DEFAULT_CHAINS["rocm"]``).
+ROCM_CHAINS: Final[tuple[ChainRule, ...]] = (
+    ChainRule(
+        CapabilityRule(archs={"gfx942", "gfx950"}),
+        ("aiter", "torch_sdpa"),
+        "aiter's README and aiter/ops/mha.py build its flash attention for gfx942 and "
+        "gfx950 (ROCm/aiter e4048607)",
+    ),
+    ChainRule(
+        CapabilityRule(archs={"gfx90a"}),
+        ("fa", "torch_sdpa"),
+        "aiter has no gfx90a build; flash-attn 2's ROCm CK backend (csrc/flash_attn_ck) "
+        "supports gfx90a, gfx942 and gfx950 (flash-attention README)",
     ),
 )
 
@@ -344,6 +364,10 @@ class Platform:
         if self.kind == "cuda" and self.capability is not None:
             for rule in CUDA_CHAINS:
                 if rule.capabilities.fits(self.capability):
+                    return _backends(rule.chain)
+        if self.kind == "rocm" and self.arch is not None:
+            for rule in ROCM_CHAINS:
+                if rule.capabilities.archs is not None and self.arch in rule.capabilities.archs:
                     return _backends(rule.chain)
         return _backends(DEFAULT_CHAINS[self.kind])
 
