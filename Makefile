@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: setup run test test-deep test-deferred golden bench fuzz lint typecheck docs clean test-sglang bench-sglang \
-	kernels-env test-kernels
+	kernels-env test-kernels gpu-check
 
 setup: $(STAMP)
 
@@ -160,6 +160,14 @@ bench-sglang: $(SGLANG_STAMP)
 
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write
+
+# Issue 31: what to run the first time a CUDA GPU is available: every installed
+# adapter against float64 (forward, backward, varlen, lse, options), the masks
+# gather route's and the generic route's cost, NCCL consensus and sequence
+# parallel on 2+ GPUs; one report (gpu-check-report.json and .txt), under 5
+# minutes. Without a CUDA GPU it says what it would run and exits 0.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py --out gpu-check-report.json
 
 clean:
 	rm -rf $(VENV) $(KERNELS_ENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

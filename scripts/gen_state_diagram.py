@@ -34,7 +34,7 @@ def render() -> str:
         TUNABLE_ORIGINS,
         VERDICT_RULES,
     )
-    from attnres.platform import DEFAULT_CHAINS
+    from attnres.platform import CUDA_CHAINS, DEFAULT_CHAINS, ROCM_CHAINS
     from attnres.scope import BUILTIN_KINDS
 
     lines = [
@@ -161,6 +161,20 @@ def render() -> str:
         *[
             f"| `{kind}` | " + ", then ".join(f"`{b}`" for b in chain) + " |"
             for kind, chain in DEFAULT_CHAINS.items()
+        ],
+        "",
+        "On CUDA and ROCm the chain depends on the GPU (`attnres.platform.CUDA_CHAINS`,",
+        "`ROCM_CHAINS`, issue 31; the sources are in docs/backends.md); a device no row",
+        "admits, or an unknown one, keeps its kind's row above:",
+        "",
+        "| device | chain |",
+        "|---|---|",
+        *[
+            f"| {kind} {rule.capabilities.describe()} | "
+            + ", then ".join(f"`{b}`" for b in rule.chain)
+            + " |"
+            for kind, rules in (("cuda", CUDA_CHAINS), ("rocm", ROCM_CHAINS))
+            for rule in rules
         ],
         "",
         "## Component kinds",

@@ -419,6 +419,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
     ),
     Scenario(
+        "bridge-global-sage-1-installed-head-80-falls-back-to-fa",
+        "Issue 31: the machine has the registry's sageattention 1.0.6 (SageAttention 1, head "
+        "sizes 64/96/128), not SageAttention 2: under --attention-backend sage_attn a "
+        "head-size-80 bridge layer on an RTX 4090 (sm89) falls back to fa, the failure naming "
+        "SageAttention 1's facts.",
+        _layer(head_size=80, supported=(*_DENSE_PAIR, "sage_attn"), name="proj.attn"),
+        _cli("sage_attn"),
+        scope_state("bridge"),
+        "cuda:sm89+flash_attn+sageattention==1.0.6",
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
         "transformer-global-sage-not-supported-rejected",
         "Seed incident: the transformer is the model the flag is aimed at; its layer supports "
         "{fa, torch_sdpa} and declares no default, so sage_attn is rejected with the error "
@@ -561,15 +574,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
     ),
     Scenario(
-        "bridge-global-sage-on-blackwell-falls-back-to-fa",
+        "bridge-global-sage-on-blackwell-falls-back-to-torch-sdpa",
         "sage_attn (2.x) has no sm100 kernel: on a Blackwell B200 the bridge component falls "
-        "back to fa.",
+        "back to the sm100 chain (fa4, then torch_sdpa): fa4 is not in its supported set, "
+        "so torch_sdpa (issue 31: fa is not preferred where its wheel may lack sm100).",
         _layer(supported=_DENSE_PAIR, name="proj.attn"),
         _cli("sage_attn"),
         scope_state("bridge"),
         "cuda:sm100+all",
         None,
-        expect=selects("fa", "global backend fallback", origin="global_cli"),
+        expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
     ),
     Scenario(
         "connector-global-xformers-unsupported-head-size-falls-back",
@@ -1208,6 +1222,39 @@ SCENARIOS: tuple[Scenario, ...] = (
         _NOTHING,
         None,
         "cuda:sm90+flash_attn",
+        None,
+        expect=selects("fa", origin="none"),
+    ),
+    Scenario(
+        "none-cuda-blackwell-sm100-picks-fa4",
+        "Nothing requested on a B200 (sm100) with every package: the sm100 chain (issue 31) "
+        "prefers fa4, not fa (a flash-attn wheel built without sm100 dies at its first call).",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm100+all",
+        None,
+        expect=selects("fa4", origin="none"),
+    ),
+    Scenario(
+        "none-cuda-sm120-picks-torch-sdpa",
+        "Nothing requested on an RTX 50 (sm120) with every package: the sm120 chain (issue "
+        "31) is torch_sdpa alone, which dispatches flash, cuDNN or efficient attention itself.",
+        _layer(),
+        _NOTHING,
+        None,
+        "cuda:sm120+all",
+        None,
+        expect=selects("torch_sdpa", origin="none"),
+    ),
+    Scenario(
+        "none-rocm-mi250-gfx90a-picks-fa",
+        "Nothing requested on an MI250 (gfx90a) with every package: aiter has no gfx90a "
+        "build, so the gfx90a chain (issue 31) prefers fa (flash-attn's CK backend).",
+        _layer(),
+        _NOTHING,
+        None,
+        "rocm:gfx90a+all",
         None,
         expect=selects("fa", origin="none"),
     ),

@@ -438,3 +438,57 @@ def test_rule_backend_options_reach_a_site_decided_at_its_first_call(
     assert first.trace.input.layer.backend_options == (("sage_attn", (("smooth_k", False),)),)
     assert varlen_fakes.seen[-1]["function"] == "sageattn_qk_int8_pv_fp8_cuda_sm90"
     assert varlen_fakes.seen[-1]["smooth_k"] is False
+
+
+# -- issue 31: option limits and options of the installed kernel version --------
+
+
+def _check(backend: str, options: dict[str, Any], platform: str, **layer: Any) -> None:
+    from attnres._varlen import check_layer_options
+    from attnres.backends import Backend
+    from attnres.platform import Platform
+
+    spec = LayerSpec(
+        layer.pop("head_size", 128), "bf16", backend_options={backend: options}, **layer
+    )
+    check_layer_options(get_spec(Backend(backend)), spec, Platform.simulate(platform))
+
+
+def test_rule_option_limits_fa4_deterministic_backward_on_sm12x() -> None:
+    """flash-attn-4's _flash_attn_bwd: 'deterministic backward not supported on SM 12.0'."""
+    training = {"requirements": {"backward": True}}
+    with pytest.raises(BackendOptionError, match=r"fa4 refuses deterministic=True with the "
+                       r"backward pass on sm120-sm121 .*SM 12\.0"):  # fmt: skip
+        _check("fa4", {"deterministic": True}, "cuda:sm120+fa4", **training)
+    _check("fa4", {"deterministic": True}, "cuda:sm121+fa4")  # inference: no backward
+    _check("fa4", {"deterministic": True}, "cuda:sm90+fa4", **training)
+    _check("fa4", {"deterministic": False}, "cuda:sm120+fa4", **training)
+
+
+def test_rule_option_limits_fa3_deterministic_backward_at_head_sizes_193_to_256() -> None:
+    """hopper/flash_api.cpp: 'Deterministic backward not supported for hdim 256.'."""
+    training = {"requirements": {"backward": True}}
+    for head in (200, 256):
+        with pytest.raises(BackendOptionError, match="at head sizes <= 256, >= 193"):
+            _check("fa3", {"deterministic": True}, "cuda:sm90+fa3", head_size=head, **training)
+    _check("fa3", {"deterministic": True}, "cuda:sm90+fa3", head_size=192, **training)
+    _check("fa3", {"deterministic": True}, "cuda:sm90+fa3", head_size=256)
+
+
+def test_rule_options_of_sageattention_1_are_its_own() -> None:
+    """SageAttention 1 (sageattention 1.0.6) has no per-GPU functions: qk_quant_gran,
+    a SageAttention 2 option, is refused when the layer is built, smooth_k is taken."""
+    with pytest.raises(BackendOptionError, match=r"sage_attn.qk_quant_gran is not taken by "
+                       r"the sage_attn kernel installed here \(SageAttention 1"):  # fmt: skip
+        _check("sage_attn", {"qk_quant_gran": "per_warp"}, "cuda:sm89+sageattention==1.0.6")
+    _check("sage_attn", {"smooth_k": False}, "cuda:sm89+sageattention==1.0.6")
+    _check("sage_attn", {"qk_quant_gran": "per_warp"}, "cuda:sm89+sageattention==2.2.0")
+
+
+def test_rule_option_limits_through_explain() -> None:
+    code, _, err = _main(
+        "explain", "--head-size", "128", "--dtype", "bf16", "--requires", "backward",
+        "--platform", "cuda:sm120+fa4", "--attention-backend", "fa4",
+        "--backend-option", "fa4.deterministic=true",
+    )  # fmt: skip
+    assert code != 0 and "deterministic backward not supported on SM 12.0" in err

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -767,3 +768,178 @@ def test_docs_catalogue_table_and_limits_repeat_the_specs() -> None:
         assert _catalogue_row(spec) + "\n" in text, spec.name
         for limit in spec.limits:
             assert f"| `{spec.name}` | {limit.describe()} | {limit.because} |" in text
+
+
+# =============================================================================
+# issue 31: facts keyed by version and GPU, rendered in docs/backends.md
+# =============================================================================
+
+_DOC = Path(__file__).resolve().parent.parent / "docs" / "backends.md"
+
+
+def _changed(name: str, value: object) -> str:
+    """One replaced fact of a KernelFacts entry, in words."""
+    if value is None or value == ():
+        return f"{name}: none"
+    if isinstance(value, B.HeadSizeRule):
+        return f"head sizes {value.describe()}"
+    if name == "capabilities":
+        return "runs on " + "; ".join(f"{k} {r.describe()}" for k, r in value.items())  # type: ignore[attr-defined]
+    if name == "implements":
+        return "implements " + ", ".join(r.value for r in Requirement if r in value)  # type: ignore[operator]
+    if name == "options":
+        return "options " + ", ".join(o.name for o in value)  # type: ignore[attr-defined]
+    if name == "masks":
+        return "masks " + ", ".join(f"{m.kind.value} {m.route.value}" for m in value)  # type: ignore[attr-defined]
+    return f"{name}: {value}"
+
+
+def _chains_block() -> str:
+    from attnres.platform import CUDA_CHAINS, ROCM_CHAINS
+
+    rows = ["| device | chain | source |", "|---|---|---|"]
+    rows += [
+        f"| {kind} {rule.capabilities.describe()} | "
+        + ", then ".join(f"`{b}`" for b in rule.chain)
+        + f" | {rule.source} |"
+        for kind, rules in (("cuda", CUDA_CHAINS), ("rocm", ROCM_CHAINS))
+        for rule in rules
+    ]
+    return "\n".join(rows)
+
+
+def _facts_block() -> str:
+    specs = B.BUILTIN_SPECS
+    out = ["| backend | the catalogue's own facts describe |", "|---|---|"]
+    out += [f"| `{s.name}` | {s.release} |" for s in specs if s.release]
+    out += [
+        "",
+        "Where another version or GPU differs (`BackendSpec.variants`; every matching entry "
+        "applies, in this order):",
+        "",
+        "| backend | applies to | kernel | facts it replaces | source |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| `{s.name}` | {v.describe()} | {v.kernel} | "
+        + "; ".join(_changed(k, v.changes[k]) for k in sorted(v.changes))
+        + f" | {v.source} |"
+        for s in specs
+        for v in s.variants
+    ]
+    out += [
+        "",
+        "Option values a kernel refuses (`BackendSpec.option_limits`): a layer that gives one "
+        "where it applies gets a `BackendOptionError` when it is built:",
+        "",
+        "| backend | refuses | because |",
+        "|---|---|---|",
+    ]
+    out += [
+        f"| `{s.name}` | {o.describe()} | {o.because} |" for s in specs for o in s.option_limits
+    ]
+    out += [
+        "",
+        "What a kernel refuses at call time that no layer fact decides (`BackendSpec.refuses`; "
+        "shown by `attnres backends`):",
+        "",
+        "| backend | refuses |",
+        "|---|---|",
+    ]
+    out += [f"| `{s.name}` | {r} |" for s in specs for r in s.refuses]
+    return "\n".join(out)
+
+
+def test_docs_show_the_facts_by_version_and_gpu(update_golden: bool) -> None:
+    """docs/backends.md's version/GPU facts and CUDA chains are generated from the
+    catalogue (``--update-golden`` rewrites them): every fact there has its source."""
+    from generated_docs import check_generated
+
+    for spec in B.BUILTIN_SPECS:
+        for variant in spec.variants:
+            assert variant.source and variant.kernel, spec.name
+        for limit in spec.option_limits:
+            assert limit.because, spec.name
+    check_generated(
+        _DOC,
+        "<!-- BEGIN generated: CUDA chains (tests/test_backends.py) -->",
+        "<!-- END generated: CUDA chains -->",
+        _chains_block(),
+        update_golden,
+    )
+    check_generated(
+        _DOC,
+        "<!-- BEGIN generated: kernel facts (tests/test_backends.py) -->",
+        "<!-- END generated: kernel facts -->",
+        _facts_block(),
+        update_golden,
+    )
+
+
+def _outcome(backend: str, platform: str, head: int = 128, **req: Any) -> list[str]:
+    """The failure messages of ``backend`` for one layer (empty: it passes every check)."""
+    from attnres.layer import LayerSpec, Requirements
+    from attnres.machine import check_candidate
+    from attnres.platform import Platform
+
+    layer = LayerSpec(head, "bf16", requirements=Requirements(**req))
+    checks = check_candidate(Backend(backend), layer, Platform.simulate(platform))
+    return [f.message for _, failures in checks for f in failures]
+
+
+def test_ascend_fa_takes_boolean_masks_only() -> None:
+    """npu_fusion_attention's atten_mask is BOOL/UINT8 and the adapter refuses float
+    masks: additive masks and (possibly float) key padding are not taken."""
+    assert _outcome("ascend_fa", "npu+torch_npu", mask="boolean") == []
+    for kind in ("additive", "key_padding"):
+        (message,) = _outcome("ascend_fa", "npu+torch_npu", mask=kind)
+        assert "it takes boolean masks" in message
+    assert _outcome("ascend_fa", "npu+torch_npu", attn_mask=True)  # 0.2's any mask
+
+
+def test_sage_key_padding_is_not_taken_on_sm120() -> None:
+    """sageattn_varlen is Triton-only, 'currently not usable on sm120' (core.py)."""
+    assert _outcome("sage_attn", "cuda:sm90+sageattention", mask="key_padding") == []
+    for sm in ("sm120", "sm121"):
+        (message,) = _outcome("sage_attn", f"cuda:{sm}+sageattention", mask="key_padding")
+        assert "key-padding masks" in message
+    assert _outcome("sage_attn", "cuda:sm120+sageattention") == []
+
+
+def test_fa4_b36_runs_forward_on_sm8x_and_head_256_on_sm90_and_sm100() -> None:
+    assert _outcome("fa4", "cuda:sm80+fa4") == []
+    (message,) = _outcome("fa4", "cuda:sm86+fa4", backward=True)
+    assert "the backward pass on sm80-sm89" in message
+    for sm in ("sm90", "sm100", "sm103"):
+        assert _outcome("fa4", f"cuda:{sm}+fa4", head=256) == [], sm
+    assert _outcome("fa4", "cuda:sm100+fa4", head=192)  # (192, 128) only: other v head
+    assert _outcome("fa4", "cuda:sm90+fa4", head=192) == []
+    assert _outcome("fa4", "cuda:sm120+fa4", head=256)
+
+
+def test_cudnn_sdpa_refusals_are_stated_with_sources() -> None:
+    refuses = get_spec(Backend("torch_cudnn_sdpa")).refuses
+    assert any("seq_kv == 1" in r and "sdp_utils.cpp" in r for r in refuses)
+    assert any("deterministic" in r and "check_cudnn_deterministic" in r for r in refuses)
+
+
+def test_every_builtin_names_the_release_its_facts_describe() -> None:
+    for spec in B.BUILTIN_SPECS:
+        assert spec.release, spec.name
+
+
+def test_kernel_facts_match_by_distribution_version_and_gpu() -> None:
+    entry = B.KernelFacts("K1", "src", {"lse": None}, distribution="pkg-x", since="1", before="2")
+    assert entry.matches("pkg_x", "1.0.6", "cuda", None)
+    assert entry.matches("PKG-X", "1.9.0rc1", "cpu", None)
+    assert not entry.matches("pkg-x", "2.0.0", "cuda", None)
+    assert not entry.matches("pkg-x", "0.9", "cuda", None)
+    assert not entry.matches("pkg-y", "1.0", "cuda", None)
+    assert not entry.matches("pkg-x", "simulated", "cuda", None)
+    assert not entry.matches(None, "1.0", "cuda", None)
+    gpu = B.KernelFacts("K2", "src", {}, capabilities=B.CapabilityRule(min=(12, 0)))
+    assert gpu.matches(None, None, "cuda", (12, 1))
+    assert not gpu.matches(None, None, "cuda", None)  # unknown capability: not applied
+    assert not gpu.matches(None, None, "rocm", (12, 0))
+    with pytest.raises(ValueError, match="cannot vary by version or GPU"):
+        B.KernelFacts("K3", "src", {"name": "other"})

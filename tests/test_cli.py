@@ -695,6 +695,38 @@ def test_doctor_human_rendering_of_a_gpu_machine(
     assert_fits(out)
 
 
+def test_doctor_on_a_machine_with_sageattention_1_reports_sageattention_1(
+    tmp_path: Path,
+) -> None:
+    """Issue 31: the registry's sageattention is 1.0.6 (SageAttention 1: Triton, head
+    sizes 64/96/128); the probe reads its distribution version and doctor reports
+    SageAttention 1's facts, not SageAttention 2's (<= 128, per-GPU functions)."""
+    (tmp_path / "sageattention").mkdir()
+    (tmp_path / "sageattention" / "__init__.py").write_text("def sageattn(*a, **k): pass\n")
+    dist = tmp_path / "sageattention-1.0.6.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sageattention\nVersion: 1.0.6\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    doc = as_json(run("doctor", "--json", env={"PYTHONPATH": path}))
+    package = next(p for p in doc["packages"] if p["name"] == "sageattention")
+    assert (package["version"], package["distribution"]) == ("1.0.6", "sageattention")
+    (sage,) = [k for k in doc["kernels"] if k["backend"] == "sage_attn"]
+    assert sage["kernel"] == "SageAttention 1"
+    assert sage["head_sizes"] == "{64, 96, 128}"
+    assert sage["options"] == ["smooth_k"] and sage["lse"] is False
+    assert "1.0.6" in sage["facts"][0]["source"]
+    human = flat(run("doctor", env={"PYTHONPATH": path}).stdout)
+    assert "sage_attn: SageAttention 1 (sageattention 1.0.6); head sizes {64, 96, 128}" in human
+
+
+def test_backends_shows_releases_variants_and_refusals() -> None:
+    out = flat(cached("backends").stdout)
+    assert "sageattention < 2: SageAttention 1" in out
+    assert "flash-attn (any version): flash-attn 2.x's early flash_attn.cute (0.1.0)" in out
+    assert "refuses option deterministic=True with the backward pass on sm120-sm121" in out
+    assert "refuses at call time: a key/value sequence of length 1" in out
+
+
 def test_backends_human() -> None:
     proc = cached("backends")
     assert proc.returncode == 0

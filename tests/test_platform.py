@@ -17,7 +17,7 @@ import pytest
 
 import attnres
 from attnres import platform as P
-from attnres._vocab import PLATFORM_KINDS
+from attnres._vocab import PLATFORM_KINDS, Requirement
 from attnres.backends import Backend, get_spec, reload_plugins
 from attnres.platform import GRAMMAR, KNOWN_PACKAGES, PackageFact, Platform
 
@@ -381,7 +381,9 @@ for _ in range({runs}):
         "kind": p.kind,
         "capability": p.capability,
         "notes": list(p.notes),
-        "packages": {{f.name: attrs.asdict(f) for f in p.packages}},
+        # issue 31: the distribution only where the probe found one
+        "packages": {{f.name: attrs.asdict(f, filter=lambda a, v: v is not None
+                      or a.name != "distribution") for f in p.packages}},
     }})
 print("RESULT " + json.dumps(out))
 """
@@ -550,7 +552,13 @@ def test_flash_attn_4_alone_is_not_flash_attn_2(tmp_path: Path) -> None:
     assert "flash-attn-4" in fa2["detail"]
     assert "flash_attn" in fa2["detail"]
     fa4 = result["packages"]["flash_attn_4"]
-    assert fa4 == {"name": "flash_attn_4", "status": "present", "version": "1.0", "detail": None}
+    assert fa4 == {
+        "name": "flash_attn_4",
+        "status": "present",
+        "version": "1.0",
+        "detail": None,
+        "distribution": "flash-attn-4",
+    }
 
 
 def test_flash_attn_4_dist_without_its_cute_module(tmp_path: Path) -> None:
@@ -575,6 +583,7 @@ def test_flash_attn_2_alone_does_not_make_flash_attn_4_broken(tmp_path: Path) ->
         "status": "present",
         "version": "2.7.4",
         "detail": None,
+        "distribution": "flash-attn",
     }
     assert result["packages"]["flash_attn_4"] == {
         "name": "flash_attn_4",
@@ -592,6 +601,33 @@ def test_flash_attn_2_and_4_together(tmp_path: Path) -> None:
     assert result["packages"]["flash_attn"]["version"] == "2.7.4"
     assert result["packages"]["flash_attn_4"]["status"] == "present"
     assert result["packages"]["flash_attn_4"]["version"] == "1.0"
+
+
+def test_flash_attn_2_with_its_early_cute_is_recorded_as_flash_attn(tmp_path: Path) -> None:
+    """Issue 31: flash-attn 2.8 ships its own early ``flash_attn.cute`` (0.1.0), another
+    kernel than flash-attn-4: the probe records the fa4 package as that flash-attn
+    distribution and version, and the catalogue's fa4 facts for it drop what the early
+    interface does not take (varlen with max_seqlen_*, key padding, deterministic)."""
+    (result,) = _detect_in_subprocess(
+        tmp_path, _flash_attn_files(fa4_dist=False, cute=True, fa2_dist=True)
+    )
+    fa4 = result["packages"]["flash_attn_4"]
+    assert (fa4["status"], fa4["version"], fa4["distribution"]) == (
+        "present",
+        "2.7.4",
+        "flash-attn",
+    )
+    platform = Platform(
+        kind="cuda", capability=(9, 0), packages=(PackageFact(**fa4),), torch_version="2.13.0"
+    )
+    spec, applied = platform.installed(get_spec(Backend("fa4")))
+    assert [v.kernel for v in applied][-1] == "flash-attn 2.x's early flash_attn.cute (0.1.0)"
+    assert Requirement.PACKED_VARLEN not in spec.implements and spec.varlen_kernel is None
+    assert [o.name for o in spec.options] == ["pack_gqa"]
+    real = Platform.simulate("cuda:sm90+flash_attn_4")
+    assert platform.installed(get_spec(Backend("fa4")))[0] != real.installed(
+        get_spec(Backend("fa4"))
+    )[0]
 
 
 def test_broken_flash_attn_2_alone(tmp_path: Path) -> None:
@@ -677,6 +713,7 @@ def test_a_current_fastvideo_kernel_install_is_found(tmp_path: Path) -> None:
         "status": "present",
         "version": "0.2.5",
         "detail": None,
+        "distribution": "fastvideo-kernel",
     }
     for old in ("st_attn", "vsa", "vmoba"):
         assert result["packages"][old]["status"] == "missing"
@@ -697,3 +734,60 @@ def test_fastvideo_kernel_token_serves_its_sparse_backends() -> None:
         assert resolve(layer, platform=platform, backend=backend).backend.name == backend
     with_fa = Platform.simulate("cuda:sm90+fastvideo_kernel+flash_attn")
     assert resolve(layer, platform=with_fa, backend="vmoba_attn").backend.name == "vmoba_attn"
+
+
+# -- issue 31: versions in the simulation grammar, chains per CUDA generation ----
+
+
+def test_simulate_takes_a_version_and_a_distribution() -> None:
+    sage = Platform.simulate("cuda:sm89+sageattention==1.0.6").package("sageattention")
+    assert (sage.version, sage.distribution) == ("1.0.6", "sageattention")
+    cute = Platform.simulate("cuda:sm90+flash_attn_4==flash-attn@2.8.3").package("flash_attn_4")
+    assert (cute.version, cute.distribution) == ("2.8.3", "flash-attn")
+    # the old strings keep their meaning: version "simulated", no distribution
+    old = Platform.simulate("cuda:sm90+flash_attn+sageattention")
+    assert old.package("sageattention") == PackageFact("sageattention", "present", "simulated")
+    assert "==VERSION" in GRAMMAR
+    for bad in ("cuda+all==1.0", "cuda+sageattention==", "cuda+sageattention==@1.0"):
+        with pytest.raises(ValueError, match="expected KIND"):
+            Platform.simulate(bad)
+
+
+def test_sageattention_1_is_not_sageattention_2() -> None:
+    """A machine with the registry's sageattention 1.0.6 gets SageAttention 1's facts:
+    head sizes 64/96/128, no per-GPU functions, no lse, no key padding."""
+    from attnres import LayerSpec, resolve
+    from attnres.errors import ResolutionError
+
+    base = get_spec(Backend("sage_attn"))
+    one = Platform.simulate("cuda:sm89+sageattention==1.0.6")
+    spec, applied = one.installed(base)
+    assert [v.kernel for v in applied] == ["SageAttention 1"]
+    assert spec.head_sizes.allowed == {64, 96, 128}
+    assert (spec.entry_points, spec.lse, spec.masks) == ((), None, ())
+    two = Platform.simulate("cuda:sm89+sageattention==2.2.0")
+    assert two.installed(base) == (base, ())
+    # head 96: SageAttention 1 takes it, 2 does not refuse it either; head 80: only 2
+    layer = LayerSpec(80, "fp16")
+    with pytest.raises(ResolutionError, match=r"head size 80 is not one of \[64, 96, 128\]"):
+        resolve(layer, platform=one, backend="sage_attn")
+    assert resolve(layer, platform=two, backend="sage_attn").backend.name == "sage_attn"
+    assert resolve(LayerSpec(96, "fp16"), platform=one, backend="sage_attn").backend.name == (
+        "sage_attn"
+    )
+
+
+def test_cuda_chain_follows_the_gpu_generation() -> None:
+    def chain(spec: str) -> list[str]:
+        return [b.name for b in Platform.simulate(spec).default_chain()]
+
+    for sm in ("sm80", "sm86", "sm89", "sm90"):
+        assert chain(f"cuda:{sm}") == ["fa", "torch_sdpa"]
+    for sm in ("sm100", "sm103"):
+        assert chain(f"cuda:{sm}") == ["fa4", "torch_sdpa"]
+    for sm in ("sm120", "sm121"):
+        assert chain(f"cuda:{sm}") == ["torch_sdpa"]
+    assert chain("cuda") == chain("cuda:sm75") == ["fa", "torch_sdpa"]  # unknown, older
+    assert chain("rocm:gfx942") == chain("rocm:gfx950") == ["aiter", "torch_sdpa"]
+    assert chain("rocm:gfx90a") == ["fa", "torch_sdpa"]
+    assert chain("rocm") == chain("rocm:gfx1100") == ["aiter", "torch_sdpa"]

@@ -729,6 +729,7 @@ def _make_converter() -> cattrs.Converter:
         LayerSpec,
         SelectionConfig,
         ScopeState,
+        PackageFact,  # issue 31: its distribution only when known (before Platform)
         Platform,
         TraceInput,
         *RECORD_KINDS.values(),

@@ -62,8 +62,13 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from attnres._memo import GenerationMemo
 from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
-from attnres.backends import BackendSpec, OptionValue, entry_point_options
-from attnres.errors import KernelUnavailableError, MaskKindError, MaskShapeError
+from attnres.backends import BackendSpec, KernelFacts, OptionValue, entry_point_options
+from attnres.errors import (
+    BackendOptionError,
+    KernelUnavailableError,
+    MaskKindError,
+    MaskShapeError,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -731,13 +736,61 @@ def check_layer_options(
     ``platform`` (its CUDA capability; ``None`` or another kind: not known, the
     kernel adapter checks on the tensors' device). Free when the layer has no
     options for that backend."""
-    if spec is None or not layer.backend_options or not spec.entry_points:
+    if spec is None or not layer.backend_options:
         return
     options = dict(layer.backend_options).get(spec.name)
-    if options:
-        capability = None if platform is None or platform.kind != "cuda" else platform.capability
+    if not options:
+        return
+    capability = None if platform is None or platform.kind != "cuda" else platform.capability
+    if platform is not None:
+        _check_installed_options(platform.installed(spec), options, layer, capability, where)
+        spec = platform.installed(spec)[0]
+    if spec.entry_points:
         req = layer.requirements
         check_route_options(spec, options, capability, req.mask, req.causal_alignment, where)
+
+
+def _check_installed_options(
+    installed: tuple[BackendSpec, tuple[KernelFacts, ...]],
+    options: tuple[tuple[str, OptionValue], ...],
+    layer: LayerSpec,
+    capability: tuple[int, int] | None,
+    where: str,
+) -> None:
+    """Issue 31: the layer's options against the kernel installed here -- an
+    option its version does not take (SageAttention 1 has no ``qk_quant_gran``),
+    or a value it refuses for this layer on this GPU (``OptionLimit``: FA4's
+    ``deterministic=True`` in the backward pass on sm120) -- as a
+    :class:`~attnres.errors.BackendOptionError` when the layer is built, not in
+    its first call. A limit bound to GPUs applies only on a known capability."""
+    spec, applied = installed
+    kernel = f" ({applied[-1].kernel}, {applied[-1].describe()})" if applied else ""
+    declared = {o.name: o for o in spec.options}
+    given = dict(options)
+    for name, value in options:
+        option = declared.get(name)
+        if option is None:
+            takes = ", ".join(sorted(declared)) or "none"
+            raise BackendOptionError(
+                f"backend_options{where}: {spec.name}.{name} is not taken by the {spec.name} "
+                f"kernel installed here{kernel}; it takes: {takes}. Drop {name} for this "
+                f"platform, or install the kernel version that takes it (docs/backends.md)",
+                spec.name,
+                name,
+            )
+        option.check(spec.name, value)
+    needed = layer.requirements.needed()
+    for limit in spec.option_limits:
+        if limit.capabilities is not None and capability is None:
+            continue
+        if limit.applies(given, needed, capability, layer.head_size):
+            raise BackendOptionError(
+                f"backend_options{where}: {spec.name} refuses {limit.describe()} "
+                f"({limit.because}). Drop {limit.option}={limit.value!r} for this layer, or "
+                f"run it on another backend (docs/backends.md#per-backend-options)",
+                spec.name,
+                limit.option,
+            )
 
 
 def check_route_options(

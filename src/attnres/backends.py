@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -44,11 +45,14 @@ __all__ = [
     "EntryPoint",
     "FrozenMap",
     "HeadSizeRule",
+    "KernelFacts",
     "MaskSupport",
+    "OptionLimit",
     "PluginFailure",
     "RequirementLimit",
     "entry_point_options",
     "get_spec",
+    "installed_facts",
     "merge_backend_options",
     "normalize_backend_options",
     "parse_backend_option",
@@ -544,6 +548,178 @@ def _masks(value: Iterable[MaskSupport]) -> tuple[MaskSupport, ...]:
     return out
 
 
+@frozen
+class OptionLimit:
+    """Where a kernel refuses one value of one of its options (issue 31).
+
+    ``option=value`` fails in the kernel for a layer that needs every
+    requirement in ``requirements`` (``{backward}``: the backward pass refuses
+    it), on the CUDA devices ``capabilities`` admits (``None``: every device),
+    at the head sizes ``head_sizes`` admits (``None``: every head size). Checked
+    with the layer's options (``attnres._varlen.check_layer_options``): options
+    never change the decision, a refused one is a
+    :class:`~attnres.errors.BackendOptionError` when the layer is built, not at
+    its first backward pass. ``because`` cites the kernel's own check.
+    """
+
+    option: str
+    value: OptionValue
+    because: str
+    requirements: frozenset[Requirement] = field(default=(), converter=_requirements)
+    capabilities: CapabilityRule | None = None
+    head_sizes: HeadSizeRule | None = None
+
+    def applies(
+        self,
+        options: Mapping[str, OptionValue],
+        needed: Iterable[Requirement],
+        capability: tuple[int, int] | None,
+        head_size: int,
+    ) -> bool:
+        """Whether the limit refuses these options for this layer (an unknown
+        capability counts as admitted: fail closed)."""
+        if self.option not in options or options[self.option] != self.value:
+            return False
+        if not self.requirements <= frozenset(needed):
+            return False
+        if self.head_sizes is not None and self.head_sizes.failures(head_size):
+            return False
+        return not (
+            self.capabilities is not None
+            and capability is not None
+            and not self.capabilities.fits(capability)
+        )
+
+    def describe(self) -> str:
+        """``"deterministic=True in the backward pass on sm120-sm121"``."""
+        text = f"{self.option}={self.value!r}"
+        ordered = [r for r in reversed(Requirement) if r in self.requirements]
+        if ordered:
+            text += " with " + " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+        if self.capabilities is not None:
+            text += " on " + self.capabilities.describe()
+        if self.head_sizes is not None:
+            text += f" at head sizes {self.head_sizes.describe()}"
+        return text
+
+
+def _option_limits(value: Iterable[OptionLimit]) -> tuple[OptionLimit, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, OptionLimit):
+            raise TypeError(f"option_limits: expected OptionLimit records, got {item!r}")
+    return out
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """The numeric release of a version (``"4.0.0b36"`` -> ``(4, 0, 0)``; ``()``
+    for one that does not start with a number, such as ``"simulated"``)."""
+    m = re.match(r"v?(\d+(?:\.\d+)*)", text.strip())
+    return tuple(int(p) for p in m.group(1).split(".")) if m else ()
+
+
+#: The :class:`BackendSpec` fields a :class:`KernelFacts` may replace.
+_VARIANT_FIELDS = frozenset(
+    {
+        "dtypes",
+        "head_sizes",
+        "implements",
+        "capabilities",
+        "limits",
+        "dtype_capabilities",
+        "masks",
+        "varlen_kernel",
+        "options",
+        "entry_points",
+        "lse",
+        "varlen_causal_unequal",
+        "causal_top_left",
+        "option_limits",
+        "refuses",
+    }
+)
+
+
+def _changes(value: Mapping[str, Any]) -> FrozenMap[str, Any]:
+    unknown = set(value) - _VARIANT_FIELDS
+    if unknown:
+        raise ValueError(
+            f"KernelFacts.changes: {sorted(unknown)} cannot vary by version or GPU "
+            f"(these can: {', '.join(sorted(_VARIANT_FIELDS))})"
+        )
+    return value if isinstance(value, FrozenMap) else FrozenMap(value)
+
+
+@frozen
+class KernelFacts:
+    """Facts that replace a spec's own for one range of a distribution's
+    versions and/or one range of GPUs (issue 31).
+
+    A spec's own fields describe the kernel its ``release`` names (SageAttention
+    2+ for ``sage_attn``). Where the installed distribution (the platform's
+    :class:`~attnres.platform.PackageFact`: ``distribution`` and ``version``) is
+    ``distribution`` at a version in ``[since, before)``, and the CUDA device is
+    one ``capabilities`` admits, ``changes`` (spec field -> value) replace the
+    spec's own: SageAttention 1 (``sageattention`` < 2) is another kernel under
+    the same package name. ``distribution=None``: any installed version;
+    ``capabilities=None``: any device. A capability-keyed entry applies only on
+    a known capability. ``kernel`` names what the entry describes; ``source``
+    cites where it was read.
+    """
+
+    kernel: str
+    source: str
+    changes: FrozenMap[str, Any] = field(factory=FrozenMap, converter=_changes)
+    distribution: str | None = None
+    since: str | None = None
+    before: str | None = None
+    capabilities: CapabilityRule | None = None
+
+    def matches(
+        self,
+        distribution: str | None,
+        version: str | None,
+        kind: str,
+        capability: tuple[int, int] | None,
+    ) -> bool:
+        """Whether this entry describes the installed kernel on this device."""
+        if self.distribution is not None:
+            if distribution is None or _key(distribution) != _key(self.distribution):
+                return False
+            release = _release(version or "")
+            if not release and (self.since or self.before):
+                return False
+            if self.since is not None and release < _release(self.since):
+                return False
+            if self.before is not None and release >= _release(self.before):
+                return False
+        if self.capabilities is not None:
+            return kind == "cuda" and capability is not None and self.capabilities.fits(capability)
+        return True
+
+    def describe(self) -> str:
+        """``"sageattention < 2"``, ``"on sm100-sm110"``: where the entry applies."""
+        parts: list[str] = []
+        if self.distribution is not None:
+            bounds = [
+                f">= {self.since}" if self.since else "",
+                f"< {self.before}" if self.before else "",
+            ]
+            text = ", ".join(b for b in bounds if b) or "(any version)"
+            parts.append(f"{self.distribution} {text}")
+        if self.capabilities is not None:
+            parts.append("on " + self.capabilities.describe())
+        return " ".join(parts) or "always"
+
+
+def _variants(value: Iterable[KernelFacts]) -> tuple[KernelFacts, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, KernelFacts):
+            raise TypeError(f"variants: expected KernelFacts records, got {item!r}")
+    return out
+
+
 #: What a spec that claims ``attn_mask`` (0.2's one flag) takes when it says no more.
 _LEGACY_MASK_SOURCE = "claims attn_mask: takes any boolean or additive mask tensor"
 
@@ -628,6 +804,19 @@ class BackendSpec:
     #: a bottom-right causal cross-attention layer through it); a fact its
     #: source states, ``False`` where it says causal needs equal lengths
     varlen_causal_unequal: bool = True
+    #: issue 31: the kernel and distribution versions the fields above describe,
+    #: with the source they were read from ("SageAttention 2/2++: sageattention
+    #: >= 2.0 (thu-ml/SageAttention d1a57a54)"); shown by ``attnres backends``
+    release: str = ""
+    #: issue 31: facts that replace the fields above for other versions of the
+    #: distribution or other GPUs (:class:`KernelFacts`; :func:`installed_facts`)
+    variants: tuple[KernelFacts, ...] = field(default=(), converter=_variants)
+    #: issue 31: option values the kernel refuses for some layers and devices
+    option_limits: tuple[OptionLimit, ...] = field(default=(), converter=_option_limits)
+    #: issue 31: what the kernel refuses at call time that no layer fact decides
+    #: (a sequence length, a global torch mode), each with its source; shown by
+    #: ``attnres backends`` and docs/backends.md
+    refuses: tuple[str, ...] = field(default=(), converter=_str_tuple)
 
     def __attrs_post_init__(self) -> None:
         if self.varlen_kernel is None and any(m.route is MaskRoute.UNPAD for m in self.masks):
@@ -705,6 +894,16 @@ _FA3_SIGNATURE = (
 _FA4_SIGNATURE = (
     "flash-attention flash_attn/cute/interface.py: "
     "flash_attn_func(..., pack_gqa=None, deterministic=False)"
+)
+
+#: issue 31: the releases the built-in facts were read from (docs/backends.md)
+_FA4_B36 = "flash-attn-4 4.0.0b36 (registry wheel) flash_attn/cute/interface.py"
+_FA_CUTE_EARLY = "flash-attn 2.8.3 (registry sdist) flash_attn/cute/interface.py (cute 0.1.0)"
+_SAGE1 = "sageattention 1.0.6 (registry wheel) sageattention/core.py"
+_FA3_BWD = (
+    "flash-attention hopper/flash_api.cpp mha_bwd: deterministic needs head_size_rounded "
+    "< 256, else 'Deterministic backward not supported for hdim 256.'; round_up_headdim "
+    "takes 193-256 to 256"
 )
 
 #: issue 23: SageAttention 2's functions per GPU, read at thu-ml/SageAttention
@@ -856,6 +1055,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, _WINDOW),
         aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
         description="torch.nn.functional.scaled_dot_product_attention",
+        release="torch (the installed build; torch docs for scaled_dot_product_attention)",
         kernel="attnres.kernels.torch_sdpa:make_kernel",
         masks=_native_masks(
             "torch.nn.functional.scaled_dot_product_attention: attn_mask is a boolean mask "
@@ -886,6 +1086,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         ),
         aliases=("math", "reference"),
         description="reference math: matmul, softmax, matmul (float32 accumulation)",
+        release="attnres itself (attnres.kernels.eager)",
         kernel="attnres.kernels.eager:make_kernel",
         masks=_native_masks("attnres.kernels.eager: masked_fill for boolean, + for float masks"),
     ),
@@ -900,6 +1101,15 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         satisfies=[{"torch_sdpa"}],
         aliases=("cudnn", "cudnn_sdpa"),
         description="torch SDPA restricted to the cuDNN backend",
+        release=(
+            "torch >= 2.5 (pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp 001f694a)"
+        ),
+        refuses=(
+            "a key/value sequence of length 1 (seq_kv == 1): sdp_utils.cpp "
+            "check_cudnn_tensor_shapes refuses it, and with only cuDNN enabled the call raises",
+            "torch.use_deterministic_algorithms(True): sdp_utils.cpp check_cudnn_deterministic "
+            "refuses cuDNN attention in deterministic mode",
+        ),
         kernel="attnres.kernels.torch_cudnn_sdpa:make_kernel",
     ),
     BackendSpec(
@@ -913,6 +1123,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         satisfies=[{"fa", "torch_sdpa"}],
         aliases=("dynamic_cudnn",),
         description="cuDNN SDPA chosen per shape, standing in for fa and torch_sdpa",
+        release="no upstream source found: its facts are unverified (docs/backends.md)",
         kernel="attnres.kernels.dynamic_cudnn_sdpa:make_kernel",
     ),
     BackendSpec(
@@ -932,6 +1143,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         min_torch={"cuda": (2, 5), "cpu": (2, 6)},
         aliases=("flex",),
         description="torch.nn.attention.flex_attention",
+        release="torch >= 2.5 on cuda, >= 2.6 on cpu (torch/nn/attention/flex_attention.py)",
         kernel="attnres.kernels.flex_attention:make_kernel",
         masks=_native_masks(
             "torch/nn/attention/flex_attention.py: boolean masks as a BlockMask from mask_mod, "
@@ -984,6 +1196,9 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         },
         aliases=("flash_attn", "flash_attention", "flash_attention_2", "fa2", "flash_attn_2"),
         description="flash-attn 2.x (flash_attn_func / flash_attn_varlen_func)",
+        release=(
+            "flash-attn >= 2.0 (flash-attention 0251105a; setup.py builds sm80-sm120 from v2.7.3)"
+        ),
         causal_top_left=False,
         kernel="attnres.kernels.fa:make_kernel",
         masks=(
@@ -1031,6 +1246,16 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": _HOPPER},
         aliases=("flash_attn_3", "flash_attention_3"),
         description="FlashAttention-3 (flash_attn_interface, built from hopper/)",
+        release="flash_attn_3 built from hopper/ (flash-attention c082294e; not on the registry)",
+        option_limits=(
+            OptionLimit(
+                "deterministic",
+                True,
+                _FA3_BWD,
+                requirements={R.BACKWARD},
+                head_sizes=HeadSizeRule(min=193, max=256),
+            ),
+        ),
         causal_top_left=False,
         kernel="attnres.kernels.fa3:make_kernel",
         masks=(
@@ -1077,12 +1302,74 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         limits=(
             RequirementLimit(
                 {R.BACKWARD},
-                "flash_attn/cute/interface.py runs the backward pass on sm 9.x-12.x only",
+                f"{_FA4_B36}: _flash_attn_bwd asserts arch // 10 in [9, 10, 11, 12] (forward "
+                "runs on 8.x)",
                 capabilities=CapabilityRule(min=(8, 0), max=(8, 9)),
             ),
         ),
         package="flash_attn_4",
-        capabilities={"cuda": CapabilityRule(min=(9, 0), max=(12, 1))},
+        # _flash_attn_fwd: assert arch // 10 in [8, 9, 10, 11, 12]
+        capabilities={"cuda": CapabilityRule(min=(8, 0), max=(12, 1))},
+        release=(
+            f"FlashAttention-4: flash-attn-4 4.0.0 pre-releases ({_FA4_B36}; sm120 from "
+            "fa4-v4.0.0.beta5)"
+        ),
+        option_limits=(
+            OptionLimit(
+                "deterministic",
+                True,
+                f"{_FA4_B36} _flash_attn_bwd: 'deterministic backward not supported on SM 12.0'",
+                requirements={R.BACKWARD},
+                capabilities=CapabilityRule(min=(12, 0), max=(12, 1)),
+            ),
+        ),
+        variants=(
+            KernelFacts(
+                "FlashAttention-4 on sm90",
+                f"{_FA4_B36} _validate_head_dims: on SM90 head_dim and head_dim_v 8-256, "
+                "divisible by 8 (16-bit inputs)",
+                {"head_sizes": HeadSizeRule(min=8, max=256, multiple_of=8)},
+                capabilities=CapabilityRule(min=(9, 0), max=(9, 9)),
+            ),
+            KernelFacts(
+                "FlashAttention-4 on sm100/sm110",
+                f"{_FA4_B36} _validate_head_dims: on SM100/SM110 8-128 divisible by 8, or "
+                "(256, 256) (and (192, 128), a different value head size attnres does not "
+                "model); fp8 forward only here ('FP8 is only supported on SM100'), not "
+                "modelled: attnres's dtypes are 16-bit",
+                {"head_sizes": HeadSizeRule(allowed={*range(8, 129, 8), 256})},
+                capabilities=CapabilityRule(min=(10, 0), max=(11, 9)),
+            ),
+            KernelFacts(
+                "flash-attn 2.x's early flash_attn.cute (0.1.0)",
+                f"{_FA_CUTE_EARLY}: _flash_attn_fwd asserts compute capability 9.x or 10.x; "
+                "flash_attn_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, "
+                "softcap, pack_gqa) takes no deterministic; flash_attn_varlen_func has no "
+                "max_seqlen_q/max_seqlen_k and returns no lse; its backward is unverified",
+                {
+                    "capabilities": FrozenMap({"cuda": CapabilityRule(min=(9, 0), max=(10, 9))}),
+                    "head_sizes": HeadSizeRule(max=128, multiple_of=8),
+                    "implements": frozenset(
+                        {R.CAUSAL, R.GQA, R.CUSTOM_SCALE, R.SOFTCAP, R.SLIDING_WINDOW}
+                    ),
+                    "limits": (),
+                    "masks": (),
+                    "varlen_kernel": None,
+                    "options": (
+                        BackendOption(
+                            "pack_gqa",
+                            "bool",
+                            None,
+                            f"{_FA_CUTE_EARLY}: flash_attn_func(..., pack_gqa=None)",
+                            nullable=True,
+                        ),
+                    ),
+                    "option_limits": (),
+                    "lse": None,
+                },
+                distribution="flash-attn",
+            ),
+        ),
         aliases=("flash_attn_4", "flash_attention_4", "flash_attn_cute"),
         description="FlashAttention-4 (flash_attn.cute, PyPI flash-attn-4)",
         causal_top_left=False,
@@ -1112,6 +1399,48 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         },
         aliases=("sage", "sageattention", "sage_attention", "sageattn"),
         description="SageAttention 2/2++ (sageattention.sageattn)",
+        release=(
+            "SageAttention 2/2++: sageattention >= 2.0 (thu-ml/SageAttention d1a57a54, built "
+            "from source; the registry has 1.0.6 only)"
+        ),
+        variants=(
+            KernelFacts(
+                "SageAttention 1",
+                f"{_SAGE1}: sageattn asserts headdim in [64, 96, 128] and takes fp16/bf16/fp32 "
+                "(Triton kernels, fp16 PV accumulation; no capability dispatch, README: "
+                "'optimized for RTX4090 and RTX3090'); sageattn(q, k, v, tensor_layout, "
+                "is_causal, sm_scale, smooth_k) has no per-GPU functions and no return_lse; "
+                "sageattn_varlen asserts head_dim in [64, 128]",
+                {
+                    "head_sizes": HeadSizeRule(allowed={64, 96, 128}),
+                    "capabilities": FrozenMap({"cuda": _AMPERE_UP}),
+                    "entry_points": (),
+                    "options": (
+                        BackendOption(
+                            "smooth_k",
+                            "bool",
+                            True,
+                            f"{_SAGE1}: sageattn(..., smooth_k=True)",
+                        ),
+                    ),
+                    # sageattn_varlen takes head sizes 64 and 128 only, sageattn 96 too:
+                    # attnres keeps key padding off SageAttention 1 (fail closed)
+                    "masks": (),
+                    "varlen_kernel": None,
+                    "lse": None,
+                },
+                distribution="sageattention",
+                before="2",
+            ),
+            KernelFacts(
+                "SageAttention 2 on sm120/sm121",
+                f"{_SAGE_CORE}sageattn_varlen runs the Triton per_block_int8 quantisation, "
+                "which sageattn's own sm120 branch avoids: 'triton kernel is currently not "
+                "usable on sm120'; key padding is not taken there",
+                {"masks": (), "varlen_kernel": None},
+                capabilities=CapabilityRule(min=(12, 0), max=(12, 1)),
+            ),
+        ),
         causal_top_left=False,
         kernel="attnres.kernels.sage_attn:make_kernel",
         # issue 23: sageattn drops keyword arguments it does not know, so options
@@ -1143,6 +1472,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": CapabilityRule(exact={(12, 0), (12, 1)})},
         aliases=("sage3", "sageattn3", "sage_attention_3"),
         description="SageAttention3 for Blackwell (sageattn3)",
+        release=(
+            "sageattn3 built from sageattention3_blackwell/ (SageAttention d1a57a54; not on "
+            "the registry)"
+        ),
         causal_top_left=False,
         kernel="attnres.kernels.sage_attn_3:make_kernel",
     ),
@@ -1173,6 +1506,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         dtype_capabilities={"bfloat16": _AMPERE_UP},
         aliases=("xformers_attn", "memory_efficient_attention"),
         description="xformers.ops.memory_efficient_attention (cutlass)",
+        release="xformers up to ce4f89d5 (the last before its attention moved to mslk)",
         kernel="attnres.kernels.xformers:make_kernel",
         masks=_native_masks(
             "xformers/ops/fmha: attn_bias is a float tensor bias; attnres.kernels.xformers turns "
@@ -1198,6 +1532,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"rocm": CapabilityRule(archs={"gfx942", "gfx950"})},
         aliases=("aiter_fa", "rocm_aiter"),
         description="AMD aiter flash attention (aiter.flash_attn_func)",
+        release="amd-aiter (ROCm/aiter e4048607; registry amd-aiter 0.1.7.post2.dev18)",
         causal_top_left=False,
         kernel="attnres.kernels.aiter:make_kernel",
         masks=(
@@ -1218,8 +1553,21 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         platforms=("npu",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=512, multiple_of=16),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.CUSTOM_SCALE),
+        # no attn_mask claim: only the boolean kind below (an undeclared kind would
+        # otherwise count as taken natively)
+        implements=(R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.DROPOUT, R.CUSTOM_SCALE),
         package="torch_npu",
+        # atten_mask is BOOL/UINT8 only (True masks out): the adapter inverts a boolean
+        # mask and refuses every float one, key padding in 0/-inf form included
+        masks=(
+            MaskSupport(
+                MaskKind.BOOLEAN,
+                MaskRoute.NATIVE,
+                "torch_npu npu_fusion_attention: atten_mask is BOOL or UINT8 (True masks a "
+                "position out); no additive mask (attnres.kernels.ascend_fa refuses float masks)",
+            ),
+        ),
+        release="torch_npu (Ascend op-plugin docs, npu_fusion_attention)",
         aliases=("npu_fa", "npu_fusion_attention", "ascend"),
         description="Ascend torch_npu.npu_fusion_attention",
         kernel="attnres.kernels.ascend_fa:make_kernel",
@@ -1235,6 +1583,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": _HOPPER},
         aliases=("sta", "sliding_tile_attention"),
         description="Sliding Tile Attention (FastVideo fastvideo_kernel, formerly st_attn)",
+        release="fastvideo-kernel (FastVideo 2f3d4074), or the older separate module",
     ),
     BackendSpec(
         name="video_sparse_attn",
@@ -1248,6 +1597,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": CapabilityRule(exact={(9, 0), (10, 0)})},
         aliases=("vsa", "video_sparse_attention"),
         description="Video Sparse Attention (FastVideo fastvideo_kernel, formerly vsa)",
+        release="fastvideo-kernel (FastVideo 2f3d4074), or the older separate module",
     ),
     BackendSpec(
         name="vmoba_attn",
@@ -1263,6 +1613,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": _AMPERE_UP},
         aliases=("vmoba",),
         description="VMoBA sparse attention (FastVideo fastvideo_kernel) over flash-attn varlen",
+        release="fastvideo-kernel (FastVideo 2f3d4074), or the older separate module",
     ),
     BackendSpec(
         name="sparse_video_gen_2_attn",
@@ -1274,6 +1625,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         capabilities={"cuda": _HOPPER},
         aliases=("svg2", "sparse_videogen_2", "svg"),
         description="Sparse VideoGen 2 (svg)",
+        release="svg built from svg-project/Sparse-VideoGen (kernels for sm90a; unverified beyond)",
     ),
 )
 
@@ -1298,18 +1650,24 @@ LSE_SOURCES: Mapping[str, str] = {
         "(pytorch native_functions.yaml)"
     ),
     "flex_attention": (
-        "flex_attention(..., return_lse=True) returns (out, lse) "
-        "(torch/nn/attention/flex_attention.py)"
+        "flex_attention(..., return_aux=AuxRequest(lse=True)) returns (out, aux) with "
+        "aux.lse; return_lse=True, its older form, is deprecated ('will be removed in "
+        "v2.10') (torch/nn/attention/flex_attention.py, torch 2.13)"
     ),
     "fa": (
         "flash_attn_func(..., return_attn_probs=True) returns (out, softmax_lse, S_dmask) "
         "(flash_attn/flash_attn_interface.py)"
     ),
     "fa3": (
-        "flash_attn_interface.flash_attn_func returns softmax_lse with the output "
-        "(hopper/flash_attn_interface.py)"
+        "hopper/flash_attn_interface.py: _flash_attn_forward returns softmax_lse; the "
+        "public flash_attn_func of the hopper/ shipped with flash-attn 2.8.3 returns out "
+        "only (FlashAttnFunc.forward), so an lse adapter calls the private function"
     ),
-    "fa4": "flash_attn.cute.flash_attn_func returns (out, lse) (flash_attn/cute/interface.py)",
+    "fa4": (
+        "flash_attn.cute.flash_attn_func(..., return_lse=True) returns (out, lse); without "
+        "it, lse only when an input requires grad (flash-attn-4 4.0.0b36 "
+        "flash_attn/cute/interface.py)"
+    ),
     "sage_attn": (
         "sageattn(..., return_lse=True) returns (out, lse), 'used for cases like Ring "
         "Attention' (sageattention/core.py, thu-ml/SageAttention 0116592f)"
@@ -1322,6 +1680,30 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = tuple(
     attrs.evolve(spec, lse=LSE_SOURCES[spec.name]) if spec.name in LSE_SOURCES else spec
     for spec in _CATALOGUE
 )
+
+
+@functools.lru_cache(maxsize=256)
+def installed_facts(
+    spec: BackendSpec,
+    distribution: str | None,
+    version: str | None,
+    kind: str,
+    capability: tuple[int, int] | None,
+) -> tuple[BackendSpec, tuple[KernelFacts, ...]]:
+    """``spec`` as the installed kernel is on this device (issue 31), and the
+    :class:`KernelFacts` entries that made it so (empty: the spec's own facts).
+
+    ``distribution`` and ``version`` are the platform's facts for the spec's
+    package (:class:`~attnres.platform.PackageFact`); every matching entry's
+    changes apply, in the order the spec lists them.
+    """
+    applied = tuple(v for v in spec.variants if v.matches(distribution, version, kind, capability))
+    if not applied:
+        return spec, ()
+    changes: dict[str, Any] = {}
+    for entry in applied:
+        changes.update(entry.changes)
+    return attrs.evolve(spec, **changes), applied
 
 
 @frozen

@@ -917,10 +917,12 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 ],
                 "status": fact.status,
                 "version": fact.version,
+                "distribution": fact.distribution,
                 "detail": fact.detail,
             }
             for fact in platform.packages
         ],
+        "kernels": _installed_kernels(platform),
         "plugin_failures": [{"entry_point": f.entry_point, "error": f.error} for f in failures],
         "notes": list(platform.notes),
         "environment": environment_document(),
@@ -951,7 +953,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             fact.name,
             ", ".join(users.get(fact.name, [])) or "-",
             fact.status,
-            _opt(fact.version) if fact.status == PackageStatus.PRESENT else _opt(fact.detail),
+            fact.describe() if fact.status == PackageStatus.PRESENT else _opt(fact.detail),
         ]
         for fact in platform.packages
     ]
@@ -961,6 +963,19 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         width=width,
         wrap=[3, 1],
     )
+    lines += ["", "Kernels installed here (facts for their version and GPU)"]
+    if doc["kernels"]:
+        for kernel in doc["kernels"]:
+            lines += _wrap(
+                f"{kernel['backend']}: {kernel['kernel']} ({kernel['installed']}); head sizes "
+                f"{kernel['head_sizes']}; dtypes {', '.join(kernel['dtypes'])}; "
+                f"{kernel['masks']}; options: {', '.join(kernel['options']) or 'none'}",
+                width,
+                "  - ",
+                "    ",
+            )
+    else:
+        lines.append("  no optional kernel package is installed")
     lines += ["", f"Plugins (entry-point group {ENTRY_POINT_GROUP})"]
     if failures:
         lines += _table(
@@ -982,6 +997,36 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         lines.append("  none")
     _emit(out, lines)
     return EXIT_OK
+
+
+def _installed_kernels(platform: Platform) -> list[dict[str, Any]]:
+    """Issue 31: per backend whose package is present here, which kernel the
+    catalogue takes it for (its version's and this GPU's facts) and what they say."""
+    out: list[dict[str, Any]] = []
+    for base in registered_backends():
+        if base.package is None or not platform.package(base.package).usable:
+            continue
+        fact = platform.package(base.package)
+        spec, applied = platform.installed(base)
+        masks = [f"{m.kind.value.replace('_', ' ')} {m.route.value}" for m in spec.masks]
+        out.append(
+            {
+                "backend": spec.name,
+                "package": base.package,
+                "installed": fact.describe(),
+                "kernel": "; ".join(v.kernel for v in applied) or spec.release or spec.description,
+                "facts": [
+                    {"kernel": v.kernel, "applies": v.describe(), "source": v.source}
+                    for v in applied
+                ],
+                "head_sizes": spec.head_sizes.describe(),
+                "dtypes": [d for d in DTYPES if d in spec.dtypes],
+                "masks": "masks: " + (", ".join(masks) or "none"),
+                "lse": spec.lse is not None,
+                "options": [o.name for o in spec.options],
+            }
+        )
+    return out
 
 
 # =============================================================================
@@ -1057,6 +1102,16 @@ def _backend_note(spec: BackendSpec) -> str:
         )
     if spec.aliases:
         parts.append(f"aliases: {', '.join(spec.aliases)}")
+    # issue 31: which kernel version the facts describe, and where others differ
+    if spec.release:
+        parts.append(f"facts for: {spec.release}")
+    for variant in spec.variants:
+        changed = ", ".join(sorted(variant.changes))
+        parts.append(f"{variant.describe()}: {variant.kernel} (other {changed})")
+    for option_limit in spec.option_limits:
+        parts.append(f"refuses option {option_limit.describe()}")
+    for refusal in spec.refuses:
+        parts.append(f"refuses at call time: {refusal}")
     return "; ".join(parts)
 
 

@@ -133,7 +133,7 @@ from attnres._vocab import (
     Requirement,
     Role,
 )
-from attnres.backends import Backend, BackendSpec, catalogue_order, lookup_spec
+from attnres.backends import Backend, BackendSpec, KernelFacts, catalogue_order, lookup_spec
 from attnres.kernels import KernelSource, kernel_source
 from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
 from attnres.layer import LayerSpec
@@ -1015,17 +1015,28 @@ def check_candidate(
                 (Failure(Code.UNKNOWN_BACKEND, f"backend {backend.name!r} is not registered"),),
             ),
         )
+    # issue 31: the installed version's facts on this GPU, named in what they fail
+    spec, applied = platform.installed(spec)
     results = (
         (Check.KNOWN, ()),
         (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
-        (Check.PLATFORM, tuple(_check_platform(spec, layer, platform))),
+        (Check.PLATFORM, _as_installed(_check_platform(spec, layer, platform), applied)),
         (Check.ROLE, tuple(_check_role(spec, layer))),
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
-        (Check.REQUIREMENTS, tuple(_check_requirements(spec, layer, platform))),
+        (Check.REQUIREMENTS, _as_installed(_check_requirements(spec, layer, platform), applied)),
     )
     if layer.layout is None:  # issue 24: the layout check exists only for a layout
         return results
     return (*results, (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout, needs_kernel))))
+
+
+def _as_installed(failures: list[Failure], applied: tuple[KernelFacts, ...]) -> tuple[Failure, ...]:
+    """``failures``, each saying which kernel's facts it read where a version- or
+    GPU-keyed entry replaced the catalogue's own (issue 31)."""
+    if not applied or not failures:
+        return tuple(failures)
+    note = " (facts of " + "; ".join(f"{v.kernel}: {v.describe()}" for v in applied) + ")"
+    return tuple(Failure(f.code, f.message + note) for f in failures)
 
 
 def _check_layout(
@@ -1132,6 +1143,7 @@ def _unusable_here(
     spec = lookup_spec(backend)
     if spec is None:
         return f"backend {backend.name!r} is not registered"
+    spec = platform.installed(spec)[0]
     failures = _check_available(spec, platform, needs_kernel, no_kernel) + _check_platform(
         spec, layer, platform
     )

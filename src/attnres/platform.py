@@ -39,15 +39,22 @@ from attnres._states import PackageStatus
 from attnres._vocab import PLATFORM_KINDS
 from attnres.backends import (
     Backend,
+    BackendSpec,
+    CapabilityRule,
+    KernelFacts,
+    installed_facts,
     plugin_failures,
     registered_backends,
     registry_generation,
 )
 
 __all__ = [
+    "CUDA_CHAINS",
     "DEFAULT_CHAINS",
     "GRAMMAR",
     "KNOWN_PACKAGES",
+    "ROCM_CHAINS",
+    "ChainRule",
     "PackageFact",
     "PackageProbe",
     "Platform",
@@ -60,8 +67,10 @@ GRAMMAR = (
     + ", ".join(PLATFORM_KINDS)
     + "; ARCH is a CUDA compute capability (sm80, sm90, sm100, 9.0) or a device "
     "architecture (gfx942 on rocm); each +PACKAGE marks an optional kernel package "
-    "present, +all marks every one. Examples: cpu, cuda:sm90+flash_attn+sageattention, "
-    "rocm:gfx942+aiter, npu+torch_npu"
+    "present, +all marks every one; +PACKAGE==VERSION also gives its installed version "
+    "(+PACKAGE==DISTRIBUTION@VERSION: the distribution it belongs to). Examples: cpu, "
+    "cuda:sm90+flash_attn+sageattention, cuda:sm89+sageattention==1.0.6, "
+    "cuda:sm90+flash_attn_4==flash-attn@2.8.3, rocm:gfx942+aiter, npu+torch_npu"
 )
 
 #: The platform kinds whose ``KIND:ARCH`` names an architecture.
@@ -81,6 +90,11 @@ class PackageProbe:
     aliases: tuple[str, ...] = ()
     #: a distribution that also installs ``module`` but is *not* this package
     impostors: tuple[str, ...] = ()
+    #: issue 31: a distribution that ships ``module`` inside itself as an older,
+    #: different kernel (flash-attn 2.8's early ``flash_attn.cute``): recorded as
+    #: that distribution and its version, so the catalogue's version-keyed facts
+    #: (``BackendSpec.variants``) tell the two apart
+    hosts: tuple[str, ...] = ()
 
 
 #: Every optional kernel package the built-in catalogue needs.
@@ -98,6 +112,7 @@ KNOWN_PACKAGES: tuple[PackageProbe, ...] = (
         "flash_attn.cute",
         ("flash-attn-4", "flash_attn_4"),
         ("flash-attn-4", "flash_attn.cute", "fa4"),
+        hosts=("flash-attn", "flash_attn"),
     ),
     PackageProbe(
         "flash_attn_interface",
@@ -135,6 +150,65 @@ DEFAULT_CHAINS: Final[Mapping[str, tuple[str, ...]]] = {
 }
 
 
+@frozen
+class ChainRule:
+    """Issue 31: the CUDA chain on the GPUs ``capabilities`` admits, and why."""
+
+    capabilities: CapabilityRule
+    chain: tuple[str, ...]
+    source: str
+
+
+#: Issue 31: the platform_default chain per CUDA generation, read from what the
+#: kernels' own code accepts (docs/backends.md#platform-default-chains). The first
+#: rule that admits the device's capability gives its chain; an unknown capability
+#: or one no rule admits keeps ``DEFAULT_CHAINS["cuda"]``.
+CUDA_CHAINS: Final[tuple[ChainRule, ...]] = (
+    ChainRule(
+        CapabilityRule(min=(8, 0), max=(9, 0)),
+        ("fa", "torch_sdpa"),
+        "flash-attn 2 (flash_api.cpp: 'FlashAttention only supports Ampere GPUs or newer') "
+        "is built for sm80 and sm90 by every wheel (setup.py cuda_archs)",
+    ),
+    ChainRule(
+        CapabilityRule(min=(10, 0), max=(11, 0)),
+        ("fa4", "torch_sdpa"),
+        "flash-attn 2.8.3 setup.py builds sm100 only with CUDA >= 12.8, so a wheel built "
+        "without it imports and dies at the first call ('no kernel image'); FA3 is sm90 "
+        "only; FlashAttention-4 (flash-attn-4 4.0.0b36 flash_attn/cute/interface.py) is "
+        "tuned for sm100/sm110 and checks the device itself",
+    ),
+    ChainRule(
+        CapabilityRule(min=(12, 0), max=(12, 1)),
+        ("torch_sdpa",),
+        "flash-attn 2.8.3 setup.py builds sm120 only with CUDA >= 12.8 (a wheel without it "
+        "dies at the first call); FlashAttention-4 runs sm120 on sm80 MMA with no "
+        "deterministic backward and no split-KV; torch SDPA dispatches flash/cuDNN/"
+        "efficient per call itself (sdp_utils.cpp), as SGLang, vLLM and xDiT choose SDPA "
+        "or cuDNN on sm12x",
+    ),
+)
+
+
+#: Issue 31: the platform_default chain per ROCm architecture (the first rule whose
+#: ``archs`` names the device's; another or an unknown one keeps
+#: ``DEFAULT_CHAINS["rocm"]``).
+ROCM_CHAINS: Final[tuple[ChainRule, ...]] = (
+    ChainRule(
+        CapabilityRule(archs={"gfx942", "gfx950"}),
+        ("aiter", "torch_sdpa"),
+        "aiter's README and aiter/ops/mha.py build its flash attention for gfx942 and "
+        "gfx950 (ROCm/aiter e4048607)",
+    ),
+    ChainRule(
+        CapabilityRule(archs={"gfx90a"}),
+        ("fa", "torch_sdpa"),
+        "aiter has no gfx90a build; flash-attn 2's ROCm CK backend (csrc/flash_attn_ck) "
+        "supports gfx90a, gfx942 and gfx950 (flash-attention README)",
+    ),
+)
+
+
 @functools.lru_cache(maxsize=64)
 def _backends(names: tuple[str, ...]) -> tuple[Backend, ...]:
     """A chain's names as backends (a pure function of the names, memoised)."""
@@ -149,6 +223,10 @@ class PackageFact:
     status: PackageStatus = field(converter=PackageStatus)
     version: str | None = None
     detail: str | None = None
+    #: issue 31: the distribution ``version`` belongs to (``sageattention``,
+    #: ``flash-attn-4``; ``flash-attn`` for its early ``flash_attn.cute``), which
+    #: keys the catalogue's version facts; written only when known
+    distribution: str | None = field(default=None, metadata={"omit_default": True})
 
     @property
     def usable(self) -> bool:
@@ -156,7 +234,8 @@ class PackageFact:
 
     def describe(self) -> str:
         if self.status == PackageStatus.PRESENT:
-            return f"{self.version or 'unknown version'}"
+            version = self.version or "unknown version"
+            return f"{self.distribution} {version}" if self.distribution else version
         return f"{self.status}: {self.detail}" if self.detail else self.status
 
 
@@ -175,6 +254,16 @@ def _package_alias_map() -> dict[str, str]:
         for n in (p.name, p.module, *p.aliases):
             out[n.lower()] = p.name
     return out
+
+
+def _simulated_fact(probe: PackageProbe, pinned: tuple[str | None, str] | None) -> PackageFact:
+    """A present package in a simulated platform: version ``simulated`` (the
+    catalogue's own facts apply), or the pinned ``(distribution, version)``
+    (the package's first distribution when none is named)."""
+    if pinned is None:
+        return PackageFact(probe.name, "present", "simulated", None)
+    dist, version = pinned
+    return PackageFact(probe.name, "present", version, None, dist or probe.distributions[0])
 
 
 def _parse_capability(arch: str) -> tuple[int, int] | None:
@@ -272,7 +361,30 @@ class Platform:
         machine passes over an unusable one with a recorded reason, and does not
         count that as a fallback. The last entry is the unconditional default.
         """
+        if self.kind == "cuda" and self.capability is not None:
+            for rule in CUDA_CHAINS:
+                if rule.capabilities.fits(self.capability):
+                    return _backends(rule.chain)
+        if self.kind == "rocm" and self.arch is not None:
+            for rule in ROCM_CHAINS:
+                if rule.capabilities.archs is not None and self.arch in rule.capabilities.archs:
+                    return _backends(rule.chain)
         return _backends(DEFAULT_CHAINS[self.kind])
+
+    def installed(self, spec: BackendSpec) -> tuple[BackendSpec, tuple[KernelFacts, ...]]:
+        """``spec`` as the kernel installed here is (issue 31): its
+        :class:`~attnres.backends.KernelFacts` entries that match this
+        platform's distribution, version and device applied, and those entries."""
+        if not spec.variants:
+            return spec, ()
+        fact = self.package(spec.package) if spec.package is not None else None
+        return installed_facts(
+            spec,
+            None if fact is None else fact.distribution,
+            None if fact is None else fact.version,
+            self.kind,
+            self.capability,
+        )
 
     def torch_at_least(self, version: tuple[int, int]) -> bool | None:
         if not self.torch_version:
@@ -306,7 +418,8 @@ class Platform:
             raise ValueError(f"platform spec must be a string in the form {GRAMMAR}")
         raw = text.strip()
         m = re.fullmatch(
-            r"(?P<kind>[A-Za-z]+)(?::(?P<arch>[A-Za-z0-9_.]+))?(?P<pkgs>(?:\+[A-Za-z0-9_.\-]+)*)",
+            r"(?P<kind>[A-Za-z]+)(?::(?P<arch>[A-Za-z0-9_.]+))?"
+            r"(?P<pkgs>(?:\+[A-Za-z0-9_.\-]+(?:==[A-Za-z0-9_.\-@!]+)?)*)",
             raw,
         )
         if not m:
@@ -348,8 +461,14 @@ class Platform:
                 )
         aliases = _package_alias_map()
         present: set[str] = set()
-        for token in filter(None, m.group("pkgs").split("+")):
+        versions: dict[str, tuple[str | None, str]] = {}
+        for item in filter(None, m.group("pkgs").split("+")):
+            token, _, pinned = item.partition("==")
             low = token.lower()
+            if pinned and low == "all":
+                raise ValueError(
+                    f"+all takes no version in platform spec {text!r}; expected {GRAMMAR}"
+                )
             if low == "all":
                 present.update(aliases.values())
                 continue
@@ -360,11 +479,20 @@ class Platform:
                     f"known packages: {known}, all; expected {GRAMMAR}"
                 )
             present.add(aliases[low])
+            if pinned:
+                dist, at, version = pinned.rpartition("@")
+                if (at and not dist) or not version:
+                    raise ValueError(
+                        f"cannot parse the version {pinned!r} of {token!r} in platform spec "
+                        f"{text!r}; expected {GRAMMAR}"
+                    )
+                versions[aliases[low]] = (dist or None, version)
+        probes = _package_probes()
         packages = tuple(
-            PackageFact(p.name, "present", "simulated", None)
+            _simulated_fact(p, versions.get(p.name))
             if p.name in present
             else PackageFact(p.name, "missing", None, "not installed")
-            for p in _package_probes()
+            for p in probes
         )
         name = f"simulated {kind}" + (f" {arch}" if arch else "")
         return cls(
@@ -526,7 +654,7 @@ def _with_printed(fact: PackageFact, printed: str) -> PackageFact:
         printed = printed[:_MAX_PRINTED] + "..."
     note = f"printed on import: {printed}"
     detail = f"{fact.detail}; {note}" if fact.detail else note
-    return PackageFact(fact.name, fact.status, fact.version, detail)
+    return attrs.evolve(fact, detail=detail)
 
 
 def probe_package(probe: PackageProbe) -> PackageFact:
@@ -552,6 +680,7 @@ def _probe_package(probe: PackageProbe) -> PackageFact:
             # package is simply not installed, not broken.
             return PackageFact(probe.name, "missing", None, "not installed")
         impostor = _dist_version(probe.impostors)
+        host = _dist_version(probe.hosts) if dist is None else None
         if dist is None and impostor is not None:
             return PackageFact(
                 probe.name,
@@ -561,8 +690,15 @@ def _probe_package(probe: PackageProbe) -> PackageFact:
                 f"not to {probe.distributions[0]}",
             )
         module = importlib.import_module(probe.module)
-        version = dist[1] if dist else getattr(module, "__version__", None)
-        return PackageFact(probe.name, "present", str(version) if version else None, None)
+        owner = dist or host
+        version = owner[1] if owner else getattr(module, "__version__", None)
+        return PackageFact(
+            probe.name,
+            "present",
+            str(version) if version else None,
+            None,
+            owner[0] if owner else None,
+        )
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
