@@ -1,0 +1,124 @@
+"""Issue 35: ring training memory and causal/non-causal ring time, 2 ranks vs 1 (CPU).
+
+    PYTHONPATH=src python benchmarks/sp_measure.py [--seq 16384] [--what memory,time]
+
+Not a benchmark file (``make bench`` does not run it): each configuration runs in
+fresh processes, since a process's peak resident memory only grows.
+
+- memory: one training step (forward + backward, torch_sdpa, float32, 8 heads x
+  64) of the full sequence on one process, against ``ring=2`` on two ranks; the
+  row is each rank's peak resident memory during the step above what it held
+  before (inputs included), as a ratio of the one-process figure;
+- time: the inference forward per rank, ``ring=2`` against one process on the
+  whole sequence, causal and not (median of rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _job(rank: int, world: int, folder: str, what: str, seq: int, causal: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import attnres
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    heads, size = 8, 64
+    sp = None
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{folder}/rendezvous.{what}.{causal}", rank=rank,
+            world_size=world, timeout=timedelta(seconds=600),
+        )  # fmt: skip
+        sp = attnres.SequenceParallel(ring=world, timeout=600)
+    layer = attnres.Attention(heads, size, dtype="float32", causal=causal, parallel=sp)
+    tiny = torch.randn(1, 64, heads, size, requires_grad=True)
+    layer(tiny, tiny, tiny).sum().backward()  # warm-up: kernels, consensus
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, seq, heads, size, generator=gen) for _ in range(3)]
+    q, k, v = full if sp is None else [sp.shard(t).clone() for t in full]
+    del full
+    result: dict[str, Any] = {}
+    if what == "memory":
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        base = _rss()
+        out = layer(q, k, v)
+        out.sum().backward()
+        result["peak_bytes"] = _peak() - base
+    else:
+        times = []
+        with torch.inference_mode():
+            layer(q, k, v)
+            for _ in range(3):
+                start = time.perf_counter()
+                layer(q, k, v)
+                times.append(time.perf_counter() - start)
+        result["seconds"] = statistics.median(times)
+    Path(folder, f"{what}.{world}.{causal}.{rank}.json").write_text(json.dumps(result))
+    if sp is not None:
+        dist.destroy_process_group()
+
+
+def _run(world: int, folder: str, what: str, seq: int, causal: bool) -> list[dict[str, Any]]:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_job, args=(r, world, folder, what, seq, causal)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(1800)
+    assert [p.exitcode for p in procs] == [0] * world
+    return [
+        json.loads(Path(folder, f"{what}.{world}.{causal}.{r}.json").read_text())
+        for r in range(world)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--what", default="memory,time")
+    args = parser.parse_args()
+    folder = tempfile.mkdtemp(prefix="attnres-sp-measure-")
+    for what in args.what.split(","):
+        for causal in (False, True) if what == "time" else (False,):
+            one = _run(1, folder, what, args.seq, causal)[0]
+            two = _run(2, folder, what, args.seq, causal)
+            key = "peak_bytes" if what == "memory" else "seconds"
+            ratios = [r[key] / one[key] for r in two]
+            unit = (lambda x: f"{x / 2**20:.1f} MiB") if what == "memory" else (
+                lambda x: f"{x:.3f} s"
+            )  # fmt: skip
+            print(
+                f"{what} seq={args.seq} causal={causal}: one process {unit(one[key])}; ring=2 "
+                f"ranks {', '.join(unit(r[key]) for r in two)}; ratio (worst rank) "
+                f"{max(ratios):.3f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
