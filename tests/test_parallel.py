@@ -407,8 +407,7 @@ def test_fa_lse_adapter_through_a_fake_and_the_ring_merge(monkeypatch: pytest.Mo
         acc = torch.zeros(1, 5, 4, 16, dtype=torch.float32)
         acc_lse = torch.full((1, 4, 5), float("-inf"))
         for start, stop in ((0, 4), (4, 13)):
-            kv = torch.cat([k[:, start:stop], v[:, start:stop]], -1)
-            acc, acc_lse = run._attend(q, kv, 7, start, acc, acc_lse)
+            run._attend(q, k[:, start:stop], v[:, start:stop], 7, start, acc, acc_lse)
         # query rows 7..11 see keys 0..row: the full reference over 13 keys, rows 7..11
         q_full = torch.cat([torch.zeros(1, 7, 4, 16).half(), q, torch.zeros(1, 1, 4, 16).half()], 1)
         expected = reference(q_full, k, v, True)[:, 7:12]
@@ -555,7 +554,7 @@ def _ring_by_hand(
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc)
     bounds = list(zip((0, *cuts), (*cuts, k.shape[1]), strict=True))
     for lo, hi in bounds:
-        run._attend(q, torch.cat([k[:, lo:hi], v[:, lo:hi]], -1), q0, lo, out, lse)
+        run._attend(q, k[:, lo:hi], v[:, lo:hi], q0, lo, out, lse)
     weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     dq = torch.zeros(q.shape, dtype=acc)
     dk, dv = torch.zeros(k.shape, dtype=acc), torch.zeros(v.shape, dtype=acc)

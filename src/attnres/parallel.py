@@ -275,18 +275,24 @@ class SequenceParallel:
         )
         return out
 
-    def _shift(self, x: Tensor, to: int, frm: int, numel: int) -> Tensor:
-        """Send ``x`` to group rank ``to`` and receive ``numel`` elements from ``frm``."""
-        out, works = self._start_shift(x, to, frm, numel)
+    def _shift(
+        self, xs: Sequence[Tensor], to: int, frm: int, shapes: Sequence[tuple[int, ...]]
+    ) -> list[Tensor]:
+        """Send ``xs`` to group rank ``to`` and receive tensors of ``shapes`` from ``frm``."""
+        outs, works = self._start_shift(xs, to, frm, shapes)
         self._finish_shift(works)
-        return out
+        return outs
 
-    def _start_shift(self, x: Tensor, to: int, frm: int, numel: int) -> tuple[Tensor, list[Any]]:
-        """Start a shift; :meth:`_finish_shift` waits for it (bounded)."""
-        out = torch.empty(numel, dtype=x.dtype, device=x.device)
-        ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=to)]
-        ops.append(dist.P2POp(dist.irecv, out, group=self.group, group_peer=frm))
-        return out, list(self._launch("ring shift", lambda: dist.batch_isend_irecv(ops)))
+    def _start_shift(
+        self, xs: Sequence[Tensor], to: int, frm: int, shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[list[Tensor], list[Any]]:
+        """Start a shift of contiguous tensors; :meth:`_finish_shift` waits for it (bounded)."""
+        outs = [
+            torch.empty(n, dtype=x.dtype, device=x.device) for x, n in zip(xs, shapes, strict=True)
+        ]
+        ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=to) for x in xs]
+        ops += [dist.P2POp(dist.irecv, o, group=self.group, group_peer=frm) for o in outs]
+        return outs, list(self._launch("ring shift", lambda: dist.batch_isend_irecv(ops)))
 
     def _finish_shift(self, works: list[Any]) -> None:
         for work in works:
@@ -444,17 +450,18 @@ class _ParallelRun:
             )
         sp = self.sp
         lengths = self._lengths(q, k)
+        d = self.head_size
         if sp.ulysses > 1:
             q_blk = _apply(_ToHeads, q, self, lengths.q)
             kv_blk = _apply(_ToHeads, torch.cat([k, v], dim=-1), self, lengths.kv)
-        else:
-            q_blk, kv_blk = q, torch.cat([k, v], dim=-1)
+            k_blk, v_blk = kv_blk[..., :d], kv_blk[..., d:]
+        else:  # k and v themselves: a ring saves them for its backward, no copy
+            q_blk, k_blk, v_blk = q, k, v
         if sp.ring > 1:
-            out_blk = self._ring(q_blk, kv_blk, lengths)
+            out_blk = self._ring(q_blk, k_blk, v_blk, lengths)
         else:
             assert self.local is not None
-            d = self.head_size
-            out_blk = self.local(q_blk, kv_blk[..., :d], kv_blk[..., d:], None)
+            out_blk = self.local(q_blk, k_blk, v_blk, None)
         if sp.ulysses > 1:
             return _apply(_ToSequence, out_blk, self, lengths.q)
         return out_blk
@@ -524,9 +531,9 @@ class _ParallelRun:
         u = self.sp.ulysses
         return [sum(per_rank[p * u : (p + 1) * u]) for p in range(self.sp.ring)]
 
-    def _ring(self, q: Tensor, kv: Tensor, lengths: _Lengths) -> Tensor:
+    def _ring(self, q: Tensor, k: Tensor, v: Tensor, lengths: _Lengths) -> Tensor:
         q_lens, kv_lens = self._block_lengths(lengths.q), self._block_lengths(lengths.kv)
-        return _apply(_Ring, q, kv, self, q_lens, kv_lens)
+        return _apply(_Ring, q, k, v, self, q_lens, kv_lens)
 
     def _pieces(self, q_len: int, q0: int, kv_len: int, k0: int) -> list[_Piece]:
         """The kernel calls for q's rows (global offset ``q0``) over one key/value
@@ -545,19 +552,16 @@ class _ParallelRun:
         return _causal_pieces(0, q_len, 0, kv_len)
 
     def _attend(
-        self, q: Tensor, kv: Tensor, q0: int, k0: int, out: Tensor, lse: Tensor
-    ) -> tuple[Tensor, Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, q0: int, k0: int, out: Tensor, lse: Tensor
+    ) -> None:
         """Merge q's attention over one key/value block at global offsets q0, k0
         (in place, without gradients)."""
         assert self.lse is not None
-        d = self.head_size
-        for r0, r1, c0, c1, causal in self._pieces(q.shape[1], q0, kv.shape[1], k0):
+        for r0, r1, c0, c1, causal in self._pieces(q.shape[1], q0, k.shape[1], k0):
             part, part_lse = self.lse(
-                q[:, r0:r1], kv[:, c0:c1, :, :d], kv[:, c0:c1, :, d:], causal, self.scale,
-                self.softcap,
-            )  # fmt: skip
+                q[:, r0:r1], k[:, c0:c1], v[:, c0:c1], causal, self.scale, self.softcap
+            )
             _merge_into(out[:, r0:r1], lse[..., r0:r1], part, part_lse)
-        return out, lse
 
 
 class _Piece(NamedTuple):
@@ -589,7 +593,7 @@ def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> Non
     zero = torch.zeros_like(new_lse)
     w_old = torch.exp(torch.where(empty, zero, lse - new_lse)).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(torch.where(empty, zero, part_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
-    out.copy_(w_old * out + w_new * part.to(out.dtype))
+    out.mul_(w_old).addcmul_(part.to(out.dtype), w_new)  # in place: no copy of the rows
     lse.copy_(new_lse)
 
 
@@ -610,48 +614,53 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, kv: Tensor, run: _ParallelRun, q_lens: list[int], kv_lens: list[int]
-    ) -> Tensor:
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun, q_lens: list[int],
+        kv_lens: list[int],
+    ) -> Tensor:  # fmt: skip
         me = run.sp.ring_rank
         q_off = sum(q_lens[:me])
         b, sq, h = q.shape[0], q.shape[1], q.shape[2]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(b, sq, h, run.head_size, dtype=acc, device=q.device)
         lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
-        for _, src, block in _ring_steps(run, kv, kv_lens):
-            run._attend(q, block, q_off, sum(kv_lens[:src]), out, lse)
-        ctx.save_for_backward(q, kv, out, lse)
+        for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
+            run._attend(q, k_blk, v_blk, q_off, sum(kv_lens[:src]), out, lse)
+        result = out.to(q.dtype)
+        # what the backward needs, linear in the sequence: the inputs, the merged
+        # output (the result itself when the dtypes agree) and log-sum-exp
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.run, ctx.q_lens, ctx.kv_lens = run, q_lens, kv_lens
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
-        q, kv, out, lse = ctx.saved_tensors
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
         run: _ParallelRun = ctx.run
         block_backward = run.lse_backward()
         sp, kv_lens = run.sp, ctx.kv_lens
         ring, me = sp.ring, sp.ring_rank
         q_off = sum(ctx.q_lens[:me])
-        d = run.head_size
-        dq = torch.zeros_like(out)
-        dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
+        acc = lse.dtype
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         nxt, prv = _neighbours(sp)
-        for _, src, block in _ring_steps(run, kv, kv_lens):
+        for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
             for r0, r1, c0, c1, causal in run._pieces(
-                q.shape[1], q_off, block.shape[1], sum(kv_lens[:src])
+                q.shape[1], q_off, k_blk.shape[1], sum(kv_lens[:src])
             ):
                 gq, gk, gv = block_backward(
-                    dout[:, r0:r1], q[:, r0:r1], block[:, c0:c1, :, :d], block[:, c0:c1, :, d:],
+                    dout[:, r0:r1], q[:, r0:r1], k_blk[:, c0:c1], v_blk[:, c0:c1],
                     out[:, r0:r1], lse[..., r0:r1], causal, run.scale, run.softcap,
                 )  # fmt: skip
-                dq[:, r0:r1] += gq.to(dq.dtype)
-                dkv[:, c0:c1, :, :d] += gk.to(dkv.dtype)
-                dkv[:, c0:c1, :, d:] += gv.to(dkv.dtype)
-            # this block's gradient follows the block (the last shift brings it home)
+                dq[:, r0:r1] += gq
+                dk[:, c0:c1] += gk
+                dv[:, c0:c1] += gv
+                del gq, gk, gv
+            # this block's gradients follow the block (the last shift brings them home)
             size = kv_lens[(src - 1) % ring]
-            flat = sp._shift(dkv.reshape(-1).contiguous(), nxt, prv, _block_numel(kv, size))
-            dkv = flat.reshape(kv.shape[0], size, kv.shape[2], kv.shape[3])
-        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None
+            dk, dv = sp._shift((dk, dv), nxt, prv, [(k.shape[0], size, *k.shape[2:])] * 2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _neighbours(sp: SequenceParallel) -> tuple[int, int]:
@@ -662,30 +671,26 @@ def _neighbours(sp: SequenceParallel) -> tuple[int, int]:
     return nxt, prv
 
 
-def _block_numel(kv: Tensor, length: int) -> int:
-    return kv.shape[0] * length * kv.shape[2] * kv.shape[3]
-
-
 def _ring_steps(
-    run: _ParallelRun, kv: Tensor, kv_lens: list[int]
-) -> Iterator[tuple[int, int, Tensor]]:
-    """``(step, source ring rank, key/value block)`` for each ring step: the next
-    block's shift starts before the step's work and is waited for (bounded) after it."""
+    run: _ParallelRun, block: tuple[Tensor, Tensor], kv_lens: list[int]
+) -> Iterator[tuple[int, tuple[Tensor, Tensor]]]:
+    """``(source ring rank, (k, v) block)`` for each ring step: the next block's shift
+    starts before the step's work and is waited for (bounded) after it."""
     sp = run.sp
     ring, me = sp.ring, sp.ring_rank
     nxt, prv = _neighbours(sp)
-    block = kv
+    k = block[0]
     for step in range(ring):
         src = (me - step) % ring
         works: list[Any] = []
         if step + 1 < ring:
-            size = kv_lens[(src - 1) % ring]
-            flat = block.reshape(-1).contiguous()
-            incoming, works = sp._start_shift(flat, nxt, prv, _block_numel(kv, size))
-        yield step, src, block
+            shape = (k.shape[0], kv_lens[(src - 1) % ring], *k.shape[2:])
+            sent = [t.contiguous() for t in block]
+            incoming, works = sp._start_shift(sent, nxt, prv, [shape, shape])
+        yield src, block
         if works:
             sp._finish_shift(works)
-            block = incoming.reshape(kv.shape[0], size, kv.shape[2], kv.shape[3])
+            block = (incoming[0], incoming[1])
 
 
 # -- collectives as autograd functions --------------------------------------------------
