@@ -735,3 +735,22 @@ def test_an_unbounded_timeout_is_a_value_error_not_an_overflow(timeout: float) -
         attnres.SequenceParallel(ring=2, timeout=timeout)
     with pytest.raises(ValueError, match="timeout must be at most"):
         verify_consensus([], timeout=timedelta(days=8))
+
+
+def test_zigzag_blocks_give_every_rank_an_early_and_a_late_half() -> None:
+    """Issue 35 item 2: a causal ring's rank r works on halves r and 2R-1-r, so the
+    causal work is balanced (rank 0 no longer idles while the last rank does most)."""
+    from attnres.parallel import _halves, _zigzag
+
+    halves = _halves([5, 4, 4, 3])  # uneven blocks: each split into halves, first the longer
+    assert halves == [(3, 0), (2, 3), (2, 5), (2, 7), (2, 9), (2, 11), (2, 13), (1, 15)]
+    assert _zigzag(halves) == [
+        ((3, 0), (1, 15)), ((2, 3), (2, 13)), ((2, 5), (2, 11)), ((2, 7), (2, 9)),
+    ]  # fmt: skip
+
+    def causal_pairs(segments: tuple[tuple[int, int], ...]) -> int:
+        # query-key pairs a rank computes: each row sees the keys at or before it
+        return sum(offset + i + 1 for n, offset in segments for i in range(n))
+
+    work = [causal_pairs(segs) for segs in _zigzag(_halves([64, 64, 64, 64]))]
+    assert max(work) - min(work) <= 0.02 * max(work)

@@ -533,7 +533,29 @@ class _ParallelRun:
 
     def _ring(self, q: Tensor, k: Tensor, v: Tensor, lengths: _Lengths) -> Tensor:
         q_lens, kv_lens = self._block_lengths(lengths.q), self._block_lengths(lengths.kv)
-        return _apply(_Ring, q, k, v, self, q_lens, kv_lens)
+        if not self.causal:  # every block costs the same: contiguous blocks
+            q_segs, kv_segs = _contiguous(q_lens), _contiguous(kv_lens)
+            return _apply(_Ring, q, k, v, self, q_segs, kv_segs)
+        # issue 35: zig-zag. Ring rank r works on halves r and 2R-1-r of the sequence
+        # (an early and a late one), so every rank does the same causal work; the
+        # halves are exchanged on the way in and back on the way out
+        q_chunks, kv_chunks = _halves(q_lens), _halves(kv_lens)
+        q = _apply(_ZigZag, q, self, q_chunks, True)
+        k = _apply(_ZigZag, k, self, kv_chunks, True)
+        v = _apply(_ZigZag, v, self, kv_chunks, True)
+        out = _apply(_Ring, q, k, v, self, _zigzag(q_chunks), _zigzag(kv_chunks))
+        return _apply(_ZigZag, out, self, q_chunks, False)
+
+    def _block_pieces(self, q_segs: _Segments, kv_segs: _Segments) -> Iterator[_Piece]:
+        """The kernel calls of q's segments over one block's segments (local indices)."""
+        qs = 0
+        for q_len, q0 in q_segs:
+            ks = 0
+            for kv_len, k0 in kv_segs:
+                for r0, r1, c0, c1, causal in self._pieces(q_len, q0, kv_len, k0):
+                    yield _Piece(qs + r0, qs + r1, ks + c0, ks + c1, causal)
+                ks += kv_len
+            qs += q_len
 
     def _pieces(self, q_len: int, q0: int, kv_len: int, k0: int) -> list[_Piece]:
         """The kernel calls for q's rows (global offset ``q0``) over one key/value
@@ -552,16 +574,116 @@ class _ParallelRun:
         return _causal_pieces(0, q_len, 0, kv_len)
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, q0: int, k0: int, out: Tensor, lse: Tensor
+        self, q: Tensor, k: Tensor, v: Tensor, q0: Any, k0: Any, out: Tensor, lse: Tensor
     ) -> None:
-        """Merge q's attention over one key/value block at global offsets q0, k0
-        (in place, without gradients)."""
+        """Merge q's attention over one key/value block at global offsets q0, k0 (or
+        segments: ``((length, offset), ...)``), in place, without gradients."""
         assert self.lse is not None
-        for r0, r1, c0, c1, causal in self._pieces(q.shape[1], q0, k.shape[1], k0):
+        q_segs = ((q.shape[1], q0),) if isinstance(q0, int) else q0
+        kv_segs = ((k.shape[1], k0),) if isinstance(k0, int) else k0
+        for r0, r1, c0, c1, causal in self._block_pieces(q_segs, kv_segs):
             part, part_lse = self.lse(
                 q[:, r0:r1], k[:, c0:c1], v[:, c0:c1], causal, self.scale, self.softcap
             )
             _merge_into(out[:, r0:r1], lse[..., r0:r1], part, part_lse)
+
+
+#: a ring block as segments of the global sequence: ((length, global offset), ...)
+_Segments = tuple[tuple[int, int], ...]
+
+
+def _contiguous(lens: list[int]) -> list[_Segments]:
+    """Each ring rank's block as one segment."""
+    return [((n, sum(lens[:r])),) for r, n in enumerate(lens)]
+
+
+def _halves(lens: list[int]) -> list[tuple[int, int]]:
+    """The 2R halves of the ring blocks in global order: (length, global offset)."""
+    chunks: list[tuple[int, int]] = []
+    offset = 0
+    for n in lens:
+        first = (n + 1) // 2
+        chunks += [(first, offset), (n - first, offset + first)]
+        offset += n
+    return chunks
+
+
+def _zigzag_ids(ring: int) -> list[tuple[int, int]]:
+    """The halves each ring rank holds under zig-zag: r and 2R-1-r (in global order)."""
+    return [(r, 2 * ring - 1 - r) for r in range(ring)]
+
+
+def _zigzag(chunks: list[tuple[int, int]]) -> list[_Segments]:
+    """Each ring rank's zig-zag block as segments."""
+    ring = len(chunks) // 2
+    return [(chunks[a], chunks[b]) for a, b in _zigzag_ids(ring)]
+
+
+class _ZigZag(torch.autograd.Function):
+    """Contiguous ring blocks (halves 2r, 2r+1) <-> zig-zag ones (halves r, 2R-1-r),
+    by point-to-point sends between ring peers; the backward moves the other way."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, run: _ParallelRun, chunks: list[tuple[int, int]], inward: bool
+    ) -> Tensor:
+        ctx.run, ctx.chunks, ctx.inward = run, chunks, inward
+        return _move_halves(run, x, chunks, inward)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return (
+            _move_halves(ctx.run, grad.contiguous(), ctx.chunks, not ctx.inward),
+            None,
+            None,
+            None,
+        )
+
+
+def _move_halves(
+    run: _ParallelRun, x: Tensor, chunks: list[tuple[int, int]], inward: bool
+) -> Tensor:
+    """Move ``x``'s halves from the contiguous layout to zig-zag (``inward``) or back."""
+    sp = run.sp
+    ring, me = sp.ring, sp.ring_rank
+    contiguous = [(2 * r, 2 * r + 1) for r in range(ring)]
+    held, wanted = (contiguous, _zigzag_ids(ring)) if inward else (_zigzag_ids(ring), contiguous)
+    owner_now = {c: r for r, ids in enumerate(held) for c in ids}
+    owner_next = {c: r for r, ids in enumerate(wanted) for c in ids}
+    mine: dict[int, Tensor] = {}
+    start = 0
+    for c in held[me]:
+        mine[c] = x[:, start : start + chunks[c][0]]
+        start += chunks[c][0]
+
+    def group_rank(ring_rank: int) -> int:
+        return ring_rank * sp.ulysses + sp.ulysses_rank
+
+    ops, received = [], {}
+    for c in held[me]:  # an empty half is known empty on both sides: nothing moves
+        if owner_next[c] != me and chunks[c][0]:
+            ops.append(
+                dist.P2POp(
+                    dist.isend,
+                    mine[c].contiguous(),
+                    group=sp.group,
+                    group_peer=group_rank(owner_next[c]),
+                )
+            )
+    for c in wanted[me]:
+        if owner_now[c] != me and chunks[c][0]:
+            buf = torch.empty(
+                x.shape[0], chunks[c][0], *x.shape[2:], dtype=x.dtype, device=x.device
+            )
+            received[c] = buf
+            ops.append(
+                dist.P2POp(dist.irecv, buf, group=sp.group, group_peer=group_rank(owner_now[c]))
+            )
+    if ops:
+        sp._finish_shift(list(sp._launch("zig-zag exchange", lambda: dist.batch_isend_irecv(ops))))
+    empty = x[:, :0]
+    parts = [received.get(c, mine.get(c, empty)) for c in wanted[me]]
+    return torch.cat(parts, 1)
 
 
 class _Piece(NamedTuple):
@@ -614,22 +736,22 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun, q_lens: list[int],
-        kv_lens: list[int],
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun, q_segs: list[_Segments],
+        kv_segs: list[_Segments],
     ) -> Tensor:  # fmt: skip
         me = run.sp.ring_rank
-        q_off = sum(q_lens[:me])
+        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
         b, sq, h = q.shape[0], q.shape[1], q.shape[2]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(b, sq, h, run.head_size, dtype=acc, device=q.device)
         lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
         for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
-            run._attend(q, k_blk, v_blk, q_off, sum(kv_lens[:src]), out, lse)
+            run._attend(q, k_blk, v_blk, q_segs[me], kv_segs[src], out, lse)
         result = out.to(q.dtype)
         # what the backward needs, linear in the sequence: the inputs, the merged
         # output (the result itself when the dtypes agree) and log-sum-exp
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.run, ctx.q_lens, ctx.kv_lens = run, q_lens, kv_lens
+        ctx.run, ctx.q_segs, ctx.kv_segs = run, q_segs, kv_segs
         return result
 
     @staticmethod
@@ -637,18 +759,16 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         run: _ParallelRun = ctx.run
         block_backward = run.lse_backward()
-        sp, kv_lens = run.sp, ctx.kv_lens
+        sp, kv_segs = run.sp, ctx.kv_segs
         ring, me = sp.ring, sp.ring_rank
-        q_off = sum(ctx.q_lens[:me])
+        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
         acc = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         nxt, prv = _neighbours(sp)
         for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
-            for r0, r1, c0, c1, causal in run._pieces(
-                q.shape[1], q_off, k_blk.shape[1], sum(kv_lens[:src])
-            ):
+            for r0, r1, c0, c1, causal in run._block_pieces(ctx.q_segs[me], kv_segs[src]):
                 gq, gk, gv = block_backward(
                     dout[:, r0:r1], q[:, r0:r1], k_blk[:, c0:c1], v_blk[:, c0:c1],
                     out[:, r0:r1], lse[..., r0:r1], causal, run.scale, run.softcap,
