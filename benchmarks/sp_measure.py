@@ -11,7 +11,8 @@ fresh processes, since a process's peak resident memory only grows.
   keep for backward), and the peak during the step, each above what the process
   held before the step (its inputs), as a ratio of the one-process figure;
 - time: the inference forward per rank, ``ring=2`` against one process on the
-  whole sequence, causal and not (median of rounds).
+  whole sequence timed by the same rank in alternate rounds (the same
+  contention), causal and not (median of 2 rounds).
 """
 
 from __future__ import annotations
@@ -81,14 +82,20 @@ def _job(rank: int, world: int, folder: str, what: str, seq: int, causal: bool) 
         out.backward(torch.ones_like(out))
         result["peak_bytes"] = _peak() - base
     else:
-        times = []
+        # both ranks time one process on the whole sequence too, round after round, so
+        # the baseline meets the same contention (as bench_parallel.py does)
+        single = attnres.Attention(heads, size, dtype="float32", causal=causal)
+        gen = torch.Generator().manual_seed(0)
+        whole = [torch.randn(1, seq, heads, size, generator=gen) for _ in range(3)]
+        times: dict[str, list[float]] = {"one": [], "ring": []}
         with torch.inference_mode():
             layer(q, k, v)
-            for _ in range(3):
-                start = time.perf_counter()
-                layer(q, k, v)
-                times.append(time.perf_counter() - start)
-        result["seconds"] = statistics.median(times)
+            for _ in range(2):
+                for name, run, args in (("one", single, whole), ("ring", layer, (q, k, v))):
+                    start = time.perf_counter()
+                    run(*args)
+                    times[name].append(time.perf_counter() - start)
+        result = {name: statistics.median(t) for name, t in times.items()}
     Path(folder, f"{what}.{world}.{causal}.{rank}.json").write_text(json.dumps(result))
     if sp is not None:
         dist.destroy_process_group()
@@ -121,6 +128,17 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="attnres-sp-measure-")
     for what in args.what.split(","):
         for causal in (False, True) if what == "time" else (False,):
+            if what == "time":
+                two = _run(2, folder, what, args.seq, causal)
+                ratios = [r["ring"] / r["one"] for r in two]
+                ones = ", ".join(f"{r['one']:.2f} s" for r in two)
+                rings = ", ".join(f"{r['ring']:.2f} s" for r in two)
+                print(
+                    f"time seq={args.seq} causal={causal}: per rank, one process {ones}; "
+                    f"ring=2 {rings}; ratio (worst rank) {max(ratios):.3f}",
+                    flush=True,
+                )
+                continue
             one = _run(1, folder, what, args.seq, causal)[0]
             two = _run(2, folder, what, args.seq, causal)
             for key in ("kept_bytes", "peak_bytes") if what == "memory" else ("seconds",):
