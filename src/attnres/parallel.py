@@ -16,7 +16,10 @@ its place on the ring; shards are in rank order along the sequence.
   are merged by their softmax log-sum-exp, so the kernel must return it
   (the machine's ``layout`` check, ``BackendSpec.lse``). Causal blocks in the
   future are skipped; a block that straddles the diagonal is split into a full
-  part and a top-left causal part, so no kernel needs a mask.
+  part and a top-left causal part, so no kernel needs a mask. A causal ring is
+  zig-zag balanced (issue 35): ring rank ``r`` works on halves ``r`` and
+  ``2R-1-r`` of the sequence, exchanged with its ring peers on the way in and
+  back on the way out, so the caller's shards stay contiguous.
 - **USP** (both): Ulysses inside, ring outside.
 
 Uneven lengths: shards follow ``torch.tensor_split`` (the first ``L % (U*R)``
