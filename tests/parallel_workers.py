@@ -13,8 +13,12 @@ scenarios in order (process start-up is the cost, so the combinations are batche
   by ``ulysses``, a ring layout on a kernel without the log-sum-exp;
 - ``decide_differently``: rank 1 resolves another backend; the first forward
   must stop every rank with the consensus error;
-- ``dead_peer`` (last): the last rank exits after the consensus; the others'
-  next forward must fail with ``SequenceParallelError`` within the timeout.
+- ``mismatch`` (issue 32): ranks bound to different dtypes (bf16/fp16,
+  fp32/fp64) and ``gather`` given shards of different dtypes or shapes: every
+  rank must raise the same ``ConsensusError`` before any data moves;
+- ``dead_peer`` (last): the last rank exits between a training ring's forward
+  and its backward; the others' backward, then their next forward, must fail
+  with ``SequenceParallelError`` within the timeout (issue 32).
 """
 
 from __future__ import annotations
@@ -204,6 +208,43 @@ def _decide_differently(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
     return {"error": None}
 
 
+def _mismatch(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
+    import torch
+
+    import attnres
+
+    out: dict[str, Any] = {}
+    sp = sp_for(world, 1) if world > 1 else sp_for(1, 1)
+    ring = sp_for(1, world)
+    cases = {
+        # (layout, dtype of rank 0, dtype of the others)
+        "bf16_fp16": (sp, "bfloat16", "float16"),
+        "fp32_fp64": (ring, "float32", "float64"),
+    }
+    for name, (layout, mine, theirs) in cases.items():
+        dtype = mine if rank == 0 else theirs
+        layer = attnres.Attention(
+            8, 16, dtype=dtype, parallel=layout, backend="eager", name=f"mismatch.{name}"
+        )
+        q = torch.randn(1, 3, 8, 16, dtype=getattr(torch, dtype))
+        try:
+            layer(q, q, q)
+            out[name] = None
+        except attnres.ConsensusError as exc:
+            out[name] = str(exc)
+    shards = {
+        "gather_dtype": torch.zeros(2, 3, 4, dtype=torch.float64 if rank else torch.float32),
+        "gather_shape": torch.zeros(2, 3, 4 + rank),
+    }
+    for name, shard in shards.items():
+        try:
+            sp.gather(shard)
+            out[name] = None
+        except attnres.ConsensusError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def _dead_peer(sp_for: Any, rank: int, world: int, directory: Path) -> dict[str, Any]:
     import torch
 
@@ -211,18 +252,27 @@ def _dead_peer(sp_for: Any, rank: int, world: int, directory: Path) -> dict[str,
 
     sp = attnres.SequenceParallel(ring=world, timeout=TIMEOUT_S)
     layer = attnres.Attention(8, 16, dtype="float32", parallel=sp, name="dead_peer")
-    q = torch.randn(1, 3, 8, 16)
-    layer(q, q, q)  # consensus and a first forward: every rank alive
+    q = torch.randn(1, 3, 8, 16, requires_grad=True)
+    layer(q, q, q).sum().backward()  # consensus and a training step: every rank alive
+    out = layer(q, q, q)  # a training forward; the peer dies before its backward
     if rank == world - 1:
         _write(directory / f"result.{rank}.json", {"dead_peer": "exited"}, merge=True)
-        os._exit(0)  # dies without a word, between two forwards
+        os._exit(0)  # dies without a word, between forward and backward
     time.sleep(0.5)
-    start = time.monotonic()
-    try:
-        layer(q, q, q)
-    except attnres.SequenceParallelError as exc:
-        return {"error": str(exc), "elapsed_s": time.monotonic() - start}
-    return {"error": None, "elapsed_s": time.monotonic() - start}
+    result: dict[str, Any] = {}
+    for what, step in (
+        ("backward", lambda: out.sum().backward()),
+        ("forward", lambda: layer(q, q, q)),
+    ):
+        start = time.monotonic()
+        try:
+            step()
+            result[what] = {"error": None}
+        except attnres.SequenceParallelError as exc:
+            result[what] = {"error": str(exc), "elapsed_s": time.monotonic() - start}
+        except BaseException as exc:  # the defect: gloo's raw error
+            result[what] = {"error": None, "raw": f"{type(exc).__name__}: {exc}"[:300]}
+    return result
 
 
 def _write(path: Path, result: dict[str, Any], merge: bool = False) -> None:
@@ -260,6 +310,7 @@ def worker(rank: int, world: int, tmpdir: str, scenarios: list[str]) -> None:
                     "dit": _dit,
                     "errors": _errors,
                     "decide_differently": _decide_differently,
+                    "mismatch": _mismatch,
                 }[scenario]
                 result = fn(sp_for, rank, world)
         except BaseException:  # reported, not raised: the test names it

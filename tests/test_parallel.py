@@ -276,7 +276,7 @@ def _numerics_ok(result: dict[str, Any]) -> None:
 
 
 def test_two_ranks_every_layout_matches_one_process_and_errors_are_clear(tmp_path: Path) -> None:
-    scenarios = ["numerics", "dit", "errors", "decide_differently", "dead_peer"]
+    scenarios = ["numerics", "dit", "errors", "decide_differently", "mismatch", "dead_peer"]
     results = run_ranks(tmp_path, 2, scenarios, work_s=120 + 2 * TIMEOUT_S)
     _numerics_ok(results[0]["numerics"])  # rank 0 compares with the reference
     assert results[0]["dit"]["max_err"] < 2e-5, results[0]["dit"]
@@ -293,11 +293,23 @@ def test_two_ranks_every_layout_matches_one_process_and_errors_are_clear(tmp_pat
         differ = got["decide_differently"]["error"]
         assert differ.startswith("Ranks disagree on attention backends")
         assert "rank 0 -> torch_sdpa" in differ and "rank 1 -> eager" in differ
-    dead = results[0]["dead_peer"]
+        # issue 32: shards of different dtypes or shapes are refused before data moves
+        mismatch = got["mismatch"]
+        assert "crashed" not in mismatch, mismatch
+        for case in ("bf16_fp16", "fp32_fp64"):
+            assert mismatch[case] is not None, case
+            assert "disagree on the shards" in mismatch[case], mismatch[case]
+        assert "bfloat16" in mismatch["bf16_fp16"] and "float16" in mismatch["bf16_fp16"]
+        assert "float32" in mismatch["fp32_fp64"] and "float64" in mismatch["fp32_fp64"]
+        for case in ("gather_dtype", "gather_shape"):
+            assert mismatch[case] is not None and "nothing was exchanged" in mismatch[case]
     assert results[1]["dead_peer"] == "exited"
-    assert dead["error"] is not None and "sequence-parallel" in dead["error"]
-    assert "restart the job" in dead["error"]
-    assert dead["elapsed_s"] < 3 * TIMEOUT_S  # the protocol's bound, with a margin
+    # issue 32: a peer that died between a ring's forward and backward
+    for what in ("backward", "forward"):
+        dead = results[0]["dead_peer"][what]
+        assert dead["error"] is not None, dead
+        assert "sequence-parallel" in dead["error"] and "restart the job" in dead["error"]
+        assert dead["elapsed_s"] < 3 * TIMEOUT_S  # the protocol's bound, with a margin
 
 
 def test_four_ranks_ulysses_ring_and_usp_match_one_process(tmp_path: Path) -> None:
@@ -325,17 +337,17 @@ def test_a_layout_is_shared_by_copies_and_refuses_pickling() -> None:
         pickle.dumps(sp)
 
 
-def test_rule_layout_training_ring_needs_a_differentiable_lse() -> None:
+def test_rule_layout_training_ring_needs_a_block_backward() -> None:
     training = Requirements(backward=True)
-    (failure,) = _layout_failures("fa", _spec(SequenceLayout(1, 2), requirements=training), HOPPER)
-    assert failure.code is Code.LAYOUT_UNSUPPORTED and "carries no gradient" in failure.message
-    # inference, or Ulysses alone, is fine with fa
-    assert _layout_failures("fa", _spec(SequenceLayout(1, 2)), HOPPER) == ()
-    assert _layout_failures("fa", _spec(SequenceLayout(2, 1), requirements=training), HOPPER) == ()
-    assert (
-        _layout_failures("torch_sdpa", _spec(SequenceLayout(1, 2), requirements=training), HOPPER)
-        == ()
-    )
+    ring = _spec(SequenceLayout(1, 2), requirements=training)
+    (failure,) = _layout_failures("sage_attn", ring, HOPPER)
+    assert failure.code is Code.LAYOUT_UNSUPPORTED and "no backward" in failure.message
+    # inference, or Ulysses alone, is fine with sage_attn; fa and torch_sdpa train a ring
+    assert _layout_failures("sage_attn", _spec(SequenceLayout(1, 2)), HOPPER) == ()
+    ulysses = _spec(SequenceLayout(2, 1), requirements=training)
+    assert _layout_failures("sage_attn", ulysses, HOPPER) == ()
+    assert _layout_failures("torch_sdpa", ring, HOPPER) == ()
+    assert _layout_failures("fa", ring, HOPPER) == ()
 
 
 def _fake_flash_attn() -> Any:
@@ -395,8 +407,7 @@ def test_fa_lse_adapter_through_a_fake_and_the_ring_merge(monkeypatch: pytest.Mo
         acc = torch.zeros(1, 5, 4, 16, dtype=torch.float32)
         acc_lse = torch.full((1, 4, 5), float("-inf"))
         for start, stop in ((0, 4), (4, 13)):
-            kv = torch.cat([k[:, start:stop], v[:, start:stop]], -1)
-            acc, acc_lse = run._attend(q, kv, 7, start, acc, acc_lse)
+            run._attend(q, k[:, start:stop], v[:, start:stop], 7, start, acc, acc_lse)
         # query rows 7..11 see keys 0..row: the full reference over 13 keys, rows 7..11
         q_full = torch.cat([torch.zeros(1, 7, 4, 16).half(), q, torch.zeros(1, 1, 4, 16).half()], 1)
         expected = reference(q_full, k, v, True)[:, 7:12]
@@ -522,3 +533,228 @@ def test_rule_a_ring_refuses_a_bottom_right_causal_layer() -> None:
     assert failure.code is Code.LAYOUT_UNSUPPORTED and "bottom_right" in failure.message
     ulysses = _spec(SequenceLayout(2, 1), requirements=bottom_right, role="cross")
     assert _layout_failures("eager", ulysses, HOPPER) == ()  # each rank sees it all
+
+
+# -- issue 32 / 35: the ring's backward from the log-sum-exp, bounds -----------------------
+
+
+def _ring_by_hand(
+    lse_fn: Any, backward: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+    cuts: tuple[int, ...], q0: int = 0,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """One rank's ring in one process: q's rows (global offset ``q0``) over the key/value
+    blocks cut at ``cuts``, forward merged by the log-sum-exp, then every block's
+    gradients recomputed from the merged statistics (what ``_Ring`` does per step)."""
+    from attnres.parallel import _ParallelRun
+
+    run = object.__new__(_ParallelRun)
+    run.lse, run.scale, run.softcap, run.causal, run.head_size = lse_fn, None, 0.0, causal, 16
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape, dtype=acc)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc)
+    bounds = list(zip((0, *cuts), (*cuts, k.shape[1]), strict=True))
+    for lo, hi in bounds:
+        run._attend(q, k[:, lo:hi], v[:, lo:hi], q0, lo, out, lse)
+    weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    dq = torch.zeros(q.shape, dtype=acc)
+    dk, dv = torch.zeros(k.shape, dtype=acc), torch.zeros(v.shape, dtype=acc)
+    for lo, hi in bounds:
+        for r0, r1, c0, c1, piece_causal in run._pieces(q.shape[1], q0, hi - lo, lo):
+            gq, gk, gv = backward(
+                weight[:, r0:r1].to(q.dtype), q[:, r0:r1], k[:, lo + c0 : lo + c1],
+                v[:, lo + c0 : lo + c1], out[:, r0:r1], lse[..., r0:r1], piece_causal, None,
+            )  # fmt: skip
+            dq[:, r0:r1] += gq.to(acc)
+            dk[:, lo + c0 : lo + c1] += gk.to(acc)
+            dv[:, lo + c0 : lo + c1] += gv.to(acc)
+    return out, dq, dk, dv, weight
+
+
+def _reference_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, q0: int,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """float64 outputs and gradients of q's rows at global offset q0 (the rows before
+    it padded with zeros, then cut away)."""
+    pad = torch.zeros(q.shape[0], q0, *q.shape[2:], dtype=torch.float64)
+    q64, k64, v64 = (t.detach().double().clone().requires_grad_() for t in (q, k, v))
+    full_q = torch.cat([pad, q64], 1)
+    out = reference(full_q, k64, v64, causal)[:, q0:]
+    (out * weight).sum().backward()
+    assert q64.grad is not None and k64.grad is not None and v64.grad is not None
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float64, 1e-12)],
+)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", ["eager", "torch_sdpa"])
+def test_ring_block_backward_from_the_merged_lse_matches_float64(
+    backend: str, causal: bool, dtype: torch.dtype, tolerance: float
+) -> None:
+    """Issue 35 item 1: each block's gradients recomputed from the merged output and
+    log-sum-exp (nothing kept from the forward's scores) add up to the full gradients;
+    GQA, uneven blocks, a query block straddling the diagonal."""
+    from attnres.kernels.lse import get_lse_backward, get_lse_kernel
+
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 6, 4, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 13, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    got = _ring_by_hand(get_lse_kernel(backend), get_lse_backward(backend), q, k, v, causal,
+                        (4, 9), q0=5)  # fmt: skip
+    expected = _reference_grads(q, k, v, causal, 5, got[-1])
+    for mine, ref in zip(got[:4], expected, strict=True):
+        assert (mine.double() - ref).abs().max() < tolerance
+
+
+def test_eager_block_backward_with_softcap_matches_autograd() -> None:
+    from attnres.kernels.lse import eager_lse_backward
+
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 5, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = eager_lse(qg, kg, vg, True, None, 3.0)
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (out * weight).sum().backward()
+    grads = eager_lse_backward(weight, q, k, v, out.detach(), lse.detach(), True, None, 3.0)
+    for mine, ref in zip(grads, (qg.grad, kg.grad, vg.grad), strict=True):
+        assert ref is not None and torch.allclose(mine, ref, atol=1e-10)
+
+
+def _fake_flash_attn_with_backward() -> tuple[Any, Any]:
+    """flash-attn 2.6's ``flash_attn_interface._flash_attn_backward(dout, q, k, v, out,
+    softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+    window_size_right, softcap, alibi_slopes, deterministic, rng_state=None)``: fills
+    dq, dk, dv (fp16/bf16, GQA native) from the given out and softmax_lse."""
+    import types
+
+    module = _fake_flash_attn()
+
+    def _flash_attn_backward(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+        dv: torch.Tensor, dropout_p: float, softmax_scale: float, causal: bool,
+        window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Any,
+        deterministic: bool, rng_state: Any = None,
+    ) -> None:  # fmt: skip
+        assert q.dtype in (torch.float16, torch.bfloat16) and softmax_lse.dtype == torch.float32
+        assert out.dtype == q.dtype and dout.dtype == q.dtype and window_size_left == -1
+        groups = q.shape[2] // k.shape[2]
+        qh = q.double().transpose(1, 2)
+        kh = k.double().transpose(1, 2).repeat_interleave(groups, 1)
+        vh = v.double().transpose(1, 2).repeat_interleave(groups, 1)
+        scores = (qh @ kh.transpose(-1, -2)) * softmax_scale
+        if causal:  # bottom-right
+            keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(
+                k.shape[1] - q.shape[1]
+            )
+            scores = scores.masked_fill(~keep, float("-inf"))
+        p = torch.exp(scores - softmax_lse.double().unsqueeze(-1))
+        do = dout.double().transpose(1, 2)
+        ds = p * (do @ vh.transpose(-1, -2) - (do * out.double().transpose(1, 2)).sum(-1, True))
+        b, h, sk, d = kh.shape
+
+        def fold(g: torch.Tensor) -> torch.Tensor:
+            return g.reshape(b, h // groups, groups, sk, d).sum(2).transpose(1, 2)
+
+        dq.copy_((ds @ kh * softmax_scale).transpose(1, 2))
+        dk.copy_(fold(ds.transpose(-1, -2) @ qh * softmax_scale))
+        dv.copy_(fold(p.transpose(-1, -2) @ do))
+
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface._flash_attn_backward = _flash_attn_backward  # type: ignore[attr-defined]
+    module.flash_attn_interface = interface
+    return module, interface
+
+
+def test_a_training_ring_on_fa_recomputes_with_flash_attn_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 32 item 13 / issue 35 item 1: a training ring on ``fa`` is allowed (the
+    machine's layout check passes) and its gradients come from flash-attn's own
+    ``_flash_attn_backward`` given the merged statistics, as diffusers' ring does."""
+    import sys
+
+    from attnres.kernels.lse import clear_lse_cache, get_lse_backward, get_lse_kernel
+
+    training = Requirements(backward=True)
+    assert _layout_failures("fa", _spec(SequenceLayout(1, 2), requirements=training), HOPPER) == ()
+    module, interface = _fake_flash_attn_with_backward()
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    clear_lse_cache()
+    try:
+        gen = torch.Generator().manual_seed(13)
+        q = torch.randn(1, 5, 4, 16, generator=gen).half()
+        k, v = (torch.randn(1, 13, 2, 16, generator=gen).half() for _ in range(2))
+        got = _ring_by_hand(get_lse_kernel("fa"), get_lse_backward("fa"), q, k, v, True,
+                            (4,), q0=7)  # fmt: skip
+        expected = _reference_grads(q, k, v, True, 7, got[-1])
+        for mine, ref in zip(got[:4], expected, strict=True):
+            assert (mine.double() - ref).abs().max() < 2e-2
+    finally:
+        clear_lse_cache()
+
+
+def test_a_diffusers_training_ring_on_fa_is_planned() -> None:
+    """Issue 32 item 13: diffusers' context-parallel ring in training on ``fa`` was
+    refused with ``layout_unsupported``; its ring runs flash-attn's backward with the
+    merged log-sum-exp, so the plan selects fa."""
+    import tiny_pipelines as tp
+    from diffusers import ContextParallelConfig, ParallelConfig
+
+    from attnres.integrations import diffusers as governed
+
+    components = tp.wan()
+    transformer = components["transformer"].to(torch.bfloat16).train()
+    transformer._parallel_config = ParallelConfig(
+        context_parallel_config=ContextParallelConfig(ring_degree=2)
+    )
+    config = attnres.SelectionConfig(component_backends={"transformer": "fa"})
+    plan = governed.plan({"transformer": transformer}, config, platform=HOPPER)
+    sites = [s for s in plan.sites if s.trace is not None]
+    assert sites and all(s.error is None for s in sites), [s.error for s in sites]
+    for site in sites:
+        assert site.trace is not None and site.trace.input.layer.requirements.backward
+        assert site.trace.input.layer.layout is not None
+
+
+def test_a_training_ring_on_a_kernel_without_a_block_backward_is_refused() -> None:
+    training = Requirements(backward=True)
+    spec = _spec(SequenceLayout(1, 2), requirements=training)
+    (failure,) = _layout_failures("sage_attn", spec, HOPPER)
+    assert failure.code is Code.LAYOUT_UNSUPPORTED and "no backward" in failure.message
+
+
+@pytest.mark.parametrize("timeout", [1e300, 10**400, 7 * 86400 + 1])
+def test_an_unbounded_timeout_is_a_value_error_not_an_overflow(timeout: float) -> None:
+    """Issue 32 item 11: ``SequenceParallel(timeout=1e300)`` raised OverflowError."""
+    from datetime import timedelta
+
+    from attnres.distributed import verify_consensus
+
+    with pytest.raises(ValueError, match="timeout must be at most"):
+        attnres.SequenceParallel(ring=2, timeout=timeout)
+    with pytest.raises(ValueError, match="timeout must be at most"):
+        verify_consensus([], timeout=timedelta(days=8))
+
+
+def test_zigzag_blocks_give_every_rank_an_early_and_a_late_half() -> None:
+    """Issue 35 item 2: a causal ring's rank r works on halves r and 2R-1-r, so the
+    causal work is balanced (rank 0 no longer idles while the last rank does most)."""
+    from attnres.parallel import _halves, _zigzag
+
+    halves = _halves([5, 4, 4, 3])  # uneven blocks: each split into halves, first the longer
+    assert halves == [(3, 0), (2, 3), (2, 5), (2, 7), (2, 9), (2, 11), (2, 13), (1, 15)]
+    assert _zigzag(halves) == [
+        ((3, 0), (1, 15)), ((2, 3), (2, 13)), ((2, 5), (2, 11)), ((2, 7), (2, 9)),
+    ]  # fmt: skip
+
+    def causal_pairs(segments: tuple[tuple[int, int], ...]) -> int:
+        # query-key pairs a rank computes: each row sees the keys at or before it
+        return sum(offset + i + 1 for n, offset in segments for i in range(n))
+
+    work = [causal_pairs(segs) for segs in _zigzag(_halves([64, 64, 64, 64]))]
+    assert max(work) - min(work) <= 0.02 * max(work)

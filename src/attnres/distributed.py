@@ -62,6 +62,8 @@ __all__ = [
 
 #: The timeout used when ``verify_consensus(timeout=None)``, in seconds.
 DEFAULT_TIMEOUT_S = 60.0
+#: the longest ``timeout`` accepted (seconds): a week (issue 32: a huge one overflowed)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 #: Store keys live under this prefix (inside the group's own store prefix).
 _NAMESPACE = "attnres/consensus/v1"
@@ -243,13 +245,19 @@ def _timeout_seconds(timeout: Timeout) -> float:
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
+        # a huge int is compared before float() would overflow
+        seconds = float(min(timeout, MAX_TIMEOUT_S + 1)) if isinstance(timeout, int) else timeout
     else:
         raise TypeError(
             f"timeout must be seconds (float) or a datetime.timedelta, got {type(timeout).__name__}"
         )
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"timeout must be a positive, finite duration, got {timeout!r}")
+    if seconds > MAX_TIMEOUT_S:  # issue 32: 1e300 s overflowed timedelta and thread waits
+        raise ValueError(
+            f"timeout must be at most {MAX_TIMEOUT_S:g} s (a week), got {timeout!r}: a bound "
+            f"that long never stops a hang in practice"
+        )
     return seconds
 
 

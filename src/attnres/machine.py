@@ -1072,9 +1072,10 @@ def _check_layout(
         out.append(
             Failure(
                 Code.LAYOUT_UNSUPPORTED,
-                f"its log-sum-exp carries no gradient here, and a training forward under "
-                f"ring={layout.ring} differentiates through the merge (attnres's adapters with "
-                f"one: {', '.join(n for n in lse_kernel_names() if lse_has_gradient(n))})",
+                f"attnres has no backward from its log-sum-exp, and a training forward under "
+                f"ring={layout.ring} recomputes each key/value block's gradients from the "
+                f"merged log-sum-exp (kernels with one: "
+                f"{', '.join(n for n in lse_kernel_names() if lse_has_gradient(n))})",
             )
         )
     bottom_right = needed.causal_alignment is not CausalAlignment.TOP_LEFT

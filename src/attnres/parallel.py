@@ -16,7 +16,10 @@ its place on the ring; shards are in rank order along the sequence.
   are merged by their softmax log-sum-exp, so the kernel must return it
   (the machine's ``layout`` check, ``BackendSpec.lse``). Causal blocks in the
   future are skipped; a block that straddles the diagonal is split into a full
-  part and a top-left causal part, so no kernel needs a mask.
+  part and a top-left causal part, so no kernel needs a mask. A causal ring is
+  zig-zag balanced (issue 35): ring rank ``r`` works on halves ``r`` and
+  ``2R-1-r`` of the sequence, exchanged with its ring peers on the way in and
+  back on the way out, so the caller's shards stay contiguous.
 - **USP** (both): Ulysses inside, ring outside.
 
 Uneven lengths: shards follow ``torch.tensor_split`` (the first ``L % (U*R)``
@@ -27,9 +30,10 @@ first gathers the shard lengths of all ranks (one small all-gather).
 reassemble a full tensor that way.
 
 Not supported under a layout (a ``ValueError``): ``attn_mask``; ``window`` with
-``ring > 1``. Gradients flow: the collectives are autograd functions (an
-all-to-all's backward is the reverse all-to-all, a ring shift's the reverse
-shift), and the log-sum-exp of the ring kernels is differentiable.
+``ring > 1``. Gradients flow: an all-to-all's backward is the reverse
+all-to-all; the ring's backward recomputes every block from the merged
+log-sum-exp (:class:`_Ring`, issue 35), so a training forward keeps memory
+linear in the sequence.
 
 Verified and bounded (``docs/sequence-parallel.md``):
 
@@ -37,11 +41,15 @@ Verified and bounded (``docs/sequence-parallel.md``):
   a layer's per-rank kernel is resolved with the layout (``LayerSpec.layout``),
   so a kernel without the log-sum-exp, or head counts that do not divide by
   ``U``, are traced rejections;
-- on the first forward of each bound layer shape, before any collective, every
-  rank's decision for the layout goes through :func:`attnres.verify_consensus`:
+- every forward starts with one fixed-width all-gather of each rank's facts
+  (shard lengths, batch, dtype, head counts): anything but the lengths that
+  differs stops every rank with a ``ConsensusError`` before any data moves
+  (issue 32); while any rank has not verified a bound layer shape, every rank's
+  decision for the layout then goes through :func:`attnres.verify_consensus`:
   a rank that decided differently stops every rank with a ``ConsensusError``;
 - every collective is started asynchronously and waited for with the layout's
-  ``timeout``: a dead peer (connection reset) or one that never arrives is a
+  ``timeout`` (at most a week): a dead peer (connection reset, at launch or in
+  the wait, a ring's backward included) or one that never arrives is a
   :class:`SequenceParallelError` within that bound, never a hang.
 """
 
@@ -50,7 +58,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -61,8 +70,14 @@ from torch import Tensor
 from attnres._outcome import Outcome
 from attnres.backends import Backend
 from attnres.distributed import DEFAULT_TIMEOUT_S, _timeout_seconds, verify_consensus
-from attnres.errors import SequenceParallelError
-from attnres.kernels.lse import LseKernelFn, get_lse_kernel, lse_has_gradient
+from attnres.errors import ConsensusError, SequenceParallelError
+from attnres.kernels.lse import (
+    LseBackwardFn,
+    LseKernelFn,
+    get_lse_backward,
+    get_lse_kernel,
+    lse_has_gradient,
+)
 from attnres.layout import SequenceLayout
 from attnres.ledger import Decision
 
@@ -95,6 +110,8 @@ class SequenceParallel:
         timeout: float | timedelta | None = None,
     ) -> None:
         shape = SequenceLayout(ulysses=ulysses, ring=ring)  # validates the degrees
+        # bounded before anything else (issue 32: 1e300 overflowed timedelta)
+        timeout_s = _timeout_seconds(DEFAULT_TIMEOUT_S if timeout is None else timeout)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "SequenceParallel needs torch.distributed to be initialised: call "
@@ -115,7 +132,7 @@ class SequenceParallel:
         self.ring = shape.ring
         self.size = size
         self.rank = rank
-        self.timeout_s = _timeout_seconds(DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        self.timeout_s = timeout_s
         self._wait = timedelta(seconds=self.timeout_s)
         #: seconds this rank spent in the layout's collectives, waits included (the bench)
         self.comm_seconds = 0.0
@@ -162,18 +179,34 @@ class SequenceParallel:
         return torch.tensor_split(x, self.size, dim=dim)[self.rank]
 
     def gather(self, x: Tensor, dim: int = 1) -> Tensor:
-        """The full tensor from every rank's shard along ``dim`` (bounded; no grad)."""
-        length = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
-        lengths = self._all_gather_ints(length).reshape(-1).tolist()
+        """The full tensor from every rank's shard along ``dim`` (bounded; no grad).
+
+        Every rank's dtype and shape apart from ``dim`` must agree: they are compared
+        (one small all-gather) before any data moves, and a difference is a
+        :class:`~attnres.ConsensusError` on every rank (issue 32)."""
+        dim = dim % x.dim() if x.dim() else dim
         moved = x.movedim(dim, 0).contiguous()
         tail = moved.shape[1:]
+        facts = [x.shape[dim], _dtype_code(x.dtype), x.dim(), dim, *_shape_code(tuple(tail))]
+        rows_list = self._gather_facts("gather", facts, x.device)
+        if any(row[1:] != rows_list[0][1:] for row in rows_list):
+            mine = f"{x.dtype} {tuple(x.shape)} along dim {dim}"
+            raise ConsensusError(
+                f"SequenceParallel.gather: the ranks' shards differ in dtype or in shape "
+                f"outside dim {dim} (rank {self.rank}: {mine}; "
+                f"{_disagreeing(rows_list, 1)} with rank 0), so nothing was "
+                f"exchanged; pass shards of one dtype whose other dimensions match"
+            )
+        lengths = [row[0] for row in rows_list]
         per = int(torch.Size(tail).numel())
         most = max(lengths)
         # gloo gathers equal sizes only: every shard is padded to the longest, then cut
         flat = torch.zeros(most * per, dtype=x.dtype, device=x.device)
         flat[: moved.numel()] = moved.reshape(-1)
         parts = [torch.empty(most * per, dtype=x.dtype, device=x.device) for _ in lengths]
-        self._bounded("all_gather", dist.all_gather(parts, flat, group=self.group, async_op=True))
+        self._bounded(
+            "all_gather", lambda: dist.all_gather(parts, flat, group=self.group, async_op=True)
+        )
         full = torch.cat(
             [p[: n * per].reshape(n, *tail) for p, n in zip(parts, lengths, strict=True)]
         )
@@ -181,47 +214,92 @@ class SequenceParallel:
 
     # -- bounded collectives -------------------------------------------------------
 
-    def _bounded(self, what: str, work: Any) -> None:
-        start = time.perf_counter()
+    def _failure(self, what: str, exc: BaseException) -> SequenceParallelError:
+        return SequenceParallelError(
+            f"sequence-parallel {what} failed on rank {self.rank} of {self.size} "
+            f"(ulysses={self.ulysses} x ring={self.ring}, timeout {self.timeout_s:g} s): "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. A peer died, "
+            f"hangs, or took a different code path; the group is out of step, so restart "
+            f"the job"
+        )
+
+    def _launch(self, what: str, start: Callable[[], Any]) -> Any:
+        """``start()``, a collective's launch: gloo raises there, not only in the
+        wait, when a peer's connection is gone (issue 32: a peer that died between
+        a ring's forward and backward)."""
+        try:
+            return start()
+        except SequenceParallelError:
+            raise
+        except RuntimeError as exc:
+            raise self._failure(what, exc) from exc
+
+    def _bounded(self, what: str, start: Callable[[], Any]) -> None:
+        """Launch a collective and wait for it within the layout's timeout."""
+        self._wait_for(what, self._launch(what, start))
+
+    def _wait_for(self, what: str, work: Any) -> None:
+        began = time.perf_counter()
         try:
             work.wait(timeout=self._wait)
         except RuntimeError as exc:
-            raise SequenceParallelError(
-                f"sequence-parallel {what} failed on rank {self.rank} of {self.size} "
-                f"(ulysses={self.ulysses} x ring={self.ring}, timeout {self.timeout_s:g} s): "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. A peer died, "
-                f"hangs, or took a different code path; the group is out of step, so restart "
-                f"the job"
-            ) from exc
-        self.comm_seconds += time.perf_counter() - start
+            raise self._failure(what, exc) from exc
+        self.comm_seconds += time.perf_counter() - began
+
+    def _gather_facts(self, what: str, facts: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's ``facts`` (one all-gather of a fixed width, whatever the
+        call, so ranks on different code paths exchange equal sizes and are told
+        so instead of gloo aborting on a size mismatch; issue 32)."""
+        row = [_FACT_KINDS.index(what), *facts]
+        row += [0] * (_FACTS_WIDTH - len(row))
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        rows = self._all_gather_ints(mine).tolist()
+        kinds = [_FACT_KINDS[r[0]] if 0 <= r[0] < len(_FACT_KINDS) else "?" for r in rows]
+        if len(set(kinds)) > 1:
+            raise ConsensusError(
+                f"sequence-parallel ranks took different code paths before any data moved: "
+                f"{', '.join(f'rank {i} -> {k}' for i, k in enumerate(kinds))}; every rank "
+                f"must make the same calls in the same order"
+            )
+        return [r[1 : len(facts) + 1] for r in rows]
 
     def _all_gather_ints(self, mine: Tensor) -> Tensor:
         parts = [torch.empty_like(mine) for _ in range(self.size)]
-        self._bounded("all_gather", dist.all_gather(parts, mine, group=self.group, async_op=True))
+        self._bounded(
+            "all_gather", lambda: dist.all_gather(parts, mine, group=self.group, async_op=True)
+        )
         return torch.stack(parts)
 
     def _all_to_all(self, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
         out = torch.empty(sum(recv), dtype=x.dtype, device=x.device)
-        work = dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
-        self._bounded("all_to_all", work)
+        self._bounded(
+            "all_to_all",
+            lambda: dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True),
+        )
         return out
 
-    def _shift(self, x: Tensor, to: int, frm: int, numel: int) -> Tensor:
-        """Send ``x`` to group rank ``to`` and receive ``numel`` elements from ``frm``."""
-        out, works = self._start_shift(x, to, frm, numel)
+    def _shift(
+        self, xs: Sequence[Tensor], to: int, frm: int, shapes: Sequence[tuple[int, ...]]
+    ) -> list[Tensor]:
+        """Send ``xs`` to group rank ``to`` and receive tensors of ``shapes`` from ``frm``."""
+        outs, works = self._start_shift(xs, to, frm, shapes)
         self._finish_shift(works)
-        return out
+        return outs
 
-    def _start_shift(self, x: Tensor, to: int, frm: int, numel: int) -> tuple[Tensor, list[Any]]:
-        """Start a shift; :meth:`_finish_shift` waits for it (bounded)."""
-        out = torch.empty(numel, dtype=x.dtype, device=x.device)
-        ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=to)]
-        ops.append(dist.P2POp(dist.irecv, out, group=self.group, group_peer=frm))
-        return out, list(dist.batch_isend_irecv(ops))
+    def _start_shift(
+        self, xs: Sequence[Tensor], to: int, frm: int, shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[list[Tensor], list[Any]]:
+        """Start a shift of contiguous tensors; :meth:`_finish_shift` waits for it (bounded)."""
+        outs = [
+            torch.empty(n, dtype=x.dtype, device=x.device) for x, n in zip(xs, shapes, strict=True)
+        ]
+        ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=to) for x in xs]
+        ops += [dist.P2POp(dist.irecv, o, group=self.group, group_peer=frm) for o in outs]
+        return outs, list(self._launch("ring shift", lambda: dist.batch_isend_irecv(ops)))
 
     def _finish_shift(self, works: list[Any]) -> None:
         for work in works:
-            self._bounded("ring shift", work)
+            self._wait_for("ring shift", work)
 
     # -- the layer's forward -------------------------------------------------------
 
@@ -238,6 +316,35 @@ class SequenceParallel:
         ``new_run`` builds a local forward for a shape (``attnres.modules``).
         """
         return _ParallelRun(self, shape, kernel, dtypes, new_run)
+
+
+#: what a facts all-gather is for (its first column), and every row's width
+_FACT_KINDS: tuple[str, ...] = ("forward", "gather")
+_FACTS_WIDTH = 9
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as an integer every rank computes alike (for the facts all-gather)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def _dtype_name(code: int, mine: torch.dtype) -> str:
+    """The dtype behind a code, among torch's floating dtypes (``dtype #code`` else)."""
+    for dtype in (mine, torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        if _dtype_code(dtype) == code:
+            return str(dtype).removeprefix("torch.")
+    return f"dtype #{code}"
+
+
+def _shape_code(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A shape as (number of elements, a checksum of its dimensions)."""
+    return int(torch.Size(shape).numel()), zlib.crc32(repr(shape).encode())
+
+
+def _disagreeing(rows: list[list[int]], first: int) -> str:
+    """``ranks 1, 3``: the ranks whose facts from column ``first`` on differ from rank 0's."""
+    ranks = [str(i) for i, row in enumerate(rows) if row[first:] != rows[0][first:]]
+    return f"ranks {', '.join(ranks)} disagree" if len(ranks) > 1 else f"rank {ranks[0]} disagrees"
 
 
 class _Lengths(NamedTuple):
@@ -286,18 +393,31 @@ class _ParallelRun:
                 )
             # issue 23: the layer's options reach the log-sum-exp kernel, bound once
             # (a Ulysses-only layout runs the dense kernel, options included)
-            options = dict(dict(shape.backend_options).get(shape.backend, ()))
-            if options:
-                self.lse = functools.partial(self.lse, **options)
+            self.options = dict(dict(shape.backend_options).get(shape.backend, ()))
+            if self.options:
+                self.lse = functools.partial(self.lse, **self.options)
         self.lse_grad = lse_has_gradient(shape.backend)
+        self._lse_backward: LseBackwardFn | None = None
         self._verified = False
         self._lock = threading.Lock()
+
+    def lse_backward(self) -> LseBackwardFn:
+        """The block backward of the ring's kernel, built on the first backward
+        (issue 35: a training ring recomputes each block from the log-sum-exp)."""
+        if self._lse_backward is None:
+            built = get_lse_backward(self.backend)
+            if built is None:  # the layer refuses a training ring on such a kernel
+                raise SequenceParallelError(
+                    f"ring={self.sp.ring} on {self.backend!r}: attnres has no backward from "
+                    f"the log-sum-exp for this kernel; run the forward under torch.no_grad()"
+                )
+            options = getattr(self, "options", None)
+            self._lse_backward = functools.partial(built, **options) if options else built
+        return self._lse_backward
 
     # consensus: once per bound shape, before the first collective
     def _verify(self) -> None:
         with self._lock:
-            if self._verified:
-                return
             sp = self.sp
             site = (
                 f"{SequenceLayout(sp.ulysses, sp.ring, self.heads, self.kv_heads).describe()}; "
@@ -327,25 +447,24 @@ class _ParallelRun:
             and (q.requires_grad or k.requires_grad or v.requires_grad)
         ):  # the layer's training path re-resolves first; this is the last line of defence
             raise ValueError(
-                f"ring={self.sp.ring} on {self.backend!r} is inference-only: its log-sum-exp "
-                f"carries no gradient; run the forward under torch.no_grad(), or give the "
-                f"layer a backend whose lse does (eager, torch_sdpa)"
+                f"ring={self.sp.ring} on {self.backend!r} is inference-only: attnres has no "
+                f"backward from its log-sum-exp; run the forward under torch.no_grad(), or "
+                f"give the layer a backend with one (eager, fa, torch_sdpa)"
             )
-        if not self._verified:
-            self._verify()
         sp = self.sp
         lengths = self._lengths(q, k)
+        d = self.head_size
         if sp.ulysses > 1:
             q_blk = _apply(_ToHeads, q, self, lengths.q)
             kv_blk = _apply(_ToHeads, torch.cat([k, v], dim=-1), self, lengths.kv)
-        else:
-            q_blk, kv_blk = q, torch.cat([k, v], dim=-1)
+            k_blk, v_blk = kv_blk[..., :d], kv_blk[..., d:]
+        else:  # k and v themselves: a ring saves them for its backward, no copy
+            q_blk, k_blk, v_blk = q, k, v
         if sp.ring > 1:
-            out_blk = self._ring(q_blk, kv_blk, lengths)
+            out_blk = self._ring(q_blk, k_blk, v_blk, lengths)
         else:
             assert self.local is not None
-            d = self.head_size
-            out_blk = self.local(q_blk, kv_blk[..., :d], kv_blk[..., d:], None)
+            out_blk = self.local(q_blk, k_blk, v_blk, None)
         if sp.ulysses > 1:
             return _apply(_ToSequence, out_blk, self, lengths.q)
         return out_blk
@@ -374,16 +493,33 @@ class _ParallelRun:
             )
 
     def _lengths(self, q: Tensor, k: Tensor) -> _Lengths:
-        mine = torch.tensor(
-            [q.shape[0], q.shape[1], k.shape[1]], dtype=torch.int64, device=q.device
-        )
-        rows = self.sp._all_gather_ints(mine).tolist()
-        batches = {row[0] for row in rows}
-        if len(batches) != 1:
-            raise ValueError(
-                f"batch: every rank must pass the same batch size, got {[r[0] for r in rows]} "
-                f"(by rank)"
+        """Every rank's shard lengths, and the consensus on what the shards are.
+
+        One all-gather of (batch, q length, kv length, dtype, heads, kv heads, head
+        size): everything but the lengths must agree across ranks before any data
+        moves (issue 32: ranks bound to bf16 and fp16 exchanged raw bytes), else
+        every rank raises the same :class:`~attnres.ConsensusError`."""
+        facts = [q.shape[0], q.shape[1], k.shape[1], _dtype_code(q.dtype), *q.shape[2:], k.shape[2]]
+        facts.append(0 if self._verified else 1)
+        rows = self.sp._gather_facts("forward", facts, q.device)
+        agreed = [rows[0][0], *rows[0][3:7]]
+        if any([row[0], *row[3:7]] != agreed for row in rows):
+            described = "; ".join(
+                f"rank {i}: batch {row[0]}, {_dtype_name(row[3], q.dtype)}, "
+                f"{row[4]}/{row[6]} heads x {row[5]}"
+                for i, row in enumerate(rows)
             )
+            raise ConsensusError(
+                f"sequence-parallel ranks disagree on the shards of a layer before any data "
+                f"moved ({described}): every rank must pass the same batch size and dtype "
+                f"and bind the same head counts (only the sequence lengths may differ); "
+                f"build every rank's layer with the same dtype and shapes"
+            )
+        # a rank that has not verified this shape's decision yet asks every rank to
+        # (a rank that verified a shared shape earlier would otherwise skip the store
+        # protocol while its peer waited there)
+        if any(row[7] for row in rows):
+            self._verify()
         return _Lengths(rows[0][0], [r[1] for r in rows], [r[2] for r in rows])
 
     # Ulysses groups: ranks ring_rank*U .. ring_rank*U + U - 1
@@ -398,103 +534,286 @@ class _ParallelRun:
         u = self.sp.ulysses
         return [sum(per_rank[p * u : (p + 1) * u]) for p in range(self.sp.ring)]
 
-    def _ring(self, q: Tensor, kv: Tensor, lengths: _Lengths) -> Tensor:
-        sp = self.sp
-        ring, me = sp.ring, sp.ring_rank
+    def _ring(self, q: Tensor, k: Tensor, v: Tensor, lengths: _Lengths) -> Tensor:
         q_lens, kv_lens = self._block_lengths(lengths.q), self._block_lengths(lengths.kv)
-        q_off = sum(q_lens[:me])
-        kv_offs = [sum(kv_lens[:j]) for j in range(ring)]
-        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
-        d = self.head_size
-        hk2 = kv.shape[2] * kv.shape[3]
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.zeros(b, sq, h, d, dtype=acc_dtype, device=q.device)
-        lse = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype, device=q.device)
-        nxt = ((me + 1) % ring) * sp.ulysses + sp.ulysses_rank
-        prv = ((me - 1) % ring) * sp.ulysses + sp.ulysses_rank
-        block = kv
-        # without gradients the next block travels while this one is computed (the
-        # wait stays bounded); with them the shift is an autograd function
-        overlap = not (torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad))
-        for step in range(ring):
-            src = (me - step) % ring
-            works: list[Any] = []
-            if step + 1 < ring:
-                numel = b * kv_lens[(src - 1) % ring] * hk2
-                flat = block.reshape(-1).contiguous()
-                if overlap:
-                    incoming, works = sp._start_shift(flat, nxt, prv, numel)
-                else:
-                    incoming = _apply(_Shift, flat, self, nxt, prv, numel)
-            out, lse = self._attend(q, block, q_off, kv_offs[src], out, lse)
-            sp._finish_shift(works)
-            if step and block.requires_grad:
-                # every received block joins the graph, used or skipped (a causal block
-                # in the future): each rank then runs every shift's backward, so the
-                # reverse shifts pair up across ranks instead of leaving a peer waiting
-                out = _apply(_Anchor, out, block)
-            if step + 1 < ring:
-                block = incoming.reshape(b, kv_lens[(src - 1) % ring], kv.shape[2], kv.shape[3])
-        return out.to(q.dtype)
+        if not self.causal:  # every block costs the same: contiguous blocks
+            q_segs, kv_segs = _contiguous(q_lens), _contiguous(kv_lens)
+            return _apply(_Ring, q, k, v, self, q_segs, kv_segs)
+        # issue 35: zig-zag. Ring rank r works on halves r and 2R-1-r of the sequence
+        # (an early and a late one), so every rank does the same causal work; the
+        # halves are exchanged on the way in and back on the way out
+        q_chunks, kv_chunks = _halves(q_lens), _halves(kv_lens)
+        q = _apply(_ZigZag, q, self, q_chunks, True)
+        k = _apply(_ZigZag, k, self, kv_chunks, True)
+        v = _apply(_ZigZag, v, self, kv_chunks, True)
+        out = _apply(_Ring, q, k, v, self, _zigzag(q_chunks), _zigzag(kv_chunks))
+        return _apply(_ZigZag, out, self, q_chunks, False)
 
-    def _attend(
-        self, q: Tensor, kv: Tensor, q0: int, k0: int, out: Tensor, lse: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Merge q's attention over one key/value block at global offsets q0, k0."""
-        sq, skv = q.shape[1], kv.shape[1]
-        if sq == 0 or skv == 0:
-            return out, lse
-        d = self.head_size
-        k, v = kv[..., :d], kv[..., d:]
-        if not self.causal or k0 + skv - 1 <= q0:  # every key at or before every query
-            return self._merge(q, k, v, False, 0, out, lse)
-        if k0 > q0 + sq - 1:  # every key after every query: nothing to see
-            return out, lse
+    def _block_pieces(self, q_segs: _Segments, kv_segs: _Segments) -> Iterator[_Piece]:
+        """The kernel calls of q's segments over one block's segments (local indices)."""
+        qs = 0
+        for q_len, q0 in q_segs:
+            ks = 0
+            for kv_len, k0 in kv_segs:
+                for r0, r1, c0, c1, causal in self._pieces(q_len, q0, kv_len, k0):
+                    yield _Piece(qs + r0, qs + r1, ks + c0, ks + c1, causal)
+                ks += kv_len
+            qs += q_len
+
+    def _pieces(self, q_len: int, q0: int, kv_len: int, k0: int) -> list[_Piece]:
+        """The kernel calls for q's rows (global offset ``q0``) over one key/value
+        block (global offset ``k0``): full blocks and top-left causal squares."""
+        if q_len == 0 or kv_len == 0:
+            return []
+        if not self.causal or k0 + kv_len - 1 <= q0:  # every key at or before every query
+            return [_Piece(0, q_len, 0, kv_len, False)]
+        if k0 > q0 + q_len - 1:  # every key after every query: nothing to see
+            return []
         offset = q0 - k0  # query row r sees local keys c <= r + offset
         if offset < 0:  # rows r < -offset see no key of this block
-            return self._causal(q[:, -offset:], k, v, -offset, out, lse)
+            return _causal_pieces(-offset, q_len, 0, kv_len)
         if offset > 0:  # keys < offset are seen by every row; the rest is top-left causal
-            out, lse = self._merge(q, k[:, :offset], v[:, :offset], False, 0, out, lse)
-            return self._causal(q, k[:, offset:], v[:, offset:], 0, out, lse)
-        return self._causal(q, k, v, 0, out, lse)
+            return [_Piece(0, q_len, 0, offset, False), *_causal_pieces(0, q_len, offset, kv_len)]
+        return _causal_pieces(0, q_len, 0, kv_len)
 
-    def _causal(
-        self, q: Tensor, k: Tensor, v: Tensor, row0: int, out: Tensor, lse: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Top-left causal attention of ``q`` (rows ``row0:``) over ``k``, asked of the
-        kernel only with equal lengths, where top-left and bottom-right alignment
-        (flash-attn's) agree: keys past the last row are never seen, and rows past
-        the last key see every key."""
-        sq, skv = q.shape[1], k.shape[1]
-        if sq <= skv:
-            return self._merge(q, k[:, :sq], v[:, :sq], True, row0, out, lse)
-        out, lse = self._merge(q[:, :skv], k, v, True, row0, out, lse)
-        # rows skv.. see every key: one full block, merged into rows row0 + skv..
-        return self._merge(q[:, skv:], k, v, False, row0 + skv, out, lse)
-
-    def _merge(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, row0: int, out: Tensor, lse: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Merge one partial result into rows ``row0 : row0 + len(q)`` of the accumulators."""
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, q0: Any, k0: Any, out: Tensor, lse: Tensor
+    ) -> None:
+        """Merge q's attention over one key/value block at global offsets q0, k0 (or
+        segments: ``((length, offset), ...)``), in place, without gradients."""
         assert self.lse is not None
-        part, part_lse = self.lse(q, k, v, causal, self.scale, self.softcap)
-        part_lse = part_lse.to(lse.dtype)
-        end = row0 + q.shape[1]
-        old, old_lse = out[:, row0:end], lse[..., row0:end]
-        new_lse = torch.logaddexp(old_lse, part_lse)
-        empty = torch.isneginf(new_lse)
-        zero = torch.zeros_like(new_lse)
-        w_old = torch.exp(torch.where(empty, zero, old_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
-        w_new = (
-            torch.exp(torch.where(empty, zero, part_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
-        )
-        merged = w_old * old + w_new * part.to(out.dtype)
-        if row0 == 0 and end == out.shape[1]:
-            return merged, new_lse
+        q_segs = ((q.shape[1], q0),) if isinstance(q0, int) else q0
+        kv_segs = ((k.shape[1], k0),) if isinstance(k0, int) else k0
+        for r0, r1, c0, c1, causal in self._block_pieces(q_segs, kv_segs):
+            part, part_lse = self.lse(
+                q[:, r0:r1], k[:, c0:c1], v[:, c0:c1], causal, self.scale, self.softcap
+            )
+            _merge_into(out[:, r0:r1], lse[..., r0:r1], part, part_lse)
+
+
+#: a ring block as segments of the global sequence: ((length, global offset), ...)
+_Segments = tuple[tuple[int, int], ...]
+
+
+def _contiguous(lens: list[int]) -> list[_Segments]:
+    """Each ring rank's block as one segment."""
+    return [((n, sum(lens[:r])),) for r, n in enumerate(lens)]
+
+
+def _halves(lens: list[int]) -> list[tuple[int, int]]:
+    """The 2R halves of the ring blocks in global order: (length, global offset)."""
+    chunks: list[tuple[int, int]] = []
+    offset = 0
+    for n in lens:
+        first = (n + 1) // 2
+        chunks += [(first, offset), (n - first, offset + first)]
+        offset += n
+    return chunks
+
+
+def _zigzag_ids(ring: int) -> list[tuple[int, int]]:
+    """The halves each ring rank holds under zig-zag: r and 2R-1-r (in global order)."""
+    return [(r, 2 * ring - 1 - r) for r in range(ring)]
+
+
+def _zigzag(chunks: list[tuple[int, int]]) -> list[_Segments]:
+    """Each ring rank's zig-zag block as segments."""
+    ring = len(chunks) // 2
+    return [(chunks[a], chunks[b]) for a, b in _zigzag_ids(ring)]
+
+
+class _ZigZag(torch.autograd.Function):
+    """Contiguous ring blocks (halves 2r, 2r+1) <-> zig-zag ones (halves r, 2R-1-r),
+    by point-to-point sends between ring peers; the backward moves the other way."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, run: _ParallelRun, chunks: list[tuple[int, int]], inward: bool
+    ) -> Tensor:
+        ctx.run, ctx.chunks, ctx.inward = run, chunks, inward
+        return _move_halves(run, x, chunks, inward)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         return (
-            torch.cat([out[:, :row0], merged, out[:, end:]], 1),
-            torch.cat([lse[..., :row0], new_lse, lse[..., end:]], -1),
+            _move_halves(ctx.run, grad.contiguous(), ctx.chunks, not ctx.inward),
+            None,
+            None,
+            None,
         )
+
+
+def _move_halves(
+    run: _ParallelRun, x: Tensor, chunks: list[tuple[int, int]], inward: bool
+) -> Tensor:
+    """Move ``x``'s halves from the contiguous layout to zig-zag (``inward``) or back."""
+    sp = run.sp
+    ring, me = sp.ring, sp.ring_rank
+    contiguous = [(2 * r, 2 * r + 1) for r in range(ring)]
+    held, wanted = (contiguous, _zigzag_ids(ring)) if inward else (_zigzag_ids(ring), contiguous)
+    owner_now = {c: r for r, ids in enumerate(held) for c in ids}
+    owner_next = {c: r for r, ids in enumerate(wanted) for c in ids}
+    mine: dict[int, Tensor] = {}
+    start = 0
+    for c in held[me]:
+        mine[c] = x[:, start : start + chunks[c][0]]
+        start += chunks[c][0]
+
+    def group_rank(ring_rank: int) -> int:
+        return ring_rank * sp.ulysses + sp.ulysses_rank
+
+    ops, received = [], {}
+    for c in held[me]:  # an empty half is known empty on both sides: nothing moves
+        if owner_next[c] != me and chunks[c][0]:
+            ops.append(
+                dist.P2POp(
+                    dist.isend,
+                    mine[c].contiguous(),
+                    group=sp.group,
+                    group_peer=group_rank(owner_next[c]),
+                )
+            )
+    for c in wanted[me]:
+        if owner_now[c] != me and chunks[c][0]:
+            buf = torch.empty(
+                x.shape[0], chunks[c][0], *x.shape[2:], dtype=x.dtype, device=x.device
+            )
+            received[c] = buf
+            ops.append(
+                dist.P2POp(dist.irecv, buf, group=sp.group, group_peer=group_rank(owner_now[c]))
+            )
+    if ops:
+        sp._finish_shift(list(sp._launch("zig-zag exchange", lambda: dist.batch_isend_irecv(ops))))
+    empty = x[:, :0]
+    parts = [received.get(c, mine.get(c, empty)) for c in wanted[me]]
+    return torch.cat(parts, 1)
+
+
+class _Piece(NamedTuple):
+    """One kernel call of a ring step: q rows ``r0:r1`` over block keys ``c0:c1``."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    causal: bool
+
+
+def _causal_pieces(r0: int, r1: int, c0: int, c1: int) -> list[_Piece]:
+    """Top-left causal attention of rows ``r0:r1`` over keys ``c0:c1``, asked of the
+    kernel only with equal lengths, where top-left and bottom-right alignment
+    (flash-attn's) agree: keys past the last row are never seen, and rows past
+    the last key see every key (one full piece)."""
+    rows, keys = r1 - r0, c1 - c0
+    if rows <= keys:
+        return [_Piece(r0, r1, c0, c0 + rows, True)]
+    return [_Piece(r0, r0 + keys, c0, c1, True), _Piece(r0 + keys, r1, c0, c1, False)]
+
+
+def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
+    """Merge one partial result into views of the accumulators, in place."""
+    part_lse = part_lse.to(lse.dtype)
+    new_lse = torch.logaddexp(lse, part_lse)
+    empty = torch.isneginf(new_lse)
+    zero = torch.zeros_like(new_lse)
+    w_old = torch.exp(torch.where(empty, zero, lse - new_lse)).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(torch.where(empty, zero, part_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).addcmul_(part.to(out.dtype), w_new)  # in place: no copy of the rows
+    lse.copy_(new_lse)
+
+
+class _Ring(torch.autograd.Function):
+    """Issue 35: ring attention whose backward recomputes each block from the merged
+    log-sum-exp (ring-flash-attention's scheme), so a training forward keeps only
+    q, this rank's key/value block, the output and the log-sum-exp: memory linear
+    in the sequence, where differentiating through every block's scores kept
+    ``ring`` score matrices.
+
+    Forward: ``ring - 1`` shifts pass key/value blocks; each block's pieces are
+    merged by their log-sum-exp (the next block travels while this one is
+    computed). Backward: the blocks travel the same way again, each with the
+    accumulated gradient of its keys and values, which one more shift brings
+    home; every rank runs every shift, skipped causal blocks included, so the
+    shifts pair up across ranks.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun, q_segs: list[_Segments],
+        kv_segs: list[_Segments],
+    ) -> Tensor:  # fmt: skip
+        me = run.sp.ring_rank
+        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
+        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = torch.zeros(b, sq, h, run.head_size, dtype=acc, device=q.device)
+        lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
+        for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
+            run._attend(q, k_blk, v_blk, q_segs[me], kv_segs[src], out, lse)
+        result = out.to(q.dtype)
+        # what the backward needs, linear in the sequence: the inputs, the merged
+        # output (the result itself when the dtypes agree) and log-sum-exp
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.run, ctx.q_segs, ctx.kv_segs = run, q_segs, kv_segs
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        run: _ParallelRun = ctx.run
+        block_backward = run.lse_backward()
+        sp, kv_segs = run.sp, ctx.kv_segs
+        ring, me = sp.ring, sp.ring_rank
+        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
+        acc = lse.dtype
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        nxt, prv = _neighbours(sp)
+        for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
+            for r0, r1, c0, c1, causal in run._block_pieces(ctx.q_segs[me], kv_segs[src]):
+                gq, gk, gv = block_backward(
+                    dout[:, r0:r1], q[:, r0:r1], k_blk[:, c0:c1], v_blk[:, c0:c1],
+                    out[:, r0:r1], lse[..., r0:r1], causal, run.scale, run.softcap,
+                )  # fmt: skip
+                dq[:, r0:r1] += gq
+                dk[:, c0:c1] += gk
+                dv[:, c0:c1] += gv
+                del gq, gk, gv
+            # this block's gradients follow the block (the last shift brings them home)
+            size = kv_lens[(src - 1) % ring]
+            dk, dv = sp._shift((dk, dv), nxt, prv, [(k.shape[0], size, *k.shape[2:])] * 2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _neighbours(sp: SequenceParallel) -> tuple[int, int]:
+    """(next, previous) group ranks on this rank's ring (same place in its Ulysses group)."""
+    me = sp.ring_rank
+    nxt = ((me + 1) % sp.ring) * sp.ulysses + sp.ulysses_rank
+    prv = ((me - 1) % sp.ring) * sp.ulysses + sp.ulysses_rank
+    return nxt, prv
+
+
+def _ring_steps(
+    run: _ParallelRun, block: tuple[Tensor, Tensor], kv_lens: list[int]
+) -> Iterator[tuple[int, tuple[Tensor, Tensor]]]:
+    """``(source ring rank, (k, v) block)`` for each ring step: the next block's shift
+    starts before the step's work and is waited for (bounded) after it."""
+    sp = run.sp
+    ring, me = sp.ring, sp.ring_rank
+    nxt, prv = _neighbours(sp)
+    k = block[0]
+    for step in range(ring):
+        src = (me - step) % ring
+        works: list[Any] = []
+        if step + 1 < ring:
+            shape = (k.shape[0], kv_lens[(src - 1) % ring], *k.shape[2:])
+            sent = [t.contiguous() for t in block]
+            incoming, works = sp._start_shift(sent, nxt, prv, [shape, shape])
+        yield src, block
+        if works:
+            sp._finish_shift(works)
+            block = (incoming[0], incoming[1])
 
 
 # -- collectives as autograd functions --------------------------------------------------
@@ -562,30 +881,3 @@ def _to_sequence(run: _ParallelRun, x: Tensor, lens: list[int]) -> Tensor:
         recv[m] = b * mine * h * d
     flat = sp._all_to_all(send_buf.contiguous(), send, recv)
     return flat.reshape(u, b, mine, h, d).permute(1, 2, 0, 3, 4).reshape(b, mine, u * h, d)
-
-
-class _Shift(torch.autograd.Function):
-    """Ring: send a flat block to ``to``, receive ``numel`` from ``frm``; backward reverses."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, run: _ParallelRun, to: int, frm: int, numel: int) -> Tensor:
-        ctx.run, ctx.to, ctx.frm, ctx.numel = run, to, frm, x.numel()
-        return run.sp._shift(x.contiguous(), to, frm, numel)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
-        back = ctx.run.sp._shift(grad.contiguous(), ctx.frm, ctx.to, ctx.numel)
-        return back, None, None, None, None
-
-
-class _Anchor(torch.autograd.Function):
-    """``out`` unchanged; in backward, a zero gradient for ``block`` (see ``_ring``)."""
-
-    @staticmethod
-    def forward(ctx: Any, out: Tensor, block: Tensor) -> Tensor:
-        ctx.block_shape, ctx.block_dtype = block.shape, block.dtype
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        return grad, grad.new_zeros(ctx.block_shape, dtype=ctx.block_dtype)

@@ -23,9 +23,25 @@ have an adapter in this process is :func:`has_lse_kernel` (the machine's
   for the output and one extra ``q @ k^T`` for a differentiable lse; so does
   every other device (the fused CUDA entry points are not wired yet);
 - ``fa``: ``flash_attn_func(..., return_attn_probs=True)`` (:func:`make_fa_lse`);
-  inference only (its backward ignores the lse's gradient);
 - ``sage_attn``: ``sageattn(..., return_lse=True)`` (:func:`make_sage_lse`);
   inference only (no backward pass at all).
+
+Issue 35: a ring trains by recomputation, as ring-flash-attention does: its
+forward keeps no graph (only q, its own key/value block, the merged output and
+the merged log-sum-exp, all linear in the sequence), and its backward asks a
+*block backward* for each block again::
+
+    attention_lse_backward(dout, q, k, v, out, lse, causal, scale, softcap=0.0)
+        -> (dq, dk, dv)
+    # out, lse: the MERGED output and log-sum-exp of q's rows over every block
+
+Given the merged statistics, a flash-attention backward over one block returns
+exactly that block's share of the gradients (``P = exp(S - lse)`` is the block's
+slice of the full softmax, ``D = rowsum(dout * out)`` the full row's). Block
+backwards here (:func:`get_lse_backward`): ``eager`` (the math), ``torch_sdpa``
+(``aten::_scaled_dot_product_flash_attention_for_cpu_backward`` on CPU, memory
+linear in the sequence; the math elsewhere), ``fa`` (flash-attn's
+``_flash_attn_backward``, what diffusers' and ring-flash-attention's rings call).
 
 Nothing is imported at module import: torch is loaded on the first call.
 """
@@ -47,8 +63,10 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
+    "LseBackwardFn",
     "LseKernelFn",
     "clear_lse_cache",
+    "get_lse_backward",
     "get_lse_kernel",
     "has_lse_kernel",
     "lse_has_gradient",
@@ -58,6 +76,9 @@ __all__ = [
 #: ``attention_lse(q, k, v, causal, scale, softcap=0.0, **options) -> (out, lse)``;
 #: ``options``: the backend's validated options (issue 23), only where it has any
 LseKernelFn = Callable[..., "tuple[Tensor, Tensor]"]
+#: ``attention_lse_backward(dout, q, k, v, out, lse, causal, scale, softcap=0.0,
+#: **options) -> (dq, dk, dv)`` with the merged ``out`` and ``lse`` (issue 35)
+LseBackwardFn = Callable[..., "tuple[Tensor, Tensor, Tensor]"]
 
 
 def _heads_first(t: Tensor, groups: int) -> Tensor:
@@ -104,6 +125,43 @@ def eager_lse(
     return out, lse
 
 
+def eager_lse_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+    scale: float | None, softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """One block's share of the gradients from the merged ``out`` and ``lse`` (the
+    math of flash attention's backward, in the compute dtype; GQA folded back)."""
+    import torch
+
+    dtype = _compute_dtype(q)
+    groups = q.shape[2] // k.shape[2]
+    raw = _scores(q, k, False, scale, 0.0)
+    scores = softcap * torch.tanh(raw / softcap) if softcap else raw
+    if causal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.exp(scores - lse.to(dtype).unsqueeze(-1))
+    do = dout.transpose(1, 2).to(dtype)
+    vh = _heads_first(v, groups).to(dtype)
+    dv = probs.transpose(-1, -2) @ do
+    rows = (do * out.transpose(1, 2).to(dtype)).sum(-1, keepdim=True)
+    ds = probs * (do @ vh.transpose(-1, -2) - rows)
+    if softcap:
+        ds = ds * (1 - (scores.masked_fill(torch.isinf(scores), 0.0) / softcap) ** 2)
+    ds = ds * (q.shape[-1] ** -0.5 if scale is None else scale)
+    dq = ds @ _heads_first(k, groups).to(dtype)
+    dk = ds.transpose(-1, -2) @ q.transpose(1, 2).to(dtype)
+    return dq.transpose(1, 2), _fold_heads(dk, groups), _fold_heads(dv, groups)
+
+
+def _fold_heads(grad: Tensor, groups: int) -> Tensor:
+    """(b, h * groups, s, d) heads first -> (b, s, h, d): GQA's repeated heads summed."""
+    if groups > 1:
+        b, heads, s, d = grad.shape
+        grad = grad.reshape(b, heads // groups, groups, s, d).sum(2)
+    return grad.transpose(1, 2)
+
+
 def sdpa_lse(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0
 ) -> tuple[Tensor, Tensor]:
@@ -127,13 +185,33 @@ def sdpa_lse(
     return out.transpose(1, 2), lse
 
 
+def sdpa_lse_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+    scale: float | None, softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The fused CPU flash backward (memory linear in the sequence) given the merged
+    statistics; the math (:func:`eager_lse_backward`) on other devices."""
+    import torch
+
+    if q.device.type != "cpu" or softcap:
+        return eager_lse_backward(dout, q, k, v, out, lse, causal, scale, softcap)
+    groups = q.shape[2] // k.shape[2]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(q.dtype).transpose(1, 2), q.transpose(1, 2), _heads_first(k, groups),
+        _heads_first(v, groups), out.to(q.dtype).transpose(1, 2), lse.to(_compute_dtype(q)),
+        0.0, causal, scale=scale,
+    )  # fmt: skip
+    return dq.transpose(1, 2), _fold_heads(dk, groups), _fold_heads(dv, groups)
+
+
 def make_fa_lse() -> LseKernelFn:
     """flash-attn 2's ``flash_attn_func(..., return_attn_probs=True)``: ``(out,
     softmax_lse, S_dmask)``, softmax_lse (batch, nheads, seqlen_q) float32
     (flash_attn/flash_attn_interface.py). Its causal mask is bottom-right aligned
     when the lengths differ; the ring only asks for causal blocks of equal
-    lengths. Inference only: ``FlashAttnFunc.backward`` takes no gradient for
-    ``softmax_lse`` (the machine keeps a training ring off it).
+    lengths. A ring trains through :func:`make_fa_lse_backward` (recomputation),
+    never through ``FlashAttnFunc.backward``, which takes no gradient for
+    ``softmax_lse``.
     """
     from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE  # only when it is built
 
@@ -156,6 +234,50 @@ def make_fa_lse() -> LseKernelFn:
         return out, lse
 
     return fa_lse
+
+
+def make_fa_lse_backward() -> LseBackwardFn:
+    """flash-attn 2's ``flash_attn.flash_attn_interface._flash_attn_backward(dout, q, k,
+    v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, ...)``, the entry
+    point diffusers' and ring-flash-attention's rings call with the merged
+    statistics. Its trailing parameters changed across 2.x (``window_size`` became
+    ``window_size_left/right``; ``softcap``, ``alibi_slopes``, ``deterministic``,
+    ``rng_state``), so they are passed by name where its signature has them, as
+    ring-flash-attention does. GQA is native (dk, dv have the key/value heads).
+    """
+    import inspect
+
+    from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE  # only when it is built
+
+    import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
+    interface = import_kernel_package(
+        f"{PACKAGE}.flash_attn_interface", backend=BACKEND, install=INSTALL
+    )
+    func = require_attribute(
+        interface, "_flash_attn_backward", backend=BACKEND, hint="This is not flash-attn 2.x."
+    )
+    accepted = frozenset(inspect.signature(func).parameters)
+
+    def fa_lse_backward(
+        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+        scale: float | None, softcap: float = 0.0, **options: Any,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        import torch
+
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        given = {
+            "dout": dout.to(q.dtype).contiguous(), "q": q.contiguous(), "k": k.contiguous(),
+            "v": v.contiguous(), "out": out.to(q.dtype).contiguous(),
+            "softmax_lse": lse.float().contiguous(), "dq": dq, "dk": dk, "dv": dv,
+            "dropout_p": 0.0, "softmax_scale": q.shape[-1] ** -0.5 if scale is None else scale,
+            "causal": causal, "window_size": (-1, -1), "window_size_left": -1,
+            "window_size_right": -1, "softcap": softcap, "alibi_slopes": None,
+            "deterministic": bool(options.get("deterministic", False)), "rng_state": None,
+        }  # fmt: skip
+        func(**{name: value for name, value in given.items() if name in accepted})
+        return dq, dk, dv
+
+    return fa_lse_backward
 
 
 def make_sage_lse() -> LseKernelFn:
@@ -207,11 +329,17 @@ _FACTORIES: dict[str, Callable[[], LseKernelFn]] = {
     "fa": make_fa_lse,
     "sage_attn": make_sage_lse,
 }
-#: the adapters whose log-sum-exp carries a gradient (a ring may train on them)
-_DIFFERENTIABLE: frozenset[str] = frozenset({"eager", "torch_sdpa"})
+#: backend -> a factory of its block backward from the merged statistics (issue 35:
+#: a ring trains on exactly these)
+_BACKWARDS: dict[str, Callable[[], LseBackwardFn]] = {
+    "eager": lambda: eager_lse_backward,
+    "torch_sdpa": lambda: sdpa_lse_backward,
+    "fa": make_fa_lse_backward,
+}
 #: the adapters built, for one registry generation (attnres._memo): a kernel
 #: registered or ``clear_kernel_cache()`` builds them again
 _BUILT: GenerationMemo[str, LseKernelFn] = GenerationMemo()
+_BUILT_BACKWARDS: GenerationMemo[str, LseBackwardFn] = GenerationMemo()
 
 
 def has_lse_kernel(backend_name: str) -> bool:
@@ -221,8 +349,9 @@ def has_lse_kernel(backend_name: str) -> bool:
 
 
 def lse_has_gradient(backend_name: str) -> bool:
-    """Whether the adapter's log-sum-exp is differentiable (a ring can train on it)."""
-    return backend_name in _DIFFERENTIABLE
+    """Whether a ring can train on the adapter: attnres has its block backward from
+    the merged log-sum-exp (:func:`get_lse_backward`)."""
+    return backend_name in _BACKWARDS
 
 
 def lse_kernel_names() -> tuple[str, ...]:
@@ -245,6 +374,19 @@ def get_lse_kernel(backend_name: str) -> LseKernelFn | None:
     return built
 
 
+def get_lse_backward(backend_name: str) -> LseBackwardFn | None:
+    """The block backward of ``backend_name`` (built on first use), or ``None``: the
+    ring is then inference-only on it."""
+    built = _BUILT_BACKWARDS.get(backend_name)
+    if built is None:
+        factory = _BACKWARDS.get(backend_name)
+        if factory is None:
+            return None
+        built = _BUILT_BACKWARDS[backend_name] = factory()
+    return built
+
+
 def clear_lse_cache() -> None:
     """Forget the built adapters (tests that swap a fake package in and out)."""
     _BUILT.clear()
+    _BUILT_BACKWARDS.clear()
