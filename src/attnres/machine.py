@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING, Final
 import attrs
 from attrs import frozen
 
-from attnres import _profile_sglang
+from attnres import _profile_sglang, _profile_vllm_omni
 from attnres._states import (
     Check,
     Code,
@@ -1244,6 +1244,8 @@ def run_machine(inp: TraceInput) -> Trace:
 #: (``SelectionConfig.profile``); each is a pure function of the input.
 PROFILE_MACHINES: Final[Mapping[str, Callable[[TraceInput], Trace]]] = {
     "sglang": lambda inp: _profile_sglang.run_sglang(inp, _step),
+    # issue 36
+    "vllm_omni": lambda inp: _profile_vllm_omni.run_vllm_omni(inp, _step),
 }
 
 
