@@ -177,6 +177,9 @@ test-vllm-omni: $(VLLM_OMNI_STAMP) $(if $(filter $(VLLM_OMNI_TESTS),$(VLLM_OMNI_
 	$(call vllm_omni_pytest,0)
 	@echo "== the same files with the attnres plugin deciding every backend"
 	$(call vllm_omni_pytest,1)
+	@echo "== attnres's own tests against vLLM-Omni (tests/vllm_omni: backend facts, answers on this platform)"
+	cd tests/vllm_omni && $(abspath $(VPY)) -m pytest -c pytest.ini --rootdir . -p no:cacheprovider -q \
+		test_attnres_plugin.py
 
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write
