@@ -292,3 +292,19 @@ def test_rule_vllm_omni_other_release_is_refused(
     with pytest.raises(EngineSupportError, match=r"vllm-omni>=0\.30\.0,<0\.31"):
         plugin.install()
     assert not plugin.installed()
+
+
+def test_rule_vllm_omni_repeated_call_is_a_recorded_decision_and_follows_the_platform(
+    omni: dict[str, Any],
+) -> None:
+    plugin.install()
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    first = layer.get_attn_backend_for_role("self", 128, None)
+    again = layer.get_attn_backend_for_role("self", 128, None)
+    assert first == again == (CLASSES["CUDNN_ATTN"], None)
+    decisions = attnres.decisions()
+    assert len(decisions) == 2 and decisions[0] == decisions[1]
+    # the platform now answers differently: the memo's answer is not reused
+    omni["default"] = "FLASH_ATTN"
+    assert layer.get_attn_backend_for_role("self", 128, None) == (CLASSES["FLASH_ATTN"], None)
+    assert attnres.decisions()[-1].backend == "fa"

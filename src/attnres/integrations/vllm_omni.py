@@ -30,6 +30,8 @@ import types
 from collections.abc import Callable
 from typing import Any, Final
 
+from attrs import frozen
+
 from attnres._profile_vllm_omni import SOURCES, UNOBSERVED, first_request
 from attnres._states import Origin, Status
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Role
@@ -38,13 +40,14 @@ from attnres.backends import (
     BackendSpec,
     HeadSizeRule,
     lookup_spec,
+    on_registry_change,
     register_backend,
     registry_generation,
 )
 from attnres.errors import UnknownBackendError
 from attnres.integrations._engine import Engine, require
 from attnres.layer import LayerSpec, SelectionConfig
-from attnres.ledger import record_decision
+from attnres.ledger import Decision, record_decision
 from attnres.machine import run_machine
 from attnres.platform import HostResolution, Platform
 from attnres.runtime import lookup_traced
@@ -247,6 +250,29 @@ def _attnres(name: str) -> Backend | None:
 # -- the decision ----------------------------------------------------------------
 
 
+@frozen
+class _Memo:
+    """One decided call: the decision, vLLM-Omni's class, and the platform calls
+    it consulted (asked again on a hit: vLLM-Omni's own cache answers)."""
+
+    decision: Decision
+    cls: Any
+    origin: Origin
+    asked: tuple[tuple[tuple[Any, ...], Any], ...]
+
+
+_MEMO: dict[tuple[Any, ...], _Memo] = {}
+_MEMO_MAX: Final = 4096
+
+
+def clear_memo() -> None:
+    """Forget the plugin's decided calls (attnres's registry changes call it too)."""
+    _MEMO.clear()
+
+
+on_registry_change(clear_memo)
+
+
 def _route(
     original: Callable[..., Any],
     role: Any,
@@ -267,6 +293,22 @@ def _route(
             Origin.GLOBAL_CLI: None if attention_config is None else attention_config.default,
         }
         names = {o: None if s is None else str(s.backend) for o, s in specs.items()}
+        key = (
+            role,
+            role_category,
+            head_size,
+            allow_trtllm_default,
+            *names.values(),
+            selector._cached_get_backend_cls,
+            registry_generation(),
+        )
+        memo = _MEMO.get(key)
+        if memo is not None and all(
+            selector._cached_get_backend_cls(*args) is cls for args, cls in memo.asked
+        ):
+            _STATS["decided"] += 1
+            record_decision(memo.decision)
+            return _answer(selector, role, role_category, specs, None, memo.cls, memo.origin)
         backends = {o: None if n is None else _attnres(n) for o, n in names.items()}
         known = all((names[o] is None) == (backends[o] is None) for o in names)
         layer = LayerSpec(
@@ -301,14 +343,18 @@ def _route(
         if b is not None:
             by_backend.setdefault(b.name, names[o])
 
+    asked: list[tuple[tuple[Any, ...], Any]] = []
+
     def observe(candidate: str) -> None:
+        # vLLM-Omni passes a configured name as the config spells it
+        args: tuple[Any, ...] = (
+            (None, head_size, allow_trtllm_default)
+            if candidate == ""
+            else (by_backend.get(candidate, candidate.upper()), head_size)
+        )
         try:
-            if candidate == "":
-                cls = selector._cached_get_backend_cls(None, head_size, allow_trtllm_default)
-            else:  # vLLM-Omni passes a configured name as the config spells it
-                cls = selector._cached_get_backend_cls(
-                    by_backend.get(candidate, candidate.upper()), head_size
-                )
+            cls = selector._cached_get_backend_cls(*args)
+            asked.append((args, cls))
         except Exception as exc:
             errors[candidate] = exc
             observed[candidate] = HostResolution(candidate, None, f"{type(exc).__name__}: {exc}")
@@ -342,11 +388,14 @@ def _route(
     record_decision(decision)
     outcome = decision.outcome
     if outcome.status is not Status.SELECTED or outcome.backend is None:
-        asked = "" if first is None else first.name
-        if asked in errors:
-            raise errors[asked]  # vLLM-Omni's own refusal, unchanged
+        wanted = "" if first is None else first.name
+        if wanted in errors:
+            raise errors[wanted]  # vLLM-Omni's own refusal, unchanged
         raise ValueError(f"{outcome.error}")
     candidate = next(c for c, h in observed.items() if h.served == outcome.backend.name)
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    _MEMO[key] = _Memo(decision, classes[candidate], outcome.origin, tuple(asked))
     return _answer(selector, role, role_category, specs, first, classes[candidate], outcome.origin)
 
 
