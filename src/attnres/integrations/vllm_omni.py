@@ -257,8 +257,16 @@ class _Memo:
 
     decision: Decision
     cls: Any
-    origin: Origin
+    #: which AttentionConfig entry is the answer's spec (``None``: the platform default)
+    entry: int | None
+    #: what vLLM-Omni logs: the class's name and the source
+    name: str
+    source: str
     asked: tuple[tuple[tuple[Any, ...], Any], ...]
+
+
+#: the index of each origin's entry in (per_role[role], per_role[category], default)
+_ENTRIES: Final = {Origin.LAYER: 0, Origin.COMPONENT_OVERRIDE: 1, Origin.GLOBAL_CLI: 2}
 
 
 _MEMO: dict[tuple[Any, ...], _Memo] = {}
@@ -284,31 +292,45 @@ def _route(
     """vLLM-Omni's ``get_attn_backend_for_role``, decided by attnres."""
     selector = sys.modules[_SELECTOR]
     try:
-        per_role = {} if attention_config is None else attention_config.per_role
-        specs = {
-            Origin.LAYER: per_role.get(role),
-            Origin.COMPONENT_OVERRIDE: None
-            if role_category is None
-            else per_role.get(role_category),
-            Origin.GLOBAL_CLI: None if attention_config is None else attention_config.default,
-        }
-        names = {o: None if s is None else str(s.backend) for o, s in specs.items()}
+        if attention_config is None:
+            exact = category = default = None
+        else:
+            per_role = attention_config.per_role
+            exact = per_role.get(role)
+            category = None if role_category is None else per_role.get(role_category)
+            default = attention_config.default
+        entries = (exact, category, default)
         key = (
             role,
             role_category,
             head_size,
             allow_trtllm_default,
-            *names.values(),
+            None if exact is None else exact.backend,
+            None if category is None else category.backend,
+            None if default is None else default.backend,
             selector._cached_get_backend_cls,
-            registry_generation(),
         )
         memo = _MEMO.get(key)
-        if memo is not None and all(
-            selector._cached_get_backend_cls(*args) is cls for args, cls in memo.asked
-        ):
-            _STATS["decided"] += 1
-            record_decision(memo.decision)
-            return _answer(selector, role, role_category, specs, None, memo.cls, memo.origin)
+        if memo is not None:  # the cached path: vLLM-Omni's own cache answers again
+            for args, cls in memo.asked:
+                if selector._cached_get_backend_cls(*args) is not cls:
+                    break
+            else:
+                _STATS["decided"] += 1
+                record_decision(memo.decision)
+                selector._log_backend_resolution(
+                    role=role,
+                    role_category=role_category,
+                    backend_name=memo.name,
+                    source=memo.source,
+                )
+                return memo.cls, None if memo.entry is None else entries[memo.entry]
+        specs = {
+            Origin.LAYER: exact,
+            Origin.COMPONENT_OVERRIDE: category,
+            Origin.GLOBAL_CLI: default,
+        }
+        names = {o: None if s is None else str(s.backend) for o, s in specs.items()}
         backends = {o: None if n is None else _attnres(n) for o, n in names.items()}
         known = all((names[o] is None) == (backends[o] is None) for o in names)
         layer = LayerSpec(
@@ -395,8 +417,16 @@ def _route(
     candidate = next(c for c, h in observed.items() if h.served == outcome.backend.name)
     if len(_MEMO) >= _MEMO_MAX:
         _MEMO.clear()
-    _MEMO[key] = _Memo(decision, classes[candidate], outcome.origin, tuple(asked))
-    return _answer(selector, role, role_category, specs, first, classes[candidate], outcome.origin)
+    cls = classes[candidate]
+    _MEMO[key] = _Memo(
+        decision,
+        cls,
+        _ENTRIES.get(outcome.origin),
+        str(cls.get_name()),
+        SOURCES[outcome.origin].format(role=repr(role), category=repr(role_category)),
+        tuple(asked),
+    )
+    return _answer(selector, role, role_category, specs, first, cls, outcome.origin)
 
 
 def _answer(
