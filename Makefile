@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: setup run test test-deep test-deferred golden bench fuzz lint typecheck docs clean test-sglang bench-sglang \
-	kernels-env test-kernels gpu-check
+	kernels-env test-kernels gpu-check test-vllm-omni
 
 setup: $(STAMP)
 
@@ -158,6 +158,58 @@ bench-sglang: $(SGLANG_STAMP)
 	$(SPY) -m pytest benchmarks/bench_sglang.py -p no:randomly -p no:cacheprovider --benchmark-only \
 		--benchmark-json=benchmarks/results/sglang.json -q
 
+# --- vLLM-Omni (issue 36; docs/vllm-omni.md) ---------------------------------
+# Its own environment: vLLM-Omni and vLLM pinned, installed without their CUDA
+# dependencies (--no-deps), the CPU torch, the light packages their import
+# needs (tests/vllm_omni/requirements.txt) and attnres itself (for the entry
+# point in vllm_omni.general_plugins). vLLM-Omni's selection tests are not in
+# its wheel: they are read from its GitHub repository at VLLM_OMNI_TESTS_REV
+# into $(VLLM_OMNI_TESTS) (git-ignored, never committed), or taken from a
+# checkout at that revision given as VLLM_OMNI_TESTS_DIR=path. They run
+# verbatim: once as vLLM-Omni ships, once with the attnres plugin loaded
+# through vLLM-Omni's own plugin lifecycle.
+VLLM_OMNI_VENV ?= .venv-vllm-omni
+VLLM_OMNI_SPEC ?= vllm-omni==0.30.0
+VLLM_SPEC ?= vllm==0.30.0
+VPY := $(VLLM_OMNI_VENV)/bin/python
+VPIP := $(VPY) -m pip --disable-pip-version-check -q
+VLLM_OMNI_STAMP := $(VLLM_OMNI_VENV)/.attnres-vllm-omni-installed
+#: the commit of vllm-project/vllm-omni whose test files match the 0.30.0 wheel
+VLLM_OMNI_TESTS_REV ?= 2693a42e2c6b4466ddcfaa7c848c5b0184a581b9
+VLLM_OMNI_TEST_FILES ?= tests/diffusion/attention/test_selector.py
+VLLM_OMNI_TESTS := .vllm-omni-tests/$(VLLM_OMNI_TESTS_REV)
+VLLM_OMNI_TESTS_DIR ?= $(VLLM_OMNI_TESTS)
+# $(call vllm_omni_pytest,PLUGIN): vLLM-Omni's test files; PLUGIN=1 loads the attnres plugin
+vllm_omni_pytest = cd "$(VLLM_OMNI_TESTS_DIR)" && PYTHONPATH="$(CURDIR)/tests/vllm_omni" \
+	ATTNRES_VLLM_OMNI_PLUGIN=$(1) $(abspath $(VPY)) -m pytest -c "$(CURDIR)/tests/vllm_omni/pytest.ini" \
+	--rootdir . -p vllm_omni_plugin -p no:cacheprovider -q -m cpu $(VLLM_OMNI_TEST_FILES)
+
+$(VLLM_OMNI_STAMP): pyproject.toml tests/vllm_omni/requirements.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_OMNI_VENV)
+	$(VPY) -c "import torch" 2>/dev/null || $(VPIP) install "$(TORCH_SPEC)"
+	$(VPY) -c "import torch; print('torch==' + torch.__version__)" > $(VLLM_OMNI_VENV)/torch-pin.txt
+	$(VPIP) install --no-deps "$(VLLM_OMNI_SPEC)" "$(VLLM_SPEC)"
+	$(VPIP) install --no-deps -c $(VLLM_OMNI_VENV)/torch-pin.txt -r tests/vllm_omni/requirements.txt
+	$(VPIP) install --no-deps -e .
+	touch $@
+
+$(VLLM_OMNI_TESTS):
+	@for f in $(VLLM_OMNI_TEST_FILES); do mkdir -p "$@.part/$$(dirname $$f)" && \
+		curl -fsSL "https://raw.githubusercontent.com/vllm-project/vllm-omni/$(VLLM_OMNI_TESTS_REV)/$$f" \
+		-o "$@.part/$$f" || { rm -rf "$@.part"; echo "make test-vllm-omni: cannot read $$f at \
+	vllm-project/vllm-omni@$(VLLM_OMNI_TESTS_REV) from GitHub (no registry ships vLLM-Omni's tests); \
+	give a checkout at that revision: make test-vllm-omni VLLM_OMNI_TESTS_DIR=path" >&2; exit 1; }; done
+	mv "$@.part" "$@"
+
+test-vllm-omni: $(VLLM_OMNI_STAMP) $(if $(filter $(VLLM_OMNI_TESTS),$(VLLM_OMNI_TESTS_DIR)),$(VLLM_OMNI_TESTS))
+	@echo "== vLLM-Omni's selection tests ($(VLLM_OMNI_TESTS_REV)), as vLLM-Omni ships (no attnres plugin)"
+	$(call vllm_omni_pytest,0)
+	@echo "== the same files with the attnres plugin deciding every backend"
+	$(call vllm_omni_pytest,1)
+	@echo "== attnres's own tests against vLLM-Omni (tests/vllm_omni: backend facts, answers on this platform)"
+	cd tests/vllm_omni && $(abspath $(VPY)) -m pytest -c pytest.ini --rootdir . -p no:cacheprovider -q \
+		test_attnres_plugin.py
+
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write
 
@@ -170,4 +222,4 @@ gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py --out gpu-check-report.json
 
 clean:
-	rm -rf $(VENV) $(KERNELS_ENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(KERNELS_ENV) build dist .vllm-omni-tests src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -34,8 +34,9 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-#: tests/sglang/ needs SGLang's own environment: `make test-sglang` runs it, `make test` never
-collect_ignore = ["sglang"]
+#: tests/sglang/ and tests/vllm_omni/ need their engine's own environment: `make test-sglang`
+#: and `make test-vllm-omni` run them, `make test` never
+collect_ignore = ["sglang", "vllm_omni"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1486,6 +1486,50 @@ SCENARIOS: tuple[Scenario, ...] = (
         None,
         expect=rejects("host_platform", origin="global_cli", error_contains=("sage_attn",)),
     ),
+    # -- issue 36: the vllm_omni profile (vLLM-Omni 0.30.0's selector rules as rows) -----
+    Scenario(
+        "vllm-omni-profile-role-category-entry-wins-over-the-default",
+        "The vllm_omni profile: attention_config.per_role['cross'] (the role category of "
+        "'ltx2.audio_to_video') wins over attention_config.default; vLLM-Omni's platform "
+        "resolved sage_attn (the observed host fact).",
+        _layer(head_size=128, role="cross", name="ltx2.audio_to_video"),
+        SelectionConfig(global_backend="torch_sdpa", profile="vllm_omni"),
+        ScopeState("cross", "vllm_omni", "attention_config.per_role", Backend("sage_attn")),
+        _host("cuda", ("sage_attn", "sage_attn")),
+        None,
+        expect=selects("sage_attn", origin="component_override"),
+    ),
+    Scenario(
+        "vllm-omni-profile-platform-default-the-layer-cannot-run-falls-back-to-torch-sdpa",
+        "The vllm_omni profile: nothing configured; vLLM-Omni's platform picks sage_attn_3, "
+        "whose class cannot take head size 80 (vLLM-Omni would fail when the layer runs); "
+        "nobody chose it, so attnres falls back to TORCH_SDPA.",
+        _layer(head_size=80, name="self"),
+        SelectionConfig(profile="vllm_omni"),
+        None,
+        Platform(
+            "cuda",
+            host=[
+                HostResolution(
+                    "", "sage_attn_3", missing=("head size 80 (its supports_head_size)",)
+                ),
+                HostResolution("torch_sdpa", "torch_sdpa"),
+            ],
+        ),
+        None,
+        expect=selects("torch_sdpa", "platform default fallback", origin="none"),
+    ),
+    Scenario(
+        "vllm-omni-profile-configured-backend-refused-by-the-platform-is-rejected",
+        "The vllm_omni profile: attention_config.default = FLASH_ATTN on a GPU vLLM-Omni's "
+        "platform cannot run it on; its refusal is the answer (vLLM-Omni has no fallback).",
+        _layer(head_size=128, name="joint"),
+        SelectionConfig(global_backend="fa", profile="vllm_omni"),
+        None,
+        _host("cuda", ("fa", None)),
+        None,
+        expect=rejects("host_platform", origin="global_cli", error_contains=("fa",)),
+    ),
     # -- issue 24: sequence-parallel layouts (LayerSpec.layout, the layout check) ---
     Scenario(
         "ring-layout-rejects-kernel-without-lse",

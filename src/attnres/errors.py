@@ -28,6 +28,7 @@ __all__ = [
     "BackendNotAppliedError",
     "BackendOptionError",
     "ConsensusError",
+    "EngineSupportError",
     "FolderBuildError",
     "IntegrationError",
     "KernelNotRegisteredError",
@@ -204,6 +205,24 @@ class KernelUnavailableError(AttnresError, ImportError):
     An ``ImportError`` so that ``except ImportError`` keeps working; the message
     names the backend, the package and how to install it.
     """
+
+
+class EngineSupportError(AttnresError, ImportError):
+    """A serving engine's attnres plugin cannot be put in place (issues 32, 36).
+
+    The engine (SGLang, vLLM-Omni) is not importable here, is a release the
+    plugin was not written for, or lacks a hook the plugin needs; nothing was
+    changed. An ``ImportError`` so that ``except ImportError`` around an
+    optional integration keeps working. ``.engine`` names the engine,
+    ``.version`` is the installed release (``None`` when it is not importable),
+    ``.supported`` the range the plugin was written for.
+    """
+
+    def __init__(self, message: str, engine: str, version: str | None, supported: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.version = version
+        self.supported = supported
 
 
 class KernelNotRegisteredError(AttnresError, RuntimeError):

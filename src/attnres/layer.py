@@ -501,7 +501,7 @@ def _tolerances(value: Any) -> tuple[tuple[str, float], ...]:
 
 
 #: The selection profiles (issue 23): the machine's rules for each.
-PROFILES: tuple[str, ...] = ("attnres", "sglang")
+PROFILES: tuple[str, ...] = ("attnres", "sglang", "vllm_omni")
 
 
 def _profile(_: Any, __: Any, value: Any) -> None:

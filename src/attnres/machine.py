@@ -98,6 +98,7 @@ from typing import TYPE_CHECKING, Final
 import attrs
 from attrs import frozen
 
+from attnres import _profile_vllm_omni
 from attnres._profile import (
     Asked,
     Evaluation,
@@ -1268,6 +1269,13 @@ def _step(
     return target, (reason if reason is not None else sets)
 
 
+#: interim (issue 36 landed beside issue 33's one engine): the ``vllm_omni``
+#: profile still walks its own rows; it becomes a :class:`Profile` value next.
+_OWN_WALKERS: Final[Mapping[str, Callable[[TraceInput], Trace]]] = {
+    "vllm_omni": lambda inp: _profile_vllm_omni.run_vllm_omni(inp, _step),
+}
+
+
 def run_machine(inp: TraceInput) -> Trace:
     """Run the machine on one input; a pure function (no context, no cache, no I/O).
 
@@ -1275,6 +1283,9 @@ def run_machine(inp: TraceInput) -> Trace:
     (``SelectionConfig.profile``: :data:`PROFILES`, attnres's own :data:`ATTNRES`
     by default).
     """
+    walker = _OWN_WALKERS.get(inp.config.profile)
+    if walker is not None:
+        return walker(inp)
     profile = PROFILES[inp.config.profile]
     found = _detect(profile, inp)
     records: list[Record] = [OriginRecord(found.origin, found.backend, found.strict, found.detail)]

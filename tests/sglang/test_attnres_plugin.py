@@ -10,9 +10,11 @@ in SGLang's environment (never by ``make test``: tests/conftest.py ignores this 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,3 +136,77 @@ def test_rule_plugin_decisions_are_covered_by_verify_consensus_across_ranks(
     assert message.startswith("ConsensusError: Ranks disagree on attention backends: ")
     assert "component 'vae'" in message
     assert "rank 0 -> torch_sdpa (origin none), rank 1 -> fa (origin none)" in message
+
+
+# -- issue 32 (item 9): SGLang's global server args unset ------------------------
+
+
+def _answer(call: Any) -> tuple[str, Any]:
+    """What a selector call gives: the class, or the error's type."""
+    try:
+        return "class", call()
+    except Exception as exc:  # SGLang's own refusal (ValueError) is an answer too
+        return "error", type(exc).__name__
+
+
+def test_rule_plugin_answers_every_call_sglang_answers_with_server_args_unset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an explicit selected_attention_backend, a forced or a component backend never
+    # reach SGLang's server args; the plugin read them first and raised
+    # "ValueError: Global sgl_diffusion args is not set." (issue 32, item 9)
+    import itertools
+
+    import torch
+    from sglang.multimodal_gen.runtime.layers.attention import selector
+    from sglang.multimodal_gen.runtime.server_args import server_args
+
+    monkeypatch.setattr(server_args, "_global_server_args", None)
+    enum = selector.AttentionBackendEnum
+    members = [enum.TORCH_SDPA, enum.FA, enum.SAGE_ATTN, enum.SLIDING_TILE_ATTN]
+    contexts = [
+        ("none", lambda: contextlib.nullcontext()),
+        ("forced", lambda: selector.global_force_attn_backend_context_manager(enum.TORCH_SDPA)),
+        (
+            "component",
+            lambda: selector.component_attn_backend_context_manager(
+                enum.TORCH_SDPA, "transformer", require_backend_selection=False
+            ),
+        ),
+    ]
+    probes = list(itertools.product(contexts, [None, *members], [False, True], [64, 128]))
+
+    def answers() -> list[tuple[str, Any]]:
+        out = []
+        for (_, context), selected, cross, head in probes:
+
+            def call(
+                context: Any = context,
+                selected: Any = selected,
+                cross: bool = cross,
+                head: int = head,
+            ) -> Any:
+                with context():
+                    return selector.get_attn_backend(
+                        head, torch.bfloat16, None, selected, None, None, cross
+                    )
+
+            out.append(_answer(call))
+        return out
+
+    stock = answers()
+    assert ("error", "ValueError") in stock  # nothing chosen: SGLang reads the args
+    assert sum(kind == "class" for kind, _ in stock) > len(probes) // 2
+    plugin.install()
+    try:
+        routed = answers()
+    finally:
+        plugin.uninstall()
+    differing = [
+        (name, selected, cross, head, s, r)
+        for ((name, _), selected, cross, head), s, r in zip(probes, stock, routed, strict=True)
+        if s[0] == "class" and s != r
+    ]
+    assert differing == []
+    # and where SGLang refuses, the plugin refuses too
+    assert [r[0] for r in routed] == [s[0] for s in stock]

@@ -54,6 +54,7 @@ from attnres.backends import (
     register_backend,
     registry_generation,
 )
+from attnres.integrations._engine import Engine, require
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.ledger import Decision, record_decision
 from attnres.machine import run_machine
@@ -63,6 +64,7 @@ from attnres.scope import ScopeState
 from attnres.trace import CheckRecord, OriginRecord, Trace, TraceInput, TransitionRecord
 
 __all__ = [
+    "ENGINE",
     "TARGET",
     "BackendFacts",
     "backend_facts",
@@ -86,22 +88,72 @@ _INSTALLED: list[tuple[types.ModuleType, Callable[..., Any]]] = []
 #: decisions made through the plugin, and calls SGLang answered itself
 _STATS = {"decided": 0, "delegated": 0}
 _PROFILE: Final = SelectionConfig(profile="sglang")
+_PLUGINS: Final = "sglang.multimodal_gen.runtime.platforms.plugins"
+_BACKEND_BASE: Final = "sglang.multimodal_gen.runtime.layers.attention.backends.attention_backend"
+
+#: The SGLang releases the plugin was written for, and what it reads of SGLang
+#: (issue 36: 0.5.21 lacks ``AttentionRole`` and the context's
+#: ``backend_by_role``; 0.5.20 has no ``multimodal_gen`` plugin loader).
+ENGINE: Final = Engine(
+    name="SGLang",
+    distribution="sglang",
+    extra="sglang",
+    low=(0, 5, 23),
+    high=(0, 6),
+    hooks={
+        _SELECTOR: (
+            "get_attn_backend",
+            "_cached_get_attn_backend",
+            "component_attn_backend_context",
+            "forced_attn_backend",
+            "get_global_server_args",
+            "ServerArgs",
+            "AttentionBackendEnum",
+            "AttentionRequirements",
+            "AttentionRole.SELF",
+            "AttentionRole.CROSS",
+            "get_component_attn_backend_context",
+            "get_global_forced_attn_backend",
+            "get_component_attn_backend_name",
+            "make_component_role_key",
+            "logger",
+            "_record_component_attn_backend",
+            "ComponentAttnBackendContext.backend",
+            "ComponentAttnBackendContext.component_name",
+            "ComponentAttnBackendContext.backend_by_role",
+            "ComponentAttnBackendContext.allow_global_backend_fallback",
+            "ComponentAttnBackendContext.require_backend_selection",
+        ),
+        _PLUGINS: ("HookRegistry", "HookType.AROUND"),
+        _BACKEND_BASE: ("AttentionBackend",),
+        "sglang.multimodal_gen.runtime.platforms": ("AttentionBackendEnum", "current_platform"),
+    },
+)
 
 
 def plugin() -> None:
-    """SGLang's entry point: register the hook (SGLang applies it later)."""
-    from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry, HookType
+    """SGLang's entry point: register the hook (SGLang applies it later).
 
+    Raises :class:`~attnres.errors.EngineSupportError` on a SGLang release the
+    plugin was not written for (:data:`ENGINE`), before registering anything.
+    """
+    modules = require(ENGINE, "attnres.integrations.sglang.plugin()")
+    plugins = modules[_PLUGINS]
     _register_sglang_backends()
-    HookRegistry.register(TARGET, _route, HookType.AROUND)
+    plugins.HookRegistry.register(TARGET, _route, plugins.HookType.AROUND)
 
 
 def install() -> None:
-    """Route SGLang's selector through attnres now, without SGLang's plugin loader."""
+    """Route SGLang's selector through attnres now, without SGLang's plugin loader.
+
+    Raises :class:`~attnres.errors.EngineSupportError` when SGLang is not
+    installed, or is a release the plugin was not written for (:data:`ENGINE`);
+    nothing is changed then.
+    """
     with _LOCK:
         if _INSTALLED:
             return
-        selector = importlib.import_module(_SELECTOR)
+        selector = require(ENGINE, "attnres.integrations.sglang.install()")[_SELECTOR]
         original = selector.get_attn_backend
         _register_sglang_backends()
 
@@ -447,7 +499,7 @@ def _route(
     selector = sys.modules[_SELECTOR]
     context = selector.component_attn_backend_context.get()
     forced = selector.forced_attn_backend
-    server_args = selector.get_global_server_args()
+    server_args = _server_args(selector)
     supported = frozenset(supported_attention_backends) if supported_attention_backends else None
     key: tuple[Any, ...] = (
         head_size,
@@ -542,6 +594,16 @@ def _route(
             _MEMO.clear()
         _MEMO[key] = _Memo(decision, cls, tuple(answers.values()))
     return _finish(selector, is_cross_attention, decision, cls)
+
+
+def _server_args(selector: types.ModuleType) -> Any:
+    """SGLang's global server args for the memo key, ``None`` while they are unset
+    (issue 32: SGLang reads them only when no earlier origin chose a backend, and
+    raises there; :func:`_translate` does the same)."""
+    try:
+        return selector.get_global_server_args()
+    except ValueError:
+        return None
 
 
 @functools.cache

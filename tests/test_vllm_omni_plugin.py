@@ -1,0 +1,310 @@
+"""The vLLM-Omni plugin (issue 36), without vLLM-Omni: small stand-ins in
+``sys.modules`` mirror the API of vLLM-Omni 0.30.0 that the plugin reads
+(``vllm_omni/diffusion/attention/selector.py``: ``get_attn_backend_for_role``,
+``_cached_get_backend_cls``, ``_log_backend_resolution``;
+``vllm_omni/diffusion/data.py``: ``AttentionConfig.per_role`` / ``default`` /
+``resolve_with_source``, ``AttentionSpec.backend``;
+``backends/registry.py``: ``DiffusionAttentionBackendEnum``). The stand-in
+platform is a table: backend name -> class, and a default by head size.
+vLLM-Omni's own selection tests run against the real wheel in
+``make test-vllm-omni``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.metadata
+import json
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import attnres
+from attnres._states import Origin, Reason
+from attnres.backends import get_spec, lookup_spec, unregister_backend
+from attnres.errors import EngineSupportError
+from attnres.integrations import vllm_omni as plugin
+from attnres.trace import trace_from_json, trace_to_dict
+
+SELECTOR = "vllm_omni.diffusion.attention.selector"
+
+
+def _backend(name: str, sizes: tuple[int, ...] = ()) -> type:
+    return type(
+        name.title().replace("_", "") + "Backend",
+        (),
+        {
+            "get_name": staticmethod(lambda: name),
+            "get_supported_head_sizes": staticmethod(lambda: list(sizes)),
+            "supports_head_size": classmethod(lambda cls, h: not sizes or h in sizes),
+            "supported_platforms": None,
+        },
+    )
+
+
+CLASSES = {
+    "TORCH_SDPA": _backend("TORCH_SDPA"),
+    "FLASH_ATTN": _backend("FLASH_ATTN"),
+    "CUDNN_ATTN": _backend("CUDNN_ATTN", (64, 128)),
+    "FLASHINFER_ATTN": _backend("FLASHINFER_ATTN", (64, 128, 256)),
+}
+
+
+@dataclass
+class AttentionSpec:
+    backend: str
+
+
+@dataclass
+class AttentionConfig:
+    default: AttentionSpec | None = None
+    per_role: dict[str, AttentionSpec] = field(default_factory=dict)
+
+    def resolve_with_source(
+        self, role: str = "self", role_category: str | None = None
+    ) -> tuple[AttentionSpec | None, str | None]:
+        if role in self.per_role:
+            return self.per_role[role], f"attention_config.per_role[{role!r}]"
+        if role_category is not None and role_category in self.per_role:
+            return (
+                self.per_role[role_category],
+                f"attention_config.per_role[{role_category!r}] (role_category fallback)",
+            )
+        if self.default is not None:
+            return self.default, "attention_config.default"
+        return None, None
+
+
+@pytest.fixture
+def omni(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Stand-ins for vLLM-Omni 0.30.0; ``state["default"]``: the platform's pick."""
+    state: dict[str, Any] = {"default": "CUDNN_ATTN", "calls": [], "logs": []}
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda d: "0.30.0" if d == "vllm-omni" else real(d),
+    )
+    members = {n: f"stand_in.{n}" for n in CLASSES}
+    registry_enum = enum.Enum("DiffusionAttentionBackendEnum", members)  # type: ignore[misc]
+    registry_enum.get_class = lambda self: CLASSES[self.name]  # type: ignore[attr-defined]
+
+    def cached(name: str | None, head_size: int, allow_trtllm_default: bool = True) -> type:
+        state["calls"].append((name, head_size, allow_trtllm_default))
+        if name is None:
+            return CLASSES[state["default"]]
+        if name.upper() not in CLASSES:
+            raise ValueError(f"Unknown diffusion attention backend: '{name}'")
+        return CLASSES[name.upper()]
+
+    def log(role: str, role_category: str | None, backend_name: str, source: str) -> None:
+        state["logs"].append((role, role_category, backend_name, source))
+
+    def get_attn_backend_for_role(
+        role: str,
+        head_size: int,
+        attention_config: AttentionConfig | None = None,
+        role_category: str | None = None,
+        allow_trtllm_default: bool = True,
+    ) -> tuple[type, AttentionSpec | None]:
+        spec, source = (None, None)
+        if attention_config is not None:
+            spec, source = attention_config.resolve_with_source(role, role_category)
+        selector = sys.modules[SELECTOR]
+        if spec is not None:
+            cls = selector._cached_get_backend_cls(spec.backend, head_size)
+            selector._log_backend_resolution(
+                role=role, role_category=role_category, backend_name=cls.get_name(), source=source
+            )
+            return cls, spec
+        cls = selector._cached_get_backend_cls(None, head_size, allow_trtllm_default)
+        selector._log_backend_resolution(
+            role=role, role_category=role_category, backend_name=cls.get_name(),
+            source="platform default",
+        )  # fmt: skip
+        return cls, None
+
+    abstract = types.SimpleNamespace(
+        get_name=None, supports_head_size=None, get_supported_head_sizes=None
+    )
+    modules: dict[str, dict[str, Any]] = {
+        "vllm_omni": {},
+        "vllm_omni.diffusion": {},
+        "vllm_omni.diffusion.attention": {},
+        SELECTOR: {
+            "get_attn_backend_for_role": get_attn_backend_for_role,
+            "_cached_get_backend_cls": cached,
+            "_log_backend_resolution": log,
+        },
+        "vllm_omni.diffusion.data": {
+            "AttentionConfig": AttentionConfig,
+            "AttentionSpec": AttentionSpec,
+        },
+        "vllm_omni.diffusion.attention.backends": {},
+        "vllm_omni.diffusion.attention.backends.registry": {
+            "DiffusionAttentionBackendEnum": registry_enum
+        },
+        "vllm_omni.diffusion.attention.backends.abstract": {"AttentionBackend": abstract},
+        # a module that bound the selector by name, as layer.py does
+        "vllm_omni.diffusion.attention.layer": {
+            "get_attn_backend_for_role": get_attn_backend_for_role
+        },
+        "vllm_omni.platforms": {"current_omni_platform": types.SimpleNamespace(device_type="cuda")},
+    }
+    for name, attributes in modules.items():
+        module = types.ModuleType(name)
+        module.__path__ = []  # type: ignore[attr-defined]
+        vars(module).update(attributes)
+        monkeypatch.setitem(sys.modules, name, module)
+    attnres.clear_decisions()
+    yield state
+    plugin.uninstall()
+    for name in ("cudnn_attn", "flashinfer_attn"):
+        if lookup_spec(attnres.Backend(name)) is not None:
+            unregister_backend(name)
+
+
+def _both(state: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+    """(vLLM-Omni's answer, the plugin's answer, the plugin's decision)."""
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    stock = layer.get_attn_backend_for_role(*args, **kwargs)
+    plugin.install()
+    try:
+        attnres.clear_decisions()
+        routed = layer.get_attn_backend_for_role(*args, **kwargs)
+        decisions = attnres.decisions()
+    finally:
+        plugin.uninstall()
+    return stock, routed, decisions[-1] if decisions else None
+
+
+CONFIG = AttentionConfig(
+    default=AttentionSpec("TORCH_SDPA"),
+    per_role={"cross": AttentionSpec("FLASH_ATTN"), "ltx2.audio_to_video": AttentionSpec("sdpa")},
+)
+
+
+@pytest.mark.parametrize(
+    ("role", "category", "backend", "origin"),
+    [
+        ("joint", None, "torch_sdpa", Origin.GLOBAL_CLI),  # attention_config.default
+        ("ltx2.video_to_audio", "cross", "fa", Origin.COMPONENT_OVERRIDE),  # the category
+    ],
+)
+def test_rule_vllm_omni_precedence_is_its_own_and_decided_by_attnres(
+    omni: dict[str, Any], role: str, category: str | None, backend: str, origin: Origin
+) -> None:
+    stock, routed, decision = _both(omni, role, 128, CONFIG, category)
+    assert routed == stock  # the same class, the same AttentionSpec object
+    assert decision.backend == backend and decision.origin is origin
+    assert decision.trace.input.config.profile == "vllm_omni"
+    # one platform call per answer, as vLLM-Omni makes it (two: stock, then routed)
+    assert omni["calls"][0] == omni["calls"][1]
+    assert omni["logs"][0] == omni["logs"][1]  # it logs what vLLM-Omni logs
+
+
+def test_rule_vllm_omni_exact_role_name_vllm_omni_refuses_is_refused_unchanged(
+    omni: dict[str, Any],
+) -> None:
+    # per_role[role] = "sdpa": attnres knows the alias, vLLM-Omni's platform does not
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    with pytest.raises(ValueError, match="Unknown diffusion attention backend: 'sdpa'"):
+        layer.get_attn_backend_for_role("ltx2.audio_to_video", 128, CONFIG, "cross")
+    plugin.install()
+    with pytest.raises(ValueError, match="Unknown diffusion attention backend: 'sdpa'"):
+        layer.get_attn_backend_for_role("ltx2.audio_to_video", 128, CONFIG, "cross")
+    (decision,) = attnres.decisions()
+    assert decision.backend is None and decision.origin is Origin.LAYER
+
+
+def test_rule_vllm_omni_platform_default_unchanged_where_the_layer_can_run_it(
+    omni: dict[str, Any],
+) -> None:
+    stock, routed, decision = _both(omni, "self", 128, None, None, False)
+    assert routed == stock == (CLASSES["CUDNN_ATTN"], None)
+    assert omni["calls"] == [(None, 128, False), (None, 128, False)]
+    assert decision.backend == "cudnn_attn" and decision.origin is Origin.NONE
+    assert decision.reason is None
+    assert get_spec("cudnn_attn").head_sizes.allowed == {64, 128}  # read from its class
+
+
+def test_rule_vllm_omni_platform_default_the_layer_cannot_run_falls_back_to_sdpa(
+    omni: dict[str, Any],
+) -> None:
+    # the platform picks by name and head size only; its class cannot take 80
+    stock, routed, decision = _both(omni, "self", 80, None)
+    assert stock == (CLASSES["CUDNN_ATTN"], None)  # vLLM-Omni: built, then fails
+    assert routed == (CLASSES["TORCH_SDPA"], None)
+    assert decision.backend == "torch_sdpa"
+    assert decision.reason is Reason.PLATFORM_DEFAULT_FALLBACK
+    assert "cudnn_attn cannot take head size 80" in json.dumps(trace_to_dict(decision.trace))
+
+
+def test_rule_vllm_omni_configured_backend_the_layer_cannot_run_is_refused_typed(
+    omni: dict[str, Any],
+) -> None:
+    config = AttentionConfig(default=AttentionSpec("CUDNN_ATTN"))
+    plugin.install()
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    with pytest.raises(ValueError, match="cudnn_attn cannot take head size 80"):
+        layer.get_attn_backend_for_role("self", 80, config)
+
+
+def test_rule_vllm_omni_decision_trace_replays_without_vllm_omni(omni: dict[str, Any]) -> None:
+    _, _, decision = _both(omni, "self", 80, None)
+    text = json.dumps(trace_to_dict(decision.trace))
+    for name in list(sys.modules):
+        if name.startswith("vllm_omni"):
+            del sys.modules[name]
+    result = attnres.replay(trace_from_json(text))
+    assert result.ok, result.diff
+
+
+def test_rule_vllm_omni_name_attnres_lacks_is_answered_by_vllm_omni(
+    omni: dict[str, Any],
+) -> None:
+    config = AttentionConfig(default=AttentionSpec("EXACT"))
+    plugin.install()
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    with pytest.raises(ValueError, match="'EXACT'"):
+        layer.get_attn_backend_for_role("self", 64, config)
+    assert plugin.stats()["delegated"] >= 1
+
+
+def test_rule_vllm_omni_install_uninstall_rebinds_every_module(omni: dict[str, Any]) -> None:
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    before = layer.get_attn_backend_for_role
+    plugin.plugin()
+    plugin.plugin()  # idempotent: vLLM-Omni may load plugins more than once
+    assert plugin.installed() and layer.get_attn_backend_for_role is not before
+    plugin.uninstall()
+    assert not plugin.installed() and layer.get_attn_backend_for_role is before
+
+
+def test_rule_vllm_omni_other_release_is_refused(
+    omni: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.29.1")
+    with pytest.raises(EngineSupportError, match=r"vllm-omni>=0\.30\.0,<0\.31"):
+        plugin.install()
+    assert not plugin.installed()
+
+
+def test_rule_vllm_omni_repeated_call_is_a_recorded_decision_and_follows_the_platform(
+    omni: dict[str, Any],
+) -> None:
+    plugin.install()
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    first = layer.get_attn_backend_for_role("self", 128, None)
+    again = layer.get_attn_backend_for_role("self", 128, None)
+    assert first == again == (CLASSES["CUDNN_ATTN"], None)
+    decisions = attnres.decisions()
+    assert len(decisions) == 2 and decisions[0] == decisions[1]
+    # the platform now answers differently: the memo's answer is not reused
+    omni["default"] = "FLASH_ATTN"
+    assert layer.get_attn_backend_for_role("self", 128, None) == (CLASSES["FLASH_ATTN"], None)
+    assert attnres.decisions()[-1].backend == "fa"
