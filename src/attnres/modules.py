@@ -62,7 +62,12 @@ from attnres.backends import (
     on_registry_change,
     registry_generation,
 )
-from attnres.errors import BackendNotAppliedError, KernelNotRegisteredError
+from attnres.errors import (
+    BackendNotAppliedError,
+    CompiledGraphError,
+    InvalidStateError,
+    KernelNotRegisteredError,
+)
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
@@ -476,7 +481,9 @@ class Attention(FastCallModule):
             return prepared
         current = self._server_resolution()
         if current is None:  # pragma: no cover - request_backend binds first
-            raise RuntimeError("attnres.Attention: prepare a request on a bound layer")
+            raise InvalidStateError(
+                "attnres.Attention: prepare a request on a bound layer (attnres.bind first)"
+            )
         ctx, spec = self._context, self.layer_spec
         resolution, _, trace = lookup(
             spec,
@@ -625,7 +632,9 @@ class Attention(FastCallModule):
         if bound is None:
             current = self._server_resolution()
             if current is None:  # pragma: no cover - only bound layers are guarded
-                raise RuntimeError("attnres.Attention: a pending layer has no training path")
+                raise InvalidStateError(
+                    "attnres.Attention: a pending layer has no training path (attnres.bind first)"
+                )
             ctx, spec = self._context, self._backward_spec()
             resolution, _, trace = lookup(
                 spec,
@@ -722,7 +731,7 @@ class Attention(FastCallModule):
         if self._binding is not None:  # another thread bound it meanwhile
             return
         if torch.compiler.is_compiling():
-            raise RuntimeError(
+            raise CompiledGraphError(
                 f"attnres.Attention{_named(self.layer_spec)} is still pending (built without "
                 f"dtype, never cast or bound) inside torch.compile: call attnres.bind(model) "
                 f"(or cast the model) before compiling, so the decision is made outside the graph"
@@ -913,7 +922,7 @@ def _switching(
         # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag,
         # true in every thread while any thread compiles (flex_attention does)
         if torch.compiler.is_dynamo_compiling():
-            raise RuntimeError(
+            raise CompiledGraphError(
                 f"attnres.Attention{_named(layer.layer_spec)} is being compiled by "
                 f"torch.compile inside attnres.request_backend({backend.name!r}): the graph "
                 f"would keep one request's kernel. Compile the model for one backend and "
@@ -981,7 +990,9 @@ def _pending_run(ref: weakref.ReferenceType[Attention]) -> Callable[..., Tensor]
     def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         layer = ref()
         if layer is None:  # pragma: no cover - the closure outlived its layer
-            raise RuntimeError("attnres.Attention: the layer was garbage-collected")
+            raise InvalidStateError(
+                "attnres.Attention: the layer was garbage-collected; keep the module alive"
+            )
         layer._first_forward(q)
         out: Tensor = layer._run(q, k, v, attn_mask)
         return out
