@@ -197,10 +197,23 @@ def _json_float(text: str) -> float:
     return value
 
 
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # json's own dict keeps the last one, silently
+            raise ValueError(
+                f"the key {json.dumps(key, ensure_ascii=True)} appears twice in one object "
+                f"(JSON readers disagree on which one counts); keep one"
+            )
+        out[key] = value
+    return out
+
+
 def parse_json(data: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse bounded JSON: UTF-8, no NaN/Infinity, no number out of float range, no
-    integer of more than :data:`MAX_JSON_INT_DIGITS` digits, nesting at most
-    ``max_depth`` deep. Every refusal is a :class:`ValueError` saying why."""
+    integer of more than :data:`MAX_JSON_INT_DIGITS` digits, no key twice in one
+    object, nesting at most ``max_depth`` deep. Every refusal is a
+    :class:`ValueError` saying why."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -209,7 +222,11 @@ def parse_json(data: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         ) from None
     try:
         doc = json.loads(
-            text, parse_constant=_json_constant, parse_int=_json_int, parse_float=_json_float
+            text,
+            object_pairs_hook=_json_object,
+            parse_constant=_json_constant,
+            parse_int=_json_int,
+            parse_float=_json_float,
         )
     except RecursionError:
         raise ValueError(f"nested more than {max_depth} levels deep") from None
