@@ -68,3 +68,141 @@ def test_duplicate_json_key_is_refused_by_the_one_reader() -> None:
     with pytest.raises(ValueError, match='the key "x" appears twice'):
         parse_json(b'[{"k": {"x": 1, "x": 1}}]')  # nested, even with equal values
     assert parse_json(b'{"a": {"a": 1}}') == {"a": {"a": 1}}  # one key per object is fine
+
+
+# -- item 15: every trace attnres writes reads back ---------------------------------------
+
+N100 = "9" * 100
+
+
+def _explain(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    try:
+        code = main(["explain", "--head-size", "64", "--dtype", "bf16", *argv])
+    except SystemExit as exc:  # argparse's own refusals exit 2 too
+        code = exc.code  # type: ignore[assignment]
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--platform", "cpu", "--ulysses-degree", N100),
+        ("--platform", "cpu", "--ring-degree", "65537"),
+        ("--platform", "cpu", "--ulysses-degree", "2", "--heads", N100),
+        ("--platform", "cpu", "--ulysses-degree", "2", "--heads", "8", "--kv-heads", N100),
+        ("--platform", "cuda:sm" + "9" * 102),
+        ("--platform", "cuda:" + "9" * 40 + ".0"),
+    ],
+    ids=["ulysses", "ring", "heads", "kv-heads", "capability", "capability-dotted"],
+)
+def test_layout_degrees_heads_and_capabilities_are_bounded_where_parsed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+) -> None:
+    out = tmp_path / "t.json"
+    code, text = _explain(capsys, *argv, "--trace-out", str(out))
+    if code == 0:  # the defect: a trace written that replay refuses
+        assert main(["replay", str(out)]) == 0
+    assert code == 2, text
+    assert "Traceback" not in text and not out.exists()
+
+
+def test_every_written_layout_trace_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The largest values the parsers take still give a trace that replays."""
+    out = tmp_path / "t.json"
+    code, text = _explain(
+        capsys, "--platform", "cuda:sm9999", "--ulysses-degree", "65536", "--ring-degree", "65536",
+        "--heads", "65536", "--kv-heads", "65536", "--trace-out", str(out),
+    )  # fmt: skip
+    assert code == 0, text
+    assert main(["replay", str(out)]) == 0
+
+
+def test_trace_with_an_unbounded_layout_is_refused_typed() -> None:
+    from attnres.errors import TraceFormatError
+    from attnres.layer import LayerSpec
+    from attnres.layout import SequenceLayout
+    from attnres.trace import trace_from_json, trace_to_dict
+
+    layer = LayerSpec(head_size=64, dtype="bf16", layout=SequenceLayout(ulysses=2, num_heads=8))
+    doc = trace_to_dict(attnres.resolve(layer, platform=CPU).trace)
+    doc["input"]["layer"]["layout"]["ring"] = 10**50
+    with pytest.raises(TraceFormatError, match="at most 65536"):
+        trace_from_json(json.dumps(doc), source="t.json")
+
+
+# -- item 16: Python's own messages never escape ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arch", ["sm" + "9" * 4302, "9" * 5000 + ".0", "sm" + "9" * 5], ids=["sm", "dotted", "five"]
+)
+def test_huge_integers_in_platform_simulate_are_typed(arch: str) -> None:
+    with pytest.raises(ValueError, match="cannot parse CUDA architecture"):
+        Platform.simulate("cuda:" + arch)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ulysses": 10**4300, "ring": 10**4300}, "degree: must be at most 65536"),
+        ({"ulysses": 2, "num_heads": 10**5000}, "heads: must be at most 65536"),
+        ({"ring": -(10**5000)}, "degree: expected a positive integer"),
+    ],
+)
+def test_huge_integers_in_sequence_layout_are_typed(kwargs: dict[str, int], message: str) -> None:
+    from attnres import SequenceLayout
+
+    with pytest.raises(ValueError, match=message):
+        SequenceLayout(**kwargs).per_rank("fa")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["\u00b2:fa", "0:fa,\u0661:eager", "9" * 5000 + ":fa", "0:fa,99999999999:eager"],
+    ids=["superscript", "arabic-indic", "huge", "past-max"],
+)
+def test_schedule_spec_with_unicode_or_huge_digits_is_typed(
+    spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attnres._schedule_plan import parse_schedule
+
+    with pytest.raises(ValueError, match="--schedule"):
+        parse_schedule(spec)
+    code, text = _explain(capsys, "--platform", "cpu", "--schedule", spec)
+    assert code == 2 and "--schedule" in text and "invalid literal" not in text
+
+
+@pytest.mark.parametrize("key", ["vae\n", "vae\r\n", "\nvae"], ids=["lf", "crlf", "leading"])
+def test_component_name_ending_in_a_newline_is_refused(key: str) -> None:
+    from attnres.integrations._untrusted import check_component_key
+
+    with pytest.raises(FolderBuildError, match="is not a component name"):
+        check_component_key(key, "model_index.json")
+
+
+def test_component_name_with_a_newline_in_model_index_is_refused(tmp_path: Path) -> None:
+    folder = tiny_folder(tmp_path / "pipe", index=lambda d: d.update({"vae\n": d.pop("vae")}))
+    with pytest.raises(FolderBuildError, match="is not a component name"):
+        plan_folder(folder, platform=CPU)
+
+
+@pytest.mark.parametrize(
+    "name", ["t\ud800.json", "\udfff", "a/\ud83d/b.json"], ids=["ud800", "udfff", "in-a-folder"]
+)
+def test_trace_path_with_a_lone_surrogate_is_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    from attnres.errors import TraceFormatError
+
+    trace = attnres.resolve(attnres.LayerSpec(head_size=64, dtype="bf16"), platform=CPU).trace
+    target = str(tmp_path) + "/" + name
+    with pytest.raises(OSError, match="lone surrogate"):
+        attnres.dump_trace(trace, target)
+    with pytest.raises(TraceFormatError, match="lone surrogate"):
+        attnres.load_trace(target)
+    code, text = _explain(capsys, "--platform", "cpu", "--trace-out", target)
+    assert code == 2 and "lone surrogate" in text

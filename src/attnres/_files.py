@@ -70,7 +70,7 @@ MAX_JSON_DEPTH = 64
 MAX_JSON_INT_DIGITS = 40
 
 #: Our temporary files: ``.NAME.attnres-PID-RANDOM.tmp``.
-_TEMP_RE = re.compile(r"^\..+\.attnres-(\d+)-[0-9a-f]{8}\.tmp$")
+_TEMP_RE = re.compile(r"^\..+\.attnres-(\d+)-[0-9a-f]{8}\.tmp\Z")
 #: A temporary file of a process that is gone is debris at once; one of a live
 #: process (or one another host wrote) only after this long.
 _STALE_AFTER_S = 3600.0
@@ -107,10 +107,27 @@ def _mib(n: int) -> str:
     return f"{n / (1024 * 1024):g} MiB"
 
 
+def _encodable(path: str) -> str:
+    """``path``, if the file system can encode it; an :class:`OSError` saying why
+    not otherwise (a lone surrogate such as ``"\\ud800"``: Python's own
+    ``UnicodeEncodeError`` names no file; issue 32 item 16)."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        raise OSError(
+            errno.EINVAL,
+            f"the path holds {path[exc.start : exc.end]!r} at character {exc.start}, which no "
+            f"file name can hold (a lone surrogate); name the file in valid text",
+            path,
+        ) from None
+    return path
+
+
 def _open_regular(source: str, what: str) -> tuple[int, os.stat_result]:
     """An open descriptor of the regular file ``source`` (never waits on a FIFO)."""
     if source == "":
         raise OSError(errno.ENOENT, "an empty path names no file", source)
+    _encodable(source)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(source, flags)
@@ -409,6 +426,7 @@ def atomic_write_text(target: Path, text: str) -> None:
     path = os.fspath(target)
     if path == "":
         raise OSError(errno.ENOENT, "an empty path names no file", path)
+    _encodable(path)
     try:
         st = os.stat(path)  # follows symlinks, /dev/stdout included
     except FileNotFoundError:
