@@ -206,3 +206,86 @@ def test_trace_path_with_a_lone_surrogate_is_typed(
         attnres.load_trace(target)
     code, text = _explain(capsys, "--platform", "cpu", "--trace-out", target)
     assert code == 2 and "lone surrogate" in text
+
+
+# -- item 6: an unavailable preferred set falls back, saying so ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("platform", "kwargs", "expected"),
+    [
+        ("cpu", {"preferred": {"sage_attn"}}, "torch_sdpa"),
+        (
+            "cuda:sm90",
+            {"preferred": {"sage_attn", "fa"}, "supported": {"sage_attn", "fa", "torch_sdpa"}},
+            "torch_sdpa",
+        ),
+        ("cuda:sm90+flash_attn", {"preferred": {"sage_attn"}}, "fa"),
+    ],
+    ids=["cpu", "cuda-supported-set", "cuda-chain"],
+)
+def test_unavailable_preferred_set_falls_back_with_a_reason(
+    platform: str, kwargs: dict[str, object], expected: str
+) -> None:
+    layer = attnres.LayerSpec(head_size=64, dtype="bf16", **kwargs)  # type: ignore[arg-type]
+    res = attnres.resolve(layer, platform=Platform.simulate(platform))
+    assert res.backend.name == expected
+    assert res.reason is not None and res.reason.value == "platform default fallback"
+    detail = res.trace.records[0].detail
+    assert "none of the layer's preferred set" in detail and "fall back outside it" in detail
+    for name in kwargs["preferred"]:  # type: ignore[attr-defined]
+        assert f"{name}:" in detail  # each preferred backend, and why it cannot run
+    assert attnres.replay(res.trace).ok  # the trace replays as it was decided
+
+
+def test_usable_preferred_set_still_narrows() -> None:
+    hopper = Platform.simulate("cuda:sm90+flash_attn")
+    layer = attnres.LayerSpec(
+        head_size=64, dtype="bf16", supported={"fa", "torch_sdpa"}, preferred={"torch_sdpa"}
+    )
+    res = attnres.resolve(layer, platform=hopper)
+    assert (res.backend.name, res.reason) == ("torch_sdpa", None)
+    assert "preferred set" not in res.trace.records[0].detail
+
+
+def test_attention_layer_with_an_unavailable_preferred_set_runs() -> None:
+    import torch
+
+    layer = attnres.Attention(4, 16, platform=CPU, preferred={"sage_attn"})
+    q = torch.randn(1, 3, 4, 16)
+    assert layer(q, q, q).shape == q.shape
+    assert layer.backend is not None and layer.backend.name == "torch_sdpa"
+
+
+# -- item 17: messages --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "label"),
+    [
+        ({"required": "fa_x"}, "required: "),
+        ({"required": 3}, "required: "),
+        ({"preferred": {"fa_x"}}, "preferred: "),
+        ({"preferred": set()}, "preferred: "),
+        ({"supported": set()}, "supported: "),
+        ({"default": "fa_x"}, "default: "),
+    ],
+    ids=[
+        "required-unknown",
+        "required-type",
+        "preferred-unknown",
+        "preferred-empty",
+        "supported-empty",
+        "default-unknown",
+    ],
+)
+def test_required_and_preferred_errors_are_labelled_with_their_own_name(
+    kwargs: dict[str, object], label: str
+) -> None:
+    for build in (
+        lambda: attnres.LayerSpec(head_size=64, dtype="bf16", **kwargs),  # type: ignore[arg-type]
+        lambda: attnres.Attention(4, 16, platform=CPU, **kwargs),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ValueError) as raised:
+            build()
+        assert str(raised.value).startswith(label), str(raised.value)

@@ -465,6 +465,22 @@ class DetectedOrigin:
 PREFERRED_STAGES: Final = frozenset({State.PLATFORM_DEFAULT, State.SUPPORTED_SET})
 
 
+def _preferred_unusable(inp: TraceInput) -> str:
+    """Why no backend of the layer's ``preferred`` set can run here, one clause
+    each; ``''`` when one can (or the layer declares no preferred set)."""
+    layer = inp.layer
+    if layer.preferred is None:
+        return ""
+    why = []
+    for backend in sorted(layer.preferred, key=lambda b: (catalogue_order(b), b.name)):
+        results = check_candidate(backend, layer, inp.platform, inp.needs_kernel, inp.no_kernel)
+        failures = [f for _, found in results for f in found]
+        if not failures:
+            return ""
+        why.append(f"{backend.name}: {failures[0].message}")
+    return "; ".join(why)
+
+
 def _overridden(inp: TraceInput) -> str:
     """What a layer's required backend overrides, in words (issue 23)."""
     parts = []
@@ -1154,8 +1170,25 @@ def run_machine(inp: TraceInput) -> Trace:
         return PROFILE_MACHINES[inp.config.profile](inp)
     records: list[Record] = []
     found = detect_origin(inp)
-    records.append(OriginRecord(found.origin, found.backend, found.strict, found.detail))
     layer, platform = inp.layer, inp.platform
+    # issue 32 item 6: a preferred set none of whose backends can run here narrows
+    # nothing: automatic choices try it first (each failure recorded), then fall
+    # back outside it with a reason, and the origin record names the preference
+    unusable = _preferred_unusable(inp)
+    narrowing = None if unusable else layer.preferred
+    detail = found.detail
+    if unusable:
+        assert layer.preferred is not None
+        detail += (
+            f"; none of the layer's preferred set {_names(layer.preferred)} can run here "
+            f"({unusable}), so automatic choices fall back outside it"
+        )
+    records.append(OriginRecord(found.origin, found.backend, found.strict, detail))
+    first_tries: list[Backend] = (
+        sorted(layer.preferred, key=lambda b: (catalogue_order(b), b.name))
+        if unusable and layer.preferred is not None
+        else []
+    )
     reason: Reason | None = None
     state = State.ORIGIN_DETECTION
     start = GuardFacts(
@@ -1172,6 +1205,10 @@ def run_machine(inp: TraceInput) -> Trace:
         stage = state
         accepted: Backend | None = None
         candidates = stage_candidates(stage, inp, found.backend)
+        tried_first = frozenset(first_tries) if stage in PREFERRED_STAGES else frozenset()
+        if tried_first:
+            candidates = [*first_tries, *(c for c in candidates if c not in tried_first)]
+            first_tries = []
         for position, candidate in enumerate(candidates):
             if candidate in seen:
                 records.append(
@@ -1179,20 +1216,22 @@ def run_machine(inp: TraceInput) -> Trace:
                 )
                 continue
             if (
-                stage in PREFERRED_STAGES
-                and layer.preferred is not None
-                and candidate not in layer.preferred
+                stage in PREFERRED_STAGES and narrowing is not None and candidate not in narrowing
             ):  # issue 23: automatic choices stay inside the layer's preferred set
                 records.append(
                     SkipRecord(
                         stage,
                         candidate,
                         f"an automatic choice outside the layer's preferred set "
-                        f"{_names(layer.preferred)}",
+                        f"{_names(narrowing)}",
                     )
                 )
                 continue
-            if stage is State.PLATFORM_DEFAULT and position < len(candidates) - 1:
+            if (
+                stage is State.PLATFORM_DEFAULT
+                and position < len(candidates) - 1
+                and candidate not in tried_first
+            ):
                 unusable = _unusable_here(
                     candidate, layer, platform, inp.needs_kernel, inp.no_kernel
                 )
