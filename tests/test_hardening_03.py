@@ -289,3 +289,72 @@ def test_required_and_preferred_errors_are_labelled_with_their_own_name(
         with pytest.raises(ValueError) as raised:
             build()
         assert str(raised.value).startswith(label), str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("fa.deterministic=true", "fa.deterministic=false"),
+        ("fa.deterministic=true", "flash_attn.deterministic=false"),  # an alias, same option
+    ],
+    ids=["same-name", "alias"],
+)
+def test_conflicting_duplicate_backend_option_is_refused(
+    capsys: pytest.CaptureFixture[str], first: str, second: str
+) -> None:
+    code, text = _explain(
+        capsys, "--platform", "cpu", "--backend-option", first, "--backend-option", second
+    )
+    assert code == 2 and "fa.deterministic is given twice with different values" in text
+
+
+def test_repeated_equal_backend_option_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _explain(
+        capsys, "--platform", "cpu", "--backend-option", "fa.deterministic=true",
+        "--backend-option", "flash_attn.deterministic=TRUE",
+    )  # fmt: skip
+    assert code == 0, text
+
+
+@pytest.mark.parametrize(
+    ("kv", "heads"), [("48", "24"), ("5", "24"), ("24", "16")], ids=["more", "not-dividing", "odd"]
+)
+def test_explain_refuses_kv_heads_that_do_not_divide_heads(
+    capsys: pytest.CaptureFixture[str], kv: str, heads: str
+) -> None:
+    code, text = _explain(
+        capsys, "--platform", "cpu", "--ulysses-degree", "2", "--heads", heads, "--kv-heads", kv
+    )
+    assert code == 2 and "--kv-heads must divide --heads" in text
+    from attnres import SequenceLayout
+
+    with pytest.raises(ValueError, match="must divide num_heads"):
+        SequenceLayout(ulysses=2, num_heads=int(heads), num_kv_heads=int(kv))
+
+
+@pytest.mark.parametrize("flags", [("--ring-degree", "2"), ("--ulysses-degree", "2")])
+def test_explain_autotune_under_a_layout_says_the_layout_rule(
+    capsys: pytest.CaptureFixture[str], flags: tuple[str, str]
+) -> None:
+    code, text = _explain(
+        capsys, "--platform", "cuda:sm90+flash_attn", *flags, "--heads", "8", "--autotune"
+    )
+    assert code == 0, text
+    assert "explicit choice" not in text  # origin none is not an explicit choice
+    assert "sequence-parallel layout" in text.split("autotune:")[1]
+
+
+def test_plan_dir_layout_refusal_is_documented(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tiny_folder(tmp_path / "pipe")
+    capsys.readouterr()
+    code = main(["plan", str(folder), "--platform", "cpu", "--ring-degree", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "docs/sequence-parallel.md" in err
+    root = Path(__file__).resolve().parents[1] / "docs"
+    for page in ("cli.md", "sequence-parallel.md"):
+        text = " ".join((root / page).read_text().split())
+        assert "`attnres plan DIR` (a model folder) refuses" in text or (
+            "(`attnres plan DIR`) takes no layout yet" in text
+        ), page

@@ -563,7 +563,15 @@ def _backend_options(given: list[str] | None) -> dict[str, dict[str, object]] | 
             backend, name, value = parse_backend_option(text)
         except ValueError as exc:
             raise UsageError(f"--backend-option: {exc}") from None
-        options.setdefault(backend, {})[name] = value
+        given_for = options.setdefault(backend, {})
+        if name in given_for and (type(given_for[name]), given_for[name]) != (type(value), value):
+            # issue 32 item 17: a repeated option that contradicts itself never
+            # takes the last value silently
+            raise UsageError(
+                f"--backend-option: {backend}.{name} is given twice with different values "
+                f"({given_for[name]!r} and {value!r}); give it once"
+            )
+        given_for[name] = value
     return options
 
 
@@ -733,7 +741,9 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if layout is not None:
             raise UsageError(
                 "--ulysses-degree and --ring-degree apply to a pipeline file (attnres plan "
-                "PIPELINE.toml) for now; a model folder's layout is not read yet"
+                "PIPELINE.toml) for now; a model folder's layout is not read yet: plan the "
+                "folder without them, and check its denoiser's layers under a layout with "
+                "attnres explain --heads N (docs/sequence-parallel.md#which-layers-take-a-layout)"
             )
         from attnres.integrations._folder import parse_dtype_args, plan_folder
 
