@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from attnres._fastcall import FastCallModule
-from attnres._varlen import check_layer_options, route_kernel
+from attnres._varlen import check_layer_options, refuse_integer_mask, route_kernel
 from attnres._vocab import Role, normalize_dtype
 from attnres.autotuner import arm, armed_run
 from attnres.backends import (
@@ -1059,6 +1059,12 @@ def _make_run(
     return run
 
 
+#: The mask dtypes torch SDPA takes: boolean, or a float bias (read once per call)
+_MASK_DTYPES: Final = frozenset(
+    {torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+
+
 def _new_run(
     shape: _LayerShape, kernel: KernelFn, dtypes: frozenset[torch.dtype]
 ) -> Callable[..., Tensor]:
@@ -1095,6 +1101,8 @@ def _new_run(
             or q.dtype not in dtypes
         ):
             raise _mismatch(shape, dtypes, q, k, v)
+        if attn_mask is not None and attn_mask.dtype not in _MASK_DTYPES:
+            refuse_integer_mask(attn_mask)  # issue 32 item 1: every kernel alike
         try:
             out = call(q, k, v, attn_mask)
         except (RuntimeError, TypeError) as exc:

@@ -45,7 +45,12 @@ import torch
 from attrs import frozen
 from torch.overrides import TorchFunctionMode
 
-from attnres._varlen import check_layer_options, observe_mask, route_kernel
+from attnres._varlen import (
+    check_layer_options,
+    observe_mask,
+    refuse_integer_mask,
+    route_kernel,
+)
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import CompiledGraphError, InvalidStateError, ResolutionError
@@ -866,6 +871,8 @@ class GenericRoute:
         it), checked once per signature against the plan. Every caller goes
         through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
         routes, attnres's transformers attention function."""
+        if attn_mask is not None:  # issue 32 item 1: every call, whatever runs it
+            refuse_integer_mask(attn_mask)
         key = call_key(
             q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments, own_math
         )
