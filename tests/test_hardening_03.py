@@ -358,3 +358,45 @@ def test_plan_dir_layout_refusal_is_documented(
         assert "`attnres plan DIR` (a model folder) refuses" in text or (
             "(`attnres plan DIR`) takes no layout yet" in text
         ), page
+
+
+# -- item 5: explain agrees with the runtime under a ring layout ---------------------------
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda:sm90+all", "cuda:sm100+all", "rocm:gfx942+all"])
+def test_explain_ring_kernel_agrees_with_the_runtime(platform: str) -> None:
+    """For every backend, a ring layout's plan (needs_kernel=False: explain, a
+    simulated platform, a schedule step) decides as the runtime's resolution
+    (needs_kernel=True) does on its layout check: flex_attention planned ok
+    under --ring-degree 2 and the runtime refused it."""
+    from attnres._states import Check
+    from attnres.backends import registered_backends
+    from attnres.layout import SequenceLayout
+    from attnres.machine import check_candidate
+
+    plat = Platform.simulate(platform)
+    layer = attnres.LayerSpec(
+        head_size=64, dtype="bf16", layout=SequenceLayout(2, 2, num_heads=8, num_kv_heads=8)
+    )
+    for spec in registered_backends():
+        checks = {}
+        for run in (False, True):
+            results = check_candidate(attnres.Backend(spec.name), layer, plat, run)
+            checks[run] = dict(results).get(Check.LAYOUT)
+        assert checks[False] == checks[True], spec.name
+
+
+@pytest.mark.parametrize("backend", ["flex_attention", "fa3"])
+def test_explain_refuses_a_ring_kernel_with_no_adapter(
+    capsys: pytest.CaptureFixture[str], backend: str
+) -> None:
+    code, text = _explain(
+        capsys, "--platform", "cuda:sm90+all", "--ring-degree", "2",
+        "--attention-backend", backend,
+    )  # fmt: skip
+    assert code == 1 and "no ring runs it" in text
+    code, text = _explain(
+        capsys, "--platform", "cuda:sm90+all", "--ring-degree", "2",
+        "--schedule", f"0:torch_sdpa,5:{backend}",
+    )  # fmt: skip
+    assert code == 1 and "step 5+" in text and "no ring runs it" in text

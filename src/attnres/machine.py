@@ -1001,12 +1001,15 @@ def _check_layout(
                     f"to merge the partial results of its key/value blocks",
                 )
             )
-        elif needs_kernel and not has_lse_kernel(spec.name):
+        elif not has_lse_kernel(spec.name):
+            # attnres's own adapters, not this process's install: a plan (a
+            # simulated platform, explain, a schedule step) says what the runtime
+            # does (issue 32 item 5: explain predicted flex_attention's ring)
             out.append(
                 Failure(
                     Code.NO_LSE,
                     f"returns the log-sum-exp ({spec.lse}), but attnres has no adapter for "
-                    f"that entry point in this process (ring={layout.ring}; adapters: "
+                    f"that entry point, so no ring runs it (ring={layout.ring}; adapters: "
                     f"{', '.join(lse_kernel_names())})",
                 )
             )
