@@ -400,3 +400,52 @@ def test_explain_refuses_a_ring_kernel_with_no_adapter(
         "--schedule", f"0:torch_sdpa,5:{backend}",
     )  # fmt: skip
     assert code == 1 and "step 5+" in text and "no ring runs it" in text
+
+
+# -- item 4: a sliding window passed by the call is planned --------------------------------
+
+_SIM_SAGE = Platform.simulate("cuda:sm90+flash_attn+sageattention")
+
+
+def _tiny_text_model(name: str, window: int | None) -> object:
+    import torch
+    import transformers as t
+
+    config_cls, model_cls = {
+        "mistral": ("MistralConfig", "MistralModel"),
+        "phi3": ("Phi3Config", "Phi3Model"),
+        "starcoder2": ("Starcoder2Config", "Starcoder2Model"),
+        "mixtral": ("MixtralConfig", "MixtralModel"),
+    }[name]
+    cfg = getattr(t, config_cls)(
+        hidden_size=32, intermediate_size=37, num_attention_heads=4, num_key_value_heads=4,
+        num_hidden_layers=1, vocab_size=64, sliding_window=window, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return getattr(t, model_cls)(cfg).eval().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3", "starcoder2", "mixtral"])
+def test_sliding_window_passed_by_the_call_is_planned(name: str) -> None:
+    """``sliding_window=getattr(self.config, "sliding_window", None)`` at the call:
+    a strict sage_attn plan said ok, and the first call longer than the window
+    raised ResolutionError."""
+    from attnres.integrations import transformers as itf
+    from attnres.layer import SelectionConfig
+
+    strict = SelectionConfig(component_backends={"text_encoder": "sage_attn"})
+    plan = itf.plan(_tiny_text_model(name, 4), "text_encoder", strict, _SIM_SAGE)
+    assert [s.spec.requirements.sliding_window for s in plan.sites] == [True]
+    assert not plan.ok and "does not implement sliding-window attention" in plan.errors[0]
+    relaxed = itf.plan(_tiny_text_model(name, 4), "text_encoder", None, _SIM_SAGE)
+    assert [s.spec.requirements.sliding_window for s in relaxed.sites] == [True]
+
+
+def test_no_sliding_window_in_the_config_is_not_a_requirement() -> None:
+    from attnres.integrations import transformers as itf
+    from attnres.layer import SelectionConfig
+
+    strict = SelectionConfig(component_backends={"text_encoder": "sage_attn"})
+    plan = itf.plan(_tiny_text_model("mistral", None), "text_encoder", strict, _SIM_SAGE)
+    assert [s.spec.requirements.sliding_window for s in plan.sites] == [False]
+    assert plan.ok, plan.errors
