@@ -372,10 +372,12 @@ def _with_call_facts(
     # a window the module holds (Qwen2's per-layer one), or one its call passes
     # from its config (issue 32 item 4: ``sliding_window=getattr(self.config,
     # "sliding_window", None)`` in Mistral, Phi-3, Starcoder2, Mixtral)
-    window = getattr(module, "sliding_window", None) is not None or (
-        getattr(config, "sliding_window", None) is not None
-        and _passes_keywords(type(module), _WINDOW_ARGUMENTS)
-    )
+    if hasattr(module, "sliding_window"):  # the layer's own (None: a full-attention layer)
+        window = module.sliding_window is not None
+    else:
+        window = getattr(config, "sliding_window", None) is not None and _passes_keywords(
+            type(module), _WINDOW_ARGUMENTS
+        )
     return attrs.evolve(
         req,
         backward=backward,
