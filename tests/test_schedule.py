@@ -220,6 +220,8 @@ def test_schedule_refuses_cuda_graph_capture_as_request_backend_does(
 
 
 def test_schedule_refuses_a_module_that_is_not_one() -> None:
-    with pytest.raises(TypeError, match=r"attnres\.schedule: expected a torch\.nn\.Module"):
-        with attnres.schedule("model", {0: "eager"}):  # type: ignore[arg-type]
-            pytest.fail("the block must not run")
+    with (
+        pytest.raises(TypeError, match=r"attnres\.schedule: expected a torch\.nn\.Module"),
+        attnres.schedule("model", {0: "eager"}),  # type: ignore[arg-type]
+    ):
+        pytest.fail("the block must not run")

@@ -88,7 +88,20 @@ def _backend_set_of(
     return convert
 
 
-_backend_set = _backend_set_of("supported")
+_SUPPORTED_SET = _backend_set_of("supported")
+_PREFERRED_SET = _backend_set_of("preferred")
+
+
+def _backend_set(value: Iterable[Backend | str] | str | None) -> frozenset[Backend] | None:
+    return _SUPPORTED_SET(value)
+
+
+def _preferred_set(value: Iterable[Backend | str] | str | None) -> frozenset[Backend] | None:
+    return _PREFERRED_SET(value)
+
+
+def _required_backend(value: Backend | str | None) -> Backend | None:
+    return None if value is None else _parse_backend(value, "required")
 
 
 #: The largest head size attnres accepts. Real attention layers use 32 to 576;
@@ -374,7 +387,7 @@ class LayerSpec:
     #: every check, and the origin record says so. ``None``: all of ``supported``.
     preferred: frozenset[Backend] | None = field(
         default=None,
-        converter=_backend_set_of("preferred"),
+        converter=_preferred_set,
         kw_only=True,
         metadata={"omit_default": True},
     )
@@ -383,7 +396,7 @@ class LayerSpec:
     #: trace says what it overrode
     required: Backend | None = field(
         default=None,
-        converter=optional_backend("required"),
+        converter=_required_backend,
         kw_only=True,
         metadata={"omit_default": True},
     )
