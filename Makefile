@@ -87,11 +87,13 @@ bench: $(VENV)/.attnres-bench
 		--benchmark-json=benchmarks/results/latest.json --benchmark-storage=benchmarks/results -q
 
 # Coverage-guided fuzzing of every loader (issue 20): not part of `make test`.
-# FUZZ_SECONDS per target (7 targets: about 3.5 minutes by default); a crash is
+# FUZZ_SECONDS per target (13 targets: about 6.5 minutes by default; issue 32 added
+# the command line, backend options, schedules, layouts, --platform and --dtype,
+# each accepting only its documented error type); a crash is
 # written to fuzz/crashes/TARGET-crash-* and stops the run (an input slower than
 # 30 s is kept as TARGET-slow-unit-*; the first one pays the imports).
 FUZZ_SECONDS ?= 30
-FUZZ_TARGETS ?= trace replay pipeline folder config header results
+FUZZ_TARGETS ?= trace replay pipeline folder config header results cli option schedule layout platform dtype
 
 $(VENV)/.attnres-fuzz: $(STAMP)
 	$(PIP) install -c $(VENV)/torch-pin.txt atheris

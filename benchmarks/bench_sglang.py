@@ -23,7 +23,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from conftest import PairedResult, RatioRegistry
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+def have_sglang() -> bool:
+    """Whether the SGLang distribution is importable. A folder named ``sglang``
+    on the path without an ``__init__`` (this repository's ``tests/sglang``,
+    which pytest puts there) is a namespace package, not SGLang: its spec has
+    no origin (issue 32 item 19)."""
+    spec = importlib.util.find_spec("sglang")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+HAVE_SGLANG = have_sglang()
 ROWS = ("sglang plugin vs get_attn_backend, cached", "sglang plugin vs get_attn_backend, cold")
 
 

@@ -1,9 +1,12 @@
 """Coverage-guided fuzz targets for every loader of a file attnres reads (issue 20).
 
 One target per loader; each writes the fuzzer's bytes to a file and hands it to
-the loader, the way a user's file reaches it. A loader may refuse its input
-only with attnres's own input error (a ``ValueError``: ``TraceFormatError``,
-``PipelineError``, ``FolderBuildError``, ``ResultsFileError``, ...); anything
+the loader, the way a user's file reaches it. Issue 32 adds one target per
+parser of 0.3's surface: the command line (``cli``: every trace it writes must
+read back and replay), backend options, schedule specs, layouts and degrees,
+``--platform`` and ``--dtype`` forms. Each entry point may refuse its input
+only with the error type its documentation names (:data:`ERRORS`: a
+``TraceFormatError`` from the trace loader, not any ``ValueError``); anything
 else -- another exception, a hang, runaway memory -- is a crash, and atheris
 writes the input that caused it to ``fuzz/crashes/TARGET-crash-*``. Every crash
 found goes into the bad-input catalogue (``tests/test_bad_inputs.py``: a row
@@ -13,7 +16,8 @@ with the error it must give) and into ``fuzz/corpus/TARGET/`` (which
     python fuzz/fuzz_attnres.py TARGET [libFuzzer options] [CORPUS_DIR ...]
 
 Targets: trace, replay, pipeline, folder, config (structure-aware: hostile
-values for a config's own keys), header, results. ``make fuzz`` runs
+values for a config's own keys), header, results, cli, option, schedule,
+layout, platform, dtype. ``make fuzz`` runs
 each for ``FUZZ_SECONDS`` (default 30) on its seed corpus ``fuzz/corpus/TARGET``
 (``fuzz/make_corpus.py`` writes the seeds from the repository's own traces,
 pipelines and example folders).
@@ -34,8 +38,23 @@ except ImportError:  # tests/test_fuzz_corpus.py replays the corpus without it
     atheris = None
 
 with atheris.instrument_imports(include=["attnres"]) if atheris else contextlib.nullcontext():
+    from attnres._schedule_plan import parse_schedule
+    from attnres._vocab import normalize_dtype
+    from attnres.backends import parse_backend_option
+    from attnres.cli import main as cli_main
+    from attnres.errors import (
+        AttnresError,
+        BackendOptionError,
+        FolderBuildError,
+        PipelineError,
+        ResultsFileError,
+        TraceFormatError,
+        UnknownBackendError,
+    )
     from attnres.integrations import plan_folder
+    from attnres.integrations._folder import parse_dtype_args
     from attnres.integrations._untrusted import dtype_from_weights
+    from attnres.layout import SequenceLayout
     from attnres.plan import load_pipeline
     from attnres.platform import Platform
     from attnres.replayer import replay
@@ -185,6 +204,90 @@ def _config_keys(component: str) -> list[str]:
     return _KEYS[component]
 
 
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "surrogateescape")
+
+
+def option(data: bytes) -> None:
+    """``--backend-option BACKEND.OPTION=VALUE``, as the CLI parses it."""
+    parse_backend_option(_text(data))
+
+
+def schedule(data: bytes) -> None:
+    """``--schedule STEP:BACKEND,...``."""
+    parse_schedule(_text(data))
+
+
+def platform(data: bytes) -> None:
+    """``--platform KIND[:ARCH][+PACKAGE...]``."""
+    Platform.simulate(_text(data))
+
+
+def dtype(data: bytes) -> None:
+    """``--dtype D`` and ``--dtype COMPONENT=D`` (repeatable: one per line)."""
+    values = _text(data).split("\n")
+    normalize_dtype(values[0])
+    parse_dtype_args(values)
+
+
+def layout(data: bytes) -> None:
+    """Degrees and head counts (any size, any sign), as the API takes them."""
+    numbers = [int.from_bytes(chunk, "little", signed=True) for chunk in _chunks(data, 4)]
+    ulysses, ring, heads, kv = ([*numbers, 1, 1, 0, 0])[:4]
+    shape = SequenceLayout(ulysses, ring, heads or None, kv or None)
+    shape.per_rank("fa")
+    shape.describe()
+
+
+def _chunks(data: bytes, n: int) -> list[bytes]:
+    # a chunk's first byte says how long it is (1 to 600 bytes: huge numbers too)
+    out = []
+    while data and len(out) < n:
+        size = 1 + data[0] % 600 if data[0] >= 0xF0 else 1 + data[0] % 4
+        out.append(data[1 : 1 + size] or b"\0")
+        data = data[1 + size :]
+    return out
+
+
+#: the subcommands and flags the cli target builds a command line from
+_CLI_FLAGS = (
+    "--head-size", "--dtype", "--platform", "--ulysses-degree", "--ring-degree", "--heads",
+    "--kv-heads", "--schedule", "--backend-option", "--attention-backend", "--supported",
+    "--default", "--requires", "--role", "--layer-name", "--component", "--autotune", "--json",
+)  # fmt: skip
+
+
+def cli(data: bytes) -> None:
+    """``attnres explain`` with a command line from the fuzzer's bytes (NUL-separated
+    words; a word of one byte below 32 is a flag): exit 0, 1 or 2 with a message,
+    never an exception; a trace it writes reads back and replays."""
+    words = [_text(w) for w in data.split(b"\0")]
+    argv = ["explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu"]
+    for word in words:
+        if len(word) == 1 and ord(word) < 32:
+            argv.append(_CLI_FLAGS[ord(word) % len(_CLI_FLAGS)])
+        else:
+            argv.append(word)
+    out = _TMP / "cli-trace.json"
+    with contextlib.suppress(FileNotFoundError):
+        out.unlink()
+    argv += ["--trace-out", str(out)]
+    import io
+
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            code = cli_main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code if isinstance(exc.code, int) else 2
+    if code not in (0, 1, 2):
+        raise AssertionError(f"exit {code}: {sink.getvalue()[-500:]}")
+    if out.exists():  # every trace attnres writes reads back and replays
+        result = replay(load_trace(out))
+        if not result.ok:
+            raise AssertionError(f"a written trace does not replay: {result.diff}")
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "trace": trace,
     "replay": replay_target,
@@ -193,13 +296,46 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "config": config,
     "header": header,
     "results": results,
+    "cli": cli,
+    "option": option,
+    "schedule": schedule,
+    "layout": layout,
+    "platform": platform,
+    "dtype": dtype,
+}
+
+#: the error each entry point's documentation names for a refused input
+#: (docs/errors.md); ``ValueError`` only where the docs say "any other bad value"
+#: (a platform string, a dtype, a schedule's steps, a layout's degrees)
+ERRORS: dict[str, tuple[type[BaseException], ...]] = {
+    "trace": (TraceFormatError,),
+    "replay": (TraceFormatError,),
+    "pipeline": (PipelineError,),
+    "folder": (FolderBuildError,),
+    "config": (FolderBuildError,),
+    "header": (FolderBuildError,),
+    "results": (ResultsFileError,),
+    "cli": (),
+    "option": (BackendOptionError, UnknownBackendError),
+    "schedule": (ValueError,),
+    "layout": (ValueError,),
+    "platform": (ValueError,),
+    "dtype": (ValueError,),
 }
 
 
 def run_one(target: Callable[[bytes], None], data: bytes) -> None:
-    """One input: attnres's own input errors are answers, anything else a crash."""
-    with contextlib.suppress(ValueError):
+    """One input: the entry point's documented error is an answer, anything else
+    (another type, Python's own message) a crash."""
+    name = next(n for n, t in TARGETS.items() if t is target)
+    allowed = ERRORS[name]
+    try:
         target(data)
+    except allowed as exc:
+        if not isinstance(exc, AttnresError) and type(exc) is not ValueError:
+            raise  # a ValueError subclass that is not attnres's: Python's own
+        if "Exceeds the limit" in str(exc) or "invalid literal" in str(exc):
+            raise  # Python's own int() message, escaped through a ValueError
 
 
 def main() -> None:

@@ -96,6 +96,50 @@ def main() -> None:
     _write("results", "results.json", json.dumps(doc, indent=2).encode())
     _write("config", "seed-vae", bytes(range(8)))
     _write("config", "seed-t5", bytes([1, 3, 16, 5, 32, 7, 48, 9]))
+    _issue_32_seeds()
+
+
+def _issue_32_seeds() -> None:
+    """Seeds of the parsers issue 32 added targets for, with the inputs it found."""
+    nines = "9" * 102
+    for i, text in enumerate(
+        ["fa.deterministic=true", "sage_attn.pv_accum_dtype=fp32", "x", "fa.=1", "fa3.x=none"]
+    ):
+        _write("option", f"seed-{i}", text.encode())
+    schedules = ["0:sage_attn,40:fa", "\u00b2:fa", "9" * 5000 + ":fa", "0:fa,0:eager"]
+    for i, text in enumerate(schedules):
+        _write("schedule", f"seed-{i}", text.encode())
+    for i, text in enumerate(
+        ["cuda:sm90+flash_attn", "cuda:sm" + nines, "cuda:sm" + "9" * 4302, "rocm:gfx942+all"]
+    ):
+        _write("platform", f"seed-{i}", text.encode())
+    for i, text in enumerate(["bf16", "fp32\nvae=fp32", "float8_e4m3fn", "vae=\nx"]):
+        _write("dtype", f"seed-{i}", text.encode())
+    huge = bytes([0xFF]) + b"\xff" * 600
+    for i, data in enumerate([b"\x00\x02\x00\x02\x00\x08\x00\x08", huge + huge, b"\x00\xff"]):
+        _write("layout", f"seed-{i}", data)
+    flag = {name: bytes([i]) for i, name in enumerate(_CLI_FLAGS)}
+    cli = [
+        [flag["--ring-degree"], b"2", flag["--heads"], b"8"],
+        [flag["--ulysses-degree"], b"9" * 100],
+        [flag["--platform"], b"cuda:sm" + nines.encode()],
+        [flag["--ulysses-degree"], b"2", flag["--heads"], b"24", flag["--kv-heads"], b"48"],
+        [flag["--schedule"], "\u00b2:fa".encode()],
+        [flag["--backend-option"], b"fa.deterministic=true", flag["--backend-option"],
+         b"fa.deterministic=false"],
+        [flag["--ring-degree"], b"2", flag["--attention-backend"], b"flex_attention"],
+        [flag["--autotune"], flag["--ring-degree"], b"2", flag["--json"]],
+    ]  # fmt: skip
+    for i, words in enumerate(cli):
+        _write("cli", f"seed-{i}", b"\0".join(words))
+
+
+#: the flags of the cli target, in its order (fuzz/fuzz_attnres.py's _CLI_FLAGS)
+_CLI_FLAGS = (
+    "--head-size", "--dtype", "--platform", "--ulysses-degree", "--ring-degree", "--heads",
+    "--kv-heads", "--schedule", "--backend-option", "--attention-backend", "--supported",
+    "--default", "--requires", "--role", "--layer-name", "--component", "--autotune", "--json",
+)  # fmt: skip
 
 
 if __name__ == "__main__":

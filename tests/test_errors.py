@@ -65,3 +65,35 @@ def test_all_and_dir_list_the_lazy_names_and_each_resolves() -> None:
     assert set(attnres.__all__) <= set(dir(attnres))
     for name in attnres.__all__:
         assert getattr(attnres, name) is not None
+
+
+def test_no_bare_runtime_error_is_raised_in_attnres() -> None:
+    """Issue 32 item 18: every ``raise RuntimeError`` became an AttnresError subclass
+    that keeps RuntimeError as a base (callers that catch it keep working)."""
+    import ast
+    from pathlib import Path
+
+    bare = []
+    for path in sorted(Path(attnres.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id == "RuntimeError":
+                    bare.append(f"{path.name}:{node.lineno}")
+    assert bare == []
+    for cls in (errors.CompiledGraphError, errors.InvalidStateError):
+        assert issubclass(cls, errors.AttnresError) and issubclass(cls, RuntimeError)
+
+
+def test_runtime_errors_that_were_bare_are_typed() -> None:
+    import pytest
+    import torch.distributed as dist
+
+    from attnres.distributed import verify_consensus
+    from attnres.parallel import SequenceParallel
+
+    assert not dist.is_initialized()
+    with pytest.raises(errors.SequenceParallelError, match="init_process_group first"):
+        SequenceParallel(ulysses=1, ring=1)
+    with pytest.raises(errors.ConsensusError, match="init_process_group first"):
+        verify_consensus(group=object())  # type: ignore[arg-type]

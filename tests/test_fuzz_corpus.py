@@ -27,15 +27,49 @@ def _module() -> object:
 def test_every_loader_has_a_target_and_a_seed_corpus() -> None:
     fuzz = _module()
     targets = set(fuzz.TARGETS)  # type: ignore[attr-defined]
-    assert targets == {"trace", "replay", "pipeline", "folder", "config", "header", "results"}
+    # issue 32: what 0.3 parses has a target too
+    names = ["trace", "replay", "pipeline", "folder", "config", "header", "results",
+             "cli", "option", "schedule", "layout", "platform", "dtype"]  # fmt: skip
+    assert targets == set(names) == set(fuzz.ERRORS)  # type: ignore[attr-defined]
     for name in targets:
         assert any((CORPUS / name).iterdir()), name
     makefile = (ROOT / "Makefile").read_text()
-    assert (
-        "FUZZ_TARGETS ?= "
-        + " ".join(["trace", "replay", "pipeline", "folder", "config", "header", "results"])
-        in makefile
-    )
+    assert "FUZZ_TARGETS ?= " + " ".join(names) in makefile
+
+
+def test_a_target_accepts_only_its_documented_error() -> None:
+    """Issue 32: not any ValueError: Python's own (int() of a huge or a non-ASCII
+    number) or another type is a crash."""
+    fuzz = _module()
+
+    def raises(exc: BaseException) -> object:
+        def target(data: bytes) -> None:
+            raise exc
+
+        return target
+
+    from attnres.errors import PipelineError, TraceFormatError
+
+    targets = fuzz.TARGETS  # type: ignore[attr-defined]
+    saved = dict(targets)
+    try:
+        targets["trace"] = raises(TraceFormatError("t.json: $: bad"))
+        fuzz.run_one(targets["trace"], b"")  # type: ignore[attr-defined]
+        for exc in (
+            PipelineError("p", path="p"),
+            ValueError("plain"),
+            ValueError("invalid literal for int() with base 10: '\u00b2'"),
+            UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed"),
+        ):
+            targets["trace"] = raises(exc)
+            with pytest.raises(type(exc)):
+                fuzz.run_one(targets["trace"], b"")  # type: ignore[attr-defined]
+        targets["schedule"] = raises(ValueError("Exceeds the limit (4300 digits)"))
+        with pytest.raises(ValueError):
+            fuzz.run_one(targets["schedule"], b"")  # type: ignore[attr-defined]
+    finally:
+        targets.clear()
+        targets.update(saved)
 
 
 @pytest.mark.parametrize(

@@ -1310,3 +1310,59 @@ def test_a_mask_of_another_kind_is_named_before_a_missing_varlen_package() -> No
 
 def _never_dense(*args: Any) -> torch.Tensor:
     raise AssertionError("a masked call never runs the dense kernel")
+
+
+# ------------------------------------------------------------------ issue 32 item 1
+
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.int8)
+
+
+def _integer_padding(dtype: torch.dtype, additive: bool) -> torch.Tensor:
+    """A (2, 1, 1, 6) padding mask as integers: 0/-10000 (an additive bias, int64
+    in some pipelines) or 1/0 (a keep mask); row 1 has 4 valid keys."""
+    valid = _padding([6, 4], 6)[:, None, None, :]
+    if additive and dtype.is_signed:
+        return torch.where(valid, 0, -100 if dtype == torch.int8 else -10000).to(dtype)
+    return valid.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=str)
+@pytest.mark.parametrize("additive", [True, False], ids=["bias", "keep"])
+@pytest.mark.parametrize("backend", ["torch_sdpa", "eager", "flex_attention"])
+def test_integer_mask_refused_everywhere(backend: str, dtype: torch.dtype, additive: bool) -> None:
+    """torch SDPA raised its bare RuntimeError, eager and flex added the integers
+    (1 is then no mask): one meaning everywhere, a typed refusal."""
+    layer = Attention(4, 64, dtype=torch.float32, requirements=["key_padding"], backend=backend,
+                      platform=Platform.simulate("cpu"))  # fmt: skip
+    assert layer.backend is not None and layer.backend.name == backend
+    q, k, v = _qkv(2, 6, 6, 4, 4, torch.float32, 1)
+    with pytest.raises(MaskKindError, match=r"integer tensor .*Pass mask\.bool\(\)") as info:
+        layer(q, k, v, _integer_padding(dtype, additive))
+    assert info.value.observed.startswith("integer mask")
+    layer(q, k, v, _integer_padding(dtype, additive).bool())  # the bool form runs
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", UNPAD_BACKENDS)
+def test_integer_mask_refused_on_the_unpad_route(
+    varlen_fakes: Calls, backend: str, dtype: torch.dtype
+) -> None:
+    """The unpad route read non-zero as "takes part": an int64 0/-10000 padding
+    mask was inverted."""
+    q, k, v = _qkv(2, 6, 6, 4, 4, torch.float16, 2)
+    with pytest.raises(MaskKindError, match="integer tensor"):
+        _route(backend)(q, k, v, _integer_padding(dtype, additive=True), False, None)
+    assert not varlen_fakes.seen  # refused before any kernel ran
+    with pytest.raises(MaskKindError, match="integer tensor"):
+        observe_mask(_integer_padding(dtype, additive=False), 2, 6, 6)
+
+
+def test_integer_mask_refused_by_an_attention_layer_on_sage(varlen_fakes: Calls) -> None:
+    layer = Attention(
+        4, 64, num_kv_heads=2, dtype=torch.float16, requirements=["key_padding"],
+        backend="sage_attn", platform=HOPPER, name="joint",
+    )  # fmt: skip
+    q, k, v = _qkv(2, 6, 6, 4, 2, torch.float16, 9)
+    with pytest.raises(MaskKindError, match="integer tensor"):
+        layer(q, k, v, _integer_padding(torch.int64, additive=True))
+    assert not varlen_fakes.seen

@@ -591,3 +591,21 @@ def test_plan_dir_reads_the_pipeline_class_its_model_index_names(
     plan_folder(Path(__file__).resolve().parent.parent / "examples" / "ltx-video")
     assert seen and seen[-1] is LTXPipeline
     assert "encoder_attention_mask" in idf.passed_arguments(LTXPipeline, "transformer")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_integer_mask_refused_at_an_applied_site(varlen_fakes: Calls, dtype: torch.dtype) -> None:
+    """Issue 32 item 1: an integration site refuses an integer mask typed, at its
+    first call and at any later one (the call signature holds no mask dtype)."""
+    from attnres.errors import MaskKindError
+
+    route = _route_for("key_padding")
+    q = torch.randn(2, 2, 6, 16).bfloat16()
+    valid = torch.arange(6) < torch.tensor([[6], [2]])
+    ints = torch.where(valid, 0, -10000) if dtype.is_signed else valid.long()
+    with pytest.raises(MaskKindError, match="integer tensor"):
+        route(q, q, q, attn_mask=ints[:, None, None, :].to(dtype))  # first call
+    assert not varlen_fakes.seen
+    route(q, q, q, attn_mask=valid[:, None, None, :])  # a boolean mask runs
+    with pytest.raises(MaskKindError, match="integer tensor"):
+        route(q, q, q, attn_mask=ints[:, None, None, :].to(dtype))  # a later call

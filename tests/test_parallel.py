@@ -70,7 +70,8 @@ def test_rule_layout_ring_needs_an_lse_adapter_in_a_running_process() -> None:
     ring = _spec(SequenceLayout(1, 2), dtype="float32")
     (failure,) = _layout_failures("flex_attention", ring, CPU, run=True)
     assert failure.code is Code.NO_LSE and "no adapter" in failure.message
-    assert _layout_failures("flex_attention", ring, CPU, run=False) == ()  # a plan
+    # issue 32 item 5: a plan (explain, a simulated platform) says what the runtime does
+    assert _layout_failures("flex_attention", ring, CPU, run=False) == (failure,)
     assert _layout_failures("torch_sdpa", ring, CPU, run=True) == ()
     assert _layout_failures("eager", ring, CPU, run=True) == ()
 

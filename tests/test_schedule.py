@@ -146,3 +146,82 @@ def test_rule_schedule_cli_flag_is_validated(capsys: pytest.CaptureFixture[str])
     assert "what runs from step 0" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "0:eagr"]) == 2
     assert "eager" in capsys.readouterr().err
+
+
+def test_schedule_stepper_used_after_its_block_exits_is_refused() -> None:
+    """Issue 32 item 3: a stepper kept past its block switched every layer for good
+    while attnres.decisions() still recorded the original backend."""
+    from attnres.errors import InvalidStateError
+
+    model = Denoiser()
+    attnres.bind(model)
+    with attnres.schedule(model, {0: "eager", 2: "torch_sdpa"}) as stepper:
+        stepper.step(0)
+    assert _backends(model) == {"torch_sdpa"}
+    for step in (2, 0, 7):  # the step's backend differs, equals the last one, or is later
+        with pytest.raises(InvalidStateError, match=r"after the schedule's with block exited"):
+            stepper.step(step)
+        assert _backends(model) == {"torch_sdpa"}
+    assert issubclass(InvalidStateError, RuntimeError)
+
+
+def test_schedule_stepper_after_an_error_exit_is_refused_too() -> None:
+    from attnres.errors import InvalidStateError
+
+    model = Denoiser()
+    attnres.bind(model)
+    with pytest.raises(KeyError), attnres.schedule(model, {0: "eager"}) as stepper:
+        raise KeyError("the sampler failed")
+    with pytest.raises(InvalidStateError):
+        stepper.step(0)
+    assert _backends(model) == {"torch_sdpa"}
+
+
+def test_schedule_refuses_a_compiled_module_as_request_backend_does() -> None:
+    """Issue 32 item 3: one two-phase switch, the same refusals as request_backend."""
+    from attnres.errors import CompiledGraphError
+
+    model = Denoiser()
+    attnres.bind(model)
+    compiled = torch.compile(model, backend="eager")
+    for enter in (
+        lambda m: attnres.schedule(m, {0: "eager"}),
+        lambda m: attnres.request_backend(m, "eager"),
+    ):
+        with pytest.raises(CompiledGraphError, match=r"torch\.compile wrapper"), enter(compiled):
+            pytest.fail("the block must not run")
+    model.blocks[1].compile(backend="eager")
+    with (
+        pytest.raises(CompiledGraphError, match=r"'blocks\.1' was compiled with Module\.compile"),
+        attnres.schedule(model, {0: "eager", 1: "torch_sdpa"}),
+    ):
+        pytest.fail("the block must not run")
+    torch._dynamo.reset()
+    assert _backends(model) == {"torch_sdpa"}
+
+
+def test_schedule_refuses_cuda_graph_capture_as_request_backend_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from attnres.errors import CompiledGraphError
+
+    model = Denoiser()
+    attnres.bind(model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for enter in (
+        lambda: attnres.schedule(model, {0: "eager"}),
+        lambda: attnres.request_backend(model, "eager"),
+    ):
+        with pytest.raises(CompiledGraphError, match="during CUDA graph capture"), enter():
+            pytest.fail("the block must not run")
+    monkeypatch.undo()
+    assert _backends(model) == {"torch_sdpa"}
+
+
+def test_schedule_refuses_a_module_that_is_not_one() -> None:
+    with (
+        pytest.raises(TypeError, match=r"attnres\.schedule: expected a torch\.nn\.Module"),
+        attnres.schedule("model", {0: "eager"}),  # type: ignore[arg-type]
+    ):
+        pytest.fail("the block must not run")

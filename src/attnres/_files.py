@@ -70,7 +70,7 @@ MAX_JSON_DEPTH = 64
 MAX_JSON_INT_DIGITS = 40
 
 #: Our temporary files: ``.NAME.attnres-PID-RANDOM.tmp``.
-_TEMP_RE = re.compile(r"^\..+\.attnres-(\d+)-[0-9a-f]{8}\.tmp$")
+_TEMP_RE = re.compile(r"^\..+\.attnres-(\d+)-[0-9a-f]{8}\.tmp\Z")
 #: A temporary file of a process that is gone is debris at once; one of a live
 #: process (or one another host wrote) only after this long.
 _STALE_AFTER_S = 3600.0
@@ -107,10 +107,27 @@ def _mib(n: int) -> str:
     return f"{n / (1024 * 1024):g} MiB"
 
 
+def _encodable(path: str) -> str:
+    """``path``, if the file system can encode it; an :class:`OSError` saying why
+    not otherwise (a lone surrogate such as ``"\\ud800"``: Python's own
+    ``UnicodeEncodeError`` names no file; issue 32 item 16)."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        raise OSError(
+            errno.EINVAL,
+            f"the path holds {path[exc.start : exc.end]!r} at character {exc.start}, which no "
+            f"file name can hold (a lone surrogate); name the file in valid text",
+            path,
+        ) from None
+    return path
+
+
 def _open_regular(source: str, what: str) -> tuple[int, os.stat_result]:
     """An open descriptor of the regular file ``source`` (never waits on a FIFO)."""
     if source == "":
         raise OSError(errno.ENOENT, "an empty path names no file", source)
+    _encodable(source)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(source, flags)
@@ -197,10 +214,23 @@ def _json_float(text: str) -> float:
     return value
 
 
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # json's own dict keeps the last one, silently
+            raise ValueError(
+                f"the key {json.dumps(key, ensure_ascii=True)} appears twice in one object "
+                f"(JSON readers disagree on which one counts); keep one"
+            )
+        out[key] = value
+    return out
+
+
 def parse_json(data: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse bounded JSON: UTF-8, no NaN/Infinity, no number out of float range, no
-    integer of more than :data:`MAX_JSON_INT_DIGITS` digits, nesting at most
-    ``max_depth`` deep. Every refusal is a :class:`ValueError` saying why."""
+    integer of more than :data:`MAX_JSON_INT_DIGITS` digits, no key twice in one
+    object, nesting at most ``max_depth`` deep. Every refusal is a
+    :class:`ValueError` saying why."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -209,7 +239,11 @@ def parse_json(data: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         ) from None
     try:
         doc = json.loads(
-            text, parse_constant=_json_constant, parse_int=_json_int, parse_float=_json_float
+            text,
+            object_pairs_hook=_json_object,
+            parse_constant=_json_constant,
+            parse_int=_json_int,
+            parse_float=_json_float,
         )
     except RecursionError:
         raise ValueError(f"nested more than {max_depth} levels deep") from None
@@ -392,6 +426,7 @@ def atomic_write_text(target: Path, text: str) -> None:
     path = os.fspath(target)
     if path == "":
         raise OSError(errno.ENOENT, "an empty path names no file", path)
+    _encodable(path)
     try:
         st = os.stat(path)  # follows symlinks, /dev/stdout included
     except FileNotFoundError:

@@ -225,6 +225,8 @@ class Profile:
     #: backends a layer's declared set admits through other names, any one group
     #: (attnres's own: ``BackendSpec.satisfies`` in the catalogue)
     satisfies: Mapping[str, tuple[frozenset[str], ...]] = attrs.field(factory=dict)
+    #: words appended to the origin record, from the whole input (``None``: none)
+    origin_note: Callable[[TraceInput], str] | None = None
 
 
 #: The failure of a candidate whose host resolution the input does not hold (a

@@ -22,6 +22,9 @@ __all__ = ["Steps", "parse_schedule", "plan_schedule", "schedule_steps"]
 #: (first step, backend), ascending from step 0
 Steps = tuple[tuple[int, Backend], ...]
 
+#: The largest first step a schedule takes (samplers run tens to thousands of steps)
+MAX_STEP = 10**9
+
 
 def schedule_steps(value: Mapping[int, Backend | str], what: str = "attnres.schedule") -> Steps:
     """The steps of a schedule, validated: first steps are integers >= 0, one is 0."""
@@ -32,8 +35,11 @@ def schedule_steps(value: Mapping[int, Backend | str], what: str = "attnres.sche
         )
     out: list[tuple[int, Backend]] = []
     for first, backend in value.items():
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            raise ValueError(f"{what}: a first step must be an integer >= 0, got {first!r}")
+        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= MAX_STEP:
+            shown = repr(first) if not isinstance(first, int) or first < 10**30 else "a huge number"
+            raise ValueError(
+                f"{what}: a first step must be an integer >= 0 and at most {MAX_STEP}, got {shown}"
+            )
         parsed = optional_backend(f"{what}: step {first}")(backend)
         if parsed is None:
             raise ValueError(f"{what}: step {first}: backend must not be None")
@@ -51,11 +57,15 @@ def parse_schedule(text: str) -> Steps:
     steps: dict[int, str] = {}
     for part in (p.strip() for p in text.split(",")):
         first, colon, backend = part.partition(":")
-        if not colon or not first.strip().isdigit() or not backend.strip():
+        first = first.strip()
+        # ASCII digits only: str.isdigit() accepts "²", which int() refuses
+        if not colon or not (first.isascii() and first.isdigit()) or not backend.strip():
             raise ValueError(
                 f"--schedule: expected STEP:BACKEND[,STEP:BACKEND...] such as "
                 f"0:sage_attn,40:fa, got {part!r}"
             )
+        if len(first) > len(str(MAX_STEP)):
+            raise ValueError(f"--schedule: a first step is at most {MAX_STEP}, got {first[:40]}")
         if int(first) in steps:
             raise ValueError(f"--schedule: step {int(first)} is given twice")
         steps[int(first)] = backend.strip()

@@ -73,7 +73,7 @@ from attnres._vocab import (
 from attnres.backends import Backend
 from attnres.errors import TraceFormatError, UnknownBackendError
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, split_component_key
-from attnres.layout import SequenceLayout
+from attnres.layout import SequenceLayout, _degree, _heads
 from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.records import (
     KERNELS_SCHEMA_VERSION,
@@ -643,8 +643,14 @@ def _layout(value: Any) -> SequenceLayout:
     """A layer's sequence-parallel layout (issue 24): degrees and head counts."""
     obj = _object(value, "a layout")
     _exact_keys(obj, _LAYOUT_KEYS, "a layout")
-    degrees = {key: _field(obj, key, _head_size) for key in ("ulysses", "ring")}
-    heads = {key: _field(obj, key, _optional(_head_size)) for key in ("num_heads", "num_kv_heads")}
+    # bounded as where they are parsed (attnres.layout: MAX_DEGREE, MAX_HEADS)
+    degrees = {
+        key: _field(obj, key, lambda v: _degree(_head_size(v))) for key in ("ulysses", "ring")
+    }
+    heads = {
+        key: _field(obj, key, _optional(lambda v: _heads(_head_size(v))))
+        for key in ("num_heads", "num_kv_heads")
+    }
     return SequenceLayout(**degrees, **heads)
 
 

@@ -95,6 +95,7 @@ __all__ = [
     "packing",
     "pad",
     "padded_kernel",
+    "refuse_integer_mask",
     "route_kernel",
     "unpad",
 ]
@@ -182,10 +183,36 @@ def _rows_equal(rows: Tensor, pattern: Tensor) -> Tensor:
     return equal.view(torch.uint8).amin(dim=-1).bool()
 
 
+def refuse_integer_mask(mask: Any) -> None:
+    """A :class:`MaskKindError` for a mask tensor that is neither boolean nor float.
+
+    Masks follow torch's ``scaled_dot_product_attention``, which takes a boolean
+    mask (True: takes part) or a float one (added to the scores) and refuses an
+    integer one. An integer mask meant three things before (issue 32 item 1):
+    SDPA's bare error, eager and flex adding the integers (1 is then no mask),
+    and the unpad route reading non-zero as "takes part" (an int64 0/-10000
+    padding mask inverted); it is refused by every kernel and route alike.
+    """
+    dtype = getattr(mask, "dtype", None)
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+        return
+    name = str(dtype).removeprefix("torch.")
+    raise MaskKindError(
+        f"this call's attention mask is an integer tensor ({name}), which attnres does not "
+        f"read: masks follow torch's scaled_dot_product_attention, which takes a boolean "
+        f"mask (True: the key takes part) or a float mask (added to the scores). Pass "
+        f"mask.bool() for a 0/1 keep mask, or mask.to(query.dtype) for an additive bias "
+        f"(0 and -10000 or -inf)",
+        f"integer mask ({name})",
+    )
+
+
 def observe_mask(mask: Tensor | None, batch: int, seq_q: int, seq_kv: int) -> ObservedMask:
-    """Classify the mask of one call (SDPA semantics, broadcastable to (B, H, Sq, Skv))."""
+    """Classify the mask of one call (SDPA semantics, broadcastable to (B, H, Sq, Skv));
+    an integer mask is a :class:`MaskKindError` (:func:`refuse_integer_mask`)."""
     if mask is None:
         return ObservedMask(MaskKind.NONE, False, None)
+    refuse_integer_mask(mask)
     view = mask
     while view.dim() < 4:  # SDPA broadcasting: a 2-D mask is (seq_q, seq_kv)
         view = view.unsqueeze(0)

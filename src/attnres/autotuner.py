@@ -46,6 +46,7 @@ from attnres._fastcall import FastCallModule
 from attnres._memo import GenerationMemo
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
 from attnres.backends import Backend, registered_backends
+from attnres.errors import InvalidStateError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.ledger import Decision
 from attnres.platform import Platform
@@ -163,7 +164,9 @@ def _bound_kernel(layer: Attention) -> KernelFn:
     _bound(layer)
     kernel = layer.kernel
     if kernel is None:  # pragma: no cover - a bound layer has its kernel
-        raise RuntimeError("attnres autotune: the layer has no bound kernel")
+        raise InvalidStateError(
+            "attnres autotune: the layer has no bound kernel; call attnres.bind(model) first"
+        )
     return kernel
 
 

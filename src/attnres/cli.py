@@ -73,7 +73,7 @@ from attnres.layer import (
     SelectionConfig,
     split_component_key,
 )
-from attnres.layout import LAYOUT_KINDS, SequenceLayout
+from attnres.layout import LAYOUT_KINDS, MAX_DEGREE, MAX_HEADS, SequenceLayout
 from attnres.platform import Platform
 from attnres.render import (
     _field,
@@ -406,14 +406,23 @@ def _split(text: str | None) -> list[str] | None:
 # =============================================================================
 
 
-def _degree(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _bounded_int(limit: int) -> Callable[[str], int]:
+    """An argparse type: a positive integer up to ``limit`` (issue 32 item 15: a
+    value a trace could not hold must not get as far as one)."""
+
+    def parse(text: str) -> int:
+        digits = text.strip().removeprefix("+")
+        if not (digits.isascii() and digits.isdigit()) or not digits.strip("0"):
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text[:40]!r}")
+        if len(digits.lstrip("0")) > len(str(limit)) or int(digits) > limit:
+            raise argparse.ArgumentTypeError(f"at most {limit}, got {text[:40]}")
+        return int(digits)
+
+    return parse
+
+
+_degree = _bounded_int(MAX_DEGREE)
+_head_count = _bounded_int(MAX_HEADS)
 
 
 def _layout_arguments(parser: Any, *, heads: bool) -> None:
@@ -428,10 +437,16 @@ def _layout_arguments(parser: Any, *, heads: bool) -> None:
     )  # fmt: skip
     if heads:
         parser.add_argument(
-            "--heads", type=_degree, metavar="N", help="the layer's heads (Ulysses divides them)"
+            "--heads",
+            type=_head_count,
+            metavar="N",
+            help="the layer's heads (Ulysses divides them)",
         )
         parser.add_argument(
-            "--kv-heads", type=_degree, metavar="N", help="its key/value heads (default: --heads)"
+            "--kv-heads",
+            type=_head_count,
+            metavar="N",
+            help="its key/value heads, dividing --heads (default: --heads)",
         )
 
 
@@ -448,6 +463,11 @@ def _layout(args: argparse.Namespace) -> SequenceLayout | None:
         return None
     if kv is not None and heads is None:
         raise UsageError("--kv-heads needs --heads")
+    if kv is not None and heads is not None and (kv > heads or heads % kv):
+        raise UsageError(
+            f"--kv-heads {kv} --heads {heads}: each key/value head serves a whole group of "
+            f"query heads, so --kv-heads must divide --heads (swapped?)"
+        )
     return SequenceLayout(ulysses, ring, heads, kv)
 
 
@@ -543,7 +563,15 @@ def _backend_options(given: list[str] | None) -> dict[str, dict[str, object]] | 
             backend, name, value = parse_backend_option(text)
         except ValueError as exc:
             raise UsageError(f"--backend-option: {exc}") from None
-        options.setdefault(backend, {})[name] = value
+        given_for = options.setdefault(backend, {})
+        if name in given_for and (type(given_for[name]), given_for[name]) != (type(value), value):
+            # issue 32 item 17: a repeated option that contradicts itself never
+            # takes the last value silently
+            raise UsageError(
+                f"--backend-option: {backend}.{name} is given twice with different values "
+                f"({given_for[name]!r} and {value!r}); give it once"
+            )
+        given_for[name] = value
     return options
 
 
@@ -713,7 +741,9 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if layout is not None:
             raise UsageError(
                 "--ulysses-degree and --ring-degree apply to a pipeline file (attnres plan "
-                "PIPELINE.toml) for now; a model folder's layout is not read yet"
+                "PIPELINE.toml) for now; a model folder's layout is not read yet: plan the "
+                "folder without them, and check its denoiser's layers under a layout with "
+                "attnres explain --heads N (docs/sequence-parallel.md#which-layers-take-a-layout)"
             )
         from attnres.integrations._folder import parse_dtype_args, plan_folder
 

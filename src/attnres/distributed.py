@@ -278,7 +278,7 @@ def _group_store(group: dist.ProcessGroup | None) -> Store:
 
         return PrefixStore(f"attnres/{name}/", c10d._get_default_store())
     except (KeyError, ValueError, AttributeError, RuntimeError) as exc:
-        raise RuntimeError(
+        raise ConsensusError(
             "verify_consensus could not find the key-value store of the process group "
             f"({type(exc).__name__}: {exc}); it needs a group created by "
             "torch.distributed.init_process_group or new_group"
@@ -462,7 +462,7 @@ def verify_consensus(
 
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise RuntimeError(
+            raise ConsensusError(
                 "verify_consensus(group=...) needs torch.distributed to be initialised "
                 "(call torch.distributed.init_process_group first)"
             )
@@ -473,7 +473,10 @@ def verify_consensus(
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if rank < 0:
-        raise RuntimeError("verify_consensus: this process is not a member of the given group")
+        raise ConsensusError(
+            "verify_consensus: this process is not a member of the given group; call it "
+            "on the group's ranks only, with a group that holds this rank"
+        )
     report = ConsensusReport(
         world_size=world_size, rank=rank, layers=n_layers, call_sites=len(sites), digest=digest
     )

@@ -27,10 +27,12 @@ __all__ = [
     "AttnresError",
     "BackendNotAppliedError",
     "BackendOptionError",
+    "CompiledGraphError",
     "ConsensusError",
     "EngineSupportError",
     "FolderBuildError",
     "IntegrationError",
+    "InvalidStateError",
     "KernelNotRegisteredError",
     "KernelUnavailableError",
     "MaskKindError",
@@ -140,6 +142,22 @@ class TraceWriteError(AttnresError, OSError):
 
 class ConsensusError(AttnresError, RuntimeError):
     """Ranks of one job decided differently (or a rank never arrived)."""
+
+
+class CompiledGraphError(AttnresError, RuntimeError):
+    """Kernels were to be decided or switched where a graph would keep them: inside
+    ``torch.compile``d code, during CUDA graph capture, or on a module compiled
+    with ``torch.compile`` (``request_backend``, ``schedule``, a pending layer's
+    first call). Decide (``attnres.bind``) and switch outside the compiled or
+    captured region. A ``RuntimeError``, as it was before it had a type."""
+
+
+class InvalidStateError(AttnresError, RuntimeError):
+    """A call made when attnres's objects are not in the state it needs: a schedule
+    stepper used after its ``with`` block exited, a module whose config names
+    attnres's attention function but on which attnres installed nothing, a layer
+    that lost its binding. The message says what to do. A ``RuntimeError``, as
+    it was before it had a type."""
 
 
 class SequenceParallelError(AttnresError, RuntimeError):

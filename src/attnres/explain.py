@@ -19,7 +19,12 @@ from attnres._states import Check, Event, Reason, State, Status
 from attnres.backends import Backend
 from attnres.errors import ResolutionError
 from attnres.layer import LayerSpec, SelectionConfig
-from attnres.machine import GLOBAL_EXPLICIT_ORIGINS, Relaxation, global_flag_relaxation
+from attnres.machine import (
+    GLOBAL_EXPLICIT_ORIGINS,
+    TUNABLE_ORIGINS,
+    Relaxation,
+    global_flag_relaxation,
+)
 from attnres.platform import Platform
 from attnres.runtime import resolve
 from attnres.trace import (
@@ -30,7 +35,7 @@ from attnres.trace import (
     Trace,
     TransitionRecord,
 )
-from attnres.tuning import is_tunable
+from attnres.tuning import is_tunable, is_tuned
 
 __all__ = [
     "CandidateRow",
@@ -256,11 +261,23 @@ def autotune_plan(trace: Trace, config: SelectionConfig) -> dict[str, Any] | Non
     if trace.outcome.status != Status.SELECTED:
         return {"tunable": False, "detail": "nothing to measure: the resolution was rejected"}
     if not is_tunable(trace):
-        return {
-            "tunable": False,
-            "detail": f"not measured: origin {origin} is an explicit choice (only none, "
-            f"layer_default and global_preference are tuned)",
-        }
+        # say the rule that applies (issue 32 item 17: a layout's refusal was
+        # worded as an explicit choice, origin none included)
+        layout = trace.input.layer.layout
+        if is_tuned(trace):
+            detail = "not measured again: the decision holds a measurement already"
+        elif origin in TUNABLE_ORIGINS and layout is not None:
+            detail = (
+                f"not measured: the layer runs under a sequence-parallel layout "
+                f"({layout.ulysses_ring()}), where each rank would time its own shard and "
+                f"could tune apart from the others"
+            )
+        else:
+            detail = (
+                f"not measured: origin {origin} is an explicit choice (only none, "
+                f"layer_default and global_preference are tuned)"
+            )
+        return {"tunable": False, "detail": detail}
     return {
         "tunable": True,
         "detail": f"measured against every candidate that passes its checks on the layer's "

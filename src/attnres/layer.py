@@ -62,22 +62,46 @@ def optional_backend(what: str) -> Callable[[Backend | str | None], Backend | No
     return convert
 
 
+def _backend_set_of(
+    what: str,
+) -> Callable[[Iterable[Backend | str] | str | None], frozenset[Backend] | None]:
+    """The converter of a set of backends named ``what`` in its messages
+    (``supported``, ``preferred``: issue 32 item 17)."""
+
+    def convert(value: Iterable[Backend | str] | str | None) -> frozenset[Backend] | None:
+        if value is None:
+            return None
+        if type(value) is frozenset and value and all(type(v) is Backend for v in value):
+            return value  # already the field's form (Backend.parse passes a Backend as it is)
+        if isinstance(value, (str, Backend)):
+            value = [value]
+        if not isinstance(value, Iterable):
+            raise ValueError(f"{what}: expected a set of backend names, got {value!r}")
+        out = frozenset(_parse_backend(v, what) for v in value)
+        if not out:
+            raise ValueError(
+                f"{what}: an empty set admits no backend; pass None for a layer without a "
+                f"{what}-set constraint"
+            )
+        return out
+
+    return convert
+
+
+_SUPPORTED_SET = _backend_set_of("supported")
+_PREFERRED_SET = _backend_set_of("preferred")
+
+
 def _backend_set(value: Iterable[Backend | str] | str | None) -> frozenset[Backend] | None:
-    if value is None:
-        return None
-    if type(value) is frozenset and value and all(type(v) is Backend for v in value):
-        return value  # already the field's form (Backend.parse passes a Backend as it is)
-    if isinstance(value, (str, Backend)):
-        value = [value]
-    if not isinstance(value, Iterable):
-        raise ValueError(f"supported: expected a set of backend names, got {value!r}")
-    out = frozenset(_parse_backend(v, "supported") for v in value)
-    if not out:
-        raise ValueError(
-            "supported: an empty set admits no backend; pass None for a layer without a "
-            "supported-set constraint"
-        )
-    return out
+    return _SUPPORTED_SET(value)
+
+
+def _preferred_set(value: Iterable[Backend | str] | str | None) -> frozenset[Backend] | None:
+    return _PREFERRED_SET(value)
+
+
+def _required_backend(value: Backend | str | None) -> Backend | None:
+    return None if value is None else _parse_backend(value, "required")
 
 
 #: The largest head size attnres accepts. Real attention layers use 32 to 576;
@@ -362,13 +386,19 @@ class LayerSpec:
     #: outside ``preferred`` but inside ``supported`` is admitted when it passes
     #: every check, and the origin record says so. ``None``: all of ``supported``.
     preferred: frozenset[Backend] | None = field(
-        default=None, converter=_backend_set, kw_only=True, metadata={"omit_default": True}
+        default=None,
+        converter=_preferred_set,
+        kw_only=True,
+        metadata={"omit_default": True},
     )
     #: the backend this layer must run for correctness: every request, schedule,
     #: global flag and autotune leaves it alone (origin ``layer``, strict), and the
     #: trace says what it overrode
     required: Backend | None = field(
-        default=None, converter=_default_backend, kw_only=True, metadata={"omit_default": True}
+        default=None,
+        converter=_required_backend,
+        kw_only=True,
+        metadata={"omit_default": True},
     )
     #: issue 23: typed options of the kernels this layer may run, per backend
     #: (``BackendSpec.options``), checked when given: ``((backend, ((option,

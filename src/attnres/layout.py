@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from attrs import field, frozen
 
-__all__ = ["LAYOUT_KINDS", "SequenceLayout", "context_parallel_layout"]
+__all__ = ["LAYOUT_KINDS", "MAX_DEGREE", "MAX_HEADS", "SequenceLayout", "context_parallel_layout"]
 
 #: The component kinds whose layers take a pipeline-wide layout (``attnres plan
 #: --ulysses-degree/--ring-degree``): the denoiser, whose sequence is what outgrows
@@ -34,20 +34,48 @@ __all__ = ["LAYOUT_KINDS", "SequenceLayout", "context_parallel_layout"]
 LAYOUT_KINDS: Final = frozenset({"transformer"})
 
 
-def _degree(value: Any) -> int:
+#: The most ranks one layout degree spans, and the most heads a layer declares:
+#: bounded where they are parsed (the API, the command line, a trace), so that
+#: every trace attnres writes reads back (issue 32 item 15) and no message has to
+#: print a number Python refuses to convert.
+MAX_DEGREE: Final = 1 << 16
+MAX_HEADS: Final = 1 << 16
+
+
+def _bounded(value: Any, what: str, limit: int) -> int:
     if not isinstance(value, bool):
         try:
             number = operator.index(value)
         except TypeError:
             pass
         else:
-            if number >= 1:
+            if 1 <= number <= limit:
                 return number
-    raise ValueError(f"degree: expected a positive integer, got {value!r}")
+            if number > limit:
+                shown = (
+                    str(number) if number < 10**30 else f"a number of {number.bit_length()} bits"
+                )
+                raise ValueError(f"{what}: must be at most {limit}, got {shown}")
+    shown = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
+    raise ValueError(f"{what}: expected a positive integer, got {shown}")
+
+
+def _degree(value: Any) -> int:
+    return _bounded(value, "degree", MAX_DEGREE)
 
 
 def _heads(value: Any) -> int | None:
-    return None if value is None else _degree(value)
+    return None if value is None else _bounded(value, "heads", MAX_HEADS)
+
+
+def _kv_heads(layout: Any, attribute: Any, value: int | None) -> None:
+    heads = layout.num_heads
+    if value is not None and heads is not None and (value > heads or heads % value):
+        raise ValueError(
+            f"num_kv_heads: {value} key/value heads for {heads} query heads; each key/value "
+            f"head serves a whole group of query heads, so they must divide num_heads "
+            f"(swapped --heads and --kv-heads?)"
+        )
 
 
 @frozen(cache_hash=True)
@@ -65,7 +93,7 @@ class SequenceLayout:
     ulysses: int = field(default=1, converter=_degree)
     ring: int = field(default=1, converter=_degree)
     num_heads: int | None = field(default=None, converter=_heads)
-    num_kv_heads: int | None = field(default=None, converter=_heads)
+    num_kv_heads: int | None = field(default=None, converter=_heads, validator=_kv_heads)
 
     @property
     def degree(self) -> int:

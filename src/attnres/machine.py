@@ -461,6 +461,38 @@ class DetectedOrigin:
 PREFERRED_STAGES: Final = frozenset({State.PLATFORM_DEFAULT, State.SUPPORTED_SET})
 
 
+def _preferred_unusable(inp: TraceInput) -> str:
+    """Why no backend of the layer's ``preferred`` set can run here, one clause
+    each; ``''`` when one can (or the layer declares no preferred set)."""
+    layer = inp.layer
+    if layer.preferred is None:
+        return ""
+    why = []
+    for backend in _in_catalogue_order(layer.preferred):
+        results = check_candidate(backend, layer, inp.platform, inp.needs_kernel, inp.no_kernel)
+        failures = [f for _, found in results for f in found]
+        if not failures:
+            return ""
+        why.append(f"{backend.name}: {failures[0].message}")
+    return "; ".join(why)
+
+
+def _in_catalogue_order(backends: frozenset[Backend]) -> list[Backend]:
+    return sorted(backends, key=lambda b: (catalogue_order(b), b.name))
+
+
+def _preferred_note(inp: TraceInput) -> str:
+    """Issue 32 item 6: the origin record names a preferred set that cannot run here."""
+    unusable = _preferred_unusable(inp)
+    if not unusable:
+        return ""
+    assert inp.layer.preferred is not None
+    return (
+        f"; none of the layer's preferred set {_names(inp.layer.preferred)} can run here "
+        f"({unusable}), so automatic choices fall back outside it"
+    )
+
+
 def _overridden(inp: Asked) -> str:
     """What a layer's required backend overrides, in words (issue 23)."""
     parts = []
@@ -1105,12 +1137,15 @@ def _check_layout(
                     f"to merge the partial results of its key/value blocks",
                 )
             )
-        elif needs_kernel and not has_lse_kernel(spec.name):
+        elif not has_lse_kernel(spec.name):
+            # attnres's own adapters, not this process's install: a plan (a
+            # simulated platform, explain, a schedule step) says what the runtime
+            # does (issue 32 item 5: explain predicted flex_attention's ring)
             out.append(
                 Failure(
                     Code.NO_LSE,
                     f"returns the log-sum-exp ({spec.lse}), but attnres has no adapter for "
-                    f"that entry point in this process (ring={layout.ring}; adapters: "
+                    f"that entry point, so no ring runs it (ring={layout.ring}; adapters: "
                     f"{', '.join(lse_kernel_names())})",
                 )
             )
@@ -1288,7 +1323,10 @@ def run_machine(inp: TraceInput) -> Trace:
         return walker(inp)
     profile = PROFILES[inp.config.profile]
     found = _detect(profile, inp)
-    records: list[Record] = [OriginRecord(found.origin, found.backend, found.strict, found.detail)]
+    detail = (
+        found.detail if profile.origin_note is None else found.detail + profile.origin_note(inp)
+    )
+    records: list[Record] = [OriginRecord(found.origin, found.backend, found.strict, detail)]
     layer = inp.layer
     start = GuardFacts(
         requested=found.backend is not None,
@@ -1369,11 +1407,29 @@ def _attnres_evaluate(
 def _outside_preferred(
     stage: State, position: int, candidates: Sequence[Backend | None], inp: TraceInput
 ) -> str:
-    """Issue 23: automatic choices stay inside the layer's preferred set."""
+    """Issue 23: automatic choices stay inside the layer's preferred set -- unless
+    none of it can run here (issue 32 item 6: it narrows nothing then)."""
     preferred = inp.layer.preferred
-    if preferred is not None and candidates[position] not in preferred:
+    if (
+        preferred is not None
+        and candidates[position] not in preferred
+        and not _preferred_unusable(inp)
+    ):
         return f"an automatic choice outside the layer's preferred set {_names(preferred)}"
     return ""
+
+
+def _attnres_candidates(
+    stage: State, inp: TraceInput, requested: Backend | None
+) -> Sequence[Backend | None]:
+    """The stage's candidates; a preferred set none of which can run here is tried
+    first in the automatic stages, each failure recorded (issue 32 item 6)."""
+    candidates = stage_candidates(stage, inp, requested)
+    preferred = inp.layer.preferred
+    if stage not in PREFERRED_STAGES or preferred is None or not _preferred_unusable(inp):
+        return candidates
+    first = _in_catalogue_order(preferred)
+    return [*first, *(c for c in candidates if c not in preferred)]
 
 
 def _not_usable_here(
@@ -1383,6 +1439,9 @@ def _not_usable_here(
     candidate = candidates[position]
     if position == len(candidates) - 1 or candidate is None:
         return ""
+    preferred = inp.layer.preferred
+    if preferred is not None and candidate in preferred and _preferred_unusable(inp):
+        return ""  # tried first, its failures recorded (issue 32 item 6)
     unusable = _unusable_here(candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel)
     return f"preferred on {inp.platform.kind} only where usable: {unusable}" if unusable else ""
 
@@ -1417,7 +1476,7 @@ ATTNRES: Final = Profile(
     request_failure=REQUEST_FAILURE_GUARDS,
     states_fallback=False,
     sparse=_spec_sparse,
-    candidates=stage_candidates,
+    candidates=_attnres_candidates,
     skips=(
         (PREFERRED_STAGES, _outside_preferred),
         (frozenset({State.PLATFORM_DEFAULT}), _not_usable_here),
@@ -1427,6 +1486,7 @@ ATTNRES: Final = Profile(
     explicit_bypasses_supported=False,
     selected_reasons=(),
     reject=_attnres_reject,
+    origin_note=_preferred_note,
 )
 
 #: issue 23, 33: the rules of each selection profile (``SelectionConfig.profile``),

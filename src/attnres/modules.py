@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from attnres._fastcall import FastCallModule
 from attnres._memo import GenerationMemo
-from attnres._varlen import check_layer_options, route_kernel
+from attnres._varlen import check_layer_options, refuse_integer_mask, route_kernel
 from attnres._vocab import Role, normalize_dtype
 from attnres.autotuner import arm, armed_run
 from attnres.backends import (
@@ -62,7 +62,12 @@ from attnres.backends import (
     normalize_backend_options,
     registry_generation,
 )
-from attnres.errors import BackendNotAppliedError, KernelNotRegisteredError
+from attnres.errors import (
+    BackendNotAppliedError,
+    CompiledGraphError,
+    InvalidStateError,
+    KernelNotRegisteredError,
+)
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision, replace_decision
@@ -466,7 +471,9 @@ class Attention(FastCallModule):
             return prepared
         current = self._server_resolution()
         if current is None:  # pragma: no cover - request_backend binds first
-            raise RuntimeError("attnres.Attention: prepare a request on a bound layer")
+            raise InvalidStateError(
+                "attnres.Attention: prepare a request on a bound layer (attnres.bind first)"
+            )
         ctx, spec = self._context, self.layer_spec
         resolution, _, trace = lookup(
             spec,
@@ -615,7 +622,9 @@ class Attention(FastCallModule):
         if bound is None:
             current = self._server_resolution()
             if current is None:  # pragma: no cover - only bound layers are guarded
-                raise RuntimeError("attnres.Attention: a pending layer has no training path")
+                raise InvalidStateError(
+                    "attnres.Attention: a pending layer has no training path (attnres.bind first)"
+                )
             ctx, spec = self._context, self._backward_spec()
             resolution, _, trace = lookup(
                 spec,
@@ -712,7 +721,7 @@ class Attention(FastCallModule):
         if self._binding is not None:  # another thread bound it meanwhile
             return
         if torch.compiler.is_compiling():
-            raise RuntimeError(
+            raise CompiledGraphError(
                 f"attnres.Attention{_named(self.layer_spec)} is still pending (built without "
                 f"dtype, never cast or bound) inside torch.compile: call attnres.bind(model) "
                 f"(or cast the model) before compiling, so the decision is made outside the graph"
@@ -903,7 +912,7 @@ def _switching(
         # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag,
         # true in every thread while any thread compiles (flex_attention does)
         if torch.compiler.is_dynamo_compiling():
-            raise RuntimeError(
+            raise CompiledGraphError(
                 f"attnres.Attention{_named(layer.layer_spec)} is being compiled by "
                 f"torch.compile inside attnres.request_backend({backend.name!r}): the graph "
                 f"would keep one request's kernel. Compile the model for one backend and "
@@ -971,7 +980,9 @@ def _pending_run(ref: weakref.ReferenceType[Attention]) -> Callable[..., Tensor]
     def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         layer = ref()
         if layer is None:  # pragma: no cover - the closure outlived its layer
-            raise RuntimeError("attnres.Attention: the layer was garbage-collected")
+            raise InvalidStateError(
+                "attnres.Attention: the layer was garbage-collected; keep the module alive"
+            )
         layer._first_forward(q)
         out: Tensor = layer._run(q, k, v, attn_mask)
         return out
@@ -1038,6 +1049,12 @@ def _make_run(
     return run
 
 
+#: The mask dtypes torch SDPA takes: boolean, or a float bias (read once per call)
+_MASK_DTYPES: Final = frozenset(
+    {torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+
+
 def _new_run(
     shape: _LayerShape, kernel: KernelFn, dtypes: frozenset[torch.dtype]
 ) -> Callable[..., Tensor]:
@@ -1074,6 +1091,8 @@ def _new_run(
             or q.dtype not in dtypes
         ):
             raise _mismatch(shape, dtypes, q, k, v)
+        if attn_mask is not None and attn_mask.dtype not in _MASK_DTYPES:
+            refuse_integer_mask(attn_mask)  # issue 32 item 1: every kernel alike
         try:
             out = call(q, k, v, attn_mask)
         except (RuntimeError, TypeError) as exc:

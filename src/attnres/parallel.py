@@ -113,14 +113,17 @@ class SequenceParallel:
         # bounded before anything else (issue 32: 1e300 overflowed timedelta)
         timeout_s = _timeout_seconds(DEFAULT_TIMEOUT_S if timeout is None else timeout)
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
+            raise SequenceParallelError(
                 "SequenceParallel needs torch.distributed to be initialised: call "
                 "torch.distributed.init_process_group first (every rank of the group)"
             )
         size = dist.get_world_size(group)
         rank = dist.get_rank(group)
         if rank < 0:
-            raise RuntimeError("SequenceParallel: this process is not a member of the given group")
+            raise SequenceParallelError(
+                "SequenceParallel: this process is not a member of the given group; build it "
+                "on the group's ranks only, with a group that holds this rank"
+            )
         if shape.degree != size:
             raise ValueError(
                 f"SequenceParallel: ulysses={shape.ulysses} x ring={shape.ring} spans "

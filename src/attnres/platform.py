@@ -267,11 +267,13 @@ def _simulated_fact(probe: PackageProbe, pinned: tuple[str | None, str] | None) 
 
 
 def _parse_capability(arch: str) -> tuple[int, int] | None:
-    m = re.fullmatch(r"(?:sm_?|compute_)?(\d+)([a-z]?)", arch.lower())
-    if m and len(m.group(1)) >= 2:
+    # at most 3 digits of major version and one of minor (sm120 is 12.0): bounded
+    # here, so every capability a trace holds reads back (issue 32 item 15)
+    m = re.fullmatch(r"(?:sm_?|compute_)?(\d{2,4})([a-z]?)", arch.lower())
+    if m:
         digits = m.group(1)
         return int(digits[:-1]), int(digits[-1])
-    m = re.fullmatch(r"(\d+)\.(\d+)", arch)
+    m = re.fullmatch(r"(\d{1,3})\.(\d)", arch)
     if m:
         return int(m.group(1)), int(m.group(2))
     return None

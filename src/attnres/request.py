@@ -28,7 +28,7 @@ inside a request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import MappingProxyType
 
@@ -37,7 +37,7 @@ from torch import nn
 
 from attnres.audit import emit_request_switch
 from attnres.backends import Backend
-from attnres.errors import RequestBackendError, ResolutionError
+from attnres.errors import CompiledGraphError, RequestBackendError, ResolutionError
 from attnres.kernels import KernelUnavailableError
 from attnres.layer import optional_backend
 from attnres.machine import request_refusal
@@ -74,78 +74,108 @@ def _label(path: str, layer: Attention) -> str:
     return path if name in (None, path) else f"{path} ({name})"
 
 
+def refuse_graphs(module: object, who: str) -> nn.Module:
+    """What every switch (a request, a schedule) refuses before it looks at anything
+    else: being called inside ``torch.compile``d code or during CUDA graph capture,
+    a module that is not one, and a module compiled with ``torch.compile``."""
+    where = _capturing()  # first: nothing else should be traced into a graph
+    if where is not None:
+        raise CompiledGraphError(
+            f"{who} was called {where}: switching kernels would be baked into (or break) "
+            f"the graph. Enter it outside the compiled or captured region, around the call"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{who}: expected a torch.nn.Module, got {type(module).__name__}")
+    compiled = _compiled(module)
+    if compiled is not None:
+        raise CompiledGraphError(
+            f"{who}: {compiled}; a compiled graph keeps the kernel it was traced with, so "
+            f"{who} cannot switch it. Compile the model for one backend (attnres.bind "
+            f"first) and switch backends on an uncompiled copy"
+        )
+    return module
+
+
+def prepare_switch(
+    module: nn.Module, backends: Sequence[Backend], who: str, *, every_layer: bool
+) -> tuple[list[tuple[str, Attention]], list[tuple[str, Attention, Backend]]]:
+    """The first phase of every switch (a request, a schedule), after
+    :func:`refuse_graphs`: bind pending layers, then resolve and prepare every
+    (layer, backend) pair; raise :class:`RequestBackendError` naming each pair
+    that cannot run, so nothing is switched. Returns the layers and the prepared
+    (path, layer, backend) pairs; a layer already running a backend is skipped
+    unless ``every_layer``."""
+    layers = [(p, m) for p, m in module.named_modules() if isinstance(m, Attention)]
+    if not layers:
+        raise RequestBackendError(
+            f"{who}: {type(module).__name__} holds no attnres.Attention layer, so there is "
+            f"nothing to switch; pass the module that holds the model's attention layers "
+            f"(the denoiser, say)",
+            backends[0],
+            (),
+        )
+    for _, layer in layers:
+        if layer.pending:
+            layer._bind_to()
+    prepared: list[tuple[str, Attention, Backend]] = []
+    failures: list[tuple[str, str]] = []
+    several = len(backends) > 1
+    for backend in backends:
+        for path, layer in layers:
+            current = layer.backend
+            if current == backend and not every_layer:
+                continue
+            label = f"{_label(path, layer)} at {backend.name}" if several else _label(path, layer)
+            refusal = None if current == backend else request_refusal(current)
+            if refusal is not None:  # the machine's rules (REQUEST_RULES: a sparse layer)
+                failures.append((label, refusal.message))
+                continue
+            try:
+                layer._prepare(backend)
+            except (ResolutionError, KernelNotRegisteredError, KernelUnavailableError) as exc:
+                failures.append((label, str(exc)))
+                continue
+            prepared.append((path, layer, backend))
+    if failures:
+        shown = "; ".join(f"{label}: {why}" for label, why in failures[:8])
+        more = f"; and {len(failures) - 8} more" if len(failures) > 8 else ""
+        what = "layer/backend pair(s)" if several else f"of {len(layers)} attention layer(s)"
+        raise RequestBackendError(
+            f"{who}: {len(failures)} {what} cannot run it, so no layer was switched: {shown}{more}",
+            backends[0],
+            tuple(failures),
+        )
+    return layers, prepared
+
+
 @contextmanager
 def request_backend(module: nn.Module, backend: Backend | str) -> Iterator[Backend]:
     """Run every ``attnres.Attention`` under ``module`` on ``backend`` inside this block.
 
     Raises, before anything is switched: ``TypeError`` when ``module`` is not a
-    ``torch.nn.Module``; ``RuntimeError`` inside ``torch.compile``d code or
-    during CUDA graph capture (a switch must happen outside the graph); and
-    :class:`RequestBackendError` (a ``ValueError``) when ``module`` holds no
+    ``torch.nn.Module``; :class:`~attnres.errors.CompiledGraphError` (a
+    ``RuntimeError``) inside ``torch.compile``d code, during CUDA graph
+    capture, or for a compiled module (a switch must happen outside the graph);
+    and :class:`RequestBackendError` (a ``ValueError``) when ``module`` holds no
     attnres layer, when a layer runs a sparse backend (its kernel takes layout
     metadata a dense request cannot give), or when any layer cannot run
     ``backend`` -- naming every such layer and why. Layers still pending are
     bound first (the server's decision, recorded). Layers already running
     ``backend`` are left alone; when all are, the block is a no-op.
     """
-    where = _capturing()  # first: nothing else should be traced into a graph
-    if where is not None:
-        raise RuntimeError(
-            f"attnres.request_backend({backend!r}) was called {where}: switching kernels "
-            f"would be baked into (or break) the graph. Enter request_backend outside the "
-            f"compiled or captured region, around the call"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"attnres.request_backend: expected a torch.nn.Module, got {type(module).__name__}"
-        )
+    who = f"attnres.request_backend({backend!r})"
+    module = refuse_graphs(module, who)
     parsed = optional_backend("backend")(backend)
     if parsed is None:
-        raise ValueError("attnres.request_backend: backend must be a backend name, not None")
-    compiled = _compiled(module)
-    if compiled is not None:
-        raise RuntimeError(
-            f"attnres.request_backend({parsed.name!r}): {compiled}; a compiled graph keeps "
-            f"the kernel it was traced with, so a request cannot switch it. Compile the model "
-            f"for one backend (attnres.bind first) and serve requests for other backends with "
-            f"an uncompiled copy"
-        )
-    layers = [(p, m) for p, m in module.named_modules() if isinstance(m, Attention)]
-    if not layers:
         raise RequestBackendError(
-            f"attnres.request_backend({parsed.name!r}): {type(module).__name__} holds no "
-            f"attnres.Attention layer, so there is nothing to switch; pass the module that "
-            f"holds the model's attention layers (the denoiser, say)",
-            parsed,
+            "attnres.request_backend: backend must be a backend name, not None; pass one "
+            "of attnres.Backend or its name",
+            None,
             (),
         )
-    for _, layer in layers:
-        if layer.pending:
-            layer._bind_to()
-    plan: list[Attention] = []
-    failures: list[tuple[str, str]] = []
-    for path, layer in layers:
-        current = layer.backend
-        if current == parsed:
-            continue
-        refusal = request_refusal(current)  # the machine's rules (REQUEST_RULES)
-        if refusal is not None:
-            failures.append((_label(path, layer), refusal.message))
-            continue
-        try:
-            layer._prepare(parsed)
-            plan.append(layer)
-        except (ResolutionError, KernelNotRegisteredError, KernelUnavailableError) as exc:
-            failures.append((_label(path, layer), str(exc)))
-    if failures:
-        shown = "; ".join(f"{label}: {why}" for label, why in failures[:8])
-        more = f"; and {len(failures) - 8} more" if len(failures) > 8 else ""
-        raise RequestBackendError(
-            f"attnres.request_backend({parsed.name!r}): {len(failures)} of {len(layers)} "
-            f"attention layer(s) cannot run it, so no layer was switched: {shown}{more}",
-            parsed,
-            tuple(failures),
-        )
+    who = f"attnres.request_backend({parsed.name!r})"
+    _, prepared = prepare_switch(module, [parsed], who, every_layer=False)
+    plan = [layer for _, layer, _ in prepared]
     if not plan:
         yield parsed
         return

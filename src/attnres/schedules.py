@@ -31,11 +31,9 @@ from torch import nn
 from attnres._schedule_plan import schedule_steps
 from attnres.audit import emit_schedule_switch
 from attnres.backends import Backend
-from attnres.errors import RequestBackendError, ResolutionError
-from attnres.kernels import KernelUnavailableError
-from attnres.machine import request_refusal
-from attnres.modules import _REQUESTS, Attention, KernelNotRegisteredError
-from attnres.request import _label
+from attnres.errors import InvalidStateError
+from attnres.modules import _REQUESTS, Attention
+from attnres.request import prepare_switch, refuse_graphs
 
 __all__ = ["ScheduleRecord", "Stepper", "schedule"]
 
@@ -61,6 +59,7 @@ class Stepper:
         self._outer = _REQUESTS.get()
         self.current: Backend | None = None
         self.switches = 0
+        self._closed = False
 
     def backend_at(self, step: int) -> Backend:
         """The backend the schedule runs at ``step``."""
@@ -72,7 +71,15 @@ class Stepper:
         """Enter denoising step ``step``: switch the layers when its backend differs.
 
         The switch is the request mechanism's (a context variable the layers'
-        forward reads), so it applies to this thread or task only."""
+        forward reads), so it applies to this thread or task only. Raises
+        :class:`~attnres.errors.InvalidStateError` once the ``with`` block has
+        exited: the layers are back on their own backends and stay there."""
+        if self._closed:
+            raise InvalidStateError(
+                f"attnres.schedule: step({step!r}) was called after the schedule's with "
+                f"block exited; the layers run their own backends again and are not switched. "
+                f"Call stepper.step inside the block (enter attnres.schedule again to resume)"
+            )
         backend = self.backend_at(step)
         if backend != self.current:
             previous = "" if self.current is None else self.current.name
@@ -85,6 +92,7 @@ class Stepper:
         return backend
 
     def _restore(self) -> None:
+        self._closed = True
         _REQUESTS.set(self._outer)
         if self.current is not None:
             emit_schedule_switch(-1, "", len(self._layers), self.current.name)
@@ -94,45 +102,23 @@ class Stepper:
 def schedule(module: nn.Module, steps: Mapping[int, Backend | str]) -> Iterator[Stepper]:
     """Run ``module``'s attnres layers on a per-step backend schedule inside the block.
 
-    Raises :class:`~attnres.errors.RequestBackendError` (nothing switched)
-    when a layer cannot run one of the schedule's backends.
+    Refuses what :func:`attnres.request_backend` refuses, with the same types
+    (one two-phase switch serves both): ``TypeError`` for a module that is not
+    one; :class:`~attnres.errors.CompiledGraphError` inside ``torch.compile``d
+    code, during CUDA graph capture, or for a compiled module; and
+    :class:`~attnres.errors.RequestBackendError` (nothing switched) when a
+    layer cannot run one of the schedule's backends.
     """
+    who = "attnres.schedule"
+    module = refuse_graphs(module, who)
     plan = schedule_steps(steps)
-    layers = [(p, m) for p, m in module.named_modules() if isinstance(m, Attention)]
-    if not layers:
-        raise RequestBackendError(
-            f"attnres.schedule: {type(module).__name__} holds no attnres.Attention layer",
-            plan[0][1],
-            (),
-        )
-    for _, layer in layers:
-        if layer.pending:
-            layer._bind_to()
+    backends = list(dict.fromkeys(b for _, b in plan))
+    layers, prepared = prepare_switch(module, backends, who, every_layer=True)
     rows: list[tuple[str, str, str, str]] = []
-    failures: list[tuple[str, str]] = []
-    for backend in dict.fromkeys(b for _, b in plan):
-        for path, layer in layers:
-            current = layer.backend
-            refusal = None if current == backend else request_refusal(current)
-            if refusal is not None:  # the machine's request rules (a sparse layer)
-                failures.append((f"{_label(path, layer)} at {backend.name}", refusal.message))
-                continue
-            try:
-                bound = layer._prepare(backend)
-            except (ResolutionError, KernelNotRegisteredError, KernelUnavailableError) as exc:
-                failures.append((f"{_label(path, layer)} at {backend.name}", str(exc)))
-                continue
-            resolution = bound.resolution
-            assert resolution is not None
-            rows.append((path, backend.name, resolution.backend.name, resolution.trace.digest))
-    if failures:
-        shown = "; ".join(f"{label}: {why}" for label, why in failures[:8])
-        raise RequestBackendError(
-            f"attnres.schedule: {len(failures)} layer/backend pair(s) cannot run, so no layer "
-            f"was switched: {shown}",
-            plan[0][1],
-            tuple(failures),
-        )
+    for path, layer, backend in prepared:
+        resolution = layer._prepare(backend).resolution  # cached: the pair prepared above
+        assert resolution is not None
+        rows.append((path, backend.name, resolution.backend.name, resolution.trace.digest))
     attention = [layer for _, layer in layers]
     for layer in attention:
         layer._make_switchable()

@@ -47,6 +47,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask,
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from attnres.backends import Backend, registered_backends
+from attnres.errors import InvalidStateError
 from attnres.integrations._route import GenericRoute
 from attnres.kernels import KernelSource, kernel_source
 
@@ -130,7 +131,7 @@ def attention_forward(
     """
     route: GenericRoute | None = module.__dict__.get(_ROUTE_ATTR)
     if route is None:
-        raise RuntimeError(
+        raise InvalidStateError(
             f"{type(module).__name__}: its config selects the attention implementation "
             f"{NAME!r}, but attnres installed no kernel on this module; run "
             f"attnres.integrations.transformers.apply on the model (or set another "
@@ -200,7 +201,7 @@ def _own_eager(module: torch.nn.Module) -> Any:
     that implements the model's sinks, softcap, sparse indices)."""
     found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if not callable(found):
-        raise RuntimeError(
+        raise InvalidStateError(
             f"{type(module).__name__}: its call passes arguments no attnres kernel takes, and "
             f"its modeling file defines no eager_attention_forward to run them; decide this "
             f"component a backend transformers runs itself (eager, fa)"

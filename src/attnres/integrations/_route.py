@@ -45,10 +45,15 @@ import torch
 from attrs import frozen
 from torch.overrides import TorchFunctionMode
 
-from attnres._varlen import check_layer_options, observe_mask, route_kernel
+from attnres._varlen import (
+    check_layer_options,
+    observe_mask,
+    refuse_integer_mask,
+    route_kernel,
+)
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
-from attnres.errors import ResolutionError
+from attnres.errors import CompiledGraphError, InvalidStateError, ResolutionError
 from attnres.integrations._deferred import (
     MATMULS,
     SOFTMAXES,
@@ -788,7 +793,10 @@ class GenericRoute:
         kernel = get_kernel(backend.name)
         backend_spec = lookup_spec(backend)
         if kernel is None or backend_spec is None:
-            raise RuntimeError(f"attnres has no kernel for {backend.name!r}")
+            raise InvalidStateError(
+                f"attnres has no kernel for {backend.name!r} (unregistered after the plan was "
+                f"made): register it again with attnres.kernels.register_kernel, or plan again"
+            )
         # issue 22: a key-padding site on a varlen kernel runs unpad -> kernel -> pad
         req = spec.requirements
         routed: _KernelFn = route_kernel(backend_spec, kernel, req.mask, req.causal_alignment)
@@ -863,6 +871,8 @@ class GenericRoute:
         it), checked once per signature against the plan. Every caller goes
         through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
         routes, attnres's transformers attention function."""
+        if attn_mask is not None:  # issue 32 item 1: every call, whatever runs it
+            refuse_integer_mask(attn_mask)
         key = call_key(
             q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments, own_math
         )
@@ -1009,7 +1019,7 @@ class GenericRoute:
 
     def _first_call(self, facts: CallFacts) -> _KernelFn | None:
         if torch.compiler.is_compiling():
-            raise RuntimeError(
+            raise CompiledGraphError(
                 f"attention site {self.name!r} of component {self.component!r} met a call its "
                 f"plan did not describe ({', '.join(facts.differences(self.planned))}) inside "
                 f"torch.compile: run the applied model once before compiling, so the site is "
@@ -1416,8 +1426,10 @@ class _Watch(TorchFunctionMode):
         self, q: Any, k: Any, mask: Any, dropout: float, causal: bool, scale: float | None
     ) -> None:
         if self.route.kernel_for(q, k, mask, dropout, causal, scale, -3) is not None:
-            raise RuntimeError(
-                f"attention site {self.route.name!r} runs only its own code ({self.route.own.name})"
+            raise InvalidStateError(
+                f"attention site {self.route.name!r} runs only its own code "
+                f"({self.route.own.name}), yet its route chose a kernel for this call; "
+                f"plan and apply the model again"
             )
 
 

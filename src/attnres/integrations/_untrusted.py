@@ -81,10 +81,11 @@ MAX_WEIGHT_FILES: Final = 256
 
 _T = TypeVar("_T")
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
-_LAYER_KEY = re.compile(r"(^|_)(layers|blocks|depth)($|_)|layers_per_block|^n_layer")
-_HEAD_KEY = re.compile(r"(^|_)heads?($|_)|^n_head")
-_HEAD_SIZE_KEY = re.compile(r"^(head_dim|d_kv|attention_head_dim|kv_channels|head_size)$")
+# \Z, not $: "$" also matches before a final newline ("vae\n" passed; issue 32 item 16)
+_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}\Z")
+_LAYER_KEY = re.compile(r"(^|_)(layers|blocks|depth)(\Z|_)|layers_per_block|^n_layer")
+_HEAD_KEY = re.compile(r"(^|_)heads?(\Z|_)|^n_head")
+_HEAD_SIZE_KEY = re.compile(r"^(head_dim|d_kv|attention_head_dim|kv_channels|head_size)\Z")
 
 
 def _fail(source: object, *where: str, message: str) -> FolderBuildError:
@@ -354,7 +355,7 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
 # The folder: which components are models, and their configs
 # =============================================================================
 
-_CLASS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,99}$")
+_CLASS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,99}\Z")
 _LIBRARIES: Final = ("diffusers", "transformers")
 
 

@@ -370,11 +370,20 @@ def _with_call_facts(
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is None and config is not None:
         softcap = getattr(config, "attn_logit_softcapping", None)
+    # a window the module holds (Qwen2's per-layer one), or one its call passes
+    # from its config (issue 32 item 4: ``sliding_window=getattr(self.config,
+    # "sliding_window", None)`` in Mistral, Phi-3, Starcoder2, Mixtral)
+    if hasattr(module, "sliding_window"):  # the layer's own (None: a full-attention layer)
+        window = module.sliding_window is not None
+    else:
+        window = getattr(config, "sliding_window", None) is not None and _passes_keywords(
+            type(module), _WINDOW_ARGUMENTS
+        )
     return attrs.evolve(
         req,
         backward=backward,
         custom_scale=custom_scale(getattr(module, "scaling", None), head_size),
-        sliding_window=getattr(module, "sliding_window", None) is not None,
+        sliding_window=window,
         softcap=softcap is not None,
         # (a module that holds no sinks, ``sinks = None``, passes none)
         sinks=_passes_sinks(type(module)) and getattr(module, "sinks", True) is not None,
@@ -386,21 +395,33 @@ def _with_call_facts(
 _SINK_ARGUMENTS = frozenset({"s_aux", "sinks"})
 
 
-#: class -> whether its code passes attention sinks (read once per class)
-_SINKS_READ: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+#: the keyword argument an attention call passes its sliding window as
+_WINDOW_ARGUMENTS = frozenset({"sliding_window"})
+
+#: (class, keywords) -> whether its code passes one of them (read once per class)
+_KEYWORDS_READ: weakref.WeakKeyDictionary[type, dict[frozenset[str], bool]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _passes_sinks(cls: type) -> bool:
     """Whether the code of ``cls``'s own methods passes attention sinks to a call
     (a keyword :data:`_SINK_ARGUMENTS` given a value other than ``None``), read
     from their source."""
-    known = _SINKS_READ.get(cls)
-    if known is None:
-        known = _SINKS_READ[cls] = _reads_sinks(cls)
-    return known
+    return _passes_keywords(cls, _SINK_ARGUMENTS)
 
 
-def _reads_sinks(cls: type) -> bool:
+def _passes_keywords(cls: type, names: frozenset[str]) -> bool:
+    """Whether the code of ``cls``'s own methods passes one of the keywords
+    ``names`` to a call, with a value other than ``None``, read from their
+    source (once per class)."""
+    known = _KEYWORDS_READ.setdefault(cls, {})
+    if names not in known:
+        known[names] = _reads_keywords(cls, names)
+    return known[names]
+
+
+def _reads_keywords(cls: type, names: frozenset[str]) -> bool:
     for klass in cls.__mro__:
         if klass in _SHARED_BASES or klass.__module__.startswith("torch.") or klass is object:
             continue
@@ -410,7 +431,7 @@ def _reads_sinks(cls: type) -> bool:
                 continue
             for node in ast.walk(tree):
                 if isinstance(node, ast.Call) and any(
-                    k.arg in _SINK_ARGUMENTS
+                    k.arg in names
                     and not (isinstance(k.value, ast.Constant) and k.value.value is None)
                     for k in node.keywords
                 ):
