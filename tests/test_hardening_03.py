@@ -82,7 +82,7 @@ def _explain(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     except SystemExit as exc:  # argparse's own refusals exit 2 too
         code = exc.code  # type: ignore[assignment]
     out, err = capsys.readouterr()
-    return code, out + err
+    return code, " ".join((out + err).split())  # the text report wraps at the terminal width
 
 
 @pytest.mark.parametrize(
