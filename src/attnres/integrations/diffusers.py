@@ -580,7 +580,9 @@ def _describe(
     else:
         own = _route.calls_of(_route.methods_of(module), depth=1)
         if _route.SDPA not in own:
-            return None
+            if not _by_hand_module(module):
+                return None
+            own |= {"softmax"}  # written out, maybe (exp(x - logsumexp(x)))
         owner, names = cls, own
     facts = _route.head_facts(module)
     base: dict[str, Any] = {
@@ -702,6 +704,18 @@ def _describe(
         softmax=False,
         why=f"{owner} calls no SDPA, dispatcher or softmax (linear attention, say)",
     )
+
+
+def _by_hand_module(module: Any) -> bool:
+    """Whether a module that is no attention module computes softmax attention by
+    hand in its own code (a softmax of a product, multiplied with values; issue 32
+    item 8): a site of the deferred-scores route, found as the transformers
+    integration finds one. A module holding an attention module is not (that one
+    is the site, found inside it)."""
+    inner = (AttentionModuleMixin, _LegacyAttention, torch.nn.MultiheadAttention)
+    if any(isinstance(m, inner) for m in module.modules()):
+        return False
+    return _tf.computes_by_hand(module)
 
 
 def _declared_backends(processor: Any) -> frozenset[Backend] | None:
