@@ -276,7 +276,7 @@ class _Node:
         """Why reading it as part of one attention now would not be what the code
         computes (in words), or ``None``."""
         if self.seen is not None:
-            return f"{self.seen} of the scores"
+            return self.seen
         changed = self.changed()
         if changed is not None:
             return changed
@@ -926,8 +926,8 @@ class DeferScores(TorchFunctionMode):
         kwargs = kwargs or {}
         args = tuple(args)
         if not (_has_deferred(args) or (kwargs and _has_deferred(tuple(kwargs.values())))):
-            if self.pending and _mutates(func, kwargs) and self._touches(args, kwargs):
-                self._materialize()
+            if self.pending and _mutates(func, kwargs):
+                self._written(func, args, kwargs)
             if func in MATMULS and len(args) >= 2 and not kwargs:
                 if _is_scores_product(args[0], args[1]):
                     return self._product(func, args, kwargs, args[0], args[1].transpose(-1, -2))
@@ -995,11 +995,23 @@ class DeferScores(TorchFunctionMode):
             self.storages.add(_storage(t))
         self.pending.append(node)
 
-    def _touches(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-        """Whether the tensor an in-place operation writes shares storage with one
-        a recorded operation read."""
-        targets = _tensors((args[:1], kwargs.get("out")), [])
-        return any((at := _storage(t)) in self.storages or at == -1 for t in targets)
+    def _written(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """An in-place operation on real tensors: where it writes one that shares
+        storage with a tensor a recorded operation read, every recorded operation is
+        computed first (as the code computed it), and the ones that read it are the
+        code's own math from then on (an inference tensor has no version to tell)."""
+        targets = {_storage(t) for t in _tensors((args[:1], kwargs.get("out")), [])}
+        if not targets & self.storages and -1 not in targets:
+            return
+        name = getattr(func, "__name__", str(func))
+        for node in self.pending:
+            read = [t for t, _ in node.read if _storage(t) in targets or -1 in targets]
+            if read and node.seen is None:
+                node.seen = (
+                    f"a tensor of shape {list(read[0].shape)} it read changed in place after "
+                    f"its use ({name})"
+                )
+        self._materialize()
 
     def _materialize(self) -> None:
         """Compute every recorded operation now (before the code changes in place
@@ -1103,7 +1115,7 @@ class DeferScores(TorchFunctionMode):
             self._materialize()
         for a in _deferred_in((args, kwargs), []):
             if a.node.seen is None:
-                a.node.seen = name
+                a.node.seen = f"{name} of the scores"
         return func(*_real(args), **_real(kwargs))
 
     def _attention(
