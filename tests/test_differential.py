@@ -88,12 +88,10 @@ class Hand(torch.nn.Module):
             s = s + self.bias
             self.bias.add_(1.0)
             self.bias.sub_(1.0)  # the same values, a changed version
-        elif case == "requires_grad read":
-            if s.requires_grad:
-                s = s * 2.0
-        elif case == "hook":
-            if s.requires_grad:
-                s.register_hook(lambda g: g * 0.5)
+        elif case == "requires_grad read" and s.requires_grad:
+            s = s * 2.0
+        elif case == "hook" and s.requires_grad:
+            s.register_hook(lambda g: g * 0.5)
         p = torch.softmax(s, dim=-1)
         if case == "write after softmax":
             s.tril_()  # the probabilities were taken before
@@ -220,7 +218,8 @@ def _check(case: str, flag: str, how: str = "", grads: tuple[bool, ...] = (False
                 spy.kernel = 0
             got = _context(how, lambda g=grad: _run(module.attn, case, dtype, g))
             firsts = [f for r in routes.values() for f in r.first_calls]
-            _compare(case, flag, how, grad, site, spy is not None and spy.kernel > 0, firsts, got, want)
+            ran = spy is not None and spy.kernel > 0
+            _compare(case, flag, how, grad, site, ran, firsts, got, want)
     finally:
         idf.remove({"vae": module})
 
@@ -229,7 +228,7 @@ def _compare(
     case: str, flag: str, how: str, grad: bool, site: Any, kernel: bool, firsts: list[Any],
     got: list[Any], want: list[Any],
 ) -> None:  # fmt: skip
-    decided = sorted({f.backend.name for f in firsts}) or [site.backend.name if site.backend else "-"]
+    decided = sorted({f.backend.name for f in firsts}) or [getattr(site.backend, "name", "-")]
     where = (
         f"case {case!r} ({'backward' if grad else 'forward'}{how and ', ' + how}) at site "
         f"{site.name!r}, route {site.route!r}, flag {flag}, kernel {decided}"
@@ -303,7 +302,7 @@ def test_a_strict_component_refuses_own_math_typed_and_plans_the_site() -> None:
     (site,) = plan.sites
     assert site.name == "attn" and "softmax by hand in Hand" in site.route
     idf.apply({"transformer": module}, SelectionConfig(global_backend=SDPA))
-    with pytest.raises(ResolutionError, match="by hand .*: tril_ of the scores"):
+    with pytest.raises(ResolutionError, match=r"by hand .*: tril_ of the scores"):
         _run(module.attn, "tril_", torch.float32, False)
     idf.remove({"transformer": module})
 

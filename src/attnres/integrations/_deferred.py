@@ -133,11 +133,10 @@ _METADATA = frozenset(
 #: a masked score at most this: the position takes no part in the softmax
 _MASKED = -1e4
 #: the in-place operators (torch's other in-place operations end in ``_``)
-_IN_PLACE_DUNDERS = frozenset(
-    f"__i{op}__"
-    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
-    + ("xor", "lshift", "rshift")
-) | {"__setitem__"}
+_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in (*_OPERATORS, "xor", "lshift", "rshift")) | {
+    "__setitem__"
+}
 #: func -> whether it changes its first argument in place (memoised)
 _MUTATES: dict[Any, bool] = {}
 
