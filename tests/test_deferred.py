@@ -684,3 +684,19 @@ def test_values_cast_before_the_product_are_the_code_s_own_math() -> None:
     got, want, runner = _both(attn, q, k, v)
     assert runner.read == ["scores in float32, probabilities in float64, values in float64"]
     assert torch.equal(got, want)
+
+
+def test_a_mask_expanded_as_the_scores_reads_only_their_shape() -> None:
+    # XLM: mask.view(...).expand_as(scores) then masked_fill_: the scores are not
+    # computed for it, and the attention is one kernel call
+    q, k, v = _qkv()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(8)
+        mask = (~_pad_mask()).expand_as(s)
+        s.masked_fill_(mask, torch.finfo(s.dtype).min)
+        return torch.matmul(s.softmax(-1), v)
+
+    got, want, runner = _both(attn, q, k, v)
+    assert not isinstance(runner.read[0], str)
+    torch.testing.assert_close(got, want)

@@ -130,6 +130,13 @@ _METADATA = frozenset(
         _T.layout.__get__,  # type: ignore[attr-defined]
     }
 )
+#: what reads only the shape of its second operand: a mask expanded as the
+#: scores (XLM's ``mask.view(...).expand_as(scores)``) reads nothing else of them
+_SHAPED: dict[Any, Callable[[Any, Any], Any]] = {
+    _T.expand_as: lambda t, like: t.expand(like.shape),
+    _T.view_as: lambda t, like: t.view(like.shape),
+    _T.reshape_as: lambda t, like: t.reshape(like.shape),
+}
 #: a masked score at most this: the position takes no part in the softmax
 _MASKED = -1e4
 #: the in-place operators (torch's other in-place operations end in ``_``)
@@ -938,6 +945,9 @@ class DeferScores(TorchFunctionMode):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _SHAPED and len(args) == 2 and not kwargs and type(args[1]) is Deferred:
+            if not isinstance(args[0], Deferred):  # the scores' shape only: a mask expanded
+                return _SHAPED[func](args[0], args[1])
         if (
             func in MATMULS
             and len(args) == 2
