@@ -945,9 +945,9 @@ class DeferScores(TorchFunctionMode):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func in _SHAPED and len(args) == 2 and not kwargs and type(args[1]) is Deferred:
-            if not isinstance(args[0], Deferred):  # the scores' shape only: a mask expanded
-                return _SHAPED[func](args[0], args[1])
+        shaped = func in _SHAPED and len(args) == 2 and not kwargs
+        if shaped and type(args[1]) is Deferred and not isinstance(args[0], Deferred):
+            return _SHAPED[func](args[0], args[1])  # the scores' shape only: a mask expanded
         if (
             func in MATMULS
             and len(args) == 2
