@@ -593,3 +593,110 @@ def test_a_scale_that_is_not_positive_and_finite_is_the_code_s_own_math(factor) 
     got, want, runner = _both(attn, q, k, v)
     assert runner.read == [f"mul by {factor}"]
     assert torch.equal(got.nan_to_num(), want.nan_to_num())  # its own ops, in its order
+
+
+# --- issue 30: what the capture does not model is the code's own math ---------
+
+
+@pytest.mark.parametrize(
+    ("write", "why"),
+    [
+        (lambda s: s.__setitem__((..., 0), 0.5), "__setitem__ of the scores"),
+        (lambda s: s.tril_(), "tril_ of the scores"),
+        (lambda s: s.clamp_(min=-0.1), "clamp_ of the scores"),
+        (lambda s: s.index_fill_(-1, torch.tensor([1]), 2.0), "index_fill_ of the scores"),
+        (lambda s: s.copy_(torch.ones(2, 3, 5, 5)), "copy_ of the scores"),
+        # followed in place, but a view of them was read before: not followed
+        (lambda s: (s.view(6, 5, 5), s.div_(2.0)), "div_ of the scores"),
+    ],
+)
+def test_an_in_place_write_on_the_scores_is_the_code_s_own_math(write, why) -> None:
+    q, k, v = _qkv()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(8)
+        write(s)
+        return torch.matmul(s.softmax(-1), v)
+
+    got, want, runner = _both(attn, q, k, v)
+    assert runner.read == [why]
+    assert torch.equal(got, want)
+
+
+def test_a_write_after_the_softmax_leaves_the_probabilities_as_the_code_took_them() -> None:
+    q, k, v = _qkv()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.matmul(q, k.transpose(-1, -2))
+        p = s.softmax(-1)
+        s.tril_()
+        return torch.matmul(p, v)
+
+    got, want, runner = _both(attn, q, k, v)
+    assert runner.read == ["tril_ of the scores"] and torch.equal(got, want)
+
+
+def test_a_mask_changed_in_place_after_its_use_is_read_as_the_code_used_it() -> None:
+    q, k, v = _qkv()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        bias = torch.zeros(1, 1, 1, 5)
+        s = torch.matmul(q, k.transpose(-1, -2)) + bias
+        bias[..., 0] = -1e9  # after the code added it
+        return torch.matmul(s.softmax(-1), v)
+
+    got, want, runner = _both(attn, q, k, v)
+    assert runner.read == [
+        "a tensor of shape [1, 1, 1, 5] it read changed in place after its use (__setitem__)"
+    ]
+    assert torch.equal(got, want)
+
+
+def test_detach_and_autograd_reads_of_the_scores_are_the_code_s() -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv())
+
+    def detached(q, k, v):  # type: ignore[no-untyped-def]
+        return torch.matmul(torch.matmul(q, k.transpose(-1, -2)).detach().softmax(-1), v)
+
+    def asks(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.matmul(q, k.transpose(-1, -2))
+        assert s.requires_grad and s.grad_fn is not None and not s.is_leaf
+        return torch.matmul(s.softmax(-1), v)
+
+    for fn in (detached, asks):
+        got, want, runner = _both(fn, q, k, v)
+        assert torch.equal(got, want), fn.__name__
+        grads = torch.autograd.grad(got.sum(), (q, k, v), allow_unused=True)
+        wants = torch.autograd.grad(want.sum(), (q, k, v), allow_unused=True)
+        for g, w in zip(grads, wants, strict=True):
+            assert (g is None and w is None) or torch.equal(g, w), fn.__name__
+    assert runner.read == ["requires_grad of the scores"]
+
+
+def test_values_cast_before_the_product_are_the_code_s_own_math() -> None:
+    # issue 32 item 12: one kernel call takes one dtype
+    q, k, v = _qkv()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=-1)
+        return torch.matmul(p.double(), v.double())
+
+    got, want, runner = _both(attn, q, k, v)
+    assert runner.read == ["scores in float32, probabilities in float64, values in float64"]
+    assert torch.equal(got, want)
+
+
+def test_a_mask_expanded_as_the_scores_reads_only_their_shape() -> None:
+    # XLM: mask.view(...).expand_as(scores) then masked_fill_: the scores are not
+    # computed for it, and the attention is one kernel call
+    q, k, v = _qkv()
+
+    def attn(q, k, v):  # type: ignore[no-untyped-def]
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(8)
+        mask = (~_pad_mask()).expand_as(s)
+        s.masked_fill_(mask, torch.finfo(s.dtype).min)
+        return torch.matmul(s.softmax(-1), v)
+
+    got, want, runner = _both(attn, q, k, v)
+    assert not isinstance(runner.read[0], str)
+    torch.testing.assert_close(got, want)

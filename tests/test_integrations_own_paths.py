@@ -452,7 +452,12 @@ def test_a_by_hand_processor_with_no_head_facts_is_decided_at_its_first_call(
     assert plain.ok
     (site,) = plain.sites
     assert site.pending and site.route == "generic route (softmax by hand in _ByHandProcessor)"
-    for config in (None, EAGER):  # with no flag, or eager: its own code, bit-identical
+    # with no flag: untouched (issue 30: nothing installed, its own code)
+    applied = idf.apply({"transformer": model})
+    assert applied.ok and idf.routes({"transformer": model}) == {}
+    assert "forward" not in model.attn.__dict__ and torch.equal(model.attn(x), ref)
+    assert idf.remove({"transformer": model}) == 1
+    for config in (EAGER,):  # eager: decided at its first call, its own code, bit-identical
         applied = idf.apply({"transformer": model}, config)
         assert torch.equal(model.attn(x), ref)
         (route,) = idf.routes({"transformer": model}).values()

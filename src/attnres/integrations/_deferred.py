@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from attnres.errors import DeferredScoresError
+
 __all__ = [
     "MATMULS",
     "SOFTMAXES",
@@ -78,8 +80,12 @@ _KEEP = frozenset(
         _T.contiguous,
         _T.clone,
         torch.clone,
-        _T.detach,
     }
+)
+#: of those, the ones whose result may be their input itself (an alias): the
+#: code changing it in place changes what it came from
+_ALIASES = frozenset(
+    {_T.to, _T.float, _T.half, _T.bfloat16, _T.double, _T.type, _T.type_as, _T.contiguous}
 )
 _VIEWS = frozenset({_T.view, _T.reshape, torch.reshape, _T.view_as, _T.reshape_as})
 #: what may swap the last two dimensions: probabilities transposed into the
@@ -121,27 +127,85 @@ _METADATA = frozenset(
         _T.device.__get__,
         _T.ndim.__get__,  # type: ignore[attr-defined]
         _T.is_cuda.__get__,  # type: ignore[attr-defined]
-        _T.requires_grad.__get__,  # type: ignore[attr-defined]
         _T.layout.__get__,  # type: ignore[attr-defined]
     }
 )
+#: what reads only the shape of its second operand: a mask expanded as the
+#: scores (XLM's ``mask.view(...).expand_as(scores)``) reads nothing else of them
+_SHAPED: dict[Any, Callable[[Any, Any], Any]] = {
+    _T.expand_as: lambda t, like: t.expand(like.shape),
+    _T.view_as: lambda t, like: t.view(like.shape),
+    _T.reshape_as: lambda t, like: t.reshape(like.shape),
+}
 #: a masked score at most this: the position takes no part in the softmax
 _MASKED = -1e4
+#: the in-place operators (torch's other in-place operations end in ``_``)
+_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in (*_OPERATORS, "xor", "lshift", "rshift")) | {
+    "__setitem__"
+}
+#: func -> whether it changes its first argument in place (memoised)
+_MUTATES: dict[Any, bool] = {}
+
+
+def _mutates(func: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` may change a tensor in place: its name says so (torch's
+    convention: ``tril_``, ``__setitem__``, ``__iadd__``), or it writes to ``out``
+    or takes ``inplace=True``."""
+    found = _MUTATES.get(func)
+    if found is None:
+        name = getattr(func, "__name__", "")
+        found = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+        if len(_MUTATES) < _INFERRED_MAX:
+            _MUTATES[func] = found
+    return found or (bool(kwargs) and ("out" in kwargs or kwargs.get("inplace") is True))
+
+
+def _version(t: Any) -> int | None:
+    """``t``'s version counter (``None``: an inference tensor, which has none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
+def _tensors(obj: Any, out: list[Any]) -> list[Any]:
+    """The real tensors in ``obj`` (a tensor, or a list, tuple or dict of them)."""
+    if isinstance(obj, torch.Tensor):
+        if not isinstance(obj, Deferred):
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _tensors(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _tensors(o, out)
+    return out
+
+
+def _grad_state() -> tuple[bool, bool]:
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
 class _Node:
     """One recorded operation on deferred scores (or the product that made them)."""
 
     __slots__ = (
+        "alias",
         "alpha",
         "args",
         "bias",
+        "done",
         "func",
         "key",
         "kwargs",
         "product",
         "query",
+        "read",
+        "seen",
         "shape",
+        "state",
+        "uses",
         "value",
     )
 
@@ -161,14 +225,72 @@ class _Node:
         self.key: Any = None
         self.bias: Any = None
         self.alpha = 1.0
+        #: the real tensors it read and their versions then (operands are read at
+        #: the moment the code used them: one changed in place since is not this)
+        self.read: list[tuple[Any, int | None]] = []
+        #: grad mode and inference mode when the code ran it (it runs in them)
+        self.state = _grad_state()
+        #: recorded operations that take it as an operand
+        self.uses = 0
+        #: its result may be its operand itself (a view, a cast to the same dtype)
+        self.alias = False
+        #: what the code did with its value that the route does not model (it saw
+        #: the real tensor: an in-place write, its autograd state, a hook ...)
+        self.seen: str | None = None
+        #: its value's version when computed (changed since: written in place)
+        self.done: int | None = None
+
+    def note_read(self) -> None:
+        for t in _tensors((self.args, self.kwargs, self.query, self.key, self.bias), []):
+            self.read.append((t, _version(t)))
+
+    def changed(self) -> str | None:
+        """Which tensor it read was changed in place since (in words), if one was."""
+        for t, version in self.read:
+            if version is not None and _version(t) != version:
+                return f"a tensor of shape {list(t.shape)} it read changed in place after its use"
+        return None
 
     def compute(self) -> Any:
         """What the code would have computed here (memoised): its operations in its order."""
         if self.value is None:
+            changed = self.changed()
+            if changed is not None:
+                name = getattr(self.func, "__name__", str(self.func))
+                raise DeferredScoresError(
+                    f"deferred attention scores ({name}) are used after {changed}: "
+                    f"computed now they would differ from what the site's code computed. "
+                    f"Use the attention weights before changing their inputs in place, or "
+                    f"run the site without a flag (its own code, untouched)"
+                )
             args = tuple(_real(a) for a in self.args)
             kwargs = {k: _real(v) for k, v in self.kwargs.items()}
-            self.value = self.func(*args, **kwargs)
+            if self.state == _grad_state():
+                self.value = self.func(*args, **kwargs)
+            else:  # the grad mode the code ran it in
+                with torch.inference_mode(self.state[1]), torch.set_grad_enabled(self.state[0]):
+                    self.value = self.func(*args, **kwargs)
+            if isinstance(self.value, torch.Tensor):
+                self.done = _version(self.value)
+                if self.func in _IN_PLACE and isinstance(self.args[0], Deferred):
+                    # followed in place (nothing else read its operand): its operand's
+                    # change is this one
+                    self.args[0].node.done = self.done
         return self.value
+
+    def sound(self) -> str | None:
+        """Why reading it as part of one attention now would not be what the code
+        computes (in words), or ``None``."""
+        if self.seen is not None:
+            return self.seen
+        changed = self.changed()
+        if changed is not None:
+            return changed
+        if isinstance(self.value, torch.Tensor) and _version(self.value) != self.done:
+            return "the scores changed in place"
+        if self.state != _grad_state():
+            return "the scores computed under another grad mode"
+        return None
 
 
 class Deferred(torch.Tensor):
@@ -248,6 +370,25 @@ def _swap_of(func: Any, args: Sequence[Any], kwargs: Any) -> Deferred | None:
     if len(dims) == 2 and all(isinstance(d, int) for d in dims):
         return args[0] if {d % n for d in dims} == {n - 2, n - 1} else None
     return None
+
+
+def _storage(t: Any) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return -1  # no storage of its own: any change in place is a change of it
+
+
+def _deferred_in(obj: Any, out: list[Deferred]) -> list[Deferred]:
+    if isinstance(obj, Deferred):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _deferred_in(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _deferred_in(o, out)
+    return out
 
 
 def _has_deferred(args: Sequence[Any]) -> bool:
@@ -692,6 +833,10 @@ def read_attention(
     if isinstance(found, str):
         return found
     product, steps = found
+    for node in (product, *(n for n, _ in steps)):
+        why = node.sound()
+        if why is not None:
+            return why
     q, k, bias, alpha = product.query, product.key, product.bias, product.alpha
     reading = _Reading(product.shape)
     reading.scale = alpha
@@ -732,6 +877,11 @@ def read_attention(
 
     if v.dim() != len(lead) + 2 or v.shape[-2] != seq_kv:
         return f"values of shape {list(v.shape)} for scores of shape {list(reading.shape)}"
+    if not q.dtype == k.dtype == v.dtype == probs.like_dtype:
+        # the code casts the probabilities or the values (its product runs in the
+        # cast dtype): one kernel call takes one dtype
+        dtypes = (str(t).removeprefix("torch.") for t in (q.dtype, probs.like_dtype, v.dtype))
+        return "scores in {}, probabilities in {}, values in {}".format(*dtypes)
     try:
         v = v.expand(*lead, *v.shape[-2:])
         q = q.expand(*product.shape[:-2], *q.shape[-2:]).reshape(*lead, seq_q, -1)
@@ -769,6 +919,12 @@ class DeferScores(TorchFunctionMode):
         #: the first operation that computed deferred scores (its name): what a
         #: forward in which no attention was read did to them
         self.computed_by: str | None = None
+        #: why no product was deferred (autocast), if that is why
+        self.reason: str | None = None
+        #: recorded operations not computed yet, and the storages of the tensors
+        #: they read: a change in place of one computes them first (as the code did)
+        self.pending: list[_Node] = []
+        self.storages: set[int] = set()
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -776,6 +932,8 @@ class DeferScores(TorchFunctionMode):
         kwargs = kwargs or {}
         args = tuple(args)
         if not (_has_deferred(args) or (kwargs and _has_deferred(tuple(kwargs.values())))):
+            if self.pending and _mutates(func, kwargs):
+                self._written(func, args, kwargs)
             if func in MATMULS and len(args) >= 2 and not kwargs:
                 if _is_scores_product(args[0], args[1]):
                     return self._product(func, args, kwargs, args[0], args[1].transpose(-1, -2))
@@ -787,6 +945,9 @@ class DeferScores(TorchFunctionMode):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        shaped = func in _SHAPED and len(args) == 2 and not kwargs
+        if shaped and type(args[1]) is Deferred and not isinstance(args[0], Deferred):
+            return _SHAPED[func](args[0], args[1])  # the scores' shape only: a mask expanded
         if (
             func in MATMULS
             and len(args) == 2
@@ -825,12 +986,48 @@ class DeferScores(TorchFunctionMode):
         bias: Any = None,
         alpha: float = 1.0,
     ) -> Any:
+        if torch.is_autocast_enabled(q.device.type):
+            # autocast picks each operation's dtype as it runs: the code's own math
+            self.reason = self.reason or "scores under autocast"
+            return func(*args, **kwargs)
         shape, dtype = _infer(func, args, kwargs)
         node = _Node(func, args, kwargs, shape)
         node.product = True
         node.query, node.key, node.bias, node.alpha = q, k, bias, alpha
+        self._pend(node)
         self.last = (q, k)
         return Deferred(node, _Like(shape, dtype, q.device))
+
+    def _pend(self, node: _Node) -> None:
+        node.note_read()
+        for t, _ in node.read:
+            self.storages.add(_storage(t))
+        self.pending.append(node)
+
+    def _written(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """An in-place operation on real tensors: where it writes one that shares
+        storage with a tensor a recorded operation read, every recorded operation is
+        computed first (as the code computed it), and the ones that read it are the
+        code's own math from then on (an inference tensor has no version to tell)."""
+        targets = {_storage(t) for t in _tensors((args[:1], kwargs.get("out")), [])}
+        if not targets & self.storages and -1 not in targets:
+            return
+        name = getattr(func, "__name__", str(func))
+        for node in self.pending:
+            read = [t for t, _ in node.read if _storage(t) in targets or -1 in targets]
+            if read and node.seen is None:
+                node.seen = (
+                    f"a tensor of shape {list(read[0].shape)} it read changed in place after "
+                    f"its use ({name})"
+                )
+        self._materialize()
+
+    def _materialize(self) -> None:
+        """Compute every recorded operation now (before the code changes in place
+        something they read, or what they are)."""
+        for node in self.pending:
+            node.compute()
+        self.pending.clear()
 
     def _baddbmm(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = ("input", "batch1", "batch2")
@@ -887,23 +1084,48 @@ class DeferScores(TorchFunctionMode):
             or func in _FLOORS
             or (func in _SWAPS and _swap_of(func, args, kwargs) is not None)
         )
+        in_place = func in _IN_PLACE and args and isinstance(args[0], Deferred)
+        if understood and in_place:
+            # followed in place only where nothing else sees the change: scores no
+            # recorded operation has read yet, that alias nothing
+            target = args[0].node
+            understood = not (target.uses or target.alias or target.value is not None)
+        if understood:
+            try:
+                shape, dtype = _infer(func, args, kwargs)
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                understood = False
         if not understood:
-            if self.computed_by is None:
-                self.computed_by = getattr(func, "__name__", str(func))
-            return func(*_real(args), **_real(kwargs))
-        try:
-            shape, dtype = _infer(func, args, kwargs)
-        except (RuntimeError, TypeError, ValueError, NotImplementedError):
-            return func(*_real(args), **_real(kwargs))
+            return self._own(func, args, kwargs)
         node = _Node(func, args, kwargs, shape)
-        first = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, Deferred))
-        if func in _IN_PLACE and args and isinstance(args[0], Deferred):
+        deferred = [a for a in (*args, *kwargs.values()) if isinstance(a, Deferred)]
+        for d in deferred:
+            d.node.uses += 1
+        node.alias = func in _VIEWS or func in _SWAPS or func in _ALIASES or func in _DROPOUT
+        self._pend(node)
+        if in_place:
             # in place: the deferred tensor itself now stands for the result
-            before = Deferred(args[0].node, _Like(shape, dtype, first.device))
+            before = Deferred(args[0].node, _Like(shape, dtype, deferred[0].device))
             node.args = (before, *args[1:])
             args[0].node = node
             return args[0]
-        return Deferred(node, _Like(shape, dtype, first.device))
+        return Deferred(node, _Like(shape, dtype, deferred[0].device))
+
+    def _own(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What the route does not model, done to deferred tensors: computed as the
+        code computes it, and the scores it saw are the code's own math from then
+        on (their values, autograd state or hooks are the code's)."""
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__":  # a property read: its name (requires_grad, grad_fn ...)
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if self.computed_by is None:
+            self.computed_by = name
+        if _mutates(func, kwargs):
+            self._materialize()
+        for a in _deferred_in((args, kwargs), []):
+            if a.node.seen is None:
+                a.node.seen = f"{name} of the scores"
+        return func(*_real(args), **_real(kwargs))
 
     def _attention(
         self,

@@ -1472,7 +1472,9 @@ def deferred_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
             # code then computed says nothing of its attention), else the last one
             last = mode.last if route.planned is None else None
             why = "no softmax attention the route could read"
-            if mode.computed_by is not None:  # what the code did to the scores
+            if mode.reason is not None:  # why no product was deferred
+                why += f" ({mode.reason})"
+            elif mode.computed_by is not None:  # what the code did to the scores
                 why += f" ({mode.computed_by} of the scores)"
             route.own_math(why, last)
         return out

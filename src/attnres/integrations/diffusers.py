@@ -42,6 +42,7 @@ import inspect
 import linecache
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
@@ -581,7 +582,9 @@ def _describe(
     else:
         own = _route.calls_of(_route.methods_of(module), depth=1)
         if _route.SDPA not in own:
-            return None
+            if not _by_hand_module(module):
+                return None
+            own |= {"softmax"}  # written out, maybe (exp(x - logsumexp(x)))
         owner, names = cls, own
     facts = _route.head_facts(module)
     base: dict[str, Any] = {
@@ -703,6 +706,26 @@ def _describe(
         softmax=False,
         why=f"{owner} calls no SDPA, dispatcher or softmax (linear attention, say)",
     )
+
+
+def _by_hand_module(module: Any) -> bool:
+    """Whether a module that is no attention module computes softmax attention by
+    hand in its own code (a softmax of a product, multiplied with values; issue 32
+    item 8): a site of the deferred-scores route, found as the transformers
+    integration finds one. A module holding an attention module is not (that one
+    is the site, found inside it)."""
+    inner = (AttentionModuleMixin, _LegacyAttention, torch.nn.MultiheadAttention)
+    if any(isinstance(m, inner) for m in module.modules()):
+        return False
+    cls = type(module)
+    found = _BY_HAND_CLASSES.get(cls)
+    if found is None:  # read from its classes' code once (the source is parsed)
+        found = _BY_HAND_CLASSES[cls] = _tf.computes_by_hand(module)
+    return found
+
+
+#: class -> whether its code computes softmax attention by hand (:func:`_by_hand_module`)
+_BY_HAND_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def _declared_backends(processor: Any) -> frozenset[Backend] | None:
@@ -849,6 +872,11 @@ def _prepare(
                 continue
             module = modules[site.name]
             processor = getattr(module, "processor", None)
+            if site.pending and _keeps_own(site, config, comp):
+                # softmax by hand with no flag for its component: its first call would
+                # decide its own code; nothing is wrapped (untouched, bit-identical)
+                planned.append(_Planned(comp, module, site, "", False))
+                continue
             if site.pending:  # decided at first call: the route resolves it then
                 planned.append(_Planned(comp, module, site, "", True))
                 continue
@@ -879,6 +907,16 @@ def _prepare(
                     continue
                 planned.append(_Planned(comp, module, site, "", False))
     return planned, actions, problems
+
+
+def _keeps_own(site: Site, config: SelectionConfig, component: str) -> bool:
+    """Whether a site decided at its first call runs its own code whatever that call
+    brings: softmax by hand (routed, its own code eager: automatic choices keep it)
+    under no flag that names a backend for its component."""
+    eager = Backend("eager")
+    flagged = config.global_backend or config.forced_backend
+    named = any(name == component for name, _ in config.component_backends)
+    return site.current == eager and site.routed and not flagged and not named
 
 
 def _check_requirements(values: set[str]) -> list[str]:

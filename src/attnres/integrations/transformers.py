@@ -345,6 +345,13 @@ def _kind(module: Any, calls: frozenset[str]) -> str | None:
     return None
 
 
+def computes_by_hand(module: Any) -> bool:
+    """Whether ``module``'s own code computes softmax attention by hand (a softmax
+    of a product, multiplied with values), observed as :func:`describe_sites` does."""
+    own = _kind(module, _own_calls(module)) == _BY_HAND
+    return own and _not_softmax_attention(module) is None
+
+
 def _is_interface_site(module: Any) -> bool:
     """Whether the module's own code looks its attention function up in
     ``ALL_ATTENTION_FUNCTIONS`` (observed, never by class name)."""
