@@ -294,7 +294,10 @@ def _profiles() -> list[str]:
             "",
             "A selection no transition gave a reason records the first that applies:",
             "",
-            *[f"- {row.condition}" for row in p.selected_reasons],
+            *(
+                [f"- {row.condition}" for row in p.selected_reasons]
+                or ["- none: every reason it records is a transition's"]
+            ),
             "",
         ]
         if p.satisfies:

@@ -264,6 +264,12 @@ def test_every_profile_is_a_value_walked_by_the_one_machine() -> None:
     assert machine.PROFILES["sglang"] is _profile_sglang.SGLANG
     assert not hasattr(_profile_sglang, "run_sglang")
     assert not hasattr(machine, "PROFILE_MACHINES")
+    # issue 36's vllm_omni profile too: a value, not a walker of its own
+    from attnres import _profile_vllm_omni
+
+    assert machine.PROFILES["vllm_omni"] is _profile_vllm_omni.VLLM_OMNI
+    assert not hasattr(_profile_vllm_omni, "run_vllm_omni")
+    assert not hasattr(machine, "_OWN_WALKERS")
 
 
 def test_a_second_host_profile_is_one_more_value(monkeypatch: pytest.MonkeyPatch) -> None:

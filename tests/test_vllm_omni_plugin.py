@@ -24,11 +24,13 @@ from typing import Any
 import pytest
 
 import attnres
-from attnres._states import Origin, Reason
+from attnres._profile_vllm_omni import HOST_FACTS, UNOBSERVED, WHY
+from attnres._states import Event, Origin, Reason, Status
 from attnres.backends import get_spec, lookup_spec, unregister_backend
 from attnres.errors import EngineSupportError
 from attnres.integrations import vllm_omni as plugin
-from attnres.trace import trace_from_json, trace_to_dict
+from attnres.platform import HostResolution, Platform
+from attnres.trace import CheckRecord, trace_from_json, trace_to_dict
 
 SELECTOR = "vllm_omni.diffusion.attention.selector"
 
@@ -308,3 +310,41 @@ def test_rule_vllm_omni_repeated_call_is_a_recorded_decision_and_follows_the_pla
     omni["default"] = "FLASH_ATTN"
     assert layer.get_attn_backend_for_role("self", 128, None) == (CLASSES["FLASH_ATTN"], None)
     assert attnres.decisions()[-1].backend == "fa"
+
+
+# -- the vllm_omni profile's rows, without the plugin (issues 33, 36) --------------
+
+
+def _decide(platform: Platform, **config: Any) -> Any:
+    from attnres.machine import run_machine
+    from attnres.trace import TraceInput
+
+    layer = attnres.LayerSpec(head_size=80, dtype="bf16", name="self")
+    cfg = attnres.SelectionConfig(profile="vllm_omni", **config)
+    return run_machine(TraceInput(layer, cfg, None, platform, None))
+
+
+def test_rule_vllm_omni_platform_default_refused_by_the_platform_is_never_replaced() -> None:
+    # vLLM-Omni's platform refused its own default: that error is the answer;
+    # TORCH_SDPA replaces only a class the layer cannot run
+    refused = HostResolution("", None, "RuntimeError: no diffusion backend for this device")
+    trace = _decide(Platform("cuda", host=[refused, HostResolution("torch_sdpa", "torch_sdpa")]))
+    assert trace.outcome.status is Status.REJECTED
+    assert trace.outcome.error == "RuntimeError: no diffusion backend for this device"
+    assert not [r for r in trace.records if isinstance(r, CheckRecord)]
+
+
+def test_rule_vllm_omni_configured_class_the_layer_cannot_run_says_why_it_is_refused() -> None:
+    cannot = HostResolution("fa", "fa", missing=("head size 80 (its supports_head_size)",))
+    trace = _decide(Platform("cuda", host=[cannot]), global_backend="fa")
+    assert trace.outcome.status is Status.REJECTED
+    assert trace.outcome.error.startswith("fa cannot take head size 80")
+    assert WHY[Event.STRICT_FAILURE] in trace.outcome.error
+
+
+def test_rule_vllm_omni_unobserved_fact_outside_the_plugin_names_how_to_supply_it() -> None:
+    # a missing host fact is a rejection that says how to supply it, as sglang's
+    trace = _decide(Platform("cuda"), global_backend="fa")
+    assert trace.outcome.error == f"{UNOBSERVED}: {HOST_FACTS}"
+    checks = [r for r in trace.records if isinstance(r, CheckRecord)]
+    assert [f.message for f in checks[0].failures] == [UNOBSERVED]  # what the plugin observes

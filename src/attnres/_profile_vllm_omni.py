@@ -3,7 +3,10 @@
 ``SelectionConfig(profile="vllm_omni")`` makes :func:`attnres.machine.run_machine`
 decide the way vLLM-Omni 0.30.0's ``get_attn_backend_for_role(role, head_size,
 attention_config, role_category, allow_trtllm_default)``
-(``vllm_omni/diffusion/attention/selector.py``) does:
+(``vllm_omni/diffusion/attention/selector.py``) does.
+The profile is one value, :data:`VLLM_OMNI` (an :class:`attnres._profile.Profile`,
+which says what each field means); ``run_machine`` walks it as it walks
+attnres's own contract and SGLang's (issue 33: one rule engine):
 
 - :data:`ORIGIN_ROWS`: which entry of the ``AttentionConfig`` wins, in
   vLLM-Omni's order (``per_role[role]``, ``per_role[role_category]``,
@@ -19,71 +22,74 @@ attention_config, role_category, allow_trtllm_default)``
   the layer's head size, which vLLM-Omni only checks for some backends and
   otherwise meets as a crash when the layer is built or run -- attnres does
   what this table says and records why;
+- ``_candidates``: the configured backend; nothing configured, the
+  platform's own pick, then :data:`REPLACEMENT` where the platform served a
+  class (a refusal is never replaced);
 - :data:`SOURCES`: the words vLLM-Omni logs for each origin.
 
 The platform is observed, never enumerated: vLLM-Omni's per-platform chains
 (``current_omni_platform.get_diffusion_attn_backend_cls``) are read through its
 own ``_cached_get_backend_cls`` and recorded as
 :class:`~attnres.platform.HostResolution` facts, so a trace replays without
-vLLM-Omni.
-
-The walker here is small on purpose and separate from the ``sglang`` one: both
-are candidates for one rule engine (a profile as data read by ``run_machine``).
+vLLM-Omni. Outside the plugin no fact is observed: the profile rejects with
+:data:`UNOBSERVED` and names how to supply them (:data:`HOST_FACTS`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from operator import attrgetter
 from typing import Final
 
-from attrs import frozen
-
-from attnres._outcome import Outcome
-from attnres._states import Check, Code, Event, Origin, Reason, State, Status
-from attnres.backends import Backend
-from attnres.trace import (
-    CheckRecord,
-    Failure,
-    OriginRecord,
-    Record,
-    RejectedRecord,
-    SelectedRecord,
-    Trace,
-    TraceInput,
+from attnres._profile import (
+    UNOBSERVED,
+    Asked,
+    Evaluation,
+    Guard,
+    GuardFacts,
+    OriginRow,
+    Profile,
+    Tried,
+    first_guard,
+    requested_by,
 )
+from attnres._states import Check, Code, Event, Origin, State
+from attnres.backends import Backend
+from attnres.records import Failure, TraceInput
 
 __all__ = [
     "FALLBACK_ROWS",
+    "HOST_FACTS",
     "ORIGIN_ROWS",
+    "REPLACEMENT",
     "SOURCES",
     "UNOBSERVED",
+    "VLLM_OMNI",
     "VLLM_OMNI_VERSION",
-    "run_vllm_omni",
+    "WHY",
+    "first_request",
 ]
 
 #: The vLLM-Omni release these rows were read from.
 VLLM_OMNI_VERSION: Final = "0.30.0"
 
-
-@frozen
-class OriginRow:
-    """One ``AttentionConfig`` entry: ``backend`` reads it from the input."""
-
-    origin: Origin
-    words: str
-    backend: Callable[[TraceInput], Backend | None]
-
-
 #: vLLM-Omni's precedence (``AttentionConfig.resolve_with_source``): the first
-#: row whose backend is set wins; none set: the platform's default.
+#: row whose backend is set wins; none set: the platform's default. Every entry
+#: is the operator's (explicit); the fallback rows say it is strict.
 ORIGIN_ROWS: Final[tuple[OriginRow, ...]] = (
-    OriginRow(Origin.LAYER, "attention_config.per_role[role]", lambda inp: inp.backend),
+    OriginRow(Origin.LAYER, "attention_config.per_role[role]", True, attrgetter("backend")),
     OriginRow(
         Origin.COMPONENT_OVERRIDE,
         "attention_config.per_role[role_category] (role_category fallback)",
+        True,
         lambda inp: None if inp.scope is None else inp.scope.backend,
     ),
-    OriginRow(Origin.GLOBAL_CLI, "attention_config.default", lambda inp: inp.config.global_backend),
+    OriginRow(
+        Origin.GLOBAL_CLI,
+        "attention_config.default",
+        True,
+        attrgetter("config.global_backend"),
+    ),
 )
 
 #: What vLLM-Omni logs as the source of each origin (``{role}``, ``{category}``:
@@ -95,116 +101,120 @@ SOURCES: Final[dict[Origin, str]] = {
     Origin.NONE: "platform default",
 }
 
-
-@frozen
-class FallbackRow:
-    """When the served class cannot run the layer: ``replacement`` (``None``:
-    refuse, typed, before the layer is built) and the reason recorded."""
-
-    condition: str
-    requested: bool
-    replacement: Backend | None
-    reason: Reason | None
-    why: str
-
-
-#: Keyed by "a backend was configured": the first row whose ``requested`` matches.
-FALLBACK_ROWS: Final[tuple[FallbackRow, ...]] = (
-    FallbackRow(
+#: Whether the served class that cannot run the layer may be replaced, keyed by
+#: "a backend was configured" (the first row that holds decides; the origin
+#: record names it): a configured one is refused, typed, before the layer is
+#: built; the platform's default falls back to :data:`REPLACEMENT`.
+FALLBACK_ROWS: Final[tuple[Guard, ...]] = (
+    Guard(
         "a configured backend (per_role or default)",
-        True,
-        None,
-        None,
-        "the operator chose it: vLLM-Omni would build the layer and fail at its first "
-        "forward; attnres refuses at selection with the class's own head sizes",
+        lambda f: f.requested,
+        Event.STRICT_FAILURE,
     ),
-    FallbackRow(
-        "the platform's default",
-        False,
-        Backend("torch_sdpa"),
-        Reason.PLATFORM_DEFAULT_FALLBACK,
-        "nobody chose it: the platform picked it from a name and a head size "
-        "(vllm-omni#3079, #3121); TORCH_SDPA takes every head size",
-    ),
+    Guard("the platform's default", lambda f: True, Event.PREFERENCE_FALLBACK),
 )
 
-#: The failure of a candidate whose host resolution the input does not hold:
-#: the plugin observes it and runs the machine again.
-UNOBSERVED: Final = "not resolved by the host platform"
+#: Why each fallback row decides as it does (a rejection's message says so).
+WHY: Final[dict[Event, str]] = {
+    Event.STRICT_FAILURE: (
+        "the operator chose it: vLLM-Omni would build the layer and fail at its first "
+        "forward; attnres refuses at selection with the class's own head sizes"
+    ),
+    Event.PREFERENCE_FALLBACK: (
+        "nobody chose it: the platform picked it from a name and a head size "
+        "(vllm-omni#3079, #3121); TORCH_SDPA takes every head size"
+    ),
+}
 
-Step = Callable[
-    [State, Event, list[Record], Reason | None, Backend | None], tuple[State, Reason | None]
-]
+#: What replaces a platform default the layer cannot run: it takes every head size.
+REPLACEMENT: Final = Backend("torch_sdpa")
+
+#: How the facts this profile decides from are supplied (a rejection for a
+#: missing one says so).
+HOST_FACTS: Final = (
+    "the vllm_omni profile decides from vLLM-Omni's own platform answers, one "
+    "attnres.platform.HostResolution per candidate in Platform(host=...); run the model "
+    "with the vLLM-Omni plugin installed (attnres.integrations.vllm_omni, docs/vllm-omni.md), "
+    "which observes and records them, or pass a platform that holds them"
+)
 
 
-def _origin(inp: TraceInput) -> tuple[OriginRow | None, Backend | None]:
-    for row in ORIGIN_ROWS:
-        backend = row.backend(inp)
-        if backend is not None:
-            return row, backend
-    return None, None
-
-
-def first_request(inp: TraceInput) -> Backend | None:
+def first_request(inp: Asked) -> Backend | None:
     """The backend the profile asks the host for first (``None``: its default)."""
-    return _origin(inp)[1]
+    return requested_by(VLLM_OMNI, inp)[1]
 
 
-def run_vllm_omni(inp: TraceInput, step: Step) -> Trace:
-    """The ``vllm_omni`` profile's machine: a pure function of the input."""
-    row, requested = _origin(inp)
-    origin = Origin.NONE if row is None else row.origin
-    fallback = next(f for f in FALLBACK_ROWS if f.requested is (requested is not None))
-    records: list[Record] = [
-        OriginRecord(
-            origin,
-            requested,
-            fallback.replacement is None,
-            ("nothing configured: the platform default" if row is None else row.words)
-            + f"; vllm_omni profile: {fallback.condition}",
-        )
-    ]
-    if requested is not None:
-        state, _ = step(State.ORIGIN_DETECTION, Event.REQUEST_FOUND, records, None, None)
-    else:
-        state, _ = step(State.ORIGIN_DETECTION, Event.NOTHING_REQUESTED, records, None, None)
-        state, _ = step(state, Event.EXHAUSTED, records, None, None)
-    candidates: list[Backend | None] = [requested]
-    if fallback.replacement is not None:
-        candidates.append(fallback.replacement)
-    failure: Failure | None = None
-    for index, candidate in enumerate(candidates):
-        fact = inp.platform.host_resolution("" if candidate is None else candidate.name)
-        if fact is None or fact.served is None:
-            refused = Failure(Code.HOST_PLATFORM, UNOBSERVED if fact is None else str(fact.error))
-            failure = failure or refused
-            if candidate is not None:
-                records.append(CheckRecord(state, candidate, Check.PLATFORM, False, (refused,)))
-            # vLLM-Omni's platform refused: its error is the answer, never replaced
-            event = Event.STRICT_FAILURE if state is State.REQUESTED else Event.CANDIDATE_FAILED
-            state, _ = step(state, event, records, None, candidate)
-            break
-        served = Backend(fact.served)
-        records.append(CheckRecord(state, served, Check.PLATFORM, True, ()))
-        missing = tuple(
-            Failure(Code.REQUIREMENT_UNMET, f"{served.name} cannot take {m}") for m in fact.missing
-        )
-        records.append(CheckRecord(state, served, Check.REQUIREMENTS, not missing, missing))
-        if not missing:
-            reason = fallback.reason if index > 0 else None
-            step(state, Event.ACCEPTED, records, None, served)
-            records.append(SelectedRecord(served, origin, reason))
-            return Trace(inp, tuple(records), Outcome(Status.SELECTED, origin, served, reason))
-        failure = failure or Failure(
-            Code.REQUIREMENT_UNMET, f"{missing[0].message} ({fallback.why})"
-        )
-        if state is State.REQUESTED:
-            state, _ = step(state, Event.STRICT_FAILURE, records, None, served)
-            break
-        state, _ = step(state, Event.CANDIDATE_FAILED, records, None, served)
-    while state is not State.REJECTED:
-        state, _ = step(state, Event.EXHAUSTED, records, None, None)
-    assert failure is not None
-    records.append(RejectedRecord(origin, failure.code, failure.message))
-    outcome = Outcome(Status.REJECTED, origin, None, None, failure.code, failure.message)
-    return Trace(inp, tuple(records), outcome)
+def _candidates(
+    stage: State, inp: TraceInput, requested: Backend | None
+) -> Sequence[Backend | None]:
+    """The configured backend; nothing configured, the platform's own pick and --
+    only where the platform served a class (a refusal is the answer, never
+    replaced) -- TORCH_SDPA."""
+    if stage is State.REQUESTED:
+        return (requested,)
+    if stage is not State.PLATFORM_DEFAULT:
+        return ()
+    fact = inp.platform.host_resolution("")
+    if fact is None or fact.served is None:
+        return (None,)
+    return (None, REPLACEMENT)
+
+
+def _evaluate(profile: Profile, candidate: Backend | None, inp: TraceInput, _: bool) -> Evaluation:
+    """The checks of one candidate, on the class vLLM-Omni's platform serves it by
+    (its observed :class:`~attnres.platform.HostResolution`): ``platform``, then
+    ``requirements`` (the class's own ``supports_head_size``)."""
+    fact = inp.platform.host_resolution("" if candidate is None else candidate.name)
+    if fact is None or fact.served is None:
+        error = UNOBSERVED if fact is None else str(fact.error)
+        return candidate, ((Check.PLATFORM, (Failure(Code.HOST_PLATFORM, error),)),)
+    served = Backend(fact.served)
+    missing = tuple(
+        Failure(Code.REQUIREMENT_UNMET, f"{served.name} cannot take {m}") for m in fact.missing
+    )
+    return served, ((Check.PLATFORM, ()), (Check.REQUIREMENTS, missing))
+
+
+def _reject(
+    profile: Profile, inp: TraceInput, tried: Sequence[Tried], refused: bool
+) -> tuple[str, str]:
+    """The first failure: the platform's refusal (vLLM-Omni's error, unchanged), or
+    the first class that cannot take the layer, with why its row refuses it."""
+    for _, _, results in tried:
+        for _, failures in results:
+            if not failures:
+                continue
+            first = failures[0]
+            if first.code is Code.REQUIREMENT_UNMET:
+                facts = GuardFacts(requested=requested_by(profile, inp)[1] is not None)
+                why = WHY[first_guard(profile.request_failure, facts).event]
+                return f"{first.message} ({why})", str(first.code)
+            if first.message == UNOBSERVED and profile.host_facts:
+                return f"{first.message}: {profile.host_facts}", str(first.code)
+            return first.message, str(first.code)
+    return "No compatible attention backend is available", str(Code.NO_COMPATIBLE_BACKEND)
+
+
+#: The ``vllm_omni`` profile (``SelectionConfig(profile="vllm_omni")``).
+VLLM_OMNI: Final = Profile(
+    name="vllm_omni",
+    origins=ORIGIN_ROWS,
+    nothing_requested="nothing configured: the platform default",
+    aliases={},
+    start=(
+        Guard("something was configured", lambda f: f.requested, Event.REQUEST_FOUND),
+        Guard("otherwise", lambda f: True, Event.NOTHING_REQUESTED),
+    ),
+    request_failure=FALLBACK_ROWS,
+    states_fallback=True,
+    sparse=lambda inp, backend: False,  # no row reads it: vLLM-Omni has no sparse rule
+    candidates=_candidates,
+    skips=(),
+    records_repeats=False,
+    evaluate=_evaluate,
+    explicit_bypasses_supported=False,
+    selected_reasons=(),
+    reject=_reject,
+    host_facts=HOST_FACTS,
+    source=f"vLLM-Omni {VLLM_OMNI_VERSION}'s diffusion selector (`get_attn_backend_for_role`)",
+)

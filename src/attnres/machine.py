@@ -14,7 +14,8 @@ The policy as tables
 One machine walks every selection profile (issue 33): a profile is a value
 (:class:`attnres._profile.Profile`: origins and their order, fallback rows,
 candidate order, checks, aliases, the rejection); :data:`ATTNRES` is attnres's
-own contract, ``attnres._profile_sglang.SGLANG`` SGLang's, and :data:`PROFILES`
+own contract, ``attnres._profile_sglang.SGLANG`` SGLang's,
+``attnres._profile_vllm_omni.VLLM_OMNI`` vLLM-Omni's, and :data:`PROFILES`
 maps ``SelectionConfig.profile`` to them. attnres's rows:
 
 - ``TRANSITIONS``: state -> event -> (next state, reason it sets), shared by
@@ -98,7 +99,6 @@ from typing import TYPE_CHECKING, Final
 import attrs
 from attrs import frozen
 
-from attnres import _profile_vllm_omni
 from attnres._profile import (
     Asked,
     Evaluation,
@@ -113,6 +113,7 @@ from attnres._profile import (
     requested_by,
 )
 from attnres._profile_sglang import SGLANG
+from attnres._profile_vllm_omni import VLLM_OMNI
 from attnres._states import (
     Check,
     Code,
@@ -1304,13 +1305,6 @@ def _step(
     return target, (reason if reason is not None else sets)
 
 
-#: interim (issue 36 landed beside issue 33's one engine): the ``vllm_omni``
-#: profile still walks its own rows; it becomes a :class:`Profile` value next.
-_OWN_WALKERS: Final[Mapping[str, Callable[[TraceInput], Trace]]] = {
-    "vllm_omni": lambda inp: _profile_vllm_omni.run_vllm_omni(inp, _step),
-}
-
-
 def run_machine(inp: TraceInput) -> Trace:
     """Run the machine on one input; a pure function (no context, no cache, no I/O).
 
@@ -1318,9 +1312,6 @@ def run_machine(inp: TraceInput) -> Trace:
     (``SelectionConfig.profile``: :data:`PROFILES`, attnres's own :data:`ATTNRES`
     by default).
     """
-    walker = _OWN_WALKERS.get(inp.config.profile)
-    if walker is not None:
-        return walker(inp)
     profile = PROFILES[inp.config.profile]
     found = _detect(profile, inp)
     detail = (
@@ -1491,7 +1482,11 @@ ATTNRES: Final = Profile(
 
 #: issue 23, 33: the rules of each selection profile (``SelectionConfig.profile``),
 #: every one walked by :func:`run_machine`.
-PROFILES: Final[Mapping[str, Profile]] = {"attnres": ATTNRES, "sglang": SGLANG}
+PROFILES: Final[Mapping[str, Profile]] = {
+    "attnres": ATTNRES,
+    "sglang": SGLANG,
+    "vllm_omni": VLLM_OMNI,
+}
 
 
 # =============================================================================
