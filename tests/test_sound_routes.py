@@ -1,0 +1,90 @@
+"""Issue 30: never change an output attnres did not decide to change. Each test
+here fails on the code before the fix it names (the issue's listed defects)."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from test_kernels_fakes import Calls, fake_xformers
+
+from attnres import Platform
+from attnres.layer import SelectionConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+#: a simulated H100 with xformers, installable: the stand-in kernels run on this CPU
+XFORMERS = attrs.evolve(Platform.simulate("cuda:sm90+xformers"), simulated=False)
+
+
+def _explicit(backend: str) -> SelectionConfig:
+    return SelectionConfig(global_backend=backend, global_backend_explicit=True)
+
+
+@pytest.fixture
+def xformers_fake(monkeypatch: pytest.MonkeyPatch) -> Calls:
+    from attnres.kernels import clear_kernel_cache
+
+    calls = Calls()
+    for name in list(sys.modules):
+        if name.split(".")[0] == "xformers":
+            monkeypatch.delitem(sys.modules, name)
+    for name, module in fake_xformers(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    clear_kernel_cache()
+    yield calls
+    clear_kernel_cache()
+
+
+# -- T5's decoder keeps its causal mask under attnres's function ------------------------------
+
+
+def _t5() -> Any:
+    from transformers import T5Config, T5Model
+
+    torch.manual_seed(3)
+    config = T5Config(d_model=32, d_kv=8, d_ff=37, num_heads=4, num_layers=1,
+                      num_decoder_layers=1, vocab_size=64, relative_attention_num_buckets=8)  # fmt: skip
+    return T5Model(config).eval()
+
+
+def test_t5_decoder_under_a_stand_in_backend_is_causal(xformers_fake: Calls) -> None:
+    from attnres.integrations import transformers as itf
+
+    model = _t5()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    later = torch.tensor([[5, 11, 12, 13, 14]])  # the same first token, other later ones
+
+    def run(decoder_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(input_ids=ids, decoder_input_ids=decoder_ids)
+        return out.last_hidden_state
+
+    want, want_later = run(ids), run(later)
+    plan = itf.apply(model, "text_encoder", _explicit("xformers"), XFORMERS)
+    try:
+        assert {s.backend for s in plan.sites} == {"xformers"}
+        got, got_later = run(ids), run(later)
+        assert xformers_fake.seen, "the xformers stand-in ran"
+    finally:
+        itf.remove(model)
+    # causal: decoder position 0 sees only itself, whatever the later tokens are
+    assert torch.allclose(got[:, 0], got_later[:, 0], atol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_later, want_later, atol=1e-5, rtol=1e-4)
+
+
+# -- Python 3.11 or newer ------------------------------------------------------------------------
+
+
+def test_python_311_or_newer_is_declared() -> None:
+    # the bytecode reader of attention written with @ knows 3.11's BINARY_OP only
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["requires-python"] == ">=3.11"
+    assert not any(d.startswith("tomli") for d in project["project"]["dependencies"])
+    assert project["tool"]["mypy"]["python_version"] == "3.11"
+    assert project["tool"]["ruff"]["target-version"] == "py311"
