@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from test_kernels_fakes import Calls, fake_xformers
+from test_kernels_fakes import VARIANTS, Calls, fake_xformers, kernel_for
 
 from attnres import Platform
 from attnres.layer import SelectionConfig
@@ -76,6 +76,41 @@ def test_t5_decoder_under_a_stand_in_backend_is_causal(xformers_fake: Calls) -> 
     assert torch.allclose(got[:, 0], got_later[:, 0], atol=1e-6)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got_later, want_later, atol=1e-5, rtol=1e-4)
+
+
+# -- zero-length keys: every adapter answers as torch SDPA does -----------------------------------
+
+
+@pytest.mark.parametrize("variant", ["eager", "torch_sdpa", "flex_attention", *VARIANTS])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "bool-mask"])
+def test_every_kernel_answers_zero_keys_as_sdpa(
+    variant: str, masked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Wan 2.x i2v's image cross-attention with zero image tokens: explicit eager
+    # raised IndexError (amax over an empty dimension) where the site's SDPA runs
+    from attnres.kernels import clear_kernel_cache, get_kernel
+
+    clear_kernel_cache()
+    if variant in VARIANTS:
+        kernel, calls = kernel_for(variant, monkeypatch)
+    else:
+        kernel, calls = get_kernel(variant), Calls()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 16, generator=gen).half().requires_grad_()
+    k, v = torch.empty(2, 0, 2, 16).half(), torch.empty(2, 0, 2, 16).half()
+    mask = torch.ones(2, 1, 5, 0, dtype=torch.bool) if masked else None
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.detach().float().transpose(1, 2), k.float().transpose(1, 2),
+        v.float().transpose(1, 2), attn_mask=mask, enable_gqa=True,
+    ).transpose(1, 2)  # fmt: skip
+    try:
+        out = kernel(q, k, v, mask if variant in ("eager", "torch_sdpa") else None, False, None)
+    finally:
+        clear_kernel_cache()
+    assert out.shape == (2, 5, 4, 16) and out.dtype == torch.float16
+    assert torch.equal(out.float(), want) and not calls.seen  # zeros, no kernel reached
+    out.float().sum().backward()  # gradients flow as through SDPA (zero)
+    assert q.grad is not None and not q.grad.any()
 
 
 # -- Python 3.11 or newer ------------------------------------------------------------------------
