@@ -47,8 +47,10 @@ def _t5() -> Any:
     from transformers import T5Config, T5Model
 
     torch.manual_seed(3)
-    config = T5Config(d_model=32, d_kv=8, d_ff=37, num_heads=4, num_layers=1,
-                      num_decoder_layers=1, vocab_size=64, relative_attention_num_buckets=8)  # fmt: skip
+    config = T5Config(
+        d_model=32, d_kv=8, d_ff=37, num_heads=4, num_layers=1, num_decoder_layers=1,
+        vocab_size=64, relative_attention_num_buckets=8,
+    )  # fmt: skip
     return T5Model(config).eval()
 
 
