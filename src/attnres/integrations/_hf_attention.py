@@ -157,8 +157,8 @@ def attention_forward(
             # issue 30: a decoder's plain causal call (transformers left it no mask):
             # the triangle folded into the bias, as transformers' create_position_bias_mask
             # does (top-left, the keys beyond the queries of an empty static cache cut)
-            keep = torch.ones(q_length, key.shape[2], dtype=torch.bool, device=query.device)
-            bias = bias.masked_fill(~keep.tril()[None, None], torch.finfo(query.dtype).min)
+            tri = torch.ones(q_length, key.shape[2], dtype=torch.bool, device=query.device)
+            bias = bias.masked_fill(~tri.tril()[None, None], torch.finfo(query.dtype).min)
             causal = False  # the mask carries it now
         mask = bias
     # the call's facts, checked once per signature against the plan (issue 19)
