@@ -125,3 +125,76 @@ def test_python_311_or_newer_is_declared() -> None:
     assert not any(d.startswith("tomli") for d in project["project"]["dependencies"])
     assert project["tool"]["mypy"]["python_version"] == "3.11"
     assert project["tool"]["ruff"]["target-version"] == "py311"
+
+
+# -- no flag: nothing changes --------------------------------------------------------------------
+
+
+def test_no_flag_never_moves_a_site_off_its_own_implementation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # transformers 4.x ran Gemma 2 on sdpa (which ignored its softcap); attnres's
+    # plan finds sdpa lacks softcap and its fallback chose eager: an output changed
+    # (7.9e-7) with no flag. Reproduced on 5.x by declaring sdpa as 4.x did.
+    import transformers
+    from transformers.models.gemma2 import modeling_gemma2
+
+    from attnres.integrations import transformers as itf
+
+    monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)
+    config = transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=37, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_hidden_layers=1, vocab_size=64,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = transformers.Gemma2Model(config).eval()
+    plan = itf.apply(model, "text_encoder", SelectionConfig(), Platform.detect())
+    try:
+        assert plan.sites and all(s.backend is None for s in plan.sites)
+        assert all("nothing requested" in (s.note or "") for s in plan.sites)
+        assert model.config._attn_implementation == "sdpa"  # untouched
+    finally:
+        itf.remove(model)
+    # an explicit flag still decides (and says why)
+    plan = itf.plan(model, "text_encoder", _explicit("eager"), Platform.detect())
+    assert {s.backend.name for s in plan.sites if s.backend} == {"eager"}
+
+
+@pytest.mark.parametrize(
+    ("package", "installed"),
+    [("transformers", "4.57.1"), ("transformers", "6.0.0"), ("diffusers", "0.35.2")],
+)
+def test_apply_refuses_a_library_outside_the_declared_range(
+    package: str, installed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from attnres.errors import AttnresError, UnsupportedVersionError
+    from attnres.integrations import diffusers as idf
+    from attnres.integrations import transformers as itf
+    from attnres.integrations._plan import SUPPORTED_VERSIONS
+
+    model = _t5()
+    # the attribute the check reads: the module each integration imported
+    library = itf.transformers if package == "transformers" else idf.diffusers
+    monkeypatch.setattr(library, "__version__", installed)
+    low, high = SUPPORTED_VERSIONS[package]
+    with pytest.raises(UnsupportedVersionError) as info:
+        if package == "transformers":
+            itf.apply(model, "text_encoder", _explicit("eager"), Platform.detect())
+        else:
+            idf.apply(object(), _explicit("eager"), Platform.detect())
+    assert isinstance(info.value, AttnresError)
+    assert installed in str(info.value) and f"{package}>={low},<{high}" in str(info.value)
+    assert (info.value.package, info.value.installed) == (package, installed)
+    assert model.config._attn_implementation == "sdpa"  # nothing changed
+
+
+def test_the_declared_ranges_live_in_one_table() -> None:
+    from attnres.integrations._plan import SUPPORTED_VERSIONS
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = project["project"]["optional-dependencies"]
+    for extra in ("diffusers", "transformers"):
+        for package, (low, high) in SUPPORTED_VERSIONS.items():
+            declared = [d for d in extras[extra] if d.startswith(f"{package}>")]
+            if declared:
+                assert declared == [f"{package}>={low},<{high}"], (extra, declared)

@@ -43,6 +43,7 @@ __all__ = [
     "TraceFormatError",
     "TraceWriteError",
     "UnknownBackendError",
+    "UnsupportedVersionError",
     "UsageError",
 ]
 
@@ -204,6 +205,21 @@ class KernelUnavailableError(AttnresError, ImportError):
     An ``ImportError`` so that ``except ImportError`` keeps working; the message
     names the backend, the package and how to install it.
     """
+
+
+class UnsupportedVersionError(AttnresError, ImportError):
+    """An integration's library is installed at a version outside the range
+    attnres declares for it (the ``diffusers`` and ``transformers`` extras):
+    ``apply`` refuses it rather than half-work against code it was not written
+    for. An ``ImportError``, as for a kernel package of the wrong build.
+    ``.package``, ``.installed`` and ``.supported`` (the range, as the extra
+    declares it) are attached."""
+
+    def __init__(self, message: str, package: str, installed: str, supported: str) -> None:
+        super().__init__(message, name=package)
+        self.package = package
+        self.installed = installed
+        self.supported = supported
 
 
 class KernelNotRegisteredError(AttnresError, RuntimeError):

@@ -48,6 +48,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import attrs
+import diffusers
 import torch
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import (
@@ -68,6 +69,7 @@ from attnres.integrations._plan import (
     Problem,
     Site,
     SiteDescription,
+    check_version,
     emit_installed,
     plan_sites,
     refuse_to_apply,
@@ -923,6 +925,8 @@ def apply(
     SDPA itself and was decided another backend gets the generic route
     (:mod:`attnres.integrations._route`), which checks each call's facts first.
     """
+    for library in (diffusers, _tf.transformers):  # issue 30: the declared ranges only
+        check_version(library)
     result = plan(pipe, config, platform, caller=caller)
     refuse_to_apply(result)
     cfg = result.config

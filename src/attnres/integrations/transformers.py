@@ -44,6 +44,7 @@ from attnres.integrations._plan import (
     Problem,
     Site,
     SiteDescription,
+    check_version,
     emit_installed,
     plan_sites,
     refuse_to_apply,
@@ -1103,7 +1104,10 @@ def apply(
     config: SelectionConfig | None = None,
     platform: Platform | None = None,
 ) -> IntegrationPlan:
-    """Plan, then install every decision on ``model``, all or nothing."""
+    """Plan, then install every decision on ``model``, all or nothing. A transformers
+    outside the supported range is refused first
+    (:class:`~attnres.errors.UnsupportedVersionError`)."""
+    check_version(transformers)
     result = plan(model, component, config, platform)
     refuse_to_apply(result)
     actions, problems = prepare(model, result, component)
