@@ -174,7 +174,7 @@ def test_apply_refuses_a_library_outside_the_declared_range(
 
     model = _t5()
     # the attribute the check reads: the module each integration imported
-    library = itf.transformers if package == "transformers" else idf.diffusers
+    library = getattr(idf if package == "diffusers" else itf, package)
     monkeypatch.setattr(library, "__version__", installed)
     low, high = SUPPORTED_VERSIONS[package]
     with pytest.raises(UnsupportedVersionError) as info:

@@ -603,8 +603,9 @@ def _release(version: str) -> tuple[int, ...]:
 
 def check_version(module: Any) -> None:
     """Refuse, typed, the library ``module`` (the package an integration imported)
-    at a version outside :data:`SUPPORTED_VERSIONS` (its ``__version__``): its code is not what attnres's routes were
-    written against, and a route that half-works changes outputs silently
+    at a version outside :data:`SUPPORTED_VERSIONS` (its ``__version__``): its
+    code is not what attnres's routes were written against, and a route that
+    half-works changes outputs silently
     (transformers 4.x: no flag moved Gemma 2 from sdpa to eager)."""
     package = module.__name__
     low, high = SUPPORTED_VERSIONS[package]

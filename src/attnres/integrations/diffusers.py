@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 import attrs
 import diffusers
 import torch
+import transformers
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import (
     AttentionBackendName,
@@ -925,7 +926,7 @@ def apply(
     SDPA itself and was decided another backend gets the generic route
     (:mod:`attnres.integrations._route`), which checks each call's facts first.
     """
-    for library in (diffusers, _tf.transformers):  # issue 30: the declared ranges only
+    for library in (diffusers, transformers):  # issue 30: the declared ranges only
         check_version(library)
     result = plan(pipe, config, platform, caller=caller)
     refuse_to_apply(result)
