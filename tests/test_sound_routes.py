@@ -198,3 +198,43 @@ def test_the_declared_ranges_live_in_one_table() -> None:
             declared = [d for d in extras[extra] if d.startswith(f"{package}>")]
             if declared:
                 assert declared == [f"{package}>={low},<{high}"], (extra, declared)
+
+
+# -- an applied model deep-copies (its copy runs its own weights) and refuses pickle, typed -----
+
+
+def test_an_applied_flux_pipeline_deep_copies_and_its_copy_follows_its_own_weights() -> None:
+    import copy
+    import io
+    import pickle
+
+    import tiny_pipelines as tp
+
+    from attnres.errors import AppliedModelPickleError, AttnresError
+    from attnres.integrations import diffusers as idf
+
+    def run(pipe: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return pipe.transformer(**tp.flux_inputs()).sample
+
+    pipe = tp.flux()
+    idf.apply(pipe, _explicit("eager"), Platform.detect())
+    before = run(pipe)
+    twin = copy.deepcopy(pipe)  # raised TypeError: cannot pickle '_thread.lock' object
+    assert torch.equal(run(twin), before)  # the same weights, the same routes
+    with torch.no_grad():  # the copy's weights change: its attention projections
+        for name, p in twin.transformer.named_parameters():
+            if ".attn.to_" in name:
+                p.mul_(1.5)
+    changed = run(twin)
+    assert not torch.equal(changed, before)  # the copy runs its own weights
+    assert torch.equal(run(pipe), before)  # the original is unchanged
+    # the copy keeps its routes (eager), which its own remove() undoes (torch SDPA)
+    assert idf.remove(twin) >= 1
+    torch.testing.assert_close(run(twin), changed, rtol=1e-4, atol=1e-5)
+    for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(AppliedModelPickleError, match=r"remove\(\)") as info:
+            save(pipe.transformer)
+        assert isinstance(info.value, AttnresError) and isinstance(info.value, TypeError)
+    idf.remove(pipe)
+    pickle.dumps(pipe.transformer)  # removed: an ordinary model again

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from attnres.trace import Trace
 
 __all__ = [
+    "AppliedModelPickleError",
     "AttnresError",
     "BackendNotAppliedError",
     "BackendOptionError",
@@ -205,6 +206,15 @@ class KernelUnavailableError(AttnresError, ImportError):
     An ``ImportError`` so that ``except ImportError`` keeps working; the message
     names the backend, the package and how to install it.
     """
+
+
+class AppliedModelPickleError(AttnresError, TypeError):
+    """``pickle`` or ``torch.save`` of a model with attnres's routes installed
+    (issue 30): a route is code installed in this process (a processor class of
+    its own, a kernel bound to this machine), which a file cannot carry. A
+    ``TypeError``, as pickle's own refusal is. ``copy.deepcopy`` works; to
+    save, call the integration's ``remove()`` first and ``apply`` again after
+    loading."""
 
 
 class UnsupportedVersionError(AttnresError, ImportError):

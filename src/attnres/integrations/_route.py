@@ -38,7 +38,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import torch
@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from attnres._varlen import check_layer_options, observe_mask, route_kernel
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
-from attnres.errors import ResolutionError
+from attnres.errors import AppliedModelPickleError, ResolutionError
 from attnres.integrations._deferred import (
     MATMULS,
     SOFTMAXES,
@@ -755,6 +755,8 @@ class GenericRoute:
         self.homes: list[str] = []
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._lock = threading.Lock()
+        #: the deep copies of its model that share it (issue 30: :meth:`close`)
+        self._shared = 0
         #: call signature -> the kernel that runs it (None: the original SDPA)
         self.kernels: dict[tuple[Any, ...], _KernelFn | None] = {}
         #: issue 22: planned signatures whose mask kind the first call verifies
@@ -955,8 +957,24 @@ class GenericRoute:
         if facts.key() not in self.kernels:
             self._first_call(facts)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> GenericRoute:
+        """Issue 30: a deep copy of an applied model shares its routes (a route holds
+        decisions and kernels, never weights; the copy's forwards hand it the copy's
+        tensors), and its copy of the model keeps them installed."""
+        with self._lock:
+            self._shared += 1
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_pickle(f"attention site {self.name!r} of component {self.component!r}")
+
     def close(self) -> None:
-        """Forget the homes of its rebound functions (the route was removed)."""
+        """Forget the homes of its rebound functions (the route was removed; a route
+        a deep copy shares stays until the last model holding it removes it)."""
+        with self._lock:
+            if self._shared:
+                self._shared -= 1
+                return
         _forget_homes(self.homes)
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -1103,6 +1121,18 @@ def site_route(
     )
 
 
+def refuse_pickle(what: str) -> NoReturn:
+    """Issue 30: pickle and ``torch.save`` of a model with routes installed are
+    refused, typed, naming ``remove()`` (a route is code of this process)."""
+    raise AppliedModelPickleError(
+        f"cannot pickle a model with attnres's routes installed ({what}): a route is code "
+        f"installed in this process, which a file cannot carry. Call the integration's "
+        f"remove() on the model first (attnres.integrations.diffusers.remove or "
+        f"attnres.integrations.transformers.remove), save it, and apply again after "
+        f"loading; copy.deepcopy of an applied model works"
+    )
+
+
 def _forget_homes(names: list[str]) -> None:
     for name in names:
         sys.modules.pop(name, None)
@@ -1191,37 +1221,115 @@ def routed_processor(processor: Any, route: GenericRoute) -> Any:
     if call is None:
         return None
     cls = type(processor)
-    sub = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": call,
+            "__module__": cls.__module__,
+            "__deepcopy__": _copy_processor,
+            "__reduce_ex__": _refuse_processor,
+        },
+    )
     routed = copy.copy(processor)
     routed.__class__ = sub
     return routed
 
 
-def install_route(module: Any, route: GenericRoute, forward: Any = None) -> None:
+def _copy_processor(self: Any, memo: dict[int, Any]) -> Any:
+    """A routed processor's deep copy (issue 30): its state copied, its class (the
+    routed one, sharing the route) kept."""
+    new = object.__new__(type(self))
+    memo[id(self)] = new
+    new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+    return new
+
+
+def _refuse_processor(self: Any, protocol: Any) -> Any:
+    refuse_pickle(f"a routed {type(self).__name__}")
+
+
+def _bound(rebound: Any, module: Any, route: GenericRoute) -> Any:
+    return types.MethodType(rebound, module)
+
+
+def _in_mode(module: Any, route: GenericRoute) -> Callable[..., Any]:
+    original = module.forward
+    mode = _Mode(route)
+
+    def in_mode(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return original(*args, **kwargs)
+
+    return in_mode
+
+
+class _Installed:
+    """The instance ``forward`` :func:`install_route` sets: ``build(module, route)``,
+    called. Issue 30: a deep copy of the module gets its own, built again on its
+    first call from the copy (a closure over the original would run the original's
+    weights); pickling is refused, typed (:func:`refuse_pickle`)."""
+
+    __slots__ = ("build", "fn", "lock", "module", "previous", "route")
+
+    def __init__(self, module: Any, route: GenericRoute, build: Any, previous: Any) -> None:
+        self.module, self.route, self.build, self.previous = module, route, build, previous
+        self.lock = threading.Lock()
+        self.fn: Any = build(module, route)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self.fn
+        if fn is None:
+            fn = self._rebuild()
+        return fn(*args, **kwargs)
+
+    def _rebuild(self) -> Any:
+        with self.lock:
+            if self.fn is None:
+                # built as at install: the module's forward before the route's
+                own = self.module.__dict__
+                mine = own.pop("forward", None)
+                if self.previous is not None:
+                    own["forward"] = self.previous
+                try:
+                    self.fn = self.build(self.module, self.route)
+                finally:
+                    own["forward"] = mine
+            return self.fn
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Installed:
+        new = object.__new__(_Installed)
+        memo[id(self)] = new
+        new.module = copy.deepcopy(self.module, memo)  # the copy (already in memo)
+        new.route = copy.deepcopy(self.route, memo)
+        new.build, new.fn, new.lock = self.build, None, threading.Lock()
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_pickle(f"attention site {self.route.name!r} of component {self.route.component!r}")
+
+
+def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
     """Run ``module``'s forward with its SDPA calls sent to ``route`` (this module only).
 
-    ``forward``, when given, is the site's own (the MHA route's, :func:`mha_forward`).
-    Otherwise its forward is rebound (:func:`rebind`) where its code names the
-    call, else a ``TorchFunctionMode`` is entered around it (eager only: the
-    mode is not traced whole by torch.compile)."""
+    ``build``, when given, makes the site's own forward from the module and the
+    route (the MHA route's, :func:`mha_forward`). Otherwise its forward is
+    rebound (:func:`rebind`) where its code names the call, else a
+    ``TorchFunctionMode`` is entered around it (eager only: the mode is not
+    traced whole by torch.compile). Issue 30: built again for a deep copy of
+    the module (:class:`_Installed`)."""
     remove_route(module)
     # an instance-level forward (accelerate's offload hooks set one) is kept and
     # wrapped, and put back by remove_route
     previous = module.__dict__.get("forward")
-    if forward is None and previous is None:
+    if build is None and previous is None:
         rebound = rebind(type(module).forward, route)
         if rebound is not None:
-            forward = types.MethodType(rebound, module)
-    if forward is None:
-        original = module.forward
-        mode = _Mode(route)
-
-        def in_mode(*args: Any, **kwargs: Any) -> Any:
-            with mode:
-                return original(*args, **kwargs)
-
-        forward = in_mode
-    module.__dict__["forward"] = forward
+            build = functools.partial(_bound, rebound)
+    if build is None:
+        build = _in_mode
+    module.__dict__["forward"] = _Installed(module, route, build, previous)
     module.__dict__[_ROUTE_ATTR] = (route, previous)
 
 
@@ -1313,15 +1421,24 @@ def install_by_hand(module: Any, processor: Any) -> None:
     """Defer ``module.get_attention_scores`` while ``processor`` (the site's routed
     copy) is the module's processor; any other processor set since gets the
     module's own scores. Undone by :func:`remove_route`."""
-    original = type(module).get_attention_scores
-
-    def get_attention_scores(query: Any, key: Any, attention_mask: Any = None) -> Any:
-        if module.processor is not processor:
-            return original(module, query, key, attention_mask)
-        return _Scores(module, query, key, attention_mask)
-
-    module.__dict__[SCORES] = get_attention_scores
+    module.__dict__[SCORES] = _DeferredScores(module, processor)
     module.__dict__[_SCORES_ATTR] = True
+
+
+class _DeferredScores:
+    """``module.get_attention_scores`` of :func:`install_by_hand`; an object, so a
+    deep copy of the module holds one of its own (issue 30)."""
+
+    __slots__ = ("module", "processor")
+
+    def __init__(self, module: Any, processor: Any) -> None:
+        self.module, self.processor = module, processor
+
+    def __call__(self, query: Any, key: Any, attention_mask: Any = None) -> Any:
+        module = self.module
+        if module.processor is not self.processor:
+            return type(module).get_attention_scores(module, query, key, attention_mask)
+        return _Scores(module, query, key, attention_mask)
 
 
 def _additive(mask: Any, dtype: Any) -> Any:

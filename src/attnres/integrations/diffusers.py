@@ -978,9 +978,9 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
         deferred = route.by_hand and not pair
         routed = None if original is None or deferred else _route.routed_processor(original, route)
         if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
-            _route.install_route(module, route, _route.mha_forward(module, route))
+            _route.install_route(module, route, _route.mha_forward)
         elif deferred:  # issue 19: softmax by hand, read as it runs
-            _route.install_route(module, route, _route.deferred_forward(module, route))
+            _route.install_route(module, route, _route.deferred_forward)
         elif routed is not None:
             # a copy: the original object may be shared with other modules or models
             processor = routed

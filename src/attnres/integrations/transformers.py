@@ -1043,11 +1043,11 @@ def _route_installer(
         # as a planned site's ``preferred`` does
         route.keeps_own = by_hand
         own = (
-            _route.mha_forward(module, route)
+            _route.mha_forward
             if isinstance(module, torch.nn.MultiheadAttention)
-            else _route.watch_forward(module, route)
+            else _route.watch_forward
             if watched
-            else _route.deferred_forward(module, route)
+            else _route.deferred_forward
             if by_hand
             else None
         )
