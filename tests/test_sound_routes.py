@@ -238,3 +238,59 @@ def test_an_applied_flux_pipeline_deep_copies_and_its_copy_follows_its_own_weigh
         assert isinstance(info.value, AttnresError) and isinstance(info.value, TypeError)
     idf.remove(pipe)
     pickle.dumps(pipe.transformer)  # removed: an ordinary model again
+
+
+# -- the fallback mode takes the site's own SDPA calls only ----------------------------------------
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+class _Site(torch.nn.Module):
+    """A site its code names SDPA through ``torch.`` (no rebind: the mode route),
+    holding a module that calls SDPA too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        own = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
+        return own + self.inner(q[..., :3, :]).sum()
+
+
+class _Recording:
+    """A route stand-in: records the calls it is handed, runs torch SDPA."""
+
+    name = component = "recorded"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, ...]] = []
+
+    def __call__(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.seen.append(tuple(q.shape))
+        return torch.nn.functional.scaled_dot_product_attention(q, *args, **kwargs)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_mode_route_takes_only_the_sites_own_calls() -> None:
+    from attnres.integrations import _route
+
+    site, q = _Site(), torch.randn(1, 2, 5, 4)
+    want = site(q)
+    outer, inner = _Recording(), _Recording()
+    _route.install_route(site, outer)  # type: ignore[arg-type]
+    try:
+        assert torch.equal(site(q), want)
+        assert outer.seen == [(1, 2, 5, 4)]  # the nested module's call is not the site's
+        _route.install_route(site.inner, inner)  # type: ignore[arg-type]
+        assert torch.equal(site(q), want)
+        # nor is the nested route's kernel call (made inside its own mode)
+        assert outer.seen == [(1, 2, 5, 4)] * 2 and inner.seen == [(1, 2, 3, 4)]
+    finally:
+        _route.remove_route(site.inner)
+        _route.remove_route(site)

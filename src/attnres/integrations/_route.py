@@ -692,9 +692,24 @@ class _Mode(TorchFunctionMode):
         self.route = route
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _SDPA:
+        if func is _SDPA and _own_call(sys._getframe(1)):
             return self.route(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def _own_call(frame: types.FrameType | None) -> bool:
+    """Issue 30: whether an SDPA call was made by the site's own code, the frames
+    between it and the site's forward (:func:`_run_in_mode`) holding no call of
+    another module (``Module.__call__``) and no other route's kernel (a nested
+    site's mode handling its own call): those are not the site's to take."""
+    while frame is not None:
+        code = frame.f_code
+        if code is _RUN_IN_MODE:
+            return True
+        if code in _NOT_OWN:
+            return False
+        frame = frame.f_back
+    return False
 
 
 _KernelFn = Callable[..., Any]
@@ -1254,14 +1269,24 @@ def _bound(rebound: Any, module: Any, route: GenericRoute) -> Any:
 
 
 def _in_mode(module: Any, route: GenericRoute) -> Callable[..., Any]:
-    original = module.forward
-    mode = _Mode(route)
+    return functools.partial(_run_in_mode, _Mode(route), module.forward)
 
-    def in_mode(*args: Any, **kwargs: Any) -> Any:
-        with mode:
-            return original(*args, **kwargs)
 
-    return in_mode
+def _run_in_mode(mode: _Mode, original: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """The site's forward with its own SDPA calls sent to its route (:func:`_own_call`)."""
+    with mode:
+        return original(*args, **kwargs)
+
+
+_RUN_IN_MODE = _run_in_mode.__code__
+#: frames that end a site's own code: another module's call, another route's mode
+_NOT_OWN = frozenset(
+    {
+        torch.nn.Module._call_impl.__code__,
+        torch.nn.Module._wrapped_call_impl.__code__,
+        _Mode.__torch_function__.__code__,
+    }
+)
 
 
 class _Installed:
