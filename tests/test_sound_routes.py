@@ -11,6 +11,10 @@ from typing import Any
 import attrs
 import pytest
 import torch
+
+# imported before any test installs kernel fakes (transformers probes flash_attn's
+# spec when it first imports its hub kernels)
+import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # noqa: F401
 from test_kernels_fakes import VARIANTS, Calls, fake_xformers, kernel_for
 
 from attnres import Platform
@@ -294,3 +298,86 @@ def test_the_mode_route_takes_only_the_sites_own_calls() -> None:
     finally:
         _route.remove_route(site.inner)
         _route.remove_route(site)
+
+
+# -- the mask's kind is in a call's signature; the kernel table is read under its lock ---------
+
+
+def _qwen_site(varlen_fakes: Calls) -> tuple[Any, Any, Any]:
+    from test_hf_attention import SAGE, STAND_IN, _qwen25vl_text
+
+    from attnres.integrations import _hf_attention
+    from attnres.integrations import transformers as itf
+
+    model = _qwen25vl_text()
+    plan = itf.apply(model, "text_encoder", SAGE, STAND_IN)
+    module = dict(model.named_modules())[plan.sites[0].name]
+    route = _hf_attention.bound_route(module)
+    assert route is not None
+    return model, module, route
+
+
+def test_a_later_call_with_another_mask_kind_is_checked(varlen_fakes: Calls) -> None:
+    from attnres.integrations import _hf_attention
+    from attnres.integrations import transformers as itf
+
+    model, module, route = _qwen_site(varlen_fakes)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        q = torch.randn(2, 4, 5, 16, generator=gen).half()
+        kv = torch.randn(2, 2, 5, 16, generator=gen).half()
+        padding = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+        causal_padded = torch.ones(5, 5, dtype=torch.bool).tril() & padding[:, None, None, :]
+        _hf_attention.attention_forward(module, q, kv, kv, causal_padded)  # the planned kind
+        assert len(varlen_fakes.seen) == 1 and not route.first_calls
+        # a later call of the same signature but a boolean mask no varlen kernel takes
+        # (the queries of a row see different keys): checked, not the first's kernel
+        scattered = torch.rand(2, 1, 5, 5, generator=gen) > 0.4
+        scattered[..., 0] = True
+        out, _ = _hf_attention.attention_forward(module, q, kv, kv, scattered)
+        (first,) = route.first_calls
+        assert "boolean mask" in first.describe() and first.backend.name == "torch_sdpa"
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, kv, kv, attn_mask=scattered, enable_gqa=True
+        ).transpose(1, 2)
+        torch.testing.assert_close(out, want)
+        assert len(varlen_fakes.seen) == 1  # sage never saw it
+    finally:
+        itf.remove(model)
+
+
+def test_the_kernel_table_is_read_safely_between_threads(varlen_fakes: Calls) -> None:
+    import threading
+
+    from attnres.integrations import transformers as itf
+
+    model, _, route = _qwen_site(varlen_fakes)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        q = torch.randn(1, 4, 5, 16, generator=gen).half()
+        kv = torch.randn(1, 2, 5, 16, generator=gen).half()
+        masks = [None, torch.ones(1, 1, 1, 5, dtype=torch.bool)]
+        masks += [torch.rand(1, 1, 5, 5, generator=gen) > 0.3 for _ in range(6)]
+        for m in masks[2:]:
+            m[..., 0] = True
+        start, errors = threading.Barrier(8), []
+
+        def call(mask: Any) -> None:
+            try:
+                start.wait()
+                for _ in range(20):
+                    route.kernel_for(q, kv, mask, 0.0, False, None, -3)
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=call, args=(m,)) for m in masks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        # one decision per signature, each taken once
+        keys = [f.facts.key() for f in route.first_calls]
+        assert len(keys) == len(set(keys))
+    finally:
+        itf.remove(model)

@@ -483,14 +483,14 @@ class CallFacts:
         )
 
     def key(self) -> tuple[Any, ...]:
-        """What decides a kernel (the mask's shape does not; its presence does):
-        the same tuple :func:`call_key` builds from a call."""
+        """What decides a kernel (the mask's shape does not; its kind does): the
+        same tuple :func:`call_key` builds from a call."""
         return signature(
             self.heads,
             self.kv_heads,
             self.head_size,
             getattr(torch, self.dtype),
-            self.mask.present,
+            (self.mask.kind, self.mask.causal) if self.mask.present else False,
             self.causal,
             self.custom_scale,
             self.dropout,
@@ -586,10 +586,44 @@ class CallFacts:
         return spec
 
 
+def mask_kind(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> Any:
+    """Issue 30: a call's mask in its signature: ``False`` (none), else its observed
+    kind and whether it holds a causal triangle (:func:`_observe_mask`), read once
+    per mask tensor (every layer of a forward is handed the same one)."""
+    if attn_mask is None:
+        return False
+    if _is_block_mask(attn_mask):
+        return (MaskKind.BOOLEAN, False)
+    seq_dim = -2 if heads_dim == -3 else -3
+    batch = int(q.shape[0]) if q.dim() == 4 else 1
+    key = (
+        id(attn_mask),
+        attn_mask._version,
+        batch,
+        int(q.shape[seq_dim]),
+        int(k.shape[seq_dim]),
+        heads_dim,
+    )
+    held = _MASKS_SEEN.get(key)
+    if held is not None and held[0]() is attn_mask:
+        return held[1]
+    facts = _observe_mask(q, k, attn_mask, heads_dim)
+    kind = (facts.kind, facts.causal)
+    if len(_MASKS_SEEN) >= 64:
+        _MASKS_SEEN.clear()
+    _MASKS_SEEN[key] = (weakref.ref(attn_mask), kind)
+    return kind
+
+
+#: the masks :func:`mask_kind` read lately: (id, version, batch, seq_q, seq_kv,
+#: layout) -> (the tensor, weakly; its kind)
+_MASKS_SEEN: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
 def call_key(
     q: Any,
     k: Any,
-    attn_mask: Any,
+    mask: Any,
     dropout_p: float,
     is_causal: bool,
     scale: float | None,
@@ -598,15 +632,15 @@ def call_key(
     arguments: tuple[str, ...] = (),
     own_math: str = "",
 ) -> tuple[Any, ...]:
-    """A call's signature, built with no object (it runs on every call, and is
-    traced whole by torch.compile)."""
+    """A call's signature (``mask``: its :func:`mask_kind`), built with no object
+    (it runs on every call, and is traced whole by torch.compile)."""
     head_size = q.shape[-1]
     return signature(
         q.shape[heads_dim],
         k.shape[heads_dim],
         head_size,
         q.dtype,
-        attn_mask is not None,
+        mask,
         bool(is_causal),
         scale is not None and _custom(scale, head_size),
         bool(dropout_p),
@@ -621,7 +655,7 @@ def signature(
     kv_heads: int,
     head_size: int,
     dtype: Any,
-    mask: bool,
+    mask: Any,
     causal: bool,
     custom_scale: bool,
     dropout: bool,
@@ -713,6 +747,8 @@ def _own_call(frame: types.FrameType | None) -> bool:
 
 
 _KernelFn = Callable[..., Any]
+#: a signature no kernel was decided for yet
+_UNSEEN: Any = object()
 
 
 class GenericRoute:
@@ -774,8 +810,9 @@ class GenericRoute:
         self._shared = 0
         #: call signature -> the kernel that runs it (None: the original SDPA)
         self.kernels: dict[tuple[Any, ...], _KernelFn | None] = {}
-        #: issue 22: planned signatures whose mask kind the first call verifies
-        self.unverified: set[tuple[Any, ...]] = set()
+        #: issue 30: the mask of the latest call outside torch.compile (a graph
+        #: cannot read a mask's values: it runs the kernel eager calls were given)
+        self.last_mask: Any = None
         if self.planned is not None and resolution is not None and spec is not None:
             kernel = self._kernel(resolution.backend, spec, self.own)
             self.kernels[self.planned.key()] = kernel
@@ -784,20 +821,6 @@ class GenericRoute:
                 # now so that it needs no first call (torch.compile traces it whole)
                 maskless = attrs.evolve(self.planned, mask=MaskFacts(False))
                 self.kernels.setdefault(maskless.key(), kernel)
-            if self.planned.mask.kind not in (MaskKind.NONE, MaskKind.ANY):
-                self.unverified.add(self.planned.key())
-
-    def _verify(self, facts: CallFacts) -> _KernelFn | None:
-        """The first call of a planned signature whose plan named a mask kind:
-        the observed kind is the planned one (keep the kernel), or the site is
-        resolved again with it, as any other fact its plan did not describe."""
-        key = facts.key()
-        with self._lock:
-            self.unverified.discard(key)
-            if not facts.differences(self.planned):
-                return self.kernels[key]
-            del self.kernels[key]
-        return self._first_call(facts)
 
     def _kernel(self, backend: Backend, spec: LayerSpec, own: Backend) -> _KernelFn | None:
         if backend == own:
@@ -880,16 +903,29 @@ class GenericRoute:
         it), checked once per signature against the plan. Every caller goes
         through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
         routes, attnres's transformers attention function."""
+        # issue 30: the mask's kind is in the signature, so the first call of each
+        # kind is checked against the plan (a later call with another kind never
+        # reuses the kernel of the first)
+        mask: Any = False
+        if attn_mask is None:
+            pass
+        elif torch.compiler.is_compiling():
+            mask = self.last_mask
+            if mask is None and self.planned is not None:
+                mask = (self.planned.mask.kind, self.planned.mask.causal)
+        else:
+            mask = self.last_mask = mask_kind(q, k, attn_mask, heads_dim)
         key = call_key(
-            q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments, own_math
+            q, k, mask, dropout_p, is_causal, scale, heads_dim, weights, arguments, own_math
         )
-        if key in self.unverified and not torch.compiler.is_compiling():
-            # issue 22: the first call of a planned signature verifies its mask kind
-            return self._verify(
-                CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
-            )
-        if key in self.kernels:
-            return self.kernels[key]
+        if torch.compiler.is_compiling():  # traced: no lock in a graph
+            found = self.kernels.get(key, _UNSEEN)
+        else:  # read under the lock _first_call writes under (issue 30: threads)
+            with self._lock:
+                found = self.kernels.get(key, _UNSEEN)
+        if found is not _UNSEEN:
+            kernel: _KernelFn | None = found
+            return kernel
         return self._first_call(
             CallFacts.observe(
                 q,
@@ -1680,12 +1716,13 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
         if need_weights:  # only the module's own path returns the weights
             # a signature already decided is known before projecting (its key from
             # the call's scalars): the own path never pays the projections twice
-            present = attn_mask is not None or padding is not None
-            seen = signature(
-                heads, heads, size, query.dtype, present, False, False, bool(dropout_p), True
-            )
-            if seen in route.kernels and route.kernels[seen] is None:
-                return own()
+            # (a masked call's key holds its mask's kind: read from the mask below)
+            if attn_mask is None and padding is None:
+                seen = signature(
+                    heads, heads, size, query.dtype, False, False, False, bool(dropout_p), True
+                )
+                if route.kernels.get(seen, _UNSEEN) is None:
+                    return own()
             q, k, _, mask = project()
             if route.kernel_for(q, k, mask, dropout_p, causal, None, -2, True) is None:
                 return own()
