@@ -381,3 +381,32 @@ def test_the_kernel_table_is_read_safely_between_threads(varlen_fakes: Calls) ->
         assert len(keys) == len(set(keys))
     finally:
         itf.remove(model)
+
+
+# -- torch's functional multi-head attention is a site -----------------------------------------
+
+
+def test_hunyuandit_attention_pool_is_a_site_of_its_own_code_path() -> None:
+    import tiny_models
+
+    from attnres.errors import IntegrationError
+    from attnres.integrations import diffusers as idf
+
+    model, _ = tiny_models.build("HunyuanDiT2DModel")
+    name = "time_extra_emb.pooler"  # F.multi_head_attention_forward, SDPA inside torch
+
+    def pooler(comp: str, config: SelectionConfig) -> Any:
+        plan = idf.plan({comp: model}, config, Platform.detect())
+        (site,) = [s for s in plan.sites if s.name == name]
+        return site
+
+    assert pooler("transformer", SelectionConfig()).backend.name == "torch_sdpa"
+    # explicit eager: honoured by a fallback that says so, or refused in a strict component
+    relaxed = pooler("text_encoder", _explicit("eager"))
+    assert relaxed.backend.name == "torch_sdpa" and relaxed.resolution.reason is not None
+    assert "multi_head_attention_forward" in relaxed.route
+    strict = pooler("transformer", _explicit("eager"))
+    assert strict.backend is None and "'eager' is not supported" in (strict.error or "")
+    with pytest.raises(IntegrationError) as info:  # every other site runs eager
+        idf.apply({"transformer": model}, _explicit("eager"), Platform.detect())
+    assert all(s.backend is not None for s in info.value.plan.sites if s.name != name)

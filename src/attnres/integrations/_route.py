@@ -311,6 +311,60 @@ def describe_mha(
     )
 
 
+#: issue 30: torch's functional multi-head attention (HunyuanDiT's attention pool
+#: calls it with its own projections): softmax attention a module's code computes
+#: through torch's own code path
+MHA_FUNCTION = "multi_head_attention_forward"
+
+
+def describe_mha_function(
+    component: str, name: str, module: Any, dtype: str, backward: bool
+) -> SiteDescription:
+    """A module whose code calls ``F.multi_head_attention_forward`` (issue 30): a
+    site of its own code path, which runs torch SDPA (``need_weights=False``) and
+    takes no other kernel. So an explicit backend is honoured by falling back
+    with the reason (a component that may fall back) or refused, typed (a strict
+    one); with no flag nothing changes. Head facts from what the module holds
+    (a head count, and a head size or its query projection's width); without
+    them the site is recorded as unclassified, which a strict component refuses."""
+    own = Backend("torch_sdpa")
+    facts = head_facts(module)
+    heads = _int_attr(module, _HEADS)
+    width = getattr(getattr(module, "q_proj", None), "out_features", None)
+    if facts is None and heads is not None and isinstance(width, int) and width % heads == 0:
+        facts = (heads, heads, width // heads)
+    route = (
+        f"torch_sdpa in torch.nn.functional.{MHA_FUNCTION} (its own code path: "
+        f"{type(module).__name__} calls it)"
+    )
+    common: dict[str, Any] = {
+        "component": component,
+        "name": name,
+        "module_class": type(module).__name__,
+        "dtype": dtype,
+        "route": route,
+        "current": own,
+        "requirements": Requirements(backward=backward),
+    }
+    if facts is None:
+        return SiteDescription(
+            **common,
+            supported=frozenset({own}),
+            head_size=None,
+            heads=None,
+            kv_heads=None,
+            why=f"{type(module).__name__} calls torch.nn.functional.{MHA_FUNCTION} and holds "
+            f"no head count and head size",
+        )
+    return SiteDescription(
+        **common,
+        supported=frozenset({own}),
+        heads=facts[0],
+        kv_heads=facts[1],
+        head_size=facts[2],
+    )
+
+
 #: the route of a ``torch.nn.MultiheadAttention`` site
 MHA_ROUTE = "generic route"
 #: the route a call that returns its attention weights is limited to

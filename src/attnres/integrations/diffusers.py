@@ -582,6 +582,10 @@ def _describe(
         owner, names = _attention_code(module)
     else:
         own = _route.calls_of(_route.methods_of(module), depth=1)
+        if _route.MHA_FUNCTION in own and _route.SDPA not in own:
+            # issue 30: softmax attention through torch's functional MHA (HunyuanDiT's
+            # attention pool): a site of its own code path, never silently skipped
+            return _route.describe_mha_function(component, name, module, dtype, backward)
         if _route.SDPA not in own:
             return None
         owner, names = cls, own
