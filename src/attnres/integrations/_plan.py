@@ -539,10 +539,11 @@ def _plan_one(
     ):
         # issue 30: with no flag attnres changes nothing. The site's own backend
         # failed a check here (Gemma 2 on transformers 4.x: sdpa "does not
-        # implement softcap", which that sdpa ignored), and the machine's fallback
-        # chose another: that is a change nobody asked for. The site keeps what
-        # it runs, and says why
-        failed = res.reason.value if res.reason is not None else "another backend"
+        # implement softcap", which that sdpa ignored) and the fallback chose
+        # another, or a strict component (no default) took the platform's order
+        # (a transformers class that runs eager moved to torch SDPA): a change
+        # nobody asked for. The site keeps what it runs, and says why
+        failed = res.reason.value if res.reason is not None else "the platform's order"
         return Site(
             **common,
             spec=spec,
