@@ -243,8 +243,7 @@ def _by_hand_first_call_traces(tmp_path: Path) -> list[Path]:
     (site,) = plan.sites
     assert site.backend.name == "sage_attn"
     route = _route.site_route(site, sage, Platform.simulate(SIM))
-    _route.install_route(bloom.h[0].self_attention, route,
-                         _route.deferred_forward(bloom.h[0].self_attention, route))  # fmt: skip
+    _route.install_route(bloom.h[0].self_attention, route, _route.deferred_forward)
     with torch.no_grad():
         bloom(input_ids=torch.tensor([[2, 5, 9, 4]]))
     _route.remove_route(bloom.h[0].self_attention)

@@ -163,10 +163,10 @@ def _under(step: str | int, exc: Exception) -> Exception:
     field note for an identifier key, an index note for a list index or any
     other key), so ``transform_error`` writes the JSON path."""
     if isinstance(step, str) and _IDENT.fullmatch(step):
-        exc.__notes__ = [AttributeValidationNote(f"Structuring field {step}", step, object)]  # type: ignore[attr-defined]
+        exc.__notes__ = [AttributeValidationNote(f"Structuring field {step}", step, object)]
         return ClassValidationError(f"invalid {step}", [exc], object)
     index: int | str = step if isinstance(step, int) else _Key(step)
-    exc.__notes__ = [IterableValidationNote(f"Structuring at {index!r}", index, object)]  # type: ignore[attr-defined]
+    exc.__notes__ = [IterableValidationNote(f"Structuring at {index!r}", index, object)]
     return IterableValidationError(f"invalid item {index!r}", [exc], object)
 
 

@@ -69,6 +69,7 @@ from attnres.errors import (
     MaskKindError,
     MaskShapeError,
 )
+from attnres.kernels._common import no_keys_output
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -627,6 +628,8 @@ def padded_kernel(
     ) -> Tensor:
         batch, seq_q, heads, size = q.shape
         seq_kv = k.shape[1]
+        if seq_kv == 0:  # issue 30: no keys, as torch SDPA answers them (not unpadded)
+            return no_keys_output(q, k, v)
         # issue 23: the backend's options (the features) reach the varlen entry point
         # too; softcap and windows it is not given
         refused = bool(features) and not _NOT_ON_VARLEN.isdisjoint(features)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from attnres.trace import Trace
 
 __all__ = [
+    "AppliedModelPickleError",
     "AttnresError",
     "BackendNotAppliedError",
     "BackendOptionError",
@@ -47,6 +48,7 @@ __all__ = [
     "TraceFormatError",
     "TraceWriteError",
     "UnknownBackendError",
+    "UnsupportedVersionError",
     "UsageError",
 ]
 
@@ -241,6 +243,30 @@ class EngineSupportError(AttnresError, ImportError):
         super().__init__(message)
         self.engine = engine
         self.version = version
+        self.supported = supported
+
+
+class AppliedModelPickleError(AttnresError, TypeError):
+    """``pickle`` or ``torch.save`` of a model with attnres's routes installed
+    (issue 30): a route is code installed in this process (a processor class of
+    its own, a kernel bound to this machine), which a file cannot carry. A
+    ``TypeError``, as pickle's own refusal is. ``copy.deepcopy`` works; to
+    save, call the integration's ``remove()`` first and ``apply`` again after
+    loading."""
+
+
+class UnsupportedVersionError(AttnresError, ImportError):
+    """An integration's library is installed at a version outside the range
+    attnres declares for it (the ``diffusers`` and ``transformers`` extras):
+    ``apply`` refuses it rather than half-work against code it was not written
+    for. An ``ImportError``, as for a kernel package of the wrong build.
+    ``.package``, ``.installed`` and ``.supported`` (the range, as the extra
+    declares it) are attached."""
+
+    def __init__(self, message: str, package: str, installed: str, supported: str) -> None:
+        super().__init__(message, name=package)
+        self.package = package
+        self.installed = installed
         self.supported = supported
 
 

@@ -26,10 +26,10 @@ Decisions (documented in ``docs/cli.md``):
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import sys
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -86,8 +86,6 @@ __all__ = [
     "plan_pipeline",
     "trace_file_name",
 ]
-
-_tomllib: Any = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
 
 _TOP_KEYS = ("pipeline", "components")
 _PIPELINE_KEYS = ("name", "description")
@@ -209,8 +207,8 @@ def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
             f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})", path=source
         ) from None
     try:
-        doc: dict[str, Any] = _tomllib.loads(text)
-    except _tomllib.TOMLDecodeError as exc:
+        doc: dict[str, Any] = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         message = str(exc)
         line = getattr(exc, "lineno", None)
         if line is None:

@@ -143,6 +143,9 @@ def attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q_length = query.shape[2]
     mask = attention_mask
+    # transformers' SDPA rule: the causal flag only when no mask carries it
+    causal = bool(q_length > 1 and mask is None and causal)
+    plain_causal = causal  # what the model's own eager is told (it adds the bias itself)
     if position_bias is not None:  # T5: the additive bias, with the padding folded in
         bias = position_bias.to(query.dtype)
         if mask is not None:
@@ -151,16 +154,21 @@ def attention_forward(
                 if mask.dtype == torch.bool
                 else (bias + mask)
             )
+        elif causal:
+            # issue 30: a decoder's plain causal call (transformers left it no mask):
+            # the triangle folded into the bias, as transformers' create_position_bias_mask
+            # does (top-left, the keys beyond the queries of an empty static cache cut)
+            tri = torch.ones(q_length, key.shape[2], dtype=torch.bool, device=query.device)
+            bias = bias.masked_fill(~tri.tril()[None, None], torch.finfo(query.dtype).min)
+            causal = False  # the mask carries it now
         mask = bias
-    # transformers' SDPA rule: the causal flag only when no mask carries it
-    causal = bool(q_length > 1 and mask is None and causal)
     # the call's facts, checked once per signature against the plan (issue 19)
     kernel = route.kernel_for(query, key, mask, dropout, causal, scaling, -3, arguments=arguments)
     if arguments:  # resolved to eager (a fallback component): the model's own
         # eager adds its mask: the boolean one sdpa_mask built, as eager's additive one
         # (or the causal flag it left for a plain causal call)
         keep = attention_mask
-        if keep is None and causal:
+        if keep is None and plain_causal:
             q_len, kv_len = query.shape[2], key.shape[2]
             keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
             keep = keep.tril(kv_len - q_len)[None, None]

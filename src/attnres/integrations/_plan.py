@@ -22,11 +22,16 @@ import attrs
 from attrs import field, frozen
 
 from attnres import audit as _audit
-from attnres._states import Status
+from attnres._states import Origin, Status
 from attnres._varlen import check_layer_options
 from attnres._vocab import Role
 from attnres.backends import Backend, lookup_spec
-from attnres.errors import BackendOptionError, IntegrationError, ResolutionError  # all in errors
+from attnres.errors import (  # all in errors
+    BackendOptionError,
+    IntegrationError,
+    ResolutionError,
+    UnsupportedVersionError,
+)
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.layout import SequenceLayout
 from attnres.ledger import Decision, set_decisions
@@ -538,8 +543,34 @@ def _plan_one(
             trace=exc.trace,
             site_error=SiteError(str(exc.code), message),
         )
+    if (
+        res.origin in _NOTHING_REQUESTED
+        and desc.current is not None
+        and res.backend != desc.current
+    ):
+        # issue 30: with no flag attnres changes nothing. The site's own backend
+        # failed a check here (Gemma 2 on transformers 4.x: sdpa "does not
+        # implement softcap", which that sdpa ignored) and the fallback chose
+        # another, or a strict component (no default) took the platform's order
+        # (a transformers class that runs eager moved to torch SDPA): a change
+        # nobody asked for. The site keeps what it runs, and says why
+        failed = res.reason.value if res.reason is not None else "the platform's order"
+        return Site(
+            **common,
+            spec=spec,
+            resolution=None,
+            site_error=None,
+            trace=None,
+            note=f"nothing requested, left on its own code path ({desc.current.name}): "
+            f"automatic selection would move it to {res.backend.name} ({failed}), which "
+            f"changes its output; request a backend to move it",
+        )
     _check_options(desc, spec, res, platform)
     return Site(**common, spec=spec, resolution=res, site_error=None, trace=res.trace)
+
+
+#: the origins of a resolution nobody asked for (no flag, no override, no request)
+_NOTHING_REQUESTED = frozenset({Origin.LAYER_DEFAULT, Origin.NONE})
 
 
 def _check_options(
@@ -564,6 +595,44 @@ def _check_options(
         f"(docs/integrations.md#per-backend-options)",
         res.backend.name,
         options[0][0],
+    )
+
+
+#: issue 30: the one table of the library versions the integrations support, as
+#: pyproject.toml's extras declare them (``>=low,<high``; a test checks they agree),
+#: and the attribute each is checked against (``<package>.__version__``)
+SUPPORTED_VERSIONS: dict[str, tuple[str, str]] = {
+    "transformers": ("5", "6"),
+    "diffusers": ("0.42", "0.43"),
+}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers a version string starts with (``5.24.0.dev0`` -> 5, 24, 0)."""
+    found = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(p) for p in found.group(0).split(".")) if found else ()
+
+
+def check_version(module: Any) -> None:
+    """Refuse, typed, the library ``module`` (the package an integration imported)
+    at a version outside :data:`SUPPORTED_VERSIONS` (its ``__version__``): its
+    code is not what attnres's routes were written against, and a route that
+    half-works changes outputs silently
+    (transformers 4.x: no flag moved Gemma 2 from sdpa to eager)."""
+    package = module.__name__
+    low, high = SUPPORTED_VERSIONS[package]
+    installed = str(getattr(module, "__version__", "unknown"))
+    release = _release(installed)
+    if release and _release(low) <= release < _release(high):
+        return
+    supported = f">={low},<{high}"
+    raise UnsupportedVersionError(
+        f"attnres's {package} integration supports {package}{supported} (the version "
+        f"attnres[{package}] declares), but {package} {installed} is installed; nothing was "
+        f"changed. Install a supported version: pip install '{package}{supported}'",
+        package,
+        installed,
+        supported,
     )
 
 

@@ -38,7 +38,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import torch
@@ -53,7 +53,12 @@ from attnres._varlen import (
 )
 from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend, lookup_spec
-from attnres.errors import CompiledGraphError, InvalidStateError, ResolutionError
+from attnres.errors import (
+    AppliedModelPickleError,
+    CompiledGraphError,
+    InvalidStateError,
+    ResolutionError,
+)
 from attnres.integrations._deferred import (
     MATMULS,
     SOFTMAXES,
@@ -316,6 +321,60 @@ def describe_mha(
     )
 
 
+#: issue 30: torch's functional multi-head attention (HunyuanDiT's attention pool
+#: calls it with its own projections): softmax attention a module's code computes
+#: through torch's own code path
+MHA_FUNCTION = "multi_head_attention_forward"
+
+
+def describe_mha_function(
+    component: str, name: str, module: Any, dtype: str, backward: bool
+) -> SiteDescription:
+    """A module whose code calls ``F.multi_head_attention_forward`` (issue 30): a
+    site of its own code path, which runs torch SDPA (``need_weights=False``) and
+    takes no other kernel. So an explicit backend is honoured by falling back
+    with the reason (a component that may fall back) or refused, typed (a strict
+    one); with no flag nothing changes. Head facts from what the module holds
+    (a head count, and a head size or its query projection's width); without
+    them the site is recorded as unclassified, which a strict component refuses."""
+    own = Backend("torch_sdpa")
+    facts = head_facts(module)
+    heads = _int_attr(module, _HEADS)
+    width = getattr(getattr(module, "q_proj", None), "out_features", None)
+    if facts is None and heads is not None and isinstance(width, int) and width % heads == 0:
+        facts = (heads, heads, width // heads)
+    route = (
+        f"torch_sdpa in torch.nn.functional.{MHA_FUNCTION} (its own code path: "
+        f"{type(module).__name__} calls it)"
+    )
+    common: dict[str, Any] = {
+        "component": component,
+        "name": name,
+        "module_class": type(module).__name__,
+        "dtype": dtype,
+        "route": route,
+        "current": own,
+        "requirements": Requirements(backward=backward),
+    }
+    if facts is None:
+        return SiteDescription(
+            **common,
+            supported=frozenset({own}),
+            head_size=None,
+            heads=None,
+            kv_heads=None,
+            why=f"{type(module).__name__} calls torch.nn.functional.{MHA_FUNCTION} and holds "
+            f"no head count and head size",
+        )
+    return SiteDescription(
+        **common,
+        supported=frozenset({own}),
+        heads=facts[0],
+        kv_heads=facts[1],
+        head_size=facts[2],
+    )
+
+
 #: the route of a ``torch.nn.MultiheadAttention`` site
 MHA_ROUTE = "generic route"
 #: the route a call that returns its attention weights is limited to
@@ -488,14 +547,14 @@ class CallFacts:
         )
 
     def key(self) -> tuple[Any, ...]:
-        """What decides a kernel (the mask's shape does not; its presence does):
-        the same tuple :func:`call_key` builds from a call."""
+        """What decides a kernel (the mask's shape does not; its kind does): the
+        same tuple :func:`call_key` builds from a call."""
         return signature(
             self.heads,
             self.kv_heads,
             self.head_size,
             getattr(torch, self.dtype),
-            self.mask.present,
+            (self.mask.kind, self.mask.causal) if self.mask.present else False,
             self.causal,
             self.custom_scale,
             self.dropout,
@@ -591,10 +650,44 @@ class CallFacts:
         return spec
 
 
+def mask_kind(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> Any:
+    """Issue 30: a call's mask in its signature: ``False`` (none), else its observed
+    kind and whether it holds a causal triangle (:func:`_observe_mask`), read once
+    per mask tensor (every layer of a forward is handed the same one)."""
+    if attn_mask is None:
+        return False
+    if _is_block_mask(attn_mask):
+        return (MaskKind.BOOLEAN, False)
+    seq_dim = -2 if heads_dim == -3 else -3
+    batch = int(q.shape[0]) if q.dim() == 4 else 1
+    key = (
+        id(attn_mask),
+        attn_mask._version,
+        batch,
+        int(q.shape[seq_dim]),
+        int(k.shape[seq_dim]),
+        heads_dim,
+    )
+    held = _MASKS_SEEN.get(key)
+    if held is not None and held[0]() is attn_mask:
+        return held[1]
+    facts = _observe_mask(q, k, attn_mask, heads_dim)
+    kind = (facts.kind, facts.causal)
+    if len(_MASKS_SEEN) >= 64:
+        _MASKS_SEEN.clear()
+    _MASKS_SEEN[key] = (weakref.ref(attn_mask), kind)
+    return kind
+
+
+#: the masks :func:`mask_kind` read lately: (id, version, batch, seq_q, seq_kv,
+#: layout) -> (the tensor, weakly; its kind)
+_MASKS_SEEN: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
 def call_key(
     q: Any,
     k: Any,
-    attn_mask: Any,
+    mask: Any,
     dropout_p: float,
     is_causal: bool,
     scale: float | None,
@@ -603,15 +696,15 @@ def call_key(
     arguments: tuple[str, ...] = (),
     own_math: str = "",
 ) -> tuple[Any, ...]:
-    """A call's signature, built with no object (it runs on every call, and is
-    traced whole by torch.compile)."""
+    """A call's signature (``mask``: its :func:`mask_kind`), built with no object
+    (it runs on every call, and is traced whole by torch.compile)."""
     head_size = q.shape[-1]
     return signature(
         q.shape[heads_dim],
         k.shape[heads_dim],
         head_size,
         q.dtype,
-        attn_mask is not None,
+        mask,
         bool(is_causal),
         scale is not None and _custom(scale, head_size),
         bool(dropout_p),
@@ -626,7 +719,7 @@ def signature(
     kv_heads: int,
     head_size: int,
     dtype: Any,
-    mask: bool,
+    mask: Any,
     causal: bool,
     custom_scale: bool,
     dropout: bool,
@@ -697,12 +790,29 @@ class _Mode(TorchFunctionMode):
         self.route = route
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _SDPA:
+        if func is _SDPA and _own_call(sys._getframe(1)):
             return self.route(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
+def _own_call(frame: types.FrameType | None) -> bool:
+    """Issue 30: whether an SDPA call was made by the site's own code, the frames
+    between it and the site's forward (:func:`_run_in_mode`) holding no call of
+    another module (``Module.__call__``) and no other route's kernel (a nested
+    site's mode handling its own call): those are not the site's to take."""
+    while frame is not None:
+        code = frame.f_code
+        if code is _RUN_IN_MODE:
+            return True
+        if code in _NOT_OWN:
+            return False
+        frame = frame.f_back
+    return False
+
+
 _KernelFn = Callable[..., Any]
+#: a signature no kernel was decided for yet
+_UNSEEN: Any = object()
 
 
 class GenericRoute:
@@ -760,10 +870,13 @@ class GenericRoute:
         self.homes: list[str] = []
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._lock = threading.Lock()
+        #: the deep copies of its model that share it (issue 30: :meth:`close`)
+        self._shared = 0
         #: call signature -> the kernel that runs it (None: the original SDPA)
         self.kernels: dict[tuple[Any, ...], _KernelFn | None] = {}
-        #: issue 22: planned signatures whose mask kind the first call verifies
-        self.unverified: set[tuple[Any, ...]] = set()
+        #: issue 30: the mask of the latest call outside torch.compile (a graph
+        #: cannot read a mask's values: it runs the kernel eager calls were given)
+        self.last_mask: Any = None
         if self.planned is not None and resolution is not None and spec is not None:
             kernel = self._kernel(resolution.backend, spec, self.own)
             self.kernels[self.planned.key()] = kernel
@@ -772,20 +885,6 @@ class GenericRoute:
                 # now so that it needs no first call (torch.compile traces it whole)
                 maskless = attrs.evolve(self.planned, mask=MaskFacts(False))
                 self.kernels.setdefault(maskless.key(), kernel)
-            if self.planned.mask.kind not in (MaskKind.NONE, MaskKind.ANY):
-                self.unverified.add(self.planned.key())
-
-    def _verify(self, facts: CallFacts) -> _KernelFn | None:
-        """The first call of a planned signature whose plan named a mask kind:
-        the observed kind is the planned one (keep the kernel), or the site is
-        resolved again with it, as any other fact its plan did not describe."""
-        key = facts.key()
-        with self._lock:
-            self.unverified.discard(key)
-            if not facts.differences(self.planned):
-                return self.kernels[key]
-            del self.kernels[key]
-        return self._first_call(facts)
 
     def _kernel(self, backend: Backend, spec: LayerSpec, own: Backend) -> _KernelFn | None:
         if backend == own:
@@ -871,18 +970,31 @@ class GenericRoute:
         it), checked once per signature against the plan. Every caller goes
         through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
         routes, attnres's transformers attention function."""
-        if attn_mask is not None:  # issue 32 item 1: every call, whatever runs it
-            refuse_integer_mask(attn_mask)
+        # issue 30: the mask's kind is in the signature, so the first call of each
+        # kind is checked against the plan (a later call with another kind never
+        # reuses the kernel of the first)
+        mask: Any = False
+        if attn_mask is None:
+            pass
+        else:
+            refuse_integer_mask(attn_mask)  # issue 32 item 1: every call, whatever runs it
+            if torch.compiler.is_compiling():
+                mask = self.last_mask
+                if mask is None and self.planned is not None:
+                    mask = (self.planned.mask.kind, self.planned.mask.causal)
+            else:
+                mask = self.last_mask = mask_kind(q, k, attn_mask, heads_dim)
         key = call_key(
-            q, k, attn_mask, dropout_p, is_causal, scale, heads_dim, weights, arguments, own_math
+            q, k, mask, dropout_p, is_causal, scale, heads_dim, weights, arguments, own_math
         )
-        if key in self.unverified and not torch.compiler.is_compiling():
-            # issue 22: the first call of a planned signature verifies its mask kind
-            return self._verify(
-                CallFacts.observe(q, k, attn_mask, dropout_p, is_causal, scale, heads_dim)
-            )
-        if key in self.kernels:
-            return self.kernels[key]
+        if torch.compiler.is_compiling():  # traced: no lock in a graph
+            found = self.kernels.get(key, _UNSEEN)
+        else:  # read under the lock _first_call writes under (issue 30: threads)
+            with self._lock:
+                found = self.kernels.get(key, _UNSEEN)
+        if found is not _UNSEEN:
+            kernel: _KernelFn | None = found
+            return kernel
         return self._first_call(
             CallFacts.observe(
                 q,
@@ -965,8 +1077,24 @@ class GenericRoute:
         if facts.key() not in self.kernels:
             self._first_call(facts)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> GenericRoute:
+        """Issue 30: a deep copy of an applied model shares its routes (a route holds
+        decisions and kernels, never weights; the copy's forwards hand it the copy's
+        tensors), and its copy of the model keeps them installed."""
+        with self._lock:
+            self._shared += 1
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_pickle(f"attention site {self.name!r} of component {self.component!r}")
+
     def close(self) -> None:
-        """Forget the homes of its rebound functions (the route was removed)."""
+        """Forget the homes of its rebound functions (the route was removed; a route
+        a deep copy shares stays until the last model holding it removes it)."""
+        with self._lock:
+            if self._shared:
+                self._shared -= 1
+                return
         _forget_homes(self.homes)
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -1113,6 +1241,18 @@ def site_route(
     )
 
 
+def refuse_pickle(what: str) -> NoReturn:
+    """Issue 30: pickle and ``torch.save`` of a model with routes installed are
+    refused, typed, naming ``remove()`` (a route is code of this process)."""
+    raise AppliedModelPickleError(
+        f"cannot pickle a model with attnres's routes installed ({what}): a route is code "
+        f"installed in this process, which a file cannot carry. Call the integration's "
+        f"remove() on the model first (attnres.integrations.diffusers.remove or "
+        f"attnres.integrations.transformers.remove), save it, and apply again after "
+        f"loading; copy.deepcopy of an applied model works"
+    )
+
+
 def _forget_homes(names: list[str]) -> None:
     for name in names:
         sys.modules.pop(name, None)
@@ -1201,37 +1341,125 @@ def routed_processor(processor: Any, route: GenericRoute) -> Any:
     if call is None:
         return None
     cls = type(processor)
-    sub = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": call,
+            "__module__": cls.__module__,
+            "__deepcopy__": _copy_processor,
+            "__reduce_ex__": _refuse_processor,
+        },
+    )
     routed = copy.copy(processor)
     routed.__class__ = sub
     return routed
 
 
-def install_route(module: Any, route: GenericRoute, forward: Any = None) -> None:
+def _copy_processor(self: Any, memo: dict[int, Any]) -> Any:
+    """A routed processor's deep copy (issue 30): its state copied, its class (the
+    routed one, sharing the route) kept."""
+    new = object.__new__(type(self))
+    memo[id(self)] = new
+    new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+    return new
+
+
+def _refuse_processor(self: Any, protocol: Any) -> Any:
+    refuse_pickle(f"a routed {type(self).__name__}")
+
+
+def _bound(rebound: Any, module: Any, route: GenericRoute) -> Any:
+    return types.MethodType(rebound, module)
+
+
+def _in_mode(module: Any, route: GenericRoute) -> Callable[..., Any]:
+    return functools.partial(_run_in_mode, _Mode(route), module.forward)
+
+
+def _run_in_mode(mode: _Mode, original: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """The site's forward with its own SDPA calls sent to its route (:func:`_own_call`)."""
+    with mode:
+        return original(*args, **kwargs)
+
+
+_RUN_IN_MODE = _run_in_mode.__code__
+#: frames that end a site's own code: another module's call, another route's mode
+_NOT_OWN = frozenset(
+    {
+        torch.nn.Module._call_impl.__code__,
+        torch.nn.Module._wrapped_call_impl.__code__,
+        _Mode.__torch_function__.__code__,
+    }
+)
+
+
+class _Installed:
+    """The instance ``forward`` :func:`install_route` sets: ``build(module, route)``,
+    called. Issue 30: a deep copy of the module gets its own, built again on its
+    first call from the copy (a closure over the original would run the original's
+    weights); pickling is refused, typed (:func:`refuse_pickle`)."""
+
+    __slots__ = ("build", "fn", "lock", "module", "previous", "route")
+
+    def __init__(self, module: Any, route: GenericRoute, build: Any, previous: Any) -> None:
+        self.module, self.route, self.build, self.previous = module, route, build, previous
+        self.lock = threading.Lock()
+        self.fn: Any = build(module, route)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self.fn
+        if fn is None:
+            fn = self._rebuild()
+        return fn(*args, **kwargs)
+
+    def _rebuild(self) -> Any:
+        with self.lock:
+            if self.fn is None:
+                # built as at install: the module's forward before the route's
+                own = self.module.__dict__
+                mine = own.pop("forward", None)
+                if self.previous is not None:
+                    own["forward"] = self.previous
+                try:
+                    self.fn = self.build(self.module, self.route)
+                finally:
+                    own["forward"] = mine
+            return self.fn
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Installed:
+        new = object.__new__(_Installed)
+        memo[id(self)] = new
+        new.module = copy.deepcopy(self.module, memo)  # the copy (already in memo)
+        new.route = copy.deepcopy(self.route, memo)
+        new.build, new.fn, new.lock = self.build, None, threading.Lock()
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_pickle(f"attention site {self.route.name!r} of component {self.route.component!r}")
+
+
+def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
     """Run ``module``'s forward with its SDPA calls sent to ``route`` (this module only).
 
-    ``forward``, when given, is the site's own (the MHA route's, :func:`mha_forward`).
-    Otherwise its forward is rebound (:func:`rebind`) where its code names the
-    call, else a ``TorchFunctionMode`` is entered around it (eager only: the
-    mode is not traced whole by torch.compile)."""
+    ``build``, when given, makes the site's own forward from the module and the
+    route (the MHA route's, :func:`mha_forward`). Otherwise its forward is
+    rebound (:func:`rebind`) where its code names the call, else a
+    ``TorchFunctionMode`` is entered around it (eager only: the mode is not
+    traced whole by torch.compile). Issue 30: built again for a deep copy of
+    the module (:class:`_Installed`)."""
     remove_route(module)
     # an instance-level forward (accelerate's offload hooks set one) is kept and
     # wrapped, and put back by remove_route
     previous = module.__dict__.get("forward")
-    if forward is None and previous is None:
+    if build is None and previous is None:
         rebound = rebind(type(module).forward, route)
         if rebound is not None:
-            forward = types.MethodType(rebound, module)
-    if forward is None:
-        original = module.forward
-        mode = _Mode(route)
-
-        def in_mode(*args: Any, **kwargs: Any) -> Any:
-            with mode:
-                return original(*args, **kwargs)
-
-        forward = in_mode
-    module.__dict__["forward"] = forward
+            build = functools.partial(_bound, rebound)
+    if build is None:
+        build = _in_mode
+    module.__dict__["forward"] = _Installed(module, route, build, previous)
     module.__dict__[_ROUTE_ATTR] = (route, previous)
 
 
@@ -1323,15 +1551,24 @@ def install_by_hand(module: Any, processor: Any) -> None:
     """Defer ``module.get_attention_scores`` while ``processor`` (the site's routed
     copy) is the module's processor; any other processor set since gets the
     module's own scores. Undone by :func:`remove_route`."""
-    original = type(module).get_attention_scores
-
-    def get_attention_scores(query: Any, key: Any, attention_mask: Any = None) -> Any:
-        if module.processor is not processor:
-            return original(module, query, key, attention_mask)
-        return _Scores(module, query, key, attention_mask)
-
-    module.__dict__[SCORES] = get_attention_scores
+    module.__dict__[SCORES] = _DeferredScores(module, processor)
     module.__dict__[_SCORES_ATTR] = True
+
+
+class _DeferredScores:
+    """``module.get_attention_scores`` of :func:`install_by_hand`; an object, so a
+    deep copy of the module holds one of its own (issue 30)."""
+
+    __slots__ = ("module", "processor")
+
+    def __init__(self, module: Any, processor: Any) -> None:
+        self.module, self.processor = module, processor
+
+    def __call__(self, query: Any, key: Any, attention_mask: Any = None) -> Any:
+        module = self.module
+        if module.processor is not self.processor:
+            return type(module).get_attention_scores(module, query, key, attention_mask)
+        return _Scores(module, query, key, attention_mask)
 
 
 def _additive(mask: Any, dtype: Any) -> Any:
@@ -1552,12 +1789,13 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
         if need_weights:  # only the module's own path returns the weights
             # a signature already decided is known before projecting (its key from
             # the call's scalars): the own path never pays the projections twice
-            present = attn_mask is not None or padding is not None
-            seen = signature(
-                heads, heads, size, query.dtype, present, False, False, bool(dropout_p), True
-            )
-            if seen in route.kernels and route.kernels[seen] is None:
-                return own()
+            # (a masked call's key holds its mask's kind: read from the mask below)
+            if attn_mask is None and padding is None:
+                seen = signature(
+                    heads, heads, size, query.dtype, False, False, False, bool(dropout_p), True
+                )
+                if route.kernels.get(seen, _UNSEEN) is None:
+                    return own()
             q, k, _, mask = project()
             if route.kernel_for(q, k, mask, dropout_p, causal, None, -2, True) is None:
                 return own()

@@ -49,7 +49,9 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import attrs
+import diffusers
 import torch
+import transformers
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import (
     AttentionBackendName,
@@ -69,6 +71,7 @@ from attnres.integrations._plan import (
     Problem,
     Site,
     SiteDescription,
+    check_version,
     emit_installed,
     plan_sites,
     refuse_to_apply,
@@ -581,6 +584,10 @@ def _describe(
         owner, names = _attention_code(module)
     else:
         own = _route.calls_of(_route.methods_of(module), depth=1)
+        if _route.MHA_FUNCTION in own and _route.SDPA not in own:
+            # issue 30: softmax attention through torch's functional MHA (HunyuanDiT's
+            # attention pool): a site of its own code path, never silently skipped
+            return _route.describe_mha_function(component, name, module, dtype, backward)
         if _route.SDPA not in own:
             if not _by_hand_module(module):
                 return None
@@ -962,6 +969,8 @@ def apply(
     SDPA itself and was decided another backend gets the generic route
     (:mod:`attnres.integrations._route`), which checks each call's facts first.
     """
+    for library in (diffusers, transformers):  # issue 30: the declared ranges only
+        check_version(library)
     result = plan(pipe, config, platform, caller=caller)
     refuse_to_apply(result)
     cfg = result.config
@@ -1012,9 +1021,9 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
         deferred = route.by_hand and not pair
         routed = None if original is None or deferred else _route.routed_processor(original, route)
         if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
-            _route.install_route(module, route, _route.mha_forward(module, route))
+            _route.install_route(module, route, _route.mha_forward)
         elif deferred:  # issue 19: softmax by hand, read as it runs
-            _route.install_route(module, route, _route.deferred_forward(module, route))
+            _route.install_route(module, route, _route.deferred_forward)
         elif routed is not None:
             # a copy: the original object may be shared with other modules or models
             processor = routed

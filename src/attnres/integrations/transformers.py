@@ -44,6 +44,7 @@ from attnres.integrations._plan import (
     Problem,
     Site,
     SiteDescription,
+    check_version,
     emit_installed,
     plan_sites,
     refuse_to_apply,
@@ -1071,11 +1072,11 @@ def _route_installer(
         # as a planned site's ``preferred`` does
         route.keeps_own = by_hand
         own = (
-            _route.mha_forward(module, route)
+            _route.mha_forward
             if isinstance(module, torch.nn.MultiheadAttention)
-            else _route.watch_forward(module, route)
+            else _route.watch_forward
             if watched
-            else _route.deferred_forward(module, route)
+            else _route.deferred_forward
             if by_hand
             else None
         )
@@ -1132,7 +1133,10 @@ def apply(
     config: SelectionConfig | None = None,
     platform: Platform | None = None,
 ) -> IntegrationPlan:
-    """Plan, then install every decision on ``model``, all or nothing."""
+    """Plan, then install every decision on ``model``, all or nothing. A transformers
+    outside the supported range is refused first
+    (:class:`~attnres.errors.UnsupportedVersionError`)."""
+    check_version(transformers)
     result = plan(model, component, config, platform)
     refuse_to_apply(result)
     actions, problems = prepare(model, result, component)

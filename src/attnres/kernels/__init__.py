@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Union
 from attnres._states import KernelSource
 from attnres.backends import BUILTIN_SPECS, kernels_changed, lookup_spec, registered_backends
 from attnres.backends import Backend as _Backend
-from attnres.kernels._common import KernelUnavailableError
+from attnres.kernels._common import KernelUnavailableError, keeps_empty_keys
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -221,7 +221,8 @@ def get_kernel(backend_name: str) -> KernelFn | None:
         return built
     module_name, _, factory_name = entry.partition(":")
     factory: Callable[[], KernelFn] = getattr(importlib.import_module(module_name), factory_name)
-    kernel = factory()
+    # issue 30: every adapter answers a call with no keys as torch SDPA does
+    kernel = keeps_empty_keys(factory())
     with _lock:
         if _entry(key) == entry:  # not replaced while we were building
             kernel = _built.setdefault((key, entry), kernel)

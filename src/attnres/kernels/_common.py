@@ -25,7 +25,9 @@ __all__ = [
     "causal_alignment_error",
     "flash_style_kernel",
     "import_kernel_package",
+    "keeps_empty_keys",
     "mask_with_causal",
+    "no_keys_output",
     "no_mask_error",
     "require_attribute",
     "takes_keywords",
@@ -297,3 +299,43 @@ def with_window(
     if attn_mask.is_floating_point():
         return attn_mask.masked_fill(~keep, float("-inf"))
     return attn_mask & keep
+
+
+def no_keys_output(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """What torch SDPA returns for a call with no keys (``seq_kv == 0``: Wan 2.x i2v's
+    image cross-attention with zero image tokens): zeros of shape (batch, seq_q,
+    heads, v's head size) in q's dtype, measured on CPU with torch 2.13 (no NaN, no
+    error), and zero gradients. Computed as the two empty products, so autograd
+    reaches q, k and v as it does through SDPA."""
+    groups = q.shape[2] // k.shape[2]
+    if groups != 1:
+        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = q.transpose(1, 2) @ k.to(q.dtype).permute(0, 2, 3, 1)  # (B, H, seq_q, 0)
+    return (scores @ v.to(q.dtype).transpose(1, 2)).transpose(1, 2)
+
+
+def keeps_empty_keys(kernel: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``kernel`` answering a call with no keys as torch SDPA does
+    (:func:`no_keys_output`) instead of reaching a kernel that fails on it (the
+    eager reference's ``amax`` over an empty dimension; flash and sage kernels
+    refuse a zero length). Applied once to every adapter :func:`get_kernel`
+    builds; a ``specialize`` attribute is kept, its bound functions guarded too."""
+    if getattr(kernel, "keeps_empty_keys", False):
+        return kernel
+
+    def attention(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if k.shape[1] == 0:
+            return no_keys_output(q, k, v)
+        return kernel(q, k, v, *args, **kwargs)
+
+    attention.__dict__.update(getattr(kernel, "__dict__", {}))
+    specialize = getattr(kernel, "specialize", None)
+    if specialize is not None:
+
+        def guarded(*args: Any, **kwargs: Any) -> Callable[..., Tensor]:
+            return keeps_empty_keys(specialize(*args, **kwargs))
+
+        attention.specialize = guarded  # type: ignore[attr-defined]
+    attention.keeps_empty_keys = True  # type: ignore[attr-defined]
+    attention.__doc__ = kernel.__doc__
+    return attention

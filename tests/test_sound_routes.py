@@ -1,0 +1,412 @@
+"""Issue 30: never change an output attnres did not decide to change. Each test
+here fails on the code before the fix it names (the issue's listed defects)."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+# imported before any test installs kernel fakes (transformers probes flash_attn's
+# spec when it first imports its hub kernels)
+import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # noqa: F401
+from test_kernels_fakes import VARIANTS, Calls, fake_xformers, kernel_for
+
+from attnres import Platform
+from attnres.layer import SelectionConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+#: a simulated H100 with xformers, installable: the stand-in kernels run on this CPU
+XFORMERS = attrs.evolve(Platform.simulate("cuda:sm90+xformers"), simulated=False)
+
+
+def _explicit(backend: str) -> SelectionConfig:
+    return SelectionConfig(global_backend=backend, global_backend_explicit=True)
+
+
+@pytest.fixture
+def xformers_fake(monkeypatch: pytest.MonkeyPatch) -> Calls:
+    from attnres.kernels import clear_kernel_cache
+
+    calls = Calls()
+    for name in list(sys.modules):
+        if name.split(".")[0] == "xformers":
+            monkeypatch.delitem(sys.modules, name)
+    for name, module in fake_xformers(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    clear_kernel_cache()
+    yield calls
+    clear_kernel_cache()
+
+
+# -- T5's decoder keeps its causal mask under attnres's function ------------------------------
+
+
+def _t5() -> Any:
+    from transformers import T5Config, T5Model
+
+    torch.manual_seed(3)
+    config = T5Config(
+        d_model=32, d_kv=8, d_ff=37, num_heads=4, num_layers=1, num_decoder_layers=1,
+        vocab_size=64, relative_attention_num_buckets=8,
+    )  # fmt: skip
+    return T5Model(config).eval()
+
+
+def test_t5_decoder_under_a_stand_in_backend_is_causal(xformers_fake: Calls) -> None:
+    from attnres.integrations import transformers as itf
+
+    model = _t5()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    later = torch.tensor([[5, 11, 12, 13, 14]])  # the same first token, other later ones
+
+    def run(decoder_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(input_ids=ids, decoder_input_ids=decoder_ids)
+        return out.last_hidden_state
+
+    want, want_later = run(ids), run(later)
+    plan = itf.apply(model, "text_encoder", _explicit("xformers"), XFORMERS)
+    try:
+        assert {s.backend for s in plan.sites} == {"xformers"}
+        got, got_later = run(ids), run(later)
+        assert xformers_fake.seen, "the xformers stand-in ran"
+    finally:
+        itf.remove(model)
+    # causal: decoder position 0 sees only itself, whatever the later tokens are
+    assert torch.allclose(got[:, 0], got_later[:, 0], atol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_later, want_later, atol=1e-5, rtol=1e-4)
+
+
+# -- zero-length keys: every adapter answers as torch SDPA does -----------------------------------
+
+
+@pytest.mark.parametrize("variant", ["eager", "torch_sdpa", "flex_attention", *VARIANTS])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "bool-mask"])
+def test_every_kernel_answers_zero_keys_as_sdpa(
+    variant: str, masked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Wan 2.x i2v's image cross-attention with zero image tokens: explicit eager
+    # raised IndexError (amax over an empty dimension) where the site's SDPA runs
+    from attnres.kernels import clear_kernel_cache, get_kernel
+
+    clear_kernel_cache()
+    if variant in VARIANTS:
+        kernel, calls = kernel_for(variant, monkeypatch)
+    else:
+        kernel, calls = get_kernel(variant), Calls()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 16, generator=gen).half().requires_grad_()
+    k, v = torch.empty(2, 0, 2, 16).half(), torch.empty(2, 0, 2, 16).half()
+    mask = torch.ones(2, 1, 5, 0, dtype=torch.bool) if masked else None
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.detach().float().transpose(1, 2), k.float().transpose(1, 2),
+        v.float().transpose(1, 2), attn_mask=mask, enable_gqa=True,
+    ).transpose(1, 2)  # fmt: skip
+    try:
+        out = kernel(q, k, v, mask if variant in ("eager", "torch_sdpa") else None, False, None)
+    finally:
+        clear_kernel_cache()
+    assert out.shape == (2, 5, 4, 16) and out.dtype == torch.float16
+    assert torch.equal(out.float(), want) and not calls.seen  # zeros, no kernel reached
+    out.float().sum().backward()  # gradients flow as through SDPA (zero)
+    assert q.grad is not None and not q.grad.any()
+
+
+# -- Python 3.11 or newer ------------------------------------------------------------------------
+
+
+def test_python_311_or_newer_is_declared() -> None:
+    # the bytecode reader of attention written with @ knows 3.11's BINARY_OP only
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["requires-python"] == ">=3.11"
+    assert not any(d.startswith("tomli") for d in project["project"]["dependencies"])
+    assert project["tool"]["mypy"]["python_version"] == "3.11"
+    assert project["tool"]["ruff"]["target-version"] == "py311"
+
+
+# -- no flag: nothing changes --------------------------------------------------------------------
+
+
+def test_no_flag_never_moves_a_site_off_its_own_implementation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # transformers 4.x ran Gemma 2 on sdpa (which ignored its softcap); attnres's
+    # plan finds sdpa lacks softcap and its fallback chose eager: an output changed
+    # (7.9e-7) with no flag. Reproduced on 5.x by declaring sdpa as 4.x did.
+    import transformers
+    from transformers.models.gemma2 import modeling_gemma2
+
+    from attnres.integrations import transformers as itf
+
+    monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)
+    config = transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=37, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_hidden_layers=1, vocab_size=64,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = transformers.Gemma2Model(config).eval()
+    plan = itf.apply(model, "text_encoder", SelectionConfig(), Platform.detect())
+    try:
+        assert plan.sites and all(s.backend is None for s in plan.sites)
+        assert all("nothing requested" in (s.note or "") for s in plan.sites)
+        assert model.config._attn_implementation == "sdpa"  # untouched
+    finally:
+        itf.remove(model)
+    # an explicit flag still decides (and says why)
+    plan = itf.plan(model, "text_encoder", _explicit("eager"), Platform.detect())
+    assert {s.backend.name for s in plan.sites if s.backend} == {"eager"}
+
+
+@pytest.mark.parametrize(
+    ("package", "installed"),
+    [("transformers", "4.57.1"), ("transformers", "6.0.0"), ("diffusers", "0.35.2")],
+)
+def test_apply_refuses_a_library_outside_the_declared_range(
+    package: str, installed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from attnres.errors import AttnresError, UnsupportedVersionError
+    from attnres.integrations import diffusers as idf
+    from attnres.integrations import transformers as itf
+    from attnres.integrations._plan import SUPPORTED_VERSIONS
+
+    model = _t5()
+    # the attribute the check reads: the module each integration imported
+    library = getattr(idf if package == "diffusers" else itf, package)
+    monkeypatch.setattr(library, "__version__", installed)
+    low, high = SUPPORTED_VERSIONS[package]
+    with pytest.raises(UnsupportedVersionError) as info:
+        if package == "transformers":
+            itf.apply(model, "text_encoder", _explicit("eager"), Platform.detect())
+        else:
+            idf.apply(object(), _explicit("eager"), Platform.detect())
+    assert isinstance(info.value, AttnresError)
+    assert installed in str(info.value) and f"{package}>={low},<{high}" in str(info.value)
+    assert (info.value.package, info.value.installed) == (package, installed)
+    assert model.config._attn_implementation == "sdpa"  # nothing changed
+
+
+def test_the_declared_ranges_live_in_one_table() -> None:
+    from attnres.integrations._plan import SUPPORTED_VERSIONS
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = project["project"]["optional-dependencies"]
+    for extra in ("diffusers", "transformers"):
+        for package, (low, high) in SUPPORTED_VERSIONS.items():
+            declared = [d for d in extras[extra] if d.startswith(f"{package}>")]
+            if declared:
+                assert declared == [f"{package}>={low},<{high}"], (extra, declared)
+
+
+# -- an applied model deep-copies (its copy runs its own weights) and refuses pickle, typed -----
+
+
+def test_an_applied_flux_pipeline_deep_copies_and_its_copy_follows_its_own_weights() -> None:
+    import copy
+    import io
+    import pickle
+
+    import tiny_pipelines as tp
+
+    from attnres.errors import AppliedModelPickleError, AttnresError
+    from attnres.integrations import diffusers as idf
+
+    def run(pipe: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return pipe.transformer(**tp.flux_inputs()).sample
+
+    pipe = tp.flux()
+    idf.apply(pipe, _explicit("eager"), Platform.detect())
+    before = run(pipe)
+    twin = copy.deepcopy(pipe)  # raised TypeError: cannot pickle '_thread.lock' object
+    assert torch.equal(run(twin), before)  # the same weights, the same routes
+    with torch.no_grad():  # the copy's weights change: its attention projections
+        for name, p in twin.transformer.named_parameters():
+            if ".attn.to_" in name:
+                p.mul_(1.5)
+    changed = run(twin)
+    assert not torch.equal(changed, before)  # the copy runs its own weights
+    assert torch.equal(run(pipe), before)  # the original is unchanged
+    # the copy keeps its routes (eager), which its own remove() undoes (torch SDPA)
+    assert idf.remove(twin) >= 1
+    torch.testing.assert_close(run(twin), changed, rtol=1e-4, atol=1e-5)
+    for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(AppliedModelPickleError, match=r"remove\(\)") as info:
+            save(pipe.transformer)
+        assert isinstance(info.value, AttnresError) and isinstance(info.value, TypeError)
+    idf.remove(pipe)
+    pickle.dumps(pipe.transformer)  # removed: an ordinary model again
+
+
+# -- the fallback mode takes the site's own SDPA calls only ----------------------------------------
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+class _Site(torch.nn.Module):
+    """A site its code names SDPA through ``torch.`` (no rebind: the mode route),
+    holding a module that calls SDPA too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        own = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
+        return own + self.inner(q[..., :3, :]).sum()
+
+
+class _Recording:
+    """A route stand-in: records the calls it is handed, runs torch SDPA."""
+
+    name = component = "recorded"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, ...]] = []
+
+    def __call__(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.seen.append(tuple(q.shape))
+        return torch.nn.functional.scaled_dot_product_attention(q, *args, **kwargs)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_mode_route_takes_only_the_sites_own_calls() -> None:
+    from attnres.integrations import _route
+
+    site, q = _Site(), torch.randn(1, 2, 5, 4)
+    want = site(q)
+    outer, inner = _Recording(), _Recording()
+    _route.install_route(site, outer)  # type: ignore[arg-type]
+    try:
+        assert torch.equal(site(q), want)
+        assert outer.seen == [(1, 2, 5, 4)]  # the nested module's call is not the site's
+        _route.install_route(site.inner, inner)  # type: ignore[arg-type]
+        assert torch.equal(site(q), want)
+        # nor is the nested route's kernel call (made inside its own mode)
+        assert outer.seen == [(1, 2, 5, 4)] * 2 and inner.seen == [(1, 2, 3, 4)]
+    finally:
+        _route.remove_route(site.inner)
+        _route.remove_route(site)
+
+
+# -- the mask's kind is in a call's signature; the kernel table is read under its lock ---------
+
+
+def _qwen_site(varlen_fakes: Calls) -> tuple[Any, Any, Any]:
+    from test_hf_attention import SAGE, STAND_IN, _qwen25vl_text
+
+    from attnres.integrations import _hf_attention
+    from attnres.integrations import transformers as itf
+
+    model = _qwen25vl_text()
+    plan = itf.apply(model, "text_encoder", SAGE, STAND_IN)
+    module = dict(model.named_modules())[plan.sites[0].name]
+    route = _hf_attention.bound_route(module)
+    assert route is not None
+    return model, module, route
+
+
+def test_a_later_call_with_another_mask_kind_is_checked(varlen_fakes: Calls) -> None:
+    from attnres.integrations import _hf_attention
+    from attnres.integrations import transformers as itf
+
+    model, module, route = _qwen_site(varlen_fakes)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        q = torch.randn(2, 4, 5, 16, generator=gen).half()
+        kv = torch.randn(2, 2, 5, 16, generator=gen).half()
+        padding = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+        causal_padded = torch.ones(5, 5, dtype=torch.bool).tril() & padding[:, None, None, :]
+        _hf_attention.attention_forward(module, q, kv, kv, causal_padded)  # the planned kind
+        assert len(varlen_fakes.seen) == 1 and not route.first_calls
+        # a later call of the same signature but a boolean mask no varlen kernel takes
+        # (the queries of a row see different keys): checked, not the first's kernel
+        scattered = torch.rand(2, 1, 5, 5, generator=gen) > 0.4
+        scattered[..., 0] = True
+        out, _ = _hf_attention.attention_forward(module, q, kv, kv, scattered)
+        (first,) = route.first_calls
+        assert "boolean mask" in first.describe() and first.backend.name == "torch_sdpa"
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, kv, kv, attn_mask=scattered, enable_gqa=True
+        ).transpose(1, 2)
+        torch.testing.assert_close(out, want)
+        assert len(varlen_fakes.seen) == 1  # sage never saw it
+    finally:
+        itf.remove(model)
+
+
+def test_the_kernel_table_is_read_safely_between_threads(varlen_fakes: Calls) -> None:
+    import threading
+
+    from attnres.integrations import transformers as itf
+
+    model, _, route = _qwen_site(varlen_fakes)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        q = torch.randn(1, 4, 5, 16, generator=gen).half()
+        kv = torch.randn(1, 2, 5, 16, generator=gen).half()
+        masks = [None, torch.ones(1, 1, 1, 5, dtype=torch.bool)]
+        masks += [torch.rand(1, 1, 5, 5, generator=gen) > 0.3 for _ in range(6)]
+        for m in masks[2:]:
+            m[..., 0] = True
+        start, errors = threading.Barrier(8), []
+
+        def call(mask: Any) -> None:
+            try:
+                start.wait()
+                for _ in range(20):
+                    route.kernel_for(q, kv, mask, 0.0, False, None, -3)
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=call, args=(m,)) for m in masks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        # one decision per signature, each taken once
+        keys = [f.facts.key() for f in route.first_calls]
+        assert len(keys) == len(set(keys))
+    finally:
+        itf.remove(model)
+
+
+# -- torch's functional multi-head attention is a site -----------------------------------------
+
+
+def test_hunyuandit_attention_pool_is_a_site_of_its_own_code_path() -> None:
+    import tiny_models
+
+    from attnres.errors import IntegrationError
+    from attnres.integrations import diffusers as idf
+
+    model, _ = tiny_models.build("HunyuanDiT2DModel")
+    name = "time_extra_emb.pooler"  # F.multi_head_attention_forward, SDPA inside torch
+
+    def pooler(comp: str, config: SelectionConfig) -> Any:
+        plan = idf.plan({comp: model}, config, Platform.detect())
+        (site,) = [s for s in plan.sites if s.name == name]
+        return site
+
+    assert pooler("transformer", SelectionConfig()).backend.name == "torch_sdpa"
+    # explicit eager: honoured by a fallback that says so, or refused in a strict component
+    relaxed = pooler("text_encoder", _explicit("eager"))
+    assert relaxed.backend.name == "torch_sdpa" and relaxed.resolution.reason is not None
+    assert "multi_head_attention_forward" in relaxed.route
+    strict = pooler("transformer", _explicit("eager"))
+    assert strict.backend is None and "'eager' is not supported" in (strict.error or "")
+    with pytest.raises(IntegrationError) as info:  # every other site runs eager
+        idf.apply({"transformer": model}, _explicit("eager"), Platform.detect())
+    assert all(s.backend is not None for s in info.value.plan.sites if s.name != name)
