@@ -56,6 +56,7 @@ from attnres.kernels._common import (
     KernelUnavailableError,
     import_kernel_package,
     require_attribute,
+    takes_keywords,
 )
 
 if TYPE_CHECKING:
@@ -290,7 +291,6 @@ def make_sage_lse() -> LseKernelFn:
     its ``**kwargs`` swallow it and it returns ``out`` alone, which ``out, lse =``
     would split along the batch; that release is refused here (issue 31).
     """
-    from attnres.kernels._common import takes_keywords
     from attnres.kernels.sage_attn import BACKEND, INSTALL, PACKAGE, sage_function
 
     module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
