@@ -101,3 +101,20 @@ def test_generated_docs_show_every_policy_table(monkeypatch: pytest.MonkeyPatch)
     changed = _load_script().render()
     assert f"| 1 | the request is strict | `{Event.STRICT_FAILURE.value}` |" in changed
     assert "| `cpu` | `eager`, then `torch_sdpa` |" in changed
+
+
+def test_a_sliced_coverage_check_fails_on_a_stale_row_or_a_missing_type(tmp_path: Path) -> None:
+    """The sliced coverage tables (issue 33): a row that changed, or a type the block
+    does not list, fails ``make test`` even though only a slice was computed."""
+    from generated_docs import check_rows
+
+    doc = tmp_path / "page.md"
+    doc.write_text(
+        "<!-- b -->\nheader\n\n| key | value |\n|---|---|\n| a | 1 |\n| b | 2 |\n<!-- e -->\n",
+        encoding="utf-8",
+    )
+    check_rows(doc, "<!-- b -->", "<!-- e -->", ["| b | 2 |"], ["a", "b"])
+    with pytest.raises(AssertionError, match="stale"):
+        check_rows(doc, "<!-- b -->", "<!-- e -->", ["| b | 3 |"], ["a", "b"])
+    with pytest.raises(AssertionError, match="does not list what is installed"):
+        check_rows(doc, "<!-- b -->", "<!-- e -->", ["| b | 2 |"], ["a", "b", "c"])

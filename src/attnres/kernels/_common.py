@@ -337,5 +337,6 @@ def keeps_empty_keys(kernel: Callable[..., Tensor]) -> Callable[..., Tensor]:
 
         attention.specialize = guarded  # type: ignore[attr-defined]
     attention.keeps_empty_keys = True  # type: ignore[attr-defined]
+    attention.__wrapped__ = kernel  # type: ignore[attr-defined]  # inspect.unwrap finds it
     attention.__doc__ = kernel.__doc__
     return attention
