@@ -62,11 +62,22 @@ test-kernels: $(KERNELS_STAMP)
 # Linters and the type check are not tests: `make lint` runs them, and
 # `make test` runs `make lint` first (CI calls `make test` only, so they stay
 # enforced; mypy is incremental, so a warm .mypy_cache costs seconds).
+# The suite runs on TEST_WORKERS processes (pytest-xdist; 2 on the 2-core machines
+# it is sized for: `make test TEST_WORKERS=0` runs it in one process). Benchmarks
+# are not tests: `make bench` runs them (pytest-benchmark's fixture is off here).
+TEST_WORKERS ?= 2
 test: lint $(KERNELS_STAMP)
-	$(KERNELS_RUN) $(PY) -m pytest $(PYTEST_ARGS)
+	$(KERNELS_RUN) $(PY) -m pytest -n $(TEST_WORKERS) --benchmark-disable $(PYTEST_ARGS)
 
-test-deep: $(STAMP)
-	HYPOTHESIS_PROFILE=deep ATTNRES_COVERAGE_FULL=1 ATTNRES_DEFERRED_FULL=1 $(PY) -m pytest $(PYTEST_ARGS)
+# Everything make test samples, whole: more property-test examples, every diffusers
+# class and transformers type at their full configs, every by-hand and interface
+# type run tiny, then every row of the generated coverage tables (make test checks
+# one row in four of those; tests/generated_docs.py).
+test-deep: $(STAMP) $(KERNELS_STAMP)
+	HYPOTHESIS_PROFILE=deep ATTNRES_COVERAGE_FULL=1 ATTNRES_DEFERRED_FULL=1 $(KERNELS_RUN) \
+		$(PY) -m pytest -n $(TEST_WORKERS) --benchmark-disable $(PYTEST_ARGS)
+	ATTNRES_COVERAGE_TABLE=1 $(PY) -m pytest -n $(TEST_WORKERS) --benchmark-disable \
+		tests/test_integrations_coverage.py tests/test_integrations_coverage_hf.py -k every_exported
 
 # every transformers model type with softmax attention by hand, built tiny and run
 # (tests/test_deferred_sweep.py; `make test` runs twelve of them)
