@@ -38,7 +38,7 @@ from attnres.scope import register_component_kind
 from attnres.trace import Trace, dump_trace, load_trace
 
 #: The one source of the version (pyproject.toml reads it): the 0.3 development line.
-__version__ = "0.3.0.dev0"
+__version__ = "0.4.0.dev0"
 
 # A library never prints on its own: without this, Python's last-resort handler
 # would write attnres WARNING events to stderr when the application configured
