@@ -106,4 +106,7 @@ def make_kernel() -> KernelFn:
         return attention_bound
 
     attention.specialize = specialize  # type: ignore[attr-defined]
+    # zero-length keys: SDPA's own answer is the one every adapter gives
+    # (kernels._common.keeps_empty_keys), so its calls need no guard in front
+    attention.keeps_empty_keys = True  # type: ignore[attr-defined]
     return attention
