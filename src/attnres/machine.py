@@ -478,7 +478,8 @@ def _preferred_unusable(inp: TraceInput) -> str:
     return "; ".join(why)
 
 
-def _in_catalogue_order(backends: frozenset[Backend]) -> list[Backend]:
+def _in_catalogue_order(backends: Iterable[Backend]) -> list[Backend]:
+    """The catalogue's order, then the name (a deterministic order for any set)."""
     return sorted(backends, key=lambda b: (catalogue_order(b), b.name))
 
 
@@ -725,7 +726,7 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
         # preferred set tries that set here (its supported set, narrowed)
         layer = inp.layer
         supported = layer.supported if layer.supported is not None else layer.preferred
-        return sorted(supported or (), key=lambda b: (catalogue_order(b), b.name))
+        return _in_catalogue_order(supported or ())
     raise ValueError(f"state {stage.value!r} evaluates no candidates")
 
 
