@@ -850,11 +850,13 @@ def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree(mon
 def test_a_site_cannot_say_rejected_under_a_selected_trace():
     # the invariant behind the regression above, kept by the Site record itself
     from attnres import LayerSpec, resolve
-    from attnres.integrations._plan import Site, SiteError
+    from attnres.integrations._plan import RouteKind, Site, SiteError
 
     spec = LayerSpec(64, "bf16", name="blocks.0.attn")
     res = resolve(spec, platform=Platform.simulate("cpu"))
-    common = dict(component="c", name="blocks.0.attn", module_class="M", route="r")
+    common = dict(
+        component="c", name="blocks.0.attn", module_class="M", route="r", kind=RouteKind.INTERCEPT
+    )
     common.update(heads=1, kv_heads=1, spec=spec, trace=res.trace)
     assert Site(**common, resolution=res, site_error=None).status is Status.SELECTED
     with pytest.raises(ValueError, match="is rejected but its trace says selected"):
@@ -1072,6 +1074,78 @@ def test_transformers_sites_are_found_by_the_interface_call_bert_included():
     assert {(s.heads, s.spec.head_size) for s in plan.sites} == {(4, 8)}
     eager = itf.plan(model, "text_encoder", SelectionConfig(global_backend="eager"))
     assert {s.backend.name for s in eager.sites} == {"eager"}
+
+
+def test_route_kinds_are_typed_and_installs_dispatch_on_them_not_on_the_words(monkeypatch):
+    # issue 30: a route has a kind (intercept, interface, pin, own code); the
+    # integrations dispatch on it. Rewording every route a plan shows changes
+    # nothing the apply does.
+    import attrs
+    from transformers import BertConfig, BertModel
+
+    from attnres.integrations import _route
+    from attnres.integrations._plan import RouteKind
+
+    class ByHand(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.head_dim = 2, 8
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            weights = torch.softmax(q @ k.transpose(-1, -2) * 8**-0.5, dim=-1)
+            return weights @ v
+
+    config = BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                        intermediate_size=37, vocab_size=64)
+    model = BertModel(config)
+    model.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    model.hand = ByHand()
+    model.config._attn_implementation = "eager"
+    model = model.eval()
+    plan = itf.plan(model, "text_encoder", SelectionConfig(global_backend="torch_sdpa"))
+    kinds = {s.name: s.kind for s in plan.sites}
+    assert kinds["encoder.layer.0.attention.self"] is RouteKind.INTERFACE
+    assert kinds["mha"] is RouteKind.INTERCEPT and kinds["hand"] is RouteKind.INTERCEPT
+    by_name = {s.name: s for s in plan.sites}
+    assert by_name["hand"].by_hand and not by_name["mha"].by_hand
+    assert all(isinstance(k, RouteKind) for k in kinds.values())
+
+    real_plan = itf.plan
+    x = torch.randn(1, 5, 16)
+    ids = torch.randint(0, 64, (1, 5))
+    reference = (model(ids).last_hidden_state, model.mha(x, x, x)[0], model.hand(x))
+
+    def run(reworded: bool):
+        def reworded_plan(*args, **kwargs):
+            result = real_plan(*args, **kwargs)
+            if not reworded:
+                return result
+            sites = tuple(attrs.evolve(s, route=f"words {i}") for i, s in enumerate(result.sites))
+            return attrs.evolve(result, sites=sites)
+
+        monkeypatch.setattr(itf, "plan", reworded_plan)
+        applied = itf.apply(model, "text_encoder", SelectionConfig(global_backend="torch_sdpa"))
+        try:
+            with torch.no_grad():
+                out = (model(ids).last_hidden_state, model.mha(x, x, x)[0], model.hand(x))
+            assert applied.ok
+            installed = (
+                model.config._attn_implementation,
+                _route.installed_route(model.hand) is not None,
+            )
+        finally:
+            itf.remove(model)
+        return out, installed
+
+    plain, installed = run(False)
+    worded, installed_worded = run(True)
+    assert installed == installed_worded == ("sdpa", True)
+    for a, b, ref in zip(plain, worded, reference, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_a_padding_mask_at_a_strict_dispatcher_site_under_sage_is_a_typed_error(monkeypatch):

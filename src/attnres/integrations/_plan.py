@@ -63,6 +63,7 @@ __all__ = [
     "IntegrationError",
     "IntegrationPlan",
     "Problem",
+    "RouteKind",
     "Site",
     "SiteCode",
     "SiteDescription",
@@ -98,6 +99,22 @@ class SiteCode(str, enum.Enum):
     UNCLASSIFIED = "unclassified"
     # (a stand-in its route cannot run is the machine's ``not_on_route``: the
     # site's spec carries its route as ``LayerSpec.exact_route``)
+
+
+class RouteKind(str, enum.Enum):
+    """How a site's kernel is put in place (issue 30): code dispatches on this,
+    never on the route's words (``Site.route`` is for people)."""
+
+    #: the generic route: the site's own SDPA calls, or the attention its code
+    #: computes by hand, run the kernel decided per call signature
+    INTERCEPT = "intercept"
+    #: transformers' attention interface: the config names the function it runs
+    INTERFACE = "interface"
+    #: the site runs one kernel its code names (a host's dispatcher pinned to a
+    #: backend, a kernel its code calls, torch's own MultiheadAttention path)
+    PIN = "pin"
+    #: the site's own code, untouched (not softmax attention, or nothing routes it)
+    OWN_CODE = "own code"
 
 
 @frozen
@@ -144,8 +161,8 @@ class SiteDescription:
     why: str | None = None
     pending: bool = False
     softmax: bool = True
-    #: whether the generic route can serve it (its code calls SDPA)
-    routed: bool = False
+    #: how its kernel is put in place (its route's kind: dispatch on this)
+    kind: RouteKind = field(kw_only=True)
     #: issue 24: the sequence-parallel layout the model runs the site under
     #: (diffusers' context parallelism, :func:`attnres.layout.context_parallel_layout`)
     layout: SequenceLayout | None = None
@@ -156,6 +173,11 @@ class SiteDescription:
     #: dispatcher pinned to a backend): attnres cannot pass that kernel the
     #: per-backend options; ``None``: attnres's own kernel call, options passed
     host_kernel: str | None = None
+
+    @property
+    def routed(self) -> bool:
+        """Whether the generic route serves it (:attr:`RouteKind.INTERCEPT`)."""
+        return self.kind is RouteKind.INTERCEPT
 
     @property
     def classified(self) -> bool:
@@ -179,7 +201,7 @@ class Site:
     note: str | None = None
     current: Backend | None = None
     pending: bool = False
-    routed: bool = False
+    kind: RouteKind = field(kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         # one outcome: a site's status is its trace's (never a trace that says
@@ -189,6 +211,17 @@ class Site:
                 f"site {self.name!r} is {self.status.value} but its trace says "
                 f"{self.trace.outcome.status}"
             )
+
+    @property
+    def routed(self) -> bool:
+        """Whether the generic route serves it (:attr:`RouteKind.INTERCEPT`)."""
+        return self.kind is RouteKind.INTERCEPT
+
+    @property
+    def by_hand(self) -> bool:
+        """The generic route over softmax attention its code computes by hand (its
+        own code path is ``eager``)."""
+        return self.routed and self.current is not None and self.current.name == "eager"
 
     @property
     def error(self) -> str | None:
@@ -454,7 +487,7 @@ def _plan_one(
         "heads": desc.heads,
         "kv_heads": desc.kv_heads,
         "current": desc.current,
-        "routed": desc.routed,
+        "kind": desc.kind,
     }
     if desc.pending:
         return Site(

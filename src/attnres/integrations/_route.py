@@ -66,7 +66,7 @@ from attnres.integrations._deferred import (
     DeferScores,
     deferred_operands,
 )
-from attnres.integrations._plan import Site, SiteDescription
+from attnres.integrations._plan import RouteKind, Site, SiteDescription
 from attnres.kernels import get_kernel
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.platform import Platform
@@ -303,19 +303,21 @@ def describe_mha(
         return SiteDescription(
             **common,
             route=f"{WEIGHTS_ROUTE}: {asked}",
+            kind=RouteKind.PIN,
             supported=frozenset({_EAGER}),
         )
     if fact is not None:
         return SiteDescription(
             **common,
             route=f"torch_sdpa in torch.nn.MultiheadAttention (its own code path: {fact})",
+            kind=RouteKind.PIN,
             supported=frozenset({own}),
         )
     return SiteDescription(
         **common,
         route=f"{MHA_ROUTE} (torch.nn.MultiheadAttention's own math)",
         supported=None,
-        routed=True,
+        kind=RouteKind.INTERCEPT,
         # with no flag, automatic choices keep what torch runs there (nothing wrapped)
         preferred=frozenset({own}),
     )
@@ -353,6 +355,7 @@ def describe_mha_function(
         "module_class": type(module).__name__,
         "dtype": dtype,
         "route": route,
+        "kind": RouteKind.PIN,
         "current": own,
         "requirements": Requirements(backward=backward),
     }

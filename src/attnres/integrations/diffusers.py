@@ -69,6 +69,7 @@ from attnres.integrations._plan import (
     IntegrationError,
     IntegrationPlan,
     Problem,
+    RouteKind,
     Site,
     SiteDescription,
     check_version,
@@ -630,6 +631,7 @@ def _describe(
         return SiteDescription(
             **base,
             route=f"{ROUTE_DISPATCHER} (context parallel) via {owner}",
+            kind=RouteKind.PIN,
             supported=_pinned_backends(route_backends(processor), base.get("requirements")),
             current=_dispatcher_current(processor),
             pending=facts is None,
@@ -653,7 +655,7 @@ def _describe(
             supported=None,
             current=_dispatcher_current(processor),
             pending=True,
-            routed=True,
+            kind=RouteKind.INTERCEPT,
             why=f"{owner} declares the backends its call runs and builds that call "
             f"itself: its head facts and mask are read from its first call",
         )
@@ -668,7 +670,7 @@ def _describe(
             supported=None,
             current=current,
             pending=facts is None,
-            routed=True,
+            kind=RouteKind.INTERCEPT,
             why=None
             if facts is not None
             else (
@@ -682,6 +684,7 @@ def _describe(
             return SiteDescription(
                 **base,
                 route=f"{only.name} in {owner}",
+                kind=RouteKind.PIN,
                 supported=frozenset({only}),
                 current=only,
                 pending=False,
@@ -700,7 +703,7 @@ def _describe(
             current=Backend("eager"),
             preferred=frozenset({Backend("eager")}),
             pending=facts is None,
-            routed=True,
+            kind=RouteKind.INTERCEPT,
             why=None
             if facts is not None
             else f"{cls} holds no head count or head size; they are read from the query "
@@ -709,6 +712,7 @@ def _describe(
     return SiteDescription(
         **base,
         route=f"own code in {owner}",
+        kind=RouteKind.OWN_CODE,
         supported=None,
         softmax=False,
         why=f"{owner} calls no SDPA, dispatcher or softmax (linear attention, say)",

@@ -42,6 +42,7 @@ from attnres.integrations._plan import (
     IntegrationError,
     IntegrationPlan,
     Problem,
+    RouteKind,
     Site,
     SiteDescription,
     check_version,
@@ -522,6 +523,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
                     name=name,
                     module_class=cls,
                     route=ROUTE,
+                    kind=RouteKind.INTERFACE,
                     supported=None,
                     head_size=None,
                     heads=None,
@@ -550,6 +552,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
                 name=name,
                 module_class=cls,
                 route=ROUTE,
+                kind=RouteKind.INTERFACE,
                 supported=_site_backends(owner, module),
                 # issue 23: a class that opts out of attnres's function runs only
                 # transformers' own functions, which take none of attnres's options
@@ -630,6 +633,7 @@ def _describe_own(
             name=name,
             module_class=cls,
             route=f"own code in {cls}",
+            kind=RouteKind.OWN_CODE,
             supported=None,
             head_size=None,
             heads=None,
@@ -658,7 +662,7 @@ def _describe_own(
         # with no flag, automatic choices keep the site's own math (nothing wrapped)
         preferred=None if calls_sdpa else frozenset({own}),
         pending=facts is None,
-        routed=True,
+        kind=RouteKind.INTERCEPT,
         why=None
         if facts is not None
         else (
@@ -958,10 +962,10 @@ def prepare(
                     continue
                 actions.append(_route_installer(model, component, module, site, result))
             continue
-        if site.route == ROUTE and site.pending:
+        if site.kind is RouteKind.INTERFACE and site.pending:
             watched.append((site, module))
             continue
-        if site.route != ROUTE or site.resolution is None:
+        if site.kind is not RouteKind.INTERFACE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
         backend = site.resolution.backend.name
         function = _FUNCTIONS.get(backend)
@@ -1059,10 +1063,10 @@ def _route_installer(
     decided kernel); issue 19: a site decided at its first call whose route runs
     only its own code (softmax by hand, or ``own_backend`` through the attention
     interface) is watched (:func:`._route.watch_forward`)."""
-    watched = site.pending and not site.route.startswith(_GENERIC)
+    watched = site.pending and site.kind is not RouteKind.INTERCEPT
     if watched and own_route is None:
         own_route = site.route
-    by_hand = _BY_HAND_WORDS in site.route
+    by_hand = site.by_hand
 
     def install() -> None:
         route = _route.site_route(
