@@ -54,7 +54,7 @@ def _cases(world: int) -> list[dict[str, Any]]:
         {"sp": {"allgather": world}, "heads": 8, "kv": 2},
         {"sp": {"allgather": world}, "heads": 3, "kv": 3},
         # key-padding masks: Ulysses, AllGather-KV, padded Ulysses (boolean and 0/-inf)
-        {"sp": {"ulysses": world}, "heads": 4, "kv": 2, "mask": "bool"},
+        {"sp": {"ulysses": world}, "heads": 8, "kv": 4, "mask": "bool"},
         {"sp": {"allgather": world}, "heads": 4, "kv": 4, "mask": "float"},
         {"sp": {"ulysses": world, "pad_heads": True}, "heads": 3, "kv": 3, "mask": "bool"},
         # joint attention: replicated text tokens in front of each rank's shard
@@ -206,12 +206,12 @@ def _auto(rank: int, world: int) -> dict[str, Any]:
         (expected * weight.double()).sum().backward()
         assert xs.grad is not None and x64.grad is not None
         layers = {}
-        for attn in (block.attn1, block.attn2):
+        for site, attn in (("attn1", block.attn1), ("attn2", block.attn2)):
             resolution = attn.resolution
             assert resolution is not None
             trace = resolution.trace
             layout = trace.input.layer.layout
-            layers[attn.name] = {
+            layers[site] = {
                 "layout": layout.ulysses_ring(),
                 "rule": layout.rule,
                 "why": layout.why,
