@@ -1095,13 +1095,21 @@ def _check_layout(
     needed = layer.requirements
     # issue 35: key-padding masks are gathered with the keys (Ulysses, AllGather-KV);
     # a ring merges blocks without masks, and other mask kinds are not gathered
-    if needed.attn_mask and (layout.ring > 1 or needed.mask is not MaskKind.KEY_PADDING):
+    if needed.attn_mask and needed.mask is not MaskKind.KEY_PADDING:
         out.append(
             Failure(
                 Code.LAYOUT_UNSUPPORTED,
-                f"the layer requires attention masks ({needed.mask.value}); attnres's "
-                f"sequence-parallel layouts gather key-padding masks with the keys under "
-                f"Ulysses and AllGather-KV only, never on a ring ({layout.ulysses_ring()})",
+                f"the layer requires attention masks, which attnres's sequence-parallel "
+                f"layouts do not apply ({layout.ulysses_ring()})",
+            )
+        )
+    elif needed.attn_mask and layout.ring > 1:
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"the layer requires key-padding masks, which attnres's sequence-parallel "
+                f"layouts gather with the keys under Ulysses and AllGather-KV, never on a ring "
+                f"({layout.ulysses_ring()})",
             )
         )
     out.extend(_check_layout_kinds(layer, layout))
