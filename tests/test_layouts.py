@@ -311,3 +311,11 @@ def test_four_ranks_every_layout_kind_and_auto_match_one_process(tmp_path: Path)
     for rank in range(4):
         _kinds_ok(results[rank]["kinds"], 4)
         _auto_ok(results[rank]["auto"], 4)
+
+
+def test_the_docs_show_the_layout_rules_as_they_are() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "sequence-parallel.md").read_text()
+    for rule, _, _, words in LAYOUT_RULES:
+        assert f"| `{rule}` | {words} |" in page, rule
+    for code in ("padding_too_costly", "allgather_causal"):
+        assert f"| `{code}` |" in page
