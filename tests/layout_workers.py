@@ -32,7 +32,6 @@ TIMEOUT_S = 8.0
 def reference(q: Any, k: Any, v: Any, keep: Any = None) -> Any:
     """Non-causal attention in float64 on one process: (b, s, h, d), GQA, and a
     key-padding mask ``keep`` (b, s_kv) of booleans."""
-    import torch
 
     q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
     groups = q64.shape[1] // k64.shape[1]
@@ -108,14 +107,19 @@ def _kinds(rank: int, world: int) -> dict[str, Any]:
         attn_mask = None
         if mask:
             keep = torch.cat([keep_text, sp.shard(keep_img)], 1)
-            attn_mask = keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(
-                ~keep, float("-inf")
-            )[:, None, None, :]
+            attn_mask = (
+                keep
+                if mask == "bool"
+                else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[:, None, None, :]
+            )
         out = layer(*inputs, attn_mask)
         loss = (out[:, n:] * sp.shard(w_img)).sum() + (out[:, :n] * w_text[rank]).sum()
         loss.backward()
         # the reference: text tokens then the whole image sequence, on one process
-        full = [torch.cat([tt, t], 1).double().requires_grad_() for tt, t in zip(text, (q, k, v))]
+        full = [
+            torch.cat([tt, t], 1).double().requires_grad_()
+            for tt, t in zip(text, (q, k, v), strict=True)
+        ]
         keep_full = torch.cat([keep_text, keep_img], 1) if mask else None
         expected = reference(*full, keep_full)
         (
@@ -128,7 +132,9 @@ def _kinds(rank: int, world: int) -> dict[str, Any]:
         for i in range(3):
             ref = full[i].grad
             assert ref is not None and shards[i].grad is not None
-            grad_err = max(grad_err, (sp.gather(shards[i].grad).double() - ref[:, n:]).abs().max().item())
+            grad_err = max(
+                grad_err, (sp.gather(shards[i].grad).double() - ref[:, n:]).abs().max().item()
+            )
             if n:
                 assert texts[i].grad is not None
                 grad_err = max(grad_err, (texts[i].grad.double() - ref[:, :n]).abs().max().item())

@@ -202,6 +202,11 @@ def _preference(backend: str) -> SelectionConfig:
 
 
 _NOTHING = SelectionConfig()
+#: issue 35: the facts of the auto-layout golden scenario (4 NVLink ranks, GQA)
+_AUTO_GQA_FACTS = LayoutFacts(
+    4, 24, 3, seq_len=4096, kv_bytes=2 * 128 * 2, interconnect="nvlink",
+    interconnect_source="declared",
+)  # fmt: skip
 _HOPPER_ALL = "cuda:sm90+all"
 #: issue 23: the sglang profile, and a platform of SGLang's observed answers
 _SGLANG = SelectionConfig(profile="sglang")
@@ -1604,11 +1609,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         "whose rule and why ride in the layout, and fa serves each rank's query shard.",
         attrs.evolve(
             _layer(name="blocks.0.attn1"),
-            layout=choose_layout(
-                LayoutFacts(4, 24, 3, seq_len=4096, kv_bytes=2 * 128 * 2,
-                            interconnect="nvlink", interconnect_source="declared")
-            ),
-        ),  # fmt: skip
+            layout=choose_layout(_AUTO_GQA_FACTS),
+        ),
         _NOTHING,
         None,
         "cuda:sm90+flash_attn+sageattention",

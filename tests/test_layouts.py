@@ -294,8 +294,9 @@ def test_two_ranks_every_layout_kind_and_auto_match_one_process(tmp_path: Path) 
         _kinds_ok(results[rank]["kinds"], 2)
         _auto_ok(results[rank]["auto"], 2)
         # the same measured fact on every rank (the slowest rank's time)
-        assert results[rank]["auto"]["measured"]["interconnect"] == (
-            results[0]["auto"]["measured"]["interconnect"]
+        assert (
+            results[rank]["auto"]["measured"]["interconnect"]
+            == (results[0]["auto"]["measured"]["interconnect"])
         )
         # ranks that chose differently stop together before any data moves
         differ = results[rank]["auto_disagree"]

@@ -927,7 +927,10 @@ def _layout_choice_lines(auto: Any, choices: list[dict[str, Any]]) -> list[str]:
                 width,
             ),
         ]
-    lines = ["", *_field("Layout:", f"chosen for {auto.degree} ranks (layout='auto'), per site", width)]
+    lines = [
+        "",
+        *_field("Layout:", f"chosen for {auto.degree} ranks (layout='auto'), per site", width),
+    ]
     for choice in choices:
         lines += _wrap(
             f"{choice['component']} {choice['layer']} (x{choice['count']}): "

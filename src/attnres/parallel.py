@@ -1207,9 +1207,7 @@ class _GatherKV(torch.autograd.Function):
             run.sp, dict.fromkeys(outer, x.contiguous()),
             {m: b * blocks[p] * h * d for p, m in enumerate(outer)}, x,
         )  # fmt: skip
-        return torch.cat(
-            [pieces[m].reshape(b, blocks[p], h, d) for p, m in enumerate(outer)], 1
-        )
+        return torch.cat([pieces[m].reshape(b, blocks[p], h, d) for p, m in enumerate(outer)], 1)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
