@@ -40,6 +40,11 @@ maps ``SelectionConfig.profile`` to them. attnres's rows:
   decisions are measured, the stage's checks, the verdict rule (a table: the
   first row that holds) and the tuned trace; the
   timing itself is :mod:`attnres.autotuner`'s;
+- ``LAYOUT_RULES`` (:func:`choose_layout`, issue 35): which sequence-parallel
+  layout ``SequenceParallel(layout="auto")`` gives a layer, from its facts
+  (:class:`LayoutFacts`), each row with its source; the layout kinds' own
+  checks are ``_check_layout_kinds`` (codes ``padding_too_costly``,
+  ``allgather_causal``);
 - ``SCOPE_CHECKS``: the checks a component scope's overrides pass (SPEC 3.6),
   each with its :class:`~attnres._states.ScopeCode` (``scope_unexplained``,
   ``scope_not_applied``: the runtime raises their problems as

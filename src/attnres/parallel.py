@@ -21,6 +21,11 @@ its place on the ring; shards are in rank order along the sequence.
   ``2R-1-r`` of the sequence, exchanged with its ring peers on the way in and
   back on the way out, so the caller's shards stay contiguous.
 - **USP** (both): Ulysses inside, ring outside.
+- Issue 35: **padded Ulysses** (heads zero-padded to a multiple of ``U``),
+  **AllGather-KV** (``allgather=A``: each rank keeps its query shard and
+  all-gathers K and V; alone or with Ulysses inside), **key-padding masks**
+  gathered with the keys (not on a ring), **joint attention** with replicated
+  text tokens (``text_tokens``), and ``layout="auto"``.
 
 Uneven lengths: shards follow ``torch.tensor_split`` (the first ``L % (U*R)``
 ranks hold one token more; a rank may hold none) and are exchanged with uneven
@@ -29,11 +34,12 @@ first gathers the shard lengths of all ranks (one small all-gather).
 :meth:`SequenceParallel.shard` and :meth:`SequenceParallel.gather` cut and
 reassemble a full tensor that way.
 
-Not supported under a layout (a ``ValueError``): ``attn_mask``; ``window`` with
-``ring > 1``. Gradients flow: an all-to-all's backward is the reverse
-all-to-all; the ring's backward recomputes every block from the merged
-log-sum-exp (:class:`_Ring`, issue 35), so a training forward keeps memory
-linear in the sequence.
+Not supported under a layout (a ``ValueError``): a mask other than key padding,
+any mask on a ring; ``window`` with ``ring > 1`` or ``allgather > 1``.
+Gradients flow: an all-to-all's backward is the reverse all-to-all; the
+ring's backward recomputes every block from the merged log-sum-exp
+(:class:`_Ring`, issue 35), so a training forward keeps memory linear in the
+sequence.
 
 Verified and bounded (``docs/sequence-parallel.md``):
 
@@ -96,6 +102,17 @@ class SequenceParallel:
     degrees, whose product must be the group's size; ``timeout``: seconds (or a
     ``timedelta``) that bounds every collective and the first forward's
     consensus (default 60 s).
+
+    Issue 35 (docs/sequence-parallel.md): ``allgather``: the AllGather-KV degree
+    (each rank keeps its query shard and all-gathers K and V; composes with
+    Ulysses inside, not with a ring); ``pad_heads``: Ulysses zero-pads the heads
+    to a multiple of ``ulysses`` and drops the padding after; ``text_tokens``:
+    joint attention, every rank's q, k, v start with that many replicated text
+    tokens; ``layout="auto"``: each layer's layout is chosen by
+    ``attnres.machine.LAYOUT_RULES`` (:meth:`for_layer`) from its facts, the
+    group's size, ``seq_len`` (the full sequence, for the AllGather-KV memory
+    rule, bounded by ``kv_budget`` bytes per rank) and ``interconnect``
+    (``"nvlink"``, ``"pcie"``, or ``"measure"``: one timed all-reduce).
 
     Raises ``ValueError`` for a bad degree or one that does not match the
     group, ``RuntimeError`` when ``torch.distributed`` is not initialised or
