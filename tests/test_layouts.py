@@ -320,3 +320,32 @@ def test_the_docs_show_the_layout_rules_as_they_are() -> None:
         assert f"| `{rule}` | {words} |" in page, rule
     for code in ("padding_too_costly", "allgather_causal"):
         assert f"| `{code}` |" in page
+
+
+def test_cli_explain_shows_padding_cost_and_the_allgather_refusal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["explain", "--head-size", "128", "--dtype", "bf16", "--platform",
+            "cuda:sm90+flash_attn+sageattention"]  # fmt: skip
+    assert main([*base, "--ulysses-degree", "4", "--pad-heads", "--heads", "14"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "heads zero-padded from 14 to 16 (kv 14 to 16) and dropped after: +14.3%" in out
+    argv = [*base, "--allgather-degree", "2", "--heads", "8", "--kv-heads", "2"]
+    assert main([*argv, "--requires", "causal", "--attention-backend", "fa"]) == 1
+    assert "Decision:  rejected (allgather_causal)" in capsys.readouterr().out
+    assert main(argv) == 0
+    assert "all-gather every key/value block" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pad-heads"], "give --ulysses-degree too"),
+        (["--allgather-degree", "2", "--ring-degree", "2"], "both split the query rows"),
+    ],
+)
+def test_cli_layout_kind_flag_mistakes_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["explain", "--head-size", "64", "--dtype", "fp32", *argv]) == 2
+    assert message in capsys.readouterr().err

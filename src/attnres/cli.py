@@ -435,6 +435,14 @@ def _layout_arguments(parser: Any, *, heads: bool) -> None:
         "--ring-degree", type=_degree, metavar="R",
         help="sequence-parallel layout: a ring of R ranks, merged by log-sum-exp (default 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--allgather-degree", type=_degree, metavar="A",
+        help="sequence-parallel layout: AllGather-KV over A ranks (issue 35; default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pad-heads", action="store_true",
+        help="with --ulysses-degree: zero-pad the heads to a multiple of it (issue 35)",
+    )  # fmt: skip
     if heads:
         parser.add_argument(
             "--heads",
@@ -477,7 +485,7 @@ def _auto_layout(args: argparse.Namespace) -> Any:
         if getattr(args, "interconnect", None) or getattr(args, "seq_len", None):
             raise UsageError("--interconnect and --seq-len are facts for --sp-degree: give it too")
         return None
-    if args.ulysses_degree or args.ring_degree:
+    if args.ulysses_degree or args.ring_degree or getattr(args, "allgather_degree", None):
         raise UsageError(
             "--sp-degree lets attnres choose the layout; --ulysses-degree / --ring-degree fix "
             "one: give one or the other"
@@ -494,8 +502,16 @@ def _auto_layout(args: argparse.Namespace) -> Any:
 def _layout(args: argparse.Namespace) -> SequenceLayout | None:
     """The layout the flags give, or ``None`` (no flag, or both degrees 1)."""
     ulysses, ring = args.ulysses_degree or 1, args.ring_degree or 1
+    allgather, pad = getattr(args, "allgather_degree", None) or 1, getattr(args, "pad_heads", False)
     heads, kv = getattr(args, "heads", None), getattr(args, "kv_heads", None)
-    if ulysses * ring == 1:
+    if pad and ulysses == 1:
+        raise UsageError("--pad-heads pads the heads Ulysses splits: give --ulysses-degree too")
+    if allgather > 1 and ring > 1:
+        raise UsageError(
+            "--allgather-degree and --ring-degree both split the query rows; give one of them "
+            "(Ulysses composes with either)"
+        )
+    if ulysses * ring * allgather == 1:
         if heads is not None or kv is not None:
             raise UsageError(
                 "--heads and --kv-heads describe the layer for a sequence-parallel layout: "
@@ -509,7 +525,7 @@ def _layout(args: argparse.Namespace) -> SequenceLayout | None:
             f"--kv-heads {kv} --heads {heads}: each key/value head serves a whole group of "
             f"query heads, so --kv-heads must divide --heads (swapped?)"
         )
-    return SequenceLayout(ulysses, ring, heads, kv)
+    return SequenceLayout(ulysses, ring, heads, kv, allgather=allgather, pad_heads=pad)
 
 
 def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -846,6 +862,8 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         doc["layout"] = {
             "ulysses": layout.ulysses,
             "ring": layout.ring,
+            **({"allgather": layout.allgather} if layout.allgather > 1 else {}),
+            **({"pad_heads": True} if layout.pad_heads else {}),
             "components": [c.name for c in pipeline.components if c.resolved_kind in LAYOUT_KINDS],
         }
     choices = _layout_choices(result) if auto is not None else []
