@@ -34,7 +34,7 @@ from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.layout import SequenceLayout
-from attnres.machine import run_machine
+from attnres.machine import LayoutFacts, choose_layout, run_machine
 from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.scope import ScopeState, scope_state
 from attnres.trace import Trace, TraceInput, atomic_write_text, canonical_json, trace_to_dict
@@ -202,6 +202,11 @@ def _preference(backend: str) -> SelectionConfig:
 
 
 _NOTHING = SelectionConfig()
+#: issue 35: the facts of the auto-layout golden scenario (4 NVLink ranks, GQA)
+_AUTO_GQA_FACTS = LayoutFacts(
+    4, 24, 3, seq_len=4096, kv_bytes=2 * 128 * 2, interconnect="nvlink",
+    interconnect_source="declared",
+)  # fmt: skip
 _HOPPER_ALL = "cuda:sm90+all"
 #: issue 23: the sglang profile, and a platform of SGLang's observed answers
 _SGLANG = SelectionConfig(profile="sglang")
@@ -1594,6 +1599,55 @@ SCENARIOS: tuple[Scenario, ...] = (
             "heads_not_divisible",
             origin="layer",
             error_contains=("6 heads and 6 kv heads do not both divide by 4",),
+        ),
+    ),
+    # -- issue 35: layout kinds (head padding, AllGather-KV) and layout="auto" ----------
+    Scenario(
+        "auto-layout-gqa-allgather-kv-selects-fa",
+        "SequenceParallel(layout='auto') over 4 NVLink ranks for a non-causal GQA layer (24 "
+        "heads, 3 kv heads, 4096 tokens): the rule gqa_allgather_kv chooses AllGather-KV, "
+        "whose rule and why ride in the layout, and fa serves each rank's query shard.",
+        attrs.evolve(
+            _layer(name="blocks.0.attn1"),
+            layout=choose_layout(_AUTO_GQA_FACTS),
+        ),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("fa", origin="none"),
+    ),
+    Scenario(
+        "padded-heads-layout-rejected-padding-too-costly",
+        "ulysses=4 with padded heads on a layer of 2 heads and 1 kv head: padding the kv "
+        "head to 4 takes the query heads to 8, four times the work, so the strict request "
+        "is rejected (padding_too_costly).",
+        attrs.evolve(
+            _layer(name="blocks.0.attn1"), layout=SequenceLayout(4, 1, 2, 1, pad_heads=True)
+        ),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn+sageattention",
+        "fa",
+        expect=rejects(
+            "padding_too_costly", origin="layer", error_contains=("4.00x the attention work",)
+        ),
+    ),
+    Scenario(
+        "allgather-kv-layout-causal-rejected",
+        "allgather=2 on a causal layer: each rank's query shard would need a bottom-right "
+        "causal mask over the gathered keys, so the strict request is rejected "
+        "(allgather_causal).",
+        attrs.evolve(
+            _layer(name="blocks.0.attn1", requires=["causal"]),
+            layout=SequenceLayout(1, 1, 8, 8, allgather=2),
+        ),
+        _NOTHING,
+        None,
+        "cuda:sm90+flash_attn+sageattention",
+        "fa",
+        expect=rejects(
+            "allgather_causal", origin="layer", error_contains=("bottom-right-aligned mask",)
         ),
     ),
 )

@@ -135,6 +135,13 @@ class Code(_StrEnum):
     #: issue 24: the layer needs what attnres's sequence-parallel layouts do not do
     #: (attention masks; a sliding window across ring blocks)
     LAYOUT_UNSUPPORTED = "layout_unsupported"
+    #: issue 35: a head-padded Ulysses layout would spend at least half its
+    #: attention on padding (``attnres.layout.MAX_PAD_COST``)
+    PADDING_TOO_COSTLY = "padding_too_costly"
+    #: issue 35: an AllGather-KV layout on a causal layer (each query shard would
+    #: need a bottom-right-aligned mask over the gathered keys; vllm-omni#4968's
+    #: AllGather-KV is "only valid for causal=False attention")
+    ALLGATHER_CAUSAL = "allgather_causal"
 
 
 class ScopeCode(_StrEnum):

@@ -77,6 +77,7 @@ from attnres.layout import SequenceLayout, _degree, _heads
 from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.records import (
     KERNELS_SCHEMA_VERSION,
+    LAYOUT_KINDS_SCHEMA_VERSION,
     LAYOUT_SCHEMA_VERSION,
     MASK_SCHEMA_VERSION,
     RECORD_KINDS,
@@ -637,12 +638,23 @@ def _layer_of(
 
 
 _LAYOUT_KEYS = ("ulysses", "ring", "num_heads", "num_kv_heads")
+#: issue 35 (schema 7): keys a layout carries only when set
+_LAYOUT_KIND_KEYS = ("allgather", "pad_heads", "rule", "why")
 
 
 def _layout(value: Any) -> SequenceLayout:
-    """A layer's sequence-parallel layout (issue 24): degrees and head counts."""
+    """A layer's sequence-parallel layout (issue 24): degrees and head counts; issue
+    35: the AllGather-KV degree, head padding and an auto layout's rule, when set."""
     obj = _object(value, "a layout")
-    _exact_keys(obj, _LAYOUT_KEYS, "a layout")
+    _exact_keys(obj, [*_LAYOUT_KEYS, *(k for k in _LAYOUT_KIND_KEYS if k in obj)], "a layout")
+    kinds: dict[str, Any] = {}
+    if "allgather" in obj:
+        kinds["allgather"] = _field(obj, "allgather", lambda v: _degree(_head_size(v)))
+    if "pad_heads" in obj:
+        kinds["pad_heads"] = _field(obj, "pad_heads", _structure_bool_value)
+    for key in ("rule", "why"):
+        if key in obj:
+            kinds[key] = _field(obj, key, _structure_text_value)
     # bounded as where they are parsed (attnres.layout: MAX_DEGREE, MAX_HEADS)
     degrees = {
         key: _field(obj, key, lambda v: _degree(_head_size(v))) for key in ("ulysses", "ring")
@@ -651,7 +663,22 @@ def _layout(value: Any) -> SequenceLayout:
         key: _field(obj, key, _optional(lambda v: _heads(_head_size(v))))
         for key in ("num_heads", "num_kv_heads")
     }
-    return SequenceLayout(**degrees, **heads)
+    try:
+        return SequenceLayout(**degrees, **heads, **kinds)
+    except ValueError as exc:
+        raise _Invalid("", f"not a valid layout: {exc}") from None
+
+
+def _structure_bool_value(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid("", f"expected true or false, got {describe(value)}")
+    return value
+
+
+def _structure_text_value(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Invalid("", f"expected a string, got {describe(value)}")
+    return value
 
 
 def _component_name(key: str) -> str | None:
@@ -732,6 +759,7 @@ def _make_converter() -> cattrs.Converter:
     # (issue 23: Platform too, before TraceInput whose hook embeds it, so its
     # host facts are written only when present)
     for cls in (
+        SequenceLayout,  # issue 35: its kind's keys only when set
         LayerSpec,
         SelectionConfig,
         ScopeState,
@@ -972,6 +1000,13 @@ def _structure_document(doc: Any) -> Document:
         raise _Invalid(
             ".outcome.reason", _needs_tuned_version("the reason 'measured faster'", version)
         )
+    layout = inp.layer.layout
+    if version < LAYOUT_KINDS_SCHEMA_VERSION and layout is not None and _has_kind(layout):
+        raise _Invalid(
+            ".input.layer.layout",
+            f"an AllGather-KV, head-padded or chosen layout belongs to schema version "
+            f"{LAYOUT_KINDS_SCHEMA_VERSION}, but the file says version {version}",
+        )
     if version < LAYOUT_SCHEMA_VERSION and inp.layer.layout is not None:
         raise _Invalid(
             ".input.layer.layout",
@@ -1056,3 +1091,8 @@ def loads(text: str, *, source: str) -> Any:
         )
     except _Invalid as exc:
         raise format_error(source, "$" + exc.path, exc.message) from None
+
+
+def _has_kind(layout: SequenceLayout) -> bool:
+    """Issue 35: whether a layout holds what schema version 7 added."""
+    return layout.allgather > 1 or layout.pad_heads or layout.rule is not None

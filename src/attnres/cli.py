@@ -435,6 +435,14 @@ def _layout_arguments(parser: Any, *, heads: bool) -> None:
         "--ring-degree", type=_degree, metavar="R",
         help="sequence-parallel layout: a ring of R ranks, merged by log-sum-exp (default 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--allgather-degree", type=_degree, metavar="A",
+        help="sequence-parallel layout: AllGather-KV over A ranks (issue 35; default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pad-heads", action="store_true",
+        help="with --ulysses-degree: zero-pad the heads to a multiple of it (issue 35)",
+    )  # fmt: skip
     if heads:
         parser.add_argument(
             "--heads",
@@ -450,11 +458,60 @@ def _layout_arguments(parser: Any, *, heads: bool) -> None:
         )
 
 
+def _auto_layout_arguments(parser: Any) -> None:
+    """Issue 35: ``--sp-degree N`` (the layout ``SequenceParallel(layout="auto")``
+    would choose per site), with the facts its rules read."""
+    parser.add_argument(
+        "--sp-degree", type=_degree, metavar="N",
+        help="show the layout attnres would choose for each denoiser site of a model folder "
+        "over N ranks (SequenceParallel(layout='auto'))",
+    )  # fmt: skip
+    parser.add_argument(
+        "--interconnect", choices=("nvlink", "pcie"),
+        help="with --sp-degree: the link between the ranks (default: not declared)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seq-len", type=_degree, metavar="L",
+        help="with --sp-degree: the full sequence length (the AllGather-KV memory rule)",
+    )  # fmt: skip
+
+
+def _auto_layout(args: argparse.Namespace) -> Any:
+    """Issue 35: the ``--sp-degree`` choice, or ``None``."""
+    from attnres.layout import AutoLayout
+
+    degree = getattr(args, "sp_degree", None)
+    if degree is None:
+        if getattr(args, "interconnect", None) or getattr(args, "seq_len", None):
+            raise UsageError("--interconnect and --seq-len are facts for --sp-degree: give it too")
+        return None
+    if args.ulysses_degree or args.ring_degree or getattr(args, "allgather_degree", None):
+        raise UsageError(
+            "--sp-degree lets attnres choose the layout; --ulysses-degree / --ring-degree fix "
+            "one: give one or the other"
+        )
+    if not Path(args.pipeline).is_dir():
+        raise UsageError(
+            "--sp-degree chooses from each site's head counts, which a model folder gives "
+            "(attnres plan DIR); a pipeline file gives none: use --ulysses-degree / "
+            "--ring-degree"
+        )
+    return AutoLayout(degree, args.interconnect or "unknown", args.seq_len)
+
+
 def _layout(args: argparse.Namespace) -> SequenceLayout | None:
     """The layout the flags give, or ``None`` (no flag, or both degrees 1)."""
     ulysses, ring = args.ulysses_degree or 1, args.ring_degree or 1
+    allgather, pad = getattr(args, "allgather_degree", None) or 1, getattr(args, "pad_heads", False)
     heads, kv = getattr(args, "heads", None), getattr(args, "kv_heads", None)
-    if ulysses * ring == 1:
+    if pad and ulysses == 1:
+        raise UsageError("--pad-heads pads the heads Ulysses splits: give --ulysses-degree too")
+    if allgather > 1 and ring > 1:
+        raise UsageError(
+            "--allgather-degree and --ring-degree both split the query rows; give one of them "
+            "(Ulysses composes with either)"
+        )
+    if ulysses * ring * allgather == 1:
         if heads is not None or kv is not None:
             raise UsageError(
                 "--heads and --kv-heads describe the layer for a sequence-parallel layout: "
@@ -468,7 +525,7 @@ def _layout(args: argparse.Namespace) -> SequenceLayout | None:
             f"--kv-heads {kv} --heads {heads}: each key/value head serves a whole group of "
             f"query heads, so --kv-heads must divide --heads (swapped?)"
         )
-    return SequenceLayout(ulysses, ring, heads, kv)
+    return SequenceLayout(ulysses, ring, heads, kv, allgather=allgather, pad_heads=pad)
 
 
 def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -733,6 +790,7 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from attnres.plan import load_pipeline, plan_pipeline, with_layout, write_plan_traces
 
     layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
+    auto = _auto_layout(args)  # issue 35: --sp-degree
     config = selection_config_from_args(args)
     options = _backend_options(args.backend_option)  # issue 23: under each layer's own
     if options is not None:
@@ -750,7 +808,7 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         platform = _platform(args.platform)
         dtypes = parse_dtype_args(args.dtype or [])
         result = plan_folder(
-            Path(args.pipeline), config, platform, dtypes, component=args.component
+            Path(args.pipeline), config, platform, dtypes, component=args.component, sp=auto
         ).to_plan_result()
         _check_component_overrides(
             config, [c.name for c in result.components], f"the folder {args.pipeline}"
@@ -804,14 +862,21 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         doc["layout"] = {
             "ulysses": layout.ulysses,
             "ring": layout.ring,
+            **({"allgather": layout.allgather} if layout.allgather > 1 else {}),
+            **({"pad_heads": True} if layout.pad_heads else {}),
             "components": [c.name for c in pipeline.components if c.resolved_kind in LAYOUT_KINDS],
         }
+    choices = _layout_choices(result) if auto is not None else []
+    if auto is not None:  # issue 35: the layout chosen per site
+        doc["layout_choice"] = {"sp_degree": auto.degree, "sites": choices}
     if args.json:
         _emit_json(out, doc)
     else:
         lines = render_plan(result)
         if layout is not None:
             lines += _plan_layout_lines(pipeline, layout)
+        if auto is not None:
+            lines += _layout_choice_lines(auto, choices)
         if config.autotune:
             total = sum(layer.count for layer in result.layers)
             lines += _field(
@@ -843,6 +908,59 @@ def _check_component_overrides(config: SelectionConfig, names: Sequence[str], wh
                 f"component {split_component_key(component)[0]!r}; its components: "
                 f"{', '.join(names)}"
             )
+
+
+def _layout_choices(result: Any) -> list[dict[str, Any]]:
+    """Issue 35: each planned layer's chosen layout (``--sp-degree``), in plan order."""
+    out: list[dict[str, Any]] = []
+    for component in result.components:
+        for layer in component.layers:
+            chosen = layer.trace.input.layer.layout
+            if chosen is None or chosen.rule is None:
+                continue
+            out.append(
+                {
+                    "component": component.name,
+                    "layer": layer.name,
+                    "count": layer.count,
+                    "layout": chosen.ulysses_ring(),
+                    "rule": chosen.rule,
+                    "why": chosen.why,
+                    "backend": None if layer.backend is None else layer.backend.name,
+                }
+            )
+    return out
+
+
+def _layout_choice_lines(auto: Any, choices: list[dict[str, Any]]) -> list[str]:
+    """Issue 35: the ``--sp-degree`` choice per site, as plan lines."""
+    width = _width()
+    if not choices:
+        return [
+            "",
+            *_field(
+                "Layout:",
+                f"--sp-degree {auto.degree}: no denoiser site with head facts to lay out "
+                f"(sites decided at their first call run without a layout)",
+                width,
+            ),
+        ]
+    lines = [
+        "",
+        *_field("Layout:", f"chosen for {auto.degree} ranks (layout='auto'), per site", width),
+    ]
+    for choice in choices:
+        lines += _wrap(
+            f"{choice['component']} {choice['layer']} (x{choice['count']}): "
+            f"{choice['layout']} on {choice['backend'] or 'no backend'}, rule {choice['rule']}",
+            width,
+            "  ",
+            "    ",
+        )
+    why = {c["rule"]: c["why"] for c in choices}
+    for rule, text in why.items():
+        lines += _wrap(f"{rule}: {text}", width, "  ", "    ")
+    return lines
 
 
 def _plan_layout_lines(pipeline: Any, layout: SequenceLayout) -> list[str]:
@@ -1324,6 +1442,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out", metavar="DIR", help="write one trace per distinct layer into DIR"
     )
     _layout_arguments(plan, heads=False)
+    _auto_layout_arguments(plan)
     _backend_option_argument(
         plan, " for every layer (or site of a model folder), under a layer's own backend_options"
     )

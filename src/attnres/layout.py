@@ -22,9 +22,19 @@ from __future__ import annotations
 import operator
 from typing import Any, Final
 
+import attrs
 from attrs import field, frozen
 
-__all__ = ["LAYOUT_KINDS", "MAX_DEGREE", "MAX_HEADS", "SequenceLayout", "context_parallel_layout"]
+__all__ = [
+    "LAYOUT_KINDS",
+    "MAX_DEGREE",
+    "MAX_HEADS",
+    "MAX_PAD_COST",
+    "AutoLayout",
+    "SequenceLayout",
+    "context_parallel_layout",
+    "padded_heads",
+]
 
 #: The component kinds whose layers take a pipeline-wide layout (``attnres plan
 #: --ulysses-degree/--ring-degree``): the denoiser, whose sequence is what outgrows
@@ -68,6 +78,34 @@ def _heads(value: Any) -> int | None:
     return None if value is None else _bounded(value, "heads", MAX_HEADS)
 
 
+def _text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"expected a string or None, got {value!r}")
+
+
+#: Issue 35: the most work head padding may add (padded heads / real heads) before
+#: the layout check refuses it (``padding_too_costly``): at 2x, half of every
+#: rank's attention would be spent on zeros, where a ring or AllGather-KV layout
+#: does the same job with none wasted. vLLM-Omni measured 14.3% for 14 heads
+#: padded to 16 (vllm-omni#7641).
+MAX_PAD_COST: Final = 2.0
+
+
+def padded_heads(heads: int, kv_heads: int, ulysses: int) -> tuple[int, int]:
+    """Issue 35: (query heads, key/value heads) after zero-padding both to a
+    multiple of ``ulysses``, keeping every query head with its key/value group:
+    the key/value heads grow to the next multiple of ``ulysses`` and the query
+    heads to as many groups (a padded query head meets only padded key/value
+    heads, so the real heads' results are unchanged)."""
+    group = heads // kv_heads
+    kv = -(-kv_heads // ulysses) * ulysses
+    q = kv * group
+    if q % ulysses:  # cannot happen (kv divides); kept as the invariant's statement
+        raise ValueError(f"padded heads {q} do not divide by {ulysses}")
+    return q, kv
+
+
 def _kv_heads(layout: Any, attribute: Any, value: int | None) -> None:
     heads = layout.num_heads
     if value is not None and heads is not None and (value > heads or heads % value):
@@ -94,11 +132,61 @@ class SequenceLayout:
     ring: int = field(default=1, converter=_degree)
     num_heads: int | None = field(default=None, converter=_heads)
     num_kv_heads: int | None = field(default=None, converter=_heads, validator=_kv_heads)
+    #: issue 35: ranks that all-gather key/value blocks (each keeps its query
+    #: shard; vLLM-Omni's AllGather-KV, SGLang's kv-gather degree); composes with
+    #: Ulysses inside (vllm-omni#7641), not with a ring (both split the rows)
+    allgather: int = field(default=1, converter=_degree, metadata={"omit_default": True})
+    #: issue 35: Ulysses zero-pads the heads to a multiple of its degree and drops
+    #: the padding after (vLLM-Omni's ``advanced_uaa``)
+    pad_heads: bool = field(default=False, metadata={"omit_default": True})
+    #: issue 35: a layout chosen by ``SequenceParallel(layout="auto")``: the rule
+    #: that chose it (``attnres.machine.LAYOUT_RULES``) and why, with the facts read
+    rule: str | None = field(default=None, converter=_text, metadata={"omit_default": True})
+    why: str | None = field(default=None, converter=_text, metadata={"omit_default": True})
+
+    def __attrs_post_init__(self) -> None:
+        if self.allgather > 1 and self.ring > 1:
+            raise ValueError(
+                f"allgather={self.allgather} and ring={self.ring}: both split the query rows "
+                f"across ranks, so they do not compose; choose one (Ulysses composes with either)"
+            )
+        if not isinstance(self.pad_heads, bool):
+            raise ValueError(f"pad_heads: expected a bool, got {self.pad_heads!r}")
 
     @property
     def degree(self) -> int:
-        """How many ranks the layout spans (``ulysses * ring``)."""
-        return self.ulysses * self.ring
+        """How many ranks the layout spans (``ulysses * ring * allgather``)."""
+        return self.ulysses * self.ring * self.allgather
+
+    @property
+    def outer(self) -> int:
+        """The degree outside Ulysses: the ring's or the all-gather's."""
+        return self.ring * self.allgather
+
+    @property
+    def kind(self) -> str:
+        """Issue 35: the layout kind, in words (``allgather_kv``, ``padded_ulysses``,
+        ``usp``, ``ulysses``, ``ring``, ``replicated``)."""
+        if self.allgather > 1:
+            return "allgather_kv"
+        if self.pad_heads:
+            return "padded_ulysses"
+        if self.ulysses > 1 and self.ring > 1:
+            return "usp"
+        return "ulysses" if self.ulysses > 1 else ("ring" if self.ring > 1 else "replicated")
+
+    def padding(self) -> tuple[int, int] | None:
+        """(query heads, key/value heads) after padding; ``None`` without padding or
+        head counts."""
+        if not self.pad_heads or self.num_heads is None:
+            return None
+        kv = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        return padded_heads(self.num_heads, kv, self.ulysses)
+
+    def pad_cost(self) -> float | None:
+        """The attention work padding adds: padded query heads / real ones (1.0: none)."""
+        padded = self.padding()
+        return None if padded is None or self.num_heads is None else padded[0] / self.num_heads
 
     @property
     def needs_lse(self) -> bool:
@@ -110,16 +198,24 @@ class SequenceLayout:
         not divisible by ``ulysses``."""
         heads = self.num_heads
         kv = heads if self.num_kv_heads is None else self.num_kv_heads
+        padded = self.padding()
+        if padded is not None:
+            heads, kv = padded
         if heads is None or kv is None or heads % self.ulysses or kv % self.ulysses:
             return None
         return heads // self.ulysses, kv // self.ulysses
 
     def describe(self) -> str:
         """``ulysses=2 x ring=2`` (and the per-rank heads when known)."""
-        text = f"ulysses={self.ulysses} x ring={self.ring}"
+        text = self.ulysses_ring()
         per_rank = self.rank_heads()
         if per_rank is not None and self.ulysses > 1:
             text += f" ({per_rank[0]} heads, {per_rank[1]} kv heads per rank)"
+        cost = self.pad_cost()
+        if cost is not None:
+            text += f", heads padded: +{cost - 1:.1%} attention work"
+        if self.rule is not None:
+            text += f", chosen by rule {self.rule}"
         return text
 
     def per_rank(self, backend: str | None) -> str:
@@ -143,10 +239,32 @@ class SequenceLayout:
                 f"; a ring of {self.ring} passes key/value blocks and merges them by their "
                 f"log-sum-exp"
             )
+        if self.allgather > 1:
+            text += (
+                f"; {self.allgather} ranks all-gather every key/value block and each attends "
+                f"with its own query shard"
+            )
+        padded = self.padding()
+        if padded is not None and self.num_heads is not None:
+            cost = self.pad_cost() or 1.0
+            text += (
+                f"; heads zero-padded from {self.num_heads} to {padded[0]} (kv "
+                f"{self.num_kv_heads or self.num_heads} to {padded[1]}) and dropped after: "
+                f"+{cost - 1:.1%} attention work"
+            )
+        elif self.pad_heads:
+            text += "; heads zero-padded to a multiple of the Ulysses degree (cost unknown)"
+        if self.rule is not None:
+            text += f"; chosen by rule {self.rule}: {self.why}"
         return text
 
     def ulysses_ring(self) -> str:
-        return f"ulysses={self.ulysses} x ring={self.ring}"
+        text = f"ulysses={self.ulysses} x ring={self.ring}"
+        if self.allgather > 1:
+            text += f" x allgather={self.allgather}"
+        if self.pad_heads:
+            text += " (padded heads)"
+        return text
 
 
 def context_parallel_layout(
@@ -174,3 +292,44 @@ def context_parallel_layout(
     if getattr(cp, "ulysses_anything", False):
         num_heads = num_kv_heads = None
     return SequenceLayout(ulysses, ring, num_heads, num_kv_heads)
+
+
+#: bytes per element of the dtypes a plan names (the gathered K/V memory fact)
+_ITEMSIZE: Final = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@frozen
+class AutoLayout:
+    """Issue 35: ``attnres plan DIR --sp-degree N``: the layout
+    ``SequenceParallel(layout="auto")`` would choose for each denoiser site of a
+    group of ``degree`` ranks (``attnres.machine.LAYOUT_RULES``), from the site's
+    head facts, the declared interconnect and sequence."""
+
+    degree: int = field(converter=_degree)
+    interconnect: str = "unknown"
+    seq_len: int | None = None
+    kv_budget: int = 1 << 30
+
+    def choose_for_site(self, component: str, site: Any) -> Any:
+        """``site`` (an integration's site description) with the chosen layout, when
+        its component takes one (:data:`LAYOUT_KINDS`) and its head facts are known."""
+        from attnres._vocab import MaskKind
+        from attnres.machine import LayoutFacts, choose_layout
+        from attnres.scope import component_kind
+
+        if component_kind(component) not in LAYOUT_KINDS or site.heads is None:
+            return site
+        kv_heads = site.kv_heads or site.heads
+        facts = LayoutFacts(
+            self.degree,
+            site.heads,
+            kv_heads,
+            site.requirements.causal,
+            site.requirements.mask is not MaskKind.NONE,
+            self.seq_len,
+            2 * (site.head_size or 0) * _ITEMSIZE.get(site.dtype, 2),
+            self.kv_budget,
+            self.interconnect,
+            "declared" if self.interconnect != "unknown" else "not declared",
+        )
+        return attrs.evolve(site, layout=choose_layout(facts))

@@ -40,6 +40,11 @@ maps ``SelectionConfig.profile`` to them. attnres's rows:
   decisions are measured, the stage's checks, the verdict rule (a table: the
   first row that holds) and the tuned trace; the
   timing itself is :mod:`attnres.autotuner`'s;
+- ``LAYOUT_RULES`` (:func:`choose_layout`, issue 35): which sequence-parallel
+  layout ``SequenceParallel(layout="auto")`` gives a layer, from its facts
+  (:class:`LayoutFacts`), each row with its source; the layout kinds' own
+  checks are ``_check_layout_kinds`` (codes ``padding_too_costly``,
+  ``allgather_causal``);
 - ``SCOPE_CHECKS``: the checks a component scope's overrides pass (SPEC 3.6),
   each with its :class:`~attnres._states.ScopeCode` (``scope_unexplained``,
   ``scope_not_applied``: the runtime raises their problems as
@@ -139,7 +144,7 @@ from attnres.backends import Backend, BackendSpec, KernelFacts, catalogue_order,
 from attnres.kernels import KernelSource, kernel_source
 from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
 from attnres.layer import LayerSpec
-from attnres.layout import SequenceLayout
+from attnres.layout import MAX_PAD_COST, SequenceLayout
 from attnres.platform import Platform
 from attnres.records import ScopeProblem
 from attnres.scope import ScopeState
@@ -169,6 +174,7 @@ __all__ = [
     "CHECK_ORDER",
     "GLOBAL_EXPLICIT_ORIGINS",
     "LAYOUT_CHECK_ORDER",
+    "LAYOUT_RULES",
     "NO_KERNEL",
     "ORIGIN_ROWS",
     "PREFERRED_STAGES",
@@ -185,12 +191,14 @@ __all__ = [
     "VERDICT_RULES",
     "Guard",
     "GuardFacts",
+    "LayoutFacts",
     "Measured",
     "Relaxation",
     "RequestRefusal",
     "ScopeProblem",
     "backward_everywhere",
     "check_candidate",
+    "choose_layout",
     "detect_origin",
     "first_event",
     "global_flag_relaxation",
@@ -1090,7 +1098,9 @@ def _check_layout(
     """
     out: list[Failure] = []
     needed = layer.requirements
-    if needed.attn_mask:
+    # issue 35: key-padding masks are gathered with the keys (Ulysses, AllGather-KV);
+    # a ring merges blocks without masks, and other mask kinds are not gathered
+    if needed.attn_mask and needed.mask is not MaskKind.KEY_PADDING:
         out.append(
             Failure(
                 Code.LAYOUT_UNSUPPORTED,
@@ -1098,6 +1108,16 @@ def _check_layout(
                 f"layouts do not apply ({layout.ulysses_ring()})",
             )
         )
+    elif needed.attn_mask and layout.ring > 1:
+        out.append(
+            Failure(
+                Code.LAYOUT_UNSUPPORTED,
+                f"the layer requires key-padding masks, which attnres's sequence-parallel "
+                f"layouts gather with the keys under Ulysses and AllGather-KV, never on a ring "
+                f"({layout.ulysses_ring()})",
+            )
+        )
+    out.extend(_check_layout_kinds(layer, layout))
     if (
         needed.backward
         and layout.needs_lse
@@ -1151,7 +1171,7 @@ def _check_layout(
                     f"{', '.join(lse_kernel_names())})",
                 )
             )
-    if layout.ulysses > 1:
+    if layout.ulysses > 1 and not layout.pad_heads:
         heads, kv = layout.num_heads, layout.num_kv_heads
         if heads is not None and (heads % layout.ulysses or (kv or heads) % layout.ulysses):
             out.append(
@@ -1162,6 +1182,44 @@ def _check_layout(
                     f"{layout.ulysses}",
                 )
             )
+    return out
+
+
+def _check_layout_kinds(layer: LayerSpec, layout: SequenceLayout) -> list[Failure]:
+    """Issue 35: the checks of the head-padded and AllGather-KV layout kinds.
+
+    Head padding (``pad_heads``) zero-pads the query and key/value heads to a
+    multiple of ``ulysses`` (whole GQA groups) and drops the padding after: never
+    wrong, but refused (``padding_too_costly``) when the padded query heads are
+    at least ``MAX_PAD_COST`` times the real ones. AllGather-KV (``allgather``)
+    gives every rank its query shard against the whole key/value sequence, so a
+    causal layer is refused (``allgather_causal``): the shard would need a
+    bottom-right-aligned causal mask over the gathered keys, which no kernel is
+    handed here (vllm-omni#4968: "only valid for causal=False attention").
+    """
+    out: list[Failure] = []
+    cost = layout.pad_cost()
+    if cost is not None and cost >= MAX_PAD_COST:
+        padded = layout.padding()
+        assert padded is not None
+        out.append(
+            Failure(
+                Code.PADDING_TOO_COSTLY,
+                f"ulysses={layout.ulysses} with padded heads pads {layout.num_heads} heads "
+                f"({layout.num_kv_heads or layout.num_heads} kv heads) to {padded[0]} "
+                f"({padded[1]}): {cost:.2f}x the attention work, at least the bound "
+                f"{MAX_PAD_COST:g}x (use a ring or allgather layout)",
+            )
+        )
+    if layout.allgather > 1 and layer.requirements.causal:
+        out.append(
+            Failure(
+                Code.ALLGATHER_CAUSAL,
+                f"allgather={layout.allgather} gives each rank its query shard against every "
+                f"key; a causal layer would need a bottom-right-aligned mask over the "
+                f"gathered keys (use ulysses or a zig-zag ring for causal attention)",
+            )
+        )
     return out
 
 
@@ -1964,3 +2022,173 @@ def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
         # the rules now select another incumbent: its facts were never recorded
         measured = [Measured(machine_trace.outcome.backend, error="not measured"), *measured]
     return tuned_trace(machine_trace, tuning, no_kernel, measured)
+
+
+# =============================================================================
+# Issue 35: the layout as a decision (``SequenceParallel(layout="auto")``)
+# =============================================================================
+
+
+@frozen
+class LayoutFacts:
+    """What the layout rules read about one layer and its group.
+
+    ``size``: the group's ranks; ``heads`` / ``kv_heads``: the layer's; ``causal``;
+    ``mask``: it takes a key-padding mask; ``seq_len``: the full sequence when
+    declared (``None``: unknown); ``kv_bytes``: bytes per key/value element
+    pair (``2 * head_size * itemsize``: one key and one value element row of one
+    head); ``kv_budget``: the most bytes of gathered keys and values one rank may
+    hold; ``interconnect``: ``nvlink`` or ``pcie`` (or ``unknown``) and
+    ``interconnect_source``: declared, or measured and how.
+    """
+
+    size: int
+    heads: int
+    kv_heads: int
+    causal: bool = False
+    mask: bool = False
+    seq_len: int | None = None
+    kv_bytes: int = 0
+    kv_budget: int = 1 << 30
+    interconnect: str = "unknown"
+    interconnect_source: str = "not declared"
+
+    def gathered_kv_bytes(self) -> int | None:
+        """Bytes of the whole sequence's keys and values on one rank (AllGather-KV)."""
+        return None if self.seq_len is None else self.seq_len * self.kv_heads * self.kv_bytes
+
+
+def _divides(f: LayoutFacts, u: int) -> bool:
+    return f.heads % u == 0 and f.kv_heads % u == 0
+
+
+def _largest_ulysses(f: LayoutFacts) -> int:
+    return max(u for u in range(1, f.size + 1) if f.size % u == 0 and _divides(f, u))
+
+
+def _gqa_gather(f: LayoutFacts) -> bool:
+    gathered = f.gathered_kv_bytes()
+    return (
+        f.size > 1
+        and not f.causal
+        and f.heads >= 4 * f.kv_heads
+        and gathered is not None
+        and gathered <= f.kv_budget
+    )
+
+
+def _pcie_pair(f: LayoutFacts) -> bool:
+    return f.size == 2 and f.interconnect == "pcie" and not f.mask
+
+
+def _pad_cost(f: LayoutFacts) -> float:
+    return SequenceLayout(f.size, 1, f.heads, f.kv_heads, pad_heads=True).pad_cost() or 1.0
+
+
+#: Issue 35: how ``SequenceParallel(layout="auto")`` lays out one layer: the
+#: first row whose condition holds (rule, condition, the layout it gives, the rule
+#: in words with its source). Every rank reads the same facts (the interconnect
+#: declared, or measured once by a timed all-reduce whose slowest rank's time
+#: every rank uses), so every rank chooses alike, and the choice is verified
+#: across ranks at the first forward like any decision.
+LAYOUT_RULES: Final[
+    tuple[
+        tuple[
+            str,
+            Callable[[LayoutFacts], bool],
+            Callable[[LayoutFacts], SequenceLayout],
+            str,
+        ],
+        ...,
+    ]
+] = (
+    (
+        "one_rank",
+        lambda f: f.size == 1,
+        lambda f: SequenceLayout(1, 1),
+        "a group of one rank: nothing to split",
+    ),
+    (
+        "gqa_allgather_kv",
+        _gqa_gather,
+        lambda f: SequenceLayout(1, 1, allgather=f.size),
+        "non-causal, at least 4 query heads per key/value head, and the whole sequence's "
+        "keys and values fit the per-rank budget: one all-gather of K and V moves about "
+        "2/g of what Ulysses' four all-to-alls move (g: query heads per kv head; vLLM-Omni "
+        "RFC vllm-omni#5092's volume table, 0.25 against 2.25 at g=8), measured 1.24x "
+        "faster than Ulysses at 2 ranks (vllm-omni#4968)",
+    ),
+    (
+        "pcie_pair_ring",
+        _pcie_pair,
+        lambda f: SequenceLayout(1, 2),
+        "two ranks on a PCIe-class link and no mask: the ring's point-to-point shifts "
+        "overlap with compute, which pays on a slow link at 2 ranks; the crossover "
+        "reverses at 4 (vllm-omni#5092's Wan2.2 characterization)",
+    ),
+    (
+        "ulysses_divides",
+        lambda f: _divides(f, f.size),
+        lambda f: SequenceLayout(f.size, 1),
+        "the heads and kv heads divide by the group's size: Ulysses' all-to-all volume "
+        "per rank does not grow with the degree, and every rank runs the dense kernel "
+        "(DeepSpeed-Ulysses; xDiT's USP, arXiv 2405.07719, puts Ulysses first)",
+    ),
+    (
+        "usp",
+        lambda f: not f.mask and _largest_ulysses(f) > 1,
+        lambda f: SequenceLayout(_largest_ulysses(f), f.size // _largest_ulysses(f)),
+        "the heads divide by part of the group and no mask: Ulysses over the largest "
+        "degree that divides them, a ring over the rest (xDiT's USP, arXiv 2405.07719)",
+    ),
+    (
+        "pad_heads",
+        lambda f: _pad_cost(f) < MAX_PAD_COST,
+        lambda f: SequenceLayout(f.size, 1, pad_heads=True),
+        "the heads do not divide and padding them to the next multiple costs less than "
+        "the bound: Ulysses on zero-padded heads (vLLM-Omni's advanced_uaa, 14.3% for 14 "
+        "heads on 4 ranks, vllm-omni#7641)",
+    ),
+    (
+        "ring",
+        lambda f: not f.mask,
+        lambda f: SequenceLayout(1, f.size),
+        "no mask: a ring of the whole group puts no condition on the heads",
+    ),
+    (
+        "allgather_kv",
+        lambda f: not f.causal,
+        lambda f: SequenceLayout(1, 1, allgather=f.size),
+        "a masked, non-causal layer whose heads neither divide nor pad cheaply: "
+        "AllGather-KV gathers the mask with the keys and puts no condition on the heads "
+        "(vllm-omni#4968)",
+    ),
+    (
+        "pad_heads_anyway",
+        lambda f: True,
+        lambda f: SequenceLayout(f.size, 1, pad_heads=True),
+        "otherwise (a masked causal layer whose heads do not divide): padded Ulysses, "
+        "which the layout check refuses when padding costs too much (padding_too_costly)",
+    ),
+)
+
+
+def choose_layout(facts: LayoutFacts) -> SequenceLayout:
+    """Issue 35: the first row of ``LAYOUT_RULES`` that holds, as a layout with the
+    layer's head counts, the rule and why (the facts read)."""
+    for rule, holds, make, words in LAYOUT_RULES:
+        if holds(facts):
+            chosen = make(facts)
+            gathered = facts.gathered_kv_bytes()
+            why = (
+                f"{words} [facts: {facts.size} ranks, {facts.heads}/{facts.kv_heads} heads, "
+                f"{'causal' if facts.causal else 'non-causal'}, "
+                f"{'key-padding mask' if facts.mask else 'no mask'}, sequence "
+                f"{'undeclared' if facts.seq_len is None else facts.seq_len}"
+                + ("" if gathered is None else f" ({gathered} B of gathered K/V per rank)")
+                + f", interconnect {facts.interconnect} ({facts.interconnect_source})]"
+            )
+            return attrs.evolve(
+                chosen, num_heads=facts.heads, num_kv_heads=facts.kv_heads, rule=rule, why=why
+            )
+    raise AssertionError("LAYOUT_RULES ends with a row that always holds")

@@ -400,6 +400,8 @@ class Attention(FastCallModule):
                     f"parallel: expected an attnres.SequenceParallel or None, got "
                     f"{type(parallel).__name__}"
                 )
+            # issue 35: layout="auto" chooses this layer's layout from its facts
+            parallel = parallel.for_layer(num_heads, kv_heads, spec)
             spec = attrs.evolve(spec, layout=parallel.layout(num_heads, kv_heads))
         # issue 23: typed per-backend options (docs/backends.md), the config's under
         # the layer's own; checked here, bound with the kernel, recorded in the trace

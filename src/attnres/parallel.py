@@ -21,6 +21,11 @@ its place on the ring; shards are in rank order along the sequence.
   ``2R-1-r`` of the sequence, exchanged with its ring peers on the way in and
   back on the way out, so the caller's shards stay contiguous.
 - **USP** (both): Ulysses inside, ring outside.
+- Issue 35: **padded Ulysses** (heads zero-padded to a multiple of ``U``),
+  **AllGather-KV** (``allgather=A``: each rank keeps its query shard and
+  all-gathers K and V; alone or with Ulysses inside), **key-padding masks**
+  gathered with the keys (not on a ring), **joint attention** with replicated
+  text tokens (``text_tokens``), and ``layout="auto"``.
 
 Uneven lengths: shards follow ``torch.tensor_split`` (the first ``L % (U*R)``
 ranks hold one token more; a rank may hold none) and are exchanged with uneven
@@ -29,11 +34,12 @@ first gathers the shard lengths of all ranks (one small all-gather).
 :meth:`SequenceParallel.shard` and :meth:`SequenceParallel.gather` cut and
 reassemble a full tensor that way.
 
-Not supported under a layout (a ``ValueError``): ``attn_mask``; ``window`` with
-``ring > 1``. Gradients flow: an all-to-all's backward is the reverse
-all-to-all; the ring's backward recomputes every block from the merged
-log-sum-exp (:class:`_Ring`, issue 35), so a training forward keeps memory
-linear in the sequence.
+Not supported under a layout (a ``ValueError``): a mask other than key padding,
+any mask on a ring; ``window`` with ``ring > 1`` or ``allgather > 1``.
+Gradients flow: an all-to-all's backward is the reverse all-to-all; the
+ring's backward recomputes every block from the merged log-sum-exp
+(:class:`_Ring`, issue 35), so a training forward keeps memory linear in the
+sequence.
 
 Verified and bounded (``docs/sequence-parallel.md``):
 
@@ -63,6 +69,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -78,7 +85,7 @@ from attnres.kernels.lse import (
     get_lse_kernel,
     lse_has_gradient,
 )
-from attnres.layout import SequenceLayout
+from attnres.layout import SequenceLayout, padded_heads
 from attnres.ledger import Decision
 
 if TYPE_CHECKING:
@@ -96,6 +103,17 @@ class SequenceParallel:
     ``timedelta``) that bounds every collective and the first forward's
     consensus (default 60 s).
 
+    Issue 35 (docs/sequence-parallel.md): ``allgather``: the AllGather-KV degree
+    (each rank keeps its query shard and all-gathers K and V; composes with
+    Ulysses inside, not with a ring); ``pad_heads``: Ulysses zero-pads the heads
+    to a multiple of ``ulysses`` and drops the padding after; ``text_tokens``:
+    joint attention, every rank's q, k, v start with that many replicated text
+    tokens; ``layout="auto"``: each layer's layout is chosen by
+    ``attnres.machine.LAYOUT_RULES`` (:meth:`for_layer`) from its facts, the
+    group's size, ``seq_len`` (the full sequence, for the AllGather-KV memory
+    rule, bounded by ``kv_budget`` bytes per rank) and ``interconnect``
+    (``"nvlink"``, ``"pcie"``, or ``"measure"``: one timed all-reduce).
+
     Raises ``ValueError`` for a bad degree or one that does not match the
     group, ``RuntimeError`` when ``torch.distributed`` is not initialised or
     this process is not in ``group``.
@@ -108,8 +126,26 @@ class SequenceParallel:
         ulysses: int = 1,
         ring: int = 1,
         timeout: float | timedelta | None = None,
+        allgather: int = 1,
+        pad_heads: bool = False,
+        layout: str | None = None,
+        text_tokens: int = 0,
+        interconnect: str | None = None,
+        seq_len: int | None = None,
+        kv_budget: int | None = None,
     ) -> None:
-        shape = SequenceLayout(ulysses=ulysses, ring=ring)  # validates the degrees
+        # issue 35: layout="auto" leaves the degrees to each layer's facts
+        auto = _auto(layout, ulysses, ring, allgather, pad_heads)
+        # validates the degrees (an auto layout spans the group, checked below)
+        shape = SequenceLayout(ulysses=ulysses, ring=ring, allgather=allgather, pad_heads=pad_heads)
+        text_tokens = _count("text_tokens", text_tokens, 0)
+        seq_len = None if seq_len is None else _count("seq_len", seq_len, 1)
+        budget = _DEFAULT_KV_BUDGET if kv_budget is None else _count("kv_budget", kv_budget, 1)
+        if interconnect not in (None, *_INTERCONNECTS, "measure"):
+            raise ValueError(
+                f"interconnect: expected one of {', '.join(_INTERCONNECTS)}, 'measure' or None, "
+                f"got {interconnect!r}"
+            )
         # bounded before anything else (issue 32: 1e300 overflowed timedelta)
         timeout_s = _timeout_seconds(DEFAULT_TIMEOUT_S if timeout is None else timeout)
         if not (dist.is_available() and dist.is_initialized()):
@@ -124,26 +160,108 @@ class SequenceParallel:
                 "SequenceParallel: this process is not a member of the given group; build it "
                 "on the group's ranks only, with a group that holds this rank"
             )
-        if shape.degree != size:
+        if shape.degree != size and not auto:
             raise ValueError(
-                f"SequenceParallel: ulysses={shape.ulysses} x ring={shape.ring} spans "
+                f"SequenceParallel: {shape.ulysses_ring()} spans "
                 f"{shape.degree} ranks, but the group has {size}; choose degrees whose product "
                 f"is the group's size"
             )
         self.group = group
         self.ulysses = shape.ulysses
         self.ring = shape.ring
+        self.allgather = shape.allgather
+        self.pad_heads = shape.pad_heads
         self.size = size
         self.rank = rank
         self.timeout_s = timeout_s
         self._wait = timedelta(seconds=self.timeout_s)
         #: seconds this rank spent in the layout's collectives, waits included (the bench)
         self.comm_seconds = 0.0
+        #: issue 35: replicated text tokens at the front of every rank's q, k, v (MMDiT)
+        self.text_tokens = text_tokens
+        #: issue 35: ``"auto"`` when each layer's layout is chosen (``for_layer``)
+        self.auto = auto
+        self.seq_len, self.kv_budget = seq_len, budget
+        self.chosen: SequenceLayout | None = None
+        self._children: dict[Any, SequenceParallel] = {}
+        self.interconnect, self.interconnect_source = "unknown", "not declared"
+        if interconnect == "measure":
+            self.interconnect, self.interconnect_source = self._measure_interconnect()
+        elif interconnect is not None:
+            self.interconnect, self.interconnect_source = interconnect, "declared"
 
     def __repr__(self) -> str:
+        if self.auto:
+            return f"SequenceParallel(layout='auto', rank {self.rank} of {self.size})"
+        extra = f", allgather={self.allgather}" if self.allgather > 1 else ""
+        extra += ", pad_heads=True" if self.pad_heads else ""
         return (
-            f"SequenceParallel(ulysses={self.ulysses}, ring={self.ring}, rank {self.rank} "
-            f"of {self.size})"
+            f"SequenceParallel(ulysses={self.ulysses}, ring={self.ring}{extra}, rank "
+            f"{self.rank} of {self.size})"
+        )
+
+    # -- issue 35: the layout as a decision -------------------------------------------
+
+    def _measure_interconnect(self) -> tuple[str, str]:
+        """One timed all-reduce of 4 MiB (after one warm-up): every rank takes the
+        slowest rank's time (a max all-reduce), so every rank classifies alike."""
+        numel = 1 << 20
+        buf = torch.ones(numel, dtype=torch.float32)
+        self._all_reduce(buf)  # warm-up: connections
+        began = time.perf_counter()
+        self._all_reduce(buf)
+        elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+        self._all_reduce(elapsed, dist.ReduceOp.MAX)
+        seconds = max(float(elapsed.item()), 1e-9)
+        # a ring all-reduce moves 2 (P-1)/P of the buffer over each rank's link
+        moved = 4 * numel * 2 * (self.size - 1) / max(self.size, 1)
+        gbps = moved / seconds / 1e9
+        kind = "nvlink" if gbps >= _FAST_LINK_GBPS else "pcie"
+        return kind, (
+            f"measured {gbps:.3g} GB/s by a timed all-reduce of 4 MiB (slowest rank; "
+            f"nvlink-class at {_FAST_LINK_GBPS:g} GB/s or more)"
+        )
+
+    def for_layer(self, num_heads: int, num_kv_heads: int, spec: Any = None) -> SequenceParallel:
+        """The layout one layer runs: this one, or -- ``layout="auto"`` -- the layout
+        ``attnres.machine.LAYOUT_RULES`` choose from the layer's facts (heads, kv
+        heads, causal, key-padding mask), the group's size, the declared sequence
+        and the interconnect; layers of the same facts share it."""
+        if not self.auto:
+            return self
+        from attnres._vocab import MaskKind
+        from attnres.machine import LayoutFacts, choose_layout
+
+        requirements = getattr(spec, "requirements", None)
+        causal = bool(getattr(requirements, "causal", False))
+        mask = getattr(requirements, "mask", MaskKind.NONE) is not MaskKind.NONE
+        kv_bytes = 0
+        if spec is not None:  # one key and one value row of one head
+            itemsize = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
+            kv_bytes = 2 * spec.head_size * itemsize
+        key = (num_heads, num_kv_heads, causal, mask, kv_bytes)
+        child = self._children.get(key)
+        if child is None:
+            facts = LayoutFacts(
+                self.size, num_heads, num_kv_heads, causal, mask, self.seq_len,
+                kv_bytes, self.kv_budget, self.interconnect, self.interconnect_source,
+            )  # fmt: skip
+            chosen = choose_layout(facts)
+            child = object.__new__(SequenceParallel)
+            child.__dict__.update(self.__dict__)
+            child.auto, child._children = False, {}
+            child.ulysses, child.ring = chosen.ulysses, chosen.ring
+            child.allgather, child.pad_heads = chosen.allgather, chosen.pad_heads
+            child.chosen = chosen
+            self._children[key] = child
+        return child
+
+    def _all_reduce(self, x: Tensor, op: Any = None) -> None:
+        self._bounded(
+            "all_reduce",
+            lambda: dist.all_reduce(
+                x, op=dist.ReduceOp.SUM if op is None else op, group=self.group, async_op=True
+            ),
         )
 
     # A layout holds the caller's process group: a copied model (EMA weights,
@@ -173,7 +291,17 @@ class SequenceParallel:
         self, num_heads: int | None = None, num_kv_heads: int | None = None
     ) -> SequenceLayout:
         """The layout as the resolver sees it, for a layer of these head counts."""
-        return SequenceLayout(self.ulysses, self.ring, num_heads, num_kv_heads)
+        if self.auto:
+            raise ValueError(
+                "layout='auto' chooses per layer: call for_layer(num_heads, num_kv_heads, "
+                "requirements) first (attnres.Attention does)"
+            )
+        if self.chosen is not None:  # issue 35: the rule and why ride along
+            return attrs.evolve(self.chosen, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        return SequenceLayout(
+            self.ulysses, self.ring, num_heads, num_kv_heads,
+            allgather=self.allgather, pad_heads=self.pad_heads,
+        )  # fmt: skip
 
     # -- shards -------------------------------------------------------------------
 
@@ -323,7 +451,34 @@ class SequenceParallel:
 
 #: what a facts all-gather is for (its first column), and every row's width
 _FACT_KINDS: tuple[str, ...] = ("forward", "gather")
-_FACTS_WIDTH = 9
+_FACTS_WIDTH = 11
+
+#: issue 35: the interconnect classes the layout rules read, the bandwidth a
+#: measured link needs to count as NVLink-class (PCIe 5.0 x16 is about 64 GB/s
+#: each way, NVLink 4 on H100 450), and the default per-rank bound on gathered
+#: keys and values (``kv_budget``)
+_INTERCONNECTS: tuple[str, ...] = ("nvlink", "pcie")
+_FAST_LINK_GBPS = 100.0
+_DEFAULT_KV_BUDGET = 1 << 30
+
+
+def _auto(layout: Any, ulysses: int, ring: int, allgather: int, pad_heads: bool) -> bool:
+    if layout is None:
+        return False
+    if layout != "auto":
+        raise ValueError(f"layout: expected 'auto' or None, got {layout!r}")
+    if (ulysses, ring, allgather, pad_heads) != (1, 1, 1, False):
+        raise ValueError(
+            "layout='auto' chooses the degrees per layer: leave ulysses, ring, allgather and "
+            "pad_heads unset"
+        )
+    return True
+
+
+def _count(what: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what}: expected an integer of at least {least}, got {value!r}")
+    return value
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -382,9 +537,29 @@ class _ParallelRun:
                 "window: sliding-window attention is not supported with ring > 1 (a window "
                 "crosses key/value blocks); use a Ulysses-only layout for this layer"
             )
+        if sp.allgather > 1 and shape.window is not None:
+            raise ValueError(
+                "window: sliding-window attention is not supported with allgather > 1 (each "
+                "rank's query shard would need its global positions); use a Ulysses layout"
+            )
+        if sp.text_tokens and (sp.ring > 1 or shape.causal or shape.window is not None):
+            raise ValueError(
+                f"text_tokens={sp.text_tokens}: joint attention with replicated text tokens "
+                f"runs non-causal, without a window, under Ulysses or AllGather-KV (not a ring); "
+                f"this layer has ring={sp.ring}, causal={shape.causal}"
+            )
+        if sp.allgather > 1 and shape.causal:  # the machine's allgather_causal rules it out
+            raise ValueError(
+                f"allgather={sp.allgather}: AllGather-KV runs non-causal attention only"
+            )
+        # issue 35: heads zero-padded to a multiple of U (whole GQA groups), dropped after
+        heads, kv_heads = shape.num_heads, shape.num_kv_heads
+        if sp.pad_heads:
+            heads, kv_heads = padded_heads(heads, kv_heads, u)
+        self.carried = (heads, kv_heads)
         # what one rank runs: 1/U of the heads (the machine checked they divide)
         self.local_shape = shape._replace(
-            num_heads=shape.num_heads // u, num_kv_heads=shape.num_kv_heads // u, parallel=None
+            num_heads=heads // u, num_kv_heads=kv_heads // u, parallel=None
         )
         self.local = new_run(self.local_shape, kernel, dtypes) if sp.ring == 1 else None
         self.lse: LseKernelFn | None = None
@@ -423,7 +598,7 @@ class _ParallelRun:
         with self._lock:
             sp = self.sp
             site = (
-                f"{SequenceLayout(sp.ulysses, sp.ring, self.heads, self.kv_heads).describe()}; "
+                f"{sp.layout(self.heads, self.kv_heads).describe()}; "
                 f"{self.heads}/{self.kv_heads} heads x {self.head_size}"
                 f"{', causal' if self.causal else ''}"
             )
@@ -437,12 +612,14 @@ class _ParallelRun:
             self._verified = True
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
-        if attn_mask is not None:
+        if attn_mask is not None and self.sp.ring > 1:
             raise ValueError(
-                "attn_mask: masks are not supported under a sequence-parallel layout (each rank "
-                "holds a shard of the sequence); see docs/sequence-parallel.md"
+                "attn_mask: masks are not supported on a ring (each block is merged without "
+                "one); Ulysses and AllGather-KV layouts take key-padding masks; see "
+                "docs/sequence-parallel.md"
             )
         self._check(q, k, v)
+        keep = None if attn_mask is None else _key_padding(attn_mask, k)
         if (
             self.lse is not None
             and not self.lse_grad
@@ -455,7 +632,27 @@ class _ParallelRun:
                 f"give the layer a backend with one (eager, fa, torch_sdpa)"
             )
         sp = self.sp
-        lengths = self._lengths(q, k)
+        n = sp.text_tokens
+        text: tuple[Tensor, Tensor, Tensor] | None = None
+        keep_text = None
+        if n:  # issue 35: replicated text tokens in front of this rank's shard (MMDiT)
+            if q.shape[1] < n or k.shape[1] < n:
+                raise ValueError(
+                    f"text_tokens={n}: every rank's q, k and v start with the {n} replicated "
+                    f"text tokens, then its shard; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+                )
+            text = (q[:, :n], k[:, :n], v[:, :n])
+            q, k, v = q[:, n:], k[:, n:], v[:, n:]
+            if keep is not None:
+                keep_text, keep = keep[:, :n], keep[:, n:]
+        lengths = self._lengths(q, k, keep is not None)
+        if sp.pad_heads:
+            q, k, v = (_pad_heads(t, h) for t, h in zip((q, k, v), self._carried3(), strict=True))
+            if text is not None:
+                text = cast(
+                    "tuple[Tensor, Tensor, Tensor]",
+                    tuple(_pad_heads(t, h) for t, h in zip(text, self._carried3(), strict=True)),
+                )
         d = self.head_size
         if sp.ulysses > 1:
             q_blk = _apply(_ToHeads, q, self, lengths.q)
@@ -463,14 +660,79 @@ class _ParallelRun:
             k_blk, v_blk = kv_blk[..., :d], kv_blk[..., d:]
         else:  # k and v themselves: a ring saves them for its backward, no copy
             q_blk, k_blk, v_blk = q, k, v
+        if keep is not None:  # gathered in the order the keys are
+            keep = self._gather_keep(keep, lengths.kv)
+        if sp.allgather > 1:  # issue 35: every key/value block, on every rank of the gather
+            kv_full = _apply(
+                _GatherKV, torch.cat([k_blk, v_blk], dim=-1), self, self._block_lengths(lengths.kv)
+            )
+            k_blk, v_blk = kv_full[..., :d], kv_full[..., d:]
         if sp.ring > 1:
             out_blk = self._ring(q_blk, k_blk, v_blk, lengths)
         else:
             assert self.local is not None
-            out_blk = self.local(q_blk, k_blk, v_blk, None)
+            if text is not None:
+                qt, kt, vt = (self._my_heads(_apply(_Replicated, t, self)) for t in text)
+                q_blk = torch.cat([qt, q_blk], 1)
+                k_blk, v_blk = torch.cat([kt, k_blk], 1), torch.cat([vt, v_blk], 1)
+                if keep is not None:
+                    assert keep_text is not None
+                    keep = torch.cat([keep_text, keep], 1)
+            mask = None if keep is None else keep[:, None, None, :]
+            out_blk = self.local(q_blk, k_blk, v_blk, mask)
+        out_text = None
+        if text is not None:
+            out_text, out_blk = out_blk[:, :n], out_blk[:, n:]
+            if sp.ulysses > 1:
+                out_text = _apply(_GatherHeads, out_text.contiguous(), self)
+        out = _apply(_ToSequence, out_blk, self, lengths.q) if sp.ulysses > 1 else out_blk
+        if out_text is not None:
+            out = torch.cat([out_text, out], 1)
+        if sp.pad_heads:
+            out = out[:, :, : self.heads]
+        return out
+
+    # -- issue 35: padding, joint text, masks -------------------------------------------
+
+    def _carried3(self) -> tuple[int, int, int]:
+        return self.carried[0], self.carried[1], self.carried[1]
+
+    def _my_heads(self, x: Tensor) -> Tensor:
+        """This rank's Ulysses share of a replicated tensor's heads."""
+        u = self.sp.ulysses
+        if u == 1:
+            return x
+        h = x.shape[2] // u
+        i = self.sp.ulysses_rank
+        return x[:, :, i * h : (i + 1) * h]
+
+    def _gather_keep(self, keep: Tensor, kv_lens: list[int]) -> Tensor:
+        """The key-padding mask of the keys this rank attends over, gathered from the
+        ranks whose keys it gathers (its Ulysses group, then the all-gather's ranks),
+        in the same order as the keys (no gradient)."""
+        sp = self.sp
+        flat = keep.to(torch.float32)
+        b = keep.shape[0]
         if sp.ulysses > 1:
-            return _apply(_ToSequence, out_blk, self, lengths.q)
-        return out_blk
+            members = self._members()
+            pieces = _exchange(
+                sp, {m: flat for m in members}, {m: b * kv_lens[m] for m in members}, flat
+            )
+            flat = torch.cat([pieces[m].reshape(b, kv_lens[m]) for m in members], 1)
+        if sp.allgather > 1:
+            blocks = self._block_lengths(kv_lens)
+            outer = self._outer_members()
+            pieces = _exchange(
+                sp, dict.fromkeys(outer, flat),
+                {m: b * blocks[p] for p, m in enumerate(outer)}, flat,
+            )  # fmt: skip
+            flat = torch.cat([pieces[m].reshape(b, blocks[p]) for p, m in enumerate(outer)], 1)
+        return flat > 0.5
+
+    def _outer_members(self) -> list[int]:
+        """The group ranks at this rank's Ulysses place, one per outer block."""
+        sp = self.sp
+        return [p * sp.ulysses + sp.ulysses_rank for p in range(sp.ring * sp.allgather)]
 
     def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         h, hk, d = self.heads, self.kv_heads, self.head_size
@@ -495,7 +757,7 @@ class _ParallelRun:
                 f"v {tuple(v.shape)} {v.dtype}"
             )
 
-    def _lengths(self, q: Tensor, k: Tensor) -> _Lengths:
+    def _lengths(self, q: Tensor, k: Tensor, masked: bool = False) -> _Lengths:
         """Every rank's shard lengths, and the consensus on what the shards are.
 
         One all-gather of (batch, q length, kv length, dtype, heads, kv heads, head
@@ -504,18 +766,22 @@ class _ParallelRun:
         every rank raises the same :class:`~attnres.ConsensusError`."""
         facts = [q.shape[0], q.shape[1], k.shape[1], _dtype_code(q.dtype), *q.shape[2:], k.shape[2]]
         facts.append(0 if self._verified else 1)
+        facts += [self.sp.text_tokens, int(masked)]  # issue 35: joint text, a mask
         rows = self.sp._gather_facts("forward", facts, q.device)
-        agreed = [rows[0][0], *rows[0][3:7]]
-        if any([row[0], *row[3:7]] != agreed for row in rows):
+        agreed = [rows[0][0], *rows[0][3:7], *rows[0][8:10]]
+        if any([row[0], *row[3:7], *row[8:10]] != agreed for row in rows):
             described = "; ".join(
                 f"rank {i}: batch {row[0]}, {_dtype_name(row[3], q.dtype)}, "
                 f"{row[4]}/{row[6]} heads x {row[5]}"
+                + (f", {row[8]} text tokens" if row[8] else "")
+                + (", a key-padding mask" if row[9] else ", no mask")
                 for i, row in enumerate(rows)
             )
             raise ConsensusError(
                 f"sequence-parallel ranks disagree on the shards of a layer before any data "
-                f"moved ({described}): every rank must pass the same batch size and dtype "
-                f"and bind the same head counts (only the sequence lengths may differ); "
+                f"moved ({described}): every rank must pass the same batch size and dtype, "
+                f"a mask or none, and bind the same head counts (only the sequence lengths "
+                f"may differ); "
                 f"build every rank's layer with the same dtype and shapes"
             )
         # a rank that has not verified this shape's decision yet asks every rank to
@@ -535,7 +801,7 @@ class _ParallelRun:
 
     def _block_lengths(self, per_rank: Sequence[int]) -> list[int]:
         u = self.sp.ulysses
-        return [sum(per_rank[p * u : (p + 1) * u]) for p in range(self.sp.ring)]
+        return [sum(per_rank[p * u : (p + 1) * u]) for p in range(self.sp.ring * self.sp.allgather)]
 
     def _ring(self, q: Tensor, k: Tensor, v: Tensor, lengths: _Lengths) -> Tensor:
         q_lens, kv_lens = self._block_lengths(lengths.q), self._block_lengths(lengths.kv)
@@ -884,3 +1150,134 @@ def _to_sequence(run: _ParallelRun, x: Tensor, lens: list[int]) -> Tensor:
         recv[m] = b * mine * h * d
     flat = sp._all_to_all(send_buf.contiguous(), send, recv)
     return flat.reshape(u, b, mine, h, d).permute(1, 2, 0, 3, 4).reshape(b, mine, u * h, d)
+
+
+# -- issue 35: head padding, AllGather-KV, joint text, key-padding masks -------------------
+
+
+def _pad_heads(x: Tensor, heads: int) -> Tensor:
+    """``x`` with zero heads appended up to ``heads`` (differentiable)."""
+    extra = heads - x.shape[2]
+    if extra <= 0:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], x.shape[1], extra, x.shape[3])], 2)
+
+
+def _key_padding(mask: Tensor, k: Tensor) -> Tensor:
+    """A key-padding mask of this rank's keys as booleans (batch, keys): boolean
+    ``True`` keeps a key, or a float 0 (keep) / -inf (drop); shaped (batch, keys) or
+    (batch, 1, 1, keys). Any other mask is a ``ValueError``: only key padding is
+    gathered consistently with the keys."""
+    b, s = k.shape[0], k.shape[1]
+    if mask.dim() == 4 and mask.shape[1:3] == (1, 1):
+        mask = mask[:, 0, 0]
+    if mask.dim() != 2 or tuple(mask.shape) != (b, s):
+        raise ValueError(
+            f"attn_mask: a sequence-parallel layout takes a key-padding mask of this rank's "
+            f"keys, shaped (batch, keys) or (batch, 1, 1, keys) = ({b}, {s}); got "
+            f"{tuple(mask.shape)}"
+        )
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        keep = mask == 0
+        if not bool((keep | torch.isneginf(mask)).all()):
+            raise ValueError(
+                "attn_mask: a float key-padding mask holds 0 (keep) or -inf (drop) only; a "
+                "bias is not a key-padding mask"
+            )
+        return keep
+    raise ValueError(f"attn_mask: expected a boolean or float mask, got {mask.dtype}")
+
+
+def _exchange(
+    sp: SequenceParallel, send: dict[int, Tensor], recv: dict[int, int], like: Tensor
+) -> dict[int, Tensor]:
+    """One bounded all-to-all: ``send[peer]`` to each peer (flattened), ``recv[peer]``
+    elements from each; the ranks not named exchange nothing."""
+    send_sizes = [0] * sp.size
+    recv_sizes = [0] * sp.size
+    parts = []
+    for peer in range(sp.size):
+        if peer in send:
+            flat = send[peer].reshape(-1)
+            send_sizes[peer] = flat.numel()
+            parts.append(flat)
+        recv_sizes[peer] = recv.get(peer, 0)
+    buf = torch.cat(parts) if parts else like.new_empty(0)
+    flat = sp._all_to_all(buf.to(like.dtype).contiguous(), send_sizes, recv_sizes)
+    pieces = torch.split(flat, recv_sizes)
+    return {peer: pieces[peer] for peer in recv}
+
+
+class _GatherKV(torch.autograd.Function):
+    """AllGather-KV: this rank's key/value block -> every outer block in order (the
+    ranks at this rank's Ulysses place); the backward sums each block's gradient
+    from every rank that gathered it and sends it home (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, run: _ParallelRun, blocks: list[int]) -> Tensor:
+        ctx.run, ctx.blocks = run, blocks
+        outer = run._outer_members()
+        b, _, h, d = x.shape
+        pieces = _exchange(
+            run.sp, dict.fromkeys(outer, x.contiguous()),
+            {m: b * blocks[p] * h * d for p, m in enumerate(outer)}, x,
+        )  # fmt: skip
+        return torch.cat([pieces[m].reshape(b, blocks[p], h, d) for p, m in enumerate(outer)], 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        run: _ParallelRun = ctx.run
+        outer = run._outer_members()
+        me = run.sp.ring_rank
+        b, _, h, d = grad.shape
+        parts = torch.split(grad, ctx.blocks, 1)
+        mine = ctx.blocks[me]
+        pieces = _exchange(
+            run.sp, {m: parts[p].contiguous() for p, m in enumerate(outer)},
+            {m: b * mine * h * d for m in outer}, grad,
+        )  # fmt: skip
+        total = sum(pieces[m].reshape(b, mine, h, d) for m in outer)
+        return cast(Tensor, total), None, None
+
+
+class _Replicated(torch.autograd.Function):
+    """A tensor every rank holds whole (joint attention's text tokens): the forward
+    is the identity; the backward sums every rank's gradient (an all-reduce), so
+    each rank's gradient is the whole group's (the sum of every rank's loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, run: _ParallelRun) -> Tensor:
+        ctx.run = run
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        total = grad.contiguous().clone()
+        ctx.run.sp._all_reduce(total)
+        return total, None
+
+
+class _GatherHeads(torch.autograd.Function):
+    """Joint text under Ulysses: this rank's heads of the text output -> every head
+    (from its Ulysses group); the backward sums the group's gradients of this
+    rank's heads (each rank's whole text output depends on every member's heads)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, run: _ParallelRun) -> Tensor:
+        ctx.run = run
+        members = run._members()
+        pieces = _exchange(run.sp, dict.fromkeys(members, x), dict.fromkeys(members, x.numel()), x)
+        return torch.cat([pieces[m].reshape(x.shape) for m in members], 2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        run: _ParallelRun = ctx.run
+        members = run._members()
+        u = len(members)
+        h = grad.shape[2] // u
+        shape = (grad.shape[0], grad.shape[1], h, grad.shape[3])
+        parts = {m: grad[:, :, i * h : (i + 1) * h].contiguous() for i, m in enumerate(members)}
+        pieces = _exchange(run.sp, parts, dict.fromkeys(members, parts[members[0]].numel()), grad)
+        return cast(Tensor, sum(pieces[m].reshape(shape) for m in members)), None

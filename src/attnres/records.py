@@ -34,6 +34,7 @@ from attnres.scope import ScopeState
 __all__ = [
     "BASE_SCHEMA_VERSION",
     "KERNELS_SCHEMA_VERSION",
+    "LAYOUT_KINDS_SCHEMA_VERSION",
     "LAYOUT_SCHEMA_VERSION",
     "MASK_SCHEMA_VERSION",
     "RECORD_KINDS",
@@ -60,7 +61,11 @@ __all__ = [
 #: input carries the process's kernel facts (``no_kernel``) or whose layer names
 #: a mask kind or a causal alignment (issue 22) version 4, one whose layer has a
 #: sequence-parallel layout version 5 (issue 24).
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 7
+#: Issue 35: the version of a trace whose layer's layout is AllGather-KV, pads
+#: its heads, or was chosen by ``layout="auto"`` (the layout's ``allgather``,
+#: ``pad_heads``, ``rule`` and ``why`` keys); version 6 is the precision issue's.
+LAYOUT_KINDS_SCHEMA_VERSION = 7
 #: The version of a trace whose layer names a mask kind or a causal alignment
 #: (issue 22): its requirements carry ``mask`` and ``causal_alignment`` keys.
 MASK_SCHEMA_VERSION = 4
@@ -74,6 +79,10 @@ BASE_SCHEMA_VERSION = 2
 #: (``input.layer.layout``, the ``layout`` check and its codes); it holds what
 #: version 4 holds too. Such a layer is never autotuned.
 LAYOUT_SCHEMA_VERSION = 5
+#: Issue 35: the version of a trace whose layer's layout is AllGather-KV, pads
+#: its heads, or was chosen by ``layout="auto"`` (the layout's ``allgather``,
+#: ``pad_heads``, ``rule`` and ``why`` keys); version 6 is the precision issue's.
+LAYOUT_KINDS_SCHEMA_VERSION = 7
 
 #: The requirement keys of a schema-1 trace (attnres 0.1): later requirements
 #: did not exist, so such a trace reads them as false, and its digest is computed
@@ -271,6 +280,9 @@ class TraceInput:
             version = max(version, MASK_SCHEMA_VERSION)
         if self.layer.layout is not None:  # issue 24: a sequence-parallel layout
             version = max(version, LAYOUT_SCHEMA_VERSION)
+            layout = self.layer.layout
+            if layout.allgather > 1 or layout.pad_heads or layout.rule is not None:
+                version = max(version, LAYOUT_KINDS_SCHEMA_VERSION)  # issue 35
         return version
 
 

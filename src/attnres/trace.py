@@ -40,6 +40,7 @@ from attnres.errors import TraceFormatError
 from attnres.records import (
     BASE_SCHEMA_VERSION,
     KERNELS_SCHEMA_VERSION,
+    LAYOUT_KINDS_SCHEMA_VERSION,
     LAYOUT_SCHEMA_VERSION,
     MASK_SCHEMA_VERSION,
     RECORD_KINDS,
@@ -61,6 +62,7 @@ from attnres.records import (
 __all__ = [
     "BASE_SCHEMA_VERSION",
     "KERNELS_SCHEMA_VERSION",
+    "LAYOUT_KINDS_SCHEMA_VERSION",
     "LAYOUT_SCHEMA_VERSION",
     "MASK_SCHEMA_VERSION",
     "RECORD_KINDS",

@@ -110,8 +110,12 @@ def plan_folder(
     platform: Platform | None = None,
     dtypes: DtypeArgs | Mapping[str, str] | None = None,
     component: str | None = None,
+    sp: Any = None,
 ) -> IntegrationPlan:
     """Plan a diffusers pipeline folder or a transformers model folder on meta.
+
+    ``sp`` (issue 35, ``--sp-degree``): an :class:`attnres.layout.AutoLayout`
+    whose choice each diffusers denoiser site with head facts is planned under.
 
     ``dtypes`` maps a component to its compute dtype (``"*"``: every component),
     as ``--dtype`` does; components not named get theirs from their weights'
@@ -187,6 +191,7 @@ def plan_folder(
                 title=title,
                 source=str(folder),
                 caller=_diffusers.pipeline_class(title),
+                sp=sp,
             )
         return attrs.evolve(planned, skipped=tuple(skipped))
     # a transformers model folder: diffusers need not be installed

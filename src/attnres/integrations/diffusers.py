@@ -778,8 +778,13 @@ def plan(
     title: str | None = None,
     source: str | None = None,
     caller: type | None = None,
+    sp: Any = None,
 ) -> IntegrationPlan:
     """Describe and resolve every attention site of every component; changes nothing.
+
+    ``sp`` (issue 35): a :class:`attnres.layout.AutoLayout` (``attnres plan DIR
+    --sp-degree N``): each denoiser site with head facts is planned under the
+    layout ``attnres.machine.LAYOUT_RULES`` choose for it.
 
     ``dtypes`` (component -> :class:`DtypeChoice`) overrides the compute dtype
     read from the modules (``attnres plan DIR`` passes what it chose).
@@ -796,6 +801,8 @@ def plan(
         sites = describe_sites(
             module, name, None if choice is None else choice.dtype, passed=passed
         )
+        if sp is not None:  # issue 35: the layout each denoiser site would run
+            sites = [sp.choose_for_site(name, d) for d in sites]
         parts.append((name, choice, sites))
     name = title or type(pipe).__name__
     return plan_sites(
