@@ -266,15 +266,53 @@ def test_rule_vllm_omni_decision_trace_replays_without_vllm_omni(omni: dict[str,
     assert result.ok, result.diff
 
 
-def test_rule_vllm_omni_name_attnres_lacks_is_answered_by_vllm_omni(
+def test_rule_vllm_omni_name_nobody_knows_is_a_recorded_refusal(
     omni: dict[str, Any],
 ) -> None:
+    # neither attnres nor vLLM-Omni's platform knows "EXACT": vLLM-Omni's error is
+    # the answer, unchanged, and it is an attnres decision (the name registered on
+    # first sight, so its trace replays)
     config = AttentionConfig(default=AttentionSpec("EXACT"))
     plugin.install()
     layer = sys.modules["vllm_omni.diffusion.attention.layer"]
-    with pytest.raises(ValueError, match="'EXACT'"):
+    with pytest.raises(ValueError, match="Unknown diffusion attention backend: 'EXACT'"):
         layer.get_attn_backend_for_role("self", 64, config)
-    assert plugin.stats()["delegated"] >= 1
+    (decision,) = attnres.decisions()
+    assert decision.outcome.status is Status.REJECTED and decision.origin is Origin.GLOBAL_CLI
+    assert "Unknown diffusion attention backend: 'EXACT'" in decision.outcome.error
+    assert plugin.stats()["delegated"] == 0
+    assert "exact" in plugin.seen_backends()
+    assert attnres.replay(decision.trace).ok
+
+
+def test_rule_vllm_omni_backend_only_vllm_omni_knows_becomes_an_attnres_backend(
+    omni: dict[str, Any],
+) -> None:
+    # a name and a class only vLLM-Omni's platform knows (a platform plugin's own
+    # backend; vLLM-Omni's selection tests use such fakes): both are registered
+    # on first sight from what the class states, and the call is decided
+    custom = _backend("OOT_FLASH", (64, 128))
+    CLASSES["OOT_FLASH"] = custom
+    try:
+        config = AttentionConfig(per_role={"cross": AttentionSpec("OOT_FLASH")})
+        layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+        stock = layer.get_attn_backend_for_role("ltx2.audio_to_video", 128, config, "cross")
+        plugin.install()
+        routed = layer.get_attn_backend_for_role("ltx2.audio_to_video", 128, config, "cross")
+        assert routed == stock == (custom, config.per_role["cross"])
+        (decision,) = attnres.decisions()
+        assert decision.backend == "oot_flash" and decision.origin is Origin.COMPONENT_OVERRIDE
+        assert get_spec("oot_flash").head_sizes.allowed == {64, 128}  # read from its class
+        assert "oot_flash" in plugin.seen_backends()
+        assert attnres.replay(decision.trace).ok
+        # a head size its class refuses: refused typed, as for vLLM-Omni's own members
+        with pytest.raises(ValueError, match="oot_flash cannot take head size 80"):
+            layer.get_attn_backend_for_role("ltx2.audio_to_video", 80, config, "cross")
+        plugin.uninstall()  # the backends first seen are removed with the plugin
+        assert lookup_spec(attnres.Backend("oot_flash")) is None
+        assert plugin.seen_backends() == {}
+    finally:
+        del CLASSES["OOT_FLASH"]
 
 
 def test_rule_vllm_omni_install_uninstall_rebinds_every_module(omni: dict[str, Any]) -> None:
@@ -304,8 +342,13 @@ def test_rule_vllm_omni_repeated_call_is_a_recorded_decision_and_follows_the_pla
     first = layer.get_attn_backend_for_role("self", 128, None)
     again = layer.get_attn_backend_for_role("self", 128, None)
     assert first == again == (CLASSES["CUDNN_ATTN"], None)
-    decisions = attnres.decisions()
-    assert len(decisions) == 2 and decisions[0] == decisions[1]
+    # recorded once, when decided; the repeat asks vLLM-Omni's platform and logs
+    # as vLLM-Omni does, and adds no entry while the ledger holds the decision
+    (decision,) = attnres.decisions()
+    assert omni["calls"] == [(None, 128, True)] * 2 and len(omni["logs"]) == 2
+    attnres.clear_decisions()  # the ledger forgot it: the next call records it again
+    assert layer.get_attn_backend_for_role("self", 128, None) == first
+    assert attnres.decisions() == (decision,)
     # the platform now answers differently: the memo's answer is not reused
     omni["default"] = "FLASH_ATTN"
     assert layer.get_attn_backend_for_role("self", 128, None) == (CLASSES["FLASH_ATTN"], None)
