@@ -219,9 +219,9 @@ test-vllm-omni: $(VLLM_OMNI_STAMP) $(if $(filter $(VLLM_OMNI_TESTS),$(VLLM_OMNI_
 	$(call vllm_omni_pytest,0)
 	@echo "== the same files with the attnres plugin deciding every backend"
 	$(call vllm_omni_pytest,1)
-	@echo "== attnres's own tests against vLLM-Omni (tests/vllm_omni: backend facts, answers on this platform)"
+	@echo "== attnres's own tests against vLLM-Omni (tests/vllm_omni: backend facts, answers on this platform, a tiny pipeline on a simulated Hopper)"
 	cd tests/vllm_omni && $(abspath $(VPY)) -m pytest -c pytest.ini --rootdir . -p no:cacheprovider -q \
-		test_attnres_plugin.py
+		test_attnres_plugin.py test_pipeline_hopper.py
 
 # the plugin's decision cost against vLLM-Omni's own selector (benchmarks/bench_vllm_omni.py)
 bench-vllm-omni: $(VLLM_OMNI_STAMP)

@@ -549,10 +549,12 @@ def _decide(
             backend=backends[1],
         )
     config = _config(backends[2])
-    kind = _platform_kind()
+    kind, capability, device_name = _platform_facts()
     while True:
         generation = registry_generation()
-        platform = Platform(kind, host=tuple(observed.values()))
+        platform = Platform(
+            kind, capability=capability, device_name=device_name, host=tuple(observed.values())
+        )
         trace = run_machine(TraceInput(layer, config, scope, platform, backends[0]))
         pending = _unobserved(trace, observed)
         if pending is None:
@@ -643,13 +645,15 @@ def _unobserved(trace: Any, observed: dict[str, HostResolution]) -> str | None:
     return None
 
 
-#: (the platform object, its device_type, attnres's kind) last read
-_KIND: list[Any] = [None, None, "cpu"]
+#: (the platform object, its device_type, its facts) last read
+_KIND: list[Any] = [None, None, ("cpu", None, "")]
 
 
-def _platform_kind() -> str:
+def _platform_facts() -> tuple[str, tuple[int, int] | None, str]:
     """attnres's platform kind of vLLM-Omni's ``current_omni_platform`` (read at
-    every decision: a test may swap it); ``cpu`` when it cannot say."""
+    every decision: a test may swap it; ``cpu`` when it cannot say), and the
+    compute capability and device name it states (recorded in the trace; the
+    ``vllm_omni`` profile decides from the observed answers, never from them)."""
     module = sys.modules.get("vllm_omni.platforms")
     try:
         if module is None:
@@ -657,10 +661,23 @@ def _platform_kind() -> str:
         platform = module.current_omni_platform
         device = getattr(platform, "device_type", "cpu")
     except Exception:
-        return "cpu"
+        return ("cpu", None, "")
     last = _KIND
     if last[0] is platform and last[1] == device:
-        return str(last[2])
+        return last[2]  # type: ignore[no-any-return]
     kind = _KINDS.get(str(device or "cpu"), "cpu")
-    _KIND[:] = [platform, device, kind]
-    return kind
+    capability: tuple[int, int] | None = None
+    name = ""
+    if kind == "cuda":
+        with contextlib.suppress(Exception):  # a platform that cannot say states nothing
+            major, minor = platform.get_device_capability()
+            capability = (int(major), int(minor))
+        with contextlib.suppress(Exception):
+            name = str(platform.get_device_name())
+    facts = (kind, capability, name)
+    _KIND[:] = [platform, device, facts]
+    return facts
+
+
+def _platform_kind() -> str:
+    return _platform_facts()[0]
