@@ -391,3 +391,66 @@ def test_rule_vllm_omni_unobserved_fact_outside_the_plugin_names_how_to_supply_i
     assert trace.outcome.error == f"{UNOBSERVED}: {HOST_FACTS}"
     checks = [r for r in trace.records if isinstance(r, CheckRecord)]
     assert [f.message for f in checks[0].failures] == [UNOBSERVED]  # what the plugin observes
+
+
+# -- AttentionSpec options as attnres backend options (issue 36) ------------------
+
+
+def _quant(**given: Any) -> types.SimpleNamespace:
+    fields = {"dtype_qk": None, "dtype_vo": None, "q_block_size": 1, "k_block_size": 16}
+    return types.SimpleNamespace(**{**fields, "flashinfer_backend": None, **given})
+
+
+def test_rule_vllm_omni_spec_options_are_checked_attnres_backend_options_in_the_record(
+    omni: dict[str, Any],
+) -> None:
+    # vLLM-Omni's typed AttentionSpec.quant on FLASHINFER_ATTN (a SimpleNamespace
+    # stands in for its AttnQuantSpec): the same answer, and the options are the
+    # decision's backend options, by their dotted names
+    spec = types.SimpleNamespace(backend="FLASHINFER_ATTN", quant=_quant(dtype_qk="fp8_e4m3"))
+    config = AttentionConfig(default=spec)  # type: ignore[arg-type]
+    stock, routed, decision = _both(omni, "self", 128, config)
+    assert routed == stock and routed[1] is spec
+    assert decision.trace.input.layer.backend_options == (
+        (
+            "flashinfer_attn",
+            (("quant.dtype_qk", "fp8_e4m3"), ("quant.k_block_size", 16), ("quant.q_block_size", 1)),
+        ),
+    )
+    declared = {o.name for o in get_spec("flashinfer_attn").options}
+    assert "quant.dtype_vo" in declared and "skip_softmax.threshold" not in declared
+    assert attnres.replay(decision.trace).ok
+
+
+def test_rule_vllm_omni_spec_option_attnres_refuses_is_a_typed_error(
+    omni: dict[str, Any],
+) -> None:
+    # a value vLLM-Omni's __post_init__ would refuse, set after construction:
+    # attnres's option check refuses it at selection, naming the option
+    from attnres.errors import BackendOptionError
+
+    spec = types.SimpleNamespace(backend="FLASHINFER_ATTN", quant=_quant(q_block_size=8))
+    plugin.install()
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    with pytest.raises(BackendOptionError, match=r"flashinfer_attn\.quant\.q_block_size=8"):
+        layer.get_attn_backend_for_role("self", 128, AttentionConfig(default=spec))  # type: ignore[arg-type]
+
+
+def test_rule_vllm_omni_spec_options_convert_lists_and_enums() -> None:
+    import enum as enum_module
+
+    class Precision(str, enum_module.Enum):
+        FP8 = "fp8"
+
+    block = types.SimpleNamespace(
+        sparsity=0.5, start_step=2, end_step=0, precision=Precision.FP8, skip_layers=[0, 3]
+    )
+    spec = types.SimpleNamespace(backend="RAINFUSION_ATTN", block_sparse=block)
+    assert plugin.spec_options(spec) == {
+        "block_sparse.sparsity": 0.5,
+        "block_sparse.start_step": 2,
+        "block_sparse.end_step": 0,
+        "block_sparse.precision": "fp8",
+        "block_sparse.skip_layers": "0,3",
+    }
+    assert plugin.spec_options(types.SimpleNamespace(backend="TORCH_SDPA")) == {}

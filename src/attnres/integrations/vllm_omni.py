@@ -23,6 +23,7 @@ vLLM-Omni.
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import sys
 import threading
@@ -33,14 +34,17 @@ from typing import Any, Final
 from attrs import frozen
 
 from attnres._memo import GenerationMemo
-from attnres._profile_vllm_omni import SOURCES, UNOBSERVED
+from attnres._profile_vllm_omni import OPTIONS, SOURCES, UNOBSERVED
 from attnres._states import Origin, Status
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Role
 from attnres.backends import (
     Backend,
+    BackendOptions,
     BackendSpec,
     HeadSizeRule,
+    OptionValue,
     lookup_spec,
+    normalize_backend_options,
     register_backend,
     registry_generation,
     unregister_backend,
@@ -63,6 +67,7 @@ __all__ = [
     "plugin",
     "register_backends",
     "seen_backends",
+    "spec_options",
     "stats",
     "uninstall",
 ]
@@ -221,6 +226,7 @@ def register_backends(enum: Any) -> tuple[str, ...]:
                     platforms=platforms,
                     dtypes=DTYPES,
                     head_sizes=head_sizes,
+                    options=OPTIONS.get(member.name, ()),
                     description=(
                         f"vLLM-Omni diffusion backend (vllm_omni plugin), read from {source}; "
                         "dtypes and requirements left open (its classes do not state them; "
@@ -432,7 +438,7 @@ _ORIGINS: Final = (Origin.LAYER, Origin.COMPONENT_OVERRIDE, Origin.GLOBAL_CLI)
 #: SelectionConfig per ``attention_config.default`` backend
 _CONFIGS: dict[Backend | None, SelectionConfig] = {}
 #: LayerSpec per (head size, role, cross)
-_LAYERS: dict[tuple[int, str, bool], LayerSpec] = {}
+_LAYERS: dict[tuple[int, str, bool, BackendOptions], LayerSpec] = {}
 #: what a class's ``supports_head_size`` says, per (class, head size)
 _FITS: dict[tuple[Any, int], bool] = {}
 
@@ -450,12 +456,14 @@ def _config(default: Backend | None) -> SelectionConfig:
     return config
 
 
-def _layer(head_size: int, role: str, cross: bool) -> LayerSpec:
-    key = (head_size, role, cross)
+def _layer(head_size: int, role: str, cross: bool, options: BackendOptions = ()) -> LayerSpec:
+    key = (head_size, role, cross, options)
     layer = _LAYERS.get(key)
     if layer is None:
         kind = Role.CROSS if cross else Role.SELF
-        layer = LayerSpec(head_size=head_size, dtype="bfloat16", role=kind, name=role)
+        layer = LayerSpec(
+            head_size=head_size, dtype="bfloat16", role=kind, name=role, backend_options=options
+        )
         if len(_LAYERS) < 4096:
             _LAYERS[key] = layer
     return layer
@@ -534,6 +542,14 @@ def _decide(
         _COUNTS[1] += 1
         return original(role, head_size, attention_config, role_category, allow_trtllm_default)
     first = "" if win is None else backends[win].name  # type: ignore[union-attr]
+    if win is not None:
+        # the winning entry's typed options, as attnres backend options: checked by
+        # attnres's option checks (a BackendOptionError names the one it refuses)
+        # and recorded in the decision's trace
+        options = spec_options(entries[win])
+        if options:
+            checked = normalize_backend_options({first: options})
+            layer = _layer(layer.head_size, str(role), layer.role is Role.CROSS, checked)
     if "?" in observed:
         observed[first] = HostResolution(first, None, observed.pop("?").error)
         errors[first] = errors.pop("?")
@@ -602,6 +618,27 @@ def _decide(
         )
     selector._log_backend_resolution(**log)
     return answer
+
+
+def spec_options(spec: Any) -> dict[str, OptionValue]:
+    """vLLM-Omni's ``AttentionSpec`` options as attnres backend options of its
+    backend (:data:`attnres._profile_vllm_omni.OPTIONS`): each typed field that
+    is set, by its dotted name; a list (``block_sparse.skip_layers``) is written
+    comma-separated, an enum as its value."""
+    out: dict[str, OptionValue] = {}
+    for option in OPTIONS.get(str(spec.backend).upper(), ()):
+        head, _, tail = option.name.partition(".")
+        value = getattr(spec, head, None)
+        if tail and value is not None:
+            value = getattr(value, tail, None)
+        if value is None:
+            continue
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            value = ",".join(str(v) for v in value)
+        out[option.name] = value
+    return out
 
 
 #: the AttentionConfig entry each origin answers with (``None``: the platform default)
