@@ -189,3 +189,75 @@ def test_rule_explicit_backend_hopper_refuses_is_refused_unchanged(hopper: Any) 
     assert decision.outcome.status is Status.REJECTED and decision.origin is Origin.GLOBAL_CLI
     assert stock in str(decision.outcome.error)
     assert attnres.replay(decision.trace).ok
+
+
+def test_rule_custom_attnres_backend_is_selectable_in_vllm_omni(hopper: Any) -> None:
+    # a backend registered through attnres's registry, with its kernel: vLLM-Omni's
+    # enum cannot take it (its platform refuses the name); with the plugin the
+    # layer runs it, through vLLM-Omni's own Attention layer
+    from vllm_omni.diffusion.attention.layer import Attention
+    from vllm_omni.diffusion.config import set_current_diffusion_config
+    from vllm_omni.diffusion.data import AttentionConfig
+
+    from attnres._vocab import DTYPES
+    from attnres.backends import BackendSpec, HeadSizeRule, register_backend, unregister_backend
+    from attnres.kernels import register_kernel, unregister_kernel
+
+    calls: list[tuple[int, ...]] = []
+
+    def my_kernel(q: Any, k: Any, v: Any, attn_mask: Any, causal: bool, scale: Any) -> Any:
+        calls.append(tuple(q.shape))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=attn_mask, is_causal=causal, scale=scale,
+        )  # fmt: skip
+        return out.transpose(1, 2)
+
+    register_backend(
+        BackendSpec(
+            name="my_attn",
+            sparse=False,
+            platforms=("cuda",),
+            dtypes=DTYPES,
+            head_sizes=HeadSizeRule(allowed=(64, 128)),
+            description="a test's kernel",
+        )
+    )
+    register_kernel("my_attn", my_kernel)
+    config = types.SimpleNamespace(
+        diffusion_attention_config=AttentionConfig(
+            per_role={"self": "MY_ATTN", "cross": "TORCH_SDPA"}
+        ),
+        model_class_name=None,
+        parallel_config=types.SimpleNamespace(ring_degree=1, allgather_degree=1),
+    )
+
+    def build(role: str, head_size: int = 64) -> Any:
+        with set_current_diffusion_config(config):  # type: ignore[arg-type]
+            return Attention(
+                num_heads=2, head_size=head_size, causal=False, softmax_scale=0.125, role=role
+            )
+
+    try:
+        with pytest.raises(ValueError, match="Unknown diffusion attention backend: 'MY_ATTN'"):
+            build("self")  # vLLM-Omni alone
+        plugin.install()
+        attnres.clear_decisions()
+        mine, sdpa = build("self"), build("cross")
+        assert plugin.custom_backend("MY_ATTN") == "my_attn"
+        assert mine.attn_backend is plugin.vllm_omni_backend(attnres.Backend("my_attn"))
+        assert mine.attn_backend.get_name() == "MY_ATTN"
+        decision = attnres.decisions()[0]
+        assert decision.backend == "my_attn" and decision.origin is Origin.LAYER
+        assert attnres.replay(decision.trace).ok
+        q, k, v = (torch.randn(1, 8, 2, 64) for _ in range(3))
+        with torch.no_grad():
+            torch.testing.assert_close(mine(q, k, v), sdpa(q, k, v))
+        assert calls == [(1, 8, 2, 64)]  # attnres's kernel ran, once
+        # a head size the spec does not take: refused typed at selection
+        with pytest.raises(ValueError, match="my_attn cannot take head size 80"):
+            build("self", 80)
+    finally:
+        plugin.uninstall()
+        unregister_kernel("my_attn")
+        unregister_backend("my_attn")

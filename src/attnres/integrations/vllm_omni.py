@@ -35,14 +35,16 @@ from attrs import frozen
 
 from attnres._memo import GenerationMemo
 from attnres._profile_vllm_omni import OPTIONS, SOURCES, UNOBSERVED
-from attnres._states import Origin, Status
+from attnres._states import KernelSource, Origin, Status
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Role
 from attnres.backends import (
+    BUILTIN_SPECS,
     Backend,
     BackendOptions,
     BackendSpec,
     HeadSizeRule,
     OptionValue,
+    get_spec,
     lookup_spec,
     normalize_backend_options,
     register_backend,
@@ -62,6 +64,7 @@ from attnres.trace import CheckRecord, TraceInput
 __all__ = [
     "ENGINE",
     "TARGET",
+    "custom_backend",
     "install",
     "installed",
     "plugin",
@@ -70,6 +73,7 @@ __all__ = [
     "spec_options",
     "stats",
     "uninstall",
+    "vllm_omni_backend",
 ]
 
 _SELECTOR: Final = "vllm_omni.diffusion.attention.selector"
@@ -125,7 +129,9 @@ def install() -> None:
         modules = require(ENGINE, "attnres.integrations.vllm_omni.install()")
         selector = modules[_SELECTOR]
         original = selector.get_attn_backend_for_role
-        register_backends(modules[_REGISTRY].DiffusionAttentionBackendEnum)
+        enum = modules[_REGISTRY].DiffusionAttentionBackendEnum
+        register_backends(enum)
+        _MEMBERS.update(b.name for b in map(_attnres, (m.name for m in enum)) if b is not None)
         _rebind(original, _selector_for(selector, original))
         _INSTALLED.append((selector, original))
 
@@ -330,6 +336,103 @@ def _qualname(cls: Any) -> str:
     return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
 
 
+# -- attnres's own backends inside vLLM-Omni (issue 36) ---------------------------
+
+#: the vLLM-Omni backend class built for each custom attnres backend
+_BRIDGES: dict[str, Any] = {}
+#: attnres's names of vLLM-Omni's enum members (read at install)
+_MEMBERS: set[str] = set()
+_BUILTIN: Final = frozenset(spec.name for spec in BUILTIN_SPECS)
+
+
+def custom_backend(name: str) -> Backend | None:
+    """The attnres backend ``name`` (as vLLM-Omni's config spells it) when it is one
+    vLLM-Omni cannot select itself: registered through attnres's plugin registry
+    (:func:`attnres.register_backend` or the ``attnres.backends`` entry-point
+    group, not one of attnres's built-ins), not a member of vLLM-Omni's
+    ``DiffusionAttentionBackendEnum``, not a name the plugin registered on first
+    sight, and with an attnres kernel (:mod:`attnres.kernels`). ``None``
+    otherwise."""
+    backend = _attnres(name)
+    if (
+        backend is None
+        or backend.name in _BUILTIN
+        or backend.name in _MEMBERS
+        or backend.name in _SEEN
+    ):
+        return None
+    from attnres.kernels import kernel_source
+
+    if kernel_source(backend.name) is KernelSource.NONE:
+        return None
+    return backend
+
+
+def vllm_omni_backend(backend: Backend) -> Any:
+    """A vLLM-Omni ``AttentionBackend`` class that runs attnres's kernel for
+    ``backend`` (built once per backend): vLLM-Omni's enum cannot take a new
+    member (vllm-omni RFC #3715), so the plugin answers a configured custom name
+    with this class. Its impl calls the kernel with attnres's calling convention
+    (``q, k, v`` as ``(batch, seq, heads, head_size)``, vLLM-Omni's layout too;
+    the mask from ``attn_metadata.attn_mask``), on every platform vLLM-Omni
+    dispatches to; the head sizes it states are the backend spec's."""
+    cls = _BRIDGES.get(backend.name)
+    if cls is not None:
+        return cls
+    abstract = importlib.import_module("vllm_omni.diffusion.attention.backends.abstract")
+    spec = get_spec(backend)
+    name = backend.name
+
+    class AttnresImpl(abstract.AttentionImpl):  # type: ignore[misc, name-defined]
+        def __init__(
+            self,
+            num_heads: int,
+            head_size: int,
+            softmax_scale: float,
+            causal: bool = False,
+            num_kv_heads: int | None = None,
+            prefix: str = "",
+            qkv_layout: str | None = None,
+            backend_kwargs: dict[str, Any] | None = None,
+            **extra_impl_args: Any,
+        ) -> None:
+            from attnres.kernels import get_kernel
+
+            self.num_heads, self.head_size = num_heads, head_size
+            self.softmax_scale, self.causal = softmax_scale, causal
+            self.kernel = get_kernel(name)
+
+        def _run(self, query: Any, key: Any, value: Any, attn_metadata: Any = None) -> Any:
+            mask = None if attn_metadata is None else getattr(attn_metadata, "attn_mask", None)
+            return self.kernel(query, key, value, mask, self.causal, self.softmax_scale)
+
+        forward_cuda = forward_hip = forward_npu = forward_xpu = forward_musa = _run
+
+    allowed = spec.head_sizes.allowed
+
+    class AttnresBackend(abstract.AttentionBackend):  # type: ignore[misc, name-defined]
+        @staticmethod
+        def get_name() -> str:
+            return name.upper()
+
+        @staticmethod
+        def get_impl_cls() -> Any:
+            return AttnresImpl
+
+        @staticmethod
+        def get_supported_head_sizes() -> list[int]:
+            return sorted(allowed) if allowed else []
+
+        @classmethod
+        def supports_head_size(cls, head_size: int) -> bool:
+            return not spec.head_sizes.failures(head_size)
+
+    for made in (AttnresImpl, AttnresBackend):
+        made.__qualname__ = made.__name__ = f"{made.__name__}[{name}]"
+    _BRIDGES[name] = AttnresBackend
+    return AttnresBackend
+
+
 # -- the decision ----------------------------------------------------------------
 
 
@@ -344,8 +447,9 @@ class _Hit:
     answer: tuple[Any, Any]
     #: ``selector._cached_get_backend_cls`` when it was decided (a test swaps it)
     resolver: Any
-    #: the call vLLM-Omni makes first and the class it answered
-    args: tuple[Any, ...]
+    #: the call vLLM-Omni makes first and the class it answered (``None``: an
+    #: attnres backend vLLM-Omni was not asked for, :func:`custom_backend`)
+    args: tuple[Any, ...] | None
     cls: Any
     #: any further calls the decision consulted (a replacement)
     more: tuple[tuple[tuple[Any, ...], Any], ...]
@@ -409,7 +513,7 @@ def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> C
             hit is not None
             and hit.resolver is selector._cached_get_backend_cls
             and (spec is None or spec.backend is hit.backend)
-            and hit.resolver(*hit.args) is hit.cls
+            and (hit.args is None or hit.resolver(*hit.args) is hit.cls)
             and (not hit.more or all(hit.resolver(*a) is c for a, c in hit.more))
             and hit.removals == removals[0]  # the ledger still holds its decision
         ):
@@ -529,7 +633,11 @@ def _decide(
     first_args: tuple[Any, ...] = (
         (None, head_size, allow_trtllm_default) if win is None else (names[win], head_size)
     )
-    first_cls = ask("?", first_args) if layer is not None else None
+    custom = None if win is None or layer is None else custom_backend(str(names[win]))
+    if custom is not None:  # attnres's own backend: attnres answers, vLLM-Omni is not asked
+        first_cls = vllm_omni_backend(custom)
+    else:
+        first_cls = ask("?", first_args) if layer is not None else None
     backends: list[Backend | None] = []
     if layer is not None:
         for i, name in enumerate(names):
@@ -550,9 +658,20 @@ def _decide(
         if options:
             checked = normalize_backend_options({first: options})
             layer = _layer(layer.head_size, str(role), layer.role is Role.CROSS, checked)
+    kind, capability, device_name = _platform_facts()
     if "?" in observed:
         observed[first] = HostResolution(first, None, observed.pop("?").error)
         errors[first] = errors.pop("?")
+    elif custom is not None:
+        spec_of = get_spec(custom)
+        if kind not in spec_of.platforms:
+            runs = ", ".join(sorted(spec_of.platforms)) or "no platform"
+            observed[first] = HostResolution(
+                first, None, f"attnres backend {first} runs on {runs}, not {kind}"
+            )
+            errors[first] = ValueError(observed[first].error)
+        else:
+            _observed(first, first_cls, int(head_size), observed, classes)
     else:
         _observed(first, first_cls, int(head_size), observed, classes)
     spelled = {b.name: n for b, n in zip(backends, names, strict=True) if b is not None}
@@ -565,7 +684,6 @@ def _decide(
             backend=backends[1],
         )
     config = _config(backends[2])
-    kind, capability, device_name = _platform_facts()
     while True:
         generation = registry_generation()
         platform = Platform(
@@ -599,15 +717,15 @@ def _decide(
         "source": source,
     }
     answer = (cls, spec)
-    if key and asked:
+    if key and (asked or custom is not None):
         _MEMO.put(
             key,
             _Hit(
                 decision,
                 answer,
                 resolver,
-                asked[0][0],
-                asked[0][1],
+                asked[0][0] if asked else None,
+                asked[0][1] if asked else None,
                 tuple(asked[1:]),
                 log,
                 spec,
