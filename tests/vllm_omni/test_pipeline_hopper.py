@@ -20,9 +20,11 @@ decision whose trace holds vLLM-Omni's platform answers and replays.
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,6 +163,14 @@ def test_rule_tiny_pipeline_on_simulated_hopper_gets_attnres_decisions(hopper: A
         assert attnres.replay(decision.trace).ok
     # the platform default on this Hopper (no flash-attn package here): vLLM-Omni's own pick
     assert decisions[0].trace.input.platform.host[0].candidate == ""
+    # two of these decisions are golden traces, replayed without vLLM-Omni by make test
+    traces = Path(__file__).resolve().parents[2] / "traces"
+    for decision, name in (
+        (decisions[0], "vllm-omni-profile-platform-default-on-a-simulated-hopper"),
+        (decisions[1], "vllm-omni-profile-exact-role-entry-on-a-simulated-hopper"),
+    ):
+        golden = json.loads((traces / f"{name}.json").read_text(encoding="utf-8"))
+        assert decision.digest == golden["digest"], name
 
 
 def test_rule_explicit_backend_hopper_refuses_is_refused_unchanged(hopper: Any) -> None:
