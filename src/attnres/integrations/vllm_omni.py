@@ -269,7 +269,7 @@ def _attnres(name: str) -> Backend | None:
             backend = None
         with contextlib.suppress(TypeError):
             _PARSED.put(name, backend, generation)
-    return backend  # type: ignore[return-value]
+    return backend
 
 
 # -- backends first seen at a decision (issue 36) ---------------------------------
@@ -400,7 +400,7 @@ def vllm_omni_backend(backend: Backend) -> Any:
 
             self.num_heads, self.head_size = num_heads, head_size
             self.softmax_scale, self.causal = softmax_scale, causal
-            self.kernel = get_kernel(name)
+            self.kernel: Any = get_kernel(name)
 
         def _run(self, query: Any, key: Any, value: Any, attn_metadata: Any = None) -> Any:
             mask = None if attn_metadata is None else getattr(attn_metadata, "attn_mask", None)
