@@ -454,3 +454,23 @@ def test_rule_vllm_omni_spec_options_convert_lists_and_enums() -> None:
         "block_sparse.skip_layers": "0,3",
     }
     assert plugin.spec_options(types.SimpleNamespace(backend="TORCH_SDPA")) == {}
+
+
+def test_rule_vllm_omni_memo_belongs_to_one_registry_generation(omni: dict[str, Any]) -> None:
+    # a repeated call is a memo hit; a registry change (a backend registered)
+    # empties the memo (GenerationMemo): the next call is decided again
+    from attnres._vocab import DTYPES
+    from attnres.backends import BackendSpec, register_backend
+
+    plugin.install()
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    before = plugin.stats()["decided"]
+    layer.get_attn_backend_for_role("self", 128, None)
+    layer.get_attn_backend_for_role("self", 128, None)
+    assert plugin.stats()["decided"] == before + 1  # the second call: a hit
+    register_backend(BackendSpec(name="memo_probe", sparse=False, platforms=(), dtypes=DTYPES))
+    try:
+        layer.get_attn_backend_for_role("self", 128, None)
+        assert plugin.stats()["decided"] == before + 2  # decided anew
+    finally:
+        unregister_backend("memo_probe")
