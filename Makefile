@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: setup run test test-deep test-deferred golden bench fuzz lint typecheck docs clean test-sglang bench-sglang \
-	kernels-env test-kernels gpu-check test-vllm-omni
+	kernels-env test-kernels gpu-check test-vllm-omni bench-vllm-omni
 
 setup: $(STAMP)
 
@@ -219,9 +219,16 @@ test-vllm-omni: $(VLLM_OMNI_STAMP) $(if $(filter $(VLLM_OMNI_TESTS),$(VLLM_OMNI_
 	$(call vllm_omni_pytest,0)
 	@echo "== the same files with the attnres plugin deciding every backend"
 	$(call vllm_omni_pytest,1)
-	@echo "== attnres's own tests against vLLM-Omni (tests/vllm_omni: backend facts, answers on this platform)"
+	@echo "== attnres's own tests against vLLM-Omni (tests/vllm_omni: backend facts, answers on this platform, a tiny pipeline on a simulated Hopper)"
 	cd tests/vllm_omni && $(abspath $(VPY)) -m pytest -c pytest.ini --rootdir . -p no:cacheprovider -q \
-		test_attnres_plugin.py
+		test_attnres_plugin.py test_pipeline_hopper.py
+
+# the plugin's decision cost against vLLM-Omni's own selector (benchmarks/bench_vllm_omni.py)
+bench-vllm-omni: $(VLLM_OMNI_STAMP)
+	$(VPIP) install -c $(VLLM_OMNI_VENV)/torch-pin.txt "pytest-benchmark>=4"
+	mkdir -p benchmarks/results
+	$(VPY) -m pytest benchmarks/bench_vllm_omni.py -p no:randomly -p no:cacheprovider --benchmark-only \
+		--benchmark-json=benchmarks/results/vllm-omni.json -q $(VLLM_OMNI_BENCH_ARGS)
 
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write

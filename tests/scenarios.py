@@ -1535,6 +1535,41 @@ SCENARIOS: tuple[Scenario, ...] = (
         None,
         expect=rejects("host_platform", origin="global_cli", error_contains=("fa",)),
     ),
+    Scenario(
+        "vllm-omni-profile-exact-role-entry-on-a-simulated-hopper",
+        "The vllm_omni profile: attention_config.per_role['cross'] is the layer's own role "
+        "(the exact entry wins); vLLM-Omni's CudaOmniPlatform, simulated as an H100, "
+        "resolved TORCH_SDPA, and the decision records the capability and device name it "
+        "states (the tiny pipeline of tests/vllm_omni/test_pipeline_hopper.py).",
+        _layer(head_size=64, role="cross", name="cross"),
+        SelectionConfig(profile="vllm_omni"),
+        None,
+        Platform(
+            "cuda",
+            capability=(9, 0),
+            device_name="NVIDIA H100 80GB HBM3",
+            host=[HostResolution("torch_sdpa", "torch_sdpa")],
+        ),
+        Backend("torch_sdpa"),
+        expect=selects("torch_sdpa", origin="layer"),
+    ),
+    Scenario(
+        "vllm-omni-profile-platform-default-on-a-simulated-hopper",
+        "The vllm_omni profile: nothing configured for the role; vLLM-Omni's CudaOmniPlatform, "
+        "simulated as an H100 without the flash-attn package, picks TORCH_SDPA by its own "
+        "chain, which the layer can run: vLLM-Omni's answer stands.",
+        _layer(head_size=64, name="self"),
+        SelectionConfig(profile="vllm_omni"),
+        None,
+        Platform(
+            "cuda",
+            capability=(9, 0),
+            device_name="NVIDIA H100 80GB HBM3",
+            host=[HostResolution("", "torch_sdpa")],
+        ),
+        None,
+        expect=selects("torch_sdpa", origin="none"),
+    ),
     # -- issue 24: sequence-parallel layouts (LayerSpec.layout, the layout check) ---
     Scenario(
         "ring-layout-rejects-kernel-without-lse",

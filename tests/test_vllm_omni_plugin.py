@@ -266,15 +266,53 @@ def test_rule_vllm_omni_decision_trace_replays_without_vllm_omni(omni: dict[str,
     assert result.ok, result.diff
 
 
-def test_rule_vllm_omni_name_attnres_lacks_is_answered_by_vllm_omni(
+def test_rule_vllm_omni_name_nobody_knows_is_a_recorded_refusal(
     omni: dict[str, Any],
 ) -> None:
+    # neither attnres nor vLLM-Omni's platform knows "EXACT": vLLM-Omni's error is
+    # the answer, unchanged, and it is an attnres decision (the name registered on
+    # first sight, so its trace replays)
     config = AttentionConfig(default=AttentionSpec("EXACT"))
     plugin.install()
     layer = sys.modules["vllm_omni.diffusion.attention.layer"]
-    with pytest.raises(ValueError, match="'EXACT'"):
+    with pytest.raises(ValueError, match="Unknown diffusion attention backend: 'EXACT'"):
         layer.get_attn_backend_for_role("self", 64, config)
-    assert plugin.stats()["delegated"] >= 1
+    (decision,) = attnres.decisions()
+    assert decision.outcome.status is Status.REJECTED and decision.origin is Origin.GLOBAL_CLI
+    assert "Unknown diffusion attention backend: 'EXACT'" in decision.outcome.error
+    assert plugin.stats()["delegated"] == 0
+    assert "exact" in plugin.seen_backends()
+    assert attnres.replay(decision.trace).ok
+
+
+def test_rule_vllm_omni_backend_only_vllm_omni_knows_becomes_an_attnres_backend(
+    omni: dict[str, Any],
+) -> None:
+    # a name and a class only vLLM-Omni's platform knows (a platform plugin's own
+    # backend; vLLM-Omni's selection tests use such fakes): both are registered
+    # on first sight from what the class states, and the call is decided
+    custom = _backend("OOT_FLASH", (64, 128))
+    CLASSES["OOT_FLASH"] = custom
+    try:
+        config = AttentionConfig(per_role={"cross": AttentionSpec("OOT_FLASH")})
+        layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+        stock = layer.get_attn_backend_for_role("ltx2.audio_to_video", 128, config, "cross")
+        plugin.install()
+        routed = layer.get_attn_backend_for_role("ltx2.audio_to_video", 128, config, "cross")
+        assert routed == stock == (custom, config.per_role["cross"])
+        (decision,) = attnres.decisions()
+        assert decision.backend == "oot_flash" and decision.origin is Origin.COMPONENT_OVERRIDE
+        assert get_spec("oot_flash").head_sizes.allowed == {64, 128}  # read from its class
+        assert "oot_flash" in plugin.seen_backends()
+        assert attnres.replay(decision.trace).ok
+        # a head size its class refuses: refused typed, as for vLLM-Omni's own members
+        with pytest.raises(ValueError, match="oot_flash cannot take head size 80"):
+            layer.get_attn_backend_for_role("ltx2.audio_to_video", 80, config, "cross")
+        plugin.uninstall()  # the backends first seen are removed with the plugin
+        assert lookup_spec(attnres.Backend("oot_flash")) is None
+        assert plugin.seen_backends() == {}
+    finally:
+        del CLASSES["OOT_FLASH"]
 
 
 def test_rule_vllm_omni_install_uninstall_rebinds_every_module(omni: dict[str, Any]) -> None:
@@ -304,8 +342,13 @@ def test_rule_vllm_omni_repeated_call_is_a_recorded_decision_and_follows_the_pla
     first = layer.get_attn_backend_for_role("self", 128, None)
     again = layer.get_attn_backend_for_role("self", 128, None)
     assert first == again == (CLASSES["CUDNN_ATTN"], None)
-    decisions = attnres.decisions()
-    assert len(decisions) == 2 and decisions[0] == decisions[1]
+    # recorded once, when decided; the repeat asks vLLM-Omni's platform and logs
+    # as vLLM-Omni does, and adds no entry while the ledger holds the decision
+    (decision,) = attnres.decisions()
+    assert omni["calls"] == [(None, 128, True)] * 2 and len(omni["logs"]) == 2
+    attnres.clear_decisions()  # the ledger forgot it: the next call records it again
+    assert layer.get_attn_backend_for_role("self", 128, None) == first
+    assert attnres.decisions() == (decision,)
     # the platform now answers differently: the memo's answer is not reused
     omni["default"] = "FLASH_ATTN"
     assert layer.get_attn_backend_for_role("self", 128, None) == (CLASSES["FLASH_ATTN"], None)
@@ -348,3 +391,86 @@ def test_rule_vllm_omni_unobserved_fact_outside_the_plugin_names_how_to_supply_i
     assert trace.outcome.error == f"{UNOBSERVED}: {HOST_FACTS}"
     checks = [r for r in trace.records if isinstance(r, CheckRecord)]
     assert [f.message for f in checks[0].failures] == [UNOBSERVED]  # what the plugin observes
+
+
+# -- AttentionSpec options as attnres backend options (issue 36) ------------------
+
+
+def _quant(**given: Any) -> types.SimpleNamespace:
+    fields = {"dtype_qk": None, "dtype_vo": None, "q_block_size": 1, "k_block_size": 16}
+    return types.SimpleNamespace(**{**fields, "flashinfer_backend": None, **given})
+
+
+def test_rule_vllm_omni_spec_options_are_checked_attnres_backend_options_in_the_record(
+    omni: dict[str, Any],
+) -> None:
+    # vLLM-Omni's typed AttentionSpec.quant on FLASHINFER_ATTN (a SimpleNamespace
+    # stands in for its AttnQuantSpec): the same answer, and the options are the
+    # decision's backend options, by their dotted names
+    spec = types.SimpleNamespace(backend="FLASHINFER_ATTN", quant=_quant(dtype_qk="fp8_e4m3"))
+    config = AttentionConfig(default=spec)  # type: ignore[arg-type]
+    stock, routed, decision = _both(omni, "self", 128, config)
+    assert routed == stock and routed[1] is spec
+    assert decision.trace.input.layer.backend_options == (
+        (
+            "flashinfer_attn",
+            (("quant.dtype_qk", "fp8_e4m3"), ("quant.k_block_size", 16), ("quant.q_block_size", 1)),
+        ),
+    )
+    declared = {o.name for o in get_spec("flashinfer_attn").options}
+    assert "quant.dtype_vo" in declared and "skip_softmax.threshold" not in declared
+    assert attnres.replay(decision.trace).ok
+
+
+def test_rule_vllm_omni_spec_option_attnres_refuses_is_a_typed_error(
+    omni: dict[str, Any],
+) -> None:
+    # a value vLLM-Omni's __post_init__ would refuse, set after construction:
+    # attnres's option check refuses it at selection, naming the option
+    from attnres.errors import BackendOptionError
+
+    spec = types.SimpleNamespace(backend="FLASHINFER_ATTN", quant=_quant(q_block_size=8))
+    plugin.install()
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    with pytest.raises(BackendOptionError, match=r"flashinfer_attn\.quant\.q_block_size=8"):
+        layer.get_attn_backend_for_role("self", 128, AttentionConfig(default=spec))  # type: ignore[arg-type]
+
+
+def test_rule_vllm_omni_spec_options_convert_lists_and_enums() -> None:
+    import enum as enum_module
+
+    class Precision(str, enum_module.Enum):
+        FP8 = "fp8"
+
+    block = types.SimpleNamespace(
+        sparsity=0.5, start_step=2, end_step=0, precision=Precision.FP8, skip_layers=[0, 3]
+    )
+    spec = types.SimpleNamespace(backend="RAINFUSION_ATTN", block_sparse=block)
+    assert plugin.spec_options(spec) == {
+        "block_sparse.sparsity": 0.5,
+        "block_sparse.start_step": 2,
+        "block_sparse.end_step": 0,
+        "block_sparse.precision": "fp8",
+        "block_sparse.skip_layers": "0,3",
+    }
+    assert plugin.spec_options(types.SimpleNamespace(backend="TORCH_SDPA")) == {}
+
+
+def test_rule_vllm_omni_memo_belongs_to_one_registry_generation(omni: dict[str, Any]) -> None:
+    # a repeated call is a memo hit; a registry change (a backend registered)
+    # empties the memo (GenerationMemo): the next call is decided again
+    from attnres._vocab import DTYPES
+    from attnres.backends import BackendSpec, register_backend
+
+    plugin.install()
+    layer = sys.modules["vllm_omni.diffusion.attention.layer"]
+    before = plugin.stats()["decided"]
+    layer.get_attn_backend_for_role("self", 128, None)
+    layer.get_attn_backend_for_role("self", 128, None)
+    assert plugin.stats()["decided"] == before + 1  # the second call: a hit
+    register_backend(BackendSpec(name="memo_probe", sparse=False, platforms=(), dtypes=DTYPES))
+    try:
+        layer.get_attn_backend_for_role("self", 128, None)
+        assert plugin.stats()["decided"] == before + 2  # decided anew
+    finally:
+        unregister_backend("memo_probe")

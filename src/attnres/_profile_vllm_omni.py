@@ -54,12 +54,13 @@ from attnres._profile import (
     requested_by,
 )
 from attnres._states import Check, Code, Event, Origin, State
-from attnres.backends import Backend
+from attnres.backends import Backend, BackendOption
 from attnres.records import Failure, TraceInput
 
 __all__ = [
     "FALLBACK_ROWS",
     "HOST_FACTS",
+    "OPTIONS",
     "ORIGIN_ROWS",
     "REPLACEMENT",
     "SOURCES",
@@ -218,3 +219,111 @@ VLLM_OMNI: Final = Profile(
     host_facts=HOST_FACTS,
     source=f"vLLM-Omni {VLLM_OMNI_VERSION}'s diffusion selector (`get_attn_backend_for_role`)",
 )
+
+
+# -- vLLM-Omni's typed per-backend options (issue 36) ---------------------------
+
+_DATA: Final = f"vllm_omni/diffusion/data.py ({VLLM_OMNI_VERSION})"
+_QUANT_DTYPES: Final = ("bfloat16", "float16", "fp8_e4m3", "int8")
+_QUANT: Final = (
+    BackendOption(
+        "quant.dtype_qk", "str", None, f"{_DATA} AttnQuantSpec.dtype_qk", _QUANT_DTYPES, None, True
+    ),
+    BackendOption(
+        "quant.dtype_vo", "str", None, f"{_DATA} AttnQuantSpec.dtype_vo", _QUANT_DTYPES, None, True
+    ),
+    BackendOption(
+        "quant.q_block_size", "int", 1, f"{_DATA} AttnQuantSpec.q_block_size", (1, 4, 16)
+    ),
+    BackendOption(
+        "quant.k_block_size", "int", 16, f"{_DATA} AttnQuantSpec.k_block_size", (1, 4, 16)
+    ),
+    BackendOption(
+        "quant.flashinfer_backend",
+        "str",
+        None,
+        f"{_DATA} AttnQuantSpec.flashinfer_backend",
+        nullable=True,
+    ),
+)
+
+#: The typed options of vLLM-Omni's ``AttentionSpec``, as attnres backend options
+#: of the backend each is valid for (by ``DiffusionAttentionBackendEnum`` name):
+#: dotted names are the spec's nested fields as vLLM-Omni's config spells them
+#: (``{"skip_softmax": {"threshold": 0.1}}`` is ``skip_softmax.threshold``), the
+#: ranges and choices are the ones its ``__post_init__`` checks. The plugin
+#: registers them on the specs of those backends and converts the winning
+#: entry's options into ``LayerSpec.backend_options``, checked by attnres's
+#: option checks and recorded in the decision's trace.
+OPTIONS: Final[dict[str, tuple[BackendOption, ...]]] = {
+    "TRTLLM_ATTN": (
+        BackendOption(
+            "skip_softmax.target_sparsity",
+            "float",
+            None,
+            f"{_DATA} SkipSoftmaxSpec.target_sparsity",
+            minimum=0,
+            maximum=1,
+            nullable=True,
+        ),
+        BackendOption(
+            "skip_softmax.threshold",
+            "float",
+            None,
+            f"{_DATA} SkipSoftmaxSpec.threshold",
+            minimum=0,
+            nullable=True,
+        ),
+        BackendOption(
+            "skip_softmax.disabled_until_timestep",
+            "float",
+            0.0,
+            f"{_DATA} SkipSoftmaxSpec.disabled_until_timestep",
+            minimum=0,
+            maximum=1,
+        ),
+        *_QUANT,
+    ),
+    "FLASHINFER_ATTN": _QUANT,
+    "FASTVIDEO_VSA": (
+        BackendOption(
+            "fastvideo_vsa_topk",
+            "int",
+            None,
+            f"{_DATA} AttentionSpec.fastvideo_vsa_topk",
+            minimum=1,
+            nullable=True,
+        ),
+    ),
+    "RAINFUSION_ATTN": (
+        BackendOption(
+            "block_sparse.sparsity",
+            "float",
+            0.8,
+            f"{_DATA} BlockSparseSpec.sparsity",
+            minimum=0,
+            maximum=1,
+        ),
+        BackendOption(
+            "block_sparse.start_step", "int", 0, f"{_DATA} BlockSparseSpec.start_step", minimum=0
+        ),
+        BackendOption(
+            "block_sparse.end_step", "int", 0, f"{_DATA} BlockSparseSpec.end_step", minimum=0
+        ),
+        BackendOption(
+            "block_sparse.precision",
+            "str",
+            "bf16",
+            f"{_DATA} BlockSparseSpec.precision (RainFusionPrecision)",
+            ("bf16", "fp8", "mix"),
+        ),
+        BackendOption(
+            "block_sparse.skip_layers",
+            "str",
+            None,
+            f"{_DATA} BlockSparseSpec.skip_layers (an index selector; a list is written "
+            "comma-separated)",
+            nullable=True,
+        ),
+    ),
+}

@@ -344,12 +344,15 @@ def _dtype_capabilities(
 
 
 #: A value a backend option may take (plain data: it goes into traces and cache keys).
-OptionValue = bool | int | str | None
+#: (issue 36: ``float`` for vLLM-Omni's typed AttentionSpec options, such as a sparsity)
+OptionValue = bool | int | float | str | None
 
 #: Validated per-backend options: ``((backend, ((option, value), ...)), ...)``, sorted.
 BackendOptions = tuple[tuple[str, tuple[tuple[str, OptionValue], ...]], ...]
 
-_OPTION_KINDS = {"bool": (bool,), "int": (int,), "str": (str,)}
+_OPTION_KINDS: dict[str, tuple[type, ...]] = {"bool": (bool,), "int": (int,), "str": (str,)}
+#: issue 36: a float option takes an int too (JSON and TOML write ``1`` for ``1.0``)
+_OPTION_KINDS["float"] = (float, int)
 
 
 @frozen
@@ -367,8 +370,10 @@ class BackendOption:
     default: OptionValue
     source: str
     choices: tuple[OptionValue, ...] = ()
-    minimum: int | None = None
+    minimum: int | float | None = None
     nullable: bool = False
+    #: issue 36: an upper bound (ints and floats), as vLLM-Omni's ranges state one
+    maximum: int | float | None = None
 
     def takes(self, value: object) -> bool:
         """Whether this option takes ``value`` (the one value check: :meth:`check`,
@@ -378,6 +383,7 @@ class BackendOption:
             and (self.kind == "bool" or not isinstance(value, bool))
             and (not self.choices or value in self.choices)
             and (self.minimum is None or value >= self.minimum)  # type: ignore[operator]
+            and (self.maximum is None or value <= self.maximum)  # type: ignore[operator]
         )
 
     def check(self, backend: str, value: object) -> OptionValue:
@@ -395,8 +401,10 @@ class BackendOption:
         """What the option takes, in words (errors and ``attnres backends``)."""
         if self.choices:
             text = "one of " + ", ".join(repr(c) for c in self.choices)
-        elif self.minimum is not None:
-            text = f"an int >= {self.minimum}"
+        elif self.minimum is not None or self.maximum is not None:
+            bounds = [f">= {self.minimum}"] if self.minimum is not None else []
+            bounds += [f"<= {self.maximum}"] if self.maximum is not None else []
+            text = f"{'an' if self.kind == 'int' else 'a'} {self.kind} {' and '.join(bounds)}"
         else:
             text = "a " + self.kind
         return text + (" or None" if self.nullable else "")
@@ -2114,5 +2122,8 @@ def parse_backend_option(text: str) -> tuple[str, str, OptionValue]:
     elif option is not None and option.kind == "int":
         with contextlib.suppress(ValueError):
             value = int(raw)
+    elif option is not None and option.kind == "float":
+        with contextlib.suppress(ValueError):
+            value = float(raw)
     checked = normalize_backend_options({spec.name: {name: value}})
     return spec.name, name, checked[0][1][0][1]

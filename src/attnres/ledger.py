@@ -75,6 +75,10 @@ class Decision(OutcomeView):
 _LOCK = threading.Lock()
 _DECISIONS: deque[Decision] = deque(maxlen=DEFAULT_LIMIT)
 _RECORDED = [0]  # every decision ever appended since the last clear
+#: (issue 36) bumped whenever entries leave the ledger other than by its bound
+#: (a clear, a forget, a replacement of keys, a new limit): a memo that recorded
+#: a decision once compares it to know the entry may be gone and records again
+_REMOVALS = [0]
 
 
 def record_decision(decision: Decision) -> None:
@@ -111,6 +115,7 @@ def set_decisions(fresh: Iterable[Decision]) -> None:
     with _LOCK:
         kept = [d for d in _DECISIONS if d.key() not in keys]
         _RECORDED[0] -= len(_DECISIONS) - len(kept)
+        _REMOVALS[0] += 1
         _DECISIONS.clear()
         _DECISIONS.extend(kept)
         for decision in current:
@@ -126,6 +131,7 @@ def forget_decisions(keys: Iterable[tuple[str | None, str | None]]) -> int:
         kept = [d for d in _DECISIONS if d.key() not in gone]
         removed = len(_DECISIONS) - len(kept)
         _RECORDED[0] -= removed
+        _REMOVALS[0] += 1
         _DECISIONS.clear()
         _DECISIONS.extend(kept)
     return removed
@@ -162,6 +168,7 @@ def set_decision_limit(limit: int) -> int:
         previous = decision_limit()
         # the entries trimmed here count as dropped (recorded - kept)
         _DECISIONS = deque(_DECISIONS, maxlen=limit)
+        _REMOVALS[0] += 1
     return previous
 
 
@@ -169,3 +176,4 @@ def clear_decisions() -> None:
     with _LOCK:
         _DECISIONS.clear()
         _RECORDED[0] = 0
+        _REMOVALS[0] += 1

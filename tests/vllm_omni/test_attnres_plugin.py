@@ -74,3 +74,39 @@ def test_rule_plugin_answers_as_vllm_omni_on_this_platform() -> None:
     assert mine == stock
     assert len(decisions) == plugin.stats()["decided"] - before > 0
     assert all(attnres.replay(d.trace) for d in decisions)
+
+
+def test_rule_typed_attention_spec_options_are_attnres_backend_options(routed: None) -> None:
+    # vLLM-Omni's own AttentionSpec, validated at construction by vLLM-Omni, is
+    # converted into attnres backend options of its backend, checked again by
+    # attnres and recorded in the decision (this CPU platform refuses both
+    # backends: the refusal is the decision, the options are in its input)
+    from vllm_omni.diffusion.attention import selector
+    from vllm_omni.diffusion.data import AttentionConfig, AttentionSpec
+
+    from attnres.backends import get_spec
+
+    rainfusion = AttentionSpec(
+        backend="RAINFUSION_ATTN", block_sparse={"sparsity": 0.5, "skip_layers": "0-3,38"}
+    )
+    trtllm = AttentionSpec(backend="TRTLLM_ATTN", skip_softmax={"threshold": 0.25})
+    attnres.clear_decisions()
+    for spec in (rainfusion, trtllm):
+        with pytest.raises(Exception):  # noqa: B017 (vLLM-Omni's own refusal, unchanged)
+            selector.get_attn_backend_for_role("self", 128, AttentionConfig(default=spec))
+    first, second = attnres.decisions()
+    assert dict(first.trace.input.layer.backend_options)["rainfusion_attn"] == (
+        ("block_sparse.end_step", 0),
+        ("block_sparse.precision", "bf16"),
+        ("block_sparse.skip_layers", "0-3,38"),
+        ("block_sparse.sparsity", 0.5),
+        ("block_sparse.start_step", 0),
+    )
+    assert dict(second.trace.input.layer.backend_options)["trtllm_attn"] == (
+        ("skip_softmax.disabled_until_timestep", 0.0),
+        ("skip_softmax.threshold", 0.25),
+    )
+    assert all(attnres.replay(d.trace).ok for d in (first, second))
+    # the ranges are vLLM-Omni's own: attnres refuses what its __post_init__ refuses
+    sparsity = next(o for o in get_spec("rainfusion_attn").options if o.name.endswith("sparsity"))
+    assert not sparsity.takes(1.5) and sparsity.takes(1) and sparsity.takes(0.8)

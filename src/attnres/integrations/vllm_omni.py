@@ -23,6 +23,7 @@ vLLM-Omni.
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import sys
 import threading
@@ -33,21 +34,27 @@ from typing import Any, Final
 from attrs import frozen
 
 from attnres._memo import GenerationMemo
-from attnres._profile_vllm_omni import SOURCES, UNOBSERVED, first_request
-from attnres._states import Origin, Status
+from attnres._profile_vllm_omni import OPTIONS, SOURCES, UNOBSERVED
+from attnres._states import KernelSource, Origin, Status
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Role
 from attnres.backends import (
+    BUILTIN_SPECS,
     Backend,
+    BackendOptions,
     BackendSpec,
     HeadSizeRule,
+    OptionValue,
+    get_spec,
     lookup_spec,
+    normalize_backend_options,
     register_backend,
     registry_generation,
+    unregister_backend,
 )
 from attnres.errors import UnknownBackendError
 from attnres.integrations._engine import Engine, require
 from attnres.layer import LayerSpec, SelectionConfig
-from attnres.ledger import Decision, record_decision
+from attnres.ledger import _REMOVALS, Decision, record_decision
 from attnres.machine import run_machine
 from attnres.platform import HostResolution, Platform
 from attnres.runtime import lookup_traced
@@ -57,12 +64,16 @@ from attnres.trace import CheckRecord, TraceInput
 __all__ = [
     "ENGINE",
     "TARGET",
+    "custom_backend",
     "install",
     "installed",
     "plugin",
     "register_backends",
+    "seen_backends",
+    "spec_options",
     "stats",
     "uninstall",
+    "vllm_omni_backend",
 ]
 
 _SELECTOR: Final = "vllm_omni.diffusion.attention.selector"
@@ -95,8 +106,8 @@ ENGINE: Final = Engine(
 
 _LOCK = threading.Lock()
 _INSTALLED: list[tuple[types.ModuleType, Callable[..., Any]]] = []
-_STATS = {"decided": 0, "delegated": 0}
 _PROFILE: Final = SelectionConfig(profile="vllm_omni")
+_MISSING: Final = object()
 
 
 def plugin() -> None:
@@ -118,13 +129,10 @@ def install() -> None:
         modules = require(ENGINE, "attnres.integrations.vllm_omni.install()")
         selector = modules[_SELECTOR]
         original = selector.get_attn_backend_for_role
-        register_backends(modules[_REGISTRY].DiffusionAttentionBackendEnum)
-
-        def get_attn_backend_for_role(*args: Any, **kwargs: Any) -> Any:
-            return _route(original, *args, **kwargs)
-
-        get_attn_backend_for_role.__wrapped__ = original  # type: ignore[attr-defined]
-        _rebind(original, get_attn_backend_for_role)
+        enum = modules[_REGISTRY].DiffusionAttentionBackendEnum
+        register_backends(enum)
+        _MEMBERS.update(b.name for b in map(_attnres, (m.name for m in enum)) if b is not None)
+        _rebind(original, _selector_for(selector, original))
         _INSTALLED.append((selector, original))
 
 
@@ -135,7 +143,8 @@ def installed() -> bool:
 
 
 def uninstall() -> None:
-    """Restore vLLM-Omni's own selector in every module that bound it."""
+    """Restore vLLM-Omni's own selector in every module that bound it, and remove
+    the backends the plugin registered on first sight (:func:`seen_backends`)."""
     with _LOCK:
         selector = sys.modules.get(_SELECTOR)
         if selector is not None:
@@ -144,12 +153,17 @@ def uninstall() -> None:
             if original is not None:
                 _rebind(current, original)
         _INSTALLED.clear()
+        for name in list(_SEEN):
+            with contextlib.suppress(Exception):
+                unregister_backend(name)
+            del _SEEN[name]
 
 
 def stats() -> dict[str, int]:
-    """``decided``: calls attnres decided; ``delegated``: calls vLLM-Omni
-    answered itself (a backend name or class attnres has no backend for)."""
-    return dict(_STATS)
+    """``decided``: calls attnres decided (each one is in :func:`attnres.decisions`);
+    ``delegated``: calls vLLM-Omni answered itself (a call attnres cannot take:
+    a head size that is no positive int, a backend name that is no name)."""
+    return {"decided": _COUNTS[0], "delegated": _COUNTS[1]}
 
 
 def _ours(function: Any) -> Callable[..., Any] | None:
@@ -218,6 +232,7 @@ def register_backends(enum: Any) -> tuple[str, ...]:
                     platforms=platforms,
                     dtypes=DTYPES,
                     head_sizes=head_sizes,
+                    options=OPTIONS.get(member.name, ()),
                     description=(
                         f"vLLM-Omni diffusion backend (vllm_omni plugin), read from {source}; "
                         "dtypes and requirements left open (its classes do not state them; "
@@ -239,38 +254,222 @@ def _lacks(name: str) -> bool:
     return False
 
 
+#: attnres's backend per vLLM-Omni name (``None``: none); one registry generation
+_PARSED: GenerationMemo[str, Backend | None] = GenerationMemo(maxsize=1024)
+
+
 def _attnres(name: str) -> Backend | None:
     """attnres's backend for one of vLLM-Omni's names (``None``: none)."""
+    backend = _PARSED.get(name, _MISSING)  # type: ignore[arg-type]
+    if backend is _MISSING:
+        generation = registry_generation()
+        try:
+            backend = Backend.parse(name.lower())
+        except (UnknownBackendError, ValueError, AttributeError):
+            backend = None
+        with contextlib.suppress(TypeError):
+            _PARSED.put(name, backend, generation)
+    return backend
+
+
+# -- backends first seen at a decision (issue 36) ---------------------------------
+
+#: backends registered because a decision met them (name -> what they were read
+#: from); :func:`uninstall` removes them again
+_SEEN: dict[str, str] = {}
+
+
+def seen_backends() -> dict[str, str]:
+    """The backends the plugin registered on first sight, with what each was read
+    from: a name an ``AttentionConfig`` gives, or a class vLLM-Omni's platform
+    served, that attnres had no backend for (a platform plugin's own backend, a
+    test's fake). Each is then an ordinary attnres backend, so the decision that
+    met it is recorded and its trace replays while it stays registered."""
+    return dict(_SEEN)
+
+
+def _first_sight(name: str, cls: Any = None) -> Backend | None:
+    """attnres's backend for vLLM-Omni's ``name``, registered now if attnres has
+    none: with the facts ``cls`` (the class vLLM-Omni's platform serves for it)
+    states; ``cls=None``: a name no class was asked for (its facts open, no
+    platform of attnres's own selection runs it). ``None``: a name attnres cannot
+    take as a backend name."""
+    known = _attnres(name)
+    if known is not None:
+        return known
+    canonical = name.strip().lower()
+    platforms: tuple[str, ...] = ()
+    head_sizes = HeadSizeRule()
+    if cls is None:
+        source = "a name vLLM-Omni's AttentionConfig gives; no class was asked for it"
+    else:
+        source = f"the class vLLM-Omni's platform serves for it, {_qualname(cls)}"
+        with contextlib.suppress(Exception):  # a class that states nothing leaves it open
+            sizes = tuple(int(s) for s in cls.get_supported_head_sizes())
+            if sizes:
+                head_sizes = HeadSizeRule(allowed=sizes)
+        kind = _platform_kind()
+        platforms = (kind,) if kind != "cpu" else ()
     try:
-        return Backend.parse(name.lower())
-    except (UnknownBackendError, ValueError, AttributeError):
+        with _LOCK:
+            if _lacks(canonical):
+                register_backend(
+                    BackendSpec(
+                        name=canonical,
+                        sparse=False,
+                        platforms=platforms,
+                        dtypes=DTYPES,
+                        head_sizes=head_sizes,
+                        description=(
+                            "first seen by the vllm_omni plugin at a decision, read from "
+                            f"{source}; attnres runs no kernel for it (vLLM-Omni's class does)"
+                        ),
+                    )
+                )
+                _SEEN[canonical] = source
+    except (ValueError, TypeError):
         return None
+    return _attnres(canonical)
+
+
+def _qualname(cls: Any) -> str:
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
+
+
+# -- attnres's own backends inside vLLM-Omni (issue 36) ---------------------------
+
+#: the vLLM-Omni backend class built for each custom attnres backend
+_BRIDGES: dict[str, Any] = {}
+#: attnres's names of vLLM-Omni's enum members (read at install)
+_MEMBERS: set[str] = set()
+_BUILTIN: Final = frozenset(spec.name for spec in BUILTIN_SPECS)
+
+
+def custom_backend(name: str) -> Backend | None:
+    """The attnres backend ``name`` (as vLLM-Omni's config spells it) when it is one
+    vLLM-Omni cannot select itself: registered through attnres's plugin registry
+    (:func:`attnres.register_backend` or the ``attnres.backends`` entry-point
+    group, not one of attnres's built-ins), not a member of vLLM-Omni's
+    ``DiffusionAttentionBackendEnum``, not a name the plugin registered on first
+    sight, and with an attnres kernel (:mod:`attnres.kernels`). ``None``
+    otherwise."""
+    backend = _attnres(name)
+    if (
+        backend is None
+        or backend.name in _BUILTIN
+        or backend.name in _MEMBERS
+        or backend.name in _SEEN
+    ):
+        return None
+    from attnres.kernels import kernel_source
+
+    if kernel_source(backend.name) is KernelSource.NONE:
+        return None
+    return backend
+
+
+def vllm_omni_backend(backend: Backend) -> Any:
+    """A vLLM-Omni ``AttentionBackend`` class that runs attnres's kernel for
+    ``backend`` (built once per backend): vLLM-Omni's enum cannot take a new
+    member (vllm-omni RFC #3715), so the plugin answers a configured custom name
+    with this class. Its impl calls the kernel with attnres's calling convention
+    (``q, k, v`` as ``(batch, seq, heads, head_size)``, vLLM-Omni's layout too;
+    the mask from ``attn_metadata.attn_mask``), on every platform vLLM-Omni
+    dispatches to; the head sizes it states are the backend spec's."""
+    cls = _BRIDGES.get(backend.name)
+    if cls is not None:
+        return cls
+    abstract = importlib.import_module("vllm_omni.diffusion.attention.backends.abstract")
+    spec = get_spec(backend)
+    name = backend.name
+
+    class AttnresImpl(abstract.AttentionImpl):  # type: ignore[misc, name-defined]
+        def __init__(
+            self,
+            num_heads: int,
+            head_size: int,
+            softmax_scale: float,
+            causal: bool = False,
+            num_kv_heads: int | None = None,
+            prefix: str = "",
+            qkv_layout: str | None = None,
+            backend_kwargs: dict[str, Any] | None = None,
+            **extra_impl_args: Any,
+        ) -> None:
+            from attnres.kernels import get_kernel
+
+            self.num_heads, self.head_size = num_heads, head_size
+            self.softmax_scale, self.causal = softmax_scale, causal
+            self.kernel: Any = get_kernel(name)
+
+        def _run(self, query: Any, key: Any, value: Any, attn_metadata: Any = None) -> Any:
+            mask = None if attn_metadata is None else getattr(attn_metadata, "attn_mask", None)
+            return self.kernel(query, key, value, mask, self.causal, self.softmax_scale)
+
+        forward_cuda = forward_hip = forward_npu = forward_xpu = forward_musa = _run
+
+    allowed = spec.head_sizes.allowed
+
+    class AttnresBackend(abstract.AttentionBackend):  # type: ignore[misc, name-defined]
+        @staticmethod
+        def get_name() -> str:
+            return name.upper()
+
+        @staticmethod
+        def get_impl_cls() -> Any:
+            return AttnresImpl
+
+        @staticmethod
+        def get_supported_head_sizes() -> list[int]:
+            return sorted(allowed) if allowed else []
+
+        @classmethod
+        def supports_head_size(cls, head_size: int) -> bool:
+            return not spec.head_sizes.failures(head_size)
+
+    for made in (AttnresImpl, AttnresBackend):
+        made.__qualname__ = made.__name__ = f"{made.__name__}[{name}]"
+    _BRIDGES[name] = AttnresBackend
+    return AttnresBackend
 
 
 # -- the decision ----------------------------------------------------------------
 
 
 @frozen
-class _Memo:
-    """One decided call: the decision, vLLM-Omni's class, and the platform calls
-    it consulted (asked again on a hit: vLLM-Omni's own cache answers)."""
+class _Hit:
+    """One decided call, answered again without deciding: the decision, vLLM-Omni's
+    answer, and the platform calls it consulted (asked again on every hit, as
+    vLLM-Omni asks its own cache, so a platform that now answers otherwise is
+    decided anew)."""
 
     decision: Decision
+    answer: tuple[Any, Any]
+    #: ``selector._cached_get_backend_cls`` when it was decided (a test swaps it)
+    resolver: Any
+    #: the call vLLM-Omni makes first and the class it answered (``None``: an
+    #: attnres backend vLLM-Omni was not asked for, :func:`custom_backend`)
+    args: tuple[Any, ...] | None
     cls: Any
-    #: which AttentionConfig entry is the answer's spec (``None``: the platform default)
-    entry: int | None
-    #: what vLLM-Omni logs: the class's name and the source
-    name: str
-    source: str
-    asked: tuple[tuple[tuple[Any, ...], Any], ...]
+    #: any further calls the decision consulted (a replacement)
+    more: tuple[tuple[tuple[Any, ...], Any], ...]
+    #: vLLM-Omni's log call (its own cache logs once per argument set)
+    log: dict[str, Any]
+    #: the AttentionConfig entry vLLM-Omni's precedence picks (its id is in the
+    #: key: held here, so no other object takes that id while the entry lives)
+    #: and its backend string when decided (a changed one misses)
+    spec: Any
+    backend: Any
+    #: the ledger's removal count when the decision was recorded (recorded once:
+    #: a repeated call adds no entry while the ledger still holds it)
+    removals: int
 
 
-#: the index of each origin's entry in (per_role[role], per_role[category], default)
-_ENTRIES: Final = {Origin.LAYER: 0, Origin.COMPONENT_OVERRIDE: 1, Origin.GLOBAL_CLI: 2}
-
-
-_MEMO: GenerationMemo[tuple[Any, ...], _Memo] = GenerationMemo()
-_MEMO_MAX: Final = 4096
+#: decided calls by (role, role_category, head_size, allow_trtllm_default, the id
+#: of the AttentionConfig entry vLLM-Omni's precedence picks: the outcome depends
+#: on that entry alone, the profile has no fallback between entries); a registry
+#: change empties it
+_MEMO: GenerationMemo[tuple[Any, ...], _Hit] = GenerationMemo(maxsize=4096)
 
 
 def clear_memo() -> None:
@@ -278,171 +477,315 @@ def clear_memo() -> None:
     _MEMO.clear()
 
 
-def _route(
+def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM-Omni's ``get_attn_backend_for_role``, decided by attnres: its own
+    signature, so a repeated call costs a key, a dict lookup and vLLM-Omni's own
+    cache calls (``make bench-vllm-omni``)."""
+    memo = _MEMO
+    registry = GenerationMemo._registry
+    removals = _REMOVALS
+
+    def get_attn_backend_for_role(
+        role: Any,
+        head_size: Any,
+        attention_config: Any = None,
+        role_category: Any = None,
+        allow_trtllm_default: bool = True,
+    ) -> Any:
+        # the entry vLLM-Omni's resolve_with_source answers with, found as it does
+        spec = None
+        try:
+            if attention_config is not None:
+                per_role = attention_config.per_role
+                spec = per_role.get(role)
+                if spec is None:
+                    if role_category is not None:
+                        spec = per_role.get(role_category)
+                    if spec is None:
+                        spec = attention_config.default
+            key: tuple[Any, ...] = (role, role_category, head_size, allow_trtllm_default, id(spec))
+            # GenerationMemo.get, inlined (the hit path's one compare): entries of
+            # an older registry generation are never read
+            hit = memo._data.get(key) if memo._generation == registry.generation else None
+        except (TypeError, AttributeError):  # not vLLM-Omni's types: no memo
+            hit, key = None, ()
+        if (
+            hit is not None
+            and hit.resolver is selector._cached_get_backend_cls
+            and (spec is None or spec.backend is hit.backend)
+            and (hit.args is None or hit.resolver(*hit.args) is hit.cls)
+            and (not hit.more or all(hit.resolver(*a) is c for a, c in hit.more))
+            and hit.removals == removals[0]  # the ledger still holds its decision
+        ):
+            selector._log_backend_resolution(**hit.log)
+            return hit.answer
+        return _decide(
+            selector,
+            original,
+            key,
+            role,
+            head_size,
+            attention_config,
+            role_category,
+            allow_trtllm_default,
+        )
+
+    get_attn_backend_for_role.__wrapped__ = original  # type: ignore[attr-defined]
+    get_attn_backend_for_role.__doc__ = original.__doc__
+    return get_attn_backend_for_role
+
+
+#: (decided, delegated): a list, so the hit path adds without a dict lookup
+_COUNTS: Final = [0, 0]
+#: the AttentionConfig entries' origins, in vLLM-Omni's precedence
+_ORIGINS: Final = (Origin.LAYER, Origin.COMPONENT_OVERRIDE, Origin.GLOBAL_CLI)
+#: SelectionConfig per ``attention_config.default`` backend
+_CONFIGS: dict[Backend | None, SelectionConfig] = {}
+#: LayerSpec per (head size, role, cross)
+_LAYERS: dict[tuple[int, str, bool, BackendOptions], LayerSpec] = {}
+#: what a class's ``supports_head_size`` says, per (class, head size)
+_FITS: dict[tuple[Any, int], bool] = {}
+
+
+def _config(default: Backend | None) -> SelectionConfig:
+    config = _CONFIGS.get(default)
+    if config is None:
+        config = (
+            _PROFILE
+            if default is None
+            else SelectionConfig(global_backend=default, profile="vllm_omni")
+        )
+        if len(_CONFIGS) < 256:
+            _CONFIGS[default] = config
+    return config
+
+
+def _layer(head_size: int, role: str, cross: bool, options: BackendOptions = ()) -> LayerSpec:
+    key = (head_size, role, cross, options)
+    layer = _LAYERS.get(key)
+    if layer is None:
+        kind = Role.CROSS if cross else Role.SELF
+        layer = LayerSpec(
+            head_size=head_size, dtype="bfloat16", role=kind, name=role, backend_options=options
+        )
+        if len(_LAYERS) < 4096:
+            _LAYERS[key] = layer
+    return layer
+
+
+def _fits(cls: Any, head_size: int) -> bool:
+    """The class's own ``supports_head_size`` (some build a list of every size on
+    each call: asked once per class and size)."""
+    key = (cls, head_size)
+    fits = _FITS.get(key)
+    if fits is None:
+        supports = getattr(cls, "supports_head_size", None)
+        fits = head_size <= 0 or supports is None or bool(supports(head_size))
+        if len(_FITS) < 4096:
+            _FITS[key] = fits
+    return fits
+
+
+def _decide(
+    selector: types.ModuleType,
     original: Callable[..., Any],
+    key: tuple[Any, ...],
     role: Any,
     head_size: Any,
-    attention_config: Any = None,
-    role_category: Any = None,
-    allow_trtllm_default: bool = True,
+    attention_config: Any,
+    role_category: Any,
+    allow_trtllm_default: bool,
 ) -> Any:
-    """vLLM-Omni's ``get_attn_backend_for_role``, decided by attnres."""
-    selector = sys.modules[_SELECTOR]
+    """The cold path: translate, observe vLLM-Omni's platform, decide, memoize."""
+    entries: tuple[Any, Any, Any] = (None, None, None)
+    names: tuple[str | None, ...] = (None, None, None)
     try:
-        if attention_config is None:
-            exact = category = default = None
-        else:
+        if attention_config is not None:
             per_role = attention_config.per_role
-            exact = per_role.get(role)
-            category = None if role_category is None else per_role.get(role_category)
-            default = attention_config.default
-        entries = (exact, category, default)
-        key = (
-            role,
-            role_category,
-            head_size,
-            allow_trtllm_default,
-            None if exact is None else exact.backend,
-            None if category is None else category.backend,
-            None if default is None else default.backend,
-            selector._cached_get_backend_cls,
-        )
-        memo = _MEMO.get(key)
-        if memo is not None:  # the cached path: vLLM-Omni's own cache answers again
-            for args, cls in memo.asked:
-                if selector._cached_get_backend_cls(*args) is not cls:
-                    break
-            else:
-                _STATS["decided"] += 1
-                record_decision(memo.decision)
-                selector._log_backend_resolution(
-                    role=role,
-                    role_category=role_category,
-                    backend_name=memo.name,
-                    source=memo.source,
-                )
-                return memo.cls, None if memo.entry is None else entries[memo.entry]
-        specs = {
-            Origin.LAYER: exact,
-            Origin.COMPONENT_OVERRIDE: category,
-            Origin.GLOBAL_CLI: default,
-        }
-        names = {o: None if s is None else str(s.backend) for o, s in specs.items()}
-        backends = {o: None if n is None else _attnres(n) for o, n in names.items()}
-        known = all((names[o] is None) == (backends[o] is None) for o in names)
-        layer = LayerSpec(
-            head_size=int(head_size),
-            dtype="bfloat16",
-            role=Role.CROSS if "cross" in (role, role_category) else Role.SELF,
-            name=str(role),
-        )
+            entries = (
+                per_role.get(role),
+                None if role_category is None else per_role.get(role_category),
+                attention_config.default,
+            )
+        names = tuple(None if s is None else str(s.backend) for s in entries)
+        layer = _layer(int(head_size), str(role), "cross" in (role, role_category))
     except (AttributeError, TypeError, ValueError):
-        known = False
-    if not known:  # a name attnres has no backend for: vLLM-Omni answers (and refuses)
-        _STATS["delegated"] += 1
+        layer = None
+    resolver = selector._cached_get_backend_cls
+    win = next((i for i, n in enumerate(names) if n is not None), None) if layer else None
+    classes: dict[str, Any] = {}
+    observed: dict[str, HostResolution] = {}
+    errors: dict[str, BaseException] = {}
+    asked: list[tuple[tuple[Any, ...], Any]] = []
+
+    def ask(candidate: str, args: tuple[Any, ...]) -> Any:
+        try:
+            cls = resolver(*args)
+        except Exception as exc:
+            errors[candidate] = exc
+            observed[candidate] = HostResolution(candidate, None, f"{type(exc).__name__}: {exc}")
+            return None
+        asked.append((args, cls))
+        return cls
+
+    # vLLM-Omni asks its platform for the winning entry (or its default) first:
+    # asked before anything is registered, as vLLM-Omni would
+    first_args: tuple[Any, ...] = (
+        (None, head_size, allow_trtllm_default) if win is None else (names[win], head_size)
+    )
+    custom = None if win is None or layer is None else custom_backend(str(names[win]))
+    if custom is not None:  # attnres's own backend: attnres answers, vLLM-Omni is not asked
+        first_cls = vllm_omni_backend(custom)
+    else:
+        first_cls = ask("?", first_args) if layer is not None else None
+    backends: list[Backend | None] = []
+    if layer is not None:
+        for i, name in enumerate(names):
+            cls = first_cls if i == win else None
+            backends.append(None if name is None else _first_sight(name, cls))
+    if layer is None or any(
+        b is None and n is not None for b, n in zip(backends, names, strict=True)
+    ):
+        # nothing attnres can take as a layer or a backend name: vLLM-Omni answers
+        _COUNTS[1] += 1
         return original(role, head_size, attention_config, role_category, allow_trtllm_default)
+    first = "" if win is None else backends[win].name  # type: ignore[union-attr]
+    if win is not None:
+        # the winning entry's typed options, as attnres backend options: checked by
+        # attnres's option checks (a BackendOptionError names the one it refuses)
+        # and recorded in the decision's trace
+        options = spec_options(entries[win])
+        if options:
+            checked = normalize_backend_options({first: options})
+            layer = _layer(layer.head_size, str(role), layer.role is Role.CROSS, checked)
+    kind, capability, device_name = _platform_facts()
+    if "?" in observed:
+        observed[first] = HostResolution(first, None, observed.pop("?").error)
+        errors[first] = errors.pop("?")
+    elif custom is not None:
+        spec_of = get_spec(custom)
+        if kind not in spec_of.platforms:
+            runs = ", ".join(sorted(spec_of.platforms)) or "no platform"
+            observed[first] = HostResolution(
+                first, None, f"attnres backend {first} runs on {runs}, not {kind}"
+            )
+            errors[first] = ValueError(observed[first].error)
+        else:
+            _observed(first, first_cls, int(head_size), observed, classes)
+    else:
+        _observed(first, first_cls, int(head_size), observed, classes)
+    spelled = {b.name: n for b, n in zip(backends, names, strict=True) if b is not None}
     scope = None
-    if backends[Origin.COMPONENT_OVERRIDE] is not None:
+    if backends[1] is not None:
         scope = ScopeState(
             component=str(role_category),
             kind="vllm_omni",
             loader="attention_config.per_role",
-            backend=backends[Origin.COMPONENT_OVERRIDE],
+            backend=backends[1],
         )
-    config = _PROFILE
-    if backends[Origin.GLOBAL_CLI] is not None:
-        config = SelectionConfig(global_backend=backends[Origin.GLOBAL_CLI], profile="vllm_omni")
-    inp = TraceInput(layer, config, scope, Platform("cpu"), backends[Origin.LAYER])
-    kind = _platform_kind()
-    observed: dict[str, HostResolution] = {}
-    classes: dict[str, Any] = {}
-    errors: dict[str, BaseException] = {}
-    by_backend: dict[str, str | None] = {}  # the winning origin's spelling first
-    for o, b in backends.items():
-        if b is not None:
-            by_backend.setdefault(b.name, names[o])
-
-    asked: list[tuple[tuple[Any, ...], Any]] = []
-
-    def observe(candidate: str) -> None:
-        # vLLM-Omni passes a configured name as the config spells it
-        args: tuple[Any, ...] = (
-            (None, head_size, allow_trtllm_default)
-            if candidate == ""
-            else (by_backend.get(candidate, candidate.upper()), head_size)
-        )
-        try:
-            cls = selector._cached_get_backend_cls(*args)
-            asked.append((args, cls))
-        except Exception as exc:
-            errors[candidate] = exc
-            observed[candidate] = HostResolution(candidate, None, f"{type(exc).__name__}: {exc}")
-            return
-        served = _attnres(str(cls.get_name()))
-        classes[candidate] = cls
-        if served is None:
-            observed[candidate] = HostResolution(candidate, None, "unknown class")
-            return
-        supports = getattr(cls, "supports_head_size", None)
-        fits = head_size <= 0 or supports is None or bool(supports(head_size))
-        missing = () if fits else (f"head size {head_size} (its supports_head_size)",)
-        observed[candidate] = HostResolution(candidate, served.name, None, missing=missing)
-
-    first = first_request(inp)
-    observe("" if first is None else first.name)
+    config = _config(backends[2])
     while True:
-        if any(h.error == "unknown class" for h in observed.values()):
-            # vLLM-Omni's platform gave a class attnres has no backend for: its answer stands
-            _STATS["delegated"] += 1
-            cls = next(iter(classes.values()))
-            return _answer(selector, role, role_category, specs, first, cls)
-        platform = Platform(kind, host=tuple(observed.values()))
-        trace = run_machine(TraceInput(layer, config, scope, platform, backends[Origin.LAYER]))
+        generation = registry_generation()
+        platform = Platform(
+            kind, capability=capability, device_name=device_name, host=tuple(observed.values())
+        )
+        trace = run_machine(TraceInput(layer, config, scope, platform, backends[0]))
         pending = _unobserved(trace, observed)
         if pending is None:
             break
-        observe(pending)
-    _, decision, _ = lookup_traced(trace, registry_generation())
-    _STATS["decided"] += 1
+        # vLLM-Omni passes a configured name as the config spells it
+        cls = ask(pending, (spelled.get(pending, pending.upper()), head_size))
+        if pending not in observed:
+            _observed(pending, cls, int(head_size), observed, classes)
+    _, decision, _ = lookup_traced(trace, generation)
+    removals = _REMOVALS[0]
+    _COUNTS[0] += 1
     record_decision(decision)
     outcome = decision.outcome
     if outcome.status is not Status.SELECTED or outcome.backend is None:
-        wanted = "" if first is None else first.name
-        if wanted in errors:
-            raise errors[wanted]  # vLLM-Omni's own refusal, unchanged
+        if first in errors:
+            raise errors[first]  # vLLM-Omni's own refusal, unchanged
         raise ValueError(f"{outcome.error}")
-    candidate = next(c for c, h in observed.items() if h.served == outcome.backend.name)
-    if len(_MEMO) >= _MEMO_MAX:
-        _MEMO.clear()
-    cls = classes[candidate]
-    _MEMO[key] = _Memo(
-        decision,
-        cls,
-        _ENTRIES.get(outcome.origin),
-        str(cls.get_name()),
-        SOURCES[outcome.origin].format(role=repr(role), category=repr(role_category)),
-        tuple(asked),
-    )
-    return _answer(selector, role, role_category, specs, first, cls, outcome.origin)
+    cls = classes[outcome.backend.name]
+    index = _INDEX.get(outcome.origin)
+    spec = None if index is None else entries[index]
+    source = SOURCES[outcome.origin].format(role=repr(role), category=repr(role_category))
+    log = {
+        "role": role,
+        "role_category": role_category,
+        "backend_name": cls.get_name(),
+        "source": source,
+    }
+    answer = (cls, spec)
+    if key and (asked or custom is not None):
+        _MEMO.put(
+            key,
+            _Hit(
+                decision,
+                answer,
+                resolver,
+                asked[0][0] if asked else None,
+                asked[0][1] if asked else None,
+                tuple(asked[1:]),
+                log,
+                spec,
+                None if spec is None else spec.backend,
+                removals,
+            ),
+            generation,
+        )
+    selector._log_backend_resolution(**log)
+    return answer
 
 
-def _answer(
-    selector: types.ModuleType,
-    role: Any,
-    role_category: Any,
-    specs: dict[Origin, Any],
-    first: Backend | None,
+def spec_options(spec: Any) -> dict[str, OptionValue]:
+    """vLLM-Omni's ``AttentionSpec`` options as attnres backend options of its
+    backend (:data:`attnres._profile_vllm_omni.OPTIONS`): each typed field that
+    is set, by its dotted name; a list (``block_sparse.skip_layers``) is written
+    comma-separated, an enum as its value."""
+    out: dict[str, OptionValue] = {}
+    for option in OPTIONS.get(str(spec.backend).upper(), ()):
+        head, _, tail = option.name.partition(".")
+        value = getattr(spec, head, None)
+        if tail and value is not None:
+            value = getattr(value, tail, None)
+        if value is None:
+            continue
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            value = ",".join(str(v) for v in value)
+        out[option.name] = value
+    return out
+
+
+#: the AttentionConfig entry each origin answers with (``None``: the platform default)
+_INDEX: Final = {Origin.LAYER: 0, Origin.COMPONENT_OVERRIDE: 1, Origin.GLOBAL_CLI: 2}
+
+
+def _observed(
+    candidate: str,
     cls: Any,
-    origin: Origin | None = None,
-) -> tuple[Any, Any]:
-    """vLLM-Omni's answer and its log line."""
-    if origin is None:
-        origin = next((o for o, s in specs.items() if s is not None), Origin.NONE)
-    source = SOURCES[origin].format(role=repr(role), category=repr(role_category))
-    selector._log_backend_resolution(
-        role=role, role_category=role_category, backend_name=cls.get_name(), source=source
-    )
-    return cls, specs.get(origin)
+    head_size: int,
+    observed: dict[str, HostResolution],
+    classes: dict[str, Any],
+) -> None:
+    """Record what vLLM-Omni's platform served for ``candidate`` (a class attnres
+    has no backend for is registered on first sight)."""
+    if cls is None:
+        return
+    try:
+        served = _first_sight(str(cls.get_name()), cls)
+    except Exception as exc:  # a class without get_name(): no backend to name
+        observed[candidate] = HostResolution(candidate, None, f"{type(exc).__name__}: {exc}")
+        return
+    if served is None:
+        observed[candidate] = HostResolution(candidate, None, f"unnamed class {_qualname(cls)}")
+        return
+    classes[served.name] = cls
+    fits = _fits(cls, head_size)
+    missing = () if fits else (f"head size {head_size} (its supports_head_size)",)
+    observed[candidate] = HostResolution(candidate, served.name, None, missing=missing)
 
 
 def _unobserved(trace: Any, observed: dict[str, HostResolution]) -> str | None:
@@ -457,12 +800,39 @@ def _unobserved(trace: Any, observed: dict[str, HostResolution]) -> str | None:
     return None
 
 
-def _platform_kind() -> str:
+#: (the platform object, its device_type, its facts) last read
+_KIND: list[Any] = [None, None, ("cpu", None, "")]
+
+
+def _platform_facts() -> tuple[str, tuple[int, int] | None, str]:
     """attnres's platform kind of vLLM-Omni's ``current_omni_platform`` (read at
-    every decision: a test may swap it); ``cpu`` when it cannot say."""
+    every decision: a test may swap it; ``cpu`` when it cannot say), and the
+    compute capability and device name it states (recorded in the trace; the
+    ``vllm_omni`` profile decides from the observed answers, never from them)."""
+    module = sys.modules.get("vllm_omni.platforms")
     try:
-        platform = importlib.import_module("vllm_omni.platforms").current_omni_platform
-        kind = str(getattr(platform, "device_type", "cpu") or "cpu")
+        if module is None:
+            module = importlib.import_module("vllm_omni.platforms")
+        platform = module.current_omni_platform
+        device = getattr(platform, "device_type", "cpu")
     except Exception:
-        return "cpu"
-    return _KINDS.get(kind, "cpu")
+        return ("cpu", None, "")
+    last = _KIND
+    if last[0] is platform and last[1] == device:
+        return last[2]  # type: ignore[no-any-return]
+    kind = _KINDS.get(str(device or "cpu"), "cpu")
+    capability: tuple[int, int] | None = None
+    name = ""
+    if kind == "cuda":
+        with contextlib.suppress(Exception):  # a platform that cannot say states nothing
+            major, minor = platform.get_device_capability()
+            capability = (int(major), int(minor))
+        with contextlib.suppress(Exception):
+            name = str(platform.get_device_name())
+    facts = (kind, capability, name)
+    _KIND[:] = [platform, device, facts]
+    return facts
+
+
+def _platform_kind() -> str:
+    return _platform_facts()[0]
