@@ -90,6 +90,9 @@ class Check(_StrEnum):
     REQUIREMENTS = "requirements"
     #: issue 24: the layer's sequence-parallel layout (run only when it has one)
     LAYOUT = "layout"
+    #: issue 34: a lossy kernel against the layer's error budget (run only when
+    #: the layer has a budget: ``SelectionConfig.attention_error``)
+    PRECISION = "precision"
 
 
 class Reason(_StrEnum):
@@ -135,6 +138,12 @@ class Code(_StrEnum):
     #: issue 24: the layer needs what attnres's sequence-parallel layouts do not do
     #: (attention masks; a sliding window across ring blocks)
     LAYOUT_UNSUPPORTED = "layout_unsupported"
+    #: issue 34: the kernel is lossy (or declares no precision facts) and the
+    #: layer's error budget is ``exact``
+    LOSSY_KERNEL = "lossy_kernel"
+    #: issue 34: the kernel's measured error on the layer's own inputs exceeds
+    #: the layer's numeric error budget
+    ERROR_OVER_BUDGET = "error_over_budget"
 
 
 class ScopeCode(_StrEnum):

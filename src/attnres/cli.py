@@ -64,6 +64,7 @@ from attnres.explain import autotune_plan, describe_layer, explain, resolution_t
 from attnres.layer import (
     DEST_AUTOTUNE,
     DEST_AUTOTUNE_MIN,
+    DEST_ATTENTION_ERROR,
     DEST_BACKEND,
     DEST_COMPONENTS,
     DEST_EXPLICIT,
@@ -267,6 +268,17 @@ def add_selection_arguments(
         metavar="N",
         default=None,
         help="with --autotune: smallest query (elements) worth measuring; default 4194304",
+    )
+    # issue 34: the attention error budget (docs/precision.md)
+    parser.add_argument(
+        "--attention-error",
+        dest=DEST_ATTENTION_ERROR,
+        action="append",
+        metavar="[COMPONENT[.ROLE]=]exact|REL_L2[,...]",
+        default=None,
+        help="the error a lossy kernel may add, per component (vae=exact,transformer=2e-2) "
+        "or for every component (2e-2): 'exact' refuses lossy kernels, a number admits one "
+        "whose relative L2 error (measured by calibrate/autotune) stays within it",
     )
     return action
 
