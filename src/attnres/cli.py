@@ -58,6 +58,7 @@ from attnres.backends import (
     plugin_failures,
     registered_backends,
 )
+from attnres._precision_view import describe_precision
 from attnres.documents import environment_document, platform_document, spec_document
 from attnres.errors import TraceWriteError, UsageError
 from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
@@ -78,6 +79,7 @@ from attnres.layout import LAYOUT_KINDS, MAX_DEGREE, MAX_HEADS, SequenceLayout
 from attnres.platform import Platform
 from attnres.render import (
     _field,
+    budget_flags,
     _opt,
     _platform_text,
     _plural,
@@ -538,6 +540,8 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "explanation": explain(trace).to_dict(),
                 # issue 23: present with --schedule only
                 **({} if scheduled is None else {"schedule": scheduled}),
+                # issue 34: present for a layer with an error budget only
+                **({"precision": describe_precision(trace)} if describe_precision(trace) else {}),
             },
         )
     else:
@@ -701,7 +705,11 @@ def _render_explain(trace: Trace) -> list[str]:
         request += "; per component: " + ", ".join(
             f"{n}={b.name}" for n, b in cfg.component_backends
         )
+    request += budget_flags(cfg)  # issue 34
     lines += _field("Request:", request, width)
+    precision = describe_precision(trace)  # issue 34: only for a layer with a budget
+    if precision:
+        lines += _field("Precision:", precision, width)
     lines.append("")
     lines += _wrap(
         "Candidates (every check in order; '->' rows are the machine's transitions):", width

@@ -1293,7 +1293,7 @@ def _check_precision(spec: BackendSpec, platform: Platform, budget: Budget) -> l
         what = (
             "it declares no precision facts here (fail closed)"
             if fact is None
-            else f"{fact.applies.kernel}: {fact.describe()}"
+            else f"{fact.applies.kernel}; `attnres backends` shows how"
         )
         return [
             Failure(

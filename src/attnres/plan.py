@@ -537,6 +537,35 @@ class LayerPlan(OutcomeView):
             "backend_options": {
                 backend: dict(pairs) for backend, pairs in self.trace.input.layer.backend_options
             },
+            **self._precision(),
+        }
+
+    def _precision(self) -> dict[str, Any]:
+        """Issue 34: ``precision`` (exact or lossy, how, the budget, any measurement),
+        only for a layer with an error budget (a plan without one keeps its keys)."""
+        from attnres._precision_view import precision_of_trace
+
+        record = precision_of_trace(self.trace)
+        if record is None:
+            return {}
+        m = record.measured
+        return {
+            "precision": {
+                "kind": record.precision,
+                "how": record.how,
+                "budget": record.budget,
+                "budget_key": record.budget_key,
+                "measured": None
+                if m is None
+                else {
+                    "rel_l2": m.rel_l2,
+                    "max_abs": m.max_abs,
+                    "cosine": m.cosine,
+                    "call": m.call,
+                    "emulated": m.emulated,
+                    "source": m.source,
+                },
+            }
         }
 
 

@@ -45,6 +45,7 @@ from attnres.layer import describe_budget
 from attnres.machine import layer_budget, precision_here, run_machine
 from attnres.platform import Platform
 from attnres.records import ErrorMeasurement, PrecisionRecord
+from attnres._precision_view import describe_precision, precision_of_trace
 from attnres.trace import Trace
 
 __all__ = [
@@ -118,35 +119,6 @@ def error_figures(out: Tensor, reference: Tensor) -> tuple[float, float, float]:
 
 def _call(q: Tensor, dtype: str | None = None) -> str:
     return f"q {tuple(q.shape)} {dtype or str(q.dtype).removeprefix('torch.')}"
-
-
-# =============================================================================
-# What a trace says about precision
-# =============================================================================
-
-
-def precision_of_trace(trace: Trace) -> PrecisionRecord | None:
-    """The trace's precision record (``None``: its layer had no budget)."""
-    return next((r for r in trace.records if isinstance(r, PrecisionRecord)), None)
-
-
-def describe_precision(trace: Trace) -> str:
-    """One line for ``plan`` and ``explain``: exact or lossy, the budget and any
-    measurement (``''`` when the layer had no budget)."""
-    record = precision_of_trace(trace)
-    if record is None:
-        budget = layer_budget(trace.input)
-        if budget is None:
-            return ""
-        return f"budget {budget.key}: {describe_budget(budget.value)}"
-    text = f"{record.precision}, budget {record.budget_key}: {record.budget}"
-    m = record.measured
-    if m is not None:
-        how = "emulated" if m.emulated else m.source
-        text += f"; measured rel L2 {m.rel_l2:.3g}, cosine {m.cosine:.6f} ({how})"
-    elif record.precision != "exact":
-        text += "; not measured yet"
-    return text
 
 
 # =============================================================================
