@@ -1162,6 +1162,11 @@ def _backend_note(spec: BackendSpec) -> str:
         parts.append(f"refuses option {option_limit.describe()}")
     for refusal in spec.refuses:
         parts.append(f"refuses at call time: {refusal}")
+    # issue 34: exact to its dtype, or lossy and how (per version range and GPU)
+    for fact in spec.precision:
+        where = fact.applies.describe()
+        where = "" if where == "always" else f" {where}"
+        parts.append(f"precision{where}: {fact.describe()}")
     return "; ".join(parts)
 
 
