@@ -419,13 +419,15 @@ def test_rule_verdict_rules_first_row_that_holds_wins() -> None:
     # also disagrees and is faster): the first row decides
     cases = {
         Verdict.RAISED: Measured(a, None, None, None, "boom"),
+        # issue 34: over the layer's numeric error budget (0.02 below)
+        Verdict.OVER_BUDGET: Measured(a, 1, 0, 0.5, None, 0.5),
         Verdict.DISAGREES: Measured(a, 1, 0, 0.5),
         Verdict.OUTPACED: Measured(a, 1, 0, 0.0),
         Verdict.WITHIN_MARGIN: Measured(a, 100, 0, 0.0),
     }
     assert {v for v, _, _ in VERDICT_RULES} == set(cases)
     for verdict, candidate in cases.items():
-        judged, _ = verdicts([base, candidate, Measured(a, 99, 0, 0.0)], 0.02, 1e-3)
+        judged, _ = verdicts([base, candidate, Measured(a, 99, 0, 0.0)], 0.02, 1e-3, 0.02)
         assert judged[1] is (Verdict.CHOSEN if verdict is Verdict.OUTPACED else verdict)
 
 

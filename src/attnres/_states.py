@@ -255,3 +255,6 @@ class Verdict(_StrEnum):
     DISAGREES = "disagrees"
     #: it raised on the real inputs: skipped, the error recorded
     RAISED = "raised"
+    #: issue 34: its relative L2 error against a float64 reference exceeds the
+    #: layer's numeric error budget: never chosen
+    OVER_BUDGET = "over_budget"

@@ -325,6 +325,7 @@ def _measure(
     reference: Tensor,
     settings: _Settings,
     sync: Callable[[], None],
+    exact: Tensor | None = None,
 ) -> Measured:
     try:
         median, spread, out = _time(fn, args, settings.warmup, settings.repeats, sync)
@@ -335,7 +336,29 @@ def _measure(
         return Measured(
             backend, error=f"returned {got}, expected a tensor of shape {tuple(reference.shape)}"
         )
-    return Measured(backend, median, spread, _deviation(out, reference))
+    rel_l2 = None
+    if exact is not None:  # issue 34: beside its time, its error against float64
+        from attnres.precision import error_figures
+
+        value = error_figures(out, exact)[0]
+        rel_l2 = float(f"{value:.3g}") if math.isfinite(value) else 1e300
+    return Measured(backend, median, spread, _deviation(out, reference), rel_l2=rel_l2)
+
+
+def _float64_reference(
+    layer: Attention, args: tuple[Tensor, Tensor, Tensor, Tensor | None], trace: Trace
+) -> Tensor | None:
+    """Issue 34: the float64 output every candidate's error is measured against,
+    only for a layer with a numeric error budget (else ``None``: nothing extra)."""
+    from attnres.machine import numeric_budget
+
+    if numeric_budget(trace.input) is None:
+        return None
+    from attnres.precision import reference_attention
+
+    shape = layer._shape
+    q, k, v, mask = args
+    return reference_attention(q, k, v, mask, shape.causal, shape.softmax_scale)
 
 
 def _bare(kernel: KernelFn, layer: Attention, backend: str) -> Run:
@@ -429,8 +452,9 @@ def _measure_all(
         # the incumbent is timed like every candidate: its bare kernel, without
         # the layer's input checks (its output on the real call is the reference)
         bare = _bare(_bound_kernel(layer), layer, incumbent.name)
-        measured = [_measure(incumbent, bare, args, reference, settings, sync)]
-        measured += [_measure(b, fn, args, reference, settings, sync) for b, fn in kernels]
+        exact = _float64_reference(layer, args, machine_trace)
+        measured = [_measure(incumbent, bare, args, reference, settings, sync, exact)]
+        measured += [_measure(b, fn, args, reference, settings, sync, exact) for b, fn in kernels]
         entry = ResultEntry(
             platform=here,
             call=call,

@@ -210,6 +210,7 @@ __all__ = [
     "is_tunable",
     "is_tuned",
     "layer_budget",
+    "numeric_budget",
     "measuring_checks",
     "primary_check",
     "replay_tuned",
@@ -1264,6 +1265,13 @@ def layer_budget(inp: TraceInput) -> Budget | None:
     return Budget(found[0], found[1], inp.measured_error)
 
 
+def numeric_budget(inp: TraceInput) -> float | None:
+    """The layer's numeric error budget (``None``: none, or ``exact``): what
+    autotune measures each candidate's error against (``VERDICT_RULES``)."""
+    budget = layer_budget(inp)
+    return None if budget is None or budget.value == EXACT else float(budget.value)
+
+
 def precision_here(spec: BackendSpec, platform: Platform) -> Precision | None:
     """The precision facts of the kernel installed here (``None``: none declared)."""
     fact = platform.package(spec.package) if spec.package is not None else None
@@ -1891,11 +1899,18 @@ class Measured:
     spread_ns: int | None = None
     deviation: float | None = None
     error: str | None = None
+    #: issue 34: relative L2 error against a float64 reference (under a numeric budget)
+    rel_l2: float | None = None
 
     @classmethod
     def of(cls, record: MeasurementRecord) -> Measured:
         return cls(
-            record.candidate, record.median_ns, record.spread_ns, record.deviation, record.error
+            record.candidate,
+            record.median_ns,
+            record.spread_ns,
+            record.deviation,
+            record.error,
+            record.rel_l2,
         )
 
 
@@ -1904,15 +1919,21 @@ class Measured:
 # =============================================================================
 
 
-def _raised(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+def _raised(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
     return m.error is not None or m.median_ns is None
 
 
-def _disagrees(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+def _disagrees(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
     return m.deviation is None or not m.deviation <= tolerance
 
 
-def _faster(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+def _faster(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
     return (
         incumbent is not None
         and m.median_ns is not None
@@ -1920,17 +1941,34 @@ def _faster(m: Measured, incumbent: int | None, margin: float, tolerance: float)
     )
 
 
-def _otherwise(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+def _otherwise(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
     return True
+
+
+def _over_budget(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
+    return budget is not None and m.rel_l2 is not None and not m.rel_l2 <= budget
 
 
 #: The verdict of each measured candidate but the incumbent: the first row whose
 #: condition holds (verdict, condition, what it says). Of the ``outpaced``
 #: candidates the fastest (the first in order on a tie) is then ``chosen``.
 VERDICT_RULES: Final[
-    tuple[tuple[Verdict, Callable[[Measured, int | None, float, float], bool], str], ...]
+    tuple[
+        tuple[Verdict, Callable[[Measured, int | None, float, float, float | None], bool], str],
+        ...,
+    ]
 ] = (
     (Verdict.RAISED, _raised, "it raised (no median)"),
+    (
+        Verdict.OVER_BUDGET,
+        _over_budget,
+        "issue 34: the layer has a numeric error budget and the candidate's relative L2 "
+        "error against a float64 reference exceeds it, whatever its speed",
+    ),
     (
         Verdict.DISAGREES,
         _disagrees,
@@ -1948,7 +1986,7 @@ VERDICT_RULES: Final[
 
 
 def verdicts(
-    measured: Sequence[Measured], margin: float, tolerance: float
+    measured: Sequence[Measured], margin: float, tolerance: float, budget: float | None = None
 ) -> tuple[tuple[Verdict, ...], Backend | None]:
     """Each measurement's verdict by ``VERDICT_RULES``, and the winner (``None``:
     the incumbent stays). ``measured[0]`` is the incumbent (verdict ``incumbent``)."""
@@ -1958,7 +1996,9 @@ def verdicts(
     out: list[Verdict] = [Verdict.INCUMBENT]
     for m in measured[1:]:
         out.append(
-            next(v for v, holds, _ in VERDICT_RULES if holds(m, incumbent, margin, tolerance))
+            next(
+                v for v, holds, _ in VERDICT_RULES if holds(m, incumbent, margin, tolerance, budget)
+            )
         )
     fast = [
         (m.median_ns or 0, position)
@@ -2022,7 +2062,8 @@ def measuring_checks(
                 )
             )
             continue
-        results = check_candidate(backend, inp.layer, inp.platform)
+        # issue 34: an exact budget refuses lossy candidates here too, by their facts
+        results = check_candidate(backend, inp.layer, inp.platform, budget=layer_budget(inp))
         for check, failures in results:
             records.append(CheckRecord(State.MEASURING, backend, check, not failures, failures))
         if not any(failures for _, failures in results):
@@ -2077,10 +2118,12 @@ def tuned_trace(
                     Measured(backend, error="not measured (it passed no check when recorded)"),
                 )
             )
-    judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance)
+    judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance, numeric_budget(trace.input))
     for m, verdict in zip(ordered, judged, strict=True):
         records.append(
-            MeasurementRecord(m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict)
+            MeasurementRecord(
+                m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict, rel_l2=m.rel_l2
+            )
         )
     origin = trace.outcome.origin
     if winner is None:

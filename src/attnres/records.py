@@ -210,6 +210,9 @@ class MeasurementRecord:
     deviation: float | None
     error: str | None
     verdict: Verdict
+    #: issue 34: its relative L2 error against a float64 reference, measured when
+    #: the layer has a numeric error budget (written only then: schema 6)
+    rel_l2: float | None = field(default=None, kw_only=True, metadata={"omit_default": True})
     kind: str = field(default="measurement", init=False)
 
 
