@@ -481,3 +481,37 @@ def test_done_when_tiny_flux_on_simulated_hopper(tmp_path: Path) -> None:
         if a.measured is not None:
             assert b.measured is not None and b.measured.source == "loaded"
             assert b.measured.rel_l2 == a.measured.rel_l2
+
+
+def test_cli_calibrate_measures_saves_and_replays(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pipeline = tmp_path / "p.toml"
+    pipeline.write_text(
+        '[pipeline]\nname = "tiny"\n[[components]]\nname = "transformer"\n'
+        '[[components.layers]]\nname = "blocks.attn"\nhead_size = 64\ndtype = "bfloat16"\n'
+        '[[components]]\nname = "vae"\n[[components.layers]]\nname = "mid.attn"\n'
+        'head_size = 64\ndtype = "bfloat16"\n'
+    )
+    base = [str(pipeline), "--platform", HOPPER, "--attention-backend", "sage_attn",
+            "--tokens", "256", "--heads", "2"]  # fmt: skip
+    saved = tmp_path / "cal.json"
+    traces = tmp_path / "traces"
+    code = main(["calibrate", *base, "--attention-error", "vae=exact,transformer=2e-2",
+                 "--save", str(saved), "--trace-out", str(traces), "--json"])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    sites = {s["component"]: s for s in doc["sites"]}
+    rel = sites["transformer"]["measured"]["rel_l2"]
+    assert sites["transformer"]["measured"]["emulated"] and 1e-3 < rel < 0.06
+    assert sites["vae"]["precision"] == "exact" and sites["vae"]["measured"] is None
+    # strict for the transformer: over the budget it is rejected, within it admitted
+    assert code == (1 if rel > 0.02 else 0)
+    assert (sites["transformer"]["backend"] is None) == (rel > 0.02)
+    written = {p.name: load_trace(p) for p in traces.glob("*.json")}
+    dit = written["transformer--blocks.attn.json"]
+    assert dit.input.measured_error and attnres.replay(dit).ok
+    # the results file replays: loaded figures, a looser budget admits
+    code = main(["calibrate", *base, "--attention-error", "transformer=0.1",
+                 "--load", str(saved)])  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and f"rel L2 {rel:.3g}" in out and "(emulated, loaded)" in out

@@ -1223,6 +1223,46 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 # =============================================================================
+# calibrate (issue 34)
+# =============================================================================
+
+
+def _cmd_calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from attnres.plan import load_pipeline, plan_pipeline
+    from attnres.precision import calibrate_plan, load_calibration, save_calibration
+
+    if args.tokens < 1 or args.heads < 1:
+        raise UsageError("--tokens and --heads must be at least 1")
+    config = selection_config_from_args(args)
+    pipeline = load_pipeline(args.pipeline)
+    platform = _platform(args.platform)
+    result = plan_pipeline(pipeline, config, platform)
+    results = None if args.load is None else load_calibration(args.load)
+    report = calibrate_plan(
+        result, tokens=args.tokens, heads=args.heads, seed=args.seed, results=results
+    )
+    if args.save is not None:
+        save_calibration(report, args.save)
+    if args.trace_out is not None:
+        directory = _trace_out(args.trace_out, "a folder name")
+        directory.mkdir(parents=True, exist_ok=True)
+        for site in report.sites:
+            if site.trace is not None:
+                name = f"{site.component}--{site.site}".replace("/", "_") + ".json"
+                _write_trace(site.trace, directory / name)
+    if args.json:
+        _emit_json(out, {"status": "ok" if report.ok else "rejected", **report.to_dict()})
+    else:
+        lines: list[str] = []
+        for line in report.render():
+            lines += _wrap(line.strip(), _width(), "  " if line.startswith("  ") else "", "      ")
+        if args.save is not None:
+            lines.append(f"Saved: {args.save}")
+        _emit(out, lines)
+    return EXIT_OK if report.ok else EXIT_REJECTED
+
+
+# =============================================================================
 # The parser and main()
 # =============================================================================
 
@@ -1351,6 +1391,34 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_arguments(plan, heads=False)
     _backend_option_argument(
         plan, " for every layer (or site of a model folder), under a layer's own backend_options"
+    )
+
+    # issue 34: measured error against a float64 reference (docs/precision.md)
+    calibrate = command(
+        "calibrate",
+        "plan a pipeline file, then measure each lossy layer's error (emulated where the "
+        "kernel cannot run) and resolve it again with the measurement",
+        _cmd_calibrate,
+    )
+    calibrate.add_argument("pipeline", metavar="PIPELINE.toml")
+    add_selection_arguments(calibrate)
+    calibrate.add_argument(
+        "--platform", metavar="SPEC", help="simulate a platform (default: detect this machine)"
+    )
+    calibrate.add_argument(
+        "--tokens", type=int, default=1024, metavar="N", help="tokens per synthetic input"
+    )
+    calibrate.add_argument(
+        "--heads", type=int, default=8, metavar="N", help="heads per synthetic input"
+    )
+    calibrate.add_argument("--seed", type=int, default=0, metavar="S", help="input seed")
+    calibrate.add_argument("--save", metavar="FILE", help="write the measurements here")
+    calibrate.add_argument(
+        "--load", metavar="FILE", help="take the measurements from this results file"
+    )
+    calibrate.add_argument("--json", action="store_true", help="print one JSON object")
+    calibrate.add_argument(
+        "--trace-out", metavar="DIR", help="write each layer's trace, with its measurement"
     )
 
     replay = command(

@@ -53,6 +53,7 @@ __all__ = [
     "SiteCalibration",
     "calibrate",
     "calibrate_pipeline",
+    "calibrate_plan",
     "describe_precision",
     "emulate_lossy_kernels",
     "error_figures",
@@ -210,6 +211,11 @@ class CalibrationReport:
     sites: tuple[SiteCalibration, ...]
     platform: Platform
     errors: bool = True
+
+    @property
+    def ok(self) -> bool:
+        """No site was rejected (when planned, or once measured)."""
+        return all(s.backend is not None for s in self.sites)
 
     def measurements(self) -> tuple[tuple[str, str, ErrorMeasurement], ...]:
         return tuple((s.component, s.site, s.measured) for s in self.sites if s.measured)
@@ -428,12 +434,7 @@ def calibrate_pipeline(
             if mask is not None:
                 note = "its call passes a mask, which the lossy kernel does not take"
             else:
-                dtype = trace.input.layer.dtype
-                cast = getattr(torch, dtype)
-                qc, kc, vc = (t.to(cast) for t in (q, k, v))
-                out = _emulation(backend.name, platform)(qc, kc, vc, None, causal, scale)
-                rel, mx, cos = error_figures(out, reference_attention(q, k, v, None, causal, scale))
-                measured = ErrorMeasurement(backend, rel, mx, cos, _call(q, dtype), True)
+                measured = _measure_lossy(trace, q, k, v, causal, scale)
         new_trace = trace
         if measured is not None:
             new_trace = run_machine(attrs.evolve(trace.input, measured_error=(measured,)))
@@ -452,6 +453,76 @@ def calibrate_pipeline(
             )
         )
     return CalibrationReport(tuple(sites), platform)
+
+
+def _measure_lossy(
+    trace: Trace, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None
+) -> ErrorMeasurement:
+    """The lossy kernel ``trace`` selected, on these inputs cast to the layer's
+    dtype, against float64: emulated (this machine cannot run the kernel)."""
+    backend = trace.outcome.backend
+    assert backend is not None
+    dtype = trace.input.layer.dtype
+    cast = getattr(torch, dtype)
+    qc, kc, vc = (t.to(cast) for t in (q, k, v))
+    out = _emulation(backend.name, trace.input.platform)(qc, kc, vc, None, causal, scale)
+    rel, mx, cos = error_figures(out, reference_attention(q, k, v, None, causal, scale))
+    return ErrorMeasurement(backend, rel, mx, cos, _call(q, dtype), True)
+
+
+def calibrate_plan(
+    result: Any,
+    *,
+    tokens: int = 1024,
+    heads: int = 8,
+    seed: int = 0,
+    results: Mapping[tuple[str, str], ErrorMeasurement] | None = None,
+) -> CalibrationReport:
+    """``attnres calibrate PIPELINE.toml``: each layer of a planned pipeline file
+    (:class:`attnres.plan.PlanResult`) whose chosen kernel is lossy, measured on
+    seeded synthetic inputs (a pipeline file carries no weights: q, k, v normal,
+    ``tokens`` x ``heads`` at the layer's head size and dtype; the Python API
+    :func:`calibrate_pipeline` measures a model's own captured inputs), and
+    resolved again with the measurement in its input."""
+    sites = []
+    for layer in result.layers:
+        trace = layer.trace
+        budget = layer_budget(trace.input)
+        budget_text = "-" if budget is None else f"{budget.key}: {describe_budget(budget.value)}"
+        backend = trace.outcome.backend
+        if backend is None:
+            sites.append(
+                SiteCalibration(layer.component, layer.name, None, None, "-", budget_text, None,
+                                trace=trace, note=f"rejected when planned ({trace.outcome.code})")
+            )  # fmt: skip
+            continue
+        spec = lookup_spec(backend)
+        fact = None if spec is None else precision_here(spec, trace.input.platform)
+        kind = "undeclared" if fact is None else fact.kind
+        measured: ErrorMeasurement | None = None
+        note = ""
+        key = (layer.component, layer.name)
+        if kind == "exact":
+            note = "exact to its dtype (facts), not measured"
+        elif results is not None:
+            measured = results.get(key)
+            note = "" if measured is not None else "no measurement in the results file"
+        elif backend.name not in EMULATED:
+            note = f"attnres has no emulation of {backend.name} to measure here"
+        else:
+            g = torch.Generator().manual_seed(seed)
+            head = trace.input.layer.head_size
+            q, k, v = (torch.randn(1, tokens, heads, head, generator=g) for _ in range(3))
+            measured = _measure_lossy(trace, q, k, v, trace.input.layer.requirements.causal, None)
+            measured = attrs.evolve(measured, call=measured.call + f" synthetic (seed {seed})")
+        new_trace = trace
+        if measured is not None:
+            new_trace = run_machine(attrs.evolve(trace.input, measured_error=(measured,)))
+        sites.append(
+            SiteCalibration(layer.component, layer.name, backend, new_trace.outcome.backend,
+                            kind, budget_text, measured, None, new_trace, note)
+        )  # fmt: skip
+    return CalibrationReport(tuple(sites), result.platform)
 
 
 # =============================================================================
