@@ -265,8 +265,8 @@ def calibrate(
     module: torch.nn.Module,
     *args: Any,
     errors: bool = True,
-    warmup: int = 1,
-    repeats: int = 3,
+    warmup: int = 3,
+    repeats: int = 8,
     **kwargs: Any,
 ) -> CalibrationReport:
     """Measure every :class:`attnres.Attention` layer of ``module`` on the inputs
@@ -274,7 +274,8 @@ def calibrate(
     and (``errors``, the default) its error against a float64 reference.
 
     Layers that see the same input (shapes and values) share one measurement.
-    ``errors=False`` times only (the baseline ``make bench`` compares with).
+    ``errors=False`` times only (the baseline ``make bench`` compares with);
+    ``warmup`` and ``repeats`` are autotune's defaults.
     """
     from attnres.modules import Attention
 
