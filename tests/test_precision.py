@@ -16,6 +16,7 @@ import attnres
 from attnres import backends as B
 from attnres._states import Check, Code
 from attnres.cli import main
+from attnres.kernels.sage_emulated import SAGE_SCHEMES, sage_attention_emulated, scheme_for
 from attnres.layer import (
     EXACT,
     LayerSpec,
@@ -35,7 +36,6 @@ from attnres.precision import (
     reference_attention,
     save_calibration,
 )
-from attnres.kernels.sage_emulated import SAGE_SCHEMES, sage_attention_emulated, scheme_for
 from attnres.records import ErrorMeasurement, PrecisionRecord
 from attnres.scope import scope_state
 from attnres.trace import TraceInput, load_trace, trace_from_json, trace_to_dict
@@ -172,7 +172,8 @@ def test_budget_lookup_order() -> None:
 
 
 def test_no_budget_no_precision_check_and_same_trace() -> None:
-    """No budget: no precision check, no record, schema as before (golden corpus: byte-identical)."""
+    """No budget: no precision check, no record, schema as before (the golden
+    corpus: byte-identical)."""
     inp = _input("vae", None)
     trace = run_machine(inp)
     assert all(getattr(r, "check", None) is not Check.PRECISION for r in trace.records)
@@ -335,9 +336,11 @@ def test_emulation_scheme_per_gpu_follows_core_py() -> None:
 
 
 def test_emulation_registered_for_a_simulated_platform_only() -> None:
-    with pytest.raises(ValueError, match="simulated platform only"):
-        with emulate_lossy_kernels(Platform.detect()):
-            pass
+    with (
+        pytest.raises(ValueError, match="simulated platform only"),
+        emulate_lossy_kernels(Platform.detect()),
+    ):
+        pass
     platform = Platform.simulate(HOPPER)
     with emulate_lossy_kernels(platform):
         layer = attnres.Attention(4, 64, backend="sage_attn", dtype=torch.bfloat16,
@@ -421,7 +424,7 @@ def test_precision_golden_traces(name: str, status: str, code: str | None) -> No
     trace = load_trace(ROOT / "traces" / f"{name}.json")
     assert trace.outcome.status == status and trace.outcome.code == code
     assert attnres.replay(trace).ok
-    if status == "selected" and "measurement" in name or "results-file" in name:
+    if (status == "selected" and "measurement" in name) or "results-file" in name:
         record = precision_of_trace(trace)
         assert isinstance(record, PrecisionRecord) and record.measured is not None
         assert record.measured.source == ("loaded" if "results-file" in name else "measured")

@@ -684,7 +684,9 @@ def _error_budget_map(value: Any) -> dict[str, Any]:
     """Issue 34: ``{"vae": "exact", "*": 0.02}`` (checked by ``SelectionConfig``)."""
     obj = _object(value, "an error budget map")
     for key, budget in obj.items():
-        if not (budget == "exact" or (isinstance(budget, float | int) and not isinstance(budget, bool))):
+        if not (
+            budget == "exact" or (isinstance(budget, float | int) and not isinstance(budget, bool))
+        ):
             raise _Invalid(
                 f".{key}", f"expected 'exact' or a relative L2 error, got {describe(budget)}"
             )

@@ -1749,7 +1749,9 @@ LSE_SOURCES: Mapping[str, str] = {
 # =============================================================================
 
 
-def _exact(kernel: str, source: str, accumulator: str = "fp32 softmax and accumulation") -> Precision:
+def _exact(
+    kernel: str, source: str, accumulator: str = "fp32 softmax and accumulation"
+) -> Precision:
     """An exact-to-its-dtype kernel: its facts hold for every version and GPU."""
     return Precision(
         False,
@@ -1875,9 +1877,7 @@ PRECISION_FACTS: Mapping[str, tuple[Precision, ...]] = {
             "accumulation for fp16/bf16 (sdp_utils.cpp picks among them; none quantises)",
         ),
     ),
-    "eager": (
-        _exact("attnres reference math", "attnres.kernels.eager: float32 accumulation"),
-    ),
+    "eager": (_exact("attnres reference math", "attnres.kernels.eager: float32 accumulation"),),
     "torch_cudnn_sdpa": (
         _exact(
             "cuDNN SDPA",

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from attnres._precision_view import describe_precision
 from attnres._schedule_plan import parse_schedule, plan_schedule
 from attnres._states import PackageStatus, ReplayStatus, Status  # issue 20, 19
 from attnres._varlen import check_layer_options
@@ -58,14 +59,13 @@ from attnres.backends import (
     plugin_failures,
     registered_backends,
 )
-from attnres._precision_view import describe_precision
 from attnres.documents import environment_document, platform_document, spec_document
 from attnres.errors import TraceWriteError, UsageError
 from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
 from attnres.layer import (
+    DEST_ATTENTION_ERROR,
     DEST_AUTOTUNE,
     DEST_AUTOTUNE_MIN,
-    DEST_ATTENTION_ERROR,
     DEST_BACKEND,
     DEST_COMPONENTS,
     DEST_EXPLICIT,
@@ -79,13 +79,13 @@ from attnres.layout import LAYOUT_KINDS, MAX_DEGREE, MAX_HEADS, SequenceLayout
 from attnres.platform import Platform
 from attnres.render import (
     _field,
-    budget_flags,
     _opt,
     _platform_text,
     _plural,
     _table,
     _width,
     _wrap,
+    budget_flags,
     render_plan,
 )
 from attnres.runtime import component_scope

@@ -551,7 +551,9 @@ def parse_error_budget(value: object, what: str = "attention_error") -> ErrorBud
     if isinstance(value, str) and value.strip().lower() == EXACT:
         return EXACT
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected 'exact' or a relative L2 error in (0, 1], got {value!r}")
+        raise ValueError(
+            f"{what}: expected 'exact' or a relative L2 error in (0, 1], got {value!r}"
+        )
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -813,7 +815,9 @@ class SelectionConfig:
             global_backend=global_backend,
             global_backend_explicit=explicit if global_backend is not None else True,
             component_backends=dict(components),
-            attention_error=parse_attention_error(getattr(namespace, DEST_ATTENTION_ERROR, None) or ()),
+            attention_error=parse_attention_error(
+                getattr(namespace, DEST_ATTENTION_ERROR, None) or ()
+            ),
             **tuning,
         )
         return config if explicit else cls.from_env(base=config)

@@ -146,7 +146,7 @@ from attnres.backends import (
 )
 from attnres.kernels import KernelSource, kernel_source
 from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
-from attnres.layer import EXACT, EVERY_COMPONENT, ErrorBudget, LayerSpec, describe_budget
+from attnres.layer import EVERY_COMPONENT, EXACT, ErrorBudget, LayerSpec, describe_budget
 from attnres.layout import SequenceLayout
 from attnres.platform import Platform
 from attnres.records import ScopeProblem
@@ -194,12 +194,12 @@ __all__ = [
     "TRANSITIONS",
     "TUNABLE_ORIGINS",
     "VERDICT_RULES",
+    "Budget",
     "Guard",
     "GuardFacts",
     "Measured",
     "Relaxation",
     "RequestRefusal",
-    "Budget",
     "ScopeProblem",
     "backward_everywhere",
     "check_candidate",
@@ -210,8 +210,8 @@ __all__ = [
     "is_tunable",
     "is_tuned",
     "layer_budget",
-    "numeric_budget",
     "measuring_checks",
+    "numeric_budget",
     "primary_check",
     "replay_tuned",
     "request_refusal",
@@ -1226,7 +1226,9 @@ class Budget:
     def flag(self) -> str:
         """``--attention-error vae=exact`` (``--attention-error 0.02`` for ``*``)."""
         value = EXACT if self.value == EXACT else f"{self.value:g}"
-        return f"--attention-error {value if self.key == EVERY_COMPONENT else self.key + '=' + value}"
+        return (
+            f"--attention-error {value if self.key == EVERY_COMPONENT else self.key + '=' + value}"
+        )
 
     def measured_for(self, backend: str) -> ErrorMeasurement | None:
         found = [m for m in self.measured if m.backend == backend]
@@ -1336,9 +1338,7 @@ def _precision_record(
     else:
         kind, how = fact.kind, f"{fact.applies.kernel}: {fact.describe()} ({fact.source})"
     measured = budget.measured_for(accepted.name)
-    return PrecisionRecord(
-        accepted, kind, how, describe_budget(budget.value), budget.key, measured
-    )
+    return PrecisionRecord(accepted, kind, how, describe_budget(budget.value), budget.key, measured)
 
 
 # =============================================================================
@@ -1403,9 +1403,8 @@ def _primary_message(
             + "; ".join(f.message for f in first)
         )
     elif primary is Check.PRECISION:  # issue 34
-        text = (
-            f"Attention backend {name!r} is outside this layer's error budget: "
-            + "; ".join(f.message for f in first)
+        text = f"Attention backend {name!r} is outside this layer's error budget: " + "; ".join(
+            f.message for f in first
         )
     elif primary is Check.PLATFORM:
         text = (
@@ -2122,7 +2121,13 @@ def tuned_trace(
     for m, verdict in zip(ordered, judged, strict=True):
         records.append(
             MeasurementRecord(
-                m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict, rel_l2=m.rel_l2
+                m.candidate,
+                m.median_ns,
+                m.spread_ns,
+                m.deviation,
+                m.error,
+                verdict,
+                rel_l2=m.rel_l2,
             )
         )
     origin = trace.outcome.origin

@@ -40,12 +40,12 @@ from attrs import frozen
 from torch import Tensor
 
 from attnres._files import atomic_write_text, read_bounded
+from attnres._precision_view import describe_precision, precision_of_trace
 from attnres.backends import Backend, lookup_spec
 from attnres.layer import describe_budget
 from attnres.machine import layer_budget, precision_here, run_machine
 from attnres.platform import Platform
-from attnres.records import ErrorMeasurement, PrecisionRecord
-from attnres._precision_view import describe_precision, precision_of_trace
+from attnres.records import ErrorMeasurement
 from attnres.trace import Trace
 
 __all__ = [
@@ -314,7 +314,9 @@ def calibrate(
             fact = None if spec is None else precision_here(spec, platform)
             sites.append(
                 SiteCalibration(
-                    "" if trace is None or trace.input.scope is None else trace.input.scope.component,
+                    ""
+                    if trace is None or trace.input.scope is None
+                    else trace.input.scope.component,
                     name,
                     layer.backend,
                     layer.backend,

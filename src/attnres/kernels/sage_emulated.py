@@ -66,7 +66,9 @@ class SageScheme:
 #: Per compute capability, what ``sageattn`` runs (SageAttention d1a57a54 core.py).
 SAGE_SCHEMES: dict[tuple[int, int], SageScheme] = {
     (8, 0): SageScheme("sageattn_qk_int8_pv_fp16_cuda", "per_thread", 128, 32, 64, "fp16", "fp32"),
-    (8, 6): SageScheme("sageattn_qk_int8_pv_fp16_triton", "per_block", 128, 128, 64, "fp16", "fp32"),
+    (8, 6): SageScheme(
+        "sageattn_qk_int8_pv_fp16_triton", "per_block", 128, 128, 64, "fp16", "fp32"
+    ),
     (8, 9): SageScheme(
         "sageattn_qk_int8_pv_fp8_cuda", "per_thread", 128, 32, 64, "fp8", "fp32+fp16", 2.25
     ),
@@ -94,7 +96,7 @@ def _int8(x: Tensor, groups: Tensor, count: int) -> Tensor:
     ``groups`` (n,) gives each row's group; scale = max|x| / 127 over the group
     (plus the Triton kernels' 1e-7), values rounded half away from zero.
     """
-    b, h, n, d = x.shape
+    b, h, n, _ = x.shape
     amax = torch.zeros(b, h, count, dtype=x.dtype, device=x.device)
     amax = amax.scatter_reduce(2, groups.expand(b, h, n), x.abs().amax(dim=-1), "amax")
     scale = (amax / 127.0 + 1e-7).gather(2, groups.expand(b, h, n)).unsqueeze(-1)
