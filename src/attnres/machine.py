@@ -1068,7 +1068,7 @@ def check_candidate(
         )
     # issue 31: the installed version's facts on this GPU, named in what they fail
     spec, applied = platform.installed(spec)
-    results = (
+    results: tuple[tuple[Check, tuple[Failure, ...]], ...] = (
         (Check.KNOWN, ()),
         (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
         (Check.PLATFORM, _as_installed(_check_platform(spec, layer, platform), applied)),

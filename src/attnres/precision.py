@@ -301,16 +301,18 @@ def calibrate(
     platform = Platform.detect()
     with torch.no_grad():
         for name, (layer, (q, k, v, mask)) in captured.items():
+            backend = layer.backend
+            assert backend is not None  # a layer that ran has a backend
             out, median = _timed(lambda: layer(q, k, v, mask), warmup, repeats)  # noqa: B023
             res = layer.resolution
             measured = None
             if errors:
                 ref = reference_attention(q, k, v, mask, layer.causal, layer.softmax_scale)
                 rel, mx, cos = error_figures(out, ref)
-                measured = ErrorMeasurement(layer.backend, rel, mx, cos, _call(q))
+                measured = ErrorMeasurement(backend, rel, mx, cos, _call(q))
             trace = None if res is None else res.trace
             budget = None if trace is None else layer_budget(trace.input)
-            spec = lookup_spec(layer.backend)
+            spec = lookup_spec(backend)
             fact = None if spec is None else precision_here(spec, platform)
             sites.append(
                 SiteCalibration(
@@ -351,9 +353,7 @@ def _capture_sdpa(
     for component, model in models:
         for name, sub in model.named_modules():
             where = (component, name)
-            handles.append(
-                sub.register_forward_pre_hook(lambda m, *_, w=where: stack.append(w))  # type: ignore[misc]
-            )
+            handles.append(sub.register_forward_pre_hook(lambda m, *_, w=where: stack.append(w)))
             handles.append(sub.register_forward_hook(lambda m, *_: (stack.pop(), None)[1]))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 

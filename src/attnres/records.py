@@ -288,6 +288,14 @@ TUNED_STATES = frozenset({State.MEASURING})
 TUNED_EVENTS = frozenset({Event.MEASURE, Event.MEASURED_FASTER, Event.INCUMBENT_KEPT})
 
 
+def _measurements(value: Any) -> tuple[ErrorMeasurement, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, ErrorMeasurement):
+            raise TypeError(f"measured_error: expected ErrorMeasurement records, got {item!r}")
+    return out
+
+
 _PARSE_INPUT_BACKEND = optional_backend("backend")
 
 
@@ -326,7 +334,7 @@ class TraceInput:
     #: or a results file): the ``precision`` check reads them. Written only when
     #: set (schema 6).
     measured_error: tuple[ErrorMeasurement, ...] = field(
-        default=(), kw_only=True, converter=tuple, metadata={"omit_default": True}
+        default=(), kw_only=True, converter=_measurements, metadata={"omit_default": True}
     )
 
     def error_for(self, backend: Backend) -> ErrorMeasurement | None:
