@@ -471,9 +471,9 @@ CASES: list[Case] = [
          '$.records[0].kind: unknown record kind "teleport"; known kinds: origin, transition',
          file=(".json", _trace(lambda d: d["records"][0].update(kind="teleport")))),
     Case("trace-newer-schema", TraceFormatError,
-         "$.schema_version: schema version 6 is newer than this attnres reads (up to 5); "
+         "$.schema_version: schema version 99 is newer than this attnres reads (up to 6); "
          "upgrade attnres",
-         file=(".json", _trace(lambda d: d.update(schema_version=6)))),
+         file=(".json", _trace(lambda d: d.update(schema_version=99)))),
     Case("trace-unknown-field", TraceFormatError, "$.extra: unexpected field",
          file=(".json", _trace(lambda d: d.update(extra=1)))),
     Case("trace-import-path-as-backend", TraceFormatError,

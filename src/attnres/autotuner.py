@@ -42,6 +42,7 @@ import torch
 from attrs import frozen
 from torch import Tensor
 
+from attnres._error import error_figures, reference_attention
 from attnres._fastcall import FastCallModule
 from attnres._memo import GenerationMemo
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
@@ -49,6 +50,7 @@ from attnres.backends import Backend, registered_backends
 from attnres.errors import InvalidStateError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.ledger import Decision
+from attnres.machine import numeric_budget
 from attnres.platform import Platform
 from attnres.runtime import Resolution
 from attnres.trace import TUNED_SCHEMA_VERSION, Outcome, Record, Trace, TuningRecord
@@ -338,8 +340,6 @@ def _measure(
         )
     rel_l2 = None
     if exact is not None:  # issue 34: beside its time, its error against float64
-        from attnres.precision import error_figures
-
         value = error_figures(out, exact)[0]
         rel_l2 = float(f"{value:.3g}") if math.isfinite(value) else 1e300
     return Measured(backend, median, spread, _deviation(out, reference), rel_l2=rel_l2)
@@ -350,12 +350,8 @@ def _float64_reference(
 ) -> Tensor | None:
     """Issue 34: the float64 output every candidate's error is measured against,
     only for a layer with a numeric error budget (else ``None``: nothing extra)."""
-    from attnres.machine import numeric_budget
-
     if numeric_budget(trace.input) is None:
         return None
-    from attnres.precision import reference_attention
-
     shape = layer._shape
     q, k, v, mask = args
     return reference_attention(q, k, v, mask, shape.causal, shape.softmax_scale)

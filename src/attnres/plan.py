@@ -50,6 +50,7 @@ from attnres._codec import (
 )
 from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._outcome import OutcomeView
+from attnres._precision_view import precision_of_trace
 from attnres._states import (
     KernelSource,
     PlanStatus,
@@ -543,8 +544,6 @@ class LayerPlan(OutcomeView):
     def _precision(self) -> dict[str, Any]:
         """Issue 34: ``precision`` (exact or lossy, how, the budget, any measurement),
         only for a layer with an error budget (a plan without one keeps its keys)."""
-        from attnres._precision_view import precision_of_trace
-
         record = precision_of_trace(self.trace)
         if record is None:
             return {}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import statistics
 import time
@@ -39,11 +38,15 @@ import torch
 from attrs import frozen
 from torch import Tensor
 
+from attnres._error import error_figures, reference_attention
 from attnres._files import atomic_write_text, read_bounded
 from attnres._precision_view import describe_precision, precision_of_trace
 from attnres.backends import Backend, lookup_spec
+from attnres.kernels import register_kernel, unregister_kernel
+from attnres.kernels.sage_emulated import sage_attention_emulated
 from attnres.layer import describe_budget
 from attnres.machine import layer_budget, precision_here, run_machine
+from attnres.modules import Attention
 from attnres.platform import Platform
 from attnres.records import ErrorMeasurement
 from attnres.trace import Trace
@@ -74,50 +77,6 @@ RESULTS_VERSION = 1
 # =============================================================================
 
 
-def reference_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-) -> Tensor:
-    """Attention in float64 (attnres's layout: (batch, seq, heads, head)): the
-    reference every measured error is taken against."""
-    qd, kd, vd = (t.detach().to(torch.float64).transpose(1, 2) for t in (q, k, v))
-    mask = None
-    if attn_mask is not None:
-        mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(torch.float64)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qd,
-        kd,
-        vd,
-        attn_mask=mask,
-        is_causal=causal and mask is None,
-        scale=scale,
-        enable_gqa=kd.shape[1] != qd.shape[1],
-    )
-    return out.transpose(1, 2)
-
-
-def error_figures(out: Tensor, reference: Tensor) -> tuple[float, float, float]:
-    """(relative L2, max abs, cosine) of ``out`` against ``reference``, in float64.
-
-    Relative L2 is ``||out - ref|| / ||ref||``; a reference of norm 0 gives
-    the absolute L2 instead; a non-finite output gives ``inf``, ``inf``, 0.
-    """
-    o = out.detach().to(torch.float64).flatten()
-    r = reference.detach().to(torch.float64).flatten()
-    if not bool(torch.isfinite(o).all()):
-        return math.inf, math.inf, 0.0
-    diff = o - r
-    norm = float(r.norm())
-    rel = float(diff.norm()) / norm if norm > 0 else float(diff.norm())
-    denom = float(o.norm()) * norm
-    cosine = float(o @ r) / denom if denom > 0 else (1.0 if rel == 0 else 0.0)
-    return rel, float(diff.abs().max()) if diff.numel() else 0.0, cosine
-
-
 def _call(q: Tensor, dtype: str | None = None) -> str:
     return f"q {tuple(q.shape)} {dtype or str(q.dtype).removeprefix('torch.')}"
 
@@ -128,8 +87,6 @@ def _call(q: Tensor, dtype: str | None = None) -> str:
 
 
 def _emulation(backend: str, platform: Platform) -> Callable[..., Tensor]:
-    from attnres.kernels.sage_emulated import sage_attention_emulated
-
     if backend != "sage_attn":
         raise ValueError(f"attnres has no emulation of {backend!r} (emulated: {sorted(EMULATED)})")
     return functools.partial(sage_attention_emulated, capability=platform.capability)
@@ -141,8 +98,6 @@ def emulate_lossy_kernels(platform: Platform) -> Iterator[None]:
     block runs, for layers built on the simulated ``platform`` (its compute
     capability picks the scheme). A detected platform is refused: a real
     machine runs the real kernel or none."""
-    from attnres.kernels import register_kernel, unregister_kernel
-
     if not platform.simulated:
         raise ValueError(
             "emulate_lossy_kernels: the emulation stands in for kernels on a simulated platform "
@@ -277,8 +232,6 @@ def calibrate(
     ``errors=False`` times only (the baseline ``make bench`` compares with);
     ``warmup`` and ``repeats`` are autotune's defaults.
     """
-    from attnres.modules import Attention
-
     captured: dict[str, tuple[Attention, tuple[Tensor, Tensor, Tensor, Tensor | None]]] = {}
     handles = []
     for name, layer in module.named_modules():
