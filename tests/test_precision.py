@@ -518,3 +518,30 @@ def test_cli_calibrate_measures_saves_and_replays(
                  "--load", str(saved)])  # fmt: skip
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0 and f"rel L2 {rel:.3g}" in out and "(emulated, loaded)" in out
+
+
+def test_pipeline_file_gives_component_budgets(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A pipeline file's ``attention_error`` per component; --attention-error wins per key."""
+    pipeline = tmp_path / "p.toml"
+    pipeline.write_text(
+        '[pipeline]\nname = "tiny"\n[[components]]\nname = "transformer"\n'
+        'attention_error = 2e-2\n'
+        '[[components.layers]]\nname = "blocks.attn"\nhead_size = 128\ndtype = "bfloat16"\n'
+        '[[components]]\nname = "vae"\nattention_error = "exact"\n'
+        '[[components.layers]]\nname = "mid.attn"\nhead_size = 128\ndtype = "bfloat16"\n'
+    )
+    base = [str(pipeline), "--platform", HOPPER, "--attention-backend", "sage_attn", "--json"]
+    assert main(["plan", *base]) == 0
+    layers = {c["name"]: c["layers"][0] for c in json.loads(capsys.readouterr().out)["components"]}
+    assert layers["vae"]["backend"] == "fa"
+    assert layers["vae"]["precision"]["budget_key"] == "vae"
+    assert layers["transformer"]["precision"]["budget"] == "rel L2 <= 0.02"
+    assert main(["plan", *base, "--attention-error", "vae=0.5"]) == 0  # the flag wins
+    layers = {c["name"]: c["layers"][0] for c in json.loads(capsys.readouterr().out)["components"]}
+    assert layers["vae"]["backend"] == "sage_attn"
+    bad = tmp_path / "bad.toml"
+    bad.write_text(pipeline.read_text().replace('"exact"', '"lossless"'))
+    assert main(["plan", str(bad)]) == 2
+    assert "expected 'exact' or a relative L2 error" in capsys.readouterr().err
