@@ -37,7 +37,14 @@ from attnres.layout import SequenceLayout
 from attnres.machine import LayoutFacts, choose_layout, run_machine
 from attnres.platform import HostResolution, PackageFact, Platform
 from attnres.scope import ScopeState, scope_state
-from attnres.trace import Trace, TraceInput, atomic_write_text, canonical_json, trace_to_dict
+from attnres.trace import (
+    ErrorMeasurement,
+    Trace,
+    TraceInput,
+    atomic_write_text,
+    canonical_json,
+    trace_to_dict,
+)
 
 __all__ = [
     "SCENARIOS",
@@ -112,6 +119,8 @@ class Scenario:
     request: Backend | None = field(default=None, converter=_backend, kw_only=True)
     #: resolved for a layer that will run (``attnres.Attention``)
     needs_kernel: bool = field(default=False, kw_only=True)
+    #: issue 34: kernels' measured errors on the layer's inputs (calibrate, results files)
+    measured_error: tuple[ErrorMeasurement, ...] = field(default=(), kw_only=True)
 
     @property
     def filename(self) -> str:
@@ -126,6 +135,7 @@ class Scenario:
             self.backend,
             self.request,
             needs_kernel=self.needs_kernel,
+            measured_error=self.measured_error,
         )
 
     def run(self) -> Trace:
@@ -1686,6 +1696,126 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
 )
+
+
+# =============================================================================
+# Issue 34: precision -- error budgets against lossy kernels
+# =============================================================================
+
+
+def _budget(backend: str, budgets: dict[str, str | float]) -> SelectionConfig:
+    """``--attention-backend BACKEND --attention-error ...``."""
+    return SelectionConfig(
+        global_backend=backend, global_backend_explicit=True, attention_error=budgets
+    )
+
+
+#: The emulated SageAttention 2 on sm90 (attnres.kernels.sage_emulated) on one
+#: bf16 (1, 256, 2, 128) self-attention input against a float64 reference.
+_SAGE_SM90_MEASURED = ErrorMeasurement(
+    Backend("sage_attn"), 0.036862, 0.02109, 0.999322, "q (1, 256, 2, 128) bfloat16", True
+)
+
+PRECISION_SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "precision-vae-exact-budget-global-sage-falls-back-to-fa",
+        "Issue 34: --attention-backend sage_attn --attention-error vae=exact,transformer=2e-2 "
+        "on a Hopper: SageAttention is lossy (int8 Q and K, fp8 P and V), so the VAE's "
+        "precision check fails with lossy_kernel and the VAE (which allows global fallback) "
+        "runs fa, exact to its dtype, with the reason 'global backend fallback'.",
+        _layer(head_size=128, name="decoder.mid_block.attentions.0"),
+        _budget("sage_attn", {"vae": "exact", "transformer": 2e-2}),
+        scope_state("vae"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "precision-vae-override-sage-rejected-lossy-kernel",
+        "Issue 34: --attention-backend vae=sage_attn with --attention-error vae=exact: a "
+        "strict component override of a lossy kernel against an exact budget is rejected "
+        "with code lossy_kernel, naming the budget's flag.",
+        _layer(head_size=128, name="decoder.mid_block.attentions.0"),
+        SelectionConfig(component_backends={"vae": "sage_attn"}, attention_error={"vae": "exact"}),
+        scope_state("vae", "sage_attn"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=rejects(
+            "lossy_kernel",
+            origin="component_override",
+            error_contains=("is outside this layer's error budget", "--attention-error vae=exact"),
+        ),
+    ),
+    Scenario(
+        "precision-transformer-sage-admitted-by-facts-unmeasured",
+        "Issue 34: a numeric budget (transformer=2e-2) admits the lossy sage_attn by its "
+        "facts before it is measured; the precision record says lossy, how, the budget and "
+        "that nothing was measured yet.",
+        _layer(head_size=128, name="transformer_blocks.0.attn"),
+        _budget("sage_attn", {"vae": "exact", "transformer": 2e-2}),
+        scope_state("transformer"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("sage_attn", origin="global_cli"),
+    ),
+    Scenario(
+        "precision-transformer-sage-admitted-with-measurement",
+        "Issue 34: the emulated SageAttention's measured error on the layer's input "
+        "(relative L2 0.0369) is within the transformer's budget 5e-2: sage_attn is admitted, "
+        "the precision record carrying the measurement.",
+        _layer(head_size=128, name="transformer_blocks.0.attn"),
+        _budget("sage_attn", {"vae": "exact", "transformer": 5e-2}),
+        scope_state("transformer"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("sage_attn", origin="global_cli"),
+        measured_error=(_SAGE_SM90_MEASURED,),
+    ),
+    Scenario(
+        "precision-transformer-sage-over-budget-rejected",
+        "Issue 34: the same measurement (relative L2 0.0369) exceeds a transformer budget of "
+        "2e-2; the operator's global sage_attn is strict for the transformer, so the layer is "
+        "rejected with code error_over_budget and the measurement in the message.",
+        _layer(head_size=128, name="transformer_blocks.0.attn"),
+        _budget("sage_attn", {"vae": "exact", "transformer": 2e-2}),
+        scope_state("transformer"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=rejects(
+            "error_over_budget",
+            origin="global_cli",
+            error_contains=("relative L2 0.0369", "relative L2 <= 0.02"),
+        ),
+        measured_error=(_SAGE_SM90_MEASURED,),
+    ),
+    Scenario(
+        "precision-text-encoder-sage-over-budget-falls-back",
+        "Issue 34: under a global budget 2e-2 a text encoder (which allows global fallback) "
+        "whose measured sage_attn error is over budget falls back to fa.",
+        _layer(head_size=128, name="encoder.layer.0.attention"),
+        _budget("sage_attn", {"*": 2e-2}),
+        scope_state("text_encoder"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("fa", "global backend fallback", origin="global_cli"),
+        measured_error=(_SAGE_SM90_MEASURED,),
+    ),
+    Scenario(
+        "precision-transformer-sage-admitted-from-results-file",
+        "Issue 34: the measurement came from a calibration results file (source loaded, "
+        "attnres calibrate --save / --load): replayed, the machine admits sage_attn within "
+        "the budget 5e-2 again from the recorded figures.",
+        _layer(head_size=128, name="transformer_blocks.0.attn"),
+        _budget("sage_attn", {"transformer": 5e-2}),
+        scope_state("transformer"),
+        "cuda:sm90+flash_attn+sageattention",
+        None,
+        expect=selects("sage_attn", origin="global_cli"),
+        measured_error=(attrs.evolve(_SAGE_SM90_MEASURED, source="loaded"),),
+    ),
+)
+
+SCENARIOS = SCENARIOS + PRECISION_SCENARIOS
 
 
 def scenario_by_name(name: str) -> Scenario:

@@ -419,13 +419,15 @@ def test_rule_verdict_rules_first_row_that_holds_wins() -> None:
     # also disagrees and is faster): the first row decides
     cases = {
         Verdict.RAISED: Measured(a, None, None, None, "boom"),
+        # issue 34: over the layer's numeric error budget (0.02 below)
+        Verdict.OVER_BUDGET: Measured(a, 1, 0, 0.5, None, 0.5),
         Verdict.DISAGREES: Measured(a, 1, 0, 0.5),
         Verdict.OUTPACED: Measured(a, 1, 0, 0.0),
         Verdict.WITHIN_MARGIN: Measured(a, 100, 0, 0.0),
     }
     assert {v for v, _, _ in VERDICT_RULES} == set(cases)
     for verdict, candidate in cases.items():
-        judged, _ = verdicts([base, candidate, Measured(a, 99, 0, 0.0)], 0.02, 1e-3)
+        judged, _ = verdicts([base, candidate, Measured(a, 99, 0, 0.0)], 0.02, 1e-3, 0.02)
         assert judged[1] is (Verdict.CHOSEN if verdict is Verdict.OUTPACED else verdict)
 
 
@@ -906,3 +908,37 @@ def test_loaded_results_survive_a_registry_change(tmp_path: Path) -> None:
     assert CALLS == {"fake_incumbent": 1}  # the loaded result decided; nothing was timed
     tuning = next(r for r in layer.resolution.trace.records if isinstance(r, TuningRecord))
     assert tuning.source == "loaded"
+
+
+# -- issue 34: error against float64 beside the time, under a numeric budget ----------
+
+
+def test_autotune_measures_error_against_float64_under_a_budget(tmp_path: Path) -> None:
+    """Under ``--attention-error 1e-3`` each candidate's relative L2 error against a
+    float64 reference is measured beside its time; one over the budget is
+    ``over_budget`` (never chosen); results files keep the figure."""
+    from attnres.autotuner import save_results
+    from attnres.tuning import read_results
+
+    set_selection_config(_config(attention_error={"*": 1e-3}))
+    layer = _layer("fake_fast", "fake_wrong", name="blocks.0.attn1")
+    layer(*_qkv())
+    trace = layer.resolution.trace
+    judged = _measurements(trace)
+    assert judged["fake_wrong"].verdict is Verdict.OVER_BUDGET
+    assert judged["fake_wrong"].rel_l2 is not None and judged["fake_wrong"].rel_l2 > 1e-3
+    assert judged["fake_fast"].rel_l2 is not None and judged["fake_fast"].rel_l2 < 1e-5
+    assert layer.backend.name == "fake_fast" and trace.schema_version == 6
+    assert attnres.replay(trace).ok
+    path = save_results(tmp_path / "results.json")
+    (entry,) = read_results(path)
+    figures = {m.candidate.name: m.rel_l2 for m in entry.measured}
+    assert figures["fake_wrong"] == judged["fake_wrong"].rel_l2
+    # without a budget: no figure is taken, the verdicts are as before
+    clear_results()
+    set_selection_config(_config())
+    plain = _layer("fake_fast", "fake_wrong", name="blocks.1.attn1")
+    plain(*_qkv())
+    again = _measurements(plain.resolution.trace)
+    assert again["fake_wrong"].verdict is Verdict.DISAGREES
+    assert all(m.rel_l2 is None for m in again.values())

@@ -44,6 +44,13 @@ LAZY: dict[tuple[str, str], str] = {
     ("attnres.kernels.dynamic_cudnn_sdpa", "attnres.kernels.torch_sdpa"): (
         "torch_sdpa imports torch; adapters import their kernel in make_kernel()"
     ),
+    # issue 34
+    ("attnres.cli", "attnres.precision"): (
+        "calibrate imports torch: loaded only by the command that uses it"
+    ),
+    ("attnres.precision", "attnres.integrations.diffusers"): (
+        "imports the optional diffusers package, only for calibrate_pipeline"
+    ),
 }
 
 

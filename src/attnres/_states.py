@@ -90,6 +90,9 @@ class Check(_StrEnum):
     REQUIREMENTS = "requirements"
     #: issue 24: the layer's sequence-parallel layout (run only when it has one)
     LAYOUT = "layout"
+    #: issue 34: a lossy kernel against the layer's error budget (run only when
+    #: the layer has a budget: ``SelectionConfig.attention_error``)
+    PRECISION = "precision"
 
 
 class Reason(_StrEnum):
@@ -142,6 +145,12 @@ class Code(_StrEnum):
     #: need a bottom-right-aligned mask over the gathered keys; vllm-omni#4968's
     #: AllGather-KV is "only valid for causal=False attention")
     ALLGATHER_CAUSAL = "allgather_causal"
+    #: issue 34: the kernel is lossy (or declares no precision facts) and the
+    #: layer's error budget is ``exact``
+    LOSSY_KERNEL = "lossy_kernel"
+    #: issue 34: the kernel's measured error on the layer's own inputs exceeds
+    #: the layer's numeric error budget
+    ERROR_OVER_BUDGET = "error_over_budget"
 
 
 class ScopeCode(_StrEnum):
@@ -253,3 +262,6 @@ class Verdict(_StrEnum):
     DISAGREES = "disagrees"
     #: it raised on the real inputs: skipped, the error recorded
     RAISED = "raised"
+    #: issue 34: its relative L2 error against a float64 reference exceeds the
+    #: layer's numeric error budget: never chosen
+    OVER_BUDGET = "over_budget"

@@ -80,6 +80,7 @@ from attnres.records import (
     LAYOUT_KINDS_SCHEMA_VERSION,
     LAYOUT_SCHEMA_VERSION,
     MASK_SCHEMA_VERSION,
+    PRECISION_SCHEMA_VERSION,
     RECORD_KINDS,
     SCHEMA_1_REQUIREMENTS,
     SCHEMA_VERSION,
@@ -88,8 +89,10 @@ from attnres.records import (
     TUNED_SCHEMA_VERSION,
     TUNED_STATES,
     CheckRecord,
+    ErrorMeasurement,
     Failure,
     MeasurementRecord,
+    PrecisionRecord,
     Record,
     SkipRecord,
     TraceInput,
@@ -704,6 +707,19 @@ def _role_name(key: str) -> str | None:
     )
 
 
+def _error_budget_map(value: Any) -> dict[str, Any]:
+    """Issue 34: ``{"vae": "exact", "*": 0.02}`` (checked by ``SelectionConfig``)."""
+    obj = _object(value, "an error budget map")
+    for key, budget in obj.items():
+        if not (
+            budget == "exact" or (isinstance(budget, float | int) and not isinstance(budget, bool))
+        ):
+            raise _Invalid(
+                f".{key}", f"expected 'exact' or a relative L2 error, got {describe(budget)}"
+            )
+    return dict(obj)
+
+
 def _structure_config(value: Any, _: Any) -> SelectionConfig:
     obj = _object(value, "a selection config")
     _exact_keys(obj, _CONFIG_KEYS, "a selection config", optional_field_names(SelectionConfig))
@@ -719,6 +735,12 @@ def _structure_config(value: Any, _: Any) -> SelectionConfig:
             global_backend_env=env,
             # issue 23: the selection profile, written only when not "attnres"
             profile=_field(obj, "profile", _structure_str) if "profile" in obj else "attnres",
+            # issue 34: the error budget, written only when set (schema 6)
+            attention_error=(
+                _field(obj, "attention_error", _error_budget_map)
+                if "attention_error" in obj
+                else ()
+            ),
         )
     except ValueError as exc:
         raise _Invalid("", f"not a valid selection config: {exc}") from None
@@ -765,6 +787,7 @@ def _make_converter() -> cattrs.Converter:
         ScopeState,
         PackageFact,  # issue 31: its distribution only when known (before Platform)
         Platform,
+        ErrorMeasurement,  # issue 34 (before TraceInput and PrecisionRecord)
         TraceInput,
         *RECORD_KINDS.values(),
     ):
@@ -792,6 +815,7 @@ def _make_converter() -> cattrs.Converter:
         (PackageFact, "a package fact"),
         (HostResolution, "a host resolution"),  # issue 23
         (Failure, "a failure"),
+        (ErrorMeasurement, "an error measurement"),  # issue 34
     ):
         conv.register_structure_hook(cls, _make_attrs_hook(conv, cls, what))
     # Records: one hook per kind (the tag is popped before the hook sees the
@@ -853,6 +877,7 @@ _WRITTEN_AS: dict[tuple[type[Any], str], Callable[[Any], Any]] = {
     (LayerSpec, "backend_options"): _options_object,  # issue 23
     (LayerSpec, "role"): _enum_value,
     (SelectionConfig, "component_backends"): _pairs_to_object,
+    (SelectionConfig, "attention_error"): dict,  # issue 34
     (ScopeState, "role_backends"): _pairs_to_object,
 }
 
@@ -1013,6 +1038,8 @@ def _structure_document(doc: Any) -> Document:
             f"a sequence-parallel layout belongs to schema version {LAYOUT_SCHEMA_VERSION}, "
             f"but the file says version {version}",
         )
+    if version < PRECISION_SCHEMA_VERSION:  # issue 34
+        _check_precision_version(inp, records, version)
     digest = doc["digest"]
     if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
         raise _Invalid(
@@ -1020,6 +1047,29 @@ def _structure_document(doc: Any) -> Document:
             f"expected a SHA-256 hex digest (64 lower-case hex digits), got {describe(digest)}",
         )
     return Document(inp, records, outcome, version, digest)
+
+
+def _check_precision_version(inp: TraceInput, records: tuple[Any, ...], version: int) -> None:
+    """Issue 34: error budgets, measured errors and precision checks and records
+    belong to schema version 6."""
+    what = ""
+    if inp.config.attention_error:
+        what = ".input.config.attention_error"
+    elif inp.measured_error:
+        what = ".input.measured_error"
+    else:
+        for i, record in enumerate(records):
+            if isinstance(record, PrecisionRecord) or (
+                isinstance(record, CheckRecord) and record.check is Check.PRECISION
+            ):
+                what = f".records[{i}]"
+                break
+    if what:
+        raise _Invalid(
+            what,
+            f"error budgets and precision records belong to schema version "
+            f"{PRECISION_SCHEMA_VERSION}, but the file says version {version}",
+        )
 
 
 def _needs_tuned_version(what: str, version: int) -> str:

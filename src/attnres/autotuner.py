@@ -42,6 +42,7 @@ import torch
 from attrs import frozen
 from torch import Tensor
 
+from attnres._error import error_figures, reference_attention
 from attnres._fastcall import FastCallModule
 from attnres._memo import GenerationMemo
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
@@ -49,6 +50,7 @@ from attnres.backends import Backend, registered_backends
 from attnres.errors import InvalidStateError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.ledger import Decision
+from attnres.machine import numeric_budget
 from attnres.platform import Platform
 from attnres.runtime import Resolution
 from attnres.trace import TUNED_SCHEMA_VERSION, Outcome, Record, Trace, TuningRecord
@@ -325,6 +327,7 @@ def _measure(
     reference: Tensor,
     settings: _Settings,
     sync: Callable[[], None],
+    exact: Tensor | None = None,
 ) -> Measured:
     try:
         median, spread, out = _time(fn, args, settings.warmup, settings.repeats, sync)
@@ -335,7 +338,23 @@ def _measure(
         return Measured(
             backend, error=f"returned {got}, expected a tensor of shape {tuple(reference.shape)}"
         )
-    return Measured(backend, median, spread, _deviation(out, reference))
+    rel_l2 = None
+    if exact is not None:  # issue 34: beside its time, its error against float64
+        value = error_figures(out, exact)[0]
+        rel_l2 = float(f"{value:.3g}") if math.isfinite(value) else 1e300
+    return Measured(backend, median, spread, _deviation(out, reference), rel_l2=rel_l2)
+
+
+def _float64_reference(
+    layer: Attention, args: tuple[Tensor, Tensor, Tensor, Tensor | None], trace: Trace
+) -> Tensor | None:
+    """Issue 34: the float64 output every candidate's error is measured against,
+    only for a layer with a numeric error budget (else ``None``: nothing extra)."""
+    if numeric_budget(trace.input) is None:
+        return None
+    shape = layer._shape
+    q, k, v, mask = args
+    return reference_attention(q, k, v, mask, shape.causal, shape.softmax_scale)
 
 
 def _bare(kernel: KernelFn, layer: Attention, backend: str) -> Run:
@@ -429,8 +448,9 @@ def _measure_all(
         # the incumbent is timed like every candidate: its bare kernel, without
         # the layer's input checks (its output on the real call is the reference)
         bare = _bare(_bound_kernel(layer), layer, incumbent.name)
-        measured = [_measure(incumbent, bare, args, reference, settings, sync)]
-        measured += [_measure(b, fn, args, reference, settings, sync) for b, fn in kernels]
+        exact = _float64_reference(layer, args, machine_trace)
+        measured = [_measure(incumbent, bare, args, reference, settings, sync, exact)]
+        measured += [_measure(b, fn, args, reference, settings, sync, exact) for b, fn in kernels]
         entry = ResultEntry(
             platform=here,
             call=call,

@@ -38,6 +38,7 @@ __all__ = [
     "BUILTIN_SPECS",
     "ENTRY_POINT_GROUP",
     "LSE_SOURCES",
+    "PRECISION_FACTS",
     "Backend",
     "BackendOption",
     "BackendSpec",
@@ -49,6 +50,7 @@ __all__ = [
     "MaskSupport",
     "OptionLimit",
     "PluginFailure",
+    "Precision",
     "RequirementLimit",
     "entry_point_options",
     "get_spec",
@@ -57,6 +59,7 @@ __all__ = [
     "normalize_backend_options",
     "parse_backend_option",
     "plugin_failures",
+    "precision_of",
     "register_backend",
     "registered_backends",
     "unregister_backend",
@@ -728,6 +731,66 @@ def _variants(value: Iterable[KernelFacts]) -> tuple[KernelFacts, ...]:
     return out
 
 
+@frozen
+class Precision:
+    """Issue 34: how exact one kernel's output is, for one range of versions and
+    GPUs, and the source that says so.
+
+    ``lossy`` is false for a kernel exact to its dtype (it computes in the
+    inputs' dtype with at least fp32 softmax and accumulation: its error is the
+    dtype's rounding, what any exact kernel has); true for one that quantises
+    inside (SageAttention's int8 Q and K, fp8 P and V; SageAttention3's fp4).
+    ``qk``, ``pv``, ``accumulator`` and ``inputs`` say how, in words; ``applies``
+    says where (a :class:`KernelFacts` with no ``changes``: its distribution and
+    version range, its GPUs, the kernel it describes and the ``source`` it was
+    read from).
+    """
+
+    lossy: bool
+    applies: KernelFacts
+    qk: str = ""
+    pv: str = ""
+    accumulator: str = ""
+    inputs: str = ""
+
+    @property
+    def kind(self) -> str:
+        """``lossy`` or ``exact`` (to its dtype)."""
+        return "lossy" if self.lossy else "exact"
+
+    @property
+    def source(self) -> str:
+        return self.applies.source
+
+    def describe(self) -> str:
+        """``"lossy: Q, K int8 ...; P, V fp8 e4m3 ...; fp32 accumulate"`` (one line)."""
+        parts = [p for p in (self.inputs, self.qk, self.pv, self.accumulator) if p]
+        return f"{self.kind}: " + "; ".join(parts) if parts else self.kind
+
+
+def _precisions(value: Iterable[Precision]) -> tuple[Precision, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, Precision):
+            raise TypeError(f"precision: expected Precision records, got {item!r}")
+    return out
+
+
+def precision_of(
+    spec: BackendSpec,
+    distribution: str | None,
+    version: str | None,
+    kind: str,
+    capability: tuple[int, int] | None,
+) -> Precision | None:
+    """The first of ``spec.precision`` that describes the installed kernel on this
+    device (issue 34); ``None``: the spec declares none that applies here."""
+    for fact in spec.precision:
+        if fact.applies.matches(distribution, version, kind, capability):
+            return fact
+    return None
+
+
 #: What a spec that claims ``attn_mask`` (0.2's one flag) takes when it says no more.
 _LEGACY_MASK_SOURCE = "claims attn_mask: takes any boolean or additive mask tensor"
 
@@ -825,6 +888,12 @@ class BackendSpec:
     #: (a sequence length, a global torch mode), each with its source; shown by
     #: ``attnres backends`` and docs/backends.md
     refuses: tuple[str, ...] = field(default=(), converter=_str_tuple)
+    #: issue 34: whether the kernel is exact to its dtype or lossy, and how, per
+    #: version range and GPU (:class:`Precision`; the first that matches applies,
+    #: :func:`precision_of`). Empty: the spec declares nothing (a budget of
+    #: ``exact`` then refuses it: fail closed). The built-in values are
+    #: :data:`PRECISION_FACTS`.
+    precision: tuple[Precision, ...] = field(default=(), converter=_precisions)
 
     def __attrs_post_init__(self) -> None:
         if self.varlen_kernel is None and any(m.route is MaskRoute.UNPAD for m in self.masks):
@@ -1683,11 +1752,231 @@ LSE_SOURCES: Mapping[str, str] = {
     "aiter": "aiter.flash_attn_func(..., return_lse=True) (aiter/ops/mha.py)",
 }
 
-#: The built-in catalogue (SPEC 2a). Every fact is cited in docs/backends.md.
-BUILTIN_SPECS: tuple[BackendSpec, ...] = tuple(
-    attrs.evolve(spec, lse=LSE_SOURCES[spec.name]) if spec.name in LSE_SOURCES else spec
-    for spec in _CATALOGUE
+# =============================================================================
+# Issue 34: precision facts -- exact to the dtype, or lossy and how
+# =============================================================================
+
+
+def _exact(
+    kernel: str, source: str, accumulator: str = "fp32 softmax and accumulation"
+) -> Precision:
+    """An exact-to-its-dtype kernel: its facts hold for every version and GPU."""
+    return Precision(
+        False,
+        KernelFacts(kernel, source),
+        inputs="computes in the inputs' dtype",
+        accumulator=accumulator,
+    )
+
+
+#: SageAttention 2/2++ at d1a57a54 (sageattention/core.py, quant.py,
+#: triton/quant_per_thread.py), per the function ``sageattn`` runs on each GPU
+#: (``_SAGE_ENTRY_POINTS``); the algorithm is the SageAttention2 paper's
+#: (Zhang et al., ICML 2025, arXiv 2411.10958): K smoothed by subtracting its
+#: mean over tokens, Q and K int8 with per-warp/per-thread scales, P and V fp8
+#: e4m3 (V per channel) with a two-level fp32 accumulation.
+_SAGE2_QK = (
+    "Q, K int8 (K smoothed: its mean over tokens subtracted, smooth_k=True), "
+    "qk_quant_gran='per_thread' scales: Q per thread of a {wq}-row warp, K per "
+    "thread of a {bk}-row block"
 )
+_SAGE2_SRC = (
+    "SageAttention d1a57a54 sageattention/core.py {fn} (per_thread_int8_triton("
+    "BLKQ={bq}, WARPQ={wq}, BLKK={bk}), per_channel_fp8(scale_max={vmax})); "
+    "SageAttention2 paper, arXiv 2411.10958"
+)
+
+_SAGE_PRECISION = (
+    Precision(
+        True,
+        KernelFacts(
+            "SageAttention 1",
+            f"{_SAGE1}: per_block_int8 (BLKQ=128, BLKK=64, K minus its mean over tokens) and "
+            "an fp16 P.V; SageAttention paper (Zhang et al., ICLR 2025, arXiv 2410.02367): "
+            "'smooth K', INT8 QK, FP16 PV with an FP16 accumulator",
+            distribution="sageattention",
+            before="2",
+        ),
+        qk="Q, K int8 with per-block scales (128-row Q blocks, 64-row K blocks; K smoothed)",
+        pv="P, V fp16",
+        accumulator="fp16 P.V accumulation (fp32 softmax)",
+    ),
+    Precision(
+        True,
+        KernelFacts(
+            "SageAttention 2 on sm80",
+            _SAGE2_SRC.format(
+                fn="sageattn_qk_int8_pv_fp16_cuda", bq=128, wq=32, bk=64, vmax="-"
+            ).replace(", per_channel_fp8(scale_max=-)", ""),
+            capabilities=CapabilityRule(exact={(8, 0)}),
+        ),
+        qk=_SAGE2_QK.format(wq=32, bk=64),
+        pv="P, V fp16 (bf16 V is cast to fp16)",
+        accumulator="fp32 P.V accumulation (pv_accum_dtype='fp32')",
+    ),
+    Precision(
+        True,
+        KernelFacts(
+            "SageAttention 2 on sm86",
+            "SageAttention d1a57a54 sageattention/core.py sageattn_qk_int8_pv_fp16_triton "
+            "(per_block_int8(BLKQ=128, BLKK=64), Triton attn_qk_int8_per_block)",
+            capabilities=CapabilityRule(exact={(8, 6)}),
+        ),
+        qk="Q, K int8 with per-block scales (128-row Q blocks, 64-row K blocks; K smoothed)",
+        pv="P, V fp16",
+        accumulator="fp32 P.V accumulation (Triton tl.dot)",
+    ),
+    Precision(
+        True,
+        KernelFacts(
+            "SageAttention 2 on sm89/sm120/sm121",
+            _SAGE2_SRC.format(
+                fn="sageattn_qk_int8_pv_fp8_cuda(pv_accum_dtype='fp32+fp16')",
+                bq=128,
+                wq=32,
+                bk=64,
+                vmax=2.25,
+            ),
+            capabilities=CapabilityRule(exact={(8, 9), (12, 0), (12, 1)}),
+        ),
+        qk=_SAGE2_QK.format(wq=32, bk=64) + " (per_warp on sm120/sm121)",
+        pv="P fp8 e4m3, V fp8 e4m3 with per-channel scales",
+        accumulator="P.V in fp16 inside a block, fp32 across blocks (pv_accum_dtype='fp32+fp16')",
+    ),
+    Precision(
+        True,
+        KernelFacts(
+            "SageAttention 2 on sm90",
+            _SAGE2_SRC.format(
+                fn="sageattn_qk_int8_pv_fp8_cuda_sm90(pv_accum_dtype='fp32+fp32')",
+                bq=64,
+                wq=16,
+                bk=128,
+                vmax=448,
+            ),
+            capabilities=CapabilityRule(exact={(9, 0)}),
+        ),
+        qk=_SAGE2_QK.format(wq=16, bk=128),
+        pv="P fp8 e4m3, V fp8 e4m3 with per-channel scales",
+        accumulator="P.V in fp32 inside a block and across blocks (pv_accum_dtype='fp32+fp32')",
+    ),
+    Precision(
+        True,
+        KernelFacts(
+            "SageAttention 2 (GPU not known)",
+            "SageAttention d1a57a54 sageattention/core.py: every function sageattn runs "
+            "quantises Q and K to int8",
+        ),
+        qk="Q, K int8 (K smoothed); P.V per GPU (fp16 on sm80/sm86, fp8 on sm89/sm90/sm120)",
+    ),
+)
+
+#: Issue 34: whether each built-in kernel is exact to its dtype or lossy, and
+#: how, with the source each fact was read from (``BackendSpec.precision``;
+#: docs/backends.md and docs/precision.md). The sparse kernels are left out:
+#: they skip blocks of the attention matrix by design, which no error budget
+#: over dense attention describes, so a budget of ``exact`` refuses them.
+PRECISION_FACTS: Mapping[str, tuple[Precision, ...]] = {
+    "torch_sdpa": (
+        _exact(
+            "torch SDPA",
+            "torch docs for scaled_dot_product_attention: flash, memory-efficient, cuDNN "
+            "and math kernels compute in the inputs' dtype with fp32 softmax and "
+            "accumulation for fp16/bf16 (sdp_utils.cpp picks among them; none quantises)",
+        ),
+    ),
+    "eager": (_exact("attnres reference math", "attnres.kernels.eager: float32 accumulation"),),
+    "torch_cudnn_sdpa": (
+        _exact(
+            "cuDNN SDPA",
+            "pytorch _scaled_dot_product_cudnn_attention: fp16/bf16 inputs, fp32 softmax "
+            "statistics (cuDNN frontend sdpa; fp8 is a separate cuDNN op torch does not call)",
+        ),
+    ),
+    "dynamic_cudnn_sdpa": (
+        _exact("cuDNN SDPA per shape", "as torch_cudnn_sdpa (its facts are unverified)"),
+    ),
+    "flex_attention": (
+        _exact(
+            "flex_attention",
+            "torch/nn/attention/flex_attention.py: the generated kernel computes in the "
+            "inputs' dtype, softmax in fp32",
+        ),
+    ),
+    "fa": (
+        _exact(
+            "flash-attn 2",
+            "flash-attention csrc/flash_attn/flash_api.cpp: fp16/bf16 only, fp32 "
+            "accumulators (flash_fwd_kernel.h acc_o, softmax row_max/row_sum in float)",
+        ),
+    ),
+    "fa3": (
+        _exact(
+            "FlashAttention-3 (fp16/bf16)",
+            "flash-attention hopper/flash_attn_interface.py: fp8 e4m3 inputs are a separate "
+            "path (q_descale/k_descale/v_descale) that attnres never passes; the layer's "
+            "fp16/bf16 run with fp32 accumulation",
+        ),
+    ),
+    "fa4": (
+        _exact(
+            "FlashAttention-4 (fp16/bf16)",
+            "flash-attn-4 4.0.0b36 flash_attn/cute/interface.py: fp16/bf16 with fp32 "
+            "accumulation; fp8 forward only on sm100 for fp8 inputs, which attnres never passes",
+        ),
+    ),
+    "sage_attn": _SAGE_PRECISION,
+    "sage_attn_3": (
+        Precision(
+            True,
+            KernelFacts(
+                "SageAttention3 (Blackwell)",
+                "SageAttention d1a57a54 sageattention3_blackwell/sageattn3/api.py "
+                "(scale_and_quant_fp4, fp4_quantization_4d.cu); SageAttention3 paper "
+                "(Zhang et al., arXiv 2505.11594): microscaling FP4 attention",
+            ),
+            inputs="fp16/bf16 in",
+            qk="Q, K fp4 e2m1 with one fp8 e4m3 scale per 16-element block (NVFP4 "
+            "microscaling; K smoothed)",
+            pv="P fp4 e2m1 (two-level scaling), V fp4 e2m1 with per-block fp8 scales",
+            accumulator="fp32 accumulation",
+        ),
+    ),
+    "xformers": (
+        _exact(
+            "xFormers cutlass",
+            "xformers ops/fmha/cutlass.py: fp32/fp16/bf16 inputs, fp32 accumulation "
+            "(memory-efficient attention, no quantisation)",
+        ),
+    ),
+    "aiter": (
+        _exact(
+            "aiter (fp16/bf16)",
+            "ROCm/aiter aiter/ops/mha.py: fp16/bf16 flash attention with fp32 "
+            "accumulation; its fp8 forward takes fp8 inputs, which attnres never passes",
+        ),
+    ),
+    "ascend_fa": (
+        _exact(
+            "Ascend npu_fusion_attention",
+            "torch_npu npu_fusion_attention docs: fp16/bf16 inputs, fp32 softmax "
+            "(unverified beyond the docs)",
+        ),
+    ),
+}
+
+
+def _with_facts(spec: BackendSpec) -> BackendSpec:
+    changes: dict[str, Any] = {}
+    if spec.name in LSE_SOURCES:
+        changes["lse"] = LSE_SOURCES[spec.name]
+    if spec.name in PRECISION_FACTS:
+        changes["precision"] = PRECISION_FACTS[spec.name]
+    return attrs.evolve(spec, **changes) if changes else spec
+
+
+#: The built-in catalogue (SPEC 2a). Every fact is cited in docs/backends.md.
+BUILTIN_SPECS: tuple[BackendSpec, ...] = tuple(_with_facts(spec) for spec in _CATALOGUE)
 
 
 @functools.lru_cache(maxsize=256)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from attnres._precision_view import describe_precision
 from attnres._schedule_plan import parse_schedule, plan_schedule
 from attnres._states import PackageStatus, ReplayStatus, Status  # issue 20, 19
 from attnres._varlen import check_layer_options
@@ -62,6 +63,7 @@ from attnres.documents import environment_document, platform_document, spec_docu
 from attnres.errors import TraceWriteError, UsageError
 from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
 from attnres.layer import (
+    DEST_ATTENTION_ERROR,
     DEST_AUTOTUNE,
     DEST_AUTOTUNE_MIN,
     DEST_BACKEND,
@@ -83,6 +85,7 @@ from attnres.render import (
     _table,
     _width,
     _wrap,
+    budget_flags,
     render_plan,
 )
 from attnres.runtime import component_scope
@@ -267,6 +270,17 @@ def add_selection_arguments(
         metavar="N",
         default=None,
         help="with --autotune: smallest query (elements) worth measuring; default 4194304",
+    )
+    # issue 34: the attention error budget (docs/precision.md)
+    parser.add_argument(
+        "--attention-error",
+        dest=DEST_ATTENTION_ERROR,
+        action="append",
+        metavar="[COMPONENT[.ROLE]=]exact|REL_L2[,...]",
+        default=None,
+        help="the error a lossy kernel may add, per component (vae=exact,transformer=2e-2) "
+        "or for every component (2e-2): 'exact' refuses lossy kernels, a number admits one "
+        "whose relative L2 error (measured by calibrate/autotune) stays within it",
     )
     return action
 
@@ -583,6 +597,8 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "explanation": explain(trace).to_dict(),
                 # issue 23: present with --schedule only
                 **({} if scheduled is None else {"schedule": scheduled}),
+                # issue 34: present for a layer with an error budget only
+                **({"precision": describe_precision(trace)} if describe_precision(trace) else {}),
             },
         )
     else:
@@ -746,7 +762,11 @@ def _render_explain(trace: Trace) -> list[str]:
         request += "; per component: " + ", ".join(
             f"{n}={b.name}" for n, b in cfg.component_backends
         )
+    request += budget_flags(cfg)  # issue 34
     lines += _field("Request:", request, width)
+    precision = describe_precision(trace)  # issue 34: only for a layer with a budget
+    if precision:
+        lines += _field("Precision:", precision, width)
     lines.append("")
     lines += _wrap(
         "Candidates (every check in order; '->' rows are the machine's transitions):", width
@@ -1260,6 +1280,11 @@ def _backend_note(spec: BackendSpec) -> str:
         parts.append(f"refuses option {option_limit.describe()}")
     for refusal in spec.refuses:
         parts.append(f"refuses at call time: {refusal}")
+    # issue 34: exact to its dtype, or lossy and how (per version range and GPU)
+    for fact in spec.precision:
+        where = fact.applies.describe()
+        where = "" if where == "always" else f" {where}"
+        parts.append(f"precision{where}: {fact.describe()}")
     return "; ".join(parts)
 
 
@@ -1313,6 +1338,46 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             lines += _wrap(f"{f.entry_point}: {f.error}", width, "  - ", "    ")
     _emit(out, lines)
     return EXIT_OK
+
+
+# =============================================================================
+# calibrate (issue 34)
+# =============================================================================
+
+
+def _cmd_calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from attnres.plan import load_pipeline, plan_pipeline
+    from attnres.precision import calibrate_plan, load_calibration, save_calibration
+
+    if args.tokens < 1 or args.heads < 1:
+        raise UsageError("--tokens and --heads must be at least 1")
+    config = selection_config_from_args(args)
+    pipeline = load_pipeline(args.pipeline)
+    platform = _platform(args.platform)
+    result = plan_pipeline(pipeline, config, platform)
+    results = None if args.load is None else load_calibration(args.load)
+    report = calibrate_plan(
+        result, tokens=args.tokens, heads=args.heads, seed=args.seed, results=results
+    )
+    if args.save is not None:
+        save_calibration(report, args.save)
+    if args.trace_out is not None:
+        directory = _trace_out(args.trace_out, "a folder name")
+        directory.mkdir(parents=True, exist_ok=True)
+        for site in report.sites:
+            if site.trace is not None:
+                name = f"{site.component}--{site.site}".replace("/", "_") + ".json"
+                _write_trace(site.trace, directory / name)
+    if args.json:
+        _emit_json(out, {"status": "ok" if report.ok else "rejected", **report.to_dict()})
+    else:
+        lines: list[str] = []
+        for line in report.render():
+            lines += _wrap(line.strip(), _width(), "  " if line.startswith("  ") else "", "      ")
+        if args.save is not None:
+            lines.append(f"Saved: {args.save}")
+        _emit(out, lines)
+    return EXIT_OK if report.ok else EXIT_REJECTED
 
 
 # =============================================================================
@@ -1445,6 +1510,34 @@ def build_parser() -> argparse.ArgumentParser:
     _auto_layout_arguments(plan)
     _backend_option_argument(
         plan, " for every layer (or site of a model folder), under a layer's own backend_options"
+    )
+
+    # issue 34: measured error against a float64 reference (docs/precision.md)
+    calibrate = command(
+        "calibrate",
+        "plan a pipeline file, then measure each lossy layer's error (emulated where the "
+        "kernel cannot run) and resolve it again with the measurement",
+        _cmd_calibrate,
+    )
+    calibrate.add_argument("pipeline", metavar="PIPELINE.toml")
+    add_selection_arguments(calibrate)
+    calibrate.add_argument(
+        "--platform", metavar="SPEC", help="simulate a platform (default: detect this machine)"
+    )
+    calibrate.add_argument(
+        "--tokens", type=int, default=1024, metavar="N", help="tokens per synthetic input"
+    )
+    calibrate.add_argument(
+        "--heads", type=int, default=8, metavar="N", help="heads per synthetic input"
+    )
+    calibrate.add_argument("--seed", type=int, default=0, metavar="S", help="input seed")
+    calibrate.add_argument("--save", metavar="FILE", help="write the measurements here")
+    calibrate.add_argument(
+        "--load", metavar="FILE", help="take the measurements from this results file"
+    )
+    calibrate.add_argument("--json", action="store_true", help="print one JSON object")
+    calibrate.add_argument(
+        "--trace-out", metavar="DIR", help="write each layer's trace, with its measurement"
     )
 
     replay = command(

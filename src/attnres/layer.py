@@ -41,6 +41,8 @@ DEST_COMPONENTS = "attention_backend_components"
 DEST_EXPLICIT = "attention_backend_explicit"
 DEST_AUTOTUNE = "autotune"
 DEST_AUTOTUNE_MIN = "autotune_min_elements"
+#: issue 34: ``--attention-error`` values, as typed (a list of strings)
+DEST_ATTENTION_ERROR = "attention_error"
 
 #: attrs metadata of a field that a trace does not record (see trace.field_names)
 _NOT_IN_TRACE: dict[str, bool] = {"trace": False}
@@ -530,6 +532,109 @@ def _tolerances(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out.items()))
 
 
+# =============================================================================
+# Issue 34: the attention error budget, per component or role
+# =============================================================================
+
+#: The budget that admits no lossy kernel (``--attention-error vae=exact``).
+EXACT = "exact"
+#: The key of the budget for every component (``--attention-error 2e-2``).
+EVERY_COMPONENT = "*"
+
+#: A budget: ``"exact"`` (no lossy kernel) or the largest relative L2 error
+#: (``||out - ref|| / ||ref||`` against a float64 reference) a lossy kernel may have.
+ErrorBudget = str | float
+
+
+def parse_error_budget(value: object, what: str = "attention_error") -> ErrorBudget:
+    """``"exact"`` or a relative L2 tolerance in (0, 1] (``"2e-2"``, ``0.02``)."""
+    if isinstance(value, str) and value.strip().lower() == EXACT:
+        return EXACT
+    if isinstance(value, bool):
+        raise ValueError(
+            f"{what}: expected 'exact' or a relative L2 error in (0, 1], got {value!r}"
+        )
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{what}: expected 'exact' or a relative L2 error in (0, 1], got {value!r}"
+        ) from None
+    if not (0.0 < number <= 1.0):  # NaN fails too
+        raise ValueError(
+            f"{what}: a relative L2 error must be in (0, 1] (use 'exact' for none), got {value!r}"
+        )
+    return number
+
+
+def describe_budget(budget: ErrorBudget) -> str:
+    """``exact`` or ``rel L2 <= 0.02``."""
+    return EXACT if budget == EXACT else f"rel L2 <= {budget:g}"
+
+
+def _error_budgets(value: Any) -> tuple[tuple[str, ErrorBudget], ...]:
+    """``{"vae": "exact", "transformer": 2e-2, "*": 0.05}`` as sorted canonical pairs:
+    component names normalised as ``component_backends``'s (``COMPONENT.ROLE`` too),
+    ``*`` for every component."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    out: dict[str, ErrorBudget] = {}
+    for pair in items:
+        try:
+            name, budget = pair
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"attention_error: expected (component, budget) pairs, got {pair!r}"
+            ) from None
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(
+                f"attention_error: component name must be a non-empty string or '*', got {name!r}"
+            )
+        if name.strip() == EVERY_COMPONENT:
+            key = EVERY_COMPONENT
+        else:
+            try:
+                component, role = split_component_key(name)
+            except ValueError as exc:
+                raise ValueError(f"attention_error: {exc}") from None
+            key = component if role is None else f"{component}.{role.value}"
+        out[key] = parse_error_budget(budget, f"attention_error[{name!r}]")
+    return tuple(sorted(out.items()))
+
+
+def parse_attention_error(texts: Iterable[str]) -> dict[str, ErrorBudget]:
+    """``--attention-error`` values (``vae=exact,transformer=2e-2`` or ``2e-2``,
+    repeatable) as a mapping for ``SelectionConfig(attention_error=...)``.
+
+    A bare budget is every component's (key ``*``); ``COMPONENT=BUDGET`` one
+    component's, ``COMPONENT.ROLE=BUDGET`` one role of it. A key given twice with
+    two budgets is an error.
+    """
+    out: dict[str, ErrorBudget] = {}
+    for text in texts:
+        for item in (p.strip() for p in str(text).split(",")):
+            if not item:
+                continue
+            name, sep, raw = item.rpartition("=")
+            key = EVERY_COMPONENT
+            if sep:
+                if not name.strip():
+                    raise ValueError(
+                        f"--attention-error {item}: expected COMPONENT=BUDGET or BUDGET"
+                    )
+                component, role = split_component_key(name, strict=True)
+                key = component if role is None else f"{component}.{role.value}"
+            budget = parse_error_budget(raw, f"--attention-error {item}")
+            if out.get(key, budget) != budget:
+                raise ValueError(
+                    f"--attention-error: {key!r} was given two budgets ({out[key]} and "
+                    f"{budget}); give it once"
+                )
+            out[key] = budget
+    return out
+
+
 #: The selection profiles (issue 23): the machine's rules for each.
 PROFILES: tuple[str, ...] = ("attnres", "sglang", "vllm_omni")
 
@@ -585,6 +690,14 @@ class SelectionConfig:
         default=(), converter=normalize_backend_options, kw_only=True, metadata=_NOT_IN_TRACE
     )
     autotune: bool = field(default=False, validator=_is_bool, metadata=_NOT_IN_TRACE)
+    #: issue 34: the attention error budget per component, role or every
+    #: component (``*``): ``"exact"`` or a relative L2 error (see
+    #: :func:`parse_attention_error`). A lossy candidate is checked against the
+    #: budget of its layer (the ``precision`` check); no budget: no check, as
+    #: before. Written to a trace only when set (schema version 6).
+    attention_error: tuple[tuple[str, ErrorBudget], ...] = field(
+        default=(), converter=_error_budgets, kw_only=True, metadata={"omit_default": True}
+    )
     #: a forward whose query holds fewer elements stays on the incumbent (the
     #: tuner stays armed); SGLang's multimodal tuner waits for 4 Mi elements too
     autotune_min_elements: int = field(
@@ -626,6 +739,27 @@ class SelectionConfig:
         for name, backend in self.component_backends:
             if name == key:
                 return backend
+        return None
+
+    def error_budget(
+        self, component: str | None, kind: str | None, role: Role
+    ) -> tuple[str, ErrorBudget] | None:
+        """Issue 34: the budget a layer is held to and the key that set it: the
+        first of ``COMPONENT.ROLE``, ``COMPONENT``, ``KIND.ROLE``, ``KIND``, ``*``
+        in ``attention_error`` (``text_encoder`` holds ``text_encoder_2``, whose
+        kind it is); ``None``: no budget (no precision check)."""
+        if not self.attention_error:
+            return None
+        keys: list[str] = []
+        for name in (component, kind):
+            if name:
+                key = normalize_component(name)
+                keys += [f"{key}.{role.value}", key]
+        keys.append(EVERY_COMPONENT)
+        table = dict(self.attention_error)
+        for key in keys:
+            if key in table:
+                return key, table[key]
         return None
 
     @classmethod
@@ -681,6 +815,9 @@ class SelectionConfig:
             global_backend=global_backend,
             global_backend_explicit=explicit if global_backend is not None else True,
             component_backends=dict(components),
+            attention_error=parse_attention_error(
+                getattr(namespace, DEST_ATTENTION_ERROR, None) or ()
+            ),
             **tuning,
         )
         return config if explicit else cls.from_env(base=config)

@@ -140,10 +140,18 @@ from attnres._vocab import (
     Requirement,
     Role,
 )
-from attnres.backends import Backend, BackendSpec, KernelFacts, catalogue_order, lookup_spec
+from attnres.backends import (
+    Backend,
+    BackendSpec,
+    KernelFacts,
+    Precision,
+    catalogue_order,
+    lookup_spec,
+    precision_of,
+)
 from attnres.kernels import KernelSource, kernel_source
 from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
-from attnres.layer import LayerSpec
+from attnres.layer import EVERY_COMPONENT, EXACT, ErrorBudget, LayerSpec, describe_budget
 from attnres.layout import MAX_PAD_COST, SequenceLayout
 from attnres.platform import Platform
 from attnres.records import ScopeProblem
@@ -151,10 +159,12 @@ from attnres.scope import ScopeState
 from attnres.trace import (
     TUNED_SCHEMA_VERSION,
     CheckRecord,
+    ErrorMeasurement,
     Failure,
     MeasurementRecord,
     OriginRecord,
     Outcome,
+    PrecisionRecord,
     Record,
     RejectedRecord,
     SelectedRecord,
@@ -177,6 +187,7 @@ __all__ = [
     "LAYOUT_RULES",
     "NO_KERNEL",
     "ORIGIN_ROWS",
+    "PRECISION_RULES",
     "PREFERRED_STAGES",
     "PROFILES",
     "REQUEST_FAILURE_GUARDS",
@@ -189,6 +200,7 @@ __all__ = [
     "TRANSITIONS",
     "TUNABLE_ORIGINS",
     "VERDICT_RULES",
+    "Budget",
     "Guard",
     "GuardFacts",
     "LayoutFacts",
@@ -205,7 +217,9 @@ __all__ = [
     "has_backward_pass",
     "is_tunable",
     "is_tuned",
+    "layer_budget",
     "measuring_checks",
+    "numeric_budget",
     "primary_check",
     "replay_tuned",
     "request_refusal",
@@ -390,6 +404,7 @@ _PRIMARY_ORDER: Final = (
     Check.ROLE,
     Check.REQUIREMENTS,
     Check.LAYOUT,
+    Check.PRECISION,
     Check.PLATFORM,
     Check.AVAILABLE,
 )
@@ -1040,6 +1055,7 @@ def check_candidate(
     platform: Platform,
     needs_kernel: bool = False,
     no_kernel: Collection[str] | None = None,
+    budget: Budget | None = None,
 ) -> tuple[tuple[Check, tuple[Failure, ...]], ...]:
     """Run every check of SPEC 3.4 on one candidate; every failure is kept.
 
@@ -1060,7 +1076,7 @@ def check_candidate(
         )
     # issue 31: the installed version's facts on this GPU, named in what they fail
     spec, applied = platform.installed(spec)
-    results = (
+    results: tuple[tuple[Check, tuple[Failure, ...]], ...] = (
         (Check.KNOWN, ()),
         (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
         (Check.PLATFORM, _as_installed(_check_platform(spec, layer, platform), applied)),
@@ -1068,9 +1084,12 @@ def check_candidate(
         (Check.SUPPORTED, tuple(_check_supported(spec, layer))),
         (Check.REQUIREMENTS, _as_installed(_check_requirements(spec, layer, platform), applied)),
     )
-    if layer.layout is None:  # issue 24: the layout check exists only for a layout
+    if layer.layout is not None:  # issue 24: the layout check exists only for a layout
+        layout = (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout, needs_kernel)))
+        results = (*results, layout)
+    if budget is None:  # issue 34: the precision check exists only under a budget
         return results
-    return (*results, (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout, needs_kernel))))
+    return (*results, (Check.PRECISION, tuple(_check_precision(spec, platform, budget))))
 
 
 def _as_installed(failures: list[Failure], applied: tuple[KernelFacts, ...]) -> tuple[Failure, ...]:
@@ -1248,6 +1267,139 @@ def _unusable_here(
 
 
 # =============================================================================
+# Issue 34: the precision check -- a lossy candidate against the layer's budget
+# =============================================================================
+
+
+@frozen
+class Budget:
+    """The error budget one layer is held to (``SelectionConfig.error_budget``),
+    the ``--attention-error`` key that set it, and the errors measured on the
+    layer's own inputs (``TraceInput.measured_error``)."""
+
+    key: str
+    value: ErrorBudget
+    measured: tuple[ErrorMeasurement, ...] = ()
+
+    def flag(self) -> str:
+        """``--attention-error vae=exact`` (``--attention-error 0.02`` for ``*``)."""
+        value = EXACT if self.value == EXACT else f"{self.value:g}"
+        return (
+            f"--attention-error {value if self.key == EVERY_COMPONENT else self.key + '=' + value}"
+        )
+
+    def measured_for(self, backend: str) -> ErrorMeasurement | None:
+        found = [m for m in self.measured if m.backend == backend]
+        return max(found, key=lambda m: m.rel_l2) if found else None
+
+
+#: Issue 34, one row per rule of the ``precision`` check: (code, the rule). It
+#: runs only on a layer with an error budget (``--attention-error``); with none,
+#: the machine is what it was. Facts are :data:`attnres.backends.PRECISION_FACTS`.
+PRECISION_RULES: Final[tuple[tuple[Code, str], ...]] = (
+    (
+        Code.LOSSY_KERNEL,
+        "a budget of `exact` admits only kernels whose precision facts say exact to the "
+        "dtype: a lossy kernel, or one that declares no facts here (fail closed), fails",
+    ),
+    (
+        Code.ERROR_OVER_BUDGET,
+        "a numeric budget admits a lossy kernel by its facts until it is measured; once "
+        "its relative L2 error on the layer's own inputs is measured (`attnres calibrate`, "
+        "autotune, a results file) it fails when that error exceeds the budget",
+    ),
+)
+
+
+def layer_budget(inp: TraceInput) -> Budget | None:
+    """The budget of the input's layer, by its component, kind and role (``None``:
+    no budget, no precision check)."""
+    scope = inp.scope
+    found = inp.config.error_budget(
+        None if scope is None else scope.component,
+        None if scope is None else scope.kind,
+        inp.layer.role,
+    )
+    if found is None:
+        return None
+    return Budget(found[0], found[1], inp.measured_error)
+
+
+def numeric_budget(inp: TraceInput) -> float | None:
+    """The layer's numeric error budget (``None``: none, or ``exact``): what
+    autotune measures each candidate's error against (``VERDICT_RULES``)."""
+    budget = layer_budget(inp)
+    return None if budget is None or budget.value == EXACT else float(budget.value)
+
+
+def precision_here(spec: BackendSpec, platform: Platform) -> Precision | None:
+    """The precision facts of the kernel installed here (``None``: none declared)."""
+    fact = platform.package(spec.package) if spec.package is not None else None
+    return precision_of(
+        spec,
+        None if fact is None else fact.distribution,
+        None if fact is None else fact.version,
+        platform.kind,
+        platform.capability,
+    )
+
+
+def _figures(m: ErrorMeasurement) -> str:
+    how = "emulated on CPU" if m.emulated else m.source
+    return (
+        f"relative L2 {m.rel_l2:.3g}, max abs {m.max_abs:.3g}, cosine {m.cosine:.6f} "
+        f"({how}, {m.call})"
+    )
+
+
+def _check_precision(spec: BackendSpec, platform: Platform, budget: Budget) -> list[Failure]:
+    """The rows of ``PRECISION_RULES``."""
+    fact = precision_here(spec, platform)
+    if fact is not None and not fact.lossy:
+        return []
+    if budget.value == EXACT:
+        what = (
+            "it declares no precision facts here (fail closed)"
+            if fact is None
+            else f"{fact.applies.kernel}; `attnres backends` shows how"
+        )
+        return [
+            Failure(
+                Code.LOSSY_KERNEL,
+                f"is lossy ({what}) and the layer's error budget is exact ({budget.flag()})",
+            )
+        ]
+    measured = budget.measured_for(spec.name)
+    if measured is not None and not measured.rel_l2 <= float(budget.value):
+        return [
+            Failure(
+                Code.ERROR_OVER_BUDGET,
+                f"its measured error on this layer's inputs ({_figures(measured)}) exceeds "
+                f"the layer's budget, relative L2 <= {float(budget.value):g} ({budget.flag()})",
+            )
+        ]
+    return []
+
+
+def _precision_record(
+    inp: TraceInput, accepted: Backend, results: Results
+) -> PrecisionRecord | None:
+    """The accepted candidate against its layer's budget (only when it has one)."""
+    if not any(check is Check.PRECISION for check, _ in results):
+        return None
+    budget = layer_budget(inp)
+    spec = lookup_spec(accepted)
+    assert budget is not None and spec is not None  # the precision check ran on both
+    fact = precision_here(spec, inp.platform)
+    if fact is None:
+        kind, how = "undeclared", "no precision facts declared for this kernel here"
+    else:
+        kind, how = fact.kind, f"{fact.applies.kernel}: {fact.describe()} ({fact.source})"
+    measured = budget.measured_for(accepted.name)
+    return PrecisionRecord(accepted, kind, how, describe_budget(budget.value), budget.key, measured)
+
+
+# =============================================================================
 # Messages
 # =============================================================================
 
@@ -1307,6 +1459,10 @@ def _primary_message(
         text = (
             f"Attention backend {name!r} cannot serve this layer's sequence-parallel layout: "
             + "; ".join(f.message for f in first)
+        )
+    elif primary is Check.PRECISION:  # issue 34
+        text = f"Attention backend {name!r} is outside this layer's error budget: " + "; ".join(
+            f.message for f in first
         )
     elif primary is Check.PLATFORM:
         text = (
@@ -1429,6 +1585,9 @@ def run_machine(inp: TraceInput) -> Trace:
                 break
             state, reason = _step(stage, Event.CANDIDATE_FAILED, records, reason, subject)
         if accepted is not None:
+            note = _precision_record(inp, accepted, results)  # issue 34
+            if note is not None:
+                records.append(note)
             _step(stage, Event.ACCEPTED, records, reason, accepted)
             for row in profile.selected_reasons if reason is None else ():
                 reason = row.reason(inp, found.origin, accepted)
@@ -1450,7 +1609,7 @@ def _attnres_evaluate(
 ) -> Evaluation:
     assert candidate is not None  # attnres's stages name every candidate
     return candidate, check_candidate(
-        candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel
+        candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel, layer_budget(inp)
     )
 
 
@@ -1797,11 +1956,18 @@ class Measured:
     spread_ns: int | None = None
     deviation: float | None = None
     error: str | None = None
+    #: issue 34: relative L2 error against a float64 reference (under a numeric budget)
+    rel_l2: float | None = None
 
     @classmethod
     def of(cls, record: MeasurementRecord) -> Measured:
         return cls(
-            record.candidate, record.median_ns, record.spread_ns, record.deviation, record.error
+            record.candidate,
+            record.median_ns,
+            record.spread_ns,
+            record.deviation,
+            record.error,
+            record.rel_l2,
         )
 
 
@@ -1810,15 +1976,21 @@ class Measured:
 # =============================================================================
 
 
-def _raised(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+def _raised(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
     return m.error is not None or m.median_ns is None
 
 
-def _disagrees(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+def _disagrees(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
     return m.deviation is None or not m.deviation <= tolerance
 
 
-def _faster(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+def _faster(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
     return (
         incumbent is not None
         and m.median_ns is not None
@@ -1826,17 +1998,34 @@ def _faster(m: Measured, incumbent: int | None, margin: float, tolerance: float)
     )
 
 
-def _otherwise(m: Measured, incumbent: int | None, margin: float, tolerance: float) -> bool:
+def _otherwise(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
     return True
+
+
+def _over_budget(
+    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
+) -> bool:
+    return budget is not None and m.rel_l2 is not None and not m.rel_l2 <= budget
 
 
 #: The verdict of each measured candidate but the incumbent: the first row whose
 #: condition holds (verdict, condition, what it says). Of the ``outpaced``
 #: candidates the fastest (the first in order on a tie) is then ``chosen``.
 VERDICT_RULES: Final[
-    tuple[tuple[Verdict, Callable[[Measured, int | None, float, float], bool], str], ...]
+    tuple[
+        tuple[Verdict, Callable[[Measured, int | None, float, float, float | None], bool], str],
+        ...,
+    ]
 ] = (
     (Verdict.RAISED, _raised, "it raised (no median)"),
+    (
+        Verdict.OVER_BUDGET,
+        _over_budget,
+        "issue 34: the layer has a numeric error budget and the candidate's relative L2 "
+        "error against a float64 reference exceeds it, whatever its speed",
+    ),
     (
         Verdict.DISAGREES,
         _disagrees,
@@ -1854,7 +2043,7 @@ VERDICT_RULES: Final[
 
 
 def verdicts(
-    measured: Sequence[Measured], margin: float, tolerance: float
+    measured: Sequence[Measured], margin: float, tolerance: float, budget: float | None = None
 ) -> tuple[tuple[Verdict, ...], Backend | None]:
     """Each measurement's verdict by ``VERDICT_RULES``, and the winner (``None``:
     the incumbent stays). ``measured[0]`` is the incumbent (verdict ``incumbent``)."""
@@ -1864,7 +2053,9 @@ def verdicts(
     out: list[Verdict] = [Verdict.INCUMBENT]
     for m in measured[1:]:
         out.append(
-            next(v for v, holds, _ in VERDICT_RULES if holds(m, incumbent, margin, tolerance))
+            next(
+                v for v, holds, _ in VERDICT_RULES if holds(m, incumbent, margin, tolerance, budget)
+            )
         )
     fast = [
         (m.median_ns or 0, position)
@@ -1928,7 +2119,8 @@ def measuring_checks(
                 )
             )
             continue
-        results = check_candidate(backend, inp.layer, inp.platform)
+        # issue 34: an exact budget refuses lossy candidates here too, by their facts
+        results = check_candidate(backend, inp.layer, inp.platform, budget=layer_budget(inp))
         for check, failures in results:
             records.append(CheckRecord(State.MEASURING, backend, check, not failures, failures))
         if not any(failures for _, failures in results):
@@ -1983,10 +2175,18 @@ def tuned_trace(
                     Measured(backend, error="not measured (it passed no check when recorded)"),
                 )
             )
-    judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance)
+    judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance, numeric_budget(trace.input))
     for m, verdict in zip(ordered, judged, strict=True):
         records.append(
-            MeasurementRecord(m.candidate, m.median_ns, m.spread_ns, m.deviation, m.error, verdict)
+            MeasurementRecord(
+                m.candidate,
+                m.median_ns,
+                m.spread_ns,
+                m.deviation,
+                m.error,
+                verdict,
+                rel_l2=m.rel_l2,
+            )
         )
     origin = trace.outcome.origin
     if winner is None:

@@ -50,6 +50,7 @@ from attnres._codec import (
 )
 from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._outcome import OutcomeView
+from attnres._precision_view import precision_of_trace
 from attnres._states import (
     KernelSource,
     PlanStatus,
@@ -65,7 +66,14 @@ from attnres.errors import (  # PipelineError: attnres.errors holds every except
     TraceWriteError,
 )
 from attnres.kernels import kernel_source
-from attnres.layer import LayerSpec, Requirements, SelectionConfig, split_component_key
+from attnres.layer import (
+    ErrorBudget,
+    LayerSpec,
+    Requirements,
+    SelectionConfig,
+    parse_error_budget,
+    split_component_key,
+)
 from attnres.layout import LAYOUT_KINDS, SequenceLayout
 from attnres.platform import Platform
 from attnres.runtime import component_scope, resolve, selection_config
@@ -89,7 +97,16 @@ __all__ = [
 
 _TOP_KEYS = ("pipeline", "components")
 _PIPELINE_KEYS = ("name", "description")
-_COMPONENT_KEYS = ("name", "kind", "backend", "role_backends", "allow_global_fallback", "layers")
+_COMPONENT_KEYS = (
+    "name",
+    "kind",
+    "backend",
+    "role_backends",
+    "allow_global_fallback",
+    "layers",
+    # issue 34: the component's error budget ("exact" or a relative L2 error)
+    "attention_error",
+)
 #: A layer entry: the LayerSpec's fields (``requirements`` is spelled ``requires``
 #: in the file), plus ``count`` and the per-layer ``backend``.
 _TOML_NAMES = {"requirements": "requires"}
@@ -156,6 +173,8 @@ class ComponentEntry:
     role_backends: tuple[tuple[Role, Backend], ...]
     allow_global_fallback: bool | None
     layers: tuple[LayerEntry, ...]
+    #: issue 34: ``attention_error = "exact"`` or ``2e-2`` in the file (``None``: none)
+    attention_error: ErrorBudget | None = None
 
     @property
     def resolved_kind(self) -> str:
@@ -356,6 +375,12 @@ class _Parser:
         allow = table.get("allow_global_fallback")
         if allow is not None and not isinstance(allow, bool):
             raise self.fail(f"allow_global_fallback must be true or false, got {allow!r}", **where)
+        budget: ErrorBudget | None = None
+        if table.get("attention_error") is not None:  # issue 34
+            try:
+                budget = parse_error_budget(table["attention_error"])
+            except ValueError as exc:
+                raise self.fail(str(exc), **where) from None
         layers_doc = table.get("layers")
         if layers_doc is None:
             raise self.fail(
@@ -387,6 +412,7 @@ class _Parser:
             role_backends=role_backends,
             allow_global_fallback=allow,
             layers=tuple(layers),
+            attention_error=budget,
         )
 
     def backend(self, value: Any, key: str, where: Mapping[str, Any]) -> Backend | None:
@@ -537,6 +563,33 @@ class LayerPlan(OutcomeView):
             "backend_options": {
                 backend: dict(pairs) for backend, pairs in self.trace.input.layer.backend_options
             },
+            **self._precision(),
+        }
+
+    def _precision(self) -> dict[str, Any]:
+        """Issue 34: ``precision`` (exact or lossy, how, the budget, any measurement),
+        only for a layer with an error budget (a plan without one keeps its keys)."""
+        record = precision_of_trace(self.trace)
+        if record is None:
+            return {}
+        m = record.measured
+        return {
+            "precision": {
+                "kind": record.precision,
+                "how": record.how,
+                "budget": record.budget,
+                "budget_key": record.budget_key,
+                "measured": None
+                if m is None
+                else {
+                    "rel_l2": m.rel_l2,
+                    "max_abs": m.max_abs,
+                    "cosine": m.cosine,
+                    "call": m.call,
+                    "emulated": m.emulated,
+                    "source": m.source,
+                },
+            }
         }
 
 
@@ -650,6 +703,20 @@ class PlanResult:
         }
 
 
+def with_file_budgets(config: SelectionConfig, pipeline: Pipeline) -> SelectionConfig:
+    """Issue 34: ``config`` with the error budgets the pipeline file gives its
+    components (``attention_error = ...``); a budget given by the config itself
+    (``--attention-error``) wins for its key."""
+    budgets = {
+        normalize_component(e.name): e.attention_error
+        for e in pipeline.components
+        if e.attention_error is not None
+    }
+    if not budgets:
+        return config
+    return attrs.evolve(config, attention_error={**budgets, **dict(config.attention_error)})
+
+
 def plan_pipeline(
     pipeline: Pipeline,
     config: SelectionConfig | None = None,
@@ -663,7 +730,7 @@ def plan_pipeline(
     :func:`~attnres.runtime.resolve` -- so, as for any resolution, the decisions
     are recorded in :func:`attnres.decisions` and the audit events emitted.
     """
-    cfg = selection_config() if config is None else config
+    cfg = with_file_budgets(selection_config() if config is None else config, pipeline)
     plat = Platform.detect() if platform is None else platform
     components: list[ComponentPlan] = []
     for entry in pipeline.components:

@@ -37,13 +37,16 @@ __all__ = [
     "LAYOUT_KINDS_SCHEMA_VERSION",
     "LAYOUT_SCHEMA_VERSION",
     "MASK_SCHEMA_VERSION",
+    "PRECISION_SCHEMA_VERSION",
     "RECORD_KINDS",
     "SCHEMA_VERSION",
     "TUNED_SCHEMA_VERSION",
     "CheckRecord",
+    "ErrorMeasurement",
     "Failure",
     "MeasurementRecord",
     "OriginRecord",
+    "PrecisionRecord",
     "Record",
     "RejectedRecord",
     "ScopeProblem",
@@ -60,12 +63,10 @@ __all__ = [
 #: is version 2 (the backward requirement), a tuned one is version 3, one whose
 #: input carries the process's kernel facts (``no_kernel``) or whose layer names
 #: a mask kind or a causal alignment (issue 22) version 4, one whose layer has a
-#: sequence-parallel layout version 5 (issue 24).
+#: sequence-parallel layout version 5 (issue 24), one that holds an error
+#: budget or measured errors version 6 (issue 34), one whose layout is a layout
+#: kind of issue 35 version 7.
 SCHEMA_VERSION = 7
-#: Issue 35: the version of a trace whose layer's layout is AllGather-KV, pads
-#: its heads, or was chosen by ``layout="auto"`` (the layout's ``allgather``,
-#: ``pad_heads``, ``rule`` and ``why`` keys); version 6 is the precision issue's.
-LAYOUT_KINDS_SCHEMA_VERSION = 7
 #: The version of a trace whose layer names a mask kind or a causal alignment
 #: (issue 22): its requirements carry ``mask`` and ``causal_alignment`` keys.
 MASK_SCHEMA_VERSION = 4
@@ -79,6 +80,11 @@ BASE_SCHEMA_VERSION = 2
 #: (``input.layer.layout``, the ``layout`` check and its codes); it holds what
 #: version 4 holds too. Such a layer is never autotuned.
 LAYOUT_SCHEMA_VERSION = 5
+#: Issue 34: the version of a trace whose config holds an error budget
+#: (``attention_error``) or whose input holds measured errors
+#: (``measured_error``), with ``precision`` checks and records; it holds what
+#: version 5 holds too.
+PRECISION_SCHEMA_VERSION = 6
 #: Issue 35: the version of a trace whose layer's layout is AllGather-KV, pads
 #: its heads, or was chosen by ``layout="auto"`` (the layout's ``allgather``,
 #: ``pad_heads``, ``rule`` and ``why`` keys); version 6 is the precision issue's.
@@ -210,7 +216,54 @@ class MeasurementRecord:
     deviation: float | None
     error: str | None
     verdict: Verdict
+    #: issue 34: its relative L2 error against a float64 reference, measured when
+    #: the layer has a numeric error budget (written only then: schema 6)
+    rel_l2: float | None = field(default=None, kw_only=True, metadata={"omit_default": True})
     kind: str = field(default="measurement", init=False)
+
+
+@frozen
+class ErrorMeasurement:
+    """Issue 34: one kernel's error on a layer's own inputs, against a float64
+    reference (``attnres.calibrate``, autotune, or a results file).
+
+    ``rel_l2`` is ``||out - ref||_2 / ||ref||_2``, ``max_abs`` the largest
+    absolute difference, ``cosine`` the cosine similarity of the flattened
+    outputs; ``call`` describes the inputs (shapes, dtype); ``emulated`` says the
+    figures come from attnres's CPU emulation of the kernel
+    (:mod:`attnres.kernels.sage_emulated`), not from the kernel itself;
+    ``source`` is ``measured`` or ``loaded`` (a results file).
+    """
+
+    backend: Backend
+    rel_l2: float
+    max_abs: float
+    cosine: float
+    call: str
+    emulated: bool = False
+    source: str = "measured"
+
+
+@frozen
+class PrecisionRecord:
+    """Issue 34: the accepted candidate against the layer's error budget (schema 6).
+
+    Written just before the terminal ``selected`` record when the layer has a
+    budget: ``precision`` is ``exact``, ``lossy`` or ``undeclared`` (the spec
+    states no precision facts), ``how`` the facts in words and their source;
+    ``budget`` is ``exact`` or the relative L2 error allowed, ``budget_key``
+    which ``--attention-error`` key set it (``*``: every component);
+    ``measured`` the kernel's measured error on this layer's inputs (``None``:
+    admitted by its facts, not measured yet).
+    """
+
+    candidate: Backend
+    precision: str
+    how: str
+    budget: str
+    budget_key: str
+    measured: ErrorMeasurement | None = None
+    kind: str = field(default="precision", init=False)
 
 
 Record = (
@@ -222,6 +275,7 @@ Record = (
     | RejectedRecord
     | TuningRecord
     | MeasurementRecord
+    | PrecisionRecord
 )
 RECORD_KINDS: dict[str, type[Any]] = {
     "origin": OriginRecord,
@@ -232,11 +286,20 @@ RECORD_KINDS: dict[str, type[Any]] = {
     "rejected": RejectedRecord,
     "tuning": TuningRecord,
     "measurement": MeasurementRecord,
+    "precision": PrecisionRecord,
 }
 #: Record kinds, states and events that need schema version 3 (autotune).
 TUNED_KINDS = frozenset({"tuning", "measurement"})
 TUNED_STATES = frozenset({State.MEASURING})
 TUNED_EVENTS = frozenset({Event.MEASURE, Event.MEASURED_FASTER, Event.INCUMBENT_KEPT})
+
+
+def _measurements(value: Any) -> tuple[ErrorMeasurement, ...]:
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, ErrorMeasurement):
+            raise TypeError(f"measured_error: expected ErrorMeasurement records, got {item!r}")
+    return out
 
 
 _PARSE_INPUT_BACKEND = optional_backend("backend")
@@ -273,6 +336,19 @@ class TraceInput:
         default=None, kw_only=True, metadata={"omit_default": True}
     )
 
+    #: issue 34: kernels' measured errors on this layer's inputs (``attnres.calibrate``
+    #: or a results file): the ``precision`` check reads them. Written only when
+    #: set (schema 6).
+    measured_error: tuple[ErrorMeasurement, ...] = field(
+        default=(), kw_only=True, converter=_measurements, metadata={"omit_default": True}
+    )
+
+    def error_for(self, backend: Backend) -> ErrorMeasurement | None:
+        """The measured error of ``backend`` on this layer's inputs (the worst of
+        several), or ``None``."""
+        found = [m for m in self.measured_error if m.backend == backend]
+        return max(found, key=lambda m: m.rel_l2) if found else None
+
     def schema_version(self) -> int:
         """The lowest schema version that can express this input."""
         version = BASE_SCHEMA_VERSION if self.no_kernel is None else KERNELS_SCHEMA_VERSION
@@ -283,6 +359,8 @@ class TraceInput:
             layout = self.layer.layout
             if layout.allgather > 1 or layout.pad_heads or layout.rule is not None:
                 version = max(version, LAYOUT_KINDS_SCHEMA_VERSION)  # issue 35
+        if self.config.attention_error or self.measured_error:  # issue 34
+            version = max(version, PRECISION_SCHEMA_VERSION)
         return version
 
 

@@ -15,8 +15,10 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from attnres._precision_view import describe_precision
 from attnres._states import PackageStatus, Status
 from attnres.explain import explain
+from attnres.layer import EVERY_COMPONENT, EXACT, SelectionConfig
 from attnres.platform import Platform
 
 if TYPE_CHECKING:
@@ -189,6 +191,20 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def budget_flags(config: SelectionConfig) -> str:
+    """Issue 34: ``"; error budget: --attention-error transformer=0.02,vae=exact"``
+    (``''`` without a budget)."""
+    if not config.attention_error:
+        return ""
+    items = [
+        (v if v == EXACT else f"{v:g}")
+        if k == EVERY_COMPONENT
+        else f"{k}={v if v == EXACT else f'{v:g}'}"
+        for k, v in config.attention_error
+    ]
+    return "; error budget: --attention-error " + ",".join(items)
+
+
 def render_plan(result: PlanResult) -> list[str]:
     """A :class:`~attnres.plan.PlanResult` as ``attnres plan`` shows it."""
     width = _width()
@@ -208,6 +224,7 @@ def render_plan(result: PlanResult) -> list[str]:
         request += "; per component: " + ", ".join(
             f"--attention-backend {n}={b.name}" for n, b in config.component_backends
         )
+    request += budget_flags(config)  # issue 34
     lines += _field("Request:", request, width)
     dtypes = [
         f"{c.name} {c.dtype} ({c.dtype_source}"
@@ -251,6 +268,9 @@ def render_plan(result: PlanResult) -> list[str]:
             if layer.needs_kernel:
                 missing = f"no kernel for {layer.backend} in this install (register one to run)"
                 detail = missing if detail == "-" else f"{detail}; {missing}"
+            precision = describe_precision(layer.trace)  # issue 34: only under a budget
+            if precision and layer.status is Status.SELECTED:
+                detail = precision if detail == "-" else f"{detail}; {precision}"
             rows.append(
                 [
                     layer.name,

@@ -181,6 +181,8 @@ class ResultEntry:
                     "spread_ns": m.spread_ns,
                     "deviation": m.deviation,
                     "error": m.error,
+                    # issue 34: the error against float64, under a numeric budget only
+                    **({} if m.rel_l2 is None else {"rel_l2": m.rel_l2}),
                 }
                 for m in self.measured
             ],
@@ -222,6 +224,14 @@ def _entry_from_json(doc: Any, where: str) -> ResultEntry:
                 f"{where}{at}.deviation: {str(deviation)[:40]} is impossible (a relative "
                 f"deviation is a finite number, at least 0)"
             )
+        rel_l2 = None
+        if isinstance(m, dict) and m.get("rel_l2") is not None:  # issue 34
+            rel_l2 = need(m, "rel_l2", (int, float))
+            if not (math.isfinite(rel_l2) and rel_l2 >= 0):
+                raise ResultsFileError(
+                    f"{where}{at}.rel_l2: {str(rel_l2)[:40]} is impossible (a relative L2 "
+                    f"error is a finite number, at least 0)"
+                )
         measured.append(
             Measured(
                 Backend.parse(need(m, "candidate", (str,))),
@@ -229,6 +239,7 @@ def _entry_from_json(doc: Any, where: str) -> ResultEntry:
                 count(m, "spread_ns", 0, optional=True, at=at),
                 None if deviation is None else float(deviation),
                 need(m, "error", (str,), optional=True),
+                None if rel_l2 is None else float(rel_l2),
             )
         )
     if not measured:
