@@ -49,6 +49,7 @@ with atheris.instrument_imports(include=["attnres"]) if atheris else contextlib.
         PipelineError,
         ResultsFileError,
         TraceFormatError,
+        SequenceParallelArgumentError,
         UnknownBackendError,
     )
     from attnres.integrations import plan_folder
@@ -306,7 +307,8 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 
 #: the error each entry point's documentation names for a refused input
 #: (docs/errors.md); ``ValueError`` only where the docs say "any other bad value"
-#: (a platform string, a dtype, a schedule's steps, a layout's degrees)
+#: (a platform string, a dtype, a schedule's steps); a layout's degrees and head
+#: counts: ``SequenceParallelArgumentError`` (issue 32)
 ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "trace": (TraceFormatError,),
     "replay": (TraceFormatError,),
@@ -318,7 +320,7 @@ ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "cli": (),
     "option": (BackendOptionError, UnknownBackendError),
     "schedule": (ValueError,),
-    "layout": (ValueError,),
+    "layout": (SequenceParallelArgumentError,),
     "platform": (ValueError,),
     "dtype": (ValueError,),
 }
