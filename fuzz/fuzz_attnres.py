@@ -49,8 +49,8 @@ with atheris.instrument_imports(include=["attnres"]) if atheris else contextlib.
         FolderBuildError,
         PipelineError,
         ResultsFileError,
-        TraceFormatError,
         SequenceParallelArgumentError,
+        TraceFormatError,
         UnknownBackendError,
     )
     from attnres.integrations import plan_folder

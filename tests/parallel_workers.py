@@ -286,7 +286,7 @@ def _switch_backend(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
         with torch.no_grad():
             layer(q, q, q)  # verified: every rank on torch_sdpa
 
-            def switched() -> None:
+            def switched(layer: Any = layer) -> None:
                 if rank == 1:
                     with attnres.request_backend(layer, "eager"):
                         layer(q, q, q)
@@ -295,7 +295,7 @@ def _switch_backend(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
 
             attempt(f"{name}.request", switched)
 
-            def stepped() -> None:
+            def stepped(layer: Any = layer) -> None:
                 with attnres.schedule(layer, {0: "torch_sdpa", 1: "eager"}) as stepper:
                     stepper.step(1 if rank == 1 else 0)
                     layer(q, q, q)
@@ -308,7 +308,7 @@ def _switch_backend(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
             )
             other(q, q, q)
             attempt(f"{name}.verified", switched)
-            attempt(f"{name}.after", lambda: layer(q, q, q))  # the group is still in step
+            attempt(f"{name}.after", lambda layer=layer: layer(q, q, q))  # still in step
     # one backend chosen two ways: the consensus names each rank's origin
     sp = sp_for(world, 1)
     forced = attnres.force_backend("torch_sdpa") if rank == 1 else contextlib.nullcontext()

@@ -258,7 +258,8 @@ def _timeout_seconds(timeout: Timeout, who: str = "verify_consensus") -> float:
             f"{who}: timeout must be seconds (float) or a datetime.timedelta, got "
             f"{type(timeout).__name__}"
         )
-    shown = repr(timeout) if not isinstance(timeout, int) or abs(timeout) < 10**30 else "a huge number"
+    huge = isinstance(timeout, int) and abs(timeout) >= 10**30
+    shown = "a huge number" if huge else repr(timeout)
     if not math.isfinite(seconds) or seconds <= 0:
         raise SequenceParallelArgumentError(
             f"{who}: timeout must be a positive, finite duration of at most "

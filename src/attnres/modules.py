@@ -487,9 +487,7 @@ class Attention(FastCallModule):
         if resolution is None:
             raise rejection(trace)
         kernel, dtypes = _bind(resolution, spec)
-        shape = self._shape._replace(
-            backend=resolution.backend.name, origin=str(resolution.origin)
-        )
+        shape = self._shape._replace(backend=resolution.backend.name, origin=str(resolution.origin))
         prepared = _Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes))
         self._prepared[backend.name] = prepared
         return prepared
@@ -879,9 +877,7 @@ class Attention(FastCallModule):
         """Run ``resolution``'s backend from now on (autotune's measured decision);
         the layer's ledger entry becomes the new decision (returned)."""
         kernel, dtypes = _bind(resolution, self.layer_spec)
-        shape = self._shape._replace(
-            backend=resolution.backend.name, origin=str(resolution.origin)
-        )
+        shape = self._shape._replace(backend=resolution.backend.name, origin=str(resolution.origin))
         decision = Decision(
             resolution.component, resolution.layer, resolution.outcome, resolution.trace
         )

@@ -289,9 +289,7 @@ def render_plan(result: PlanResult) -> list[str]:
     )
     # issue 32 item 8: sites decided at their first call (softmax by hand in a plain
     # module, a class that holds no head facts) are counted, not read as "0 layers"
-    pending = sum(
-        1 for c in result.components for u in c.unplanned if u.status is Status.PENDING
-    )
+    pending = sum(1 for c in result.components for u in c.unplanned if u.status is Status.PENDING)
     if pending:
         scope += f", {_plural(pending, 'site')} decided at first call"
     if result.ok:
