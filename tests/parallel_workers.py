@@ -285,6 +285,13 @@ def _switch_backend(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
         )
         with torch.no_grad():
             layer(q, q, q)  # verified: every rank on torch_sdpa
+            # every rank prepares the switches first (no forward), so the rank that
+            # switches below arrives at the collective as fast as the other: a slow
+            # first preparation on a loaded machine would outlast TIMEOUT_S
+            with attnres.request_backend(layer, "eager"):
+                pass
+            with attnres.schedule(layer, {0: "torch_sdpa", 1: "eager"}):
+                pass
 
             def switched(layer: Any = layer) -> None:
                 if rank == 1:
