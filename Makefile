@@ -98,16 +98,23 @@ bench: $(VENV)/.attnres-bench
 		--benchmark-json=benchmarks/results/latest.json --benchmark-storage=benchmarks/results -q
 
 # Coverage-guided fuzzing of every loader (issue 20): not part of `make test`.
-# FUZZ_SECONDS per target (13 targets: about 6.5 minutes by default; issue 32 added
-# the command line, backend options, schedules, layouts, --platform and --dtype,
-# each accepting only its documented error type); a crash is
-# written to fuzz/crashes/TARGET-crash-* and stops the run (an input slower than
-# 30 s is kept as TARGET-slow-unit-*; the first one pays the imports).
-FUZZ_SECONDS ?= 30
+# FUZZ_SECONDS per target (13 targets; each also pays its imports, and the folder
+# and config targets' first input builds a model: about 5 minutes in all by default,
+# measured on 2 busy cores; `make fuzz FUZZ_SECONDS=600` for a long run, or
+# FUZZ_TARGETS=cli for one target). Issue 32 added the command line (explain, and
+# plan --trace-out DIR: every trace written reads back and replays), backend
+# options, schedules, layouts, --platform and --dtype, each accepting only its
+# documented error type. A crash is written to fuzz/crashes/TARGET-crash-* and
+# stops the run (an input slower than 30 s is kept as TARGET-slow-unit-*; the
+# first one pays the imports). atheris is installed here (ATHERIS_SPEC: a release
+# with a manylinux wheel for the venv's Python, so no compiler is needed).
+FUZZ_SECONDS ?= 10
 FUZZ_TARGETS ?= trace replay pipeline folder config header results cli option schedule layout platform dtype
+ATHERIS_SPEC ?= atheris==3.0.0
 
 $(VENV)/.attnres-fuzz: $(STAMP)
-	$(PIP) install -c $(VENV)/torch-pin.txt atheris
+	$(PIP) install -c $(VENV)/torch-pin.txt "$(ATHERIS_SPEC)"
+	$(PY) -c "import atheris"
 	touch $@
 
 fuzz: $(VENV)/.attnres-fuzz

@@ -16,9 +16,10 @@ with the error it must give) and into ``fuzz/corpus/TARGET/`` (which
     python fuzz/fuzz_attnres.py TARGET [libFuzzer options] [CORPUS_DIR ...]
 
 Targets: trace, replay, pipeline, folder, config (structure-aware: hostile
-values for a config's own keys), header, results, cli, option, schedule,
+values for a config's own keys), header, results, cli (``explain``, or ``plan``
+of an example pipeline), option, schedule,
 layout, platform, dtype. ``make fuzz`` runs
-each for ``FUZZ_SECONDS`` (default 30) on its seed corpus ``fuzz/corpus/TARGET``
+each for ``FUZZ_SECONDS`` (default 10) on its seed corpus ``fuzz/corpus/TARGET``
 (``fuzz/make_corpus.py`` writes the seeds from the repository's own traces,
 pipelines and example folders).
 """
@@ -48,6 +49,7 @@ with atheris.instrument_imports(include=["attnres"]) if atheris else contextlib.
         FolderBuildError,
         PipelineError,
         ResultsFileError,
+        SequenceParallelArgumentError,
         TraceFormatError,
         UnknownBackendError,
     )
@@ -257,20 +259,40 @@ _CLI_FLAGS = (
 )  # fmt: skip
 
 
+#: the flags of ``attnres plan`` (a command line whose first word is ``plan``)
+_PLAN_FLAGS = (
+    "--dtype", "--component", "--attention-backend", "--autotune", "--autotune-min-elements",
+    "--platform", "--json", "--ulysses-degree", "--ring-degree", "--backend-option",
+)  # fmt: skip
+#: the pipeline file a ``plan`` command line plans (the smallest example)
+_PLAN_PIPELINE = Path(__file__).resolve().parents[1] / "examples" / "audio-video.toml"
+
+
 def cli(data: bytes) -> None:
     """``attnres explain`` with a command line from the fuzzer's bytes (NUL-separated
     words; a word of one byte below 32 is a flag): exit 0, 1 or 2 with a message,
-    never an exception; a trace it writes reads back and replays."""
+    never an exception; a trace it writes reads back and replays. A first word
+    ``plan`` makes it ``attnres plan`` of an example pipeline, ``--trace-out DIR``:
+    every trace in DIR reads back and replays."""
+    import shutil
+
     words = [_text(w) for w in data.split(b"\0")]
-    argv = ["explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu"]
+    if words[0] == "plan":
+        argv = ["plan", str(_PLAN_PIPELINE), "--platform", "cpu"]
+        flags, words = _PLAN_FLAGS, words[1:]
+        out = _TMP / "cli-traces"
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        argv = ["explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu"]
+        flags = _CLI_FLAGS
+        out = _TMP / "cli-trace.json"
+        with contextlib.suppress(FileNotFoundError):
+            out.unlink()
     for word in words:
         if len(word) == 1 and ord(word) < 32:
-            argv.append(_CLI_FLAGS[ord(word) % len(_CLI_FLAGS)])
+            argv.append(flags[ord(word) % len(flags)])
         else:
             argv.append(word)
-    out = _TMP / "cli-trace.json"
-    with contextlib.suppress(FileNotFoundError):
-        out.unlink()
     argv += ["--trace-out", str(out)]
     import io
 
@@ -282,10 +304,12 @@ def cli(data: bytes) -> None:
         code = exc.code if isinstance(exc.code, int) else 2
     if code not in (0, 1, 2):
         raise AssertionError(f"exit {code}: {sink.getvalue()[-500:]}")
-    if out.exists():  # every trace attnres writes reads back and replays
-        result = replay(load_trace(out))
+    # every trace attnres writes reads back and replays
+    written = sorted(out.glob("*.json")) if out.is_dir() else [out] if out.exists() else []
+    for path in written:
+        result = replay(load_trace(path))
         if not result.ok:
-            raise AssertionError(f"a written trace does not replay: {result.diff}")
+            raise AssertionError(f"a written trace ({path.name}) does not replay: {result.diff}")
 
 
 TARGETS: dict[str, Callable[[bytes], None]] = {
@@ -306,7 +330,8 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 
 #: the error each entry point's documentation names for a refused input
 #: (docs/errors.md); ``ValueError`` only where the docs say "any other bad value"
-#: (a platform string, a dtype, a schedule's steps, a layout's degrees)
+#: (a platform string, a dtype, a schedule's steps); a layout's degrees and head
+#: counts: ``SequenceParallelArgumentError`` (issue 32)
 ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "trace": (TraceFormatError,),
     "replay": (TraceFormatError,),
@@ -318,7 +343,7 @@ ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "cli": (),
     "option": (BackendOptionError, UnknownBackendError),
     "schedule": (ValueError,),
-    "layout": (ValueError,),
+    "layout": (SequenceParallelArgumentError,),
     "platform": (ValueError,),
     "dtype": (ValueError,),
 }

@@ -132,6 +132,17 @@ def _issue_32_seeds() -> None:
     ]  # fmt: skip
     for i, words in enumerate(cli):
         _write("cli", f"seed-{i}", b"\0".join(words))
+    # ``attnres plan`` of an example pipeline, --trace-out DIR (every trace replays)
+    plan = {name: bytes([i]) for i, name in enumerate(_PLAN_FLAGS)}
+    plans = [
+        [b"plan"],
+        [b"plan", plan["--attention-backend"], b"sage_attn", plan["--platform"],
+         b"cuda:sm90+sageattention"],
+        [b"plan", plan["--ring-degree"], b"2", plan["--ulysses-degree"], b"2"],
+        [b"plan", plan["--backend-option"], b"fa.deterministic=true", plan["--json"]],
+    ]  # fmt: skip
+    for i, words in enumerate(plans):
+        _write("cli", f"seed-plan-{i}", b"\0".join(words))
 
 
 #: the flags of the cli target, in its order (fuzz/fuzz_attnres.py's _CLI_FLAGS)
@@ -139,6 +150,13 @@ _CLI_FLAGS = (
     "--head-size", "--dtype", "--platform", "--ulysses-degree", "--ring-degree", "--heads",
     "--kv-heads", "--schedule", "--backend-option", "--attention-backend", "--supported",
     "--default", "--requires", "--role", "--layer-name", "--component", "--autotune", "--json",
+)  # fmt: skip
+
+
+#: the flags of a ``plan`` command line (fuzz/fuzz_attnres.py's _PLAN_FLAGS)
+_PLAN_FLAGS = (
+    "--dtype", "--component", "--attention-backend", "--autotune", "--autotune-min-elements",
+    "--platform", "--json", "--ulysses-degree", "--ring-degree", "--backend-option",
 )  # fmt: skip
 
 

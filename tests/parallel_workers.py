@@ -16,6 +16,13 @@ scenarios in order (process start-up is the cost, so the combinations are batche
 - ``mismatch`` (issue 32): ranks bound to different dtypes (bf16/fp16,
   fp32/fp64) and ``gather`` given shards of different dtypes or shapes: every
   rank must raise the same ``ConsensusError`` before any data moves;
+- ``switch_backend`` (issue 32 item 17): after a verified forward, one rank
+  switches its layer's backend (a ``request_backend`` block, a schedule step
+  the others did not take; once with the new backend's run already verified
+  for that shape): every rank must raise the same ``BackendMismatchError``
+  naming both ranks' backends and origins, and the group stays in step;
+  ranks that chose one backend in different ways get a consensus error naming
+  both origins (they all read ``none``);
 - ``dead_peer`` (last): the last rank exits between a training ring's forward
   and its backward; the others' backward, then their next forward, must fail
   with ``SequenceParallelError`` within the timeout (issue 32).
@@ -177,6 +184,7 @@ def _errors(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
         attnres.SequenceParallel(ulysses=world, ring=2)
     except ValueError as exc:
         out["wrong_degree"] = str(exc)
+        out["wrong_degree_type"] = type(exc).__name__
     try:
         attnres.Attention(6, 16, num_kv_heads=3, dtype="float32", parallel=sp_for(world, 1))
     except ResolutionError as exc:
@@ -242,6 +250,86 @@ def _mismatch(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
             out[name] = None
         except attnres.ConsensusError as exc:
             out[name] = str(exc)
+    return out
+
+
+def _switch_backend(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
+    import contextlib
+
+    import torch
+
+    import attnres
+
+    out: dict[str, Any] = {}
+
+    def attempt(key: str, run: Any) -> None:
+        start = time.monotonic()
+        try:
+            run()
+            out[key] = {"error": None}
+        except attnres.errors.BackendMismatchError as exc:
+            out[key] = {
+                "error": str(exc),
+                "backends": {str(r): b for r, b in exc.backends.items()},
+                "consensus": isinstance(exc, attnres.ConsensusError),
+                "elapsed_s": time.monotonic() - start,
+            }
+        except Exception as exc:  # the defect: a dead peer, or another type
+            out[key] = {"error": None, "raw": f"{type(exc).__name__}: {exc}"[:400]}
+
+    q = torch.randn(1, 3, 8, 16)
+    for name, (u, r) in {"ulysses": (world, 1), "ring": (1, world)}.items():
+        sp = attnres.SequenceParallel(ulysses=u, ring=r, timeout=TIMEOUT_S)
+        layer = attnres.Attention(
+            8, 16, dtype="float32", parallel=sp, backend="torch_sdpa", name=f"switch.{name}"
+        )
+        with torch.no_grad():
+            layer(q, q, q)  # verified: every rank on torch_sdpa
+            # every rank prepares the switches first (no forward), so the rank that
+            # switches below arrives at the collective as fast as the other: a slow
+            # first preparation on a loaded machine would outlast TIMEOUT_S
+            with attnres.request_backend(layer, "eager"):
+                pass
+            with attnres.schedule(layer, {0: "torch_sdpa", 1: "eager"}):
+                pass
+
+            def switched(layer: Any = layer) -> None:
+                if rank == 1:
+                    with attnres.request_backend(layer, "eager"):
+                        layer(q, q, q)
+                else:
+                    layer(q, q, q)
+
+            attempt(f"{name}.request", switched)
+
+            def stepped(layer: Any = layer) -> None:
+                with attnres.schedule(layer, {0: "torch_sdpa", 1: "eager"}) as stepper:
+                    stepper.step(1 if rank == 1 else 0)
+                    layer(q, q, q)
+
+            attempt(f"{name}.schedule", stepped)
+            # eager's run for this shape verified on every rank (another layer):
+            # the switch no longer asks for a consensus, and ran silently
+            other = attnres.Attention(
+                8, 16, dtype="float32", parallel=sp, backend="eager", name=f"other.{name}"
+            )
+            other(q, q, q)
+            attempt(f"{name}.verified", switched)
+            attempt(f"{name}.after", lambda layer=layer: layer(q, q, q))  # still in step
+    # one backend chosen two ways: the consensus names each rank's origin
+    sp = sp_for(world, 1)
+    forced = attnres.force_backend("torch_sdpa") if rank == 1 else contextlib.nullcontext()
+    with forced:
+        chosen = attnres.Attention(
+            8, 16, dtype="float32", parallel=sp, name="origins",
+            backend=None if rank == 1 else "torch_sdpa",
+        )  # fmt: skip
+    try:
+        with torch.no_grad():
+            chosen(q, q, q)
+        out["origins"] = None
+    except attnres.ConsensusError as exc:
+        out["origins"] = str(exc)
     return out
 
 
@@ -311,6 +399,7 @@ def worker(rank: int, world: int, tmpdir: str, scenarios: list[str]) -> None:
                     "errors": _errors,
                     "decide_differently": _decide_differently,
                     "mismatch": _mismatch,
+                    "switch_backend": _switch_backend,
                 }[scenario]
                 result = fn(sp_for, rank, world)
         except BaseException:  # reported, not raised: the test names it

@@ -307,6 +307,26 @@ def test_a_strict_component_refuses_own_math_typed_and_plans_the_site() -> None:
     idf.remove({"transformer": module})
 
 
+@pytest.mark.parametrize("case", ["plain", "bool mask", "additive mask", "values cast"])
+@pytest.mark.parametrize("component", ["transformer", "vae"])
+def test_a_strict_plan_of_a_plain_module_names_its_by_hand_site(case: str, component: str) -> None:
+    """Issue 32 item 8, variants: whatever the by-hand code does, a strict flag's
+    plan of a plain torch module has its site (it said "ok - 0 layers"), in a
+    strict component and in one that may fall back, and the rendered plan says so."""
+    from attnres.render import render_integration_plan
+
+    module = _build(case, torch.float32)
+    config = SelectionConfig(global_backend=SDPA, global_backend_explicit=True)
+    plan = idf.plan({component: module}, config, Platform.simulate("cpu"))
+    assert plan.ok, plan.errors
+    (site,) = plan.sites
+    assert site.name == "attn" and "softmax by hand in Hand" in site.route, site
+    assert site.status.value == "pending"  # decided at its first call
+    text = "\n".join(render_integration_plan(plan))
+    assert "pending: attn (Hand): decided at first call" in text, text
+    assert "1 site decided at first call" in text.split("Verdict:")[1], text
+
+
 def test_probabilities_used_after_an_input_changed_in_place_are_refused() -> None:
     # the weights returned deferred: computed at their use from what the code read;
     # a tensor they read changed since -- computing them would not be the code's

@@ -97,3 +97,28 @@ def test_runtime_errors_that_were_bare_are_typed() -> None:
         SequenceParallel(ulysses=1, ring=1)
     with pytest.raises(errors.ConsensusError, match="init_process_group first"):
         verify_consensus(group=object())  # type: ignore[arg-type]
+
+
+def test_every_error_class_has_a_row_in_the_docs_error_types_table() -> None:
+    """Issue 32 ("the docs say what each new error means"): every class of
+    attnres.errors, AttnresError's subclasses, has its own row in docs/errors.md's
+    "Error types" table, naming its built-in base (MaskKindError, MaskShapeError,
+    TraceWriteError and UsageError had none)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "errors.md").read_text(encoding="utf-8")
+    table = text.split("## Error types", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", table, flags=re.MULTILINE)
+    }
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if cls is errors.AttnresError:
+            assert "`attnres.AttnresError`" in text
+            continue
+        assert name in rows, f"{name} has no row in docs/errors.md's Error types table"
+        bases = [b for b in cls.__mro__[1:] if b is not errors.AttnresError]
+        named = bases[0].__name__  # its first built-in (or attnres) base
+        assert f"`{named}`" in rows[name], (name, named, rows[name])

@@ -609,3 +609,171 @@ def test_integer_mask_refused_at_an_applied_site(varlen_fakes: Calls, dtype: tor
     route(q, q, q, attn_mask=valid[:, None, None, :])  # a boolean mask runs
     with pytest.raises(MaskKindError, match="integer tensor"):
         route(q, q, q, attn_mask=ints[:, None, None, :].to(dtype))  # a later call
+
+
+# -- issue 32 item 4: a (batch, key length) mask at diffusers' dispatcher ------------------
+#
+# diffusers' ``dispatch_attention_fn`` reads a 2-D mask of shape (batch, key length)
+# as key padding (its native backend unsqueezes it to (batch, 1, 1, key length));
+# diffusers 0.38's QwenImage ControlNet passes its joint prompt mask so, and any
+# processor that hands ``attention_mask`` to the dispatcher as given (Flux's) does
+# when a caller passes one. The applied site read it as torch SDPA's (query length,
+# key length) and raised MaskShapeError at the first call of a plan that said ok.
+
+
+def _qwen_controlnet() -> Any:
+    import tiny_models
+    import torch
+
+    model = tiny_models.build_model("QwenImageControlNetModel").to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    for block in model.controlnet_blocks:  # zero-initialised: the output would be 0
+        torch.nn.init.normal_(block.weight, generator=gen)
+    return model
+
+
+def _qwen_controlnet_inputs(model: Any, lengths: tuple[int, ...]) -> dict[str, Any]:
+    import torch
+
+    cfg = model.config
+    gen = torch.Generator().manual_seed(1)
+    batch, text = len(lengths), max(lengths)
+    mask = torch.zeros(batch, text, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1  # prompts of different lengths
+    return {
+        "hidden_states": torch.randn(batch, 16, cfg.in_channels, generator=gen).bfloat16(),
+        "controlnet_cond": torch.randn(batch, 16, cfg.in_channels, generator=gen).bfloat16(),
+        "encoder_hidden_states": torch.randn(
+            batch, text, cfg.joint_attention_dim, generator=gen
+        ).bfloat16(),
+        "encoder_hidden_states_mask": mask,
+        "timestep": torch.ones(batch),
+        "img_shapes": [(1, 4, 4)] * batch,
+        "return_dict": False,
+    }
+
+
+def _relative(after: Any, before: Any) -> float:
+    import torch
+
+    assert isinstance(after, torch.Tensor) and isinstance(before, torch.Tensor)
+    return float((after.double() - before.double()).norm() / before.double().norm())
+
+
+@pytest.mark.parametrize("backend", ["sage_attn", "flash_attn"])
+@pytest.mark.parametrize("lengths", [(8, 3), (5, 5, 2)], ids=["two-prompts", "three-prompts"])
+def test_qwen_image_controlnet_plan_and_forward_agree_on_its_prompt_mask(
+    varlen_fakes: Calls, backend: str, lengths: tuple[int, ...]
+) -> None:
+    """The installed diffusers' QwenImage ControlNet with padded prompts: the plan
+    names key padding at every site, and the applied model gives the untouched
+    model's output (the varlen stand-ins run it)."""
+    import torch
+
+    from attnres.integrations import diffusers as idf
+    from attnres.layer import SelectionConfig
+
+    config = SelectionConfig(global_backend=backend, global_backend_explicit=True)
+    model = _qwen_controlnet()
+    with torch.no_grad():
+        before = model(**_qwen_controlnet_inputs(model, lengths))[0]
+        plan = idf.plan({"controlnet": model}, config, SIM)
+        assert plan.ok, plan.errors
+        assert {s.spec.requirements.mask_kind for s in plan.sites} == {"key padding"}
+        idf.apply({"controlnet": model}, config, STAND_IN)
+        try:
+            after = model(**_qwen_controlnet_inputs(model, lengths))[0]
+        finally:
+            idf.remove({"controlnet": model})
+    assert varlen_fakes.seen
+    for got, want in zip(after, before, strict=True):
+        assert _relative(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["sage_attn", "flash_attn"])
+@pytest.mark.parametrize("batch", [2, 3])
+def test_dispatcher_reads_a_batch_by_keys_mask_as_key_padding(
+    varlen_fakes: Calls, backend: str, batch: int
+) -> None:
+    """Diffusers 0.38's QwenImage ControlNet: the joint mask [prompt mask, ones over
+    the image] reaches ``dispatch_attention_fn`` as (batch, text + image). The
+    applied site's dispatcher gives what diffusers' own dispatcher gives for it."""
+    import torch
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from attnres.integrations import diffusers as idf
+    from attnres.layer import SelectionConfig
+
+    config = SelectionConfig(global_backend=backend, global_backend_explicit=True)
+    model = _qwen_controlnet()
+    idf.apply({"controlnet": model}, config, STAND_IN)
+    try:
+        processor = model.transformer_blocks[0].attn.processor
+        routed = type(processor).__call__.__globals__["dispatch_attention_fn"]
+        assert routed is not dispatch_attention_fn  # the site's own stand-in
+        gen = torch.Generator().manual_seed(4)
+        text, image, heads, dim = 6, 16, 3, 16
+        q, k, v = (
+            torch.randn(batch, text + image, heads, dim, generator=gen).bfloat16() for _ in range(3)
+        )
+        prompt = torch.arange(text) < torch.tensor([[text], [2], [4]][:batch])
+        joint = torch.cat([prompt, torch.ones(batch, image, dtype=torch.bool)], dim=1)
+        want = dispatch_attention_fn(q, k, v, attn_mask=joint)
+        got = routed(q, k, v, attn_mask=joint)
+    finally:
+        idf.remove({"controlnet": model})
+    assert varlen_fakes.seen
+    assert got.shape == want.shape
+    assert _relative(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["sage_attn", "flash_attn"])
+def test_flux_with_a_batch_by_keys_attention_mask_matches_the_untouched_model(
+    varlen_fakes: Calls, backend: str
+) -> None:
+    """A variant: Flux's processor hands ``attention_mask`` (passed through
+    ``joint_attention_kwargs``) to the dispatcher as given."""
+    import tiny_models
+    import torch
+
+    from attnres.integrations import diffusers as idf
+    from attnres.layer import SelectionConfig
+
+    model, make = tiny_models.build("FluxTransformer2DModel")
+    model = model.to(torch.bfloat16)
+    inputs = make()
+    for key in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
+        inputs[key] = torch.cat([inputs[key], inputs[key]]).bfloat16()
+    tokens = inputs["hidden_states"].shape[1] + inputs["encoder_hidden_states"].shape[1]
+    mask = torch.ones(2, tokens, dtype=torch.bool)
+    mask[1, 1:5] = False  # the second prompt padded inside
+    inputs["joint_attention_kwargs"] = {"attention_mask": mask}
+    config = SelectionConfig(global_backend=backend, global_backend_explicit=True)
+    with torch.no_grad():
+        before = model(**inputs)[0]
+        idf.apply({"transformer": model}, config, STAND_IN)
+        try:
+            after = model(**inputs)[0]
+        finally:
+            idf.remove({"transformer": model})
+    assert varlen_fakes.seen
+    assert _relative(after, before) < 2e-2
+
+
+def test_dispatcher_mask_keeps_the_sdpa_reading_of_other_2d_masks() -> None:
+    """Only (batch, key length) is read as key padding; a (query length, key length)
+    mask keeps torch SDPA's reading, and any other mask is passed as it is."""
+    import torch
+
+    from attnres.integrations._route import dispatcher_mask
+
+    q = torch.zeros(2, 5, 1, 4)
+    k = torch.zeros(2, 7, 1, 4)
+    padding = torch.ones(2, 7, dtype=torch.bool)
+    assert dispatcher_mask(padding, q, k).shape == (2, 1, 1, 7)
+    square = torch.ones(5, 7, dtype=torch.bool)  # (query length, key length)
+    assert dispatcher_mask(square, q, k) is square
+    four = torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    assert dispatcher_mask(four, q, k) is four
+    assert dispatcher_mask(None, q, k) is None

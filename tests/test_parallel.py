@@ -277,7 +277,10 @@ def _numerics_ok(result: dict[str, Any]) -> None:
 
 
 def test_two_ranks_every_layout_matches_one_process_and_errors_are_clear(tmp_path: Path) -> None:
-    scenarios = ["numerics", "dit", "errors", "decide_differently", "mismatch", "dead_peer"]
+    scenarios = [
+        "numerics", "dit", "errors", "decide_differently", "mismatch", "switch_backend",
+        "dead_peer",
+    ]  # fmt: skip
     results = run_ranks(tmp_path, 2, scenarios, work_s=120 + 2 * TIMEOUT_S)
     _numerics_ok(results[0]["numerics"])  # rank 0 compares with the reference
     assert results[0]["dit"]["max_err"] < 2e-5, results[0]["dit"]
@@ -288,12 +291,16 @@ def test_two_ranks_every_layout_matches_one_process_and_errors_are_clear(tmp_pat
         assert got["numerics"]["cases"] == 48  # (1x2: 2 kernels, 2x1: 1) x 16 combinations
         errors = got["errors"]
         assert "ulysses=2 x ring=2 spans 4 ranks, but the group has 2" in errors["wrong_degree"]
+        assert errors["wrong_degree_type"] == "SequenceParallelArgumentError"  # issue 32
         assert errors["heads"][1] == "no_compatible_backend"
         assert "6 heads and 3 kv heads do not both divide by 2" in errors["heads"][0]
         assert errors["no_lse"][1] == "no_lse"
         differ = got["decide_differently"]["error"]
         assert differ.startswith("Ranks disagree on attention backends")
         assert "rank 0 -> torch_sdpa" in differ and "rank 1 -> eager" in differ
+        # issue 32 item 17: the layer's origin, not "none"
+        assert "(origin layer)" in differ and "origin none" not in differ, differ
+        _switched_backends_are_a_typed_mismatch(got["switch_backend"])
         # issue 32: shards of different dtypes or shapes are refused before data moves
         mismatch = got["mismatch"]
         assert "crashed" not in mismatch, mismatch
@@ -311,6 +318,30 @@ def test_two_ranks_every_layout_matches_one_process_and_errors_are_clear(tmp_pat
         assert dead["error"] is not None, dead
         assert "sequence-parallel" in dead["error"] and "restart the job" in dead["error"]
         assert dead["elapsed_s"] < 3 * TIMEOUT_S  # the protocol's bound, with a margin
+
+
+def _switched_backends_are_a_typed_mismatch(got: dict[str, Any]) -> None:
+    """Issue 32 item 17: a rank that switched its backend mid-run (a request block,
+    a schedule step the other rank did not take; once with the new backend's run
+    already verified for the shape, which ran silently) is a BackendMismatchError
+    (a ConsensusError) naming both ranks' backends and origins, on every rank,
+    before any data moved and well within the timeout (not a dead peer); the group
+    stays in step. One backend chosen in two ways names both origins."""
+    assert "crashed" not in got, got["crashed"]
+    for layout in ("ulysses", "ring"):
+        for how, first in (("request", "layer"), ("schedule", "request"), ("verified", "layer")):
+            case = got[f"{layout}.{how}"]
+            assert case["error"] is not None, (layout, how, case)
+            assert case["consensus"] and case["backends"] == {"0": "torch_sdpa", "1": "eager"}
+            assert f"rank 0 -> torch_sdpa (origin {first})" in case["error"], case["error"]
+            assert "rank 1 -> eager (origin request)" in case["error"], case["error"]
+            assert "no data was exchanged" in case["error"]
+            assert case["elapsed_s"] < TIMEOUT_S  # answered, not waited out
+        assert got[f"{layout}.after"] == {"error": None}
+    origins = got["origins"]
+    assert origins is not None and "how attention backends were chosen" in origins
+    assert "rank 0 -> torch_sdpa (origin layer)" in origins, origins
+    assert "rank 1 -> torch_sdpa (origin forced)" in origins, origins
 
 
 def test_four_ranks_ulysses_ring_and_usp_match_one_process(tmp_path: Path) -> None:
@@ -735,11 +766,56 @@ def test_an_unbounded_timeout_is_a_value_error_not_an_overflow(timeout: float) -
     from datetime import timedelta
 
     from attnres.distributed import verify_consensus
+    from attnres.errors import SequenceParallelArgumentError
 
-    with pytest.raises(ValueError, match="timeout must be at most"):
+    with pytest.raises(SequenceParallelArgumentError, match="timeout must be at most"):
         attnres.SequenceParallel(ring=2, timeout=timeout)
-    with pytest.raises(ValueError, match="timeout must be at most"):
+    with pytest.raises(SequenceParallelArgumentError, match="timeout must be at most"):
         verify_consensus([], timeout=timedelta(days=8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument", "message"),
+    [
+        # timeouts: what was asked (SequenceParallel's timeout) and the bound (a week)
+        ({"ring": 2, "timeout": 1e300}, "timeout",
+         "SequenceParallel: timeout must be at most 604800 s (a week), got 1e+300"),
+        ({"ring": 2, "timeout": 10**400}, "timeout",
+         "SequenceParallel: timeout must be at most 604800 s (a week), got a huge number"),
+        # -10**400 overflowed float() (OverflowError) before the bound was checked
+        ({"ring": 2, "timeout": -(10**400)}, "timeout",
+         "SequenceParallel: timeout must be a positive, finite duration of at most 604800 s"),
+        ({"ring": 2, "timeout": float("nan")}, "timeout", "got nan"),
+        ({"ring": 2, "timeout": 0}, "timeout", "positive, finite duration"),
+        # degrees: which one, and the bound
+        ({"ulysses": 0}, "ulysses degree",
+         "ulysses degree: expected a positive integer (1 to 65536 ranks), got 0"),
+        ({"ring": 10**400}, "ring degree", "ring degree: must be at most 65536 ranks"),
+        ({"ring": "2"}, "ring degree", "ring degree: expected a positive integer"),
+    ],
+    ids=["timeout-1e300", "timeout-huge-int", "timeout-huge-negative", "timeout-nan",
+         "timeout-zero", "ulysses-zero", "ring-huge", "ring-str"],
+)  # fmt: skip
+def test_bad_sequence_parallel_arguments_are_typed(
+    kwargs: dict[str, Any], argument: str, message: str
+) -> None:
+    """Issue 32 items 11 and 16: a bad SequenceParallel argument is an AttnresError
+    (still a ValueError) saying what was asked and the bound; it was a plain
+    ValueError (and, for -10**400 seconds, an OverflowError)."""
+    from attnres.errors import AttnresError, SequenceParallelArgumentError
+
+    with pytest.raises(SequenceParallelArgumentError) as info:
+        attnres.SequenceParallel(**kwargs)
+    assert isinstance(info.value, AttnresError) and isinstance(info.value, ValueError)
+    assert message in str(info.value), str(info.value)
+    assert info.value.argument == argument
+    with pytest.raises(SequenceParallelArgumentError):  # the layout alone, as the CLI builds it
+        if argument != "timeout":
+            SequenceLayout(**kwargs)
+        else:
+            from attnres.distributed import verify_consensus
+
+            verify_consensus([], timeout=kwargs["timeout"])
 
 
 def test_zigzag_blocks_give_every_rank_an_early_and_a_late_half() -> None:

@@ -46,7 +46,7 @@ import structlog
 import torch.distributed as dist
 from attrs import frozen
 
-from attnres.errors import ConsensusError
+from attnres.errors import ConsensusError, SequenceParallelArgumentError
 from attnres.ledger import Decision
 from attnres.ledger import decisions as _ledger_decisions
 
@@ -239,24 +239,41 @@ def _compare(
 # The store protocol.
 
 
-def _timeout_seconds(timeout: Timeout) -> float:
+def _timeout_seconds(timeout: Timeout, who: str = "verify_consensus") -> float:
+    """``timeout`` in seconds; a value out of bounds is a
+    :class:`~attnres.errors.SequenceParallelArgumentError` (a ``ValueError``)
+    saying what ``who`` was given and the bound (issue 32 items 11, 16)."""
     if timeout is None:
         return DEFAULT_TIMEOUT_S
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         # a huge int is compared before float() would overflow
-        seconds = float(min(timeout, MAX_TIMEOUT_S + 1)) if isinstance(timeout, int) else timeout
+        # (either way: -10**400 overflowed float() too)
+        seconds = (
+            float(max(min(timeout, MAX_TIMEOUT_S + 1), -1)) if isinstance(timeout, int) else timeout
+        )
     else:
         raise TypeError(
-            f"timeout must be seconds (float) or a datetime.timedelta, got {type(timeout).__name__}"
+            f"{who}: timeout must be seconds (float) or a datetime.timedelta, got "
+            f"{type(timeout).__name__}"
         )
+    huge = isinstance(timeout, int) and abs(timeout) >= 10**30
+    shown = "a huge number" if huge else repr(timeout)
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"timeout must be a positive, finite duration, got {timeout!r}")
+        raise SequenceParallelArgumentError(
+            f"{who}: timeout must be a positive, finite duration of at most "
+            f"{MAX_TIMEOUT_S:g} s (a week), got {shown}",
+            "timeout",
+            MAX_TIMEOUT_S,
+        )
     if seconds > MAX_TIMEOUT_S:  # issue 32: 1e300 s overflowed timedelta and thread waits
-        raise ValueError(
-            f"timeout must be at most {MAX_TIMEOUT_S:g} s (a week), got {timeout!r}: a bound "
-            f"that long never stops a hang in practice"
+        raise SequenceParallelArgumentError(
+            f"{who}: timeout must be at most {MAX_TIMEOUT_S:g} s (a week), got {shown}: a "
+            f"bound that long never stops a hang in practice; pass seconds (or a timedelta) "
+            f"up to a week",
+            "timeout",
+            MAX_TIMEOUT_S,
         )
     return seconds
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AppliedModelPickleError",
     "AttnresError",
+    "BackendMismatchError",
     "BackendNotAppliedError",
     "BackendOptionError",
     "CompiledGraphError",
@@ -44,6 +45,7 @@ __all__ = [
     "RequestBackendError",
     "ResolutionError",
     "ResultsFileError",
+    "SequenceParallelArgumentError",
     "SequenceParallelError",
     "TraceFormatError",
     "TraceWriteError",
@@ -311,3 +313,30 @@ class DeferredScoresError(AttnresError, RuntimeError):
     deferred-scores route) are used after a tensor they are computed from was
     changed in place: computed now, they would not be what the site's code
     computed, so attnres refuses (``docs/integrations.md``)."""
+
+
+class BackendMismatchError(ConsensusError):
+    """Sequence-parallel ranks run different attention backends for one layer at
+    one forward: a rank switched its backend (``request_backend``, a schedule
+    step, ``force_backend``) while the others did not (issue 32 item 17). Raised
+    on every rank before any data moves; ``.backends`` maps each group rank to
+    its backend's name."""
+
+    def __init__(self, message: str, backends: dict[int, str]) -> None:
+        super().__init__(message)
+        self.backends = backends
+
+
+class SequenceParallelArgumentError(AttnresError, ValueError):
+    """A sequence-parallel argument out of bounds (issue 32 items 11, 16): a
+    degree or head count of :class:`~attnres.SequenceLayout` or
+    :class:`~attnres.SequenceParallel` (1 to 65536), a timeout of
+    ``SequenceParallel`` or ``verify_consensus`` (positive, at most a week), or
+    degrees whose product is not the group's size. ``.argument`` names what was
+    given, ``.bound`` the limit it broke. A ``ValueError``, as it was before it
+    had a type."""
+
+    def __init__(self, message: str, argument: str, bound: float) -> None:
+        super().__init__(message)
+        self.argument = argument
+        self.bound = bound

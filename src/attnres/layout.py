@@ -25,6 +25,8 @@ from typing import Any, Final
 import attrs
 from attrs import field, frozen
 
+from attnres.errors import SequenceParallelArgumentError
+
 __all__ = [
     "LAYOUT_KINDS",
     "MAX_DEGREE",
@@ -52,7 +54,10 @@ MAX_DEGREE: Final = 1 << 16
 MAX_HEADS: Final = 1 << 16
 
 
-def _bounded(value: Any, what: str, limit: int) -> int:
+def _bounded(value: Any, what: str, limit: int, unit: str = "") -> int:
+    """``value`` as an int in 1..``limit``, else a
+    :class:`~attnres.errors.SequenceParallelArgumentError` (a ``ValueError``)
+    naming ``what`` was asked and the bound (issue 32 items 11, 16)."""
     if not isinstance(value, bool):
         try:
             number = operator.index(value)
@@ -65,17 +70,41 @@ def _bounded(value: Any, what: str, limit: int) -> int:
                 shown = (
                     str(number) if number < 10**30 else f"a number of {number.bit_length()} bits"
                 )
-                raise ValueError(f"{what}: must be at most {limit}, got {shown}")
+                raise SequenceParallelArgumentError(
+                    f"{what}: must be at most {limit}{unit}, got {shown}", what, limit
+                )
     shown = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
-    raise ValueError(f"{what}: expected a positive integer, got {shown}")
+    raise SequenceParallelArgumentError(
+        f"{what}: expected a positive integer (1 to {limit}{unit}), got {shown}", what, limit
+    )
 
 
-def _degree(value: Any) -> int:
-    return _bounded(value, "degree", MAX_DEGREE)
+def _degree(value: Any, what: str = "degree") -> int:
+    return _bounded(value, what, MAX_DEGREE, " ranks")
 
 
-def _heads(value: Any) -> int | None:
-    return None if value is None else _bounded(value, "heads", MAX_HEADS)
+def _heads(value: Any, what: str = "heads") -> int | None:
+    return None if value is None else _bounded(value, what, MAX_HEADS)
+
+
+def _ulysses(value: Any) -> int:
+    return _degree(value, "ulysses degree")
+
+
+def _ring(value: Any) -> int:
+    return _degree(value, "ring degree")
+
+
+def _allgather(value: Any) -> int:
+    return _degree(value, "allgather degree")
+
+
+def _num_heads(value: Any) -> int | None:
+    return _heads(value, "num_heads")
+
+
+def _num_kv_heads(value: Any) -> int | None:
+    return _heads(value, "num_kv_heads")
 
 
 def _text(value: Any) -> str | None:
@@ -109,10 +138,12 @@ def padded_heads(heads: int, kv_heads: int, ulysses: int) -> tuple[int, int]:
 def _kv_heads(layout: Any, attribute: Any, value: int | None) -> None:
     heads = layout.num_heads
     if value is not None and heads is not None and (value > heads or heads % value):
-        raise ValueError(
+        raise SequenceParallelArgumentError(
             f"num_kv_heads: {value} key/value heads for {heads} query heads; each key/value "
             f"head serves a whole group of query heads, so they must divide num_heads "
-            f"(swapped --heads and --kv-heads?)"
+            f"(swapped --heads and --kv-heads?)",
+            "num_kv_heads",
+            heads,
         )
 
 
@@ -128,14 +159,14 @@ class SequenceLayout:
     them; the Ulysses divisibility check then says so).
     """
 
-    ulysses: int = field(default=1, converter=_degree)
-    ring: int = field(default=1, converter=_degree)
-    num_heads: int | None = field(default=None, converter=_heads)
-    num_kv_heads: int | None = field(default=None, converter=_heads, validator=_kv_heads)
+    ulysses: int = field(default=1, converter=_ulysses)
+    ring: int = field(default=1, converter=_ring)
+    num_heads: int | None = field(default=None, converter=_num_heads)
+    num_kv_heads: int | None = field(default=None, converter=_num_kv_heads, validator=_kv_heads)
     #: issue 35: ranks that all-gather key/value blocks (each keeps its query
     #: shard; vLLM-Omni's AllGather-KV, SGLang's kv-gather degree); composes with
     #: Ulysses inside (vllm-omni#7641), not with a ring (both split the rows)
-    allgather: int = field(default=1, converter=_degree, metadata={"omit_default": True})
+    allgather: int = field(default=1, converter=_allgather, metadata={"omit_default": True})
     #: issue 35: Ulysses zero-pads the heads to a multiple of its degree and drops
     #: the padding after (vLLM-Omni's ``advanced_uaa``)
     pad_heads: bool = field(default=False, metadata={"omit_default": True})

@@ -489,7 +489,7 @@ class Attention(FastCallModule):
         if resolution is None:
             raise rejection(trace)
         kernel, dtypes = _bind(resolution, spec)
-        shape = self._shape._replace(backend=resolution.backend.name)
+        shape = self._shape._replace(backend=resolution.backend.name, origin=str(resolution.origin))
         prepared = _Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes))
         self._prepared[backend.name] = prepared
         return prepared
@@ -646,7 +646,9 @@ class Attention(FastCallModule):
                     error.code,
                 ) from None
             kernel, dtypes = _bind(resolution, spec)
-            shape = self._shape._replace(backend=resolution.backend.name)
+            shape = self._shape._replace(
+                backend=resolution.backend.name, origin=str(resolution.origin)
+            )
             bound = _Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes))
             self.__dict__["_backward"] = bound
         return bound.run
@@ -692,7 +694,9 @@ class Attention(FastCallModule):
                     bind_pending(handle, spec.role, None)
             raise rejection(trace)
         kernel, dtypes = _bind(resolution, spec)
-        shape = self._shape._replace(backend=resolution.backend.name, dtype=spec.dtype)
+        shape = self._shape._replace(
+            backend=resolution.backend.name, dtype=spec.dtype, origin=str(resolution.origin)
+        )
         self.__dict__.update(layer_spec=spec, _decision=decision)
         self._set_binding(_Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes)))
         if resolution.trace.input.config.autotune:  # opt-in: measured selection
@@ -875,7 +879,7 @@ class Attention(FastCallModule):
         """Run ``resolution``'s backend from now on (autotune's measured decision);
         the layer's ledger entry becomes the new decision (returned)."""
         kernel, dtypes = _bind(resolution, self.layer_spec)
-        shape = self._shape._replace(backend=resolution.backend.name)
+        shape = self._shape._replace(backend=resolution.backend.name, origin=str(resolution.origin))
         decision = Decision(
             resolution.component, resolution.layer, resolution.outcome, resolution.trace
         )
@@ -1028,6 +1032,9 @@ class _LayerShape(NamedTuple):
     window: tuple[int, int] | None = None  # (left, right), -1 unbounded
     parallel: SequenceParallel | None = None  # issue 24: the sequence-parallel layout
     backend_options: BackendOptions = ()  # issue 23: per backend, validated
+    #: how the backend was chosen (the resolution's origin): a sequence-parallel
+    #: layer's consensus compares it across ranks (issue 32 item 17)
+    origin: str = "none"
 
 
 def _make_run(

@@ -77,7 +77,12 @@ from torch import Tensor
 from attnres._outcome import Outcome
 from attnres.backends import Backend
 from attnres.distributed import DEFAULT_TIMEOUT_S, _timeout_seconds, verify_consensus
-from attnres.errors import ConsensusError, SequenceParallelError
+from attnres.errors import (
+    BackendMismatchError,
+    ConsensusError,
+    SequenceParallelArgumentError,
+    SequenceParallelError,
+)
 from attnres.kernels.lse import (
     LseBackwardFn,
     LseKernelFn,
@@ -114,9 +119,11 @@ class SequenceParallel:
     rule, bounded by ``kv_budget`` bytes per rank) and ``interconnect``
     (``"nvlink"``, ``"pcie"``, or ``"measure"``: one timed all-reduce).
 
-    Raises ``ValueError`` for a bad degree or one that does not match the
-    group, ``RuntimeError`` when ``torch.distributed`` is not initialised or
-    this process is not in ``group``.
+    Raises :class:`~attnres.errors.SequenceParallelArgumentError` (a
+    ``ValueError``) for a degree or a timeout out of bounds, or degrees that do
+    not match the group, naming the argument and its bound;
+    :class:`~attnres.errors.SequenceParallelError` (a ``RuntimeError``) when
+    ``torch.distributed`` is not initialised or this process is not in ``group``.
     """
 
     def __init__(
@@ -147,7 +154,9 @@ class SequenceParallel:
                 f"got {interconnect!r}"
             )
         # bounded before anything else (issue 32: 1e300 overflowed timedelta)
-        timeout_s = _timeout_seconds(DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        timeout_s = _timeout_seconds(
+            DEFAULT_TIMEOUT_S if timeout is None else timeout, "SequenceParallel"
+        )
         if not (dist.is_available() and dist.is_initialized()):
             raise SequenceParallelError(
                 "SequenceParallel needs torch.distributed to be initialised: call "
@@ -161,10 +170,12 @@ class SequenceParallel:
                 "on the group's ranks only, with a group that holds this rank"
             )
         if shape.degree != size and not auto:
-            raise ValueError(
+            raise SequenceParallelArgumentError(
                 f"SequenceParallel: {shape.ulysses_ring()} spans "
                 f"{shape.degree} ranks, but the group has {size}; choose degrees whose product "
-                f"is the group's size"
+                f"is the group's size",
+                "ulysses x ring",
+                size,
             )
         self.group = group
         self.ulysses = shape.ulysses
@@ -451,7 +462,7 @@ class SequenceParallel:
 
 #: what a facts all-gather is for (its first column), and every row's width
 _FACT_KINDS: tuple[str, ...] = ("forward", "gather")
-_FACTS_WIDTH = 11
+_FACTS_WIDTH = 12
 
 #: issue 35: the interconnect classes the layout rules read, the bandwidth a
 #: measured link needs to count as NVLink-class (PCIe 5.0 x16 is about 64 GB/s
@@ -481,9 +492,19 @@ def _count(what: str, value: Any, least: int) -> int:
     return value
 
 
+#: the most UTF-8 bytes of a rank's backend label exchanged when the ranks' backends
+#: differ (a registered name is at most 64 characters; the origin's word follows)
+_LABEL_BYTES = 128
+
+
 def _dtype_code(dtype: torch.dtype) -> int:
     """A dtype as an integer every rank computes alike (for the facts all-gather)."""
     return zlib.crc32(str(dtype).encode())
+
+
+def _backend_code(backend: str) -> int:
+    """A backend's name as an integer every rank computes alike (the facts all-gather)."""
+    return zlib.crc32(backend.encode())
 
 
 def _dtype_name(code: int, mine: torch.dtype) -> str:
@@ -531,6 +552,9 @@ class _ParallelRun:
         )
         self.causal, self.scale, self.softcap = shape.causal, shape.softmax_scale, shape.softcap
         self.backend = shape.backend
+        #: how the layer's backend was chosen (the resolution's origin): the
+        #: consensus reports it (issue 32 item 17: every origin read ``none``)
+        self.origin = str(getattr(shape, "origin", "none"))
         self.dtypes = dtypes
         if sp.ring > 1 and shape.window is not None:
             raise ValueError(
@@ -605,7 +629,7 @@ class _ParallelRun:
             decision = Decision(
                 "sequence_parallel",
                 site,
-                Outcome("selected", "none", Backend(self.backend), None),
+                Outcome("selected", self.origin, Backend(self.backend), None),
                 cast("Trace", None),  # the consensus compares backends, not traces
             )
             verify_consensus([decision], group=sp.group, timeout=sp.timeout_s)
@@ -767,6 +791,7 @@ class _ParallelRun:
         facts = [q.shape[0], q.shape[1], k.shape[1], _dtype_code(q.dtype), *q.shape[2:], k.shape[2]]
         facts.append(0 if self._verified else 1)
         facts += [self.sp.text_tokens, int(masked)]  # issue 35: joint text, a mask
+        facts.append(_backend_code(self.backend))
         rows = self.sp._gather_facts("forward", facts, q.device)
         agreed = [rows[0][0], *rows[0][3:7], *rows[0][8:10]]
         if any([row[0], *row[3:7], *row[8:10]] != agreed for row in rows):
@@ -784,12 +809,39 @@ class _ParallelRun:
                 f"may differ); "
                 f"build every rank's layer with the same dtype and shapes"
             )
+        if any(row[10] != rows[0][10] for row in rows):
+            self._backends_differ()
         # a rank that has not verified this shape's decision yet asks every rank to
         # (a rank that verified a shared shape earlier would otherwise skip the store
         # protocol while its peer waited there)
         if any(row[7] for row in rows):
             self._verify()
         return _Lengths(rows[0][0], [r[1] for r in rows], [r[2] for r in rows])
+
+    def _backends_differ(self) -> None:
+        """Every rank saw the same rows: the ranks run different backends for this
+        layer (issue 32 item 17: a rank that switched its backend mid-run -- a
+        ``request_backend`` block, a schedule step, ``force_backend`` -- while the
+        others did not was reported as a dead peer, or not at all once both
+        backends had been verified). One more fixed-width all-gather brings each
+        rank's backend and origin, so every rank raises the same error naming them."""
+        label = f"{self.backend} (origin {self.origin})".encode()[:_LABEL_BYTES]
+        row = [len(label), *label] + [0] * (_LABEL_BYTES - len(label))
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = self.sp._all_gather_ints(mine).tolist()
+        labels = [bytes(r[1 : 1 + r[0]]).decode("utf-8", "replace") for r in rows]
+        backends = {rank: text.split(" (origin ", 1)[0] for rank, text in enumerate(labels)}
+        sp = self.sp
+        layout = sp.layout(self.heads, self.kv_heads).describe()
+        raise BackendMismatchError(
+            f"Ranks disagree on attention backends at a forward of the sequence-parallel "
+            f"layer {layout}; {self.heads}/{self.kv_heads} heads x {self.head_size}: "
+            f"{', '.join(f'rank {r} -> {t}' for r, t in enumerate(labels))}; no data was "
+            f"exchanged. A rank switched its backend (attnres.request_backend, "
+            f"attnres.schedule, force_backend) without the others: switch every rank of the "
+            f"group alike, at the same step",
+            backends,
+        )
 
     # Ulysses groups: ranks ring_rank*U .. ring_rank*U + U - 1
     def _members(self) -> list[int]:

@@ -307,6 +307,11 @@ def render_plan(result: PlanResult) -> list[str]:
         f"{_plural(total, 'layer')} ({len(layers)} distinct) in "
         f"{_plural(len(result.components), 'component')}"
     )
+    # issue 32 item 8: sites decided at their first call (softmax by hand in a plain
+    # module, a class that holds no head facts) are counted, not read as "0 layers"
+    pending = sum(1 for c in result.components for u in c.unplanned if u.status is Status.PENDING)
+    if pending:
+        scope += f", {_plural(pending, 'site')} decided at first call"
     if result.ok:
         fell = (
             "fallbacks: "

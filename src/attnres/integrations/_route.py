@@ -463,6 +463,25 @@ def dense_mask(attn_mask: Any, q: Any, k: Any, seq_dim: int) -> Any:
     )
 
 
+def dispatcher_mask(attn_mask: Any, query: Any, key: Any) -> Any:
+    """A mask as diffusers' ``dispatch_attention_fn`` reads it (issue 32 item 4):
+    its native backend takes a 2-D mask of shape (batch, key length) as key
+    padding, (batch, 1, 1, key length), where torch's SDPA would read a 2-D mask
+    as (query length, key length). Diffusers 0.38's QwenImage ControlNet passes
+    its joint prompt mask in that form. The dispatcher's layout is (batch, seq,
+    heads, dim). Any other mask is returned as it is."""
+    if (
+        isinstance(attn_mask, torch.Tensor)
+        and attn_mask.dim() == 2
+        and query.dim() == 4
+        and key.dim() == 4
+        and attn_mask.shape[0] == query.shape[0]
+        and attn_mask.shape[1] == key.shape[1]
+    ):
+        return attn_mask[:, None, None, :]
+    return attn_mask
+
+
 def _observe_mask(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> MaskFacts:
     """The mask of one call as :class:`MaskFacts`, its kind observed (issue 22)."""
     if attn_mask is None:
@@ -1127,8 +1146,11 @@ class GenericRoute:
             attention_kwargs: Any = None,
             **rest: Any,
         ) -> Any:
+            given = attn_mask
+            attn_mask = dispatcher_mask(attn_mask, query, key)
             kernel = self.kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
             if kernel is None:
+                attn_mask = given  # diffusers' own backend reads its own forms
                 if self.dispatch_sdpa is not None:
                     rest["backend"] = self.dispatch_sdpa
                 return original(
