@@ -332,11 +332,13 @@ class SequenceParallelArgumentError(AttnresError, ValueError):
     degree or head count of :class:`~attnres.SequenceLayout` or
     :class:`~attnres.SequenceParallel` (1 to 65536), a timeout of
     ``SequenceParallel`` or ``verify_consensus`` (positive, at most a week), or
-    degrees whose product is not the group's size. ``.argument`` names what was
-    given, ``.bound`` the limit it broke. A ``ValueError``, as it was before it
+    degrees whose product is not the group's size; issue 35's arguments (``layout``,
+    ``interconnect``, ``text_tokens``, ``seq_len``, ``kv_budget``, ``allgather`` with
+    ``ring``, ``pad_heads``). ``.argument`` names what was given, ``.bound`` the
+    limit it broke (a number, or the values it may take). A ``ValueError``, as it was before it
     had a type."""
 
-    def __init__(self, message: str, argument: str, bound: float) -> None:
+    def __init__(self, message: str, argument: str, bound: float | str) -> None:
         super().__init__(message)
         self.argument = argument
         self.bound = bound

@@ -177,12 +177,17 @@ class SequenceLayout:
 
     def __attrs_post_init__(self) -> None:
         if self.allgather > 1 and self.ring > 1:
-            raise ValueError(
+            raise SequenceParallelArgumentError(
                 f"allgather={self.allgather} and ring={self.ring}: both split the query rows "
-                f"across ranks, so they do not compose; choose one (Ulysses composes with either)"
+                f"across ranks, so they do not compose; choose one (Ulysses composes with "
+                f"either)",
+                "allgather x ring",
+                "one of them 1",
             )
         if not isinstance(self.pad_heads, bool):
-            raise ValueError(f"pad_heads: expected a bool, got {self.pad_heads!r}")
+            raise SequenceParallelArgumentError(
+                f"pad_heads: expected a bool, got {self.pad_heads!r}", "pad_heads", "a bool"
+            )
 
     @property
     def degree(self) -> int:

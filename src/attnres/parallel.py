@@ -149,9 +149,11 @@ class SequenceParallel:
         seq_len = None if seq_len is None else _count("seq_len", seq_len, 1)
         budget = _DEFAULT_KV_BUDGET if kv_budget is None else _count("kv_budget", kv_budget, 1)
         if interconnect not in (None, *_INTERCONNECTS, "measure"):
-            raise ValueError(
+            raise SequenceParallelArgumentError(
                 f"interconnect: expected one of {', '.join(_INTERCONNECTS)}, 'measure' or None, "
-                f"got {interconnect!r}"
+                f"got {interconnect!r}",
+                "interconnect",
+                ", ".join((*_INTERCONNECTS, "measure")),
             )
         # bounded before anything else (issue 32: 1e300 overflowed timedelta)
         timeout_s = _timeout_seconds(
@@ -477,18 +479,24 @@ def _auto(layout: Any, ulysses: int, ring: int, allgather: int, pad_heads: bool)
     if layout is None:
         return False
     if layout != "auto":
-        raise ValueError(f"layout: expected 'auto' or None, got {layout!r}")
+        raise SequenceParallelArgumentError(
+            f"layout: expected 'auto' or None, got {layout!r}", "layout", "auto"
+        )
     if (ulysses, ring, allgather, pad_heads) != (1, 1, 1, False):
-        raise ValueError(
+        raise SequenceParallelArgumentError(
             "layout='auto' chooses the degrees per layer: leave ulysses, ring, allgather and "
-            "pad_heads unset"
+            "pad_heads unset",
+            "layout",
+            "auto with no degrees",
         )
     return True
 
 
 def _count(what: str, value: Any, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{what}: expected an integer of at least {least}, got {value!r}")
+        raise SequenceParallelArgumentError(
+            f"{what}: expected an integer of at least {least}, got {value!r}", what, least
+        )
     return value
 
 
