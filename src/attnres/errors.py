@@ -36,6 +36,7 @@ __all__ = [
     "IntegrationError",
     "InvalidStateError",
     "KernelNotRegisteredError",
+    "KernelRefusedError",
     "KernelUnavailableError",
     "MaskKindError",
     "MaskShapeError",
@@ -311,3 +312,19 @@ class DeferredScoresError(AttnresError, RuntimeError):
     deferred-scores route) are used after a tensor they are computed from was
     changed in place: computed now, they would not be what the site's code
     computed, so attnres refuses (``docs/integrations.md``)."""
+
+
+class KernelRefusedError(AttnresError, RuntimeError):
+    """Issue 31: the selected backend's kernel refuses this call, for a reason no
+    layer fact decided when the backend was chosen (a key length, a global torch
+    mode, gradients its release has no working backward for): the adapter says
+    so before the kernel's own error (torch's "No available kernel", autograd's
+    "incorrect number of gradients"). ``.backend`` names the backend and
+    ``.because`` cites the kernel's own check. A ``RuntimeError`` too: what the
+    kernel itself raised before.
+    """
+
+    def __init__(self, message: str, backend: str, because: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.because = because
