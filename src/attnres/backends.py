@@ -1575,7 +1575,11 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
                 "position out); no additive mask (attnres.kernels.ascend_fa refuses float masks)",
             ),
         ),
-        release="torch_npu (Ascend op-plugin docs, npu_fusion_attention)",
+        release=(
+            "torch-npu 2.13.0 (registry wheel; torch_npu/_op_plugin_docs.py, "
+            "npu_fusion_attention: BOOL/UINT8 atten_mask, head dim 1-768, the catalogue "
+            "keeps multiples of 16 up to 512 from the Ascend op-plugin docs)"
+        ),
         aliases=("npu_fa", "npu_fusion_attention", "ascend"),
         description="Ascend torch_npu.npu_fusion_attention",
         kernel="attnres.kernels.ascend_fa:make_kernel",
