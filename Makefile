@@ -39,11 +39,13 @@ run: $(STAMP)
 # "How the adapters are tested"). flash-attn's sdist gives flash_attn (with its
 # early flash_attn.cute) and hopper/flash_attn_interface.py (FlashAttention-3);
 # its metadata step imports torch, hence --no-build-isolation with the CUDA
-# build skipped. tests/kernels runs only with ATTNRES_KERNEL_DISTS set (both
+# build skipped. torch-npu gives no wrapper to run (its npu_fusion_attention is a
+# compiled operator): its wheel's published schema defines the stand-in operator
+# (tests/kernels/stubs/npu). tests/kernels runs only with ATTNRES_KERNEL_DISTS set (both
 # targets below set it; `make test` includes it).
 KERNELS_ENV ?= .venv-kernels
 KERNEL_DISTS ?= flash-attn==2.8.3 flash-attn-4==4.0.0b36 amd-aiter==0.1.7.post2.dev18 \
-	xformers==0.0.35 sageattention==1.0.6
+	xformers==0.0.35 sageattention==1.0.6 torch-npu==2.13.0
 KERNELS_STAMP := $(KERNELS_ENV)/.attnres-kernels
 KERNELS_RUN := ATTNRES_KERNEL_DISTS="$(abspath $(KERNELS_ENV))/dists"
 

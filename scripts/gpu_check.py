@@ -66,6 +66,9 @@ def _what_would_run(specs: list[Any]) -> list[str]:
             parts.append("options " + ", ".join(o.name for o in spec.options))
         if any(m.route.value == "unpad" for m in spec.masks):
             parts.append("key-padding gather route vs packed tokens (cost)")
+        if spec.refuses:
+            parts.append("call-time refusals (a key/value length of 1, deterministic mode): "
+                         "torch's own error, the adapter's KernelRefusedError")  # fmt: skip
         package = f" (needs package {spec.package})" if spec.package else ""
         lines.append(f"{spec.name}{package}: " + "; ".join(parts) + " -- vs float64")
     lines.append("generic route: attnres.Attention per-call cost vs its kernel called directly")
@@ -285,6 +288,50 @@ def _check_backend(report: _Report, spec: Any, platform: Any) -> None:
                                           "overhead_us": routed_us - packed_us}  # fmt: skip
 
         report.run(name, "key-padding gather route cost", gather_cost)
+    if spec.refuses and name == "torch_cudnn_sdpa":
+        report.run(name, "call-time refusals", lambda: _cudnn_refusals(kernel, tensors))
+
+
+def _cudnn_refusals(kernel: Any, tensors: Callable[..., Any]) -> dict[str, Any]:
+    """Issue 31: what BackendSpec.refuses states for cuDNN SDPA, on this torch and
+    cuDNN: SDPA restricted to cuDNN raises for a key/value length of 1 and in
+    deterministic mode, and the adapter raises KernelRefusedError first."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attnres.errors import KernelRefusedError
+
+    q, k, v = tensors()
+    k1, v1 = k[:, :1].contiguous(), v[:, :1].contiguous()
+    found: dict[str, Any] = {}
+
+    def torch_refuses(key: Any, value: Any) -> bool:
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), torch.no_grad():
+                torch.nn.functional.scaled_dot_product_attention(
+                    *(t.transpose(1, 2) for t in (q, key, value)))  # fmt: skip
+        except RuntimeError:
+            return True
+        return False
+
+    def adapter_refuses(key: Any, value: Any) -> bool:
+        try:
+            with torch.no_grad():
+                kernel(q, key, value, None, False, None)
+        except KernelRefusedError:
+            return True
+        return False
+
+    found["seq_kv_1"] = {"torch": torch_refuses(k1, v1), "adapter": adapter_refuses(k1, v1)}
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        found["deterministic"] = {"torch": torch_refuses(k, v), "adapter": adapter_refuses(k, v)}
+    finally:
+        torch.use_deterministic_algorithms(before)
+    held = all(all(case.values()) for case in found.values())
+    # "fail": torch took what the catalogue says cuDNN refuses (a stale fact here)
+    return {"status": "pass" if held else "fail", **found}
 
 
 def _generic_route_cost(report: _Report) -> None:

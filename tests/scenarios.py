@@ -513,14 +513,15 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "transformer-cross-global-sparse-falls-back-to-dense",
         "Seed incident: a sparse global backend never serves cross-attention, even on a layer "
-        "with no supported set in the strict transformer: it falls back to dense fa with "
+        "with no supported set in the strict transformer: it falls back to dense fa3 (the "
+        "Hopper chain's first) with "
         "'dense cross-attention fallback'.",
         _layer(role="cross", name="blocks.0.attn2"),
         _cli("sliding_tile_attn"),
         scope_state("transformer"),
         _HOPPER_ALL,
         None,
-        expect=selects("fa", "dense cross-attention fallback", origin="global_cli"),
+        expect=selects("fa3", "dense cross-attention fallback", origin="global_cli"),
     ),
     Scenario(
         "transformer-sage-preference-falls-back-to-platform-default",
@@ -810,16 +811,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
-        "training-sage-preference-falls-back-to-fa",
+        "training-sage-preference-falls-back-to-fa3",
         "A derived sage_attn preference on a layer that needs the backward pass: sage_attn "
-        "fails the requirements check, and fa (which has one) serves from the platform's "
+        "fails the requirements check, and fa3 (which has one) serves from the platform's "
         "chain ('platform default fallback').",
         _layer(requires=("backward",), name="blocks.0.attn1"),
         _preference("sage_attn"),
         None,
         _HOPPER_ALL,
         None,
-        expect=selects("fa", "platform default fallback", origin="global_preference"),
+        expect=selects("fa3", "platform default fallback", origin="global_preference"),
     ),
     Scenario(
         "cpu-flex-attention-backward-rejected-limit",
@@ -946,16 +947,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
-        "custom-scale-sliding-tile-preference-falls-back-to-fa",
+        "custom-scale-sliding-tile-preference-falls-back-to-fa3",
         "Sliding Tile Attention hard-codes 1/sqrt(head_size) (no scale argument): a layer "
-        "with another softmax scale never gets it, even when it is the preferred backend; fa "
+        "with another softmax scale never gets it, even when it is the preferred backend; fa3 "
         "(softmax_scale) serves from the platform's chain ('platform default fallback').",
         _layer(requires=("custom_scale",), name="blocks.0.attn1"),
         _preference("sliding_tile_attn"),
         scope_state("transformer"),
         _HOPPER_ALL,
         None,
-        expect=selects("fa", "platform default fallback", origin="global_preference"),
+        expect=selects("fa3", "platform default fallback", origin="global_preference"),
     ),
     Scenario(
         "layer-sage-attn-3-custom-scale-rejected-requirement",
@@ -1067,7 +1068,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         None,
         _HOPPER_ALL,
         "video_sparse_attn",
-        expect=selects("fa", "dense cross-attention fallback", origin="layer"),
+        expect=selects("fa3", "dense cross-attention fallback", origin="layer"),
     ),
     Scenario(
         "layer-sparse-on-cpu-cross-attention-falls-back-to-torch-sdpa",
@@ -1122,7 +1123,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         scope_state("text_encoder"),
         _HOPPER_ALL,
         None,
-        expect=selects("fa", "global backend fallback", origin="global_cli"),
+        expect=selects("fa3", "global backend fallback", origin="global_cli"),
         needs_kernel=True,
     ),
     # -- origin: forced ---------------------------------------------------------

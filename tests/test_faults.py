@@ -267,12 +267,17 @@ def test_strict_request_is_rejected_with_the_import_error(
 
 
 def test_nothing_requested_skips_the_broken_chain_head(cuda_faults: dict[str, Any]) -> None:
-    # cuda prefers fa only where it is usable: the broken package is the recorded
-    # reason it is passed over, and torch_sdpa, the unconditional default, serves
+    # the Hopper chain prefers fa3, then fa, only where usable: the broken packages
+    # are the recorded reasons both are passed over, and torch_sdpa, the
+    # unconditional default, serves
     trace = cuda_faults["resolutions"]["nothing_requested"]["trace"]
     skips = [r for r in trace["records"] if r["kind"] == "skip"]
-    assert [(r["stage"], r["candidate"]) for r in skips] == [("platform_default", "fa")]
-    assert skips[0]["detail"] == (
+    assert [(r["stage"], r["candidate"]) for r in skips] == [
+        ("platform_default", "fa3"),
+        ("platform_default", "fa"),
+    ]
+    assert "package 'flash_attn_interface' is broken" in skips[0]["detail"]
+    assert skips[1]["detail"] == (
         "preferred on cuda only where usable: package 'flash_attn' is broken: " + _BROKEN["fa"][2]
     )
     assert _evaluated(trace) == ["torch_sdpa"]

@@ -45,6 +45,7 @@ def test_without_a_gpu_it_says_what_it_would_run(
         "generic route: attnres.Attention per-call cost",
         "NCCL (2+ GPUs): verify_consensus",
         "(skipped with a note on 1 GPU)",
+        "torch_cudnn_sdpa: forward (plain, causal, gqa); backward; lse; call-time refusals",
     ):
         assert line in text
     assert "ascend_fa" not in text and "aiter" not in text  # no CUDA kernel
@@ -78,3 +79,24 @@ def test_its_checks_run_and_pass_for_torch_sdpa_on_cpu(
     assert {c["status"] for c in broken.checks if c["check"] == "forward"} == {"fail"}
     text = gpu_check._summary({"device": "cpu", "seconds": 1.0, "checks": broken.checks})
     assert "fail    torch_sdpa: forward" in text
+
+
+def test_the_cudnn_refusal_check_holds_the_adapter_to_the_catalogue(
+    gpu_check: ModuleType,
+) -> None:
+    """Issue 31: on a GPU, the check confirms torch's own refusal (seq_kv == 1,
+    deterministic mode) and the adapter's KernelRefusedError; an adapter that let
+    the call through fails it. (On this CPU torch refuses every cuDNN call.)"""
+    import torch
+
+    from attnres.kernels import get_kernel
+
+    def tensors() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.randn(1, 4, 2, 16, dtype=torch.float16) for _ in range(3))
+
+    result = gpu_check._cudnn_refusals(get_kernel("torch_cudnn_sdpa"), tensors)
+    assert result["status"] == "pass", result
+    assert result["seq_kv_1"] == {"torch": True, "adapter": True}
+    assert not torch.are_deterministic_algorithms_enabled()  # restored
+    lax = gpu_check._cudnn_refusals(get_kernel("torch_sdpa"), tensors)
+    assert lax["status"] == "fail" and lax["seq_kv_1"]["adapter"] is False

@@ -366,6 +366,10 @@ def fake_sageattention(calls: Calls) -> types.ModuleType:
             "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
         )
         assert q.dtype == k.dtype == v.dtype, "All tensors must have the same dtype."
+        # the function sageattn dispatches to asserts it (core.py)
+        assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, (
+            "Last dim of qkv must be contiguous."
+        )
         _check_bshd(q, k, v, "sageattn")
         if q.shape[-1] > 128:
             raise ValueError(f"Unsupported head_dim: {q.shape[-1]}")
@@ -401,6 +405,13 @@ def _add_sage_functions(module: types.ModuleType, calls: Calls) -> None:
         assert tensor_layout == "NHD", "fake: attnres passes NHD"
         assert q.dtype in [torch.float16, torch.bfloat16], (
             "Input tensors must be in dtype of torch.float16 or torch.bfloat16"
+        )
+        # each per-GPU function's own asserts (core.py), after its head-size padding
+        assert q.dtype == k.dtype == v.dtype, "All tensors must have the same dtype."
+        if q.size(-1) > 128:
+            raise ValueError(f"Unsupported head_dim: {q.size(-1)}")
+        assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, (
+            "Last dim of qkv must be contiguous."
         )
         _check_bshd(q, k, v, name)
         if is_causal and q.shape[1] != k.shape[1]:

@@ -268,3 +268,78 @@ def test_dynamic_cudnn_sdpa_is_sdpa_with_cudnn_first_and_no_math(
     assert relative_error(out, expected(q, k, v, None, True, None)) < TOLERANCE[torch.float32]
     assert seen == [(True, True, False)]
     assert torch.backends.cuda.math_sdp_enabled()  # the selection is scoped to the call
+
+
+# ------------------------------------------------------------ cuDNN refusals (issue 31)
+
+
+@pytest.fixture
+def deterministic_mode() -> Iterator[None]:
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_cudnn_sdpa_refuses_a_single_key_typed_before_torch_raises() -> None:
+    """sdp_utils.cpp check_cudnn_tensor_shapes refuses seq_kv == 1; with only cuDNN
+    enabled torch raises 'No available kernel'. The adapter names the check first."""
+    from attnres.errors import KernelRefusedError
+    from attnres.kernels import torch_cudnn_sdpa
+
+    kernel = get_kernel("torch_cudnn_sdpa")
+    assert kernel is not None
+    q, k, v = make_inputs(3, dtype=torch.float16, seq_q=5, seq_kv=1)
+    with pytest.raises(KernelRefusedError, match="key/value sequence length 1") as info:
+        kernel(q, k, v, None, False, None)
+    assert info.value.backend == "torch_cudnn_sdpa"
+    assert info.value.because == torch_cudnn_sdpa.SEQ_KV_1
+    assert isinstance(info.value, RuntimeError)  # what torch raised before
+
+
+def test_cudnn_sdpa_refuses_deterministic_mode_typed(deterministic_mode: None) -> None:
+    """sdp_utils.cpp check_cudnn_deterministic: no cuDNN SDPA under
+    torch.use_deterministic_algorithms(True) (warn_only lets it run)."""
+    from attnres.errors import KernelRefusedError
+
+    kernel = get_kernel("torch_cudnn_sdpa")
+    assert kernel is not None
+    q, k, v = make_inputs(4, dtype=torch.float16, seq_q=6, seq_kv=6)
+    with pytest.raises(KernelRefusedError, match="is not deterministic"):
+        kernel(q, k, v, None, False, None)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # warn_only passes the check: the call reaches torch, which on this CPU-only
+    # machine finds no cuDNN (its own RuntimeError, not the adapter's refusal)
+    with pytest.raises(RuntimeError, match=r"(?i)no (viable backend|available kernel)") as info:
+        kernel(q, k, v, None, False, None)
+    assert not isinstance(info.value, KernelRefusedError)
+
+
+def test_every_cudnn_refusal_the_catalogue_states_is_enforced() -> None:
+    """Each BackendSpec.refuses line of torch_cudnn_sdpa names the sdp_utils.cpp
+    check the adapter applies, and no check goes unstated."""
+    from attnres.backends import get_spec
+    from attnres.kernels import torch_cudnn_sdpa
+
+    refuses = get_spec("torch_cudnn_sdpa").refuses
+    for check in ("check_cudnn_tensor_shapes", "check_cudnn_deterministic"):
+        (line,) = [r for r in refuses if check in r]
+        assert "001f694a" in line and "KernelRefusedError" in line
+    assert "check_cudnn_tensor_shapes" in torch_cudnn_sdpa.SEQ_KV_1
+    assert "check_cudnn_deterministic" in torch_cudnn_sdpa.DETERMINISTIC
+
+
+def test_dynamic_cudnn_sdpa_serves_what_cudnn_refuses(deterministic_mode: None) -> None:
+    """select_sdp_backend goes on down the list (flash, then efficient) where cuDNN
+    refuses: dynamic_cudnn_sdpa runs a single key and deterministic mode, with
+    SDPA's numbers."""
+    kernel = get_kernel("dynamic_cudnn_sdpa")
+    assert kernel is not None
+    q, k, v = make_inputs(5, dtype=torch.float32, seq_q=7, seq_kv=1)
+    out = kernel(q, k, v, None, False, None)
+    assert relative_error(out, expected(q, k, v, None, False, None)) < TOLERANCE[torch.float32]

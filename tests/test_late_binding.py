@@ -38,7 +38,7 @@ CPU = Platform.simulate("cpu")
 
 @pytest.fixture
 def stand_ins(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """SDPA-backed stand-ins for the fa and sage_attn kernels (no GPU packages
+    """SDPA-backed stand-ins for the fa, fa3 and sage_attn kernels (no GPU packages
     here); each call records the backend's name."""
     monkeypatch.setattr(kernels_mod, "_entries", dict(kernels_mod._entries))
     monkeypatch.setattr(kernels_mod, "_built", dict(kernels_mod._built))
@@ -58,7 +58,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
         return kernel
 
-    for name in ("fa", "sage_attn"):
+    for name in ("fa", "fa3", "sage_attn"):
         register_kernel(name, make(name), replace=True)
     yield calls
 

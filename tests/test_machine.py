@@ -681,7 +681,7 @@ def test_rule_3_3_sparse_on_cross_falls_back_to_dense_for_every_origin(
     res = _request(kind, "sliding_tile_attn", CROSS_128, CUDA_ALL)
     assert res.origin == origin
     assert res.reason == "dense cross-attention fallback"
-    assert res.backend.name == "fa"  # cuda's platform default, usable here
+    assert res.backend.name == "fa3"  # the Hopper chain's first, usable here (issue 31)
     assert not res.backend.is_sparse
     trans = transitions(res.trace)
     assert ("requested", "sparse_cross_fallback", "component_default") in trans
@@ -783,14 +783,16 @@ def test_rule_3_4_candidates_evaluated_in_stage_order_skipping_duplicates() -> N
         "layer_default",
         "platform default fallback",
     )
-    # fa is preferred by the cuda chain only where usable: flash_attn is not
-    # installed, so it is passed over (a skip record says why), not evaluated.
+    # fa3 and fa are preferred by the Hopper chain only where usable: neither
+    # package is installed, so they are passed over (a skip record says why), not
+    # evaluated.
     assert evaluated(res.trace) == [
         ("requested", "torch_sdpa"),
         ("supported_set", "xformers"),
     ]
     assert skipped(res.trace) == [
         ("component_default", "torch_sdpa"),
+        ("platform_default", "fa3"),
         ("platform_default", "fa"),
         ("platform_default", "torch_sdpa"),
         ("supported_set", "torch_sdpa"),
@@ -821,9 +823,10 @@ def test_rule_3_4_stage_order_requested_default_platform_supported() -> None:
         ("supported_set", "torch_cudnn_sdpa"),
         ("supported_set", "fa"),
     ]
-    # flash_attn is not installed: the cuda chain passes over fa (not usable
-    # here), so fa is first evaluated in the supported-set stage.
-    assert skipped(err.trace) == [("platform_default", "fa")]
+    # flash_attn is not installed: the Hopper chain passes over fa3 (evaluated
+    # already) and fa (not usable here), so fa is first evaluated in the
+    # supported-set stage.
+    assert skipped(err.trace) == [("platform_default", "fa3"), ("platform_default", "fa")]
     assert [s.value for s in M.CANDIDATE_STAGES] == [
         "requested",
         "component_default",
@@ -1223,18 +1226,18 @@ def test_rule_3_5_reason_platform_default_fallback() -> None:
 def test_rule_3_4_unusable_platform_preference_is_passed_over_without_a_reason() -> None:
     res = resolve(LayerSpec(64, "bf16"), platform=CUDA)
     assert (res.backend.name, res.reason) == ("torch_sdpa", None)
-    assert skipped(res.trace) == [("platform_default", "fa")]
-    # fp32 on a machine with flash-attn: fa does not take fp32, passed over too
+    assert skipped(res.trace) == [("platform_default", "fa3"), ("platform_default", "fa")]
+    # fp32 on a machine with flash-attn: neither takes fp32, passed over too
     res32 = resolve(LayerSpec(64, "fp32"), platform=CUDA_ALL)
     assert (res32.backend.name, res32.reason) == ("torch_sdpa", None)
-    assert skipped(res32.trace) == [("platform_default", "fa")]
+    assert skipped(res32.trace) == [("platform_default", "fa3"), ("platform_default", "fa")]
 
 
 def test_rule_3_5_reason_dense_cross_attention_fallback() -> None:
     with component_scope("transformer", backend="video_sparse_attn"):
         resolve(LayerSpec(128, "bf16"), platform=CUDA_ALL)  # the override runs here
         res = resolve(CROSS_128, platform=CUDA_ALL)
-    assert (res.backend.name, res.reason) == ("fa", "dense cross-attention fallback")
+    assert (res.backend.name, res.reason) == ("fa3", "dense cross-attention fallback")
 
 
 def test_rule_3_5_reason_component_constraint() -> None:
@@ -1399,7 +1402,7 @@ def test_seed_sparse_global_backend_on_cross_attention_without_supported_set() -
         cross = resolve(CROSS_128, config=cfg, platform=CUDA_ALL)
     assert (self_.backend.name, self_.reason) == ("sliding_tile_attn", None)
     assert (cross.backend.name, cross.origin, cross.reason) == (
-        "fa",
+        "fa3",
         "global_cli",
         "dense cross-attention fallback",
     )
@@ -1778,9 +1781,11 @@ def test_rule_3_4_requirements_causal_cross_attention_needs_top_left_alignment()
     fa_checks = [r for r in checks_of(res.trace, "fa") if r.check is Check.REQUIREMENTS]
     assert fa_checks and not fa_checks[0].passed
     assert "bottom-right" in fa_checks[0].failures[0].message
-    # a causal self-attention layer (equal lengths) still gets fa
+    # a causal self-attention layer (equal lengths) still gets a flash kernel (fa3,
+    # the Hopper chain's first; fa where FA3 is not installed)
     causal_self = LayerSpec(64, "bf16", requirements=["causal"])
-    assert resolve(causal_self, platform=CUDA_ALL).backend.name == "fa"
+    assert resolve(causal_self, platform=CUDA_ALL).backend.name == "fa3"
+    assert resolve(causal_self, platform=CUDA_FA).backend.name == "fa"
     with pytest.raises(ResolutionError, match="top-left aligned causal cross-attention"):
         resolve(causal_cross, platform=CUDA_ALL, backend="fa")
 

@@ -781,8 +781,10 @@ def test_cuda_chain_follows_the_gpu_generation() -> None:
     def chain(spec: str) -> list[str]:
         return [b.name for b in Platform.simulate(spec).default_chain()]
 
-    for sm in ("sm80", "sm86", "sm89", "sm90"):
+    for sm in ("sm80", "sm86", "sm89"):
         assert chain(f"cuda:{sm}") == ["fa", "torch_sdpa"]
+    # issue 31: FlashAttention-3 leads on Hopper, flash-attn 2 where FA3 is not installed
+    assert chain("cuda:sm90") == ["fa3", "fa", "torch_sdpa"]
     for sm in ("sm100", "sm103"):
         assert chain(f"cuda:{sm}") == ["fa4", "torch_sdpa"]
     for sm in ("sm120", "sm121"):
@@ -791,3 +793,23 @@ def test_cuda_chain_follows_the_gpu_generation() -> None:
     assert chain("rocm:gfx942") == chain("rocm:gfx950") == ["aiter", "torch_sdpa"]
     assert chain("rocm:gfx90a") == ["fa", "torch_sdpa"]
     assert chain("rocm") == chain("rocm:gfx1100") == ["aiter", "torch_sdpa"]
+
+
+def test_hopper_prefers_fa3_and_falls_through_to_fa_where_it_cannot() -> None:
+    """Issue 31: on sm90 the platform default is fa3 where flash_attn_interface is
+    installed, then fa (not installed, or a layer fa3 cannot take: dropout), and
+    torch_sdpa for what neither takes (a mask)."""
+    from attnres import LayerSpec, Requirements, resolve
+
+    def chosen(platform: str, **req: bool) -> tuple[str, str | None]:
+        layer = LayerSpec(128, "bf16", requirements=Requirements(**req))
+        r = resolve(layer, platform=Platform.simulate(platform))
+        return r.backend.name, r.reason
+
+    both = "cuda:sm90+flash_attn+flash_attn_interface"
+    assert chosen(both) == ("fa3", None)
+    assert chosen(both, backward=True) == ("fa3", None)
+    assert chosen(both, dropout=True) == ("fa", "platform default fallback")
+    assert chosen(both, attn_mask=True) == ("torch_sdpa", "platform default fallback")
+    assert chosen("cuda:sm90+flash_attn") == ("fa", None)  # FA3 passed over, no reason
+    assert chosen("cuda:sm89+flash_attn+flash_attn_interface") == ("fa", None)

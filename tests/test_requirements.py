@@ -97,7 +97,8 @@ def test_rule_3_4_requirement_backward_relaxed_request_falls_back() -> None:
     config = SelectionConfig(global_backend="sage_attn", global_backend_explicit=False)
     layer = LayerSpec(128, "bf16", requirements=["backward"])
     res = resolve(layer, config=config, platform=HOPPER_ALL)
-    assert (res.backend.name, res.reason) == ("fa", "platform default fallback")
+    # fa3 leads the Hopper chain (issue 31) and has a backward pass
+    assert (res.backend.name, res.reason) == ("fa3", "platform default fallback")
     inference = resolve(LayerSpec(128, "bf16"), config=config, platform=HOPPER_ALL)
     assert inference.backend.name == "sage_attn"
 
@@ -346,8 +347,9 @@ def test_rule_3_4_requirement_softcap_never_gets_a_kernel_without_one() -> None:
     for backend in ("fa", "fa3", "fa4", "eager", "flex_attention"):
         assert "does not implement logit softcapping" not in _requirement_failures(
             backend, layer, hopper)
-    # nothing requested on Hopper: the chain's fa takes it
-    assert resolve(layer, platform=hopper).backend.name == "fa"
+    # nothing requested on Hopper: the chain's fa3 takes it (fa where FA3 is missing)
+    assert resolve(layer, platform=hopper).backend.name == "fa3"
+    assert resolve(layer, platform=Platform.simulate("cuda:sm90+flash_attn")).backend.name == "fa"
 
 
 def test_rule_3_4_requirement_softcap_and_window_unverified_on_rocm_for_fa() -> None:
@@ -366,7 +368,7 @@ def test_rule_3_4_requirement_sliding_window_never_gets_a_kernel_without_one() -
     for backend in ("sage_attn", "dynamic_cudnn_sdpa", "sliding_tile_attn"):
         assert "does not implement sliding-window attention" in _requirement_failures(
             backend, layer, hopper), backend
-    assert resolve(layer, platform=hopper).backend.name == "fa"
+    assert resolve(layer, platform=hopper).backend.name == "fa3"
     assert resolve(layer, platform=Platform.simulate("cpu")).backend.name == "torch_sdpa"
 
 

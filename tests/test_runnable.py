@@ -100,19 +100,24 @@ def test_rule_no_kernel_platform_chain_skips_a_preference_without_kernel() -> No
     """A chain entry with no kernel is not 'usable here' for a running layer."""
     plat = Platform.simulate("cuda:sm90+all")
     layer = LayerSpec(head_size=128, dtype="bf16")
+    unregister_kernel("fa3")
     unregister_kernel("fa")
     try:
         res = resolve(layer, platform=plat, needs_kernel=True)
         assert res.backend.name == "torch_sdpa" and res.reason is None
         skips = [r for r in res.trace.records if r.kind == "skip"]
         assert [(str(r.candidate), "no kernel in this process" in r.detail) for r in skips] == [
-            ("fa", True)
+            ("fa3", True),
+            ("fa", True),
         ]
-        # a plan of the same layer still prefers fa: an operator may supply its kernel
-        assert resolve(layer, platform=plat).backend.name == "fa"
-    finally:
+        # a plan of the same layer still prefers fa3: an operator may supply its kernel
+        assert resolve(layer, platform=plat).backend.name == "fa3"
         register_kernel("fa", "attnres.kernels.fa:make_kernel")
-    assert resolve(layer, platform=plat, needs_kernel=True).backend.name == "fa"
+        assert resolve(layer, platform=plat, needs_kernel=True).backend.name == "fa"
+    finally:
+        register_kernel("fa3", "attnres.kernels.fa3:make_kernel", replace=True)
+        register_kernel("fa", "attnres.kernels.fa:make_kernel", replace=True)
+    assert resolve(layer, platform=plat, needs_kernel=True).backend.name == "fa3"
 
 
 def test_rule_no_kernel_what_if_plan_marks_layers_needing_a_kernel() -> None:
@@ -138,5 +143,5 @@ def test_rule_no_kernel_what_if_plan_marks_layers_needing_a_kernel() -> None:
     assert by_name["self_attn"].backend == "video_sparse_attn"
     assert by_name["self_attn"].needs_kernel
     assert by_name["self_attn"].to_dict()["kernel"] == "none"
-    assert by_name["cross_attn"].backend == "fa" and not by_name["cross_attn"].needs_kernel
+    assert by_name["cross_attn"].backend == "fa3" and not by_name["cross_attn"].needs_kernel
     assert by_name["cross_attn"].to_dict()["kernel"] == "builtin"

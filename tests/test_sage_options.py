@@ -323,3 +323,19 @@ def test_rule_options_reach_the_ring_lse_kernel_sage(
     _device(monkeypatch, (8, 6))
     with pytest.raises(BackendOptionError, match="sageattn_qk_int8_pv_fp16_triton"):
         _ring("sage_attn", (("qk_quant_gran", "per_warp"),)).lse(q, q, q, True, None)
+
+
+@pytest.mark.parametrize("options", [{}, {"smooth_v": True}])
+def test_sage_gets_a_contiguous_last_dim(
+    calls: Calls, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
+) -> None:
+    """Issue 31: SageAttention 2's functions assert "Last dim of qkv must be
+    contiguous." (sageattention/core.py, thu-ml/SageAttention d1a57a54), which
+    flash-attn's wrappers do for themselves: the adapter copies such an input."""
+    _device(monkeypatch, (8, 9))
+    layer = _layer((8, 9), options)
+    q, k, v = _qkv()
+    strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, stride(-1) != 1
+    assert strided.stride(-1) != 1
+    out = layer(strided, k, v)
+    assert torch.equal(out, _fake_core(q, k, v, scale=_scale(None, 64), causal=None))

@@ -324,8 +324,8 @@ def test_rule_overrides_explain_every_layer_a_recorded_reason_explains_a_layer()
     with component_scope("transformer", backend="sliding_tile_attn") as handle:
         resolve(LayerSpec(128, "bf16", name="self"), platform=CUDA_ALL)
         res = resolve(CROSS_128, platform=CUDA_ALL)
-    assert (res.backend.name, res.reason) == ("fa", "dense cross-attention fallback")
-    assert [d.backend for d in handle.decisions] == ["sliding_tile_attn", "fa"]
+    assert (res.backend.name, res.reason) == ("fa3", "dense cross-attention fallback")
+    assert [d.backend for d in handle.decisions] == ["sliding_tile_attn", "fa3"]
 
 
 def test_rule_overrides_explain_every_layer_an_override_that_ran_nowhere_raises() -> None:
@@ -334,7 +334,7 @@ def test_rule_overrides_explain_every_layer_an_override_that_ran_nowhere_raises(
         "transformer", backend="sliding_tile_attn"
     ) as handle:
         res = resolve(CROSS_128, platform=CUDA_ALL)
-    assert (res.backend.name, res.reason) == ("fa", "dense cross-attention fallback")
+    assert (res.backend.name, res.reason) == ("fa3", "dense cross-attention fallback")
     assert handle.decisions[0].origin == "component_override"
     assert "it ran on none of its 1 layer(s)" in str(info.value)
     assert "recorded reasons: dense cross-attention fallback" in str(info.value)

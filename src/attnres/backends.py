@@ -1181,11 +1181,16 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         release=(
             "torch >= 2.5 (pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp 001f694a)"
         ),
+        # issue 31: enforced by the adapter (attnres.kernels.torch_cudnn_sdpa), which
+        # raises KernelRefusedError before torch's "No available kernel"
         refuses=(
-            "a key/value sequence of length 1 (seq_kv == 1): sdp_utils.cpp "
-            "check_cudnn_tensor_shapes refuses it, and with only cuDNN enabled the call raises",
-            "torch.use_deterministic_algorithms(True): sdp_utils.cpp check_cudnn_deterministic "
-            "refuses cuDNN attention in deterministic mode",
+            "a key/value sequence of length 1 (seq_kv == 1): sdp_utils.cpp (pytorch "
+            "001f694a) check_cudnn_tensor_shapes: 'cudnn SDPA does not support key/value "
+            "sequence length 1'; the adapter raises KernelRefusedError (torch would raise "
+            "'No available kernel' with only cuDNN enabled)",
+            "torch.use_deterministic_algorithms(True) without warn_only: sdp_utils.cpp "
+            "(pytorch 001f694a) check_cudnn_deterministic: 'cuDNN SDPA is not "
+            "deterministic'; the adapter raises KernelRefusedError",
         ),
         kernel="attnres.kernels.torch_cudnn_sdpa:make_kernel",
     ),
@@ -1422,7 +1427,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
                 f"{_FA_CUTE_EARLY}: _flash_attn_fwd asserts compute capability 9.x or 10.x; "
                 "flash_attn_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, "
                 "softcap, pack_gqa) takes no deterministic; flash_attn_varlen_func has no "
-                "max_seqlen_q/max_seqlen_k and returns no lse; its backward is unverified",
+                "max_seqlen_q/max_seqlen_k and returns no lse; no backward pass: "
+                "FlashAttnFunc.backward returns 8 gradients for the forward's 9 inputs and "
+                "FlashAttnVarlenFunc.backward raises NotImplementedError (the adapter "
+                "refuses a call that needs gradients: KernelRefusedError)",
                 {
                     "capabilities": FrozenMap({"cuda": CapabilityRule(min=(9, 0), max=(10, 9))}),
                     "head_sizes": HeadSizeRule(max=128, multiple_of=8),
@@ -1644,7 +1652,11 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
                 "position out); no additive mask (attnres.kernels.ascend_fa refuses float masks)",
             ),
         ),
-        release="torch_npu (Ascend op-plugin docs, npu_fusion_attention)",
+        release=(
+            "torch-npu 2.13.0 (registry wheel; torch_npu/_op_plugin_docs.py, "
+            "npu_fusion_attention: BOOL/UINT8 atten_mask, head dim 1-768, the catalogue "
+            "keeps multiples of 16 up to 512 from the Ascend op-plugin docs)"
+        ),
         aliases=("npu_fa", "npu_fusion_attention", "ascend"),
         description="Ascend torch_npu.npu_fusion_attention",
         kernel="attnres.kernels.ascend_fa:make_kernel",

@@ -37,6 +37,7 @@ __all__ = [
     "IntegrationError",
     "InvalidStateError",
     "KernelNotRegisteredError",
+    "KernelRefusedError",
     "KernelUnavailableError",
     "MaskKindError",
     "MaskShapeError",
@@ -342,3 +343,17 @@ class SequenceParallelArgumentError(AttnresError, ValueError):
         super().__init__(message)
         self.argument = argument
         self.bound = bound
+class KernelRefusedError(AttnresError, RuntimeError):
+    """Issue 31: the selected backend's kernel refuses this call, for a reason no
+    layer fact decided when the backend was chosen (a key length, a global torch
+    mode, gradients its release has no working backward for): the adapter says
+    so before the kernel's own error (torch's "No available kernel", autograd's
+    "incorrect number of gradients"). ``.backend`` names the backend and
+    ``.because`` cites the kernel's own check. A ``RuntimeError`` too: what the
+    kernel itself raised before.
+    """
+
+    def __init__(self, message: str, backend: str, because: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.because = because

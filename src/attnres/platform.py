@@ -165,10 +165,19 @@ class ChainRule:
 #: or one no rule admits keeps ``DEFAULT_CHAINS["cuda"]``.
 CUDA_CHAINS: Final[tuple[ChainRule, ...]] = (
     ChainRule(
-        CapabilityRule(min=(8, 0), max=(9, 0)),
+        CapabilityRule(min=(8, 0), max=(8, 9)),
         ("fa", "torch_sdpa"),
         "flash-attn 2 (flash_api.cpp: 'FlashAttention only supports Ampere GPUs or newer') "
         "is built for sm80 and sm90 by every wheel (setup.py cuda_archs)",
+    ),
+    ChainRule(
+        CapabilityRule(exact={(9, 0)}),
+        ("fa3", "fa", "torch_sdpa"),
+        "FlashAttention-3 is the Hopper kernel (flash-attn 2.8.3 README: 'FlashAttention-3 is "
+        "optimized for Hopper GPUs (e.g. H100)'); vLLM takes it first there "
+        "(vllm/attention/utils/fa_utils.py 0fa99d44, get_flash_attn_version: 'fa_version = 3 "
+        "if (device_capability.major == 9 and is_fa_version_supported(3)) else 2'); "
+        "flash-attn 2 (built for sm90 by every wheel) where FA3 is not installed",
     ),
     ChainRule(
         CapabilityRule(min=(10, 0), max=(11, 0)),

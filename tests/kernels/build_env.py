@@ -8,7 +8,10 @@ sdist in DOWNLOADS (fetched with ``pip download --no-deps``) is unpacked into
 ``hopper/flash_attn_interface.py``, the FlashAttention-3 interface of the same
 release, which has no distribution of its own on the registry). amd-aiter
 gets an empty ``aiter/jit/aiter_.so``: the file a prebuilt install has (the
-tests put stubs/aiter_.py in its place). Nothing here
+tests put stubs/aiter_.py in its place). torch-npu's Python files are unpacked
+too, but never imported: ``npu_fusion_attention`` is a compiled operator, and
+the stand-in in stubs/npu reads its published schema from
+``torch_npu/_op_plugin_docs.py``. Nothing here
 is committed: the Makefile downloads the distributions at set-up.
 """
 

@@ -29,7 +29,7 @@ PACKAGES = (
     "flash_attn", "flash_attn_2_cuda", "flash_attn_interface", "flash_attn_3", "aiter", "aiter_",
     "xformers", "sageattention", "triton", "cutlass", "quack", "cuda", "tvm_ffi", "einops",
     "_kernel_reference", "_stub_modules", "chip_info", "cpp_extension", "file_baton",
-    "torch_guard",
+    "torch_guard", "torch_npu",
 )  # fmt: skip
 
 

@@ -225,6 +225,50 @@ def test_early_cute_has_no_working_backward() -> None:
         out.sum().backward()
 
 
+def test_early_cute_adapter_refuses_a_call_that_needs_gradients() -> None:
+    """Issue 31: the fa4 adapter over the early cute refuses, typed and before the
+    forward, a call whose inputs need gradients (the catalogue gives that release
+    no backward pass); without gradients the same call runs."""
+    from attnres.errors import KernelRefusedError
+    from attnres.kernels import fa4
+
+    dense, varlen = fa4.make_kernel(), fa4.make_varlen_kernel()
+    q, k, v = qkv(grad=True)
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32)
+    packed = [t.reshape(18, 4, 64) for t in (q, k, v)]
+    with pytest.raises(KernelRefusedError, match=r"0\.1\.0.*8 gradients") as info:
+        dense(q, k, v, None, True, None)
+    assert info.value.backend == "fa4" and "NotImplementedError" in info.value.because
+    with pytest.raises(KernelRefusedError, match="backward pass does not work"):
+        varlen(*packed, cu, cu, 9, 9, False, None)
+    with torch.no_grad():
+        close(dense(q, k, v, None, True, None), reference(q, k, v, None, True))
+        out = varlen(*packed, cu, cu, 9, 9, False, None)
+    close(out.reshape(q.shape), reference(q, k, v))
+
+
+def test_early_cute_has_no_backward_in_the_catalogue() -> None:
+    """The facts for flash-attn's early cute: a layer that needs the backward pass
+    is refused fa4 there (another backend is chosen), flash-attn-4 keeps it."""
+    from attnres.backends import Backend, get_spec
+    from attnres.layer import LayerSpec, Requirements
+    from attnres.machine import check_candidate
+    from attnres.platform import Platform
+
+    layer = LayerSpec(128, "bf16", requirements=Requirements(backward=True))
+
+    def failures(platform: str) -> list[str]:
+        checks = check_candidate(Backend("fa4"), layer, Platform.simulate(platform))
+        return [f.message for _, fs in checks for f in fs]
+
+    (message,) = failures("cuda:sm90+flash_attn_4==flash-attn@2.8.3")
+    assert "backward" in message
+    assert failures("cuda:sm90+flash_attn_4==flash-attn-4@4.0.0b36") == []
+    cute = Platform.simulate("cuda:sm90+flash_attn_4==flash-attn@2.8.3")
+    (entry,) = [e for e in cute.installed(get_spec(Backend("fa4")))[1] if "early" in e.kernel]
+    assert "8 gradients for the forward's 9 inputs" in entry.source
+
+
 def test_early_cute_key_padding_through_varlen() -> None:
     """Its flash_attn_varlen_func has no max_seqlen_q / max_seqlen_k: the first
     key-padding call raised TypeError (issue 31)."""
@@ -287,3 +331,15 @@ def test_a_transposed_lse_fails_the_suite(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(lse_module, "make_fa_lse", transposed)
     with pytest.raises(AssertionError):
         test_fa_lse_is_the_wrappers_layout()
+
+
+def test_an_adapter_that_lets_the_early_cute_train_fails_the_suite(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An fa4 adapter that did not recognise the early cute would run its forward
+    with gradients on, and the refusal test fails (its backward is the broken one)."""
+    from attnres.kernels import fa4
+
+    monkeypatch.setattr(fa4, "_early_cute", lambda: False)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_early_cute_adapter_refuses_a_call_that_needs_gradients()

@@ -16,6 +16,12 @@ aten/src/ATen/native/transformers/cuda/sdp_utils.cpp):
   one, called inside that selection (as ``torch_cudnn_sdpa`` does with cuDNN
   alone).
 
+What cuDNN refuses (``torch_cudnn_sdpa``'s ``BackendSpec.refuses``: a key/value
+length of 1, deterministic mode) is no refusal here: ``select_sdp_backend``
+(sdp_utils.cpp, pytorch 001f694a) goes on down the list, so such a call runs on
+flash or the memory-efficient kernel, with SDPA's numbers (issue 31; tested in
+tests/test_kernels_more_adapters.py).
+
 The unverified part (docs/backends.md) is which shapes the dynamic choice
 serves better; the numbers are SDPA's whichever kernel serves the call.
 """

@@ -42,7 +42,14 @@ flash_attn/cute/pyproject.toml; PyPI page of flash-attn-4):
   causal, window_size, learnable_sink, softcap, pack_gqa)`` has no
   ``max_seqlen_q`` / ``max_seqlen_k`` (it reads the lengths from
   ``cu_seqlens``) and neither function takes ``deterministic``; both return
-  ``(out, lse)``, and its varlen backward raises ``NotImplementedError``. The
+  ``(out, lse)``. Its backward is broken: ``FlashAttnFunc.backward`` returns 8
+  gradients for the forward's 9 inputs (autograd raises "returned an incorrect
+  number of gradients") and ``FlashAttnVarlenFunc.backward`` raises
+  ``NotImplementedError``. The catalogue gives that release no backward pass,
+  and the adapter refuses a call whose inputs need gradients with
+  :class:`~attnres.errors.KernelRefusedError` before the forward runs (it is
+  recognised by the ``__version__ = "0.1.0"`` its ``__init__`` hard-codes;
+  flash-attn-4 reads its own from the installed metadata). The
   adapter passes the lengths only where the function names them, and an option
   the imported function does not take is a
   :class:`~attnres.errors.BackendOptionError` naming the installed version
@@ -57,7 +64,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from attnres.errors import BackendOptionError
+from attnres.errors import BackendOptionError, KernelRefusedError
 from attnres.kernels._common import (
     flash_feature_kwargs,
     flash_style_kernel,
@@ -86,6 +93,39 @@ def _function(name: str) -> Any:
         name,
         backend=BACKEND,
         hint="The flash-attn-4 install looks incomplete; reinstall it with: " + INSTALL,
+    )
+
+
+#: issue 31: the ``__version__`` flash-attn 2.x's own early flash_attn.cute hard-codes
+#: (flash-attn 2.8.3 flash_attn/cute/__init__.py)
+EARLY_CUTE_VERSION = "0.1.0"
+EARLY_CUTE_BACKWARD = (
+    "flash-attn 2.8.3 (registry sdist) flash_attn/cute/interface.py (cute 0.1.0): "
+    "FlashAttnFunc.backward returns 8 gradients for the forward's 9 inputs and "
+    "FlashAttnVarlenFunc.backward raises NotImplementedError"
+)
+
+
+def _early_cute() -> bool:
+    """Whether the imported flash_attn.cute is flash-attn 2.x's early one."""
+    return getattr(sys.modules.get(PACKAGE), "__version__", None) == EARLY_CUTE_VERSION
+
+
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _no_backward_error() -> KernelRefusedError:
+    return KernelRefusedError(
+        f"attention backend {BACKEND!r}: the installed {PACKAGE} is flash-attn 2.x's early "
+        f"one (version {EARLY_CUTE_VERSION}), whose backward pass does not work "
+        f"({EARLY_CUTE_BACKWARD}); this call's inputs need gradients. Run the layer "
+        f"under torch.no_grad(), resolve it with the backward requirement (another "
+        f"backend is chosen), or install FlashAttention-4 with: {INSTALL}",
+        BACKEND,
+        EARLY_CUTE_BACKWARD,
     )
 
 
@@ -118,6 +158,7 @@ def make_kernel() -> KernelFn:
     """Import flash_attn.cute and bind ``flash_attn_func``."""
     flash_attn_func = _function("flash_attn_func")
     check = _option_check(flash_attn_func)
+    early = _early_cute()
 
     def call(
         q: Tensor,
@@ -129,6 +170,8 @@ def make_kernel() -> KernelFn:
         window: tuple[int, int] | None,
         **options: Any,  # issue 23: the spec's declared options (deterministic, ...)
     ) -> Any:
+        if early and _needs_grad(q, k, v):
+            raise _no_backward_error()
         if options:
             check(options)
         extra = flash_feature_kwargs(softcap, window, unbounded=None)  # FA4: None, not -1
@@ -151,6 +194,7 @@ def make_varlen_kernel() -> VarlenKernelFn:
     """
     varlen_func = _function("flash_attn_varlen_func")
     check = _option_check(varlen_func)
+    early = _early_cute()
     # issue 31: flash-attn 2.8.3's early flash_attn.cute reads the lengths from cu_seqlens
     takes_lengths = takes_keywords(varlen_func, "max_seqlen_q", "max_seqlen_k")
 
@@ -158,6 +202,8 @@ def make_varlen_kernel() -> VarlenKernelFn:
         q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
         causal: bool, scale: float | None, **options: Any,
     ) -> Any:  # fmt: skip
+        if early and _needs_grad(q, k, v):
+            raise _no_backward_error()
         # issue 23: the spec's options (deterministic, pack_gqa) where the route passes
         # them, and seqused_q/seqused_k where the span route does
         if options:

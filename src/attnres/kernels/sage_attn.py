@@ -132,6 +132,10 @@ def make_kernel() -> KernelFn:
     ) -> Any:  # fmt: skip
         if smooths_in_place:
             k = k.clone()
+        # issue 31: SageAttention 2's functions assert "Last dim of qkv must be
+        # contiguous." (core.py); flash-attn's wrappers copy such tensors themselves
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if not options:  # as before issue 23: the dispatcher itself
             return sageattn(q, k, v, tensor_layout="NHD", is_causal=causal, sm_scale=scale)
         function, settings = pick(q, options)
