@@ -343,6 +343,8 @@ class SequenceParallelArgumentError(AttnresError, ValueError):
         super().__init__(message)
         self.argument = argument
         self.bound = bound
+
+
 class KernelRefusedError(AttnresError, RuntimeError):
     """Issue 31: the selected backend's kernel refuses this call, for a reason no
     layer fact decided when the backend was chosen (a key length, a global torch
