@@ -5,6 +5,9 @@
   (``make test-deep``), chosen by ``HYPOTHESIS_PROFILE``.
 - Every test starts with an empty decision ledger and resolution cache, and the
   process-wide selection config restored.
+- The CLI's text is 100 columns wide in every test process (``COLUMNS``; a test
+  of another width sets its own), so a transcript wraps alike with and without
+  pytest-xdist, whose workers would otherwise see 80.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from hypothesis import HealthCheck, settings
 
 import attnres
 from attnres.runtime import set_selection_config
+
+os.environ["COLUMNS"] = "100"
 
 settings.register_profile(
     "default",

@@ -24,8 +24,8 @@ from attnres._states import Check, Code
 from attnres.backends import Backend
 from attnres.cli import main
 from attnres.layer import LayerSpec, Requirements
-from attnres.layout import MAX_PAD_COST, AutoLayout, SequenceLayout, padded_heads
-from attnres.machine import LAYOUT_RULES, LayoutFacts, check_candidate, choose_layout
+from attnres.layout import MAX_PAD_COST, SequenceLayout, padded_heads
+from attnres.machine import LAYOUT_RULES, AutoLayout, LayoutFacts, check_candidate, choose_layout
 from attnres.platform import Platform
 from attnres.trace import trace_from_dict, trace_to_dict
 

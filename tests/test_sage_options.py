@@ -272,7 +272,10 @@ def _ring(
     shape = _LayerShape(
         4, 4, 16, True, None, backend, "float16", backend_options=((backend, options),)
     )
-    sp = types.SimpleNamespace(ulysses=ulysses, ring=ring)  # what _ParallelRun reads of it
+    # what _ParallelRun reads of it (issue 35: no AllGather-KV, no padding, no text)
+    sp = types.SimpleNamespace(
+        ulysses=ulysses, ring=ring, allgather=1, pad_heads=False, text_tokens=0
+    )
     local = lambda shape, kernel, dtypes: shape  # noqa: E731 - the local run's shape, to look at
     return _ParallelRun(sp, shape, None, frozenset({torch.float16}), local)  # type: ignore[arg-type]
 

@@ -76,6 +76,7 @@ from attnres.layer import (
     split_component_key,
 )
 from attnres.layout import LAYOUT_KINDS, MAX_DEGREE, MAX_HEADS, SequenceLayout
+from attnres.machine import AutoLayout
 from attnres.platform import Platform
 from attnres.render import (
     _field,
@@ -492,8 +493,6 @@ def _auto_layout_arguments(parser: Any) -> None:
 
 def _auto_layout(args: argparse.Namespace) -> Any:
     """Issue 35: the ``--sp-degree`` choice, or ``None``."""
-    from attnres.layout import AutoLayout
-
     degree = getattr(args, "sp_degree", None)
     if degree is None:
         if getattr(args, "interconnect", None) or getattr(args, "seq_len", None):

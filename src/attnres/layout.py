@@ -22,7 +22,6 @@ from __future__ import annotations
 import operator
 from typing import Any, Final
 
-import attrs
 from attrs import field, frozen
 
 from attnres.errors import SequenceParallelArgumentError
@@ -32,7 +31,6 @@ __all__ = [
     "MAX_DEGREE",
     "MAX_HEADS",
     "MAX_PAD_COST",
-    "AutoLayout",
     "SequenceLayout",
     "context_parallel_layout",
     "padded_heads",
@@ -331,41 +329,3 @@ def context_parallel_layout(
 
 
 #: bytes per element of the dtypes a plan names (the gathered K/V memory fact)
-_ITEMSIZE: Final = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@frozen
-class AutoLayout:
-    """Issue 35: ``attnres plan DIR --sp-degree N``: the layout
-    ``SequenceParallel(layout="auto")`` would choose for each denoiser site of a
-    group of ``degree`` ranks (``attnres.machine.LAYOUT_RULES``), from the site's
-    head facts, the declared interconnect and sequence."""
-
-    degree: int = field(converter=_degree)
-    interconnect: str = "unknown"
-    seq_len: int | None = None
-    kv_budget: int = 1 << 30
-
-    def choose_for_site(self, component: str, site: Any) -> Any:
-        """``site`` (an integration's site description) with the chosen layout, when
-        its component takes one (:data:`LAYOUT_KINDS`) and its head facts are known."""
-        from attnres._vocab import MaskKind
-        from attnres.machine import LayoutFacts, choose_layout
-        from attnres.scope import component_kind
-
-        if component_kind(component) not in LAYOUT_KINDS or site.heads is None:
-            return site
-        kv_heads = site.kv_heads or site.heads
-        facts = LayoutFacts(
-            self.degree,
-            site.heads,
-            kv_heads,
-            site.requirements.causal,
-            site.requirements.mask is not MaskKind.NONE,
-            self.seq_len,
-            2 * (site.head_size or 0) * _ITEMSIZE.get(site.dtype, 2),
-            self.kv_budget,
-            self.interconnect,
-            "declared" if self.interconnect != "unknown" else "not declared",
-        )
-        return attrs.evolve(site, layout=choose_layout(facts))

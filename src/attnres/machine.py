@@ -99,10 +99,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
-from attrs import frozen
+from attrs import field, frozen
 
 from attnres._profile import (
     Asked,
@@ -152,10 +152,10 @@ from attnres.backends import (
 from attnres.kernels import KernelSource, kernel_source
 from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
 from attnres.layer import EVERY_COMPONENT, EXACT, ErrorBudget, LayerSpec, describe_budget
-from attnres.layout import MAX_PAD_COST, SequenceLayout
+from attnres.layout import LAYOUT_KINDS, MAX_PAD_COST, SequenceLayout, _degree
 from attnres.platform import Platform
 from attnres.records import ScopeProblem
-from attnres.scope import ScopeState
+from attnres.scope import ScopeState, component_kind
 from attnres.trace import (
     TUNED_SCHEMA_VERSION,
     CheckRecord,
@@ -2392,3 +2392,43 @@ def choose_layout(facts: LayoutFacts) -> SequenceLayout:
                 chosen, num_heads=facts.heads, num_kv_heads=facts.kv_heads, rule=rule, why=why
             )
     raise AssertionError("LAYOUT_RULES ends with a row that always holds")
+
+
+# -- issue 35: the automatic layout of a plan's sites (attnres plan DIR --sp-degree) --
+
+
+_ITEMSIZE: Final = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@frozen
+class AutoLayout:
+    """Issue 35: ``attnres plan DIR --sp-degree N``: the layout
+    ``SequenceParallel(layout="auto")`` would choose for each denoiser site of a
+    group of ``degree`` ranks (:data:`LAYOUT_RULES`), from the site's
+    head facts, the declared interconnect and sequence."""
+
+    degree: int = field(converter=_degree)
+    interconnect: str = "unknown"
+    seq_len: int | None = None
+    kv_budget: int = 1 << 30
+
+    def choose_for_site(self, component: str, site: Any) -> Any:
+        """``site`` (an integration's site description) with the chosen layout, when
+        its component takes one (:data:`attnres.layout.LAYOUT_KINDS`) and its head
+        facts are known."""
+        if component_kind(component) not in LAYOUT_KINDS or site.heads is None:
+            return site
+        kv_heads = site.kv_heads or site.heads
+        facts = LayoutFacts(
+            self.degree,
+            site.heads,
+            kv_heads,
+            site.requirements.causal,
+            site.requirements.mask is not MaskKind.NONE,
+            self.seq_len,
+            2 * (site.head_size or 0) * _ITEMSIZE.get(site.dtype, 2),
+            self.kv_budget,
+            self.interconnect,
+            "declared" if self.interconnect != "unknown" else "not declared",
+        )
+        return attrs.evolve(site, layout=choose_layout(facts))

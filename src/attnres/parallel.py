@@ -75,6 +75,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnres._outcome import Outcome
+from attnres._vocab import MaskKind
 from attnres.backends import Backend
 from attnres.distributed import DEFAULT_TIMEOUT_S, _timeout_seconds, verify_consensus
 from attnres.errors import (
@@ -92,6 +93,7 @@ from attnres.kernels.lse import (
 )
 from attnres.layout import SequenceLayout, padded_heads
 from attnres.ledger import Decision
+from attnres.machine import LayoutFacts, choose_layout
 
 if TYPE_CHECKING:
     from attnres.trace import Trace
@@ -242,9 +244,6 @@ class SequenceParallel:
         and the interconnect; layers of the same facts share it."""
         if not self.auto:
             return self
-        from attnres._vocab import MaskKind
-        from attnres.machine import LayoutFacts, choose_layout
-
         requirements = getattr(spec, "requirements", None)
         causal = bool(getattr(requirements, "causal", False))
         mask = getattr(requirements, "mask", MaskKind.NONE) is not MaskKind.NONE

@@ -114,7 +114,7 @@ def plan_folder(
 ) -> IntegrationPlan:
     """Plan a diffusers pipeline folder or a transformers model folder on meta.
 
-    ``sp`` (issue 35, ``--sp-degree``): an :class:`attnres.layout.AutoLayout`
+    ``sp`` (issue 35, ``--sp-degree``): an :class:`attnres.machine.AutoLayout`
     whose choice each diffusers denoiser site with head facts is planned under.
 
     ``dtypes`` maps a component to its compute dtype (``"*"``: every component),

@@ -782,7 +782,7 @@ def plan(
 ) -> IntegrationPlan:
     """Describe and resolve every attention site of every component; changes nothing.
 
-    ``sp`` (issue 35): a :class:`attnres.layout.AutoLayout` (``attnres plan DIR
+    ``sp`` (issue 35): a :class:`attnres.machine.AutoLayout` (``attnres plan DIR
     --sp-degree N``): each denoiser site with head facts is planned under the
     layout ``attnres.machine.LAYOUT_RULES`` choose for it.
 

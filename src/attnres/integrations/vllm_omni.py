@@ -53,6 +53,7 @@ from attnres.backends import (
 )
 from attnres.errors import UnknownBackendError
 from attnres.integrations._engine import Engine, require
+from attnres.kernels import get_kernel, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.ledger import _REMOVALS, Decision, record_decision
 from attnres.machine import run_machine
@@ -361,8 +362,6 @@ def custom_backend(name: str) -> Backend | None:
         or backend.name in _SEEN
     ):
         return None
-    from attnres.kernels import kernel_source
-
     if kernel_source(backend.name) is KernelSource.NONE:
         return None
     return backend
@@ -396,8 +395,6 @@ def vllm_omni_backend(backend: Backend) -> Any:
             backend_kwargs: dict[str, Any] | None = None,
             **extra_impl_args: Any,
         ) -> None:
-            from attnres.kernels import get_kernel
-
             self.num_heads, self.head_size = num_heads, head_size
             self.softmax_scale, self.causal = softmax_scale, causal
             self.kernel: Any = get_kernel(name)
