@@ -737,7 +737,9 @@ class _Ring(torch.autograd.Function):
     computed). Backward: the blocks travel the same way again, each with the
     accumulated gradient of its keys and values, which one more shift brings
     home; every rank runs every shift, skipped causal blocks included, so the
-    shifts pair up across ranks.
+    shifts pair up across ranks. The backward goes in chunks of key/value heads
+    and sequence parts (:data:`BACKWARD_CHUNKS`), each around the ring in turn,
+    so a rank's peak is its gradients plus about 1/16 of a block.
     """
 
     @staticmethod
