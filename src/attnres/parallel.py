@@ -553,15 +553,30 @@ class _ParallelRun:
         return _apply(_ZigZag, out, self, q_chunks, False)
 
     def _block_pieces(self, q_segs: _Segments, kv_segs: _Segments) -> Iterator[_Piece]:
-        """The kernel calls of q's segments over one block's segments (local indices)."""
+        """The kernel calls of q's segments over one block's segments (local indices);
+        full pieces side by side (a zig-zag row over both halves of a block, both
+        halves over one) are one call."""
+        last: _Piece | None = None
         qs = 0
         for q_len, q0 in q_segs:
             ks = 0
             for kv_len, k0 in kv_segs:
                 for r0, r1, c0, c1, causal in self._pieces(q_len, q0, kv_len, k0):
-                    yield _Piece(qs + r0, qs + r1, ks + c0, ks + c1, causal)
+                    piece = _Piece(qs + r0, qs + r1, ks + c0, ks + c1, causal)
+                    if last is not None and not (causal or last.causal):
+                        if (last.r0, last.r1, last.c1) == (piece.r0, piece.r1, piece.c0):
+                            last = last._replace(c1=piece.c1)
+                            continue
+                        if (last.c0, last.c1, last.r1) == (piece.c0, piece.c1, piece.r0):
+                            last = last._replace(r1=piece.r1)
+                            continue
+                    if last is not None:
+                        yield last
+                    last = piece
                 ks += kv_len
             qs += q_len
+        if last is not None:
+            yield last
 
     def _pieces(self, q_len: int, q0: int, kv_len: int, k0: int) -> list[_Piece]:
         """The kernel calls for q's rows (global offset ``q0``) over one key/value
