@@ -13,7 +13,7 @@ STAMP := $(VENV)/.attnres-installed
 PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test test-deep test-deferred golden bench fuzz lint typecheck docs clean test-sglang bench-sglang \
+.PHONY: setup run test test-deep test-deferred golden bench bench-sp fuzz lint typecheck docs clean test-sglang bench-sglang \
 	kernels-env test-kernels gpu-check test-vllm-omni bench-vllm-omni
 
 setup: $(STAMP)
@@ -98,6 +98,13 @@ bench: $(VENV)/.attnres-bench
 	mkdir -p benchmarks/results
 	$(PY) -m pytest benchmarks -p no:randomly --benchmark-only \
 		--benchmark-json=benchmarks/results/latest.json --benchmark-storage=benchmarks/results -q
+
+# Issue 35's bars for a ring (2 gloo ranks, 16k tokens, CPU): per-rank time and
+# training memory against one process, a one-line summary last (about 15 minutes
+# on an idle 2-core machine; SP_ARGS="--what time --rounds 5" for timings alone).
+SP_ARGS ?=
+bench-sp: $(STAMP)
+	PYTHONPATH=src $(PY) benchmarks/sp_measure.py $(SP_ARGS)
 
 # Coverage-guided fuzzing of every loader (issue 20): not part of `make test`.
 # FUZZ_SECONDS per target (13 targets; each also pays its imports, and the folder

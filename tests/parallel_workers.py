@@ -363,6 +363,125 @@ def _dead_peer(sp_for: Any, rank: int, world: int, directory: Path) -> dict[str,
     return result
 
 
+# -- issue 35: the ring's backward in chunks, and its memory per rank ------------------------
+
+
+def _chunked(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
+    """Every ring layout's training step with the backward forced into chunks of
+    one key/value head and sequence parts of a few rows (the sizes that trigger
+    chunks on their own are too slow for the suite), float32 on both kernels and
+    bfloat16 on torch_sdpa, against the float64 reference."""
+    import torch
+
+    import attnres
+    from attnres import parallel
+
+    saved = parallel.BACKWARD_CHUNKS, parallel.CHUNK_MIN_BYTES, parallel.CHUNK_MIN_ROWS
+    parallel.BACKWARD_CHUNKS, parallel.CHUNK_MIN_BYTES, parallel.CHUNK_MIN_ROWS = 16, 0, 1
+    worst: dict[str, float] = {}
+    cases = 0
+    try:
+        for (u, r), causal, gqa, uneven, (backend, dtype) in itertools.product(
+            [(u, r) for u, r in layouts(world) if r > 1], (False, True), (False, True),
+            (False, True), (("torch_sdpa", "float32"), ("eager", "float32"),
+                            ("torch_sdpa", "bfloat16")),
+        ):  # fmt: skip
+            sp = sp_for(u, r)
+            heads, kv_heads, d = 4, (2 if gqa else 4), 16
+            length = 6 * world + (3 if uneven else 0)
+            gen = torch.Generator().manual_seed(2000 + cases)
+            q = torch.randn(1, length, heads, d, generator=gen)
+            k, v = (torch.randn(1, length, kv_heads, d, generator=gen) for _ in range(2))
+            layer = attnres.Attention(
+                heads, d, num_kv_heads=kv_heads, causal=causal, dtype=dtype, parallel=sp,
+                backend=backend, name=f"chunked.{u}x{r}.{causal}.{gqa}.{uneven}.{backend}.{dtype}",
+            )  # fmt: skip
+            torch_dtype = getattr(torch, dtype)
+            shards = [sp.shard(t).to(torch_dtype).clone().requires_grad_() for t in (q, k, v)]
+            out = layer(*shards)
+            weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+            (out * sp.shard(weight).to(torch_dtype)).sum().backward()
+            got = [sp.gather(out.detach())] + [sp.gather(t.grad) for t in shards]
+            if rank == 0:
+                full = [t.to(torch_dtype).double().requires_grad_() for t in (q, k, v)]
+                expected = reference(*full, causal)
+                (expected * weight.double()).sum().backward()
+                refs = [expected.detach()] + [t.grad for t in full]
+                errors = [
+                    (g.double() - ref).abs().max().item() for g, ref in zip(got, refs, strict=True)
+                ]
+                worst[dtype] = max(worst.get(dtype, 0.0), *errors)
+            cases += 1
+    finally:
+        parallel.BACKWARD_CHUNKS, parallel.CHUNK_MIN_BYTES, parallel.CHUNK_MIN_ROWS = saved
+    return {"cases": cases, "max_err": worst}
+
+
+def _allocated_peak(run: Any) -> tuple[int, int]:
+    """(net, peak) bytes torch's CPU allocator handed out while ``run()`` ran, from
+    the profiler's allocation events (deterministic: every tensor, nothing else)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return live, peak
+
+
+def _ring_memory(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
+    """A ring's training step at a size where its backward goes in chunks: what the
+    forward leaves allocated (kept for backward) and the backward's peak, in units
+    of one shard of q (what a rank holds of one input)."""
+    import torch
+
+    sp = sp_for(1, world)
+    result: dict[str, Any] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU kernel's scratch is per thread
+    try:
+        for causal in (False, True):
+            result[str(causal)] = _ring_memory_step(sp, causal, 2048 * world)
+    finally:
+        torch.set_num_threads(threads)
+    return result
+
+
+def _ring_memory_step(sp: Any, causal: bool, length: int) -> dict[str, float]:
+    import torch
+
+    import attnres
+
+    heads, d = 8, 32
+    layer = attnres.Attention(
+        heads, d, causal=causal, dtype="float32", parallel=sp, backend="torch_sdpa",
+        name=f"memory.{causal}",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    shards = [
+        sp.shard(torch.randn(1, length, heads, d, generator=gen)).clone().requires_grad_()
+        for _ in range(3)
+    ]
+    warm = [t.detach()[:, :64].clone().requires_grad_() for t in shards]
+    layer(*warm).backward(torch.ones(warm[0].shape))  # kernels and one-time buffers
+    held: dict[str, Any] = {}
+
+    def forward() -> None:
+        held["out"] = layer(*shards)
+
+    kept, forward_peak = _allocated_peak(forward)
+    dout = torch.ones(held["out"].shape)
+    _, backward_peak = _allocated_peak(lambda: held["out"].backward(dout))
+    shard = shards[0].numel() * shards[0].element_size()
+    return {
+        "kept": kept / shard, "forward_peak": forward_peak / shard,
+        "backward_peak": backward_peak / shard,
+    }  # fmt: skip
+
+
 def _write(path: Path, result: dict[str, Any], merge: bool = False) -> None:
     if merge and path.exists():
         result = {**json.loads(path.read_text()), **result}
@@ -400,6 +519,8 @@ def worker(rank: int, world: int, tmpdir: str, scenarios: list[str]) -> None:
                     "decide_differently": _decide_differently,
                     "mismatch": _mismatch,
                     "switch_backend": _switch_backend,
+                    "chunked": _chunked,
+                    "ring_memory": _ring_memory,
                 }[scenario]
                 result = fn(sp_for, rank, world)
         except BaseException:  # reported, not raised: the test names it

@@ -878,15 +878,30 @@ class _ParallelRun:
         return _apply(_ZigZag, out, self, q_chunks, False)
 
     def _block_pieces(self, q_segs: _Segments, kv_segs: _Segments) -> Iterator[_Piece]:
-        """The kernel calls of q's segments over one block's segments (local indices)."""
+        """The kernel calls of q's segments over one block's segments (local indices);
+        full pieces side by side (a zig-zag row over both halves of a block, both
+        halves over one) are one call."""
+        last: _Piece | None = None
         qs = 0
         for q_len, q0 in q_segs:
             ks = 0
             for kv_len, k0 in kv_segs:
                 for r0, r1, c0, c1, causal in self._pieces(q_len, q0, kv_len, k0):
-                    yield _Piece(qs + r0, qs + r1, ks + c0, ks + c1, causal)
+                    piece = _Piece(qs + r0, qs + r1, ks + c0, ks + c1, causal)
+                    if last is not None and not (causal or last.causal):
+                        if (last.r0, last.r1, last.c1) == (piece.r0, piece.r1, piece.c0):
+                            last = last._replace(c1=piece.c1)
+                            continue
+                        if (last.c0, last.c1, last.r1) == (piece.c0, piece.c1, piece.r0):
+                            last = last._replace(r1=piece.r1)
+                            continue
+                    if last is not None:
+                        yield last
+                    last = piece
                 ks += kv_len
             qs += q_len
+        if last is not None:
+            yield last
 
     def _pieces(self, q_len: int, q0: int, kv_len: int, k0: int) -> list[_Piece]:
         """The kernel calls for q's rows (global offset ``q0``) over one key/value
@@ -1062,7 +1077,9 @@ class _Ring(torch.autograd.Function):
     computed). Backward: the blocks travel the same way again, each with the
     accumulated gradient of its keys and values, which one more shift brings
     home; every rank runs every shift, skipped causal blocks included, so the
-    shifts pair up across ranks.
+    shifts pair up across ranks. The backward goes in chunks of key/value heads
+    and sequence parts (:data:`BACKWARD_CHUNKS`), each around the ring in turn,
+    so a rank's peak is its gradients plus about 1/16 of a block.
     """
 
     @staticmethod
@@ -1089,29 +1106,182 @@ class _Ring(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         run: _ParallelRun = ctx.run
-        block_backward = run.lse_backward()
-        sp, kv_segs = run.sp, ctx.kv_segs
-        ring, me = sp.ring, sp.ring_rank
-        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
-        acc = lse.dtype
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        nxt, prv = _neighbours(sp)
-        for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
-            for r0, r1, c0, c1, causal in run._block_pieces(ctx.q_segs[me], kv_segs[src]):
-                gq, gk, gv = block_backward(
-                    dout[:, r0:r1], q[:, r0:r1], k_blk[:, c0:c1], v_blk[:, c0:c1],
-                    out[:, r0:r1], lse[..., r0:r1], causal, run.scale, run.softcap,
-                )  # fmt: skip
-                dq[:, r0:r1] += gq
-                dk[:, c0:c1] += gk
-                dv[:, c0:c1] += gv
-                del gq, gk, gv
-            # this block's gradients follow the block (the last shift brings them home)
-            size = kv_lens[(src - 1) % ring]
-            dk, dv = sp._shift((dk, dv), nxt, prv, [(k.shape[0], size, *k.shape[2:])] * 2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        me = run.sp.ring_rank
+        kv_lens = [sum(n for n, _ in segs) for segs in ctx.kv_segs]
+        # the gradients themselves, in the inputs' dtype and layout (what autograd hands
+        # to the leaves without a copy); each chunk below fills its slice of them
+        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        grads = _Grads(dq, dk, dv)
+        saved = _Saved(dout, q, k, v, out, lse)
+        heads, parts = _backward_chunks(k, kv_lens)
+        for h0, h1 in heads:
+            _backward_heads(run, saved, grads, ctx.q_segs[me], ctx.kv_segs, kv_lens, h0, h1, parts)
+        return dq, dk, dv, None, None, None
+
+
+#: issue 35: a ring's backward moves each key/value block in about this many chunks
+#: (key/value heads x parts of the block's sequence), each around the whole ring in
+#: turn, so what is in flight on a rank (the block in hand, the next one, their
+#: gradients and the kernel's) is about 1/16 of a block, not twice a block
+BACKWARD_CHUNKS = 16
+#: blocks of fewer bytes go whole (chunks would only add kernel calls and shifts) ...
+CHUNK_MIN_BYTES = 1 << 20
+#: ... and a sequence part has at least this many rows (tests lower both)
+CHUNK_MIN_ROWS = 64
+
+
+class _Saved(NamedTuple):
+    """What a ring's backward reads: the output's gradient and the forward's saved tensors."""
+
+    dout: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+
+
+class _Grads(NamedTuple):
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+
+
+def _backward_chunks(k: Tensor, kv_lens: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """The key/value head ranges and the number of sequence parts a ring's backward
+    goes in. Every rank computes the same from facts every rank agreed on (the
+    block lengths, head count, head size, dtype), so the ranks' shifts pair up."""
+    kv_heads = k.shape[2]
+    block_bytes = max(kv_lens) * k.shape[0] * kv_heads * k.shape[3] * k.element_size()
+    if block_bytes < CHUNK_MIN_BYTES:
+        return [(0, kv_heads)], 1
+    n_heads = min(kv_heads, BACKWARD_CHUNKS)
+    heads = [(kv_heads * i // n_heads, kv_heads * (i + 1) // n_heads) for i in range(n_heads)]
+    parts = -(-BACKWARD_CHUNKS // n_heads)
+    return heads, max(1, min(parts, max(kv_lens) // max(1, CHUNK_MIN_ROWS)))
+
+
+def _part(n: int, parts: int, j: int) -> tuple[int, int]:
+    """Rows ``[a, b)`` of sequence part ``j`` of ``parts`` of a block of ``n`` rows."""
+    return n * j // parts, n * (j + 1) // parts
+
+
+def _cut(segs: _Segments, a: int, b: int) -> _Segments:
+    """The segments of a block's local rows ``[a, b)`` (global offsets kept)."""
+    cut: list[tuple[int, int]] = []
+    pos = 0
+    for n, offset in segs:
+        lo, hi = max(a, pos), min(b, pos + n)
+        if lo < hi:
+            cut.append((hi - lo, offset + lo - pos))
+        pos += n
+    return tuple(cut)
+
+
+def _backward_heads(
+    run: _ParallelRun, saved: _Saved, grads: _Grads, q_segs: _Segments,
+    kv_segs: list[_Segments], kv_lens: list[int], h0: int, h1: int, parts: int,
+) -> None:  # fmt: skip
+    """One chunk of key/value heads ``h0:h1`` (and their query heads) of a ring's
+    backward: for each sequence part, a ring of its own (:func:`_backward_part`).
+    Gradients accumulate in the compute dtype: straight into ``grads`` when that
+    is their dtype, else in buffers of this chunk's size."""
+    groups = saved.q.shape[2] // saved.k.shape[2]
+    qh = slice(h0 * groups, h1 * groups)
+    acc = saved.lse.dtype
+    dq = grads.dq[:, :, qh]
+    dq_acc = dq if dq.dtype == acc else torch.zeros(dq.shape, dtype=acc, device=dq.device)
+    for j in range(parts):
+        _backward_part(run, saved, grads, dq_acc, q_segs, kv_segs, kv_lens, h0, h1, j, parts)
+    if dq_acc is not dq:
+        dq.copy_(dq_acc)
+
+
+def _backward_part(
+    run: _ParallelRun, saved: _Saved, grads: _Grads, dq: Tensor, q_segs: _Segments,
+    kv_segs: list[_Segments], kv_lens: list[int], h0: int, h1: int, j: int, parts: int,
+) -> None:  # fmt: skip
+    """Sequence part ``j`` of key/value heads ``h0:h1`` of every block, once around
+    the ring. Step 0 is this rank's own part, its gradients added in place; at step
+    ``s >= 1`` the part of ring rank ``me - s`` is in hand (its shift started while
+    the previous step computed) with the gradient its earlier holders accumulated
+    for it, which the step adds to and passes on; the last shift brings this rank's
+    own part home with everyone else's share."""
+    sp = run.sp
+    ring, me = sp.ring, sp.ring_rank
+    nxt, prv = _neighbours(sp)
+    block_backward = run.lse_backward()
+    groups = saved.q.shape[2] // saved.k.shape[2]
+    qh, kh = slice(h0 * groups, h1 * groups), slice(h0, h1)
+    dout, q, out = saved.dout[:, :, qh], saved.q[:, :, qh], saved.out[:, :, qh]
+    lse = saved.lse[:, qh]
+    acc = saved.lse.dtype
+    b, d = saved.k.shape[0], saved.k.shape[3]
+
+    def shape(src: int) -> tuple[int, ...]:
+        a, e = _part(kv_lens[src], parts, j)
+        return (b, e - a, h1 - h0, d)
+
+    a, e = _part(kv_lens[me], parts, j)
+    own_k, own_v = grads.dk[:, a:e, kh], grads.dv[:, a:e, kh]
+    direct = own_k.dtype == acc
+    if not direct:
+        own_k, own_v = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (own_k, own_v))
+    k_blk, v_blk = saved.k[:, a:e, kh], saved.v[:, a:e, kh]
+    moving: tuple[Tensor, Tensor] | None = None  # the part in hand's gradient so far
+    for step in range(ring):
+        src = (me - step) % ring
+        works: list[Any] = []
+        if step + 1 < ring:  # the next part travels while this one is computed
+            sent = [k_blk.contiguous(), v_blk.contiguous()]
+            incoming, works = sp._start_shift(sent, nxt, prv, [shape((src - 1) % ring)] * 2)
+        target = (own_k, own_v) if step == 0 else moving
+        for r0, r1, c0, c1, causal in run._block_pieces(
+            q_segs, _cut(kv_segs[src], *_part(kv_lens[src], parts, j))
+        ):
+            gq, gk, gv = block_backward(
+                dout[:, r0:r1], q[:, r0:r1], k_blk[:, c0:c1], v_blk[:, c0:c1], out[:, r0:r1],
+                lse[..., r0:r1], causal, run.scale, run.softcap,
+            )  # fmt: skip
+            dq[:, r0:r1] += gq
+            del gq
+            if target is None:  # this part's first share: the kernel's own gradients
+                if c0 == 0 and c1 == k_blk.shape[1] and gk.dtype == acc:
+                    target = (gk, gv)
+                    continue
+                target = tuple(  # type: ignore[assignment]
+                    torch.zeros(k_blk.shape, dtype=acc, device=k_blk.device) for _ in range(2)
+                )
+            assert target is not None
+            target[0][:, c0:c1] += gk
+            target[1][:, c0:c1] += gv
+            del gk, gv
+        if step > 0:  # pass the gradient on (the last shift brings this rank's home)
+            if target is None:  # no piece of this part was seen here
+                target = tuple(  # type: ignore[assignment]
+                    torch.zeros(k_blk.shape, dtype=acc, device=k_blk.device) for _ in range(2)
+                )
+            assert target is not None
+            del k_blk, v_blk  # the part in hand is done with before its gradient moves
+            moving = None
+            home = [t.contiguous() for t in target]
+            del target
+            got = sp._shift(home, nxt, prv, [shape((src - 1) % ring)] * 2)
+            del home
+            if step + 1 == ring:  # our own part, every other rank's share
+                own_k += got[0]
+                own_v += got[1]
+            else:
+                moving = (got[0], got[1])
+            del got
+        if works:
+            sp._finish_shift(works)
+            del sent
+            k_blk, v_blk = incoming
+            del incoming
+    if not direct:
+        grads.dk[:, a:e, kh] = own_k
+        grads.dv[:, a:e, kh] = own_v
 
 
 def _neighbours(sp: SequenceParallel) -> tuple[int, int]:
