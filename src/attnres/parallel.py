@@ -869,13 +869,10 @@ class _ParallelRun:
             return _apply(_Ring, q, k, v, self, q_segs, kv_segs)
         # issue 35: zig-zag. Ring rank r works on halves r and 2R-1-r of the sequence
         # (an early and a late one), so every rank does the same causal work; the
-        # halves are exchanged on the way in and back on the way out
-        q_chunks, kv_chunks = _halves(q_lens), _halves(kv_lens)
-        q = _apply(_ZigZag, q, self, q_chunks, True)
-        k = _apply(_ZigZag, k, self, kv_chunks, True)
-        v = _apply(_ZigZag, v, self, kv_chunks, True)
-        out = _apply(_Ring, q, k, v, self, _zigzag(q_chunks), _zigzag(kv_chunks))
-        return _apply(_ZigZag, out, self, q_chunks, False)
+        # halves are exchanged on the way in and back on the way out, inside one
+        # autograd function that saves the caller's q, k, v and output (no zig-zag copies)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return _apply(_ZigZagRing, q, k, v, self, _halves(q_lens), _halves(kv_lens), training)
 
     def _block_pieces(self, q_segs: _Segments, kv_segs: _Segments) -> Iterator[_Piece]:
         """The kernel calls of q's segments over one block's segments (local indices);
@@ -965,25 +962,82 @@ def _zigzag(chunks: list[tuple[int, int]]) -> list[_Segments]:
     return [(chunks[a], chunks[b]) for a, b in _zigzag_ids(ring)]
 
 
-class _ZigZag(torch.autograd.Function):
-    """Contiguous ring blocks (halves 2r, 2r+1) <-> zig-zag ones (halves r, 2R-1-r),
-    by point-to-point sends between ring peers; the backward moves the other way."""
+class _ZigZagRing(torch.autograd.Function):
+    """Issue 35: a causal ring on zig-zag blocks (halves r and 2R-1-r) that takes and
+    returns contiguous ones (halves 2r, 2r+1). The halves move in and out inside the
+    function, so a training forward keeps what a contiguous ring keeps (the caller's
+    q, k, v, the output and the log-sum-exp), not zig-zag copies of q, k, v and of the
+    output besides. When training, the forward goes in chunks of key/value heads (the
+    backward's, :func:`_backward_chunks`), each zig-zagged, around the ring and back
+    in turn; the backward zig-zags each chunk's q, k, v, output and output gradient,
+    runs the ring's chunked backward on it and moves its gradients back. A rank then
+    holds zig-zag copies of one chunk at a time, not of whole blocks."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, run: _ParallelRun, chunks: list[tuple[int, int]], inward: bool
-    ) -> Tensor:
-        ctx.run, ctx.chunks, ctx.inward = run, chunks, inward
-        return _move_halves(run, x, chunks, inward)
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun,
+        q_chunks: list[tuple[int, int]], kv_chunks: list[tuple[int, int]], training: bool,
+    ) -> Tensor:  # fmt: skip
+        me = run.sp.ring_rank
+        q_segs, kv_segs = _zigzag(q_chunks), _zigzag(kv_chunks)
+        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
+        groups = q.shape[2] // k.shape[2]
+        heads = _backward_chunks(k, kv_lens)[0] if training else [(0, k.shape[2])]
+        result = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse: Tensor | None = None
+        for h0, h1 in heads:
+            qh = slice(h0 * groups, h1 * groups)
+            qz = _move_halves(run, q[:, :, qh], q_chunks, True)
+            kz, vz = (_move_halves(run, t[:, :, h0:h1], kv_chunks, True) for t in (k, v))
+            out_z, lse_z = _ring_forward(run, qz, kz, vz, q_segs[me], kv_segs)
+            del qz, kz, vz
+            if lse is None:
+                if len(heads) == 1:
+                    lse = lse_z
+                else:
+                    lse = torch.empty(
+                        (q.shape[0], q.shape[2], lse_z.shape[2]), dtype=lse_z.dtype,
+                        device=q.device,
+                    )  # fmt: skip
+            if lse is not lse_z:
+                lse[:, qh] = lse_z
+            del lse_z
+            result[:, :, qh] = _move_halves(run, out_z.to(q.dtype), q_chunks, False)
+            del out_z
+        assert lse is not None
+        # the log-sum-exp stays in zig-zag order (where the backward's kernels read it)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.run, ctx.q_chunks, ctx.kv_chunks = run, q_chunks, kv_chunks
+        return result
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return (
-            _move_halves(ctx.run, grad.contiguous(), ctx.chunks, not ctx.inward),
-            None,
-            None,
-            None,
-        )
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        run: _ParallelRun = ctx.run
+        me = run.sp.ring_rank
+        q_chunks, kv_chunks = ctx.q_chunks, ctx.kv_chunks
+        q_segs, kv_segs = _zigzag(q_chunks), _zigzag(kv_chunks)
+        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
+        groups = q.shape[2] // k.shape[2]
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        heads, parts = _backward_chunks(k, kv_lens)
+        for h0, h1 in heads:
+            qh = slice(h0 * groups, h1 * groups)
+            saved = _Saved(
+                *(_move_halves(run, t[:, :, qh], q_chunks, True) for t in (dout, q)),
+                *(_move_halves(run, t[:, :, h0:h1], kv_chunks, True) for t in (k, v)),
+                _move_halves(run, out[:, :, qh], q_chunks, True), lse[:, qh],
+            )  # fmt: skip
+            grads = _Grads(
+                *(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in saved[1:4])
+            )
+            _backward_heads(run, saved, grads, q_segs[me], kv_segs, kv_lens, 0, h1 - h0, parts)
+            del saved
+            dq[:, :, qh] = _move_halves(run, grads.dq, q_chunks, False)
+            dk[:, :, h0:h1] = _move_halves(run, grads.dk, kv_chunks, False)
+            dv[:, :, h0:h1] = _move_halves(run, grads.dv, kv_chunks, False)
+            del grads
+        return dq, dk, dv, None, None, None, None
 
 
 def _move_halves(
@@ -1065,6 +1119,23 @@ def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> Non
     lse.copy_(new_lse)
 
 
+def _ring_forward(
+    run: _ParallelRun, q: Tensor, k: Tensor, v: Tensor, q_seg: _Segments,
+    kv_segs: list[_Segments],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """A ring's forward without gradients: this rank's merged output (in the compute
+    dtype) and log-sum-exp, ``ring - 1`` shifts passing the key/value blocks (the
+    next block travels while this one is computed)."""
+    kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
+    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, sq, h, run.head_size, dtype=acc, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
+    for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
+        run._attend(q, k_blk, v_blk, q_seg, kv_segs[src], out, lse)
+    return out, lse
+
+
 class _Ring(torch.autograd.Function):
     """Issue 35: ring attention whose backward recomputes each block from the merged
     log-sum-exp (ring-flash-attention's scheme), so a training forward keeps only
@@ -1087,15 +1158,9 @@ class _Ring(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun, q_segs: list[_Segments],
         kv_segs: list[_Segments],
     ) -> Tensor:  # fmt: skip
-        me = run.sp.ring_rank
-        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
-        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.zeros(b, sq, h, run.head_size, dtype=acc, device=q.device)
-        lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
-        for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
-            run._attend(q, k_blk, v_blk, q_segs[me], kv_segs[src], out, lse)
+        out, lse = _ring_forward(run, q, k, v, q_segs[run.sp.ring_rank], kv_segs)
         result = out.to(q.dtype)
+        del out
         # what the backward needs, linear in the sequence: the inputs, the merged
         # output (the result itself when the dtypes agree) and log-sum-exp
         ctx.save_for_backward(q, k, v, result, lse)
