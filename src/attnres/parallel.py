@@ -969,9 +969,12 @@ class _ZigZagRing(torch.autograd.Function):
     q, k, v, the output and the log-sum-exp), not zig-zag copies of q, k, v and of the
     output besides. When training, the forward goes in chunks of key/value heads (the
     backward's, :func:`_backward_chunks`), each zig-zagged, around the ring and back
-    in turn; the backward zig-zags each chunk's q, k, v, output and output gradient,
-    runs the ring's chunked backward on it and moves its gradients back. A rank then
-    holds zig-zag copies of one chunk at a time, not of whole blocks."""
+    in turn. The backward sends the keys and values around in their contiguous
+    blocks (a rank's work is its zig-zag query rows against every key, balanced in
+    any key order): per head chunk, a rank receives the query halves it works on
+    and does not hold (q, output, output gradient; its own halves are views) and
+    sends their query gradients back. A rank holds zig-zag copies of one chunk's
+    halves at a time, not of whole blocks."""
 
     @staticmethod
     def forward(
@@ -983,28 +986,26 @@ class _ZigZagRing(torch.autograd.Function):
         kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
         groups = q.shape[2] // k.shape[2]
         heads = _backward_chunks(k, kv_lens)[0] if training else [(0, k.shape[2])]
-        result = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse: Tensor | None = None
+        # chunks: each chunk's output into its heads of the result; one: the result
+        result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if len(heads) > 1 else None
+        lses = []
         for h0, h1 in heads:
             qh = slice(h0 * groups, h1 * groups)
             qz = _move_halves(run, q[:, :, qh], q_chunks, True)
             kz, vz = (_move_halves(run, t[:, :, h0:h1], kv_chunks, True) for t in (k, v))
             out_z, lse_z = _ring_forward(run, qz, kz, vz, q_segs[me], kv_segs)
             del qz, kz, vz
-            if lse is None:
-                if len(heads) == 1:
-                    lse = lse_z
-                else:
-                    lse = torch.empty(
-                        (q.shape[0], q.shape[2], lse_z.shape[2]), dtype=lse_z.dtype,
-                        device=q.device,
-                    )  # fmt: skip
-            if lse is not lse_z:
-                lse[:, qh] = lse_z
-            del lse_z
-            result[:, :, qh] = _move_halves(run, out_z.to(q.dtype), q_chunks, False)
+            lses.append(lse_z)
+            out = _move_halves(run, out_z.to(q.dtype), q_chunks, False)
             del out_z
-        assert lse is not None
+            if result is None:
+                result = out
+            else:
+                result[:, :, qh] = out
+            del out
+        assert result is not None
+        lse = lses[0] if len(lses) == 1 else torch.cat(lses, 1)
+        del lses
         # the log-sum-exp stays in zig-zag order (where the backward's kernels read it)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.run, ctx.q_chunks, ctx.kv_chunks = run, q_chunks, kv_chunks
