@@ -869,13 +869,10 @@ class _ParallelRun:
             return _apply(_Ring, q, k, v, self, q_segs, kv_segs)
         # issue 35: zig-zag. Ring rank r works on halves r and 2R-1-r of the sequence
         # (an early and a late one), so every rank does the same causal work; the
-        # halves are exchanged on the way in and back on the way out
-        q_chunks, kv_chunks = _halves(q_lens), _halves(kv_lens)
-        q = _apply(_ZigZag, q, self, q_chunks, True)
-        k = _apply(_ZigZag, k, self, kv_chunks, True)
-        v = _apply(_ZigZag, v, self, kv_chunks, True)
-        out = _apply(_Ring, q, k, v, self, _zigzag(q_chunks), _zigzag(kv_chunks))
-        return _apply(_ZigZag, out, self, q_chunks, False)
+        # halves are exchanged on the way in and back on the way out, inside one
+        # autograd function that saves the caller's q, k, v and output (no zig-zag copies)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return _apply(_ZigZagRing, q, k, v, self, _halves(q_lens), _halves(kv_lens), training)
 
     def _block_pieces(self, q_segs: _Segments, kv_segs: _Segments) -> Iterator[_Piece]:
         """The kernel calls of q's segments over one block's segments (local indices);
@@ -965,47 +962,128 @@ def _zigzag(chunks: list[tuple[int, int]]) -> list[_Segments]:
     return [(chunks[a], chunks[b]) for a, b in _zigzag_ids(ring)]
 
 
-class _ZigZag(torch.autograd.Function):
-    """Contiguous ring blocks (halves 2r, 2r+1) <-> zig-zag ones (halves r, 2R-1-r),
-    by point-to-point sends between ring peers; the backward moves the other way."""
+class _ZigZagRing(torch.autograd.Function):
+    """Issue 35: a causal ring on zig-zag blocks (halves r and 2R-1-r) that takes and
+    returns contiguous ones (halves 2r, 2r+1). The halves move in and out inside the
+    function, so a training forward keeps what a contiguous ring keeps (the caller's
+    q, k, v, the output and the log-sum-exp), not zig-zag copies of q, k, v and of the
+    output besides. When training, the forward goes in chunks of key/value heads (the
+    backward's, :func:`_backward_chunks`), each zig-zagged, around the ring and back
+    in turn. The backward sends the keys and values around in their contiguous
+    blocks (a rank's work is its zig-zag query rows against every key, balanced in
+    any key order): per head chunk, a rank receives the query halves it works on
+    and does not hold (q, output, output gradient; its own halves are views) and
+    sends their query gradients back. A rank holds zig-zag copies of one chunk's
+    halves at a time, not of whole blocks."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, run: _ParallelRun, chunks: list[tuple[int, int]], inward: bool
-    ) -> Tensor:
-        ctx.run, ctx.chunks, ctx.inward = run, chunks, inward
-        return _move_halves(run, x, chunks, inward)
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun,
+        q_chunks: list[tuple[int, int]], kv_chunks: list[tuple[int, int]], training: bool,
+    ) -> Tensor:  # fmt: skip
+        me = run.sp.ring_rank
+        q_segs, kv_segs = _zigzag(q_chunks), _zigzag(kv_chunks)
+        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
+        groups = q.shape[2] // k.shape[2]
+        heads = _backward_chunks(k, kv_lens)[0] if training else [(0, k.shape[2])]
+        # chunks: each chunk's output into its heads of the result; one: the result
+        result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if len(heads) > 1 else None
+        lses = []
+        for h0, h1 in heads:
+            qh = slice(h0 * groups, h1 * groups)
+            qz = _move_halves(run, q[:, :, qh], q_chunks, True)
+            kz, vz = (_move_halves(run, t[:, :, h0:h1], kv_chunks, True) for t in (k, v))
+            out_z, lse_z = _ring_forward(run, qz, kz, vz, q_segs[me], kv_segs)
+            del qz, kz, vz
+            lses.append(lse_z)
+            out = _move_halves(run, out_z.to(q.dtype), q_chunks, False)
+            del out_z
+            if result is None:
+                result = out
+            else:
+                result[:, :, qh] = out
+            del out
+        assert result is not None
+        lse = lses[0] if len(lses) == 1 else torch.cat(lses, 1)
+        del lses
+        # the log-sum-exp stays in zig-zag order (where the backward's kernels read it)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.run, ctx.q_chunks, ctx.kv_chunks = run, q_chunks, kv_chunks
+        return result
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return (
-            _move_halves(ctx.run, grad.contiguous(), ctx.chunks, not ctx.inward),
-            None,
-            None,
-            None,
-        )
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        run: _ParallelRun = ctx.run
+        ring, me = run.sp.ring, run.sp.ring_rank
+        q_chunks, kv_chunks = ctx.q_chunks, ctx.kv_chunks
+        # the keys and values go around in their contiguous blocks (views of the
+        # caller's, gradients straight into dk, dv): a rank's work is its zig-zag
+        # query rows against every key, balanced whatever order the keys come in
+        kv_lens = [kv_chunks[2 * r][0] + kv_chunks[2 * r + 1][0] for r in range(ring)]
+        kv_segs = _contiguous(kv_lens)
+        groups = q.shape[2] // k.shape[2]
+        acc = lse.dtype
+        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        grads = _Grads(dq, dk, dv)
+        ids = _zigzag_ids(ring)[me]
+        heads, parts = _backward_chunks(k, kv_lens)
+        for h0, h1 in heads:
+            qh = slice(h0 * groups, h1 * groups)
+            # this rank's zig-zag query halves: its own as views, the others received
+            dout_z, q_z, out_z = (
+                _swap_halves(run, _own_halves(t[:, :, qh], q_chunks, me), q_chunks, True)
+                for t in (dout, q, out)
+            )
+            own = _own_halves(dq[:, :, qh], q_chunks, me)
+            rows, dq_z, z0 = [], {}, 0
+            for c in ids:
+                n = q_chunks[c][0]
+                direct = c in own and dq.dtype == acc
+                dq_z[c] = (
+                    own[c] if direct else torch.zeros(q_z[c].shape, dtype=acc, device=q.device)
+                )
+                rows.append(_Rows(
+                    (q_chunks[c],), dout_z[c], q_z[c], out_z[c], lse[:, qh, z0 : z0 + n], dq_z[c]
+                ))  # fmt: skip
+                z0 += n
+            for j in range(parts):
+                _backward_part(run, rows, k, v, grads, kv_segs, kv_lens, h0, h1, j, parts)
+            del rows, dout_z, q_z, out_z
+            # the query gradients home: the other ranks' halves back to them
+            back = _swap_halves(run, dq_z, q_chunks, False)
+            del dq_z
+            for c, got in back.items():
+                if not (c in own and got is own[c]):
+                    own[c].copy_(got)
+            del back, own
+        return dq, dk, dv, None, None, None, None
 
 
-def _move_halves(
-    run: _ParallelRun, x: Tensor, chunks: list[tuple[int, int]], inward: bool
-) -> Tensor:
-    """Move ``x``'s halves from the contiguous layout to zig-zag (``inward``) or back."""
+def _own_halves(x: Tensor, chunks: list[tuple[int, int]], me: int) -> dict[int, Tensor]:
+    """Views of this ring rank's two halves (2r, 2r+1) in its contiguous block ``x``."""
+    first = chunks[2 * me][0]
+    return {2 * me: x[:, :first], 2 * me + 1: x[:, first : first + chunks[2 * me + 1][0]]}
+
+
+def _swap_halves(
+    run: _ParallelRun, mine: dict[int, Tensor], chunks: list[tuple[int, int]], inward: bool
+) -> dict[int, Tensor]:
+    """The halves this rank holds after moving from the contiguous layout to zig-zag
+    (``inward``) or back, by half id: the ones it keeps are ``mine``'s own tensors
+    (views stay views), the others received from the ring peers holding them."""
     sp = run.sp
     ring, me = sp.ring, sp.ring_rank
     contiguous = [(2 * r, 2 * r + 1) for r in range(ring)]
     held, wanted = (contiguous, _zigzag_ids(ring)) if inward else (_zigzag_ids(ring), contiguous)
     owner_now = {c: r for r, ids in enumerate(held) for c in ids}
     owner_next = {c: r for r, ids in enumerate(wanted) for c in ids}
-    mine: dict[int, Tensor] = {}
-    start = 0
-    for c in held[me]:
-        mine[c] = x[:, start : start + chunks[c][0]]
-        start += chunks[c][0]
+    like = next(iter(mine.values()))
 
     def group_rank(ring_rank: int) -> int:
         return ring_rank * sp.ulysses + sp.ulysses_rank
 
-    ops, received = [], {}
+    ops, got = [], {}
     for c in held[me]:  # an empty half is known empty on both sides: nothing moves
         if owner_next[c] != me and chunks[c][0]:
             ops.append(
@@ -1017,19 +1095,34 @@ def _move_halves(
                 )
             )
     for c in wanted[me]:
-        if owner_now[c] != me and chunks[c][0]:
-            buf = torch.empty(
-                x.shape[0], chunks[c][0], *x.shape[2:], dtype=x.dtype, device=x.device
-            )
-            received[c] = buf
+        if owner_now[c] == me:
+            got[c] = mine[c]
+            continue
+        shape = (like.shape[0], chunks[c][0], *like.shape[2:])
+        got[c] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if chunks[c][0]:
             ops.append(
-                dist.P2POp(dist.irecv, buf, group=sp.group, group_peer=group_rank(owner_now[c]))
+                dist.P2POp(dist.irecv, got[c], group=sp.group, group_peer=group_rank(owner_now[c]))
             )
     if ops:
         sp._finish_shift(list(sp._launch("zig-zag exchange", lambda: dist.batch_isend_irecv(ops))))
-    empty = x[:, :0]
-    parts = [received.get(c, mine.get(c, empty)) for c in wanted[me]]
-    return torch.cat(parts, 1)
+    return got
+
+
+def _move_halves(
+    run: _ParallelRun, x: Tensor, chunks: list[tuple[int, int]], inward: bool
+) -> Tensor:
+    """Move ``x``'s halves from the contiguous layout to zig-zag (``inward``) or back."""
+    ring, me = run.sp.ring, run.sp.ring_rank
+    held = (2 * me, 2 * me + 1) if inward else _zigzag_ids(ring)[me]
+    mine: dict[int, Tensor] = {}
+    start = 0
+    for c in held:
+        mine[c] = x[:, start : start + chunks[c][0]]
+        start += chunks[c][0]
+    got = _swap_halves(run, mine, chunks, inward)
+    wanted = _zigzag_ids(ring)[me] if inward else (2 * me, 2 * me + 1)
+    return torch.cat([got[c] for c in wanted], 1)
 
 
 class _Piece(NamedTuple):
@@ -1065,6 +1158,23 @@ def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> Non
     lse.copy_(new_lse)
 
 
+def _ring_forward(
+    run: _ParallelRun, q: Tensor, k: Tensor, v: Tensor, q_seg: _Segments,
+    kv_segs: list[_Segments],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """A ring's forward without gradients: this rank's merged output (in the compute
+    dtype) and log-sum-exp, ``ring - 1`` shifts passing the key/value blocks (the
+    next block travels while this one is computed)."""
+    kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
+    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, sq, h, run.head_size, dtype=acc, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
+    for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
+        run._attend(q, k_blk, v_blk, q_seg, kv_segs[src], out, lse)
+    return out, lse
+
+
 class _Ring(torch.autograd.Function):
     """Issue 35: ring attention whose backward recomputes each block from the merged
     log-sum-exp (ring-flash-attention's scheme), so a training forward keeps only
@@ -1087,15 +1197,9 @@ class _Ring(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun, q_segs: list[_Segments],
         kv_segs: list[_Segments],
     ) -> Tensor:  # fmt: skip
-        me = run.sp.ring_rank
-        kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
-        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.zeros(b, sq, h, run.head_size, dtype=acc, device=q.device)
-        lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
-        for src, (k_blk, v_blk) in _ring_steps(run, (k, v), kv_lens):
-            run._attend(q, k_blk, v_blk, q_segs[me], kv_segs[src], out, lse)
+        out, lse = _ring_forward(run, q, k, v, q_segs[run.sp.ring_rank], kv_segs)
         result = out.to(q.dtype)
+        del out
         # what the backward needs, linear in the sequence: the inputs, the merged
         # output (the result itself when the dtypes agree) and log-sum-exp
         ctx.save_for_backward(q, k, v, result, lse)
@@ -1178,6 +1282,18 @@ def _cut(segs: _Segments, a: int, b: int) -> _Segments:
     return tuple(cut)
 
 
+class _Rows(NamedTuple):
+    """Query rows of a ring's backward, this key/value head chunk's query heads:
+    their segments and the tensors the kernel reads and writes there."""
+
+    segs: _Segments
+    dout: Tensor
+    q: Tensor
+    out: Tensor
+    lse: Tensor
+    dq: Tensor  # the compute dtype's; gradients are added in place
+
+
 def _backward_heads(
     run: _ParallelRun, saved: _Saved, grads: _Grads, q_segs: _Segments,
     kv_segs: list[_Segments], kv_lens: list[int], h0: int, h1: int, parts: int,
@@ -1191,18 +1307,23 @@ def _backward_heads(
     acc = saved.lse.dtype
     dq = grads.dq[:, :, qh]
     dq_acc = dq if dq.dtype == acc else torch.zeros(dq.shape, dtype=acc, device=dq.device)
+    rows = _Rows(
+        q_segs, saved.dout[:, :, qh], saved.q[:, :, qh], saved.out[:, :, qh], saved.lse[:, qh],
+        dq_acc,
+    )  # fmt: skip
     for j in range(parts):
-        _backward_part(run, saved, grads, dq_acc, q_segs, kv_segs, kv_lens, h0, h1, j, parts)
+        _backward_part(run, [rows], saved.k, saved.v, grads, kv_segs, kv_lens, h0, h1, j, parts)
     if dq_acc is not dq:
         dq.copy_(dq_acc)
 
 
 def _backward_part(
-    run: _ParallelRun, saved: _Saved, grads: _Grads, dq: Tensor, q_segs: _Segments,
+    run: _ParallelRun, rows: list[_Rows], k: Tensor, v: Tensor, grads: _Grads,
     kv_segs: list[_Segments], kv_lens: list[int], h0: int, h1: int, j: int, parts: int,
 ) -> None:  # fmt: skip
     """Sequence part ``j`` of key/value heads ``h0:h1`` of every block, once around
-    the ring. Step 0 is this rank's own part, its gradients added in place; at step
+    the ring, against every set of this rank's query rows. Step 0 is this rank's
+    own part, its gradients added in place; at step
     ``s >= 1`` the part of ring rank ``me - s`` is in hand (its shift started while
     the previous step computed) with the gradient its earlier holders accumulated
     for it, which the step adds to and passes on; the last shift brings this rank's
@@ -1211,12 +1332,9 @@ def _backward_part(
     ring, me = sp.ring, sp.ring_rank
     nxt, prv = _neighbours(sp)
     block_backward = run.lse_backward()
-    groups = saved.q.shape[2] // saved.k.shape[2]
-    qh, kh = slice(h0 * groups, h1 * groups), slice(h0, h1)
-    dout, q, out = saved.dout[:, :, qh], saved.q[:, :, qh], saved.out[:, :, qh]
-    lse = saved.lse[:, qh]
-    acc = saved.lse.dtype
-    b, d = saved.k.shape[0], saved.k.shape[3]
+    kh = slice(h0, h1)
+    acc = rows[0].lse.dtype
+    b, d = k.shape[0], k.shape[3]
 
     def shape(src: int) -> tuple[int, ...]:
         a, e = _part(kv_lens[src], parts, j)
@@ -1227,7 +1345,7 @@ def _backward_part(
     direct = own_k.dtype == acc
     if not direct:
         own_k, own_v = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (own_k, own_v))
-    k_blk, v_blk = saved.k[:, a:e, kh], saved.v[:, a:e, kh]
+    k_blk, v_blk = k[:, a:e, kh], v[:, a:e, kh]
     moving: tuple[Tensor, Tensor] | None = None  # the part in hand's gradient so far
     for step in range(ring):
         src = (me - step) % ring
@@ -1236,14 +1354,15 @@ def _backward_part(
             sent = [k_blk.contiguous(), v_blk.contiguous()]
             incoming, works = sp._start_shift(sent, nxt, prv, [shape((src - 1) % ring)] * 2)
         target = (own_k, own_v) if step == 0 else moving
-        for r0, r1, c0, c1, causal in run._block_pieces(
-            q_segs, _cut(kv_segs[src], *_part(kv_lens[src], parts, j))
+        cut = _cut(kv_segs[src], *_part(kv_lens[src], parts, j))
+        for qr, (r0, r1, c0, c1, causal) in (
+            (set_, piece) for set_ in rows for piece in run._block_pieces(set_.segs, cut)
         ):
             gq, gk, gv = block_backward(
-                dout[:, r0:r1], q[:, r0:r1], k_blk[:, c0:c1], v_blk[:, c0:c1], out[:, r0:r1],
-                lse[..., r0:r1], causal, run.scale, run.softcap,
+                qr.dout[:, r0:r1], qr.q[:, r0:r1], k_blk[:, c0:c1], v_blk[:, c0:c1],
+                qr.out[:, r0:r1], qr.lse[..., r0:r1], causal, run.scale, run.softcap,
             )  # fmt: skip
-            dq[:, r0:r1] += gq
+            qr.dq[:, r0:r1] += gq
             del gq
             if target is None:  # this part's first share: the kernel's own gradients
                 if c0 == 0 and c1 == k_blk.shape[1] and gk.dtype == acc:
