@@ -263,7 +263,6 @@ def _switch_backend(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def attempt(key: str, run: Any) -> None:
-        start = time.monotonic()
         try:
             run()
             out[key] = {"error": None}
@@ -272,7 +271,6 @@ def _switch_backend(sp_for: Any, rank: int, world: int) -> dict[str, Any]:
                 "error": str(exc),
                 "backends": {str(r): b for r, b in exc.backends.items()},
                 "consensus": isinstance(exc, attnres.ConsensusError),
-                "elapsed_s": time.monotonic() - start,
             }
         except Exception as exc:  # the defect: a dead peer, or another type
             out[key] = {"error": None, "raw": f"{type(exc).__name__}: {exc}"[:400]}

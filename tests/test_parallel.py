@@ -325,18 +325,19 @@ def _switched_backends_are_a_typed_mismatch(got: dict[str, Any]) -> None:
     a schedule step the other rank did not take; once with the new backend's run
     already verified for the shape, which ran silently) is a BackendMismatchError
     (a ConsensusError) naming both ranks' backends and origins, on every rank,
-    before any data moved and well within the timeout (not a dead peer); the group
+    before any data moved, by the exchange (not a dead peer's timeout); the group
     stays in step. One backend chosen in two ways names both origins."""
     assert "crashed" not in got, got["crashed"]
     for layout in ("ulysses", "ring"):
         for how, first in (("request", "layer"), ("schedule", "request"), ("verified", "layer")):
             case = got[f"{layout}.{how}"]
+            # answered by the backends' exchange, not waited out: a dead peer's
+            # timeout is another error type, recorded as "raw" with no "error"
             assert case["error"] is not None, (layout, how, case)
             assert case["consensus"] and case["backends"] == {"0": "torch_sdpa", "1": "eager"}
             assert f"rank 0 -> torch_sdpa (origin {first})" in case["error"], case["error"]
             assert "rank 1 -> eager (origin request)" in case["error"], case["error"]
             assert "no data was exchanged" in case["error"]
-            assert case["elapsed_s"] < TIMEOUT_S  # answered, not waited out
         assert got[f"{layout}.after"] == {"error": None}
     origins = got["origins"]
     assert origins is not None and "how attention backends were chosen" in origins
