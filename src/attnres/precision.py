@@ -29,7 +29,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -293,48 +293,29 @@ def calibrate(
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
-@contextlib.contextmanager
-def _capture_sdpa(
-    models: Sequence[tuple[str, torch.nn.Module]],
+def _first_calls(
     calls: dict[tuple[str, str], tuple[Tensor, Tensor, Tensor, Tensor | None, bool, float | None]],
-) -> Iterator[None]:
-    """The first SDPA call of each innermost module, per component (attnres's layout)."""
-    from torch.overrides import TorchFunctionMode
+) -> Callable[[tuple[str, str] | None, tuple[Any, ...], dict[str, Any]], None]:
+    """What :func:`attnres.integrations.diffusers.sdpa_calls` hands each SDPA call
+    to: the first call of each innermost module, per component, kept in
+    attnres's layout."""
 
-    stack: list[tuple[str, str]] = []
-    handles = []
-    for component, model in models:
-        for name, sub in model.named_modules():
-            where = (component, name)
-            handles.append(sub.register_forward_pre_hook(lambda m, *_, w=where: stack.append(w)))
-            handles.append(sub.register_forward_hook(lambda m, *_: (stack.pop(), None)[1]))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    def keep(where: tuple[str, str] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if where is None or where in calls:
+            return
+        bound = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_mask")
+        calls[where] = (
+            q.detach().transpose(1, 2),
+            k.detach().transpose(1, 2),
+            v.detach().transpose(1, 2),
+            None if mask is None else mask.detach(),
+            bool(bound.get("is_causal", False)),
+            bound.get("scale"),
+        )
 
-    class _Mode(TorchFunctionMode):
-        def __torch_function__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            kwargs = kwargs or {}
-            if func is sdpa and stack and stack[-1] not in calls:
-                bound = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
-                q, k, v = bound["query"], bound["key"], bound["value"]
-                mask = bound.get("attn_mask")
-                calls[stack[-1]] = (
-                    q.detach().transpose(1, 2),
-                    k.detach().transpose(1, 2),
-                    v.detach().transpose(1, 2),
-                    None if mask is None else mask.detach(),
-                    bool(bound.get("is_causal", False)),
-                    bound.get("scale"),
-                )
-            return func(*args, **kwargs)
-
-    try:
-        with _Mode():
-            yield
-    finally:
-        for h in handles:
-            h.remove()
+    return keep
 
 
 def calibrate_pipeline(
@@ -361,7 +342,10 @@ def calibrate_pipeline(
     plan = _diffusers.plan(pipe, config, platform)
     calls: dict[tuple[str, str], Any] = {}
     if results is None:
-        with torch.no_grad(), _capture_sdpa(_diffusers._components(pipe), calls):
+        with (
+            torch.no_grad(),
+            _diffusers.sdpa_calls(_diffusers._components(pipe), _first_calls(calls)),
+        ):
             run(pipe)
     sites = []
     for site in plan.sites:

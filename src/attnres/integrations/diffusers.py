@@ -43,7 +43,7 @@ import linecache
 import logging
 import types
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -1189,27 +1189,39 @@ def remove(pipe: Any) -> int:
 # =============================================================================
 
 
+#: where an SDPA call ran: (component, name of the innermost module), ``None``
+#: outside every module of the models watched
+SdpaSite = tuple[str, str] | None
+
+
 @contextmanager
-def _sdpa_spy(model: torch.nn.Module, calls: dict[str, int]) -> Iterator[None]:
+def sdpa_calls(
+    models: Sequence[tuple[str, torch.nn.Module]],
+    on_call: Callable[[SdpaSite, tuple[Any, ...], dict[str, Any]], None],
+) -> Iterator[None]:
+    """While active, every ``F.scaled_dot_product_attention`` call is handed to
+    ``on_call`` (before it runs) with its positional and keyword arguments and the
+    innermost module of ``models`` running it: what :func:`find_sdpa_calls` counts
+    and :func:`attnres.precision.calibrate_pipeline` captures."""
     from torch.overrides import TorchFunctionMode
 
-    stack: list[str] = []
-    names = {id(m): n for n, m in model.named_modules()}
+    stack: list[tuple[str, str]] = []
     handles = []
-    for module in model.modules():
-        handles.append(module.register_forward_pre_hook(lambda m, *_: stack.append(names[id(m)])))
-        handles.append(module.register_forward_hook(lambda m, *_: (stack.pop(), None)[1]))
-
+    for component, model in models:
+        for name, sub in model.named_modules():
+            where = (component, name)
+            handles.append(sub.register_forward_pre_hook(lambda m, *_, w=where: stack.append(w)))
+            handles.append(sub.register_forward_hook(lambda m, *_: (stack.pop(), None)[1]))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     class _Mode(TorchFunctionMode):
         def __torch_function__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
+            kwargs = kwargs or {}
             if func is sdpa:
-                where = stack[-1] if stack else ""
-                calls[where] = calls.get(where, 0) + 1
-            return func(*args, **(kwargs or {}))
+                on_call(stack[-1] if stack else None, args, kwargs)
+            return func(*args, **kwargs)
 
     try:
         with _Mode():
@@ -1226,6 +1238,11 @@ def find_sdpa_calls(model: torch.nn.Module, *args: Any, **kwargs: Any) -> dict[s
     plain module calling ``F.scaled_dot_product_attention``).
     """
     calls: dict[str, int] = {}
-    with torch.no_grad(), _sdpa_spy(model, calls):
+
+    def count(where: SdpaSite, *_: Any) -> None:
+        name = "" if where is None else where[1]
+        calls[name] = calls.get(name, 0) + 1
+
+    with torch.no_grad(), sdpa_calls([("", model)], count):
         model(*args, **kwargs)
     return calls
