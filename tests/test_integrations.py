@@ -1125,8 +1125,11 @@ def test_route_kinds_are_typed_and_installs_dispatch_on_them_not_on_the_words(mo
             result = real_plan(*args, **kwargs)
             if not reworded:
                 return result
-            sites = tuple(attrs.evolve(s, route=f"words {i}") for i, s in enumerate(result.sites))
-            return attrs.evolve(result, sites=sites)
+            components = tuple(
+                attrs.evolve(c, sites=tuple(attrs.evolve(s, route=f"{s.name}!") for s in c.sites))
+                for c in result.components
+            )
+            return attrs.evolve(result, components=components)
 
         monkeypatch.setattr(itf, "plan", reworded_plan)
         applied = itf.apply(model, "text_encoder", SelectionConfig(global_backend="torch_sdpa"))
