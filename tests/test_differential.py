@@ -313,8 +313,6 @@ def test_a_strict_plan_of_a_plain_module_names_its_by_hand_site(case: str, compo
     """Issue 32 item 8, variants: whatever the by-hand code does, a strict flag's
     plan of a plain torch module has its site (it said "ok - 0 layers"), in a
     strict component and in one that may fall back, and the rendered plan says so."""
-    from attnres.render import render_integration_plan
-
     module = _build(case, torch.float32)
     config = SelectionConfig(global_backend=SDPA, global_backend_explicit=True)
     plan = idf.plan({component: module}, config, Platform.simulate("cpu"))
@@ -322,7 +320,7 @@ def test_a_strict_plan_of_a_plain_module_names_its_by_hand_site(case: str, compo
     (site,) = plan.sites
     assert site.name == "attn" and "softmax by hand in Hand" in site.route, site
     assert site.status.value == "pending"  # decided at its first call
-    text = "\n".join(render_integration_plan(plan))
+    text = plan.render()
     assert "pending: attn (Hand): decided at first call" in text, text
     assert "1 site decided at first call" in text.split("Verdict:")[1], text
 

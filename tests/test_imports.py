@@ -55,7 +55,7 @@ LAZY: dict[tuple[str, str], str] = {
 
 
 #: Import cycles tolerated for now: none. (The two the integrations brought
-#: are gone: plans render through attnres.render, which the CLI uses too, and
+#: are gone: a plan renders itself (attnres.plan.render_plan, which the CLI uses too), and
 #: the helpers both integrations share live in integrations._plan.)
 KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 

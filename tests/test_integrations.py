@@ -101,7 +101,7 @@ def test_done_when_head_size_sage_cannot_take_is_an_error_and_apply_changes_noth
     assert not plan.ok
     bad = [s for s in plan.sites if s.error]
     assert bad and all(s.component == "transformer" for s in bad)
-    assert "head size 256" in bad[0].error
+    assert "head size 256" in str(bad[0].error)
     before = _processors(pipe)
     impl = pipe.text_encoder.config._attn_implementation
     with pytest.raises(IntegrationError) as info:
@@ -812,7 +812,7 @@ def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree(mon
         SelectionConfig(component_backends={"text_encoder_2": "torch_cudnn_sdpa"})
     )
     for plan in (relaxed, strict):
-        rows = {(c.name, r.name): r for c in plan.to_plan_result().components for r in c.layers}
+        rows = {(c.name, r.name): r for c in plan.components for r in c.layers}
         for site in plan.sites:
             assert site.status == site.trace.outcome.status  # never selected under rejected
             row = next(
@@ -842,8 +842,10 @@ def test_rule_exact_route_a_stand_in_never_runs_and_site_trace_and_row_agree(mon
     # a component override is strict: rejected by the machine, code and route named
     clip = strict.by_component()["text_encoder_2"]
     assert clip and all(s.status is Status.REJECTED for s in clip)
-    assert {s.site_error.code for s in clip} == {"not_on_route"}
-    assert all(f"route ({ROUTE})" in s.error and "torch_cudnn_sdpa" in s.error for s in clip)
+    assert {s.error.code for s in clip} == {"not_on_route"}
+    assert all(
+        f"route ({ROUTE})" in str(s.error) and "torch_cudnn_sdpa" in str(s.error) for s in clip
+    )
     assert all(s.trace.outcome.code == "not_on_route" for s in clip)
 
 
@@ -858,9 +860,9 @@ def test_a_site_cannot_say_rejected_under_a_selected_trace():
         component="c", name="blocks.0.attn", module_class="M", route="r", kind=RouteKind.INTERCEPT
     )
     common.update(heads=1, kv_heads=1, spec=spec, trace=res.trace)
-    assert Site(**common, resolution=res, site_error=None).status is Status.SELECTED
+    assert Site(**common, resolution=res, error=None).status is Status.SELECTED
     with pytest.raises(ValueError, match="is rejected but its trace says selected"):
-        Site(**common, resolution=None, site_error=SiteError("not_on_route", "no"))
+        Site(**common, resolution=None, error=SiteError("not_on_route", "no"))
 
 
 def test_call_facts_scale_window_softcap():
@@ -1123,8 +1125,11 @@ def test_route_kinds_are_typed_and_installs_dispatch_on_them_not_on_the_words(mo
             result = real_plan(*args, **kwargs)
             if not reworded:
                 return result
-            sites = tuple(attrs.evolve(s, route=f"words {i}") for i, s in enumerate(result.sites))
-            return attrs.evolve(result, sites=sites)
+            components = tuple(
+                attrs.evolve(c, sites=tuple(attrs.evolve(s, route=f"{s.name}!") for s in c.sites))
+                for c in result.components
+            )
+            return attrs.evolve(result, components=components)
 
         monkeypatch.setattr(itf, "plan", reworded_plan)
         applied = itf.apply(model, "text_encoder", SelectionConfig(global_backend="torch_sdpa"))

@@ -247,9 +247,9 @@ def _row(cls: type) -> tuple[str, list[str]]:
     # functional multi-head attention: HunyuanDiT's pool) refuses a strict eager,
     # naming itself (the table's eager cell says REJECTED)
     own_only = {s.name for s in eager.sites if _route.MHA_FUNCTION in s.route}
-    refused = [s for s in eager.sites if s.site_error is not None and s.name not in own_only]
+    refused = [s for s in eager.sites if s.error is not None and s.name not in own_only]
     if refused:
-        problems.append(f"eager: {refused[0].name}: {refused[0].site_error}")
+        problems.append(f"eager: {refused[0].name}: {refused[0].error}")
     not_eager = [
         s.name
         for s in eager.sites
@@ -264,12 +264,12 @@ def _row(cls: type) -> tuple[str, list[str]]:
         dtypes={"transformer": DtypeChoice("bfloat16", "--dtype")},
     )
     got = sum(1 for s in sage.sites if s.backend is not None and s.backend.name == "sage_attn")
-    codes = Counter(s.site_error.code for s in sage.sites if s.site_error is not None)
+    codes = Counter(s.error.code for s in sage.sites if s.error is not None)
     route_limits = {
         s.name
         for s in sage.sites
-        if s.site_error is not None
-        and s.site_error.code not in SAGE_LIMITS
+        if s.error is not None
+        and s.error.code not in SAGE_LIMITS
         and _route.MHA_FUNCTION not in s.route  # its own code path: torch SDPA only
     }
     if route_limits:

@@ -529,9 +529,9 @@ def _not_offered(model: Any, site: Any) -> bool:
     False`` (attnres's function follows the ``sdpa`` function's calling
     convention; read only where the first flag is not set either way). (A module
     holding attention sinks is a sage limit: ``requirement_unmet``.)"""
-    if site.route != itf.ROUTE or site.site_error is None:
+    if site.route != itf.ROUTE or site.error is None:
         return False
-    if site.site_error.code != "not_in_supported_set":
+    if site.error.code != "not_in_supported_set":
         return False
     modules = dict(model.named_modules())
     owner = type(itf._owner(modules, site.name, model))
@@ -583,7 +583,7 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
     eager = itf.plan(model, "transformer", SelectionConfig(global_backend="eager"))
     reached = [s for s in eager.sites if s.resolution is not None]
     not_eager = [s.name for s in reached if s.backend.name != "eager"]
-    own = [s for s in eager.sites if s.site_error is not None and _own_path(s)]
+    own = [s for s in eager.sites if s.error is not None and _own_path(s)]
     if not eager.ok and len(own) != len(eager.errors):
         problems.append(f"eager: {[e for e in eager.errors][:1]}")
     if not_eager:
@@ -594,32 +594,32 @@ def _row(model_type: str, class_name: str) -> tuple[str, list[str], set[str]]:
     unreached = [
         s.name
         for s in eager.sites
-        if s.resolution is None and s.site_error is None and not s.pending and not _recorded(s)
+        if s.resolution is None and s.error is None and not s.pending and not _recorded(s)
     ]
     if unreached:
         problems.append(f"eager: neither decided nor recorded at {unreached[:2]}")
     sage = _sage_plan(model)
     got = sum(1 for s in sage.sites if s.backend is not None and s.backend.name == "sage_attn")
-    codes = Counter(s.site_error.code for s in sage.sites if s.site_error is not None)
+    codes = Counter(s.error.code for s in sage.sites if s.error is not None)
     own_path = {
         s.name
         for s in sage.sites
-        if s.site_error is not None and s.site_error.code not in SAGE_LIMITS and _own_path(s)
+        if s.error is not None and s.error.code not in SAGE_LIMITS and _own_path(s)
     }
     not_offered = {s.name for s in sage.sites if _not_offered(model, s)}
     own_path |= not_offered
     unnamed = [
         s.name
         for s in sage.sites
-        if s.name in not_offered and "opts out of attnres's: _supports_" not in s.site_error.message
+        if s.name in not_offered and "opts out of attnres's: _supports_" not in s.error.message
     ]
     if unnamed:  # the error says why: the flag the class's code sets
         problems.append(f"sage: an opt-out whose error does not name the flag at {unnamed[:2]}")
     route_limits = sorted(
-        f"{s.module_class}: {s.site_error.code}"
+        f"{s.module_class}: {s.error.code}"
         for s in sage.sites
-        if s.site_error is not None
-        and s.site_error.code not in SAGE_LIMITS
+        if s.error is not None
+        and s.error.code not in SAGE_LIMITS
         and s.name not in own_path
     )
     if route_limits:
@@ -981,12 +981,12 @@ def test_rule_3_4_requirement_attention_sinks_are_a_kernel_fact_the_machine_chec
     model = _meta("gpt_oss")
     plan = _sage_plan(model)
     assert plan.sites and all(s.spec.requirements.sinks for s in plan.sites)
-    assert {s.site_error.code for s in plan.sites if s.site_error} == {"requirement_unmet"}
-    assert all("does not implement" in s.error and "attention sinks" in s.error
+    assert {s.error.code for s in plan.sites if s.error} == {"requirement_unmet"}
+    assert all("does not implement" in str(s.error) and "attention sinks" in str(s.error)
                for s in plan.sites if s.error)  # fmt: skip
     flash = itf.plan(model, "transformer", SelectionConfig(global_backend="fa"), HOPPER,
                      dtype=DtypeChoice("bfloat16", "--dtype"))  # fmt: skip
-    assert {s.site_error.code for s in flash.sites if s.site_error} == {"requirement_unmet"}
+    assert {s.error.code for s in flash.sites if s.error} == {"requirement_unmet"}
     plain = itf.plan(model, "transformer")
     assert plain.ok and {s.backend.name for s in plain.sites} == {"eager"}
     offered = _sage_plan(_meta("llama"))

@@ -73,7 +73,7 @@ def test_golden_tiny_flux_plan_matches_its_traces(planned, tmp_path, update_gold
     fresh = tmp_path / "fresh"
     written = planned.dump_traces(fresh)
     _sync(FOLDER, written, update_golden)
-    for layer in planned.to_plan_result().layers:
+    for layer in planned.layers:
         text = canonical_json(trace_to_dict(layer.trace))
         assert any(p.read_text() == text for p in written), layer.name
 

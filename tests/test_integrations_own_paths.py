@@ -172,8 +172,8 @@ def test_mha_with_add_bias_kv_keeps_its_own_path_and_says_which_fact():
         Platform.simulate(SIM),
     )
     (site,) = sage.sites
-    assert site.site_error is not None and site.site_error.code == "not_in_supported_set"
-    assert "add_bias_kv" in site.error
+    assert site.error is not None and site.error.code == "not_in_supported_set"
+    assert "add_bias_kv" in site.error.message
     zero = _Holder(torch.nn.MultiheadAttention(32, 4, add_zero_attn=True))
     assert "add_zero_attn" in idf.plan({"vae": zero}).sites[0].route
 
@@ -304,12 +304,12 @@ def test_siglip_pooling_head_asking_for_weights_is_planned_on_its_own_path():
     assert itf.remove(model) == 1  # the encoder's site; the head ran its own path
     strict = idf.plan({"transformer": model}, SelectionConfig(global_backend="flex_attention"))
     rejected = {s.name: s for s in strict.sites}["head.attention"]
-    assert rejected.site_error is not None
+    assert rejected.error is not None
     # issue 19: returning the weights is a kernel limit (a requirement only eager
     # implements), named as such: not a supported set that hides why
-    assert rejected.site_error.code == "requirement_unmet"
-    assert "does not implement returning the attention weights" in str(rejected.site_error)
-    assert "need_weights left at its default (True)" in str(rejected.site_error)
+    assert rejected.error.code == "requirement_unmet"
+    assert "does not implement returning the attention weights" in str(rejected.error)
+    assert "need_weights left at its default (True)" in str(rejected.error)
     assert rejected.spec is not None and rejected.spec.requirements.weights
 
 

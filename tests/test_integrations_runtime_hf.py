@@ -546,7 +546,7 @@ def _explicit(
     try:
         plan = itf.apply(model, "transformer", config)
     except IntegrationError as exc:
-        errors = [s.site_error for s in exc.plan.sites if s.site_error] if exc.plan else []
+        errors = [s.error for s in exc.plan.sites if s.error] if exc.plan else []
         codes = sorted({e.code for e in errors})
         # a class that opts out of other attention functions keeps its own (the
         # error names the flag); anything else refused is a finding

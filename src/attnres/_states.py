@@ -16,6 +16,8 @@ __all__ = [
     "Origin",
     "PackageStatus",
     "Reason",
+    "RouteKind",
+    "SiteCode",
     "State",
     "Status",
     "Verdict",
@@ -23,6 +25,7 @@ __all__ = [
     "optional_reason",
     "to_code",
     "to_origin",
+    "to_site_code",
     "to_status",
 ]
 
@@ -196,6 +199,40 @@ class Status(_StrEnum):
     #: (attention that is not softmax attention; an unclassified site of a
     #: component that may fall back)
     UNGOVERNED = "ungoverned"
+
+
+class SiteCode(_StrEnum):
+    """Why an integration site is rejected when no check of the machine says so
+    (a site the machine rejects carries the machine's :class:`Code`)."""
+
+    #: its attention call could not be classified, in a strict component
+    UNCLASSIFIED = "unclassified"
+    # (a stand-in its route cannot run is the machine's ``not_on_route``: the
+    # site's spec carries its route as ``LayerSpec.exact_route``)
+
+
+def to_site_code(value: Code | SiteCode | str) -> Code | SiteCode:
+    """An attrs converter: a site error's code as its member (the machine's
+    :class:`Code`, or a :class:`SiteCode`)."""
+    if type(value) is Code or type(value) is SiteCode:
+        return value
+    return SiteCode(value) if value in SiteCode._value2member_map_ else Code(value)
+
+
+class RouteKind(_StrEnum):
+    """How an integration site's kernel is put in place (issue 30): code
+    dispatches on this, never on the route's words (``Site.route`` is for people)."""
+
+    #: the generic route: the site's own SDPA calls, or the attention its code
+    #: computes by hand, run the kernel decided per call signature
+    INTERCEPT = "intercept"
+    #: transformers' attention interface: the config names the function it runs
+    INTERFACE = "interface"
+    #: the site runs one kernel its code names (a host's dispatcher pinned to a
+    #: backend, a kernel its code calls, torch's own MultiheadAttention path)
+    PIN = "pin"
+    #: the site's own code, untouched (not softmax attention, or nothing routes it)
+    OWN_CODE = "own code"
 
 
 class ReplayStatus(_StrEnum):

@@ -87,7 +87,6 @@ from attnres.render import (
     _width,
     _wrap,
     budget_flags,
-    render_plan,
 )
 from attnres.runtime import component_scope
 from attnres.trace import (
@@ -806,7 +805,13 @@ def _render_explain(trace: Trace) -> list[str]:
 def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Plan a pipeline file or a model folder: two loaders of one plan model
     (:class:`~attnres.plan.PlanResult`), rendered, serialised and written by one path."""
-    from attnres.plan import load_pipeline, plan_pipeline, with_layout, write_plan_traces
+    from attnres.plan import (
+        load_pipeline,
+        plan_pipeline,
+        render_plan,
+        with_layout,
+        write_plan_traces,
+    )
 
     layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
     auto = _auto_layout(args)  # issue 35: --sp-degree
@@ -828,7 +833,7 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         dtypes = parse_dtype_args(args.dtype or [])
         result = plan_folder(
             Path(args.pipeline), config, platform, dtypes, component=args.component, sp=auto
-        ).to_plan_result()
+        )
         _check_component_overrides(
             config, [c.name for c in result.components], f"the folder {args.pipeline}"
         )

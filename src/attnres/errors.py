@@ -18,8 +18,8 @@ from attnres._states import Code
 
 if TYPE_CHECKING:
     from attnres.backends import Backend
-    from attnres.integrations._plan import IntegrationPlan
     from attnres.machine import ScopeProblem
+    from attnres.plan import PlanResult
     from attnres.runtime import Resolution
     from attnres.trace import Trace
 
@@ -214,11 +214,11 @@ class FolderBuildError(AttnresError, ValueError):
 class IntegrationError(AttnresError, ValueError):
     """``apply`` could not install every decision; nothing was changed.
 
-    ``.plan`` is the :class:`~attnres.integrations.IntegrationPlan` that says,
-    site by site, why.
+    ``.plan`` is the :class:`~attnres.plan.PlanResult` that says, site by site
+    (its ``sites``), why.
     """
 
-    def __init__(self, message: str, plan: IntegrationPlan) -> None:
+    def __init__(self, message: str, plan: PlanResult) -> None:
         super().__init__(message)
         self.plan = plan
 

@@ -30,12 +30,12 @@ import os
 import re
 import sys
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-from attrs import frozen
+from attrs import field, frozen
 
 from attnres._codec import (
     CHECKS,
@@ -50,11 +50,15 @@ from attnres._codec import (
 )
 from attnres._files import begin_manifest, finish_manifest, read_bounded
 from attnres._outcome import OutcomeView
-from attnres._precision_view import precision_of_trace
+from attnres._precision_view import describe_precision, precision_of_trace
 from attnres._states import (
+    Code,
     KernelSource,
     PlanStatus,
+    RouteKind,
+    SiteCode,
     Status,
+    to_site_code,
 )
 from attnres._varlen import check_layer_options
 from attnres._vocab import Role, normalize_component
@@ -65,6 +69,7 @@ from attnres.errors import (  # PipelineError: attnres.errors holds every except
     ResolutionError,
     TraceWriteError,
 )
+from attnres.explain import explain
 from attnres.kernels import kernel_source
 from attnres.layer import (
     ErrorBudget,
@@ -76,22 +81,35 @@ from attnres.layer import (
 )
 from attnres.layout import LAYOUT_KINDS, SequenceLayout
 from attnres.platform import Platform
-from attnres.runtime import component_scope, resolve, selection_config
+from attnres.render import (
+    _field,
+    _opt,
+    _platform_text,
+    _plural,
+    _table,
+    _width,
+    _wrap,
+    budget_flags,
+)
+from attnres.runtime import Resolution, component_scope, resolve, selection_config
 from attnres.scope import component_kind, loader_for
 from attnres.trace import Outcome, Trace, dump_trace
 
 __all__ = [
     "ComponentEntry",
     "ComponentPlan",
+    "DtypeChoice",
     "LayerEntry",
     "LayerPlan",
     "Pipeline",
     "PipelineError",
     "PlanResult",
-    "UnplannedSite",
+    "Site",
+    "SiteError",
     "load_pipeline",
     "parse_pipeline",
     "plan_pipeline",
+    "render_plan",
     "trace_file_name",
 ]
 
@@ -594,32 +612,127 @@ class LayerPlan(OutcomeView):
 
 
 @frozen
-class UnplannedSite:
-    """A site of a live or folder plan that has no resolution at plan time.
+class DtypeChoice:
+    """The dtype a component of a live or folder plan is planned for, and where it
+    came from.
 
-    ``status`` is :attr:`Status.PENDING` (decided at its first call),
-    :attr:`Status.UNGOVERNED` (left on its own code path: ``note`` says why) or
-    :attr:`Status.REJECTED` (``code`` and ``error`` say why).
+    ``source`` is one of ``--dtype``, ``--dtype COMPONENT=``, ``weights``
+    (safetensors headers), ``config torch_dtype``, ``default float32`` or
+    ``module`` (a live module's compute dtype).
     """
 
+    dtype: str
+    source: str
+    detail: str | None = None
+
+    def describe(self) -> str:
+        text = f"{self.dtype} ({self.source}"
+        return text + (f": {self.detail})" if self.detail else ")")
+
+
+@frozen
+class SiteError:
+    """Why a site of a live or folder plan is rejected: its code (the machine's
+    :class:`~attnres.Code`, or :class:`~attnres._states.SiteCode`) and the message,
+    as everywhere else in attnres."""
+
+    code: Code | SiteCode = field(converter=to_site_code)
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@frozen
+class Site:
+    """One attention site of a live or folder plan and its outcome: ``resolution``
+    (selected), ``error`` (rejected), or neither (``pending``, or left on its own
+    code path with the reason in ``note``)."""
+
+    component: str
     name: str
     module_class: str
     route: str
-    status: Status
+    heads: int | None
+    kv_heads: int | None
+    spec: LayerSpec | None
+    resolution: Resolution | None
+    error: SiteError | None
+    trace: Trace | None = field(eq=False, repr=False)
     note: str | None = None
-    error: str | None = None
-    code: str | None = None
+    current: Backend | None = None
+    pending: bool = False
+    kind: RouteKind = field(kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        # one outcome: a site's status is its trace's (never a trace that says
+        # selected under a rejected site, or the other way round)
+        if self.trace is not None and self.trace.outcome.status != self.status:
+            raise ValueError(
+                f"site {self.name!r} is {self.status.value} but its trace says "
+                f"{self.trace.outcome.status}"
+            )
+
+    @property
+    def routed(self) -> bool:
+        """Whether the generic route serves it (:attr:`RouteKind.INTERCEPT`)."""
+        return self.kind is RouteKind.INTERCEPT
+
+    @property
+    def by_hand(self) -> bool:
+        """The generic route over softmax attention its code computes by hand (its
+        own code path is ``eager``)."""
+        return self.routed and self.current is not None and self.current.name == "eager"
+
+    @property
+    def status(self) -> Status:
+        if self.resolution is not None:
+            return Status.SELECTED
+        if self.error is not None:
+            return Status.REJECTED
+        return Status.PENDING if self.pending else Status.UNGOVERNED
+
+    @property
+    def backend(self) -> Backend | None:
+        return None if self.resolution is None else self.resolution.backend
 
     def to_dict(self) -> dict[str, Any]:
+        """A site with no resolution at plan time, as ``plan --json`` lists it
+        (a component's ``unplanned``; a resolved site is in its row)."""
         return {
             "name": self.name,
             "class": self.module_class,
             "route": self.route,
             "status": self.status.value,
             "note": self.note,
-            "error": self.error,
-            "code": self.code,
+            "error": None if self.error is None else self.error.message,
+            "code": None if self.error is None else self.error.code.value,
         }
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def like_sites(sites: Sequence[Site]) -> list[tuple[str, list[Site]]]:
+    """Like sites (same pattern, spec and outcome) share one row, in module order:
+    ``(pattern, sites)``, ``transformer_blocks.*.attn`` for the numbered ones."""
+    rows: dict[tuple[Any, ...], tuple[str, list[Site]]] = {}
+    for site in sites:
+        pattern = _INDEX.sub("*", site.name)
+        spec = None if site.spec is None else attrs.evolve(site.spec, name=None)
+        res = site.resolution
+        error = site.error
+        key = (
+            pattern,
+            spec,
+            site.status,
+            None if res is None else (res.backend, res.reason, res.origin),
+            None if error is None else _INDEX.sub("*", error.message.replace(site.name, "")),
+        )
+        if key not in rows:
+            rows[key] = (pattern, [])
+        rows[key][1].append(site)
+    return list(rows.values())
 
 
 @frozen
@@ -633,18 +746,23 @@ class ComponentPlan:
     layers: tuple[LayerPlan, ...]
     error: str | None = None
     #: a live or folder plan: the dtype it was planned for and where it came from
-    dtype: str | None = None
-    dtype_source: str | None = None
-    dtype_detail: str | None = None
-    #: a live or folder plan: sites with no resolution at plan time
-    unplanned: tuple[UnplannedSite, ...] = ()
+    dtype: DtypeChoice | None = None
+    #: a live or folder plan: every site, in module order (``layers`` holds the
+    #: resolved ones as rows of like sites)
+    sites: tuple[Site, ...] = ()
+
+    @property
+    def unplanned(self) -> tuple[Site, ...]:
+        """A live or folder plan's sites with no resolution at plan time (no trace),
+        in the order of their rows."""
+        return tuple(s for _, like in like_sites(self.sites) for s in like if s.trace is None)
 
     @property
     def ok(self) -> bool:
         return (
             self.error is None
             and all(layer.status is Status.SELECTED for layer in self.layers)
-            and all(u.status is not Status.REJECTED for u in self.unplanned)
+            and all(site.error is None for site in self.sites)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -653,8 +771,8 @@ class ComponentPlan:
             "kind": self.kind,
             "status": "ok" if self.ok else "rejected",
             "error": self.error,
-            "dtype": self.dtype,
-            "dtype_source": self.dtype_source,
+            "dtype": None if self.dtype is None else self.dtype.dtype,
+            "dtype_source": None if self.dtype is None else self.dtype.source,
             "layers": [layer.to_dict() for layer in self.layers],
             "unplanned": [u.to_dict() for u in self.unplanned],
         }
@@ -684,6 +802,41 @@ class PlanResult:
     def layers(self) -> tuple[LayerPlan, ...]:
         return tuple(layer for c in self.components for layer in c.layers)
 
+    @property
+    def sites(self) -> tuple[Site, ...]:
+        """A live or folder plan: every site of every component (a file's: none)."""
+        return tuple(site for c in self.components for site in c.sites)
+
+    def by_component(self) -> dict[str, list[Site]]:
+        """A live or folder plan: component name -> its sites, in module order."""
+        return {c.name: list(c.sites) for c in self.components}
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        """Every problem, one line each: each component's, then each rejected site
+        (a live or folder plan) or rejected layer (a pipeline file)."""
+        out = [f"{c.name}: {c.error}" for c in self.components if c.error]
+        out += [f"{s.component}/{s.name}: {s.error}" for s in self.sites if s.error]
+        return tuple(
+            out
+            + [
+                f"{la.component}/{la.name}: {la.error}"
+                for la in self.layers
+                if not la.sites and la.status is not Status.SELECTED
+            ]
+        )
+
+    def render(self) -> str:
+        """The plan as ``attnres plan`` prints it (:func:`render_plan`)."""
+        return "\n".join(render_plan(self))
+
+    def dump_traces(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Write one replayable trace per row, and the folder's manifest (as
+        ``attnres plan --trace-out``); returns the files written."""
+        return list(
+            write_plan_traces(self, directory, written_by=f"attnres plan {self.pipeline.path}")
+        )
+
     def to_dict(self) -> dict[str, Any]:
         config = self.config
         return {
@@ -701,6 +854,159 @@ class PlanResult:
             "components": [c.to_dict() for c in self.components],
             "skipped": [{"name": name, "why": why} for name, why in self.skipped],
         }
+
+
+def render_plan(result: PlanResult) -> list[str]:
+    """A :class:`~attnres.plan.PlanResult` as ``attnres plan`` shows it."""
+    width = _width()
+    pipeline, config = result.pipeline, result.config
+    lines = _wrap(f"Plan for pipeline {pipeline.name!r} ({pipeline.path})", width, "", "  ")
+    lines += _field("Platform:", _platform_text(result.platform), width)
+    if config.global_backend is None:
+        request = "no global --attention-backend"
+    elif config.global_backend_env is not None:
+        request = (
+            f"{config.global_backend_env}={config.global_backend.name} (set in the environment)"
+        )
+    else:
+        how = "typed by the operator" if config.global_backend_explicit else "a preference"
+        request = f"--attention-backend {config.global_backend.name} ({how})"
+    if config.component_backends:
+        request += "; per component: " + ", ".join(
+            f"--attention-backend {n}={b.name}" for n, b in config.component_backends
+        )
+    request += budget_flags(config)  # issue 34
+    lines += _field("Request:", request, width)
+    dtypes = [f"{c.name} {c.dtype.describe()}" for c in result.components if c.dtype is not None]
+    if dtypes:
+        lines += _field("Dtypes:", "; ".join(dtypes), width)
+    if result.skipped:  # issue 20: a folder's entries that are not models, said so
+        listed = "; ".join(f"{name} ({why})" for name, why in result.skipped)
+        lines += _field("Skipped:", listed, width)
+    fallbacks: dict[str, int] = {}
+    for component in result.components:
+        entry = next(c for c in pipeline.components if c.name == component.name)
+        policy = (
+            "may fall back from the global flag"
+            if component.allow_global_fallback
+            else "the global flag is strict here"
+        )
+        extras = []
+        if entry.backend is not None:
+            extras.append(f"override {entry.backend.name}")
+        for role, backend in entry.role_backends:
+            extras.append(f"{role.value}-attention override {backend.name}")
+        header = f"{component.name}  [{component.kind}, {component.loader}: {policy}"
+        header += "".join(f"; {e}" for e in extras) + "]"
+        lines.append("")
+        lines += _wrap(header, width, "", "  ")
+        rows = []
+        for layer in component.layers:
+            if layer.status is Status.SELECTED:
+                detail = _opt(layer.reason)
+                if layer.reason:
+                    fallbacks[layer.reason] = fallbacks.get(layer.reason, 0) + layer.count
+                    why = explain(layer.trace).fallback_failures
+                    if why:
+                        detail += f" ({why})"
+            else:
+                detail = str(layer.error)
+            if layer.needs_kernel:
+                missing = f"no kernel for {layer.backend} in this install (register one to run)"
+                detail = missing if detail == "-" else f"{detail}; {missing}"
+            precision = describe_precision(layer.trace)  # issue 34: only under a budget
+            if precision and layer.status is Status.SELECTED:
+                detail = precision if detail == "-" else f"{detail}; {precision}"
+            rows.append(
+                [
+                    layer.name,
+                    str(layer.count),
+                    layer.backend.name if layer.backend else "REJECTED",
+                    layer.origin,
+                    detail,
+                ]
+            )
+        if rows:
+            lines += _table(
+                ["layer", "count", "backend", "origin", "reason / error"],
+                rows,
+                width=width,
+                wrap=[4, 0],
+                right=[1],
+                min_width=28,
+                ordered=True,
+            )
+        elif not component.unplanned:  # an empty table says less than one line
+            lines.append("  (no attention sites)")
+        for site in component.unplanned:
+            label = _UNPLANNED_LABEL[site.status]
+            text = site.note if site.error is None else site.error.message
+            lines += _wrap(
+                f"{site.name} ({site.module_class}): {text}", width, f"  {label}: ", "    "
+            )
+        if component.error:
+            lines += _wrap(component.error, width, "  problem: ", "           ")
+    lines.append("")
+    layers = result.layers
+    total = sum(layer.count for layer in layers)
+    scope = (
+        f"{_plural(total, 'layer')} ({len(layers)} distinct) in "
+        f"{_plural(len(result.components), 'component')}"
+    )
+    # issue 32 item 8: sites decided at their first call (softmax by hand in a plain
+    # module, a class that holds no head facts) are counted, not read as "0 layers"
+    pending = sum(1 for c in result.components for u in c.unplanned if u.status is Status.PENDING)
+    if pending:
+        scope += f", {_plural(pending, 'site')} decided at first call"
+    if result.ok:
+        fell = (
+            "fallbacks: "
+            + ", ".join(f"{r} ({_plural(n, 'layer')})" for r, n in sorted(fallbacks.items()))
+            if fallbacks
+            else "no fallback"
+        )
+        verdict = f"Verdict: ok - {scope}; {fell}"
+        lacking = [la for la in layers if la.needs_kernel]
+        if lacking:
+            names = sorted({str(la.backend) for la in lacking})
+            verdict += (
+                f"; {_plural(sum(la.count for la in lacking), 'layer')} need a kernel this "
+                f"install lacks ({', '.join(names)})"
+            )
+    else:
+        rejected = [la for la in layers if la.status is not Status.SELECTED]
+        problems = [c.name for c in result.components if c.error]
+        unclassified = [
+            f"{c.name}/{u.name}"
+            for c in result.components
+            for u in c.unplanned
+            if u.status is Status.REJECTED
+        ]
+        parts = []
+        if rejected:
+            count = sum(la.count for la in rejected)
+            parts.append(
+                f"{len(rejected)} of {len(layers)} distinct layers ({_plural(count, 'layer')}) "
+                f"rejected: " + ", ".join(f"{la.component}/{la.name}" for la in rejected)
+            )
+        if unclassified:
+            parts.append(
+                f"{_plural(len(unclassified), 'site')} cannot be classified: "
+                + ", ".join(unclassified)
+            )
+        if problems:
+            parts.append(f"override not applied in {', '.join(problems)}")
+        verdict = "Verdict: rejected - " + "; ".join(parts)
+    lines += _wrap(verdict, width, "", "  ")
+    return lines
+
+
+#: how a site with no resolution at plan time is labelled under its component
+_UNPLANNED_LABEL = {
+    Status.PENDING: "pending",
+    Status.UNGOVERNED: "ungoverned",
+    Status.REJECTED: "unclassified",
+}
 
 
 def with_file_budgets(config: SelectionConfig, pipeline: Pipeline) -> SelectionConfig:

@@ -1,11 +1,10 @@
-"""Text rendering shared by the CLI and the library: plan tables, wrapped fields.
+"""Text conventions shared by the CLI and the library: wrapped fields and tables.
 
-``attnres plan`` prints a plan with :func:`render_plan` (a pipeline file) or
-:func:`render_integration_plan` (a model folder), and
-``IntegrationPlan.render()`` returns the same text, so the library renders
-without importing the CLI. The helpers (``_wrap``, ``_field``, ``_table``...)
-are the CLI's text conventions: at most 100 columns (``COLUMNS``), wrapped at
-word boundaries, never breaking a name.
+``attnres plan`` prints a plan with :func:`attnres.plan.render_plan`, and
+``PlanResult.render()`` returns the same text, so the library renders without
+importing the CLI. The helpers (``_wrap``, ``_field``, ``_table``...) are the
+CLI's text conventions: at most 100 columns (``COLUMNS``), wrapped at word
+boundaries, never breaking a name.
 """
 
 from __future__ import annotations
@@ -13,18 +12,12 @@ from __future__ import annotations
 import shutil
 import textwrap
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
-from attnres._precision_view import describe_precision
-from attnres._states import PackageStatus, Status
-from attnres.explain import explain
+from attnres._states import PackageStatus
 from attnres.layer import EVERY_COMPONENT, EXACT, SelectionConfig
 from attnres.platform import Platform
 
-if TYPE_CHECKING:
-    from attnres.plan import PlanResult
-
-__all__ = ["render_integration_plan", "render_plan"]
+__all__ = ["budget_flags"]
 
 _MAX_WIDTH = 100
 
@@ -203,167 +196,3 @@ def budget_flags(config: SelectionConfig) -> str:
         for k, v in config.attention_error
     ]
     return "; error budget: --attention-error " + ",".join(items)
-
-
-def render_plan(result: PlanResult) -> list[str]:
-    """A :class:`~attnres.plan.PlanResult` as ``attnres plan`` shows it."""
-    width = _width()
-    pipeline, config = result.pipeline, result.config
-    lines = _wrap(f"Plan for pipeline {pipeline.name!r} ({pipeline.path})", width, "", "  ")
-    lines += _field("Platform:", _platform_text(result.platform), width)
-    if config.global_backend is None:
-        request = "no global --attention-backend"
-    elif config.global_backend_env is not None:
-        request = (
-            f"{config.global_backend_env}={config.global_backend.name} (set in the environment)"
-        )
-    else:
-        how = "typed by the operator" if config.global_backend_explicit else "a preference"
-        request = f"--attention-backend {config.global_backend.name} ({how})"
-    if config.component_backends:
-        request += "; per component: " + ", ".join(
-            f"--attention-backend {n}={b.name}" for n, b in config.component_backends
-        )
-    request += budget_flags(config)  # issue 34
-    lines += _field("Request:", request, width)
-    dtypes = [
-        f"{c.name} {c.dtype} ({c.dtype_source}"
-        + (f": {c.dtype_detail})" if c.dtype_detail else ")")
-        for c in result.components
-        if c.dtype is not None
-    ]
-    if dtypes:
-        lines += _field("Dtypes:", "; ".join(dtypes), width)
-    if result.skipped:  # issue 20: a folder's entries that are not models, said so
-        listed = "; ".join(f"{name} ({why})" for name, why in result.skipped)
-        lines += _field("Skipped:", listed, width)
-    fallbacks: dict[str, int] = {}
-    for component in result.components:
-        entry = next(c for c in pipeline.components if c.name == component.name)
-        policy = (
-            "may fall back from the global flag"
-            if component.allow_global_fallback
-            else "the global flag is strict here"
-        )
-        extras = []
-        if entry.backend is not None:
-            extras.append(f"override {entry.backend.name}")
-        for role, backend in entry.role_backends:
-            extras.append(f"{role.value}-attention override {backend.name}")
-        header = f"{component.name}  [{component.kind}, {component.loader}: {policy}"
-        header += "".join(f"; {e}" for e in extras) + "]"
-        lines.append("")
-        lines += _wrap(header, width, "", "  ")
-        rows = []
-        for layer in component.layers:
-            if layer.status is Status.SELECTED:
-                detail = _opt(layer.reason)
-                if layer.reason:
-                    fallbacks[layer.reason] = fallbacks.get(layer.reason, 0) + layer.count
-                    why = explain(layer.trace).fallback_failures
-                    if why:
-                        detail += f" ({why})"
-            else:
-                detail = str(layer.error)
-            if layer.needs_kernel:
-                missing = f"no kernel for {layer.backend} in this install (register one to run)"
-                detail = missing if detail == "-" else f"{detail}; {missing}"
-            precision = describe_precision(layer.trace)  # issue 34: only under a budget
-            if precision and layer.status is Status.SELECTED:
-                detail = precision if detail == "-" else f"{detail}; {precision}"
-            rows.append(
-                [
-                    layer.name,
-                    str(layer.count),
-                    layer.backend.name if layer.backend else "REJECTED",
-                    layer.origin,
-                    detail,
-                ]
-            )
-        if rows:
-            lines += _table(
-                ["layer", "count", "backend", "origin", "reason / error"],
-                rows,
-                width=width,
-                wrap=[4, 0],
-                right=[1],
-                min_width=28,
-                ordered=True,
-            )
-        elif not component.unplanned:  # an empty table says less than one line
-            lines.append("  (no attention sites)")
-        for site in component.unplanned:
-            label = _UNPLANNED_LABEL[site.status]
-            text = site.error if site.error else site.note
-            lines += _wrap(
-                f"{site.name} ({site.module_class}): {text}", width, f"  {label}: ", "    "
-            )
-        if component.error:
-            lines += _wrap(component.error, width, "  problem: ", "           ")
-    lines.append("")
-    layers = result.layers
-    total = sum(layer.count for layer in layers)
-    scope = (
-        f"{_plural(total, 'layer')} ({len(layers)} distinct) in "
-        f"{_plural(len(result.components), 'component')}"
-    )
-    # issue 32 item 8: sites decided at their first call (softmax by hand in a plain
-    # module, a class that holds no head facts) are counted, not read as "0 layers"
-    pending = sum(1 for c in result.components for u in c.unplanned if u.status is Status.PENDING)
-    if pending:
-        scope += f", {_plural(pending, 'site')} decided at first call"
-    if result.ok:
-        fell = (
-            "fallbacks: "
-            + ", ".join(f"{r} ({_plural(n, 'layer')})" for r, n in sorted(fallbacks.items()))
-            if fallbacks
-            else "no fallback"
-        )
-        verdict = f"Verdict: ok - {scope}; {fell}"
-        lacking = [la for la in layers if la.needs_kernel]
-        if lacking:
-            names = sorted({str(la.backend) for la in lacking})
-            verdict += (
-                f"; {_plural(sum(la.count for la in lacking), 'layer')} need a kernel this "
-                f"install lacks ({', '.join(names)})"
-            )
-    else:
-        rejected = [la for la in layers if la.status is not Status.SELECTED]
-        problems = [c.name for c in result.components if c.error]
-        unclassified = [
-            f"{c.name}/{u.name}"
-            for c in result.components
-            for u in c.unplanned
-            if u.status is Status.REJECTED
-        ]
-        parts = []
-        if rejected:
-            count = sum(la.count for la in rejected)
-            parts.append(
-                f"{len(rejected)} of {len(layers)} distinct layers ({_plural(count, 'layer')}) "
-                f"rejected: " + ", ".join(f"{la.component}/{la.name}" for la in rejected)
-            )
-        if unclassified:
-            parts.append(
-                f"{_plural(len(unclassified), 'site')} cannot be classified: "
-                + ", ".join(unclassified)
-            )
-        if problems:
-            parts.append(f"override not applied in {', '.join(problems)}")
-        verdict = "Verdict: rejected - " + "; ".join(parts)
-    lines += _wrap(verdict, width, "", "  ")
-    return lines
-
-
-#: how a site with no resolution at plan time is labelled under its component
-_UNPLANNED_LABEL = {
-    Status.PENDING: "pending",
-    Status.UNGOVERNED: "ungoverned",
-    Status.REJECTED: "unclassified",
-}
-
-
-def render_integration_plan(result: Any) -> list[str]:
-    """An :class:`~attnres.integrations.IntegrationPlan` as ``attnres plan`` shows it:
-    :func:`render_plan` of its :class:`~attnres.plan.PlanResult` (one renderer)."""
-    return render_plan(result.to_plan_result())

@@ -15,7 +15,6 @@ from attnres.integrations._folder import plan_folder
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
-    IntegrationPlan,
     Problem,
     Site,
 )
@@ -25,7 +24,6 @@ __all__ = [
     "DtypeChoice",
     "FolderBuildError",
     "IntegrationError",
-    "IntegrationPlan",
     "Problem",
     "Site",
     "plan_folder",

@@ -26,8 +26,9 @@ from attnres import _files
 from attnres._codec import located
 from attnres._vocab import normalize_component, normalize_dtype
 from attnres.integrations import _untrusted
-from attnres.integrations._plan import DtypeChoice, IntegrationPlan, plan_sites
+from attnres.integrations._plan import DtypeChoice, plan_sites
 from attnres.layer import SelectionConfig
+from attnres.plan import PlanResult
 from attnres.platform import Platform
 
 __all__ = ["DtypeArgs", "dtype_from_weights", "parse_dtype_args", "plan_folder"]
@@ -111,7 +112,7 @@ def plan_folder(
     dtypes: DtypeArgs | Mapping[str, str] | None = None,
     component: str | None = None,
     sp: Any = None,
-) -> IntegrationPlan:
+) -> PlanResult:
     """Plan a diffusers pipeline folder or a transformers model folder on meta.
 
     ``sp`` (issue 35, ``--sp-degree``): an :class:`attnres.machine.AutoLayout`

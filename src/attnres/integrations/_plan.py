@@ -1,4 +1,7 @@
-"""The plan types the diffusers and transformers integrations share.
+"""Site descriptions and their planning, shared by the diffusers and transformers
+integrations; the plan itself is :class:`attnres.plan.PlanResult` (one model for
+pipeline files, model folders and live pipelines), each site a
+:class:`attnres.plan.Site`.
 
 A *site* is one attention call site of a component (one module); each is
 described as a :class:`~attnres.LayerSpec` and resolved through
@@ -10,19 +13,15 @@ or transformers.
 
 from __future__ import annotations
 
-import enum
 import logging
-import os
 import re
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
-import attrs
 from attrs import field, frozen
 
 from attnres import audit as _audit
-from attnres._states import Origin, Status
+from attnres._states import Origin, RouteKind, SiteCode, Status
 from attnres._varlen import check_layer_options
 from attnres._vocab import Role
 from attnres.backends import Backend, lookup_spec
@@ -38,16 +37,17 @@ from attnres.ledger import Decision, set_decisions
 from attnres.plan import (
     ComponentEntry,
     ComponentPlan,
+    DtypeChoice,
     LayerEntry,
     LayerPlan,
     Pipeline,
     PlanResult,
-    UnplannedSite,
+    Site,
+    SiteError,
+    like_sites,
     unreached_role_override,
-    write_plan_traces,
 )
 from attnres.platform import Platform
-from attnres.render import render_plan
 from attnres.runtime import (
     Resolution,
     capture_config,
@@ -56,12 +56,11 @@ from attnres.runtime import (
     selection_config,
 )
 from attnres.scope import current_handle, scope_state
-from attnres.trace import Outcome, Trace
+from attnres.trace import Outcome
 
 __all__ = [
     "DtypeChoice",
     "IntegrationError",
-    "IntegrationPlan",
     "Problem",
     "RouteKind",
     "Site",
@@ -70,63 +69,6 @@ __all__ = [
     "SiteError",
     "plan_sites",
 ]
-
-
-@frozen
-class DtypeChoice:
-    """The dtype a component is planned for, and where it came from.
-
-    ``source`` is one of ``--dtype``, ``--dtype COMPONENT=``, ``weights``
-    (safetensors headers), ``config torch_dtype``, ``default float32`` or
-    ``module`` (a live module's compute dtype).
-    """
-
-    dtype: str
-    source: str
-    detail: str | None = None
-
-    def describe(self) -> str:
-        text = f"{self.dtype} ({self.source}"
-        return text + (f": {self.detail})" if self.detail else ")")
-
-
-class SiteCode(str, enum.Enum):
-    """Why an integration site is not selected (``Site.site_error``, with its ``code``)."""
-
-    #: the machine rejected it (the trace's own code says which check)
-    REJECTED = "rejected"
-    #: its attention call could not be classified, in a strict component
-    UNCLASSIFIED = "unclassified"
-    # (a stand-in its route cannot run is the machine's ``not_on_route``: the
-    # site's spec carries its route as ``LayerSpec.exact_route``)
-
-
-class RouteKind(str, enum.Enum):
-    """How a site's kernel is put in place (issue 30): code dispatches on this,
-    never on the route's words (``Site.route`` is for people)."""
-
-    #: the generic route: the site's own SDPA calls, or the attention its code
-    #: computes by hand, run the kernel decided per call signature
-    INTERCEPT = "intercept"
-    #: transformers' attention interface: the config names the function it runs
-    INTERFACE = "interface"
-    #: the site runs one kernel its code names (a host's dispatcher pinned to a
-    #: backend, a kernel its code calls, torch's own MultiheadAttention path)
-    PIN = "pin"
-    #: the site's own code, untouched (not softmax attention, or nothing routes it)
-    OWN_CODE = "own code"
-
-
-@frozen
-class SiteError:
-    """A site's error: a code (:class:`SiteCode`, or the machine's check code for
-    a rejection) and the message, as everywhere else in attnres."""
-
-    code: str
-    message: str
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @frozen
@@ -185,98 +127,6 @@ class SiteDescription:
 
 
 @frozen
-class Site:
-    """One attention site and its outcome (``resolution`` or ``error``)."""
-
-    component: str
-    name: str
-    module_class: str
-    route: str
-    heads: int | None
-    kv_heads: int | None
-    spec: LayerSpec | None
-    resolution: Resolution | None
-    site_error: SiteError | None
-    trace: Trace | None = field(eq=False, repr=False)
-    note: str | None = None
-    current: Backend | None = None
-    pending: bool = False
-    kind: RouteKind = field(kw_only=True)
-
-    def __attrs_post_init__(self) -> None:
-        # one outcome: a site's status is its trace's (never a trace that says
-        # selected under a rejected site, or the other way round)
-        if self.trace is not None and self.trace.outcome.status != self.status:
-            raise ValueError(
-                f"site {self.name!r} is {self.status.value} but its trace says "
-                f"{self.trace.outcome.status}"
-            )
-
-    @property
-    def routed(self) -> bool:
-        """Whether the generic route serves it (:attr:`RouteKind.INTERCEPT`)."""
-        return self.kind is RouteKind.INTERCEPT
-
-    @property
-    def by_hand(self) -> bool:
-        """The generic route over softmax attention its code computes by hand (its
-        own code path is ``eager``)."""
-        return self.routed and self.current is not None and self.current.name == "eager"
-
-    @property
-    def error(self) -> str | None:
-        return None if self.site_error is None else self.site_error.message
-
-    @property
-    def status(self) -> Status:
-        if self.resolution is not None:
-            return Status.SELECTED
-        if self.site_error is not None:
-            return Status.REJECTED
-        return Status.PENDING if self.pending else Status.UNGOVERNED
-
-    @property
-    def backend(self) -> Backend | None:
-        return None if self.resolution is None else self.resolution.backend
-
-    def to_dict(self) -> dict[str, Any]:
-        res = self.resolution
-        return {
-            "name": self.name,
-            "class": self.module_class,
-            "route": self.route,
-            "status": self.status.value,
-            "heads": self.heads,
-            "kv_heads": self.kv_heads,
-            "head_size": None if self.spec is None else self.spec.head_size,
-            "dtype": None if self.spec is None else self.spec.dtype,
-            "backend": None if self.backend is None else self.backend.name,
-            "reason": None if res is None or res.reason is None else res.reason.value,
-            "origin": (
-                res.origin.value
-                if res is not None
-                else (self.trace.outcome.origin.value if self.trace is not None else None)
-            ),
-            "error": self.error,
-            "code": None if self.site_error is None else self.site_error.code,
-            "note": self.note,
-            "digest": None if self.trace is None else self.trace.digest,
-        }
-
-
-@frozen
-class ComponentInfo:
-    """A component of the plan: its kind, policy and dtype, and any problem."""
-
-    name: str
-    kind: str
-    loader: str
-    allow_global_fallback: bool
-    dtype: DtypeChoice | None = None
-    error: str | None = None
-
-
-@frozen
 class Problem:
     """An installed decision that no longer holds (what :func:`verify` reports)."""
 
@@ -286,153 +136,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.component}/{self.name}: {self.problem}"
-
-
-@frozen
-class IntegrationPlan:
-    """Every site of every component, resolved; what ``plan`` and ``apply`` return."""
-
-    title: str
-    source: str
-    config: SelectionConfig
-    platform: Platform
-    components: tuple[ComponentInfo, ...]
-    sites: tuple[Site, ...]
-    #: issue 20: components of a model folder that are not models (tokenizers,
-    #: schedulers, absent optional parts), as (name, why); ``plan DIR`` says so
-    skipped: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    @property
-    def errors(self) -> tuple[str, ...]:
-        out = [f"{c.name}: {c.error}" for c in self.components if c.error]
-        out += [f"{s.component}/{s.name}: {s.error}" for s in self.sites if s.error]
-        return tuple(out)
-
-    def by_component(self) -> dict[str, list[Site]]:
-        """Component name -> its sites, in module order (components in plan order)."""
-        out: dict[str, list[Site]] = {c.name: [] for c in self.components}
-        for site in self.sites:
-            out.setdefault(site.component, []).append(site)
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan as ``attnres plan --json`` prints it: one schema for a pipeline
-        file, a folder and a live pipeline (``PlanResult.to_dict``)."""
-        return self.to_plan_result().to_dict()
-
-    def to_plan_result(self) -> PlanResult:
-        """The same plan as an :class:`attnres.plan.PlanResult` (rows of like sites):
-        the one plan model ``attnres plan`` renders, serialises and writes."""
-        entries: list[ComponentEntry] = []
-        planned: list[ComponentPlan] = []
-        groups = self.by_component()
-        for comp in self.components:
-            layer_entries = []
-            layer_plans = []
-            unplanned = []
-            for pattern, sites in _group_rows(groups[comp.name]):
-                first = sites[0]
-                if first.trace is None:  # no resolution at plan time
-                    unplanned += [
-                        UnplannedSite(
-                            name=s.name,
-                            module_class=s.module_class,
-                            route=s.route,
-                            status=s.status,
-                            note=s.note,
-                            error=s.error,
-                            code=None if s.site_error is None else s.site_error.code,
-                        )
-                        for s in sites
-                    ]
-                    continue
-                assert first.spec is not None
-                layer_entries.append(LayerEntry(pattern, len(sites), first.spec))
-                res = first.resolution
-                layer_plans.append(
-                    LayerPlan(
-                        component=comp.name,
-                        name=pattern,
-                        count=len(sites),
-                        outcome=(
-                            res.outcome
-                            if res is not None
-                            else Outcome(
-                                Status.REJECTED,
-                                first.trace.outcome.origin,
-                                code=first.trace.outcome.code,
-                                error=first.error,
-                            )
-                        ),
-                        trace=first.trace,
-                        sites=tuple(s.name for s in sites),
-                        route=first.route,
-                        heads=first.heads,
-                        kv_heads=first.kv_heads,
-                    )
-                )
-            entries.append(
-                ComponentEntry(comp.name, comp.kind, None, (), None, tuple(layer_entries))
-            )
-            error = comp.error
-            planned.append(
-                ComponentPlan(
-                    name=comp.name,
-                    kind=comp.kind,
-                    loader=comp.loader,
-                    allow_global_fallback=comp.allow_global_fallback,
-                    layers=tuple(layer_plans),
-                    error=error,
-                    dtype=None if comp.dtype is None else comp.dtype.dtype,
-                    dtype_source=None if comp.dtype is None else comp.dtype.source,
-                    dtype_detail=None if comp.dtype is None else comp.dtype.detail,
-                    unplanned=tuple(unplanned),
-                )
-            )
-        pipeline = Pipeline(self.title, self.source, tuple(entries))
-        return PlanResult(
-            pipeline, self.platform, self.config, tuple(planned), skipped=self.skipped
-        )
-
-    def render(self) -> str:
-        """The same table as ``attnres plan``, plus each component's dtype and source."""
-        return "\n".join(render_plan(self.to_plan_result()))
-
-    def dump_traces(self, directory: str | os.PathLike[str]) -> list[Path]:
-        """Write one replayable trace per row of like sites, and the folder's
-        manifest (as ``attnres plan --trace-out``); returns the files written."""
-        return list(
-            write_plan_traces(
-                self.to_plan_result(), directory, written_by=f"attnres plan {self.source}"
-            )
-        )
-
-
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
-
-
-def _group_rows(sites: Sequence[Site]) -> list[tuple[str, list[Site]]]:
-    """Like sites (same pattern, spec and outcome) share one row, in module order."""
-    rows: dict[tuple[Any, ...], tuple[str, list[Site]]] = {}
-    for site in sites:
-        pattern = _INDEX.sub("*", site.name)
-        spec = None if site.spec is None else attrs.evolve(site.spec, name=None)
-        res = site.resolution
-        key = (
-            pattern,
-            spec,
-            site.status,
-            None if res is None else (res.backend, res.reason, res.origin),
-            None if site.error is None else _INDEX.sub("*", site.error.replace(site.name, "")),
-        )
-        if key not in rows:
-            rows[key] = (pattern, [])
-        rows[key][1].append(site)
-    return list(rows.values())
 
 
 # =============================================================================
@@ -447,8 +150,10 @@ def plan_sites(
     components: Iterable[tuple[str, DtypeChoice | None, Sequence[SiteDescription]]],
     config: SelectionConfig | None,
     platform: Platform | None,
-) -> IntegrationPlan:
-    """Resolve every described site inside its component's scope.
+) -> PlanResult:
+    """Resolve every described site inside its component's scope: the plan's rows
+    are its like sites (:func:`attnres.plan.like_sites`), and each component keeps
+    every site for ``apply``.
 
     A component that may fall back from the global flag gets each site's
     current backend as the site's declared default; a strict one never does
@@ -458,22 +163,67 @@ def plan_sites(
     """
     cfg = selection_config() if config is None else config
     plat = Platform.detect() if platform is None else platform
-    infos: list[ComponentInfo] = []
-    sites: list[Site] = []
+    entries: list[ComponentEntry] = []
+    planned: list[ComponentPlan] = []
     for comp, dtype, described in components:
         state = scope_state(comp)
         relaxed = state.allow_global_fallback
-        first = len(sites)
         with component_scope(comp):
-            for desc in described:
-                sites.append(_plan_one(desc, relaxed, cfg, plat))
-        # a command-line role override that reaches none of its sites is an
-        # error, as for a pipeline file (and apply refuses it)
-        error = unreached_role_override(
-            comp, [s for s in sites[first:] if s.trace is not None], cfg
+            sites = tuple(_plan_one(desc, relaxed, cfg, plat) for desc in described)
+        rows = [_row(comp, pattern, like) for pattern, like in like_sites(sites)]
+        layers = tuple(row for row in rows if row is not None)
+        entries.append(
+            ComponentEntry(comp, state.kind, None, (), None, tuple(e for e, _ in layers))
         )
-        infos.append(ComponentInfo(comp, state.kind, state.loader, relaxed, dtype, error))
-    return IntegrationPlan(title, source, cfg, plat, tuple(infos), tuple(sites))
+        planned.append(
+            ComponentPlan(
+                name=comp,
+                kind=state.kind,
+                loader=state.loader,
+                allow_global_fallback=relaxed,
+                layers=tuple(row for _, row in layers),
+                # a command-line role override that reaches none of its sites is an
+                # error, as for a pipeline file (and apply refuses it)
+                error=unreached_role_override(comp, [s for s in sites if s.trace is not None], cfg),
+                dtype=dtype,
+                sites=sites,
+            )
+        )
+    pipeline = Pipeline(title, source, tuple(entries))
+    return PlanResult(pipeline, plat, cfg, tuple(planned))
+
+
+def _row(
+    component: str, pattern: str, sites: Sequence[Site]
+) -> tuple[LayerEntry, LayerPlan] | None:
+    """One row of like sites, as the pipeline file's entry and the plan's row: the
+    first one's outcome stands for all (a rejection with the site's own message,
+    which names its route). ``None``: no resolution at plan time (unplanned)."""
+    first = sites[0]
+    res, trace = first.resolution, first.trace
+    if trace is None or first.spec is None:
+        return None
+    outcome = (
+        res.outcome
+        if res is not None
+        else Outcome(
+            Status.REJECTED,
+            trace.outcome.origin,
+            code=trace.outcome.code,
+            error=None if first.error is None else first.error.message,
+        )
+    )
+    return LayerEntry(pattern, len(sites), first.spec), LayerPlan(
+        component=component,
+        name=pattern,
+        count=len(sites),
+        outcome=outcome,
+        trace=trace,
+        sites=tuple(s.name for s in sites),
+        route=first.route,
+        heads=first.heads,
+        kv_heads=first.kv_heads,
+    )
 
 
 def _plan_one(
@@ -494,7 +244,7 @@ def _plan_one(
             **common,
             spec=None,
             resolution=None,
-            site_error=None,
+            error=None,
             trace=None,
             pending=True,
             note="decided at first call: "
@@ -508,7 +258,7 @@ def _plan_one(
             **common,
             spec=None,
             resolution=None,
-            site_error=None,
+            error=None,
             trace=None,
             note=f"not softmax attention, left on its own code path: {desc.why}",
         )
@@ -519,7 +269,7 @@ def _plan_one(
                 **common,
                 spec=None,
                 resolution=None,
-                site_error=None,
+                error=None,
                 trace=None,
                 note=f"unclassified, left on its own code path: {why}",
             )
@@ -528,8 +278,8 @@ def _plan_one(
             spec=None,
             resolution=None,
             trace=None,
-            site_error=SiteError(
-                SiteCode.UNCLASSIFIED.value,
+            error=SiteError(
+                SiteCode.UNCLASSIFIED,
                 (
                     f"attention site {desc.name!r} ({desc.module_class}) of strict component "
                     f"{desc.component!r} cannot be classified: {why}; attnres cannot make it run "
@@ -574,7 +324,7 @@ def _plan_one(
             spec=spec,
             resolution=None,
             trace=exc.trace,
-            site_error=SiteError(str(exc.code), message),
+            error=SiteError(exc.code, message),
         )
     if (
         res.origin in _NOTHING_REQUESTED
@@ -592,14 +342,14 @@ def _plan_one(
             **common,
             spec=spec,
             resolution=None,
-            site_error=None,
+            error=None,
             trace=None,
             note=f"nothing requested, left on its own code path ({desc.current.name}): "
             f"automatic selection would move it to {res.backend.name} ({failed}), which "
             f"changes its output; request a backend to move it",
         )
     _check_options(desc, spec, res, platform)
-    return Site(**common, spec=spec, resolution=res, site_error=None, trace=res.trace)
+    return Site(**common, spec=spec, resolution=res, error=None, trace=res.trace)
 
 
 #: the origins of a resolution nobody asked for (no flag, no override, no request)
@@ -675,7 +425,7 @@ def trains(model: Any) -> bool:
     return bool(model.training) and any(p.requires_grad for p in model.parameters())
 
 
-def refuse_to_apply(result: IntegrationPlan) -> None:
+def refuse_to_apply(result: PlanResult) -> None:
     """Raise :class:`IntegrationError` when ``result`` cannot be installed (it has
     problems, or was made for a simulated platform); shared by every integration."""
     if not result.ok:
@@ -695,7 +445,7 @@ def refuse_to_apply(result: IntegrationPlan) -> None:
         )
 
 
-def emit_installed(result: IntegrationPlan) -> None:
+def emit_installed(result: PlanResult) -> None:
     """Record the installed plan's site decisions as their current ledger entries
     (one per site: applying again replaces them) and log one ``attention backend
     installed`` audit event per installed site."""

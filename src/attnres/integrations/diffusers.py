@@ -67,7 +67,6 @@ from attnres.integrations import transformers as _tf
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
-    IntegrationPlan,
     Problem,
     RouteKind,
     Site,
@@ -82,6 +81,7 @@ from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.layout import context_parallel_layout
 from attnres.ledger import forget_decisions
+from attnres.plan import PlanResult
 from attnres.platform import Platform
 
 __all__ = [
@@ -779,7 +779,7 @@ def plan(
     source: str | None = None,
     caller: type | None = None,
     sp: Any = None,
-) -> IntegrationPlan:
+) -> PlanResult:
     """Describe and resolve every attention site of every component; changes nothing.
 
     ``sp`` (issue 35): a :class:`attnres.machine.AutoLayout` (``attnres plan DIR
@@ -866,7 +866,7 @@ class _Planned(NamedTuple):
 
 
 def _prepare(
-    pipe: Any, result: IntegrationPlan, config: SelectionConfig
+    pipe: Any, result: PlanResult, config: SelectionConfig
 ) -> tuple[list[_Planned], list[Callable[[], None]], list[str]]:
     """What installing ``result`` needs per site, and the problems; no change."""
     planned: list[_Planned] = []
@@ -970,7 +970,7 @@ def apply(
     platform: Platform | None = None,
     *,
     caller: type | None = None,
-) -> IntegrationPlan:
+) -> PlanResult:
     """Plan, then install every decision, all or nothing (``caller``: as :func:`plan`).
 
     Raises :class:`~attnres.integrations.IntegrationError` (``.plan`` attached)

@@ -40,7 +40,6 @@ from attnres.integrations import _hf_attention, _route
 from attnres.integrations._plan import (
     DtypeChoice,
     IntegrationError,
-    IntegrationPlan,
     Problem,
     RouteKind,
     Site,
@@ -54,6 +53,7 @@ from attnres.integrations._plan import (
 from attnres.kernels import get_kernel
 from attnres.layer import Requirements, SelectionConfig
 from attnres.ledger import forget_decisions
+from attnres.plan import PlanResult
 from attnres.platform import Platform
 
 __all__ = [
@@ -897,7 +897,7 @@ def plan(
     platform: Platform | None = None,
     *,
     dtype: DtypeChoice | None = None,
-) -> IntegrationPlan:
+) -> PlanResult:
     """Describe and resolve every attention site of ``model`` as component ``component``."""
     sites = describe_sites(model, component, None if dtype is None else dtype.dtype)
     return plan_sites(
@@ -927,7 +927,7 @@ _INSTALLED_ATTR = "_attnres_installed"
 
 
 def prepare(
-    model: Any, result: IntegrationPlan, component: str, prefix: str = ""
+    model: Any, result: PlanResult, component: str, prefix: str = ""
 ) -> tuple[list[Callable[[], None]], list[str]]:
     """The actions that install ``result``'s decisions for one model, and problems.
 
@@ -1054,7 +1054,7 @@ def _route_installer(
     component: str,
     module: Any,
     site: Site,
-    result: IntegrationPlan,
+    result: PlanResult,
     own_backend: Backend | None = None,
     own_route: str | None = None,
 ) -> Callable[[], None]:
@@ -1099,7 +1099,7 @@ def _installer(
     names: list[str],
     modules: Mapping[str, Any],
     sites: Mapping[str, Site],
-    result: IntegrationPlan,
+    result: PlanResult,
 ) -> Callable[[], None]:
     def install() -> None:
         installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
@@ -1136,7 +1136,7 @@ def apply(
     component: str,
     config: SelectionConfig | None = None,
     platform: Platform | None = None,
-) -> IntegrationPlan:
+) -> PlanResult:
     """Plan, then install every decision on ``model``, all or nothing. A transformers
     outside the supported range is refused first
     (:class:`~attnres.errors.UnsupportedVersionError`)."""
