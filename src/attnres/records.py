@@ -10,6 +10,7 @@ work; the trace document (its digest, canonical text, files) is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from attrs import field, frozen
@@ -26,10 +27,10 @@ from attnres._states import (
     optional_reason,
     to_code,
 )
+from attnres._vocab import Role
 from attnres.backends import Backend
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.platform import Platform
-from attnres.scope import ScopeState
 
 __all__ = [
     "BASE_SCHEMA_VERSION",
@@ -50,6 +51,7 @@ __all__ = [
     "Record",
     "RejectedRecord",
     "ScopeProblem",
+    "ScopeState",
     "SelectedRecord",
     "SkipRecord",
     "TraceInput",
@@ -307,6 +309,29 @@ _PARSE_INPUT_BACKEND = optional_backend("backend")
 
 def _input_backend(value: Backend | str | None) -> Backend | None:
     return _PARSE_INPUT_BACKEND(value)
+
+
+def _role_pairs(value: Iterable[tuple[Role, Backend]]) -> tuple[tuple[Role, Backend], ...]:
+    return tuple(value)
+
+
+@frozen(cache_hash=True)
+class ScopeState:
+    """The snapshot of a component scope that a resolution (and its trace) sees."""
+
+    component: str
+    kind: str
+    loader: str
+    backend: Backend | None = None
+    role_backends: tuple[tuple[Role, Backend], ...] = field(default=(), converter=_role_pairs)
+    allow_global_fallback: bool = False
+    require_selection: bool = False
+
+    def role_backend(self, role: Role) -> Backend | None:
+        for r, b in self.role_backends:
+            if r is role:
+                return b
+        return None
 
 
 @frozen(cache_hash=True)

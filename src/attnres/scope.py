@@ -1,9 +1,10 @@
 """Component scopes and the loader policies behind them (SPEC 3.2, 3.6): the data.
 
 This module holds what a scope *is*: the component kinds and their loader
-policies, the :class:`ScopeState` snapshot a resolution sees, and the
-context variable holding the open scopes. Opening one with bookkeeping (the
-summary line on exit, the "was the override applied" check) is
+policies and the context variable holding the open scopes (the
+:class:`ScopeState` snapshot a resolution sees is a record,
+:mod:`attnres.records`). Opening one with bookkeeping (the summary line on
+exit, the "was the override applied" check) is
 :func:`attnres.runtime.component_scope`.
 
 A component scope says "the layers built now belong to component X": it
@@ -32,15 +33,14 @@ from __future__ import annotations
 import contextvars
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import ClassVar
-
-from attrs import field, frozen
 
 from attnres._vocab import Role, normalize_component
 from attnres.backends import Backend
 from attnres.layer import optional_backend
 from attnres.ledger import Decision
+from attnres.records import ScopeState
 
 __all__ = [
     "BUILTIN_KINDS",
@@ -224,29 +224,6 @@ def _role_backends(
             raise ValueError(f"role_backends[{parsed_role.value!r}]: backend must not be None")
         out[parsed_role] = parsed
     return tuple(sorted(out.items(), key=lambda kv: kv[0].value))
-
-
-def _role_pairs(value: Iterable[tuple[Role, Backend]]) -> tuple[tuple[Role, Backend], ...]:
-    return tuple(value)
-
-
-@frozen(cache_hash=True)
-class ScopeState:
-    """The snapshot of a component scope that a resolution (and its trace) sees."""
-
-    component: str
-    kind: str
-    loader: str
-    backend: Backend | None = None
-    role_backends: tuple[tuple[Role, Backend], ...] = field(default=(), converter=_role_pairs)
-    allow_global_fallback: bool = False
-    require_selection: bool = False
-
-    def role_backend(self, role: Role) -> Backend | None:
-        for r, b in self.role_backends:
-            if r is role:
-                return b
-        return None
 
 
 class ScopeHandle:
