@@ -12,16 +12,16 @@ homes. Each message says what was asked, what failed and what to do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-from attnres._states import Code
+from attrs import field, frozen
 
-if TYPE_CHECKING:
-    from attnres.backends import Backend
-    from attnres.integrations._plan import IntegrationPlan
-    from attnres.machine import ScopeProblem
-    from attnres.runtime import Resolution
-    from attnres.trace import Trace
+from attnres._states import Code, ScopeCode
+
+# This module is the floor of attnres: it imports nothing of it but the state
+# names, so every other module can raise these errors. What an error carries
+# that is defined above it (a Backend, a Trace, a Resolution, an
+# IntegrationPlan) is annotated ``Any`` here and named in its docstring.
 
 __all__ = [
     "AppliedModelPickleError",
@@ -108,17 +108,31 @@ class PluginError(AttnresError, ValueError):
 class ResolutionError(AttnresError, ValueError):
     """No backend could serve a layer; ``.trace`` holds every step that led here."""
 
-    def __init__(self, message: str, trace: Trace, code: Code | str) -> None:
+    def __init__(self, message: str, trace: Any, code: Code | str) -> None:
         super().__init__(message)
-        self.trace = trace
+        #: the :class:`attnres.Trace` of the rejected resolution
+        self.trace: Any = trace
         #: why (a :class:`~attnres.Code`, like the trace outcome's ``code``)
         self.code = Code(code)
+
+
+@frozen
+class ScopeProblem:
+    """One failed scope check (SPEC 3.6, ``attnres.machine.SCOPE_CHECKS``): its
+    code and what it says. A scope is no one resolution, so its problems are not
+    in a trace: they are raised (``BackendNotAppliedError.problems``) and written
+    to the audit log (event ``attention scope check failed``, with the code).
+    Defined here, beside the error that carries it; :mod:`attnres.records` and
+    :mod:`attnres.machine` re-export it."""
+
+    code: ScopeCode = field(converter=ScopeCode)
+    message: str
 
 
 class BackendNotAppliedError(AttnresError, ValueError):
     """A component scope's overrides do not explain its layers (SPEC 3.6).
 
-    ``.problems`` holds one :class:`attnres.machine.ScopeProblem` (a
+    ``.problems`` holds one :class:`ScopeProblem` (a
     :class:`~attnres._states.ScopeCode` and its message) per failed check.
     """
 
@@ -218,9 +232,10 @@ class IntegrationError(AttnresError, ValueError):
     site by site, why.
     """
 
-    def __init__(self, message: str, plan: IntegrationPlan) -> None:
+    def __init__(self, message: str, plan: Any) -> None:
         super().__init__(message)
-        self.plan = plan
+        #: the :class:`attnres.integrations.IntegrationPlan` that says why
+        self.plan: Any = plan
 
 
 class KernelUnavailableError(AttnresError, ImportError):
@@ -284,10 +299,12 @@ class KernelNotRegisteredError(AttnresError, RuntimeError):
     ``.resolution`` holds the decision (already in :func:`attnres.decisions`).
     """
 
-    def __init__(self, message: str, backend: Backend, resolution: Resolution) -> None:
+    def __init__(self, message: str, backend: Any, resolution: Any) -> None:
         super().__init__(message)
-        self.backend = backend
-        self.resolution = resolution
+        #: the selected :class:`attnres.Backend`
+        self.backend: Any = backend
+        #: the decision, an :class:`attnres.Resolution`
+        self.resolution: Any = resolution
 
 
 class RequestBackendError(AttnresError, ValueError):
@@ -297,11 +314,10 @@ class RequestBackendError(AttnresError, ValueError):
     pairs, one per layer that cannot run it.
     """
 
-    def __init__(
-        self, message: str, backend: Backend | None, failures: tuple[tuple[str, str], ...]
-    ) -> None:
+    def __init__(self, message: str, backend: Any, failures: tuple[tuple[str, str], ...]) -> None:
         super().__init__(message)
-        self.backend = backend
+        #: the requested :class:`attnres.Backend` (``None`` when none was named)
+        self.backend: Any = backend
         self.failures = failures
 
 

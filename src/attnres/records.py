@@ -21,7 +21,6 @@ from attnres._states import (
     Event,
     Origin,
     Reason,
-    ScopeCode,
     State,
     Verdict,
     optional_reason,
@@ -29,6 +28,7 @@ from attnres._states import (
 )
 from attnres._vocab import Role
 from attnres.backends import Backend
+from attnres.errors import ScopeProblem
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.platform import Platform
 
@@ -387,14 +387,3 @@ class TraceInput:
         if self.config.attention_error or self.measured_error:  # issue 34
             version = max(version, PRECISION_SCHEMA_VERSION)
         return version
-
-
-@frozen
-class ScopeProblem:
-    """One failed scope check (SPEC 3.6, ``attnres.machine.SCOPE_CHECKS``): its
-    code and what it says. A scope is no one resolution, so its problems are not
-    in a trace: they are raised (``BackendNotAppliedError.problems``) and written
-    to the audit log (event ``attention scope check failed``, with the code)."""
-
-    code: ScopeCode = field(converter=ScopeCode)
-    message: str
