@@ -47,7 +47,7 @@ from attnres._fastcall import FastCallModule
 from attnres._memo import GenerationMemo
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
 from attnres.backends import Backend, BackendOptions, registered_backends
-from attnres.errors import InvalidStateError
+from attnres.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
 from attnres.layer import LayerSpec
 from attnres.ledger import Decision
@@ -579,11 +579,11 @@ def autotune(
     flag) are never tuned.
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"autotune() takes a torch.nn.Module, got {type(module).__name__}")
+        raise ArgumentTypeError(f"autotune() takes a torch.nn.Module, got {type(module).__name__}")
     if min_elements is not None and (
         isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0
     ):
-        raise ValueError(f"min_elements: expected an integer >= 0, got {min_elements!r}")
+        raise InvalidArgumentError(f"min_elements: expected an integer >= 0, got {min_elements!r}")
     # attnres's attention layers all derive from FastCallModule (attnres._fastcall):
     # checking it keeps this module from importing attnres.modules, which imports it
     layers: list[tuple[str, TunableLayer]] = [

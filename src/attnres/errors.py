@@ -3,7 +3,9 @@
 ``except attnres.AttnresError`` catches each of them. Each also keeps the
 built-in base its kind of failure has: every error about an input (a backend
 name, a layer, a trace file, a scope, a pipeline file, a request) is a
-``ValueError``; :class:`ConsensusError` and :class:`KernelNotRegisteredError`
+``ValueError`` (:class:`InvalidArgumentError` when no more specific error
+names it), an argument of the wrong type an :class:`ArgumentTypeError` (a
+``TypeError``); :class:`ConsensusError` and :class:`KernelNotRegisteredError`
 are ``RuntimeError``s (the arguments are fine, the process or the job is not);
 :class:`KernelUnavailableError` is an ``ImportError``; :class:`TraceWriteError`
 an ``OSError``. The modules that raise them re-export them under their old
@@ -25,6 +27,7 @@ from attnres._states import Code, ScopeCode
 
 __all__ = [
     "AppliedModelPickleError",
+    "ArgumentTypeError",
     "AttnresError",
     "BackendMismatchError",
     "BackendNotAppliedError",
@@ -35,6 +38,7 @@ __all__ = [
     "EngineSupportError",
     "FolderBuildError",
     "IntegrationError",
+    "InvalidArgumentError",
     "InvalidStateError",
     "KernelNotRegisteredError",
     "KernelRefusedError",
@@ -58,6 +62,18 @@ __all__ = [
 
 class AttnresError(Exception):
     """The base of every exception attnres raises on purpose."""
+
+
+class InvalidArgumentError(AttnresError, ValueError):
+    """A bad value no more specific error names: a head size, a dtype, a role, a
+    requirement, a platform string, a scope name or kind, an ``Attention``
+    argument, a ``forward`` input, a command-line value. The message says what
+    was given, what is wrong and what is valid."""
+
+
+class ArgumentTypeError(AttnresError, TypeError):
+    """An argument of the wrong type: ``resolve()`` given something that is not a
+    ``LayerSpec``, ``Backend.parse(3)``, ``dump_trace`` given a non-trace."""
 
 
 class UnknownBackendError(AttnresError, ValueError):
@@ -151,8 +167,8 @@ class TraceFormatError(AttnresError, ValueError):
 
 
 class ResultsFileError(AttnresError, ValueError):
-    """An autotune results file that cannot be read, or a target that is not one
-    (attnres never overwrites a file it did not write)."""
+    """An autotune (or precision calibration) results file that cannot be read, or
+    a target that is not one (attnres never overwrites a file it did not write)."""
 
 
 class TraceWriteError(AttnresError, OSError):

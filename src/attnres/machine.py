@@ -150,6 +150,7 @@ from attnres.backends import (
     lookup_spec,
     precision_of,
 )
+from attnres.errors import InvalidArgumentError
 from attnres.kernels import KernelSource, kernel_source
 from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
 from attnres.layer import EVERY_COMPONENT, EXACT, ErrorBudget, LayerSpec, describe_budget
@@ -751,7 +752,7 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
         layer = inp.layer
         supported = layer.supported if layer.supported is not None else layer.preferred
         return _in_catalogue_order(supported or ())
-    raise ValueError(f"state {stage.value!r} evaluates no candidates")
+    raise InvalidArgumentError(f"state {stage.value!r} evaluates no candidates")
 
 
 # =============================================================================
@@ -2052,7 +2053,7 @@ def verdicts(
     """Each measurement's verdict by ``VERDICT_RULES``, and the winner (``None``:
     the incumbent stays). ``measured[0]`` is the incumbent (verdict ``incumbent``)."""
     if not measured:
-        raise ValueError("verdicts: no measurement (the incumbent comes first)")
+        raise InvalidArgumentError("verdicts: no measurement (the incumbent comes first)")
     incumbent = measured[0].median_ns
     out: list[Verdict] = [Verdict.INCUMBENT]
     for m in measured[1:]:
@@ -2090,7 +2091,7 @@ def _evaluated(trace: Trace) -> dict[Backend, State]:
 def _machine_part(trace: Trace) -> tuple[Record, ...]:
     """The machine's records without its terminal ``selected`` record."""
     if is_tuned(trace) or not isinstance(trace.records[-1], SelectedRecord):
-        raise ValueError("only a selected, untuned decision can be tuned")
+        raise InvalidArgumentError("only a selected, untuned decision can be tuned")
     return trace.records[:-1]
 
 
@@ -2156,11 +2157,11 @@ def tuned_trace(
     """
     incumbent = trace.outcome.backend
     if incumbent is None:
-        raise ValueError("only a selected decision can be tuned")
+        raise InvalidArgumentError("only a selected decision can be tuned")
     checks, passing = measuring_checks(trace, tuning.considered)
     by_backend = {m.candidate: m for m in measured}
     if incumbent not in by_backend:
-        raise ValueError(f"the incumbent {incumbent.name!r} has no measurement")
+        raise InvalidArgumentError(f"the incumbent {incumbent.name!r} has no measurement")
     records: list[Record] = [
         *_machine_part(trace),
         _tuning_step(State.SELECTED, Event.MEASURE, incumbent),

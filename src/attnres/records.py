@@ -28,7 +28,7 @@ from attnres._states import (
 )
 from attnres._vocab import Role
 from attnres.backends import Backend
-from attnres.errors import ScopeProblem
+from attnres.errors import ArgumentTypeError, ScopeProblem
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.platform import Platform
 
@@ -300,7 +300,9 @@ def _measurements(value: Any) -> tuple[ErrorMeasurement, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, ErrorMeasurement):
-            raise TypeError(f"measured_error: expected ErrorMeasurement records, got {item!r}")
+            raise ArgumentTypeError(
+                f"measured_error: expected ErrorMeasurement records, got {item!r}"
+            )
     return out
 
 

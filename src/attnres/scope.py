@@ -38,6 +38,7 @@ from typing import ClassVar
 
 from attnres._vocab import Role, normalize_component
 from attnres.backends import Backend
+from attnres.errors import ArgumentTypeError, InvalidArgumentError
 from attnres.layer import optional_backend
 from attnres.ledger import Decision
 from attnres.records import ScopeState
@@ -123,7 +124,7 @@ _NAME_ALIASES: dict[str, str] = {}
 
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True, False or None, got {value!r}")
+        raise InvalidArgumentError(f"{name}: expected True, False or None, got {value!r}")
     return value
 
 
@@ -140,7 +141,7 @@ def register_component_kind(
     Returns the loader class registered for the kind.
     """
     if not isinstance(kind, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", kind):
-        raise ValueError(f"component kind must be lower-case snake_case, got {kind!r}")
+        raise InvalidArgumentError(f"component kind must be lower-case snake_case, got {kind!r}")
     if loader is None:
         policy = (
             True
@@ -153,7 +154,7 @@ def register_component_kind(
             {"kind": kind, "allow_global_fallback": policy},
         )
     elif not (isinstance(loader, type) and issubclass(loader, ComponentLoader)):
-        raise TypeError(f"loader must be a ComponentLoader subclass, got {loader!r}")
+        raise ArgumentTypeError(f"loader must be a ComponentLoader subclass, got {loader!r}")
     with _KINDS_LOCK:
         _LOADERS[kind] = loader
         for alias in (kind, *aliases):
@@ -203,7 +204,7 @@ def loader_for(kind: str) -> type[ComponentLoader]:
         try:
             return _LOADERS[kind]
         except KeyError:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"unknown component kind {kind!r}; registered kinds: {', '.join(sorted(_LOADERS))}"
                 " (add one with attnres.register_component_kind)"
             ) from None
@@ -215,13 +216,17 @@ def _role_backends(
     if not value:
         return ()
     if not isinstance(value, Mapping):
-        raise ValueError(f"role_backends: expected a mapping role -> backend, got {value!r}")
+        raise InvalidArgumentError(
+            f"role_backends: expected a mapping role -> backend, got {value!r}"
+        )
     out: dict[Role, Backend] = {}
     for role, backend in value.items():
         parsed_role = Role.parse(role)
         parsed = optional_backend(f"role_backends[{parsed_role.value!r}]")(backend)
         if parsed is None:
-            raise ValueError(f"role_backends[{parsed_role.value!r}]: backend must not be None")
+            raise InvalidArgumentError(
+                f"role_backends[{parsed_role.value!r}]: backend must not be None"
+            )
         out[parsed_role] = parsed
     return tuple(sorted(out.items(), key=lambda kv: kv[0].value))
 
@@ -309,7 +314,9 @@ def scope_state(
     Also how traces and the golden scenarios build a scope without entering it.
     """
     if not isinstance(name, str) or not normalize_component(name):
-        raise ValueError(f"component_scope: name must be a non-empty string, got {name!r}")
+        raise InvalidArgumentError(
+            f"component_scope: name must be a non-empty string, got {name!r}"
+        )
     name = normalize_component(name)
     resolved_kind = component_kind(name) if kind is None else kind
     loader = loader_for(resolved_kind)
