@@ -1129,7 +1129,7 @@ def _new_run(
 @overload
 def _mismatch(
     shape: _LayerShape, dtypes: frozenset[torch.dtype], q: Tensor, k: Tensor, v: Tensor
-) -> ValueError: ...
+) -> InvalidArgumentError: ...
 @overload
 def _mismatch(
     shape: _LayerShape,
@@ -1139,7 +1139,7 @@ def _mismatch(
     v: Tensor,
     *,
     strict: bool,
-) -> ValueError | None: ...
+) -> InvalidArgumentError | None: ...
 
 
 def _mismatch(
@@ -1150,8 +1150,8 @@ def _mismatch(
     v: Tensor,
     *,
     strict: bool = False,
-) -> ValueError | None:
-    """What did not match the layer, as a ``ValueError``.
+) -> InvalidArgumentError | None:
+    """What did not match the layer, as an :class:`InvalidArgumentError` (a ``ValueError``).
 
     For inputs ``forward`` refused; with ``strict``, after the kernel raised:
     ``None`` when the inputs match the layer (the kernel's own error stands).
@@ -1161,28 +1161,30 @@ def _mismatch(
     expect = f"this layer takes q (batch, seq, {h}, {d}) and k, v (batch, seq_kv, {hk}, {d})"
     for label, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            return ValueError(
+            return InvalidArgumentError(
                 f"rank: {label} must have 4 dims (batch, seq, heads, head_size), got "
                 f"{t.dim()}; {shapes}"
             )
     if q.shape[3] != d or k.shape[3] != d or v.shape[3] != d:
-        return ValueError(f"head size: expected {d}; {shapes}; {expect}")
+        return InvalidArgumentError(f"head size: expected {d}; {shapes}; {expect}")
     if q.shape[2] != h:
-        return ValueError(f"heads: q has {q.shape[2]} heads, expected {h}; {shapes}; {expect}")
+        return InvalidArgumentError(
+            f"heads: q has {q.shape[2]} heads, expected {h}; {shapes}; {expect}"
+        )
     if k.shape[2] != hk or v.shape[2] != hk:
         gqa = f" (grouped-query: {h} query heads share {hk})" if hk != h else ""
-        return ValueError(f"heads: k and v must have {hk} heads{gqa}; {shapes}; {expect}")
+        return InvalidArgumentError(f"heads: k and v must have {hk} heads{gqa}; {shapes}; {expect}")
     if q.shape[0] != k.shape[0] or v.shape[0] != k.shape[0]:
-        return ValueError(f"batch: q, k and v must have the same batch size; {shapes}")
+        return InvalidArgumentError(f"batch: q, k and v must have the same batch size; {shapes}")
     if v.shape != k.shape:
-        return ValueError(f"seq_kv: k and v must have the same shape; {shapes}")
+        return InvalidArgumentError(f"seq_kv: k and v must have the same shape; {shapes}")
     if q.dtype not in dtypes:
-        return ValueError(
+        return InvalidArgumentError(
             f"dtype: backend {shape.backend!r} cannot take {q.dtype} (it takes "
             f"{_describe_dtypes(dtypes)}); this layer was resolved for {shape.dtype}"
         )
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        return ValueError(
+        return InvalidArgumentError(
             f"dtype: q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     if strict:

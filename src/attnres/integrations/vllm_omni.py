@@ -666,7 +666,7 @@ def _decide(
             observed[first] = HostResolution(
                 first, None, f"attnres backend {first} runs on {runs}, not {kind}"
             )
-            errors[first] = ValueError(observed[first].error)
+            errors[first] = InvalidArgumentError(observed[first].error)
         else:
             _observed(first, first_cls, int(head_size), observed, classes)
     else:
