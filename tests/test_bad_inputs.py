@@ -240,7 +240,7 @@ CASES: list[Case] = [
     Case("backend-unknown-no-suggestion", UnknownBackendError,
          "Unknown attention backend 'zzzz'. Valid backends: aiter, ascend_fa,",
          call=lambda: Backend.parse("zzzz")),
-    Case("backend-not-a-string", TypeError, "backend must be a Backend or a str, got int",
+    Case("backend-not-a-string", ArgumentTypeError, "backend must be a Backend or a str, got int",
          call=lambda: Backend.parse(3)),  # type: ignore[arg-type]
     Case("resolve-unknown-layer-backend", UnknownBackendError,
          "backend: Unknown attention backend 'fz'. Did you mean 'fa'?",
@@ -342,10 +342,11 @@ CASES: list[Case] = [
          "loader must be a ComponentLoader subclass",
          call=lambda: register_component_kind("ok_kind", loader=int)),  # type: ignore[arg-type]
     # -- backend registration ---------------------------------------------------
-    Case("backend-spec-bad-name", ValueError,
+    Case("backend-spec-bad-name", InvalidArgumentError,
          "backend name must be lower-case letters, digits and '_', got 'Bad-Name'",
          call=lambda: BackendSpec(name="Bad-Name", **_SPEC)),  # type: ignore[arg-type]
-    Case("backend-spec-unknown-platform", ValueError, "platforms: unknown platform kinds ['gpu']",
+    Case("backend-spec-unknown-platform", InvalidArgumentError,
+         "platforms: unknown platform kinds ['gpu']",
          call=lambda: BackendSpec(name="k", sparse=False, platforms=("gpu",),
                                   dtypes=("float32",))),
     Case("register-builtin-name", PluginError,
@@ -956,8 +957,9 @@ def test_every_input_error_is_a_value_error() -> None:
     assert issubclass(InvalidArgumentError, ValueError)
     assert issubclass(ArgumentTypeError, TypeError)
     expected = {c.expected for c in CASES if isinstance(c.expected, type)}
-    assert expected <= {ValueError, TypeError, InvalidArgumentError, ArgumentTypeError,
-                        UnknownBackendError, ResolutionError,
+    assert all(issubclass(e, attnres.AttnresError) for e in expected)  # issue 33 item 5
+    assert expected <= {InvalidArgumentError, ArgumentTypeError, UnknownBackendError,
+                        ResolutionError,
                         BackendNotAppliedError, TraceFormatError, PipelineError, PluginError,
                         KernelNotRegisteredError, FolderBuildError, ResultsFileError}
 

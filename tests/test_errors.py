@@ -96,27 +96,6 @@ _BUILTIN_RAISES: dict[str, str] = {
 #: The file layer's own refusals (an OSError with the reason in strerror): each
 #: reader turns them into its error (TraceFormatError, PipelineError, ...).
 _FILE_LAYER = ("_files.py", ("OSError", "IsADirectoryError", "NotADirectoryError"))
-#: Issue 33 item 5: files whose ValueError/TypeError raises are typed by a later
-#: commit (other sessions edit them now); empty when every one is typed.
-_PENDING: frozenset[str] = frozenset(
-    {
-        "backends.py",
-        "parallel.py",
-        "_varlen.py",
-        "plan.py",
-        "integrations/_plan.py",
-        "integrations/_route.py",
-        "integrations/_deferred.py",
-        "kernels/__init__.py",
-        "kernels/_common.py",
-        "kernels/ascend_fa.py",
-        "kernels/flex_attention.py",
-        "kernels/lse.py",
-        "kernels/sage_attn_3.py",
-        "kernels/sage_emulated.py",
-        "kernels/xformers.py",
-    }
-)
 
 
 def test_every_error_attnres_raises_is_an_attnres_error() -> None:
@@ -147,8 +126,6 @@ def test_every_error_attnres_raises_is_an_attnres_error() -> None:
             if exc.id in _BUILTIN_RAISES:
                 continue
             if name == _FILE_LAYER[0] and exc.id in _FILE_LAYER[1]:
-                continue
-            if name in _PENDING and exc.id in ("ValueError", "TypeError"):
                 continue
             bare.append(f"{name}:{node.lineno} makes a {exc.id}")
     assert bare == []

@@ -29,6 +29,7 @@ from attnres.backends import Backend, lookup_spec
 from attnres.errors import (  # all in errors
     BackendOptionError,
     IntegrationError,
+    InvalidArgumentError,
     ResolutionError,
     UnsupportedVersionError,
 )
@@ -207,7 +208,7 @@ class Site:
         # one outcome: a site's status is its trace's (never a trace that says
         # selected under a rejected site, or the other way round)
         if self.trace is not None and self.trace.outcome.status != self.status:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"site {self.name!r} is {self.status.value} but its trace says "
                 f"{self.trace.outcome.status}"
             )
