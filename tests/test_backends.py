@@ -671,7 +671,7 @@ def test_plugin_returning_the_wrong_type(
         _FakeEP("right", "pkg:spec", _returns(_spec("right_attn"))),
     )
     fail = _failure(failures, "wrong")
-    assert fail.error.startswith("TypeError: an attnres.backends entry point must give")
+    assert fail.error.startswith("ArgumentTypeError: an attnres.backends entry point must give")
     assert f"got {type_name}" in fail.error
     assert Backend.parse("right_attn").name == "right_attn"
 

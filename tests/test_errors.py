@@ -85,6 +85,54 @@ def test_no_bare_runtime_error_is_raised_in_attnres() -> None:
         assert issubclass(cls, errors.AttnresError) and issubclass(cls, RuntimeError)
 
 
+#: Built-in exceptions attnres still raises itself, and why none is a user's mistake.
+_BUILTIN_RAISES: dict[str, str] = {
+    "AssertionError": "an internal invariant (a table that ends with a row that always holds)",
+    "AttributeError": "the protocol of a module's __getattr__ (attnres/__init__.py)",
+    "KeyError": "the registry's remove(), which unregister_backend turns into its error",
+    "LookupError": "raised and caught on the spot, its message collected",
+    "SystemExit": "the command line's exit status (python -m attnres)",
+}
+#: The file layer's own refusals (an OSError with the reason in strerror): each
+#: reader turns them into its error (TraceFormatError, PipelineError, ...).
+_FILE_LAYER = ("_files.py", ("OSError", "IsADirectoryError", "NotADirectoryError"))
+
+
+def test_every_error_attnres_raises_is_an_attnres_error() -> None:
+    """Issue 33 item 5: a bad value is an InvalidArgumentError (a ValueError), a
+    bad type an ArgumentTypeError (a TypeError); no user mistake raises a bare
+    built-in exception (the ones left are listed above, each with its reason)."""
+    import ast
+    import builtins
+    from pathlib import Path
+
+    root = Path(attnres.__file__).parent
+    bare = []
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            # raised, or made to be raised elsewhere (a helper that returns the error)
+            if isinstance(node, ast.Call):
+                exc = node.func
+            elif isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc
+            else:
+                continue
+            if not isinstance(exc, ast.Name):
+                continue
+            cls = getattr(builtins, exc.id, None)
+            if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+                continue
+            if exc.id in _BUILTIN_RAISES:
+                continue
+            if name == _FILE_LAYER[0] and exc.id in _FILE_LAYER[1]:
+                continue
+            bare.append(f"{name}:{node.lineno} makes a {exc.id}")
+    assert bare == []
+    assert issubclass(errors.InvalidArgumentError, ValueError)
+    assert issubclass(errors.ArgumentTypeError, TypeError)
+
+
 def test_runtime_errors_that_were_bare_are_typed() -> None:
     import pytest
     import torch.distributed as dist

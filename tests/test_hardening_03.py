@@ -238,6 +238,37 @@ def test_unavailable_preferred_set_falls_back_with_a_reason(
     assert attnres.replay(res.trace).ok  # the trace replays as it was decided
 
 
+@pytest.mark.parametrize(
+    ("platform", "kwargs"),
+    [
+        ("cpu", {"preferred": {"sage_attn"}}),  # unusable: the fallback's every rule reads it
+        ("cuda:sm90+flash_attn", {"preferred": {"sage_attn"}}),  # unusable, a chain stage
+        ("cuda:sm90+flash_attn", {"supported": {"fa", "torch_sdpa"}, "preferred": {"torch_sdpa"}}),
+    ],
+    ids=["cpu-unusable", "cuda-chain-unusable", "usable"],
+)
+def test_whether_the_preferred_set_can_run_is_computed_once_per_resolution(
+    platform: str, kwargs: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The origin note, the candidates and both skip rules read one fact the engine
+    computed once for the resolution (each used to check the preferred set again)."""
+    from attnres import machine
+
+    layer = attnres.LayerSpec(head_size=64, dtype="bf16", **kwargs)  # type: ignore[arg-type]
+    decided = attnres.resolve(layer, platform=Platform.simulate(platform)).trace
+    calls = []
+    real = machine._preferred_unusable
+
+    def counted(inp: object) -> str:
+        calls.append(inp)
+        return real(inp)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(machine, "_preferred_unusable", counted)
+    again = machine.run_machine(decided.input)  # a cold resolution: run_machine caches nothing
+    assert len(calls) == 1
+    assert again == decided  # the same records, the same outcome
+
+
 def test_usable_preferred_set_still_narrows() -> None:
     hopper = Platform.simulate("cuda:sm90+flash_attn")
     layer = attnres.LayerSpec(

@@ -1,5 +1,10 @@
 """The import graph of ``src/attnres``: no cycles, and no lazy import that hides one.
 
+Every import statement counts, ``if TYPE_CHECKING:`` ones included (issue 33
+item 5: a type-only import is still a dependency, and a circle of them says two
+floors know each other). Annotations that are only strings
+(``from __future__ import annotations``) name no module and do not count.
+
 An import inside a function is allowed only where it keeps ``import attnres``
 light (torch, the layer, the kernels, optional packages) or is a documented
 entry point; each such import is listed in ``LAZY`` with its reason. Any other
@@ -88,13 +93,6 @@ def _targets(module: str, node: ast.AST, is_package: bool, modules: set[str]) ->
     return [t for t in out if t == "attnres" or t.startswith("attnres.")]
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], int]]:
     files = {_module_name(p): p for p in SRC.rglob("*.py")}
     modules = set(files)
@@ -107,8 +105,6 @@ def _graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], int]]:
         def visit(node: ast.AST, in_function: bool, module: str = module,
                   is_package: bool = is_package) -> None:  # fmt: skip
             for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and _is_type_checking(child):
-                    continue  # annotations only: never executed
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
                     for target in _targets(module, child, is_package, modules):
                         own = target == module or target.startswith(module + ".")
@@ -158,7 +154,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycle_inside_attnres() -> None:
     graph, lazy = _graph()
     # a lazy import counts too: hiding an edge in a function does not remove it
-    for (module, target) in lazy:
+    for module, target in lazy:
         graph[module] = graph[module] | {target}
     graph_cycles = [
         c for c in _cycles(graph) if "attnres" not in c and frozenset(c) not in KNOWN_CYCLES
@@ -178,6 +174,15 @@ def test_function_level_imports_are_only_the_documented_lazy_ones() -> None:
     assert stale == [], f"LAZY lists imports that no longer exist: {stale}"
 
 
+def test_type_checking_imports_are_edges() -> None:
+    """The CLI imports the replayer's ``ReplayRun`` for its annotations only
+    (``if TYPE_CHECKING:``; the command loads it with importlib): the graph
+    still has the edge."""
+    graph, lazy = _graph()
+    assert "attnres.replayer" in graph["attnres.cli"]
+    assert ("attnres.cli", "attnres.replayer") not in lazy
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c", "a"]]
@@ -187,3 +192,15 @@ def test_layer_does_not_import_the_cli() -> None:
     graph, lazy = _graph()
     assert "attnres.cli" not in graph["attnres.layer"]
     assert not any(m == "attnres.layer" and t == "attnres.cli" for m, t in lazy)
+
+
+def test_the_floor_knows_nothing_above_it() -> None:
+    """Issue 33 item 5: the lowest modules import nothing of attnres above them,
+    not even for a type: the state names import no attnres module, the errors
+    only the state names (what an error carries from above is annotated ``Any``
+    there), and the vocabulary only the errors it raises."""
+    graph, lazy = _graph()
+    assert graph["attnres._states"] == set()
+    assert graph["attnres.errors"] == {"attnres._states"}
+    assert graph["attnres._vocab"] <= {"attnres.errors"}
+    assert not any(m in ("attnres._states", "attnres._vocab", "attnres.errors") for m, _ in lazy)

@@ -16,6 +16,7 @@ import attnres
 from attnres import backends as B
 from attnres._states import Check, Code
 from attnres.cli import main
+from attnres.errors import ResultsFileError
 from attnres.kernels.sage_emulated import SAGE_SCHEMES, sage_attention_emulated, scheme_for
 from attnres.layer import (
     EXACT,
@@ -401,8 +402,10 @@ def test_calibration_results_file_round_trip(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     assert all("median_ns" in e and "rel_l2" in e for e in doc["entries"])
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValueError, match="not a calibration results file"):
+    with pytest.raises(ResultsFileError, match="not a calibration results file"):
         load_calibration(tmp_path / "bad.json")
+    with pytest.raises(ResultsFileError, match="cannot read the calibration results"):
+        load_calibration(tmp_path / "missing.json")  # an attnres error, not the OS's
 
 
 # =============================================================================

@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from attnres.errors import InvalidArgumentError
+
 __all__ = [
     "MANIFEST_NAME",
     "MAX_HEADER_BYTES",
@@ -195,13 +197,13 @@ def read_bounded(path: str | os.PathLike[str], *, what: str, limit: int = MAX_IN
 
 
 def _json_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise InvalidArgumentError(f"{name} is not valid JSON")
 
 
 def _json_int(text: str) -> int:
     digits = len(text.lstrip("-"))
     if digits > MAX_JSON_INT_DIGITS:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"an integer of {digits} digits (attnres reads none longer than {MAX_JSON_INT_DIGITS})"
         )
     return int(text)
@@ -210,7 +212,7 @@ def _json_int(text: str) -> int:
 def _json_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"the number {text} is out of range (not a finite float)")
+        raise InvalidArgumentError(f"the number {text} is out of range (not a finite float)")
     return value
 
 
@@ -218,7 +220,7 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:  # json's own dict keeps the last one, silently
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"the key {json.dumps(key, ensure_ascii=True)} appears twice in one object "
                 f"(JSON readers disagree on which one counts); keep one"
             )
@@ -234,7 +236,7 @@ def parse_json(data: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
         ) from None
     try:
@@ -246,16 +248,16 @@ def parse_json(data: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
             parse_float=_json_float,
         )
     except RecursionError:
-        raise ValueError(f"nested more than {max_depth} levels deep") from None
+        raise InvalidArgumentError(f"nested more than {max_depth} levels deep") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON: {exc}") from None
+        raise InvalidArgumentError(f"not valid JSON: {exc}") from None
     # iterative: a document just under the parser's own limit must not recurse here
     stack: list[tuple[Any, int]] = [(doc, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict | list):
             if depth > max_depth:
-                raise ValueError(f"nested more than {max_depth} levels deep")
+                raise InvalidArgumentError(f"nested more than {max_depth} levels deep")
             children = node.values() if isinstance(node, dict) else node
             stack.extend((child, depth + 1) for child in children)
     return doc
@@ -288,15 +290,15 @@ def read_safetensors_header(path: str | os.PathLike[str], *, limit: int = MAX_HE
     try:
         head = _read_upto(fd, 8)
         if len(head) < 8:
-            raise ValueError(f"{len(head)} bytes: too short to be a safetensors file")
+            raise InvalidArgumentError(f"{len(head)} bytes: too short to be a safetensors file")
         length = int.from_bytes(head, "little")
         if length > limit:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"its header of {length} bytes is over the {_mib(limit)} limit for a "
                 f"safetensors header"
             )
         if 8 + length > st.st_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"its header claims {length} bytes, but the file holds {st.st_size} in all "
                 f"(truncated, or not a safetensors file)"
             )
@@ -305,7 +307,7 @@ def read_safetensors_header(path: str | os.PathLike[str], *, limit: int = MAX_HE
         os.close(fd)
     header = parse_json(raw)
     if not isinstance(header, dict):
-        raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+        raise InvalidArgumentError(f"its header is a JSON {type(header).__name__}, not an object")
     return header
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "UNOBSERVED",
     "Asked",
     "Evaluation",
+    "Given",
     "Guard",
     "GuardFacts",
     "OriginRow",
@@ -65,6 +66,19 @@ __all__ = [
     "first_guard",
     "requested_by",
 ]
+
+
+@frozen
+class Given:
+    """What the engine hands a profile's rules for one resolution: the input and
+    the facts it computed from it, once (a rule reads them, never recomputes them).
+    """
+
+    inp: TraceInput
+    #: issue 32 item 6: why no backend of the layer's ``preferred`` set can run
+    #: here, one clause each; ``""`` when one can, when the layer declares none,
+    #: or when the profile narrows no stage by it (``Profile.preferred_stages``)
+    preferred_unusable: str = ""
 
 
 class Asked(Protocol):
@@ -197,11 +211,11 @@ class Profile:
     sparse: Callable[[TraceInput, Backend], bool]
     #: the candidates of a stage, in order (``None``: the platform's own pick);
     #: one already evaluated is not evaluated again
-    candidates: Callable[[State, TraceInput, Backend | None], Sequence[Backend | None]]
+    candidates: Callable[[State, Given, Backend | None], Sequence[Backend | None]]
     #: a candidate passed over (recorded as a ``skip``) when a row gives words:
     #: (the stages it reads, (stage, position, the stage's candidates, input) -> why, or "")
     skips: tuple[
-        tuple[frozenset[State], Callable[[State, int, Sequence[Backend | None], TraceInput], str]],
+        tuple[frozenset[State], Callable[[State, int, Sequence[Backend | None], Given], str]],
         ...,
     ]
     #: a candidate already evaluated at an earlier stage is recorded as a skip
@@ -226,7 +240,11 @@ class Profile:
     #: (attnres's own: ``BackendSpec.satisfies`` in the catalogue)
     satisfies: Mapping[str, tuple[frozenset[str], ...]] = attrs.field(factory=dict)
     #: words appended to the origin record, from the whole input (``None``: none)
-    origin_note: Callable[[TraceInput], str] | None = None
+    origin_note: Callable[[Given], str] | None = None
+    #: issue 23: the stages whose automatic choices a layer's ``preferred`` set
+    #: narrows; with any, the engine computes once per resolution whether that set
+    #: can run here (``Given.preferred_unusable``)
+    preferred_stages: frozenset[State] = frozenset()
 
 
 #: The failure of a candidate whose host resolution the input does not hold (a

@@ -48,6 +48,7 @@ from attnres._profile import (
     UNOBSERVED,
     Asked,
     Evaluation,
+    Given,
     Guard,
     OriginRow,
     Profile,
@@ -238,12 +239,11 @@ def _names(backends: tuple[Backend, ...]) -> str:
     return "[" + ", ".join(repr(b.name) for b in backends) + "]"
 
 
-def _candidates(
-    stage: State, inp: TraceInput, requested: Backend | None
-) -> Sequence[Backend | None]:
+def _candidates(stage: State, given: Given, requested: Backend | None) -> Sequence[Backend | None]:
     """The request (or the platform's own pick), then -- when the request may fall
     back -- the layer default, the platform's own pick and the supported set in
     SGLang's order; each is evaluated once."""
+    inp = given.inp
     if stage is State.REQUESTED:
         return (requested,)
     if stage is State.COMPONENT_DEFAULT:

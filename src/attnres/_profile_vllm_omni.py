@@ -45,6 +45,7 @@ from attnres._profile import (
     UNOBSERVED,
     Asked,
     Evaluation,
+    Given,
     Guard,
     GuardFacts,
     OriginRow,
@@ -145,12 +146,11 @@ def first_request(inp: Asked) -> Backend | None:
     return requested_by(VLLM_OMNI, inp)[1]
 
 
-def _candidates(
-    stage: State, inp: TraceInput, requested: Backend | None
-) -> Sequence[Backend | None]:
+def _candidates(stage: State, given: Given, requested: Backend | None) -> Sequence[Backend | None]:
     """The configured backend; nothing configured, the platform's own pick and --
     only where the platform served a class (a refusal is the answer, never
     replaced) -- TORCH_SDPA."""
+    inp = given.inp
     if stage is State.REQUESTED:
         return (requested,)
     if stage is not State.PLATFORM_DEFAULT:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from attnres.backends import Backend
+from attnres.errors import InvalidArgumentError
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.platform import Platform
 from attnres.runtime import lookup
@@ -29,7 +30,7 @@ MAX_STEP = 10**9
 def schedule_steps(value: Mapping[int, Backend | str], what: str = "attnres.schedule") -> Steps:
     """The steps of a schedule, validated: first steps are integers >= 0, one is 0."""
     if not isinstance(value, Mapping) or not value:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what}: steps must be a non-empty mapping of first step to backend, "
             "e.g. {0: 'sage_attn', 40: 'fa'}"
         )
@@ -37,16 +38,16 @@ def schedule_steps(value: Mapping[int, Backend | str], what: str = "attnres.sche
     for first, backend in value.items():
         if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= MAX_STEP:
             shown = repr(first) if not isinstance(first, int) or first < 10**30 else "a huge number"
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{what}: a first step must be an integer >= 0 and at most {MAX_STEP}, got {shown}"
             )
         parsed = optional_backend(f"{what}: step {first}")(backend)
         if parsed is None:
-            raise ValueError(f"{what}: step {first}: backend must not be None")
+            raise InvalidArgumentError(f"{what}: step {first}: backend must not be None")
         out.append((first, parsed))
     out.sort(key=lambda item: item[0])
     if out[0][0] != 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what}: the schedule must say what runs from step 0 (its first step is {out[0][0]})"
         )
     return tuple(out)
@@ -60,14 +61,16 @@ def parse_schedule(text: str) -> Steps:
         first = first.strip()
         # ASCII digits only: str.isdigit() accepts "²", which int() refuses
         if not colon or not (first.isascii() and first.isdigit()) or not backend.strip():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"--schedule: expected STEP:BACKEND[,STEP:BACKEND...] such as "
                 f"0:sage_attn,40:fa, got {part!r}"
             )
         if len(first) > len(str(MAX_STEP)):
-            raise ValueError(f"--schedule: a first step is at most {MAX_STEP}, got {first[:40]}")
+            raise InvalidArgumentError(
+                f"--schedule: a first step is at most {MAX_STEP}, got {first[:40]}"
+            )
         if int(first) in steps:
-            raise ValueError(f"--schedule: step {int(first)} is given twice")
+            raise InvalidArgumentError(f"--schedule: step {int(first)} is given twice")
         steps[int(first)] = backend.strip()
     return schedule_steps(steps, "--schedule")
 

@@ -94,12 +94,12 @@ from attnres.records import (
     MeasurementRecord,
     PrecisionRecord,
     Record,
+    ScopeState,
     SkipRecord,
     TraceInput,
     TransitionRecord,
     TuningRecord,
 )
-from attnres.scope import ScopeState
 
 __all__ = [
     "Document",

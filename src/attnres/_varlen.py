@@ -65,6 +65,7 @@ from attnres._vocab import CausalAlignment, MaskKind, MaskRoute
 from attnres.backends import BackendSpec, KernelFacts, OptionValue, entry_point_options
 from attnres.errors import (
     BackendOptionError,
+    InvalidArgumentError,
     KernelUnavailableError,
     MaskKindError,
     MaskShapeError,
@@ -560,7 +561,7 @@ def get_varlen_kernel(spec: BackendSpec) -> VarlenKernelFn:
     """The varlen adapter ``spec.varlen_kernel`` names, built once (lazy import)."""
     path = spec.varlen_kernel
     if path is None:
-        raise ValueError(f"backend {spec.name!r} has no varlen entry point")
+        raise InvalidArgumentError(f"backend {spec.name!r} has no varlen entry point")
     with _lock:
         built = _VARLEN.get(path)
     if built is not None:

@@ -11,6 +11,8 @@ import enum
 import re
 from typing import Any
 
+from attnres.errors import InvalidArgumentError
+
 __all__ = [
     "DTYPES",
     "MASK_KIND_PHRASES",
@@ -41,7 +43,7 @@ class Role(str, enum.Enum):
                 return cls(value.strip().lower())
             except ValueError:
                 pass
-        raise ValueError(f"role must be 'self' or 'cross', got {value!r}")
+        raise InvalidArgumentError(f"role must be 'self' or 'cross', got {value!r}")
 
     def __str__(self) -> str:
         return self.value
@@ -194,7 +196,7 @@ def normalize_dtype(value: Any) -> str:
         return _DTYPE_LOOKUP[key]
     except KeyError:
         valid = ", ".join(DTYPES)
-        raise ValueError(
+        raise InvalidArgumentError(
             f"dtype: unknown dtype {value!r}; use one of {valid} "
             f"(or an alias such as bf16, fp16, fp32, or a torch.dtype)"
         ) from None

@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import attrs
 import torch
@@ -46,9 +46,10 @@ from attnres._error import error_figures, reference_attention
 from attnres._fastcall import FastCallModule
 from attnres._memo import GenerationMemo
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
-from attnres.backends import Backend, registered_backends
-from attnres.errors import InvalidStateError
+from attnres.backends import Backend, BackendOptions, registered_backends
+from attnres.errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from attnres.kernels import KernelFn, KernelUnavailableError, get_kernel, specialized
+from attnres.layer import LayerSpec
 from attnres.ledger import Decision
 from attnres.machine import numeric_budget
 from attnres.platform import Platform
@@ -69,9 +70,6 @@ from attnres.tuning import (
     write_results,
 )
 
-if TYPE_CHECKING:
-    from attnres.modules import Attention
-
 __all__ = [
     "AutotuneReport",
     "LoadReport",
@@ -86,6 +84,58 @@ __all__ = [
 
 Run = Callable[..., Tensor]
 Timer = Callable[[], int]
+
+
+class _Shape(Protocol):
+    """What a layer fixed at construction that a candidate is timed with
+    (``attnres.modules._LayerShape``)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def causal(self) -> bool: ...
+    @property
+    def softmax_scale(self) -> float | None: ...
+    @property
+    def softcap(self) -> float: ...
+    @property
+    def window(self) -> tuple[int, int] | None: ...
+    @property
+    def backend_options(self) -> BackendOptions: ...
+
+
+class TunableLayer(Protocol):
+    """What the tuner reads and calls on an :class:`attnres.Attention`.
+
+    A protocol, not the class: :mod:`attnres.modules` imports this module (a
+    layer arms its tuner and composes the measuring wrapper into its forward),
+    so this one does not import it back.
+    """
+
+    __dict__: dict[str, Any]
+
+    @property
+    def layer_spec(self) -> LayerSpec: ...
+    @property
+    def _shape(self) -> _Shape: ...
+    @property
+    def resolution(self) -> Resolution | None: ...
+    @property
+    def kernel(self) -> KernelFn | None: ...
+    @property
+    def causal(self) -> bool: ...
+    @property
+    def softmax_scale(self) -> float | None: ...
+    @property
+    def softcap(self) -> float | None: ...
+    @property
+    def window(self) -> tuple[int | None, int | None] | None: ...
+    def _bind_to(self) -> Resolution: ...
+    def _set_tuner(self, tuner: object | None) -> None: ...
+    def _adopt(self, resolution: Resolution) -> Decision: ...
+
 
 #: The clock every measurement reads, in nanoseconds (tests inject their own).
 _TIMER: Timer = time.perf_counter_ns
@@ -149,12 +199,12 @@ class _Settings:
     repeats: int
 
 
-def is_armed(layer: Attention) -> bool:
+def is_armed(layer: TunableLayer) -> bool:
     """Whether the layer will measure its candidates on a large enough forward."""
     return layer.__dict__.get("_tuner") is not None
 
 
-def _bound(layer: Attention) -> Resolution:
+def _bound(layer: TunableLayer) -> Resolution:
     """The layer's decision; a pending layer (built without dtype) is bound first."""
     resolution = layer.resolution
     if resolution is None:
@@ -162,7 +212,7 @@ def _bound(layer: Attention) -> Resolution:
     return resolution
 
 
-def _bound_kernel(layer: Attention) -> KernelFn:
+def _bound_kernel(layer: TunableLayer) -> KernelFn:
     _bound(layer)
     kernel = layer.kernel
     if kernel is None:  # pragma: no cover - a bound layer has its kernel
@@ -172,7 +222,7 @@ def _bound_kernel(layer: Attention) -> KernelFn:
     return kernel
 
 
-def arm(layer: Attention, *, min_elements: int | None = None) -> bool:
+def arm(layer: TunableLayer, *, min_elements: int | None = None) -> bool:
     """Arm ``layer``'s tuner when its decision is automatic and untuned.
 
     Returns whether it is armed. The layer's config (the one its decision was
@@ -196,7 +246,7 @@ def arm(layer: Attention, *, min_elements: int | None = None) -> bool:
     return True
 
 
-def disarm(layer: Attention) -> None:
+def disarm(layer: TunableLayer) -> None:
     """Put the incumbent's forward body back (the layer stays untuned)."""
     if is_armed(layer):
         layer._set_tuner(None)
@@ -210,7 +260,7 @@ def _capturing() -> bool:
     return bool(cuda.is_available() and cuda.is_current_stream_capturing())
 
 
-def armed_run(ref: weakref.ref[Attention], run: Run, settings: object) -> Run:
+def armed_run(ref: Callable[[], TunableLayer | None], run: Run, settings: object) -> Run:
     """The measuring wrapper around the incumbent ``run`` (the layer composes it
     into its forward while armed: :meth:`attnres.Attention._compose`)."""
     assert isinstance(settings, _Settings)
@@ -239,7 +289,7 @@ def armed_run(ref: weakref.ref[Attention], run: Run, settings: object) -> Run:
     return tuning_run
 
 
-def _note(ref: weakref.ref[Attention], event: str, detail: str) -> None:
+def _note(ref: Callable[[], TunableLayer | None], event: str, detail: str) -> None:
     events = _COLLECTOR.get()
     if events is not None:
         events.append((id(ref()), event, detail))
@@ -250,7 +300,7 @@ def _note(ref: weakref.ref[Attention], event: str, detail: str) -> None:
 # =============================================================================
 
 
-def describe_call(args: tuple[Tensor, Tensor, Tensor, Tensor | None], layer: Attention) -> str:
+def describe_call(args: tuple[Tensor, Tensor, Tensor, Tensor | None], layer: TunableLayer) -> str:
     """The call a measurement applies to, as a stable text key."""
     q, k, v, mask = args
     scale = layer.softmax_scale
@@ -346,7 +396,7 @@ def _measure(
 
 
 def _float64_reference(
-    layer: Attention, args: tuple[Tensor, Tensor, Tensor, Tensor | None], trace: Trace
+    layer: TunableLayer, args: tuple[Tensor, Tensor, Tensor, Tensor | None], trace: Trace
 ) -> Tensor | None:
     """Issue 34: the float64 output every candidate's error is measured against,
     only for a layer with a numeric error budget (else ``None``: nothing extra)."""
@@ -357,7 +407,7 @@ def _float64_reference(
     return reference_attention(q, k, v, mask, shape.causal, shape.softmax_scale)
 
 
-def _bare(kernel: KernelFn, layer: Attention, backend: str) -> Run:
+def _bare(kernel: KernelFn, layer: TunableLayer, backend: str) -> Run:
     """``kernel`` (``backend``'s) with the layer's fixed settings bound, without
     its input checks; the layer's options for that backend (issue 23) included,
     so a candidate is timed as it would run."""
@@ -374,7 +424,7 @@ def _bare(kernel: KernelFn, layer: Attention, backend: str) -> Run:
 
 
 def _tune(
-    layer: Attention,
+    layer: TunableLayer,
     run: Run,
     args: tuple[Tensor, Tensor, Tensor, Tensor | None],
     reference: Tensor,
@@ -404,7 +454,7 @@ def _tune(
 
 
 def _measure_all(
-    layer: Attention,
+    layer: TunableLayer,
     run: Run,
     args: tuple[Tensor, Tensor, Tensor, Tensor | None],
     reference: Tensor,
@@ -476,7 +526,7 @@ def _measure_all(
     return trace.records, trace.outcome, source
 
 
-def _adopt(layer: Attention, trace: Trace, *, fresh: bool) -> None:
+def _adopt(layer: TunableLayer, trace: Trace, *, fresh: bool) -> None:
     """Bind the tuned decision: the layer runs the winner; ledger and audit log say why."""
     previous = _bound(layer)
     outcome = trace.outcome
@@ -529,21 +579,21 @@ def autotune(
     flag) are never tuned.
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"autotune() takes a torch.nn.Module, got {type(module).__name__}")
+        raise ArgumentTypeError(f"autotune() takes a torch.nn.Module, got {type(module).__name__}")
     if min_elements is not None and (
         isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0
     ):
-        raise ValueError(f"min_elements: expected an integer >= 0, got {min_elements!r}")
+        raise InvalidArgumentError(f"min_elements: expected an integer >= 0, got {min_elements!r}")
     # attnres's attention layers all derive from FastCallModule (attnres._fastcall):
     # checking it keeps this module from importing attnres.modules, which imports it
-    layers: list[tuple[str, Attention]] = [
+    layers: list[tuple[str, TunableLayer]] = [
         (name, m)  # type: ignore[misc]
         for name, m in module.named_modules()
         if isinstance(m, FastCallModule)
     ]
     for _, layer in layers:  # layers built without dtype: bound first (the server's decision)
         _bound(layer)
-    armed_here: list[Attention] = []
+    armed_here: list[TunableLayer] = []
     untuned: dict[int, tuple[str, str]] = {}
     for name, layer in layers:
         label = layer.layer_spec.name or name

@@ -32,7 +32,13 @@ from attnres._vocab import (
     MaskRoute,
     Requirement,
 )
-from attnres.errors import BackendOptionError, PluginError, UnknownBackendError
+from attnres.errors import (
+    ArgumentTypeError,
+    BackendOptionError,
+    InvalidArgumentError,
+    PluginError,
+    UnknownBackendError,
+)
 
 __all__ = [
     "BUILTIN_SPECS",
@@ -106,7 +112,9 @@ class Backend:
         if isinstance(value, Backend):
             return value
         if not isinstance(value, str):
-            raise TypeError(f"backend must be a Backend or a str, got {type(value).__name__}")
+            raise ArgumentTypeError(
+                f"backend must be a Backend or a str, got {type(value).__name__}"
+            )
         return _REGISTRY.lookup(value)
 
     @property
@@ -203,7 +211,9 @@ def _kernel_path(value: str | None) -> str | None:
         return None
     module, sep, factory = str(value).partition(":")
     if not (module and sep and factory):
-        raise ValueError(f"kernel: expected 'package.module:factory' or None, got {value!r}")
+        raise InvalidArgumentError(
+            f"kernel: expected 'package.module:factory' or None, got {value!r}"
+        )
     return str(value)
 
 
@@ -311,7 +321,7 @@ def _platforms(value: Iterable[str]) -> frozenset[str]:
     kinds = frozenset(value)
     unknown = kinds - set(PLATFORM_KINDS)
     if unknown:
-        raise ValueError(f"platforms: unknown platform kinds {sorted(unknown)}")
+        raise InvalidArgumentError(f"platforms: unknown platform kinds {sorted(unknown)}")
     return kinds
 
 
@@ -319,7 +329,7 @@ def _dtypes(value: Iterable[str]) -> frozenset[str]:
     names = frozenset(value)
     unknown = names - set(DTYPES)
     if unknown:
-        raise ValueError(f"dtypes: unknown dtype names {sorted(unknown)}")
+        raise InvalidArgumentError(f"dtypes: unknown dtype names {sorted(unknown)}")
     return names
 
 
@@ -335,7 +345,7 @@ def _limits(value: Iterable[RequirementLimit]) -> tuple[RequirementLimit, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, RequirementLimit):
-            raise TypeError(f"limits: expected RequirementLimit records, got {item!r}")
+            raise ArgumentTypeError(f"limits: expected RequirementLimit records, got {item!r}")
     return out
 
 
@@ -417,7 +427,7 @@ def _options(value: Iterable[BackendOption]) -> tuple[BackendOption, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, BackendOption):
-            raise TypeError(f"options: expected BackendOption records, got {item!r}")
+            raise ArgumentTypeError(f"options: expected BackendOption records, got {item!r}")
     return out
 
 
@@ -459,7 +469,7 @@ def _entry_points(value: Iterable[EntryPoint]) -> tuple[EntryPoint, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, EntryPoint):
-            raise TypeError(f"entry_points: expected EntryPoint records, got {item!r}")
+            raise ArgumentTypeError(f"entry_points: expected EntryPoint records, got {item!r}")
     return out
 
 
@@ -486,7 +496,7 @@ class RequirementLimit:
 
     def __attrs_post_init__(self) -> None:
         if not self.requirements:
-            raise ValueError("a RequirementLimit names at least one requirement")
+            raise InvalidArgumentError("a RequirementLimit names at least one requirement")
 
     def applies(
         self, needed: Iterable[Requirement], kind: str, capability: tuple[int, int] | None
@@ -519,7 +529,7 @@ class RequirementLimit:
 def _mask_kind(value: MaskKind | str) -> MaskKind:
     kind = MaskKind(value)
     if kind in (MaskKind.NONE, MaskKind.ANY):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"MaskSupport: kind must be key_padding, boolean or additive, got {kind.value!r} "
             f"('any' is boolean and additive together)"
         )
@@ -543,7 +553,7 @@ class MaskSupport:
 
     def __attrs_post_init__(self) -> None:
         if self.route is MaskRoute.UNPAD and self.kind is not MaskKind.KEY_PADDING:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"MaskSupport: only key padding can be taken by unpadding, not {self.kind.value}"
             )
 
@@ -552,10 +562,10 @@ def _masks(value: Iterable[MaskSupport]) -> tuple[MaskSupport, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, MaskSupport):
-            raise TypeError(f"masks: expected MaskSupport records, got {item!r}")
+            raise ArgumentTypeError(f"masks: expected MaskSupport records, got {item!r}")
     kinds = [m.kind for m in out]
     if len(set(kinds)) != len(kinds):
-        raise ValueError("masks: one MaskSupport per mask kind")
+        raise InvalidArgumentError("masks: one MaskSupport per mask kind")
     return out
 
 
@@ -618,7 +628,7 @@ def _option_limits(value: Iterable[OptionLimit]) -> tuple[OptionLimit, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, OptionLimit):
-            raise TypeError(f"option_limits: expected OptionLimit records, got {item!r}")
+            raise ArgumentTypeError(f"option_limits: expected OptionLimit records, got {item!r}")
     return out
 
 
@@ -654,7 +664,7 @@ _VARIANT_FIELDS = frozenset(
 def _changes(value: Mapping[str, Any]) -> FrozenMap[str, Any]:
     unknown = set(value) - _VARIANT_FIELDS
     if unknown:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"KernelFacts.changes: {sorted(unknown)} cannot vary by version or GPU "
             f"(these can: {', '.join(sorted(_VARIANT_FIELDS))})"
         )
@@ -727,7 +737,7 @@ def _variants(value: Iterable[KernelFacts]) -> tuple[KernelFacts, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, KernelFacts):
-            raise TypeError(f"variants: expected KernelFacts records, got {item!r}")
+            raise ArgumentTypeError(f"variants: expected KernelFacts records, got {item!r}")
     return out
 
 
@@ -772,7 +782,7 @@ def _precisions(value: Iterable[Precision]) -> tuple[Precision, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, Precision):
-            raise TypeError(f"precision: expected Precision records, got {item!r}")
+            raise ArgumentTypeError(f"precision: expected Precision records, got {item!r}")
     return out
 
 
@@ -897,7 +907,7 @@ class BackendSpec:
 
     def __attrs_post_init__(self) -> None:
         if self.varlen_kernel is None and any(m.route is MaskRoute.UNPAD for m in self.masks):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"backend {self.name!r}: a mask taken by unpadding needs a varlen_kernel"
             )
 
@@ -909,7 +919,7 @@ class BackendSpec:
         takes it natively.
         """
         if kind is MaskKind.NONE:
-            raise ValueError("mask_support: a layer with no mask needs no mask support")
+            raise InvalidArgumentError("mask_support: a layer with no mask needs no mask support")
         if kind is MaskKind.ANY:
             parts = [self.mask_support(k) for k in (MaskKind.BOOLEAN, MaskKind.ADDITIVE)]
             if all(p is not None and p.route is MaskRoute.NATIVE for p in parts):
@@ -931,7 +941,7 @@ class BackendSpec:
     @name.validator
     def _check_name(self, _: attrs.Attribute[str], value: str) -> None:
         if not _NAME_RE.fullmatch(value):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"backend name must be lower-case letters, digits and '_', got {value!r}"
             )
 
@@ -2044,7 +2054,9 @@ class _Registry:
     # -- registration -------------------------------------------------------
     def add(self, spec: BackendSpec, *, replace: bool = False, owner: str | None = None) -> None:
         if not isinstance(spec, BackendSpec):
-            raise TypeError(f"register_backend takes a BackendSpec, got {type(spec).__name__}")
+            raise ArgumentTypeError(
+                f"register_backend takes a BackendSpec, got {type(spec).__name__}"
+            )
         with self._lock:
             names = (spec.name, *(_key(a) for a in spec.aliases))
             for n in names:
@@ -2200,7 +2212,7 @@ def _specs_from_plugin(obj: Any) -> list[BackendSpec]:
         items = list(obj)
         if all(isinstance(i, BackendSpec) for i in items):
             return items
-    raise TypeError(
+    raise ArgumentTypeError(
         f"an {ENTRY_POINT_GROUP} entry point must give a BackendSpec, an iterable of them, "
         f"or a callable returning either; got {type(obj).__name__}"
     )

@@ -46,7 +46,7 @@ import structlog
 import torch.distributed as dist
 from attrs import frozen
 
-from attnres.errors import ConsensusError, SequenceParallelArgumentError
+from attnres.errors import ArgumentTypeError, ConsensusError, SequenceParallelArgumentError
 from attnres.ledger import Decision
 from attnres.ledger import decisions as _ledger_decisions
 
@@ -254,7 +254,7 @@ def _timeout_seconds(timeout: Timeout, who: str = "verify_consensus") -> float:
             float(max(min(timeout, MAX_TIMEOUT_S + 1), -1)) if isinstance(timeout, int) else timeout
         )
     else:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{who}: timeout must be seconds (float) or a datetime.timedelta, got "
             f"{type(timeout).__name__}"
         )

@@ -3,7 +3,9 @@
 ``except attnres.AttnresError`` catches each of them. Each also keeps the
 built-in base its kind of failure has: every error about an input (a backend
 name, a layer, a trace file, a scope, a pipeline file, a request) is a
-``ValueError``; :class:`ConsensusError` and :class:`KernelNotRegisteredError`
+``ValueError`` (:class:`InvalidArgumentError` when no more specific error
+names it), an argument of the wrong type an :class:`ArgumentTypeError` (a
+``TypeError``); :class:`ConsensusError` and :class:`KernelNotRegisteredError`
 are ``RuntimeError``s (the arguments are fine, the process or the job is not);
 :class:`KernelUnavailableError` is an ``ImportError``; :class:`TraceWriteError`
 an ``OSError``. The modules that raise them re-export them under their old
@@ -12,19 +14,20 @@ homes. Each message says what was asked, what failed and what to do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-from attnres._states import Code
+from attrs import field, frozen
 
-if TYPE_CHECKING:
-    from attnres.backends import Backend
-    from attnres.machine import ScopeProblem
-    from attnres.plan import PlanResult
-    from attnres.runtime import Resolution
-    from attnres.trace import Trace
+from attnres._states import Code, ScopeCode
+
+# This module is the floor of attnres: it imports nothing of it but the state
+# names, so every other module can raise these errors. What an error carries
+# that is defined above it (a Backend, a Trace, a Resolution, an
+# PlanResult) is annotated ``Any`` here and named in its docstring.
 
 __all__ = [
     "AppliedModelPickleError",
+    "ArgumentTypeError",
     "AttnresError",
     "BackendMismatchError",
     "BackendNotAppliedError",
@@ -35,6 +38,7 @@ __all__ = [
     "EngineSupportError",
     "FolderBuildError",
     "IntegrationError",
+    "InvalidArgumentError",
     "InvalidStateError",
     "KernelNotRegisteredError",
     "KernelRefusedError",
@@ -58,6 +62,18 @@ __all__ = [
 
 class AttnresError(Exception):
     """The base of every exception attnres raises on purpose."""
+
+
+class InvalidArgumentError(AttnresError, ValueError):
+    """A bad value no more specific error names: a head size, a dtype, a role, a
+    requirement, a platform string, a scope name or kind, an ``Attention``
+    argument, a ``forward`` input, a command-line value. The message says what
+    was given, what is wrong and what is valid."""
+
+
+class ArgumentTypeError(AttnresError, TypeError):
+    """An argument of the wrong type: ``resolve()`` given something that is not a
+    ``LayerSpec``, ``Backend.parse(3)``, ``dump_trace`` given a non-trace."""
 
 
 class UnknownBackendError(AttnresError, ValueError):
@@ -108,17 +124,31 @@ class PluginError(AttnresError, ValueError):
 class ResolutionError(AttnresError, ValueError):
     """No backend could serve a layer; ``.trace`` holds every step that led here."""
 
-    def __init__(self, message: str, trace: Trace, code: Code | str) -> None:
+    def __init__(self, message: str, trace: Any, code: Code | str) -> None:
         super().__init__(message)
-        self.trace = trace
+        #: the :class:`attnres.Trace` of the rejected resolution
+        self.trace: Any = trace
         #: why (a :class:`~attnres.Code`, like the trace outcome's ``code``)
         self.code = Code(code)
+
+
+@frozen
+class ScopeProblem:
+    """One failed scope check (SPEC 3.6, ``attnres.machine.SCOPE_CHECKS``): its
+    code and what it says. A scope is no one resolution, so its problems are not
+    in a trace: they are raised (``BackendNotAppliedError.problems``) and written
+    to the audit log (event ``attention scope check failed``, with the code).
+    Defined here, beside the error that carries it; :mod:`attnres.records` and
+    :mod:`attnres.machine` re-export it."""
+
+    code: ScopeCode = field(converter=ScopeCode)
+    message: str
 
 
 class BackendNotAppliedError(AttnresError, ValueError):
     """A component scope's overrides do not explain its layers (SPEC 3.6).
 
-    ``.problems`` holds one :class:`attnres.machine.ScopeProblem` (a
+    ``.problems`` holds one :class:`ScopeProblem` (a
     :class:`~attnres._states.ScopeCode` and its message) per failed check.
     """
 
@@ -137,8 +167,8 @@ class TraceFormatError(AttnresError, ValueError):
 
 
 class ResultsFileError(AttnresError, ValueError):
-    """An autotune results file that cannot be read, or a target that is not one
-    (attnres never overwrites a file it did not write)."""
+    """An autotune (or precision calibration) results file that cannot be read, or
+    a target that is not one (attnres never overwrites a file it did not write)."""
 
 
 class TraceWriteError(AttnresError, OSError):
@@ -218,9 +248,10 @@ class IntegrationError(AttnresError, ValueError):
     (its ``sites``), why.
     """
 
-    def __init__(self, message: str, plan: PlanResult) -> None:
+    def __init__(self, message: str, plan: Any) -> None:
         super().__init__(message)
-        self.plan = plan
+        #: the :class:`attnres.plan.PlanResult` that says why
+        self.plan: Any = plan
 
 
 class KernelUnavailableError(AttnresError, ImportError):
@@ -284,10 +315,12 @@ class KernelNotRegisteredError(AttnresError, RuntimeError):
     ``.resolution`` holds the decision (already in :func:`attnres.decisions`).
     """
 
-    def __init__(self, message: str, backend: Backend, resolution: Resolution) -> None:
+    def __init__(self, message: str, backend: Any, resolution: Any) -> None:
         super().__init__(message)
-        self.backend = backend
-        self.resolution = resolution
+        #: the selected :class:`attnres.Backend`
+        self.backend: Any = backend
+        #: the decision, an :class:`attnres.Resolution`
+        self.resolution: Any = resolution
 
 
 class RequestBackendError(AttnresError, ValueError):
@@ -297,11 +330,10 @@ class RequestBackendError(AttnresError, ValueError):
     pairs, one per layer that cannot run it.
     """
 
-    def __init__(
-        self, message: str, backend: Backend | None, failures: tuple[tuple[str, str], ...]
-    ) -> None:
+    def __init__(self, message: str, backend: Any, failures: tuple[tuple[str, str], ...]) -> None:
         super().__init__(message)
-        self.backend = backend
+        #: the requested :class:`attnres.Backend` (``None`` when none was named)
+        self.backend: Any = backend
         self.failures = failures
 
 

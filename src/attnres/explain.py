@@ -106,7 +106,8 @@ def resolution_trace(layer: LayerSpec, config: SelectionConfig, platform: Platfo
     try:
         return resolve(layer, config=config, platform=platform).trace
     except ResolutionError as exc:
-        return exc.trace
+        rejected: Trace = exc.trace  # annotated Any in attnres.errors (the floor)
+        return rejected
 
 
 def describe_layer(layer: LayerSpec) -> str:

@@ -26,7 +26,7 @@ from attnres._vocab import (
     normalize_dtype,
 )
 from attnres.backends import Backend, BackendOptions, normalize_backend_options
-from attnres.errors import UnknownBackendError
+from attnres.errors import InvalidArgumentError, UnknownBackendError
 from attnres.layout import SequenceLayout
 
 __all__ = ["ENV_VAR", "LayerSpec", "Requirements", "Role", "SelectionConfig", "split_component_key"]
@@ -54,7 +54,7 @@ def _parse_backend(value: Backend | str, what: str) -> Backend:
     except UnknownBackendError as exc:
         raise UnknownBackendError(f"{what}: {exc}", exc.name, exc.suggestion) from None
     except TypeError as exc:
-        raise ValueError(f"{what}: {exc}") from None
+        raise InvalidArgumentError(f"{what}: {exc}") from None
 
 
 def optional_backend(what: str) -> Callable[[Backend | str | None], Backend | None]:
@@ -78,10 +78,10 @@ def _backend_set_of(
         if isinstance(value, (str, Backend)):
             value = [value]
         if not isinstance(value, Iterable):
-            raise ValueError(f"{what}: expected a set of backend names, got {value!r}")
+            raise InvalidArgumentError(f"{what}: expected a set of backend names, got {value!r}")
         out = frozenset(_parse_backend(v, what) for v in value)
         if not out:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{what}: an empty set admits no backend; pass None for a layer without a "
                 f"{what}-set constraint"
             )
@@ -116,16 +116,18 @@ def _positive_head_size(value: Any) -> int:
         return value
     # any integer type (numpy's, torch's) that offers __index__; never a bool
     if isinstance(value, bool):
-        raise ValueError(f"head_size: expected a positive integer, got {value!r}")
+        raise InvalidArgumentError(f"head_size: expected a positive integer, got {value!r}")
     try:
         number = operator.index(value)
     except TypeError:
-        raise ValueError(f"head_size: expected a positive integer, got {value!r}") from None
+        raise InvalidArgumentError(
+            f"head_size: expected a positive integer, got {value!r}"
+        ) from None
     if number < 1:
-        raise ValueError(f"head_size: must be at least 1, got {number}")
+        raise InvalidArgumentError(f"head_size: must be at least 1, got {number}")
     if number > MAX_HEAD_SIZE:
         shown = str(number) if number < 10**30 else f"a number of {len(str(number))} digits"
-        raise ValueError(
+        raise InvalidArgumentError(
             f"head_size: must be at most {MAX_HEAD_SIZE} (real layers use 32 to 576), got {shown}"
         )
     return number
@@ -151,7 +153,7 @@ def _name(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise ValueError(f"name: expected a string, got {value!r}")
+        raise InvalidArgumentError(f"name: expected a string, got {value!r}")
     return value
 
 
@@ -159,13 +161,15 @@ def _exact_route(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"exact_route: expected the route's name (a string), got {value!r}")
+        raise InvalidArgumentError(
+            f"exact_route: expected the route's name (a string), got {value!r}"
+        )
     return value
 
 
 def _route_needs_supported(instance: Any, _: Any, value: str | None) -> None:
     if value is not None and instance.supported is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"exact_route: route {value!r} runs exactly the backends of a supported set, "
             f"and this layer has none (supported=None admits any backend)"
         )
@@ -175,7 +179,7 @@ def _is_bool(_: Any, attribute: Any, value: Any) -> None:
     # strict on purpose: bool("no") is True, and a flag that silently turns on
     # is worse than an error
     if not isinstance(value, bool):
-        raise ValueError(f"{attribute.name}: expected True or False, got {value!r}")
+        raise InvalidArgumentError(f"{attribute.name}: expected True or False, got {value!r}")
 
 
 #: The requirements in their canonical order, with the field each one reads
@@ -213,7 +217,7 @@ def _mask_kind(value: MaskKind | str) -> MaskKind:
         return MaskKind(value)
     except ValueError:
         valid = ", ".join(k.value for k in MaskKind)
-        raise ValueError(f"mask: unknown mask kind {value!r}; valid: {valid}") from None
+        raise InvalidArgumentError(f"mask: unknown mask kind {value!r}; valid: {valid}") from None
 
 
 def _alignment(value: CausalAlignment | str) -> CausalAlignment:
@@ -221,7 +225,9 @@ def _alignment(value: CausalAlignment | str) -> CausalAlignment:
         return CausalAlignment(value)
     except ValueError:
         valid = ", ".join(a.value for a in CausalAlignment)
-        raise ValueError(f"causal_alignment: unknown alignment {value!r}; valid: {valid}") from None
+        raise InvalidArgumentError(
+            f"causal_alignment: unknown alignment {value!r}; valid: {valid}"
+        ) from None
 
 
 @frozen(cache_hash=True)
@@ -317,7 +323,7 @@ class Requirements:
             key = item.value if isinstance(item, Requirement) else str(item).strip().lower()
             if key in _MASK_NAMES:
                 if names.get("mask", _MASK_NAMES[key]) is not _MASK_NAMES[key]:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"{field}: two mask kinds, {names['mask'].value!r} and {key!r}; a "
                         f"layer passes one kind of mask"
                     )
@@ -333,7 +339,7 @@ class Requirements:
                 valid = ", ".join([r.value for r in Requirement] + [*_MASK_NAMES, _BOTTOM_RIGHT])
                 close = difflib.get_close_matches(key, list(_REQUIREMENT_HINTS), n=1, cutoff=0.6)
                 hint = f" (did you mean {_REQUIREMENT_HINTS[close[0]]!r}?)" if close else ""
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{field}: unknown requirement {item!r}{hint}; valid: {valid}"
                 ) from None
         return cls(**names)
@@ -349,7 +355,9 @@ def _requirements(value: Any) -> Requirements:
 
 def _layout(_: Any, __: Any, value: Any) -> None:
     if value is not None and not isinstance(value, SequenceLayout):
-        raise ValueError(f"layout: expected an attnres.SequenceLayout or None, got {value!r}")
+        raise InvalidArgumentError(
+            f"layout: expected an attnres.SequenceLayout or None, got {value!r}"
+        )
 
 
 @frozen(cache_hash=True)
@@ -419,12 +427,12 @@ class LayerSpec:
             and not (self.preferred <= supported)
         ):
             extra = sorted(b.name for b in self.preferred - supported)
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"preferred: {', '.join(extra)} not in the supported set "
                 f"{sorted(b.name for b in supported)} (preferred narrows supported)"
             )
         if supported is not None and self.required is not None and self.required not in supported:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"required: {self.required.name!r} is not in the supported set "
                 f"{sorted(b.name for b in supported)}"
             )
@@ -444,7 +452,7 @@ def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | 
     if dot and role_text.strip().lower() in ("self", "cross") and normalize_component(name):
         role = Role.parse(role_text)
     elif dot and strict:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{key!r}: the part after the last '.' must be a role, self or cross "
             f"(COMPONENT.ROLE=BACKEND overrides one role of a component)"
         )
@@ -452,7 +460,7 @@ def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | 
         name = key
     component = normalize_component(name)
     if not component:
-        raise ValueError(f"component name must be a non-empty string, got {key!r}")
+        raise InvalidArgumentError(f"component name must be a non-empty string, got {key!r}")
     return component, role
 
 
@@ -465,17 +473,17 @@ def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
         try:
             name, backend = pair
         except (TypeError, ValueError):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"component_backends: expected (component, backend) pairs, got {pair!r}"
             ) from None
         if not isinstance(name, str) or not name.strip():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"component_backends: component name must be a non-empty string, got {name!r}"
             )
         try:
             component, role = split_component_key(name)
         except ValueError as exc:
-            raise ValueError(f"component_backends: {exc}") from None
+            raise InvalidArgumentError(f"component_backends: {exc}") from None
         key = component if role is None else f"{component}.{role.value}"
         out[key] = _parse_backend(backend, f"component_backends[{name!r}]")
     return tuple(sorted(out.items()))
@@ -483,26 +491,30 @@ def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
 
 def _env_name(value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
-        raise ValueError(f"global_backend_env: expected a variable name or None, got {value!r}")
+        raise InvalidArgumentError(
+            f"global_backend_env: expected a variable name or None, got {value!r}"
+        )
     return value
 
 
 def _non_negative_int(_: Any, attribute: Any, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{attribute.name}: expected an integer >= 0, got {value!r}")
+        raise InvalidArgumentError(f"{attribute.name}: expected an integer >= 0, got {value!r}")
 
 
 def _positive_int(_: Any, attribute: Any, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name}: expected an integer >= 1, got {value!r}")
+        raise InvalidArgumentError(f"{attribute.name}: expected an integer >= 1, got {value!r}")
 
 
 def _check_fraction(what: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what}: expected a number in [0, 1), got {value!r}")
+        raise InvalidArgumentError(f"{what}: expected a number in [0, 1), got {value!r}")
     number = float(value)
     if not 0 <= number < 1:
-        raise ValueError(f"{what}: expected a fraction in [0, 1) (0.02 means 2%), got {value!r}")
+        raise InvalidArgumentError(
+            f"{what}: expected a fraction in [0, 1) (0.02 means 2%), got {value!r}"
+        )
     return number
 
 
@@ -520,14 +532,14 @@ def _tolerances(value: Any) -> tuple[tuple[str, float], ...]:
         try:
             dtype, tolerance = pair
         except (TypeError, ValueError):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"autotune_tolerance: expected a mapping of dtype to a relative tolerance "
                 f"({{'bf16': 0.05}}), got {pair!r}"
             ) from None
         try:
             name = normalize_dtype(dtype)
         except ValueError as exc:
-            raise ValueError(f"autotune_tolerance: {exc}") from None
+            raise InvalidArgumentError(f"autotune_tolerance: {exc}") from None
         out[name] = _check_fraction(f"autotune_tolerance[{name!r}]", tolerance)
     return tuple(sorted(out.items()))
 
@@ -551,17 +563,17 @@ def parse_error_budget(value: object, what: str = "attention_error") -> ErrorBud
     if isinstance(value, str) and value.strip().lower() == EXACT:
         return EXACT
     if isinstance(value, bool):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what}: expected 'exact' or a relative L2 error in (0, 1], got {value!r}"
         )
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what}: expected 'exact' or a relative L2 error in (0, 1], got {value!r}"
         ) from None
     if not (0.0 < number <= 1.0):  # NaN fails too
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what}: a relative L2 error must be in (0, 1] (use 'exact' for none), got {value!r}"
         )
     return number
@@ -584,11 +596,11 @@ def _error_budgets(value: Any) -> tuple[tuple[str, ErrorBudget], ...]:
         try:
             name, budget = pair
         except (TypeError, ValueError):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"attention_error: expected (component, budget) pairs, got {pair!r}"
             ) from None
         if not isinstance(name, str) or not name.strip():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"attention_error: component name must be a non-empty string or '*', got {name!r}"
             )
         if name.strip() == EVERY_COMPONENT:
@@ -597,7 +609,7 @@ def _error_budgets(value: Any) -> tuple[tuple[str, ErrorBudget], ...]:
             try:
                 component, role = split_component_key(name)
             except ValueError as exc:
-                raise ValueError(f"attention_error: {exc}") from None
+                raise InvalidArgumentError(f"attention_error: {exc}") from None
             key = component if role is None else f"{component}.{role.value}"
         out[key] = parse_error_budget(budget, f"attention_error[{name!r}]")
     return tuple(sorted(out.items()))
@@ -620,14 +632,14 @@ def parse_attention_error(texts: Iterable[str]) -> dict[str, ErrorBudget]:
             key = EVERY_COMPONENT
             if sep:
                 if not name.strip():
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"--attention-error {item}: expected COMPONENT=BUDGET or BUDGET"
                     )
                 component, role = split_component_key(name, strict=True)
                 key = component if role is None else f"{component}.{role.value}"
             budget = parse_error_budget(raw, f"--attention-error {item}")
             if out.get(key, budget) != budget:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"--attention-error: {key!r} was given two budgets ({out[key]} and "
                     f"{budget}); give it once"
                 )
@@ -641,7 +653,7 @@ PROFILES: tuple[str, ...] = ("attnres", "sglang", "vllm_omni")
 
 def _profile(_: Any, __: Any, value: Any) -> None:
     if value not in PROFILES:
-        raise ValueError(f"profile: expected one of {', '.join(PROFILES)}, got {value!r}")
+        raise InvalidArgumentError(f"profile: expected one of {', '.join(PROFILES)}, got {value!r}")
 
 
 @frozen(cache_hash=True)
@@ -717,7 +729,7 @@ class SelectionConfig:
         if self.global_backend_env is not None and (
             self.global_backend is None or not self.global_backend_explicit
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"global_backend_env: {self.global_backend_env} names where an explicit global "
                 f"backend came from; it needs global_backend set and global_backend_explicit=True"
             )
@@ -779,7 +791,7 @@ class SelectionConfig:
         if not text or (config.global_backend is not None and config.global_backend_explicit):
             return config
         if "=" in text or "," in text:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{ENV_VAR}={text!r}: the variable sets the global backend only (one backend "
                 f"name); use --attention-backend COMPONENT=BACKEND for one component"
             )
@@ -809,7 +821,7 @@ class SelectionConfig:
         tuning: dict[str, Any] = {"autotune": autotune}
         if min_elements is not None:
             if not autotune:
-                raise ValueError("--autotune-min-elements needs --autotune")
+                raise InvalidArgumentError("--autotune-min-elements needs --autotune")
             tuning["autotune_min_elements"] = min_elements
         config = cls(
             global_backend=global_backend,

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from attrs import field, frozen
 
-from attnres.errors import SequenceParallelArgumentError
+from attnres.errors import InvalidArgumentError, SequenceParallelArgumentError
 
 __all__ = [
     "LAYOUT_KINDS",
@@ -108,7 +108,7 @@ def _num_kv_heads(value: Any) -> int | None:
 def _text(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
-    raise ValueError(f"expected a string or None, got {value!r}")
+    raise InvalidArgumentError(f"expected a string or None, got {value!r}")
 
 
 #: Issue 35: the most work head padding may add (padded heads / real heads) before
@@ -129,7 +129,7 @@ def padded_heads(heads: int, kv_heads: int, ulysses: int) -> tuple[int, int]:
     kv = -(-kv_heads // ulysses) * ulysses
     q = kv * group
     if q % ulysses:  # cannot happen (kv divides); kept as the invariant's statement
-        raise ValueError(f"padded heads {q} do not divide by {ulysses}")
+        raise InvalidArgumentError(f"padded heads {q} do not divide by {ulysses}")
     return q, kv
 
 

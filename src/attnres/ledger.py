@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from attrs import field, frozen
 
 from attnres._outcome import Outcome, OutcomeView
+from attnres.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from attnres.trace import Trace
@@ -163,7 +164,7 @@ def set_decision_limit(limit: int) -> int:
     """
     global _DECISIONS
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit: expected a positive integer, got {limit!r}")
+        raise InvalidArgumentError(f"limit: expected a positive integer, got {limit!r}")
     with _LOCK:
         previous = decision_limit()
         # the entries trimmed here count as dropped (recorded - kept)

@@ -107,6 +107,7 @@ from attrs import field, frozen
 from attnres._profile import (
     Asked,
     Evaluation,
+    Given,
     Guard,
     GuardFacts,
     OriginRow,
@@ -149,6 +150,7 @@ from attnres.backends import (
     lookup_spec,
     precision_of,
 )
+from attnres.errors import InvalidArgumentError
 from attnres.kernels import KernelSource, kernel_source
 from attnres.kernels.lse import has_lse_kernel, lse_has_gradient, lse_kernel_names
 from attnres.layer import EVERY_COMPONENT, EXACT, ErrorBudget, LayerSpec, describe_budget
@@ -506,14 +508,14 @@ def _in_catalogue_order(backends: Iterable[Backend]) -> list[Backend]:
     return sorted(backends, key=lambda b: (catalogue_order(b), b.name))
 
 
-def _preferred_note(inp: TraceInput) -> str:
+def _preferred_note(given: Given) -> str:
     """Issue 32 item 6: the origin record names a preferred set that cannot run here."""
-    unusable = _preferred_unusable(inp)
+    unusable, preferred = given.preferred_unusable, given.inp.layer.preferred
     if not unusable:
         return ""
-    assert inp.layer.preferred is not None
+    assert preferred is not None
     return (
-        f"; none of the layer's preferred set {_names(inp.layer.preferred)} can run here "
+        f"; none of the layer's preferred set {_names(preferred)} can run here "
         f"({unusable}), so automatic choices fall back outside it"
     )
 
@@ -750,7 +752,7 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
         layer = inp.layer
         supported = layer.supported if layer.supported is not None else layer.preferred
         return _in_catalogue_order(supported or ())
-    raise ValueError(f"state {stage.value!r} evaluates no candidates")
+    raise InvalidArgumentError(f"state {stage.value!r} evaluates no candidates")
 
 
 # =============================================================================
@@ -1529,8 +1531,10 @@ def run_machine(inp: TraceInput) -> Trace:
     """
     profile = PROFILES[inp.config.profile]
     found = _detect(profile, inp)
+    # what the rules share, computed once for this resolution
+    given = Given(inp, _preferred_unusable(inp) if profile.preferred_stages else "")
     detail = (
-        found.detail if profile.origin_note is None else found.detail + profile.origin_note(inp)
+        found.detail if profile.origin_note is None else found.detail + profile.origin_note(given)
     )
     records: list[Record] = [OriginRecord(found.origin, found.backend, found.strict, detail)]
     layer = inp.layer
@@ -1548,7 +1552,7 @@ def run_machine(inp: TraceInput) -> Trace:
     while state not in (State.SELECTED, State.REJECTED):
         stage = state
         accepted: Backend | None = None
-        candidates = profile.candidates(stage, inp, found.backend)
+        candidates = profile.candidates(stage, given, found.backend)
         for position, candidate in enumerate(candidates):
             if candidate in seen:
                 if profile.records_repeats and candidate is not None:
@@ -1561,7 +1565,7 @@ def run_machine(inp: TraceInput) -> Trace:
             skipped = ""
             for stages, skip in skips:
                 if stage in stages:
-                    skipped = skip(stage, position, candidates, inp)
+                    skipped = skip(stage, position, candidates, given)
                     if skipped:
                         break
             if skipped:
@@ -1614,42 +1618,42 @@ def _attnres_evaluate(
 
 
 def _outside_preferred(
-    stage: State, position: int, candidates: Sequence[Backend | None], inp: TraceInput
+    stage: State, position: int, candidates: Sequence[Backend | None], given: Given
 ) -> str:
     """Issue 23: automatic choices stay inside the layer's preferred set -- unless
     none of it can run here (issue 32 item 6: it narrows nothing then)."""
-    preferred = inp.layer.preferred
+    preferred = given.inp.layer.preferred
     if (
         preferred is not None
         and candidates[position] not in preferred
-        and not _preferred_unusable(inp)
+        and not given.preferred_unusable
     ):
         return f"an automatic choice outside the layer's preferred set {_names(preferred)}"
     return ""
 
 
 def _attnres_candidates(
-    stage: State, inp: TraceInput, requested: Backend | None
+    stage: State, given: Given, requested: Backend | None
 ) -> Sequence[Backend | None]:
     """The stage's candidates; a preferred set none of which can run here is tried
     first in the automatic stages, each failure recorded (issue 32 item 6)."""
-    candidates = stage_candidates(stage, inp, requested)
-    preferred = inp.layer.preferred
-    if stage not in PREFERRED_STAGES or preferred is None or not _preferred_unusable(inp):
+    candidates = stage_candidates(stage, given.inp, requested)
+    preferred = given.inp.layer.preferred
+    if stage not in PREFERRED_STAGES or preferred is None or not given.preferred_unusable:
         return candidates
     first = _in_catalogue_order(preferred)
     return [*first, *(c for c in candidates if c not in preferred)]
 
 
 def _not_usable_here(
-    stage: State, position: int, candidates: Sequence[Backend | None], inp: TraceInput
+    stage: State, position: int, candidates: Sequence[Backend | None], given: Given
 ) -> str:
     """SPEC 3.4: a platform chain prefers every entry but its last where usable."""
     candidate = candidates[position]
     if position == len(candidates) - 1 or candidate is None:
         return ""
-    preferred = inp.layer.preferred
-    if preferred is not None and candidate in preferred and _preferred_unusable(inp):
+    inp, preferred = given.inp, given.inp.layer.preferred
+    if preferred is not None and candidate in preferred and given.preferred_unusable:
         return ""  # tried first, its failures recorded (issue 32 item 6)
     unusable = _unusable_here(candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel)
     return f"preferred on {inp.platform.kind} only where usable: {unusable}" if unusable else ""
@@ -1696,6 +1700,7 @@ ATTNRES: Final = Profile(
     selected_reasons=(),
     reject=_attnres_reject,
     origin_note=_preferred_note,
+    preferred_stages=PREFERRED_STAGES,
 )
 
 #: issue 23, 33: the rules of each selection profile (``SelectionConfig.profile``),
@@ -2048,7 +2053,7 @@ def verdicts(
     """Each measurement's verdict by ``VERDICT_RULES``, and the winner (``None``:
     the incumbent stays). ``measured[0]`` is the incumbent (verdict ``incumbent``)."""
     if not measured:
-        raise ValueError("verdicts: no measurement (the incumbent comes first)")
+        raise InvalidArgumentError("verdicts: no measurement (the incumbent comes first)")
     incumbent = measured[0].median_ns
     out: list[Verdict] = [Verdict.INCUMBENT]
     for m in measured[1:]:
@@ -2086,7 +2091,7 @@ def _evaluated(trace: Trace) -> dict[Backend, State]:
 def _machine_part(trace: Trace) -> tuple[Record, ...]:
     """The machine's records without its terminal ``selected`` record."""
     if is_tuned(trace) or not isinstance(trace.records[-1], SelectedRecord):
-        raise ValueError("only a selected, untuned decision can be tuned")
+        raise InvalidArgumentError("only a selected, untuned decision can be tuned")
     return trace.records[:-1]
 
 
@@ -2152,11 +2157,11 @@ def tuned_trace(
     """
     incumbent = trace.outcome.backend
     if incumbent is None:
-        raise ValueError("only a selected decision can be tuned")
+        raise InvalidArgumentError("only a selected decision can be tuned")
     checks, passing = measuring_checks(trace, tuning.considered)
     by_backend = {m.candidate: m for m in measured}
     if incumbent not in by_backend:
-        raise ValueError(f"the incumbent {incumbent.name!r} has no measurement")
+        raise InvalidArgumentError(f"the incumbent {incumbent.name!r} has no measurement")
     records: list[Record] = [
         *_machine_part(trace),
         _tuning_step(State.SELECTED, Event.MEASURE, incumbent),

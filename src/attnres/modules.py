@@ -63,8 +63,10 @@ from attnres.backends import (
     registry_generation,
 )
 from attnres.errors import (
+    ArgumentTypeError,
     BackendNotAppliedError,
     CompiledGraphError,
+    InvalidArgumentError,
     InvalidStateError,
     KernelNotRegisteredError,
 )
@@ -125,7 +127,7 @@ def _positive_int(what: str, value: object) -> int:
         else:
             if number >= 1:
                 return number
-    raise ValueError(f"{what}: expected a positive integer, got {value!r}")
+    raise InvalidArgumentError(f"{what}: expected a positive integer, got {value!r}")
 
 
 def _merge_requirements(given: Requirements | Any, **implied: bool) -> Requirements:
@@ -142,10 +144,12 @@ def _softcap(value: object) -> float:
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"softcap: expected a positive number or None, got {value!r}")
+        raise InvalidArgumentError(f"softcap: expected a positive number or None, got {value!r}")
     cap = float(value)
     if not math.isfinite(cap) or cap < 0:
-        raise ValueError(f"softcap: expected a positive finite number or None, got {value!r}")
+        raise InvalidArgumentError(
+            f"softcap: expected a positive finite number or None, got {value!r}"
+        )
     return cap
 
 
@@ -158,7 +162,7 @@ def _window(value: object) -> tuple[int, int] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"window: expected (left, right), each a number of keys or None, got {value!r}"
         )
     sides: list[int] = []
@@ -166,7 +170,7 @@ def _window(value: object) -> tuple[int, int] | None:
         if side is None or (type(side) is int and side == -1):
             sides.append(-1)
         elif isinstance(side, bool) or not isinstance(side, int) or side < 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"window: each side must be a non-negative integer, or None (-1) for "
                 f"unbounded, got {value!r}"
             )
@@ -347,32 +351,36 @@ class Attention(FastCallModule):
             num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
         )
         if num_heads % kv_heads:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"num_kv_heads: {kv_heads} does not divide num_heads {num_heads}; grouped-query "
                 f"attention needs num_heads to be a multiple of num_kv_heads"
             )
         if is_cross_attention is not None:
             if not isinstance(is_cross_attention, bool):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"is_cross_attention: expected True, False or None, got {is_cross_attention!r}"
                 )
             implied = Role.CROSS if is_cross_attention else Role.SELF
             if Role.parse(role) is not implied and Role.parse(role) is not Role.SELF:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"role={role!r} contradicts is_cross_attention={is_cross_attention}"
                 )
             role = implied
         if type(causal) is not bool:
             if not isinstance(causal, (bool, int)) or causal not in (0, 1):
-                raise ValueError(f"causal: expected a bool, got {causal!r}")
+                raise InvalidArgumentError(f"causal: expected a bool, got {causal!r}")
             causal = bool(causal)
         scale: float | None = None
         if softmax_scale is not None:
             if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-                raise ValueError(f"softmax_scale: expected a number or None, got {softmax_scale!r}")
+                raise InvalidArgumentError(
+                    f"softmax_scale: expected a number or None, got {softmax_scale!r}"
+                )
             scale = float(softmax_scale)
             if not math.isfinite(scale):
-                raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale!r}")
+                raise InvalidArgumentError(
+                    f"softmax_scale: expected a finite number, got {softmax_scale!r}"
+                )
         cap = _softcap(softcap)
         band = _window(window)
         # a scale equal to the default (up to float rounding) is not a custom one
@@ -396,7 +404,7 @@ class Attention(FastCallModule):
         # (LayerSpec.layout: the machine's layout check); forward runs it (attnres.parallel)
         if parallel is not None:
             if not isinstance(parallel, SequenceParallel):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"parallel: expected an attnres.SequenceParallel or None, got "
                     f"{type(parallel).__name__}"
                 )
@@ -412,7 +420,7 @@ class Attention(FastCallModule):
         if options:
             spec = attrs.evolve(spec, backend_options=options)
         if platform is not None and not isinstance(platform, Platform):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"platform: expected an attnres.Platform (Platform.detect() or "
                 f"Platform.simulate('cuda:sm90+flash_attn')), got {type(platform).__name__}"
             )
@@ -734,7 +742,7 @@ class Attention(FastCallModule):
             )
         dtype = getattr(q, "dtype", None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"q: expected a tensor, got {type(q).__name__}")
+            raise InvalidArgumentError(f"q: expected a tensor, got {type(q).__name__}")
         try:
             normalize_dtype(dtype)
         except ValueError:  # no attention dtype (int32): resolve for the layer's own,
@@ -1010,11 +1018,15 @@ def bind(
     start-up, not at its first request).
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"attnres.bind: expected a torch.nn.Module, got {type(module).__name__}")
+        raise ArgumentTypeError(
+            f"attnres.bind: expected a torch.nn.Module, got {type(module).__name__}"
+        )
     if dtype is not None:
         normalize_dtype(dtype)  # a bad dtype is an error before any layer changes
     if platform is not None and not isinstance(platform, Platform):
-        raise TypeError(f"attnres.bind: platform must be an attnres.Platform, got {platform!r}")
+        raise ArgumentTypeError(
+            f"attnres.bind: platform must be an attnres.Platform, got {platform!r}"
+        )
     return [m._bind_to(dtype, platform) for m in module.modules() if isinstance(m, Attention)]
 
 
@@ -1117,7 +1129,7 @@ def _new_run(
 @overload
 def _mismatch(
     shape: _LayerShape, dtypes: frozenset[torch.dtype], q: Tensor, k: Tensor, v: Tensor
-) -> ValueError: ...
+) -> InvalidArgumentError: ...
 @overload
 def _mismatch(
     shape: _LayerShape,
@@ -1127,7 +1139,7 @@ def _mismatch(
     v: Tensor,
     *,
     strict: bool,
-) -> ValueError | None: ...
+) -> InvalidArgumentError | None: ...
 
 
 def _mismatch(
@@ -1138,8 +1150,8 @@ def _mismatch(
     v: Tensor,
     *,
     strict: bool = False,
-) -> ValueError | None:
-    """What did not match the layer, as a ``ValueError``.
+) -> InvalidArgumentError | None:
+    """What did not match the layer, as an :class:`InvalidArgumentError` (a ``ValueError``).
 
     For inputs ``forward`` refused; with ``strict``, after the kernel raised:
     ``None`` when the inputs match the layer (the kernel's own error stands).
@@ -1149,28 +1161,30 @@ def _mismatch(
     expect = f"this layer takes q (batch, seq, {h}, {d}) and k, v (batch, seq_kv, {hk}, {d})"
     for label, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            return ValueError(
+            return InvalidArgumentError(
                 f"rank: {label} must have 4 dims (batch, seq, heads, head_size), got "
                 f"{t.dim()}; {shapes}"
             )
     if q.shape[3] != d or k.shape[3] != d or v.shape[3] != d:
-        return ValueError(f"head size: expected {d}; {shapes}; {expect}")
+        return InvalidArgumentError(f"head size: expected {d}; {shapes}; {expect}")
     if q.shape[2] != h:
-        return ValueError(f"heads: q has {q.shape[2]} heads, expected {h}; {shapes}; {expect}")
+        return InvalidArgumentError(
+            f"heads: q has {q.shape[2]} heads, expected {h}; {shapes}; {expect}"
+        )
     if k.shape[2] != hk or v.shape[2] != hk:
         gqa = f" (grouped-query: {h} query heads share {hk})" if hk != h else ""
-        return ValueError(f"heads: k and v must have {hk} heads{gqa}; {shapes}; {expect}")
+        return InvalidArgumentError(f"heads: k and v must have {hk} heads{gqa}; {shapes}; {expect}")
     if q.shape[0] != k.shape[0] or v.shape[0] != k.shape[0]:
-        return ValueError(f"batch: q, k and v must have the same batch size; {shapes}")
+        return InvalidArgumentError(f"batch: q, k and v must have the same batch size; {shapes}")
     if v.shape != k.shape:
-        return ValueError(f"seq_kv: k and v must have the same shape; {shapes}")
+        return InvalidArgumentError(f"seq_kv: k and v must have the same shape; {shapes}")
     if q.dtype not in dtypes:
-        return ValueError(
+        return InvalidArgumentError(
             f"dtype: backend {shape.backend!r} cannot take {q.dtype} (it takes "
             f"{_describe_dtypes(dtypes)}); this layer was resolved for {shape.dtype}"
         )
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        return ValueError(
+        return InvalidArgumentError(
             f"dtype: q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     if strict:

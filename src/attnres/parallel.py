@@ -79,8 +79,10 @@ from attnres._vocab import MaskKind
 from attnres.backends import Backend
 from attnres.distributed import DEFAULT_TIMEOUT_S, _timeout_seconds, verify_consensus
 from attnres.errors import (
+    ArgumentTypeError,
     BackendMismatchError,
     ConsensusError,
+    InvalidArgumentError,
     SequenceParallelArgumentError,
     SequenceParallelError,
 )
@@ -285,7 +287,7 @@ class SequenceParallel:
         return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
+        raise ArgumentTypeError(
             "attnres.SequenceParallel holds a torch.distributed process group and cannot be "
             "pickled; save the model's state_dict and build its layers with a layout again "
             "in the loading process"
@@ -304,7 +306,7 @@ class SequenceParallel:
     ) -> SequenceLayout:
         """The layout as the resolver sees it, for a layer of these head counts."""
         if self.auto:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "layout='auto' chooses per layer: call for_layer(num_heads, num_kv_heads, "
                 "requirements) first (attnres.Attention does)"
             )
@@ -564,23 +566,23 @@ class _ParallelRun:
         self.origin = str(getattr(shape, "origin", "none"))
         self.dtypes = dtypes
         if sp.ring > 1 and shape.window is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "window: sliding-window attention is not supported with ring > 1 (a window "
                 "crosses key/value blocks); use a Ulysses-only layout for this layer"
             )
         if sp.allgather > 1 and shape.window is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "window: sliding-window attention is not supported with allgather > 1 (each "
                 "rank's query shard would need its global positions); use a Ulysses layout"
             )
         if sp.text_tokens and (sp.ring > 1 or shape.causal or shape.window is not None):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"text_tokens={sp.text_tokens}: joint attention with replicated text tokens "
                 f"runs non-causal, without a window, under Ulysses or AllGather-KV (not a ring); "
                 f"this layer has ring={sp.ring}, causal={shape.causal}"
             )
         if sp.allgather > 1 and shape.causal:  # the machine's allgather_causal rules it out
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"allgather={sp.allgather}: AllGather-KV runs non-causal attention only"
             )
         # issue 35: heads zero-padded to a multiple of U (whole GQA groups), dropped after
@@ -597,7 +599,7 @@ class _ParallelRun:
         if sp.ring > 1:
             self.lse = get_lse_kernel(shape.backend)
             if self.lse is None:  # the machine's layout check rules this out
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"ring={sp.ring}: backend {shape.backend!r} has no log-sum-exp adapter"
                 )
             # issue 23: the layer's options reach the log-sum-exp kernel, bound once
@@ -644,7 +646,7 @@ class _ParallelRun:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         if attn_mask is not None and self.sp.ring > 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "attn_mask: masks are not supported on a ring (each block is merged without "
                 "one); Ulysses and AllGather-KV layouts take key-padding masks; see "
                 "docs/sequence-parallel.md"
@@ -657,7 +659,7 @@ class _ParallelRun:
             and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad)
         ):  # the layer's training path re-resolves first; this is the last line of defence
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ring={self.sp.ring} on {self.backend!r} is inference-only: attnres has no "
                 f"backward from its log-sum-exp; run the forward under torch.no_grad(), or "
                 f"give the layer a backend with one (eager, fa, torch_sdpa)"
@@ -668,7 +670,7 @@ class _ParallelRun:
         keep_text = None
         if n:  # issue 35: replicated text tokens in front of this rank's shard (MMDiT)
             if q.shape[1] < n or k.shape[1] < n:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"text_tokens={n}: every rank's q, k and v start with the {n} replicated "
                     f"text tokens, then its shard; got q {tuple(q.shape)}, k {tuple(k.shape)}"
                 )
@@ -780,7 +782,7 @@ class _ParallelRun:
             or k.dtype != q.dtype
             or v.dtype != q.dtype
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"this sequence-parallel layer takes this rank's shards q (batch, seq_shard, {h}, "
                 f"{d}) and k, v (batch, seq_kv_shard, {hk}, {d}) of one dtype "
                 f"({', '.join(sorted(str(t).removeprefix('torch.') for t in self.dtypes))}); "
@@ -1520,7 +1522,7 @@ def _key_padding(mask: Tensor, k: Tensor) -> Tensor:
     if mask.dim() == 4 and mask.shape[1:3] == (1, 1):
         mask = mask[:, 0, 0]
     if mask.dim() != 2 or tuple(mask.shape) != (b, s):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"attn_mask: a sequence-parallel layout takes a key-padding mask of this rank's "
             f"keys, shaped (batch, keys) or (batch, 1, 1, keys) = ({b}, {s}); got "
             f"{tuple(mask.shape)}"
@@ -1530,12 +1532,12 @@ def _key_padding(mask: Tensor, k: Tensor) -> Tensor:
     if mask.is_floating_point():
         keep = mask == 0
         if not bool((keep | torch.isneginf(mask)).all()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "attn_mask: a float key-padding mask holds 0 (keep) or -inf (drop) only; a "
                 "bias is not a key-padding mask"
             )
         return keep
-    raise ValueError(f"attn_mask: expected a boolean or float mask, got {mask.dtype}")
+    raise InvalidArgumentError(f"attn_mask: expected a boolean or float mask, got {mask.dtype}")
 
 
 def _exchange(

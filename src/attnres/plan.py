@@ -65,6 +65,7 @@ from attnres._vocab import Role, normalize_component
 from attnres.backends import Backend, BackendOptions, lookup_spec, merge_backend_options
 from attnres.errors import (  # PipelineError: attnres.errors holds every exception
     BackendNotAppliedError,
+    InvalidArgumentError,
     PipelineError,
     ResolutionError,
     TraceWriteError,
@@ -668,7 +669,7 @@ class Site:
         # one outcome: a site's status is its trace's (never a trace that says
         # selected under a rejected site, or the other way round)
         if self.trace is not None and self.trace.outcome.status != self.status:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"site {self.name!r} is {self.status.value} but its trace says "
                 f"{self.trace.outcome.status}"
             )

@@ -47,6 +47,7 @@ from attnres.backends import (
     registered_backends,
     registry_generation,
 )
+from attnres.errors import InvalidArgumentError
 
 __all__ = [
     "CUDA_CHAINS",
@@ -353,7 +354,7 @@ class Platform:
     @kind.validator
     def _check_kind(self, _: Any, value: str) -> None:
         if value not in PLATFORM_KINDS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"platform kind must be one of {', '.join(PLATFORM_KINDS)}, got {value!r}"
             )
 
@@ -426,7 +427,7 @@ class Platform:
     def simulate(cls, text: str) -> Platform:
         """Hermetic facts from ``KIND[:ARCH][+PACKAGE...]``; see :data:`GRAMMAR`."""
         if not isinstance(text, str):
-            raise ValueError(f"platform spec must be a string in the form {GRAMMAR}")
+            raise InvalidArgumentError(f"platform spec must be a string in the form {GRAMMAR}")
         raw = text.strip()
         m = re.fullmatch(
             r"(?P<kind>[A-Za-z]+)(?::(?P<arch>[A-Za-z0-9_.]+))?"
@@ -434,10 +435,10 @@ class Platform:
             raw,
         )
         if not m:
-            raise ValueError(f"cannot parse platform spec {text!r}; expected {GRAMMAR}")
+            raise InvalidArgumentError(f"cannot parse platform spec {text!r}; expected {GRAMMAR}")
         kind = m.group("kind").lower()
         if kind not in PLATFORM_KINDS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"unknown platform kind {m.group('kind')!r} in {text!r}; expected {GRAMMAR}"
             )
         arch = m.group("arch")
@@ -447,13 +448,13 @@ class Platform:
             if kind == "cuda":
                 capability = _parse_capability(arch)
                 if capability is None:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"cannot parse CUDA architecture {m.group('arch')!r} in {text!r} "
                         f"(use sm80, sm90, sm100, sm120 or 9.0); expected {GRAMMAR}"
                     )
                 arch = f"sm{capability[0]}{capability[1]}"
             elif kind == "rocm" and not re.fullmatch(r"gfx[0-9a-f]+", arch):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"cannot parse ROCm architecture {m.group('arch')!r} in {text!r} "
                     f"(use gfx90a, gfx942, gfx950); expected {GRAMMAR}"
                 )
@@ -466,7 +467,7 @@ class Platform:
                     meant = f"; did you mean 'rocm:{arch}'?"
                 else:
                     meant = ""
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"platform kind {kind!r} takes no architecture, got {m.group('arch')!r} in "
                     f"{text!r}{meant} (only cuda and rocm take one); expected {GRAMMAR}"
                 )
@@ -477,7 +478,7 @@ class Platform:
             token, _, pinned = item.partition("==")
             low = token.lower()
             if pinned and low == "all":
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"+all takes no version in platform spec {text!r}; expected {GRAMMAR}"
                 )
             if low == "all":
@@ -485,7 +486,7 @@ class Platform:
                 continue
             if low not in aliases:
                 known = ", ".join(sorted(set(aliases.values())))
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"unknown kernel package {token!r} in platform spec {text!r}; "
                     f"known packages: {known}, all; expected {GRAMMAR}"
                 )
@@ -493,7 +494,7 @@ class Platform:
             if pinned:
                 dist, at, version = pinned.rpartition("@")
                 if (at and not dist) or not version:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"cannot parse the version {pinned!r} of {token!r} in platform spec "
                         f"{text!r}; expected {GRAMMAR}"
                     )

@@ -42,6 +42,7 @@ from attnres._error import error_figures, reference_attention
 from attnres._files import atomic_write_text, read_bounded
 from attnres._precision_view import describe_precision, precision_of_trace
 from attnres.backends import Backend, lookup_spec
+from attnres.errors import InvalidArgumentError, ResultsFileError
 from attnres.kernels import register_kernel, unregister_kernel
 from attnres.kernels.sage_emulated import sage_attention_emulated
 from attnres.layer import describe_budget
@@ -88,7 +89,9 @@ def _call(q: Tensor, dtype: str | None = None) -> str:
 
 def _emulation(backend: str, platform: Platform) -> Callable[..., Tensor]:
     if backend != "sage_attn":
-        raise ValueError(f"attnres has no emulation of {backend!r} (emulated: {sorted(EMULATED)})")
+        raise InvalidArgumentError(
+            f"attnres has no emulation of {backend!r} (emulated: {sorted(EMULATED)})"
+        )
     return functools.partial(sage_attention_emulated, capability=platform.capability)
 
 
@@ -99,7 +102,7 @@ def emulate_lossy_kernels(platform: Platform) -> Iterator[None]:
     capability picks the scheme). A detected platform is refused: a real
     machine runs the real kernel or none."""
     if not platform.simulated:
-        raise ValueError(
+        raise InvalidArgumentError(
             "emulate_lossy_kernels: the emulation stands in for kernels on a simulated platform "
             f"only; {platform.describe()} is detected"
         )
@@ -507,16 +510,27 @@ def save_calibration(report: CalibrationReport, path: str | os.PathLike[str]) ->
 def load_calibration(path: str | os.PathLike[str]) -> dict[tuple[str, str], ErrorMeasurement]:
     """A results file's measurements by (component, site), marked ``loaded``.
 
-    A file that is not one is a ``ValueError`` that says what is wrong."""
-    text = read_bounded(Path(path), what="calibration results file").decode("utf-8", "replace")
+    A file that cannot be read or is not one is a :class:`ResultsFileError` (a
+    ``ValueError``) that says what is wrong."""
+    try:
+        raw = read_bounded(Path(path), what="calibration results file")
+    except OSError as exc:
+        raise ResultsFileError(
+            f"{path}: cannot read the calibration results: {exc.strerror or exc}"
+        ) from None
+    text = raw.decode("utf-8", "replace")
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not a calibration results file: {exc}") from None
+        raise ResultsFileError(f"{path}: not a calibration results file: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != RESULTS_FORMAT:
-        raise ValueError(f"{path}: not a calibration results file (format {RESULTS_FORMAT!r})")
+        raise ResultsFileError(
+            f"{path}: not a calibration results file (format {RESULTS_FORMAT!r})"
+        )
     if doc.get("version") != RESULTS_VERSION:
-        raise ValueError(f"{path}: unsupported calibration results version {doc.get('version')!r}")
+        raise ResultsFileError(
+            f"{path}: unsupported calibration results version {doc.get('version')!r}"
+        )
     out: dict[tuple[str, str], ErrorMeasurement] = {}
     for i, e in enumerate(doc.get("entries") or []):
         try:
@@ -530,5 +544,5 @@ def load_calibration(path: str | os.PathLike[str]) -> dict[tuple[str, str], Erro
                 "loaded",
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: entries[{i}]: {exc}") from None
+            raise ResultsFileError(f"{path}: entries[{i}]: {exc}") from None
     return out

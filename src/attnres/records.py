@@ -10,6 +10,7 @@ work; the trace document (its digest, canonical text, files) is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from attrs import field, frozen
@@ -20,16 +21,16 @@ from attnres._states import (
     Event,
     Origin,
     Reason,
-    ScopeCode,
     State,
     Verdict,
     optional_reason,
     to_code,
 )
+from attnres._vocab import Role
 from attnres.backends import Backend
+from attnres.errors import ArgumentTypeError, ScopeProblem
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.platform import Platform
-from attnres.scope import ScopeState
 
 __all__ = [
     "BASE_SCHEMA_VERSION",
@@ -50,6 +51,7 @@ __all__ = [
     "Record",
     "RejectedRecord",
     "ScopeProblem",
+    "ScopeState",
     "SelectedRecord",
     "SkipRecord",
     "TraceInput",
@@ -298,7 +300,9 @@ def _measurements(value: Any) -> tuple[ErrorMeasurement, ...]:
     out = tuple(value)
     for item in out:
         if not isinstance(item, ErrorMeasurement):
-            raise TypeError(f"measured_error: expected ErrorMeasurement records, got {item!r}")
+            raise ArgumentTypeError(
+                f"measured_error: expected ErrorMeasurement records, got {item!r}"
+            )
     return out
 
 
@@ -307,6 +311,29 @@ _PARSE_INPUT_BACKEND = optional_backend("backend")
 
 def _input_backend(value: Backend | str | None) -> Backend | None:
     return _PARSE_INPUT_BACKEND(value)
+
+
+def _role_pairs(value: Iterable[tuple[Role, Backend]]) -> tuple[tuple[Role, Backend], ...]:
+    return tuple(value)
+
+
+@frozen(cache_hash=True)
+class ScopeState:
+    """The snapshot of a component scope that a resolution (and its trace) sees."""
+
+    component: str
+    kind: str
+    loader: str
+    backend: Backend | None = None
+    role_backends: tuple[tuple[Role, Backend], ...] = field(default=(), converter=_role_pairs)
+    allow_global_fallback: bool = False
+    require_selection: bool = False
+
+    def role_backend(self, role: Role) -> Backend | None:
+        for r, b in self.role_backends:
+            if r is role:
+                return b
+        return None
 
 
 @frozen(cache_hash=True)
@@ -362,14 +389,3 @@ class TraceInput:
         if self.config.attention_error or self.measured_error:  # issue 34
             version = max(version, PRECISION_SCHEMA_VERSION)
         return version
-
-
-@frozen
-class ScopeProblem:
-    """One failed scope check (SPEC 3.6, ``attnres.machine.SCOPE_CHECKS``): its
-    code and what it says. A scope is no one resolution, so its problems are not
-    in a trace: they are raised (``BackendNotAppliedError.problems``) and written
-    to the audit log (event ``attention scope check failed``, with the code)."""
-
-    code: ScopeCode = field(converter=ScopeCode)
-    message: str

@@ -28,7 +28,7 @@ from attrs import field, frozen
 from attnres import machine as _machine
 from attnres._files import check_manifest
 from attnres._states import ReplayStatus, Status
-from attnres.errors import TraceFormatError
+from attnres.errors import ArgumentTypeError, TraceFormatError
 from attnres.trace import Outcome, Trace, TuningRecord, dump_trace, load_trace, record_to_dict
 from attnres.tuning import replay_tuned
 
@@ -76,7 +76,7 @@ def replay(path_or_trace: str | os.PathLike[str] | Trace) -> ReplayResult:
         path = os.fspath(path_or_trace)
         recorded = load_trace(path)
     else:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"replay() takes a trace file path or a Trace, got {type(path_or_trace).__name__}"
         )
     replayed = _machine.run_machine(recorded.input)

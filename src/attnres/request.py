@@ -37,7 +37,12 @@ from torch import nn
 
 from attnres.audit import emit_request_switch
 from attnres.backends import Backend
-from attnres.errors import CompiledGraphError, RequestBackendError, ResolutionError
+from attnres.errors import (
+    ArgumentTypeError,
+    CompiledGraphError,
+    RequestBackendError,
+    ResolutionError,
+)
 from attnres.kernels import KernelUnavailableError
 from attnres.layer import optional_backend
 from attnres.machine import request_refusal
@@ -85,7 +90,7 @@ def refuse_graphs(module: object, who: str) -> nn.Module:
             f"the graph. Enter it outside the compiled or captured region, around the call"
         )
     if not isinstance(module, nn.Module):
-        raise TypeError(f"{who}: expected a torch.nn.Module, got {type(module).__name__}")
+        raise ArgumentTypeError(f"{who}: expected a torch.nn.Module, got {type(module).__name__}")
     compiled = _compiled(module)
     if compiled is not None:
         raise CompiledGraphError(

@@ -39,7 +39,12 @@ from attnres.backends import (
     registered_backends,
     registry_generation,
 )
-from attnres.errors import BackendNotAppliedError, ResolutionError
+from attnres.errors import (
+    ArgumentTypeError,
+    BackendNotAppliedError,
+    InvalidArgumentError,
+    ResolutionError,
+)
 from attnres.kernels import KernelSource, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig, optional_backend
 from attnres.ledger import Decision, record_decision
@@ -79,7 +84,9 @@ __all__ = [
 
 def _selected_outcome(_: object, __: attrs.Attribute[Outcome], value: Outcome) -> None:
     if value.status is not Status.SELECTED or value.backend is None:
-        raise ValueError(f"a Resolution holds a selected outcome, got {value.status.value}")
+        raise InvalidArgumentError(
+            f"a Resolution holds a selected outcome, got {value.status.value}"
+        )
 
 
 @frozen
@@ -140,7 +147,7 @@ def set_selection_config(config: SelectionConfig) -> SelectionConfig:
     """Replace the process-wide config; returns the previous one."""
     global _CONFIG
     if not isinstance(config, SelectionConfig):
-        raise TypeError(f"expected a SelectionConfig, got {type(config).__name__}")
+        raise ArgumentTypeError(f"expected a SelectionConfig, got {type(config).__name__}")
     with _CONFIG_LOCK:
         previous, _CONFIG = _CONFIG, config
     return SelectionConfig() if previous is None else previous
@@ -155,7 +162,7 @@ def force_backend(backend: Backend | str) -> Iterator[Backend]:
     """
     parsed = optional_backend("backend")(backend)
     if parsed is None:
-        raise ValueError("force_backend: backend must be a backend name, not None")
+        raise InvalidArgumentError("force_backend: backend must be a backend name, not None")
     token = _FORCED.set(parsed)
     try:
         yield parsed
@@ -207,7 +214,7 @@ def resolve(
     returns the same :class:`Resolution` and still records the decision.
     """
     if type(layer) is not LayerSpec and not isinstance(layer, LayerSpec):
-        raise TypeError(f"resolve() takes a LayerSpec, got {type(layer).__name__}")
+        raise ArgumentTypeError(f"resolve() takes a LayerSpec, got {type(layer).__name__}")
     cfg = capture_config(config)
     if platform is None:
         platform = detected_platform()
@@ -351,11 +358,11 @@ def _no_kernel() -> tuple[str, ...]:
 
 def _check_arguments(config: object, platform: object) -> None:
     if not isinstance(config, SelectionConfig):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"resolve(): config must be an attnres.SelectionConfig, got {type(config).__name__}"
         )
     if not isinstance(platform, Platform):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"resolve(): platform must be an attnres.Platform (Platform.detect() or "
             f"Platform.simulate('cuda:sm90+flash_attn')), got {type(platform).__name__}"
         )

@@ -31,7 +31,7 @@ from torch import nn
 from attnres._schedule_plan import schedule_steps
 from attnres.audit import emit_schedule_switch
 from attnres.backends import Backend
-from attnres.errors import InvalidStateError
+from attnres.errors import InvalidArgumentError, InvalidStateError
 from attnres.modules import _REQUESTS, Attention
 from attnres.request import prepare_switch, refuse_graphs
 
@@ -64,7 +64,7 @@ class Stepper:
     def backend_at(self, step: int) -> Backend:
         """The backend the schedule runs at ``step``."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"schedule step: expected an integer >= 0, got {step!r}")
+            raise InvalidArgumentError(f"schedule step: expected an integer >= 0, got {step!r}")
         return self.record.steps[bisect.bisect_right(self._firsts, step) - 1][1]
 
     def step(self, step: int) -> Backend:

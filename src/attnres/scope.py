@@ -1,9 +1,10 @@
 """Component scopes and the loader policies behind them (SPEC 3.2, 3.6): the data.
 
 This module holds what a scope *is*: the component kinds and their loader
-policies, the :class:`ScopeState` snapshot a resolution sees, and the
-context variable holding the open scopes. Opening one with bookkeeping (the
-summary line on exit, the "was the override applied" check) is
+policies and the context variable holding the open scopes (the
+:class:`ScopeState` snapshot a resolution sees is a record,
+:mod:`attnres.records`). Opening one with bookkeeping (the summary line on
+exit, the "was the override applied" check) is
 :func:`attnres.runtime.component_scope`.
 
 A component scope says "the layers built now belong to component X": it
@@ -32,15 +33,15 @@ from __future__ import annotations
 import contextvars
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import ClassVar
-
-from attrs import field, frozen
 
 from attnres._vocab import Role, normalize_component
 from attnres.backends import Backend
+from attnres.errors import ArgumentTypeError, InvalidArgumentError
 from attnres.layer import optional_backend
 from attnres.ledger import Decision
+from attnres.records import ScopeState
 
 __all__ = [
     "BUILTIN_KINDS",
@@ -123,7 +124,7 @@ _NAME_ALIASES: dict[str, str] = {}
 
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True, False or None, got {value!r}")
+        raise InvalidArgumentError(f"{name}: expected True, False or None, got {value!r}")
     return value
 
 
@@ -140,7 +141,7 @@ def register_component_kind(
     Returns the loader class registered for the kind.
     """
     if not isinstance(kind, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", kind):
-        raise ValueError(f"component kind must be lower-case snake_case, got {kind!r}")
+        raise InvalidArgumentError(f"component kind must be lower-case snake_case, got {kind!r}")
     if loader is None:
         policy = (
             True
@@ -153,7 +154,7 @@ def register_component_kind(
             {"kind": kind, "allow_global_fallback": policy},
         )
     elif not (isinstance(loader, type) and issubclass(loader, ComponentLoader)):
-        raise TypeError(f"loader must be a ComponentLoader subclass, got {loader!r}")
+        raise ArgumentTypeError(f"loader must be a ComponentLoader subclass, got {loader!r}")
     with _KINDS_LOCK:
         _LOADERS[kind] = loader
         for alias in (kind, *aliases):
@@ -203,7 +204,7 @@ def loader_for(kind: str) -> type[ComponentLoader]:
         try:
             return _LOADERS[kind]
         except KeyError:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"unknown component kind {kind!r}; registered kinds: {', '.join(sorted(_LOADERS))}"
                 " (add one with attnres.register_component_kind)"
             ) from None
@@ -215,38 +216,19 @@ def _role_backends(
     if not value:
         return ()
     if not isinstance(value, Mapping):
-        raise ValueError(f"role_backends: expected a mapping role -> backend, got {value!r}")
+        raise InvalidArgumentError(
+            f"role_backends: expected a mapping role -> backend, got {value!r}"
+        )
     out: dict[Role, Backend] = {}
     for role, backend in value.items():
         parsed_role = Role.parse(role)
         parsed = optional_backend(f"role_backends[{parsed_role.value!r}]")(backend)
         if parsed is None:
-            raise ValueError(f"role_backends[{parsed_role.value!r}]: backend must not be None")
+            raise InvalidArgumentError(
+                f"role_backends[{parsed_role.value!r}]: backend must not be None"
+            )
         out[parsed_role] = parsed
     return tuple(sorted(out.items(), key=lambda kv: kv[0].value))
-
-
-def _role_pairs(value: Iterable[tuple[Role, Backend]]) -> tuple[tuple[Role, Backend], ...]:
-    return tuple(value)
-
-
-@frozen(cache_hash=True)
-class ScopeState:
-    """The snapshot of a component scope that a resolution (and its trace) sees."""
-
-    component: str
-    kind: str
-    loader: str
-    backend: Backend | None = None
-    role_backends: tuple[tuple[Role, Backend], ...] = field(default=(), converter=_role_pairs)
-    allow_global_fallback: bool = False
-    require_selection: bool = False
-
-    def role_backend(self, role: Role) -> Backend | None:
-        for r, b in self.role_backends:
-            if r is role:
-                return b
-        return None
 
 
 class ScopeHandle:
@@ -332,7 +314,9 @@ def scope_state(
     Also how traces and the golden scenarios build a scope without entering it.
     """
     if not isinstance(name, str) or not normalize_component(name):
-        raise ValueError(f"component_scope: name must be a non-empty string, got {name!r}")
+        raise InvalidArgumentError(
+            f"component_scope: name must be a non-empty string, got {name!r}"
+        )
     name = normalize_component(name)
     resolved_kind = component_kind(name) if kind is None else kind
     loader = loader_for(resolved_kind)

@@ -36,7 +36,7 @@ from attnres._codec import field_names, located
 from attnres._files import atomic_write_text, read_bounded
 from attnres._outcome import Outcome
 from attnres._trace_codec import record_to_dict
-from attnres.errors import TraceFormatError
+from attnres.errors import ArgumentTypeError, TraceFormatError
 from attnres.records import (
     BASE_SCHEMA_VERSION,
     KERNELS_SCHEMA_VERSION,
@@ -228,7 +228,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
 def dump_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
     """Write ``trace`` as canonical JSON, atomically (temporary file, then rename)."""
     if not isinstance(trace, Trace):
-        raise TypeError(f"dump_trace takes a Trace, got {type(trace).__name__}")
+        raise ArgumentTypeError(f"dump_trace takes a Trace, got {type(trace).__name__}")
     target = Path(path)
     atomic_write_text(target, canonical_json(trace_to_dict(trace)))
     return target

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from attnres.errors import DeferredScoresError
+from attnres.errors import ArgumentTypeError, DeferredScoresError
 
 __all__ = [
     "MATMULS",
@@ -451,7 +451,7 @@ def _infer(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[An
             return found
     out = func(*_meta(args), **_meta(kwargs))
     if not isinstance(out, torch.Tensor):
-        raise TypeError("not a tensor")
+        raise ArgumentTypeError("not a tensor")
     found = (tuple(out.shape), out.dtype)
     if key is not None:
         if len(_INFERRED) >= _INFERRED_MAX:

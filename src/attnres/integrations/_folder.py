@@ -25,6 +25,7 @@ import attrs
 from attnres import _files
 from attnres._codec import located
 from attnres._vocab import normalize_component, normalize_dtype
+from attnres.errors import InvalidArgumentError
 from attnres.integrations import _untrusted
 from attnres.integrations._plan import DtypeChoice, plan_sites
 from attnres.layer import SelectionConfig
@@ -54,21 +55,21 @@ def parse_dtype_args(values: Sequence[str]) -> DtypeArgs:
         try:
             parsed = normalize_dtype(dtype)
         except ValueError as exc:
-            raise ValueError(f"--dtype {value}: {exc}") from None
+            raise InvalidArgumentError(f"--dtype {value}: {exc}") from None
         # issue 20, 18: names normalised as --attention-backend's; a conflict is an error
         if sep:
             if not component.strip():
-                raise ValueError(f"--dtype {value}: expected COMPONENT=DTYPE or DTYPE")
+                raise InvalidArgumentError(f"--dtype {value}: expected COMPONENT=DTYPE or DTYPE")
             name = normalize_component(component)
             if per.get(name, parsed) != parsed:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"--dtype: component {name!r} was given two dtypes ({name}={per[name]} and "
                     f"{name}={parsed}); give it once"
                 )
             per[name] = parsed
         else:
             if every not in (None, parsed):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"--dtype: the dtype for every component was given twice ({every} and "
                     f"{parsed}); give it once, and COMPONENT=DTYPE for a single component"
                 )
@@ -140,7 +141,7 @@ def plan_folder(
     skipped: list[tuple[str, str]] = []
     if os.path.lexists(index):
         if component is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 located(
                     str(folder),
                     f"--component {component}",
@@ -152,7 +153,7 @@ def plan_folder(
         title, part = _untrusted.read_model_folder(folder, folder / "config.json", component)
         found = [part]
     else:
-        raise ValueError(
+        raise InvalidArgumentError(
             located(
                 str(folder),
                 message="neither a diffusers pipeline folder (model_index.json) nor a "
@@ -162,7 +163,7 @@ def plan_folder(
     parts = [(p.name, p.library, p.cls.__name__) for p in found]
     unknown = sorted(set(args.per) - {normalize_component(p[0]) for p in parts})
     if unknown:
-        raise ValueError(
+        raise InvalidArgumentError(
             located(
                 str(folder),
                 f"--dtype {unknown[0]}=...",

@@ -62,6 +62,7 @@ from diffusers.models.attention_processor import Attention as _LegacyAttention
 
 from attnres._vocab import MaskKind, MaskRoute, Role, normalize_dtype
 from attnres.backends import Backend, lookup_spec
+from attnres.errors import ArgumentTypeError
 from attnres.integrations import _route
 from attnres.integrations import transformers as _tf
 from attnres.integrations._plan import (
@@ -762,7 +763,7 @@ def _dispatcher_current(processor: Any) -> Backend | None:
 def _components(pipe: Any) -> list[tuple[str, Any]]:
     items = pipe.components if hasattr(pipe, "components") else pipe
     if not isinstance(items, Mapping):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"plan() takes a DiffusionPipeline or a mapping {{component name: module}}, "
             f"got {type(pipe).__name__}"
         )

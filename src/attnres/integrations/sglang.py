@@ -54,6 +54,7 @@ from attnres.backends import (
     register_backend,
     registry_generation,
 )
+from attnres.errors import InvalidArgumentError
 from attnres.integrations._engine import Engine, require
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.ledger import Decision, record_decision
@@ -781,7 +782,7 @@ def _translate(
             try:
                 member = enum[name.upper()]
             except KeyError:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Invalid attention backend '{name}' specified via command line. "
                     f"Available options are: {[e.name.lower() for e in enum]}"
                 ) from None
@@ -802,7 +803,7 @@ def _finish(
     """SGLang's answer and side effects for an attnres decision."""
     outcome = decision.outcome
     if outcome.backend is None:
-        raise ValueError(outcome.error)
+        raise InvalidArgumentError(outcome.error)
     role = selector.AttentionRole.CROSS if is_cross_attention else selector.AttentionRole.SELF
     backend_name = outcome.backend.name
     reason = None if outcome.reason is None else outcome.reason.value

@@ -51,7 +51,7 @@ from attnres.backends import (
     registry_generation,
     unregister_backend,
 )
-from attnres.errors import UnknownBackendError
+from attnres.errors import InvalidArgumentError, UnknownBackendError
 from attnres.integrations._engine import Engine, require
 from attnres.kernels import get_kernel, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
@@ -666,7 +666,7 @@ def _decide(
             observed[first] = HostResolution(
                 first, None, f"attnres backend {first} runs on {runs}, not {kind}"
             )
-            errors[first] = ValueError(observed[first].error)
+            errors[first] = InvalidArgumentError(observed[first].error)
         else:
             _observed(first, first_cls, int(head_size), observed, classes)
     else:
@@ -702,7 +702,7 @@ def _decide(
     if outcome.status is not Status.SELECTED or outcome.backend is None:
         if first in errors:
             raise errors[first]  # vLLM-Omni's own refusal, unchanged
-        raise ValueError(f"{outcome.error}")
+        raise InvalidArgumentError(f"{outcome.error}")
     cls = classes[outcome.backend.name]
     index = _INDEX.get(outcome.origin)
     spec = None if index is None else entries[index]

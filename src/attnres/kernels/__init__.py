@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Union
 from attnres._states import KernelSource
 from attnres.backends import BUILTIN_SPECS, kernels_changed, lookup_spec, registered_backends
 from attnres.backends import Backend as _Backend
+from attnres.errors import ArgumentTypeError, InvalidArgumentError
 from attnres.kernels._common import KernelUnavailableError, keeps_empty_keys
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ def _forget_built(key: str) -> None:
 
 def _key(backend_name: str) -> str:
     if not isinstance(backend_name, str):
-        raise TypeError(f"backend_name must be a str, got {type(backend_name).__name__}")
+        raise ArgumentTypeError(f"backend_name must be a str, got {type(backend_name).__name__}")
     return backend_name.strip().lower().replace("-", "_")
 
 
@@ -163,18 +164,22 @@ def register_kernel(backend_name: str, fn: KernelFn | str, *, replace: bool = Fa
     """
     key = _key(backend_name)
     if not key:
-        raise ValueError("backend_name must not be empty")
+        raise InvalidArgumentError("backend_name must not be empty")
     if isinstance(fn, str):
         module, sep, factory = fn.partition(":")
         if not (module and sep and factory):
-            raise ValueError(f"a lazy kernel must be 'package.module:factory', got {fn!r}")
+            raise InvalidArgumentError(
+                f"a lazy kernel must be 'package.module:factory', got {fn!r}"
+            )
     elif not callable(fn):
-        raise TypeError(f"fn must be a kernel callable or a 'module:factory' string, got {fn!r}")
+        raise ArgumentTypeError(
+            f"fn must be a kernel callable or a 'module:factory' string, got {fn!r}"
+        )
     with _lock:
         current = _entry(key)
         if current is not None and not replace and not (key not in _entries and fn == current):
             # (registering the adapter that serves the name already is no change)
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a kernel is already registered for backend {key!r}; "
                 "pass replace=True to override it"
             )

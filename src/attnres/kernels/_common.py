@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 # re-exported: attnres.errors holds every exception
-from attnres.errors import KernelUnavailableError
+from attnres.errors import ArgumentTypeError, InvalidArgumentError, KernelUnavailableError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -67,19 +67,19 @@ def require_attribute(module: ModuleType, attribute: str, *, backend: str, hint:
     return value
 
 
-def no_mask_error(backend: str, detail: str) -> ValueError:
+def no_mask_error(backend: str, detail: str) -> InvalidArgumentError:
     """The error an adapter raises when a kernel cannot take ``attn_mask``."""
-    return ValueError(
+    return InvalidArgumentError(
         f"attention backend {backend!r} does not support attn_mask ({detail}); "
         "resolve the layer with the attn_mask requirement so that a backend that "
         "implements attention masks (torch_sdpa, flex_attention, xformers, eager) is chosen"
     )
 
 
-def causal_alignment_error(backend: str, seq_q: int, seq_kv: int) -> ValueError:
+def causal_alignment_error(backend: str, seq_q: int, seq_kv: int) -> InvalidArgumentError:
     """The error for a causal mask or sliding window with ``seq_q != seq_kv`` on a
     bottom-right kernel."""
-    return ValueError(
+    return InvalidArgumentError(
         f"attention backend {backend!r} aligns its causal mask and sliding window to the "
         f"bottom-right corner when seq_q != seq_kv (here {seq_q} != {seq_kv}), while attnres "
         "layers use the top-left alignment of torch SDPA's is_causal; refusing to return "
@@ -87,10 +87,10 @@ def causal_alignment_error(backend: str, seq_q: int, seq_kv: int) -> ValueError:
     )
 
 
-def unsupported_feature_error(backend: str, feature: str) -> ValueError:
+def unsupported_feature_error(backend: str, feature: str) -> InvalidArgumentError:
     """The error for ``softcap`` or ``window`` given to a kernel that has no such argument."""
     requirement = {"softcap": "softcap", "window": "sliding_window"}[feature]
-    return ValueError(
+    return InvalidArgumentError(
         f"attention backend {backend!r} does not take {feature} (the kernel has no such "
         f"argument); resolve the layer with the {requirement} requirement so that a backend "
         f"that implements it is chosen"
@@ -215,7 +215,7 @@ class VarlenAdapter:
     ) -> Tensor:
         if seqused_q is not None or seqused_k is not None:
             if not self.takes_seqused:
-                raise TypeError("this varlen kernel takes no seqused_q/seqused_k")
+                raise ArgumentTypeError("this varlen kernel takes no seqused_q/seqused_k")
             for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
                 if used is not None:
                     options[name] = _int32(used)

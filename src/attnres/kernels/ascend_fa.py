@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from attnres.errors import InvalidArgumentError
 from attnres.kernels._common import import_kernel_package, require_attribute
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def _masked_out(attn_mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) ->
     out: Tensor | None = None
     if attn_mask is not None:
         if attn_mask.is_floating_point():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"attention backend {BACKEND!r} takes boolean masks only "
                 "(npu_fusion_attention has no additive mask); pass a boolean attn_mask "
                 "(True takes part) or use torch_sdpa for this layer"

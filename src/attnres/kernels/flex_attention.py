@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnres.errors import InvalidArgumentError
 from attnres.kernels._common import window_keep
 
 if TYPE_CHECKING:
@@ -49,7 +50,9 @@ def _as_4d(attn_mask: Tensor) -> Tensor:
     """View ``attn_mask`` with leading size-1 dims so that it has exactly 4 dims."""
     missing = 4 - attn_mask.dim()
     if missing < 0:
-        raise ValueError(f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
+        raise InvalidArgumentError(
+            f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}"
+        )
     return attn_mask.reshape((1,) * missing + tuple(attn_mask.shape)) if missing else attn_mask
 
 

@@ -52,6 +52,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from attnres._memo import GenerationMemo
+from attnres.errors import InvalidArgumentError
 from attnres.kernels._common import (
     KernelUnavailableError,
     import_kernel_package,
@@ -170,7 +171,9 @@ def sdpa_lse(
     import torch
 
     if softcap:
-        raise ValueError("torch_sdpa has no softcap argument (attnres refuses softcap for it)")
+        raise InvalidArgumentError(
+            "torch_sdpa has no softcap argument (attnres refuses softcap for it)"
+        )
     groups = q.shape[2] // k.shape[2]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     qh, kh, vh = q.transpose(1, 2), _heads_first(k, groups), _heads_first(v, groups)
@@ -310,7 +313,7 @@ def make_sage_lse() -> LseKernelFn:
         **options: Any,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         if softcap:
-            raise ValueError("sage_attn has no softcap argument")
+            raise InvalidArgumentError("sage_attn has no softcap argument")
         # issue 23: with options, the device's own function (each takes return_lse)
         function, settings = pick(q, options)
         out, lse = function(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from attnres.errors import InvalidArgumentError
 from attnres.kernels._common import (
     causal_alignment_error,
     import_kernel_package,
@@ -64,7 +65,7 @@ def make_kernel() -> KernelFn:
             raise no_mask_error(BACKEND, "sageattn3_blackwell accepts attn_mask and ignores it")
         head_size = q.shape[-1]
         if scale is not None and abs(scale * head_size**0.5 - 1.0) > 1e-6:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"attention backend {BACKEND!r} has a fixed softmax scale of "
                 f"1/sqrt(head_size) = {head_size**-0.5:.6g}; this layer asks for {scale!r}. "
                 "Use a backend that takes a scale (torch_sdpa, sage_attn, fa) for this layer"
@@ -72,7 +73,7 @@ def make_kernel() -> KernelFn:
         if causal and q.shape[1] != k.shape[1]:
             raise causal_alignment_error(BACKEND, q.shape[1], k.shape[1])
         if q.shape[2] != k.shape[2]:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"attention backend {BACKEND!r} needs as many key/value heads as query heads "
                 f"(got {q.shape[2]} and {k.shape[2]}); it does not implement grouped-query "
                 "attention"

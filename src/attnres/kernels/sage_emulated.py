@@ -33,6 +33,8 @@ import math
 import torch
 from torch import Tensor
 
+from attnres.errors import InvalidArgumentError
+
 __all__ = ["SAGE_SCHEMES", "SageScheme", "sage_attention_emulated", "scheme_for"]
 
 _FP8 = torch.float8_e4m3fn
@@ -142,7 +144,9 @@ def sage_attention_emulated(
     layer with one).
     """
     if attn_mask is not None:
-        raise ValueError("the SageAttention emulation takes no attention mask (sageattn drops it)")
+        raise InvalidArgumentError(
+            "the SageAttention emulation takes no attention mask (sageattn drops it)"
+        )
     scheme = scheme_for(capability)
     out_dtype = q.dtype
     qf, kf, vf = (t.transpose(1, 2).to(torch.float32) for t in (q, k, v))  # (b, h, n, d)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnres.errors import InvalidArgumentError
 from attnres.kernels._common import (
     import_kernel_package,
     mask_with_causal,
@@ -58,7 +59,9 @@ def _aligned_bias(
     """The SDPA mask as an xformers tensor bias: dtype, full shape, aligned strides."""
     missing = 4 - attn_mask.dim()
     if missing < 0:
-        raise ValueError(f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
+        raise InvalidArgumentError(
+            f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}"
+        )
     mask = attn_mask.reshape((1,) * missing + tuple(attn_mask.shape)) if missing else attn_mask
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
