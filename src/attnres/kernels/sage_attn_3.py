@@ -23,12 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attnres.kernels._common import (
-    causal_alignment_error,
-    import_kernel_package,
-    no_mask_error,
-    require_attribute,
-)
+from attnres.kernels._common import causal_alignment_error, kernel_function, no_mask_error
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -47,9 +42,12 @@ INSTALL = (
 
 def make_kernel() -> KernelFn:
     """Import sageattn3 and bind ``sageattn3_blackwell`` (HND layout)."""
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    sageattn3 = require_attribute(
-        module, "sageattn3_blackwell", backend=BACKEND, hint="Reinstall it: " + INSTALL
+    sageattn3 = kernel_function(
+        PACKAGE,
+        "sageattn3_blackwell",
+        backend=BACKEND,
+        install=INSTALL,
+        hint="Reinstall it: " + INSTALL,
     )
 
     def attention(
