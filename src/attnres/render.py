@@ -205,26 +205,32 @@ def budget_flags(config: SelectionConfig) -> str:
     return "; error budget: --attention-error " + ",".join(items)
 
 
+def request_text(config: SelectionConfig, preference: str, flag: str = "") -> str:
+    """What the operator asked for (the ``Request:`` field): the global backend and
+    how it was given (``preference`` names an implicit one), the per-component
+    backends (each ``{flag}name=backend``) and the error budgets."""
+    backend = config.global_backend
+    if backend is None:
+        request = "no global --attention-backend"
+    elif config.global_backend_env is not None:
+        request = f"{config.global_backend_env}={backend.name} (set in the environment)"
+    else:
+        how = "typed by the operator" if config.global_backend_explicit else preference
+        request = f"--attention-backend {backend.name} ({how})"
+    if config.component_backends:
+        request += "; per component: " + ", ".join(
+            f"{flag}{n}={b.name}" for n, b in config.component_backends
+        )
+    return request + budget_flags(config)  # issue 34
+
+
 def render_plan(result: PlanResult) -> list[str]:
     """A :class:`~attnres.plan.PlanResult` as ``attnres plan`` shows it."""
     width = _width()
     pipeline, config = result.pipeline, result.config
     lines = _wrap(f"Plan for pipeline {pipeline.name!r} ({pipeline.path})", width, "", "  ")
     lines += _field("Platform:", _platform_text(result.platform), width)
-    if config.global_backend is None:
-        request = "no global --attention-backend"
-    elif config.global_backend_env is not None:
-        request = (
-            f"{config.global_backend_env}={config.global_backend.name} (set in the environment)"
-        )
-    else:
-        how = "typed by the operator" if config.global_backend_explicit else "a preference"
-        request = f"--attention-backend {config.global_backend.name} ({how})"
-    if config.component_backends:
-        request += "; per component: " + ", ".join(
-            f"--attention-backend {n}={b.name}" for n, b in config.component_backends
-        )
-    request += budget_flags(config)  # issue 34
+    request = request_text(config, "a preference", "--attention-backend ")
     lines += _field("Request:", request, width)
     dtypes = [
         f"{c.name} {c.dtype} ({c.dtype_source}"
