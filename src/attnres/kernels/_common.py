@@ -135,17 +135,10 @@ def flash_style_kernel(
     """
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        *,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, *, softcap: float = 0.0, window: tuple[int, int] | None = None,
         **options: Any,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         if attn_mask is not None:
             raise no_mask_error(backend, mask_detail)
         if softcap and "softcap" not in takes:
@@ -208,22 +201,10 @@ class VarlenAdapter:
         self.takes_seqused = takes_seqused
 
     def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        causal: bool,
-        scale: float | None,
-        /,
-        *,
-        seqused_q: Tensor | None = None,
-        seqused_k: Tensor | None = None,
-        **options: Any,
-    ) -> Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+        max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float | None, /, *,
+        seqused_q: Tensor | None = None, seqused_k: Tensor | None = None, **options: Any,
+    ) -> Tensor:  # fmt: skip
         if seqused_q is not None or seqused_k is not None:
             if not self.takes_seqused:
                 raise TypeError("this varlen kernel takes no seqused_q/seqused_k")

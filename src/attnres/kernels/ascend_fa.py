@@ -77,13 +77,9 @@ def make_kernel() -> KernelFn:
     )
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
         scale: float | None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         result = fusion(
             q,
             k,

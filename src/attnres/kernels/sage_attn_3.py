@@ -51,13 +51,9 @@ def make_kernel() -> KernelFn:
     )
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
         scale: float | None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         if attn_mask is not None:
             raise no_mask_error(BACKEND, "sageattn3_blackwell accepts attn_mask and ignores it")
         head_size = q.shape[-1]

@@ -42,31 +42,18 @@ def make_kernel() -> KernelFn:
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        *,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
-    ) -> Tensor:
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, *, softcap: float = 0.0, window: tuple[int, int] | None = None,
+    ) -> Tensor:  # fmt: skip
         # SDPA has no window argument: the window is a mask (the causal one folded in)
         attn_mask, causal = sdpa_style_mask("torch_sdpa", q, k, attn_mask, causal, softcap, window)
         # attn_mask, dropout_p and is_causal positionally: measurably cheaper at
         # small shapes, where Python overhead is the cost (scale and enable_gqa
         # are keyword-only in SDPA's schema)
         return sdpa(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask,
-            0.0,
-            causal,
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-        ).transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, 0.0, causal,
+            scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+        ).transpose(1, 2)  # fmt: skip
 
     def specialize(
         causal: bool, scale: float | None, gqa: bool
@@ -89,15 +76,9 @@ def make_kernel() -> KernelFn:
             if attn_mask is not None and causal:
                 return attention(q, k, v, attn_mask, causal, scale)
             return sdpa(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask,
-                0.0,
-                causal,
-                scale=scale,
-                enable_gqa=gqa,
-            ).transpose(1, 2)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, 0.0, causal,
+                scale=scale, enable_gqa=gqa,
+            ).transpose(1, 2)  # fmt: skip
 
         return attention_bound
 
@@ -122,14 +103,9 @@ def selected(
     sdpa_attention = make_kernel()
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        **features: Any,
-    ) -> Tensor:
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, **features: Any,
+    ) -> Tensor:  # fmt: skip
         refuse(k)
         with selection():
             return sdpa_attention(q, k, v, attn_mask, causal, scale, **features)

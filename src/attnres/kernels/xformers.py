@@ -80,16 +80,9 @@ def make_kernel() -> KernelFn:
     causal_bias = lower_triangular()
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        *,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
-    ) -> Tensor:
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, *, softcap: float = 0.0, window: tuple[int, int] | None = None,
+    ) -> Tensor:  # fmt: skip
         # a window is a band and causal with a mask is folded in: the tensor bias below
         # (the backward takes no LowerTriangularMaskWithTensorBias)
         attn_mask, causal = sdpa_style_mask(BACKEND, q, k, attn_mask, causal, softcap, window)
