@@ -56,7 +56,6 @@ __all__ = [
     "read_bounded",
     "read_json",
     "read_safetensors_header",
-    "temp_name_pattern",
 ]
 
 #: The most bytes attnres reads from one pipeline or trace file (4 MiB).
@@ -75,11 +74,6 @@ _TEMP_RE = re.compile(r"^\..+\.attnres-(\d+)-[0-9a-f]{8}\.tmp\Z")
 #: process (or one another host wrote) only after this long.
 _STALE_AFTER_S = 3600.0
 _swept: set[str] = set()
-
-
-def temp_name_pattern() -> re.Pattern[str]:
-    """The regular expression our temporary file names match."""
-    return _TEMP_RE
 
 
 def _kind(mode: int) -> str:
