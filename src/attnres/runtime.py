@@ -29,8 +29,8 @@ from attrs import field, frozen
 
 from attnres import machine as _machine
 from attnres._memo import GenerationMemo
-from attnres._outcome import Outcome
-from attnres._states import Origin, Reason, Status
+from attnres._outcome import Outcome, OutcomeView
+from attnres._states import Status
 from attnres._vocab import Role
 from attnres.audit import emit_cache_hit, emit_resolution, emit_scope_problems, emit_summary
 from attnres.backends import (
@@ -83,11 +83,11 @@ def _selected_outcome(_: object, __: attrs.Attribute[Outcome], value: Outcome) -
 
 
 @frozen
-class Resolution:
+class Resolution(OutcomeView):
     """The backend a layer runs, why, and the trace that proves it.
 
     It composes the selected :class:`~attnres.trace.Outcome` (``outcome``);
-    ``backend``, ``reason`` and ``origin`` read through to it.
+    ``backend``, ``reason`` and ``origin`` read through to it (OutcomeView).
     """
 
     outcome: Outcome = field(validator=_selected_outcome)
@@ -100,14 +100,6 @@ class Resolution:
         backend = self.outcome.backend
         assert backend is not None  # the validator saw to it
         return backend
-
-    @property
-    def reason(self) -> Reason | None:
-        return self.outcome.reason
-
-    @property
-    def origin(self) -> Origin:
-        return self.outcome.origin
 
 
 _CONFIG_LOCK = threading.Lock()
