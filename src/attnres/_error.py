@@ -43,13 +43,9 @@ def timed(
 
 
 def reference_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_mask: Tensor | None = None,
-    causal: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, causal: bool = False,
     scale: float | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Attention in float64 (attnres's layout: (batch, seq, heads, head)): the
     reference every measured error is taken against."""
     qd, kd, vd = (t.detach().to(torch.float64).transpose(1, 2) for t in (q, k, v))
