@@ -55,6 +55,7 @@ from attnres._memo import GenerationMemo
 from attnres.kernels._common import (
     KernelUnavailableError,
     import_kernel_package,
+    kernel_function,
     require_attribute,
     takes_keywords,
 )
@@ -216,10 +217,8 @@ def make_fa_lse() -> LseKernelFn:
     """
     from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE  # only when it is built
 
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    func = require_attribute(
-        module, "flash_attn_func", backend=BACKEND, hint="This is not flash-attn 2.x."
-    )
+    hint = "This is not flash-attn 2.x."
+    func = kernel_function(PACKAGE, "flash_attn_func", backend=BACKEND, install=INSTALL, hint=hint)
 
     def fa_lse(
         q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0,
@@ -251,12 +250,10 @@ def make_fa_lse_backward() -> LseBackwardFn:
     from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE  # only when it is built
 
     import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    interface = import_kernel_package(
-        f"{PACKAGE}.flash_attn_interface", backend=BACKEND, install=INSTALL
-    )
-    func = require_attribute(
-        interface, "_flash_attn_backward", backend=BACKEND, hint="This is not flash-attn 2.x."
-    )
+    func = kernel_function(
+        f"{PACKAGE}.flash_attn_interface", "_flash_attn_backward", backend=BACKEND,
+        install=INSTALL, hint="This is not flash-attn 2.x.",
+    )  # fmt: skip
     accepted = frozenset(inspect.signature(func).parameters)
 
     def fa_lse_backward(
