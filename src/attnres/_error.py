@@ -4,21 +4,48 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["error_figures", "reference_attention"]
+__all__ = ["error_figures", "reference_attention", "timed"]
+
+
+def timed(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    calls: int,
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+    timer: Callable[[], int] = time.perf_counter_ns,
+) -> tuple[int, int, Any]:
+    """(median ns, max - min ns, the first output) of ``repeats`` timed calls of
+    ``fn(*args)`` after ``calls`` untimed ones (at least one: its output is the
+    one returned); ``sync`` waits for the device after the warm-up and after
+    each timed call."""
+    out = fn(*args)
+    for _ in range(max(calls - 1, 0)):
+        fn(*args)
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = timer()
+        fn(*args)
+        sync()
+        samples.append(timer() - start)
+    samples.sort()
+    middle = len(samples) // 2
+    median = samples[middle] if len(samples) % 2 else (samples[middle - 1] + samples[middle]) // 2
+    return median, samples[-1] - samples[0], out
 
 
 def reference_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_mask: Tensor | None = None,
-    causal: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, causal: bool = False,
     scale: float | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Attention in float64 (attnres's layout: (batch, seq, heads, head)): the
     reference every measured error is taken against."""
     qd, kd, vd = (t.detach().to(torch.float64).transpose(1, 2) for t in (q, k, v))

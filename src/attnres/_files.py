@@ -58,7 +58,6 @@ __all__ = [
     "read_bounded",
     "read_json",
     "read_safetensors_header",
-    "temp_name_pattern",
 ]
 
 #: The most bytes attnres reads from one pipeline or trace file (4 MiB).
@@ -77,11 +76,8 @@ _TEMP_RE = re.compile(r"^\..+\.attnres-(\d+)-[0-9a-f]{8}\.tmp\Z")
 #: process (or one another host wrote) only after this long.
 _STALE_AFTER_S = 3600.0
 _swept: set[str] = set()
-
-
-def temp_name_pattern() -> re.Pattern[str]:
-    """The regular expression our temporary file names match."""
-    return _TEMP_RE
+#: open never waits on a FIFO (or a device), and no child process inherits the descriptor
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _kind(mode: int) -> str:
@@ -130,9 +126,8 @@ def _open_regular(source: str, what: str) -> tuple[int, os.stat_result]:
     if source == "":
         raise OSError(errno.ENOENT, "an empty path names no file", source)
     _encodable(source)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(source, flags)
+        fd = os.open(source, os.O_RDONLY | _NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise OSError(
@@ -396,9 +391,8 @@ def _make_parents(folder: Path) -> None:
 
 
 def _write_through(target: str, text: str, kind: str) -> None:
-    flags = os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(target, flags)
+        fd = os.open(target, os.O_WRONLY | _NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ENXIO:
             raise OSError(

@@ -42,7 +42,7 @@ import torch
 from attrs import frozen
 from torch import Tensor
 
-from attnres._error import error_figures, reference_attention
+from attnres._error import error_figures, reference_attention, timed
 from attnres._fastcall import FastCallModule
 from attnres._memo import GenerationMemo
 from attnres.audit import emit_autotune_failed, emit_cache_hit, emit_resolution
@@ -334,27 +334,6 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: sync()
 
 
-def _time(
-    fn: Run, args: tuple[Any, ...], warmup: int, repeats: int, sync: Callable[[], None]
-) -> tuple[int, int, Tensor]:
-    """(median ns, max - min ns, the first output)."""
-    timer = _TIMER
-    out = fn(*args)
-    for _ in range(max(warmup - 1, 0)):
-        fn(*args)
-    sync()
-    samples = []
-    for _ in range(repeats):
-        start = timer()
-        fn(*args)
-        sync()
-        samples.append(timer() - start)
-    samples.sort()
-    middle = len(samples) // 2
-    median = samples[middle] if len(samples) % 2 else (samples[middle - 1] + samples[middle]) // 2
-    return median, samples[-1] - samples[0], out
-
-
 def _deviation(out: Tensor, reference: Tensor) -> float | None:
     wide = torch.float64
     scale = float(reference.to(wide).abs().max()) if reference.numel() else 0.0
@@ -380,7 +359,7 @@ def _measure(
     exact: Tensor | None = None,
 ) -> Measured:
     try:
-        median, spread, out = _time(fn, args, settings.warmup, settings.repeats, sync)
+        median, spread, out = timed(fn, args, settings.warmup, settings.repeats, sync, _TIMER)
     except Exception as exc:
         return Measured(backend, error=_one_line(exc))
     if not isinstance(out, Tensor) or out.shape != reference.shape:

@@ -341,12 +341,21 @@ def _optional_platforms(value: Iterable[str] | None) -> frozenset[str] | None:
     return None if value is None else _platforms(value)
 
 
-def _limits(value: Iterable[RequirementLimit]) -> tuple[RequirementLimit, ...]:
+_R = TypeVar("_R")
+
+
+def _records(value: Iterable[_R], kind: type[_R], label: str) -> tuple[_R, ...]:
+    """``value`` as a tuple of ``kind`` records (the converter of a spec's record
+    fields): anything else in it is a ``TypeError`` naming the field."""
     out = tuple(value)
     for item in out:
-        if not isinstance(item, RequirementLimit):
-            raise ArgumentTypeError(f"limits: expected RequirementLimit records, got {item!r}")
+        if not isinstance(item, kind):
+            raise ArgumentTypeError(f"{label}: expected {kind.__name__} records, got {item!r}")
     return out
+
+
+def _limits(value: Iterable[RequirementLimit]) -> tuple[RequirementLimit, ...]:
+    return _records(value, RequirementLimit, "limits")
 
 
 def _dtype_capabilities(
@@ -424,11 +433,7 @@ class BackendOption:
 
 
 def _options(value: Iterable[BackendOption]) -> tuple[BackendOption, ...]:
-    out = tuple(value)
-    for item in out:
-        if not isinstance(item, BackendOption):
-            raise ArgumentTypeError(f"options: expected BackendOption records, got {item!r}")
-    return out
+    return _records(value, BackendOption, "options")
 
 
 def _capabilities(value: Iterable[tuple[int, int]]) -> frozenset[tuple[int, int]]:
@@ -466,11 +471,7 @@ class EntryPoint:
 
 
 def _entry_points(value: Iterable[EntryPoint]) -> tuple[EntryPoint, ...]:
-    out = tuple(value)
-    for item in out:
-        if not isinstance(item, EntryPoint):
-            raise ArgumentTypeError(f"entry_points: expected EntryPoint records, got {item!r}")
-    return out
+    return _records(value, EntryPoint, "entry_points")
 
 
 def _sm(capability: tuple[int, int] | None) -> str:
@@ -559,10 +560,7 @@ class MaskSupport:
 
 
 def _masks(value: Iterable[MaskSupport]) -> tuple[MaskSupport, ...]:
-    out = tuple(value)
-    for item in out:
-        if not isinstance(item, MaskSupport):
-            raise ArgumentTypeError(f"masks: expected MaskSupport records, got {item!r}")
+    out = _records(value, MaskSupport, "masks")
     kinds = [m.kind for m in out]
     if len(set(kinds)) != len(kinds):
         raise InvalidArgumentError("masks: one MaskSupport per mask kind")
@@ -625,11 +623,7 @@ class OptionLimit:
 
 
 def _option_limits(value: Iterable[OptionLimit]) -> tuple[OptionLimit, ...]:
-    out = tuple(value)
-    for item in out:
-        if not isinstance(item, OptionLimit):
-            raise ArgumentTypeError(f"option_limits: expected OptionLimit records, got {item!r}")
-    return out
+    return _records(value, OptionLimit, "option_limits")
 
 
 def _release(text: str) -> tuple[int, ...]:
@@ -734,11 +728,7 @@ class KernelFacts:
 
 
 def _variants(value: Iterable[KernelFacts]) -> tuple[KernelFacts, ...]:
-    out = tuple(value)
-    for item in out:
-        if not isinstance(item, KernelFacts):
-            raise ArgumentTypeError(f"variants: expected KernelFacts records, got {item!r}")
-    return out
+    return _records(value, KernelFacts, "variants")
 
 
 @frozen
@@ -779,11 +769,7 @@ class Precision:
 
 
 def _precisions(value: Iterable[Precision]) -> tuple[Precision, ...]:
-    out = tuple(value)
-    for item in out:
-        if not isinstance(item, Precision):
-            raise ArgumentTypeError(f"precision: expected Precision records, got {item!r}")
-    return out
+    return _records(value, Precision, "precision")
 
 
 def precision_of(
@@ -962,6 +948,13 @@ _AMPERE_UP = CapabilityRule(min=(8, 0))
 _HOPPER = CapabilityRule(exact={(9, 0)})
 #: sliding windows where attnres's adapter builds them as a mask (docs/backends.md)
 _WINDOW = R.SLIDING_WINDOW
+#: what the flash-attn family's kernels take (fa adds dropout; aiter has no softcap)
+_FLASH = (R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP, R.SLIDING_WINDOW)
+
+
+def _unpad(source: str) -> tuple[MaskSupport, ...]:
+    """Key padding taken by unpadding (the spec's ``varlen_kernel``), and no other mask."""
+    return (MaskSupport(MaskKind.KEY_PADDING, MaskRoute.UNPAD, source),)
 
 
 def _native_masks(source: str) -> tuple[MaskSupport, ...]:
@@ -982,6 +975,17 @@ _FA4_SIGNATURE = (
     "flash-attention flash_attn/cute/interface.py: "
     "flash_attn_func(..., pack_gqa=None, deterministic=False)"
 )
+
+
+def _deterministic(signature: str) -> BackendOption:
+    """The flash-attn family's ``deterministic=False`` option, read from ``signature``."""
+    return BackendOption("deterministic", "bool", False, signature)
+
+
+def _pack_gqa(signature: str) -> BackendOption:
+    """The flash-attn family's ``pack_gqa=None`` option, read from ``signature``."""
+    return BackendOption("pack_gqa", "bool", None, signature, nullable=True)
+
 
 #: issue 31: the releases the built-in facts were read from (docs/backends.md)
 _FA4_B36 = "flash-attn-4 4.0.0b36 (registry wheel) flash_attn/cute/interface.py"
@@ -1245,27 +1249,11 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
     BackendSpec(
         name="fa",
         sparse=False,
-        options=(
-            BackendOption(
-                "deterministic",
-                "bool",
-                False,
-                _FA2_SIGNATURE,
-            ),
-        ),
+        options=(_deterministic(_FA2_SIGNATURE),),
         platforms=("cuda", "rocm"),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
-        implements=(
-            R.CAUSAL,
-            R.GQA,
-            R.PACKED_VARLEN,
-            R.DROPOUT,
-            R.BACKWARD,
-            R.CUSTOM_SCALE,
-            R.SOFTCAP,
-            R.SLIDING_WINDOW,
-        ),
+        implements=(*_FLASH, R.DROPOUT),
         limits=(
             RequirementLimit(
                 {R.SOFTCAP, R.DROPOUT},
@@ -1293,47 +1281,21 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         ),
         causal_top_left=False,
         kernel="attnres.kernels.fa:make_kernel",
-        masks=(
-            MaskSupport(
-                MaskKind.KEY_PADDING,
-                MaskRoute.UNPAD,
-                "flash_attn/flash_attn_interface.py: flash_attn_varlen_func(q, k, v, "
-                "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...), int32 "
-                "cu_seqlens; no mask argument (flash-attention 0251105a)",
-            ),
+        masks=_unpad(
+            "flash_attn/flash_attn_interface.py: flash_attn_varlen_func(q, k, v, "
+            "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...), int32 "
+            "cu_seqlens; no mask argument (flash-attention 0251105a)"
         ),
         varlen_kernel="attnres.kernels.fa:make_varlen_kernel",
     ),
     BackendSpec(
         name="fa3",
         sparse=False,
-        options=(
-            BackendOption(
-                "deterministic",
-                "bool",
-                False,
-                _FA3_SIGNATURE,
-            ),
-            BackendOption(
-                "pack_gqa",
-                "bool",
-                None,
-                _FA3_SIGNATURE,
-                nullable=True,
-            ),
-        ),
+        options=(_deterministic(_FA3_SIGNATURE), _pack_gqa(_FA3_SIGNATURE)),
         platforms=("cuda",),
         dtypes=_HALF,  # fp8 left out: it needs head sizes % 16 (docs/backends.md)
         head_sizes=HeadSizeRule(max=256, multiple_of=8),
-        implements=(
-            R.CAUSAL,
-            R.GQA,
-            R.PACKED_VARLEN,
-            R.BACKWARD,
-            R.CUSTOM_SCALE,
-            R.SOFTCAP,
-            R.SLIDING_WINDOW,
-        ),
+        implements=_FLASH,
         package="flash_attn_interface",
         capabilities={"cuda": _HOPPER},
         aliases=("flash_attn_3", "flash_attention_3"),
@@ -1350,47 +1312,21 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         ),
         causal_top_left=False,
         kernel="attnres.kernels.fa3:make_kernel",
-        masks=(
-            MaskSupport(
-                MaskKind.KEY_PADDING,
-                MaskRoute.UNPAD,
-                "hopper/flash_attn_interface.py: flash_attn_varlen_func(q, k, v, cu_seqlens_q, "
-                "cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None, "
-                "softmax_scale=None, causal=False, ...) (flash-attention c082294e)",
-            ),
+        masks=_unpad(
+            "hopper/flash_attn_interface.py: flash_attn_varlen_func(q, k, v, cu_seqlens_q, "
+            "cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None, "
+            "softmax_scale=None, causal=False, ...) (flash-attention c082294e)"
         ),
         varlen_kernel="attnres.kernels.fa3:make_varlen_kernel",
     ),
     BackendSpec(
         name="fa4",
         sparse=False,
-        options=(
-            BackendOption(
-                "deterministic",
-                "bool",
-                False,
-                _FA4_SIGNATURE,
-            ),
-            BackendOption(
-                "pack_gqa",
-                "bool",
-                None,
-                _FA4_SIGNATURE,
-                nullable=True,
-            ),
-        ),
+        options=(_deterministic(_FA4_SIGNATURE), _pack_gqa(_FA4_SIGNATURE)),
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
-        implements=(
-            R.CAUSAL,
-            R.GQA,
-            R.PACKED_VARLEN,
-            R.BACKWARD,
-            R.CUSTOM_SCALE,
-            R.SOFTCAP,
-            R.SLIDING_WINDOW,
-        ),
+        implements=_FLASH,
         limits=(
             RequirementLimit(
                 {R.BACKWARD},
@@ -1451,13 +1387,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
                     "masks": (),
                     "varlen_kernel": None,
                     "options": (
-                        BackendOption(
-                            "pack_gqa",
-                            "bool",
-                            None,
-                            f"{_FA_CUTE_EARLY}: flash_attn_func(..., pack_gqa=None)",
-                            nullable=True,
-                        ),
+                        _pack_gqa(f"{_FA_CUTE_EARLY}: flash_attn_func(..., pack_gqa=None)"),
                     ),
                     "option_limits": (),
                     "lse": None,
@@ -1469,15 +1399,11 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         description="FlashAttention-4 (flash_attn.cute, PyPI flash-attn-4)",
         causal_top_left=False,
         kernel="attnres.kernels.fa4:make_kernel",
-        masks=(
-            MaskSupport(
-                MaskKind.KEY_PADDING,
-                MaskRoute.UNPAD,
-                "flash_attn/cute/interface.py: flash_attn_varlen_func(q, k, v, qv=None, "
-                "cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, "
-                "...), int32 contiguous cu_seqlens; masks only as CuTe mask_mod "
-                "(flash-attention 0251105a)",
-            ),
+        masks=_unpad(
+            "flash_attn/cute/interface.py: flash_attn_varlen_func(q, k, v, qv=None, "
+            "cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, "
+            "...), int32 contiguous cu_seqlens; masks only as CuTe mask_mod "
+            "(flash-attention 0251105a)"
         ),
         varlen_kernel="attnres.kernels.fa4:make_varlen_kernel",
     ),
@@ -1512,10 +1438,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
                     "entry_points": (),
                     "options": (
                         BackendOption(
-                            "smooth_k",
-                            "bool",
-                            True,
-                            f"{_SAGE1}: sageattn(..., smooth_k=True)",
+                            "smooth_k", "bool", True, f"{_SAGE1}: sageattn(..., smooth_k=True)"
                         ),
                     ),
                     # sageattn_varlen takes head sizes 64 and 128 only, sageattn 96 too:
@@ -1542,14 +1465,10 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         # go to the function it runs on the device (docs/backends.md)
         options=_declared_sage_options(_SAGE_ENTRY_POINTS),
         entry_points=_SAGE_ENTRY_POINTS,
-        masks=(
-            MaskSupport(
-                MaskKind.KEY_PADDING,
-                MaskRoute.UNPAD,
-                "sageattention/core.py: sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, "
-                "max_seqlen_q, max_seqlen_k, is_causal=False, sm_scale=None, smooth_k=True) "
-                "(Triton); sageattn itself drops attn_mask (SageAttention d1a57a54)",
-            ),
+        masks=_unpad(
+            "sageattention/core.py: sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, "
+            "max_seqlen_q, max_seqlen_k, is_causal=False, sm_scale=None, smooth_k=True) "
+            "(Triton); sageattn itself drops attn_mask (SageAttention d1a57a54)"
         ),
         varlen_kernel="attnres.kernels.sage_attn:make_varlen_kernel",
         # sageattention/core.py, sageattn_varlen's docstring: is_causal is "Only applicable
@@ -1614,15 +1533,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         platforms=("rocm",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=256),
-        implements=(
-            R.CAUSAL,
-            R.GQA,
-            R.PACKED_VARLEN,
-            R.DROPOUT,
-            R.BACKWARD,
-            R.CUSTOM_SCALE,
-            R.SLIDING_WINDOW,
-        ),
+        implements={*_FLASH, R.DROPOUT} - {R.SOFTCAP},  # no softcap argument
         package="aiter",
         capabilities={"rocm": CapabilityRule(archs={"gfx942", "gfx950"})},
         aliases=("aiter_fa", "rocm_aiter"),
@@ -1630,15 +1541,11 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         release="amd-aiter (ROCm/aiter e4048607; registry amd-aiter 0.1.7.post2.dev18)",
         causal_top_left=False,
         kernel="attnres.kernels.aiter:make_kernel",
-        masks=(
-            MaskSupport(
-                MaskKind.KEY_PADDING,
-                MaskRoute.UNPAD,
-                "aiter/ops/mha.py: flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, "
-                "max_seqlen_q, max_seqlen_k, min_seqlen_q=0, dropout_p=0.0, ...), int32 "
-                "cu_seqlens (mha_varlen_fwd_kernels.cu); its bias is one (seqlen_q, seqlen_k) "
-                "tensor, not a per-row mask (ROCm/aiter e4048607)",
-            ),
+        masks=_unpad(
+            "aiter/ops/mha.py: flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, "
+            "max_seqlen_q, max_seqlen_k, min_seqlen_q=0, dropout_p=0.0, ...), int32 "
+            "cu_seqlens (mha_varlen_fwd_kernels.cu); its bias is one (seqlen_q, seqlen_k) "
+            "tensor, not a per-row mask (ROCm/aiter e4048607)"
         ),
         varlen_kernel="attnres.kernels.aiter:make_varlen_kernel",
     ),

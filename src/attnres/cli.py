@@ -86,7 +86,7 @@ from attnres.render import (
     _table,
     _width,
     _wrap,
-    budget_flags,
+    request_text,
 )
 from attnres.runtime import component_scope
 from attnres.trace import (
@@ -439,37 +439,32 @@ _degree = _bounded_int(MAX_DEGREE)
 _head_count = _bounded_int(MAX_HEADS)
 
 
+#: Issue 24 (and 35): the sequence-parallel layout's arguments: flag, type,
+#: metavar, help; the head counts only where the command takes them.
+_LAYOUT_ARGUMENTS: tuple[tuple[str, Callable[[str], int], str, str], ...] = (
+    ("--ulysses-degree", _degree, "U",
+     "sequence-parallel layout: Ulysses all-to-all over U ranks (default 1)"),
+    ("--ring-degree", _degree, "R",
+     "sequence-parallel layout: a ring of R ranks, merged by log-sum-exp (default 1)"),
+    ("--allgather-degree", _degree, "A",
+     "sequence-parallel layout: AllGather-KV over A ranks (issue 35; default 1)"),
+)  # fmt: skip
+_HEAD_ARGUMENTS = (
+    ("--heads", _head_count, "N", "the layer's heads (Ulysses divides them)"),
+    ("--kv-heads", _head_count, "N", "its key/value heads, dividing --heads (default: --heads)"),
+)
+
+
 def _layout_arguments(parser: Any, *, heads: bool) -> None:
     """Issue 24: ``--ulysses-degree`` / ``--ring-degree`` (and the head counts)."""
-    parser.add_argument(
-        "--ulysses-degree", type=_degree, metavar="U",
-        help="sequence-parallel layout: Ulysses all-to-all over U ranks (default 1)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ring-degree", type=_degree, metavar="R",
-        help="sequence-parallel layout: a ring of R ranks, merged by log-sum-exp (default 1)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--allgather-degree", type=_degree, metavar="A",
-        help="sequence-parallel layout: AllGather-KV over A ranks (issue 35; default 1)",
-    )  # fmt: skip
+    for flag, kind, metavar, text in _LAYOUT_ARGUMENTS:
+        parser.add_argument(flag, type=kind, metavar=metavar, help=text)
     parser.add_argument(
         "--pad-heads", action="store_true",
         help="with --ulysses-degree: zero-pad the heads to a multiple of it (issue 35)",
     )  # fmt: skip
-    if heads:
-        parser.add_argument(
-            "--heads",
-            type=_head_count,
-            metavar="N",
-            help="the layer's heads (Ulysses divides them)",
-        )
-        parser.add_argument(
-            "--kv-heads",
-            type=_head_count,
-            metavar="N",
-            help="its key/value heads, dividing --heads (default: --heads)",
-        )
+    for flag, kind, metavar, text in _HEAD_ARGUMENTS if heads else ():
+        parser.add_argument(flag, type=kind, metavar=metavar, help=text)
 
 
 def _auto_layout_arguments(parser: Any) -> None:
@@ -748,20 +743,7 @@ def _render_explain(trace: Trace) -> list[str]:
             width,
         )
     lines += _field("Platform:", _platform_text(inp.platform), width)
-    cfg = inp.config
-    if cfg.global_backend is None:
-        request = "no global --attention-backend"
-    elif cfg.global_backend_env is not None:
-        request = f"{cfg.global_backend_env}={cfg.global_backend.name} (set in the environment)"
-    else:
-        how = "typed by the operator" if cfg.global_backend_explicit else "implicit preference"
-        request = f"--attention-backend {cfg.global_backend.name} ({how})"
-    if cfg.component_backends:
-        request += "; per component: " + ", ".join(
-            f"{n}={b.name}" for n, b in cfg.component_backends
-        )
-    request += budget_flags(cfg)  # issue 34
-    lines += _field("Request:", request, width)
+    lines += _field("Request:", request_text(inp.config, "implicit preference"), width)
     precision = describe_precision(trace)  # issue 34: only for a layer with a budget
     if precision:
         lines += _field("Precision:", precision, width)

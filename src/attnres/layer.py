@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import operator
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import attrs
@@ -464,27 +464,35 @@ def split_component_key(key: str, *, strict: bool = False) -> tuple[str, Role | 
     return component, role
 
 
-def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
-    if not value:
-        return ()
-    items = value.items() if isinstance(value, Mapping) else value
-    out: dict[str, Backend] = {}
-    for pair in items:
+def _pairs(value: Any, what: str, expected: str) -> Iterator[tuple[Any, Any]]:
+    """The (key, value) pairs of a mapping or of an iterable of pairs (a
+    ``ValueError`` naming ``what`` and the ``expected`` pairs for anything else)."""
+    for pair in value.items() if isinstance(value, Mapping) else value:
         try:
-            name, backend = pair
+            key, item = pair
         except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                f"component_backends: expected (component, backend) pairs, got {pair!r}"
-            ) from None
-        if not isinstance(name, str) or not name.strip():
-            raise InvalidArgumentError(
-                f"component_backends: component name must be a non-empty string, got {name!r}"
-            )
-        try:
-            component, role = split_component_key(name)
-        except ValueError as exc:
-            raise InvalidArgumentError(f"component_backends: {exc}") from None
-        key = component if role is None else f"{component}.{role.value}"
+            raise InvalidArgumentError(f"{what}: expected {expected}, got {pair!r}") from None
+        yield key, item
+
+
+def _component_key(name: Any, what: str, star: str = "") -> str:
+    """``COMPONENT`` or ``COMPONENT.ROLE`` normalised (``star``: how the message names
+    the every-component key a field also takes)."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidArgumentError(
+            f"{what}: component name must be a non-empty string{star}, got {name!r}"
+        )
+    try:
+        component, role = split_component_key(name)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{what}: {exc}") from None
+    return component if role is None else f"{component}.{role.value}"
+
+
+def _component_backends(value: Any) -> tuple[tuple[str, Backend], ...]:
+    out: dict[str, Backend] = {}
+    for name, backend in _pairs(value or (), "component_backends", "(component, backend) pairs"):
+        key = _component_key(name, "component_backends")
         out[key] = _parse_backend(backend, f"component_backends[{name!r}]")
     return tuple(sorted(out.items()))
 
@@ -524,18 +532,9 @@ def _margin(value: Any) -> float:
 
 def _tolerances(value: Any) -> tuple[tuple[str, float], ...]:
     """``{"bf16": 0.05}`` (dtype -> relative tolerance) as sorted canonical pairs."""
-    if not value:
-        return ()
-    items = value.items() if isinstance(value, Mapping) else value
     out: dict[str, float] = {}
-    for pair in items:
-        try:
-            dtype, tolerance = pair
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                f"autotune_tolerance: expected a mapping of dtype to a relative tolerance "
-                f"({{'bf16': 0.05}}), got {pair!r}"
-            ) from None
+    expected = "a mapping of dtype to a relative tolerance ({'bf16': 0.05})"
+    for dtype, tolerance in _pairs(value or (), "autotune_tolerance", expected):
         try:
             name = normalize_dtype(dtype)
         except ValueError as exc:
@@ -588,29 +587,13 @@ def _error_budgets(value: Any) -> tuple[tuple[str, ErrorBudget], ...]:
     """``{"vae": "exact", "transformer": 2e-2, "*": 0.05}`` as sorted canonical pairs:
     component names normalised as ``component_backends``'s (``COMPONENT.ROLE`` too),
     ``*`` for every component."""
-    if not value:
-        return ()
-    items = value.items() if isinstance(value, Mapping) else value
     out: dict[str, ErrorBudget] = {}
-    for pair in items:
-        try:
-            name, budget = pair
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                f"attention_error: expected (component, budget) pairs, got {pair!r}"
-            ) from None
-        if not isinstance(name, str) or not name.strip():
-            raise InvalidArgumentError(
-                f"attention_error: component name must be a non-empty string or '*', got {name!r}"
-            )
-        if name.strip() == EVERY_COMPONENT:
-            key = EVERY_COMPONENT
-        else:
-            try:
-                component, role = split_component_key(name)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"attention_error: {exc}") from None
-            key = component if role is None else f"{component}.{role.value}"
+    for name, budget in _pairs(value or (), "attention_error", "(component, budget) pairs"):
+        key = (
+            EVERY_COMPONENT
+            if isinstance(name, str) and name.strip() == EVERY_COMPONENT
+            else _component_key(name, "attention_error", " or '*'")
+        )
         out[key] = parse_error_budget(budget, f"attention_error[{name!r}]")
     return tuple(sorted(out.items()))
 

@@ -1336,14 +1336,7 @@ def numeric_budget(inp: TraceInput) -> float | None:
 
 def precision_here(spec: BackendSpec, platform: Platform) -> Precision | None:
     """The precision facts of the kernel installed here (``None``: none declared)."""
-    fact = platform.package(spec.package) if spec.package is not None else None
-    return precision_of(
-        spec,
-        None if fact is None else fact.distribution,
-        None if fact is None else fact.version,
-        platform.kind,
-        platform.capability,
-    )
+    return precision_of(spec, *platform.distribution(spec), platform.kind, platform.capability)
 
 
 def _figures(m: ErrorMeasurement) -> str:

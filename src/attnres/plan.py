@@ -90,7 +90,7 @@ from attnres.render import (
     _table,
     _width,
     _wrap,
-    budget_flags,
+    request_text,
 )
 from attnres.runtime import Resolution, component_scope, resolve, selection_config
 from attnres.scope import component_kind, loader_for
@@ -863,20 +863,7 @@ def render_plan(result: PlanResult) -> list[str]:
     pipeline, config = result.pipeline, result.config
     lines = _wrap(f"Plan for pipeline {pipeline.name!r} ({pipeline.path})", width, "", "  ")
     lines += _field("Platform:", _platform_text(result.platform), width)
-    if config.global_backend is None:
-        request = "no global --attention-backend"
-    elif config.global_backend_env is not None:
-        request = (
-            f"{config.global_backend_env}={config.global_backend.name} (set in the environment)"
-        )
-    else:
-        how = "typed by the operator" if config.global_backend_explicit else "a preference"
-        request = f"--attention-backend {config.global_backend.name} ({how})"
-    if config.component_backends:
-        request += "; per component: " + ", ".join(
-            f"--attention-backend {n}={b.name}" for n, b in config.component_backends
-        )
-    request += budget_flags(config)  # issue 34
+    request = request_text(config, "a preference", "--attention-backend ")
     lines += _field("Request:", request, width)
     dtypes = [f"{c.name} {c.dtype.describe()}" for c in result.components if c.dtype is not None]
     if dtypes:

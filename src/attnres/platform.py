@@ -389,14 +389,15 @@ class Platform:
         platform's distribution, version and device applied, and those entries."""
         if not spec.variants:
             return spec, ()
-        fact = self.package(spec.package) if spec.package is not None else None
-        return installed_facts(
-            spec,
-            None if fact is None else fact.distribution,
-            None if fact is None else fact.version,
-            self.kind,
-            self.capability,
-        )
+        return installed_facts(spec, *self.distribution(spec), self.kind, self.capability)
+
+    def distribution(self, spec: BackendSpec) -> tuple[str | None, str | None]:
+        """The installed distribution of ``spec``'s package and its version (``None``s:
+        no package, or not probed), which a spec's version-keyed facts read."""
+        if spec.package is None:
+            return None, None
+        fact = self.package(spec.package)
+        return fact.distribution, fact.version
 
     def torch_at_least(self, version: tuple[int, int]) -> bool | None:
         if not self.torch_version:

@@ -27,8 +27,6 @@ import contextlib
 import functools
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,7 @@ import torch
 from attrs import frozen
 from torch import Tensor
 
-from attnres._error import error_figures, reference_attention
+from attnres._error import error_figures, reference_attention, timed
 from attnres._files import atomic_write_text, read_bounded
 from attnres._precision_view import describe_precision, precision_of_trace
 from attnres.backends import Backend, lookup_spec
@@ -207,18 +205,6 @@ class CalibrationReport:
         return lines
 
 
-def _timed(run: Callable[[], Tensor], warmup: int, repeats: int) -> tuple[Tensor, int]:
-    out = run()
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        run()
-        times.append(time.perf_counter_ns() - start)
-    return out, int(statistics.median(times))
-
-
 def calibrate(
     module: torch.nn.Module,
     *args: Any,
@@ -259,7 +245,7 @@ def calibrate(
         for name, (layer, (q, k, v, mask)) in captured.items():
             backend = layer.backend
             assert backend is not None  # a layer that ran has a backend
-            out, median = _timed(lambda: layer(q, k, v, mask), warmup, repeats)  # noqa: B023
+            median, _, out = timed(layer, (q, k, v, mask), warmup + 1, repeats)
             res = layer.resolution
             measured = None
             if errors:

@@ -370,12 +370,6 @@ class TraceInput:
         default=(), kw_only=True, converter=_measurements, metadata={"omit_default": True}
     )
 
-    def error_for(self, backend: Backend) -> ErrorMeasurement | None:
-        """The measured error of ``backend`` on this layer's inputs (the worst of
-        several), or ``None``."""
-        found = [m for m in self.measured_error if m.backend == backend]
-        return max(found, key=lambda m: m.rel_l2) if found else None
-
     def schema_version(self) -> int:
         """The lowest schema version that can express this input."""
         version = BASE_SCHEMA_VERSION if self.no_kernel is None else KERNELS_SCHEMA_VERSION

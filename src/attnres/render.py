@@ -17,7 +17,7 @@ from attnres._states import PackageStatus
 from attnres.layer import EVERY_COMPONENT, EXACT, SelectionConfig
 from attnres.platform import Platform
 
-__all__ = ["budget_flags"]
+__all__ = ["budget_flags", "request_text"]
 
 _MAX_WIDTH = 100
 
@@ -196,3 +196,22 @@ def budget_flags(config: SelectionConfig) -> str:
         for k, v in config.attention_error
     ]
     return "; error budget: --attention-error " + ",".join(items)
+
+
+def request_text(config: SelectionConfig, preference: str, flag: str = "") -> str:
+    """What the operator asked for (the ``Request:`` field): the global backend and
+    how it was given (``preference`` names an implicit one), the per-component
+    backends (each ``{flag}name=backend``) and the error budgets."""
+    backend = config.global_backend
+    if backend is None:
+        request = "no global --attention-backend"
+    elif config.global_backend_env is not None:
+        request = f"{config.global_backend_env}={backend.name} (set in the environment)"
+    else:
+        how = "typed by the operator" if config.global_backend_explicit else preference
+        request = f"--attention-backend {backend.name} ({how})"
+    if config.component_backends:
+        request += "; per component: " + ", ".join(
+            f"{flag}{n}={b.name}" for n, b in config.component_backends
+        )
+    return request + budget_flags(config)  # issue 34

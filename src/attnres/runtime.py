@@ -29,8 +29,8 @@ from attrs import field, frozen
 
 from attnres import machine as _machine
 from attnres._memo import GenerationMemo
-from attnres._outcome import Outcome
-from attnres._states import Origin, Reason, Status
+from attnres._outcome import Outcome, OutcomeView
+from attnres._states import Status
 from attnres._vocab import Role
 from attnres.audit import emit_cache_hit, emit_resolution, emit_scope_problems, emit_summary
 from attnres.backends import (
@@ -90,11 +90,11 @@ def _selected_outcome(_: object, __: attrs.Attribute[Outcome], value: Outcome) -
 
 
 @frozen
-class Resolution:
+class Resolution(OutcomeView):
     """The backend a layer runs, why, and the trace that proves it.
 
     It composes the selected :class:`~attnres.trace.Outcome` (``outcome``);
-    ``backend``, ``reason`` and ``origin`` read through to it.
+    ``backend``, ``reason`` and ``origin`` read through to it (OutcomeView).
     """
 
     outcome: Outcome = field(validator=_selected_outcome)
@@ -107,14 +107,6 @@ class Resolution:
         backend = self.outcome.backend
         assert backend is not None  # the validator saw to it
         return backend
-
-    @property
-    def reason(self) -> Reason | None:
-        return self.outcome.reason
-
-    @property
-    def origin(self) -> Origin:
-        return self.outcome.origin
 
 
 _CONFIG_LOCK = threading.Lock()
@@ -171,6 +163,11 @@ def force_backend(backend: Backend | str) -> Iterator[Backend]:
 
 
 _CacheEntry = tuple[Resolution | None, Decision, Trace]
+#: :func:`lookup`'s cache key: layer, config, scope, platform, backend, request, and
+#: whether the layer will run (needs a kernel); a machine input's fields, in its order
+_Key = tuple[
+    LayerSpec, SelectionConfig, ScopeState | None, Platform, Backend | None, Backend | None, bool
+]
 _CACHE_MAX: Final = 4096
 # A registration change (register_backend, unregister_backend, a plugin loading,
 # a kernel registered) can change any answer: both memos belong to one registry
@@ -294,7 +291,7 @@ def lookup(
     if platform is None:
         platform = detected_platform()
     needs_kernel = needs_kernel is True
-    key = (layer, cfg, scope, platform, backend, request, needs_kernel)
+    key: _Key = (layer, cfg, scope, platform, backend, request, needs_kernel)
     try:
         # GenerationMemo.get inlined (the hit path): the generation compared, then dict.get
         memo = _CACHE._data if _CACHE._generation == _REGISTRY.generation else _CACHE.current()
@@ -305,36 +302,20 @@ def lookup(
     if entry is None:
         # argument types are checked on the cold path only: a hit costs nothing more
         _check_arguments(cfg, platform)
-        entry = _resolve_renamed(layer, cfg, scope, platform, backend, request, needs_kernel, key)
+        entry = _resolve_renamed(key)
         if entry is None:
-            entry = _resolve_cold(
-                _trace_input(layer, cfg, scope, platform, backend, request, needs_kernel), key
-            )
+            entry = _resolve_cold(_trace_input(key), key)
     else:
         emit_cache_hit(entry[1])
     return entry
 
 
-def _trace_input(
-    layer: LayerSpec,
-    cfg: SelectionConfig,
-    scope: ScopeState | None,
-    platform: Platform,
-    backend: Backend | None,
-    request: Backend | None,
-    needs_kernel: bool,
-) -> TraceInput:
-    """The machine's input; a layer that will run carries this process's kernel facts."""
-    return TraceInput(
-        layer,
-        cfg,
-        scope,
-        platform,
-        backend,
-        request,
-        needs_kernel=needs_kernel,
-        no_kernel=_no_kernel() if needs_kernel else None,
-    )
+def _trace_input(key: _Key) -> TraceInput:
+    """The machine's input of :func:`lookup`'s ``key``; a layer that will run carries
+    this process's kernel facts."""
+    needs_kernel = key[6]
+    no_kernel = _no_kernel() if needs_kernel else None
+    return TraceInput(*key[:6], needs_kernel=needs_kernel, no_kernel=no_kernel)
 
 
 #: the registered backends with no kernel in this process (one entry, key ``()``)
@@ -368,16 +349,9 @@ def _check_arguments(config: object, platform: object) -> None:
         )
 
 
-def _shape_key(
-    layer: LayerSpec,
-    cfg: object,
-    scope: object,
-    platform: object,
-    backend: object,
-    request: object,
-    needs_kernel: bool,
-) -> tuple[object, ...]:
-    """The cache key without the layer's name.
+def _shape_key(layer: LayerSpec, *rest: object) -> tuple[object, ...]:
+    """The cache key without the layer's name (``rest``: the other fields of
+    :func:`lookup`'s key, in its order).
 
     The machine never reads a layer's name (it is carried in the trace's input
     only), so layers that differ by name alone -- ``blocks.0.attn1`` ...
@@ -386,16 +360,7 @@ def _shape_key(
     fields: a field added later cannot be forgotten (a hand-kept list missed
     ``exact_route`` and then ``layout``).
     """
-    return (
-        _SHAPE_MARK,
-        _SHAPE_FIELDS(layer),
-        cfg,
-        scope,
-        platform,
-        backend,
-        request,
-        needs_kernel,
-    )
+    return (_SHAPE_MARK, _SHAPE_FIELDS(layer), *rest)
 
 
 _SHAPE_MARK: Final = object()
@@ -405,24 +370,15 @@ _SHAPE_FIELDS: Final = operator.attrgetter(
 )
 
 
-def _resolve_renamed(
-    layer: LayerSpec,
-    cfg: SelectionConfig,
-    scope: ScopeState | None,
-    platform: Platform,
-    backend: Backend | None,
-    request: Backend | None,
-    needs_kernel: bool,
-    key: tuple[object, ...],
-) -> _CacheEntry | None:
+def _resolve_renamed(key: _Key) -> _CacheEntry | None:
     """A resolution of an identical layer under another name, renamed; or ``None``."""
-    twin = _SHAPES.get(_shape_key(layer, cfg, scope, platform, backend, request, needs_kernel))
+    twin = _SHAPES.get(_shape_key(*key))
     if twin is None:
         return None
     generation = registry_generation()
     recorded = twin[2]
     trace = Trace(
-        _trace_input(layer, cfg, scope, platform, backend, request, needs_kernel),
+        _trace_input(key),
         recorded.records,
         recorded.outcome,
         recorded.schema_version,
@@ -491,11 +447,7 @@ def _resolve_cold(
     return entry
 
 
-def _input_key(
-    inp: TraceInput,
-) -> tuple[
-    LayerSpec, SelectionConfig, ScopeState | None, Platform, Backend | None, Backend | None, bool
-]:
+def _input_key(inp: TraceInput) -> _Key:
     """:func:`lookup`'s cache key of a machine input (the same fields, in its order)."""
     return (
         inp.layer,

@@ -23,13 +23,17 @@ __all__ = [
     "KernelUnavailableError",
     "VarlenAdapter",
     "causal_alignment_error",
+    "flash_call",
     "flash_style_kernel",
+    "flash_varlen_call",
     "import_kernel_package",
     "keeps_empty_keys",
+    "kernel_function",
     "mask_with_causal",
     "no_keys_output",
     "no_mask_error",
     "require_attribute",
+    "sdpa_style_mask",
     "takes_keywords",
     "unsupported_feature_error",
     "varlen_style_kernel",
@@ -53,6 +57,13 @@ def import_kernel_package(module: str, *, backend: str, install: str) -> ModuleT
             f"cannot be imported ({type(exc).__name__}: {exc}). Install it with: {install}",
             name=module,
         ) from exc
+
+
+def kernel_function(package: str, name: str, *, backend: str, install: str, hint: str) -> Any:
+    """``name`` of the kernel package ``package`` (:func:`import_kernel_package`,
+    then :func:`require_attribute` with ``hint``)."""
+    module = import_kernel_package(package, backend=backend, install=install)
+    return require_attribute(module, name, backend=backend, hint=hint)
 
 
 def require_attribute(module: ModuleType, attribute: str, *, backend: str, hint: str) -> Any:
@@ -124,17 +135,10 @@ def flash_style_kernel(
     """
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        *,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, *, softcap: float = 0.0, window: tuple[int, int] | None = None,
         **options: Any,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         if attn_mask is not None:
             raise no_mask_error(backend, mask_detail)
         if softcap and "softcap" not in takes:
@@ -197,22 +201,10 @@ class VarlenAdapter:
         self.takes_seqused = takes_seqused
 
     def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        causal: bool,
-        scale: float | None,
-        /,
-        *,
-        seqused_q: Tensor | None = None,
-        seqused_k: Tensor | None = None,
-        **options: Any,
-    ) -> Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+        max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float | None, /, *,
+        seqused_q: Tensor | None = None, seqused_k: Tensor | None = None, **options: Any,
+    ) -> Tensor:  # fmt: skip
         if seqused_q is not None or seqused_k is not None:
             if not self.takes_seqused:
                 raise ArgumentTypeError("this varlen kernel takes no seqused_q/seqused_k")
@@ -252,6 +244,43 @@ def flash_feature_kwargs(
     if softcap:
         extra["softcap"] = softcap
     return extra
+
+
+def flash_call(
+    function: Callable[..., Any], *, unbounded: int | None = -1, **fixed: Any
+) -> FlashCall:
+    """The :data:`FlashCall` over a flash-attn style ``function(q, k, v,
+    softmax_scale=, causal=, window_size=, softcap=, ...)``: the ``fixed`` keywords
+    (``dropout_p=0.0``, ``return_lse=True``) and the backend's options are passed as
+    they are, ``softcap`` and ``window`` only when set (:func:`flash_feature_kwargs`,
+    ``unbounded`` as there)."""
+
+    def call(
+        q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float,
+        window: tuple[int, int] | None, **options: Any,
+    ) -> Any:  # fmt: skip
+        extra = flash_feature_kwargs(softcap, window, unbounded=unbounded)
+        return function(q, k, v, softmax_scale=scale, causal=causal, **fixed, **extra, **options)
+
+    return call
+
+
+def flash_varlen_call(function: Callable[..., Any], **fixed: Any) -> VarlenCall:
+    """The :data:`VarlenCall` over a flash-attn style ``function(q, k, v,
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=,
+    causal=, ...)``: the lengths positionally, the rest by keyword, with the
+    ``fixed`` keywords and the backend's options as they are."""
+
+    def call(
+        q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+        causal: bool, scale: float | None, **options: Any,
+    ) -> Any:  # fmt: skip
+        return function(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, **fixed,
+            **options,
+        )  # fmt: skip
+
+    return call
 
 
 def mask_with_causal(attn_mask: Tensor, seq_q: int, seq_kv: int) -> Tensor:
@@ -299,6 +328,29 @@ def with_window(
     if attn_mask.is_floating_point():
         return attn_mask.masked_fill(~keep, float("-inf"))
     return attn_mask & keep
+
+
+def sdpa_style_mask(
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    attn_mask: Tensor | None,
+    causal: bool,
+    softcap: float,
+    window: tuple[int, int] | None,
+) -> tuple[Tensor | None, bool]:
+    """``(attn_mask, causal)`` for a kernel that takes an SDPA-style mask but no
+    softcap and no window argument (torch SDPA, xformers): ``softcap`` is refused,
+    a ``window`` becomes a band in the mask (top-left aligned), and a causal
+    layer's triangle is folded into the mask when there is one (``causal`` then
+    ``False``; without a mask it stays the kernel's own flag)."""
+    if softcap:
+        raise unsupported_feature_error(backend, "softcap")
+    if window is not None:
+        attn_mask = with_window(attn_mask, q, q.shape[1], k.shape[1], window)
+    if attn_mask is not None and causal:
+        return mask_with_causal(attn_mask, q.shape[1], k.shape[1]), False
+    return attn_mask, causal
 
 
 def no_keys_output(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -46,17 +46,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
-    flash_feature_kwargs,
+    flash_call,
     flash_style_kernel,
-    import_kernel_package,
-    require_attribute,
+    flash_varlen_call,
+    kernel_function,
     takes_keywords,
     varlen_style_kernel,
 )
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
     from attnres.kernels import KernelFn, VarlenKernelFn
 
 __all__ = ["make_kernel", "make_varlen_kernel"]
@@ -64,45 +62,26 @@ __all__ = ["make_kernel", "make_varlen_kernel"]
 BACKEND = "aiter"
 PACKAGE = "aiter"
 INSTALL = "pip install amd-aiter  (or build https://github.com/ROCm/aiter; needs ROCm)"
+_NOT_AMD = (
+    "This is probably the unrelated PyPI package 'aiter' (async iterators), not AMD "
+    "aiter; install AMD's with: " + INSTALL
+)
 
 
-def _function(name: str) -> Any:
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    return require_attribute(
-        module,
-        name,
-        backend=BACKEND,
-        hint=(
-            "This is probably the unrelated PyPI package 'aiter' (async iterators), not AMD "
-            "aiter; install AMD's with: " + INSTALL
-        ),
-    )
+def _function(name: str) -> tuple[Any, dict[str, Any]]:
+    """aiter's function ``name``, and ``return_lse=True`` where it takes it (issue 31:
+    the lse the backward needs, asserted whenever an input requires grad)."""
+    function = kernel_function(PACKAGE, name, backend=BACKEND, install=INSTALL, hint=_NOT_AMD)
+    return function, {"return_lse": True} if takes_keywords(function, "return_lse") else {}
 
 
 def make_kernel() -> KernelFn:
     """Import aiter and bind ``flash_attn_func``."""
-    flash_attn_func = _function("flash_attn_func")
-    # issue 31: the lse the backward needs (asserted whenever an input requires grad)
-    lse = {"return_lse": True} if takes_keywords(flash_attn_func, "return_lse") else {}
-
-    def call(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool,
-        scale: float | None,
-        softcap: float,
-        window: tuple[int, int] | None,
-    ) -> Any:
-        extra = flash_feature_kwargs(softcap, window)  # softcap is refused above (takes)
-        return flash_attn_func(
-            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra, **lse
-        )
-
+    flash_attn_func, lse = _function("flash_attn_func")
     return flash_style_kernel(
         BACKEND,
         "aiter.flash_attn_func takes no SDPA-style mask",
-        call,
+        flash_call(flash_attn_func, dropout_p=0.0, **lse),  # softcap is refused (takes)
         takes=frozenset({"window"}),
     )
 
@@ -114,20 +93,5 @@ def make_varlen_kernel() -> VarlenKernelFn:
     (int32 contiguous ``cu_seqlens``, as aiter checks); its causal mask is
     bottom-right per sequence.
     """
-    varlen_func = _function("flash_attn_varlen_func")
-    lse = {"return_lse": True} if takes_keywords(varlen_func, "return_lse") else {}  # issue 31
-    return varlen_style_kernel(
-        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: varlen_func(
-            q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            **lse,
-        )
-    )
+    varlen_func, lse = _function("flash_attn_varlen_func")
+    return varlen_style_kernel(flash_varlen_call(varlen_func, dropout_p=0.0, **lse))

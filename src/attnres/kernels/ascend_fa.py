@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from attnres.errors import InvalidArgumentError
-from attnres.kernels._common import import_kernel_package, require_attribute
+from attnres.kernels._common import kernel_function
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -72,19 +72,15 @@ def _masked_out(attn_mask: Tensor | None, causal: bool, q: Tensor, k: Tensor) ->
 
 def make_kernel() -> KernelFn:
     """Import torch_npu and bind ``npu_fusion_attention`` (BSND layout)."""
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    fusion = require_attribute(
-        module, "npu_fusion_attention", backend=BACKEND, hint="Reinstall it with: " + INSTALL
+    hint = "Reinstall it with: " + INSTALL
+    fusion = kernel_function(
+        PACKAGE, "npu_fusion_attention", backend=BACKEND, install=INSTALL, hint=hint
     )
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
         scale: float | None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         result = fusion(
             q,
             k,

@@ -32,8 +32,6 @@ import inspect
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
     from attnres.kernels import KernelFn
 
 __all__ = ["make_kernel"]
@@ -45,7 +43,6 @@ def make_kernel() -> KernelFn:
 
     from attnres.kernels import torch_sdpa
 
-    sdpa_attention = torch_sdpa.make_kernel()
     backends = [
         SDPBackend.CUDNN_ATTENTION,
         SDPBackend.FLASH_ATTENTION,
@@ -53,18 +50,6 @@ def make_kernel() -> KernelFn:
     ]
     # older torch has no priority order: the list is then a set, and SDPA's own
     # order (flash, efficient, cuDNN) applies among them
-    ordered = "set_priority" in inspect.signature(sdpa_kernel).parameters
-
-    def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-    ) -> Tensor:
-        selection = sdpa_kernel(backends, set_priority=True) if ordered else sdpa_kernel(backends)
-        with selection:
-            return sdpa_attention(q, k, v, attn_mask, causal, scale)
-
-    return attention
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        return torch_sdpa.selected(lambda: sdpa_kernel(backends, set_priority=True))
+    return torch_sdpa.selected(lambda: sdpa_kernel(backends))

@@ -38,17 +38,10 @@ def make_kernel() -> KernelFn:
     """Return the reference kernel (torch only, nothing to import lazily)."""
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        *,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, *, softcap: float = 0.0, window: tuple[int, int] | None = None,
         sinks: Tensor | None = None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         acc = torch.promote_types(q.dtype, torch.float32)
         head_size = q.shape[-1]
         seq_q, seq_kv = q.shape[1], k.shape[1]

@@ -36,16 +36,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
-    flash_feature_kwargs,
+    flash_call,
     flash_style_kernel,
-    import_kernel_package,
-    require_attribute,
+    flash_varlen_call,
+    kernel_function,
     varlen_style_kernel,
 )
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
     from attnres.kernels import KernelFn, VarlenKernelFn
 
 __all__ = ["make_kernel", "make_varlen_kernel"]
@@ -62,29 +60,13 @@ _NOT_FA2 = (
 
 
 def _function(name: str) -> Any:
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    return require_attribute(module, name, backend=BACKEND, hint=_NOT_FA2)
+    return kernel_function(PACKAGE, name, backend=BACKEND, install=INSTALL, hint=_NOT_FA2)
 
 
 def make_kernel() -> KernelFn:
-    """Import flash_attn and bind ``flash_attn_func``."""
-    flash_attn_func = _function("flash_attn_func")
-
-    def call(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool,
-        scale: float | None,
-        softcap: float,
-        window: tuple[int, int] | None,
-        **options: Any,  # issue 23: the spec's declared options (deterministic, ...)
-    ) -> Any:
-        extra = flash_feature_kwargs(softcap, window)
-        return flash_attn_func(
-            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra, **options
-        )
-
+    """Import flash_attn and bind ``flash_attn_func``; it takes the spec's options
+    (issue 23: ``deterministic``)."""
+    call = flash_call(_function("flash_attn_func"), dropout_p=0.0)
     return flash_style_kernel(BACKEND, "flash_attn_func has no mask argument", call, takes=_TAKES)
 
 
@@ -95,22 +77,9 @@ def make_varlen_kernel() -> VarlenKernelFn:
     heads_kv, head_size), cumulative sequence lengths of shape (batch + 1,) (any
     integer dtype: they are passed on as contiguous int32, as flash-attn
     requires), the longest q/kv sequence lengths, ``causal`` and ``scale``. Its
-    causal mask is flash-attn's: bottom-right aligned within each sequence.
+    causal mask is flash-attn's: bottom-right aligned within each sequence; it
+    takes the spec's options (issue 23: ``deterministic``).
     """
-    varlen_func = _function("flash_attn_varlen_func")
     return varlen_style_kernel(
-        # issue 23: flash_attn_varlen_func(..., deterministic=False) takes the spec's options
-        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **options: varlen_func(
-            q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            **options,
-        )
+        flash_varlen_call(_function("flash_attn_varlen_func"), dropout_p=0.0)
     )

@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from attnres.kernels._common import (
     KernelUnavailableError,
-    flash_feature_kwargs,
+    flash_call,
     flash_style_kernel,
+    flash_varlen_call,
     import_kernel_package,
     require_attribute,
     takes_keywords,
@@ -49,8 +50,6 @@ from attnres.kernels._common import (
 )
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
     from attnres.kernels import KernelFn, VarlenKernelFn
 
 __all__ = ["make_kernel", "make_varlen_kernel"]
@@ -75,32 +74,18 @@ def _import() -> ModuleType:
             raise first from first.__cause__
 
 
+def _function(name: str) -> Any:
+    hint = "The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL
+    return require_attribute(_import(), name, backend=BACKEND, hint=hint)
+
+
 def make_kernel() -> KernelFn:
-    """Import flash_attn_interface and bind ``flash_attn_func``."""
-    flash_attn_func = require_attribute(
-        _import(),
-        "flash_attn_func",
-        backend=BACKEND,
-        hint="The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL,
-    )
-
-    def call(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool,
-        scale: float | None,
-        softcap: float,
-        window: tuple[int, int] | None,
-        **options: Any,  # issue 23: the spec's declared options (deterministic, ...)
-    ) -> Any:
-        extra = flash_feature_kwargs(softcap, window)
-        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra, **options)
-
+    """Import flash_attn_interface and bind ``flash_attn_func``; it takes the spec's
+    options (issue 23: ``deterministic``, ``pack_gqa``)."""
     return flash_style_kernel(
         BACKEND,
         "flash_attn_interface.flash_attn_func has no mask argument",
-        call,
+        flash_call(_function("flash_attn_func")),
         takes=frozenset({"softcap", "window"}),
     )
 
@@ -110,19 +95,12 @@ def make_varlen_kernel() -> VarlenKernelFn:
 
     Same calling convention as :func:`attnres.kernels.fa.make_varlen_kernel`;
     ``cu_seqlens`` arrive as contiguous int32 (attnres._varlen builds them so).
+    issue 23: hopper ``flash_attn_varlen_func(..., pack_gqa=None,
+    deterministic=False)`` takes the spec's options; ``seqused_q``/``seqused_k``
+    (when the route passes them) are keywords too.
     """
-    varlen_func = require_attribute(
-        _import(),
-        "flash_attn_varlen_func",
-        backend=BACKEND,
-        hint="The FlashAttention-3 build looks incomplete; reinstall it with: " + INSTALL,
-    )
-
+    varlen_func = _function("flash_attn_varlen_func")
     return varlen_style_kernel(
-        # issue 23: hopper flash_attn_varlen_func(..., pack_gqa=None, deterministic=False);
-        # seqused_q/seqused_k (when the route passes them) are keywords too
-        lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **options: varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, **options
-        ),
+        flash_varlen_call(varlen_func),
         takes_seqused=takes_keywords(varlen_func, "seqused_q", "seqused_k"),
     )

@@ -66,10 +66,9 @@ from typing import TYPE_CHECKING, Any
 
 from attnres.errors import BackendOptionError, KernelRefusedError
 from attnres.kernels._common import (
-    flash_feature_kwargs,
+    flash_call,
     flash_style_kernel,
-    import_kernel_package,
-    require_attribute,
+    kernel_function,
     takes_keywords,
     varlen_style_kernel,
 )
@@ -87,13 +86,8 @@ INSTALL = "pip install flash-attn-4  (FlashAttention-4, Hopper/Blackwell GPUs)"
 
 
 def _function(name: str) -> Any:
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    return require_attribute(
-        module,
-        name,
-        backend=BACKEND,
-        hint="The flash-attn-4 install looks incomplete; reinstall it with: " + INSTALL,
-    )
+    hint = "The flash-attn-4 install looks incomplete; reinstall it with: " + INSTALL
+    return kernel_function(PACKAGE, name, backend=BACKEND, install=INSTALL, hint=hint)
 
 
 #: issue 31: the ``__version__`` flash-attn 2.x's own early flash_attn.cute hard-codes
@@ -159,23 +153,14 @@ def make_kernel() -> KernelFn:
     flash_attn_func = _function("flash_attn_func")
     check = _option_check(flash_attn_func)
     early = _early_cute()
+    plain = flash_call(flash_attn_func, unbounded=None)  # FA4: None, not -1
 
-    def call(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool,
-        scale: float | None,
-        softcap: float,
-        window: tuple[int, int] | None,
-        **options: Any,  # issue 23: the spec's declared options (deterministic, ...)
-    ) -> Any:
+    def call(q: Tensor, k: Tensor, v: Tensor, *args: Any, **options: Any) -> Any:
         if early and _needs_grad(q, k, v):
             raise _no_backward_error()
-        if options:
+        if options:  # issue 23: the spec's declared options (deterministic, ...)
             check(options)
-        extra = flash_feature_kwargs(softcap, window, unbounded=None)  # FA4: None, not -1
-        return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra, **options)
+        return plain(q, k, v, *args, **options)
 
     return flash_style_kernel(
         BACKEND,

@@ -99,16 +99,9 @@ def make_kernel() -> KernelFn:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        *,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
-    ) -> Tensor:
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, *, softcap: float = 0.0, window: tuple[int, int] | None = None,
+    ) -> Tensor:  # fmt: skip
         batch, seq_q, heads_q, _ = q.shape
         seq_kv = k.shape[1]
         score_mod: Callable[..., Tensor] | None = None

@@ -48,14 +48,15 @@ Nothing is imported at module import: torch is loaded on the first call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from attnres._memo import GenerationMemo
 from attnres.errors import InvalidArgumentError
 from attnres.kernels._common import (
     KernelUnavailableError,
     import_kernel_package,
+    kernel_function,
     require_attribute,
     takes_keywords,
 )
@@ -219,10 +220,8 @@ def make_fa_lse() -> LseKernelFn:
     """
     from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE  # only when it is built
 
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    func = require_attribute(
-        module, "flash_attn_func", backend=BACKEND, hint="This is not flash-attn 2.x."
-    )
+    hint = "This is not flash-attn 2.x."
+    func = kernel_function(PACKAGE, "flash_attn_func", backend=BACKEND, install=INSTALL, hint=hint)
 
     def fa_lse(
         q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float = 0.0,
@@ -254,12 +253,10 @@ def make_fa_lse_backward() -> LseBackwardFn:
     from attnres.kernels.fa import BACKEND, INSTALL, PACKAGE  # only when it is built
 
     import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    interface = import_kernel_package(
-        f"{PACKAGE}.flash_attn_interface", backend=BACKEND, install=INSTALL
-    )
-    func = require_attribute(
-        interface, "_flash_attn_backward", backend=BACKEND, hint="This is not flash-attn 2.x."
-    )
+    func = kernel_function(
+        f"{PACKAGE}.flash_attn_interface", "_flash_attn_backward", backend=BACKEND,
+        install=INSTALL, hint="This is not flash-attn 2.x.",
+    )  # fmt: skip
     accepted = frozenset(inspect.signature(func).parameters)
 
     def fa_lse_backward(
@@ -362,31 +359,36 @@ def lse_kernel_names() -> tuple[str, ...]:
     return tuple(sorted(_FACTORIES))
 
 
+_F = TypeVar("_F")
+
+
+def _built(
+    memo: GenerationMemo[str, _F], factories: Mapping[str, Callable[[], _F]], backend_name: str
+) -> _F | None:
+    """``backend_name``'s entry of ``memo``, built by its factory on first use (``None``:
+    it has none)."""
+    built = memo.get(backend_name)
+    if built is None:
+        factory = factories.get(backend_name)
+        if factory is None:
+            return None
+        built = memo[backend_name] = factory()
+    return built
+
+
 def get_lse_kernel(backend_name: str) -> LseKernelFn | None:
     """The log-sum-exp adapter of ``backend_name`` (built on first use), or ``None``.
 
     A package that cannot be imported raises
     :class:`~attnres.kernels.KernelUnavailableError`, as :func:`attnres.kernels.get_kernel`.
     """
-    built = _BUILT.get(backend_name)
-    if built is None:
-        factory = _FACTORIES.get(backend_name)
-        if factory is None:
-            return None
-        built = _BUILT[backend_name] = factory()
-    return built
+    return _built(_BUILT, _FACTORIES, backend_name)
 
 
 def get_lse_backward(backend_name: str) -> LseBackwardFn | None:
     """The block backward of ``backend_name`` (built on first use), or ``None``: the
     ring is then inference-only on it."""
-    built = _BUILT_BACKWARDS.get(backend_name)
-    if built is None:
-        factory = _BACKWARDS.get(backend_name)
-        if factory is None:
-            return None
-        built = _BUILT_BACKWARDS[backend_name] = factory()
-    return built
+    return _built(_BUILT_BACKWARDS, _BACKWARDS, backend_name)
 
 
 def clear_lse_cache() -> None:

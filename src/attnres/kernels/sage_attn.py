@@ -50,6 +50,7 @@ from attnres.backends import entry_point_options
 from attnres.kernels._common import (
     flash_style_kernel,
     import_kernel_package,
+    kernel_function,
     require_attribute,
     takes_keywords,
     varlen_style_kernel,
@@ -67,6 +68,7 @@ __all__ = ["make_kernel", "make_varlen_kernel", "sage_function"]
 BACKEND = "sage_attn"
 PACKAGE = "sageattention"
 INSTALL = "pip install sageattention  (needs a CUDA GPU and a matching torch)"
+_HINT = "Reinstall it with: " + INSTALL
 
 
 #: What :func:`sage_function` returns: the function and the keyword arguments it gets.
@@ -83,8 +85,7 @@ def sage_function(module: ModuleType) -> Callable[[Tensor, dict[str, Any]], Sage
     option that function does not take is a :class:`~attnres.errors.BackendOptionError`
     (:func:`attnres.backends.entry_point_options`).
     """
-    hint = "Reinstall it with: " + INSTALL
-    sageattn = require_attribute(module, "sageattn", backend=BACKEND, hint=hint)
+    sageattn = require_attribute(module, "sageattn", backend=BACKEND, hint=_HINT)
     plain: SageCall = (sageattn, {})
     picked: dict[tuple[Any, ...], SageCall] = {}
     lock = threading.Lock()
@@ -106,7 +107,7 @@ def sage_function(module: ModuleType) -> Callable[[Tensor, dict[str, Any]], Sage
             where=f" (on the tensors' device {q.device})",
         )  # fmt: skip
         assert entry is not None  # sage_attn's spec names a function for each GPU it runs on
-        function = require_attribute(module, entry.name, backend=BACKEND, hint=hint)
+        function = require_attribute(module, entry.name, backend=BACKEND, hint=_HINT)
         found = (function, {**dict(entry.passes), **options})
         with lock:
             picked[key] = found
@@ -120,9 +121,7 @@ def make_kernel() -> KernelFn:
     device's own function (:func:`sage_function`)."""
     module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
     pick = sage_function(module)
-    sageattn = require_attribute(
-        module, "sageattn", backend=BACKEND, hint="Reinstall it with: " + INSTALL
-    )
+    sageattn = require_attribute(module, "sageattn", backend=BACKEND, hint=_HINT)
     # issue 31: SageAttention 1 (no return_lse) subtracts the keys' mean from k in place
     smooths_in_place = not takes_keywords(sageattn, "return_lse")
 
@@ -149,9 +148,8 @@ def make_varlen_kernel() -> VarlenKernelFn:
 
     Same calling convention as :func:`attnres.kernels.fa.make_varlen_kernel`.
     """
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    sageattn_varlen = require_attribute(
-        module, "sageattn_varlen", backend=BACKEND, hint="Reinstall it with: " + INSTALL
+    sageattn_varlen = kernel_function(
+        PACKAGE, "sageattn_varlen", backend=BACKEND, install=INSTALL, hint=_HINT
     )
 
     checked: set[tuple[tuple[str, Any], ...]] = set()

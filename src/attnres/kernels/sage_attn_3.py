@@ -24,12 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from attnres.errors import InvalidArgumentError
-from attnres.kernels._common import (
-    causal_alignment_error,
-    import_kernel_package,
-    no_mask_error,
-    require_attribute,
-)
+from attnres.kernels._common import causal_alignment_error, kernel_function, no_mask_error
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -48,19 +43,18 @@ INSTALL = (
 
 def make_kernel() -> KernelFn:
     """Import sageattn3 and bind ``sageattn3_blackwell`` (HND layout)."""
-    module = import_kernel_package(PACKAGE, backend=BACKEND, install=INSTALL)
-    sageattn3 = require_attribute(
-        module, "sageattn3_blackwell", backend=BACKEND, hint="Reinstall it: " + INSTALL
+    sageattn3 = kernel_function(
+        PACKAGE,
+        "sageattn3_blackwell",
+        backend=BACKEND,
+        install=INSTALL,
+        hint="Reinstall it: " + INSTALL,
     )
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
         scale: float | None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         if attn_mask is not None:
             raise no_mask_error(BACKEND, "sageattn3_blackwell accepts attn_mask and ignores it")
         head_size = q.shape[-1]

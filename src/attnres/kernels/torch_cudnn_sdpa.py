@@ -24,7 +24,7 @@ The backend list is built once in ``make_kernel``; each call enters the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -75,28 +75,17 @@ def refused_error(why: str, seq_kv: int) -> KernelRefusedError:
     )
 
 
+def _refuse(k: Tensor) -> None:
+    why = refusal(k.shape[1])
+    if why is not None:
+        raise refused_error(why, k.shape[1])
+
+
 def make_kernel() -> KernelFn:
     """Bind the ``torch_sdpa`` adapter and the cuDNN-only backend selection."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attnres.kernels import torch_sdpa
 
-    sdpa_attention = torch_sdpa.make_kernel()
     backends = [SDPBackend.CUDNN_ATTENTION]
-
-    def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        **features: Any,
-    ) -> Tensor:
-        why = refusal(k.shape[1])
-        if why is not None:
-            raise refused_error(why, k.shape[1])
-        with sdpa_kernel(backends):
-            return sdpa_attention(q, k, v, attn_mask, causal, scale, **features)
-
-    return attention
+    return torch_sdpa.selected(lambda: sdpa_kernel(backends), _refuse)

@@ -22,18 +22,19 @@ the same transposes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnres.kernels._common import mask_with_causal, unsupported_feature_error, with_window
+from attnres.kernels._common import sdpa_style_mask
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from attnres.kernels import KernelFn
 
-__all__ = ["make_kernel"]
+__all__ = ["make_kernel", "selected"]
 
 
 def make_kernel() -> KernelFn:
@@ -41,36 +42,18 @@ def make_kernel() -> KernelFn:
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        *,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
-    ) -> Tensor:
-        if softcap:
-            raise unsupported_feature_error("torch_sdpa", "softcap")
-        if window is not None:  # SDPA has no window argument: the window is a mask
-            attn_mask = with_window(attn_mask, q, q.shape[1], k.shape[1], window)
-        if attn_mask is not None and causal:
-            attn_mask = mask_with_causal(attn_mask, q.shape[1], k.shape[1])
-            causal = False
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, *, softcap: float = 0.0, window: tuple[int, int] | None = None,
+    ) -> Tensor:  # fmt: skip
+        # SDPA has no window argument: the window is a mask (the causal one folded in)
+        attn_mask, causal = sdpa_style_mask("torch_sdpa", q, k, attn_mask, causal, softcap, window)
         # attn_mask, dropout_p and is_causal positionally: measurably cheaper at
         # small shapes, where Python overhead is the cost (scale and enable_gqa
         # are keyword-only in SDPA's schema)
         return sdpa(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask,
-            0.0,
-            causal,
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-        ).transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, 0.0, causal,
+            scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+        ).transpose(1, 2)  # fmt: skip
 
     def specialize(
         causal: bool, scale: float | None, gqa: bool
@@ -93,15 +76,9 @@ def make_kernel() -> KernelFn:
             if attn_mask is not None and causal:
                 return attention(q, k, v, attn_mask, causal, scale)
             return sdpa(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask,
-                0.0,
-                causal,
-                scale=scale,
-                enable_gqa=gqa,
-            ).transpose(1, 2)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, 0.0, causal,
+                scale=scale, enable_gqa=gqa,
+            ).transpose(1, 2)  # fmt: skip
 
         return attention_bound
 
@@ -109,4 +86,28 @@ def make_kernel() -> KernelFn:
     # zero-length keys: SDPA's own answer is the one every adapter gives
     # (kernels._common.keeps_empty_keys), so its calls need no guard in front
     attention.keeps_empty_keys = True  # type: ignore[attr-defined]
+    return attention
+
+
+def _refuses_nothing(k: Tensor) -> None:
+    return None
+
+
+def selected(
+    selection: Callable[[], AbstractContextManager[object]],
+    refuse: Callable[[Tensor], None] = _refuses_nothing,
+) -> KernelFn:
+    """The SDPA adapter called inside ``selection()`` (a ``sdpa_kernel`` context:
+    the SDPA kernels it may run), after ``refuse(k)`` (raises for a call that
+    selection cannot run): ``torch_cudnn_sdpa`` and ``dynamic_cudnn_sdpa``."""
+    sdpa_attention = make_kernel()
+
+    def attention(
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, **features: Any,
+    ) -> Tensor:  # fmt: skip
+        refuse(k)
+        with selection():
+            return sdpa_attention(q, k, v, attn_mask, causal, scale, **features)
+
     return attention

@@ -33,13 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnres.errors import InvalidArgumentError
-from attnres.kernels._common import (
-    import_kernel_package,
-    mask_with_causal,
-    require_attribute,
-    unsupported_feature_error,
-    with_window,
-)
+from attnres.kernels._common import import_kernel_package, require_attribute, sdpa_style_mask
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -89,32 +83,20 @@ def make_kernel() -> KernelFn:
     causal_bias = lower_triangular()
 
     def attention(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        causal: bool,
-        scale: float | None,
-        *,
-        softcap: float = 0.0,
-        window: tuple[int, int] | None = None,
-    ) -> Tensor:
-        if softcap:
-            raise unsupported_feature_error(BACKEND, "softcap")
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool,
+        scale: float | None, *, softcap: float = 0.0, window: tuple[int, int] | None = None,
+    ) -> Tensor:  # fmt: skip
+        # a window is a band and causal with a mask is folded in: the tensor bias below
+        # (the backward takes no LowerTriangularMaskWithTensorBias)
+        attn_mask, causal = sdpa_style_mask(BACKEND, q, k, attn_mask, causal, softcap, window)
         batch, seq_q, heads, _ = q.shape
-        if window is not None:  # a band mask, folded into the tensor bias below
-            attn_mask = with_window(attn_mask, q, seq_q, k.shape[1], window)
         if k.shape[2] != heads:
             groups = heads // k.shape[2]
             k = k.repeat_interleave(groups, dim=2)
             v = v.repeat_interleave(groups, dim=2)
-        bias: object = None
+        bias: object = causal_bias if causal else None
         if attn_mask is not None:
-            if causal:  # folded in: the backward takes no LowerTriangularMaskWithTensorBias
-                attn_mask = mask_with_causal(attn_mask, seq_q, k.shape[1])
             bias = _aligned_bias(attn_mask, batch, heads, seq_q, k.shape[1], q.dtype)
-        elif causal:
-            bias = causal_bias
         out: Tensor = memory_efficient_attention(q, k, v, attn_bias=bias, p=0.0, scale=scale)
         return out
 
