@@ -58,6 +58,9 @@ class Event(_StrEnum):
     GLOBAL_FALLBACK = "global_fallback"
     PREFERENCE_FALLBACK = "preference_fallback"
     SPARSE_CROSS_FALLBACK = "sparse_cross_fallback"
+    #: issue 30: a relaxed request on a layer whose route runs only its own
+    #: softmax attention written by hand
+    BY_HAND_FALLBACK = "by_hand_fallback"
     CANDIDATE_FAILED = "candidate_failed"
     EXHAUSTED = "exhausted"
     #: autotune: a selected automatic decision is measured against its candidates
@@ -100,6 +103,9 @@ class Reason(_StrEnum):
     PLATFORM_DEFAULT_FALLBACK = "platform default fallback"
     DENSE_CROSS_ATTENTION_FALLBACK = "dense cross-attention fallback"
     COMPONENT_CONSTRAINT = "component constraint"
+    #: issue 30: the layer's route runs only the site's own code, which computes
+    #: softmax attention by hand (no kernel is offered there)
+    WRITTEN_BY_HAND = "softmax attention written by hand"
     MEASURED_FASTER = "measured faster"
     # issue 23, the ``sglang`` profile: SGLang records a role override's
     # divergence from the component backend as an explained selection

@@ -105,15 +105,16 @@ class RouteKind(str, enum.Enum):
     """How a site's kernel is put in place (issue 30): code dispatches on this,
     never on the route's words (``Site.route`` is for people)."""
 
-    #: the generic route: the site's own SDPA calls, or the attention its code
-    #: computes by hand, run the kernel decided per call signature
+    #: the generic route: the site's own SDPA calls run the kernel decided per
+    #: call signature
     INTERCEPT = "intercept"
     #: transformers' attention interface: the config names the function it runs
     INTERFACE = "interface"
     #: the site runs one kernel its code names (a host's dispatcher pinned to a
     #: backend, a kernel its code calls, torch's own MultiheadAttention path)
     PIN = "pin"
-    #: the site's own code, untouched (not softmax attention, or nothing routes it)
+    #: the site's own code, untouched (not softmax attention, softmax attention
+    #: written by hand -- issue 30: no kernel is offered there --, or nothing routes it)
     OWN_CODE = "own code"
 
 
@@ -219,9 +220,10 @@ class Site:
 
     @property
     def by_hand(self) -> bool:
-        """The generic route over softmax attention its code computes by hand (its
-        own code path is ``eager``)."""
-        return self.routed and self.current is not None and self.current.name == "eager"
+        """Softmax attention its code computes by hand: its own code runs it, untouched
+        (issue 30; its own code path is ``eager``)."""
+        own = self.kind is RouteKind.OWN_CODE
+        return own and self.current is not None and self.current.name == "eager"
 
     @property
     def error(self) -> str | None:
