@@ -158,7 +158,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycle_inside_attnres() -> None:
     graph, lazy = _graph()
     # a lazy import counts too: hiding an edge in a function does not remove it
-    for (module, target) in lazy:
+    for module, target in lazy:
         graph[module] = graph[module] | {target}
     graph_cycles = [
         c for c in _cycles(graph) if "attnres" not in c and frozenset(c) not in KNOWN_CYCLES
