@@ -13,7 +13,7 @@ STAMP := $(VENV)/.attnres-installed
 PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test test-deep test-deferred golden bench bench-sp fuzz lint typecheck docs clean test-sglang bench-sglang \
+.PHONY: setup run test test-deep golden bench bench-sp fuzz lint typecheck docs clean test-sglang bench-sglang \
 	kernels-env test-kernels gpu-check test-vllm-omni bench-vllm-omni
 
 setup: $(STAMP)
@@ -72,19 +72,14 @@ test: lint $(KERNELS_STAMP)
 	$(KERNELS_RUN) $(PY) -m pytest -n $(TEST_WORKERS) --benchmark-disable $(PYTEST_ARGS)
 
 # Everything make test samples, whole: more property-test examples, every diffusers
-# class and transformers type at their full configs, every by-hand and interface
-# type run tiny, then every row of the generated coverage tables (make test checks
+# class and transformers type at their full configs, every interface type run
+# tiny, then every row of the generated coverage tables (make test checks
 # one row in four of those; tests/generated_docs.py).
 test-deep: $(STAMP) $(KERNELS_STAMP)
-	HYPOTHESIS_PROFILE=deep ATTNRES_COVERAGE_FULL=1 ATTNRES_DEFERRED_FULL=1 $(KERNELS_RUN) \
+	HYPOTHESIS_PROFILE=deep ATTNRES_COVERAGE_FULL=1 $(KERNELS_RUN) \
 		$(PY) -m pytest -n $(TEST_WORKERS) --benchmark-disable $(PYTEST_ARGS)
 	ATTNRES_COVERAGE_TABLE=1 $(PY) -m pytest -n $(TEST_WORKERS) --benchmark-disable \
 		tests/test_integrations_coverage.py tests/test_integrations_coverage_hf.py -k every_exported
-
-# every transformers model type with softmax attention by hand, built tiny and run
-# (tests/test_deferred_sweep.py; `make test` runs twelve of them)
-test-deferred: $(STAMP)
-	ATTNRES_DEFERRED_FULL=1 $(PY) -m pytest tests/test_deferred_sweep.py $(PYTEST_ARGS)
 
 golden: $(STAMP)
 	$(PY) -m pytest tests/test_golden.py tests/test_autotune_golden.py \

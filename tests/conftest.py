@@ -97,6 +97,7 @@ def varlen_fakes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     clear_kernel_cache()
     clear_varlen_cache()
 
+
 #: tests/kernels/ needs the kernel distributions downloaded by `make test-kernels`,
 #: which runs it (with ATTNRES_KERNEL_DISTS set); `make test` does not collect it
 if not os.environ.get("ATTNRES_KERNEL_DISTS"):

@@ -916,14 +916,11 @@ SCENARIOS: tuple[Scenario, ...] = (
         None,
         _HOPPER_ALL,
         "vmoba_attn",
-        expect=rejects(
-            "head_size", origin="layer", error_contains=("is not a multiple of 8",)
-        ),
+        expect=rejects("head_size", origin="layer", error_contains=("is not a multiple of 8",)),
     ),
     Scenario(
         "sage-attn-3-selected-on-sm121",
-        "SageAttention3 runs on sm121 (DGX Spark) as well as sm120 (api.cu: is_sm120 || "
-        "is_sm121).",
+        "SageAttention3 runs on sm121 (DGX Spark) as well as sm120 (api.cu: is_sm120 || is_sm121).",
         _layer(),
         _NOTHING,
         None,
@@ -1107,8 +1104,7 @@ SCENARIOS: tuple[Scenario, ...] = (
             "no_kernel",
             origin="layer",
             error_contains=(
-                "Attention backend 'sliding_tile_attn' is not available: no kernel in this "
-                "process",
+                "Attention backend 'sliding_tile_attn' is not available: no kernel in this process",
                 "attnres.kernels.register_kernel('sliding_tile_attn', fn)",
             ),
         ),
@@ -1403,6 +1399,23 @@ SCENARIOS: tuple[Scenario, ...] = (
         "cuda:sm90",
         None,
         expect=selects("torch_sdpa", "global backend fallback", origin="global_cli"),
+    ),
+    Scenario(
+        "by-hand-site-falls-back-for-the-global-flag",
+        "Issue 30: softmax attention a text encoder's code writes by hand runs only its own "
+        "code (the route runs exactly eager: no kernel is offered there). Under the "
+        "operator's --attention-backend torch_sdpa the text encoder (global fallback "
+        "allowed) keeps it, with the reason 'softmax attention written by hand'.",
+        _layer(
+            supported=("eager",),
+            default="eager",
+            exact_route="the site's own code (softmax attention written by hand in BloomAttention)",
+        ),
+        _cli("torch_sdpa"),
+        scope_state("text_encoder"),
+        "cuda:sm90",
+        None,
+        expect=selects("eager", "softmax attention written by hand", origin="global_cli"),
     ),
     # -- platform kinds -------------------------------------------------------------
     Scenario(

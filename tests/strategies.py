@@ -64,8 +64,7 @@ any_text = st.one_of(
     st.builds(
         "{}{}{}".format,  # "site-packages-\xff" decoded: "site-packages-\udcff"
         st.text(max_size=10),
-        st.text(st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF), min_size=1,
-                max_size=3),
+        st.text(st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF), min_size=1, max_size=3),
         st.text(max_size=10),
     ),
 )
@@ -210,9 +209,7 @@ requirements = st.builds(
 
 @st.composite
 def layers(draw: st.DrawFn) -> LayerSpec:
-    supported = draw(
-        st.one_of(st.none(), st.lists(backend_spellings(), min_size=1, max_size=5))
-    )
+    supported = draw(st.one_of(st.none(), st.lists(backend_spellings(), min_size=1, max_size=5)))
     return LayerSpec(
         head_size=draw(head_sizes),
         dtype=draw(dtypes),
@@ -221,9 +218,7 @@ def layers(draw: st.DrawFn) -> LayerSpec:
         role=draw(st.sampled_from([Role.SELF, Role.CROSS, "self", "CROSS"])),
         requirements=draw(requirements),
         name=draw(
-            st.one_of(
-                st.none(), st.sampled_from(["blocks.0.attn1", "attn2", "ünï.attn"]), any_text
-            )
+            st.one_of(st.none(), st.sampled_from(["blocks.0.attn1", "attn2", "ünï.attn"]), any_text)
         ),
     )
 
@@ -255,9 +250,7 @@ component_names = st.one_of(
 
 @st.composite
 def configs(draw: st.DrawFn) -> SelectionConfig:
-    components = draw(
-        st.dictionaries(component_names, backend_spellings(), max_size=2)
-    )
+    components = draw(st.dictionaries(component_names, backend_spellings(), max_size=2))
     return SelectionConfig(
         global_backend=draw(maybe_backend()),
         global_backend_explicit=draw(st.booleans()),
@@ -277,8 +270,11 @@ def scope_args(draw: st.DrawFn) -> dict[str, Any]:
         args["kind"] = draw(st.sampled_from(sorted(_REGISTERED_LOADERS)))
     args["backend"] = draw(maybe_backend(2))
     roles = draw(
-        st.dictionaries(st.sampled_from([Role.SELF, Role.CROSS, "self", "cross"]),
-                        backend_spellings(), max_size=2)
+        st.dictionaries(
+            st.sampled_from([Role.SELF, Role.CROSS, "self", "cross"]),
+            backend_spellings(),
+            max_size=2,
+        )
     )
     # "self" and Role.SELF are one role: keep one of them
     by_role: dict[Role, Any] = {Role.parse(r): b for r, b in roles.items()}

@@ -191,7 +191,10 @@ def test_rule_autotune_keeps_the_incumbent_without_a_clear_win() -> None:
     assert judged["fake_close"].spread_ns == 0
     step = _tuning_transition(trace)
     assert (step.event, step.reason, step.candidate.name) == (
-        Event.INCUMBENT_KEPT, None, "fake_incumbent")
+        Event.INCUMBENT_KEPT,
+        None,
+        "fake_incumbent",
+    )
     assert layer.resolution.reason is None  # the machine's reason stands
     assert not is_armed(layer)  # tuned: the wrapper stepped aside
 
@@ -209,7 +212,10 @@ def test_rule_autotune_switches_on_a_win_over_the_margin() -> None:
     assert judged["fake_fast"].verdict is Verdict.OUTPACED
     step = _tuning_transition(layer.resolution.trace)
     assert (step.event, step.reason, step.candidate.name) == (
-        Event.MEASURED_FASTER, "measured faster", "fake_faster")
+        Event.MEASURED_FASTER,
+        "measured faster",
+        "fake_faster",
+    )
     assert layer.resolution.trace.outcome.backend.name == "fake_faster"
     # the winner runs from now on, and gives the same attention
     before = CALLS.get("fake_faster", 0)
@@ -218,7 +224,11 @@ def test_rule_autotune_switches_on_a_win_over_the_margin() -> None:
     # the ledger shows it like any other decision
     last = attnres.decisions()[-1]
     assert (last.layer, last.backend, last.reason, last.origin) == (
-        "blocks.0.attn1", "fake_faster", "measured faster", "layer_default")
+        "blocks.0.attn1",
+        "fake_faster",
+        "measured faster",
+        "layer_default",
+    )
     assert last.trace is layer.resolution.trace
 
 
@@ -298,9 +308,7 @@ def test_rule_autotune_never_tunes_explicit_choices(how: str) -> None:
 
 def test_rule_autotune_tunes_exactly_the_automatic_origins() -> None:
     assert {o.value for o in TUNABLE_ORIGINS} == {"none", "layer_default", "global_preference"}
-    set_selection_config(
-        _config(global_backend="fake_incumbent", global_backend_explicit=False)
-    )
+    set_selection_config(_config(global_backend="fake_incumbent", global_backend_explicit=False))
     layer = _layer("fake_fast", name="attn")
     assert layer.resolution.origin == "global_preference"
     layer(*_qkv())
@@ -591,8 +599,12 @@ def test_a_trace_older_than_version_3_cannot_hold_autotune_records() -> None:
     layer(*_qkv())
     doc = layer.resolution.trace.to_dict()
     doc["schema_version"] = 2
-    doc["digest"] = Trace(layer.resolution.trace.input, layer.resolution.trace.records,
-                          layer.resolution.trace.outcome, 2).digest
+    doc["digest"] = Trace(
+        layer.resolution.trace.input,
+        layer.resolution.trace.records,
+        layer.resolution.trace.outcome,
+        2,
+    ).digest
     expected = r"belongs to schema version 3 \(autotune\), but the file says version 2"
     with pytest.raises(TraceFormatError, match=expected):
         trace_from_json(json.dumps(doc))
@@ -620,8 +632,13 @@ def test_measurement_records_are_loaded_strictly() -> None:
 def test_real_cpu_candidates_are_measured_and_the_evidence_replays(tmp_path: Path) -> None:
     with use_timer(__import__("time").perf_counter_ns):
         set_selection_config(_config())
-        layer = Attention(HEADS, SIZE, supported={"torch_sdpa", "eager", "flex_attention"},
-                          name="real", dtype=torch.float32)
+        layer = Attention(
+            HEADS,
+            SIZE,
+            supported={"torch_sdpa", "eager", "flex_attention"},
+            name="real",
+            dtype=torch.float32,
+        )
         assert layer.resolution.origin == "none" and is_armed(layer)
         q, k, v = _qkv((1, 64, HEADS, SIZE))
         out = layer(q, k, v)
@@ -631,8 +648,12 @@ def test_real_cpu_candidates_are_measured_and_the_evidence_replays(tmp_path: Pat
     for record in judged.values():
         assert record.error is None and record.median_ns is not None and record.median_ns > 0
         assert record.deviation is not None and record.deviation < 1e-4
-        assert record.verdict in {Verdict.INCUMBENT, Verdict.CHOSEN, Verdict.OUTPACED,
-                                  Verdict.WITHIN_MARGIN}
+        assert record.verdict in {
+            Verdict.INCUMBENT,
+            Verdict.CHOSEN,
+            Verdict.OUTPACED,
+            Verdict.WITHIN_MARGIN,
+        }
     assert layer.backend.name in judged
     torch.testing.assert_close(layer(q, k, v), out, rtol=1e-5, atol=1e-5)
     result = replay(dump_trace(trace, tmp_path / "real.json"))
@@ -677,7 +698,7 @@ def test_results_from_another_torch_version_are_ignored_with_a_reason(tmp_path: 
     assert CALLS == {"fake_incumbent": 1 + 4, "fake_fast": 4}  # measured again
     tuning = next(r for r in layer.resolution.trace.records if isinstance(r, TuningRecord))
     assert tuning.source == "measured"
-    assert f"ignored loaded results ({path}: recorded with torch version \"1.0.0\"" in tuning.detail
+    assert f'ignored loaded results ({path}: recorded with torch version "1.0.0"' in tuning.detail
 
 
 def test_results_files_never_clobber_and_are_bounded(tmp_path: Path) -> None:
@@ -819,10 +840,23 @@ def test_cli_plan_counts_the_layers_autotune_would_measure(
     assert main(["plan", pipeline, "--platform", "cpu", "--autotune", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     flags = {(lay["origin"], lay["autotune"]) for c in doc["components"] for lay in c["layers"]}
-    assert flags and all(tunable == (origin in {"none", "layer_default"})
-                         for origin, tunable in flags)
-    assert main(["plan", pipeline, "--platform", "cpu", "--autotune",
-                 "--attention-backend", "torch_sdpa"]) == 0
+    assert flags and all(
+        tunable == (origin in {"none", "layer_default"}) for origin, tunable in flags
+    )
+    assert (
+        main(
+            [
+                "plan",
+                pipeline,
+                "--platform",
+                "cpu",
+                "--autotune",
+                "--attention-backend",
+                "torch_sdpa",
+            ]
+        )
+        == 0
+    )
     text = " ".join(capsys.readouterr().out.split())
     assert "Autotune: 0 of 208 layers would be measured" in text
     assert main(["plan", pipeline, "--platform", "cpu", "--json"]) == 0
@@ -850,8 +884,15 @@ def test_results_for_other_candidates_are_ignored_with_a_reason(tmp_path: Path) 
 def test_candidates_run_with_the_layers_softcap_and_window() -> None:
     with use_timer(__import__("time").perf_counter_ns):
         set_selection_config(_config())
-        layer = Attention(HEADS, SIZE, supported={"torch_sdpa", "eager", "flex_attention"},
-                          softcap=5.0, window=(2, 2), name="capped", dtype=torch.float32)
+        layer = Attention(
+            HEADS,
+            SIZE,
+            supported={"torch_sdpa", "eager", "flex_attention"},
+            softcap=5.0,
+            window=(2, 2),
+            name="capped",
+            dtype=torch.float32,
+        )
         q, k, v = _qkv((1, 16, HEADS, SIZE))
         out = layer(q, k, v)
     tuning = next(r for r in layer.resolution.trace.records if isinstance(r, TuningRecord))

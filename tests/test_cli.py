@@ -157,9 +157,21 @@ def test_console_script_entry_point_is_cli_main() -> None:
 # =============================================================================
 
 SEED = (
-    "explain", "--head-size", "1536", "--dtype", "float32", "--supported", "fa,torch_sdpa",
-    "--default", "torch_sdpa", "--component", "audio_vae", "--attention-backend", "sage_attn",
-    "--platform", HOPPER,
+    "explain",
+    "--head-size",
+    "1536",
+    "--dtype",
+    "float32",
+    "--supported",
+    "fa,torch_sdpa",
+    "--default",
+    "torch_sdpa",
+    "--component",
+    "audio_vae",
+    "--attention-backend",
+    "sage_attn",
+    "--platform",
+    HOPPER,
 )
 
 
@@ -171,7 +183,7 @@ def test_explain_seed_incident_human_output() -> None:
     assert out.startswith("Decision:  selected torch_sdpa")
     assert "global_cli" in out and "global backend fallback" in out
     # every check of the requested candidate, with verdict and reason
-    table = out[out.index("Candidates"):]
+    table = out[out.index("Candidates") :]
     for check in ("known", "available", "platform", "role", "supported", "requirements"):
         assert re.search(rf"\b{check}\b", table), check
     assert "head size 1536 exceeds the maximum 128" in out
@@ -202,8 +214,19 @@ def test_explain_json_selected() -> None:
 
 def test_explain_json_rejected_exit_1() -> None:
     proc = run(
-        "explain", "--head-size", "128", "--dtype", "bf16", "--requires", "causal,packed_varlen",
-        "--component", "transformer", "--component-backend", "sage_attn", "--platform", HOPPER,
+        "explain",
+        "--head-size",
+        "128",
+        "--dtype",
+        "bf16",
+        "--requires",
+        "causal,packed_varlen",
+        "--component",
+        "transformer",
+        "--component-backend",
+        "sage_attn",
+        "--platform",
+        HOPPER,
         "--json",
     )
     assert proc.returncode == 1
@@ -221,8 +244,17 @@ def test_explain_json_rejected_exit_1() -> None:
 
 def test_explain_rejected_human_output() -> None:
     proc = run(
-        "explain", "--head-size", "128", "--dtype", "bf16", "--supported", "fa,torch_sdpa",
-        "--attention-backend", "sage_attn", "--platform", HOPPER,
+        "explain",
+        "--head-size",
+        "128",
+        "--dtype",
+        "bf16",
+        "--supported",
+        "fa,torch_sdpa",
+        "--attention-backend",
+        "sage_attn",
+        "--platform",
+        HOPPER,
     )
     assert proc.returncode == 1
     assert proc.stdout.startswith("Decision:  rejected")
@@ -234,9 +266,22 @@ def test_explain_rejected_human_output() -> None:
 
 
 def test_explain_typed_flag_is_explicit_and_implicit_is_a_preference() -> None:
-    base = ("explain", "--head-size", "128", "--dtype", "bf16", "--component", "transformer",
-            "--supported", "fa,torch_sdpa", "--attention-backend", "sage_attn",
-            "--platform", HOPPER, "--json")
+    base = (
+        "explain",
+        "--head-size",
+        "128",
+        "--dtype",
+        "bf16",
+        "--component",
+        "transformer",
+        "--supported",
+        "fa,torch_sdpa",
+        "--attention-backend",
+        "sage_attn",
+        "--platform",
+        HOPPER,
+        "--json",
+    )
     typed = run(*base)
     implicit = run(*base, "--implicit")
     assert typed.returncode == 1
@@ -251,9 +296,20 @@ def test_explain_typed_flag_is_explicit_and_implicit_is_a_preference() -> None:
 
 def test_explain_sparse_request_on_cross_attention_falls_back_to_dense() -> None:
     proc = run(
-        "explain", "--head-size", "128", "--dtype", "bf16", "--role", "cross",
-        "--attention-backend", "video_sparse_attn", "--component", "transformer",
-        "--platform", HOPPER, "--json",
+        "explain",
+        "--head-size",
+        "128",
+        "--dtype",
+        "bf16",
+        "--role",
+        "cross",
+        "--attention-backend",
+        "video_sparse_attn",
+        "--component",
+        "transformer",
+        "--platform",
+        HOPPER,
+        "--json",
     )
     assert proc.returncode == 0
     doc = as_json(proc)
@@ -263,8 +319,18 @@ def test_explain_sparse_request_on_cross_attention_falls_back_to_dense() -> None
 
 def test_explain_per_component_flag_form() -> None:
     proc = run(
-        "explain", "--head-size", "64", "--dtype", "fp32", "--component", "vae",
-        "--attention-backend", "vae=eager", "--platform", "cpu", "--json",
+        "explain",
+        "--head-size",
+        "64",
+        "--dtype",
+        "fp32",
+        "--component",
+        "vae",
+        "--attention-backend",
+        "vae=eager",
+        "--platform",
+        "cpu",
+        "--json",
     )
     assert proc.returncode == 0, proc.stderr
     doc = as_json(proc)
@@ -306,25 +372,61 @@ def test_replay_wiring(tmp_path: Path) -> None:
         (("--head-size", "0", "--dtype", "bf16"), ["head_size: must be at least 1"]),
         (("--head-size", "64", "--dtype", "bfloat17"), ["unknown dtype 'bfloat17'"]),
         (("--head-size", "64"), ["--dtype"]),
-        (("--head-size", "64", "--dtype", "bf16", "--role", "sideways"),
-         ["role must be 'self' or 'cross'"]),
-        (("--head-size", "64", "--dtype", "bf16", "--requires", "causal,masks"),
-         ["unknown requirement 'masks'", "attn_mask"]),
-        (("--head-size", "64", "--dtype", "bf16", "--supported", "fa,flashy"),
-         ["Unknown attention backend 'flashy'"]),
-        (("--head-size", "64", "--dtype", "bf16", "--default", "sage_atn"),
-         ["Did you mean 'sage_attn'?"]),
-        (("--head-size", "64", "--dtype", "bf16", "--attention-backend", "sage_atn"),
-         ["Unknown attention backend 'sage_atn'", "Did you mean 'sage_attn'?"]),
-        (("--head-size", "64", "--dtype", "bf16", "--component", "vae",
-          "--component-backend", "flash"), ["Unknown attention backend 'flash'"]),
-        (("--head-size", "64", "--dtype", "bf16", "--component-backend", "fa"),
-         ["--component NAME"]),
+        (
+            ("--head-size", "64", "--dtype", "bf16", "--role", "sideways"),
+            ["role must be 'self' or 'cross'"],
+        ),
+        (
+            ("--head-size", "64", "--dtype", "bf16", "--requires", "causal,masks"),
+            ["unknown requirement 'masks'", "attn_mask"],
+        ),
+        (
+            ("--head-size", "64", "--dtype", "bf16", "--supported", "fa,flashy"),
+            ["Unknown attention backend 'flashy'"],
+        ),
+        (
+            ("--head-size", "64", "--dtype", "bf16", "--default", "sage_atn"),
+            ["Did you mean 'sage_attn'?"],
+        ),
+        (
+            ("--head-size", "64", "--dtype", "bf16", "--attention-backend", "sage_atn"),
+            ["Unknown attention backend 'sage_atn'", "Did you mean 'sage_attn'?"],
+        ),
+        (
+            (
+                "--head-size",
+                "64",
+                "--dtype",
+                "bf16",
+                "--component",
+                "vae",
+                "--component-backend",
+                "flash",
+            ),
+            ["Unknown attention backend 'flash'"],
+        ),
+        (
+            ("--head-size", "64", "--dtype", "bf16", "--component-backend", "fa"),
+            ["--component NAME"],
+        ),
         (("--head-size", "64", "--dtype", "bf16", "--implicit"), ["--attention-backend"]),
-        (("--head-size", "64", "--dtype", "bf16", "--attention-backend", "fa",
-          "--attention-backend", "eager"), ["given twice"]),
-        (("--head-size", "64", "--dtype", "bf16", "--attention-backend", "=fa"),
-         ["COMPONENT=BACKEND"]),
+        (
+            (
+                "--head-size",
+                "64",
+                "--dtype",
+                "bf16",
+                "--attention-backend",
+                "fa",
+                "--attention-backend",
+                "eager",
+            ),
+            ["given twice"],
+        ),
+        (
+            ("--head-size", "64", "--dtype", "bf16", "--attention-backend", "=fa"),
+            ["COMPONENT=BACKEND"],
+        ),
     ],
 )
 def test_explain_bad_input_exit_2(args: tuple[str, ...], needles: list[str]) -> None:
@@ -369,24 +471,33 @@ def test_make_run_first_command_detected_platform() -> None:
 
 def test_make_run_second_command_shows_the_auxiliary_fallback() -> None:
     proc = cached(
-        "plan", "examples/audio-video.toml", "--platform", HOPPER, "--attention-backend",
+        "plan",
+        "examples/audio-video.toml",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
         "sage_attn",
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "Verdict: ok" in out
     assert "global backend fallback" in out
-    audio = out[out.index("audio_vae  ["):]
+    audio = out[out.index("audio_vae  [") :]
     assert "torch_sdpa" in audio and "global backend fallback" in audio
-    transformer = out[out.index("transformer  ["):out.index("text_encoder  [")]
+    transformer = out[out.index("transformer  [") : out.index("text_encoder  [")]
     assert "sage_attn" in transformer and "torch_sdpa" not in transformer
     assert_fits(out)
 
 
 def test_plan_json_seed_incident() -> None:
     proc = run(
-        "plan", "examples/audio-video.toml", "--platform", HOPPER, "--attention-backend",
-        "sage_attn", "--json",
+        "plan",
+        "examples/audio-video.toml",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
+        "sage_attn",
+        "--json",
     )
     assert proc.returncode == 0
     doc = as_json(proc)
@@ -396,7 +507,9 @@ def test_plan_json_seed_incident() -> None:
     assert components["audio_vae"]["kind"] == "audio_vae"
     for layer in components["audio_vae"]["layers"]:
         assert (layer["backend"], layer["reason"], layer["origin"]) == (
-            "torch_sdpa", "global backend fallback", "global_cli"
+            "torch_sdpa",
+            "global backend fallback",
+            "global_cli",
         )
     for layer in components["transformer"]["layers"]:
         assert (layer["backend"], layer["reason"]) == ("sage_attn", None)
@@ -404,7 +517,12 @@ def test_plan_json_seed_incident() -> None:
 
 def test_plan_rejection_reports_every_layer_and_exits_1() -> None:
     proc = run(
-        "plan", "examples/ltx2.toml", "--platform", HOPPER, "--attention-backend", "sage_attn",
+        "plan",
+        "examples/ltx2.toml",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
+        "sage_attn",
         "--json",
     )
     assert proc.returncode == 1
@@ -420,8 +538,9 @@ def test_plan_rejection_reports_every_layer_and_exits_1() -> None:
             assert "does not implement attention masks" in layer["error"]
         else:
             assert layer["backend"] and layer["error"] is None
-    human = run("plan", "examples/ltx2.toml", "--platform", HOPPER, "--attention-backend",
-                "sage_attn")
+    human = run(
+        "plan", "examples/ltx2.toml", "--platform", HOPPER, "--attention-backend", "sage_attn"
+    )
     assert human.returncode == 1
     assert "REJECTED" in human.stdout and "Verdict: rejected" in human.stdout
     assert_fits(human.stdout)
@@ -455,8 +574,15 @@ def test_plan_override_not_applied_is_reported(tmp_path: Path) -> None:
 def test_plan_trace_out_writes_one_replayable_trace_per_distinct_layer(tmp_path: Path) -> None:
     out = tmp_path / "traces"
     proc = run(
-        "plan", "examples/ltx2.toml", "--platform", HOPPER, "--attention-backend", "sage_attn",
-        "--json", "--trace-out", str(out),
+        "plan",
+        "examples/ltx2.toml",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
+        "sage_attn",
+        "--json",
+        "--trace-out",
+        str(out),
     )
     assert proc.returncode == 1
     doc = as_json(proc)
@@ -477,7 +603,13 @@ def test_plan_trace_out_writes_one_replayable_trace_per_distinct_layer(tmp_path:
 
 def test_plan_global_options_after_the_command_and_logs_on_stderr() -> None:
     proc = run(
-        "plan", "examples/cpu-small.toml", "--platform", "cpu", "--json", "--log-level", "debug",
+        "plan",
+        "examples/cpu-small.toml",
+        "--platform",
+        "cpu",
+        "--json",
+        "--log-level",
+        "debug",
     )
     assert proc.returncode == 0
     doc = as_json(proc)  # stdout is exactly one JSON document
@@ -489,8 +621,15 @@ def test_plan_global_options_after_the_command_and_logs_on_stderr() -> None:
 
 def test_json_log_format_writes_one_json_object_per_stderr_line() -> None:
     proc = run(
-        "--log-format", "json", "--log-level", "info", "plan", "examples/cpu-small.toml",
-        "--platform", "cpu", "--json",
+        "--log-format",
+        "json",
+        "--log-level",
+        "info",
+        "plan",
+        "examples/cpu-small.toml",
+        "--platform",
+        "cpu",
+        "--json",
     )
     assert proc.returncode == 0
     as_json(proc)
@@ -505,8 +644,16 @@ def test_json_log_format_writes_one_json_object_per_stderr_line() -> None:
 
 def test_log_level_warning_shows_rejections_only() -> None:
     proc = run(
-        "plan", "examples/ltx2.toml", "--platform", HOPPER, "--attention-backend", "sage_attn",
-        "--log-level", "warning", "--log-format", "json",
+        "plan",
+        "examples/ltx2.toml",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
+        "sage_attn",
+        "--log-level",
+        "warning",
+        "--log-format",
+        "json",
     )
     assert proc.returncode == 1
     events = [json.loads(line) for line in proc.stderr.splitlines()]
@@ -536,7 +683,8 @@ GOOD_LAYER = 'name = "mid.attn"\nhead_size = 64\ndtype = "bf16"\n'
             ["component 'vae'", "layer 'mid.attn'", "missing required key 'head_size'"],
         ),
         (
-            '[[components]]\nname = "vae"\n[[components.layers]]\n' + GOOD_LAYER
+            '[[components]]\nname = "vae"\n[[components.layers]]\n'
+            + GOOD_LAYER
             + "head_sise = 3\n",
             ["layer 'mid.attn'", "unknown key 'head_sise'", "did you mean 'head_size'?"],
         ),
@@ -548,11 +696,15 @@ GOOD_LAYER = 'name = "mid.attn"\nhead_size = 64\ndtype = "bf16"\n'
         (
             '[[components]]\nname = "vae"\nbackend = "sage_atn"\n[[components.layers]]\n'
             + GOOD_LAYER,
-            ["component 'vae'", "Unknown attention backend 'sage_atn'",
-             "Did you mean 'sage_attn'?"],
+            [
+                "component 'vae'",
+                "Unknown attention backend 'sage_atn'",
+                "Did you mean 'sage_attn'?",
+            ],
         ),
         (
-            '[[components]]\nname = "vae"\n[[components.layers]]\n' + GOOD_LAYER
+            '[[components]]\nname = "vae"\n[[components.layers]]\n'
+            + GOOD_LAYER
             + 'role = "crosss"\n',
             ["layer 'mid.attn'", "role must be 'self' or 'cross'"],
         ),
@@ -569,7 +721,8 @@ def test_plan_invalid_pipeline_exit_2(tmp_path: Path, text: str, needles: list[s
 def test_plan_unreadable_file_exit_2(tmp_path: Path) -> None:
     assert_usage_error(
         run("plan", str(tmp_path / "nope.toml"), "--platform", "cpu"),
-        "nope.toml", "cannot read pipeline file",
+        "nope.toml",
+        "cannot read pipeline file",
     )
 
 
@@ -581,16 +734,30 @@ def test_plan_json_mode_errors_keep_stdout_empty(tmp_path: Path) -> None:
 def test_plan_bad_platform_and_unknown_component_flag() -> None:
     assert_usage_error(
         run("plan", "examples/cpu-small.toml", "--platform", "gpu"),
-        "unknown platform kind 'gpu'", "KIND[:ARCH][+PACKAGE...]",
+        "unknown platform kind 'gpu'",
+        "KIND[:ARCH][+PACKAGE...]",
     )
     assert_usage_error(
-        run("plan", "examples/cpu-small.toml", "--platform", "cpu", "--attention-backend",
-            "vea=eager"),
-        "no component 'vea'", "unet, text_encoder, vae",
+        run(
+            "plan",
+            "examples/cpu-small.toml",
+            "--platform",
+            "cpu",
+            "--attention-backend",
+            "vea=eager",
+        ),
+        "no component 'vea'",
+        "unet, text_encoder, vae",
     )
     assert_usage_error(
-        run("plan", "examples/cpu-small.toml", "--platform", "cpu", "--attention-backend",
-            "sage_atn"),
+        run(
+            "plan",
+            "examples/cpu-small.toml",
+            "--platform",
+            "cpu",
+            "--attention-backend",
+            "sage_atn",
+        ),
         "Did you mean 'sage_attn'?",
     )
 
@@ -673,7 +840,9 @@ def test_doctor_human_rendering_of_a_gpu_machine(
         packages=(
             PackageFact("flash_attn", "present", "2.8.3"),
             PackageFact(
-                "xformers", "broken", None,
+                "xformers",
+                "broken",
+                None,
                 "import failed: ImportError: libcudart.so.12: cannot open shared object file",
             ),
             PackageFact("sageattention", "missing", None, "not installed"),
@@ -776,8 +945,14 @@ def test_stdout_stays_clean_with_debug_logging() -> None:
     "args",
     [
         ("backends",),
-        ("plan", "examples/audio-video.toml", "--platform", HOPPER, "--attention-backend",
-         "sage_attn"),
+        (
+            "plan",
+            "examples/audio-video.toml",
+            "--platform",
+            HOPPER,
+            "--attention-backend",
+            "sage_attn",
+        ),
         ("explain", "--head-size", "64", "--dtype", "bf16", "--platform", "cpu"),
     ],
     ids=["backends", "plan", "explain"],
@@ -929,12 +1104,35 @@ def test_what_a_package_printed_is_kept_in_its_probe_fact(
 
 
 _WIDE_OUTPUTS = {
-    "plan-ltx2-sparse": ("plan", "examples/ltx2.toml", "--platform", HOPPER,
-                         "--attention-backend", "video_sparse_attn"),
-    "plan-audio-video": ("plan", "examples/audio-video.toml", "--platform", HOPPER,
-                         "--attention-backend", "fa"),
-    "explain": ("explain", "--head-size", "64", "--dtype", "bf16", "--platform", HOPPER,
-                "--attention-backend", "sage_attn", "--component", "audio_vae"),
+    "plan-ltx2-sparse": (
+        "plan",
+        "examples/ltx2.toml",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
+        "video_sparse_attn",
+    ),
+    "plan-audio-video": (
+        "plan",
+        "examples/audio-video.toml",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
+        "fa",
+    ),
+    "explain": (
+        "explain",
+        "--head-size",
+        "64",
+        "--dtype",
+        "bf16",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
+        "sage_attn",
+        "--component",
+        "audio_vae",
+    ),
     "backends": ("backends",),
     "doctor": ("doctor",),
 }
@@ -951,8 +1149,9 @@ def test_text_output_fits_the_terminal_and_never_breaks_a_name(name: str, column
     assert not long, long
     words = set(proc.stdout.split())
     if argv[0] == "plan":
-        for layer in (la for c in as_json(cached(*argv, "--json"))["components"]
-                      for la in c["layers"]):
+        for layer in (
+            la for c in as_json(cached(*argv, "--json"))["components"] for la in c["layers"]
+        ):
             assert layer["name"] in proc.stdout, layer["name"]
     if argv[0] == "backends":
         for spec in registered_backends():
@@ -961,8 +1160,14 @@ def test_text_output_fits_the_terminal_and_never_breaks_a_name(name: str, column
 
 def test_plan_summaries_read_rightly(tmp_path: Path) -> None:
     """Issue 11, case 13: counts say what they count; singular is singular."""
-    proc = run("plan", "examples/audio-video.toml", "--platform", HOPPER,
-               "--attention-backend", "sage_attn")
+    proc = run(
+        "plan",
+        "examples/audio-video.toml",
+        "--platform",
+        HOPPER,
+        "--attention-backend",
+        "sage_attn",
+    )
     verdict = " ".join(proc.stdout.split("Verdict:")[1].split())
     assert re.search(r"fallbacks: global backend fallback \(\d+ layers\)", verdict), verdict
     one = tmp_path / "one.toml"
@@ -970,8 +1175,16 @@ def test_plan_summaries_read_rightly(tmp_path: Path) -> None:
         '[pipeline]\nname = "one"\n[[components]]\nname = "vae"\n'
         '[[components.layers]]\nname = "mid.attn"\nhead_size = 64\ndtype = "float32"\n'
     )
-    proc = run("plan", str(one), "--platform", "cpu", "--attention-backend", "vae=torch_sdpa",
-               "--trace-out", str(tmp_path / "traces"))
+    proc = run(
+        "plan",
+        str(one),
+        "--platform",
+        "cpu",
+        "--attention-backend",
+        "vae=torch_sdpa",
+        "--trace-out",
+        str(tmp_path / "traces"),
+    )
     assert proc.returncode == 0, proc.stderr
     # a long temporary path wraps onto the next line: read the text unwrapped
     unwrapped = " ".join(proc.stdout.split())

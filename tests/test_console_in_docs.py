@@ -128,8 +128,13 @@ def _transcripts() -> list[Transcript]:
             )
             found.append(
                 Transcript(
-                    doc, start + 1, body[0][2:], tuple(body[1:]), exit_code,
-                    m.group("what") if m else None, files,
+                    doc,
+                    start + 1,
+                    body[0][2:],
+                    tuple(body[1:]),
+                    exit_code,
+                    m.group("what") if m else None,
+                    files,
                 )
             )
     return found

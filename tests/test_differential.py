@@ -1,24 +1,26 @@
 """A differential harness for softmax attention written by hand (issue 30).
 
-Each module below computes its attention by hand in a way written to break an
-eager capture of it (the deferred-scores route, ``_deferred.py``): in-place
-writes on its scores, ``detach``, a mask changed in place after the code used
-it, hooks, autocast, ``inference_mode``, ``torch.compile``, probabilities
-returned to the caller, backward, values cast to another dtype, boolean and
-additive masks. Each runs under no flag, an explicit ``eager``, an explicit
-``torch_sdpa`` and a stand-in ``sage_attn`` (the fake kernels of
-``tests/test_masks.py``), as a plain torch module held by a component
-(``attnres.integrations.diffusers.apply({"vae": holder})``: a component that may
-fall back), and is compared with the untouched module:
+Each module below computes its attention by hand in a way written to break a
+capture of it: in-place writes on its scores, ``detach``, a mask changed in
+place after the code used it, hooks, autocast, ``inference_mode``,
+``torch.compile``, probabilities returned to the caller, backward, values cast
+to another dtype, boolean and additive masks. attnres offers no kernel there
+(issue 30, choice (a): a by-hand site runs its own code). Each runs under no
+flag, an explicit ``eager``, an explicit ``torch_sdpa`` and a stand-in
+``sage_attn`` (the fake kernels of ``tests/test_masks.py``), as a plain torch
+module held by a component (``attnres.integrations.diffusers.apply({"vae":
+holder})``: a component that may fall back), once holding its head facts
+(planned: decided at plan time) and once holding none (decided at its first
+call), and is compared with the untouched module:
 
-- no flag: bit-identical (outputs and gradients);
-- a forward where the route ran a kernel: within the kernel's tolerance
-  (float32, outputs and gradients: ``max|d| <= 2e-5 + 2e-4 * max|ref|``; the
-  fp16 stand-in: relative norm under ``5e-3``);
-- a forward where it did not: bit-identical, and the route's first-call record
-  says why (``own math: ...``).
+- no flag: nothing wrapped, bit-identical (outputs and gradients);
+- an explicit flag: bit-identical too (the site's own code runs), and the
+  decision says why (``eager``, reason ``softmax attention written by hand``);
+- a strict component (``transformer``): the flag is refused, typed
+  (``IntegrationError`` at apply for a planned site, ``ResolutionError`` at
+  the first call of one decided there).
 
-A failure names the case, the site, its route, the kernel and the difference.
+A failure names the case, the site, its route, the decision and the difference.
 """
 
 from __future__ import annotations
@@ -31,11 +33,9 @@ import pytest
 import torch
 
 from attnres import Platform, SelectionConfig
-from attnres.errors import DeferredScoresError, ResolutionError
-from attnres.integrations import _deferred
+from attnres.errors import IntegrationError, ResolutionError
 from attnres.integrations import diffusers as idf
 
-F = torch.nn.functional
 STAND_IN = attrs.evolve(Platform.simulate("cuda:sm90+flash_attn+sageattention"), simulated=False)
 NO_FLAG, EAGER, SDPA, SAGE = "no flag", "eager", "torch_sdpa", "sage_attn"
 B, S, D, H = 2, 6, 16, 2
@@ -43,7 +43,8 @@ HD = D // H
 
 
 class Hand(torch.nn.Module):
-    """Softmax attention by hand, ``case`` picking what its code does."""
+    """Softmax attention by hand, ``case`` picking what its code does; it holds no
+    head facts (decided at its first call)."""
 
     def __init__(self, case: str) -> None:
         super().__init__()
@@ -105,30 +106,35 @@ class Hand(torch.nn.Module):
         return out
 
 
-#: what each case's forward runs under a decided kernel (True: the kernel; a
-#: string: its own math, the record saying that)
-CASES: dict[str, bool | str] = {
-    "plain": True,
-    "bool mask": True,
-    "additive mask": True,
-    "probabilities returned": True,
-    "setitem": "__setitem__ of the scores",
-    "tril_": "tril_ of the scores",
-    "clamp_": "clamp_ of the scores",
-    "index_fill_": "index_fill_ of the scores",
-    "copy_": "copy_ of the scores",
-    "masked_fill_ not a mask": "masked_fill with a value that is not a mask's",
-    "write through a view": "the scores changed in place",
-    "write after softmax": "tril_ of the scores",
-    "detach": "detach of the scores",
-    "mask changed after use": "changed in place after its use",
-    "buffer changed after use": "changed in place after its use",
-    "requires_grad read": "requires_grad of the scores",
-    "hook": True,  # no grad: no hook; with grad: requires_grad read (below)
-    "forward hook": "clamp of the attention probabilities",
-    "values cast": "probabilities in float64, values in float64",
-}
-GRAD_OWN = {"hook": "requires_grad of the scores", "detach": "detach of the scores"}
+#: the battery: what each case's code does to its attention
+CASES = (
+    "plain",
+    "bool mask",
+    "additive mask",
+    "probabilities returned",
+    "setitem",
+    "tril_",
+    "clamp_",
+    "index_fill_",
+    "copy_",
+    "masked_fill_ not a mask",
+    "write through a view",
+    "write after softmax",
+    "detach",
+    "mask changed after use",
+    "buffer changed after use",
+    "requires_grad read",
+    "hook",
+    "forward hook",
+    "values cast",
+)
+WRITTEN_BY_HAND = "softmax attention written by hand"
+
+
+class HandWithFacts(Hand):
+    """The same code, holding its head facts: planned, decided at plan time."""
+
+    heads, head_dim = H, HD
 
 
 def _inputs(dtype: torch.dtype, case: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,10 +149,10 @@ def _inputs(dtype: torch.dtype, case: str) -> tuple[torch.Tensor, torch.Tensor |
     return x, None
 
 
-def _build(case: str, dtype: torch.dtype) -> torch.nn.Module:
+def _build(case: str, dtype: torch.dtype, facts: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     holder = torch.nn.Module()
-    holder.attn = Hand(case).to(dtype)
+    holder.attn = (HandWithFacts if facts else Hand)(case).to(dtype)
     if case == "forward hook":
         holder.attn.drop.register_forward_hook(lambda m, a, out: out.clamp(max=0.9))
     return holder
@@ -171,88 +177,55 @@ def _run(module: torch.nn.Module, case: str, dtype: torch.dtype, grad: bool) -> 
     return [*outs, x.grad, *(p.grad for p in module.parameters())]
 
 
-def _differs(got: Any, want: Any, fp16: bool) -> float | None:
-    """The difference of ``got`` from ``want`` where it is over the tolerance."""
-    if got is None or want is None:
-        return None if got is None and want is None else float("inf")
-    d = (got.detach().double() - want.detach().double()).abs()
-    if fp16:
-        norm = float(d.norm() / want.detach().double().norm().clamp_min(1e-12))
-        return norm if norm > 5e-3 else None
-    worst = float(d.max())
-    return worst if worst > 2e-5 + 2e-4 * float(want.detach().double().abs().max()) else None
-
-
-class _Spy:
-    """Wraps one route's ``run_deferred``: whether the last forward ran its kernel."""
-
-    def __init__(self, route: Any) -> None:
-        self.route, self.kernel = route, 0
-        real = route.run_deferred
-
-        def run(found: Any, probs: Any) -> Any:
-            out = real(found, probs)
-            self.kernel += out is not None
-            return out
-
-        route.run_deferred = run
-
-
-def _check(case: str, flag: str, how: str = "", grads: tuple[bool, ...] = (False, True)) -> None:
-    """Run ``case`` untouched, then applied under ``flag``, forward and (each of
-    ``grads``) backward, and compare (the module docstring says how)."""
+def _check(
+    case: str,
+    flag: str,
+    facts: bool,
+    how: str = "",
+    grads: tuple[bool, ...] = (False, True),
+) -> None:
+    """Run ``case`` untouched, then applied under ``flag`` in a component that may
+    fall back, forward and (each of ``grads``) backward, and compare (the module
+    docstring says how)."""
     fp16 = flag == SAGE
     dtype = torch.float16 if fp16 else torch.float32
-    module = _build(case, dtype)
+    module = _build(case, dtype, facts)
     wants = [_context(how, lambda g=g: _run(module.attn, case, dtype, g)) for g in grads]
     config = None if flag == NO_FLAG else SelectionConfig(global_backend=flag)
     plan = idf.apply({"vae": module}, config, STAND_IN if fp16 else None)
     try:
         (site,) = plan.sites
+        where = f"case {case!r}{how and ' (' + how + ')'} at site {site.name!r}, flag {flag}"
+        owner = type(module.attn).__name__
+        assert site.route == f"the site's own code (softmax attention written by hand in {owner})"
+        assert site.kind.value == "own code" and site.by_hand, where
         routes = idf.routes({"vae": module})
-        if flag == NO_FLAG:
-            assert not routes, f"case {case!r}: no flag installed a route at {site.name!r}"
-        spy = _Spy(next(iter(routes.values()))) if routes else None
+        if flag == NO_FLAG or facts:
+            assert not routes, f"{where}: a route is installed on its own code"
         for grad, want in zip(grads, wants, strict=True):
-            if spy is not None:
-                spy.kernel = 0
             got = _context(how, lambda g=grad: _run(module.attn, case, dtype, g))
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                same = (a is None and b is None) or (
+                    a is not None and b is not None and torch.equal(a, b)
+                )
+                assert same, f"{where} ({'backward' if grad else 'forward'}): tensor {i} differs"
+        # the decision: the site's own code (eager), and why the flag did not run
+        if facts:
+            assert site.resolution is not None, where
+            backend, reason = site.resolution.backend.name, site.resolution.reason
+        else:
+            assert site.status.value == "pending", where
             firsts = [f for r in routes.values() for f in r.first_calls]
-            ran = spy is not None and spy.kernel > 0
-            _compare(case, flag, how, grad, site, ran, firsts, got, want)
+            if flag == NO_FLAG:
+                assert not firsts, where
+                return
+            assert firsts and firsts[0].trace is not None, where
+            backend, reason = firsts[0].backend.name, firsts[0].trace.outcome.reason
+        want_reason = None if flag in (NO_FLAG, EAGER) else WRITTEN_BY_HAND
+        got_reason = None if reason is None else str(reason)
+        assert (backend, got_reason) == ("eager", want_reason), f"{where}: {backend}, {reason}"
     finally:
         idf.remove({"vae": module})
-
-
-def _compare(
-    case: str, flag: str, how: str, grad: bool, site: Any, kernel: bool, firsts: list[Any],
-    got: list[Any], want: list[Any],
-) -> None:  # fmt: skip
-    decided = sorted({f.backend.name for f in firsts}) or [getattr(site.backend, "name", "-")]
-    where = (
-        f"case {case!r} ({'backward' if grad else 'forward'}{how and ', ' + how}) at site "
-        f"{site.name!r}, route {site.route!r}, flag {flag}, kernel {decided}"
-    )
-    expect = GRAD_OWN.get(case, CASES[case]) if grad else CASES[case]
-    if how == "autocast":  # autocast picks each product's dtype: the code's own math
-        expect = "scores under autocast"
-    if not kernel:
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            same = (a is None and b is None) or (
-                a is not None and b is not None and torch.equal(a, b)
-            )
-            d = None if same else (float("inf") if a is None or b is None else (a - b).abs().max())
-            assert same, f"{where}: its own math, yet tensor {i} differs by {d}"
-        if flag in (SDPA, SAGE):  # the record says it did not run there, and why
-            assert "eager" in decided, f"{where}: no record of its own code"
-            if flag == SDPA and expect is not True:
-                reasons = [f.facts.own_math for f in firsts]
-                assert any(expect in r for r in reasons), f"{where}: own math, records {reasons}"
-        return
-    assert flag in (SDPA, SAGE) and expect is True, f"{where}: a kernel ran where it must not"
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        d = _differs(a, b, fp16=flag == SAGE)
-        assert d is None, f"{where}: the kernel's tensor {i} differs by {d}"
 
 
 def _context(how: str, run: Any) -> Any:
@@ -265,46 +238,68 @@ def _context(how: str, run: Any) -> Any:
     return run()
 
 
+@pytest.mark.parametrize("facts", [False, True], ids=["first call", "planned"])
 @pytest.mark.parametrize("flag", [NO_FLAG, EAGER, SDPA])
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_by_hand_site_changes_no_output_its_route_did_not_decide(case: str, flag: str) -> None:
-    _check(case, flag)
+@pytest.mark.parametrize("case", CASES)
+def test_a_by_hand_site_runs_its_own_code_and_says_why(case: str, flag: str, facts: bool) -> None:
+    _check(case, flag, facts)
 
 
+@pytest.mark.parametrize("facts", [False, True], ids=["first call", "planned"])
 @pytest.mark.parametrize("case", ["plain", "bool mask", "setitem", "mask changed after use"])
-def test_the_stand_in_sage_kernel_too(case: str, varlen_fakes: Any) -> None:
-    _check(case, SAGE, grads=(False,))
+def test_the_stand_in_sage_kernel_too(case: str, facts: bool, varlen_fakes: Any) -> None:
+    _check(case, SAGE, facts, grads=(False,))
 
 
 @pytest.mark.parametrize("how", ["autocast", "inference_mode"])
 @pytest.mark.parametrize("case", ["plain", "mask changed after use", "tril_"])
 def test_under_autocast_and_inference_mode(case: str, how: str) -> None:
     for flag in (NO_FLAG, SDPA):
-        _check(case, flag, how=how, grads=(False,))
+        for facts in (False, True):
+            _check(case, flag, facts, how=how, grads=(False,))
 
 
-def test_compiled_module_runs_the_route_eagerly_with_the_same_result() -> None:
-    module = _build("plain", torch.float32)
+@pytest.mark.parametrize("facts", [False, True], ids=["first call", "planned"])
+def test_a_compiled_module_runs_its_own_code(facts: bool) -> None:
+    module = _build("plain", torch.float32, facts)
     want = _run(module.attn, "plain", torch.float32, False)
     idf.apply({"vae": module}, SelectionConfig(global_backend=SDPA))
-    compiled = torch.compile(module.attn, backend="eager")
-    got = _run(compiled, "plain", torch.float32, False)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
-    idf.remove({"vae": module})
+    try:
+        _run(module.attn, "plain", torch.float32, False)  # decided outside the graph
+        compiled = torch.compile(module.attn, backend="eager")
+        got = _run(compiled, "plain", torch.float32, False)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    finally:
+        idf.remove({"vae": module})
 
 
-def test_a_strict_component_refuses_own_math_typed_and_plans_the_site() -> None:
+def test_a_strict_component_refuses_a_flag_at_a_planned_site_typed() -> None:
+    # a strict component's flag that its by-hand site cannot run: apply refuses,
+    # typed, naming the route; nothing is changed
+    module = _build("plain", torch.float32, facts=True)
+    config = SelectionConfig(global_backend=SDPA)
+    plan = idf.plan({"transformer": module}, config)
+    (site,) = plan.sites
+    assert site.status.value == "rejected" and WRITTEN_BY_HAND in str(site.error), site.error
+    with pytest.raises(IntegrationError, match=WRITTEN_BY_HAND):
+        idf.apply({"transformer": module}, config)
+    assert not idf.routes({"transformer": module})
+
+
+def test_a_strict_component_refuses_at_the_first_call_typed() -> None:
     # issue 32 item 8: softmax attention by hand in a plain torch module is a site
-    # (its plan under a strict flag is not "ok - 0 layers"), and a call only its
-    # own math computes raises, typed, naming what the code did
+    # (its plan under a strict flag is not "ok - 0 layers"); decided at its first
+    # call, that call raises, typed, naming the route, and computes nothing
     module = _build("tril_", torch.float32)
     plan = idf.plan({"transformer": module}, SelectionConfig(global_backend=SDPA))
     (site,) = plan.sites
-    assert site.name == "attn" and "softmax by hand in Hand" in site.route
+    assert site.name == "attn" and site.by_hand
     idf.apply({"transformer": module}, SelectionConfig(global_backend=SDPA))
-    with pytest.raises(ResolutionError, match=r"by hand .*: tril_ of the scores"):
-        _run(module.attn, "tril_", torch.float32, False)
-    idf.remove({"transformer": module})
+    try:
+        with pytest.raises(ResolutionError, match=WRITTEN_BY_HAND):
+            _run(module.attn, "tril_", torch.float32, False)
+    finally:
+        idf.remove({"transformer": module})
 
 
 @pytest.mark.parametrize("case", ["plain", "bool mask", "additive mask", "values cast"])
@@ -318,31 +313,8 @@ def test_a_strict_plan_of_a_plain_module_names_its_by_hand_site(case: str, compo
     plan = idf.plan({component: module}, config, Platform.simulate("cpu"))
     assert plan.ok, plan.errors
     (site,) = plan.sites
-    assert site.name == "attn" and "softmax by hand in Hand" in site.route, site
+    assert site.name == "attn" and site.by_hand, site
     assert site.status.value == "pending"  # decided at its first call
     text = plan.render()
     assert "pending: attn (Hand): decided at first call" in text, text
     assert "1 site decided at first call" in text.split("Verdict:")[1], text
-
-
-def test_probabilities_used_after_an_input_changed_in_place_are_refused() -> None:
-    # the weights returned deferred: computed at their use from what the code read;
-    # a tensor they read changed since -- computing them would not be the code's
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 2, 4, 8, generator=g) for _ in range(3))
-    bias = torch.zeros(1, 1, 1, 4)
-
-    def attn() -> Any:
-        p = torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1)
-        return p @ v, p
-
-    def kernel(found: Any, probs: Any) -> Any:  # the attention run by a kernel
-        out = F.scaled_dot_product_attention(found.q, found.k, found.v, found.mask)
-        return found.finish(out)
-
-    with _deferred.DeferScores(kernel):
-        _, p = attn()
-    assert isinstance(p, _deferred.Deferred)
-    bias[..., 0] = -1e9
-    with pytest.raises(DeferredScoresError, match="changed in place after its use"):
-        p.sum()

@@ -59,8 +59,17 @@ def test_old_homes_re_export_the_same_classes() -> None:
 
 
 def test_all_and_dir_list_the_lazy_names_and_each_resolves() -> None:
-    for name in ("kernels", "distributed", "Attention", "bind", "request_backend", "autotune",
-                 "replay", "ReplayResult", "AttnresError"):
+    for name in (
+        "kernels",
+        "distributed",
+        "Attention",
+        "bind",
+        "request_backend",
+        "autotune",
+        "replay",
+        "ReplayResult",
+        "AttnresError",
+    ):
         assert name in attnres.__all__
     assert set(attnres.__all__) <= set(dir(attnres))
     for name in attnres.__all__:

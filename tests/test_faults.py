@@ -126,9 +126,7 @@ def _checks(trace: dict[str, Any], candidate: str) -> dict[str, dict[str, Any]]:
 
 def _evaluated(trace: dict[str, Any]) -> list[str]:
     return [
-        r["candidate"]
-        for r in trace["records"]
-        if r["kind"] == "check" and r["check"] == "known"
+        r["candidate"] for r in trace["records"] if r["kind"] == "check" and r["check"] == "known"
     ]
 
 
@@ -323,8 +321,8 @@ _PLUGIN_FILES = {
         good = attnres_fault_good:SPEC
         """
     ),
-    "attnres_fault_import.py": 'raise ImportError("cannot import name \'_C\' from partially '
-    'initialized module \'faultkern\'")\n',
+    "attnres_fault_import.py": "raise ImportError(\"cannot import name '_C' from partially "
+    "initialized module 'faultkern'\")\n",
     "attnres_fault_exit.py": """
         def make():
             raise SystemExit("faultkern: refusing to load")

@@ -38,8 +38,11 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 
 def _trace() -> object:
-    return resolve(LayerSpec(head_size=64, dtype="bf16"), config=SelectionConfig(),
-                   platform=Platform.simulate("cpu")).trace
+    return resolve(
+        LayerSpec(head_size=64, dtype="bf16"),
+        config=SelectionConfig(),
+        platform=Platform.simulate("cpu"),
+    ).trace
 
 
 def _debris(folder: Path) -> list[str]:
@@ -143,15 +146,18 @@ def test_trace_out_under_a_file_says_not_a_directory(
     code, out, err = _cli([*EXPLAIN, "--trace-out", str(good / "x.json")], capsys)
     assert code == 2 and out == ""
     assert "not a directory" in " ".join(err.split()) and "File exists" not in err
-    code, out, err = _cli(["plan", str(EXAMPLE), "--platform", "cpu", "--trace-out",
-                           str(good / "sub")], capsys)
+    code, out, err = _cli(
+        ["plan", str(EXAMPLE), "--platform", "cpu", "--trace-out", str(good / "sub")], capsys
+    )
     assert code == 2 and out == ""
     assert "not a directory" in " ".join(err.split()) and "File exists" not in err
 
 
 @pytest.mark.parametrize("command", ["explain", "plan"])
 def test_empty_trace_out_is_a_usage_error(
-    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -214,7 +220,9 @@ def test_sigterm_during_a_write_is_clean_like_sigint(tmp_path: Path) -> None:
     target = tmp_path / "t.json"
     proc = subprocess.run(
         [sys.executable, "-c", _SIGTERM_DURING_WRITE, *EXPLAIN, "--trace-out", str(target)],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 143, proc.stderr
     assert "terminated" in proc.stderr and "Traceback" not in proc.stderr
@@ -249,8 +257,17 @@ def test_an_interrupted_plan_trace_folder_fails_replay(
         return real(trace, path)  # type: ignore[arg-type]
 
     monkeypatch.setattr(plan, "dump_trace", write_then_die)
-    code, _, _ = _cli(["plan", str(ROOT / "examples" / "ltx2.toml"), "--platform", "cpu",
-                       "--trace-out", str(out_dir)], capsys)
+    code, _, _ = _cli(
+        [
+            "plan",
+            str(ROOT / "examples" / "ltx2.toml"),
+            "--platform",
+            "cpu",
+            "--trace-out",
+            str(out_dir),
+        ],
+        capsys,
+    )
     assert code == 130
     monkeypatch.undo()
     assert len(list(out_dir.glob("*.json"))) == 2
@@ -259,8 +276,17 @@ def test_an_interrupted_plan_trace_folder_fails_replay(
     assert f"ERR  {out_dir}" in out.splitlines()
     assert "incomplete: attnres plan" in " ".join(err.split())
     # written again, completely: the folder replays clean
-    code, _, err = _cli(["plan", str(ROOT / "examples" / "ltx2.toml"), "--platform", "cpu",
-                         "--trace-out", str(out_dir)], capsys)
+    code, _, err = _cli(
+        [
+            "plan",
+            str(ROOT / "examples" / "ltx2.toml"),
+            "--platform",
+            "cpu",
+            "--trace-out",
+            str(out_dir),
+        ],
+        capsys,
+    )
     assert code == 0, err
     code, out, err = _cli(["replay", str(out_dir)], capsys)
     assert code == 0, err
@@ -289,7 +315,9 @@ def test_a_fifo_argument_does_not_block(tmp_path: Path) -> None:
     # only a guard so that a regression fails rather than hangs.
     proc = subprocess.run(
         [sys.executable, "-m", "attnres", "plan", str(fifo), "--platform", "cpu"],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 2
     assert "it is a FIFO (named pipe); a pipeline file must be a regular file" in " ".join(

@@ -127,7 +127,8 @@ def test_rule_front_door_the_flag_beats_the_env(monkeypatch: pytest.MonkeyPatch)
     add_selection_arguments(parser, default="fa")
     preferred = selection_config_from_args(parser.parse_args([]))
     assert (preferred.global_backend, preferred.global_backend_env) == (
-        attnres.Backend("sage_attn"), ENV_VAR,
+        attnres.Backend("sage_attn"),
+        ENV_VAR,
     )
 
 
@@ -156,23 +157,39 @@ def test_front_door_env_needs_an_explicit_global_backend() -> None:
     with pytest.raises(ValueError, match="global_backend_env"):
         SelectionConfig(global_backend_env=ENV_VAR)
     with pytest.raises(ValueError, match="global_backend_env"):
-        SelectionConfig(global_backend="fa", global_backend_explicit=False,
-                        global_backend_env=ENV_VAR)
+        SelectionConfig(
+            global_backend="fa", global_backend_explicit=False, global_backend_env=ENV_VAR
+        )
 
 
 def test_rule_front_door_the_cli_reads_the_env_and_doctor_shows_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(ENV_VAR, "sage_attn")
-    code = cli.main(["explain", "--head-size", "64", "--dtype", "bf16", "--platform",
-                     "cuda:sm90+all", "--component", "vae", "--json"])
+    code = cli.main(
+        [
+            "explain",
+            "--head-size",
+            "64",
+            "--dtype",
+            "bf16",
+            "--platform",
+            "cuda:sm90+all",
+            "--component",
+            "vae",
+            "--json",
+        ]
+    )
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["origin"] == "global_env"
     assert cli.main(["doctor", "--json"]) == 0
     env = json.loads(capsys.readouterr().out)["environment"]
     assert (env["variable"], env["value"], env["status"], env["backend"]) == (
-        ENV_VAR, "sage_attn", "set", "sage_attn",
+        ENV_VAR,
+        "sage_attn",
+        "set",
+        "sage_attn",
     )
     assert cli.main(["doctor"]) == 0
     assert f"{ENV_VAR}: sage_attn (global backend, origin global_env" in capsys.readouterr().out

@@ -16,9 +16,9 @@ and planned as a strict component three ways:
   mask kind, attention sinks, returning the attention weights -- a
   ``torch.nn.MultiheadAttention`` whose caller asks for them, SigLIP's pooling
   head --, a dtype), never a route limit -- except own code paths attnres
-  cannot route, counted in the table as ``own path`` (none since the
-  deferred-scores route takes softmax attention computed by hand: a by-hand
-  site's error must name a sage limit) -- and interface sites
+  cannot route, counted in the table as ``own path`` (issue 30: softmax
+  attention computed by hand runs its own code, and a strict sage is refused
+  there as a route limit) -- and interface sites
   transformers keeps to its own functions (the class itself sets
   ``_supports_attention_backend = False``, or leaves it unset and sets
   ``_supports_sdpa = False``, or the module holds attention sinks), counted as
@@ -517,9 +517,9 @@ def _recorded(site: Any) -> bool:
 
 
 def _own_path(site: Any) -> bool:
-    # issue 19: softmax by hand is no longer an own path (the deferred-scores
-    # route takes any kernel): a by-hand site's error must name a sage limit
-    return site.module_class == "MultiheadAttention"
+    # issue 30: softmax by hand is an own path again (its own code runs it, no
+    # kernel is offered there), as a MultiheadAttention's own path is
+    return site.module_class == "MultiheadAttention" or site.by_hand
 
 
 def _not_offered(model: Any, site: Any) -> bool:
@@ -927,29 +927,33 @@ def test_a_module_calling_sdpa_itself_is_a_generic_route_site(
         assert torch.equal(model(pixel_values=pixels).last_hidden_state, before)
 
 
-def test_softmax_attention_by_hand_keeps_its_own_math_and_takes_any_kernel() -> None:
-    # issue 19: the deferred-scores route (tests/test_deferred.py runs it); with
-    # no flag it keeps the site's own math and nothing is wrapped
+def test_softmax_attention_by_hand_runs_its_own_code_under_any_flag() -> None:
+    # issue 30, choice (a): the site's own code runs it (no kernel is offered
+    # there); nothing is wrapped, with a flag or without
+    from attnres.integrations import _route
+
     torch.manual_seed(0)
     model = transformers.RoFormerModel(transformers.RoFormerConfig(**_TEXT)).eval()
     ids = torch.tensor([[2, 5, 9, 4]])
     plan = itf.plan(model, "text_encoder")
     assert plan.ok and len(plan.sites) == 2
-    assert {s.route for s in plan.sites} == {
-        "generic route (softmax by hand in RoFormerSelfAttention)"
-    }
+    assert {s.route for s in plan.sites} == {_route.by_hand_route("RoFormerSelfAttention")}
     assert {s.backend.name for s in plan.sites} == {"eager"}
     with torch.no_grad():
         before = model(input_ids=ids).last_hidden_state
-        itf.apply(model, "text_encoder")
-        assert torch.equal(model(input_ids=ids).last_hidden_state, before)
-        assert itf.remove(model) == 0  # nothing was installed: it runs its own code
-    # a strict global sage (0.3 before the deferred route: a route limit,
-    # not_in_supported_set) gets sage where sage can serve the site
+        for config in (None, SelectionConfig(global_backend="torch_sdpa")):
+            applied = itf.apply(model, "text_encoder", config)
+            assert torch.equal(model(input_ids=ids).last_hidden_state, before)
+            assert itf.remove(model) == 0  # nothing was installed: it runs its own code
+        assert {str(s.resolution.reason) for s in applied.sites} == {
+            "softmax attention written by hand"
+        }
+    # a strict global sage (0.4: sage ran there): refused, typed, naming why
     sage = itf.plan(
         model.half(), "transformer", SelectionConfig(global_backend="sage_attn"), HOPPER
     )
-    assert sage.ok and {s.backend.name for s in sage.sites} == {"sage_attn"}
+    assert not sage.ok
+    assert all("softmax attention written by hand" in str(s.error) for s in sage.sites)
 
 
 @pytest.mark.parametrize(
@@ -1238,6 +1242,9 @@ def test_softmax_by_hand_with_no_head_facts_is_decided_at_its_first_call(varlen_
         assert torch.equal(after, before)  # its own code ran, untouched
         for site in applied.sites:
             route = _route.installed_route(model.get_submodule(site.name))
+            if flag is None:  # issue 30: nothing wrapped with no flag
+                assert route is None
+                continue
             assert route is not None
             # bound from the scores product: one head over the 32 channels, 8 x 8 or
             # 16 x 16 positions, and its own code decided (eager)
@@ -1246,21 +1253,15 @@ def test_softmax_by_hand_with_no_head_facts_is_decided_at_its_first_call(varlen_
             assert first.changed == ("head facts (decided at first call)",)
             assert first.backend is not None and first.backend.name == "eager"
             assert first.trace.outcome.status.value == "selected"
-        assert itf.remove(model) == 5
+        assert itf.remove(model) == (0 if flag is None else 5)
         assert _same(_snapshot(model), untouched)
-    # a strict flag: the deferred-scores route reads each block's attention at
-    # its first call (its values times the transposed probabilities) and runs
-    # sage there (the stand-in kernel, fp16)
+    # a strict flag: its own code cannot run sage, so the first call is refused,
+    # typed, naming why (issue 30: no kernel is offered at softmax by hand)
     model = model.half()
     with torch.no_grad():
-        before = model(pixel_values=pixels.half()).decoded_pixel_values
         itf.apply(model, "transformer", SAGE, STAND_IN)
-        after = model(pixel_values=pixels.half()).decoded_pixel_values
-    routes = itf.routes(model).values()
-    assert {f.backend.name for r in routes for f in r.first_calls} == {"sage_attn"}
-    assert {(f.facts.heads, f.facts.head_size) for r in routes for f in r.first_calls} == {(1, 32)}
-    got, want = after.double(), before.double()
-    assert float((got - want).norm() / want.norm()) < 5e-3
+        with pytest.raises(ResolutionError, match="softmax attention written by hand"):
+            model(pixel_values=pixels.half())
     assert itf.remove(model) == 5
 
 

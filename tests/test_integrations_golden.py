@@ -7,11 +7,14 @@
   SDPA itself and gets sage), a site decided at its first call (a module that
   holds no head facts) and a site re-resolved at its first call (a call with
   dropout, which the plan did not describe, falls back from flex attention to
-  the site's own SDPA); own code paths made routed sites (issue 19: a
-  ``torch.nn.MultiheadAttention`` and diffusers' by-hand ``AttnProcessor`` get
-  sage; an MHA call that returns its weights falls back to its own path); softmax
-  by hand in a module holding no head facts (a VQ-VAE attention block), decided
-  at its first call from its scores product: eager with no flag, a strict sage
+  the site's own SDPA); an own code path made a routed site (issue 19: a
+  ``torch.nn.MultiheadAttention`` gets sage; an MHA call that returns its
+  weights falls back to its own path); softmax attention written by hand, which
+  runs its own code (issue 30): diffusers' ``AttnProcessor`` and Bloom's
+  attention keep it under a global sage where the component may fall back (the
+  reason ``softmax attention written by hand``) and a strict sage is rejected;
+  a module holding no head facts (a VQ-VAE attention block) is decided at its
+  first call from its scores product: eager with no flag, a strict sage
   rejected on its route.
 
 Each file replays clean, and planning again gives exactly these traces.
@@ -33,6 +36,7 @@ import torch
 import transformers
 
 from attnres import Backend, Platform, SelectionConfig
+from attnres.errors import ResolutionError
 from attnres.integrations import _route
 from attnres.integrations import diffusers as idf
 from attnres.integrations import transformers as itf
@@ -167,21 +171,29 @@ class _Holder(torch.nn.Module):
 
 
 def _own_path_traces(tmp_path: Path) -> list[Path]:
-    """Issue 19: own code paths made routed sites (MHA's own math, diffusers'
-    by-hand ``AttnProcessor``) under a global sage, and an MHA call that returns
-    its weights, re-resolved at its first call to its own path."""
+    """Issue 19: an own code path made a routed site (MHA's own math) under a global
+    sage, and an MHA call that returns its weights, re-resolved at its first call
+    to its own path. Issue 30: diffusers' by-hand ``AttnProcessor`` runs its own
+    code: a global sage falls back where the component may, and a strict one is
+    rejected on its route."""
     from diffusers.models.attention_processor import Attention, AttnProcessor
 
     written: list[Path] = []
     sage = SelectionConfig(global_backend="sage_attn")
-    for stem, attn in (
-        ("mha-own-math", torch.nn.MultiheadAttention(128, 2)),
-        ("by-hand-attn-processor", Attention(128, heads=2, dim_head=64, processor=AttnProcessor())),
-    ):
-        model = _Holder(attn).eval().to(torch.bfloat16)
-        (site,) = idf.plan({"transformer": model}, sage, Platform.simulate(SIM)).sites
-        assert site.routed and site.backend.name == "sage_attn"
-        path = tmp_path / f"generic-route-{stem}-global-sage-selected.json"
+    model = _Holder(torch.nn.MultiheadAttention(128, 2)).eval().to(torch.bfloat16)
+    (site,) = idf.plan({"transformer": model}, sage, Platform.simulate(SIM)).sites
+    assert site.routed and site.backend.name == "sage_attn"
+    path = tmp_path / "generic-route-mha-own-math-global-sage-selected.json"
+    dump_trace(site.trace, path)
+    written.append(path)
+    attn = Attention(128, heads=2, dim_head=64, processor=AttnProcessor())
+    model = _Holder(attn).eval().to(torch.bfloat16)
+    for component, stem in (("vae", "falls-back"), ("transformer", "strict-rejected")):
+        (site,) = idf.plan({component: model}, sage, Platform.simulate(SIM)).sites
+        assert site.by_hand and site.trace is not None
+        if site.resolution is not None:
+            assert str(site.resolution.reason) == "softmax attention written by hand"
+        path = tmp_path / f"own-code-by-hand-attn-processor-global-sage-{stem}.json"
         dump_trace(site.trace, path)
         written.append(path)
     cpu = Platform.simulate("cpu")
@@ -203,34 +215,38 @@ def _own_path_traces(tmp_path: Path) -> list[Path]:
 
 
 def _by_hand_first_call_traces(tmp_path: Path) -> list[Path]:
-    """Issue 19: softmax by hand in a module holding no head facts (a VQ-VAE
+    """Issue 30: softmax by hand in a module holding no head facts (a VQ-VAE
     attention block: one head over its channels) is decided at its first call,
-    from the attention the deferred-scores route reads in its forward: with no
-    flag its own math (eager), under a strict global sage sage (the stand-in
-    kernel runs it); and a by-hand site whose code adds a position bias (Bloom's
-    ALiBi) re-resolved at its first call: an additive mask, which sage cannot
-    take, falls back to its own math in a component that may."""
+    its head facts read from its scores product (its own code runs it, nothing
+    else): with no flag its own code (eager), under a strict global sage rejected
+    on its route; and Bloom's by-hand attention (its ALiBi bias) keeps its own
+    code under a global sage in a component that may fall back, saying why."""
     from transformers.models.janus.modeling_janus import JanusVQVAEAttnBlock
 
     torch.manual_seed(0)
     block = JanusVQVAEAttnBlock(32).eval().to(torch.bfloat16)
     written: list[Path] = []
+    own_route = _route.by_hand_route("JanusVQVAEAttnBlock")
     for stem, config in (
         ("no-flag-eager", SelectionConfig()),
-        ("strict-sage-selected", SelectionConfig(global_backend="sage_attn")),
+        ("strict-sage-rejected", SelectionConfig(global_backend="sage_attn")),
     ):
         route = _route.GenericRoute(
             component="transformer", name="vq.attn", spec=None, heads=None, kv_heads=None,
             resolution=None, config=config, scope=scope_state("transformer"),
-            platform=Platform.simulate(SIM), own=Backend("eager"),
+            platform=Platform.simulate(SIM), own=Backend("eager"), own_route=own_route,
         )  # fmt: skip
-        route.keeps_own = True  # as the integration installs it: no flag keeps its math
         with torch.no_grad():
-            _route.deferred_forward(block, route)(torch.randn(1, 32, 4, 4, dtype=torch.bfloat16))
+            forward = _route.watch_forward(block, route)
+            if config.global_backend is None:
+                forward(torch.randn(1, 32, 4, 4, dtype=torch.bfloat16))
+            else:
+                with pytest.raises(ResolutionError, match="written by hand"):
+                    forward(torch.randn(1, 32, 4, 4, dtype=torch.bfloat16))
         (first,) = route.first_calls
         assert first.changed == ("head facts (decided at first call)",)
         assert (first.facts.heads, first.facts.head_size) == (1, 32)
-        assert first.backend.name == ("eager" if config.global_backend is None else "sage_attn")
+        assert (first.backend is None) == (config.global_backend is not None)
         path = tmp_path / f"decided-at-first-call-by-hand-vq-block-{stem}.json"
         dump_trace(first.trace, path)
         written.append(path)
@@ -241,16 +257,10 @@ def _by_hand_first_call_traces(tmp_path: Path) -> list[Path]:
     sage = SelectionConfig(global_backend="sage_attn")
     plan = itf.plan(bloom, "text_encoder", sage, Platform.simulate(SIM))
     (site,) = plan.sites
-    assert site.backend.name == "sage_attn"
-    route = _route.site_route(site, sage, Platform.simulate(SIM))
-    _route.install_route(bloom.h[0].self_attention, route, _route.deferred_forward)
-    with torch.no_grad():
-        bloom(input_ids=torch.tensor([[2, 5, 9, 4]]))
-    _route.remove_route(bloom.h[0].self_attention)
-    (first,) = route.first_calls
-    assert first.changed[0].startswith("additive mask") and first.backend.name == "eager"
-    path = tmp_path / "re-resolved-at-first-call-by-hand-alibi-additive-mask-falls-back.json"
-    dump_trace(first.trace, path)
+    assert site.by_hand and site.backend.name == "eager"
+    assert str(site.resolution.reason) == "softmax attention written by hand"
+    path = tmp_path / "own-code-by-hand-bloom-global-sage-falls-back.json"
+    dump_trace(site.trace, path)
     written.append(path)
     return written
 

@@ -22,9 +22,10 @@ import torch
 from diffusers.models.attention_processor import Attention, AttnProcessor
 
 from attnres import Platform, SelectionConfig
-from attnres.errors import ResolutionError
+from attnres.errors import IntegrationError, ResolutionError
 from attnres.integrations import _route
 from attnres.integrations import diffusers as idf
+from attnres.integrations._plan import RouteKind
 from attnres.kernels import get_kernel
 
 SIM = "cuda:sm90+flash_attn+sageattention"
@@ -150,7 +151,9 @@ def test_mha_returning_its_weights_falls_back_or_raises_naming_the_fact():
             assert first.backend.name == "eager" and first.error is None
             assert first.trace.input.layer.exact_route == _route.WEIGHTS_ROUTE
             assert first.trace.input.layer.requirements.weights
-            assert first.trace.outcome.reason == "global backend fallback"
+            # issue 30: only its own code runs it, which computes softmax attention
+            # by hand (torch's own math returns the weights): the machine's reason
+            assert first.trace.outcome.reason == "softmax attention written by hand"
         else:
             with pytest.raises(ResolutionError) as info:
                 model.attn(x, x, x)
@@ -195,60 +198,41 @@ def _by_hand_unet():
     return unet
 
 
-def test_by_hand_processor_runs_the_decided_kernel_and_remove_restores(monkeypatch):
+def test_by_hand_processor_runs_its_own_code_under_any_flag_and_remove_restores():
+    # issue 30, choice (a): softmax attention written by hand runs its own code;
+    # a flag in a component that may fall back is decided eager, saying why
     unet = _by_hand_unet()
     x = tp.unet_inputs()
     ref = unet(**x).sample
     procs = [m.processor for m in unet.modules() if hasattr(m, "processor")]
-    plain = idf.apply({"unet": unet})
-    assert {s.backend.name for s in plain.sites} == {"eager"}  # its own math, kept
-    assert {s.route for s in plain.sites} == {"generic route (softmax by hand in AttnProcessor)"}
-    assert idf.routes({"unet": unet}) == {}
+    plain = idf.apply({"vae": unet})
+    assert {s.backend.name for s in plain.sites} == {"eager"}  # its own code, kept
+    assert {s.route for s in plain.sites} == {_route.by_hand_route("AttnProcessor")}
+    assert {s.kind for s in plain.sites} == {RouteKind.OWN_CODE}
+    assert idf.routes({"vae": unet}) == {}
     assert torch.equal(unet(**x).sample, ref)
-    seen = _spy(monkeypatch, "torch_sdpa")
-    plan = idf.apply({"unet": unet}, SDPA)
-    assert {s.backend.name for s in plan.sites} == {"torch_sdpa"}
-    out = unet(**x).sample
-    assert len(seen) == len(plan.sites) and all(len(s) == 4 for s in seen)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert idf.remove({"unet": unet}) == len(plan.sites)
+    plan = idf.apply({"vae": unet}, SDPA)
+    assert {(s.backend.name, str(s.resolution.reason)) for s in plan.sites} == {
+        ("eager", "softmax attention written by hand")
+    }
+    assert idf.routes({"vae": unet}) == {}  # nothing wrapped
+    assert torch.equal(unet(**x).sample, ref)
+    assert idf.remove({"vae": unet}) == len(plan.sites)
     assert [m.processor for m in unet.modules() if hasattr(m, "processor")] == procs
-    assert not any("get_attention_scores" in m.__dict__ for m in unet.modules())
     assert torch.equal(unet(**x).sample, ref)
 
 
-def test_by_hand_site_with_a_mask_is_checked_at_its_first_call():
-    torch.manual_seed(0)
-    model = _Holder(
-        Attention(32, cross_attention_dim=24, heads=2, dim_head=16, processor=AttnProcessor())
-    ).eval()
-    h, ctx = torch.randn(2, 6, 32), torch.randn(2, 4, 24)
-    mask = torch.zeros(2, 1, 4)
-    mask[1, :, -2:] = -10000.0  # the prompt's padding, as diffusers writes it
-    ref = model.attn(h, ctx, attention_mask=mask)
-    idf.apply({"vae": model}, SDPA)
-    out = model.attn(h, ctx, attention_mask=mask)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    (route,) = idf.routes({"vae": model}).values()
-    (first,) = route.first_calls
-    assert "key-padding mask" in first.describe() and first.backend.name == "torch_sdpa"
-    # a processor set since apply gets the module's own scores (never the deferred ones)
-    model.attn.set_processor(AttnProcessor())
-    torch.testing.assert_close(model.attn(h, ctx, attention_mask=mask), ref, rtol=0, atol=0)
-    (problem,) = idf.verify({"vae": model})
-    assert problem.problem.startswith("processor replaced")
-    idf.remove({"vae": model})
-
-
-def test_by_hand_under_a_global_sage_on_a_simulated_hopper_gets_sage():
-    # 0.2/0.3 before this: a typed route error (the site ran eager only)
+def test_by_hand_under_a_strict_global_sage_is_refused_typed_naming_why():
+    # 0.2/0.3: a typed route error; 0.4: sage ran there (the by-hand route); issue
+    # 30: no kernel is offered there, so a strict flag is refused at plan time
     model = _Holder(Attention(128, heads=2, dim_head=64, processor=AttnProcessor()))
+    config = SelectionConfig(global_backend="sage_attn")
     plan = idf.plan(
-        {"transformer": model.eval().to(torch.bfloat16)},
-        SelectionConfig(global_backend="sage_attn"),
-        Platform.simulate(SIM),
+        {"transformer": model.eval().to(torch.bfloat16)}, config, Platform.simulate(SIM)
     )
-    assert plan.ok and plan.sites[0].backend.name == "sage_attn"
+    assert not plan.ok and "softmax attention written by hand" in str(plan.sites[0].error)
+    with pytest.raises(IntegrationError, match="softmax attention written by hand"):
+        idf.apply({"transformer": model}, config)
 
 
 @pytest.mark.slow
@@ -262,13 +246,6 @@ def test_compile_fullgraph_of_own_path_routes():
     torch._dynamo.reset()
     compiled = torch.compile(mha.attn, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, x, x, need_weights=False)[0], ref, rtol=1e-5, atol=1e-5)
-    unet = _by_hand_unet()
-    inputs = tp.unet_inputs()
-    ref = unet(**inputs).sample
-    idf.apply({"unet": unet}, SDPA)
-    torch._dynamo.reset()
-    compiled = torch.compile(unet, fullgraph=True, backend="eager")
-    torch.testing.assert_close(compiled(**inputs).sample, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_siglip_pooling_head_asking_for_weights_is_planned_on_its_own_path():
@@ -383,23 +360,19 @@ class _Storing:
         return attn.to_out[0](out)
 
 
-def test_a_by_hand_processor_that_keeps_its_probabilities_takes_the_deferred_route():
-    # not the get_attention_scores + bmm pair (its scores are used besides bmm):
-    # the deferred-scores route, whose stored probabilities are computed at their use
+def test_a_by_hand_processor_that_keeps_its_probabilities_runs_its_own_code():
+    # issue 30: its stored probabilities are what its code computed, under any flag
     torch.manual_seed(0)
     processor = _Storing()
     model = _Holder(Attention(32, heads=2, dim_head=16, processor=processor)).eval()
-    assert _route.scores_only_to_bmm(AttnProcessor.__call__)
-    assert not _route.scores_only_to_bmm(_Storing.__call__)
-    (site,) = idf.plan({"transformer": model}).sites
-    assert site.routed and site.route == "generic route (softmax by hand in _Storing)"
+    (site,) = idf.plan({"vae": model}).sites
+    assert site.by_hand and site.route == _route.by_hand_route("_Storing")
     x = torch.randn(2, 5, 32)
     ref = model.attn(x)
     probs = processor.last.clone()
-    idf.apply({"transformer": model}, SDPA)
-    torch.testing.assert_close(model.attn(x), ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(processor.last + 0, probs)  # as its code computes them
-    assert idf.remove({"transformer": model}) == 1 and torch.equal(model.attn(x), ref)
+    idf.apply({"vae": model}, SDPA)
+    assert torch.equal(model.attn(x), ref) and torch.equal(processor.last, probs)
+    assert idf.remove({"vae": model}) == 1 and torch.equal(model.attn(x), ref)
 
 
 def test_a_decided_weights_call_runs_the_own_path_without_projecting_twice(monkeypatch):
@@ -439,45 +412,45 @@ class _ByHandProcessor:
         return torch.bmm(torch.softmax(scores, dim=-1), v)
 
 
-def test_a_by_hand_processor_with_no_head_facts_is_decided_at_its_first_call(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_by_hand_processor_with_no_head_facts_is_decided_at_its_first_call() -> None:
     # issue 19: was unclassified (a strict component refused it, even with no flag);
-    # then watched (its own code only); now the deferred-scores route: its head
-    # facts come from the attention it reads at its first call, and any kernel runs it
+    # issue 30: its own code runs it under any flag; under a flag its first call is
+    # watched (head facts read, nothing run but its code), which decides it
     model = _Holder(_ByHandNoFacts()).eval()
     x = torch.randn(2, 5, 8)
     ref = model.attn(x)
     plain = idf.plan({"transformer": model})
     assert plain.ok
     (site,) = plain.sites
-    assert site.pending and site.route == "generic route (softmax by hand in _ByHandProcessor)"
-    # with no flag: untouched (issue 30: nothing installed, its own code)
+    assert site.pending and site.route == _route.by_hand_route("_ByHandProcessor")
+    # with no flag: untouched (nothing installed, its own code)
     applied = idf.apply({"transformer": model})
     assert applied.ok and idf.routes({"transformer": model}) == {}
     assert "forward" not in model.attn.__dict__ and torch.equal(model.attn(x), ref)
     assert idf.remove({"transformer": model}) == 1
-    for config in (EAGER,):  # eager: decided at its first call, its own code, bit-identical
-        applied = idf.apply({"transformer": model}, config)
+    for component, config, reason in (
+        ("transformer", EAGER, None),
+        ("vae", SDPA, "softmax attention written by hand"),
+    ):
+        applied = idf.apply({component: model}, config)
         assert torch.equal(model.attn(x), ref)
-        (route,) = idf.routes({"transformer": model}).values()
+        (route,) = idf.routes({component: model}).values()
         (first,) = route.first_calls
         assert (first.facts.heads, first.facts.head_size) == (1, 8)
         assert first.backend.name == "eager" and first.error is None
-        assert applied.ok and idf.remove({"transformer": model}) == 1
+        assert first.trace.outcome.reason == reason
+        assert applied.ok and idf.remove({component: model}) == 1
         assert "forward" not in model.attn.__dict__ and torch.equal(model.attn(x), ref)
-    # a strict flag: the kernel decided at that first call runs the attention read
-    seen = _spy(monkeypatch, "torch_sdpa")
+    # a strict flag: refused, typed, at that first call (nothing computed)
     idf.apply({"transformer": model}, SDPA)
-    torch.testing.assert_close(model.attn(x), ref, rtol=1e-5, atol=1e-5)
-    assert seen == [(2, 5, 1, 8)]  # (batch, seq, heads, size): one call
+    with pytest.raises(ResolutionError, match="softmax attention written by hand"):
+        model.attn(x)
     idf.remove({"transformer": model})
 
 
-def test_a_sliced_by_hand_processor_runs_the_kernel_per_slice(monkeypatch):
+def test_a_sliced_by_hand_processor_runs_its_own_code():
     # SlicedAttnProcessor computes get_attention_scores + bmm per slice of the
-    # batch-times-heads rows, and stores each slice's result: not the pair the
-    # by-hand route takes whole, so the deferred-scores route reads every slice
+    # batch-times-heads rows: softmax attention written by hand, its own code
     from diffusers.models.attention_processor import SlicedAttnProcessor
 
     unet = tp.unet()
@@ -485,19 +458,11 @@ def test_a_sliced_by_hand_processor_runs_the_kernel_per_slice(monkeypatch):
     x = tp.unet_inputs()
     with torch.no_grad():
         ref = unet(**x).sample
-        plain = idf.apply({"unet": unet})
-        assert {s.route for s in plain.sites} == {
-            "generic route (softmax by hand in SlicedAttnProcessor)"
-        }
-        assert idf.routes({"unet": unet}) == {}  # no flag: its own math, nothing wrapped
+        plain = idf.apply({"vae": unet})
+        assert {s.route for s in plain.sites} == {_route.by_hand_route("SlicedAttnProcessor")}
+        assert idf.routes({"vae": unet}) == {}  # no flag: its own code, nothing wrapped
         assert torch.equal(unet(**x).sample, ref)
-        seen = _spy(monkeypatch, "torch_sdpa")
-        plan = idf.apply({"unet": unet}, SDPA)
-        out = unet(**x).sample
-    # one kernel call per slice: a row of (batch x heads) each, one head per call
-    assert seen and all(q[0] == 1 and q[2] == 1 for q in seen)
-    assert len(seen) % len(plan.sites) == 0
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    firsts = [f for r in idf.routes({"unet": unet}).values() for f in r.first_calls]
-    assert firsts and all("heads (planned" in f.describe() for f in firsts)
-    assert idf.remove({"unet": unet}) == len(plan.sites)
+        plan = idf.apply({"vae": unet}, SDPA)
+        assert idf.routes({"vae": unet}) == {}
+        assert torch.equal(unet(**x).sample, ref)
+    assert idf.remove({"vae": unet}) == len(plan.sites)

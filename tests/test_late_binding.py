@@ -46,13 +46,21 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     def make(name: str) -> Any:
         def kernel(
-            q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            mask: Tensor | None,
+            causal: bool,
             scale: float | None,
         ) -> Tensor:
             calls.append(name)
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                is_causal=causal, scale=scale,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
             )
             return out.transpose(1, 2)
 
@@ -165,18 +173,22 @@ def test_rule_late_binding_uses_the_scope_config_and_forced_backend_of_construct
     configured = Attention(4, 16, platform=CPU, name="configured")
     attnres.set_selection_config(SelectionConfig())
     # bound later, in another scope and under another force: neither is seen
-    with component_scope("transformer", backend="torch_sdpa", require_selection=False), \
-            force_backend("torch_sdpa"):
+    with (
+        component_scope("transformer", backend="torch_sdpa", require_selection=False),
+        force_backend("torch_sdpa"),
+    ):
         attnres.bind(forced)
         attnres.bind(scoped)
         attnres.bind(configured)
     assert (forced.backend.name, forced.resolution.origin) == ("eager", "forced")  # type: ignore[union-attr]
     assert (scoped.backend.name, scoped.resolution.origin) == (  # type: ignore[union-attr]
-        "eager", "component_override",
+        "eager",
+        "component_override",
     )
     assert scoped.resolution.component == "vae"  # type: ignore[union-attr]
     assert (configured.backend.name, configured.resolution.origin) == (  # type: ignore[union-attr]
-        "flex_attention", "global_cli",
+        "flex_attention",
+        "global_cli",
     )
 
 
@@ -243,8 +255,7 @@ def test_bind_arguments_are_checked() -> None:
         attnres.bind(Attention(4, 16), platform="cpu")  # type: ignore[arg-type]
 
 
-def test_rule_late_binding_pending_layers_are_checked_against_the_override_when_they_bind(
-) -> None:
+def test_rule_late_binding_pending_layers_are_checked_against_the_override_when_they_bind() -> None:
     with component_scope("vae", backend="eager") as scope:
         ok = Attention(4, 16, platform=CPU, name="ok")
         pinned = Attention(4, 16, platform=CPU, name="pinned", backend="torch_sdpa")

@@ -71,6 +71,8 @@ REASONS = {
     "platform default fallback",
     "dense cross-attention fallback",
     "component constraint",
+    # issue 30: an integration site whose own code computes softmax attention by hand
+    "softmax attention written by hand",
 }
 
 
@@ -200,9 +202,14 @@ def test_rule_3_1_forced_beats_role_override() -> None:
     cfg = SelectionConfig(forced_backend="eager")
     found = []
     # the role override then ran on no layer: checked on exit whatever require_selection says
-    with pytest.raises(BackendNotAppliedError), component_scope(
-        "transformer", backend="torch_sdpa", role_backends={"self": "torch_sdpa"},
-        require_selection=False,
+    with (
+        pytest.raises(BackendNotAppliedError),
+        component_scope(
+            "transformer",
+            backend="torch_sdpa",
+            role_backends={"self": "torch_sdpa"},
+            require_selection=False,
+        ),
     ):
         found.append(resolve(LayerSpec(64, "fp32"), config=cfg, platform=CPU))
     assert (found[0].backend.name, found[0].origin) == ("eager", "forced")
@@ -318,8 +325,9 @@ def _strict_request(kind: str, backend: str, layer: LayerSpec, platform: Platfor
         with force_backend(backend):
             return rejected(layer, platform=platform).trace
     if kind == "role_override":
-        with pytest.raises(ResolutionError) as info, component_scope(
-            "vae", role_backends={layer.role: backend}
+        with (
+            pytest.raises(ResolutionError) as info,
+            component_scope("vae", role_backends={layer.role: backend}),
         ):
             resolve(layer, platform=platform)
         return info.value.trace
@@ -364,15 +372,18 @@ def test_rule_3_1_strict_origins_reject_with_no_fallback(kind: str, origin: str)
 
 
 def test_rule_3_1_strict_origins_constant() -> None:
-    assert frozenset(
-        {
-            Origin.REQUEST,
-            Origin.LAYER,
-            Origin.FORCED,
-            Origin.ROLE_OVERRIDE,
-            Origin.COMPONENT_OVERRIDE,
-        }
-    ) == M.STRICT_ORIGINS
+    assert (
+        frozenset(
+            {
+                Origin.REQUEST,
+                Origin.LAYER,
+                Origin.FORCED,
+                Origin.ROLE_OVERRIDE,
+                Origin.COMPONENT_OVERRIDE,
+            }
+        )
+        == M.STRICT_ORIGINS
+    )
 
 
 def test_rule_3_1_origin_vocabulary_is_exact() -> None:
@@ -508,8 +519,9 @@ def test_rule_3_2_allow_global_fallback_true_overrides_a_strict_loader() -> None
 
 
 def test_rule_3_2_allow_global_fallback_false_overrides_a_relaxed_loader() -> None:
-    with pytest.raises(ResolutionError, match=r"for component 'vae'$"), component_scope(
-        "vae", allow_global_fallback=False
+    with (
+        pytest.raises(ResolutionError, match=r"for component 'vae'$"),
+        component_scope("vae", allow_global_fallback=False),
     ):
         resolve(FA_SDPA, config=SAGE, platform=CUDA_SAGE)
 
@@ -529,9 +541,10 @@ def test_rule_3_2_register_component_kind_with_custom_loader() -> None:
         kind = "prior_model"
         allow_global_fallback = False
 
-    assert attnres.register_component_kind(
-        "upsampler", UpsamplerLoader, aliases=("latent_upsampler",)
-    ) is UpsamplerLoader
+    assert (
+        attnres.register_component_kind("upsampler", UpsamplerLoader, aliases=("latent_upsampler",))
+        is UpsamplerLoader
+    )
     attnres.register_component_kind("prior_model", PriorLoader)
     assert component_kind("latent_upsampler") == "upsampler"
     assert component_kind("upsampler_2") == "upsampler"
@@ -567,8 +580,9 @@ def test_rule_3_2_register_component_kind_rejects_non_loaders() -> None:
 
 
 def test_rule_3_2_component_scope_rejects_unregistered_kind() -> None:
-    with pytest.raises(ValueError, match="unknown component kind 'nonesuch'"), component_scope(
-        "x", kind="nonesuch"
+    with (
+        pytest.raises(ValueError, match="unknown component kind 'nonesuch'"),
+        component_scope("x", kind="nonesuch"),
     ):
         pass
 
@@ -633,10 +647,13 @@ def _request(kind: str, backend: str, layer: LayerSpec, platform: Platform) -> R
         # the scope-exit check (an override that ran on no layer) is tested in test_scope
         roles = {layer.role: backend} if kind == "role_override" else None
         found: list[Resolution] = []
-        with contextlib.suppress(BackendNotAppliedError), component_scope(
-            "transformer",
-            backend=None if roles else backend,
-            role_backends=roles,
+        with (
+            contextlib.suppress(BackendNotAppliedError),
+            component_scope(
+                "transformer",
+                backend=None if roles else backend,
+                role_backends=roles,
+            ),
         ):
             found.append(resolve(layer, platform=platform))
         return found[0]
@@ -726,8 +743,9 @@ def test_rule_3_3_sparse_never_serves_cross_attention_even_when_only_sparse_supp
 
 def test_rule_3_3_sparse_requested_on_cross_with_only_sparse_supported_is_rejected() -> None:
     layer = LayerSpec(128, "bf16", role="cross", supported={"sliding_tile_attn"})
-    with pytest.raises(ResolutionError) as info, component_scope(
-        "transformer", backend="sliding_tile_attn"
+    with (
+        pytest.raises(ResolutionError) as info,
+        component_scope("transformer", backend="sliding_tile_attn"),
     ):
         resolve(layer, platform=CUDA_ALL)
     err = info.value
@@ -773,7 +791,10 @@ def test_rule_3_4_candidates_evaluated_in_stage_order_skipping_duplicates() -> N
     # requested torch_sdpa (layer default) cannot do packed varlen; fa is not
     # installed; xformers (supported set) can.
     layer = LayerSpec(
-        64, "bf16", supported={"torch_sdpa", "xformers"}, default="torch_sdpa",
+        64,
+        "bf16",
+        supported={"torch_sdpa", "xformers"},
+        default="torch_sdpa",
         requirements=["packed_varlen"],
     )
     platform = Platform.simulate("cuda:sm90+xformers")
@@ -813,7 +834,8 @@ def test_rule_3_4_stage_order_requested_default_platform_supported() -> None:
     with component_scope("vae"):
         err = rejected(
             attrs_evolve(layer, requirements=Requirements(packed_varlen=True)),
-            platform=CUDA, config=SAGE,
+            platform=CUDA,
+            config=SAGE,
         )
     assert evaluated(err.trace) == [
         ("requested", "sage_attn"),
@@ -862,7 +884,12 @@ def test_rule_3_4_checks_run_in_order_and_collect_every_failure() -> None:
     records = checks_of(trace, "sage_attn")
     assert [r.check for r in records] == list(M.CHECK_ORDER)
     assert [c.value for c in M.CHECK_ORDER] == [
-        "known", "available", "platform", "role", "supported", "requirements",
+        "known",
+        "available",
+        "platform",
+        "role",
+        "supported",
+        "requirements",
     ]
     assert [r.passed for r in records] == [True, False, False, True, False, False]
     assert failure_codes(trace, "sage_attn") == {
@@ -947,8 +974,9 @@ def test_rule_3_4_alias_dynamic_cudnn_sdpa_needs_both_fa_and_torch_sdpa() -> Non
         "dynamic_cudnn_sdpa"
     )
     for partial in ({"torch_sdpa"}, {"fa"}):
-        err = rejected(LayerSpec(64, "bf16", supported=partial), platform=CUDA,
-                       backend="dynamic_cudnn_sdpa")
+        err = rejected(
+            LayerSpec(64, "bf16", supported=partial), platform=CUDA, backend="dynamic_cudnn_sdpa"
+        )
         assert err.code == "not_in_supported_set"
         assert str(err).startswith(
             "Attention backend 'dynamic_cudnn_sdpa' is not supported by this attention layer"
@@ -1032,6 +1060,38 @@ def test_rule_3_4_exact_route_a_relaxed_origin_falls_back_traced() -> None:
     assert (res.backend.name, res.reason) == ("torch_sdpa", Reason.PLATFORM_DEFAULT_FALLBACK)
 
 
+def test_rule_3_5_reason_softmax_attention_written_by_hand() -> None:
+    # issue 30 (machine.written_by_hand, REQUEST_FAILURE_GUARDS): a layer whose route
+    # runs exactly eager -- the site's own code, computing softmax attention by hand,
+    # where no kernel is offered -- falls back for a relaxed request with this reason
+    # (not the origin's generic one); a strict request is rejected as before
+    by_hand = "the site's own code (softmax attention written by hand in X)"
+    layer = LayerSpec(64, "bf16", supported={"eager"}, default="eager", exact_route=by_hand)
+    assert M.written_by_hand(layer)
+    flag = SelectionConfig(global_backend="torch_sdpa")  # relaxed by the default
+    res = resolve(layer, platform=CUDA, config=flag)
+    assert (res.backend.name, res.reason, res.origin) == (
+        "eager",
+        Reason.WRITTEN_BY_HAND,
+        Origin.GLOBAL_CLI,
+    )
+    assert str(res.reason) == "softmax attention written by hand"
+    assert replay(res.trace).ok
+    # a derived preference too (the platform's fallback reason otherwise)
+    pref = SelectionConfig(global_backend="sage_attn", global_backend_explicit=False)
+    assert resolve(layer, platform=CUDA, config=pref).reason is Reason.WRITTEN_BY_HAND
+    # an explicit eager is the site's own code: selected, no reason
+    assert resolve(layer, platform=CUDA, backend="eager").reason is None
+    # strict: rejected, naming the set (the integration appends the route)
+    strict = attrs.evolve(layer, default=None)
+    assert rejected(strict, platform=CUDA, backend="torch_sdpa").code == "not_in_supported_set"
+    # not by hand: a route that runs another set, or eager with no route
+    assert not M.written_by_hand(attrs.evolve(layer, exact_route=None))
+    other = LayerSpec(64, "bf16", supported={"torch_sdpa"}, default="torch_sdpa", exact_route=ROUTE)
+    assert not M.written_by_hand(other)
+    assert resolve(other, platform=CUDA, config=flag).reason is None  # torch_sdpa itself
+
+
 @pytest.mark.parametrize(
     ("platform", "backend", "reason"),
     [
@@ -1107,7 +1167,9 @@ def test_rule_3_4_package_broken_is_recorded_with_the_import_error() -> None:
 
 def test_rule_3_4_missing_package_with_a_reason_keeps_it() -> None:
     p = Platform(
-        kind="cuda", capability=(9, 0), arch="sm90",
+        kind="cuda",
+        capability=(9, 0),
+        arch="sm90",
         packages=[PackageFact("flash_attn", "missing", None, "module 'flash_attn' belongs to X")],
     )
     err = rejected(LayerSpec(64, "bf16"), platform=p, backend="fa")
@@ -1125,8 +1187,9 @@ def test_rule_3_4_compute_capability_sage_attn_refused_on_sm100() -> None:
 
 
 def test_rule_3_4_unknown_compute_capability_is_a_failure() -> None:
-    err = rejected(LayerSpec(64, "bf16"), platform=Platform.simulate("cuda+all"),
-                   backend="sage_attn")
+    err = rejected(
+        LayerSpec(64, "bf16"), platform=Platform.simulate("cuda+all"), backend="sage_attn"
+    )
     assert failure_codes(err.trace, "sage_attn") == {"platform": ["compute_capability"]}
     assert "unknown" in str(err)
 
@@ -1145,14 +1208,16 @@ def test_rule_3_4_dtype_limit() -> None:
 
 
 def test_rule_3_4_platform_kind_mismatch() -> None:
-    err = rejected(LayerSpec(64, "bf16"), platform=Platform.simulate("rocm:gfx942+all"),
-                   backend="sage_attn")
+    err = rejected(
+        LayerSpec(64, "bf16"), platform=Platform.simulate("rocm:gfx942+all"), backend="sage_attn"
+    )
     assert failure_codes(err.trace, "sage_attn") == {"platform": ["platform_kind"]}
 
 
 def test_rule_3_4_rocm_architecture() -> None:
-    err = rejected(LayerSpec(64, "bf16"), platform=Platform.simulate("rocm:gfx90a+aiter"),
-                   backend="aiter")
+    err = rejected(
+        LayerSpec(64, "bf16"), platform=Platform.simulate("rocm:gfx90a+aiter"), backend="aiter"
+    )
     assert failure_codes(err.trace, "aiter") == {"platform": ["architecture"]}
 
 
@@ -1165,9 +1230,7 @@ def test_rule_3_4_requirement_attn_mask_never_gets_sage_attn(kind: str, origin: 
     if strict:
         with pytest.raises(ResolutionError) as info:
             _request(kind, "sage_attn", layer, CUDA_ALL)
-        assert "Attention backend 'sage_attn' does not implement attention masks" in str(
-            info.value
-        )
+        assert "Attention backend 'sage_attn' does not implement attention masks" in str(info.value)
         assert info.value.code == "requirement_unmet"
     else:
         res = _request(kind, "sage_attn", layer, CUDA_ALL)
@@ -1219,7 +1282,9 @@ def test_rule_3_5_reason_platform_default_fallback() -> None:
     # default serves, and the reason says so
     res = resolve(LayerSpec(64, "bf16", default="fa"), platform=CUDA)
     assert (res.backend.name, res.origin, res.reason) == (
-        "torch_sdpa", "layer_default", "platform default fallback"
+        "torch_sdpa",
+        "layer_default",
+        "platform default fallback",
     )
 
 
@@ -1251,8 +1316,9 @@ def test_rule_3_5_component_constraint_only_when_nothing_requested() -> None:
     layer = LayerSpec(64, "fp32", supported={"eager"})
     res = resolve(layer, platform=CPU, config=SelectionConfig(global_backend="eager"))
     assert (res.origin, res.reason) == ("global_cli", None)
-    with_default = resolve(LayerSpec(64, "fp32", supported={"eager"}, default="eager"),
-                           platform=CPU)
+    with_default = resolve(
+        LayerSpec(64, "fp32", supported={"eager"}, default="eager"), platform=CPU
+    )
     assert (with_default.origin, with_default.reason) == ("layer_default", None)
     two = resolve(LayerSpec(64, "fp32", supported={"eager", "torch_sdpa"}), platform=CPU)
     assert (two.backend.name, two.reason) == ("torch_sdpa", None)
@@ -1287,8 +1353,11 @@ def test_rule_3_5_error_has_no_component_suffix_outside_a_scope() -> None:
 
 
 def test_rule_3_5_message_not_supported_by_this_layer() -> None:
-    err = rejected(LayerSpec(64, "bf16", supported={"torch_sdpa", "fa"}), platform=CUDA_ALL,
-                   backend="sage_attn")
+    err = rejected(
+        LayerSpec(64, "bf16", supported={"torch_sdpa", "fa"}),
+        platform=CUDA_ALL,
+        backend="sage_attn",
+    )
     assert str(err) == (
         "Attention backend 'sage_attn' is not supported by this attention layer; "
         "supported backends: ['fa', 'torch_sdpa']"
@@ -1302,8 +1371,11 @@ def test_rule_3_5_message_sparse_backend_cannot_serve_cross_attention() -> None:
 
 
 def test_rule_3_5_message_packed_varlen() -> None:
-    err = rejected(LayerSpec(64, "bf16", requirements=["packed_varlen"]), platform=CUDA_ALL,
-                   backend="sage_attn")
+    err = rejected(
+        LayerSpec(64, "bf16", requirements=["packed_varlen"]),
+        platform=CUDA_ALL,
+        backend="sage_attn",
+    )
     assert str(err) == "Attention backend 'sage_attn' does not implement packed varlen attention"
 
 
@@ -1311,8 +1383,11 @@ def test_rule_3_5_message_no_compatible_backend() -> None:
     layer = LayerSpec(64, "bf16", supported={"fa", "sage_attn"})
     err = rejected(layer, platform=CPU)
     assert str(err).startswith("No compatible attention backend is available: tried ")
-    for part in ["torch_sdpa (platform_default)", "fa (supported_set)",
-                 "sage_attn (supported_set)"]:
+    for part in [
+        "torch_sdpa (platform_default)",
+        "fa (supported_set)",
+        "sage_attn (supported_set)",
+    ]:
         assert part in str(err)
     assert err.code == "no_compatible_backend"
     assert err.trace.outcome.code == "no_compatible_backend"
@@ -1572,8 +1647,18 @@ NAMES = tuple(s.name for s in BUILTIN_SPECS)
 PLATFORMS = tuple(
     Platform.simulate(s)
     for s in (
-        "cpu", "cpu+all", "cuda:sm90", "cuda:sm90+all", "cuda:sm80+flash_attn", "cuda:sm100+all",
-        "cuda:sm120+all", "rocm:gfx942+aiter", "rocm:gfx90a+all", "npu+torch_npu", "mps", "xpu",
+        "cpu",
+        "cpu+all",
+        "cuda:sm90",
+        "cuda:sm90+all",
+        "cuda:sm80+flash_attn",
+        "cuda:sm100+all",
+        "cuda:sm120+all",
+        "rocm:gfx942+aiter",
+        "rocm:gfx90a+all",
+        "npu+torch_npu",
+        "mps",
+        "xpu",
     )
 )
 backend_names = st.sampled_from(NAMES)
@@ -1635,7 +1720,9 @@ def test_rule_3_property_the_machine_keeps_the_contract_over_the_input_space(
     assert isinstance(origin, OriginRecord)
     found = M.detect_origin(inp)
     assert (origin.origin, origin.backend, origin.strict) == (
-        found.origin, found.backend, found.strict,
+        found.origin,
+        found.backend,
+        found.strict,
     )
     outcome = trace.outcome
     assert outcome.reason in REASONS
@@ -1698,7 +1785,11 @@ def test_cache_hit_still_records_the_decision() -> None:
     assert decisions[0] == decisions[1]
     d = decisions[0]
     assert (d.component, d.layer, d.backend, d.reason, d.origin) == (
-        "vae", "blocks.0.attn", "torch_sdpa", None, "none",
+        "vae",
+        "blocks.0.attn",
+        "torch_sdpa",
+        None,
+        "none",
     )
     assert d.digest == a.trace.digest
     assert len(scope.decisions) == 2
@@ -1749,8 +1840,9 @@ def test_cache_is_bounded() -> None:
         assert R.cache_info()["size"] <= limit
     assert R.cache_info()["size"] > 0
     # the newest entry is still cached
-    assert resolve(LayerSpec(64, "fp32", name=f"layer.{limit + limit // 4 - 1}"),
-                   platform=CPU) is last
+    assert (
+        resolve(LayerSpec(64, "fp32", name=f"layer.{limit + limit // 4 - 1}"), platform=CPU) is last
+    )
 
 
 def test_cache_rejection_is_cached_and_reraised_with_the_trace() -> None:
@@ -1805,9 +1897,15 @@ def test_cache_layers_differing_only_by_name_run_the_machine_once(
     with component_scope("audio_vae") as scope:
         results = [
             resolve(
-                LayerSpec(128, "bf16", supported={"fa", "torch_sdpa"}, default="torch_sdpa",
-                          name=f"blocks.{i}.attn"),
-                platform=CUDA_ALL, config=config,
+                LayerSpec(
+                    128,
+                    "bf16",
+                    supported={"fa", "torch_sdpa"},
+                    default="torch_sdpa",
+                    name=f"blocks.{i}.attn",
+                ),
+                platform=CUDA_ALL,
+                config=config,
             )
             for i in range(5)
         ]

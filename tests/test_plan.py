@@ -189,9 +189,7 @@ def test_override_that_applies_to_no_layer_is_reported_not_raised() -> None:
 
 
 def test_a_rejected_layer_is_not_reported_twice_as_not_applied() -> None:
-    pipeline = parse_pipeline(
-        _doc({**LAYER, "requires": ["packed_varlen"]}, backend="torch_sdpa")
-    )
+    pipeline = parse_pipeline(_doc({**LAYER, "requires": ["packed_varlen"]}, backend="torch_sdpa"))
     result = plan_pipeline(pipeline, SelectionConfig(), CPU)
     (component,) = result.components
     assert component.layers[0].status == "rejected"
@@ -330,8 +328,10 @@ def test_not_utf8(tmp_path: Path) -> None:
 
 def test_pipeline_name_defaults_to_the_file_stem(tmp_path: Path) -> None:
     path = _write(
-        tmp_path, '[[components]]\nname = "vae"\n[[components.layers]]\nname = "a"\n'
-        'head_size = 64\ndtype = "bf16"\n', name="my-pipe.toml"
+        tmp_path,
+        '[[components]]\nname = "vae"\n[[components.layers]]\nname = "a"\n'
+        'head_size = 64\ndtype = "bf16"\n',
+        name="my-pipe.toml",
     )
     pipeline = load_pipeline(path)
     assert isinstance(pipeline, Pipeline)

@@ -625,9 +625,10 @@ def test_flash_attn_2_with_its_early_cute_is_recorded_as_flash_attn(tmp_path: Pa
     assert Requirement.PACKED_VARLEN not in spec.implements and spec.varlen_kernel is None
     assert [o.name for o in spec.options] == ["pack_gqa"]
     real = Platform.simulate("cuda:sm90+flash_attn_4")
-    assert platform.installed(get_spec(Backend("fa4")))[0] != real.installed(
-        get_spec(Backend("fa4"))
-    )[0]
+    assert (
+        platform.installed(get_spec(Backend("fa4")))[0]
+        != real.installed(get_spec(Backend("fa4")))[0]
+    )
 
 
 def test_broken_flash_attn_2_alone(tmp_path: Path) -> None:
@@ -728,8 +729,11 @@ def test_fastvideo_kernel_token_serves_its_sparse_backends() -> None:
         for backend in ("sliding_tile_attn", "video_sparse_attn"):
             assert resolve(layer, platform=platform, backend=backend).backend.name == backend
     # the old module names keep working for old installs
-    for token, backend in (("st_attn", "sliding_tile_attn"), ("vsa", "video_sparse_attn"),
-                           ("vmoba+flash_attn", "vmoba_attn")):
+    for token, backend in (
+        ("st_attn", "sliding_tile_attn"),
+        ("vsa", "video_sparse_attn"),
+        ("vmoba+flash_attn", "vmoba_attn"),
+    ):
         platform = Platform.simulate(f"cuda:sm90+{token}")
         assert resolve(layer, platform=platform, backend=backend).backend.name == backend
     with_fa = Platform.simulate("cuda:sm90+fastvideo_kernel+flash_attn")

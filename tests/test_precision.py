@@ -47,9 +47,7 @@ BUDGET = {"vae": "exact", "transformer": 2e-2}
 
 
 def _input(component: str, budgets: dict[str, object] | None, **kw: object) -> TraceInput:
-    cfg = SelectionConfig(
-        global_backend="sage_attn", attention_error=budgets or {}
-    )
+    cfg = SelectionConfig(global_backend="sage_attn", attention_error=budgets or {})
     return TraceInput(
         LayerSpec(head_size=128, dtype="bfloat16"),
         cfg,
@@ -320,9 +318,7 @@ def test_smoothing_k_removes_the_channel_outlier_error() -> None:
     k[..., 3] += 20.0  # a channel-wise outlier shared by every token
     ref = reference_attention(q, k, v)
     smooth = error_figures(sage_attention_emulated(q, k, v, capability=(8, 6)), ref)[0]
-    raw = error_figures(
-        sage_attention_emulated(q, k, v, capability=(8, 6), smooth_k=False), ref
-    )[0]
+    raw = error_figures(sage_attention_emulated(q, k, v, capability=(8, 6), smooth_k=False), ref)[0]
     assert smooth < raw / 3
 
 
@@ -530,7 +526,7 @@ def test_pipeline_file_gives_component_budgets(
     pipeline = tmp_path / "p.toml"
     pipeline.write_text(
         '[pipeline]\nname = "tiny"\n[[components]]\nname = "transformer"\n'
-        'attention_error = 2e-2\n'
+        "attention_error = 2e-2\n"
         '[[components.layers]]\nname = "blocks.attn"\nhead_size = 128\ndtype = "bfloat16"\n'
         '[[components]]\nname = "vae"\nattention_error = "exact"\n'
         '[[components.layers]]\nname = "mid.attn"\nhead_size = 128\ndtype = "bfloat16"\n'

@@ -111,9 +111,11 @@ def test_every_resolution_ends_in_exactly_one_terminal_record(inp: TraceInput) -
 def test_resolve_raises_exactly_when_the_machine_rejects(inp: TraceInput) -> None:
     trace = M.run_machine(inp)
     try:
-        resolution = resolve(
-            inp.layer, config=inp.config, platform=inp.platform, backend=inp.backend
-        ) if inp.scope is None else _resolve_in(inp)
+        resolution = (
+            resolve(inp.layer, config=inp.config, platform=inp.platform, backend=inp.backend)
+            if inp.scope is None
+            else _resolve_in(inp)
+        )
     except ResolutionError as exc:
         assert trace.outcome.status == "rejected"
         assert isinstance(exc, ValueError)
@@ -177,9 +179,8 @@ def test_a_strict_origin_never_ends_on_a_different_backend(inp: TraceInput) -> N
     origin = _origin(trace)
     note(f"origin={origin}")
     assert origin.strict is (
-        origin.origin in M.STRICT_ORIGINS or trace.records[0].detail.startswith(
-            "--attention-backend set by the operator; strict"
-        )
+        origin.origin in M.STRICT_ORIGINS
+        or trace.records[0].detail.startswith("--attention-backend set by the operator; strict")
     )
     if not origin.strict:
         return
@@ -347,16 +348,15 @@ def _answer(layer: LayerSpec, **kwargs: Any) -> tuple[str, Trace, Any]:
 
 @given(
     st.lists(
-        st.tuples(S.layers(), S.configs(), S.scope_args() | st.none(), S.platforms,
-                  S.maybe_backend(4)),
+        st.tuples(
+            S.layers(), S.configs(), S.scope_args() | st.none(), S.platforms, S.maybe_backend(4)
+        ),
         min_size=1,
         max_size=4,
     ),
     st.lists(st.integers(0, 3), min_size=1, max_size=12),
 )
-def test_the_cache_never_changes_an_answer(
-    cases: list[tuple[Any, ...]], order: list[int]
-) -> None:
+def test_the_cache_never_changes_an_answer(cases: list[tuple[Any, ...]], order: list[int]) -> None:
     R.clear_cache()
     for index in [i % len(cases) for i in order] + list(range(len(cases))):
         layer, config, args, platform, backend = cases[index]
@@ -482,11 +482,16 @@ class NestedScopes(RuleBasedStateMachine):
     def _forced(self) -> list[Any]:
         return [value for what, _, value in self.stack if what == "forced"]
 
-    @rule(name=names, backend=st.sampled_from([None, "torch_sdpa", "eager"]),
-          cross=st.sampled_from([None, "torch_sdpa", "eager"]))
+    @rule(
+        name=names,
+        backend=st.sampled_from([None, "torch_sdpa", "eager"]),
+        cross=st.sampled_from([None, "torch_sdpa", "eager"]),
+    )
     def enter_scope(self, name: str, backend: str | None, cross: str | None) -> None:
         cm = component_scope(
-            name, backend=backend, role_backends=None if cross is None else {"cross": cross},
+            name,
+            backend=backend,
+            role_backends=None if cross is None else {"cross": cross},
             require_selection=False,
         )
         handle = cm.__enter__()
@@ -527,11 +532,13 @@ class NestedScopes(RuleBasedStateMachine):
     def resolve_here(self, role: Role) -> None:
         handle = self._scopes()[-1]
         before = len(handle.decisions)
-        res = resolve(LayerSpec(64, "float32", role=role, name="probe"),
-                      platform=attnres.Platform.simulate("cpu"))
+        res = resolve(
+            LayerSpec(64, "float32", role=role, name="probe"),
+            platform=attnres.Platform.simulate("cpu"),
+        )
         state = handle.state
         assert res.component == state.component
-        expected = (state.role_backend(role) or state.backend)
+        expected = state.role_backend(role) or state.backend
         if expected is not None:
             assert res.backend == expected
         assert len(handle.decisions) == before + 1
@@ -576,8 +583,9 @@ def _no_scope_leaks() -> Iterator[None]:
 def test_origin_vocabulary_matches_the_strict_set() -> None:
     """Sanity for the strictness property above: strict origins are exactly SPEC 3.1's."""
     assert {
-        Origin.REQUEST, Origin.LAYER, Origin.FORCED, Origin.ROLE_OVERRIDE,
+        Origin.REQUEST,
+        Origin.LAYER,
+        Origin.FORCED,
+        Origin.ROLE_OVERRIDE,
         Origin.COMPONENT_OVERRIDE,
-    } == set(
-        M.STRICT_ORIGINS
-    )
+    } == set(M.STRICT_ORIGINS)

@@ -411,8 +411,14 @@ def test_replay_reads_the_kernel_facts_of_the_trace_not_of_this_process() -> Non
         cpu = Platform.simulate("cpu")
         ran = Attention(2, 16, dtype=torch.float32, platform=cpu, backend="rk_fake")
         unregister_kernel("rk_fake")
-        fell_back = Attention(2, 16, dtype=torch.float32, platform=cpu, default="rk_fake",
-                              supported={"rk_fake", "torch_sdpa"})
+        fell_back = Attention(
+            2,
+            16,
+            dtype=torch.float32,
+            platform=cpu,
+            default="rk_fake",
+            supported={"rk_fake", "torch_sdpa"},
+        )
         assert fell_back.backend == "torch_sdpa"
         register_kernel("rk_fake", get_kernel("torch_sdpa"))  # type: ignore[arg-type]
         for layer, kernel_now in ((ran, False), (fell_back, True)):

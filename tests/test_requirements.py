@@ -70,8 +70,14 @@ def test_rule_3_4_requirement_every_requirement_has_a_phrase_and_a_flag() -> Non
 # -- backward ---------------------------------------------------------------------
 
 #: The catalogue's backward facts (docs/backends.md gives the source of each).
-NO_BACKWARD = {"sage_attn", "sage_attn_3", "sliding_tile_attn", "ascend_fa",
-               "dynamic_cudnn_sdpa", "sparse_video_gen_2_attn"}
+NO_BACKWARD = {
+    "sage_attn",
+    "sage_attn_3",
+    "sliding_tile_attn",
+    "ascend_fa",
+    "dynamic_cudnn_sdpa",
+    "sparse_video_gen_2_attn",
+}
 
 
 def test_rule_3_4_requirement_backward_claims_follow_the_catalogue() -> None:
@@ -113,8 +119,12 @@ def test_rule_3_4_requirement_backward_flex_attention_not_on_cpu() -> None:
     cuda = resolve(layer, platform=Platform.simulate("cuda:sm90"), backend="flex_attention")
     assert cuda.backend.name == "flex_attention"
     # inference on cpu is untouched
-    assert resolve(LayerSpec(64, "float32"), platform=Platform.simulate("cpu"),
-                   backend="flex_attention").backend.name == "flex_attention"
+    assert (
+        resolve(
+            LayerSpec(64, "float32"), platform=Platform.simulate("cpu"), backend="flex_attention"
+        ).backend.name
+        == "flex_attention"
+    )
 
 
 def test_rule_3_4_requirement_backward_xformers_has_no_gqa_backward() -> None:
@@ -126,8 +136,9 @@ def test_rule_3_4_requirement_backward_xformers_has_no_gqa_backward() -> None:
         "cutlass forward op takes the 5-D GQA layout, its backward op does not)"
     ]
     for alone in (["gqa"], ["backward"]):
-        assert _requirement_failures("xformers", LayerSpec(64, "fp16", requirements=alone),
-                                     sm80) == []
+        assert (
+            _requirement_failures("xformers", LayerSpec(64, "fp16", requirements=alone), sm80) == []
+        )
 
 
 def test_rule_3_4_requirement_backward_fa4_limit_is_by_compute_capability() -> None:
@@ -146,16 +157,21 @@ def test_rule_3_4_requirement_limit_applies_to_a_plugin_spec() -> None:
         dtypes=("bfloat16",),
         implements=("causal", "backward"),
         limits=(
-            RequirementLimit({"backward", "causal"}, "no causal backward before sm90",
-                             capabilities=CapabilityRule(max=(8, 9))),
+            RequirementLimit(
+                {"backward", "causal"},
+                "no causal backward before sm90",
+                capabilities=CapabilityRule(max=(8, 9)),
+            ),
         ),
     )
     register_backend(spec)
     try:
         layer = LayerSpec(64, "bf16", requirements=["causal", "backward"])
         err = _rejected(layer, Platform.simulate("cuda:sm86"), "test_limited_kernel")
-        assert ("does not implement the backward pass together with causal attention on "
-                "<= sm89 (no causal backward before sm90)") in str(err)
+        assert (
+            "does not implement the backward pass together with causal attention on "
+            "<= sm89 (no causal backward before sm90)"
+        ) in str(err)
         res = resolve(layer, platform=Platform.simulate("cuda:sm90"), backend="test_limited_kernel")
         assert res.backend.name == "test_limited_kernel"
     finally:
@@ -170,8 +186,13 @@ def test_rule_3_4_requirement_limit_validates_its_fields() -> None:
     with pytest.raises(ValueError, match="unknown platform kinds"):
         RequirementLimit({"backward"}, "x", platforms={"tpu"})
     with pytest.raises(TypeError, match="RequirementLimit"):
-        BackendSpec(name="x_kernel", sparse=False, platforms=("cpu",), dtypes=("float32",),
-                    limits=("backward",))  # type: ignore[arg-type]
+        BackendSpec(
+            name="x_kernel",
+            sparse=False,
+            platforms=("cpu",),
+            dtypes=("float32",),
+            limits=("backward",),
+        )  # type: ignore[arg-type]
 
 
 # -- traces: the requirement travels, and 0.1 traces still load ---------------------
@@ -221,13 +242,19 @@ def _with_digest(doc: dict[str, Any]) -> dict[str, Any]:
 def test_trace_schema_versions_hold_their_own_requirement_keys() -> None:
     new_keys = _schema_1_doc()
     new_keys["schema_version"] = 2
-    with pytest.raises(TraceFormatError, match=r"\$\.input\.layer\.requirements\.backward: "
-                       r"missing field \(requirements in schema version 2"):
+    with pytest.raises(
+        TraceFormatError,
+        match=r"\$\.input\.layer\.requirements\.backward: "
+        r"missing field \(requirements in schema version 2",
+    ):
         trace_from_dict(_with_digest(new_keys))
     doc = _schema_1_doc()
     doc["input"]["layer"]["requirements"]["backward"] = False
-    with pytest.raises(TraceFormatError, match=r"requirements\.backward: unexpected field "
-                       r"\(requirements in schema version 1"):
+    with pytest.raises(
+        TraceFormatError,
+        match=r"requirements\.backward: unexpected field "
+        r"\(requirements in schema version 1",
+    ):
         trace_from_dict(_with_digest(doc))
 
 
@@ -258,8 +285,14 @@ def test_golden_corpus_is_written_in_the_current_schema() -> None:
 # -- custom scale, softcap, sliding window: the catalogue ---------------------------
 
 #: Kernels whose call has no softmax-scale argument (docs/backends.md gives the sources).
-NO_SCALE = {"sliding_tile_attn", "video_sparse_attn", "vmoba_attn", "sage_attn_3",
-            "sparse_video_gen_2_attn", "dynamic_cudnn_sdpa"}
+NO_SCALE = {
+    "sliding_tile_attn",
+    "video_sparse_attn",
+    "vmoba_attn",
+    "sage_attn_3",
+    "sparse_video_gen_2_attn",
+    "dynamic_cudnn_sdpa",
+}
 
 
 def test_rule_3_4_requirement_custom_scale_claims_follow_the_catalogue() -> None:
@@ -272,12 +305,28 @@ def test_rule_3_4_requirement_softcap_and_window_claims_follow_the_catalogue() -
     assert softcap == {"fa", "fa3", "fa4", "eager", "flex_attention"}
     window = {s.name for s in BUILTIN_SPECS if Requirement.SLIDING_WINDOW in s.implements}
     # the kernels' own window_size, and the adapters that build the window as a mask
-    assert window == {"fa", "fa3", "fa4", "aiter",
-                      "torch_sdpa", "eager", "torch_cudnn_sdpa", "flex_attention", "xformers"}
+    assert window == {
+        "fa",
+        "fa3",
+        "fa4",
+        "aiter",
+        "torch_sdpa",
+        "eager",
+        "torch_cudnn_sdpa",
+        "flex_attention",
+        "xformers",
+    }
 
 
-SIMULATED = ["cuda:sm90+all", "cuda:sm100+all", "cuda:sm120+all", "cuda:sm121+all",
-             "cuda:sm80+all", "cpu", "rocm:gfx942+all"]
+SIMULATED = [
+    "cuda:sm90+all",
+    "cuda:sm100+all",
+    "cuda:sm120+all",
+    "cuda:sm121+all",
+    "cuda:sm80+all",
+    "cpu",
+    "rocm:gfx942+all",
+]
 
 
 @pytest.mark.parametrize("platform", SIMULATED)
@@ -292,8 +341,10 @@ def test_rule_3_4_requirement_custom_scale_never_gets_a_kernel_without_a_scale(
     sim = Platform.simulate(platform)
     for backend in ("sliding_tile_attn", "vmoba_attn", "sage_attn_3", "video_sparse_attn"):
         layer = LayerSpec(head_size, "bf16", requirements=["custom_scale"])
-        for config in (SelectionConfig(global_backend=backend),
-                       SelectionConfig(global_backend=backend, global_backend_explicit=False)):
+        for config in (
+            SelectionConfig(global_backend=backend),
+            SelectionConfig(global_backend=backend, global_backend_explicit=False),
+        ):
             try:
                 res = resolve(layer, config=config, platform=sim)
             except ResolutionError:
@@ -304,8 +355,12 @@ def test_rule_3_4_requirement_custom_scale_never_gets_a_kernel_without_a_scale(
         # the layer states the requirement itself: forced, it is refused before any kernel
         with force_backend(backend), pytest.raises(ResolutionError) as info:
             Attention(2, head_size, softmax_scale=0.5, dtype="bf16", platform=sim)
-        failed = {f.message for r in info.value.trace.records
-                  if isinstance(r, CheckRecord) for f in r.failures}
+        failed = {
+            f.message
+            for r in info.value.trace.records
+            if isinstance(r, CheckRecord)
+            for f in r.failures
+        }
         assert "does not implement a custom softmax scale" in failed
 
 
@@ -331,11 +386,14 @@ def test_rule_3_4_requirement_softcap_fa_not_with_dropout() -> None:
     hopper = Platform.simulate("cuda:sm90+flash_attn")
     both = LayerSpec(128, "bf16", requirements=["softcap", "dropout"])
     err = _rejected(both, hopper, "fa")
-    assert ("Attention backend 'fa' does not implement logit softcapping together with "
-            "attention dropout (flash_api.cpp: 'Softcapping does not support dropout for now')"
-            ) in str(err)
-    assert resolve(LayerSpec(128, "bf16", requirements=["softcap"]), platform=hopper).backend.name \
+    assert (
+        "Attention backend 'fa' does not implement logit softcapping together with "
+        "attention dropout (flash_api.cpp: 'Softcapping does not support dropout for now')"
+    ) in str(err)
+    assert (
+        resolve(LayerSpec(128, "bf16", requirements=["softcap"]), platform=hopper).backend.name
         == "fa"
+    )
 
 
 def test_rule_3_4_requirement_softcap_never_gets_a_kernel_without_one() -> None:
@@ -346,7 +404,8 @@ def test_rule_3_4_requirement_softcap_never_gets_a_kernel_without_one() -> None:
         assert "does not implement logit softcapping" in failures, backend
     for backend in ("fa", "fa3", "fa4", "eager", "flex_attention"):
         assert "does not implement logit softcapping" not in _requirement_failures(
-            backend, layer, hopper)
+            backend, layer, hopper
+        )
     # nothing requested on Hopper: the chain's fa3 takes it (fa where FA3 is missing)
     assert resolve(layer, platform=hopper).backend.name == "fa3"
     assert resolve(layer, platform=Platform.simulate("cuda:sm90+flash_attn")).backend.name == "fa"
@@ -367,7 +426,8 @@ def test_rule_3_4_requirement_sliding_window_never_gets_a_kernel_without_one() -
     layer = LayerSpec(128, "bf16", requirements=["sliding_window"])
     for backend in ("sage_attn", "dynamic_cudnn_sdpa", "sliding_tile_attn"):
         assert "does not implement sliding-window attention" in _requirement_failures(
-            backend, layer, hopper), backend
+            backend, layer, hopper
+        ), backend
     assert resolve(layer, platform=hopper).backend.name == "fa3"
     assert resolve(layer, platform=Platform.simulate("cpu")).backend.name == "torch_sdpa"
 
@@ -376,9 +436,10 @@ def test_rule_3_4_requirement_sliding_window_cross_needs_top_left_alignment() ->
     hopper = Platform.simulate("cuda:sm90+all")
     cross = LayerSpec(128, "bf16", role="cross", requirements=["sliding_window"])
     err = _rejected(cross, hopper, "fa")
-    assert ("does not implement top-left aligned sliding-window cross-attention (its "
-            "sliding-window mask is bottom-right aligned when query and key lengths differ)"
-            ) in str(err)
+    assert (
+        "does not implement top-left aligned sliding-window cross-attention (its "
+        "sliding-window mask is bottom-right aligned when query and key lengths differ)"
+    ) in str(err)
     res = resolve(cross, platform=hopper)
     assert (res.backend.name, res.reason) == ("torch_sdpa", "platform default fallback")
 
@@ -410,7 +471,9 @@ def test_attention_softcap_and_window_arguments() -> None:
 
 
 LAYER_CASES = [
-    ("torch_sdpa", "float64"), ("eager", "float64"), ("eager", "float32"),
+    ("torch_sdpa", "float64"),
+    ("eager", "float64"),
+    ("eager", "float32"),
     ("flex_attention", "float32"),
 ]
 
@@ -420,7 +483,10 @@ LAYER_CASES = [
 @pytest.mark.parametrize("window", [None, (3, 0), (2, 4), (None, 2), (5, None)])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
 def test_layer_window_scale_softcap_match_the_reference(
-    backend: str, dtype: str, causal: bool, window: tuple[int | None, int | None] | None,
+    backend: str,
+    dtype: str,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
     mask_kind: str | None,
 ) -> None:
     import torch
@@ -430,13 +496,21 @@ def test_layer_window_scale_softcap_match_the_reference(
 
     torch_dtype = getattr(torch, dtype)
     softcap = 3.0 if backend in ("eager", "flex_attention") else None
-    layer = Attention(4, 16, num_kv_heads=2, causal=causal, softmax_scale=0.4, softcap=softcap,
-                      window=window, dtype=dtype, backend=backend,
-                      platform=Platform.simulate("cpu"))
+    layer = Attention(
+        4,
+        16,
+        num_kv_heads=2,
+        causal=causal,
+        softmax_scale=0.4,
+        softcap=softcap,
+        window=window,
+        dtype=dtype,
+        backend=backend,
+        platform=Platform.simulate("cpu"),
+    )
     assert layer.backend.name == backend
     generator = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(2, 19, h, 16, generator=generator).to(torch_dtype)
-               for h in (4, 2, 2))
+    q, k, v = (torch.randn(2, 19, h, 16, generator=generator).to(torch_dtype) for h in (4, 2, 2))
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(2, 1, 19, 19, generator=generator) > 0.2
@@ -460,8 +534,9 @@ def test_layer_window_matters() -> None:
 
     layer = Attention(2, 16, window=(1, 1), dtype="float64", platform=Platform.simulate("cpu"))
     generator = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 12, 2, 16, generator=generator, dtype=torch.float64)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 12, 2, 16, generator=generator, dtype=torch.float64) for _ in range(3)
+    )
     out = layer(q, k, v)
     assert relative_error(out, reference(q, k, v, window=(1, 1))) < 1e-12
     assert relative_error(out, reference(q, k, v)) > 0.05

@@ -80,27 +80,37 @@ def test_scope_require_selection_defaults_on_for_explicit_overrides() -> None:
 
 @pytest.mark.parametrize("name", ["", "   ", None, 3])
 def test_scope_name_must_be_a_non_empty_string(name: object) -> None:
-    with pytest.raises(ValueError, match="name must be a non-empty string"), component_scope(
-        name  # type: ignore[arg-type]
+    with (
+        pytest.raises(ValueError, match="name must be a non-empty string"),
+        component_scope(
+            name  # type: ignore[arg-type]
+        ),
     ):
         pass
 
 
 def test_scope_validates_backends() -> None:
-    with pytest.raises(UnknownBackendError, match=r"^backend: "), component_scope(
-        "vae", backend="sdpaaa_q"
+    with (
+        pytest.raises(UnknownBackendError, match=r"^backend: "),
+        component_scope("vae", backend="sdpaaa_q"),
     ):
         pass
-    with pytest.raises(UnknownBackendError, match=r"role_backends\['cross'\]"), component_scope(
-        "vae", role_backends={"cross": "nope_q"}
+    with (
+        pytest.raises(UnknownBackendError, match=r"role_backends\['cross'\]"),
+        component_scope("vae", role_backends={"cross": "nope_q"}),
     ):
         pass
-    with pytest.raises(ValueError, match="role must be 'self' or 'cross'"), component_scope(
-        "vae", role_backends={"both": "fa"}
+    with (
+        pytest.raises(ValueError, match="role must be 'self' or 'cross'"),
+        component_scope("vae", role_backends={"both": "fa"}),
     ):
         pass
-    with pytest.raises(ValueError, match="must not be None"), component_scope(
-        "vae", role_backends={"cross": None}  # type: ignore[dict-item]
+    with (
+        pytest.raises(ValueError, match="must not be None"),
+        component_scope(
+            "vae",
+            role_backends={"cross": None},  # type: ignore[dict-item]
+        ),
     ):
         pass
     assert current_scope() is None
@@ -262,9 +272,7 @@ def test_rule_3_6_not_applied_component_backend_with_no_layers_built() -> None:
 
 
 def test_rule_3_6_not_applied_when_every_layer_had_a_layer_level_backend() -> None:
-    with pytest.raises(BackendNotAppliedError) as info, component_scope(
-        "vae", backend="eager"
-    ):
+    with pytest.raises(BackendNotAppliedError) as info, component_scope("vae", backend="eager"):
         for i in range(2):
             res = resolve(LayerSpec(64, "fp32", name=f"l{i}"), platform=CPU, backend="torch_sdpa")
             assert res.origin == "layer"
@@ -273,15 +281,18 @@ def test_rule_3_6_not_applied_when_every_layer_had_a_layer_level_backend() -> No
 
 
 def test_not_applied_when_a_forced_backend_decided_every_layer() -> None:
-    with pytest.raises(BackendNotAppliedError, match="origin forced"), force_backend(
-        "torch_sdpa"
-    ), component_scope("vae", backend="eager"):
+    with (
+        pytest.raises(BackendNotAppliedError, match="origin forced"),
+        force_backend("torch_sdpa"),
+        component_scope("vae", backend="eager"),
+    ):
         resolve(LayerSpec(64, "fp32"), platform=CPU)
 
 
 def test_rule_3_6_not_applied_role_override_whose_role_built_no_layer() -> None:
-    with pytest.raises(BackendNotAppliedError) as info, component_scope(
-        "transformer", role_backends={"cross": "torch_sdpa"}
+    with (
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("transformer", role_backends={"cross": "torch_sdpa"}),
     ):
         resolve(LayerSpec(64, "fp32", role="self"), platform=CPU)
     text = str(info.value)
@@ -290,8 +301,9 @@ def test_rule_3_6_not_applied_role_override_whose_role_built_no_layer() -> None:
 
 
 def test_rule_3_6_not_applied_names_both_problems() -> None:
-    with pytest.raises(BackendNotAppliedError) as info, component_scope(
-        "transformer", backend="eager", role_backends={"cross": "torch_sdpa"}
+    with (
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("transformer", backend="eager", role_backends={"cross": "torch_sdpa"}),
     ):
         pass
     text = str(info.value)
@@ -310,9 +322,10 @@ def test_rule_3_6_applied_component_and_role_backends_do_not_raise() -> None:
 
 def test_rule_overrides_explain_every_layer_one_unexplained_layer_raises() -> None:
     # v2: some layers running the override is not enough; every other layer needs a reason
-    with pytest.raises(BackendNotAppliedError) as info, component_scope(
-        "vae", backend="eager"
-    ) as handle:
+    with (
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("vae", backend="eager") as handle,
+    ):
         resolve(LayerSpec(64, "fp32", name="a"), platform=CPU, backend="torch_sdpa")
         resolve(LayerSpec(64, "fp32", name="b"), platform=CPU)
     assert [d.backend for d in handle.decisions] == ["torch_sdpa", "eager"]
@@ -330,9 +343,10 @@ def test_rule_overrides_explain_every_layer_a_recorded_reason_explains_a_layer()
 
 def test_rule_overrides_explain_every_layer_an_override_that_ran_nowhere_raises() -> None:
     # every layer recorded a reason, but the operator's backend never ran
-    with pytest.raises(BackendNotAppliedError) as info, component_scope(
-        "transformer", backend="sliding_tile_attn"
-    ) as handle:
+    with (
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("transformer", backend="sliding_tile_attn") as handle,
+    ):
         res = resolve(CROSS_128, platform=CUDA_ALL)
     assert (res.backend.name, res.reason) == ("fa3", "dense cross-attention fallback")
     assert handle.decisions[0].origin == "component_override"
@@ -350,10 +364,12 @@ def test_rule_overrides_explain_every_layer_role_overrides_count_as_explained() 
     assert len(handle.decisions) == 1
 
 
-def test_rule_overrides_explain_every_layer_role_overrides_checked_without_require_selection(
-) -> None:
-    with pytest.raises(BackendNotAppliedError) as info, component_scope(
-        "vae", role_backends={"cross": "eager"}, require_selection=False
+def test_rule_overrides_explain_every_layer_role_overrides_checked_without_require_selection() -> (
+    None
+):
+    with (
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("vae", role_backends={"cross": "eager"}, require_selection=False),
     ):
         resolve(LayerSpec(64, "fp32", name="self"), platform=CPU)
     assert "no cross-attention layer that used it" in str(info.value)
@@ -361,8 +377,9 @@ def test_rule_overrides_explain_every_layer_role_overrides_checked_without_requi
 
 def test_rule_overrides_explain_every_layer_a_role_override_that_ran_nowhere_raises() -> None:
     found = []
-    with pytest.raises(BackendNotAppliedError) as info, component_scope(
-        "transformer", role_backends={"cross": "video_sparse_attn"}
+    with (
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("transformer", role_backends={"cross": "video_sparse_attn"}),
     ):
         found.append(resolve(CROSS_128, platform=CUDA_ALL))
     assert (found[0].origin, found[0].reason) == ("role_override", "dense cross-attention fallback")
@@ -379,8 +396,9 @@ def test_rule_3_6_not_raised_with_require_selection_false() -> None:
 
 def test_rule_3_6_not_raised_when_the_body_raised() -> None:
     boom = RuntimeError("from the body")
-    with pytest.raises(RuntimeError) as info, component_scope(
-        "vae", backend="fa", role_backends={"cross": "eager"}
+    with (
+        pytest.raises(RuntimeError) as info,
+        component_scope("vae", backend="fa", role_backends={"cross": "eager"}),
     ):
         raise boom
     assert info.value is boom
@@ -470,8 +488,9 @@ def test_rule_3_6_each_problem_carries_its_scope_code() -> None:
     from attnres.machine import SCOPE_CHECKS
 
     assert {code for code, _, _ in SCOPE_CHECKS} == set(ScopeCode)
-    with pytest.raises(BackendNotAppliedError) as info, component_scope(
-        "transformer", backend="eager", role_backends={"cross": "eager"}
+    with (
+        pytest.raises(BackendNotAppliedError) as info,
+        component_scope("transformer", backend="eager", role_backends={"cross": "eager"}),
     ):
         pass
     assert [p.code for p in info.value.problems] == [

@@ -31,12 +31,17 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     seen: list[str] = []
 
     def make(name: str) -> Any:
-        def kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-                   scale: float | None) -> Tensor:
+        def kernel(
+            q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None
+        ) -> Tensor:
             seen.append(name)
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-                scale=scale)
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=causal,
+                scale=scale,
+            )
             return out.transpose(1, 2)
 
         return kernel
@@ -91,9 +96,9 @@ def test_rule_backward_a_strict_decision_raises_before_computing(calls: list[str
 def test_rule_backward_inference_and_train_mode_alone_never_add_it(calls: list[str]) -> None:
     layer = _sage_layer("transformer")
     layer.train()
-    layer(*_qkv(grad=False))                 # inputs that require no grad
+    layer(*_qkv(grad=False))  # inputs that require no grad
     with torch.no_grad():
-        layer(*_qkv(grad=True))              # grad mode off
+        layer(*_qkv(grad=True))  # grad mode off
     with torch.inference_mode():
         layer(*_qkv(grad=False))
     assert calls == ["sage_attn"] * 3
@@ -106,16 +111,23 @@ def test_rule_backward_kernels_with_a_backward_pass_are_not_guarded() -> None:
     layer(q, q.detach(), q.detach()).sum().backward()  # torch_sdpa has a backward pass
     assert layer.backward_resolution is None  # so nothing was resolved again
     assert q.grad is not None
-    flex = Attention(4, 16, dtype="float32", backend="flex_attention",
-                     platform=Platform.simulate("cpu"))  # no backward on cpu: guarded
+    flex = Attention(
+        4, 16, dtype="float32", backend="flex_attention", platform=Platform.simulate("cpu")
+    )  # no backward on cpu: guarded
     with pytest.raises(ResolutionError, match="backward pass"):
-        flex(q, q.detach(), q.detach())      # origin layer: strict
+        flex(q, q.detach(), q.detach())  # origin layer: strict
 
 
 def test_rule_backward_a_layer_that_requires_backward_is_resolved_for_it(calls: list[str]) -> None:
     attnres.set_selection_config(SelectionConfig(global_backend="sage_attn"))
     with component_scope("vae"):
-        layer = Attention(4, 64, dtype="bf16", platform=HOPPER, name="attn1",
-                          requirements=attnres.Requirements(backward=True))
+        layer = Attention(
+            4,
+            64,
+            dtype="bf16",
+            platform=HOPPER,
+            name="attn1",
+            requirements=attnres.Requirements(backward=True),
+        )
     assert layer.backend is not None and layer.backend.name == "fa"
     assert layer.resolution is not None and layer.resolution.reason == "global backend fallback"

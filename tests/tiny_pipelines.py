@@ -26,13 +26,25 @@ def clip_text_encoder(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     config = CLIPTextConfig(
-        hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
-        vocab_size=64, max_position_embeddings=77, projection_dim=32,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        vocab_size=64,
+        max_position_embeddings=77,
+        projection_dim=32,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
     )
     model = CLIPTextModel(config).eval().to(dtype)
-    tok = _tokenizer(PreTrainedTokenizerFast, bos_token="<s>", eos_token="</s>",
-                     pad_token="</s>", unk_token="<unk>")
+    tok = _tokenizer(
+        PreTrainedTokenizerFast,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="</s>",
+        unk_token="<unk>",
+    )
     tok.model_max_length = 77
     return model, tok
 
@@ -41,17 +53,26 @@ def t5_text_encoder(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
     torch.manual_seed(1)
-    config = T5Config(d_model=32, d_kv=8, d_ff=37, num_heads=4, num_layers=2,
-                      vocab_size=64, relative_attention_num_buckets=8)
+    config = T5Config(
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_heads=4,
+        num_layers=2,
+        vocab_size=64,
+        relative_attention_num_buckets=8,
+    )
     model = T5EncoderModel(config).eval().to(dtype)
-    tok = _tokenizer(PreTrainedTokenizerFast, pad_token="<pad>", eos_token="</s>",
-                     unk_token="<unk>")
+    tok = _tokenizer(
+        PreTrainedTokenizerFast, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
     tok.model_max_length = 512
     return model, tok
 
 
-def flux(head_dim: int = 16, dtype: torch.dtype = torch.float32,
-         vae_dtype: torch.dtype = torch.float32) -> Any:
+def flux(
+    head_dim: int = 16, dtype: torch.dtype = torch.float32, vae_dtype: torch.dtype = torch.float32
+) -> Any:
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -63,28 +84,59 @@ def flux(head_dim: int = 16, dtype: torch.dtype = torch.float32,
     t5, tok2 = t5_text_encoder(dtype)
     torch.manual_seed(2)
     rope = [head_dim // 4, head_dim // 4, head_dim // 2]
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-        attention_head_dim=head_dim, num_attention_heads=2, joint_attention_dim=32,
-        pooled_projection_dim=32, axes_dims_rope=rope,
-    ).eval().to(dtype)
+    transformer = (
+        FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=head_dim,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            axes_dims_rope=rope,
+        )
+        .eval()
+        .to(dtype)
+    )
     torch.manual_seed(3)
-    vae = AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,),
-        layers_per_block=1, latent_channels=1, norm_num_groups=1,
-        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
-        scaling_factor=1.5035,
-    ).eval().to(vae_dtype)
+    vae = (
+        AutoencoderKL(
+            sample_size=32,
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=(4,),
+            layers_per_block=1,
+            latent_channels=1,
+            norm_num_groups=1,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
+        .eval()
+        .to(vae_dtype)
+    )
     return FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=text, tokenizer=tok,
-        text_encoder_2=t5, tokenizer_2=tok2, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=text,
+        tokenizer=tok,
+        text_encoder_2=t5,
+        tokenizer_2=tok2,
+        transformer=transformer,
+        vae=vae,
     )
 
 
 def run_flux(pipe: Any) -> torch.Tensor:
     out = pipe(
-        prompt="a red cat", num_inference_steps=2, guidance_scale=3.5, height=16, width=16,
-        max_sequence_length=16, output_type="pt",
+        prompt="a red cat",
+        num_inference_steps=2,
+        guidance_scale=3.5,
+        height=16,
+        width=16,
+        max_sequence_length=16,
+        output_type="pt",
         generator=torch.Generator().manual_seed(0),
     )
     return out.images
@@ -108,9 +160,16 @@ def sd3() -> dict[str, Any]:
 
     torch.manual_seed(4)
     transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
-        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
-        pooled_projection_dim=64, out_channels=4,
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
     ).eval()
     return {"transformer": transformer}
 
@@ -130,10 +189,17 @@ def unet() -> Any:
 
     torch.manual_seed(5)
     return UNet2DConditionModel(
-        block_out_channels=(32, 64), layers_per_block=1, sample_size=8, in_channels=4,
-        out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-        attention_head_dim=2, norm_num_groups=32, mid_block_type=None,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=2,
+        norm_num_groups=32,
+        mid_block_type=None,
     ).eval()
 
 
@@ -152,17 +218,37 @@ def wan() -> dict[str, Any]:
 
     torch.manual_seed(6)
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=1,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
     ).eval()
     vae = AutoencoderKLWan(
-        base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        base_dim=3,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
         temperal_downsample=[False, True, True],
     ).eval()
-    text = UMT5EncoderModel(UMT5Config(d_model=32, d_kv=8, d_ff=37, num_heads=4,
-                                       num_layers=2, vocab_size=64,
-                                       relative_attention_num_buckets=8)).eval()
+    text = UMT5EncoderModel(
+        UMT5Config(
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_heads=4,
+            num_layers=2,
+            vocab_size=64,
+            relative_attention_num_buckets=8,
+        )
+    ).eval()
     return {"text_encoder": text, "transformer": transformer, "vae": vae}
 
 
@@ -349,9 +435,7 @@ def run_hunyuan_video(pipe: Any) -> torch.Tensor:
     return out.frames
 
 
-def ltx2(
-    dtype: torch.dtype = torch.bfloat16, side: int = 4
-) -> tuple[Any, dict[str, Any]]:
+def ltx2(dtype: torch.dtype = torch.bfloat16, side: int = 4) -> tuple[Any, dict[str, Any]]:
     """A tiny LTX-2 audio-video DiT (``get_init_dict`` of huggingface/diffusers,
     tests/models/transformers/test_models_transformer_ltx2.py) and a batch of
     two padded prompts (8 tokens) for video (2 x side x side tokens) and audio."""

@@ -39,7 +39,6 @@ from attnres.integrations import transformers as itf
 
 EAGER = SelectionConfig(global_backend="eager")
 COMPONENT = "transformer"  # strict: the global flag is aimed at it
-_BY_HAND = "by hand"
 
 
 @dataclass
@@ -224,7 +223,7 @@ def check(name: str, model: torch.nn.Module, inputs: Any) -> Result:
     for site in eager.sites:
         if site.name not in sites:
             continue
-        if _BY_HAND in site.route:  # softmax by hand: eager is its own code, no route
+        if site.by_hand:  # softmax by hand: eager is its own code, no route
             res.by_hand += 1
             continue
         if site.name in functions:  # transformers calls the function its config names
@@ -292,9 +291,7 @@ def check_without_forward(name: str, model: torch.nn.Module) -> Result:
     routes = {k.split("/", 1)[1] for k in idf.routes(comps)}
     idf.remove(comps)
     missing = [
-        s.name
-        for s in eager.sites
-        if s.name in governed and _BY_HAND not in s.route and s.name not in routes
+        s.name for s in eager.sites if s.name in governed and not s.by_hand and s.name not in routes
     ]
     res.eager_everywhere = eager.ok and not missing
     if not res.eager_everywhere:

@@ -137,6 +137,9 @@ class GuardFacts:
     explicit: bool = False
     #: the layer declares a default, or its component allows global fallback
     relaxed: bool = False
+    #: issue 30: the layer's route runs exactly ``eager``, the site's own code,
+    #: which computes softmax attention by hand (``attnres.machine.written_by_hand``)
+    by_hand: bool = False
 
 
 @frozen

@@ -61,6 +61,9 @@ class Event(_StrEnum):
     GLOBAL_FALLBACK = "global_fallback"
     PREFERENCE_FALLBACK = "preference_fallback"
     SPARSE_CROSS_FALLBACK = "sparse_cross_fallback"
+    #: issue 30: a relaxed request on a layer whose route runs only its own
+    #: softmax attention written by hand
+    BY_HAND_FALLBACK = "by_hand_fallback"
     CANDIDATE_FAILED = "candidate_failed"
     EXHAUSTED = "exhausted"
     #: autotune: a selected automatic decision is measured against its candidates
@@ -103,6 +106,9 @@ class Reason(_StrEnum):
     PLATFORM_DEFAULT_FALLBACK = "platform default fallback"
     DENSE_CROSS_ATTENTION_FALLBACK = "dense cross-attention fallback"
     COMPONENT_CONSTRAINT = "component constraint"
+    #: issue 30: the layer's route runs only the site's own code, which computes
+    #: softmax attention by hand (no kernel is offered there)
+    WRITTEN_BY_HAND = "softmax attention written by hand"
     MEASURED_FASTER = "measured faster"
     # issue 23, the ``sglang`` profile: SGLang records a role override's
     # divergence from the component backend as an explained selection
@@ -223,15 +229,16 @@ class RouteKind(_StrEnum):
     """How an integration site's kernel is put in place (issue 30): code
     dispatches on this, never on the route's words (``Site.route`` is for people)."""
 
-    #: the generic route: the site's own SDPA calls, or the attention its code
-    #: computes by hand, run the kernel decided per call signature
+    #: the generic route: the site's own SDPA calls run the kernel decided per
+    #: call signature
     INTERCEPT = "intercept"
     #: transformers' attention interface: the config names the function it runs
     INTERFACE = "interface"
     #: the site runs one kernel its code names (a host's dispatcher pinned to a
     #: backend, a kernel its code calls, torch's own MultiheadAttention path)
     PIN = "pin"
-    #: the site's own code, untouched (not softmax attention, or nothing routes it)
+    #: the site's own code, untouched (not softmax attention, softmax attention
+    #: written by hand -- issue 30: no kernel is offered there --, or nothing routes it)
     OWN_CODE = "own code"
 
 

@@ -34,7 +34,6 @@ __all__ = [
     "BackendOptionError",
     "CompiledGraphError",
     "ConsensusError",
-    "DeferredScoresError",
     "EngineSupportError",
     "FolderBuildError",
     "IntegrationError",
@@ -339,13 +338,6 @@ class RequestBackendError(AttnresError, ValueError):
 
 class UsageError(AttnresError, ValueError):
     """A command-line mistake the parser cannot see (the CLI exits 2)."""
-
-
-class DeferredScoresError(AttnresError, RuntimeError):
-    """Attention weights a by-hand site returned without computing them (the
-    deferred-scores route) are used after a tensor they are computed from was
-    changed in place: computed now, they would not be what the site's code
-    computed, so attnres refuses (``docs/integrations.md``)."""
 
 
 class BackendMismatchError(ConsensusError):

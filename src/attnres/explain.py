@@ -237,6 +237,13 @@ def _why(
             f"cross-attention, so the machine fell back to the dense {chosen}, accepted at "
             f"stage {stage}{skipped}."
         )
+    if reason is Reason.WRITTEN_BY_HAND:
+        return (
+            f"this layer is softmax attention its own code computes by hand, which only "
+            f"that code runs ({chosen}): no kernel is offered there (issue 30). "
+            f"{requested} (origin {outcome.origin}) cannot serve it ({requested_failures}), "
+            f"so the site keeps its own code, accepted at stage {stage}{skipped}."
+        )
     if reason is Reason.COMPONENT_CONSTRAINT:
         return (
             f"nothing was requested and the layer supports exactly one backend, {chosen}, "

@@ -232,6 +232,7 @@ __all__ = [
     "training_spec",
     "tuned_trace",
     "verdicts",
+    "written_by_hand",
 ]
 
 # =============================================================================
@@ -262,6 +263,9 @@ TRANSITIONS: Final[Mapping[State, Mapping[Event, tuple[State, Reason | None]]]] 
             State.COMPONENT_DEFAULT,
             Reason.DENSE_CROSS_ATTENTION_FALLBACK,
         ),
+        # issue 30: a relaxed request on softmax attention written by hand, whose
+        # route runs only the site's own code
+        Event.BY_HAND_FALLBACK: (State.COMPONENT_DEFAULT, Reason.WRITTEN_BY_HAND),
     },
     State.COMPONENT_DEFAULT: {
         Event.ACCEPTED: (State.SELECTED, None),
@@ -347,6 +351,12 @@ REQUEST_FAILURE_GUARDS: Final[tuple[Guard, ...]] = (
         Event.SPARSE_CROSS_FALLBACK,
     ),
     Guard("the request is strict", lambda f: f.strict, Event.STRICT_FAILURE),
+    Guard(
+        "the layer is softmax attention written by hand: its route runs exactly `eager`, "
+        "the site's own code (`written_by_hand`)",
+        lambda f: f.by_hand,
+        Event.BY_HAND_FALLBACK,
+    ),
     Guard(
         "the operator's explicit global backend (flag or environment), relaxed for this layer",
         lambda f: f.global_explicit,
@@ -728,8 +738,23 @@ def _failure_guard(profile: Profile, inp: TraceInput, found: DetectedOrigin) -> 
         global_explicit=found.origin in GLOBAL_EXPLICIT_ORIGINS,
         explicit=found.explicit,
         relaxed=_relaxed(inp),
+        by_hand=written_by_hand(layer),
     )
     return first_guard(profile.request_failure, facts)
+
+
+#: the backend of a route that runs the site's own softmax attention by hand
+_BY_HAND: Final = frozenset({Backend("eager")})
+
+
+def written_by_hand(layer: LayerSpec) -> bool:
+    """Issue 30: whether ``layer`` is softmax attention its own code writes by hand,
+    run only by that code: its route (``LayerSpec.exact_route``, an integration
+    site) runs exactly ``eager``, the site's own code path. No kernel is offered
+    there (a capture of hand-written attention is not sound by construction), so
+    a relaxed request falls back with the reason ``softmax attention written by
+    hand`` and a strict one is rejected."""
+    return layer.exact_route is not None and layer.supported == _BY_HAND
 
 
 def _relaxed(inp: Asked) -> bool:

@@ -681,9 +681,10 @@ class Site:
 
     @property
     def by_hand(self) -> bool:
-        """The generic route over softmax attention its code computes by hand (its
-        own code path is ``eager``)."""
-        return self.routed and self.current is not None and self.current.name == "eager"
+        """Softmax attention its code computes by hand: its own code runs it, untouched
+        (issue 30; its own code path is ``eager``)."""
+        own = self.kind is RouteKind.OWN_CODE
+        return own and self.current is not None and self.current.name == "eager"
 
     @property
     def status(self) -> Status:

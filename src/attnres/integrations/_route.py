@@ -59,13 +59,6 @@ from attnres.errors import (
     InvalidStateError,
     ResolutionError,
 )
-from attnres.integrations._deferred import (
-    MATMULS,
-    SOFTMAXES,
-    Attention,
-    DeferScores,
-    deferred_operands,
-)
 from attnres.integrations._plan import RouteKind, Site, SiteDescription
 from attnres.kernels import get_kernel
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
@@ -80,15 +73,14 @@ __all__ = [
     "GenericRoute",
     "MaskFacts",
     "calls_of",
-    "deferred_forward",
     "head_facts",
-    "install_by_hand",
     "install_route",
     "installed_route",
     "mha_forward",
     "mha_own_path",
     "remove_route",
     "site_route",
+    "unflagged",
     "watch_forward",
 ]
 
@@ -102,11 +94,15 @@ INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 #: names that mean softmax attention computed by hand (``AttnProcessor``'s
 #: ``get_attention_scores``, a ``softmax`` of a ``baddbmm``)
 BY_HAND = frozenset({"get_attention_scores", "softmax", "baddbmm"})
-#: diffusers' ``Attention.get_attention_scores`` then ``torch.bmm``
-#: (``AttnProcessor`` and its kin): the pair the by-hand route takes whole
-SCORES = "get_attention_scores"
-_BMM = torch.bmm
 _EAGER = Backend("eager")
+#: issue 30: the products and softmaxes :class:`_Watch` reads a by-hand site's
+#: head facts from (it reads their operands' shapes, and changes nothing)
+_MATMULS = frozenset(
+    {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.__matmul__}
+)
+_SOFTMAXES = frozenset(
+    {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax}
+)
 
 
 def _code_names(code: types.CodeType, out: set[str]) -> None:
@@ -387,9 +383,14 @@ DROPOUT_ROUTE = "the site's own code (attention dropout: attnres kernels take no
 #: issue 19: a transformers call passing arguments attnres's function cannot hand
 #: to a kernel runs only the model's own eager function
 ARGUMENTS_ROUTE = "transformers' own eager attention (call arguments no attnres kernel takes)"
-#: issue 19: a by-hand site whose code does to its scores what no kernel call
-#: expresses runs its own math
-OWN_MATH_ROUTE = "the site's own softmax attention by hand (what its code does to the scores)"
+
+
+def by_hand_route(owner: str) -> str:
+    """Issue 30: the route of softmax attention ``owner``'s code computes by hand:
+    the site's own code, untouched. No kernel is offered there (a capture of
+    hand-written attention is not sound by construction): its spec runs exactly
+    ``eager``, which the machine reads as ``attnres.machine.written_by_hand``."""
+    return f"the site's own code (softmax attention written by hand in {owner})"
 
 
 # =============================================================================
@@ -520,9 +521,6 @@ class CallFacts:
     #: issue 19: call arguments attnres's transformers function cannot hand to a
     #: kernel (``softcap``, attention sinks ...): only the site's own code serves them
     arguments: tuple[str, ...] = ()
-    #: issue 19: what a by-hand site's code did to its scores that no kernel call
-    #: expresses (``mul by a tensor``): only the site's own math serves the call
-    own_math: str = ""
 
     @classmethod
     def observe(
@@ -536,7 +534,6 @@ class CallFacts:
         heads_dim: int = -3,
         weights: bool = False,
         arguments: tuple[str, ...] = (),
-        own_math: str = "",
     ) -> CallFacts:
         head_size = int(q.shape[-1])
         mask = _observe_mask(q, k, attn_mask, heads_dim)
@@ -551,7 +548,6 @@ class CallFacts:
             dropout=bool(dropout_p),
             weights=weights,
             arguments=arguments,
-            own_math=own_math,
         )
 
     @classmethod
@@ -582,7 +578,6 @@ class CallFacts:
             self.dropout,
             self.weights,
             self.arguments,
-            self.own_math,
         )
 
     def differences(self, planned: CallFacts | None) -> tuple[str, ...]:
@@ -619,8 +614,6 @@ class CallFacts:
             )
         if self.arguments != planned.arguments:
             out.append("call arguments " + ", ".join(self.arguments or ("none",)))
-        if self.own_math != planned.own_math:
-            out.append(f"own math: {self.own_math or 'none'}")
         if not out and self.heads != planned.heads:  # same grouping, other head count
             out.append(f"{self.heads} heads (planned {planned.heads})")
         return tuple(out)
@@ -643,13 +636,7 @@ class CallFacts:
             weights=base.requirements.weights or self.weights,
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
-        only = (
-            _EAGER
-            if self.weights or self.arguments or self.own_math
-            else own
-            if self.dropout
-            else None
-        )
+        only = _EAGER if self.weights or self.arguments else own if self.dropout else None
         if only is not None:
             # no attnres kernel returns the weights or applies dropout (the calling
             # convention has neither): only the site's own code serves the call,
@@ -660,9 +647,7 @@ class CallFacts:
                 default=None if base.default is None else only,
                 preferred=None,
                 exact_route=(
-                    f"{OWN_MATH_ROUTE}: {self.own_math}"
-                    if self.own_math
-                    else f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
+                    f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
                     if self.arguments
                     else WEIGHTS_ROUTE
                     if self.weights
@@ -716,7 +701,6 @@ def call_key(
     heads_dim: int,
     weights: bool = False,
     arguments: tuple[str, ...] = (),
-    own_math: str = "",
 ) -> tuple[Any, ...]:
     """A call's signature (``mask``: its :func:`mask_kind`), built with no object
     (it runs on every call, and is traced whole by torch.compile)."""
@@ -732,7 +716,6 @@ def call_key(
         bool(dropout_p),
         weights,
         arguments,
-        own_math,
     )
 
 
@@ -747,7 +730,6 @@ def signature(
     dropout: bool,
     weights: bool = False,
     arguments: tuple[str, ...] = (),
-    own_math: str = "",
 ) -> tuple[Any, ...]:
     """The one layout of a call's signature (:func:`call_key`, :meth:`CallFacts.key`
     and a route that knows a call's scalars before it has its tensors)."""
@@ -762,7 +744,6 @@ def signature(
         dropout,
         weights,
         arguments,
-        own_math,
     )
 
 
@@ -864,8 +845,6 @@ class GenericRoute:
         #: torch SDPA, or ``eager`` for softmax by hand); a signature decided it
         #: runs the site's own code, untouched
         self.own = _TORCH_SDPA if own is None else own
-        #: the site computes softmax by hand (``get_attention_scores`` + ``bmm``)
-        self.by_hand = self.own == _EAGER
         self.name = name
         self.spec = spec
         self.config = config
@@ -986,12 +965,12 @@ class GenericRoute:
         heads_dim: int,
         weights: bool = False,
         arguments: tuple[str, ...] = (),
-        own_math: str = "",
     ) -> _KernelFn | None:
         """The kernel of this call's signature (``None``: the site's own code runs
         it), checked once per signature against the plan. Every caller goes
-        through it: the SDPA and dispatcher stand-ins, the MHA and by-hand
-        routes, attnres's transformers attention function."""
+        through it: the SDPA and dispatcher stand-ins, the MHA route, the
+        watch of a site decided at its first call, attnres's transformers
+        attention function."""
         # issue 30: the mask's kind is in the signature, so the first call of each
         # kind is checked against the plan (a later call with another kind never
         # reuses the kernel of the first)
@@ -1006,9 +985,7 @@ class GenericRoute:
                     mask = (self.planned.mask.kind, self.planned.mask.causal)
             else:
                 mask = self.last_mask = mask_kind(q, k, attn_mask, heads_dim)
-        key = call_key(
-            q, k, mask, dropout_p, is_causal, scale, heads_dim, weights, arguments, own_math
-        )
+        key = call_key(q, k, mask, dropout_p, is_causal, scale, heads_dim, weights, arguments)
         if torch.compiler.is_compiling():  # traced: no lock in a graph
             found = self.kernels.get(key, _UNSEEN)
         else:  # read under the lock _first_call writes under (issue 30: threads)
@@ -1028,76 +1005,8 @@ class GenericRoute:
                 heads_dim,
                 weights,
                 arguments,
-                own_math,
             )
         )
-
-    def bmm(self, input: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:
-        """In place of ``torch.bmm`` in a by-hand processor: deferred scores times
-        the values is one kernel call; any other product is ``torch.bmm``."""
-        if isinstance(input, _Scores):
-            return self.run_by_hand(input, mat2)
-        return _BMM(input, mat2, *args, **kwargs)
-
-    def run_by_hand(self, scores: _Scores, value: Any) -> Any:
-        """``bmm(get_attention_scores(q, k, mask), v)`` of diffusers' ``Attention``
-        as one call of the decided kernel: q, k, v are (batch * heads, seq, dim),
-        the mask an additive (batch * heads, 1 or seq_q, seq_kv) bias, the scale
-        the module's (diffusers 0.42.1, ``Attention.get_attention_scores``)."""
-        module, q, k, mask = scores.module, scores.query, scores.key, scores.mask
-        n, seq_q, _ = q.shape
-        seq_kv = k.shape[1]
-        heads = module.heads if n % module.heads == 0 else 1
-        batch = n // heads
-        q4 = q.view(batch, heads, seq_q, -1).transpose(1, 2)
-        k4 = k.view(batch, heads, seq_kv, -1).transpose(1, 2)
-        m4 = mask
-        if mask is not None:
-            m4 = (
-                mask.view(batch, heads, mask.shape[-2], seq_kv)
-                if mask.shape[0] == n
-                else mask.view(1, 1, mask.shape[-2], seq_kv)
-            )
-        kernel = self.kernel_for(q4, k4, m4, 0.0, False, module.scale, -2)
-        if kernel is None:  # the site's own math, untouched
-            return _BMM(type(module).get_attention_scores(module, q, k, mask), value)
-        v4 = value.view(batch, heads, seq_kv, -1).transpose(1, 2)
-        out = kernel(q4, k4, v4, m4, False, module.scale)
-        return out.transpose(1, 2).reshape(n, seq_q, -1)
-
-    def run_deferred(self, found: Attention | str, probs: Any) -> Any:
-        """One attention a by-hand site's code computes (:mod:`._deferred`), run by
-        the kernel decided for its signature; ``None``: the site's own math runs
-        it (decided so, or its code does to the scores what no kernel call
-        expresses: a fact of the call, which re-resolves the site to its own
-        math or, in a strict component, raises ``ResolutionError``)."""
-        if isinstance(found, str):
-            qk = deferred_operands(probs)
-            self.own_math(found, qk)
-            return None
-        lead = found.q.shape[:-2]
-        q4, k4, v4 = (_four(t, lead, self.planned) for t in (found.q, found.k, found.v))
-        m4 = None if found.mask is None else _four(found.mask, lead, self.planned)
-        kernel = self.kernel_for(q4, k4, m4, found.dropout, False, found.scale, -3)
-        if kernel is None:
-            return None
-        out = kernel(
-            q4.transpose(-3, -2), k4.transpose(-3, -2), v4.transpose(-3, -2), m4, False, found.scale
-        ).transpose(-3, -2)
-        return found.finish(out.reshape(*lead, *out.shape[-2:]))
-
-    def own_math(self, why: str, qk: tuple[Any, Any] | None) -> None:
-        """Check a call of a by-hand site whose attention only its own math computes
-        (``why``); returns where that is what the site may run, raises where not."""
-        if qk is not None:
-            lead = qk[0].shape[:-2]
-            q4, k4 = (_four(t, lead, self.planned) for t in qk)
-            self.kernel_for(q4, k4, None, 0.0, False, None, -3, own_math=why)
-            return
-        base = self.planned or CallFacts(1, 1, 1, "float32", MaskFacts(False), False, False, False)
-        facts = attrs.evolve(base, own_math=why)
-        if facts.key() not in self.kernels:
-            self._first_call(facts)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GenericRoute:
         """Issue 30: a deep copy of an applied model shares its routes (a route holds
@@ -1217,27 +1126,10 @@ class GenericRoute:
                 self.on_first_call(record)
             if resolution is None:
                 raise ResolutionError(str(error), trace, str(trace.outcome.code))
-            own = _EAGER if facts.weights or facts.arguments or facts.own_math else self.own
+            own = _EAGER if facts.weights or facts.arguments else self.own
             kernel = self._kernel(resolution.backend, spec, own)
             self.kernels[facts.key()] = kernel
             return kernel
-
-
-def _four(t: Any, lead: tuple[int, ...], planned: CallFacts | None) -> Any:
-    """A by-hand attention's tensor (``lead`` dimensions, then two) as (batch,
-    heads, ., .): two leading dimensions are batch and heads; one is batch times
-    heads where the planned head count divides it (else one head per row); more
-    are batch (all but the last) and heads."""
-    if len(lead) == 2:
-        return t
-    if len(lead) == 1:
-        heads = planned.heads if planned is not None and lead[0] % planned.heads == 0 else 1
-        n = t.shape[0]
-        if n == 1:
-            return t.unsqueeze(0)
-        return t.reshape(n // heads, heads, *t.shape[-2:])
-    t = t.expand(*lead, *t.shape[-2:])
-    return t.reshape(-1, lead[-1], *t.shape[-2:])
 
 
 def site_route(
@@ -1266,6 +1158,14 @@ def site_route(
     )
 
 
+def unflagged(config: SelectionConfig, component: str) -> bool:
+    """Whether no flag names a backend for ``component`` (no global or forced
+    backend, no override for it): a site of its own code decided at its first
+    call would decide its own code then, so nothing is wrapped (issue 30)."""
+    named = any(name == component for name, _ in config.component_backends)
+    return not (config.global_backend or config.forced_backend or named)
+
+
 def refuse_pickle(what: str) -> NoReturn:
     """Issue 30: pickle and ``torch.save`` of a model with routes installed are
     refused, typed, naming ``remove()`` (a route is code of this process)."""
@@ -1285,7 +1185,6 @@ def _forget_homes(names: list[str]) -> None:
 
 
 _ROUTE_ATTR = "_attnres_route"
-_SCORES_ATTR = "_attnres_scores"
 _FUNCTIONAL = torch.nn.functional
 
 
@@ -1298,16 +1197,7 @@ def _shim(route: GenericRoute) -> types.ModuleType:
     return shim
 
 
-def _torch_shim(route: GenericRoute) -> types.ModuleType:
-    """``torch`` for one by-hand site: its ``bmm`` takes the route's deferred scores
-    (:class:`_Scores`) as one kernel call, every other name the real one."""
-    shim = types.ModuleType(torch.__name__)
-    shim.__dict__.update(torch.__dict__)
-    shim.bmm = route.bmm  # type: ignore[attr-defined]
-    return shim
-
-
-def rebind(func: Any, route: GenericRoute, depth: int = 2, *, shim_torch: bool = False) -> Any:
+def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     """A copy of ``func`` whose attention calls go to ``route``, or ``None`` when its
     code (and the module-level functions it calls, ``depth`` levels) names none.
 
@@ -1325,9 +1215,7 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2, *, shim_torch: bool =
     subs: dict[str, Any] = {}
     for name in names:
         value = glob.get(name)
-        if value is torch and shim_torch:
-            subs[name] = _torch_shim(route)
-        elif value is _FUNCTIONAL:
+        if value is _FUNCTIONAL:
             subs[name] = _shim(route)
         elif value is _SDPA:
             subs[name] = route
@@ -1362,7 +1250,7 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2, *, shim_torch: bool =
 def routed_processor(processor: Any, route: GenericRoute) -> Any:
     """A copy of ``processor`` whose ``__call__`` sends its attention to ``route``
     (``None``: its code names no attention call the route can take)."""
-    call = rebind(type(processor).__call__, route, shim_torch=route.by_hand)
+    call = rebind(type(processor).__call__, route)
     if call is None:
         return None
     cls = type(processor)
@@ -1495,8 +1383,6 @@ def installed_route(module: Any) -> GenericRoute | None:
 
 def remove_route(module: Any) -> bool:
     """Undo :func:`install_route`; whether there was one."""
-    if module.__dict__.pop(_SCORES_ATTR, None) is not None:
-        module.__dict__.pop(SCORES, None)
     held = module.__dict__.pop(_ROUTE_ATTR, None)
     if held is None:
         return False
@@ -1509,91 +1395,8 @@ def remove_route(module: Any) -> bool:
 
 
 # =============================================================================
-# Own code paths: softmax by hand, torch.nn.MultiheadAttention
+# Own code paths: torch.nn.MultiheadAttention, a site decided at its first call
 # =============================================================================
-
-
-class _Scores:
-    """What a by-hand site's ``get_attention_scores`` returns while the route is
-    installed: the query, key and mask of one attention, which the route's
-    ``bmm`` stand-in runs with the values as one kernel call."""
-
-    __slots__ = ("key", "mask", "module", "query")
-
-    def __init__(self, module: Any, query: Any, key: Any, mask: Any) -> None:
-        self.module = module
-        self.query = query
-        self.key = key
-        self.mask = mask
-
-
-def scores_only_to_bmm(func: Any) -> bool:
-    """Whether every result of ``get_attention_scores`` in ``func``'s source goes
-    straight into ``torch.bmm`` as its first argument, and nowhere else (a
-    processor that stores the probabilities, as attention-map pipelines' do,
-    is not routed). Read from the source, never from a class name; ``False``
-    where the source cannot be read."""
-    tree = source_tree(func)
-    if tree is None:
-        return False
-
-    def is_scores(node: ast.AST) -> bool:
-        return (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == SCORES
-        )
-
-    held: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and is_scores(node.value):
-            if not all(isinstance(t, ast.Name) for t in node.targets):
-                return False
-            held |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-    if not held:
-        return False
-    allowed: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr == "bmm" and node.args and isinstance(node.args[0], ast.Name):
-                allowed.add(id(node.args[0]))
-        elif is_scores(node) and not any(
-            isinstance(a, ast.Assign) and a.value is node for a in ast.walk(tree)
-        ):
-            return False  # a result used in place (not assigned): not followed
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Name)
-            and node.id in held
-            and isinstance(node.ctx, ast.Load)
-            and id(node) not in allowed
-        ):
-            return False
-    return True
-
-
-def install_by_hand(module: Any, processor: Any) -> None:
-    """Defer ``module.get_attention_scores`` while ``processor`` (the site's routed
-    copy) is the module's processor; any other processor set since gets the
-    module's own scores. Undone by :func:`remove_route`."""
-    module.__dict__[SCORES] = _DeferredScores(module, processor)
-    module.__dict__[_SCORES_ATTR] = True
-
-
-class _DeferredScores:
-    """``module.get_attention_scores`` of :func:`install_by_hand`; an object, so a
-    deep copy of the module holds one of its own (issue 30)."""
-
-    __slots__ = ("module", "processor")
-
-    def __init__(self, module: Any, processor: Any) -> None:
-        self.module, self.processor = module, processor
-
-    def __call__(self, query: Any, key: Any, attention_mask: Any = None) -> Any:
-        module = self.module
-        if module.processor is not self.processor:
-            return type(module).get_attention_scores(module, query, key, attention_mask)
-        return _Scores(module, query, key, attention_mask)
 
 
 def _additive(mask: Any, dtype: Any) -> Any:
@@ -1665,14 +1468,14 @@ class _Watch(TorchFunctionMode):
             dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
             causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
             self._check(q, k, mask, dropout, causal, kwargs.get("scale"))
-        elif func in SOFTMAXES and self.scores is not None:
+        elif func in _SOFTMAXES and self.scores is not None:
             self.seen = True
             a, b = self.scores
             q, k = a, b.transpose(-1, -2)
             if a.dim() == 3:  # (batch, seq, size): one head per batch row
                 q, k = q.unsqueeze(-3), k.unsqueeze(-3)
             self._check(q, k, None, 0.0, False, None)
-        elif func in MATMULS and len(args) >= 2:
+        elif func in _MATMULS and len(args) >= 2:
             a, b = args[0], args[1]
             if (
                 isinstance(a, torch.Tensor)
@@ -1708,41 +1511,6 @@ def watch_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
             return original(*args, **kwargs)
 
     return forward
-
-
-def deferred_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
-    """``module``'s forward for a site computing softmax attention by hand (issue
-    19): its code runs as it is, while :class:`._deferred.DeferScores` defers its
-    scores and hands each attention it reads to ``route``
-    (:meth:`GenericRoute.run_deferred`). Deferred tensors its forward returns
-    (the attention weights transformers' modules return on every call) are
-    computed only where a caller uses them. A forward in which the route read
-    no attention ran its own math: checked as a fact of the call (``own
-    math``), as any other.
-
-    Inside ``torch.compile`` the site runs eagerly (a graph break at the site:
-    the mode and its deferred tensors are not traced), with the same result;
-    ``fullgraph=True`` is refused there by torch itself."""
-    original = module.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        mode = DeferScores(route.run_deferred)
-        with mode:
-            out = original(*args, **kwargs)
-        if not mode.handed:
-            # the facts it was planned for (a product the route deferred and the
-            # code then computed says nothing of its attention), else the last one
-            last = mode.last if route.planned is None else None
-            why = "no softmax attention the route could read"
-            if mode.reason is not None:  # why no product was deferred
-                why += f" ({mode.reason})"
-            elif mode.computed_by is not None:  # what the code did to the scores
-                why += f" ({mode.computed_by} of the scores)"
-            route.own_math(why, last)
-        return out
-
-    eager: Callable[..., Any] = torch.compiler.disable(forward)  # type: ignore[no-untyped-call]
-    return eager
 
 
 def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:

@@ -124,6 +124,7 @@ _BY_DIFFUSERS = MappingProxyType({v: k for k, v in _DISPATCHER_BACKENDS.items()}
 #: processor's own keyword arguments, never attnres's (diffusers 0.42.1
 #: models/attention_dispatch.py)
 _HOST_KERNEL = "diffusers' dispatcher (dispatch_attention_fn, pinned on the processor)"
+_EAGER = Backend("eager")
 
 #: kernel entry points a processor may call by hand, and the backend each is
 #: (read from what the code names, never from the processor's class name)
@@ -692,19 +693,16 @@ def _describe(
                 why=None if facts is not None else f"{cls} holds no head facts",
             )
     if names & _route.BY_HAND:
-        # softmax by hand runs any kernel: diffusers' get_attention_scores then
-        # torch.bmm (AttnProcessor and its kin) as one call (the by-hand route),
-        # any other code through the deferred-scores route (issue 19), which reads
-        # each attention it computes as one call; _install picks the route. With no
-        # flag, automatic choices keep the site's own math (nothing wrapped)
+        # issue 30: softmax attention written by hand (get_attention_scores then
+        # torch.bmm, or a softmax of a product) runs its own code, untouched: no
+        # kernel is offered there (the machine's written_by_hand)
         return SiteDescription(
             **base,
-            route=f"{ROUTE_GENERIC} (softmax by hand in {owner})",
-            supported=None,
-            current=Backend("eager"),
-            preferred=frozenset({Backend("eager")}),
+            route=_route.by_hand_route(owner),
+            supported=frozenset({_EAGER}),
+            current=_EAGER,
             pending=facts is None,
-            kind=RouteKind.INTERCEPT,
+            kind=RouteKind.OWN_CODE,
             why=None
             if facts is not None
             else f"{cls} holds no head count or head size; they are read from the query "
@@ -723,7 +721,7 @@ def _describe(
 def _by_hand_module(module: Any) -> bool:
     """Whether a module that is no attention module computes softmax attention by
     hand in its own code (a softmax of a product, multiplied with values; issue 32
-    item 8): a site of the deferred-scores route, found as the transformers
+    item 8): a site of its own code (issue 30), found as the transformers
     integration finds one. A module holding an attention module is not (that one
     is the site, found inside it)."""
     inner = (AttentionModuleMixin, _LegacyAttention, torch.nn.MultiheadAttention)
@@ -891,7 +889,7 @@ def _prepare(
                 continue
             module = modules[site.name]
             processor = getattr(module, "processor", None)
-            if site.pending and _keeps_own(site, config, comp):
+            if site.pending and site.kind is RouteKind.OWN_CODE and _route.unflagged(config, comp):
                 # softmax by hand with no flag for its component: its first call would
                 # decide its own code; nothing is wrapped (untouched, bit-identical)
                 planned.append(_Planned(comp, module, site, "", False))
@@ -926,16 +924,6 @@ def _prepare(
                     continue
                 planned.append(_Planned(comp, module, site, "", False))
     return planned, actions, problems
-
-
-def _keeps_own(site: Site, config: SelectionConfig, component: str) -> bool:
-    """Whether a site decided at its first call runs its own code whatever that call
-    brings: softmax by hand (routed, its own code eager: automatic choices keep it)
-    under no flag that names a backend for its component."""
-    eager = Backend("eager")
-    flagged = config.global_backend or config.forced_backend
-    named = any(name == component for name, _ in config.component_backends)
-    return site.current == eager and site.routed and not flagged and not named
 
 
 def _check_requirements(values: set[str]) -> list[str]:
@@ -1015,33 +1003,33 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     original = getattr(module, "processor", None)
     processor = original
     route = None
-    if item.route:
+    if item.route and site.kind is RouteKind.OWN_CODE:
+        # issue 30: softmax by hand decided at its first call, under a flag: its
+        # first call is watched (its head facts read, nothing run but its code)
+        route = _route.site_route(site, config, platform, _EAGER, site.route)
+        _route.install_route(module, route, _route.watch_forward)
+        route.tie(module)
+    elif item.route:
         # under the route, a dispatcher's own path is diffusers' native SDPA
         # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
-        # dense kernel cannot take a key-padding mask); softmax by hand stays eager
-        own = site.current if site.current == Backend("eager") else Backend("torch_sdpa")
+        # dense kernel cannot take a key-padding mask)
+        own = Backend("torch_sdpa")
         declared = _declared_backends(original) is not None
         if declared and site.current is not None:  # its own path is what it declares
             own = site.current
         route = _route.site_route(site, config, platform, own=own)
         # a site decided at its first call keeps, with no flag, what its own code
-        # runs: the kernel its processor declares, or its softmax by hand
-        route.keeps_own = declared or route.by_hand
+        # runs: the kernel its processor declares
+        route.keeps_own = declared
         if not declared:
             route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
-        pair = original is not None and _route.scores_only_to_bmm(type(original).__call__)
-        deferred = route.by_hand and not pair
-        routed = None if original is None or deferred else _route.routed_processor(original, route)
+        routed = None if original is None else _route.routed_processor(original, route)
         if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
             _route.install_route(module, route, _route.mha_forward)
-        elif deferred:  # issue 19: softmax by hand, read as it runs
-            _route.install_route(module, route, _route.deferred_forward)
         elif routed is not None:
             # a copy: the original object may be shared with other modules or models
             processor = routed
             _set_processor(module, processor)
-            if route.by_hand:  # get_attention_scores + bmm: one kernel call
-                _route.install_by_hand(module, processor)
         else:
             _route.install_route(module, route)
         route.tie(module)  # a model dropped without remove() leaves nothing behind

@@ -69,8 +69,6 @@ __all__ = [
 ROUTE = "transformers attention interface"
 #: a site that calls SDPA itself (the words of ``diffusers.ROUTE_GENERIC``)
 _GENERIC = "generic route"
-#: a site computing softmax attention by hand (``generic route (softmax by hand in X)``)
-_BY_HAND_WORDS = "(softmax by hand in"
 
 #: attnres backend -> the transformers attention function that executes it
 #: (transformers 5.24).
@@ -646,12 +644,10 @@ def _describe_own(
         component=component,
         name=name,
         module_class=cls,
-        # softmax by hand: the deferred-scores route (_route.deferred_forward) runs
-        # any kernel there, each attention its code computes read as one call
-        route=f"{_GENERIC} (SDPA in {cls})"
-        if calls_sdpa
-        else f"{_GENERIC} {_BY_HAND_WORDS} {cls})",
-        supported=None,
+        # issue 30: softmax by hand runs its own code, untouched: no kernel is
+        # offered there (the machine's written_by_hand)
+        route=f"{_GENERIC} (SDPA in {cls})" if calls_sdpa else _route.by_hand_route(cls),
+        supported=None if calls_sdpa else frozenset({own}),
         head_size=head_size,
         heads=heads,
         kv_heads=kv_heads,
@@ -659,10 +655,8 @@ def _describe_own(
         role=_self(name, module),
         requirements=attrs.evolve(req, backward=backward),
         current=own,
-        # with no flag, automatic choices keep the site's own math (nothing wrapped)
-        preferred=None if calls_sdpa else frozenset({own}),
         pending=facts is None,
-        kind=RouteKind.INTERCEPT,
+        kind=RouteKind.INTERCEPT if calls_sdpa else RouteKind.OWN_CODE,
         why=None
         if facts is not None
         else (
@@ -965,6 +959,17 @@ def prepare(
         if site.kind is RouteKind.INTERFACE and site.pending:
             watched.append((site, module))
             continue
+        if site.kind is RouteKind.OWN_CODE and site.pending:
+            # issue 30: softmax by hand decided at its first call: with no flag for
+            # its component nothing is wrapped; under one, its first call is
+            # watched (its head facts read, nothing run but its own code)
+            if not _route.unflagged(result.config, component):
+                actions.append(
+                    _route_installer(
+                        model, component, module, site, result, Backend("eager"), site.route
+                    )
+                )
+            continue
         if site.kind is not RouteKind.INTERFACE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
         backend = site.resolution.backend.name
@@ -1066,22 +1071,16 @@ def _route_installer(
     watched = site.pending and site.kind is not RouteKind.INTERCEPT
     if watched and own_route is None:
         own_route = site.route
-    by_hand = site.by_hand
 
     def install() -> None:
         route = _route.site_route(
             site, result.config, result.platform, own_backend, own_route if watched else None
         )
-        # softmax by hand decided at its first call keeps its own math with no flag,
-        # as a planned site's ``preferred`` does
-        route.keeps_own = by_hand
         own = (
             _route.mha_forward
             if isinstance(module, torch.nn.MultiheadAttention)
             else _route.watch_forward
             if watched
-            else _route.deferred_forward
-            if by_hand
             else None
         )
         _route.install_route(module, route, own)
