@@ -1,25 +1,16 @@
 """What the serving engines' attnres plugins share (issues 32, 33, 36).
 
-SGLang's ``multimodal_gen`` plugin (:mod:`attnres.integrations.sglang`) and
-vLLM-Omni's (:mod:`attnres.integrations.vllm_omni`) each take over one selector
-function by name and decide its calls with attnres's machine, observing the
-engine's own platform. What they do alike is here, once:
-
-- the install-time check (:func:`require`): a plugin is written against one
-  range of an engine's releases; on another it would install silently and fail
-  on every later call, after writing decisions that never took effect. It
-  refuses first, typed (:class:`~attnres.errors.EngineSupportError`): the
-  engine is not importable, its release is outside the range, or a hook the
-  plugin reads is missing;
-- taking the selector over and giving it back (:class:`Takeover`), in every
-  module that bound it by name;
-- which engine backends attnres lacks (:func:`lacks`);
-- the engine's platform kind (:class:`PlatformReader`);
-- the decision on observed platform answers (:func:`decide`): the pure machine
-  runs on what is observed so far, and each candidate it consulted without a
-  fact is observed and it runs again.
-
-Nothing here imports an engine until a plugin asks.
+SGLang's plugin (:mod:`attnres.integrations.sglang`) and vLLM-Omni's
+(:mod:`attnres.integrations.vllm_omni`) each take over one selector function by
+name and decide its calls with attnres's machine on the engine's observed
+platform answers. Shared here: the install-time check (:func:`require`: on an
+engine release a plugin was not written for it would install silently and fail
+on every later call, so it refuses first, typed,
+:class:`~attnres.errors.EngineSupportError`), taking the selector over and
+giving it back (:class:`Takeover`), which engine backends attnres lacks
+(:func:`lacks`), the engine's platform (:class:`PlatformReader`) and the
+decision on observed answers (:func:`decide`). Nothing here imports an engine
+until a plugin asks.
 """
 
 from __future__ import annotations
@@ -38,7 +29,13 @@ from attrs import define, field, frozen
 
 from attnres._profile import UNOBSERVED
 from attnres._states import Event
-from attnres.backends import Backend, lookup_spec, registry_generation
+from attnres.backends import (
+    Backend,
+    BackendSpec,
+    lookup_spec,
+    register_backend,
+    registry_generation,
+)
 from attnres.errors import EngineSupportError
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.ledger import Decision
@@ -57,6 +54,7 @@ __all__ = [
     "decide",
     "lacks",
     "rebind",
+    "register_lacking",
     "release",
     "require",
     "unobserved",
@@ -183,8 +181,8 @@ def rebind(old: Any, new: Any) -> None:
 
 @define(eq=False)
 class Takeover:
-    """The engine function one plugin takes over: its wrapper is bound in place of
-    the engine's own in every module that imported it by name, and given back."""
+    """The engine function a plugin takes over: its wrapper is bound in place of
+    the engine's own in every module that bound it by name, and given back."""
 
     engine: Engine
     #: the module that defines the function, and its name there
@@ -192,10 +190,10 @@ class Takeover:
     function: str
     #: the plugin's module: its wrapper is a function of that name defined there
     home: str
-    #: a function whose presence in a wrapper's closure marks it as the plugin's
-    #: too (SGLang's hook registry wraps the plugin's hook itself)
+    #: a wrapper whose closure holds this is the plugin's too (SGLang's hook
+    #: registry wraps the plugin's hook)
     hook: Callable[..., Any] | None = None
-    #: held while installing, giving back, or registering backends
+    #: held while installing or giving back
     lock: threading.Lock = field(factory=threading.Lock)
     _done: bool = False
 
@@ -239,15 +237,27 @@ class Takeover:
             return None
         ours = function.__module__ == self.home and function.__name__ == self.function
         if not ours and self.hook is not None:
-            cells = []
-            for cell in function.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    cells.append(cell.cell_contents)
-            ours = any(c is self.hook for c in cells)
+            ours = any(_holds(cell, self.hook) for cell in function.__closure__ or ())
         if not ours:
             return None
         wrapped = getattr(function, "__wrapped__", None)
         return wrapped if callable(wrapped) else None
+
+
+def _holds(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def register_lacking(spec: BackendSpec) -> bool:
+    """Register an engine backend's ``spec`` unless attnres has a spec or an alias
+    for its name by now (another thread may have registered it meanwhile)."""
+    if not lacks(spec.name):
+        return False
+    register_backend(spec)
+    return True
 
 
 def lacks(name: str) -> bool:

@@ -48,16 +48,8 @@ from attnres.backends import (
     Backend,
     BackendSpec,
     HeadSizeRule,
-    register_backend,
 )
-from attnres.integrations._engine import (
-    Engine,
-    PlatformReader,
-    Takeover,
-    decide,
-    lacks,
-    require,
-)
+from attnres.integrations import _engine
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.ledger import Decision, record_decision
 from attnres.platform import HostResolution
@@ -122,7 +114,7 @@ _HOOKS: Final = {
     _PLATFORMS: ("AttentionBackendEnum", "current_platform"),
 }
 #: The SGLang releases the plugin was written for (``sglang>=0.5.23,<0.6``).
-ENGINE: Final = Engine("SGLang", "sglang", (0, 5, 23), (0, 6), _HOOKS)
+ENGINE: Final = _engine.Engine("SGLang", "sglang", (0, 5, 23), (0, 6), _HOOKS)
 
 
 def plugin() -> None:
@@ -131,7 +123,7 @@ def plugin() -> None:
     Raises :class:`~attnres.errors.EngineSupportError` on a SGLang release the
     plugin was not written for (:data:`ENGINE`), before registering anything.
     """
-    modules = require(ENGINE, "attnres.integrations.sglang.plugin()")
+    modules = _engine.require(ENGINE, "attnres.integrations.sglang.plugin()")
     plugins = modules[_PLUGINS]
     _register(modules)
     plugins.HookRegistry.register(TARGET, _route, plugins.HookType.AROUND)
@@ -202,15 +194,14 @@ def register_backends(enum: Any, base: Any) -> tuple[BackendFacts, ...]:
     """Register every member of ``enum`` (SGLang's ``AttentionBackendEnum``) that
     attnres lacks, with the facts of the ``base`` (``AttentionBackend``)
     subclasses in ``base``'s package; returns the facts registered."""
-    lacking = [m for m in enum if lacks(m.name.lower())]
+    lacking = [m for m in enum if _engine.lacks(m.name.lower())]
     if not lacking:
         return ()
     classes, failures = _backend_classes(base)
     out: list[BackendFacts] = []
     for member in lacking:
         facts = read_backend_facts(member, classes.get(member, ()), failures)
-        if lacks(facts.name):  # a plugin thread may have registered it meanwhile
-            register_backend(spec_from_facts(facts))
+        if _engine.register_lacking(spec_from_facts(facts)):
             _FACTS[facts.name] = facts
             out.append(facts)
     return tuple(out)
@@ -413,8 +404,7 @@ class _Memo:
 
 
 #: decided calls; they belong to one registry generation (attnres._memo)
-_MEMO: GenerationMemo[tuple[Any, ...], _Memo] = GenerationMemo()
-_MEMO_MAX: Final = 4096
+_MEMO: GenerationMemo[tuple[Any, ...], _Memo] = GenerationMemo(maxsize=4096)
 
 
 def clear_memo() -> None:
@@ -504,24 +494,24 @@ def _route(
 
     # The machine consults its first candidate always: observe it up front. Any
     # other candidate a fallback reaches is observed when the pure machine asks
-    # for it (decide).
+    # for it (_engine.decide).
     first = first_request(layer, config, scope, requested)
     observe("" if first is None else first.name)
-    decision, _ = decide(layer, config, scope, requested, _PLATFORM(), observed, observe)
+    decision, generation = _engine.decide(
+        layer, config, scope, requested, _PLATFORM(), observed, observe
+    )
     _STATS["decided"] += 1
     record_decision(decision)
     outcome = decision.outcome
     cls = None if outcome.backend is None else classes[outcome.backend.name]
     if key:
-        if len(_MEMO) >= _MEMO_MAX:
-            _MEMO.clear()
-        _MEMO[key] = _Memo(decision, cls, tuple(answers.values()))
+        _MEMO.put(key, _Memo(decision, cls, tuple(answers.values())), generation)
     return _finish(selector, is_cross_attention, decision, cls)
 
 
 #: SGLang's selector, as the plugin takes it over (its hook registry's wrapper
 #: holds :func:`_route`)
-_TAKEOVER: Final = Takeover(ENGINE, _SELECTOR, "get_attn_backend", __name__, hook=_route)
+_TAKEOVER: Final = _engine.Takeover(ENGINE, _SELECTOR, "get_attn_backend", __name__, hook=_route)
 
 
 def _server_args(selector: types.ModuleType) -> Any:
@@ -573,7 +563,7 @@ _KINDS: Final = {
     "musa": "cuda",
 }
 #: attnres's platform kind of SGLang's ``current_platform``
-_PLATFORM: Final = PlatformReader(_PLATFORMS, "current_platform", _KINDS)
+_PLATFORM: Final = _engine.PlatformReader(_PLATFORMS, "current_platform", _KINDS)
 
 
 def _observe(

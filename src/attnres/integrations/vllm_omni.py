@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import importlib
 import types
 from collections.abc import Callable
@@ -44,18 +45,11 @@ from attnres.backends import (
     OptionValue,
     get_spec,
     normalize_backend_options,
-    register_backend,
     registry_generation,
     unregister_backend,
 )
 from attnres.errors import UnknownBackendError
-from attnres.integrations._engine import (
-    Engine,
-    PlatformReader,
-    Takeover,
-    decide,
-    lacks,
-)
+from attnres.integrations import _engine
 from attnres.kernels import get_kernel, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.ledger import _REMOVALS, Decision, record_decision
@@ -94,10 +88,10 @@ _HOOKS: Final = {
     ),
 }
 #: The vLLM-Omni releases the plugin was written for (``vllm-omni>=0.30.0,<0.31``).
-ENGINE: Final = Engine("vLLM-Omni", "vllm-omni", (0, 30, 0), (0, 31), _HOOKS)
+ENGINE: Final = _engine.Engine("vLLM-Omni", "vllm-omni", (0, 30, 0), (0, 31), _HOOKS)
 
 #: vLLM-Omni's selector, as the plugin takes it over
-_TAKEOVER: Final = Takeover(ENGINE, _SELECTOR, "get_attn_backend_for_role", __name__)
+_TAKEOVER: Final = _engine.Takeover(ENGINE, _SELECTOR, "get_attn_backend_for_role", __name__)
 _PROFILE: Final = SelectionConfig(profile="vllm_omni")
 _MISSING: Final = object()
 
@@ -165,7 +159,7 @@ def register_backends(enum: Any) -> tuple[str, ...]:
     out: list[str] = []
     for member in enum:
         name = member.name.lower()
-        if not lacks(name):
+        if not _engine.lacks(name):
             continue
         head_sizes: HeadSizeRule = HeadSizeRule()
         platforms: tuple[str, ...] = PLATFORM_KINDS
@@ -181,22 +175,21 @@ def register_backends(enum: Any) -> tuple[str, ...]:
             source = f"{cls.__module__}.{cls.__qualname__}"
         except Exception as exc:  # a kernel package this host lacks, typically
             source = f"{member.value} (not importable here: {type(exc).__name__}: {exc})"
-        if lacks(name):
-            register_backend(
-                BackendSpec(
-                    name=name,
-                    sparse=name in _SPARSE,
-                    platforms=platforms,
-                    dtypes=DTYPES,
-                    head_sizes=head_sizes,
-                    options=OPTIONS.get(member.name, ()),
-                    description=(
-                        f"vLLM-Omni diffusion backend (vllm_omni plugin), read from {source}; "
-                        "dtypes and requirements left open (its classes do not state them; "
-                        "the vllm_omni profile reads vLLM-Omni's platform at each decision)"
-                    ),
-                )
+        if _engine.register_lacking(
+            BackendSpec(
+                name=name,
+                sparse=name in _SPARSE,
+                platforms=platforms,
+                dtypes=DTYPES,
+                head_sizes=head_sizes,
+                options=OPTIONS.get(member.name, ()),
+                description=(
+                    f"vLLM-Omni diffusion backend (vllm_omni plugin), read from {source}; "
+                    "dtypes and requirements left open (its classes do not state them; "
+                    "the vllm_omni profile reads vLLM-Omni's platform at each decision)"
+                ),
             )
+        ):
             out.append(name)
     return tuple(out)
 
@@ -259,20 +252,19 @@ def _first_sight(name: str, cls: Any = None) -> Backend | None:
         platforms = (kind,) if kind != "cpu" else ()
     try:
         with _TAKEOVER.lock:
-            if lacks(canonical):
-                register_backend(
-                    BackendSpec(
-                        name=canonical,
-                        sparse=False,
-                        platforms=platforms,
-                        dtypes=DTYPES,
-                        head_sizes=head_sizes,
-                        description=(
-                            "first seen by the vllm_omni plugin at a decision, read from "
-                            f"{source}; attnres runs no kernel for it (vLLM-Omni's class does)"
-                        ),
-                    )
+            if _engine.register_lacking(
+                BackendSpec(
+                    name=canonical,
+                    sparse=False,
+                    platforms=platforms,
+                    dtypes=DTYPES,
+                    head_sizes=head_sizes,
+                    description=(
+                        "first seen by the vllm_omni plugin at a decision, read from "
+                        f"{source}; attnres runs no kernel for it (vLLM-Omni's class does)"
+                    ),
                 )
+            ):
                 _SEEN[canonical] = source
     except (ValueError, TypeError):
         return None
@@ -480,51 +472,30 @@ def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> C
 
 #: (decided, delegated): a list, so the hit path adds without a dict lookup
 _COUNTS: Final = [0, 0]
-#: SelectionConfig per ``attention_config.default`` backend
-_CONFIGS: dict[Backend | None, SelectionConfig] = {}
-#: LayerSpec per (head size, role, cross)
-_LAYERS: dict[tuple[int, str, bool, BackendOptions], LayerSpec] = {}
-#: what a class's ``supports_head_size`` says, per (class, head size)
-_FITS: dict[tuple[Any, int], bool] = {}
 
 
+@functools.lru_cache(maxsize=256)
 def _config(default: Backend | None) -> SelectionConfig:
-    config = _CONFIGS.get(default)
-    if config is None:
-        config = (
-            _PROFILE
-            if default is None
-            else SelectionConfig(global_backend=default, profile="vllm_omni")
-        )
-        if len(_CONFIGS) < 256:
-            _CONFIGS[default] = config
-    return config
+    """The SelectionConfig of an ``attention_config.default`` backend."""
+    if default is None:
+        return _PROFILE
+    return SelectionConfig(global_backend=default, profile="vllm_omni")
 
 
+@functools.lru_cache(maxsize=4096)
 def _layer(head_size: int, role: str, cross: bool, options: BackendOptions = ()) -> LayerSpec:
-    key = (head_size, role, cross, options)
-    layer = _LAYERS.get(key)
-    if layer is None:
-        kind = Role.CROSS if cross else Role.SELF
-        layer = LayerSpec(
-            head_size=head_size, dtype="bfloat16", role=kind, name=role, backend_options=options
-        )
-        if len(_LAYERS) < 4096:
-            _LAYERS[key] = layer
-    return layer
+    kind = Role.CROSS if cross else Role.SELF
+    return LayerSpec(
+        head_size=head_size, dtype="bfloat16", role=kind, name=role, backend_options=options
+    )
 
 
+@functools.lru_cache(maxsize=4096)
 def _fits(cls: Any, head_size: int) -> bool:
     """The class's own ``supports_head_size`` (some build a list of every size on
     each call: asked once per class and size)."""
-    key = (cls, head_size)
-    fits = _FITS.get(key)
-    if fits is None:
-        supports = getattr(cls, "supports_head_size", None)
-        fits = head_size <= 0 or supports is None or bool(supports(head_size))
-        if len(_FITS) < 4096:
-            _FITS[key] = fits
-    return fits
+    supports = getattr(cls, "supports_head_size", None)
+    return head_size <= 0 or supports is None or bool(supports(head_size))
 
 
 def _decide(
@@ -632,7 +603,7 @@ def _decide(
         if pending not in observed:
             _observed(pending, cls, int(head_size), observed, classes)
 
-    decision, generation = decide(
+    decision, generation = _engine.decide(
         layer, _config(backends[2]), scope, backends[0], platform, observed, observe
     )
     removals = _REMOVALS[0]
@@ -727,4 +698,6 @@ def _observed(
 
 #: vLLM-Omni's ``current_omni_platform``: attnres's platform kind, and the
 #: compute capability and device name it states
-_PLATFORM: Final = PlatformReader("vllm_omni.platforms", "current_omni_platform", _KINDS, True)
+_PLATFORM: Final = _engine.PlatformReader(
+    "vllm_omni.platforms", "current_omni_platform", _KINDS, True
+)
