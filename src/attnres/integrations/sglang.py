@@ -470,15 +470,7 @@ def _route(
     translated = _translate(selector, call)
     if translated is None:
         _STATS["delegated"] += 1
-        return original(
-            head_size,
-            dtype,
-            supported_attention_backends,
-            selected_attention_backend,
-            attention_requirements,
-            default_attention_backend,
-            is_cross_attention,
-        )
+        return original(*call.values())  # SGLang's own arguments, in its order
     layer, scope, config, requested = translated
     be_tuple = _be_tuple(supported)
     requirements = attention_requirements or selector.AttentionRequirements()
