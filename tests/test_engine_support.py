@@ -6,7 +6,9 @@ is one SGLang release the issue names: 0.5.21 (no ``AttentionRole``, no
 context ``backend_by_role``: the plugin used to install silently and fail on
 every selector call), 0.5.20 (no ``multimodal_gen`` plugin loader), none at all
 (``install()`` was a bare ``ModuleNotFoundError``). SGLang's real release is
-checked in ``tests/sglang/test_attnres_plugin.py`` (make test-sglang).
+checked in ``tests/sglang/test_attnres_plugin.py`` (make test-sglang). The
+plugins' shared takeover and platform reader (``attnres.integrations._engine``)
+are checked here too.
 """
 
 from __future__ import annotations
