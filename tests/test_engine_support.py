@@ -6,7 +6,9 @@ is one SGLang release the issue names: 0.5.21 (no ``AttentionRole``, no
 context ``backend_by_role``: the plugin used to install silently and fail on
 every selector call), 0.5.20 (no ``multimodal_gen`` plugin loader), none at all
 (``install()`` was a bare ``ModuleNotFoundError``). SGLang's real release is
-checked in ``tests/sglang/test_attnres_plugin.py`` (make test-sglang).
+checked in ``tests/sglang/test_attnres_plugin.py`` (make test-sglang). The
+plugins' shared takeover and platform reader (``attnres.integrations._engine``)
+are checked here too.
 """
 
 from __future__ import annotations
@@ -198,3 +200,81 @@ def test_rule_engine_release_reads_the_numeric_part(
     version: str, release: tuple[int, ...] | None
 ) -> None:
     assert _engine.release(version) == release
+
+
+SELECTOR = "sglang.multimodal_gen.runtime.layers.attention.selector"
+
+
+def test_rule_sglang_takeover_is_given_back_in_every_module_however_it_was_put_in_place(
+    no_engine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _version(monkeypatch, "0.5.23")
+    _sglang(monkeypatch, roles=True, loader=True)
+    monkeypatch.setattr(
+        sys.modules["sglang.multimodal_gen.runtime.platforms"], "AttentionBackendEnum", ()
+    )
+    registry = types.SimpleNamespace(_hooks={}, _patched=set())
+    plugins = sys.modules["sglang.multimodal_gen.runtime.platforms.plugins"]
+    monkeypatch.setattr(plugins, "HookRegistry", registry)
+    selector = sys.modules[SELECTOR]
+    own = selector.get_attn_backend
+    user = types.ModuleType("a_model_module")  # bound it by name: from selector import ...
+    user.get_attn_backend = own  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    # install(): attnres's wrapper is bound everywhere, once
+    plugin.install()
+    try:
+        wrapper = selector.get_attn_backend
+        assert plugin.installed() and wrapper is not own and user.get_attn_backend is wrapper
+        plugin.install()
+        assert selector.get_attn_backend is wrapper
+    finally:
+        plugin.uninstall()
+    assert not plugin.installed() and selector.get_attn_backend is own
+    assert user.get_attn_backend is own
+    # SGLang's hook registry wraps the plugin's hook itself: its wrapper is
+    # recognised by the hook in its closure, and the hook leaves the registry
+    hook = plugin._route
+
+    def around(*args: Any, **kwargs: Any) -> Any:
+        return hook(own, *args, **kwargs)
+
+    around.__wrapped__ = own  # type: ignore[attr-defined]
+    registry._hooks[plugin.TARGET] = [("around", hook)]
+    registry._patched.add(plugin.TARGET)
+    selector.get_attn_backend = user.get_attn_backend = around
+    assert plugin.installed()
+    plugin.uninstall()
+    assert selector.get_attn_backend is own and user.get_attn_backend is own
+    assert registry._hooks == {} and registry._patched == set()
+
+
+def test_rule_platform_reader_maps_the_engine_device_and_reads_cuda_details_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[str] = []
+
+    class Musa:
+        device_type = "musa"
+
+        def get_device_capability(self) -> tuple[int, int]:
+            asked.append("capability")
+            return (9, 0)
+
+        def get_device_name(self) -> str:
+            return "H100"
+
+    module = types.ModuleType("an_engine_platforms")
+    module.current = Musa()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    read = _engine.PlatformReader(module.__name__, "current", {"musa": "cuda"}, details=True)
+    assert read() == read() == ("cuda", (9, 0), "H100") and asked == ["capability"]
+    assert _engine.PlatformReader(module.__name__, "current", {"musa": "cuda"})() == (
+        "cuda",
+        None,
+        "",
+    )
+    module.current = types.SimpleNamespace(device_type="tpu")  # type: ignore[attr-defined]
+    assert read() == ("cpu", None, "")
+    del module.current  # type: ignore[attr-defined]
+    assert read() == ("cpu", None, "")

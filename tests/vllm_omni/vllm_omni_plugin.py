@@ -129,7 +129,7 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         for m in list(sys.modules.values())
         if isinstance(m, types.ModuleType)
         for name, value in list(vars(m).items())
-        if callable(value) and plugin._ours(value) is not None
+        if callable(value) and plugin._TAKEOVER.original(value) is not None
     ]
     restored = not plugin.installed() and not stale
     _VERDICT.append(f"attnres plugin: uninstall() restored vLLM-Omni's selector: {restored}")

@@ -1,27 +1,64 @@
-"""The install-time check of a serving engine's attnres plugin (issues 32, 36).
+"""What the serving engines' attnres plugins share (issues 32, 33, 36).
 
-A plugin is written against one range of an engine's releases (SGLang's
-``multimodal_gen``, vLLM-Omni) and takes over a function by name; on a release
-it was not written for it would install silently and fail on every later call,
-after writing decisions that never took effect. :func:`require` refuses first,
-typed (:class:`~attnres.errors.EngineSupportError`): the engine is not
-importable, its release is outside the range, or a hook the plugin reads is
-missing. Nothing here imports an engine until a plugin asks.
+SGLang's plugin (:mod:`attnres.integrations.sglang`) and vLLM-Omni's
+(:mod:`attnres.integrations.vllm_omni`) each take over one selector function by
+name and decide its calls with attnres's machine on the engine's observed
+platform answers. Shared here: the install-time check (:func:`require`: on an
+engine release a plugin was not written for it would install silently and fail
+on every later call, so it refuses first, typed,
+:class:`~attnres.errors.EngineSupportError`), taking the selector over and
+giving it back (:class:`Takeover`), which engine backends attnres lacks
+(:func:`lacks`), the engine's platform (:class:`PlatformReader`) and the
+decision on observed answers (:func:`decide`). Nothing here imports an engine
+until a plugin asks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import re
+import sys
+import threading
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from attrs import frozen
+from attrs import define, field, frozen
 
+from attnres._profile import UNOBSERVED
+from attnres._states import Event
+from attnres.backends import (
+    Backend,
+    BackendSpec,
+    lookup_spec,
+    register_backend,
+    registry_generation,
+)
 from attnres.errors import EngineSupportError
+from attnres.layer import LayerSpec, SelectionConfig
+from attnres.ledger import Decision
+from attnres.machine import run_machine
+from attnres.platform import HostResolution, Platform
+from attnres.records import TraceInput
+from attnres.runtime import lookup_traced
+from attnres.scope import ScopeState
+from attnres.trace import CheckRecord, Trace, TransitionRecord
 
-__all__ = ["Engine", "release", "require"]
+__all__ = [
+    "Engine",
+    "PlatformFacts",
+    "PlatformReader",
+    "Takeover",
+    "decide",
+    "lacks",
+    "rebind",
+    "register_lacking",
+    "release",
+    "require",
+    "unobserved",
+]
 
 
 @frozen
@@ -30,10 +67,9 @@ class Engine:
 
     #: the engine's name in messages (``SGLang``)
     name: str
-    #: its distribution on the package index (``sglang``)
+    #: its distribution on the package index, and the extra that installs it
+    #: with attnres (``sglang``: ``attnres[sglang]``)
     distribution: str
-    #: the extra that installs it with attnres (``sglang``: ``attnres[sglang]``)
-    extra: str
     #: the release range the plugin was written for: ``low <= release < high``
     low: tuple[int, ...]
     high: tuple[int, ...]
@@ -69,7 +105,9 @@ def require(engine: Engine, what: str) -> dict[str, types.ModuleType]:
     was written for and has every hook; ``what`` is the call being made
     (``attnres.integrations.sglang.install()``). Raises
     :class:`~attnres.errors.EngineSupportError` otherwise, naming the range."""
-    install = f"pip install 'attnres[{engine.extra}]' ({engine.distribution}{engine.supported})"
+    install = (
+        f"pip install 'attnres[{engine.distribution}]' ({engine.distribution}{engine.supported})"
+    )
     try:
         version: str | None = importlib.metadata.version(engine.distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -122,3 +160,212 @@ def require(engine: Engine, what: str) -> dict[str, types.ModuleType]:
             engine.supported,
         )
     return modules
+
+
+# -- taking the selector over ------------------------------------------------------
+
+
+def rebind(old: Any, new: Any) -> None:
+    """Replace every module-level binding of ``old`` (``from selector import ...``)."""
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType):
+            continue
+        try:
+            names = [k for k, v in vars(module).items() if v is old]
+        except TypeError:
+            continue
+        for name in names:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(module, name, new)
+
+
+@define(eq=False)
+class Takeover:
+    """The engine function a plugin takes over: its wrapper is bound in place of
+    the engine's own in every module that bound it by name, and given back."""
+
+    engine: Engine
+    #: the module that defines the function, and its name there
+    module: str
+    function: str
+    #: the plugin's module: its wrapper is a function of that name defined there
+    home: str
+    #: a wrapper whose closure holds this is the plugin's too (SGLang's hook
+    #: registry wraps the plugin's hook)
+    hook: Callable[..., Any] | None = None
+    #: held while installing or giving back
+    lock: threading.Lock = field(factory=threading.Lock)
+    _done: bool = False
+
+    def install(
+        self,
+        what: str,
+        wrap: Callable[[dict[str, types.ModuleType], Callable[..., Any]], Callable[..., Any]],
+    ) -> None:
+        """Check the engine (:func:`require`; ``what`` is the call being made),
+        then bind ``wrap(modules, original)`` in place of the engine's function;
+        nothing when already installed."""
+        with self.lock:
+            if self._done:
+                return
+            modules = require(self.engine, what)
+            original = getattr(modules[self.module], self.function)
+            rebind(original, wrap(modules, original))
+            self._done = True
+
+    def installed(self) -> bool:
+        """Whether the engine's function currently routes through the plugin."""
+        selector = sys.modules.get(self.module)
+        return selector is not None and self.original(getattr(selector, self.function)) is not None
+
+    def restore(self) -> None:
+        """Bind the engine's own function back wherever the plugin's is bound,
+        however it was put in place; the caller holds :attr:`lock`."""
+        self._done = False
+        selector = sys.modules.get(self.module)
+        if selector is None:
+            return
+        current = getattr(selector, self.function)
+        original = self.original(current)
+        if original is not None:
+            rebind(current, original)
+
+    def original(self, function: Any) -> Callable[..., Any] | None:
+        """The engine's own function under ``function`` when ``function`` is the
+        plugin's wrapper (``None`` otherwise)."""
+        if not isinstance(function, types.FunctionType):
+            return None
+        ours = function.__module__ == self.home and function.__name__ == self.function
+        if not ours and self.hook is not None:
+            ours = any(_holds(cell, self.hook) for cell in function.__closure__ or ())
+        if not ours:
+            return None
+        wrapped = getattr(function, "__wrapped__", None)
+        return wrapped if callable(wrapped) else None
+
+
+def _holds(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def register_lacking(spec: BackendSpec) -> bool:
+    """Register an engine backend's ``spec`` unless attnres has a spec or an alias
+    for its name by now (another thread may have registered it meanwhile)."""
+    if not lacks(spec.name):
+        return False
+    register_backend(spec)
+    return True
+
+
+def lacks(name: str) -> bool:
+    """Whether attnres has neither a spec nor an alias for an engine's backend
+    ``name`` (attnres folds SGLang's ``fa2`` into its ``fa``)."""
+    if lookup_spec(Backend(name)) is not None:
+        return False
+    try:
+        Backend.parse(name)
+    except ValueError:
+        return True
+    return False
+
+
+# -- observing the engine's platform ----------------------------------------------
+
+#: a platform as the plugins record it: (kind, compute capability, device name)
+PlatformFacts = tuple[str, tuple[int, int] | None, str]
+_CPU: PlatformFacts = ("cpu", None, "")
+
+
+@define(eq=False)
+class PlatformReader:
+    """attnres's facts of an engine's current platform object (read at every
+    decision: a test may swap it): its kind (``cpu`` when it cannot say), and,
+    with ``details``, the compute capability and device name a CUDA platform
+    states (recorded in the trace; the engine profiles decide from the observed
+    answers, never from them). Read again only when the object or its device
+    type changes."""
+
+    #: the engine's platforms module and its current-platform attribute
+    module: str
+    attribute: str
+    #: the engine's device types as attnres's platform kinds (any other: ``cpu``)
+    kinds: Mapping[str, str]
+    details: bool = False
+    #: (the platform object, its device type, its facts) last read
+    _last: tuple[Any, Any, PlatformFacts] = (None, None, _CPU)
+
+    def __call__(self) -> PlatformFacts:
+        try:
+            module = sys.modules.get(self.module) or importlib.import_module(self.module)
+            platform = getattr(module, self.attribute)
+            device = getattr(platform, "device_type", "cpu")
+            kind = self.kinds.get(str(device or "cpu"), "cpu")
+        except Exception:  # a platform that cannot say is observed through its answers only
+            return _CPU
+        last = self._last
+        if last[0] is platform and last[1] == device:
+            return last[2]
+        capability: tuple[int, int] | None = None
+        name = ""
+        if self.details and kind == "cuda":
+            with contextlib.suppress(Exception):  # a platform that cannot say states nothing
+                major, minor = platform.get_device_capability()
+                capability = (int(major), int(minor))
+            with contextlib.suppress(Exception):
+                name = str(platform.get_device_name())
+        facts = (kind, capability, name)
+        self._last = (platform, device, facts)
+        return facts
+
+
+# -- the decision on observed answers ---------------------------------------------
+
+
+def unobserved(trace: Trace, observed: Mapping[str, HostResolution]) -> str | None:
+    """The candidate the decision consulted without an observed fact, if any
+    (``""``: the platform's own default)."""
+    for record in trace.records:
+        if isinstance(record, CheckRecord):
+            if not record.passed and any(f.message == UNOBSERVED for f in record.failures):
+                name = record.candidate.name
+                return name if name not in observed else None
+        elif (
+            isinstance(record, TransitionRecord)
+            and record.event is Event.CANDIDATE_FAILED
+            and record.candidate is None
+            and "" not in observed
+        ):
+            return ""
+    return None
+
+
+def decide(
+    layer: LayerSpec,
+    config: SelectionConfig,
+    scope: ScopeState | None,
+    requested: Backend | None,
+    platform: PlatformFacts,
+    observed: dict[str, HostResolution],
+    observe: Callable[[str], None],
+) -> tuple[Decision, int]:
+    """The decision on the engine's platform answers in ``observed``: the pure
+    machine runs on the facts observed so far; each candidate it consulted
+    without one is observed (``observe(name)`` adds its fact) and it runs again.
+    The run that consulted only observed facts is the decision: it is handed to
+    the resolver's cache as it is (traced, cached and audited there), not run
+    again. Not recorded: the plugin records it. Returns it with the registry
+    generation it was decided in (a memo of it belongs to that one)."""
+    kind, capability, device_name = platform
+    while True:
+        generation = registry_generation()
+        host = Platform(
+            kind, capability=capability, device_name=device_name, host=tuple(observed.values())
+        )
+        trace = run_machine(TraceInput(layer, config, scope, host, requested))
+        pending = unobserved(trace, observed)
+        if pending is None:
+            return lookup_traced(trace, generation)[1], generation
+        observe(pending)

@@ -29,13 +29,11 @@ and it logs what SGLang logs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
 import pkgutil
 import sys
-import threading
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
@@ -43,26 +41,21 @@ from typing import Any, Final
 from attrs import frozen
 
 from attnres._memo import GenerationMemo
-from attnres._profile_sglang import UNOBSERVED, first_request
-from attnres._states import Event, Origin, Reason
+from attnres._profile_sglang import first_request
+from attnres._states import Origin, Reason
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement, Role
 from attnres.backends import (
     Backend,
     BackendSpec,
     HeadSizeRule,
-    lookup_spec,
-    register_backend,
-    registry_generation,
 )
 from attnres.errors import InvalidArgumentError
-from attnres.integrations._engine import Engine, require
+from attnres.integrations import _engine
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.ledger import Decision, record_decision
-from attnres.machine import run_machine
-from attnres.platform import HostResolution, Platform
-from attnres.runtime import lookup_traced
+from attnres.platform import HostResolution
 from attnres.scope import ScopeState
-from attnres.trace import CheckRecord, OriginRecord, Trace, TraceInput, TransitionRecord
+from attnres.trace import OriginRecord
 
 __all__ = [
     "ENGINE",
@@ -83,53 +76,46 @@ _SELECTOR: Final = "sglang.multimodal_gen.runtime.layers.attention.selector"
 #: the function attnres takes over
 TARGET: Final = f"{_SELECTOR}.get_attn_backend"
 
-_LOCK = threading.Lock()
-#: (the selector module, SGLang's own get_attn_backend) while installed directly
-_INSTALLED: list[tuple[types.ModuleType, Callable[..., Any]]] = []
 #: decisions made through the plugin, and calls SGLang answered itself
 _STATS = {"decided": 0, "delegated": 0}
 _PROFILE: Final = SelectionConfig(profile="sglang")
 _PLUGINS: Final = "sglang.multimodal_gen.runtime.platforms.plugins"
 _BACKEND_BASE: Final = "sglang.multimodal_gen.runtime.layers.attention.backends.attention_backend"
+_PLATFORMS: Final = "sglang.multimodal_gen.runtime.platforms"
 
-#: The SGLang releases the plugin was written for, and what it reads of SGLang
-#: (issue 36: 0.5.21 lacks ``AttentionRole`` and the context's
-#: ``backend_by_role``; 0.5.20 has no ``multimodal_gen`` plugin loader).
-ENGINE: Final = Engine(
-    name="SGLang",
-    distribution="sglang",
-    extra="sglang",
-    low=(0, 5, 23),
-    high=(0, 6),
-    hooks={
-        _SELECTOR: (
-            "get_attn_backend",
-            "_cached_get_attn_backend",
-            "component_attn_backend_context",
-            "forced_attn_backend",
-            "get_global_server_args",
-            "ServerArgs",
-            "AttentionBackendEnum",
-            "AttentionRequirements",
-            "AttentionRole.SELF",
-            "AttentionRole.CROSS",
-            "get_component_attn_backend_context",
-            "get_global_forced_attn_backend",
-            "get_component_attn_backend_name",
-            "make_component_role_key",
-            "logger",
-            "_record_component_attn_backend",
-            "ComponentAttnBackendContext.backend",
-            "ComponentAttnBackendContext.component_name",
-            "ComponentAttnBackendContext.backend_by_role",
-            "ComponentAttnBackendContext.allow_global_backend_fallback",
-            "ComponentAttnBackendContext.require_backend_selection",
-        ),
-        _PLUGINS: ("HookRegistry", "HookType.AROUND"),
-        _BACKEND_BASE: ("AttentionBackend",),
-        "sglang.multimodal_gen.runtime.platforms": ("AttentionBackendEnum", "current_platform"),
-    },
-)
+#: What the plugin reads of SGLang, by module (issue 36: 0.5.21 lacks
+#: ``AttentionRole`` and the context's ``backend_by_role``; 0.5.20 has no
+#: ``multimodal_gen`` plugin loader).
+_HOOKS: Final = {
+    _SELECTOR: (
+        "get_attn_backend",
+        "_cached_get_attn_backend",
+        "component_attn_backend_context",
+        "forced_attn_backend",
+        "get_global_server_args",
+        "ServerArgs",
+        "AttentionBackendEnum",
+        "AttentionRequirements",
+        "AttentionRole.SELF",
+        "AttentionRole.CROSS",
+        "get_component_attn_backend_context",
+        "get_global_forced_attn_backend",
+        "get_component_attn_backend_name",
+        "make_component_role_key",
+        "logger",
+        "_record_component_attn_backend",
+        "ComponentAttnBackendContext.backend",
+        "ComponentAttnBackendContext.component_name",
+        "ComponentAttnBackendContext.backend_by_role",
+        "ComponentAttnBackendContext.allow_global_backend_fallback",
+        "ComponentAttnBackendContext.require_backend_selection",
+    ),
+    _PLUGINS: ("HookRegistry", "HookType.AROUND"),
+    _BACKEND_BASE: ("AttentionBackend",),
+    _PLATFORMS: ("AttentionBackendEnum", "current_platform"),
+}
+#: The SGLang releases the plugin was written for (``sglang>=0.5.23,<0.6``).
+ENGINE: Final = _engine.Engine("SGLang", "sglang", (0, 5, 23), (0, 6), _HOOKS)
 
 
 def plugin() -> None:
@@ -138,9 +124,9 @@ def plugin() -> None:
     Raises :class:`~attnres.errors.EngineSupportError` on a SGLang release the
     plugin was not written for (:data:`ENGINE`), before registering anything.
     """
-    modules = require(ENGINE, "attnres.integrations.sglang.plugin()")
+    modules = _engine.require(ENGINE, "attnres.integrations.sglang.plugin()")
     plugins = modules[_PLUGINS]
-    _register_sglang_backends()
+    _register(modules)
     plugins.HookRegistry.register(TARGET, _route, plugins.HookType.AROUND)
 
 
@@ -151,48 +137,38 @@ def install() -> None:
     installed, or is a release the plugin was not written for (:data:`ENGINE`);
     nothing is changed then.
     """
-    with _LOCK:
-        if _INSTALLED:
-            return
-        selector = require(ENGINE, "attnres.integrations.sglang.install()")[_SELECTOR]
-        original = selector.get_attn_backend
-        _register_sglang_backends()
+    _TAKEOVER.install("attnres.integrations.sglang.install()", _wrap)
 
-        def get_attn_backend(*args: Any, **kwargs: Any) -> Any:
-            return _route(original, *args, **kwargs)
 
-        get_attn_backend.__wrapped__ = original  # type: ignore[attr-defined]
-        _rebind(original, get_attn_backend)
-        _INSTALLED.append((selector, original))
+def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) -> Callable[..., Any]:
+    _register(modules)
+
+    def get_attn_backend(*args: Any, **kwargs: Any) -> Any:
+        return _route(original, *args, **kwargs)
+
+    get_attn_backend.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_attn_backend
 
 
 def installed() -> bool:
     """Whether SGLang's selector currently routes through attnres."""
-    selector = sys.modules.get(_SELECTOR)
-    return selector is not None and _ours(selector.get_attn_backend) is not None
+    return _TAKEOVER.installed()
 
 
 def uninstall() -> None:
     """Restore SGLang's own selector, however the plugin was put in place."""
-    with _LOCK:
-        selector = sys.modules.get(_SELECTOR)
-        if selector is None:
+    with _TAKEOVER.lock:
+        _TAKEOVER.restore()
+        plugins = sys.modules.get(_PLUGINS)
+        if plugins is None:  # nothing was registered with SGLang's hook registry
             return
-        current = selector.get_attn_backend
-        original = _ours(current)
-        if original is not None:
-            _rebind(current, original)
-        _INSTALLED.clear()
-        try:
-            from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
-        except ImportError:  # pragma: no cover - SGLang was importable a moment ago
-            return
-        hooks = [h for h in HookRegistry._hooks.get(TARGET, []) if h[1] is not _route]
+        registry = plugins.HookRegistry
+        hooks = [h for h in registry._hooks.get(TARGET, []) if h[1] is not _route]
         if hooks:
-            HookRegistry._hooks[TARGET] = hooks
+            registry._hooks[TARGET] = hooks
         else:
-            HookRegistry._hooks.pop(TARGET, None)
-            HookRegistry._patched.discard(TARGET)
+            registry._hooks.pop(TARGET, None)
+            registry._patched.discard(TARGET)
 
 
 def stats() -> dict[str, int]:
@@ -201,40 +177,7 @@ def stats() -> dict[str, int]:
     return dict(_STATS)
 
 
-def _ours(function: Any) -> Callable[..., Any] | None:
-    """SGLang's original under ``function`` when ``function`` is attnres's wrapper."""
-    if not isinstance(function, types.FunctionType):
-        return None
-    cells = []
-    for cell in function.__closure__ or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
-    if any(c is _route for c in cells) or (
-        getattr(function, "__name__", "") == "get_attn_backend"
-        and getattr(function, "__module__", "") == __name__
-    ):
-        wrapped = getattr(function, "__wrapped__", None)
-        return wrapped if callable(wrapped) else None
-    return None
-
-
-def _rebind(old: Any, new: Any) -> None:
-    """Replace every module-level binding of ``old`` (``from selector import ...``)."""
-    for module in list(sys.modules.values()):
-        if not isinstance(module, types.ModuleType):
-            continue
-        try:
-            names = [k for k, v in vars(module).items() if v is old]
-        except TypeError:
-            continue
-        for name in names:
-            with contextlib.suppress(AttributeError, TypeError):
-                setattr(module, name, new)
-
-
-def _register_sglang_backends() -> None:
+def _register(modules: dict[str, types.ModuleType]) -> None:
     """Register SGLang's backends attnres does not know, with facts read from SGLang's classes.
 
     The members come from SGLang's ``AttentionBackendEnum`` (every member attnres
@@ -243,41 +186,26 @@ def _register_sglang_backends() -> None:
     platform fact is never needed from them: the ``sglang`` profile reads what
     SGLang's platform resolves (``HostResolution``) at every decision.
     """
-    from sglang.multimodal_gen.runtime.layers.attention.backends.attention_backend import (
-        AttentionBackend,
+    register_backends(
+        modules[_PLATFORMS].AttentionBackendEnum, modules[_BACKEND_BASE].AttentionBackend
     )
-    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
-
-    register_backends(AttentionBackendEnum, AttentionBackend)
 
 
 def register_backends(enum: Any, base: Any) -> tuple[BackendFacts, ...]:
     """Register every member of ``enum`` (SGLang's ``AttentionBackendEnum``) that
     attnres lacks, with the facts of the ``base`` (``AttentionBackend``)
     subclasses in ``base``'s package; returns the facts registered."""
-    lacking = [m for m in enum if _lacks(m.name.lower())]
+    lacking = [m for m in enum if _engine.lacks(m.name.lower())]
     if not lacking:
         return ()
     classes, failures = _backend_classes(base)
     out: list[BackendFacts] = []
     for member in lacking:
         facts = read_backend_facts(member, classes.get(member, ()), failures)
-        if _lacks(facts.name):  # a plugin thread may have registered it meanwhile
-            register_backend(spec_from_facts(facts))
+        if _engine.register_lacking(spec_from_facts(facts)):
             _FACTS[facts.name] = facts
             out.append(facts)
     return tuple(out)
-
-
-def _lacks(name: str) -> bool:
-    """Whether attnres has neither a spec nor an alias for SGLang's backend ``name``."""
-    if lookup_spec(Backend(name)) is not None:
-        return False
-    try:  # an attnres alias (attnres folds SGLang's ``fa2`` into its ``fa``)
-        Backend.parse(name)
-    except ValueError:
-        return True
-    return False
 
 
 @frozen
@@ -477,8 +405,7 @@ class _Memo:
 
 
 #: decided calls; they belong to one registry generation (attnres._memo)
-_MEMO: GenerationMemo[tuple[Any, ...], _Memo] = GenerationMemo()
-_MEMO_MAX: Final = 4096
+_MEMO: GenerationMemo[tuple[Any, ...], _Memo] = GenerationMemo(maxsize=4096)
 
 
 def clear_memo() -> None:
@@ -544,23 +471,13 @@ def _route(
     translated = _translate(selector, call)
     if translated is None:
         _STATS["delegated"] += 1
-        return original(
-            head_size,
-            dtype,
-            supported_attention_backends,
-            selected_attention_backend,
-            attention_requirements,
-            default_attention_backend,
-            is_cross_attention,
-        )
+        return original(*call.values())  # SGLang's own arguments, in its order
     layer, scope, config, requested = translated
-    generation = registry_generation()
     be_tuple = _be_tuple(supported)
     requirements = attention_requirements or selector.AttentionRequirements()
     observed: dict[str, HostResolution] = {}
     classes: dict[str, Any] = {}
     answers: dict[str, tuple[Any, Any]] = {}
-    kind = _platform_kind()
     enum_by_name = _enum_by_name(selector.AttentionBackendEnum)
 
     def observe(name: str) -> None:
@@ -570,31 +487,24 @@ def _route(
 
     # The machine consults its first candidate always: observe it up front. Any
     # other candidate a fallback reaches is observed when the pure machine asks
-    # for it. The run that consulted only observed facts is the decision: it is
-    # handed to the resolver's cache as it is (traced, cached and audited there),
-    # not run again.
+    # for it (_engine.decide).
     first = first_request(layer, config, scope, requested)
     observe("" if first is None else first.name)
-    while True:
-        trace = run_machine(
-            TraceInput(
-                layer, config, scope, Platform(kind, host=tuple(observed.values())), requested
-            )
-        )
-        consulted = _unobserved(trace, observed)
-        if consulted is None:
-            break
-        observe(consulted)
-    _, decision, _ = lookup_traced(trace, generation)
+    decision, generation = _engine.decide(
+        layer, config, scope, requested, _PLATFORM(), observed, observe
+    )
     _STATS["decided"] += 1
     record_decision(decision)
     outcome = decision.outcome
     cls = None if outcome.backend is None else classes[outcome.backend.name]
     if key:
-        if len(_MEMO) >= _MEMO_MAX:
-            _MEMO.clear()
-        _MEMO[key] = _Memo(decision, cls, tuple(answers.values()))
+        _MEMO.put(key, _Memo(decision, cls, tuple(answers.values())), generation)
     return _finish(selector, is_cross_attention, decision, cls)
+
+
+#: SGLang's selector, as the plugin takes it over (its hook registry's wrapper
+#: holds :func:`_route`)
+_TAKEOVER: Final = _engine.Takeover(ENGINE, _SELECTOR, "get_attn_backend", __name__, hook=_route)
 
 
 def _server_args(selector: types.ModuleType) -> Any:
@@ -640,45 +550,13 @@ def _still_answers(
     return True
 
 
-def type_of_enum(selector: types.ModuleType) -> Any:
-    return selector.AttentionBackendEnum
-
-
-def _platform_kind() -> str:
-    """attnres's platform kind of SGLang's ``current_platform`` (read at every
-    decision: a test may swap the platform)."""
-    try:
-        platforms = sys.modules.get(_PLATFORMS) or importlib.import_module(_PLATFORMS)
-        kind = str(getattr(platforms.current_platform, "device_type", "cpu") or "cpu")
-    except Exception:  # a platform that cannot say is observed through its answers only
-        kind = "cpu"
-    return _KINDS.get(kind, "cpu")
-
-
-_PLATFORMS: Final = "sglang.multimodal_gen.runtime.platforms"
 #: SGLang's device types as attnres's platform kinds (any other: ``cpu``)
 _KINDS: Final = {
     **{k: k for k in ("cpu", "cuda", "rocm", "mps", "xpu", "npu")},
     "musa": "cuda",
 }
-
-
-def _unobserved(trace: Trace, observed: dict[str, HostResolution]) -> str | None:
-    """The candidate the decision consulted without an observed fact, if any
-    (``""``: the platform's own default)."""
-    for record in trace.records:
-        if isinstance(record, CheckRecord):
-            if not record.passed and any(f.message == UNOBSERVED for f in record.failures):
-                name = record.candidate.name
-                return name if name not in observed else None
-        elif (
-            isinstance(record, TransitionRecord)
-            and record.event is Event.CANDIDATE_FAILED
-            and record.candidate is None
-            and "" not in observed
-        ):
-            return ""
-    return None
+#: attnres's platform kind of SGLang's ``current_platform``
+_PLATFORM: Final = _engine.PlatformReader(_PLATFORMS, "current_platform", _KINDS)
 
 
 def _observe(

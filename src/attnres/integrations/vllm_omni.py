@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import importlib
-import sys
-import threading
 import types
 from collections.abc import Callable
 from typing import Any, Final
@@ -34,7 +33,7 @@ from typing import Any, Final
 from attrs import frozen
 
 from attnres._memo import GenerationMemo
-from attnres._profile_vllm_omni import OPTIONS, SOURCES, UNOBSERVED
+from attnres._profile_vllm_omni import OPTIONS, SOURCES
 from attnres._states import KernelSource, Origin, Status
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Role
 from attnres.backends import (
@@ -45,22 +44,17 @@ from attnres.backends import (
     HeadSizeRule,
     OptionValue,
     get_spec,
-    lookup_spec,
     normalize_backend_options,
-    register_backend,
     registry_generation,
     unregister_backend,
 )
 from attnres.errors import InvalidArgumentError, UnknownBackendError
-from attnres.integrations._engine import Engine, require
+from attnres.integrations import _engine
 from attnres.kernels import get_kernel, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.ledger import _REMOVALS, Decision, record_decision
-from attnres.machine import run_machine
-from attnres.platform import HostResolution, Platform
-from attnres.runtime import lookup_traced
+from attnres.platform import HostResolution
 from attnres.scope import ScopeState
-from attnres.trace import CheckRecord, TraceInput
 
 __all__ = [
     "ENGINE",
@@ -82,31 +76,22 @@ _REGISTRY: Final = "vllm_omni.diffusion.attention.backends.registry"
 #: the function attnres takes over
 TARGET: Final = f"{_SELECTOR}.get_attn_backend_for_role"
 
-#: The vLLM-Omni releases the plugin was written for, and what it reads of them.
-ENGINE: Final = Engine(
-    name="vLLM-Omni",
-    distribution="vllm-omni",
-    extra="vllm-omni",
-    low=(0, 30, 0),
-    high=(0, 31),
-    hooks={
-        _SELECTOR: (
-            "get_attn_backend_for_role",
-            "_cached_get_backend_cls",
-            "_log_backend_resolution",
-        ),
-        "vllm_omni.diffusion.data": ("AttentionConfig.resolve_with_source", "AttentionSpec"),
-        _REGISTRY: ("DiffusionAttentionBackendEnum",),
-        "vllm_omni.diffusion.attention.backends.abstract": (
-            "AttentionBackend.get_name",
-            "AttentionBackend.supports_head_size",
-            "AttentionBackend.get_supported_head_sizes",
-        ),
-    },
-)
+#: What the plugin reads of vLLM-Omni, by module.
+_HOOKS: Final = {
+    _SELECTOR: ("get_attn_backend_for_role", "_cached_get_backend_cls", "_log_backend_resolution"),
+    "vllm_omni.diffusion.data": ("AttentionConfig.resolve_with_source", "AttentionSpec"),
+    _REGISTRY: ("DiffusionAttentionBackendEnum",),
+    "vllm_omni.diffusion.attention.backends.abstract": (
+        "AttentionBackend.get_name",
+        "AttentionBackend.supports_head_size",
+        "AttentionBackend.get_supported_head_sizes",
+    ),
+}
+#: The vLLM-Omni releases the plugin was written for (``vllm-omni>=0.30.0,<0.31``).
+ENGINE: Final = _engine.Engine("vLLM-Omni", "vllm-omni", (0, 30, 0), (0, 31), _HOOKS)
 
-_LOCK = threading.Lock()
-_INSTALLED: list[tuple[types.ModuleType, Callable[..., Any]]] = []
+#: vLLM-Omni's selector, as the plugin takes it over
+_TAKEOVER: Final = _engine.Takeover(ENGINE, _SELECTOR, "get_attn_backend_for_role", __name__)
 _PROFILE: Final = SelectionConfig(profile="vllm_omni")
 _MISSING: Final = object()
 
@@ -124,36 +109,26 @@ def install() -> None:
     installed or is a release the plugin was not written for (:data:`ENGINE`);
     nothing is changed then.
     """
-    with _LOCK:
-        if _INSTALLED:
-            return
-        modules = require(ENGINE, "attnres.integrations.vllm_omni.install()")
-        selector = modules[_SELECTOR]
-        original = selector.get_attn_backend_for_role
-        enum = modules[_REGISTRY].DiffusionAttentionBackendEnum
-        register_backends(enum)
-        _MEMBERS.update(b.name for b in map(_attnres, (m.name for m in enum)) if b is not None)
-        _rebind(original, _selector_for(selector, original))
-        _INSTALLED.append((selector, original))
+    _TAKEOVER.install("attnres.integrations.vllm_omni.install()", _wrap)
+
+
+def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) -> Callable[..., Any]:
+    enum = modules[_REGISTRY].DiffusionAttentionBackendEnum
+    register_backends(enum)
+    _MEMBERS.update(b.name for b in map(_attnres, (m.name for m in enum)) if b is not None)
+    return _selector_for(modules[_SELECTOR], original)
 
 
 def installed() -> bool:
     """Whether vLLM-Omni's selector currently routes through attnres."""
-    selector = sys.modules.get(_SELECTOR)
-    return selector is not None and _ours(selector.get_attn_backend_for_role) is not None
+    return _TAKEOVER.installed()
 
 
 def uninstall() -> None:
     """Restore vLLM-Omni's own selector in every module that bound it, and remove
     the backends the plugin registered on first sight (:func:`seen_backends`)."""
-    with _LOCK:
-        selector = sys.modules.get(_SELECTOR)
-        if selector is not None:
-            current = selector.get_attn_backend_for_role
-            original = _ours(current)
-            if original is not None:
-                _rebind(current, original)
-        _INSTALLED.clear()
+    with _TAKEOVER.lock:
+        _TAKEOVER.restore()
         for name in list(_SEEN):
             with contextlib.suppress(Exception):
                 unregister_backend(name)
@@ -165,31 +140,6 @@ def stats() -> dict[str, int]:
     ``delegated``: calls vLLM-Omni answered itself (a call attnres cannot take:
     a head size that is no positive int, a backend name that is no name)."""
     return {"decided": _COUNTS[0], "delegated": _COUNTS[1]}
-
-
-def _ours(function: Any) -> Callable[..., Any] | None:
-    if (
-        isinstance(function, types.FunctionType)
-        and function.__module__ == __name__
-        and function.__name__ == "get_attn_backend_for_role"
-    ):
-        wrapped = getattr(function, "__wrapped__", None)
-        return wrapped if callable(wrapped) else None
-    return None
-
-
-def _rebind(old: Any, new: Any) -> None:
-    """Replace every module-level binding of ``old`` (``from selector import ...``)."""
-    for module in list(sys.modules.values()):
-        if not isinstance(module, types.ModuleType):
-            continue
-        try:
-            names = [k for k, v in vars(module).items() if v is old]
-        except TypeError:
-            continue
-        for name in names:
-            with contextlib.suppress(AttributeError, TypeError):
-                setattr(module, name, new)
 
 
 # -- backends ------------------------------------------------------------------
@@ -209,7 +159,7 @@ def register_backends(enum: Any) -> tuple[str, ...]:
     out: list[str] = []
     for member in enum:
         name = member.name.lower()
-        if not _lacks(name):
+        if not _engine.lacks(name):
             continue
         head_sizes: HeadSizeRule = HeadSizeRule()
         platforms: tuple[str, ...] = PLATFORM_KINDS
@@ -225,34 +175,23 @@ def register_backends(enum: Any) -> tuple[str, ...]:
             source = f"{cls.__module__}.{cls.__qualname__}"
         except Exception as exc:  # a kernel package this host lacks, typically
             source = f"{member.value} (not importable here: {type(exc).__name__}: {exc})"
-        if _lacks(name):
-            register_backend(
-                BackendSpec(
-                    name=name,
-                    sparse=name in _SPARSE,
-                    platforms=platforms,
-                    dtypes=DTYPES,
-                    head_sizes=head_sizes,
-                    options=OPTIONS.get(member.name, ()),
-                    description=(
-                        f"vLLM-Omni diffusion backend (vllm_omni plugin), read from {source}; "
-                        "dtypes and requirements left open (its classes do not state them; "
-                        "the vllm_omni profile reads vLLM-Omni's platform at each decision)"
-                    ),
-                )
+        if _engine.register_lacking(
+            BackendSpec(
+                name=name,
+                sparse=name in _SPARSE,
+                platforms=platforms,
+                dtypes=DTYPES,
+                head_sizes=head_sizes,
+                options=OPTIONS.get(member.name, ()),
+                description=(
+                    f"vLLM-Omni diffusion backend (vllm_omni plugin), read from {source}; "
+                    "dtypes and requirements left open (its classes do not state them; "
+                    "the vllm_omni profile reads vLLM-Omni's platform at each decision)"
+                ),
             )
+        ):
             out.append(name)
     return tuple(out)
-
-
-def _lacks(name: str) -> bool:
-    if lookup_spec(Backend(name)) is not None:
-        return False
-    try:
-        Backend.parse(name)
-    except ValueError:
-        return True
-    return False
 
 
 #: attnres's backend per vLLM-Omni name (``None``: none); one registry generation
@@ -309,24 +248,23 @@ def _first_sight(name: str, cls: Any = None) -> Backend | None:
             sizes = tuple(int(s) for s in cls.get_supported_head_sizes())
             if sizes:
                 head_sizes = HeadSizeRule(allowed=sizes)
-        kind = _platform_kind()
+        kind = _PLATFORM()[0]
         platforms = (kind,) if kind != "cpu" else ()
     try:
-        with _LOCK:
-            if _lacks(canonical):
-                register_backend(
-                    BackendSpec(
-                        name=canonical,
-                        sparse=False,
-                        platforms=platforms,
-                        dtypes=DTYPES,
-                        head_sizes=head_sizes,
-                        description=(
-                            "first seen by the vllm_omni plugin at a decision, read from "
-                            f"{source}; attnres runs no kernel for it (vLLM-Omni's class does)"
-                        ),
-                    )
+        with _TAKEOVER.lock:
+            if _engine.register_lacking(
+                BackendSpec(
+                    name=canonical,
+                    sparse=False,
+                    platforms=platforms,
+                    dtypes=DTYPES,
+                    head_sizes=head_sizes,
+                    description=(
+                        "first seen by the vllm_omni plugin at a decision, read from "
+                        f"{source}; attnres runs no kernel for it (vLLM-Omni's class does)"
+                    ),
                 )
+            ):
                 _SEEN[canonical] = source
     except (ValueError, TypeError):
         return None
@@ -534,53 +472,30 @@ def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> C
 
 #: (decided, delegated): a list, so the hit path adds without a dict lookup
 _COUNTS: Final = [0, 0]
-#: the AttentionConfig entries' origins, in vLLM-Omni's precedence
-_ORIGINS: Final = (Origin.LAYER, Origin.COMPONENT_OVERRIDE, Origin.GLOBAL_CLI)
-#: SelectionConfig per ``attention_config.default`` backend
-_CONFIGS: dict[Backend | None, SelectionConfig] = {}
-#: LayerSpec per (head size, role, cross)
-_LAYERS: dict[tuple[int, str, bool, BackendOptions], LayerSpec] = {}
-#: what a class's ``supports_head_size`` says, per (class, head size)
-_FITS: dict[tuple[Any, int], bool] = {}
 
 
+@functools.lru_cache(maxsize=256)
 def _config(default: Backend | None) -> SelectionConfig:
-    config = _CONFIGS.get(default)
-    if config is None:
-        config = (
-            _PROFILE
-            if default is None
-            else SelectionConfig(global_backend=default, profile="vllm_omni")
-        )
-        if len(_CONFIGS) < 256:
-            _CONFIGS[default] = config
-    return config
+    """The SelectionConfig of an ``attention_config.default`` backend."""
+    if default is None:
+        return _PROFILE
+    return SelectionConfig(global_backend=default, profile="vllm_omni")
 
 
+@functools.lru_cache(maxsize=4096)
 def _layer(head_size: int, role: str, cross: bool, options: BackendOptions = ()) -> LayerSpec:
-    key = (head_size, role, cross, options)
-    layer = _LAYERS.get(key)
-    if layer is None:
-        kind = Role.CROSS if cross else Role.SELF
-        layer = LayerSpec(
-            head_size=head_size, dtype="bfloat16", role=kind, name=role, backend_options=options
-        )
-        if len(_LAYERS) < 4096:
-            _LAYERS[key] = layer
-    return layer
+    kind = Role.CROSS if cross else Role.SELF
+    return LayerSpec(
+        head_size=head_size, dtype="bfloat16", role=kind, name=role, backend_options=options
+    )
 
 
+@functools.lru_cache(maxsize=4096)
 def _fits(cls: Any, head_size: int) -> bool:
     """The class's own ``supports_head_size`` (some build a list of every size on
     each call: asked once per class and size)."""
-    key = (cls, head_size)
-    fits = _FITS.get(key)
-    if fits is None:
-        supports = getattr(cls, "supports_head_size", None)
-        fits = head_size <= 0 or supports is None or bool(supports(head_size))
-        if len(_FITS) < 4096:
-            _FITS[key] = fits
-    return fits
+    supports = getattr(cls, "supports_head_size", None)
+    return head_size <= 0 or supports is None or bool(supports(head_size))
 
 
 def _decide(
@@ -655,7 +570,8 @@ def _decide(
         if options:
             checked = normalize_backend_options({first: options})
             layer = _layer(layer.head_size, str(role), layer.role is Role.CROSS, checked)
-    kind, capability, device_name = _platform_facts()
+    platform = _PLATFORM()
+    kind = platform[0]
     if "?" in observed:
         observed[first] = HostResolution(first, None, observed.pop("?").error)
         errors[first] = errors.pop("?")
@@ -680,21 +596,16 @@ def _decide(
             loader="attention_config.per_role",
             backend=backends[1],
         )
-    config = _config(backends[2])
-    while True:
-        generation = registry_generation()
-        platform = Platform(
-            kind, capability=capability, device_name=device_name, host=tuple(observed.values())
-        )
-        trace = run_machine(TraceInput(layer, config, scope, platform, backends[0]))
-        pending = _unobserved(trace, observed)
-        if pending is None:
-            break
+
+    def observe(pending: str) -> None:
         # vLLM-Omni passes a configured name as the config spells it
         cls = ask(pending, (spelled.get(pending, pending.upper()), head_size))
         if pending not in observed:
             _observed(pending, cls, int(head_size), observed, classes)
-    _, decision, _ = lookup_traced(trace, generation)
+
+    decision, generation = _engine.decide(
+        layer, _config(backends[2]), scope, backends[0], platform, observed, observe
+    )
     removals = _REMOVALS[0]
     _COUNTS[0] += 1
     record_decision(decision)
@@ -785,51 +696,8 @@ def _observed(
     observed[candidate] = HostResolution(candidate, served.name, None, missing=missing)
 
 
-def _unobserved(trace: Any, observed: dict[str, HostResolution]) -> str | None:
-    for record in trace.records:
-        if (
-            isinstance(record, CheckRecord)
-            and not record.passed
-            and any(f.message == UNOBSERVED for f in record.failures)
-        ):
-            name = record.candidate.name
-            return None if name in observed else name
-    return None
-
-
-#: (the platform object, its device_type, its facts) last read
-_KIND: list[Any] = [None, None, ("cpu", None, "")]
-
-
-def _platform_facts() -> tuple[str, tuple[int, int] | None, str]:
-    """attnres's platform kind of vLLM-Omni's ``current_omni_platform`` (read at
-    every decision: a test may swap it; ``cpu`` when it cannot say), and the
-    compute capability and device name it states (recorded in the trace; the
-    ``vllm_omni`` profile decides from the observed answers, never from them)."""
-    module = sys.modules.get("vllm_omni.platforms")
-    try:
-        if module is None:
-            module = importlib.import_module("vllm_omni.platforms")
-        platform = module.current_omni_platform
-        device = getattr(platform, "device_type", "cpu")
-    except Exception:
-        return ("cpu", None, "")
-    last = _KIND
-    if last[0] is platform and last[1] == device:
-        return last[2]  # type: ignore[no-any-return]
-    kind = _KINDS.get(str(device or "cpu"), "cpu")
-    capability: tuple[int, int] | None = None
-    name = ""
-    if kind == "cuda":
-        with contextlib.suppress(Exception):  # a platform that cannot say states nothing
-            major, minor = platform.get_device_capability()
-            capability = (int(major), int(minor))
-        with contextlib.suppress(Exception):
-            name = str(platform.get_device_name())
-    facts = (kind, capability, name)
-    _KIND[:] = [platform, device, facts]
-    return facts
-
-
-def _platform_kind() -> str:
-    return _platform_facts()[0]
+#: vLLM-Omni's ``current_omni_platform``: attnres's platform kind, and the
+#: compute capability and device name it states
+_PLATFORM: Final = _engine.PlatformReader(
+    "vllm_omni.platforms", "current_omni_platform", _KINDS, True
+)
