@@ -648,7 +648,7 @@ def test_unpad_pad_round_trip_and_cu_seqlens() -> None:
     assert packed.cu_seqlens.dtype == torch.int32 and packed.cu_seqlens.is_contiguous()
     assert packed.cu_seqlens.tolist() == [0, 5, 7]  # the empty row leaves no sequence
     assert packed.max_seqlen == 5
-    back = pad(packed.packed, packed.indices, 3, 5)
+    back = pad(packed.packed, packing(valid), 3, 5)
     assert torch.equal(back, x * valid[:, :, None, None])
 
 
@@ -958,12 +958,15 @@ def test_mask_plan_sees_a_mask_changed_in_place(varlen_fakes: Calls) -> None:
     q, k, v = _qkv(2, 6, 6, 4, 2, torch.float16, 21)
     mask = valid[:, None, None, :].clone()
     route = _route("fa")
-    _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+    for _ in range(3):  # first use (scattered), then the kept plan (gathered by its source)
+        _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
     before = mask_plan(mask, 2, 6, 6)
+    assert before.queries is not None and before.queries.source is not None
     mask[1, 0, 0, 5] = True  # in place, on the mask itself
     valid[1, 5] = True
     assert mask_plan(mask, 2, 6, 6) is not before
-    _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
+    for _ in range(3):  # not the stale plan's source: position 11 is a valid row now
+        _check(route(q, k, v, mask, False, None), q, k, v, valid, False)
     base = torch.ones(2, 6, dtype=torch.bool)
     view = base[:, None, None, :]
     kept = mask_plan(view, 2, 6, 6)
@@ -1017,12 +1020,32 @@ def test_mask_plans_keep_inference_apart_and_keep_no_inference_tensor() -> None:
     assert q.grad is not None and torch.equal(q.grad[:, :, 0, 0], mask[:, 0, 0].float())
 
 
-def test_pad_zeroes_only_the_padded_rows_when_told_which() -> None:
-    valid = _padding([3, 0, 2], 4, left=True)
-    where = packing(valid, with_padded=True)
-    assert where.padded is not None
+@pytest.mark.parametrize("lengths", [[3, 0, 2], [4, 4, 4], [0, 0, 0], [1, 4, 0]])
+@pytest.mark.parametrize("left", [False, True])
+def test_pad_by_gather_is_bit_identical_to_pad_by_scatter(lengths: list[int], left: bool) -> None:
+    """A kept plan pads by gathering (Packing.source) and zeroing the padded rows; a
+    plan used once, or a call autograd records, scatters into zeros: the same bits,
+    negative zeros and NaNs included, and the same gradient."""
+    valid = _padding(lengths, 4, left=left)
+    once, kept = packing(valid), packing(valid, with_padded=True)
+    assert once.source is None and kept.source is not None and kept.padded is not None
+    assert kept.source.shape == (12,) and kept.source[valid.reshape(-1)].tolist() == list(
+        range(int(valid.sum()))
+    )
     rows = torch.randn(int(valid.sum()), 2, 3)
-    assert torch.equal(pad(rows, where.indices, 3, 4, where.padded), pad(rows, where.indices, 3, 4))
+    if rows.shape[0]:
+        rows[0, 0] = torch.tensor([-0.0, float("nan"), float("inf")])
+    scattered, gathered = pad(rows, once, 3, 4), pad(rows, kept, 3, 4)
+    assert scattered.view(torch.int32).equal(gathered.view(torch.int32))
+    assert sorted([*kept.indices.tolist(), *kept.padded.tolist()]) == list(range(12))
+    grads = []
+    for where in (once, kept):
+        leaf = rows.clone().requires_grad_()
+        out = pad(leaf, where, 3, 4)
+        assert out.view(torch.int32).equal(scattered.view(torch.int32))
+        out.backward(torch.arange(out.numel(), dtype=torch.float32).view(out.shape))
+        grads.append(leaf.grad)
+    assert grads[0] is not None and torch.equal(grads[0], grads[1])
 
 
 # ------------------------------------------------------------------ fa4 and aiter varlen adapters
