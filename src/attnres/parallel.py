@@ -959,6 +959,11 @@ def _halves(lens: list[int]) -> list[tuple[int, int]]:
     return chunks
 
 
+def _pair_lens(chunks: list[tuple[int, int]]) -> list[int]:
+    """Each ring rank's contiguous block length from the 2R halves."""
+    return [chunks[2 * r][0] + chunks[2 * r + 1][0] for r in range(len(chunks) // 2)]
+
+
 def _zigzag_ids(ring: int) -> list[tuple[int, int]]:
     """The halves each ring rank holds under zig-zag: r and 2R-1-r (in global order)."""
     return [(r, 2 * ring - 1 - r) for r in range(ring)]
@@ -977,20 +982,27 @@ class _ZigZagRing(torch.autograd.Function):
     q, k, v, the output and the log-sum-exp), not zig-zag copies of q, k, v and of the
     output besides. When training, the forward goes in chunks of key/value heads (the
     backward's, :func:`_backward_chunks`), each zig-zagged, around the ring and back
-    in turn. The backward sends the keys and values around in their contiguous
-    blocks (a rank's work is its zig-zag query rows against every key, balanced in
-    any key order): per head chunk, a rank receives the query halves it works on
-    and does not hold (q, output, output gradient; its own halves are views) and
-    sends their query gradients back. A rank holds zig-zag copies of one chunk's
-    halves at a time, not of whole blocks."""
+    in turn; on two ranks only the query halves move, the keys and values going
+    around in their contiguous blocks. The backward sends the keys and values
+    around in their contiguous blocks (a rank's work is its zig-zag query rows
+    against every key, balanced in any key order): per head chunk, a rank receives
+    the query halves it works on and does not hold (q, output, output gradient; its
+    own halves are views) and sends their query gradients back. A rank holds zig-zag
+    copies of one chunk's halves at a time, not of whole blocks."""
 
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun,
         q_chunks: list[tuple[int, int]], kv_chunks: list[tuple[int, int]], training: bool,
     ) -> Tensor:  # fmt: skip
-        me = run.sp.ring_rank
-        q_segs, kv_segs = _zigzag(q_chunks), _zigzag(kv_chunks)
+        ring, me = run.sp.ring, run.sp.ring_rank
+        q_segs = _zigzag(q_chunks)
+        # keys and values in zig-zag blocks on more than two ranks (every step's work is
+        # then the same, so no rank waits for a block); on two, in their contiguous
+        # blocks, as the backward sends them: the one shift starts before any work, so
+        # the steps' uneven work costs no wait, and the keys and values move once
+        kv_zigzag = ring > 2
+        kv_segs = _zigzag(kv_chunks) if kv_zigzag else _contiguous(_pair_lens(kv_chunks))
         kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
         groups = q.shape[2] // k.shape[2]
         heads = _backward_chunks(k, kv_lens)[0] if training else [(0, k.shape[2])]
@@ -998,16 +1010,16 @@ class _ZigZagRing(torch.autograd.Function):
         lses = []
         for h0, h1 in heads:
             qh = slice(h0 * groups, h1 * groups)
-            # q, k and v in one exchange, straight into their zig-zag blocks
-            qz, kz, vz = (
-                _zigzag_like(t[:, :, hs], segs[me])
-                for t, hs, segs in ((q, qh, q_segs), (k, slice(h0, h1), kv_segs),
-                                    (v, slice(h0, h1), kv_segs))
-            )  # fmt: skip
-            _move_halves(
-                run, [(q[:, :, qh], q_chunks, qz), (k[:, :, h0:h1], kv_chunks, kz),
-                      (v[:, :, h0:h1], kv_chunks, vz)], inward=True,
-            )  # fmt: skip
+            # what moves, in one exchange, straight into its zig-zag block
+            qz, kz, vz = q[:, :, qh], k[:, :, h0:h1], v[:, :, h0:h1]
+            moves = [(qz, q_chunks, _zigzag_like(qz, q_segs[me]))]
+            if kv_zigzag:
+                moves += [(t, kv_chunks, _zigzag_like(t, kv_segs[me])) for t in (kz, vz)]
+            _move_halves(run, moves, inward=True)
+            qz = moves[0][2]
+            if kv_zigzag:
+                kz, vz = moves[1][2], moves[2][2]
+            del moves
             out_z, lse_z = _ring_forward(run, qz, kz, vz, q_segs[me], kv_segs)
             del qz, kz, vz
             lses.append(lse_z)
@@ -1030,7 +1042,7 @@ class _ZigZagRing(torch.autograd.Function):
         # the keys and values go around in their contiguous blocks (views of the
         # caller's, gradients straight into dk, dv): a rank's work is its zig-zag
         # query rows against every key, balanced whatever order the keys come in
-        kv_lens = [kv_chunks[2 * r][0] + kv_chunks[2 * r + 1][0] for r in range(ring)]
+        kv_lens = _pair_lens(kv_chunks)
         kv_segs = _contiguous(kv_lens)
         groups = q.shape[2] // k.shape[2]
         acc = lse.dtype
