@@ -17,9 +17,15 @@ fresh processes, since a process's peak resident memory only grows.
   and resident memory (``VmRSS``, ``VmHWM`` after a reset);
 - time: the inference forward per rank, ``ring=2`` against one process on the
   whole sequence timed by the same rank in alternate rounds (the same
-  contention), causal and not; ``--rounds`` rounds, the per-round ratios, their
-  best and median (wall clock; per-rank CPU time beside it, less disturbed by
-  other processes on a shared machine).
+  contention: both ranks run either at once, one thread each, as SPEC 7 has it),
+  causal and not; ``--rounds`` rounds, the per-round ratios, their best and
+  median (wall clock; per-rank CPU time beside it, less disturbed by other
+  processes on a shared machine), with the threads per rank and the load
+  average before and after. Every timed call starts from a barrier: otherwise
+  the rank that finished the previous call first counts its peer's lag in its
+  ring time (a causal ring's zig-zag exchange waits for the peer). The timing
+  runs in the allocator a user has (no ``MALLOC_MMAP_THRESHOLD_``, which the
+  memory runs set and which turns every large allocation into fresh pages).
 
 The last line is a summary of the four ratios against issue 35's bars (2 ranks,
 16k tokens: time at most 0.55x causal and not, training peak at most 0.6x).
@@ -141,11 +147,12 @@ def _job(
             single(*[t[:, :256] for t in whole])
             for _ in range(rounds):
                 for name, run, args in (("one", single, whole), ("ring", layer, (q, k, v))):
+                    dist.barrier()  # both ranks start the call together
                     start, cpu = time.perf_counter(), time.thread_time()
                     run(*args)
                     times[name].append(time.perf_counter() - start)
                     times[f"{name}_cpu"].append(time.thread_time() - cpu)
-        result = times
+        result = {**times, "threads": torch.get_num_threads()}
     Path(folder, f"{what}.{world}.{causal}.{rank}.json").write_text(json.dumps(result))
     if sp is not None:
         dist.destroy_process_group()
@@ -174,6 +181,11 @@ def _run(
 TIME_BAR, PEAK_BAR = 0.55, 0.6
 
 
+def _load() -> str:
+    """The 1-minute load average (what ``uptime`` shows first)."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
 def _mib(x: float) -> str:
     return f"{x / 2**20:.1f} MiB"
 
@@ -184,14 +196,19 @@ def main() -> None:
     parser.add_argument("--what", default="memory,time")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds per process")
     args = parser.parse_args()
-    # every large tensor its own mapping, returned when freed: resident memory then
-    # follows live tensors (glibc's adaptive threshold otherwise keeps freed blocks)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     folder = tempfile.mkdtemp(prefix="attnres-sp-measure-")
     summary: dict[str, float] = {}
     for what in args.what.split(","):
+        if what == "memory":
+            # every large tensor its own mapping, returned when freed: resident memory
+            # then follows live tensors (glibc's adaptive threshold otherwise keeps
+            # freed blocks); the spawned ranks inherit it
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        else:  # timing: the allocator a user has (fresh pages cost the ring more)
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         for causal in (False, True):
             if what == "time":
+                load = _load()
                 two = _run(2, folder, what, args.seq, causal, args.rounds)
                 # per round, the worse rank's ratio (a ring step waits for the slower rank)
                 wall = [max(r["ring"][i] / r["one"][i] for r in two) for i in range(args.rounds)]
@@ -205,7 +222,10 @@ def main() -> None:
                     f"{ones}; ring=2 {rings}; ratio of the worse rank per round "
                     f"{', '.join(f'{x:.3f}' for x in wall)} (best {min(wall):.3f}, median "
                     f"{statistics.median(wall):.3f}); CPU time ratio "
-                    f"{', '.join(f'{x:.3f}' for x in cpu)}",
+                    f"{', '.join(f'{x:.3f}' for x in cpu)} (median "
+                    f"{statistics.median(cpu):.3f}); threads per rank "
+                    f"{', '.join(str(r['threads']) for r in two)}; load average {load} "
+                    f"before, {_load()} after",
                     flush=True,
                 )
                 summary[f"time causal={causal}"] = statistics.median(wall)

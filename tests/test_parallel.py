@@ -449,6 +449,37 @@ def test_fa_lse_adapter_through_a_fake_and_the_ring_merge(monkeypatch: pytest.Mo
         clear_lse_cache()
 
 
+def test_the_ring_merge_is_the_softmax_over_every_block_in_any_order() -> None:
+    """A ring merges each block's partial output into running accumulators in place
+    (one lerp_ pass by the block's share of the merged softmax): parts over
+    disjoint key blocks, merged in any order, give attention over every key (the
+    float64 reference) and its log-sum-exp; the first part into empty accumulators
+    lands exactly; a row no key has reached (both log-sum-exps -inf) keeps its zero."""
+    from attnres.parallel import _merge_into
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, n, 3, 8, generator=gen) for n in (5, 12, 12))
+    parts = [eager_lse(q, k[:, a:b], v[:, a:b], False, None) for a, b in ((0, 3), (3, 8), (8, 12))]
+    expected = reference(q, k, v, False)
+    expected_lse = torch.logsumexp(reference_scores(q, k, False), -1)
+    for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0)):
+        out = torch.zeros(q.shape)
+        lse = torch.full((2, 3, 5), float("-inf"))
+        for i in order:
+            _merge_into(out, lse, *parts[i])
+            if i == order[0]:
+                assert torch.equal(out, parts[i][0]) and torch.equal(lse, parts[i][1])
+        assert torch.allclose(out.double(), expected, atol=1e-6)
+        assert torch.allclose(lse.double(), expected_lse, atol=1e-5)
+    out = torch.zeros(1, 2, 3, 8)
+    lse = torch.full((1, 3, 2), float("-inf"))
+    part_lse = torch.tensor([[[float("-inf"), 0.5]] * 3])  # row 0 sees no key of the part
+    _merge_into(out, lse, torch.ones(1, 2, 3, 8), part_lse)
+    assert torch.equal(out[:, 0], torch.zeros(1, 3, 8))
+    assert torch.equal(out[:, 1], torch.ones(1, 3, 8))
+    assert torch.isneginf(lse[..., 0]).all() and torch.equal(lse[..., 1], torch.full((1, 3), 0.5))
+
+
 def test_diffusers_context_parallel_config_is_read_as_the_layout() -> None:
     from diffusers import ContextParallelConfig, ParallelConfig
 

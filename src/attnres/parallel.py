@@ -62,6 +62,7 @@ Verified and bounded (``docs/sequence-parallel.md``):
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 import zlib
@@ -432,12 +433,19 @@ class SequenceParallel:
         return outs
 
     def _start_shift(
-        self, xs: Sequence[Tensor], to: int, frm: int, shapes: Sequence[tuple[int, ...]]
-    ) -> tuple[list[Tensor], list[Any]]:
-        """Start a shift of contiguous tensors; :meth:`_finish_shift` waits for it (bounded)."""
-        outs = [
-            torch.empty(n, dtype=x.dtype, device=x.device) for x, n in zip(xs, shapes, strict=True)
-        ]
+        self, xs: Sequence[Tensor], to: int, frm: int, shapes: Sequence[tuple[int, ...]],
+        into: Sequence[Tensor] | None = None,
+    ) -> tuple[list[Tensor], list[Any]]:  # fmt: skip
+        """Start a shift of contiguous tensors, received into ``into`` (contiguous, of
+        ``shapes``) or new tensors; :meth:`_finish_shift` waits for it (bounded)."""
+        outs = (
+            list(into)
+            if into is not None
+            else [
+                torch.empty(n, dtype=x.dtype, device=x.device)
+                for x, n in zip(xs, shapes, strict=True)
+            ]
+        )
         ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=to) for x in xs]
         ops += [dist.P2POp(dist.irecv, o, group=self.group, group_peer=frm) for o in outs]
         return outs, list(self._launch("ring shift", lambda: dist.batch_isend_irecv(ops)))
@@ -953,6 +961,11 @@ def _halves(lens: list[int]) -> list[tuple[int, int]]:
     return chunks
 
 
+def _pair_lens(chunks: list[tuple[int, int]]) -> list[int]:
+    """Each ring rank's contiguous block length from the 2R halves."""
+    return [chunks[2 * r][0] + chunks[2 * r + 1][0] for r in range(len(chunks) // 2)]
+
+
 def _zigzag_ids(ring: int) -> list[tuple[int, int]]:
     """The halves each ring rank holds under zig-zag: r and 2R-1-r (in global order)."""
     return [(r, 2 * ring - 1 - r) for r in range(ring)]
@@ -971,41 +984,50 @@ class _ZigZagRing(torch.autograd.Function):
     q, k, v, the output and the log-sum-exp), not zig-zag copies of q, k, v and of the
     output besides. When training, the forward goes in chunks of key/value heads (the
     backward's, :func:`_backward_chunks`), each zig-zagged, around the ring and back
-    in turn. The backward sends the keys and values around in their contiguous
-    blocks (a rank's work is its zig-zag query rows against every key, balanced in
-    any key order): per head chunk, a rank receives the query halves it works on
-    and does not hold (q, output, output gradient; its own halves are views) and
-    sends their query gradients back. A rank holds zig-zag copies of one chunk's
-    halves at a time, not of whole blocks."""
+    in turn; on two ranks only the query halves move, the keys and values going
+    around in their contiguous blocks. The backward sends the keys and values
+    around in their contiguous blocks (a rank's work is its zig-zag query rows
+    against every key, balanced in any key order): per head chunk, a rank receives
+    the query halves it works on and does not hold (q, output, output gradient; its
+    own halves are views) and sends their query gradients back. A rank holds zig-zag
+    copies of one chunk's halves at a time, not of whole blocks."""
 
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, run: _ParallelRun,
         q_chunks: list[tuple[int, int]], kv_chunks: list[tuple[int, int]], training: bool,
     ) -> Tensor:  # fmt: skip
-        me = run.sp.ring_rank
-        q_segs, kv_segs = _zigzag(q_chunks), _zigzag(kv_chunks)
+        ring, me = run.sp.ring, run.sp.ring_rank
+        q_segs = _zigzag(q_chunks)
+        # keys and values in zig-zag blocks on more than two ranks (every step's work is
+        # then the same, so no rank waits for a block); on two, in their contiguous
+        # blocks, as the backward sends them: the one shift starts before any work, so
+        # the steps' uneven work costs no wait, and the keys and values move once
+        kv_zigzag = ring > 2
+        kv_segs = _zigzag(kv_chunks) if kv_zigzag else _contiguous(_pair_lens(kv_chunks))
         kv_lens = [sum(n for n, _ in segs) for segs in kv_segs]
         groups = q.shape[2] // k.shape[2]
         heads = _backward_chunks(k, kv_lens)[0] if training else [(0, k.shape[2])]
-        # chunks: each chunk's output into its heads of the result; one: the result
-        result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if len(heads) > 1 else None
+        result = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lses = []
         for h0, h1 in heads:
             qh = slice(h0 * groups, h1 * groups)
-            qz = _move_halves(run, q[:, :, qh], q_chunks, True)
-            kz, vz = (_move_halves(run, t[:, :, h0:h1], kv_chunks, True) for t in (k, v))
+            # what moves, in one exchange, straight into its zig-zag block
+            qz, kz, vz = q[:, :, qh], k[:, :, h0:h1], v[:, :, h0:h1]
+            moves = [(qz, q_chunks, _zigzag_like(qz, q_segs[me]))]
+            if kv_zigzag:
+                moves += [(t, kv_chunks, _zigzag_like(t, kv_segs[me])) for t in (kz, vz)]
+            _move_halves(run, moves, inward=True)
+            qz = moves[0][2]
+            if kv_zigzag:
+                kz, vz = moves[1][2], moves[2][2]
+            del moves
             out_z, lse_z = _ring_forward(run, qz, kz, vz, q_segs[me], kv_segs)
             del qz, kz, vz
             lses.append(lse_z)
-            out = _move_halves(run, out_z.to(q.dtype), q_chunks, False)
+            # the output home, straight into its heads of the result
+            _move_halves(run, [(out_z, q_chunks, result[:, :, qh])], inward=False)
             del out_z
-            if result is None:
-                result = out
-            else:
-                result[:, :, qh] = out
-            del out
-        assert result is not None
         lse = lses[0] if len(lses) == 1 else torch.cat(lses, 1)
         del lses
         # the log-sum-exp stays in zig-zag order (where the backward's kernels read it)
@@ -1022,7 +1044,7 @@ class _ZigZagRing(torch.autograd.Function):
         # the keys and values go around in their contiguous blocks (views of the
         # caller's, gradients straight into dk, dv): a rank's work is its zig-zag
         # query rows against every key, balanced whatever order the keys come in
-        kv_lens = [kv_chunks[2 * r][0] + kv_chunks[2 * r + 1][0] for r in range(ring)]
+        kv_lens = _pair_lens(kv_chunks)
         kv_segs = _contiguous(kv_lens)
         groups = q.shape[2] // k.shape[2]
         acc = lse.dtype
@@ -1033,11 +1055,12 @@ class _ZigZagRing(torch.autograd.Function):
         for h0, h1 in heads:
             qh = slice(h0 * groups, h1 * groups)
             # this rank's zig-zag query halves: its own as views, the others received
-            dout_z, q_z, out_z = (
-                _swap_halves(run, _own_halves(t[:, :, qh], q_chunks, me), q_chunks, True)
-                for t in (dout, q, out)
-            )
-            own = _own_halves(dq[:, :, qh], q_chunks, me)
+            # (the three tensors in one exchange)
+            contiguous = (2 * me, 2 * me + 1)
+            moves = [(_split(t[:, :, qh], contiguous, q_chunks), q_chunks) for t in (dout, q, out)]
+            dout_z, q_z, out_z = _swap_halves(run, moves, inward=True)
+            del moves
+            own = _split(dq[:, :, qh], contiguous, q_chunks)
             rows, dq_z, z0 = [], {}, 0
             for c in ids:
                 n = q_chunks[c][0]
@@ -1053,7 +1076,7 @@ class _ZigZagRing(torch.autograd.Function):
                 _backward_part(run, rows, k, v, grads, kv_segs, kv_lens, h0, h1, j, parts)
             del rows, dout_z, q_z, out_z
             # the query gradients home: the other ranks' halves back to them
-            back = _swap_halves(run, dq_z, q_chunks, False)
+            (back,) = _swap_halves(run, [(dq_z, q_chunks)], inward=False)
             del dq_z
             for c, got in back.items():
                 if not (c in own and got is own[c]):
@@ -1062,69 +1085,99 @@ class _ZigZagRing(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _own_halves(x: Tensor, chunks: list[tuple[int, int]], me: int) -> dict[int, Tensor]:
-    """Views of this ring rank's two halves (2r, 2r+1) in its contiguous block ``x``."""
-    first = chunks[2 * me][0]
-    return {2 * me: x[:, :first], 2 * me + 1: x[:, first : first + chunks[2 * me + 1][0]]}
+def _split(x: Tensor, ids: Sequence[int], chunks: list[tuple[int, int]]) -> dict[int, Tensor]:
+    """Views of the halves ``ids`` that ``x`` holds one after the other along the sequence."""
+    views, start = {}, 0
+    for c in ids:
+        views[c] = x[:, start : start + chunks[c][0]]
+        start += chunks[c][0]
+    return views
+
+
+def _zigzag_like(x: Tensor, segs: _Segments) -> Tensor:
+    """An empty zig-zag block for ``x``'s rows: ``segs``' lengths, ``x``'s other sizes."""
+    shape = (x.shape[0], sum(n for n, _ in segs), *x.shape[2:])
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+
+#: one tensor's part of a zig-zag exchange: (its halves by id, the halves' lengths)
+_Move = tuple[dict[int, Tensor], list[tuple[int, int]]]
 
 
 def _swap_halves(
-    run: _ParallelRun, mine: dict[int, Tensor], chunks: list[tuple[int, int]], inward: bool
-) -> dict[int, Tensor]:
-    """The halves this rank holds after moving from the contiguous layout to zig-zag
-    (``inward``) or back, by half id: the ones it keeps are ``mine``'s own tensors
-    (views stay views), the others received from the ring peers holding them."""
+    run: _ParallelRun, moves: Sequence[_Move], inward: bool,
+    into: Sequence[dict[int, Tensor]] | None = None,
+) -> list[dict[int, Tensor]]:  # fmt: skip
+    """For each tensor of ``moves``, the halves this rank holds after moving from the
+    contiguous layout to zig-zag (``inward``) or back, by half id; every tensor's
+    halves move in one exchange (one wait for the peers, not one per tensor).
+
+    Without ``into``, the halves it keeps are ``moves``' own tensors (views stay
+    views) and the others are received into new tensors; with ``into`` (views,
+    by half id, in a destination of the same sizes), every half lands there:
+    received straight into a contiguous view (a copy after the exchange into one
+    that is not), copied from the tensor for a half it keeps, and sent in the
+    destination's dtype."""
     sp = run.sp
     ring, me = sp.ring, sp.ring_rank
     contiguous = [(2 * r, 2 * r + 1) for r in range(ring)]
     held, wanted = (contiguous, _zigzag_ids(ring)) if inward else (_zigzag_ids(ring), contiguous)
     owner_now = {c: r for r, ids in enumerate(held) for c in ids}
     owner_next = {c: r for r, ids in enumerate(wanted) for c in ids}
-    like = next(iter(mine.values()))
 
     def group_rank(ring_rank: int) -> int:
         return ring_rank * sp.ulysses + sp.ulysses_rank
 
-    ops, got = [], {}
-    for c in held[me]:  # an empty half is known empty on both sides: nothing moves
-        if owner_next[c] != me and chunks[c][0]:
-            ops.append(
-                dist.P2POp(
-                    dist.isend,
-                    mine[c].contiguous(),
-                    group=sp.group,
-                    group_peer=group_rank(owner_next[c]),
+    ops, results, copies = [], [], []
+    for i, (mine, chunks) in enumerate(moves):
+        dest = None if into is None else into[i]
+        like = next(iter((mine if dest is None else dest).values()))
+        for c in held[me]:  # an empty half is known empty on both sides: nothing moves
+            if owner_next[c] != me and chunks[c][0]:
+                sent = mine[c].to(like.dtype).contiguous()
+                ops.append(
+                    dist.P2POp(
+                        dist.isend, sent, group=sp.group, group_peer=group_rank(owner_next[c])
+                    )
                 )
-            )
-    for c in wanted[me]:
-        if owner_now[c] == me:
-            got[c] = mine[c]
-            continue
-        shape = (like.shape[0], chunks[c][0], *like.shape[2:])
-        got[c] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        if chunks[c][0]:
-            ops.append(
-                dist.P2POp(dist.irecv, got[c], group=sp.group, group_peer=group_rank(owner_now[c]))
-            )
+        got: dict[int, Tensor] = {}
+        for c in wanted[me]:
+            if owner_now[c] == me:
+                got[c] = mine[c] if dest is None else dest[c].copy_(mine[c])
+                continue
+            if dest is not None and dest[c].is_contiguous():
+                buf = got[c] = dest[c]
+            else:
+                shape = (like.shape[0], chunks[c][0], *like.shape[2:])
+                buf = got[c] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                if dest is not None:
+                    copies.append((dest[c], buf))
+                    got[c] = dest[c]
+            if chunks[c][0]:
+                ops.append(
+                    dist.P2POp(dist.irecv, buf, group=sp.group, group_peer=group_rank(owner_now[c]))
+                )
+        results.append(got)
     if ops:
         sp._finish_shift(list(sp._launch("zig-zag exchange", lambda: dist.batch_isend_irecv(ops))))
-    return got
+    for target, buf in copies:
+        target.copy_(buf)
+    return results
 
 
 def _move_halves(
-    run: _ParallelRun, x: Tensor, chunks: list[tuple[int, int]], inward: bool
-) -> Tensor:
-    """Move ``x``'s halves from the contiguous layout to zig-zag (``inward``) or back."""
+    run: _ParallelRun, moves: Sequence[tuple[Tensor, list[tuple[int, int]], Tensor]], inward: bool
+) -> None:
+    """Move each ``(x, chunks, dest)``'s halves from the contiguous layout to zig-zag
+    (``inward``) or back: ``x``'s halves into ``dest`` (the same sizes but its
+    length, the halves in the other layout's order), all in one exchange."""
     ring, me = run.sp.ring, run.sp.ring_rank
-    held = (2 * me, 2 * me + 1) if inward else _zigzag_ids(ring)[me]
-    mine: dict[int, Tensor] = {}
-    start = 0
-    for c in held:
-        mine[c] = x[:, start : start + chunks[c][0]]
-        start += chunks[c][0]
-    got = _swap_halves(run, mine, chunks, inward)
-    wanted = _zigzag_ids(ring)[me] if inward else (2 * me, 2 * me + 1)
-    return torch.cat([got[c] for c in wanted], 1)
+    contiguous, zigzag = (2 * me, 2 * me + 1), _zigzag_ids(ring)[me]
+    held, wanted = (contiguous, zigzag) if inward else (zigzag, contiguous)
+    _swap_halves(
+        run, [(_split(x, held, chunks), chunks) for x, chunks, _ in moves], inward,
+        [_split(dest, wanted, chunks) for _, chunks, dest in moves],
+    )  # fmt: skip
 
 
 class _Piece(NamedTuple):
@@ -1149,14 +1202,14 @@ def _causal_pieces(r0: int, r1: int, c0: int, c1: int) -> list[_Piece]:
 
 
 def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
-    """Merge one partial result into views of the accumulators, in place."""
+    """Merge one partial result into views of the accumulators, in place: the rows
+    move towards ``part`` by its share of the merged softmax, ``exp(part_lse -
+    new_lse)`` (the old rows' share is one minus it), one pass over the rows
+    (``lerp_``); a row that no key has reached yet (both -inf) keeps its zeros."""
     part_lse = part_lse.to(lse.dtype)
     new_lse = torch.logaddexp(lse, part_lse)
-    empty = torch.isneginf(new_lse)
-    zero = torch.zeros_like(new_lse)
-    w_old = torch.exp(torch.where(empty, zero, lse - new_lse)).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(torch.where(empty, zero, part_lse - new_lse)).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).addcmul_(part.to(out.dtype), w_new)  # in place: no copy of the rows
+    share = torch.exp(part_lse - new_lse).nan_to_num_(0.0)  # -inf - -inf: no key yet
+    out.lerp_(part.to(out.dtype), share.transpose(1, 2).unsqueeze(-1))
     lse.copy_(new_lse)
 
 
@@ -1417,18 +1470,29 @@ def _ring_steps(
     run: _ParallelRun, block: tuple[Tensor, Tensor], kv_lens: list[int]
 ) -> Iterator[tuple[int, tuple[Tensor, Tensor]]]:
     """``(source ring rank, (k, v) block)`` for each ring step: the next block's shift
-    starts before the step's work and is waited for (bounded) after it."""
+    starts before the step's work and is waited for (bounded) after it. Blocks are
+    received into two buffers per tensor, allocated once and taken in turn (the
+    block in hand is being sent while the next one arrives in the other)."""
     sp = run.sp
     ring, me = sp.ring, sp.ring_rank
     nxt, prv = _neighbours(sp)
-    k = block[0]
+    longest = max((kv_lens[(me - s) % ring] for s in range(1, ring)), default=0)
+    pools = [
+        [t.new_empty(t.shape[0] * longest * math.prod(t.shape[2:])) for t in block]
+        for _ in range(min(2, ring - 1))
+    ]
     for step in range(ring):
         src = (me - step) % ring
         works: list[Any] = []
         if step + 1 < ring:
-            shape = (k.shape[0], kv_lens[(src - 1) % ring], *k.shape[2:])
+            n = kv_lens[(src - 1) % ring]
+            shapes = [(t.shape[0], n, *t.shape[2:]) for t in block]
+            into = [
+                flat[: math.prod(shape)].view(shape)
+                for flat, shape in zip(pools[step % 2], shapes, strict=True)
+            ]
             sent = [t.contiguous() for t in block]
-            incoming, works = sp._start_shift(sent, nxt, prv, [shape, shape])
+            incoming, works = sp._start_shift(sent, nxt, prv, shapes, into)
         yield src, block
         if works:
             sp._finish_shift(works)
