@@ -11,9 +11,11 @@ missing. Nothing here imports an engine until a plugin asks.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import re
+import sys
 import types
 from collections.abc import Mapping
 
@@ -21,7 +23,7 @@ from attrs import frozen
 
 from attnres.errors import EngineSupportError
 
-__all__ = ["Engine", "release", "require"]
+__all__ = ["Engine", "rebind_imports", "release", "require"]
 
 
 @frozen
@@ -122,3 +124,19 @@ def require(engine: Engine, what: str) -> dict[str, types.ModuleType]:
             engine.supported,
         )
     return modules
+
+
+def rebind_imports(old: object, new: object) -> None:
+    """Replace every module-level binding of ``old`` (``from selector import ...``):
+    how a plugin's hook on an engine's selector, and its removal, reach every
+    module that imported the selector's function."""
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType):
+            continue
+        try:
+            names = [k for k, v in vars(module).items() if v is old]
+        except TypeError:
+            continue
+        for name in names:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(module, name, new)

@@ -29,7 +29,6 @@ and it logs what SGLang logs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
@@ -54,7 +53,7 @@ from attnres.backends import (
     register_backend,
     registry_generation,
 )
-from attnres.integrations._engine import Engine, require
+from attnres.integrations._engine import Engine, rebind_imports, require
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
 from attnres.ledger import Decision, record_decision
 from attnres.machine import run_machine
@@ -161,7 +160,7 @@ def install() -> None:
             return _route(original, *args, **kwargs)
 
         get_attn_backend.__wrapped__ = original  # type: ignore[attr-defined]
-        _rebind(original, get_attn_backend)
+        rebind_imports(original, get_attn_backend)
         _INSTALLED.append((selector, original))
 
 
@@ -180,7 +179,7 @@ def uninstall() -> None:
         current = selector.get_attn_backend
         original = _ours(current)
         if original is not None:
-            _rebind(current, original)
+            rebind_imports(current, original)
         _INSTALLED.clear()
         try:
             from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
@@ -217,20 +216,6 @@ def _ours(function: Any) -> Callable[..., Any] | None:
         wrapped = getattr(function, "__wrapped__", None)
         return wrapped if callable(wrapped) else None
     return None
-
-
-def _rebind(old: Any, new: Any) -> None:
-    """Replace every module-level binding of ``old`` (``from selector import ...``)."""
-    for module in list(sys.modules.values()):
-        if not isinstance(module, types.ModuleType):
-            continue
-        try:
-            names = [k for k, v in vars(module).items() if v is old]
-        except TypeError:
-            continue
-        for name in names:
-            with contextlib.suppress(AttributeError, TypeError):
-                setattr(module, name, new)
 
 
 def _register_sglang_backends() -> None:

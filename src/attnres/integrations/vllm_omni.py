@@ -52,7 +52,7 @@ from attnres.backends import (
     unregister_backend,
 )
 from attnres.errors import UnknownBackendError
-from attnres.integrations._engine import Engine, require
+from attnres.integrations._engine import Engine, rebind_imports, require
 from attnres.kernels import get_kernel, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.ledger import _REMOVALS, Decision, record_decision
@@ -133,7 +133,7 @@ def install() -> None:
         enum = modules[_REGISTRY].DiffusionAttentionBackendEnum
         register_backends(enum)
         _MEMBERS.update(b.name for b in map(_attnres, (m.name for m in enum)) if b is not None)
-        _rebind(original, _selector_for(selector, original))
+        rebind_imports(original, _selector_for(selector, original))
         _INSTALLED.append((selector, original))
 
 
@@ -152,7 +152,7 @@ def uninstall() -> None:
             current = selector.get_attn_backend_for_role
             original = _ours(current)
             if original is not None:
-                _rebind(current, original)
+                rebind_imports(current, original)
         _INSTALLED.clear()
         for name in list(_SEEN):
             with contextlib.suppress(Exception):
@@ -176,20 +176,6 @@ def _ours(function: Any) -> Callable[..., Any] | None:
         wrapped = getattr(function, "__wrapped__", None)
         return wrapped if callable(wrapped) else None
     return None
-
-
-def _rebind(old: Any, new: Any) -> None:
-    """Replace every module-level binding of ``old`` (``from selector import ...``)."""
-    for module in list(sys.modules.values()):
-        if not isinstance(module, types.ModuleType):
-            continue
-        try:
-            names = [k for k, v in vars(module).items() if v is old]
-        except TypeError:
-            continue
-        for name in names:
-            with contextlib.suppress(AttributeError, TypeError):
-                setattr(module, name, new)
 
 
 # -- backends ------------------------------------------------------------------
