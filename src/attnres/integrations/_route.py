@@ -1297,7 +1297,7 @@ _SCORES_ATTR = "_attnres_scores"
 _FUNCTIONAL = torch.nn.functional
 #: the attribute a module's code reaches SDPA through from each torch module
 #: (``torch.nn.functional.scaled_dot_product_attention``, ``nn.functional....``)
-_INNER = {torch: "nn", torch.nn: "functional"}
+_INNER = ((torch, "nn"), (torch.nn, "functional"))
 
 
 def _stand_in(value: Any, names: set[str], route: GenericRoute, by_hand: bool) -> Any:
@@ -1312,7 +1312,7 @@ def _stand_in(value: Any, names: set[str], route: GenericRoute, by_hand: bool) -
         subs[SDPA] = route
     elif value is torch and by_hand and "bmm" in names:
         subs["bmm"] = route.bmm
-    inner = _INNER.get(value)
+    inner = next((attr for held, attr in _INNER if value is held), None)
     if inner is not None and inner in names:
         nested = _stand_in(getattr(value, inner), names, route, False)
         if nested is not None:
@@ -1363,7 +1363,10 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2, *, shim_torch: bool =
                 subs[name] = inner
     if not subs or not _globals_only(code, subs):
         return None
-    keys = {name: f"_attnres_route_{id(route):x}_{name}" for name in subs}
+    # a key per copy: two functions of one module may need different stand-ins
+    # for one name (the chains their code names)
+    tag = f"_attnres_route_{id(route):x}_{len(route.homes)}"
+    keys = {name: f"{tag}_{name}" for name in subs}
     for name, key in keys.items():
         glob[key] = subs[name]
         route.homes.append((glob, key))
