@@ -1227,20 +1227,30 @@ def test_apply_refuses_a_role_override_that_reaches_no_site():
     assert idf.routes({"vae": vae}) == {}
 
 
-def test_a_routed_model_dropped_without_remove_leaves_nothing_in_sys_modules():
-    # issue 19: each rebound site's globals live in a module registered in
-    # sys.modules (torch.compile guards them there); a model dropped without
-    # remove() kept them (and the route) alive for the rest of the process
+def test_a_routed_model_dropped_without_remove_leaves_nothing_in_the_library_modules():
+    # issue 19: a model dropped without remove() kept its routes' rebound globals
+    # (and the routes) alive for the rest of the process; issue 30: a rebound
+    # site reads its module's own globals, its stand-ins under names added to that
+    # module's namespace, which go with the model
     import gc
     import weakref
 
-    before = {n for n in sys.modules if n.startswith("attnres._routed_")}
+    def added() -> set[tuple[str, str]]:
+        return {
+            (name, key)
+            for name, module in list(sys.modules.items())
+            for key in list(getattr(module, "__dict__", {}))
+            if key.startswith("_attnres_route_")
+        }
+
+    before = added()
     unet = tp.unet()
     plan = idf.apply({"unet": unet}, SelectionConfig(global_backend="eager"))
-    routed = {n for n in sys.modules if n.startswith("attnres._routed_")} - before
+    routed = added() - before
     assert routed and len(idf.routes({"unet": unet})) == len(plan.sites)
+    assert {name for name, _ in routed} == {"diffusers.models.attention_processor"}
     alive = weakref.ref(unet)
     del unet
     gc.collect()
     assert alive() is None
-    assert not routed & set(sys.modules)
+    assert not routed & added()

@@ -244,24 +244,95 @@ def test_an_applied_flux_pipeline_deep_copies_and_its_copy_follows_its_own_weigh
     pickle.dumps(pipe.transformer)  # removed: an ordinary model again
 
 
+def test_a_deep_copy_keeps_routes_of_its_own_and_its_first_calls_land_on_them() -> None:
+    # issue 30: the copy shared the original's routes, so a call of the copy that
+    # its plan did not describe was recorded on the original's route (and the
+    # original's remove() closed a route the copy still ran). Each installed shape:
+    # a routed processor (diffusers' Attention), a rebound forward (a module that
+    # calls SDPA itself), the module's own math (MultiheadAttention)
+    import copy
+
+    from diffusers.models.attention_processor import Attention
+
+    from attnres.integrations import _route
+    from attnres.integrations import diffusers as idf
+
+    class Own(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads, self.head_dim, self.proj = 2, 8, torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, mask: Any = None) -> torch.Tensor:
+            q = self.proj(x).view(1, -1, 2, 8).transpose(1, 2)
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            return out.transpose(1, 2).reshape(1, -1, 16)
+
+    holder = torch.nn.Module()
+    holder.attn = Attention(query_dim=16, heads=2, dim_head=8)
+    holder.own = Own()
+    holder.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    holder.eval()
+    x = torch.randn(1, 6, 16)
+    mask = torch.zeros(1, 1, 6, 6)
+    mask[..., -1] = float("-inf")
+
+    def calls(model: Any, masked: bool) -> list[torch.Tensor]:
+        with torch.no_grad():
+            if not masked:
+                return [model.attn(x), model.own(x), model.mha(x, x, x, need_weights=False)[0]]
+            pad = mask[0, 0, :1, :] != 0  # (1, 6): True leaves the last key out
+            return [
+                model.attn(x, attention_mask=mask[0]),
+                model.own(x, mask),
+                model.mha(x, x, x, key_padding_mask=pad, need_weights=False)[0],
+            ]
+
+    comps = {"vae": holder}
+    idf.apply(comps, _explicit("eager"), Platform.detect())
+    twin = copy.deepcopy(holder)
+    ours, theirs = idf.routes(comps), idf.routes({"vae": twin})
+    assert ours.keys() == theirs.keys() and len(ours) == 3
+    assert all(theirs[k] is not ours[k] for k in ours)  # distinct routes
+    for a, b in zip(calls(twin, False), calls(holder, False), strict=True):
+        assert torch.equal(a, b)
+    calls(twin, masked=True)  # a signature the plan did not describe: first calls
+    assert all(len(r.first_calls) == 1 for r in theirs.values())
+    assert all(not r.first_calls for r in ours.values())  # none on the original's
+    with torch.no_grad():  # the copy runs its own weights, through its routes
+        for p in twin.parameters():
+            p.mul_(1.5)
+    for a, b in zip(calls(twin, False), calls(holder, False), strict=True):
+        assert not torch.equal(a, b)
+    assert idf.remove(comps) == 3  # the original's remove leaves the copy's routes
+    assert all(_route.installed_route(m) is None for m in (holder.own, holder.mha))
+    assert len(idf.routes({"vae": twin})) == 3
+    calls(twin, masked=True)  # still routed: no new first call
+    assert all(len(r.first_calls) == 1 for r in theirs.values())
+    assert idf.remove({"vae": twin}) == 3
+
+
 # -- the fallback mode takes the site's own SDPA calls only ----------------------------------------
 
 
 class _Inner(torch.nn.Module):
+    attend = staticmethod(torch.nn.functional.scaled_dot_product_attention)
+
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return self.attend(q, q, q)
 
 
 class _Site(torch.nn.Module):
-    """A site its code names SDPA through ``torch.`` (no rebind: the mode route),
-    holding a module that calls SDPA too."""
+    """A site whose code reaches SDPA through an attribute (no global to rebind:
+    the mode route), holding a module that calls SDPA too."""
+
+    attend = staticmethod(torch.nn.functional.scaled_dot_product_attention)
 
     def __init__(self) -> None:
         super().__init__()
         self.inner = _Inner()
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        own = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
+        own = self.attend(q, q, q, scale=0.5)
         return own + self.inner(q[..., :3, :]).sum()
 
 
@@ -410,3 +481,55 @@ def test_hunyuandit_attention_pool_is_a_site_of_its_own_code_path() -> None:
     with pytest.raises(IntegrationError) as info:  # every other site runs eager
         idf.apply({"transformer": model}, _explicit("eager"), Platform.detect())
     assert all(s.backend is not None for s in info.value.plan.sites if s.name != name)
+
+
+# -- a routed copy reads the module's globals live ------------------------------------------------
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class _Rotating(torch.nn.Module):
+    """A site that calls SDPA itself and a module-level helper of its module."""
+
+    heads, head_dim = 2, 4
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        q = _rotate(q)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+def test_a_rebound_forward_sees_a_global_reassigned_after_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # issue 30: rebind copied the module's globals when it installed the route, so
+    # a helper the library or the user reassigned later was not seen by the routed
+    # copy (the site ran the old helper: an output attnres did not decide)
+    import gc
+
+    from attnres.integrations import _route
+    from attnres.integrations import diffusers as idf
+
+    holder = torch.nn.Module()
+    holder.attn = _Rotating()
+    q = torch.randn(1, 2, 5, 4)
+    idf.apply({"vae": holder}, _explicit("eager"), Platform.detect())
+    route = _route.installed_route(holder.attn)
+    assert route is not None and route.homes  # rebound, not run under the mode
+    assert all(namespace is globals() for namespace, _ in route.homes)
+    monkeypatch.setitem(globals(), "_rotate", lambda x: x * 2)
+    with torch.no_grad():
+        got = holder.attn(q)
+    want = torch.nn.functional.scaled_dot_product_attention(q * 2, q * 2, q * 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    added = [key for _, key in route.homes]
+    assert all(key in globals() for key in added)
+    idf.remove({"vae": holder})  # the names the route added go with it
+    assert not any(key in globals() for key in added)
+    idf.apply({"vae": holder}, _explicit("eager"), Platform.detect())
+    route = _route.installed_route(holder.attn)
+    added = [key for _, key in route.homes]
+    del holder, route
+    gc.collect()  # dropped without remove(): the names go with the module
+    assert added and not any(key in globals() for key in added)

@@ -14,9 +14,13 @@ What this module holds, and why it is code rather than tables:
   dropout). The mask is kept as :class:`MaskFacts` so that a later change can
   refine it into mask kinds.
 - **The route** (:class:`GenericRoute`): installed on one module (its
-  ``forward`` in the instance ``__dict__``, nothing process-wide, nothing
-  patched in torch or diffusers), it intercepts the SDPA calls made inside that
-  module's forward with a ``TorchFunctionMode`` and runs the decided kernel.
+  ``forward`` in the instance ``__dict__``, or a routed copy of its processor;
+  nothing process-wide, nothing torch or diffusers reads patched), it takes the
+  SDPA or dispatcher calls its code names and runs the decided kernel. One
+  install mechanism (issue 30, :func:`rebind`): a copy of the site's function
+  whose global names for those calls are read under names of the route's own,
+  every other global read live from its module; a ``TorchFunctionMode`` scoped
+  to the site's own frames only where no such name exists (:class:`_Mode`).
   Each call signature is checked before a kernel runs: the planned one is bound
   at install time; a new one re-resolves the site with the observed facts
   through the machine (traced; a strict component raises
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dis
 import functools
 import inspect
 import math
@@ -786,7 +791,10 @@ class FirstCall:
 
 
 class _Mode(TorchFunctionMode):
-    """Send the SDPA calls made while it is active to one route."""
+    """Send the SDPA calls the site's own code makes while it is active to one
+    route (:func:`_own_call`): the install of a site :func:`rebind` cannot copy.
+    Eager only: its frame check (``sys._getframe``) is not traced by
+    torch.compile, so ``fullgraph=True`` is refused by torch at such a site."""
 
     def __init__(self, route: GenericRoute) -> None:
         super().__init__()
@@ -867,12 +875,10 @@ class GenericRoute:
             else CallFacts.planned(spec, heads, kv_heads or heads)
         )
         self.first_calls: list[FirstCall] = []
-        #: the module names its rebound functions live under (see :func:`rebind`)
-        self.homes: list[str] = []
+        #: the names its rebound functions read their stand-ins under (:func:`rebind`)
+        self.homes: list[tuple[dict[str, Any], str]] = []
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._lock = threading.Lock()
-        #: the deep copies of its model that share it (issue 30: :meth:`close`)
-        self._shared = 0
         #: call signature -> the kernel that runs it (None: the original SDPA)
         self.kernels: dict[tuple[Any, ...], _KernelFn | None] = {}
         #: issue 30: the mask of the latest call outside torch.compile (a graph
@@ -1009,23 +1015,25 @@ class GenericRoute:
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GenericRoute:
-        """Issue 30: a deep copy of an applied model shares its routes (a route holds
-        decisions and kernels, never weights; the copy's forwards hand it the copy's
-        tensors), and its copy of the model keeps them installed."""
+        """Issue 30: a deep copy of an applied model gets routes of its own: the same
+        decisions and kernels (a route holds no weights), the records so far, and
+        from then on its own first calls; its code is built again on the copy
+        (:class:`_Installed`, :func:`_copy_processor`), so the copy runs its own
+        weights and the original's records never hold the copy's calls."""
+        new = object.__new__(GenericRoute)
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)  # shared: spec, config, scope, platform
         with self._lock:
-            self._shared += 1
-        return self
+            new.kernels = dict(self.kernels)
+            new.first_calls = list(self.first_calls)
+        new.homes, new._finalizer, new._lock, new.last_mask = [], None, threading.Lock(), None
+        return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         refuse_pickle(f"attention site {self.name!r} of component {self.component!r}")
 
     def close(self) -> None:
-        """Forget the homes of its rebound functions (the route was removed; a route
-        a deep copy shares stays until the last model holding it removes it)."""
-        with self._lock:
-            if self._shared:
-                self._shared -= 1
-                return
+        """Forget the homes of its rebound functions (the route was removed)."""
         _forget_homes(self.homes)
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -1034,8 +1042,8 @@ class GenericRoute:
     def tie(self, owner: Any) -> None:
         """Forget the homes of its rebound functions when ``owner`` (the module the
         route is installed on) is collected: a model dropped without ``remove`` leaves
-        nothing registered in ``sys.modules`` (nothing the homes hold refers back to
-        the module, so they never keep it alive)."""
+        no name in the library's module namespaces (nothing the homes hold refers
+        back to the module, so they never keep it alive)."""
         if self._finalizer is None:
             self._finalizer = weakref.finalize(owner, _forget_homes, self.homes)
 
@@ -1178,32 +1186,56 @@ def refuse_pickle(what: str) -> NoReturn:
     )
 
 
-def _forget_homes(names: list[str]) -> None:
-    for name in names:
-        sys.modules.pop(name, None)
-    names.clear()
+def _forget_homes(homes: list[tuple[dict[str, Any], str]]) -> None:
+    for namespace, key in homes:
+        namespace.pop(key, None)
+    homes.clear()
 
 
 _ROUTE_ATTR = "_attnres_route"
 _FUNCTIONAL = torch.nn.functional
+#: the attribute a module's code reaches SDPA through from each torch module
+#: (``torch.nn.functional.scaled_dot_product_attention``, ``nn.functional....``)
+_INNER = ((torch, "nn"), (torch.nn, "functional"))
 
 
-def _shim(route: GenericRoute) -> types.ModuleType:
-    """``torch.nn.functional`` for one site: its ``scaled_dot_product_attention`` is
-    the route, every other name the real one."""
-    shim = types.ModuleType(_FUNCTIONAL.__name__)
-    shim.__dict__.update(_FUNCTIONAL.__dict__)
-    shim.scaled_dot_product_attention = route  # type: ignore[attr-defined]
+def _stand_in(value: Any, names: set[str], route: GenericRoute) -> Any:
+    """What a global holding ``torch``, ``torch.nn`` or ``torch.nn.functional``
+    becomes in a routed copy (``None``: itself): a module of the same names whose
+    path to SDPA is the route's. Only the modules the code's ``names`` lead
+    through are stood in."""
+    subs: dict[str, Any] = {}
+    if value is _FUNCTIONAL:
+        if SDPA not in names:
+            return None
+        subs[SDPA] = route
+    inner = next((attr for held, attr in _INNER if value is held), None)
+    if inner is not None and inner in names:
+        nested = _stand_in(getattr(value, inner), names, route)
+        if nested is not None:
+            subs[inner] = nested
+    if not subs:
+        return None
+    shim = types.ModuleType(value.__name__)
+    shim.__dict__.update(value.__dict__)
+    shim.__dict__.update(subs)
     return shim
 
 
 def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     """A copy of ``func`` whose attention calls go to ``route``, or ``None`` when its
-    code (and the module-level functions it calls, ``depth`` levels) names none.
+    code (and the module-level functions it calls, ``depth`` levels) names none,
+    or names one of them otherwise than as a global.
 
-    Only the copy's globals differ: the names that hold ``torch.nn.functional``,
-    ``scaled_dot_product_attention`` or ``dispatch_attention_fn`` hold the route's
-    stand-ins. Nothing in torch or diffusers is changed; the copy is one site's.
+    Only the names the copy loads differ: each global that holds
+    ``torch.nn.functional`` (or ``torch``, ``torch.nn`` on the way to it),
+    ``scaled_dot_product_attention`` or ``dispatch_attention_fn`` is read under a
+    name of the route's own, added to the function's module namespace, which
+    holds its stand-in (:func:`_stand_in`, the route, ``route.dispatcher``).
+    Every other global is the module's own, read live (issue 30: a global the
+    library or the user reassigns after ``apply`` is seen). Nothing torch or
+    diffusers reads is changed; the added names are removed with the route
+    (:meth:`GenericRoute.close`, or when the module is collected).
     """
     func = getattr(func, "__func__", func)
     code = getattr(func, "__code__", None)
@@ -1215,8 +1247,9 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     subs: dict[str, Any] = {}
     for name in names:
         value = glob.get(name)
-        if value is _FUNCTIONAL:
-            subs[name] = _shim(route)
+        shim = _stand_in(value, names, route)
+        if shim is not None:
+            subs[name] = shim
         elif value is _SDPA:
             subs[name] = route
         elif name == DISPATCHER and callable(value):
@@ -1225,36 +1258,61 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
             inner = rebind(value, route, depth - 1)
             if inner is not None:
                 subs[name] = inner
-    if not subs:
+    if not subs or not _globals_only(code, subs):
         return None
-    # the copy's globals are a module's own dict, registered under a name of its
-    # own, so torch.compile guards them as it guards any module's globals
-    home = types.ModuleType(f"attnres._routed_{id(route):x}_{func.__name__}")
-    name = home.__name__
-    home.__dict__.update(glob)
-    home.__dict__.update(subs)
-    home.__dict__["__name__"] = name
-    sys.modules[name] = home
-    route.homes.append(name)
+    # a key per copy: two functions of one module may need different stand-ins
+    # for one name (the chains their code names)
+    tag = f"_attnres_route_{id(route):x}_{len(route.homes)}"
+    keys = {name: f"{tag}_{name}" for name in subs}
+    for name, key in keys.items():
+        glob[key] = subs[name]
+        route.homes.append((glob, key))
     copy_ = types.FunctionType(
-        code, home.__dict__, func.__name__, func.__defaults__, func.__closure__
+        _renamed(code, keys), glob, func.__name__, func.__defaults__, func.__closure__
     )
     copy_.__kwdefaults__ = func.__kwdefaults__
     copy_.__dict__.update(func.__dict__)
     copy_.__qualname__ = func.__qualname__
     copy_.__doc__ = func.__doc__
-    copy_.__module__ = name
     return copy_
+
+
+def _globals_only(code: types.CodeType, names: dict[str, Any]) -> bool:
+    """Whether ``code`` (and the code it holds) uses each of ``names`` only as a
+    global it loads (a name also used as an attribute cannot be renamed)."""
+    for ins in dis.get_instructions(code):
+        if ins.opcode in dis.hasname and ins.argval in names and ins.opname != "LOAD_GLOBAL":
+            return False
+    return all(
+        _globals_only(const, names) for const in code.co_consts if isinstance(const, types.CodeType)
+    )
+
+
+def _renamed(code: types.CodeType, keys: dict[str, str]) -> types.CodeType:
+    return code.replace(
+        co_names=tuple(keys.get(n, n) for n in code.co_names),
+        co_consts=tuple(
+            _renamed(c, keys) if isinstance(c, types.CodeType) else c for c in code.co_consts
+        ),
+    )
 
 
 def routed_processor(processor: Any, route: GenericRoute) -> Any:
     """A copy of ``processor`` whose ``__call__`` sends its attention to ``route``
     (``None``: its code names no attention call the route can take)."""
-    call = rebind(type(processor).__call__, route)
+    sub = _routed_class(type(processor), route)
+    if sub is None:
+        return None
+    routed = copy.copy(processor)
+    routed.__class__ = sub
+    return routed
+
+
+def _routed_class(cls: type, route: GenericRoute) -> type | None:
+    call = rebind(cls.__call__, route)
     if call is None:
         return None
-    cls = type(processor)
-    sub = type(
+    return type(
         cls.__name__,
         (cls,),
         {
@@ -1262,19 +1320,20 @@ def routed_processor(processor: Any, route: GenericRoute) -> Any:
             "__module__": cls.__module__,
             "__deepcopy__": _copy_processor,
             "__reduce_ex__": _refuse_processor,
+            _ROUTE_ATTR: route,
         },
     )
-    routed = copy.copy(processor)
-    routed.__class__ = sub
-    return routed
 
 
 def _copy_processor(self: Any, memo: dict[int, Any]) -> Any:
-    """A routed processor's deep copy (issue 30): its state copied, its class (the
-    routed one, sharing the route) kept."""
-    new = object.__new__(type(self))
+    """A routed processor's deep copy (issue 30): its state copied, its call routed
+    again to the copy's own route (the deep copy of its route)."""
+    routed = type(self)
+    route = copy.deepcopy(routed.__dict__[_ROUTE_ATTR], memo)
+    new: Any = object.__new__(_routed_class(routed.__bases__[0], route) or routed)
     memo[id(self)] = new
     new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+    route.tie(new)
     return new
 
 
@@ -1282,11 +1341,14 @@ def _refuse_processor(self: Any, protocol: Any) -> Any:
     refuse_pickle(f"a routed {type(self).__name__}")
 
 
-def _bound(rebound: Any, module: Any, route: GenericRoute) -> Any:
-    return types.MethodType(rebound, module)
-
-
-def _in_mode(module: Any, route: GenericRoute) -> Callable[..., Any]:
+def _routed_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
+    """``module``'s forward with its attention calls sent to ``route``: its code
+    rebound (:func:`rebind`) where the code names the call and the module holds
+    no forward of its own, else run under :class:`_Mode`."""
+    if module.__dict__.get("forward") is None:
+        rebound = rebind(type(module).forward, route)
+        if rebound is not None:
+            return types.MethodType(rebound, module)
     return functools.partial(_run_in_mode, _Mode(route), module.forward)
 
 
@@ -1347,6 +1409,7 @@ class _Installed:
         new.route = copy.deepcopy(self.route, memo)
         new.build, new.fn, new.lock = self.build, None, threading.Lock()
         new.previous = copy.deepcopy(self.previous, memo)
+        new.route.tie(new.module)
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -1358,21 +1421,17 @@ def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
 
     ``build``, when given, makes the site's own forward from the module and the
     route (the MHA route's, :func:`mha_forward`). Otherwise its forward is
-    rebound (:func:`rebind`) where its code names the call, else a
-    ``TorchFunctionMode`` is entered around it (eager only: the mode is not
-    traced whole by torch.compile). Issue 30: built again for a deep copy of
-    the module (:class:`_Installed`)."""
+    rebound (:func:`rebind`) where its code names the call as a global, else
+    run under :class:`_Mode` (a module holding a forward of its own, as
+    accelerate's hooks set, or code reaching SDPA through an attribute): every
+    torch call of the forward then passes through the mode, which costs more
+    per call than the rebound copy (``make bench``). Issue 30: built again,
+    on a route of its own, for a deep copy of the module (:class:`_Installed`)."""
     remove_route(module)
     # an instance-level forward (accelerate's offload hooks set one) is kept and
     # wrapped, and put back by remove_route
     previous = module.__dict__.get("forward")
-    if build is None and previous is None:
-        rebound = rebind(type(module).forward, route)
-        if rebound is not None:
-            build = functools.partial(_bound, rebound)
-    if build is None:
-        build = _in_mode
-    module.__dict__["forward"] = _Installed(module, route, build, previous)
+    module.__dict__["forward"] = _Installed(module, route, build or _routed_forward, previous)
     module.__dict__[_ROUTE_ATTR] = (route, previous)
 
 
