@@ -227,6 +227,7 @@ def test_every_memo_is_keyed_on_the_generation_and_none_subscribes() -> None:
         runtime._CACHE,
         runtime._SHAPES,
         runtime._NO_KERNEL,
+        runtime._SCOPES,
         modules._SPECS,
         modules._RUNS,
         modules._HAS_BACKWARD,
