@@ -186,6 +186,34 @@ def test_register_replace_unregister_serves_nothing_stale() -> None:
         _layer(backend="inv_x", name="l")
 
 
+def test_a_layer_built_again_reuses_its_binding_until_the_registry_changes() -> None:
+    # issue 32: an identical layer (a second model) reads its binding back from a
+    # memo; a backend registered in between changes the next one's decision
+    register_backend(_spec("inv_a", aliases=("inv_fast",), implements=()))
+    register_backend(_spec("inv_bwd"))
+    register_kernel("inv_a", KA)
+    register_kernel("inv_bwd", _kernel("training"))
+    register_kernel("inv_b", KB)
+    first, second = (
+        _layer(supported={"inv_a", "inv_bwd"}, default="inv_fast", name="g") for _ in range(2)
+    )
+    assert first.backend.name == "inv_a"  # type: ignore[union-attr]
+    assert second._binding is first._binding  # the memo's hit
+    # the training guard (inv_a has no backward pass) is each layer's own
+    second(*_qkv(grad=True))
+    assert second.backward_resolution.backend.name == "inv_bwd"  # type: ignore[union-attr]
+    assert first.backward_resolution is None
+    unregister_backend("inv_a")
+    register_backend(_spec("inv_b", aliases=("inv_fast",)))  # with a backward pass
+    third = _layer(supported={"inv_b", "inv_bwd"}, default="inv_fast", name="g")
+    assert third.backend.name == "inv_b"  # type: ignore[union-attr]
+    assert inspect.unwrap(third.kernel) is KB
+    third(*_qkv(grad=True))  # no guard: inv_b runs it
+    assert third.backward_resolution is None
+    assert inspect.unwrap(second.kernel) is KA  # a layer keeps the kernel it bound
+    assert CALLS == ["training", "b"]
+
+
 def test_every_memo_is_keyed_on_the_generation_and_none_subscribes() -> None:
     # issue 33: one discipline -- every module-level memo of what the registry
     # decides is a GenerationMemo (it reads empty after any change); no module
@@ -199,10 +227,13 @@ def test_every_memo_is_keyed_on_the_generation_and_none_subscribes() -> None:
         runtime._CACHE,
         runtime._SHAPES,
         runtime._NO_KERNEL,
+        runtime._SCOPES,
         modules._SPECS,
         modules._RUNS,
         modules._HAS_BACKWARD,
         modules._BOUND,
+        modules._BINDINGS,
+        modules._GUARDED,
         autotuner._SHARED,
         autotuner._MEASURED,
         _varlen._VARLEN,

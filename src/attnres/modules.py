@@ -106,6 +106,13 @@ _DTYPE_SETS: GenerationMemo[frozenset[str], frozenset[torch.dtype]] = Generation
 _RUNS: GenerationMemo[tuple[object, ...], Callable[..., Tensor]] = GenerationMemo(_MEMO_MAX)
 #: (backend, requirements, role, platform) -> whether the kernel has a backward pass
 _HAS_BACKWARD: GenerationMemo[tuple[object, ...], bool] = GenerationMemo(_MEMO_MAX)
+#: (id of lookup's cache entry, the layer's shape) -> (that entry, the binding):
+#: a layer built again (a second model) binds with a dict read
+_BINDINGS: GenerationMemo[tuple[int, _LayerShape], tuple[object, _Bound]] = GenerationMemo(
+    _MEMO_MAX
+)
+#: id of a binding's resolution -> (that resolution, the spec, whether _guard wraps it)
+_GUARDED: GenerationMemo[int, tuple[Resolution, LayerSpec, bool]] = GenerationMemo(_MEMO_MAX)
 #: backend name -> (kernel, torch dtypes) of :func:`_bind`, once it succeeded
 _BOUND: GenerationMemo[tuple[str, Any, Any], tuple[KernelFn, frozenset[torch.dtype]]] = (
     GenerationMemo(_MEMO_MAX)
@@ -599,13 +606,29 @@ class Attention(FastCallModule):
         every other bound layer runs ``run`` itself.
         """
         resolution = self._server_resolution()
-        spec = self.layer_spec
-        if resolution is None or spec.requirements.backward:
+        if resolution is None:
             return run
+        spec = self.layer_spec
+        # the answer for this (resolution, spec) pair, kept while the registry stands
+        # (identical objects only: a layer built again reuses both from the caches)
+        known = _GUARDED.get(id(resolution))
+        if known is not None and known[0] is resolution and (known[1] is spec or known[1] == spec):
+            guarded = known[2]
+        else:
+            guarded = not self._has_backward(resolution, spec)
+            _memo_put(_GUARDED, id(resolution), (resolution, spec, guarded))
+        return _grad_guard(run, weakref.ref(self)) if guarded else run
+
+    @staticmethod
+    def _has_backward(resolution: Resolution, spec: LayerSpec) -> bool:
+        """Whether ``resolution``'s kernel serves the forwards that need gradients
+        (or the layer required a backward pass, so it has one)."""
+        if spec.requirements.backward:
+            return True
         facts = lookup_spec(resolution.backend)
         # issue 24: under a layout a ring's lse may carry no gradient (the layout check)
         if facts is not None and backward_everywhere(facts) and spec.layout is None:
-            return run  # a backward pass everywhere (torch_sdpa, eager, ...): no check
+            return True  # a backward pass everywhere (torch_sdpa, eager, ...): no check
         platform = resolution.trace.input.platform
         # only the requirements check can differ from the inference decision's
         key = (resolution.backend, spec.requirements, spec.role, platform)
@@ -613,7 +636,7 @@ class Attention(FastCallModule):
         if has_backward is None:
             has_backward = has_backward_pass(resolution.backend, spec, platform)
             _memo_put(_HAS_BACKWARD, key, has_backward)
-        return run if has_backward else _grad_guard(run, weakref.ref(self))
+        return has_backward
 
     @property
     def backward_resolution(self) -> Resolution | None:
@@ -678,7 +701,7 @@ class Attention(FastCallModule):
         """
         ctx = self._context
         first = self._binding is None
-        resolution, decision, trace = lookup(
+        found = lookup(
             spec,
             ctx.config,
             ctx.scope,
@@ -686,6 +709,7 @@ class Attention(FastCallModule):
             ctx.backend,
             needs_kernel=True,
         )
+        resolution, decision, trace = found
         handle = ctx.handle if first else None
         awaited = first and self._awaited_by_scope
         if first:
@@ -701,18 +725,41 @@ class Attention(FastCallModule):
                 with contextlib.suppress(BackendNotAppliedError):
                     bind_pending(handle, spec.role, None)
             raise rejection(trace)
-        kernel, dtypes = _bind(resolution, spec)
-        shape = self._shape._replace(
-            backend=resolution.backend.name, dtype=spec.dtype, origin=str(resolution.origin)
-        )
         self.__dict__.update(layer_spec=spec, _decision=decision)
-        self._set_binding(_Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes)))
+        self._set_binding(self._bound(found, resolution, spec))
         if resolution.trace.input.config.autotune:  # opt-in: measured selection
             _arm_autotune(self)
         if awaited and handle is not None:
             self.__dict__["_awaited_by_scope"] = False
             bind_pending(handle, spec.role, decision)
         return resolution
+
+    def _bound(self, found: object, resolution: Resolution, spec: LayerSpec) -> _Bound:
+        """The binding of ``resolution`` (``found``: :func:`lookup`'s cache entry that
+        holds it) for ``spec`` and this layer's shape.
+
+        It depends on nothing else (the entry's input holds a spec equal to
+        ``spec``), and the entry is the cache's own object for one input under one
+        registry generation: a layer built again (a second model) reads its
+        binding back rather than binding the kernel anew.
+        """
+        key: tuple[int, _LayerShape] | None = (id(found), self._shape)
+        try:
+            known = _BINDINGS.get(key)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable shape field: no memo
+            known, key = None, None
+        if known is not None and known[0] is found:
+            return known[1]
+        generation = registry_generation()
+        kernel, dtypes = _bind(resolution, spec)
+        shape = self._shape._replace(
+            backend=resolution.backend.name, dtype=spec.dtype, origin=str(resolution.origin)
+        )
+        bound = _Bound(resolution, kernel, shape, _make_run(shape, kernel, dtypes))
+        if key is not None:
+            with _MEMO_LOCK:
+                _BINDINGS.put(key, (found, bound), generation)
+        return bound
 
     def _bind_to(self, dtype: Any = None, platform: Platform | None = None) -> Resolution:
         """Resolve now if pending or stale (another dtype or platform); else keep."""

@@ -177,6 +177,20 @@ _CACHE: GenerationMemo[tuple[object, ...], _CacheEntry] = GenerationMemo(_CACHE_
 #: the same resolutions keyed without the layer's name (see _shape_key)
 _SHAPES: GenerationMemo[tuple[object, ...], _CacheEntry] = GenerationMemo(_CACHE_MAX)
 _CACHE_LOCK = threading.Lock()
+#: a scope's state -> the equal state of the first scope opened so (issue 32):
+#: the cache keys of a model built again hold the identical state, so each of
+#: its layers' lookups compares it by identity, not field by field
+_SCOPES: GenerationMemo[ScopeState, ScopeState] = GenerationMemo(256)
+
+
+def _interned(state: ScopeState) -> ScopeState:
+    """``state``, or an equal one opened before (the same snapshot)."""
+    with _CACHE_LOCK:
+        known = _SCOPES.get(state)
+        if known is None:
+            _SCOPES.put(state, state)
+            return state
+        return known
 
 
 def clear_cache() -> None:
@@ -492,8 +506,10 @@ def component_scope(
     Layers still pending (built without a dtype, not yet bound) are checked
     when they bind (:func:`bind_pending`).
     """
-    state = scope_state(
-        name, backend, role_backends, allow_global_fallback, require_selection, kind=kind
+    state = _interned(
+        scope_state(
+            name, backend, role_backends, allow_global_fallback, require_selection, kind=kind
+        )
     )
     handle, token = enter_scope(state)
     try:
