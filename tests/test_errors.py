@@ -98,7 +98,6 @@ def test_no_bare_runtime_error_is_raised_in_attnres() -> None:
 _BUILTIN_RAISES: dict[str, str] = {
     "AssertionError": "an internal invariant (a table that ends with a row that always holds)",
     "AttributeError": "the protocol of a module's __getattr__ (attnres/__init__.py)",
-    "KeyError": "the registry's remove(), which unregister_backend turns into its error",
     "LookupError": "raised and caught on the spot, its message collected",
     "SystemExit": "the command line's exit status (python -m attnres)",
 }

@@ -2001,7 +2001,7 @@ class _Registry:
         with self._lock:
             spec = self._specs.pop(name, None)
             if spec is None:
-                raise KeyError(name)
+                raise self.unknown(name)
             for n in (spec.name, *(_key(a) for a in spec.aliases)):
                 if self._aliases.get(n) == spec.name:
                     del self._aliases[n]
@@ -2153,10 +2153,7 @@ def register_backend(spec: BackendSpec, *, replace: bool = False) -> Backend:
 def unregister_backend(backend: Backend | str) -> None:
     """Remove a backend that :func:`register_backend` added."""
     name = backend.name if isinstance(backend, Backend) else backend.strip().lower()
-    try:
-        _REGISTRY.remove(name)
-    except KeyError:
-        raise _REGISTRY.unknown(name) from None
+    _REGISTRY.remove(name)
 
 
 def get_spec(backend: Backend | str) -> BackendSpec:
