@@ -53,7 +53,7 @@ __all__ = [
     "Takeover",
     "decide",
     "lacks",
-    "rebind",
+    "rebind_imports",
     "register_lacking",
     "release",
     "require",
@@ -165,7 +165,7 @@ def require(engine: Engine, what: str) -> dict[str, types.ModuleType]:
 # -- taking the selector over ------------------------------------------------------
 
 
-def rebind(old: Any, new: Any) -> None:
+def rebind_imports(old: Any, new: Any) -> None:
     """Replace every module-level binding of ``old`` (``from selector import ...``)."""
     for module in list(sys.modules.values()):
         if not isinstance(module, types.ModuleType):
@@ -210,7 +210,7 @@ class Takeover:
                 return
             modules = require(self.engine, what)
             original = getattr(modules[self.module], self.function)
-            rebind(original, wrap(modules, original))
+            rebind_imports(original, wrap(modules, original))
             self._done = True
 
     def installed(self) -> bool:
@@ -228,7 +228,7 @@ class Takeover:
         current = getattr(selector, self.function)
         original = self.original(current)
         if original is not None:
-            rebind(current, original)
+            rebind_imports(current, original)
 
     def original(self, function: Any) -> Callable[..., Any] | None:
         """The engine's own function under ``function`` when ``function`` is the
