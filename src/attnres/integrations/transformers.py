@@ -352,12 +352,6 @@ def computes_by_hand(module: Any) -> bool:
     return own and _not_softmax_attention(module) is None
 
 
-def _is_interface_site(module: Any) -> bool:
-    """Whether the module's own code looks its attention function up in
-    ``ALL_ATTENTION_FUNCTIONS`` (observed, never by class name)."""
-    return _kind(module, _own_calls(module)) == _INTERFACE
-
-
 def custom_scale(scale: object, head_size: int) -> bool:
     """Whether a softmax scale differs from the default 1/sqrt(head size)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
