@@ -337,10 +337,11 @@ def test_a_store_that_never_answers_cannot_hang_the_caller(monkeypatch: Any) -> 
     import torch.distributed as dist
 
     never = threading.Event()
+    blocked_s = 60.0  # how long the dead store blocks
 
     class DeadStore:
         def add(self, key: str, value: int) -> int:
-            never.wait(60)  # a store op that blocks (e.g. an unreachable server)
+            never.wait(blocked_s)  # a store op that blocks (e.g. an unreachable server)
             return 0
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -351,9 +352,9 @@ def test_a_store_that_never_answers_cannot_hang_the_caller(monkeypatch: Any) -> 
     start = time.monotonic()
     with pytest.raises(ConsensusError, match=r"store did not answer within 0\.3 s"):
         verify_consensus([], timeout=0.3)
-    # The dead store blocks for 60 s: returning well before that proves the caller
-    # was released by the hard bound (0.3 s + 0.2 s grace), not by the store.
-    assert time.monotonic() - start < 30.0
+    # Returning well before the dead store answers proves the caller was released
+    # by the hard bound (0.3 s + 0.2 s grace), not by the store: no speed asserted.
+    assert time.monotonic() - start < blocked_s / 2
     never.set()
 
 
