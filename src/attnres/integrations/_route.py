@@ -212,14 +212,12 @@ def self_calls(tree: ast.AST, attr: str) -> Iterator[ast.Call]:
 
 
 def mha_weights_asked(parent: Any, name: str) -> str | None:
-    """Whether the code of ``parent`` (the module holding a
-    ``torch.nn.MultiheadAttention`` as ``attr``) calls it asking for the
-    attention weights: a call ``self.<attr>(...)`` that leaves ``need_weights``
-    at torch's default (``True``) or passes ``True``. Read from the parent's
-    source (``None`` where no such call is found, the source cannot be read or
-    the value is not a constant: the site's first call then checks it), so a
-    plan knows what SigLIP's pooling head asks before anything runs. ``name``
-    is the MHA's qualified name (its last part is ``attr``)."""
+    """How the code of ``parent`` asks the ``torch.nn.MultiheadAttention`` it holds
+    (qualified ``name``, last part ``attr``) for the attention weights: a call
+    ``self.<attr>(...)`` leaving ``need_weights`` at torch's default (``True``) or
+    passing ``True``, read from source so that a plan knows what SigLIP's pooling
+    head asks before anything runs (``None``: no such call, or source or value
+    not readable; the site's first call then checks it)."""
     attr = name.rpartition(".")[2]
     for func in methods_of(parent):
         tree = source_tree(func)
@@ -251,13 +249,11 @@ def describe_mha(
     backward: bool,
     parent: Any = None,
 ) -> SiteDescription:
-    """A ``torch.nn.MultiheadAttention``: its own math (in-projection, heads split,
-    attention, out-projection) runs on the MHA route (:func:`mha_forward`), which
-    runs any kernel; with no flag nothing is wrapped (torch's own path: SDPA with
-    ``need_weights=False``). A module whose math has a fact no kernel takes
-    (a key and value appended to every sequence), or whose caller (``parent``,
-    read by :func:`mha_weights_asked`) asks for the attention weights, keeps its
-    own code path only, and says which fact."""
+    """A ``torch.nn.MultiheadAttention``: its own math runs on the MHA route
+    (:func:`mha_forward`), which runs any kernel; with no flag nothing is wrapped.
+    A module whose math has a fact no kernel takes (a key and value appended to
+    every sequence), or whose caller (``parent``, :func:`mha_weights_asked`) asks
+    for the attention weights, keeps its own code path only, and says which."""
     fact = None
     if getattr(module, "bias_k", None) is not None:
         fact = "add_bias_kv (a learned key and value appended to every sequence)"
@@ -266,10 +262,8 @@ def describe_mha(
     asked = None if fact is not None or parent is None else mha_weights_asked(parent, name)
     # only: the one backend a site of its own code path runs (None: the MHA route)
     if asked is not None:
-        # the weights are computed by hand on torch's own path (softmax of a bmm),
-        # eager math. Issue 19: returning them is a requirement only eager
-        # implements, which the machine names before the set
-        # (``machine.REQUIREMENTS_BEFORE_SUPPORTED``): a kernel's limit
+        # torch's own path computes the weights by hand (eager math). Issue 19: a
+        # requirement only eager implements (``machine.REQUIREMENTS_BEFORE_SUPPORTED``)
         only, route = _EAGER, f"{WEIGHTS_ROUTE}: {asked}"
     elif fact is not None:
         only = _TORCH_SDPA
@@ -296,8 +290,7 @@ def describe_mha(
 
 
 #: issue 30: torch's functional multi-head attention (HunyuanDiT's attention pool
-#: calls it with its own projections): softmax attention a module's code computes
-#: through torch's own code path
+#: calls it with its own projections)
 MHA_FUNCTION = "multi_head_attention_forward"
 
 
@@ -305,12 +298,10 @@ def describe_mha_function(
     component: str, name: str, module: Any, dtype: str, backward: bool
 ) -> SiteDescription:
     """A module whose code calls ``F.multi_head_attention_forward`` (issue 30): a
-    site of its own code path, which runs torch SDPA (``need_weights=False``) and
-    takes no other kernel. So an explicit backend is honoured by falling back
-    with the reason (a component that may fall back) or refused, typed (a strict
-    one); with no flag nothing changes. Head facts from what the module holds
-    (a head count, and a head size or its query projection's width); without
-    them the site is recorded as unclassified, which a strict component refuses."""
+    site of its own code path (torch SDPA, no other kernel: an explicit backend
+    falls back with the reason, or is refused in a strict component). Head facts
+    from a head count and a head size or its query projection's width; without
+    them the site is unclassified, which a strict component refuses."""
     cls = type(module).__name__
     facts = head_facts(module)
     count = _int_attr(module, _HEADS)
@@ -383,11 +374,7 @@ class MaskFacts:
 
     def covered_by(self, planned: MaskFacts) -> bool:
         """Whether a site planned for ``planned`` takes this mask (issue 22)."""
-        if not self.present:
-            return True
-        if not planned.present:
-            return False
-        return planned.kind in (MaskKind.ANY, self.kind)
+        return not self.present or (planned.present and planned.kind in (MaskKind.ANY, self.kind))
 
 
 _MASK_WORDS = {
@@ -492,13 +479,12 @@ class CallFacts:
         arguments: tuple[str, ...] = (),
     ) -> CallFacts:
         head_size = int(q.shape[-1])
-        mask = _observe_mask(q, k, attn_mask, heads_dim)
         return cls(
             heads=int(q.shape[heads_dim]) if q.dim() >= 3 else 1,
             kv_heads=int(k.shape[heads_dim]) if k.dim() >= 3 else 1,
             head_size=head_size,
             dtype=_dtype_name(q.dtype),
-            mask=mask,
+            mask=_observe_mask(q, k, attn_mask, heads_dim),
             causal=bool(is_causal),
             custom_scale=scale is not None and _custom(scale, head_size),
             dropout=bool(dropout_p),
@@ -540,14 +526,12 @@ class CallFacts:
         """The facts that differ from ``planned``, in words (all, when nothing was)."""
         if planned is None:
             return ("head facts (decided at first call)",)
-        # what the plan allowed covers less: no mask where it allowed one, the
-        # default scale where it allowed a custom one, as many kv heads as heads
-        # where it allowed grouped ones (a processor that repeats them first)
+        # less than the plan allowed is no difference: no mask where it allowed one,
+        # the default scale, as many kv heads as heads (a processor repeats them)
         out = []
         if not self.mask.covered_by(planned.mask):
             out.append(self.mask.describe())
-        # a causal triangle inside a key-padding mask is causal (as :meth:`spec`
-        # reads it): a padded causal call that passes is_causal=False is not "not causal"
+        # a causal triangle inside a key-padding mask is causal (as :meth:`spec` reads it)
         causal = self.causal or self.mask.causal
         if causal != planned.causal:
             out.append("causal" if causal else "not causal")
@@ -592,31 +576,27 @@ class CallFacts:
             weights=base.requirements.weights or self.weights,
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
-        only = _EAGER if self.weights or self.arguments else own if self.dropout else None
-        if only is not None:
-            # no attnres kernel returns the weights or applies dropout (the calling
-            # convention has neither): only the site's own code serves the call,
-            # exactly (a stand-in never runs there)
-            spec = attrs.evolve(
-                spec,
-                supported=frozenset({only}),
-                default=None if base.default is None else only,
-                preferred=None,
-                exact_route=(
-                    f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
-                    if self.arguments
-                    else WEIGHTS_ROUTE
-                    if self.weights
-                    else DROPOUT_ROUTE
-                ),
-            )
-        return spec
+        # no attnres kernel returns the weights, applies dropout or takes these
+        # arguments (the calling convention has none of them): only the site's own
+        # code serves the call, exactly (a stand-in never runs there)
+        if self.arguments:
+            only, route = _EAGER, f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
+        elif self.weights:
+            only, route = _EAGER, WEIGHTS_ROUTE
+        elif self.dropout:
+            only, route = own, DROPOUT_ROUTE
+        else:
+            return spec
+        default = None if base.default is None else only
+        return attrs.evolve(
+            spec, supported=frozenset({only}), default=default, preferred=None, exact_route=route
+        )
 
 
 def mask_kind(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> Any:
-    """Issue 30: a call's mask in its signature: ``False`` (none), else its observed
-    kind and whether it holds a causal triangle (:func:`_observe_mask`), read once
-    per mask tensor (every layer of a forward is handed the same one)."""
+    """Issue 30: a call's mask in its signature: ``False`` (none), else its kind and
+    whether it holds a causal triangle, read once per mask tensor (every layer of
+    a forward is handed the same one)."""
     if attn_mask is None:
         return False
     if _is_block_mask(attn_mask):
@@ -677,10 +657,9 @@ class FirstCall:
 
 
 class _Mode(TorchFunctionMode):
-    """Send the SDPA calls the site's own code makes while it is active to one
-    route (:func:`_own_call`): the install of a site :func:`rebind` cannot copy.
-    Eager only: its frame check (``sys._getframe``) is not traced by
-    torch.compile, so ``fullgraph=True`` is refused by torch at such a site."""
+    """Send the SDPA calls the site's own code makes to its route (:func:`_own_call`):
+    the install of a site :func:`rebind` cannot copy. Eager only: torch.compile
+    does not trace its frame check, so refuses ``fullgraph=True`` there."""
 
     def __init__(self, route: GenericRoute) -> None:
         super().__init__()
@@ -693,10 +672,9 @@ class _Mode(TorchFunctionMode):
 
 
 def _own_call(frame: types.FrameType | None) -> bool:
-    """Issue 30: whether an SDPA call was made by the site's own code, the frames
-    between it and the site's forward (:func:`_run_in_mode`) holding no call of
-    another module (``Module.__call__``) and no other route's kernel (a nested
-    site's mode handling its own call): those are not the site's to take."""
+    """Issue 30: whether an SDPA call was made by the site's own code: no frame
+    between it and the site's forward (:func:`_run_in_mode`) is another module's
+    call or another (nested) route's mode."""
     while frame is not None:
         code = frame.f_code
         if code is _RUN_IN_MODE:
@@ -732,12 +710,11 @@ class GenericRoute:
     ) -> None:
         self.component = component
         self.where = f"attention site {name!r} of component {component!r}"
-        #: issue 19: a site decided at its first call whose route runs only its own
-        #: code (``own``): the route, exact, which the first call's spec carries
+        #: issue 19: the exact route of a site decided at its first call whose
+        #: route runs only its own code
         self.own_route = own_route
-        #: the backend the site's own code path runs (what it ran before the route:
-        #: torch SDPA, or ``eager`` for softmax by hand); a signature decided it
-        #: runs the site's own code, untouched
+        #: the backend the site's own code runs (torch SDPA, or ``eager`` for
+        #: softmax by hand); a signature decided it runs that code, untouched
         self.own = _TORCH_SDPA if own is None else own
         self.name = name
         self.spec = spec
@@ -749,8 +726,7 @@ class GenericRoute:
         #: never a backend pinned there (``sage_varlen`` assumes right padding)
         self.dispatch_sdpa: Any = None
         #: issue 19: a site decided at first call whose own code runs a kernel of
-        #: its choosing (a processor that declares flex) keeps it with no flag, as
-        #: a planned site's ``preferred`` does (set by the diffusers integration)
+        #: its choosing (a processor declaring flex) keeps it with no flag
         self.keeps_own = False
         self.first_calls: list[FirstCall] = []
         #: the names its rebound functions read their stand-ins under (:func:`rebind`)
@@ -804,10 +780,9 @@ class GenericRoute:
         scale: float | None = None,
         **extra: Any,
     ) -> Any:
-        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim).
-        A call with no heads dimension (batch, seq, dim), as SDPA allows (the
-        HunyuanImage VAE's attention block makes one), is one head: it is seen
-        and run as (batch, 1, seq, dim)."""
+        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim). A
+        call with no heads dimension (the HunyuanImage VAE's attention block makes
+        one) is one head: seen and run as (batch, 1, seq, dim)."""
         flat = q.dim() == 3
         q4, k4, v4, m4 = q, k, v, attn_mask
         if flat:
@@ -843,13 +818,10 @@ class GenericRoute:
         arguments: tuple[str, ...] = (),
     ) -> _KernelFn | None:
         """The kernel of this call's signature (``None``: the site's own code runs
-        it), checked once per signature against the plan. Every caller goes
-        through it: the SDPA and dispatcher stand-ins, the MHA route, the
-        watch of a site decided at its first call, attnres's transformers
-        attention function."""
-        # issue 30: the mask's kind is in the signature, so the first call of each
-        # kind is checked against the plan (a later call with another kind never
-        # reuses the kernel of the first)
+        it), checked once per signature against the plan; every caller (stand-ins,
+        the MHA route, the watch, attnres's transformers function) goes through it."""
+        # issue 30: the mask's kind is in the signature, so a later call with another
+        # kind is checked, never run on the kernel of the first
         mask: Any = False
         if attn_mask is not None:
             refuse_integer_mask(attn_mask)  # issue 32 item 1: every call, whatever runs it
@@ -898,10 +870,8 @@ class GenericRoute:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GenericRoute:
         """Issue 30: a deep copy of an applied model gets routes of its own: the same
-        decisions and kernels (a route holds no weights), the records so far, and
-        from then on its own first calls; its code is built again on the copy
-        (:class:`_Installed`, :func:`_copy_processor`), so the copy runs its own
-        weights and the original's records never hold the copy's calls."""
+        kernels and records so far, then its own first calls; its code is built
+        again on the copy (:class:`_Installed`, :func:`_copy_processor`)."""
         new = object.__new__(GenericRoute)
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)  # shared: spec, config, scope, platform
@@ -922,10 +892,9 @@ class GenericRoute:
             self._finalizer = None
 
     def tie(self, owner: Any) -> None:
-        """Forget the homes of its rebound functions when ``owner`` (the module the
-        route is installed on) is collected: a model dropped without ``remove`` leaves
-        no name in the library's module namespaces (nothing the homes hold refers
-        back to the module, so they never keep it alive)."""
+        """Forget the homes of its rebound functions when ``owner`` (the module it is
+        installed on) is collected: a model dropped without ``remove`` leaves no
+        name in the library's namespaces (the homes never keep it alive)."""
         if self._finalizer is None:
             self._finalizer = weakref.finalize(owner, _forget_homes, self.homes)
 
@@ -1025,9 +994,8 @@ def site_route(
     own_route: str | None = None,
 ) -> GenericRoute:
     """The route of one planned site (every integration builds its routes here);
-    ``own``: what runs where the route decides the site's own code (default: the
-    backend the site ran before); ``own_route``: a site decided at its first call
-    whose route runs only that (:class:`GenericRoute`)."""
+    ``own``: what the site's own code runs (default: the site's current backend);
+    ``own_route``: a site decided at its first call whose route runs only that."""
     return GenericRoute(
         component=site.component,
         name=site.name,
@@ -1038,7 +1006,7 @@ def site_route(
         config=config,
         scope=scope_state(site.component),
         platform=platform,
-        own=own or site.current,  # what the site's own code runs (eager: softmax by hand)
+        own=own or site.current,
         own_route=own_route,
     )
 
@@ -1102,17 +1070,15 @@ def _stand_in(value: Any, names: set[str], route: GenericRoute) -> Any:
 def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     """A copy of ``func`` whose attention calls go to ``route``, or ``None`` when its
     code (and the module-level functions it calls, ``depth`` levels) names none,
-    or names one of them otherwise than as a global.
+    or names one otherwise than as a global.
 
-    Only the names the copy loads differ: each global that holds
-    ``torch.nn.functional`` (or ``torch``, ``torch.nn`` on the way to it),
-    ``scaled_dot_product_attention`` or ``dispatch_attention_fn`` is read under a
-    name of the route's own, added to the function's module namespace, which
-    holds its stand-in (:func:`_stand_in`, the route, ``route.dispatcher``).
-    Every other global is the module's own, read live (issue 30: a global the
-    library or the user reassigns after ``apply`` is seen). Nothing torch or
-    diffusers reads is changed; the added names are removed with the route
-    (:meth:`GenericRoute.close`, or when the module is collected).
+    Each global holding ``torch.nn.functional`` (or ``torch``, ``torch.nn`` on the
+    way), ``scaled_dot_product_attention`` or ``dispatch_attention_fn`` is read
+    under a name of the route's own, added to the function's module namespace and
+    holding its stand-in (:func:`_stand_in`, the route, ``route.dispatcher``).
+    Every other global is read live (issue 30: one reassigned after ``apply`` is
+    seen). The added names go with the route (:meth:`GenericRoute.close`, or
+    when the module is collected).
     """
     func = getattr(func, "__func__", func)
     code = getattr(func, "__code__", None)
@@ -1246,9 +1212,9 @@ _NOT_OWN = frozenset(
 
 class _Installed:
     """The instance ``forward`` :func:`install_route` sets: ``build(module, route)``,
-    called. Issue 30: a deep copy of the module gets its own, built again on its
-    first call from the copy (a closure over the original would run the original's
-    weights); pickling is refused, typed (:func:`refuse_pickle`)."""
+    called. Issue 30: a deep copy of the module builds its own at its first call
+    (a closure over the original would run the original's weights); pickling is
+    refused, typed (:func:`refuse_pickle`)."""
 
     __slots__ = ("build", "fn", "lock", "module", "previous", "route")
 
@@ -1291,17 +1257,14 @@ class _Installed:
 def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
     """Run ``module``'s forward with its SDPA calls sent to ``route`` (this module only).
 
-    ``build``, when given, makes the site's own forward from the module and the
-    route (the MHA route's, :func:`mha_forward`). Otherwise its forward is
-    rebound (:func:`rebind`) where its code names the call as a global, else
-    run under :class:`_Mode` (a module holding a forward of its own, as
-    accelerate's hooks set, or code reaching SDPA through an attribute): every
-    torch call of the forward then passes through the mode, which costs more
-    per call than the rebound copy (``make bench``). Issue 30: built again,
-    on a route of its own, for a deep copy of the module (:class:`_Installed`)."""
+    ``build``, when given, makes the site's forward from the module and the route
+    (:func:`mha_forward`, :func:`watch_forward`). Otherwise its forward is rebound
+    (:func:`rebind`) where its code names the call as a global, else run under
+    :class:`_Mode` (a module holding a forward of its own, as accelerate's hooks
+    set, or code reaching SDPA through an attribute), which costs more per call
+    (``make bench``). Issue 30: built again for a deep copy (:class:`_Installed`)."""
     remove_route(module)
-    # an instance-level forward (accelerate's offload hooks set one) is kept and
-    # wrapped, and put back by remove_route
+    # an instance-level forward (accelerate's offload hooks) is wrapped, and put back
     previous = module.__dict__.get("forward")
     module.__dict__["forward"] = _Installed(module, route, build or _routed_forward, previous)
     module.__dict__[_ROUTE_ATTR] = (route, previous)
@@ -1378,9 +1341,8 @@ class _Watch(TorchFunctionMode):
     """Check one forward of a site decided at its first call, before its attention
     output is computed: its first SDPA call, or its first softmax of a product of
     two batched tensors (the scores: query ``(..., seq_q, head size)`` times key
-    ``(..., head size, seq_kv)``, the last such product before the softmax), is
-    handed to the route as a call of its own code, which binds the site (or
-    raises, typed) and runs nothing else."""
+    ``(..., head size, seq_kv)``, the last product before it), is handed to the
+    route, which binds the site (or raises, typed); nothing else is run."""
 
     def __init__(self, route: GenericRoute) -> None:
         super().__init__()
@@ -1432,9 +1394,8 @@ class _Watch(TorchFunctionMode):
 def watch_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     """``module``'s forward for a site decided at its first call whose route runs
     only its own code (softmax by hand, or the attention function its config
-    names): each call's attention facts are read from its first SDPA call or
-    softmax of a scores product (:class:`_Watch`) and checked by ``route``;
-    the computation is the module's own, untouched (bit-identical)."""
+    names): each call's facts are read (:class:`_Watch`) and checked by
+    ``route``; the computation is the module's own, untouched."""
     original = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -1448,12 +1409,10 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     """``nn.MultiheadAttention.forward`` for one site: its own math (in-projection,
     heads split, attention, out-projection) with the attention the decided kernel.
 
-    Each call's facts are checked (:meth:`GenericRoute.kernel_for`): a mask from
-    ``attn_mask`` and/or ``key_padding_mask`` and its kind, causal
-    (``is_causal`` with no padding mask, as torch's own path reads it), dropout
-    (training only) and ``need_weights=True``, which no kernel serves: such a call
-    is resolved again to the module's own path (traced), or raises
-    ``ResolutionError`` in a strict component. A signature decided what the
+    Each call's facts are checked (:meth:`GenericRoute.kernel_for`): its mask
+    (``attn_mask`` and/or ``key_padding_mask``), causal (``is_causal`` with no
+    padding mask, as torch reads it), dropout (training only) and
+    ``need_weights=True``, which no kernel serves. A signature decided what the
     module runs itself calls its own ``forward`` with the call's arguments.
     """
     original = module.forward
