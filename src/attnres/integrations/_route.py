@@ -242,12 +242,7 @@ def mha_weights_asked(parent: Any, name: str) -> str | None:
 
 
 def describe_mha(
-    component: str,
-    name: str,
-    module: Any,
-    dtype: str,
-    backward: bool,
-    parent: Any = None,
+    component: str, name: str, module: Any, dtype: str, backward: bool, parent: Any = None
 ) -> SiteDescription:
     """A ``torch.nn.MultiheadAttention``: its own math runs on the MHA route
     (:func:`mha_forward`), which runs any kernel; with no flag nothing is wrapped.
@@ -601,12 +596,13 @@ def mask_kind(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> Any:
         return False
     if _is_block_mask(attn_mask):
         return (MaskKind.BOOLEAN, False)
-    key = (id(attn_mask), attn_mask._version, *_mask_dims(q, k, heads_dim), heads_dim)
+    dims = _mask_dims(q, k, heads_dim)
+    key = (id(attn_mask), attn_mask._version, *dims, heads_dim)
     held = _MASKS_SEEN.get(key)
     if held is not None and held[0]() is attn_mask:
         return held[1]
-    facts = _observe_mask(q, k, attn_mask, heads_dim)
-    kind = (facts.kind, facts.causal)
+    seen = observe_mask(attn_mask, *dims)
+    kind = (seen.kind, seen.causal)
     if len(_MASKS_SEEN) >= 64:
         _MASKS_SEEN.clear()
     _MASKS_SEEN[key] = (weakref.ref(attn_mask), kind)
