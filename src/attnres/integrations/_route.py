@@ -1,32 +1,24 @@
 """The generic route: a site that calls SDPA itself runs the attnres kernel it was decided.
 
-What this module holds, and why it is code rather than tables:
-
 - **Observation of code** (:func:`calls_of`): which attention entry points a
   function's code names (``scaled_dot_product_attention``,
   ``dispatch_attention_fn``, ``ALL_ATTENTION_FUNCTIONS``, a softmax...), read
-  from its code objects and those of the module-level functions it calls (two
-  levels). A site is found by what its code calls, never by its class name.
-- **Head facts** (:func:`head_facts`): read from whatever the module holds;
-  ``None`` when it holds none, and the site is then decided at its first call.
-- **Call facts** (:class:`CallFacts`): what one SDPA call brings (mask present,
-  its dtype and shape, causal, scale, head size, heads, kv heads, dtype,
-  dropout). The mask is kept as :class:`MaskFacts` so that a later change can
-  refine it into mask kinds.
-- **The route** (:class:`GenericRoute`): installed on one module (its
-  ``forward`` in the instance ``__dict__``, or a routed copy of its processor;
-  nothing process-wide, nothing torch or diffusers reads patched), it takes the
-  SDPA or dispatcher calls its code names and runs the decided kernel. One
-  install mechanism (issue 30, :func:`rebind`): a copy of the site's function
-  whose global names for those calls are read under names of the route's own,
-  every other global read live from its module; a ``TorchFunctionMode`` scoped
-  to the site's own frames only where no such name exists (:class:`_Mode`).
-  Each call signature is checked before a kernel runs: the planned one is bound
-  at install time; a new one re-resolves the site with the observed facts
-  through the machine (traced; a strict component raises
-  :class:`~attnres.errors.ResolutionError` naming the site and the fact).
-  A signature whose decision is what the site already runs calls the original
-  SDPA with the original arguments (bit-identical).
+  from its code objects and those of the module-level functions it calls. A
+  site is found by what its code calls, never by its class name.
+- **Head facts** (:func:`head_facts`): read from what the module holds;
+  ``None``: the site is decided at its first call.
+- **Call facts** (:class:`CallFacts`): what one SDPA call brings besides its
+  values (its mask as :class:`MaskFacts`).
+- **The route** (:class:`GenericRoute`): installed on one module (nothing
+  process-wide), it takes the SDPA or dispatcher calls its code names and runs
+  the decided kernel. One install mechanism (issue 30, :func:`rebind`): a copy
+  of the site's function whose global names for those calls are read under
+  names of the route's own; a ``TorchFunctionMode`` scoped to the site's own
+  frames only where no such name exists (:class:`_Mode`). The planned call
+  signature is bound at install time; a new one re-resolves the site through
+  the machine (traced; a strict component raises
+  :class:`~attnres.errors.ResolutionError`). A signature decided what the site
+  runs already calls the original SDPA with the original arguments.
 """
 
 from __future__ import annotations
@@ -82,7 +74,6 @@ __all__ = [
     "install_route",
     "installed_route",
     "mha_forward",
-    "mha_own_path",
     "remove_route",
     "site_route",
     "unflagged",
@@ -110,11 +101,12 @@ _SOFTMAXES = frozenset(
 )
 
 
-def _code_names(code: types.CodeType, out: set[str]) -> None:
-    out.update(code.co_names)
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code objects it holds (nested functions, comprehensions)."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            _code_names(const, out)
+            yield from _codes(const)
 
 
 def calls_of(functions: Iterable[Any], depth: int = 2) -> frozenset[str]:
@@ -133,8 +125,7 @@ def calls_of(functions: Iterable[Any], depth: int = 2) -> frozenset[str]:
         if not isinstance(code, types.CodeType) or id(code) in seen:
             continue
         seen.add(id(code))
-        own: set[str] = set()
-        _code_names(code, own)
+        own = {name for c in _codes(code) for name in c.co_names}
         names |= own
         if level >= depth:
             continue
@@ -186,16 +177,6 @@ def head_facts(module: Any) -> tuple[int, int, int] | None:
     return heads, (kv if kv is not None and heads % kv == 0 else heads), size
 
 
-def mha_own_path(module: Any) -> str | None:
-    """Why a ``torch.nn.MultiheadAttention`` runs only its own code path (``None``:
-    the MHA route runs it): a fact its math has that no attnres kernel takes."""
-    if getattr(module, "bias_k", None) is not None:
-        return "add_bias_kv (a learned key and value appended to every sequence)"
-    if getattr(module, "add_zero_attn", False):
-        return "add_zero_attn (a zero key and value appended to every sequence)"
-    return None
-
-
 def source_tree(func: Any) -> ast.Module | None:
     """The parsed source of a function or method (``None`` where it cannot be
     read), the one reader of code text the routes use; parsed once per code
@@ -231,14 +212,12 @@ def self_calls(tree: ast.AST, attr: str) -> Iterator[ast.Call]:
 
 
 def mha_weights_asked(parent: Any, name: str) -> str | None:
-    """Whether the code of ``parent`` (the module holding a
-    ``torch.nn.MultiheadAttention`` as ``attr``) calls it asking for the
-    attention weights: a call ``self.<attr>(...)`` that leaves ``need_weights``
-    at torch's default (``True``) or passes ``True``. Read from the parent's
-    source (``None`` where no such call is found, the source cannot be read or
-    the value is not a constant: the site's first call then checks it), so a
-    plan knows what SigLIP's pooling head asks before anything runs. ``name``
-    is the MHA's qualified name (its last part is ``attr``)."""
+    """How the code of ``parent`` asks the ``torch.nn.MultiheadAttention`` it holds
+    (qualified ``name``, last part ``attr``) for the attention weights: a call
+    ``self.<attr>(...)`` leaving ``need_weights`` at torch's default (``True``) or
+    passing ``True``, read from source so that a plan knows what SigLIP's pooling
+    head asks before anything runs (``None``: no such call, or source or value
+    not readable; the site's first call then checks it)."""
     attr = name.rpartition(".")[2]
     for func in methods_of(parent):
         tree = source_tree(func)
@@ -263,70 +242,50 @@ def mha_weights_asked(parent: Any, name: str) -> str | None:
 
 
 def describe_mha(
-    component: str,
-    name: str,
-    module: Any,
-    dtype: str,
-    backward: bool,
-    parent: Any = None,
+    component: str, name: str, module: Any, dtype: str, backward: bool, parent: Any = None
 ) -> SiteDescription:
-    """A ``torch.nn.MultiheadAttention``: its own math (in-projection, heads split,
-    attention, out-projection) runs on the MHA route (:func:`mha_forward`), which
-    runs any kernel; with no flag nothing is wrapped (torch's own path: SDPA with
-    ``need_weights=False``). A module whose math has a fact no kernel takes
-    (:func:`mha_own_path`), or whose caller (``parent``, read by
-    :func:`mha_weights_asked`) asks for the attention weights, keeps its own code
-    path only, and says which fact."""
-    heads = int(module.num_heads)
-    own = Backend("torch_sdpa")
-    common: dict[str, Any] = {
-        "component": component,
-        "name": name,
-        "module_class": type(module).__name__,
-        "head_size": int(module.head_dim),
-        "heads": heads,
-        "kv_heads": heads,
-        "dtype": dtype,
-        "requirements": Requirements(backward=backward),
-        "current": own,
-    }
-    fact = mha_own_path(module)
+    """A ``torch.nn.MultiheadAttention``: its own math runs on the MHA route
+    (:func:`mha_forward`), which runs any kernel; with no flag nothing is wrapped.
+    A module whose math has a fact no kernel takes (a key and value appended to
+    every sequence), or whose caller (``parent``, :func:`mha_weights_asked`) asks
+    for the attention weights, keeps its own code path only, and says which."""
+    fact = None
+    if getattr(module, "bias_k", None) is not None:
+        fact = "add_bias_kv (a learned key and value appended to every sequence)"
+    elif getattr(module, "add_zero_attn", False):
+        fact = "add_zero_attn (a zero key and value appended to every sequence)"
     asked = None if fact is not None or parent is None else mha_weights_asked(parent, name)
+    # only: the one backend a site of its own code path runs (None: the MHA route)
     if asked is not None:
-        # the weights are computed by hand on torch's own path (softmax of a bmm),
-        # which is eager math: the route a call returning its weights is limited
-        # to. Issue 19: returning them is a requirement (``Requirements.weights``)
-        # only eager implements; the machine names it before the set
-        # (``machine.REQUIREMENTS_BEFORE_SUPPORTED``): ``requirement_unmet``, a
-        # kernel's limit, not the route's
-        common["current"] = _EAGER
-        common["requirements"] = Requirements(backward=backward, weights=True)
-        return SiteDescription(
-            **common,
-            route=f"{WEIGHTS_ROUTE}: {asked}",
-            kind=RouteKind.PIN,
-            supported=frozenset({_EAGER}),
-        )
-    if fact is not None:
-        return SiteDescription(
-            **common,
-            route=f"torch_sdpa in torch.nn.MultiheadAttention (its own code path: {fact})",
-            kind=RouteKind.PIN,
-            supported=frozenset({own}),
-        )
+        # torch's own path computes the weights by hand (eager math). Issue 19: a
+        # requirement only eager implements (``machine.REQUIREMENTS_BEFORE_SUPPORTED``)
+        only, route = _EAGER, f"{WEIGHTS_ROUTE}: {asked}"
+    elif fact is not None:
+        only = _TORCH_SDPA
+        route = f"torch_sdpa in torch.nn.MultiheadAttention (its own code path: {fact})"
+    else:
+        only, route = None, f"{MHA_ROUTE} (torch.nn.MultiheadAttention's own math)"
+    heads = int(module.num_heads)
     return SiteDescription(
-        **common,
-        route=f"{MHA_ROUTE} (torch.nn.MultiheadAttention's own math)",
-        supported=None,
-        kind=RouteKind.INTERCEPT,
+        component=component,
+        name=name,
+        module_class=type(module).__name__,
+        head_size=int(module.head_dim),
+        heads=heads,
+        kv_heads=heads,
+        dtype=dtype,
+        requirements=Requirements(backward=backward, weights=asked is not None),
+        current=only or _TORCH_SDPA,
+        route=route,
+        kind=RouteKind.INTERCEPT if only is None else RouteKind.PIN,
+        supported=None if only is None else frozenset({only}),
         # with no flag, automatic choices keep what torch runs there (nothing wrapped)
-        preferred=frozenset({own}),
+        preferred=frozenset({_TORCH_SDPA}) if only is None else None,
     )
 
 
 #: issue 30: torch's functional multi-head attention (HunyuanDiT's attention pool
-#: calls it with its own projections): softmax attention a module's code computes
-#: through torch's own code path
+#: calls it with its own projections)
 MHA_FUNCTION = "multi_head_attention_forward"
 
 
@@ -334,48 +293,32 @@ def describe_mha_function(
     component: str, name: str, module: Any, dtype: str, backward: bool
 ) -> SiteDescription:
     """A module whose code calls ``F.multi_head_attention_forward`` (issue 30): a
-    site of its own code path, which runs torch SDPA (``need_weights=False``) and
-    takes no other kernel. So an explicit backend is honoured by falling back
-    with the reason (a component that may fall back) or refused, typed (a strict
-    one); with no flag nothing changes. Head facts from what the module holds
-    (a head count, and a head size or its query projection's width); without
-    them the site is recorded as unclassified, which a strict component refuses."""
-    own = Backend("torch_sdpa")
+    site of its own code path (torch SDPA, no other kernel: an explicit backend
+    falls back with the reason, or is refused in a strict component). Head facts
+    from a head count and a head size or its query projection's width; without
+    them the site is unclassified, which a strict component refuses."""
+    cls = type(module).__name__
     facts = head_facts(module)
-    heads = _int_attr(module, _HEADS)
+    count = _int_attr(module, _HEADS)
     width = getattr(getattr(module, "q_proj", None), "out_features", None)
-    if facts is None and heads is not None and isinstance(width, int) and width % heads == 0:
-        facts = (heads, heads, width // heads)
-    route = (
-        f"torch_sdpa in torch.nn.functional.{MHA_FUNCTION} (its own code path: "
-        f"{type(module).__name__} calls it)"
-    )
-    common: dict[str, Any] = {
-        "component": component,
-        "name": name,
-        "module_class": type(module).__name__,
-        "dtype": dtype,
-        "route": route,
-        "kind": RouteKind.PIN,
-        "current": own,
-        "requirements": Requirements(backward=backward),
-    }
-    if facts is None:
-        return SiteDescription(
-            **common,
-            supported=frozenset({own}),
-            head_size=None,
-            heads=None,
-            kv_heads=None,
-            why=f"{type(module).__name__} calls torch.nn.functional.{MHA_FUNCTION} and holds "
-            f"no head count and head size",
-        )
+    if facts is None and count is not None and isinstance(width, int) and width % count == 0:
+        facts = (count, count, width // count)
+    heads, kv_heads, size = facts or (None, None, None)
+    function = f"torch.nn.functional.{MHA_FUNCTION}"
     return SiteDescription(
-        **common,
-        supported=frozenset({own}),
-        heads=facts[0],
-        kv_heads=facts[1],
-        head_size=facts[2],
+        component=component,
+        name=name,
+        module_class=cls,
+        dtype=dtype,
+        route=f"torch_sdpa in {function} (its own code path: {cls} calls it)",
+        kind=RouteKind.PIN,
+        current=_TORCH_SDPA,
+        requirements=Requirements(backward=backward),
+        supported=frozenset({_TORCH_SDPA}),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_size=size,
+        why=None if facts else f"{cls} calls {function} and holds no head count and head size",
     )
 
 
@@ -419,18 +362,14 @@ class MaskFacts:
     def describe(self) -> str:
         if not self.present:
             return "no attention mask"
-        words = _MASK_WORDS[self.kind] if self.kind is not MaskKind.ANY else "attention mask"
+        words = _MASK_WORDS[self.kind]
         if self.causal:
             words = f"causal with {words}"
         return f"{words} ({self.dtype}, shape {list(self.shape or ())})"
 
     def covered_by(self, planned: MaskFacts) -> bool:
         """Whether a site planned for ``planned`` takes this mask (issue 22)."""
-        if not self.present:
-            return True
-        if not planned.present:
-            return False
-        return planned.kind in (MaskKind.ANY, self.kind)
+        return not self.present or (planned.present and planned.kind in (MaskKind.ANY, self.kind))
 
 
 _MASK_WORDS = {
@@ -458,15 +397,9 @@ def dense_mask(attn_mask: Any, q: Any, k: Any, seq_dim: int) -> Any:
         return attn_mask
     from torch.nn.attention.flex_attention import create_mask
 
-    batch, heads = attn_mask.shape[0], attn_mask.shape[1]
-    return create_mask(
-        attn_mask.mask_mod,
-        batch,
-        heads,
-        int(q.shape[seq_dim]),
-        int(k.shape[seq_dim]),
-        device=q.device,
-    )
+    batch, heads = attn_mask.shape[:2]
+    seq_q, seq_kv = int(q.shape[seq_dim]), int(k.shape[seq_dim])
+    return create_mask(attn_mask.mask_mod, batch, heads, seq_q, seq_kv, device=q.device)
 
 
 def dispatcher_mask(attn_mask: Any, query: Any, key: Any) -> Any:
@@ -492,20 +425,20 @@ def _observe_mask(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> MaskFacts:
     """The mask of one call as :class:`MaskFacts`, its kind observed (issue 22)."""
     if attn_mask is None:
         return MaskFacts(False)
+    shape = tuple(int(d) for d in attn_mask.shape)
     if _is_block_mask(attn_mask):
         # a flex BlockMask: a boolean mask over arbitrary positions (its mask_mod),
         # told without building it
-        return MaskFacts(True, "bool", tuple(int(d) for d in attn_mask.shape), MaskKind.BOOLEAN)
-    seq_dim = -2 if heads_dim == -3 else -3  # SDPA (B, H, S, D); dispatcher (B, S, H, D)
+        return MaskFacts(True, "bool", shape, MaskKind.BOOLEAN)
+    seen = observe_mask(attn_mask, *_mask_dims(q, k, heads_dim))
+    return MaskFacts(True, _dtype_name(attn_mask.dtype), shape, seen.kind, seen.causal)
+
+
+def _mask_dims(q: Any, k: Any, heads_dim: int) -> tuple[int, int, int]:
+    """A call's batch, query and key lengths (SDPA: (B, H, S, D); dispatcher: (B, S, H, D))."""
+    seq_dim = -2 if heads_dim == -3 else -3
     batch = int(q.shape[0]) if q.dim() == 4 else 1
-    seen = observe_mask(attn_mask, batch, int(q.shape[seq_dim]), int(k.shape[seq_dim]))
-    return MaskFacts(
-        True,
-        _dtype_name(attn_mask.dtype),
-        tuple(int(d) for d in attn_mask.shape),
-        seen.kind,
-        seen.causal,
-    )
+    return batch, int(q.shape[seq_dim]), int(k.shape[seq_dim])
 
 
 @frozen
@@ -541,13 +474,12 @@ class CallFacts:
         arguments: tuple[str, ...] = (),
     ) -> CallFacts:
         head_size = int(q.shape[-1])
-        mask = _observe_mask(q, k, attn_mask, heads_dim)
         return cls(
             heads=int(q.shape[heads_dim]) if q.dim() >= 3 else 1,
             kv_heads=int(k.shape[heads_dim]) if k.dim() >= 3 else 1,
             head_size=head_size,
             dtype=_dtype_name(q.dtype),
-            mask=mask,
+            mask=_observe_mask(q, k, attn_mask, heads_dim),
             causal=bool(is_causal),
             custom_scale=scale is not None and _custom(scale, head_size),
             dropout=bool(dropout_p),
@@ -571,8 +503,8 @@ class CallFacts:
 
     def key(self) -> tuple[Any, ...]:
         """What decides a kernel (the mask's shape does not; its kind does): the
-        same tuple :func:`call_key` builds from a call."""
-        return signature(
+        same tuple :meth:`GenericRoute.kernel_for` builds from a call's tensors."""
+        return (
             self.heads,
             self.kv_heads,
             self.head_size,
@@ -589,14 +521,12 @@ class CallFacts:
         """The facts that differ from ``planned``, in words (all, when nothing was)."""
         if planned is None:
             return ("head facts (decided at first call)",)
-        # what the plan allowed covers less: no mask where it allowed one, the
-        # default scale where it allowed a custom one, as many kv heads as heads
-        # where it allowed grouped ones (a processor that repeats them first)
+        # less than the plan allowed is no difference: no mask where it allowed one,
+        # the default scale, as many kv heads as heads (a processor repeats them)
         out = []
         if not self.mask.covered_by(planned.mask):
             out.append(self.mask.describe())
-        # a causal triangle inside a key-padding mask is causal (as :meth:`spec`
-        # reads it): a padded causal call that passes is_causal=False is not "not causal"
+        # a causal triangle inside a key-padding mask is causal (as :meth:`spec` reads it)
         causal = self.causal or self.mask.causal
         if causal != planned.causal:
             out.append("causal" if causal else "not causal")
@@ -641,50 +571,38 @@ class CallFacts:
             weights=base.requirements.weights or self.weights,
         )
         spec = attrs.evolve(base, head_size=self.head_size, dtype=self.dtype, requirements=req)
-        only = _EAGER if self.weights or self.arguments else own if self.dropout else None
-        if only is not None:
-            # no attnres kernel returns the weights or applies dropout (the calling
-            # convention has neither): only the site's own code serves the call,
-            # exactly (a stand-in never runs there)
-            spec = attrs.evolve(
-                spec,
-                supported=frozenset({only}),
-                default=None if base.default is None else only,
-                preferred=None,
-                exact_route=(
-                    f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
-                    if self.arguments
-                    else WEIGHTS_ROUTE
-                    if self.weights
-                    else DROPOUT_ROUTE
-                ),
-            )
-        return spec
+        # no attnres kernel returns the weights, applies dropout or takes these
+        # arguments (the calling convention has none of them): only the site's own
+        # code serves the call, exactly (a stand-in never runs there)
+        if self.arguments:
+            only, route = _EAGER, f"{ARGUMENTS_ROUTE}: {', '.join(self.arguments)}"
+        elif self.weights:
+            only, route = _EAGER, WEIGHTS_ROUTE
+        elif self.dropout:
+            only, route = own, DROPOUT_ROUTE
+        else:
+            return spec
+        default = None if base.default is None else only
+        return attrs.evolve(
+            spec, supported=frozenset({only}), default=default, preferred=None, exact_route=route
+        )
 
 
 def mask_kind(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> Any:
-    """Issue 30: a call's mask in its signature: ``False`` (none), else its observed
-    kind and whether it holds a causal triangle (:func:`_observe_mask`), read once
-    per mask tensor (every layer of a forward is handed the same one)."""
+    """Issue 30: a call's mask in its signature: ``False`` (none), else its kind and
+    whether it holds a causal triangle, read once per mask tensor (every layer of
+    a forward is handed the same one)."""
     if attn_mask is None:
         return False
     if _is_block_mask(attn_mask):
         return (MaskKind.BOOLEAN, False)
-    seq_dim = -2 if heads_dim == -3 else -3
-    batch = int(q.shape[0]) if q.dim() == 4 else 1
-    key = (
-        id(attn_mask),
-        attn_mask._version,
-        batch,
-        int(q.shape[seq_dim]),
-        int(k.shape[seq_dim]),
-        heads_dim,
-    )
+    dims = _mask_dims(q, k, heads_dim)
+    key = (id(attn_mask), attn_mask._version, *dims, heads_dim)
     held = _MASKS_SEEN.get(key)
     if held is not None and held[0]() is attn_mask:
         return held[1]
-    facts = _observe_mask(q, k, attn_mask, heads_dim)
-    kind = (facts.kind, facts.causal)
+    seen = observe_mask(attn_mask, *dims)
+    kind = (seen.kind, seen.causal)
     if len(_MASKS_SEEN) >= 64:
         _MASKS_SEEN.clear()
     _MASKS_SEEN[key] = (weakref.ref(attn_mask), kind)
@@ -694,62 +612,6 @@ def mask_kind(q: Any, k: Any, attn_mask: Any, heads_dim: int) -> Any:
 #: the masks :func:`mask_kind` read lately: (id, version, batch, seq_q, seq_kv,
 #: layout) -> (the tensor, weakly; its kind)
 _MASKS_SEEN: dict[tuple[int, ...], tuple[Any, Any]] = {}
-
-
-def call_key(
-    q: Any,
-    k: Any,
-    mask: Any,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    heads_dim: int,
-    weights: bool = False,
-    arguments: tuple[str, ...] = (),
-) -> tuple[Any, ...]:
-    """A call's signature (``mask``: its :func:`mask_kind`), built with no object
-    (it runs on every call, and is traced whole by torch.compile)."""
-    head_size = q.shape[-1]
-    return signature(
-        q.shape[heads_dim],
-        k.shape[heads_dim],
-        head_size,
-        q.dtype,
-        mask,
-        bool(is_causal),
-        scale is not None and _custom(scale, head_size),
-        bool(dropout_p),
-        weights,
-        arguments,
-    )
-
-
-def signature(
-    heads: int,
-    kv_heads: int,
-    head_size: int,
-    dtype: Any,
-    mask: Any,
-    causal: bool,
-    custom_scale: bool,
-    dropout: bool,
-    weights: bool = False,
-    arguments: tuple[str, ...] = (),
-) -> tuple[Any, ...]:
-    """The one layout of a call's signature (:func:`call_key`, :meth:`CallFacts.key`
-    and a route that knows a call's scalars before it has its tensors)."""
-    return (
-        heads,
-        kv_heads,
-        head_size,
-        dtype,
-        mask,
-        causal,
-        custom_scale,
-        dropout,
-        weights,
-        arguments,
-    )
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -791,10 +653,9 @@ class FirstCall:
 
 
 class _Mode(TorchFunctionMode):
-    """Send the SDPA calls the site's own code makes while it is active to one
-    route (:func:`_own_call`): the install of a site :func:`rebind` cannot copy.
-    Eager only: its frame check (``sys._getframe``) is not traced by
-    torch.compile, so ``fullgraph=True`` is refused by torch at such a site."""
+    """Send the SDPA calls the site's own code makes to its route (:func:`_own_call`):
+    the install of a site :func:`rebind` cannot copy. Eager only: torch.compile
+    does not trace its frame check, so refuses ``fullgraph=True`` there."""
 
     def __init__(self, route: GenericRoute) -> None:
         super().__init__()
@@ -807,10 +668,9 @@ class _Mode(TorchFunctionMode):
 
 
 def _own_call(frame: types.FrameType | None) -> bool:
-    """Issue 30: whether an SDPA call was made by the site's own code, the frames
-    between it and the site's forward (:func:`_run_in_mode`) holding no call of
-    another module (``Module.__call__``) and no other route's kernel (a nested
-    site's mode handling its own call): those are not the site's to take."""
+    """Issue 30: whether an SDPA call was made by the site's own code: no frame
+    between it and the site's forward (:func:`_run_in_mode`) is another module's
+    call or another (nested) route's mode."""
     while frame is not None:
         code = frame.f_code
         if code is _RUN_IN_MODE:
@@ -841,39 +701,29 @@ class GenericRoute:
         config: SelectionConfig,
         scope: ScopeState,
         platform: Platform,
-        on_first_call: Callable[[FirstCall], None] | None = None,
         own: Backend | None = None,
         own_route: str | None = None,
     ) -> None:
         self.component = component
-        #: issue 19: a site decided at its first call whose route runs only its own
-        #: code (``own``): the route, exact, which the first call's spec carries
+        self.where = f"attention site {name!r} of component {component!r}"
+        #: issue 19: the exact route of a site decided at its first call whose
+        #: route runs only its own code
         self.own_route = own_route
-        #: the backend the site's own code path runs (what it ran before the route:
-        #: torch SDPA, or ``eager`` for softmax by hand); a signature decided it
-        #: runs the site's own code, untouched
+        #: the backend the site's own code runs (torch SDPA, or ``eager`` for
+        #: softmax by hand); a signature decided it runs that code, untouched
         self.own = _TORCH_SDPA if own is None else own
         self.name = name
         self.spec = spec
         self.config = config
         self.scope = scope
         self.platform = platform
-        self.on_first_call = on_first_call
         #: issue 22: the dispatcher's name for torch SDPA (set by the diffusers
-        #: integration). A call decided ``torch_sdpa`` runs the dispatcher with that
-        #: backend, never the processor's own: a backend pinned there (diffusers'
-        #: ``sage_varlen`` or ``flash_varlen``, which assume right padding) is not
-        #: what the decision said
+        #: integration): a call decided ``torch_sdpa`` runs the dispatcher with it,
+        #: never a backend pinned there (``sage_varlen`` assumes right padding)
         self.dispatch_sdpa: Any = None
         #: issue 19: a site decided at first call whose own code runs a kernel of
-        #: its choosing (a processor that declares flex) keeps it with no flag, as
-        #: a planned site's ``preferred`` does (set by the diffusers integration)
+        #: its choosing (a processor declaring flex) keeps it with no flag
         self.keeps_own = False
-        self.planned = (
-            None
-            if spec is None or heads is None
-            else CallFacts.planned(spec, heads, kv_heads or heads)
-        )
         self.first_calls: list[FirstCall] = []
         #: the names its rebound functions read their stand-ins under (:func:`rebind`)
         self.homes: list[tuple[dict[str, Any], str]] = []
@@ -884,6 +734,9 @@ class GenericRoute:
         #: issue 30: the mask of the latest call outside torch.compile (a graph
         #: cannot read a mask's values: it runs the kernel eager calls were given)
         self.last_mask: Any = None
+        self.planned: CallFacts | None = None
+        if spec is not None and heads is not None:
+            self.planned = CallFacts.planned(spec, heads, kv_heads or heads)
         if self.planned is not None and resolution is not None and spec is not None:
             kernel = self._kernel(resolution.backend, spec, self.own)
             self.kernels[self.planned.key()] = kernel
@@ -908,8 +761,7 @@ class GenericRoute:
         routed: _KernelFn = route_kernel(backend_spec, kernel, req.mask, req.causal_alignment)
         options = dict(spec.backend_options).get(backend.name)
         if options:  # issue 23: the site's options for this backend, bound once
-            where = f" for attention site {self.name!r} of component {self.component!r}"
-            check_layer_options(backend_spec, spec, self.platform, where)
+            check_layer_options(backend_spec, spec, self.platform, f" for {self.where}")
             routed = functools.partial(routed, **dict(options))
         return routed
 
@@ -924,20 +776,15 @@ class GenericRoute:
         scale: float | None = None,
         **extra: Any,
     ) -> Any:
-        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim).
-        A call with no heads dimension (batch, seq, dim), as SDPA allows (the
-        HunyuanImage VAE's attention block makes one), is one head: it is seen
-        and run as (batch, 1, seq, dim)."""
+        """In place of ``F.scaled_dot_product_attention`` (batch, heads, seq, dim). A
+        call with no heads dimension (the HunyuanImage VAE's attention block makes
+        one) is one head: seen and run as (batch, 1, seq, dim)."""
         flat = q.dim() == 3
+        q4, k4, v4, m4 = q, k, v, attn_mask
         if flat:
             q4, k4, v4 = q.unsqueeze(-3), k.unsqueeze(-3), v.unsqueeze(-3)
-            m4 = (
-                attn_mask.unsqueeze(-3)
-                if attn_mask is not None and attn_mask.dim() == 3
-                else attn_mask
-            )
-        else:
-            q4, k4, v4, m4 = q, k, v, attn_mask
+            if attn_mask is not None and attn_mask.dim() == 3:
+                m4 = attn_mask.unsqueeze(-3)
         kernel = self.kernel_for(q4, k4, m4, dropout_p, is_causal, scale, -3)
         if kernel is None:
             return _SDPA(
@@ -950,14 +797,8 @@ class GenericRoute:
                 scale=scale,
                 **extra,
             )
-        out = kernel(
-            q4.transpose(-3, -2),
-            k4.transpose(-3, -2),
-            v4.transpose(-3, -2),
-            m4,
-            is_causal,
-            scale,
-        ).transpose(-3, -2)
+        seq_first = [x.transpose(-3, -2) for x in (q4, k4, v4)]  # the kernels' layout
+        out = kernel(*seq_first, m4, is_causal, scale).transpose(-3, -2)
         return out.squeeze(-3) if flat else out
 
     def kernel_for(
@@ -973,17 +814,12 @@ class GenericRoute:
         arguments: tuple[str, ...] = (),
     ) -> _KernelFn | None:
         """The kernel of this call's signature (``None``: the site's own code runs
-        it), checked once per signature against the plan. Every caller goes
-        through it: the SDPA and dispatcher stand-ins, the MHA route, the
-        watch of a site decided at its first call, attnres's transformers
-        attention function."""
-        # issue 30: the mask's kind is in the signature, so the first call of each
-        # kind is checked against the plan (a later call with another kind never
-        # reuses the kernel of the first)
+        it), checked once per signature against the plan; every caller (stand-ins,
+        the MHA route, the watch, attnres's transformers function) goes through it."""
+        # issue 30: the mask's kind is in the signature, so a later call with another
+        # kind is checked, never run on the kernel of the first
         mask: Any = False
-        if attn_mask is None:
-            pass
-        else:
+        if attn_mask is not None:
             refuse_integer_mask(attn_mask)  # issue 32 item 1: every call, whatever runs it
             if torch.compiler.is_compiling():
                 mask = self.last_mask
@@ -991,7 +827,21 @@ class GenericRoute:
                     mask = (self.planned.mask.kind, self.planned.mask.causal)
             else:
                 mask = self.last_mask = mask_kind(q, k, attn_mask, heads_dim)
-        key = call_key(q, k, mask, dropout_p, is_causal, scale, heads_dim, weights, arguments)
+        # the layout of CallFacts.key, built with no object (it runs on every call,
+        # and is traced whole by torch.compile)
+        head_size = q.shape[-1]
+        key = (
+            q.shape[heads_dim],
+            k.shape[heads_dim],
+            head_size,
+            q.dtype,
+            mask,
+            bool(is_causal),
+            scale is not None and _custom(scale, head_size),
+            bool(dropout_p),
+            weights,
+            arguments,
+        )
         if torch.compiler.is_compiling():  # traced: no lock in a graph
             found = self.kernels.get(key, _UNSEEN)
         else:  # read under the lock _first_call writes under (issue 30: threads)
@@ -1016,10 +866,8 @@ class GenericRoute:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GenericRoute:
         """Issue 30: a deep copy of an applied model gets routes of its own: the same
-        decisions and kernels (a route holds no weights), the records so far, and
-        from then on its own first calls; its code is built again on the copy
-        (:class:`_Installed`, :func:`_copy_processor`), so the copy runs its own
-        weights and the original's records never hold the copy's calls."""
+        kernels and records so far, then its own first calls; its code is built
+        again on the copy (:class:`_Installed`, :func:`_copy_processor`)."""
         new = object.__new__(GenericRoute)
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)  # shared: spec, config, scope, platform
@@ -1030,7 +878,7 @@ class GenericRoute:
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        refuse_pickle(f"attention site {self.name!r} of component {self.component!r}")
+        refuse_pickle(self.where)
 
     def close(self) -> None:
         """Forget the homes of its rebound functions (the route was removed)."""
@@ -1040,10 +888,9 @@ class GenericRoute:
             self._finalizer = None
 
     def tie(self, owner: Any) -> None:
-        """Forget the homes of its rebound functions when ``owner`` (the module the
-        route is installed on) is collected: a model dropped without ``remove`` leaves
-        no name in the library's module namespaces (nothing the homes hold refers
-        back to the module, so they never keep it alive)."""
+        """Forget the homes of its rebound functions when ``owner`` (the module it is
+        installed on) is collected: a model dropped without ``remove`` leaves no
+        name in the library's namespaces (the homes never keep it alive)."""
         if self._finalizer is None:
             self._finalizer = weakref.finalize(owner, _forget_homes, self.homes)
 
@@ -1090,10 +937,9 @@ class GenericRoute:
     def _first_call(self, facts: CallFacts) -> _KernelFn | None:
         if torch.compiler.is_compiling():
             raise CompiledGraphError(
-                f"attention site {self.name!r} of component {self.component!r} met a call its "
-                f"plan did not describe ({', '.join(facts.differences(self.planned))}) inside "
-                f"torch.compile: run the applied model once before compiling, so the site is "
-                f"decided outside the graph"
+                f"{self.where} met a call its plan did not describe "
+                f"({', '.join(facts.differences(self.planned))}) inside torch.compile: run the "
+                f"applied model once before compiling, so the site is decided outside the graph"
             )
         with self._lock:
             if facts.key() in self.kernels:
@@ -1105,16 +951,15 @@ class GenericRoute:
                 self.kernels[facts.key()] = kernel
                 return kernel
             spec = facts.spec(self.spec, self.name, self.own)
-            if self.spec is None and self.keeps_own and spec.preferred is None:
-                spec = attrs.evolve(spec, preferred=frozenset({self.own}))
-            if self.spec is None and self.own_route is not None and spec.supported is None:
-                # decided at first call on a route that runs only its own code
-                spec = attrs.evolve(
-                    spec, supported=frozenset({self.own}), exact_route=self.own_route
-                )
-            if self.spec is None and self.config.backend_options:
-                # issue 23: a site decided at its first call takes the config's options
-                spec = attrs.evolve(spec, backend_options=self.config.backend_options)
+            if self.spec is None:  # decided at its first call
+                if self.keeps_own and spec.preferred is None:
+                    spec = attrs.evolve(spec, preferred=frozenset({self.own}))
+                if self.own_route is not None and spec.supported is None:
+                    # a route that runs only its own code
+                    own_only = frozenset({self.own})
+                    spec = attrs.evolve(spec, supported=own_only, exact_route=self.own_route)
+                if self.config.backend_options:  # issue 23: it takes the config's options
+                    spec = attrs.evolve(spec, backend_options=self.config.backend_options)
             resolution, _, trace = lookup(
                 spec, self.config, self.scope, self.platform, None, needs_kernel=True
             )
@@ -1122,16 +967,13 @@ class GenericRoute:
             error = None
             if resolution is None:
                 error = (
-                    f"attention site {self.name!r} of component {self.component!r}: observed "
-                    f"at first call: {', '.join(changed)}, which its plan did not allow; "
-                    f"{trace.outcome.error}"
+                    f"{self.where}: observed at first call: {', '.join(changed)}, which its "
+                    f"plan did not allow; {trace.outcome.error}"
                 )
                 if spec.exact_route is not None and spec.exact_route not in error:
                     error += f" (the site's route: {spec.exact_route})"  # as a plan says it
             record = FirstCall(self.component, self.name, facts, changed, trace, backend, error)
             self.first_calls.append(record)
-            if self.on_first_call is not None:
-                self.on_first_call(record)
             if resolution is None:
                 raise ResolutionError(str(error), trace, str(trace.outcome.code))
             own = _EAGER if facts.weights or facts.arguments else self.own
@@ -1148,9 +990,8 @@ def site_route(
     own_route: str | None = None,
 ) -> GenericRoute:
     """The route of one planned site (every integration builds its routes here);
-    ``own``: what runs where the route decides the site's own code (default: the
-    backend the site ran before); ``own_route``: a site decided at its first call
-    whose route runs only that (:class:`GenericRoute`)."""
+    ``own``: what the site's own code runs (default: the site's current backend);
+    ``own_route``: a site decided at its first call whose route runs only that."""
     return GenericRoute(
         component=site.component,
         name=site.name,
@@ -1161,7 +1002,7 @@ def site_route(
         config=config,
         scope=scope_state(site.component),
         platform=platform,
-        own=own or site.current,  # what the site's own code runs (eager: softmax by hand)
+        own=own or site.current,
         own_route=own_route,
     )
 
@@ -1225,24 +1066,21 @@ def _stand_in(value: Any, names: set[str], route: GenericRoute) -> Any:
 def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     """A copy of ``func`` whose attention calls go to ``route``, or ``None`` when its
     code (and the module-level functions it calls, ``depth`` levels) names none,
-    or names one of them otherwise than as a global.
+    or names one otherwise than as a global.
 
-    Only the names the copy loads differ: each global that holds
-    ``torch.nn.functional`` (or ``torch``, ``torch.nn`` on the way to it),
-    ``scaled_dot_product_attention`` or ``dispatch_attention_fn`` is read under a
-    name of the route's own, added to the function's module namespace, which
-    holds its stand-in (:func:`_stand_in`, the route, ``route.dispatcher``).
-    Every other global is the module's own, read live (issue 30: a global the
-    library or the user reassigns after ``apply`` is seen). Nothing torch or
-    diffusers reads is changed; the added names are removed with the route
-    (:meth:`GenericRoute.close`, or when the module is collected).
+    Each global holding ``torch.nn.functional`` (or ``torch``, ``torch.nn`` on the
+    way), ``scaled_dot_product_attention`` or ``dispatch_attention_fn`` is read
+    under a name of the route's own, added to the function's module namespace and
+    holding its stand-in (:func:`_stand_in`, the route, ``route.dispatcher``).
+    Every other global is read live (issue 30: one reassigned after ``apply`` is
+    seen). The added names go with the route (:meth:`GenericRoute.close`, or
+    when the module is collected).
     """
     func = getattr(func, "__func__", func)
     code = getattr(func, "__code__", None)
     if not isinstance(func, types.FunctionType) or not isinstance(code, types.CodeType):
         return None
-    names: set[str] = set()
-    _code_names(code, names)
+    names = {name for c in _codes(code) for name in c.co_names}
     glob = func.__globals__
     subs: dict[str, Any] = {}
     for name in names:
@@ -1280,11 +1118,10 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
 def _globals_only(code: types.CodeType, names: dict[str, Any]) -> bool:
     """Whether ``code`` (and the code it holds) uses each of ``names`` only as a
     global it loads (a name also used as an attribute cannot be renamed)."""
-    for ins in dis.get_instructions(code):
-        if ins.opcode in dis.hasname and ins.argval in names and ins.opname != "LOAD_GLOBAL":
-            return False
-    return all(
-        _globals_only(const, names) for const in code.co_consts if isinstance(const, types.CodeType)
+    return not any(
+        ins.opcode in dis.hasname and ins.argval in names and ins.opname != "LOAD_GLOBAL"
+        for c in _codes(code)
+        for ins in dis.get_instructions(c)
     )
 
 
@@ -1371,9 +1208,9 @@ _NOT_OWN = frozenset(
 
 class _Installed:
     """The instance ``forward`` :func:`install_route` sets: ``build(module, route)``,
-    called. Issue 30: a deep copy of the module gets its own, built again on its
-    first call from the copy (a closure over the original would run the original's
-    weights); pickling is refused, typed (:func:`refuse_pickle`)."""
+    called. Issue 30: a deep copy of the module builds its own at its first call
+    (a closure over the original would run the original's weights); pickling is
+    refused, typed (:func:`refuse_pickle`)."""
 
     __slots__ = ("build", "fn", "lock", "module", "previous", "route")
 
@@ -1383,10 +1220,7 @@ class _Installed:
         self.fn: Any = build(module, route)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self.fn
-        if fn is None:
-            fn = self._rebuild()
-        return fn(*args, **kwargs)
+        return (self.fn or self._rebuild())(*args, **kwargs)
 
     def _rebuild(self) -> Any:
         with self.lock:
@@ -1413,23 +1247,20 @@ class _Installed:
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        refuse_pickle(f"attention site {self.route.name!r} of component {self.route.component!r}")
+        refuse_pickle(self.route.where)
 
 
 def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
     """Run ``module``'s forward with its SDPA calls sent to ``route`` (this module only).
 
-    ``build``, when given, makes the site's own forward from the module and the
-    route (the MHA route's, :func:`mha_forward`). Otherwise its forward is
-    rebound (:func:`rebind`) where its code names the call as a global, else
-    run under :class:`_Mode` (a module holding a forward of its own, as
-    accelerate's hooks set, or code reaching SDPA through an attribute): every
-    torch call of the forward then passes through the mode, which costs more
-    per call than the rebound copy (``make bench``). Issue 30: built again,
-    on a route of its own, for a deep copy of the module (:class:`_Installed`)."""
+    ``build``, when given, makes the site's forward from the module and the route
+    (:func:`mha_forward`, :func:`watch_forward`). Otherwise its forward is rebound
+    (:func:`rebind`) where its code names the call as a global, else run under
+    :class:`_Mode` (a module holding a forward of its own, as accelerate's hooks
+    set, or code reaching SDPA through an attribute), which costs more per call
+    (``make bench``). Issue 30: built again for a deep copy (:class:`_Installed`)."""
     remove_route(module)
-    # an instance-level forward (accelerate's offload hooks set one) is kept and
-    # wrapped, and put back by remove_route
+    # an instance-level forward (accelerate's offload hooks) is wrapped, and put back
     previous = module.__dict__.get("forward")
     module.__dict__["forward"] = _Installed(module, route, build or _routed_forward, previous)
     module.__dict__[_ROUTE_ATTR] = (route, previous)
@@ -1506,9 +1337,8 @@ class _Watch(TorchFunctionMode):
     """Check one forward of a site decided at its first call, before its attention
     output is computed: its first SDPA call, or its first softmax of a product of
     two batched tensors (the scores: query ``(..., seq_q, head size)`` times key
-    ``(..., head size, seq_kv)``, the last such product before the softmax), is
-    handed to the route as a call of its own code, which binds the site (or
-    raises, typed) and runs nothing else."""
+    ``(..., head size, seq_kv)``, the last product before it), is handed to the
+    route, which binds the site (or raises, typed); nothing else is run."""
 
     def __init__(self, route: GenericRoute) -> None:
         super().__init__()
@@ -1560,9 +1390,8 @@ class _Watch(TorchFunctionMode):
 def watch_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     """``module``'s forward for a site decided at its first call whose route runs
     only its own code (softmax by hand, or the attention function its config
-    names): each call's attention facts are read from its first SDPA call or
-    softmax of a scores product (:class:`_Watch`) and checked by ``route``;
-    the computation is the module's own, untouched (bit-identical)."""
+    names): each call's facts are read (:class:`_Watch`) and checked by
+    ``route``; the computation is the module's own, untouched."""
     original = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -1576,12 +1405,10 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     """``nn.MultiheadAttention.forward`` for one site: its own math (in-projection,
     heads split, attention, out-projection) with the attention the decided kernel.
 
-    Each call's facts are checked (:meth:`GenericRoute.kernel_for`): a mask from
-    ``attn_mask`` and/or ``key_padding_mask`` and its kind, causal
-    (``is_causal`` with no padding mask, as torch's own path reads it), dropout
-    (training only) and ``need_weights=True``, which no kernel serves: such a call
-    is resolved again to the module's own path (traced), or raises
-    ``ResolutionError`` in a strict component. A signature decided what the
+    Each call's facts are checked (:meth:`GenericRoute.kernel_for`): its mask
+    (``attn_mask`` and/or ``key_padding_mask``), causal (``is_causal`` with no
+    padding mask, as torch reads it), dropout (training only) and
+    ``need_weights=True``, which no kernel serves. A signature decided what the
     module runs itself calls its own ``forward`` with the call's arguments.
     """
     original = module.forward
@@ -1625,37 +1452,27 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
         seq_kv = k_in.shape[1]
         dropout_p = module.dropout if module.training else 0.0
         causal = bool(is_causal) and padding is None and not need_weights
-
-        def project() -> tuple[Any, Any, Any, Any]:
-            q, k, v = _mha_projections(module, q_in, k_in, v_in)
-            mask = (
-                None if causal else _mha_mask(attn_mask, padding, n, heads, seq_q, seq_kv, q.dtype)
+        if need_weights and attn_mask is None and padding is None:
+            # only the module's own path returns the weights: a signature already
+            # decided is known before projecting (its key from the call's scalars),
+            # so the own path never pays the projections twice (a masked call's key
+            # holds its mask's kind: read from the mask below)
+            dtype = _dtype_name(query.dtype)
+            seen = CallFacts(
+                heads, heads, size, dtype, MaskFacts(False), False, False, bool(dropout_p), True
             )
-            return (
-                q.view(n, seq_q, heads, size),
-                k.view(n, seq_kv, heads, size),
-                v.view(n, seq_kv, heads, size),
-                mask,
-            )
-
-        if need_weights:  # only the module's own path returns the weights
-            # a signature already decided is known before projecting (its key from
-            # the call's scalars): the own path never pays the projections twice
-            # (a masked call's key holds its mask's kind: read from the mask below)
-            if attn_mask is None and padding is None:
-                seen = signature(
-                    heads, heads, size, query.dtype, False, False, False, bool(dropout_p), True
-                )
-                if route.kernels.get(seen, _UNSEEN) is None:
-                    return own()
-            q, k, _, mask = project()
-            if route.kernel_for(q, k, mask, dropout_p, causal, None, -2, True) is None:
+            if route.kernels.get(seen.key(), _UNSEEN) is None:
                 return own()
-            raise AssertionError("a call that returns its weights runs its own path only")
-        q, k, v, mask = project()
-        kernel = route.kernel_for(q, k, mask, dropout_p, causal, None, -2)
+        q, k, v = _mha_projections(module, q_in, k_in, v_in)
+        mask = None if causal else _mha_mask(attn_mask, padding, n, heads, seq_q, seq_kv, q.dtype)
+        q = q.view(n, seq_q, heads, size)
+        k = k.view(n, seq_kv, heads, size)
+        v = v.view(n, seq_kv, heads, size)
+        kernel = route.kernel_for(q, k, mask, dropout_p, causal, None, -2, bool(need_weights))
         if kernel is None:
             return own()
+        if need_weights:
+            raise AssertionError("a call that returns its weights runs its own path only")
         out = kernel(q, k, v, mask, causal, None).reshape(n, seq_q, heads * size)
         out = torch.nn.functional.linear(out, module.out_proj.weight, module.out_proj.bias)
         if not batch_first:
