@@ -614,7 +614,8 @@ def test_plan_dir_mistakes_exit_2(argv, needle, capsys):
 
 
 def test_plan_dir_reads_no_weights_and_is_bounded(tmp_path):
-    from attnres.integrations._folder import MAX_HEADER_BYTES, dtype_from_weights
+    from attnres._files import MAX_HEADER_BYTES
+    from attnres.integrations._untrusted import dtype_from_weights
 
     big = tmp_path / "model.safetensors"
     import struct
