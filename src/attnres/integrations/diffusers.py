@@ -99,8 +99,6 @@ __all__ = [
 
 ROUTE_DISPATCHER = "diffusers dispatcher"
 ROUTE_GENERIC = "generic route"
-#: the words of a site whose processor declares the backends its call runs
-DECLARES = "declares"
 
 #: attnres backend -> the diffusers ``AttentionBackendName`` value that runs it
 #: (diffusers 0.42.1; a context-parallel site runs only these). Hub kernels
@@ -556,6 +554,8 @@ def _describe(
         kv_heads=kv_heads,
         head_size=head_size,
         requirements=requirements,
+        supported=None,  # any backend attnres has a kernel for
+        pending=facts is None,  # decided at its first call
     )
     if parallel:
         # context parallel: diffusers' dispatcher splits the sequence; only the
@@ -565,16 +565,13 @@ def _describe(
             kind=RouteKind.PIN,
             supported=_pinned_backends(route_backends(processor), requirements),
             current=_dispatcher_current(processor),
-            pending=facts is None,
             host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
         )
     if declared is not None:
         return site(
-            route=f"{ROUTE_GENERIC} (dispatcher in {owner}, which {DECLARES} "
+            route=f"{ROUTE_GENERIC} (dispatcher in {owner}, which declares "
             f"{', '.join(sorted(b.name for b in declared))})",
-            supported=None,
             current=_dispatcher_current(processor),
-            pending=True,
             kind=RouteKind.INTERCEPT,
             why=f"{owner} declares the backends its call runs and builds that call "
             f"itself: its head facts and mask are read from its first call",
@@ -583,13 +580,11 @@ def _describe(
         via = "dispatcher" if _route.DISPATCHER in names else "SDPA"
         return site(
             route=f"{ROUTE_GENERIC} ({via} in {owner})",
-            supported=None,
             current=(
                 _dispatcher_current(processor)
                 if _is_dispatcher(processor)
                 else Backend("torch_sdpa")
             ),
-            pending=facts is None,
             kind=RouteKind.INTERCEPT,
             why=None
             if facts is not None
@@ -616,7 +611,6 @@ def _describe(
             route=_route.by_hand_route(owner),
             supported=frozenset({_EAGER}),
             current=_EAGER,
-            pending=facts is None,
             kind=RouteKind.OWN_CODE,
             why=None
             if facts is not None
@@ -626,7 +620,7 @@ def _describe(
     return site(
         route=f"own code in {owner}",
         kind=RouteKind.OWN_CODE,
-        supported=None,
+        pending=False,
         softmax=False,
         why=f"{owner} calls no SDPA, dispatcher or softmax (linear attention, say)",
     )
