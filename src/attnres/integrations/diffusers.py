@@ -743,7 +743,7 @@ class _Pin:
     name: str
     original: Any
     processor: Any
-    value: Any
+    value: str | None
     dtype: str | None
     route: _route.GenericRoute | None
 
@@ -991,7 +991,7 @@ def verify(pipe: Any) -> list[Problem]:
             elif pin.value is not None and (
                 pin.processor.__dict__.get("_attention_backend") != pin.value
             ):
-                found.append(f"pinned backend changed since apply (was {pin.value.value})")
+                found.append(f"pinned backend changed since apply (was {pin.value})")
             route = pin.route
             if (
                 route is not None
