@@ -247,6 +247,28 @@ def test_verify_reports_replaced_processor_and_cast():
     idf.remove(pipe)
 
 
+def test_verify_reports_a_changed_context_parallel_pin():
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    pipe = tp.flux()
+    attn = pipe.transformer.transformer_blocks[0].attn
+    attn.processor._parallel_config = object()
+    try:
+        idf.apply(pipe, SelectionConfig(global_backend="torch_sdpa"))
+        pinned = attn.processor  # a copy, pinned to diffusers' native backend
+        assert pinned._attention_backend == AttentionBackendName.NATIVE
+        pinned._attention_backend = AttentionBackendName._NATIVE_MATH
+        text = [str(p) for p in idf.verify(pipe)]
+        assert any(
+            "transformer_blocks.0.attn" in t
+            and "pinned backend changed since apply (was native)" in t
+            for t in text
+        )
+        idf.remove(pipe)
+    finally:
+        del attn.processor._parallel_config
+
+
 def test_layerwise_casting_plans_for_the_compute_dtype():
     pipe = tp.flux(dtype=torch.bfloat16)
     pipe.transformer.enable_layerwise_casting(
@@ -614,7 +636,8 @@ def test_plan_dir_mistakes_exit_2(argv, needle, capsys):
 
 
 def test_plan_dir_reads_no_weights_and_is_bounded(tmp_path):
-    from attnres.integrations._folder import MAX_HEADER_BYTES, dtype_from_weights
+    from attnres._files import MAX_HEADER_BYTES
+    from attnres.integrations._untrusted import dtype_from_weights
 
     big = tmp_path / "model.safetensors"
     import struct

@@ -22,7 +22,6 @@ from typing import Any
 
 import attrs
 
-from attnres import _files
 from attnres._codec import located
 from attnres._vocab import normalize_component, normalize_dtype
 from attnres.errors import InvalidArgumentError
@@ -32,19 +31,15 @@ from attnres.layer import SelectionConfig
 from attnres.plan import PlanResult
 from attnres.platform import Platform
 
-__all__ = ["DtypeArgs", "dtype_from_weights", "parse_dtype_args", "plan_folder"]
-
-#: the bounds live with the one reader and the untrusted-input checks (issue 20)
-MAX_HEADER_BYTES = _files.MAX_HEADER_BYTES
-MAX_WEIGHT_FILES = _untrusted.MAX_WEIGHT_FILES
+__all__ = ["DtypeArgs", "parse_dtype_args", "plan_folder"]
 
 
+@attrs.frozen
 class DtypeArgs:
     """``--dtype`` values: one for every component and/or per component."""
 
-    def __init__(self, every: str | None, per: Mapping[str, str]) -> None:
-        self.every = every
-        self.per = dict(per)
+    every: str | None
+    per: dict[str, str]
 
 
 def parse_dtype_args(values: Sequence[str]) -> DtypeArgs:
@@ -77,11 +72,6 @@ def parse_dtype_args(values: Sequence[str]) -> DtypeArgs:
     return DtypeArgs(every, per)
 
 
-def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
-    """The dtype most weight elements are stored in (see :mod:`._untrusted`)."""
-    return _untrusted.dtype_from_weights(folder)
-
-
 def _choose_dtype(
     name: str, folder: Path, config: Mapping[str, Any], args: DtypeArgs
 ) -> DtypeChoice:
@@ -89,7 +79,8 @@ def _choose_dtype(
         return DtypeChoice(args.per[normalize_component(name)], f"--dtype {name}=")
     if args.every is not None:
         return DtypeChoice(args.every, "--dtype")
-    dtype, detail = dtype_from_weights(folder)
+    # the dtype most weight elements are stored in, from the headers (issue 20)
+    dtype, detail = _untrusted.dtype_from_weights(folder)
     if dtype is not None:
         return DtypeChoice(dtype, "weights", detail)
     for key in ("torch_dtype", "dtype"):
@@ -126,13 +117,11 @@ def plan_folder(
     config, see :func:`._untrusted.read_model_folder`).
     """
     folder = Path(folder)
-    if dtypes is None:
-        args = DtypeArgs(None, {})
-    elif isinstance(dtypes, DtypeArgs):
-        args = dtypes
-    else:
+    args = dtypes
+    if not isinstance(args, DtypeArgs):
         per = {
-            normalize_component(k) if k != "*" else k: normalize_dtype(v) for k, v in dtypes.items()
+            normalize_component(k) if k != "*" else k: normalize_dtype(v)
+            for k, v in (args or {}).items()
         }
         args = DtypeArgs(per.pop("*", None), per)
     # issue 20: every file through the one reader, every key a name, every config
@@ -160,15 +149,14 @@ def plan_folder(
                 "transformers or diffusers model folder (config.json)",
             )
         )
-    parts = [(p.name, p.library, p.cls.__name__) for p in found]
-    unknown = sorted(set(args.per) - {normalize_component(p[0]) for p in parts})
+    names = [p.name for p in found]
+    unknown = sorted(set(args.per) - {normalize_component(n) for n in names})
     if unknown:
         raise InvalidArgumentError(
             located(
                 str(folder),
                 f"--dtype {unknown[0]}=...",
-                message=f"no model component {unknown[0]!r}; its components: "
-                f"{', '.join(p[0] for p in parts)}",
+                message=f"no model component {unknown[0]!r}; its components: {', '.join(names)}",
             )
         )
     models: dict[str, Any] = {}
@@ -176,7 +164,7 @@ def plan_folder(
     for part in found:
         models[part.name] = part.model = _untrusted.build_part(part)
         choices[part.name] = _choose_dtype(part.name, part.folder, part.config, args)
-    if any(library == "diffusers" for _, library, _ in parts):
+    if any(p.library == "diffusers" for p in found):
         from attnres.integrations import diffusers as _diffusers
 
         def alone(part: _untrusted.FolderPart) -> object:
@@ -199,19 +187,20 @@ def plan_folder(
     # a transformers model folder: diffusers need not be installed
     from attnres.integrations import transformers as _transformers
 
-    described = [
-        (name, choices[name], _transformers.describe_sites(model, name, choices[name].dtype))
+    described = {
+        name: (name, choices[name], _transformers.describe_sites(model, name, choices[name].dtype))
         for name, model in models.items()
-    ]
+    }
 
-    def by_itself(part: _untrusted.FolderPart) -> object:
-        one = [d for d in described if d[0] == part.name]
+    def plan_parts(parts: list[_untrusted.FolderPart]) -> PlanResult:
         return plan_sites(
-            title=title, source=str(folder), components=one, config=config, platform=platform
+            title=title,
+            source=str(folder),
+            components=[described[p.name] for p in parts],
+            config=config,
+            platform=platform,
         )
 
-    with _untrusted.naming_the_component(found, by_itself):
-        planned = plan_sites(
-            title=title, source=str(folder), components=described, config=config, platform=platform
-        )
+    with _untrusted.naming_the_component(found, lambda part: plan_parts([part])):
+        planned = plan_parts(found)
     return attrs.evolve(planned, skipped=tuple(skipped))

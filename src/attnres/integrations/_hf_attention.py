@@ -20,15 +20,10 @@ anything with an adapter -- and not only the handful transformers ships.
   :class:`~attnres.integrations._route.GenericRoute`): the kernel decided for
   the call's signature -- for a key-padding site on a varlen kernel, the unpad
   route of :mod:`attnres._varlen`. Issue 19: the first call of each signature
-  is checked against the plan (mask and its kind, causal, scale, head size, kv
-  heads, dtype, dropout), through the same first-call check as every other
-  routed site: a difference resolves the site again with the observed facts
-  (traced, "observed at first call: ..."), or raises ``ResolutionError``
-  naming the site and the fact in a strict component; so is a call argument no
-  attnres kernel takes (``softcap``, attention sinks, sparse indices), which
-  only the model's own eager function serves. T5's ``position_bias``
-  (an additive mask) reaches a kernel only as a float mask -- a site planned
-  for it was given a kernel that takes additive masks.
+  is checked against the plan, as at every routed site, and so is a call
+  argument no attnres kernel takes (``softcap``, attention sinks, sparse
+  indices), which only the model's own eager function serves. T5's
+  ``position_bias`` (an additive mask) reaches a kernel only as a float mask.
 
 Padded positions (docs/masks.md): on the unpad route a padded query position
 comes back as zeros where the mask marks it (causal masks, transformers'
@@ -63,7 +58,6 @@ __all__ = [
     "mask_function",
     "name_for",
     "opt_out_flag",
-    "opts_out",
     "register",
     "unbind_module",
 ]
@@ -71,10 +65,8 @@ __all__ = [
 #: The name attnres's functions are registered under in both interfaces.
 NAME = "attnres"
 #: Issue 19: the same attention function under a second name whose mask function
-#: is transformers' eager one (additive float masks), for a model class that does
-#: not declare ``_supports_sdpa``: its own code (a by-hand attention adding the
-#: mask to its scores, LongT5's position bias) was written for eager's masks, and
-#: sdpa's boolean ones change what it computes (a 0/1 added where -inf was meant)
+#: is transformers' eager one (additive float masks), for a model class whose code
+#: was written for eager's masks (:func:`name_for`)
 EAGER_MASKS = "attnres_eager_masks"
 #: the names attnres's attention function runs under
 NAMES = frozenset({NAME, EAGER_MASKS})
@@ -141,7 +133,7 @@ def attention_forward(
     # call's facts say so, and only the model's own eager function serves it
     arguments = tuple(name for name in _OWN_ONLY if kwargs.get(name) is not None)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    q_length = query.shape[2]
+    q_length, kv_length = query.shape[2], key.shape[2]
     mask = attention_mask
     # transformers' SDPA rule: the causal flag only when no mask carries it
     causal = bool(q_length > 1 and mask is None and causal)
@@ -158,7 +150,7 @@ def attention_forward(
             # issue 30: a decoder's plain causal call (transformers left it no mask):
             # the triangle folded into the bias, as transformers' create_position_bias_mask
             # does (top-left, the keys beyond the queries of an empty static cache cut)
-            tri = torch.ones(q_length, key.shape[2], dtype=torch.bool, device=query.device)
+            tri = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device)
             bias = bias.masked_fill(~tri.tril()[None, None], torch.finfo(query.dtype).min)
             causal = False  # the mask carries it now
         mask = bias
@@ -169,9 +161,8 @@ def attention_forward(
         # (or the causal flag it left for a plain causal call)
         keep = attention_mask
         if keep is None and plain_causal:
-            q_len, kv_len = query.shape[2], key.shape[2]
-            keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
-            keep = keep.tril(kv_len - q_len)[None, None]
+            keep = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device)
+            keep = keep.tril(kv_length - q_length)[None, None]
         additive = keep
         if keep is not None and keep.dtype == torch.bool:
             additive = torch.zeros_like(keep, dtype=query.dtype).masked_fill(
@@ -235,20 +226,13 @@ def backends_for(model_class: type) -> frozenset[Backend]:
     that flag either way, ``_supports_sdpa = False`` (Speech2Text, PegasusX,
     NLLB-MoE...: attnres's function follows the calling convention of the
     ``sdpa`` function, and its mask function is ``sdpa_mask``)."""
-    if opts_out(model_class):
+    if opt_out_flag(model_class) is not None:
         return frozenset()
     return frozenset(
         Backend(spec.name)
         for spec in registered_backends()
         if not spec.sparse and kernel_source(spec.name) is not KernelSource.NONE
     )
-
-
-def opts_out(model_class: type) -> bool:
-    """Whether the class keeps its sites to transformers' own functions
-    (:func:`backends_for`: ``_supports_attention_backend = False``, or
-    ``_supports_sdpa = False`` where it does not declare that flag)."""
-    return opt_out_flag(model_class) is not None
 
 
 def opt_out_flag(model_class: type) -> str | None:

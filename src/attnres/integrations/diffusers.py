@@ -39,11 +39,10 @@ import ast
 import copy
 import functools
 import inspect
-import linecache
 import logging
 import types
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -59,6 +58,7 @@ from diffusers.models.attention_dispatch import (
     _check_attention_backend_requirements,
 )
 from diffusers.models.attention_processor import Attention as _LegacyAttention
+from transformers.utils import logging as hf_logging
 
 from attnres._vocab import MaskKind, MaskRoute, Role, normalize_dtype
 from attnres.backends import Backend, lookup_spec
@@ -99,8 +99,6 @@ __all__ = [
 
 ROUTE_DISPATCHER = "diffusers dispatcher"
 ROUTE_GENERIC = "generic route"
-#: the words of a site whose processor declares the backends its call runs
-DECLARES = "declares"
 
 #: attnres backend -> the diffusers ``AttentionBackendName`` value that runs it
 #: (diffusers 0.42.1; a context-parallel site runs only these). Hub kernels
@@ -126,13 +124,9 @@ _BY_DIFFUSERS = MappingProxyType({v: k for k, v in _DISPATCHER_BACKENDS.items()}
 _HOST_KERNEL = "diffusers' dispatcher (dispatch_attention_fn, pinned on the processor)"
 _EAGER = Backend("eager")
 
-#: kernel entry points a processor may call by hand, and the backend each is
-#: (read from what the code names, never from the processor's class name)
-_CALLED_KERNELS: Mapping[str, str] = MappingProxyType(
-    {
-        "memory_efficient_attention": "xformers",
-    }
-)
+#: the kernel entry point a processor may call by hand, xformers' (read from what
+#: the code names, never from the processor's class name)
+_XFORMERS_CALL = "memory_efficient_attention"
 
 
 def _last(name: str) -> str:
@@ -140,28 +134,20 @@ def _last(name: str) -> str:
 
 
 #: Facts code cannot tell before the first call (checked against diffusers
-#: 0.42.1). ``LTXAttention`` sets ``cross_attention_dim`` to the query width on
-#: its self-attention, so only its place (``attn2``) tells cross-attention; LTX
-#: passes the prompt's padding mask to that cross-attention. A wrong or missing
-#: entry is caught at the first call (the mask is observed and re-resolved).
-_ROLE_BY_PLACE: Mapping[str, Callable[[str], Role]] = MappingProxyType(
-    {
-        "LTXAttention": lambda n: Role.CROSS if _last(n) == "attn2" else Role.SELF,
-    }
-)
-_MASK_BY_PLACE: Mapping[str, Callable[[str], bool]] = MappingProxyType(
-    {
-        "LTXAttention": lambda n: _last(n) == "attn2",
-    }
-)
+#: 0.42.1): where a class's cross-attention is. ``LTXAttention`` sets
+#: ``cross_attention_dim`` to the query width on its self-attention, so only its
+#: place (``attn2``) tells cross-attention (its prompt padding mask is key padding,
+#: as :func:`_mask_kind` reads it). A wrong or missing entry is caught at the
+#: first call (the mask is observed and re-resolved).
+_CROSS_BY_PLACE: Mapping[str, str] = MappingProxyType({"LTXAttention": "attn2"})
 
 
 @attrs.frozen
 class _ArgumentMask:
     """One mask argument of a model's forward, where code cannot tell (issue 22)."""
 
-    #: the sites it reaches (by site name)
-    reaches: Callable[[str], bool]
+    #: the sites it reaches, by the last part of their name (``None``: every site)
+    reaches: str | None
     #: the kind the sites get
     kind: MaskKind
     #: planned when the caller's code is not known (a mapping of components): a mask
@@ -192,18 +178,14 @@ class _ArgumentMask:
 _MASK_BY_ARGUMENT: Mapping[str, Mapping[str, _ArgumentMask]] = MappingProxyType(
     {
         "ChromaTransformer2DModel": {
-            "attention_mask": _ArgumentMask(lambda n: True, MaskKind.ADDITIVE, True),
+            "attention_mask": _ArgumentMask(None, MaskKind.ADDITIVE, True),
         },
         "LTX2VideoTransformer3DModel": {
-            "encoder_attention_mask": _ArgumentMask(
-                lambda n: _last(n) == "attn2", MaskKind.KEY_PADDING, True
-            ),
+            "encoder_attention_mask": _ArgumentMask("attn2", MaskKind.KEY_PADDING, True),
             "audio_encoder_attention_mask": _ArgumentMask(
-                lambda n: _last(n) == "audio_attn2", MaskKind.KEY_PADDING, True
+                "audio_attn2", MaskKind.KEY_PADDING, True
             ),
-            "video_self_attention_mask": _ArgumentMask(
-                lambda n: _last(n) == "attn1", MaskKind.ADDITIVE, False
-            ),
+            "video_self_attention_mask": _ArgumentMask("attn1", MaskKind.ADDITIVE, False),
         },
     }
 )
@@ -212,23 +194,16 @@ _MASK_BY_ARGUMENT: Mapping[str, Mapping[str, _ArgumentMask]] = MappingProxyType(
 def pipeline_class(name: str | None) -> type | None:
     """The installed diffusers pipeline class ``name`` (a ``model_index.json``'s
     ``_class_name``), or ``None`` where diffusers exports no pipeline by that name."""
-    import diffusers
-
     if not (name and name.isidentifier()):
         return None
     # importing a pipeline's module imports what it imports (image processors that
     # log a note where torchvision is absent): attnres only reads its code
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
     try:
-        from transformers.utils import logging as transformers_logging
-    except ImportError:  # pragma: no cover - diffusers pipelines without transformers
         found = getattr(diffusers, name, None)
-    else:
-        before = transformers_logging.get_verbosity()
-        transformers_logging.set_verbosity(logging.ERROR)
-        try:
-            found = getattr(diffusers, name, None)
-        finally:
-            transformers_logging.set_verbosity(before)
+    finally:
+        hf_logging.set_verbosity(before)
     ok = isinstance(found, type) and issubclass(found, diffusers.DiffusionPipeline)
     return found if ok else None
 
@@ -247,12 +222,12 @@ def passed_arguments(caller: Any, component: str) -> frozenset[str] | None:
 def _passed_arguments(cls: type, component: str) -> frozenset[str] | None:
     found: set[str] = set()
     calls = 0
-    for klass in cls.__mro__:
-        for value in vars(klass).values() if klass is not object else ():
-            function = inspect.unwrap(value) if isinstance(value, types.FunctionType) else None
-            code = getattr(function, "__code__", None)
-            calling = isinstance(code, types.CodeType) and _calls_attribute(code, component)
-            tree = _route.source_tree(function) if calling else None
+    for klass in cls.__mro__[:-1]:  # not object
+        for value in vars(klass).values():
+            # parsed only where its code names the component (a cheap test first)
+            function = isinstance(value, types.FunctionType)
+            names = _route.calls_of([value], depth=0) if function else frozenset()
+            tree = _route.source_tree(value) if component in names else None
             if tree is None:
                 continue
             dicts = _dict_literals(tree)
@@ -290,21 +265,10 @@ def _dict_literals(tree: ast.AST) -> dict[str, list[tuple[str, ast.expr]]]:
     return out
 
 
-def _calls_attribute(code: types.CodeType, attr: str) -> bool:
-    """Whether the source lines of ``code`` hold ``self.<attr>(`` (a cheap test
-    before parsing them)."""
-    lines = linecache.getlines(code.co_filename)
-    numbers = [n for _, _, n in code.co_lines() if n is not None]
-    if not lines or not numbers:
-        return False
-    text = "".join(lines[code.co_firstlineno - 1 : max(numbers)])
-    return f"self.{attr}(" in text
-
-
 def _role(name: str, module: Any) -> Role:
-    fact = _ROLE_BY_PLACE.get(type(module).__name__)
-    if fact is not None:
-        return fact(name)
+    place = _CROSS_BY_PLACE.get(type(module).__name__)
+    if place is not None:
+        return Role.CROSS if _last(name) == place else Role.SELF
     # FluxAttention's added_kv_proj_dim is joint self-attention: only the flag counts
     return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
 
@@ -346,26 +310,30 @@ def passes_masks(model: Any) -> bool:
     turns the prompt's padding, or text lengths, into a mask for its attention)."""
     words: set[str] = set()
     home = type(model).__module__
-    forward = getattr(inspect.unwrap(type(model).forward), "__code__", None)
-    if isinstance(forward, types.CodeType):
-        _code_words(forward, words)
-    for cls in type(model).__mro__:
-        if cls.__module__ != home:
-            continue
-        for value in vars(cls).values():
-            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
-            if isinstance(code, types.CodeType):
-                _code_words(code, words)
+    own = [v for c in type(model).__mro__ if c.__module__ == home for v in vars(c).values()]
+    for value in [type(model).forward, *own]:
+        code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+        if isinstance(code, types.CodeType):
+            _code_words(code, words)
     return any(w.endswith("mask") for w in words)
 
 
-def _mask_kind(
-    name: str,
-    module: Any,
-    model_masks: bool = False,
-    model_class: str = "",
-    passed: frozenset[str] | None = None,
-) -> MaskKind:
+@attrs.frozen
+class _Model:
+    """What every site of one diffusers model is described with."""
+
+    component: str
+    #: the model's class name (:data:`_MASK_BY_ARGUMENT`)
+    cls: str
+    backward: bool
+    #: its code passes masks (:func:`passes_masks`)
+    masks: bool
+    #: the keywords its caller's code passes it (:func:`passed_arguments`; ``None``:
+    #: not known)
+    passed: frozenset[str] | None
+
+
+def _mask_kind(model: _Model, name: str, module: Any) -> MaskKind:
     """The mask kind a site passes, where its code tells before the first call
     (issue 22); the first call observes every other mask and its kind.
 
@@ -375,47 +343,21 @@ def _mask_kind(
     that brings no mask is what the plan allowed (the same kernel runs); one
     whose mask is of another kind is resolved again at its first call. A fact a
     model's code cannot tell before the call (:data:`_MASK_BY_ARGUMENT`) comes first:
-    the kind of the argument that reaches the site, where the caller passes it
-    (``passed``: the keywords its code passes the model; ``None``: not known).
+    the kind of the argument that reaches the site, where the caller passes it.
     """
-    by_argument = _MASK_BY_ARGUMENT.get(model_class)
+    by_argument = _MASK_BY_ARGUMENT.get(model.cls)
     if by_argument is not None:
         for argument, mask in by_argument.items():
-            sent = mask.unless_known if passed is None else argument in passed
-            if sent and mask.reaches(name):
+            sent = mask.unless_known if model.passed is None else argument in model.passed
+            if sent and mask.reaches in (None, _last(name)):
                 return mask.kind
         return MaskKind.NONE
-    by_place = _MASK_BY_PLACE.get(type(module).__name__)
-    if by_place is not None and by_place(name):
-        return MaskKind.KEY_PADDING  # LTX's -10000 prompt-padding bias
     processor = getattr(module, "processor", None)
     call = type(processor).__call__ if callable(processor) else type(module).forward
     params = _parameters(call)
-    if _TEXT_PADDING_PARAMETER in params or (model_masks and params & _MASK_PARAMETERS):
+    if _TEXT_PADDING_PARAMETER in params or (model.masks and params & _MASK_PARAMETERS):
         return MaskKind.KEY_PADDING
     return MaskKind.NONE
-
-
-def _requirements(
-    name: str,
-    module: Any,
-    heads: int,
-    kv_heads: int,
-    head_size: int,
-    trains: bool,
-    model_masks: bool = False,
-    model_class: str = "",
-    passed: frozenset[str] | None = None,
-) -> Requirements:
-    return Requirements(
-        mask=_mask_kind(name, module, model_masks, model_class, passed),
-        # a module that holds ``is_causal`` (Mochi's VAE attention) passes it per call
-        causal=getattr(module, "is_causal", False) is True,
-        gqa=kv_heads < heads,
-        backward=trains,
-        # Attention(scale_qk=False) or scale= passes its own softmax scale
-        custom_scale=_tf.custom_scale(getattr(module, "scale", None), head_size),
-    )
 
 
 def route_backends(processor: Any) -> frozenset[Backend]:
@@ -434,22 +376,24 @@ def route_backends(processor: Any) -> frozenset[Backend]:
     return frozenset(out)
 
 
+def _mask_route(backend: Backend, kind: MaskKind) -> MaskRoute | None:
+    """How ``backend`` takes a mask of ``kind`` (``None``: it takes none)."""
+    spec = lookup_spec(backend)
+    support = None if spec is None else spec.mask_support(kind)
+    return None if support is None else support.route
+
+
 def _pinned_backends(
-    backends: frozenset[Backend], requirements: Requirements | None
+    backends: frozenset[Backend], requirements: Requirements
 ) -> frozenset[Backend]:
     """Issue 22: a pinned dispatcher backend receives the site's mask as is: a
     kernel that takes the site's mask kind only by unpadding (attnres's route,
     not the dispatcher's) cannot serve it there."""
-    kind = MaskKind.NONE if requirements is None else requirements.mask
+    kind = requirements.mask
     if kind in (MaskKind.NONE, MaskKind.ANY):
         return backends
-    out = set()
-    for backend in backends:
-        spec = lookup_spec(backend)
-        support = None if spec is None else spec.mask_support(kind)
-        if support is None or support.route is MaskRoute.NATIVE:
-            out.add(backend)  # a kind it does not take at all fails the requirements check
-    return frozenset(out)
+    # a kind it does not take at all fails the requirements check
+    return frozenset(b for b in backends if _mask_route(b, kind) in (None, MaskRoute.NATIVE))
 
 
 def _unpads(backend: Backend, requirements: Requirements) -> bool:
@@ -457,20 +401,12 @@ def _unpads(backend: Backend, requirements: Requirements) -> bool:
     route. A dispatcher already pinned to that backend runs its dense kernel with
     the mask as is (diffusers' ``flash`` raises "attn_mask is not supported"), so
     the site is routed even though the decision is what it runs."""
-    if requirements.mask is not MaskKind.KEY_PADDING:  # the only kind taken by unpadding
-        return False
-    spec = lookup_spec(backend)
-    support = None if spec is None else spec.mask_support(requirements.mask)
-    return support is not None and support.route is MaskRoute.UNPAD
+    kind = requirements.mask  # key padding: the only kind taken by unpadding
+    return kind is MaskKind.KEY_PADDING and _mask_route(backend, kind) is MaskRoute.UNPAD
 
 
 def _is_dispatcher(processor: Any) -> bool:
     return processor is not None and hasattr(type(processor), "_attention_backend")
-
-
-def _active_backend() -> str:
-    name = _AttentionBackendRegistry._active_backend
-    return str(getattr(name, "value", name))
 
 
 def _dtype_of(module: Any, fallback: str) -> str:
@@ -484,15 +420,6 @@ def _dtype_of(module: Any, fallback: str) -> str:
         if param.is_floating_point() and param.element_size() > 1:
             return normalize_dtype(param.dtype)
     return fallback
-
-
-def _attention_code(module: Any) -> tuple[str, frozenset[str]]:
-    """What executes ``module``'s attention (its processor, else itself) and the
-    names that code calls."""
-    processor = getattr(module, "processor", None)
-    if processor is not None and callable(processor):
-        return type(processor).__name__, _route.calls_of(_route.methods_of(processor))
-    return type(module).__name__, _route.calls_of(_route.methods_of(module))
 
 
 def describe_sites(
@@ -513,12 +440,11 @@ def describe_sites(
     if _tf.is_transformers_model(model):
         return _tf.describe_sites(model, component, dtype)
     fallback = normalize_dtype(getattr(model, "dtype", torch.float32))
-    backward = trains(model)
-    model_masks = passes_masks(model)
+    facts = _Model(component, type(model).__name__, trains(model), passes_masks(model), passed)
     out: list[SiteDescription] = []
     inside: list[str] = []
     for name, module in model.named_modules():
-        if not name or any(name.startswith(s + ".") for s in inside):
+        if not name or _under(name, inside):
             continue
         if _tf.is_transformers_model(module):
             # issue 19: a transformers model held by a diffusers one (UniDiffuser's
@@ -530,19 +456,8 @@ def describe_sites(
             ]
             inside.append(name)
             continue
-        site_dtype = dtype or _dtype_of(module, fallback)
         parent = model.get_submodule(name.rpartition(".")[0])
-        desc = _describe(
-            component,
-            name,
-            module,
-            site_dtype,
-            backward,
-            parent,
-            type(model).__name__,
-            model_masks,
-            passed,
-        )
+        desc = _describe(facts, name, module, dtype or _dtype_of(module, fallback), parent)
         if desc is not None:
             out.append(desc)
             inside.append(name)
@@ -555,123 +470,121 @@ def describe_sites(
     return out
 
 
-def _nested_transformers(model: Any) -> list[tuple[str, Any]]:
-    """The outermost transformers models a diffusers model holds, by name."""
+def _under(name: str, prefixes: Iterable[str]) -> bool:
+    """Whether the module ``name`` is inside one of the modules ``prefixes`` names."""
+    return any(name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _transformers_models(model: Any) -> list[tuple[str, Any]]:
+    """The transformers models of a component, by their name in it: the component
+    itself, or the outermost ones a diffusers model holds (issue 19)."""
+    if _tf.is_transformers_model(model):
+        return [("", model)]
     out: list[tuple[str, Any]] = []
     for name, module in model.named_modules():
-        held = any(name.startswith(n + ".") for n, _ in out)
-        if name and not held and _tf.is_transformers_model(module):
+        if name and not _under(name, (n for n, _ in out)) and _tf.is_transformers_model(module):
             out.append((name, module))
     return out
 
 
+def _requirements(
+    model: _Model, name: str, module: Any, facts: tuple[int, int, int] | None
+) -> Requirements:
+    if facts is None:
+        return Requirements(backward=model.backward)
+    heads, kv_heads, head_size = facts
+    return Requirements(
+        mask=_mask_kind(model, name, module),
+        # a module that holds ``is_causal`` (Mochi's VAE attention) passes it per call
+        causal=getattr(module, "is_causal", False) is True,
+        gqa=kv_heads < heads,
+        backward=model.backward,
+        # Attention(scale_qk=False) or scale= passes its own softmax scale
+        custom_scale=_tf.custom_scale(getattr(module, "scale", None), head_size),
+    )
+
+
 def _describe(
-    component: str,
-    name: str,
-    module: Any,
-    dtype: str,
-    backward: bool,
-    parent: Any = None,
-    model_class: str = "",
-    model_masks: bool = False,
-    passed: frozenset[str] | None = None,
+    model: _Model, name: str, module: Any, dtype: str, parent: Any
 ) -> SiteDescription | None:
     cls = type(module).__name__
-    # a diffusers attention module, or any module that hands its call to a processor
-    attention_module = isinstance(module, (AttentionModuleMixin, _LegacyAttention)) or (
-        callable(getattr(module, "processor", None)) and not isinstance(module, torch.nn.ModuleList)
-    )
     if isinstance(module, torch.nn.MultiheadAttention):
-        return _route.describe_mha(component, name, module, dtype, backward, parent)
-    if attention_module:
-        owner, names = _attention_code(module)
+        return _route.describe_mha(model.component, name, module, dtype, model.backward, parent)
+    processor = getattr(module, "processor", None)
+    # a diffusers attention module, or any module that hands its call to a processor
+    if isinstance(module, (AttentionModuleMixin, _LegacyAttention)) or (
+        callable(processor) and not isinstance(module, torch.nn.ModuleList)
+    ):
+        # what executes its attention (its processor, else itself), and what that calls
+        runs = processor if callable(processor) else module
+        owner, names = type(runs).__name__, _route.calls_of(_route.methods_of(runs))
     else:
-        own = _route.calls_of(_route.methods_of(module), depth=1)
-        if _route.MHA_FUNCTION in own and _route.SDPA not in own:
+        owner, names = cls, _route.calls_of(_route.methods_of(module), depth=1)
+        if _route.MHA_FUNCTION in names and _route.SDPA not in names:
             # issue 30: softmax attention through torch's functional MHA (HunyuanDiT's
             # attention pool): a site of its own code path, never silently skipped
-            return _route.describe_mha_function(component, name, module, dtype, backward)
-        if _route.SDPA not in own:
+            return _route.describe_mha_function(
+                model.component, name, module, dtype, model.backward
+            )
+        if _route.SDPA not in names:
             if not _by_hand_module(module):
                 return None
-            own |= {"softmax"}  # written out, maybe (exp(x - logsumexp(x)))
-        owner, names = cls, own
-    facts = _route.head_facts(module)
-    base: dict[str, Any] = {
-        "component": component,
-        "name": name,
-        "module_class": cls,
-        "dtype": dtype,
-        "role": _role(name, module),
-    }
-    if facts is not None:
-        heads, kv_heads, head_size = facts
-        base.update(
-            heads=heads,
-            kv_heads=kv_heads,
-            head_size=head_size,
-            requirements=_requirements(
-                name,
-                module,
-                heads,
-                kv_heads,
-                head_size,
-                backward,
-                model_masks,
-                model_class,
-                passed,
-            ),
-        )
-    else:
-        base.update(
-            heads=None, kv_heads=None, head_size=None, requirements=Requirements(backward=backward)
-        )
-    processor = getattr(module, "processor", None)
-    if _is_dispatcher(processor) and getattr(processor, "_parallel_config", None) is not None:
+            names |= {"softmax"}  # written out, maybe (exp(x - logsumexp(x)))
+    parallel = (
+        _is_dispatcher(processor) and getattr(processor, "_parallel_config", None) is not None
+    )
+    declared = None if parallel else _declared_backends(processor)
+    # issue 19: a processor that declares the dispatcher backends it runs builds
+    # its call for them (AnyFlow FAR's and the LTX-2 diffusion decoder's build a
+    # flex BlockMask, and AnyFlow pads a head size under 16 to 16): the module's
+    # head facts do not describe the call, so the site is decided at its first
+    # call from what it passes; the route runs its own code (the declared
+    # backend) or another kernel, the BlockMask as the boolean mask it stands for
+    facts = None if declared is not None else _route.head_facts(module)
+    heads, kv_heads, head_size = facts or (None, None, None)
+    requirements = _requirements(model, name, module, facts)
+    site = functools.partial(
+        SiteDescription,
+        component=model.component,
+        name=name,
+        module_class=cls,
+        dtype=dtype,
+        role=_role(name, module),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_size=head_size,
+        requirements=requirements,
+        supported=None,  # any backend attnres has a kernel for
+        pending=facts is None,  # decided at its first call
+    )
+    if parallel:
         # context parallel: diffusers' dispatcher splits the sequence; only the
         # backends it can run in parallel serve the site, pinned on the processor
-        return SiteDescription(
-            **base,
+        return site(
             route=f"{ROUTE_DISPATCHER} (context parallel) via {owner}",
             kind=RouteKind.PIN,
-            supported=_pinned_backends(route_backends(processor), base.get("requirements")),
+            supported=_pinned_backends(route_backends(processor), requirements),
             current=_dispatcher_current(processor),
-            pending=facts is None,
             host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
         )
-    declared = _declared_backends(processor)
     if declared is not None:
-        # issue 19: a processor that declares the dispatcher backends it runs builds
-        # its call for them (AnyFlow FAR's and the LTX-2 diffusion decoder's build a
-        # flex BlockMask, and AnyFlow pads a head size under 16 to 16): the module's
-        # head facts do not describe the call, so the site is decided at its first
-        # call from what it passes; the route runs its own code (the declared
-        # backend) or another kernel, the BlockMask as the boolean mask it stands for
-        base.update(
-            heads=None, kv_heads=None, head_size=None, requirements=Requirements(backward=backward)
-        )
-        return SiteDescription(
-            **base,
-            route=f"{ROUTE_GENERIC} (dispatcher in {owner}, which {DECLARES} "
+        return site(
+            route=f"{ROUTE_GENERIC} (dispatcher in {owner}, which declares "
             f"{', '.join(sorted(b.name for b in declared))})",
-            supported=None,
             current=_dispatcher_current(processor),
-            pending=True,
             kind=RouteKind.INTERCEPT,
             why=f"{owner} declares the backends its call runs and builds that call "
             f"itself: its head facts and mask are read from its first call",
         )
     if _route.SDPA in names or _route.DISPATCHER in names:
-        current = (
-            _dispatcher_current(processor) if _is_dispatcher(processor) else Backend("torch_sdpa")
-        )
         via = "dispatcher" if _route.DISPATCHER in names else "SDPA"
-        return SiteDescription(
-            **base,
+        return site(
             route=f"{ROUTE_GENERIC} ({via} in {owner})",
-            supported=None,
-            current=current,
-            pending=facts is None,
+            current=(
+                _dispatcher_current(processor)
+                if _is_dispatcher(processor)
+                else Backend("torch_sdpa")
+            ),
             kind=RouteKind.INTERCEPT,
             why=None
             if facts is not None
@@ -680,39 +593,34 @@ def _describe(
                 f"key and value of its first call"
             ),
         )
-    for called, backend in _CALLED_KERNELS.items():
-        if called in names:
-            only = Backend(backend)
-            return SiteDescription(
-                **base,
-                route=f"{only.name} in {owner}",
-                kind=RouteKind.PIN,
-                supported=frozenset({only}),
-                current=only,
-                pending=False,
-                why=None if facts is not None else f"{cls} holds no head facts",
-            )
+    if _XFORMERS_CALL in names:
+        only = Backend("xformers")
+        return site(
+            route=f"{only.name} in {owner}",
+            kind=RouteKind.PIN,
+            supported=frozenset({only}),
+            current=only,
+            pending=False,
+            why=None if facts is not None else f"{cls} holds no head facts",
+        )
     if names & _route.BY_HAND:
         # issue 30: softmax attention written by hand (get_attention_scores then
         # torch.bmm, or a softmax of a product) runs its own code, untouched: no
         # kernel is offered there (the machine's written_by_hand)
-        return SiteDescription(
-            **base,
+        return site(
             route=_route.by_hand_route(owner),
             supported=frozenset({_EAGER}),
             current=_EAGER,
-            pending=facts is None,
             kind=RouteKind.OWN_CODE,
             why=None
             if facts is not None
             else f"{cls} holds no head count or head size; they are read from the query "
             f"and key of the scores product its first call computes",
         )
-    return SiteDescription(
-        **base,
+    return site(
         route=f"own code in {owner}",
         kind=RouteKind.OWN_CODE,
-        supported=None,
+        pending=False,
         softmax=False,
         why=f"{owner} calls no SDPA, dispatcher or softmax (linear attention, say)",
     )
@@ -752,9 +660,10 @@ def _declared_backends(processor: Any) -> frozenset[Backend] | None:
 def _dispatcher_current(processor: Any) -> Backend | None:
     # the processor's own backend, or its class's (AnyFlow's causal processor
     # declares ``flex``), else diffusers' active one
-    own = getattr(processor, "_attention_backend", None)
-    current_name = str(getattr(own, "value", own)) if own is not None else _active_backend()
-    current = _BY_DIFFUSERS.get(current_name)
+    name = getattr(processor, "_attention_backend", None)
+    if name is None:
+        name = _AttentionBackendRegistry._active_backend
+    current = _BY_DIFFUSERS.get(str(getattr(name, "value", name)))
     return None if current is None else Backend(current)
 
 
@@ -818,6 +727,7 @@ def plan(
 # =============================================================================
 
 
+@attrs.frozen(eq=False)
 class _Pin:
     """What apply changed on one attention module, to verify and undo it.
 
@@ -825,37 +735,23 @@ class _Pin:
     apply changed it: a processor object is never changed in place, so
     another module or model sharing it is never touched); ``value`` is the
     dispatcher backend pinned on that copy (``None``: nothing pinned);
-    ``route`` the generic route installed (``None``: none).
+    ``dtype`` the compute dtype planned; ``route`` the generic route installed
+    (``None``: none).
     """
 
-    __slots__ = ("backend", "component", "dtype", "name", "original", "processor", "route", "value")
-
-    def __init__(
-        self,
-        component: str,
-        name: str,
-        original: Any,
-        processor: Any,
-        value: Any,
-        backend: str,
-        dtype: str | None,
-        route: _route.GenericRoute | None,
-    ) -> None:
-        self.component = component
-        self.name = name
-        self.original = original
-        self.processor = processor
-        self.value = value
-        self.backend = backend
-        self.dtype = dtype
-        self.route = route
+    component: str
+    name: str
+    original: Any
+    processor: Any
+    value: str | None
+    dtype: str | None
+    route: _route.GenericRoute | None
 
 
 _PIN_ATTR = "_attnres_pin"
 
 
 class _Planned(NamedTuple):
-    component: str
     module: Any
     site: Site
     #: the dispatcher backend to pin on a copy of the processor ("" for none)
@@ -873,47 +769,39 @@ def _prepare(
     problems: list[str] = []
     by_component = result.by_component()
     for comp, model in _components(pipe):
-        if _tf.is_transformers_model(model):
-            acts, probs = _tf.prepare(model, result, comp)
-            actions += acts
-            problems += probs
-            continue
-        nested = _nested_transformers(model)
-        for prefix, inner in nested:  # issue 19: installed as the transformers ones
+        nested = _transformers_models(model)
+        for prefix, inner in nested:  # issue 19: nested ones too, as the transformers ones
             acts, probs = _tf.prepare(inner, result, comp, prefix)
             actions += acts
             problems += probs
+        if _tf.is_transformers_model(model):
+            continue
         modules = dict(model.named_modules())
         for site in by_component.get(comp, []):
-            if any(site.name.startswith(prefix + ".") for prefix, _ in nested):
+            if _under(site.name, (prefix for prefix, _ in nested)):
                 continue
             module = modules[site.name]
-            processor = getattr(module, "processor", None)
-            if site.pending and site.kind is RouteKind.OWN_CODE and _route.unflagged(config, comp):
-                # softmax by hand with no flag for its component: its first call would
-                # decide its own code; nothing is wrapped (untouched, bit-identical)
-                planned.append(_Planned(comp, module, site, "", False))
-                continue
-            if site.pending:  # decided at first call: the route resolves it then
-                planned.append(_Planned(comp, module, site, "", True))
+            if site.pending:
+                # decided at first call: the route resolves it then; softmax by hand
+                # with no flag for its component would decide its own code: nothing
+                # is wrapped (untouched, bit-identical)
+                own = site.kind is RouteKind.OWN_CODE and _route.unflagged(config, comp)
+                planned.append(_Planned(module, site, "", not own))
                 continue
             if site.resolution is None or site.spec is None:
                 continue
             backend = site.resolution.backend
-            if site.routed:
-                if backend == site.current and not _unpads(backend, site.spec.requirements):
-                    # what it runs already: nothing to wrap
-                    planned.append(_Planned(comp, module, site, "", False))
-                    continue
-                planned.append(_Planned(comp, module, site, "", True))
-            elif _is_dispatcher(processor):  # context parallel: pin the dispatcher
-                value = _DISPATCHER_BACKENDS.get(backend.name)
+            if site.routed:  # nothing to wrap where it runs the decision already
+                runs = backend == site.current and not _unpads(backend, site.spec.requirements)
+                planned.append(_Planned(module, site, "", not runs))
+            elif _is_dispatcher(getattr(module, "processor", None)):
+                value = _DISPATCHER_BACKENDS.get(backend.name)  # context parallel: pin it
                 if value is None:
                     problems.append(
                         f"{comp}/{site.name}: the dispatcher has no route for {backend.name}"
                     )
-                    continue
-                planned.append(_Planned(comp, module, site, value, False))
+                else:
+                    planned.append(_Planned(module, site, value, False))
             else:
                 only = ",".join(sorted(b.name for b in site.spec.supported or ()))
                 if backend.name != only:
@@ -921,23 +809,20 @@ def _prepare(
                         f"{comp}/{site.name}: its route ({site.route}) runs only "
                         f"{only}, not {backend.name}"
                     )
-                    continue
-                planned.append(_Planned(comp, module, site, "", False))
+                else:
+                    planned.append(_Planned(module, site, "", False))
     return planned, actions, problems
 
 
-def _check_requirements(values: set[str]) -> list[str]:
+def _cannot_install(planned: list[_Planned]) -> list[str]:
+    """What keeps ``planned`` from being installed here: a dispatcher backend
+    diffusers cannot run, a kernel attnres cannot run."""
     problems = []
-    for value in sorted(values):
+    for value in sorted({p.value for p in planned if p.value}):
         try:
             _check_attention_backend_requirements(AttentionBackendName(value))
         except Exception as exc:
             problems.append(f"diffusers cannot run backend {value!r} here: {exc}")
-    return problems
-
-
-def _check_kernels(planned: list[_Planned]) -> list[str]:
-    problems = []
     for item in planned:
         res = item.site.resolution
         if not item.route or res is None or res.backend.name == "torch_sdpa":
@@ -947,7 +832,7 @@ def _check_kernels(planned: list[_Planned]) -> list[str]:
                 raise LookupError("no kernel is registered for it")
         except Exception as exc:
             problems.append(
-                f"{item.component}/{item.site.name}: attnres cannot run "
+                f"{item.site.component}/{item.site.name}: attnres cannot run "
                 f"{res.backend.name} here: {exc}"
             )
     return problems
@@ -975,8 +860,7 @@ def apply(
     refuse_to_apply(result)
     cfg = result.config
     planned, others, problems = _prepare(pipe, result, cfg)
-    problems += _check_requirements({p.value for p in planned if p.value})
-    problems += _check_kernels(planned)
+    problems += _cannot_install(planned)
     if problems:
         raise IntegrationError(
             "cannot install the plan; nothing was changed: " + "; ".join(problems), result
@@ -1000,15 +884,13 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     earlier = module.__dict__.get(_PIN_ATTR)
     if earlier is not None:  # applied again: remove() still restores the first state
         _unpin(module, earlier)
-    original = getattr(module, "processor", None)
-    processor = original
+    original = processor = getattr(module, "processor", None)
     route = None
     if item.route and site.kind is RouteKind.OWN_CODE:
         # issue 30: softmax by hand decided at its first call, under a flag: its
         # first call is watched (its head facts read, nothing run but its code)
         route = _route.site_route(site, config, platform, _EAGER, site.route)
         _route.install_route(module, route, _route.watch_forward)
-        route.tie(module)
     elif item.route:
         # under the route, a dispatcher's own path is diffusers' native SDPA
         # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
@@ -1032,23 +914,15 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
             _set_processor(module, processor)
         else:
             _route.install_route(module, route)
-        route.tie(module)  # a model dropped without remove() leaves nothing behind
     elif item.value:
         processor = copy.copy(original)
         assert processor is not None  # a dispatcher site has one
         processor._attention_backend = AttentionBackendName(item.value)
         _set_processor(module, processor)
-    backend = "" if site.resolution is None else site.resolution.backend.name
-    pin = _Pin(
-        site.component,
-        site.name,
-        original,
-        processor,
-        item.value or None,
-        backend,
-        None if site.spec is None else site.spec.dtype,
-        route,
-    )
+    if route is not None:
+        route.tie(module)  # a model dropped without remove() leaves nothing behind
+    dtype = None if site.spec is None else site.spec.dtype
+    pin = _Pin(site.component, site.name, original, processor, item.value or None, dtype, route)
     module.__dict__[_PIN_ATTR] = pin
     return pin
 
@@ -1073,6 +947,12 @@ def _set_processor(module: Any, processor: Any) -> None:
         module.processor = processor
 
 
+def _pins(model: Any) -> list[tuple[Any, _Pin]]:
+    """The modules of ``model`` that apply pinned, with their pins."""
+    found = [(module, module.__dict__.get(_PIN_ATTR)) for module in model.modules()]
+    return [(module, pin) for module, pin in found if pin is not None]
+
+
 def routes(pipe: Any) -> dict[str, _route.GenericRoute]:
     """The generic routes apply installed: ``component/site`` -> route."""
     out = {}
@@ -1095,59 +975,38 @@ def verify(pipe: Any) -> list[Problem]:
     """
     problems: list[Problem] = []
     for _, model in _components(pipe):
-        if _tf.is_transformers_model(model):
-            problems += _tf.verify_model(model)
-            continue
-        for _, inner in _nested_transformers(model):
+        for _, inner in _transformers_models(model):
             problems += _tf.verify_model(inner)
+        if _tf.is_transformers_model(model):
+            continue
         fallback = normalize_dtype(getattr(model, "dtype", torch.float32))
-        for _, module in model.named_modules():
-            pin = module.__dict__.get(_PIN_ATTR)
-            if pin is None:
-                continue
-            where = (pin.component, pin.name)
-            if getattr(module, "processor", None) is not pin.processor:
-                problems.append(
-                    Problem(
-                        *where,
-                        (
-                            f"processor replaced since apply (now "
-                            f"{type(getattr(module, 'processor', None)).__name__}); "
-                            f"its backend is no longer governed: plan and apply again"
-                        ),
-                    )
+        for module, pin in _pins(model):
+            now = getattr(module, "processor", None)
+            found: list[str] = []
+            if now is not pin.processor:
+                found.append(
+                    f"processor replaced since apply (now {type(now).__name__}); its backend "
+                    f"is no longer governed: plan and apply again"
                 )
             elif pin.value is not None and (
                 pin.processor.__dict__.get("_attention_backend") != pin.value
             ):
-                problems.append(
-                    Problem(*where, (f"pinned backend changed since apply (was {pin.value.value})"))
-                )
+                found.append(f"pinned backend changed since apply (was {pin.value})")
+            route = pin.route
             if (
-                pin.route is not None
+                route is not None
                 and pin.processor is pin.original
-                and _route.installed_route(module) is not pin.route
+                and _route.installed_route(module) is not route
             ):
-                problems.append(
-                    Problem(
-                        *where,
-                        (
-                            "its generic route was removed or replaced since apply: plan and apply "
-                            "again"
-                        ),
-                    )
+                found.append(
+                    "its generic route was removed or replaced since apply: plan and apply again"
                 )
             dtype = _dtype_of(module, fallback)
             if pin.dtype is not None and dtype != pin.dtype:
-                problems.append(
-                    Problem(
-                        *where,
-                        (
-                            f"cast since apply: planned for {pin.dtype}, now {dtype}; plan "
-                            f"and apply again"
-                        ),
-                    )
+                found.append(
+                    f"cast since apply: planned for {pin.dtype}, now {dtype}; plan and apply again"
                 )
+            problems += [Problem(pin.component, pin.name, problem) for problem in found]
     return problems
 
 
@@ -1158,19 +1017,13 @@ def remove(pipe: Any) -> int:
     count = 0
     restored: list[tuple[str, str]] = []
     for _, model in _components(pipe):
-        if _tf.is_transformers_model(model):
-            count += _tf.remove(model)
-            continue
-        for _, inner in _nested_transformers(model):
+        for _, inner in _transformers_models(model):
             count += _tf.remove(inner)
-        for _, module in model.named_modules():
-            pin = module.__dict__.get(_PIN_ATTR)
-            if pin is not None:
-                _unpin(module, pin)
-                restored.append((pin.component, pin.name))
-                count += 1
+        for module, pin in _pins(model):
+            _unpin(module, pin)
+            restored.append((pin.component, pin.name))
     forget_decisions(restored)
-    return count
+    return count + len(restored)
 
 
 # =============================================================================
