@@ -56,7 +56,7 @@ from attnres.runtime import (
     selection_config,
 )
 from attnres.scope import current_handle, scope_state
-from attnres.trace import Outcome
+from attnres.trace import Outcome, Trace
 
 __all__ = [
     "DtypeChoice",
@@ -115,15 +115,6 @@ class SiteDescription:
     #: dispatcher pinned to a backend): attnres cannot pass that kernel the
     #: per-backend options; ``None``: attnres's own kernel call, options passed
     host_kernel: str | None = None
-
-    @property
-    def routed(self) -> bool:
-        """Whether the generic route serves it (:attr:`RouteKind.INTERCEPT`)."""
-        return self.kind is RouteKind.INTERCEPT
-
-    @property
-    def classified(self) -> bool:
-        return self.why is None and not self.pending and self.head_size is not None
 
 
 @frozen
@@ -229,55 +220,46 @@ def _row(
 def _plan_one(
     desc: SiteDescription, relaxed: bool, config: SelectionConfig, platform: Platform
 ) -> Site:
-    common: dict[str, Any] = {
-        "component": desc.component,
-        "name": desc.name,
-        "module_class": desc.module_class,
-        "route": desc.route,
-        "heads": desc.heads,
-        "kv_heads": desc.kv_heads,
-        "current": desc.current,
-        "kind": desc.kind,
-    }
-    if desc.pending:
+    def site(
+        *,
+        spec: LayerSpec | None = None,
+        resolution: Resolution | None = None,
+        error: SiteError | None = None,
+        trace: Trace | None = None,
+        note: str | None = None,
+    ) -> Site:
         return Site(
-            **common,
-            spec=None,
-            resolution=None,
-            error=None,
-            trace=None,
-            pending=True,
+            component=desc.component,
+            name=desc.name,
+            module_class=desc.module_class,
+            route=desc.route,
+            heads=desc.heads,
+            kv_heads=desc.kv_heads,
+            current=desc.current,
+            kind=desc.kind,
+            pending=desc.pending,
+            spec=spec,
+            resolution=resolution,
+            error=error,
+            trace=trace,
+            note=note,
+        )
+
+    if desc.pending:
+        return site(
             note="decided at first call: "
             + (
                 desc.why
                 or "its head facts are read from the query, key and value of its first call"
-            ),
+            )
         )
     if not desc.softmax:
-        return Site(
-            **common,
-            spec=None,
-            resolution=None,
-            error=None,
-            trace=None,
-            note=f"not softmax attention, left on its own code path: {desc.why}",
-        )
-    if not desc.classified:
+        return site(note=f"not softmax attention, left on its own code path: {desc.why}")
+    if desc.why is not None or desc.head_size is None:
         why = desc.why or "its attention call cannot be classified"
         if relaxed:
-            return Site(
-                **common,
-                spec=None,
-                resolution=None,
-                error=None,
-                trace=None,
-                note=f"unclassified, left on its own code path: {why}",
-            )
-        return Site(
-            **common,
-            spec=None,
-            resolution=None,
-            trace=None,
+            return site(note=f"unclassified, left on its own code path: {why}")
+        return site(
             error=SiteError(
                 SiteCode.UNCLASSIFIED,
                 (
@@ -287,9 +269,8 @@ def _plan_one(
                     f"find_sdpa_calls) to see what it calls, or plan that component with an "
                     f"explicit per-component backend"
                 ),
-            ),
+            )
         )
-    assert desc.head_size is not None
     spec = LayerSpec(
         head_size=desc.head_size,
         dtype=desc.dtype,
@@ -314,18 +295,11 @@ def _plan_one(
         message = str(exc)
         if spec.exact_route is not None and spec.exact_route not in message:
             # the route is what limits the site: say which (issue 19: an MHA with
-            # add_bias_kv names the fact that keeps it on its own code path)
-            # issue 19: a class that keeps its sites to transformers' own functions
-            # says so, with the flag its code sets
+            # add_bias_kv names the fact that keeps it on its own code path; a class
+            # that keeps its sites to transformers' own functions, the flag it sets)
             only = f"; {desc.host_kernel} only" if desc.host_kernel is not None else ""
             message += f" (the site's route: {spec.exact_route}{only})"
-        return Site(
-            **common,
-            spec=spec,
-            resolution=None,
-            trace=exc.trace,
-            error=SiteError(exc.code, message),
-        )
+        return site(spec=spec, trace=exc.trace, error=SiteError(exc.code, message))
     if (
         res.origin in _NOTHING_REQUESTED
         and desc.current is not None
@@ -338,18 +312,14 @@ def _plan_one(
         # (a transformers class that runs eager moved to torch SDPA): a change
         # nobody asked for. The site keeps what it runs, and says why
         failed = res.reason.value if res.reason is not None else "the platform's order"
-        return Site(
-            **common,
+        return site(
             spec=spec,
-            resolution=None,
-            error=None,
-            trace=None,
             note=f"nothing requested, left on its own code path ({desc.current.name}): "
             f"automatic selection would move it to {res.backend.name} ({failed}), which "
             f"changes its output; request a backend to move it",
         )
     _check_options(desc, spec, res, platform)
-    return Site(**common, spec=spec, resolution=res, error=None, trace=res.trace)
+    return site(spec=spec, resolution=res, trace=res.trace)
 
 
 #: the origins of a resolution nobody asked for (no flag, no override, no request)
