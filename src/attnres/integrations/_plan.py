@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
 from attnres import audit as _audit
 from attnres._states import Origin, RouteKind, SiteCode, Status
@@ -56,7 +56,7 @@ from attnres.runtime import (
     selection_config,
 )
 from attnres.scope import current_handle, scope_state
-from attnres.trace import Outcome, Trace
+from attnres.trace import Outcome
 
 __all__ = [
     "DtypeChoice",
@@ -220,46 +220,39 @@ def _row(
 def _plan_one(
     desc: SiteDescription, relaxed: bool, config: SelectionConfig, platform: Platform
 ) -> Site:
-    def site(
-        *,
-        spec: LayerSpec | None = None,
-        resolution: Resolution | None = None,
-        error: SiteError | None = None,
-        trace: Trace | None = None,
-        note: str | None = None,
-    ) -> Site:
-        return Site(
-            component=desc.component,
-            name=desc.name,
-            module_class=desc.module_class,
-            route=desc.route,
-            heads=desc.heads,
-            kv_heads=desc.kv_heads,
-            current=desc.current,
-            kind=desc.kind,
-            pending=desc.pending,
-            spec=spec,
-            resolution=resolution,
-            error=error,
-            trace=trace,
-            note=note,
-        )
-
+    # the site with no outcome: each outcome below is this site evolved
+    bare = Site(
+        component=desc.component,
+        name=desc.name,
+        module_class=desc.module_class,
+        route=desc.route,
+        heads=desc.heads,
+        kv_heads=desc.kv_heads,
+        current=desc.current,
+        kind=desc.kind,
+        pending=desc.pending,
+        spec=None,
+        resolution=None,
+        error=None,
+        trace=None,
+    )
     if desc.pending:
-        return site(
+        return evolve(
+            bare,
             note="decided at first call: "
             + (
                 desc.why
                 or "its head facts are read from the query, key and value of its first call"
-            )
+            ),
         )
     if not desc.softmax:
-        return site(note=f"not softmax attention, left on its own code path: {desc.why}")
+        return evolve(bare, note=f"not softmax attention, left on its own code path: {desc.why}")
     if desc.why is not None or desc.head_size is None:
         why = desc.why or "its attention call cannot be classified"
         if relaxed:
-            return site(note=f"unclassified, left on its own code path: {why}")
-        return site(
+            return evolve(bare, note=f"unclassified, left on its own code path: {why}")
+        return evolve(
+            bare,
             error=SiteError(
                 SiteCode.UNCLASSIFIED,
                 (
@@ -269,7 +262,7 @@ def _plan_one(
                     f"find_sdpa_calls) to see what it calls, or plan that component with an "
                     f"explicit per-component backend"
                 ),
-            )
+            ),
         )
     spec = LayerSpec(
         head_size=desc.head_size,
@@ -299,7 +292,7 @@ def _plan_one(
             # that keeps its sites to transformers' own functions, the flag it sets)
             only = f"; {desc.host_kernel} only" if desc.host_kernel is not None else ""
             message += f" (the site's route: {spec.exact_route}{only})"
-        return site(spec=spec, trace=exc.trace, error=SiteError(exc.code, message))
+        return evolve(bare, spec=spec, trace=exc.trace, error=SiteError(exc.code, message))
     if (
         res.origin in _NOTHING_REQUESTED
         and desc.current is not None
@@ -312,14 +305,15 @@ def _plan_one(
         # (a transformers class that runs eager moved to torch SDPA): a change
         # nobody asked for. The site keeps what it runs, and says why
         failed = res.reason.value if res.reason is not None else "the platform's order"
-        return site(
+        return evolve(
+            bare,
             spec=spec,
             note=f"nothing requested, left on its own code path ({desc.current.name}): "
             f"automatic selection would move it to {res.backend.name} ({failed}), which "
             f"changes its output; request a backend to move it",
         )
     _check_options(desc, spec, res, platform)
-    return site(spec=spec, resolution=res, trace=res.trace)
+    return evolve(bare, spec=spec, resolution=res, trace=res.trace)
 
 
 #: the origins of a resolution nobody asked for (no flag, no override, no request)

@@ -357,11 +357,12 @@ def custom_scale(scale: object, head_size: int) -> bool:
 
 
 def _with_call_facts(
-    req: Requirements, module: Any, head_size: int, backward: bool
+    req: Requirements, module: Any, facts: tuple[int, int, int], backward: bool
 ) -> Requirements:
-    """What every transformers attention call passes besides q, k, v: ``scaling``
-    (T5 uses 1.0), ``sliding_window`` (set per layer), a logit softcap and
-    (issue 19) attention sinks: a module holding ``sinks`` passes them (GPT-OSS's
+    """``req`` with ``gqa`` (of ``facts``: heads, kv heads, head size) and what
+    every transformers attention call passes besides q, k, v: ``scaling`` (T5
+    uses 1.0), ``sliding_window`` (set per layer), a logit softcap and (issue 19)
+    attention sinks: a module holding ``sinks`` passes them (GPT-OSS's
     ``s_aux``), which only a kernel implementing them computes."""
     config = getattr(module, "config", None)
     softcap = getattr(module, "attn_logit_softcapping", None)
@@ -376,9 +377,11 @@ def _with_call_facts(
         window = getattr(config, "sliding_window", None) is not None and bool(
             _WINDOW_ARGUMENTS & _passed_keywords(type(module))
         )
+    heads, kv_heads, head_size = facts
     return attrs.evolve(
         req,
         backward=backward,
+        gqa=kv_heads < heads,
         custom_scale=custom_scale(getattr(module, "scaling", None), head_size),
         sliding_window=window,
         softcap=softcap is not None,
@@ -520,7 +523,6 @@ def _describe_interface(
         )
     heads, kv_heads, head_size = facts
     fact = _CLASS_FACTS.get(cls, _OBSERVED)
-    req = attrs.evolve(fact.requirements(module), gqa=kv_heads < heads)
     flag = _hf_attention.opt_out_flag(type(owner))
     return SiteDescription(
         **common,
@@ -537,7 +539,7 @@ def _describe_interface(
         heads=heads,
         kv_heads=kv_heads,
         role=fact.role(name, module),
-        requirements=_with_call_facts(req, module, head_size, backward),
+        requirements=_with_call_facts(fact.requirements(module), module, facts, backward),
     )
 
 
@@ -594,11 +596,9 @@ def _describe_own(
     facts = _head_facts(module)
     own = Backend("torch_sdpa" if calls_sdpa else "eager")
     heads, kv_heads, head_size = facts if facts is not None else (None, None, None)
-    req = Requirements(causal=getattr(module, "is_causal", False) is True)
+    req = Requirements(causal=getattr(module, "is_causal", False) is True, backward=backward)
     if facts is not None:
-        req = _with_call_facts(
-            attrs.evolve(req, gqa=facts[1] < facts[0]), module, facts[2], backward
-        )
+        req = _with_call_facts(req, module, facts, backward)
     return SiteDescription(
         **common,
         # issue 30: softmax by hand runs its own code, untouched: no kernel is
@@ -611,7 +611,7 @@ def _describe_own(
         kv_heads=kv_heads,
         dtype=dtype,
         role=_self(name, module),
-        requirements=attrs.evolve(req, backward=backward),
+        requirements=req,
         current=own,
         pending=facts is None,
         kind=RouteKind.INTERCEPT if calls_sdpa else RouteKind.OWN_CODE,
@@ -875,8 +875,7 @@ def prepare(
     under it are this model's. Nothing is changed until the actions run.
     """
     modules = {".".join(p for p in (prefix, n) if p): m for n, m in model.named_modules()}
-    groups: dict[int, tuple[Any, dict[str, list[str]]]] = {}
-    sites: dict[str, Site] = {}
+    groups: dict[int, tuple[Any, dict[str, list[Site]]]] = {}
     problems: list[str] = []
     actions: list[Callable[[], None]] = []
     watched: list[tuple[Site, Any]] = []
@@ -946,8 +945,7 @@ def prepare(
         # the attnres function runs one kernel per site; one config still takes
         # one function, so its sites must agree on the backend too
         key = function if function not in _hf_attention.NAMES else f"{function}:{backend}"
-        decided.setdefault(key, []).append(site.name)
-        sites[site.name] = site
+        decided.setdefault(key, []).append(site)
     for site, module in watched:
         # issue 19: an interface site decided at its first call runs the function
         # its config names (set by the sites sharing it, or as it was)
@@ -956,8 +954,7 @@ def prepare(
         if given is not None and given.partition(":")[0] in _hf_attention.NAMES:
             # attnres's function: it binds the site at its first call itself, from
             # the query and key it is given (each call checked, as everywhere)
-            shared[given].append(site.name)
-            sites[site.name] = site
+            shared[given].append(site)
             continue
         runs = given or getattr(module.config, "_attn_implementation", None) or "eager"
         own = _BY_FUNCTION.get(runs)
@@ -977,12 +974,15 @@ def prepare(
         if len(decided) > 1:
             problems.append(
                 f"{component}: sites sharing one config were given different backends ("
-                + "; ".join(f"{f}: {', '.join(n[:3])}" for f, n in sorted(decided.items()))
+                + "; ".join(
+                    f"{f}: {', '.join(s.name for s in group[:3])}"
+                    for f, group in sorted(decided.items())
+                )
                 + "); transformers runs one attention function per config"
             )
             continue
-        ((key, names),) = decided.items()
-        install = (model, component, cfg, key, names, modules, sites, result)
+        ((key, group),) = decided.items()
+        install = (model, component, cfg, key, group, modules, result)
         actions.append(functools.partial(_install_function, *install))
     return actions, problems
 
@@ -1028,13 +1028,12 @@ def _install_function(
     component: str,
     cfg: Any,
     key: str,
-    names: list[str],
+    sites: list[Site],
     modules: Mapping[str, Any],
-    sites: Mapping[str, Site],
     result: PlanResult,
 ) -> None:
     """Set the attention function ``key`` names (``function`` or, for attnres's
-    own, ``function:backend``) on one config its sites ``names`` read."""
+    own, ``function:backend``) on one config its ``sites`` read."""
     installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
     old = getattr(cfg, "_attn_implementation_internal", None)
     for earlier in [r for r in installs if r.config is cfg]:
@@ -1045,18 +1044,16 @@ def _install_function(
     function, _, backend = key.partition(":")
     rec = _Install(cfg, old, function, backend or _BY_FUNCTION[function])
     cfg._attn_implementation_internal = function
-    for name in names:
-        module = modules[name]
+    for site in sites:
+        module = modules[site.name]
         if function in _hf_attention.NAMES:  # issue 22: bind the decided kernel
             _hf_attention.register()
             # issue 19: its route checks each call's facts against the plan
             # (where it decides torch SDPA, the function runs torch SDPA itself)
-            route = _route.site_route(
-                sites[name], result.config, result.platform, Backend("torch_sdpa")
-            )
+            route = _route.site_route(site, result.config, result.platform, Backend("torch_sdpa"))
             _hf_attention.bind_module(module, route)
-        rec.sites.append((component, name, module))
-        rec.dtype[name] = _compute_dtype(module, model)
+        rec.sites.append((component, site.name, module))
+        rec.dtype[site.name] = _compute_dtype(module, model)
     installs.append(rec)
 
 
