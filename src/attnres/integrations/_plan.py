@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 
-@frozen
+@frozen(kw_only=True)
 class SiteDescription:
     """What an integration found at one site, before it is resolved.
 
@@ -85,7 +85,8 @@ class SiteDescription:
     components that may fall back. ``pending``: the
     route is known but the head facts are not, the site is decided at its first
     call. ``why`` without ``pending``: the site cannot be classified, or
-    (``softmax=False``) is not softmax attention.
+    (``softmax=False``) is not softmax attention. Head facts not given are
+    unknown (``None``).
     """
 
     component: str
@@ -93,9 +94,9 @@ class SiteDescription:
     module_class: str
     route: str
     supported: frozenset[Backend] | None
-    head_size: int | None
-    heads: int | None
-    kv_heads: int | None
+    head_size: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
     dtype: str
     role: Role = Role.SELF
     requirements: Requirements = field(factory=Requirements)
@@ -104,7 +105,7 @@ class SiteDescription:
     pending: bool = False
     softmax: bool = True
     #: how its kernel is put in place (its route's kind: dispatch on this)
-    kind: RouteKind = field(kw_only=True)
+    kind: RouteKind
     #: issue 24: the sequence-parallel layout the model runs the site under
     #: (diffusers' context parallelism, :func:`attnres.layout.context_parallel_layout`)
     layout: SequenceLayout | None = None

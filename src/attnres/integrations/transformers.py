@@ -514,9 +514,6 @@ def _describe_interface(
         return SiteDescription(
             **common,
             supported=None,
-            head_size=None,
-            heads=None,
-            kv_heads=None,
             pending=True,
             why=f"{cls} calls the attention interface but holds no head count or "
             f"head size; they are read from the query and key of its first call",
@@ -586,9 +583,6 @@ def _describe_own(
             route=f"own code in {cls}",
             kind=RouteKind.OWN_CODE,
             supported=None,
-            head_size=None,
-            heads=None,
-            kv_heads=None,
             dtype=dtype,
             softmax=False,
             why=f"{cls} {not_attention}",
