@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
 from attnres import audit as _audit
 from attnres._states import Origin, RouteKind, SiteCode, Status
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 
-@frozen
+@frozen(kw_only=True)
 class SiteDescription:
     """What an integration found at one site, before it is resolved.
 
@@ -85,7 +85,8 @@ class SiteDescription:
     components that may fall back. ``pending``: the
     route is known but the head facts are not, the site is decided at its first
     call. ``why`` without ``pending``: the site cannot be classified, or
-    (``softmax=False``) is not softmax attention.
+    (``softmax=False``) is not softmax attention. Head facts not given are
+    unknown (``None``).
     """
 
     component: str
@@ -93,9 +94,9 @@ class SiteDescription:
     module_class: str
     route: str
     supported: frozenset[Backend] | None
-    head_size: int | None
-    heads: int | None
-    kv_heads: int | None
+    head_size: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
     dtype: str
     role: Role = Role.SELF
     requirements: Requirements = field(factory=Requirements)
@@ -104,7 +105,7 @@ class SiteDescription:
     pending: bool = False
     softmax: bool = True
     #: how its kernel is put in place (its route's kind: dispatch on this)
-    kind: RouteKind = field(kw_only=True)
+    kind: RouteKind
     #: issue 24: the sequence-parallel layout the model runs the site under
     #: (diffusers' context parallelism, :func:`attnres.layout.context_parallel_layout`)
     layout: SequenceLayout | None = None
@@ -115,15 +116,6 @@ class SiteDescription:
     #: dispatcher pinned to a backend): attnres cannot pass that kernel the
     #: per-backend options; ``None``: attnres's own kernel call, options passed
     host_kernel: str | None = None
-
-    @property
-    def routed(self) -> bool:
-        """Whether the generic route serves it (:attr:`RouteKind.INTERCEPT`)."""
-        return self.kind is RouteKind.INTERCEPT
-
-    @property
-    def classified(self) -> bool:
-        return self.why is None and not self.pending and self.head_size is not None
 
 
 @frozen
@@ -229,24 +221,25 @@ def _row(
 def _plan_one(
     desc: SiteDescription, relaxed: bool, config: SelectionConfig, platform: Platform
 ) -> Site:
-    common: dict[str, Any] = {
-        "component": desc.component,
-        "name": desc.name,
-        "module_class": desc.module_class,
-        "route": desc.route,
-        "heads": desc.heads,
-        "kv_heads": desc.kv_heads,
-        "current": desc.current,
-        "kind": desc.kind,
-    }
+    # the site with no outcome: each outcome below is this site evolved
+    bare = Site(
+        component=desc.component,
+        name=desc.name,
+        module_class=desc.module_class,
+        route=desc.route,
+        heads=desc.heads,
+        kv_heads=desc.kv_heads,
+        current=desc.current,
+        kind=desc.kind,
+        pending=desc.pending,
+        spec=None,
+        resolution=None,
+        error=None,
+        trace=None,
+    )
     if desc.pending:
-        return Site(
-            **common,
-            spec=None,
-            resolution=None,
-            error=None,
-            trace=None,
-            pending=True,
+        return evolve(
+            bare,
             note="decided at first call: "
             + (
                 desc.why
@@ -254,30 +247,13 @@ def _plan_one(
             ),
         )
     if not desc.softmax:
-        return Site(
-            **common,
-            spec=None,
-            resolution=None,
-            error=None,
-            trace=None,
-            note=f"not softmax attention, left on its own code path: {desc.why}",
-        )
-    if not desc.classified:
+        return evolve(bare, note=f"not softmax attention, left on its own code path: {desc.why}")
+    if desc.why is not None or desc.head_size is None:
         why = desc.why or "its attention call cannot be classified"
         if relaxed:
-            return Site(
-                **common,
-                spec=None,
-                resolution=None,
-                error=None,
-                trace=None,
-                note=f"unclassified, left on its own code path: {why}",
-            )
-        return Site(
-            **common,
-            spec=None,
-            resolution=None,
-            trace=None,
+            return evolve(bare, note=f"unclassified, left on its own code path: {why}")
+        return evolve(
+            bare,
             error=SiteError(
                 SiteCode.UNCLASSIFIED,
                 (
@@ -289,7 +265,6 @@ def _plan_one(
                 ),
             ),
         )
-    assert desc.head_size is not None
     spec = LayerSpec(
         head_size=desc.head_size,
         dtype=desc.dtype,
@@ -314,18 +289,11 @@ def _plan_one(
         message = str(exc)
         if spec.exact_route is not None and spec.exact_route not in message:
             # the route is what limits the site: say which (issue 19: an MHA with
-            # add_bias_kv names the fact that keeps it on its own code path)
-            # issue 19: a class that keeps its sites to transformers' own functions
-            # says so, with the flag its code sets
+            # add_bias_kv names the fact that keeps it on its own code path; a class
+            # that keeps its sites to transformers' own functions, the flag it sets)
             only = f"; {desc.host_kernel} only" if desc.host_kernel is not None else ""
             message += f" (the site's route: {spec.exact_route}{only})"
-        return Site(
-            **common,
-            spec=spec,
-            resolution=None,
-            trace=exc.trace,
-            error=SiteError(exc.code, message),
-        )
+        return evolve(bare, spec=spec, trace=exc.trace, error=SiteError(exc.code, message))
     if (
         res.origin in _NOTHING_REQUESTED
         and desc.current is not None
@@ -338,18 +306,15 @@ def _plan_one(
         # (a transformers class that runs eager moved to torch SDPA): a change
         # nobody asked for. The site keeps what it runs, and says why
         failed = res.reason.value if res.reason is not None else "the platform's order"
-        return Site(
-            **common,
+        return evolve(
+            bare,
             spec=spec,
-            resolution=None,
-            error=None,
-            trace=None,
             note=f"nothing requested, left on its own code path ({desc.current.name}): "
             f"automatic selection would move it to {res.backend.name} ({failed}), which "
             f"changes its output; request a backend to move it",
         )
     _check_options(desc, spec, res, platform)
-    return Site(**common, spec=spec, resolution=res, error=None, trace=res.trace)
+    return evolve(bare, spec=spec, resolution=res, trace=res.trace)
 
 
 #: the origins of a resolution nobody asked for (no flag, no override, no request)

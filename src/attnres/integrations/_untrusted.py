@@ -32,6 +32,8 @@ the default files, not the ``*.fp16.safetensors`` variants beside them.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import math
 import re
 import sys
@@ -39,6 +41,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
+
+from attrs import define
 
 from attnres._codec import located
 from attnres._files import read_json, read_safetensors_header
@@ -86,6 +90,13 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}\Z")
 _LAYER_KEY = re.compile(r"(^|_)(layers|blocks|depth)(\Z|_)|layers_per_block|^n_layer")
 _HEAD_KEY = re.compile(r"(^|_)heads?(\Z|_)|^n_head")
 _HEAD_SIZE_KEY = re.compile(r"^(head_dim|d_kv|attention_head_dim|kv_channels|head_size)\Z")
+#: the bound of a config key (lower-cased): the first pattern it matches, (pattern,
+#: low, high, what)
+_BOUNDS: Final = (
+    (_HEAD_SIZE_KEY, 1, MAX_HEAD_SIZE, "a head size (attnres.layer.MAX_HEAD_SIZE)"),
+    (_HEAD_KEY, 1, MAX_CONFIG_HEADS, "heads (MAX_CONFIG_HEADS)"),
+    (_LAYER_KEY, 0, MAX_CONFIG_LAYERS, "layers (MAX_CONFIG_LAYERS)"),
+)
 
 
 def _fail(source: object, *where: str, message: str) -> FolderBuildError:
@@ -99,21 +110,23 @@ def _fail(source: object, *where: str, message: str) -> FolderBuildError:
     )
 
 
+def _preview(text: str, limit: int) -> str:
+    """``text``, cut to at most ``limit`` characters (ending ``...`` where cut)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """``Type: first line of the message``, without C++ stack frames, at most ``limit``."""
-    text = str(exc).strip()
     # torch appends "Exception raised from ... (most recent call first):" and frames
-    text = re.split(r"\n|Exception raised from ", text, maxsplit=1)[0].strip()
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    text = re.split(r"\n|Exception raised from ", str(exc).strip(), maxsplit=1)[0].strip()
+    return f"{type(exc).__name__}: {_preview(text, limit)}" if text else type(exc).__name__
 
 
 def check_component_key(key: object, where: str) -> str:
     """``key`` if it names a component: a name, never a path (no ``/``, no ``..``);
     ``where`` is the file that names it, or the flag (``--component``)."""
     if not isinstance(key, str) or not _KEY_RE.match(key) or key.strip(".") == "":
-        shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:57] + "..."
+        shown = _preview(repr(key), 60)
         raise _fail(
             where,
             message=f"{shown} is not a component name (letters, digits, '_', '-', '.', at "
@@ -123,66 +136,42 @@ def check_component_key(key: object, where: str) -> str:
     return key
 
 
-def _bound(key: str, value: int) -> tuple[int, int, str] | None:
-    low = key.lower()
-    if _HEAD_SIZE_KEY.match(low):
-        return 1, MAX_HEAD_SIZE, "a head size (attnres.layer.MAX_HEAD_SIZE)"
-    if _HEAD_KEY.search(low):
-        return 1, MAX_CONFIG_HEADS, "heads (MAX_CONFIG_HEADS)"
-    if _LAYER_KEY.search(low):
-        return 0, MAX_CONFIG_LAYERS, "layers (MAX_CONFIG_LAYERS)"
-    return None
-
-
 def check_config(config: Mapping[str, Any], where: str) -> None:
     """Refuse a config value a model build must not be asked for (see the module doc)."""
-    stack: list[tuple[str, Any]] = [(k, v) for k, v in config.items()]
+    stack: list[tuple[str, Any]] = list(config.items())
     while stack:
         path, value = stack.pop()
-        key = path.rsplit(".", 1)[-1].split("[", 1)[0]
+        message = None
         if isinstance(value, bool) or value is None:
             continue
         if isinstance(value, int):
+            key = path.rsplit(".", 1)[-1].split("[", 1)[0].lower()
+            bound = next((b for b in _BOUNDS if b[0].search(key)), None)
             if abs(value) > MAX_CONFIG_INT:
-                raise _fail(
-                    where,
-                    path,
-                    message=f"{value} is out of bounds (a config value is at most "
-                    f"{MAX_CONFIG_INT}, attnres.integrations._untrusted.MAX_CONFIG_INT)",
+                message = (
+                    f"{value} is out of bounds (a config value is at most "
+                    f"{MAX_CONFIG_INT}, attnres.integrations._untrusted.MAX_CONFIG_INT)"
                 )
-            bound = _bound(key, value)
-            if bound is not None and not bound[0] <= value <= bound[1]:
-                low, high, what = bound
-                raise _fail(
-                    where,
-                    path,
-                    message=f"{value} is out of bounds for {what}: attnres plans {low} to {high}",
-                )
+            elif bound is not None and not bound[1] <= value <= bound[2]:
+                _, low, high, what = bound
+                message = f"{value} is out of bounds for {what}: attnres plans {low} to {high}"
         elif isinstance(value, float):
             if not math.isfinite(value):  # parse_json refuses these; a dict passed in may not
-                raise _fail(where, path, message=f"{value} is not a finite number")
-        elif isinstance(value, str):
-            if len(value) > MAX_CONFIG_ITEMS:
-                raise _fail(
-                    where,
-                    path,
-                    message=f"a string of {len(value)} characters (at most {MAX_CONFIG_ITEMS})",
-                )
-        elif isinstance(value, list | tuple):
-            if len(value) > MAX_CONFIG_ITEMS:
-                raise _fail(
-                    where,
-                    path,
-                    message=f"a list of {len(value)} items (at most {MAX_CONFIG_ITEMS})",
-                )
+                message = f"{value} is not a finite number"
+        elif isinstance(value, str | list | tuple | dict) and len(value) > MAX_CONFIG_ITEMS:
+            what = (
+                "a string of {} characters"
+                if isinstance(value, str)
+                else "an object of {} keys"
+                if isinstance(value, dict)
+                else "a list of {} items"
+            )
+            message = f"{what.format(len(value))} (at most {MAX_CONFIG_ITEMS})"
+        if message is not None:
+            raise _fail(where, path, message=message)
+        if isinstance(value, list | tuple):
             stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
         elif isinstance(value, dict):
-            if len(value) > MAX_CONFIG_ITEMS:
-                raise _fail(
-                    where,
-                    path,
-                    message=f"an object of {len(value)} keys (at most {MAX_CONFIG_ITEMS})",
-                )
             stack.extend((f"{path}.{k}", v) for k, v in value.items())
 
 
@@ -212,22 +201,15 @@ def _budget_mode(deadline: float) -> Any:
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
             Budget.calls += 1
+            over = None
             if Budget.calls > MAX_BUILD_TORCH_CALLS:
-                raise _BudgetExceeded(
-                    f"over the budget of {MAX_BUILD_TORCH_CALLS} torch calls "
-                    f"(MAX_BUILD_TORCH_CALLS) for building one component"
-                )
-            if Budget.calls % 256 == 0:
-                if time.monotonic() > deadline:
-                    raise _BudgetExceeded(
-                        f"over the budget of {MAX_BUILD_SECONDS:g} s (MAX_BUILD_SECONDS) for "
-                        f"building one component"
-                    )
-                if _peak_rss() > memory_limit:
-                    raise _BudgetExceeded(
-                        f"over the budget of {MAX_BUILD_MEMORY_BYTES >> 30} GiB of memory "
-                        f"(MAX_BUILD_MEMORY_BYTES) for building one component"
-                    )
+                over = f"{MAX_BUILD_TORCH_CALLS} torch calls (MAX_BUILD_TORCH_CALLS)"
+            elif Budget.calls % 256 == 0 and time.monotonic() > deadline:
+                over = f"{MAX_BUILD_SECONDS:g} s (MAX_BUILD_SECONDS)"
+            elif Budget.calls % 256 == 0 and _peak_rss() > memory_limit:
+                over = f"{MAX_BUILD_MEMORY_BYTES >> 30} GiB of memory (MAX_BUILD_MEMORY_BYTES)"
+            if over is not None:
+                raise _BudgetExceeded(f"over the budget of {over} for building one component")
             return func(*args, **(kwargs or {}))
 
     return Budget()
@@ -248,9 +230,7 @@ def build_under_budget(
     try:
         with torch.device("meta"), _budget_mode(deadline):
             return build()
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
-    except FolderBuildError:
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, FolderBuildError):
         raise
     except BaseException as exc:  # third-party code on hostile input: anything at all
         raise _fail(
@@ -287,7 +267,7 @@ def _elements(shape: Any, path: Path, tensor: str) -> int:
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_CONFIG_INT for d in shape
     ):
-        shown = repr(shape) if len(repr(shape)) <= 80 else repr(shape)[:77] + "..."
+        shown = _preview(repr(shape), 80)
         raise _fail(
             path, tensor, message=f"shape must be a list of non-negative integers, got {shown}"
         )
@@ -303,7 +283,7 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
     compute dtype (``detail`` then says why, or is None when there are no files).
     """
     try:
-        every = sorted(p for p in folder.glob("*.safetensors"))
+        every = sorted(folder.glob("*.safetensors"))
     except OSError as exc:
         raise _fail(folder, message=f"cannot list its files: {exc.strerror or exc}") from None
     if not every:
@@ -375,11 +355,14 @@ def read_config(path: Path, what: str = "config file") -> dict[str, Any]:
     return doc
 
 
-def _import(library: str, component: str, class_name: str, where: str) -> Any:
-    import importlib
-
+def model_class(library: str, class_name: object, component: str, where: str) -> type | None:
+    """The model class ``library.class_name``, or ``None`` when it is exported but
+    is not a model (a tokenizer, a scheduler, a feature extractor)."""
+    named = f"component {component!r}"
+    if not isinstance(class_name, str) or not _CLASS_RE.match(class_name):
+        raise _fail(where, named, message=f"{str(class_name)[:80]!r} is not a class name")
     try:
-        return importlib.import_module(library)
+        module = importlib.import_module(library)
     except ImportError as exc:
         raise _fail(
             where,
@@ -387,15 +370,6 @@ def _import(library: str, component: str, class_name: str, where: str) -> Any:
             f"{library}, which does not import here ({one_line(exc)}); install it with: "
             f"pip install 'attnres[{library}]'",
         ) from None
-
-
-def model_class(library: str, class_name: object, component: str, where: str) -> type | None:
-    """The model class ``library.class_name``, or ``None`` when it is exported but
-    is not a model (a tokenizer, a scheduler, a feature extractor)."""
-    named = f"component {component!r}"
-    if not isinstance(class_name, str) or not _CLASS_RE.match(class_name):
-        raise _fail(where, named, message=f"{str(class_name)[:80]!r} is not a class name")
-    module = _import(library, component, class_name, where)
     base = module.ModelMixin if library == "diffusers" else module.PreTrainedModel
     try:
         cls = getattr(module, class_name, None)
@@ -417,19 +391,17 @@ def model_class(library: str, class_name: object, component: str, where: str) ->
     return cls
 
 
+@define(eq=False)
 class FolderPart:
     """One model component of a folder: its name, library, class, folder and config."""
 
-    def __init__(
-        self, name: str, library: str, cls: type, folder: Path, config: dict[str, Any], where: str
-    ) -> None:
-        self.name = name
-        self.library = library
-        self.cls = cls
-        self.folder = folder
-        self.config = config
-        self.where = where
-        self.model: Any = None
+    name: str
+    library: str
+    cls: type
+    folder: Path
+    config: dict[str, Any]
+    where: str
+    model: Any = None
 
 
 def read_pipeline_index(
@@ -455,16 +427,12 @@ def read_pipeline_index(
                 index,
                 repr(name),
                 message="expected [LIBRARY, CLASS] (two strings, or [null, null] for an "
-                f"absent component), got {json_preview(value)}",
+                f"absent component), got {_preview(json.dumps(value, default=str), 80)}",
             )
         library, class_name = value
         if library not in _LIBRARIES:
-            skipped.append(
-                (
-                    name,
-                    f"{library}.{class_name}: attnres plans diffusers and transformers models only",
-                )
-            )
+            why = "attnres plans diffusers and transformers models only"
+            skipped.append((name, f"{library}.{class_name}: {why}"))
             continue
         cls = model_class(library, class_name, name, str(index))
         if cls is None:
@@ -481,13 +449,6 @@ def read_pipeline_index(
             + (f"; skipped: {', '.join(n for n, _ in skipped)}" if skipped else ""),
         )
     return title, parts, skipped
-
-
-def json_preview(value: Any) -> str:
-    import json
-
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_model_folder(

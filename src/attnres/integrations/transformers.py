@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import ast
 import dis
+import functools
 import math
 import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import torch
@@ -67,8 +68,6 @@ __all__ = [
 ]
 
 ROUTE = "transformers attention interface"
-#: a site that calls SDPA itself (the words of ``diffusers.ROUTE_GENERIC``)
-_GENERIC = "generic route"
 
 #: attnres backend -> the transformers attention function that executes it
 #: (transformers 5.24).
@@ -132,22 +131,16 @@ def _self(name: str, module: Any) -> Role:
     return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
 
 
+def _observed_requirements(module: Any) -> Requirements:
+    # issue 22: a model's mask function builds padding masks (causal ones for a
+    # decoder used as an encoder): key padding
+    return Requirements(
+        causal=getattr(module, "is_causal", False) is True, mask=MaskKind.KEY_PADDING
+    )
+
+
 def _t5_role(name: str, module: Any) -> Role:
     return Role.CROSS if name.rsplit(".", 1)[-1] == "EncDecAttention" else Role.SELF
-
-
-class _Fact:
-    """What code cannot tell about one attention class before its call."""
-
-    def __init__(
-        self,
-        role: Callable[[str, Any], Role],
-        requirements: Callable[[Any], Requirements],
-        why: str,
-    ) -> None:
-        self.role = role
-        self.requirements = requirements
-        self.why = why
 
 
 def _t5_requirements(module: Any) -> Requirements:
@@ -164,6 +157,17 @@ def _clip_requirements(module: Any) -> Requirements:
     return Requirements(causal=text, mask=MaskKind.KEY_PADDING if text else MaskKind.NONE)
 
 
+@attrs.frozen
+class _Fact:
+    """One attention class's role and requirements (``why``: what code cannot tell)."""
+
+    role: Callable[[str, Any], Role]
+    requirements: Callable[[Any], Requirements]
+    why: str
+
+
+#: the facts of every class not in :data:`_CLASS_FACTS`: read from the module
+_OBSERVED = _Fact(_self, _observed_requirements, "")
 _T5 = _Fact(
     _t5_role,
     _t5_requirements,
@@ -184,16 +188,6 @@ _CLASS_FACTS: Mapping[str, _Fact] = MappingProxyType(
         "UMT5Attention": _T5,
     }
 )
-
-
-def _observed_requirements(module: Any, heads: int, kv_heads: int) -> Requirements:
-    # issue 22: a model's mask function builds padding masks (causal ones for a
-    # decoder used as an encoder): key padding
-    return Requirements(
-        causal=getattr(module, "is_causal", False) is True,
-        gqa=kv_heads < heads,
-        mask=MaskKind.KEY_PADDING,
-    )
 
 
 #: a module's query projection, and its fused query/key/value one (three widths)
@@ -222,12 +216,9 @@ def _query_width(module: Any) -> int | None:
     return None
 
 
-#: the output projection of an attention module (what it takes: heads x head size)
-_OUTPUT = ("o_proj", "out_proj")
-
-
 def _out_width(module: Any) -> int | None:
-    for name in _OUTPUT:
+    """What the output projection of ``module`` takes: heads x head size."""
+    for name in ("o_proj", "out_proj"):
         child = getattr(module, name, None)
         if isinstance(child, torch.nn.Linear):
             return int(child.in_features)
@@ -292,17 +283,22 @@ _INTERFACE, _SDPA, _BY_HAND = "interface", "sdpa", "by hand"
 _PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "@"})
 
 
-def _own_calls(module: Any) -> frozenset[str]:
-    """What the code of ``module``'s own classes names (not torch's, and not the
-    base classes every transformers model shares); ``@`` when it multiplies
-    matrices with the operator (which names nothing)."""
-    functions = [
+def _own_functions(cls: type) -> list[types.FunctionType]:
+    """The functions of ``cls``'s own classes: not torch's, and not the base
+    classes every transformers model shares."""
+    return [
         value
-        for cls in type(module).__mro__
-        if cls not in _SHARED_BASES and not cls.__module__.startswith("torch.")
-        for value in vars(cls).values()
+        for klass in cls.__mro__
+        if klass not in _SHARED_BASES and not klass.__module__.startswith("torch.")
+        for value in vars(klass).values()
         if isinstance(value, types.FunctionType)
     ]
+
+
+def _own_calls(module: Any) -> frozenset[str]:
+    """What the code of ``module``'s own classes names; ``@`` when it multiplies
+    matrices with the operator (which names nothing)."""
+    functions = _own_functions(type(module))
     names = _route.calls_of(functions, depth=1)
     if names >= _NORMALISERS:
         # exp(x - logsumexp(x)) is a softmax written out (Reformer's LSH and local
@@ -361,11 +357,12 @@ def custom_scale(scale: object, head_size: int) -> bool:
 
 
 def _with_call_facts(
-    req: Requirements, module: Any, head_size: int, backward: bool
+    req: Requirements, module: Any, facts: tuple[int, int, int], backward: bool
 ) -> Requirements:
-    """What every transformers attention call passes besides q, k, v: ``scaling``
-    (T5 uses 1.0), ``sliding_window`` (set per layer), a logit softcap and
-    (issue 19) attention sinks: a module holding ``sinks`` passes them (GPT-OSS's
+    """``req`` with ``gqa`` (of ``facts``: heads, kv heads, head size) and what
+    every transformers attention call passes besides q, k, v: ``scaling`` (T5
+    uses 1.0), ``sliding_window`` (set per layer), a logit softcap and (issue 19)
+    attention sinks: a module holding ``sinks`` passes them (GPT-OSS's
     ``s_aux``), which only a kernel implementing them computes."""
     config = getattr(module, "config", None)
     softcap = getattr(module, "attn_logit_softcapping", None)
@@ -377,67 +374,49 @@ def _with_call_facts(
     if hasattr(module, "sliding_window"):  # the layer's own (None: a full-attention layer)
         window = module.sliding_window is not None
     else:
-        window = getattr(config, "sliding_window", None) is not None and _passes_keywords(
-            type(module), _WINDOW_ARGUMENTS
+        window = getattr(config, "sliding_window", None) is not None and bool(
+            _WINDOW_ARGUMENTS & _passed_keywords(type(module))
         )
+    heads, kv_heads, head_size = facts
     return attrs.evolve(
         req,
         backward=backward,
+        gqa=kv_heads < heads,
         custom_scale=custom_scale(getattr(module, "scaling", None), head_size),
         sliding_window=window,
         softcap=softcap is not None,
         # (a module that holds no sinks, ``sinks = None``, passes none)
-        sinks=_passes_sinks(type(module)) and getattr(module, "sinks", True) is not None,
+        sinks=bool(_SINK_ARGUMENTS & _passed_keywords(type(module)))
+        and getattr(module, "sinks", True) is not None,
     )
 
 
 #: the keyword arguments an attention call passes attention sinks as (GPT-OSS's
-#: ``s_aux``, Inkling2's per-token ``sinks``; transformers 5.24)
+#: ``s_aux``, Inkling2's per-token ``sinks``; transformers 5.24), and its sliding
+#: window as
 _SINK_ARGUMENTS = frozenset({"s_aux", "sinks"})
-
-
-#: the keyword argument an attention call passes its sliding window as
 _WINDOW_ARGUMENTS = frozenset({"sliding_window"})
 
-#: (class, keywords) -> whether its code passes one of them (read once per class)
-_KEYWORDS_READ: weakref.WeakKeyDictionary[type, dict[frozenset[str], bool]] = (
-    weakref.WeakKeyDictionary()
-)
+#: class -> the keywords its own methods pass a call (read once per class)
+_KEYWORDS_READ: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
-def _passes_sinks(cls: type) -> bool:
-    """Whether the code of ``cls``'s own methods passes attention sinks to a call
-    (a keyword :data:`_SINK_ARGUMENTS` given a value other than ``None``), read
-    from their source."""
-    return _passes_keywords(cls, _SINK_ARGUMENTS)
-
-
-def _passes_keywords(cls: type, names: frozenset[str]) -> bool:
-    """Whether the code of ``cls``'s own methods passes one of the keywords
-    ``names`` to a call, with a value other than ``None``, read from their
-    source (once per class)."""
-    known = _KEYWORDS_READ.setdefault(cls, {})
-    if names not in known:
-        known[names] = _reads_keywords(cls, names)
-    return known[names]
-
-
-def _reads_keywords(cls: type, names: frozenset[str]) -> bool:
-    for klass in cls.__mro__:
-        if klass in _SHARED_BASES or klass.__module__.startswith("torch.") or klass is object:
-            continue
-        for func in vars(klass).values():
-            tree = _route.source_tree(func) if isinstance(func, types.FunctionType) else None
-            if tree is None:
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Call) and any(
-                    k.arg in names
-                    and not (isinstance(k.value, ast.Constant) and k.value.value is None)
-                    for k in node.keywords
-                ):
-                    return True
-    return False
+def _passed_keywords(cls: type) -> frozenset[str]:
+    """The keywords the code of ``cls``'s own methods passes to a call with a
+    value other than ``None``, read from their source (once per class)."""
+    if cls not in _KEYWORDS_READ:
+        trees = [_route.source_tree(func) for func in _own_functions(cls)]
+        _KEYWORDS_READ[cls] = frozenset(
+            k.arg
+            for tree in trees
+            if tree is not None
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            for k in node.keywords
+            if k.arg is not None
+            and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+        )
+    return _KEYWORDS_READ[cls]
 
 
 def _compute_dtype(module: Any, model: Any) -> str:
@@ -495,75 +474,70 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         if isinstance(module, torch.nn.MultiheadAttention):
             parent = model.get_submodule(name.rpartition(".")[0])
             out.append(_route.describe_mha(component, name, module, site_dtype, backward, parent))
-            continue
-        if name in hand:
+        elif name in hand or (name in api and kinds[name] == _SDPA):
             out.append(_describe_own(component, name, module, site_dtype, backward, kinds[name]))
-            continue
-        if name not in api:
-            continue
-        if kinds[name] == _SDPA:
-            out.append(_describe_own(component, name, module, site_dtype, backward, _SDPA))
-            continue
-        cls = type(module).__name__
-        facts = _head_facts(module)
-        site_current = getattr(module.config, "_attn_implementation", current_name)
-        current = _BY_FUNCTION.get(site_current or "eager")
-        if facts is None:
+        elif name in api:
+            owner = _owner(by_name, name, model)
+            current = getattr(module.config, "_attn_implementation", current_name)
             out.append(
-                SiteDescription(
-                    component=component,
-                    name=name,
-                    module_class=cls,
-                    route=ROUTE,
-                    kind=RouteKind.INTERFACE,
-                    supported=None,
-                    head_size=None,
-                    heads=None,
-                    kv_heads=None,
-                    dtype=site_dtype,
-                    current=None if current is None else Backend(current),
-                    # issue 19: its facts are read from its first call (the attention
-                    # function's products or SDPA call, _route.watch_forward)
-                    pending=True,
-                    why=f"{cls} calls the attention interface but holds no head count or "
-                    f"head size; they are read from the query and key of its first call",
-                )
+                _describe_interface(component, name, module, site_dtype, backward, owner, current)
             )
-            continue
-        heads, kv_heads, head_size = facts
-        fact = _CLASS_FACTS.get(cls)
-        req = (
-            fact.requirements(module)
-            if fact is not None
-            else _observed_requirements(module, heads, kv_heads)
-        )
-        owner = _owner(by_name, name, model)
-        out.append(
-            SiteDescription(
-                component=component,
-                name=name,
-                module_class=cls,
-                route=ROUTE,
-                kind=RouteKind.INTERFACE,
-                supported=_site_backends(owner, module),
-                # issue 23: a class that opts out of attnres's function runs only
-                # transformers' own functions, which take none of attnres's options
-                host_kernel=f"transformers' own attention function ({type(owner).__name__} "
-                f"opts out of attnres's: {flag})"
-                if (flag := _hf_attention.opt_out_flag(type(owner))) is not None
-                else None,
-                head_size=head_size,
-                heads=heads,
-                kv_heads=kv_heads,
-                dtype=site_dtype,
-                role=(fact.role if fact is not None else _self)(name, module),
-                requirements=_with_call_facts(
-                    attrs.evolve(req, gqa=kv_heads < heads), module, head_size, backward
-                ),
-                current=None if current is None else Backend(current),
-            )
-        )
     return out
+
+
+def _describe_interface(
+    component: str,
+    name: str,
+    module: Any,
+    dtype: str,
+    backward: bool,
+    owner: Any,
+    current: str | None,
+) -> SiteDescription:
+    """A module that calls the attention interface: it runs the function its
+    config names (``current``), one of what its ``owner`` model's class takes."""
+    cls = type(module).__name__
+    facts = _head_facts(module)
+    now = _BY_FUNCTION.get(current or "eager")
+    common: dict[str, Any] = {
+        "component": component,
+        "name": name,
+        "module_class": cls,
+        "route": ROUTE,
+        "kind": RouteKind.INTERFACE,
+        "dtype": dtype,
+        "current": None if now is None else Backend(now),
+    }
+    if facts is None:
+        # issue 19: its facts are read from its first call (the attention
+        # function's products or SDPA call, _route.watch_forward)
+        return SiteDescription(
+            **common,
+            supported=None,
+            pending=True,
+            why=f"{cls} calls the attention interface but holds no head count or "
+            f"head size; they are read from the query and key of its first call",
+        )
+    heads, kv_heads, head_size = facts
+    fact = _CLASS_FACTS.get(cls, _OBSERVED)
+    flag = _hf_attention.opt_out_flag(type(owner))
+    return SiteDescription(
+        **common,
+        # issue 19: a module holding attention sinks (GPT-OSS's ``s_aux``) requires
+        # them (_with_call_facts), which the machine checks against each kernel
+        supported=route_backends(owner),
+        # issue 23: a class that opts out of attnres's function runs only
+        # transformers' own functions, which take none of attnres's options
+        host_kernel=None
+        if flag is None
+        else f"transformers' own attention function ({type(owner).__name__} "
+        f"opts out of attnres's: {flag})",
+        head_size=head_size,
+        heads=heads,
+        kv_heads=kv_heads,
+        role=fact.role(name, module),
+        requirements=_with_call_facts(fact.requirements(module), module, facts, backward),
+    )
 
 
 def _owner(modules: Mapping[str, Any], name: str, model: Any) -> Any:
@@ -576,15 +550,6 @@ def _owner(modules: Mapping[str, Any], name: str, model: Any) -> Any:
         if isinstance(owner, transformers.PreTrainedModel):
             return owner
     return model
-
-
-def _site_backends(owner: Any, module: Any) -> frozenset[Backend]:
-    """What the attention interface can execute at one site. Issue 19: a module
-    holding attention sinks (``sinks``, passed as ``s_aux``: GPT-OSS) requires
-    them (:func:`_with_call_facts`), which the machine checks against each
-    kernel's declared facts (``requirement_unmet``: "attention sinks"); the
-    backends implementing them run through transformers' own functions."""
-    return route_backends(owner)
 
 
 def _nested(inner: str, outer: str) -> bool:
@@ -609,45 +574,38 @@ def _describe_own(
     softmax is not softmax attention (read from its source,
     :func:`_not_softmax_attention`) is recorded as such."""
     cls = type(module).__name__
-    facts = _head_facts(module)
     calls_sdpa = kind == _SDPA
-    own = Backend("torch_sdpa" if calls_sdpa else "eager")
-    heads, kv_heads, head_size = facts if facts is not None else (None, None, None)
-    req = Requirements(causal=getattr(module, "is_causal", False) is True)
-    if facts is not None:
-        req = _with_call_facts(
-            attrs.evolve(req, gqa=facts[1] < facts[0]), module, facts[2], backward
-        )
+    common: dict[str, Any] = {"component": component, "name": name, "module_class": cls}
     not_attention = None if calls_sdpa else _not_softmax_attention(module)
     if not_attention is not None:
         return SiteDescription(
-            component=component,
-            name=name,
-            module_class=cls,
+            **common,
             route=f"own code in {cls}",
             kind=RouteKind.OWN_CODE,
             supported=None,
-            head_size=None,
-            heads=None,
-            kv_heads=None,
             dtype=dtype,
             softmax=False,
             why=f"{cls} {not_attention}",
         )
+    facts = _head_facts(module)
+    own = Backend("torch_sdpa" if calls_sdpa else "eager")
+    heads, kv_heads, head_size = facts if facts is not None else (None, None, None)
+    req = Requirements(causal=getattr(module, "is_causal", False) is True, backward=backward)
+    if facts is not None:
+        req = _with_call_facts(req, module, facts, backward)
     return SiteDescription(
-        component=component,
-        name=name,
-        module_class=cls,
+        **common,
         # issue 30: softmax by hand runs its own code, untouched: no kernel is
         # offered there (the machine's written_by_hand)
-        route=f"{_GENERIC} (SDPA in {cls})" if calls_sdpa else _route.by_hand_route(cls),
+        # (a site that calls SDPA itself: the words of ``diffusers.ROUTE_GENERIC``)
+        route=f"generic route (SDPA in {cls})" if calls_sdpa else _route.by_hand_route(cls),
         supported=None if calls_sdpa else frozenset({own}),
         head_size=head_size,
         heads=heads,
         kv_heads=kv_heads,
         dtype=dtype,
         role=_self(name, module),
-        requirements=attrs.evolve(req, backward=backward),
+        requirements=req,
         current=own,
         pending=facts is None,
         kind=RouteKind.INTERCEPT if calls_sdpa else RouteKind.OWN_CODE,
@@ -682,46 +640,36 @@ def _not_softmax_attention(module: Any) -> str | None:
     5.24's 81 classes computing softmax by hand this records exactly three:
     GroupViT's assignment, SwiftFormer's additive attention and MGP-STR's token
     learner."""
-    trees = []
-    for cls in type(module).__mro__:
-        if cls in _SHARED_BASES or cls.__module__.startswith("torch.") or cls is object:
-            continue
-        for func in vars(cls).values():
-            if isinstance(func, types.FunctionType):
-                tree = _route.source_tree(func)
-                if tree is None:
-                    return None
-                trees.append((func.__name__, tree))
-    calls = [
-        (fn, node)
-        for fn, tree in trees
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and _called(node) in _SOFTMAXES
-    ]
-    if not calls:
+    trees: list[tuple[str, ast.AST]] = []
+    for func in _own_functions(type(module)):
+        parsed = _route.source_tree(func)
+        if parsed is None:
+            return None
+        trees.append((func.__name__, parsed))
+    dims = [_softmax_dim(n) for _, tree in trees for n in ast.walk(tree) if _is_softmax(n)]
+    if not dims:
         return None
-    dims = [_softmax_dim(node) for _, node in calls]
     if all(isinstance(d, int) and d < -1 for d in dims):
         return (
             f"normalises its scores over axis {dims[0]} (softmax dim={dims[0]}), not over "
             f"the keys: an assignment, not softmax attention"
         )
     returning = {fn for fn, tree in trees if _returns_softmax(tree)}
-    # a helper (a method of its own, or a function of its module) whose code
-    # multiplies matrices counts as a product where it is called
-    helpers = {fn for fn, tree in trees if any(_is_product(n) for n in ast.walk(tree))}
-    # (and a submodule whose own code does: a relative-position scorer)
+    # a helper whose code multiplies matrices counts as a product where it is
+    # called: a method of its own, a submodule whose own code does (a
+    # relative-position scorer), a function of its module
+    helpers = {fn for fn, tree in trees if _has_product(tree)}
     helpers |= {name for name, child in module.named_children() if _own_calls(child) & _PRODUCTS}
     glob = vars(sys.modules.get(type(module).__module__, types))
-    for _, tree in trees:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                value = glob.get(node.func.id)
-                helper = (
-                    _route.source_tree(value) if isinstance(value, types.FunctionType) else None
-                )
-                if helper is not None and any(_is_product(n) for n in ast.walk(helper)):
-                    helpers.add(node.func.id)
+    helpers |= {
+        node.func.id
+        for _, tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and isinstance(value := glob.get(node.func.id), types.FunctionType)
+        and _has_product(_route.source_tree(value))
+    }
 
     def product(node: ast.AST) -> bool:
         if _is_product(node):
@@ -731,37 +679,35 @@ def _not_softmax_attention(module: Any) -> str | None:
         name = _self_call(node) or (node.func.id if isinstance(node.func, ast.Name) else None)
         return name in helpers
 
+    def probability(node: ast.AST) -> bool:
+        return _is_softmax(node) or (isinstance(node, ast.Call) and _self_call(node) in returning)
+
     for fn, tree in trees:
         if fn != "forward":
             continue
-        scores = _flow(tree, product)
-        probs = _flow(
-            tree,
-            lambda n: (
-                isinstance(n, ast.Call)
-                and (_called(n) in _SOFTMAXES or (_self_call(n) in returning))
-            ),
-        )
-        softmaxes = [
-            n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) in _SOFTMAXES
-        ]
-        args = [_softmax_input(n) for n in softmaxes]
+        scores, probs = _flow(tree, product), _flow(tree, probability)
+        args = [_softmax_input(n) for n in ast.walk(tree) if _is_softmax(n)]
         if args and all(a is not None and not _mentions(a, scores, product) for a in args):
             return (
                 "normalises no product of two tensors (no query-key scores: a learned "
                 "projection's softmax, a token learner), not softmax attention"
             )
-        used = [
-            n
-            for n in ast.walk(tree)
-            if product(n) and any(_mentions(o, probs, lambda x: False) for o in _operands(n))
-        ]
-        if softmaxes and not used:
+        if args and not any(
+            product(n) and any(_mentions(o, probs) for o in _operands(n)) for n in ast.walk(tree)
+        ):
             return (
                 "multiplies its softmax's result with no values (it weighs and sums "
                 "elementwise: additive attention), not softmax attention"
             )
     return None
+
+
+def _is_softmax(node: ast.AST) -> TypeGuard[ast.Call]:
+    return isinstance(node, ast.Call) and _called(node) in _SOFTMAXES
+
+
+def _has_product(tree: ast.AST | None) -> bool:
+    return tree is not None and any(_is_product(n) for n in ast.walk(tree))
 
 
 def _called(node: ast.Call) -> str | None:
@@ -833,9 +779,14 @@ def _operands(node: ast.AST) -> list[ast.AST]:
     return out + ([node.func.value] if isinstance(node.func, ast.Attribute) else [])
 
 
-def _mentions(node: ast.AST, names: set[str], source: Callable[[ast.AST], bool]) -> bool:
+def _mentions(
+    node: ast.AST, names: set[str], source: Callable[[ast.AST], bool] | None = None
+) -> bool:
     """Whether ``node`` holds one of ``names`` or a node ``source`` matches."""
-    return any((isinstance(n, ast.Name) and n.id in names) or source(n) for n in ast.walk(node))
+    return any(
+        (isinstance(n, ast.Name) and n.id in names) or (source is not None and source(n))
+        for n in ast.walk(node)
+    )
 
 
 def _flow(tree: ast.AST, source: Callable[[ast.AST], bool]) -> set[str]:
@@ -862,13 +813,9 @@ def _flow(tree: ast.AST, source: Callable[[ast.AST], bool]) -> set[str]:
 
 def _returns_softmax(tree: ast.AST) -> bool:
     """Whether a function returns a value computed from its softmax."""
-    names = _flow(tree, lambda n: isinstance(n, ast.Call) and _called(n) in _SOFTMAXES)
+    names = _flow(tree, _is_softmax)
     return any(
-        isinstance(n, ast.Return)
-        and n.value is not None
-        and _mentions(
-            n.value, names, lambda x: isinstance(x, ast.Call) and _called(x) in _SOFTMAXES
-        )
+        isinstance(n, ast.Return) and n.value is not None and _mentions(n.value, names, _is_softmax)
         for n in ast.walk(tree)
     )
 
@@ -897,18 +844,16 @@ def plan(
     )
 
 
+@attrs.define(eq=False)
 class _Install:
     """What apply changed on one config, to verify and undo it."""
 
-    __slots__ = ("backend", "config", "dtype", "function", "old", "sites")
-
-    def __init__(self, config: Any, old: Any, function: str, backend: str) -> None:
-        self.config = config
-        self.old = old
-        self.function = function
-        self.backend = backend
-        self.sites: list[tuple[str, str, Any]] = []  # (component, name, module)
-        self.dtype: dict[str, str] = {}
+    config: Any
+    old: Any
+    function: str
+    backend: str
+    sites: list[tuple[str, str, Any]] = attrs.Factory(list)  # (component, name, module)
+    dtype: dict[str, str] = attrs.Factory(dict)
 
 
 _INSTALLED_ATTR = "_attnres_installed"
@@ -924,8 +869,7 @@ def prepare(
     under it are this model's. Nothing is changed until the actions run.
     """
     modules = {".".join(p for p in (prefix, n) if p): m for n, m in model.named_modules()}
-    groups: dict[int, tuple[Any, dict[str, list[str]]]] = {}
-    sites: dict[str, Site] = {}
+    groups: dict[int, tuple[Any, dict[str, list[Site]]]] = {}
     problems: list[str] = []
     actions: list[Callable[[], None]] = []
     watched: list[tuple[Site, Any]] = []
@@ -948,7 +892,9 @@ def prepare(
                         f"{component}/{site.name}: attnres has no kernel for {backend_now.name}"
                     )
                     continue
-                actions.append(_route_installer(model, component, module, site, result))
+                actions.append(
+                    functools.partial(_install_route, model, component, module, site, result)
+                )
             continue
         if site.kind is RouteKind.INTERFACE and site.pending:
             watched.append((site, module))
@@ -958,11 +904,8 @@ def prepare(
             # its component nothing is wrapped; under one, its first call is
             # watched (its head facts read, nothing run but its own code)
             if not _route.unflagged(result.config, component):
-                actions.append(
-                    _route_installer(
-                        model, component, module, site, result, Backend("eager"), site.route
-                    )
-                )
+                watch = (model, component, module, site, result, Backend("eager"), site.route)
+                actions.append(functools.partial(_install_route, *watch))
             continue
         if site.kind is not RouteKind.INTERFACE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
@@ -996,9 +939,7 @@ def prepare(
         # the attnres function runs one kernel per site; one config still takes
         # one function, so its sites must agree on the backend too
         key = function if function not in _hf_attention.NAMES else f"{function}:{backend}"
-        decided.setdefault(key, []).append(site.name)
-        if spec is not None:
-            sites[site.name] = site
+        decided.setdefault(key, []).append(site)
     for site, module in watched:
         # issue 19: an interface site decided at its first call runs the function
         # its config names (set by the sites sharing it, or as it was)
@@ -1007,8 +948,7 @@ def prepare(
         if given is not None and given.partition(":")[0] in _hf_attention.NAMES:
             # attnres's function: it binds the site at its first call itself, from
             # the query and key it is given (each call checked, as everywhere)
-            shared[given].append(site.name)
-            sites[site.name] = site
+            shared[given].append(site)
             continue
         runs = given or getattr(module.config, "_attn_implementation", None) or "eager"
         own = _BY_FUNCTION.get(runs)
@@ -1022,20 +962,22 @@ def prepare(
             continue
         # transformers' eager or sdpa: its first call is watched before it runs
         route = f"{ROUTE} ({runs}, the function its config names)"
-        actions.append(
-            _route_installer(model, component, module, site, result, Backend(own), route)
-        )
+        watch = (model, component, module, site, result, Backend(own), route)
+        actions.append(functools.partial(_install_route, *watch))
     for cfg, decided in groups.values():
         if len(decided) > 1:
             problems.append(
                 f"{component}: sites sharing one config were given different backends ("
-                + "; ".join(f"{f}: {', '.join(n[:3])}" for f, n in sorted(decided.items()))
+                + "; ".join(
+                    f"{f}: {', '.join(s.name for s in group[:3])}"
+                    for f, group in sorted(decided.items())
+                )
                 + "); transformers runs one attention function per config"
             )
             continue
-        ((key, names),) = decided.items()
-        function = key.partition(":")[0]
-        actions.append(_installer(model, component, cfg, function, names, modules, sites, result))
+        ((key, group),) = decided.items()
+        install = (model, component, cfg, key, group, modules, result)
+        actions.append(functools.partial(_install_function, *install))
     return actions, problems
 
 
@@ -1048,7 +990,7 @@ _WATCHED = frozenset({"eager", "torch_sdpa"})
 _ROUTED_ATTR = "_attnres_routed"
 
 
-def _route_installer(
+def _install_route(
     model: Any,
     component: str,
     module: Any,
@@ -1056,72 +998,57 @@ def _route_installer(
     result: PlanResult,
     own_backend: Backend | None = None,
     own_route: str | None = None,
-) -> Callable[[], None]:
+) -> None:
     """Install the generic route on one site: a module that calls SDPA itself (as
     diffusers' sites), or a MultiheadAttention (its own math, the attention the
     decided kernel); issue 19: a site decided at its first call whose route runs
-    only its own code (softmax by hand, or ``own_backend`` through the attention
-    interface) is watched (:func:`._route.watch_forward`)."""
-    watched = site.pending and site.kind is not RouteKind.INTERCEPT
-    if watched and own_route is None:
-        own_route = site.route
-
-    def install() -> None:
-        route = _route.site_route(
-            site, result.config, result.platform, own_backend, own_route if watched else None
-        )
-        own = (
-            _route.mha_forward
-            if isinstance(module, torch.nn.MultiheadAttention)
-            else _route.watch_forward
-            if watched
-            else None
-        )
-        _route.install_route(module, route, own)
-        route.tie(module)
-        model.__dict__.setdefault(_ROUTED_ATTR, {})[site.name] = (component, module)
-
-    return install
+    only its own code (``own_route``: softmax by hand, or ``own_backend`` through
+    the attention interface) is watched (:func:`._route.watch_forward`)."""
+    route = _route.site_route(site, result.config, result.platform, own_backend, own_route)
+    own = (
+        _route.mha_forward
+        if isinstance(module, torch.nn.MultiheadAttention)
+        else _route.watch_forward
+        if own_route is not None
+        else None
+    )
+    _route.install_route(module, route, own)
+    route.tie(module)
+    model.__dict__.setdefault(_ROUTED_ATTR, {})[site.name] = (component, module)
 
 
-def _installer(
+def _install_function(
     model: Any,
     component: str,
     cfg: Any,
-    function: str,
-    names: list[str],
+    key: str,
+    sites: list[Site],
     modules: Mapping[str, Any],
-    sites: Mapping[str, Site],
     result: PlanResult,
-) -> Callable[[], None]:
-    def install() -> None:
-        installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
-        old = getattr(cfg, "_attn_implementation_internal", None)
-        for earlier in [r for r in installs if r.config is cfg]:
-            # applied again: one record per config, and remove() still restores
-            # the state before the first apply (issue 20, item 13)
-            old = earlier.old
-            installs.remove(earlier)
-        backend = _BY_FUNCTION.get(function) or next(
-            s.backend.name for n in names if (s := sites[n]).backend is not None
-        )
-        rec = _Install(cfg, old, function, backend)
-        cfg._attn_implementation_internal = function
-        for name in names:
-            module = modules[name]
-            if function in _hf_attention.NAMES:  # issue 22: bind the decided kernel
-                _hf_attention.register()
-                # issue 19: its route checks each call's facts against the plan
-                # (where it decides torch SDPA, the function runs torch SDPA itself)
-                route = _route.site_route(
-                    sites[name], result.config, result.platform, Backend("torch_sdpa")
-                )
-                _hf_attention.bind_module(module, route)
-            rec.sites.append((component, name, module))
-            rec.dtype[name] = _compute_dtype(module, model)
-        installs.append(rec)
-
-    return install
+) -> None:
+    """Set the attention function ``key`` names (``function`` or, for attnres's
+    own, ``function:backend``) on one config its ``sites`` read."""
+    installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
+    old = getattr(cfg, "_attn_implementation_internal", None)
+    for earlier in [r for r in installs if r.config is cfg]:
+        # applied again: one record per config, and remove() still restores
+        # the state before the first apply (issue 20, item 13)
+        old = earlier.old
+        installs.remove(earlier)
+    function, _, backend = key.partition(":")
+    rec = _Install(cfg, old, function, backend or _BY_FUNCTION[function])
+    cfg._attn_implementation_internal = function
+    for site in sites:
+        module = modules[site.name]
+        if function in _hf_attention.NAMES:  # issue 22: bind the decided kernel
+            _hf_attention.register()
+            # issue 19: its route checks each call's facts against the plan
+            # (where it decides torch SDPA, the function runs torch SDPA itself)
+            route = _route.site_route(site, result.config, result.platform, Backend("torch_sdpa"))
+            _hf_attention.bind_module(module, route)
+        rec.sites.append((component, site.name, module))
+        rec.dtype[site.name] = _compute_dtype(module, model)
+    installs.append(rec)
 
 
 def apply(
@@ -1147,43 +1074,28 @@ def apply(
     return result
 
 
-def verify_model(model: Any) -> list[Problem]:
+def verify(model: Any) -> list[Problem]:
+    """Installed decisions on ``model`` that no longer hold (empty: all hold)."""
     problems: list[Problem] = []
     for rec in model.__dict__.get(_INSTALLED_ATTR, []):
         now = getattr(rec.config, "_attn_implementation_internal", None)
         for component, name, module in rec.sites:
             if now != rec.function:
-                problems.append(
-                    Problem(
-                        component,
-                        name,
-                        (
-                            f"attention implementation is {now!r} since apply installed "
-                            f"{rec.function!r} ({rec.backend})"
-                        ),
-                    )
-                )
+                why = f"attention implementation is {now!r} since apply installed "
+                problems.append(Problem(component, name, f"{why}{rec.function!r} ({rec.backend})"))
             dtype = _compute_dtype(module, model)
             if dtype != rec.dtype[name]:
-                problems.append(
-                    Problem(
-                        component,
-                        name,
-                        (
-                            f"cast since apply: planned for {rec.dtype[name]}, now {dtype}; plan "
-                            f"and apply again"
-                        ),
-                    )
-                )
-    return problems + _verify_routes(model)
-
-
-def _verify_routes(model: Any) -> list[Problem]:
-    return [
+                why = f"cast since apply: planned for {rec.dtype[name]}, now {dtype}"
+                problems.append(Problem(component, name, f"{why}; plan and apply again"))
+    return problems + [
         Problem(component, name, "the generic route apply installed is gone")
         for name, (component, module) in model.__dict__.get(_ROUTED_ATTR, {}).items()
         if _route.installed_route(module) is None
     ]
+
+
+#: what the diffusers integration calls for a transformers model it holds
+verify_model = verify
 
 
 def routes(model: Any) -> dict[str, _route.GenericRoute]:
@@ -1194,11 +1106,6 @@ def routes(model: Any) -> dict[str, _route.GenericRoute]:
         if route is not None:
             out[f"{component}/{name}"] = route
     return out
-
-
-def verify(model: Any) -> list[Problem]:
-    """Installed decisions on ``model`` that no longer hold (empty: all hold)."""
-    return verify_model(model)
 
 
 def remove(model: Any) -> int:
