@@ -139,7 +139,7 @@ def stats() -> dict[str, int]:
     """``decided``: calls attnres decided (each one is in :func:`attnres.decisions`);
     ``delegated``: calls vLLM-Omni answered itself (a call attnres cannot take:
     a head size that is no positive int, a backend name that is no name)."""
-    return {"decided": _COUNTS[0], "delegated": _COUNTS[1]}
+    return dict(_STATS)
 
 
 # -- backends ------------------------------------------------------------------
@@ -161,20 +161,18 @@ def register_backends(enum: Any) -> tuple[str, ...]:
         name = member.name.lower()
         if not _engine.lacks(name):
             continue
-        head_sizes: HeadSizeRule = HeadSizeRule()
+        head_sizes = HeadSizeRule()
         platforms: tuple[str, ...] = PLATFORM_KINDS
         try:
             cls = member.get_class()
-            sizes = tuple(int(s) for s in cls.get_supported_head_sizes())
-            if sizes:
-                head_sizes = HeadSizeRule(allowed=sizes)
+            head_sizes = _head_sizes(cls)
             stated = getattr(cls, "supported_platforms", None)
             if stated:
                 platforms = tuple(sorted({_KINDS.get(str(p), str(p)) for p in stated}))
                 platforms = tuple(p for p in platforms if p in PLATFORM_KINDS) or PLATFORM_KINDS
             source = f"{cls.__module__}.{cls.__qualname__}"
         except Exception as exc:  # a kernel package this host lacks, typically
-            source = f"{member.value} (not importable here: {type(exc).__name__}: {exc})"
+            source = f"{member.value} (not importable here: {_engine.why(exc)})"
         if _engine.register_lacking(
             BackendSpec(
                 name=name,
@@ -192,6 +190,12 @@ def register_backends(enum: Any) -> tuple[str, ...]:
         ):
             out.append(name)
     return tuple(out)
+
+
+def _head_sizes(cls: Any) -> HeadSizeRule:
+    """The head sizes a vLLM-Omni class states (``get_supported_head_sizes()``; none: any)."""
+    sizes = tuple(int(s) for s in cls.get_supported_head_sizes())
+    return HeadSizeRule(allowed=sizes) if sizes else HeadSizeRule()
 
 
 #: attnres's backend per vLLM-Omni name (``None``: none); one registry generation
@@ -245,9 +249,7 @@ def _first_sight(name: str, cls: Any = None) -> Backend | None:
     else:
         source = f"the class vLLM-Omni's platform serves for it, {_qualname(cls)}"
         with contextlib.suppress(Exception):  # a class that states nothing leaves it open
-            sizes = tuple(int(s) for s in cls.get_supported_head_sizes())
-            if sizes:
-                head_sizes = HeadSizeRule(allowed=sizes)
+            head_sizes = _head_sizes(cls)
         kind = _PLATFORM()[0]
         platforms = (kind,) if kind != "cpu" else ()
     try:
@@ -465,13 +467,12 @@ def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> C
             allow_trtllm_default,
         )
 
-    get_attn_backend_for_role.__wrapped__ = original  # type: ignore[attr-defined]
     get_attn_backend_for_role.__doc__ = original.__doc__
     return get_attn_backend_for_role
 
 
-#: (decided, delegated): a list, so the hit path adds without a dict lookup
-_COUNTS: Final = [0, 0]
+#: decisions made through the plugin, and calls vLLM-Omni answered itself
+_STATS = {"decided": 0, "delegated": 0}
 
 
 @functools.lru_cache(maxsize=256)
@@ -510,7 +511,6 @@ def _decide(
 ) -> Any:
     """The cold path: translate, observe vLLM-Omni's platform, decide, memoize."""
     entries: tuple[Any, Any, Any] = (None, None, None)
-    names: tuple[str | None, ...] = (None, None, None)
     try:
         if attention_config is not None:
             per_role = attention_config.per_role
@@ -521,45 +521,37 @@ def _decide(
             )
         names = tuple(None if s is None else str(s.backend) for s in entries)
         layer = _layer(int(head_size), str(role), "cross" in (role, role_category))
-    except (AttributeError, TypeError, ValueError):
-        layer = None
+    except (AttributeError, TypeError, ValueError):  # not a layer attnres can take
+        _STATS["delegated"] += 1
+        return original(role, head_size, attention_config, role_category, allow_trtllm_default)
     resolver = selector._cached_get_backend_cls
-    win = next((i for i, n in enumerate(names) if n is not None), None) if layer else None
-    classes: dict[str, Any] = {}
-    observed: dict[str, HostResolution] = {}
-    errors: dict[str, BaseException] = {}
+    win = next((i for i, n in enumerate(names) if n is not None), None)
     asked: list[tuple[tuple[Any, ...], Any]] = []
 
-    def ask(candidate: str, args: tuple[Any, ...]) -> Any:
+    def ask(args: tuple[Any, ...]) -> tuple[Any, Exception | None]:
         try:
             cls = resolver(*args)
         except Exception as exc:
-            errors[candidate] = exc
-            observed[candidate] = HostResolution(candidate, None, f"{type(exc).__name__}: {exc}")
-            return None
+            return None, exc
         asked.append((args, cls))
-        return cls
+        return cls, None
 
     # vLLM-Omni asks its platform for the winning entry (or its default) first:
     # asked before anything is registered, as vLLM-Omni would
-    first_args: tuple[Any, ...] = (
-        (None, head_size, allow_trtllm_default) if win is None else (names[win], head_size)
-    )
-    custom = None if win is None or layer is None else custom_backend(str(names[win]))
+    custom = None if win is None else custom_backend(str(names[win]))
     if custom is not None:  # attnres's own backend: attnres answers, vLLM-Omni is not asked
-        first_cls = vllm_omni_backend(custom)
+        first_cls, refused = vllm_omni_backend(custom), None
     else:
-        first_cls = ask("?", first_args) if layer is not None else None
-    backends: list[Backend | None] = []
-    if layer is not None:
-        for i, name in enumerate(names):
-            cls = first_cls if i == win else None
-            backends.append(None if name is None else _first_sight(name, cls))
-    if layer is None or any(
-        b is None and n is not None for b, n in zip(backends, names, strict=True)
-    ):
-        # nothing attnres can take as a layer or a backend name: vLLM-Omni answers
-        _COUNTS[1] += 1
+        first_cls, refused = ask(
+            (None, head_size, allow_trtllm_default) if win is None else (names[win], head_size)
+        )
+    backends = [
+        None if name is None else _first_sight(name, first_cls if i == win else None)
+        for i, name in enumerate(names)
+    ]
+    if any(b is None and n is not None for b, n in zip(backends, names, strict=True)):
+        # a name attnres cannot take as a backend name: vLLM-Omni answers
+        _STATS["delegated"] += 1
         return original(role, head_size, attention_config, role_category, allow_trtllm_default)
     first = "" if win is None else backends[win].name  # type: ignore[union-attr]
     if win is not None:
@@ -572,19 +564,15 @@ def _decide(
             layer = _layer(layer.head_size, str(role), layer.role is Role.CROSS, checked)
     platform = _PLATFORM()
     kind = platform[0]
-    if "?" in observed:
-        observed[first] = HostResolution(first, None, observed.pop("?").error)
-        errors[first] = errors.pop("?")
-    elif custom is not None:
-        spec_of = get_spec(custom)
-        if kind not in spec_of.platforms:
-            runs = ", ".join(sorted(spec_of.platforms)) or "no platform"
-            observed[first] = HostResolution(
-                first, None, f"attnres backend {first} runs on {runs}, not {kind}"
-            )
-            errors[first] = InvalidArgumentError(observed[first].error)
-        else:
-            _observed(first, first_cls, int(head_size), observed, classes)
+    classes: dict[str, Any] = {}
+    observed: dict[str, HostResolution] = {}
+    runs = () if custom is None else get_spec(custom).platforms
+    if refused is not None:
+        observed[first] = HostResolution(first, None, _engine.why(refused))
+    elif custom is not None and kind not in runs:
+        on = ", ".join(sorted(runs)) or "no platform"
+        refused = InvalidArgumentError(f"attnres backend {first} runs on {on}, not {kind}")
+        observed[first] = HostResolution(first, None, str(refused))
     else:
         _observed(first, first_cls, int(head_size), observed, classes)
     spelled = {b.name: n for b, n in zip(backends, names, strict=True) if b is not None}
@@ -599,20 +587,22 @@ def _decide(
 
     def observe(pending: str) -> None:
         # vLLM-Omni passes a configured name as the config spells it
-        cls = ask(pending, (spelled.get(pending, pending.upper()), head_size))
-        if pending not in observed:
+        cls, exc = ask((spelled.get(pending, pending.upper()), head_size))
+        if exc is not None:
+            observed[pending] = HostResolution(pending, None, _engine.why(exc))
+        else:
             _observed(pending, cls, int(head_size), observed, classes)
 
     decision, generation = _engine.decide(
         layer, _config(backends[2]), scope, backends[0], platform, observed, observe
     )
     removals = _REMOVALS[0]
-    _COUNTS[0] += 1
+    _STATS["decided"] += 1
     record_decision(decision)
     outcome = decision.outcome
     if outcome.status is not Status.SELECTED or outcome.backend is None:
-        if first in errors:
-            raise errors[first]  # vLLM-Omni's own refusal, unchanged
+        if refused is not None:
+            raise refused  # vLLM-Omni's own refusal, unchanged
         raise InvalidArgumentError(f"{outcome.error}")
     cls = classes[outcome.backend.name]
     index = _INDEX.get(outcome.origin)
@@ -626,22 +616,21 @@ def _decide(
     }
     answer = (cls, spec)
     if key and (asked or custom is not None):
-        _MEMO.put(
-            key,
-            _Hit(
-                decision,
-                answer,
-                resolver,
-                asked[0][0] if asked else None,
-                asked[0][1] if asked else None,
-                tuple(asked[1:]),
-                log,
-                spec,
-                None if spec is None else spec.backend,
-                removals,
-            ),
-            generation,
+        args, asked_cls = asked[0] if asked else (None, None)
+        backend = None if spec is None else spec.backend
+        hit = _Hit(
+            decision,
+            answer,
+            resolver,
+            args,
+            asked_cls,
+            tuple(asked[1:]),
+            log,
+            spec,
+            backend,
+            removals,
         )
+        _MEMO.put(key, hit, generation)
     selector._log_backend_resolution(**log)
     return answer
 
@@ -685,7 +674,7 @@ def _observed(
     try:
         served = _first_sight(str(cls.get_name()), cls)
     except Exception as exc:  # a class without get_name(): no backend to name
-        observed[candidate] = HostResolution(candidate, None, f"{type(exc).__name__}: {exc}")
+        observed[candidate] = HostResolution(candidate, None, _engine.why(exc))
         return
     if served is None:
         observed[candidate] = HostResolution(candidate, None, f"unnamed class {_qualname(cls)}")
