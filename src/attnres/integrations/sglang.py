@@ -9,20 +9,17 @@ imports this module, nor SGLang.
 
 What is routed (docs/sglang.md): every call of SGLang's
 ``get_attn_backend(head_size, dtype, supported, selected, requirements,
-default, is_cross_attention)`` -- which is how SGLang's layers, its component
-loaders (component and role contexts, their global-fallback policy), its
-per-request override (it rebuilds the layers inside a component context) and
-its autotune candidates reach a backend. The call is translated into attnres's
-types (a :class:`~attnres.LayerSpec`, a ``SelectionConfig(profile="sglang")``,
-a :class:`~attnres.scope.ScopeState` for SGLang's component context) and
-decided by attnres's machine under the ``sglang`` profile
-(:mod:`attnres._profile_sglang`). SGLang's platform is observed, not
-re-implemented: each candidate the decision consults is resolved by SGLang's
-own ``_cached_get_attn_backend`` and recorded as a
+default, is_cross_attention)``, which is how SGLang's layers, component
+loaders (component and role contexts), per-request override and autotune
+candidates reach a backend. It is translated into attnres's types (a
+:class:`~attnres.LayerSpec`, a ``SelectionConfig(profile="sglang")``, a
+:class:`~attnres.scope.ScopeState` for SGLang's component context) and decided
+under the ``sglang`` profile (:mod:`attnres._profile_sglang`). SGLang's
+platform is observed, not re-implemented: each candidate the decision consults
+is resolved by SGLang's own ``_cached_get_attn_backend`` and recorded as a
 :class:`~attnres.platform.HostResolution` in the trace. The decision is in
 :func:`attnres.decisions`, audited, and its trace replays without SGLang.
-
-SGLang's side effects are kept: the selection is recorded in SGLang's component
+SGLang's side effects are kept: the selection is recorded in its component
 context (its ``ComponentAttentionBackendNotAppliedError`` checks keep working),
 and it logs what SGLang logs.
 """
@@ -44,11 +41,7 @@ from attnres._memo import GenerationMemo
 from attnres._profile_sglang import first_request
 from attnres._states import Origin, Reason
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement, Role
-from attnres.backends import (
-    Backend,
-    BackendSpec,
-    HeadSizeRule,
-)
+from attnres.backends import Backend, BackendSpec, HeadSizeRule
 from attnres.errors import InvalidArgumentError
 from attnres.integrations import _engine
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
@@ -262,17 +255,13 @@ def _backend_classes(base: Any) -> tuple[dict[Any, tuple[Any, ...]], dict[str, s
         except Exception as exc:  # a kernel package this host lacks, typically
             failures[info.name] = _why(exc)
             continue
-        for value in vars(module).values():
-            if not (
-                isinstance(value, type)
-                and issubclass(value, base)
-                and value is not base
-                and value.__module__ == module.__name__
-            ):
+        for cls in vars(module).values():
+            if not (isinstance(cls, type) and issubclass(cls, base) and cls is not base):
                 continue
-            cls: Any = value
+            if cls.__module__ != module.__name__:
+                continue
             try:
-                member = cls.get_enum()
+                member = cls.get_enum()  # type: ignore[attr-defined]
             except Exception:  # an intermediate class without a member of its own
                 continue
             found[member] = (*found.get(member, ()), cls)
@@ -357,11 +346,8 @@ def spec_from_facts(facts: BackendFacts) -> BackendSpec:
       profile reads SGLang's platform instead);
     - no kernel: SGLang runs it, attnres does not.
     """
-    implements: set[Requirement] = set()
-    if facts.impl_parameters is None:  # unknown: permissive
-        implements.update(_IMPL_PARAMETERS.values())
-    else:
-        implements.update(r for p, r in _IMPL_PARAMETERS.items() if p in facts.impl_parameters)
+    given = facts.impl_parameters  # None: unknown, so permissive
+    implements = {r for p, r in _IMPL_PARAMETERS.items() if given is None or p in given}
     if facts.packed_varlen is not False:
         implements.add(Requirement.PACKED_VARLEN)
     lse = None

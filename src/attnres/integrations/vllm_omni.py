@@ -377,35 +377,32 @@ def vllm_omni_backend(backend: Backend) -> Any:
 class _Hit:
     """One decided call, answered again without deciding: the decision, vLLM-Omni's
     answer, and the platform calls it consulted (asked again on every hit, as
-    vLLM-Omni asks its own cache, so a platform that now answers otherwise is
+    vLLM-Omni asks its own cache: a platform that now answers otherwise is
     decided anew)."""
 
     decision: Decision
     answer: tuple[Any, Any]
     #: ``selector._cached_get_backend_cls`` when it was decided (a test swaps it)
     resolver: Any
-    #: the call vLLM-Omni makes first and the class it answered (``None``: an
-    #: attnres backend vLLM-Omni was not asked for, :func:`custom_backend`)
+    #: the first platform call and its class (``None``: vLLM-Omni was not asked,
+    #: :func:`custom_backend`), and any further calls (a replacement)
     args: tuple[Any, ...] | None
     cls: Any
-    #: any further calls the decision consulted (a replacement)
     more: tuple[tuple[tuple[Any, ...], Any], ...]
     #: vLLM-Omni's log call (its own cache logs once per argument set)
     log: dict[str, Any]
-    #: the AttentionConfig entry vLLM-Omni's precedence picks (its id is in the
-    #: key: held here, so no other object takes that id while the entry lives)
-    #: and its backend string when decided (a changed one misses)
+    #: the AttentionConfig entry picked (held: its id is in the key, and no other
+    #: object takes that id while it lives) and its backend string then
     spec: Any
     backend: Any
-    #: the ledger's removal count when the decision was recorded (recorded once:
-    #: a repeated call adds no entry while the ledger still holds it)
+    #: the ledger's removal count when recorded: a repeated call adds no entry
+    #: while the ledger still holds it
     removals: int
 
 
 #: decided calls by (role, role_category, head_size, allow_trtllm_default, the id
-#: of the AttentionConfig entry vLLM-Omni's precedence picks: the outcome depends
-#: on that entry alone, the profile has no fallback between entries); a registry
-#: change empties it
+#: of the AttentionConfig entry picked: the profile has no fallback between
+#: entries); a registry change empties it
 _MEMO: GenerationMemo[tuple[Any, ...], _Hit] = GenerationMemo(maxsize=4096)
 
 
@@ -456,16 +453,8 @@ def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> C
         ):
             selector._log_backend_resolution(**hit.log)
             return hit.answer
-        return _decide(
-            selector,
-            original,
-            key,
-            role,
-            head_size,
-            attention_config,
-            role_category,
-            allow_trtllm_default,
-        )
+        call = (role, head_size, attention_config, role_category, allow_trtllm_default)
+        return _decide(selector, original, key, call)
 
     get_attn_backend_for_role.__doc__ = original.__doc__
     return get_attn_backend_for_role
@@ -503,13 +492,11 @@ def _decide(
     selector: types.ModuleType,
     original: Callable[..., Any],
     key: tuple[Any, ...],
-    role: Any,
-    head_size: Any,
-    attention_config: Any,
-    role_category: Any,
-    allow_trtllm_default: bool,
+    call: tuple[Any, Any, Any, Any, bool],
 ) -> Any:
-    """The cold path: translate, observe vLLM-Omni's platform, decide, memoize."""
+    """The cold path: translate, observe vLLM-Omni's platform, decide, memoize.
+    ``call``: the selector's arguments, in its order."""
+    role, head_size, attention_config, role_category, allow_trtllm_default = call
     entries: tuple[Any, Any, Any] = (None, None, None)
     try:
         if attention_config is not None:
@@ -523,7 +510,7 @@ def _decide(
         layer = _layer(int(head_size), str(role), "cross" in (role, role_category))
     except (AttributeError, TypeError, ValueError):  # not a layer attnres can take
         _STATS["delegated"] += 1
-        return original(role, head_size, attention_config, role_category, allow_trtllm_default)
+        return original(*call)
     resolver = selector._cached_get_backend_cls
     win = next((i for i, n in enumerate(names) if n is not None), None)
     asked: list[tuple[tuple[Any, ...], Any]] = []
@@ -552,7 +539,7 @@ def _decide(
     if any(b is None and n is not None for b, n in zip(backends, names, strict=True)):
         # a name attnres cannot take as a backend name: vLLM-Omni answers
         _STATS["delegated"] += 1
-        return original(role, head_size, attention_config, role_category, allow_trtllm_default)
+        return original(*call)
     first = "" if win is None else backends[win].name  # type: ignore[union-attr]
     if win is not None:
         # the winning entry's typed options, as attnres backend options: checked by
@@ -566,15 +553,33 @@ def _decide(
     kind = platform[0]
     classes: dict[str, Any] = {}
     observed: dict[str, HostResolution] = {}
+    size = layer.head_size
+
+    def note(candidate: str, cls: Any, error: Exception | None = None) -> None:
+        # what vLLM-Omni's platform served for the candidate (a class attnres has
+        # no backend for is registered on first sight), or why it served none
+        served = None
+        if error is None and cls is not None:
+            try:
+                served = _first_sight(str(cls.get_name()), cls)
+            except Exception as exc:  # a class without get_name(): no backend to name
+                error = exc
+        if error is not None:
+            observed[candidate] = HostResolution(candidate, None, _engine.why(error))
+        elif served is not None:
+            classes[served.name] = cls
+            missing = () if _fits(cls, size) else (f"head size {size} (its supports_head_size)",)
+            observed[candidate] = HostResolution(candidate, served.name, None, missing=missing)
+        elif cls is not None:
+            observed[candidate] = HostResolution(candidate, None, f"unnamed class {_qualname(cls)}")
+
     runs = () if custom is None else get_spec(custom).platforms
-    if refused is not None:
-        observed[first] = HostResolution(first, None, _engine.why(refused))
-    elif custom is not None and kind not in runs:
+    if custom is not None and kind not in runs:
         on = ", ".join(sorted(runs)) or "no platform"
         refused = InvalidArgumentError(f"attnres backend {first} runs on {on}, not {kind}")
         observed[first] = HostResolution(first, None, str(refused))
     else:
-        _observed(first, first_cls, int(head_size), observed, classes)
+        note(first, first_cls, refused)
     spelled = {b.name: n for b, n in zip(backends, names, strict=True) if b is not None}
     scope = None
     if backends[1] is not None:
@@ -587,11 +592,7 @@ def _decide(
 
     def observe(pending: str) -> None:
         # vLLM-Omni passes a configured name as the config spells it
-        cls, exc = ask((spelled.get(pending, pending.upper()), head_size))
-        if exc is not None:
-            observed[pending] = HostResolution(pending, None, _engine.why(exc))
-        else:
-            _observed(pending, cls, int(head_size), observed, classes)
+        note(pending, *ask((spelled.get(pending, pending.upper()), head_size)))
 
     decision, generation = _engine.decide(
         layer, _config(backends[2]), scope, backends[0], platform, observed, observe
@@ -658,31 +659,6 @@ def spec_options(spec: Any) -> dict[str, OptionValue]:
 
 #: the AttentionConfig entry each origin answers with (``None``: the platform default)
 _INDEX: Final = {Origin.LAYER: 0, Origin.COMPONENT_OVERRIDE: 1, Origin.GLOBAL_CLI: 2}
-
-
-def _observed(
-    candidate: str,
-    cls: Any,
-    head_size: int,
-    observed: dict[str, HostResolution],
-    classes: dict[str, Any],
-) -> None:
-    """Record what vLLM-Omni's platform served for ``candidate`` (a class attnres
-    has no backend for is registered on first sight)."""
-    if cls is None:
-        return
-    try:
-        served = _first_sight(str(cls.get_name()), cls)
-    except Exception as exc:  # a class without get_name(): no backend to name
-        observed[candidate] = HostResolution(candidate, None, _engine.why(exc))
-        return
-    if served is None:
-        observed[candidate] = HostResolution(candidate, None, f"unnamed class {_qualname(cls)}")
-        return
-    classes[served.name] = cls
-    fits = _fits(cls, head_size)
-    missing = () if fits else (f"head size {head_size} (its supports_head_size)",)
-    observed[candidate] = HostResolution(candidate, served.name, None, missing=missing)
 
 
 #: vLLM-Omni's ``current_omni_platform``: attnres's platform kind, and the
