@@ -413,7 +413,7 @@ def _route(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     supported = frozenset(given) if given else None
     key: tuple[Any, ...] = (
         *call[:2],
-        supported,
+        supported,  # the call, its supported list as a set
         *call[3:],
         selector.forced_attn_backend,
         None

@@ -295,16 +295,9 @@ def custom_backend(name: str) -> Backend | None:
     sight, and with an attnres kernel (:mod:`attnres.kernels`). ``None``
     otherwise."""
     backend = _attnres(name)
-    if (
-        backend is None
-        or backend.name in _BUILTIN
-        or backend.name in _MEMBERS
-        or backend.name in _SEEN
-    ):
+    if backend is None or any(backend.name in known for known in (_BUILTIN, _MEMBERS, _SEEN)):
         return None
-    if kernel_source(backend.name) is KernelSource.NONE:
-        return None
-    return backend
+    return None if kernel_source(backend.name) is KernelSource.NONE else backend
 
 
 def vllm_omni_backend(backend: Backend) -> Any:
@@ -358,7 +351,7 @@ def vllm_omni_backend(backend: Backend) -> Any:
 
         @staticmethod
         def get_supported_head_sizes() -> list[int]:
-            return sorted(allowed) if allowed else []
+            return sorted(allowed or ())
 
         @classmethod
         def supports_head_size(cls, head_size: int) -> bool:
