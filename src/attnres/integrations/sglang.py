@@ -392,7 +392,7 @@ def clear_memo() -> None:
 
 
 class _Call(NamedTuple):
-    """A call of SGLang's ``get_attn_backend``: its arguments, by its names."""
+    """A call of SGLang's ``get_attn_backend``: its arguments, in its order."""
 
     head_size: Any
     dtype: Any
@@ -403,18 +403,29 @@ class _Call(NamedTuple):
     is_cross_attention: bool = False
 
 
-def _route(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """SGLang's ``get_attn_backend`` (its arguments: :class:`_Call`), decided by attnres."""
-    call = _Call(*args, **kwargs)
+def _route(
+    original: Callable[..., Any],
+    head_size: Any,
+    dtype: Any,
+    supported_attention_backends: Any = None,
+    selected_attention_backend: Any = None,
+    attention_requirements: Any = None,
+    default_attention_backend: Any = None,
+    is_cross_attention: bool = False,
+) -> Any:
+    """SGLang's ``get_attn_backend``, decided by attnres."""
     selector = sys.modules[_SELECTOR]
     context = selector.component_attn_backend_context.get()
     server_args = _server_args(selector)
-    given = call.supported_attention_backends
-    supported = frozenset(given) if given else None
+    supported = frozenset(supported_attention_backends) if supported_attention_backends else None
     key: tuple[Any, ...] = (
-        *call[:2],
-        supported,  # the call, its supported list as a set
-        *call[3:],
+        head_size,
+        dtype,
+        supported,
+        selected_attention_backend,
+        attention_requirements,
+        default_attention_backend,
+        is_cross_attention,
         selector.forced_attn_backend,
         None
         if context is None
@@ -433,14 +444,23 @@ def _route(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         memo = _MEMO.get(key)
     except TypeError:  # an unhashable argument: decide without the memo
         memo, key = None, ()
-    if memo is not None and _still_answers(selector, memo, call, supported):
+    if memo is not None and _still_answers(selector, memo, head_size, dtype, supported):
         _STATS["decided"] += 1
         record_decision(memo.decision)
-        return _finish(selector, call.is_cross_attention, memo.decision, memo.cls)
+        return _finish(selector, is_cross_attention, memo.decision, memo.cls)
+    call = _Call(
+        head_size,
+        dtype,
+        supported_attention_backends,
+        selected_attention_backend,
+        attention_requirements,
+        default_attention_backend,
+        is_cross_attention,
+    )
     translated = _translate(selector, call)
     if translated is None:
         _STATS["delegated"] += 1
-        return original(*call)  # SGLang's own arguments, in its order
+        return original(*call)
     layer, scope, config, requested = translated
     be_tuple = _be_tuple(supported)
     requirements = call.attention_requirements or selector.AttentionRequirements()
@@ -508,13 +528,17 @@ def _be_tuple(supported: frozenset[Any] | None) -> tuple[Any, ...]:
 
 
 def _still_answers(
-    selector: types.ModuleType, memo: _Memo, call: _Call, supported: frozenset[Any] | None
+    selector: types.ModuleType,
+    memo: _Memo,
+    head_size: Any,
+    dtype: Any,
+    supported: frozenset[Any] | None,
 ) -> bool:
     """Whether SGLang's platform still gives the answers the memo's decision read."""
     be_tuple = _be_tuple(supported)
     for member, cls in memo.consulted:
         try:
-            now = selector._cached_get_attn_backend(call.head_size, call.dtype, be_tuple, member)
+            now = selector._cached_get_attn_backend(head_size, dtype, be_tuple, member)
         except ValueError:
             now = None
         if now is not cls:
