@@ -118,8 +118,8 @@ def plugin() -> None:
     plugin was not written for (:data:`ENGINE`), before registering anything.
     """
     modules = _engine.require(ENGINE, "attnres.integrations.sglang.plugin()")
-    _register(modules)
     plugins = modules[_PLUGINS]
+    _register(modules)
     plugins.HookRegistry.register(TARGET, _route, plugins.HookType.AROUND)
 
 

@@ -584,8 +584,12 @@ def _decide(
         )
 
     def observe(pending: str) -> None:
+        nonlocal refused
         # vLLM-Omni passes a configured name as the config spells it
-        note(pending, *ask((spelled.get(pending, pending.upper()), head_size)))
+        cls, error = ask((spelled.get(pending, pending.upper()), head_size))
+        if pending == first and error is not None:  # a first answer asked again
+            refused = error
+        note(pending, cls, error)
 
     decision, generation = _engine.decide(
         layer, _config(backends[2]), scope, backends[0], platform, observed, observe
