@@ -3,14 +3,12 @@
 SGLang's plugin (:mod:`attnres.integrations.sglang`) and vLLM-Omni's
 (:mod:`attnres.integrations.vllm_omni`) each take over one selector function by
 name and decide its calls with attnres's machine on the engine's observed
-platform answers. Shared here: the install-time check (:func:`require`: on an
-engine release a plugin was not written for it would install silently and fail
-on every later call, so it refuses first, typed,
-:class:`~attnres.errors.EngineSupportError`), taking the selector over and
-giving it back (:class:`Takeover`), which engine backends attnres lacks
-(:func:`lacks`), the engine's platform (:class:`PlatformReader`) and the
-decision on observed answers (:func:`decide`). Nothing here imports an engine
-until a plugin asks.
+platform answers. Shared here: the install-time check (:func:`require`: a
+plugin refuses, typed, an engine release it was not written for, which would
+otherwise fail on every later call), taking the selector over and giving it
+back (:class:`Takeover`), registering engine backends attnres lacks, reading
+the engine's platform (:class:`PlatformReader`) and the decision on observed
+answers (:func:`decide`). Nothing here imports an engine until a plugin asks.
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ __all__ = [
     "release",
     "require",
     "unobserved",
+    "why",
 ]
 
 
@@ -79,17 +78,18 @@ class Engine:
 
     @property
     def supported(self) -> str:
-        return f">={_dotted(self.low)},<{_dotted(self.high)}"
-
-
-def _dotted(numbers: tuple[int, ...]) -> str:
-    return ".".join(str(n) for n in numbers)
+        return f">={'.'.join(map(str, self.low))},<{'.'.join(map(str, self.high))}"
 
 
 def release(version: str) -> tuple[int, ...] | None:
     """The numeric release of a version string (``0.5.23.post1`` -> ``(0, 5, 23)``)."""
     match = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
     return None if match is None else tuple(int(n) for n in match.group(1).split("."))
+
+
+def why(exc: BaseException) -> str:
+    """An exception as the plugins report it (``ValueError: ...``)."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _has(obj: object, dotted: str) -> bool:
@@ -108,41 +108,34 @@ def require(engine: Engine, what: str) -> dict[str, types.ModuleType]:
     install = (
         f"pip install 'attnres[{engine.distribution}]' ({engine.distribution}{engine.supported})"
     )
+    written = f"{engine.distribution}{engine.supported}"
     try:
         version: str | None = importlib.metadata.version(engine.distribution)
     except importlib.metadata.PackageNotFoundError:
         version = None
+
+    def refuse(message: str) -> EngineSupportError:
+        return EngineSupportError(f"{what}: {message}", engine.name, version, engine.supported)
+
     modules: dict[str, types.ModuleType] = {}
     for name in engine.hooks:
         try:
             modules[name] = importlib.import_module(name)
         except ImportError as exc:
             if version is None:
-                raise EngineSupportError(
-                    f"{what}: {engine.name} is not installed here ({type(exc).__name__}: {exc}); "
-                    f"install it with {install}",
-                    engine.name,
-                    None,
-                    engine.supported,
+                raise refuse(
+                    f"{engine.name} is not installed here ({why(exc)}); install it with {install}"
                 ) from exc
-            raise EngineSupportError(
-                f"{what}: {engine.name} {version} has no module {name} "
-                f"({type(exc).__name__}: {exc}); the attnres plugin was written for "
-                f"{engine.distribution}{engine.supported}: install a release in that range "
-                f"({install})",
-                engine.name,
-                version,
-                engine.supported,
+            raise refuse(
+                f"{engine.name} {version} has no module {name} ({why(exc)}); the attnres "
+                f"plugin was written for {written}: install a release in that range ({install})"
             ) from exc
     found = None if version is None else release(version)
     if found is None or not engine.low <= found < engine.high:
-        raise EngineSupportError(
-            f"{what}: {engine.name} {version or '(no installed distribution)'} is not a release "
-            f"the attnres plugin was written for ({engine.distribution}{engine.supported}); "
-            f"nothing was changed: install a release in that range ({install})",
-            engine.name,
-            version,
-            engine.supported,
+        raise refuse(
+            f"{engine.name} {version or '(no installed distribution)'} is not a release "
+            f"the attnres plugin was written for ({written}); "
+            f"nothing was changed: install a release in that range ({install})"
         )
     missing = [
         f"{module}.{attribute}"
@@ -151,13 +144,9 @@ def require(engine: Engine, what: str) -> dict[str, types.ModuleType]:
         if not _has(modules[module], attribute)
     ]
     if missing:
-        raise EngineSupportError(
-            f"{what}: {engine.name} {version} lacks what the attnres plugin reads "
-            f"({', '.join(missing)}); nothing was changed: the plugin was written for "
-            f"{engine.distribution}{engine.supported}",
-            engine.name,
-            version,
-            engine.supported,
+        raise refuse(
+            f"{engine.name} {version} lacks what the attnres plugin reads "
+            f"({', '.join(missing)}); nothing was changed: the plugin was written for {written}"
         )
     return modules
 
@@ -203,14 +192,16 @@ class Takeover:
         wrap: Callable[[dict[str, types.ModuleType], Callable[..., Any]], Callable[..., Any]],
     ) -> None:
         """Check the engine (:func:`require`; ``what`` is the call being made),
-        then bind ``wrap(modules, original)`` in place of the engine's function;
-        nothing when already installed."""
+        then bind ``wrap(modules, original)`` in place of the engine's function,
+        with ``original`` as its ``__wrapped__``; nothing when already installed."""
         with self.lock:
             if self._done:
                 return
             modules = require(self.engine, what)
             original = getattr(modules[self.module], self.function)
-            rebind_imports(original, wrap(modules, original))
+            wrapper = wrap(modules, original)
+            wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+            rebind_imports(original, wrapper)
             self._done = True
 
     def installed(self) -> bool:

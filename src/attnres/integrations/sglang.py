@@ -9,20 +9,17 @@ imports this module, nor SGLang.
 
 What is routed (docs/sglang.md): every call of SGLang's
 ``get_attn_backend(head_size, dtype, supported, selected, requirements,
-default, is_cross_attention)`` -- which is how SGLang's layers, its component
-loaders (component and role contexts, their global-fallback policy), its
-per-request override (it rebuilds the layers inside a component context) and
-its autotune candidates reach a backend. The call is translated into attnres's
-types (a :class:`~attnres.LayerSpec`, a ``SelectionConfig(profile="sglang")``,
-a :class:`~attnres.scope.ScopeState` for SGLang's component context) and
-decided by attnres's machine under the ``sglang`` profile
-(:mod:`attnres._profile_sglang`). SGLang's platform is observed, not
-re-implemented: each candidate the decision consults is resolved by SGLang's
-own ``_cached_get_attn_backend`` and recorded as a
+default, is_cross_attention)``, which is how SGLang's layers, component
+loaders (component and role contexts), per-request override and autotune
+candidates reach a backend. It is translated into attnres's types (a
+:class:`~attnres.LayerSpec`, a ``SelectionConfig(profile="sglang")``, a
+:class:`~attnres.scope.ScopeState` for SGLang's component context) and decided
+under the ``sglang`` profile (:mod:`attnres._profile_sglang`). SGLang's
+platform is observed, not re-implemented: each candidate the decision consults
+is resolved by SGLang's own ``_cached_get_attn_backend`` and recorded as a
 :class:`~attnres.platform.HostResolution` in the trace. The decision is in
 :func:`attnres.decisions`, audited, and its trace replays without SGLang.
-
-SGLang's side effects are kept: the selection is recorded in SGLang's component
+SGLang's side effects are kept: the selection is recorded in its component
 context (its ``ComponentAttentionBackendNotAppliedError`` checks keep working),
 and it logs what SGLang logs.
 """
@@ -36,7 +33,7 @@ import pkgutil
 import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from attrs import frozen
 
@@ -44,11 +41,7 @@ from attnres._memo import GenerationMemo
 from attnres._profile_sglang import first_request
 from attnres._states import Origin, Reason
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement, Role
-from attnres.backends import (
-    Backend,
-    BackendSpec,
-    HeadSizeRule,
-)
+from attnres.backends import Backend, BackendSpec, HeadSizeRule
 from attnres.errors import InvalidArgumentError
 from attnres.integrations import _engine
 from attnres.layer import LayerSpec, Requirements, SelectionConfig
@@ -146,7 +139,6 @@ def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) ->
     def get_attn_backend(*args: Any, **kwargs: Any) -> Any:
         return _route(original, *args, **kwargs)
 
-    get_attn_backend.__wrapped__ = original  # type: ignore[attr-defined]
     return get_attn_backend
 
 
@@ -178,23 +170,16 @@ def stats() -> dict[str, int]:
 
 
 def _register(modules: dict[str, types.ModuleType]) -> None:
-    """Register SGLang's backends attnres does not know, with facts read from SGLang's classes.
-
-    The members come from SGLang's ``AttentionBackendEnum`` (every member attnres
-    has no spec or alias for); their facts from the ``AttentionBackend``
-    subclasses in SGLang's backends package (:func:`read_backend_facts`). A
-    platform fact is never needed from them: the ``sglang`` profile reads what
-    SGLang's platform resolves (``HostResolution``) at every decision.
-    """
-    register_backends(
-        modules[_PLATFORMS].AttentionBackendEnum, modules[_BACKEND_BASE].AttentionBackend
-    )
+    enum, base = modules[_PLATFORMS].AttentionBackendEnum, modules[_BACKEND_BASE].AttentionBackend
+    register_backends(enum, base)
 
 
 def register_backends(enum: Any, base: Any) -> tuple[BackendFacts, ...]:
     """Register every member of ``enum`` (SGLang's ``AttentionBackendEnum``) that
     attnres lacks, with the facts of the ``base`` (``AttentionBackend``)
-    subclasses in ``base``'s package; returns the facts registered."""
+    subclasses in ``base``'s package (:func:`read_backend_facts`); returns the
+    facts registered. No platform fact is read from them: the ``sglang``
+    profile reads what SGLang's platform resolves at every decision."""
     lacking = [m for m in enum if _engine.lacks(m.name.lower())]
     if not lacking:
         return ()
@@ -270,17 +255,13 @@ def _backend_classes(base: Any) -> tuple[dict[Any, tuple[Any, ...]], dict[str, s
         except Exception as exc:  # a kernel package this host lacks, typically
             failures[info.name] = _why(exc)
             continue
-        for value in vars(module).values():
-            if not (
-                isinstance(value, type)
-                and issubclass(value, base)
-                and value is not base
-                and value.__module__ == module.__name__
-            ):
+        for cls in vars(module).values():
+            if not (isinstance(cls, type) and issubclass(cls, base) and cls is not base):
                 continue
-            cls: Any = value
+            if cls.__module__ != module.__name__:
+                continue
             try:
-                member = cls.get_enum()
+                member = cls.get_enum()  # type: ignore[attr-defined]
             except Exception:  # an intermediate class without a member of its own
                 continue
             found[member] = (*found.get(member, ()), cls)
@@ -288,7 +269,7 @@ def _backend_classes(base: Any) -> tuple[dict[Any, tuple[Any, ...]], dict[str, s
 
 
 def _why(exc: BaseException | None) -> str:
-    return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
+    return "unknown error" if exc is None else _engine.why(exc)
 
 
 def read_backend_facts(
@@ -305,7 +286,6 @@ def read_backend_facts(
     """
     name = member.name.lower()
     found = tuple(classes)
-    unknown: list[tuple[str, str]] = []
     if not found:
         # which module would have held it: the one named after it, else every failure
         named = {m: why for m, why in failures.items() if m.rpartition(".")[2].startswith(name)}
@@ -318,19 +298,20 @@ def read_backend_facts(
         return BackendFacts(
             name, bool(member.is_sparse), (), None, None, None, None, None, (("classes", why),)
         )
-    sizes: set[int] = set()
-    undeclared = [c.__qualname__ for c in found if not hasattr(c, "get_supported_head_sizes")]
-    for cls in found:
-        if hasattr(cls, "get_supported_head_sizes"):
-            sizes.update(int(s) for s in cls.get_supported_head_sizes())
-    if undeclared:
-        unknown.append(
-            ("head_sizes", f"{', '.join(undeclared)} does not define get_supported_head_sizes()")
-        )
-    parameters: set[str] = set()
-    for cls in found:
-        init = cls.get_impl_cls().__init__
-        parameters.update(p for p in inspect.signature(init).parameters if p != "self")
+    declared = [c for c in found if hasattr(c, "get_supported_head_sizes")]
+    sizes = {int(s) for c in declared for s in c.get_supported_head_sizes()}
+    undeclared = [c.__qualname__ for c in found if c not in declared]
+    unknown = (
+        (("head_sizes", f"{', '.join(undeclared)} does not define get_supported_head_sizes()"),)
+        if undeclared
+        else ()
+    )
+    parameters = {
+        p
+        for c in found
+        for p in inspect.signature(c.get_impl_cls().__init__).parameters
+        if p != "self"
+    }
     return BackendFacts(
         name=name,
         sparse=bool(member.is_sparse),
@@ -340,7 +321,7 @@ def read_backend_facts(
         ring_rotation=any(bool(c.supports_ring_rotation()) for c in found),
         accept_output_buffer=any(bool(getattr(c, "accept_output_buffer", False)) for c in found),
         impl_parameters=tuple(sorted(parameters)),
-        unknown=tuple(unknown),
+        unknown=unknown,
     )
 
 
@@ -365,11 +346,8 @@ def spec_from_facts(facts: BackendFacts) -> BackendSpec:
       profile reads SGLang's platform instead);
     - no kernel: SGLang runs it, attnres does not.
     """
-    implements: set[Requirement] = set()
-    if facts.impl_parameters is None:  # unknown: permissive
-        implements.update(_IMPL_PARAMETERS.values())
-    else:
-        implements.update(r for p, r in _IMPL_PARAMETERS.items() if p in facts.impl_parameters)
+    given = facts.impl_parameters  # None: unknown, so permissive
+    implements = {r for p, r in _IMPL_PARAMETERS.items() if given is None or p in given}
     if facts.packed_varlen is not False:
         implements.add(Requirement.PACKED_VARLEN)
     lse = None
@@ -413,6 +391,18 @@ def clear_memo() -> None:
     _MEMO.clear()
 
 
+class _Call(NamedTuple):
+    """A call of SGLang's ``get_attn_backend``: its arguments, in its order."""
+
+    head_size: Any
+    dtype: Any
+    supported_attention_backends: Any = None
+    selected_attention_backend: Any = None
+    attention_requirements: Any = None
+    default_attention_backend: Any = None
+    is_cross_attention: bool = False
+
+
 def _route(
     original: Callable[..., Any],
     head_size: Any,
@@ -426,7 +416,6 @@ def _route(
     """SGLang's ``get_attn_backend``, decided by attnres."""
     selector = sys.modules[_SELECTOR]
     context = selector.component_attn_backend_context.get()
-    forced = selector.forced_attn_backend
     server_args = _server_args(selector)
     supported = frozenset(supported_attention_backends) if supported_attention_backends else None
     key: tuple[Any, ...] = (
@@ -437,7 +426,7 @@ def _route(
         attention_requirements,
         default_attention_backend,
         is_cross_attention,
-        forced,
+        selector.forced_attn_backend,
         None
         if context is None
         else (
@@ -459,22 +448,22 @@ def _route(
         _STATS["decided"] += 1
         record_decision(memo.decision)
         return _finish(selector, is_cross_attention, memo.decision, memo.cls)
-    call = {
-        "head_size": head_size,
-        "dtype": dtype,
-        "supported_attention_backends": supported_attention_backends,
-        "selected_attention_backend": selected_attention_backend,
-        "attention_requirements": attention_requirements,
-        "default_attention_backend": default_attention_backend,
-        "is_cross_attention": is_cross_attention,
-    }
+    call = _Call(
+        head_size,
+        dtype,
+        supported_attention_backends,
+        selected_attention_backend,
+        attention_requirements,
+        default_attention_backend,
+        is_cross_attention,
+    )
     translated = _translate(selector, call)
     if translated is None:
         _STATS["delegated"] += 1
-        return original(*call.values())  # SGLang's own arguments, in its order
+        return original(*call)
     layer, scope, config, requested = translated
     be_tuple = _be_tuple(supported)
-    requirements = attention_requirements or selector.AttentionRequirements()
+    requirements = call.attention_requirements or selector.AttentionRequirements()
     observed: dict[str, HostResolution] = {}
     classes: dict[str, Any] = {}
     answers: dict[str, tuple[Any, Any]] = {}
@@ -482,8 +471,17 @@ def _route(
 
     def observe(name: str) -> None:
         member = None if name == "" else enum_by_name.get(name)
-        observed[name] = _observe(selector, call, be_tuple, name, member, requirements, classes)
-        answers[name] = (member, classes.get(observed[name].served or ""))
+        sparse = member is not None and _member(member)[1]
+        try:
+            cls = selector._cached_get_attn_backend(call.head_size, call.dtype, be_tuple, member)
+        except ValueError as exc:
+            cls, observed[name] = None, HostResolution(name, None, str(exc), sparse)
+        else:
+            served, served_sparse = _member(cls.get_enum())
+            classes[served.name] = cls
+            missing = tuple(cls.unsupported_requirements(requirements))
+            observed[name] = HostResolution(name, served.name, None, sparse, served_sparse, missing)
+        answers[name] = (member, cls)
 
     # The machine consults its first candidate always: observe it up front. Any
     # other candidate a fallback reaches is observed when the pure machine asks
@@ -499,7 +497,7 @@ def _route(
     cls = None if outcome.backend is None else classes[outcome.backend.name]
     if key:
         _MEMO.put(key, _Memo(decision, cls, tuple(answers.values())), generation)
-    return _finish(selector, is_cross_attention, decision, cls)
+    return _finish(selector, call.is_cross_attention, decision, cls)
 
 
 #: SGLang's selector, as the plugin takes it over (its hook registry's wrapper
@@ -537,8 +535,6 @@ def _still_answers(
     supported: frozenset[Any] | None,
 ) -> bool:
     """Whether SGLang's platform still gives the answers the memo's decision read."""
-    if not memo.consulted:
-        return True
     be_tuple = _be_tuple(supported)
     for member, cls in memo.consulted:
         try:
@@ -559,45 +555,12 @@ _KINDS: Final = {
 _PLATFORM: Final = _engine.PlatformReader(_PLATFORMS, "current_platform", _KINDS)
 
 
-def _observe(
-    selector: types.ModuleType,
-    call: dict[str, Any],
-    be_tuple: tuple[Any, ...],
-    name: str,
-    member: Any,
-    requirements: Any,
-    classes: dict[str, Any],
-) -> HostResolution:
-    sparse = member is not None and _member(member)[1]
-    try:
-        cls = selector._cached_get_attn_backend(call["head_size"], call["dtype"], be_tuple, member)
-    except ValueError as exc:
-        return HostResolution(name, None, str(exc), sparse)
-    served, served_sparse = _member(cls.get_enum())
-    served_name = served.name
-    classes[served_name] = cls
-    return HostResolution(
-        name,
-        served_name,
-        None,
-        sparse,
-        served_sparse,
-        tuple(cls.unsupported_requirements(requirements)),
-    )
-
-
-#: SGLang's enum members as attnres sees them: (the Backend of the member's
-#: lower-case name, the member's ``is_sparse``). Read from the enum once per
-#: member: both are facts of SGLang's (immutable) enum, not of any decision, so
-#: neither ``attnres.clear_cache()`` nor :func:`clear_memo` needs to forget them.
-_MEMBERS: dict[Any, tuple[Backend, bool]] = {}
-
-
+@functools.cache
 def _member(member: Any) -> tuple[Backend, bool]:
-    facts = _MEMBERS.get(member)
-    if facts is None:
-        facts = _MEMBERS[member] = (Backend(member.name.lower()), bool(member.is_sparse))
-    return facts
+    """An SGLang enum member as attnres sees it: the Backend of its lower-case
+    name, and its ``is_sparse``. Facts of SGLang's (immutable) enum, not of any
+    decision: neither ``attnres.clear_cache()`` nor :func:`clear_memo` forgets them."""
+    return Backend(member.name.lower()), bool(member.is_sparse)
 
 
 def _backend(member: Any) -> Backend | None:
@@ -609,17 +572,17 @@ _REQUIREMENTS: Final = {False: Requirements(), True: Requirements(packed_varlen=
 
 
 def _translate(
-    selector: types.ModuleType, call: dict[str, Any]
+    selector: types.ModuleType, call: _Call
 ) -> tuple[LayerSpec, ScopeState | None, SelectionConfig, Backend | None] | None:
-    role = Role.CROSS if call["is_cross_attention"] else Role.SELF
-    requirements = call["attention_requirements"]
+    role = Role.CROSS if call.is_cross_attention else Role.SELF
+    requirements = call.attention_requirements
     try:
         layer = LayerSpec(
-            head_size=int(call["head_size"]),
-            dtype=str(call["dtype"]).removeprefix("torch."),
-            supported=frozenset([_member(b)[0] for b in call["supported_attention_backends"] or ()])
+            head_size=int(call.head_size),
+            dtype=str(call.dtype).removeprefix("torch."),
+            supported=frozenset([_member(b)[0] for b in call.supported_attention_backends or ()])
             or None,
-            default=_backend(call["default_attention_backend"]),
+            default=_backend(call.default_attention_backend),
             role=role,
             requirements=_REQUIREMENTS[bool(getattr(requirements, "packed_varlen", False))],
         )
@@ -627,7 +590,6 @@ def _translate(
         return None
     context = selector.get_component_attn_backend_context()
     scope = None
-    role_backend = None
     if context is not None:
         role_backends = tuple(
             (Role(r.value), Backend(b.name.lower())) for r, b in context.backend_by_role.items()
@@ -641,18 +603,13 @@ def _translate(
             allow_global_fallback=bool(context.allow_global_backend_fallback),
             require_selection=bool(context.require_backend_selection),
         )
-        role_backend = scope.role_backend(role)
     forced = selector.get_global_forced_attn_backend()
     config = _PROFILE
-    earlier = (
-        call["selected_attention_backend"] is not None
-        or forced is not None
-        or role_backend is not None
-        or (scope is not None and scope.backend is not None)
-    )
     if forced is not None:
         config = SelectionConfig(forced_backend=_backend(forced), profile="sglang")
-    elif not earlier:
+    elif call.selected_attention_backend is None and (
+        scope is None or (scope.role_backend(role) is None and scope.backend is None)
+    ):  # no earlier origin: SGLang reads its server args
         server_args = selector.get_global_server_args()
         name = server_args.attention_backend
         if name is not None:
@@ -672,7 +629,7 @@ def _translate(
                 global_backend_explicit=bool(explicit),
                 profile="sglang",
             )
-    return layer, scope, config, _backend(call["selected_attention_backend"])
+    return layer, scope, config, _backend(call.selected_attention_backend)
 
 
 def _finish(

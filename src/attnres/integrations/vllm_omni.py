@@ -139,7 +139,7 @@ def stats() -> dict[str, int]:
     """``decided``: calls attnres decided (each one is in :func:`attnres.decisions`);
     ``delegated``: calls vLLM-Omni answered itself (a call attnres cannot take:
     a head size that is no positive int, a backend name that is no name)."""
-    return {"decided": _COUNTS[0], "delegated": _COUNTS[1]}
+    return dict(_STATS)
 
 
 # -- backends ------------------------------------------------------------------
@@ -161,20 +161,18 @@ def register_backends(enum: Any) -> tuple[str, ...]:
         name = member.name.lower()
         if not _engine.lacks(name):
             continue
-        head_sizes: HeadSizeRule = HeadSizeRule()
+        head_sizes = HeadSizeRule()
         platforms: tuple[str, ...] = PLATFORM_KINDS
         try:
             cls = member.get_class()
-            sizes = tuple(int(s) for s in cls.get_supported_head_sizes())
-            if sizes:
-                head_sizes = HeadSizeRule(allowed=sizes)
+            head_sizes = _head_sizes(cls)
             stated = getattr(cls, "supported_platforms", None)
             if stated:
                 platforms = tuple(sorted({_KINDS.get(str(p), str(p)) for p in stated}))
                 platforms = tuple(p for p in platforms if p in PLATFORM_KINDS) or PLATFORM_KINDS
             source = f"{cls.__module__}.{cls.__qualname__}"
         except Exception as exc:  # a kernel package this host lacks, typically
-            source = f"{member.value} (not importable here: {type(exc).__name__}: {exc})"
+            source = f"{member.value} (not importable here: {_engine.why(exc)})"
         if _engine.register_lacking(
             BackendSpec(
                 name=name,
@@ -192,6 +190,12 @@ def register_backends(enum: Any) -> tuple[str, ...]:
         ):
             out.append(name)
     return tuple(out)
+
+
+def _head_sizes(cls: Any) -> HeadSizeRule:
+    """The head sizes a vLLM-Omni class states (``get_supported_head_sizes()``; none: any)."""
+    sizes = tuple(int(s) for s in cls.get_supported_head_sizes())
+    return HeadSizeRule(allowed=sizes) if sizes else HeadSizeRule()
 
 
 #: attnres's backend per vLLM-Omni name (``None``: none); one registry generation
@@ -245,9 +249,7 @@ def _first_sight(name: str, cls: Any = None) -> Backend | None:
     else:
         source = f"the class vLLM-Omni's platform serves for it, {_qualname(cls)}"
         with contextlib.suppress(Exception):  # a class that states nothing leaves it open
-            sizes = tuple(int(s) for s in cls.get_supported_head_sizes())
-            if sizes:
-                head_sizes = HeadSizeRule(allowed=sizes)
+            head_sizes = _head_sizes(cls)
         kind = _PLATFORM()[0]
         platforms = (kind,) if kind != "cpu" else ()
     try:
@@ -293,16 +295,9 @@ def custom_backend(name: str) -> Backend | None:
     sight, and with an attnres kernel (:mod:`attnres.kernels`). ``None``
     otherwise."""
     backend = _attnres(name)
-    if (
-        backend is None
-        or backend.name in _BUILTIN
-        or backend.name in _MEMBERS
-        or backend.name in _SEEN
-    ):
+    if backend is None or any(backend.name in known for known in (_BUILTIN, _MEMBERS, _SEEN)):
         return None
-    if kernel_source(backend.name) is KernelSource.NONE:
-        return None
-    return backend
+    return None if kernel_source(backend.name) is KernelSource.NONE else backend
 
 
 def vllm_omni_backend(backend: Backend) -> Any:
@@ -356,7 +351,7 @@ def vllm_omni_backend(backend: Backend) -> Any:
 
         @staticmethod
         def get_supported_head_sizes() -> list[int]:
-            return sorted(allowed) if allowed else []
+            return sorted(allowed or ())
 
         @classmethod
         def supports_head_size(cls, head_size: int) -> bool:
@@ -375,35 +370,32 @@ def vllm_omni_backend(backend: Backend) -> Any:
 class _Hit:
     """One decided call, answered again without deciding: the decision, vLLM-Omni's
     answer, and the platform calls it consulted (asked again on every hit, as
-    vLLM-Omni asks its own cache, so a platform that now answers otherwise is
+    vLLM-Omni asks its own cache: a platform that now answers otherwise is
     decided anew)."""
 
     decision: Decision
     answer: tuple[Any, Any]
     #: ``selector._cached_get_backend_cls`` when it was decided (a test swaps it)
     resolver: Any
-    #: the call vLLM-Omni makes first and the class it answered (``None``: an
-    #: attnres backend vLLM-Omni was not asked for, :func:`custom_backend`)
+    #: the first platform call and its class (``None``: vLLM-Omni was not asked,
+    #: :func:`custom_backend`), and any further calls (a replacement)
     args: tuple[Any, ...] | None
     cls: Any
-    #: any further calls the decision consulted (a replacement)
     more: tuple[tuple[tuple[Any, ...], Any], ...]
     #: vLLM-Omni's log call (its own cache logs once per argument set)
     log: dict[str, Any]
-    #: the AttentionConfig entry vLLM-Omni's precedence picks (its id is in the
-    #: key: held here, so no other object takes that id while the entry lives)
-    #: and its backend string when decided (a changed one misses)
+    #: the AttentionConfig entry picked (held: its id is in the key, and no other
+    #: object takes that id while it lives) and its backend string then
     spec: Any
     backend: Any
-    #: the ledger's removal count when the decision was recorded (recorded once:
-    #: a repeated call adds no entry while the ledger still holds it)
+    #: the ledger's removal count when recorded: a repeated call adds no entry
+    #: while the ledger still holds it
     removals: int
 
 
 #: decided calls by (role, role_category, head_size, allow_trtllm_default, the id
-#: of the AttentionConfig entry vLLM-Omni's precedence picks: the outcome depends
-#: on that entry alone, the profile has no fallback between entries); a registry
-#: change empties it
+#: of the AttentionConfig entry picked: the profile has no fallback between
+#: entries); a registry change empties it
 _MEMO: GenerationMemo[tuple[Any, ...], _Hit] = GenerationMemo(maxsize=4096)
 
 
@@ -454,24 +446,15 @@ def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> C
         ):
             selector._log_backend_resolution(**hit.log)
             return hit.answer
-        return _decide(
-            selector,
-            original,
-            key,
-            role,
-            head_size,
-            attention_config,
-            role_category,
-            allow_trtllm_default,
-        )
+        call = (role, head_size, attention_config, role_category, allow_trtllm_default)
+        return _decide(selector, original, key, call)
 
-    get_attn_backend_for_role.__wrapped__ = original  # type: ignore[attr-defined]
     get_attn_backend_for_role.__doc__ = original.__doc__
     return get_attn_backend_for_role
 
 
-#: (decided, delegated): a list, so the hit path adds without a dict lookup
-_COUNTS: Final = [0, 0]
+#: decisions made through the plugin, and calls vLLM-Omni answered itself
+_STATS = {"decided": 0, "delegated": 0}
 
 
 @functools.lru_cache(maxsize=256)
@@ -502,15 +485,12 @@ def _decide(
     selector: types.ModuleType,
     original: Callable[..., Any],
     key: tuple[Any, ...],
-    role: Any,
-    head_size: Any,
-    attention_config: Any,
-    role_category: Any,
-    allow_trtllm_default: bool,
+    call: tuple[Any, Any, Any, Any, bool],
 ) -> Any:
-    """The cold path: translate, observe vLLM-Omni's platform, decide, memoize."""
+    """The cold path: translate, observe vLLM-Omni's platform, decide, memoize.
+    ``call``: the selector's arguments, in its order."""
+    role, head_size, attention_config, role_category, allow_trtllm_default = call
     entries: tuple[Any, Any, Any] = (None, None, None)
-    names: tuple[str | None, ...] = (None, None, None)
     try:
         if attention_config is not None:
             per_role = attention_config.per_role
@@ -521,46 +501,38 @@ def _decide(
             )
         names = tuple(None if s is None else str(s.backend) for s in entries)
         layer = _layer(int(head_size), str(role), "cross" in (role, role_category))
-    except (AttributeError, TypeError, ValueError):
-        layer = None
+    except (AttributeError, TypeError, ValueError):  # not a layer attnres can take
+        _STATS["delegated"] += 1
+        return original(*call)
     resolver = selector._cached_get_backend_cls
-    win = next((i for i, n in enumerate(names) if n is not None), None) if layer else None
-    classes: dict[str, Any] = {}
-    observed: dict[str, HostResolution] = {}
-    errors: dict[str, BaseException] = {}
+    win = next((i for i, n in enumerate(names) if n is not None), None)
     asked: list[tuple[tuple[Any, ...], Any]] = []
 
-    def ask(candidate: str, args: tuple[Any, ...]) -> Any:
+    def ask(args: tuple[Any, ...]) -> tuple[Any, Exception | None]:
         try:
             cls = resolver(*args)
         except Exception as exc:
-            errors[candidate] = exc
-            observed[candidate] = HostResolution(candidate, None, f"{type(exc).__name__}: {exc}")
-            return None
+            return None, exc
         asked.append((args, cls))
-        return cls
+        return cls, None
 
     # vLLM-Omni asks its platform for the winning entry (or its default) first:
     # asked before anything is registered, as vLLM-Omni would
-    first_args: tuple[Any, ...] = (
-        (None, head_size, allow_trtllm_default) if win is None else (names[win], head_size)
-    )
-    custom = None if win is None or layer is None else custom_backend(str(names[win]))
+    custom = None if win is None else custom_backend(str(names[win]))
     if custom is not None:  # attnres's own backend: attnres answers, vLLM-Omni is not asked
-        first_cls = vllm_omni_backend(custom)
+        first_cls, refused = vllm_omni_backend(custom), None
     else:
-        first_cls = ask("?", first_args) if layer is not None else None
-    backends: list[Backend | None] = []
-    if layer is not None:
-        for i, name in enumerate(names):
-            cls = first_cls if i == win else None
-            backends.append(None if name is None else _first_sight(name, cls))
-    if layer is None or any(
-        b is None and n is not None for b, n in zip(backends, names, strict=True)
-    ):
-        # nothing attnres can take as a layer or a backend name: vLLM-Omni answers
-        _COUNTS[1] += 1
-        return original(role, head_size, attention_config, role_category, allow_trtllm_default)
+        first_cls, refused = ask(
+            (None, head_size, allow_trtllm_default) if win is None else (names[win], head_size)
+        )
+    backends = [
+        None if name is None else _first_sight(name, first_cls if i == win else None)
+        for i, name in enumerate(names)
+    ]
+    if any(b is None and n is not None for b, n in zip(backends, names, strict=True)):
+        # a name attnres cannot take as a backend name: vLLM-Omni answers
+        _STATS["delegated"] += 1
+        return original(*call)
     first = "" if win is None else backends[win].name  # type: ignore[union-attr]
     if win is not None:
         # the winning entry's typed options, as attnres backend options: checked by
@@ -572,21 +544,35 @@ def _decide(
             layer = _layer(layer.head_size, str(role), layer.role is Role.CROSS, checked)
     platform = _PLATFORM()
     kind = platform[0]
-    if "?" in observed:
-        observed[first] = HostResolution(first, None, observed.pop("?").error)
-        errors[first] = errors.pop("?")
-    elif custom is not None:
-        spec_of = get_spec(custom)
-        if kind not in spec_of.platforms:
-            runs = ", ".join(sorted(spec_of.platforms)) or "no platform"
-            observed[first] = HostResolution(
-                first, None, f"attnres backend {first} runs on {runs}, not {kind}"
-            )
-            errors[first] = InvalidArgumentError(observed[first].error)
-        else:
-            _observed(first, first_cls, int(head_size), observed, classes)
+    classes: dict[str, Any] = {}
+    observed: dict[str, HostResolution] = {}
+    size = layer.head_size
+
+    def note(candidate: str, cls: Any, error: Exception | None = None) -> None:
+        # what vLLM-Omni's platform served for the candidate (a class attnres has
+        # no backend for is registered on first sight), or why it served none
+        served = None
+        if error is None and cls is not None:
+            try:
+                served = _first_sight(str(cls.get_name()), cls)
+            except Exception as exc:  # a class without get_name(): no backend to name
+                error = exc
+        if error is not None:
+            observed[candidate] = HostResolution(candidate, None, _engine.why(error))
+        elif served is not None:
+            classes[served.name] = cls
+            missing = () if _fits(cls, size) else (f"head size {size} (its supports_head_size)",)
+            observed[candidate] = HostResolution(candidate, served.name, None, missing=missing)
+        elif cls is not None:
+            observed[candidate] = HostResolution(candidate, None, f"unnamed class {_qualname(cls)}")
+
+    runs = () if custom is None else get_spec(custom).platforms
+    if custom is not None and kind not in runs:
+        on = ", ".join(sorted(runs)) or "no platform"
+        refused = InvalidArgumentError(f"attnres backend {first} runs on {on}, not {kind}")
+        observed[first] = HostResolution(first, None, str(refused))
     else:
-        _observed(first, first_cls, int(head_size), observed, classes)
+        note(first, first_cls, refused)
     spelled = {b.name: n for b, n in zip(backends, names, strict=True) if b is not None}
     scope = None
     if backends[1] is not None:
@@ -598,21 +584,23 @@ def _decide(
         )
 
     def observe(pending: str) -> None:
+        nonlocal refused
         # vLLM-Omni passes a configured name as the config spells it
-        cls = ask(pending, (spelled.get(pending, pending.upper()), head_size))
-        if pending not in observed:
-            _observed(pending, cls, int(head_size), observed, classes)
+        cls, error = ask((spelled.get(pending, pending.upper()), head_size))
+        if pending == first and error is not None:  # a first answer asked again
+            refused = error
+        note(pending, cls, error)
 
     decision, generation = _engine.decide(
         layer, _config(backends[2]), scope, backends[0], platform, observed, observe
     )
     removals = _REMOVALS[0]
-    _COUNTS[0] += 1
+    _STATS["decided"] += 1
     record_decision(decision)
     outcome = decision.outcome
     if outcome.status is not Status.SELECTED or outcome.backend is None:
-        if first in errors:
-            raise errors[first]  # vLLM-Omni's own refusal, unchanged
+        if refused is not None:
+            raise refused  # vLLM-Omni's own refusal, unchanged
         raise InvalidArgumentError(f"{outcome.error}")
     cls = classes[outcome.backend.name]
     index = _INDEX.get(outcome.origin)
@@ -626,22 +614,21 @@ def _decide(
     }
     answer = (cls, spec)
     if key and (asked or custom is not None):
-        _MEMO.put(
-            key,
-            _Hit(
-                decision,
-                answer,
-                resolver,
-                asked[0][0] if asked else None,
-                asked[0][1] if asked else None,
-                tuple(asked[1:]),
-                log,
-                spec,
-                None if spec is None else spec.backend,
-                removals,
-            ),
-            generation,
+        args, asked_cls = asked[0] if asked else (None, None)
+        backend = None if spec is None else spec.backend
+        hit = _Hit(
+            decision,
+            answer,
+            resolver,
+            args,
+            asked_cls,
+            tuple(asked[1:]),
+            log,
+            spec,
+            backend,
+            removals,
         )
+        _MEMO.put(key, hit, generation)
     selector._log_backend_resolution(**log)
     return answer
 
@@ -669,31 +656,6 @@ def spec_options(spec: Any) -> dict[str, OptionValue]:
 
 #: the AttentionConfig entry each origin answers with (``None``: the platform default)
 _INDEX: Final = {Origin.LAYER: 0, Origin.COMPONENT_OVERRIDE: 1, Origin.GLOBAL_CLI: 2}
-
-
-def _observed(
-    candidate: str,
-    cls: Any,
-    head_size: int,
-    observed: dict[str, HostResolution],
-    classes: dict[str, Any],
-) -> None:
-    """Record what vLLM-Omni's platform served for ``candidate`` (a class attnres
-    has no backend for is registered on first sight)."""
-    if cls is None:
-        return
-    try:
-        served = _first_sight(str(cls.get_name()), cls)
-    except Exception as exc:  # a class without get_name(): no backend to name
-        observed[candidate] = HostResolution(candidate, None, f"{type(exc).__name__}: {exc}")
-        return
-    if served is None:
-        observed[candidate] = HostResolution(candidate, None, f"unnamed class {_qualname(cls)}")
-        return
-    classes[served.name] = cls
-    fits = _fits(cls, head_size)
-    missing = () if fits else (f"head size {head_size} (its supports_head_size)",)
-    observed[candidate] = HostResolution(candidate, served.name, None, missing=missing)
 
 
 #: vLLM-Omni's ``current_omni_platform``: attnres's platform kind, and the
