@@ -26,7 +26,7 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Protocol, Union
+from typing import Any, Protocol, TypeGuard, TypeVar, Union
 
 import attrs
 import cattrs
@@ -205,6 +205,7 @@ def _flatten(exc: BaseException) -> _Invalid:
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
 
 _NONE_TYPE = type(None)
+_T = TypeVar("_T")
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -227,16 +228,20 @@ def _exact_keys(
         raise _Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(known)})")
 
 
-def _structure_str(value: Any, _: Any = None) -> str:
-    if not is_str(value):
-        raise _Invalid("", f"expected a string, got {describe(value)}")
-    return value
+def _scalar(check: Callable[[Any], TypeGuard[_T]], expected: str) -> Callable[..., _T]:
+    """The strict hook of a JSON scalar type: the value itself, else ``expected, got ...``."""
+
+    def structure(value: Any, _: Any = None) -> _T:
+        if not check(value):
+            raise _Invalid("", f"expected {expected}, got {describe(value)}")
+        return value
+
+    return structure
 
 
-def _structure_int(value: Any, _: Any = None) -> int:
-    if not is_int(value):
-        raise _Invalid("", f"expected an integer, got {describe(value)}")
-    return value
+_structure_str = _scalar(is_str, "a string")
+_structure_int = _scalar(is_int, "an integer")
+_structure_bool = _scalar(is_bool, "true or false")
 
 
 def _structure_float(value: Any, _: Any = None) -> float:
@@ -246,12 +251,6 @@ def _structure_float(value: Any, _: Any = None) -> float:
     if number != number or number in (float("inf"), float("-inf")):  # pragma: no cover
         raise _Invalid("", f"expected a finite number, got {value!r}")
     return number
-
-
-def _structure_bool(value: Any, _: Any = None) -> bool:
-    if not is_bool(value):
-        raise _Invalid("", f"expected true or false, got {describe(value)}")
-    return value
 
 
 def _structure_backend(value: Any, _: Any = None) -> Backend:
@@ -654,10 +653,10 @@ def _layout(value: Any) -> SequenceLayout:
     if "allgather" in obj:
         kinds["allgather"] = _field(obj, "allgather", lambda v: _degree(_head_size(v)))
     if "pad_heads" in obj:
-        kinds["pad_heads"] = _field(obj, "pad_heads", _structure_bool_value)
+        kinds["pad_heads"] = _field(obj, "pad_heads", _structure_bool)
     for key in ("rule", "why"):
         if key in obj:
-            kinds[key] = _field(obj, key, _structure_text_value)
+            kinds[key] = _field(obj, key, _structure_str)
     # bounded as where they are parsed (attnres.layout: MAX_DEGREE, MAX_HEADS)
     degrees = {
         key: _field(obj, key, lambda v: _degree(_head_size(v))) for key in ("ulysses", "ring")
@@ -670,18 +669,6 @@ def _layout(value: Any) -> SequenceLayout:
         return SequenceLayout(**degrees, **heads, **kinds)
     except ValueError as exc:
         raise _Invalid("", f"not a valid layout: {exc}") from None
-
-
-def _structure_bool_value(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _Invalid("", f"expected true or false, got {describe(value)}")
-    return value
-
-
-def _structure_text_value(value: Any) -> str:
-    if not isinstance(value, str):
-        raise _Invalid("", f"expected a string, got {describe(value)}")
-    return value
 
 
 def _component_name(key: str) -> str | None:

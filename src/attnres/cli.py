@@ -1003,10 +1003,6 @@ def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return render_replay(run, args.update, out, err)
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int:
     """Print a :class:`~attnres.replayer.ReplayRun`: ``ok   PATH`` / ``DIFF PATH`` (+ diff).
 
@@ -1038,8 +1034,8 @@ def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int
         if invalid:
             parts.append(f"{invalid} invalid")
         if run.path_problems:
-            parts.append(_count(len(run.path_problems), "other error"))
-        print(f"replayed {_count(len(run.entries), 'trace')}: {', '.join(parts)}", file=out)
+            parts.append(_plural(len(run.path_problems), "other error"))
+        print(f"replayed {_plural(len(run.entries), 'trace')}: {', '.join(parts)}", file=out)
     if run.invalid:
         return EXIT_USAGE
     if run.diverged:

@@ -78,7 +78,12 @@ from torch import Tensor
 from attnres._outcome import Outcome
 from attnres._vocab import MaskKind
 from attnres.backends import Backend
-from attnres.distributed import DEFAULT_TIMEOUT_S, _timeout_seconds, verify_consensus
+from attnres.distributed import (
+    DEFAULT_TIMEOUT_S,
+    _group_position,
+    _timeout_seconds,
+    verify_consensus,
+)
 from attnres.errors import (
     ArgumentTypeError,
     BackendMismatchError,
@@ -169,13 +174,7 @@ class SequenceParallel:
                 "SequenceParallel needs torch.distributed to be initialised: call "
                 "torch.distributed.init_process_group first (every rank of the group)"
             )
-        size = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise SequenceParallelError(
-                "SequenceParallel: this process is not a member of the given group; build it "
-                "on the group's ranks only, with a group that holds this rank"
-            )
+        size, rank = _group_position(group, SequenceParallelError, "SequenceParallel", "build")
         if shape.degree != size and not auto:
             raise SequenceParallelArgumentError(
                 f"SequenceParallel: {shape.ulysses_ring()} spans "
@@ -696,8 +695,8 @@ class _ParallelRun:
                 )
         d = self.head_size
         if sp.ulysses > 1:
-            q_blk = _apply(_ToHeads, q, self, lengths.q)
-            kv_blk = _apply(_ToHeads, torch.cat([k, v], dim=-1), self, lengths.kv)
+            q_blk = _apply(_Ulysses, q, self, lengths.q, True)
+            kv_blk = _apply(_Ulysses, torch.cat([k, v], dim=-1), self, lengths.kv, True)
             k_blk, v_blk = kv_blk[..., :d], kv_blk[..., d:]
         else:  # k and v themselves: a ring saves them for its backward, no copy
             q_blk, k_blk, v_blk = q, k, v
@@ -726,7 +725,7 @@ class _ParallelRun:
             out_text, out_blk = out_blk[:, :n], out_blk[:, n:]
             if sp.ulysses > 1:
                 out_text = _apply(_GatherHeads, out_text.contiguous(), self)
-        out = _apply(_ToSequence, out_blk, self, lengths.q) if sp.ulysses > 1 else out_blk
+        out = _apply(_Ulysses, out_blk, self, lengths.q, False) if sp.ulysses > 1 else out_blk
         if out_text is not None:
             out = torch.cat([out_text, out], 1)
         if sp.pad_heads:
@@ -1508,30 +1507,19 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> Tensor:
     return out
 
 
-class _ToHeads(torch.autograd.Function):
-    """Ulysses: (b, my shard, H, d) -> (b, the Ulysses group's sequence, H/U, d)."""
+class _Ulysses(torch.autograd.Function):
+    """Ulysses: (b, my shard, H, d) -> (b, the Ulysses group's sequence, H/U, d) with
+    ``to_heads``, else back; the gradient takes the other direction."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, run: _ParallelRun, lens: list[int]) -> Tensor:
-        ctx.run, ctx.lens = run, lens
-        return _to_heads(run, x, lens)
+    def forward(ctx: Any, x: Tensor, run: _ParallelRun, lens: list[int], to_heads: bool) -> Tensor:
+        ctx.run, ctx.lens, ctx.to_heads = run, lens, to_heads
+        return (_to_heads if to_heads else _to_sequence)(run, x, lens)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _to_sequence(ctx.run, grad.contiguous(), ctx.lens), None, None
-
-
-class _ToSequence(torch.autograd.Function):
-    """Ulysses, back: (b, the group's sequence, H/U, d) -> (b, my shard, H, d)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, run: _ParallelRun, lens: list[int]) -> Tensor:
-        ctx.run, ctx.lens = run, lens
-        return _to_sequence(run, x, lens)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _to_heads(ctx.run, grad.contiguous(), ctx.lens), None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        back = _to_sequence if ctx.to_heads else _to_heads
+        return back(ctx.run, grad.contiguous(), ctx.lens), None, None, None
 
 
 def _to_heads(run: _ParallelRun, x: Tensor, lens: list[int]) -> Tensor:
