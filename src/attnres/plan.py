@@ -48,7 +48,7 @@ from attnres._codec import (
     required_field_names,
     unknown_keys,
 )
-from attnres._files import begin_manifest, finish_manifest, read_bounded
+from attnres._files import read_bounded, write_manifest
 from attnres._outcome import OutcomeView
 from attnres._precision_view import describe_precision, precision_of_trace
 from attnres._states import (
@@ -1154,7 +1154,7 @@ def write_plan_traces(
     """
     folder = Path(directory)
     try:
-        begin_manifest(folder, written_by)
+        write_manifest(folder, written_by)
     except OSError as exc:
         raise TraceWriteError(
             f"cannot write traces into {str(folder)!r}: {exc.strerror or exc}"
@@ -1177,7 +1177,7 @@ def write_plan_traces(
                 ) from None
             paths.append(path)
     try:
-        finish_manifest(folder, written_by, [p.name for p in paths])
+        write_manifest(folder, written_by, [p.name for p in paths])
     except OSError as exc:
         raise TraceWriteError(
             f"cannot write the manifest into {str(folder)!r}: {exc.strerror or exc}"
