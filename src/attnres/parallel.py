@@ -1047,8 +1047,8 @@ class _ZigZagRing(torch.autograd.Function):
         kv_segs = _contiguous(kv_lens)
         groups = q.shape[2] // k.shape[2]
         acc = lse.dtype
-        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        grads = _Grads(dq, dk, dv)
+        grads = _zero_grads(q, k, v)
+        dq = grads.dq
         ids = _zigzag_ids(ring)[me]
         heads, parts = _backward_chunks(k, kv_lens)
         for h0, h1 in heads:
@@ -1081,7 +1081,7 @@ class _ZigZagRing(torch.autograd.Function):
                 if not (c in own and got is own[c]):
                     own[c].copy_(got)
             del back, own
-        return dq, dk, dv, None, None, None, None
+        return *grads, None, None, None, None
 
 
 def _split(x: Tensor, ids: Sequence[int], chunks: list[tuple[int, int]]) -> dict[int, Tensor]:
@@ -1266,15 +1266,12 @@ class _Ring(torch.autograd.Function):
         run: _ParallelRun = ctx.run
         me = run.sp.ring_rank
         kv_lens = [sum(n for n, _ in segs) for segs in ctx.kv_segs]
-        # the gradients themselves, in the inputs' dtype and layout (what autograd hands
-        # to the leaves without a copy); each chunk below fills its slice of them
-        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        grads = _Grads(dq, dk, dv)
+        grads = _zero_grads(q, k, v)  # each chunk below fills its slice of them
         saved = _Saved(dout, q, k, v, out, lse)
         heads, parts = _backward_chunks(k, kv_lens)
         for h0, h1 in heads:
             _backward_heads(run, saved, grads, ctx.q_segs[me], ctx.kv_segs, kv_lens, h0, h1, parts)
-        return dq, dk, dv, None, None, None
+        return *grads, None, None, None
 
 
 #: issue 35: a ring's backward moves each key/value block in about this many chunks
@@ -1303,6 +1300,12 @@ class _Grads(NamedTuple):
     dq: Tensor
     dk: Tensor
     dv: Tensor
+
+
+def _zero_grads(q: Tensor, k: Tensor, v: Tensor) -> _Grads:
+    """The gradients themselves, zeroed, in the inputs' dtype and layout (what autograd
+    hands to the leaves without a copy)."""
+    return _Grads(*(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)))
 
 
 def _backward_chunks(k: Tensor, kv_lens: list[int]) -> tuple[list[tuple[int, int]], int]:
