@@ -37,7 +37,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +50,13 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_JSON_INT_DIGITS",
     "atomic_write_text",
-    "begin_manifest",
     "check_manifest",
     "exclusive_lock",
-    "finish_manifest",
     "parse_json",
     "read_bounded",
     "read_json",
     "read_safetensors_header",
+    "write_manifest",
 ]
 
 #: The most bytes attnres reads from one pipeline or trace file (4 MiB).
@@ -473,25 +472,14 @@ MANIFEST_NAME = "attnres.manifest"
 _MANIFEST_SCHEMA = 1
 
 
-def begin_manifest(folder: Path, written_by: str) -> None:
-    """Mark ``folder`` as being written: an interrupted run leaves this mark."""
-    _write_manifest(folder, written_by, complete=False, files=())
-
-
-def finish_manifest(folder: Path, written_by: str, files: list[str] | tuple[str, ...]) -> None:
-    """Mark ``folder`` complete, listing the trace files written (written last)."""
-    _write_manifest(folder, written_by, complete=True, files=files)
-
-
-def _write_manifest(
-    folder: Path, written_by: str, *, complete: bool, files: list[str] | tuple[str, ...]
-) -> None:
-
+def write_manifest(folder: Path, written_by: str, files: Sequence[str] | None = None) -> None:
+    """Mark ``folder`` as being written (``files`` ``None``: an interrupted run leaves
+    this mark), or complete, listing the trace files written (written last)."""
     doc = {
         "attnres_manifest": _MANIFEST_SCHEMA,
-        "complete": complete,
+        "complete": files is not None,
         "written_by": written_by,
-        "files": sorted(files),
+        "files": sorted(files or ()),
     }
     atomic_write_text(folder / MANIFEST_NAME, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 

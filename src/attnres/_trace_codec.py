@@ -26,7 +26,7 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Protocol, Union
+from typing import Any, Protocol, TypeGuard, TypeVar, Union
 
 import attrs
 import cattrs
@@ -205,6 +205,7 @@ def _flatten(exc: BaseException) -> _Invalid:
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
 
 _NONE_TYPE = type(None)
+_T = TypeVar("_T")
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -227,16 +228,20 @@ def _exact_keys(
         raise _Invalid(_key_path(key), f"unexpected field ({what} has: {', '.join(known)})")
 
 
-def _structure_str(value: Any, _: Any = None) -> str:
-    if not is_str(value):
-        raise _Invalid("", f"expected a string, got {describe(value)}")
-    return value
+def _scalar(check: Callable[[Any], TypeGuard[_T]], expected: str) -> Callable[..., _T]:
+    """The strict hook of a JSON scalar type: the value itself, else ``expected, got ...``."""
+
+    def structure(value: Any, _: Any = None) -> _T:
+        if not check(value):
+            raise _Invalid("", f"expected {expected}, got {describe(value)}")
+        return value
+
+    return structure
 
 
-def _structure_int(value: Any, _: Any = None) -> int:
-    if not is_int(value):
-        raise _Invalid("", f"expected an integer, got {describe(value)}")
-    return value
+_structure_str = _scalar(is_str, "a string")
+_structure_int = _scalar(is_int, "an integer")
+_structure_bool = _scalar(is_bool, "true or false")
 
 
 def _structure_float(value: Any, _: Any = None) -> float:
@@ -246,12 +251,6 @@ def _structure_float(value: Any, _: Any = None) -> float:
     if number != number or number in (float("inf"), float("-inf")):  # pragma: no cover
         raise _Invalid("", f"expected a finite number, got {value!r}")
     return number
-
-
-def _structure_bool(value: Any, _: Any = None) -> bool:
-    if not is_bool(value):
-        raise _Invalid("", f"expected true or false, got {describe(value)}")
-    return value
 
 
 def _structure_backend(value: Any, _: Any = None) -> Backend:
@@ -585,59 +584,21 @@ def _check_requirement_keys(doc: dict[str, Any], version: int) -> None:
 def _structure_layer(value: Any, _: Any) -> LayerSpec:
     obj = _object(value, "a layer")
     _exact_keys(obj, _LAYER_KEYS, "a layer", optional_field_names(LayerSpec))
-    head_size = _field(obj, "head_size", _head_size)
-    dtype = _field(obj, "dtype", _dtype)
-    supported = _field(obj, "supported", _optional(_backend_list))
-    default = _field(obj, "default", _optional(_structure_backend))
-    role = _field(obj, "role", _role)
-    requirements = _field(obj, "requirements", _requirements)
-    name = _field(obj, "name", _optional(_structure_str))
+    layer = {key: _field(obj, key, fn) for key, fn in _LAYER_FIELDS.items()}
     # exact_route (issue 21, written only when set): an integration route that
     # runs exactly the supported set, so it needs one
     route = _field(obj, "exact_route", _structure_str) if "exact_route" in obj else None
     if route is not None and not route.strip():
         raise _Invalid(".exact_route", "a route's name must not be empty")
-    if route is not None and supported is None:
+    if route is not None and layer["supported"] is None:
         raise _Invalid(".exact_route", "an exact route needs a supported set (supported is null)")
+    layer.update((key, _field(obj, key, fn)) for key, fn in _LAYER_EXTRAS.items() if key in obj)
     try:
-        return _layer_of(head_size, dtype, supported, default, role, requirements, name, route, obj)
+        # issue 23: typed per-backend options, checked against the specs (a
+        # BackendOptionError is a ValueError: reported as invalid)
+        return LayerSpec(**layer, exact_route=route, backend_options=obj.get("backend_options"))
     except ValueError as exc:  # issue 23: preferred/required outside supported
         raise _Invalid("", f"not a valid layer: {exc}") from None
-
-
-def _layer_of(
-    head_size: Any,
-    dtype: Any,
-    supported: Any,
-    default: Any,
-    role: Any,
-    requirements: Any,
-    name: Any,
-    route: Any,
-    obj: dict[str, Any],
-) -> LayerSpec:
-    return LayerSpec(
-        head_size=head_size,
-        dtype=dtype,
-        supported=supported,
-        default=default,
-        role=role,
-        requirements=requirements,
-        name=name,
-        # issue 24: present only in traces of a sequence-parallel layer
-        layout=_field(obj, "layout", _layout) if "layout" in obj else None,
-        exact_route=route,
-        # issue 23: optional keys, written only when set
-        preferred=(
-            _field(obj, "preferred", _optional(_backend_list)) if "preferred" in obj else None
-        ),
-        required=(
-            _field(obj, "required", _optional(_structure_backend)) if "required" in obj else None
-        ),
-        # issue 23: typed per-backend options, checked against the specs (a
-        # BackendOptionError is a ValueError: the caller reports it as invalid)
-        backend_options=obj.get("backend_options"),
-    )
 
 
 _LAYOUT_KEYS = ("ulysses", "ring", "num_heads", "num_kv_heads")
@@ -654,10 +615,10 @@ def _layout(value: Any) -> SequenceLayout:
     if "allgather" in obj:
         kinds["allgather"] = _field(obj, "allgather", lambda v: _degree(_head_size(v)))
     if "pad_heads" in obj:
-        kinds["pad_heads"] = _field(obj, "pad_heads", _structure_bool_value)
+        kinds["pad_heads"] = _field(obj, "pad_heads", _structure_bool)
     for key in ("rule", "why"):
         if key in obj:
-            kinds[key] = _field(obj, key, _structure_text_value)
+            kinds[key] = _field(obj, key, _structure_str)
     # bounded as where they are parsed (attnres.layout: MAX_DEGREE, MAX_HEADS)
     degrees = {
         key: _field(obj, key, lambda v: _degree(_head_size(v))) for key in ("ulysses", "ring")
@@ -672,16 +633,23 @@ def _layout(value: Any) -> SequenceLayout:
         raise _Invalid("", f"not a valid layout: {exc}") from None
 
 
-def _structure_bool_value(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _Invalid("", f"expected true or false, got {describe(value)}")
-    return value
-
-
-def _structure_text_value(value: Any) -> str:
-    if not isinstance(value, str):
-        raise _Invalid("", f"expected a string, got {describe(value)}")
-    return value
+#: A layer's keys in a trace and their strict readers, in the order they are checked.
+_LAYER_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "head_size": _head_size,
+    "dtype": _dtype,
+    "supported": _optional(_backend_list),
+    "default": _optional(_structure_backend),
+    "role": _role,
+    "requirements": _requirements,
+    "name": _optional(_structure_str),
+}
+#: Keys written only when set: issue 24 (a sequence-parallel layer's layout) and
+#: issue 23 (preferred, required)
+_LAYER_EXTRAS: dict[str, Callable[[Any], Any]] = {
+    "layout": _layout,
+    "preferred": _optional(_backend_list),
+    "required": _optional(_structure_backend),
+}
 
 
 def _component_name(key: str) -> str | None:

@@ -54,6 +54,7 @@ from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
     BackendSpec,
+    PluginFailure,
     lookup_spec,
     parse_backend_option,
     plugin_failures,
@@ -1003,10 +1004,6 @@ def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return render_replay(run, args.update, out, err)
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int:
     """Print a :class:`~attnres.replayer.ReplayRun`: ``ok   PATH`` / ``DIFF PATH`` (+ diff).
 
@@ -1038,8 +1035,8 @@ def render_replay(run: ReplayRun, update: bool, out: TextIO, err: TextIO) -> int
         if invalid:
             parts.append(f"{invalid} invalid")
         if run.path_problems:
-            parts.append(_count(len(run.path_problems), "other error"))
-        print(f"replayed {_count(len(run.entries), 'trace')}: {', '.join(parts)}", file=out)
+            parts.append(_plural(len(run.path_problems), "other error"))
+        print(f"replayed {_plural(len(run.entries), 'trace')}: {', '.join(parts)}", file=out)
     if run.invalid:
         return EXIT_USAGE
     if run.diverged:
@@ -1058,6 +1055,10 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     platform = Platform.detect()
     failures = plugin_failures()
     chain = [b.name for b in platform.default_chain()]
+    users: dict[str, list[str]] = {}  # package -> the backends that need it
+    for spec in registered_backends():
+        for package in spec.packages:
+            users.setdefault(package, []).append(spec.name)
     doc: dict[str, Any] = {
         "attnres_version": attnres.__version__,
         "python": sys.version.split()[0],
@@ -1066,9 +1067,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "packages": [
             {
                 "name": fact.name,
-                "backends": [
-                    spec.name for spec in registered_backends() if fact.name in spec.packages
-                ],
+                "backends": users.get(fact.name, []),
                 "status": fact.status,
                 "version": fact.version,
                 "distribution": fact.distribution,
@@ -1077,7 +1076,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             for fact in platform.packages
         ],
         "kernels": _installed_kernels(platform),
-        "plugin_failures": [{"entry_point": f.entry_point, "error": f.error} for f in failures],
+        "plugin_failures": _failure_docs(failures),
         "notes": list(platform.notes),
         "environment": environment_document(),
     }
@@ -1087,21 +1086,15 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     width = _width()
     cap = platform.capability
     lines = [f"attnres {attnres.__version__} (python {doc['python']})", "", "Platform"]
-    lines += _field("  kind:", platform.kind, width, 18)
-    lines += _field("  device:", _opt(platform.device_name), width, 18)
-    lines += _field(
-        "  capability:",
-        f"sm{cap[0]}{cap[1]}" if cap else _opt(platform.arch),
-        width,
-        18,
-    )
-    lines += _field("  torch:", _opt(platform.torch_version), width, 18)
-    lines += _field("  default chain:", " -> ".join(chain) or "-", width, 18)
+    for label, value in (
+        ("kind", platform.kind),
+        ("device", _opt(platform.device_name)),
+        ("capability", f"sm{cap[0]}{cap[1]}" if cap else _opt(platform.arch)),
+        ("torch", _opt(platform.torch_version)),
+        ("default chain", " -> ".join(chain) or "-"),
+    ):
+        lines += _field(f"  {label}:", value, width, 18)
     lines += ["", "Optional kernel packages"]
-    users: dict[str, list[str]] = {}
-    for spec in registered_backends():
-        for package in spec.packages:
-            users.setdefault(package, []).append(spec.name)
     rows = [
         [
             fact.name,
@@ -1153,14 +1146,18 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def _failure_docs(failures: Sequence[PluginFailure]) -> list[dict[str, str]]:
+    return [{"entry_point": f.entry_point, "error": f.error} for f in failures]
+
+
 def _installed_kernels(platform: Platform) -> list[dict[str, Any]]:
     """Issue 31: per backend whose package is present here, which kernel the
     catalogue takes it for (its version's and this GPU's facts) and what they say."""
     out: list[dict[str, Any]] = []
     for base in registered_backends():
-        if base.package is None or not platform.package(base.package).usable:
+        fact = None if base.package is None else platform.package(base.package)
+        if fact is None or not fact.usable:
             continue
-        fact = platform.package(base.package)
         spec, applied = platform.installed(base)
         masks = [f"{m.kind.value.replace('_', ' ')} {m.route.value}" for m in spec.masks]
         out.append(
@@ -1282,24 +1279,21 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             out,
             {
                 "backends": [spec_document(s) for s in specs],
-                "plugin_failures": [
-                    {"entry_point": f.entry_point, "error": f.error} for f in failures
-                ],
+                "plugin_failures": _failure_docs(failures),
             },
         )
         return EXIT_OK
     width = _width()
-    rows = []
-    for spec in specs:
-        rows.append(
-            [
-                spec.name,
-                spec.kind,
-                _runs_on(spec),
-                " ".join(_DTYPE_SHORT.get(d, d) for d in _ordered(spec.dtypes, DTYPES)),
-                spec.head_sizes.describe(),
-            ]
-        )
+    rows = [
+        [
+            spec.name,
+            spec.kind,
+            _runs_on(spec),
+            " ".join(_DTYPE_SHORT.get(d, d) for d in _ordered(spec.dtypes, DTYPES)),
+            spec.head_sizes.describe(),
+        ]
+        for spec in specs
+    ]
     lines = [f"{len(specs)} registered attention backends"]
     lines += _table(
         ["name", "kind", "runs on", "dtypes", "head size"],

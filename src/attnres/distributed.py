@@ -239,6 +239,19 @@ def _compare(
 # The store protocol.
 
 
+def _group_position(
+    group: dist.ProcessGroup | None, error: type[Exception], who: str, verb: str
+) -> tuple[int, int]:
+    """(world size, rank) of this process in ``group``; ``error`` when it is not a member."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise error(
+            f"{who}: this process is not a member of the given group; {verb} it on the "
+            f"group's ranks only, with a group that holds this rank"
+        )
+    return size, rank
+
+
 def _timeout_seconds(timeout: Timeout, who: str = "verify_consensus") -> float:
     """``timeout`` in seconds; a value out of bounds is a
     :class:`~attnres.errors.SequenceParallelArgumentError` (a ``ValueError``)
@@ -487,13 +500,7 @@ def verify_consensus(
             world_size=1, rank=0, layers=n_layers, call_sites=len(sites), digest=digest
         )
 
-    world_size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ConsensusError(
-            "verify_consensus: this process is not a member of the given group; call it "
-            "on the group's ranks only, with a group that holds this rank"
-        )
+    world_size, rank = _group_position(group, ConsensusError, "verify_consensus", "call")
     report = ConsensusReport(
         world_size=world_size, rank=rank, layers=n_layers, call_sites=len(sites), digest=digest
     )

@@ -78,7 +78,12 @@ from torch import Tensor
 from attnres._outcome import Outcome
 from attnres._vocab import MaskKind
 from attnres.backends import Backend
-from attnres.distributed import DEFAULT_TIMEOUT_S, _timeout_seconds, verify_consensus
+from attnres.distributed import (
+    DEFAULT_TIMEOUT_S,
+    _group_position,
+    _timeout_seconds,
+    verify_consensus,
+)
 from attnres.errors import (
     ArgumentTypeError,
     BackendMismatchError,
@@ -169,13 +174,7 @@ class SequenceParallel:
                 "SequenceParallel needs torch.distributed to be initialised: call "
                 "torch.distributed.init_process_group first (every rank of the group)"
             )
-        size = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise SequenceParallelError(
-                "SequenceParallel: this process is not a member of the given group; build it "
-                "on the group's ranks only, with a group that holds this rank"
-            )
+        size, rank = _group_position(group, SequenceParallelError, "SequenceParallel", "build")
         if shape.degree != size and not auto:
             raise SequenceParallelArgumentError(
                 f"SequenceParallel: {shape.ulysses_ring()} spans "
@@ -696,8 +695,8 @@ class _ParallelRun:
                 )
         d = self.head_size
         if sp.ulysses > 1:
-            q_blk = _apply(_ToHeads, q, self, lengths.q)
-            kv_blk = _apply(_ToHeads, torch.cat([k, v], dim=-1), self, lengths.kv)
+            q_blk = _apply(_Ulysses, q, self, lengths.q, True)
+            kv_blk = _apply(_Ulysses, torch.cat([k, v], dim=-1), self, lengths.kv, True)
             k_blk, v_blk = kv_blk[..., :d], kv_blk[..., d:]
         else:  # k and v themselves: a ring saves them for its backward, no copy
             q_blk, k_blk, v_blk = q, k, v
@@ -726,7 +725,7 @@ class _ParallelRun:
             out_text, out_blk = out_blk[:, :n], out_blk[:, n:]
             if sp.ulysses > 1:
                 out_text = _apply(_GatherHeads, out_text.contiguous(), self)
-        out = _apply(_ToSequence, out_blk, self, lengths.q) if sp.ulysses > 1 else out_blk
+        out = _apply(_Ulysses, out_blk, self, lengths.q, False) if sp.ulysses > 1 else out_blk
         if out_text is not None:
             out = torch.cat([out_text, out], 1)
         if sp.pad_heads:
@@ -1048,8 +1047,8 @@ class _ZigZagRing(torch.autograd.Function):
         kv_segs = _contiguous(kv_lens)
         groups = q.shape[2] // k.shape[2]
         acc = lse.dtype
-        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        grads = _Grads(dq, dk, dv)
+        grads = _zero_grads(q, k, v)
+        dq = grads.dq
         ids = _zigzag_ids(ring)[me]
         heads, parts = _backward_chunks(k, kv_lens)
         for h0, h1 in heads:
@@ -1082,7 +1081,7 @@ class _ZigZagRing(torch.autograd.Function):
                 if not (c in own and got is own[c]):
                     own[c].copy_(got)
             del back, own
-        return dq, dk, dv, None, None, None, None
+        return *grads, None, None, None, None
 
 
 def _split(x: Tensor, ids: Sequence[int], chunks: list[tuple[int, int]]) -> dict[int, Tensor]:
@@ -1267,15 +1266,12 @@ class _Ring(torch.autograd.Function):
         run: _ParallelRun = ctx.run
         me = run.sp.ring_rank
         kv_lens = [sum(n for n, _ in segs) for segs in ctx.kv_segs]
-        # the gradients themselves, in the inputs' dtype and layout (what autograd hands
-        # to the leaves without a copy); each chunk below fills its slice of them
-        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        grads = _Grads(dq, dk, dv)
+        grads = _zero_grads(q, k, v)  # each chunk below fills its slice of them
         saved = _Saved(dout, q, k, v, out, lse)
         heads, parts = _backward_chunks(k, kv_lens)
         for h0, h1 in heads:
             _backward_heads(run, saved, grads, ctx.q_segs[me], ctx.kv_segs, kv_lens, h0, h1, parts)
-        return dq, dk, dv, None, None, None
+        return *grads, None, None, None
 
 
 #: issue 35: a ring's backward moves each key/value block in about this many chunks
@@ -1304,6 +1300,12 @@ class _Grads(NamedTuple):
     dq: Tensor
     dk: Tensor
     dv: Tensor
+
+
+def _zero_grads(q: Tensor, k: Tensor, v: Tensor) -> _Grads:
+    """The gradients themselves, zeroed, in the inputs' dtype and layout (what autograd
+    hands to the leaves without a copy)."""
+    return _Grads(*(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)))
 
 
 def _backward_chunks(k: Tensor, kv_lens: list[int]) -> tuple[list[tuple[int, int]], int]:
@@ -1508,30 +1510,19 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> Tensor:
     return out
 
 
-class _ToHeads(torch.autograd.Function):
-    """Ulysses: (b, my shard, H, d) -> (b, the Ulysses group's sequence, H/U, d)."""
+class _Ulysses(torch.autograd.Function):
+    """Ulysses: (b, my shard, H, d) -> (b, the Ulysses group's sequence, H/U, d) with
+    ``to_heads``, else back; the gradient takes the other direction."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, run: _ParallelRun, lens: list[int]) -> Tensor:
-        ctx.run, ctx.lens = run, lens
-        return _to_heads(run, x, lens)
+    def forward(ctx: Any, x: Tensor, run: _ParallelRun, lens: list[int], to_heads: bool) -> Tensor:
+        ctx.run, ctx.lens, ctx.to_heads = run, lens, to_heads
+        return (_to_heads if to_heads else _to_sequence)(run, x, lens)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _to_sequence(ctx.run, grad.contiguous(), ctx.lens), None, None
-
-
-class _ToSequence(torch.autograd.Function):
-    """Ulysses, back: (b, the group's sequence, H/U, d) -> (b, my shard, H, d)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, run: _ParallelRun, lens: list[int]) -> Tensor:
-        ctx.run, ctx.lens = run, lens
-        return _to_sequence(run, x, lens)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _to_heads(ctx.run, grad.contiguous(), ctx.lens), None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        back = _to_sequence if ctx.to_heads else _to_heads
+        return back(ctx.run, grad.contiguous(), ctx.lens), None, None, None
 
 
 def _to_heads(run: _ParallelRun, x: Tensor, lens: list[int]) -> Tensor:

@@ -48,7 +48,7 @@ from attnres._codec import (
     required_field_names,
     unknown_keys,
 )
-from attnres._files import begin_manifest, finish_manifest, read_bounded
+from attnres._files import read_bounded, write_manifest
 from attnres._outcome import OutcomeView
 from attnres._precision_view import describe_precision, precision_of_trace
 from attnres._states import (
@@ -368,19 +368,27 @@ class _Parser:
             name=name, path=self.source, components=tuple(parsed), description=description
         )
 
-    def component(self, index: int, table: Any) -> ComponentEntry:
-        where: dict[str, Any] = {"component": (index, None)}
+    def named(
+        self, level: str, index: int, table: Any, allowed: tuple[str, ...], where: dict[str, Any]
+    ) -> str:
+        """The name of the table at ``level`` (``component`` or ``layer``), with its keys
+        checked; ``where`` (updated) locates it in the errors."""
+        where[level] = (index, None)
         if not isinstance(table, Mapping):
-            raise self.fail(f"a component must be a table, got {_type(table)}", **where)
+            raise self.fail(f"a {level} must be a table, got {_type(table)}", **where)
         raw_name = table.get("name")
         if isinstance(raw_name, str) and raw_name.strip():
-            where["component"] = (index, raw_name)
-        self.check_keys(table, _COMPONENT_KEYS, "a component", **where)
+            where[level] = (index, raw_name)
+        self.check_keys(table, allowed, f"a {level}", **where)
         if raw_name is None:
             raise self.fail("missing required key 'name'", **where)
         if not isinstance(raw_name, str) or not raw_name.strip():
             raise self.fail(f"name must be a non-empty string, got {raw_name!r}", **where)
-        name: str = raw_name
+        return raw_name
+
+    def component(self, index: int, table: Any) -> ComponentEntry:
+        where: dict[str, Any] = {}
+        name = self.named("component", index, table, _COMPONENT_KEYS, where)
         kind = table.get("kind")
         if kind is not None:
             if not isinstance(kind, str):
@@ -468,17 +476,7 @@ class _Parser:
 
     def layer(self, index: int, table: Any, component_where: Mapping[str, Any]) -> LayerEntry:
         where: dict[str, Any] = dict(component_where)
-        where["layer"] = (index, None)
-        if not isinstance(table, Mapping):
-            raise self.fail(f"a layer must be a table, got {_type(table)}", **where)
-        raw_name = table.get("name")
-        if isinstance(raw_name, str) and raw_name.strip():
-            where["layer"] = (index, raw_name)
-        self.check_keys(table, _LAYER_KEYS, "a layer", **where)
-        if raw_name is None:
-            raise self.fail("missing required key 'name'", **where)
-        if not isinstance(raw_name, str) or not raw_name.strip():
-            raise self.fail(f"name must be a non-empty string, got {raw_name!r}", **where)
+        name = self.named("layer", index, table, _LAYER_KEYS, where)
         for key in missing_keys(table, _LAYER_REQUIRED)[:1]:
             raise self.fail(f"missing required key {key!r}", **where)
         count = table.get("count", 1)
@@ -488,16 +486,15 @@ class _Parser:
             if key in table and not CHECKS[kind](table[key]):
                 article = "an" if kind[0] in "aeiou" else "a"
                 raise self.fail(f"{key} must be {article} {kind}, got {_type(table[key])}", **where)
-        head_size = table["head_size"]
         try:
             spec = LayerSpec(
-                head_size=head_size,
+                head_size=table["head_size"],
                 dtype=table["dtype"],
                 supported=table.get("supported"),
                 default=table.get("default"),
                 role=table.get("role", "self"),
                 requirements=Requirements.of(table.get("requires", ()), field="requires"),
-                name=raw_name,
+                name=name,
                 preferred=table.get("preferred"),  # issue 23
                 required=table.get("required"),
                 # issue 23: checked by the one option checker (BackendOptionError)
@@ -506,7 +503,7 @@ class _Parser:
         except ValueError as exc:
             raise self.fail(str(exc), **where) from None
         backend = self.backend(table.get("backend"), "backend", where)
-        return LayerEntry(name=raw_name, count=count, spec=spec, backend=backend)
+        return LayerEntry(name=name, count=count, spec=spec, backend=backend)
 
 
 def _type(value: Any) -> str:
@@ -1157,7 +1154,7 @@ def write_plan_traces(
     """
     folder = Path(directory)
     try:
-        begin_manifest(folder, written_by)
+        write_manifest(folder, written_by)
     except OSError as exc:
         raise TraceWriteError(
             f"cannot write traces into {str(folder)!r}: {exc.strerror or exc}"
@@ -1180,7 +1177,7 @@ def write_plan_traces(
                 ) from None
             paths.append(path)
     try:
-        finish_manifest(folder, written_by, [p.name for p in paths])
+        write_manifest(folder, written_by, [p.name for p in paths])
     except OSError as exc:
         raise TraceWriteError(
             f"cannot write the manifest into {str(folder)!r}: {exc.strerror or exc}"

@@ -32,61 +32,19 @@ from typing import Any
 from attrs import frozen
 
 from attnres import _trace_codec as codec
+from attnres import records as _records
 from attnres._codec import field_names, located
 from attnres._files import atomic_write_text, read_bounded
 from attnres._outcome import Outcome
 from attnres._trace_codec import record_to_dict
 from attnres.errors import ArgumentTypeError, TraceFormatError
-from attnres.records import (
-    BASE_SCHEMA_VERSION,
-    KERNELS_SCHEMA_VERSION,
-    LAYOUT_KINDS_SCHEMA_VERSION,
-    LAYOUT_SCHEMA_VERSION,
-    MASK_SCHEMA_VERSION,
-    PRECISION_SCHEMA_VERSION,
-    RECORD_KINDS,
-    SCHEMA_VERSION,
-    TUNED_SCHEMA_VERSION,
-    CheckRecord,
-    ErrorMeasurement,
-    Failure,
-    MeasurementRecord,
-    OriginRecord,
-    PrecisionRecord,
-    Record,
-    RejectedRecord,
-    SelectedRecord,
-    SkipRecord,
-    TraceInput,
-    TransitionRecord,
-    TuningRecord,
-)
+from attnres.records import *  # noqa: F403  (re-exported: the records are part of a trace)
+from attnres.records import BASE_SCHEMA_VERSION, Record, TraceInput
 
 __all__ = [
-    "BASE_SCHEMA_VERSION",
-    "KERNELS_SCHEMA_VERSION",
-    "LAYOUT_KINDS_SCHEMA_VERSION",
-    "LAYOUT_SCHEMA_VERSION",
-    "MASK_SCHEMA_VERSION",
-    "PRECISION_SCHEMA_VERSION",
-    "RECORD_KINDS",
-    "SCHEMA_VERSION",
-    "TUNED_SCHEMA_VERSION",
-    "CheckRecord",
-    "ErrorMeasurement",
-    "Failure",
-    "MeasurementRecord",
-    "OriginRecord",
+    *_records.__all__,
     "Outcome",
-    "PrecisionRecord",
-    "Record",
-    "RejectedRecord",
-    "SelectedRecord",
-    "SkipRecord",
     "Trace",
-    "TraceInput",
-    "TransitionRecord",
-    "TuningRecord",
     "atomic_write_text",
     "canonical_json",
     "dump_trace",
