@@ -352,8 +352,12 @@ class Attention(FastCallModule):
         backend_options: Any = None,
     ) -> None:
         super().__init__()
-        num_heads = _positive_int("num_heads", num_heads)
-        head_size = _positive_int("head_size", head_size)
+        # (the checks' common case, a plain positive int, costs no call: a model
+        # builds the same layer dozens of times)
+        if type(num_heads) is not int or num_heads < 1:
+            num_heads = _positive_int("num_heads", num_heads)
+        if type(head_size) is not int or head_size < 1:
+            head_size = _positive_int("head_size", head_size)
         kv_heads = (
             num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
         )
@@ -388,8 +392,8 @@ class Attention(FastCallModule):
                 raise InvalidArgumentError(
                     f"softmax_scale: expected a finite number, got {softmax_scale!r}"
                 )
-        cap = _softcap(softcap)
-        band = _window(window)
+        cap = 0.0 if softcap is None else _softcap(softcap)
+        band = None if window is None else _window(window)
         # a scale equal to the default (up to float rounding) is not a custom one
         custom_scale = scale is not None and not math.isclose(scale, head_size**-0.5, rel_tol=1e-9)
         spec = _layer_spec(
@@ -421,9 +425,9 @@ class Attention(FastCallModule):
         # issue 23: typed per-backend options (docs/backends.md), the config's under
         # the layer's own; checked here, bound with the kernel, recorded in the trace
         config = capture_config()
-        options = merge_backend_options(
-            config.backend_options, normalize_backend_options(backend_options)
-        )
+        options = config.backend_options
+        if backend_options is not None:
+            options = merge_backend_options(options, normalize_backend_options(backend_options))
         if options:
             spec = attrs.evolve(spec, backend_options=options)
         if platform is not None and not isinstance(platform, Platform):
@@ -549,7 +553,7 @@ class Attention(FastCallModule):
         if binding is None:
             run = _pending_run(weakref.ref(self))
         else:
-            run = self._guard(binding.run)
+            run = self._guard(binding)
             if self._tuner is not None:
                 run = _tuning(weakref.ref(self), run, self._tuner)
         if self._switchable:
@@ -598,14 +602,15 @@ class Attention(FastCallModule):
     def _backward_spec(self) -> LayerSpec:
         return training_spec(self.layer_spec)  # the machine's training rule
 
-    def _guard(self, run: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        """``run``, or -- when the bound kernel has no backward pass and the layer did
-        not require one -- ``run`` behind a check for forwards that need gradients.
+    def _guard(self, binding: _Bound) -> Callable[..., Tensor]:
+        """``binding``'s forward, or -- when the bound kernel has no backward pass and
+        the layer did not require one -- that forward behind a check for forwards
+        that need gradients.
 
         Only such layers pay for the check (one grad-mode call and three flags);
-        every other bound layer runs ``run`` itself.
+        every other bound layer runs the binding's forward itself.
         """
-        resolution = self._server_resolution()
+        run, resolution = binding.run, binding.resolution
         if resolution is None:
             return run
         spec = self.layer_spec
