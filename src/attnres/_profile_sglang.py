@@ -55,6 +55,7 @@ from attnres._profile import (
     ReasonRow,
     Results,
     Tried,
+    host_facts,
     requested_by,
 )
 from attnres._states import Check, Code, Event, Origin, Reason, State
@@ -212,12 +213,7 @@ SELECTED_REASONS: Final[tuple[ReasonRow, ...]] = (
 
 #: How the facts this profile decides from are supplied (a rejection for a
 #: missing one says so).
-HOST_FACTS: Final = (
-    "the sglang profile decides from SGLang's own platform answers, one "
-    "attnres.platform.HostResolution per candidate in Platform(host=...); run the model "
-    "with the SGLang plugin installed (attnres.integrations.sglang, docs/sglang.md), "
-    "which observes and records them, or pass a platform that holds them"
-)
+HOST_FACTS: Final = host_facts("sglang", "SGLang", "docs/sglang.md")
 
 
 def first_request(
@@ -350,16 +346,10 @@ SGLANG: Final = Profile(
     origins=ORIGIN_ROWS,
     nothing_requested="nothing requested",
     aliases=ALIASES,
-    start=(
-        Guard("something was requested", lambda f: f.requested, Event.REQUEST_FOUND),
-        Guard("otherwise", lambda f: True, Event.NOTHING_REQUESTED),
-    ),
     request_failure=FALLBACK_ROWS,
     states_fallback=True,
     sparse=_sparse,
     candidates=_candidates,
-    skips=(),
-    records_repeats=False,
     evaluate=_evaluate,
     explicit_bypasses_supported=EXPLICIT_BYPASSES_SUPPORTED,
     selected_reasons=SELECTED_REASONS,
