@@ -134,6 +134,7 @@ from attnres._states import (
 )
 from attnres._vocab import (
     MASK_KIND_PHRASES,
+    PLATFORM_KINDS,
     REQUIREMENT_PHRASES,
     CausalAlignment,
     MaskKind,
@@ -853,42 +854,26 @@ def _check_package(spec: BackendSpec, platform: Platform) -> list[Failure]:
 
 def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> list[Failure]:
     out: list[Failure] = []
-    kind = platform.kind
+    kind, cap = platform.kind, platform.capability
+    here = "this platform's is unknown" if cap is None else f"this device is sm{cap[0]}{cap[1]}"
     if kind not in spec.platforms:
-        runs_on = ", ".join(
-            k for k in ("cpu", "cuda", "rocm", "mps", "xpu", "npu") if k in spec.platforms
-        )
+        runs_on = ", ".join(k for k in PLATFORM_KINDS if k in spec.platforms)
         out.append(Failure(Code.PLATFORM_KIND, f"runs on {runs_on}, not on {kind}"))
     else:
         rule = spec.capabilities.get(kind)
-        if rule is not None:
-            if rule.restricts_capability:
-                cap = platform.capability
-                if cap is None:
-                    out.append(
-                        Failure(
-                            Code.COMPUTE_CAPABILITY,
-                            f"needs compute capability {rule.describe()}; this platform's "
-                            f"is unknown",
-                        )
-                    )
-                else:
-                    if not rule.fits(cap):
-                        out.append(
-                            Failure(
-                                Code.COMPUTE_CAPABILITY,
-                                f"needs compute capability {rule.describe()}, this device is "
-                                f"sm{cap[0]}{cap[1]}",
-                            )
-                        )
-            if rule.archs is not None and platform.arch not in rule.archs:
-                out.append(
-                    Failure(
-                        Code.ARCHITECTURE,
-                        f"needs architecture {'/'.join(sorted(rule.archs))}, this device is "
-                        f"{platform.arch or 'of unknown architecture'}",
-                    )
+        if rule is not None and rule.restricts_capability and (cap is None or not rule.fits(cap)):
+            needs = f"needs compute capability {rule.describe()}"
+            out.append(
+                Failure(Code.COMPUTE_CAPABILITY, f"{needs}{';' if cap is None else ','} {here}")
+            )
+        if rule is not None and rule.archs is not None and platform.arch not in rule.archs:
+            out.append(
+                Failure(
+                    Code.ARCHITECTURE,
+                    f"needs architecture {'/'.join(sorted(rule.archs))}, this device is "
+                    f"{platform.arch or 'of unknown architecture'}",
                 )
+            )
         min_torch = spec.min_torch.get(kind)
         if min_torch is not None and platform.torch_at_least(min_torch) is False:
             out.append(
@@ -898,28 +883,21 @@ def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> 
                     f"has torch {platform.torch_version}",
                 )
             )
+    dtype_rule = spec.dtype_capabilities.get(layer.dtype)
     if layer.dtype not in spec.dtypes:
         takes = ", ".join(sorted(spec.dtypes))
         out.append(Failure(Code.DTYPE, f"does not take dtype {layer.dtype} (takes {takes})"))
-    else:
-        dtype_rule = spec.dtype_capabilities.get(layer.dtype)
-        if dtype_rule is not None and kind == "cuda":
-            cap = platform.capability
-            if cap is None or not dtype_rule.fits(cap):
-                here = (
-                    "this platform's is unknown"
-                    if cap is None
-                    else (f"this device is sm{cap[0]}{cap[1]}")
-                )
-                out.append(
-                    Failure(
-                        Code.DTYPE,
-                        f"takes dtype {layer.dtype} only on compute capability "
-                        f"{dtype_rule.describe()}, {here}",
-                    )
-                )
-    for problem in spec.head_sizes.failures(layer.head_size):
-        out.append(Failure(Code.HEAD_SIZE, problem))
+    elif dtype_rule is not None and kind == "cuda" and (cap is None or not dtype_rule.fits(cap)):
+        out.append(
+            Failure(
+                Code.DTYPE,
+                f"takes dtype {layer.dtype} only on compute capability "
+                f"{dtype_rule.describe()}, {here}",
+            )
+        )
+    out += [
+        Failure(Code.HEAD_SIZE, problem) for problem in spec.head_sizes.failures(layer.head_size)
+    ]
     return out
 
 
@@ -1475,24 +1453,13 @@ def _primary_message(
     elif primary is Check.REQUIREMENTS:
         phrases = [f.message.removeprefix("does not implement ") for f in first]
         text = f"Attention backend {name!r} does not implement {', '.join(phrases)}"
-    elif primary is Check.LAYOUT:
-        text = (
-            f"Attention backend {name!r} cannot serve this layer's sequence-parallel layout: "
-            + "; ".join(f.message for f in first)
-        )
-    elif primary is Check.PRECISION:  # issue 34
-        text = f"Attention backend {name!r} is outside this layer's error budget: " + "; ".join(
-            f.message for f in first
-        )
-    elif primary is Check.PLATFORM:
-        text = (
-            f"Attention backend {name!r} cannot run this layer on {platform.describe()}: "
-            + "; ".join(f.message for f in first)
-        )
     else:
-        text = f"Attention backend {name!r} is not available: " + "; ".join(
-            f.message for f in first
-        )
+        what = {
+            Check.LAYOUT: "cannot serve this layer's sequence-parallel layout",
+            Check.PRECISION: "is outside this layer's error budget",  # issue 34
+            Check.PLATFORM: f"cannot run this layer on {platform.describe()}",
+        }.get(primary, "is not available")
+        text = f"Attention backend {name!r} {what}: " + "; ".join(f.message for f in first)
     others = [
         f"{check.value}: {f.message}"
         for check, failures in results
@@ -1817,6 +1784,11 @@ def scope_not_applied(
             d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted for _, d in selected
         )
         all_roles = bool(selected) and all(d.origin is Origin.ROLE_OVERRIDE for _, d in selected)
+        rejected = [
+            d.layer or "<unnamed>"
+            for _, d in entries
+            if d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None
+        ]
         if not ran and not all_roles:
             if not entries:
                 problems.append(
@@ -1826,14 +1798,7 @@ def scope_not_applied(
                         f"but the scope built no attnres attention layer",
                     )
                 )
-            elif any(
-                d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None for _, d in entries
-            ):
-                rejected = [
-                    d.layer or "<unnamed>"
-                    for _, d in entries
-                    if d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None
-                ]
+            elif rejected:
                 problems.append(
                     ScopeProblem(
                         ScopeCode.REJECTED,
@@ -1981,84 +1946,53 @@ class Measured:
 
     @classmethod
     def of(cls, record: MeasurementRecord) -> Measured:
-        return cls(
-            record.candidate,
-            record.median_ns,
-            record.spread_ns,
-            record.deviation,
-            record.error,
-            record.rel_l2,
-        )
+        """The facts of a recorded measurement (its fields but the verdict)."""
+        return cls(*(getattr(record, f.name) for f in attrs.fields(cls)))
 
 
-# =============================================================================
-# The rule
-# =============================================================================
+@frozen
+class _Against:
+    """What a verdict compares one measurement with: the incumbent's median, the
+    margin, the tolerance and the layer's numeric error budget."""
 
-
-def _raised(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return m.error is not None or m.median_ns is None
-
-
-def _disagrees(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return m.deviation is None or not m.deviation <= tolerance
-
-
-def _faster(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return (
-        incumbent is not None
-        and m.median_ns is not None
-        and m.median_ns < incumbent * (1.0 - margin)
-    )
-
-
-def _otherwise(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return True
-
-
-def _over_budget(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return budget is not None and m.rel_l2 is not None and not m.rel_l2 <= budget
+    incumbent: int | None
+    margin: float
+    tolerance: float
+    budget: float | None
 
 
 #: The verdict of each measured candidate but the incumbent: the first row whose
 #: condition holds (verdict, condition, what it says). Of the ``outpaced``
 #: candidates the fastest (the first in order on a tie) is then ``chosen``.
-VERDICT_RULES: Final[
-    tuple[
-        tuple[Verdict, Callable[[Measured, int | None, float, float, float | None], bool], str],
-        ...,
-    ]
-] = (
-    (Verdict.RAISED, _raised, "it raised (no median)"),
+VERDICT_RULES: Final[tuple[tuple[Verdict, Callable[[Measured, _Against], bool], str], ...]] = (
+    (
+        Verdict.RAISED,
+        lambda m, a: m.error is not None or m.median_ns is None,
+        "it raised (no median)",
+    ),
     (
         Verdict.OVER_BUDGET,
-        _over_budget,
+        lambda m, a: a.budget is not None and m.rel_l2 is not None and not m.rel_l2 <= a.budget,
         "issue 34: the layer has a numeric error budget and the candidate's relative L2 "
         "error against a float64 reference exceeds it, whatever its speed",
     ),
     (
         Verdict.DISAGREES,
-        _disagrees,
+        lambda m, a: m.deviation is None or not m.deviation <= a.tolerance,
         "its deviation from the incumbent is unknown (not finite) or above the tolerance, "
         "whatever its speed",
     ),
     (
         Verdict.OUTPACED,
-        _faster,
+        lambda m, a: (
+            a.incumbent is not None
+            and m.median_ns is not None
+            and m.median_ns < a.incumbent * (1.0 - a.margin)
+        ),
         "faster than the incumbent by more than the margin "
         "(median < incumbent median * (1 - margin))",
     ),
-    (Verdict.WITHIN_MARGIN, _otherwise, "otherwise"),
+    (Verdict.WITHIN_MARGIN, lambda m, a: True, "otherwise"),
 )
 
 
@@ -2069,14 +2003,10 @@ def verdicts(
     the incumbent stays). ``measured[0]`` is the incumbent (verdict ``incumbent``)."""
     if not measured:
         raise InvalidArgumentError("verdicts: no measurement (the incumbent comes first)")
-    incumbent = measured[0].median_ns
+    against = _Against(measured[0].median_ns, margin, tolerance, budget)
     out: list[Verdict] = [Verdict.INCUMBENT]
     for m in measured[1:]:
-        out.append(
-            next(
-                v for v, holds, _ in VERDICT_RULES if holds(m, incumbent, margin, tolerance, budget)
-            )
-        )
+        out.append(next(v for v, holds, _ in VERDICT_RULES if holds(m, against)))
     fast = [
         (m.median_ns or 0, position)
         for position, (m, v) in enumerate(zip(measured, out, strict=True))
@@ -2196,18 +2126,10 @@ def tuned_trace(
                 )
             )
     judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance, numeric_budget(trace.input))
-    for m, verdict in zip(ordered, judged, strict=True):
-        records.append(
-            MeasurementRecord(
-                m.candidate,
-                m.median_ns,
-                m.spread_ns,
-                m.deviation,
-                m.error,
-                verdict,
-                rel_l2=m.rel_l2,
-            )
-        )
+    records += [
+        MeasurementRecord(verdict=verdict, **attrs.asdict(m, recurse=False))
+        for m, verdict in zip(ordered, judged, strict=True)
+    ]
     origin = trace.outcome.origin
     if winner is None:
         records.append(_tuning_step(State.MEASURING, Event.INCUMBENT_KEPT, incumbent))
