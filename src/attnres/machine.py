@@ -1,62 +1,31 @@
 """The decision core: the transition table, origin detection, the checks, run_machine().
 
-Everything that decides which backend a layer runs lives in this module: the
-transition table (``TRANSITIONS``), origin detection (``detect_origin``), the
-candidate lists of each stage (``stage_candidates``), the checks
-(``check_candidate``) and the rejection messages. Other modules only name
-things (``_states``), record them (``trace``), or act on the outcome. The
-core is pure: no context variables, cache, ledger, logging or I/O -- those are
-:mod:`attnres.runtime`, which gathers a :class:`~attnres.trace.TraceInput` and
+Everything that decides which backend a layer runs lives in this module; other
+modules only name things (``_states``), record them (``trace``) or act on the
+outcome. The core is pure: no context variables, cache, ledger, logging or I/O
+-- :mod:`attnres.runtime` gathers a :class:`~attnres.trace.TraceInput` and
 calls :func:`run_machine`.
 
 The policy as tables
 --------------------
 One machine walks every selection profile (issue 33): a profile is a value
-(:class:`attnres._profile.Profile`: origins and their order, fallback rows,
-candidate order, checks, aliases, the rejection); :data:`ATTNRES` is attnres's
-own contract, ``attnres._profile_sglang.SGLANG`` SGLang's,
-``attnres._profile_vllm_omni.VLLM_OMNI`` vLLM-Omni's, and :data:`PROFILES`
-maps ``SelectionConfig.profile`` to them. attnres's rows:
-
-- ``TRANSITIONS``: state -> event -> (next state, reason it sets), shared by
-  every profile;
-- ``ORIGIN_ROWS``: the origins in order (SPEC 3.1, 3.2), the first that
-  requests a backend wins;
-- ``START_GUARDS`` and ``REQUEST_FAILURE_GUARDS``: ordered (condition, event)
-  rows choosing the event where a state has several ways out;
-- ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
-  ``_PRIMARY_ORDER`` (which failure names a strict rejection);
-- ``SUPPORTED_RULES``: what the ``supported`` check admits -- the layer's
-  supported set with its stand-ins (``BackendSpec.satisfies``), and none of
-  them on a layer whose integration route runs exactly its set
-  (``LayerSpec.exact_route``, code ``not_on_route``);
-- ``REQUEST_RULES`` (:func:`request_refusal`): which layers a per-request
-  switch never touches (SPEC 3.8), and ``training_spec`` /
-  ``has_backward_pass``: the training re-resolution (a forward that needs
-  gradients runs a backend with a backward pass, resolved again with the
-  ``backward`` requirement);
-- the measuring stage of autotune (``is_tunable``, ``measuring_checks``,
-  ``VERDICT_RULES`` / ``verdicts``, ``tuned_trace``, ``replay_tuned``): which
-  decisions are measured, the stage's checks, the verdict rule (a table: the
-  first row that holds) and the tuned trace; the
-  timing itself is :mod:`attnres.autotuner`'s;
-- ``LAYOUT_RULES`` (:func:`choose_layout`, issue 35): which sequence-parallel
-  layout ``SequenceParallel(layout="auto")`` gives a layer, from its facts
-  (:class:`LayoutFacts`), each row with its source; the layout kinds' own
-  checks are ``_check_layout_kinds`` (codes ``padding_too_costly``,
-  ``allgather_causal``);
-- ``SCOPE_CHECKS``: the checks a component scope's overrides pass (SPEC 3.6),
-  each with its :class:`~attnres._states.ScopeCode` (``scope_unexplained``,
-  ``scope_not_applied``: the runtime raises their problems as
-  :class:`~attnres.errors.BackendNotAppliedError` with ``.problems``);
-- beside the core, read by it: the platform chains
-  (:data:`attnres.platform.DEFAULT_CHAINS`), the component kinds and their
-  global-fallback policy (:data:`attnres.scope.BUILTIN_KINDS`, extended by
-  :func:`attnres.register_component_kind`) and the backend catalogue
-  (:data:`attnres.backends.BUILTIN_SPECS`).
-
-``docs/state-machine.md`` renders every one of these tables
-(``scripts/gen_state_diagram.py``; ``tests/test_docs.py`` fails when it drifts).
+(:class:`attnres._profile.Profile`); :data:`ATTNRES` is attnres's own contract,
+``attnres._profile_sglang.SGLANG`` and ``attnres._profile_vllm_omni.VLLM_OMNI``
+the hosts', and :data:`PROFILES` maps ``SelectionConfig.profile`` to them.
+attnres's rows, each table with its rule and source beside it:
+``TRANSITIONS`` (shared by every profile), ``ORIGIN_ROWS`` (SPEC 3.1, 3.2),
+``START_GUARDS`` and ``REQUEST_FAILURE_GUARDS``, ``CANDIDATE_STAGES``,
+``CHECK_ORDER``, ``STRICT_ORIGINS``, ``_PRIMARY_ORDER``, ``SUPPORTED_RULES``,
+``REQUIREMENTS_BEFORE_SUPPORTED``, ``PRECISION_RULES`` (issue 34),
+``REQUEST_RULES`` and the training re-resolution (SPEC 3.8), the measuring
+stage of autotune (``TUNABLE_ORIGINS``, ``VERDICT_RULES``; the timing is
+:mod:`attnres.autotuner`'s), ``LAYOUT_RULES`` (issue 35) and ``SCOPE_CHECKS``
+(SPEC 3.6). Beside the core, read by it: the platform chains
+(:data:`attnres.platform.DEFAULT_CHAINS`), the component kinds
+(:data:`attnres.scope.BUILTIN_KINDS`) and the backend catalogue
+(:data:`attnres.backends.BUILTIN_SPECS`). ``docs/state-machine.md`` renders
+these tables (``scripts/gen_state_diagram.py``; ``tests/test_docs.py`` fails
+when it drifts).
 
 What is code, not data, and why:
 
@@ -71,28 +40,22 @@ What is code, not data, and why:
 
 Theory of operation
 -------------------
-A resolution starts in ``origin_detection``. Origin detection finds the
-requested backend and whether the request is strict (SPEC 3.1, 3.2). The
-machine then walks the candidate stages in order -- ``requested``,
-``component_default``, ``platform_default``, ``supported_set`` -- evaluating
-each stage's candidates (skipping ones already evaluated). Every candidate runs
-every check (known, available, platform, role, supported, requirements) and
-every check is recorded. The first candidate that passes every check moves the
-machine to ``selected``; a failure moves it along the table. A strict request
-that fails goes to ``rejected``, except a sparse backend on a cross-attention
-layer, which always falls back to a dense one (SPEC 3.3). Running out of
-candidates is ``rejected``.
+A resolution starts in ``origin_detection``, which finds the requested
+backend and whether the request is strict (SPEC 3.1, 3.2). The machine then
+walks the candidate stages in order -- ``requested``, ``component_default``,
+``platform_default``, ``supported_set`` -- skipping candidates already
+evaluated. Every candidate runs every check, and every check is recorded. The
+first candidate that passes every check moves the machine to ``selected``; a
+failure moves it along the table. A strict request that fails goes to
+``rejected``, except a sparse backend on a cross-attention layer, which always
+falls back to a dense one (SPEC 3.3). Running out of candidates is
+``rejected``. The first transition that carries a reason fixes the outcome's
+reason (``None`` when the first candidate was accepted).
 
-Reasons come from the table too: the first transition that carries a reason
-fixes the outcome's reason (``None`` when the first candidate was accepted).
-
-The machine itself (:func:`run_machine`) is a pure function of its input
-(:class:`~attnres.trace.TraceInput`, which carries the platform's package facts
-and -- for a layer that will run -- the process's kernel facts, ``no_kernel``)
-and of the backend specs it reads, whose changes clear the runtime's cache;
-:func:`attnres.runtime.resolve` gathers the input from the caller's context
-(scope, config, platform), caches the outcome, records the decision and emits
-the audit events.
+:func:`run_machine` is a pure function of its input (which carries the
+platform's package facts and -- for a layer that will run -- the process's
+kernel facts, ``no_kernel``) and of the backend specs it reads, whose changes
+clear the runtime's cache.
 """
 
 from __future__ import annotations
@@ -236,9 +199,7 @@ __all__ = [
     "written_by_hand",
 ]
 
-# =============================================================================
-# The transition table: state -> event -> (next state, reason it sets)
-# =============================================================================
+# -- The transition table: state -> event -> (next state, reason it sets) --
 # A reason is set by the first transition that carries one and then kept; the
 # outcome's reason is the one set when the machine reaches ``selected``.
 
@@ -325,9 +286,7 @@ STRICT_ORIGINS: Final = frozenset(
 #: Origins of an explicit global backend the operator chose (relaxed per SPEC 3.2).
 GLOBAL_EXPLICIT_ORIGINS: Final = frozenset({Origin.GLOBAL_CLI, Origin.GLOBAL_ENV})
 
-# =============================================================================
-# The guards: which event fires, as ordered (condition, event) rows
-# =============================================================================
+# -- The guards: which event fires, as ordered (condition, event) rows --
 # Where the table above has more than one way out of a state, the first row
 # whose condition holds picks the event. Conditions read a GuardFacts: the
 # facts about the request, nothing else (attnres._profile defines both).
@@ -423,9 +382,7 @@ _PRIMARY_ORDER: Final = (
 )
 
 
-# =============================================================================
-# Origin detection (SPEC 3.1, 3.2)
-# =============================================================================
+# -- Origin detection (SPEC 3.1, 3.2) --
 
 
 @frozen
@@ -781,9 +738,7 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
     raise InvalidArgumentError(f"state {stage.value!r} evaluates no candidates")
 
 
-# =============================================================================
-# Checks: pure functions of (spec, layer, platform); every failure collected
-# =============================================================================
+# -- Checks: pure functions of (spec, layer, platform); every failure collected --
 
 
 def _check_kernel(
@@ -1271,9 +1226,7 @@ def _unusable_here(
     return "; ".join(f.message for f in failures)
 
 
-# =============================================================================
-# Issue 34: the precision check -- a lossy candidate against the layer's budget
-# =============================================================================
+# -- Issue 34: the precision check -- a lossy candidate against the layer's budget --
 
 
 @frozen
@@ -1397,9 +1350,7 @@ def _precision_record(
     return PrecisionRecord(accepted, kind, how, describe_budget(budget.value), budget.key, measured)
 
 
-# =============================================================================
-# Messages
-# =============================================================================
+# -- Messages --
 
 
 def _names(backends: frozenset[Backend] | None) -> str:
@@ -1485,9 +1436,7 @@ def _exhausted_message(tried: Sequence[Tried]) -> str:
     return "No compatible attention backend is available: tried " + " | ".join(parts)
 
 
-# =============================================================================
-# The machine
-# =============================================================================
+# -- The machine --
 
 
 def _step(
@@ -1694,9 +1643,7 @@ PROFILES: Final[Mapping[str, Profile]] = {
 }
 
 
-# =============================================================================
-# SPEC 3.6: a scope's overrides must explain its layers
-# =============================================================================
+# -- SPEC 3.6: a scope's overrides must explain its layers --
 
 
 #: SPEC 3.6, one row per scope check: (code, when it runs, the rule it enforces).
@@ -1845,9 +1792,7 @@ def scope_not_applied(
     return problems
 
 
-# =============================================================================
-# SPEC 3.8: what a per-request switch never touches; the training re-resolution
-# =============================================================================
+# -- SPEC 3.8: what a per-request switch never touches; the training re-resolution --
 
 
 @frozen
@@ -1906,10 +1851,7 @@ def has_backward_pass(backend: Backend, layer: LayerSpec, platform: Platform) ->
     return all(not failures for _, failures in checks)
 
 
-# =============================================================================
-# The measuring stage (autotune): which decisions are tuned, its checks, the
-# verdict rule, the tuned trace and its replay
-# =============================================================================
+# -- The measuring stage (autotune): tuned decisions, checks, verdicts, the tuned trace --
 
 #: The detail of a ``skip`` record for a candidate without a kernel here.
 NO_KERNEL: Final = "no kernel in this process"
@@ -2017,11 +1959,6 @@ def verdicts(
     _, best = min(fast)
     out[best] = Verdict.CHOSEN
     return tuple(out), measured[best].candidate
-
-
-# =============================================================================
-# The measuring stage and the tuned trace
-# =============================================================================
 
 
 def _evaluated(trace: Trace) -> dict[Backend, State]:
@@ -2166,9 +2103,7 @@ def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
     return tuned_trace(machine_trace, tuning, no_kernel, measured)
 
 
-# =============================================================================
-# Issue 35: the layout as a decision (``SequenceParallel(layout="auto")``)
-# =============================================================================
+# -- Issue 35: the layout as a decision (``SequenceParallel(layout="auto")``) --
 
 
 @frozen
