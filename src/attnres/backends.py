@@ -2285,6 +2285,7 @@ def merge_backend_options(base: BackendOptions, over: BackendOptions) -> Backend
 
 
 _TEXT_VALUES: dict[str, OptionValue] = {"true": True, "false": False, "none": None}
+_NUMBERS: dict[str, type[int] | type[float]] = {"int": int, "float": float}
 
 
 def parse_backend_option(text: str) -> tuple[str, str, OptionValue]:
@@ -2309,11 +2310,8 @@ def parse_backend_option(text: str) -> tuple[str, str, OptionValue]:
         value = _TEXT_VALUES[raw.lower()]
     elif option is not None and raw.lower() == "none" and option.nullable:
         value = None
-    elif option is not None and option.kind == "int":
+    elif option is not None and option.kind in _NUMBERS:
         with contextlib.suppress(ValueError):
-            value = int(raw)
-    elif option is not None and option.kind == "float":
-        with contextlib.suppress(ValueError):
-            value = float(raw)
+            value = _NUMBERS[option.kind](raw)
     checked = normalize_backend_options({spec.name: {name: value}})
     return spec.name, name, checked[0][1][0][1]

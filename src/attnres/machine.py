@@ -747,12 +747,11 @@ def _check_kernel(
     """A layer that will run needs a kernel for the backend in the process that
     resolved: the input's kernel facts (``no_kernel``) when it carries them, else
     this process's kernel registry (a trace older than schema 4)."""
-    if not needs_kernel:
-        return []
-    if no_kernel is not None:
-        if spec.name not in no_kernel:
-            return []
-    elif kernel_source(spec.name) is not KernelSource.NONE:
+    if not needs_kernel or (
+        spec.name not in no_kernel
+        if no_kernel is not None
+        else kernel_source(spec.name) is not KernelSource.NONE
+    ):
         return []
     why = (
         "a sparse backend: attnres ships no adapter, its kernels need model-specific "
@@ -975,33 +974,21 @@ def _check_mask_kind(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
     if (
         req.causal
         and req.causal_alignment is CausalAlignment.BOTTOM_RIGHT
-        and (layer.role is Role.CROSS)
+        and layer.role is Role.CROSS
     ):
         if spec.causal_top_left or Requirement.CAUSAL not in spec.implements:
-            out.append(
-                Failure(
-                    Code.REQUIREMENT_UNMET,
-                    "does not implement bottom-right aligned causal cross-attention (its "
-                    "causal mask is top-left aligned when query and key lengths differ)",
-                )
-            )
+            why = " (its causal mask is top-left aligned when query and key lengths differ)"
         elif spec.varlen_kernel is None:
-            out.append(
-                Failure(
-                    Code.REQUIREMENT_UNMET,
-                    "does not implement bottom-right aligned causal cross-attention through "
-                    "attnres (it runs that through a varlen entry point, and attnres has no "
-                    "varlen adapter for this kernel)",
-                )
+            why = (
+                " through attnres (it runs that through a varlen entry point, and attnres has "
+                "no varlen adapter for this kernel)"
             )
         elif not spec.varlen_causal_unequal:
-            out.append(
-                Failure(
-                    Code.REQUIREMENT_UNMET,
-                    "does not implement bottom-right aligned causal cross-attention (its "
-                    "varlen entry point takes causal only with equal query and key lengths)",
-                )
-            )
+            why = " (its varlen entry point takes causal only with equal query and key lengths)"
+        else:
+            return out
+        what = "does not implement bottom-right aligned causal cross-attention"
+        out.append(Failure(Code.REQUIREMENT_UNMET, what + why))
     return out
 
 
@@ -2162,23 +2149,18 @@ def _pad_cost(f: LayoutFacts) -> float:
     return SequenceLayout(f.size, 1, f.heads, f.kv_heads, pad_heads=True).pad_cost() or 1.0
 
 
+#: (rule, condition, the layout it gives, the rule in words with its source)
+_LayoutRule = tuple[
+    str, Callable[[LayoutFacts], bool], Callable[[LayoutFacts], SequenceLayout], str
+]
+
 #: Issue 35: how ``SequenceParallel(layout="auto")`` lays out one layer: the
 #: first row whose condition holds (rule, condition, the layout it gives, the rule
 #: in words with its source). Every rank reads the same facts (the interconnect
 #: declared, or measured once by a timed all-reduce whose slowest rank's time
 #: every rank uses), so every rank chooses alike, and the choice is verified
 #: across ranks at the first forward like any decision.
-LAYOUT_RULES: Final[
-    tuple[
-        tuple[
-            str,
-            Callable[[LayoutFacts], bool],
-            Callable[[LayoutFacts], SequenceLayout],
-            str,
-        ],
-        ...,
-    ]
-] = (
+LAYOUT_RULES: Final[tuple[_LayoutRule, ...]] = (
     (
         "one_rank",
         lambda f: f.size == 1,
