@@ -6,26 +6,18 @@ attention_config, role_category, allow_trtllm_default)``
 (``vllm_omni/diffusion/attention/selector.py``) does.
 The profile is one value, :data:`VLLM_OMNI` (an :class:`attnres._profile.Profile`,
 which says what each field means); ``run_machine`` walks it as it walks
-attnres's own contract and SGLang's (issue 33: one rule engine):
-
-- :data:`ORIGIN_ROWS`: which entry of the ``AttentionConfig`` wins, in
-  vLLM-Omni's order (``per_role[role]``, ``per_role[role_category]``,
-  ``default``; none: the platform's default). ``"auto"`` never reaches the
-  selector: ``AttentionConfig`` turns it into "no entry" at construction, so it
-  is the absence of a row. The plugin writes them into the input as the
-  layer's backend, the scope's backend (the scope's component is the role
-  category) and ``SelectionConfig.global_backend``;
-- :data:`FALLBACK_ROWS`: whether a candidate that cannot run the layer may be
-  replaced. vLLM-Omni has no fallback: its platform refuses a configured
-  backend it cannot run (the error is the answer, unchanged); where it would
-  answer with a class the layer cannot run -- the class states it cannot take
-  the layer's head size, which vLLM-Omni only checks for some backends and
-  otherwise meets as a crash when the layer is built or run -- attnres does
-  what this table says and records why;
-- ``_candidates``: the configured backend; nothing configured, the
-  platform's own pick, then :data:`REPLACEMENT` where the platform served a
-  class (a refusal is never replaced);
-- :data:`SOURCES`: the words vLLM-Omni logs for each origin.
+attnres's own contract and SGLang's (issue 33: one rule engine). Its rows:
+which ``AttentionConfig`` entry wins (:data:`ORIGIN_ROWS`, vLLM-Omni's order;
+``"auto"`` is the absence of a row: ``AttentionConfig`` drops it at
+construction), whether a candidate that cannot run the layer may be replaced
+(:data:`FALLBACK_ROWS`: vLLM-Omni has no fallback; where its platform would
+answer with a class that states it cannot take the layer's head size, which
+vLLM-Omni otherwise meets as a crash when the layer is built or run, attnres
+does what the table says and records why), the candidates (``_candidates``)
+and the words vLLM-Omni logs for each origin (:data:`SOURCES`). The plugin
+writes the configured entries into the input as the layer's backend, the
+scope's backend (the scope's component is the role category) and
+``SelectionConfig.global_backend``.
 
 The platform is observed, never enumerated: vLLM-Omni's per-platform chains
 (``current_omni_platform.get_diffusion_attn_backend_cls``) are read through its

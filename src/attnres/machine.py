@@ -1003,7 +1003,7 @@ def check_candidate(
     needs_kernel: bool = False,
     no_kernel: Collection[str] | None = None,
     budget: Budget | None = None,
-) -> tuple[tuple[Check, tuple[Failure, ...]], ...]:
+) -> Results:
     """Run every check of SPEC 3.4 on one candidate; every failure is kept.
 
     Returns ``(check, failures)`` pairs in :data:`CHECK_ORDER` (:data:`LAYOUT_CHECK_ORDER`
@@ -1023,7 +1023,7 @@ def check_candidate(
         )
     # issue 31: the installed version's facts on this GPU, named in what they fail
     spec, applied = platform.installed(spec)
-    results: tuple[tuple[Check, tuple[Failure, ...]], ...] = (
+    results: Results = (
         (Check.KNOWN, ()),
         (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
         (Check.PLATFORM, _as_installed(_check_platform(spec, layer, platform), applied)),
@@ -1725,44 +1725,36 @@ def scope_not_applied(
         ]
         if not ran and not all_roles:
             if not entries:
-                problems.append(
-                    ScopeProblem(
-                        ScopeCode.NO_LAYER,
-                        f"backend {wanted!r} was requested for component {state.component!r}, "
-                        f"but the scope built no attnres attention layer",
-                    )
-                )
+                code, what = ScopeCode.NO_LAYER, "the scope built no attnres attention layer"
             elif rejected:
-                problems.append(
-                    ScopeProblem(
-                        ScopeCode.REJECTED,
-                        f"backend {wanted!r} was requested for component {state.component!r}, "
-                        f"but it was rejected for {len(rejected)} layer(s) "
-                        f"({', '.join(rejected[:5])}{', ...' if len(rejected) > 5 else ''}) and "
-                        f"no layer runs it (each rejection raised a ResolutionError saying why)",
-                    )
+                code, what = (
+                    ScopeCode.REJECTED,
+                    f"it was rejected for {len(rejected)} layer(s) "
+                    f"({', '.join(rejected[:5])}{', ...' if len(rejected) > 5 else ''}) and "
+                    f"no layer runs it (each rejection raised a ResolutionError saying why)",
                 )
             else:
                 origins = sorted({d.origin.value for _, d in entries})
                 reasons = sorted({d.reason.value for _, d in entries if d.reason})
                 why = f"; recorded reasons: {', '.join(reasons)}" if reasons else ""
-                problems.append(
-                    ScopeProblem(
-                        ScopeCode.NOT_APPLIED,
-                        f"backend {wanted!r} was requested for component {state.component!r}, "
-                        f"but it ran on none of its {len(entries)} layer(s) (they were decided "
-                        f"by origin {', '.join(origins)}{why})",
-                    )
+                code, what = (
+                    ScopeCode.NOT_APPLIED,
+                    f"it ran on none of its {len(entries)} layer(s) (they were decided "
+                    f"by origin {', '.join(origins)}{why})",
                 )
+            asked = f"backend {wanted!r} was requested for component {state.component!r}"
+            problems.append(ScopeProblem(code, f"{asked}, but {what}"))
     for role, backend in state.role_backends:
         governed = [d for r, d in entries if r is role and d.origin is Origin.ROLE_OVERRIDE]
+        asked = (
+            f"backend {backend.name!r} was requested for the {role.value}-attention "
+            f"layers of component {state.component!r}"
+        )
         if not governed:
             problems.append(
                 ScopeProblem(
                     ScopeCode.ROLE_NO_LAYER,
-                    f"backend {backend.name!r} was requested for the {role.value}-attention "
-                    f"layers of component {state.component!r}, but the scope built no "
-                    f"{role.value}-attention layer that used it",
+                    f"{asked}, but the scope built no {role.value}-attention layer that used it",
                 )
             )
         elif not any(d.backend == backend.name for d in governed):
@@ -1771,9 +1763,8 @@ def scope_not_applied(
             problems.append(
                 ScopeProblem(
                     ScopeCode.ROLE_NOT_APPLIED,
-                    f"backend {backend.name!r} was requested for the {role.value}-attention "
-                    f"layers of component {state.component!r}, but it ran on none of its "
-                    f"{len(governed)} {role.value}-attention layer(s){why}",
+                    f"{asked}, but it ran on none of its {len(governed)} {role.value}-attention "
+                    f"layer(s){why}",
                 )
             )
     return problems
