@@ -474,6 +474,12 @@ def _sm(capability: tuple[int, int] | None) -> str:
     return "an unknown GPU" if capability is None else f"sm{capability[0]}{capability[1]}"
 
 
+def _together(requirements: frozenset[Requirement]) -> str:
+    """The newest requirement leads: "the backward pass together with grouped-query attention"."""
+    ordered = [r for r in reversed(Requirement) if r in requirements]
+    return " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+
+
 @frozen
 class RequirementLimit:
     """Where a kernel does not implement requirements its spec claims.
@@ -513,9 +519,7 @@ class RequirementLimit:
 
     def describe(self) -> str:
         """``"the backward pass together with grouped-query attention on cpu"``."""
-        # the newest requirement leads: "the backward pass together with grouped-query attention"
-        ordered = [r for r in reversed(Requirement) if r in self.requirements]
-        text = " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+        text = _together(self.requirements)
         if self.platforms is not None:
             text += " on " + "/".join(k for k in PLATFORM_KINDS if k in self.platforms)
         if self.capabilities is not None:
@@ -608,9 +612,8 @@ class OptionLimit:
     def describe(self) -> str:
         """``"deterministic=True in the backward pass on sm120-sm121"``."""
         text = f"{self.option}={self.value!r}"
-        ordered = [r for r in reversed(Requirement) if r in self.requirements]
-        if ordered:
-            text += " with " + " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+        if self.requirements:
+            text += " with " + _together(self.requirements)
         if self.capabilities is not None:
             text += " on " + self.capabilities.describe()
         if self.head_sizes is not None:

@@ -33,7 +33,7 @@ What is code, not data, and why:
   its own rule (capability ranges, head-size rules, requirement limits);
 - the "usable here" skip of a platform chain: every entry but the last is
   passed over when its package, kernel, device, dtype or head size fail here
-  (``_unusable_here``, the ``available`` and ``platform`` checks reused);
+  (``_not_usable_here``, the ``available`` and ``platform`` checks reused);
 - the candidate lists (``stage_candidates``) and skipping a candidate
   already evaluated at an earlier stage;
 - the rejection messages.
@@ -1189,30 +1189,6 @@ def _check_layout_kinds(layer: LayerSpec, layout: SequenceLayout) -> list[Failur
     return out
 
 
-def _unusable_here(
-    backend: Backend,
-    layer: LayerSpec,
-    platform: Platform,
-    needs_kernel: bool = False,
-    no_kernel: Collection[str] | None = None,
-) -> str:
-    """Why a conditional platform preference does not apply ('' when it does).
-
-    A platform's chain prefers a kernel "when it is usable" (SPEC 3.4: cuda -> fa
-    when flash-attn is usable): its package works, a layer that will run has a
-    kernel for it, and the device, dtype and head size fit. Only the last entry
-    of a chain is unconditional.
-    """
-    spec = lookup_spec(backend)
-    if spec is None:
-        return f"backend {backend.name!r} is not registered"
-    spec = platform.installed(spec)[0]
-    failures = _check_available(spec, platform, needs_kernel, no_kernel) + _check_platform(
-        spec, layer, platform
-    )
-    return "; ".join(f.message for f in failures)
-
-
 # -- Issue 34: the precision check -- a lossy candidate against the layer's budget --
 
 
@@ -1569,14 +1545,27 @@ def _attnres_candidates(
 def _not_usable_here(
     stage: State, position: int, candidates: Sequence[Backend | None], given: Given
 ) -> str:
-    """SPEC 3.4: a platform chain prefers every entry but its last where usable."""
+    """Why a conditional platform preference does not apply ('' when it does).
+
+    A platform's chain prefers a kernel "when it is usable" (SPEC 3.4: cuda -> fa
+    when flash-attn is usable): its package works, a layer that will run has a
+    kernel for it, and the device, dtype and head size fit. Only the last entry
+    of a chain is unconditional.
+    """
     candidate = candidates[position]
     if position == len(candidates) - 1 or candidate is None:
         return ""
     inp, preferred = given.inp, given.inp.layer.preferred
     if preferred is not None and candidate in preferred and given.preferred_unusable:
         return ""  # tried first, its failures recorded (issue 32 item 6)
-    unusable = _unusable_here(candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel)
+    spec = lookup_spec(candidate)
+    if spec is None:
+        unusable = f"backend {candidate.name!r} is not registered"
+    else:
+        spec = inp.platform.installed(spec)[0]
+        failures = _check_available(spec, inp.platform, inp.needs_kernel, inp.no_kernel)
+        failures += _check_platform(spec, inp.layer, inp.platform)
+        unusable = "; ".join(f.message for f in failures)
     return f"preferred on {inp.platform.kind} only where usable: {unusable}" if unusable else ""
 
 
