@@ -223,9 +223,9 @@ class Profile:
     #: one already evaluated is not evaluated again
     candidates: Callable[[State, Given, Backend | None], Sequence[Backend | None]]
     #: a candidate passed over (recorded as a ``skip``) when a row gives words:
-    #: (the stages it reads, (stage, position, the stage's candidates, input) -> why, or "")
+    #: (the stages it reads, (position, the stage's candidates, input) -> why, or "")
     skips: tuple[
-        tuple[frozenset[State], Callable[[State, int, Sequence[Backend | None], Given], str]],
+        tuple[frozenset[State], Callable[[int, Sequence[Backend | None], Given], str]],
         ...,
     ] = ()
     #: a candidate already evaluated at an earlier stage is recorded as a skip

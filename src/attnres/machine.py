@@ -1032,8 +1032,7 @@ def check_candidate(
         (Check.REQUIREMENTS, _as_installed(_check_requirements(spec, layer, platform), applied)),
     )
     if layer.layout is not None:  # issue 24: the layout check exists only for a layout
-        layout = (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout, needs_kernel)))
-        results = (*results, layout)
+        results = (*results, (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout))))
     if budget is None:  # issue 34: the precision check exists only under a budget
         return results
     return (*results, (Check.PRECISION, tuple(_check_precision(spec, platform, budget))))
@@ -1048,14 +1047,12 @@ def _as_installed(failures: list[Failure], applied: tuple[KernelFacts, ...]) -> 
     return tuple(Failure(f.code, f.message + note) for f in failures)
 
 
-def _check_layout(
-    spec: BackendSpec, layer: LayerSpec, layout: SequenceLayout, needs_kernel: bool
-) -> list[Failure]:
+def _check_layout(spec: BackendSpec, layer: LayerSpec, layout: SequenceLayout) -> list[Failure]:
     """Issue 24: what a sequence-parallel layout needs from the per-rank kernel.
 
     A ring merges the partial results of its key/value blocks by their softmax
-    log-sum-exp, so the kernel must return it (``BackendSpec.lse``; a layer that
-    will run also needs attnres's adapter for that entry point in this process).
+    log-sum-exp, so the kernel must return it (``BackendSpec.lse``) through an
+    entry point attnres has an adapter for.
     Ulysses gives each rank ``1/ulysses`` of the query and key/value heads, so
     both counts must divide (a fact of the layer, recorded for every candidate).
     attnres's layouts apply no attention mask (each rank holds a shard of the
@@ -1462,7 +1459,7 @@ def run_machine(inp: TraceInput) -> Trace:
             skipped = ""
             for stages, skip in skips:
                 if stage in stages:
-                    skipped = skip(stage, position, candidates, given)
+                    skipped = skip(position, candidates, given)
                     if skipped:
                         break
             if skipped:
@@ -1514,9 +1511,7 @@ def _attnres_evaluate(
     )
 
 
-def _outside_preferred(
-    stage: State, position: int, candidates: Sequence[Backend | None], given: Given
-) -> str:
+def _outside_preferred(position: int, candidates: Sequence[Backend | None], given: Given) -> str:
     """Issue 23: automatic choices stay inside the layer's preferred set -- unless
     none of it can run here (issue 32 item 6: it narrows nothing then)."""
     preferred = given.inp.layer.preferred
@@ -1542,9 +1537,7 @@ def _attnres_candidates(
     return [*first, *(c for c in candidates if c not in preferred)]
 
 
-def _not_usable_here(
-    stage: State, position: int, candidates: Sequence[Backend | None], given: Given
-) -> str:
+def _not_usable_here(position: int, candidates: Sequence[Backend | None], given: Given) -> str:
     """Why a conditional platform preference does not apply ('' when it does).
 
     A platform's chain prefers a kernel "when it is usable" (SPEC 3.4: cuda -> fa
