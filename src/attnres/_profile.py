@@ -51,6 +51,7 @@ from attnres.records import Failure, TraceInput
 from attnres.scope import ScopeState
 
 __all__ = [
+    "REQUEST_START",
     "UNOBSERVED",
     "Asked",
     "Evaluation",
@@ -64,6 +65,7 @@ __all__ = [
     "Tried",
     "first_event",
     "first_guard",
+    "host_facts",
     "requested_by",
 ]
 
@@ -151,20 +153,25 @@ class Guard:
     event: Event
 
 
-def first_event(guards: tuple[Guard, ...], facts: GuardFacts) -> Event:
-    """The event of the first guard that holds (the last guard always holds)."""
-    for guard in guards:
-        if guard.holds(facts):
-            return guard.event
-    raise AssertionError("no guard holds: a guard table must end with 'otherwise'")
-
-
 def first_guard(guards: tuple[Guard, ...], facts: GuardFacts) -> Guard:
     """The first guard that holds (the last guard always holds)."""
     for guard in guards:
         if guard.holds(facts):
             return guard
     raise AssertionError("no guard holds: a guard table must end with 'otherwise'")
+
+
+def first_event(guards: tuple[Guard, ...], facts: GuardFacts) -> Event:
+    """The event of the first guard that holds (the last guard always holds)."""
+    return first_guard(guards, facts).event
+
+
+#: Leaving ``origin_detection`` where nothing else decides: a request is evaluated
+#: first, else the candidate stages run (``Profile.start``'s default).
+REQUEST_START: Final = (
+    Guard("something was requested", lambda f: f.requested, Event.REQUEST_FOUND),
+    Guard("otherwise", lambda f: True, Event.NOTHING_REQUESTED),
+)
 
 
 #: One candidate's checks: ``(check, failures)`` pairs; a check passed when its
@@ -191,7 +198,7 @@ class ReasonRow:
     reason: Callable[[TraceInput, Origin, Backend], Reason | None]
 
 
-@frozen
+@frozen(kw_only=True)
 class Profile:
     """The rules of one selection profile (see the module docstring)."""
 
@@ -201,9 +208,9 @@ class Profile:
     #: the origin record's words when no row is set
     nothing_requested: str
     #: names folded into another before anything is evaluated
-    aliases: Mapping[str, str]
+    aliases: Mapping[str, str] = attrs.field(factory=dict)
     #: leaving ``origin_detection``: the first row that holds fires
-    start: tuple[Guard, ...]
+    start: tuple[Guard, ...] = REQUEST_START
     #: a failed request: the first row that holds picks the event, and so the
     #: reason (``attnres.machine.TRANSITIONS``); ``strict_failure``: rejected
     request_failure: tuple[Guard, ...]
@@ -216,20 +223,20 @@ class Profile:
     #: one already evaluated is not evaluated again
     candidates: Callable[[State, Given, Backend | None], Sequence[Backend | None]]
     #: a candidate passed over (recorded as a ``skip``) when a row gives words:
-    #: (the stages it reads, (stage, position, the stage's candidates, input) -> why, or "")
+    #: (the stages it reads, (position, the stage's candidates, input) -> why, or "")
     skips: tuple[
-        tuple[frozenset[State], Callable[[State, int, Sequence[Backend | None], Given], str]],
+        tuple[frozenset[State], Callable[[int, Sequence[Backend | None], Given], str]],
         ...,
-    ]
+    ] = ()
     #: a candidate already evaluated at an earlier stage is recorded as a skip
-    records_repeats: bool
+    records_repeats: bool = False
     #: one candidate's checks (given the profile, for its data); the flag says the
     #: layer's declared set is bypassed
     evaluate: Callable[[Profile, Backend | None, TraceInput, bool], Evaluation]
     #: the first candidate of an explicit origin bypasses the layer's declared set
-    explicit_bypasses_supported: bool
+    explicit_bypasses_supported: bool = False
     #: reasons a selection records when its transitions set none (first that applies)
-    selected_reasons: tuple[ReasonRow, ...]
+    selected_reasons: tuple[ReasonRow, ...] = ()
     #: a rejection's message and code from the failed candidates (given the
     #: profile); the flag says a strict request was refused (otherwise the
     #: candidates ran out)
@@ -254,6 +261,17 @@ class Profile:
 #: host profile's plugin observes it and runs the machine again; a replayed
 #: trace holds every fact its decision consulted, so it never meets this).
 UNOBSERVED: Final = "not resolved by the host platform"
+
+
+def host_facts(profile: str, host: str, doc: str) -> str:
+    """How a host profile's facts are supplied (``Profile.host_facts``): its plugin
+    (``attnres.integrations.<profile>``) observes and records them."""
+    return (
+        f"the {profile} profile decides from {host}'s own platform answers, one "
+        "attnres.platform.HostResolution per candidate in Platform(host=...); run the model "
+        f"with the {host} plugin installed (attnres.integrations.{profile}, {doc}), "
+        "which observes and records them, or pass a platform that holds them"
+    )
 
 
 def requested_by(profile: Profile, asked: Asked) -> tuple[OriginRow | None, Backend | None]:

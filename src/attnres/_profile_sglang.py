@@ -6,27 +6,13 @@ decide the way SGLang 0.5.23's ``get_attn_backend``
 profile is one value, :data:`SGLANG` (an :class:`attnres._profile.Profile`,
 which says what each field means); ``run_machine`` walks it as it walks
 attnres's own contract. Every rule is a row here, rendered in
-``docs/state-machine.md``:
-
-- ``ORIGIN_ROWS``: which request wins, in SGLang's order (the layer's explicit
-  backend, the process-wide forced one, the component's role override, the
-  component override, ``--attention-backend``, the layer's default);
-- ``FALLBACK_ROWS``: whether a failed request may fall back, and so the reason
-  it records (SGLang PR 37441: an explicit backend is strict unless one of the
-  relaxations holds); decided from the origin, and named in its record;
-- ``_candidates``: the candidate order (the request; when it may fall back,
-  the layer default, the platform's own pick, the supported set in SGLang's
-  order);
-- ``EXPLICIT_BYPASSES_SUPPORTED``: an explicit backend is admitted by
-  capability outside a layer's declared (preferred) set -- SGLang's
-  ``supported_attention_backends`` constrains automatic selection only (PR
-  37441, the strict rule its users hit in issues 39070 and 34389);
-- ``SATISFIES``: backends a supported set admits through another name
-  (SGLang's ``_is_backend_supported``);
-- ``ALIASES``: attnres names SGLang folds into one of its own (``fa3`` is
-  SGLang's ``fa``);
-- ``SELECTED_REASONS``: the reasons a selection records beyond the
-  transitions' (a role override's role, a layer's only supported backend).
+``docs/state-machine.md``: which request wins (``ORIGIN_ROWS``), whether a
+failed request may fall back and so the reason it records (``FALLBACK_ROWS``,
+SGLang PR 37441), the candidate order (``_candidates``), an explicit backend
+admitted outside a layer's declared set (``EXPLICIT_BYPASSES_SUPPORTED``: PR
+37441, the strict rule its users hit in issues 39070 and 34389), the names a
+supported set admits (``SATISFIES``) or folds (``ALIASES``), and the reasons a
+selection records beyond the transitions' (``SELECTED_REASONS``).
 
 The platform is observed, never enumerated: SGLang's platform (its chains, its
 CPU behaviour of serving every backend by SDPA with a warning, its packed-varlen
@@ -55,6 +41,7 @@ from attnres._profile import (
     ReasonRow,
     Results,
     Tried,
+    host_facts,
     requested_by,
 )
 from attnres._states import Check, Code, Event, Origin, Reason, State
@@ -212,12 +199,7 @@ SELECTED_REASONS: Final[tuple[ReasonRow, ...]] = (
 
 #: How the facts this profile decides from are supplied (a rejection for a
 #: missing one says so).
-HOST_FACTS: Final = (
-    "the sglang profile decides from SGLang's own platform answers, one "
-    "attnres.platform.HostResolution per candidate in Platform(host=...); run the model "
-    "with the SGLang plugin installed (attnres.integrations.sglang, docs/sglang.md), "
-    "which observes and records them, or pass a platform that holds them"
-)
+HOST_FACTS: Final = host_facts("sglang", "SGLang", "docs/sglang.md")
 
 
 def first_request(
@@ -350,16 +332,10 @@ SGLANG: Final = Profile(
     origins=ORIGIN_ROWS,
     nothing_requested="nothing requested",
     aliases=ALIASES,
-    start=(
-        Guard("something was requested", lambda f: f.requested, Event.REQUEST_FOUND),
-        Guard("otherwise", lambda f: True, Event.NOTHING_REQUESTED),
-    ),
     request_failure=FALLBACK_ROWS,
     states_fallback=True,
     sparse=_sparse,
     candidates=_candidates,
-    skips=(),
-    records_repeats=False,
     evaluate=_evaluate,
     explicit_bypasses_supported=EXPLICIT_BYPASSES_SUPPORTED,
     selected_reasons=SELECTED_REASONS,

@@ -6,26 +6,18 @@ attention_config, role_category, allow_trtllm_default)``
 (``vllm_omni/diffusion/attention/selector.py``) does.
 The profile is one value, :data:`VLLM_OMNI` (an :class:`attnres._profile.Profile`,
 which says what each field means); ``run_machine`` walks it as it walks
-attnres's own contract and SGLang's (issue 33: one rule engine):
-
-- :data:`ORIGIN_ROWS`: which entry of the ``AttentionConfig`` wins, in
-  vLLM-Omni's order (``per_role[role]``, ``per_role[role_category]``,
-  ``default``; none: the platform's default). ``"auto"`` never reaches the
-  selector: ``AttentionConfig`` turns it into "no entry" at construction, so it
-  is the absence of a row. The plugin writes them into the input as the
-  layer's backend, the scope's backend (the scope's component is the role
-  category) and ``SelectionConfig.global_backend``;
-- :data:`FALLBACK_ROWS`: whether a candidate that cannot run the layer may be
-  replaced. vLLM-Omni has no fallback: its platform refuses a configured
-  backend it cannot run (the error is the answer, unchanged); where it would
-  answer with a class the layer cannot run -- the class states it cannot take
-  the layer's head size, which vLLM-Omni only checks for some backends and
-  otherwise meets as a crash when the layer is built or run -- attnres does
-  what this table says and records why;
-- ``_candidates``: the configured backend; nothing configured, the
-  platform's own pick, then :data:`REPLACEMENT` where the platform served a
-  class (a refusal is never replaced);
-- :data:`SOURCES`: the words vLLM-Omni logs for each origin.
+attnres's own contract and SGLang's (issue 33: one rule engine). Its rows:
+which ``AttentionConfig`` entry wins (:data:`ORIGIN_ROWS`, vLLM-Omni's order;
+``"auto"`` is the absence of a row: ``AttentionConfig`` drops it at
+construction), whether a candidate that cannot run the layer may be replaced
+(:data:`FALLBACK_ROWS`: vLLM-Omni has no fallback; where its platform would
+answer with a class that states it cannot take the layer's head size, which
+vLLM-Omni otherwise meets as a crash when the layer is built or run, attnres
+does what the table says and records why), the candidates (``_candidates``)
+and the words vLLM-Omni logs for each origin (:data:`SOURCES`). The plugin
+writes the configured entries into the input as the layer's backend, the
+scope's backend (the scope's component is the role category) and
+``SelectionConfig.global_backend``.
 
 The platform is observed, never enumerated: vLLM-Omni's per-platform chains
 (``current_omni_platform.get_diffusion_attn_backend_cls``) are read through its
@@ -39,11 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Final
+from typing import Any, Final
 
 from attnres._profile import (
     UNOBSERVED,
-    Asked,
     Evaluation,
     Given,
     Guard,
@@ -52,10 +43,11 @@ from attnres._profile import (
     Profile,
     Tried,
     first_guard,
+    host_facts,
     requested_by,
 )
 from attnres._states import Check, Code, Event, Origin, State
-from attnres.backends import Backend, BackendOption
+from attnres.backends import Backend, BackendOption, OptionValue
 from attnres.records import Failure, TraceInput
 
 __all__ = [
@@ -69,7 +61,6 @@ __all__ = [
     "VLLM_OMNI",
     "VLLM_OMNI_VERSION",
     "WHY",
-    "first_request",
 ]
 
 #: The vLLM-Omni release these rows were read from.
@@ -133,17 +124,7 @@ REPLACEMENT: Final = Backend("torch_sdpa")
 
 #: How the facts this profile decides from are supplied (a rejection for a
 #: missing one says so).
-HOST_FACTS: Final = (
-    "the vllm_omni profile decides from vLLM-Omni's own platform answers, one "
-    "attnres.platform.HostResolution per candidate in Platform(host=...); run the model "
-    "with the vLLM-Omni plugin installed (attnres.integrations.vllm_omni, docs/vllm-omni.md), "
-    "which observes and records them, or pass a platform that holds them"
-)
-
-
-def first_request(inp: Asked) -> Backend | None:
-    """The backend the profile asks the host for first (``None``: its default)."""
-    return requested_by(VLLM_OMNI, inp)[1]
+HOST_FACTS: Final = host_facts("vllm_omni", "vLLM-Omni", "docs/vllm-omni.md")
 
 
 def _candidates(stage: State, given: Given, requested: Backend | None) -> Sequence[Backend | None]:
@@ -201,20 +182,11 @@ VLLM_OMNI: Final = Profile(
     name="vllm_omni",
     origins=ORIGIN_ROWS,
     nothing_requested="nothing configured: the platform default",
-    aliases={},
-    start=(
-        Guard("something was configured", lambda f: f.requested, Event.REQUEST_FOUND),
-        Guard("otherwise", lambda f: True, Event.NOTHING_REQUESTED),
-    ),
     request_failure=FALLBACK_ROWS,
     states_fallback=True,
     sparse=lambda inp, backend: False,  # no row reads it: vLLM-Omni has no sparse rule
     candidates=_candidates,
-    skips=(),
-    records_repeats=False,
     evaluate=_evaluate,
-    explicit_bypasses_supported=False,
-    selected_reasons=(),
     reject=_reject,
     host_facts=HOST_FACTS,
     source=f"vLLM-Omni {VLLM_OMNI_VERSION}'s diffusion selector (`get_attn_backend_for_role`)",
@@ -224,27 +196,30 @@ VLLM_OMNI: Final = Profile(
 # -- vLLM-Omni's typed per-backend options (issue 36) ---------------------------
 
 _DATA: Final = f"vllm_omni/diffusion/data.py ({VLLM_OMNI_VERSION})"
+#: The dataclass of ``_DATA`` each dotted prefix names (no prefix: ``AttentionSpec``).
+_SPECS: Final = {
+    "skip_softmax": "SkipSoftmaxSpec",
+    "quant": "AttnQuantSpec",
+    "block_sparse": "BlockSparseSpec",
+}
+
+
+def _field(
+    name: str, kind: str, default: OptionValue, note: str = "", **bounds: Any
+) -> BackendOption:
+    """The typed field ``name`` of vLLM-Omni's spec, citing where it is declared."""
+    prefix, _, attr = name.rpartition(".")
+    source = f"{_DATA} {_SPECS.get(prefix, 'AttentionSpec')}.{attr}{note}"
+    return BackendOption(name, kind, default, source, **bounds)
+
+
 _QUANT_DTYPES: Final = ("bfloat16", "float16", "fp8_e4m3", "int8")
 _QUANT: Final = (
-    BackendOption(
-        "quant.dtype_qk", "str", None, f"{_DATA} AttnQuantSpec.dtype_qk", _QUANT_DTYPES, None, True
-    ),
-    BackendOption(
-        "quant.dtype_vo", "str", None, f"{_DATA} AttnQuantSpec.dtype_vo", _QUANT_DTYPES, None, True
-    ),
-    BackendOption(
-        "quant.q_block_size", "int", 1, f"{_DATA} AttnQuantSpec.q_block_size", (1, 4, 16)
-    ),
-    BackendOption(
-        "quant.k_block_size", "int", 16, f"{_DATA} AttnQuantSpec.k_block_size", (1, 4, 16)
-    ),
-    BackendOption(
-        "quant.flashinfer_backend",
-        "str",
-        None,
-        f"{_DATA} AttnQuantSpec.flashinfer_backend",
-        nullable=True,
-    ),
+    _field("quant.dtype_qk", "str", None, choices=_QUANT_DTYPES, nullable=True),
+    _field("quant.dtype_vo", "str", None, choices=_QUANT_DTYPES, nullable=True),
+    _field("quant.q_block_size", "int", 1, choices=(1, 4, 16)),
+    _field("quant.k_block_size", "int", 16, choices=(1, 4, 16)),
+    _field("quant.flashinfer_backend", "str", None, nullable=True),
 )
 
 #: The typed options of vLLM-Omni's ``AttentionSpec``, as attnres backend options
@@ -257,72 +232,29 @@ _QUANT: Final = (
 #: option checks and recorded in the decision's trace.
 OPTIONS: Final[dict[str, tuple[BackendOption, ...]]] = {
     "TRTLLM_ATTN": (
-        BackendOption(
-            "skip_softmax.target_sparsity",
-            "float",
-            None,
-            f"{_DATA} SkipSoftmaxSpec.target_sparsity",
-            minimum=0,
-            maximum=1,
-            nullable=True,
-        ),
-        BackendOption(
-            "skip_softmax.threshold",
-            "float",
-            None,
-            f"{_DATA} SkipSoftmaxSpec.threshold",
-            minimum=0,
-            nullable=True,
-        ),
-        BackendOption(
-            "skip_softmax.disabled_until_timestep",
-            "float",
-            0.0,
-            f"{_DATA} SkipSoftmaxSpec.disabled_until_timestep",
-            minimum=0,
-            maximum=1,
-        ),
+        _field("skip_softmax.target_sparsity", "float", None, minimum=0, maximum=1, nullable=True),
+        _field("skip_softmax.threshold", "float", None, minimum=0, nullable=True),
+        _field("skip_softmax.disabled_until_timestep", "float", 0.0, minimum=0, maximum=1),
         *_QUANT,
     ),
     "FLASHINFER_ATTN": _QUANT,
-    "FASTVIDEO_VSA": (
-        BackendOption(
-            "fastvideo_vsa_topk",
-            "int",
-            None,
-            f"{_DATA} AttentionSpec.fastvideo_vsa_topk",
-            minimum=1,
-            nullable=True,
-        ),
-    ),
+    "FASTVIDEO_VSA": (_field("fastvideo_vsa_topk", "int", None, minimum=1, nullable=True),),
     "RAINFUSION_ATTN": (
-        BackendOption(
-            "block_sparse.sparsity",
-            "float",
-            0.8,
-            f"{_DATA} BlockSparseSpec.sparsity",
-            minimum=0,
-            maximum=1,
-        ),
-        BackendOption(
-            "block_sparse.start_step", "int", 0, f"{_DATA} BlockSparseSpec.start_step", minimum=0
-        ),
-        BackendOption(
-            "block_sparse.end_step", "int", 0, f"{_DATA} BlockSparseSpec.end_step", minimum=0
-        ),
-        BackendOption(
+        _field("block_sparse.sparsity", "float", 0.8, minimum=0, maximum=1),
+        _field("block_sparse.start_step", "int", 0, minimum=0),
+        _field("block_sparse.end_step", "int", 0, minimum=0),
+        _field(
             "block_sparse.precision",
             "str",
             "bf16",
-            f"{_DATA} BlockSparseSpec.precision (RainFusionPrecision)",
-            ("bf16", "fp8", "mix"),
+            " (RainFusionPrecision)",
+            choices=("bf16", "fp8", "mix"),
         ),
-        BackendOption(
+        _field(
             "block_sparse.skip_layers",
             "str",
             None,
-            f"{_DATA} BlockSparseSpec.skip_layers (an index selector; a list is written "
-            "comma-separated)",
+            " (an index selector; a list is written comma-separated)",
             nullable=True,
         ),
     ),

@@ -28,7 +28,16 @@ __all__ = [
 ]
 
 
-class Role(str, enum.Enum):
+class _Named(str, enum.Enum):
+    """A closed vocabulary whose members print as their values."""
+
+    _value_: str
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Role(_Named):
     """Whether a layer attends to its own sequence or to another one."""
 
     SELF = "self"
@@ -45,11 +54,8 @@ class Role(str, enum.Enum):
                 pass
         raise InvalidArgumentError(f"role must be 'self' or 'cross', got {value!r}")
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Requirement(str, enum.Enum):
+class Requirement(_Named):
     """A semantic feature a layer needs from its kernel."""
 
     CAUSAL = "causal"
@@ -73,9 +79,6 @@ class Requirement(str, enum.Enum):
     #: materialises
     WEIGHTS = "weights"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 #: How an error message names a requirement ("does not implement <phrase>").
 REQUIREMENT_PHRASES: dict[Requirement, str] = {
@@ -93,7 +96,7 @@ REQUIREMENT_PHRASES: dict[Requirement, str] = {
 }
 
 
-class MaskKind(str, enum.Enum):
+class MaskKind(_Named):
     """What a layer's attention-mask tensor says (issue 22; docs/masks.md).
 
     The kernel's causal flag is separate (``Requirements.causal``): "causal with
@@ -113,9 +116,6 @@ class MaskKind(str, enum.Enum):
     #: 0.2's ``attn_mask=True``: an arbitrary boolean or additive mask
     ANY = "any"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 #: How a failure names a mask kind ("does not take <phrase>").
 MASK_KIND_PHRASES: dict[MaskKind, str] = {
@@ -127,7 +127,7 @@ MASK_KIND_PHRASES: dict[MaskKind, str] = {
 }
 
 
-class MaskRoute(str, enum.Enum):
+class MaskRoute(_Named):
     """How a kernel takes a mask kind: as a mask argument, or by unpadding."""
 
     #: the kernel takes the mask (or its equivalent) as an argument
@@ -136,20 +136,14 @@ class MaskRoute(str, enum.Enum):
     #: packed tokens (``cu_seqlens``), and pads the output back (attnres._varlen)
     UNPAD = "unpad"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class CausalAlignment(str, enum.Enum):
+class CausalAlignment(_Named):
     """Where a causal mask's diagonal sits when query and key lengths differ."""
 
     #: torch SDPA's ``is_causal``: query i sees keys 0..i
     TOP_LEFT = "top_left"
     #: flash-attn's ``causal``: query i sees keys 0..i + (seq_kv - seq_q)
     BOTTOM_RIGHT = "bottom_right"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: Device kinds, in the order the docs list them.

@@ -97,10 +97,6 @@ class Backend:
             return self.name == other
         return NotImplemented
 
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
     def __hash__(self) -> int:
         return hash(self.name)
 
@@ -478,6 +474,12 @@ def _sm(capability: tuple[int, int] | None) -> str:
     return "an unknown GPU" if capability is None else f"sm{capability[0]}{capability[1]}"
 
 
+def _together(requirements: frozenset[Requirement]) -> str:
+    """The newest requirement leads: "the backward pass together with grouped-query attention"."""
+    ordered = [r for r in reversed(Requirement) if r in requirements]
+    return " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+
+
 @frozen
 class RequirementLimit:
     """Where a kernel does not implement requirements its spec claims.
@@ -517,9 +519,7 @@ class RequirementLimit:
 
     def describe(self) -> str:
         """``"the backward pass together with grouped-query attention on cpu"``."""
-        # the newest requirement leads: "the backward pass together with grouped-query attention"
-        ordered = [r for r in reversed(Requirement) if r in self.requirements]
-        text = " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+        text = _together(self.requirements)
         if self.platforms is not None:
             text += " on " + "/".join(k for k in PLATFORM_KINDS if k in self.platforms)
         if self.capabilities is not None:
@@ -612,9 +612,8 @@ class OptionLimit:
     def describe(self) -> str:
         """``"deterministic=True in the backward pass on sm120-sm121"``."""
         text = f"{self.option}={self.value!r}"
-        ordered = [r for r in reversed(Requirement) if r in self.requirements]
-        if ordered:
-            text += " with " + " together with ".join(REQUIREMENT_PHRASES[r] for r in ordered)
+        if self.requirements:
+            text += " with " + _together(self.requirements)
         if self.capabilities is not None:
             text += " on " + self.capabilities.describe()
         if self.head_sizes is not None:
@@ -950,6 +949,8 @@ _HOPPER = CapabilityRule(exact={(9, 0)})
 _WINDOW = R.SLIDING_WINDOW
 #: what the flash-attn family's kernels take (fa adds dropout; aiter has no softcap)
 _FLASH = (R.CAUSAL, R.GQA, R.PACKED_VARLEN, R.BACKWARD, R.CUSTOM_SCALE, R.SOFTCAP, R.SLIDING_WINDOW)
+#: what torch SDPA's arguments express (the kernels that take them as SDPA does)
+_SDPA = (R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, _WINDOW)
 
 
 def _unpad(source: str) -> tuple[MaskSupport, ...]:
@@ -1011,6 +1012,12 @@ def _sage_option(
     return BackendOption(name, kind, default, _SAGE_CORE + signature, choices=choices)
 
 
+def _smoothing(signature: str, smooth_v: bool = True) -> tuple[BackendOption, ...]:
+    """``smooth_k=True`` (and ``smooth_v=False``) as the function of ``signature`` takes them."""
+    k = _sage_option("smooth_k", "bool", True, signature)
+    return (k, _sage_option("smooth_v", "bool", False, signature)) if smooth_v else (k,)
+
+
 _SAGE_FP16_CUDA = (
     "sageattn_qk_int8_pv_fp16_cuda(..., qk_quant_gran='per_thread', "
     "pv_accum_dtype='fp32', smooth_k=True, smooth_v=False, ...)"
@@ -1046,8 +1053,7 @@ def _sage_fp8_cuda(
                 _SAGE_FP8_CUDA,
                 ("fp32", "fp32+fp32", "fp32+fp16"),
             ),
-            _sage_option("smooth_k", "bool", True, _SAGE_FP8_CUDA),
-            _sage_option("smooth_v", "bool", False, _SAGE_FP8_CUDA),
+            *_smoothing(_SAGE_FP8_CUDA),
         ),
         capabilities,
         passes,
@@ -1065,8 +1071,7 @@ _SAGE_ENTRY_POINTS = (
             _sage_option(
                 "pv_accum_dtype", "str", "fp32", _SAGE_FP16_CUDA, ("fp32", "fp16", "fp16+fp32")
             ),
-            _sage_option("smooth_k", "bool", True, _SAGE_FP16_CUDA),
-            _sage_option("smooth_v", "bool", False, _SAGE_FP16_CUDA),
+            *_smoothing(_SAGE_FP16_CUDA),
         ),
         {(8, 0)},
         (("pv_accum_dtype", "fp32"),),
@@ -1077,7 +1082,7 @@ _SAGE_ENTRY_POINTS = (
         (
             # "either 'triton' or 'cuda'"; another raises "Unsupported quantization backend"
             _sage_option("quantization_backend", "str", "triton", _SAGE_TRITON, ("triton", "cuda")),
-            _sage_option("smooth_k", "bool", True, _SAGE_TRITON),
+            *_smoothing(_SAGE_TRITON, smooth_v=False),
         ),
         {(8, 6)},
     ),
@@ -1089,7 +1094,7 @@ _SAGE_ENTRY_POINTS = (
             _sage_option("qk_quant_gran", "str", "per_thread", _SAGE_FP8_SM90, _QK_QUANT_GRAN),
             # "fp32" raises "Please use pv_accum_dtype='fp32+fp32' for sm90."
             _sage_option("pv_accum_dtype", "str", "fp32+fp32", _SAGE_FP8_SM90, ("fp32+fp32",)),
-            _sage_option("smooth_k", "bool", True, _SAGE_FP8_SM90),
+            *_smoothing(_SAGE_FP8_SM90, smooth_v=False),
         ),
         {(9, 0)},
         (("pv_accum_dtype", "fp32+fp32"),),
@@ -1107,7 +1112,7 @@ _SAGE_ENTRY_POINTS = (
     EntryPoint(
         "sageattn_varlen",
         _SAGE_CORE + _SAGE_VARLEN,
-        (_sage_option("smooth_k", "bool", True, _SAGE_VARLEN),),
+        _smoothing(_SAGE_VARLEN, smooth_v=False),
         varlen=True,
     ),
 )
@@ -1143,7 +1148,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         sparse=False,
         platforms=_ALL,
         dtypes=_FULL,
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, _WINDOW),
+        implements=_SDPA,
         aliases=("sdpa", "torch", "native", "torch_native", "scaled_dot_product_attention"),
         description="torch.nn.functional.scaled_dot_product_attention",
         release="torch (the installed build; torch docs for scaled_dot_product_attention)",
@@ -1159,14 +1164,8 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         platforms=_ALL,
         dtypes=_FULL,
         implements=(
-            R.CAUSAL,
-            R.ATTN_MASK,
-            R.GQA,
-            R.DROPOUT,
-            R.BACKWARD,
-            R.CUSTOM_SCALE,
+            *_SDPA,
             R.SOFTCAP,
-            _WINDOW,
             # issue 19: a sink is one more logit per head in every row's softmax
             # (attnres.kernels.eager's ``sinks``; GPT-OSS's eager_attention_forward,
             # transformers 5.24, computes the same)
@@ -1187,7 +1186,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=_HALF,
         head_sizes=HeadSizeRule(max=128, multiple_of=8),
-        implements=(R.CAUSAL, R.ATTN_MASK, R.GQA, R.DROPOUT, R.BACKWARD, R.CUSTOM_SCALE, _WINDOW),
+        implements=_SDPA,
         capabilities={"cuda": CapabilityRule(min=(8, 0), max=(12, 1))},
         satisfies=[{"torch_sdpa"}],
         aliases=("cudnn", "cudnn_sdpa"),
@@ -1499,16 +1498,7 @@ _CATALOGUE: tuple[BackendSpec, ...] = (
         platforms=("cuda",),
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=HeadSizeRule(multiple_of=8),
-        implements=(
-            R.CAUSAL,
-            R.ATTN_MASK,
-            R.GQA,
-            R.PACKED_VARLEN,
-            R.DROPOUT,
-            R.BACKWARD,
-            R.CUSTOM_SCALE,
-            _WINDOW,
-        ),
+        implements=(*_SDPA, R.PACKED_VARLEN),
         limits=(
             RequirementLimit(
                 {R.BACKWARD, R.GQA},
@@ -1686,15 +1676,13 @@ LSE_SOURCES: Mapping[str, str] = {
 # =============================================================================
 
 
-def _exact(
-    kernel: str, source: str, accumulator: str = "fp32 softmax and accumulation"
-) -> Precision:
+def _exact(kernel: str, source: str) -> Precision:
     """An exact-to-its-dtype kernel: its facts hold for every version and GPU."""
     return Precision(
         False,
         KernelFacts(kernel, source),
         inputs="computes in the inputs' dtype",
-        accumulator=accumulator,
+        accumulator="fp32 softmax and accumulation",
     )
 
 
@@ -1800,60 +1788,69 @@ _SAGE_PRECISION = (
     ),
 )
 
+#: The kernels exact to their dtype on every version and GPU: (kernel, source).
+_EXACT: Mapping[str, tuple[str, str]] = {
+    "torch_sdpa": (
+        "torch SDPA",
+        "torch docs for scaled_dot_product_attention: flash, memory-efficient, cuDNN "
+        "and math kernels compute in the inputs' dtype with fp32 softmax and "
+        "accumulation for fp16/bf16 (sdp_utils.cpp picks among them; none quantises)",
+    ),
+    "eager": ("attnres reference math", "attnres.kernels.eager: float32 accumulation"),
+    "torch_cudnn_sdpa": (
+        "cuDNN SDPA",
+        "pytorch _scaled_dot_product_cudnn_attention: fp16/bf16 inputs, fp32 softmax "
+        "statistics (cuDNN frontend sdpa; fp8 is a separate cuDNN op torch does not call)",
+    ),
+    "dynamic_cudnn_sdpa": (
+        "cuDNN SDPA per shape",
+        "as torch_cudnn_sdpa (its facts are unverified)",
+    ),
+    "flex_attention": (
+        "flex_attention",
+        "torch/nn/attention/flex_attention.py: the generated kernel computes in the "
+        "inputs' dtype, softmax in fp32",
+    ),
+    "fa": (
+        "flash-attn 2",
+        "flash-attention csrc/flash_attn/flash_api.cpp: fp16/bf16 only, fp32 "
+        "accumulators (flash_fwd_kernel.h acc_o, softmax row_max/row_sum in float)",
+    ),
+    "fa3": (
+        "FlashAttention-3 (fp16/bf16)",
+        "flash-attention hopper/flash_attn_interface.py: fp8 e4m3 inputs are a separate "
+        "path (q_descale/k_descale/v_descale) that attnres never passes; the layer's "
+        "fp16/bf16 run with fp32 accumulation",
+    ),
+    "fa4": (
+        "FlashAttention-4 (fp16/bf16)",
+        "flash-attn-4 4.0.0b36 flash_attn/cute/interface.py: fp16/bf16 with fp32 "
+        "accumulation; fp8 forward only on sm100 for fp8 inputs, which attnres never passes",
+    ),
+    "xformers": (
+        "xFormers cutlass",
+        "xformers ops/fmha/cutlass.py: fp32/fp16/bf16 inputs, fp32 accumulation "
+        "(memory-efficient attention, no quantisation)",
+    ),
+    "aiter": (
+        "aiter (fp16/bf16)",
+        "ROCm/aiter aiter/ops/mha.py: fp16/bf16 flash attention with fp32 "
+        "accumulation; its fp8 forward takes fp8 inputs, which attnres never passes",
+    ),
+    "ascend_fa": (
+        "Ascend npu_fusion_attention",
+        "torch_npu npu_fusion_attention docs: fp16/bf16 inputs, fp32 softmax "
+        "(unverified beyond the docs)",
+    ),
+}
+
 #: Issue 34: whether each built-in kernel is exact to its dtype or lossy, and
 #: how, with the source each fact was read from (``BackendSpec.precision``;
 #: docs/backends.md and docs/precision.md). The sparse kernels are left out:
 #: they skip blocks of the attention matrix by design, which no error budget
 #: over dense attention describes, so a budget of ``exact`` refuses them.
 PRECISION_FACTS: Mapping[str, tuple[Precision, ...]] = {
-    "torch_sdpa": (
-        _exact(
-            "torch SDPA",
-            "torch docs for scaled_dot_product_attention: flash, memory-efficient, cuDNN "
-            "and math kernels compute in the inputs' dtype with fp32 softmax and "
-            "accumulation for fp16/bf16 (sdp_utils.cpp picks among them; none quantises)",
-        ),
-    ),
-    "eager": (_exact("attnres reference math", "attnres.kernels.eager: float32 accumulation"),),
-    "torch_cudnn_sdpa": (
-        _exact(
-            "cuDNN SDPA",
-            "pytorch _scaled_dot_product_cudnn_attention: fp16/bf16 inputs, fp32 softmax "
-            "statistics (cuDNN frontend sdpa; fp8 is a separate cuDNN op torch does not call)",
-        ),
-    ),
-    "dynamic_cudnn_sdpa": (
-        _exact("cuDNN SDPA per shape", "as torch_cudnn_sdpa (its facts are unverified)"),
-    ),
-    "flex_attention": (
-        _exact(
-            "flex_attention",
-            "torch/nn/attention/flex_attention.py: the generated kernel computes in the "
-            "inputs' dtype, softmax in fp32",
-        ),
-    ),
-    "fa": (
-        _exact(
-            "flash-attn 2",
-            "flash-attention csrc/flash_attn/flash_api.cpp: fp16/bf16 only, fp32 "
-            "accumulators (flash_fwd_kernel.h acc_o, softmax row_max/row_sum in float)",
-        ),
-    ),
-    "fa3": (
-        _exact(
-            "FlashAttention-3 (fp16/bf16)",
-            "flash-attention hopper/flash_attn_interface.py: fp8 e4m3 inputs are a separate "
-            "path (q_descale/k_descale/v_descale) that attnres never passes; the layer's "
-            "fp16/bf16 run with fp32 accumulation",
-        ),
-    ),
-    "fa4": (
-        _exact(
-            "FlashAttention-4 (fp16/bf16)",
-            "flash-attn-4 4.0.0b36 flash_attn/cute/interface.py: fp16/bf16 with fp32 "
-            "accumulation; fp8 forward only on sm100 for fp8 inputs, which attnres never passes",
-        ),
-    ),
+    **{name: (_exact(*facts),) for name, facts in _EXACT.items()},
     "sage_attn": _SAGE_PRECISION,
     "sage_attn_3": (
         Precision(
@@ -1869,27 +1866,6 @@ PRECISION_FACTS: Mapping[str, tuple[Precision, ...]] = {
             "microscaling; K smoothed)",
             pv="P fp4 e2m1 (two-level scaling), V fp4 e2m1 with per-block fp8 scales",
             accumulator="fp32 accumulation",
-        ),
-    ),
-    "xformers": (
-        _exact(
-            "xFormers cutlass",
-            "xformers ops/fmha/cutlass.py: fp32/fp16/bf16 inputs, fp32 accumulation "
-            "(memory-efficient attention, no quantisation)",
-        ),
-    ),
-    "aiter": (
-        _exact(
-            "aiter (fp16/bf16)",
-            "ROCm/aiter aiter/ops/mha.py: fp16/bf16 flash attention with fp32 "
-            "accumulation; its fp8 forward takes fp8 inputs, which attnres never passes",
-        ),
-    ),
-    "ascend_fa": (
-        _exact(
-            "Ascend npu_fusion_attention",
-            "torch_npu npu_fusion_attention docs: fp16/bf16 inputs, fp32 softmax "
-            "(unverified beyond the docs)",
         ),
     ),
 }
@@ -2312,6 +2288,7 @@ def merge_backend_options(base: BackendOptions, over: BackendOptions) -> Backend
 
 
 _TEXT_VALUES: dict[str, OptionValue] = {"true": True, "false": False, "none": None}
+_NUMBERS: dict[str, type[int] | type[float]] = {"int": int, "float": float}
 
 
 def parse_backend_option(text: str) -> tuple[str, str, OptionValue]:
@@ -2336,11 +2313,8 @@ def parse_backend_option(text: str) -> tuple[str, str, OptionValue]:
         value = _TEXT_VALUES[raw.lower()]
     elif option is not None and raw.lower() == "none" and option.nullable:
         value = None
-    elif option is not None and option.kind == "int":
+    elif option is not None and option.kind in _NUMBERS:
         with contextlib.suppress(ValueError):
-            value = int(raw)
-    elif option is not None and option.kind == "float":
-        with contextlib.suppress(ValueError):
-            value = float(raw)
+            value = _NUMBERS[option.kind](raw)
     checked = normalize_backend_options({spec.name: {name: value}})
     return spec.name, name, checked[0][1][0][1]

@@ -1,62 +1,31 @@
 """The decision core: the transition table, origin detection, the checks, run_machine().
 
-Everything that decides which backend a layer runs lives in this module: the
-transition table (``TRANSITIONS``), origin detection (``detect_origin``), the
-candidate lists of each stage (``stage_candidates``), the checks
-(``check_candidate``) and the rejection messages. Other modules only name
-things (``_states``), record them (``trace``), or act on the outcome. The
-core is pure: no context variables, cache, ledger, logging or I/O -- those are
-:mod:`attnres.runtime`, which gathers a :class:`~attnres.trace.TraceInput` and
+Everything that decides which backend a layer runs lives in this module; other
+modules only name things (``_states``), record them (``trace``) or act on the
+outcome. The core is pure: no context variables, cache, ledger, logging or I/O
+-- :mod:`attnres.runtime` gathers a :class:`~attnres.trace.TraceInput` and
 calls :func:`run_machine`.
 
 The policy as tables
 --------------------
 One machine walks every selection profile (issue 33): a profile is a value
-(:class:`attnres._profile.Profile`: origins and their order, fallback rows,
-candidate order, checks, aliases, the rejection); :data:`ATTNRES` is attnres's
-own contract, ``attnres._profile_sglang.SGLANG`` SGLang's,
-``attnres._profile_vllm_omni.VLLM_OMNI`` vLLM-Omni's, and :data:`PROFILES`
-maps ``SelectionConfig.profile`` to them. attnres's rows:
-
-- ``TRANSITIONS``: state -> event -> (next state, reason it sets), shared by
-  every profile;
-- ``ORIGIN_ROWS``: the origins in order (SPEC 3.1, 3.2), the first that
-  requests a backend wins;
-- ``START_GUARDS`` and ``REQUEST_FAILURE_GUARDS``: ordered (condition, event)
-  rows choosing the event where a state has several ways out;
-- ``CANDIDATE_STAGES``, ``CHECK_ORDER``, ``STRICT_ORIGINS`` and
-  ``_PRIMARY_ORDER`` (which failure names a strict rejection);
-- ``SUPPORTED_RULES``: what the ``supported`` check admits -- the layer's
-  supported set with its stand-ins (``BackendSpec.satisfies``), and none of
-  them on a layer whose integration route runs exactly its set
-  (``LayerSpec.exact_route``, code ``not_on_route``);
-- ``REQUEST_RULES`` (:func:`request_refusal`): which layers a per-request
-  switch never touches (SPEC 3.8), and ``training_spec`` /
-  ``has_backward_pass``: the training re-resolution (a forward that needs
-  gradients runs a backend with a backward pass, resolved again with the
-  ``backward`` requirement);
-- the measuring stage of autotune (``is_tunable``, ``measuring_checks``,
-  ``VERDICT_RULES`` / ``verdicts``, ``tuned_trace``, ``replay_tuned``): which
-  decisions are measured, the stage's checks, the verdict rule (a table: the
-  first row that holds) and the tuned trace; the
-  timing itself is :mod:`attnres.autotuner`'s;
-- ``LAYOUT_RULES`` (:func:`choose_layout`, issue 35): which sequence-parallel
-  layout ``SequenceParallel(layout="auto")`` gives a layer, from its facts
-  (:class:`LayoutFacts`), each row with its source; the layout kinds' own
-  checks are ``_check_layout_kinds`` (codes ``padding_too_costly``,
-  ``allgather_causal``);
-- ``SCOPE_CHECKS``: the checks a component scope's overrides pass (SPEC 3.6),
-  each with its :class:`~attnres._states.ScopeCode` (``scope_unexplained``,
-  ``scope_not_applied``: the runtime raises their problems as
-  :class:`~attnres.errors.BackendNotAppliedError` with ``.problems``);
-- beside the core, read by it: the platform chains
-  (:data:`attnres.platform.DEFAULT_CHAINS`), the component kinds and their
-  global-fallback policy (:data:`attnres.scope.BUILTIN_KINDS`, extended by
-  :func:`attnres.register_component_kind`) and the backend catalogue
-  (:data:`attnres.backends.BUILTIN_SPECS`).
-
-``docs/state-machine.md`` renders every one of these tables
-(``scripts/gen_state_diagram.py``; ``tests/test_docs.py`` fails when it drifts).
+(:class:`attnres._profile.Profile`); :data:`ATTNRES` is attnres's own contract,
+``attnres._profile_sglang.SGLANG`` and ``attnres._profile_vllm_omni.VLLM_OMNI``
+the hosts', and :data:`PROFILES` maps ``SelectionConfig.profile`` to them.
+attnres's rows, each table with its rule and source beside it:
+``TRANSITIONS`` (shared by every profile), ``ORIGIN_ROWS`` (SPEC 3.1, 3.2),
+``START_GUARDS`` and ``REQUEST_FAILURE_GUARDS``, ``CANDIDATE_STAGES``,
+``CHECK_ORDER``, ``STRICT_ORIGINS``, ``_PRIMARY_ORDER``, ``SUPPORTED_RULES``,
+``REQUIREMENTS_BEFORE_SUPPORTED``, ``PRECISION_RULES`` (issue 34),
+``REQUEST_RULES`` and the training re-resolution (SPEC 3.8), the measuring
+stage of autotune (``TUNABLE_ORIGINS``, ``VERDICT_RULES``; the timing is
+:mod:`attnres.autotuner`'s), ``LAYOUT_RULES`` (issue 35) and ``SCOPE_CHECKS``
+(SPEC 3.6). Beside the core, read by it: the platform chains
+(:data:`attnres.platform.DEFAULT_CHAINS`), the component kinds
+(:data:`attnres.scope.BUILTIN_KINDS`) and the backend catalogue
+(:data:`attnres.backends.BUILTIN_SPECS`). ``docs/state-machine.md`` renders
+these tables (``scripts/gen_state_diagram.py``; ``tests/test_docs.py`` fails
+when it drifts).
 
 What is code, not data, and why:
 
@@ -64,35 +33,29 @@ What is code, not data, and why:
   its own rule (capability ranges, head-size rules, requirement limits);
 - the "usable here" skip of a platform chain: every entry but the last is
   passed over when its package, kernel, device, dtype or head size fail here
-  (``_unusable_here``, the ``available`` and ``platform`` checks reused);
+  (``_not_usable_here``, the ``available`` and ``platform`` checks reused);
 - the candidate lists (``stage_candidates``) and skipping a candidate
   already evaluated at an earlier stage;
 - the rejection messages.
 
 Theory of operation
 -------------------
-A resolution starts in ``origin_detection``. Origin detection finds the
-requested backend and whether the request is strict (SPEC 3.1, 3.2). The
-machine then walks the candidate stages in order -- ``requested``,
-``component_default``, ``platform_default``, ``supported_set`` -- evaluating
-each stage's candidates (skipping ones already evaluated). Every candidate runs
-every check (known, available, platform, role, supported, requirements) and
-every check is recorded. The first candidate that passes every check moves the
-machine to ``selected``; a failure moves it along the table. A strict request
-that fails goes to ``rejected``, except a sparse backend on a cross-attention
-layer, which always falls back to a dense one (SPEC 3.3). Running out of
-candidates is ``rejected``.
+A resolution starts in ``origin_detection``, which finds the requested
+backend and whether the request is strict (SPEC 3.1, 3.2). The machine then
+walks the candidate stages in order -- ``requested``, ``component_default``,
+``platform_default``, ``supported_set`` -- skipping candidates already
+evaluated. Every candidate runs every check, and every check is recorded. The
+first candidate that passes every check moves the machine to ``selected``; a
+failure moves it along the table. A strict request that fails goes to
+``rejected``, except a sparse backend on a cross-attention layer, which always
+falls back to a dense one (SPEC 3.3). Running out of candidates is
+``rejected``. The first transition that carries a reason fixes the outcome's
+reason (``None`` when the first candidate was accepted).
 
-Reasons come from the table too: the first transition that carries a reason
-fixes the outcome's reason (``None`` when the first candidate was accepted).
-
-The machine itself (:func:`run_machine`) is a pure function of its input
-(:class:`~attnres.trace.TraceInput`, which carries the platform's package facts
-and -- for a layer that will run -- the process's kernel facts, ``no_kernel``)
-and of the backend specs it reads, whose changes clear the runtime's cache;
-:func:`attnres.runtime.resolve` gathers the input from the caller's context
-(scope, config, platform), caches the outcome, records the decision and emits
-the audit events.
+:func:`run_machine` is a pure function of its input (which carries the
+platform's package facts and -- for a layer that will run -- the process's
+kernel facts, ``no_kernel``) and of the backend specs it reads, whose changes
+clear the runtime's cache.
 """
 
 from __future__ import annotations
@@ -134,6 +97,7 @@ from attnres._states import (
 )
 from attnres._vocab import (
     MASK_KIND_PHRASES,
+    PLATFORM_KINDS,
     REQUIREMENT_PHRASES,
     CausalAlignment,
     MaskKind,
@@ -235,9 +199,7 @@ __all__ = [
     "written_by_hand",
 ]
 
-# =============================================================================
-# The transition table: state -> event -> (next state, reason it sets)
-# =============================================================================
+# -- The transition table: state -> event -> (next state, reason it sets) --
 # A reason is set by the first transition that carries one and then kept; the
 # outcome's reason is the one set when the machine reaches ``selected``.
 
@@ -324,9 +286,7 @@ STRICT_ORIGINS: Final = frozenset(
 #: Origins of an explicit global backend the operator chose (relaxed per SPEC 3.2).
 GLOBAL_EXPLICIT_ORIGINS: Final = frozenset({Origin.GLOBAL_CLI, Origin.GLOBAL_ENV})
 
-# =============================================================================
-# The guards: which event fires, as ordered (condition, event) rows
-# =============================================================================
+# -- The guards: which event fires, as ordered (condition, event) rows --
 # Where the table above has more than one way out of a state, the first row
 # whose condition holds picks the event. Conditions read a GuardFacts: the
 # facts about the request, nothing else (attnres._profile defines both).
@@ -422,9 +382,7 @@ _PRIMARY_ORDER: Final = (
 )
 
 
-# =============================================================================
-# Origin detection (SPEC 3.1, 3.2)
-# =============================================================================
+# -- Origin detection (SPEC 3.1, 3.2) --
 
 
 @frozen
@@ -780,9 +738,7 @@ def stage_candidates(stage: State, inp: TraceInput, requested: Backend | None) -
     raise InvalidArgumentError(f"state {stage.value!r} evaluates no candidates")
 
 
-# =============================================================================
-# Checks: pure functions of (spec, layer, platform); every failure collected
-# =============================================================================
+# -- Checks: pure functions of (spec, layer, platform); every failure collected --
 
 
 def _check_kernel(
@@ -791,12 +747,11 @@ def _check_kernel(
     """A layer that will run needs a kernel for the backend in the process that
     resolved: the input's kernel facts (``no_kernel``) when it carries them, else
     this process's kernel registry (a trace older than schema 4)."""
-    if not needs_kernel:
-        return []
-    if no_kernel is not None:
-        if spec.name not in no_kernel:
-            return []
-    elif kernel_source(spec.name) is not KernelSource.NONE:
+    if not needs_kernel or (
+        spec.name not in no_kernel
+        if no_kernel is not None
+        else kernel_source(spec.name) is not KernelSource.NONE
+    ):
         return []
     why = (
         "a sparse backend: attnres ships no adapter, its kernels need model-specific "
@@ -853,42 +808,26 @@ def _check_package(spec: BackendSpec, platform: Platform) -> list[Failure]:
 
 def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> list[Failure]:
     out: list[Failure] = []
-    kind = platform.kind
+    kind, cap = platform.kind, platform.capability
+    here = "this platform's is unknown" if cap is None else f"this device is sm{cap[0]}{cap[1]}"
     if kind not in spec.platforms:
-        runs_on = ", ".join(
-            k for k in ("cpu", "cuda", "rocm", "mps", "xpu", "npu") if k in spec.platforms
-        )
+        runs_on = ", ".join(k for k in PLATFORM_KINDS if k in spec.platforms)
         out.append(Failure(Code.PLATFORM_KIND, f"runs on {runs_on}, not on {kind}"))
     else:
         rule = spec.capabilities.get(kind)
-        if rule is not None:
-            if rule.restricts_capability:
-                cap = platform.capability
-                if cap is None:
-                    out.append(
-                        Failure(
-                            Code.COMPUTE_CAPABILITY,
-                            f"needs compute capability {rule.describe()}; this platform's "
-                            f"is unknown",
-                        )
-                    )
-                else:
-                    if not rule.fits(cap):
-                        out.append(
-                            Failure(
-                                Code.COMPUTE_CAPABILITY,
-                                f"needs compute capability {rule.describe()}, this device is "
-                                f"sm{cap[0]}{cap[1]}",
-                            )
-                        )
-            if rule.archs is not None and platform.arch not in rule.archs:
-                out.append(
-                    Failure(
-                        Code.ARCHITECTURE,
-                        f"needs architecture {'/'.join(sorted(rule.archs))}, this device is "
-                        f"{platform.arch or 'of unknown architecture'}",
-                    )
+        if rule is not None and rule.restricts_capability and (cap is None or not rule.fits(cap)):
+            needs = f"needs compute capability {rule.describe()}"
+            out.append(
+                Failure(Code.COMPUTE_CAPABILITY, f"{needs}{';' if cap is None else ','} {here}")
+            )
+        if rule is not None and rule.archs is not None and platform.arch not in rule.archs:
+            out.append(
+                Failure(
+                    Code.ARCHITECTURE,
+                    f"needs architecture {'/'.join(sorted(rule.archs))}, this device is "
+                    f"{platform.arch or 'of unknown architecture'}",
                 )
+            )
         min_torch = spec.min_torch.get(kind)
         if min_torch is not None and platform.torch_at_least(min_torch) is False:
             out.append(
@@ -898,28 +837,21 @@ def _check_platform(spec: BackendSpec, layer: LayerSpec, platform: Platform) -> 
                     f"has torch {platform.torch_version}",
                 )
             )
+    dtype_rule = spec.dtype_capabilities.get(layer.dtype)
     if layer.dtype not in spec.dtypes:
         takes = ", ".join(sorted(spec.dtypes))
         out.append(Failure(Code.DTYPE, f"does not take dtype {layer.dtype} (takes {takes})"))
-    else:
-        dtype_rule = spec.dtype_capabilities.get(layer.dtype)
-        if dtype_rule is not None and kind == "cuda":
-            cap = platform.capability
-            if cap is None or not dtype_rule.fits(cap):
-                here = (
-                    "this platform's is unknown"
-                    if cap is None
-                    else (f"this device is sm{cap[0]}{cap[1]}")
-                )
-                out.append(
-                    Failure(
-                        Code.DTYPE,
-                        f"takes dtype {layer.dtype} only on compute capability "
-                        f"{dtype_rule.describe()}, {here}",
-                    )
-                )
-    for problem in spec.head_sizes.failures(layer.head_size):
-        out.append(Failure(Code.HEAD_SIZE, problem))
+    elif dtype_rule is not None and kind == "cuda" and (cap is None or not dtype_rule.fits(cap)):
+        out.append(
+            Failure(
+                Code.DTYPE,
+                f"takes dtype {layer.dtype} only on compute capability "
+                f"{dtype_rule.describe()}, {here}",
+            )
+        )
+    out += [
+        Failure(Code.HEAD_SIZE, problem) for problem in spec.head_sizes.failures(layer.head_size)
+    ]
     return out
 
 
@@ -1042,33 +974,21 @@ def _check_mask_kind(spec: BackendSpec, layer: LayerSpec) -> list[Failure]:
     if (
         req.causal
         and req.causal_alignment is CausalAlignment.BOTTOM_RIGHT
-        and (layer.role is Role.CROSS)
+        and layer.role is Role.CROSS
     ):
         if spec.causal_top_left or Requirement.CAUSAL not in spec.implements:
-            out.append(
-                Failure(
-                    Code.REQUIREMENT_UNMET,
-                    "does not implement bottom-right aligned causal cross-attention (its "
-                    "causal mask is top-left aligned when query and key lengths differ)",
-                )
-            )
+            why = " (its causal mask is top-left aligned when query and key lengths differ)"
         elif spec.varlen_kernel is None:
-            out.append(
-                Failure(
-                    Code.REQUIREMENT_UNMET,
-                    "does not implement bottom-right aligned causal cross-attention through "
-                    "attnres (it runs that through a varlen entry point, and attnres has no "
-                    "varlen adapter for this kernel)",
-                )
+            why = (
+                " through attnres (it runs that through a varlen entry point, and attnres has "
+                "no varlen adapter for this kernel)"
             )
         elif not spec.varlen_causal_unequal:
-            out.append(
-                Failure(
-                    Code.REQUIREMENT_UNMET,
-                    "does not implement bottom-right aligned causal cross-attention (its "
-                    "varlen entry point takes causal only with equal query and key lengths)",
-                )
-            )
+            why = " (its varlen entry point takes causal only with equal query and key lengths)"
+        else:
+            return out
+        what = "does not implement bottom-right aligned causal cross-attention"
+        out.append(Failure(Code.REQUIREMENT_UNMET, what + why))
     return out
 
 
@@ -1083,7 +1003,7 @@ def check_candidate(
     needs_kernel: bool = False,
     no_kernel: Collection[str] | None = None,
     budget: Budget | None = None,
-) -> tuple[tuple[Check, tuple[Failure, ...]], ...]:
+) -> Results:
     """Run every check of SPEC 3.4 on one candidate; every failure is kept.
 
     Returns ``(check, failures)`` pairs in :data:`CHECK_ORDER` (:data:`LAYOUT_CHECK_ORDER`
@@ -1103,7 +1023,7 @@ def check_candidate(
         )
     # issue 31: the installed version's facts on this GPU, named in what they fail
     spec, applied = platform.installed(spec)
-    results: tuple[tuple[Check, tuple[Failure, ...]], ...] = (
+    results: Results = (
         (Check.KNOWN, ()),
         (Check.AVAILABLE, tuple(_check_available(spec, platform, needs_kernel, no_kernel))),
         (Check.PLATFORM, _as_installed(_check_platform(spec, layer, platform), applied)),
@@ -1112,8 +1032,7 @@ def check_candidate(
         (Check.REQUIREMENTS, _as_installed(_check_requirements(spec, layer, platform), applied)),
     )
     if layer.layout is not None:  # issue 24: the layout check exists only for a layout
-        layout = (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout, needs_kernel)))
-        results = (*results, layout)
+        results = (*results, (Check.LAYOUT, tuple(_check_layout(spec, layer, layer.layout))))
     if budget is None:  # issue 34: the precision check exists only under a budget
         return results
     return (*results, (Check.PRECISION, tuple(_check_precision(spec, platform, budget))))
@@ -1128,14 +1047,12 @@ def _as_installed(failures: list[Failure], applied: tuple[KernelFacts, ...]) -> 
     return tuple(Failure(f.code, f.message + note) for f in failures)
 
 
-def _check_layout(
-    spec: BackendSpec, layer: LayerSpec, layout: SequenceLayout, needs_kernel: bool
-) -> list[Failure]:
+def _check_layout(spec: BackendSpec, layer: LayerSpec, layout: SequenceLayout) -> list[Failure]:
     """Issue 24: what a sequence-parallel layout needs from the per-rank kernel.
 
     A ring merges the partial results of its key/value blocks by their softmax
-    log-sum-exp, so the kernel must return it (``BackendSpec.lse``; a layer that
-    will run also needs attnres's adapter for that entry point in this process).
+    log-sum-exp, so the kernel must return it (``BackendSpec.lse``) through an
+    entry point attnres has an adapter for.
     Ulysses gives each rank ``1/ulysses`` of the query and key/value heads, so
     both counts must divide (a fact of the layer, recorded for every candidate).
     attnres's layouts apply no attention mask (each rank holds a shard of the
@@ -1269,33 +1186,7 @@ def _check_layout_kinds(layer: LayerSpec, layout: SequenceLayout) -> list[Failur
     return out
 
 
-def _unusable_here(
-    backend: Backend,
-    layer: LayerSpec,
-    platform: Platform,
-    needs_kernel: bool = False,
-    no_kernel: Collection[str] | None = None,
-) -> str:
-    """Why a conditional platform preference does not apply ('' when it does).
-
-    A platform's chain prefers a kernel "when it is usable" (SPEC 3.4: cuda -> fa
-    when flash-attn is usable): its package works, a layer that will run has a
-    kernel for it, and the device, dtype and head size fit. Only the last entry
-    of a chain is unconditional.
-    """
-    spec = lookup_spec(backend)
-    if spec is None:
-        return f"backend {backend.name!r} is not registered"
-    spec = platform.installed(spec)[0]
-    failures = _check_available(spec, platform, needs_kernel, no_kernel) + _check_platform(
-        spec, layer, platform
-    )
-    return "; ".join(f.message for f in failures)
-
-
-# =============================================================================
-# Issue 34: the precision check -- a lossy candidate against the layer's budget
-# =============================================================================
+# -- Issue 34: the precision check -- a lossy candidate against the layer's budget --
 
 
 @frozen
@@ -1419,9 +1310,7 @@ def _precision_record(
     return PrecisionRecord(accepted, kind, how, describe_budget(budget.value), budget.key, measured)
 
 
-# =============================================================================
-# Messages
-# =============================================================================
+# -- Messages --
 
 
 def _names(backends: frozenset[Backend] | None) -> str:
@@ -1475,24 +1364,13 @@ def _primary_message(
     elif primary is Check.REQUIREMENTS:
         phrases = [f.message.removeprefix("does not implement ") for f in first]
         text = f"Attention backend {name!r} does not implement {', '.join(phrases)}"
-    elif primary is Check.LAYOUT:
-        text = (
-            f"Attention backend {name!r} cannot serve this layer's sequence-parallel layout: "
-            + "; ".join(f.message for f in first)
-        )
-    elif primary is Check.PRECISION:  # issue 34
-        text = f"Attention backend {name!r} is outside this layer's error budget: " + "; ".join(
-            f.message for f in first
-        )
-    elif primary is Check.PLATFORM:
-        text = (
-            f"Attention backend {name!r} cannot run this layer on {platform.describe()}: "
-            + "; ".join(f.message for f in first)
-        )
     else:
-        text = f"Attention backend {name!r} is not available: " + "; ".join(
-            f.message for f in first
-        )
+        what = {
+            Check.LAYOUT: "cannot serve this layer's sequence-parallel layout",
+            Check.PRECISION: "is outside this layer's error budget",  # issue 34
+            Check.PLATFORM: f"cannot run this layer on {platform.describe()}",
+        }.get(primary, "is not available")
+        text = f"Attention backend {name!r} {what}: " + "; ".join(f.message for f in first)
     others = [
         f"{check.value}: {f.message}"
         for check, failures in results
@@ -1518,9 +1396,7 @@ def _exhausted_message(tried: Sequence[Tried]) -> str:
     return "No compatible attention backend is available: tried " + " | ".join(parts)
 
 
-# =============================================================================
-# The machine
-# =============================================================================
+# -- The machine --
 
 
 def _step(
@@ -1583,7 +1459,7 @@ def run_machine(inp: TraceInput) -> Trace:
             skipped = ""
             for stages, skip in skips:
                 if stage in stages:
-                    skipped = skip(stage, position, candidates, given)
+                    skipped = skip(position, candidates, given)
                     if skipped:
                         break
             if skipped:
@@ -1635,9 +1511,7 @@ def _attnres_evaluate(
     )
 
 
-def _outside_preferred(
-    stage: State, position: int, candidates: Sequence[Backend | None], given: Given
-) -> str:
+def _outside_preferred(position: int, candidates: Sequence[Backend | None], given: Given) -> str:
     """Issue 23: automatic choices stay inside the layer's preferred set -- unless
     none of it can run here (issue 32 item 6: it narrows nothing then)."""
     preferred = given.inp.layer.preferred
@@ -1663,17 +1537,28 @@ def _attnres_candidates(
     return [*first, *(c for c in candidates if c not in preferred)]
 
 
-def _not_usable_here(
-    stage: State, position: int, candidates: Sequence[Backend | None], given: Given
-) -> str:
-    """SPEC 3.4: a platform chain prefers every entry but its last where usable."""
+def _not_usable_here(position: int, candidates: Sequence[Backend | None], given: Given) -> str:
+    """Why a conditional platform preference does not apply ('' when it does).
+
+    A platform's chain prefers a kernel "when it is usable" (SPEC 3.4: cuda -> fa
+    when flash-attn is usable): its package works, a layer that will run has a
+    kernel for it, and the device, dtype and head size fit. Only the last entry
+    of a chain is unconditional.
+    """
     candidate = candidates[position]
     if position == len(candidates) - 1 or candidate is None:
         return ""
     inp, preferred = given.inp, given.inp.layer.preferred
     if preferred is not None and candidate in preferred and given.preferred_unusable:
         return ""  # tried first, its failures recorded (issue 32 item 6)
-    unusable = _unusable_here(candidate, inp.layer, inp.platform, inp.needs_kernel, inp.no_kernel)
+    spec = lookup_spec(candidate)
+    if spec is None:
+        unusable = f"backend {candidate.name!r} is not registered"
+    else:
+        spec = inp.platform.installed(spec)[0]
+        failures = _check_available(spec, inp.platform, inp.needs_kernel, inp.no_kernel)
+        failures += _check_platform(spec, inp.layer, inp.platform)
+        unusable = "; ".join(f.message for f in failures)
     return f"preferred on {inp.platform.kind} only where usable: {unusable}" if unusable else ""
 
 
@@ -1702,7 +1587,6 @@ ATTNRES: Final = Profile(
     name="attnres",
     origins=ORIGIN_ROWS,
     nothing_requested="nothing requested and no layer default",
-    aliases={},
     start=START_GUARDS,
     request_failure=REQUEST_FAILURE_GUARDS,
     states_fallback=False,
@@ -1714,8 +1598,6 @@ ATTNRES: Final = Profile(
     ),
     records_repeats=True,
     evaluate=_attnres_evaluate,
-    explicit_bypasses_supported=False,
-    selected_reasons=(),
     reject=_attnres_reject,
     origin_note=_preferred_note,
     preferred_stages=PREFERRED_STAGES,
@@ -1730,9 +1612,7 @@ PROFILES: Final[Mapping[str, Profile]] = {
 }
 
 
-# =============================================================================
-# SPEC 3.6: a scope's overrides must explain its layers
-# =============================================================================
+# -- SPEC 3.6: a scope's overrides must explain its layers --
 
 
 #: SPEC 3.6, one row per scope check: (code, when it runs, the rule it enforces).
@@ -1820,53 +1700,43 @@ def scope_not_applied(
             d.origin is Origin.COMPONENT_OVERRIDE and d.backend == wanted for _, d in selected
         )
         all_roles = bool(selected) and all(d.origin is Origin.ROLE_OVERRIDE for _, d in selected)
+        rejected = [
+            d.layer or "<unnamed>"
+            for _, d in entries
+            if d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None
+        ]
         if not ran and not all_roles:
             if not entries:
-                problems.append(
-                    ScopeProblem(
-                        ScopeCode.NO_LAYER,
-                        f"backend {wanted!r} was requested for component {state.component!r}, "
-                        f"but the scope built no attnres attention layer",
-                    )
-                )
-            elif any(
-                d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None for _, d in entries
-            ):
-                rejected = [
-                    d.layer or "<unnamed>"
-                    for _, d in entries
-                    if d.origin is Origin.COMPONENT_OVERRIDE and d.backend is None
-                ]
-                problems.append(
-                    ScopeProblem(
-                        ScopeCode.REJECTED,
-                        f"backend {wanted!r} was requested for component {state.component!r}, "
-                        f"but it was rejected for {len(rejected)} layer(s) "
-                        f"({', '.join(rejected[:5])}{', ...' if len(rejected) > 5 else ''}) and "
-                        f"no layer runs it (each rejection raised a ResolutionError saying why)",
-                    )
+                code, what = ScopeCode.NO_LAYER, "the scope built no attnres attention layer"
+            elif rejected:
+                code, what = (
+                    ScopeCode.REJECTED,
+                    f"it was rejected for {len(rejected)} layer(s) "
+                    f"({', '.join(rejected[:5])}{', ...' if len(rejected) > 5 else ''}) and "
+                    f"no layer runs it (each rejection raised a ResolutionError saying why)",
                 )
             else:
                 origins = sorted({d.origin.value for _, d in entries})
                 reasons = sorted({d.reason.value for _, d in entries if d.reason})
                 why = f"; recorded reasons: {', '.join(reasons)}" if reasons else ""
-                problems.append(
-                    ScopeProblem(
-                        ScopeCode.NOT_APPLIED,
-                        f"backend {wanted!r} was requested for component {state.component!r}, "
-                        f"but it ran on none of its {len(entries)} layer(s) (they were decided "
-                        f"by origin {', '.join(origins)}{why})",
-                    )
+                code, what = (
+                    ScopeCode.NOT_APPLIED,
+                    f"it ran on none of its {len(entries)} layer(s) (they were decided "
+                    f"by origin {', '.join(origins)}{why})",
                 )
+            asked = f"backend {wanted!r} was requested for component {state.component!r}"
+            problems.append(ScopeProblem(code, f"{asked}, but {what}"))
     for role, backend in state.role_backends:
         governed = [d for r, d in entries if r is role and d.origin is Origin.ROLE_OVERRIDE]
+        asked = (
+            f"backend {backend.name!r} was requested for the {role.value}-attention "
+            f"layers of component {state.component!r}"
+        )
         if not governed:
             problems.append(
                 ScopeProblem(
                     ScopeCode.ROLE_NO_LAYER,
-                    f"backend {backend.name!r} was requested for the {role.value}-attention "
-                    f"layers of component {state.component!r}, but the scope built no "
-                    f"{role.value}-attention layer that used it",
+                    f"{asked}, but the scope built no {role.value}-attention layer that used it",
                 )
             )
         elif not any(d.backend == backend.name for d in governed):
@@ -1875,17 +1745,14 @@ def scope_not_applied(
             problems.append(
                 ScopeProblem(
                     ScopeCode.ROLE_NOT_APPLIED,
-                    f"backend {backend.name!r} was requested for the {role.value}-attention "
-                    f"layers of component {state.component!r}, but it ran on none of its "
-                    f"{len(governed)} {role.value}-attention layer(s){why}",
+                    f"{asked}, but it ran on none of its {len(governed)} {role.value}-attention "
+                    f"layer(s){why}",
                 )
             )
     return problems
 
 
-# =============================================================================
-# SPEC 3.8: what a per-request switch never touches; the training re-resolution
-# =============================================================================
+# -- SPEC 3.8: what a per-request switch never touches; the training re-resolution --
 
 
 @frozen
@@ -1944,10 +1811,7 @@ def has_backward_pass(backend: Backend, layer: LayerSpec, platform: Platform) ->
     return all(not failures for _, failures in checks)
 
 
-# =============================================================================
-# The measuring stage (autotune): which decisions are tuned, its checks, the
-# verdict rule, the tuned trace and its replay
-# =============================================================================
+# -- The measuring stage (autotune): tuned decisions, checks, verdicts, the tuned trace --
 
 #: The detail of a ``skip`` record for a candidate without a kernel here.
 NO_KERNEL: Final = "no kernel in this process"
@@ -1984,84 +1848,53 @@ class Measured:
 
     @classmethod
     def of(cls, record: MeasurementRecord) -> Measured:
-        return cls(
-            record.candidate,
-            record.median_ns,
-            record.spread_ns,
-            record.deviation,
-            record.error,
-            record.rel_l2,
-        )
+        """The facts of a recorded measurement (its fields but the verdict)."""
+        return cls(*(getattr(record, f.name) for f in attrs.fields(cls)))
 
 
-# =============================================================================
-# The rule
-# =============================================================================
+@frozen
+class _Against:
+    """What a verdict compares one measurement with: the incumbent's median, the
+    margin, the tolerance and the layer's numeric error budget."""
 
-
-def _raised(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return m.error is not None or m.median_ns is None
-
-
-def _disagrees(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return m.deviation is None or not m.deviation <= tolerance
-
-
-def _faster(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return (
-        incumbent is not None
-        and m.median_ns is not None
-        and m.median_ns < incumbent * (1.0 - margin)
-    )
-
-
-def _otherwise(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return True
-
-
-def _over_budget(
-    m: Measured, incumbent: int | None, margin: float, tolerance: float, budget: float | None
-) -> bool:
-    return budget is not None and m.rel_l2 is not None and not m.rel_l2 <= budget
+    incumbent: int | None
+    margin: float
+    tolerance: float
+    budget: float | None
 
 
 #: The verdict of each measured candidate but the incumbent: the first row whose
 #: condition holds (verdict, condition, what it says). Of the ``outpaced``
 #: candidates the fastest (the first in order on a tie) is then ``chosen``.
-VERDICT_RULES: Final[
-    tuple[
-        tuple[Verdict, Callable[[Measured, int | None, float, float, float | None], bool], str],
-        ...,
-    ]
-] = (
-    (Verdict.RAISED, _raised, "it raised (no median)"),
+VERDICT_RULES: Final[tuple[tuple[Verdict, Callable[[Measured, _Against], bool], str], ...]] = (
+    (
+        Verdict.RAISED,
+        lambda m, a: m.error is not None or m.median_ns is None,
+        "it raised (no median)",
+    ),
     (
         Verdict.OVER_BUDGET,
-        _over_budget,
+        lambda m, a: a.budget is not None and m.rel_l2 is not None and not m.rel_l2 <= a.budget,
         "issue 34: the layer has a numeric error budget and the candidate's relative L2 "
         "error against a float64 reference exceeds it, whatever its speed",
     ),
     (
         Verdict.DISAGREES,
-        _disagrees,
+        lambda m, a: m.deviation is None or not m.deviation <= a.tolerance,
         "its deviation from the incumbent is unknown (not finite) or above the tolerance, "
         "whatever its speed",
     ),
     (
         Verdict.OUTPACED,
-        _faster,
+        lambda m, a: (
+            a.incumbent is not None
+            and m.median_ns is not None
+            and m.median_ns < a.incumbent * (1.0 - a.margin)
+        ),
         "faster than the incumbent by more than the margin "
         "(median < incumbent median * (1 - margin))",
     ),
-    (Verdict.WITHIN_MARGIN, _otherwise, "otherwise"),
+    (Verdict.WITHIN_MARGIN, lambda m, a: True, "otherwise"),
 )
 
 
@@ -2072,14 +1905,10 @@ def verdicts(
     the incumbent stays). ``measured[0]`` is the incumbent (verdict ``incumbent``)."""
     if not measured:
         raise InvalidArgumentError("verdicts: no measurement (the incumbent comes first)")
-    incumbent = measured[0].median_ns
+    against = _Against(measured[0].median_ns, margin, tolerance, budget)
     out: list[Verdict] = [Verdict.INCUMBENT]
     for m in measured[1:]:
-        out.append(
-            next(
-                v for v, holds, _ in VERDICT_RULES if holds(m, incumbent, margin, tolerance, budget)
-            )
-        )
+        out.append(next(v for v, holds, _ in VERDICT_RULES if holds(m, against)))
     fast = [
         (m.median_ns or 0, position)
         for position, (m, v) in enumerate(zip(measured, out, strict=True))
@@ -2090,11 +1919,6 @@ def verdicts(
     _, best = min(fast)
     out[best] = Verdict.CHOSEN
     return tuple(out), measured[best].candidate
-
-
-# =============================================================================
-# The measuring stage and the tuned trace
-# =============================================================================
 
 
 def _evaluated(trace: Trace) -> dict[Backend, State]:
@@ -2199,18 +2023,10 @@ def tuned_trace(
                 )
             )
     judged, winner = verdicts(ordered, tuning.margin, tuning.tolerance, numeric_budget(trace.input))
-    for m, verdict in zip(ordered, judged, strict=True):
-        records.append(
-            MeasurementRecord(
-                m.candidate,
-                m.median_ns,
-                m.spread_ns,
-                m.deviation,
-                m.error,
-                verdict,
-                rel_l2=m.rel_l2,
-            )
-        )
+    records += [
+        MeasurementRecord(verdict=verdict, **attrs.asdict(m, recurse=False))
+        for m, verdict in zip(ordered, judged, strict=True)
+    ]
     origin = trace.outcome.origin
     if winner is None:
         records.append(_tuning_step(State.MEASURING, Event.INCUMBENT_KEPT, incumbent))
@@ -2247,9 +2063,7 @@ def replay_tuned(recorded: Trace, machine_trace: Trace) -> Trace:
     return tuned_trace(machine_trace, tuning, no_kernel, measured)
 
 
-# =============================================================================
-# Issue 35: the layout as a decision (``SequenceParallel(layout="auto")``)
-# =============================================================================
+# -- Issue 35: the layout as a decision (``SequenceParallel(layout="auto")``) --
 
 
 @frozen
@@ -2308,23 +2122,18 @@ def _pad_cost(f: LayoutFacts) -> float:
     return SequenceLayout(f.size, 1, f.heads, f.kv_heads, pad_heads=True).pad_cost() or 1.0
 
 
+#: (rule, condition, the layout it gives, the rule in words with its source)
+_LayoutRule = tuple[
+    str, Callable[[LayoutFacts], bool], Callable[[LayoutFacts], SequenceLayout], str
+]
+
 #: Issue 35: how ``SequenceParallel(layout="auto")`` lays out one layer: the
 #: first row whose condition holds (rule, condition, the layout it gives, the rule
 #: in words with its source). Every rank reads the same facts (the interconnect
 #: declared, or measured once by a timed all-reduce whose slowest rank's time
 #: every rank uses), so every rank chooses alike, and the choice is verified
 #: across ranks at the first forward like any decision.
-LAYOUT_RULES: Final[
-    tuple[
-        tuple[
-            str,
-            Callable[[LayoutFacts], bool],
-            Callable[[LayoutFacts], SequenceLayout],
-            str,
-        ],
-        ...,
-    ]
-] = (
+LAYOUT_RULES: Final[tuple[_LayoutRule, ...]] = (
     (
         "one_rank",
         lambda f: f.size == 1,
