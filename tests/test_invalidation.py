@@ -234,6 +234,7 @@ def test_every_memo_is_keyed_on_the_generation_and_none_subscribes() -> None:
         modules._BOUND,
         modules._BINDINGS,
         modules._GUARDED,
+        modules._BUILT,
         autotuner._SHARED,
         autotuner._MEASURED,
         _varlen._VARLEN,
@@ -242,8 +243,9 @@ def test_every_memo_is_keyed_on_the_generation_and_none_subscribes() -> None:
         lse._BUILT,
     ]
     assert all(isinstance(m, _memo.GenerationMemo) for m in memos)
-    Attention(4, 16, dtype=torch.float32, name="filled")  # fills the resolver and layer memos
-    assert runtime._CACHE and modules._SPECS
+    for _ in range(2):  # fills the resolver and layer memos
+        Attention(4, 16, dtype=torch.float32, name="filled")
+    assert runtime._CACHE and modules._SPECS and modules._BUILT
     for memo in memos:
         memo[("marker",)] = 1
     register_backend(
@@ -274,3 +276,83 @@ def test_a_value_computed_against_an_older_registry_is_not_kept() -> None:
         assert len(memo) <= 8 and "fresh" not in memo
     finally:
         unregister_backend("inv_stale")
+
+
+def _built_twice(**kwargs: object) -> tuple[Attention, Attention]:
+    """Two identical layers: the second is built from the construction memo."""
+    first, second = (_layer(name="built", **kwargs) for _ in range(2))
+    assert second._binding is first._binding and second._decision is first._decision
+    return first, second
+
+
+def test_a_layer_built_again_after_clear_cache_resolves_again() -> None:
+    # issue 32: the construction memo (modules._BUILT) holds lookup's cache
+    # entries; a cleared or evicted entry is never served from it (the layer
+    # resolves again, with a new entry, audited as a resolution, not a hit)
+    from structlog.testing import capture_logs
+
+    from attnres import clear_cache, decisions, runtime
+
+    first, _ = _built_twice()
+    clear_cache()
+    with capture_logs() as logs:
+        again = _layer(name="built")
+    assert again._decision is not first._decision
+    assert runtime.cache_info()["size"] == 1
+    assert "attention cache hit" not in [e["event"] for e in logs]
+    with capture_logs() as logs:
+        hit = _layer(name="built")
+    assert hit._decision is again._decision and hit._binding is again._binding
+    assert [e["event"] for e in logs] == ["attention cache hit"]
+    assert decisions()[-1] is hit._decision
+    # an entry that leaves the cache any other way (evicted) is not served either
+    runtime._CACHE.pop(next(iter(runtime._CACHE)))
+    assert _layer(name="built")._decision is not hit._decision
+
+
+def test_the_construction_memo_follows_a_registry_change() -> None:
+    register_backend(_spec("inv_a", aliases=("inv_fast",)))
+    register_kernel("inv_a", KA)
+    first, _ = _built_twice(default="inv_fast")
+    assert first.backend.name == "inv_a"  # type: ignore[union-attr]
+    unregister_backend("inv_a")
+    register_backend(_spec("inv_b", aliases=("inv_fast",)))
+    register_kernel("inv_b", KB)
+    later = _layer(name="built", default="inv_fast")
+    assert later.backend.name == "inv_b"  # type: ignore[union-attr]
+    assert later._decision is not first._decision
+    later(*_qkv())
+    assert CALLS == ["b"]
+
+
+def test_the_construction_memo_keys_on_the_scope_and_the_config() -> None:
+    from attnres import (
+        SelectionConfig,
+        component_scope,
+        force_backend,
+        selection_config,
+        set_selection_config,
+    )
+
+    with component_scope("vae") as vae:
+        in_vae = _built_twice()[1]
+    with component_scope("text_encoder", backend="eager") as text:
+        in_text = _layer(name="built")
+    assert in_vae.resolution.component == "vae"  # type: ignore[union-attr]
+    assert in_text.resolution.component == "text_encoder"  # type: ignore[union-attr]
+    assert in_text.backend.name == "eager"  # type: ignore[union-attr]
+    assert [d.layer for d in vae.decisions] == ["built", "built"]
+    assert text.decisions == (in_text._decision,)
+    plain = _layer(name="built")
+    assert plain.resolution.component is None  # type: ignore[union-attr]
+    with force_backend("eager"):
+        forced = _layer(name="built")
+    assert str(forced.resolution.origin) == "forced"  # type: ignore[union-attr]
+    previous = set_selection_config(SelectionConfig(global_backend="eager"))
+    try:
+        configured = _layer(name="built")
+        assert str(configured.resolution.origin) == "global_cli"  # type: ignore[union-attr]
+        assert configured._context.config is selection_config()
+    finally:
+        set_selection_config(previous)
+    assert _layer(name="built")._decision is plain._decision  # back to the first config

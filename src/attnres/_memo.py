@@ -9,6 +9,12 @@ compares the generation it was filled under with the current one when it is
 read. :meth:`GenerationMemo.put` also refuses a value computed against an older
 registry (the generation read before computing it).
 
+A memo derived from another memo's entries (the layer memo of
+:mod:`attnres.modules` holds the resolution cache's entries) reads that memo's
+:attr:`GenerationMemo.epoch`: it counts every time an entry may have left
+(cleared, evicted, replaced, a new generation), so the derived memo keys on it
+rather than being cleared by anyone.
+
 The memo is not a lock: callers that read-then-write under threads keep their
 own lock around it, as they would around a dict.
 """
@@ -33,13 +39,15 @@ class GenerationMemo(Generic[K, V]):
     drops the oldest eighth first (``None``: unbounded).
     """
 
-    __slots__ = ("_data", "_generation", "maxsize")
+    __slots__ = ("_data", "_generation", "epoch", "maxsize")
     _registry: ClassVar[backends._Registry] = backends._REGISTRY
 
     def __init__(self, maxsize: int | None = None) -> None:
         self._data: dict[K, V] = {}
         self._generation = self._registry.generation
         self.maxsize = maxsize
+        #: counts the times an entry may have left (see the module's docstring)
+        self.epoch = 0
 
     def current(self) -> dict[K, V]:
         """The entries of the current generation (a new, empty dict after a change)."""
@@ -47,6 +55,7 @@ class GenerationMemo(Generic[K, V]):
         if generation != self._generation:
             self._data = {}
             self._generation = generation
+            self.epoch += 1
         return self._data
 
     def put(self, key: K, value: V, generation: int | None = None) -> None:
@@ -55,9 +64,12 @@ class GenerationMemo(Generic[K, V]):
         data = self._data if self._generation == self._registry.generation else self.current()
         if generation is not None and generation != self._generation:
             return
-        if self.maxsize is not None and len(data) >= self.maxsize and key not in data:
+        if key in data:
+            self.epoch += 1  # a value replaced
+        elif self.maxsize is not None and len(data) >= self.maxsize:
             for old in list(data)[: max(1, self.maxsize // 8)]:
                 data.pop(old, None)
+            self.epoch += 1
         data[key] = value
 
     def get(self, key: K, default: V | None = None) -> V | None:
@@ -66,6 +78,7 @@ class GenerationMemo(Generic[K, V]):
         return self.current().get(key, default)
 
     def pop(self, key: K, default: V | None = None) -> V | None:
+        self.epoch += 1
         return self.current().pop(key, default)
 
     def setdefault(self, key: K, value: V) -> V:
@@ -73,6 +86,7 @@ class GenerationMemo(Generic[K, V]):
 
     def clear(self) -> None:
         self._data = {}
+        self.epoch += 1
 
     def keys(self) -> KeysView[K]:
         return self.current().keys()
@@ -90,6 +104,7 @@ class GenerationMemo(Generic[K, V]):
         self.put(key, value)
 
     def __delitem__(self, key: K) -> None:
+        self.epoch += 1
         del self.current()[key]
 
     def __contains__(self, key: object) -> bool:

@@ -53,6 +53,7 @@ from attnres._fastcall import FastCallModule
 from attnres._memo import GenerationMemo
 from attnres._varlen import check_layer_options, refuse_integer_mask, route_kernel
 from attnres._vocab import Role, normalize_dtype
+from attnres.audit import emit_cache_hit
 from attnres.autotuner import arm, armed_run
 from attnres.backends import (
     Backend,
@@ -75,8 +76,15 @@ from attnres.layer import LayerSpec, Requirements, SelectionConfig, optional_bac
 from attnres.ledger import Decision, record_decision, replace_decision
 from attnres.machine import backward_everywhere, has_backward_pass, training_spec
 from attnres.parallel import SequenceParallel
-from attnres.platform import Platform
-from attnres.runtime import Resolution, bind_pending, capture_config, lookup, rejection
+from attnres.platform import Platform, detected_platform
+from attnres.runtime import (
+    Resolution,
+    bind_pending,
+    cache_epoch,
+    capture_config,
+    lookup,
+    rejection,
+)
 from attnres.scope import ScopeHandle, ScopeState, current_handle
 
 __all__ = ["Attention", "KernelNotRegisteredError", "bind"]
@@ -113,6 +121,15 @@ _BINDINGS: GenerationMemo[tuple[int, _LayerShape], tuple[object, _Bound]] = Gene
 )
 #: id of a binding's resolution -> (that resolution, the spec, whether _guard wraps it)
 _GUARDED: GenerationMemo[int, tuple[Resolution, LayerSpec, bool]] = GenerationMemo(_MEMO_MAX)
+#: a construction's arguments (checked), config, scope, platform and the resolution
+#: cache's epoch -> (the spec, the parsed backend=, lookup's cache entry, the
+#: binding): the same layer built again (48 blocks of a model, a second model)
+#: records that entry's decision and runs that binding without looking it up. The
+#: epoch (attnres.runtime.cache_epoch) keeps it to entries still in the resolution
+#: cache: after clear_cache() or an eviction a layer resolves again, as lookup would
+_BUILT: GenerationMemo[tuple[object, ...], tuple[LayerSpec, Backend | None, Any, _Bound]] = (
+    GenerationMemo(_MEMO_MAX)
+)
 #: backend name -> (kernel, torch dtypes) of :func:`_bind`, once it succeeded
 _BOUND: GenerationMemo[tuple[str, Any, Any], tuple[KernelFn, frozenset[torch.dtype]]] = (
     GenerationMemo(_MEMO_MAX)
@@ -394,6 +411,51 @@ class Attention(FastCallModule):
                 )
         cap = 0.0 if softcap is None else _softcap(softcap)
         band = None if window is None else _window(window)
+        # issue 32: a layer built again with the same arguments in the same context
+        # (48 blocks of a model, a second model) reads its spec, cache entry and
+        # binding back from _BUILT; per layer it pays only for its own records
+        config: SelectionConfig | None = None
+        handle = None
+        built: tuple[object, ...] | None = None
+        generation = registry_generation()
+        if (
+            dtype is not None
+            and parallel is None
+            and backend_options is None
+            and (platform is None or isinstance(platform, Platform))
+        ):
+            try:
+                config = capture_config()
+                handle = current_handle()
+                built = (
+                    num_heads,
+                    kv_heads,
+                    head_size,
+                    causal,
+                    scale,
+                    cap,
+                    band,
+                    dtype,
+                    supported,
+                    default,
+                    role,
+                    requirements,
+                    preferred,
+                    required,
+                    name,
+                    backend,
+                    config,
+                    None if handle is None else handle.state,
+                    detected_platform() if platform is None else platform,
+                    cache_epoch(),
+                )
+                known = _BUILT.get(built)
+            except (TypeError, ValueError):  # unhashable; a bad config is raised below
+                built = None
+            else:
+                if known is not None:
+                    self._built(config, handle, platform, *known)
+                    return
         # a scale equal to the default (up to float rounding) is not a custom one
         custom_scale = scale is not None and not math.isclose(scale, head_size**-0.5, rel_tol=1e-9)
         spec = _layer_spec(
@@ -424,7 +486,8 @@ class Attention(FastCallModule):
             spec = attrs.evolve(spec, layout=parallel.layout(num_heads, kv_heads))
         # issue 23: typed per-backend options (docs/backends.md), the config's under
         # the layer's own; checked here, bound with the kernel, recorded in the trace
-        config = capture_config()
+        if config is None:
+            config = capture_config()
         options = config.backend_options
         if backend_options is not None:
             options = merge_backend_options(options, normalize_backend_options(backend_options))
@@ -437,7 +500,8 @@ class Attention(FastCallModule):
             )
         # What the layer resolves with, now or later: the scope, config and forced
         # backend of the place it was built in, never those current at first use.
-        handle = current_handle()
+        if built is None:
+            handle = current_handle()
         context = _Context(
             config,
             None if handle is None else handle.state,
@@ -469,17 +533,54 @@ class Attention(FastCallModule):
             _awaited_by_scope=False,
             _prepared={},
             _backward=None,
-            _generation=registry_generation(),
+            _generation=generation,
             _tuner=None,
             _switchable=False,
         )
         if dtype is None:
             self._compose()  # pending: late binding's forward (else _resolve composes)
         if dtype is not None:
-            self._resolve(spec, platform)
+            self._resolve(spec, platform, None if built is None else (built, generation))
         elif handle is not None:
             handle.add_pending()
             self.__dict__["_awaited_by_scope"] = True
+
+    def _built(
+        self,
+        config: SelectionConfig,
+        handle: ScopeHandle | None,
+        platform: Platform | None,
+        spec: LayerSpec,
+        backend: Backend | None,
+        found: Any,
+        binding: _Bound,
+    ) -> None:
+        """Construction of a layer built before with the same key of :data:`_BUILT`:
+        what :meth:`_resolve` does on a cache hit, with the spec, entry and binding
+        known (the hit's audit event, this layer's ledger entry and scope record)."""
+        decision: Decision = found[1]
+        emit_cache_hit(decision)
+        record_decision(decision)
+        if handle is not None:
+            handle.record(spec.role, decision)
+        self.__dict__.update(
+            layer_spec=spec,
+            _binding=binding,
+            _shape=binding.shape,
+            _context=_Context(
+                config, None if handle is None else handle.state, handle, platform, backend
+            ),
+            _decision=decision,
+            _awaited_by_scope=False,
+            _prepared={},
+            _backward=None,
+            _generation=registry_generation(),
+            _tuner=None,
+            _switchable=False,
+        )
+        self._compose()
+        if config.autotune:  # opt-in: measured selection
+            _arm_autotune(self)
 
     # -- per-request switching (attnres.request_backend) --------------------------
 
@@ -697,12 +798,19 @@ class Attention(FastCallModule):
         cast, run or bound); ``.backend`` and ``.resolution`` are ``None`` until then."""
         return self._binding is None
 
-    def _resolve(self, spec: LayerSpec, platform: Platform | None) -> Resolution:
+    def _resolve(
+        self,
+        spec: LayerSpec,
+        platform: Platform | None,
+        built: tuple[tuple[object, ...], int] | None = None,
+    ) -> Resolution:
         """Resolve for ``spec`` (its dtype) with the captured context and bind.
 
         The first resolution records the decision in the ledger and the scope the
         layer was built in (checking that scope's overrides if it has exited);
-        a later one (a cast) replaces the stale ledger entry.
+        a later one (a cast) replaces the stale ledger entry. ``built``: the
+        construction's key of :data:`_BUILT` and the registry generation read
+        before it (that memo then keeps the spec, entry and binding).
         """
         ctx = self._context
         first = self._binding is None
@@ -731,7 +839,11 @@ class Attention(FastCallModule):
                     bind_pending(handle, spec.role, None)
             raise rejection(trace)
         self.__dict__.update(layer_spec=spec, _decision=decision)
-        self._set_binding(self._bound(found, resolution, spec))
+        binding = self._bound(found, resolution, spec)
+        self._set_binding(binding)
+        if built is not None:
+            with _MEMO_LOCK:
+                _BUILT.put(built[0], (spec, ctx.backend, found, binding), built[1])
         if resolution.trace.input.config.autotune:  # opt-in: measured selection
             _arm_autotune(self)
         if awaited and handle is not None:

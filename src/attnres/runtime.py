@@ -63,6 +63,7 @@ from attnres.trace import Trace, TraceInput
 __all__ = [
     "Resolution",
     "bind_pending",
+    "cache_epoch",
     "cache_info",
     "capture_config",
     "clear_cache",
@@ -198,6 +199,13 @@ def clear_cache() -> None:
     with _CACHE_LOCK:
         _CACHE.clear()
         _SHAPES.clear()
+
+
+def cache_epoch() -> int:
+    """Changes whenever a cached resolution may have left the cache within a registry
+    generation (:func:`clear_cache`, an eviction, a replacement): a memo of
+    :func:`lookup`'s entries (itself a GenerationMemo) keys on it."""
+    return _CACHE.epoch
 
 
 def cache_info() -> dict[str, int]:
