@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: setup run test test-deep golden bench bench-sp fuzz lint typecheck docs clean test-sglang bench-sglang \
-	kernels-env test-kernels gpu-check test-vllm-omni bench-vllm-omni
+	kernels-env test-kernels gpu-check test-vllm-omni bench-vllm-omni test-oldest
 
 setup: $(STAMP)
 
@@ -241,6 +241,38 @@ bench-vllm-omni: $(VLLM_OMNI_STAMP)
 	$(VPY) -m pytest benchmarks/bench_vllm_omni.py -p no:randomly -p no:cacheprovider --benchmark-only \
 		--benchmark-json=benchmarks/results/vllm-omni.json -q $(VLLM_OMNI_BENCH_ARGS)
 
+# --- The oldest library versions attnres declares (issue 30) -------------------
+# Issue 30's harness on the oldest diffusers and transformers the extras admit:
+# the low ends of attnres.integrations._plan.SUPPORTED_VERSIONS (a test keeps
+# that table equal to pyproject.toml's extras), each at its first release
+# (transformers 5 -> 5.0.0, diffusers 0.42 -> 0.42.0), in a venv of their own
+# beside the same torch. It runs the by-hand battery, the sound-route tests, every
+# transformers model type with interface sites built tiny (no flag bit-identical,
+# eager and torch_sdpa strict, outputs compared) and the diffusers tiny sweep
+# (no flag bit-identical, remove exact, eager everywhere): the sweeps' slice, as
+# make test takes it; ATTNRES_COVERAGE_FULL=1 make test-oldest runs every type and
+# class. make test runs the same files on the versions .venv holds (the newest).
+OLDEST_VENV ?= .venv-oldest
+OPY := $(OLDEST_VENV)/bin/python
+OPIP := $(OPY) -m pip --disable-pip-version-check -q
+OLDEST_STAMP := $(OLDEST_VENV)/.attnres-oldest
+OLDEST_TESTS ?= tests/test_differential.py tests/test_sound_routes.py tests/test_integrations_runtime_hf.py \
+	tests/test_integrations_coverage.py::test_tiny_build_apply_is_bit_identical_remove_exact_facts_spied_eager_everywhere
+# the pins, read from the one table: "transformers==5.0.0 diffusers==0.42.0"
+oldest_pins = $(PY) -c "from attnres.integrations._plan import SUPPORTED_VERSIONS as S; \
+	print(' '.join(p + '==' + '.'.join((low.split('.') + ['0', '0'])[:3]) for p, (low, _) in S.items()))"
+
+$(OLDEST_STAMP): pyproject.toml src/attnres/integrations/_plan.py $(STAMP)
+	test -x $(OPY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OPIP) install -c $(VENV)/torch-pin.txt "$$(cat $(VENV)/torch-pin.txt)"
+	$(OPIP) install -c $(VENV)/torch-pin.txt -e ".[dev]" $$($(oldest_pins))
+	touch $@
+
+test-oldest: $(OLDEST_STAMP)
+	@$(OPY) -c "import diffusers, torch, transformers as t; \
+		print('== the oldest versions: transformers', t.__version__, 'diffusers', diffusers.__version__, 'torch', torch.__version__)"
+	$(OPY) -m pytest -n $(TEST_WORKERS) --benchmark-disable -p no:cacheprovider $(OLDEST_TESTS) $(PYTEST_ARGS)
+
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write
 
@@ -253,4 +285,4 @@ gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py --out gpu-check-report.json
 
 clean:
-	rm -rf $(VENV) $(KERNELS_ENV) build dist .vllm-omni-tests src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(KERNELS_ENV) $(OLDEST_VENV) build dist .vllm-omni-tests src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

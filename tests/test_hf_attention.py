@@ -235,3 +235,97 @@ def test_a_class_not_declaring_sdpa_gets_the_masks_its_code_was_written_for() ->
         finally:
             itf.remove(model)
     assert float((out - ref).norm() / ref.norm()) < 1e-5
+
+
+# -- a class written for eager's masks: a call without a mask is unmasked --------------------------
+
+
+def eager_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager function, as a modeling file defines it: no causal flag."""
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class _EagerOnlyConfig(transformers.PretrainedConfig):
+    model_type = "attnres_eager_only"
+
+    def __init__(self, hidden_size: int = 16, num_attention_heads: int = 2, **kwargs: Any) -> None:
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        super().__init__(**kwargs)
+
+
+class _EagerOnlyAttention(torch.nn.Module):
+    """ChineseCLIP's vision attention as transformers 5.0.0 wrote it: no ``is_causal``,
+    no mask passed, the query scaled before the call (``scaling=1.0``)."""
+
+    def __init__(self, config: _EagerOnlyConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        self.q_proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
+        self.k_proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
+        self.v_proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2) * self.scale
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        attention_interface: Any = eager_attention_forward
+        if self.config._attn_implementation != "eager":
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        out, _ = attention_interface(self, query, key, value, None, dropout=0.0, scaling=1.0)
+        return self.out_proj(out.reshape(*hidden_states.shape[:-1], -1))
+
+
+class _EagerOnlyModel(transformers.PreTrainedModel):
+    """Declares no ``_supports_sdpa``: transformers runs it eager."""
+
+    config_class = _EagerOnlyConfig
+
+    def __init__(self, config: _EagerOnlyConfig) -> None:
+        super().__init__(config)
+        self.layers = torch.nn.ModuleList(_EagerOnlyAttention(config) for _ in range(2))
+        self.post_init()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+@pytest.mark.parametrize("flag", ["torch_sdpa", "eager"])
+def test_a_class_written_for_eager_masks_runs_a_call_without_a_mask_unmasked(flag: str) -> None:
+    # make test-oldest found it: under SDPA's rule a missing mask and a module without
+    # is_causal read as causal, and ChineseCLIP's vision tower moved (error 2.2)
+    torch.manual_seed(0)
+    model = _EagerOnlyModel(_EagerOnlyConfig()).eval()
+    assert model.config._attn_implementation == "eager"
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want = model(x)
+    plan = itf.apply(model, "transformer", SelectionConfig(global_backend=flag))
+    try:
+        assert [s.backend.name for s in plan.sites] == [flag, flag]
+        expected = {"eager": "eager", "torch_sdpa": _hf_attention.EAGER_MASKS}[flag]
+        assert model.config._attn_implementation == expected
+        with torch.no_grad():
+            got = model(x)
+    finally:
+        itf.remove(model)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -1277,3 +1277,29 @@ def test_a_routed_model_dropped_without_remove_leaves_nothing_in_the_library_mod
     gc.collect()
     assert alive() is None
     assert not routed & added()
+
+
+def test_plan_dir_a_pipeline_diffusers_cannot_import_is_a_folder_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # make test-oldest: diffusers 0.42's LTX-2 pipelines import a Gemma 4 class that
+    # transformers has from 5.5; reading the named pipeline raised diffusers' lazy
+    # RuntimeError, which `attnres plan DIR` reported as a bug in attnres (exit 70)
+    def unimportable(name: str | None) -> type | None:
+        try:
+            raise ImportError("cannot import name 'Gemma4ForConditionalGeneration'")
+        except ImportError as exc:
+            raise RuntimeError(f"Failed to import diffusers.pipelines.{name}") from exc
+
+    from attnres.errors import FolderBuildError
+    from attnres.integrations import plan_folder
+
+    monkeypatch.setattr(idf, "pipeline_class", unimportable)
+    flux = ROOT / "examples" / "flux.1-dev"
+    with pytest.raises(FolderBuildError) as info:
+        plan_folder(flux, platform=Platform.simulate("cpu"))
+    assert str(info.value).startswith(f"{flux / 'model_index.json'}: _class_name: ")
+    said = "cannot import FluxPipeline, the pipeline it names: ImportError: cannot import name "
+    assert said in str(info.value)
+    assert main(["plan", str(flux), "--platform", "cpu"]) == 2
+    assert "Gemma4ForConditionalGeneration" in capsys.readouterr().err

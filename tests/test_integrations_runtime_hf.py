@@ -312,6 +312,45 @@ _NOT_RUN: dict[str, str] = {
     "zamba2": "not run: RuntimeError: shape '[2, 8, 8, 640]' is invalid for input of size",
 }
 
+#: what differs from _NOT_RUN on an older transformers the extras admit (make
+#: test-oldest), keyed by its version: a type not run there, with why, or None for
+#: a type _NOT_RUN lists that runs there
+_NOT_RUN_ON: dict[str, dict[str, str | None]] = {
+    "5.0.0": {
+        "apertus": "not built: NotImplementedError: Cannot copy out of meta tensor; ",
+        "blip_2_qformer": None,
+        "d_fine": None,
+        "exaone4": "not built: AttributeError: 'Exaone4Config' object has no attribu",
+        "glm4_moe_lite": "not run: RuntimeError: The size of tensor a (4) must match the s",
+        "granitemoehybrid": "not built: TypeError: 'NoneType' object is not subscriptable",
+        "jamba": "not run: ValueError: Fast Mamba kernels are not available",
+        "jetmoe": "not built: AttributeError: 'JetMoeConfig' object has no attribut",
+        "kyutai_speech_to_text": None,
+        "layoutlmv3": None,
+        "mask2former": None,
+        "maskformer": None,
+        "mimi": None,
+        "moshi": None,
+        "oneformer": None,
+        "phi": "not built: AttributeError: 'PhiConfig' object has no attribute '",
+        "phi4_multimodal": "not built: AttributeError: 'NoneType' object has no attribute 'i",
+        "qwen3_vl_moe": "not built: AttributeError: 'Qwen3VLMoeTextConfig' object has no ",
+        "qwen3_vl_moe_text": "not built: AttributeError: 'Qwen3VLMoeTextConfig' object has no ",
+        "rt_detr": None,
+        "rt_detr_v2": None,
+        "sam3_vision_model": "not built: ModuleNotFoundError: Could not import module 'Sam3Vis",
+        "sam3_vit_model": "not built: ModuleNotFoundError: Could not import module 'Sam3ViT",
+        "seamless_m4t": None,
+        "seamless_m4t_v2": None,
+        "segformer": None,
+        "stablelm": "not built: AttributeError: 'StableLmConfig' object has no attrib",
+        "swin": None,
+        "tvp": "not built: AttributeError: 'TvpConfig' object has no attribute '",
+        "udop": None,
+        "wav2vec2-bert": None,
+    },
+}
+
 #: model types whose run found a problem in attnres, with what it is; the sweep
 #: fails when one closes (drop its entry) or a type not listed here has one
 _INPUT_ATTENTION = (
@@ -376,8 +415,13 @@ def _calls_match(plan: Any, seen: list[Any], function: str | None) -> tuple[int,
             continue
         called.add(name)
         if site.backend is None and not site.pending:
-            wrong.append(f"{name}: called {label} at a site with no decision")
-            continue
+            # no decision: only a site left on its own code path (no flag, where a plan
+            # check fails: Gemma 2 on transformers 5.0.0, whose sdpa ignores its softcap)
+            # may be called, and with what it ran before apply
+            own = _CALLED.get(site.current.name) if site.current is not None else None
+            if label != own:
+                wrong.append(f"{name}: called {label} at a site with no decision")
+                continue
         want = function or _CALLED.get(site.backend.name, "attnres") if site.backend else None
         # a backend the class does not offer natively runs through attnres's function
         # (registered as ``attnres``, or ``attnres_eager_masks`` for a class written
@@ -420,7 +464,10 @@ def _tiny(model_type: str, class_name: str) -> Tiny | tuple[int | None, str] | N
     """The model built tiny on the CPU with inputs it runs on, its interface sites,
     and its untouched output; or (its interface sites, why not); ``None``: no
     interface site."""
-    cls = getattr(transformers, class_name, None)
+    try:
+        cls = getattr(transformers, class_name, None)
+    except Exception as exc:  # named, but its module does not import here (an optional package)
+        return None, f"not built: {_why(exc)}"
     if cls is None:  # as in the coverage table: the class transformers names is not exported
         return None, f"not built: transformers exports no {class_name}"
     failures: list[str] = []
@@ -614,19 +661,38 @@ def _table(rows: list[Row]) -> str:
     )
 
 
+def _table_version() -> str:
+    """The transformers the table in ``docs/integrations.md`` was generated with
+    (its first line says so)."""
+    block = DOC.read_text(encoding="utf-8").partition(BEGIN)[2]
+    found = re.match(r"\s*transformers (\S+):", block)
+    assert found, f"{DOC.name}: the generated table starts with the transformers version"
+    return found.group(1)
+
+
 def test_every_model_type_with_interface_sites_runs_tiny_as_planned(update_golden: Any) -> None:
     types = _selected()
     rows = list(_rows(types))
-    if FULL:  # written first, so that a failure below can be read in the table
+    # the table is the newest transformers'; on an older one the extras admit (make
+    # test-oldest) every row is still checked below, but not against the table
+    tabled = transformers.__version__ == _table_version()
+    if FULL and tabled:  # written first, so that a failure below can be read in the table
         check_generated(DOC, BEGIN, END, _table(rows), update_golden)
     names = {t for t, _ in types}
     problems = {r.model_type: r.problems for r in rows if r.problems}
     assert {t: p for t, p in problems.items() if t not in _FINDINGS} == {}
-    closed = (set(_FINDINGS) & names) - set(problems)
+    ran = {r.model_type for r in rows if not r.cells[3]}
+    closed = (set(_FINDINGS) & ran) - set(problems)
     assert closed == set(), "findings that no longer are: drop them from _FINDINGS"
     not_run = {r.model_type: r.cells[3] for r in rows if r.cells[3]}
-    assert set(not_run) == set(_NOT_RUN) & names, "the types not run changed: update _NOT_RUN"
-    if FULL:
+    older = _NOT_RUN_ON.get(transformers.__version__, {})
+    expected = {t for t in (set(_NOT_RUN) | set(older)) if older.get(t, "") is not None}
+    assert set(not_run) == expected & names, (
+        "the types not run changed: update _NOT_RUN (or _NOT_RUN_ON for an older version): "
+        f"not run now but not listed {sorted(set(not_run) - expected)}, listed but run now "
+        f"{sorted((expected & names) - set(not_run))}"
+    )
+    if FULL or not tabled:
         return
     # the default run checks its rows against the table the full sweep generated
     block = DOC.read_text(encoding="utf-8").partition(BEGIN)[2].partition(END)[0]

@@ -24,7 +24,7 @@ import attrs
 
 from attnres._codec import located
 from attnres._vocab import normalize_component, normalize_dtype
-from attnres.errors import InvalidArgumentError
+from attnres.errors import FolderBuildError, InvalidArgumentError
 from attnres.integrations import _untrusted
 from attnres.integrations._plan import DtypeChoice, plan_sites
 from attnres.layer import SelectionConfig
@@ -167,6 +167,22 @@ def plan_folder(
     if any(p.library == "diffusers" for p in found):
         from attnres.integrations import diffusers as _diffusers
 
+        try:  # the pipeline model_index.json names: the caller whose code is read
+            caller = _diffusers.pipeline_class(title)
+        except Exception as exc:  # a lazy module that fails to import the class
+            names_it = str(folder / "model_index.json")
+            raise FolderBuildError(
+                located(
+                    names_it,
+                    "_class_name",
+                    message=f"the installed diffusers cannot import {title}, the pipeline "
+                    f"it names: {_untrusted.one_line(exc.__cause__ or exc)}; install what "
+                    f"that pipeline needs",
+                ),
+                path=names_it,
+                where="_class_name",
+            ) from None
+
         def alone(part: _untrusted.FolderPart) -> object:
             return _diffusers.plan(
                 {part.name: part.model}, config, platform, dtypes={part.name: choices[part.name]}
@@ -180,7 +196,7 @@ def plan_folder(
                 dtypes=choices,
                 title=title,
                 source=str(folder),
-                caller=_diffusers.pipeline_class(title),
+                caller=caller,
                 sp=sp,
             )
         return attrs.evolve(planned, skipped=tuple(skipped))

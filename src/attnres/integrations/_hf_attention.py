@@ -55,6 +55,7 @@ __all__ = [
     "bind_module",
     "bound_route",
     "eager_mask_function",
+    "eager_masks_forward",
     "mask_function",
     "name_for",
     "opt_out_flag",
@@ -66,9 +67,10 @@ __all__ = [
 NAME = "attnres"
 #: Issue 19: the same attention function under a second name whose mask function
 #: is transformers' eager one (additive float masks), for a model class whose code
-#: was written for eager's masks (:func:`name_for`)
+#: was written for eager's masks (:func:`name_for`); a call without a mask is
+#: unmasked there, as in eager (:func:`eager_masks_forward`)
 EAGER_MASKS = "attnres_eager_masks"
-#: the names attnres's attention function runs under
+#: the names attnres's attention functions run under
 NAMES = frozenset({NAME, EAGER_MASKS})
 #: The attribute holding a module's route (set by apply, removed by remove).
 _ROUTE_ATTR = "_attnres_kernel"
@@ -195,6 +197,32 @@ def attention_forward(
     return out.contiguous(), None
 
 
+def eager_masks_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`attention_forward` under :data:`EAGER_MASKS`, with the convention of
+    the eager function such a class was written for: a call without a mask is
+    unmasked. transformers' ``eager_attention_forward`` applies no causal flag
+    (``eager_mask`` builds causality into the mask, never skipping it), while SDPA's
+    rule reads a missing mask and a module without ``is_causal`` as causal:
+    ChineseCLIP's vision attention on transformers 5.0.0 (no ``_supports_sdpa``, no
+    ``is_causal``, no mask) ran causal under an explicit ``torch_sdpa`` and its
+    output moved (``make test-oldest``)."""
+    del is_causal  # eager reads no causal flag
+    return attention_forward(
+        module, query, key, value, attention_mask, dropout, scaling, False, position_bias, **kwargs
+    )
+
+
 def _own_eager(module: torch.nn.Module) -> Any:
     """The eager attention function of ``module``'s own modeling file (the one
     that implements the model's sinks, softcap, sparse indices)."""
@@ -260,9 +288,12 @@ def _declared(model_class: type, flag: str) -> bool | None:
 def register() -> None:
     """Register :data:`NAME` and :data:`EAGER_MASKS` in both interfaces (idempotent;
     nothing else changes)."""
-    for name, masks in ((NAME, mask_function), (EAGER_MASKS, eager_mask_function)):
-        if ALL_ATTENTION_FUNCTIONS.get(name) is not attention_forward:
-            ALL_ATTENTION_FUNCTIONS.register(name, attention_forward)
+    for name, function, masks in (
+        (NAME, attention_forward, mask_function),
+        (EAGER_MASKS, eager_masks_forward, eager_mask_function),
+    ):
+        if ALL_ATTENTION_FUNCTIONS.get(name) is not function:
+            ALL_ATTENTION_FUNCTIONS.register(name, function)
         if ALL_MASK_ATTENTION_FUNCTIONS.get(name) is not masks:
             ALL_MASK_ATTENTION_FUNCTIONS.register(name, masks)
 
