@@ -661,10 +661,9 @@ def _table(rows: list[Row]) -> str:
     )
 
 
-def _table_version() -> str:
-    """The transformers the table in ``docs/integrations.md`` was generated with
-    (its first line says so)."""
-    block = DOC.read_text(encoding="utf-8").partition(BEGIN)[2]
+def _table_version(block: str) -> str:
+    """The transformers the generated table ``block`` was made with (its first
+    line says so)."""
     found = re.match(r"\s*transformers (\S+):", block)
     assert found, f"{DOC.name}: the generated table starts with the transformers version"
     return found.group(1)
@@ -675,7 +674,8 @@ def test_every_model_type_with_interface_sites_runs_tiny_as_planned(update_golde
     rows = list(_rows(types))
     # the table is the newest transformers'; on an older one the extras admit (make
     # test-oldest) every row is still checked below, but not against the table
-    tabled = transformers.__version__ == _table_version()
+    block = DOC.read_text(encoding="utf-8").partition(BEGIN)[2].partition(END)[0]
+    tabled = transformers.__version__ == _table_version(block)
     if FULL and tabled:  # written first, so that a failure below can be read in the table
         check_generated(DOC, BEGIN, END, _table(rows), update_golden)
     names = {t for t, _ in types}
@@ -695,7 +695,6 @@ def test_every_model_type_with_interface_sites_runs_tiny_as_planned(update_golde
     if FULL or not tabled:
         return
     # the default run checks its rows against the table the full sweep generated
-    block = DOC.read_text(encoding="utf-8").partition(BEGIN)[2].partition(END)[0]
     table = {line.split("|")[1].strip(): line for line in block.splitlines() if "|" in line}
     assert [r.line() for r in rows] == [table.get(r.model_type) for r in rows]
     # a type the subset takes that is not in the table has no interface site

@@ -24,7 +24,7 @@ import attrs
 
 from attnres._codec import located
 from attnres._vocab import normalize_component, normalize_dtype
-from attnres.errors import FolderBuildError, InvalidArgumentError
+from attnres.errors import InvalidArgumentError
 from attnres.integrations import _untrusted
 from attnres.integrations._plan import DtypeChoice, plan_sites
 from attnres.layer import SelectionConfig
@@ -170,17 +170,12 @@ def plan_folder(
         try:  # the pipeline model_index.json names: the caller whose code is read
             caller = _diffusers.pipeline_class(title)
         except Exception as exc:  # a lazy module that fails to import the class
-            names_it = str(folder / "model_index.json")
-            raise FolderBuildError(
-                located(
-                    names_it,
-                    "_class_name",
-                    message=f"the installed diffusers cannot import {title}, the pipeline "
-                    f"it names: {_untrusted.one_line(exc.__cause__ or exc)}; install what "
-                    f"that pipeline needs",
-                ),
-                path=names_it,
-                where="_class_name",
+            raise _untrusted.fail(
+                folder / "model_index.json",
+                "_class_name",
+                message=f"the installed diffusers cannot import {title}, the pipeline it "
+                f"names: {_untrusted.one_line(exc.__cause__ or exc)}; install what that "
+                f"pipeline needs",
             ) from None
 
         def alone(part: _untrusted.FolderPart) -> object:

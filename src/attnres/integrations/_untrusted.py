@@ -62,6 +62,7 @@ __all__ = [
     "check_component_key",
     "check_config",
     "dtype_from_weights",
+    "fail",
     "one_line",
 ]
 
@@ -99,7 +100,7 @@ _BOUNDS: Final = (
 )
 
 
-def _fail(source: object, *where: str, message: str) -> FolderBuildError:
+def fail(source: object, *where: str, message: str) -> FolderBuildError:
     """The folder loader's error: ``source`` (the file, the folder, or the flag
     that names the component), where in it, and the message, in the one format
     of every loader (:func:`attnres._codec.located`)."""
@@ -127,7 +128,7 @@ def check_component_key(key: object, where: str) -> str:
     ``where`` is the file that names it, or the flag (``--component``)."""
     if not isinstance(key, str) or not _KEY_RE.match(key) or key.strip(".") == "":
         shown = _preview(repr(key), 60)
-        raise _fail(
+        raise fail(
             where,
             message=f"{shown} is not a component name (letters, digits, '_', '-', '.', at "
             f"most 100 characters, not starting with '.' or '-'); a component key names a "
@@ -168,7 +169,7 @@ def check_config(config: Mapping[str, Any], where: str) -> None:
             )
             message = f"{what.format(len(value))} (at most {MAX_CONFIG_ITEMS})"
         if message is not None:
-            raise _fail(where, path, message=message)
+            raise fail(where, path, message=message)
         if isinstance(value, list | tuple):
             stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
         elif isinstance(value, dict):
@@ -233,7 +234,7 @@ def build_under_budget(
     except (KeyboardInterrupt, SystemExit, GeneratorExit, FolderBuildError):
         raise
     except BaseException as exc:  # third-party code on hostile input: anything at all
-        raise _fail(
+        raise fail(
             where,
             message=f"cannot build {class_name} for component {component!r} from this "
             f"config: {one_line(exc)}",
@@ -268,7 +269,7 @@ def _elements(shape: Any, path: Path, tensor: str) -> int:
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_CONFIG_INT for d in shape
     ):
         shown = _preview(repr(shape), 80)
-        raise _fail(
+        raise fail(
             path, tensor, message=f"shape must be a list of non-negative integers, got {shown}"
         )
     return math.prod(shape)
@@ -285,7 +286,7 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
     try:
         every = sorted(folder.glob("*.safetensors"))
     except OSError as exc:
-        raise _fail(folder, message=f"cannot list its files: {exc.strerror or exc}") from None
+        raise fail(folder, message=f"cannot list its files: {exc.strerror or exc}") from None
     if not every:
         return None, None
     default = [p for p in every if not _is_variant(p)]
@@ -305,15 +306,15 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
         try:
             header = read_safetensors_header(path)
         except OSError as exc:
-            raise _fail(path, message=f"cannot read it: {exc.strerror or exc}") from None
+            raise fail(path, message=f"cannot read it: {exc.strerror or exc}") from None
         except ValueError as exc:
-            raise _fail(path, message=f"not a safetensors file: {exc}") from None
+            raise fail(path, message=f"not a safetensors file: {exc}") from None
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
             tensor = f"tensor {key[:80]!r}"
             if not isinstance(entry, dict):
-                raise _fail(path, tensor, message="expected an object with dtype and shape")
+                raise fail(path, tensor, message="expected an object with dtype and shape")
             elements = _elements(entry.get("shape"), path, tensor)
             name = _SAFETENSORS_DTYPES.get(str(entry.get("dtype")), "")
             if name is None:
@@ -345,11 +346,11 @@ def read_config(path: Path, what: str = "config file") -> dict[str, Any]:
     try:
         doc = read_json(path, what=what)
     except OSError as exc:
-        raise _fail(path, message=f"cannot read the {what}: {exc.strerror or exc}") from None
+        raise fail(path, message=f"cannot read the {what}: {exc.strerror or exc}") from None
     except ValueError as exc:
-        raise _fail(path, message=f"not a valid {what}: {exc}") from None
+        raise fail(path, message=f"not a valid {what}: {exc}") from None
     if not isinstance(doc, dict):
-        raise _fail(
+        raise fail(
             path, message=f"not a valid {what}: expected a JSON object, got a {type(doc).__name__}"
         )
     return doc
@@ -360,11 +361,11 @@ def model_class(library: str, class_name: object, component: str, where: str) ->
     is not a model (a tokenizer, a scheduler, a feature extractor)."""
     named = f"component {component!r}"
     if not isinstance(class_name, str) or not _CLASS_RE.match(class_name):
-        raise _fail(where, named, message=f"{str(class_name)[:80]!r} is not a class name")
+        raise fail(where, named, message=f"{str(class_name)[:80]!r} is not a class name")
     try:
         module = importlib.import_module(library)
     except ImportError as exc:
-        raise _fail(
+        raise fail(
             where,
             message=f"component {component!r} is a {library} {class_name}; planning it needs "
             f"{library}, which does not import here ({one_line(exc)}); install it with: "
@@ -374,15 +375,15 @@ def model_class(library: str, class_name: object, component: str, where: str) ->
     try:
         cls = getattr(module, class_name, None)
     except Exception as exc:  # a lazy module that fails to import the class
-        raise _fail(
+        raise fail(
             where, named, message=f"{library}.{class_name} does not import: {one_line(exc)}"
         ) from None
     if not isinstance(cls, type):
-        raise _fail(where, named, message=f"{library} has no class {class_name!r}")
+        raise fail(where, named, message=f"{library} has no class {class_name!r}")
     if not issubclass(cls, base):
         return None
     if cls is base or cls.__name__ in ("ModelMixin", "PreTrainedModel"):
-        raise _fail(
+        raise fail(
             where,
             named,
             message=f"{class_name} is the base class of every {library} model, not a model; "
@@ -423,7 +424,7 @@ def read_pipeline_index(
         if not (
             isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
         ):
-            raise _fail(
+            raise fail(
                 index,
                 repr(name),
                 message="expected [LIBRARY, CLASS] (two strings, or [null, null] for an "
@@ -442,7 +443,7 @@ def read_pipeline_index(
         config = read_config(sub / "config.json")
         parts.append(FolderPart(name, library, cls, sub, config, str(sub / "config.json")))
     if not parts:
-        raise _fail(
+        raise fail(
             index,
             message="no model component to plan (a pipeline lists its models as "
             '"name": ["diffusers" or "transformers", "ClassName"])'
@@ -470,7 +471,7 @@ def read_model_folder(
     else:
         archs = config.get("architectures")
         if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
-            raise _fail(
+            raise fail(
                 where,
                 message="neither a transformers model config (no 'architectures' entry "
                 "naming the model class) nor a diffusers model config (no '_class_name' "
@@ -480,7 +481,7 @@ def read_model_folder(
     label = component or "the model"
     cls = model_class(library, class_name, label, where)
     if cls is None:
-        raise _fail(where, message=f"{library}.{class_name} is not a model class")
+        raise fail(where, message=f"{library}.{class_name} is not a model class")
     if component is None:
         component = _component_from(library, cls, config, folder, where)
     name = check_component_key(component, "--component")
@@ -503,7 +504,7 @@ def _component_from(
         name = folder.resolve().name
         if _KEY_RE.match(name) and not re.fullmatch(r"[0-9a-f]{16,}", name):
             return name
-    raise _fail(
+    raise fail(
         where, message="cannot tell which component this model is; name it with --component NAME"
     )
 
@@ -543,7 +544,7 @@ def naming_the_component(
             try:
                 plan_one(part)
             except ValueError:
-                raise _fail(
+                raise fail(
                     part.where, f"component {part.name!r} ({part.cls.__name__})", message=str(exc)
                 ) from None
         raise
