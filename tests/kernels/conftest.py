@@ -23,6 +23,11 @@ from pathlib import Path
 
 import pytest
 
+# torch's dynamo reads Triton's presence once, at its import (a stub's dtype among
+# its constant types breaks every later torch.compile in the process): imported
+# here, before any stub stands in for triton
+import torch._dynamo.utils  # noqa: F401  # isort: skip
+
 STUBS = Path(__file__).parent / "stubs"
 #: the top-level modules the distributions and stubs bring (purged between modules)
 PACKAGES = (
@@ -48,6 +53,20 @@ def _purge() -> None:
     for name in list(sys.modules):
         if name.split(".")[0] in PACKAGES:
             del sys.modules[name]
+    _forget_triton()
+
+
+def _forget_triton() -> None:
+    """Drop what torch cached about Triton while a stub stood in for it: its
+    ``torch.utils._triton`` probes (``has_triton_package``, ``has_triton``, ...)
+    are memoized, and a True cached under the stub makes every later
+    ``torch.compile`` in the process import ``triton.backends`` and fail."""
+    from torch.utils import _triton
+
+    for value in vars(_triton).values():
+        clear = getattr(value, "cache_clear", None)
+        if callable(clear):
+            clear()
 
 
 @contextmanager

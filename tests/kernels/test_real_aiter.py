@@ -43,11 +43,25 @@ def amd_aiter() -> Iterator[None]:
             yield
         finally:
             _stub_modules.uninstall()
+            _mend_op_names()
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def _mend_op_names() -> None:
+    """aiter's ``torch_guard`` passes ``define`` a schema already qualified
+    (``aiter::name(...)``), so its ``Library`` records ``aiter::aiter::name``,
+    which torch's clean-up of the library at interpreter exit cannot split (a
+    ``ValueError`` traceback after the run). The names are recorded as torch
+    records its own, so the clean-up runs; what the ops do is unchanged."""
+    for module in [sys.modules.get(n) for n in ("aiter.jit.utils.torch_guard", "torch_guard")]:
+        names = getattr(getattr(module, "aiter_lib", None), "_op_defs", None)
+        for name in [n for n in names or () if n.count("::") > 1]:
+            names.discard(name)
+            names.add(name.replace("aiter::aiter::", "aiter::", 1))
 
 
 def _adapters() -> tuple[Any, Any]:
