@@ -19,8 +19,10 @@ its own row (both against the same target):
   tokens of q, k and v are gathered, the kernel runs on them, and the output is
   scattered back. What this one cannot drop below, by definition: the baseline
   starts from tokens already packed, so the gather and the scatter (linear in
-  the tokens) are work only the padded side does: ~3.5% of this kernel on a
-  quiet machine.
+  the tokens, bound by memory bandwidth) are work only the padded side does.
+  An informational row measures that floor: the same copies written out by
+  hand around the same kernel, with none of the route's logic; the route row's
+  excess over it is what attnres adds.
 
 The mask is a self-attention mask that marks the padded queries (rows left and
 right padded), passed as the same tensor on every call, as every layer of one
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 from conftest import CLOCKS, paired
 from torch import Tensor
 
-from attnres._varlen import padded_kernel, unpad
+from attnres._varlen import pack, packing, pad, padded_kernel, unpad
 from attnres.kernels._common import VarlenAdapter
 
 if TYPE_CHECKING:
@@ -130,6 +132,9 @@ class Pair(NamedTuple):
     through_route: Callable[[], Tensor]
     packed_alone: Callable[[], Tensor]
     new_mask_each_call: Callable[[], Tensor]
+    #: the route's data movement written out with nothing else (gather route only:
+    #: pack q, k and v, the kernel, pad the output): the floor any gather route has
+    copies_alone: Callable[[], Tensor] | None = None
 
 
 def _pairs() -> dict[str, Pair]:
@@ -147,6 +152,13 @@ def _pairs() -> dict[str, Pair]:
     mask = valid[:, None, None, :] & valid[:, None, :, None]
     packed = [unpad(t, valid) for t in (q, k, v)]
     cu, longest = packed[0].cu_seqlens, packed[0].max_seqlen
+    kept = packing(valid, with_padded=True)  # as a kept mask plan holds it
+
+    def copies_alone() -> Tensor:
+        out = varlen_stand_in(
+            pack(q, kept), pack(k, kept), pack(v, kept), cu, cu, longest, longest, False, None
+        )
+        return pad(out, kept, BATCH, SEQ)
 
     def packed_alone() -> Tensor:
         return varlen_stand_in(
@@ -168,7 +180,10 @@ def _pairs() -> dict[str, Pair]:
             out = through_route()
             torch.testing.assert_close(out[valid], packed_alone(), rtol=0, atol=0)
             assert bool((out[~valid] == 0).all())
-        pairs[name] = Pair(through_route, packed_alone, new_mask_each_call)
+            if not seqused:
+                torch.testing.assert_close(copies_alone(), out, rtol=0, atol=0)
+        floor = None if seqused else copies_alone
+        pairs[name] = Pair(through_route, packed_alone, new_mask_each_call, floor)
     return pairs
 
 
@@ -262,6 +277,16 @@ def test_key_padding_route_vs_packed_tokens(
             )
             benchmark.extra_info[f"ratio_{route}_vs_packed"] = result.ratio
             benchmark.extra_info[f"min_ratio_{route}_vs_packed"] = result.min_ratio
+            if pair.copies_alone is not None:
+                floor = _measure(pair._replace(through_route=pair.copies_alone))
+                ratios.record(
+                    f"{name}, {route} route's copies written out alone (pack q, k, v; "
+                    f"kernel; pad) / kernel on packed tokens",
+                    floor.ratio,
+                    note=f"{floor.describe()}; {_ratios(floor)}; the floor of any gather "
+                    f"route on this machine: the route row's excess over it is attnres's",
+                )
+                benchmark.extra_info[f"ratio_{route}_copies_alone"] = floor.ratio
         for route, pair in pairs.items():
             first = _measure(pair._replace(through_route=pair.new_mask_each_call), ROUNDS // 3)
             ratios.record(
