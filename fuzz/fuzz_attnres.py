@@ -47,6 +47,7 @@ with atheris.instrument_imports(include=["attnres"]) if atheris else contextlib.
         AttnresError,
         BackendOptionError,
         FolderBuildError,
+        InvalidArgumentError,
         PipelineError,
         ResultsFileError,
         SequenceParallelArgumentError,
@@ -329,9 +330,10 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 }
 
 #: the error each entry point's documentation names for a refused input
-#: (docs/errors.md); ``ValueError`` only where the docs say "any other bad value"
-#: (a platform string, a dtype, a schedule's steps); a layout's degrees and head
-#: counts: ``SequenceParallelArgumentError`` (issue 32)
+#: (docs/errors.md): ``InvalidArgumentError`` where the docs say "any other bad
+#: value" (a platform string, a dtype, a schedule's steps; a schedule's unknown
+#: backend is ``UnknownBackendError``), never a plain ``ValueError``; a layout's
+#: degrees and head counts: ``SequenceParallelArgumentError`` (issue 32)
 ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "trace": (TraceFormatError,),
     "replay": (TraceFormatError,),
@@ -342,10 +344,10 @@ ERRORS: dict[str, tuple[type[BaseException], ...]] = {
     "results": (ResultsFileError,),
     "cli": (),
     "option": (BackendOptionError, UnknownBackendError),
-    "schedule": (ValueError,),
+    "schedule": (InvalidArgumentError, UnknownBackendError),
     "layout": (SequenceParallelArgumentError,),
-    "platform": (ValueError,),
-    "dtype": (ValueError,),
+    "platform": (InvalidArgumentError,),
+    "dtype": (InvalidArgumentError,),
 }
 
 
@@ -357,8 +359,8 @@ def run_one(target: Callable[[bytes], None], data: bytes) -> None:
     try:
         target(data)
     except allowed as exc:
-        if not isinstance(exc, AttnresError) and type(exc) is not ValueError:
-            raise  # a ValueError subclass that is not attnres's: Python's own
+        if not isinstance(exc, AttnresError):
+            raise  # every documented error is attnres's own: anything else escaped
         if "Exceeds the limit" in str(exc) or "invalid literal" in str(exc):
             raise  # Python's own int() message, escaped through a ValueError
 

@@ -93,6 +93,11 @@ class Hand(torch.nn.Module):
             s = s * 2.0
         elif case == "hook" and s.requires_grad:
             s.register_hook(lambda g: g * 0.5)
+        if case == "float32 softmax, values cast":
+            # issue 32 item 12's other form: the probabilities in float32 (as
+            # transformers' eager functions take them), the values cast to them
+            p = torch.softmax(s, dim=-1, dtype=torch.float32)
+            return torch.matmul(p, v.to(p.dtype)).to(v.dtype)
         p = torch.softmax(s, dim=-1)
         if case == "write after softmax":
             s.tril_()  # the probabilities were taken before
@@ -127,6 +132,7 @@ CASES = (
     "hook",
     "forward hook",
     "values cast",
+    "float32 softmax, values cast",
 )
 WRITTEN_BY_HAND = "softmax attention written by hand"
 
@@ -246,7 +252,14 @@ def test_a_by_hand_site_runs_its_own_code_and_says_why(case: str, flag: str, fac
 
 
 @pytest.mark.parametrize("facts", [False, True], ids=["first call", "planned"])
-@pytest.mark.parametrize("case", ["plain", "bool mask", "setitem", "mask changed after use"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain", "bool mask", "setitem", "mask changed after use",
+        # issue 32 item 12: values cast before p @ v (float16 here: a real cast)
+        "values cast", "float32 softmax, values cast",
+    ],
+)  # fmt: skip
 def test_the_stand_in_sage_kernel_too(case: str, facts: bool, varlen_fakes: Any) -> None:
     _check(case, SAGE, facts, grads=(False,))
 

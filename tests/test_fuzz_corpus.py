@@ -67,6 +67,19 @@ def test_a_target_accepts_only_its_documented_error() -> None:
         targets["schedule"] = raises(ValueError("Exceeds the limit (4300 digits)"))
         with pytest.raises(ValueError):
             fuzz.run_one(targets["schedule"], b"")  # type: ignore[attr-defined]
+        # the parsers whose docs say "any other bad value": InvalidArgumentError,
+        # not a plain ValueError (which these targets used to accept)
+        from attnres.errors import InvalidArgumentError, UnknownBackendError
+
+        for name in ("schedule", "platform", "dtype"):
+            targets[name] = raises(InvalidArgumentError(f"--{name}: bad"))
+            fuzz.run_one(targets[name], b"")  # type: ignore[attr-defined]
+            for exc in (ValueError("plain"), ValueError("math domain error")):
+                targets[name] = raises(exc)
+                with pytest.raises(ValueError):
+                    fuzz.run_one(targets[name], b"")  # type: ignore[attr-defined]
+        targets["schedule"] = raises(UnknownBackendError("step 0: nope", "nope", None))
+        fuzz.run_one(targets["schedule"], b"")  # type: ignore[attr-defined]
     finally:
         targets.clear()
         targets.update(saved)
