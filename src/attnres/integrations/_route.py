@@ -1212,26 +1212,34 @@ _NOT_OWN = frozenset(
 )
 
 
-class _Installed:
+class _Installed(functools.partial[Any]):
     """The instance ``forward`` :func:`install_route` sets: ``build(module, route)``,
-    called. Issue 30: a deep copy of the module builds its own at its first call
-    (a closure over the original would run the original's weights); pickling is
-    refused, typed (:func:`refuse_pickle`)."""
+    called. A ``functools.partial`` of it, so that a call reaches the built forward
+    from C with its arguments as given (a ``__call__`` written in Python repacks
+    them on every call, ``make bench``). Issue 30: a deep copy of the module builds
+    its own at its first call (a closure over the original would run the
+    original's weights); pickling is refused, typed (:func:`refuse_pickle`)."""
 
-    __slots__ = ("build", "fn", "lock", "module", "previous", "route")
+    module: Any
+    route: GenericRoute
+    build: Any
+    previous: Any
+    lock: threading.Lock
+    #: the built forward (``None``: a deep copy's, built at its first call)
+    fn: Any
 
-    def __init__(self, module: Any, route: GenericRoute, build: Any, previous: Any) -> None:
+    def __new__(cls, module: Any, route: GenericRoute, build: Any, previous: Any) -> _Installed:
+        fn = build(module, route)
+        self = super().__new__(cls, fn)
         self.module, self.route, self.build, self.previous = module, route, build, previous
-        self.lock = threading.Lock()
-        self.fn: Any = build(module, route)
+        self.lock, self.fn = threading.Lock(), fn
+        return self
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return (self.fn or self._rebuild())(*args, **kwargs)
-
-    def _rebuild(self) -> Any:
+    def _first_call(self, *args: Any, **kwargs: Any) -> Any:
+        """What a deep copy calls until its forward is built: it builds it, as at
+        install (the module's forward before the route's), and calls it from then on."""
         with self.lock:
             if self.fn is None:
-                # built as at install: the module's forward before the route's
                 own = self.module.__dict__
                 mine = own.pop("forward", None)
                 if self.previous is not None:
@@ -1240,20 +1248,32 @@ class _Installed:
                     self.fn = self.build(self.module, self.route)
                 finally:
                     own["forward"] = mine
-            return self.fn
+                self._point(self.fn)
+        return self.fn(*args, **kwargs)
+
+    def _point(self, fn: Any) -> None:
+        """Calls reach ``fn`` from now on (the partial's state: its function, no
+        argument bound, its attributes kept)."""
+        self.__setstate__((fn, (), None, self.__dict__))  # type: ignore[attr-defined]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Installed:
-        new = object.__new__(_Installed)
+        new = functools.partial.__new__(_Installed, _unbuilt)
         memo[id(self)] = new
         new.module = copy.deepcopy(self.module, memo)  # the copy (already in memo)
         new.route = copy.deepcopy(self.route, memo)
         new.build, new.fn, new.lock = self.build, None, threading.Lock()
         new.previous = copy.deepcopy(self.previous, memo)
         new.route.tie(new.module)
+        new._point(new._first_call)
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         refuse_pickle(self.route.where)
+
+
+def _unbuilt(*args: Any, **kwargs: Any) -> NoReturn:
+    """A deep copy's forward for the moment it is made (:meth:`_Installed._point`)."""
+    raise InvalidStateError("an installed route's forward was called before it was set")
 
 
 def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
