@@ -797,8 +797,10 @@ class GenericRoute:
                 scale=scale,
                 **extra,
             )
-        seq_first = [x.transpose(-3, -2) for x in (q4, k4, v4)]  # the kernels' layout
-        out = kernel(*seq_first, m4, is_causal, scale).transpose(-3, -2)
+        # the kernels' layout (batch, seq, heads, dim), with no list or unpacking per call
+        out = kernel(
+            q4.transpose(-3, -2), k4.transpose(-3, -2), v4.transpose(-3, -2), m4, is_causal, scale
+        ).transpose(-3, -2)
         return out.squeeze(-3) if flat else out
 
     def kernel_for(
@@ -816,22 +818,26 @@ class GenericRoute:
         """The kernel of this call's signature (``None``: the site's own code runs
         it), checked once per signature against the plan; every caller (stand-ins,
         the MHA route, the watch, attnres's transformers function) goes through it."""
+        # read once: the flag is process-wide (another thread compiling sets it), so
+        # the mask's branch and the lock's agree within one call
+        compiling = torch.compiler.is_compiling()
         # issue 30: the mask's kind is in the signature, so a later call with another
         # kind is checked, never run on the kernel of the first
         mask: Any = False
         if attn_mask is not None:
             refuse_integer_mask(attn_mask)  # issue 32 item 1: every call, whatever runs it
-            if torch.compiler.is_compiling():
+            if compiling:
                 mask = self.last_mask
                 if mask is None and self.planned is not None:
                     mask = (self.planned.mask.kind, self.planned.mask.causal)
             else:
                 mask = self.last_mask = mask_kind(q, k, attn_mask, heads_dim)
         # the layout of CallFacts.key, built with no object (it runs on every call,
-        # and is traced whole by torch.compile)
-        head_size = q.shape[-1]
+        # and is traced whole by torch.compile); each ``.shape`` builds a torch.Size
+        shape = q.shape
+        head_size = shape[-1]
         key = (
-            q.shape[heads_dim],
+            shape[heads_dim],
             k.shape[heads_dim],
             head_size,
             q.dtype,
@@ -842,7 +848,7 @@ class GenericRoute:
             weights,
             arguments,
         )
-        if torch.compiler.is_compiling():  # traced: no lock in a graph
+        if compiling:  # traced: no lock in a graph
             found = self.kernels.get(key, _UNSEEN)
         else:  # read under the lock _first_call writes under (issue 30: threads)
             with self._lock:
@@ -1206,26 +1212,34 @@ _NOT_OWN = frozenset(
 )
 
 
-class _Installed:
+class _Installed(functools.partial[Any]):
     """The instance ``forward`` :func:`install_route` sets: ``build(module, route)``,
-    called. Issue 30: a deep copy of the module builds its own at its first call
-    (a closure over the original would run the original's weights); pickling is
-    refused, typed (:func:`refuse_pickle`)."""
+    called. A ``functools.partial`` of it, so that a call reaches the built forward
+    from C with its arguments as given (a ``__call__`` written in Python repacks
+    them on every call, ``make bench``). Issue 30: a deep copy of the module builds
+    its own at its first call (a closure over the original would run the
+    original's weights); pickling is refused, typed (:func:`refuse_pickle`)."""
 
-    __slots__ = ("build", "fn", "lock", "module", "previous", "route")
+    module: Any
+    route: GenericRoute
+    build: Any
+    previous: Any
+    lock: threading.Lock
+    #: the built forward (``None``: a deep copy's, built at its first call)
+    fn: Any
 
-    def __init__(self, module: Any, route: GenericRoute, build: Any, previous: Any) -> None:
+    def __new__(cls, module: Any, route: GenericRoute, build: Any, previous: Any) -> _Installed:
+        fn = build(module, route)
+        self = super().__new__(cls, fn)
         self.module, self.route, self.build, self.previous = module, route, build, previous
-        self.lock = threading.Lock()
-        self.fn: Any = build(module, route)
+        self.lock, self.fn = threading.Lock(), fn
+        return self
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return (self.fn or self._rebuild())(*args, **kwargs)
-
-    def _rebuild(self) -> Any:
+    def _first_call(self, *args: Any, **kwargs: Any) -> Any:
+        """What a deep copy calls until its forward is built: it builds it, as at
+        install (the module's forward before the route's), and calls it from then on."""
         with self.lock:
             if self.fn is None:
-                # built as at install: the module's forward before the route's
                 own = self.module.__dict__
                 mine = own.pop("forward", None)
                 if self.previous is not None:
@@ -1234,20 +1248,32 @@ class _Installed:
                     self.fn = self.build(self.module, self.route)
                 finally:
                     own["forward"] = mine
-            return self.fn
+                self._point(self.fn)
+        return self.fn(*args, **kwargs)
+
+    def _point(self, fn: Any) -> None:
+        """Calls reach ``fn`` from now on (the partial's state: its function, no
+        argument bound, its attributes kept)."""
+        self.__setstate__((fn, (), None, self.__dict__))  # type: ignore[attr-defined]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Installed:
-        new = object.__new__(_Installed)
+        new = functools.partial.__new__(_Installed, _unbuilt)
         memo[id(self)] = new
         new.module = copy.deepcopy(self.module, memo)  # the copy (already in memo)
         new.route = copy.deepcopy(self.route, memo)
         new.build, new.fn, new.lock = self.build, None, threading.Lock()
         new.previous = copy.deepcopy(self.previous, memo)
         new.route.tie(new.module)
+        new._point(new._first_call)
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         refuse_pickle(self.route.where)
+
+
+def _unbuilt(*args: Any, **kwargs: Any) -> NoReturn:
+    """A deep copy's forward for the moment it is made (:meth:`_Installed._point`)."""
+    raise InvalidStateError("an installed route's forward was called before it was set")
 
 
 def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
@@ -1415,7 +1441,9 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     batch_first = bool(module.batch_first)
     heads = int(module.num_heads)
     size = int(module.head_dim)
+    at = 0 if batch_first else 1  # an unbatched call's batch dimension, added
 
+    # no closure over the call's arguments: its cells would be built on every call
     def forward(
         query: Any,
         key: Any,
@@ -1426,29 +1454,27 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> Any:
-        def own() -> Any:
-            return original(
+        if is_causal and attn_mask is None:  # torch says what is wrong with the call
+            return _mha_own(
+                original,
                 query,
                 key,
                 value,
-                key_padding_mask=key_padding_mask,
-                need_weights=need_weights,
-                attn_mask=attn_mask,
-                average_attn_weights=average_attn_weights,
-                is_causal=is_causal,
+                key_padding_mask,
+                need_weights,
+                attn_mask,
+                average_attn_weights,
+                is_causal,
             )
-
-        if is_causal and attn_mask is None:
-            return own()  # torch says what is wrong with the call
         batched = query.dim() == 3
-        at = 0 if batch_first else 1
         q_in, k_in, v_in, padding = query, key, value, key_padding_mask
         if not batched:
             q_in, k_in, v_in = q_in.unsqueeze(at), k_in.unsqueeze(at), v_in.unsqueeze(at)
             padding = None if padding is None else padding.unsqueeze(0)
         if not batch_first:
             q_in, k_in, v_in = q_in.transpose(0, 1), k_in.transpose(0, 1), v_in.transpose(0, 1)
-        n, seq_q = q_in.shape[0], q_in.shape[1]
+        shape = q_in.shape
+        n, seq_q = shape[0], shape[1]
         seq_kv = k_in.shape[1]
         dropout_p = module.dropout if module.training else 0.0
         causal = bool(is_causal) and padding is None and not need_weights
@@ -1462,15 +1488,37 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
                 heads, heads, size, dtype, MaskFacts(False), False, False, bool(dropout_p), True
             )
             if route.kernels.get(seen.key(), _UNSEEN) is None:
-                return own()
+                return _mha_own(
+                    original,
+                    query,
+                    key,
+                    value,
+                    key_padding_mask,
+                    need_weights,
+                    attn_mask,
+                    average_attn_weights,
+                    is_causal,
+                )
         q, k, v = _mha_projections(module, q_in, k_in, v_in)
-        mask = None if causal else _mha_mask(attn_mask, padding, n, heads, seq_q, seq_kv, q.dtype)
+        mask = None
+        if not causal and (attn_mask is not None or padding is not None):
+            mask = _mha_mask(attn_mask, padding, n, heads, seq_q, seq_kv, q.dtype)
         q = q.view(n, seq_q, heads, size)
         k = k.view(n, seq_kv, heads, size)
         v = v.view(n, seq_kv, heads, size)
         kernel = route.kernel_for(q, k, mask, dropout_p, causal, None, -2, bool(need_weights))
         if kernel is None:
-            return own()
+            return _mha_own(
+                original,
+                query,
+                key,
+                value,
+                key_padding_mask,
+                need_weights,
+                attn_mask,
+                average_attn_weights,
+                is_causal,
+            )
         if need_weights:
             raise AssertionError("a call that returns its weights runs its own path only")
         out = kernel(q, k, v, mask, causal, None).reshape(n, seq_q, heads * size)
@@ -1482,3 +1530,27 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
         return out, None
 
     return forward
+
+
+def _mha_own(
+    original: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    key_padding_mask: Any,
+    need_weights: bool,
+    attn_mask: Any,
+    average_attn_weights: bool,
+    is_causal: bool,
+) -> Any:
+    """The module's own ``forward`` with a call's arguments (:func:`mha_forward`)."""
+    return original(
+        query,
+        key,
+        value,
+        key_padding_mask=key_padding_mask,
+        need_weights=need_weights,
+        attn_mask=attn_mask,
+        average_attn_weights=average_attn_weights,
+        is_causal=is_causal,
+    )
