@@ -168,3 +168,19 @@ def test_rule_late_binding_a_pending_layer_inside_torch_compile_says_bind_first(
     torch._dynamo.reset()
     attnres.bind(layer)
     torch.testing.assert_close(compiled(q, k, v), layer(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_a_pending_layer_binds_eagerly_while_another_thread_compiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``torch.compiler.is_compiling()`` is process-wide (true while any thread
+    compiles): a pending layer's eager first call in another thread binds as
+    usual instead of refusing as if it were inside a graph."""
+    layer = Attention(4, HEAD_SIZE, name="attn1")
+    q, k, v, _ = _inputs(Case("self"))
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling()
+    out = layer(q, k, v)
+    monkeypatch.undo()
+    assert not layer.pending
+    torch.testing.assert_close(out, layer(q, k, v), rtol=0, atol=0)

@@ -898,7 +898,7 @@ class Attention(FastCallModule):
     def _first_forward(self, q: Tensor) -> None:
         if self._binding is not None:  # another thread bound it meanwhile
             return
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():  # this code traced (not another thread)
             raise CompiledGraphError(
                 f"attnres.Attention{_named(self.layer_spec)} is still pending (built without "
                 f"dtype, never cast or bound) inside torch.compile: call attnres.bind(model) "

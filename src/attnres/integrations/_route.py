@@ -818,9 +818,9 @@ class GenericRoute:
         """The kernel of this call's signature (``None``: the site's own code runs
         it), checked once per signature against the plan; every caller (stand-ins,
         the MHA route, the watch, attnres's transformers function) goes through it."""
-        # read once: the flag is process-wide (another thread compiling sets it), so
-        # the mask's branch and the lock's agree within one call
-        compiling = torch.compiler.is_compiling()
+        # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag, true
+        # in this thread's eager calls while another thread compiles (as modules.py)
+        compiling = torch.compiler.is_dynamo_compiling()
         # issue 30: the mask's kind is in the signature, so a later call with another
         # kind is checked, never run on the kernel of the first
         mask: Any = False
@@ -941,7 +941,7 @@ class GenericRoute:
         return dispatch
 
     def _first_call(self, facts: CallFacts) -> _KernelFn | None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():  # this code traced (not another thread)
             raise CompiledGraphError(
                 f"{self.where} met a call its plan did not describe "
                 f"({', '.join(facts.differences(self.planned))}) inside torch.compile: run the "
