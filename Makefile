@@ -279,9 +279,14 @@ test-oldest: $(OLDEST_STAMP)
 # own; every other install there is constrained to that torch, so the extras' newest
 # diffusers and transformers come with it. PyPI's Linux wheel of torch 2.6.0 is its
 # CUDA build (about 5 GB with its nvidia packages; it runs on the CPU too). Not part
-# of make test: about 20 minutes on 2 busy cores, plus the install the first time.
+# of make test: about 9 minutes on 2 busy cores (3,393 tests,
+# measured), plus about 2 minutes of install the first time. One file is left out: tests/kernels/
+# test_real_xformers.py runs xformers 0.0.35's own Python layer (KERNEL_DISTS), which
+# declares torch>=2.10 and refuses 2.6 at its import ("doesnt have a compatible
+# aten::_flash_attention_forward schema"): pip never installs the two together.
 FLOOR_VENV ?= .venv-floor
 FLOOR_TORCH_SPEC ?= torch==2.6.0
+FLOOR_SLICE ?= --ignore=tests/kernels/test_real_xformers.py
 FPY := $(FLOOR_VENV)/bin/python
 FPIP := $(FPY) -m pip --disable-pip-version-check -q
 FLOOR_STAMP := $(FLOOR_VENV)/.attnres-floor
@@ -296,7 +301,8 @@ $(FLOOR_STAMP): pyproject.toml
 test-floor: $(FLOOR_STAMP) $(KERNELS_STAMP)
 	@$(FPY) -c "import diffusers, torch, transformers as t; \
 		print('== the floor: torch', torch.__version__, 'transformers', t.__version__, 'diffusers', diffusers.__version__)"
-	$(KERNELS_RUN) $(FPY) -m pytest -n $(TEST_WORKERS) --benchmark-disable -p no:cacheprovider $(PYTEST_ARGS)
+	$(KERNELS_RUN) $(FPY) -m pytest -n $(TEST_WORKERS) --benchmark-disable -p no:cacheprovider \
+		$(FLOOR_SLICE) $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(PY) scripts/gen_state_diagram.py --write
