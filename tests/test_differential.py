@@ -84,7 +84,8 @@ class Hand(torch.nn.Module):
         elif case == "mask changed after use":
             bias = self.bias.clone()
             s = s + bias
-            bias[..., 0] = -1e9
+            # the dtype's own minimum: torch 2.6 refuses -1e9 into float16 (overflow)
+            bias[..., 0] = torch.finfo(bias.dtype).min
         elif case == "buffer changed after use":
             s = s + self.bias
             self.bias.add_(1.0)

@@ -111,6 +111,46 @@ def test_a_missing_extra_says_which_to_install(
     assert "bug in attnres" not in err
 
 
+class _BrokenAtImport:
+    """A meta path finder under which importing ``name`` raises what diffusers 0.42
+    raises on torch 2.5: not an ImportError, an AttributeError from inside its import."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname == self.name:
+            raise AttributeError("module 'torch' has no attribute 'accelerator'")
+
+
+@pytest.mark.parametrize("library", ["diffusers", "transformers"])
+def test_a_library_that_fails_at_import_is_a_user_error_naming_the_versions(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    library: str,
+) -> None:
+    from importlib import metadata
+
+    from attnres._torch_floor import MIN_TORCH, installed_torch
+    from attnres.integrations._plan import SUPPORTED_VERSIONS
+
+    folder = tiny_folder(tmp_path / "pipe")
+    monkeypatch.delitem(sys.modules, library, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenAtImport(library), *sys.meta_path])
+    assert main(["plan", str(folder), "--platform", "cpu"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "bug in attnres" not in err
+    # what failed, which versions are there and which are supported, what to do
+    assert f"needs {library}, which does not import here" in err
+    assert "AttributeError: module 'torch' has no attribute 'accelerator'" in err
+    assert f"installed: {library} {metadata.version(library)}, torch {installed_torch()}" in err
+    low, high = SUPPORTED_VERSIONS[library]
+    floor = f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}"
+    assert f"supports {library}>={low},<{high} with {floor}" in err
+    assert f"pip install 'attnres[{library}]'" in err
+
+
 # -- item 9: the dtype from the files from_pretrained loads ---------------------------------
 
 

@@ -6,6 +6,9 @@ The public surface is this module's ``__all__``; see ``docs/index.md``.
 import logging as _logging
 from typing import TYPE_CHECKING, Any
 
+# first, before anything imports torch: importing it refuses a torch older than
+# attnres supports, naming the version found and the one required
+from attnres._torch_floor import MIN_TORCH as _MIN_TORCH  # noqa: F401
 from attnres._vocab import Role
 from attnres.backends import Backend, BackendSpec, register_backend, unregister_backend
 from attnres.errors import (

@@ -292,7 +292,9 @@ class UnsupportedVersionError(AttnresError, ImportError):
     """An integration's library is installed at a version outside the range
     attnres declares for it (the ``diffusers`` and ``transformers`` extras):
     ``apply`` refuses it rather than half-work against code it was not written
-    for. An ``ImportError``, as for a kernel package of the wrong build.
+    for; or torch is older than attnres's floor (``import attnres`` refuses it,
+    :mod:`attnres._torch_floor`). An ``ImportError``, as for a kernel package of
+    the wrong build.
     ``.package``, ``.installed`` and ``.supported`` (the range, as the extra
     declares it) are attached."""
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata as metadata
 import json
 import math
 import re
@@ -46,7 +47,9 @@ from attrs import define
 
 from attnres._codec import located
 from attnres._files import read_json, read_safetensors_header
+from attnres._torch_floor import MIN_TORCH, installed_torch
 from attnres.errors import FolderBuildError
+from attnres.integrations._plan import SUPPORTED_VERSIONS
 from attnres.layer import MAX_HEAD_SIZE
 
 __all__ = [
@@ -356,6 +359,21 @@ def read_config(path: Path, what: str = "config file") -> dict[str, Any]:
     return doc
 
 
+def _versions(library: str) -> str:
+    """What is installed of ``library`` and torch against what attnres supports, and
+    what to do: the tail of the error for a governed library that does not import."""
+    try:
+        found = f"{library} {metadata.version(library)}"
+    except metadata.PackageNotFoundError:
+        found = f"no {library}"
+    low, high = SUPPORTED_VERSIONS[library]
+    return (
+        f"installed: {found}, torch {installed_torch() or 'none'}; attnres[{library}] "
+        f"supports {library}>={low},<{high} with torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}: "
+        f"install them with: pip install 'attnres[{library}]'"
+    )
+
+
 def model_class(library: str, class_name: object, component: str, where: str) -> type | None:
     """The model class ``library.class_name``, or ``None`` when it is exported but
     is not a model (a tokenizer, a scheduler, a feature extractor)."""
@@ -364,12 +382,11 @@ def model_class(library: str, class_name: object, component: str, where: str) ->
         raise fail(where, named, message=f"{str(class_name)[:80]!r} is not a class name")
     try:
         module = importlib.import_module(library)
-    except ImportError as exc:
+    except Exception as exc:  # absent, or broken at import (diffusers 0.42 on torch 2.5)
         raise fail(
             where,
             message=f"component {component!r} is a {library} {class_name}; planning it needs "
-            f"{library}, which does not import here ({one_line(exc)}); install it with: "
-            f"pip install 'attnres[{library}]'",
+            f"{library}, which does not import here ({one_line(exc)}); {_versions(library)}",
         ) from None
     base = module.ModelMixin if library == "diffusers" else module.PreTrainedModel
     try:
