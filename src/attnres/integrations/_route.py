@@ -1443,31 +1443,20 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     size = int(module.head_dim)
     at = 0 if batch_first else 1  # an unbatched call's batch dimension, added
 
-    # no closure over the call's arguments: its cells would be built on every call
-    def forward(
+    def routed(
         query: Any,
         key: Any,
         value: Any,
-        key_padding_mask: Any = None,
-        need_weights: bool = True,
-        attn_mask: Any = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
+        padding: Any,
+        need_weights: bool,
+        attn_mask: Any,
+        is_causal: bool,
     ) -> Any:
+        """The call on the decided kernel, or ``None`` where the module's own path runs it."""
         if is_causal and attn_mask is None:  # torch says what is wrong with the call
-            return _mha_own(
-                original,
-                query,
-                key,
-                value,
-                key_padding_mask,
-                need_weights,
-                attn_mask,
-                average_attn_weights,
-                is_causal,
-            )
+            return None
         batched = query.dim() == 3
-        q_in, k_in, v_in, padding = query, key, value, key_padding_mask
+        q_in, k_in, v_in = query, key, value
         if not batched:
             q_in, k_in, v_in = q_in.unsqueeze(at), k_in.unsqueeze(at), v_in.unsqueeze(at)
             padding = None if padding is None else padding.unsqueeze(0)
@@ -1488,17 +1477,7 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
                 heads, heads, size, dtype, MaskFacts(False), False, False, bool(dropout_p), True
             )
             if route.kernels.get(seen.key(), _UNSEEN) is None:
-                return _mha_own(
-                    original,
-                    query,
-                    key,
-                    value,
-                    key_padding_mask,
-                    need_weights,
-                    attn_mask,
-                    average_attn_weights,
-                    is_causal,
-                )
+                return None
         q, k, v = _mha_projections(module, q_in, k_in, v_in)
         mask = None
         if not causal and (attn_mask is not None or padding is not None):
@@ -1508,17 +1487,7 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
         v = v.view(n, seq_kv, heads, size)
         kernel = route.kernel_for(q, k, mask, dropout_p, causal, None, -2, bool(need_weights))
         if kernel is None:
-            return _mha_own(
-                original,
-                query,
-                key,
-                value,
-                key_padding_mask,
-                need_weights,
-                attn_mask,
-                average_attn_weights,
-                is_causal,
-            )
+            return None
         if need_weights:
             raise AssertionError("a call that returns its weights runs its own path only")
         out = kernel(q, k, v, mask, causal, None).reshape(n, seq_q, heads * size)
@@ -1529,28 +1498,30 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
             out = out.squeeze(at)
         return out, None
 
+    # the call's arguments pass on as values (a closure over them would build its
+    # cells on every call)
+    def forward(
+        query: Any,
+        key: Any,
+        value: Any,
+        key_padding_mask: Any = None,
+        need_weights: bool = True,
+        attn_mask: Any = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> Any:
+        out = routed(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        if out is not None:
+            return out
+        return original(
+            query,
+            key,
+            value,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
+
     return forward
-
-
-def _mha_own(
-    original: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    key_padding_mask: Any,
-    need_weights: bool,
-    attn_mask: Any,
-    average_attn_weights: bool,
-    is_causal: bool,
-) -> Any:
-    """The module's own ``forward`` with a call's arguments (:func:`mha_forward`)."""
-    return original(
-        query,
-        key,
-        value,
-        key_padding_mask=key_padding_mask,
-        need_weights=need_weights,
-        attn_mask=attn_mask,
-        average_attn_weights=average_attn_weights,
-        is_causal=is_causal,
-    )
