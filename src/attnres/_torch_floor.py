@@ -18,10 +18,10 @@ stay fast), so the version is read from torch's installed metadata, or from
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import re
 import sys
 from typing import Final
 
+from attnres._vocab import release
 from attnres.errors import UnsupportedVersionError
 
 __all__ = ["MIN_TORCH", "check_torch", "installed_torch"]
@@ -48,8 +48,8 @@ def check_torch(version: str | None = None) -> None:
     :data:`MIN_TORCH`; ``version`` defaults to :func:`installed_torch`. A version
     string that does not start with ``MAJOR.MINOR`` is left alone."""
     found = installed_torch() if version is None else version
-    release = re.match(r"(\d+)\.(\d+)", found or "")
-    if release is None or (int(release[1]), int(release[2])) >= MIN_TORCH:
+    numbers = release(found or "")
+    if len(numbers) < 2 or numbers[:2] >= MIN_TORCH:
         return
     supported = f">={MIN_TORCH[0]}.{MIN_TORCH[1]}"
     raise UnsupportedVersionError(

@@ -25,6 +25,7 @@ __all__ = [
     "Role",
     "normalize_component",
     "normalize_dtype",
+    "release",
 ]
 
 
@@ -207,3 +208,11 @@ def normalize_component(name: str) -> str:
     per-component flag, the config) uses it, so the spellings cannot disagree.
     """
     return _COMPONENT_SEPARATORS.sub("_", name.strip().lower())
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release a version string starts with (``"4.0.0b36"`` -> ``(4, 0,
+    0)``, ``"v0.5.23.post1"`` -> ``(0, 5, 23)``; ``()`` for one that does not start
+    with a number, such as ``"simulated"``): how every version attnres compares is read."""
+    found = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
+    return tuple(int(p) for p in found.group(1).split(".")) if found else ()

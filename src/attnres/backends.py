@@ -31,6 +31,7 @@ from attnres._vocab import (
     MaskKind,
     MaskRoute,
     Requirement,
+    release,
 )
 from attnres.errors import (
     ArgumentTypeError,
@@ -625,13 +626,6 @@ def _option_limits(value: Iterable[OptionLimit]) -> tuple[OptionLimit, ...]:
     return _records(value, OptionLimit, "option_limits")
 
 
-def _release(text: str) -> tuple[int, ...]:
-    """The numeric release of a version (``"4.0.0b36"`` -> ``(4, 0, 0)``; ``()``
-    for one that does not start with a number, such as ``"simulated"``)."""
-    m = re.match(r"v?(\d+(?:\.\d+)*)", text.strip())
-    return tuple(int(p) for p in m.group(1).split(".")) if m else ()
-
-
 #: The :class:`BackendSpec` fields a :class:`KernelFacts` may replace.
 _VARIANT_FIELDS = frozenset(
     {
@@ -700,12 +694,12 @@ class KernelFacts:
         if self.distribution is not None:
             if distribution is None or _key(distribution) != _key(self.distribution):
                 return False
-            release = _release(version or "")
-            if not release and (self.since or self.before):
+            found = release(version or "")
+            if not found and (self.since or self.before):
                 return False
-            if self.since is not None and release < _release(self.since):
+            if self.since is not None and found < release(self.since):
                 return False
-            if self.before is not None and release >= _release(self.before):
+            if self.before is not None and found >= release(self.before):
                 return False
         if self.capabilities is not None:
             return kind == "cuda" and capability is not None and self.capabilities.fits(capability)

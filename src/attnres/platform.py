@@ -36,7 +36,7 @@ import attrs
 from attrs import field, frozen
 
 from attnres._states import PackageStatus
-from attnres._vocab import PLATFORM_KINDS
+from attnres._vocab import PLATFORM_KINDS, release
 from attnres.backends import (
     Backend,
     BackendSpec,
@@ -400,12 +400,8 @@ class Platform:
         return fact.distribution, fact.version
 
     def torch_at_least(self, version: tuple[int, int]) -> bool | None:
-        if not self.torch_version:
-            return None
-        m = re.match(r"(\d+)\.(\d+)", self.torch_version)
-        if not m:
-            return None
-        return (int(m.group(1)), int(m.group(2))) >= version
+        numbers = release(self.torch_version or "")
+        return None if len(numbers) < 2 else numbers[:2] >= version
 
     def device(self) -> str:
         """The device in words: kind, then capability or arch, then (detected

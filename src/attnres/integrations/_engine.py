@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
-import re
 import sys
 import threading
 import types
@@ -27,6 +26,7 @@ from attrs import define, field, frozen
 
 from attnres._profile import UNOBSERVED
 from attnres._states import Event
+from attnres._vocab import release as _release
 from attnres.backends import (
     Backend,
     BackendSpec,
@@ -82,9 +82,9 @@ class Engine:
 
 
 def release(version: str) -> tuple[int, ...] | None:
-    """The numeric release of a version string (``0.5.23.post1`` -> ``(0, 5, 23)``)."""
-    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
-    return None if match is None else tuple(int(n) for n in match.group(1).split("."))
+    """The numeric release of a version string (``0.5.23.post1`` -> ``(0, 5, 23)``;
+    :func:`attnres._vocab.release`), ``None`` for one that is not a version."""
+    return _release(version) or None
 
 
 def why(exc: BaseException) -> str:

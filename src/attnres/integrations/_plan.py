@@ -14,7 +14,6 @@ or transformers.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ from attrs import evolve, field, frozen
 from attnres import audit as _audit
 from attnres._states import Origin, RouteKind, SiteCode, Status
 from attnres._varlen import check_layer_options
-from attnres._vocab import Role
+from attnres._vocab import Role, release
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import (  # all in errors
     BackendOptionError,
@@ -355,12 +354,6 @@ SUPPORTED_VERSIONS: dict[str, tuple[str, str]] = {
 }
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """The release numbers a version string starts with (``5.24.0.dev0`` -> 5, 24, 0)."""
-    found = re.match(r"\d+(?:\.\d+)*", version.strip())
-    return tuple(int(p) for p in found.group(0).split(".")) if found else ()
-
-
 def check_version(module: Any) -> None:
     """Refuse, typed, the library ``module`` (the package an integration imported)
     at a version outside :data:`SUPPORTED_VERSIONS` (its ``__version__``): its
@@ -370,8 +363,8 @@ def check_version(module: Any) -> None:
     package = module.__name__
     low, high = SUPPORTED_VERSIONS[package]
     installed = str(getattr(module, "__version__", "unknown"))
-    release = _release(installed)
-    if release and _release(low) <= release < _release(high):
+    found = release(installed)
+    if found and release(low) <= found < release(high):
         return
     supported = f">={low},<{high}"
     raise UnsupportedVersionError(
