@@ -1225,31 +1225,27 @@ class _Installed(functools.partial[Any]):
     build: Any
     previous: Any
     lock: threading.Lock
-    #: the built forward (``None``: a deep copy's, built at its first call)
-    fn: Any
 
     def __new__(cls, module: Any, route: GenericRoute, build: Any, previous: Any) -> _Installed:
-        fn = build(module, route)
-        self = super().__new__(cls, fn)
+        self = super().__new__(cls, build(module, route))
         self.module, self.route, self.build, self.previous = module, route, build, previous
-        self.lock, self.fn = threading.Lock(), fn
+        self.lock = threading.Lock()
         return self
 
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
         """What a deep copy calls until its forward is built: it builds it, as at
         install (the module's forward before the route's), and calls it from then on."""
         with self.lock:
-            if self.fn is None:
+            if self.func == self._first_call:  # not built yet (another thread may have)
                 own = self.module.__dict__
                 mine = own.pop("forward", None)
                 if self.previous is not None:
                     own["forward"] = self.previous
                 try:
-                    self.fn = self.build(self.module, self.route)
+                    self._point(self.build(self.module, self.route))
                 finally:
                     own["forward"] = mine
-                self._point(self.fn)
-        return self.fn(*args, **kwargs)
+        return self.func(*args, **kwargs)
 
     def _point(self, fn: Any) -> None:
         """Calls reach ``fn`` from now on (the partial's state: its function, no
@@ -1261,7 +1257,7 @@ class _Installed(functools.partial[Any]):
         memo[id(self)] = new
         new.module = copy.deepcopy(self.module, memo)  # the copy (already in memo)
         new.route = copy.deepcopy(self.route, memo)
-        new.build, new.fn, new.lock = self.build, None, threading.Lock()
+        new.build, new.lock = self.build, threading.Lock()
         new.previous = copy.deepcopy(self.previous, memo)
         new.route.tie(new.module)
         new._point(new._first_call)
