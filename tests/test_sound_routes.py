@@ -554,3 +554,40 @@ def test_a_rebound_forward_sees_a_global_reassigned_after_apply(
     del holder, route
     gc.collect()  # dropped without remove(): the names go with the module
     assert added and not any(key in globals() for key in added)
+
+
+# -- a name the code reads both as a global and as an attribute --------------------------------
+
+nn = torch.nn  # a module global named as torch's attribute is (transformers' SAM, Falcon)
+
+
+class _Spelled(torch.nn.Module):
+    """Calls SDPA as ``torch.nn.functional.scaled_dot_product_attention`` in a module
+    that also holds ``nn`` as a global: ``nn`` is read as an attribute there."""
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+def test_a_global_the_code_also_reads_as_an_attribute_is_rebound_not_moded() -> None:
+    """Only what the code loads as a global is stood in (``torch``), so its copy is
+    rebound; before, ``nn`` (an attribute there, a global here) made the copy
+    impossible and the site ran under the per-call mode (416 sweep sites: SAM,
+    Falcon, Granite Speech, Data2Vec vision)."""
+    from attnres.integrations import _route
+
+    site, q = _Spelled(), torch.randn(1, 2, 5, 4)
+    want = site(q)
+    route = _Recording()
+    route.homes = []  # type: ignore[attr-defined]
+    _route.install_route(site, route)  # type: ignore[arg-type]
+    try:
+        forward = site.__dict__["forward"]
+        assert forward.func.__func__.__code__ is not _Spelled.forward.__code__  # a copy
+        assert forward.func.__func__.__code__.co_code == _Spelled.forward.__code__.co_code
+        assert torch.equal(site(q), want)
+        assert route.seen == [(1, 2, 5, 4)]  # its call reached the route
+    finally:
+        _route.remove_route(site)
+        _route._forget_homes(route.homes)  # type: ignore[attr-defined]
+    assert torch.equal(site(q), want) and route.seen == [(1, 2, 5, 4)]

@@ -1089,7 +1089,9 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     names = {name for c in _codes(code) for name in c.co_names}
     glob = func.__globals__
     subs: dict[str, Any] = {}
-    for name in names:
+    # only what the code loads as a global is stood in: a name it also reads as an
+    # attribute on the way (``torch.nn.functional``) stays as it is
+    for name in _loaded_globals(code):
         value = glob.get(name)
         shim = _stand_in(value, names, route)
         if shim is not None:
@@ -1119,6 +1121,15 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     copy_.__qualname__ = func.__qualname__
     copy_.__doc__ = func.__doc__
     return copy_
+
+
+def _loaded_globals(code: types.CodeType) -> set[str]:
+    return {
+        ins.argval
+        for c in _codes(code)
+        for ins in dis.get_instructions(c)
+        if ins.opname == "LOAD_GLOBAL"
+    }
 
 
 def _globals_only(code: types.CodeType, names: dict[str, Any]) -> bool:
