@@ -293,15 +293,6 @@ def _parameters(function: Any) -> frozenset[str]:
     return frozenset(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
 
 
-def _code_words(code: types.CodeType, out: set[str]) -> None:
-    out.update(code.co_varnames, code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            _code_words(const, out)
-        elif isinstance(const, tuple):  # the keyword names of a call
-            out.update(c for c in const if isinstance(c, str))
-
-
 def passes_masks(model: Any) -> bool:
     """Whether ``model``'s own code (the methods of its classes defined where it is,
     and its ``forward`` wherever that is defined: DreamLite's UNet inherits
@@ -313,8 +304,11 @@ def passes_masks(model: Any) -> bool:
     own = [v for c in type(model).__mro__ if c.__module__ == home for v in vars(c).values()]
     for value in [type(model).forward, *own]:
         code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
-        if isinstance(code, types.CodeType):
-            _code_words(code, words)
+        for inner in _route._codes(code) if isinstance(code, types.CodeType) else ():
+            words.update(inner.co_varnames, inner.co_names)
+            for const in inner.co_consts:
+                if isinstance(const, tuple):  # the keyword names of a call
+                    words.update(c for c in const if isinstance(c, str))
     return any(w.endswith("mask") for w in words)
 
 
@@ -586,12 +580,7 @@ def _describe(
                 else Backend("torch_sdpa")
             ),
             kind=RouteKind.INTERCEPT,
-            why=None
-            if facts is not None
-            else (
-                f"{cls} holds no head count and head size; they are read from the query, "
-                f"key and value of its first call"
-            ),
+            why=None if facts is not None else _tf.first_call_why(cls, by_hand=False),
         )
     if _XFORMERS_CALL in names:
         only = Backend("xformers")
@@ -612,10 +601,7 @@ def _describe(
             supported=frozenset({_EAGER}),
             current=_EAGER,
             kind=RouteKind.OWN_CODE,
-            why=None
-            if facts is not None
-            else f"{cls} holds no head count or head size; they are read from the query "
-            f"and key of the scores product its first call computes",
+            why=None if facts is not None else _tf.first_call_why(cls, by_hand=True),
         )
     return site(
         route=f"own code in {owner}",
@@ -976,7 +962,7 @@ def verify(pipe: Any) -> list[Problem]:
     problems: list[Problem] = []
     for _, model in _components(pipe):
         for _, inner in _transformers_models(model):
-            problems += _tf.verify_model(inner)
+            problems += _tf.verify(inner)
         if _tf.is_transformers_model(model):
             continue
         fallback = normalize_dtype(getattr(model, "dtype", torch.float32))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import dis
 import functools
-import math
 import sys
 import types
 import weakref
@@ -159,31 +158,24 @@ def _clip_requirements(module: Any) -> Requirements:
 
 @attrs.frozen
 class _Fact:
-    """One attention class's role and requirements (``why``: what code cannot tell)."""
+    """One attention class's role and requirements."""
 
     role: Callable[[str, Any], Role]
     requirements: Callable[[Any], Requirements]
-    why: str
 
 
 #: the facts of every class not in :data:`_CLASS_FACTS`: read from the module
-_OBSERVED = _Fact(_self, _observed_requirements, "")
-_T5 = _Fact(
-    _t5_role,
-    _t5_requirements,
-    "T5 always passes its float position bias as the mask; its cross-attention is "
-    "told only by its place (EncDecAttention)",
-)
+_OBSERVED = _Fact(_self, _observed_requirements)
+#: T5 always passes its float position bias as the mask; its cross-attention is
+#: told only by its place (EncDecAttention)
+_T5 = _Fact(_t5_role, _t5_requirements)
 
 #: module class name -> the facts its code does not tell before the call,
 #: checked against transformers 5.24 (every other fact is read from the module)
 _CLASS_FACTS: Mapping[str, _Fact] = MappingProxyType(
     {
-        "CLIPAttention": _Fact(
-            _self,
-            _clip_requirements,
-            "is_causal is False on the module: the text model passes causal per call",
-        ),
+        # is_causal is False on the module: the text model passes causal per call
+        "CLIPAttention": _Fact(_self, _clip_requirements),
         "T5Attention": _T5,
         "UMT5Attention": _T5,
     }
@@ -352,8 +344,7 @@ def custom_scale(scale: object, head_size: int) -> bool:
     """Whether a softmax scale differs from the default 1/sqrt(head size)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         return False
-    default = 1.0 / math.sqrt(head_size)
-    return abs(float(scale) - default) > 1e-6 * default
+    return _route._custom(scale, head_size)
 
 
 def _with_call_facts(
@@ -609,15 +600,20 @@ def _describe_own(
         current=own,
         pending=facts is None,
         kind=RouteKind.INTERCEPT if calls_sdpa else RouteKind.OWN_CODE,
-        why=None
-        if facts is not None
-        else (
-            f"{cls} holds no head count and head size; they are read from the query, key "
-            f"and value of its first call"
-            if calls_sdpa
-            else f"{cls} holds no head count or head size; they are read from the query "
+        why=None if facts is not None else first_call_why(cls, by_hand=not calls_sdpa),
+    )
+
+
+def first_call_why(cls: str, *, by_hand: bool) -> str:
+    """Why a site of class ``cls`` holding no head facts is decided at its first call."""
+    if by_hand:
+        return (
+            f"{cls} holds no head count or head size; they are read from the query "
             f"and key of the scores product its first call computes"
-        ),
+        )
+    return (
+        f"{cls} holds no head count and head size; they are read from the query, key "
+        f"and value of its first call"
     )
 
 
@@ -1092,10 +1088,6 @@ def verify(model: Any) -> list[Problem]:
         for name, (component, module) in model.__dict__.get(_ROUTED_ATTR, {}).items()
         if _route.installed_route(module) is None
     ]
-
-
-#: what the diffusers integration calls for a transformers model it holds
-verify_model = verify
 
 
 def routes(model: Any) -> dict[str, _route.GenericRoute]:
