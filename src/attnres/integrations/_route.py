@@ -787,16 +787,7 @@ class GenericRoute:
                 m4 = attn_mask.unsqueeze(-3)
         kernel = self.kernel_for(q4, k4, m4, dropout_p, is_causal, scale, -3)
         if kernel is None:
-            return _SDPA(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=scale,
-                **extra,
-            )
+            return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **extra)
         # the kernels' layout (batch, seq, heads, dim), with no list or unpacking per call
         out = kernel(
             q4.transpose(-3, -2), k4.transpose(-3, -2), v4.transpose(-3, -2), m4, is_causal, scale
@@ -912,31 +903,18 @@ class GenericRoute:
             dropout_p: float = 0.0,
             is_causal: bool = False,
             scale: float | None = None,
-            enable_gqa: bool = False,
-            attention_kwargs: Any = None,
+            *args: Any,
             **rest: Any,
         ) -> Any:
-            given = attn_mask
-            attn_mask = dispatcher_mask(attn_mask, query, key)
-            kernel = self.kernel_for(query, key, attn_mask, dropout_p, is_causal, scale, -2)
-            if kernel is None:
-                attn_mask = given  # diffusers' own backend reads its own forms
+            mask = dispatcher_mask(attn_mask, query, key)
+            kernel = self.kernel_for(query, key, mask, dropout_p, is_causal, scale, -2)
+            if kernel is None:  # diffusers' own backend reads the mask in its own forms
                 if self.dispatch_sdpa is not None:
                     rest["backend"] = self.dispatch_sdpa
                 return original(
-                    query,
-                    key,
-                    value,
-                    attn_mask,
-                    dropout_p,
-                    is_causal,
-                    scale,
-                    enable_gqa,
-                    attention_kwargs,
-                    **rest,
+                    query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **rest
                 )
-            mask = dense_mask(attn_mask, query, key, -3)
-            return kernel(query, key, value, mask, is_causal, scale)
+            return kernel(query, key, value, dense_mask(mask, query, key, -3), is_causal, scale)
 
         return dispatch
 
@@ -1335,7 +1313,8 @@ def _mha_mask(
 ) -> Any:
     """``nn.MultiheadAttention``'s masks (boolean: True may *not* attend; float:
     added) as one mask of SDPA semantics, broadcastable to (batch, heads, seq_q,
-    seq_kv): a ``key_padding_mask`` alone is a (batch, 1, 1, seq_kv) key-padding mask."""
+    seq_kv): a ``key_padding_mask`` alone is a (batch, 1, 1, seq_kv) key-padding mask.
+    At least one of the two is given."""
     masks = []
     if attn_mask is not None:
         m = attn_mask if attn_mask.dim() == 2 else attn_mask.view(batch, heads, seq_q, seq_kv)
@@ -1343,8 +1322,6 @@ def _mha_mask(
     if padding is not None:
         m = padding.view(batch, 1, 1, seq_kv)
         masks.append(~m if m.dtype == torch.bool else m)
-    if not masks:
-        return None
     if len(masks) == 1:
         return masks[0]
     a, b = masks

@@ -140,6 +140,10 @@ def check_component_key(key: object, where: str) -> str:
     return key
 
 
+#: how :func:`check_config` names a value too long (any other: a list)
+_SIZED: Final = ((str, "a string of {} characters"), (dict, "an object of {} keys"))
+
+
 def check_config(config: Mapping[str, Any], where: str) -> None:
     """Refuse a config value a model build must not be asked for (see the module doc)."""
     stack: list[tuple[str, Any]] = list(config.items())
@@ -163,13 +167,7 @@ def check_config(config: Mapping[str, Any], where: str) -> None:
             if not math.isfinite(value):  # parse_json refuses these; a dict passed in may not
                 message = f"{value} is not a finite number"
         elif isinstance(value, str | list | tuple | dict) and len(value) > MAX_CONFIG_ITEMS:
-            what = (
-                "a string of {} characters"
-                if isinstance(value, str)
-                else "an object of {} keys"
-                if isinstance(value, dict)
-                else "a list of {} items"
-            )
+            what = next((w for t, w in _SIZED if isinstance(value, t)), "a list of {} items")
             message = f"{what.format(len(value))} (at most {MAX_CONFIG_ITEMS})"
         if message is not None:
             raise fail(where, path, message=message)
