@@ -24,7 +24,7 @@ from typing import Any
 
 from attrs import define, field, frozen
 
-from attnres._profile import UNOBSERVED
+from attnres._profile import UNOBSERVED, requested_by
 from attnres._states import Event
 from attnres._vocab import release as _release
 from attnres.backends import (
@@ -37,7 +37,7 @@ from attnres.backends import (
 from attnres.errors import EngineSupportError
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.ledger import Decision
-from attnres.machine import run_machine
+from attnres.machine import PROFILES, run_machine
 from attnres.platform import HostResolution, Platform
 from attnres.records import TraceInput
 from attnres.runtime import lookup_traced
@@ -350,6 +350,13 @@ def decide(
     again. Not recorded: the plugin records it. Returns it with the registry
     generation it was decided in (a memo of it belongs to that one)."""
     kind, capability, device_name = platform
+    # The machine consults the profile's first request (or the platform's own
+    # pick) always: observe it before the first run, one run fewer
+    first = requested_by(
+        PROFILES[config.profile], TraceInput(layer, config, scope, Platform(kind), requested)
+    )[1]
+    if (first_name := "" if first is None else first.name) not in observed:
+        observe(first_name)
     while True:
         generation = registry_generation()
         host = Platform(

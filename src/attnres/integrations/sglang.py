@@ -38,7 +38,6 @@ from typing import Any, Final, NamedTuple
 from attrs import frozen
 
 from attnres._memo import GenerationMemo
-from attnres._profile_sglang import first_request
 from attnres._states import Origin, Reason
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement, Role
 from attnres.backends import Backend, BackendSpec, HeadSizeRule
@@ -483,11 +482,6 @@ def _route(
             observed[name] = HostResolution(name, served.name, None, sparse, served_sparse, missing)
         answers[name] = (member, cls)
 
-    # The machine consults its first candidate always: observe it up front. Any
-    # other candidate a fallback reaches is observed when the pure machine asks
-    # for it (_engine.decide).
-    first = first_request(layer, config, scope, requested)
-    observe("" if first is None else first.name)
     decision, generation = _engine.decide(
         layer, config, scope, requested, _PLATFORM(), observed, observe
     )
