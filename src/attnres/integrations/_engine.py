@@ -87,9 +87,9 @@ def release(version: str) -> tuple[int, ...] | None:
     return _release(version) or None
 
 
-def why(exc: BaseException) -> str:
+def why(exc: BaseException | None) -> str:
     """An exception as the plugins report it (``ValueError: ...``)."""
-    return f"{type(exc).__name__}: {exc}"
+    return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 def _has(obj: object, dotted: str) -> bool:

@@ -246,13 +246,13 @@ def _backend_classes(base: Any) -> tuple[dict[Any, tuple[Any, ...]], dict[str, s
     failures: dict[str, str] = {}
 
     def failed(name: str) -> None:
-        failures[name] = _why(sys.exc_info()[1])
+        failures[name] = _engine.why(sys.exc_info()[1])
 
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=failed):
         try:
             module = importlib.import_module(info.name)
         except Exception as exc:  # a kernel package this host lacks, typically
-            failures[info.name] = _why(exc)
+            failures[info.name] = _engine.why(exc)
             continue
         for cls in vars(module).values():
             if not (isinstance(cls, type) and issubclass(cls, base) and cls is not base):
@@ -265,10 +265,6 @@ def _backend_classes(base: Any) -> tuple[dict[Any, tuple[Any, ...]], dict[str, s
                 continue
             found[member] = (*found.get(member, ()), cls)
     return found, failures
-
-
-def _why(exc: BaseException | None) -> str:
-    return "unknown error" if exc is None else _engine.why(exc)
 
 
 def read_backend_facts(

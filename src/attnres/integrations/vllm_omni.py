@@ -48,7 +48,7 @@ from attnres.backends import (
     registry_generation,
     unregister_backend,
 )
-from attnres.errors import InvalidArgumentError, UnknownBackendError
+from attnres.errors import InvalidArgumentError
 from attnres.integrations import _engine
 from attnres.kernels import get_kernel, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
@@ -209,10 +209,9 @@ def _attnres(name: str) -> Backend | None:
         generation = registry_generation()
         try:
             backend = Backend.parse(name.lower())
-        except (UnknownBackendError, ValueError, AttributeError):
+        except (ValueError, AttributeError):  # UnknownBackendError is a ValueError
             backend = None
-        with contextlib.suppress(TypeError):
-            _PARSED.put(name, backend, generation)
+        _PARSED.put(name, backend, generation)  # hashable: get() hashed it
     return backend
 
 
@@ -478,7 +477,7 @@ def _fits(cls: Any, head_size: int) -> bool:
     """The class's own ``supports_head_size`` (some build a list of every size on
     each call: asked once per class and size)."""
     supports = getattr(cls, "supports_head_size", None)
-    return head_size <= 0 or supports is None or bool(supports(head_size))
+    return supports is None or bool(supports(head_size))
 
 
 def _decide(
