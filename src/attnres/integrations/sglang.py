@@ -37,7 +37,6 @@ from typing import Any, Final, NamedTuple
 
 from attrs import frozen
 
-from attnres._memo import GenerationMemo
 from attnres._states import Origin, Reason
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement, Role
 from attnres.backends import Backend, BackendSpec, HeadSizeRule
@@ -68,8 +67,6 @@ _SELECTOR: Final = "sglang.multimodal_gen.runtime.layers.attention.selector"
 #: the function attnres takes over
 TARGET: Final = f"{_SELECTOR}.get_attn_backend"
 
-#: decisions made through the plugin, and calls SGLang answered itself
-_STATS = {"decided": 0, "delegated": 0}
 _PROFILE: Final = SelectionConfig(profile="sglang")
 _PLUGINS: Final = "sglang.multimodal_gen.runtime.platforms.plugins"
 _BACKEND_BASE: Final = "sglang.multimodal_gen.runtime.layers.attention.backends.attention_backend"
@@ -122,16 +119,6 @@ def plugin() -> None:
     plugins.HookRegistry.register(TARGET, _route, plugins.HookType.AROUND)
 
 
-def install() -> None:
-    """Route SGLang's selector through attnres now, without SGLang's plugin loader.
-
-    Raises :class:`~attnres.errors.EngineSupportError` when SGLang is not
-    installed, or is a release the plugin was not written for (:data:`ENGINE`);
-    nothing is changed then.
-    """
-    _TAKEOVER.install("attnres.integrations.sglang.install()", _wrap)
-
-
 def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) -> Callable[..., Any]:
     _register(modules)
 
@@ -141,31 +128,37 @@ def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) ->
     return get_attn_backend
 
 
-def installed() -> bool:
-    """Whether SGLang's selector currently routes through attnres."""
-    return _TAKEOVER.installed()
+def _forget_hook() -> None:
+    """Take the plugin's hook out of SGLang's hook registry, if it was registered."""
+    plugins = sys.modules.get(_PLUGINS)
+    if plugins is None:  # nothing was registered with SGLang's hook registry
+        return
+    registry = plugins.HookRegistry
+    hooks = [h for h in registry._hooks.get(TARGET, []) if h[1] is not _route]
+    if hooks:
+        registry._hooks[TARGET] = hooks
+    else:
+        registry._hooks.pop(TARGET, None)
+        registry._patched.discard(TARGET)
 
 
-def uninstall() -> None:
-    """Restore SGLang's own selector, however the plugin was put in place."""
-    with _TAKEOVER.lock:
-        _TAKEOVER.restore()
-        plugins = sys.modules.get(_PLUGINS)
-        if plugins is None:  # nothing was registered with SGLang's hook registry
-            return
-        registry = plugins.HookRegistry
-        hooks = [h for h in registry._hooks.get(TARGET, []) if h[1] is not _route]
-        if hooks:
-            registry._hooks[TARGET] = hooks
-        else:
-            registry._hooks.pop(TARGET, None)
-            registry._patched.discard(TARGET)
-
-
-def stats() -> dict[str, int]:
-    """``decided``: calls attnres decided; ``delegated``: calls it could not
-    translate (a malformed argument), answered by SGLang's own selector."""
-    return dict(_STATS)
+#: SGLang's selector, as the plugin takes it over (its hook registry's wrapper
+#: holds :func:`_route`), and the plugin's calls and memo of decided calls
+_TAKEOVER: Final = _engine.Takeover(
+    ENGINE, _SELECTOR, "get_attn_backend", __name__, _wrap, _forget_hook, hook="_route"
+)
+#: Route SGLang's selector through attnres now, without SGLang's plugin loader
+install: Final = _TAKEOVER.install
+#: Whether SGLang's selector currently routes through attnres
+installed: Final = _TAKEOVER.installed
+#: Restore SGLang's own selector, however the plugin was put in place
+uninstall: Final = _TAKEOVER.uninstall
+#: ``decided``: calls attnres decided; ``delegated``: calls it could not
+#: translate (a malformed argument), answered by SGLang's own selector
+stats: Final = _TAKEOVER.stats
+clear_memo: Final = _TAKEOVER.clear_memo
+_MEMO: Final = _TAKEOVER.memo
+_STATS: Final = _TAKEOVER.counts
 
 
 def _register(modules: dict[str, types.ModuleType]) -> None:
@@ -377,15 +370,6 @@ class _Memo:
     consulted: tuple[tuple[Any, Any], ...]
 
 
-#: decided calls; they belong to one registry generation (attnres._memo)
-_MEMO: GenerationMemo[tuple[Any, ...], _Memo] = GenerationMemo(maxsize=4096)
-
-
-def clear_memo() -> None:
-    """Forget the plugin's decided calls (a registry change forgets them too)."""
-    _MEMO.clear()
-
-
 class _Call(NamedTuple):
     """A call of SGLang's ``get_attn_backend``: its arguments, in its order."""
 
@@ -488,11 +472,6 @@ def _route(
     if key:
         _MEMO.put(key, _Memo(decision, cls, tuple(answers.values())), generation)
     return _finish(selector, call.is_cross_attention, decision, cls)
-
-
-#: SGLang's selector, as the plugin takes it over (its hook registry's wrapper
-#: holds :func:`_route`)
-_TAKEOVER: Final = _engine.Takeover(ENGINE, _SELECTOR, "get_attn_backend", __name__, hook=_route)
 
 
 def _server_args(selector: types.ModuleType) -> Any:
