@@ -7,9 +7,10 @@ platform answers. Shared here: the install-time check (:func:`require`: a
 plugin refuses, typed, an engine release it was not written for, which would
 otherwise fail on every later call), taking the selector over and giving it
 back with the plugin's counts and memo (:class:`Takeover`: each plugin's
-``install``, ``installed``, ``uninstall``, ``stats`` and ``clear_memo``), registering engine backends attnres lacks, reading
-the engine's platform (:class:`PlatformReader`) and the decision on observed
-answers (:func:`decide`). Nothing here imports an engine until a plugin asks.
+``install``, ``installed``, ``uninstall``, ``stats`` and ``clear_memo``),
+registering engine backends attnres lacks, reading the engine's platform
+(:class:`PlatformReader`) and the decision on observed answers (:func:`decide`).
+Nothing here imports an engine until a plugin asks.
 """
 
 from __future__ import annotations

@@ -363,7 +363,8 @@ def spec_from_facts(facts: BackendFacts) -> BackendSpec:
 @frozen
 class _Memo:
     """One decided call: the decision, SGLang's class, and the host answers it
-    consulted (each is asked again on a hit: SGLang's own cache answers)."""
+    consulted, as (arguments, class) (each is asked again on a hit: SGLang's own
+    cache answers)."""
 
     decision: Decision
     cls: Any
@@ -423,7 +424,7 @@ def _route(
         memo = _MEMO.get(key)
     except TypeError:  # an unhashable argument: decide without the memo
         memo, key = None, ()
-    if memo is not None and _still_answers(selector, memo, head_size, dtype, supported):
+    if memo is not None and _still_answers(selector, memo):
         _STATS["decided"] += 1
         record_decision(memo.decision)
         return _finish(selector, is_cross_attention, memo.decision, memo.cls)
@@ -451,8 +452,9 @@ def _route(
     def observe(name: str) -> None:
         member = None if name == "" else enum_by_name.get(name)
         sparse = member is not None and _member(member)[1]
+        args = (call.head_size, call.dtype, be_tuple, member)
         try:
-            cls = selector._cached_get_attn_backend(call.head_size, call.dtype, be_tuple, member)
+            cls = selector._cached_get_attn_backend(*args)
         except ValueError as exc:
             cls, observed[name] = None, HostResolution(name, None, str(exc), sparse)
         else:
@@ -460,7 +462,7 @@ def _route(
             classes[served.name] = cls
             missing = tuple(cls.unsupported_requirements(requirements))
             observed[name] = HostResolution(name, served.name, None, sparse, served_sparse, missing)
-        answers[name] = (member, cls)
+        answers[name] = (args, cls)
 
     decision, generation = _engine.decide(
         layer, config, scope, requested, _PLATFORM(), observed, observe
@@ -496,18 +498,11 @@ def _be_tuple(supported: frozenset[Any] | None) -> tuple[Any, ...]:
     return tuple(sorted(supported or (), key=lambda b: str(b.name)))
 
 
-def _still_answers(
-    selector: types.ModuleType,
-    memo: _Memo,
-    head_size: Any,
-    dtype: Any,
-    supported: frozenset[Any] | None,
-) -> bool:
+def _still_answers(selector: types.ModuleType, memo: _Memo) -> bool:
     """Whether SGLang's platform still gives the answers the memo's decision read."""
-    be_tuple = _be_tuple(supported)
-    for member, cls in memo.consulted:
+    for args, cls in memo.consulted:
         try:
-            now = selector._cached_get_attn_backend(head_size, dtype, be_tuple, member)
+            now = selector._cached_get_attn_backend(*args)
         except ValueError:
             now = None
         if now is not cls:
