@@ -425,8 +425,6 @@ def _route(
     except TypeError:  # an unhashable argument: decide without the memo
         memo, key = None, ()
     if memo is not None and _still_answers(selector, memo):
-        _STATS["decided"] += 1
-        record_decision(memo.decision)
         return _finish(selector, is_cross_attention, memo.decision, memo.cls)
     call = _Call(
         head_size,
@@ -467,8 +465,6 @@ def _route(
     decision, generation = _engine.decide(
         layer, config, scope, requested, _PLATFORM(), observed, observe
     )
-    _STATS["decided"] += 1
-    record_decision(decision)
     outcome = decision.outcome
     cls = None if outcome.backend is None else classes[outcome.backend.name]
     if key:
@@ -599,7 +595,9 @@ def _translate(
 def _finish(
     selector: types.ModuleType, is_cross_attention: bool, decision: Decision, cls: Any
 ) -> Any:
-    """SGLang's answer and side effects for an attnres decision."""
+    """SGLang's answer and side effects for an attnres decision, counted and recorded."""
+    _STATS["decided"] += 1
+    record_decision(decision)
     outcome = decision.outcome
     if outcome.backend is None:
         raise InvalidArgumentError(outcome.error)
