@@ -108,10 +108,8 @@ def require(engine: Engine, what: str) -> dict[str, types.ModuleType]:
     was written for and has every hook; ``what`` is the call being made
     (``attnres.integrations.sglang.install()``). Raises
     :class:`~attnres.errors.EngineSupportError` otherwise, naming the range."""
-    install = (
-        f"pip install 'attnres[{engine.distribution}]' ({engine.distribution}{engine.supported})"
-    )
     written = f"{engine.distribution}{engine.supported}"
+    install = f"pip install 'attnres[{engine.distribution}]' ({written})"
     try:
         version: str | None = importlib.metadata.version(engine.distribution)
     except importlib.metadata.PackageNotFoundError:
