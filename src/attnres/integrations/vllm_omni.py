@@ -94,12 +94,6 @@ _PROFILE: Final = SelectionConfig(profile="vllm_omni")
 _MISSING: Final = object()
 
 
-def plugin() -> None:
-    """vLLM-Omni's general plugin: route its selector through attnres (idempotent:
-    vLLM-Omni may call it in several processes, and more than once)."""
-    install()
-
-
 def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) -> Callable[..., Any]:
     enum = modules[_REGISTRY].DiffusionAttentionBackendEnum
     register_backends(enum)
@@ -120,8 +114,11 @@ def _forget_seen() -> None:
 _TAKEOVER: Final = _engine.Takeover(
     ENGINE, _SELECTOR, "get_attn_backend_for_role", __name__, _wrap, _forget_seen
 )
-#: Route vLLM-Omni's ``get_attn_backend_for_role`` through attnres now
+#: Route vLLM-Omni's ``get_attn_backend_for_role`` through attnres now; also
+#: vLLM-Omni's general plugin (idempotent: vLLM-Omni may call it in several
+#: processes, and more than once)
 install: Final = _TAKEOVER.install
+plugin: Final = _TAKEOVER.install
 #: Whether vLLM-Omni's selector currently routes through attnres
 installed: Final = _TAKEOVER.installed
 #: Restore vLLM-Omni's own selector in every module that bound it, and remove
