@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import Final, NamedTuple
+from typing import Final
 
 from attnres._profile import (
     UNOBSERVED,
@@ -42,14 +42,11 @@ from attnres._profile import (
     Results,
     Tried,
     host_facts,
-    requested_by,
 )
 from attnres._states import Check, Code, Event, Origin, Reason, State
 from attnres._vocab import Role
 from attnres.backends import Backend
-from attnres.layer import LayerSpec, SelectionConfig
 from attnres.records import Failure, TraceInput
-from attnres.scope import ScopeState
 
 __all__ = [
     "ALIASES",
@@ -63,21 +60,10 @@ __all__ = [
     "SGLANG",
     "SGLANG_VERSION",
     "UNOBSERVED",
-    "first_request",
 ]
 
 #: The SGLang release these rows were read from.
 SGLANG_VERSION: Final = "0.5.23"
-
-
-class Request(NamedTuple):
-    """The request part of an input (no platform yet): enough for the origin rows."""
-
-    layer: LayerSpec
-    config: SelectionConfig
-    scope: ScopeState | None
-    backend: Backend | None
-    request: Backend | None = None
 
 
 def _role_override(inp: Asked) -> Backend | None:
@@ -200,13 +186,6 @@ SELECTED_REASONS: Final[tuple[ReasonRow, ...]] = (
 #: How the facts this profile decides from are supplied (a rejection for a
 #: missing one says so).
 HOST_FACTS: Final = host_facts("sglang", "SGLang", "docs/sglang.md")
-
-
-def first_request(
-    layer: LayerSpec, config: SelectionConfig, scope: ScopeState | None, backend: Backend | None
-) -> Backend | None:
-    """The backend the profile evaluates first (``None``: the platform's own pick)."""
-    return requested_by(SGLANG, Request(layer, config, scope, backend))[1]
 
 
 @functools.lru_cache(maxsize=256)

@@ -6,9 +6,11 @@ name and decide its calls with attnres's machine on the engine's observed
 platform answers. Shared here: the install-time check (:func:`require`: a
 plugin refuses, typed, an engine release it was not written for, which would
 otherwise fail on every later call), taking the selector over and giving it
-back (:class:`Takeover`), registering engine backends attnres lacks, reading
-the engine's platform (:class:`PlatformReader`) and the decision on observed
-answers (:func:`decide`). Nothing here imports an engine until a plugin asks.
+back with the plugin's counts and memo (:class:`Takeover`: each plugin's
+``install``, ``installed``, ``uninstall``, ``stats`` and ``clear_memo``),
+registering engine backends attnres lacks, reading the engine's platform
+(:class:`PlatformReader`) and the decision on observed answers (:func:`decide`).
+Nothing here imports an engine until a plugin asks.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any
 
 from attrs import define, field, frozen
 
-from attnres._profile import UNOBSERVED
+from attnres._memo import GenerationMemo
+from attnres._profile import UNOBSERVED, requested_by
 from attnres._states import Event
 from attnres._vocab import release as _release
 from attnres.backends import (
@@ -37,7 +40,7 @@ from attnres.backends import (
 from attnres.errors import EngineSupportError
 from attnres.layer import LayerSpec, SelectionConfig
 from attnres.ledger import Decision
-from attnres.machine import run_machine
+from attnres.machine import PROFILES, run_machine
 from attnres.platform import HostResolution, Platform
 from attnres.records import TraceInput
 from attnres.runtime import lookup_traced
@@ -87,9 +90,9 @@ def release(version: str) -> tuple[int, ...] | None:
     return _release(version) or None
 
 
-def why(exc: BaseException) -> str:
+def why(exc: BaseException | None) -> str:
     """An exception as the plugins report it (``ValueError: ...``)."""
-    return f"{type(exc).__name__}: {exc}"
+    return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 def _has(obj: object, dotted: str) -> bool:
@@ -105,10 +108,8 @@ def require(engine: Engine, what: str) -> dict[str, types.ModuleType]:
     was written for and has every hook; ``what`` is the call being made
     (``attnres.integrations.sglang.install()``). Raises
     :class:`~attnres.errors.EngineSupportError` otherwise, naming the range."""
-    install = (
-        f"pip install 'attnres[{engine.distribution}]' ({engine.distribution}{engine.supported})"
-    )
     written = f"{engine.distribution}{engine.supported}"
+    install = f"pip install 'attnres[{engine.distribution}]' ({written})"
     try:
         version: str | None = importlib.metadata.version(engine.distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -170,8 +171,10 @@ def rebind_imports(old: Any, new: Any) -> None:
 
 @define(eq=False)
 class Takeover:
-    """The engine function a plugin takes over: its wrapper is bound in place of
-    the engine's own in every module that bound it by name, and given back."""
+    """A plugin's hold on the engine function it takes over, and its state: its
+    wrapper is bound in place of the engine's own in every module that bound it
+    by name, and given back. Each plugin's public ``install``, ``installed``,
+    ``uninstall``, ``stats`` and ``clear_memo`` are these methods."""
 
     engine: Engine
     #: the module that defines the function, and its name there
@@ -179,47 +182,70 @@ class Takeover:
     function: str
     #: the plugin's module: its wrapper is a function of that name defined there
     home: str
-    #: a wrapper whose closure holds this is the plugin's too (SGLang's hook
-    #: registry wraps the plugin's hook)
-    hook: Callable[..., Any] | None = None
+    #: ``wrap(modules, original)``: the plugin's wrapper of the engine's function
+    #: (``modules``: :func:`require`'s)
+    wrap: Callable[[dict[str, types.ModuleType], Callable[..., Any]], Callable[..., Any]]
+    #: what else the plugin undoes when it is uninstalled (under :attr:`lock`)
+    forget: Callable[[], None] = lambda: None
+    #: the name of a function of :attr:`home` that an engine's wrapper holding it
+    #: in its closure makes the plugin's too (SGLang's hook registry wraps the
+    #: plugin's hook)
+    hook: str | None = None
     #: held while installing or giving back
     lock: threading.Lock = field(factory=threading.Lock)
+    #: ``decided``: calls attnres decided (each one is in :func:`attnres.decisions`);
+    #: ``delegated``: calls the engine answered itself (a call attnres cannot
+    #: translate: a malformed argument)
+    counts: dict[str, int] = field(factory=lambda: {"decided": 0, "delegated": 0})
+    #: the plugin's decided calls; they belong to one registry generation (attnres._memo)
+    memo: GenerationMemo[tuple[Any, ...], Any] = field(factory=lambda: GenerationMemo(maxsize=4096))
     _done: bool = False
 
-    def install(
-        self,
-        what: str,
-        wrap: Callable[[dict[str, types.ModuleType], Callable[..., Any]], Callable[..., Any]],
-    ) -> None:
-        """Check the engine (:func:`require`; ``what`` is the call being made),
-        then bind ``wrap(modules, original)`` in place of the engine's function,
-        with ``original`` as its ``__wrapped__``; nothing when already installed."""
+    def install(self) -> None:
+        """Route the engine's function through attnres now: check the engine
+        (:func:`require`), then bind the plugin's wrapper in place of the
+        engine's function, with the original as its ``__wrapped__``; nothing
+        when already installed.
+
+        Raises :class:`~attnres.errors.EngineSupportError` when the engine is not
+        installed, or is a release the plugin was not written for (its
+        ``ENGINE``); nothing is changed then.
+        """
         with self.lock:
             if self._done:
                 return
-            modules = require(self.engine, what)
+            modules = require(self.engine, f"{self.home}.install()")
             original = getattr(modules[self.module], self.function)
-            wrapper = wrap(modules, original)
+            wrapper = self.wrap(modules, original)
             wrapper.__wrapped__ = original  # type: ignore[attr-defined]
             rebind_imports(original, wrapper)
             self._done = True
 
     def installed(self) -> bool:
-        """Whether the engine's function currently routes through the plugin."""
+        """Whether the engine's function currently routes through attnres."""
         selector = sys.modules.get(self.module)
         return selector is not None and self.original(getattr(selector, self.function)) is not None
 
-    def restore(self) -> None:
+    def uninstall(self) -> None:
         """Bind the engine's own function back wherever the plugin's is bound,
-        however it was put in place; the caller holds :attr:`lock`."""
-        self._done = False
-        selector = sys.modules.get(self.module)
-        if selector is None:
-            return
-        current = getattr(selector, self.function)
-        original = self.original(current)
-        if original is not None:
-            rebind_imports(current, original)
+        however it was put in place, and undo what else the plugin did (:attr:`forget`)."""
+        with self.lock:
+            self._done = False
+            selector = sys.modules.get(self.module)
+            if selector is not None:
+                current = getattr(selector, self.function)
+                original = self.original(current)
+                if original is not None:
+                    rebind_imports(current, original)
+            self.forget()
+
+    def stats(self) -> dict[str, int]:
+        """The plugin's calls (:attr:`counts`)."""
+        return dict(self.counts)
+
+    def clear_memo(self) -> None:
+        """Forget the plugin's decided calls (a registry change forgets them too)."""
+        self.memo.clear()
 
     def original(self, function: Any) -> Callable[..., Any] | None:
         """The engine's own function under ``function`` when ``function`` is the
@@ -228,7 +254,8 @@ class Takeover:
             return None
         ours = function.__module__ == self.home and function.__name__ == self.function
         if not ours and self.hook is not None:
-            ours = any(_holds(cell, self.hook) for cell in function.__closure__ or ())
+            hook = getattr(sys.modules[self.home], self.hook)
+            ours = any(_holds(cell, hook) for cell in function.__closure__ or ())
         if not ours:
             return None
         wrapped = getattr(function, "__wrapped__", None)
@@ -350,6 +377,13 @@ def decide(
     again. Not recorded: the plugin records it. Returns it with the registry
     generation it was decided in (a memo of it belongs to that one)."""
     kind, capability, device_name = platform
+    # The machine consults the profile's first request (or the platform's own
+    # pick) always: observe it before the first run, one run fewer
+    first = requested_by(
+        PROFILES[config.profile], TraceInput(layer, config, scope, Platform(kind), requested)
+    )[1]
+    if (first_name := "" if first is None else first.name) not in observed:
+        observe(first_name)
     while True:
         generation = registry_generation()
         host = Platform(

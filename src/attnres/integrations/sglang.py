@@ -37,8 +37,6 @@ from typing import Any, Final, NamedTuple
 
 from attrs import frozen
 
-from attnres._memo import GenerationMemo
-from attnres._profile_sglang import first_request
 from attnres._states import Origin, Reason
 from attnres._vocab import DTYPES, PLATFORM_KINDS, Requirement, Role
 from attnres.backends import Backend, BackendSpec, HeadSizeRule
@@ -69,8 +67,6 @@ _SELECTOR: Final = "sglang.multimodal_gen.runtime.layers.attention.selector"
 #: the function attnres takes over
 TARGET: Final = f"{_SELECTOR}.get_attn_backend"
 
-#: decisions made through the plugin, and calls SGLang answered itself
-_STATS = {"decided": 0, "delegated": 0}
 _PROFILE: Final = SelectionConfig(profile="sglang")
 _PLUGINS: Final = "sglang.multimodal_gen.runtime.platforms.plugins"
 _BACKEND_BASE: Final = "sglang.multimodal_gen.runtime.layers.attention.backends.attention_backend"
@@ -123,16 +119,6 @@ def plugin() -> None:
     plugins.HookRegistry.register(TARGET, _route, plugins.HookType.AROUND)
 
 
-def install() -> None:
-    """Route SGLang's selector through attnres now, without SGLang's plugin loader.
-
-    Raises :class:`~attnres.errors.EngineSupportError` when SGLang is not
-    installed, or is a release the plugin was not written for (:data:`ENGINE`);
-    nothing is changed then.
-    """
-    _TAKEOVER.install("attnres.integrations.sglang.install()", _wrap)
-
-
 def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) -> Callable[..., Any]:
     _register(modules)
 
@@ -142,31 +128,37 @@ def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) ->
     return get_attn_backend
 
 
-def installed() -> bool:
-    """Whether SGLang's selector currently routes through attnres."""
-    return _TAKEOVER.installed()
+def _forget_hook() -> None:
+    """Take the plugin's hook out of SGLang's hook registry, if it was registered."""
+    plugins = sys.modules.get(_PLUGINS)
+    if plugins is None:  # nothing was registered with SGLang's hook registry
+        return
+    registry = plugins.HookRegistry
+    hooks = [h for h in registry._hooks.get(TARGET, []) if h[1] is not _route]
+    if hooks:
+        registry._hooks[TARGET] = hooks
+    else:
+        registry._hooks.pop(TARGET, None)
+        registry._patched.discard(TARGET)
 
 
-def uninstall() -> None:
-    """Restore SGLang's own selector, however the plugin was put in place."""
-    with _TAKEOVER.lock:
-        _TAKEOVER.restore()
-        plugins = sys.modules.get(_PLUGINS)
-        if plugins is None:  # nothing was registered with SGLang's hook registry
-            return
-        registry = plugins.HookRegistry
-        hooks = [h for h in registry._hooks.get(TARGET, []) if h[1] is not _route]
-        if hooks:
-            registry._hooks[TARGET] = hooks
-        else:
-            registry._hooks.pop(TARGET, None)
-            registry._patched.discard(TARGET)
-
-
-def stats() -> dict[str, int]:
-    """``decided``: calls attnres decided; ``delegated``: calls it could not
-    translate (a malformed argument), answered by SGLang's own selector."""
-    return dict(_STATS)
+#: SGLang's selector, as the plugin takes it over (its hook registry's wrapper
+#: holds :func:`_route`), and the plugin's calls and memo of decided calls
+_TAKEOVER: Final = _engine.Takeover(
+    ENGINE, _SELECTOR, "get_attn_backend", __name__, _wrap, _forget_hook, hook="_route"
+)
+#: Route SGLang's selector through attnres now, without SGLang's plugin loader
+install: Final = _TAKEOVER.install
+#: Whether SGLang's selector currently routes through attnres
+installed: Final = _TAKEOVER.installed
+#: Restore SGLang's own selector, however the plugin was put in place
+uninstall: Final = _TAKEOVER.uninstall
+#: ``decided``: calls attnres decided; ``delegated``: calls it could not
+#: translate (a malformed argument), answered by SGLang's own selector
+stats: Final = _TAKEOVER.stats
+clear_memo: Final = _TAKEOVER.clear_memo
+_MEMO: Final = _TAKEOVER.memo
+_STATS: Final = _TAKEOVER.counts
 
 
 def _register(modules: dict[str, types.ModuleType]) -> None:
@@ -247,13 +239,13 @@ def _backend_classes(base: Any) -> tuple[dict[Any, tuple[Any, ...]], dict[str, s
     failures: dict[str, str] = {}
 
     def failed(name: str) -> None:
-        failures[name] = _why(sys.exc_info()[1])
+        failures[name] = _engine.why(sys.exc_info()[1])
 
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=failed):
         try:
             module = importlib.import_module(info.name)
         except Exception as exc:  # a kernel package this host lacks, typically
-            failures[info.name] = _why(exc)
+            failures[info.name] = _engine.why(exc)
             continue
         for cls in vars(module).values():
             if not (isinstance(cls, type) and issubclass(cls, base) and cls is not base):
@@ -266,10 +258,6 @@ def _backend_classes(base: Any) -> tuple[dict[Any, tuple[Any, ...]], dict[str, s
                 continue
             found[member] = (*found.get(member, ()), cls)
     return found, failures
-
-
-def _why(exc: BaseException | None) -> str:
-    return "unknown error" if exc is None else _engine.why(exc)
 
 
 def read_backend_facts(
@@ -375,20 +363,12 @@ def spec_from_facts(facts: BackendFacts) -> BackendSpec:
 @frozen
 class _Memo:
     """One decided call: the decision, SGLang's class, and the host answers it
-    consulted (each is asked again on a hit: SGLang's own cache answers)."""
+    consulted, as (arguments, class) (each is asked again on a hit: SGLang's own
+    cache answers)."""
 
     decision: Decision
     cls: Any
     consulted: tuple[tuple[Any, Any], ...]
-
-
-#: decided calls; they belong to one registry generation (attnres._memo)
-_MEMO: GenerationMemo[tuple[Any, ...], _Memo] = GenerationMemo(maxsize=4096)
-
-
-def clear_memo() -> None:
-    """Forget the plugin's decided calls (a registry change forgets them too)."""
-    _MEMO.clear()
 
 
 class _Call(NamedTuple):
@@ -444,9 +424,7 @@ def _route(
         memo = _MEMO.get(key)
     except TypeError:  # an unhashable argument: decide without the memo
         memo, key = None, ()
-    if memo is not None and _still_answers(selector, memo, head_size, dtype, supported):
-        _STATS["decided"] += 1
-        record_decision(memo.decision)
+    if memo is not None and _still_answers(selector, memo):
         return _finish(selector, is_cross_attention, memo.decision, memo.cls)
     call = _Call(
         head_size,
@@ -472,8 +450,9 @@ def _route(
     def observe(name: str) -> None:
         member = None if name == "" else enum_by_name.get(name)
         sparse = member is not None and _member(member)[1]
+        args = (call.head_size, call.dtype, be_tuple, member)
         try:
-            cls = selector._cached_get_attn_backend(call.head_size, call.dtype, be_tuple, member)
+            cls = selector._cached_get_attn_backend(*args)
         except ValueError as exc:
             cls, observed[name] = None, HostResolution(name, None, str(exc), sparse)
         else:
@@ -481,28 +460,16 @@ def _route(
             classes[served.name] = cls
             missing = tuple(cls.unsupported_requirements(requirements))
             observed[name] = HostResolution(name, served.name, None, sparse, served_sparse, missing)
-        answers[name] = (member, cls)
+        answers[name] = (args, cls)
 
-    # The machine consults its first candidate always: observe it up front. Any
-    # other candidate a fallback reaches is observed when the pure machine asks
-    # for it (_engine.decide).
-    first = first_request(layer, config, scope, requested)
-    observe("" if first is None else first.name)
     decision, generation = _engine.decide(
         layer, config, scope, requested, _PLATFORM(), observed, observe
     )
-    _STATS["decided"] += 1
-    record_decision(decision)
     outcome = decision.outcome
     cls = None if outcome.backend is None else classes[outcome.backend.name]
     if key:
         _MEMO.put(key, _Memo(decision, cls, tuple(answers.values())), generation)
     return _finish(selector, call.is_cross_attention, decision, cls)
-
-
-#: SGLang's selector, as the plugin takes it over (its hook registry's wrapper
-#: holds :func:`_route`)
-_TAKEOVER: Final = _engine.Takeover(ENGINE, _SELECTOR, "get_attn_backend", __name__, hook=_route)
 
 
 def _server_args(selector: types.ModuleType) -> Any:
@@ -527,18 +494,11 @@ def _be_tuple(supported: frozenset[Any] | None) -> tuple[Any, ...]:
     return tuple(sorted(supported or (), key=lambda b: str(b.name)))
 
 
-def _still_answers(
-    selector: types.ModuleType,
-    memo: _Memo,
-    head_size: Any,
-    dtype: Any,
-    supported: frozenset[Any] | None,
-) -> bool:
+def _still_answers(selector: types.ModuleType, memo: _Memo) -> bool:
     """Whether SGLang's platform still gives the answers the memo's decision read."""
-    be_tuple = _be_tuple(supported)
-    for member, cls in memo.consulted:
+    for args, cls in memo.consulted:
         try:
-            now = selector._cached_get_attn_backend(head_size, dtype, be_tuple, member)
+            now = selector._cached_get_attn_backend(*args)
         except ValueError:
             now = None
         if now is not cls:
@@ -635,7 +595,9 @@ def _translate(
 def _finish(
     selector: types.ModuleType, is_cross_attention: bool, decision: Decision, cls: Any
 ) -> Any:
-    """SGLang's answer and side effects for an attnres decision."""
+    """SGLang's answer and side effects for an attnres decision, counted and recorded."""
+    _STATS["decided"] += 1
+    record_decision(decision)
     outcome = decision.outcome
     if outcome.backend is None:
         raise InvalidArgumentError(outcome.error)

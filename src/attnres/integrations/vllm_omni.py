@@ -48,7 +48,7 @@ from attnres.backends import (
     registry_generation,
     unregister_backend,
 )
-from attnres.errors import InvalidArgumentError, UnknownBackendError
+from attnres.errors import InvalidArgumentError
 from attnres.integrations import _engine
 from attnres.kernels import get_kernel, kernel_source
 from attnres.layer import LayerSpec, SelectionConfig
@@ -90,26 +90,8 @@ _HOOKS: Final = {
 #: The vLLM-Omni releases the plugin was written for (``vllm-omni>=0.30.0,<0.31``).
 ENGINE: Final = _engine.Engine("vLLM-Omni", "vllm-omni", (0, 30, 0), (0, 31), _HOOKS)
 
-#: vLLM-Omni's selector, as the plugin takes it over
-_TAKEOVER: Final = _engine.Takeover(ENGINE, _SELECTOR, "get_attn_backend_for_role", __name__)
 _PROFILE: Final = SelectionConfig(profile="vllm_omni")
 _MISSING: Final = object()
-
-
-def plugin() -> None:
-    """vLLM-Omni's general plugin: route its selector through attnres (idempotent:
-    vLLM-Omni may call it in several processes, and more than once)."""
-    install()
-
-
-def install() -> None:
-    """Route vLLM-Omni's ``get_attn_backend_for_role`` through attnres now.
-
-    Raises :class:`~attnres.errors.EngineSupportError` when vLLM-Omni is not
-    installed or is a release the plugin was not written for (:data:`ENGINE`);
-    nothing is changed then.
-    """
-    _TAKEOVER.install("attnres.integrations.vllm_omni.install()", _wrap)
 
 
 def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,27 +101,34 @@ def _wrap(modules: dict[str, types.ModuleType], original: Callable[..., Any]) ->
     return _selector_for(modules[_SELECTOR], original)
 
 
-def installed() -> bool:
-    """Whether vLLM-Omni's selector currently routes through attnres."""
-    return _TAKEOVER.installed()
+def _forget_seen() -> None:
+    """Remove the backends the plugin registered on first sight (:func:`seen_backends`)."""
+    for name in list(_SEEN):
+        with contextlib.suppress(Exception):
+            unregister_backend(name)
+        del _SEEN[name]
 
 
-def uninstall() -> None:
-    """Restore vLLM-Omni's own selector in every module that bound it, and remove
-    the backends the plugin registered on first sight (:func:`seen_backends`)."""
-    with _TAKEOVER.lock:
-        _TAKEOVER.restore()
-        for name in list(_SEEN):
-            with contextlib.suppress(Exception):
-                unregister_backend(name)
-            del _SEEN[name]
-
-
-def stats() -> dict[str, int]:
-    """``decided``: calls attnres decided (each one is in :func:`attnres.decisions`);
-    ``delegated``: calls vLLM-Omni answered itself (a call attnres cannot take:
-    a head size that is no positive int, a backend name that is no name)."""
-    return dict(_STATS)
+#: vLLM-Omni's selector, as the plugin takes it over, and the plugin's calls and
+#: memo of decided calls
+_TAKEOVER: Final = _engine.Takeover(
+    ENGINE, _SELECTOR, "get_attn_backend_for_role", __name__, _wrap, _forget_seen
+)
+#: Route vLLM-Omni's ``get_attn_backend_for_role`` through attnres now; also
+#: vLLM-Omni's general plugin (idempotent: vLLM-Omni may call it in several
+#: processes, and more than once)
+install: Final = _TAKEOVER.install
+plugin: Final = _TAKEOVER.install
+#: Whether vLLM-Omni's selector currently routes through attnres
+installed: Final = _TAKEOVER.installed
+#: Restore vLLM-Omni's own selector in every module that bound it, and remove
+#: the backends the plugin registered on first sight (:func:`seen_backends`)
+uninstall: Final = _TAKEOVER.uninstall
+#: ``decided``: calls attnres decided (each one is in :func:`attnres.decisions`);
+#: ``delegated``: calls vLLM-Omni answered itself (a call attnres cannot take:
+#: a head size that is no positive int, a backend name that is no name)
+stats: Final = _TAKEOVER.stats
+clear_memo: Final = _TAKEOVER.clear_memo
 
 
 # -- backends ------------------------------------------------------------------
@@ -209,10 +198,9 @@ def _attnres(name: str) -> Backend | None:
         generation = registry_generation()
         try:
             backend = Backend.parse(name.lower())
-        except (UnknownBackendError, ValueError, AttributeError):
+        except (ValueError, AttributeError):  # UnknownBackendError is a ValueError
             backend = None
-        with contextlib.suppress(TypeError):
-            _PARSED.put(name, backend, generation)
+        _PARSED.put(name, backend, generation)  # hashable: get() hashed it
     return backend
 
 
@@ -393,22 +381,14 @@ class _Hit:
     removals: int
 
 
-#: decided calls by (role, role_category, head_size, allow_trtllm_default, the id
-#: of the AttentionConfig entry picked: the profile has no fallback between
-#: entries); a registry change empties it
-_MEMO: GenerationMemo[tuple[Any, ...], _Hit] = GenerationMemo(maxsize=4096)
-
-
-def clear_memo() -> None:
-    """Forget the plugin's decided calls (a registry change empties the memo too)."""
-    _MEMO.clear()
-
-
 def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM-Omni's ``get_attn_backend_for_role``, decided by attnres: its own
     signature, so a repeated call costs a key, a dict lookup and vLLM-Omni's own
     cache calls (``make bench-vllm-omni``)."""
-    memo = _MEMO
+    # decided calls by (role, role_category, head_size, allow_trtllm_default, the
+    # id of the AttentionConfig entry picked: the profile has no fallback between
+    # entries)
+    memo = _TAKEOVER.memo
     registry = GenerationMemo._registry
     removals = _REMOVALS
 
@@ -453,10 +433,6 @@ def _selector_for(selector: types.ModuleType, original: Callable[..., Any]) -> C
     return get_attn_backend_for_role
 
 
-#: decisions made through the plugin, and calls vLLM-Omni answered itself
-_STATS = {"decided": 0, "delegated": 0}
-
-
 @functools.lru_cache(maxsize=256)
 def _config(default: Backend | None) -> SelectionConfig:
     """The SelectionConfig of an ``attention_config.default`` backend."""
@@ -478,7 +454,7 @@ def _fits(cls: Any, head_size: int) -> bool:
     """The class's own ``supports_head_size`` (some build a list of every size on
     each call: asked once per class and size)."""
     supports = getattr(cls, "supports_head_size", None)
-    return head_size <= 0 or supports is None or bool(supports(head_size))
+    return supports is None or bool(supports(head_size))
 
 
 def _decide(
@@ -502,7 +478,7 @@ def _decide(
         names = tuple(None if s is None else str(s.backend) for s in entries)
         layer = _layer(int(head_size), str(role), "cross" in (role, role_category))
     except (AttributeError, TypeError, ValueError):  # not a layer attnres can take
-        _STATS["delegated"] += 1
+        _TAKEOVER.counts["delegated"] += 1
         return original(*call)
     resolver = selector._cached_get_backend_cls
     win = next((i for i, n in enumerate(names) if n is not None), None)
@@ -531,7 +507,7 @@ def _decide(
     ]
     if any(b is None and n is not None for b, n in zip(backends, names, strict=True)):
         # a name attnres cannot take as a backend name: vLLM-Omni answers
-        _STATS["delegated"] += 1
+        _TAKEOVER.counts["delegated"] += 1
         return original(*call)
     first = "" if win is None else backends[win].name  # type: ignore[union-attr]
     if win is not None:
@@ -595,7 +571,7 @@ def _decide(
         layer, _config(backends[2]), scope, backends[0], platform, observed, observe
     )
     removals = _REMOVALS[0]
-    _STATS["decided"] += 1
+    _TAKEOVER.counts["decided"] += 1
     record_decision(decision)
     outcome = decision.outcome
     if outcome.status is not Status.SELECTED or outcome.backend is None:
@@ -628,7 +604,7 @@ def _decide(
             backend,
             removals,
         )
-        _MEMO.put(key, hit, generation)
+        _TAKEOVER.memo.put(key, hit, generation)
     selector._log_backend_resolution(**log)
     return answer
 
