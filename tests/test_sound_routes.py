@@ -591,3 +591,32 @@ def test_a_global_the_code_also_reads_as_an_attribute_is_rebound_not_moded() -> 
         _route.remove_route(site)
         _route._forget_homes(route.homes)  # type: ignore[attr-defined]
     assert torch.equal(site(q), want) and route.seen == [(1, 2, 5, 4)]
+
+
+def test_remove_keeps_a_wrapper_added_after_install() -> None:
+    """A forward wrapped after install (accelerate's hooks, added after ``apply``,
+    keep the forward they wrap and call it) stays wrapped after ``remove``; the
+    wrapped forward then runs the module's own code, not the route."""
+    import functools
+
+    from attnres.integrations import _route
+
+    site, q = _Spelled(), torch.randn(1, 2, 5, 4)
+    want = site(q)
+    route = _Recording()
+    route.homes = []  # type: ignore[attr-defined]
+    _route.install_route(site, route)  # type: ignore[arg-type]
+    hooked: list[int] = []
+
+    def new_forward(module: Any, *args: Any) -> Any:  # as accelerate's add_hook_to_module
+        hooked.append(1)
+        return module._old_forward(*args)
+
+    site._old_forward = site.forward
+    site.forward = functools.partial(new_forward, site)  # type: ignore[method-assign]
+    assert torch.equal(site(q), want) and route.seen == [(1, 2, 5, 4)] and hooked == [1]
+    assert _route.remove_route(site)
+    assert torch.equal(site(q), want)
+    assert hooked == [1, 1]  # the wrapper is still there
+    assert route.seen == [(1, 2, 5, 4)]  # and the route no longer runs
+    _route._forget_homes(route.homes)  # type: ignore[attr-defined]

@@ -1273,8 +1273,9 @@ def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
     remove_route(module)
     # an instance-level forward (accelerate's offload hooks) is wrapped, and put back
     previous = module.__dict__.get("forward")
-    module.__dict__["forward"] = _Installed(module, route, build or _routed_forward, previous)
-    module.__dict__[_ROUTE_ATTR] = (route, previous)
+    installed = _Installed(module, route, build or _routed_forward, previous)
+    module.__dict__["forward"] = installed
+    module.__dict__[_ROUTE_ATTR] = (route, previous, installed)
 
 
 def installed_route(module: Any) -> GenericRoute | None:
@@ -1287,11 +1288,18 @@ def remove_route(module: Any) -> bool:
     held = module.__dict__.pop(_ROUTE_ATTR, None)
     if held is None:
         return False
-    held[0].close()
-    if held[1] is None:
+    route, previous, installed = held
+    route.close()
+    if module.__dict__.get("forward") is not installed:
+        # wrapped after install (accelerate's hooks, added after apply, call it
+        # as the forward they wrap): the wrapper stays, and it now reaches the
+        # module's own forward, as before install
+        own = previous or types.MethodType(type(module).forward, module)
+        installed._point(own)
+    elif previous is None:
         module.__dict__.pop("forward", None)
     else:
-        module.__dict__["forward"] = held[1]
+        module.__dict__["forward"] = previous
     return True
 
 
