@@ -1069,7 +1069,8 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     subs: dict[str, Any] = {}
     # only what the code loads as a global is stood in: a name it also reads as an
     # attribute on the way (``torch.nn.functional``) stays as it is
-    for name in _loaded_globals(code):
+    loaded, used_otherwise = _name_uses(code)
+    for name in loaded:
         value = glob.get(name)
         shim = _stand_in(value, names, route)
         if shim is not None:
@@ -1082,8 +1083,8 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
             inner = rebind(value, route, depth - 1)
             if inner is not None:
                 subs[name] = inner
-    if not subs or not _globals_only(code, subs):
-        return None
+    if not subs or used_otherwise & subs.keys():
+        return None  # a name also used otherwise (an attribute) cannot be renamed
     # a key per copy: two functions of one module may need different stand-ins
     # for one name (the chains their code names)
     tag = f"_attnres_route_{id(route):x}_{len(route.homes)}"
@@ -1101,23 +1102,16 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
     return copy_
 
 
-def _loaded_globals(code: types.CodeType) -> set[str]:
-    return {
-        ins.argval
-        for c in _codes(code)
-        for ins in dis.get_instructions(c)
-        if ins.opname == "LOAD_GLOBAL"
-    }
-
-
-def _globals_only(code: types.CodeType, names: dict[str, Any]) -> bool:
-    """Whether ``code`` (and the code it holds) uses each of ``names`` only as a
-    global it loads (a name also used as an attribute cannot be renamed)."""
-    return not any(
-        ins.opcode in dis.hasname and ins.argval in names and ins.opname != "LOAD_GLOBAL"
-        for c in _codes(code)
-        for ins in dis.get_instructions(c)
-    )
+def _name_uses(code: types.CodeType) -> tuple[set[str], set[str]]:
+    """The names ``code`` (and the code it holds) loads as globals, and those it
+    uses otherwise (as an attribute, say): one walk of its instructions."""
+    loaded: set[str] = set()
+    otherwise: set[str] = set()
+    for c in _codes(code):
+        for ins in dis.get_instructions(c):
+            if ins.opcode in dis.hasname:
+                (loaded if ins.opname == "LOAD_GLOBAL" else otherwise).add(ins.argval)
+    return loaded, otherwise
 
 
 def _renamed(code: types.CodeType, keys: dict[str, str]) -> types.CodeType:
