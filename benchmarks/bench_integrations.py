@@ -117,20 +117,6 @@ def test_generic_route_vs_site_calling_the_kernel_itself(
         result = paired(lambda: routed(x), lambda: direct(x), rounds=60, inner=20)
     ratios.record("generic route / site calling the kernel itself (tiny UNet attention)",
                   result.ratio, target=1.03, note=result.describe())
-    # issue 30: the same site under the TorchFunctionMode route (what runs where a
-    # module holds a forward of its own, as accelerate's hooks set, or its code
-    # reaches SDPA otherwise than through a global): every torch call of the
-    # forward passes through the mode, so it is no candidate for the one route
-    moded = copy.deepcopy(block)
-    moded.forward = moded.forward  # type: ignore[method-assign]
-    site = plan.sites[0]
-    _route.install_route(moded, _route.site_route(site, plan.config, plan.platform))
-    with torch.inference_mode():
-        torch.testing.assert_close(moded(x), direct(x))
-        mode = paired(lambda: moded(x), lambda: direct(x), rounds=60, inner=20)
-    ratios.record("TorchFunctionMode route / site calling the kernel itself (the same)",
-                  mode.ratio, note=mode.describe())
-    _route.remove_route(moded)
     benchmark.extra_info["ratio_vs_direct"] = result.ratio
     benchmark.pedantic(lambda: routed(x), rounds=10, iterations=10, warmup_rounds=1)
 

@@ -3,6 +3,7 @@ here fails on the code before the fix it names (the issue's listed defects)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import tomllib
 from pathlib import Path
@@ -320,64 +321,178 @@ def test_a_deep_copy_keeps_routes_of_its_own_and_its_first_calls_land_on_them() 
     assert idf.remove({"vae": twin}) == 3
 
 
-# -- the fallback mode takes the site's own SDPA calls only ----------------------------------------
+# -- one install mechanism: a copy where the instance reaches the call, else a pin ------------
 
 
-class _Inner(torch.nn.Module):
-    attend = staticmethod(torch.nn.functional.scaled_dot_product_attention)
-
+class _Nested(torch.nn.Module):
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        return self.attend(q, q, q)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
 
-class _Site(torch.nn.Module):
-    """A site whose code reaches SDPA through an attribute (no global to rebind:
-    the mode route), holding a module that calls SDPA too."""
-
-    attend = staticmethod(torch.nn.functional.scaled_dot_product_attention)
+class _Through(torch.nn.Module):
+    """Calls SDPA in a method its forward reaches through ``self`` (diffusers'
+    ``VidTokAttnBlock``), and holds a module that calls SDPA too."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.inner = _Inner()
+        self.inner = _Nested()
+
+    def attention(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        own = self.attend(q, q, q, scale=0.5)
-        return own + self.inner(q[..., :3, :]).sum()
+        return self.attention(q) + self.inner(q[..., :3, :]).sum()
 
 
 class _Recording:
     """A route stand-in: records the calls it is handed, runs torch SDPA."""
 
-    name = component = "recorded"
+    name = component = where = "recorded"
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, ...]] = []
+        self.homes: list[Any] = []
 
     def __call__(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.seen.append(tuple(q.shape))
         return torch.nn.functional.scaled_dot_product_attention(q, *args, **kwargs)
 
     def close(self) -> None:
-        pass
+        from attnres.integrations import _route
+
+        _route._forget_homes(self.homes)  # type: ignore[attr-defined]
 
 
-def test_the_mode_route_takes_only_the_sites_own_calls() -> None:
+def test_a_call_in_a_method_reached_through_self_is_rebound_and_only_the_sites_own() -> None:
+    """The copy goes where the instance reaches the call (its ``attention``
+    method, an instance attribute; its ``forward`` stays the class's): before,
+    such a site ran under a per-call TorchFunctionMode. A nested module's call,
+    and the nested module's own route, are not the site's."""
     from attnres.integrations import _route
 
-    site, q = _Site(), torch.randn(1, 2, 5, 4)
+    site, q = _Through(), torch.randn(1, 2, 5, 4)
     want = site(q)
     outer, inner = _Recording(), _Recording()
     _route.install_route(site, outer)  # type: ignore[arg-type]
     try:
+        assert set(site.__dict__) >= {"attention"} and "forward" not in site.__dict__
         assert torch.equal(site(q), want)
         assert outer.seen == [(1, 2, 5, 4)]  # the nested module's call is not the site's
         _route.install_route(site.inner, inner)  # type: ignore[arg-type]
         assert torch.equal(site(q), want)
-        # nor is the nested route's kernel call (made inside its own mode)
         assert outer.seen == [(1, 2, 5, 4)] * 2 and inner.seen == [(1, 2, 3, 4)]
+        compiled = torch.compile(site, fullgraph=True, backend="eager")  # one graph
+        assert torch.equal(compiled(q), want) and len(outer.seen) == 3
     finally:
         _route.remove_route(site.inner)
         _route.remove_route(site)
+    assert "attention" not in site.__dict__ and torch.equal(site(q), want)
+    assert len(outer.seen) == 3 and not outer.homes
+
+
+def test_a_route_installs_inside_an_accelerate_hook_added_before_apply() -> None:
+    """accelerate's hook holds a ``forward`` of its own and calls the module's as
+    ``_old_forward``: the copy goes there, so the hook still runs around the
+    route (before, the site ran under a per-call mode); ``remove`` puts the
+    bound forward back, under the hook."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    from attnres.integrations import _route
+
+    class Counting(ModelHook):  # type: ignore[misc]
+        calls = 0
+
+        def pre_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return args, kwargs
+
+    site, q, hook, route = _Spelled(), torch.randn(1, 2, 5, 4), Counting(), _Recording()
+    add_hook_to_module(site, hook)
+    want = site(q)
+    _route.install_route(site, route)  # type: ignore[arg-type]
+    assert site.__dict__["_old_forward"] is not None
+    assert getattr(site._old_forward, "__func__", None) is not _Spelled.forward
+    assert torch.equal(site(q), want) and route.seen == [(1, 2, 5, 4)] and hook.calls == 2
+    assert _route.remove_route(site)
+    assert site._old_forward.__func__ is _Spelled.forward and site._old_forward.__self__ is site
+    assert torch.equal(site(q), want) and hook.calls == 3 and len(route.seen) == 1
+    remove_hook_from_module(site)
+    assert torch.equal(site(q), want) and hook.calls == 3
+
+
+def _logged(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    return logged
+
+
+class _Decorated(torch.nn.Module):
+    """Calls SDPA from a decorated forward: the decorator's function calls it
+    from its closure, where no copy can reach."""
+
+    def __init__(self, facts: bool) -> None:
+        super().__init__()
+        if facts:
+            self.heads, self.head_dim = 2, 4
+
+    @_logged
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+def _bert() -> Any:
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+        vocab_size=20,
+    )  # fmt: skip
+    return BertModel(config).eval()
+
+
+@pytest.mark.parametrize("facts", [True, False], ids=["head facts", "decided at first call"])
+@pytest.mark.parametrize("library", ["diffusers", "transformers"])
+def test_a_call_no_copy_can_take_is_a_pin_that_falls_back_or_is_refused(
+    facts: bool, library: str
+) -> None:
+    """Planned as a pin to what its code runs, with the reason in its route: a
+    relaxed component falls back (bit-identical), a strict one refuses the
+    flag, typed; nothing runs under a mode. In a module of its own (the
+    diffusers integration's sites) and in a transformers model."""
+    from attnres.errors import ResolutionError
+    from attnres.integrations import IntegrationError
+    from attnres.integrations import diffusers as idf
+
+    q = torch.randn(1, 2, 5, 4)
+    for component, relaxed in (("vae", True), ("transformer", False)):
+        holder = torch.nn.Module() if library == "diffusers" else _bert()
+        holder.attn = _Decorated(facts)
+        want = holder.attn(q)
+        plan = idf.plan({component: holder}, _explicit("eager"), Platform.detect())
+        (site,) = [s for s in plan.sites if s.name == "attn"]
+        assert site.kind is RouteKind.PIN and "decorator" in site.route
+        assert site.current is not None and site.current.name == "torch_sdpa"
+        if not relaxed and facts:  # refused at plan time, naming the route
+            assert not plan.ok and site.error is not None and "decorator" in site.error.message
+            with pytest.raises(IntegrationError):
+                idf.apply({component: holder}, _explicit("eager"), Platform.detect())
+            continue
+        idf.apply({component: holder}, _explicit("eager"), Platform.detect())
+        try:
+            if relaxed:
+                assert torch.equal(holder.attn(q), want)
+                if not facts:  # its first call was checked, and fell back
+                    (route,) = idf.routes({component: holder}).values()
+                    (first,) = route.first_calls
+                    assert first.backend is not None and first.backend.name == "torch_sdpa"
+            else:
+                with pytest.raises(ResolutionError):
+                    holder.attn(q)
+        finally:
+            idf.remove({component: holder})
+        assert torch.equal(holder.attn(q), want)
 
 
 # -- the mask's kind is in a call's signature; the kernel table is read under its lock ---------
@@ -579,7 +694,6 @@ def test_a_global_the_code_also_reads_as_an_attribute_is_rebound_not_moded() -> 
     site, q = _Spelled(), torch.randn(1, 2, 5, 4)
     want = site(q)
     route = _Recording()
-    route.homes = []  # type: ignore[attr-defined]
     _route.install_route(site, route)  # type: ignore[arg-type]
     try:
         forward = site.__dict__["forward"]
@@ -604,7 +718,6 @@ def test_remove_keeps_a_wrapper_added_after_install() -> None:
     site, q = _Spelled(), torch.randn(1, 2, 5, 4)
     want = site(q)
     route = _Recording()
-    route.homes = []  # type: ignore[attr-defined]
     _route.install_route(site, route)  # type: ignore[arg-type]
     hooked: list[int] = []
 

@@ -12,9 +12,10 @@
 - **The route** (:class:`GenericRoute`): installed on one module (nothing
   process-wide), it takes the SDPA or dispatcher calls its code names and runs
   the decided kernel. One install mechanism (issue 30, :func:`rebind`): a copy
-  of the site's function whose global names for those calls are read under
-  names of the route's own; a ``TorchFunctionMode`` scoped to the site's own
-  frames only where no such name exists (:class:`_Mode`). The planned call
+  of each method of the site's that names those calls, whose global names for
+  them are read under names of the route's own, set on the instance where it
+  reaches that method (:func:`reroutes`). A site no copy can take is planned as
+  a pin: it runs its own code. The planned call
   signature is bound at install time; a new one re-resolves the site through
   the machine (traced; a strict component raises
   :class:`~attnres.errors.ResolutionError`). A signature decided what the site
@@ -29,7 +30,6 @@ import dis
 import functools
 import inspect
 import math
-import sys
 import textwrap
 import threading
 import types
@@ -141,9 +141,8 @@ def methods_of(obj: Any) -> list[Any]:
     """The functions a module's or processor's own classes define (not torch's)."""
     out: list[Any] = []
     for cls in type(obj).__mro__:
-        if cls.__module__.startswith("torch.") or cls is object:
-            continue
-        out += [v for v in vars(cls).values() if isinstance(v, types.FunctionType)]
+        if not _torchs(cls):
+            out += [v for v in vars(cls).values() if isinstance(v, types.FunctionType)]
     return out
 
 
@@ -652,35 +651,6 @@ class FirstCall:
 # =============================================================================
 
 
-class _Mode(TorchFunctionMode):
-    """Send the SDPA calls the site's own code makes to its route (:func:`_own_call`):
-    the install of a site :func:`rebind` cannot copy. Eager only: torch.compile
-    does not trace its frame check, so refuses ``fullgraph=True`` there."""
-
-    def __init__(self, route: GenericRoute) -> None:
-        super().__init__()
-        self.route = route
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _SDPA and _own_call(sys._getframe(1)):
-            return self.route(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
-def _own_call(frame: types.FrameType | None) -> bool:
-    """Issue 30: whether an SDPA call was made by the site's own code: no frame
-    between it and the site's forward (:func:`_run_in_mode`) is another module's
-    call or another (nested) route's mode."""
-    while frame is not None:
-        code = frame.f_code
-        if code is _RUN_IN_MODE:
-            return True
-        if code in _NOT_OWN:
-            return False
-        frame = frame.f_back
-    return False
-
-
 _KernelFn = Callable[..., Any]
 #: a signature no kernel was decided for yet
 _UNSEEN: Any = object()
@@ -1024,7 +994,7 @@ _FUNCTIONAL = torch.nn.functional
 _INNER = ((torch, "nn"), (torch.nn, "functional"))
 
 
-def _stand_in(value: Any, names: set[str], route: GenericRoute) -> Any:
+def _stand_in(value: Any, names: set[str], route: GenericRoute | None) -> Any:
     """What a global holding ``torch``, ``torch.nn`` or ``torch.nn.functional``
     becomes in a routed copy (``None``: itself): a module of the same names whose
     path to SDPA is the route's. Only the modules the code's ``names`` lead
@@ -1039,18 +1009,19 @@ def _stand_in(value: Any, names: set[str], route: GenericRoute) -> Any:
         nested = _stand_in(getattr(value, inner), names, route)
         if nested is not None:
             subs[inner] = nested
-    if not subs:
-        return None
+    if not subs or route is None:  # nothing to stand in, or a dry run (:func:`rebind`)
+        return subs or None
     shim = types.ModuleType(value.__name__)
     shim.__dict__.update(value.__dict__)
     shim.__dict__.update(subs)
     return shim
 
 
-def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
+def rebind(func: Any, route: GenericRoute | None, depth: int = 2) -> Any:
     """A copy of ``func`` whose attention calls go to ``route``, or ``None`` when its
     code (and the module-level functions it calls, ``depth`` levels) names none,
-    or names one otherwise than as a global.
+    or names one otherwise than as a global. ``route=None``: a dry run, which
+    changes nothing and answers ``func`` where a copy can be made.
 
     Each global holding ``torch.nn.functional`` (or ``torch``, ``torch.nn`` on the
     way), ``scaled_dot_product_attention`` or ``dispatch_attention_fn`` is read
@@ -1078,13 +1049,15 @@ def rebind(func: Any, route: GenericRoute, depth: int = 2) -> Any:
         elif value is _SDPA:
             subs[name] = route
         elif name == DISPATCHER and callable(value):
-            subs[name] = route.dispatcher(value)
+            subs[name] = value if route is None else route.dispatcher(value)
         elif isinstance(value, types.FunctionType) and depth > 0 and value is not func:
             inner = rebind(value, route, depth - 1)
             if inner is not None:
                 subs[name] = inner
     if not subs or used_otherwise & subs.keys():
         return None  # a name also used otherwise (an attribute) cannot be renamed
+    if route is None:
+        return func
     # a key per copy: two functions of one module may need different stand-ins
     # for one name (the chains their code names)
     tag = f"_attnres_route_{id(route):x}_{len(route.homes)}"
@@ -1123,30 +1096,116 @@ def _renamed(code: types.CodeType, keys: dict[str, str]) -> types.CodeType:
     )
 
 
+#: the calls a route takes (:func:`rebind` stands in the globals leading to them)
+_ROUTABLE = frozenset({SDPA, DISPATCHER})
+
+
+def reroutes(obj: Any) -> dict[str, Any] | str:
+    """Issue 30, one install mechanism: where a route installs on ``obj`` (a module,
+    or a processor), as ``{attribute: function}``: each method of its own classes
+    that its entry (``forward``, ``__call__``) reaches through ``self`` and whose
+    code names SDPA or the dispatcher, copied there by :func:`rebind`, under the
+    attribute the instance reaches it by (its own name; where the instance holds
+    another callable under it, as accelerate's hooks hold ``forward``, the
+    attribute holding the method bound to it, as their ``_old_forward``). A
+    string: why no copy can take its attention calls (observed, nothing changed)."""
+    cls = type(obj)
+    entry = "forward" if isinstance(obj, torch.nn.Module) else "__call__"
+    methods = _own_methods(cls)
+    found: dict[str, Any] = {}
+    todo, seen = [entry], set()
+    while todo:  # the methods the entry reaches, by the names their code holds
+        name = todo.pop()
+        func = methods.get(name)
+        if func is None or name in seen:
+            continue
+        seen.add(name)
+        if calls_of([func]) & _ROUTABLE:
+            if rebind(func, None) is None:
+                return (
+                    f"{func.__qualname__} reaches it through no global name (an attribute, "
+                    f"a decorator)"
+                )
+            found[name] = func
+        todo += [n for c in _codes(func.__code__) for n in c.co_names]
+    if not found:
+        return f"{cls.__name__}.{entry} reaches none through a method of its own"
+    if entry == "__call__":  # a processor: its routed class holds the copies
+        shadowed = found.keys() & vars(obj).keys()
+        return found if not shadowed else f"the instance holds its own {min(shadowed)}"
+    view = _view(obj)
+    out: dict[str, Any] = {}
+    for name, func in found.items():
+        attr = _attribute(obj, view, name, func)
+        if attr is None:
+            return (
+                f"the instance holds a {name} of its own (a hook's, say) and no "
+                f"{cls.__name__}.{name} bound to it that it calls"
+            )
+        out[attr] = func
+    return out
+
+
+def _view(obj: Any) -> dict[str, Any]:
+    """``obj``'s attributes as before any route of attnres's (an installed function
+    read as what it replaced)."""
+    return {
+        k: v.original() if isinstance(v, _Installed) and v.module is obj else v
+        for k, v in vars(obj).items()
+    }
+
+
+def _attribute(obj: Any, view: dict[str, Any], name: str, func: Any) -> str | None:
+    """The attribute ``obj`` reaches its class's method ``func`` (``name``) by: its
+    name, unless the instance holds another callable there (accelerate's hooks
+    hold ``forward``); then the one holding ``func`` bound to ``obj`` (their
+    ``_old_forward``). ``None``: none does."""
+    if view.get(name) is None:
+        return name
+    bound = (k for k, v in view.items() if getattr(v, "__func__", None) is func)
+    return next((k for k in bound if getattr(view[k], "__self__", None) is obj), None)
+
+
+def _own_methods(cls: type) -> dict[str, types.FunctionType]:
+    """The methods (as ``cls`` resolves them) of its own classes, not torch's."""
+    names = {n for k in cls.__mro__ if not _torchs(k) for n in vars(k)}
+    return {
+        name: value
+        for name in names
+        if isinstance(value := inspect.getattr_static(cls, name), types.FunctionType)
+    }
+
+
+def _torchs(cls: type) -> bool:
+    return cls.__module__.startswith("torch.") or cls is object
+
+
 def routed_processor(processor: Any, route: GenericRoute) -> Any:
-    """A copy of ``processor`` whose ``__call__`` sends its attention to ``route``
-    (``None``: its code names no attention call the route can take)."""
-    sub = _routed_class(type(processor), route)
-    if sub is None:
+    """A copy of ``processor`` whose attention calls go to ``route`` (its methods
+    :func:`reroutes` names, copied); ``None``: it has none a copy can take."""
+    found = reroutes(processor)
+    if isinstance(found, str):
         return None
     routed = copy.copy(processor)
-    routed.__class__ = sub
+    routed.__class__ = _routed_class(type(processor), route, found)
     return routed
 
 
-def _routed_class(cls: type, route: GenericRoute) -> type | None:
-    call = rebind(cls.__call__, route)
-    if call is None:
-        return None
+#: the routed class's record of the methods it copied (:func:`_copy_processor`)
+_FOUND_ATTR = "_attnres_reroutes"
+
+
+def _routed_class(cls: type, route: GenericRoute, found: dict[str, Any]) -> type:
     return type(
         cls.__name__,
         (cls,),
         {
-            "__call__": call,
+            **{name: rebind(func, route) for name, func in found.items()},
             "__module__": cls.__module__,
             "__deepcopy__": _copy_processor,
             "__reduce_ex__": _refuse_processor,
             _ROUTE_ATTR: route,
+            _FOUND_ATTR: found,
         },
     )
 
@@ -1156,7 +1215,8 @@ def _copy_processor(self: Any, memo: dict[int, Any]) -> Any:
     again to the copy's own route (the deep copy of its route)."""
     routed = type(self)
     route = copy.deepcopy(routed.__dict__[_ROUTE_ATTR], memo)
-    new: Any = object.__new__(_routed_class(routed.__bases__[0], route) or routed)
+    found = routed.__dict__[_FOUND_ATTR]
+    new: Any = object.__new__(_routed_class(routed.__bases__[0], route, found))
     memo[id(self)] = new
     new.__dict__.update(copy.deepcopy(self.__dict__, memo))
     route.tie(new)
@@ -1167,67 +1227,51 @@ def _refuse_processor(self: Any, protocol: Any) -> Any:
     refuse_pickle(f"a routed {type(self).__name__}")
 
 
-def _routed_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
-    """``module``'s forward with its attention calls sent to ``route``: its code
-    rebound (:func:`rebind`) where the code names the call and the module holds
-    no forward of its own, else run under :class:`_Mode`."""
-    if module.__dict__.get("forward") is None:
-        rebound = rebind(type(module).forward, route)
-        if rebound is not None:
-            return types.MethodType(rebound, module)
-    return functools.partial(_run_in_mode, _Mode(route), module.forward)
-
-
-def _run_in_mode(mode: _Mode, original: Any, /, *args: Any, **kwargs: Any) -> Any:
-    """The site's forward with its own SDPA calls sent to its route (:func:`_own_call`)."""
-    with mode:
-        return original(*args, **kwargs)
-
-
-_RUN_IN_MODE = _run_in_mode.__code__
-#: frames that end a site's own code: another module's call, another route's mode
-_NOT_OWN = frozenset(
-    {
-        torch.nn.Module._call_impl.__code__,
-        torch.nn.Module._wrapped_call_impl.__code__,
-        _Mode.__torch_function__.__code__,
-    }
-)
+def _rebound(func: Any, module: Any, route: GenericRoute, original: Any) -> Any:
+    """A build of :class:`_Installed`: ``func`` copied (:func:`rebind`), bound to
+    ``module`` (``original``, what the attribute held, is not called)."""
+    return types.MethodType(rebind(func, route), module)
 
 
 class _Installed(functools.partial[Any]):
-    """The instance ``forward`` :func:`install_route` sets: ``build(module, route)``,
-    called. A ``functools.partial`` of it, so that a call reaches the built forward
-    from C with its arguments as given (a ``__call__`` written in Python repacks
-    them on every call, ``make bench``). Issue 30: a deep copy of the module builds
-    its own at its first call (a closure over the original would run the
-    original's weights); pickling is refused, typed (:func:`refuse_pickle`)."""
+    """What :func:`install_route` sets on the instance under ``attr``:
+    ``build(module, route, original)``, called, where ``original`` is what the
+    instance reached there before (:meth:`original`). A ``functools.partial`` of
+    it, so that a call reaches the built function from C with its arguments as
+    given (a ``__call__`` written in Python repacks them on every call, ``make
+    bench``). Issue 30: a deep copy of the module builds its own at its first
+    call (a closure over the original would run the original's weights);
+    pickling is refused, typed (:func:`refuse_pickle`)."""
 
     module: Any
     route: GenericRoute
     build: Any
+    attr: str
     previous: Any
     lock: threading.Lock
 
-    def __new__(cls, module: Any, route: GenericRoute, build: Any, previous: Any) -> _Installed:
-        self = super().__new__(cls, build(module, route))
-        self.module, self.route, self.build, self.previous = module, route, build, previous
-        self.lock = threading.Lock()
+    def __new__(
+        cls, module: Any, route: GenericRoute, build: Any, attr: str, previous: Any
+    ) -> _Installed:
+        self = super().__new__(cls, _unbuilt)
+        self.module, self.route, self.build = module, route, build
+        self.attr, self.previous, self.lock = attr, previous, threading.Lock()
+        self._point(build(module, route, self.original()))
         return self
 
+    def original(self) -> Any:
+        """What the instance reached under ``attr`` before: the value it held
+        there, else its class's method bound to it."""
+        if self.previous is not None:
+            return self.previous
+        return types.MethodType(getattr(type(self.module), self.attr), self.module)
+
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
-        """What a deep copy calls until its forward is built: it builds it, as at
-        install (the module's forward before the route's), and calls it from then on."""
+        """What a deep copy calls until it is built: it builds it, as at install,
+        and calls it from then on."""
         with self.lock:
             if self.func == self._first_call:  # not built yet (another thread may have)
-                own = self.module.__dict__
-                mine = own.pop("forward", None)
-                if self.previous is not None:
-                    own["forward"] = self.previous
-                try:
-                    self._point(self.build(self.module, self.route))
-                finally:
-                    own["forward"] = mine
+                self._point(self.build(self.module, self.route, self.original()))
         return self.func(*args, **kwargs)
 
     def _point(self, fn: Any) -> None:
@@ -1240,7 +1284,7 @@ class _Installed(functools.partial[Any]):
         memo[id(self)] = new
         new.module = copy.deepcopy(self.module, memo)  # the copy (already in memo)
         new.route = copy.deepcopy(self.route, memo)
-        new.build, new.lock = self.build, threading.Lock()
+        new.build, new.attr, new.lock = self.build, self.attr, threading.Lock()
         new.previous = copy.deepcopy(self.previous, memo)
         new.route.tie(new.module)
         new._point(new._first_call)
@@ -1251,25 +1295,41 @@ class _Installed(functools.partial[Any]):
 
 
 def _unbuilt(*args: Any, **kwargs: Any) -> NoReturn:
-    """A deep copy's forward for the moment it is made (:meth:`_Installed._point`)."""
-    raise InvalidStateError("an installed route's forward was called before it was set")
+    """An installed function's target for the moment it is made (:meth:`_Installed._point`)."""
+    raise InvalidStateError("an installed route's function was called before it was set")
 
 
 def install_route(module: Any, route: GenericRoute, build: Any = None) -> None:
-    """Run ``module``'s forward with its SDPA calls sent to ``route`` (this module only).
+    """Send ``module``'s attention calls to ``route`` (this module only).
 
-    ``build``, when given, makes the site's forward from the module and the route
-    (:func:`mha_forward`, :func:`watch_forward`). Otherwise its forward is rebound
-    (:func:`rebind`) where its code names the call as a global, else run under
-    :class:`_Mode` (a module holding a forward of its own, as accelerate's hooks
-    set, or code reaching SDPA through an attribute), which costs more per call
-    (``make bench``). Issue 30: built again for a deep copy (:class:`_Installed`)."""
+    ``build``, when given, makes the site's forward from the module, the route
+    and the forward it replaces (:func:`mha_forward`, :func:`watch_forward`).
+    Otherwise the methods :func:`reroutes` finds are copied (:func:`rebind`) onto
+    the instance, under the attributes it reaches them by; a module whose calls
+    no copy can take was planned as a pin (it runs its own code), so this raises
+    :class:`~attnres.errors.InvalidStateError` there. Issue 30: built again for a
+    deep copy (:class:`_Installed`)."""
     remove_route(module)
-    # an instance-level forward (accelerate's offload hooks) is wrapped, and put back
-    previous = module.__dict__.get("forward")
-    installed = _Installed(module, route, build or _routed_forward, previous)
-    module.__dict__["forward"] = installed
-    module.__dict__[_ROUTE_ATTR] = (route, previous, installed)
+    if build is not None:
+        # accelerate's hooks hold a forward of their own and call the one they
+        # wrap as ``_old_forward``: the build goes there, inside the hook
+        at = _attribute(module, _view(module), "forward", type(module).forward)
+        builds = {at or "forward": build}
+    else:
+        found = reroutes(module)
+        if isinstance(found, str):
+            raise InvalidStateError(
+                f"{route.where}: {found}; its plan said otherwise, so the module changed "
+                f"after planning: plan and apply again"
+            )
+        builds = {attr: functools.partial(_rebound, func) for attr, func in found.items()}
+    held = []
+    for attr, make in builds.items():
+        previous = module.__dict__.get(attr)
+        installed = _Installed(module, route, make, attr, previous)
+        module.__dict__[attr] = installed
+        held.append((attr, previous, installed))
+    module.__dict__[_ROUTE_ATTR] = (route, held)
 
 
 def installed_route(module: Any) -> GenericRoute | None:
@@ -1282,18 +1342,18 @@ def remove_route(module: Any) -> bool:
     held = module.__dict__.pop(_ROUTE_ATTR, None)
     if held is None:
         return False
-    route, previous, installed = held
+    route, installs = held
     route.close()
-    if module.__dict__.get("forward") is not installed:
-        # wrapped after install (accelerate's hooks, added after apply, call it
-        # as the forward they wrap): the wrapper stays, and it now reaches the
-        # module's own forward, as before install
-        own = previous or types.MethodType(type(module).forward, module)
-        installed._point(own)
-    elif previous is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.__dict__["forward"] = previous
+    for attr, previous, installed in installs:
+        if module.__dict__.get(attr) is not installed:
+            # wrapped after install (accelerate's hooks, added after apply, call it
+            # as the forward they wrap): the wrapper stays, and it now reaches what
+            # it reached before install
+            installed._point(installed.original())
+        elif previous is None:
+            module.__dict__.pop(attr, None)
+        else:
+            module.__dict__[attr] = previous
     return True
 
 
@@ -1399,12 +1459,13 @@ class _Watch(TorchFunctionMode):
             )
 
 
-def watch_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
-    """``module``'s forward for a site decided at its first call whose route runs
-    only its own code (softmax by hand, or the attention function its config
-    names): each call's facts are read (:class:`_Watch`) and checked by
-    ``route``; the computation is the module's own, untouched."""
-    original = module.forward
+def watch_forward(module: Any, route: GenericRoute, original: Any = None) -> Callable[..., Any]:
+    """``module``'s forward (``original``, default its ``forward``) for a site
+    decided at its first call whose route runs only its own code (softmax by
+    hand, or the attention function its config names): each call's facts are
+    read (:class:`_Watch`) and checked by ``route``; the computation is the
+    module's own, untouched."""
+    original = original or module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         with _Watch(route):
@@ -1413,7 +1474,7 @@ def watch_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     return forward
 
 
-def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
+def mha_forward(module: Any, route: GenericRoute, original: Any = None) -> Callable[..., Any]:
     """``nn.MultiheadAttention.forward`` for one site: its own math (in-projection,
     heads split, attention, out-projection) with the attention the decided kernel.
 
@@ -1421,9 +1482,10 @@ def mha_forward(module: Any, route: GenericRoute) -> Callable[..., Any]:
     (``attn_mask`` and/or ``key_padding_mask``), causal (``is_causal`` with no
     padding mask, as torch reads it), dropout (training only) and
     ``need_weights=True``, which no kernel serves. A signature decided what the
-    module runs itself calls its own ``forward`` with the call's arguments.
+    module runs itself calls its own ``forward`` (``original``, default its
+    ``forward``) with the call's arguments.
     """
-    original = module.forward
+    original = original or module.forward
     batch_first = bool(module.batch_first)
     heads = int(module.num_heads)
     size = int(module.head_dim)

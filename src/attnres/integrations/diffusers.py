@@ -123,6 +123,7 @@ _BY_DIFFUSERS = MappingProxyType({v: k for k, v in _DISPATCHER_BACKENDS.items()}
 #: models/attention_dispatch.py)
 _HOST_KERNEL = "diffusers' dispatcher (dispatch_attention_fn, pinned on the processor)"
 _EAGER = Backend("eager")
+_TORCH_SDPA = Backend("torch_sdpa")
 
 #: the kernel entry point a processor may call by hand, xformers' (read from what
 #: the code names, never from the processor's class name)
@@ -513,7 +514,8 @@ def _describe(
         runs = processor if callable(processor) else module
         owner, names = type(runs).__name__, _route.calls_of(_route.methods_of(runs))
     else:
-        owner, names = cls, _route.calls_of(_route.methods_of(module), depth=1)
+        runs, owner = module, cls
+        names = _route.calls_of(_route.methods_of(module), depth=1)
         if _route.MHA_FUNCTION in names and _route.SDPA not in names:
             # issue 30: softmax attention through torch's functional MHA (HunyuanDiT's
             # attention pool): a site of its own code path, never silently skipped
@@ -561,6 +563,18 @@ def _describe(
             current=_dispatcher_current(processor),
             host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
         )
+    runs_now = _dispatcher_current(processor) if _is_dispatcher(processor) else _TORCH_SDPA
+    if declared is not None or _route.SDPA in names or _route.DISPATCHER in names:
+        cannot = _route.reroutes(runs)
+        if isinstance(cannot, str):
+            # issue 30: a call no copy can take runs as its code makes it, pinned
+            return site(
+                route=f"its own attention call in {owner}, not reroutable: {cannot}",
+                kind=RouteKind.PIN,
+                supported=None if runs_now is None else frozenset({runs_now}),
+                current=runs_now,
+                why=None if facts is not None else _tf.first_call_why(cls, by_hand=False),
+            )
     if declared is not None:
         return site(
             route=f"{ROUTE_GENERIC} (dispatcher in {owner}, which declares "
@@ -574,11 +588,7 @@ def _describe(
         via = "dispatcher" if _route.DISPATCHER in names else "SDPA"
         return site(
             route=f"{ROUTE_GENERIC} ({via} in {owner})",
-            current=(
-                _dispatcher_current(processor)
-                if _is_dispatcher(processor)
-                else Backend("torch_sdpa")
-            ),
+            current=runs_now,
             kind=RouteKind.INTERCEPT,
             why=None if facts is not None else _tf.first_call_why(cls, by_hand=False),
         )
@@ -771,7 +781,7 @@ def _prepare(
                 # decided at first call: the route resolves it then; softmax by hand
                 # with no flag for its component would decide its own code: nothing
                 # is wrapped (untouched, bit-identical)
-                own = site.kind is RouteKind.OWN_CODE and _route.unflagged(config, comp)
+                own = site.kind in _OWN_CODE and _route.unflagged(config, comp)
                 planned.append(_Planned(module, site, "", not own))
                 continue
             if site.resolution is None or site.spec is None:
@@ -865,6 +875,11 @@ def apply(
     return result
 
 
+#: the kinds of site that run only their own code (a pin decided at its first
+#: call: an attention call no copy can take)
+_OWN_CODE = frozenset({RouteKind.OWN_CODE, RouteKind.PIN})
+
+
 def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pin:
     module, site = item.module, item.site
     earlier = module.__dict__.get(_PIN_ATTR)
@@ -872,16 +887,17 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
         _unpin(module, earlier)
     original = processor = getattr(module, "processor", None)
     route = None
-    if item.route and site.kind is RouteKind.OWN_CODE:
-        # issue 30: softmax by hand decided at its first call, under a flag: its
-        # first call is watched (its head facts read, nothing run but its code)
-        route = _route.site_route(site, config, platform, _EAGER, site.route)
+    if item.route and site.kind in _OWN_CODE:
+        # issue 30: softmax by hand, or a call no copy can take, decided at its
+        # first call under a flag: its first call is watched (its head facts
+        # read, nothing run but its code)
+        route = _route.site_route(site, config, platform, site.current, site.route)
         _route.install_route(module, route, _route.watch_forward)
     elif item.route:
         # under the route, a dispatcher's own path is diffusers' native SDPA
         # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
         # dense kernel cannot take a key-padding mask)
-        own = Backend("torch_sdpa")
+        own = _TORCH_SDPA
         declared = _declared_backends(original) is not None
         if declared and site.current is not None:  # its own path is what it declares
             own = site.current

@@ -580,6 +580,12 @@ def _describe_own(
         )
     facts = _head_facts(module)
     own = Backend("torch_sdpa" if calls_sdpa else "eager")
+    route = f"generic route (SDPA in {cls})" if calls_sdpa else _route.by_hand_route(cls)
+    kind = RouteKind.INTERCEPT if calls_sdpa else RouteKind.OWN_CODE
+    cannot = _route.reroutes(module) if calls_sdpa else None
+    if isinstance(cannot, str):  # issue 30: a call no copy can take runs as written, pinned
+        route = f"its own attention call in {cls}, not reroutable: {cannot}"
+        kind = RouteKind.PIN
     heads, kv_heads, head_size = facts if facts is not None else (None, None, None)
     req = Requirements(causal=getattr(module, "is_causal", False) is True, backward=backward)
     if facts is not None:
@@ -589,8 +595,8 @@ def _describe_own(
         # issue 30: softmax by hand runs its own code, untouched: no kernel is
         # offered there (the machine's written_by_hand)
         # (a site that calls SDPA itself: the words of ``diffusers.ROUTE_GENERIC``)
-        route=f"generic route (SDPA in {cls})" if calls_sdpa else _route.by_hand_route(cls),
-        supported=None if calls_sdpa else frozenset({own}),
+        route=route,
+        supported=None if kind is RouteKind.INTERCEPT else frozenset({own}),
         head_size=head_size,
         heads=heads,
         kv_heads=kv_heads,
@@ -599,7 +605,7 @@ def _describe_own(
         requirements=req,
         current=own,
         pending=facts is None,
-        kind=RouteKind.INTERCEPT if calls_sdpa else RouteKind.OWN_CODE,
+        kind=kind,
         why=None if facts is not None else first_call_why(cls, by_hand=not calls_sdpa),
     )
 
@@ -895,12 +901,13 @@ def prepare(
         if site.kind is RouteKind.INTERFACE and site.pending:
             watched.append((site, module))
             continue
-        if site.kind is RouteKind.OWN_CODE and site.pending:
-            # issue 30: softmax by hand decided at its first call: with no flag for
-            # its component nothing is wrapped; under one, its first call is
-            # watched (its head facts read, nothing run but its own code)
+        if site.kind in (RouteKind.OWN_CODE, RouteKind.PIN) and site.pending:
+            # issue 30: softmax by hand (or a call no copy can take) decided at its
+            # first call: with no flag for its component nothing is wrapped; under
+            # one, its first call is watched (its head facts read, nothing run but
+            # its own code)
             if not _route.unflagged(result.config, component):
-                watch = (model, component, module, site, result, Backend("eager"), site.route)
+                watch = (model, component, module, site, result, site.current, site.route)
                 actions.append(functools.partial(_install_route, *watch))
             continue
         if site.kind is not RouteKind.INTERFACE or site.resolution is None:
