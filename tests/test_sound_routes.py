@@ -442,6 +442,22 @@ class _Decorated(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
 
+class _Attended(torch.nn.Module):
+    """Reaches SDPA through an attribute of its class: its code names no SDPA,
+    and no global leads to it (before, no site at all: an explicit flag left it
+    on torch's SDPA without a word)."""
+
+    attend = staticmethod(torch.nn.functional.scaled_dot_product_attention)
+
+    def __init__(self, facts: bool) -> None:
+        super().__init__()
+        if facts:
+            self.heads, self.head_dim = 2, 4
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return self.attend(q, q, q)
+
+
 def _bert() -> Any:
     from transformers import BertConfig, BertModel
 
@@ -454,8 +470,9 @@ def _bert() -> Any:
 
 @pytest.mark.parametrize("facts", [True, False], ids=["head facts", "decided at first call"])
 @pytest.mark.parametrize("library", ["diffusers", "transformers"])
+@pytest.mark.parametrize("kind", [_Decorated, _Attended])
 def test_a_call_no_copy_can_take_is_a_pin_that_falls_back_or_is_refused(
-    facts: bool, library: str
+    facts: bool, library: str, kind: type
 ) -> None:
     """Planned as a pin to what its code runs, with the reason in its route: a
     relaxed component falls back (bit-identical), a strict one refuses the
@@ -468,14 +485,15 @@ def test_a_call_no_copy_can_take_is_a_pin_that_falls_back_or_is_refused(
     q = torch.randn(1, 2, 5, 4)
     for component, relaxed in (("vae", True), ("transformer", False)):
         holder = torch.nn.Module() if library == "diffusers" else _bert()
-        holder.attn = _Decorated(facts)
+        holder.attn = kind(facts)
         want = holder.attn(q)
         plan = idf.plan({component: holder}, _explicit("eager"), Platform.detect())
         (site,) = [s for s in plan.sites if s.name == "attn"]
-        assert site.kind is RouteKind.PIN and "decorator" in site.route
+        why = "decorator" if kind is _Decorated else "attribute holding SDPA"
+        assert site.kind is RouteKind.PIN and why in site.route
         assert site.current is not None and site.current.name == "torch_sdpa"
         if not relaxed and facts:  # refused at plan time, naming the route
-            assert not plan.ok and site.error is not None and "decorator" in site.error.message
+            assert not plan.ok and site.error is not None and why in site.error.message
             with pytest.raises(IntegrationError):
                 idf.apply({component: holder}, _explicit("eager"), Platform.detect())
             continue

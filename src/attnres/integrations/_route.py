@@ -1129,9 +1129,12 @@ def reroutes(obj: Any) -> dict[str, Any] | str:
             found[name] = func
         todo += [n for c in _codes(func.__code__) for n in c.co_names]
     if not found:
-        return f"{cls.__name__}.{entry} reaches none through a method of its own"
+        return (
+            f"{cls.__name__}.{entry} reaches it through no method of its own (an "
+            f"attribute holding SDPA)"
+        )
     if entry == "__call__":  # a processor: its routed class holds the copies
-        shadowed = found.keys() & vars(obj).keys()
+        shadowed = found.keys() & getattr(obj, "__dict__", {}).keys()
         return found if not shadowed else f"the instance holds its own {min(shadowed)}"
     view = _view(obj)
     out: dict[str, Any] = {}
@@ -1164,6 +1167,15 @@ def _attribute(obj: Any, view: dict[str, Any], name: str, func: Any) -> str | No
         return name
     bound = (k for k, v in view.items() if getattr(v, "__func__", None) is func)
     return next((k for k in bound if getattr(view[k], "__self__", None) is obj), None)
+
+
+def holds_sdpa(obj: Any) -> bool:
+    """Whether ``obj`` or its own classes hold SDPA itself as an attribute
+    (``attend = staticmethod(F.scaled_dot_product_attention)``): a call through
+    it names no SDPA, yet the site is one (issue 30), which no copy can take."""
+    own = [v for k in type(obj).__mro__ if not _torchs(k) for v in vars(k).values()]
+    held = [*getattr(obj, "__dict__", {}).values(), *own]
+    return any(getattr(v, "__func__", v) is _SDPA for v in held)
 
 
 def _own_methods(cls: type) -> dict[str, types.FunctionType]:

@@ -292,6 +292,7 @@ def _own_calls(module: Any) -> frozenset[str]:
     matrices with the operator (which names nothing)."""
     functions = _own_functions(type(module))
     names = _route.calls_of(functions, depth=1)
+    names |= {_route.SDPA} if _route.holds_sdpa(module) else set()
     if names >= _NORMALISERS:
         # exp(x - logsumexp(x)) is a softmax written out (Reformer's LSH and local
         # attention)
