@@ -751,3 +751,47 @@ def test_remove_keeps_a_wrapper_added_after_install() -> None:
     assert hooked == [1, 1]  # the wrapper is still there
     assert route.seen == [(1, 2, 5, 4)]  # and the route no longer runs
     _route._forget_homes(route.homes)  # type: ignore[attr-defined]
+
+
+# -- a call no decision covers, met inside torch.compile -----------------------------------------
+
+
+class _Masked(torch.nn.Module):
+    heads, head_dim = 2, 4
+
+    def forward(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_a_call_no_decision_covers_inside_compile_says_what_to_do() -> None:
+    """A masked call the plan did not describe, met while dynamo traces: under
+    ``fullgraph=True`` torch's error carries attnres's (before, dynamo failed
+    first, reading the mask's values: "Could not guard on data-dependent
+    expression"); without it the call breaks the graph and is decided eagerly."""
+    import torch._dynamo
+
+    from attnres.integrations import diffusers as idf
+
+    holder = torch.nn.Module()
+    holder.attn = _Masked()
+    q, mask = torch.randn(1, 2, 5, 4), torch.ones(5, 5, dtype=torch.bool).tril()
+    want = holder.attn(q, mask)
+    idf.apply({"vae": holder}, _explicit("eager"), Platform.detect())
+    try:
+        torch._dynamo.reset()
+        whole = torch.compile(holder.attn, fullgraph=True, backend="eager")
+        torch.testing.assert_close(
+            whole(q), torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        )
+        with pytest.raises(Exception, match=r"met a call no decision covers inside torch\.compile"):
+            whole(q, mask)
+        (route,) = idf.routes({"vae": holder}).values()
+        assert not route.first_calls  # nothing recorded from inside the graph
+        torch._dynamo.reset()
+        broken = torch.compile(holder.attn, backend="eager")
+        torch.testing.assert_close(broken(q, mask), want)
+        (first,) = route.first_calls
+        assert first.backend is not None and first.backend.name == "eager"
+    finally:
+        torch._dynamo.reset()
+        idf.remove({"vae": holder})

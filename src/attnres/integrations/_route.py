@@ -817,6 +817,14 @@ class GenericRoute:
         if found is not _UNSEEN:
             kernel: _KernelFn | None = found
             return kernel
+        if compiling:  # traced (not another thread): no mask values read, no record made
+            raise CompiledGraphError(
+                f"{self.where} met a call no decision covers inside torch.compile ({key[0]} "
+                f"heads, {key[1]} kv heads, head size {head_size}, {q.dtype}"
+                f"{', a mask' if attn_mask is not None else ''}"
+                f"{', causal' if is_causal else ''}): run the applied model once with such "
+                f"a call before compiling, so the site is decided outside the graph"
+            )
         return self._first_call(
             CallFacts.observe(
                 q,
@@ -889,12 +897,6 @@ class GenericRoute:
         return dispatch
 
     def _first_call(self, facts: CallFacts) -> _KernelFn | None:
-        if torch.compiler.is_dynamo_compiling():  # this code traced (not another thread)
-            raise CompiledGraphError(
-                f"{self.where} met a call its plan did not describe "
-                f"({', '.join(facts.differences(self.planned))}) inside torch.compile: run the "
-                f"applied model once before compiling, so the site is decided outside the graph"
-            )
         with self._lock:
             if facts.key() in self.kernels:
                 return self.kernels[facts.key()]
