@@ -1077,16 +1077,18 @@ def rebind(func: Any, route: GenericRoute | None, depth: int = 2) -> Any:
     return copy_
 
 
-def _name_uses(code: types.CodeType) -> tuple[set[str], set[str]]:
+@functools.lru_cache(maxsize=1024)
+def _name_uses(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
     """The names ``code`` (and the code it holds) loads as globals, and those it
-    uses otherwise (as an attribute, say): one walk of its instructions."""
+    uses otherwise (as an attribute, say): one walk of its instructions (a
+    code object never changes: remembered, as :func:`_parse_code`)."""
     loaded: set[str] = set()
     otherwise: set[str] = set()
     for c in _codes(code):
         for ins in dis.get_instructions(c):
             if ins.opcode in dis.hasname:
                 (loaded if ins.opname == "LOAD_GLOBAL" else otherwise).add(ins.argval)
-    return loaded, otherwise
+    return frozenset(loaded), frozenset(otherwise)
 
 
 def _renamed(code: types.CodeType, keys: dict[str, str]) -> types.CodeType:
