@@ -137,13 +137,20 @@ def calls_of(functions: Iterable[Any], depth: int = 2) -> frozenset[str]:
     return frozenset(names)
 
 
-def methods_of(obj: Any) -> list[Any]:
-    """The functions a module's or processor's own classes define (not torch's)."""
-    out: list[Any] = []
-    for cls in type(obj).__mro__:
-        if not _torchs(cls):
-            out += [v for v in vars(cls).values() if isinstance(v, types.FunctionType)]
-    return out
+def methods_of(obj: Any, skip: frozenset[type] = frozenset()) -> dict[str, types.FunctionType]:
+    """The methods (as its class resolves them) of ``obj``'s own classes: not
+    torch's, nor those in ``skip`` (the bases every transformers model shares)."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    names = {n for k in cls.__mro__ if not (_torchs(k) or k in skip) for n in vars(k)}
+    return {
+        name: value
+        for name in names
+        if isinstance(value := inspect.getattr_static(cls, name), types.FunctionType)
+    }
+
+
+def _torchs(cls: type) -> bool:
+    return cls.__module__.startswith("torch.") or cls is object
 
 
 _HEADS = ("heads", "num_heads", "n_heads", "num_attention_heads", "attention_heads")
@@ -218,7 +225,7 @@ def mha_weights_asked(parent: Any, name: str) -> str | None:
     head asks before anything runs (``None``: no such call, or source or value
     not readable; the site's first call then checks it)."""
     attr = name.rpartition(".")[2]
-    for func in methods_of(parent):
+    for func in methods_of(parent).values():
         tree = source_tree(func)
         if tree is None:
             continue
@@ -1115,7 +1122,7 @@ def reroutes(obj: Any) -> dict[str, Any] | str:
     string: why no copy can take its attention calls (observed, nothing changed)."""
     cls = type(obj)
     entry = "forward" if isinstance(obj, torch.nn.Module) else "__call__"
-    methods = _own_methods(cls)
+    methods = methods_of(cls)
     found: dict[str, Any] = {}
     todo, seen = [entry], set()
     while todo:  # the methods the entry reaches, by the names their code holds
@@ -1180,20 +1187,6 @@ def holds_sdpa(obj: Any) -> bool:
     own = [v for k in type(obj).__mro__ if not _torchs(k) for v in vars(k).values()]
     held = [*getattr(obj, "__dict__", {}).values(), *own]
     return any(getattr(v, "__func__", v) is _SDPA for v in held)
-
-
-def _own_methods(cls: type) -> dict[str, types.FunctionType]:
-    """The methods (as ``cls`` resolves them) of its own classes, not torch's."""
-    names = {n for k in cls.__mro__ if not _torchs(k) for n in vars(k)}
-    return {
-        name: value
-        for name in names
-        if isinstance(value := inspect.getattr_static(cls, name), types.FunctionType)
-    }
-
-
-def _torchs(cls: type) -> bool:
-    return cls.__module__.startswith("torch.") or cls is object
 
 
 def routed_processor(processor: Any, route: GenericRoute) -> Any:

@@ -512,11 +512,11 @@ def _describe(
     ):
         # what executes its attention (its processor, else itself), and what that calls
         runs = processor if callable(processor) else module
-        owner, names = type(runs).__name__, _route.calls_of(_route.methods_of(runs))
+        owner, names = type(runs).__name__, _route.calls_of(_route.methods_of(runs).values())
         names |= {_route.SDPA} if _route.holds_sdpa(runs) else set()
     else:
         runs, owner = module, cls
-        names = _route.calls_of(_route.methods_of(module), depth=1)
+        names = _route.calls_of(_route.methods_of(module).values(), depth=1)
         names |= {_route.SDPA} if _route.holds_sdpa(module) else set()
         if _route.MHA_FUNCTION in names and _route.SDPA not in names:
             # issue 30: softmax attention through torch's functional MHA (HunyuanDiT's

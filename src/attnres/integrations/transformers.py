@@ -276,15 +276,9 @@ _PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "@"})
 
 
 def _own_functions(cls: type) -> list[types.FunctionType]:
-    """The functions of ``cls``'s own classes: not torch's, and not the base
+    """The methods of ``cls``'s own classes: not torch's, and not the base
     classes every transformers model shares."""
-    return [
-        value
-        for klass in cls.__mro__
-        if klass not in _SHARED_BASES and not klass.__module__.startswith("torch.")
-        for value in vars(klass).values()
-        if isinstance(value, types.FunctionType)
-    ]
+    return list(_route.methods_of(cls, _SHARED_BASES).values())
 
 
 def _own_calls(module: Any) -> frozenset[str]:
