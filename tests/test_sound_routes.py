@@ -420,6 +420,48 @@ def test_a_route_installs_inside_an_accelerate_hook_added_before_apply() -> None
     assert torch.equal(site(q), want) and hook.calls == 3
 
 
+def test_the_mha_route_runs_inside_an_accelerate_hook_added_before_apply() -> None:
+    """A ``MultiheadAttention`` under accelerate's hook: its route is built where
+    the hook calls the forward (``_old_forward``), so the hook still runs (it
+    moves weights and inputs where offloading puts them) and the decided kernel
+    runs inside it."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from attnres.integrations import diffusers as idf
+
+    class Counting(ModelHook):  # type: ignore[misc]
+        calls = 0
+
+        def pre_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return args, kwargs
+
+    torch.manual_seed(0)
+    holder, hook = torch.nn.Module(), Counting()
+    holder.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(1, 5, 8)
+    want = holder.attn(x, x, x, need_weights=False)[0]
+    add_hook_to_module(holder.attn, hook)
+    idf.apply({"vae": holder}, _explicit("eager"), Platform.detect())
+    try:
+        assert getattr(holder.attn._old_forward, "__func__", None) is None  # the route's
+        (route,) = idf.routes({"vae": holder}).values()
+        ran: list[int] = []
+
+        def counted(kernel: Any) -> Any:
+            return lambda *args: ran.append(1) or kernel(*args)
+
+        route.kernels = {key: k and counted(k) for key, k in route.kernels.items()}
+        got = holder.attn(x, x, x, need_weights=False)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert hook.calls == 1 and ran == [1]  # the hook ran, and the decided kernel
+    finally:
+        idf.remove({"vae": holder})
+    mha = torch.nn.MultiheadAttention.forward
+    assert holder.attn._old_forward.__func__ is mha and hook.calls == 1
+    assert torch.equal(holder.attn(x, x, x, need_weights=False)[0], want) and hook.calls == 2
+
+
 def _logged(forward: Any) -> Any:
     @functools.wraps(forward)
     def logged(*args: Any, **kwargs: Any) -> Any:
