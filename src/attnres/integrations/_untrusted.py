@@ -387,7 +387,6 @@ class FolderPart:
     folder: Path
     config: dict[str, Any]
     where: str
-    model: Any = None
 
 
 def read_pipeline_index(
