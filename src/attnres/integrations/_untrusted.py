@@ -156,7 +156,8 @@ _SIZED: Final = ((str, "a string of {} characters"), (dict, "an object of {} key
 
 
 def check_config(config: Mapping[str, Any], where: str) -> None:
-    """Refuse a config value a model build must not be asked for (see the module doc)."""
+    """Refuse a config value a model build must not be asked for (see the module doc);
+    ``config`` is :func:`read_config`'s, so NaN, infinities and nesting are refused there."""
     stack: list[tuple[str, Any]] = list(config.items())
     while stack:
         path, value = stack.pop()
@@ -174,9 +175,6 @@ def check_config(config: Mapping[str, Any], where: str) -> None:
             elif bound is not None and not bound[1] <= value <= bound[2]:
                 _, low, high, what = bound
                 message = f"{value} is out of bounds for {what}: attnres plans {low} to {high}"
-        elif isinstance(value, float):
-            if not math.isfinite(value):  # parse_json refuses these; a dict passed in may not
-                message = f"{value} is not a finite number"
         elif isinstance(value, str | list | tuple | dict) and len(value) > MAX_CONFIG_ITEMS:
             what = next((w for t, w in _SIZED if isinstance(value, t)), "a list of {} items")
             message = f"{what.format(len(value))} (at most {MAX_CONFIG_ITEMS})"
