@@ -162,7 +162,7 @@ def plan_folder(
     models: dict[str, Any] = {}
     choices: dict[str, DtypeChoice] = {}
     for part in found:
-        models[part.name] = part.model = _untrusted.build_part(part)
+        models[part.name] = _untrusted.build_part(part)
         choices[part.name] = _choose_dtype(part.name, part.folder, part.config, args)
     if any(p.library == "diffusers" for p in found):
         from attnres.integrations import diffusers as _diffusers
@@ -171,7 +171,7 @@ def plan_folder(
             caller = _diffusers.pipeline_class(title)
         except Exception as exc:  # a lazy module that fails to import the class
             raise _untrusted.fail(
-                folder / "model_index.json",
+                index,
                 "_class_name",
                 message=f"the installed diffusers cannot import {title}, the pipeline it "
                 f"names: {_untrusted.one_line(exc.__cause__ or exc)}; install what that "
@@ -179,8 +179,9 @@ def plan_folder(
             ) from None
 
         def alone(part: _untrusted.FolderPart) -> object:
+            name = part.name
             return _diffusers.plan(
-                {part.name: part.model}, config, platform, dtypes={part.name: choices[part.name]}
+                {name: models[name]}, config, platform, dtypes={name: choices[name]}
             )
 
         with _untrusted.naming_the_component(found, alone):

@@ -10,7 +10,7 @@ or transformers. Building a third-party model from a config is untrusted work:
    lengths, string lengths, integers (:data:`MAX_CONFIG_INT`), layer counts
    (:data:`MAX_CONFIG_LAYERS`), head counts and head sizes -- the message names
    the key, the value and the bound;
-3. the build runs under a budget (:func:`build_under_budget`): at most
+3. the build runs under a budget (:func:`build_part`): at most
    :data:`MAX_BUILD_TORCH_CALLS` torch calls, :data:`MAX_BUILD_SECONDS` seconds
    and :data:`MAX_BUILD_MEMORY_BYTES` of added peak memory, checked by a torch
    function mode on every torch call of the build (on the meta device). A
@@ -45,7 +45,7 @@ from typing import Any, Final, TypeVar
 
 from attrs import define
 
-from attnres._codec import located
+from attnres._codec import is_int, is_str_list, located
 from attnres._files import read_json, read_safetensors_header
 from attnres._torch_floor import MIN_TORCH, installed_torch
 from attnres.errors import FolderBuildError
@@ -61,7 +61,7 @@ __all__ = [
     "MAX_CONFIG_LAYERS",
     "MAX_WEIGHT_FILES",
     "FolderBuildError",
-    "build_under_budget",
+    "build_part",
     "check_component_key",
     "check_config",
     "dtype_from_weights",
@@ -126,6 +126,17 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
     return f"{type(exc).__name__}: {_preview(text, limit)}" if text else type(exc).__name__
 
 
+def _read(read: Callable[[Path], _T], path: Path, cannot: str, invalid: str) -> _T:
+    """``read(path)``, one of the one reader's functions: its refusal of the file
+    (:class:`OSError`) says ``cannot``, of its content (:class:`ValueError`) ``invalid``."""
+    try:
+        return read(path)
+    except OSError as exc:
+        raise fail(path, message=f"{cannot}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise fail(path, message=f"{invalid}: {exc}") from None
+
+
 def check_component_key(key: object, where: str) -> str:
     """``key`` if it names a component: a name, never a path (no ``/``, no ``..``);
     ``where`` is the file that names it, or the flag (``--component``)."""
@@ -145,7 +156,8 @@ _SIZED: Final = ((str, "a string of {} characters"), (dict, "an object of {} key
 
 
 def check_config(config: Mapping[str, Any], where: str) -> None:
-    """Refuse a config value a model build must not be asked for (see the module doc)."""
+    """Refuse a config value a model build must not be asked for (see the module doc);
+    ``config`` is :func:`read_config`'s, so NaN, infinities and nesting are refused there."""
     stack: list[tuple[str, Any]] = list(config.items())
     while stack:
         path, value = stack.pop()
@@ -163,9 +175,6 @@ def check_config(config: Mapping[str, Any], where: str) -> None:
             elif bound is not None and not bound[1] <= value <= bound[2]:
                 _, low, high, what = bound
                 message = f"{value} is out of bounds for {what}: attnres plans {low} to {high}"
-        elif isinstance(value, float):
-            if not math.isfinite(value):  # parse_json refuses these; a dict passed in may not
-                message = f"{value} is not a finite number"
         elif isinstance(value, str | list | tuple | dict) and len(value) > MAX_CONFIG_ITEMS:
             what = next((w for t, w in _SIZED if isinstance(value, t)), "a list of {} items")
             message = f"{what.format(len(value))} (at most {MAX_CONFIG_ITEMS})"
@@ -217,34 +226,6 @@ def _budget_mode(deadline: float) -> Any:
     return Budget()
 
 
-def build_under_budget(
-    build: Callable[[], _T], *, component: str, class_name: str, where: str
-) -> _T:
-    """``build()`` on the meta device, under the budget; what it raises becomes a
-    :class:`FolderBuildError` naming ``component``, ``class_name`` and ``where``."""
-    import torch
-
-    deadline = time.monotonic() + MAX_BUILD_SECONDS
-    # a build stopped half-way (its error, the budget) may skip the third-party
-    # code that restores torch's global state: grad mode and the default dtype
-    # are put back whatever happens (found by the budget test: grad stayed off)
-    grad, default_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
-    try:
-        with torch.device("meta"), _budget_mode(deadline):
-            return build()
-    except (KeyboardInterrupt, SystemExit, GeneratorExit, FolderBuildError):
-        raise
-    except BaseException as exc:  # third-party code on hostile input: anything at all
-        raise fail(
-            where,
-            message=f"cannot build {class_name} for component {component!r} from this "
-            f"config: {one_line(exc)}",
-        ) from None
-    finally:
-        torch.set_grad_enabled(grad)
-        torch.set_default_dtype(default_dtype)
-
-
 # =============================================================================
 # The dtype the weights are stored in
 # =============================================================================
@@ -263,17 +244,6 @@ def _is_variant(path: Path) -> bool:
     """``model.fp16.safetensors``, ``model.fp16-00001-of-00002.safetensors``: a
     variant ``from_pretrained`` loads only when asked for it (``variant="fp16"``)."""
     return "." in path.name[: -len(".safetensors")]
-
-
-def _elements(shape: Any, path: Path, tensor: str) -> int:
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_CONFIG_INT for d in shape
-    ):
-        shown = _preview(repr(shape), 80)
-        raise fail(
-            path, tensor, message=f"shape must be a list of non-negative integers, got {shown}"
-        )
-    return math.prod(shape)
 
 
 def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
@@ -304,24 +274,25 @@ def dtype_from_weights(folder: Path) -> tuple[str | None, str | None]:
     counts: dict[str, int] = {}
     storage_only = 0
     for path in files:
-        try:
-            header = read_safetensors_header(path)
-        except OSError as exc:
-            raise fail(path, message=f"cannot read it: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise fail(path, message=f"not a safetensors file: {exc}") from None
+        header = _read(read_safetensors_header, path, "cannot read it", "not a safetensors file")
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
             tensor = f"tensor {key[:80]!r}"
             if not isinstance(entry, dict):
                 raise fail(path, tensor, message="expected an object with dtype and shape")
-            elements = _elements(entry.get("shape"), path, tensor)
+            shape = entry.get("shape")
+            if not isinstance(shape, list) or not all(
+                is_int(d) and 0 <= d <= MAX_CONFIG_INT for d in shape
+            ):
+                shown = _preview(repr(shape), 80)
+                message = f"shape must be a list of non-negative integers, got {shown}"
+                raise fail(path, tensor, message=message)
             name = _SAFETENSORS_DTYPES.get(str(entry.get("dtype")), "")
             if name is None:
-                storage_only += elements
+                storage_only += math.prod(shape)
             elif name:
-                counts[name] = counts.get(name, 0) + elements
+                counts[name] = counts.get(name, 0) + math.prod(shape)
     if not counts:
         why = (
             "weights are stored in float8, which is not a compute dtype"
@@ -344,12 +315,9 @@ _LIBRARIES: Final = ("diffusers", "transformers")
 def read_config(path: Path, what: str = "config file") -> dict[str, Any]:
     """A JSON object from ``path`` through the one reader; a :class:`FolderBuildError`
     naming the file says why it cannot be one."""
-    try:
-        doc = read_json(path, what=what)
-    except OSError as exc:
-        raise fail(path, message=f"cannot read the {what}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise fail(path, message=f"not a valid {what}: {exc}") from None
+    doc = _read(
+        lambda p: read_json(p, what=what), path, f"cannot read the {what}", f"not a valid {what}"
+    )
     if not isinstance(doc, dict):
         raise fail(
             path, message=f"not a valid {what}: expected a JSON object, got a {type(doc).__name__}"
@@ -417,7 +385,6 @@ class FolderPart:
     folder: Path
     config: dict[str, Any]
     where: str
-    model: Any = None
 
 
 def read_pipeline_index(
@@ -433,12 +400,10 @@ def read_pipeline_index(
         if isinstance(key, str) and key.startswith("_"):
             continue  # _class_name, _diffusers_version, _name_or_path: not components
         name = check_component_key(key, str(index))
-        if isinstance(value, list) and len(value) == 2 and value[0] is None and value[1] is None:
+        if value == [None, None]:
             skipped.append((name, "absent: null in model_index.json"))
             continue
-        if not (
-            isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
-        ):
+        if not (is_str_list(value) and len(value) == 2):
             raise fail(
                 index,
                 repr(name),
@@ -525,22 +490,39 @@ def _component_from(
 
 
 def build_part(part: FolderPart) -> Any:
-    """The model of ``part`` on the meta device, in eval mode, under the budget."""
+    """The model of ``part`` on the meta device, in eval mode, from its bounded
+    config, under the budget; what the build raises becomes a
+    :class:`FolderBuildError` naming the component, the class and the file."""
+    check_config(part.config, part.where)
+    import torch
+
     cls: Any = part.cls
     config = dict(part.config)
-
-    def build() -> Any:
-        if part.library == "diffusers":
-            return cls.from_config(config).eval()
-        # attnres decides the attention, and the dtype is chosen apart (plan_folder):
-        # neither the config's attention nor its dtype ("auto", float8 storage) is built
-        for key in ("_attn_implementation", "attn_implementation", "torch_dtype", "dtype"):
-            config.pop(key, None)
-        cfg = cls.config_class.from_dict(config)
-        return cls._from_config(cfg).eval()
-
-    check_config(part.config, part.where)
-    return build_under_budget(build, component=part.name, class_name=cls.__name__, where=part.where)
+    deadline = time.monotonic() + MAX_BUILD_SECONDS
+    # a build stopped half-way (its error, the budget) may skip the third-party
+    # code that restores torch's global state: grad mode and the default dtype
+    # are put back whatever happens (found by the budget test: grad stayed off)
+    grad, default_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
+    try:
+        with torch.device("meta"), _budget_mode(deadline):
+            if part.library == "diffusers":
+                return cls.from_config(config).eval()
+            # attnres decides the attention, and the dtype is chosen apart (plan_folder):
+            # neither the config's attention nor its dtype ("auto", float8 storage) is built
+            for key in ("_attn_implementation", "attn_implementation", "torch_dtype", "dtype"):
+                config.pop(key, None)
+            return cls._from_config(cls.config_class.from_dict(config)).eval()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, FolderBuildError):
+        raise
+    except BaseException as exc:  # third-party code on hostile input: anything at all
+        raise fail(
+            part.where,
+            message=f"cannot build {cls.__name__} for component {part.name!r} from this "
+            f"config: {one_line(exc)}",
+        ) from None
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.set_default_dtype(default_dtype)
 
 
 @contextlib.contextmanager
