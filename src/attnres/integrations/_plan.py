@@ -14,7 +14,7 @@ or transformers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from attrs import evolve, field, frozen
@@ -66,6 +66,7 @@ __all__ = [
     "SiteCode",
     "SiteDescription",
     "SiteError",
+    "install",
     "plan_sites",
 ]
 
@@ -403,21 +404,38 @@ def refuse_to_apply(result: PlanResult) -> None:
         )
 
 
-def emit_installed(result: PlanResult) -> None:
-    """Record the installed plan's site decisions as their current ledger entries
-    (one per site: applying again replaces them) and log one ``attention backend
-    installed`` audit event per installed site."""
+def install(
+    result: PlanResult, steps: Iterable[Callable[[], object]], problems: Sequence[str]
+) -> PlanResult:
+    """Install ``result`` (a plan :func:`refuse_to_apply` let through), all or nothing;
+    every integration's ``apply`` ends here. ``problems`` (what keeps it from being
+    installed) raise :class:`IntegrationError` before any step runs; a step may return
+    how to undo it, and when one raises, those done are undone in reverse. Then the
+    site decisions become their current ledger entries (one per site: applying again
+    replaces them), with one ``attention backend installed`` audit event per site."""
+    if problems:
+        raise IntegrationError(
+            "cannot install the plan; nothing was changed: " + "; ".join(problems), result
+        )
+    undo: list[Callable[[], object]] = []
+    try:
+        for step in steps:
+            done = step()
+            if callable(done):
+                undo.append(done)
+    except Exception:
+        for action in reversed(undo):
+            action()
+        raise
     set_decisions(
         Decision(site.component, site.name, site.trace.outcome, site.trace)
         for site in result.sites
         if site.trace is not None
     )
     log = _audit._logger(logging.INFO)
-    if log is None:
-        return
     for site in result.sites:
         res = site.resolution
-        if res is None or site.trace is None:
+        if log is None or res is None or site.trace is None:
             continue
         log.info(
             "attention backend installed",
@@ -429,3 +447,4 @@ def emit_installed(result: PlanResult) -> None:
             route=site.route,
             digest=site.trace.digest,
         )
+    return result
