@@ -14,7 +14,8 @@ or transformers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from attrs import evolve, field, frozen
@@ -128,6 +129,29 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.component}/{self.name}: {self.problem}"
+
+
+#: module class name -> the place (the last part of a site's name) of its
+#: cross-attention, where only its place tells it (every other site: its
+#: ``is_cross_attention``): T5's ``EncDecAttention`` (transformers 5.24);
+#: ``LTXAttention`` sets ``cross_attention_dim`` to the query width on its
+#: self-attention too, so only ``attn2`` tells (diffusers 0.42.1; its prompt
+#: padding mask is key padding, as diffusers' ``_mask_kind`` reads it). A wrong
+#: or missing entry is caught at the first call (the mask is observed and
+#: re-resolved).
+CROSS_BY_PLACE: Mapping[str, str] = MappingProxyType(
+    {"T5Attention": "EncDecAttention", "UMT5Attention": "EncDecAttention", "LTXAttention": "attn2"}
+)
+
+
+def role(name: str, module: Any) -> Role:
+    """The role of the site ``name`` (both integrations): by its place where
+    :data:`CROSS_BY_PLACE` has its class, else by its ``is_cross_attention`` flag
+    alone (FluxAttention's ``added_kv_proj_dim`` is joint self-attention)."""
+    place = CROSS_BY_PLACE.get(type(module).__name__)
+    if place is not None:
+        return Role.CROSS if name.rsplit(".", 1)[-1] == place else Role.SELF
+    return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
 
 
 # =============================================================================

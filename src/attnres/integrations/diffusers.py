@@ -60,7 +60,7 @@ from diffusers.models.attention_dispatch import (
 from diffusers.models.attention_processor import Attention as _LegacyAttention
 from transformers.utils import logging as hf_logging
 
-from attnres._vocab import MaskKind, MaskRoute, Role, normalize_dtype
+from attnres._vocab import MaskKind, MaskRoute, normalize_dtype
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import ArgumentTypeError
 from attnres.integrations import _route
@@ -75,6 +75,7 @@ from attnres.integrations._plan import (
     install,
     plan_sites,
     refuse_to_apply,
+    role,
     trains,
 )
 from attnres.kernels import get_kernel
@@ -130,15 +131,6 @@ _XFORMERS_CALL = "memory_efficient_attention"
 
 def _last(name: str) -> str:
     return name.rsplit(".", 1)[-1]
-
-
-#: Facts code cannot tell before the first call (checked against diffusers
-#: 0.42.1): where a class's cross-attention is. ``LTXAttention`` sets
-#: ``cross_attention_dim`` to the query width on its self-attention, so only its
-#: place (``attn2``) tells cross-attention (its prompt padding mask is key padding,
-#: as :func:`_mask_kind` reads it). A wrong or missing entry is caught at the
-#: first call (the mask is observed and re-resolved).
-_CROSS_BY_PLACE: Mapping[str, str] = MappingProxyType({"LTXAttention": "attn2"})
 
 
 @attrs.frozen
@@ -262,14 +254,6 @@ def _dict_literals(tree: ast.AST) -> dict[str, list[tuple[str, ast.expr]]]:
             items = [(k.value, v) for k, v in zip(keys, node.value.values, strict=True)]  # type: ignore[union-attr]
             out.setdefault(node.targets[0].id, []).extend(items)
     return out
-
-
-def _role(name: str, module: Any) -> Role:
-    place = _CROSS_BY_PLACE.get(type(module).__name__)
-    if place is not None:
-        return Role.CROSS if _last(name) == place else Role.SELF
-    # FluxAttention's added_kv_proj_dim is joint self-attention: only the flag counts
-    return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
 
 
 #: issue 22: a processor whose call takes this parameter builds a joint
@@ -542,7 +526,7 @@ def _describe(
         name=name,
         module_class=cls,
         dtype=dtype,
-        role=_role(name, module),
+        role=role(name, module),
         heads=heads,
         kv_heads=kv_heads,
         head_size=head_size,

@@ -34,7 +34,7 @@ import transformers
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from attnres._vocab import MaskKind, Role, normalize_dtype
+from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend
 from attnres.integrations import _hf_attention, _route
 from attnres.integrations._plan import (
@@ -47,6 +47,7 @@ from attnres.integrations._plan import (
     install,
     plan_sites,
     refuse_to_apply,
+    role,
     trains,
 )
 from attnres.kernels import get_kernel
@@ -126,20 +127,12 @@ def _native_backends(model: Any) -> frozenset[Backend]:
 # =============================================================================
 
 
-def _self(name: str, module: Any) -> Role:
-    return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
-
-
 def _observed_requirements(module: Any) -> Requirements:
     # issue 22: a model's mask function builds padding masks (causal ones for a
     # decoder used as an encoder): key padding
     return Requirements(
         causal=getattr(module, "is_causal", False) is True, mask=MaskKind.KEY_PADDING
     )
-
-
-def _t5_role(name: str, module: Any) -> Role:
-    return Role.CROSS if name.rsplit(".", 1)[-1] == "EncDecAttention" else Role.SELF
 
 
 def _t5_requirements(module: Any) -> Requirements:
@@ -156,28 +149,16 @@ def _clip_requirements(module: Any) -> Requirements:
     return Requirements(causal=text, mask=MaskKind.KEY_PADDING if text else MaskKind.NONE)
 
 
-@attrs.frozen
-class _Fact:
-    """One attention class's role and requirements."""
-
-    role: Callable[[str, Any], Role]
-    requirements: Callable[[Any], Requirements]
-
-
-#: the facts of every class not in :data:`_CLASS_FACTS`: read from the module
-_OBSERVED = _Fact(_self, _observed_requirements)
-#: T5 always passes its float position bias as the mask; its cross-attention is
-#: told only by its place (EncDecAttention)
-_T5 = _Fact(_t5_role, _t5_requirements)
-
-#: module class name -> the facts its code does not tell before the call,
-#: checked against transformers 5.24 (every other fact is read from the module)
-_CLASS_FACTS: Mapping[str, _Fact] = MappingProxyType(
+#: module class name -> the requirements its code does not tell before the call,
+#: checked against transformers 5.24 (every other class: read from the module,
+#: ``_observed_requirements``; a site's role: ``_plan.role``, T5's by its place)
+_CLASS_FACTS: Mapping[str, Callable[[Any], Requirements]] = MappingProxyType(
     {
         # is_causal is False on the module: the text model passes causal per call
-        "CLIPAttention": _Fact(_self, _clip_requirements),
-        "T5Attention": _T5,
-        "UMT5Attention": _T5,
+        "CLIPAttention": _clip_requirements,
+        # T5 always passes its float position bias as the mask
+        "T5Attention": _t5_requirements,
+        "UMT5Attention": _t5_requirements,
     }
 )
 
@@ -507,7 +488,7 @@ def _describe_interface(
             f"head size; they are read from the query and key of its first call",
         )
     heads, kv_heads, head_size = facts
-    fact = _CLASS_FACTS.get(cls, _OBSERVED)
+    requirements = _CLASS_FACTS.get(cls, _observed_requirements)(module)
     flag = _hf_attention.opt_out_flag(type(owner))
     return SiteDescription(
         **common,
@@ -523,8 +504,8 @@ def _describe_interface(
         head_size=head_size,
         heads=heads,
         kv_heads=kv_heads,
-        role=fact.role(name, module),
-        requirements=_with_call_facts(fact.requirements(module), module, facts, backward),
+        role=role(name, module),
+        requirements=_with_call_facts(requirements, module, facts, backward),
     )
 
 
@@ -587,7 +568,7 @@ def _describe_own(
         head_size=head_size,
         heads=heads,
         kv_heads=kv_heads,
-        role=_self(name, module),
+        role=role(name, module),
         requirements=req,
         pending=facts is None,
     )
