@@ -162,7 +162,7 @@ def role(name: str, module: Any) -> Role:
 def plan_sites(
     *,
     title: str,
-    source: str,
+    source: str | None = None,
     components: Iterable[tuple[str, DtypeChoice | None, Sequence[SiteDescription]]],
     config: SelectionConfig | None,
     platform: Platform | None,
@@ -176,6 +176,7 @@ def plan_sites(
     (a declared default would relax the operator's flag, SPEC 3.2). A site that
     cannot be classified is an error in a strict component and a recorded
     note in one that may fall back: it keeps running its own code path.
+    ``source``: where the pipeline came from (default: ``<title object>``).
     """
     cfg = selection_config() if config is None else config
     plat = Platform.detect() if platform is None else platform
@@ -205,7 +206,7 @@ def plan_sites(
                 sites=sites,
             )
         )
-    pipeline = Pipeline(title, source, tuple(entries))
+    pipeline = Pipeline(title, source or f"<{title} object>", tuple(entries))
     return PlanResult(pipeline, plat, cfg, tuple(planned))
 
 

@@ -129,10 +129,6 @@ _TORCH_SDPA = _tf._TORCH_SDPA
 _XFORMERS_CALL = "memory_efficient_attention"
 
 
-def _last(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
 @attrs.frozen
 class _ArgumentMask:
     """One mask argument of a model's forward, where code cannot tell (issue 22)."""
@@ -326,7 +322,7 @@ def _mask_kind(model: _Model, name: str, module: Any) -> MaskKind:
     if by_argument is not None:
         for argument, mask in by_argument.items():
             sent = mask.unless_known if model.passed is None else argument in model.passed
-            if sent and mask.reaches in (None, _last(name)):
+            if sent and mask.reaches in (None, name.rsplit(".", 1)[-1]):
                 return mask.kind
         return MaskKind.NONE
     processor = getattr(module, "processor", None)
@@ -671,10 +667,9 @@ def plan(
         if sp is not None:  # issue 35: the layout each denoiser site would run
             sites = [sp.choose_for_site(name, d) for d in sites]
         parts.append((name, choice, sites))
-    name = title or type(pipe).__name__
     return plan_sites(
-        title=name,
-        source=source or f"<{name} object>",
+        title=title or type(pipe).__name__,
+        source=source,
         components=parts,
         config=config,
         platform=platform,

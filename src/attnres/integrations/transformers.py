@@ -289,9 +289,9 @@ _NORMALISERS = frozenset({"logsumexp", "exp"})
 
 
 def _matmul_operator(code: types.CodeType) -> bool:
-    if any(i.opname == "BINARY_OP" and i.argrepr == "@" for i in dis.get_instructions(code)):
-        return True
-    return any(_matmul_operator(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    """Whether ``code`` (or a code object it holds) multiplies with ``@``."""
+    found = (i for c in _route._codes(code) for i in dis.get_instructions(c))
+    return any(i.opname == "BINARY_OP" and i.argrepr == "@" for i in found)
 
 
 def _kind(module: Any, calls: frozenset[str]) -> str | None:
@@ -828,7 +828,6 @@ def plan(
     sites = describe_sites(model, component, None if dtype is None else dtype.dtype)
     return plan_sites(
         title=type(model).__name__,
-        source=f"<{type(model).__name__} object>",
         components=[(component, dtype, sites)],
         config=config,
         platform=platform,
