@@ -598,6 +598,7 @@ def own_call_site(
     elif pinned is not None:
         route, kind = f"its own attention call in {owner}, not reroutable: {pinned}", RouteKind.PIN
     else:
+        # (the words of ``diffusers.ROUTE_GENERIC``)
         route, kind = f"generic route ({via} in {owner})", RouteKind.INTERCEPT
     why = None
     if site.keywords["pending"]:
