@@ -939,6 +939,28 @@ def test_transformers_apply_twice_then_verify_reports_nothing_and_remove_restore
     assert enc.config._attn_implementation == before
 
 
+def test_apply_that_fails_midway_undoes_what_it_installed(monkeypatch):
+    # every apply ends in _plan.install: a step that raises undoes the steps done
+    # before it, and no decision of the plan reaches the ledger
+    from attnres.ledger import decisions
+
+    unet, real, calls = tp.unet(), idf._install, []
+
+    def second_fails(item, *args):
+        calls.append(item.site.name)
+        if len(calls) == 2:
+            raise RuntimeError("the second install fails")
+        return real(item, *args)
+
+    monkeypatch.setattr(idf, "_install", second_fails)
+    with pytest.raises(RuntimeError, match="the second install fails"):
+        idf.apply({"undone": unet}, SelectionConfig(global_backend="flex_attention"))
+    assert len(calls) == 2
+    assert idf.routes({"undone": unet}) == {}
+    assert not any("_attnres_pin" in m.__dict__ for m in unet.modules())
+    assert not [d for d in decisions() if d.component == "undone"]
+
+
 def test_first_call_with_a_fact_the_plan_did_not_allow_falls_back_or_raises():
     # a site planned without dropout meets a call with dropout, which flex
     # attention does not implement: a component that may fall back re-resolves

@@ -14,7 +14,8 @@ or transformers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from attrs import evolve, field, frozen
@@ -66,6 +67,7 @@ __all__ = [
     "SiteCode",
     "SiteDescription",
     "SiteError",
+    "install",
     "plan_sites",
 ]
 
@@ -129,6 +131,29 @@ class Problem:
         return f"{self.component}/{self.name}: {self.problem}"
 
 
+#: module class name -> the place (the last part of a site's name) of its
+#: cross-attention, where only its place tells it (every other site: its
+#: ``is_cross_attention``): T5's ``EncDecAttention`` (transformers 5.24);
+#: ``LTXAttention`` sets ``cross_attention_dim`` to the query width on its
+#: self-attention too, so only ``attn2`` tells (diffusers 0.42.1; its prompt
+#: padding mask is key padding, as diffusers' ``_mask_kind`` reads it). A wrong
+#: or missing entry is caught at the first call (the mask is observed and
+#: re-resolved).
+CROSS_BY_PLACE: Mapping[str, str] = MappingProxyType(
+    {"T5Attention": "EncDecAttention", "UMT5Attention": "EncDecAttention", "LTXAttention": "attn2"}
+)
+
+
+def role(name: str, module: Any) -> Role:
+    """The role of the site ``name`` (both integrations): by its place where
+    :data:`CROSS_BY_PLACE` has its class, else by its ``is_cross_attention`` flag
+    alone (FluxAttention's ``added_kv_proj_dim`` is joint self-attention)."""
+    place = CROSS_BY_PLACE.get(type(module).__name__)
+    if place is not None:
+        return Role.CROSS if name.rsplit(".", 1)[-1] == place else Role.SELF
+    return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
+
+
 # =============================================================================
 # Resolving described sites
 # =============================================================================
@@ -137,7 +162,7 @@ class Problem:
 def plan_sites(
     *,
     title: str,
-    source: str,
+    source: str | None = None,
     components: Iterable[tuple[str, DtypeChoice | None, Sequence[SiteDescription]]],
     config: SelectionConfig | None,
     platform: Platform | None,
@@ -151,6 +176,7 @@ def plan_sites(
     (a declared default would relax the operator's flag, SPEC 3.2). A site that
     cannot be classified is an error in a strict component and a recorded
     note in one that may fall back: it keeps running its own code path.
+    ``source``: where the pipeline came from (default: ``<title object>``).
     """
     cfg = selection_config() if config is None else config
     plat = Platform.detect() if platform is None else platform
@@ -180,7 +206,7 @@ def plan_sites(
                 sites=sites,
             )
         )
-    pipeline = Pipeline(title, source, tuple(entries))
+    pipeline = Pipeline(title, source or f"<{title} object>", tuple(entries))
     return PlanResult(pipeline, plat, cfg, tuple(planned))
 
 
@@ -403,21 +429,38 @@ def refuse_to_apply(result: PlanResult) -> None:
         )
 
 
-def emit_installed(result: PlanResult) -> None:
-    """Record the installed plan's site decisions as their current ledger entries
-    (one per site: applying again replaces them) and log one ``attention backend
-    installed`` audit event per installed site."""
+def install(
+    result: PlanResult, steps: Iterable[Callable[[], object]], problems: Sequence[str]
+) -> PlanResult:
+    """Install ``result`` (a plan :func:`refuse_to_apply` let through), all or nothing;
+    every integration's ``apply`` ends here. ``problems`` (what keeps it from being
+    installed) raise :class:`IntegrationError` before any step runs; a step may return
+    how to undo it, and when one raises, those done are undone in reverse. Then the
+    site decisions become their current ledger entries (one per site: applying again
+    replaces them), with one ``attention backend installed`` audit event per site."""
+    if problems:
+        raise IntegrationError(
+            "cannot install the plan; nothing was changed: " + "; ".join(problems), result
+        )
+    undo: list[Callable[[], object]] = []
+    try:
+        for step in steps:
+            done = step()
+            if callable(done):
+                undo.append(done)
+    except Exception:
+        for action in reversed(undo):
+            action()
+        raise
     set_decisions(
         Decision(site.component, site.name, site.trace.outcome, site.trace)
         for site in result.sites
         if site.trace is not None
     )
     log = _audit._logger(logging.INFO)
-    if log is None:
-        return
     for site in result.sites:
         res = site.resolution
-        if res is None or site.trace is None:
+        if log is None or res is None or site.trace is None:
             continue
         log.info(
             "attention backend installed",
@@ -429,3 +472,4 @@ def emit_installed(result: PlanResult) -> None:
             route=site.route,
             digest=site.trace.digest,
         )
+    return result

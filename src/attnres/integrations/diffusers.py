@@ -60,22 +60,22 @@ from diffusers.models.attention_dispatch import (
 from diffusers.models.attention_processor import Attention as _LegacyAttention
 from transformers.utils import logging as hf_logging
 
-from attnres._vocab import MaskKind, MaskRoute, Role, normalize_dtype
+from attnres._vocab import MaskKind, MaskRoute, normalize_dtype
 from attnres.backends import Backend, lookup_spec
 from attnres.errors import ArgumentTypeError
 from attnres.integrations import _route
 from attnres.integrations import transformers as _tf
 from attnres.integrations._plan import (
     DtypeChoice,
-    IntegrationError,
     Problem,
     RouteKind,
     Site,
     SiteDescription,
     check_version,
-    emit_installed,
+    install,
     plan_sites,
     refuse_to_apply,
+    role,
     trains,
 )
 from attnres.kernels import get_kernel
@@ -122,25 +122,11 @@ _BY_DIFFUSERS = MappingProxyType({v: k for k, v in _DISPATCHER_BACKENDS.items()}
 #: processor's own keyword arguments, never attnres's (diffusers 0.42.1
 #: models/attention_dispatch.py)
 _HOST_KERNEL = "diffusers' dispatcher (dispatch_attention_fn, pinned on the processor)"
-_EAGER = Backend("eager")
-_TORCH_SDPA = Backend("torch_sdpa")
+_TORCH_SDPA = _tf._TORCH_SDPA
 
 #: the kernel entry point a processor may call by hand, xformers' (read from what
 #: the code names, never from the processor's class name)
 _XFORMERS_CALL = "memory_efficient_attention"
-
-
-def _last(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
-#: Facts code cannot tell before the first call (checked against diffusers
-#: 0.42.1): where a class's cross-attention is. ``LTXAttention`` sets
-#: ``cross_attention_dim`` to the query width on its self-attention, so only its
-#: place (``attn2``) tells cross-attention (its prompt padding mask is key padding,
-#: as :func:`_mask_kind` reads it). A wrong or missing entry is caught at the
-#: first call (the mask is observed and re-resolved).
-_CROSS_BY_PLACE: Mapping[str, str] = MappingProxyType({"LTXAttention": "attn2"})
 
 
 @attrs.frozen
@@ -266,14 +252,6 @@ def _dict_literals(tree: ast.AST) -> dict[str, list[tuple[str, ast.expr]]]:
     return out
 
 
-def _role(name: str, module: Any) -> Role:
-    place = _CROSS_BY_PLACE.get(type(module).__name__)
-    if place is not None:
-        return Role.CROSS if _last(name) == place else Role.SELF
-    # FluxAttention's added_kv_proj_dim is joint self-attention: only the flag counts
-    return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
-
-
 #: issue 22: a processor whose call takes this parameter builds a joint
 #: [text, image] mask from the text's padding (Qwen-Image's
 #: ``QwenDoubleStreamAttnProcessor2_0``): key padding, read from its signature.
@@ -344,7 +322,7 @@ def _mask_kind(model: _Model, name: str, module: Any) -> MaskKind:
     if by_argument is not None:
         for argument, mask in by_argument.items():
             sent = mask.unless_known if model.passed is None else argument in model.passed
-            if sent and mask.reaches in (None, _last(name)):
+            if sent and mask.reaches in (None, name.rsplit(".", 1)[-1]):
                 return mask.kind
         return MaskKind.NONE
     processor = getattr(module, "processor", None)
@@ -404,17 +382,15 @@ def _is_dispatcher(processor: Any) -> bool:
     return processor is not None and hasattr(type(processor), "_attention_backend")
 
 
-def _dtype_of(module: Any, fallback: str) -> str:
-    """The compute dtype: a layerwise-casting hook's, else the first wide weight's."""
+def _dtype_of(module: Any, model: Any) -> str:
+    """The compute dtype: a layerwise-casting hook's, else as a transformers
+    site's (its first wide weight's, else ``model``'s)."""
     for sub in module.modules():
         registry = getattr(sub, "_diffusers_hook", None)
         hook = None if registry is None else registry.get_hook("layerwise_casting")
         if hook is not None:
             return normalize_dtype(hook.compute_dtype)
-    for param in module.parameters():
-        if param.is_floating_point() and param.element_size() > 1:
-            return normalize_dtype(param.dtype)
-    return fallback
+    return _tf.compute_dtype(module, model)
 
 
 def describe_sites(
@@ -434,7 +410,6 @@ def describe_sites(
     """
     if _tf.is_transformers_model(model):
         return _tf.describe_sites(model, component, dtype)
-    fallback = normalize_dtype(getattr(model, "dtype", torch.float32))
     facts = _Model(component, type(model).__name__, trains(model), passes_masks(model), passed)
     out: list[SiteDescription] = []
     inside: list[str] = []
@@ -452,7 +427,7 @@ def describe_sites(
             inside.append(name)
             continue
         parent = model.get_submodule(name.rpartition(".")[0])
-        desc = _describe(facts, name, module, dtype or _dtype_of(module, fallback), parent)
+        desc = _describe(facts, name, module, dtype or _dtype_of(module, model), parent)
         if desc is not None:
             out.append(desc)
             inside.append(name)
@@ -547,7 +522,7 @@ def _describe(
         name=name,
         module_class=cls,
         dtype=dtype,
-        role=_role(name, module),
+        role=role(name, module),
         heads=heads,
         kv_heads=kv_heads,
         head_size=head_size,
@@ -566,17 +541,12 @@ def _describe(
             host_kernel=_HOST_KERNEL,  # issue 23: pinned, diffusers calls the kernel
         )
     runs_now = _dispatcher_current(processor) if _is_dispatcher(processor) else _TORCH_SDPA
+    # as the transformers integration describes a module of its own code
+    own = functools.partial(_tf.own_call_site, site, cls, owner, now=runs_now)
     if declared is not None or _route.SDPA in names or _route.DISPATCHER in names:
         cannot = _route.reroutes(runs)
-        if isinstance(cannot, str):
-            # issue 30: a call no copy can take runs as its code makes it, pinned
-            return site(
-                route=f"its own attention call in {owner}, not reroutable: {cannot}",
-                kind=RouteKind.PIN,
-                supported=None if runs_now is None else frozenset({runs_now}),
-                current=runs_now,
-                why=None if facts is not None else _tf.first_call_why(cls, by_hand=False),
-            )
+        if isinstance(cannot, str):  # issue 30: a call no copy can take
+            return own(pinned=cannot)
     if declared is not None:
         return site(
             route=f"{ROUTE_GENERIC} (dispatcher in {owner}, which declares "
@@ -587,13 +557,7 @@ def _describe(
             f"itself: its head facts and mask are read from its first call",
         )
     if _route.SDPA in names or _route.DISPATCHER in names:
-        via = "dispatcher" if _route.DISPATCHER in names else "SDPA"
-        return site(
-            route=f"{ROUTE_GENERIC} ({via} in {owner})",
-            current=runs_now,
-            kind=RouteKind.INTERCEPT,
-            why=None if facts is not None else _tf.first_call_why(cls, by_hand=False),
-        )
+        return own(via="dispatcher" if _route.DISPATCHER in names else "SDPA")
     if _XFORMERS_CALL in names:
         only = Backend("xformers")
         return site(
@@ -605,16 +569,9 @@ def _describe(
             why=None if facts is not None else f"{cls} holds no head facts",
         )
     if names & _route.BY_HAND:
-        # issue 30: softmax attention written by hand (get_attention_scores then
-        # torch.bmm, or a softmax of a product) runs its own code, untouched: no
-        # kernel is offered there (the machine's written_by_hand)
-        return site(
-            route=_route.by_hand_route(owner),
-            supported=frozenset({_EAGER}),
-            current=_EAGER,
-            kind=RouteKind.OWN_CODE,
-            why=None if facts is not None else _tf.first_call_why(cls, by_hand=True),
-        )
+        # softmax attention written by hand (get_attention_scores then torch.bmm,
+        # or a softmax of a product)
+        return own(by_hand=True)
     return site(
         route=f"own code in {owner}",
         kind=RouteKind.OWN_CODE,
@@ -710,10 +667,9 @@ def plan(
         if sp is not None:  # issue 35: the layout each denoiser site would run
             sites = [sp.choose_for_site(name, d) for d in sites]
         parts.append((name, choice, sites))
-    name = title or type(pipe).__name__
     return plan_sites(
-        title=name,
-        source=source or f"<{name} object>",
+        title=title or type(pipe).__name__,
+        source=source,
         components=parts,
         config=config,
         platform=platform,
@@ -856,25 +812,9 @@ def apply(
         check_version(library)
     result = plan(pipe, config, platform, caller=caller)
     refuse_to_apply(result)
-    cfg = result.config
-    planned, others, problems = _prepare(pipe, result, cfg)
-    problems += _cannot_install(planned)
-    if problems:
-        raise IntegrationError(
-            "cannot install the plan; nothing was changed: " + "; ".join(problems), result
-        )
-    done: list[tuple[Any, _Pin]] = []
-    try:
-        for item in planned:
-            done.append((item.module, _install(item, cfg, result.platform)))
-        for action in others:
-            action()
-    except Exception:
-        for module, pin in reversed(done):
-            _unpin(module, pin)
-        raise
-    emit_installed(result)
-    return result
+    planned, others, problems = _prepare(pipe, result, result.config)
+    pins = [functools.partial(_install, item, result.config, result.platform) for item in planned]
+    return install(result, [*pins, *others], problems + _cannot_install(planned))
 
 
 #: the kinds of site that run only their own code (a pin decided at its first
@@ -882,7 +822,8 @@ def apply(
 _OWN_CODE = frozenset({RouteKind.OWN_CODE, RouteKind.PIN})
 
 
-def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pin:
+def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> Callable[[], None]:
+    """Install one planned site; returns how to undo it."""
     module, site = item.module, item.site
     earlier = module.__dict__.get(_PIN_ATTR)
     if earlier is not None:  # applied again: remove() still restores the first state
@@ -928,7 +869,7 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pi
     dtype = None if site.spec is None else site.spec.dtype
     pin = _Pin(site.component, site.name, original, processor, item.value or None, dtype, route)
     module.__dict__[_PIN_ATTR] = pin
-    return pin
+    return functools.partial(_unpin, module, pin)
 
 
 def _unpin(module: Any, pin: _Pin) -> None:
@@ -983,7 +924,6 @@ def verify(pipe: Any) -> list[Problem]:
             problems += _tf.verify(inner)
         if _tf.is_transformers_model(model):
             continue
-        fallback = normalize_dtype(getattr(model, "dtype", torch.float32))
         for module, pin in _pins(model):
             now = getattr(module, "processor", None)
             found: list[str] = []
@@ -1005,7 +945,7 @@ def verify(pipe: Any) -> list[Problem]:
                 found.append(
                     "its generic route was removed or replaced since apply: plan and apply again"
                 )
-            dtype = _dtype_of(module, fallback)
+            dtype = _dtype_of(module, model)
             if pin.dtype is not None and dtype != pin.dtype:
                 found.append(
                     f"cast since apply: planned for {pin.dtype}, now {dtype}; plan and apply again"

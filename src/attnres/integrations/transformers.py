@@ -34,20 +34,20 @@ import transformers
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from attnres._vocab import MaskKind, Role, normalize_dtype
+from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend
 from attnres.integrations import _hf_attention, _route
 from attnres.integrations._plan import (
     DtypeChoice,
-    IntegrationError,
     Problem,
     RouteKind,
     Site,
     SiteDescription,
     check_version,
-    emit_installed,
+    install,
     plan_sites,
     refuse_to_apply,
+    role,
     trains,
 )
 from attnres.kernels import get_kernel
@@ -67,6 +67,7 @@ __all__ = [
 ]
 
 ROUTE = "transformers attention interface"
+_TORCH_SDPA, _EAGER = Backend("torch_sdpa"), Backend("eager")
 
 #: attnres backend -> the transformers attention function that executes it
 #: (transformers 5.24).
@@ -126,20 +127,12 @@ def _native_backends(model: Any) -> frozenset[Backend]:
 # =============================================================================
 
 
-def _self(name: str, module: Any) -> Role:
-    return Role.CROSS if getattr(module, "is_cross_attention", False) is True else Role.SELF
-
-
 def _observed_requirements(module: Any) -> Requirements:
     # issue 22: a model's mask function builds padding masks (causal ones for a
     # decoder used as an encoder): key padding
     return Requirements(
         causal=getattr(module, "is_causal", False) is True, mask=MaskKind.KEY_PADDING
     )
-
-
-def _t5_role(name: str, module: Any) -> Role:
-    return Role.CROSS if name.rsplit(".", 1)[-1] == "EncDecAttention" else Role.SELF
 
 
 def _t5_requirements(module: Any) -> Requirements:
@@ -156,28 +149,16 @@ def _clip_requirements(module: Any) -> Requirements:
     return Requirements(causal=text, mask=MaskKind.KEY_PADDING if text else MaskKind.NONE)
 
 
-@attrs.frozen
-class _Fact:
-    """One attention class's role and requirements."""
-
-    role: Callable[[str, Any], Role]
-    requirements: Callable[[Any], Requirements]
-
-
-#: the facts of every class not in :data:`_CLASS_FACTS`: read from the module
-_OBSERVED = _Fact(_self, _observed_requirements)
-#: T5 always passes its float position bias as the mask; its cross-attention is
-#: told only by its place (EncDecAttention)
-_T5 = _Fact(_t5_role, _t5_requirements)
-
-#: module class name -> the facts its code does not tell before the call,
-#: checked against transformers 5.24 (every other fact is read from the module)
-_CLASS_FACTS: Mapping[str, _Fact] = MappingProxyType(
+#: module class name -> the requirements its code does not tell before the call,
+#: checked against transformers 5.24 (every other class: read from the module,
+#: ``_observed_requirements``; a site's role: ``_plan.role``, T5's by its place)
+_CLASS_FACTS: Mapping[str, Callable[[Any], Requirements]] = MappingProxyType(
     {
         # is_causal is False on the module: the text model passes causal per call
-        "CLIPAttention": _Fact(_self, _clip_requirements),
-        "T5Attention": _T5,
-        "UMT5Attention": _T5,
+        "CLIPAttention": _clip_requirements,
+        # T5 always passes its float position bias as the mask
+        "T5Attention": _t5_requirements,
+        "UMT5Attention": _t5_requirements,
     }
 )
 
@@ -308,9 +289,9 @@ _NORMALISERS = frozenset({"logsumexp", "exp"})
 
 
 def _matmul_operator(code: types.CodeType) -> bool:
-    if any(i.opname == "BINARY_OP" and i.argrepr == "@" for i in dis.get_instructions(code)):
-        return True
-    return any(_matmul_operator(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    """Whether ``code`` (or a code object it holds) multiplies with ``@``."""
+    found = (i for c in _route._codes(code) for i in dis.get_instructions(c))
+    return any(i.opname == "BINARY_OP" and i.argrepr == "@" for i in found)
 
 
 def _kind(module: Any, calls: frozenset[str]) -> str | None:
@@ -383,6 +364,7 @@ def _with_call_facts(
 _SINK_ARGUMENTS = frozenset({"s_aux", "sinks"})
 _WINDOW_ARGUMENTS = frozenset({"sliding_window"})
 
+
 #: class -> the keywords its own methods pass a call (read once per class)
 _KEYWORDS_READ: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
 
@@ -405,7 +387,8 @@ def _passed_keywords(cls: type) -> frozenset[str]:
     return _KEYWORDS_READ[cls]
 
 
-def _compute_dtype(module: Any, model: Any) -> str:
+def compute_dtype(module: Any, model: Any) -> str:
+    """A site's compute dtype: its first wide weight's, else ``model``'s."""
     for param in module.parameters():
         if param.is_floating_point() and param.element_size() > 1:
             return normalize_dtype(param.dtype)
@@ -456,7 +439,7 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         if k == _BY_HAND and not any(_nested(n, a) or _nested(a, n) for a in api)
     )
     for name, module in modules:
-        site_dtype = dtype or _compute_dtype(module, model)
+        site_dtype = dtype or compute_dtype(module, model)
         if isinstance(module, torch.nn.MultiheadAttention):
             parent = model.get_submodule(name.rpartition(".")[0])
             out.append(_route.describe_mha(component, name, module, site_dtype, backward, parent))
@@ -505,7 +488,7 @@ def _describe_interface(
             f"head size; they are read from the query and key of its first call",
         )
     heads, kv_heads, head_size = facts
-    fact = _CLASS_FACTS.get(cls, _OBSERVED)
+    requirements = _CLASS_FACTS.get(cls, _observed_requirements)(module)
     flag = _hf_attention.opt_out_flag(type(owner))
     return SiteDescription(
         **common,
@@ -521,8 +504,8 @@ def _describe_interface(
         head_size=head_size,
         heads=heads,
         kv_heads=kv_heads,
-        role=fact.role(name, module),
-        requirements=_with_call_facts(fact.requirements(module), module, facts, backward),
+        role=role(name, module),
+        requirements=_with_call_facts(requirements, module, facts, backward),
     )
 
 
@@ -551,8 +534,9 @@ def _describe_own(
     component: str, name: str, module: Any, dtype: str, backward: bool, kind: str
 ) -> SiteDescription:
     """A module that calls SDPA itself (the generic route) or computes softmax
-    attention by hand (its own code path, ``eager`` only). Its mask is whatever
-    its own code builds: observed at its first call on the generic route.
+    attention by hand (its own code path, ``eager`` only), as
+    :func:`own_call_site` describes it. Its mask is whatever its own code builds:
+    observed at its first call on the generic route.
 
     Issue 19: a module that holds no head facts is decided at its first call
     (its facts read from the query and key its first call brings,
@@ -561,61 +545,72 @@ def _describe_own(
     :func:`_not_softmax_attention`) is recorded as such."""
     cls = type(module).__name__
     calls_sdpa = kind == _SDPA
-    common: dict[str, Any] = {"component": component, "name": name, "module_class": cls}
+    site = functools.partial(
+        SiteDescription, component=component, name=name, module_class=cls, dtype=dtype
+    )
     not_attention = None if calls_sdpa else _not_softmax_attention(module)
     if not_attention is not None:
-        return SiteDescription(
-            **common,
+        return site(
             route=f"own code in {cls}",
             kind=RouteKind.OWN_CODE,
             supported=None,
-            dtype=dtype,
             softmax=False,
             why=f"{cls} {not_attention}",
         )
     facts = _head_facts(module)
-    own = Backend("torch_sdpa" if calls_sdpa else "eager")
-    route = f"generic route (SDPA in {cls})" if calls_sdpa else _route.by_hand_route(cls)
-    kind = RouteKind.INTERCEPT if calls_sdpa else RouteKind.OWN_CODE
-    cannot = _route.reroutes(module) if calls_sdpa else None
-    if isinstance(cannot, str):  # issue 30: a call no copy can take runs as written, pinned
-        route = f"its own attention call in {cls}, not reroutable: {cannot}"
-        kind = RouteKind.PIN
     heads, kv_heads, head_size = facts if facts is not None else (None, None, None)
     req = Requirements(causal=getattr(module, "is_causal", False) is True, backward=backward)
     if facts is not None:
         req = _with_call_facts(req, module, facts, backward)
-    return SiteDescription(
-        **common,
-        # issue 30: softmax by hand runs its own code, untouched: no kernel is
-        # offered there (the machine's written_by_hand)
-        # (a site that calls SDPA itself: the words of ``diffusers.ROUTE_GENERIC``)
-        route=route,
-        supported=None if kind is RouteKind.INTERCEPT else frozenset({own}),
+    cannot = _route.reroutes(module) if calls_sdpa else None
+    site = functools.partial(
+        site,
         head_size=head_size,
         heads=heads,
         kv_heads=kv_heads,
-        dtype=dtype,
-        role=_self(name, module),
+        role=role(name, module),
         requirements=req,
-        current=own,
         pending=facts is None,
-        kind=kind,
-        why=None if facts is not None else first_call_why(cls, by_hand=not calls_sdpa),
     )
+    pinned = cannot if isinstance(cannot, str) else None
+    return own_call_site(site, cls, cls, now=_TORCH_SDPA, by_hand=not calls_sdpa, pinned=pinned)
 
 
-def first_call_why(cls: str, *, by_hand: bool) -> str:
-    """Why a site of class ``cls`` holding no head facts is decided at its first call."""
+def own_call_site(
+    site: functools.partial[SiteDescription],
+    cls: str,
+    owner: str,
+    *,
+    now: Backend | None,
+    by_hand: bool = False,
+    pinned: str | None = None,
+    via: str = "SDPA",
+) -> SiteDescription:
+    """The site of a module of class ``cls`` whose own code (``owner``'s: its
+    processor's, or its own) calls SDPA (``via``: or diffusers' dispatcher), which
+    runs ``now``: the generic route; or (issue 30) computes softmax attention by
+    hand: its own code, untouched, no kernel offered (the machine's
+    written_by_hand). ``pinned``: why no copy can take its call, which then runs
+    as written, pinned. ``site`` (either integration's) makes the description; one
+    ``pending`` (decided at its first call) says why."""
     if by_hand:
-        return (
+        route, kind, now = _route.by_hand_route(owner), RouteKind.OWN_CODE, _EAGER
+    elif pinned is not None:
+        route, kind = f"its own attention call in {owner}, not reroutable: {pinned}", RouteKind.PIN
+    else:
+        # (the words of ``diffusers.ROUTE_GENERIC``)
+        route, kind = f"generic route ({via} in {owner})", RouteKind.INTERCEPT
+    why = None
+    if site.keywords["pending"]:
+        why = (
             f"{cls} holds no head count or head size; they are read from the query "
             f"and key of the scores product its first call computes"
+            if by_hand
+            else f"{cls} holds no head count and head size; they are read from the query, "
+            f"key and value of its first call"
         )
-    return (
-        f"{cls} holds no head count and head size; they are read from the query, key "
-        f"and value of its first call"
-    )
+    only = None if kind is RouteKind.INTERCEPT or now is None else frozenset({now})
+    return site(route=route, kind=kind, supported=only, current=now, why=why)
 
 
 #: the softmaxes attention normalises its scores with (by hand)
@@ -834,7 +829,6 @@ def plan(
     sites = describe_sites(model, component, None if dtype is None else dtype.dtype)
     return plan_sites(
         title=type(model).__name__,
-        source=f"<{type(model).__name__} object>",
         components=[(component, dtype, sites)],
         config=config,
         platform=platform,
@@ -1042,10 +1036,10 @@ def _install_function(
             _hf_attention.register()
             # issue 19: its route checks each call's facts against the plan
             # (where it decides torch SDPA, the function runs torch SDPA itself)
-            route = _route.site_route(site, result.config, result.platform, Backend("torch_sdpa"))
+            route = _route.site_route(site, result.config, result.platform, _TORCH_SDPA)
             _hf_attention.bind_module(module, route)
         rec.sites.append((component, site.name, module))
-        rec.dtype[site.name] = _compute_dtype(module, model)
+        rec.dtype[site.name] = compute_dtype(module, model)
     installs.append(rec)
 
 
@@ -1061,15 +1055,7 @@ def apply(
     check_version(transformers)
     result = plan(model, component, config, platform)
     refuse_to_apply(result)
-    actions, problems = prepare(model, result, component)
-    if problems:
-        raise IntegrationError(
-            "cannot install the plan; nothing was changed: " + "; ".join(problems), result
-        )
-    for action in actions:
-        action()
-    emit_installed(result)
-    return result
+    return install(result, *prepare(model, result, component))
 
 
 def verify(model: Any) -> list[Problem]:
@@ -1081,7 +1067,7 @@ def verify(model: Any) -> list[Problem]:
             if now != rec.function:
                 why = f"attention implementation is {now!r} since apply installed "
                 problems.append(Problem(component, name, f"{why}{rec.function!r} ({rec.backend})"))
-            dtype = _compute_dtype(module, model)
+            dtype = compute_dtype(module, model)
             if dtype != rec.dtype[name]:
                 why = f"cast since apply: planned for {rec.dtype[name]}, now {dtype}"
                 problems.append(Problem(component, name, f"{why}; plan and apply again"))
