@@ -141,11 +141,14 @@ def methods_of(obj: Any, skip: frozenset[type] = frozenset()) -> dict[str, types
     """The methods (as its class resolves them) of ``obj``'s own classes: not
     torch's, nor those in ``skip`` (the bases every transformers model shares)."""
     cls = obj if isinstance(obj, type) else type(obj)
-    names = {n for k in cls.__mro__ if not (_torchs(k) or k in skip) for n in vars(k)}
+    owner: dict[str, tuple[type, Any]] = {}
+    for k in cls.__mro__:  # each name as the class resolves it: its first definer's
+        for name, value in vars(k).items():
+            owner.setdefault(name, (k, value))
     return {
         name: value
-        for name in names
-        if isinstance(value := inspect.getattr_static(cls, name), types.FunctionType)
+        for name, (k, value) in owner.items()
+        if isinstance(value, types.FunctionType) and not (_torchs(k) or k in skip)
     }
 
 

@@ -382,15 +382,15 @@ def _is_dispatcher(processor: Any) -> bool:
     return processor is not None and hasattr(type(processor), "_attention_backend")
 
 
-def _dtype_of(module: Any, model: Any) -> str:
+def _dtype_of(module: Any, fallback: str) -> str:
     """The compute dtype: a layerwise-casting hook's, else as a transformers
-    site's (its first wide weight's, else ``model``'s)."""
+    site's (its first wide weight's, else ``fallback``, the model's)."""
     for sub in module.modules():
         registry = getattr(sub, "_diffusers_hook", None)
         hook = None if registry is None else registry.get_hook("layerwise_casting")
         if hook is not None:
             return normalize_dtype(hook.compute_dtype)
-    return _tf.compute_dtype(module, model)
+    return _tf.compute_dtype(module, fallback)
 
 
 def describe_sites(
@@ -413,6 +413,7 @@ def describe_sites(
     facts = _Model(component, type(model).__name__, trains(model), passes_masks(model), passed)
     out: list[SiteDescription] = []
     inside: list[str] = []
+    fallback = _tf.model_dtype(model)
     for name, module in model.named_modules():
         if not name or _under(name, inside):
             continue
@@ -427,7 +428,7 @@ def describe_sites(
             inside.append(name)
             continue
         parent = model.get_submodule(name.rpartition(".")[0])
-        desc = _describe(facts, name, module, dtype or _dtype_of(module, model), parent)
+        desc = _describe(facts, name, module, dtype or _dtype_of(module, fallback), parent)
         if desc is not None:
             out.append(desc)
             inside.append(name)
@@ -924,6 +925,7 @@ def verify(pipe: Any) -> list[Problem]:
             problems += _tf.verify(inner)
         if _tf.is_transformers_model(model):
             continue
+        fallback = _tf.model_dtype(model)
         for module, pin in _pins(model):
             now = getattr(module, "processor", None)
             found: list[str] = []
@@ -945,7 +947,7 @@ def verify(pipe: Any) -> list[Problem]:
                 found.append(
                     "its generic route was removed or replaced since apply: plan and apply again"
                 )
-            dtype = _dtype_of(module, model)
+            dtype = _dtype_of(module, fallback)
             if pin.dtype is not None and dtype != pin.dtype:
                 found.append(
                     f"cast since apply: planned for {pin.dtype}, now {dtype}; plan and apply again"

@@ -387,11 +387,17 @@ def _passed_keywords(cls: type) -> frozenset[str]:
     return _KEYWORDS_READ[cls]
 
 
-def compute_dtype(module: Any, model: Any) -> str:
-    """A site's compute dtype: its first wide weight's, else ``model``'s."""
+def compute_dtype(module: Any, fallback: str) -> str:
+    """A site's compute dtype: its first wide weight's, else ``fallback``
+    (:func:`model_dtype`, read once per model: a diffusers model's ``dtype``
+    walks every parameter)."""
     for param in module.parameters():
         if param.is_floating_point() and param.element_size() > 1:
             return normalize_dtype(param.dtype)
+    return fallback
+
+
+def model_dtype(model: Any) -> str:
     return normalize_dtype(getattr(model, "dtype", torch.float32))
 
 
@@ -438,8 +444,9 @@ def describe_sites(model: Any, component: str, dtype: str | None = None) -> list
         for n, k in kinds.items()
         if k == _BY_HAND and not any(_nested(n, a) or _nested(a, n) for a in api)
     )
+    fallback = model_dtype(model)
     for name, module in modules:
-        site_dtype = dtype or compute_dtype(module, model)
+        site_dtype = dtype or compute_dtype(module, fallback)
         if isinstance(module, torch.nn.MultiheadAttention):
             parent = model.get_submodule(name.rpartition(".")[0])
             out.append(_route.describe_mha(component, name, module, site_dtype, backward, parent))
@@ -1039,7 +1046,7 @@ def _install_function(
             route = _route.site_route(site, result.config, result.platform, _TORCH_SDPA)
             _hf_attention.bind_module(module, route)
         rec.sites.append((component, site.name, module))
-        rec.dtype[site.name] = compute_dtype(module, model)
+        rec.dtype[site.name] = compute_dtype(module, model_dtype(model))
     installs.append(rec)
 
 
@@ -1067,7 +1074,7 @@ def verify(model: Any) -> list[Problem]:
             if now != rec.function:
                 why = f"attention implementation is {now!r} since apply installed "
                 problems.append(Problem(component, name, f"{why}{rec.function!r} ({rec.backend})"))
-            dtype = compute_dtype(module, model)
+            dtype = compute_dtype(module, model_dtype(model))
             if dtype != rec.dtype[name]:
                 why = f"cast since apply: planned for {rec.dtype[name]}, now {dtype}"
                 problems.append(Problem(component, name, f"{why}; plan and apply again"))
