@@ -961,6 +961,34 @@ def test_apply_that_fails_midway_undoes_what_it_installed(monkeypatch):
     assert not [d for d in decisions() if d.component == "undone"]
 
 
+def test_transformers_apply_that_fails_midway_undoes_what_it_installed(monkeypatch):
+    # transformers' steps return their undo too: a module's generic route
+    # installed before the config step fails is removed, the config keeps what it
+    # ran, and no decision reaches the ledger (before, the route stayed installed)
+    from attnres.integrations import _route
+    from attnres.ledger import decisions
+
+    enc = tp.flux().text_encoder
+    enc.extra = _Block()  # a module calling SDPA itself: a generic-route site
+    before = enc.config._attn_implementation
+
+    def fails(*args):
+        raise RuntimeError("the config step fails")
+
+    monkeypatch.setattr(itf, "_install_function", fails)
+    explicit = SelectionConfig(global_backend="eager", global_backend_explicit=True)
+    with pytest.raises(RuntimeError, match="the config step fails"):
+        itf.apply(enc, "undone_tf", explicit)
+    assert _route.installed_route(enc.extra) is None and itf.routes(enc) == {}
+    assert enc.config._attn_implementation == before
+    assert not [d for d in decisions() if d.component == "undone_tf"]
+    monkeypatch.undo()
+    itf.apply(enc, "undone_tf", explicit)  # and it applies cleanly afterwards
+    assert _route.installed_route(enc.extra) is not None
+    assert enc.config._attn_implementation == "eager"
+    assert itf.remove(enc) and enc.config._attn_implementation == before
+
+
 def test_first_call_with_a_fact_the_plan_did_not_allow_falls_back_or_raises():
     # a site planned without dropout meets a call with dropout, which flex
     # attention does not implement: a component that may fall back re-resolves

@@ -717,10 +717,10 @@ class _Planned(NamedTuple):
 
 def _prepare(
     pipe: Any, result: PlanResult, config: SelectionConfig
-) -> tuple[list[_Planned], list[Callable[[], None]], list[str]]:
+) -> tuple[list[_Planned], list[Callable[[], object]], list[str]]:
     """What installing ``result`` needs per site, and the problems; no change."""
     planned: list[_Planned] = []
-    actions: list[Callable[[], None]] = []
+    actions: list[Callable[[], object]] = []
     problems: list[str] = []
     by_component = result.by_component()
     for comp, model in _components(pipe):

@@ -859,7 +859,7 @@ _INSTALLED_ATTR = "_attnres_installed"
 
 def prepare(
     model: Any, result: PlanResult, component: str, prefix: str = ""
-) -> tuple[list[Callable[[], None]], list[str]]:
+) -> tuple[list[Callable[[], object]], list[str]]:
     """The actions that install ``result``'s decisions for one model, and problems.
 
     ``prefix``: the model's name inside the component it is nested in (a
@@ -869,7 +869,7 @@ def prepare(
     modules = {".".join(p for p in (prefix, n) if p): m for n, m in model.named_modules()}
     groups: dict[int, tuple[Any, dict[str, list[Site]]]] = {}
     problems: list[str] = []
-    actions: list[Callable[[], None]] = []
+    actions: list[Callable[[], object]] = []
     watched: list[tuple[Site, Any]] = []
     for site in result.sites:
         if site.component != component or (site.resolution is None and not site.pending):
@@ -997,7 +997,7 @@ def _install_route(
     result: PlanResult,
     own_backend: Backend | None = None,
     own_route: str | None = None,
-) -> None:
+) -> Callable[[], None]:
     """Install the generic route on one site: a module that calls SDPA itself (as
     diffusers' sites), or a MultiheadAttention (its own math, the attention the
     decided kernel); issue 19: a site decided at its first call whose route runs
@@ -1013,7 +1013,14 @@ def _install_route(
     )
     _route.install_route(module, route, own)
     route.tie(module)
-    model.__dict__.setdefault(_ROUTED_ATTR, {})[site.name] = (component, module)
+    routed = model.__dict__.setdefault(_ROUTED_ATTR, {})
+    routed[site.name] = (component, module)
+
+    def undo() -> None:  # apply failed later: the site runs its own code again
+        _route.remove_route(module)
+        routed.pop(site.name, None)
+
+    return undo
 
 
 def _install_function(
@@ -1024,7 +1031,7 @@ def _install_function(
     sites: list[Site],
     modules: Mapping[str, Any],
     result: PlanResult,
-) -> None:
+) -> Callable[[], None]:
     """Set the attention function ``key`` names (``function`` or, for attnres's
     own, ``function:backend``) on one config its ``sites`` read."""
     installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
@@ -1048,6 +1055,14 @@ def _install_function(
         rec.sites.append((component, site.name, module))
         rec.dtype[site.name] = compute_dtype(module, model_dtype(model))
     installs.append(rec)
+
+    def undo() -> None:  # apply failed later: the config runs what it ran before
+        installs.remove(rec)
+        cfg._attn_implementation_internal = old
+        for _, _, module in rec.sites:
+            _hf_attention.unbind_module(module)
+
+    return undo
 
 
 def apply(
