@@ -844,3 +844,36 @@ def test_a_call_no_decision_covers_inside_compile_says_what_to_do() -> None:
     finally:
         torch._dynamo.reset()
         idf.remove({"vae": holder})
+
+
+# -- an applied model, planned again ---------------------------------------------------------------
+
+
+def test_an_applied_model_plans_and_applies_again_as_it_did() -> None:
+    """Planning an applied model (to apply it again, or verify it) reads the routed
+    copies as the code they copy: the same sites, kinds and routes. Before, a
+    routed processor read as a site no copy can take, and a second apply under
+    a flag was refused."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+    from tiny_pipelines import unet
+
+    from attnres.integrations import diffusers as idf
+
+    holder = torch.nn.Module()
+    holder.through, holder.spelled = _Through(), _Spelled()
+    add_hook_to_module(holder.spelled, ModelHook())
+    comps, explicit = {"unet": unet(), "vae": holder}, _explicit("eager")
+
+    def seen(plan: Any) -> list[tuple[str, str, RouteKind, str]]:
+        return sorted((s.component, s.name, s.kind, s.route) for s in plan.sites)
+
+    first = idf.apply(comps, explicit, Platform.detect())
+    try:
+        assert {s.kind for s in first.sites} == {RouteKind.INTERCEPT} and len(first.sites) > 2
+        assert seen(idf.plan(comps, explicit, Platform.detect())) == seen(first)
+        assert seen(idf.apply(comps, explicit, Platform.detect())) == seen(first)
+        assert idf.verify(comps) == []
+        q = torch.randn(1, 2, 5, 4)
+        torch.testing.assert_close(holder.spelled(q), _Spelled.forward(holder.spelled, q))
+    finally:
+        idf.remove(comps)

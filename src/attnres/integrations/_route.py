@@ -1124,6 +1124,8 @@ def reroutes(obj: Any) -> dict[str, Any] | str:
     attribute holding the method bound to it, as their ``_old_forward``). A
     string: why no copy can take its attention calls (observed, nothing changed)."""
     cls = type(obj)
+    if _FOUND_ATTR in vars(cls):  # a processor routed already: read as its own class
+        cls = cls.__bases__[0]
     entry = "forward" if isinstance(obj, torch.nn.Module) else "__call__"
     methods = methods_of(cls)
     found: dict[str, Any] = {}
