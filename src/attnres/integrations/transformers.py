@@ -1043,6 +1043,7 @@ def _install_function(
         installs.remove(earlier)
     function, _, backend = key.partition(":")
     rec = _Install(cfg, old, function, backend or _BY_FUNCTION[function])
+    fallback = model_dtype(model)
     cfg._attn_implementation_internal = function
     for site in sites:
         module = modules[site.name]
@@ -1053,7 +1054,7 @@ def _install_function(
             route = _route.site_route(site, result.config, result.platform, _TORCH_SDPA)
             _hf_attention.bind_module(module, route)
         rec.sites.append((component, site.name, module))
-        rec.dtype[site.name] = compute_dtype(module, model_dtype(model))
+        rec.dtype[site.name] = compute_dtype(module, fallback)
     installs.append(rec)
 
     def undo() -> None:  # apply failed later: the config runs what it ran before
@@ -1083,13 +1084,14 @@ def apply(
 def verify(model: Any) -> list[Problem]:
     """Installed decisions on ``model`` that no longer hold (empty: all hold)."""
     problems: list[Problem] = []
+    fallback = model_dtype(model)
     for rec in model.__dict__.get(_INSTALLED_ATTR, []):
         now = getattr(rec.config, "_attn_implementation_internal", None)
         for component, name, module in rec.sites:
             if now != rec.function:
                 why = f"attention implementation is {now!r} since apply installed "
                 problems.append(Problem(component, name, f"{why}{rec.function!r} ({rec.backend})"))
-            dtype = compute_dtype(module, model_dtype(model))
+            dtype = compute_dtype(module, fallback)
             if dtype != rec.dtype[name]:
                 why = f"cast since apply: planned for {rec.dtype[name]}, now {dtype}"
                 problems.append(Problem(component, name, f"{why}; plan and apply again"))
