@@ -59,6 +59,7 @@ from attnres.scope import current_handle, scope_state
 from attnres.trace import Outcome
 
 __all__ = [
+    "RUNS_OWN_CODE",
     "DtypeChoice",
     "IntegrationError",
     "Problem",
@@ -142,6 +143,12 @@ class Problem:
 CROSS_BY_PLACE: Mapping[str, str] = MappingProxyType(
     {"T5Attention": "EncDecAttention", "UMT5Attention": "EncDecAttention", "LTXAttention": "attn2"}
 )
+
+
+#: the kinds of site that run only their own code: one decided at its first call
+#: under a flag has that call watched (softmax written by hand; a pin, as an
+#: attention call no copy can take)
+RUNS_OWN_CODE = frozenset({RouteKind.OWN_CODE, RouteKind.PIN})
 
 
 def role(name: str, module: Any) -> Role:

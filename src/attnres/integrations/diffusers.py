@@ -66,6 +66,7 @@ from attnres.errors import ArgumentTypeError
 from attnres.integrations import _route
 from attnres.integrations import transformers as _tf
 from attnres.integrations._plan import (
+    RUNS_OWN_CODE,
     DtypeChoice,
     Problem,
     RouteKind,
@@ -740,7 +741,7 @@ def _prepare(
                 # decided at first call: the route resolves it then; softmax by hand
                 # with no flag for its component would decide its own code: nothing
                 # is wrapped (untouched, bit-identical)
-                own = site.kind in _OWN_CODE and _route.unflagged(config, comp)
+                own = site.kind in RUNS_OWN_CODE and _route.unflagged(config, comp)
                 planned.append(_Planned(module, site, "", not own))
                 continue
             if site.resolution is None or site.spec is None:
@@ -818,11 +819,6 @@ def apply(
     return install(result, [*pins, *others], problems + _cannot_install(planned))
 
 
-#: the kinds of site that run only their own code (a pin decided at its first
-#: call: an attention call no copy can take)
-_OWN_CODE = frozenset({RouteKind.OWN_CODE, RouteKind.PIN})
-
-
 def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> Callable[[], None]:
     """Install one planned site; returns how to undo it."""
     module, site = item.module, item.site
@@ -831,7 +827,7 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> Cal
         _unpin(module, earlier)
     original = processor = getattr(module, "processor", None)
     route = None
-    if item.route and site.kind in _OWN_CODE:
+    if item.route and site.kind in RUNS_OWN_CODE:
         # issue 30: softmax by hand, or a call no copy can take, decided at its
         # first call under a flag: its first call is watched (its head facts
         # read, nothing run but its code)

@@ -38,6 +38,7 @@ from attnres._vocab import MaskKind, normalize_dtype
 from attnres.backends import Backend
 from attnres.integrations import _hf_attention, _route
 from attnres.integrations._plan import (
+    RUNS_OWN_CODE,
     DtypeChoice,
     Problem,
     RouteKind,
@@ -897,7 +898,7 @@ def prepare(
         if site.kind is RouteKind.INTERFACE and site.pending:
             watched.append((site, module))
             continue
-        if site.kind in (RouteKind.OWN_CODE, RouteKind.PIN) and site.pending:
+        if site.kind in RUNS_OWN_CODE and site.pending:
             # issue 30: softmax by hand (or a call no copy can take) decided at its
             # first call: with no flag for its component nothing is wrapped; under
             # one, its first call is watched (its head facts read, nothing run but
