@@ -1185,13 +1185,18 @@ def _attribute(obj: Any, view: dict[str, Any], name: str, func: Any) -> str | No
     return next((k for k in bound if getattr(view[k], "__self__", None) is obj), None)
 
 
-def holds_sdpa(obj: Any) -> bool:
-    """Whether ``obj`` or its own classes hold SDPA itself as an attribute
-    (``attend = staticmethod(F.scaled_dot_product_attention)``): a call through
-    it names no SDPA, yet the site is one (issue 30), which no copy can take."""
+def names_of(obj: Any, depth: int = 2, skip: frozenset[type] = frozenset()) -> frozenset[str]:
+    """What the code of ``obj``'s own classes names (:func:`methods_of` with
+    ``skip``, :func:`calls_of` ``depth`` levels down), with SDPA where ``obj`` or
+    its own classes hold SDPA itself as an attribute (``attend =
+    staticmethod(F.scaled_dot_product_attention)``): a call through it names no
+    SDPA, yet the site is one (issue 30), which no copy can take."""
+    names = calls_of(methods_of(obj, skip).values(), depth)
+    if SDPA in names:
+        return names
     own = [v for k in type(obj).__mro__ if not _torchs(k) for v in vars(k).values()]
     held = [*getattr(obj, "__dict__", {}).values(), *own]
-    return any(getattr(v, "__func__", v) is _SDPA for v in held)
+    return names | {SDPA} if any(getattr(v, "__func__", v) is _SDPA for v in held) else names
 
 
 def routed_processor(processor: Any, route: GenericRoute) -> Any:

@@ -489,12 +489,9 @@ def _describe(
     ):
         # what executes its attention (its processor, else itself), and what that calls
         runs = processor if callable(processor) else module
-        owner, names = type(runs).__name__, _route.calls_of(_route.methods_of(runs).values())
-        names |= {_route.SDPA} if _route.holds_sdpa(runs) else set()
+        owner, names = type(runs).__name__, _route.names_of(runs)
     else:
-        runs, owner = module, cls
-        names = _route.calls_of(_route.methods_of(module).values(), depth=1)
-        names |= {_route.SDPA} if _route.holds_sdpa(module) else set()
+        runs, owner, names = module, cls, _route.names_of(module, depth=1)
         if _route.MHA_FUNCTION in names and _route.SDPA not in names:
             # issue 30: softmax attention through torch's functional MHA (HunyuanDiT's
             # attention pool): a site of its own code path, never silently skipped

@@ -267,8 +267,7 @@ def _own_calls(module: Any) -> frozenset[str]:
     """What the code of ``module``'s own classes names; ``@`` when it multiplies
     matrices with the operator (which names nothing)."""
     functions = _own_functions(type(module))
-    names = _route.calls_of(functions, depth=1)
-    names |= {_route.SDPA} if _route.holds_sdpa(module) else set()
+    names = _route.names_of(module, 1, _SHARED_BASES)
     if names >= _NORMALISERS:
         # exp(x - logsumexp(x)) is a softmax written out (Reformer's LSH and local
         # attention)
