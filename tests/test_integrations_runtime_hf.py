@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import torch
 import transformers
 from generated_docs import check_generated
@@ -79,6 +80,10 @@ BEGIN, END = "<!-- runtime-transformers:begin -->", "<!-- runtime-transformers:e
 FULL = os.environ.get("ATTNRES_COVERAGE_FULL") == "1"
 #: the default run takes every STRIDE-th type of the sorted enumeration
 STRIDE = 24
+#: the default run checks its types in CHUNKS tests, so that pytest-xdist spreads
+#: them over its workers (one test was the suite's longest pole); the full sweep
+#: is one test, as it writes the one table
+CHUNKS = 1 if FULL else 4
 #: a build over this many parameters is not tiny (memory on a shared machine)
 MAX_PARAMS = 20_000_000
 SDPA_TOLERANCE = 1e-4
@@ -669,8 +674,11 @@ def _table_version(block: str) -> str:
     return found.group(1)
 
 
-def test_every_model_type_with_interface_sites_runs_tiny_as_planned(update_golden: Any) -> None:
-    types = _selected()
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_every_model_type_with_interface_sites_runs_tiny_as_planned(
+    update_golden: Any, chunk: int
+) -> None:
+    types = _selected()[chunk::CHUNKS]
     rows = list(_rows(types))
     # the table is the newest transformers'; on an older one the extras admit (make
     # test-oldest) every row is still checked below, but not against the table
