@@ -110,9 +110,10 @@ def test_rank_that_never_arrives_is_a_timeout_not_a_hang(tmp_path: Path) -> None
     assert "timed out after 5 s" in r0["error"]
     assert "rank 1 did not call verify_consensus" in r0["error"]
     assert "rank 0 arrived" in r0["error"]
-    # Not before the timeout (a lower bound is not a speed assertion); the upper
-    # bound is the protocol's hard bound (timeout plus grace) times the margin.
-    assert 5.0 <= r0["elapsed_s"] < MARGIN * hard_bound_s(5.0)
+    # Not before the timeout (a lower bound, not a speed assertion). That it is not
+    # a hang is run_ranks' to prove: a rank still running past hang_deadline_s (the
+    # protocol's bound times MARGIN) fails the test there.
+    assert r0["elapsed_s"] >= 5.0
 
 
 def test_rank_that_arrives_after_the_timeout_also_raises(tmp_path: Path) -> None:
@@ -124,8 +125,8 @@ def test_rank_that_arrives_after_the_timeout_also_raises(tmp_path: Path) -> None
     assert "timed out after 2 s: rank 1 did not call verify_consensus" in r1["error"]
     assert "This rank (rank 1) arrived after the others had given up" in r1["error"]
     # The message above proves the late rank took the "abandoned" path rather than
-    # waiting out its own timeout; its time is only held to the protocol's bound.
-    assert r1["elapsed_s"] < MARGIN * hard_bound_s(2.0)
+    # waiting out its own timeout (no clock is read for that); a hang fails
+    # run_ranks at hang_deadline_s.
 
 
 @pytest.mark.slow
