@@ -1195,6 +1195,42 @@ def test_a_failed_apply_again_of_a_pipeline_leaves_its_text_encoders_as_they_wer
     assert torch.equal(tp.run_flux(pipe), untouched)
 
 
+def test_transformers_apply_again_removes_a_route_the_site_needs_no_more(monkeypatch):
+    # a site routed by the first apply whose decision is now what it runs got no
+    # step, so it kept the earlier route (eager here) while the ledger said
+    # torch_sdpa and verify reported nothing; a failed apply puts that route back
+    from attnres.integrations import _route
+
+    enc = tp.flux().text_encoder
+    enc.mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(1, 5, 32)
+
+    def out():
+        with torch.no_grad():
+            return enc.mha(x, x, x)[0]
+
+    untouched = out()
+    itf.apply(enc, "re_mha", SelectionConfig(global_backend="eager", global_backend_explicit=True))
+    route, eager = _route.installed_route(enc.mha), out()
+    assert route is not None and "forward" in enc.mha.__dict__
+
+    def fails(*args):
+        raise RuntimeError("the install fails")
+
+    monkeypatch.setattr(itf, "_install_function", fails)
+    sdpa = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+    with pytest.raises(RuntimeError, match="the install fails"):
+        itf.apply(enc, "re_mha", sdpa)
+    monkeypatch.undo()
+    assert _route.installed_route(enc.mha) is route and itf.verify(enc) == []
+    assert torch.equal(out(), eager)
+    plan = itf.apply(enc, "re_mha", sdpa)
+    assert {s.backend.name for s in plan.sites if s.name == "mha"} == {"torch_sdpa"}
+    assert _route.installed_route(enc.mha) is None and itf.routes(enc) == {}
+    assert "forward" not in enc.mha.__dict__ and torch.equal(out(), untouched)
+    assert itf.remove(enc) and torch.equal(out(), untouched)
+
+
 def test_first_call_with_a_fact_the_plan_did_not_allow_falls_back_or_raises():
     # a site planned without dropout meets a call with dropout, which flex
     # attention does not implement: a component that may fall back re-resolves

@@ -871,6 +871,7 @@ def prepare(
     problems: list[str] = []
     actions: list[Callable[[], object]] = []
     watched: list[tuple[Site, Any]] = []
+    rerouted: set[str] = set()  # the sites given a route of their own
     for site in result.sites:
         if site.component != component or (site.resolution is None and not site.pending):
             continue
@@ -893,6 +894,7 @@ def prepare(
                 actions.append(
                     functools.partial(_install_route, model, component, module, site, result)
                 )
+                rerouted.add(site.name)
             continue
         if site.kind is RouteKind.INTERFACE and site.pending:
             watched.append((site, module))
@@ -905,6 +907,7 @@ def prepare(
             if not _route.unflagged(result.config, component):
                 watch = (model, component, module, site, result, site.current, site.route)
                 actions.append(functools.partial(_install_route, *watch))
+                rerouted.add(site.name)
             continue
         if site.kind is not RouteKind.INTERFACE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
@@ -963,6 +966,10 @@ def prepare(
         route = f"{ROUTE} ({runs}, the function its config names)"
         watch = (model, component, module, site, result, Backend(own), route)
         actions.append(functools.partial(_install_route, *watch))
+        rerouted.add(site.name)
+    for name, (_, module) in model.__dict__.get(_ROUTED_ATTR, {}).items():
+        if name not in rerouted:  # applied again: a route the site needs no more goes
+            actions.append(functools.partial(_set_aside, model, name, module))
     for cfg, decided in groups.values():
         if len(decided) > 1:
             problems.append(
@@ -1008,16 +1015,11 @@ def _install_route(
     ran before, its earlier route where it was applied already, which this sets
     aside until then."""
     routed = model.__dict__.setdefault(_ROUTED_ATTR, {})
-    entry, earlier = routed.get(site.name), _route.remove_route(module)
+    put_back = _set_aside(model, site.name, module)
 
     def undo() -> None:  # apply failed: the site runs what it ran before
         _route.remove_route(module)
-        if earlier is not None:
-            _route.restore_route(module, earlier)
-        if entry is None:
-            routed.pop(site.name, None)
-        else:
-            routed[site.name] = entry
+        put_back()
 
     try:
         route = _route.site_route(site, result.config, result.platform, own_backend, own_route)
@@ -1035,6 +1037,21 @@ def _install_route(
         undo()
         raise
     return undo
+
+
+def _set_aside(model: Any, name: str, module: Any) -> Callable[[], None]:
+    """Remove the route an earlier apply installed on the site ``name`` (``module``),
+    if any; returns how to put it back (the apply failed)."""
+    routed = model.__dict__.setdefault(_ROUTED_ATTR, {})
+    entry, earlier = routed.pop(name, None), _route.remove_route(module)
+
+    def put_back() -> None:
+        if earlier is not None:
+            _route.restore_route(module, earlier)
+        if entry is not None:
+            routed[name] = entry
+
+    return put_back
 
 
 def _install_function(
