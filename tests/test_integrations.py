@@ -989,6 +989,248 @@ def test_transformers_apply_that_fails_midway_undoes_what_it_installed(monkeypat
     assert itf.remove(enc) and enc.config._attn_implementation == before
 
 
+def _state(model):
+    """Every attention site's install, as apply leaves it: its pin, processor (and
+    the processor's own state), generic route and the callables it set."""
+    from attnres.integrations import _route
+
+    return {
+        name: (
+            m.__dict__.get("_attnres_pin"),
+            getattr(m, "processor", None),
+            dict(getattr(getattr(m, "processor", None), "__dict__", {})),
+            _route.installed_route(m),
+            {k: v for k, v in m.__dict__.items() if k in ("forward", "_old_forward")},
+        )
+        for name, m in model.named_modules()
+    }
+
+
+def _ledger(component):
+    from attnres.ledger import decisions
+
+    return sorted(
+        (d.layer, d.backend, d.trace.digest) for d in decisions() if d.component == component
+    )
+
+
+@pytest.mark.parametrize("seam", ["a later step", "inside the step"])
+def test_a_failed_apply_again_leaves_the_earlier_install_as_it_was(monkeypatch, seam):
+    # re-apply set each site's earlier install aside and, when a later step failed,
+    # undid the sites done to their untouched state: the model was left mixed (some
+    # sites untouched, others the first apply's), the ledger held the first apply's
+    # decisions for all. A failed apply changes nothing: each site is put back as
+    # the first apply left it, routes and processor copies whole (their rebound
+    # globals back in place), and remove() still restores the untouched model
+    from attnres.integrations import _route
+
+    unet, extra = tp.unet(), _Model()
+    pipe = {"re_unet": unet, "re_extra": extra}
+    x, q = tp.unet_inputs(), torch.randn(1, 2, 5, 16)
+
+    def outputs():
+        with torch.no_grad():
+            return unet(**x).sample, extra.block(q)
+
+    untouched, processors = outputs(), _processors_of(unet)
+    idf.apply(pipe, SelectionConfig(global_backend="eager"))
+    first, ledger = outputs(), _ledger("re_unet") + _ledger("re_extra")
+    assert not torch.equal(first[0], untouched[0])  # eager is not SDPA, bit for bit
+    state, routes = {k: _state(m) for k, m in pipe.items()}, idf.routes(pipe)
+    assert routes["re_extra/block"] is _route.installed_route(extra.block)
+    assert any(m.processor is not processors[n] for n, m in _attention(unet))  # copies
+    sites = len(list(idf.plan(pipe).sites))
+    assert sites >= 3
+    if seam == "a later step":  # the last site's install raises before it starts
+        real, calls = idf._install, []
+
+        def last_fails(item, *args):
+            calls.append(item.site.name)
+            if len(calls) == sites:
+                raise RuntimeError("the install fails")
+            return real(item, *args)
+
+        monkeypatch.setattr(idf, "_install", last_fails)
+    else:  # the last site's install raises once it set the earlier install aside
+        real_route, built = _route.site_route, []
+
+        def last_fails(*args, **kwargs):
+            built.append(args[0].name)
+            if len(built) == sites:
+                raise RuntimeError("the install fails")
+            return real_route(*args, **kwargs)
+
+        monkeypatch.setattr(_route, "site_route", last_fails)
+    with pytest.raises(RuntimeError, match="the install fails"):
+        idf.apply(pipe, SelectionConfig(global_backend="flex_attention"))
+    monkeypatch.undo()
+    assert {k: _state(m) for k, m in pipe.items()} == state
+    assert idf.routes(pipe) == routes and idf.verify(pipe) == []
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), first, strict=True))
+    assert _ledger("re_unet") + _ledger("re_extra") == ledger
+    assert idf.remove(pipe) == sites
+    assert _processors_of(unet) == processors
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), untouched, strict=True))
+    assert not _ledger("re_unet") + _ledger("re_extra")
+
+
+def test_apply_again_replaces_the_earlier_install_and_remove_restores_the_untouched_model():
+    unet, extra = tp.unet(), _Model()
+    pipe = {"re_unet": unet, "re_extra": extra}
+    x, q = tp.unet_inputs(), torch.randn(1, 2, 5, 16)
+
+    def outputs():
+        with torch.no_grad():
+            return unet(**x).sample, extra.block(q)
+
+    untouched, processors = outputs(), _processors_of(unet)
+    idf.apply(pipe, SelectionConfig(global_backend="eager"))
+    eager = outputs()
+    plan = idf.apply(pipe, SelectionConfig(global_backend="torch_sdpa"))
+    assert idf.verify(pipe) == []
+    assert {d for _, d, _ in _ledger("re_unet") + _ledger("re_extra")} == {"torch_sdpa"}
+    again = outputs()
+    assert not torch.equal(again[0], eager[0]) and torch.equal(again[0], untouched[0])
+    assert idf.remove(pipe) == len(plan.sites)
+    assert _processors_of(unet) == processors
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), untouched, strict=True))
+
+
+def _attention(model):
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "processor")]
+
+
+def _processors_of(model):
+    return {n: m.processor for n, m in _attention(model)}
+
+
+@pytest.mark.parametrize("seam", ["a later step", "inside the step"])
+def test_transformers_a_failed_apply_again_leaves_the_earlier_install_as_it_was(monkeypatch, seam):
+    # as for diffusers: the routes of the steps done went back to untouched and the
+    # config's undo restored what it ran before the first apply, while the ledger
+    # held the first apply's decisions
+    from attnres.integrations import _route
+
+    enc = tp.flux().text_encoder
+    enc.extra, enc.extra2 = _Block(), _Block()  # generic-route sites, steps before the config's
+    ids, q = torch.tensor([[1, 5, 7, 2]]), torch.randn(1, 2, 5, 16)
+    before = enc.config._attn_implementation
+
+    def outputs():
+        with torch.no_grad():
+            return enc(input_ids=ids).last_hidden_state, enc.extra(q), enc.extra2(q)
+
+    untouched = outputs()
+    explicit = SelectionConfig(global_backend="eager", global_backend_explicit=True)
+    itf.apply(enc, "re_tf", explicit)
+    first, ledger = outputs(), _ledger("re_tf")
+    assert enc.config._attn_implementation == "eager" != before
+    state, routes = _state(enc), itf.routes(enc)
+    records = list(enc.__dict__["_attnres_installed"])
+    assert set(routes) == {"re_tf/extra", "re_tf/extra2"}
+    if seam == "a later step":  # the config's step, after the routes' steps, raises
+
+        def fails(*args):
+            raise RuntimeError("the install fails")
+
+        monkeypatch.setattr(itf, "_install_function", fails)
+    else:  # the second route's step raises once it set the earlier route aside
+        real, calls = _route.install_route, []
+
+        def second_fails(*args, **kwargs):
+            calls.append(args[0])
+            if len(calls) == 2:
+                raise RuntimeError("the install fails")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_route, "install_route", second_fails)
+    again = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+    with pytest.raises(RuntimeError, match="the install fails"):
+        itf.apply(enc, "re_tf", again)
+    monkeypatch.undo()
+    assert _state(enc) == state and itf.routes(enc) == routes and itf.verify(enc) == []
+    assert enc.config._attn_implementation == "eager"
+    assert enc.__dict__["_attnres_installed"] == records
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), first, strict=True))
+    assert _ledger("re_tf") == ledger
+    assert itf.remove(enc) and enc.config._attn_implementation == before
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), untouched, strict=True))
+    assert _route.installed_route(enc.extra) is None and not _ledger("re_tf")
+
+
+def test_a_failed_apply_again_of_a_pipeline_leaves_its_text_encoders_as_they_were(monkeypatch):
+    # a config step done before a later one failed restored what its config ran
+    # before the first apply: the first text encoder went back to untouched while
+    # the second kept the first apply's function
+    pipe = tp.flux()
+    encoders = (pipe.text_encoder, pipe.text_encoder_2)
+    before = [e.config._attn_implementation for e in encoders]
+    untouched = tp.run_flux(pipe)
+    idf.apply(pipe, SelectionConfig(global_backend="eager", global_backend_explicit=True))
+    assert [e.config._attn_implementation for e in encoders] == ["eager", "eager"] != before
+    first, records = tp.run_flux(pipe), [list(e.__dict__["_attnres_installed"]) for e in encoders]
+    ledger = {c: _ledger(c) for c in pipe.components}
+    state = {c: _state(m) for c, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    real, calls = itf._install_function, []
+
+    def second_fails(*args):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise RuntimeError("the second config's install fails")
+        return real(*args)
+
+    monkeypatch.setattr(itf, "_install_function", second_fails)
+    again = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+    with pytest.raises(RuntimeError, match="the second config's install fails"):
+        idf.apply(pipe, again)
+    monkeypatch.undo()
+    assert calls == ["text_encoder", "text_encoder_2"]
+    assert [e.config._attn_implementation for e in encoders] == ["eager", "eager"]
+    assert [e.__dict__["_attnres_installed"] for e in encoders] == records
+    assert {c: _state(m) for c, m in pipe.components.items() if c in state} == state
+    assert idf.verify(pipe) == [] and {c: _ledger(c) for c in pipe.components} == ledger
+    assert torch.equal(tp.run_flux(pipe), first)
+    idf.remove(pipe)
+    assert [e.config._attn_implementation for e in encoders] == before
+    assert torch.equal(tp.run_flux(pipe), untouched)
+
+
+def test_transformers_apply_again_removes_a_route_the_site_needs_no_more(monkeypatch):
+    # a site routed by the first apply whose decision is now what it runs got no
+    # step, so it kept the earlier route (eager here) while the ledger said
+    # torch_sdpa and verify reported nothing; a failed apply puts that route back
+    from attnres.integrations import _route
+
+    enc = tp.flux().text_encoder
+    enc.mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(1, 5, 32)
+
+    def out():
+        with torch.no_grad():
+            return enc.mha(x, x, x)[0]
+
+    untouched = out()
+    itf.apply(enc, "re_mha", SelectionConfig(global_backend="eager", global_backend_explicit=True))
+    route, eager = _route.installed_route(enc.mha), out()
+    assert route is not None and "forward" in enc.mha.__dict__
+
+    def fails(*args):
+        raise RuntimeError("the install fails")
+
+    monkeypatch.setattr(itf, "_install_function", fails)
+    sdpa = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+    with pytest.raises(RuntimeError, match="the install fails"):
+        itf.apply(enc, "re_mha", sdpa)
+    monkeypatch.undo()
+    assert _route.installed_route(enc.mha) is route and itf.verify(enc) == []
+    assert torch.equal(out(), eager)
+    plan = itf.apply(enc, "re_mha", sdpa)
+    assert {s.backend.name for s in plan.sites if s.name == "mha"} == {"torch_sdpa"}
+    assert _route.installed_route(enc.mha) is None and itf.routes(enc) == {}
+    assert "forward" not in enc.mha.__dict__ and torch.equal(out(), untouched)
+    assert itf.remove(enc) and torch.equal(out(), untouched)
+
+
 def test_first_call_with_a_fact_the_plan_did_not_allow_falls_back_or_raises():
     # a site planned without dropout meets a call with dropout, which flex
     # attention does not implement: a component that may fall back re-resolves

@@ -75,6 +75,7 @@ __all__ = [
     "installed_route",
     "mha_forward",
     "remove_route",
+    "restore_route",
     "site_route",
     "unflagged",
     "watch_forward",
@@ -707,6 +708,8 @@ class GenericRoute:
         self.first_calls: list[FirstCall] = []
         #: the names its rebound functions read their stand-ins under (:func:`rebind`)
         self.homes: list[tuple[dict[str, Any], str]] = []
+        #: what :meth:`close` took from the homes, for :meth:`reopen`
+        self._closed: list[tuple[dict[str, Any], str, Any]] = []
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._lock = threading.Lock()
         #: call signature -> the kernel that runs it (None: the original SDPA)
@@ -860,17 +863,30 @@ class GenericRoute:
             new.kernels = dict(self.kernels)
             new.first_calls = list(self.first_calls)
         new.homes, new._finalizer, new._lock, new.last_mask = [], None, threading.Lock(), None
+        new._closed = []
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         refuse_pickle(self.where)
 
     def close(self) -> None:
-        """Forget the homes of its rebound functions (the route was removed)."""
+        """Forget the homes of its rebound functions (the route was removed); what
+        they held is kept for :meth:`reopen`."""
+        self._closed += [(home, key, home[key]) for home, key in self.homes if key in home]
         _forget_homes(self.homes)
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
+
+    def reopen(self, owner: Any) -> None:
+        """Undo :meth:`close`, tied to ``owner`` again (:meth:`tie`): an apply that
+        failed puts back the route it had set aside (its rebound functions read
+        their stand-ins again); nothing where it is open."""
+        for home, key, value in self._closed:
+            home[key] = value
+            self.homes.append((home, key))
+        self._closed.clear()
+        self.tie(owner)
 
     def tie(self, owner: Any) -> None:
         """Forget the homes of its rebound functions when ``owner`` (the module it is
@@ -1356,11 +1372,17 @@ def installed_route(module: Any) -> GenericRoute | None:
     return held[0] if isinstance(held, tuple) else None
 
 
-def remove_route(module: Any) -> bool:
-    """Undo :func:`install_route`; whether there was one."""
-    held = module.__dict__.pop(_ROUTE_ATTR, None)
+#: what :func:`install_route` set on a module: its route, and per attribute what
+#: the attribute held before and what was set there
+Held = tuple[GenericRoute, list[tuple[str, Any, _Installed]]]
+
+
+def remove_route(module: Any) -> Held | None:
+    """Undo :func:`install_route`; what it removed (``None``: there was none), which
+    :func:`restore_route` puts back."""
+    held: Held | None = module.__dict__.pop(_ROUTE_ATTR, None)
     if held is None:
-        return False
+        return None
     route, installs = held
     route.close()
     for attr, previous, installed in installs:
@@ -1373,7 +1395,21 @@ def remove_route(module: Any) -> bool:
             module.__dict__.pop(attr, None)
         else:
             module.__dict__[attr] = previous
-    return True
+    return held
+
+
+def restore_route(module: Any, held: Held) -> None:
+    """Put back on ``module`` the route :func:`remove_route` removed from it (an apply
+    that set it aside failed): the very functions it had, its kernels and records."""
+    route, installs = held
+    route.reopen(module)
+    for attr, previous, installed in installs:
+        if module.__dict__.get(attr) is not previous:
+            # wrapped after install: the wrapper reaches the route's build again
+            installed._point(installed.build(module, route, installed.original()))
+        else:
+            module.__dict__[attr] = installed
+    module.__dict__[_ROUTE_ATTR] = held
 
 
 # =============================================================================

@@ -802,7 +802,9 @@ def apply(
 
     Raises :class:`~attnres.integrations.IntegrationError` (``.plan`` attached)
     and changes nothing when any site is rejected or any decision cannot be
-    installed. With no flag on a machine, outputs are bit-identical to the
+    installed. Applied again, it replaces the earlier install (:func:`remove`
+    still restores the untouched pipeline); one that fails leaves the earlier
+    install as it was. With no flag on a machine, outputs are bit-identical to the
     untouched pipeline (every site keeps the backend it ran). A site that calls
     SDPA itself and was decided another backend gets the generic route
     (:mod:`attnres.integrations._route`), which checks each call's facts first.
@@ -817,11 +819,27 @@ def apply(
 
 
 def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> Callable[[], None]:
-    """Install one planned site; returns how to undo it."""
+    """Install one planned site; returns how to undo it, which puts back what the
+    site ran before: the earlier install where it was applied already (so an apply
+    that fails changes nothing), and it is run here too when this step raises."""
     module, site = item.module, item.site
     earlier = module.__dict__.get(_PIN_ATTR)
-    if earlier is not None:  # applied again: remove() still restores the first state
-        _unpin(module, earlier)
+    # applied again: the earlier install is set aside (remove() still restores the
+    # first state), and put back whole where this apply fails
+    aside = None if earlier is None else (earlier, _unpin(module, earlier))
+    original = getattr(module, "processor", None)
+    try:
+        pin = _pin(item, config, platform)
+    except BaseException:
+        now = getattr(module, "processor", None)
+        _undo(module, _Pin(site.component, site.name, original, now, None, None, None), aside)
+        raise
+    return functools.partial(_undo, module, pin, aside)
+
+
+def _pin(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pin:
+    """Install one planned site (nothing installed on it): its pin."""
+    module, site = item.module, item.site
     original = processor = getattr(module, "processor", None)
     route = None
     if item.route and site.kind in RUNS_OWN_CODE:
@@ -863,16 +881,35 @@ def _install(item: _Planned, config: SelectionConfig, platform: Platform) -> Cal
     dtype = None if site.spec is None else site.spec.dtype
     pin = _Pin(site.component, site.name, original, processor, item.value or None, dtype, route)
     module.__dict__[_PIN_ATTR] = pin
-    return functools.partial(_unpin, module, pin)
+    return pin
 
 
-def _unpin(module: Any, pin: _Pin) -> None:
-    _route.remove_route(module)
+def _unpin(module: Any, pin: _Pin) -> _route.Held | None:
+    """Undo ``pin``; the generic route it removed from ``module`` (for :func:`_undo`)."""
+    held = _route.remove_route(module)
     if pin.route is not None:
         pin.route.close()
     if pin.processor is not pin.original and getattr(module, "processor", None) is not pin.original:
         _set_processor(module, pin.original)
     module.__dict__.pop(_PIN_ATTR, None)
+    return held
+
+
+def _undo(module: Any, pin: _Pin, aside: tuple[_Pin, _route.Held | None] | None) -> None:
+    """Undo an install that failed, or whose apply failed later: ``pin`` goes, and
+    the earlier install it set aside (``aside``: its pin and generic route) comes
+    back as it was, its route and processor copy the very objects it had."""
+    _unpin(module, pin)
+    if aside is None:
+        return
+    earlier, held = aside
+    if earlier.route is not None:
+        earlier.route.reopen(module)
+    if held is not None:
+        _route.restore_route(module, held)
+    if earlier.processor is not getattr(module, "processor", None):
+        _set_processor(module, earlier.processor)
+    module.__dict__[_PIN_ATTR] = earlier
 
 
 def _set_processor(module: Any, processor: Any) -> None:

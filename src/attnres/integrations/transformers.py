@@ -871,6 +871,7 @@ def prepare(
     problems: list[str] = []
     actions: list[Callable[[], object]] = []
     watched: list[tuple[Site, Any]] = []
+    rerouted: set[str] = set()  # the sites given a route of their own
     for site in result.sites:
         if site.component != component or (site.resolution is None and not site.pending):
             continue
@@ -893,6 +894,7 @@ def prepare(
                 actions.append(
                     functools.partial(_install_route, model, component, module, site, result)
                 )
+                rerouted.add(site.name)
             continue
         if site.kind is RouteKind.INTERFACE and site.pending:
             watched.append((site, module))
@@ -905,6 +907,7 @@ def prepare(
             if not _route.unflagged(result.config, component):
                 watch = (model, component, module, site, result, site.current, site.route)
                 actions.append(functools.partial(_install_route, *watch))
+                rerouted.add(site.name)
             continue
         if site.kind is not RouteKind.INTERFACE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
@@ -963,6 +966,10 @@ def prepare(
         route = f"{ROUTE} ({runs}, the function its config names)"
         watch = (model, component, module, site, result, Backend(own), route)
         actions.append(functools.partial(_install_route, *watch))
+        rerouted.add(site.name)
+    for name, (_, module) in model.__dict__.get(_ROUTED_ATTR, {}).items():
+        if name not in rerouted:  # applied again: a route the site needs no more goes
+            actions.append(functools.partial(_set_aside, model, name, module))
     for cfg, decided in groups.values():
         if len(decided) > 1:
             problems.append(
@@ -1002,25 +1009,49 @@ def _install_route(
     diffusers' sites), or a MultiheadAttention (its own math, the attention the
     decided kernel); issue 19: a site decided at its first call whose route runs
     only its own code (``own_route``: softmax by hand, or ``own_backend`` through
-    the attention interface) is watched (:func:`._route.watch_forward`)."""
-    route = _route.site_route(site, result.config, result.platform, own_backend, own_route)
-    own = (
-        _route.mha_forward
-        if isinstance(module, torch.nn.MultiheadAttention)
-        else _route.watch_forward
-        if own_route is not None
-        else None
-    )
-    _route.install_route(module, route, own)
-    route.tie(module)
+    the attention interface) is watched (:func:`._route.watch_forward`).
+
+    Returns how to undo it (run here too when it raises): the site runs what it
+    ran before, its earlier route where it was applied already, which this sets
+    aside until then."""
     routed = model.__dict__.setdefault(_ROUTED_ATTR, {})
-    routed[site.name] = (component, module)
+    put_back = _set_aside(model, site.name, module)
 
-    def undo() -> None:  # apply failed later: the site runs its own code again
+    def undo() -> None:  # apply failed: the site runs what it ran before
         _route.remove_route(module)
-        routed.pop(site.name, None)
+        put_back()
 
+    try:
+        route = _route.site_route(site, result.config, result.platform, own_backend, own_route)
+        own = (
+            _route.mha_forward
+            if isinstance(module, torch.nn.MultiheadAttention)
+            else _route.watch_forward
+            if own_route is not None
+            else None
+        )
+        _route.install_route(module, route, own)
+        route.tie(module)
+        routed[site.name] = (component, module)
+    except BaseException:
+        undo()
+        raise
     return undo
+
+
+def _set_aside(model: Any, name: str, module: Any) -> Callable[[], None]:
+    """Remove the route an earlier apply installed on the site ``name`` (``module``),
+    if any; returns how to put it back (the apply failed)."""
+    routed = model.__dict__.setdefault(_ROUTED_ATTR, {})
+    entry, earlier = routed.pop(name, None), _route.remove_route(module)
+
+    def put_back() -> None:
+        if earlier is not None:
+            _route.restore_route(module, earlier)
+        if entry is not None:
+            routed[name] = entry
+
+    return put_back
 
 
 def _install_function(
@@ -1033,36 +1064,53 @@ def _install_function(
     result: PlanResult,
 ) -> Callable[[], None]:
     """Set the attention function ``key`` names (``function`` or, for attnres's
-    own, ``function:backend``) on one config its ``sites`` read."""
+    own, ``function:backend``) on one config its ``sites`` read.
+
+    Returns how to undo it (run here too when it raises): the config and its
+    modules run what they ran before, its earlier install where it was applied
+    already, whose record this sets aside until then."""
     installs = model.__dict__.setdefault(_INSTALLED_ATTR, [])
-    old = getattr(cfg, "_attn_implementation_internal", None)
-    for earlier in [r for r in installs if r.config is cfg]:
+    now = old = getattr(cfg, "_attn_implementation_internal", None)
+    earlier = [r for r in installs if r.config is cfg]
+    for record in earlier:
         # applied again: one record per config, and remove() still restores
         # the state before the first apply (issue 20, item 13)
-        old = earlier.old
-        installs.remove(earlier)
+        old = record.old
+        installs.remove(record)
+    # the modules' bound routes (issue 22) as they are, the earlier install's too
+    touched = [modules[site.name] for site in sites] + [m for r in earlier for _, _, m in r.sites]
+    bound = [(module, _hf_attention.bound_route(module)) for module in touched]
     function, _, backend = key.partition(":")
     rec = _Install(cfg, old, function, backend or _BY_FUNCTION[function])
-    fallback = model_dtype(model)
-    cfg._attn_implementation_internal = function
-    for site in sites:
-        module = modules[site.name]
-        if function in _hf_attention.NAMES:  # issue 22: bind the decided kernel
-            _hf_attention.register()
-            # issue 19: its route checks each call's facts against the plan
-            # (where it decides torch SDPA, the function runs torch SDPA itself)
-            route = _route.site_route(site, result.config, result.platform, _TORCH_SDPA)
-            _hf_attention.bind_module(module, route)
-        rec.sites.append((component, site.name, module))
-        rec.dtype[site.name] = compute_dtype(module, fallback)
-    installs.append(rec)
 
-    def undo() -> None:  # apply failed later: the config runs what it ran before
-        installs.remove(rec)
-        cfg._attn_implementation_internal = old
-        for _, _, module in rec.sites:
-            _hf_attention.unbind_module(module)
+    def undo() -> None:  # apply failed: the config runs what it ran before
+        if rec in installs:
+            installs.remove(rec)
+        installs.extend(earlier)
+        cfg._attn_implementation_internal = now
+        for module, route in bound:
+            if route is None:
+                _hf_attention.unbind_module(module)
+            else:
+                _hf_attention.bind_module(module, route)
 
+    try:
+        fallback = model_dtype(model)
+        cfg._attn_implementation_internal = function
+        for site in sites:
+            module = modules[site.name]
+            if function in _hf_attention.NAMES:  # issue 22: bind the decided kernel
+                _hf_attention.register()
+                # issue 19: its route checks each call's facts against the plan
+                # (where it decides torch SDPA, the function runs torch SDPA itself)
+                route = _route.site_route(site, result.config, result.platform, _TORCH_SDPA)
+                _hf_attention.bind_module(module, route)
+            rec.sites.append((component, site.name, module))
+            rec.dtype[site.name] = compute_dtype(module, fallback)
+        installs.append(rec)
+    except BaseException:
+        undo()
+        raise
     return undo
 
 
@@ -1074,7 +1122,9 @@ def apply(
 ) -> PlanResult:
     """Plan, then install every decision on ``model``, all or nothing. A transformers
     outside the supported range is refused first
-    (:class:`~attnres.errors.UnsupportedVersionError`)."""
+    (:class:`~attnres.errors.UnsupportedVersionError`). Applied again, it replaces
+    the earlier install (:func:`remove` still restores the untouched model); one
+    that fails leaves the earlier install as it was."""
     check_version(transformers)
     result = plan(model, component, config, platform)
     refuse_to_apply(result)
