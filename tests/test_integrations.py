@@ -1595,3 +1595,24 @@ def test_plan_dir_a_pipeline_diffusers_cannot_import_is_a_folder_error(
     assert said in str(info.value)
     assert main(["plan", str(flux), "--platform", "cpu"]) == 2
     assert "Gemma4ForConditionalGeneration" in capsys.readouterr().err
+
+
+def test_transformers_remove_forgets_every_site_apply_decided_even_one_it_left_as_it_ran():
+    # an MHA decided torch_sdpa, which it runs already, installs nothing; remove()
+    # still restores it (counted) and drops its ledger entry, as diffusers does
+    import attnres
+
+    enc = tp.flux().text_encoder
+    enc.mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    sdpa = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+    plan = itf.apply(enc, "rm_mha", sdpa)
+    names = {s.name for s in plan.sites if s.trace is not None}
+    assert "mha" in names and itf.routes(enc) == {}
+
+    def ledger() -> set[str]:
+        return {d.layer for d in attnres.decisions() if d.component == "rm_mha"}
+
+    assert ledger() == names
+    assert itf.remove(enc) == len(names)
+    assert ledger() == set()
+    assert itf.remove(enc) == 0  # nothing is left to restore

@@ -278,7 +278,9 @@ def test_siglip_pooling_head_asking_for_weights_is_planned_on_its_own_path():
     assert {s.backend.name for s in plan.sites} == {"eager"}
     torch.testing.assert_close(model(pixel_values=x).pooler_output, ref, rtol=1e-5, atol=1e-5)
     assert _route.installed_route(head) is None and "forward" not in head.__dict__
-    assert itf.remove(model) == 1  # the encoder's site; the head ran its own path
+    # the encoder's site and the head's, which ran its own path (both were decided,
+    # and both ledger entries go)
+    assert itf.remove(model) == 2
     strict = idf.plan({"transformer": model}, SelectionConfig(global_backend="flex_attention"))
     rejected = {s.name: s for s in strict.sites}["head.attention"]
     assert rejected.error is not None

@@ -872,6 +872,7 @@ def prepare(
     actions: list[Callable[[], object]] = []
     watched: list[tuple[Site, Any]] = []
     rerouted: set[str] = set()  # the sites given a route of their own
+    governed: set[tuple[str, str]] = set()  # every site decided here, installed or not
     for site in result.sites:
         if site.component != component or (site.resolution is None and not site.pending):
             continue
@@ -880,6 +881,7 @@ def prepare(
             if not prefix:  # nested: the sites outside it are its holder's
                 problems.append(f"{component}/{site.name}: module not found in the model")
             continue
+        governed.add((component, site.name))
         if site.routed:
             # a module calling SDPA itself, or a MultiheadAttention (SigLIP's pooling
             # head): the generic route, installed only where the decision differs
@@ -984,7 +986,27 @@ def prepare(
         ((key, group),) = decided.items()
         install = (model, component, cfg, key, group, modules, result)
         actions.append(functools.partial(_install_function, *install))
+    actions.append(functools.partial(_govern, model, governed))
     return actions, problems
+
+
+_GOVERNED_ATTR = "_attnres_governed"
+
+
+def _govern(model: Any, sites: set[tuple[str, str]]) -> Callable[[], None]:
+    """Note ``sites`` (component, name) as governed by ``model``'s apply, what
+    :func:`remove` restores and forgets, a site that installed nothing (it runs what
+    it was decided) included; returns how to undo it."""
+    before = model.__dict__.get(_GOVERNED_ATTR)
+    model.__dict__[_GOVERNED_ATTR] = (before or set()) | sites
+
+    def undo() -> None:
+        if before is None:
+            model.__dict__.pop(_GOVERNED_ATTR, None)
+        else:
+            model.__dict__[_GOVERNED_ATTR] = before
+
+    return undo
 
 
 #: what an interface site decided at its first call may run: the backends whose
@@ -1164,8 +1186,9 @@ def routes(model: Any) -> dict[str, _route.GenericRoute]:
 
 def remove(model: Any) -> int:
     """Restore the attention implementation(s) apply replaced; returns the number
-    of attention sites restored (each site once, however often apply ran); their
-    ledger entries go with them."""
+    of attention sites restored (every site apply decided, one that installed
+    nothing included; each once, however often apply ran); their ledger entries go
+    with them."""
     installs = model.__dict__.pop(_INSTALLED_ATTR, [])
     for rec in reversed(installs):
         rec.config._attn_implementation_internal = rec.old
@@ -1174,8 +1197,7 @@ def remove(model: Any) -> int:
     routed = model.__dict__.pop(_ROUTED_ATTR, {})
     for _, module in routed.values():
         _route.remove_route(module)
-    restored = {(c, name) for rec in installs for c, name, _ in rec.sites}
-    restored |= {(c, name) for name, (c, _) in routed.items()}
+    restored = model.__dict__.pop(_GOVERNED_ATTR, set())
     forget_decisions(restored)
     return len({name for _, name in restored})
 
