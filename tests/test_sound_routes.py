@@ -555,6 +555,127 @@ def test_a_call_no_copy_can_take_is_a_pin_that_falls_back_or_is_refused(
         assert torch.equal(holder.attn(q), want)
 
 
+# -- a watched site's calls are its own code's, never a nested module's ---------------------------
+
+
+class _Heads(torch.nn.Module):
+    """Attention of its own inside a watched site: SDPA over 4 heads of size 2,
+    under a boolean mask."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = x.view(b, s, 4, 2).transpose(1, 2)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, s, 8)
+
+
+class _AroundNested(torch.nn.Module):
+    """Softmax attention by hand, one head over its 8 channels, holding no head
+    facts (decided at its first call, watched), whose forward first calls a
+    nested attention module (:class:`_Heads`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Heads()
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.inner(x)
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        scores = q @ k.transpose(-1, -2) / 8**0.5
+        probs = torch.softmax(scores, dim=-1)
+        return probs @ v
+
+
+def _nested_then_by_hand(attn: Any, x: torch.Tensor) -> torch.Tensor:
+    """The nested module's ``forward`` run directly, then softmax attention by hand."""
+    x = x + attn.inner.forward(x)
+    q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
+    scores = torch.bmm(q, k.transpose(1, 2)) / 8**0.5
+    return torch.bmm(torch.softmax(scores, dim=-1), v)
+
+
+class _CalledProcessor(torch.nn.Module):
+    """A processor that is an ``nn.Module`` with a ``__call__`` of its own (as
+    diffusers' IP-adapter and custom diffusion processors)."""
+
+    def __call__(self, attn: Any, x: torch.Tensor) -> torch.Tensor:
+        return _nested_then_by_hand(attn, x)
+
+
+class _ModuleProcessor(torch.nn.Module):
+    """A processor that is an ``nn.Module`` called as one (its ``forward``)."""
+
+    def forward(self, attn: Any, x: torch.Tensor) -> torch.Tensor:
+        return _nested_then_by_hand(attn, x)
+
+
+class _HandingOver(torch.nn.Module):
+    """A module handing its call to its processor, holding no head facts: the
+    processor is the site's own code, however it is called."""
+
+    def __init__(self, processor: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = _Heads()
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.processor = processor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.processor(self, x)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        _AroundNested,
+        functools.partial(_HandingOver, _CalledProcessor()),
+        functools.partial(_HandingOver, _ModuleProcessor()),
+    ],
+    ids=["nested module called", "processor's __call__", "processor called as a module"],
+)
+def test_a_watched_site_reads_its_own_call_not_a_nested_modules(kind: Any) -> None:
+    """A by-hand site that holds no head facts is watched at its first call (its
+    head facts read from its own scores product): the nested module's SDPA call,
+    met first (called as a module, or its ``forward`` run directly), is not the
+    site's, and runs untouched. Before, the watch took it as the site's: one head
+    of size 8 was recorded (and decided) as 4 heads of size 2 under a boolean
+    mask. A graph traced later (no frames to read) passes the nested call by
+    too; with no eager call first, it takes it (and refuses, typed)."""
+    import torch._dynamo
+
+    from attnres.integrations import diffusers as idf
+
+    torch.manual_seed(0)
+    holder, x = torch.nn.Module(), torch.randn(2, 5, 8)
+    holder.attn = kind().eval()
+    want = holder.attn(x)
+    plan = idf.apply({"vae": holder}, _explicit("torch_sdpa"), Platform.detect())
+    try:
+        (site,) = plan.sites
+        assert plan.ok and site.pending and site.kind is RouteKind.OWN_CODE
+        (route,) = idf.routes({"vae": holder}).values()
+        torch._dynamo.reset()
+        whole = torch.compile(holder.attn, fullgraph=True, backend="eager")
+        with pytest.raises(Exception, match=r"met a call no decision covers inside torch\.compile"):
+            whole(x)  # not run eagerly first
+        assert not route.first_calls
+        assert torch.equal(holder.attn(x), want)
+        (first,) = route.first_calls
+        facts = first.facts
+        assert (facts.heads, facts.kv_heads, facts.head_size) == (1, 1, 8)
+        assert not facts.mask.present and first.backend.name == "eager"
+        assert first.trace.outcome.reason == "softmax attention written by hand"
+        torch._dynamo.reset()
+        whole = torch.compile(holder.attn, fullgraph=True, backend="eager")
+        torch.testing.assert_close(whole(x), want)
+        assert len(route.first_calls) == 1  # nothing new, nothing refused
+    finally:
+        torch._dynamo.reset()
+        idf.remove({"vae": holder})
+    assert torch.equal(holder.attn(x), want)
+
+
 # -- the mask's kind is in a call's signature; the kernel table is read under its lock ---------
 
 

@@ -30,6 +30,7 @@ import dis
 import functools
 import inspect
 import math
+import sys
 import textwrap
 import threading
 import types
@@ -99,6 +100,11 @@ _MATMULS = frozenset(
 )
 _SOFTMAXES = frozenset(
     {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax}
+)
+#: ``nn.Module.__call__``'s frames: one between a call :class:`_Watch` meets and
+#: the watched forward is a module called inside that forward (a nested module)
+_MODULE_CALLS = frozenset(
+    {torch.nn.Module._wrapped_call_impl.__code__, torch.nn.Module._call_impl.__code__}
 )
 
 
@@ -717,6 +723,11 @@ class GenericRoute:
         #: issue 30: the mask of the latest call outside torch.compile (a graph
         #: cannot read a mask's values: it runs the kernel eager calls were given)
         self.last_mask: Any = None
+        #: issue 30: the head facts of the calls :class:`_Watch` met in eager
+        #: forwards: True where one was the site's own, False where only nested
+        #: modules made it (a forward traced by torch.compile has no frames to
+        #: tell them apart: it passes those by)
+        self.watched: dict[tuple[Any, ...], bool] = {}
         self.planned: CallFacts | None = None
         if spec is not None and heads is not None:
             self.planned = CallFacts.planned(spec, heads, kv_heads or heads)
@@ -862,6 +873,7 @@ class GenericRoute:
         with self._lock:
             new.kernels = dict(self.kernels)
             new.first_calls = list(self.first_calls)
+            new.watched = dict(self.watched)
         new.homes, new._finalizer, new._lock, new.last_mask = [], None, threading.Lock(), None
         new._closed = []
         return new
@@ -1465,32 +1477,61 @@ class _Watch(TorchFunctionMode):
     output is computed: its first SDPA call, or its first softmax of a product of
     two batched tensors (the scores: query ``(..., seq_q, head size)`` times key
     ``(..., head size, seq_kv)``, the last product before it), is handed to the
-    route, which binds the site (or raises, typed); nothing else is run."""
+    route, which binds the site (or raises, typed); nothing else is run.
 
-    def __init__(self, route: GenericRoute) -> None:
+    Issue 30: only the site's own code's calls count. A mode sees every call made
+    while it is active, a nested module's too (an attention module the site
+    holds): its facts (heads, head size, mask) are not the site's, and it is
+    passed by untouched. Which code made a call is read from the frames between
+    it and the watched forward's (``home``): one of ``nn.Module.__call__``, or a
+    ``forward`` run directly, whose module is neither the site nor its processor
+    makes it a nested module's. The rest is the site's own code, as
+    :func:`rebind` copies it: its methods, the functions they call
+    (transformers' ``eager_attention_forward(module, ...)``), its processor
+    (an ``nn.Module`` in a few diffusers classes), and torch's own frames
+    between (``Tensor.__matmul__``, ``F.softmax``), which are no module's. The
+    walk runs only for an SDPA call, a softmax or a batched product met before
+    the site's call (``make bench``), and reads the locals of module frames
+    only. The scores are the last product the site's own code made, else the
+    last a nested module made (a product computed by a module the site calls,
+    SqueezeBERT's ``MatMulWrapper``); the softmax is always the site's own.
+
+    A forward torch.compile traces has no frames (``home`` is ``None``): there a
+    call is passed by where eager forwards met its facts only in nested modules
+    (:attr:`GenericRoute.watched`), and the scores are the last product."""
+
+    def __init__(self, route: GenericRoute, site: Any, home: types.FrameType | None) -> None:
         super().__init__()
         self.route = route
+        self.site = site
+        self.home = home
         self.seen = False
+        #: the last product of two batched tensors the site's own code made, and
+        #: the last any code made (a traced forward reads only the latter)
         self.scores: tuple[Any, Any] | None = None
+        self.last: tuple[Any, Any] | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.seen:
             return func(*args, **kwargs)
         if func is _SDPA:
-            self.seen = True
             q, k = args[0] if args else kwargs["query"], args[1] if len(args) > 1 else kwargs["key"]
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
-            self._check(q, k, mask, dropout, causal, kwargs.get("scale"))
-        elif func in _SOFTMAXES and self.scores is not None:
-            self.seen = True
-            a, b = self.scores
+            if self._takes(q, k, mask is not None, self.home is None or not self._nested()):
+                self.seen = True
+                dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+                causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+                self._check(q, k, mask, dropout, causal, kwargs.get("scale"))
+        elif func in _SOFTMAXES and self.last is not None:
+            own = self.home is None or not self._nested()
+            a, b = (self.scores or self.last) if own else self.last
             q, k = a, b.transpose(-1, -2)
             if a.dim() == 3:  # (batch, seq, size): one head per batch row
                 q, k = q.unsqueeze(-3), k.unsqueeze(-3)
-            self._check(q, k, None, 0.0, False, None)
+            if self._takes(q, k, False, own):
+                self.seen = True
+                self._check(q, k, None, 0.0, False, None)
         elif func in _MATMULS and len(args) >= 2:
             a, b = args[0], args[1]
             if (
@@ -1500,8 +1541,52 @@ class _Watch(TorchFunctionMode):
                 and b.dim() == a.dim()
                 and a.shape[-1] == b.shape[-2]
             ):
-                self.scores = (a, b)
+                self.last = (a, b)
+                if self.home is not None and not self._nested():
+                    self.scores = (a, b)
         return func(*args, **kwargs)
+
+    def _nested(self) -> bool:
+        """Whether the call being handled is not the site's own code's: walking out
+        from it, a module is called (or another module's ``forward`` runs) before
+        the watched forward's frame is reached."""
+        home = self.home
+        frame: types.FrameType | None = sys._getframe(2)  # the caller of __torch_function__
+        while frame is not home:
+            if frame is None:  # made outside the watched forward: not the site's
+                return True
+            back = frame.f_back
+            code = frame.f_code
+            # the frame the watch called (the watched forward) is the site's: its
+            # locals are never read
+            if (code in _MODULE_CALLS or code.co_name == "forward") and back is not home:
+                first = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+                if self._other(first):
+                    return True
+            frame = back
+        return False
+
+    def _other(self, obj: Any) -> bool:
+        """Whether ``obj`` (a frame's first argument) is a module other than the
+        site and its processor (the site's own code, however it is called)."""
+        if obj is self.site or not isinstance(obj, torch.nn.Module):
+            return False
+        return obj is not getattr(self.site, "processor", None)
+
+    def _takes(self, q: Any, k: Any, masked: bool, own: bool) -> bool:
+        """Whether this call (``own``: made by the site's own code, as far as the
+        frames tell) is the site's; what eager forwards met is kept for a traced
+        one (:attr:`GenericRoute.watched`)."""
+        heads = q.shape[-3] if q.dim() > 3 else 1
+        facts = (heads, k.shape[-3] if k.dim() > 3 else 1, q.shape[-1], q.dtype, masked)
+        watched = self.route.watched
+        if self.home is None:  # traced: passed by if only nested modules made it
+            return watched.get(facts) is not False
+        if own:
+            watched[facts] = True
+        else:
+            watched.setdefault(facts, False)
+        return own
 
     def _check(
         self, q: Any, k: Any, mask: Any, dropout: float, causal: bool, scale: float | None
@@ -1518,12 +1603,17 @@ def watch_forward(module: Any, route: GenericRoute, original: Any = None) -> Cal
     """``module``'s forward (``original``, default its ``forward``) for a site
     decided at its first call whose route runs only its own code (softmax by
     hand, or the attention function its config names): each call's facts are
-    read (:class:`_Watch`) and checked by ``route``; the computation is the
-    module's own, untouched."""
+    read (:class:`_Watch`, from this frame's calls only, never a nested
+    module's) and checked by ``route``; the computation is the module's own,
+    untouched."""
     original = original or module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with _Watch(route):
+        # the frame is the watch's to walk out to (dynamo traces none); held by
+        # the watch only, never by a local here (a frame holding itself would
+        # keep the call's tensors until a collection)
+        compiling = torch.compiler.is_dynamo_compiling()
+        with _Watch(route, module, None if compiling else sys._getframe()):
             return original(*args, **kwargs)
 
     return forward
