@@ -94,12 +94,14 @@ INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 BY_HAND = frozenset({"get_attention_scores", "softmax", "baddbmm"})
 _EAGER = Backend("eager")
 #: issue 30: the products and softmaxes :class:`_Watch` reads a by-hand site's
-#: head facts from (it reads their operands' shapes, and changes nothing)
-_MATMULS = frozenset(
-    {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.__matmul__}
-)
-_SOFTMAXES = frozenset(
-    {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax}
+#: head facts from (it reads their operands' shapes, and changes nothing); tuples,
+#: as the floor's dynamo (torch 2.6) traces ``in`` over a tuple, not a frozenset
+_MATMULS = (torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.__matmul__)
+_SOFTMAXES = (
+    torch.softmax,
+    torch.nn.functional.softmax,
+    torch.Tensor.softmax,
+    torch.special.softmax,
 )
 #: ``nn.Module.__call__``'s frames: one between a call :class:`_Watch` meets and
 #: the watched forward is a module called inside that forward (a nested module)
