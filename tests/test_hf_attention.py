@@ -329,3 +329,20 @@ def test_a_class_written_for_eager_masks_runs_a_call_without_a_mask_unmasked(fla
     finally:
         itf.remove(model)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_remove_after_apply_again_leaves_no_binding_of_the_first_apply(
+    varlen_fakes: Calls,
+) -> None:
+    # the first apply binds each site to attnres's function (sage); applied again
+    # with torch_sdpa, the config names transformers' sdpa and the bindings are
+    # unused; remove() restores the untouched model: no binding is left behind
+    model = _qwen25vl_text()
+    itf.apply(model, "text_encoder", SAGE, STAND_IN)
+    assert any(_hf_attention.bound_route(m) for m in model.modules())
+    sdpa = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+    itf.apply(model, "text_encoder", sdpa, STAND_IN)
+    assert model.config._attn_implementation == "sdpa"
+    itf.remove(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(_hf_attention.bound_route(m) for m in model.modules())
