@@ -18,11 +18,13 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# tests/tested-versions.txt: the governed libraries' releases the committed tables
+# were made with (the extras declare the ranges users may install)
+$(STAMP): pyproject.toml tests/tested-versions.txt
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
-	$(PIP) install -c $(VENV)/torch-pin.txt -e ".[dev]"
+	$(PIP) install -c $(VENV)/torch-pin.txt -c tests/tested-versions.txt -e ".[dev]"
 	touch $@
 
 run: $(STAMP)
@@ -86,7 +88,7 @@ golden: $(STAMP)
 		tests/test_integrations_golden.py --update-golden -q
 
 $(VENV)/.attnres-bench: $(STAMP)
-	$(PIP) install -c $(VENV)/torch-pin.txt -e ".[dev,bench]"
+	$(PIP) install -c $(VENV)/torch-pin.txt -c tests/tested-versions.txt -e ".[dev,bench]"
 	touch $@
 
 bench: $(VENV)/.attnres-bench

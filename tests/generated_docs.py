@@ -42,6 +42,30 @@ def sliced(items: list[T], update: bool) -> list[T]:
     return list(items) if whole_table(update) else list(items[::SLICE_STEP])
 
 
+TESTED = Path(__file__).resolve().parent / "tested-versions.txt"
+
+
+def pinned_release(package: str) -> str:
+    """The release of ``package`` the committed tables were made with (the pin in
+    ``tests/tested-versions.txt``, which ``make setup`` installs)."""
+    for line in TESTED.read_text(encoding="utf-8").splitlines():
+        name, sep, version = line.partition("==")
+        if sep and name.strip() == package:
+            return version.strip()
+    raise AssertionError(f"{TESTED.name} pins no {package}")
+
+
+def check_installed(package: str, installed: str) -> None:
+    """A sliced run checks rows against tables made with the tested release: another
+    one installed is said as such (not as a table out of date)."""
+    tested = pinned_release(package)
+    assert installed == tested, (
+        f"{package} {installed} is installed, but the committed tables were made with "
+        f"{tested} ({TESTED.name}): `make setup` installs it; to move to {installed}, "
+        f"run make test-deep with --update-golden and move the pin"
+    )
+
+
 def check_rows(doc: Path, begin: str, end: str, lines: list[str], keys: list[str]) -> None:
     """A sliced run's check: every row it computed stands verbatim in the committed
     block of ``doc``, and the block has one row for each of ``keys`` (the first

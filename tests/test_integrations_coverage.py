@@ -46,7 +46,7 @@ import tiny_models
 import tiny_sweep
 import torch
 from accelerate import init_empty_weights
-from generated_docs import check_generated, check_rows, sliced, whole_table
+from generated_docs import check_generated, check_installed, check_rows, sliced, whole_table
 
 from attnres import Platform, SelectionConfig
 from attnres._states import Status
@@ -297,6 +297,8 @@ def _row(cls: type) -> tuple[str, list[str]]:
 def test_every_exported_diffusers_model_class_is_governed(update_golden: Any) -> None:
     """Every class in the whole-table runs (``make test-deep``, ``--update-golden``);
     ``make test`` one in :data:`generated_docs.SLICE_STEP`, each row as committed."""
+    if not whole_table(update_golden):
+        check_installed("diffusers", diffusers.__version__)
     classes = _classes()
     logging.disable(logging.WARNING)
     try:

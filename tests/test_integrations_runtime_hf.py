@@ -57,7 +57,7 @@ import attrs
 import pytest
 import torch
 import transformers
-from generated_docs import check_generated
+from generated_docs import check_generated, pinned_release
 from runtime_hf import SIZES, build, candidates, identical, required, shrink, tensors
 from test_integrations_coverage_hf import (
     _TEST_CONFIGS,
@@ -713,3 +713,10 @@ def test_every_model_type_with_interface_sites_runs_tiny_as_planned(
     assert [r.line() for r in rows] == [table.get(r.model_type) for r in rows]
     # a type the subset takes that is not in the table has no interface site
     assert {t for t in names if t in table} == {r.model_type for r in rows}
+
+
+def test_the_runtime_table_is_the_tested_transformers() -> None:
+    # the table a default run checks its rows against is the release make setup
+    # installs (tests/tested-versions.txt): moving one moves the other
+    block = DOC.read_text(encoding="utf-8").partition(BEGIN)[2].partition(END)[0]
+    assert _table_version(block) == pinned_release("transformers")
