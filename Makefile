@@ -278,10 +278,10 @@ test-oldest: $(OLDEST_STAMP)
 # --- The oldest torch attnres declares (the floor) ------------------------------
 # The whole suite on FLOOR_TORCH_SPEC, the release pyproject.toml's torch>= names
 # (attnres._torch_floor.MIN_TORCH; a test keeps the three equal), in a venv of its
-# own; every other install there is constrained to that torch, so the extras' newest
-# diffusers and transformers come with it. PyPI's Linux wheel of torch 2.6.0 is its
+# own; every other install there is constrained to that torch, and diffusers and
+# transformers to the releases the tables were made with (tests/tested-versions.txt). PyPI's Linux wheel of torch 2.6.0 is its
 # CUDA build (about 5 GB with its nvidia packages; it runs on the CPU too). Not part
-# of make test: 3,405 tests in about 3 minutes on an idle 2-core machine (9 on busy
+# of make test: 3,435 tests in about 4 minutes on an idle 2-core machine (9 on busy
 # cores; measured), plus about 2 minutes of install the first time. One file is left out: tests/kernels/
 # test_real_xformers.py runs xformers 0.0.35's own Python layer (KERNEL_DISTS), which
 # declares torch>=2.10 and refuses 2.6 at its import ("doesnt have a compatible
@@ -293,11 +293,11 @@ FPY := $(FLOOR_VENV)/bin/python
 FPIP := $(FPY) -m pip --disable-pip-version-check -q
 FLOOR_STAMP := $(FLOOR_VENV)/.attnres-floor
 
-$(FLOOR_STAMP): pyproject.toml
+$(FLOOR_STAMP): pyproject.toml tests/tested-versions.txt
 	test -x $(FPY) || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FPIP) install "$(FLOOR_TORCH_SPEC)"
 	echo "$(FLOOR_TORCH_SPEC)" > $(FLOOR_VENV)/torch-pin.txt
-	$(FPIP) install -c $(FLOOR_VENV)/torch-pin.txt -e ".[dev]"
+	$(FPIP) install -c $(FLOOR_VENV)/torch-pin.txt -c tests/tested-versions.txt -e ".[dev]"
 	touch $@
 
 test-floor: $(FLOOR_STAMP) $(KERNELS_STAMP)
