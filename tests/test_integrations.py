@@ -1014,6 +1014,19 @@ def _ledger(component):
     )
 
 
+def _unet_and_block():
+    """A pipeline of a tiny UNet (processor copies) and a module routed on itself,
+    and a function of their outputs."""
+    unet, extra = tp.unet(), _Model()
+    x, q = tp.unet_inputs(), torch.randn(1, 2, 5, 16)
+
+    def outputs():
+        with torch.no_grad():
+            return unet(**x).sample, extra.block(q)
+
+    return {"re_unet": unet, "re_extra": extra}, outputs
+
+
 @pytest.mark.parametrize("seam", ["a later step", "inside the step"])
 def test_a_failed_apply_again_leaves_the_earlier_install_as_it_was(monkeypatch, seam):
     # re-apply set each site's earlier install aside and, when a later step failed,
@@ -1024,14 +1037,8 @@ def test_a_failed_apply_again_leaves_the_earlier_install_as_it_was(monkeypatch, 
     # globals back in place), and remove() still restores the untouched model
     from attnres.integrations import _route
 
-    unet, extra = tp.unet(), _Model()
-    pipe = {"re_unet": unet, "re_extra": extra}
-    x, q = tp.unet_inputs(), torch.randn(1, 2, 5, 16)
-
-    def outputs():
-        with torch.no_grad():
-            return unet(**x).sample, extra.block(q)
-
+    pipe, outputs = _unet_and_block()
+    unet, extra = pipe["re_unet"], pipe["re_extra"]
     untouched, processors = outputs(), _processors_of(unet)
     idf.apply(pipe, SelectionConfig(global_backend="eager"))
     first, ledger = outputs(), _ledger("re_unet") + _ledger("re_extra")
@@ -1075,14 +1082,8 @@ def test_a_failed_apply_again_leaves_the_earlier_install_as_it_was(monkeypatch, 
 
 
 def test_apply_again_replaces_the_earlier_install_and_remove_restores_the_untouched_model():
-    unet, extra = tp.unet(), _Model()
-    pipe = {"re_unet": unet, "re_extra": extra}
-    x, q = tp.unet_inputs(), torch.randn(1, 2, 5, 16)
-
-    def outputs():
-        with torch.no_grad():
-            return unet(**x).sample, extra.block(q)
-
+    pipe, outputs = _unet_and_block()
+    unet = pipe["re_unet"]
     untouched, processors = outputs(), _processors_of(unet)
     idf.apply(pipe, SelectionConfig(global_backend="eager"))
     eager = outputs()
