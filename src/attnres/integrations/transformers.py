@@ -871,8 +871,11 @@ def prepare(
     problems: list[str] = []
     actions: list[Callable[[], object]] = []
     watched: list[tuple[Site, Any]] = []
-    rerouted: set[str] = set()  # the sites given a route of their own
     governed: set[tuple[str, str]] = set()  # every site decided here, installed or not
+    for name, (_, module) in list(model.__dict__.get(_ROUTED_ATTR, {}).items()):
+        # applied again: each earlier route is set aside first (a site routed again
+        # gets its new one below), and put back where the apply fails
+        actions.append(functools.partial(_set_aside, model, name, module))
     for site in result.sites:
         if site.component != component or (site.resolution is None and not site.pending):
             continue
@@ -896,7 +899,6 @@ def prepare(
                 actions.append(
                     functools.partial(_install_route, model, component, module, site, result)
                 )
-                rerouted.add(site.name)
             continue
         if site.kind is RouteKind.INTERFACE and site.pending:
             watched.append((site, module))
@@ -909,7 +911,6 @@ def prepare(
             if not _route.unflagged(result.config, component):
                 watch = (model, component, module, site, result, site.current, site.route)
                 actions.append(functools.partial(_install_route, *watch))
-                rerouted.add(site.name)
             continue
         if site.kind is not RouteKind.INTERFACE or site.resolution is None:
             continue  # its own code path runs what it was decided (or it was rejected)
@@ -968,10 +969,6 @@ def prepare(
         route = f"{ROUTE} ({runs}, the function its config names)"
         watch = (model, component, module, site, result, Backend(own), route)
         actions.append(functools.partial(_install_route, *watch))
-        rerouted.add(site.name)
-    for name, (_, module) in model.__dict__.get(_ROUTED_ATTR, {}).items():
-        if name not in rerouted:  # applied again: a route the site needs no more goes
-            actions.append(functools.partial(_set_aside, model, name, module))
     for cfg, decided in groups.values():
         if len(decided) > 1:
             problems.append(
@@ -1033,15 +1030,14 @@ def _install_route(
     only its own code (``own_route``: softmax by hand, or ``own_backend`` through
     the attention interface) is watched (:func:`._route.watch_forward`).
 
-    Returns how to undo it (run here too when it raises): the site runs what it
-    ran before, its earlier route where it was applied already, which this sets
-    aside until then."""
+    Returns how to undo it (run here too when it raises); an earlier apply's route
+    on the site was set aside by a step before (:func:`_set_aside`), whose undo
+    puts it back."""
     routed = model.__dict__.setdefault(_ROUTED_ATTR, {})
-    put_back = _set_aside(model, site.name, module)
 
-    def undo() -> None:  # apply failed: the site runs what it ran before
+    def undo() -> None:  # apply failed: the site runs its own code again
         _route.remove_route(module)
-        put_back()
+        routed.pop(site.name, None)
 
     try:
         route = _route.site_route(site, result.config, result.platform, own_backend, own_route)
