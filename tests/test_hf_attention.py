@@ -346,3 +346,45 @@ def test_remove_after_apply_again_leaves_no_binding_of_the_first_apply(
     itf.remove(model)
     assert model.config._attn_implementation == "sdpa"
     assert not any(_hf_attention.bound_route(m) for m in model.modules())
+
+
+def test_apply_again_leaves_only_the_bindings_its_own_install_needs(varlen_fakes: Calls) -> None:
+    # applied again with transformers' sdpa, the config no longer ran attnres's
+    # function but every module kept the first apply's binding (its route) until
+    # remove(); applied again with attnres's function, each site is bound anew
+    model = _qwen25vl_text()
+    ids, mask = _padded([9, 4, 6], 9, left=False)
+
+    def out() -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    def bound() -> dict[str, Any]:
+        return {n: _hf_attention.bound_route(m) for n, m in model.named_modules()}
+
+    untouched = out()
+    plan = itf.apply(model, "text_encoder", SAGE, STAND_IN)
+    first, sites = bound(), {s.name for s in plan.sites}
+    assert {n for n, r in first.items() if r is not None} == sites and len(sites) == 2
+    sage = out()
+    sdpa = SelectionConfig(global_backend="torch_sdpa", global_backend_explicit=True)
+
+    def fails(*args: Any) -> None:
+        raise RuntimeError("a later step fails")
+
+    with pytest.MonkeyPatch.context() as patch:  # failed, it leaves the bindings as they were
+        patch.setattr(itf, "_govern", fails)
+        with pytest.raises(RuntimeError, match="a later step fails"):
+            itf.apply(model, "text_encoder", sdpa, STAND_IN)
+    assert bound() == first and torch.equal(out(), sage)
+    itf.apply(model, "text_encoder", sdpa, STAND_IN)
+    assert model.config._attn_implementation == "sdpa" and itf.verify(model) == []
+    assert not any(bound().values())
+    assert torch.equal(out(), untouched)
+    itf.apply(model, "text_encoder", SAGE, STAND_IN)
+    again = bound()
+    assert {n for n, r in again.items() if r is not None} == sites
+    assert all(again[n] is not first[n] for n in sites)  # routes of its own
+    assert torch.equal(out(), sage)
+    assert itf.remove(model) == len(sites)
+    assert not any(bound().values()) and torch.equal(out(), untouched)

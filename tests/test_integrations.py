@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 # The dev extra installs diffusers and transformers (make test): a missing one is
@@ -1079,6 +1080,46 @@ def test_a_failed_apply_again_leaves_the_earlier_install_as_it_was(monkeypatch, 
     assert _processors_of(unet) == processors
     assert all(torch.equal(a, b) for a, b in zip(outputs(), untouched, strict=True))
     assert not _ledger("re_unet") + _ledger("re_extra")
+
+
+def test_a_processor_copy_whose_install_fails_takes_its_route_with_it(monkeypatch):
+    # the copy's route had put its rebound globals in the processor's module and
+    # was neither installed nor tied to the module: they stayed there for good
+    from attnres.integrations import _route
+
+    pipe, outputs = _unet_and_block()
+    untouched = outputs()
+    idf.apply(pipe, SelectionConfig(global_backend="eager"))
+    first, state = outputs(), {k: _state(m) for k, m in pipe.items()}
+    real_copy, real_set, made = _route.routed_processor, idf._set_processor, []
+
+    def copy_made(processor, route):
+        routed = real_copy(processor, route)
+        made.append((routed, route, len(route.homes)))
+        return routed
+
+    def fails_on_a_copy(module, processor):
+        if any(processor is routed for routed, _, _ in made):
+            raise RuntimeError("setting the processor fails")
+        real_set(module, processor)
+
+    monkeypatch.setattr(_route, "routed_processor", copy_made)
+    monkeypatch.setattr(idf, "_set_processor", fails_on_a_copy)
+    with pytest.raises(RuntimeError, match="setting the processor fails"):
+        idf.apply(pipe, SelectionConfig(global_backend="flex_attention"))
+    monkeypatch.undo()
+    ((routed, route, homes),) = made
+    assert homes > 0 and route.homes == []
+    tag = f"_attnres_route_{id(route):x}_"
+    for func in vars(type(routed)).values():
+        if isinstance(func, types.FunctionType):
+            assert not any(key.startswith(tag) for key in func.__globals__)
+    # the earlier install is as it was, its routes open
+    assert {k: _state(m) for k, m in pipe.items()} == state and idf.verify(pipe) == []
+    assert all(r.homes for r in idf.routes(pipe).values())
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), first, strict=True))
+    idf.remove(pipe)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), untouched, strict=True))
 
 
 def test_apply_again_replaces_the_earlier_install_and_remove_restores_the_untouched_model():

@@ -842,42 +842,47 @@ def _pin(item: _Planned, config: SelectionConfig, platform: Platform) -> _Pin:
     module, site = item.module, item.site
     original = processor = getattr(module, "processor", None)
     route = None
-    if item.route and site.kind in RUNS_OWN_CODE:
-        # issue 30: softmax by hand, or a call no copy can take, decided at its
-        # first call under a flag: its first call is watched (its head facts
-        # read, nothing run but its code)
-        route = _route.site_route(site, config, platform, site.current, site.route)
-        _route.install_route(module, route, _route.watch_forward)
-    elif item.route:
-        # under the route, a dispatcher's own path is diffusers' native SDPA
-        # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
-        # dense kernel cannot take a key-padding mask)
-        own = _TORCH_SDPA
-        declared = _declared_backends(original) is not None
-        if declared and site.current is not None:  # its own path is what it declares
-            own = site.current
-        route = _route.site_route(site, config, platform, own=own)
-        # a site decided at its first call keeps, with no flag, what its own code
-        # runs: the kernel its processor declares
-        route.keeps_own = declared
-        if not declared:
-            route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
-        routed = None if original is None else _route.routed_processor(original, route)
-        if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
-            _route.install_route(module, route, _route.mha_forward)
-        elif routed is not None:
-            # a copy: the original object may be shared with other modules or models
-            processor = routed
+    try:
+        if item.route and site.kind in RUNS_OWN_CODE:
+            # issue 30: softmax by hand, or a call no copy can take, decided at its
+            # first call under a flag: its first call is watched (its head facts
+            # read, nothing run but its code)
+            route = _route.site_route(site, config, platform, site.current, site.route)
+            _route.install_route(module, route, _route.watch_forward)
+        elif item.route:
+            # under the route, a dispatcher's own path is diffusers' native SDPA
+            # (dispatch_sdpa), whatever backend its processor was pinned to (a pinned
+            # dense kernel cannot take a key-padding mask)
+            own = _TORCH_SDPA
+            declared = _declared_backends(original) is not None
+            if declared and site.current is not None:  # its own path is what it declares
+                own = site.current
+            route = _route.site_route(site, config, platform, own=own)
+            # a site decided at its first call keeps, with no flag, what its own code
+            # runs: the kernel its processor declares
+            route.keeps_own = declared
+            if not declared:
+                route.dispatch_sdpa = AttentionBackendName(_DISPATCHER_BACKENDS["torch_sdpa"])
+            routed = None if original is None else _route.routed_processor(original, route)
+            if isinstance(module, torch.nn.MultiheadAttention):  # its own math, per site
+                _route.install_route(module, route, _route.mha_forward)
+            elif routed is not None:
+                # a copy: the original object may be shared with other modules or models
+                processor = routed
+                _set_processor(module, processor)
+            else:
+                _route.install_route(module, route)
+        elif item.value:
+            processor = copy.copy(original)
+            assert processor is not None  # a dispatcher site has one
+            processor._attention_backend = AttentionBackendName(item.value)
             _set_processor(module, processor)
-        else:
-            _route.install_route(module, route)
-    elif item.value:
-        processor = copy.copy(original)
-        assert processor is not None  # a dispatcher site has one
-        processor._attention_backend = AttentionBackendName(item.value)
-        _set_processor(module, processor)
-    if route is not None:
-        route.tie(module)  # a model dropped without remove() leaves nothing behind
+        if route is not None:
+            route.tie(module)  # a model dropped without remove() leaves nothing behind
+    except BaseException:
+        if route is not None:  # made, not installed: its rebound globals go now
+            route.close()
+        raise
     dtype = None if site.spec is None else site.spec.dtype
     pin = _Pin(site.component, site.name, original, processor, item.value or None, dtype, route)
     module.__dict__[_PIN_ATTR] = pin

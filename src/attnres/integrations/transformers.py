@@ -1125,6 +1125,12 @@ def _install_function(
                 _hf_attention.bind_module(module, route)
             rec.sites.append((component, site.name, module))
             rec.dtype[site.name] = compute_dtype(module, fallback)
+        # a module the earlier install bound that this one does not (another
+        # function, or a site it no longer installs) keeps no unused binding
+        rebound = {id(m) for _, _, m in rec.sites} if function in _hf_attention.NAMES else ()
+        for module in (m for r in earlier for _, _, m in r.sites):
+            if id(module) not in rebound:
+                _hf_attention.unbind_module(module)
         installs.append(rec)
     except BaseException:
         undo()
