@@ -33,7 +33,6 @@ component.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -992,15 +991,9 @@ def _plan_layout_lines(pipeline: Any, layout: SequenceLayout) -> list[str]:
 
 
 def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    try:
-        module = importlib.import_module("attnres.replayer")
-    except ModuleNotFoundError as exc:
-        if exc.name != "attnres.replayer":
-            raise
-        raise UsageError(
-            "replay is not available in this installation (the module attnres.replayer is missing)"
-        ) from None
-    run = module.replay_paths(list(args.paths), update=args.update)
+    from attnres.replayer import replay_paths
+
+    run = replay_paths(list(args.paths), update=args.update)
     return render_replay(run, args.update, out, err)
 
 
