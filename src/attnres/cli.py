@@ -38,7 +38,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -561,12 +561,12 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         layout=_layout(args),
     )
     platform = _platform(args.platform)
-    if args.component is not None:
-        with component_scope(
-            args.component, backend=args.component_backend, require_selection=False
-        ):
-            trace = resolution_trace(layer, config, platform)
-    else:
+    scope = (
+        component_scope(args.component, backend=args.component_backend, require_selection=False)
+        if args.component is not None
+        else nullcontext()
+    )
+    with scope:
         trace = resolution_trace(layer, config, platform)
     outcome = trace.outcome
     if outcome.backend is not None and layer.backend_options:
@@ -574,8 +574,10 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         check_layer_options(lookup_spec(outcome.backend), layer, trace.input.platform)
     if args.trace_out is not None:
         _write_trace(trace, _trace_out(args.trace_out, "a file name"))
-    scheduled = _explain_schedule(args, layer, config, platform)
+    scheduled = _explain_schedule(args.schedule, trace, config)
+    plan = autotune_plan(trace, config)
     if args.json:
+        precision = describe_precision(trace)
         _emit_json(
             out,
             {
@@ -585,18 +587,17 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "origin": str(outcome.origin),
                 "error": outcome.error,
                 "code": outcome.code,
-                "autotune": autotune_plan(trace, config),
+                "autotune": plan,
                 "trace": trace_to_dict(trace),
                 "explanation": explain(trace).to_dict(),
                 # issue 23: present with --schedule only
                 **({} if scheduled is None else {"schedule": scheduled}),
                 # issue 34: present for a layer with an error budget only
-                **({"precision": describe_precision(trace)} if describe_precision(trace) else {}),
+                **({"precision": precision} if precision else {}),
             },
         )
     else:
         lines = _render_explain(trace)
-        plan = autotune_plan(trace, config)
         if plan is not None:
             lines += _field("autotune:", plan["detail"], _width())
         for row in scheduled or ():
@@ -642,21 +643,14 @@ def _backend_options(given: list[str] | None) -> dict[str, dict[str, object]] | 
 
 
 def _explain_schedule(
-    args: argparse.Namespace, layer: LayerSpec, config: SelectionConfig, platform: Platform
+    schedule: str | None, trace: Trace, config: SelectionConfig
 ) -> list[dict[str, Any]] | None:
-    """``--schedule``: each step's backend for this layer (issue 23), or ``None``."""
-    if args.schedule is None:
+    """``--schedule``: each step's backend for the layer ``trace`` resolved, in the
+    same component scope and on the same platform (issue 23), or ``None``. A bad
+    ``--schedule`` is an ``InvalidArgumentError``, which :func:`main` reports (exit 2)."""
+    if schedule is None:
         return None
-    try:
-        steps = parse_schedule(args.schedule)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    scope = None
-    if args.component is not None:
-        with component_scope(
-            args.component, backend=args.component_backend, require_selection=False
-        ) as handle:
-            scope = handle.state
+    inp = trace.input
     return [
         {
             "from_step": first,
@@ -666,7 +660,9 @@ def _explain_schedule(
             "error": t.outcome.error,
             "digest": t.digest,
         }
-        for first, backend, t in plan_schedule(layer, steps, config, platform, scope)
+        for first, backend, t in plan_schedule(
+            inp.layer, parse_schedule(schedule), config, inp.platform, inp.scope
+        )
     ]
 
 
