@@ -60,7 +60,7 @@ from attnres.backends import (
     registered_backends,
 )
 from attnres.documents import environment_document, platform_document, spec_document
-from attnres.errors import TraceWriteError, UsageError
+from attnres.errors import UsageError
 from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
 from attnres.layer import (
     DEST_ATTENTION_ERROR,
@@ -783,13 +783,7 @@ def _render_explain(trace: Trace) -> list[str]:
 def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Plan a pipeline file or a model folder: two loaders of one plan model
     (:class:`~attnres.plan.PlanResult`), rendered, serialised and written by one path."""
-    from attnres.plan import (
-        load_pipeline,
-        plan_pipeline,
-        render_plan,
-        with_layout,
-        write_plan_traces,
-    )
+    from attnres.plan import load_pipeline, plan_pipeline, render_plan, with_layout
 
     layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
     auto = _auto_layout(args)  # issue 35: --sp-degree
@@ -836,15 +830,10 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         result = plan_pipeline(pipeline, config, platform)
     pipeline = result.pipeline
     doc = result.to_dict()
-    written: tuple[Path, ...] = ()
+    written: list[Path] = []
     if args.trace_out is not None:
-        directory = _trace_out(args.trace_out, "a folder name")
-        try:
-            written = write_plan_traces(
-                result, directory, written_by=f"attnres plan {pipeline.path}"
-            )
-        except TraceWriteError as exc:
-            raise UsageError(str(exc)) from None
+        # a TraceWriteError (an OSError) is reported by main(), exit 2
+        written = result.dump_traces(_trace_out(args.trace_out, "a folder name"))
         layer_docs = [la for c in doc["components"] for la in c["layers"]]
         for layer_doc, path in zip(layer_docs, written, strict=True):
             layer_doc["trace_file"] = str(path)
