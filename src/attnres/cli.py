@@ -53,7 +53,6 @@ from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
     BackendSpec,
-    PluginFailure,
     lookup_spec,
     parse_backend_option,
     plugin_failures,
@@ -1054,7 +1053,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             for fact in platform.packages
         ],
         "kernels": _installed_kernels(platform),
-        "plugin_failures": _failure_docs(failures),
+        "plugin_failures": [attrs.asdict(f) for f in failures],
         "notes": list(platform.notes),
         "environment": environment_document(),
     }
@@ -1122,10 +1121,6 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         lines.append("  none")
     _emit(out, lines)
     return EXIT_OK
-
-
-def _failure_docs(failures: Sequence[PluginFailure]) -> list[dict[str, str]]:
-    return [{"entry_point": f.entry_point, "error": f.error} for f in failures]
 
 
 def _installed_kernels(platform: Platform) -> list[dict[str, Any]]:
@@ -1257,7 +1252,7 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             out,
             {
                 "backends": [spec_document(s) for s in specs],
-                "plugin_failures": _failure_docs(failures),
+                "plugin_failures": [attrs.asdict(f) for f in failures],
             },
         )
         return EXIT_OK
