@@ -486,12 +486,12 @@ def _auto_layout_arguments(parser: Any) -> None:
 
 def _auto_layout(args: argparse.Namespace) -> Any:
     """Issue 35: the ``--sp-degree`` choice, or ``None``."""
-    degree = getattr(args, "sp_degree", None)
+    degree = args.sp_degree
     if degree is None:
-        if getattr(args, "interconnect", None) or getattr(args, "seq_len", None):
+        if args.interconnect or args.seq_len:
             raise UsageError("--interconnect and --seq-len are facts for --sp-degree: give it too")
         return None
-    if args.ulysses_degree or args.ring_degree or getattr(args, "allgather_degree", None):
+    if args.ulysses_degree or args.ring_degree or args.allgather_degree:
         raise UsageError(
             "--sp-degree lets attnres choose the layout; --ulysses-degree / --ring-degree fix "
             "one: give one or the other"
@@ -508,7 +508,8 @@ def _auto_layout(args: argparse.Namespace) -> Any:
 def _layout(args: argparse.Namespace) -> SequenceLayout | None:
     """The layout the flags give, or ``None`` (no flag, or both degrees 1)."""
     ulysses, ring = args.ulysses_degree or 1, args.ring_degree or 1
-    allgather, pad = getattr(args, "allgather_degree", None) or 1, getattr(args, "pad_heads", False)
+    allgather, pad = args.allgather_degree or 1, args.pad_heads
+    # explain takes the head counts, plan does not
     heads, kv = getattr(args, "heads", None), getattr(args, "kv_heads", None)
     if pad and ulysses == 1:
         raise UsageError("--pad-heads pads the heads Ulysses splits: give --ulysses-degree too")
@@ -809,12 +810,12 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             config, [c.name for c in result.components], f"the folder {args.pipeline}"
         )
     else:
-        if getattr(args, "dtype", None):
+        if args.dtype:
             raise UsageError(
                 "--dtype applies to a model folder (attnres plan DIR); a pipeline file gives "
                 "each layer's dtype itself"
             )
-        if getattr(args, "component", None) is not None:
+        if args.component is not None:
             raise UsageError(
                 "--component names the component of a single model folder (attnres plan DIR); "
                 "a pipeline file names its components itself"
