@@ -158,22 +158,13 @@ def _wrap_cell(text: str, width: int) -> list[str]:
 
 
 def _platform_text(platform: Platform) -> str:
-    where = platform.device()
-    present = [f.name for f in platform.packages if f.status == PackageStatus.PRESENT]
+    present = [f for f in platform.packages if f.status == PackageStatus.PRESENT]
     if platform.simulated:
-        how = "simulated"
-        packages = ", ".join(present) if present else "none"
-    else:
-        how = "detected"
-        packages = (
-            ", ".join(
-                f"{f.name} {f.version or ''}".rstrip()
-                for f in platform.packages
-                if f.status == PackageStatus.PRESENT
-            )
-            or "none"
-        )
-    return f"{where}, {how}; kernel packages present: {packages}"
+        how, names = "simulated", [f.name for f in present]
+    else:  # a detected package with its version
+        how, names = "detected", [f"{f.name} {f.version or ''}".rstrip() for f in present]
+    packages = ", ".join(names) or "none"
+    return f"{platform.device()}, {how}; kernel packages present: {packages}"
 
 
 def _opt(value: object) -> str:
