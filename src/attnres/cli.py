@@ -58,7 +58,12 @@ from attnres.backends import (
     plugin_failures,
     registered_backends,
 )
-from attnres.documents import environment_document, platform_document, spec_document
+from attnres.documents import (
+    environment_document,
+    platform_document,
+    spec_document,
+    vocabulary_sorted,
+)
 from attnres.errors import UsageError
 from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
 from attnres.layer import (
@@ -1181,15 +1186,11 @@ _REQ_SHORT = {
 }
 
 
-def _ordered(values: Sequence[str] | frozenset[str], order: Sequence[str]) -> list[str]:
-    return sorted(values, key=lambda v: (order.index(v) if v in order else len(order), v))
-
-
 def _runs_on(spec: BackendSpec) -> str:
     if len(spec.platforms) == len(PLATFORM_KINDS) and not spec.capabilities:
         return "all"
     parts = []
-    for kind in _ordered(spec.platforms, PLATFORM_KINDS):
+    for kind in vocabulary_sorted(spec.platforms):
         rule = spec.capabilities.get(kind)
         parts.append(kind if rule is None else f"{kind} {rule.describe()}")
     return ", ".join(parts)
@@ -1263,7 +1264,7 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             spec.name,
             spec.kind,
             _runs_on(spec),
-            " ".join(_DTYPE_SHORT.get(d, d) for d in _ordered(spec.dtypes, DTYPES)),
+            " ".join(_DTYPE_SHORT.get(d, d) for d in vocabulary_sorted(spec.dtypes)),
             spec.head_sizes.describe(),
         ]
         for spec in specs
