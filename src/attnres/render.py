@@ -91,12 +91,11 @@ def _table(
         return _records(headers, rows, width=width, indent=indent, prose=wrap, notes=notes)
     pad = " " * indent
     sep = " " * gap
-    out = [
-        pad
-        + sep.join(
-            h.rjust(widths[i]) if i in right else h.ljust(widths[i]) for i, h in enumerate(headers)
-        ).rstrip()
-    ]
+
+    def align(i: int, text: str) -> str:
+        return text.rjust(widths[i]) if i in right else text.ljust(widths[i])
+
+    out = [pad + sep.join(align(i, h) for i, h in enumerate(headers)).rstrip()]
     out.append(pad + sep.join("-" * widths[i] for i in range(count)))
     for index, row in enumerate(rows):
         cells = [
@@ -105,12 +104,7 @@ def _table(
         ]
         height = max(len(c) for c in cells)
         for line in range(height):
-            parts = [
-                (cells[i][line] if line < len(cells[i]) else "").rjust(widths[i])
-                if i in right
-                else (cells[i][line] if line < len(cells[i]) else "").ljust(widths[i])
-                for i in range(count)
-            ]
+            parts = [align(i, c[line] if line < len(c) else "") for i, c in enumerate(cells)]
             out.append(pad + sep.join(parts).rstrip())
         note = notes[index] if notes is not None else ""
         if note:
