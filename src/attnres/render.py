@@ -175,9 +175,7 @@ def budget_flags(config: SelectionConfig) -> str:
     if not config.attention_error:
         return ""
     items = [
-        (v if v == EXACT else f"{v:g}")
-        if k == EVERY_COMPONENT
-        else f"{k}={v if v == EXACT else f'{v:g}'}"
+        ("" if k == EVERY_COMPONENT else f"{k}=") + (EXACT if v == EXACT else f"{v:g}")
         for k, v in config.attention_error
     ]
     return "; error budget: --attention-error " + ",".join(items)
