@@ -33,13 +33,12 @@ component.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -54,14 +53,18 @@ from attnres.backends import (
     ENTRY_POINT_GROUP,
     Backend,
     BackendSpec,
-    PluginFailure,
     lookup_spec,
     parse_backend_option,
     plugin_failures,
     registered_backends,
 )
-from attnres.documents import environment_document, platform_document, spec_document
-from attnres.errors import TraceWriteError, UsageError
+from attnres.documents import (
+    environment_document,
+    platform_document,
+    spec_document,
+    vocabulary_sorted,
+)
+from attnres.errors import UsageError
 from attnres.explain import autotune_plan, describe_layer, explain, resolution_trace
 from attnres.layer import (
     DEST_ATTENTION_ERROR,
@@ -488,12 +491,12 @@ def _auto_layout_arguments(parser: Any) -> None:
 
 def _auto_layout(args: argparse.Namespace) -> Any:
     """Issue 35: the ``--sp-degree`` choice, or ``None``."""
-    degree = getattr(args, "sp_degree", None)
+    degree = args.sp_degree
     if degree is None:
-        if getattr(args, "interconnect", None) or getattr(args, "seq_len", None):
+        if args.interconnect or args.seq_len:
             raise UsageError("--interconnect and --seq-len are facts for --sp-degree: give it too")
         return None
-    if args.ulysses_degree or args.ring_degree or getattr(args, "allgather_degree", None):
+    if args.ulysses_degree or args.ring_degree or args.allgather_degree:
         raise UsageError(
             "--sp-degree lets attnres choose the layout; --ulysses-degree / --ring-degree fix "
             "one: give one or the other"
@@ -510,7 +513,8 @@ def _auto_layout(args: argparse.Namespace) -> Any:
 def _layout(args: argparse.Namespace) -> SequenceLayout | None:
     """The layout the flags give, or ``None`` (no flag, or both degrees 1)."""
     ulysses, ring = args.ulysses_degree or 1, args.ring_degree or 1
-    allgather, pad = getattr(args, "allgather_degree", None) or 1, getattr(args, "pad_heads", False)
+    allgather, pad = args.allgather_degree or 1, args.pad_heads
+    # explain takes the head counts, plan does not
     heads, kv = getattr(args, "heads", None), getattr(args, "kv_heads", None)
     if pad and ulysses == 1:
         raise UsageError("--pad-heads pads the heads Ulysses splits: give --ulysses-degree too")
@@ -562,12 +566,12 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         layout=_layout(args),
     )
     platform = _platform(args.platform)
-    if args.component is not None:
-        with component_scope(
-            args.component, backend=args.component_backend, require_selection=False
-        ):
-            trace = resolution_trace(layer, config, platform)
-    else:
+    scope = (
+        component_scope(args.component, backend=args.component_backend, require_selection=False)
+        if args.component is not None
+        else nullcontext()
+    )
+    with scope:
         trace = resolution_trace(layer, config, platform)
     outcome = trace.outcome
     if outcome.backend is not None and layer.backend_options:
@@ -575,8 +579,10 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         check_layer_options(lookup_spec(outcome.backend), layer, trace.input.platform)
     if args.trace_out is not None:
         _write_trace(trace, _trace_out(args.trace_out, "a file name"))
-    scheduled = _explain_schedule(args, layer, config, platform)
+    scheduled = _explain_schedule(args.schedule, trace, config)
+    plan = autotune_plan(trace, config)
     if args.json:
+        precision = describe_precision(trace)
         _emit_json(
             out,
             {
@@ -586,18 +592,17 @@ def _cmd_explain(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "origin": str(outcome.origin),
                 "error": outcome.error,
                 "code": outcome.code,
-                "autotune": autotune_plan(trace, config),
+                "autotune": plan,
                 "trace": trace_to_dict(trace),
                 "explanation": explain(trace).to_dict(),
                 # issue 23: present with --schedule only
                 **({} if scheduled is None else {"schedule": scheduled}),
                 # issue 34: present for a layer with an error budget only
-                **({"precision": describe_precision(trace)} if describe_precision(trace) else {}),
+                **({"precision": precision} if precision else {}),
             },
         )
     else:
         lines = _render_explain(trace)
-        plan = autotune_plan(trace, config)
         if plan is not None:
             lines += _field("autotune:", plan["detail"], _width())
         for row in scheduled or ():
@@ -643,21 +648,14 @@ def _backend_options(given: list[str] | None) -> dict[str, dict[str, object]] | 
 
 
 def _explain_schedule(
-    args: argparse.Namespace, layer: LayerSpec, config: SelectionConfig, platform: Platform
+    schedule: str | None, trace: Trace, config: SelectionConfig
 ) -> list[dict[str, Any]] | None:
-    """``--schedule``: each step's backend for this layer (issue 23), or ``None``."""
-    if args.schedule is None:
+    """``--schedule``: each step's backend for the layer ``trace`` resolved, in the
+    same component scope and on the same platform (issue 23), or ``None``. A bad
+    ``--schedule`` is an ``InvalidArgumentError``, which :func:`main` reports (exit 2)."""
+    if schedule is None:
         return None
-    try:
-        steps = parse_schedule(args.schedule)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    scope = None
-    if args.component is not None:
-        with component_scope(
-            args.component, backend=args.component_backend, require_selection=False
-        ) as handle:
-            scope = handle.state
+    inp = trace.input
     return [
         {
             "from_step": first,
@@ -667,7 +665,9 @@ def _explain_schedule(
             "error": t.outcome.error,
             "digest": t.digest,
         }
-        for first, backend, t in plan_schedule(layer, steps, config, platform, scope)
+        for first, backend, t in plan_schedule(
+            inp.layer, parse_schedule(schedule), config, inp.platform, inp.scope
+        )
     ]
 
 
@@ -788,13 +788,7 @@ def _render_explain(trace: Trace) -> list[str]:
 def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Plan a pipeline file or a model folder: two loaders of one plan model
     (:class:`~attnres.plan.PlanResult`), rendered, serialised and written by one path."""
-    from attnres.plan import (
-        load_pipeline,
-        plan_pipeline,
-        render_plan,
-        with_layout,
-        write_plan_traces,
-    )
+    from attnres.plan import load_pipeline, plan_pipeline, render_plan, with_layout
 
     layout = _layout(args)  # issue 24: --ulysses-degree / --ring-degree
     auto = _auto_layout(args)  # issue 35: --sp-degree
@@ -821,12 +815,12 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             config, [c.name for c in result.components], f"the folder {args.pipeline}"
         )
     else:
-        if getattr(args, "dtype", None):
+        if args.dtype:
             raise UsageError(
                 "--dtype applies to a model folder (attnres plan DIR); a pipeline file gives "
                 "each layer's dtype itself"
             )
-        if getattr(args, "component", None) is not None:
+        if args.component is not None:
             raise UsageError(
                 "--component names the component of a single model folder (attnres plan DIR); "
                 "a pipeline file names its components itself"
@@ -841,15 +835,10 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         result = plan_pipeline(pipeline, config, platform)
     pipeline = result.pipeline
     doc = result.to_dict()
-    written: tuple[Path, ...] = ()
+    written: list[Path] = []
     if args.trace_out is not None:
-        directory = _trace_out(args.trace_out, "a folder name")
-        try:
-            written = write_plan_traces(
-                result, directory, written_by=f"attnres plan {pipeline.path}"
-            )
-        except TraceWriteError as exc:
-            raise UsageError(str(exc)) from None
+        # a TraceWriteError (an OSError) is reported by main(), exit 2
+        written = result.dump_traces(_trace_out(args.trace_out, "a folder name"))
         layer_docs = [la for c in doc["components"] for la in c["layers"]]
         for layer_doc, path in zip(layer_docs, written, strict=True):
             layer_doc["trace_file"] = str(path)
@@ -992,15 +981,9 @@ def _plan_layout_lines(pipeline: Any, layout: SequenceLayout) -> list[str]:
 
 
 def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    try:
-        module = importlib.import_module("attnres.replayer")
-    except ModuleNotFoundError as exc:
-        if exc.name != "attnres.replayer":
-            raise
-        raise UsageError(
-            "replay is not available in this installation (the module attnres.replayer is missing)"
-        ) from None
-    run = module.replay_paths(list(args.paths), update=args.update)
+    from attnres.replayer import replay_paths
+
+    run = replay_paths(list(args.paths), update=args.update)
     return render_replay(run, args.update, out, err)
 
 
@@ -1076,7 +1059,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             for fact in platform.packages
         ],
         "kernels": _installed_kernels(platform),
-        "plugin_failures": _failure_docs(failures),
+        "plugin_failures": [attrs.asdict(f) for f in failures],
         "notes": list(platform.notes),
         "environment": environment_document(),
     }
@@ -1146,10 +1129,6 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-def _failure_docs(failures: Sequence[PluginFailure]) -> list[dict[str, str]]:
-    return [{"entry_point": f.entry_point, "error": f.error} for f in failures]
-
-
 def _installed_kernels(platform: Platform) -> list[dict[str, Any]]:
     """Issue 31: per backend whose package is present here, which kernel the
     catalogue takes it for (its version's and this GPU's facts) and what they say."""
@@ -1207,15 +1186,11 @@ _REQ_SHORT = {
 }
 
 
-def _ordered(values: Sequence[str] | frozenset[str], order: Sequence[str]) -> list[str]:
-    return sorted(values, key=lambda v: (order.index(v) if v in order else len(order), v))
-
-
 def _runs_on(spec: BackendSpec) -> str:
     if len(spec.platforms) == len(PLATFORM_KINDS) and not spec.capabilities:
         return "all"
     parts = []
-    for kind in _ordered(spec.platforms, PLATFORM_KINDS):
+    for kind in vocabulary_sorted(spec.platforms):
         rule = spec.capabilities.get(kind)
         parts.append(kind if rule is None else f"{kind} {rule.describe()}")
     return ", ".join(parts)
@@ -1279,7 +1254,7 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             out,
             {
                 "backends": [spec_document(s) for s in specs],
-                "plugin_failures": _failure_docs(failures),
+                "plugin_failures": [attrs.asdict(f) for f in failures],
             },
         )
         return EXIT_OK
@@ -1289,7 +1264,7 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             spec.name,
             spec.kind,
             _runs_on(spec),
-            " ".join(_DTYPE_SHORT.get(d, d) for d in _ordered(spec.dtypes, DTYPES)),
+            " ".join(_DTYPE_SHORT.get(d, d) for d in vocabulary_sorted(spec.dtypes)),
             spec.head_sizes.describe(),
         ]
         for spec in specs

@@ -26,7 +26,7 @@ from attnres.kernels import kernel_source
 from attnres.layer import ENV_VAR, SelectionConfig
 from attnres.platform import Platform
 
-__all__ = ["environment_document", "platform_document", "spec_document"]
+__all__ = ["environment_document", "platform_document", "spec_document", "vocabulary_sorted"]
 
 _ORDER: dict[str, int] = {
     name: i for i, name in enumerate([*PLATFORM_KINDS, *DTYPES, *(r.value for r in Requirement)])
@@ -38,7 +38,8 @@ def _sort_key(value: Any) -> tuple[int, str]:
     return (_ORDER.get(text, len(_ORDER)), text)
 
 
-def _sorted(value: frozenset[Any]) -> list[Any]:
+def vocabulary_sorted(value: frozenset[Any]) -> list[Any]:
+    """A set in the vocabulary's order (``_ORDER``), capabilities in numeric order."""
     if all(isinstance(v, tuple) for v in value):
         return sorted(value)  # capabilities: (major, minor) in numeric order
     return sorted(value, key=_sort_key)
@@ -47,7 +48,7 @@ def _sorted(value: frozenset[Any]) -> list[Any]:
 def _value(value: Any) -> Any:
     """JSON data for any value a spec or a platform holds."""
     if isinstance(value, frozenset):
-        return [_value(v) for v in _sorted(value)]
+        return [_value(v) for v in vocabulary_sorted(value)]
     if isinstance(value, (tuple, list)):
         return [_value(v) for v in value]
     if isinstance(value, Mapping):

@@ -91,12 +91,11 @@ def _table(
         return _records(headers, rows, width=width, indent=indent, prose=wrap, notes=notes)
     pad = " " * indent
     sep = " " * gap
-    out = [
-        pad
-        + sep.join(
-            h.rjust(widths[i]) if i in right else h.ljust(widths[i]) for i, h in enumerate(headers)
-        ).rstrip()
-    ]
+
+    def align(i: int, text: str) -> str:
+        return text.rjust(widths[i]) if i in right else text.ljust(widths[i])
+
+    out = [pad + sep.join(align(i, h) for i, h in enumerate(headers)).rstrip()]
     out.append(pad + sep.join("-" * widths[i] for i in range(count)))
     for index, row in enumerate(rows):
         cells = [
@@ -105,12 +104,7 @@ def _table(
         ]
         height = max(len(c) for c in cells)
         for line in range(height):
-            parts = [
-                (cells[i][line] if line < len(cells[i]) else "").rjust(widths[i])
-                if i in right
-                else (cells[i][line] if line < len(cells[i]) else "").ljust(widths[i])
-                for i in range(count)
-            ]
+            parts = [align(i, c[line] if line < len(c) else "") for i, c in enumerate(cells)]
             out.append(pad + sep.join(parts).rstrip())
         note = notes[index] if notes is not None else ""
         if note:
@@ -158,22 +152,13 @@ def _wrap_cell(text: str, width: int) -> list[str]:
 
 
 def _platform_text(platform: Platform) -> str:
-    where = platform.device()
-    present = [f.name for f in platform.packages if f.status == PackageStatus.PRESENT]
+    present = [f for f in platform.packages if f.status == PackageStatus.PRESENT]
     if platform.simulated:
-        how = "simulated"
-        packages = ", ".join(present) if present else "none"
-    else:
-        how = "detected"
-        packages = (
-            ", ".join(
-                f"{f.name} {f.version or ''}".rstrip()
-                for f in platform.packages
-                if f.status == PackageStatus.PRESENT
-            )
-            or "none"
-        )
-    return f"{where}, {how}; kernel packages present: {packages}"
+        how, names = "simulated", [f.name for f in present]
+    else:  # a detected package with its version
+        how, names = "detected", [f"{f.name} {f.version or ''}".rstrip() for f in present]
+    packages = ", ".join(names) or "none"
+    return f"{platform.device()}, {how}; kernel packages present: {packages}"
 
 
 def _opt(value: object) -> str:
@@ -190,9 +175,7 @@ def budget_flags(config: SelectionConfig) -> str:
     if not config.attention_error:
         return ""
     items = [
-        (v if v == EXACT else f"{v:g}")
-        if k == EVERY_COMPONENT
-        else f"{k}={v if v == EXACT else f'{v:g}'}"
+        ("" if k == EVERY_COMPONENT else f"{k}=") + (EXACT if v == EXACT else f"{v:g}")
         for k, v in config.attention_error
     ]
     return "; error budget: --attention-error " + ",".join(items)
