@@ -225,3 +225,35 @@ def test_schedule_refuses_a_module_that_is_not_one() -> None:
         attnres.schedule("model", {0: "eager"}),  # type: ignore[arg-type]
     ):
         pytest.fail("the block must not run")
+
+
+def test_rule_schedule_cli_flag_plans_each_step_in_the_component_scope(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``explain --component C --schedule``: each step is planned in the scope the
+    explained trace records (the component's override included), as
+    :func:`plan_schedule` plans it inside ``component_scope``; without
+    ``--component`` the steps' traces differ."""
+    import json
+
+    from attnres import LayerSpec, Platform, SelectionConfig, cli
+    from attnres._schedule_plan import parse_schedule, plan_schedule
+    from attnres.runtime import component_scope
+
+    args = ["explain", "--head-size", "128", "--dtype", "bf16", "--supported", "fa,torch_sdpa"]
+    args += ["--platform", "cuda:sm90+flash_attn", "--json", "--schedule", "0:fa,40:torch_sdpa"]
+    scoped = [*args, "--component", "vae", "--component-backend", "torch_sdpa"]
+    assert cli.main(scoped) == 0
+    shown = json.loads(capsys.readouterr().out)
+    trace = shown["trace"]["input"]
+    assert trace["scope"]["component"] == "vae" and trace["scope"]["backend"] == "torch_sdpa"
+    layer = LayerSpec(head_size=128, dtype="bf16", supported=frozenset({"fa", "torch_sdpa"}))
+    platform = Platform.simulate("cuda:sm90+flash_attn")
+    with component_scope("vae", backend="torch_sdpa", require_selection=False) as handle:
+        expected = plan_schedule(
+            layer, parse_schedule("0:fa,40:torch_sdpa"), SelectionConfig(), platform, handle.state
+        )
+    assert [r["digest"] for r in shown["schedule"]] == [t.digest for _, _, t in expected]
+    assert cli.main(args) == 0
+    unscoped = json.loads(capsys.readouterr().out)["schedule"]
+    assert [r["digest"] for r in unscoped] != [r["digest"] for r in shown["schedule"]]
