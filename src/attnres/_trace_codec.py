@@ -30,15 +30,8 @@ from typing import Any, Protocol, TypeGuard, TypeVar, Union
 
 import attrs
 import cattrs
-from cattrs.errors import (
-    AttributeValidationNote,
-    ClassValidationError,
-    IterableValidationError,
-    IterableValidationNote,
-)
 from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.strategies import configure_tagged_union
-from cattrs.v import transform_error
 
 from attnres._codec import (
     field_names,
@@ -154,47 +147,20 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-class _Key(str):
-    """An object key that is no identifier, as cattrs' ``transform_error`` writes
-    a mapping step (``[repr]``): the JSON form, ``["odd key"]``."""
-
-    def __repr__(self) -> str:
-        return json.dumps(str(self), ensure_ascii=True)
-
-
-def _under(step: str | int, exc: Exception) -> Exception:
-    """``exc`` one step deeper, nested as cattrs' detailed validation nests it (a
-    field note for an identifier key, an index note for a list index or any
-    other key), so ``transform_error`` writes the JSON path."""
-    if isinstance(step, str) and _IDENT.fullmatch(step):
-        exc.__notes__ = [AttributeValidationNote(f"Structuring field {step}", step, object)]
-        return ClassValidationError(f"invalid {step}", [exc], object)
-    index: int | str = step if isinstance(step, int) else _Key(step)
-    exc.__notes__ = [IterableValidationNote(f"Structuring at {index!r}", index, object)]
-    return IterableValidationError(f"invalid item {index!r}", [exc], object)
+def _under(step: str | int, exc: Exception) -> _Invalid:
+    """``exc`` one step deeper: its path under an object key or a list index
+    (``.name``, ``["odd key"]``, ``[0]``); any other exception is the problem
+    at ``step`` itself, in its own words."""
+    if not isinstance(exc, _Invalid):
+        exc = _Invalid("", str(exc) or type(exc).__name__)
+    where = f"[{step}]" if isinstance(step, int) else _key_path(step)
+    return _Invalid(where + exc.path, exc.message)
 
 
 def _within(steps: tuple[str | int, ...], exc: Exception) -> Exception:
     for step in reversed(steps):
         exc = _under(step, exc)
     return exc
-
-
-def _leaf(exc: BaseException, _: type | None) -> str:
-    # the leaf's own path (an _Invalid names the key it is about), then its
-    # message; \x00 and \x01 delimit them in transform_error's "text @ path"
-    if isinstance(exc, _Invalid):
-        return f"{exc.path}\x00{exc.message}\x01"
-    return f"\x00{str(exc) or type(exc).__name__}\x01"
-
-
-def _flatten(exc: BaseException) -> _Invalid:
-    """The first failure in ``exc`` as one :class:`_Invalid` with its full relative
-    path: cattrs' ``transform_error`` walks the nesting."""
-    first = transform_error(exc, path="", format_exception=_leaf)[0]
-    text, _, where = first.partition("\x01 @ ")
-    leaf_path, _, message = text.partition("\x00")
-    return _Invalid(where + leaf_path, message)
 
 
 # =============================================================================
@@ -941,11 +907,8 @@ def structure_document(doc: Any, *, source: str) -> Document:
     :class:`TraceFormatError` naming ``source`` and its JSON path."""
     try:
         return _structure_document(doc)
-    except cattrs.BaseValidationError as exc:
-        problem = _flatten(exc)
     except _Invalid as exc:
-        problem = exc
-    raise format_error(source, "$" + problem.path, problem.message) from None
+        raise format_error(source, "$" + exc.path, exc.message) from None
 
 
 def format_error(source: str, where: str, message: str) -> TraceFormatError:
