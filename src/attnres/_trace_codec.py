@@ -236,7 +236,6 @@ def _structure_backend(value: Any, _: Any = None) -> Backend:
 
 
 def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
-    values = [str(m.value) for m in cls]
     what = {
         State: "state",
         Event: "event",
@@ -248,18 +247,15 @@ def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
         PackageStatus: "package status",
         Verdict: "verdict",
     }.get(cls, cls.__name__)
-    shown = ", ".join(json.dumps(v) if " " in v else v for v in values)
+    unknown = _one_of(what, [str(m.value) for m in cls])
 
     def structure(value: Any, _: Any) -> Any:
         if not isinstance(value, str):
             raise _Invalid("", f"expected a {what} name (a string), got {describe(value)}")
-        try:
-            return cls(value)
-        except ValueError:
-            raise _Invalid(
-                "",
-                f"unknown {what} {json.dumps(value, ensure_ascii=True)}; expected one of: {shown}",
-            ) from None
+        problem = unknown(value)
+        if problem is not None:
+            raise _Invalid("", problem)
+        return cls(value)
 
     return structure
 
@@ -417,7 +413,8 @@ _CONFIG_KEYS = field_names(SelectionConfig)
 _SCOPE_KEYS = field_names(ScopeState)
 
 
-def _field(obj: dict[str, Any], key: str, fn: Callable[[Any], Any]) -> Any:
+def _field(obj: Any, key: str | int, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` of ``obj[key]`` (an object's key or a list's index); a failure is nested under it."""
     try:
         return fn(obj[key])
     except Exception as exc:
@@ -433,13 +430,7 @@ def _backend_list(value: Any) -> list[Backend]:
         raise _Invalid("", f"expected a list of backend names or null, got {describe(value)}")
     if not value:
         raise _Invalid("", "an empty supported set admits no backend; use null for no constraint")
-    out: list[Backend] = []
-    for i, item in enumerate(value):
-        try:
-            out.append(_structure_backend(item))
-        except Exception as exc:
-            raise _under(i, exc) from None
-    return out
+    return [_field(value, i, _structure_backend) for i in range(len(value))]
 
 
 def _backend_map(value: Any, key_check: Callable[[str], str | None]) -> dict[str, Backend]:
@@ -470,10 +461,10 @@ def _dtype(value: Any) -> str:
 
 def _role(value: Any) -> Role:
     text = _structure_str(value)
-    try:
-        return Role(text)
-    except ValueError:
-        raise _Invalid("", f"unknown role {json.dumps(text)}; expected self or cross") from None
+    problem = _role_name(text)
+    if problem is not None:
+        raise _Invalid("", problem)
+    return Role(text)
 
 
 #: The keys a version-4 trace adds to its requirements (issue 22).
@@ -490,10 +481,9 @@ def _requirement_names(obj: dict[str, Any]) -> list[str]:
 
 
 def _requirements(value: Any) -> Requirements:
+    """A layer's requirements, whose keys :func:`_check_requirement_keys` has checked
+    against the trace's schema version before the document is structured."""
     obj = _object(value, "requirements")
-    names = _requirement_names(obj)
-    if set(obj) != set(SCHEMA_1_REQUIREMENTS):  # (which set a version needs: _structure_trace)
-        _exact_keys(obj, names + [k for k in _MASK_KEYS if k in obj], "requirements")
     flags: dict[str, Any] = {
         name: _field(obj, name, _structure_bool) for name in obj if name not in _MASK_KEYS
     }
