@@ -23,10 +23,9 @@ from __future__ import annotations
 import enum
 import json
 import re
-import types
 import typing
 from collections.abc import Callable
-from typing import Any, Protocol, TypeGuard, TypeVar, Union
+from typing import Any, Protocol, TypeGuard, TypeVar
 
 import attrs
 import cattrs
@@ -41,6 +40,7 @@ from attnres._codec import (
     located,
     missing_keys,
     optional_field_names,
+    optional_inner,
     unknown_keys,
 )
 from attnres._outcome import Outcome
@@ -170,7 +170,6 @@ def _within(steps: tuple[str | int, ...], exc: Exception) -> Exception:
 #: What a backend name in a trace may look like before the registry is asked.
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
 
-_NONE_TYPE = type(None)
 _T = TypeVar("_T")
 
 
@@ -304,20 +303,10 @@ def _fraction(what: str) -> Callable[[Any], str | None]:
 _FIELD_CHECKS: dict[tuple[type[Any], str], Callable[[Any], str | None]] = {}
 
 
-def _optional_inner(tp: Any) -> Any | None:
-    """``X`` when ``tp`` is ``X | None`` (or ``Optional[X]``), else ``None``."""
-    origin = typing.get_origin(tp)
-    if origin is Union or origin is types.UnionType:
-        args = [a for a in typing.get_args(tp) if a is not _NONE_TYPE]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return args[0]
-    return None
-
-
 def _structure_at(conv: cattrs.Converter, value: Any, tp: Any, *steps: str | int) -> Any:
     """Structure ``value`` as ``tp``; a failure is nested under ``steps``."""
     try:
-        inner = _optional_inner(tp)
+        inner = optional_inner(tp)
         if inner is not None:
             return None if value is None else conv.structure(value, inner)
         if value is None:
