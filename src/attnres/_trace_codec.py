@@ -774,10 +774,6 @@ def _options_object(value: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]) 
     return {backend: dict(pairs) for backend, pairs in value}
 
 
-def _enum_value(value: enum.Enum) -> Any:
-    return value.value
-
-
 def _pairs_to_object(pairs: tuple[tuple[Any, Backend], ...]) -> dict[str, str]:
     """``((key, backend), ...)`` (component or role overrides) as a JSON object."""
     return {getattr(k, "value", k): b.name for k, b in pairs}
@@ -788,7 +784,6 @@ _WRITTEN_AS: dict[tuple[type[Any], str], Callable[[Any], Any]] = {
     (LayerSpec, "supported"): _backend_names,
     (LayerSpec, "preferred"): _backend_names,  # issue 23
     (LayerSpec, "backend_options"): _options_object,  # issue 23
-    (LayerSpec, "role"): _enum_value,
     (SelectionConfig, "component_backends"): _pairs_to_object,
     (SelectionConfig, "attention_error"): dict,  # issue 34
     (ScopeState, "role_backends"): _pairs_to_object,
