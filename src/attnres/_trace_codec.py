@@ -547,8 +547,20 @@ def _structure_layer(value: Any, _: Any) -> LayerSpec:
 
 
 _LAYOUT_KEYS = ("ulysses", "ring", "num_heads", "num_kv_heads")
-#: issue 35 (schema 7): keys a layout carries only when set
-_LAYOUT_KIND_KEYS = ("allgather", "pad_heads", "rule", "why")
+
+
+def _degree_of(value: Any) -> int:
+    # bounded as where it is parsed (attnres.layout: MAX_DEGREE)
+    return _degree(_head_size(value))
+
+
+#: issue 35 (schema 7): keys a layout carries only when set, and their readers
+_LAYOUT_KIND_KEYS: dict[str, Callable[[Any], Any]] = {
+    "allgather": _degree_of,
+    "pad_heads": _structure_bool,
+    "rule": _structure_str,
+    "why": _structure_str,
+}
 
 
 def _layout(value: Any) -> SequenceLayout:
@@ -556,18 +568,9 @@ def _layout(value: Any) -> SequenceLayout:
     35: the AllGather-KV degree, head padding and an auto layout's rule, when set."""
     obj = _object(value, "a layout")
     _exact_keys(obj, [*_LAYOUT_KEYS, *(k for k in _LAYOUT_KIND_KEYS if k in obj)], "a layout")
-    kinds: dict[str, Any] = {}
-    if "allgather" in obj:
-        kinds["allgather"] = _field(obj, "allgather", lambda v: _degree(_head_size(v)))
-    if "pad_heads" in obj:
-        kinds["pad_heads"] = _field(obj, "pad_heads", _structure_bool)
-    for key in ("rule", "why"):
-        if key in obj:
-            kinds[key] = _field(obj, key, _structure_str)
-    # bounded as where they are parsed (attnres.layout: MAX_DEGREE, MAX_HEADS)
-    degrees = {
-        key: _field(obj, key, lambda v: _degree(_head_size(v))) for key in ("ulysses", "ring")
-    }
+    kinds = {key: _field(obj, key, fn) for key, fn in _LAYOUT_KIND_KEYS.items() if key in obj}
+    degrees = {key: _field(obj, key, _degree_of) for key in ("ulysses", "ring")}
+    # bounded as where they are parsed (attnres.layout: MAX_HEADS)
     heads = {
         key: _field(obj, key, _optional(lambda v: _heads(_head_size(v))))
         for key in ("num_heads", "num_kv_heads")
@@ -633,28 +636,27 @@ def _error_budget_map(value: Any) -> dict[str, Any]:
     return dict(obj)
 
 
+#: A selection config's keys in a trace and their strict readers, in the order they
+#: are checked; an absent key (written only when set) keeps its default
+_CONFIG_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "global_backend_env": _structure_str,
+    "global_backend": _optional(_structure_backend),
+    "global_backend_explicit": _structure_bool,
+    "forced_backend": _optional(_structure_backend),
+    "component_backends": lambda v: _backend_map(v, _component_name),
+    # issue 23: the selection profile, written only when not "attnres"
+    "profile": _structure_str,
+    # issue 34: the error budget, written only when set (schema 6)
+    "attention_error": _error_budget_map,
+}
+
+
 def _structure_config(value: Any, _: Any) -> SelectionConfig:
     obj = _object(value, "a selection config")
     _exact_keys(obj, _CONFIG_KEYS, "a selection config", optional_field_names(SelectionConfig))
-    env = _field(obj, "global_backend_env", _structure_str) if "global_backend_env" in obj else None
+    config = {key: _field(obj, key, fn) for key, fn in _CONFIG_FIELDS.items() if key in obj}
     try:
-        return SelectionConfig(
-            global_backend=_field(obj, "global_backend", _optional(_structure_backend)),
-            global_backend_explicit=_field(obj, "global_backend_explicit", _structure_bool),
-            forced_backend=_field(obj, "forced_backend", _optional(_structure_backend)),
-            component_backends=_field(
-                obj, "component_backends", lambda v: _backend_map(v, _component_name)
-            ),
-            global_backend_env=env,
-            # issue 23: the selection profile, written only when not "attnres"
-            profile=_field(obj, "profile", _structure_str) if "profile" in obj else "attnres",
-            # issue 34: the error budget, written only when set (schema 6)
-            attention_error=(
-                _field(obj, "attention_error", _error_budget_map)
-                if "attention_error" in obj
-                else ()
-            ),
-        )
+        return SelectionConfig(**config)
     except ValueError as exc:
         raise _Invalid("", f"not a valid selection config: {exc}") from None
 
