@@ -259,33 +259,27 @@ def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
     return structure
 
 
-def _one_of(
-    what: str, allowed: typing.Iterable[str], optional: bool = False
-) -> Callable[[Any], str | None]:
+def _one_of(what: str, allowed: typing.Iterable[str]) -> Callable[[Any], str | None]:
+    """The check of a closed list of names, on a string (its JSON type is checked first)."""
     names = list(allowed)
+    shown = ", ".join(json.dumps(n) if " " in n else n for n in names)
 
     def check(value: Any) -> str | None:
-        if value is None and optional:
+        if value in names:
             return None
-        if value not in names:
-            shown = (
-                json.dumps(value, ensure_ascii=True) if isinstance(value, str) else describe(value)
-            )
-            return (
-                f"unknown {what} {shown}; expected one of: "
-                + ", ".join(json.dumps(n) if " " in n else n for n in names)
-                + (" or null" if optional else "")
-            )
-        return None
+        return f"unknown {what} {json.dumps(value, ensure_ascii=True)}; expected one of: {shown}"
 
     return check
 
 
-def _at_least(what: str, low: float, optional: bool = False) -> Callable[[Any], str | None]:
+def _at_least(what: str, low: float) -> Callable[[Any], str | None]:
+    """The check of a number's lower bound; null reaches it only for an optional
+    field (its JSON type is checked first)."""
+
     def check(value: Any) -> str | None:
-        if value is None:
-            return None if optional else f"{what} must not be null"
-        return None if value >= low else f"{what} must be at least {low}, got {value!r}"
+        if value is None or value >= low:
+            return None
+        return f"{what} must be at least {low}, got {value!r}"
 
     return check
 
@@ -336,14 +330,10 @@ def _is_tuple_type(tp: Any) -> bool:
     return typing.get_origin(tp) is tuple
 
 
-def _is_homogeneous_tuple(tp: Any) -> bool:
-    args = typing.get_args(tp)
-    return typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
-
-
 def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], Any]:
-    if _is_homogeneous_tuple(tp):
-        item = typing.get_args(tp)[0]
+    items = typing.get_args(tp)
+    if len(items) == 2 and items[1] is Ellipsis:  # tuple[X, ...]
+        item = items[0]
 
         def structure_many(value: Any, _: Any) -> tuple[Any, ...]:
             if not isinstance(value, list):
@@ -351,7 +341,6 @@ def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], An
             return tuple(_structure_at(conv, v, item, i) for i, v in enumerate(value))
 
         return structure_many
-    items = typing.get_args(tp)
 
     def structure_fixed(value: Any, _: Any) -> tuple[Any, ...]:
         if not isinstance(value, list) or len(value) != len(items):
@@ -818,9 +807,9 @@ _FIELD_CHECKS.update(
         (TuningRecord, "elements"): _at_least("elements", 0),
         (TuningRecord, "warmup"): _at_least("warmup", 0),
         (TuningRecord, "repeats"): _at_least("repeats", 1),
-        (MeasurementRecord, "median_ns"): _at_least("median_ns", 0, optional=True),
-        (MeasurementRecord, "spread_ns"): _at_least("spread_ns", 0, optional=True),
-        (MeasurementRecord, "deviation"): _at_least("deviation", 0, optional=True),
+        (MeasurementRecord, "median_ns"): _at_least("median_ns", 0),
+        (MeasurementRecord, "spread_ns"): _at_least("spread_ns", 0),
+        (MeasurementRecord, "deviation"): _at_least("deviation", 0),
     }
 )
 
