@@ -29,6 +29,7 @@ __all__ = [
     "located",
     "missing_keys",
     "optional_field_names",
+    "optional_inner",
     "required_field_names",
     "unknown_keys",
 ]
@@ -67,19 +68,21 @@ def required_field_names(cls: type[Any]) -> tuple[str, ...]:
     return tuple(a.name for a in attrs.fields(cls) if a.init and a.default is attrs.NOTHING)
 
 
+def optional_inner(tp: Any) -> Any | None:
+    """``X`` when ``tp`` is ``X | None`` (or ``Optional[X]``), else ``None``."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [t for t in typing.get_args(tp) if t is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return None
+
+
 def field_types(cls: type[Any]) -> dict[str, Any]:
     """Each init field's declared type, ``X | None`` reduced to ``X``."""
     hints = typing.get_type_hints(cls)
-    out: dict[str, Any] = {}
-    for a in attrs.fields(cls):
-        if not a.init:
-            continue
-        tp = hints[a.name]
-        if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-            args = [t for t in typing.get_args(tp) if t is not type(None)]
-            tp = args[0] if len(args) == 1 else tp
-        out[a.name] = tp
-    return out
+    return {
+        a.name: optional_inner(hints[a.name]) or hints[a.name] for a in attrs.fields(cls) if a.init
+    }
 
 
 def missing_keys(table: Mapping[str, Any], required: Collection[str]) -> list[str]:

@@ -93,11 +93,12 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _refuse(path: str, code: int, message: str) -> OSError:
-    exc = OSError(code, message, path)
-    if code == errno.EISDIR:
-        return IsADirectoryError(code, message, path)
-    return exc
+def _not_regular(path: str, mode: int, why: str) -> OSError:
+    """The refusal of ``path``, which is not a regular file: says what it is, and
+    ``why`` that is refused (a directory's is an :class:`IsADirectoryError`, as
+    :class:`OSError` itself picks for ``EISDIR``)."""
+    code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+    return OSError(code, f"it is {_kind(mode)}; {why}", path)
 
 
 def _mib(n: int) -> str:
@@ -105,9 +106,12 @@ def _mib(n: int) -> str:
 
 
 def _encodable(path: str) -> str:
-    """``path``, if the file system can encode it; an :class:`OSError` saying why
-    not otherwise (a lone surrogate such as ``"\\ud800"``: Python's own
-    ``UnicodeEncodeError`` names no file; issue 32 item 16)."""
+    """``path``, if it names a file the file system can encode; an :class:`OSError`
+    saying why not otherwise (an empty path, or a lone surrogate such as
+    ``"\\ud800"``: Python's own ``UnicodeEncodeError`` names no file; issue 32
+    item 16)."""
+    if path == "":
+        raise OSError(errno.ENOENT, "an empty path names no file", path)
     try:
         os.fsencode(path)
     except UnicodeEncodeError as exc:
@@ -122,8 +126,6 @@ def _encodable(path: str) -> str:
 
 def _open_regular(source: str, what: str) -> tuple[int, os.stat_result]:
     """An open descriptor of the regular file ``source`` (never waits on a FIFO)."""
-    if source == "":
-        raise OSError(errno.ENOENT, "an empty path names no file", source)
     _encodable(source)
     try:
         fd = os.open(source, os.O_RDONLY | _NONBLOCK)
@@ -142,10 +144,7 @@ def _open_regular(source: str, what: str) -> tuple[int, os.stat_result]:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
-            raise _refuse(
-                source, code, f"it is {_kind(st.st_mode)}; a {what} must be a regular file"
-            )
+            raise _not_regular(source, st.st_mode, f"a {what} must be a regular file")
     except BaseException:
         os.close(fd)
         raise
@@ -357,8 +356,6 @@ def _sweep(folder: Path) -> None:
             st = entry.stat(follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
                 continue
-            if int(m.group(1)) == os.getpid() and now - st.st_mtime < _STALE_AFTER_S:
-                continue
             if _alive(int(m.group(1))) and now - st.st_mtime < _STALE_AFTER_S:
                 continue
             os.unlink(entry.path)
@@ -419,8 +416,6 @@ def atomic_write_text(target: Path, text: str) -> None:
     the temporary file before it propagates.
     """
     path = os.fspath(target)
-    if path == "":
-        raise OSError(errno.ENOENT, "an empty path names no file", path)
     _encodable(path)
     try:
         st = os.stat(path)  # follows symlinks, /dev/stdout included
@@ -441,8 +436,7 @@ def atomic_write_text(target: Path, text: str) -> None:
         if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
             _write_through(path, text, _kind(st.st_mode))
             return
-        code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
-        raise _refuse(path, code, f"it is {_kind(st.st_mode)}; attnres replaces only regular files")
+        raise _not_regular(path, st.st_mode, "attnres replaces only regular files")
     real = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     folder = real.parent
     _make_parents(folder)

@@ -23,22 +23,14 @@ from __future__ import annotations
 import enum
 import json
 import re
-import types
 import typing
 from collections.abc import Callable
-from typing import Any, Protocol, TypeGuard, TypeVar, Union
+from typing import Any, Protocol, TypeGuard, TypeVar
 
 import attrs
 import cattrs
-from cattrs.errors import (
-    AttributeValidationNote,
-    ClassValidationError,
-    IterableValidationError,
-    IterableValidationNote,
-)
 from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.strategies import configure_tagged_union
-from cattrs.v import transform_error
 
 from attnres._codec import (
     field_names,
@@ -48,6 +40,7 @@ from attnres._codec import (
     located,
     missing_keys,
     optional_field_names,
+    optional_inner,
     unknown_keys,
 )
 from attnres._outcome import Outcome
@@ -154,47 +147,20 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-class _Key(str):
-    """An object key that is no identifier, as cattrs' ``transform_error`` writes
-    a mapping step (``[repr]``): the JSON form, ``["odd key"]``."""
-
-    def __repr__(self) -> str:
-        return json.dumps(str(self), ensure_ascii=True)
-
-
-def _under(step: str | int, exc: Exception) -> Exception:
-    """``exc`` one step deeper, nested as cattrs' detailed validation nests it (a
-    field note for an identifier key, an index note for a list index or any
-    other key), so ``transform_error`` writes the JSON path."""
-    if isinstance(step, str) and _IDENT.fullmatch(step):
-        exc.__notes__ = [AttributeValidationNote(f"Structuring field {step}", step, object)]
-        return ClassValidationError(f"invalid {step}", [exc], object)
-    index: int | str = step if isinstance(step, int) else _Key(step)
-    exc.__notes__ = [IterableValidationNote(f"Structuring at {index!r}", index, object)]
-    return IterableValidationError(f"invalid item {index!r}", [exc], object)
+def _under(step: str | int, exc: Exception) -> _Invalid:
+    """``exc`` one step deeper: its path under an object key or a list index
+    (``.name``, ``["odd key"]``, ``[0]``); any other exception is the problem
+    at ``step`` itself, in its own words."""
+    if not isinstance(exc, _Invalid):
+        exc = _Invalid("", str(exc) or type(exc).__name__)
+    where = f"[{step}]" if isinstance(step, int) else _key_path(step)
+    return _Invalid(where + exc.path, exc.message)
 
 
 def _within(steps: tuple[str | int, ...], exc: Exception) -> Exception:
     for step in reversed(steps):
         exc = _under(step, exc)
     return exc
-
-
-def _leaf(exc: BaseException, _: type | None) -> str:
-    # the leaf's own path (an _Invalid names the key it is about), then its
-    # message; \x00 and \x01 delimit them in transform_error's "text @ path"
-    if isinstance(exc, _Invalid):
-        return f"{exc.path}\x00{exc.message}\x01"
-    return f"\x00{str(exc) or type(exc).__name__}\x01"
-
-
-def _flatten(exc: BaseException) -> _Invalid:
-    """The first failure in ``exc`` as one :class:`_Invalid` with its full relative
-    path: cattrs' ``transform_error`` walks the nesting."""
-    first = transform_error(exc, path="", format_exception=_leaf)[0]
-    text, _, where = first.partition("\x01 @ ")
-    leaf_path, _, message = text.partition("\x00")
-    return _Invalid(where + leaf_path, message)
 
 
 # =============================================================================
@@ -204,7 +170,6 @@ def _flatten(exc: BaseException) -> _Invalid:
 #: What a backend name in a trace may look like before the registry is asked.
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
 
-_NONE_TYPE = type(None)
 _T = TypeVar("_T")
 
 
@@ -270,7 +235,6 @@ def _structure_backend(value: Any, _: Any = None) -> Backend:
 
 
 def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
-    values = [str(m.value) for m in cls]
     what = {
         State: "state",
         Event: "event",
@@ -282,49 +246,40 @@ def _structure_enum(cls: type[enum.Enum]) -> Callable[[Any, Any], Any]:
         PackageStatus: "package status",
         Verdict: "verdict",
     }.get(cls, cls.__name__)
-    shown = ", ".join(json.dumps(v) if " " in v else v for v in values)
+    unknown = _one_of(what, [str(m.value) for m in cls])
 
     def structure(value: Any, _: Any) -> Any:
         if not isinstance(value, str):
             raise _Invalid("", f"expected a {what} name (a string), got {describe(value)}")
-        try:
-            return cls(value)
-        except ValueError:
-            raise _Invalid(
-                "",
-                f"unknown {what} {json.dumps(value, ensure_ascii=True)}; expected one of: {shown}",
-            ) from None
+        problem = unknown(value)
+        if problem is not None:
+            raise _Invalid("", problem)
+        return cls(value)
 
     return structure
 
 
-def _one_of(
-    what: str, allowed: typing.Iterable[str], optional: bool = False
-) -> Callable[[Any], str | None]:
+def _one_of(what: str, allowed: typing.Iterable[str]) -> Callable[[Any], str | None]:
+    """The check of a closed list of names, on a string (its JSON type is checked first)."""
     names = list(allowed)
+    shown = ", ".join(json.dumps(n) if " " in n else n for n in names)
 
     def check(value: Any) -> str | None:
-        if value is None and optional:
+        if value in names:
             return None
-        if value not in names:
-            shown = (
-                json.dumps(value, ensure_ascii=True) if isinstance(value, str) else describe(value)
-            )
-            return (
-                f"unknown {what} {shown}; expected one of: "
-                + ", ".join(json.dumps(n) if " " in n else n for n in names)
-                + (" or null" if optional else "")
-            )
-        return None
+        return f"unknown {what} {json.dumps(value, ensure_ascii=True)}; expected one of: {shown}"
 
     return check
 
 
-def _at_least(what: str, low: float, optional: bool = False) -> Callable[[Any], str | None]:
+def _at_least(what: str, low: float) -> Callable[[Any], str | None]:
+    """The check of a number's lower bound; null reaches it only for an optional
+    field (its JSON type is checked first)."""
+
     def check(value: Any) -> str | None:
-        if value is None:
-            return None if optional else f"{what} must not be null"
-        return None if value >= low else f"{what} must be at least {low}, got {value!r}"
+        if value is None or value >= low:
+            return None
+        return f"{what} must be at least {low}, got {value!r}"
 
     return check
 
@@ -342,20 +297,10 @@ def _fraction(what: str) -> Callable[[Any], str | None]:
 _FIELD_CHECKS: dict[tuple[type[Any], str], Callable[[Any], str | None]] = {}
 
 
-def _optional_inner(tp: Any) -> Any | None:
-    """``X`` when ``tp`` is ``X | None`` (or ``Optional[X]``), else ``None``."""
-    origin = typing.get_origin(tp)
-    if origin is Union or origin is types.UnionType:
-        args = [a for a in typing.get_args(tp) if a is not _NONE_TYPE]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return args[0]
-    return None
-
-
 def _structure_at(conv: cattrs.Converter, value: Any, tp: Any, *steps: str | int) -> Any:
     """Structure ``value`` as ``tp``; a failure is nested under ``steps``."""
     try:
-        inner = _optional_inner(tp)
+        inner = optional_inner(tp)
         if inner is not None:
             return None if value is None else conv.structure(value, inner)
         if value is None:
@@ -385,14 +330,10 @@ def _is_tuple_type(tp: Any) -> bool:
     return typing.get_origin(tp) is tuple
 
 
-def _is_homogeneous_tuple(tp: Any) -> bool:
-    args = typing.get_args(tp)
-    return typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
-
-
 def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], Any]:
-    if _is_homogeneous_tuple(tp):
-        item = typing.get_args(tp)[0]
+    items = typing.get_args(tp)
+    if len(items) == 2 and items[1] is Ellipsis:  # tuple[X, ...]
+        item = items[0]
 
         def structure_many(value: Any, _: Any) -> tuple[Any, ...]:
             if not isinstance(value, list):
@@ -400,7 +341,6 @@ def _make_tuple_hook(conv: cattrs.Converter, tp: Any) -> Callable[[Any, Any], An
             return tuple(_structure_at(conv, v, item, i) for i, v in enumerate(value))
 
         return structure_many
-    items = typing.get_args(tp)
 
     def structure_fixed(value: Any, _: Any) -> tuple[Any, ...]:
         if not isinstance(value, list) or len(value) != len(items):
@@ -451,7 +391,8 @@ _CONFIG_KEYS = field_names(SelectionConfig)
 _SCOPE_KEYS = field_names(ScopeState)
 
 
-def _field(obj: dict[str, Any], key: str, fn: Callable[[Any], Any]) -> Any:
+def _field(obj: Any, key: str | int, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` of ``obj[key]`` (an object's key or a list's index); a failure is nested under it."""
     try:
         return fn(obj[key])
     except Exception as exc:
@@ -467,13 +408,7 @@ def _backend_list(value: Any) -> list[Backend]:
         raise _Invalid("", f"expected a list of backend names or null, got {describe(value)}")
     if not value:
         raise _Invalid("", "an empty supported set admits no backend; use null for no constraint")
-    out: list[Backend] = []
-    for i, item in enumerate(value):
-        try:
-            out.append(_structure_backend(item))
-        except Exception as exc:
-            raise _under(i, exc) from None
-    return out
+    return [_field(value, i, _structure_backend) for i in range(len(value))]
 
 
 def _backend_map(value: Any, key_check: Callable[[str], str | None]) -> dict[str, Backend]:
@@ -504,10 +439,10 @@ def _dtype(value: Any) -> str:
 
 def _role(value: Any) -> Role:
     text = _structure_str(value)
-    try:
-        return Role(text)
-    except ValueError:
-        raise _Invalid("", f"unknown role {json.dumps(text)}; expected self or cross") from None
+    problem = _role_name(text)
+    if problem is not None:
+        raise _Invalid("", problem)
+    return Role(text)
 
 
 #: The keys a version-4 trace adds to its requirements (issue 22).
@@ -524,10 +459,9 @@ def _requirement_names(obj: dict[str, Any]) -> list[str]:
 
 
 def _requirements(value: Any) -> Requirements:
+    """A layer's requirements, whose keys :func:`_check_requirement_keys` has checked
+    against the trace's schema version before the document is structured."""
     obj = _object(value, "requirements")
-    names = _requirement_names(obj)
-    if set(obj) != set(SCHEMA_1_REQUIREMENTS):  # (which set a version needs: _structure_trace)
-        _exact_keys(obj, names + [k for k in _MASK_KEYS if k in obj], "requirements")
     flags: dict[str, Any] = {
         name: _field(obj, name, _structure_bool) for name in obj if name not in _MASK_KEYS
     }
@@ -602,8 +536,20 @@ def _structure_layer(value: Any, _: Any) -> LayerSpec:
 
 
 _LAYOUT_KEYS = ("ulysses", "ring", "num_heads", "num_kv_heads")
-#: issue 35 (schema 7): keys a layout carries only when set
-_LAYOUT_KIND_KEYS = ("allgather", "pad_heads", "rule", "why")
+
+
+def _degree_of(value: Any) -> int:
+    # bounded as where it is parsed (attnres.layout: MAX_DEGREE)
+    return _degree(_head_size(value))
+
+
+#: issue 35 (schema 7): keys a layout carries only when set, and their readers
+_LAYOUT_KIND_KEYS: dict[str, Callable[[Any], Any]] = {
+    "allgather": _degree_of,
+    "pad_heads": _structure_bool,
+    "rule": _structure_str,
+    "why": _structure_str,
+}
 
 
 def _layout(value: Any) -> SequenceLayout:
@@ -611,18 +557,9 @@ def _layout(value: Any) -> SequenceLayout:
     35: the AllGather-KV degree, head padding and an auto layout's rule, when set."""
     obj = _object(value, "a layout")
     _exact_keys(obj, [*_LAYOUT_KEYS, *(k for k in _LAYOUT_KIND_KEYS if k in obj)], "a layout")
-    kinds: dict[str, Any] = {}
-    if "allgather" in obj:
-        kinds["allgather"] = _field(obj, "allgather", lambda v: _degree(_head_size(v)))
-    if "pad_heads" in obj:
-        kinds["pad_heads"] = _field(obj, "pad_heads", _structure_bool)
-    for key in ("rule", "why"):
-        if key in obj:
-            kinds[key] = _field(obj, key, _structure_str)
-    # bounded as where they are parsed (attnres.layout: MAX_DEGREE, MAX_HEADS)
-    degrees = {
-        key: _field(obj, key, lambda v: _degree(_head_size(v))) for key in ("ulysses", "ring")
-    }
+    kinds = {key: _field(obj, key, fn) for key, fn in _LAYOUT_KIND_KEYS.items() if key in obj}
+    degrees = {key: _field(obj, key, _degree_of) for key in ("ulysses", "ring")}
+    # bounded as where they are parsed (attnres.layout: MAX_HEADS)
     heads = {
         key: _field(obj, key, _optional(lambda v: _heads(_head_size(v))))
         for key in ("num_heads", "num_kv_heads")
@@ -688,28 +625,27 @@ def _error_budget_map(value: Any) -> dict[str, Any]:
     return dict(obj)
 
 
+#: A selection config's keys in a trace and their strict readers, in the order they
+#: are checked; an absent key (written only when set) keeps its default
+_CONFIG_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "global_backend_env": _structure_str,
+    "global_backend": _optional(_structure_backend),
+    "global_backend_explicit": _structure_bool,
+    "forced_backend": _optional(_structure_backend),
+    "component_backends": lambda v: _backend_map(v, _component_name),
+    # issue 23: the selection profile, written only when not "attnres"
+    "profile": _structure_str,
+    # issue 34: the error budget, written only when set (schema 6)
+    "attention_error": _error_budget_map,
+}
+
+
 def _structure_config(value: Any, _: Any) -> SelectionConfig:
     obj = _object(value, "a selection config")
     _exact_keys(obj, _CONFIG_KEYS, "a selection config", optional_field_names(SelectionConfig))
-    env = _field(obj, "global_backend_env", _structure_str) if "global_backend_env" in obj else None
+    config = {key: _field(obj, key, fn) for key, fn in _CONFIG_FIELDS.items() if key in obj}
     try:
-        return SelectionConfig(
-            global_backend=_field(obj, "global_backend", _optional(_structure_backend)),
-            global_backend_explicit=_field(obj, "global_backend_explicit", _structure_bool),
-            forced_backend=_field(obj, "forced_backend", _optional(_structure_backend)),
-            component_backends=_field(
-                obj, "component_backends", lambda v: _backend_map(v, _component_name)
-            ),
-            global_backend_env=env,
-            # issue 23: the selection profile, written only when not "attnres"
-            profile=_field(obj, "profile", _structure_str) if "profile" in obj else "attnres",
-            # issue 34: the error budget, written only when set (schema 6)
-            attention_error=(
-                _field(obj, "attention_error", _error_budget_map)
-                if "attention_error" in obj
-                else ()
-            ),
-        )
+        return SelectionConfig(**config)
     except ValueError as exc:
         raise _Invalid("", f"not a valid selection config: {exc}") from None
 
@@ -829,10 +765,6 @@ def _options_object(value: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]) 
     return {backend: dict(pairs) for backend, pairs in value}
 
 
-def _enum_value(value: enum.Enum) -> Any:
-    return value.value
-
-
 def _pairs_to_object(pairs: tuple[tuple[Any, Backend], ...]) -> dict[str, str]:
     """``((key, backend), ...)`` (component or role overrides) as a JSON object."""
     return {getattr(k, "value", k): b.name for k, b in pairs}
@@ -843,7 +775,6 @@ _WRITTEN_AS: dict[tuple[type[Any], str], Callable[[Any], Any]] = {
     (LayerSpec, "supported"): _backend_names,
     (LayerSpec, "preferred"): _backend_names,  # issue 23
     (LayerSpec, "backend_options"): _options_object,  # issue 23
-    (LayerSpec, "role"): _enum_value,
     (SelectionConfig, "component_backends"): _pairs_to_object,
     (SelectionConfig, "attention_error"): dict,  # issue 34
     (ScopeState, "role_backends"): _pairs_to_object,
@@ -876,9 +807,9 @@ _FIELD_CHECKS.update(
         (TuningRecord, "elements"): _at_least("elements", 0),
         (TuningRecord, "warmup"): _at_least("warmup", 0),
         (TuningRecord, "repeats"): _at_least("repeats", 1),
-        (MeasurementRecord, "median_ns"): _at_least("median_ns", 0, optional=True),
-        (MeasurementRecord, "spread_ns"): _at_least("spread_ns", 0, optional=True),
-        (MeasurementRecord, "deviation"): _at_least("deviation", 0, optional=True),
+        (MeasurementRecord, "median_ns"): _at_least("median_ns", 0),
+        (MeasurementRecord, "spread_ns"): _at_least("spread_ns", 0),
+        (MeasurementRecord, "deviation"): _at_least("deviation", 0),
     }
 )
 
@@ -941,11 +872,8 @@ def structure_document(doc: Any, *, source: str) -> Document:
     :class:`TraceFormatError` naming ``source`` and its JSON path."""
     try:
         return _structure_document(doc)
-    except cattrs.BaseValidationError as exc:
-        problem = _flatten(exc)
     except _Invalid as exc:
-        problem = exc
-    raise format_error(source, "$" + problem.path, problem.message) from None
+        raise format_error(source, "$" + exc.path, exc.message) from None
 
 
 def format_error(source: str, where: str, message: str) -> TraceFormatError:

@@ -116,16 +116,6 @@ __all__ = [
 
 _TOP_KEYS = ("pipeline", "components")
 _PIPELINE_KEYS = ("name", "description")
-_COMPONENT_KEYS = (
-    "name",
-    "kind",
-    "backend",
-    "role_backends",
-    "allow_global_fallback",
-    "layers",
-    # issue 34: the component's error budget ("exact" or a relative L2 error)
-    "attention_error",
-)
 #: A layer entry: the LayerSpec's fields (``requirements`` is spelled ``requires``
 #: in the file), plus ``count`` and the per-layer ``backend``.
 _TOML_NAMES = {"requirements": "requires"}
@@ -199,6 +189,10 @@ class ComponentEntry:
     def resolved_kind(self) -> str:
         """The kind given in the file, else the one inferred from the name."""
         return self.kind if self.kind is not None else component_kind(self.name)
+
+
+#: A component entry's keys: its fields (issue 34: ``attention_error`` too)
+_COMPONENT_KEYS = field_names(ComponentEntry)
 
 
 @frozen
