@@ -40,7 +40,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import attrs
 
@@ -92,6 +92,7 @@ from attnres.render import (
     _wrap,
     request_text,
 )
+from attnres.replayer import ReplayRun, replay_paths
 from attnres.runtime import component_scope
 from attnres.trace import (
     Trace,
@@ -99,9 +100,6 @@ from attnres.trace import (
     trace_to_dict,
 )
 from attnres.tuning import is_tunable
-
-if TYPE_CHECKING:
-    from attnres.replayer import ReplayRun
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -981,8 +979,6 @@ def _plan_layout_lines(pipeline: Any, layout: SequenceLayout) -> list[str]:
 
 
 def _cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from attnres.replayer import replay_paths
-
     run = replay_paths(list(args.paths), update=args.update)
     return render_replay(run, args.update, out, err)
 
