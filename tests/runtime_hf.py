@@ -54,6 +54,16 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
 _TOKEN = re.compile(r".*_(token_id|token_index|index_id)")
 
 SEQ = 8  # prompt length; the second row's last two positions are padding
+#: the largest image side a tiny model takes: a larger one (Swin's 384, SAM 3's
+#: 1008) is cut to it, as the tester sizes cut widths. 256 keeps a patch grid
+#: that a 4x pixel shuffle divides (16-pixel patches: Granite Docling's vision
+#: tower), which ViT's 224 does not
+IMAGE = 256
+#: a per-stage list of stack depths (Swin's ``depths``): one layer a stage
+_DEPTHS = re.compile(r"(.+_)?depths")
+#: a hybrid stack that places a kind of layer every ``period`` from ``offset``
+#: (Jamba, Zamba): cut to the shortest stack holding every kind
+_PERIOD = re.compile(r"(.+)_period")
 
 
 def _sub_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
@@ -106,12 +116,43 @@ def shrink(config: PretrainedConfig, kv_heads: int = SIZES["num_key_value_heads"
                     _set(node, key, sizes[size])
                     break
         _rope_sections(node)
+        _stages(node)
         if _has(node, "vocab_size") and isinstance(getattr(node, "vocab_size", None), int):
             named = [i for i in token_ids(node) if i >= 0]
             node.vocab_size = max([SIZES["vocab_size"], *(i + 1 for i in named)])
 
 
-def _set(node: PretrainedConfig, key: str, value: int) -> None:
+def _stages(node: PretrainedConfig) -> None:
+    """One layer a stage, images no larger than :data:`IMAGE`, and a periodic
+    hybrid stack cut to the layers that hold each of its kinds once."""
+    values = vars(node)
+    for key, value in list(values.items()):
+        if (
+            _DEPTHS.fullmatch(key)
+            and isinstance(value, list)
+            and all(isinstance(v, int) and v > 0 for v in value)
+        ):
+            _set(node, key, [1] * len(value))
+        elif key == "image_size" and isinstance(value, int) and value > IMAGE:
+            _set(node, key, IMAGE)
+        elif (
+            key == "image_size"
+            and isinstance(value, (list, tuple))
+            and all(isinstance(v, int) for v in value)
+            and max(value, default=0) > IMAGE
+        ):
+            _set(node, key, type(value)(min(v, IMAGE) for v in value))
+    ends = [
+        values[f"{m[1]}_offset"] + 1
+        for key in values
+        if (m := _PERIOD.fullmatch(key)) and isinstance(values.get(f"{m[1]}_offset"), int)
+    ]
+    count = values.get("num_hidden_layers")
+    if ends and isinstance(count, int) and max(ends) < count:
+        _set(node, "num_hidden_layers", max(2, *ends))
+
+
+def _set(node: PretrainedConfig, key: str, value: Any) -> None:
     """Set ``key``, unless the config refuses it (a per-layer attribute that
     cannot be set for every layer at once is left as it is)."""
     with contextlib.suppress(Exception):

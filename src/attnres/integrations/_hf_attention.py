@@ -76,7 +76,7 @@ NAMES = frozenset({NAME, EAGER_MASKS})
 _ROUTE_ATTR = "_attnres_kernel"
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 #: Call arguments the attention interface passes that no attnres kernel takes
-#: (checked against transformers 5.24.0 by reading every ``attention_interface``
+#: (checked against transformers 5.25.0 by reading every ``attention_interface``
 #: call): a logit softcap (Gemma 2, VideoPrism), attention sinks (``s_aux``:
 #: GPT-OSS, GraniteMoE-SWA; ``sinks``: Inkling 2), sparse indices the eager and
 #: SDPA paths fold into the mask but other functions are handed (``indices``:
