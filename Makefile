@@ -71,7 +71,7 @@ test-kernels: $(KERNELS_STAMP)
 # are not tests: `make bench` runs them (pytest-benchmark's fixture is off here).
 TEST_WORKERS ?= 2
 test: lint $(KERNELS_STAMP)
-	$(KERNELS_RUN) $(PY) -m pytest -n $(TEST_WORKERS) --benchmark-disable $(PYTEST_ARGS)
+	$(KERNELS_RUN) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --benchmark-disable $(PYTEST_ARGS)
 
 # Everything make test samples, whole: more property-test examples, every diffusers
 # class and transformers type at their full configs, every interface type run
